@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-fast venv bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job: train, publish and serve private encoders (see README).
+run: venv
+	$(BIN)/vip-hub run
+
+## Every test, the slow end-to-end ones included (what CI runs).
+test: venv
+	$(BIN)/python -m pytest
+
+## Skip the slow end-to-end tests.
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow"
+
+## Speed ratios (never fail on speed).
+bench: venv
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

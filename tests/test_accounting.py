@@ -1,0 +1,106 @@
+import json
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+
+from vip_hub.cli import main
+
+from vip_hub.accounting import AccountingError, calibrate, composed_epsilon, default_delta, epsilon
+
+# The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
+N = 233_000_000
+Q, SIGMA, STEPS, DELTA = 81920 / N, 0.5, 10_000, 1 / (2 * N)
+
+
+def test_reference_config_values():
+    assert epsilon(SIGMA, Q, STEPS, DELTA) == pytest.approx(7.00, abs=0.01)
+    assert epsilon(SIGMA, Q, STEPS, DELTA, "prv") == pytest.approx(5.98, abs=0.02)
+
+
+def test_epsilon_grows_with_steps_and_falls_with_sigma():
+    assert epsilon(1.0, 0.01, 200, 1e-5) < epsilon(1.0, 0.01, 400, 1e-5)
+    assert epsilon(2.0, 0.01, 200, 1e-5) < epsilon(1.0, 0.01, 200, 1e-5)
+
+
+def test_composition_of_equal_runs_equals_one_longer_run():
+    a = composed_epsilon([(1.0, 0.02, 100), (1.0, 0.02, 150)], 1e-5)
+    assert a == pytest.approx(epsilon(1.0, 0.02, 250, 1e-5), rel=1e-9)
+    assert composed_epsilon([], 1e-5) == 0.0
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_calibrate_inverts_epsilon(accountant):
+    n = 1797
+    q, steps, delta = 64 / n, 150, default_delta(n)
+    sigma = calibrate(8.0, delta, q, steps, accountant)
+    eps = epsilon(sigma, q, steps, delta, accountant)
+    assert eps <= 8.0 and eps > 8.0 - 0.02
+    assert epsilon(sigma * 0.98, q, steps, delta, accountant) > 8.0 - 0.01
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(sigma=1.0, sample_rate=0.0, steps=10, delta=1e-5), r"sample rate q must be in \(0, 1\]"),
+        (dict(sigma=1.0, sample_rate=1.5, steps=10, delta=1e-5), r"sample rate q must be in \(0, 1\]"),
+        (dict(sigma=1.0, sample_rate=0.1, steps=10, delta=0.0), r"delta must be in \(0, 1\)"),
+        (dict(sigma=1.0, sample_rate=0.1, steps=10, delta=1.0), r"delta must be in \(0, 1\)"),
+        (dict(sigma=0.0, sample_rate=0.1, steps=10, delta=1e-5), "sigma must be positive"),
+        (dict(sigma=-1.0, sample_rate=0.1, steps=10, delta=1e-5), "sigma must be positive"),
+        (dict(sigma=1.0, sample_rate=0.1, steps=0, delta=1e-5), "steps must be a positive integer"),
+    ],
+)
+def test_impossible_inputs(kwargs, match):
+    with pytest.raises(AccountingError, match=match):
+        epsilon(**kwargs)
+
+
+def test_unreachable_and_unknown():
+    with pytest.raises(AccountingError, match="no noise multiplier reaches epsilon"):
+        calibrate(1e-4, 1e-5, 1.0, 100_000)
+    with pytest.raises(AccountingError, match="unknown accountant 'gdp'"):
+        epsilon(1.0, 0.1, 10, 1e-5, "gdp")
+    with pytest.raises(AccountingError, match="target epsilon must be a positive"):
+        calibrate(0, 1e-5, 0.1, 10)
+    with pytest.raises(AccountingError, match="dataset size must be positive"):
+        default_delta(0)
+
+
+def _cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_console_script():
+    script = Path(sys.executable).with_name("vip-hub")
+    r = subprocess.run([str(script), "epsilon", "--sigma", "1", "--sample-rate", "0.01", "--steps", "100",
+                        "--delta", "1e-5", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["epsilon"] == pytest.approx(epsilon(1, 0.01, 100, 1e-5))
+
+
+def test_cli_epsilon_and_calibrate(capsys):
+    r = _cli(capsys, "epsilon", "--sigma", "0.5", "--sample-rate", str(Q), "--steps", "10000",
+             "--delta", str(DELTA), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["epsilon"] == pytest.approx(7.00, abs=0.01) and out["accountant"] == "rdp"
+    r = _cli(capsys, "epsilon", "--sigma", "0.5", "--sample-rate", str(Q), "--steps", "10000",
+             "--delta", str(DELTA), "--accountant", "prv")
+    assert r.returncode == 0 and "epsilon = 5.9" in r.stdout and "(prv)" in r.stdout
+    r = _cli(capsys, "calibrate", "--epsilon", "8", "--delta", "1e-5", "--sample-rate", "0.01",
+             "--steps", "1000", "--json")
+    out = json.loads(r.stdout)
+    assert 0.5 < out["sigma"] < 0.7 and out["epsilon"] <= 8
+
+
+def test_cli_errors_are_one_line(capsys):
+    r = _cli(capsys, "epsilon", "--sigma", "1", "--sample-rate", "2", "--steps", "10", "--delta", "1e-5")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "vip-hub epsilon: error: sample rate q must be in (0, 1], got 2.0"
+    r = _cli(capsys, "calibrate", "--epsilon", "0.0001", "--delta", "1e-5", "--sample-rate", "1", "--steps", "100000")
+    assert r.returncode == 1 and "no noise multiplier reaches epsilon" in r.stderr

@@ -1,0 +1,96 @@
+import json
+
+import pytest
+
+from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
+
+from conftest import dp_stage, synthetic_stage
+
+
+def test_build_and_round_trip():
+    ledger = PrivacyLedger.build([synthetic_stage(), dp_stage()])
+    data = json.loads(ledger.to_json())
+    assert data["schema"] == "vip-hub/privacy-ledger/v1"
+    assert data["privacy_unit"] == "example" and data["adjacency"] == "add-remove"
+    assert [s["type"] for s in data["stages"]] == ["non-private", "dp"]
+    assert PrivacyLedger.parse(ledger.to_json()) == ledger
+    (g,) = ledger.guarantees
+    assert g.dataset == "test-images" and g.stages == ["dp-pretraining"]
+    assert g.epsilon == ledger.stages[1].epsilon
+
+
+def test_dp_stage_defaults_and_both_accountants():
+    s = dp_stage(n=1000, batch=50, sigma=1.0, steps=100)
+    assert s.delta == pytest.approx(1 / 2000)  # default delta 1/(2n)
+    assert s.expected_batch_size == pytest.approx(50)
+    assert s.epsilon == pytest.approx(epsilon(1.0, 0.05, 100, 1 / 2000, "rdp"))
+    assert set(s.reference_epsilon) == {"prv"}
+    assert s.reference_epsilon["prv"] < s.epsilon  # PRV is the tighter analysis
+
+
+def test_no_private_data_summary():
+    ledger = PrivacyLedger.build([synthetic_stage()])
+    summary = ledger.summary()
+    assert ledger.guarantees == [] and summary.epsilon == 0.0 and not summary.private_data
+
+
+def test_two_private_datasets_get_two_guarantees():
+    a = dp_stage()
+    b = DPStage.from_parameters(
+        name="dp-finetune", dataset=Dataset(name="imagenet", size=10_000), sample_rate=0.01,
+        noise_multiplier=2.0, steps=50, clipping_norm=1.0,
+    )
+    ledger = PrivacyLedger.build([synthetic_stage(), a, b])
+    assert {g.dataset for g in ledger.guarantees} == {"test-images", "imagenet"}
+    assert ledger.summary().epsilon == max(a.epsilon, b.epsilon)
+
+
+def test_two_stages_on_one_dataset_compose():
+    a = dp_stage(steps=100)
+    b = dp_stage(steps=60).model_copy(update={"name": "dp-more"})
+    ledger = PrivacyLedger.build([a, b])
+    (g,) = ledger.guarantees
+    assert sorted(g.stages) == ["dp-more", "dp-pretraining"]
+    assert g.epsilon == pytest.approx(epsilon(1.0, 0.05, 160, a.delta), rel=1e-9)
+
+
+def _bad(mutate):
+    data = json.loads(PrivacyLedger.build([synthetic_stage(), dp_stage()]).to_json())
+    mutate(data)
+    with pytest.raises(LedgerError) as err:
+        PrivacyLedger.parse(data)
+    return str(err.value)
+
+
+def test_errors_name_the_field():
+    assert "stages.1.dp.sample_rate" in _bad(lambda d: d["stages"][1].update(sample_rate=1.5))
+    assert "stages.1.dp.noise_multiplier" in _bad(lambda d: d["stages"][1].update(noise_multiplier=-1))
+    assert "stages.1.dp.delta" in _bad(lambda d: d["stages"][1].update(delta=1.0))
+    assert "stages.0.non-private.private_data" in _bad(lambda d: d["stages"][0].pop("private_data"))
+    assert "stages.1.dp.mechanism" in _bad(lambda d: d["stages"][1].update(mechanism="magic"))
+    assert "stages.1.dp.colour" in _bad(lambda d: d["stages"][1].update(colour="red"))
+    assert "expected_batch_size" in _bad(lambda d: d["stages"][1].update(expected_batch_size=7))
+    assert "schema: expected" in _bad(lambda d: d.update(schema="vip-hub/privacy-ledger/v0"))
+    assert "duplicate stage name" in _bad(lambda d: d["stages"][0].update(name="dp-pretraining"))
+    assert "missing a guarantee" in _bad(lambda d: d.update(guarantees=[]))
+    assert "guarantees.0.stages" in _bad(lambda d: d["guarantees"][0].update(stages=["synthetic-pretraining"]))
+    assert "artifacts" in _bad(lambda d: d.update(artifacts={"../x": "sha256:" + "0" * 64}))
+    assert "not sha256" in _bad(lambda d: d.update(artifacts={"x": "md5:abc"}))
+    assert "not valid JSON" in str(pytest.raises(LedgerError, PrivacyLedger.parse, "{nope").value)
+
+
+def test_dataset_used_without_dp_cannot_be_guaranteed():
+    leak = NonPrivateStage(name="probe", dataset=Dataset(name="test-images", size=1000), private_data=True)
+    with pytest.raises(LedgerError, match="also used by a non-private stage"):
+        PrivacyLedger.build([dp_stage(), leak])
+
+
+def test_head_summary_inherits_encoder_and_reports_unprotected_data():
+    head = NonPrivateStage(
+        name="linear-probe", component="heads/digits", dataset=Dataset(name="digits-labels", size=10),
+        private_data=True,
+    )
+    ledger = PrivacyLedger.build([synthetic_stage(), dp_stage(), head])
+    enc, h = ledger.summary(), ledger.summary("heads/digits")
+    assert enc.unprotected_datasets == () and h.unprotected_datasets == ("digits-labels",)
+    assert h.epsilon == enc.epsilon and h.datasets == ("test-images",)

@@ -1,0 +1,106 @@
+import torch
+import pytest
+from timm.models.vision_transformer import VisionTransformer
+
+from vip_hub import ARCHS, EncoderSpec, create_encoder, extract_features, feature_dim
+from vip_hub.features import final_norm
+from vip_hub.models import sincos_pos_embed_2d
+
+from conftest import TINY, tiny_encoder
+
+
+@pytest.mark.parametrize(
+    "name,width,depth,heads",
+    [("vip-nano", 192, 12, 12), ("vip-tiny", 384, 12, 12), ("vip-small", 576, 12, 12),
+     ("vip-base", 768, 12, 12), ("vip-large", 1024, 24, 16)],
+)
+def test_family_matches_design(name, width, depth, heads):
+    a = ARCHS[name]
+    assert (a.embed_dim, a.depth, a.num_heads) == (width, depth, heads)
+    assert (a.decoder_embed_dim, a.decoder_depth, a.decoder_num_heads) == (512, 4, 16)
+    with torch.device("meta"):
+        m = create_encoder(EncoderSpec(name))
+    assert isinstance(m, VisionTransformer)
+    assert m.embed_dim == width and len(m.blocks) == depth
+    assert all(b.attn.num_heads == heads for b in m.blocks)
+    assert m.patch_embed.patch_size == (16, 16) and m.patch_embed.img_size == (224, 224)
+    assert m.blocks[0].norm1.eps == 1e-6 and m.blocks[0].attn.qkv.bias is not None
+    assert m.blocks[0].mlp.fc1.out_features == 4 * width
+
+
+def test_paper_parameter_count_base():
+    # Table 5: ViP-Base with its 4 x 512 decoder has 99.0M parameters; the encoder alone ~85.8M.
+    with torch.device("meta"):
+        m = create_encoder(EncoderSpec("vip-base"))
+    n = sum(p.numel() for p in m.parameters())
+    assert 85.5e6 < n < 86.1e6
+
+
+def test_other_sizes_and_errors():
+    m = create_encoder(EncoderSpec("vip-nano", img_size=48, patch_size=8))
+    assert m.patch_embed.num_patches == 36
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        EncoderSpec("vip-nano", img_size=50)
+    with pytest.raises(ValueError, match="unknown architecture 'vip-huge'.*vip-nano"):
+        EncoderSpec("vip-huge")
+
+
+def test_sincos_pos_embed():
+    e = sincos_pos_embed_2d(192, 4)
+    assert e.shape == (17, 192)
+    assert torch.all(e[0] == 0)
+    grid = e[1:].reshape(4, 4, 192)
+    # first half of the channels varies with the column only, second half with the row only
+    assert torch.allclose(grid[0, :, :96], grid[3, :, :96])
+    assert torch.allclose(grid[:, 0, 96:], grid[:, 3, 96:])
+    assert not torch.allclose(grid[0, 0, :96], grid[0, 1, :96])
+    m = create_encoder(TINY, mae_init=True)
+    assert not m.pos_embed.requires_grad
+
+
+def _reference_features(model, x):
+    """Features computed independently: forward hooks on the blocks, no forward_intermediates."""
+    outs = []
+    hooks = [b.register_forward_hook(lambda _m, _i, o: outs.append(o)) for b in model.blocks]
+    try:
+        tokens = model.forward_features(x)  # pre-norm tokens: norm is Identity in our layout
+    finally:
+        for h in hooks:
+            h.remove()
+    norm = model.fc_norm
+    vip = torch.cat([o[:, 1:].mean(1) for o in outs[-6:]], dim=1)
+    return {
+        "cls": norm(tokens[:, 0]),
+        "avg": norm(tokens[:, 1:].mean(1)),
+        "vip": torch.nn.functional.layer_norm(vip, vip.shape[-1:], eps=1e-6),
+    }
+
+
+def test_feature_modes_match_independent_computation():
+    model = tiny_encoder()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        ours = extract_features(model, x, ("cls", "avg", "vip"))
+        ref = _reference_features(model, x)
+        default = model(x)
+    for mode in ("cls", "avg", "vip"):
+        assert ours[mode].shape == (3, feature_dim(model, mode))
+        torch.testing.assert_close(ours[mode], ref[mode], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(default, ours["avg"])  # timm's own forward is the avg mode
+    assert feature_dim(model, "vip") == 6 * 192
+    assert final_norm(model) is model.fc_norm
+    single = extract_features(model, x, "vip")
+    torch.testing.assert_close(single, ours["vip"])
+    with pytest.raises(ValueError, match="unknown pooling 'max'"):
+        extract_features(model, x, "max")
+
+
+def test_cli_choices_follow_the_registry():
+    from vip_hub.commands import ARCH_NAMES
+    from vip_hub.importer import PRESETS
+
+    assert list(ARCH_NAMES) == list(ARCHS)
+    from vip_hub.cli import build_parser
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["import-mae"].format_help()
+    assert all(name in help_text for name in PRESETS)

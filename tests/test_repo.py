@@ -1,0 +1,231 @@
+"""The released-encoder repo format, end to end: export, plain-timm load, verify, tamper."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import EvalResult, ModelCard
+
+from pathlib import Path
+
+from vip_hub.cli import main
+from vip_hub import PrivacyLedger, load_encoder, update_repo, verify_repo
+from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.ledger import Dataset, NonPrivateStage
+from vip_hub.repo import META_LEDGER
+
+from conftest import tiny_encoder
+
+PLAIN_TIMM = r"""
+import sys, timm, torch
+model = timm.create_model(f"local-dir:{sys.argv[1]}", pretrained=True).eval()
+assert not any(m.startswith("vip_hub") for m in sys.modules), "vip_hub was imported"
+x = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model(x), sys.argv[3])
+cfg = timm.data.resolve_data_config({}, model=model)
+print(cfg["input_size"], cfg["interpolation"], cfg["crop_pct"])
+"""
+
+
+def test_export_layout(tiny_repo):
+    names = {p.name for p in tiny_repo.iterdir()}
+    assert names == {"model.safetensors", "config.json", "privacy_ledger.json", "README.md",
+                     "mae_decoder.safetensors"}
+    config = json.loads((tiny_repo / "config.json").read_text())
+    assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 0
+    assert config["num_features"] == 192 and config["global_pool"] == "avg"
+    assert config["model_args"]["num_heads"] == 12 and config["model_args"]["img_size"] == 32
+    assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]
+    assert config["vip_hub"]["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152}
+    meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
+    assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
+    assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse((tiny_repo / "privacy_ledger.json").read_text())
+
+
+def test_plain_timm_loads_the_repo(tiny_repo, tmp_path):
+    x = torch.randn(2, 3, 32, 32)
+    torch.save(x, tmp_path / "x.pt")
+    r = subprocess.run([sys.executable, "-c", PLAIN_TIMM, str(tiny_repo), str(tmp_path / "x.pt"),
+                        str(tmp_path / "y.pt")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "(3, 32, 32) bicubic 0.875" in r.stdout
+    with torch.no_grad():
+        expected = tiny_encoder()(x)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), expected, rtol=0, atol=0)
+
+
+def test_load_encoder(tiny_repo):
+    enc = load_encoder(tiny_repo)
+    assert enc.spec.arch == "vip-nano" and enc.privacy.datasets == ("test-images",)
+    from PIL import Image
+
+    imgs = [Image.new("RGB", (40, 30), (i * 60, 20, 200)) for i in range(3)]
+    feats = enc.embed(imgs, pooling="vip")
+    assert feats.shape == (3, 1152)
+    batch = enc.preprocess(imgs)
+    assert batch.shape == (3, 3, 32, 32)
+    torch.testing.assert_close(enc.embed(batch, pooling="avg"), enc.model(batch))
+
+
+def test_card_parses_with_huggingface_hub(tiny_repo):
+    card = ModelCard.load(tiny_repo / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
+    assert data["datasets"] == ["procedural-images", "test-images"]
+    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v1"
+    text = card.text
+    for phrase in ("## Privacy guarantee", "differential privacy for the dataset `test-images`",
+                   "`synthetic-pretraining` (procedural-images)", "## How to use",
+                   "## Intended use and limitations", 'timm.create_model("hf-hub:vip/vip-nano-test"'):
+        assert phrase in text
+
+
+def test_verify_passes_and_cli(tiny_repo):
+    report = verify_repo(tiny_repo)
+    assert report.ok, report.problems
+    assert "epsilon recomputed" in report.checks
+    script = Path(sys.executable).with_name("vip-hub")
+    r = subprocess.run([str(script), "verify", str(tiny_repo), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["recomputed"]["dp-pretraining/rdp"] > 0
+
+
+def _fails(repo, *fragments):
+    report = verify_repo(repo)
+    assert not report.ok
+    text = "; ".join(map(str, report.problems))
+    for f in fragments:
+        assert f in text, text
+    assert main(["verify", str(repo)]) == 1
+    return text
+
+
+def _lower_epsilon(ledger: dict) -> dict:
+    ledger["stages"][1]["epsilon"] = 0.5
+    ledger["guarantees"][0]["epsilon"] = 0.5
+    return ledger
+
+
+def test_tampered_json_copy(tiny_repo):
+    path = tiny_repo / "privacy_ledger.json"
+    path.write_text(json.dumps(_lower_epsilon(json.loads(path.read_text()))))
+    _fails(tiny_repo, "disagrees with privacy_ledger.json at stages.1.epsilon")
+
+
+def test_tampered_weights_metadata_copy(tiny_repo):
+    path = tiny_repo / "model.safetensors"
+    meta = read_safetensors_header(path)[0]["__metadata__"]
+    meta[META_LEDGER] = json.dumps(_lower_epsilon(json.loads(meta[META_LEDGER])))
+    rewrite_safetensors_metadata(path, meta)
+    _fails(tiny_repo, "model.safetensors: its ledger copy disagrees", "stages.1.epsilon")
+
+
+def test_tampered_card_copy(tiny_repo):
+    path = tiny_repo / "README.md"
+    _, front, body = path.read_text().split("---\n", 2)
+    data = yaml.safe_load(front)
+    data["differential_privacy"] = _lower_epsilon(data["differential_privacy"])
+    path.write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+    _fails(tiny_repo, "README.md: its ledger copy disagrees", "stages.1.epsilon")
+
+
+def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
+    ledger = _lower_epsilon(json.loads((tiny_repo / "privacy_ledger.json").read_text()))
+    text = json.dumps(ledger)
+    (tiny_repo / "privacy_ledger.json").write_text(text)
+    meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
+    rewrite_safetensors_metadata(tiny_repo / "model.safetensors", {**meta, META_LEDGER: text})
+    _, front, body = (tiny_repo / "README.md").read_text().split("---\n", 2)
+    data = yaml.safe_load(front)
+    data["differential_privacy"] = ledger
+    (tiny_repo / "README.md").write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+    _fails(tiny_repo, "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
+           "guarantee 'test-images'")
+
+
+def test_tampered_weights(tiny_repo):
+    path = tiny_repo / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _fails(tiny_repo, "model.safetensors: content changed since export")
+
+
+def test_tampered_config_and_extra_weights(tiny_repo):
+    (tiny_repo / "config.json").write_text((tiny_repo / "config.json").read_text().replace('"depth": 12', '"depth": 11'))
+    (tiny_repo / "extra.safetensors").write_bytes((tiny_repo / "mae_decoder.safetensors").read_bytes())
+    _fails(tiny_repo, "config.json: content changed", "extra.safetensors: not listed")
+
+
+def test_missing_files(tiny_repo):
+    (tiny_repo / "privacy_ledger.json").unlink()
+    (tiny_repo / "mae_decoder.safetensors").unlink()
+    _fails(tiny_repo, "privacy_ledger.json: missing", "mae_decoder.safetensors: listed in the ledger")
+
+
+def test_load_encoder_refuses_unverified(tiny_repo):
+    (tiny_repo / "privacy_ledger.json").write_text("{}")
+    from vip_hub import VerificationError
+
+    with pytest.raises(VerificationError, match="privacy_ledger.json"):
+        load_encoder(tiny_repo)
+
+
+def test_update_repo_adds_stage_file_and_result(tiny_repo):
+    before = (tiny_repo / "model.safetensors").read_bytes()
+    stage = NonPrivateStage(name="linear-probe", component="heads/probe",
+                            dataset=Dataset(name="labels", size=10), private_data=True)
+    result = EvalResult(task_type="image-classification", dataset_type="labels", dataset_name="labels",
+                        metric_type="accuracy", metric_value=0.5, metric_name="linear probe (vip)")
+    ledger = update_repo(tiny_repo, add_stages=[stage], add_files={"heads/probe/labels.json": b"[]"},
+                         add_eval_results=[result])
+    assert ledger.stage("linear-probe").component == "heads/probe"
+    assert "heads/probe/labels.json" in ledger.artifacts
+    assert verify_repo(tiny_repo).ok
+    card = ModelCard.load(tiny_repo / "README.md")
+    assert card.data.eval_results[0].metric_value == 0.5
+    assert "No guarantee covers" in card.text
+    assert (tiny_repo / "model.safetensors").read_bytes() != before  # metadata rewritten
+    with pytest.raises(ValueError, match="managed by vip_hub"):
+        update_repo(tiny_repo, add_files={"config.json": b"{}"})
+
+
+def test_update_refuses_broken_repo_and_leaves_it_alone(tiny_repo):
+    (tiny_repo / "config.json").write_text("{}")
+    snapshot = {p.name: p.read_bytes() for p in tiny_repo.iterdir()}
+    from vip_hub import VerificationError
+
+    with pytest.raises(VerificationError):
+        update_repo(tiny_repo, add_files={"x.txt": b"x"})
+    assert {p.name: p.read_bytes() for p in tiny_repo.iterdir()} == snapshot
+
+
+def test_heads_round_trip_and_replace(tiny_repo):
+    from vip_hub.heads import HeadInfo, LinearProbe, list_heads, load_head, save_head
+
+    torch.manual_seed(0)
+    head = LinearProbe(1152, 3)
+    head.norm.running_mean.normal_()
+    stage = NonPrivateStage(name="linear-probe:toy", component="heads/toy",
+                            dataset=Dataset(name="toy-labels", size=30), private_data=True)
+    save_head(tiny_repo, head, HeadInfo("toy", "vip", ["a", "b", "c"], {"top1": 0.9}), stage)
+    assert list_heads(tiny_repo) == ["toy"]
+    loaded, info = load_head(tiny_repo, "toy")
+    assert info.labels == ["a", "b", "c"] and info.pooling == "vip" and info.metrics == {"top1": 0.9}
+    x = torch.randn(5, 1152)
+    head.eval()
+    torch.testing.assert_close(loaded(x), head(x))
+    # saving again under the same name replaces the stage and files, not duplicates them
+    ledger = save_head(tiny_repo, head, HeadInfo("toy", "avg", ["a", "b", "c"]), stage)
+    assert [s.name for s in ledger.stages].count("linear-probe:toy") == 1
+    assert load_head(tiny_repo, "toy")[1].pooling == "avg"
+    assert verify_repo(tiny_repo).ok
+    with pytest.raises(ValueError, match="component 'heads/other'"):
+        save_head(tiny_repo, head, HeadInfo("other", "vip", ["a", "b", "c"]), stage)
+    with pytest.raises(ValueError, match="head name"):
+        save_head(tiny_repo, head, HeadInfo("../x", "vip", ["a", "b", "c"]), stage)

@@ -1,0 +1,47 @@
+"""vip-hub: released private vision encoders, their privacy ledger, and the repo format.
+
+Public names are imported on first use, so ``vip-hub --help`` and light scripts do not pay
+for torch, timm and opacus up front.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "accounting": ["Accountant", "AccountingError", "calibrate", "default_delta", "epsilon"],
+    "features": ["POOLINGS", "Pooling", "extract_features", "feature_dim"],
+    "ledger": ["DPStage", "Dataset", "Guarantee", "LedgerError", "NonPrivateStage", "PrivacyLedger"],
+    "loading": ["Encoder", "load_encoder"],
+    "models": ["ARCHS", "EncoderSpec", "create_encoder", "get_arch"],
+    "repo": ["export_encoder", "update_repo"],
+    "verify": ["VerificationError", "VerificationReport", "verify_repo"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vip_hub' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accounting import Accountant, AccountingError, calibrate, default_delta, epsilon
+    from .features import POOLINGS, Pooling, extract_features, feature_dim
+    from .ledger import DPStage, Dataset, Guarantee, LedgerError, NonPrivateStage, PrivacyLedger
+    from .loading import Encoder, load_encoder
+    from .models import ARCHS, EncoderSpec, create_encoder, get_arch
+    from .repo import export_encoder, update_repo
+    from .verify import VerificationError, VerificationReport, verify_repo

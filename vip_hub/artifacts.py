@@ -1,0 +1,147 @@
+"""Digests of repo files, and safetensors headers read and rewritten without torch.
+
+A weights digest (``tensors-sha256:``) covers tensor names, dtypes, shapes and bytes but
+not the header's metadata, so the ledger kept in that metadata can name the digest of the
+very file it lives in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = [
+    "SafetensorsError",
+    "digest_file",
+    "file_sha256",
+    "read_safetensors_header",
+    "rewrite_safetensors_metadata",
+    "tensors_digest",
+    "tensors_digest_of",
+]
+
+_CHUNK = 1 << 20
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # the safetensors format's dtype names
+_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a well-formed safetensors file."""
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """``sha256:<hex>`` of the file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header (tensor entries plus ``__metadata__``) and its byte length."""
+    with open(path, "rb") as f:
+        return _read_header(f, os.fstat(f.fileno()).st_size, str(path))
+
+
+def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any], int]:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise SafetensorsError(f"{name}: too short to be a safetensors file")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise SafetensorsError(f"{name}: header length {n} is impossible for a {file_size}-byte file")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as e:
+        raise SafetensorsError(f"{name}: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{name}: header is not a JSON object")
+    data_size = file_size - 8 - n
+    for key, entry in header.items():
+        if key == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise SafetensorsError(f"{name}: __metadata__ must map strings to strings")
+            continue
+        try:
+            start, end = entry["data_offsets"]
+            ok = entry["dtype"] in _ST_DTYPES and 0 <= start <= end <= data_size
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise SafetensorsError(f"{name}: tensor entry {key!r} is malformed or out of bounds")
+    return header, n
+
+
+def tensors_digest(path: str | os.PathLike[str]) -> str:
+    """``tensors-sha256:<hex>`` over the tensors of a safetensors file (metadata excluded)."""
+    with open(path, "rb") as f:
+        header, n = _read_header(f, os.fstat(f.fileno()).st_size, str(path))
+        h = hashlib.sha256()
+        for key in sorted(k for k in header if k != "__metadata__"):
+            entry = header[key]
+            _update_entry(h, key, entry["dtype"], entry["shape"])
+            start, end = entry["data_offsets"]
+            f.seek(8 + n + start)
+            remaining = end - start
+            while remaining:
+                chunk = f.read(min(_CHUNK, remaining))
+                if not chunk:
+                    raise SafetensorsError(f"{path}: truncated tensor data for {key!r}")
+                h.update(chunk)
+                remaining -= len(chunk)
+    return "tensors-sha256:" + h.hexdigest()
+
+
+def tensors_digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The same digest as :func:`tensors_digest`, for tensors in memory (before saving)."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        _update_entry(h, key, _DTYPE_NAMES[t.dtype], list(t.shape))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "tensors-sha256:" + h.hexdigest()
+
+
+def _update_entry(h: Any, key: str, dtype: str, shape: list[int]) -> None:
+    h.update(json.dumps([key, dtype, list(shape)]).encode())
+
+
+def digest_file(path: str | os.PathLike[str]) -> str:
+    """The digest a ledger records for ``path``: tensors digest for safetensors, else sha256."""
+    return tensors_digest(path) if str(path).endswith(".safetensors") else file_sha256(path)
+
+
+def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[str, str]) -> None:
+    """Replace a safetensors file's ``__metadata__`` atomically, tensor bytes untouched."""
+    path = Path(path)
+    header, n = read_safetensors_header(path)
+    header["__metadata__"] = dict(metadata)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # keep the data section 8-byte aligned
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(struct.pack("<Q", len(encoded)))
+            dst.write(encoded)
+            src.seek(8 + n)
+            while chunk := src.read(_CHUNK):
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,172 @@
+"""Model cards: rendered from ``model_cards/encoder.md`` with huggingface_hub's ModelCard.
+
+The card is a pure function of the repo's config, its ledger and a small ``CardInfo``
+(name, summary, licence, evaluation results), so it can be rendered again whenever the
+ledger grows (e.g. when a probe head is added).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .features import VIP_LAYERS
+from .ledger import DPStage, LedgerError, NonPrivateStage, PrivacyLedger
+from .models import EncoderSpec
+
+__all__ = ["CardInfo", "card_info", "card_ledger", "render_card"]
+
+TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "vip", "timm"]
+
+
+@dataclass
+class CardInfo:
+    """What a card says beyond config and ledger."""
+
+    model_name: str
+    repo_id: str
+    summary: str = ""
+    license: str = "apache-2.0"
+    eval_results: list[EvalResult] = field(default_factory=list)
+
+
+def render_card(
+    info: CardInfo, spec: EncoderSpec, ledger: PrivacyLedger, *, num_params: int, plots: list[str] = ()
+) -> str:
+    """The README.md text (front matter + Markdown) for a repo."""
+    arch = spec.family
+    data = ModelCardData(
+        model_name=info.model_name,
+        library_name="timm",
+        license=info.license,
+        pipeline_tag="image-feature-extraction",
+        tags=TAGS,
+        datasets=list(dict.fromkeys(s.dataset.name for s in ledger.stages)),
+        eval_results=info.eval_results or None,
+        summary=info.summary,
+        repo_id=info.repo_id,
+        differential_privacy=ledger.to_dict(),
+    )
+    vip_layers = min(VIP_LAYERS, arch.depth)
+    template = files("model_cards").joinpath("encoder.md").read_text(encoding="utf-8")
+    card = ModelCard.from_template(
+        data,
+        template_str=template,
+        arch=spec.arch,
+        depth=arch.depth,
+        width=arch.embed_dim,
+        heads=arch.num_heads,
+        patch_size=spec.patch_size,
+        img_size=spec.img_size,
+        params=_human(num_params),
+        dims={"avg": arch.embed_dim, "cls": arch.embed_dim, "vip": arch.embed_dim * vip_layers},
+        headline=_headline(ledger),
+        guarantee_paragraphs=[_guarantee_text(ledger, g) for g in ledger.guarantees]
+        or ["**No private data was used to train these weights**: every stage below saw only "
+            "synthetic or public data, so the weights reveal nothing about any private dataset "
+            "(ε = 0)."],
+        public_stages=", ".join(
+            f"`{s.name}` ({s.dataset.name})"
+            for s in ledger.stages
+            if isinstance(s, NonPrivateStage) and not s.private_data
+        ),
+        unprotected=", ".join(
+            f"`{s.name}` ({s.dataset.name}, component {s.component})"
+            for s in ledger.stages
+            if isinstance(s, NonPrivateStage) and s.private_data
+        ),
+        unit="one training example (one image)",
+        adjacency="add/remove-one",
+        schema=ledger.schema_,
+        ledger_rows=[_ledger_row(s) for s in ledger.stages],
+        stage_details=[{"name": s.name, "component": s.component, "text": _stage_text(s)} for s in ledger.stages],
+        plots=list(plots),
+        results=info.eval_results,
+    )
+    return str(card)
+
+
+def card_ledger(readme: str) -> PrivacyLedger:
+    """The ledger copy kept in a card's front matter (``differential_privacy``)."""
+    data = ModelCard(readme, ignore_metadata_errors=True).data.to_dict()
+    if "differential_privacy" not in data:
+        raise LedgerError(["README.md: front matter has no differential_privacy block"])
+    return PrivacyLedger.parse(data["differential_privacy"])
+
+
+def card_info(readme: str) -> CardInfo:
+    """Recover the CardInfo a card was rendered from."""
+    data = ModelCard(readme, ignore_metadata_errors=True).data
+    return CardInfo(
+        model_name=data.model_name or "",
+        repo_id=getattr(data, "repo_id", "") or "",
+        summary=getattr(data, "summary", "") or "",
+        license=data.license or "apache-2.0",
+        eval_results=list(data.eval_results or []),
+    )
+
+
+def _headline(ledger: PrivacyLedger) -> str:
+    if not ledger.guarantees:
+        return "no private data (ε = 0)"
+    return "; ".join(
+        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
+        for g in ledger.guarantees
+    )
+
+
+def _guarantee_text(ledger: PrivacyLedger, g: Any) -> str:
+    stages = [ledger.stage(n) for n in g.stages]
+    n = stages[0].dataset.size
+    bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
+    components = sorted({s.component for s in stages})
+    return (
+        f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
+        f"`{g.dataset}`** ({n:,} examples), composed over stage(s) "
+        f"{', '.join(f'`{s}`' for s in g.stages)} under the {g.accountant.value.upper()} accountant"
+        f"{_reference_note(stages)}. In plain words: for any single image of `{g.dataset}`, "
+        f"anything one can compute from the {' and '.join(components)} weights is almost equally "
+        f"likely whether or not that image was in the training data: probabilities differ by at "
+        f"most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
+    )
+
+
+def _reference_note(stages: list[Any]) -> str:
+    if len(stages) != 1 or not isinstance(stages[0], DPStage) or not stages[0].reference_epsilon:
+        return ""
+    others = ", ".join(
+        f"ε = {eps:.2f} under {acc.value.upper()}" for acc, eps in stages[0].reference_epsilon.items()
+    )
+    return f" (for reference: {others}, a tighter analysis of the same run)"
+
+
+def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
+    data = s.dataset.name + (f" (n={s.dataset.size:,})" if s.dataset.size else "")
+    if isinstance(s, NonPrivateStage):
+        note = "none: private data, NO guarantee" if s.private_data else "none (no private data)"
+        return [s.name, s.component, data, note, "", "", "", "", "", "", "0" if not s.private_data else "∞"]
+    eps = f"{s.epsilon:.3f} ({s.accountant.value.upper()})" + "".join(
+        f"; {v:.3f} ({a.value.upper()})" for a, v in s.reference_epsilon.items()
+    )
+    return [
+        s.name, s.component, data, f"{s.mechanism}, Poisson", f"{s.sample_rate:.4g}",
+        f"{s.noise_multiplier:.4g}", f"{s.steps:,}", f"{s.clipping_norm:g}",
+        f"{s.expected_batch_size:,.1f}", f"{s.delta:.3g}", eps,
+    ]
+
+
+def _stage_text(s: NonPrivateStage | DPStage) -> str:
+    text = s.description or (
+        f"{s.mechanism} on `{s.dataset.name}`" if isinstance(s, DPStage) else f"trained on `{s.dataset.name}`"
+    )
+    if isinstance(s, DPStage) and s.hyperparameters:
+        text += " Hyperparameters: " + ", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items()) + "."
+    return text
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"

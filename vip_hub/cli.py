@@ -1,0 +1,68 @@
+"""The ``vip-hub`` command line. Sub-commands are plugins registered by each package under
+the ``vip_hub.commands`` entry-point group, so this library never imports training/ or
+service/. Each entry point is a function taking the argparse sub-parsers object."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+__all__ = ["CommandError", "main"]
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as one line, exit status 1."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    CommandError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every installed sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="vip-hub",
+        description="Released private vision encoders: accounting, ledgers, training, hub and serving.",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    broken = []
+    for ep in sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except ImportError as e:
+            broken.append(f"{ep.name} ({e})")
+    if broken:
+        parser.epilog = "unavailable commands: " + "; ".join(broken)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if os.environ.get("VIP_HUB_DEBUG"):
+            raise
+        print(f"vip-hub {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

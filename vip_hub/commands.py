@@ -1,0 +1,178 @@
+"""The library's own sub-commands: epsilon, calibrate, verify, import-mae."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .ledger import DPStage, NonPrivateStage
+
+# Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
+ACCOUNTANTS = ("rdp", "prv")
+MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
+ARCH_NAMES = ("vip-nano", "vip-tiny", "vip-small", "vip-base", "vip-large")
+
+__all__ = ["register_calibrate", "register_epsilon", "register_import_mae", "register_verify"]
+
+
+def _add(sub: Any, name: str, handler: Any, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(handler=handler, command=name)
+    return p
+
+
+def _accountant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp",
+                   help="Opacus accountant (default: rdp, the ViP paper's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    print(json.dumps(payload) if args.json else text)
+
+
+# ------------------------------------------------------------------------- epsilon
+def register_epsilon(sub: Any) -> None:
+    p = _add(sub, "epsilon", _epsilon, "epsilon spent by T Poisson-sampled Gaussian steps")
+    p.add_argument("--sigma", type=float, required=True, help="noise multiplier")
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
+    p.add_argument("--steps", type=int, required=True, help="number of steps T")
+    p.add_argument("--delta", type=float, required=True)
+    _accountant_arg(p)
+
+
+def _epsilon(args: argparse.Namespace) -> None:
+    from .accounting import epsilon
+
+    eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, args.accountant)
+    payload = {"epsilon": eps, "sigma": args.sigma, "sample_rate": args.sample_rate,
+               "steps": args.steps, "delta": args.delta, "accountant": args.accountant}
+    _emit(args, payload, f"epsilon = {eps:.4f} ({args.accountant}) for sigma={args.sigma:g}, "
+          f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}")
+
+
+# ----------------------------------------------------------------------- calibrate
+def register_calibrate(sub: Any) -> None:
+    p = _add(sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon")
+    p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
+    p.add_argument("--steps", type=int, required=True, help="number of steps T")
+    _accountant_arg(p)
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from .accounting import calibrate, epsilon
+
+    sigma = calibrate(args.epsilon, args.delta, args.sample_rate, args.steps, args.accountant)
+    spent = epsilon(sigma, args.sample_rate, args.steps, args.delta, args.accountant)
+    payload = {"sigma": sigma, "epsilon": spent, "target_epsilon": args.epsilon,
+               "delta": args.delta, "sample_rate": args.sample_rate, "steps": args.steps,
+               "accountant": args.accountant}
+    _emit(args, payload, f"sigma = {sigma:.6g} (gives epsilon {spent:.4f} <= {args.epsilon:g}, "
+          f"{args.accountant}) for q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}")
+
+
+# -------------------------------------------------------------------------- verify
+def register_verify(sub: Any) -> None:
+    p = _add(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files")
+    p.add_argument("repo", help="repo folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify_repo
+
+    report = verify_repo(args.repo)
+    if args.json:
+        print(json.dumps({
+            "ok": report.ok,
+            "problems": [{"where": p.where, "message": p.message} for p in report.problems],
+            "checks": report.checks,
+            "recomputed": report.recomputed,
+        }))
+    else:
+        for p in report.problems:
+            print(f"FAIL  {p}")
+        if report.ok and report.ledger is not None:
+            summary = report.ledger.summary()
+            what = (f"epsilon {summary.epsilon:.4f}, delta {summary.delta:.3g} on "
+                    f"{', '.join(summary.datasets)}") if summary.datasets else "no private data"
+            print(f"OK    {args.repo}: {what} ({', '.join(report.checks)})")
+    return 0 if report.ok else 1
+
+
+# ---------------------------------------------------------------------- import-mae
+def register_import_mae(sub: Any) -> None:
+    p = _add(sub, "import-mae", _import_mae,
+             "convert a ViP-MAE reference checkpoint into a released-encoder repo")
+    p.add_argument("checkpoint", help="reference checkpoint (.pth), loaded with weights_only=True")
+    p.add_argument("--out", required=True, help="repo folder to write")
+    p.add_argument("--preset", choices=("vip-base", "vip-syn-base"), help="a published checkpoint's arch and ledger")
+    p.add_argument("--arch", choices=ARCH_NAMES, help="architecture (required without --preset)")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--name", help="model name (default: the preset's or the folder's)")
+    p.add_argument("--repo-id", help="hub id shown on the card, e.g. vip/vip-base")
+    p.add_argument("--overwrite", action="store_true")
+    g = p.add_argument_group("ledger (without --preset)")
+    g.add_argument("--synthetic-dataset", default=None,
+                   help="non-private pretraining data, e.g. Shaders21k (a stage with no cost)")
+    g.add_argument("--private-dataset", help="name of the DP-trained dataset")
+    g.add_argument("--dataset-size", type=int, help="n, examples in the private dataset")
+    g.add_argument("--sigma", type=float, help="noise multiplier")
+    g.add_argument("--batch-size", type=float, help="expected batch size B (q = B/n)")
+    g.add_argument("--steps", type=int, help="DP steps T")
+    g.add_argument("--clip", type=float, help="clipping norm C")
+    g.add_argument("--delta", type=float, help="default 1/(2n)")
+    g.add_argument("--mechanism", default="DP-AdamW", choices=MECHANISMS)
+    g.add_argument("--ledger-accountant", choices=ACCOUNTANTS, default="rdp")
+
+
+def _import_mae(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .cli import CommandError
+    from .importer import PRESETS, import_mae_checkpoint
+
+    if args.preset:
+        preset = PRESETS[args.preset]()
+        arch, stages, name, summary = preset.arch, preset.stages, preset.model_name, preset.summary
+    else:
+        if not args.arch:
+            raise CommandError("--arch is required without --preset")
+        arch, stages, name, summary = args.arch, _stages_from_args(args), Path(args.out).name, ""
+    out = import_mae_checkpoint(
+        args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name,
+        summary=summary, img_size=args.img_size, repo_id=args.repo_id, overwrite=args.overwrite,
+    )
+    print(f"wrote {out}")
+
+
+def _stages_from_args(args: argparse.Namespace) -> list[NonPrivateStage | DPStage]:
+    from .accounting import default_delta
+    from .cli import CommandError
+    from .ledger import Dataset, DPStage, NonPrivateStage
+
+    stages: list[NonPrivateStage | DPStage] = []
+    if args.synthetic_dataset:
+        stages.append(NonPrivateStage(name="synthetic-pretraining",
+                                      dataset=Dataset(name=args.synthetic_dataset), private_data=False))
+    dp = [args.private_dataset, args.dataset_size, args.sigma, args.batch_size, args.steps, args.clip]
+    if any(v is not None for v in dp):
+        if any(v is None for v in dp):
+            raise CommandError("a DP stage needs --private-dataset, --dataset-size, --sigma, "
+                               "--batch-size, --steps and --clip")
+        stages.append(DPStage.from_parameters(
+            name="dp-pretraining",
+            dataset=Dataset(name=args.private_dataset, size=args.dataset_size),
+            sample_rate=args.batch_size / args.dataset_size, noise_multiplier=args.sigma,
+            steps=args.steps, clipping_norm=args.clip, mechanism=args.mechanism,
+            delta=args.delta or default_delta(args.dataset_size), accountant=args.ledger_accountant,
+        ))
+    if not stages:
+        raise CommandError("describe the training: --preset, or --synthetic-dataset and/or the DP stage options")
+    return stages

@@ -1,0 +1,283 @@
+"""The released-encoder repo format: writing a repo folder, and updating one in place.
+
+A repo folder holds::
+
+    model.safetensors        encoder weights, timm key layout; metadata: ledger, arch, format
+    config.json              what timm's hf-hub / local-dir loaders read
+    privacy_ledger.json      the ledger
+    README.md                the model card (front matter carries the ledger too)
+    mae_decoder.safetensors  optional: the MAE decoder, to initialise further training
+    *.png, heads/...         optional: training plots, probe heads (listed in the ledger)
+
+Every write goes to a temporary sibling folder that replaces the target in one rename, so a
+crash never leaves a half-written repo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import EvalResult
+from safetensors.torch import save_file
+from timm.models.vision_transformer import VisionTransformer
+
+from .artifacts import (
+    digest_file,
+    read_safetensors_header,
+    rewrite_safetensors_metadata,
+    tensors_digest_of,
+)
+from .card import CardInfo, card_info, render_card
+from .features import POOLINGS, feature_dim
+from .ledger import DPStage, NonPrivateStage, PrivacyLedger
+from .models import EncoderSpec, count_parameters
+from .paths import validate_relpath
+
+__all__ = [
+    "CONFIG_FILE",
+    "DECODER_FILE",
+    "FORMAT_VERSION",
+    "LEDGER_FILE",
+    "CARD_FILE",
+    "WEIGHTS_FILE",
+    "export_encoder",
+    "read_config",
+    "update_repo",
+]
+
+FORMAT_VERSION = "1"
+WEIGHTS_FILE = "model.safetensors"
+DECODER_FILE = "mae_decoder.safetensors"
+CONFIG_FILE = "config.json"
+LEDGER_FILE = "privacy_ledger.json"
+CARD_FILE = "README.md"
+META_LEDGER = "vip_hub.privacy_ledger"
+META_ARCH = "vip_hub.arch"
+META_FORMAT = "vip_hub.format_version"
+META_DECODER = "vip_hub.decoder"
+
+
+def export_encoder(
+    out_dir: str | os.PathLike[str],
+    model: VisionTransformer,
+    spec: EncoderSpec,
+    stages: Iterable[NonPrivateStage | DPStage],
+    *,
+    model_name: str,
+    repo_id: str | None = None,
+    summary: str = "",
+    license: str = "apache-2.0",
+    eval_results: Iterable[EvalResult] = (),
+    decoder: Mapping[str, torch.Tensor] | None = None,
+    decoder_config: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a released-encoder repo for ``model`` to ``out_dir`` and return its path.
+
+    ``stages`` are the ledger's stages in training order; guarantees and file digests are
+    computed here. ``decoder`` (an MAE decoder state dict) and ``extra_files`` (e.g. a
+    training-curve PNG) are optional.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+    tensors = _encoder_tensors(model)
+    config = _config(spec, model)
+    config_bytes = (json.dumps(config, indent=2) + "\n").encode()
+    artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: _sha256_bytes(config_bytes)}
+    dec = None
+    if decoder is not None:
+        dec = {k: v.detach().cpu().contiguous() for k, v in decoder.items()}
+        artifacts[DECODER_FILE] = tensors_digest_of(dec)
+    for rel, data in (extra_files or {}).items():
+        artifacts[validate_relpath(rel)] = _sha256_bytes(data)
+    ledger = PrivacyLedger.build(stages, artifacts)
+    info = CardInfo(
+        model_name=model_name,
+        repo_id=repo_id or f"vip/{model_name}",
+        summary=summary,
+        license=license,
+        eval_results=list(eval_results),
+    )
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_FILE).write_bytes(config_bytes)
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata=_weights_metadata(spec, ledger))
+        if dec is not None:
+            meta = {"format": "pt", META_DECODER: json.dumps(dict(decoder_config or {}))}
+            save_file(dec, tmp / DECODER_FILE, metadata=meta)
+        for rel, data in (extra_files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        _write_ledger_copies(tmp, ledger, info, spec, count_parameters(model), rewrite_weights=False)
+
+    _atomic_dir(out, write, fresh=True)
+    return out
+
+
+def update_repo(
+    repo_dir: str | os.PathLike[str],
+    *,
+    add_stages: Iterable[NonPrivateStage | DPStage] = (),
+    add_files: Mapping[str, bytes | os.PathLike[str]] | None = None,
+    add_eval_results: Iterable[EvalResult] = (),
+    replace_component: str | None = None,
+) -> PrivacyLedger:
+    """Add stages, files and evaluation results to an existing repo (e.g. a probe head).
+
+    ``replace_component`` (e.g. ``"heads/digits"``) first drops that component's stages and
+    the files under its folder. The three ledger copies and the card are rewritten together;
+    the update is atomic. Returns the new ledger.
+    """
+    from .verify import verify_repo  # verify imports this module
+
+    repo = Path(repo_dir)
+    verify_repo(repo).raise_for_problems()
+    old = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
+    files = dict(add_files or {})
+    for rel in files:
+        validate_relpath(rel)
+        if rel in (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE):
+            raise ValueError(f"{rel} is managed by vip_hub and cannot be replaced")
+    config = read_config(repo)
+    spec = EncoderSpec.from_config(config)
+    info = card_info((repo / CARD_FILE).read_text(encoding="utf-8"))
+    new_results = list(add_eval_results)
+    replaced = {(r.dataset_name, r.metric_name) for r in new_results}
+    info.eval_results = [
+        r for r in info.eval_results if (r.dataset_name, r.metric_name) not in replaced
+    ] + new_results
+    result: dict[str, PrivacyLedger] = {}
+
+    stages = [s for s in old.stages if s.component != replace_component]
+    kept = {
+        rel: d for rel, d in old.artifacts.items()
+        if not (replace_component and rel.startswith(replace_component + "/"))
+    }
+
+    def write(tmp: Path) -> None:
+        if replace_component and (tmp / replace_component).is_dir():
+            shutil.rmtree(tmp / replace_component)
+        for rel, data in files.items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_new(target, data if isinstance(data, bytes) else Path(data).read_bytes())
+        artifacts = {**kept, **{rel: digest_file(tmp / rel) for rel in files}}
+        ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
+        _write_ledger_copies(tmp, ledger, info, spec, int(config["vip_hub"]["num_params"]))
+        result["ledger"] = ledger
+
+    _atomic_dir(repo, write, fresh=False)
+    return result["ledger"]
+
+
+def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The repo's config.json as a dict."""
+    return json.loads((Path(repo_dir) / CONFIG_FILE).read_text())
+
+
+def weights_ledger(path: str | os.PathLike[str]) -> str | None:
+    """The ledger JSON kept in a safetensors file's metadata, if any."""
+    header, _ = read_safetensors_header(path)
+    return (header.get("__metadata__") or {}).get(META_LEDGER)
+
+
+# --------------------------------------------------------------------------- internals
+def _encoder_tensors(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("head.")}
+
+
+def _config(spec: EncoderSpec, model: VisionTransformer) -> dict[str, Any]:
+    return {
+        "architecture": spec.family.timm_architecture,
+        "num_classes": 0,
+        "num_features": model.num_features,
+        "global_pool": "avg",
+        "model_args": spec.model_args(),
+        "pretrained_cfg": spec.pretrained_cfg(),
+        "vip_hub": {
+            "format_version": int(FORMAT_VERSION),
+            "arch": spec.arch,
+            "num_params": count_parameters(model),
+            "feature_dims": {p: feature_dim(model, p) for p in POOLINGS},
+        },
+    }
+
+
+def _weights_metadata(spec: EncoderSpec, ledger: PrivacyLedger) -> dict[str, str]:
+    return {
+        "format": "pt",
+        META_FORMAT: FORMAT_VERSION,
+        META_ARCH: spec.arch,
+        META_LEDGER: ledger.to_json(),
+    }
+
+
+def _write_ledger_copies(
+    folder: Path,
+    ledger: PrivacyLedger,
+    info: CardInfo,
+    spec: EncoderSpec,
+    num_params: int,
+    rewrite_weights: bool = True,
+) -> None:
+    if rewrite_weights:
+        header, _ = read_safetensors_header(folder / WEIGHTS_FILE)
+        meta = dict(header.get("__metadata__") or {})
+        meta[META_LEDGER] = ledger.to_json()
+        rewrite_safetensors_metadata(folder / WEIGHTS_FILE, meta)
+    _write_new(folder / LEDGER_FILE, ledger.to_json().encode())
+    plots = sorted(p for p in ledger.artifacts if p.endswith(".png"))
+    card = render_card(info, spec, ledger, num_params=num_params, plots=plots)
+    _write_new(folder / CARD_FILE, card.encode())
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write a new inode: ``path`` may be a hard link into the repo being replaced."""
+    path.unlink(missing_ok=True)
+    path.write_bytes(data)
+
+
+def _atomic_dir(target: Path, fill: Any, *, fresh: bool) -> None:
+    """Build the new contents of ``target`` in a sibling temp dir, then swap it in."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        if not fresh:
+            shutil.copytree(target, tmp, dirs_exist_ok=True, copy_function=os.link)
+        fill(tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _, names in os.walk(folder):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
