@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     for ep in sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name):
         try:
             ep.load()(sub)
-        except ImportError as e:
+        except (ImportError, AttributeError) as e:  # a package not installed, or half-built
             broken.append(f"{ep.name} ({e})")
     if broken:
         parser.epilog = "unavailable commands: " + "; ".join(broken)
