@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from typing import Any
 
-__all__ = ["CommandError", "main"]
+__all__ = ["CommandError", "add_command", "main"]
 
 
 class CommandError(Exception):
@@ -24,6 +25,14 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     FileExistsError,
     PermissionError,
 )
+
+
+def add_command(sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None],
+                help: str) -> argparse.ArgumentParser:
+    """Add sub-command ``name`` to the sub-parsers ``sub``; plugins call this to register."""
+    p = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(handler=handler, command=name)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:

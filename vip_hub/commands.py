@@ -8,6 +8,8 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
+from .cli import add_command
+
 if TYPE_CHECKING:
     from .ledger import DPStage, NonPrivateStage
 
@@ -17,12 +19,6 @@ MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
 ARCH_NAMES = ("vip-nano", "vip-tiny", "vip-small", "vip-base", "vip-large")
 
 __all__ = ["register_calibrate", "register_epsilon", "register_import_mae", "register_verify"]
-
-
-def _add(sub: Any, name: str, handler: Any, help: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help)
-    p.set_defaults(handler=handler, command=name)
-    return p
 
 
 def _accountant_arg(p: argparse.ArgumentParser) -> None:
@@ -37,7 +33,7 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 
 # ------------------------------------------------------------------------- epsilon
 def register_epsilon(sub: Any) -> None:
-    p = _add(sub, "epsilon", _epsilon, "epsilon spent by T Poisson-sampled Gaussian steps")
+    p = add_command(sub, "epsilon", _epsilon, "epsilon spent by T Poisson-sampled Gaussian steps")
     p.add_argument("--sigma", type=float, required=True, help="noise multiplier")
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
     p.add_argument("--steps", type=int, required=True, help="number of steps T")
@@ -57,7 +53,7 @@ def _epsilon(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------- calibrate
 def register_calibrate(sub: Any) -> None:
-    p = _add(sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon")
+    p = add_command(sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon")
     p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
     p.add_argument("--delta", type=float, required=True)
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
@@ -79,7 +75,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------------- verify
 def register_verify(sub: Any) -> None:
-    p = _add(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files")
+    p = add_command(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files")
     p.add_argument("repo", help="repo folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -108,7 +104,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- import-mae
 def register_import_mae(sub: Any) -> None:
-    p = _add(sub, "import-mae", _import_mae,
+    p = add_command(sub, "import-mae", _import_mae,
              "convert a ViP-MAE reference checkpoint into a released-encoder repo")
     p.add_argument("checkpoint", help="reference checkpoint (.pth), loaded with weights_only=True")
     p.add_argument("--out", required=True, help="repo folder to write")
