@@ -8,7 +8,7 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from .cli import add_command
+from .cli import CommandError, add_command
 
 if TYPE_CHECKING:
     from .ledger import DPStage, NonPrivateStage
@@ -131,7 +131,6 @@ def register_import_mae(sub: Any) -> None:
 def _import_mae(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from .cli import CommandError
     from .importer import PRESETS, import_mae_checkpoint
 
     if args.preset:
@@ -150,7 +149,6 @@ def _import_mae(args: argparse.Namespace) -> None:
 
 def _stages_from_args(args: argparse.Namespace) -> list[NonPrivateStage | DPStage]:
     from .accounting import default_delta
-    from .cli import CommandError
     from .ledger import Dataset, DPStage, NonPrivateStage
 
     stages: list[NonPrivateStage | DPStage] = []
