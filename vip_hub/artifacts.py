@@ -120,9 +120,10 @@ def _update_entry(h: Any, key: str, dtype: str, shape: list[int]) -> None:
     h.update(json.dumps([key, dtype, list(shape)]).encode())
 
 
-def digest_file(path: str | os.PathLike[str]) -> str:
-    """The digest a ledger records for ``path``: tensors digest for safetensors, else sha256."""
-    return tensors_digest(path) if str(path).endswith(".safetensors") else file_sha256(path)
+def digest_file(path: str | os.PathLike[str], name: str | None = None) -> str:
+    """The digest a ledger records for a file: the tensors digest when its repo path ``name``
+    (default: ``path``) ends in .safetensors, else its sha256."""
+    return tensors_digest(path) if str(name or path).endswith(".safetensors") else file_sha256(path)
 
 
 def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[str, str]) -> None:

@@ -171,7 +171,7 @@ def update_repo(
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             _write_new(target, data if isinstance(data, bytes) else Path(data).read_bytes())
-        artifacts = {**kept, **{rel: digest_file(tmp / rel) for rel in files}}
+        artifacts = {**kept, **{rel: digest_file(tmp / rel, rel) for rel in files}}
         ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
         _write_ledger_copies(tmp, ledger, info, spec, int(config["vip_hub"]["num_params"]))
         result["ledger"] = ledger

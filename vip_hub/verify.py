@@ -174,7 +174,7 @@ def _check_artifacts(files: Mapping[str, Path], ledger: PrivacyLedger, report: V
             report.fail(rel, "listed in the ledger's artifacts but missing from the repo")
             continue
         try:
-            actual = digest_file(files[rel])
+            actual = digest_file(files[rel], rel)
         except (SafetensorsError, OSError) as e:
             report.fail(rel, f"cannot be digested: {e}")
             continue
