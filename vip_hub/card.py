@@ -12,13 +12,25 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 
+import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .features import VIP_LAYERS
 from .ledger import DPStage, LedgerError, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec
 
-__all__ = ["CardInfo", "card_info", "card_ledger", "render_card"]
+__all__ = [
+    "LEDGER_COLUMNS",
+    "CardInfo",
+    "card_info",
+    "card_ledger",
+    "guarantee_paragraphs",
+    "ledger_rows",
+    "render_card",
+]
+
+LEDGER_COLUMNS = ("Stage", "Component", "Data", "Mechanism", "q", "σ", "Steps", "Clip C",
+                  "Batch (expected)", "δ", "ε")
 
 TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "vip", "timm"]
 
@@ -65,10 +77,7 @@ def render_card(
         params=_human(num_params),
         dims={"avg": arch.embed_dim, "cls": arch.embed_dim, "vip": arch.embed_dim * vip_layers},
         headline=_headline(ledger),
-        guarantee_paragraphs=[_guarantee_text(ledger, g) for g in ledger.guarantees]
-        or ["**No private data was used to train these weights**: every stage below saw only "
-            "synthetic or public data, so the weights reveal nothing about any private dataset "
-            "(ε = 0)."],
+        guarantee_paragraphs=guarantee_paragraphs(ledger),
         public_stages=", ".join(
             f"`{s.name}` ({s.dataset.name})"
             for s in ledger.stages
@@ -82,7 +91,8 @@ def render_card(
         unit="one training example (one image)",
         adjacency="add/remove-one",
         schema=ledger.schema_,
-        ledger_rows=[_ledger_row(s) for s in ledger.stages],
+        ledger_columns=LEDGER_COLUMNS,
+        ledger_rows=ledger_rows(ledger),
         stage_details=[{"name": s.name, "component": s.component, "text": _stage_text(s)} for s in ledger.stages],
         plots=list(plots),
         results=info.eval_results,
@@ -92,7 +102,10 @@ def render_card(
 
 def card_ledger(readme: str) -> PrivacyLedger:
     """The ledger copy kept in a card's front matter (``differential_privacy``)."""
-    data = ModelCard(readme, ignore_metadata_errors=True).data.to_dict()
+    try:
+        data = ModelCard(readme, ignore_metadata_errors=True).data.to_dict()
+    except yaml.YAMLError as e:
+        raise LedgerError([f"README.md: front matter is not valid YAML ({' '.join(str(e).split())})"]) from None
     if "differential_privacy" not in data:
         raise LedgerError(["README.md: front matter has no differential_privacy block"])
     return PrivacyLedger.parse(data["differential_privacy"])
@@ -108,6 +121,20 @@ def card_info(readme: str) -> CardInfo:
         license=data.license or "apache-2.0",
         eval_results=list(data.eval_results or []),
     )
+
+
+def guarantee_paragraphs(ledger: PrivacyLedger) -> list[str]:
+    """The guarantee in plain words (Markdown), one paragraph per private dataset."""
+    if not ledger.guarantees:
+        return ["**No private data was used to train these weights**: every stage saw only "
+                "synthetic or public data, so the weights reveal nothing about any private dataset "
+                "(ε = 0)."]
+    return [_guarantee_text(ledger, g) for g in ledger.guarantees]
+
+
+def ledger_rows(ledger: PrivacyLedger) -> list[list[str]]:
+    """The ledger as table rows, one per stage, in the order of ``LEDGER_COLUMNS``."""
+    return [_ledger_row(s) for s in ledger.stages]
 
 
 def _headline(ledger: PrivacyLedger) -> str:
