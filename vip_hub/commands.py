@@ -18,7 +18,13 @@ ACCOUNTANTS = ("rdp", "prv")
 MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
 ARCH_NAMES = ("vip-nano", "vip-tiny", "vip-small", "vip-base", "vip-large")
 
-__all__ = ["register_calibrate", "register_epsilon", "register_import_mae", "register_verify"]
+__all__ = [
+    "register_calibrate",
+    "register_epsilon",
+    "register_import_mae",
+    "register_push",
+    "register_verify",
+]
 
 
 def _accountant_arg(p: argparse.ArgumentParser) -> None:
@@ -170,3 +176,31 @@ def _stages_from_args(args: argparse.Namespace) -> list[NonPrivateStage | DPStag
     if not stages:
         raise CommandError("describe the training: --preset, or --synthetic-dataset and/or the DP stage options")
     return stages
+
+
+# ---------------------------------------------------------------------------- push
+def register_push(sub: Any) -> None:
+    p = add_command(sub, "push", _push, "verify a repo folder and publish it to a hub as one commit")
+    p.add_argument("folder", help="repo folder (as written by export, train-* or import-mae)")
+    p.add_argument("repo_id", metavar="ORG/NAME")
+    p.add_argument("--endpoint", help="hub URL (default: HF_ENDPOINT, else https://huggingface.co)")
+    p.add_argument("--token", help="write token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default="main", help="branch to commit to")
+    p.add_argument("--message", help="commit message")
+
+
+def _push(args: argparse.Namespace) -> None:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from .push import push_repo
+    from .verify import VerificationError
+
+    try:
+        commit = push_repo(args.folder, args.repo_id, endpoint=args.endpoint, token=args.token,
+                           private=args.private, revision=args.revision, message=args.message)
+    except VerificationError as e:
+        raise CommandError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
+    except HfHubHTTPError as e:
+        raise CommandError(" ".join(str(e).split())) from None
+    print(f"pushed {args.folder} to {args.repo_id} at {commit}")

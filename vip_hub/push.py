@@ -1,0 +1,55 @@
+"""``vip-hub push``: publish a verified repo folder to a hub (ours, or the Hugging Face Hub).
+
+The folder is verified locally first, then sent as ONE commit (``HfApi.create_commit``) that
+mirrors the folder: files that left it are deleted remotely. One commit matters: a vip-hub
+server verifies every commit's tree, and ``upload_folder`` may split large folders into
+several commits whose partial trees cannot verify.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub.errors import RevisionNotFoundError
+
+from .verify import repo_files, verify_repo
+
+__all__ = ["push_repo"]
+
+
+def push_repo(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    endpoint: str | None = None,
+    token: str | None = None,
+    private: bool = False,
+    revision: str = "main",
+    message: str | None = None,
+) -> str:
+    """Verify ``folder`` and publish it to ``repo_id`` as one commit; returns the commit id.
+
+    ``endpoint`` defaults to ``HF_ENDPOINT`` (else the Hugging Face Hub).
+    """
+    folder = Path(folder)
+    report = verify_repo(folder).raise_for_problems()
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    files = repo_files(folder)
+    try:
+        remote = set(api.list_repo_files(repo_id, revision=revision))
+    except RevisionNotFoundError:
+        remote = set()
+    operations: list[CommitOperationAdd | CommitOperationDelete] = [
+        CommitOperationDelete(path) for path in sorted(remote - set(files) - {".gitattributes"})
+    ]
+    operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)) for rel, path in files.items()]
+    summary = report.ledger.summary() if report.ledger else None
+    default = (
+        f"Publish {folder.name}: epsilon {summary.epsilon:.3g} on {', '.join(summary.datasets)}"
+        if summary and summary.datasets else f"Publish {folder.name}: no private data"
+    )
+    info = api.create_commit(repo_id, operations, commit_message=message or default, revision=revision)
+    return info.oid
