@@ -1,0 +1,73 @@
+"""``vip-hub serve`` and ``vip-hub token``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from vip_hub.cli import add_command
+
+__all__ = ["register_serve", "register_token"]
+
+
+def register_serve(sub: Any) -> None:
+    p = add_command(sub, "serve", _serve, "run the hub and inference service (uvicorn)")
+    p.add_argument("--store", type=Path, help="store folder (default: var/hub, or VIP_HUB_STORE)")
+    p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--no-hub", action="store_true", help="serve inference only")
+    p.add_argument("--no-inference", action="store_true", help="serve the hub only")
+    p.add_argument("--preload", action="append", metavar="ORG/NAME[@REV]", default=None,
+                   help="load and warm up a model before reporting ready (repeatable)")
+    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    import os
+
+    if getattr(args, "config", None):
+        os.environ["VIP_HUB_CONFIG"] = str(args.config)
+    out: dict[str, Any] = {}
+    for key in ("store", "host", "port"):
+        if getattr(args, key, None) is not None:
+            out[key] = getattr(args, key)
+    return out
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import Settings
+
+    settings = Settings(**_overrides(args))
+    if args.no_hub:
+        settings.hub.enabled = False
+    if args.no_inference:
+        settings.inference.enabled = False
+    if args.preload:
+        settings.inference.preload = list(args.preload)
+    app = create_app(settings)
+    print(f"vip-hub: store {settings.store.resolve()}, http://{settings.host}:{settings.port}", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=30)
+
+
+def register_token(sub: Any) -> None:
+    p = add_command(sub, "token", _token, "create an access token for the hub (printed once)")
+    p.add_argument("action", choices=["create"])
+    p.add_argument("--name", required=True, help="who the token is for; also the default org")
+    p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
+    p.add_argument("--store", type=Path, help="store folder whose tokens.json to update")
+    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+
+
+def _token(args: argparse.Namespace) -> None:
+    from .auth import create_token
+    from .settings import Settings
+
+    settings = Settings(**_overrides(args))
+    path = args.tokens_file or settings.tokens_path()
+    secret = create_token(path, args.name, args.scope)
+    print(secret)

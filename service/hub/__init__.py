@@ -1,0 +1,1 @@
+"""The Hugging Face-compatible hub protocol: downloads, metadata, uploads."""

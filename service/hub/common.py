@@ -1,0 +1,90 @@
+"""Shared pieces of the hub routes: the store dependency, raw-path parsing, JSON shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from ..auth import Identity, check_read
+from ..naming import decode_segment, validate_repo_id
+from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
+
+__all__ = ["base_url", "model_json", "raw_segments", "readable_repo", "store_of"]
+
+
+def store_of(request: Request) -> HubStore:
+    """The app's store (``app.state.store``)."""
+    return request.app.state.store
+
+
+def base_url(request: Request) -> str:
+    """The server's URL as the client reached it (clients check it matches HF_ENDPOINT)."""
+    return str(request.base_url).rstrip("/")
+
+
+def raw_segments(request: Request, skip: int) -> list[str]:
+    """The URL path's segments after the first ``skip``, each percent-decoded exactly once.
+
+    Routing on the raw path keeps an encoded ``%2F`` inside a revision from being read as a
+    separator, and lets double-encoding tricks be refused.
+    """
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    parts = raw.decode("latin-1").split("/")[1:]
+    return [decode_segment(p) for p in parts[skip:]]
+
+
+def readable_repo(store: HubStore, org: str, name: str, who: Identity | None) -> RepoRecord:
+    """The repo if the caller may read it; private repos are RepoNotFound without a token."""
+    repo = store.get_repo(validate_repo_id(org, name))
+    check_read(repo.private, repo.repo_id, who)
+    return repo
+
+
+def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"rfilename": entry.path}
+    if blobs:
+        out.update(size=entry.size, blobId=entry.git_oid)
+        if entry.lfs:
+            out["lfs"] = {"size": entry.size, "sha256": entry.sha256, "pointerSize": 134}
+    return out
+
+
+def model_json(
+    repo: RepoRecord,
+    commit: CommitRecord | None,
+    tree: dict[str, FileEntry] | None = None,
+    blobs: bool = False,
+) -> dict[str, Any]:
+    """A repo in the shape of the HF ``/api/models`` answers (plus a ``vip_hub`` block)."""
+    card = commit.card_data if commit else {}
+    out: dict[str, Any] = {
+        "_id": repo.repo_id,
+        "id": repo.repo_id,
+        "modelId": repo.repo_id,
+        "author": repo.org,
+        "sha": commit.sha if commit else None,
+        "lastModified": commit.created_at if commit else repo.created_at,
+        "createdAt": repo.created_at,
+        "private": repo.private,
+        "gated": False,
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "library_name": card.get("library_name"),
+        "tags": card.get("tags", []),
+        "pipeline_tag": card.get("pipeline_tag"),
+        "cardData": card,
+    }
+    if commit is not None:
+        out["vip_hub"] = {
+            "arch": commit.arch,
+            "num_params": commit.num_params,
+            "epsilon": commit.epsilon,
+            "delta": commit.delta,
+            "accountant": commit.accountant,
+            "private_datasets": commit.datasets,
+        }
+    if tree is not None:
+        out["siblings"] = [sibling_json(e, blobs) for e in tree.values()]
+    return out

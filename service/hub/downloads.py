@@ -1,0 +1,49 @@
+"""``HEAD`` / ``GET /{org}/{name}/resolve/{revision}/{path}``: file downloads with ETag,
+X-Repo-Commit and Range, as ``hf_hub_download`` and timm expect."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse
+
+from ..auth import Identity, identity
+from ..errors import BadRequest
+from ..naming import validate_path, validate_revision
+from .common import raw_segments, readable_repo, store_of
+
+router = APIRouter()
+
+
+@router.api_route("/{org}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"], include_in_schema=False)
+async def resolve(org: str, name: str, rest: str, request: Request,
+                  who: Identity | None = Depends(identity)) -> FileResponse:
+    """A file at a revision (branch, tag or commit id)."""
+    del rest  # parsed from the raw path below
+    store = store_of(request)
+    segments = raw_segments(request, 3)
+    if len(segments) < 2:
+        raise BadRequest("expected /{org}/{name}/resolve/{revision}/{path}")
+    repo = readable_repo(store, org, name, who)
+    revision, path = validate_revision(segments[0]), validate_path("/".join(segments[1:]))
+    commit = store.resolve(repo.repo_id, revision)
+    entry = store.file(repo.repo_id, commit, path)
+    headers = {
+        "ETag": f'"{entry.etag}"',
+        "X-Repo-Commit": commit,
+        "Accept-Ranges": "bytes",
+        "Cache-Control": "public, max-age=31536000, immutable" if revision == commit else "no-cache",
+    }
+    if entry.lfs:
+        headers["X-Linked-Size"] = str(entry.size)
+    return FileResponse(store.blob_path(entry), headers=headers, filename=None,
+                        media_type=_media_type(path))
+
+
+def _media_type(path: str) -> str:
+    if path.endswith(".md"):
+        return "text/markdown; charset=utf-8"
+    if path.endswith(".json"):
+        return "application/json"
+    if path.endswith(".png"):
+        return "image/png"
+    return "application/octet-stream"

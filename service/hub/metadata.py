@@ -1,0 +1,165 @@
+"""Read-only hub API: model listing and search, model info per revision, tree listings,
+refs and commit history, ``whoami-v2``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+from ..auth import Identity, identity, require_scope
+from ..errors import BadRequest, EntryNotFound, RevisionNotFound
+from ..naming import validate_path, validate_revision
+from .common import model_json, raw_segments, readable_repo, store_of
+
+router = APIRouter(prefix="/api")
+
+TREE_PAGE = 1000
+
+
+@router.get("/models", summary="List and search models")
+def list_models(
+    request: Request,
+    search: str | None = Query(None, max_length=200, description="substring of org/name"),
+    author: str | None = Query(None, max_length=100),
+    arch: str | None = Query(None, max_length=50, description="e.g. vip-base"),
+    dataset: str | None = Query(None, max_length=200, description="a private dataset the model saw"),
+    max_epsilon: float | None = Query(None, ge=0, description="guarantee at most this epsilon"),
+    sort: str = Query("updated", description="updated, epsilon, delta, params, arch or name"),
+    direction: int = Query(-1, description="-1 descending, 1 ascending"),
+    limit: int | None = Query(None, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    full: bool = False,
+    who: Identity | None = Depends(identity),
+) -> JSONResponse:
+    store = store_of(request)
+    size = min(limit or request.app.state.settings.hub.page_size, request.app.state.settings.hub.page_size)
+    sort = {"lastModified": "updated", "last_modified": "updated"}.get(sort, sort)
+    rows = store.list_models(
+        search=search, author=author, arch=arch, dataset=dataset, max_epsilon=max_epsilon,
+        include_private=who is not None and who.allows("read"), sort=sort,
+        descending=direction < 0, limit=size + 1, offset=offset,
+    )
+    body = [
+        model_json(repo, commit, store.tree(repo.repo_id, commit.sha) if full else None)
+        for repo, commit in rows[:size]
+    ]
+    headers = {}
+    if len(rows) > size and (limit is None or limit > size):
+        params = {k: v for k, v in request.query_params.items() if k != "offset"}
+        params["offset"] = str(offset + size)
+        headers["Link"] = f'<{request.url.replace(query=urlencode(params))}>; rel="next"'
+    return JSONResponse(body, headers=headers)
+
+
+@router.get("/models/{org}/{name}", summary="Model info at main")
+def model_info(org: str, name: str, request: Request, blobs: bool = False,
+               who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    return _info(request, org, name, "main", blobs, who, missing_ok=True)
+
+
+@router.get("/models/{org}/{name}/revision/{revision:path}", summary="Model info at a revision")
+def model_info_at(org: str, name: str, revision: str, request: Request, blobs: bool = False,
+                  who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    del revision  # the raw path keeps an encoded '/' from splitting it
+    return _info(request, org, name, _raw_revision(request, 5), blobs, who)
+
+
+def _info(request: Request, org: str, name: str, revision: str, blobs: bool,
+          who: Identity | None, missing_ok: bool = False) -> dict[str, Any]:
+    store = store_of(request)
+    repo = readable_repo(store, org, name, who)
+    try:
+        commit = store.resolve(repo.repo_id, revision)
+    except RevisionNotFound:
+        if missing_ok and not store.refs(repo.repo_id)["branch"]:
+            return model_json(repo, None, {})  # an empty repo, created but never committed to
+        raise
+    record = store.commit_record(repo.repo_id, commit)
+    return model_json(repo, record, store.tree(repo.repo_id, commit), blobs)
+
+
+@router.get("/models/{org}/{name}/tree/{rest:path}", summary="Files and folders at a revision")
+def tree(org: str, name: str, rest: str, request: Request, recursive: bool = False,
+         expand: bool = False, cursor: int = Query(0, ge=0),
+         who: Identity | None = Depends(identity)) -> JSONResponse:
+    del rest, expand
+    store = store_of(request)
+    segments = raw_segments(request, 5)
+    revision = validate_revision(segments[0]) if segments and segments[0] else "main"
+    prefix = validate_path("/".join(segments[1:])) if len(segments) > 1 and segments[1] else ""
+    repo = readable_repo(store, org, name, who)
+    commit = store.resolve(repo.repo_id, revision)
+    files = store.tree(repo.repo_id, commit)
+    base = prefix + "/" if prefix else ""
+    if prefix and not any(p.startswith(base) for p in files):
+        raise EntryNotFound(f"{prefix} not found in {repo.repo_id} at {commit}", {"X-Repo-Commit": commit})
+    entries: dict[str, dict[str, Any]] = {}
+    for path, e in files.items():
+        if not path.startswith(base):
+            continue
+        parts = path[len(base):].split("/")
+        for depth in range(1, len(parts)):  # folders on the way
+            folder = base + "/".join(parts[:depth])
+            if recursive or depth == 1:
+                entries.setdefault(folder, {"type": "directory", "path": folder, "oid": _folder_oid(folder, commit)})
+        if recursive or len(parts) == 1:
+            item: dict[str, Any] = {"type": "file", "path": path, "size": e.size, "oid": e.git_oid}
+            if e.lfs:
+                item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": 134}
+            entries[path] = item
+    ordered = sorted(entries.values(), key=lambda x: (x["type"] != "directory", x["path"]))
+    page = ordered[cursor:cursor + TREE_PAGE]
+    headers = {"X-Repo-Commit": commit}
+    if cursor + TREE_PAGE < len(ordered):
+        params = dict(request.query_params) | {"cursor": str(cursor + TREE_PAGE)}
+        headers["Link"] = f'<{request.url.replace(query=urlencode(params))}>; rel="next"'
+    return JSONResponse(page, headers=headers)
+
+
+@router.get("/models/{org}/{name}/refs", summary="Branches and tags")
+def refs(org: str, name: str, request: Request, who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    store = store_of(request)
+    repo = readable_repo(store, org, name, who)
+    refs = store.refs(repo.repo_id)
+    return {
+        "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": c} for n, c in refs["branch"].items()],
+        "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": c} for n, c in refs["tag"].items()],
+        "converts": [],
+    }
+
+
+@router.get("/models/{org}/{name}/commits/{revision}", summary="Commit history")
+def commits(org: str, name: str, revision: str, request: Request,
+            who: Identity | None = Depends(identity)) -> list[dict[str, Any]]:
+    store = store_of(request)
+    repo = readable_repo(store, org, name, who)
+    return [
+        {"id": c.sha, "title": c.title, "message": c.message, "authors": [{"user": c.author}],
+         "date": c.created_at, "parents": [c.parent] if c.parent else []}
+        for c in store.history(repo.repo_id, validate_revision(revision))
+    ]
+
+
+@router.get("/whoami-v2", summary="Who the token belongs to")
+def whoami(who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    who = require_scope(who, "read", "whoami")
+    role = "write" if who.allows("write") else "read"
+    return {
+        "type": "user", "id": who.name, "name": who.name, "fullname": who.name, "orgs": [],
+        "auth": {"type": "access_token", "accessToken": {"displayName": who.name, "role": role}},
+    }
+
+
+def _raw_revision(request: Request, skip: int) -> str:
+    segments = raw_segments(request, skip)
+    if len(segments) != 1:
+        raise BadRequest("a revision cannot contain '/'")
+    return validate_revision(segments[0])
+
+
+def _folder_oid(folder: str, commit: str) -> str:
+    return hashlib.sha1(f"{commit}:{folder}".encode(), usedforsecurity=False).hexdigest()

@@ -1,0 +1,132 @@
+"""Write side of the hub API: create repos, preupload, commits (verified), tags, YAML checks.
+
+Every commit runs the repo format's verification on the resulting tree; a tree that does
+not verify is refused with a 400 naming the failing check, and nothing is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.responses import JSONResponse
+from huggingface_hub import ModelCard
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from ..auth import Identity, identity, require_scope
+from ..errors import BadRequest, RevisionNotFound
+from ..naming import validate_path, validate_repo_id, validate_revision
+from .common import base_url, store_of
+from .uploads import parse_commit_body, spool_body
+
+router = APIRouter(prefix="/api")
+
+
+class CreateRepo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(max_length=96)
+    organization: str | None = Field(None, max_length=96)
+    type: str = "model"
+    private: bool | None = None
+    visibility: str | None = None
+
+
+@router.post("/repos/create", summary="Create a model repo")
+def create_repo(payload: CreateRepo, request: Request, who: Identity | None = Depends(identity)) -> JSONResponse:
+    who = require_scope(who, "write", "creating a repo")
+    if payload.type != "model":
+        raise BadRequest(f"this hub stores models only, not {payload.type}s")
+    org = payload.organization or who.name
+    repo_id = validate_repo_id(org, payload.name)
+    private = payload.visibility == "private" if payload.visibility else bool(payload.private)
+    repo, created = store_of(request).create_repo(repo_id, private=private)
+    url = f"{base_url(request)}/{repo.repo_id}"
+    if not created:
+        return JSONResponse({"error": "You already created this model repo", "url": url}, status_code=409)
+    return JSONResponse({"url": url, "name": repo.repo_id, "id": repo.repo_id})
+
+
+class PreuploadFile(BaseModel):
+    path: str = Field(max_length=1024)
+    sample: str = ""
+    size: int = Field(ge=0)
+
+
+class Preupload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    files: list[PreuploadFile] = Field(max_length=10_000)
+
+
+@router.post("/models/{org}/{name}/preupload/{revision}", summary="Upload modes for files")
+def preupload(org: str, name: str, revision: str, payload: Preupload, request: Request,
+              who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    require_scope(who, "write", "uploading")
+    store = store_of(request)
+    repo = store.get_repo(validate_repo_id(org, name))
+    try:
+        tree = store.tree(repo.repo_id, store.resolve(repo.repo_id, validate_revision(revision)))
+    except RevisionNotFound:  # an empty repo or a new branch: nothing to compare against
+        tree = {}
+    files = []
+    for f in payload.files:
+        path = validate_path(f.path)
+        existing = tree.get(path)
+        files.append({"path": path, "uploadMode": "regular", "shouldIgnore": False,
+                      "oid": existing.git_oid if existing else None})
+    return {"files": files, "commitOid": None}
+
+
+@router.post("/models/{org}/{name}/commit/{revision}", summary="Commit files (NDJSON body)")
+async def commit(org: str, name: str, revision: str, request: Request,
+                 who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    who = require_scope(who, "write", "committing")
+    if request.query_params.get("create_pr") in ("1", "true"):
+        raise BadRequest("pull requests are not supported by this hub; commit to a branch")
+    store = store_of(request)
+    repo = store.get_repo(validate_repo_id(org, name))
+    branch = validate_revision(revision)
+    limit = request.app.state.settings.hub.max_upload_bytes
+    body = await spool_body(request.stream(), store.blobs, limit)
+    parsed = await run_in_threadpool(parse_commit_body, body, store.blobs)
+    record = await run_in_threadpool(
+        store.commit, repo.repo_id, parsed.operations, branch=branch,
+        parent_commit=parsed.parent_commit, title=parsed.summary or "Update",
+        message=parsed.description, author=who.name,
+    )
+    return {
+        "commitUrl": f"{base_url(request)}/{repo.repo_id}/commit/{record.sha}",
+        "commitOid": record.sha,
+        "pullRequestUrl": None,
+    }
+
+
+class TagRequest(BaseModel):
+    tag: str = Field(max_length=128)
+    message: str | None = None
+
+
+@router.post("/models/{org}/{name}/tag/{revision}", summary="Tag a revision")
+def create_tag(org: str, name: str, revision: str, payload: TagRequest, request: Request,
+               who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    require_scope(who, "write", "tagging")
+    store = store_of(request)
+    repo = store.get_repo(validate_repo_id(org, name))
+    commit = store.create_tag(repo.repo_id, payload.tag, validate_revision(revision))
+    return {"tag": payload.tag, "targetCommit": commit}
+
+
+@router.post("/validate-yaml", summary="Check a model card's YAML front matter")
+def validate_yaml(payload: dict[str, Any] = Body(...)) -> JSONResponse:
+    content = payload.get("content")
+    if not isinstance(content, str):
+        raise BadRequest("'content' must be the README.md text")
+    try:
+        ModelCard(content, ignore_metadata_errors=False)
+    except (ValueError, yaml.YAMLError) as e:
+        return JSONResponse({"errors": [{"message": " ".join(str(e).split())}], "warnings": []}, status_code=400)
+    return JSONResponse({"errors": [], "warnings": []})
+

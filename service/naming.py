@@ -1,0 +1,58 @@
+"""Validation of repo ids, revisions and file paths arriving from the network.
+
+Anything that could reach outside the store (``..``, absolute paths, backslashes, control
+characters, double percent-encoding, over-long names) is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+from vip_hub.paths import UnsafePathError, validate_relpath
+
+from .errors import BadRequest
+
+__all__ = ["COMMIT_RE", "decode_segment", "validate_path", "validate_repo_id", "validate_revision"]
+
+_PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def validate_repo_id(org: str, name: str) -> str:
+    """``org/name`` if both parts are 1-96 letters, digits, '_', '.', '-' (no '..'), else 400."""
+    for part, what in ((org, "organisation"), (name, "repo name")):
+        if not _PART.match(part) or ".." in part:
+            raise BadRequest(
+                f"invalid {what} {part!r}: use 1-96 letters, digits, '_', '.' or '-', "
+                "starting and ending with a letter or digit"
+            )
+    return f"{org}/{name}"
+
+
+def validate_revision(revision: str) -> str:
+    """A branch, tag (letters, digits, '_', '.', '-') or 40-hex commit id, else 400."""
+    if not _REVISION.match(revision) or ".." in revision:
+        raise BadRequest(f"invalid revision {revision!r}: use a branch, a tag or a full commit id")
+    return revision
+
+
+def validate_path(path: str) -> str:
+    """A safe relative file path inside a repo, else 400 naming the problem."""
+    try:
+        return validate_relpath(path)
+    except UnsafePathError as e:
+        raise BadRequest(f"invalid path: {e}") from None
+
+
+def decode_segment(raw: str) -> str:
+    """Percent-decode one raw URL segment once; a still-encoded result is a trick: 400."""
+    try:
+        text = unquote(raw, errors="strict") if "%" in raw else raw
+    except UnicodeDecodeError:
+        raise BadRequest(f"URL segment {raw!r} is not valid UTF-8 once decoded") from None
+    if _ESCAPE.search(text):
+        raise BadRequest(f"doubly percent-encoded URL segment {raw!r}")
+    return text

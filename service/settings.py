@@ -1,0 +1,99 @@
+"""All service configuration, in one pydantic-settings class.
+
+Sources, highest priority first: arguments given in code (the CLI flags), environment
+variables prefixed ``VIP_HUB_`` (nested sections with ``__``, e.g.
+``VIP_HUB_INFERENCE__MAX_BATCH_SIZE=64``), a TOML file named by ``VIP_HUB_CONFIG``, then the
+defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class HubSettings(BaseModel):
+    """The model hub: store protocol, uploads and web pages."""
+
+    enabled: bool = True
+    max_upload_bytes: int = Field(8 * GIB, gt=0, description="largest commit body accepted")
+    page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
+
+
+class AuthSettings(BaseModel):
+    """Tokens. The server keeps only their SHA-256 hashes."""
+
+    tokens_file: Path | None = Field(
+        None, description="JSON file written by `vip-hub token create` (default: STORE/tokens.json)"
+    )
+    tokens: str | None = Field(
+        None,
+        description="extra tokens, 'name:scope:secret' separated by ';' (e.g. from a secret store)",
+    )
+    protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
+
+
+class InferenceSettings(BaseModel):
+    """Batched embeddings and classification."""
+
+    enabled: bool = True
+    preload: list[str] = Field(default_factory=list, description="models loaded and warmed up before ready")
+    max_loaded_models: int = Field(4, gt=0, description="LRU bound on models held in memory")
+    max_batch_size: int = Field(32, gt=0)
+    max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
+    max_queue_images: int = Field(512, gt=0, description="images queued per model before 429")
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline for a request in the queue")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads (0: all cores)")
+    max_images_per_request: int = Field(64, gt=0)
+    max_image_bytes: int = Field(10 * MIB, gt=0)
+    max_request_bytes: int = Field(64 * MIB, gt=0)
+    max_image_pixels: int = Field(40_000_000, gt=0, description="width x height, checked from the header")
+    max_json_depth: int = Field(8, gt=0)
+
+
+class Settings(BaseSettings):
+    """Everything `vip-hub serve` reads."""
+
+    model_config = SettingsConfigDict(env_prefix="VIP_HUB_", env_nested_delimiter="__", extra="forbid")
+
+    store: Path = Field(Path("var/hub"), description="the embedded store: blobs plus SQLite index")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = "info"
+    hub: HubSettings = Field(default_factory=HubSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    inference: InferenceSettings = Field(default_factory=InferenceSettings)
+
+    def tokens_path(self) -> Path:
+        """Where tokens are kept: ``auth.tokens_file``, else ``tokens.json`` in the store."""
+        return self.auth.tokens_file or self.store / "tokens.json"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config = os.environ.get("VIP_HUB_CONFIG")
+        if config:
+            if not Path(config).is_file():
+                raise ValueError(f"VIP_HUB_CONFIG names {config}, which is not a file")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
+        return tuple(sources)

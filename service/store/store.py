@@ -1,0 +1,557 @@
+"""The hub store: repos, immutable commits, branches and tags over content-addressed blobs.
+
+A commit is written in this order, so a crash at any point leaves the previous revision
+intact and nothing half-visible: (1) uploaded files sit in ``tmp/``; (2) the would-be tree
+is verified (``vip_hub.verify_repo``); (3) new blobs are fsynced and renamed into place;
+(4) one SQLite transaction inserts the commit and its tree and moves the ref, but only if
+the ref still points at the parent the tree was built on. Publishes to one repo are
+serialised by a per-repo file lock, so history stays linear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard
+
+from vip_hub.repo import CARD_FILE, CONFIG_FILE
+from vip_hub.verify import verify_repo
+
+from ..errors import BadRequest, Conflict, EntryNotFound, RepoNotFound, RevisionNotFound
+from ..naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
+from .blobs import BlobStore, FileDigest, fsync_dir, hash_file
+
+__all__ = [
+    "AddFile",
+    "CommitRecord",
+    "DeleteFile",
+    "DeleteFolder",
+    "FileEntry",
+    "HubStore",
+    "PICKLE_SUFFIXES",
+    "RepoRecord",
+]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+LFS_THRESHOLD = 10 * 1024 * 1024
+DEFAULT_BRANCH = "main"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS repos (
+    id INTEGER PRIMARY KEY,
+    org TEXT NOT NULL,
+    name TEXT NOT NULL,
+    private INTEGER NOT NULL DEFAULT 0,
+    created_at TEXT NOT NULL,
+    UNIQUE (org, name)
+);
+CREATE TABLE IF NOT EXISTS commits (
+    sha TEXT PRIMARY KEY,
+    repo INTEGER NOT NULL REFERENCES repos(id),
+    parent TEXT,
+    title TEXT NOT NULL,
+    message TEXT NOT NULL,
+    author TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    arch TEXT,
+    num_params INTEGER,
+    epsilon REAL,
+    delta REAL,
+    accountant TEXT,
+    datasets TEXT NOT NULL,
+    card_data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS files (
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    git_oid TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    PRIMARY KEY (commit_sha, path)
+);
+CREATE TABLE IF NOT EXISTS commit_datasets (
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    dataset TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS commit_datasets_by_name ON commit_datasets (dataset);
+CREATE TABLE IF NOT EXISTS refs (
+    repo INTEGER NOT NULL REFERENCES repos(id),
+    kind TEXT NOT NULL CHECK (kind IN ('branch', 'tag')),
+    name TEXT NOT NULL,
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    PRIMARY KEY (repo, kind, name)
+);
+"""
+
+
+@dataclass(frozen=True)
+class RepoRecord:
+    """A repo as the index knows it."""
+
+    repo_id: str
+    private: bool
+    created_at: str
+
+    @property
+    def org(self) -> str:
+        return self.repo_id.split("/")[0]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a commit's tree."""
+
+    path: str
+    sha256: str
+    git_oid: str
+    size: int
+
+    @property
+    def lfs(self) -> bool:
+        """Served like a Git-LFS file (ETag = SHA-256): weights and anything large."""
+        return self.path.endswith(".safetensors") or self.size > LFS_THRESHOLD
+
+    @property
+    def etag(self) -> str:
+        return self.sha256 if self.lfs else self.git_oid
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """A commit with the index fields taken from its verified ledger, config and card."""
+
+    sha: str
+    repo_id: str
+    parent: str | None
+    title: str
+    message: str
+    author: str
+    created_at: str
+    arch: str | None
+    num_params: int | None
+    epsilon: float | None
+    delta: float | None
+    accountant: str | None
+    datasets: list[str] = field(default_factory=list)
+    card_data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AddFile:
+    """Commit operation: add or replace ``path`` with the content of the temp file ``source``."""
+
+    path: str
+    source: Path
+
+
+@dataclass(frozen=True)
+class DeleteFile:
+    path: str
+
+
+@dataclass(frozen=True)
+class DeleteFolder:
+    path: str
+
+
+Operation = AddFile | DeleteFile | DeleteFolder
+
+
+class HubStore:
+    """Read and write API of the store rooted at ``root`` (created on first use)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.root)
+        self._db_path = self.root / "index.sqlite"
+        (self.root / "locks").mkdir(exist_ok=True)
+        (self.root / "snapshots").mkdir(exist_ok=True)
+        with self._db() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+        self.blobs.clean_stale_temps()
+
+    # ----------------------------------------------------------------- plumbing
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA synchronous=FULL")
+        try:
+            yield db
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _repo_lock(self, repo_id: str) -> Iterator[None]:
+        path = self.root / "locks" / (hashlib.sha256(repo_id.encode()).hexdigest()[:32] + ".lock")
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _repo_row(self, db: sqlite3.Connection, repo_id: str) -> sqlite3.Row:
+        org, _, name = repo_id.partition("/")
+        validate_repo_id(org, name)
+        row = db.execute("SELECT * FROM repos WHERE org = ? AND name = ?", (org, name)).fetchone()
+        if row is None:
+            raise RepoNotFound(f"repository {repo_id} not found")
+        return row
+
+    # -------------------------------------------------------------------- repos
+    def create_repo(self, repo_id: str, private: bool = False) -> tuple[RepoRecord, bool]:
+        """Create ``org/name``; returns (repo, created). An existing repo is returned as is."""
+        org, _, name = repo_id.partition("/")
+        validate_repo_id(org, name)
+        with self._db() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?)",
+                (org, name, int(private), _now()),
+            )
+            return self.get_repo(repo_id), cur.rowcount == 1
+
+    def get_repo(self, repo_id: str) -> RepoRecord:
+        """The repo, or RepoNotFound."""
+        with self._db() as db:
+            row = self._repo_row(db, repo_id)
+        return RepoRecord(f"{row['org']}/{row['name']}", bool(row["private"]), row["created_at"])
+
+    # ---------------------------------------------------------------- revisions
+    def resolve(self, repo_id: str, revision: str = DEFAULT_BRANCH) -> str:
+        """The commit id a branch, tag or full commit id of ``repo_id`` names."""
+        validate_revision(revision)
+        with self._db() as db:
+            repo = self._repo_row(db, repo_id)
+            if COMMIT_RE.match(revision):
+                row = db.execute(
+                    "SELECT sha FROM commits WHERE sha = ? AND repo = ?", (revision, repo["id"])
+                ).fetchone()
+            else:
+                row = db.execute(
+                    "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? "
+                    "ORDER BY kind = 'branch' DESC LIMIT 1",
+                    (repo["id"], revision),
+                ).fetchone()
+        if row is None:
+            raise RevisionNotFound(f"revision {revision!r} not found in {repo_id}")
+        return row["sha"]
+
+    def commit_record(self, repo_id: str, commit: str) -> CommitRecord:
+        """Metadata of one commit of ``repo_id``."""
+        with self._db() as db:
+            repo = self._repo_row(db, repo_id)
+            row = db.execute(
+                "SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"])
+            ).fetchone()
+        if row is None:
+            raise RevisionNotFound(f"commit {commit} not found in {repo_id}")
+        return _commit_record(repo_id, row)
+
+    def tree(self, repo_id: str, commit: str) -> dict[str, FileEntry]:
+        """Every file of a commit, by path."""
+        self.commit_record(repo_id, commit)
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT path, sha256, git_oid, size FROM files WHERE commit_sha = ? ORDER BY path",
+                (commit,),
+            ).fetchall()
+        return {r["path"]: FileEntry(r["path"], r["sha256"], r["git_oid"], r["size"]) for r in rows}
+
+    def file(self, repo_id: str, commit: str, path: str) -> FileEntry:
+        """One file of a commit, or EntryNotFound."""
+        validate_path(path)
+        entry = self.tree(repo_id, commit).get(path)
+        if entry is None:
+            raise EntryNotFound(f"{path} not found in {repo_id} at {commit}", {"X-Repo-Commit": commit})
+        return entry
+
+    def blob_path(self, entry: FileEntry) -> Path:
+        return self.blobs.path(entry.sha256)
+
+    def history(self, repo_id: str, revision: str = DEFAULT_BRANCH, limit: int = 100) -> list[CommitRecord]:
+        """Commits reachable from ``revision``, newest first."""
+        sha: str | None = self.resolve(repo_id, revision)
+        out = []
+        while sha and len(out) < limit:
+            record = self.commit_record(repo_id, sha)
+            out.append(record)
+            sha = record.parent
+        return out
+
+    def refs(self, repo_id: str) -> dict[str, dict[str, str]]:
+        """``{"branch": {name: commit}, "tag": {name: commit}}``."""
+        out: dict[str, dict[str, str]] = {"branch": {}, "tag": {}}
+        with self._db() as db:
+            repo = self._repo_row(db, repo_id)
+            for row in db.execute("SELECT kind, name, commit_sha FROM refs WHERE repo = ?", (repo["id"],)):
+                out[row["kind"]][row["name"]] = row["commit_sha"]
+        return out
+
+    def create_tag(self, repo_id: str, tag: str, revision: str = DEFAULT_BRANCH) -> str:
+        """Point a new tag at ``revision``; an existing tag is a conflict."""
+        validate_revision(tag)
+        if COMMIT_RE.match(tag):
+            raise BadRequest(f"tag {tag!r} looks like a commit id")
+        commit = self.resolve(repo_id, revision)
+        with self._db() as db:
+            repo = self._repo_row(db, repo_id)
+            try:
+                db.execute(
+                    "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?)",
+                    (repo["id"], tag, commit),
+                )
+            except sqlite3.IntegrityError:
+                raise Conflict(f"tag {tag!r} already exists in {repo_id}") from None
+        return commit
+
+    # ------------------------------------------------------------------ listing
+    def list_models(
+        self,
+        *,
+        search: str | None = None,
+        author: str | None = None,
+        arch: str | None = None,
+        dataset: str | None = None,
+        max_epsilon: float | None = None,
+        include_private: bool = False,
+        sort: str = "updated",
+        descending: bool = True,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[tuple[RepoRecord, CommitRecord]]:
+        """Repos with a ``main`` branch, filtered and sorted in SQLite (no blob is read)."""
+        columns = {"updated": "c.created_at", "epsilon": "c.epsilon", "name": "r.org || '/' || r.name",
+                   "params": "c.num_params", "delta": "c.delta", "arch": "c.arch"}
+        if sort not in columns:
+            raise BadRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
+        where, args = ["f.kind = 'branch'", "f.name = ?"], [DEFAULT_BRANCH]
+        if not include_private:
+            where.append("r.private = 0")
+        if search:
+            where.append("(r.org || '/' || r.name) LIKE ? ESCAPE '\\'")
+            args.append("%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
+        if author:
+            where.append("r.org = ?")
+            args.append(author)
+        if arch:
+            where.append("c.arch = ?")
+            args.append(arch)
+        if dataset:
+            where.append("EXISTS (SELECT 1 FROM commit_datasets d WHERE d.commit_sha = c.sha AND d.dataset = ?)")
+            args.append(dataset)
+        if max_epsilon is not None:
+            where.append("c.epsilon <= ?")
+            args.append(max_epsilon)
+        order = f"{columns[sort]} {'DESC' if descending else 'ASC'}, r.org, r.name"
+        sql = (
+            "SELECT r.org, r.name, r.private, r.created_at AS repo_created, c.* FROM repos r "
+            "JOIN refs f ON f.repo = r.id JOIN commits c ON c.sha = f.commit_sha "
+            f"WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ? OFFSET ?"
+        )
+        with self._db() as db:
+            rows = db.execute(sql, [*args, limit, offset]).fetchall()
+        return [
+            (
+                RepoRecord(f"{r['org']}/{r['name']}", bool(r["private"]), r["repo_created"]),
+                _commit_record(f"{r['org']}/{r['name']}", r),
+            )
+            for r in rows
+        ]
+
+    # ------------------------------------------------------------------ writing
+    def commit(
+        self,
+        repo_id: str,
+        operations: Sequence[Operation],
+        *,
+        branch: str = DEFAULT_BRANCH,
+        parent_commit: str | None = None,
+        title: str = "",
+        message: str = "",
+        author: str = "anonymous",
+    ) -> CommitRecord:
+        """Apply ``operations`` on top of ``branch`` as one verified, atomic commit.
+
+        Temp files of AddFile operations are consumed (moved into the blob store, or
+        deleted when the commit is refused). Raises BadRequest when the resulting tree does
+        not verify, Conflict when ``parent_commit`` is not the branch head.
+        """
+        try:
+            with self._repo_lock(repo_id):
+                return self._commit_locked(
+                    repo_id, operations, branch, parent_commit, title, message, author
+                )
+        finally:
+            for op in operations:
+                if isinstance(op, AddFile):
+                    op.source.unlink(missing_ok=True)
+
+    def _commit_locked(
+        self,
+        repo_id: str,
+        operations: Sequence[Operation],
+        branch: str,
+        parent_commit: str | None,
+        title: str,
+        message: str,
+        author: str,
+    ) -> CommitRecord:
+        validate_revision(branch)
+        if COMMIT_RE.match(branch):
+            raise BadRequest("commits go to a branch, not to a commit id")
+        refs = self.refs(repo_id)  # raises RepoNotFound first
+        if branch in refs["tag"]:
+            raise BadRequest(f"{branch!r} is a tag; commits go to a branch")
+        head = refs["branch"].get(branch)
+        if branch != DEFAULT_BRANCH and head is None:
+            raise RevisionNotFound(f"branch {branch!r} does not exist in {repo_id}")
+        if parent_commit is not None and parent_commit != head:
+            raise Conflict(
+                f"parent commit {parent_commit} is stale: branch {branch} of {repo_id} is at {head}; "
+                "fetch the new revision and commit again"
+            )
+        tree = self.tree(repo_id, head) if head else {}
+        local: dict[str, Path] = {p: self.blob_path(e) for p, e in tree.items()}
+        new: dict[str, tuple[Path, FileDigest]] = {}
+        for op in operations:
+            path = validate_path(op.path.rstrip("/") if isinstance(op, DeleteFolder) else op.path)
+            if isinstance(op, AddFile):
+                if path.lower().endswith(PICKLE_SUFFIXES):
+                    raise BadRequest(
+                        f"{path}: pickle-based weight files are not accepted; publish safetensors"
+                    )
+                new[path] = (op.source, hash_file(op.source))
+                local[path] = op.source
+            elif isinstance(op, DeleteFile):
+                if path not in local:
+                    raise EntryNotFound(f"cannot delete {path}: no such file in {repo_id}")
+                local.pop(path)
+                new.pop(path, None)
+            else:
+                prefix = path + "/"
+                for p in [p for p in local if p.startswith(prefix)]:
+                    local.pop(p)
+                    new.pop(p, None)
+        report = verify_repo(local)
+        if not report.ok:
+            raise BadRequest(
+                f"refused: {repo_id} does not verify, nothing was stored. "
+                + "; ".join(str(p) for p in report.problems)
+            )
+        summary = report.ledger.summary()  # type: ignore[union-attr]
+        config = json.loads(local[CONFIG_FILE].read_bytes())
+        card_data = ModelCard(local[CARD_FILE].read_text(encoding="utf-8"), ignore_metadata_errors=True).data.to_dict()
+        files = {p: e for p, e in tree.items() if p in local and p not in new}
+        for path, (source, digest) in new.items():
+            self.blobs.ingest(source, digest)
+            files[path] = FileEntry(path, digest.sha256, digest.git_oid, digest.size)
+        created = _now()
+        sha = _commit_id(head, files, title, message, author, created)
+        meta = config.get("vip_hub") or {}
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                current = db.execute(
+                    "SELECT commit_sha FROM refs WHERE repo = (SELECT id FROM repos WHERE org = ? AND name = ?) "
+                    "AND kind = 'branch' AND name = ?",
+                    (*repo_id.split("/"), branch),
+                ).fetchone()
+                if (current["commit_sha"] if current else None) != head:
+                    raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
+                repo_row = self._repo_row(db, repo_id)
+                db.execute(
+                    "INSERT INTO commits (sha, repo, parent, title, message, author, created_at, arch, "
+                    "num_params, epsilon, delta, accountant, datasets, card_data) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (sha, repo_row["id"], head, title, message, author, created, meta.get("arch"),
+                     meta.get("num_params"), summary.epsilon, summary.delta,
+                     summary.accountant.value if summary.accountant else None,
+                     json.dumps(list(summary.datasets)), json.dumps(card_data, default=str)),
+                )
+                db.executemany(
+                    "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
+                    [(sha, e.path, e.sha256, e.git_oid, e.size) for e in files.values()],
+                )
+                db.executemany(
+                    "INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",
+                    [(sha, d) for d in summary.datasets],
+                )
+                db.execute(
+                    "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'branch', ?, ?) "
+                    "ON CONFLICT (repo, kind, name) DO UPDATE SET commit_sha = excluded.commit_sha",
+                    (repo_row["id"], branch, sha),
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return self.commit_record(repo_id, sha)
+
+    # ---------------------------------------------------------------- inference
+    def snapshot_dir(self, repo_id: str, commit: str) -> Path:
+        """A read-only folder holding ``commit``'s files (hard links to blobs), made once."""
+        tree = self.tree(repo_id, commit)
+        target = self.root / "snapshots" / repo_id / commit
+        if target.is_dir():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            for path, entry in tree.items():
+                dest = tmp / path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(self.blob_path(entry), dest)
+                except OSError:  # another filesystem: copy instead
+                    shutil.copyfile(self.blob_path(entry), dest)
+            try:
+                os.rename(tmp, target)
+                fsync_dir(target.parent)
+            except OSError:
+                if not target.is_dir():  # lost a race to a twin: theirs is identical
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        return target
+
+
+def _commit_record(repo_id: str, row: sqlite3.Row) -> CommitRecord:
+    return CommitRecord(
+        sha=row["sha"], repo_id=repo_id, parent=row["parent"], title=row["title"],
+        message=row["message"], author=row["author"], created_at=row["created_at"],
+        arch=row["arch"], num_params=row["num_params"], epsilon=row["epsilon"], delta=row["delta"],
+        accountant=row["accountant"], datasets=json.loads(row["datasets"]),
+        card_data=json.loads(row["card_data"]),
+    )
+
+
+def _commit_id(
+    parent: str | None, files: dict[str, FileEntry], title: str, message: str, author: str, created: str
+) -> str:
+    content = json.dumps(
+        {"parent": parent, "tree": sorted((p, e.sha256) for p, e in files.items()),
+         "title": title, "message": message, "author": author, "created": created},
+        sort_keys=True,
+    )
+    return hashlib.sha1(content.encode(), usedforsecurity=False).hexdigest()
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
