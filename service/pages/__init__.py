@@ -1,0 +1,1 @@
+"""The hub's web pages: the model list and one page per model."""

@@ -1,0 +1,112 @@
+"""``/`` (models, sortable and filterable by epsilon) and ``/{org}/{name}`` (card, ledger,
+files, history). Server-rendered: they work without JavaScript."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from vip_hub.card import LEDGER_COLUMNS, guarantee_paragraphs, ledger_rows
+from vip_hub.ledger import LedgerError, PrivacyLedger
+
+from ..auth import identity
+from ..errors import BadRequest
+from ..hub.common import readable_repo, store_of
+from ..naming import validate_revision
+from .render import card_body, markdown_html
+
+__all__ = ["install"]
+
+HERE = Path(__file__).parent
+templates = Jinja2Templates(directory=HERE / "templates")
+SORTS = {"updated": "Last update", "epsilon": "ε", "name": "Name", "params": "Parameters", "arch": "Architecture"}
+
+
+def install(app: FastAPI) -> None:
+    """Mount the pages and their static files on ``app``."""
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.add_api_route("/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False)
+    app.add_api_route("/{org}/{name}", model_page, methods=["GET"], response_class=HTMLResponse,
+                      include_in_schema=False)
+    app.add_api_route("/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False)
+
+
+def index(
+    request: Request,
+    sort: str = Query("updated"),
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+    max_epsilon: str = Query("", max_length=20),
+    q: str = Query("", max_length=200),
+) -> HTMLResponse:
+    if sort not in SORTS:
+        raise BadRequest(f"cannot sort by {sort!r}")
+    try:
+        bound = float(max_epsilon) if max_epsilon.strip() else None
+    except ValueError:
+        raise BadRequest(f"max_epsilon must be a number, not {max_epsilon!r}") from None
+    store = store_of(request)
+    rows = store.list_models(search=q or None, max_epsilon=bound, sort=sort, descending=order == "desc",
+                             limit=request.app.state.settings.hub.page_size)
+    models = [
+        {"id": repo.repo_id, "arch": c.arch, "params": _params(c.num_params), "epsilon": c.epsilon,
+         "delta": c.delta, "datasets": c.datasets, "updated": _date(c.created_at),
+         "accountant": (c.accountant or "").upper()}
+        for repo, c in rows
+    ]
+    return templates.TemplateResponse(request, "index.html", {
+        "models": models, "sort": sort, "order": order, "max_epsilon": max_epsilon, "q": q, "sorts": SORTS,
+    })
+
+
+def model_page(request: Request, org: str, name: str, revision: str = Query("main", max_length=128)) -> HTMLResponse:
+    store = store_of(request)
+    repo = readable_repo(store, org, name, identity(request))
+    commit = store.resolve(repo.repo_id, validate_revision(revision))
+    record = store.commit_record(repo.repo_id, commit)
+    tree = store.tree(repo.repo_id, commit)
+    file_base = f"/{repo.repo_id}/resolve/{commit}"
+    readme = store.blob_path(tree["README.md"]).read_text(encoding="utf-8")
+    try:
+        ledger = PrivacyLedger.parse(store.blob_path(tree["privacy_ledger.json"]).read_bytes())
+    except LedgerError:  # cannot happen for a verified commit; shown rather than hidden
+        ledger = None
+    context: dict[str, Any] = {
+        "repo": repo, "commit": record, "revision": revision,
+        "card_html": markdown_html(card_body(readme), file_base),
+        "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger)] if ledger else [],
+        "ledger_columns": LEDGER_COLUMNS, "ledger_rows": ledger_rows(ledger) if ledger else [],
+        "files": [{"path": e.path, "size": _size(e.size), "sha256": e.sha256, "url": f"{file_base}/{e.path}"}
+                  for e in tree.values()],
+        "history": store.history(repo.repo_id, commit, limit=50),
+        "params": _params(record.num_params), "date": _date,
+    }
+    return templates.TemplateResponse(request, "model.html", context)
+
+
+def commit_page(org: str, name: str, sha: str) -> RedirectResponse:
+    """Where ``commitUrl`` points: the model page at that commit."""
+    return RedirectResponse(f"/{org}/{name}?revision={validate_revision(sha)}", status_code=303)
+
+
+def _params(n: int | None) -> str:
+    if not n:
+        return "–"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _date(iso: str) -> str:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M UTC")
