@@ -1,0 +1,77 @@
+"""``create_app(settings)``: the one FastAPI app. The hub half (store protocol and web pages)
+and the inference half (``/v1/*``) can each be switched off; the operations routes
+(``/healthz``, ``/readyz``, ``/metrics``) are always there.
+
+``app.state`` carries ``settings``, ``metrics``, ``store`` (a :class:`service.store.HubStore`, opened at
+creation), ``tokens`` (a :class:`service.auth.TokenRegistry`) and, with inference on,
+``engine`` (the inference engine, started and drained by the lifespan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+import vip_hub
+
+from .auth import TokenRegistry
+from .errors import ServiceError, handle_service_error
+from .metrics import Metrics
+from .settings import Settings
+from .store import HubStore
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app for ``settings`` (read from the environment when omitted)."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    engine = None
+    if settings.inference.enabled:
+        from .inference.engine import InferenceEngine
+
+        engine = InferenceEngine(settings.inference, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine is not None:
+            await engine.start(app.state.store)
+        try:
+            yield
+        finally:
+            if engine is not None:
+                await engine.stop()
+
+    app = FastAPI(
+        title="vip-hub",
+        version=vip_hub.__version__,
+        summary="Released private vision encoders: a model hub and an inference service.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = HubStore(settings.store)
+    app.state.tokens = TokenRegistry.from_settings(settings)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.add_exception_handler(ServiceError, handle_service_error)
+
+    from .ops import install as install_ops
+
+    install_ops(app, metrics)
+    if engine is not None:
+        from .inference.api import router as inference_router
+        from .inference.body_limits import BodyLimitMiddleware
+
+        app.include_router(inference_router)
+        app.add_middleware(BodyLimitMiddleware, max_bytes=settings.inference.max_request_bytes,
+                           max_depth=settings.inference.max_json_depth)
+    if settings.hub.enabled:
+        from .hub.routes import router as hub_router
+        from .pages.routes import install as install_pages
+
+        app.include_router(hub_router)
+        install_pages(app)
+    return app

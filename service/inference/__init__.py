@@ -1,0 +1,1 @@
+"""The inference half: batched embeddings and linear-probe classification over hub models."""

@@ -1,0 +1,327 @@
+"""``/v1/embeddings`` (JSON and multipart), ``/v1/classify`` and ``/v1/models``.
+
+Every embedding or classification response names the model revision and its privacy
+guarantee, in the body and in ``X-Model-Revision``, ``X-Privacy-Epsilon``,
+``X-Privacy-Delta``, with ``X-Queue-Ms``, ``X-Preprocess-Ms`` and ``X-Inference-Ms`` timings.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from pydantic import BaseModel, ConfigDict, Field
+
+from vip_hub.artifacts import read_safetensors_header
+from vip_hub.features import Pooling
+from vip_hub.heads import HEADS_DIR
+from vip_hub.ledger import PrivacyLedger
+from vip_hub.repo import CONFIG_FILE, LEDGER_FILE
+
+from ..auth import Identity, check_read, identity, require_scope
+from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
+from ..hub.common import store_of
+from .engine import InferenceEngine, Result, parse_model_ref
+from .images import image_bytes_from_text
+from .models import LoadedModel, Task, encoder_privacy, head_privacy
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["inference"])
+
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
+MODEL_PATTERN = rf"^{_NAME}/{_NAME}(@[A-Za-z0-9][A-Za-z0-9_.-]{{0,127}})?$"
+ModelRef = Annotated[str, Field(pattern=MODEL_PATTERN, max_length=300, examples=["vip/vip-nano"])]
+Image64 = Annotated[str, Field(min_length=1, description="base64 image bytes, or a data: URI")]
+
+
+class Privacy(BaseModel):
+    """A component's (epsilon, delta) guarantee; epsilon 0 when it saw no private data."""
+
+    epsilon: float | None
+    delta: float | None
+    dataset: str | None
+    accountant: str | None
+    private_data: bool = False
+
+
+class HeadPrivacy(Privacy):
+    """What the head's own training promises about its labelled data."""
+
+    dp: bool
+    unprotected_datasets: list[str]
+    note: str | None = None
+
+
+class Usage(BaseModel):
+    images: int
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelRef
+    input: Image64 | list[Image64] = Field(description="one image or a list (base64 or data: URIs)")
+    pooling: Pooling = "avg"
+    normalize: bool = False
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions")
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    revision: str
+    pooling: Pooling
+    privacy: Privacy
+    usage: Usage
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelRef
+    head: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="a heads/<name>/ probe of the model")
+    input: Image64 | list[Image64]
+    top_k: int = Field(5, ge=1, le=1000)
+
+
+class LabelScore(BaseModel):
+    label: str
+    score: float
+
+
+class Classification(BaseModel):
+    index: int
+    labels: list[LabelScore]
+
+
+class ClassifyPrivacy(BaseModel):
+    encoder: Privacy
+    head: HeadPrivacy
+
+
+class ClassifyResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Classification]
+    model: str
+    revision: str
+    head: str
+    privacy: ClassifyPrivacy
+    usage: Usage
+
+
+class HeadDescription(BaseModel):
+    name: str
+    pooling: str
+    labels: list[str]
+    privacy: HeadPrivacy | None = None
+
+
+class ModelDescription(BaseModel):
+    id: str
+    revision: str
+    loaded: bool
+    arch: str | None
+    feature_dims: dict[str, int]
+    heads: list[HeadDescription]
+    privacy: Privacy
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelDescription]
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "bad input (the message names the image index)"},
+    404: {"description": "unknown model, revision or head"},
+    413: {"description": "an image or the request is too large"},
+    429: {"description": "the model's queue is full; retry after Retry-After seconds"},
+    503: {"description": "deadline passed or shutting down"},
+}
+
+
+def caller(request: Request) -> Identity | None:
+    """The caller; with ``auth.protect_inference`` a read token is required."""
+    who = identity(request)
+    if request.app.state.settings.auth.protect_inference:
+        require_scope(who, "read", "inference")
+    return who
+
+
+def engine_of(request: Request) -> InferenceEngine:
+    return request.app.state.engine
+
+
+async def _model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
+    store = store_of(request)
+    repo_id, revision = parse_model_ref(ref)
+    repo = store.get_repo(repo_id)
+    check_read(repo.private, repo_id, who)
+    return await engine_of(request).model(repo_id, store.resolve(repo_id, revision))
+
+
+def _check_count(request: Request, n: int) -> None:
+    limit = request.app.state.settings.inference.max_images_per_request
+    if n == 0:
+        raise BadRequest("input: at least one image is required")
+    if n > limit:
+        raise PayloadTooLarge(f"input: {n} images, more than the limit of {limit} per request")
+
+
+def _decode_texts(request: Request, inputs: str | list[str]) -> list[bytes]:
+    items = [inputs] if isinstance(inputs, str) else inputs
+    _check_count(request, len(items))
+    limits = engine_of(request).limits
+    return [image_bytes_from_text(text, i, limits) for i, text in enumerate(items)]
+
+
+def _headers(response: Response, model: LoadedModel, result: Result, privacy: dict[str, Any]) -> None:
+    response.headers["X-Model-Revision"] = model.commit
+    response.headers["X-Privacy-Epsilon"] = repr(privacy["epsilon"])
+    response.headers["X-Privacy-Delta"] = repr(privacy["delta"])
+    response.headers["X-Queue-Ms"] = f"{result.queue_s * 1e3:.2f}"
+    response.headers["X-Preprocess-Ms"] = f"{result.preprocess_s * 1e3:.2f}"
+    response.headers["X-Inference-Ms"] = f"{result.forward_s * 1e3:.2f}"
+
+
+async def _embed(request: Request, response: Response, who: Identity | None, ref: str, images: list[bytes],
+                 pooling: Pooling, normalize: bool, encoding_format: str, dimensions: int | None) -> EmbeddingsResponse:
+    model = await _model(request, ref, who)
+    width = model.encoder.feature_dim(pooling)
+    if dimensions is not None and dimensions > width:
+        raise BadRequest(f"dimensions: {dimensions} is more than the {width} of {pooling} embeddings")
+    result = await engine_of(request).run(model, images, Task(poolings=(pooling,)), request.is_disconnected)
+    vectors = torch.cat([out[pooling] for out in result.outputs])
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    if normalize:
+        vectors = torch.nn.functional.normalize(vectors, dim=-1)
+    privacy = encoder_privacy(model.ledger)
+    _headers(response, model, result, privacy)
+    data = [Embedding(index=i, embedding=_encode(v, encoding_format)) for i, v in enumerate(vectors)]
+    return EmbeddingsResponse(data=data, model=model.repo_id, revision=model.commit, pooling=pooling,
+                              privacy=Privacy(**privacy), usage=Usage(images=len(images)))
+
+
+def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+@router.post("/embeddings", response_model=EmbeddingsResponse, responses=_ERRORS, summary="Embed images (JSON)")
+async def embeddings(payload: EmbeddingsRequest, request: Request, response: Response,
+                     who: Identity | None = Depends(caller)) -> EmbeddingsResponse:
+    images = _decode_texts(request, payload.input)
+    return await _embed(request, response, who, payload.model, images, payload.pooling, payload.normalize,
+                        payload.encoding_format, payload.dimensions)
+
+
+@router.post("/embeddings/files", response_model=EmbeddingsResponse, responses=_ERRORS,
+             summary="Embed uploaded image files (multipart form)")
+async def embeddings_files(
+    request: Request,
+    response: Response,
+    model: Annotated[str, Form(max_length=300, pattern=MODEL_PATTERN)],
+    files: Annotated[list[UploadFile], File(description="image files, in order")],
+    pooling: Annotated[Pooling, Form()] = "avg",
+    normalize: Annotated[bool, Form()] = False,
+    encoding_format: Annotated[Literal["float", "base64"], Form()] = "float",
+    dimensions: Annotated[int | None, Form(ge=1)] = None,
+    who: Identity | None = Depends(caller),
+) -> EmbeddingsResponse:
+    _check_count(request, len(files))
+    limit = engine_of(request).limits.max_bytes
+    images = []
+    for i, f in enumerate(files):
+        data = await f.read(limit + 1)
+        if len(data) > limit:
+            raise PayloadTooLarge(f"input[{i}]: image larger than {limit} bytes")
+        images.append(data)
+    return await _embed(request, response, who, model, images, pooling, normalize, encoding_format, dimensions)
+
+
+@router.post("/classify", response_model=ClassifyResponse, responses=_ERRORS,
+             summary="Classify images with a linear-probe head")
+async def classify(payload: ClassifyRequest, request: Request, response: Response,
+                   who: Identity | None = Depends(caller)) -> ClassifyResponse:
+    images = _decode_texts(request, payload.input)
+    model = await _model(request, payload.model, who)
+    if payload.head not in model.heads:
+        known = ", ".join(sorted(model.heads)) or "none"
+        raise EntryNotFound(f"{model.repo_id} has no head {payload.head!r} (heads: {known})")
+    labels = model.heads[payload.head][1].labels
+    result = await engine_of(request).run(model, images, Task(head=payload.head), request.is_disconnected)
+    probs = torch.cat(result.outputs)
+    k = min(payload.top_k, len(labels))
+    scores, indices = probs.topk(k, dim=-1)
+    data = [
+        Classification(index=i, labels=[LabelScore(label=labels[j], score=float(s)) for s, j in zip(row_s, row_i)])
+        for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist()))
+    ]
+    privacy = encoder_privacy(model.ledger)
+    _headers(response, model, result, privacy)
+    return ClassifyResponse(
+        data=data, model=model.repo_id, revision=model.commit, head=payload.head,
+        privacy=ClassifyPrivacy(encoder=Privacy(**privacy), head=HeadPrivacy(**head_privacy(model.ledger, payload.head))),
+        usage=Usage(images=len(images)),
+    )
+
+
+@router.get("/models", response_model=ModelList, summary="Available and loaded models")
+def list_models(request: Request, who: Identity | None = Depends(caller)) -> ModelList:
+    store = store_of(request)
+    rows = store.list_models(include_private=who is not None and who.allows("read"),
+                             limit=request.app.state.settings.hub.page_size)
+    return ModelList(data=[_describe(request, repo.repo_id, commit.sha) for repo, commit in rows])
+
+
+@router.get("/models/{org}/{name}", response_model=ModelDescription, responses=_ERRORS, summary="One model")
+def get_model(org: str, name: str, request: Request, revision: str = Query("main", max_length=128),
+              who: Identity | None = Depends(caller)) -> ModelDescription:
+    store = store_of(request)
+    repo = store.get_repo(f"{org}/{name}")
+    check_read(repo.private, repo.repo_id, who)
+    return _describe(request, repo.repo_id, store.resolve(repo.repo_id, revision))
+
+
+def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
+    """From memory when loaded; otherwise from the store's index and files (nothing loaded)."""
+    store = store_of(request)
+    loaded = next((m for m in engine_of(request).loaded() if (m.repo_id, m.commit) == (repo_id, commit)), None)
+    tree = store.tree(repo_id, commit)
+    config = json.loads(store.blob_path(tree[CONFIG_FILE]).read_bytes())
+    ledger = loaded.ledger if loaded else PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
+    heads = []
+    for path in tree:
+        parts = path.split("/")
+        if len(parts) == 3 and parts[0] == HEADS_DIR and parts[2] == "head.safetensors":
+            labels_entry = tree.get(f"{HEADS_DIR}/{parts[1]}/labels.json")
+            labels = json.loads(store.blob_path(labels_entry).read_bytes()) if labels_entry else []
+            pooling = loaded.heads[parts[1]][1].pooling if loaded and parts[1] in loaded.heads else _head_pooling(
+                store.blob_path(tree[path]))
+            heads.append(HeadDescription(name=parts[1], pooling=pooling, labels=labels,
+                                         privacy=HeadPrivacy(**head_privacy(ledger, parts[1]))))
+    meta = config.get("vip_hub") or {}
+    return ModelDescription(
+        id=repo_id, revision=commit, loaded=loaded is not None, arch=meta.get("arch"),
+        feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy(**encoder_privacy(ledger)),
+    )
+
+
+def _head_pooling(path: Path) -> str:
+    return (read_safetensors_header(path)[0].get("__metadata__") or {}).get("vip_hub.pooling", "vip")
+

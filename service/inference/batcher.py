@@ -1,0 +1,151 @@
+"""Dynamic batching for one model: a bounded queue and a worker thread that forms batches of
+up to ``max_batch_size`` images, waiting at most ``max_wait`` after the oldest arrival, and
+runs them with ``run_batch`` off the event loop.
+
+Work items carry a ``concurrent.futures.Future``: the asyncio side awaits it (wrapped), a
+client that goes away cancels it, and the worker skips cancelled or expired items before
+computing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ServiceError
+
+__all__ = ["Batcher", "QueueFull", "ShuttingDown", "WorkItem"]
+
+
+class QueueFull(ServiceError):
+    status = 429
+
+
+class ShuttingDown(ServiceError):
+    status = 503
+
+
+class DeadlineExceeded(ServiceError):
+    status = 503
+
+
+@dataclass
+class WorkItem:
+    """Preprocessed images of one request (or one slice of it) and what to compute."""
+
+    images: torch.Tensor
+    task: Any
+    deadline: float
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return int(self.images.shape[0])
+
+
+class Batcher:
+    """One worker thread per model; ``run_batch(items)`` sets each item's future result."""
+
+    def __init__(
+        self,
+        name: str,
+        run_batch: Callable[[list[WorkItem]], None],
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_queue_images: int,
+        on_depth: Callable[[int], None] = lambda depth: None,
+    ):
+        self.name = name
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_queue_images = max_queue_images
+        self._on_depth = on_depth
+        self._items: deque[WorkItem] = deque()
+        self._queued = 0
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"batcher:{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Images waiting (not yet in a running batch)."""
+        return self._queued
+
+    def submit(self, items: list[WorkItem]) -> None:
+        """Queue a request's items, all or none; 429 when the queue is full, 503 when closing."""
+        size = sum(i.size for i in items)
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+            if self._queued + size > self.max_queue_images:
+                raise QueueFull(
+                    f"{self.name}: queue full ({self._queued} images waiting, limit {self.max_queue_images})",
+                    {"Retry-After": "1"},
+                )
+            self._items.extend(items)
+            self._queued += size
+            self._on_depth(self._queued)
+            self._cond.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop accepting work, finish what is queued or running, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        with self._cond:
+            while not self._items:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            fill_by = self._items[0].enqueued + self.max_wait_s
+            while (sum(i.size for i in self._items) < self.max_batch_size and not self._closing
+                   and (remaining := fill_by - time.perf_counter()) > 0):
+                self._cond.wait(remaining)
+            batch, size = [], 0
+            while self._items and size + self._items[0].size <= self.max_batch_size:
+                item = self._items.popleft()
+                size += item.size
+                batch.append(item)
+            if not batch:  # a single item larger than a batch runs alone
+                batch.append(self._items.popleft())
+                size = batch[0].size
+            self._queued -= size
+            self._on_depth(self._queued)
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            now = time.perf_counter()
+            live = []
+            for item in batch:
+                if now > item.deadline:
+                    if item.future.set_running_or_notify_cancel():
+                        item.future.set_exception(DeadlineExceeded(
+                            f"{self.name}: waited past the request deadline", {"Retry-After": "1"}))
+                elif item.future.set_running_or_notify_cancel():  # False: the client went away
+                    item.started = now
+                    live.append(item)
+            if not live:
+                continue
+            try:
+                self._run_batch(live)
+            except BaseException as e:  # never let one bad batch kill the worker
+                for item in live:
+                    if not item.future.done():
+                        item.future.set_exception(e)

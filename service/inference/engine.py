@@ -1,0 +1,216 @@
+"""The inference engine: which models are in memory (LRU, lazy or preloaded), decoding and
+preprocessing in a thread pool, and requests split into work items for each model's batcher.
+
+The event loop never runs torch or PIL: decoding/preprocessing run in ``preprocess_pool``
+(overlapping the forward passes, which run in each model's batcher thread), loading in a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import BadRequest, RepoNotFound, RevisionNotFound, ServiceError
+from ..metrics import Metrics
+from ..settings import InferenceSettings
+from ..store import HubStore
+from .batcher import DeadlineExceeded, ShuttingDown, WorkItem
+from .images import ImageLimits, decode_image
+from .models import LoadedModel, Task
+
+__all__ = ["InferenceEngine", "Result", "parse_model_ref"]
+
+PRELOAD_POLL_S = 1.0
+
+
+def parse_model_ref(ref: str) -> tuple[str, str]:
+    """``org/name[@revision]`` -> (repo id, revision)."""
+    repo_id, _, revision = ref.partition("@")
+    if repo_id.count("/") != 1:
+        raise BadRequest(f"model must be 'org/name' or 'org/name@revision', not {ref!r}")
+    return repo_id, revision or "main"
+
+
+@dataclass
+class Result:
+    """Outputs of one request and where its time went (seconds)."""
+
+    outputs: list[Any]
+    queue_s: float
+    preprocess_s: float
+    forward_s: float
+
+
+class InferenceEngine:
+    """Owns the loaded models and their batchers."""
+
+    def __init__(self, settings: InferenceSettings, metrics: Metrics):
+        self.settings = settings
+        self.metrics = metrics
+        self.limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
+        self.preprocess_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="preprocess")
+        self.store: HubStore | None = None
+        self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
+        self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
+        self._preload: dict[str, str] = {ref: "pending" for ref in settings.preload}
+        self._closing = False
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, store: HubStore) -> None:
+        """Begin serving; preloading runs in the background (``/readyz`` reports it)."""
+        self.store = store
+        self._preload_task = asyncio.create_task(self._preload_all()) if self._preload else None
+
+    async def stop(self) -> None:
+        """Refuse new work, then drain every batcher (in-flight batches finish)."""
+        self._closing = True
+        await asyncio.gather(*(asyncio.to_thread(m.batcher.close) for m in self._models.values() if m.batcher))
+        self.preprocess_pool.shutdown(wait=True)
+
+    def readiness(self) -> dict[str, Any]:
+        """``ready`` once every preloaded model is loaded and warm."""
+        states = dict(self._preload)
+        if self._closing:
+            status = "stopping"
+        elif any(s.startswith("error") for s in states.values()):
+            status = "error"
+        elif all(s == "ready" for s in states.values()):
+            status = "ready"
+        else:
+            status = "loading"
+        return {"status": status, "models": states, "loaded": [m.label for m in self._models.values()]}
+
+    async def _preload_all(self) -> None:
+        """Load each configured model; one not published yet is waited for (checked every
+        ``PRELOAD_POLL_S``), any other failure is reported by ``/readyz``."""
+        for ref in self._preload:
+            while not self._closing:
+                try:
+                    repo_id, revision = parse_model_ref(ref)
+                    commit = self._store().resolve(repo_id, revision)
+                except (RepoNotFound, RevisionNotFound):
+                    self._preload[ref] = "waiting: not published yet"
+                    await asyncio.sleep(PRELOAD_POLL_S)
+                    continue
+                except ServiceError as e:
+                    self._preload[ref] = f"error: {e}"
+                    break
+                self._preload[ref] = "loading"
+                try:
+                    await self.model(repo_id, commit)
+                    self._preload[ref] = "ready"
+                except Exception as e:  # the process stays up; /readyz says why
+                    self._preload[ref] = f"error: {e}"
+                break
+
+    # ------------------------------------------------------------------ models
+    def _store(self) -> HubStore:
+        if self.store is None:
+            raise ShuttingDown("the inference engine is not started")
+        return self.store
+
+    def loaded(self) -> list[LoadedModel]:
+        return list(self._models.values())
+
+    async def model(self, repo_id: str, commit: str) -> LoadedModel:
+        """The model at ``commit``, loaded on first use; least recently used ones are evicted."""
+        key = (repo_id, commit)
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        task = self._loading.get(key)
+        if task is None:
+            folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
+            task = asyncio.create_task(asyncio.to_thread(
+                LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics))
+            self._loading[key] = task
+            try:
+                model = await task
+            finally:
+                self._loading.pop(key, None)
+            self._models[key] = model
+            self.metrics.loaded_models.set(len(self._models))
+            await self._evict()
+            return model
+        return await task
+
+    async def _evict(self) -> None:
+        while len(self._models) > self.settings.max_loaded_models:
+            _, old = self._models.popitem(last=False)
+            if old.batcher is not None:
+                await asyncio.to_thread(old.batcher.close)
+        self.metrics.loaded_models.set(len(self._models))
+
+    # ------------------------------------------------------------------ running
+    async def run(
+        self,
+        model: LoadedModel,
+        images: Sequence[bytes],
+        task: Task,
+        is_disconnected: Callable[[], Awaitable[bool]],
+    ) -> Result:
+        """Decode, preprocess and batch ``images`` for ``task``; results in input order."""
+        if self._closing:
+            raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        batch = await loop.run_in_executor(self.preprocess_pool, self._preprocess, model, images)
+        preprocess_s = time.perf_counter() - start
+        self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
+        deadline = time.perf_counter() + self.settings.request_timeout_s
+        size = self.settings.max_batch_size
+        items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
+        assert model.batcher is not None
+        model.batcher.submit(items)
+        futures = [asyncio.wrap_future(i.future) for i in items]
+        try:
+            await _wait_or_disconnect(futures, is_disconnected, self.settings.request_timeout_s + 5)
+        except BaseException:
+            for i in items:
+                i.future.cancel()  # images not yet computed are dropped
+            raise
+        outputs, queue_s, forward_s = [], 0.0, 0.0
+        for f in futures:
+            result, waited, fwd = f.result()
+            outputs.append(result)
+            queue_s, forward_s = max(queue_s, waited), forward_s + fwd
+        return Result(outputs, queue_s, preprocess_s, forward_s)
+
+    def _preprocess(self, model: LoadedModel, images: Sequence[bytes]) -> torch.Tensor:
+        transform = model.encoder.transform
+        return torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
+
+
+async def _wait_or_disconnect(
+    futures: list[asyncio.Future[Any]], is_disconnected: Callable[[], Awaitable[bool]], timeout: float
+) -> None:
+    """Wait for every future; stop early (cancelling) if the client disconnects."""
+    pending = asyncio.gather(*futures)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while True:
+        done, _ = await asyncio.wait({pending}, timeout=0.25)
+        if done:
+            pending.result()
+            return
+        if await is_disconnected():
+            pending.cancel()
+            raise ClientGone("client disconnected")
+        if loop.time() > give_up:
+            pending.cancel()
+            raise DeadlineExceeded("timed out waiting for the model", {"Retry-After": "1"})
+
+
+class ClientGone(ServiceError):
+    status = 499
+

@@ -1,0 +1,93 @@
+"""Untrusted images in, RGB PIL images out, with limits enforced before the pixels are decoded.
+
+Accepted: JPEG, PNG, WebP, GIF (first frame), BMP, TIFF. The byte size is checked before
+base64 decoding, the pixel count from the header before ``load()`` (decompression bombs never
+allocate), and every failure names the input's index and the reason.
+
+Modes become RGB as timm's loader does (``convert("RGB")``: L, LA, P, RGBA, CMYK), except
+16-bit and float greyscale (I;16, I, F), which are rescaled to 8 bits first instead of being
+clipped at 255.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from ..errors import BadRequest, PayloadTooLarge
+
+__all__ = ["FORMATS", "ImageLimits", "decode_image", "image_bytes_from_text"]
+
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
+_WIDE_GREY = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Per-image limits."""
+
+    max_bytes: int
+    max_pixels: int
+
+
+def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
+    """Bytes of a base64 string or ``data:`` URI; URLs are refused (no server-side fetching)."""
+    if text.startswith(("http://", "https://", "ftp://", "file:")):
+        raise BadRequest(f"input[{index}]: URLs are not fetched; send the image bytes as base64 or a data: URI")
+    payload = text
+    if text.startswith("data:"):
+        match = _DATA_URI.match(text)
+        if match is None:
+            raise BadRequest(f"input[{index}]: a data: URI must be base64-encoded (data:image/png;base64,...)")
+        payload = text[match.end():]
+    if len(payload) * 3 // 4 > limits.max_bytes + 3:
+        raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"input[{index}]: not valid base64") from None
+    return data
+
+
+def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
+    """An RGB image from untrusted bytes, or a 4xx naming ``index`` and what was wrong."""
+    if not data:
+        raise BadRequest(f"input[{index}]: empty image")
+    if len(data) > limits.max_bytes:
+        raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+            width, height = img.size
+            if width * height > limits.max_pixels:
+                raise PayloadTooLarge(
+                    f"input[{index}]: {width}x{height} pixels exceeds the limit of {limits.max_pixels} "
+                    "(decompression bombs are refused from the header)"
+                )
+            if width == 0 or height == 0:
+                raise BadRequest(f"input[{index}]: image has no pixels")
+            img.seek(0)  # first frame of an animation
+            img.load()
+    except UnidentifiedImageError:
+        raise BadRequest(f"input[{index}]: not an image in a supported format ({', '.join(FORMATS)})") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise PayloadTooLarge(f"input[{index}]: decompression bomb refused") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None
+    return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB as timm's loader makes it, wide greyscale rescaled rather than clipped."""
+    if img.mode in _WIDE_GREY:
+        scale = 255.0 / _WIDE_GREY[img.mode]
+        img = img.convert("F").point(lambda v: v * scale).convert("L")
+    return img if img.mode == "RGB" else img.convert("RGB")

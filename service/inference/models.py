@@ -1,0 +1,142 @@
+"""A model held in memory for inference: the verified encoder, its probe heads, its privacy
+summaries, and the batcher that runs its forward passes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vip_hub import load_encoder
+from vip_hub.features import POOLINGS, Pooling, extract_features
+from vip_hub.heads import HeadInfo, LinearProbe, head_component, list_heads, load_head
+from vip_hub.ledger import DPStage, NonPrivateStage, PrivacyLedger
+
+from ..metrics import Metrics
+from ..settings import InferenceSettings
+from .batcher import Batcher, WorkItem
+
+__all__ = ["LoadedModel", "Task", "encoder_privacy", "head_privacy"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What to compute for a work item: feature modes, or a head's class probabilities."""
+
+    poolings: tuple[Pooling, ...] = ()
+    head: str | None = None
+
+
+@dataclass
+class LoadedModel:
+    """An encoder (eval mode, verified) with its heads and batcher."""
+
+    repo_id: str
+    commit: str
+    encoder: Any  # vip_hub.Encoder
+    heads: dict[str, tuple[LinearProbe, HeadInfo]]
+    metrics: Metrics | None = None
+    batcher: Batcher | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.encoder.ledger
+
+    @property
+    def label(self) -> str:
+        return f"{self.repo_id}@{self.commit[:10]}"
+
+    def feature_dims(self) -> dict[str, int]:
+        return {p: self.encoder.feature_dim(p) for p in POOLINGS}
+
+    @classmethod
+    def load(cls, repo_id: str, commit: str, folder: Path, settings: InferenceSettings,
+             metrics: Metrics) -> "LoadedModel":
+        """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
+        encoder = load_encoder(folder, verify=True)
+        heads = {name: load_head(folder, name) for name in list_heads(folder)}
+        model = cls(repo_id, commit, encoder, heads, metrics)
+        model.warm_up()
+        label = model.label
+        model.batcher = Batcher(
+            label, model.run_batch, max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
+            on_depth=metrics.queue_depth.labels(label).set,
+        )
+        return model
+
+    def warm_up(self) -> None:
+        """One forward pass per head and mode on a blank batch, so first requests run warm."""
+        size = self.encoder.spec.img_size
+        with torch.inference_mode():
+            feats = extract_features(self.encoder.model, torch.zeros(2, 3, size, size), POOLINGS)
+            for head, info in self.heads.values():
+                head(feats[info.pooling])
+
+    @torch.inference_mode()
+    def run_batch(self, items: list[WorkItem]) -> None:
+        """Forward the items' images as one batch; set each item's result."""
+        start = time.perf_counter()
+        modes: set[Pooling] = set()
+        for item in items:
+            task: Task = item.task
+            modes.update(task.poolings)
+            if task.head is not None:
+                modes.add(self.heads[task.head][1].pooling)
+        x = torch.cat([i.images for i in items]) if len(items) > 1 else items[0].images
+        feats = extract_features(self.encoder.model, x, tuple(sorted(modes)))
+        forward_s = time.perf_counter() - start
+        offset = 0
+        for item in items:
+            rows = slice(offset, offset + item.size)
+            offset += item.size
+            task = item.task
+            if task.head is not None:
+                head, info = self.heads[task.head]
+                result: Any = torch.softmax(head(feats[info.pooling][rows]).float(), dim=-1)
+            else:
+                result = {m: feats[m][rows].float() for m in task.poolings}
+            item.future.set_result((result, item.started - item.enqueued, forward_s))
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.batch_size.labels(self.label).observe(x.shape[0])
+        metrics.forward_seconds.labels(self.label).observe(forward_s)
+        for item in items:
+            metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
+
+
+def encoder_privacy(ledger: PrivacyLedger) -> dict[str, Any]:
+    """The ``privacy`` block of a response: the encoder's headline guarantee."""
+    s = ledger.summary()
+    return {
+        "epsilon": s.epsilon,
+        "delta": s.delta,
+        "dataset": ", ".join(s.datasets) if s.datasets else None,
+        "accountant": s.accountant.value if s.accountant else None,
+        "private_data": bool(s.datasets),
+    }
+
+
+def head_privacy(ledger: PrivacyLedger, name: str) -> dict[str, Any]:
+    """What the head's own training stage promises about its labelled data."""
+    component = head_component(name)
+    stages = [s for s in ledger.stages if s.component == component]
+    dp = [s for s in stages if isinstance(s, DPStage)]
+    unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
+    guarantees = [g for g in ledger.guarantees if set(g.stages) & {s.name for s in dp}]
+    return {
+        "epsilon": max((g.epsilon for g in guarantees), default=None if unprotected else 0.0),
+        "delta": max((g.delta for g in guarantees), default=None if unprotected else 0.0),
+        "dataset": ", ".join(s.dataset.name for s in stages) or None,
+        "accountant": guarantees[0].accountant.value if guarantees else None,
+        "private_data": bool(dp or unprotected),
+        "dp": bool(dp),
+        "unprotected_datasets": unprotected,
+        "note": (f"trained without differential privacy on {', '.join(unprotected)}: no guarantee covers "
+                 "that data" if unprotected else None),
+    }

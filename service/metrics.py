@@ -1,0 +1,32 @@
+"""Prometheus metrics of one app (its own registry, so several apps can live in a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Request, queue, batch and stage-timing metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("vip_hub_requests_total", "HTTP requests", ["method", "route", "status"], registry=r)
+        self.latency = Histogram("vip_hub_request_seconds", "HTTP request latency", ["method", "route", "status"],
+                                 buckets=_LATENCY, registry=r)
+        self.queue_depth = Gauge("vip_hub_queue_images", "Images waiting per model", ["model"], registry=r)
+        self.batch_size = Histogram("vip_hub_batch_images", "Images per forward batch", ["model"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.queue_seconds = Histogram("vip_hub_queue_seconds", "Time an image waited in the queue", ["model"],
+                                       buckets=_LATENCY, registry=r)
+        self.preprocess_seconds = Histogram("vip_hub_preprocess_seconds", "Decoding and preprocessing per request",
+                                            ["model"], buckets=_LATENCY, registry=r)
+        self.forward_seconds = Histogram("vip_hub_forward_seconds", "Forward pass per batch", ["model"],
+                                         buckets=_LATENCY, registry=r)
+        self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
+        self.rejected = Counter("vip_hub_rejected_total", "Requests refused by the batcher", ["model", "reason"],
+                                registry=r)
