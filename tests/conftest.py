@@ -6,11 +6,18 @@ import os
 import tempfile
 from pathlib import Path
 
-# Keep every hub client's cache and token away from the user's home, before any import.
+import socket  # noqa: E402
+
+# Before huggingface_hub is imported: keep client caches and tokens away from the user's home,
+# and point unmodified clients (HF_ENDPOINT) at the session's hub server, on a port chosen now.
 _HOME = Path(tempfile.mkdtemp(prefix="vip-hub-tests-"))
-os.environ.setdefault("HF_HOME", str(_HOME / "hf"))
+os.environ["HF_HOME"] = str(_HOME / "hf")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ.pop("HF_TOKEN", None)
+with socket.socket() as _s:
+    _s.bind(("127.0.0.1", 0))
+    HUB_PORT = _s.getsockname()[1]
+os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{HUB_PORT}"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -63,3 +70,43 @@ def tiny_repo(tmp_path: Path, dp_stage_session: DPStage) -> Path:
         decoder=decoder,
         decoder_config={"embed_dim": 512, "depth": 0},
     )
+
+
+@pytest.fixture(scope="session")
+def hub(tmp_path_factory: pytest.TempPathFactory):
+    """The session's live server (hub + inference) on HF_ENDPOINT's port."""
+    from live import ThreadedServer, settings_for
+
+    store = tmp_path_factory.mktemp("hub-store")
+    with ThreadedServer(settings_for(store), port=HUB_PORT) as server:
+        yield server
+
+
+def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
+    """An exported tiny encoder with a 3-class probe head (non-DP, on sensitive labels)."""
+    from vip_hub.heads import HeadInfo, LinearProbe, save_head
+
+    stages = [synthetic_stage(), dp_stage()] if dp else [synthetic_stage()]
+    repo = export_encoder(folder, tiny_encoder(seed), TINY, stages, model_name=folder.name)
+    torch.manual_seed(seed)
+    head = LinearProbe(1152, 3)
+    head.norm.running_mean.normal_()
+    head.norm.running_var.uniform_(0.5, 2.0)
+    save_head(repo, head.eval(), HeadInfo("toy", "vip", ["red", "green", "blue"], {"top1": 0.5}),
+              NonPrivateStage(name="linear-probe:toy", component="heads/toy",
+                              dataset=Dataset(name="toy-labels", size=30), private_data=True))
+    return repo
+
+
+@pytest.fixture(scope="session")
+def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Repos published to the session hub through `vip-hub push`: repo id -> local folder."""
+    from live import WRITE_TOKEN
+    from vip_hub.push import push_repo
+
+    base = tmp_path_factory.mktemp("published")
+    repos = {"vip/vip-nano-test": tiny_repo_with_head(base / "vip-nano-test")}
+    repos["vip/vip-nano-syn"] = tiny_repo_with_head(base / "vip-nano-syn", seed=1, dp=False)
+    for repo_id, folder in repos.items():
+        push_repo(folder, repo_id, token=WRITE_TOKEN)
+    return repos

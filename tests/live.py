@@ -1,0 +1,110 @@
+"""Real servers for tests: uvicorn on 127.0.0.1, in a thread (fast) or a subprocess (killable)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from service.app import create_app
+from service.settings import Settings
+
+WRITE_TOKEN = "vh_test_write_token"
+READ_TOKEN = "vh_test_read_token"
+ADMIN_TOKEN = "vh_test_admin_token"
+TOKENS = f"writer:write:{WRITE_TOKEN};reader:read:{READ_TOKEN};root:admin:{ADMIN_TOKEN}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadedServer:
+    """``create_app(settings)`` served by uvicorn in a daemon thread."""
+
+    def __init__(self, settings: Settings, port: int | None = None):
+        self.settings = settings
+        self.port = port or free_port()
+        self.app = create_app(settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                   log_level="warning", timeout_graceful_shutdown=30))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ThreadedServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def settings_for(store: Path, **overrides: object) -> Settings:
+    """Test settings: the given store, the test tokens, overrides merged per section."""
+    base: dict[str, object] = {"store": store, "auth": {"tokens": TOKENS}}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}  # type: ignore[dict-item]
+        else:
+            base[key] = value
+    return Settings(**base)
+
+
+class ProcessServer:
+    """``vip-hub serve`` in its own process (so a test can SIGKILL it)."""
+
+    def __init__(self, store: Path, port: int | None = None, extra_env: dict[str, str] | None = None):
+        self.store, self.port = store, port or free_port()
+        self.env = {**os.environ, "VIP_HUB_AUTH__TOKENS": TOKENS, **(extra_env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ProcessServer":
+        script = Path(sys.executable).with_name("vip-hub")
+        self.proc = subprocess.Popen(
+            [str(script), "serve", "--store", str(self.store), "--port", str(self.port), "--no-inference"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read().decode() if self.proc.stderr else "server died")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)

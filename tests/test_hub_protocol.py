@@ -1,0 +1,309 @@
+"""Unmodified huggingface_hub and timm clients against a real server (HF_ENDPOINT)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import timm
+import torch
+from huggingface_hub import HfApi, ModelCard, hf_hub_download, snapshot_download
+from huggingface_hub.errors import (
+    BadRequestError,
+    EntryNotFoundError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+import vip_hub
+from live import READ_TOKEN, WRITE_TOKEN
+from vip_hub.push import push_repo
+
+from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder, tiny_repo_with_head
+
+MODEL = "vip/vip-nano-test"
+
+
+def test_downloads_and_metadata(hub, published):
+    api = HfApi()
+    info = api.model_info(MODEL, files_metadata=True)
+    assert len(info.sha) == 40 and info.library_name == "timm" and not info.private
+    assert "differential-privacy" in info.tags
+    sizes = {s.rfilename: s.size for s in info.siblings}
+    local = published[MODEL]
+    assert sizes["model.safetensors"] == (local / "model.safetensors").stat().st_size
+    assert next(s for s in info.siblings if s.rfilename == "model.safetensors").lfs is not None
+    assert sorted(api.list_repo_files(MODEL)) == sorted(
+        p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    path = hf_hub_download(MODEL, "privacy_ledger.json")
+    assert Path(path).read_bytes() == (local / "privacy_ledger.json").read_bytes()
+    snap = Path(snapshot_download(MODEL))
+    assert (snap / "heads/toy/head.safetensors").read_bytes() == (local / "heads/toy/head.safetensors").read_bytes()
+    assert vip_hub.verify_repo(snap).ok
+    card = ModelCard.load(MODEL)
+    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v1"
+
+
+def test_timm_and_vip_hub_load_from_the_hub(hub, published):
+    model = timm.create_model(f"hf-hub:{MODEL}", pretrained=True).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), tiny_encoder(0)(x), rtol=0, atol=0)
+    encoder = vip_hub.load_encoder(MODEL)
+    assert encoder.privacy.datasets == ("test-images",)
+
+
+def test_list_models_and_search(hub, published):
+    api = HfApi()
+    ids = {m.id for m in api.list_models()}
+    assert {MODEL, "vip/vip-nano-syn"} <= ids
+    assert [m.id for m in api.list_models(search="nano-syn")] == ["vip/vip-nano-syn"]
+    assert {m.id for m in api.list_models(author="vip")} >= {MODEL}
+    rows = httpx.get(f"{hub.url}/api/models", params={"max_epsilon": 0, "sort": "epsilon"}).json()
+    assert [r["id"] for r in rows] == ["vip/vip-nano-syn"]
+    rows = httpx.get(f"{hub.url}/api/models", params={"dataset": "test-images"}).json()
+    assert MODEL in [r["id"] for r in rows] and rows[0]["vip_hub"]["private_datasets"] == ["test-images"]
+    assert len(list(api.list_models(limit=1))) == 1
+
+
+def test_revision_pinning(hub, tmp_path):
+    api = HfApi(token=WRITE_TOKEN)
+    repo_id = "pin/model"
+    first = push_repo(tiny_repo_with_head(tmp_path / "a", seed=3), repo_id, token=WRITE_TOKEN)
+    api.create_tag(repo_id, tag="v1")
+    second = push_repo(tiny_repo_with_head(tmp_path / "b", seed=4), repo_id, token=WRITE_TOKEN)
+    assert first != second
+    for revision, seed in ((first, 3), ("v1", 3), ("main", 4), (second, 4)):
+        model = timm.create_model(f"hf-hub:{repo_id}@{revision}", pretrained=True).eval()
+        x = torch.randn(1, 3, 32, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), tiny_encoder(seed)(x), rtol=0, atol=0)
+    assert api.model_info(repo_id, revision=first).sha == first
+    refs = api.list_repo_refs(repo_id)
+    assert {t.name: t.target_commit for t in refs.tags} == {"v1": first}
+    assert [c.commit_id for c in api.list_repo_commits(repo_id)][:2] == [second, first]
+    head = httpx.head(f"{hub.url}/{repo_id}/resolve/v1/config.json")
+    assert head.headers["x-repo-commit"] == first
+
+
+def test_range_resume_and_headers(hub, published):
+    url = f"{hub.url}/{MODEL}/resolve/main/model.safetensors"
+    full = (published[MODEL] / "model.safetensors").read_bytes()
+    head = httpx.head(url)
+    assert head.status_code == 200 and head.headers["accept-ranges"] == "bytes"
+    assert len(head.headers["x-repo-commit"]) == 40 and head.headers["etag"].strip('"').isalnum()
+    assert int(head.headers["content-length"]) == len(full)
+    part = httpx.get(url, headers={"Range": "bytes=1000-"})
+    assert part.status_code == 206 and part.content == full[1000:]
+    assert part.headers["content-range"] == f"bytes 1000-{len(full) - 1}/{len(full)}"
+    assert httpx.get(url, headers={"Range": f"bytes={len(full) + 5}-"}).status_code == 416
+    # the client resumes an interrupted download from its .incomplete file
+    cache = Path(os.environ["HF_HOME"]) / "resume"
+    blob_dir = cache / f"models--{MODEL.replace('/', '--')}" / "blobs"
+    blob_dir.mkdir(parents=True)
+    etag = head.headers["etag"].strip('"')
+    (blob_dir / f"{etag}.incomplete").write_bytes(full[:5000])
+    path = hf_hub_download(MODEL, "model.safetensors", cache_dir=cache)
+    assert Path(path).read_bytes() == full
+
+
+def test_error_codes(hub, published):
+    with pytest.raises(RepositoryNotFoundError):
+        hf_hub_download("vip/absent", "config.json")
+    with pytest.raises(RevisionNotFoundError):
+        hf_hub_download(MODEL, "config.json", revision="nope")
+    with pytest.raises(EntryNotFoundError):
+        hf_hub_download(MODEL, "pytorch_model.bin")
+    r = httpx.head(f"{hub.url}/{MODEL}/resolve/main/missing.txt")
+    assert r.status_code == 404 and r.headers["x-error-code"] == "EntryNotFound" and r.headers["x-repo-commit"]
+    assert httpx.get(f"{hub.url}/api/models/vip/absent").headers["x-error-code"] == "RepoNotFound"
+    assert httpx.get(f"{hub.url}/api/models/{MODEL}/revision/nope").headers["x-error-code"] == "RevisionNotFound"
+
+
+def test_uploads_with_unmodified_clients(hub, tmp_path):
+    api = HfApi(token=WRITE_TOKEN)
+    url = api.create_repo("up/folder", exist_ok=True)
+    assert url == f"{hub.url}/up/folder"
+    assert api.create_repo("up/folder", exist_ok=True) == url  # 409 carries the url
+    folder = tiny_repo_with_head(tmp_path / "f")
+    info = api.upload_folder(repo_id="up/folder", folder_path=folder, commit_message="first")
+    assert info.oid == api.model_info("up/folder").sha
+    assert api.whoami()["name"] == "writer"
+    # create_commit that removes the head must also update the ledger: refused as a partial change
+    from huggingface_hub import CommitOperationDelete
+
+    with pytest.raises(BadRequestError, match="does not verify"):
+        api.create_commit("up/folder", [CommitOperationDelete("heads/", is_folder=True)], commit_message="x")
+
+
+def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
+    folder = export_encoder(tmp_path / "bad", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="bad")
+    for name in ("privacy_ledger.json",):
+        data = json.loads((folder / name).read_text())
+        data["stages"][1]["epsilon"] = 0.5
+        data["guarantees"][0]["epsilon"] = 0.5
+        (folder / name).write_text(json.dumps(data))
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("bad/ledger", exist_ok=True)
+    with pytest.raises(BadRequestError, match="privacy_ledger.json") as err:
+        api.upload_folder(repo_id="bad/ledger", folder_path=folder)
+    assert "nothing was stored" in str(err.value)
+    # consistent but understated copies: the accountant check names the stage
+    text = (folder / "privacy_ledger.json").read_text()
+    from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+    import yaml
+
+    meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
+    rewrite_safetensors_metadata(folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text})
+    _, front, body = (folder / "README.md").read_text().split("---\n", 2)
+    data = yaml.safe_load(front)
+    data["differential_privacy"] = json.loads(text)
+    (folder / "README.md").write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+    with pytest.raises(BadRequestError, match="stage 'dp-pretraining': claims epsilon 0.5"):
+        api.upload_folder(repo_id="bad/ledger", folder_path=folder)
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info("bad/ledger", revision="main")  # nothing was stored
+
+
+def test_no_ledger_and_pickles_are_refused(hub, tmp_path):
+    api = HfApi(token=WRITE_TOKEN)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, depth=1)
+    with pytest.raises(BadRequestError, match="pickle-based weight files are not accepted"):
+        timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN)  # safetensors and a .bin
+    with pytest.raises(BadRequestError, match="privacy_ledger.json: missing"):
+        timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN, safe_serialization=True)
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info("plain/timm", revision="main")
+
+
+def test_timm_push_updates_a_verified_repo_only_with_a_ledger(hub, tmp_path):
+    """push_to_hf_hub speaks the protocol to a verified repo, but weights without the
+    repo's ledger are refused: the hub serves verified claims only."""
+    api = HfApi(token=WRITE_TOKEN)
+    push_repo(tiny_repo_with_head(tmp_path / "t"), "timm/verified", token=WRITE_TOKEN)
+    before = api.model_info("timm/verified").sha
+    with pytest.raises(BadRequestError, match="model.safetensors"):
+        timm.models.push_to_hf_hub(tiny_encoder(0), "timm/verified", token=WRITE_TOKEN, safe_serialization=True)
+    assert api.model_info("timm/verified").sha == before
+
+
+def test_auth(hub, tmp_path):
+    folder = tiny_repo_with_head(tmp_path / "p")
+    with pytest.raises(HfHubHTTPError) as err:
+        HfApi().create_repo("auth/none")
+    assert err.value.response.status_code == 401
+    with pytest.raises(HfHubHTTPError) as err:
+        HfApi(token=READ_TOKEN).create_repo("auth/none")
+    assert err.value.response.status_code == 403 and "write scope" in str(err.value)
+    with pytest.raises(HfHubHTTPError) as err:
+        HfApi(token="vh_wrong").model_info("vip/vip-nano-test")
+    assert err.value.response.status_code == 401
+    push_repo(folder, "auth/private", token=WRITE_TOKEN, private=True)
+    with pytest.raises(RepositoryNotFoundError):
+        HfApi().model_info("auth/private")
+    with pytest.raises(RepositoryNotFoundError):
+        hf_hub_download("auth/private", "config.json")
+    assert "auth/private" not in {m.id for m in HfApi().list_models()}
+    assert HfApi(token=READ_TOKEN).model_info("auth/private").private
+    assert hf_hub_download("auth/private", "config.json", token=READ_TOKEN)
+    assert "auth/private" in {m.id for m in HfApi(token=READ_TOKEN).list_models()}
+
+
+def test_push_cli(hub, tmp_path, capsys):
+    folder = tiny_repo_with_head(tmp_path / "cli")
+    script = Path(sys.executable).with_name("vip-hub")
+    r = subprocess.run([str(script), "push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "pushed" in r.stdout and HfApi().model_info("cli/model").sha in r.stdout
+    (folder / "config.json").write_text("{}")
+    from vip_hub.cli import main
+
+    assert main(["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]) == 1
+    assert "does not verify, nothing was pushed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", [
+    "/vip/vip-nano-test/resolve/main/../../../etc/passwd",
+    "/vip/vip-nano-test/resolve/main/%2e%2e/%2e%2e/etc/passwd",
+    "/vip/vip-nano-test/resolve/main/%252e%252e/config.json",
+    "/vip/vip-nano-test/resolve/main/heads%5Ctoy%5Clabels.json",
+    "/vip/vip-nano-test/resolve/main/%2Fetc%2Fpasswd",
+    "/vip/vip-nano-test/resolve/main/conf%00ig.json",
+    "/vip/vip-nano-test/resolve/main/" + "a" * 300 + "/x",
+    "/vip/vip-nano-test/resolve/..%2f..%2fmain/config.json",
+    "/vip/vip-nano-test/resolve/refs%2Fpr%2F1/config.json",
+    "/vip/" + "n" * 200 + "/resolve/main/config.json",
+    "/api/models/vip/vip-nano-test/tree/main/..%2F..",
+])
+def test_path_tricks_are_refused(hub, published, path):
+    with httpx.Client() as client:
+        request = client.build_request("GET", hub.url)
+        request.url = request.url.copy_with(raw_path=path.encode())
+        r = client.send(request)
+    assert 400 <= r.status_code < 500, (path, r.status_code)
+    assert b"root:" not in r.content
+
+
+def test_upload_path_tricks(hub, published, tmp_path):
+    body = "\n".join(json.dumps(line) for line in [
+        {"key": "header", "value": {"summary": "x"}},
+        {"key": "file", "value": {"path": "../escape.txt", "content": "aGk=", "encoding": "base64"}},
+    ])
+    r = httpx.post(f"{hub.url}/api/models/{MODEL}/commit/main", content=body,
+                   headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 400 and "invalid path" in r.json()["error"]
+    assert not any(p.name == "escape.txt" for p in Path(hub.settings.store).parent.rglob("escape.txt"))
+
+
+def test_concurrent_publishes(hub, tmp_path):
+    repo_id = "race/model"
+    folders = [tiny_repo_with_head(tmp_path / f"r{i}", seed=10 + i) for i in range(2)]
+    HfApi(token=WRITE_TOKEN).create_repo(repo_id)
+    commits, errors = [], []
+
+    def publish(folder: Path) -> None:
+        try:
+            commits.append(push_repo(folder, repo_id, token=WRITE_TOKEN))
+        except Exception as e:  # pragma: no cover - shown on failure
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(f,)) for f in folders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    history = [c.commit_id for c in HfApi().list_repo_commits(repo_id)]
+    assert sorted(history) == sorted(commits) and len(history) == 2  # linear: one on top of the other
+    # a client that commits against a stale parent gets a clear conflict
+    from huggingface_hub import CommitOperationAdd
+
+    with pytest.raises(HfHubHTTPError, match="stale") as err:
+        HfApi(token=WRITE_TOKEN).create_commit(
+            repo_id, [CommitOperationAdd("notes.txt", b"hello")], commit_message="late",
+            parent_commit=history[-1])
+    assert err.value.response.status_code == 409
+
+
+def test_validate_yaml(hub):
+    ok = httpx.post(f"{hub.url}/api/validate-yaml", json={"content": "---\nlicense: mit\n---\nhi", "repoType": "model"})
+    assert ok.status_code == 200 and ok.json()["errors"] == []
+    bad = httpx.post(f"{hub.url}/api/validate-yaml", json={"content": "---\nlicense: [unclosed\n---\n", "repoType": "model"})
+    assert bad.status_code == 400 and bad.json()["errors"]
+
+
+def test_big_commit_streams_to_disk(hub, tmp_path):
+    """A folder with a 40 MB extra file goes through one commit; nothing is held in memory whole."""
+    folder = export_encoder(tmp_path / "big", tiny_encoder(), TINY, [synthetic_stage()], model_name="big",
+                            extra_files={"data/blob.bin.txt": os.urandom(40 * 1024 * 1024)})
+    commit = push_repo(folder, "big/model", token=WRITE_TOKEN)
+    r = httpx.get(f"{hub.url}/big/model/resolve/{commit}/data/blob.bin.txt")
+    assert r.content == (folder / "data/blob.bin.txt").read_bytes()
+    shutil.rmtree(folder)

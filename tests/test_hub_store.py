@@ -1,0 +1,161 @@
+"""The store on its own: commits, refs, verification on commit, atomicity, listing."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from service.errors import BadRequest, Conflict, EntryNotFound, RepoNotFound, RevisionNotFound
+from service.store import AddFile, DeleteFile, HubStore
+from vip_hub.verify import repo_files
+
+from conftest import dp_stage, export_encoder, synthetic_stage, tiny_encoder, TINY, tiny_repo_with_head
+
+
+def _ops(store: HubStore, folder: Path) -> list[AddFile]:
+    """AddFile operations for every file of a repo folder (copied into the store's temp area)."""
+    ops = []
+    for rel, path in repo_files(folder).items():
+        tmp = store.blobs.new_temp()
+        tmp.write_bytes(path.read_bytes())
+        ops.append(AddFile(rel, tmp))
+    return ops
+
+
+@pytest.fixture
+def store(tmp_path):
+    return HubStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="module")
+def repo_dir(tmp_path_factory):
+    return tiny_repo_with_head(tmp_path_factory.mktemp("r") / "m")
+
+
+def test_commit_resolve_tree_and_dedup(store, repo_dir):
+    store.create_repo("vip/m")
+    c1 = store.commit("vip/m", _ops(store, repo_dir), title="first", author="t")
+    assert len(c1.sha) == 40 and c1.parent is None and c1.arch == "vip-nano"
+    assert c1.datasets == ["test-images"] and c1.epsilon > 0 and c1.card_data["library_name"] == "timm"
+    assert store.resolve("vip/m") == store.resolve("vip/m", c1.sha) == c1.sha
+    tree = store.tree("vip/m", c1.sha)
+    assert "heads/toy/head.safetensors" in tree
+    blobs_before = sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file())
+    c2 = store.commit("vip/m", _ops(store, repo_dir), title="same again", author="t")
+    assert c2.parent == c1.sha
+    assert sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file()) == blobs_before  # stored once
+    assert [c.sha for c in store.history("vip/m")] == [c2.sha, c1.sha]
+    assert not list((store.root / "tmp").iterdir())
+
+
+def test_refused_commit_stores_nothing(store, repo_dir):
+    store.create_repo("vip/m")
+    good = store.commit("vip/m", _ops(store, repo_dir))
+    ops = _ops(store, repo_dir)
+    ledger = next(op for op in ops if op.path == "privacy_ledger.json")
+    data = json.loads(ledger.source.read_text())
+    data["stages"][1]["epsilon"] = 0.01
+    ledger.source.write_text(json.dumps(data))
+    with pytest.raises(BadRequest, match="does not verify, nothing was stored.*privacy_ledger.json"):
+        store.commit("vip/m", ops)
+    assert store.resolve("vip/m") == good.sha
+    assert not list((store.root / "tmp").iterdir())
+    with pytest.raises(BadRequest, match="pickle-based weight files are not accepted"):
+        tmp = store.blobs.new_temp()
+        tmp.write_bytes(b"\x80\x04")
+        store.commit("vip/m", [AddFile("pytorch_model.bin", tmp)])
+
+
+def test_deleting_a_ledger_file_is_refused(store, repo_dir):
+    store.create_repo("vip/m")
+    store.commit("vip/m", _ops(store, repo_dir))
+    with pytest.raises(BadRequest, match="privacy_ledger.json: missing"):
+        store.commit("vip/m", [DeleteFile("privacy_ledger.json")])
+    with pytest.raises(EntryNotFound):
+        store.commit("vip/m", [DeleteFile("nope.txt")])
+
+
+def test_stale_parent_is_a_conflict(store, repo_dir):
+    store.create_repo("vip/m")
+    c1 = store.commit("vip/m", _ops(store, repo_dir))
+    store.commit("vip/m", _ops(store, repo_dir), parent_commit=c1.sha)
+    with pytest.raises(Conflict, match="stale"):
+        store.commit("vip/m", _ops(store, repo_dir), parent_commit=c1.sha)
+
+
+def test_concurrent_commits_make_a_linear_history(store, repo_dir):
+    store.create_repo("vip/m")
+    results, errors = [], []
+
+    def publish() -> None:
+        try:
+            results.append(store.commit("vip/m", _ops(store, repo_dir)))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    history = store.history("vip/m")
+    assert len(history) == 3
+    assert [c.parent for c in history] == [history[1].sha, history[2].sha, None]
+
+
+def test_tags_and_errors(store, repo_dir):
+    with pytest.raises(RepoNotFound):
+        store.resolve("vip/none")
+    store.create_repo("vip/m")
+    with pytest.raises(RevisionNotFound):
+        store.resolve("vip/m")  # empty repo
+    c1 = store.commit("vip/m", _ops(store, repo_dir))
+    store.create_tag("vip/m", "v1")
+    store.commit("vip/m", _ops(store, repo_dir))
+    assert store.resolve("vip/m", "v1") == c1.sha
+    with pytest.raises(Conflict):
+        store.create_tag("vip/m", "v1")
+    with pytest.raises(BadRequest, match="is a tag"):
+        store.commit("vip/m", _ops(store, repo_dir), branch="v1")
+    with pytest.raises(RevisionNotFound):
+        store.resolve("vip/m", "0" * 40)
+
+
+def test_listing_filters_without_reading_blobs(store, tmp_path):
+    a = tiny_repo_with_head(tmp_path / "a")
+    b = export_encoder(tmp_path / "b", tiny_encoder(), TINY, [synthetic_stage(), dp_stage(sigma=0.6)],
+                       model_name="b")
+    c = export_encoder(tmp_path / "c", tiny_encoder(), TINY, [synthetic_stage()], model_name="c")
+    for name, folder in (("org/a", a), ("org/b", b), ("other/c", c)):
+        store.create_repo(name, private=name == "other/c")
+        store.commit(name, _ops(store, folder))
+    for blob in (store.root / "blobs").rglob("*"):  # listing must not need them
+        if blob.is_file():
+            blob.chmod(0)
+    ids = lambda rows: [r.repo_id for r, _ in rows]  # noqa: E731
+    assert ids(store.list_models(sort="epsilon", descending=False)) == ["org/a", "org/b"]
+    assert ids(store.list_models(include_private=True, sort="epsilon", descending=False)) == ["other/c", "org/a", "org/b"]
+    eps_a = store.list_models(search="org/a")[0][1].epsilon
+    assert ids(store.list_models(max_epsilon=eps_a)) == ["org/a"]
+    assert ids(store.list_models(dataset="test-images", sort="name", descending=False)) == ["org/a", "org/b"]
+    assert ids(store.list_models(arch="vip-tiny")) == []
+    assert ids(store.list_models(author="org", search="_")) == []
+    with pytest.raises(BadRequest):
+        store.list_models(sort="nonsense")
+
+
+def test_snapshot_dir(store, repo_dir):
+    store.create_repo("vip/m")
+    c = store.commit("vip/m", _ops(store, repo_dir))
+    snap = store.snapshot_dir("vip/m", c.sha)
+    assert snap == store.snapshot_dir("vip/m", c.sha)
+    assert sorted(repo_files(snap)) == sorted(repo_files(repo_dir))
+    assert (snap / "model.safetensors").read_bytes() == (repo_dir / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("repo_id", ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden"])
+def test_bad_repo_ids(store, repo_id):
+    with pytest.raises(BadRequest):
+        store.create_repo(repo_id)
