@@ -1,0 +1,92 @@
+"""The web pages: content, sorting and filtering, sanitised cards, and a real browser."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live import WRITE_TOKEN
+from vip_hub.push import push_repo
+
+from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars"]
+
+
+def _rows(html: str) -> list[str]:
+    return [line.split('href="/')[1].split('"')[0] for line in html.splitlines() if 'class="model-link"' in line]
+
+
+def test_index_lists_sorts_and_filters(hub, published):
+    html = httpx.get(hub.url + "/").text
+    assert "vip/vip-nano-test" in html and "vip-nano" in html and "test-images" in html
+    assert "no private data" in html  # the synthetic-only model
+    by_eps = _rows(httpx.get(hub.url + "/", params={"sort": "epsilon", "order": "asc"}).text)
+    assert by_eps.index("vip/vip-nano-syn") < by_eps.index("vip/vip-nano-test")
+    only_public = _rows(httpx.get(hub.url + "/", params={"max_epsilon": "0"}).text)
+    assert "vip/vip-nano-syn" in only_public and "vip/vip-nano-test" not in only_public
+    assert httpx.get(hub.url + "/", params={"max_epsilon": "abc"}).status_code == 400
+    assert httpx.get(hub.url + "/", params={"sort": "evil"}).status_code == 400
+
+
+def test_model_page(hub, published):
+    r = httpx.get(hub.url + "/vip/vip-nano-test")
+    assert r.status_code == 200
+    html = r.text
+    for fragment in ("Privacy guarantee", "differential privacy for the dataset", "Privacy ledger",
+                     "dp-pretraining", "synthetic-pretraining", "heads/toy/head.safetensors", "History",
+                     "No guarantee covers"):
+        assert fragment in html, fragment
+    commit = httpx.get(hub.url + "/api/models/vip/vip-nano-test").json()["sha"]
+    assert commit[:10] in html
+    assert httpx.get(hub.url + f"/vip/vip-nano-test/commit/{commit}", follow_redirects=False).status_code == 303
+    assert httpx.get(hub.url + "/vip/absent").status_code == 404
+
+
+def test_card_html_is_sanitised(hub, tmp_path):
+    folder = export_encoder(tmp_path / "xss", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="xss",
+                            summary='<script>alert(1)</script> [click](javascript:alert(2)) <img src=x onerror=alert(3)>')
+    push_repo(folder, "pages/xss", token=WRITE_TOKEN)
+    html = httpx.get(hub.url + "/pages/xss").text
+    assert "&lt;script&gt;alert(1)" in html  # shown as text
+    assert "<script>alert" not in html and 'href="javascript' not in html and "<img src=x" not in html
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if not shutil.which("apt-get"):
+        pytest.skip("no chromium and no apt-get to install Debian's chromium package")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True).returncode:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, check=True)
+    return shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    return _chromium()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,size", [("/", "1280,900"), ("/vip/vip-nano-test", "1280,2200"), ("/", "390,844")])
+def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size):
+    shot = tmp_path / "page.png"
+    base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*base, "--dump-dom", hub.url + page], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "vip/vip-nano-test" in dom.stdout
+    r = subprocess.run([*base, f"--screenshot={shot}", f"--window-size={size}", hub.url + page],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
+    keep = Path(os.environ.get("VIP_HUB_SCREENSHOTS", tmp_path))
+    keep.mkdir(parents=True, exist_ok=True)
+    name = ("index" if page == "/" else "model") + f"-{size.split(',')[0]}.png"
+    shutil.copy(shot, keep / name)
