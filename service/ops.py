@@ -4,32 +4,49 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import Metrics
 
 __all__ = ["install"]
 
 
-def install(app: FastAPI, metrics: Metrics) -> None:
-    """Add the metrics middleware and the operations routes to ``app``."""
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+class RequestMetricsMiddleware:
+    """Count and time every HTTP request by method, route template and status (pure ASGI, so
+    it neither buffers bodies nor hides client disconnects from the endpoints)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         start = time.perf_counter()
         status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
+            await self.app(scope, receive, send_status)
         finally:
-            route = request.scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            metrics.requests.labels(request.method, label, str(status)).inc()
-            metrics.latency.labels(request.method, label, str(status)).observe(time.perf_counter() - start)
+            label = getattr(scope.get("route"), "path", None) or "unmatched"
+            labels = (scope["method"], label, str(status))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)
+
+
+def install(app: FastAPI, metrics: Metrics) -> None:
+    """Add the metrics middleware and the operations routes to ``app``."""
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
 
     @app.get("/healthz", tags=["operations"], summary="The process is alive")
     def healthz() -> dict[str, str]:

@@ -78,8 +78,8 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
             img.load()
     except UnidentifiedImageError:
         raise BadRequest(f"input[{index}]: not an image in a supported format ({', '.join(FORMATS)})") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise PayloadTooLarge(f"input[{index}]: decompression bomb refused") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise PayloadTooLarge(f"input[{index}]: decompression bomb refused from the header ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None
     return to_rgb(img)

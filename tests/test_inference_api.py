@@ -1,0 +1,300 @@
+"""The inference endpoints against real uvicorn servers on 127.0.0.1."""
+
+import base64
+import io
+import re
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vip_hub
+from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
+from vip_hub.heads import load_head
+from vip_hub.push import push_repo
+
+from conftest import tiny_repo_with_head
+
+MODEL = "vip/vip-nano-test"
+RNG = np.random.default_rng(0)
+
+
+def image(w: int, h: int, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    img = Image.fromarray(RNG.integers(0, 255, (h, w, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+BOMB = (lambda buf: (Image.new("L", (8000, 8000)).save(buf, "PNG"), buf.getvalue())[1])(io.BytesIO())
+IMAGES = [image(40, 30), image(64, 64, "JPEG"), image(17, 50, "WEBP"), image(32, 32, "BMP"), image(50, 20, "GIF")]
+
+
+@pytest.fixture(scope="module")
+def local(published):
+    return vip_hub.load_encoder(published[MODEL])
+
+
+def _pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
+@pytest.mark.parametrize("pooling", ["avg", "cls", "vip"])
+def test_parity_with_in_process(hub, local, pooling):
+    r = httpx.post(f"{hub.url}/v1/embeddings", timeout=60,
+                   json={"model": MODEL, "input": [b64(x) for x in IMAGES], "pooling": pooling})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    got = torch.tensor([d["embedding"] for d in body["data"]])
+    expected = local.embed([_pil(x) for x in IMAGES], pooling)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert [d["index"] for d in body["data"]] == list(range(len(IMAGES)))
+    assert body["object"] == "list" and body["model"] == MODEL and body["usage"] == {"images": 5}
+    assert body["privacy"]["dataset"] == "test-images" and body["privacy"]["accountant"] == "rdp"
+    assert r.headers["x-model-revision"] == body["revision"] and len(body["revision"]) == 40
+    assert float(r.headers["x-privacy-epsilon"]) == pytest.approx(body["privacy"]["epsilon"])
+    assert float(r.headers["x-privacy-delta"]) == pytest.approx(body["privacy"]["delta"])
+    for h in ("x-queue-ms", "x-preprocess-ms", "x-inference-ms"):
+        assert float(r.headers[h]) >= 0
+
+
+def test_encodings_normalize_dimensions_and_data_uris(hub, local):
+    data_uri = "data:image/png;base64," + b64(IMAGES[0])
+    floats = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": data_uri}).json()
+    packed = httpx.post(f"{hub.url}/v1/embeddings",
+                        json={"model": MODEL, "input": [b64(IMAGES[0])], "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vec, floats["data"][0]["embedding"], rtol=0, atol=0)
+    short = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])],
+                                                         "normalize": True, "dimensions": 16}).json()
+    v = np.array(short["data"][0]["embedding"])
+    assert v.shape == (16,) and abs(np.linalg.norm(v) - 1) < 1e-5
+    ref = np.array(floats["data"][0]["embedding"][:16])
+    np.testing.assert_allclose(v, ref / np.linalg.norm(ref), atol=1e-6)
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])], "dimensions": 999})
+    assert r.status_code == 400 and "dimensions" in r.json()["error"]
+
+
+def test_multipart_variant(hub):
+    files = [("files", (f"img{i}.bin", x, "application/octet-stream")) for i, x in enumerate(IMAGES[:3])]
+    r = httpx.post(f"{hub.url}/v1/embeddings/files", data={"model": MODEL, "pooling": "vip"}, files=files, timeout=60)
+    assert r.status_code == 200, r.text
+    j = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(x) for x in IMAGES[:3]],
+                                                     "pooling": "vip"}).json()
+    np.testing.assert_allclose([d["embedding"] for d in r.json()["data"]], [d["embedding"] for d in j["data"]], atol=1e-5)
+    bad = httpx.post(f"{hub.url}/v1/embeddings/files", data={"model": MODEL},
+                     files=[("files", ("a", IMAGES[0], "image/png")), ("files", ("b", b"", "image/png"))])
+    assert bad.status_code == 400 and "input[1]: empty image" in bad.json()["error"]
+
+
+def test_classify(hub, local, published):
+    r = httpx.post(f"{hub.url}/v1/classify", json={"model": MODEL, "head": "toy", "input": [b64(x) for x in IMAGES[:2]],
+                                                   "top_k": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    head, info = load_head(published[MODEL], "toy")
+    with torch.no_grad():
+        probs = torch.softmax(head(local.embed([_pil(x) for x in IMAGES[:2]], info.pooling)), -1)
+    for row, p in zip(body["data"], probs):
+        top = p.topk(2)
+        assert [x["label"] for x in row["labels"]] == [info.labels[i] for i in top.indices]
+        np.testing.assert_allclose([x["score"] for x in row["labels"]], top.values.numpy(), atol=1e-5)
+    privacy = body["privacy"]
+    assert privacy["encoder"]["dataset"] == "test-images" and privacy["encoder"]["epsilon"] > 0
+    assert privacy["head"]["dp"] is False and privacy["head"]["unprotected_datasets"] == ["toy-labels"]
+    assert privacy["head"]["epsilon"] is None and "no guarantee" in privacy["head"]["note"]
+    missing = httpx.post(f"{hub.url}/v1/classify", json={"model": MODEL, "head": "nope", "input": [b64(IMAGES[0])]})
+    assert missing.status_code == 404 and "heads: toy" in missing.json()["error"]
+
+
+def test_models_listing(hub, published):
+    models = httpx.get(f"{hub.url}/v1/models").json()["data"]
+    entry = next(m for m in models if m["id"] == MODEL)
+    assert entry["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152} and entry["arch"] == "vip-nano"
+    assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == ["red", "green", "blue"]
+    one = httpx.get(f"{hub.url}/v1/models/vip/vip-nano-syn").json()
+    assert one["privacy"]["epsilon"] == 0.0 and one["privacy"]["private_data"] is False
+    assert httpx.get(f"{hub.url}/v1/models/vip/absent").status_code == 404
+
+
+def test_unknown_model_and_revision(hub, published):
+    assert httpx.post(f"{hub.url}/v1/embeddings", json={"model": "vip/absent", "input": [b64(IMAGES[0])]}).status_code == 404
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": f"{MODEL}@nope", "input": [b64(IMAGES[0])]})
+    assert r.status_code == 404 and r.headers["x-error-code"] == "RevisionNotFound"
+
+
+@pytest.mark.parametrize("payload,status,fragment", [
+    ({"input": ["aGVsbG8gd29ybGQ="]}, 400, "input[0]: not an image"),
+    ({"input": [b64(IMAGES[0]), b64(IMAGES[0][:300])]}, 400, "input[1]: truncated or corrupt"),
+    ({"input": [b64(b"%PDF-1.7 not an image")]}, 400, "input[0]: not an image"),
+    ({"input": ["!!!"]}, 400, "input[0]: not valid base64"),
+    ({"input": ["https://example.com/cat.jpg"]}, 400, "URLs are not fetched"),
+    ({"input": [b64(BOMB)]}, 413, "input[0]: 8000x8000 pixels exceeds"),
+    ({"input": [b64(IMAGES[0])] * 65}, 413, "more than the limit of 64"),
+    ({"input": []}, 400, "at least one image"),
+])
+def test_bad_inputs(hub, published, payload, status, fragment):
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, **payload}, timeout=60)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]
+    assert httpx.get(f"{hub.url}/healthz").status_code == 200
+
+
+def test_malformed_requests(hub, published):
+    deep = b'{"model": "vip/vip-nano-test", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(f"{hub.url}/v1/embeddings", content=deep, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested deeper" in r.json()["error"]
+    r = httpx.post(f"{hub.url}/v1/embeddings", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": "../../etc", "input": ["x"]})
+    assert r.status_code == 422
+
+
+@pytest.fixture(scope="module")
+def limited(hub):
+    settings = settings_for(hub.settings.store, inference={
+        "max_request_bytes": 300_000, "max_image_bytes": 50_000, "max_images_per_request": 3,
+        "max_queue_images": 4, "max_batch_size": 2, "max_wait_ms": 300.0})
+    with ThreadedServer(settings) as server:
+        yield server
+
+
+def test_size_limits(limited, published):
+    big = image(200, 200, "BMP")  # ~120 KB: over the per-image limit
+    r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0]), b64(big)]})
+    assert r.status_code == 413 and "input[1]: image larger than 50000 bytes" in r.json()["error"]
+    r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(big)] * 3})
+    assert r.status_code == 413 and "request body" in r.json()["error"]
+    r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 4})
+    assert r.status_code == 413 and "limit of 3" in r.json()["error"]
+
+
+def test_overload_gets_429_with_retry_after(limited, published):
+    httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)  # load
+    statuses, retry = [], []
+
+    def call() -> None:
+        r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 2},
+                       timeout=60)
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            retry.append(r.headers.get("retry-after"))
+
+    threads = [threading.Thread(target=call) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
+    assert all(r and int(r) >= 1 for r in retry)
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{.*\}})? ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_concurrent_clients_share_batches(hub, published):
+    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 100.0, "max_batch_size": 16})
+    with ThreadedServer(settings) as server:
+        httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+        before = sum(_metric(server.url, "vip_hub_batch_images_count").values())
+        results = []
+
+        def call(i: int) -> None:
+            r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[i % 5])]},
+                           timeout=60)
+            results.append((i, r.status_code, r.json()["data"][0]["embedding"]))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(status == 200 for _, status, _ in results)
+        batches = sum(_metric(server.url, "vip_hub_batch_images_count").values()) - before
+        assert batches < 12  # requests were batched together
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'vip_hub_requests_total{method="POST",route="/v1/embeddings",status="200"}' in text
+        assert "vip_hub_queue_seconds_bucket" in text and "vip_hub_forward_seconds_sum" in text
+        # whatever batch each landed in, the same image gives the same embedding
+        by_image: dict[int, list[list[float]]] = {}
+        for i, _, emb in results:
+            by_image.setdefault(i % 5, []).append(emb)
+        for embs in by_image.values():
+            np.testing.assert_allclose(embs, [embs[0]] * len(embs), atol=1e-5)
+
+
+def test_readiness_waits_for_preloaded_models(hub, tmp_path):
+    settings = settings_for(hub.settings.store, inference={"preload": ["ready/later"]})
+    with ThreadedServer(settings) as server:
+        r = httpx.get(f"{server.url}/readyz")
+        assert r.status_code == 503 and r.json()["models"]["ready/later"].startswith("waiting")
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        push_repo(tiny_repo_with_head(tmp_path / "later"), "ready/later", endpoint=server.url, token=WRITE_TOKEN)
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(f"{server.url}/readyz")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["models"] == {"ready/later": "ready"}
+
+
+def test_deadline_and_disconnect(hub, published):
+    settings = settings_for(hub.settings.store, inference={"request_timeout_s": 0.05, "max_wait_ms": 1000.0})
+    with ThreadedServer(settings) as server:
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+        assert r.status_code == 503 and "deadline" in r.json()["error"]
+    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 1500.0})
+    with ThreadedServer(settings) as server:
+        httpx.get(f"{server.url}/v1/models/{MODEL}")
+        body = ('{"model": "%s", "input": ["%s"]}' % (MODEL, b64(IMAGES[0]))).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)
+        sock.close()  # gone before the batch forms
+        time.sleep(2.0)
+        assert sum(_metric(server.url, "vip_hub_batch_images_count").values()) == 0  # never computed
+
+
+def test_shutdown_drains_in_flight(hub, published):
+    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 400.0})
+    server = ThreadedServer(settings).__enter__()
+    httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+    statuses = []
+
+    def call() -> None:
+        statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[1])]},
+                                   timeout=60).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.15)  # queued, waiting for the batch to fill
+    server.__exit__(None, None, None)
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 4
+
+
+def test_auth_for_inference(hub, published, tmp_path):
+    push_repo(tiny_repo_with_head(tmp_path / "priv"), "secret/model", token=WRITE_TOKEN, private=True)
+    payload = {"model": "secret/model", "input": [b64(IMAGES[0])]}
+    assert httpx.post(f"{hub.url}/v1/embeddings", json=payload).status_code == 404
+    ok = httpx.post(f"{hub.url}/v1/embeddings", json=payload, headers={"Authorization": f"Bearer {READ_TOKEN}"})
+    assert ok.status_code == 200
+    settings = settings_for(hub.settings.store, auth={"protect_inference": True})
+    with ThreadedServer(settings) as server:
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]})
+        assert r.status_code == 401
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]},
+                       headers={"Authorization": f"Bearer {READ_TOKEN}"}, timeout=60)
+        assert r.status_code == 200

@@ -1,0 +1,163 @@
+"""Image decoding and the batcher, on their own."""
+
+import base64
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from service.errors import BadRequest, PayloadTooLarge
+from service.inference.batcher import Batcher, QueueFull, ShuttingDown, WorkItem
+from service.inference.images import ImageLimits, decode_image, image_bytes_from_text
+
+LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096)
+
+
+def encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+RGB = Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 32, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_formats(fmt):
+    img = decode_image(encode(RGB, fmt), 0, LIMITS)
+    assert img.mode == "RGB" and img.size == (32, 24)
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK", "I;16"])
+def test_modes_become_rgb(mode):
+    src = RGB.convert(mode) if mode != "I;16" else Image.fromarray(
+        (np.arange(24 * 32).reshape(24, 32) * 80).astype(np.uint16))
+    fmt = "TIFF" if mode in ("CMYK", "I;16") else "PNG"
+    img = decode_image(encode(src, fmt), 0, LIMITS)
+    assert img.mode == "RGB"
+    if mode == "I;16":  # rescaled, not clipped at 255: the gradient survives
+        row = np.asarray(img)[:, :, 0].ravel()
+        assert row.min() == 0 and 200 < row.max() <= 255 and len(np.unique(row)) > 50
+
+
+def test_animated_gif_first_frame():
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0))]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    assert decode_image(data, 0, LIMITS).getpixel((0, 0))[0] > 200
+
+
+def test_bad_inputs_name_the_index():
+    with pytest.raises(BadRequest, match=r"input\[3\]: empty image"):
+        decode_image(b"", 3, LIMITS)
+    with pytest.raises(BadRequest, match=r"input\[1\]: not an image"):
+        decode_image(b"hello world", 1, LIMITS)
+    with pytest.raises(BadRequest, match=r"input\[2\]: truncated or corrupt"):
+        decode_image(encode(RGB, "PNG")[:200], 2, LIMITS)
+    with pytest.raises(PayloadTooLarge, match=r"input\[0\]: image larger than"):
+        decode_image(b"x" * (LIMITS.max_bytes + 1), 0, LIMITS)
+    with pytest.raises(BadRequest, match=r"input\[4\]: not an image"):
+        decode_image(b"%PDF-1.4 ...", 4, LIMITS)
+
+
+def test_decompression_bomb_refused_from_header():
+    bomb = encode(Image.new("L", (5000, 5000)), "PNG")  # a small file, 25M pixels
+    assert len(bomb) < 1 << 20
+    with pytest.raises(PayloadTooLarge, match=r"input\[0\]: 5000x5000 pixels exceeds"):
+        decode_image(bomb, 0, LIMITS)
+    huge = encode(Image.new("1", (20000, 20000)), "PNG")  # PIL itself refuses this one in open()
+    with pytest.raises(PayloadTooLarge, match=r"input\[1\]: decompression bomb refused from the header"):
+        decode_image(huge, 1, LIMITS)
+
+
+def test_text_inputs():
+    data = encode(RGB, "PNG")
+    b64 = base64.b64encode(data).decode()
+    assert image_bytes_from_text(b64, 0, LIMITS) == data
+    assert image_bytes_from_text("data:image/png;base64," + b64, 0, LIMITS) == data
+    with pytest.raises(BadRequest, match="URLs are not fetched"):
+        image_bytes_from_text("http://169.254.169.254/latest", 0, LIMITS)
+    with pytest.raises(BadRequest, match=r"input\[5\]: not valid base64"):
+        image_bytes_from_text("***", 5, LIMITS)
+    with pytest.raises(BadRequest, match="data: URI must be base64"):
+        image_bytes_from_text("data:image/png,rawbytes", 0, LIMITS)
+    with pytest.raises(PayloadTooLarge):
+        image_bytes_from_text("A" * (2 * LIMITS.max_bytes), 0, LIMITS)
+
+
+def _item(n: int, deadline: float = 60.0) -> WorkItem:
+    return WorkItem(torch.zeros(n, 1), task=None, deadline=time.perf_counter() + deadline)
+
+
+def _recording_batcher(**kw):
+    sizes: list[int] = []
+    gate = threading.Event()
+
+    def run(items):
+        gate.wait(5)
+        sizes.append(sum(i.size for i in items))
+        for i in items:
+            i.future.set_result(i.size)
+
+    options = dict(max_batch_size=8, max_wait_s=0.2, max_queue_images=20) | kw
+    return Batcher("test", run, **options), sizes, gate
+
+
+def test_batches_fill_up_to_the_limit_and_keep_order():
+    batcher, sizes, gate = _recording_batcher()
+    items = [_item(3) for _ in range(4)]
+    for item in items:
+        batcher.submit([item])
+    gate.set()
+    assert [i.future.result(5) for i in items] == [3, 3, 3, 3]
+    assert sizes[0] <= 8 and sum(sizes) == 12 and max(sizes) == 6
+    batcher.close()
+
+
+def test_max_wait_bounds_the_wait_for_a_lone_request():
+    batcher, sizes, gate = _recording_batcher(max_wait_s=0.05)
+    gate.set()
+    start = time.perf_counter()
+    item = _item(1)
+    batcher.submit([item])
+    item.future.result(5)
+    assert time.perf_counter() - start < 1.0 and sizes == [1]
+    batcher.close()
+
+
+def test_queue_full_cancelled_expired_and_drain():
+    batcher, sizes, gate = _recording_batcher(max_queue_images=10, max_wait_s=0.0)
+    first = _item(8)
+    batcher.submit([first])  # taken by the worker, which blocks on the gate
+    time.sleep(0.1)
+    queued = [_item(4), _item(4)]
+    batcher.submit(queued)
+    with pytest.raises(QueueFull) as err:
+        batcher.submit([_item(4)])
+    assert err.value.headers["Retry-After"] == "1"
+    queued[0].future.cancel()  # the client went away
+    expired = _item(1, deadline=-1)
+    batcher.submit([expired])
+    gate.set()
+    assert first.future.result(5) == 8 and queued[1].future.result(5) == 4
+    assert queued[0].future.cancelled()
+    with pytest.raises(Exception, match="deadline"):
+        expired.future.result(5)
+    assert sizes == [8, 4]  # the cancelled and the expired images were never computed
+    batcher.close()
+    with pytest.raises(ShuttingDown):
+        batcher.submit([_item(1)])
+
+
+def test_close_drains_queued_work():
+    batcher, sizes, gate = _recording_batcher(max_wait_s=0.0)
+    items = [_item(2) for _ in range(3)]
+    batcher.submit(items)
+    closer = threading.Thread(target=batcher.close)
+    closer.start()
+    gate.set()
+    closer.join(10)
+    assert all(i.future.result(0) == 2 for i in items)
