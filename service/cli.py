@@ -36,6 +36,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    # OpenMP threads that spin while idle steal the cores that decoding, preprocessing and the
+    # event loop need; passive waiting must be chosen before torch is first imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
 
     from .app import create_app

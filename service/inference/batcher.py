@@ -1,6 +1,7 @@
 """Dynamic batching for one model: a bounded queue and a worker thread that forms batches of
-up to ``max_batch_size`` images, waiting at most ``max_wait`` after the oldest arrival, and
-runs them with ``run_batch`` off the event loop.
+up to ``max_batch_size`` images, waiting at most ``max_wait`` after the oldest arrival (and
+only while more images are being preprocessed), and runs them with ``run_batch`` off the
+event loop.
 
 Work items carry a ``concurrent.futures.Future``: the asyncio side awaits it (wrapped), a
 client that goes away cancels it, and the worker skips cancelled or expired items before
@@ -64,6 +65,7 @@ class Batcher:
         max_wait_s: float,
         max_queue_images: int,
         on_depth: Callable[[int], None] = lambda depth: None,
+        incoming: Callable[[], int] = lambda: 0,
     ):
         self.name = name
         self._run_batch = run_batch
@@ -71,6 +73,7 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue_images = max_queue_images
         self._on_depth = on_depth
+        self._incoming = incoming
         self._items: deque[WorkItem] = deque()
         self._queued = 0
         self._busy = False
@@ -113,10 +116,13 @@ class Batcher:
                 if self._closing:
                     return None
                 self._cond.wait()
+            # Wait for more work only while some is known to be on its way (being decoded and
+            # preprocessed), and never past max_wait after the oldest arrival: a lone request
+            # runs at once.
             fill_by = self._items[0].enqueued + self.max_wait_s
             while (sum(i.size for i in self._items) < self.max_batch_size and not self._closing
-                   and (remaining := fill_by - time.perf_counter()) > 0):
-                self._cond.wait(remaining)
+                   and self._incoming() > 0 and (remaining := fill_by - time.perf_counter()) > 0):
+                self._cond.wait(min(remaining, 0.001))
             batch, size = [], 0
             while self._items and size + self._items[0].size <= self.max_batch_size:
                 item = self._items.popleft()

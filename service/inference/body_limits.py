@@ -13,7 +13,7 @@ from ..errors import BadRequest, PayloadTooLarge, ServiceError, error_response
 
 __all__ = ["BodyLimitMiddleware", "json_depth"]
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs of plain bytes in one step
 
 def json_depth(body: bytes, stop_above: int | None = None) -> int:
     """Deepest nesting of arrays/objects in a JSON text (strings ignored); the scan stops as

@@ -56,7 +56,10 @@ class InferenceEngine:
         self.settings = settings
         self.metrics = metrics
         self.limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
-        self.preprocess_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="preprocess")
+        # No torch.set_num_threads in these threads: it also sets MKL's process-wide thread count,
+        # which would slow the forward pass down.
+        self.preprocess_pool = ThreadPoolExecutor(max_workers=settings.preprocess_threads,
+                                                  thread_name_prefix="preprocess")
         self.store: HubStore | None = None
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
@@ -164,14 +167,18 @@ class InferenceEngine:
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        batch = await loop.run_in_executor(self.preprocess_pool, self._preprocess, model, images)
-        preprocess_s = time.perf_counter() - start
-        self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
-        deadline = time.perf_counter() + self.settings.request_timeout_s
-        size = self.settings.max_batch_size
-        items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
-        assert model.batcher is not None
-        model.batcher.submit(items)
+        model.incoming += len(images)  # the batcher waits for these while filling a batch
+        try:
+            batch = await loop.run_in_executor(self.preprocess_pool, self._preprocess, model, images)
+            preprocess_s = time.perf_counter() - start
+            self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
+            deadline = time.perf_counter() + self.settings.request_timeout_s
+            size = self.settings.max_batch_size
+            items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
+            assert model.batcher is not None
+            model.batcher.submit(items)
+        finally:
+            model.incoming -= len(images)
         futures = [asyncio.wrap_future(i.future) for i in items]
         try:
             await _wait_or_disconnect(futures, is_disconnected, self.settings.request_timeout_s + 5)

@@ -40,6 +40,7 @@ class LoadedModel:
     heads: dict[str, tuple[LinearProbe, HeadInfo]]
     metrics: Metrics | None = None
     batcher: Batcher | None = None
+    incoming: int = 0  # images being decoded and preprocessed for this model
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -65,7 +66,7 @@ class LoadedModel:
         model.batcher = Batcher(
             label, model.run_batch, max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
-            on_depth=metrics.queue_depth.labels(label).set,
+            on_depth=metrics.queue_depth.labels(label).set, incoming=lambda: model.incoming,
         )
         return model
 

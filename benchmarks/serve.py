@@ -1,0 +1,235 @@
+"""Serving throughput and latency, side by side in one run (ratios, never a pass/fail).
+
+(a) the raw in-process pipeline: decode, preprocess and batched forward in a loop;
+(b) our service over HTTP (dynamic batching) at several concurrencies;
+(c) a naive FastAPI endpoint that decodes and runs the model per request, no batching.
+
+Both servers run in their own processes with the same torch thread count; the load
+generator is an asyncio httpx client in this process.
+
+    python benchmarks/serve.py [--arch vip-nano] [--img-size 224] [--concurrency 1 8 32 64]
+"""
+
+import os
+
+# All three contenders run with the same OpenMP policy as `vip-hub serve` (passive waiting),
+# set before torch is imported here and inherited by both server processes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import asyncio
+import base64
+import io
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "bench-write-token"
+
+
+def make_images(n: int, size: int) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def export_model(folder: Path, arch: str, img_size: int) -> Path:
+    from vip_hub import EncoderSpec, NonPrivateStage, create_encoder, export_encoder
+    from vip_hub.ledger import Dataset
+
+    spec = EncoderSpec(arch, img_size=img_size)
+    stage = NonPrivateStage(name="random-init", dataset=Dataset(name="none"), private_data=False)
+    return export_encoder(folder / "model", create_encoder(spec, mae_init=True).eval(), spec, [stage],
+                          model_name="bench")
+
+
+def raw_pipeline(model_dir: Path, images: list[bytes], batch: int, seconds: float) -> tuple[float, float, float]:
+    """(images/s of the in-process pipeline at ``batch``, median ms of one image end to end,
+    median ms of one image's forward pass alone)."""
+    from vip_hub import extract_features, load_encoder
+
+    enc = load_encoder(model_dir)
+
+    def run(chunk: list[bytes]) -> None:
+        x = torch.stack([enc.transform(Image.open(io.BytesIO(b)).convert("RGB")) for b in chunk])
+        with torch.inference_mode():
+            extract_features(enc.model, x, "avg")
+
+    run(images[:batch])
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        run(images[done % len(images):][:batch] or images[:batch])
+        done += batch
+    throughput = done / (time.perf_counter() - start)
+    singles, forwards = [], []
+    one = torch.stack([enc.transform(Image.open(io.BytesIO(images[0])).convert("RGB"))])
+    for b in images[:20]:
+        t = time.perf_counter()
+        run([b])
+        singles.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            extract_features(enc.model, one, "avg")
+        forwards.append(time.perf_counter() - t)
+    return throughput, statistics.median(singles) * 1e3, statistics.median(forwards) * 1e3
+
+
+async def load(url: str, payloads: list[dict], concurrency: int, seconds: float) -> tuple[float, float, float, int]:
+    """Closed-loop load: (requests/s, p50 ms, p99 ms, errors)."""
+    latencies: list[float] = []
+    errors = 0
+    stop = time.perf_counter() + seconds
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker(i: int) -> None:
+            nonlocal errors
+            n = i
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                r = await client.post(url, json=payloads[n % len(payloads)])
+                if r.status_code != 200:
+                    errors += 1
+                latencies.append(time.perf_counter() - t)
+                n += concurrency
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
+    return len(latencies) / elapsed, p(0.5), p(0.99), errors
+
+
+def wait_ready(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def naive_server(model_dir: str, port: int) -> None:
+    """(c): decode and forward per request, no batching."""
+    import uvicorn
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    from vip_hub import extract_features, load_encoder
+
+    enc = load_encoder(model_dir)
+    app = FastAPI()
+
+    class Req(BaseModel):
+        input: list[str]
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.post("/embed")
+    def embed(req: Req) -> dict:
+        x = torch.stack([enc.transform(Image.open(io.BytesIO(base64.b64decode(s))).convert("RGB")) for s in req.input])
+        with torch.inference_mode():
+            return {"data": extract_features(enc.model, x, "avg").tolist()}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="vip-nano")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--seconds", type=float, default=8.0, help="measurement time per point")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--preprocess-threads", type=int, default=1)
+    p.add_argument("--naive-server", nargs=2, metavar=("MODEL_DIR", "PORT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.naive_server:
+        naive_server(args.naive_server[0], int(args.naive_server[1]))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="vip-bench-"))
+    model_dir = export_model(work, args.arch, args.img_size)
+    images = make_images(64, args.img_size)
+    encoded = [base64.b64encode(b).decode() for b in images]
+    print(f"model {args.arch} at {args.img_size}px, torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} cores, {args.seconds:g}s per point", flush=True)
+
+    raw, single_ms, forward_ms = raw_pipeline(model_dir, images, args.max_batch_size, args.seconds)
+    print(f"(a) in-process pipeline, batch {args.max_batch_size}: {raw:.1f} images/s; one image: "
+          f"{single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone", flush=True)
+
+    port_b, port_c = _free_port(), _free_port()
+    env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"bench:write:{TOKEN}",
+           "VIP_HUB_INFERENCE__MAX_BATCH_SIZE": str(args.max_batch_size),
+           "VIP_HUB_INFERENCE__MAX_WAIT_MS": str(args.max_wait_ms),
+           "VIP_HUB_INFERENCE__MAX_QUEUE_IMAGES": "100000",
+           "VIP_HUB_INFERENCE__PREPROCESS_THREADS": str(args.preprocess_threads),
+           "VIP_HUB_INFERENCE__PRELOAD": '["bench/model"]'}
+    ours = subprocess.Popen([str(Path(sys.executable).with_name("vip-hub")), "serve", "--store", str(work / "store"),
+                             "--port", str(port_b)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    naive = subprocess.Popen([sys.executable, __file__, "--naive-server", str(model_dir), str(port_c)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url_b, url_c = f"http://127.0.0.1:{port_b}", f"http://127.0.0.1:{port_c}"
+        wait_ready(url_b + "/healthz", ours)
+        from vip_hub.push import push_repo
+
+        push_repo(model_dir, "bench/model", endpoint=url_b, token=TOKEN)
+        wait_ready(url_b + "/readyz", ours)
+        wait_ready(url_c + "/healthz", naive)
+        rows = []
+        for c in args.concurrency:
+            b = asyncio.run(load(url_b + "/v1/embeddings", [{"model": "bench/model", "input": [e]} for e in encoded],
+                                 c, args.seconds))
+            n = asyncio.run(load(url_c + "/embed", [{"input": [e]} for e in encoded], c, args.seconds))
+            rows.append((c, b, n))
+            print(f"c={c:>3}  (b) ours {b[0]:7.1f} img/s  p50 {b[1]:7.1f} ms  p99 {b[2]:7.1f} ms  err {b[3]}   "
+                  f"(c) naive {n[0]:7.1f} img/s  p50 {n[1]:7.1f} ms  p99 {n[2]:7.1f} ms  err {n[3]}", flush=True)
+    finally:
+        for proc in (ours, naive):
+            proc.terminate()
+            proc.wait(60)
+
+    print("\nratios")
+    for c, b, n in rows:
+        print(f"  c={c:>3}: b/a = {b[0] / raw:.2f}   b/c = {b[0] / n[0]:.2f}")
+    one = next((b for c, b, _ in rows if c == 1), None)
+    if one is not None:
+        print(f"  p50 at c=1 minus one in-process forward: {one[1] - forward_ms:+.1f} ms (target <= +10 ms); "
+              f"minus one in-process decode+preprocess+forward: {one[1] - single_ms:+.1f} ms")
+    at32 = next((b for c, b, _ in rows if c == 32), None)
+    if at32 is not None:
+        print(f"  b/a at c=32: {at32[0] / raw:.2f} (target >= 0.85)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
