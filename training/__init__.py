@@ -1,0 +1,1 @@
+"""Recipes that produce released encoders: procedural images, MAE pretraining, DP-AdamW, probes."""

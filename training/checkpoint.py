@@ -1,0 +1,52 @@
+"""Training checkpoints: one file, written atomically, loaded without unpickling code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used to resume this run."""
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` via a fsynced temp file and one rename (crash-safe)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint (tensors and plain data only) and check it belongs to ``config``."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    saved = state.get("config")
+    if saved != config:
+        diff = sorted(k for k in set(saved or {}) | set(config) if (saved or {}).get(k) != config.get(k))
+        raise CheckpointError(
+            f"checkpoint {path} was written with other settings ({', '.join(diff)}); "
+            "resume with the same settings, or pass --restart to start over"
+        )
+    return state

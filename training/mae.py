@@ -1,0 +1,138 @@
+"""Masked autoencoder around a vip-* timm encoder (He et al. 2022; the ViP recipe).
+
+The encoder is the exported timm ``VisionTransformer`` itself, so trained weights export
+without key surgery; the decoder's parameter names follow the reference ``models_mae.py``
+(``decoder_embed``, ``mask_token``, ``decoder_pos_embed``, ``decoder_blocks.N``,
+``decoder_norm``, ``decoder_pred``). The loss is returned per example and each example's
+loss depends on that example only (no batch statistics), so per-example gradients are
+well defined. Masking noise is an input, so the caller owns its randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from vip_hub.features import final_norm
+from vip_hub.models import sincos_pos_embed_2d
+
+__all__ = ["DecoderConfig", "MAE", "patchify"]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The MAE decoder and loss settings (stored with the decoder weights)."""
+
+    dim: int = 512
+    depth: int = 4
+    num_heads: int = 16
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, 3, H, W) -> (B, L, patch*patch*3), MAE's (row, col, channel) order within a patch."""
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // patch, patch, w // patch, patch)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(b, (h // patch) * (w // patch), patch * patch * c)
+
+
+class MAE(nn.Module):
+    """Encoder + lightweight decoder; ``forward(images, noise)`` returns per-example losses."""
+
+    def __init__(self, encoder: VisionTransformer, config: DecoderConfig = DecoderConfig()):
+        super().__init__()
+        if not 0.0 <= config.mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in [0, 1), got {config.mask_ratio}")
+        self.encoder = encoder
+        self.config = config
+        encoder.pos_embed.requires_grad_(False)  # fixed sin-cos, as in the reference
+        grid = encoder.patch_embed.grid_size[0]
+        self.patch = encoder.patch_embed.patch_size[0]
+        self.num_patches = encoder.patch_embed.num_patches
+        dim = config.dim
+        self.decoder_embed = nn.Linear(encoder.embed_dim, dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("decoder_pos_embed", sincos_pos_embed_2d(dim, grid)[None])
+        norm = partial(nn.LayerNorm, eps=1e-6)
+        self.decoder_blocks = nn.ModuleList(
+            Block(dim, config.num_heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=norm)
+            for _ in range(config.depth)
+        )
+        self.decoder_norm = norm(dim)
+        self.decoder_pred = nn.Linear(dim, self.patch**2 * 3)
+        # Called with (parameter, broadcast tensor) wherever a parameter held directly by a
+        # module is broadcast over the batch, so per-example gradients can be read off it.
+        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+        self._init_decoder()
+
+    def _init_decoder(self) -> None:
+        nn.init.normal_(self.mask_token, std=0.02)
+        for m in [self.decoder_embed, self.decoder_pred, *self.decoder_blocks.modules()]:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def num_masked(self) -> int:
+        return int(self.num_patches * self.config.mask_ratio)
+
+    def decoder_state_dict(self) -> dict[str, torch.Tensor]:
+        """The decoder's tensors, reference-named (what ``mae_decoder.safetensors`` holds)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("encoder.")}
+
+    def broadcast_parameters(self) -> list[nn.Parameter]:
+        """Parameters this module broadcasts over the batch itself (see ``broadcast_hooks``)."""
+        return [p for p in (self.encoder.cls_token, self.mask_token) if p.requires_grad]
+
+    def _broadcast(self, param: nn.Parameter, batch: int, tokens: int) -> torch.Tensor:
+        out = param.expand(batch, tokens, param.shape[-1])
+        for hook in self.broadcast_hooks:
+            hook(param, out)
+        return out
+
+    def forward(self, images: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Per-example reconstruction loss (B,). ``noise`` (B, L) in [0, 1) picks the mask:
+        the patches with the smallest noise are kept."""
+        enc = self.encoder
+        b = images.shape[0]
+        x = enc.patch_embed(images) + enc.pos_embed[:, 1:]
+        keep = self.num_patches - self.num_masked()
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :keep]
+        x = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, x.shape[-1]))
+        cls = self._broadcast(enc.cls_token, b, 1) + enc.pos_embed[:, :1]
+        x = enc.blocks(enc.norm_pre(torch.cat([cls, x], dim=1)))
+        x = final_norm(enc)(x)
+
+        x = self.decoder_embed(x)
+        masked = self._broadcast(self.mask_token, b, self.num_patches - keep)
+        patches = torch.cat([x[:, 1:], masked], dim=1)
+        patches = torch.gather(patches, 1, ids_restore[..., None].expand(-1, -1, x.shape[-1]))
+        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed
+        for block in self.decoder_blocks:
+            x = block(x)
+        pred = self.decoder_pred(self.decoder_norm(x))[:, 1:]
+
+        dtype = torch.promote_types(pred.dtype, torch.float32)  # the loss in fp32 under autocast
+        target = patchify(images, self.patch).to(dtype)
+        if self.config.norm_pix_loss:
+            mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+            target = (target - mean) / (var + 1e-6) ** 0.5
+        mask = torch.ones(b, self.num_patches, device=images.device, dtype=dtype)
+        mask[:, :keep] = 0
+        mask = torch.gather(mask, 1, ids_restore)
+        per_patch = (pred.to(dtype) - target).square().mean(-1)
+        return (per_patch * mask).sum(1) / mask.sum(1).clamp(min=1)
