@@ -161,8 +161,10 @@ class PerExampleClipper:
             factors = (self.max_norm / (norms + 1e-6)).clamp(max=1.0)
             # A non-finite norm must not decide whether a step happens: drop that example.
             factors = torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+            dropped = factors == 0
+            dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
             for r, g in zip(records, grads):
-                self._accumulate(r, g, factors)
+                self._accumulate(r, g, factors, dropped)
         return ClipResult(losses.detach(), norms, factors)
 
     # ---------------------------------------------------------------- per-layer rules
@@ -196,12 +198,19 @@ class PerExampleClipper:
         else:
             param.grad += grad
 
-    def _accumulate(self, r: _Record, g: torch.Tensor, factors: torch.Tensor) -> None:
+    def _accumulate(self, r: _Record, g: torch.Tensor, factors: torch.Tensor,
+                    dropped: torch.Tensor | None) -> None:
+        # ``dropped`` marks non-finite examples: 0 * nan is nan, so zero their values outright.
         if isinstance(r.module, nn.Parameter):
-            self._add(r.module, torch.einsum("b,bd->d", factors, _as_tokens(g).sum(1)))
+            gt = _as_tokens(g).sum(1)
+            gt = torch.where(dropped[:, None], 0.0, gt) if dropped is not None else gt
+            self._add(r.module, torch.einsum("b,bd->d", factors, gt))
             return
         m = r.module
         a, gt = self._tokens(r, g)
+        if dropped is not None:
+            a = torch.where(dropped[:, None, None], 0.0, a)
+            gt = torch.where(dropped[:, None, None], 0.0, gt)
         gt = gt * factors[:, None, None]
         flat_g = gt.reshape(-1, gt.shape[-1])
         if isinstance(m, nn.LayerNorm):

@@ -12,13 +12,14 @@ __all__ = ["RunLog", "plot_curves"]
 
 
 class RunLog:
-    """Append-only JSONL, one record per step. On resume, records at or after the resumed
-    step (written after the last checkpoint) are dropped, so the log matches the weights."""
+    """Append-only JSONL, one record per step (``step`` counts the steps done). On resume
+    from a checkpoint after ``resume_step`` steps, later records (written after that
+    checkpoint) are dropped, so the log matches the weights."""
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in self.records() if r.get("step", 0) < resume_step] if resume_step else []
+        kept = [r for r in self.records() if r.get("step", 0) <= resume_step] if resume_step else []
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self._file = open(self.path, "a", buffering=1)

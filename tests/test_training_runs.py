@@ -1,0 +1,209 @@
+"""Training runs end to end: (Syn)-ViP -> DP-AdamW -> export -> verify; budget stop;
+resume after SIGKILL; a 2-process torchrun; tar shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from training.data import ImageFolder, TarShards, open_images
+from training.dp import DPConfig, max_steps_within, train_dp
+from training.syn import SynConfig, train_syn
+from vip_hub.accounting import Accountant
+from vip_hub.ledger import PrivacyLedger
+from vip_hub.verify import verify_repo
+
+BIN = Path(sys.executable).parent
+SYN_ARGS = dict(arch="vip-nano", img_size=32, patch_size=8, steps=4, batch_size=8, decoder_dim=64,
+                decoder_depth=1, decoder_heads=4, workers=0)
+
+
+def make_images(root: Path, per_class: int = 20, classes: int = 2, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            size = int(rng.integers(24, 64))
+            Image.fromarray(rng.integers(0, 255, (size, size + 3, 3), dtype=np.uint8)).save(
+                root / f"class{c}" / f"{i:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_syn(SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "private-images")
+
+
+def ledger_of(repo: Path) -> PrivacyLedger:
+    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+
+
+def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
+    report = verify_repo(syn_repo)
+    assert report.ok, report.problems
+    ledger = ledger_of(syn_repo)
+    assert [s.type for s in ledger.stages] == ["non-private"]
+    assert ledger.stages[0].private_data is False and ledger.guarantees == []
+    assert (syn_repo / "mae_decoder.safetensors").is_file()
+    assert "training_curves.png" in ledger.artifacts
+    log = [json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+
+
+def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, images: Path,
+                                                             tmp_path: Path) -> None:
+    out = train_dp(DPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-nano-dp"),
+                            epsilon=8.0, batch_size=8, steps=3, micro_batch_size=3, seed=0, workers=0))
+    report = verify_repo(out)
+    assert report.ok, report.problems
+    ledger = ledger_of(out)
+    syn, dp = ledger.stages
+    assert syn.name == "syn-pretrain" and syn.private_data is False
+    assert dp.type == "dp" and dp.mechanism == "DP-AdamW" and dp.steps == 3
+    assert dp.dataset.size == 40 and dp.sample_rate == pytest.approx(8 / 40)
+    assert dp.delta == pytest.approx(1 / 80) and dp.clipping_norm == 0.1
+    assert dp.epsilon <= 8.0 and Accountant.PRV in dp.reference_epsilon
+    assert dp.dataset.fingerprint == ImageFolder(images).fingerprint()
+    assert ledger.guarantees[0].epsilon == pytest.approx(dp.epsilon)
+    assert "training_curves.png" in (out / "README.md").read_text()
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 192)
+    decoder = load_file(out / "mae_decoder.safetensors")
+    assert "mask_token" in decoder and "decoder_pred.weight" in decoder
+
+
+def test_training_stops_before_the_budget_is_exceeded(syn_repo: Path, images: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    sigma, q = 0.6, 8 / 40
+    expected = max_steps_within(3.0, sigma, q, 1 / 80, 50, Accountant.RDP)
+    assert 0 < expected < 50
+    out = train_dp(DPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "dp"), epsilon=3.0,
+                            sigma=sigma, batch_size=8, steps=50, seed=0, workers=0, eval_every=100))
+    assert f"stopping after step {expected} of 50" in capsys.readouterr().err
+    dp = ledger_of(out).stages[-1]
+    assert dp.steps == expected and dp.epsilon <= 3.0
+
+
+def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
+    base = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "x"), seed=0, workers=0)
+    with pytest.raises(ValueError, match="dataset-size 41"):
+        train_dp(DPConfig(**base, dataset_size=41))
+    with pytest.raises(ValueError, match="batch-size"):
+        train_dp(DPConfig(**base, batch_size=100))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        train_dp(DPConfig(**{**base, "data": str(tmp_path / "missing")}))
+    with pytest.raises(ValueError, match="no images"):
+        (tmp_path / "empty").mkdir()
+        train_dp(DPConfig(**{**base, "data": str(tmp_path / "empty")}))
+
+
+def test_tar_shards_read_like_an_image_folder(images: Path, tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    files = sorted(images.rglob("*.png"))
+    for s in range(2):
+        with tarfile.open(shards / f"{s:05d}.tar", "w") as tar:
+            for i, f in enumerate(files[s::2]):
+                tar.add(f, arcname=f"{s:05d}{i:04d}.png")
+                caption = tmp_path / "caption.txt"
+                caption.write_text("a caption, ignored")
+                tar.add(caption, arcname=f"{s:05d}{i:04d}.txt")
+    data = open_images(shards)
+    assert isinstance(data, TarShards) and len(data) == len(files)
+    assert data.load(0).size == Image.open(files[0]).size
+    assert data.fingerprint().startswith("sha256:")
+    (shards / "bad").mkdir()
+    with tarfile.open(shards / "00009.tar", "w") as tar:
+        bad = tmp_path / "bad.jpg"
+        bad.write_bytes(b"not an image")
+        tar.add(bad, arcname="bad.jpg")
+    with pytest.raises(ValueError, match="cannot decode image 00009.tar"):
+        open_images(shards).load(len(files))
+
+
+# ---------------------------------------------------------------- processes
+DP_ARGS = ["--epsilon", "8", "--batch-size", "8", "--steps", "10", "--micro-batch-size", "4",
+           "--seed", "7", "--workers", "0", "--checkpoint-every", "2", "--eval-every", "5"]
+
+
+def dp_command(syn_repo: Path, images: Path, out: Path) -> list[str]:
+    return [str(BIN / "vip-hub"), "train-dp", "--init", str(syn_repo), "--data", str(images),
+            "--out", str(out), *DP_ARGS]
+
+
+@pytest.fixture(scope="module")
+def reference_run(syn_repo: Path, images: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "vip-nano-dp"
+    subprocess.run(dp_command(syn_repo, images, out), check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
+        syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "vip-nano-dp"
+    log = tmp_path / "vip-nano-dp.run" / "log.jsonl"
+    proc = subprocess.Popen(dp_command(syn_repo, images, out), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # kill between checkpoints, mid-run
+        if log.exists() and any(json.loads(line).get("step") == 5 for line in log.read_text().splitlines()
+                                if line.strip()):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "the run finished before it could be killed"
+    resumed = subprocess.run(dp_command(syn_repo, images, out), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert ledger_of(out).stages == ledger_of(reference_run).stages
+    a, b = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(11))  # the log was cut back to the checkpoint, then continued
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Path, reference_run: Path,
+                                                      tmp_path: Path) -> None:
+    out = tmp_path / "vip-nano-dp"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.dp",
+           "--init", str(syn_repo), "--data", str(images), "--out", str(out), *DP_ARGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert verify_repo(out).ok
+    assert ledger_of(out).stages == ledger_of(reference_run).stages
+    assert ledger_of(out).guarantees == ledger_of(reference_run).guarantees
+
+    probe = Path(__file__).with_name("dist_noise_probe.py")
+    single = subprocess.run([sys.executable, str(probe), str(tmp_path / "one.json")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    two = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(probe),
+                          str(tmp_path / "two.json")], env=env, capture_output=True, text=True, timeout=120)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, both = json.loads((tmp_path / "one.json").read_text()), json.loads((tmp_path / "two.json").read_text())
+    assert both["world"] == 2 and one["world"] == 1
+    expected = one["sigma"] * one["clip"] / one["batch"]
+    assert one["std"] == pytest.approx(expected, rel=0.01)
+    assert both["std"] == pytest.approx(one["std"], rel=1e-6)  # once, not once per rank
+    assert both["ranks_agree"] and both["mean_signal"] == pytest.approx(one["mean_signal"], rel=1e-6)

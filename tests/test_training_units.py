@@ -1,0 +1,197 @@
+"""Training units: procedural images, MAE, per-example clipping, sampling, noise, budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from training.clipping import PerExampleClipper, UnsupportedLayerError
+from training.distributed import Dist
+from training.dp import max_steps_within, noisy_mean_gradient
+from training.mae import MAE, DecoderConfig, patchify
+from training.sampling import micro_batches, poisson_sample, rank_shard
+from training.synthetic import FAMILIES, SyntheticImages, contact_sheet, render
+from vip_hub.accounting import Accountant, epsilon
+from vip_hub.models import EncoderSpec, create_encoder
+
+SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
+SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
+
+
+def small_mae(dtype: torch.dtype = torch.float32, seed: int = 0) -> MAE:
+    torch.manual_seed(seed)
+    return MAE(create_encoder(SPEC, mae_init=True), SMALL_DECODER).to(dtype)
+
+
+# ---------------------------------------------------------------- procedural images
+def test_synthetic_images_are_deterministic_per_seed_and_index() -> None:
+    a, b = render(3, 17, 48), render(3, 17, 48)
+    assert a.shape == (48, 48, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, render(3, 18, 48))
+    assert not np.array_equal(a, render(4, 17, 48))
+
+
+@pytest.mark.parametrize("size", [16, 33, 128])
+def test_synthetic_images_at_any_resolution(size: int) -> None:
+    img = render(0, 5, size)
+    assert img.shape == (size, size, 3)
+
+
+def test_every_family_draws_varied_images() -> None:
+    rng = np.random.default_rng(0)
+    grid = np.meshgrid(np.arange(32) / 32, np.arange(32) / 32)
+    for name, family in FAMILIES.items():
+        field = family(rng, (grid[0], grid[1]))
+        assert field.shape == (32, 32), name
+        assert 0 <= field.min() and field.max() <= 1 and field.std() > 0.01, name
+
+
+def test_synthetic_dataset_and_contact_sheet() -> None:
+    data = SyntheticImages(32, seed=1)
+    x = data[7]
+    assert x.shape == (3, 32, 32) and torch.isfinite(x).all()
+    assert torch.equal(x, SyntheticImages(32, seed=1)[7])
+    sheet = contact_sheet(seed=0, count=6, size=24, columns=3)
+    assert sheet.size == (3 * 28 + 4, 2 * 28 + 4)
+
+
+# ---------------------------------------------------------------- MAE
+def test_mae_loss_is_per_example_and_masks_the_ratio() -> None:
+    mae = small_mae()
+    x = torch.randn(3, 3, 32, 32)
+    noise = torch.rand(3, 16)
+    losses = mae(x, noise)
+    assert losses.shape == (3,)
+    # Example 0's loss does not depend on the other examples.
+    assert torch.allclose(mae(x[:1], noise[:1]), losses[:1], atol=1e-6)
+    assert mae.num_masked() == 12
+    assert patchify(x, 8).shape == (3, 16, 8 * 8 * 3)
+
+
+def test_mae_decoder_keys_follow_the_reference() -> None:
+    keys = set(small_mae().decoder_state_dict())
+    for k in ("mask_token", "decoder_pos_embed", "decoder_embed.weight", "decoder_blocks.0.attn.qkv.weight",
+              "decoder_norm.weight", "decoder_pred.weight"):
+        assert k in keys
+    assert not any(k.startswith("encoder.") for k in keys)
+
+
+# ---------------------------------------------------------------- clipping
+def naive_clipped_sum(mae: MAE, x: torch.Tensor, noise: torch.Tensor, c: float):
+    total = {n: torch.zeros_like(p) for n, p in mae.named_parameters() if p.requires_grad}
+    norms = []
+    for i in range(len(x)):
+        mae.zero_grad(set_to_none=True)
+        mae(x[i:i + 1], noise[i:i + 1]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in mae.named_parameters() if p.requires_grad}
+        norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
+        norms.append(norm)
+        for n in total:
+            total[n] += grads[n] * min(1.0, c / (float(norm) + 1e-6))
+    mae.zero_grad(set_to_none=True)
+    return total, torch.stack(norms)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_clipped_sum_equals_the_naive_per_example_computation(dtype: torch.dtype, tol: float) -> None:
+    mae = small_mae(dtype)
+    torch.manual_seed(1)
+    x, noise = torch.randn(6, 3, 32, 32, dtype=dtype), torch.rand(6, 16, dtype=dtype)
+    expected, norms = naive_clipped_sum(mae, x, noise, c=1.0)
+    c = float(norms.median())  # some examples are clipped, some are not
+    expected, _ = naive_clipped_sum(mae, x, noise, c=c)
+    result = PerExampleClipper(mae, c).accumulate(x, noise)
+    assert torch.allclose(result.norms.double(), norms, rtol=tol * 10)
+    assert (result.factors < 1).any() and (result.factors == 1).any()
+    got = {n: p.grad for n, p in mae.named_parameters() if p.requires_grad}
+    assert set(got) == set(expected)  # cls_token and mask_token included, nothing skipped
+    num = torch.sqrt(sum((got[n].double() - expected[n].double()).square().sum() for n in got))
+    den = torch.sqrt(sum(expected[n].double().square().sum() for n in got))
+    assert float(num / den) < tol
+    for n in got:  # and layer by layer
+        assert torch.allclose(got[n].double(), expected[n].double(), rtol=tol * 100,
+                              atol=tol * float(expected[n].abs().max())), n
+
+
+def test_clipped_sum_does_not_depend_on_the_micro_batch_split() -> None:
+    mae = small_mae(torch.float64)
+    x, noise = torch.randn(7, 3, 32, 32, dtype=torch.float64), torch.rand(7, 16, dtype=torch.float64)
+    clipper = PerExampleClipper(mae, 0.5)
+    clipper.accumulate(x, noise)
+    whole = [p.grad.clone() for p in clipper.params]
+    mae.zero_grad(set_to_none=True)
+    for part in micro_batches(np.arange(7), 3):
+        clipper.accumulate(x[part], noise[part])
+    for a, p in zip(whole, clipper.params):
+        assert torch.allclose(a, p.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_clipping_bounds_every_example_and_drops_non_finite_ones() -> None:
+    mae = small_mae()
+    x, noise = torch.randn(4, 3, 32, 32), torch.rand(4, 16)
+    x[2, 0, 0, 0] = float("nan")
+    r = PerExampleClipper(mae, 1e-3).accumulate(x, noise)
+    assert r.factors[2] == 0 and not torch.isfinite(r.norms[2])
+    assert all(torch.isfinite(p.grad).all() for p in mae.parameters() if p.requires_grad)
+    total = torch.sqrt(sum(p.grad.square().sum() for p in mae.parameters() if p.requires_grad))
+    assert total <= 3 * 1e-3 * (1 + 1e-4)  # three finite examples, each clipped to C
+
+
+def test_parameters_without_a_rule_are_refused_not_silently_slow() -> None:
+    enc = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
+                            num_classes=0, init_values=1e-5)  # LayerScale holds a bare parameter
+    with pytest.raises(UnsupportedLayerError, match="LayerScale"):
+        PerExampleClipper(MAE(enc, SMALL_DECODER), 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        PerExampleClipper(small_mae(), 0.0)
+
+
+# ---------------------------------------------------------------- sampling
+def test_poisson_sampling_rate_determinism_and_rank_streams() -> None:
+    n, q = 2000, 0.05
+    counts = [len(poisson_sample(n, q, seed=0, step=s)) for s in range(400)]
+    assert abs(np.mean(counts) - q * n) < 1.5  # 100 expected; std of the mean ~0.5
+    assert abs(np.var(counts) - n * q * (1 - q)) < 30
+    s = poisson_sample(n, q, seed=0, step=3)
+    assert np.array_equal(s, poisson_sample(n, q, seed=0, step=3))
+    assert len(set(s)) == len(s) and s.min() >= 0 and s.max() < n
+    assert not np.array_equal(s, poisson_sample(n, q, seed=0, step=3, rank=1))
+    hits = np.zeros(n)
+    for step in range(400):
+        hits[poisson_sample(n, q, seed=1, step=step)] += 1
+    assert abs(hits.mean() / 400 - q) < 0.002 and hits.std() / 400 < 0.02  # every index, same rate
+    assert len(poisson_sample(5, 1e-6, seed=0, step=0)) == 0
+
+
+def test_rank_shards_partition_the_dataset_and_micro_batches_cover_the_sample() -> None:
+    shards = [rank_shard(11, r, 3) for r in range(3)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(11))
+    parts = micro_batches(np.arange(10), 4)
+    assert [len(p) for p in parts] == [4, 4, 2]
+    empty = micro_batches(np.zeros(0, dtype=int), 4)
+    assert len(empty) == 1 and len(empty[0]) == 0
+
+
+# ---------------------------------------------------------------- noise and accounting
+def test_noise_is_sigma_c_over_expected_batch_and_added_even_to_an_empty_sample() -> None:
+    params = [torch.nn.Parameter(torch.zeros(200_000))]
+    sigma, c, b = 1.3, 0.1, 64.0
+    noisy_mean_gradient(params, sigma, c, b, torch.Generator().manual_seed(0), Dist())
+    std = params[0].grad.std().item()
+    assert abs(std - sigma * c / b) / (sigma * c / b) < 0.01
+    params[0].grad = torch.full((200_000,), 6.4)  # a clipped sum: divided by B, not the count
+    extra = noisy_mean_gradient(params, 1e-9, c, b, torch.Generator().manual_seed(0), Dist(),
+                                extra=torch.tensor([3.0]))
+    assert torch.allclose(params[0].grad, torch.full((200_000,), 0.1), atol=1e-6)
+    assert extra.tolist() == [3.0]
+
+
+def test_budget_stop_is_the_last_step_within_epsilon() -> None:
+    sigma, q, delta = 0.8, 0.01, 1e-5
+    steps = max_steps_within(2.0, sigma, q, delta, 10_000, Accountant.RDP)
+    assert 0 < steps < 10_000
+    assert epsilon(sigma, q, steps, delta) <= 2.0 < epsilon(sigma, q, steps + 1, delta)
+    assert max_steps_within(100.0, sigma, q, delta, 50, Accountant.RDP) == 50
