@@ -12,10 +12,10 @@ import types
 import typing
 from typing import Any
 
-from vip_hub.cli import add_command
+from vip_hub.cli import CommandError, add_command
 
-__all__ = ["config_from_args", "add_config_args", "register_synth_preview", "register_train_dp",
-           "register_train_syn"]
+__all__ = ["config_from_args", "add_config_args", "register_probe", "register_run",
+           "register_synth_preview", "register_train_dp", "register_train_syn"]
 
 HELP = {
     "init": "(Syn)-ViP repo folder to start from (with mae_decoder.safetensors)",
@@ -30,6 +30,15 @@ HELP = {
     "seed": "seed of every random stream (DP default: a secret random one)",
     "restart": "discard the run folder's checkpoint and start over",
     "device": "auto, cpu, cuda or cuda:N",
+    "encoder": "encoder repo folder or hub repo id",
+    "test_data": "labelled test folder (default: a stratified split of --data)",
+    "head": "head name: the repo gets heads/NAME/",
+    "pooling": "feature mode: vip (the paper's), avg or cls",
+    "few_shot": "keep k training examples per class",
+    "export": "add the head to the repo (--out, or the encoder folder)",
+    "serve": "keep serving after publishing",
+    "work_dir": "where the job keeps data, runs and repos",
+    "store": "the hub store the server uses",
 }
 
 
@@ -120,3 +129,39 @@ def _synth_preview(args: argparse.Namespace) -> int:
     contact_sheet(args.seed, args.count, args.size, args.columns).save(args.out)
     print(f"wrote {args.out}: {args.count} images of {args.size} px")
     return 0
+
+
+def register_probe(sub: Any) -> None:
+    from .probe import ProbeConfig
+
+    p = add_command(sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder")
+    add_config_args(p, ProbeConfig)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .probe import ProbeConfig, run_probe
+
+    cfg = config_from_args(ProbeConfig, args)
+    r = run_probe(cfg)
+    kind = f"DP, epsilon {r.stage.epsilon:.3g}" if r.stage.type == "dp" else "no DP"
+    print(f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} "
+          f"held-out images ({r.train_size} training)")
+    if r.repo:
+        print(f"saved to {r.repo}/heads/{cfg.head}/")
+    return 0
+
+
+def register_run(sub: Any) -> None:
+    from .main_job import MainJobConfig
+
+    p = add_command(sub, "run", _run, "the main job: train, compare, publish and serve private encoders")
+    add_config_args(p, MainJobConfig)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .main_job import MainJobConfig, StepFailed, run_main_job
+
+    try:
+        return run_main_job(config_from_args(MainJobConfig, args))
+    except StepFailed as e:
+        raise CommandError(str(e)) from None

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["make_adamw", "warmup_cosine"]
+__all__ = ["lr_factor", "make_adamw", "warmup_cosine"]
 
 
 def make_adamw(model: nn.Module, lr: float, weight_decay: float,
@@ -22,14 +22,15 @@ def make_adamw(model: nn.Module, lr: float, weight_decay: float,
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int,
                   total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    """The ``lr_factor`` schedule as a scheduler (its state goes into checkpoints)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))

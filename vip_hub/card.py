@@ -44,6 +44,9 @@ class CardInfo:
     summary: str = ""
     license: str = "apache-2.0"
     eval_results: list[EvalResult] = field(default_factory=list)
+    # Rows of a side-by-side probe comparison (this model, other models, baselines):
+    # {"model", "features", "top1", "top1_nonprivate"}; kept in the front matter as ``probe_comparison``.
+    comparison: list[dict[str, Any]] = field(default_factory=list)
 
 
 def render_card(
@@ -62,6 +65,7 @@ def render_card(
         summary=info.summary,
         repo_id=info.repo_id,
         differential_privacy=ledger.to_dict(),
+        probe_comparison=info.comparison or None,
     )
     vip_layers = min(VIP_LAYERS, arch.depth)
     template = files("model_cards").joinpath("encoder.md").read_text(encoding="utf-8")
@@ -96,6 +100,7 @@ def render_card(
         stage_details=[{"name": s.name, "component": s.component, "text": _stage_text(s)} for s in ledger.stages],
         plots=list(plots),
         results=info.eval_results,
+        comparison=info.comparison,
     )
     return str(card)
 
@@ -120,6 +125,7 @@ def card_info(readme: str) -> CardInfo:
         summary=getattr(data, "summary", "") or "",
         license=data.license or "apache-2.0",
         eval_results=list(data.eval_results or []),
+        comparison=list(getattr(data, "probe_comparison", None) or []),
     )
 
 

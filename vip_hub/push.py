@@ -12,11 +12,12 @@ import os
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-from huggingface_hub.errors import RevisionNotFoundError
+from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
+from .repo import LEDGER_FILE
 from .verify import repo_files, verify_repo
 
-__all__ = ["push_repo"]
+__all__ = ["is_published", "push_repo"]
 
 
 def push_repo(
@@ -53,3 +54,15 @@ def push_repo(
     )
     info = api.create_commit(repo_id, operations, commit_message=message or default, revision=revision)
     return info.oid
+
+
+def is_published(folder: str | os.PathLike[str], repo_id: str, *, endpoint: str | None = None,
+                 token: str | None = None, revision: str = "main") -> bool:
+    """Whether ``repo_id`` at ``revision`` already holds this folder's ledger. The ledger binds
+    the digest of every file, so equal ledgers mean equal published contents."""
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        path = api.hf_hub_download(repo_id, LEDGER_FILE, revision=revision, force_download=True)
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+        return False
+    return Path(path).read_bytes() == (Path(folder) / LEDGER_FILE).read_bytes()

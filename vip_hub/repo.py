@@ -131,12 +131,14 @@ def update_repo(
     add_files: Mapping[str, bytes | os.PathLike[str]] | None = None,
     add_eval_results: Iterable[EvalResult] = (),
     replace_component: str | None = None,
+    comparison: list[dict[str, Any]] | None = None,
 ) -> PrivacyLedger:
     """Add stages, files and evaluation results to an existing repo (e.g. a probe head).
 
     ``replace_component`` (e.g. ``"heads/digits"``) first drops that component's stages and
-    the files under its folder. The three ledger copies and the card are rewritten together;
-    the update is atomic. Returns the new ledger.
+    the files under its folder. ``comparison`` replaces the card's probe-comparison table.
+    The three ledger copies and the card are rewritten together; the update is atomic.
+    Returns the new ledger.
     """
     from .verify import verify_repo  # verify imports this module
 
@@ -156,6 +158,8 @@ def update_repo(
     info.eval_results = [
         r for r in info.eval_results if (r.dataset_name, r.metric_name) not in replaced
     ] + new_results
+    if comparison is not None:
+        info.comparison = list(comparison)
     result: dict[str, PrivacyLedger] = {}
 
     stages = [s for s in old.stages if s.component != replace_component]

@@ -1,0 +1,143 @@
+"""Linear probes (non-DP, DP, few-shot), head export and classification through the service,
+the main job at its smallest sizes, and the shipping files."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from live import WRITE_TOKEN, free_port
+from training.main_job import MainJobConfig, run_main_job, write_digits
+from training.probe import ProbeConfig, run_probe
+from vip_hub.heads import list_heads, load_head
+from vip_hub.ledger import PrivacyLedger
+from vip_hub.push import push_repo
+from vip_hub.verify import verify_repo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_digits(tmp_path_factory.mktemp("digits"), test_fraction=0.2, seed=0)
+
+
+def ledger_of(repo: Path) -> PrivacyLedger:
+    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+
+
+def test_digits_are_written_as_stratified_class_folders(digits: tuple[Path, Path]) -> None:
+    train, test = digits
+    assert sorted(p.name for p in train.iterdir()) == [str(d) for d in range(10)]
+    n_train, n_test = len(list(train.rglob("*.png"))), len(list(test.rglob("*.png")))
+    assert (n_train, n_test) == (1437, 360)
+
+
+def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
+    train, test = digits
+    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
+                              epochs=15, warmup_epochs=2, dataset_name="digits-train"))
+    assert r.top1 > 0.3, r.top1  # chance is 0.1
+    assert r.repo == tiny_repo and list_heads(tiny_repo) == ["digits"]
+    assert verify_repo(tiny_repo).ok
+    stage = ledger_of(tiny_repo).stage("linear-probe:digits")
+    assert stage.type == "non-private" and stage.private_data and stage.component == "heads/digits"
+    assert stage.dataset.name == "digits-train" and stage.dataset.size == 1437
+    card = (tiny_repo / "README.md").read_text()
+    assert "No guarantee covers" in card and "linear-probe:digits" in card
+    assert "top-1, linear probe 'digits' (vip features, no DP)" in card  # model-index entry
+    head, info = load_head(tiny_repo, "digits")
+    assert info.labels == [str(d) for d in range(10)] and info.metrics["top1"] == pytest.approx(r.top1)
+
+
+def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:
+    train, test = digits
+    out = tmp_path / "with-dp-head"
+    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits-dp",
+                              epochs=10, warmup_epochs=1, epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out)))
+    assert r.top1 > 0.2, r.top1
+    assert verify_repo(out).ok and not (tiny_repo / "heads").exists()  # written to --out only
+    ledger = ledger_of(out)
+    stage = ledger.stage("linear-probe-dp:digits-dp")
+    assert stage.type == "dp" and stage.mechanism == "DP-SGD" and stage.component == "heads/digits-dp"
+    assert stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1 / 2874)
+    assert stage.steps == 10 * 6 and stage.sample_rate == pytest.approx(1 / 6)
+    assert ledger.summary("heads/digits-dp").epsilon == pytest.approx(stage.epsilon)
+
+
+def test_few_shot_keeps_k_per_class_and_bad_input_is_named(tiny_repo: Path, digits, tmp_path: Path) -> None:
+    train, _ = digits
+    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), few_shot=5, epochs=5, export=False))
+    assert r.train_size == 50 and r.repo is None and r.test_size == 288
+    with pytest.raises(ValueError, match="head name"):
+        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), head="../evil"))
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), optimizer="adam", epochs=1, export=False))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "a.png").write_bytes((train / "0").iterdir().__next__().read_bytes())
+    with pytest.raises(ValueError, match="one subfolder per class"):
+        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(flat), export=False))
+
+
+def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digits) -> None:
+    train, test = digits
+    run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
+                          epochs=15, warmup_epochs=2))
+    push_repo(tiny_repo, "vip/probe-test", token=WRITE_TOKEN)
+    images = sorted((test / "3").glob("*.png"))[:4]
+    r = httpx.post(f"{hub.url}/v1/classify", timeout=60, json={
+        "model": "vip/probe-test", "head": "digits", "top_k": 3,
+        "input": [base64.b64encode(p.read_bytes()).decode() for p in images]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["data"]) == 4 and all(len(row["labels"]) == 3 for row in body["data"])
+    assert {x["label"] for row in body["data"] for x in row["labels"]} <= {str(d) for d in range(10)}
+    assert body["privacy"]["head"]["dp"] is False
+
+
+@pytest.mark.slow
+def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = MainJobConfig(work_dir=str(tmp_path / "run"), store=str(tmp_path / "hub"), port=free_port(),
+                        syn_steps=3, syn_batch_size=8, dp_steps=3, dp_batch_size=64, probe_epochs=3,
+                        workers=0, serve=False)
+    assert run_main_job(cfg) == 0
+    out = capsys.readouterr().out
+    syn, dp = tmp_path / "run" / "vip-nano-syn", tmp_path / "run" / "vip-nano-digits-dp"
+    for repo in (syn, dp):
+        assert verify_repo(repo).ok
+        card = (repo / "README.md").read_text()
+        assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
+        assert "(Syn)-ViP vip-nano-syn" in card and "ViP vip-nano-digits-dp" in card
+        assert list_heads(repo) == ["digits"]
+    dp_ledger = ledger_of(dp)
+    enc = dp_ledger.stage("dp-pretrain")
+    assert enc.dataset.name == "sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
+    assert enc.delta == pytest.approx(1 / 2874)
+    assert dp_ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
+    assert "publish vip/vip-nano-digits-dp" in out and "commit" in out
+    assert "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out
+    assert 'timm.create_model("hf-hub:vip/vip-nano-digits-dp"' in out
+
+    cfg.port = free_port()
+    assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published
+    again = capsys.readouterr().out
+    assert again.count("up to date, skipped") == 6, again
+
+
+def test_docker_files_name_what_exists() -> None:
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        text = (ROOT / "docker" / name).read_text()
+        assert "USER vip" in text and "HEALTHCHECK" in text and "/healthz" in text
+        assert "torch==2.14.1" in text and "VIP_HUB_STORE=/data/hub" in text
+        for line in text.splitlines():
+            if line.startswith("COPY "):
+                for src in line.split()[1:-1]:
+                    assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    assert compose["services"]["hub"]["volumes"] == ["hub-data:/data"] and "hub-data" in compose["volumes"]
