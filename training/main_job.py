@@ -59,14 +59,14 @@ class MainJobConfig:
     port: int = 8000
     img_size: int = 32
     patch_size: int = 8
-    syn_steps: int = 600
+    syn_steps: int = 300
     syn_batch_size: int = 64
     decoder_dim: int = 256
     decoder_depth: int = 2
     decoder_heads: int = 8
     epsilon: float = 8.0
     dp_batch_size: int = 256
-    dp_steps: int = 150
+    dp_steps: int = 100
     dp_lr: float = 3.84e-4
     probe_epochs: int = 90
     head_epsilon: float = 2.0  # the released heads are DP too: their labelled data is private
