@@ -107,6 +107,12 @@ def _ledger_digest(repo: Path) -> str:
     return hashlib.sha256((repo / LEDGER_FILE).read_bytes()).hexdigest()
 
 
+def _weights_digest(repo: Path) -> str:
+    """The encoder's and decoder's tensor digests (unchanged when heads or cards change)."""
+    artifacts = json.loads((repo / LEDGER_FILE).read_text())["artifacts"]
+    return _stamp({k: v for k, v in artifacts.items() if k.endswith(".safetensors") and "/" not in k})
+
+
 class _Steps:
     """Runs named steps, skipping those whose outputs exist with a matching input stamp."""
 
@@ -164,7 +170,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                   batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr, dataset_name="sklearn-digits-train",
                   model_name="vip-nano-digits-dp", repo_id=dp_id, micro_batch_size=128, **common)
     steps.run("ViP: DP-AdamW on the digits at epsilon %g" % cfg.epsilon,
-              {**asdict(dp), "init": _ledger_digest(syn_dir)}, [dp_dir], lambda: train_dp(dp))
+              {**asdict(dp), "init": _weights_digest(syn_dir)}, [dp_dir], lambda: train_dp(dp))
 
     def probes() -> None:
         rows = []
@@ -196,7 +202,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             verify_repo(repo).raise_for_problems()
 
     steps.run("linear probes and the raw-pixel baseline",
-              {"syn": _ledger_digest(syn_dir), "dp": _ledger_digest(dp_dir), "epochs": cfg.probe_epochs,
+              {"syn": _weights_digest(syn_dir), "dp": _weights_digest(dp_dir), "epochs": cfg.probe_epochs,
                "head_epsilon": cfg.head_epsilon},
               [syn_dir / "heads" / "digits", dp_dir / "heads" / "digits"], probes)
 
