@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from vip_hub.repo import export_encoder
 from .clipping import PerExampleClipper
 from .data import Augmented, mae_transform, open_images
 from .distributed import Dist
-from .loop import Run, eval_loss, load_mae, public_eval_batch
+from .loop import Run, eval_loss, load_mae, open_run_dir, public_eval_batch, run_settings
 from .optim import make_adamw, warmup_cosine
 from .runlog import plot_curves
 from .sampling import MASKING, NOISE, micro_batches, poisson_sample, rank_shard, torch_generator
@@ -80,12 +80,6 @@ class DPConfig:
     model_name: str | None = None
     repo_id: str | None = None
     restart: bool = False
-
-    def run_settings(self, seed: int) -> dict[str, Any]:
-        """What must match for a checkpoint to be resumed (not paths to outputs or workers)."""
-        keep = {k: v for k, v in asdict(self).items()
-                if k not in ("out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id")}
-        return {**keep, "seed": seed}
 
 
 def max_steps_within(target: float, sigma: float, sample_rate: float, delta: float,
@@ -135,16 +129,20 @@ class _Collate:
         return torch.stack(items) if items else torch.empty(0, 3, self.size, self.size)
 
 
-def _resolve_seed(cfg: DPConfig, run_dir: Path) -> int:
-    if cfg.seed is not None:
-        return cfg.seed
-    saved = run_dir / "seed"
-    if saved.exists() and not cfg.restart:
-        return int(saved.read_text())
-    seed = secrets.randbits(62)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(str(seed))
-    return seed
+def _resolve_seed(seed: int | None, run_dir: Path, dist: Dist) -> int:
+    """The given seed, else the one kept in the run folder, else a new secret one; rank 0
+    decides and every rank gets the same."""
+    if seed is not None:
+        return seed
+    chosen = torch.zeros(1, dtype=torch.int64, device=dist.device)
+    if dist.main:
+        saved = run_dir / "seed"
+        if not saved.exists():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            saved.write_text(str(secrets.randbits(62)))
+        chosen[0] = int(saved.read_text())
+    dist.broadcast_([chosen])
+    return int(chosen.item())
 
 
 def train_dp(cfg: DPConfig, dist: Dist | None = None) -> Path:
@@ -168,8 +166,9 @@ def train_dp(cfg: DPConfig, dist: Dist | None = None) -> Path:
             f"a single step at sigma {sigma:g}, q {q:.4g} already exceeds epsilon {cfg.epsilon}"
         )
     out = Path(cfg.out)
-    seed = _resolve_seed(cfg, out.with_name(out.name + ".run"))
-    run = Run(out, cfg.run_settings(seed), dist, restart=cfg.restart)
+    run_dir = open_run_dir(out, cfg.restart, dist)
+    seed = _resolve_seed(cfg.seed, run_dir, dist)
+    run = Run(run_dir, {**run_settings(cfg), "seed": seed}, dist)
     if dist.main and steps < cfg.steps:
         print(f"budget: stopping after step {steps} of {cfg.steps}; step {steps + 1} would exceed "
               f"epsilon {cfg.epsilon} ({kind.value}, delta {delta:.3g})", file=sys.stderr)

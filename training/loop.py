@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,26 @@ from .runlog import RunLog
 from .sampling import MASKING, torch_generator
 from .synthetic import SyntheticImages
 
-__all__ = ["Run", "load_mae", "new_mae", "public_eval_batch"]
+__all__ = ["Run", "load_mae", "new_mae", "open_run_dir", "public_eval_batch", "run_settings"]
 
 EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
 EVAL_IMAGES = 64
+# Recipe fields that name outputs or resources, not the run: they may change across a resume.
+NOT_RUN_SETTINGS = ("out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id")
+
+
+def run_settings(cfg: Any) -> dict[str, Any]:
+    """A recipe dataclass's fields that must match for a checkpoint to be resumed."""
+    return {k: v for k, v in asdict(cfg).items() if k not in NOT_RUN_SETTINGS}
+
+
+def open_run_dir(out: str | Path, restart: bool, dist: Dist) -> Path:
+    """The run folder ``<out>.run/`` of an output; ``restart`` empties it first (rank 0)."""
+    run_dir = Path(out).with_name(Path(out).name + ".run")
+    if restart and dist.main and run_dir.exists():
+        shutil.rmtree(run_dir)
+    dist.barrier()
+    return run_dir
 
 
 def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
@@ -77,15 +94,11 @@ def eval_loss(mae: MAE, batch: tuple[torch.Tensor, torch.Tensor], device: torch.
 class Run:
     """The run folder ``<out>.run/``: checkpoint, log, settings; plus the progress bar."""
 
-    def __init__(self, out: str | Path, config: dict[str, Any], dist: Dist, restart: bool = False):
-        self.out = Path(out)
-        self.dir = self.out.with_name(self.out.name + ".run")
+    def __init__(self, run_dir: Path, config: dict[str, Any], dist: Dist):
+        self.dir = run_dir
         self.config = config
         self.dist = dist
         self.checkpoint_path = self.dir / "checkpoint.pt"
-        if restart and dist.main and self.dir.exists():
-            shutil.rmtree(self.dir)
-        dist.barrier()
         self.log: RunLog | None = None
         self.bar: tqdm | None = None
         self._t0 = time.perf_counter()

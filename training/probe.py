@@ -53,15 +53,16 @@ class LabelledImages:
 def load_labelled(path: str | os.PathLike[str], name: str | None = None) -> LabelledImages:
     """An image folder with one subfolder per class."""
     folder = ImageFolder(path)
-    classes = sorted({p.relative_to(folder.root).parts[0] for p in folder.files if len(p.relative_to(folder.root).parts) > 1})
+    members = [(i, p.relative_to(folder.root).parts[0]) for i, p in enumerate(folder.files)
+               if len(p.relative_to(folder.root).parts) > 1]  # files in a class subfolder
+    classes = sorted({c for _, c in members})
     if len(classes) < 2:
         raise ValueError(f"{path} needs one subfolder per class (found {len(classes)} class folders)")
     index = {c: i for i, c in enumerate(classes)}
-    files = [p for p in folder.files if len(p.relative_to(folder.root).parts) > 1]
-    images = [folder.load(folder.files.index(p)) for p in files]
-    labels = np.array([index[p.relative_to(folder.root).parts[0]] for p in files])
-    dataset = Dataset(name=name or folder.name, size=len(files), fingerprint=folder.fingerprint(),
-                      description=f"{len(files)} labelled images, {len(classes)} classes")
+    images = [folder.load(i) for i, _ in members]
+    labels = np.array([index[c] for _, c in members])
+    dataset = Dataset(name=name or folder.name, size=len(members), fingerprint=folder.fingerprint(),
+                      description=f"{len(members)} labelled images, {len(classes)} classes")
     return LabelledImages(images, labels, classes, dataset)
 
 

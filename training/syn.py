@@ -10,9 +10,8 @@ that no private data was used.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ from vip_hub.models import EncoderSpec
 from vip_hub.repo import export_encoder
 
 from .distributed import Dist
-from .loop import Run, eval_loss, new_mae, public_eval_batch
+from .loop import Run, eval_loss, new_mae, open_run_dir, public_eval_batch, run_settings
 from .mae import DecoderConfig
 from .optim import make_adamw, warmup_cosine
 from .runlog import plot_curves
@@ -63,10 +62,6 @@ class SynConfig:
     repo_id: str | None = None
     restart: bool = False
 
-    def run_settings(self) -> dict[str, Any]:
-        skip = ("out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id")
-        return {k: v for k, v in asdict(self).items() if k not in skip}
-
 
 def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     """Run (or resume) MAE pretraining on procedural images and export the repo."""
@@ -81,7 +76,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    run = Run(cfg.out, cfg.run_settings(), dist, restart=cfg.restart)
+    run = Run(open_run_dir(cfg.out, cfg.restart, dist), run_settings(cfg), dist)
     start = 0
     if (state := run.resume_state()) is not None:
         mae.load_state_dict(state["model"])
