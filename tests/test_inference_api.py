@@ -268,21 +268,23 @@ def test_deadline_and_disconnect(hub, published):
 
 
 def test_shutdown_drains_in_flight(hub, published):
-    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 400.0})
+    settings = settings_for(hub.settings.store, inference={"max_batch_size": 1})
     server = ThreadedServer(settings).__enter__()
     httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+    preprocessed = sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values())
     statuses = []
 
-    big = b64(image(512, 512, "JPEG"))
-
-    def call() -> None:  # 64 large images: still being preprocessed when the server stops
-        statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [big] * 64},
+    def call() -> None:  # 64 one-image batches each: 256 forward passes queued in all
+        statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[1])] * 64},
                                    timeout=60).status_code)
 
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30  # stop once all four requests are in (preprocessed, queued)
+    while sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values()) < preprocessed + 4:
+        assert time.monotonic() < deadline, "the requests never reached the server"
+        time.sleep(0.005)
     server.__exit__(None, None, None)
     for t in threads:
         t.join()
