@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from vip_hub.device import pick_device
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
 
@@ -50,6 +52,7 @@ class InferenceSettings(BaseModel):
     """Batched embeddings and classification."""
 
     enabled: bool = True
+    device: str = Field("auto", description="where forward passes run: auto (CUDA when present), cpu, cuda, cuda:N")
     preload: list[str] = Field(default_factory=list, description="models loaded and warmed up before ready")
     max_loaded_models: int = Field(4, gt=0, description="LRU bound on models held in memory")
     max_batch_size: int = Field(32, gt=0)
@@ -58,6 +61,12 @@ class InferenceSettings(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="deadline for a request in the queue")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads of the forward pass (0: all cores)")
     preprocess_threads: int = Field(1, gt=0, description="threads decoding and preprocessing beside the forward")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        pick_device(value)  # an unknown name or a missing GPU fails at start-up, not at first request
+        return value
     max_images_per_request: int = Field(64, gt=0)
     max_image_bytes: int = Field(10 * MIB, gt=0)
     max_request_bytes: int = Field(64 * MIB, gt=0)

@@ -26,6 +26,10 @@ from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encod
 
 TINY = EncoderSpec("vip-nano", img_size=32)
 
+# Tests that must also hold on a GPU take ``device`` from here: CUDA runs where one is present.
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
 
 def synthetic_stage() -> NonPrivateStage:
     return NonPrivateStage(

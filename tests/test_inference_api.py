@@ -15,10 +15,12 @@ from PIL import Image
 
 import vip_hub
 from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
+from service.inference.models import LoadedModel
+from vip_hub.device import pick_device
 from vip_hub.heads import load_head
 from vip_hub.push import push_repo
 
-from conftest import tiny_repo_with_head
+from conftest import NEEDS_CUDA, tiny_repo_with_head
 
 MODEL = "vip/vip-nano-test"
 RNG = np.random.default_rng(0)
@@ -41,7 +43,8 @@ IMAGES = [image(40, 30), image(64, 64, "JPEG"), image(17, 50, "WEBP"), image(32,
 
 @pytest.fixture(scope="module")
 def local(published):
-    return vip_hub.load_encoder(published[MODEL])
+    """The same encoder in this process, on the device the server picked (``auto``)."""
+    return vip_hub.load_encoder(published[MODEL], device=pick_device("auto"))
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -94,6 +97,28 @@ def test_multipart_variant(hub):
     bad = httpx.post(f"{hub.url}/v1/embeddings/files", data={"model": MODEL},
                      files=[("files", ("a", IMAGES[0], "image/png")), ("files", ("b", b"", "image/png"))])
     assert bad.status_code == 400 and "input[1]: empty image" in bad.json()["error"]
+
+
+def test_device_setting_is_checked_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        settings_for(tmp_path, inference={"device": "tpu"})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device cuda:0 was asked for, but this machine has 0 CUDA"):
+            settings_for(tmp_path, inference={"device": "cuda"})
+    assert settings_for(tmp_path, inference={"device": "cpu"}).inference.device == "cpu"
+
+
+@NEEDS_CUDA
+def test_cpu_and_cuda_servers_agree(hub, published):
+    body = {"model": MODEL, "input": [b64(x) for x in IMAGES], "pooling": "vip"}
+    got = {}
+    for device in ("cpu", "cuda"):
+        with ThreadedServer(settings_for(hub.settings.store, inference={"device": device})) as server:
+            r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            got[device] = torch.tensor([d["embedding"] for d in r.json()["data"]])
+    # cuDNN may run the patch-embedding convolution in TF32: agreement to TF32 rounding.
+    assert (got["cpu"] - got["cuda"]).abs().max().item() <= 2e-3 * got["cpu"].abs().max().item()
 
 
 def test_classify(hub, local, published):
@@ -247,8 +272,20 @@ def test_readiness_waits_for_preloaded_models(hub, tmp_path):
         assert r.status_code == 200 and r.json()["models"] == {"ready/later": "ready"}
 
 
-def test_deadline_and_disconnect(hub, published):
-    # One image per batch: the last of 64 queued images waits for 63 forward passes (> 10 ms).
+@pytest.fixture
+def slow_batches(monkeypatch):
+    """Every batch takes at least 20 ms, so queueing tests hold on any CPU or GPU."""
+    run_batch = LoadedModel.run_batch
+
+    def slow(self, items):
+        time.sleep(0.02)
+        return run_batch(self, items)
+
+    monkeypatch.setattr(LoadedModel, "run_batch", slow)
+
+
+def test_deadline_and_disconnect(hub, published, slow_batches):
+    # One image per batch: the last of 64 queued images waits for 63 batches (> 10 ms).
     settings = settings_for(hub.settings.store, inference={"request_timeout_s": 0.01, "max_batch_size": 1})
     with ThreadedServer(settings) as server:
         r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 64},
@@ -262,7 +299,7 @@ def test_deadline_and_disconnect(hub, published):
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         time.sleep(0.05)
-        sock.close()  # gone while most of its 64 one-image batches are still queued
+        sock.close()  # gone while most of its 64 one-image batches (>= 1.28 s) are still queued
         time.sleep(2.0)
         assert sum(_metric(server.url, "vip_hub_batch_images_count").values()) < 64  # the rest was dropped
 

@@ -140,7 +140,7 @@ def test_tar_shards_read_like_an_image_folder(images: Path, tmp_path: Path) -> N
 
 
 # ---------------------------------------------------------------- processes
-DP_ARGS = ["--epsilon", "8", "--batch-size", "8", "--steps", "10", "--micro-batch-size", "4",
+DP_ARGS = ["--device", "cpu", "--epsilon", "8", "--batch-size", "8", "--steps", "10", "--micro-batch-size", "4",
            "--seed", "7", "--workers", "0", "--checkpoint-every", "2", "--eval-every", "5"]
 
 

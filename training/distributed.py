@@ -11,18 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
-__all__ = ["Dist", "pick_device"]
+from vip_hub.device import pick_device
 
-
-def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    """``auto`` picks CUDA when present; ``cpu``/``cuda``/``cuda:N`` as given."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        name = f"cuda:{local_rank}"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA device is available")
-    return torch.device(name)
+__all__ = ["Dist"]
 
 
 @dataclass

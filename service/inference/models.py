@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from vip_hub import load_encoder
+from vip_hub.device import pick_device
 from vip_hub.features import POOLINGS, Pooling, extract_features
 from vip_hub.heads import HeadInfo, LinearProbe, head_component, list_heads, load_head
 from vip_hub.ledger import DPStage, NonPrivateStage, PrivacyLedger
@@ -39,6 +40,7 @@ class LoadedModel:
     encoder: Any  # vip_hub.Encoder
     heads: dict[str, tuple[LinearProbe, HeadInfo]]
     metrics: Metrics | None = None
+    device: torch.device = torch.device("cpu")
     batcher: Batcher | None = None
     incoming: int = 0  # images being decoded and preprocessed for this model
     last_used: float = field(default_factory=time.monotonic)
@@ -58,9 +60,13 @@ class LoadedModel:
     def load(cls, repo_id: str, commit: str, folder: Path, settings: InferenceSettings,
              metrics: Metrics) -> "LoadedModel":
         """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
-        encoder = load_encoder(folder, verify=True)
-        heads = {name: load_head(folder, name) for name in list_heads(folder)}
-        model = cls(repo_id, commit, encoder, heads, metrics)
+        device = pick_device(settings.device)
+        encoder = load_encoder(folder, verify=True, device=device)
+        heads = {}
+        for name in list_heads(folder):
+            head, info = load_head(folder, name)
+            heads[name] = (head.to(device), info)
+        model = cls(repo_id, commit, encoder, heads, metrics, device)
         model.warm_up()
         label = model.label
         model.batcher = Batcher(
@@ -74,7 +80,7 @@ class LoadedModel:
         """One forward pass per head and mode on a blank batch, so first requests run warm."""
         size = self.encoder.spec.img_size
         with torch.inference_mode():
-            feats = extract_features(self.encoder.model, torch.zeros(2, 3, size, size), POOLINGS)
+            feats = extract_features(self.encoder.model, torch.zeros(2, 3, size, size, device=self.device), POOLINGS)
             for head, info in self.heads.values():
                 head(feats[info.pooling])
 
@@ -89,18 +95,20 @@ class LoadedModel:
             if task.head is not None:
                 modes.add(self.heads[task.head][1].pooling)
         x = torch.cat([i.images for i in items]) if len(items) > 1 else items[0].images
+        x = x.to(self.device, non_blocking=True)
         feats = extract_features(self.encoder.model, x, tuple(sorted(modes)))
-        forward_s = time.perf_counter() - start
+        results: list[Any] = []
         offset = 0
         for item in items:
             rows = slice(offset, offset + item.size)
             offset += item.size
-            task = item.task
-            if task.head is not None:
-                head, info = self.heads[task.head]
-                result: Any = torch.softmax(head(feats[info.pooling][rows]).float(), dim=-1)
+            if item.task.head is not None:
+                head, info = self.heads[item.task.head]
+                results.append(torch.softmax(head(feats[info.pooling][rows]).float(), dim=-1).cpu())
             else:
-                result = {m: feats[m][rows].float() for m in task.poolings}
+                results.append({m: feats[m][rows].float().cpu() for m in item.task.poolings})
+        forward_s = time.perf_counter() - start  # after the copies back: a CUDA forward is asynchronous
+        for item, result in zip(items, results):
             item.future.set_result((result, item.started - item.enqueued, forward_s))
         metrics = self.metrics
         if metrics is None:
