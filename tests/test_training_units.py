@@ -7,6 +7,7 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from conftest import DEVICES, NEEDS_CUDA
 from training.clipping import PerExampleClipper, UnsupportedLayerError
 from training.distributed import Dist
 from training.dp import max_steps_within, noisy_mean_gradient
@@ -20,9 +21,9 @@ SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
 
 
-def small_mae(dtype: torch.dtype = torch.float32, seed: int = 0) -> MAE:
+def small_mae(dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu") -> MAE:
     torch.manual_seed(seed)
-    return MAE(create_encoder(SPEC, mae_init=True), SMALL_DECODER).to(dtype)
+    return MAE(create_encoder(SPEC, mae_init=True), SMALL_DECODER).to(device, dtype)
 
 
 # ---------------------------------------------------------------- procedural images
@@ -95,11 +96,29 @@ def naive_clipped_sum(mae: MAE, x: torch.Tensor, noise: torch.Tensor, c: float):
     return total, torch.stack(norms)
 
 
+@pytest.fixture
+def exact_cuda_matmuls():
+    """Plain fp32 on CUDA (no TF32 in matmuls or cuDNN convolutions) for the equivalence tests."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def relative_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    num = torch.sqrt(sum((got[n].double() - expected[n].double()).square().sum() for n in got))
+    den = torch.sqrt(sum(expected[n].double().square().sum() for n in got))
+    return float(num / den)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
-def test_clipped_sum_equals_the_naive_per_example_computation(dtype: torch.dtype, tol: float) -> None:
-    mae = small_mae(dtype)
+def test_clipped_sum_equals_the_naive_per_example_computation(dtype: torch.dtype, tol: float, device: str,
+                                                             exact_cuda_matmuls: None) -> None:
+    mae = small_mae(dtype, device=device)
     torch.manual_seed(1)
-    x, noise = torch.randn(6, 3, 32, 32, dtype=dtype), torch.rand(6, 16, dtype=dtype)
+    x = torch.randn(6, 3, 32, 32, dtype=dtype).to(device)
+    noise = torch.rand(6, 16, dtype=dtype).to(device)
     expected, norms = naive_clipped_sum(mae, x, noise, c=1.0)
     c = float(norms.median())  # some examples are clipped, some are not
     expected, _ = naive_clipped_sum(mae, x, noise, c=c)
@@ -108,12 +127,28 @@ def test_clipped_sum_equals_the_naive_per_example_computation(dtype: torch.dtype
     assert (result.factors < 1).any() and (result.factors == 1).any()
     got = {n: p.grad for n, p in mae.named_parameters() if p.requires_grad}
     assert set(got) == set(expected)  # cls_token and mask_token included, nothing skipped
-    num = torch.sqrt(sum((got[n].double() - expected[n].double()).square().sum() for n in got))
-    den = torch.sqrt(sum(expected[n].double().square().sum() for n in got))
-    assert float(num / den) < tol
+    assert relative_error(got, expected) < tol
     for n in got:  # and layer by layer
         assert torch.allclose(got[n].double(), expected[n].double(), rtol=tol * 100,
                               atol=tol * float(expected[n].abs().max())), n
+
+
+@NEEDS_CUDA
+def test_clipped_sum_under_bf16_autocast_is_close_to_fp32() -> None:
+    """Training on GPU runs under bf16 autocast; norms and sums must stay within bf16 rounding."""
+    mae = small_mae(device="cuda")
+    torch.manual_seed(2)
+    x, noise = torch.randn(8, 3, 32, 32, device="cuda"), torch.rand(8, 16, device="cuda")
+    expected, norms = naive_clipped_sum(mae, x, noise, c=float("inf"))
+    c = float(norms.median())
+    expected, _ = naive_clipped_sum(mae, x, noise, c=c)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        result = PerExampleClipper(mae, c).accumulate(x, noise)
+    assert result.norms.dtype == torch.float32
+    assert torch.allclose(result.norms.double(), norms, rtol=2e-2)
+    got = {n: p.grad for n, p in mae.named_parameters() if p.requires_grad}
+    assert all(g.dtype == torch.float32 for g in got.values())
+    assert relative_error(got, expected) < 3e-2
 
 
 def test_clipped_sum_does_not_depend_on_the_micro_batch_split() -> None:
@@ -176,16 +211,18 @@ def test_rank_shards_partition_the_dataset_and_micro_batches_cover_the_sample() 
 
 
 # ---------------------------------------------------------------- noise and accounting
-def test_noise_is_sigma_c_over_expected_batch_and_added_even_to_an_empty_sample() -> None:
-    params = [torch.nn.Parameter(torch.zeros(200_000))]
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_is_sigma_c_over_expected_batch_and_added_even_to_an_empty_sample(device: str) -> None:
+    params = [torch.nn.Parameter(torch.zeros(200_000, device=device))]
     sigma, c, b = 1.3, 0.1, 64.0
-    noisy_mean_gradient(params, sigma, c, b, torch.Generator().manual_seed(0), Dist())
+    dist = Dist(device=torch.device(device))
+    noisy_mean_gradient(params, sigma, c, b, torch.Generator(device).manual_seed(0), dist)
     std = params[0].grad.std().item()
     assert abs(std - sigma * c / b) / (sigma * c / b) < 0.01
-    params[0].grad = torch.full((200_000,), 6.4)  # a clipped sum: divided by B, not the count
-    extra = noisy_mean_gradient(params, 1e-9, c, b, torch.Generator().manual_seed(0), Dist(),
-                                extra=torch.tensor([3.0]))
-    assert torch.allclose(params[0].grad, torch.full((200_000,), 0.1), atol=1e-6)
+    params[0].grad = torch.full((200_000,), 6.4, device=device)  # a clipped sum: divided by B, not the count
+    extra = noisy_mean_gradient(params, 1e-9, c, b, torch.Generator(device).manual_seed(0), dist,
+                                extra=torch.tensor([3.0], device=device))
+    assert torch.allclose(params[0].grad, torch.full((200_000,), 0.1, device=device), atol=1e-6)
     assert extra.tolist() == [3.0]
 
 

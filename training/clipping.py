@@ -4,14 +4,18 @@
 parameter's ``.grad``, where ``g_i`` is example i's gradient and
 ``clip(g, C) = g * min(1, C / ||g||)``. It never holds one full gradient per example:
 
-1. one forward pass records, for every layer, its input activations ``a`` and its output;
-2. one backward pass (``torch.autograd.grad`` w.r.t. the layer outputs only, so autograd
-   skips the weight-gradient products) gives the output gradients ``g``;
-3. each layer's contribution to ``||g_i||^2`` comes from ``(a, g)`` alone: for a linear map,
+1. one forward pass hooks every layer: its input activations ``a`` and a gradient hook on
+   its output;
+2. one backward pass (``torch.autograd.grad`` down to the entry layers' outputs only, so
+   autograd skips the weight-gradient products) hands each layer its output gradient ``g``;
+3. there and then, each layer's contribution to ``||g_i||^2`` comes from ``(a, g)`` alone
+   and only what step 4 needs is kept: for a linear map,
    ``||G_i||^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` (the "ghost norm", O(T^2) per example) or
    the materialised per-example product when that is cheaper (O(in * out));
-4. the weight gradients are then formed once, from ``g`` scaled per example by its clip
-   factor: ``sum_i c_i G_i = (c * g)^T a``, the same product a plain backward computes.
+4. the weight gradients are then formed once, from ``a`` or ``g`` (the smaller) scaled per
+   example by its clip factor: ``sum_i c_i G_i = (c * g)^T a``, the same product a plain
+   backward computes. Small per-example gradients (biases, LayerNorm, tokens) are formed
+   once, used for the norms and then summed with the clip factors.
 
 This is book-keeping ghost clipping (Bu et al. 2023) written for our modules. Supported
 layers: ``nn.Linear``, ``nn.LayerNorm``, patchifying ``nn.Conv2d`` (kernel == stride), and
@@ -46,10 +50,25 @@ class ClipResult:
 
 
 @dataclass
-class _Record:
-    module: nn.Module | nn.Parameter
-    a: torch.Tensor | None  # layer input (None for broadcast parameters)
-    out: torch.Tensor
+class _Parts:
+    """One layer's per-example gradient, in the cheapest form, computed once per micro-batch.
+
+    Small per-example gradients (LayerNorm affine, biases, broadcast tokens, and weights whose
+    per-example product is cheaper than the ghost norm) are held materialised, (b, *shape);
+    a large weight keeps the tokens ``a`` (b, T, in) and ``g`` (b, T, out) instead, and its
+    clipped sum is formed by one product once the clip factors are known.
+    """
+
+    materialised: list[tuple[nn.Parameter, torch.Tensor]]
+    sq_norms: torch.Tensor  # (b,) this layer's share of the squared per-example norms
+    weight: nn.Parameter | None = None
+    a: torch.Tensor | None = None  # (b, T, in), the layer's own dtype (bf16 under autocast)
+    g: torch.Tensor | None = None  # (b, T, out)
+
+
+def _no_autocast(x: torch.Tensor) -> torch.autocast:
+    """Norms and sums run in the tensors' own precision (at least fp32), not autocast's."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
@@ -57,17 +76,14 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _as_tokens(x: torch.Tensor) -> torch.Tensor:
-    """(b, ..., d) -> (b, T, d), at least fp32."""
-    return _fp32(x.reshape(x.shape[0], -1, x.shape[-1]))
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """(b, ..., d) -> (b, T, d)."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def _linear_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example squared Frobenius norms of sum_t g_t a_t^T, the cheaper way."""
-    t, i, o = a.shape[1], a.shape[2], g.shape[2]
-    if 2 * t * t <= i * o:
-        return ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
-    return torch.einsum("bto,bti->boi", g, a).square().sum((1, 2))
+def _sq(per_example: torch.Tensor) -> torch.Tensor:
+    """Squared norms of (b, ...) per-example gradients, (b,)."""
+    return per_example.reshape(per_example.shape[0], -1).square().sum(1)
 
 
 class PerExampleClipper:
@@ -124,8 +140,16 @@ class PerExampleClipper:
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
         """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``."""
-        records: list[_Record] = []
+        parts: list[_Parts] = []
+        targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
+        grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
+
+        def when_grad(module: nn.Module | nn.Parameter, a: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+            def hook(g: torch.Tensor) -> None:
+                with torch.no_grad(), _no_autocast(g):
+                    parts.append(self._parts(module, a, g))
+            return hook
 
         def on_forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             if id(module) in seen:
@@ -134,10 +158,13 @@ class PerExampleClipper:
                     "per-example norms would miss the cross terms"
                 )
             seen.add(id(module))
-            records.append(_Record(module, args[0], out))
+            if args[0].grad_fn is None:  # an entry layer (on the images): backward stops here
+                targets.append(out)
+            grad_hooks.append(out.register_hook(when_grad(module, args[0])))
 
         def on_broadcast(param: nn.Parameter, out: torch.Tensor) -> None:
-            records.append(_Record(param, None, out))
+            targets.append(out)
+            grad_hooks.append(out.register_hook(when_grad(param, None)))
 
         handles = [m.register_forward_hook(on_forward) for m in self.layers]
         hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
@@ -150,72 +177,87 @@ class PerExampleClipper:
             hooks.remove(on_broadcast)
         if losses.ndim != 1:
             raise ValueError(f"the model must return per-example losses (b,), got {tuple(losses.shape)}")
-        grads = torch.autograd.grad(
-            losses.sum(), [r.out for r in records], allow_unused=True, materialize_grads=True
-        )
-        with torch.no_grad():
+        # Every layer lies between the loss and an entry layer or a broadcast parameter, so its
+        # output's hook sees its gradient; no weight gradient is formed here. Each layer is
+        # reduced as soon as its gradient arrives, keeping only what step 4 needs.
+        if not targets:
+            raise UnsupportedLayerError("no layer with trainable parameters ran on this batch")
+        try:
+            torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+        finally:
+            for h in grad_hooks:  # the hooks hold activations: drop them with the graph
+                h.remove()
+        with torch.no_grad(), _no_autocast(losses):
             sq = torch.zeros(losses.shape[0], device=losses.device, dtype=self.norm_dtype)
-            for r, g in zip(records, grads):
-                sq += self._sq_norms(r, g)
+            for part in parts:
+                sq += part.sq_norms
             norms = sq.sqrt()
             factors = (self.max_norm / (norms + 1e-6)).clamp(max=1.0)
             # A non-finite norm must not decide whether a step happens: drop that example.
             factors = torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
-            for r, g in zip(records, grads):
-                self._accumulate(r, g, factors, dropped)
+            for part in parts:
+                self._add_clipped(part, factors, dropped)
         return ClipResult(losses.detach(), norms, factors)
 
     # ---------------------------------------------------------------- per-layer rules
     @staticmethod
-    def _tokens(r: _Record, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, g) as (b, T, in) and (b, T, out) fp32, the layer seen as a linear map."""
-        m = r.module
-        if isinstance(m, nn.Conv2d):
-            k = m.kernel_size
-            a = F.unfold(_fp32(r.a), k, stride=k).transpose(1, 2)
-            return a, _fp32(g.flatten(2).transpose(1, 2))
+    def _parts(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Parts:
+        """Layer ``m``'s per-example gradient (see ``_Parts``) and squared norms, from its
+        input ``a_in`` and its output's gradient ``g``."""
+        if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
+            pe = _fp32(_tokens(g)).sum(1)
+            return _Parts([(m, pe)], _sq(pe))
+        # Tokens (b, T, features) in the tensors' own dtype; all arithmetic in at least fp32.
+        g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
+        gt = _fp32(g_tok)
+        small = [(m.bias, gt.sum(1))] if m.bias is not None else []
         if isinstance(m, nn.LayerNorm):
-            xhat = F.layer_norm(_fp32(r.a), m.normalized_shape, eps=m.eps)
-            return _as_tokens(xhat), _as_tokens(g)
-        return _as_tokens(r.a), _as_tokens(g)
-
-    def _sq_norms(self, r: _Record, g: torch.Tensor) -> torch.Tensor:
-        if isinstance(r.module, nn.Parameter):
-            return _as_tokens(g).sum(1).square().sum(1)
-        a, gt = self._tokens(r, g)
-        bias = gt.sum(1).square().sum(1) if getattr(r.module, "bias", None) is not None else 0.0
-        if isinstance(r.module, nn.LayerNorm):
-            return (gt * a).sum(1).square().sum(1) + bias
-        return _linear_sq_norms(a, gt) + bias
+            xhat = _fp32(_tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps)))
+            small.append((m.weight, (gt * xhat).sum(1)))
+            return _Parts(small, sum(_sq(pe) for _, pe in small))
+        if isinstance(m, nn.Conv2d):
+            a_tok = F.unfold(a_in, m.kernel_size, stride=m.kernel_size).transpose(1, 2)
+        else:
+            a_tok = _tokens(a_in)
+        a = _fp32(a_tok)
+        t, i, o = a.shape[1], a.shape[2], gt.shape[2]
+        sq = sum((_sq(pe) for _, pe in small), torch.zeros(a.shape[0], device=a.device, dtype=a.dtype))
+        if i * o < 2 * t * t:  # the per-example product is cheaper than the ghost norm
+            pe = torch.einsum("bto,bti->boi", gt, a)
+            small.append((m.weight, pe))
+            return _Parts(small, sq + _sq(pe))
+        ghost = ((a @ a.transpose(1, 2)) * (gt @ gt.transpose(1, 2))).sum((1, 2))
+        return _Parts(small, sq + ghost, m.weight, a_tok, g_tok)
 
     @staticmethod
-    def _add(param: nn.Parameter, grad: torch.Tensor) -> None:
-        grad = grad.reshape(param.shape).to(param.dtype)
-        if param.grad is None:
-            param.grad = grad.clone()
-        else:
-            param.grad += grad
-
-    def _accumulate(self, r: _Record, g: torch.Tensor, factors: torch.Tensor,
-                    dropped: torch.Tensor | None) -> None:
+    def _add_clipped(part: _Parts, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
+        """Add sum_i factors_i * g_i for each of the layer's parameters into ``.grad``."""
         # ``dropped`` marks non-finite examples: 0 * nan is nan, so zero their values outright.
-        if isinstance(r.module, nn.Parameter):
-            gt = _as_tokens(g).sum(1)
-            gt = torch.where(dropped[:, None], 0.0, gt) if dropped is not None else gt
-            self._add(r.module, torch.einsum("b,bd->d", factors, gt))
+        for param, pe in part.materialised:
+            if dropped is not None:
+                pe = torch.where(dropped.view(-1, *[1] * (pe.ndim - 1)), 0.0, pe)
+            _add(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
+        if part.weight is None:
             return
-        m = r.module
-        a, gt = self._tokens(r, g)
+        a, g = _fp32(part.a), _fp32(part.g)
         if dropped is not None:
             a = torch.where(dropped[:, None, None], 0.0, a)
-            gt = torch.where(dropped[:, None, None], 0.0, gt)
-        gt = gt * factors[:, None, None]
-        flat_g = gt.reshape(-1, gt.shape[-1])
-        if isinstance(m, nn.LayerNorm):
-            self._add(m.weight, (flat_g * a.reshape(-1, a.shape[-1])).sum(0))
+            g = torch.where(dropped[:, None, None], 0.0, g)
+        # sum_i c_i g_i^T a_i: scale the smaller side, then one product over all tokens.
+        c = factors.to(a.dtype)[:, None, None]
+        if a.shape[2] <= g.shape[2]:
+            a = a * c
         else:
-            self._add(m.weight, flat_g.T @ a.reshape(-1, a.shape[-1]))
-        if m.bias is not None:
-            self._add(m.bias, flat_g.sum(0))
+            g = g * c
+        _add(part.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+
+
+def _add(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` (``grad`` is a fresh tensor: it may become ``.grad`` itself)."""
+    grad = grad.reshape(param.shape).to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
