@@ -241,7 +241,10 @@ class PerExampleClipper:
             _add(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
         if part.weight is None:
             return
-        a, g = _fp32(part.a), _fp32(part.g)
+        # The product runs in the activations' dtype, as a plain backward would (bf16 under
+        # autocast on GPU: the tensor cores; fp32 on CPU); the norms above are always fp32.
+        dtype = torch.promote_types(part.a.dtype, part.g.dtype)
+        a, g = part.a.to(dtype), part.g.to(dtype)
         if dropped is not None:
             a = torch.where(dropped[:, None, None], 0.0, a)
             g = torch.where(dropped[:, None, None], 0.0, g)
