@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sqlite3
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -177,6 +178,7 @@ class HubStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.root)
         self._db_path = self.root / "index.sqlite"
+        self._local = threading.local()
         (self.root / "locks").mkdir(exist_ok=True)
         (self.root / "snapshots").mkdir(exist_ok=True)
         with self._db() as db:
@@ -187,14 +189,16 @@ class HubStore:
     # ----------------------------------------------------------------- plumbing
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA foreign_keys=ON")
-        db.execute("PRAGMA synchronous=FULL")
-        try:
-            yield db
-        finally:
-            db.close()
+        """This thread's connection to the index, opened on its first use (autocommit; writes
+        open their own transaction). Reusing it saves a connect per request."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA foreign_keys=ON")
+            db.execute("PRAGMA synchronous=FULL")
+            self._local.db = db
+        yield db
 
     @contextlib.contextmanager
     def _repo_lock(self, repo_id: str) -> Iterator[None]:
