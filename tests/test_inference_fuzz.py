@@ -14,9 +14,11 @@ def test_openapi_fuzz_has_no_server_errors(hub, published, tmp_path):
     schema = httpx.get(f"{hub.url}/openapi.json").json()
     assert {"/v1/embeddings", "/v1/embeddings/files", "/v1/classify", "/v1/models", "/healthz"} <= set(schema["paths"])
     st = Path(sys.executable).with_name("schemathesis")
+    # One worker: hypothesis parses lambda sources while generating, and CPython 3.11's
+    # ast.parse is not thread-safe ("AST constructor recursion depth mismatch" with two).
     r = subprocess.run(
         [str(st), "run", f"{hub.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",
-         "--workers", "2", "--seed", "1", "--phases", "examples,coverage,fuzzing",
+         "--workers", "1", "--seed", "1", "--phases", "examples,coverage,fuzzing",
          "--generation-database", ":memory:"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
