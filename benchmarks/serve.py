@@ -48,6 +48,10 @@ def make_images(n: int, size: int) -> list[bytes]:
     return out
 
 
+def _decode(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
 def export_model(folder: Path, arch: str, img_size: int) -> Path:
     from vip_hub import EncoderSpec, NonPrivateStage, create_encoder, export_encoder
     from vip_hub.ledger import Dataset
@@ -64,7 +68,7 @@ def raw_pipeline(enc, images: list[bytes], batch: int, seconds: float) -> tuple[
     from vip_hub import extract_features
 
     def run(chunk: list[bytes]) -> None:
-        x = torch.stack([enc.transform(Image.open(io.BytesIO(b)).convert("RGB")) for b in chunk])
+        x = enc.preprocess([_decode(b) for b in chunk])
         with torch.inference_mode():
             extract_features(enc.model, x, "avg")
 
@@ -75,7 +79,7 @@ def raw_pipeline(enc, images: list[bytes], batch: int, seconds: float) -> tuple[
         done += batch
     throughput = done / (time.perf_counter() - start)
     singles, forwards = [], []
-    one = torch.stack([enc.transform(Image.open(io.BytesIO(images[0])).convert("RGB"))])
+    one = enc.preprocess([_decode(images[0])])
     for b in images[:20]:
         t = time.perf_counter()
         run([b])
@@ -100,7 +104,7 @@ def paired_overhead(url: str, enc, images: list[bytes], encoded: list[str], roun
             r = client.post(url, json={"model": "bench/model", "input": [encoded[i % len(encoded)]]})
             request_ms = (time.perf_counter() - t) * 1e3
             assert r.status_code == 200, r.text
-            x = torch.stack([enc.transform(Image.open(io.BytesIO(images[i % len(images)])).convert("RGB"))])
+            x = enc.preprocess([_decode(images[i % len(images)])])
             t = time.perf_counter()
             with torch.inference_mode():
                 extract_features(enc.model, x, "avg")
@@ -169,7 +173,7 @@ def naive_server(model_dir: str, port: int) -> None:
 
     @app.post("/embed")
     def embed(req: Req) -> dict:
-        x = torch.stack([enc.transform(Image.open(io.BytesIO(base64.b64decode(s))).convert("RGB")) for s in req.input])
+        x = enc.preprocess([_decode(base64.b64decode(s)) for s in req.input])
         with torch.inference_mode():
             return {"data": extract_features(enc.model, x, "avg").tolist()}
 
