@@ -153,8 +153,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def caller(request: Request) -> Identity | None:
-    """The caller; with ``auth.protect_inference`` a read token is required."""
+async def caller(request: Request) -> Identity | None:
+    """The caller; with ``auth.protect_inference`` a read token is required. (``async``: it only
+    reads memory, and FastAPI would run a plain function through its thread pool.)"""
     who = identity(request)
     if request.app.state.settings.auth.protect_inference:
         require_scope(who, "read", "inference")

@@ -18,6 +18,8 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs of plain b
 def json_depth(body: bytes, stop_above: int | None = None) -> int:
     """Deepest nesting of arrays/objects in a JSON text (strings ignored); the scan stops as
     soon as the depth passes ``stop_above``."""
+    if stop_above is not None and body.count(b"[") + body.count(b"{") <= stop_above:
+        return stop_above  # too few brackets, in strings or not, to nest that deep
     text = _STRING.sub(b'""', body)
     if stop_above is not None and text.count(b"[") + text.count(b"{") <= stop_above:
         return stop_above
