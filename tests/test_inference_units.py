@@ -128,6 +128,27 @@ def test_max_wait_bounds_the_wait_for_a_lone_request():
     batcher.close()
 
 
+def test_announced_images_join_the_forming_batch_and_withdrawing_releases_it():
+    batcher, sizes, gate = _recording_batcher(max_wait_s=2.0)
+    gate.set()
+    batcher.expect(2)  # another request's two images are being decoded
+    first, second = _item(1), _item(2)
+    batcher.submit([first])
+    time.sleep(0.1)
+    batcher.submit([second], announced=2)
+    assert first.future.result(5) == 1 and second.future.result(5) == 2
+    assert sizes == [3]  # one batch: the first item waited for the announced ones
+    batcher.expect(3)
+    lone = _item(1)
+    start = time.perf_counter()
+    batcher.submit([lone])
+    time.sleep(0.05)
+    batcher.withdraw(3)  # their request failed while decoding
+    assert lone.future.result(5) == 1 and time.perf_counter() - start < 1.0  # well before max_wait
+    assert sizes == [3, 1]
+    batcher.close()
+
+
 def test_queue_full_cancelled_expired_and_drain():
     batcher, sizes, gate = _recording_batcher(max_queue_images=10, max_wait_s=0.0)
     first = _item(8)

@@ -65,7 +65,6 @@ class Batcher:
         max_wait_s: float,
         max_queue_images: int,
         on_depth: Callable[[int], None] = lambda depth: None,
-        incoming: Callable[[], int] = lambda: 0,
     ):
         self.name = name
         self._run_batch = run_batch
@@ -73,7 +72,7 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue_images = max_queue_images
         self._on_depth = on_depth
-        self._incoming = incoming
+        self._incoming = 0  # images announced by expect() and not yet submitted or withdrawn
         self._items: deque[WorkItem] = deque()
         self._queued = 0
         self._busy = False
@@ -87,10 +86,24 @@ class Batcher:
         """Images waiting (not yet in a running batch)."""
         return self._queued
 
-    def submit(self, items: list[WorkItem]) -> None:
-        """Queue a request's items, all or none; 429 when the queue is full, 503 when closing."""
+    def expect(self, n: int) -> None:
+        """Announce ``n`` images on their way (being decoded): a forming batch waits for them,
+        up to ``max_wait``, until they are submitted or withdrawn."""
+        with self._cond:
+            self._incoming += n
+
+    def withdraw(self, n: int) -> None:
+        """``n`` announced images will not come (their request failed before submitting)."""
+        with self._cond:
+            self._incoming -= n
+            self._cond.notify()
+
+    def submit(self, items: list[WorkItem], announced: int = 0) -> None:
+        """Queue a request's items, all or none, settling ``announced`` images of ``expect``;
+        429 when the queue is full, 503 when closing."""
         size = sum(i.size for i in items)
         with self._cond:
+            self._incoming -= announced
             if self._closing:
                 raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
             if self._queued + size > self.max_queue_images:
@@ -121,7 +134,7 @@ class Batcher:
             # runs at once.
             fill_by = self._items[0].enqueued + self.max_wait_s
             while (sum(i.size for i in self._items) < self.max_batch_size and not self._closing
-                   and self._incoming() > 0 and (remaining := fill_by - time.perf_counter()) > 0):
+                   and self._incoming > 0 and (remaining := fill_by - time.perf_counter()) > 0):
                 self._cond.wait(min(remaining, 0.001))
             batch, size = [], 0
             while self._items and size + self._items[0].size <= self.max_batch_size:

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from ..errors import BadRequest, RepoNotFound, RevisionNotFound, ServiceError
 from ..metrics import Metrics
 from ..settings import InferenceSettings
 from ..store import HubStore
-from .batcher import DeadlineExceeded, ShuttingDown, WorkItem
+from .batcher import Batcher, DeadlineExceeded, ShuttingDown, WorkItem
 from .images import ImageLimits, decode_image
 from .models import LoadedModel, Task
 
@@ -165,26 +165,25 @@ class InferenceEngine:
         """Decode, preprocess and batch ``images`` for ``task``; results in input order."""
         if self._closing:
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        model.incoming += len(images)  # the batcher waits for these while filling a batch
+        batcher = model.batcher
+        assert batcher is not None
+        batcher.expect(len(images))  # a forming batch waits for these
         try:
-            batch = await loop.run_in_executor(self.preprocess_pool, self._preprocess, model, images)
-            preprocess_s = time.perf_counter() - start
-            self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
-            deadline = time.perf_counter() + self.settings.request_timeout_s
-            size = self.settings.max_batch_size
-            items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
-            assert model.batcher is not None
-            model.batcher.submit(items)
-        finally:
-            model.incoming -= len(images)
+            prepared = self.preprocess_pool.submit(self._prepare, model, images, task, time.perf_counter())
+        except BaseException:
+            batcher.withdraw(len(images))
+            raise
+        try:
+            items, preprocess_s = await asyncio.wrap_future(prepared)
+        except BaseException:  # e.g. shutdown while preprocessing: drop the work, whatever its stage
+            prepared.add_done_callback(lambda f: _abandon(f, batcher, len(images)))
+            raise
+        self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
         futures = [asyncio.wrap_future(i.future) for i in items]
         try:
             await _wait_or_disconnect(futures, is_disconnected, self.settings.request_timeout_s + 5)
         except BaseException:
-            for i in items:
-                i.future.cancel()  # images not yet computed are dropped
+            _cancel(items)  # images not yet computed are dropped
             raise
         outputs, queue_s, forward_s = [], 0.0, 0.0
         for f in futures:
@@ -193,9 +192,39 @@ class InferenceEngine:
             queue_s, forward_s = max(queue_s, waited), forward_s + fwd
         return Result(outputs, queue_s, preprocess_s, forward_s)
 
-    def _preprocess(self, model: LoadedModel, images: Sequence[bytes]) -> torch.Tensor:
-        transform = model.encoder.transform
-        return torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
+    def _prepare(self, model: LoadedModel, images: Sequence[bytes], task: Task,
+                 start: float) -> tuple[list[WorkItem], float]:
+        """In a preprocessing thread: decode and preprocess, then hand the work items straight
+        to the batcher (no round trip through the event loop); returns them and the seconds
+        since ``start`` (waiting for a thread included)."""
+        batcher = model.batcher
+        assert batcher is not None
+        try:
+            transform = model.encoder.transform
+            batch = torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
+        except BaseException:
+            batcher.withdraw(len(images))
+            raise
+        preprocess_s = time.perf_counter() - start
+        deadline = time.perf_counter() + self.settings.request_timeout_s
+        size = self.settings.max_batch_size
+        items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
+        batcher.submit(items, announced=len(images))
+        return items, preprocess_s
+
+
+def _cancel(items: list[WorkItem]) -> None:
+    for i in items:
+        i.future.cancel()
+
+
+def _abandon(prepared: Future, batcher: Batcher, announced: int) -> None:
+    """A request gone while its images were being prepared: withdraw them if preprocessing never
+    ran, cancel its work items if they were submitted."""
+    if prepared.cancelled():
+        batcher.withdraw(announced)
+    elif prepared.exception() is None:
+        _cancel(prepared.result()[0])
 
 
 async def _wait_or_disconnect(

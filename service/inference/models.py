@@ -42,7 +42,6 @@ class LoadedModel:
     metrics: Metrics | None = None
     device: torch.device = torch.device("cpu")
     batcher: Batcher | None = None
-    incoming: int = 0  # images being decoded and preprocessed for this model
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,7 +71,7 @@ class LoadedModel:
         model.batcher = Batcher(
             label, model.run_batch, max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
-            on_depth=metrics.queue_depth.labels(label).set, incoming=lambda: model.incoming,
+            on_depth=metrics.queue_depth.labels(label).set,
         )
         return model
 
