@@ -99,11 +99,10 @@ class Batcher:
             self._cond.notify()
 
     def submit(self, items: list[WorkItem], announced: int = 0) -> None:
-        """Queue a request's items, all or none, settling ``announced`` images of ``expect``;
-        429 when the queue is full, 503 when closing."""
+        """Queue a request's items, all or none; 429 when the queue is full, 503 when closing.
+        Accepted, they settle ``announced`` images of ``expect``; refused, the caller withdraws them."""
         size = sum(i.size for i in items)
         with self._cond:
-            self._incoming -= announced
             if self._closing:
                 raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
             if self._queued + size > self.max_queue_images:
@@ -112,6 +111,7 @@ class Batcher:
                     {"Retry-After": "1"},
                 )
             self._items.extend(items)
+            self._incoming -= announced
             self._queued += size
             self._on_depth(self._queued)
             self._cond.notify()

@@ -22,7 +22,7 @@ from ..errors import BadRequest, RepoNotFound, RevisionNotFound, ServiceError
 from ..metrics import Metrics
 from ..settings import InferenceSettings
 from ..store import HubStore
-from .batcher import Batcher, DeadlineExceeded, ShuttingDown, WorkItem
+from .batcher import DeadlineExceeded, ShuttingDown, WorkItem
 from .images import ImageLimits, decode_image
 from .models import LoadedModel, Task
 
@@ -162,69 +162,59 @@ class InferenceEngine:
         task: Task,
         is_disconnected: Callable[[], Awaitable[bool]],
     ) -> Result:
-        """Decode, preprocess and batch ``images`` for ``task``; results in input order."""
+        """Decode, preprocess and batch ``images`` for ``task``; results in input order.
+
+        The event loop hands the request to a preprocessing thread, which hands its work items
+        to the batcher; the loop wakes once, when the batcher has set their futures (or when
+        preprocessing has failed them)."""
         if self._closing:
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
         batcher = model.batcher
         assert batcher is not None
+        start = time.perf_counter()
+        futures: list[Future] = [Future() for _ in range(0, len(images), self.settings.max_batch_size)]
         batcher.expect(len(images))  # a forming batch waits for these
         try:
-            prepared = self.preprocess_pool.submit(self._prepare, model, images, task, time.perf_counter())
+            self.preprocess_pool.submit(self._prepare, model, images, task, futures, start)
         except BaseException:
             batcher.withdraw(len(images))
             raise
         try:
-            items, preprocess_s = await asyncio.wrap_future(prepared)
-        except BaseException:  # e.g. shutdown while preprocessing: drop the work, whatever its stage
-            prepared.add_done_callback(lambda f: _abandon(f, batcher, len(images)))
-            raise
-        self.metrics.preprocess_seconds.labels(model.label).observe(preprocess_s)
-        futures = [asyncio.wrap_future(i.future) for i in items]
-        try:
-            await _wait_or_disconnect(futures, is_disconnected, self.settings.request_timeout_s + 5)
+            await _wait_or_disconnect([asyncio.wrap_future(f) for f in futures], is_disconnected,
+                                      self.settings.request_timeout_s + 5)
         except BaseException:
-            _cancel(items)  # images not yet computed are dropped
+            for f in futures:
+                f.cancel()  # images not yet computed are dropped, before or after preprocessing
             raise
-        outputs, queue_s, forward_s = [], 0.0, 0.0
+        outputs, preprocess_s, queue_s, forward_s = [], 0.0, 0.0, 0.0
         for f in futures:
-            result, waited, fwd = f.result()
-            outputs.append(result)
-            queue_s, forward_s = max(queue_s, waited), forward_s + fwd
+            output, enqueued, started, fwd = f.result()
+            outputs.append(output)
+            preprocess_s = max(preprocess_s, enqueued - start)
+            queue_s, forward_s = max(queue_s, started - enqueued), forward_s + fwd
         return Result(outputs, queue_s, preprocess_s, forward_s)
 
-    def _prepare(self, model: LoadedModel, images: Sequence[bytes], task: Task,
-                 start: float) -> tuple[list[WorkItem], float]:
-        """In a preprocessing thread: decode and preprocess, then hand the work items straight
-        to the batcher (no round trip through the event loop); returns them and the seconds
-        since ``start`` (waiting for a thread included)."""
+    def _prepare(self, model: LoadedModel, images: Sequence[bytes], task: Task, futures: list[Future],
+                 start: float) -> None:
+        """In a preprocessing thread: decode and preprocess, then hand the work items (one per
+        future) straight to the batcher; a failure goes to the futures instead."""
         batcher = model.batcher
         assert batcher is not None
         try:
-            transform = model.encoder.transform
-            batch = torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
-        except BaseException:
-            batcher.withdraw(len(images))
-            raise
-        preprocess_s = time.perf_counter() - start
-        deadline = time.perf_counter() + self.settings.request_timeout_s
-        size = self.settings.max_batch_size
-        items = [WorkItem(batch[i:i + size], task, deadline) for i in range(0, batch.shape[0], size)]
-        batcher.submit(items, announced=len(images))
-        return items, preprocess_s
-
-
-def _cancel(items: list[WorkItem]) -> None:
-    for i in items:
-        i.future.cancel()
-
-
-def _abandon(prepared: Future, batcher: Batcher, announced: int) -> None:
-    """A request gone while its images were being prepared: withdraw them if preprocessing never
-    ran, cancel its work items if they were submitted."""
-    if prepared.cancelled():
-        batcher.withdraw(announced)
-    elif prepared.exception() is None:
-        _cancel(prepared.result()[0])
+            if not all(f.cancelled() for f in futures):  # else the client went away while this waited
+                transform = model.encoder.transform
+                batch = torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
+                self.metrics.preprocess_seconds.labels(model.label).observe(time.perf_counter() - start)
+                deadline = start + self.settings.request_timeout_s
+                size = self.settings.max_batch_size
+                items = [WorkItem(batch[k * size:(k + 1) * size], task, deadline, f) for k, f in enumerate(futures)]
+                batcher.submit(items, announced=len(images))  # accepted: the announcement is settled
+                return
+        except BaseException as e:
+            for f in futures:
+                if f.set_running_or_notify_cancel():
+                    f.set_exception(e)
+        batcher.withdraw(len(images))
 
 
 async def _wait_or_disconnect(

@@ -85,7 +85,8 @@ class LoadedModel:
 
     @torch.inference_mode()
     def run_batch(self, items: list[WorkItem]) -> None:
-        """Forward the items' images as one batch; set each item's result."""
+        """Forward the items' images as one batch; set each item's result:
+        ``(output, enqueued, started, forward seconds)``."""
         start = time.perf_counter()
         modes: set[Pooling] = set()
         for item in items:
@@ -107,15 +108,13 @@ class LoadedModel:
             else:
                 results.append({m: feats[m][rows].float().cpu() for m in item.task.poolings})
         forward_s = time.perf_counter() - start  # after the copies back: a CUDA forward is asynchronous
+        if self.metrics is not None:  # before the results: the event loop wakes on those
+            self.metrics.batch_size.labels(self.label).observe(x.shape[0])
+            self.metrics.forward_seconds.labels(self.label).observe(forward_s)
+            for item in items:
+                self.metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
         for item, result in zip(items, results):
-            item.future.set_result((result, item.started - item.enqueued, forward_s))
-        metrics = self.metrics
-        if metrics is None:
-            return
-        metrics.batch_size.labels(self.label).observe(x.shape[0])
-        metrics.forward_seconds.labels(self.label).observe(forward_s)
-        for item in items:
-            metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
+            item.future.set_result((result, item.enqueued, item.started, forward_s))
 
 
 def encoder_privacy(ledger: PrivacyLedger) -> dict[str, Any]:
