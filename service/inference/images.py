@@ -11,13 +11,13 @@ clipped at 255.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import re
 import warnings
 from dataclasses import dataclass
 
+import pybase64
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import BadRequest, PayloadTooLarge
@@ -50,7 +50,7 @@ def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
     if len(payload) * 3 // 4 > limits.max_bytes + 3:
         raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
     try:
-        data = base64.b64decode(payload, validate=True)
+        data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(f"input[{index}]: not valid base64") from None
     return data
