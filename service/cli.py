@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from .app import create_app
+    from .ops import log_config
     from .settings import Settings
 
     settings = Settings(**_overrides(args))
@@ -56,7 +57,7 @@ def _serve(args: argparse.Namespace) -> None:
     app = create_app(settings)
     print(f"vip-hub: store {settings.store.resolve()}, http://{settings.host}:{settings.port}", flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=30)
+                log_config=log_config(settings.log_level), access_log=False, timeout_graceful_shutdown=30)
 
 
 def register_token(sub: Any) -> None:

@@ -1,23 +1,50 @@
 """Operations routes: ``/healthz`` (alive), ``/readyz`` (configured models loaded and warm),
-``/metrics`` (Prometheus), and the middleware that counts and times every request."""
+``/metrics`` (Prometheus), and the middleware that counts, times and logs every request.
+
+The access log is written by that middleware once the response has gone out, with its
+duration, instead of by uvicorn as the response starts (which holds every response back by
+the time it takes to format and write the line): ``log_config()`` is what ``vip-hub serve``
+gives uvicorn, with uvicorn's own access log off."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from .metrics import Metrics
 
-__all__ = ["install"]
+__all__ = ["ACCESS_LOGGER", "install", "log_config"]
+
+ACCESS_LOGGER = "vip_hub.access"
+_access = logging.getLogger(ACCESS_LOGGER)
+
+
+def log_config(level: str = "info") -> dict[str, Any]:
+    """uvicorn's logging configuration plus our access logger (at ``level``, as uvicorn's would
+    be), in uvicorn's access format with the request's duration."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["vip_hub_access"] = {
+        "()": "uvicorn.logging.AccessFormatter",
+        "fmt": '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s %(duration_ms).1f ms',
+    }
+    config["handlers"]["vip_hub_access"] = {**config["handlers"]["access"], "formatter": "vip_hub_access"}
+    config["loggers"][ACCESS_LOGGER] = {"handlers": ["vip_hub_access"], "level": LOG_LEVELS[level],
+                                      "propagate": False}
+    return config
 
 
 class RequestMetricsMiddleware:
-    """Count and time every HTTP request by method, route template and status (pure ASGI, so
-    it neither buffers bodies nor hides client disconnects from the endpoints)."""
+    """Count, time and log every HTTP request by method, route template and status (pure ASGI,
+    so it neither buffers bodies nor hides client disconnects from the endpoints)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -38,10 +65,15 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
+            seconds = time.perf_counter() - start
             label = getattr(scope.get("route"), "path", None) or "unmatched"
             labels = (scope["method"], label, str(status))
             self.metrics.requests.labels(*labels).inc()
-            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.latency.labels(*labels).observe(seconds)
+            if _access.isEnabledFor(logging.INFO):
+                _access.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                             get_path_with_query_string(scope), scope["http_version"], status,
+                             extra={"duration_ms": seconds * 1e3})
 
 
 def install(app: FastAPI, metrics: Metrics) -> None:

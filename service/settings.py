@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
@@ -82,7 +83,7 @@ class Settings(BaseSettings):
     store: Path = Field(Path("var/hub"), description="the embedded store: blobs plus SQLite index")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     hub: HubSettings = Field(default_factory=HubSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)

@@ -2,6 +2,7 @@
 
 import base64
 import io
+import logging
 import re
 import socket
 import threading
@@ -226,6 +227,23 @@ def test_overload_gets_429_with_retry_after(limited, published):
 def _metric(url: str, name: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{.*\}})? ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_access_log_line_follows_the_response_with_its_duration(hub, published, caplog):
+    from uvicorn.logging import AccessFormatter
+
+    from service.ops import ACCESS_LOGGER, log_config
+
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10  # written once the response has gone out
+    while not (records := [x for x in caplog.records if x.name == ACCESS_LOGGER and "/v1/embeddings" in x.getMessage()]):
+        assert time.monotonic() < deadline, "no access log line"
+        time.sleep(0.01)
+    line = AccessFormatter(fmt=log_config()["formatters"]["vip_hub_access"]["fmt"], use_colors=False).format(records[-1])
+    assert re.search(r'127\.0\.0\.1:\d+ - "POST /v1/embeddings HTTP/1\.1" 200 OK \d+\.\d ms$', line), line
+    assert log_config("warning")["loggers"][ACCESS_LOGGER]["level"] == logging.WARNING
 
 
 def test_concurrent_clients_share_batches(hub, published):
