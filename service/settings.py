@@ -62,17 +62,17 @@ class InferenceSettings(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="deadline for a request in the queue")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads of the forward pass (0: all cores)")
     preprocess_threads: int = Field(1, gt=0, description="threads decoding and preprocessing beside the forward")
+    max_images_per_request: int = Field(64, gt=0)
+    max_image_bytes: int = Field(10 * MIB, gt=0)
+    max_request_bytes: int = Field(64 * MIB, gt=0)
+    max_image_pixels: int = Field(40_000_000, gt=0, description="width x height, checked from the header")
+    max_json_depth: int = Field(8, gt=0)
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
         pick_device(value)  # an unknown name or a missing GPU fails at start-up, not at first request
         return value
-    max_images_per_request: int = Field(64, gt=0)
-    max_image_bytes: int = Field(10 * MIB, gt=0)
-    max_request_bytes: int = Field(64 * MIB, gt=0)
-    max_image_pixels: int = Field(40_000_000, gt=0, description="width x height, checked from the header")
-    max_json_depth: int = Field(8, gt=0)
 
 
 class Settings(BaseSettings):
