@@ -1,11 +1,13 @@
 """Serving throughput and latency, side by side in one run (ratios, never a pass/fail).
 
-(a) the raw in-process pipeline: decode, preprocess and batched forward in a loop;
+(a) the raw in-process pipeline: decode, preprocess and batched forward in a loop, measured
+    again right before each concurrency point (a shared machine drifts over minutes);
 (b) our service over HTTP (dynamic batching) at several concurrencies;
 (c) a naive FastAPI endpoint that decodes and runs the model per request, no batching.
 
 Both servers run in their own processes with the same torch thread count; the load
-generator is an asyncio httpx client in this process. The latency added at concurrency 1 is
+generator is an asyncio httpx client in this process, with request bodies encoded ahead. It
+shares the machine with the server: the share of a core it used is printed with (b). The latency added at concurrency 1 is
 also measured pairwise: one request, then one in-process forward of the same image, in
 alternation, so a slow spell of a shared machine lands on both sides of each pair; with the
 standard library's HTTP client (the service's own cost) and with httpx (about 1 ms more,
@@ -24,6 +26,7 @@ import argparse  # noqa: E402
 import asyncio
 import base64
 import io
+import json
 import statistics
 import subprocess
 import sys
@@ -64,33 +67,38 @@ def export_model(folder: Path, arch: str, img_size: int) -> Path:
                           model_name="bench")
 
 
-def raw_pipeline(enc, images: list[bytes], batch: int, seconds: float) -> tuple[float, float, float]:
-    """(images/s of the in-process pipeline at ``batch``, median ms of one image end to end,
-    median ms of one image's forward pass alone)."""
+def _forward(enc, x: torch.Tensor) -> None:
     from vip_hub import extract_features
 
+    with torch.inference_mode():
+        extract_features(enc.model, x, "avg")
+
+
+def raw_throughput(enc, images: list[bytes], batch: int, seconds: float) -> float:
+    """Images/s of the in-process pipeline (decode, preprocess, forward) at ``batch``."""
     def run(chunk: list[bytes]) -> None:
-        x = enc.preprocess([_decode(b) for b in chunk])
-        with torch.inference_mode():
-            extract_features(enc.model, x, "avg")
+        _forward(enc, enc.preprocess([_decode(b) for b in chunk]))
 
     run(images[:batch])
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         run(images[done % len(images):][:batch] or images[:batch])
         done += batch
-    throughput = done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start)
+
+
+def one_image(enc, images: list[bytes]) -> tuple[float, float]:
+    """Median ms of one image in process: end to end (decode, preprocess, forward), forward alone."""
     singles, forwards = [], []
-    one = enc.preprocess([_decode(images[0])])
     for b in images[:20]:
         t = time.perf_counter()
-        run([b])
-        singles.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            extract_features(enc.model, one, "avg")
-        forwards.append(time.perf_counter() - t)
-    return throughput, statistics.median(singles) * 1e3, statistics.median(forwards) * 1e3
+        x = enc.preprocess([_decode(b)])
+        t1 = time.perf_counter()
+        _forward(enc, x)
+        t2 = time.perf_counter()
+        singles.append(t2 - t)
+        forwards.append(t2 - t1)
+    return statistics.median(singles) * 1e3, statistics.median(forwards) * 1e3
 
 
 def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rounds: int = 100) -> dict[str, float]:
@@ -99,15 +107,11 @@ def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rou
     sides of a pair; with the standard library's client (``http.client``, body encoded ahead:
     what the service adds) and with ``httpx`` (what a typical Python caller sees). Medians, ms."""
     import http.client
-    import json
-
-    from vip_hub import extract_features
 
     def forward(i: int) -> float:
         x = enc.preprocess([_decode(images[i % len(images)])])
         t = time.perf_counter()
-        with torch.inference_mode():
-            extract_features(enc.model, x, "avg")
+        _forward(enc, x)
         return (time.perf_counter() - t) * 1e3
 
     bodies = [json.dumps({"model": "bench/model", "input": [e]}).encode() for e in encoded]
@@ -137,29 +141,32 @@ def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rou
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-async def load(url: str, payloads: list[dict], concurrency: int, seconds: float) -> tuple[float, float, float, int]:
-    """Closed-loop load: (requests/s, p50 ms, p99 ms, errors)."""
+async def load(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, float]:
+    """Closed-loop load with JSON bodies encoded ahead: requests/s, p50 and p99 ms, errors, and
+    the share of one core this client used (it runs on the same machine as the server)."""
     latencies: list[float] = []
     errors = 0
     stop = time.perf_counter() + seconds
+    headers = {"Content-Type": "application/json"}
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker(i: int) -> None:
             nonlocal errors
             n = i
             while time.perf_counter() < stop:
                 t = time.perf_counter()
-                r = await client.post(url, json=payloads[n % len(payloads)])
+                r = await client.post(url, content=bodies[n % len(bodies)], headers=headers)
                 if r.status_code != 200:
                     errors += 1
                 latencies.append(time.perf_counter() - t)
                 n += concurrency
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     latencies.sort()
     p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
-    return len(latencies) / elapsed, p(0.5), p(0.99), errors
+    return {"rate": len(latencies) / elapsed, "p50": p(0.5), "p99": p(0.99), "errors": errors,
+            "client_cpu": cpu / elapsed}
 
 
 def wait_ready(url: str, proc: subprocess.Popen) -> None:
@@ -228,9 +235,9 @@ def main() -> None:
     from vip_hub import load_encoder
 
     enc = load_encoder(model_dir)
-    raw, single_ms, forward_ms = raw_pipeline(enc, images, args.max_batch_size, args.seconds)
-    print(f"(a) in-process pipeline, batch {args.max_batch_size}: {raw:.1f} images/s; one image: "
-          f"{single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone", flush=True)
+    single_ms, forward_ms = one_image(enc, images)
+    print(f"one image in process: {single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone; (a) is "
+          f"re-measured before each concurrency, so each ratio compares neighbours in time", flush=True)
 
     port_b, port_c = _free_port(), _free_port()
     env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"bench:write:{TOKEN}",
@@ -252,28 +259,32 @@ def main() -> None:
         wait_ready(url_b + "/readyz", ours)
         wait_ready(url_c + "/healthz", naive)
         paired = paired_overhead(port_b, enc, images, encoded)
+        ours_bodies = [json.dumps({"model": "bench/model", "input": [e]}).encode() for e in encoded]
+        naive_bodies = [json.dumps({"input": [e]}).encode() for e in encoded]
         rows = []
         for c in args.concurrency:
-            b = asyncio.run(load(url_b + "/v1/embeddings", [{"model": "bench/model", "input": [e]} for e in encoded],
-                                 c, args.seconds))
-            n = asyncio.run(load(url_c + "/embed", [{"input": [e]} for e in encoded], c, args.seconds))
-            rows.append((c, b, n))
-            print(f"c={c:>3}  (b) ours {b[0]:7.1f} img/s  p50 {b[1]:7.1f} ms  p99 {b[2]:7.1f} ms  err {b[3]}   "
-                  f"(c) naive {n[0]:7.1f} img/s  p50 {n[1]:7.1f} ms  p99 {n[2]:7.1f} ms  err {n[3]}", flush=True)
+            raw = raw_throughput(enc, images, args.max_batch_size, args.seconds)
+            b = asyncio.run(load(url_b + "/v1/embeddings", ours_bodies, c, args.seconds))
+            n = asyncio.run(load(url_c + "/embed", naive_bodies, c, args.seconds))
+            rows.append((c, raw, b, n))
+            print(f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 {b['p50']:7.1f} ms  "
+                  f"p99 {b['p99']:7.1f} ms  err {b['errors']}  client {b['client_cpu']:.0%} of a core   "
+                  f"(c) naive {n['rate']:6.1f} img/s  p50 {n['p50']:7.1f} ms  p99 {n['p99']:7.1f} ms  "
+                  f"err {n['errors']}", flush=True)
     finally:
         for proc in (ours, naive):
             proc.terminate()
             proc.wait(60)
 
     print("\nratios")
-    for c, b, n in rows:
-        print(f"  c={c:>3}: b/a = {b[0] / raw:.2f}   b/c = {b[0] / n[0]:.2f}")
+    for c, raw, b, n in rows:
+        print(f"  c={c:>3}: b/a = {b['rate'] / raw:.2f}   b/c = {b['rate'] / n['rate']:.2f}")
     print(f"  one request at c=1 minus one in-process forward, paired medians (target <= +10 ms; forward "
           f"{paired['forward']:.1f} ms): {paired['stdlib']:+.1f} ms with http.client, {paired['httpx']:+.1f} ms "
           f"with httpx; the request minus the server's own forward (X-Inference-Ms): {paired['server']:+.1f} ms")
-    at32 = next((b for c, b, _ in rows if c == 32), None)
+    at32 = next((b["rate"] / raw for c, raw, b, _ in rows if c == 32), None)
     if at32 is not None:
-        print(f"  b/a at c=32: {at32[0] / raw:.2f} (target >= 0.85)")
+        print(f"  b/a at c=32: {at32:.2f} (target >= 0.85)")
 
 
 def _free_port() -> int:
