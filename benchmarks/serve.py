@@ -6,12 +6,12 @@
 (c) a naive FastAPI endpoint that decodes and runs the model per request, no batching.
 
 Both servers run in their own processes with the same torch thread count; the load
-generator is an asyncio httpx client in this process, with request bodies encoded ahead. It
-shares the machine with the server: the share of a core it used is printed with (b). The latency added at concurrency 1 is
-also measured pairwise: one request, then one in-process forward of the same image, in
-alternation, so a slow spell of a shared machine lands on both sides of each pair; with the
-standard library's HTTP client (the service's own cost) and with httpx (about 1 ms more,
-spent in the client).
+generator is a minimal asyncio HTTP/1.1 keep-alive client in this process (like wrk), with
+request bodies encoded ahead. It shares the machine with the server: the share of a core it
+used is printed with (b). The latency added at concurrency 1 is also measured pairwise: one
+request, then one in-process forward of the same image, in alternation, so a slow spell of a
+shared machine lands on both sides of each pair; with the standard library's HTTP client (the
+service's own cost) and with httpx (about 1 ms more, spent in the client).
 
     python benchmarks/serve.py [--arch vip-nano] [--img-size 224] [--concurrency 1 8 32 64]
 """
@@ -141,28 +141,46 @@ def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rou
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-async def load(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, float]:
-    """Closed-loop load with JSON bodies encoded ahead: requests/s, p50 and p99 ms, errors, and
-    the share of one core this client used (it runs on the same machine as the server)."""
+async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    """One HTTP/1.1 keep-alive exchange: send ``request`` (head and body), read the whole response."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), None)
+    if length is None:
+        raise RuntimeError(f"response without Content-Length: {head[:200]!r}")
+    await reader.readexactly(length)
+    return status
+
+
+async def load(port: int, path: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, float]:
+    """Closed-loop load: ``concurrency`` keep-alive connections, each posting JSON bodies encoded
+    ahead. A minimal HTTP/1.1 client (like wrk) rather than httpx, whose async pool costs several
+    ms of CPU per request at c=32 on the machine the server shares. Returns requests/s, p50 and
+    p99 ms, errors, and the share of one core this client used."""
+    requests = [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies]
     latencies: list[float] = []
     errors = 0
     stop = time.perf_counter() + seconds
-    headers = {"Content-Type": "application/json"}
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def worker(i: int) -> None:
-            nonlocal errors
-            n = i
-            while time.perf_counter() < stop:
-                t = time.perf_counter()
-                r = await client.post(url, content=bodies[n % len(bodies)], headers=headers)
-                if r.status_code != 200:
-                    errors += 1
-                latencies.append(time.perf_counter() - t)
-                n += concurrency
 
-        start, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    async def worker(i: int) -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        n = i
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            if await _post(reader, writer, requests[n % len(requests)]) != 200:
+                errors += 1
+            latencies.append(time.perf_counter() - t)
+            n += concurrency
+        writer.close()
+        await writer.wait_closed()
+
+    start, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     latencies.sort()
     p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
     return {"rate": len(latencies) / elapsed, "p50": p(0.5), "p99": p(0.99), "errors": errors,
@@ -264,8 +282,8 @@ def main() -> None:
         rows = []
         for c in args.concurrency:
             raw = raw_throughput(enc, images, args.max_batch_size, args.seconds)
-            b = asyncio.run(load(url_b + "/v1/embeddings", ours_bodies, c, args.seconds))
-            n = asyncio.run(load(url_c + "/embed", naive_bodies, c, args.seconds))
+            b = asyncio.run(load(port_b, "/v1/embeddings", ours_bodies, c, args.seconds))
+            n = asyncio.run(load(port_c, "/embed", naive_bodies, c, args.seconds))
             rows.append((c, raw, b, n))
             print(f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 {b['p50']:7.1f} ms  "
                   f"p99 {b['p99']:7.1f} ms  err {b['errors']}  client {b['client_cpu']:.0%} of a core   "
