@@ -1,5 +1,6 @@
-"""Image decoding and the batcher, on their own."""
+"""Image decoding, the batcher and the engine's wait for results, on their own."""
 
+import asyncio
 import base64
 import io
 import threading
@@ -11,7 +12,8 @@ import torch
 from PIL import Image
 
 from service.errors import BadRequest, PayloadTooLarge
-from service.inference.batcher import Batcher, QueueFull, ShuttingDown, WorkItem
+from service.inference.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown, WorkItem
+from service.inference.engine import ClientGone, _wait_or_disconnect
 from service.inference.images import ImageLimits, decode_image, image_bytes_from_text
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096)
@@ -182,3 +184,24 @@ def test_close_drains_queued_work():
     gate.set()
     closer.join(10)
     assert all(i.future.result(0) == 2 for i in items)
+
+
+def test_waiting_ends_with_the_results_the_client_leaving_or_the_timeout():
+    async def scenario(finish: bool, leave: bool, timeout: float) -> tuple[str, bool]:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future(), loop.create_future()]
+        left = asyncio.Event()
+        if finish:
+            loop.call_later(0.01, lambda: [f.set_result(i) for i, f in enumerate(futures)])
+        if leave:
+            loop.call_later(0.01, left.set)
+        try:
+            await _wait_or_disconnect(futures, left.wait, timeout)
+            outcome = "done"
+        except (ClientGone, DeadlineExceeded) as e:
+            outcome = type(e).__name__
+        return outcome, all(f.cancelled() for f in futures)
+
+    assert asyncio.run(scenario(finish=True, leave=False, timeout=5)) == ("done", False)
+    assert asyncio.run(scenario(finish=False, leave=True, timeout=5)) == ("ClientGone", True)
+    assert asyncio.run(scenario(finish=False, leave=False, timeout=0.05)) == ("DeadlineExceeded", True)

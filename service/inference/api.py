@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -162,6 +163,13 @@ async def caller(request: Request) -> Identity | None:
     return who
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away (the body is read: the server's ``receive`` now
+    waits for the disconnect, or for the response to complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def engine_of(request: Request) -> InferenceEngine:
     return request.app.state.engine
 
@@ -204,7 +212,7 @@ async def _embed(request: Request, response: Response, who: Identity | None, ref
     width = model.encoder.feature_dim(pooling)
     if dimensions is not None and dimensions > width:
         raise BadRequest(f"dimensions: {dimensions} is more than the {width} of {pooling} embeddings")
-    result = await engine_of(request).run(model, images, Task(poolings=(pooling,)), request.is_disconnected)
+    result = await engine_of(request).run(model, images, Task(poolings=(pooling,)), partial(_disconnected, request))
     vectors = torch.cat([out[pooling] for out in result.outputs])
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
@@ -265,7 +273,7 @@ async def classify(payload: ClassifyRequest, request: Request, response: Respons
         known = ", ".join(sorted(model.heads)) or "none"
         raise EntryNotFound(f"{model.repo_id} has no head {payload.head!r} (heads: {known})")
     labels = model.heads[payload.head][1].labels
-    result = await engine_of(request).run(model, images, Task(head=payload.head), request.is_disconnected)
+    result = await engine_of(request).run(model, images, Task(head=payload.head), partial(_disconnected, request))
     probs = torch.cat(result.outputs)
     k = min(payload.top_k, len(labels))
     scores, indices = probs.topk(k, dim=-1)

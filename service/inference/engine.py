@@ -160,9 +160,10 @@ class InferenceEngine:
         model: LoadedModel,
         images: Sequence[bytes],
         task: Task,
-        is_disconnected: Callable[[], Awaitable[bool]],
+        disconnected: Callable[[], Awaitable[None]],
     ) -> Result:
         """Decode, preprocess and batch ``images`` for ``task``; results in input order.
+        ``disconnected()`` returns when the client goes away (its images are then dropped).
 
         The event loop hands the request to a preprocessing thread, which hands its work items
         to the batcher; the loop wakes once, when the batcher has set their futures (or when
@@ -180,7 +181,7 @@ class InferenceEngine:
             batcher.withdraw(len(images))
             raise
         try:
-            await _wait_or_disconnect([asyncio.wrap_future(f) for f in futures], is_disconnected,
+            await _wait_or_disconnect([asyncio.wrap_future(f) for f in futures], disconnected,
                                       self.settings.request_timeout_s + 5)
         except BaseException:
             for f in futures:
@@ -218,23 +219,22 @@ class InferenceEngine:
 
 
 async def _wait_or_disconnect(
-    futures: list[asyncio.Future[Any]], is_disconnected: Callable[[], Awaitable[bool]], timeout: float
+    futures: list[asyncio.Future[Any]], disconnected: Callable[[], Awaitable[None]], timeout: float
 ) -> None:
-    """Wait for every future; stop early (cancelling) if the client disconnects."""
+    """Wait for every future; stop early (cancelling them) if the client disconnects first."""
     pending = asyncio.gather(*futures)
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while True:
-        done, _ = await asyncio.wait({pending}, timeout=0.25)
-        if done:
-            pending.result()
-            return
-        if await is_disconnected():
-            pending.cancel()
-            raise ClientGone("client disconnected")
-        if loop.time() > give_up:
-            pending.cancel()
-            raise DeadlineExceeded("timed out waiting for the model", {"Retry-After": "1"})
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({pending, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if pending.done():
+        pending.result()
+        return
+    pending.cancel()
+    if gone.done() and not gone.cancelled():
+        raise ClientGone("client disconnected")
+    raise DeadlineExceeded("timed out waiting for the model", {"Retry-After": "1"})
 
 
 class ClientGone(ServiceError):
