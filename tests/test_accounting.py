@@ -8,7 +8,15 @@ import pytest
 
 from vip_hub.cli import main
 
-from vip_hub.accounting import AccountingError, calibrate, composed_epsilon, default_delta, epsilon
+from vip_hub.accounting import (
+    AccountingError,
+    calibrate,
+    composed_epsilon,
+    default_delta,
+    epsilon,
+    epsilons,
+    max_steps_within,
+)
 
 # The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
 N = 233_000_000
@@ -18,6 +26,24 @@ Q, SIGMA, STEPS, DELTA = 81920 / N, 0.5, 10_000, 1 / (2 * N)
 def test_reference_config_values():
     assert epsilon(SIGMA, Q, STEPS, DELTA) == pytest.approx(7.00, abs=0.01)
     assert epsilon(SIGMA, Q, STEPS, DELTA, "prv") == pytest.approx(5.98, abs=0.02)
+    assert epsilon(SIGMA, Q, STEPS, DELTA, "pld") == pytest.approx(5.98, abs=0.02)
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", [
+    (5.6, 262144 / 1281167, 1500, 8e-7),  # ViP paper App. A.5, ImageNet fine-tuning
+    (SIGMA, Q, STEPS, DELTA),  # PRETRAIN.md: B 81920, n 233M, delta 1/2n
+])
+def test_pld_agrees_with_prv_and_rdp_is_the_largest(sigma, q, steps, delta):
+    eps = epsilons(sigma, q, steps, delta)
+    assert eps["pld"] == pytest.approx(eps["prv"], rel=0.01)
+    assert eps["rdp"] > max(eps["prv"], eps["pld"])
+
+
+def test_max_steps_within_is_the_last_step_inside_the_budget():
+    for accountant in ("rdp", "pld"):
+        t = max_steps_within(3.0, 1.0, 0.05, 1e-5, 10_000, accountant)
+        assert epsilon(1.0, 0.05, t, 1e-5, accountant) <= 3.0 < epsilon(1.0, 0.05, t + 1, 1e-5, accountant)
+    assert max_steps_within(3.0, 1.0, 0.05, 1e-5, 10, "rdp") == 10
 
 
 def test_epsilon_grows_with_steps_and_falls_with_sigma():
@@ -31,7 +57,7 @@ def test_composition_of_equal_runs_equals_one_longer_run():
     assert composed_epsilon([], 1e-5) == 0.0
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+@pytest.mark.parametrize("accountant", ["rdp", "prv", "pld"])
 def test_calibrate_inverts_epsilon(accountant):
     n = 1797
     q, steps, delta = 64 / n, 150, default_delta(n)

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
+from vip_hub.ledger import round_down, round_up
 
 from conftest import dp_stage, synthetic_stage
 
@@ -10,7 +11,7 @@ from conftest import dp_stage, synthetic_stage
 def test_build_and_round_trip():
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage()])
     data = json.loads(ledger.to_json())
-    assert data["schema"] == "vip-hub/privacy-ledger/v1"
+    assert data["schema"] == "vip-hub/privacy-ledger/v2"
     assert data["privacy_unit"] == "example" and data["adjacency"] == "add-remove"
     assert [s["type"] for s in data["stages"]] == ["non-private", "dp"]
     assert PrivacyLedger.parse(ledger.to_json()) == ledger
@@ -19,13 +20,41 @@ def test_build_and_round_trip():
     assert g.epsilon == ledger.stages[1].epsilon
 
 
-def test_dp_stage_defaults_and_both_accountants():
+def test_dp_stage_defaults_and_all_three_accountants():
     s = dp_stage(n=1000, batch=50, sigma=1.0, steps=100)
     assert s.delta == pytest.approx(1 / 2000)  # default delta 1/(2n)
     assert s.expected_batch_size == pytest.approx(50)
-    assert s.epsilon == pytest.approx(epsilon(1.0, 0.05, 100, 1 / 2000, "rdp"))
-    assert set(s.reference_epsilon) == {"prv"}
-    assert s.reference_epsilon["prv"] < s.epsilon  # PRV is the tighter analysis
+    assert s.sensitivity == s.clipping_norm and s.noise_std == pytest.approx(1.0 * s.clipping_norm)
+    exact = epsilon(1.0, 0.05, 100, 1 / 2000, "rdp")
+    assert exact <= s.epsilon <= exact + 1e-6  # rounded up, never down
+    assert set(s.reference_epsilon) == {"prv", "pld"}
+    assert max(s.reference_epsilon.values()) < s.epsilon  # PRV and PLD are the tighter analyses
+    named = DPStage.from_parameters(name="x", dataset=Dataset(name="d", size=1000), sample_rate=0.05,
+                                    noise_multiplier=1.0, steps=100, clipping_norm=1.0, accountant="pld")
+    assert named.epsilon == s.reference_epsilon["pld"] and set(named.reference_epsilon) == {"rdp", "prv"}
+
+
+def test_stored_epsilons_are_rounded_up_at_six_decimals():
+    # two runs whose accountant figures differ in the 15th digit store the same document
+    assert round_up(5.948867937192031) == round_up(5.948867937192028) == 5.948868
+    assert round_up(2.0) == 2.0 and round_up(0.1234560000000001) == 0.123457
+    assert round_down(3.4929654) == 3.492965 and round_down(2.0) == 2.0
+    for x in (0.1, 1 / 3, 7.000000000000001, 123.4567891):
+        assert x <= round_up(x) <= x + 1e-6 and x - 1e-6 <= round_down(x) <= x
+
+
+def test_reference_figures_must_name_the_other_accountants():
+    data = json.loads(PrivacyLedger.build([dp_stage()]).to_json())
+    data["stages"][0]["reference_epsilon"].pop("pld")
+    with pytest.raises(LedgerError, match="exactly the other accountants"):
+        PrivacyLedger.parse(data)
+
+
+def test_a_v1_ledger_is_refused_with_a_hint():
+    data = json.loads(PrivacyLedger.build([dp_stage()]).to_json())
+    data["schema"] = "vip-hub/privacy-ledger/v1"
+    with pytest.raises(LedgerError, match="export the repo again"):
+        PrivacyLedger.parse(data)
 
 
 def test_no_private_data_summary():
@@ -51,7 +80,7 @@ def test_two_stages_on_one_dataset_compose():
     ledger = PrivacyLedger.build([a, b])
     (g,) = ledger.guarantees
     assert sorted(g.stages) == ["dp-more", "dp-pretraining"]
-    assert g.epsilon == pytest.approx(epsilon(1.0, 0.05, 160, a.delta), rel=1e-9)
+    assert g.epsilon == round_up(epsilon(1.0, 0.05, 160, a.delta))
 
 
 def _bad(mutate):
@@ -93,4 +122,8 @@ def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage(), head])
     enc, h = ledger.summary(), ledger.summary("heads/digits")
     assert enc.unprotected_datasets == () and h.unprotected_datasets == ("digits-labels",)
-    assert h.epsilon == enc.epsilon and h.datasets == ("test-images",)
+    assert h.datasets == enc.datasets == ("test-images",) and h.delta == enc.delta
+    assert enc.epsilon == ledger.guarantees[0].epsilon and enc.private_data
+    assert h.epsilon is None and h.private_data  # some of its data has no guarantee at all
+    assert h.to_dict() == {"epsilon": None, "delta": enc.delta, "datasets": ["test-images"],
+                           "accountant": "rdp", "private_data": True, "unprotected_datasets": ["digits-labels"]}

@@ -76,7 +76,7 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
     data = card.data.to_dict()
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
-    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v1"
+    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v2"
     text = card.text
     for phrase in ("## Privacy guarantee", "differential privacy for the dataset `test-images`",
                    "`synthetic-pretraining` (procedural-images)", "## How to use",
@@ -87,12 +87,12 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
 def test_verify_passes_and_cli(tiny_repo):
     report = verify_repo(tiny_repo)
     assert report.ok, report.problems
-    assert "epsilon recomputed" in report.checks
+    assert "epsilon recomputed (rdp, prv, pld)" in report.checks
     script = Path(sys.executable).with_name("vip-hub")
     r = subprocess.run([str(script), "verify", str(tiny_repo), "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
-    assert out["ok"] and out["recomputed"]["dp-pretraining/rdp"] > 0
+    assert out["ok"] and all(out["recomputed"][f"dp-pretraining/{a}"] > 0 for a in ("rdp", "prv", "pld"))
 
 
 def _fails(repo, *fragments):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError"]
+__all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "clip_factors"]
 
 
 class UnsupportedLayerError(TypeError):
@@ -64,6 +64,14 @@ class _Parts:
     weight: nn.Parameter | None = None
     a: torch.Tensor | None = None  # (b, T, in), the layer's own dtype (bf16 under autocast)
     g: torch.Tensor | None = None  # (b, T, out)
+
+
+def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Per-example factors ``min(1, C / ||g||)`` that clip each gradient to norm ``max_norm``; 0
+    for a non-finite norm (such an example must not decide whether a step happens). Every
+    clipper, and the audit's canaries, clip through this one function."""
+    factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
@@ -192,9 +200,7 @@ class PerExampleClipper:
             for part in parts:
                 sq += part.sq_norms
             norms = sq.sqrt()
-            factors = (self.max_norm / (norms + 1e-6)).clamp(max=1.0)
-            # A non-finite norm must not decide whether a step happens: drop that example.
-            factors = torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+            factors = clip_factors(norms, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
             for part in parts:

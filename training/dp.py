@@ -28,12 +28,12 @@ from torch import nn
 from vip_hub.accounting import (
     Accountant,
     AccountingError,
-    accountant_epsilon,
     calibrate,
+    composed_epsilon,
     default_delta,
     epsilon,
-    make_accountant,
 )
+from opacus.accountants import RDPAccountant
 from vip_hub.ledger import ENCODER, Dataset, DPStage
 from vip_hub.repo import export_encoder
 
@@ -179,7 +179,7 @@ def train_dp(cfg: DPConfig, dist: Dist | None = None) -> Path:
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(1000, cfg.steps // 10))
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    accountant = make_accountant(kind)
+    accountant = RDPAccountant()  # history only
     start = 0
     if (state := run.resume_state()) is not None:
         mae.load_state_dict(state["model"])
@@ -239,7 +239,7 @@ def train_dp(cfg: DPConfig, dist: Dist | None = None) -> Path:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             accountant.step(noise_multiplier=sigma, sample_rate=q)
-            eps = accountant_epsilon(accountant, delta)
+            eps = composed_epsilon(accountant.history, delta, kind)
             sampled = int(counts[0].item())
             record = {"step": step + 1, "epsilon": eps, "sampled": sampled,
                       "train_loss": counts[1].item() / max(sampled, 1), "lr": scheduler.get_last_lr()[0]}

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from vip_hub.loading import load_encoder
 from vip_hub.models import EncoderSpec, create_encoder
-from vip_hub.repo import DECODER_FILE, META_DECODER
+from vip_hub.repo_format import MAE_DECODER_FILE as DECODER_FILE, META_DECODER
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Dist

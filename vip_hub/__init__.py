@@ -9,16 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
-    "accounting": ["Accountant", "AccountingError", "calibrate", "default_delta", "epsilon"],
+    "accounting": ["Accountant", "calibrate", "default_delta", "epsilon", "epsilons", "max_steps_within"],
+    "errors": ["AccountingError", "AuditError", "CheckpointError", "ClaimTooLowError", "ConfigError",
+               "DataError", "LedgerError", "MissingInputError", "RepoFormatError", "TamperedFileError",
+               "VerificationError", "VipHubError"],
     "features": ["POOLINGS", "Pooling", "extract_features", "feature_dim"],
-    "ledger": ["DPStage", "Dataset", "Guarantee", "LedgerError", "NonPrivateStage", "PrivacyLedger"],
+    "ledger": ["Audit", "DPStage", "Dataset", "Guarantee", "NonPrivateStage", "PrivacyLedger", "PrivacySummary"],
     "loading": ["Encoder", "load_encoder"],
     "models": ["ARCHS", "EncoderSpec", "create_encoder", "get_arch"],
     "repo": ["export_encoder", "update_repo"],
-    "verify": ["VerificationError", "VerificationReport", "verify_repo"],
+    "verify": ["VerificationReport", "verify_repo"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -38,10 +41,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accounting import Accountant, AccountingError, calibrate, default_delta, epsilon
+    from .accounting import Accountant, calibrate, default_delta, epsilon, epsilons, max_steps_within
+    from .errors import (AccountingError, AuditError, CheckpointError, ClaimTooLowError, ConfigError, DataError,
+                         LedgerError, MissingInputError, RepoFormatError, TamperedFileError, VerificationError,
+                         VipHubError)
     from .features import POOLINGS, Pooling, extract_features, feature_dim
-    from .ledger import DPStage, Dataset, Guarantee, LedgerError, NonPrivateStage, PrivacyLedger
+    from .ledger import Audit, DPStage, Dataset, Guarantee, NonPrivateStage, PrivacyLedger, PrivacySummary
     from .loading import Encoder, load_encoder
     from .models import ARCHS, EncoderSpec, create_encoder, get_arch
     from .repo import export_encoder, update_repo
-    from .verify import VerificationError, VerificationReport, verify_repo
+    from .verify import VerificationReport, verify_repo

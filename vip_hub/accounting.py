@@ -1,36 +1,40 @@
-"""Privacy accounting for Poisson-subsampled Gaussian mechanisms (DP-SGD / DP-AdamW).
+"""Privacy accounting for Poisson-subsampled Gaussian mechanisms (DP-SGD, DP-AdamW, Logit-DP).
 
-A thin, validated layer over Opacus' accountants: RDP (the ViP paper's choice, the
-default) and PRV (tight; reported beside it). Nothing here is a hand-written accountant.
+Three accountants, none written here: Opacus' RDP (the ViP paper's choice, the default) and
+PRV, and Google's PLD (``dp_accounting``). Every DP stage of a ledger carries all three
+epsilons; the one it names is the claim, the other two are reference figures.
+
+PLD settings: add/remove-one adjacency, value discretisation interval ``PLD_INTERVAL``
+(1e-3) with dp_accounting's pessimistic discretisation, so the figure stays an upper bound;
+at 1e-3 it is within 0.05% of the 1e-4 figure and takes 0.03-0.15 s for 10,000 steps.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
 from enum import StrEnum
 
 import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.accountant import IAccountant
-from opacus.accountants.rdp import RDPAccountant as _RDP
-from opacus.accountants.utils import get_noise_multiplier
+
+from .errors import AccountingError
 
 __all__ = [
     "Accountant",
     "AccountingError",
     "Mechanism",
     "calibrate",
+    "composed_epsilon",
     "default_delta",
     "epsilon",
-    "make_accountant",
+    "epsilons",
+    "max_steps_within",
 ]
 
-# Opacus' default orders plus larger ones, so small-epsilon / many-step regimes are not
-# cut off at alpha = 63 (which would only over-state epsilon, never under-state it).
-RDP_ALPHAS: list[float] = list(_RDP.DEFAULT_ALPHAS) + [float(a) for a in range(64, 257, 4)]
 PRV_EPS_ERROR = 0.01
+PLD_INTERVAL = 1e-3
 MAX_SIGMA = 1e4
 
 
@@ -39,14 +43,12 @@ class Accountant(StrEnum):
 
     RDP = "rdp"
     PRV = "prv"
+    PLD = "pld"
 
     @property
-    def other(self) -> "Accountant":
-        return Accountant.PRV if self is Accountant.RDP else Accountant.RDP
-
-
-class AccountingError(ValueError):
-    """Raised for parameters no mechanism can have, or a budget no noise level reaches."""
+    def others(self) -> tuple["Accountant", ...]:
+        """The accountants a ledger reports beside this one, for reference."""
+        return tuple(a for a in Accountant if a is not self)
 
 
 Mechanism = tuple[float, float, int]
@@ -60,11 +62,6 @@ def default_delta(n: int) -> float:
     return 1.0 / (2 * n)
 
 
-def make_accountant(accountant: Accountant | str = Accountant.RDP) -> IAccountant:
-    """A fresh Opacus accountant to step during training."""
-    return PRVAccountant() if Accountant(accountant) is Accountant.PRV else RDPAccountant()
-
-
 def epsilon(
     sigma: float,
     sample_rate: float,
@@ -76,19 +73,40 @@ def epsilon(
     return composed_epsilon([(sigma, sample_rate, steps)], delta, accountant)
 
 
+def epsilons(sigma: float, sample_rate: float, steps: int, delta: float) -> dict[Accountant, float]:
+    """Epsilon under every accountant, for one homogeneous run."""
+    return {a: epsilon(sigma, sample_rate, steps, delta, a) for a in Accountant}
+
+
 def composed_epsilon(
     history: Sequence[Mechanism], delta: float, accountant: Accountant | str = Accountant.RDP
 ) -> float:
     """Epsilon of the composition of several runs (e.g. every DP stage on one dataset)."""
-    accountant = _check_accountant(accountant)
+    kind = _check_accountant(accountant)
     _check_delta(delta)
     if not history:
         return 0.0
     for sigma, q, steps in history:
         _check_mechanism(sigma, q, steps)
-    acc = make_accountant(accountant)
-    acc.history = [(float(s), float(q), int(t)) for s, q, t in history]
-    return _get_epsilon(acc, accountant, delta)
+    return _epsilon(tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(history: tuple[Mechanism, ...], delta: float, kind: Accountant) -> float:
+    """The accountants are deterministic: each (history, delta) is computed once per process."""
+    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        warnings.simplefilter("ignore")
+        if kind is Accountant.PLD:
+            return _pld_epsilon(history, delta)
+        from opacus.accountants import PRVAccountant, RDPAccountant
+
+        if kind is Accountant.RDP:
+            acc = RDPAccountant()
+            acc.history = list(history)
+            return float(acc.get_epsilon(delta=delta, alphas=rdp_alphas()))
+        acc = PRVAccountant()
+        acc.history = list(history)
+        return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
 
 
 def calibrate(
@@ -100,49 +118,90 @@ def calibrate(
     tolerance: float = 1e-3,
 ) -> float:
     """Smallest noise multiplier (to ``tolerance`` in epsilon) whose epsilon is <= target."""
-    accountant = _check_accountant(accountant)
+    kind = _check_accountant(accountant)
     _check_delta(delta)
     _check_mechanism(1.0, sample_rate, steps)
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise AccountingError(f"target epsilon must be a positive number, got {target_epsilon}")
-    # Opacus gives up at sigma 1e6; stop earlier with a clearer message.
-    if epsilon(MAX_SIGMA, sample_rate, steps, delta, accountant) > target_epsilon:
+    if epsilon(MAX_SIGMA, sample_rate, steps, delta, kind) > target_epsilon:
         raise AccountingError(
             f"no noise multiplier reaches epsilon {target_epsilon} at delta {delta} with "
             f"sample rate {sample_rate} over {steps} steps (even sigma={MAX_SIGMA:g} gives more); "
             "raise the budget, or lower the sample rate or the number of steps"
         )
-    kwargs = {"alphas": RDP_ALPHAS} if accountant is Accountant.RDP else {"eps_error": PRV_EPS_ERROR}
-    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
-        warnings.simplefilter("ignore", UserWarning)
-        return float(
-            get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant=accountant.value,
-                epsilon_tolerance=tolerance,
-                **kwargs,
+    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        warnings.simplefilter("ignore")
+        if kind is Accountant.PLD:
+            import dp_accounting
+
+            # PLD is tighter than RDP, so RDP's sigma bounds PLD's from above; a bracket that
+            # starts at tiny sigmas would build enormous privacy-loss distributions.
+            hi = calibrate(target_epsilon, delta, sample_rate, steps, Accountant.RDP, tolerance)
+            lo = hi * 0.7
+            while lo > 1e-2 and epsilon(lo, sample_rate, steps, delta, kind) <= target_epsilon:
+                hi, lo = lo, lo * 0.7
+            sigma = dp_accounting.calibrate_dp_mechanism(
+                _pld_accountant, lambda s: _pld_event([(s, sample_rate, steps)]), target_epsilon, delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tolerance / 10,
             )
-        )
+        else:
+            from opacus.accountants.utils import get_noise_multiplier
+
+            extra = {"alphas": rdp_alphas()} if kind is Accountant.RDP else {"eps_error": PRV_EPS_ERROR}
+            sigma = get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
+                accountant=kind.value, epsilon_tolerance=tolerance, **extra,
+            )
+    return float(sigma)
 
 
-def accountant_epsilon(acc: IAccountant, delta: float) -> float:
-    """Epsilon spent so far by a live Opacus accountant (as stepped during training)."""
-    _check_delta(delta)
-    if not acc.history:
-        return 0.0
-    kind = Accountant.PRV if isinstance(acc, PRVAccountant) else Accountant.RDP
-    return _get_epsilon(acc, kind, delta)
+def max_steps_within(
+    target: float, sigma: float, sample_rate: float, delta: float, steps: int,
+    accountant: Accountant | str = Accountant.RDP,
+) -> int:
+    """The most steps (<= ``steps``) whose epsilon stays within ``target`` (0 if none)."""
+    if epsilon(sigma, sample_rate, steps, delta, accountant) <= target:
+        return steps
+    lo, hi = 0, steps  # epsilon(lo) <= target < epsilon(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if epsilon(sigma, sample_rate, mid, delta, accountant) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
-def _get_epsilon(acc: IAccountant, kind: Accountant, delta: float) -> float:
-    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
-        warnings.simplefilter("ignore", UserWarning)
-        if kind is Accountant.RDP:
-            return float(acc.get_epsilon(delta=delta, alphas=RDP_ALPHAS))
-        return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+@functools.cache
+def rdp_alphas() -> list[float]:
+    """Opacus' default RDP orders plus larger ones, so small-epsilon / many-step regimes are not
+    cut off at alpha = 63 (which would only over-state epsilon, never under-state it)."""
+    from opacus.accountants.rdp import RDPAccountant
+
+    return list(RDPAccountant.DEFAULT_ALPHAS) + [float(a) for a in range(64, 257, 4)]
+
+
+def _pld_accountant():  # type: ignore[no-untyped-def]
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    return PLDAccountant(NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_INTERVAL)
+
+
+def _pld_event(history: Sequence[Mechanism]):  # type: ignore[no-untyped-def]
+    from dp_accounting import dp_event
+
+    return dp_event.ComposedDpEvent([
+        dp_event.SelfComposedDpEvent(
+            dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), int(steps))
+        for sigma, q, steps in history
+    ])
+
+
+def _pld_epsilon(history: Sequence[Mechanism], delta: float) -> float:
+    acc = _pld_accountant()
+    acc.compose(_pld_event(history))
+    return float(acc.get_epsilon(delta))
 
 
 def _check_accountant(accountant: Accountant | str) -> Accountant:
@@ -150,8 +209,7 @@ def _check_accountant(accountant: Accountant | str) -> Accountant:
         return Accountant(accountant)
     except ValueError:
         raise AccountingError(
-            f"unknown accountant {accountant!r}; choose one of "
-            f"{', '.join(a.value for a in Accountant)}"
+            f"unknown accountant {accountant!r}; choose one of {', '.join(a.value for a in Accountant)}"
         ) from None
 
 

@@ -17,6 +17,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .errors import SafetensorsError
+from .repo_format import is_weights_file
+
 __all__ = [
     "SafetensorsError",
     "digest_file",
@@ -36,10 +39,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # the safetensors format's dtype names
 _DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-class SafetensorsError(ValueError):
-    """A file that is not a well-formed safetensors file."""
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -123,7 +122,7 @@ def _update_entry(h: Any, key: str, dtype: str, shape: list[int]) -> None:
 def digest_file(path: str | os.PathLike[str], name: str | None = None) -> str:
     """The digest a ledger records for a file: the tensors digest when its repo path ``name``
     (default: ``path``) ends in .safetensors, else its sha256."""
-    return tensors_digest(path) if str(name or path).endswith(".safetensors") else file_sha256(path)
+    return tensors_digest(path) if is_weights_file(str(name or path)) else file_sha256(path)
 
 
 def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[str, str]) -> None:

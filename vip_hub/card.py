@@ -15,13 +15,16 @@ from typing import Any
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .errors import LedgerError
 from .features import VIP_LAYERS
-from .ledger import DPStage, LedgerError, NonPrivateStage, PrivacyLedger
+from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec
+from .repo_format import CARD_FILE, format_params, privacy_headline
 
 __all__ = [
     "LEDGER_COLUMNS",
     "CardInfo",
+    "audit_paragraphs",
     "card_info",
     "card_ledger",
     "guarantee_paragraphs",
@@ -78,10 +81,11 @@ def render_card(
         heads=arch.num_heads,
         patch_size=spec.patch_size,
         img_size=spec.img_size,
-        params=_human(num_params),
+        params=format_params(num_params),
         dims={"avg": arch.embed_dim, "cls": arch.embed_dim, "vip": arch.embed_dim * vip_layers},
-        headline=_headline(ledger),
+        headline=privacy_headline(ledger.summary()),
         guarantee_paragraphs=guarantee_paragraphs(ledger),
+        audit_paragraphs=audit_paragraphs(ledger),
         public_stages=", ".join(
             f"`{s.name}` ({s.dataset.name})"
             for s in ledger.stages
@@ -110,9 +114,9 @@ def card_ledger(readme: str) -> PrivacyLedger:
     try:
         data = ModelCard(readme, ignore_metadata_errors=True).data.to_dict()
     except yaml.YAMLError as e:
-        raise LedgerError([f"README.md: front matter is not valid YAML ({' '.join(str(e).split())})"]) from None
+        raise LedgerError([f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]) from None
     if "differential_privacy" not in data:
-        raise LedgerError(["README.md: front matter has no differential_privacy block"])
+        raise LedgerError([f"{CARD_FILE}: front matter has no differential_privacy block"])
     return PrivacyLedger.parse(data["differential_privacy"])
 
 
@@ -143,13 +147,30 @@ def ledger_rows(ledger: PrivacyLedger) -> list[list[str]]:
     return [_ledger_row(s) for s in ledger.stages]
 
 
-def _headline(ledger: PrivacyLedger) -> str:
-    if not ledger.guarantees:
-        return "no private data (ε = 0)"
-    return "; ".join(
-        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
-        for g in ledger.guarantees
-    )
+def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
+    """Each DP stage's empirical audit (and any sampling caveat) in plain words (Markdown)."""
+    out = []
+    for s in ledger.dp_stages():
+        if s.sampling != "poisson":
+            out.append(
+                f"**Sampling caveat for `{s.name}`:** the accounted ε assumes Poisson sampling (each example "
+                f"in each step independently with probability q), but this stage's training used "
+                f"`{s.sampling}` sampling instead, so the figures are what the recipe would give with Poisson "
+                "sampling, not a formal guarantee for these weights as they were trained.")
+        a = s.audit
+        if a is None:
+            continue
+        accounted = ", ".join(f"{eps:.2f} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items())
+        best = max(a.results, key=lambda r: r.correct / r.guesses)
+        out.append(
+            f"**Empirical audit of `{s.name}`:** {a.canaries:,} gradient canaries were each secretly put in the "
+            f"training data with probability 1/2 and read off every noisy update. An attack that knew "
+            f"everything but those secret bits could prove at most **ε ≥ {a.epsilon_lower_bound:.2f}** with "
+            f"{1 - a.beta:.0%} confidence (its best guess count: {best.correct} of {best.guesses} correct); the "
+            f"accounted ε at the same δ = {a.delta:g} is {accounted}. The audit is a lower bound and the "
+            "accountants an upper bound: a lower bound above the accounted ε would mean the training leaks "
+            "more than it claims, and such a repo does not verify.")
+    return out
 
 
 def _guarantee_text(ledger: PrivacyLedger, g: Any) -> str:
@@ -185,8 +206,9 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
     eps = f"{s.epsilon:.3f} ({s.accountant.value.upper()})" + "".join(
         f"; {v:.3f} ({a.value.upper()})" for a, v in s.reference_epsilon.items()
     )
+    sampling = "Poisson" if s.sampling == "poisson" else f"{s.sampling} (accounted as Poisson)"
     return [
-        s.name, s.component, data, f"{s.mechanism}, Poisson", f"{s.sample_rate:.4g}",
+        s.name, s.component, data, f"{s.mechanism}, {sampling}", f"{s.sample_rate:.4g}",
         f"{s.noise_multiplier:.4g}", f"{s.steps:,}", f"{s.clipping_norm:g}",
         f"{s.expected_batch_size:,.1f}", f"{s.delta:.3g}", eps,
     ]
@@ -200,6 +222,3 @@ def _stage_text(s: NonPrivateStage | DPStage) -> str:
         text += " Hyperparameters: " + ", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items()) + "."
     return text
 
-
-def _human(n: int) -> str:
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"

@@ -1,6 +1,9 @@
 """The ``vip-hub`` command line. Sub-commands are plugins registered by each package under
 the ``vip_hub.commands`` entry-point group, so this library never imports training/ or
-service/. Each entry point is a function taking the argparse sub-parsers object."""
+service/. Each entry point is a function taking the argparse sub-parsers object.
+
+A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line
+with exit status 1; any other exception is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -11,20 +14,14 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
+from .errors import VipHubError
+
 __all__ = ["CommandError", "add_command", "main"]
 
 
-class CommandError(Exception):
-    """A user-facing failure: printed as one line, exit status 1."""
+class CommandError(VipHubError):
+    """A user-facing failure of a command's own arguments: printed as one line, exit status 1."""
 
-
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    CommandError,
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    PermissionError,
-)
 
 
 def add_command(sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None],
@@ -66,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except USER_ERRORS as e:
+    except VipHubError as e:
         if os.environ.get("VIP_HUB_DEBUG"):
             raise
         print(f"vip-hub {args.command}: error: {e}", file=sys.stderr)

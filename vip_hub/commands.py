@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
-
+from .accounting import Accountant
 from .cli import CommandError, add_command
+from .repo_format import DEFAULT_BRANCH
 
 if TYPE_CHECKING:
     from .ledger import DPStage, NonPrivateStage
 
 # Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
-ACCOUNTANTS = ("rdp", "prv")
+ACCOUNTANTS = tuple(a.value for a in Accountant)
 MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
 ARCH_NAMES = ("vip-nano", "vip-tiny", "vip-small", "vip-base", "vip-large")
 
@@ -29,7 +29,7 @@ __all__ = [
 
 def _accountant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp",
-                   help="Opacus accountant (default: rdp, the ViP paper's)")
+                   help="rdp (Opacus, the ViP paper's; default), prv (Opacus) or pld (Google's dp_accounting)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -87,24 +87,17 @@ def register_verify(sub: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from .repo_format import privacy_headline
     from .verify import verify_repo
 
     report = verify_repo(args.repo)
     if args.json:
-        print(json.dumps({
-            "ok": report.ok,
-            "problems": [{"where": p.where, "message": p.message} for p in report.problems],
-            "checks": report.checks,
-            "recomputed": report.recomputed,
-        }))
+        print(json.dumps(report.to_dict()))
     else:
         for p in report.problems:
             print(f"FAIL  {p}")
         if report.ok and report.ledger is not None:
-            summary = report.ledger.summary()
-            what = (f"epsilon {summary.epsilon:.4f}, delta {summary.delta:.3g} on "
-                    f"{', '.join(summary.datasets)}") if summary.datasets else "no private data"
-            print(f"OK    {args.repo}: {what} ({', '.join(report.checks)})")
+            print(f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} ({', '.join(report.checks)})")
     return 0 if report.ok else 1
 
 
@@ -131,7 +124,8 @@ def register_import_mae(sub: Any) -> None:
     g.add_argument("--clip", type=float, help="clipping norm C")
     g.add_argument("--delta", type=float, help="default 1/(2n)")
     g.add_argument("--mechanism", default="DP-AdamW", choices=MECHANISMS)
-    g.add_argument("--ledger-accountant", choices=ACCOUNTANTS, default="rdp")
+    g.add_argument("--ledger-accountant", choices=ACCOUNTANTS, default="rdp",
+                   help="the accountant whose epsilon is the claim (the others are reported beside it)")
 
 
 def _import_mae(args: argparse.Namespace) -> None:
@@ -186,15 +180,15 @@ def register_push(sub: Any) -> None:
     p.add_argument("--endpoint", help="hub URL (default: HF_ENDPOINT, else https://huggingface.co)")
     p.add_argument("--token", help="write token (default: HF_TOKEN or the saved login)")
     p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--revision", default="main", help="branch to commit to")
+    p.add_argument("--revision", default=DEFAULT_BRANCH, help="branch to commit to")
     p.add_argument("--message", help="commit message")
 
 
 def _push(args: argparse.Namespace) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
+    from .errors import VerificationError
     from .push import push_repo
-    from .verify import VerificationError
 
     try:
         commit = push_repo(args.folder, args.repo_id, endpoint=args.endpoint, token=args.token,

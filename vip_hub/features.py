@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
+from .errors import ConfigError
+
 Pooling = Literal["cls", "avg", "vip"]
 POOLINGS: tuple[Pooling, ...] = get_args(Pooling)
 VIP_LAYERS = 6
 LN_EPS = 1e-6
 
-__all__ = ["POOLINGS", "Pooling", "extract_features", "feature_dim", "final_norm", "vip_layers"]
+__all__ = ["POOLINGS", "Pooling", "check_pooling", "extract_features", "feature_dim", "final_norm", "vip_layers"]
 
 
 def final_norm(model: VisionTransformer) -> torch.nn.Module:
@@ -36,7 +38,7 @@ def vip_layers(model: VisionTransformer) -> int:
 
 def feature_dim(model: VisionTransformer, pooling: Pooling) -> int:
     """Width of the embedding that ``pooling`` produces."""
-    _check_pooling(pooling)
+    check_pooling(pooling)
     return model.embed_dim * (vip_layers(model) if pooling == "vip" else 1)
 
 
@@ -50,7 +52,7 @@ def extract_features(
     """
     modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
     for mode in modes:
-        _check_pooling(mode)
+        check_pooling(mode)
     depth = vip_layers(model) if "vip" in modes else 1
     outputs = model.forward_intermediates(
         images,
@@ -74,6 +76,7 @@ def extract_features(
     return result[modes[0]] if isinstance(pooling, str) else result
 
 
-def _check_pooling(pooling: str) -> None:
+def check_pooling(pooling: str) -> None:
+    """Raise ConfigError unless ``pooling`` is a known feature mode."""
     if pooling not in POOLINGS:
-        raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+        raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")

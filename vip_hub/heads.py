@@ -1,11 +1,9 @@
 """Linear-probe heads stored with a released encoder, under ``heads/<name>/``.
 
 A head is the MAE / ViP linear probe: BatchNorm1d without affine parameters (eps 1e-6),
-then a Linear layer, on top of one of the encoder's feature modes. Its folder holds::
-
-    heads/<name>/head.safetensors   weights; metadata: pooling, feature dim, labels
-    heads/<name>/labels.json        class names, index order
-    heads/<name>/metrics.json       evaluation of the head (e.g. top-1 on a held-out split)
+then a Linear layer, on top of one of the encoder's feature modes. Its folder (layout in
+``vip_hub.repo_format``) holds the weights (metadata: pooling, feature dim, labels), the
+class names in index order and the head's evaluation metrics.
 
 Its training is a ledger stage with ``component = "heads/<name>"`` (DP or not), added to the
 repo's ledger when the head is saved.
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +23,23 @@ from huggingface_hub import EvalResult
 from safetensors.torch import load_file, save_file
 
 from .artifacts import read_safetensors_header
-from .features import POOLINGS, Pooling
+from .errors import ConfigError, MissingInputError
+from .features import Pooling, check_pooling
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
+from .repo_format import (
+    HEAD_LABELS,
+    HEAD_METRICS,
+    HEAD_WEIGHTS,
+    HEADS_DIR,
+    META_IN_FEATURES,
+    META_LABELS,
+    META_POOLING,
+    head_component,
+    head_file,
+    heads_in,
+)
 
-__all__ = ["HEADS_DIR", "HeadInfo", "LinearProbe", "head_component", "list_heads", "load_head", "save_head"]
-
-HEADS_DIR = "heads"
-HEAD_FILE = "head.safetensors"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+__all__ = ["HeadInfo", "LinearProbe", "head_pooling", "list_heads", "load_head", "save_head"]
 
 
 class LinearProbe(torch.nn.Module):
@@ -64,13 +70,6 @@ class HeadInfo:
         return head_component(self.name)
 
 
-def head_component(name: str) -> str:
-    """The ledger component of head ``name``."""
-    if not _NAME.match(name):
-        raise ValueError(f"head name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
-    return f"{HEADS_DIR}/{name}"
-
-
 def save_head(
     repo_dir: str | os.PathLike[str],
     head: LinearProbe,
@@ -83,28 +82,27 @@ def save_head(
 
     component = head_component(info.name)
     if stage.component != component:
-        raise ValueError(f"the head's ledger stage must have component {component!r}")
-    if info.pooling not in POOLINGS:
-        raise ValueError(f"unknown pooling {info.pooling!r}")
+        raise ConfigError(f"the head's ledger stage must have component {component!r}")
+    check_pooling(info.pooling)
     if len(info.labels) != head.linear.out_features:
-        raise ValueError(f"{len(info.labels)} labels for {head.linear.out_features} outputs")
+        raise ConfigError(f"{len(info.labels)} labels for {head.linear.out_features} outputs")
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
     meta = {
         "format": "pt",
-        "vip_hub.pooling": info.pooling,
-        "vip_hub.in_features": str(head.linear.in_features),
-        "vip_hub.labels": json.dumps(info.labels),
+        META_POOLING: info.pooling,
+        META_IN_FEATURES: str(head.linear.in_features),
+        META_LABELS: json.dumps(info.labels),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / HEAD_FILE
+        weights = Path(tmp) / HEAD_WEIGHTS
         save_file(tensors, weights, metadata=meta)
         return update_repo(
             repo_dir,
             add_stages=[stage],
             add_files={
-                f"{component}/{HEAD_FILE}": weights,
-                f"{component}/labels.json": (json.dumps(info.labels, indent=1) + "\n").encode(),
-                f"{component}/metrics.json": (json.dumps(info.metrics, indent=1) + "\n").encode(),
+                head_file(info.name, HEAD_WEIGHTS): weights,
+                head_file(info.name, HEAD_LABELS): (json.dumps(info.labels, indent=1) + "\n").encode(),
+                head_file(info.name, HEAD_METRICS): (json.dumps(info.metrics, indent=1) + "\n").encode(),
             },
             add_eval_results=[eval_result] if eval_result else [],
             replace_component=component,
@@ -113,23 +111,24 @@ def save_head(
 
 def list_heads(repo_dir: str | os.PathLike[str]) -> list[str]:
     """Names of the heads stored in a repo folder."""
-    root = Path(repo_dir) / HEADS_DIR
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if (p / HEAD_FILE).is_file())
+    root = Path(repo_dir)
+    return heads_in(p.relative_to(root).as_posix() for p in root.glob(f"{HEADS_DIR}/*/{HEAD_WEIGHTS}"))
+
+
+def head_pooling(weights: str | os.PathLike[str]) -> Pooling:
+    """The feature mode a head's weights file says it reads (from its metadata only)."""
+    return (read_safetensors_header(weights)[0].get("__metadata__") or {}).get(META_POOLING, "vip")
 
 
 def load_head(repo_dir: str | os.PathLike[str], name: str) -> tuple[LinearProbe, HeadInfo]:
     """Load head ``name`` (eval mode) and its info from a repo folder."""
-    folder = Path(repo_dir) / head_component(name)
-    path = folder / HEAD_FILE
+    path = Path(repo_dir) / head_file(name, HEAD_WEIGHTS)
     if not path.is_file():
-        raise FileNotFoundError(f"no head {name!r} in {repo_dir}")
+        raise MissingInputError(f"no head {name!r} in {repo_dir}")
     meta = read_safetensors_header(path)[0].get("__metadata__") or {}
-    labels = json.loads(meta["vip_hub.labels"])
-    state = load_file(path)
-    head = LinearProbe(int(meta["vip_hub.in_features"]), len(labels))
-    head.load_state_dict(state)
-    metrics_file = folder / "metrics.json"
+    labels = json.loads(meta[META_LABELS])
+    head = LinearProbe(int(meta[META_IN_FEATURES]), len(labels))
+    head.load_state_dict(load_file(path))
+    metrics_file = Path(repo_dir) / head_file(name, HEAD_METRICS)
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    return head.eval(), HeadInfo(name, meta["vip_hub.pooling"], labels, metrics)  # type: ignore[arg-type]
+    return head.eval(), HeadInfo(name, meta[META_POOLING], labels, metrics)

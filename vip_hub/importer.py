@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
 from .ledger import Dataset, DPStage, NonPrivateStage
 from .models import EncoderSpec, create_encoder
 from .repo import export_encoder
@@ -35,10 +36,6 @@ __all__ = [
 
 _DECODER = re.compile(r"^(decoder_|mask_token$)")
 _IGNORED = re.compile(r"^head\.")  # a fine-tuned classifier: not part of a released encoder
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be imported; the message lists the offending keys."""
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,18 @@
 """The privacy ledger: what data each training stage saw and what it cost.
 
-A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v1"``) stored three times
-in a released repo (safetensors metadata, ``privacy_ledger.json``, the model card) and
-recomputed by ``vip-hub verify``. See DESIGN.md, "The privacy ledger".
+A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v2"``) stored three times in
+a released repo (safetensors metadata, ``privacy_ledger.json``, the model card) and
+recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy ledger").
 
-- ``stages``: in order; ``non-private`` stages (synthetic pretraining, a non-DP probe)
-  and ``dp`` stages (Poisson-sampled Gaussian mechanism with all its parameters).
+- ``stages``: in order; ``non-private`` stages (synthetic pretraining, a non-DP probe) and
+  ``dp`` stages: a Gaussian mechanism on clipped sums (sensitivity, noise), its sampling,
+  its epsilon under all three accountants and, when the run audited itself, an ``audit``.
 - ``guarantees``: one per private dataset, composing every DP stage that touched it.
 - ``artifacts``: digests of the files the ledger describes, binding it to the weights.
+
+Every epsilon is stored rounded *up* to ``EPSILON_DECIMALS`` decimals (an audit's lower
+bound rounded *down*), so the document does not depend on floating-point noise (the number
+of ranks, the machine) and a claim stays an upper bound.
 """
 
 from __future__ import annotations
@@ -16,21 +21,31 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .paths import UnsafePathError, validate_relpath
-from .accounting import Accountant, composed_epsilon, default_delta, epsilon
+from .accounting import Accountant, composed_epsilon, default_delta, epsilons
+from .errors import LedgerError, UnsafePathError
+from .paths import validate_relpath
+from .repo_format import COMPONENT_PATTERN, ENCODER
 
-SCHEMA_V1 = "vip-hub/privacy-ledger/v1"
-ENCODER = "encoder"
-_COMPONENT = r"^(encoder|heads/[A-Za-z0-9][A-Za-z0-9_.-]{0,63})$"
+SCHEMA = "vip-hub/privacy-ledger/v2"
+EPSILON_DECIMALS = 6
 _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
+
+PER_EXAMPLE_MECHANISMS = ("DP-SGD", "DP-Adam", "DP-AdamW")
+"""Per-example clipping: the sensitivity of the clipped sum is the clipping norm C."""
+Mechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
+Sampling = Literal["poisson", "shuffle"]
 
 __all__ = [
     "ENCODER",
-    "SCHEMA_V1",
+    "EPSILON_DECIMALS",
+    "SCHEMA",
+    "Audit",
+    "AuditResult",
     "DPStage",
     "Dataset",
     "Guarantee",
@@ -39,24 +54,27 @@ __all__ = [
     "PrivacyLedger",
     "PrivacySummary",
     "Stage",
+    "round_down",
+    "round_up",
 ]
 
 
-class LedgerError(ValueError):
-    """An invalid ledger. The message names every offending field."""
+def round_up(eps: float) -> float:
+    """``eps`` rounded up to ``EPSILON_DECIMALS`` decimals (exactly: the result is >= eps)."""
+    return float(Decimal(eps).quantize(Decimal(1).scaleb(-EPSILON_DECIMALS), rounding=ROUND_CEILING))
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid privacy ledger: " + "; ".join(problems))
 
-    @classmethod
-    def from_validation(cls, err: ValidationError) -> "LedgerError":
-        problems = []
-        for e in err.errors():
-            where = ".".join(str(p) for p in e["loc"]) or "ledger"
-            msg = e["msg"].removeprefix("Value error, ")
-            problems.append(f"{where}: {msg}")
-        return cls(problems)
+def round_down(eps: float) -> float:
+    """``eps`` rounded down to ``EPSILON_DECIMALS`` decimals (for lower bounds)."""
+    return float(Decimal(eps).quantize(Decimal(1).scaleb(-EPSILON_DECIMALS), rounding=ROUND_FLOOR))
+
+
+def _from_validation(err: ValidationError) -> LedgerError:
+    problems = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "ledger"
+        problems.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+    return LedgerError(problems)
 
 
 class _Model(BaseModel):
@@ -78,7 +96,7 @@ class Dataset(_Model):
 
 class _Stage(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._:-]{0,99}$")
-    component: str = Field(default=ENCODER, pattern=_COMPONENT)
+    component: str = Field(default=ENCODER, pattern=COMPONENT_PATTERN)
     dataset: Dataset
     description: str = ""
 
@@ -90,21 +108,64 @@ class NonPrivateStage(_Stage):
     private_data: bool
 
 
+class AuditResult(_Model):
+    """One guess count of the grid fixed before training: r guesses, v of them correct."""
+
+    guesses: int = Field(gt=0)
+    correct: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AuditResult":
+        if self.correct > self.guesses:
+            raise ValueError(f"{self.correct} correct guesses out of {self.guesses}")
+        return self
+
+
+class Audit(_Model):
+    """A one-run empirical audit (Steinke, Nasr and Jagielski 2023) of a DP stage: a lower
+    bound on epsilon at ``delta`` with confidence ``1 - beta``, beside the accountants'
+    upper bounds at the same delta."""
+
+    method: Literal["one-run-dirac-canaries"] = "one-run-dirac-canaries"
+    canaries: int = Field(gt=0, description="m: canaries, each in the data with probability 1/2")
+    canary_norm: float = Field(gt=0, description="a canary's gradient norm before clipping, in units of the sensitivity")
+    results: list[AuditResult] = Field(min_length=1, description="one per guess count of the grid, fixed in advance")
+    beta: float = Field(gt=0, lt=1, description="1 - confidence, split evenly over the grid")
+    delta: float = Field(gt=0, lt=1)
+    epsilon_lower_bound: float = Field(ge=0)
+    accountant_epsilon: dict[Accountant, float] = Field(description="each accountant's epsilon at this delta")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Audit":
+        if any(r.guesses > self.canaries for r in self.results):
+            raise ValueError(f"more guesses than the {self.canaries} canaries")
+        if set(self.accountant_epsilon) != set(Accountant):
+            raise ValueError("accountant_epsilon must give every accountant's epsilon")
+        return self
+
+
 class DPStage(_Stage):
-    """A DP stage: Poisson sampling at rate q, clipping to C, Gaussian noise sigma*C, T steps."""
+    """A DP stage: T steps of a Gaussian mechanism on a clipped sum of sensitivity ``sensitivity``,
+    with noise of standard deviation ``noise_std`` = sigma * sensitivity, on batches sampled
+    as ``sampling`` says (the accountants assume Poisson sampling at rate q)."""
 
     type: Literal["dp"] = "dp"
-    mechanism: Literal["DP-AdamW", "DP-Adam", "DP-SGD"]
-    sampling: Literal["poisson"] = "poisson"
+    mechanism: Mechanism
+    mechanism_params: dict[str, Any] = Field(
+        default_factory=dict, description="what fixes the sensitivity beyond C (Logit-DP: loss, temperature...)")
+    sampling: Sampling = "poisson"
     sample_rate: float = Field(gt=0, le=1)
     noise_multiplier: float = Field(gt=0)
     steps: int = Field(gt=0)
     clipping_norm: float = Field(gt=0)
+    sensitivity: float = Field(gt=0, description="L2 sensitivity of the clipped sum (add/remove one example)")
+    noise_std: float = Field(gt=0, description="standard deviation of the noise added to the clipped sum")
     expected_batch_size: float = Field(gt=0)
     delta: float = Field(gt=0, lt=1)
     accountant: Accountant = Accountant.RDP
     epsilon: float = Field(ge=0)
-    reference_epsilon: dict[Accountant, float] = Field(default_factory=dict)
+    reference_epsilon: dict[Accountant, float]
+    audit: Audit | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -117,14 +178,22 @@ class DPStage(_Stage):
                 f"expected_batch_size {self.expected_batch_size} != sample_rate * dataset.size "
                 f"= {self.sample_rate * n:g}"
             )
-        if self.accountant in self.reference_epsilon:
-            raise ValueError("reference_epsilon must name other accountants than the stage's own")
+        if set(self.reference_epsilon) != set(self.accountant.others):
+            raise ValueError(
+                f"reference_epsilon must give exactly the other accountants' figures "
+                f"({', '.join(a.value for a in self.accountant.others)})"
+            )
         return self
 
     @property
-    def mechanism_params(self) -> tuple[float, float, int]:
+    def mechanism_tuple(self) -> tuple[float, float, int]:
         """(sigma, q, T), the accountant's view of this stage."""
         return (self.noise_multiplier, self.sample_rate, self.steps)
+
+    @property
+    def epsilons(self) -> dict[Accountant, float]:
+        """Every accountant's epsilon, the claim's first."""
+        return {self.accountant: self.epsilon, **self.reference_epsilon}
 
     @classmethod
     def from_parameters(
@@ -137,20 +206,24 @@ class DPStage(_Stage):
         steps: int,
         clipping_norm: float,
         mechanism: str = "DP-AdamW",
+        sensitivity: float | None = None,
+        mechanism_params: dict[str, Any] | None = None,
+        sampling: str = "poisson",
         delta: float | None = None,
         accountant: Accountant | str = Accountant.RDP,
+        audit: Audit | None = None,
         component: str = ENCODER,
         description: str = "",
         hyperparameters: dict[str, Any] | None = None,
     ) -> "DPStage":
-        """Build a DP stage, computing its epsilon under ``accountant`` and the other one."""
+        """Build a DP stage, computing its epsilon under every accountant (the named one is the
+        claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping)."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
         acc = Accountant(accountant)
-        eps = {
-            a: epsilon(noise_multiplier, sample_rate, steps, delta, a) for a in (acc, acc.other)
-        }
+        eps = {a: round_up(e) for a, e in epsilons(noise_multiplier, sample_rate, steps, delta).items()}
+        sensitivity = clipping_norm if sensitivity is None else sensitivity
         return _validated(
             cls,
             name=name,
@@ -158,15 +231,20 @@ class DPStage(_Stage):
             dataset=dataset,
             description=description,
             mechanism=mechanism,
+            mechanism_params=mechanism_params or {},
+            sampling=sampling,
             sample_rate=sample_rate,
             noise_multiplier=noise_multiplier,
             steps=steps,
             clipping_norm=clipping_norm,
+            sensitivity=sensitivity,
+            noise_std=noise_multiplier * sensitivity,
             expected_batch_size=sample_rate * dataset.size,
             delta=delta,
             accountant=acc,
             epsilon=eps[acc],
-            reference_epsilon={acc.other: eps[acc.other]},
+            reference_epsilon={a: eps[a] for a in acc.others},
+            audit=audit,
             hyperparameters=hyperparameters or {},
         )
 
@@ -191,41 +269,75 @@ class Guarantee(_Model):
 
 @dataclass(frozen=True)
 class PrivacySummary:
-    """The headline guarantee of one component (what responses and list pages show)."""
+    """What a component's weights promise: the guarantee of every private dataset its stages
+    (a head's include its encoder's) saw, and the private datasets used without DP. This is
+    what cards, pages, the hub index, commit messages, ``verify`` and responses show."""
 
-    epsilon: float
-    delta: float
-    datasets: tuple[str, ...]
-    accountant: Accountant | None
+    component: str
+    guarantees: tuple[Guarantee, ...]
     unprotected_datasets: tuple[str, ...]
 
     @property
+    def epsilon(self) -> float | None:
+        """The largest epsilon; 0 without private data; None when some private data has no guarantee."""
+        if self.unprotected_datasets:
+            return None
+        return max((g.epsilon for g in self.guarantees), default=0.0)
+
+    @property
+    def delta(self) -> float:
+        return max((g.delta for g in self.guarantees), default=0.0)
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The private datasets with a DP guarantee."""
+        return tuple(g.dataset for g in self.guarantees)
+
+    @property
+    def accountant(self) -> Accountant | None:
+        return self.guarantees[0].accountant if self.guarantees else None
+
+    @property
     def private_data(self) -> bool:
-        return bool(self.datasets or self.unprotected_datasets)
+        return bool(self.guarantees or self.unprotected_datasets)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (responses, the hub index)."""
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "datasets": list(self.datasets),
+            "accountant": self.accountant.value if self.accountant else None,
+            "private_data": self.private_data,
+            "unprotected_datasets": list(self.unprotected_datasets),
+        }
 
 
 class PrivacyLedger(_Model):
     """The whole record; see the module docstring."""
 
-    schema_: Literal["vip-hub/privacy-ledger/v1"] = Field(default=SCHEMA_V1, alias="schema")
+    schema_: Literal["vip-hub/privacy-ledger/v2"] = Field(default=SCHEMA, alias="schema")
     privacy_unit: Literal["example"] = "example"
     adjacency: Literal["add-remove"] = "add-remove"
     stages: list[Stage] = Field(min_length=1)
     guarantees: list[Guarantee] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, stages: list[Any]) -> list[Any]:
+        seen: set[str] = set()
+        for i, stage in enumerate(stages):
+            if stage.name in seen:
+                raise ValueError(f"stages.{i}.name: duplicate stage name {stage.name!r}")
+            seen.add(stage.name)
+        return stages
+
     @model_validator(mode="after")
     def _consistent(self) -> "PrivacyLedger":
         problems: list[str] = []
-        seen: set[str] = set()
-        for i, stage in enumerate(self.stages):
-            if stage.name in seen:
-                problems.append(f"stages.{i}.name: duplicate stage name {stage.name!r}")
-            seen.add(stage.name)
         expected = _dp_stages_by_dataset(self.stages)
-        unprotected = {
-            s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data
-        }
+        unprotected = {s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data}
         claimed: set[tuple[str, str | None]] = set()
         for i, g in enumerate(self.guarantees):
             if g.key in claimed:
@@ -243,7 +355,7 @@ class PrivacyLedger(_Model):
                     f"guarantees.{i}.dataset: {g.dataset!r} was also used by a non-private "
                     "stage, so no DP guarantee can be claimed for it"
                 )
-        for key, stages in expected.items():
+        for key in expected:
             if key not in claimed:
                 problems.append(f"guarantees: missing a guarantee for dataset {key[0]!r}")
         for path, digest in self.artifacts.items():
@@ -264,13 +376,7 @@ class PrivacyLedger(_Model):
     ) -> "PrivacyLedger":
         """A ledger whose guarantees are computed from its DP stages."""
         stages = list(stages)
-        return _validated(
-            cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {}
-        )
-
-    def with_stage(self, stage: NonPrivateStage | DPStage) -> "PrivacyLedger":
-        """A copy with ``stage`` appended and the guarantees recomputed."""
-        return PrivacyLedger.build([*self.stages, stage], self.artifacts)
+        return _validated(cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {})
 
     def with_artifacts(self, artifacts: dict[str, str]) -> "PrivacyLedger":
         """A copy that binds the given file digests (replacing the old ones)."""
@@ -293,8 +399,9 @@ class PrivacyLedger(_Model):
                 raise LedgerError([f"ledger: not valid JSON ({e})"]) from None
         if not isinstance(data, dict):
             raise LedgerError(["ledger: must be a JSON object"])
-        if data.get("schema") != SCHEMA_V1:
-            raise LedgerError([f"schema: expected {SCHEMA_V1!r}, got {data.get('schema')!r}"])
+        if data.get("schema") != SCHEMA:
+            hint = " (written by vip-hub < 0.2: export the repo again)" if "/v1" in str(data.get("schema")) else ""
+            raise LedgerError([f"schema: expected {SCHEMA!r}, got {data.get('schema')!r}{hint}"])
         return _validated(cls, **data)
 
     # ---------------------------------------------------------------- reading
@@ -311,18 +418,13 @@ class PrivacyLedger(_Model):
         return sorted({s.component for s in self.stages})
 
     def summary(self, component: str = ENCODER) -> PrivacySummary:
-        """Headline guarantee of ``component``: a head inherits its encoder's stages."""
+        """What ``component``'s weights promise (a head's stages include its encoder's)."""
         stages = [s for s in self.stages if s.component in (ENCODER, component)]
         names = {s.name for s in stages}
-        guarantees = [g for g in self.guarantees if names.intersection(g.stages)]
-        unprotected = [
-            s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data
-        ]
+        unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
         return PrivacySummary(
-            epsilon=max((g.epsilon for g in guarantees), default=0.0),
-            delta=max((g.delta for g in guarantees), default=0.0),
-            datasets=tuple(g.dataset for g in guarantees),
-            accountant=guarantees[0].accountant if guarantees else None,
+            component=component,
+            guarantees=tuple(g for g in self.guarantees if names.intersection(g.stages)),
             unprotected_datasets=tuple(dict.fromkeys(unprotected)),
         )
 
@@ -347,18 +449,10 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
         eps = (
             group[0].epsilon
             if len(group) == 1
-            else composed_epsilon([s.mechanism_params for s in group], delta, accountant)
+            else round_up(composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
         )
-        out.append(
-            Guarantee(
-                dataset=name,
-                fingerprint=fingerprint,
-                epsilon=eps,
-                delta=delta,
-                accountant=accountant,
-                stages=[s.name for s in group],
-            )
-        )
+        out.append(Guarantee(dataset=name, fingerprint=fingerprint, epsilon=eps, delta=delta,
+                             accountant=accountant, stages=[s.name for s in group]))
     return out
 
 
@@ -366,4 +460,4 @@ def _validated(cls: type[Any], **fields: Any) -> Any:
     try:
         return cls(**fields)
     except ValidationError as e:
-        raise LedgerError.from_validation(e) from None
+        raise _from_validation(e) from None

@@ -14,10 +14,12 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
+from .errors import MissingInputError
 from .features import Pooling, extract_features, feature_dim
 from .ledger import PrivacyLedger, PrivacySummary
 from .models import EncoderSpec
-from .repo import LEDGER_FILE, read_config
+from .repo import read_config
+from .repo_format import LEDGER_FILE
 from .verify import verify_repo
 
 __all__ = ["Encoder", "load_encoder", "resolve_source"]
@@ -65,14 +67,19 @@ def resolve_source(source: str | os.PathLike[str], revision: str | None = None) 
     """A local folder for ``source``: a path (optionally ``local-dir:``), or a hub repo id
     (optionally ``hf-hub:``), downloaded with huggingface_hub (which honours ``HF_ENDPOINT``)."""
     text = os.fspath(source)
-    if text.startswith("local-dir:"):
-        return Path(text.removeprefix("local-dir:"))
-    if text.startswith("hf-hub:") or not Path(text).exists():
-        from huggingface_hub import snapshot_download
+    if text.startswith("local-dir:") or Path(text).exists():
+        path = Path(text.removeprefix("local-dir:"))
+        if not path.is_dir():
+            raise MissingInputError(f"{path} is not a repo folder")
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
-        repo_id, _, rev = text.removeprefix("hf-hub:").partition("@")
+    repo_id, _, rev = text.removeprefix("hf-hub:").partition("@")
+    try:
         return Path(snapshot_download(repo_id, revision=revision or rev or None))
-    return Path(text)
+    except (HfHubHTTPError, HFValidationError) as e:
+        raise MissingInputError(f"{text} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}") from None
 
 
 def load_encoder(
@@ -85,7 +92,7 @@ def load_encoder(
     """Load a released encoder from a folder or a hub repo id.
 
     With ``verify`` (the default) the repo must pass ``vip-hub verify`` first; a failure
-    raises VerificationError naming every problem. The model is built by timm alone from
+    raises a VerificationError subclass naming every problem. The model is built by timm alone from
     config.json, exactly as ``timm.create_model("local-dir:...", pretrained=True)`` would.
     """
     path = resolve_source(source, revision)
@@ -96,5 +103,4 @@ def load_encoder(
     config = read_config(path)
     model = timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
     transform = create_transform(**resolve_data_config({}, model=model))
-    assert ledger is not None
     return Encoder(model, transform, ledger, config, EncoderSpec.from_config(config), path)

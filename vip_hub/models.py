@@ -20,6 +20,9 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.vision_transformer import VisionTransformer
 
+from .errors import ConfigError, RepoFormatError
+from .repo_format import CONFIG_BLOCK
+
 __all__ = [
     "ARCHS",
     "EncoderSpec",
@@ -62,7 +65,7 @@ def get_arch(name: str) -> VipArch:
     try:
         return ARCHS[name]
     except KeyError:
-        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}") from None
+        raise ConfigError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}") from None
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,13 @@ class EncoderSpec:
     def __post_init__(self) -> None:
         get_arch(self.arch)
         if self.patch_size <= 0 or self.img_size <= 0:
-            raise ValueError("img_size and patch_size must be positive")
+            raise ConfigError("img_size and patch_size must be positive")
         if self.img_size % self.patch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}"
             )
         if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+            raise ConfigError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
 
     @property
     def family(self) -> VipArch:
@@ -129,11 +132,11 @@ class EncoderSpec:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "EncoderSpec":
         """Rebuild the spec from an exported config.json."""
-        meta = config.get("vip_hub") or {}
+        meta = config.get(CONFIG_BLOCK) or {}
         args = config.get("model_args") or {}
         cfg = config.get("pretrained_cfg") or {}
         if "arch" not in meta:
-            raise ValueError("config.json has no vip_hub.arch entry: not a vip-hub export")
+            raise RepoFormatError("config.json has no vip_hub.arch entry: not a vip-hub export")
         return cls(
             arch=meta["arch"],
             img_size=int(args.get("img_size", 224)),
@@ -149,7 +152,7 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, cls_token: bool = True) -> tor
     Half the channels encode the row, half the column; the class token gets zeros.
     """
     if dim % 4:
-        raise ValueError(f"embedding dim {dim} must be divisible by 4")
+        raise ConfigError(f"embedding dim {dim} must be divisible by 4")
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
     coords = torch.arange(grid_size, dtype=torch.float64)
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")

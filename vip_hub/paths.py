@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import unicodedata
 
+from .errors import UnsafePathError
+
 MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 
 __all__ = ["UnsafePathError", "validate_relpath"]
-
-
-class UnsafePathError(ValueError):
-    """A path that could escape its folder or confuse a filesystem."""
 
 
 def validate_relpath(path: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-from .repo import LEDGER_FILE
+from .repo_format import DEFAULT_BRANCH, LEDGER_FILE, privacy_headline
 from .verify import repo_files, verify_repo
 
 __all__ = ["is_published", "push_repo"]
@@ -27,7 +27,7 @@ def push_repo(
     endpoint: str | None = None,
     token: str | None = None,
     private: bool = False,
-    revision: str = "main",
+    revision: str = DEFAULT_BRANCH,
     message: str | None = None,
 ) -> str:
     """Verify ``folder`` and publish it to ``repo_id`` as one commit; returns the commit id.
@@ -47,17 +47,13 @@ def push_repo(
         CommitOperationDelete(path) for path in sorted(remote - set(files) - {".gitattributes"})
     ]
     operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)) for rel, path in files.items()]
-    summary = report.ledger.summary() if report.ledger else None
-    default = (
-        f"Publish {folder.name}: epsilon {summary.epsilon:.3g} on {', '.join(summary.datasets)}"
-        if summary and summary.datasets else f"Publish {folder.name}: no private data"
-    )
+    default = f"Publish {folder.name}: {privacy_headline(report.ledger.summary())}"
     info = api.create_commit(repo_id, operations, commit_message=message or default, revision=revision)
     return info.oid
 
 
 def is_published(folder: str | os.PathLike[str], repo_id: str, *, endpoint: str | None = None,
-                 token: str | None = None, revision: str = "main") -> bool:
+                 token: str | None = None, revision: str = DEFAULT_BRANCH) -> bool:
     """Whether ``repo_id`` at ``revision`` already holds this folder's ledger. The ledger binds
     the digest of every file, so equal ledgers mean equal published contents."""
     api = HfApi(endpoint=endpoint, token=token)

@@ -1,13 +1,5 @@
-"""The released-encoder repo format: writing a repo folder, and updating one in place.
-
-A repo folder holds::
-
-    model.safetensors        encoder weights, timm key layout; metadata: ledger, arch, format
-    config.json              what timm's hf-hub / local-dir loaders read
-    privacy_ledger.json      the ledger
-    README.md                the model card (front matter carries the ledger too)
-    mae_decoder.safetensors  optional: the MAE decoder, to initialise further training
-    *.png, heads/...         optional: training plots, probe heads (listed in the ledger)
+"""Writing a released-encoder repo folder, and updating one in place (the layout and every
+name are in ``vip_hub.repo_format``).
 
 Every write goes to a temporary sibling folder that replaces the target in one rename, so a
 crash never leaves a half-written repo.
@@ -36,33 +28,28 @@ from .artifacts import (
     tensors_digest_of,
 )
 from .card import CardInfo, card_info, render_card
+from .errors import ConfigError, RepoFormatError
 from .features import POOLINGS, feature_dim
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec, count_parameters
 from .paths import validate_relpath
+from .repo_format import (
+    CARD_FILE,
+    CONFIG_BLOCK,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    LEDGER_FILE,
+    MAE_DECODER_FILE,
+    MANAGED_FILES,
+    META_ARCH,
+    META_DECODER,
+    META_FORMAT,
+    META_LEDGER,
+    WEIGHTS_FILE,
+)
+from .verify import verify_repo
 
-__all__ = [
-    "CONFIG_FILE",
-    "DECODER_FILE",
-    "FORMAT_VERSION",
-    "LEDGER_FILE",
-    "CARD_FILE",
-    "WEIGHTS_FILE",
-    "export_encoder",
-    "read_config",
-    "update_repo",
-]
-
-FORMAT_VERSION = "1"
-WEIGHTS_FILE = "model.safetensors"
-DECODER_FILE = "mae_decoder.safetensors"
-CONFIG_FILE = "config.json"
-LEDGER_FILE = "privacy_ledger.json"
-CARD_FILE = "README.md"
-META_LEDGER = "vip_hub.privacy_ledger"
-META_ARCH = "vip_hub.arch"
-META_FORMAT = "vip_hub.format_version"
-META_DECODER = "vip_hub.decoder"
+__all__ = ["export_encoder", "read_config", "update_repo", "weights_ledger"]
 
 
 def export_encoder(
@@ -89,7 +76,7 @@ def export_encoder(
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+        raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
     tensors = _encoder_tensors(model)
     config = _config(spec, model)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
@@ -97,7 +84,7 @@ def export_encoder(
     dec = None
     if decoder is not None:
         dec = {k: v.detach().cpu().contiguous() for k, v in decoder.items()}
-        artifacts[DECODER_FILE] = tensors_digest_of(dec)
+        artifacts[MAE_DECODER_FILE] = tensors_digest_of(dec)
     for rel, data in (extra_files or {}).items():
         artifacts[validate_relpath(rel)] = _sha256_bytes(data)
     ledger = PrivacyLedger.build(stages, artifacts)
@@ -114,7 +101,7 @@ def export_encoder(
         save_file(tensors, tmp / WEIGHTS_FILE, metadata=_weights_metadata(spec, ledger))
         if dec is not None:
             meta = {"format": "pt", META_DECODER: json.dumps(dict(decoder_config or {}))}
-            save_file(dec, tmp / DECODER_FILE, metadata=meta)
+            save_file(dec, tmp / MAE_DECODER_FILE, metadata=meta)
         for rel, data in (extra_files or {}).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)
@@ -140,16 +127,14 @@ def update_repo(
     The three ledger copies and the card are rewritten together; the update is atomic.
     Returns the new ledger.
     """
-    from .verify import verify_repo  # verify imports this module
-
     repo = Path(repo_dir)
     verify_repo(repo).raise_for_problems()
     old = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
     files = dict(add_files or {})
     for rel in files:
         validate_relpath(rel)
-        if rel in (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE):
-            raise ValueError(f"{rel} is managed by vip_hub and cannot be replaced")
+        if rel in MANAGED_FILES:
+            raise ConfigError(f"{rel} is managed by vip_hub and cannot be replaced")
     config = read_config(repo)
     spec = EncoderSpec.from_config(config)
     info = card_info((repo / CARD_FILE).read_text(encoding="utf-8"))
@@ -177,7 +162,7 @@ def update_repo(
             _write_new(target, data if isinstance(data, bytes) else Path(data).read_bytes())
         artifacts = {**kept, **{rel: digest_file(tmp / rel, rel) for rel in files}}
         ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
-        _write_ledger_copies(tmp, ledger, info, spec, int(config["vip_hub"]["num_params"]))
+        _write_ledger_copies(tmp, ledger, info, spec, int(config[CONFIG_BLOCK]["num_params"]))
         result["ledger"] = ledger
 
     _atomic_dir(repo, write, fresh=False)
@@ -186,7 +171,11 @@ def update_repo(
 
 def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The repo's config.json as a dict."""
-    return json.loads((Path(repo_dir) / CONFIG_FILE).read_text())
+    path = Path(repo_dir) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RepoFormatError(f"{path}: not a readable config.json ({e})") from None
 
 
 def weights_ledger(path: str | os.PathLike[str]) -> str | None:
@@ -209,8 +198,8 @@ def _config(spec: EncoderSpec, model: VisionTransformer) -> dict[str, Any]:
         "global_pool": "avg",
         "model_args": spec.model_args(),
         "pretrained_cfg": spec.pretrained_cfg(),
-        "vip_hub": {
-            "format_version": int(FORMAT_VERSION),
+        CONFIG_BLOCK: {
+            "format_version": FORMAT_VERSION,
             "arch": spec.arch,
             "num_params": count_parameters(model),
             "feature_dims": {p: feature_dim(model, p) for p in POOLINGS},
@@ -221,7 +210,7 @@ def _config(spec: EncoderSpec, model: VisionTransformer) -> dict[str, Any]:
 def _weights_metadata(spec: EncoderSpec, ledger: PrivacyLedger) -> dict[str, str]:
     return {
         "format": "pt",
-        META_FORMAT: FORMAT_VERSION,
+        META_FORMAT: str(FORMAT_VERSION),
         META_ARCH: spec.arch,
         META_LEDGER: ledger.to_json(),
     }

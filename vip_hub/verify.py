@@ -1,12 +1,16 @@
 """``vip-hub verify``: check a released repo's privacy claims and its files.
 
 A repo verifies when
-- its three ledger copies (privacy_ledger.json, model.safetensors metadata, README.md front
+- its three ledger copies (``privacy_ledger.json``, the weights' metadata, the card's front
   matter) are valid and equal;
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
 - config.json and the weights agree on the architecture;
-- no DP stage claims less epsilon than the accountant gives for its parameters, and no
-  guarantee claims less than the composition of its stages (beyond ``RELATIVE_TOLERANCE``).
+- every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
+- no DP stage claims less epsilon than its accountant gives for its parameters, its two
+  reference figures are what the other accountants give, and no guarantee claims less than
+  the composition of its stages (all within ``RELATIVE_TOLERANCE``);
+- every audit's lower bound is what its recorded counts give, and does not exceed the
+  accountants' epsilon at the audit's delta (a lower bound above an upper bound is a bug).
 """
 
 from __future__ import annotations
@@ -18,36 +22,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .accounting import AccountingError, composed_epsilon
-from .artifacts import SafetensorsError, digest_file, read_safetensors_header
+from .accounting import Accountant, composed_epsilon
+from .artifacts import digest_file, read_safetensors_header
+from .audit import bound_over_grid
 from .card import card_ledger
-from .ledger import LedgerError, PrivacyLedger
-from .paths import UnsafePathError, validate_relpath
-from .repo import CARD_FILE, CONFIG_FILE, LEDGER_FILE, META_ARCH, META_LEDGER, WEIGHTS_FILE
+from .errors import (
+    AccountingError,
+    AuditError,
+    ClaimTooLowError,
+    LedgerError,
+    MissingInputError,
+    RepoFormatError,
+    TamperedFileError,
+    VerificationError,
+)
+from .ledger import EPSILON_DECIMALS, PrivacyLedger
+from .paths import validate_relpath
+from .repo_format import (
+    CARD_FILE,
+    CONFIG_BLOCK,
+    CONFIG_FILE,
+    LEDGER_FILE,
+    META_ARCH,
+    META_LEDGER,
+    REQUIRED_FILES,
+    WEIGHTS_FILE,
+    is_weights_file,
+)
+from .sensitivity import sensitivity
 
-__all__ = ["Problem", "RELATIVE_TOLERANCE", "VerificationError", "VerificationReport", "verify_repo"]
+__all__ = ["Problem", "RELATIVE_TOLERANCE", "VerificationReport", "repo_files", "verify_repo"]
 
 RELATIVE_TOLERANCE = 1e-4
-"""A claim may sit below the recomputed epsilon by this fraction (rounding), no more."""
+"""A figure may differ from its recomputation by this fraction (plus the stored rounding)."""
+_ROUNDING = 10.0**-EPSILON_DECIMALS
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One failed check: ``where`` names the file, stage or field."""
+    """One failed check: ``where`` names the file, stage or field; ``kind`` the error class."""
 
     where: str
     message: str
+    kind: type[VerificationError] = VerificationError
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}"
-
-
-class VerificationError(Exception):
-    """A repo failed verification; ``problems`` lists every failed check."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("verification failed: " + "; ".join(map(str, problems)))
 
 
 @dataclass
@@ -63,20 +83,30 @@ class VerificationReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def fail(self, where: str, message: str) -> None:
-        self.problems.append(Problem(where, message))
+    def fail(self, where: str, message: str, kind: type[VerificationError] = VerificationError) -> None:
+        self.problems.append(Problem(where, message, kind))
 
     def raise_for_problems(self) -> "VerificationReport":
+        """Raise the first problem's error class (listing every problem) unless the repo verifies."""
         if self.problems:
-            raise VerificationError(self.problems)
+            raise self.problems[0].kind(self.problems)
         return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form ``vip-hub verify --json`` prints."""
+        return {
+            "ok": self.ok,
+            "problems": [{"where": p.where, "message": p.message, "kind": p.kind.__name__} for p in self.problems],
+            "checks": self.checks,
+            "recomputed": self.recomputed,
+        }
 
 
 def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
     """Map every file under ``folder`` (hidden entries skipped) to its repo-relative path."""
     root = Path(folder)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory")
+        raise MissingInputError(f"{root} is not a directory")
     out = {}
     for dirpath, dirnames, names in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -96,21 +126,21 @@ def verify_repo(
     for rel in files:
         try:
             validate_relpath(rel)
-        except UnsafePathError as e:
+        except RepoFormatError as e:
             report.fail(rel, str(e))
-    missing = [f for f in (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE) if f not in files]
-    for name in missing:
-        report.fail(name, "missing: every released repo carries it")
-    copies = _ledger_copies(files, report)
-    report.checks.append("ledger copies parsed")
-    ledger = _compare_copies(copies, report)
+    for name in REQUIRED_FILES:
+        if name not in files:
+            report.fail(name, "missing: every released repo carries it")
+    ledger = _compare_copies(_ledger_copies(files, report), report)
     if ledger is None:
         return report
     report.ledger = ledger
     _check_artifacts(files, ledger, report)
     _check_config(files, report)
+    _check_mechanisms(ledger, report)
     if check_accounting:
         _check_accounting(ledger, report)
+        _check_audits(ledger, report)
     return report
 
 
@@ -126,8 +156,9 @@ def _ledger_copies(files: Mapping[str, Path], report: VerificationReport) -> dic
             continue
         try:
             copies[name] = read(files[name])
-        except (LedgerError, SafetensorsError, UnicodeDecodeError, ValueError) as e:
+        except (LedgerError, RepoFormatError, UnicodeDecodeError) as e:
             report.fail(name, f"ledger copy unreadable: {e}")
+    report.checks.append("ledger copies parsed")
     return copies
 
 
@@ -151,6 +182,7 @@ def _compare_copies(copies: dict[str, PrivacyLedger], report: VerificationReport
                 name,
                 f"its ledger copy disagrees with {ref_name} at {where or 'top level'}: "
                 f"{json.dumps(b)} vs {json.dumps(a)}",
+                TamperedFileError,
             )
     report.checks.append("ledger copies equal")
     return reference
@@ -171,18 +203,19 @@ def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
 def _check_artifacts(files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport) -> None:
     for rel, claimed in ledger.artifacts.items():
         if rel not in files:
-            report.fail(rel, "listed in the ledger's artifacts but missing from the repo")
+            report.fail(rel, "listed in the ledger's artifacts but missing from the repo", TamperedFileError)
             continue
         try:
             actual = digest_file(files[rel], rel)
-        except (SafetensorsError, OSError) as e:
-            report.fail(rel, f"cannot be digested: {e}")
+        except (RepoFormatError, OSError) as e:
+            report.fail(rel, f"cannot be digested: {e}", TamperedFileError)
             continue
         if actual != claimed:
-            report.fail(rel, f"content changed since export (digest {actual}, ledger says {claimed})")
+            report.fail(rel, f"content changed since export (digest {actual}, ledger says {claimed})",
+                        TamperedFileError)
     for rel in files:
-        if (rel.endswith(".safetensors") or rel == CONFIG_FILE) and rel not in ledger.artifacts:
-            report.fail(rel, "not listed in the ledger's artifacts: its provenance is unknown")
+        if (is_weights_file(rel) or rel == CONFIG_FILE) and rel not in ledger.artifacts:
+            report.fail(rel, "not listed in the ledger's artifacts: its provenance is unknown", TamperedFileError)
     report.checks.append("file digests")
 
 
@@ -192,49 +225,102 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
         header, _ = read_safetensors_header(files[WEIGHTS_FILE])
-    except (ValueError, SafetensorsError, OSError) as e:
+    except (ValueError, OSError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
         return
     arch = (header.get("__metadata__") or {}).get(META_ARCH)
     if not isinstance(config, dict) or "architecture" not in config:
         report.fail(CONFIG_FILE, "has no 'architecture' entry (timm needs one)")
-    elif (config.get("vip_hub") or {}).get("arch") != arch:
-        report.fail(CONFIG_FILE, f"vip_hub.arch disagrees with {WEIGHTS_FILE} metadata ({arch!r})")
+    elif (config.get(CONFIG_BLOCK) or {}).get("arch") != arch:
+        report.fail(CONFIG_FILE, f"{CONFIG_BLOCK}.arch disagrees with {WEIGHTS_FILE} metadata ({arch!r})")
     report.checks.append("config matches weights")
+
+
+def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None:
+    for stage in ledger.dp_stages():
+        where = f"stage {stage.name!r}"
+        try:
+            expected = sensitivity(stage.mechanism, stage.clipping_norm, stage.mechanism_params)
+        except AccountingError as e:
+            report.fail(where, str(e), ClaimTooLowError)
+            continue
+        if not _close(stage.sensitivity, expected, 1e-9):
+            report.fail(where, f"claims sensitivity {stage.sensitivity:.6g} but {stage.mechanism} with "
+                               f"{stage.mechanism_params or 'C'} = {stage.clipping_norm:g} has {expected:.6g}",
+                        ClaimTooLowError)
+        if not _close(stage.noise_std, stage.noise_multiplier * stage.sensitivity, 1e-9):
+            report.fail(where, f"noise std {stage.noise_std:.6g} is not sigma * sensitivity = "
+                               f"{stage.noise_multiplier * stage.sensitivity:.6g}", ClaimTooLowError)
+    report.checks.append("sensitivity and noise")
 
 
 def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None:
     for stage in ledger.dp_stages():
-        claims = {stage.accountant: stage.epsilon, **stage.reference_epsilon}
-        for accountant, claimed in claims.items():
-            try:
-                actual = composed_epsilon([stage.mechanism_params], stage.delta, accountant)
-            except AccountingError as e:
-                report.fail(f"stage {stage.name!r}", str(e))
+        for accountant, claimed in stage.epsilons.items():
+            actual = _recompute(report, f"stage {stage.name!r}", [stage.mechanism_tuple], stage.delta, accountant)
+            if actual is None:
                 continue
             report.recomputed[f"{stage.name}/{accountant.value}"] = actual
-            if _understated(claimed, actual):
-                report.fail(
-                    f"stage {stage.name!r}",
-                    f"claims epsilon {claimed:.6g} but the {accountant.value} accountant gives "
-                    f"{actual:.6g} for sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, "
-                    f"steps={stage.steps}, delta={stage.delta:.6g}",
-                )
+            params = (f"sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, steps={stage.steps}, "
+                      f"delta={stage.delta:.6g}")
+            if accountant is stage.accountant and _understated(claimed, actual):
+                report.fail(f"stage {stage.name!r}", f"claims epsilon {claimed:.6g} but the {accountant.value} "
+                                                     f"accountant gives {actual:.6g} for {params}", ClaimTooLowError)
+            elif accountant is not stage.accountant and not _close(claimed, actual, RELATIVE_TOLERANCE):
+                report.fail(f"stage {stage.name!r}", f"reference epsilon {claimed:.6g} ({accountant.value}) is not "
+                                                     f"what that accountant gives: {actual:.6g} for {params}",
+                            ClaimTooLowError)
     for g in ledger.guarantees:
-        history = [ledger.stage(name).mechanism_params for name in g.stages]  # type: ignore[union-attr]
-        try:
-            actual = composed_epsilon(history, g.delta, g.accountant)
-        except AccountingError as e:
-            report.fail(f"guarantee {g.dataset!r}", str(e))
+        history = [ledger.stage(name).mechanism_tuple for name in g.stages]  # type: ignore[union-attr]
+        actual = _recompute(report, f"guarantee {g.dataset!r}", history, g.delta, g.accountant)
+        if actual is None:
             continue
         report.recomputed[f"guarantee:{g.dataset}"] = actual
         if _understated(g.epsilon, actual):
-            report.fail(
-                f"guarantee {g.dataset!r}",
-                f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives {actual:.6g}",
-            )
-    report.checks.append("epsilon recomputed")
+            report.fail(f"guarantee {g.dataset!r}",
+                        f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives {actual:.6g}",
+                        ClaimTooLowError)
+    report.checks.append("epsilon recomputed (rdp, prv, pld)")
+
+
+def _check_audits(ledger: PrivacyLedger, report: VerificationReport) -> None:
+    for stage in ledger.dp_stages():
+        audit = stage.audit
+        if audit is None:
+            continue
+        where = f"stage {stage.name!r} audit"
+        bound = bound_over_grid(audit.canaries, [(r.guesses, r.correct) for r in audit.results],
+                                audit.beta, audit.delta)
+        report.recomputed[f"{stage.name}/audit"] = bound
+        if not _close(audit.epsilon_lower_bound, bound, RELATIVE_TOLERANCE):
+            report.fail(where, f"records eps_lb {audit.epsilon_lower_bound:.6g} but its counts give {bound:.6g}",
+                        AuditError)
+        for accountant, claimed in audit.accountant_epsilon.items():
+            actual = _recompute(report, where, [stage.mechanism_tuple], audit.delta, accountant)
+            if actual is not None and not _close(claimed, actual, RELATIVE_TOLERANCE):
+                report.fail(where, f"records {accountant.value} epsilon {claimed:.6g} at delta {audit.delta:g} "
+                                   f"but that accountant gives {actual:.6g}", AuditError)
+        upper = min(audit.accountant_epsilon.values())
+        if audit.epsilon_lower_bound > upper * (1 + RELATIVE_TOLERANCE) + _ROUNDING:
+            report.fail(where, f"the empirical lower bound eps >= {audit.epsilon_lower_bound:.4g} exceeds the "
+                               f"accounted epsilon {upper:.4g} at delta {audit.delta:g}: the training does not "
+                               "give the privacy it claims", AuditError)
+    report.checks.append("audits recomputed")
+
+
+def _recompute(report: VerificationReport, where: str, history: list[tuple[float, float, int]], delta: float,
+               accountant: Accountant) -> float | None:
+    try:
+        return composed_epsilon(history, delta, accountant)
+    except AccountingError as e:
+        report.fail(where, str(e), ClaimTooLowError)
+        return None
 
 
 def _understated(claimed: float, actual: float) -> bool:
     return claimed < actual * (1 - RELATIVE_TOLERANCE)
+
+
+def _close(claimed: float, actual: float, tolerance: float) -> bool:
+    return abs(claimed - actual) <= tolerance * abs(actual) + _ROUNDING
+

@@ -1,0 +1,140 @@
+"""The released-encoder repo format: every file name, metadata key and name pattern, in one place.
+
+A repo folder (or a hub commit's tree) holds::
+
+    model.safetensors         encoder weights (timm keys); metadata: ledger, arch, format version
+    config.json               what timm's hf-hub / local-dir loaders read, plus a vip_hub block
+    privacy_ledger.json       the privacy ledger
+    README.md                 the model card (its front matter carries the ledger too)
+    mae_decoder.safetensors   optional (ViP): the MAE decoder, to initialise further training
+    text_decoder.safetensors  optional (DP-Cap): the caption decoder; its config in the metadata
+    vocab.txt                 optional (DP-Cap): the tokenizer's vocabulary
+    *.png                     optional: training curves shown in the card
+    heads/<name>/             optional linear-probe heads: head.safetensors, labels.json, metrics.json
+
+Every other module (writing, verifying, loading, the hub store, the inference API, the
+pages) reads these names from here; see ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # the ledger imports this module's names
+    from .ledger import PrivacySummary
+
+__all__ = [
+    "CARD_FILE",
+    "CONFIG_FILE",
+    "DEFAULT_BRANCH",
+    "ENCODER",
+    "FORMAT_VERSION",
+    "HEADS_DIR",
+    "HEAD_LABELS",
+    "HEAD_METRICS",
+    "HEAD_WEIGHTS",
+    "LEDGER_FILE",
+    "MAE_DECODER_FILE",
+    "MANAGED_FILES",
+    "NAME_PATTERN",
+    "REQUIRED_FILES",
+    "TEXT_DECODER_FILE",
+    "VOCAB_FILE",
+    "WEIGHTS_FILE",
+    "format_params",
+    "head_component",
+    "head_file",
+    "head_name_of",
+    "heads_in",
+    "is_weights_file",
+    "privacy_headline",
+]
+
+FORMAT_VERSION = 1
+DEFAULT_BRANCH = "main"
+"""The branch a repo id without ``@revision`` means, everywhere (hub, clients, inference)."""
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+LEDGER_FILE = "privacy_ledger.json"
+CARD_FILE = "README.md"
+MAE_DECODER_FILE = "mae_decoder.safetensors"
+TEXT_DECODER_FILE = "text_decoder.safetensors"
+VOCAB_FILE = "vocab.txt"
+REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE)
+MANAGED_FILES = REQUIRED_FILES
+"""Files only vip_hub writes (``update_repo`` refuses to replace them with given bytes)."""
+
+# safetensors ``__metadata__`` keys
+META_FORMAT = "vip_hub.format_version"
+META_ARCH = "vip_hub.arch"
+META_LEDGER = "vip_hub.privacy_ledger"
+META_DECODER = "vip_hub.decoder"  # a decoder file's configuration (JSON)
+META_POOLING = "vip_hub.pooling"  # a head's feature mode
+META_IN_FEATURES = "vip_hub.in_features"
+META_LABELS = "vip_hub.labels"
+
+CONFIG_BLOCK = "vip_hub"
+"""The key of config.json's own block (arch, num_params, feature_dims, family)."""
+
+ENCODER = "encoder"
+"""The ledger component of the encoder weights; heads are ``heads/<name>``."""
+HEADS_DIR = "heads"
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_LABELS = "labels.json"
+HEAD_METRICS = "metrics.json"
+
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+"""A head name (and a stage's component suffix)."""
+_NAME = re.compile(rf"^{NAME_PATTERN}$")
+COMPONENT_PATTERN = rf"^({ENCODER}|{HEADS_DIR}/{NAME_PATTERN})$"
+
+
+def head_component(name: str) -> str:
+    """The ledger component and folder of head ``name`` (``heads/<name>``)."""
+    if not _NAME.match(name):
+        raise ConfigError(f"head name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return f"{HEADS_DIR}/{name}"
+
+
+def head_file(name: str, file: str = HEAD_WEIGHTS) -> str:
+    """The repo path of one of head ``name``'s files."""
+    return f"{head_component(name)}/{file}"
+
+
+def head_name_of(path: str) -> str | None:
+    """The head whose weights live at repo path ``path``, else None."""
+    parts = path.split("/")
+    if len(parts) == 3 and parts[0] == HEADS_DIR and parts[2] == HEAD_WEIGHTS and _NAME.match(parts[1]):
+        return parts[1]
+    return None
+
+
+def heads_in(paths: object) -> list[str]:
+    """Names of the heads among repo paths (a tree's keys, a folder's files), sorted."""
+    return sorted(name for p in paths if (name := head_name_of(str(p))) is not None)
+
+
+def is_weights_file(path: str) -> bool:
+    """Whether a repo path holds tensors (digested over its tensors, not its bytes)."""
+    return path.endswith(".safetensors")
+
+
+def format_params(n: int | None) -> str:
+    """A parameter count as people read it: ``86.6M``, ``742K``, ``–`` when unknown."""
+    if not n:
+        return "–"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def privacy_headline(summary: "PrivacySummary") -> str:
+    """One line stating a component's guarantee, as the card, pages and CLI show it."""
+    parts = [
+        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
+        for g in summary.guarantees
+    ]
+    parts += [f"NO guarantee for {d} (used without DP)" for d in summary.unprotected_datasets]
+    return "; ".join(parts) if parts else "no private data (ε = 0)"
