@@ -63,7 +63,8 @@ def test_parity_with_in_process(hub, local, pooling):
     assert (got - expected).abs().max().item() <= 1e-5
     assert [d["index"] for d in body["data"]] == list(range(len(IMAGES)))
     assert body["object"] == "list" and body["model"] == MODEL and body["usage"] == {"images": 5}
-    assert body["privacy"]["dataset"] == "test-images" and body["privacy"]["accountant"] == "rdp"
+    assert body["privacy"]["datasets"] == ["test-images"] and body["privacy"]["accountant"] == "rdp"
+    assert body["privacy"]["headline"].startswith("(ε = ") and "test-images" in body["privacy"]["headline"]
     assert r.headers["x-model-revision"] == body["revision"] and len(body["revision"]) == 40
     assert float(r.headers["x-privacy-epsilon"]) == pytest.approx(body["privacy"]["epsilon"])
     assert float(r.headers["x-privacy-delta"]) == pytest.approx(body["privacy"]["delta"])
@@ -135,9 +136,12 @@ def test_classify(hub, local, published):
         assert [x["label"] for x in row["labels"]] == [info.labels[i] for i in top.indices]
         np.testing.assert_allclose([x["score"] for x in row["labels"]], top.values.numpy(), atol=1e-5)
     privacy = body["privacy"]
-    assert privacy["encoder"]["dataset"] == "test-images" and privacy["encoder"]["epsilon"] > 0
-    assert privacy["head"]["dp"] is False and privacy["head"]["unprotected_datasets"] == ["toy-labels"]
-    assert privacy["head"]["epsilon"] is None and "no guarantee" in privacy["head"]["note"]
+    assert privacy["encoder"]["datasets"] == ["test-images"] and privacy["encoder"]["epsilon"] > 0
+    assert privacy["encoder"]["unprotected_datasets"] == []
+    # the head's summary carries its encoder's guarantee and names the labels used without DP
+    assert privacy["head"]["datasets"] == ["test-images"] and privacy["head"]["unprotected_datasets"] == ["toy-labels"]
+    assert privacy["head"]["epsilon"] is None and "NO guarantee for toy-labels" in privacy["head"]["headline"]
+    assert r.headers["x-privacy-epsilon"] == repr(privacy["encoder"]["epsilon"])
     missing = httpx.post(f"{hub.url}/v1/classify", json={"model": MODEL, "head": "nope", "input": [b64(IMAGES[0])]})
     assert missing.status_code == 404 and "heads: toy" in missing.json()["error"]
 
@@ -147,6 +151,8 @@ def test_models_listing(hub, published):
     entry = next(m for m in models if m["id"] == MODEL)
     assert entry["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152} and entry["arch"] == "vip-nano"
     assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == ["red", "green", "blue"]
+    assert entry["heads"][0]["privacy"]["unprotected_datasets"] == ["toy-labels"]
+    assert entry["privacy"]["epsilon"] > 0 and entry["privacy"]["datasets"] == ["test-images"]
     one = httpx.get(f"{hub.url}/v1/models/vip/vip-nano-syn").json()
     assert one["privacy"]["epsilon"] == 0.0 and one["privacy"]["private_data"] is False
     assert httpx.get(f"{hub.url}/v1/models/vip/absent").status_code == 404
@@ -275,6 +281,30 @@ def test_concurrent_clients_share_batches(hub, published):
             by_image.setdefault(i % 5, []).append(emb)
         for embs in by_image.values():
             np.testing.assert_allclose(embs, [embs[0]] * len(embs), atol=1e-5)
+
+
+def test_concurrent_first_requests_load_a_model_once(hub, tmp_path):
+    """N simultaneous first uses of a model share one load: one LoadedModel, one batcher thread,
+    which the engine's stop closes."""
+    import asyncio
+
+    from service.inference.engine import InferenceEngine
+    from service.metrics import Metrics
+
+    repo_id = "load/once"
+    commit = push_repo(tiny_repo_with_head(tmp_path / "once", seed=5), repo_id, token=WRITE_TOKEN)
+    engine = InferenceEngine(hub.settings.inference, Metrics())
+
+    async def scenario() -> list:
+        await engine.start(hub.app.state.store)
+        models = await asyncio.gather(*(engine.model(repo_id, commit) for _ in range(8)))
+        threads = [t for t in threading.enumerate() if t.name == f"batcher:{models[0].label}"]
+        await engine.stop()
+        return [models, threads]
+
+    models, threads = asyncio.run(scenario())
+    assert all(m is models[0] for m in models) and len(engine.loaded()) == 1
+    assert len(threads) == 1 and not threads[0].is_alive()
 
 
 def test_readiness_waits_for_preloaded_models(hub, tmp_path):

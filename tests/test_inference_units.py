@@ -4,7 +4,6 @@ import asyncio
 import base64
 import io
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -90,26 +89,40 @@ def test_text_inputs():
         image_bytes_from_text("A" * (2 * LIMITS.max_bytes), 0, LIMITS)
 
 
+class Clock:
+    """The batcher's clock, moved by the test: no test depends on how fast the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _item(n: int, deadline: float = 60.0) -> WorkItem:
-    return WorkItem(torch.zeros(n, 1), task=None, deadline=time.perf_counter() + deadline)
+    return WorkItem(torch.zeros(n, 1), task=None, deadline=1000.0 + deadline)
 
 
 def _recording_batcher(**kw):
+    """A batcher on a test clock whose batches block on ``gate``; ``running`` is set as each
+    batch starts."""
     sizes: list[int] = []
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
+    clock = Clock()
 
     def run(items):
+        running.set()
         gate.wait(5)
         sizes.append(sum(i.size for i in items))
         for i in items:
             i.future.set_result(i.size)
 
-    options = dict(max_batch_size=8, max_wait_s=0.2, max_queue_images=20) | kw
-    return Batcher("test", run, **options), sizes, gate
+    options = dict(max_batch_size=8, max_wait_s=0.2, max_queue_images=20, clock=clock) | kw
+    return Batcher("test", run, **options), sizes, gate, running, clock
 
 
 def test_batches_fill_up_to_the_limit_and_keep_order():
-    batcher, sizes, gate = _recording_batcher()
+    batcher, sizes, gate, _, _ = _recording_batcher()
     items = [_item(3) for _ in range(4)]
     for item in items:
         batcher.submit([item])
@@ -120,50 +133,51 @@ def test_batches_fill_up_to_the_limit_and_keep_order():
 
 
 def test_max_wait_bounds_the_wait_for_a_lone_request():
-    batcher, sizes, gate = _recording_batcher(max_wait_s=0.05)
+    batcher, sizes, gate, running, clock = _recording_batcher(max_wait_s=0.05)
     gate.set()
-    start = time.perf_counter()
+    batcher.expect(1)  # an image on its way: the lone item waits for it...
     item = _item(1)
     batcher.submit([item])
-    item.future.result(5)
-    assert time.perf_counter() - start < 1.0 and sizes == [1]
+    assert not running.wait(0.1)  # (the clock stands still: it waits)
+    clock.now += 0.06  # ...but not past max_wait
+    assert item.future.result(5) == 1 and sizes == [1]
     batcher.close()
 
 
 def test_announced_images_join_the_forming_batch_and_withdrawing_releases_it():
-    batcher, sizes, gate = _recording_batcher(max_wait_s=2.0)
+    batcher, sizes, gate, running, clock = _recording_batcher(max_wait_s=2.0)
     gate.set()
     batcher.expect(2)  # another request's two images are being decoded
     first, second = _item(1), _item(2)
     batcher.submit([first])
-    time.sleep(0.1)
+    assert not running.wait(0.05)  # the clock stands still: the first waits for the announced ones
     batcher.submit([second], announced=2)
     assert first.future.result(5) == 1 and second.future.result(5) == 2
     assert sizes == [3]  # one batch: the first item waited for the announced ones
+    running.clear()
     batcher.expect(3)
     lone = _item(1)
-    start = time.perf_counter()
     batcher.submit([lone])
-    time.sleep(0.05)
-    batcher.withdraw(3)  # their request failed while decoding
-    assert lone.future.result(5) == 1 and time.perf_counter() - start < 1.0  # well before max_wait
-    assert sizes == [3, 1]
+    assert not running.wait(0.05)
+    batcher.withdraw(3)  # their request failed while decoding: no need to wait for max_wait
+    assert lone.future.result(5) == 1 and sizes == [3, 1]
     batcher.close()
 
 
 def test_queue_full_cancelled_expired_and_drain():
-    batcher, sizes, gate = _recording_batcher(max_queue_images=10, max_wait_s=0.0)
+    batcher, sizes, gate, running, clock = _recording_batcher(max_queue_images=10, max_wait_s=0.0)
     first = _item(8)
-    batcher.submit([first])  # taken by the worker, which blocks on the gate
-    time.sleep(0.1)
+    batcher.submit([first])
+    assert running.wait(5)  # taken by the worker, which blocks on the gate
     queued = [_item(4), _item(4)]
     batcher.submit(queued)
     with pytest.raises(QueueFull) as err:
         batcher.submit([_item(4)])
     assert err.value.headers["Retry-After"] == "1"
     queued[0].future.cancel()  # the client went away
-    expired = _item(1, deadline=-1)
+    expired = _item(1, deadline=5)
     batcher.submit([expired])
+    clock.now += 10  # its deadline passes while it waits
     gate.set()
     assert first.future.result(5) == 8 and queued[1].future.result(5) == 4
     assert queued[0].future.cancelled()
@@ -176,7 +190,7 @@ def test_queue_full_cancelled_expired_and_drain():
 
 
 def test_close_drains_queued_work():
-    batcher, sizes, gate = _recording_batcher(max_wait_s=0.0)
+    batcher, sizes, gate, _, _ = _recording_batcher(max_wait_s=0.0)
     items = [_item(2) for _ in range(3)]
     batcher.submit(items)
     closer = threading.Thread(target=batcher.close)

@@ -19,16 +19,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.artifacts import read_safetensors_header
 from vip_hub.features import Pooling
-from vip_hub.heads import HEADS_DIR
-from vip_hub.ledger import PrivacyLedger
-from vip_hub.repo import CONFIG_FILE, LEDGER_FILE
+from vip_hub.ledger import PrivacyLedger, PrivacySummary
+from vip_hub.repo_format import (
+    CONFIG_BLOCK,
+    CONFIG_FILE,
+    DEFAULT_BRANCH,
+    HEAD_LABELS,
+    LEDGER_FILE,
+    META_POOLING,
+    NAME_PATTERN,
+    head_component,
+    head_file,
+    heads_in,
+    privacy_headline,
+)
 
 from ..auth import Identity, check_read, identity, require_scope
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
 from ..hub.common import store_of
 from .engine import InferenceEngine, Result, parse_model_ref
 from .images import image_bytes_from_text
-from .models import LoadedModel, Task, encoder_privacy, head_privacy
+from .models import LoadedModel, Task
 
 __all__ = ["router"]
 
@@ -41,21 +52,21 @@ Image64 = Annotated[str, Field(min_length=1, description="base64 image bytes, or
 
 
 class Privacy(BaseModel):
-    """A component's (epsilon, delta) guarantee; epsilon 0 when it saw no private data."""
+    """What a component's weights promise (``PrivacyLedger.summary``): a head's summary
+    includes its encoder's stages."""
 
-    epsilon: float | None
-    delta: float | None
-    dataset: str | None
+    epsilon: float | None = Field(description="the largest epsilon; 0 without private data; null when some "
+                                              "private data was used without DP (no guarantee)")
+    delta: float
+    datasets: list[str] = Field(description="private datasets with a DP guarantee")
     accountant: str | None
-    private_data: bool = False
+    private_data: bool
+    unprotected_datasets: list[str] = Field(description="private datasets used WITHOUT a guarantee")
+    headline: str = Field(description="the guarantee in one line, as the card and the pages state it")
 
-
-class HeadPrivacy(Privacy):
-    """What the head's own training promises about its labelled data."""
-
-    dp: bool
-    unprotected_datasets: list[str]
-    note: str | None = None
+    @classmethod
+    def of(cls, summary: PrivacySummary) -> "Privacy":
+        return cls(**summary.to_dict(), headline=privacy_headline(summary))
 
 
 class Usage(BaseModel):
@@ -93,7 +104,7 @@ class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelRef
-    head: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="a heads/<name>/ probe of the model")
+    head: str = Field(pattern=f"^{NAME_PATTERN}$", description="a heads/<name>/ probe of the model")
     input: Image64 | list[Image64]
     top_k: int = Field(5, ge=1, le=1000)
 
@@ -110,7 +121,7 @@ class Classification(BaseModel):
 
 class ClassifyPrivacy(BaseModel):
     encoder: Privacy
-    head: HeadPrivacy
+    head: Privacy = Field(description="the head's summary: its own stage(s) and its encoder's")
 
 
 class ClassifyResponse(BaseModel):
@@ -127,7 +138,7 @@ class HeadDescription(BaseModel):
     name: str
     pooling: str
     labels: list[str]
-    privacy: HeadPrivacy | None = None
+    privacy: Privacy
 
 
 class ModelDescription(BaseModel):
@@ -197,10 +208,10 @@ def _decode_texts(request: Request, inputs: str | list[str]) -> list[bytes]:
     return [image_bytes_from_text(text, i, limits) for i, text in enumerate(items)]
 
 
-def _headers(response: Response, model: LoadedModel, result: Result, privacy: dict[str, Any]) -> None:
+def _headers(response: Response, model: LoadedModel, result: Result, privacy: Privacy) -> None:
     response.headers["X-Model-Revision"] = model.commit
-    response.headers["X-Privacy-Epsilon"] = repr(privacy["epsilon"])
-    response.headers["X-Privacy-Delta"] = repr(privacy["delta"])
+    response.headers["X-Privacy-Epsilon"] = "none" if privacy.epsilon is None else repr(privacy.epsilon)
+    response.headers["X-Privacy-Delta"] = repr(privacy.delta)
     response.headers["X-Queue-Ms"] = f"{result.queue_s * 1e3:.2f}"
     response.headers["X-Preprocess-Ms"] = f"{result.preprocess_s * 1e3:.2f}"
     response.headers["X-Inference-Ms"] = f"{result.forward_s * 1e3:.2f}"
@@ -218,11 +229,11 @@ async def _embed(request: Request, response: Response, who: Identity | None, ref
         vectors = vectors[:, :dimensions]
     if normalize:
         vectors = torch.nn.functional.normalize(vectors, dim=-1)
-    privacy = encoder_privacy(model.ledger)
+    privacy = Privacy.of(model.ledger.summary())
     _headers(response, model, result, privacy)
     data = [Embedding(index=i, embedding=_encode(v, encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingsResponse(data=data, model=model.repo_id, revision=model.commit, pooling=pooling,
-                              privacy=Privacy(**privacy), usage=Usage(images=len(images)))
+                              privacy=privacy, usage=Usage(images=len(images)))
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -281,13 +292,11 @@ async def classify(payload: ClassifyRequest, request: Request, response: Respons
         Classification(index=i, labels=[LabelScore(label=labels[j], score=float(s)) for s, j in zip(row_s, row_i)])
         for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist()))
     ]
-    privacy = encoder_privacy(model.ledger)
-    _headers(response, model, result, privacy)
-    return ClassifyResponse(
-        data=data, model=model.repo_id, revision=model.commit, head=payload.head,
-        privacy=ClassifyPrivacy(encoder=Privacy(**privacy), head=HeadPrivacy(**head_privacy(model.ledger, payload.head))),
-        usage=Usage(images=len(images)),
-    )
+    privacy = ClassifyPrivacy(encoder=Privacy.of(model.ledger.summary()),
+                              head=Privacy.of(model.ledger.summary(head_component(payload.head))))
+    _headers(response, model, result, privacy.encoder)
+    return ClassifyResponse(data=data, model=model.repo_id, revision=model.commit, head=payload.head,
+                            privacy=privacy, usage=Usage(images=len(images)))
 
 
 @router.get("/models", response_model=ModelList, summary="Available and loaded models")
@@ -299,7 +308,7 @@ def list_models(request: Request, who: Identity | None = Depends(caller)) -> Mod
 
 
 @router.get("/models/{org}/{name}", response_model=ModelDescription, responses=_ERRORS, summary="One model")
-def get_model(org: str, name: str, request: Request, revision: str = Query("main", max_length=128),
+def get_model(org: str, name: str, request: Request, revision: str = Query(DEFAULT_BRANCH, max_length=128),
               who: Identity | None = Depends(caller)) -> ModelDescription:
     store = store_of(request)
     repo = store.get_repo(f"{org}/{name}")
@@ -315,22 +324,20 @@ def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
     config = json.loads(store.blob_path(tree[CONFIG_FILE]).read_bytes())
     ledger = loaded.ledger if loaded else PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
     heads = []
-    for path in tree:
-        parts = path.split("/")
-        if len(parts) == 3 and parts[0] == HEADS_DIR and parts[2] == "head.safetensors":
-            labels_entry = tree.get(f"{HEADS_DIR}/{parts[1]}/labels.json")
-            labels = json.loads(store.blob_path(labels_entry).read_bytes()) if labels_entry else []
-            pooling = loaded.heads[parts[1]][1].pooling if loaded and parts[1] in loaded.heads else _head_pooling(
-                store.blob_path(tree[path]))
-            heads.append(HeadDescription(name=parts[1], pooling=pooling, labels=labels,
-                                         privacy=HeadPrivacy(**head_privacy(ledger, parts[1]))))
-    meta = config.get("vip_hub") or {}
+    for name in heads_in(tree):
+        labels_entry = tree.get(head_file(name, HEAD_LABELS))
+        labels = json.loads(store.blob_path(labels_entry).read_bytes()) if labels_entry else []
+        pooling = (loaded.heads[name][1].pooling if loaded and name in loaded.heads
+                   else _head_pooling(store.blob_path(tree[head_file(name)])))
+        heads.append(HeadDescription(name=name, pooling=pooling, labels=labels,
+                                     privacy=Privacy.of(ledger.summary(head_component(name)))))
+    meta = config.get(CONFIG_BLOCK) or {}
     return ModelDescription(
         id=repo_id, revision=commit, loaded=loaded is not None, arch=meta.get("arch"),
-        feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy(**encoder_privacy(ledger)),
+        feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy.of(ledger.summary()),
     )
 
 
 def _head_pooling(path: Path) -> str:
-    return (read_safetensors_header(path)[0].get("__metadata__") or {}).get("vip_hub.pooling", "vip")
+    return (read_safetensors_header(path)[0].get("__metadata__") or {}).get(META_POOLING, "vip")
 

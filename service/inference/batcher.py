@@ -65,6 +65,7 @@ class Batcher:
         max_wait_s: float,
         max_queue_images: int,
         on_depth: Callable[[int], None] = lambda depth: None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.name = name
         self._run_batch = run_batch
@@ -72,6 +73,7 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue_images = max_queue_images
         self._on_depth = on_depth
+        self._clock = clock  # the time of enqueue stamps, the fill wait and deadlines (tests inject theirs)
         self._incoming = 0  # images announced by expect() and not yet submitted or withdrawn
         self._items: deque[WorkItem] = deque()
         self._queued = 0
@@ -110,6 +112,9 @@ class Batcher:
                     f"{self.name}: queue full ({self._queued} images waiting, limit {self.max_queue_images})",
                     {"Retry-After": "1"},
                 )
+            now = self._clock()
+            for item in items:
+                item.enqueued = now
             self._items.extend(items)
             self._incoming -= announced
             self._queued += size
@@ -134,7 +139,7 @@ class Batcher:
             # runs at once.
             fill_by = self._items[0].enqueued + self.max_wait_s
             while (sum(i.size for i in self._items) < self.max_batch_size and not self._closing
-                   and self._incoming > 0 and (remaining := fill_by - time.perf_counter()) > 0):
+                   and self._incoming > 0 and (remaining := fill_by - self._clock()) > 0):
                 self._cond.wait(min(remaining, 0.001))
             batch, size = [], 0
             while self._items and size + self._items[0].size <= self.max_batch_size:
@@ -150,7 +155,7 @@ class Batcher:
 
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
-            now = time.perf_counter()
+            now = self._clock()
             live = []
             for item in batch:
                 if now > item.deadline:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from vip_hub.repo_format import DEFAULT_BRANCH
+
 from ..errors import BadRequest, RepoNotFound, RevisionNotFound, ServiceError
 from ..metrics import Metrics
 from ..settings import InferenceSettings
@@ -36,7 +38,7 @@ def parse_model_ref(ref: str) -> tuple[str, str]:
     repo_id, _, revision = ref.partition("@")
     if repo_id.count("/") != 1:
         raise BadRequest(f"model must be 'org/name' or 'org/name@revision', not {ref!r}")
-    return repo_id, revision or "main"
+    return repo_id, revision or DEFAULT_BRANCH
 
 
 @dataclass
@@ -77,7 +79,7 @@ class InferenceEngine:
     async def stop(self) -> None:
         """Refuse new work, then drain every batcher (in-flight batches finish)."""
         self._closing = True
-        await asyncio.gather(*(asyncio.to_thread(m.batcher.close) for m in self._models.values() if m.batcher))
+        await asyncio.gather(*(asyncio.to_thread(m.close) for m in self._models.values()))
         self.preprocess_pool.shutdown(wait=True)
 
     def readiness(self) -> dict[str, Any]:
@@ -126,32 +128,35 @@ class InferenceEngine:
         return list(self._models.values())
 
     async def model(self, repo_id: str, commit: str) -> LoadedModel:
-        """The model at ``commit``, loaded on first use; least recently used ones are evicted."""
+        """The model at ``commit``, loaded once on first use (concurrent first requests share the
+        load); least recently used ones are evicted and their batchers closed."""
         key = (repo_id, commit)
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
         task = self._loading.get(key)
-        if task is None:
-            folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
-            task = asyncio.create_task(asyncio.to_thread(
-                LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics))
+        if task is None:  # registered before any await: a second request finds it
+            task = asyncio.create_task(self._load(key))
             self._loading[key] = task
-            try:
-                model = await task
-            finally:
-                self._loading.pop(key, None)
-            self._models[key] = model
-            self.metrics.loaded_models.set(len(self._models))
-            await self._evict()
-            return model
-        return await task
+            task.add_done_callback(lambda _: self._loading.pop(key, None))
+        return await asyncio.shield(task)  # a waiter that goes away does not cancel the others' load
+
+    async def _load(self, key: tuple[str, str]) -> LoadedModel:
+        repo_id, commit = key
+        folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
+        model = await asyncio.to_thread(LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics)
+        if self._closing:  # stop() has drained the others already
+            await asyncio.to_thread(model.close)
+            raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+        self._models[key] = model
+        self.metrics.loaded_models.set(len(self._models))
+        await self._evict()
+        return model
 
     async def _evict(self) -> None:
         while len(self._models) > self.settings.max_loaded_models:
             _, old = self._models.popitem(last=False)
-            if old.batcher is not None:
-                await asyncio.to_thread(old.batcher.close)
+            await asyncio.to_thread(old.close)
         self.metrics.loaded_models.set(len(self._models))
 
     # ------------------------------------------------------------------ running

@@ -13,14 +13,14 @@ import torch
 from vip_hub import load_encoder
 from vip_hub.device import pick_device
 from vip_hub.features import POOLINGS, Pooling, extract_features
-from vip_hub.heads import HeadInfo, LinearProbe, head_component, list_heads, load_head
-from vip_hub.ledger import DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.heads import HeadInfo, LinearProbe, list_heads, load_head
+from vip_hub.ledger import PrivacyLedger
 
 from ..metrics import Metrics
 from ..settings import InferenceSettings
 from .batcher import Batcher, WorkItem
 
-__all__ = ["LoadedModel", "Task", "encoder_privacy", "head_privacy"]
+__all__ = ["LoadedModel", "Task"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,11 @@ class LoadedModel:
         )
         return model
 
+    def close(self) -> None:
+        """Finish the queued work and stop the batcher thread."""
+        if self.batcher is not None:
+            self.batcher.close()
+
     def warm_up(self) -> None:
         """One forward pass per head and mode on a blank batch, so first requests run warm."""
         size = self.encoder.spec.img_size
@@ -115,35 +120,3 @@ class LoadedModel:
                 self.metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
         for item, result in zip(items, results):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
-
-
-def encoder_privacy(ledger: PrivacyLedger) -> dict[str, Any]:
-    """The ``privacy`` block of a response: the encoder's headline guarantee."""
-    s = ledger.summary()
-    return {
-        "epsilon": s.epsilon,
-        "delta": s.delta,
-        "dataset": ", ".join(s.datasets) if s.datasets else None,
-        "accountant": s.accountant.value if s.accountant else None,
-        "private_data": bool(s.datasets),
-    }
-
-
-def head_privacy(ledger: PrivacyLedger, name: str) -> dict[str, Any]:
-    """What the head's own training stage promises about its labelled data."""
-    component = head_component(name)
-    stages = [s for s in ledger.stages if s.component == component]
-    dp = [s for s in stages if isinstance(s, DPStage)]
-    unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
-    guarantees = [g for g in ledger.guarantees if set(g.stages) & {s.name for s in dp}]
-    return {
-        "epsilon": max((g.epsilon for g in guarantees), default=None if unprotected else 0.0),
-        "delta": max((g.delta for g in guarantees), default=None if unprotected else 0.0),
-        "dataset": ", ".join(s.dataset.name for s in stages) or None,
-        "accountant": guarantees[0].accountant.value if guarantees else None,
-        "private_data": bool(dp or unprotected),
-        "dp": bool(dp),
-        "unprotected_datasets": unprotected,
-        "note": (f"trained without differential privacy on {', '.join(unprotected)}: no guarantee covers "
-                 "that data" if unprotected else None),
-    }
