@@ -20,9 +20,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from training.data import ImageFolder, TarShards, open_images
-from training.dp import DPConfig, max_steps_within, train_dp
+from training.vip import VipConfig, train_vip
 from training.syn import SynConfig, train_syn
-from vip_hub.accounting import Accountant
+from vip_hub.accounting import Accountant, max_steps_within
+from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.verify import verify_repo
 
@@ -52,6 +53,13 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_images(tmp_path_factory.mktemp("data") / "private-images")
 
 
+def make_repo_without_decoder(tmp_path: Path) -> Path:
+    from conftest import TINY, synthetic_stage, tiny_encoder
+    from vip_hub import export_encoder
+
+    return export_encoder(tmp_path / "no-decoder", tiny_encoder(), TINY, [synthetic_stage()], model_name="x")
+
+
 def ledger_of(repo: Path) -> PrivacyLedger:
     return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
 
@@ -70,7 +78,7 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
 
 def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, images: Path,
                                                              tmp_path: Path) -> None:
-    out = train_dp(DPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-nano-dp"),
+    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-nano-dp"),
                             epsilon=8.0, batch_size=8, steps=3, micro_batch_size=3, seed=0, workers=0))
     report = verify_repo(out)
     assert report.ok, report.problems
@@ -80,7 +88,12 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, i
     assert dp.type == "dp" and dp.mechanism == "DP-AdamW" and dp.steps == 3
     assert dp.dataset.size == 40 and dp.sample_rate == pytest.approx(8 / 40)
     assert dp.delta == pytest.approx(1 / 80) and dp.clipping_norm == 0.1
-    assert dp.epsilon <= 8.0 and Accountant.PRV in dp.reference_epsilon
+    assert dp.epsilon <= 8.0 and set(dp.reference_epsilon) == {Accountant.PRV, Accountant.PLD}
+    assert dp.sensitivity == 0.1 and dp.noise_std == pytest.approx(dp.noise_multiplier * 0.1)
+    audit = dp.audit  # on by default: 1000 canaries, bound below the accounted epsilon at its delta
+    assert audit is not None and audit.canaries == 1000 and audit.delta == 1e-5
+    assert 0 <= audit.epsilon_lower_bound <= min(audit.accountant_epsilon.values())
+    assert "Empirical audit of `dp-pretrain`" in (out / "README.md").read_text()
     assert dp.dataset.fingerprint == ImageFolder(images).fingerprint()
     assert ledger.guarantees[0].epsilon == pytest.approx(dp.epsilon)
     assert "training_curves.png" in (out / "README.md").read_text()
@@ -95,7 +108,7 @@ def test_training_stops_before_the_budget_is_exceeded(syn_repo: Path, images: Pa
     sigma, q = 0.6, 8 / 40
     expected = max_steps_within(3.0, sigma, q, 1 / 80, 50, Accountant.RDP)
     assert 0 < expected < 50
-    out = train_dp(DPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "dp"), epsilon=3.0,
+    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "dp"), epsilon=3.0,
                             sigma=sigma, batch_size=8, steps=50, seed=0, workers=0, eval_every=100))
     assert f"stopping after step {expected} of 50" in capsys.readouterr().err
     dp = ledger_of(out).stages[-1]
@@ -104,15 +117,21 @@ def test_training_stops_before_the_budget_is_exceeded(syn_repo: Path, images: Pa
 
 def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
     base = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "x"), seed=0, workers=0)
-    with pytest.raises(ValueError, match="dataset-size 41"):
-        train_dp(DPConfig(**base, dataset_size=41))
-    with pytest.raises(ValueError, match="batch-size"):
-        train_dp(DPConfig(**base, batch_size=100))
-    with pytest.raises(FileNotFoundError, match="not a directory"):
-        train_dp(DPConfig(**{**base, "data": str(tmp_path / "missing")}))
-    with pytest.raises(ValueError, match="no images"):
+    with pytest.raises(DataError, match="dataset-size 41"):
+        train_vip(VipConfig(**base, dataset_size=41))
+    with pytest.raises(ConfigError, match="batch-size"):
+        train_vip(VipConfig(**base, batch_size=100))
+    with pytest.raises(MissingInputError, match="not a directory"):
+        train_vip(VipConfig(**{**base, "data": str(tmp_path / "missing")}))
+    with pytest.raises(MissingInputError, match="mae_decoder.safetensors"):
+        train_vip(VipConfig(**{**base, "init": str(make_repo_without_decoder(tmp_path))}))
+    r = subprocess.run([str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
+                        "--out", str(tmp_path / "y"), "--batch-size", "0"], capture_output=True, text=True)
+    assert r.returncode == 1 and "--batch-size: Input should be greater than 0" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with pytest.raises(DataError, match="no images"):
         (tmp_path / "empty").mkdir()
-        train_dp(DPConfig(**{**base, "data": str(tmp_path / "empty")}))
+        train_vip(VipConfig(**{**base, "data": str(tmp_path / "empty")}))
 
 
 def test_tar_shards_read_like_an_image_folder(images: Path, tmp_path: Path) -> None:
@@ -145,7 +164,7 @@ DP_ARGS = ["--device", "cpu", "--epsilon", "8", "--batch-size", "8", "--steps", 
 
 
 def dp_command(syn_repo: Path, images: Path, out: Path) -> list[str]:
-    return [str(BIN / "vip-hub"), "train-dp", "--init", str(syn_repo), "--data", str(images),
+    return [str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
             "--out", str(out), *DP_ARGS]
 
 
@@ -185,7 +204,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
 def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Path, reference_run: Path,
                                                       tmp_path: Path) -> None:
     out = tmp_path / "vip-nano-dp"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.dp",
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.vip",
            "--init", str(syn_repo), "--data", str(images), "--out", str(out), *DP_ARGS]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -207,3 +226,5 @@ def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Pa
     assert one["std"] == pytest.approx(expected, rel=0.01)
     assert both["std"] == pytest.approx(one["std"], rel=1e-6)  # once, not once per rank
     assert both["ranks_agree"] and both["mean_signal"] == pytest.approx(one["mean_signal"], rel=1e-6)
+    assert both["sampled"] == one["sampled"] == 40
+    assert both["canary_scores"] == one["canary_scores"]  # the audit does not depend on the ranks

@@ -9,12 +9,9 @@ from timm.models.vision_transformer import VisionTransformer
 
 from conftest import DEVICES, NEEDS_CUDA
 from training.clipping import PerExampleClipper, UnsupportedLayerError
-from training.distributed import Dist
-from training.dp import max_steps_within, noisy_mean_gradient
 from training.mae import MAE, DecoderConfig, patchify
 from training.sampling import micro_batches, poisson_sample, rank_shard
 from training.synthetic import FAMILIES, SyntheticImages, contact_sheet, render
-from vip_hub.accounting import Accountant, epsilon
 from vip_hub.models import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
@@ -208,27 +205,3 @@ def test_rank_shards_partition_the_dataset_and_micro_batches_cover_the_sample() 
     assert [len(p) for p in parts] == [4, 4, 2]
     empty = micro_batches(np.zeros(0, dtype=int), 4)
     assert len(empty) == 1 and len(empty[0]) == 0
-
-
-# ---------------------------------------------------------------- noise and accounting
-@pytest.mark.parametrize("device", DEVICES)
-def test_noise_is_sigma_c_over_expected_batch_and_added_even_to_an_empty_sample(device: str) -> None:
-    params = [torch.nn.Parameter(torch.zeros(200_000, device=device))]
-    sigma, c, b = 1.3, 0.1, 64.0
-    dist = Dist(device=torch.device(device))
-    noisy_mean_gradient(params, sigma, c, b, torch.Generator(device).manual_seed(0), dist)
-    std = params[0].grad.std().item()
-    assert abs(std - sigma * c / b) / (sigma * c / b) < 0.01
-    params[0].grad = torch.full((200_000,), 6.4, device=device)  # a clipped sum: divided by B, not the count
-    extra = noisy_mean_gradient(params, 1e-9, c, b, torch.Generator(device).manual_seed(0), dist,
-                                extra=torch.tensor([3.0], device=device))
-    assert torch.allclose(params[0].grad, torch.full((200_000,), 0.1, device=device), atol=1e-6)
-    assert extra.tolist() == [3.0]
-
-
-def test_budget_stop_is_the_last_step_within_epsilon() -> None:
-    sigma, q, delta = 0.8, 0.01, 1e-5
-    steps = max_steps_within(2.0, sigma, q, delta, 10_000, Accountant.RDP)
-    assert 0 < steps < 10_000
-    assert epsilon(sigma, q, steps, delta) <= 2.0 < epsilon(sigma, q, steps + 1, delta)
-    assert max_steps_within(100.0, sigma, q, delta, 50, Accountant.RDP) == 50

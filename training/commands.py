@@ -1,118 +1,46 @@
-"""The training sub-commands of ``vip-hub`` (registered as entry-point plugins).
+"""The training sub-commands of ``vip-hub`` (one entry-point plugin, ``register``).
 
-Each recipe is a dataclass; its fields become ``--options`` here, so the CLI, the Python API
-and ``torchrun -m training.dp`` share one definition of every setting and its default.
+Every recipe in ``RECIPES`` becomes ``vip-hub train-<name>`` with the options of its one
+configuration declaration (``training/recipe.py``); ``probe`` and ``run`` read theirs the same
+way. ``torchrun -m training.<module>`` takes the same arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import types
-import typing
+import importlib
 from typing import Any
 
 from vip_hub.cli import CommandError, add_command
 
-__all__ = ["config_from_args", "add_config_args", "register_probe", "register_run",
-           "register_synth_preview", "register_train_dp", "register_train_syn"]
+from .recipe import Recipe, add_config_args, config_from_args
 
-HELP = {
-    "init": "(Syn)-ViP repo folder to start from (with mae_decoder.safetensors)",
-    "data": "image folder (class subfolders allowed) or directory of webdataset tar shards",
-    "out": "folder the released repo is written to (the run folder is OUT.run/)",
-    "epsilon": "target epsilon; training stops before exceeding it",
-    "sigma": "noise multiplier (default: calibrated from --epsilon)",
-    "delta": "delta (default 1/(2n))",
-    "batch_size": "expected logical batch size B (DP: q = B/n)",
-    "micro_batch_size": "physical batch that fits memory (does not change the result)",
-    "dataset_size": "n, checked against the images found",
-    "seed": "seed of every random stream (DP default: a secret random one)",
-    "restart": "discard the run folder's checkpoint and start over",
-    "device": "auto, cpu, cuda or cuda:N",
-    "encoder": "encoder repo folder or hub repo id",
-    "test_data": "labelled test folder (default: a stratified split of --data)",
-    "head": "head name: the repo gets heads/NAME/",
-    "pooling": "feature mode: vip (the paper's), avg or cls",
-    "few_shot": "keep k training examples per class",
-    "export": "add the head to the repo (--out, or the encoder folder)",
-    "serve": "keep serving after publishing",
-    "work_dir": "where the job keeps data, runs and repos",
-    "store": "the hub store the server uses",
-}
+__all__ = ["RECIPES", "recipe", "register"]
+
+RECIPES = ("syn", "vip")
+"""Modules of ``training`` that each declare a ``RECIPE``."""
 
 
-def _base(tp: Any) -> Any:
-    """``X | None`` -> X."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
+def recipe(module: str) -> Recipe:
+    """The recipe declared by ``training.<module>``."""
+    return importlib.import_module(f"training.{module}").RECIPE
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, positional: tuple[str, ...] = ()) -> None:
-    """Add one option per dataclass field (``positional`` ones as arguments)."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = _base(hints[f.name])
-        required = f.default is dataclasses.MISSING
-        help_ = HELP.get(f.name, "")
-        if f.name in positional:
-            parser.add_argument(f.name, type=tp, help=help_)
-        elif tp is bool:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=f.default,
-                                action=argparse.BooleanOptionalAction, help=help_)
-        else:
-            default = None if required else f.default
-            parser.add_argument(
-                f"--{f.name.replace('_', '-')}", dest=f.name, type=tp, required=required, default=default,
-                help=f"{help_} (default: {default})" if not required else help_,
-            )
+def register(sub: Any) -> None:
+    """Add every training sub-command to the ``vip-hub`` parser."""
+    for module in RECIPES:
+        r = recipe(module)
+        p = add_command(sub, f"train-{r.name}", _train, r.summary)
+        p.set_defaults(recipe=module)
+        add_config_args(p, r.config)
 
+    from .main_job import MainJobConfig
+    from .probe import ProbeConfig
 
-def config_from_args(cls: type, args: argparse.Namespace) -> Any:
-    """The dataclass built from parsed arguments."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def register_train_syn(sub: Any) -> None:
-    from .syn import SynConfig
-
-    p = add_command(sub, "train-syn", _train_syn, "(Syn)-ViP: MAE pretraining on procedural images")
-    add_config_args(p, SynConfig)
-
-
-def _train_syn(args: argparse.Namespace) -> int:
-    from .syn import SynConfig, train_syn
-
-    out = train_syn(config_from_args(SynConfig, args))
-    print(f"exported {out}")
-    return 0
-
-
-def register_train_dp(sub: Any) -> None:
-    from .dp import DPConfig
-
-    p = add_command(sub, "train-dp", _train_dp, "ViP: DP-AdamW MAE training on private images")
-    add_config_args(p, DPConfig)
-
-
-def _train_dp(args: argparse.Namespace) -> int:
-    from .dp import DPConfig, train_dp
-    from .distributed import Dist
-
-    cfg = config_from_args(DPConfig, args)
-    dist = Dist.from_env(cfg.device)
-    try:
-        out = train_dp(cfg, dist)
-    finally:
-        dist.close()
-    if dist.main:
-        print(f"exported {out}")
-    return 0
-
-
-def register_synth_preview(sub: Any) -> None:
+    add_config_args(add_command(sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder"),
+                    ProbeConfig)
+    add_config_args(add_command(sub, "run", _run, "the main job: train, compare, publish and serve private encoders"),
+                    MainJobConfig)
     p = add_command(sub, "synth-preview", _synth_preview, "write a contact sheet of procedural images")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--seed", type=int, default=0)
@@ -121,21 +49,29 @@ def register_synth_preview(sub: Any) -> None:
     p.add_argument("--columns", type=int, default=8)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .distributed import Dist
+
+    r = recipe(args.recipe)
+    cfg = config_from_args(r.config, args)
+    dist = Dist.from_env(cfg.device)
+    try:
+        out = r.train(cfg, dist)
+    finally:
+        dist.close()
+    if dist.main:
+        print(f"exported {out}")
+    return 0
+
+
 def _synth_preview(args: argparse.Namespace) -> int:
     from .synthetic import contact_sheet
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
-        raise ValueError("--count must be 1..4096, --size 8..1024, --columns >= 1")
+        raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")
     contact_sheet(args.seed, args.count, args.size, args.columns).save(args.out)
     print(f"wrote {args.out}: {args.count} images of {args.size} px")
     return 0
-
-
-def register_probe(sub: Any) -> None:
-    from .probe import ProbeConfig
-
-    p = add_command(sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder")
-    add_config_args(p, ProbeConfig)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -149,13 +85,6 @@ def _probe(args: argparse.Namespace) -> int:
     if r.repo:
         print(f"saved to {r.repo}/heads/{cfg.head}/")
     return 0
-
-
-def register_run(sub: Any) -> None:
-    from .main_job import MainJobConfig
-
-    p = add_command(sub, "run", _run, "the main job: train, compare, publish and serve private encoders")
-    add_config_args(p, MainJobConfig)
 
 
 def _run(args: argparse.Namespace) -> int:

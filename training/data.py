@@ -20,6 +20,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
+from vip_hub.errors import DataError, MissingInputError
+
 from .sampling import AUGMENT, torch_generator
 
 __all__ = ["ImageFolder", "PrivateImages", "TarShards", "mae_transform", "open_images"]
@@ -44,10 +46,10 @@ class PrivateImages(torch.utils.data.Dataset):
         try:
             img = Image.open(io.BytesIO(data))
             if img.width * img.height > MAX_PIXELS:
-                raise ValueError(f"{img.width}x{img.height} pixels is over the {MAX_PIXELS} limit")
+                raise DataError(f"{img.width}x{img.height} pixels is over the {MAX_PIXELS} limit")
             return img.convert("RGB")
         except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ValueError(f"cannot decode image {where}: {e}") from e
+            raise DataError(f"cannot decode image {where}: {e}") from e
 
 
 class ImageFolder(PrivateImages):
@@ -60,7 +62,7 @@ class ImageFolder(PrivateImages):
             p for p in self.root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
         )
         if not self.files:
-            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
+            raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
 
     def __len__(self) -> int:
         return len(self.files)
@@ -91,7 +93,7 @@ class TarShards(PrivateImages):
                     if m.isfile() and Path(m.name).suffix.lower() in IMAGE_EXTENSIONS:
                         self.members.append((s, m.offset_data, m.size))
         if not self.members:
-            raise ValueError(f"no image members in the tar shards under {self.root}")
+            raise DataError(f"no image members in the tar shards under {self.root}")
 
     def __len__(self) -> int:
         return len(self.members)
@@ -116,7 +118,7 @@ def open_images(path: str | os.PathLike[str]) -> PrivateImages:
     """An image folder or a directory of tar shards; a clear error for anything else."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"dataset {root} is not a directory")
+        raise MissingInputError(f"dataset {root} is not a directory")
     return TarShards(root) if any(root.glob("*.tar")) else ImageFolder(root)
 
 

@@ -10,19 +10,33 @@ well defined. Masking noise is an input, so the caller owns its randomness.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from vip_hub.errors import ConfigError, MissingInputError, RepoFormatError
 from vip_hub.features import final_norm
-from vip_hub.models import sincos_pos_embed_2d
+from vip_hub.ledger import PrivacyLedger
+from vip_hub.loading import load_encoder
+from vip_hub.models import EncoderSpec, create_encoder, sincos_pos_embed_2d
+from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
-__all__ = ["DecoderConfig", "MAE", "patchify"]
+from .sampling import MASKING, torch_generator
+from .synthetic import SyntheticImages
+
+__all__ = ["DecoderConfig", "MAE", "eval_loss", "load_mae", "new_mae", "patchify", "public_eval_batch"]
+
+EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
+EVAL_IMAGES = 64
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class MAE(nn.Module):
     def __init__(self, encoder: VisionTransformer, config: DecoderConfig = DecoderConfig()):
         super().__init__()
         if not 0.0 <= config.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in [0, 1), got {config.mask_ratio}")
+            raise ConfigError(f"mask_ratio must be in [0, 1), got {config.mask_ratio}")
         self.encoder = encoder
         self.config = config
         encoder.pos_embed.requires_grad_(False)  # fixed sin-cos, as in the reference
@@ -136,3 +150,46 @@ class MAE(nn.Module):
         mask = torch.gather(mask, 1, ids_restore)
         per_patch = (pred.to(dtype) - target).square().mean(-1)
         return (per_patch * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
+    """A freshly initialised MAE (MAE recipe initialisation)."""
+    return MAE(create_encoder(spec, mae_init=True), decoder)
+
+
+def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
+    """The MAE of an exported repo (its verified encoder and its MAE decoder), and its ledger."""
+    enc = load_encoder(repo)
+    path = Path(enc.path) / MAE_DECODER_FILE
+    if not path.is_file():
+        raise MissingInputError(
+            f"{repo} has no {MAE_DECODER_FILE}: DP training starts from an MAE (train one with "
+            "`vip-hub train-syn`)"
+        )
+    with safe_open(path, "pt") as f:
+        cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
+    mae = MAE(enc.model.train(), DecoderConfig(**cfg))
+    missing, unexpected = mae.load_state_dict(
+        {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | load_file(path), strict=False
+    )
+    if missing or unexpected:
+        raise RepoFormatError(f"{path} does not match the decoder: missing {missing}, unexpected {unexpected}")
+    return mae, enc.spec, enc.ledger
+
+
+def public_eval_batch(spec: EncoderSpec, num_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed procedural images and masks: a loss curve on them reveals nothing private."""
+    data = SyntheticImages(spec.img_size, seed=EVAL_SEED)
+    images = torch.stack([data[i] for i in range(EVAL_IMAGES)])
+    noise = torch.rand(EVAL_IMAGES, num_patches, generator=torch_generator(EVAL_SEED, MASKING, 0))
+    return images, noise
+
+
+@torch.no_grad()
+def eval_loss(mae: MAE, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
+    """Mean MAE loss on a fixed batch (eval mode, no gradient)."""
+    was = mae.training
+    mae.eval()
+    loss = mae(batch[0].to(device), batch[1].to(device)).mean().item()
+    mae.train(was)
+    return loss

@@ -29,17 +29,17 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.push import is_published, push_repo
-from vip_hub.repo import LEDGER_FILE, update_repo
+from vip_hub.repo import update_repo
+from vip_hub.repo_format import LEDGER_FILE
 from vip_hub.verify import verify_repo
 
 from .synthetic import render
@@ -49,32 +49,34 @@ __all__ = ["MainJobConfig", "run_main_job", "write_digits"]
 ORG = "vip"
 
 
-@dataclass
-class MainJobConfig:
-    """Sizes chosen so the whole job stays well under 15 minutes on 2 CPU cores."""
+class MainJobConfig(BaseModel):
+    """Sizes chosen so the whole job stays under 15 minutes on 2 CPU cores."""
 
-    work_dir: str = "var/run"
-    store: str = "var/hub"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    img_size: int = 32
-    patch_size: int = 8
-    syn_steps: int = 300
-    syn_batch_size: int = 64
-    decoder_dim: int = 256
-    decoder_depth: int = 2
-    decoder_heads: int = 8
-    epsilon: float = 8.0
-    dp_batch_size: int = 256
-    dp_steps: int = 100
-    dp_lr: float = 3.84e-4
-    probe_epochs: int = 90
-    head_epsilon: float = 2.0  # the released heads are DP too: their labelled data is private
-    test_fraction: float = 0.2
-    seed: int = 0
-    workers: int = 1
-    serve: bool = True  # keep serving after publishing (False: stop, e.g. in tests)
-    restart: bool = False  # delete the work folder first (the hub store is kept)
+    model_config = ConfigDict(extra="forbid")
+
+    work_dir: str = Field("var/run", description="where the job keeps data, runs and repos")
+    store: str = Field("var/hub", description="the hub store the server uses")
+    host: str = Field("127.0.0.1", description="interface the server binds")
+    port: int = Field(8000, ge=0, le=65535, description="port the server binds")
+    img_size: int = Field(32, gt=0, description="input resolution of the encoders")
+    patch_size: int = Field(8, gt=0, description="patch size of the encoders")
+    syn_steps: int = Field(300, gt=0, description="(Syn)-ViP pretraining steps")
+    syn_batch_size: int = Field(64, gt=0, description="(Syn)-ViP images per step")
+    decoder_dim: int = Field(256, gt=0, description="MAE decoder width")
+    decoder_depth: int = Field(2, gt=0, description="MAE decoder blocks")
+    decoder_heads: int = Field(8, gt=0, description="MAE decoder heads")
+    epsilon: float = Field(8.0, gt=0, description="epsilon of every DP encoder")
+    dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
+    dp_steps: int = Field(100, gt=0, description="steps of the DP encoders")
+    dp_lr: float = Field(3.84e-4, gt=0, description="peak learning rate of ViP")
+    audit_canaries: int = Field(1000, ge=0, description="canaries of each DP run's one-run audit")
+    probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
+    head_epsilon: float = Field(2.0, gt=0, description="epsilon of the released DP probe heads")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of the digits")
+    seed: int = Field(0, description="seed of every run of the job")
+    workers: int = Field(1, ge=0, description="data-loading processes")
+    serve: bool = Field(True, description="keep serving after publishing (--no-serve: stop, e.g. in tests)")
+    restart: bool = Field(False, description="delete the work folder first (the hub store is kept)")
 
 
 class StepFailed(RuntimeError):
@@ -145,9 +147,9 @@ class _Steps:
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .dp import DPConfig, train_dp
     from .probe import ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
     from .syn import SynConfig, train_syn
+    from .vip import VipConfig, train_vip
 
     work = Path(cfg.work_dir)
     if cfg.restart and work.exists():
@@ -165,12 +167,14 @@ def run_main_job(cfg: MainJobConfig) -> int:
                     steps=cfg.syn_steps, batch_size=cfg.syn_batch_size, decoder_dim=cfg.decoder_dim,
                     decoder_depth=cfg.decoder_depth, decoder_heads=cfg.decoder_heads,
                     model_name="vip-nano-syn", repo_id=syn_id, **common)
-    steps.run("(Syn)-ViP pretraining on procedural images", asdict(syn), [syn_dir], lambda: train_syn(syn))
-    dp = DPConfig(init=str(syn_dir), data=str(data / "train"), out=str(dp_dir), epsilon=cfg.epsilon,
-                  batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr, dataset_name="sklearn-digits-train",
-                  model_name="vip-nano-digits-dp", repo_id=dp_id, micro_batch_size=128, **common)
+    steps.run("(Syn)-ViP pretraining on procedural images", syn.model_dump(mode="json"), [syn_dir],
+              lambda: train_syn(syn))
+    dp = VipConfig(init=str(syn_dir), data=str(data / "train"), out=str(dp_dir), epsilon=cfg.epsilon,
+                   batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr, dataset_name="sklearn-digits-train",
+                   model_name="vip-nano-digits-dp", repo_id=dp_id, micro_batch_size=128,
+                   audit_canaries=cfg.audit_canaries, **common)
     steps.run("ViP: DP-AdamW on the digits at epsilon %g" % cfg.epsilon,
-              {**asdict(dp), "init": _weights_digest(syn_dir)}, [dp_dir], lambda: train_dp(dp))
+              {**dp.model_dump(mode="json"), "init": _weights_digest(syn_dir)}, [dp_dir], lambda: train_vip(dp))
 
     def probes() -> None:
         rows = []

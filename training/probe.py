@@ -25,11 +25,14 @@ import numpy as np
 import torch
 from huggingface_hub import EvalResult
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm.auto import tqdm
 
 from vip_hub.accounting import Accountant, calibrate, default_delta
-from vip_hub.heads import HeadInfo, LinearProbe, head_component, save_head
+from vip_hub.errors import ConfigError, DataError
+from vip_hub.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo_format import head_component
 from vip_hub.ledger import Dataset, DPStage, NonPrivateStage
 from vip_hub.loading import load_encoder
 
@@ -57,7 +60,7 @@ def load_labelled(path: str | os.PathLike[str], name: str | None = None) -> Labe
                if len(p.relative_to(folder.root).parts) > 1]  # files in a class subfolder
     classes = sorted({c for _, c in members})
     if len(classes) < 2:
-        raise ValueError(f"{path} needs one subfolder per class (found {len(classes)} class folders)")
+        raise DataError(f"{path} needs one subfolder per class (found {len(classes)} class folders)")
     index = {c: i for i, c in enumerate(classes)}
     images = [folder.load(i) for i, _ in members]
     labels = np.array([index[c] for _, c in members])
@@ -66,32 +69,33 @@ def load_labelled(path: str | os.PathLike[str], name: str | None = None) -> Labe
     return LabelledImages(images, labels, classes, dataset)
 
 
-@dataclass
-class ProbeConfig:
+class ProbeConfig(BaseModel):
     """A linear-probe run. Defaults follow the MAE linear-probe recipe, scaled to small data."""
 
-    encoder: str  # repo folder or hub repo id
-    data: str  # labelled image folder (class subfolders): the probe's training data
-    test_data: str | None = None  # labelled image folder; default: a stratified split of --data
-    test_fraction: float = 0.2
-    head: str = "probe"
-    pooling: str = "vip"
-    epochs: int = 90
-    warmup_epochs: int = 10
-    batch_size: int = 256
-    optimizer: str = "lars"  # lars or sgd (DP heads use SGD)
-    lr: float = 0.1
-    weight_decay: float = 0.0
-    few_shot: int | None = None  # k training examples per class
-    epsilon: float | None = None  # DP head with this epsilon
-    delta: float | None = None  # default 1/(2n) of the probe's training set
-    max_grad_norm: float = 1.0
-    accountant: str = "rdp"
-    dataset_name: str | None = None
-    seed: int = 0
-    out: str | None = None  # repo folder to add the head to (default: the encoder folder)
-    export: bool = True
-    device: str = "cpu"
+    model_config = ConfigDict(extra="forbid")
+
+    encoder: str = Field(description="encoder repo folder or hub repo id")
+    data: str = Field(description="labelled image folder (one subfolder per class): the probe's training data")
+    test_data: str | None = Field(None, description="labelled test folder (default: a stratified split of --data)")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share when --test-data is not given")
+    head: str = Field("probe", description="head name: the repo gets heads/NAME/")
+    pooling: str = Field("vip", description="feature mode: vip (the paper's), avg, cls, or a family's own")
+    epochs: int = Field(90, gt=0, description="training epochs")
+    warmup_epochs: int = Field(10, ge=0, description="warm-up epochs")
+    batch_size: int = Field(256, gt=0, description="batch size (a DP head's expected batch)")
+    optimizer: str = Field("lars", pattern="^(lars|sgd)$", description="lars or sgd (DP heads use SGD)")
+    lr: float = Field(0.1, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay")
+    few_shot: int | None = Field(None, gt=0, description="keep k training examples per class")
+    epsilon: float | None = Field(None, gt=0, description="train the head with DP-SGD at this epsilon")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/(2n) of the probe's training set)")
+    max_grad_norm: float = Field(1.0, gt=0, description="clipping norm of a DP head")
+    accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
+    dataset_name: str | None = Field(None, description="the ledger's name for the labelled data")
+    seed: int = Field(0, description="seed of the split, the few-shot choice and the head's training")
+    out: str | None = Field(None, description="repo folder to write with the head (default: the encoder folder)")
+    export: bool = Field(True, description="add the head to the repo")
+    device: str = Field("cpu", description="auto, cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -129,7 +133,7 @@ def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.
         return Lars(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose lars or sgd")
+    raise ConfigError(f"unknown optimizer {name!r}; choose lars or sgd")
 
 
 def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cfg: ProbeConfig,
@@ -175,7 +179,7 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
     from opacus import PrivacyEngine
 
     if public_x is None:
-        raise ValueError("a DP head needs public features to fix its normalisation")
+        raise ConfigError("a DP head needs public features to fix its normalisation")
     with torch.no_grad():
         head.norm.running_mean.copy_(public_x.mean(0))
         head.norm.running_var.copy_(public_x.var(0, unbiased=False))
@@ -189,7 +193,7 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(normed, y), batch_size=batch,
                                          generator=torch.Generator().manual_seed(cfg.seed))
-    engine = PrivacyEngine(accountant=kind.value)
+    engine = PrivacyEngine(accountant="rdp")  # keeps the step history; the claim is ours (any accountant)
     warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     linear, opt, loader = engine.make_private(
@@ -227,7 +231,7 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     if cfg.test_data:
         test = load_labelled(cfg.test_data)
         if test.classes != train.classes:
-            raise ValueError(f"test classes {test.classes} differ from training classes {train.classes}")
+            raise DataError(f"test classes {test.classes} differ from training classes {train.classes}")
         tr_idx, test_images, test_y = np.arange(len(train.labels)), test.images, test.labels
     else:
         tr_idx, te_idx = _split(train.labels, cfg.test_fraction, cfg.seed)
@@ -280,12 +284,12 @@ def _export(cfg: ProbeConfig, encoder: Any, head: LinearProbe, classes: list[str
         out = Path(cfg.out)
         if out.resolve() != src.resolve():
             if out.exists():
-                raise FileExistsError(f"{out} exists; give the encoder folder itself or a new --out")
+                raise ConfigError(f"{out} exists; give the encoder folder itself or a new --out")
             shutil.copytree(src, out)
     elif Path(cfg.encoder).is_dir():
         out = src
     else:
-        raise ValueError("the encoder came from a hub: pass --out DIR to write a repo folder with the head")
+        raise ConfigError("the encoder came from a hub: pass --out DIR to write a repo folder with the head")
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
     metrics = {"top1": top1, "train_size": n_train, "test_size": n_test, "pooling": cfg.pooling,
                "few_shot": cfg.few_shot, "epochs": cfg.epochs}

@@ -12,10 +12,12 @@ import math
 import numpy as np
 import torch
 
+from vip_hub.errors import AccountingError, ConfigError
+
 __all__ = ["micro_batches", "poisson_sample", "rank_shard", "step_generator", "torch_generator"]
 
 # Stream tags keep the per-purpose random streams of one step independent.
-SAMPLING, MASKING, AUGMENT, NOISE = 1, 2, 3, 4
+SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS, CANARY_SAMPLING = 1, 2, 3, 4, 5, 6
 
 
 def step_generator(seed: int, purpose: int, step: int, rank: int = 0) -> np.random.Generator:
@@ -36,15 +38,16 @@ def rank_shard(n: int, rank: int, world: int) -> np.ndarray:
     return np.arange(rank, n, world)
 
 
-def poisson_sample(n: int, sample_rate: float, seed: int, step: int, rank: int = 0) -> np.ndarray:
+def poisson_sample(n: int, sample_rate: float, seed: int, step: int, rank: int = 0,
+                   purpose: int = SAMPLING) -> np.ndarray:
     """Indices in [0, n) each included independently with probability ``sample_rate``, sorted.
 
     Drawn as a Binomial(n, q) count then that many distinct indices, which has the same
     distribution as n coin flips and stays O(count) for very large n.
     """
     if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
-    rng = step_generator(seed, SAMPLING, step, rank)
+        raise AccountingError(f"sample rate must be in (0, 1], got {sample_rate}")
+    rng = step_generator(seed, purpose, step, rank)
     k = int(rng.binomial(n, sample_rate))
     return np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
 
@@ -53,6 +56,6 @@ def micro_batches(indices: np.ndarray, size: int) -> list[np.ndarray]:
     """Split a logical batch into physical micro-batches of at most ``size`` (at least one,
     possibly empty: an empty Poisson sample is still a step)."""
     if size <= 0:
-        raise ValueError(f"micro-batch size must be positive, got {size}")
+        raise ConfigError(f"micro-batch size must be positive, got {size}")
     parts = max(1, math.ceil(len(indices) / size))
     return [indices[i * size:(i + 1) * size] for i in range(parts)]

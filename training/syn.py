@@ -1,135 +1,115 @@
 """Step 1 of the ViP recipe: (Syn)-ViP, MAE pretraining on procedural images only.
 
 AdamW (betas 0.9/0.95), warm-up + cosine schedule, bf16 autocast on GPU, checkpoints and
-resume. Batch ``step`` holds images ``step*B .. step*B+B-1`` of the procedural stream and
-its masks come from the (seed, step) stream, so a resumed run sees exactly what an
-uninterrupted one would. The export carries the encoder, the decoder and a ledger saying
-that no private data was used.
+resume (the run skeleton, ``training/run.py``). Batch ``step`` holds images
+``step*B .. step*B+B-1`` of the procedural stream and its masks come from the (seed, step)
+stream, so a resumed run sees exactly what an uninterrupted one would. The export carries the
+encoder, the decoder and a ledger saying that no private data was used.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import Field
 
+from vip_hub.errors import ConfigError
 from vip_hub.ledger import Dataset, NonPrivateStage
 from vip_hub.models import EncoderSpec
 from vip_hub.repo import export_encoder
 
 from .distributed import Dist
-from .loop import Run, eval_loss, new_mae, open_run_dir, public_eval_batch, run_settings
-from .mae import DecoderConfig
+from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
 from .optim import make_adamw, warmup_cosine
+from .recipe import Recipe, RunConfig, recipe_main
+from .run import Run
 from .runlog import plot_curves
 from .sampling import MASKING, torch_generator
 from .synthetic import FAMILIES, SyntheticImages
 
-__all__ = ["SynConfig", "SYNTHETIC_DATASET", "train_syn"]
+__all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 
 SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 CURVES_FILE = "training_curves.png"
 
 
-@dataclass
-class SynConfig:
+class SynConfig(RunConfig):
     """A (Syn)-ViP run. Defaults follow the MAE/ViP recipe, scaled for small experiments."""
 
-    out: str
-    arch: str = "vip-nano"
-    img_size: int = 224
-    patch_size: int = 16
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 1.5e-4 * 64 / 256  # MAE's base lr 1.5e-4 per 256 images
-    warmup_steps: int | None = None  # default steps // 10
-    weight_decay: float = 0.05
-    beta1: float = 0.9
-    beta2: float = 0.95
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = False
-    decoder_dim: int = 512
-    decoder_depth: int = 4
-    decoder_heads: int = 16
-    seed: int = 0
-    device: str = "auto"
-    workers: int = 1
-    checkpoint_every: int = 100
-    eval_every: int | None = None
-    model_name: str | None = None
-    repo_id: str | None = None
-    restart: bool = False
+    arch: str = Field("vip-nano", description="encoder size: vip-nano, vip-tiny, vip-small, vip-base, vip-large")
+    img_size: int = Field(224, gt=0, description="input resolution in pixels")
+    patch_size: int = Field(16, gt=0, description="patch size in pixels")
+    batch_size: int = Field(64, gt=0, description="images per step")
+    lr: float = Field(1.5e-4 * 64 / 256, gt=0, description="peak learning rate (MAE's 1.5e-4 per 256 images)")
+    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: steps // 10)")
+    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    mask_ratio: float = Field(0.75, ge=0, lt=1, description="fraction of patches masked")
+    norm_pix_loss: bool = Field(False, description="normalise each target patch (MAE's option)")
+    decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
+    decoder_depth: int = Field(4, gt=0, description="MAE decoder blocks")
+    decoder_heads: int = Field(16, gt=0, description="MAE decoder attention heads")
 
 
 def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     """Run (or resume) MAE pretraining on procedural images and export the repo."""
     dist = dist or Dist.from_env(cfg.device)
     if dist.world > 1:
-        raise ValueError("train-syn runs on one process (use train-dp with torchrun for DP training)")
+        raise ConfigError("train-syn runs on one process (use a DP recipe with torchrun for several)")
     spec = EncoderSpec(cfg.arch, img_size=cfg.img_size, patch_size=cfg.patch_size)
-    decoder = DecoderConfig(cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads,
-                            cfg.mask_ratio, cfg.norm_pix_loss)
-    torch.manual_seed(cfg.seed)  # initialisation only; batches and masks use their own streams
+    decoder = DecoderConfig(cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss)
+    run = Run(cfg, dist)
+    torch.manual_seed(run.seed)  # initialisation only; batches and masks use their own streams
     mae = new_mae(spec, decoder).to(dist.device)
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    run = Run(open_run_dir(cfg.out, cfg.restart, dist), run_settings(cfg), dist)
-    start = 0
-    if (state := run.resume_state()) is not None:
-        mae.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = int(state["step"])
+    objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler}
+    start = run.resume(objects)
 
-    data = SyntheticImages(cfg.img_size, seed=cfg.seed)
-    sampler = (range(s * cfg.batch_size, (s + 1) * cfg.batch_size) for s in range(start, cfg.steps))
-    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=cfg.workers,
+    data = SyntheticImages(cfg.img_size, seed=run.seed)
+    batches = (range(s * cfg.batch_size, (s + 1) * cfg.batch_size) for s in range(start, cfg.steps))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=cfg.workers,
                                          pin_memory=dist.device.type == "cuda")
     public = public_eval_batch(spec, mae.num_patches)
-    eval_every = cfg.eval_every or max(1, cfg.steps // 20)
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda"
-           else contextlib.nullcontext())
-    run.open(start, cfg.steps, "train-syn")
-    try:
+
+    def steps():  # type: ignore[no-untyped-def]
         for step, images in enumerate(loader, start):
-            noise = torch.rand(len(images), mae.num_patches, generator=torch_generator(cfg.seed, MASKING, step))
-            with amp:
-                loss = mae(images.to(dist.device, non_blocking=True), noise.to(dist.device)).mean()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            record = {"step": step + 1, "train_loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
-            if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
-                record["public_loss"] = eval_loss(mae, public, dist.device)
-            run.step_done(record, len(images), {"loss": f"{record['train_loss']:.4f}"})
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                run.save({"step": step + 1, "model": mae.state_dict(), "optimizer": optimizer.state_dict(),
-                          "scheduler": scheduler.state_dict()})
-    finally:
-        run.close()
+            def do(step: int = step, images: torch.Tensor = images) -> tuple[dict, int]:
+                noise = torch.rand(len(images), mae.num_patches, generator=torch_generator(run.seed, MASKING, step))
+                with run.autocast():
+                    loss = mae(images.to(dist.device, non_blocking=True), noise.to(dist.device)).mean()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                return {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0]}, len(images)
+            yield step, do
+
+    records = run.loop(start, cfg.steps, steps(), desc="train-syn", objects=objects,
+                       evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
     stage = NonPrivateStage(
         name="syn-pretrain",
-        dataset=Dataset(
-            name=SYNTHETIC_DATASET,
-            description=("procedural images generated on the fly (" + ", ".join(FAMILIES)
-                         + f"), stream seed {cfg.seed}; no real images"),
-        ),
+        dataset=Dataset(name=SYNTHETIC_DATASET,
+                        description=("procedural images generated on the fly (" + ", ".join(FAMILIES)
+                                     + f"), stream seed {run.seed}; no real images")),
         private_data=False,
         description=(f"(Syn)-ViP: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
                      f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"),
     )
-    png = plot_curves(run.records(), "train_loss", "MAE training loss (procedural images)",
-                      "(Syn)-ViP pretraining")
-    export_encoder(
-        cfg.out, mae.encoder, spec, [stage], model_name=cfg.model_name or Path(cfg.out).name,
-        repo_id=cfg.repo_id,
-        summary=(f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images "
-                 "only (Syn-ViP): it has seen no real images, so it carries no privacy cost."),
+    png = plot_curves(records, "train_loss", "MAE training loss (procedural images)", "(Syn)-ViP pretraining")
+    return run.export(lambda: export_encoder(
+        cfg.out, mae.encoder, spec, [stage], model_name=cfg.model_name or Path(cfg.out).name, repo_id=cfg.repo_id,
+        summary=(f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
+                 "(Syn-ViP): it has seen no real images, so it carries no privacy cost."),
         decoder=mae.decoder_state_dict(), decoder_config=decoder.to_dict(),
         extra_files={CURVES_FILE: png}, overwrite=True,
-    )
-    return Path(cfg.out)
+    ))
+
+
+RECIPE = Recipe("syn", "(Syn)-ViP: MAE pretraining on procedural images", SynConfig, train_syn)
+
+if __name__ == "__main__":
+    raise SystemExit(recipe_main("train-syn"))

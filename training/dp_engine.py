@@ -1,0 +1,262 @@
+"""The DP engine: one logical DP step for any recipe (see ``docs/architecture.md``).
+
+A recipe brings a model, a loss and a clipper (``PerExampleClipper`` for per-example losses,
+the per-pair clipper for Logit-DP); everything private about a step lives here, once:
+
+1. **Poisson sampling** at rate q = B/n: every rank samples its shard of the dataset with its
+   own stream (``sampler``), each step's plan is computed once and cut into physical
+   micro-batches, an empty sample included (it is still a step);
+2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``;
+3. the audit's canaries add their clipped gradients to their own block (``DiracCanaries``);
+4. **one all-reduce** of one flat buffer, with Gaussian **noise N(0, (sigma * sensitivity)^2)
+   added once** (by rank 0) before it;
+5. division by the **expected** batch size B (never the sampled count), then the optimiser
+   and scheduler step (post-processing: no privacy cost);
+6. the accountant's history advances one step; the ``Budget`` fixed before training stops the
+   run before the target epsilon would be exceeded.
+
+Its state (history, canary scores) goes into checkpoints, so a resumed run ends with the same
+ledger as an uninterrupted one; ``stage()`` turns the finished run into its ledger stage, audit
+included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from vip_hub.accounting import Accountant, calibrate, composed_epsilon, default_delta, max_steps_within
+from vip_hub.errors import AccountingError, CheckpointError, ConfigError
+from vip_hub.ledger import DPStage
+
+from .canaries import DiracCanaries
+from .clipping import ClipResult
+from .distributed import Dist
+from .sampling import NOISE, micro_batches, poisson_sample, rank_shard, torch_generator
+
+__all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "gaussian_noise"]
+
+EMPTY = -1
+"""The index a sampler yields for a step whose Poisson sample is empty on this rank."""
+
+
+class Clipper(Protocol):
+    """What the engine needs of a clipper: the parameters it writes, and one micro-batch's
+    clipped sum added into their ``.grad``."""
+
+    params: list[nn.Parameter]
+
+    def accumulate(self, *inputs: torch.Tensor) -> ClipResult: ...
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The run's privacy parameters, fixed before training: q, sigma, delta, and the number of
+    steps that stays within the target epsilon (at most the steps asked for)."""
+
+    dataset_size: int
+    expected_batch_size: float
+    noise_multiplier: float
+    delta: float
+    accountant: Accountant
+    steps: int
+    requested_steps: int
+    target_epsilon: float | None
+
+    @property
+    def sample_rate(self) -> float:
+        return self.expected_batch_size / self.dataset_size
+
+    @classmethod
+    def plan(cls, *, dataset_size: int, batch_size: int, steps: int, epsilon: float | None,
+             sigma: float | None, delta: float | None, accountant: Accountant | str) -> "Budget":
+        """Calibrate sigma from ``epsilon`` (unless given) and find the last step within it."""
+        n = dataset_size
+        if not 0 < batch_size <= n:
+            raise ConfigError(f"--batch-size must be in [1, n={n}], got {batch_size}")
+        if sigma is None and epsilon is None:
+            raise ConfigError("give --epsilon (sigma is calibrated) or --sigma")
+        kind = Accountant(accountant)
+        q = batch_size / n
+        delta = default_delta(n) if delta is None else delta
+        sigma = calibrate(epsilon, delta, q, steps, kind) if sigma is None else sigma
+        within = steps if epsilon is None else max_steps_within(epsilon, sigma, q, delta, steps, kind)
+        if within == 0:
+            raise AccountingError(f"a single step at sigma {sigma:g}, q {q:.4g} already exceeds epsilon {epsilon}")
+        return cls(n, float(batch_size), float(sigma), float(delta), kind, within, steps, epsilon)
+
+    def stop_message(self) -> str | None:
+        """Why the run stops early, when it does."""
+        if self.steps == self.requested_steps:
+            return None
+        return (f"budget: stopping after step {self.steps} of {self.requested_steps}; step {self.steps + 1} "
+                f"would exceed epsilon {self.target_epsilon} ({self.accountant.value}, delta {self.delta:.3g})")
+
+
+@dataclass
+class StepBatch:
+    """One physical micro-batch from the loader: its logical step and its tensors (none when
+    the step's sample is empty on this rank)."""
+
+    step: int
+    tensors: tuple[torch.Tensor, ...]
+
+
+class _StepItems(torch.utils.data.Dataset):
+    """The items the engine's sampler names: ``(step, index)`` -> ``(step, *load(index, step))``."""
+
+    def __init__(self, load: Callable[[int, int], tuple[torch.Tensor, ...]]):
+        self.load = load
+
+    def __getitem__(self, item: tuple[int, int]) -> tuple[Any, ...]:
+        step, index = item
+        return (step, None) if index == EMPTY else (step, *self.load(index, step))
+
+
+def _collate(items: list[tuple[Any, ...]]) -> StepBatch:
+    rows = [item[1:] for item in items if item[1] is not None]
+    return StepBatch(items[0][0], tuple(torch.stack(column) for column in zip(*rows)) if rows else ())
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one logical step did, summed over ranks."""
+
+    sampled: int
+    loss: float
+
+
+def gaussian_noise(numel: int, std: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """The step's noise: N(0, std^2) per coordinate, drawn once for the whole flat buffer."""
+    return std * torch.randn(numel, generator=generator, device=device)
+
+
+class DPEngine:
+    """Owns a run's DP logical steps (see the module docstring)."""
+
+    def __init__(self, clipper: Clipper, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, *,
+                 sensitivity: float, seed: int, dist: Dist, micro_batch_size: int | None,
+                 audit_canaries: int = 0,
+                 autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext):
+        if micro_batch_size is not None and micro_batch_size <= 0:
+            raise ConfigError(f"micro-batch size must be positive, got {micro_batch_size}")
+        self.clipper, self.optimizer, self.scheduler, self.budget = clipper, optimizer, scheduler, budget
+        self.sensitivity, self.seed, self.dist, self.micro_batch_size = float(sensitivity), seed, dist, micro_batch_size
+        self.params = list(clipper.params)
+        self.autocast = autocast
+        self.shard = rank_shard(budget.dataset_size, dist.rank, dist.world)
+        self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, dist.main)
+                         if audit_canaries else None)
+        self.steps_done = 0
+
+    # ---------------------------------------------------------------- sampling
+    def plan(self, step: int) -> np.ndarray:
+        """This rank's Poisson sample at ``step``: dataset indices, sorted."""
+        return self.shard[poisson_sample(len(self.shard), self.budget.sample_rate, self.seed, step, self.dist.rank)]
+
+    def sampler(self, start: int) -> Iterator[list[tuple[int, int]]]:
+        """A DataLoader batch sampler: ``(step, index)`` items per micro-batch from ``start`` to the
+        budget's last step, each step planned once (``(step, EMPTY)`` for an empty sample)."""
+        for step in range(start, self.budget.steps):
+            local = self.plan(step)
+            for part in micro_batches(local, self.micro_batch_size or max(1, len(local))):
+                yield [(step, int(i)) for i in part] or [(step, EMPTY)]
+
+    def batches(self, load: Callable[[int, int], tuple[torch.Tensor, ...]], start: int, workers: int
+                ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, ...]]]]:
+        """Each step from ``start`` with an iterator over its non-empty micro-batches, loaded by
+        ``load(index, step)`` in ``workers`` processes (pass them to ``step``)."""
+        loader = torch.utils.data.DataLoader(
+            _StepItems(load), batch_sampler=self.sampler(start), collate_fn=_collate, num_workers=workers,
+            pin_memory=self.params[0].device.type == "cuda")
+        for step, group in itertools.groupby(loader, key=lambda b: b.step):
+            yield step, (b.tensors for b in group if b.tensors)
+
+    # ------------------------------------------------------------------ a step
+    def step(self, step: int, micro_batches: Iterable[Sequence[torch.Tensor]]) -> StepStats:
+        """Run one logical step on this rank's micro-batches (from ``batches``)."""
+        if step != self.steps_done:
+            raise RuntimeError(f"step {step} out of order: {self.steps_done} steps done")
+        sampled, loss = 0, torch.zeros((), dtype=torch.float64)
+        device = self.params[0].device
+        for inputs in micro_batches:
+            with self.autocast():
+                result = self.clipper.accumulate(*(t.to(device, non_blocking=True) for t in inputs))
+            sampled += len(result.losses)
+            loss += result.losses.double().sum().cpu()
+        totals = self._privatise(step, torch.tensor([float(sampled), float(loss)], dtype=torch.float64))
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        count = int(round(totals[0].item()))
+        return StepStats(count, totals[1].item() / max(count, 1))
+
+    def _privatise(self, step: int, stats: torch.Tensor) -> torch.Tensor:
+        """Noise once, one all-reduce, division by B; returns the summed ``stats``."""
+        device = self.params[0].device
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        blocks = [g.reshape(-1).float() for g in grads]
+        if self.canaries is not None:
+            blocks.append(self.canaries.clipped_sum(step, device))
+        flat = torch.cat(blocks)
+        if self.dist.main:
+            generator = torch_generator(self.seed, NOISE, step, 0, device=device)
+            flat += gaussian_noise(flat.numel(), self.budget.noise_multiplier * self.sensitivity, generator, device)
+        flat = torch.cat([flat, stats.to(device=device, dtype=flat.dtype)])
+        self.dist.all_reduce_sum(flat)
+        size = sum(p.numel() for p in self.params)
+        if self.canaries is not None:
+            self.canaries.observe(flat[size:size + self.canaries.count], self.budget.noise_multiplier)
+        offset = 0
+        for p in self.params:
+            p.grad = (flat[offset:offset + p.numel()] / self.budget.expected_batch_size).view_as(p).to(p.dtype)
+            offset += p.numel()
+        return flat[-len(stats):].double().cpu()
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """The accountant's view of the steps done: [(sigma, q, steps)]."""
+        return [(self.budget.noise_multiplier, self.budget.sample_rate, self.steps_done)] if self.steps_done else []
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far under the run's accountant, at its delta."""
+        return composed_epsilon(self.history, self.budget.delta, self.budget.accountant)
+
+    def stage(self, *, audit_delta: float, **fields: Any) -> DPStage:
+        """The finished run's ledger stage (``fields``: name, dataset, mechanism, descriptions...),
+        with its audit when it ran canaries."""
+        if self.steps_done != self.budget.steps:
+            raise RuntimeError(f"{self.steps_done} steps done, the budget planned {self.budget.steps}")
+        b = self.budget
+        audit = self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
+        return DPStage.from_parameters(
+            sample_rate=b.sample_rate, noise_multiplier=b.noise_multiplier, steps=b.steps,
+            sensitivity=self.sensitivity, delta=b.delta, accountant=b.accountant, audit=audit, **fields)
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps_done": self.steps_done, "history": self.history}
+        if self.canaries is not None:
+            state["canaries"] = self.canaries.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_done = int(state["steps_done"])
+        if [tuple(h) for h in state["history"]] != self.history:
+            raise CheckpointError(f"checkpoint accountant history {state['history']} does not match "
+                                  f"{self.steps_done} steps at sigma {self.budget.noise_multiplier}, "
+                                  f"q {self.budget.sample_rate}")
+        if self.canaries is not None:
+            self.canaries.load_state_dict(state["canaries"])
+

@@ -1,0 +1,137 @@
+"""Recipe configurations, declared once, and the one way every entry point reads them.
+
+Each recipe declares its settings as one pydantic model (a subclass of ``RunConfig``, or of
+``DPRunConfig`` for DP recipes) and itself as one ``Recipe``. From that declaration come the
+``vip-hub train-<name>`` options, the arguments of ``torchrun -m training.<name>`` (the same
+ones), and TOML files given with ``--config FILE`` (keys named like the fields; options given
+on the command line win). Field descriptions are the help texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vip_hub.accounting import Accountant
+from vip_hub.audit import DEFAULT_DELTA
+from vip_hub.errors import ConfigError
+
+__all__ = ["DPRunConfig", "Recipe", "RunConfig", "add_config_args", "config_from_args", "recipe_main"]
+
+
+class RunConfig(BaseModel):
+    """What every training run has: where it writes, how long, cadences, device and seed."""
+
+    model_config = ConfigDict(extra="forbid")
+    NOT_RUN_SETTINGS: ClassVar[tuple[str, ...]] = (
+        "out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id")
+    """Fields that name outputs or resources, not the run: they may change across a resume."""
+
+    out: str = Field(description="folder the released repo is written to (the run folder is OUT.run/)")
+    steps: int = Field(1000, gt=0, description="training steps (a DP run may stop earlier, within its budget)")
+    seed: int | None = Field(0, description="seed of every random stream")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    workers: int = Field(1, ge=0, description="data-loading processes")
+    checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints")
+    eval_every: int | None = Field(None, gt=0, description="steps between evaluations (default: steps // 20)")
+    model_name: str | None = Field(None, description="model name on the card (default: the folder's name)")
+    repo_id: str | None = Field(None, description="hub id shown on the card, e.g. vip/vip-nano")
+    restart: bool = Field(False, description="discard the run folder's checkpoint and start over")
+
+    def run_settings(self) -> dict[str, Any]:
+        """The fields that must match for a checkpoint to be resumed."""
+        return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))
+
+
+class DPRunConfig(RunConfig):
+    """What every DP recipe has: data, budget, batch, clipping, accountant and audit."""
+
+    data: str = Field(description="the private training data (see the recipe for its layout)")
+    epsilon: float | None = Field(8.0, gt=0, description="target epsilon; training stops before exceeding it")
+    sigma: float | None = Field(None, gt=0, description="noise multiplier (default: calibrated from --epsilon)")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/(2n))")
+    batch_size: int = Field(256, gt=0, description="expected logical batch size B (q = B/n)")
+    dataset_size: int | None = Field(None, gt=0, description="n, checked against the examples found")
+    dataset_name: str | None = Field(None, description="the ledger's name for the data (default: the folder's)")
+    micro_batch_size: int = Field(32, gt=0, description="physical batch that fits memory (does not change the result)")
+    max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
+    accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
+    audit_canaries: int = Field(1000, ge=0, description="canaries of the one-run audit (0 turns it off)")
+    audit_delta: float = Field(DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon")
+    seed: int | None = Field(None, description="seed of every random stream (default: a secret random one)")
+    checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints")
+    steps: int = Field(100, gt=0, description="training steps (the run stops earlier if the budget says so)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe: its command name, what it does, its configuration and its training function."""
+
+    name: str  # `vip-hub train-<name>`, `torchrun -m training.<module>`
+    summary: str
+    config: type[RunConfig]
+    train: Callable[[Any, Any], Path]  # (config, training.distributed.Dist) -> the exported repo
+
+
+def _base(tp: Any) -> Any:
+    """``X | None`` -> X."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
+    """One option per field of ``cls`` (defaults and help from the declaration) and ``--config``."""
+    parser.add_argument("--config", type=Path, help="TOML file of settings (command-line options win)")
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        tp = _base(field.annotation)
+        text = field.description or ""
+        if tp is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f"{text} (default: {field.default})")
+            continue
+        choices = [e.value for e in tp] if isinstance(tp, type) and issubclass(tp, enum.Enum) else None
+        kind = str if isinstance(tp, type) and issubclass(tp, (str, Path)) else tp
+        default = "required" if field.is_required() else f"default: {_shown(field.default)}"
+        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS,
+                            help=f"{text} ({default})")
+
+
+def _shown(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
+    """The configuration from ``--config`` (if any) overridden by the options given."""
+    values: dict[str, Any] = {}
+    path = getattr(args, "config", None)
+    if path is not None:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"--config {path}: {e}") from None
+    values.update({k: v for k, v in vars(args).items() if k in cls.model_fields})
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        problems = "; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+                             for err in e.errors())
+        raise ConfigError(f"invalid settings: {problems}") from None
+
+
+def recipe_main(command: str, argv: list[str] | None = None) -> int:
+    """``torchrun ... -m training.<recipe>`` entry point: the arguments of ``vip-hub <command>``."""
+    from vip_hub.cli import main as cli_main
+
+    return cli_main([command, *(sys.argv[1:] if argv is None else argv)])

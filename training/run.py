@@ -1,0 +1,130 @@
+"""The run skeleton every recipe shares: the run folder ``<out>.run/`` (settings, secret seed,
+checkpoint, JSONL log), resume, checkpoint and evaluation cadence, autocast, the progress
+bar, and the export at the end (rank 0, then every rank waits)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .distributed import Dist
+from .recipe import RunConfig
+from .runlog import RunLog
+
+__all__ = ["Run", "Stateful"]
+
+
+class Stateful(Protocol):
+    """What a run checkpoints: a model, an optimiser, a scheduler, the DP engine."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class Run:
+    """One training run of ``cfg`` on the process group ``dist``."""
+
+    def __init__(self, cfg: RunConfig, dist: Dist):
+        self.cfg, self.dist = cfg, dist
+        out = Path(cfg.out)
+        self.dir = out.with_name(out.name + ".run")
+        if cfg.restart and dist.main and self.dir.exists():
+            shutil.rmtree(self.dir)
+        dist.barrier()
+        self.seed = self._resolve_seed(cfg.seed)
+        self.settings = {**cfg.run_settings(), "seed": self.seed}
+        self.checkpoint_path = self.dir / "checkpoint.pt"
+        self.log: RunLog | None = None
+
+    def _resolve_seed(self, seed: int | None) -> int:
+        """The given seed, else the one kept in the run folder, else a new secret one; rank 0
+        decides and every rank gets the same."""
+        if seed is not None:
+            return seed
+        chosen = torch.zeros(1, dtype=torch.int64, device=self.dist.device)
+        if self.dist.main:
+            saved = self.dir / "seed"
+            if not saved.exists():
+                self.dir.mkdir(parents=True, exist_ok=True)
+                saved.write_text(str(secrets.randbits(62)))
+            chosen[0] = int(saved.read_text())
+        self.dist.broadcast_([chosen])
+        return int(chosen.item())
+
+    def resume(self, objects: dict[str, Stateful]) -> int:
+        """Load the checkpoint (checked against this run's settings) into ``objects``; the step to
+        start from (0 without a checkpoint)."""
+        if not self.checkpoint_path.exists():
+            return 0
+        state = load_checkpoint(self.checkpoint_path, self.settings)
+        for key, obj in objects.items():
+            obj.load_state_dict(state[key])
+        return int(state["step"])
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on CUDA; nothing on the CPU."""
+        if self.dist.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loop(self, start: int, total: int, steps: Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]],
+             *, desc: str, objects: dict[str, Stateful], evaluate: Callable[[], dict[str, Any]] | None = None,
+             stop_message: str | None = None) -> list[dict[str, Any]]:
+        """Run ``steps`` (pairs of a step number and a function doing it, returning its log record
+        and its number of examples) from ``start`` to ``total``: evaluation, the JSONL log and the
+        progress bar on rank 0, checkpoints of ``objects``. Returns every log record."""
+        eval_every = self.cfg.eval_every or max(1, total // 20)
+        t0, images = time.perf_counter(), 0
+        bar = None
+        if self.dist.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "settings.json").write_text(json.dumps(self.settings, indent=2) + "\n")
+            self.log = RunLog(self.dir / "log.jsonl", start)
+            if stop_message:
+                print(stop_message, file=sys.stderr)
+            if start == 0 and evaluate is not None:
+                self.log.write({"step": 0, **evaluate()})
+            bar = tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True)
+        try:
+            for step, do in steps:
+                record, count = do()
+                images += count
+                done = step + 1
+                if evaluate is not None and (done % eval_every == 0 or done == total):
+                    record.update(evaluate())
+                if self.log is not None and bar is not None:
+                    rate = images / max(time.perf_counter() - t0, 1e-9)
+                    self.log.write({"step": done, **record, "images_per_s": round(rate, 2)})
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if isinstance(v, float)} |
+                                    {"img/s": f"{rate:.1f}"}, refresh=False)
+                    bar.update(1)
+                if done % self.cfg.checkpoint_every == 0 or done == total:
+                    if self.dist.main:
+                        save_checkpoint(self.checkpoint_path, {"config": self.settings, "step": done,
+                                                               **{k: o.state_dict() for k, o in objects.items()}})
+                    self.dist.barrier()
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.log is not None:
+                self.log.close()
+        return self.log.records() if self.log is not None else []
+
+    def export(self, write: Callable[[], Any]) -> Path:
+        """Write the released repo on rank 0 (every rank waits for it); returns its folder."""
+        if self.dist.main:
+            write()
+        self.dist.barrier()
+        return Path(self.cfg.out)
