@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vip_hub.cli import add_command
+from vip_hub.cli import add_command, require_extra
 
 __all__ = ["register_serve", "register_token"]
 
 
 def register_serve(sub: Any) -> None:
+    require_extra("serve", "fastapi", "uvicorn")
     p = add_command(sub, "serve", _serve, "run the hub and inference service (uvicorn)")
     p.add_argument("--store", type=Path, help="store folder (default: var/hub, or VIP_HUB_STORE)")
     p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
@@ -61,6 +62,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def register_token(sub: Any) -> None:
+    require_extra("serve", "fastapi", "pydantic_settings")
     p = add_command(sub, "token", _token, "create an access token for the hub (printed once)")
     p.add_argument("action", choices=["create"])
     p.add_argument("--name", required=True, help="who the token is for; also the default org")

@@ -1,34 +1,117 @@
 """The wheel that ``pip install .`` builds (as in the docker images) carries every module,
-template and entry point: the editable install the other tests run on would not notice a
-missing sub-package."""
+template and entry point, and its core install (no extras) loads and verifies a released
+encoder without the web server or the training stack."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import venv
 import zipfile
+from importlib import metadata
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
 
 
-def test_wheel_carries_every_package_file_and_entry_point(tmp_path: Path) -> None:
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                           "--wheel-dir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+                           "--wheel-dir", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("vip_hub-*.whl")))
-    names = set(wheel.namelist())
-    expected = {p.relative_to(src).as_posix() for pkg in PACKAGES for p in (src / pkg).rglob("*") if p.is_file()}
+    return next((tmp / "dist").glob("vip_hub-*.whl"))
+
+
+def test_wheel_carries_every_package_file_and_entry_point(wheel: Path) -> None:
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    expected = {p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts}
     assert {"service", "training", "vip_hub", "model_cards"} <= set(PACKAGES)
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
-    entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    for line in ("vip-hub = vip_hub.cli:main", "serve = service.cli:register_serve", "run = training.commands:register_run"):
+    entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    for line in ("vip-hub = vip_hub.cli:main", "serve = service.cli:register_serve",
+                 "training = training.commands:register"):
         assert line in entry_points
+
+
+def _closure(names: list[str]) -> dict[str, metadata.Distribution]:
+    """The installed distributions ``names`` need, recursively (no extras)."""
+    seen: dict[str, metadata.Distribution] = {}
+    stack = list(names)
+    while stack:
+        name = canonicalize_name(stack.pop())
+        if name in seen:
+            continue
+        try:
+            seen[name] = dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                stack.append(req.name)
+    return seen
+
+
+CORE_SCRIPT = """
+import importlib.util, json, sys
+import vip_hub
+encoder = vip_hub.load_encoder(sys.argv[1])             # verifies first
+report = vip_hub.verify_repo(sys.argv[1])
+import torch
+out = encoder.embed(torch.zeros(2, 3, 32, 32), pooling="vip")
+absent = [m for m in ("fastapi", "uvicorn", "sklearn", "matplotlib", "service", "training")
+          if importlib.util.find_spec(m) is not None and m not in ("service", "training")]
+print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.privacy.epsilon, "present": absent}))
+"""
+
+
+@pytest.mark.slow
+def test_core_install_alone_loads_and_verifies_a_repo(wheel: Path, tiny_repo: Path, tmp_path: Path) -> None:
+    # A fresh environment with nothing but Python; torch and torchvision (several GB, on this
+    # machine's disk) are linked in rather than installed again; pip installs the rest of the
+    # core requirements from the package index.
+    env_dir = tmp_path / "core-venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    linked = tmp_path / "torch-site"
+    linked.mkdir()
+    site = Path(metadata.distribution("torch").locate_file(""))
+    for dist in _closure(["torch", "torchvision"]).values():
+        for top in {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            if not (linked / top).exists() and (site / top).exists():
+                (linked / top).symlink_to(site / top)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "torch-from-disk.pth").write_text(str(linked) + "\n")
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    run = subprocess.run([str(python), "-c", CORE_SCRIPT, str(tiny_repo)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"ok": True, "shape": [2, 192 * 6], "epsilon": result["epsilon"], "present": []}
+    cli = env_dir / "bin" / "vip-hub"
+    assert subprocess.run([str(cli), "verify", str(tiny_repo)], capture_output=True, text=True).returncode == 0
+    help_text = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
+    unavailable = help_text.split("unavailable commands")[1]
+    assert "serve (needs the serve extra" in unavailable and "training (needs the train extra" in unavailable
+    assert "verify" in help_text.split("unavailable commands")[0]

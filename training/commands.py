@@ -11,7 +11,7 @@ import argparse
 import importlib
 from typing import Any
 
-from vip_hub.cli import CommandError, add_command
+from vip_hub.cli import CommandError, add_command, require_extra
 
 from .recipe import Recipe, add_config_args, config_from_args
 
@@ -28,6 +28,7 @@ def recipe(module: str) -> Recipe:
 
 def register(sub: Any) -> None:
     """Add every training sub-command to the ``vip-hub`` parser."""
+    require_extra("train", "matplotlib", "sklearn")
     for module in RECIPES:
         r = recipe(module)
         p = add_command(sub, f"train-{r.name}", _train, r.summary)

@@ -16,12 +16,22 @@ from typing import Any
 
 from .errors import VipHubError
 
-__all__ = ["CommandError", "add_command", "main"]
+__all__ = ["CommandError", "add_command", "main", "require_extra"]
 
 
 class CommandError(VipHubError):
     """A user-facing failure of a command's own arguments: printed as one line, exit status 1."""
 
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raise ImportError (the command is then listed as unavailable) unless ``modules`` are
+    installed: a plugin from an optional extra calls this before registering its commands."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"needs the {extra} extra: pip install 'vip-hub[{extra}]'")
 
 
 def add_command(sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None],
