@@ -96,11 +96,43 @@ def test_feature_modes_match_independent_computation():
 
 
 def test_cli_choices_follow_the_registry():
-    from vip_hub.commands import ARCH_NAMES
+    from vip_hub.commands import ARCH_NAMES, DPCAP_ARCHS, DPCAP_PRESETS, VIP_ARCHS, VIP_PRESETS
     from vip_hub.importer import PRESETS
+    from vip_hub.models import family_archs
 
     assert list(ARCH_NAMES) == list(ARCHS)
+    assert VIP_ARCHS == family_archs("vip") and DPCAP_ARCHS == family_archs("dpcap")
+    assert sorted(VIP_PRESETS + DPCAP_PRESETS) == sorted(PRESETS)
+    assert all(PRESETS[p]().arch in VIP_ARCHS for p in VIP_PRESETS if p != "vip-base")
     from vip_hub.cli import build_parser
 
-    help_text = build_parser()._subparsers._group_actions[0].choices["import-mae"].format_help()
-    assert all(name in help_text for name in PRESETS)
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command, presets in (("import-mae", VIP_PRESETS), ("import-dpcap", DPCAP_PRESETS)):
+        help_text = commands[command].format_help()
+        assert all(name in help_text for name in presets)
+
+
+@pytest.mark.parametrize(
+    "name,width,depth,heads,decoder",
+    [("dpcap-nano", 192, 12, 6, (192, 6, 6)), ("dpcap-tiny", 384, 12, 6, (384, 6, 6)),
+     ("dpcap-small", 576, 12, 12, (576, 6, 12)), ("dpcap-base", 768, 12, 12, (768, 6, 12)),
+     ("dpcap-large", 1024, 24, 16, (768, 6, 12))],
+)
+def test_dpcap_family_matches_reference(name, width, depth, heads, decoder):
+    a = ARCHS[name]
+    assert a.family.name == "dpcap" and (a.embed_dim, a.depth, a.num_heads) == (width, depth, heads)
+    assert (a.decoder_embed_dim, a.decoder_depth, a.decoder_num_heads) == decoder
+    with torch.device("meta"):
+        m = create_encoder(EncoderSpec(name))
+    assert all(b.attn.num_heads == heads for b in m.blocks)
+    assert m.blocks[0].attn.qkv.bias is None and m.blocks[0].attn.proj.bias is not None
+    assert isinstance(m.fc_norm, torch.nn.Identity) and m.norm.eps == 1e-6  # the final norm on every token
+
+
+def test_families_declare_known_modes():
+    from vip_hub.features import POOLINGS
+    from vip_hub.models import FAMILIES
+
+    for family in FAMILIES.values():
+        assert set(family.poolings) <= set(POOLINGS) and "avg" in family.poolings
+    assert FAMILIES["vip"].poolings[0] == "vip" and FAMILIES["dpcap"].poolings[0] == "dpcap"

@@ -1,8 +1,10 @@
 """Model cards: rendered from ``model_cards/encoder.md`` with huggingface_hub's ModelCard.
 
-The card is a pure function of the repo's config, its ledger and a small ``CardInfo``
-(name, summary, licence, evaluation results), so it can be rendered again whenever the
-ledger grows (e.g. when a probe head is added).
+The card is a pure function of the repo's config (architecture, family, feature modes), its
+ledger, whether it carries a text decoder with its vocabulary, and a small ``CardInfo`` (name,
+summary, licence, evaluation results), so it can be rendered again whenever the ledger grows
+(e.g. when a probe head is added). One template serves every family: what differs (heads,
+layout, feature modes, captioning) comes from ``vip_hub.models.Family``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .errors import LedgerError
-from .features import VIP_LAYERS
+from .features import MODE_DESCRIPTIONS
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec
 from .repo_format import CARD_FILE, format_params, privacy_headline
@@ -35,7 +37,7 @@ __all__ = [
 LEDGER_COLUMNS = ("Stage", "Component", "Data", "Mechanism", "q", "σ", "Steps", "Clip C",
                   "Batch (expected)", "δ", "ε")
 
-TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "vip", "timm"]
+TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "timm"]
 
 
 @dataclass
@@ -53,16 +55,25 @@ class CardInfo:
 
 
 def render_card(
-    info: CardInfo, spec: EncoderSpec, ledger: PrivacyLedger, *, num_params: int, plots: list[str] = ()
+    info: CardInfo,
+    spec: EncoderSpec,
+    ledger: PrivacyLedger,
+    *,
+    num_params: int,
+    feature_dims: dict[str, int],
+    captions: bool = False,
+    plots: list[str] = (),
 ) -> str:
-    """The README.md text (front matter + Markdown) for a repo."""
-    arch = spec.family
+    """The README.md text (front matter + Markdown) for a repo whose feature modes have the
+    widths ``feature_dims`` (config.json's); ``captions`` when it carries a text decoder and
+    its vocabulary."""
+    arch, family = spec.architecture, spec.family
     data = ModelCardData(
         model_name=info.model_name,
         library_name="timm",
         license=info.license,
         pipeline_tag="image-feature-extraction",
-        tags=TAGS,
+        tags=[*TAGS, *family.tags],
         datasets=list(dict.fromkeys(s.dataset.name for s in ledger.stages)),
         eval_results=info.eval_results or None,
         summary=info.summary,
@@ -70,19 +81,23 @@ def render_card(
         differential_privacy=ledger.to_dict(),
         probe_comparison=info.comparison or None,
     )
-    vip_layers = min(VIP_LAYERS, arch.depth)
     template = files("model_cards").joinpath("encoder.md").read_text(encoding="utf-8")
     card = ModelCard.from_template(
         data,
         template_str=template,
         arch=spec.arch,
+        family=family,
         depth=arch.depth,
         width=arch.embed_dim,
         heads=arch.num_heads,
         patch_size=spec.patch_size,
         img_size=spec.img_size,
         params=format_params(num_params),
-        dims={"avg": arch.embed_dim, "cls": arch.embed_dim, "vip": arch.embed_dim * vip_layers},
+        modes=[{"name": m, "dim": d, "text": MODE_DESCRIPTIONS[m]} for m, d in feature_dims.items()],
+        probe_mode=next(iter(feature_dims)),
+        avg_dim=feature_dims["avg"],
+        captions=captions,
+        caption_family=family.captions,
         headline=privacy_headline(ledger.summary()),
         guarantee_paragraphs=guarantee_paragraphs(ledger),
         audit_paragraphs=audit_paragraphs(ledger),

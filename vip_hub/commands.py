@@ -1,9 +1,11 @@
-"""The library's own sub-commands: epsilon, calibrate, verify, import-mae."""
+"""The library's own sub-commands: epsilon, calibrate, verify, import-mae, import-dpcap, push,
+caption, zero-shot."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .accounting import Accountant
@@ -16,14 +18,22 @@ if TYPE_CHECKING:
 # Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
 ACCOUNTANTS = tuple(a.value for a in Accountant)
 MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
-ARCH_NAMES = ("vip-nano", "vip-tiny", "vip-small", "vip-base", "vip-large")
+SIZES = ("nano", "tiny", "small", "base", "large")
+VIP_ARCHS = tuple(f"vip-{s}" for s in SIZES)
+DPCAP_ARCHS = tuple(f"dpcap-{s}" for s in SIZES)
+ARCH_NAMES = VIP_ARCHS + DPCAP_ARCHS
+VIP_PRESETS = ("vip-base", "vip-syn-base")
+DPCAP_PRESETS = ("dpcap-base-eps7",)
 
 __all__ = [
     "register_calibrate",
+    "register_caption",
     "register_epsilon",
+    "register_import_dpcap",
     "register_import_mae",
     "register_push",
     "register_verify",
+    "register_zero_shot",
 ]
 
 
@@ -102,13 +112,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- import-mae
-def register_import_mae(sub: Any) -> None:
-    p = add_command(sub, "import-mae", _import_mae,
-             "convert a ViP-MAE reference checkpoint into a released-encoder repo")
+def _import_args(p: argparse.ArgumentParser, presets: tuple[str, ...], archs: tuple[str, ...],
+                 sampling: str, delta_help: str) -> None:
+    """The options every import command shares: the repo, and the ledger of any other run."""
     p.add_argument("checkpoint", help="reference checkpoint (.pth), loaded with weights_only=True")
     p.add_argument("--out", required=True, help="repo folder to write")
-    p.add_argument("--preset", choices=("vip-base", "vip-syn-base"), help="a published checkpoint's arch and ledger")
-    p.add_argument("--arch", choices=ARCH_NAMES, help="architecture (required without --preset)")
+    p.add_argument("--preset", choices=presets, help="a published checkpoint's arch and ledger")
+    p.add_argument("--arch", choices=archs, help="architecture (required without --preset)")
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--name", help="model name (default: the preset's or the folder's)")
     p.add_argument("--repo-id", help="hub id shown on the card, e.g. vip/vip-base")
@@ -122,24 +132,40 @@ def register_import_mae(sub: Any) -> None:
     g.add_argument("--batch-size", type=float, help="expected batch size B (q = B/n)")
     g.add_argument("--steps", type=int, help="DP steps T")
     g.add_argument("--clip", type=float, help="clipping norm C")
-    g.add_argument("--delta", type=float, help="default 1/(2n)")
+    g.add_argument("--delta", type=float, help=delta_help)
     g.add_argument("--mechanism", default="DP-AdamW", choices=MECHANISMS)
+    g.add_argument("--sampling", choices=("poisson", "shuffle"), default=sampling,
+                   help=f"how the run drew its batches (default {sampling}); the accountants assume Poisson "
+                        "sampling, and the card says so when it was not")
     g.add_argument("--ledger-accountant", choices=ACCOUNTANTS, default="rdp",
                    help="the accountant whose epsilon is the claim (the others are reported beside it)")
 
 
-def _import_mae(args: argparse.Namespace) -> None:
+def register_import_mae(sub: Any) -> None:
+    p = add_command(sub, "import-mae", _import_mae,
+                    "convert a ViP-MAE reference checkpoint into a released-encoder repo")
+    _import_args(p, VIP_PRESETS, VIP_ARCHS, "poisson", "default 1/(2n), the ViP paper's")
+
+
+def _preset_or_args(args: argparse.Namespace, delta: Callable[[int], float]) -> tuple[Any, ...]:
+    """(arch, stages, name, summary, licence) from --preset, or from --arch and the ledger options."""
     from pathlib import Path
 
-    from .importer import PRESETS, import_mae_checkpoint
+    from .importer import PRESETS
 
     if args.preset:
         preset = PRESETS[args.preset]()
-        arch, stages, name, summary = preset.arch, preset.stages, preset.model_name, preset.summary
-    else:
-        if not args.arch:
-            raise CommandError("--arch is required without --preset")
-        arch, stages, name, summary = args.arch, _stages_from_args(args), Path(args.out).name, ""
+        return preset.arch, preset.stages, preset.model_name, preset.summary, preset.license
+    if not args.arch:
+        raise CommandError("--arch is required without --preset")
+    return args.arch, _stages_from_args(args, delta), Path(args.out).name, "", None
+
+
+def _import_mae(args: argparse.Namespace) -> None:
+    from .accounting import default_delta
+    from .importer import import_mae_checkpoint
+
+    arch, stages, name, summary, _ = _preset_or_args(args, default_delta)
     out = import_mae_checkpoint(
         args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name,
         summary=summary, img_size=args.img_size, repo_id=args.repo_id, overwrite=args.overwrite,
@@ -147,8 +173,31 @@ def _import_mae(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-def _stages_from_args(args: argparse.Namespace) -> list[NonPrivateStage | DPStage]:
-    from .accounting import default_delta
+# -------------------------------------------------------------------- import-dpcap
+def register_import_dpcap(sub: Any) -> None:
+    p = add_command(sub, "import-dpcap", _import_dpcap,
+                    "convert a DP-Cap reference checkpoint (encoder and text decoder) into a released-encoder repo")
+    _import_args(p, DPCAP_PRESETS, DPCAP_ARCHS, "shuffle", "default 1/n, the DP-Cap authors'")
+    p.add_argument("--vocab", metavar="FILE",
+                   help="the tokenizer's vocab.txt (BERT uncased WordPiece, e.g. bert-base-uncased's): "
+                        "copied into the repo so it can caption")
+    p.add_argument("--decoder-heads", type=int, help="text decoder heads (default: the architecture's)")
+    p.add_argument("--license", help="licence on the card (default: the preset's, else cc-by-nc-4.0)")
+
+
+def _import_dpcap(args: argparse.Namespace) -> None:
+    from .importer import import_dpcap_checkpoint
+
+    arch, stages, name, summary, license = _preset_or_args(args, lambda n: 1.0 / n)
+    out = import_dpcap_checkpoint(
+        args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name, summary=summary,
+        img_size=args.img_size, vocab=args.vocab, decoder_heads=args.decoder_heads, repo_id=args.repo_id,
+        license=args.license or license or "cc-by-nc-4.0", overwrite=args.overwrite,
+    )
+    print(f"wrote {out}" + ("" if args.vocab else " (no --vocab: it cannot caption)"))
+
+
+def _stages_from_args(args: argparse.Namespace, delta: Callable[[int], float]) -> list[NonPrivateStage | DPStage]:
     from .ledger import Dataset, DPStage, NonPrivateStage
 
     stages: list[NonPrivateStage | DPStage] = []
@@ -164,8 +213,8 @@ def _stages_from_args(args: argparse.Namespace) -> list[NonPrivateStage | DPStag
             name="dp-pretraining",
             dataset=Dataset(name=args.private_dataset, size=args.dataset_size),
             sample_rate=args.batch_size / args.dataset_size, noise_multiplier=args.sigma,
-            steps=args.steps, clipping_norm=args.clip, mechanism=args.mechanism,
-            delta=args.delta or default_delta(args.dataset_size), accountant=args.ledger_accountant,
+            steps=args.steps, clipping_norm=args.clip, mechanism=args.mechanism, sampling=args.sampling,
+            delta=args.delta or delta(args.dataset_size), accountant=args.ledger_accountant,
         ))
     if not stages:
         raise CommandError("describe the training: --preset, or --synthetic-dataset and/or the DP stage options")
@@ -198,3 +247,83 @@ def _push(args: argparse.Namespace) -> None:
     except HfHubHTTPError as e:
         raise CommandError(" ".join(str(e).split())) from None
     print(f"pushed {args.folder} to {args.repo_id} at {commit}")
+
+
+# ------------------------------------------------------------------ caption, zero-shot
+def _caption_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="DIR_OR_REPO", help="repo folder or hub repo id (HF_ENDPOINT) of a DP-Cap repo")
+    p.add_argument("images", metavar="IMAGE", nargs="+", help="image files")
+    p.add_argument("--revision", help="hub revision")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    from PIL import Image, UnidentifiedImageError
+
+    from .captioning import load_captioner
+    from .device import pick_device
+    from .errors import MissingInputError
+
+    model = load_captioner(args.source, revision=args.revision, device=pick_device(args.device))
+    images = []
+    for path in args.images:
+        try:
+            with Image.open(path) as img:
+                images.append(img.convert("RGB"))
+        except FileNotFoundError:
+            raise MissingInputError(f"{path}: no such image file") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise CommandError(f"{path}: not a readable image ({e})") from None
+    return model, images
+
+
+def register_caption(sub: Any) -> None:
+    p = add_command(sub, "caption", _caption, "caption images with a DP-Cap repo (greedy decoding)")
+    _caption_source_args(p)
+    p.add_argument("--max-tokens", type=int, help="most tokens per caption (default: the decoder's maximum)")
+
+
+def _caption(args: argparse.Namespace) -> None:
+    from .repo_format import privacy_headline
+
+    model, images = _load_for_captions(args)
+    captions = model.caption(images, args.max_tokens)
+    privacy = model.encoder.privacy
+    if args.json:
+        print(json.dumps({"captions": [{"image": i, "caption": c} for i, c in zip(args.images, captions)],
+                          "privacy": privacy.to_dict()}))
+        return
+    for path, caption in zip(args.images, captions):
+        print(f"{path}: {caption}")
+    print(f"model privacy: {privacy_headline(privacy)}")
+
+
+def register_zero_shot(sub: Any) -> None:
+    p = add_command(sub, "zero-shot", _zero_shot,
+                    "classify images among label texts by caption likelihood (DP-Cap repos)")
+    _caption_source_args(p)
+    p.add_argument("--labels", required=True, help="comma-separated label texts, e.g. dog,cat,car")
+    p.add_argument("--prompt", help="text before each label (default: 'this is a photo of a')")
+    p.add_argument("--top-k", type=int, default=3, help="labels listed per image")
+
+
+def _zero_shot(args: argparse.Namespace) -> None:
+    from .captioning import DEFAULT_PROMPT
+    from .repo_format import privacy_headline
+
+    labels = [label.strip() for label in args.labels.split(",")]
+    model, images = _load_for_captions(args)
+    losses = model.zero_shot(images, labels, DEFAULT_PROMPT if args.prompt is None else args.prompt)
+    k = max(1, min(args.top_k, len(labels)))
+    ranked = [[(labels[j], float(row[j])) for j in row.argsort()[:k].tolist()] for row in losses]
+    privacy = model.encoder.privacy
+    if args.json:
+        print(json.dumps({"results": [{"image": path, "label": r[0][0],
+                                       "labels": [{"label": lab, "loss": loss} for lab, loss in r]}
+                                      for path, r in zip(args.images, ranked)],
+                          "privacy": privacy.to_dict()}))
+        return
+    for path, r in zip(args.images, ranked):
+        print(f"{path}: {r[0][0]}  (" + ", ".join(f"{lab} {loss:.3f}" for lab, loss in r) + ")")
+    print(f"model privacy: {privacy_headline(privacy)}")

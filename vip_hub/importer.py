@@ -1,10 +1,16 @@
-"""Import of checkpoints in the layout of the ViP-MAE reference code into the repo format.
+"""Import of checkpoints in the layout of the reference code of each family into the repo format.
 
-The reference saves ``{"model": state_dict, ...}`` where the state dict is either a whole
-MAE (encoder keys plus ``decoder_*`` and ``mask_token``) or an encoder-only ViT. Encoder keys
-already follow timm's layout, except that the final ``norm`` becomes ``fc_norm`` (our
-exported models pool like MAE's global pool). This is the only place that unpickles, with
-``torch.load(weights_only=True)``: anything but plain tensors and containers is refused.
+- ViP (facebookresearch/ViP-MAE): ``{"model": state_dict, ...}`` where the state dict is either a
+  whole MAE (encoder keys plus ``decoder_*`` and ``mask_token``) or an encoder-only ViT. Encoder
+  keys already follow timm's layout, except that the final ``norm`` becomes ``fc_norm`` (ViP
+  repos pool like MAE's global pool).
+- DP-Cap (facebookresearch/dpcap, ``MaskedAutoencoderViT_autoregressive``): ``{"model":
+  state_dict, "args": Namespace, ...}``. Encoder keys follow timm's layout (the final ``norm``
+  stays per token); the frozen ``encoder_image_type_embedding`` is folded into ``pos_embed``;
+  the text decoder's keys are renamed to ``vip_hub.captioning.TextDecoder``'s (``DPCAP_DECODER_KEYS``).
+
+This is the only place that unpickles, with ``torch.load(weights_only=True)`` and only
+``argparse.Namespace`` allowed: anything but plain tensors and containers is refused.
 """
 
 from __future__ import annotations
@@ -20,17 +26,23 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .captioning import TextDecoder, TextDecoderConfig
+from .errors import CheckpointError, ConfigError
 from .ledger import Dataset, DPStage, NonPrivateStage
 from .models import EncoderSpec, create_encoder
 from .repo import export_encoder
+from .tokenizer import CaptionTokenizer
 
 __all__ = [
     "PRESETS",
     "CheckpointError",
+    "DPCAP_DECODER_KEYS",
     "ImportPreset",
+    "dpcap_reference_key",
+    "import_dpcap_checkpoint",
     "import_mae_checkpoint",
     "load_reference_checkpoint",
+    "split_dpcap_state_dict",
     "split_mae_state_dict",
 ]
 
@@ -46,6 +58,7 @@ class ImportPreset:
     model_name: str
     summary: str
     stages: tuple[NonPrivateStage | DPStage, ...]
+    license: str = "apache-2.0"
 
 
 def _shaders21k() -> NonPrivateStage:
@@ -98,8 +111,57 @@ def _vip_base() -> ImportPreset:
     )
 
 
-PRESETS: dict[str, Callable[[], ImportPreset]] = {"vip-syn-base": _vip_syn_base, "vip-base": _vip_base}
-"""The two published checkpoints, by name (built on demand: their epsilon needs the accountant)."""
+DPCAP_N = 2_000_000_000
+"""MetaCLIP as the DP-Cap release's README counts it ("2 billion samples"); no exact count is published."""
+DPCAP_BATCH = 1_310_720
+"""The ``--batch_size`` of the reference's training command, which the paper and README call 1.3M."""
+
+
+def _dpcap_base_eps7() -> ImportPreset:
+    metaclip = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(
+            name="MetaCLIP",
+            size=DPCAP_N,
+            description="image-text pairs curated as for Meta-CLIP; the release's README gives 2 billion samples "
+                        "(not the paper's LAION-233M); n = 2e9 is that figure, the exact count is unpublished",
+        ),
+        sample_rate=DPCAP_BATCH / DPCAP_N,
+        noise_multiplier=0.527,
+        steps=5_000,
+        clipping_norm=1.0,
+        mechanism="DP-AdamW",
+        sampling="shuffle",
+        delta=1.0 / DPCAP_N,
+        description=(
+            "Image captioning with DP-AdamW (per-example clipping of the whole captioner, C = 1) from a "
+            "synthetic-image MAE initialisation (DP-Cap paper and release README: 5,000 steps, sigma 0.527, "
+            "batch 1.3M, 2 billion MetaCLIP pairs; the README calls it the eps = 7 model). delta = 1/n as the "
+            "authors account it (their patched private-transformers sets target_delta = sample_size ** -1). The "
+            "reference code does not Poisson-sample (it prints 'Training WITHOUT poisson sampling'): it reads "
+            "shuffled fixed-size batches, while the accountants assume Poisson sampling."
+        ),
+        hyperparameters={"batch_size": DPCAP_BATCH, "betas": [0.9, 0.95], "text_max_length": 40,
+                         "tokenizer": "bert-base-uncased WordPiece"},
+    )
+    synthetic = NonPrivateStage(
+        name="synthetic-pretraining",
+        dataset=_shaders21k().dataset,
+        private_data=False,
+        description="MAE pretraining on synthetic images only (the DP-Cap initialisation, as for (Syn)-ViP).",
+    )
+    return ImportPreset(
+        "dpcap-base", "dpcap-base-eps7",
+        "DP-Cap-Base released by the DP-Cap authors: an image captioner trained with DP-AdamW on 2 billion "
+        "MetaCLIP image-text pairs (eps about 7).",
+        (synthetic, metaclip), license="cc-by-nc-4.0",
+    )
+
+
+PRESETS: dict[str, Callable[[], ImportPreset]] = {
+    "vip-syn-base": _vip_syn_base, "vip-base": _vip_base, "dpcap-base-eps7": _dpcap_base_eps7,
+}
+"""The published checkpoints, by name (built on demand: their epsilon needs the accountant)."""
 
 
 def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -171,20 +233,22 @@ def import_mae_checkpoint(
     repo_id: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Convert a reference checkpoint to a released-encoder repo folder."""
+    """Convert a ViP-MAE reference checkpoint to a released-encoder repo folder."""
     spec = EncoderSpec(arch, img_size=img_size)
+    if spec.family.name != "vip":
+        raise ConfigError(f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use import_dpcap_checkpoint")
     encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
     model = create_encoder(spec)
     model.load_state_dict(encoder_sd, strict=True)
     decoder_config = None
     if decoder_sd:
-        family = spec.family
+        arch = spec.architecture
         depth = len({k.split(".")[1] for k in decoder_sd if k.startswith("decoder_blocks.")})
-        width = decoder_sd["decoder_embed.weight"].shape[0] if "decoder_embed.weight" in decoder_sd else family.decoder_embed_dim
+        width = decoder_sd["decoder_embed.weight"].shape[0] if "decoder_embed.weight" in decoder_sd else arch.decoder_embed_dim
         decoder_config = {
             "embed_dim": int(width),
             "depth": depth,
-            "num_heads": family.decoder_num_heads,
+            "num_heads": arch.decoder_num_heads,
             "patch_size": spec.patch_size,
             "in_chans": 3,
         }
@@ -199,4 +263,136 @@ def import_mae_checkpoint(
         decoder=decoder_sd or None,
         decoder_config=decoder_config,
         overwrite=overwrite,
+    )
+
+
+# ------------------------------------------------------------------------------- DP-Cap
+DPCAP_DECODER_KEYS: dict[str, str] = {
+    "memory.embed.weight": "decoder_embed.weight",
+    "memory.embed.bias": "decoder_embed.bias",
+    "memory.pos_embed": "decoder_pos_embed",
+    "memory.type_embed": "decoder_image_type_embedding",
+    "token_embed.weight": "text_embedding_layer_SimVLM.weight",
+    "text_pos_embed": "text_decoder_pos_embed",
+    "text_type_embed": "decoder_text_type_embedding",
+    "head_norm.weight": "decoder_pred_text.0.weight",
+    "head_norm.bias": "decoder_pred_text.0.bias",
+    "head.weight": "decoder_pred_text.1.weight",
+    "head.bias": "decoder_pred_text.1.bias",
+    **{f"blocks.{{i}}.{ours}": f"decoder.layers.{{i}}.{ref}" for ours, ref in (
+        ("self_attn.qkv.weight", "self_attn.c_attn.weight"),
+        ("self_attn.proj.weight", "self_attn.c_proj.weight"),
+        ("cross_attn.q.weight", "multihead_attn.q_proj.weight"),
+        ("cross_attn.kv.weight", "multihead_attn.kv_proj.weight"),
+        ("cross_attn.proj.weight", "multihead_attn.c_proj.weight"),
+        ("mlp.fc1.weight", "linear1.weight"),
+        ("mlp.fc2.weight", "linear2.weight"),
+        *((f"norm{n}.{p}", f"norm{n}.{p}") for n in (1, 2, 3) for p in ("weight", "bias")),
+    )},
+}
+"""``TextDecoder`` key -> the reference's key (``MaskedAutoencoderViT_autoregressive``); ``{i}`` is a block."""
+_DPCAP_UNUSED = re.compile(
+    r"^(mask_token|mask_token_text|text_pos_embed|encoder_text_type_embedding"
+    r"|decoder\.layers\.\d+\.self_attn\.bias)$"
+)  # masking tokens, the unused text-encoder inputs, and the causal-mask buffer: not part of the forward pass
+_TYPE = "encoder_image_type_embedding"
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_REF_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def dpcap_reference_key(key: str) -> str:
+    """The reference's name of one of ``TextDecoder``'s keys."""
+    m = _BLOCK.match(key)
+    return DPCAP_DECODER_KEYS[f"blocks.{{i}}.{m[2]}"].format(i=m[1]) if m else DPCAP_DECODER_KEYS[key]
+
+
+def split_dpcap_state_dict(
+    state: dict[str, torch.Tensor], spec: EncoderSpec, decoder_heads: int | None = None
+) -> tuple[dict[str, torch.Tensor], TextDecoderConfig, dict[str, torch.Tensor]]:
+    """Split a DP-Cap reference state dict into (encoder state dict in timm layout with the image
+    type embedding folded into ``pos_embed``, the text decoder's config, its state dict);
+    every key and shape is checked and every problem named in the reference's key names."""
+    try:
+        config = _dpcap_decoder_config(state, spec, decoder_heads)
+    except KeyError as e:
+        raise CheckpointError(f"not a DP-Cap checkpoint: no text decoder key {e} (missing keys)") from None
+    expected_enc = {k: v.shape for k, v in create_encoder(spec).state_dict().items()}
+    expected_dec = {dpcap_reference_key(k): (k, v.shape) for k, v in TextDecoder(config).state_dict().items()}
+    encoder, decoder, unexpected, wrong = {}, {}, [], []
+    for key, value in state.items():
+        if _DPCAP_UNUSED.match(key) or key == _TYPE:
+            continue
+        if key in expected_dec:
+            ours, shape = expected_dec[key]
+            decoder[ours] = value
+        elif key in expected_enc:
+            encoder[key], shape = value, expected_enc[key]
+        else:
+            unexpected.append(key)
+            continue
+        if value.shape != shape:
+            wrong.append(f"{key} {tuple(value.shape)} (expected {tuple(shape)})")
+    missing = [k for k in [*expected_enc, *expected_dec, _TYPE] if k not in state]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(sorted(missing))}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(sorted(unexpected))}")
+    if _TYPE in state and state[_TYPE].shape != (1, 1, spec.architecture.embed_dim):
+        wrong.append(f"{_TYPE} {tuple(state[_TYPE].shape)} (expected (1, 1, {spec.architecture.embed_dim}))")
+    if wrong:
+        problems.append(f"shape mismatches for {spec.arch} at {spec.img_size}px: {', '.join(sorted(wrong))}")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    encoder["pos_embed"] = encoder["pos_embed"] + state[_TYPE]
+    return encoder, config, decoder
+
+
+def _dpcap_decoder_config(state: dict[str, torch.Tensor], spec: EncoderSpec, heads: int | None) -> TextDecoderConfig:
+    """The text decoder's sizes as the reference tensors show them (heads cannot be seen in
+    shapes: ``heads``, else the family's default for the size)."""
+    width = int(state["decoder_embed.weight"].shape[0])
+    depth = len({m[1] for k in state if (m := _REF_BLOCK.match(k))})
+    hidden = int(state["decoder.layers.0.linear1.weight"].shape[0]) if depth else 4 * width
+    return TextDecoderConfig.for_encoder(
+        spec, width=width, depth=depth, num_heads=heads or spec.architecture.decoder_num_heads,
+        vocab_size=int(state["text_embedding_layer_SimVLM.weight"].shape[0]),
+        max_length=int(state["text_decoder_pos_embed"].shape[1]), mlp_ratio=hidden / width,
+    )
+
+
+def import_dpcap_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: str,
+    stages: tuple[NonPrivateStage | DPStage, ...] | list[NonPrivateStage | DPStage],
+    model_name: str,
+    summary: str = "",
+    img_size: int = 224,
+    vocab: str | os.PathLike[str] | None = None,
+    decoder_heads: int | None = None,
+    repo_id: str | None = None,
+    license: str = "cc-by-nc-4.0",
+    overwrite: bool = False,
+) -> Path:
+    """Convert a DP-Cap reference checkpoint (encoder and text decoder) to a repo folder; with
+    ``vocab`` (the tokenizer's vocab.txt, e.g. bert-base-uncased's) the repo can caption."""
+    spec = EncoderSpec(arch, img_size=img_size)
+    if spec.family.name != "dpcap":
+        raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
+    encoder_sd, config, decoder_sd = split_dpcap_state_dict(load_reference_checkpoint(checkpoint), spec, decoder_heads)
+    vocab_bytes = None
+    if vocab is not None:
+        vocab_bytes = Path(vocab).read_bytes()
+        tok = CaptionTokenizer(vocab_bytes, max_length=config.max_length)
+        config = TextDecoderConfig.from_dict({**config.to_dict(), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+                                              "pad_id": tok.pad_id})
+    model = create_encoder(spec)
+    model.load_state_dict(encoder_sd, strict=True)
+    decoder = TextDecoder(config)
+    decoder.load_state_dict(decoder_sd, strict=True)
+    return export_encoder(
+        out_dir, model, spec, stages, model_name=model_name, repo_id=repo_id, summary=summary, license=license,
+        text_decoder=decoder, vocab=vocab_bytes, overwrite=overwrite,
     )

@@ -14,12 +14,13 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
-from .errors import MissingInputError
-from .features import Pooling, extract_features, feature_dim
+from .captioning import ImageMemory, load_image_memory
+from .errors import ConfigError, MissingInputError
+from .features import Pooling, check_pooling, extract_features, feature_dim
 from .ledger import PrivacyLedger, PrivacySummary
 from .models import EncoderSpec
 from .repo import read_config
-from .repo_format import LEDGER_FILE
+from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
 from .verify import verify_repo
 
 __all__ = ["Encoder", "load_encoder", "resolve_source"]
@@ -27,7 +28,8 @@ __all__ = ["Encoder", "load_encoder", "resolve_source"]
 
 @dataclass
 class Encoder:
-    """A loaded encoder: the timm model (eval mode), its transform, its ledger and config."""
+    """A loaded encoder: the timm model (eval mode), its transform, its ledger and config, and
+    (DP-Cap) the image-memory weights of its text decoder, which the ``dpcap`` mode needs."""
 
     model: VisionTransformer
     transform: Callable[[Image.Image], torch.Tensor]
@@ -35,13 +37,41 @@ class Encoder:
     config: dict[str, Any]
     spec: EncoderSpec
     path: Path
+    memory: ImageMemory | None = None
 
     @property
     def privacy(self) -> PrivacySummary:
         return self.ledger.summary()
 
+    @property
+    def poolings(self) -> tuple[Pooling, ...]:
+        """The feature modes this repo offers: its family's, ``dpcap`` only with the decoder weights."""
+        modes = self.spec.family.poolings
+        return tuple(m for m in modes if m != "dpcap" or self.memory is not None)  # type: ignore[misc]
+
+    @property
+    def can_caption(self) -> bool:
+        """Whether the repo carries a text decoder and its vocabulary (``vip_hub.load_captioner``)."""
+        return self.spec.family.captions and all((self.path / f).is_file() for f in (TEXT_DECODER_FILE, VOCAB_FILE))
+
+    def check_pooling(self, pooling: str) -> None:
+        """Raise ConfigError unless this repo offers feature mode ``pooling``."""
+        check_pooling(pooling)
+        if pooling not in self.poolings:
+            why = (f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
+                   if pooling not in self.spec.family.poolings else f"{self.path} has no {TEXT_DECODER_FILE}")
+            raise ConfigError(f"feature mode {pooling!r} is not available for {self.spec.arch}: {why} "
+                              f"(this repo offers {', '.join(self.poolings)})")
+
     def feature_dim(self, pooling: Pooling = "avg") -> int:
-        return feature_dim(self.model, pooling)
+        self.check_pooling(pooling)
+        return feature_dim(self.model, pooling, self.memory)
+
+    def features(self, images: torch.Tensor, poolings: tuple[Pooling, ...]) -> dict[Pooling, torch.Tensor]:
+        """Several feature modes of a preprocessed batch (on the model's device), one forward pass."""
+        for mode in poolings:
+            self.check_pooling(mode)
+        return extract_features(self.model, images, poolings, self.memory)  # type: ignore[return-value]
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """Apply the model's pretrained_cfg transform to PIL images, as a batch."""
@@ -52,12 +82,13 @@ class Encoder:
         self, images: Sequence[Image.Image] | torch.Tensor, pooling: Pooling = "avg", batch_size: int = 64
     ) -> torch.Tensor:
         """Embeddings (N, dim) for PIL images or an already preprocessed batch."""
+        self.check_pooling(pooling)
         device = next(self.model.parameters()).device
         chunks = []
         for start in range(0, len(images), batch_size):
             part = images[start : start + batch_size]
             batch = part if isinstance(part, torch.Tensor) else self.preprocess(part)
-            chunks.append(extract_features(self.model, batch.to(device), pooling).float().cpu())
+            chunks.append(self.features(batch.to(device), (pooling,))[pooling].float().cpu())
         if not chunks:
             return torch.empty(0, self.feature_dim(pooling))
         return torch.cat(chunks)
@@ -101,6 +132,10 @@ def load_encoder(
     else:
         ledger = PrivacyLedger.parse((path / LEDGER_FILE).read_bytes())
     config = read_config(path)
+    spec = EncoderSpec.from_config(config)
     model = timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
     transform = create_transform(**resolve_data_config({}, model=model))
-    return Encoder(model, transform, ledger, config, EncoderSpec.from_config(config), path)
+    memory = None
+    if spec.family.captions and (path / TEXT_DECODER_FILE).is_file():
+        memory = load_image_memory(path / TEXT_DECODER_FILE, device)
+    return Encoder(model, transform, ledger, config, spec, path, memory)

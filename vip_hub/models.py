@@ -1,13 +1,22 @@
-"""The vip-* encoder family: plain timm VisionTransformers named by an architecture plus model_args.
+"""The encoder families (ViP, DP-Cap): plain timm VisionTransformers named by an architecture
+plus model_args, in one registry.
 
-Sizes follow the ViP paper (Table 5) and the reference code (facebookresearch/ViP-MAE,
-``models_mae.py``): patch 16, MLP ratio 4, LayerNorm eps 1e-6, qkv bias, 12 heads down to
-the nano size, and an MAE decoder of 4 blocks x 512 with 16 heads.
+Both families share the sizes of the ViP paper (Table 5): patch 16, MLP ratio 4, LayerNorm eps
+1e-6, widths 192/384/576/768/1024 and 12 blocks (24 for large). They differ in what the
+reference code fixes beside the shapes, all of which a ``Family`` records:
 
-The exported layout pools like MAE's global pool: the mean of the patch tokens, then the
-final LayerNorm (timm's ``global_pool="avg", fc_norm=True``), so the encoder's final norm
-lives under the timm key ``fc_norm``. A repo therefore loads with ``timm.create_model`` alone
-and its default forward returns the ``avg`` embedding.
+- ViP (facebookresearch/ViP-MAE ``models_mae.py``): qkv bias, 12 heads down to the nano size,
+  an MAE decoder of 4 blocks x 512 with 16 heads, and the final norm after pooling (MAE's
+  global pool, timm's ``fc_norm``). Feature modes ``vip``, ``avg``, ``cls``.
+- DP-Cap (facebookresearch/dpcap ``models_mae.py``, the ``*_autoregressive_nobias`` models): no
+  qkv bias, heads nano 6 / tiny 6 / small 12 / base 12 / large 16, the final norm on every
+  token (timm's ``norm``), a frozen random class token and image type embedding (folded into
+  ``pos_embed``), and a text decoder (``vip_hub.captioning``). Feature modes ``dpcap``,
+  ``avg``, ``cls``.
+
+Head count does not change weight shapes but does change outputs, so it must match. A repo's
+config.json names the architecture (``vip_hub.arch``) and its family (``vip_hub.family``), so
+it loads with ``timm.create_model`` alone and its default forward returns the ``avg`` embedding.
 """
 
 from __future__ import annotations
@@ -25,42 +34,102 @@ from .repo_format import CONFIG_BLOCK
 
 __all__ = [
     "ARCHS",
+    "FAMILIES",
+    "Arch",
     "EncoderSpec",
-    "VipArch",
+    "Family",
     "count_parameters",
     "create_encoder",
+    "family_archs",
     "get_arch",
+    "sincos_pos_embed_1d",
     "sincos_pos_embed_2d",
 ]
 
+SIZES = ("nano", "tiny", "small", "base", "large")
+_WIDTH = {"nano": 192, "tiny": 384, "small": 576, "base": 768, "large": 1024}
+_DEPTH = {"nano": 12, "tiny": 12, "small": 12, "base": 12, "large": 24}
+_TIMM_ARCH = {"nano": "vit_tiny_patch16_224", "tiny": "vit_small_patch16_224", "small": "vit_base_patch16_224",
+              "base": "vit_base_patch16_224", "large": "vit_large_patch16_224"}
+
 
 @dataclass(frozen=True)
-class VipArch:
-    """One size of the family: encoder width/depth/heads and its MAE decoder."""
+class Family:
+    """What a family's reference code fixes beyond the sizes (see the module docstring)."""
 
-    name: str
-    embed_dim: int
-    depth: int
-    num_heads: int
-    timm_architecture: str
-    decoder_embed_dim: int = 512
-    decoder_depth: int = 4
-    decoder_num_heads: int = 16
+    name: str  # prefix of its architecture names, and config.json's vip_hub.family
+    title: str
+    paper: str  # one line for the card
+    heads: dict[str, int]  # attention heads per size
+    decoder: dict[str, tuple[int, int, int]]  # per size: the training decoder's (width, depth, heads)
+    decoder_kind: str  # what that decoder is, for people
+    qkv_bias: bool
+    pooled_norm: bool  # final LayerNorm after pooling (timm fc_norm) rather than on every token (timm norm)
+    frozen_tokens: bool  # class token and image type embedding are frozen random constants
+    poolings: tuple[str, ...]  # feature modes, the family's linear-probe mode first
+    captions: bool  # a repo can carry a text decoder (captions, zero-shot)
+    crop_pct: float
+    crop_mode: str
+    tags: tuple[str, ...]
 
 
-ARCHS: dict[str, VipArch] = {
-    a.name: a
-    for a in (
-        VipArch("vip-nano", 192, 12, 12, "vit_tiny_patch16_224"),
-        VipArch("vip-tiny", 384, 12, 12, "vit_small_patch16_224"),
-        VipArch("vip-small", 576, 12, 12, "vit_base_patch16_224"),
-        VipArch("vip-base", 768, 12, 12, "vit_base_patch16_224"),
-        VipArch("vip-large", 1024, 24, 16, "vit_large_patch16_224"),
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="vip", title="ViP",
+            paper="ViP (Yu et al., 2023): MAE pretraining with DP-AdamW after synthetic-image pretraining",
+            heads={s: (16 if s == "large" else 12) for s in SIZES},
+            decoder={s: (512, 4, 16) for s in SIZES}, decoder_kind="MAE decoder",
+            qkv_bias=True, pooled_norm=True, frozen_tokens=False, poolings=("vip", "avg", "cls"),
+            captions=False, crop_pct=0.875, crop_mode="center", tags=("vip", "mae"),
+        ),
+        Family(
+            name="dpcap", title="DP-Cap",
+            paper="DP-Cap (Sander et al., 2024): image captioning trained with DP-AdamW after synthetic-image "
+                  "pretraining",
+            heads={"nano": 6, "tiny": 6, "small": 12, "base": 12, "large": 16},
+            decoder={"nano": (192, 6, 6), "tiny": (384, 6, 6), "small": (576, 6, 12), "base": (768, 6, 12),
+                     "large": (768, 6, 12)},
+            decoder_kind="text decoder",
+            qkv_bias=False, pooled_norm=False, frozen_tokens=True, poolings=("dpcap", "avg", "cls"),
+            captions=True, crop_pct=1.0, crop_mode="squash", tags=("dp-cap", "image-captioning"),
+        ),
     )
 }
 
 
-def get_arch(name: str) -> VipArch:
+@dataclass(frozen=True)
+class Arch:
+    """One size of one family: encoder width/depth/heads and the decoder it trains with."""
+
+    name: str
+    family: Family
+    size: str
+    embed_dim: int
+    depth: int
+    num_heads: int
+    timm_architecture: str
+    decoder_embed_dim: int
+    decoder_depth: int
+    decoder_num_heads: int
+
+
+def _arch(family: Family, size: str) -> Arch:
+    width, depth, heads = family.decoder[size]
+    return Arch(f"{family.name}-{size}", family, size, _WIDTH[size], _DEPTH[size], family.heads[size],
+                _TIMM_ARCH[size], width, depth, heads)
+
+
+ARCHS: dict[str, Arch] = {a.name: a for f in FAMILIES.values() for a in (_arch(f, s) for s in SIZES)}
+
+
+def family_archs(family: str) -> tuple[str, ...]:
+    """The architecture names of ``family``, smallest first."""
+    return tuple(name for name, a in ARCHS.items() if a.family.name == family)
+
+
+def get_arch(name: str) -> Arch:
     """Return the architecture called ``name``; the error lists the known ones."""
     try:
         return ARCHS[name]
@@ -70,16 +139,19 @@ def get_arch(name: str) -> VipArch:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """Everything that fixes an encoder's shapes and its preprocessing."""
+    """Everything that fixes an encoder's shapes and its preprocessing. ``crop_pct`` defaults
+    to the family's (ViP 0.875 centre crop; DP-Cap 1.0, a plain resize as its README does)."""
 
     arch: str
     img_size: int = 224
     patch_size: int = 16
-    crop_pct: float = 0.875
+    crop_pct: float | None = None
     interpolation: str = "bicubic"
 
     def __post_init__(self) -> None:
-        get_arch(self.arch)
+        arch = get_arch(self.arch)
+        if self.crop_pct is None:
+            object.__setattr__(self, "crop_pct", arch.family.crop_pct)
         if self.patch_size <= 0 or self.img_size <= 0:
             raise ConfigError("img_size and patch_size must be positive")
         if self.img_size % self.patch_size:
@@ -90,8 +162,12 @@ class EncoderSpec:
             raise ConfigError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
 
     @property
-    def family(self) -> VipArch:
+    def architecture(self) -> Arch:
         return ARCHS[self.arch]
+
+    @property
+    def family(self) -> Family:
+        return ARCHS[self.arch].family
 
     @property
     def grid_size(self) -> int:
@@ -99,7 +175,7 @@ class EncoderSpec:
 
     def model_args(self) -> dict[str, Any]:
         """Constructor kwargs for timm's VisionTransformer (stored in config.json)."""
-        a = self.family
+        a = self.architecture
         return {
             "img_size": self.img_size,
             "patch_size": self.patch_size,
@@ -107,10 +183,10 @@ class EncoderSpec:
             "depth": a.depth,
             "num_heads": a.num_heads,
             "mlp_ratio": 4.0,
-            "qkv_bias": True,
+            "qkv_bias": a.family.qkv_bias,
             "class_token": True,
             "global_pool": "avg",
-            "fc_norm": True,
+            "fc_norm": a.family.pooled_norm,
         }
 
     def pretrained_cfg(self) -> dict[str, Any]:
@@ -120,7 +196,7 @@ class EncoderSpec:
             "fixed_input_size": True,
             "interpolation": self.interpolation,
             "crop_pct": self.crop_pct,
-            "crop_mode": "center",
+            "crop_mode": self.family.crop_mode,
             "mean": list(IMAGENET_DEFAULT_MEAN),
             "std": list(IMAGENET_DEFAULT_STD),
             "num_classes": 0,
@@ -137,13 +213,26 @@ class EncoderSpec:
         cfg = config.get("pretrained_cfg") or {}
         if "arch" not in meta:
             raise RepoFormatError("config.json has no vip_hub.arch entry: not a vip-hub export")
-        return cls(
+        spec = cls(
             arch=meta["arch"],
             img_size=int(args.get("img_size", 224)),
             patch_size=int(args.get("patch_size", 16)),
-            crop_pct=float(cfg.get("crop_pct", 0.875)),
+            crop_pct=float(cfg["crop_pct"]) if "crop_pct" in cfg else None,
             interpolation=str(cfg.get("interpolation", "bicubic")),
         )
+        if meta.get("family", spec.family.name) != spec.family.name:
+            raise RepoFormatError(f"config.json: vip_hub.family {meta['family']!r} disagrees with arch {spec.arch!r}")
+        return spec
+
+
+def sincos_pos_embed_1d(dim: int, positions: torch.Tensor | int) -> torch.Tensor:
+    """Fixed 1-D sine-cosine embeddings (MAE), shape (len(positions), dim): sines then cosines."""
+    if dim % 2:
+        raise ConfigError(f"embedding dim {dim} must be even")
+    pos = torch.arange(positions, dtype=torch.float64) if isinstance(positions, int) else positions.double()
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
+    angles = pos.reshape(-1, 1) * omega.reshape(1, -1)
+    return torch.cat([angles.sin(), angles.cos()], dim=1).float()
 
 
 def sincos_pos_embed_2d(dim: int, grid_size: int, cls_token: bool = True) -> torch.Tensor:
@@ -153,29 +242,25 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, cls_token: bool = True) -> tor
     """
     if dim % 4:
         raise ConfigError(f"embedding dim {dim} must be divisible by 4")
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
     coords = torch.arange(grid_size, dtype=torch.float64)
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")
-
-    def encode(pos: torch.Tensor) -> torch.Tensor:
-        angles = pos.reshape(-1, 1) * omega.reshape(1, -1)
-        return torch.cat([angles.sin(), angles.cos()], dim=1)
-
     # MAE's convention: the first half of the channels encodes the column (w), then the row (h).
-    emb = torch.cat([encode(cols), encode(rows)], dim=1)
+    emb = torch.cat([sincos_pos_embed_1d(dim // 2, cols), sincos_pos_embed_1d(dim // 2, rows)], dim=1)
     if cls_token:
-        emb = torch.cat([torch.zeros(1, dim, dtype=torch.float64), emb], dim=0)
-    return emb.float()
+        emb = torch.cat([torch.zeros(1, dim), emb], dim=0)
+    return emb
 
 
 def create_encoder(spec: EncoderSpec, *, mae_init: bool = False) -> VisionTransformer:
     """Build the timm VisionTransformer for ``spec`` (randomly initialised, no head).
 
     With ``mae_init`` the weights follow the MAE recipe: fixed sin-cos position embeddings
-    (frozen), xavier-uniform linears and patch projection, normal(0.02) class token.
+    (frozen), xavier-uniform linears and patch projection, normal(0.02) class token. In a family
+    with ``frozen_tokens`` (DP-Cap) a normal(0.02) image type embedding is added to every row of
+    ``pos_embed`` and the class token is frozen, as in the reference.
     """
     model = timm.create_model(
-        spec.family.timm_architecture,
+        spec.architecture.timm_architecture,
         pretrained=False,
         num_classes=0,
         pretrained_cfg_overlay=spec.pretrained_cfg(),
@@ -193,6 +278,9 @@ def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
         w = model.patch_embed.proj.weight
         torch.nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         torch.nn.init.normal_(model.cls_token, std=0.02)
+        if spec.family.frozen_tokens:
+            model.pos_embed.add_(torch.randn(1, 1, model.embed_dim) * 0.02)
+            model.cls_token.requires_grad_(False)
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 torch.nn.init.xavier_uniform_(m.weight)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from huggingface_hub import EvalResult
@@ -29,7 +29,7 @@ from .artifacts import (
 )
 from .card import CardInfo, card_info, render_card
 from .errors import ConfigError, RepoFormatError
-from .features import POOLINGS, feature_dim
+from .features import feature_dim
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec, count_parameters
 from .paths import validate_relpath
@@ -45,9 +45,14 @@ from .repo_format import (
     META_DECODER,
     META_FORMAT,
     META_LEDGER,
+    TEXT_DECODER_FILE,
+    VOCAB_FILE,
     WEIGHTS_FILE,
 )
 from .verify import verify_repo
+
+if TYPE_CHECKING:
+    from .captioning import ImageMemory, TextDecoder
 
 __all__ = ["export_encoder", "read_config", "update_repo", "weights_ledger"]
 
@@ -65,26 +70,39 @@ def export_encoder(
     eval_results: Iterable[EvalResult] = (),
     decoder: Mapping[str, torch.Tensor] | None = None,
     decoder_config: Mapping[str, Any] | None = None,
+    text_decoder: "TextDecoder | None" = None,
+    vocab: bytes | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a released-encoder repo for ``model`` to ``out_dir`` and return its path.
 
     ``stages`` are the ledger's stages in training order; guarantees and file digests are
-    computed here. ``decoder`` (an MAE decoder state dict) and ``extra_files`` (e.g. a
-    training-curve PNG) are optional.
+    computed here. Optional: ``decoder`` (an MAE decoder state dict, ViP), ``text_decoder`` (a
+    ``vip_hub.captioning.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode) with
+    ``vocab`` (the bytes of the tokenizer's vocab.txt), and ``extra_files`` (e.g. a
+    training-curve PNG).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
+    _check_text_parts(spec, model, text_decoder, vocab)
     tensors = _encoder_tensors(model)
-    config = _config(spec, model)
+    config = _config(spec, model, text_decoder.memory if text_decoder is not None else None)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
     artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: _sha256_bytes(config_bytes)}
     dec = None
     if decoder is not None:
         dec = {k: v.detach().cpu().contiguous() for k, v in decoder.items()}
         artifacts[MAE_DECODER_FILE] = tensors_digest_of(dec)
+    text = None
+    if text_decoder is not None:
+        from .captioning import text_decoder_file
+
+        text = text_decoder_file(text_decoder)
+        artifacts[TEXT_DECODER_FILE] = tensors_digest_of(text[0])
+    if vocab is not None:
+        artifacts[VOCAB_FILE] = _sha256_bytes(vocab)
     for rel, data in (extra_files or {}).items():
         artifacts[validate_relpath(rel)] = _sha256_bytes(data)
     ledger = PrivacyLedger.build(stages, artifacts)
@@ -102,10 +120,14 @@ def export_encoder(
         if dec is not None:
             meta = {"format": "pt", META_DECODER: json.dumps(dict(decoder_config or {}))}
             save_file(dec, tmp / MAE_DECODER_FILE, metadata=meta)
+        if text is not None:
+            save_file(text[0], tmp / TEXT_DECODER_FILE, metadata=text[1])
+        if vocab is not None:
+            (tmp / VOCAB_FILE).write_bytes(vocab)
         for rel, data in (extra_files or {}).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)
-        _write_ledger_copies(tmp, ledger, info, spec, count_parameters(model), rewrite_weights=False)
+        _write_ledger_copies(tmp, ledger, info, config, rewrite_weights=False)
 
     _atomic_dir(out, write, fresh=True)
     return out
@@ -136,7 +158,6 @@ def update_repo(
         if rel in MANAGED_FILES:
             raise ConfigError(f"{rel} is managed by vip_hub and cannot be replaced")
     config = read_config(repo)
-    spec = EncoderSpec.from_config(config)
     info = card_info((repo / CARD_FILE).read_text(encoding="utf-8"))
     new_results = list(add_eval_results)
     replaced = {(r.dataset_name, r.metric_name) for r in new_results}
@@ -162,7 +183,7 @@ def update_repo(
             _write_new(target, data if isinstance(data, bytes) else Path(data).read_bytes())
         artifacts = {**kept, **{rel: digest_file(tmp / rel, rel) for rel in files}}
         ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
-        _write_ledger_copies(tmp, ledger, info, spec, int(config[CONFIG_BLOCK]["num_params"]))
+        _write_ledger_copies(tmp, ledger, info, config)
         result["ledger"] = ledger
 
     _atomic_dir(repo, write, fresh=False)
@@ -190,9 +211,31 @@ def _encoder_tensors(model: VisionTransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("head.")}
 
 
-def _config(spec: EncoderSpec, model: VisionTransformer) -> dict[str, Any]:
+def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder: "TextDecoder | None",
+                      vocab: bytes | None) -> None:
+    """A text decoder only where the family captions, fitting the encoder; a vocab only with it, fitting it."""
+    if text_decoder is None:
+        if vocab is not None:
+            raise ConfigError("a vocabulary is only exported with the text decoder that uses it")
+        return
+    if not spec.family.captions:
+        raise ConfigError(f"{spec.arch}: {spec.family.title} repos carry no text decoder")
+    from .captioning import Captioner
+    from .tokenizer import CaptionTokenizer
+
+    Captioner(model, text_decoder)  # checks that the decoder reads this encoder's tokens
+    if vocab is not None:
+        c, tok = text_decoder.config, CaptionTokenizer(vocab)
+        ids, want = (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id), (c.vocab_size, c.bos_id, c.eos_id, c.pad_id)
+        if ids != want:
+            raise ConfigError(f"the vocabulary's (size, [CLS], [SEP], [PAD]) = {ids} does not match the text "
+                              f"decoder's {want}")
+
+
+def _config(spec: EncoderSpec, model: VisionTransformer, memory: "ImageMemory | None" = None) -> dict[str, Any]:
+    modes = [m for m in spec.family.poolings if m != "dpcap" or memory is not None]
     return {
-        "architecture": spec.family.timm_architecture,
+        "architecture": spec.architecture.timm_architecture,
         "num_classes": 0,
         "num_features": model.num_features,
         "global_pool": "avg",
@@ -201,8 +244,9 @@ def _config(spec: EncoderSpec, model: VisionTransformer) -> dict[str, Any]:
         CONFIG_BLOCK: {
             "format_version": FORMAT_VERSION,
             "arch": spec.arch,
+            "family": spec.family.name,
             "num_params": count_parameters(model),
-            "feature_dims": {p: feature_dim(model, p) for p in POOLINGS},
+            "feature_dims": {p: feature_dim(model, p, memory) for p in modes},  # type: ignore[arg-type]
         },
     }
 
@@ -220,8 +264,7 @@ def _write_ledger_copies(
     folder: Path,
     ledger: PrivacyLedger,
     info: CardInfo,
-    spec: EncoderSpec,
-    num_params: int,
+    config: dict[str, Any],
     rewrite_weights: bool = True,
 ) -> None:
     if rewrite_weights:
@@ -231,7 +274,10 @@ def _write_ledger_copies(
         rewrite_safetensors_metadata(folder / WEIGHTS_FILE, meta)
     _write_new(folder / LEDGER_FILE, ledger.to_json().encode())
     plots = sorted(p for p in ledger.artifacts if p.endswith(".png"))
-    card = render_card(info, spec, ledger, num_params=num_params, plots=plots)
+    block = config[CONFIG_BLOCK]
+    card = render_card(info, EncoderSpec.from_config(config), ledger, num_params=int(block["num_params"]),
+                       feature_dims=block["feature_dims"], plots=plots,
+                       captions=all((folder / f).is_file() for f in (TEXT_DECODER_FILE, VOCAB_FILE)))
     _write_new(folder / CARD_FILE, card.encode())
 
 

@@ -1,0 +1,66 @@
+"""The caption tokenizer: BERT uncased WordPiece over a fixed vocabulary file (``vocab.txt``),
+run by the ``tokenizers`` library, with the DP-Cap reference's conventions: a caption is
+``[CLS] tokens [SEP]`` (BOS = ``[CLS]``, EOS = ``[SEP]``, 101 and 102 in BERT's vocabulary),
+padded with ``[PAD]`` (0) and cut at 40 tokens.
+
+The vocabulary is a public file fixed before training (the reference uses BERT's
+``bert-base-uncased`` vocabulary, 30,522 entries). It is never fitted on the private captions:
+a vocabulary learnt from private text would itself be a release of that text, outside any
+privacy ledger. A repo that captions carries its vocabulary (``vip_hub.repo_format.VOCAB_FILE``),
+so it is self-contained.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import BertWordPieceTokenizer
+
+from .errors import ConfigError
+
+__all__ = ["MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer"]
+
+MAX_LENGTH = 40
+"""Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class CaptionTokenizer:
+    """WordPiece tokenizer over ``vocab`` (the bytes or path of a BERT-style ``vocab.txt``)."""
+
+    def __init__(self, vocab: bytes | str | os.PathLike[str], max_length: int = MAX_LENGTH):
+        data = vocab if isinstance(vocab, bytes) else Path(vocab).read_bytes()
+        try:
+            tokens = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"vocabulary is not UTF-8 text ({e})") from None
+        index: dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            if not token or token in index:
+                raise ConfigError(f"vocabulary line {i + 1}: {'empty' if not token else f'duplicate {token!r}'}")
+            index[token] = i
+        missing = [t for t in SPECIAL_TOKENS if t not in index]
+        if missing:
+            raise ConfigError(f"vocabulary lacks the special tokens {', '.join(missing)} (a BERT-style vocab.txt has them)")
+        if max_length < 2:
+            raise ConfigError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
+        self.vocab_size = len(tokens)
+        self.pad_id, self.bos_id, self.eos_id = index["[PAD]"], index["[CLS]"], index["[SEP]"]
+        self.max_length = max_length
+        self._tok = BertWordPieceTokenizer(index, lowercase=True)
+        self._tok.enable_truncation(max_length)
+        self._tok.enable_padding(pad_id=self.pad_id, pad_token="[PAD]")
+
+    def encode(self, texts: Sequence[str]) -> torch.Tensor:
+        """``[CLS] text [SEP]`` for each text, cut at ``max_length`` (keeping [SEP]) and padded
+        with [PAD] to the longest: a (len(texts), T) long tensor."""
+        if not texts:
+            return torch.empty(0, 2, dtype=torch.long)
+        return torch.tensor([e.ids for e in self._tok.encode_batch(list(texts))], dtype=torch.long)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens dropped and word pieces joined."""
+        return self._tok.decode(list(ids), skip_special_tokens=True)
