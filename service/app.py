@@ -17,7 +17,7 @@ from fastapi import FastAPI
 import vip_hub
 
 from .auth import TokenRegistry
-from .errors import ServiceError, handle_service_error
+from .errors import install as install_errors
 from .metrics import Metrics
 from .settings import Settings
 from .store import HubStore
@@ -52,11 +52,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.store = HubStore(settings.store)
+    app.state.store = HubStore(settings.store, upload_ttl=settings.hub.upload_ttl_s)
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.add_exception_handler(ServiceError, handle_service_error)
+    install_errors(app)
 
     from .ops import install as install_ops
 

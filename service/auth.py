@@ -14,6 +14,7 @@ import hmac
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +25,7 @@ from fastapi import Request
 from .errors import Forbidden, RepoNotFound, Unauthorized
 from .settings import Settings
 
-__all__ = ["Identity", "Scope", "TokenRegistry", "create_token", "identity", "require_scope"]
+__all__ = ["Identity", "Scope", "TokenRegistry", "check_grant", "create_token", "identity", "require_scope", "sign_grant"]
 
 Scope = Literal["read", "write", "admin"]
 _RANK = {"read": 1, "write": 2, "admin": 3}
@@ -136,3 +137,22 @@ def create_token(path: Path, name: str, scope: Scope) -> str:
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return secret
+
+
+def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float) -> str:
+    """A short-lived bearer grant for ``purpose`` on ``subject`` (e.g. an LFS object PUT, a
+    Xet upload session): ``<expiry>.<hmac>``, checked with :func:`check_grant` by any replica
+    that shares the store's key."""
+    expires = int(time.time() + ttl_s)
+    mac = hmac.new(key, f"{purpose}\n{subject}\n{expires}".encode(), hashlib.sha256).hexdigest()
+    return f"{expires}.{mac}"
+
+
+def check_grant(key: bytes, purpose: str, subject: str, grant: str | None) -> None:
+    """Unauthorized unless ``grant`` was signed for ``purpose`` on ``subject`` and has not expired."""
+    expires, _, mac = (grant or "").partition(".")
+    if not expires.isdigit() or int(expires) < time.time():
+        raise Unauthorized(f"{purpose}: missing or expired grant; ask the hub for a new one")
+    good = hmac.new(key, f"{purpose}\n{subject}\n{expires}".encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(good, mac):
+        raise Unauthorized(f"{purpose}: invalid grant")

@@ -1,16 +1,23 @@
-"""Typed errors of the service, rendered the way huggingface_hub clients read them.
+"""Errors as HTTP responses, in one place.
 
-Each error becomes JSON ``{"error": message}`` with the message also in ``X-Error-Message``
-(one line) and, for the hub's lookups, ``X-Error-Code`` (``RepoNotFound``,
-``RevisionNotFound``, ``EntryNotFound``), which the clients map onto their own exceptions.
+Three families reach the app: :class:`ServiceError` (HTTP-level: auth, request limits,
+inference), the store's :class:`service.store.errors.StoreError` and the library's
+:class:`vip_hub.errors.VipHubError`. :func:`error_response` maps each onto a status and, for
+the hub's lookups, the ``X-Error-Code`` that huggingface_hub clients turn into their own
+exceptions (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``). The body is JSON
+``{"error": message}``, the message also in ``X-Error-Message`` (one line).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from vip_hub.errors import MissingInputError, VipHubError
+
+from .store import errors as store
 
 __all__ = [
     "BadRequest",
@@ -23,11 +30,12 @@ __all__ = [
     "ServiceError",
     "Unauthorized",
     "error_response",
+    "install",
 ]
 
 
 class ServiceError(Exception):
-    """Base: an HTTP status, an optional hub error code, a message, extra headers."""
+    """Base of the HTTP-level errors: a status, an optional hub error code, a message, extra headers."""
 
     status = 400
     code: str | None = None
@@ -73,17 +81,46 @@ class PayloadTooLarge(ServiceError):
     status = 413
 
 
-def error_response(err: ServiceError) -> JSONResponse:
-    """The JSON response for ``err``."""
-    headers = {"X-Error-Message": _header_safe(err.message), **err.headers}
-    if err.code:
-        headers["X-Error-Code"] = err.code
-    return JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
+# store error -> (status, hub error code); the first class that matches wins (subclasses first)
+_STORE: tuple[tuple[type[store.StoreError], int, str | None], ...] = (
+    (store.NoSuchRepo, 404, "RepoNotFound"),
+    (store.NoSuchRevision, 404, "RevisionNotFound"),
+    (store.NoSuchEntry, 404, "EntryNotFound"),
+    (store.Conflict, 409, None),
+    (store.TooLarge, 413, None),
+    (store.InvalidRequest, 400, None),
+    (store.StoreError, 400, None),
+)
 
 
-async def handle_service_error(_request: Request, err: Exception) -> JSONResponse:
-    assert isinstance(err, ServiceError)
+def error_response(err: Exception) -> JSONResponse:
+    """The response for an error of any of the three families (anything else is a bug: 500)."""
+    headers: dict[str, str] = {}
+    if isinstance(err, ServiceError):
+        status, code, message, headers = err.status, err.code, err.message, dict(err.headers)
+    elif isinstance(err, store.StoreError):
+        status, code = next((s, c) for cls, s, c in _STORE if isinstance(err, cls))
+        message = str(err)
+        if isinstance(err, store.NoSuchEntry) and err.commit:
+            headers["X-Repo-Commit"] = err.commit  # lets the client cache the absence
+    elif isinstance(err, VipHubError):
+        status, code, message = (404 if isinstance(err, MissingInputError) else 400), None, str(err)
+    else:
+        raise TypeError(f"not a handled error family: {type(err).__name__}")
+    headers["X-Error-Message"] = _header_safe(message)
+    if code:
+        headers["X-Error-Code"] = code
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def _handle(_request: Request, err: Exception) -> JSONResponse:
     return error_response(err)
+
+
+def install(app: FastAPI) -> None:
+    """Route the three error families to :func:`error_response`."""
+    for family in (ServiceError, store.StoreError, VipHubError):
+        app.add_exception_handler(family, _handle)
 
 
 def _header_safe(text: str) -> str:

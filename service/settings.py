@@ -32,7 +32,9 @@ class HubSettings(BaseModel):
     """The model hub: store protocol, uploads and web pages."""
 
     enabled: bool = True
-    max_upload_bytes: int = Field(8 * GIB, gt=0, description="largest commit body accepted")
+    max_upload_bytes: int = Field(8 * GIB, gt=0, description="largest commit body, LFS object or Xet file accepted")
+    upload_ttl_s: float = Field(24 * 3600, gt=0, description="uploads (LFS objects, Xet xorbs) never committed "
+                                                             "are removed after this many seconds")
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
 
 

@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import BadRequest, Conflict, EntryNotFound, RepoNotFound, RevisionNotFound
-from service.store import AddFile, DeleteFile, HubStore
+from service.store import (
+    AddFile,
+    Conflict,
+    DeleteFile,
+    HubStore,
+    InvalidRequest,
+    NoSuchEntry,
+    NoSuchRepo,
+    NoSuchRevision,
+    PublishRefused,
+)
 from vip_hub.verify import repo_files
 
 from conftest import dp_stage, export_encoder, synthetic_stage, tiny_encoder, TINY, tiny_repo_with_head
@@ -57,11 +66,11 @@ def test_refused_commit_stores_nothing(store, repo_dir):
     data = json.loads(ledger.source.read_text())
     data["stages"][1]["epsilon"] = 0.01
     ledger.source.write_text(json.dumps(data))
-    with pytest.raises(BadRequest, match="does not verify, nothing was stored.*privacy_ledger.json"):
+    with pytest.raises(PublishRefused, match="does not verify, nothing was stored.*privacy_ledger.json"):
         store.commit("vip/m", ops)
     assert store.resolve("vip/m") == good.sha
     assert not list((store.root / "tmp").iterdir())
-    with pytest.raises(BadRequest, match="pickle-based weight files are not accepted"):
+    with pytest.raises(InvalidRequest, match="pickle-based weight files are not accepted"):
         tmp = store.blobs.new_temp()
         tmp.write_bytes(b"\x80\x04")
         store.commit("vip/m", [AddFile("pytorch_model.bin", tmp)])
@@ -70,9 +79,9 @@ def test_refused_commit_stores_nothing(store, repo_dir):
 def test_deleting_a_ledger_file_is_refused(store, repo_dir):
     store.create_repo("vip/m")
     store.commit("vip/m", _ops(store, repo_dir))
-    with pytest.raises(BadRequest, match="privacy_ledger.json: missing"):
+    with pytest.raises(PublishRefused, match="privacy_ledger.json: missing"):
         store.commit("vip/m", [DeleteFile("privacy_ledger.json")])
-    with pytest.raises(EntryNotFound):
+    with pytest.raises(NoSuchEntry):
         store.commit("vip/m", [DeleteFile("nope.txt")])
 
 
@@ -106,10 +115,10 @@ def test_concurrent_commits_make_a_linear_history(store, repo_dir):
 
 
 def test_tags_and_errors(store, repo_dir):
-    with pytest.raises(RepoNotFound):
+    with pytest.raises(NoSuchRepo):
         store.resolve("vip/none")
     store.create_repo("vip/m")
-    with pytest.raises(RevisionNotFound):
+    with pytest.raises(NoSuchRevision):
         store.resolve("vip/m")  # empty repo
     c1 = store.commit("vip/m", _ops(store, repo_dir))
     store.create_tag("vip/m", "v1")
@@ -117,9 +126,9 @@ def test_tags_and_errors(store, repo_dir):
     assert store.resolve("vip/m", "v1") == c1.sha
     with pytest.raises(Conflict):
         store.create_tag("vip/m", "v1")
-    with pytest.raises(BadRequest, match="is a tag"):
+    with pytest.raises(InvalidRequest, match="is a tag"):
         store.commit("vip/m", _ops(store, repo_dir), branch="v1")
-    with pytest.raises(RevisionNotFound):
+    with pytest.raises(NoSuchRevision):
         store.resolve("vip/m", "0" * 40)
 
 
@@ -142,7 +151,7 @@ def test_listing_filters_without_reading_blobs(store, tmp_path):
     assert ids(store.list_models(dataset="test-images", sort="name", descending=False)) == ["org/a", "org/b"]
     assert ids(store.list_models(arch="vip-tiny")) == []
     assert ids(store.list_models(author="org", search="_")) == []
-    with pytest.raises(BadRequest):
+    with pytest.raises(InvalidRequest):
         store.list_models(sort="nonsense")
 
 
@@ -157,5 +166,5 @@ def test_snapshot_dir(store, repo_dir):
 
 @pytest.mark.parametrize("repo_id", ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden"])
 def test_bad_repo_ids(store, repo_id):
-    with pytest.raises(BadRequest):
+    with pytest.raises(InvalidRequest):
         store.create_repo(repo_id)

@@ -6,11 +6,27 @@ from typing import Any
 
 from fastapi import Request
 
+from vip_hub.repo_format import is_weights_file
+
 from ..auth import Identity, check_read
-from ..naming import decode_segment, validate_repo_id
+from ..store.naming import decode_segment, validate_repo_id
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
 
-__all__ = ["base_url", "model_json", "raw_segments", "readable_repo", "store_of"]
+__all__ = ["LFS_THRESHOLD", "base_url", "etag", "is_lfs", "model_json", "raw_segments", "readable_repo", "store_of"]
+
+LFS_THRESHOLD = 10 * 1024 * 1024
+"""Files above this size (and every weights file) travel and are served as LFS objects."""
+POINTER_SIZE = 134  # bytes of a git LFS pointer file (what clients show as the stored size)
+
+
+def is_lfs(path: str, size: int) -> bool:
+    """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything large."""
+    return is_weights_file(path) or size > LFS_THRESHOLD
+
+
+def etag(entry: FileEntry) -> str:
+    """The ETag clients cache a file under: SHA-256 for LFS files, else the git blob id."""
+    return entry.sha256 if is_lfs(entry.path, entry.size) else entry.git_oid
 
 
 def store_of(request: Request) -> HubStore:
@@ -45,8 +61,8 @@ def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"rfilename": entry.path}
     if blobs:
         out.update(size=entry.size, blobId=entry.git_oid)
-        if entry.lfs:
-            out["lfs"] = {"size": entry.size, "sha256": entry.sha256, "pointerSize": 134}
+        if is_lfs(entry.path, entry.size):
+            out["lfs"] = {"size": entry.size, "sha256": entry.sha256, "pointerSize": POINTER_SIZE}
     return out
 
 

@@ -8,8 +8,8 @@ from fastapi.responses import FileResponse
 
 from ..auth import Identity, identity
 from ..errors import BadRequest
-from ..naming import validate_path, validate_revision
-from .common import raw_segments, readable_repo, store_of
+from ..store.naming import validate_path, validate_revision
+from .common import etag, is_lfs, raw_segments, readable_repo, store_of
 
 router = APIRouter()
 
@@ -28,12 +28,12 @@ async def resolve(org: str, name: str, rest: str, request: Request,
     commit = store.resolve(repo.repo_id, revision)
     entry = store.file(repo.repo_id, commit, path)
     headers = {
-        "ETag": f'"{entry.etag}"',
+        "ETag": f'"{etag(entry)}"',
         "X-Repo-Commit": commit,
         "Accept-Ranges": "bytes",
         "Cache-Control": "public, max-age=31536000, immutable" if revision == commit else "no-cache",
     }
-    if entry.lfs:
+    if is_lfs(entry.path, entry.size):
         headers["X-Linked-Size"] = str(entry.size)
     return FileResponse(store.blob_path(entry), headers=headers, filename=None,
                         media_type=_media_type(path))

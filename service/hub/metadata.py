@@ -11,9 +11,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from ..auth import Identity, identity, require_scope
-from ..errors import BadRequest, EntryNotFound, RevisionNotFound
-from ..naming import validate_path, validate_revision
-from .common import model_json, raw_segments, readable_repo, store_of
+from vip_hub.repo_format import DEFAULT_BRANCH
+
+from ..errors import BadRequest
+from ..store import NoSuchEntry, NoSuchRevision
+from ..store.naming import validate_path, validate_revision
+from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_repo, store_of
 
 router = APIRouter(prefix="/api")
 
@@ -58,7 +61,7 @@ def list_models(
 @router.get("/models/{org}/{name}", summary="Model info at main")
 def model_info(org: str, name: str, request: Request, blobs: bool = False,
                who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    return _info(request, org, name, "main", blobs, who, missing_ok=True)
+    return _info(request, org, name, DEFAULT_BRANCH, blobs, who, missing_ok=True)
 
 
 @router.get("/models/{org}/{name}/revision/{revision:path}", summary="Model info at a revision")
@@ -74,7 +77,7 @@ def _info(request: Request, org: str, name: str, revision: str, blobs: bool,
     repo = readable_repo(store, org, name, who)
     try:
         commit = store.resolve(repo.repo_id, revision)
-    except RevisionNotFound:
+    except NoSuchRevision:
         if missing_ok and not store.refs(repo.repo_id)["branch"]:
             return model_json(repo, None, {})  # an empty repo, created but never committed to
         raise
@@ -89,14 +92,14 @@ def tree(org: str, name: str, rest: str, request: Request, recursive: bool = Fal
     del rest, expand
     store = store_of(request)
     segments = raw_segments(request, 5)
-    revision = validate_revision(segments[0]) if segments and segments[0] else "main"
+    revision = validate_revision(segments[0]) if segments and segments[0] else DEFAULT_BRANCH
     prefix = validate_path("/".join(segments[1:])) if len(segments) > 1 and segments[1] else ""
     repo = readable_repo(store, org, name, who)
     commit = store.resolve(repo.repo_id, revision)
     files = store.tree(repo.repo_id, commit)
     base = prefix + "/" if prefix else ""
     if prefix and not any(p.startswith(base) for p in files):
-        raise EntryNotFound(f"{prefix} not found in {repo.repo_id} at {commit}", {"X-Repo-Commit": commit})
+        raise NoSuchEntry(f"{prefix} not found in {repo.repo_id} at {commit}", commit)
     entries: dict[str, dict[str, Any]] = {}
     for path, e in files.items():
         if not path.startswith(base):
@@ -108,8 +111,8 @@ def tree(org: str, name: str, rest: str, request: Request, recursive: bool = Fal
                 entries.setdefault(folder, {"type": "directory", "path": folder, "oid": _folder_oid(folder, commit)})
         if recursive or len(parts) == 1:
             item: dict[str, Any] = {"type": "file", "path": path, "size": e.size, "oid": e.git_oid}
-            if e.lfs:
-                item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": 134}
+            if is_lfs(e.path, e.size):
+                item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": POINTER_SIZE}
             entries[path] = item
     ordered = sorted(entries.values(), key=lambda x: (x["type"] != "directory", x["path"]))
     page = ordered[cursor:cursor + TREE_PAGE]

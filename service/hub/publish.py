@@ -16,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..auth import Identity, identity, require_scope
-from ..errors import BadRequest, RevisionNotFound
-from ..naming import validate_path, validate_repo_id, validate_revision
-from .common import base_url, store_of
-from .uploads import parse_commit_body, spool_body
+from ..errors import BadRequest
+from ..store import NoSuchRevision
+from ..store.naming import validate_path, validate_repo_id, validate_revision
+from .common import base_url, is_lfs, store_of
+from .uploads import CommitParser, receive_body
 
 router = APIRouter(prefix="/api")
 
@@ -69,14 +70,15 @@ def preupload(org: str, name: str, revision: str, payload: Preupload, request: R
     repo = store.get_repo(validate_repo_id(org, name))
     try:
         tree = store.tree(repo.repo_id, store.resolve(repo.repo_id, validate_revision(revision)))
-    except RevisionNotFound:  # an empty repo or a new branch: nothing to compare against
+    except NoSuchRevision:  # an empty repo or a new branch: nothing to compare against
         tree = {}
     files = []
     for f in payload.files:
         path = validate_path(f.path)
         existing = tree.get(path)
-        files.append({"path": path, "uploadMode": "regular", "shouldIgnore": False,
-                      "oid": existing.git_oid if existing else None})
+        lfs = is_lfs(path, f.size)
+        oid = (existing.sha256 if lfs else existing.git_oid) if existing else None
+        files.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
     return {"files": files, "commitOid": None}
 
 
@@ -89,9 +91,13 @@ async def commit(org: str, name: str, revision: str, request: Request,
     store = store_of(request)
     repo = store.get_repo(validate_repo_id(org, name))
     branch = validate_revision(revision)
-    limit = request.app.state.settings.hub.max_upload_bytes
-    body = await spool_body(request.stream(), store.blobs, limit)
-    parsed = await run_in_threadpool(parse_commit_body, body, store.blobs)
+    parser = CommitParser(store.blobs, request.app.state.settings.hub.max_upload_bytes)
+    try:
+        await receive_body(request, parser.feed, parser.limit)
+        parsed = parser.finish()
+    except BaseException:
+        parser.discard()
+        raise
     record = await run_in_threadpool(
         store.commit, repo.repo_id, parsed.operations, branch=branch,
         parent_commit=parsed.parent_commit, title=parsed.summary or "Update",

@@ -1,33 +1,38 @@
-"""Commit bodies (NDJSON, as ``HfApi.create_commit`` sends them), streamed to disk and parsed
-without holding a file's content in memory.
+"""Commit bodies (NDJSON, as ``HfApi.create_commit`` sends them), parsed exactly as they
+stream in, with bounded memory.
 
-Each ``file`` line carries one file base64-encoded; a line can be hundreds of MB. The body
-is first written to a temp file (under the size limit). Short lines are parsed with
-``json.loads``; for a long line the base64 string (the longest string in it: base64 has no
-quote characters) is decoded to its own temp file straight from disk, and the rest of the
-line is parsed with the string emptied.
+Each line is one JSON object: a ``header``, then ``file`` (content inline, base64),
+``lfsFile`` (an object uploaded ahead, by SHA-256), ``deletedFile`` and ``deletedFolder``
+lines. A ``file`` line can be hundreds of MB. :class:`CommitParser` is a small push parser
+that tracks JSON's own structure (strings and their escapes, objects, arrays, keys), so it
+knows exactly where every string starts and ends: the string at ``value.content`` is decoded
+from base64 into a temp file as it arrives, everything else of the line (bounded in size)
+is kept and read with ``json.loads``. A malformed body is refused with a 400 naming the line.
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
-import os
 import re
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
 from ..errors import BadRequest, PayloadTooLarge
-from ..store import AddFile, BlobStore, DeleteFile, DeleteFolder
+from ..store import AddFile, AddObject, BlobStore, DeleteFile, DeleteFolder
 
-__all__ = ["CommitRequest", "parse_commit_body", "spool_body"]
+__all__ = ["CommitParser", "CommitRequest", "receive_body"]
 
-SMALL_LINE = 8 * 1024 * 1024
-_CHUNK = 1 << 20
-_B64 = re.compile(rb"^[A-Za-z0-9+/=\s]*$")
+MAX_SKELETON = 1 << 20  # bytes of a line outside its file content
+_STRUCTURE = re.compile(rb'["{}\[\]:,\n]')
+_IN_STRING = re.compile(rb'["\\\n]')
+_BASE64 = re.compile(rb"[A-Za-z0-9+/=]*")
+_KEY_CAP = 64
 
 
 @dataclass
@@ -37,7 +42,7 @@ class CommitRequest:
     summary: str = ""
     description: str = ""
     parent_commit: str | None = None
-    operations: list[AddFile | DeleteFile | DeleteFolder] = field(default_factory=list)
+    operations: list[AddFile | AddObject | DeleteFile | DeleteFolder] = field(default_factory=list)
 
     def discard(self) -> None:
         """Remove the temp files of a commit that will not be made."""
@@ -46,168 +51,285 @@ class CommitRequest:
                 op.source.unlink(missing_ok=True)
 
 
-async def spool_body(stream: AsyncIterator[bytes], blobs: BlobStore, limit: int) -> Path:
-    """Write a request body to a temp file, refusing it (413) past ``limit`` bytes."""
-    path = blobs.new_temp(".body")
-    size = 0
-    try:
-        with open(path, "wb") as f:
-            async for chunk in stream:
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"commit body exceeds the upload limit of {limit} bytes")
-                f.write(chunk)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path
+class _Base64File:
+    """Base64 text written in pieces, decoded into a file (strict alphabet and padding)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._out: BinaryIO = open(path, "wb")
+        self._pending = b""
+        self._padded = False
+
+    def write(self, text: bytes) -> None:
+        if not _BASE64.fullmatch(text):
+            raise ValueError("content is not base64")
+        text = self._pending + text
+        cut = len(text) - len(text) % 4
+        self._pending = text[cut:]
+        if not cut:
+            return
+        if self._padded:
+            raise ValueError("content has base64 data after its padding")
+        try:
+            self._out.write(binascii.a2b_base64(text[:cut], strict_mode=True))
+        except binascii.Error as e:
+            raise ValueError(f"content is not base64 ({e})") from None
+        self._padded = text[cut - 1:cut] == b"="
+
+    def close(self) -> None:
+        self._out.close()
+        if self._pending:
+            raise ValueError("content is not base64 (its length is not a multiple of 4)")
 
 
-def parse_commit_body(body: Path, blobs: BlobStore) -> CommitRequest:
-    """Parse a spooled NDJSON commit body; the body file is consumed."""
-    commit = CommitRequest()
-    saw_header = False
-    try:
-        with open(body, "rb") as f:
-            for number, (start, end) in enumerate(_line_spans(f), start=1):
-                item = _read_item(f, start, end, blobs, number)
-                key, value = item.get("key"), item.get("value")
-                if not isinstance(value, dict):
-                    raise BadRequest(f"commit line {number}: 'value' must be an object")
-                if key == "header":
-                    saw_header = True
-                    commit.summary = str(value.get("summary") or "")
-                    commit.description = str(value.get("description") or "")
-                    commit.parent_commit = value.get("parentCommit")
-                elif key == "file":
-                    commit.operations.append(_file_op(value, number))
-                elif key == "deletedFile":
-                    commit.operations.append(DeleteFile(_path(value, number)))
-                elif key == "deletedFolder":
-                    commit.operations.append(DeleteFolder(_path(value, number)))
-                elif key == "lfsFile":
-                    raise BadRequest(
-                        "LFS uploads are not supported by this hub: it answers 'regular' upload mode "
-                        "to preupload, so clients send content inline"
-                    )
-                else:
-                    raise BadRequest(f"commit line {number}: unknown key {key!r}")
-    except BaseException:
-        commit.discard()
-        raise
-    finally:
-        body.unlink(missing_ok=True)
-    if not saw_header:
-        commit.discard()
-        raise BadRequest("commit body has no header line")
-    return commit
+@dataclass
+class _Container:
+    kind: int  # ord("{") or ord("[")
+    expect_key: bool = False
+    key: bytes | None = None
 
 
-def _line_spans(f: BinaryIO) -> Iterator[tuple[int, int]]:
-    """(start, end) byte offsets of each non-empty line."""
-    start = pos = 0
-    while chunk := f.read(_CHUNK):
-        i = 0
-        while (j := chunk.find(b"\n", i)) != -1:
-            if pos + j > start:
-                yield start, pos + j
-            start = pos + j + 1
-            i = j + 1
-        pos += len(chunk)
-    if pos > start:
-        yield start, pos
+class CommitParser:
+    """Push parser of a commit body: ``feed`` the bytes as they arrive, then ``finish``.
+    On any error the caller calls ``discard`` (temp files are removed)."""
+
+    def __init__(self, blobs: BlobStore, limit: int):
+        self.blobs, self.limit = blobs, limit
+        self.commit = CommitRequest()
+        self.received = 0
+        self._line = 1
+        self._skeleton = bytearray()
+        self._stack: list[_Container] = []
+        self._in_string = False
+        self._string_is_key = False
+        self._key = bytearray()
+        self._escape: bytearray | None = None  # an escape sequence being read
+        self._sink: _Base64File | None = None  # the current line's streamed content
+        self._content: Path | None = None
+        self._header_seen = False
+
+    # ---------------------------------------------------------------- feeding
+    def feed(self, data: bytes) -> None:
+        """Consume the next piece of the body."""
+        self.received += len(data)
+        if self.received > self.limit:
+            raise PayloadTooLarge(f"commit body exceeds the upload limit of {self.limit} bytes")
+        try:
+            i, n = 0, len(data)
+            while i < n:
+                i = self._string(data, i) if self._in_string else self._structure(data, i)
+        except ValueError as e:
+            raise BadRequest(f"commit line {self._line}: {e}") from None
+
+    def finish(self) -> CommitRequest:
+        """The parsed commit, once the whole body was fed."""
+        if self._in_string or self._stack:
+            raise BadRequest(f"commit line {self._line}: the body ends inside the line (truncated)")
+        if self._skeleton.strip():
+            try:
+                self._end_line()
+            except ValueError as e:
+                raise BadRequest(f"commit line {self._line}: {e}") from None
+        if not self._header_seen:
+            raise BadRequest("commit body has no header line")
+        return self.commit
+
+    def discard(self) -> None:
+        """Remove every temp file made so far."""
+        self.commit.discard()
+        if self._sink is not None:
+            self._sink._out.close()
+        if self._content is not None:
+            self._content.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- scanning
+    def _structure(self, data: bytes, i: int) -> int:
+        m = _STRUCTURE.search(data, i)
+        j = m.start() if m else len(data)
+        self._keep(data[i:j])
+        if m is None:
+            return j
+        c = data[j]
+        top = self._stack[-1] if self._stack else None
+        if c == 0x0A:  # newline: the end of a line
+            if self._stack:
+                raise ValueError("the line ends inside a JSON object or array")
+            if self._skeleton.strip():
+                self._end_line()
+            self._line += 1
+            return j + 1
+        if c == 0x22:  # a string starts
+            self._in_string = True
+            self._string_is_key = bool(top and top.expect_key)
+            self._key.clear()
+            if self._streams_here(top):
+                self._content = self.blobs.new_temp()
+                self._sink = _Base64File(self._content)
+                self._keep(b'""')
+            else:
+                self._keep(b'"')
+            return j + 1
+        if c in (0x7B, 0x5B):  # { [
+            self._stack.append(_Container(c, expect_key=c == 0x7B))
+        elif c in (0x7D, 0x5D):  # } ]
+            if not self._stack or self._stack[-1].kind != c - 2:
+                raise ValueError(f"unexpected {chr(c)!r}")
+            self._stack.pop()
+        elif c == 0x3A and top and top.kind == 0x7B:  # :
+            top.expect_key = False
+        elif c == 0x2C and top and top.kind == 0x7B:  # ,
+            top.expect_key, top.key = True, None
+        self._keep(data[j:j + 1])
+        return j + 1
+
+    def _streams_here(self, top: _Container | None) -> bool:
+        """Whether the string starting now is ``value.content``, the only one streamed."""
+        return (top is not None and not top.expect_key and len(self._stack) == 2 and top.key == b"content"
+                and self._stack[0].key == b"value" and self._sink is None and self._content is None)
+
+    def _string(self, data: bytes, i: int) -> int:
+        if self._escape is not None:
+            return self._read_escape(data, i)
+        m = _IN_STRING.search(data, i)
+        j = m.start() if m else len(data)
+        self._text(data[i:j])
+        if m is None:
+            return j
+        c = data[j]
+        if c == 0x0A:
+            raise ValueError("a line ends inside a string (unterminated string)")
+        if c == 0x5C:  # backslash
+            self._escape = bytearray(b"\\")
+            return self._read_escape(data, j + 1)
+        self._in_string = False  # the closing quote
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+        else:
+            self._keep(b'"')
+        if self._string_is_key and self._stack:
+            self._stack[-1].key = bytes(self._key) if len(self._key) <= _KEY_CAP else None
+        return j + 1
+
+    def _read_escape(self, data: bytes, i: int) -> int:
+        esc = self._escape
+        assert esc is not None
+        while i < len(data) and len(esc) < (6 if esc[1:2] == b"u" else 2):
+            esc.append(data[i])
+            i += 1
+        if len(esc) == (6 if esc[1:2] == b"u" else 2):
+            self._escape = None
+            if self._sink is None:
+                self._text(bytes(esc))
+            else:
+                try:
+                    char = json.loads(b'"' + esc + b'"').encode()
+                except ValueError:
+                    raise ValueError(f"invalid escape {bytes(esc)!r} in a string") from None
+                self._sink.write(char)
+        return i
+
+    def _text(self, piece: bytes) -> None:
+        """Characters inside a string: to the content file, or kept (and noted if a key)."""
+        if self._sink is not None:
+            self._sink.write(piece)
+            return
+        self._keep(piece)
+        if self._string_is_key and len(self._key) <= _KEY_CAP:
+            self._key += piece[:_KEY_CAP + 1]
+
+    def _keep(self, piece: bytes) -> None:
+        self._skeleton += piece
+        if len(self._skeleton) > MAX_SKELETON:
+            raise ValueError(f"longer than {MAX_SKELETON} bytes outside a file's base64 content")
+
+    # ---------------------------------------------------------------- lines
+    def _end_line(self) -> None:
+        try:
+            item = json.loads(self._skeleton)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        finally:
+            self._skeleton.clear()
+        content, self._content = self._content, None
+        try:
+            self._operation(item, content)
+        except BaseException:
+            if content is not None:
+                content.unlink(missing_ok=True)
+            raise
+
+    def _operation(self, item: Any, content: Path | None) -> None:
+        if not isinstance(item, dict) or not isinstance(item.get("value"), dict):
+            raise ValueError("must be a JSON object with an object 'value'")
+        key, value = item.get("key"), item["value"]
+        if self._line == 1 and key != "header":
+            raise ValueError(f"the first line must be the header, not {key!r}")
+        if content is not None and key != "file":
+            raise ValueError(f"a {key!r} line carries no 'content'")
+        if key == "header":
+            if self._header_seen:
+                raise ValueError("a second header")
+            self._header_seen = True
+            self.commit.summary = str(value.get("summary") or "")
+            self.commit.description = str(value.get("description") or "")
+            parent = value.get("parentCommit")
+            self.commit.parent_commit = parent if isinstance(parent, str) and parent else None
+        elif key == "file":
+            self.commit.operations.append(AddFile(_path(value), self._file_content(value, content)))
+        elif key == "lfsFile":
+            oid, algo = value.get("oid"), value.get("algo", "sha256")
+            if algo != "sha256" or not isinstance(oid, str):
+                raise ValueError("an lfsFile line needs 'oid', a SHA-256 ('algo': 'sha256')")
+            self.commit.operations.append(AddObject(_path(value), oid))
+        elif key == "deletedFile":
+            self.commit.operations.append(DeleteFile(_path(value)))
+        elif key == "deletedFolder":
+            self.commit.operations.append(DeleteFolder(_path(value)))
+        else:
+            raise ValueError(f"unknown key {key!r}")
+
+    def _file_content(self, value: dict[str, Any], content: Path | None) -> Path:
+        if value.get("encoding", "base64") != "base64":
+            raise ValueError(f"file {value.get('path')!r}: only base64 'encoding' is accepted")
+        if content is not None:
+            return content
+        text = value.get("content")  # a content string not streamed (a key written with escapes)
+        if not isinstance(text, str):
+            raise ValueError(f"file {value.get('path')!r} must carry base64 'content'")
+        path = self.blobs.new_temp()
+        sink = _Base64File(path)
+        try:
+            sink.write(text.encode())
+            sink.close()
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
 
 
-def _read_item(f: BinaryIO, start: int, end: int, blobs: BlobStore, number: int) -> dict[str, Any]:
-    here = f.tell()
-    try:
-        if end - start <= SMALL_LINE:
-            f.seek(start)
-            item = _loads(f.read(end - start), number)
-            value = item.get("value")
-            if isinstance(value, dict) and isinstance(value.get("content"), str):
-                source = blobs.new_temp()
-                source.write_bytes(_b64decode(value["content"].encode(), number))
-                value["content"] = source
-            return item
-        return _read_long_item(f, start, end, blobs, number)
-    finally:
-        f.seek(here)
-
-
-def _read_long_item(f: BinaryIO, start: int, end: int, blobs: BlobStore, number: int) -> dict[str, Any]:
-    quotes = []
-    f.seek(start)
-    pos = start
-    while pos < end:
-        chunk = f.read(min(_CHUNK, end - pos))
-        quotes.extend(pos + m.start() for m in re.finditer(rb'"', chunk))
-        pos += len(chunk)
-    if len(quotes) < 2:
-        raise BadRequest(f"commit line {number}: not valid JSON")
-    gap_start, gap_end = max(zip(quotes, quotes[1:]), key=lambda q: q[1] - q[0])
-    f.seek(start)
-    head = f.read(gap_start + 1 - start)
-    f.seek(gap_end)
-    tail = f.read(end - gap_end)
-    item = _loads(head + tail, number)
-    value = item.get("value")
-    if not (isinstance(value, dict) and value.get("content") == ""):
-        raise BadRequest(f"commit line {number}: a long line must be a file with base64 content")
-    source = blobs.new_temp()
-    try:
-        with open(source, "wb") as out:
-            f.seek(gap_start + 1)
-            remaining, pending, buffer = gap_end - gap_start - 1, b"", b""
-            while remaining:
-                raw = f.read(min(_CHUNK, remaining))
-                remaining -= len(raw)
-                raw = pending + raw
-                pending = b""
-                if raw.endswith(b"\\") and remaining:  # keep a split "\/" escape together
-                    raw, pending = raw[:-1], b"\\"
-                buffer += raw.replace(b"\\/", b"/")
-                cut = len(buffer) if not remaining else len(buffer) - len(buffer) % 4
-                out.write(_b64decode(buffer[:cut], number))
-                buffer = buffer[cut:]
-    except BaseException:
-        source.unlink(missing_ok=True)
-        raise
-    value["content"] = source
-    return item
-
-
-def _loads(data: bytes, number: int) -> dict[str, Any]:
-    try:
-        item = json.loads(data)
-    except ValueError as e:
-        raise BadRequest(f"commit line {number}: not valid JSON ({e})") from None
-    if not isinstance(item, dict):
-        raise BadRequest(f"commit line {number}: must be a JSON object")
-    return item
-
-
-def _b64decode(data: bytes, number: int) -> bytes:
-    if not _B64.match(data):
-        raise BadRequest(f"commit line {number}: content is not base64")
-    try:
-        return base64.b64decode(data, validate=False)
-    except (binascii.Error, ValueError) as e:
-        raise BadRequest(f"commit line {number}: content is not base64 ({e})") from None
-
-
-def _path(value: dict[str, Any], number: int) -> str:
+def _path(value: dict[str, Any]) -> str:
     path = value.get("path")
     if not isinstance(path, str):
-        raise BadRequest(f"commit line {number}: 'path' must be a string")
+        raise ValueError("'path' must be a string")
     return path
 
 
-def _file_op(value: dict[str, Any], number: int) -> AddFile:
-    path = _path(value, number)
-    source = value.get("content")
-    if value.get("encoding", "base64") != "base64" or not isinstance(source, Path):
-        if isinstance(source, Path):
-            os.unlink(source)
-        raise BadRequest(f"commit line {number}: file {path!r} must carry base64 'content'")
-    return AddFile(path, source)
+BATCH = 4 << 20  # body bytes handed to a worker thread at once (bounded memory, few hops)
+
+
+async def receive_body(request: Request, consume: Callable[[bytes], None], limit: int) -> int:
+    """Stream a request body to ``consume(bytes)`` in a worker thread, ``BATCH`` bytes at a
+    time; 413 past ``limit`` bytes. Returns the body's size."""
+    size, buffer = 0, bytearray()
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the upload limit of {limit} bytes")
+        buffer += chunk
+        if len(buffer) >= BATCH:
+            await run_in_threadpool(consume, bytes(buffer))
+            buffer.clear()
+    if buffer:
+        await run_in_threadpool(consume, bytes(buffer))
+    return size

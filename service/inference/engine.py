@@ -20,7 +20,8 @@ import torch
 
 from vip_hub.repo_format import DEFAULT_BRANCH
 
-from ..errors import BadRequest, RepoNotFound, RevisionNotFound, ServiceError
+from ..errors import BadRequest, ServiceError
+from ..store import NoSuchRepo, NoSuchRevision, StoreError
 from ..metrics import Metrics
 from ..settings import InferenceSettings
 from ..store import HubStore
@@ -103,11 +104,11 @@ class InferenceEngine:
                 try:
                     repo_id, revision = parse_model_ref(ref)
                     commit = self._store().resolve(repo_id, revision)
-                except (RepoNotFound, RevisionNotFound):
+                except (NoSuchRepo, NoSuchRevision):
                     self._preload[ref] = "waiting: not published yet"
                     await asyncio.sleep(PRELOAD_POLL_S)
                     continue
-                except ServiceError as e:
+                except (ServiceError, StoreError) as e:  # a malformed reference
                     self._preload[ref] = f"error: {e}"
                     break
                 self._preload[ref] = "loading"

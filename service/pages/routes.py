@@ -18,7 +18,7 @@ from vip_hub.ledger import LedgerError, PrivacyLedger
 from ..auth import identity
 from ..errors import BadRequest
 from ..hub.common import readable_repo, store_of
-from ..naming import validate_revision
+from ..store.naming import validate_revision
 from .render import card_body, markdown_html
 
 __all__ = ["install"]

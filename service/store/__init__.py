@@ -1,18 +1,39 @@
-"""The embedded hub store: content-addressed blobs plus a SQLite index of repos, commits
-and refs. Replicas on one machine (or a shared filesystem with working locks) can share it."""
+"""The hub store: content-addressed blobs, uploads awaiting their commit (Git LFS and Xet),
+and an index of repos, commits and refs. Errors are :mod:`service.store.errors` (no HTTP)."""
 
 from .blobs import BlobStore, FileDigest, hash_file
-from .store import AddFile, CommitRecord, DeleteFile, DeleteFolder, FileEntry, HubStore, RepoRecord
+from .errors import (
+    Conflict,
+    InvalidRequest,
+    NoSuchEntry,
+    NoSuchRepo,
+    NoSuchRevision,
+    PublishRefused,
+    StoreError,
+    TooLarge,
+    UploadMissing,
+)
+from .store import AddFile, AddObject, CommitRecord, DeleteFile, DeleteFolder, FileEntry, HubStore, RepoRecord
 
 __all__ = [
     "AddFile",
+    "AddObject",
     "BlobStore",
     "CommitRecord",
+    "Conflict",
     "DeleteFile",
     "DeleteFolder",
     "FileDigest",
     "FileEntry",
     "HubStore",
+    "InvalidRequest",
+    "NoSuchEntry",
+    "NoSuchRepo",
+    "NoSuchRevision",
+    "PublishRefused",
     "RepoRecord",
+    "StoreError",
+    "TooLarge",
+    "UploadMissing",
     "hash_file",
 ]

@@ -1,4 +1,10 @@
-"""Content-addressed blobs: each file's bytes stored once, under its SHA-256, read-only."""
+"""Content-addressed blobs: each file's bytes stored once, under its SHA-256, read-only.
+
+Beside them, ``uploads/`` holds objects received ahead of a commit (Git LFS PUTs, files
+rebuilt from Xet shards), also by SHA-256: a commit that names one moves it into the blobs;
+one never committed is removed after the upload time-to-live. ``tmp/`` holds files being
+written. All three live on one filesystem, so every move is an atomic rename.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlobStore", "FileDigest", "hash_file"]
+from .errors import InvalidRequest, UploadMissing
+
+__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file"]
 
 _CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
+SHA256_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,13 @@ def hash_file(path: Path) -> FileDigest:
     return FileDigest(sha256.hexdigest(), sha1.hexdigest(), size)
 
 
+def check_sha256(oid: str) -> str:
+    """``oid`` if it is 64 lowercase hex digits, else InvalidRequest."""
+    if len(oid) != 64 or not SHA256_HEX.issuperset(oid):
+        raise InvalidRequest(f"invalid object id {oid!r}: expected a SHA-256 as 64 lowercase hex digits")
+    return oid
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -45,14 +61,42 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DigestWriter:
+    """A temp file written piece by piece and hashed while it is written (bounded memory).
+    ``close()`` returns its digest; ``discard()`` removes it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "wb")
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha256.update(data)
+        self.size += len(data)
+
+    def close(self) -> str:
+        """Flush to disk; the SHA-256 of what was written."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._sha256.hexdigest()
+
+    def discard(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
 class BlobStore:
-    """``root/blobs/sha256/ab/cdef...``; uploads land in ``root/tmp`` first."""
+    """``root/blobs/sha256/ab/cdef...``, uploads in ``root/uploads/sha256/ab/...``, temp files in ``root/tmp``."""
 
     def __init__(self, root: Path):
         self.dir = root / "blobs" / "sha256"
+        self.uploads = root / "uploads" / "sha256"
         self.tmp = root / "tmp"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        for d in (self.dir, self.uploads, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256[2:]
@@ -64,29 +108,78 @@ class BlobStore:
         """A fresh path in the store's temp area (same filesystem, so renames are atomic)."""
         return self.tmp / f"{uuid.uuid4().hex}{suffix}"
 
-    def ingest(self, tmp: Path, digest: FileDigest) -> Path:
-        """Move a verified temp file into place, durably; a blob already there wins."""
-        target = self.path(digest.sha256)
-        if target.is_file():
+    def writer(self) -> DigestWriter:
+        """A hashing writer onto a fresh temp file."""
+        return DigestWriter(self.new_temp(".part"))
+
+    # ------------------------------------------------------------------ uploads
+    def upload_path(self, sha256: str) -> Path:
+        return self.uploads / sha256[:2] / sha256[2:]
+
+    def object_path(self, sha256: str) -> Path | None:
+        """Where the object ``sha256`` lies (a blob, or an upload awaiting its commit), else None."""
+        for path in (self.path(check_sha256(sha256)), self.upload_path(sha256)):
+            if path.is_file():
+                return path
+        return None
+
+    def object_size(self, sha256: str) -> int | None:
+        """The size of a held object, None when it is not held."""
+        path = self.object_path(sha256)
+        try:
+            return path.stat().st_size if path else None
+        except FileNotFoundError:  # committed (moved) or collected meanwhile
+            return None
+
+    def stage_upload(self, tmp: Path, sha256: str) -> Path:
+        """Move a fully written and checked temp file into the uploads area (durably)."""
+        if self.object_path(sha256) is not None:
             tmp.unlink(missing_ok=True)
-            return target
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o444)
+            return self.object_path(sha256) or self.upload_path(sha256)
+        target = self.upload_path(sha256)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, target)
         fsync_dir(target.parent)
         return target
 
-    def clean_stale_temps(self, max_age: float = STALE_TMP_SECONDS) -> int:
-        """Remove temp files left by crashed uploads (old enough not to be in flight)."""
-        removed = 0
+    def committed_source(self, sha256: str) -> Path:
+        """The file a commit's ``lfsFile`` line names, or UploadMissing."""
+        path = self.object_path(sha256)
+        if path is None:
+            raise UploadMissing(
+                f"object {sha256} was never uploaded (or its upload expired): upload it first "
+                "(preupload, then the LFS batch API or Xet), then commit"
+            )
+        return path
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(self, source: Path, digest: FileDigest) -> Path:
+        """Move a verified temp or upload file into place, durably; a blob already there wins."""
+        target = self.path(digest.sha256)
+        if source == target:
+            return target
+        if target.is_file():  # the same bytes are already stored
+            source.unlink(missing_ok=True)
+            return target
+        with open(source, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(source, 0o444)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        fsync_dir(target.parent)
+        return target
+
+    def clean_stale(self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS) -> int:
+        """Remove temp files left by crashed requests, and uploads never committed, once older
+        than their age limits (so nothing in flight is touched). Returns how many went."""
         now = time.time()
-        for p in self.tmp.iterdir():
-            try:
-                if now - p.stat().st_mtime > max_age:
-                    p.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                continue
+        removed = 0
+        for folder, age in ((self.tmp, temp_age), (self.uploads, upload_age)):
+            for p in folder.rglob("*"):
+                try:
+                    if p.is_file() and now - p.stat().st_mtime > age:
+                        p.unlink()
+                        removed += 1
+                except FileNotFoundError:
+                    continue
         return removed

@@ -18,6 +18,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,15 +28,17 @@ from typing import Any
 
 from huggingface_hub import ModelCard
 
-from vip_hub.repo import CARD_FILE, CONFIG_FILE
+from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, privacy_headline
 from vip_hub.verify import verify_repo
 
-from ..errors import BadRequest, Conflict, EntryNotFound, RepoNotFound, RevisionNotFound
-from ..naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
-from .blobs import BlobStore, FileDigest, fsync_dir, hash_file
+from .naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
+from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file
+from .errors import Conflict, InvalidRequest, NoSuchEntry, NoSuchRepo, NoSuchRevision, PublishRefused
+from .xet import XetStore
 
 __all__ = [
     "AddFile",
+    "AddObject",
     "CommitRecord",
     "DeleteFile",
     "DeleteFolder",
@@ -46,8 +49,6 @@ __all__ = [
 ]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-LFS_THRESHOLD = 10 * 1024 * 1024
-DEFAULT_BRANCH = "main"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS repos (
@@ -119,15 +120,6 @@ class FileEntry:
     git_oid: str
     size: int
 
-    @property
-    def lfs(self) -> bool:
-        """Served like a Git-LFS file (ETag = SHA-256): weights and anything large."""
-        return self.path.endswith(".safetensors") or self.size > LFS_THRESHOLD
-
-    @property
-    def etag(self) -> str:
-        return self.sha256 if self.lfs else self.git_oid
-
 
 @dataclass(frozen=True)
 class CommitRecord:
@@ -158,6 +150,15 @@ class AddFile:
 
 
 @dataclass(frozen=True)
+class AddObject:
+    """Commit operation: add or replace ``path`` with an object uploaded ahead (Git LFS or Xet),
+    named by its SHA-256."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class DeleteFile:
     path: str
 
@@ -167,16 +168,19 @@ class DeleteFolder:
     path: str
 
 
-Operation = AddFile | DeleteFile | DeleteFolder
+Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 
 
 class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use)."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.root)
+        self.xet = XetStore(self.root, self.blobs)
+        self.upload_ttl = upload_ttl
+        self._collected = time.monotonic()
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
         (self.root / "locks").mkdir(exist_ok=True)
@@ -184,7 +188,37 @@ class HubStore:
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
-        self.blobs.clean_stale_temps()
+        self.collect_uploads()
+
+    def collect_uploads(self) -> int:
+        """Remove uploads never committed (and xorbs no longer referred to) older than the
+        upload time-to-live, and temp files left by crashed requests; returns how many went."""
+        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(self.upload_ttl)
+
+    def maybe_collect_uploads(self) -> None:
+        """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads begin)."""
+        now = time.monotonic()
+        if now - self._collected > self.upload_ttl / 10:
+            self._collected = now
+            self.collect_uploads()
+
+    def secret(self) -> bytes:
+        """A random key kept in the store (so every replica sharing it agrees): signs the
+        short-lived upload grants the hub hands out."""
+        path = self.root / "secret.key"
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            tmp = self.blobs.new_temp()
+            tmp.write_bytes(os.urandom(32))
+            os.chmod(tmp, 0o600)
+            try:
+                os.link(tmp, path)  # the first replica to get here wins
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+            return path.read_bytes()
 
     # ----------------------------------------------------------------- plumbing
     @contextlib.contextmanager
@@ -215,7 +249,7 @@ class HubStore:
         validate_repo_id(org, name)
         row = db.execute("SELECT * FROM repos WHERE org = ? AND name = ?", (org, name)).fetchone()
         if row is None:
-            raise RepoNotFound(f"repository {repo_id} not found")
+            raise NoSuchRepo(f"repository {repo_id} not found")
         return row
 
     # -------------------------------------------------------------------- repos
@@ -231,7 +265,7 @@ class HubStore:
             return self.get_repo(repo_id), cur.rowcount == 1
 
     def get_repo(self, repo_id: str) -> RepoRecord:
-        """The repo, or RepoNotFound."""
+        """The repo, or NoSuchRepo."""
         with self._db() as db:
             row = self._repo_row(db, repo_id)
         return RepoRecord(f"{row['org']}/{row['name']}", bool(row["private"]), row["created_at"])
@@ -253,7 +287,7 @@ class HubStore:
                     (repo["id"], revision),
                 ).fetchone()
         if row is None:
-            raise RevisionNotFound(f"revision {revision!r} not found in {repo_id}")
+            raise NoSuchRevision(f"revision {revision!r} not found in {repo_id}")
         return row["sha"]
 
     def commit_record(self, repo_id: str, commit: str) -> CommitRecord:
@@ -264,7 +298,7 @@ class HubStore:
                 "SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"])
             ).fetchone()
         if row is None:
-            raise RevisionNotFound(f"commit {commit} not found in {repo_id}")
+            raise NoSuchRevision(f"commit {commit} not found in {repo_id}")
         return _commit_record(repo_id, row)
 
     def tree(self, repo_id: str, commit: str) -> dict[str, FileEntry]:
@@ -278,11 +312,11 @@ class HubStore:
         return {r["path"]: FileEntry(r["path"], r["sha256"], r["git_oid"], r["size"]) for r in rows}
 
     def file(self, repo_id: str, commit: str, path: str) -> FileEntry:
-        """One file of a commit, or EntryNotFound."""
+        """One file of a commit, or NoSuchEntry."""
         validate_path(path)
         entry = self.tree(repo_id, commit).get(path)
         if entry is None:
-            raise EntryNotFound(f"{path} not found in {repo_id} at {commit}", {"X-Repo-Commit": commit})
+            raise NoSuchEntry(f"{path} not found in {repo_id} at {commit}", commit)
         return entry
 
     def blob_path(self, entry: FileEntry) -> Path:
@@ -311,7 +345,7 @@ class HubStore:
         """Point a new tag at ``revision``; an existing tag is a conflict."""
         validate_revision(tag)
         if COMMIT_RE.match(tag):
-            raise BadRequest(f"tag {tag!r} looks like a commit id")
+            raise InvalidRequest(f"tag {tag!r} looks like a commit id")
         commit = self.resolve(repo_id, revision)
         with self._db() as db:
             repo = self._repo_row(db, repo_id)
@@ -343,7 +377,7 @@ class HubStore:
         columns = {"updated": "c.created_at", "epsilon": "c.epsilon", "name": "r.org || '/' || r.name",
                    "params": "c.num_params", "delta": "c.delta", "arch": "c.arch"}
         if sort not in columns:
-            raise BadRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
+            raise InvalidRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
         where, args = ["f.kind = 'branch'", "f.name = ?"], [DEFAULT_BRANCH]
         if not include_private:
             where.append("r.private = 0")
@@ -393,8 +427,9 @@ class HubStore:
         """Apply ``operations`` on top of ``branch`` as one verified, atomic commit.
 
         Temp files of AddFile operations are consumed (moved into the blob store, or
-        deleted when the commit is refused). Raises BadRequest when the resulting tree does
-        not verify, Conflict when ``parent_commit`` is not the branch head.
+        deleted when the commit is refused); AddObject uploads move into the blob store when
+        the commit is made. Raises PublishRefused when the resulting tree does not verify,
+        Conflict when ``parent_commit`` is not the branch head.
         """
         try:
             with self._repo_lock(repo_id):
@@ -418,13 +453,13 @@ class HubStore:
     ) -> CommitRecord:
         validate_revision(branch)
         if COMMIT_RE.match(branch):
-            raise BadRequest("commits go to a branch, not to a commit id")
-        refs = self.refs(repo_id)  # raises RepoNotFound first
+            raise InvalidRequest("commits go to a branch, not to a commit id")
+        refs = self.refs(repo_id)  # raises NoSuchRepo first
         if branch in refs["tag"]:
-            raise BadRequest(f"{branch!r} is a tag; commits go to a branch")
+            raise InvalidRequest(f"{branch!r} is a tag; commits go to a branch")
         head = refs["branch"].get(branch)
         if branch != DEFAULT_BRANCH and head is None:
-            raise RevisionNotFound(f"branch {branch!r} does not exist in {repo_id}")
+            raise NoSuchRevision(f"branch {branch!r} does not exist in {repo_id}")
         if parent_commit is not None and parent_commit != head:
             raise Conflict(
                 f"parent commit {parent_commit} is stale: branch {branch} of {repo_id} is at {head}; "
@@ -435,16 +470,20 @@ class HubStore:
         new: dict[str, tuple[Path, FileDigest]] = {}
         for op in operations:
             path = validate_path(op.path.rstrip("/") if isinstance(op, DeleteFolder) else op.path)
-            if isinstance(op, AddFile):
+            if isinstance(op, AddFile | AddObject):
                 if path.lower().endswith(PICKLE_SUFFIXES):
-                    raise BadRequest(
+                    raise InvalidRequest(
                         f"{path}: pickle-based weight files are not accepted; publish safetensors"
                     )
-                new[path] = (op.source, hash_file(op.source))
-                local[path] = op.source
+                source = op.source if isinstance(op, AddFile) else self.blobs.committed_source(check_sha256(op.sha256))
+                digest = hash_file(source)
+                if isinstance(op, AddObject) and digest.sha256 != op.sha256:
+                    raise InvalidRequest(f"{path}: the object stored as {op.sha256} hashes to {digest.sha256}")
+                new[path] = (source, digest)
+                local[path] = source
             elif isinstance(op, DeleteFile):
                 if path not in local:
-                    raise EntryNotFound(f"cannot delete {path}: no such file in {repo_id}")
+                    raise NoSuchEntry(f"cannot delete {path}: no such file in {repo_id}")
                 local.pop(path)
                 new.pop(path, None)
             else:
@@ -454,20 +493,21 @@ class HubStore:
                     new.pop(p, None)
         report = verify_repo(local)
         if not report.ok:
-            raise BadRequest(
+            raise PublishRefused(
                 f"refused: {repo_id} does not verify, nothing was stored. "
                 + "; ".join(str(p) for p in report.problems)
             )
-        summary = report.ledger.summary()  # type: ignore[union-attr]
+        summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = ModelCard(local[CARD_FILE].read_text(encoding="utf-8"), ignore_metadata_errors=True).data.to_dict()
         files = {p: e for p, e in tree.items() if p in local and p not in new}
         for path, (source, digest) in new.items():
             self.blobs.ingest(source, digest)
             files[path] = FileEntry(path, digest.sha256, digest.git_oid, digest.size)
+        message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
         created = _now()
         sha = _commit_id(head, files, title, message, author, created)
-        meta = config.get("vip_hub") or {}
+        meta = config.get(CONFIG_BLOCK) or {}
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             try:

@@ -1,7 +1,7 @@
 """Validation of repo ids, revisions and file paths arriving from the network.
 
 Anything that could reach outside the store (``..``, absolute paths, backslashes, control
-characters, double percent-encoding, over-long names) is refused with a 400 naming it.
+characters, double percent-encoding, over-long names) is refused (InvalidRequest, a 400) naming it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from urllib.parse import unquote
 
 from vip_hub.paths import UnsafePathError, validate_relpath
 
-from .errors import BadRequest
+from .errors import InvalidRequest
 
 __all__ = ["COMMIT_RE", "decode_segment", "validate_path", "validate_repo_id", "validate_revision"]
 
@@ -25,7 +25,7 @@ def validate_repo_id(org: str, name: str) -> str:
     """``org/name`` if both parts are 1-96 letters, digits, '_', '.', '-' (no '..'), else 400."""
     for part, what in ((org, "organisation"), (name, "repo name")):
         if not _PART.match(part) or ".." in part:
-            raise BadRequest(
+            raise InvalidRequest(
                 f"invalid {what} {part!r}: use 1-96 letters, digits, '_', '.' or '-', "
                 "starting and ending with a letter or digit"
             )
@@ -35,7 +35,7 @@ def validate_repo_id(org: str, name: str) -> str:
 def validate_revision(revision: str) -> str:
     """A branch, tag (letters, digits, '_', '.', '-') or 40-hex commit id, else 400."""
     if not _REVISION.match(revision) or ".." in revision:
-        raise BadRequest(f"invalid revision {revision!r}: use a branch, a tag or a full commit id")
+        raise InvalidRequest(f"invalid revision {revision!r}: use a branch, a tag or a full commit id")
     return revision
 
 
@@ -44,7 +44,7 @@ def validate_path(path: str) -> str:
     try:
         return validate_relpath(path)
     except UnsafePathError as e:
-        raise BadRequest(f"invalid path: {e}") from None
+        raise InvalidRequest(f"invalid path: {e}") from None
 
 
 def decode_segment(raw: str) -> str:
@@ -52,7 +52,7 @@ def decode_segment(raw: str) -> str:
     try:
         text = unquote(raw, errors="strict") if "%" in raw else raw
     except UnicodeDecodeError:
-        raise BadRequest(f"URL segment {raw!r} is not valid UTF-8 once decoded") from None
+        raise InvalidRequest(f"URL segment {raw!r} is not valid UTF-8 once decoded") from None
     if _ESCAPE.search(text):
-        raise BadRequest(f"doubly percent-encoded URL segment {raw!r}")
+        raise InvalidRequest(f"doubly percent-encoded URL segment {raw!r}")
     return text

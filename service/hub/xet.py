@@ -1,0 +1,108 @@
+"""Xet uploads: what an unmodified huggingface_hub 2.x client with ``hf_xet`` installed (its
+default on x86-64 and ARM64) does with a file that preupload marks ``lfs``.
+
+Such a client never uses the Git LFS batch API: ``_upload_files`` and ``upload_folder``'s
+pipeline choose Xet from ``is_xet_available()`` alone (``hf_xet`` importable and
+``HF_HUB_DISABLE_XET`` unset); no response of the hub changes that. So the hub speaks Xet:
+
+1. ``GET /api/models/{org}/{name}/xet-write-token/{rev}`` (with the user's write token) ->
+   ``{accessToken, exp, casUrl}``: a short-lived grant, and this server's ``/xet`` as the CAS.
+2. ``POST {casUrl}/v1/xorbs/default/{hash}``: the chunk containers, kept in the store.
+3. ``POST {casUrl}/v1/shards``: the file records; each file is rebuilt from the xorbs into
+   the uploads area and checked against its SHA-256 (``service.store.xet``). (``/v2/shards``
+   is absent: the client falls back to v1 on the 404.)
+4. The commit names each file by SHA-256 in an ``lfsFile`` line, as with Git LFS.
+
+Global deduplication (``GET /v1/chunks/...``) answers 404: nothing is shared across users.
+Downloads never advertise Xet (no ``X-Xet-*`` headers), so they stay plain HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..auth import Identity, check_grant, identity, require_scope, sign_grant
+from ..errors import EntryNotFound, Unauthorized
+from ..store.naming import validate_repo_id
+from ..store.xet import MAX_XORB_BYTES, check_xet_hash
+from .common import base_url, store_of
+from .uploads import receive_body
+
+router = APIRouter()
+
+CAS_PREFIX = "/xet"
+TOKEN_TTL_S = 3600.0
+MAX_SHARD_BYTES = 64 * 1024 * 1024
+
+
+@router.get("/api/models/{org}/{name}/xet-write-token/{revision:path}", summary="Xet upload grant")
+def write_token(org: str, name: str, revision: str, request: Request,
+                who: Identity | None = Depends(identity)) -> dict[str, Any]:
+    del revision  # the grant covers the repo's uploads; the commit names the branch
+    who = require_scope(who, "write", "uploading")
+    store = store_of(request)
+    repo = store.get_repo(validate_repo_id(org, name))
+    store.maybe_collect_uploads()
+    grant = sign_grant(store.secret(), "xet-upload", repo.repo_id, TOKEN_TTL_S)
+    return {"accessToken": f"{repo.repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
+            "casUrl": base_url(request) + CAS_PREFIX}
+
+
+def _authorised(request: Request) -> None:
+    """The CAS calls carry ``Authorization: Bearer <repo>:<grant>`` from ``write_token``."""
+    kind, _, token = request.headers.get("authorization", "").partition(" ")
+    repo_id, _, grant = token.rpartition(":")
+    if kind.lower() != "bearer" or not repo_id:
+        raise Unauthorized("Xet CAS calls need the grant from xet-write-token")
+    check_grant(store_of(request).secret(), "xet-upload", repo_id, grant)
+
+
+@router.post(CAS_PREFIX + "/v1/xorbs/default/{xorb}", include_in_schema=False)
+async def upload_xorb(xorb: str, request: Request) -> dict[str, bool]:
+    _authorised(request)
+    store = store_of(request)
+    check_xet_hash(xorb)
+    writer = store.blobs.writer()
+    try:
+        await receive_body(request, writer.write, MAX_XORB_BYTES)
+        writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    inserted = await run_in_threadpool(store.xet.put_xorb, xorb, writer.path)
+    return {"was_inserted": inserted}
+
+
+@router.post(CAS_PREFIX + "/v1/shards", include_in_schema=False)
+async def upload_shard(request: Request) -> dict[str, int]:
+    _authorised(request)
+    store = store_of(request)
+    writer = store.blobs.writer()
+    try:
+        await receive_body(request, writer.write, MAX_SHARD_BYTES)
+        writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    try:
+        await run_in_threadpool(store.xet.apply_shard, writer.path, request.app.state.settings.hub.max_upload_bytes)
+    finally:
+        writer.path.unlink(missing_ok=True)
+    return {"result": 1}  # "sync performed"
+
+
+@router.get(CAS_PREFIX + "/v1/chunks/{prefix}/{chunk}", include_in_schema=False)
+def dedup_query(prefix: str, chunk: str, request: Request) -> None:
+    _authorised(request)
+    raise EntryNotFound(f"chunk {chunk} is not offered for global deduplication")
+
+
+@router.post(CAS_PREFIX + "/v1/telemetry", include_in_schema=False)
+def telemetry(request: Request) -> JSONResponse:
+    del request
+    return JSONResponse({})

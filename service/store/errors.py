@@ -1,0 +1,56 @@
+"""Errors the store raises. They carry no HTTP status: ``service/errors.py`` maps them onto
+responses in one place (and the CLI or a library caller reads their messages as they are)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "InvalidRequest",
+    "NoSuchEntry",
+    "NoSuchRepo",
+    "NoSuchRevision",
+    "PublishRefused",
+    "StoreError",
+    "TooLarge",
+    "UploadMissing",
+]
+
+
+class StoreError(Exception):
+    """Base: something the store was asked to do and cannot; the message says why."""
+
+
+class InvalidRequest(StoreError):
+    """A name, path, revision or operation the store does not accept."""
+
+
+class PublishRefused(InvalidRequest):
+    """A commit whose resulting tree does not verify (nothing was stored)."""
+
+
+class UploadMissing(InvalidRequest):
+    """A commit names an uploaded object (by SHA-256) that the store does not hold."""
+
+
+class NoSuchRepo(StoreError):
+    """No repo of that id."""
+
+
+class NoSuchRevision(StoreError):
+    """No branch, tag or commit of that name in the repo."""
+
+
+class NoSuchEntry(StoreError):
+    """No file at that path in the commit (``commit`` says which, so clients can cache the absence)."""
+
+    def __init__(self, message: str, commit: str | None = None):
+        super().__init__(message)
+        self.commit = commit
+
+
+class Conflict(StoreError):
+    """The branch moved (stale parent), or a tag already exists."""
+
+
+class TooLarge(StoreError):
+    """An upload over the configured size limit."""

@@ -1,0 +1,267 @@
+"""The store's side of Xet uploads: the content-addressed storage (CAS) that ``hf_xet``, the
+upload engine of huggingface_hub 1.x/2.x, sends files to when a hub answers ``lfs`` to
+preupload.
+
+The client cuts each file into content-defined chunks, packs chunks into *xorbs* (up to
+64 MiB, each chunk stored as an 8-byte header then its bytes: raw, LZ4 frame, or LZ4 of the
+bytes grouped by position mod 4), uploads the xorbs, then one *shard* per upload session:
+for every file, its hash and SHA-256 and the ``(xorb, chunk range)`` terms that rebuild it.
+Here a shard is applied at once: each file is rebuilt from the xorbs into the uploads area
+(``BlobStore.stage_upload``), its SHA-256 checked against the shard's, so that the commit
+that follows names it like any LFS object. Formats: xet-core's ``xet_core_structures``
+(``xorb_object``, ``metadata_shard``).
+
+Xorbs are kept while a client may still refer to them: its local shard cache lets a later
+upload of the same bytes send a shard that names earlier xorbs instead of the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import lz4.frame
+import numpy as np
+
+from .blobs import BlobStore, fsync_dir
+from .errors import InvalidRequest, TooLarge
+
+__all__ = ["XetStore", "xet_hex"]
+
+SHARD_TAG = bytes([72, 70, 82, 101, 112, 111, 77, 101, 116, 97, 68, 97, 116, 97, 0, 85, 105, 103, 69, 106, 123,
+                   129, 87, 131, 165, 189, 217, 92, 205, 209, 74, 169])  # "HFRepoMetaData\0" + magic
+_ENTRY = 48  # every shard record: a 32-byte hash then 16 bytes
+_BOOKEND = b"\xff" * 32
+_WITH_VERIFICATION = 1 << 31
+_WITH_METADATA_EXT = 1 << 30
+_FOOTER_IDENTS = (b"XETBLOB", b"XBLBHSH", b"XBLBBND")  # what follows a xorb's last chunk
+_CHUNK_HEADER = 8
+MAX_CHUNK = 128 * 1024  # 64 KiB target x 2
+MAX_XORB_BYTES = 64 * 1024 * 1024 + 8 * 1024 * _CHUNK_HEADER + (1 << 20)
+_MAX_TERMS = 1 << 20
+
+
+def xet_hex(raw: bytes) -> str:
+    """A Xet hash in the text form URLs use: four little-endian u64s, each as 16 hex digits."""
+    return "".join(raw[i:i + 8][::-1].hex() for i in range(0, 32, 8))
+
+
+def check_xet_hash(text: str) -> str:
+    """``text`` if it is a Xet hash (64 lowercase hex digits), else InvalidRequest."""
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise InvalidRequest(f"invalid Xet hash {text!r}: expected 64 lowercase hex digits")
+    return text
+
+
+@dataclass(frozen=True)
+class Term:
+    """Chunks ``[start, end)`` of xorb ``xorb`` (text form), ``size`` bytes once unpacked."""
+
+    xorb: str
+    start: int
+    end: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One file of a shard: its SHA-256 and how to rebuild it."""
+
+    sha256: str
+    terms: tuple[Term, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(t.size for t in self.terms)
+
+
+class XetStore:
+    """Xorbs under ``root/xet/xorbs/``; shards applied into ``blobs``' uploads area."""
+
+    def __init__(self, root: Path, blobs: BlobStore):
+        self.dir = root / "xet" / "xorbs"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.blobs = blobs
+
+    def xorb_path(self, xorb: str) -> Path:
+        return self.dir / xorb[:2] / xorb[2:]
+
+    def put_xorb(self, xorb: str, tmp: Path) -> bool:
+        """Keep the uploaded xorb ``tmp`` (checked chunk by chunk) under its hash; False when
+        it was already held (``tmp`` is then removed). Its age is refreshed either way."""
+        target = self.xorb_path(check_xet_hash(xorb))
+        try:
+            with open(tmp, "rb") as f:
+                n = len(_chunk_offsets(f, tmp.stat().st_size, xorb))
+            if n == 0:
+                raise InvalidRequest(f"xorb {xorb} holds no chunk")
+            if target.is_file():
+                os.utime(target)
+                return False
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def apply_shard(self, shard: Path, max_file_bytes: int) -> list[str]:
+        """Rebuild every file a shard describes into the uploads area, each checked against the
+        shard's SHA-256; returns their SHA-256s. A shard naming a xorb not held is refused."""
+        with open(shard, "rb") as f:
+            files = list(_shard_files(f, shard.stat().st_size))
+        done = []
+        offsets: dict[str, list[int]] = {}
+        for entry in files:
+            if entry.size > max_file_bytes:
+                raise TooLarge(f"file {entry.sha256} is {entry.size} bytes, over the upload limit of {max_file_bytes}")
+            if self.blobs.object_path(entry.sha256) is None:
+                self._rebuild(entry, offsets)
+            done.append(entry.sha256)
+        return done
+
+    def _rebuild(self, entry: ShardFile, offsets: dict[str, list[int]]) -> None:
+        writer = self.blobs.writer()
+        try:
+            for term in entry.terms:
+                path = self.xorb_path(term.xorb)
+                try:
+                    f = open(path, "rb")
+                except FileNotFoundError:
+                    raise InvalidRequest(
+                        f"the shard names xorb {term.xorb}, which this hub does not hold (never uploaded, or "
+                        "expired): upload again") from None
+                with f:
+                    if term.xorb not in offsets:
+                        offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
+                    os.utime(path)  # still referred to: keep it
+                    chunks = offsets[term.xorb]
+                    if not 0 <= term.start < term.end <= len(chunks) - 1:
+                        raise InvalidRequest(f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
+                                             f"{term.xorb} ({len(chunks) - 1} chunks)")
+                    written = 0
+                    for data in _read_chunks(f, chunks[term.start], term.end - term.start):
+                        writer.write(data)
+                        written += len(data)
+                    if written != term.size:
+                        raise InvalidRequest(f"shard term of xorb {term.xorb} unpacks to {written} bytes, "
+                                             f"not the {term.size} it states")
+            sha256 = writer.close()
+        except BaseException:
+            writer.discard()
+            raise
+        if sha256 != entry.sha256:
+            writer.path.unlink(missing_ok=True)
+            raise InvalidRequest(f"a file rebuilt from the shard has SHA-256 {sha256}, not the {entry.sha256} "
+                                 "the shard states")
+        self.blobs.stage_upload(writer.path, sha256)
+
+    def clean_stale(self, max_age: float) -> int:
+        """Remove xorbs no upload has referred to for ``max_age`` seconds."""
+        now, removed = time.time(), 0
+        for p in self.dir.rglob("*"):
+            try:
+                if p.is_file() and now - p.stat().st_mtime > max_age:
+                    p.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+
+def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[int]:
+    """Offsets of each chunk header of a xorb, then of its end (``len - 1`` chunks)."""
+    offsets, pos = [], 0
+    while pos < size:
+        f.seek(pos)
+        header = f.read(_CHUNK_HEADER)
+        if header[:7] in _FOOTER_IDENTS:
+            break
+        if len(header) < _CHUNK_HEADER:
+            raise InvalidRequest(f"xorb {xorb}: truncated chunk header at byte {pos}")
+        version, scheme = header[0], header[4]
+        compressed = int.from_bytes(header[1:4], "little")
+        unpacked = int.from_bytes(header[5:8], "little")
+        if version != 0 or scheme not in (0, 1, 2) or unpacked > MAX_CHUNK or compressed > 2 * MAX_CHUNK:
+            raise InvalidRequest(f"xorb {xorb}: bad chunk header at byte {pos} (version {version}, scheme {scheme}, "
+                                 f"{compressed} -> {unpacked} bytes)")
+        offsets.append(pos)
+        pos += _CHUNK_HEADER + compressed
+        if pos > size:
+            raise InvalidRequest(f"xorb {xorb}: chunk at byte {offsets[-1]} runs past the end")
+    offsets.append(pos)
+    return offsets
+
+
+def _read_chunks(f: BinaryIO, offset: int, count: int) -> Iterator[bytes]:
+    """Unpack ``count`` chunks starting at ``offset``."""
+    f.seek(offset)
+    for _ in range(count):
+        header = f.read(_CHUNK_HEADER)
+        compressed = int.from_bytes(header[1:4], "little")
+        unpacked = int.from_bytes(header[5:8], "little")
+        data = f.read(compressed)
+        scheme = header[4]
+        try:
+            if scheme == 1:
+                data = lz4.frame.decompress(data)
+            elif scheme == 2:
+                data = _bg4_regroup(lz4.frame.decompress(data))
+        except RuntimeError as e:
+            raise InvalidRequest(f"a xorb chunk does not decompress ({e})") from None
+        if len(data) != unpacked:
+            raise InvalidRequest(f"a xorb chunk unpacks to {len(data)} bytes, not the {unpacked} its header states")
+        yield data
+
+
+def _bg4_regroup(grouped: bytes) -> bytes:
+    """Undo the byte grouping: the bytes at positions 0, 4, 8... came first, then 1, 5, 9..."""
+    n = len(grouped)
+    src = np.frombuffer(grouped, dtype=np.uint8)
+    out = np.empty(n, dtype=np.uint8)
+    start = 0
+    for g in range(4):
+        count = len(range(g, n, 4))
+        out[g::4] = src[start:start + count]
+        start += count
+    return out.tobytes()
+
+
+def _shard_files(f: BinaryIO, size: int) -> Iterator[ShardFile]:
+    """The file records of an uploaded shard (header, then file records up to a bookend)."""
+    header = f.read(_ENTRY)
+    if len(header) < _ENTRY or header[:32] != SHARD_TAG:
+        raise InvalidRequest("not a Xet shard: bad header tag")
+    (version,) = struct.unpack("<Q", header[32:40])
+    if version != 2:
+        raise InvalidRequest(f"Xet shard version {version} is not supported (expected 2)")
+    terms_seen = 0
+    while True:
+        record = f.read(_ENTRY)
+        if len(record) < _ENTRY:
+            raise InvalidRequest("Xet shard: file section ends without its bookend")
+        if record[:32] == _BOOKEND:
+            return
+        flags, n = struct.unpack("<II", record[32:40])
+        terms_seen += n
+        if n == 0 or terms_seen > _MAX_TERMS or f.tell() + n * _ENTRY > size:
+            raise InvalidRequest(f"Xet shard: a file record states {n} terms")
+        terms = []
+        for _ in range(n):
+            e = f.read(_ENTRY)
+            _flags, unpacked, start, end = struct.unpack("<IIII", e[32:48])
+            terms.append(Term(xet_hex(e[:32]), start, end, unpacked))
+        if flags & _WITH_VERIFICATION:
+            f.seek(n * _ENTRY, os.SEEK_CUR)
+        if not flags & _WITH_METADATA_EXT:
+            raise InvalidRequest("Xet shard: a file record carries no SHA-256 (metadata extension); "
+                                 "this hub keys uploads by SHA-256")
+        ext = f.read(_ENTRY)
+        if len(ext) < _ENTRY:
+            raise InvalidRequest("Xet shard: truncated metadata extension")
+        yield ShardFile(xet_hex(ext[:32]), tuple(terms))  # a SHA-256 in the same u64 layout as Xet hashes
