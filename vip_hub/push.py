@@ -1,17 +1,18 @@
 """``vip-hub push``: publish a verified repo folder to a hub (ours, or the Hugging Face Hub).
 
 The folder is verified locally first, then sent as ONE commit (``HfApi.create_commit``) that
-mirrors the folder: files that left it are deleted remotely. One commit matters: a vip-hub
-server verifies every commit's tree, and ``upload_folder`` may split large folders into
-several commits whose partial trees cannot verify.
+mirrors the folder: files that left it are deleted remotely, files whose content the remote
+revision already holds are not sent again (so a card-only change sends the card, not the
+weights). One commit matters: a vip-hub server verifies every commit's tree.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .repo_format import DEFAULT_BRANCH, LEDGER_FILE, privacy_headline
@@ -40,16 +41,32 @@ def push_repo(
     api.create_repo(repo_id, private=private, exist_ok=True)
     files = repo_files(folder)
     try:
-        remote = set(api.list_repo_files(repo_id, revision=revision))
+        remote = {f.path: f for f in api.list_repo_tree(repo_id, revision=revision, recursive=True)
+                  if isinstance(f, RepoFile)}
     except RevisionNotFoundError:
-        remote = set()
+        remote = {}
     operations: list[CommitOperationAdd | CommitOperationDelete] = [
-        CommitOperationDelete(path) for path in sorted(remote - set(files) - {".gitattributes"})
+        CommitOperationDelete(path) for path in sorted(set(remote) - set(files) - {".gitattributes"})
     ]
-    operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)) for rel, path in files.items()]
+    operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
+                   for rel, path in files.items() if rel not in remote or not _same_content(path, remote[rel])]
+    if not operations:  # the remote revision already holds this folder
+        return api.model_info(repo_id, revision=revision).sha
     default = f"Publish {folder.name}: {privacy_headline(report.ledger.summary())}"
     info = api.create_commit(repo_id, operations, commit_message=message or default, revision=revision)
     return info.oid
+
+
+def _same_content(local: Path, remote: RepoFile) -> bool:
+    """Whether ``local`` holds what ``remote`` holds (its LFS SHA-256, else its git blob id)."""
+    size = local.stat().st_size
+    if remote.size != size:
+        return False
+    digest = hashlib.sha256() if remote.lfs else hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    with open(local, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest() == (remote.lfs.sha256 if remote.lfs else remote.blob_id)
 
 
 def is_published(folder: str | os.PathLike[str], repo_id: str, *, endpoint: str | None = None,
