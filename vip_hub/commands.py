@@ -313,6 +313,9 @@ def _zero_shot(args: argparse.Namespace) -> None:
     from .repo_format import privacy_headline
 
     labels = [label.strip() for label in args.labels.split(",")]
+    empty = [i for i, label in enumerate(labels) if not label]
+    if empty:
+        raise CommandError(f"--labels: labels[{empty[0]}] is empty")
     model, images = _load_for_captions(args)
     losses = model.zero_shot(images, labels, DEFAULT_PROMPT if args.prompt is None else args.prompt)
     k = max(1, min(args.top_k, len(labels)))

@@ -164,6 +164,20 @@ PRESETS: dict[str, Callable[[], ImportPreset]] = {
 """The published checkpoints, by name (built on demand: their epsilon needs the accountant)."""
 
 
+def _shapes_of(build: Callable[[Any], torch.nn.Module], arg: Any) -> dict[str, torch.Tensor]:
+    """The state dict of ``build(arg)`` on the meta device: names and shapes, no initialisation."""
+    with torch.device("meta"):
+        return build(arg).state_dict()
+
+
+def _loaded(build: Callable[[Any], torch.nn.Module], arg: Any, state: dict[str, torch.Tensor]) -> Any:
+    """``build(arg)`` holding ``state`` (every key, checked shapes), without initialising it first."""
+    with torch.device("meta"):
+        module = build(arg)
+    module.load_state_dict(state, strict=True, assign=True)
+    return module
+
+
 def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The state dict inside a reference checkpoint, loaded without executing pickled code."""
     try:
@@ -193,7 +207,7 @@ def split_mae_state_dict(
     state: dict[str, torch.Tensor], spec: EncoderSpec
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split into (encoder state dict in timm layout, decoder state dict); check every key/shape."""
-    expected = {k: v.shape for k, v in create_encoder(spec).state_dict().items()}
+    expected = {k: v.shape for k, v in _shapes_of(create_encoder, spec).items()}
     encoder, decoder, unexpected = {}, {}, []
     for key, value in state.items():
         if _DECODER.match(key):
@@ -238,8 +252,7 @@ def import_mae_checkpoint(
     if spec.family.name != "vip":
         raise ConfigError(f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use import_dpcap_checkpoint")
     encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
-    model = create_encoder(spec)
-    model.load_state_dict(encoder_sd, strict=True)
+    model = _loaded(create_encoder, spec, encoder_sd)
     decoder_config = None
     if decoder_sd:
         arch = spec.architecture
@@ -316,8 +329,8 @@ def split_dpcap_state_dict(
         config = _dpcap_decoder_config(state, spec, decoder_heads)
     except KeyError as e:
         raise CheckpointError(f"not a DP-Cap checkpoint: no text decoder key {e} (missing keys)") from None
-    expected_enc = {k: v.shape for k, v in create_encoder(spec).state_dict().items()}
-    expected_dec = {dpcap_reference_key(k): (k, v.shape) for k, v in TextDecoder(config).state_dict().items()}
+    expected_enc = {k: v.shape for k, v in _shapes_of(create_encoder, spec).items()}
+    expected_dec = {dpcap_reference_key(k): (k, v.shape) for k, v in _shapes_of(TextDecoder, config).items()}
     encoder, decoder, unexpected, wrong = {}, {}, [], []
     for key, value in state.items():
         if _DPCAP_UNUSED.match(key) or key == _TYPE:
@@ -388,10 +401,8 @@ def import_dpcap_checkpoint(
         tok = CaptionTokenizer(vocab_bytes, max_length=config.max_length)
         config = TextDecoderConfig.from_dict({**config.to_dict(), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                                               "pad_id": tok.pad_id})
-    model = create_encoder(spec)
-    model.load_state_dict(encoder_sd, strict=True)
-    decoder = TextDecoder(config)
-    decoder.load_state_dict(decoder_sd, strict=True)
+    model = _loaded(create_encoder, spec, encoder_sd)
+    decoder = _loaded(TextDecoder, config, decoder_sd)
     return export_encoder(
         out_dir, model, spec, stages, model_name=model_name, repo_id=repo_id, summary=summary, license=license,
         text_decoder=decoder, vocab=vocab_bytes, overwrite=overwrite,

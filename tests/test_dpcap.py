@@ -1,0 +1,488 @@
+"""DP-Cap: import of a checkpoint in the reference layout (built here: nothing can be downloaded),
+token-level parity with an independent implementation of the reference forward pass, feature
+modes, captions and zero-shot, the preset ledger and the card.
+
+``ReferenceDPCap`` follows facebookresearch/dpcap's ``MaskedAutoencoderViT_autoregressive`` and
+``model/torch_transformer.py``: its key names, its frozen random class token and type
+embeddings, and its forward passes (manual attention with the registered causal mask)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from vip_hub import load_encoder, verify_repo
+from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig, caption_loss, load_captioner
+from vip_hub.cli import main
+from vip_hub.errors import CheckpointError, ConfigError, MissingInputError
+from vip_hub.importer import PRESETS, import_dpcap_checkpoint
+from vip_hub.models import ARCHS, EncoderSpec, create_encoder
+from vip_hub.repo import export_encoder
+from vip_hub.tokenizer import CaptionTokenizer
+
+from conftest import synthetic_stage, tiny_encoder
+
+IMG, WIDTH, DEPTH, TEXT_LEN = 32, 96, 2, 16
+ARCH = "dpcap-nano"
+
+# A public vocabulary in BERT's layout ([PAD] 0, [unused*], [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103),
+# then common English words: nothing here is learnt from any caption.
+WORDS = """the of and to in is was it for on with as by at from this that be are or an a not but all
+which one two three four five six seven eight nine ten there their they have had has were been more
+when who will would can could some out up about into than then them these so what its only other new
+also time first after two over most such may many any well where way even much our just very through
+back years those now people state made like between before own under same both world day few man
+house water under long little big small large old young high low left right red green blue black white
+yellow orange purple brown gray pink dark light photo picture image painting drawing view close top
+side front dog cat bird horse cow sheep fish car bus train boat plane bike truck road street city
+building tree flower grass field sky cloud sun beach sea river lake mountain snow rain table chair
+bed room kitchen window door wall floor food pizza cake fruit apple banana plate cup glass bottle
+shirt hat shoe ball game sport player team child woman girl boy baby face hand head eye hair group
+sitting standing walking running playing eating holding looking near next behind inside outside
+digit zero number written handwritten ##s ##ing ##ed ##er , . ! ?""".split()
+VOCAB = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(
+    dict.fromkeys(WORDS))
+
+
+def write_vocab(path: Path) -> Path:
+    path.write_text("\n".join(VOCAB) + "\n", encoding="utf-8")
+    return path
+
+
+class RefSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, block_size: int = 128):
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width, bias=False)
+        self.c_proj = nn.Linear(width, width, bias=False)
+        self.heads = heads
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.c_attn(x).split(c, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")).softmax(dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+
+class RefCrossAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.kv_proj = nn.Linear(width, 2 * width, bias=False)
+        self.c_proj = nn.Linear(width, width, bias=False)
+        self.heads = heads
+
+    def forward(self, x, y):
+        b, t, c = x.shape
+        n = y.shape[1]
+        q = self.q_proj(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k, v = (z.view(b, n, self.heads, c // self.heads).transpose(1, 2) for z in self.kv_proj(y).split(c, dim=2))
+        att = ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))).softmax(dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+
+class RefLayer(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.self_attn = RefSelfAttention(width, heads)
+        self.multihead_attn = RefCrossAttention(width, heads)
+        self.linear1 = nn.Linear(width, 4 * width, bias=False)
+        self.linear2 = nn.Linear(4 * width, width, bias=False)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(width) for _ in range(3))
+
+    def forward(self, t, memory):
+        t = self.norm1(t + self.self_attn(t))
+        t = self.norm2(t + self.multihead_attn(t, memory))
+        return self.norm3(t + self.linear2(F.gelu(self.linear1(t))))
+
+
+class RefDecoder(nn.Module):
+    def __init__(self, width: int, heads: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(RefLayer(width, heads) for _ in range(depth))
+
+
+def frozen(*shape):
+    return nn.Parameter(torch.randn(*shape) * 0.02, requires_grad=False)
+
+
+class ReferenceDPCap(nn.Module):
+    """The reference model's layout and forward passes, at a small size."""
+
+    def __init__(self, arch: str = ARCH, img_size: int = IMG, width: int = WIDTH, depth: int = DEPTH,
+                 vocab_size: int = len(VOCAB), text_len: int = TEXT_LEN, dec_heads: int = 6):
+        super().__init__()
+        a = ARCHS[arch]
+        d = a.embed_dim
+        norm = functools.partial(nn.LayerNorm, eps=1e-6)
+        self.patch_embed = PatchEmbed(img_size, 16, 3, d)
+        n = self.patch_embed.num_patches
+        self.text_embedding_layer_SimVLM = nn.Embedding(vocab_size, width)
+        self.text_pos_embed = frozen(1, text_len, d)
+        self.cls_token = frozen(1, 1, d)
+        self.pos_embed = frozen(1, n + 1, d)
+        self.blocks = nn.ModuleList(Block(d, a.num_heads, 4.0, qkv_bias=False, norm_layer=norm) for _ in range(a.depth))
+        self.norm = norm(d)
+        self.decoder_embed = nn.Linear(d, width)
+        self.mask_token = frozen(1, 1, width)
+        self.mask_token_text = frozen(1, 1, width)
+        self.decoder_pos_embed = frozen(1, n + 1, width)
+        self.text_decoder_pos_embed = frozen(1, text_len, width)
+        self.decoder = RefDecoder(width, dec_heads, depth)
+        self.decoder_pred_text = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab_size))
+        self.encoder_image_type_embedding = frozen(1, 1, d)
+        self.decoder_image_type_embedding = frozen(1, 1, width)
+        self.encoder_text_type_embedding = frozen(1, 1, d)
+        self.decoder_text_type_embedding = frozen(1, 1, width)
+        for p in self.parameters():  # not a fresh model's init: every weight matters
+            if p.requires_grad:
+                nn.init.normal_(p, std=0.05)
+        with torch.no_grad():  # LayerNorm gains around 1 keep the activations in range
+            for m in self.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.add_(1.0)
+
+    def forward_encoder(self, imgs):
+        x = self.patch_embed(imgs) + self.pos_embed[:, 1:, :]
+        cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
+        x = torch.cat((cls, x), dim=1) + self.encoder_image_type_embedding
+        for blk in self.blocks:
+            x = blk(x)
+        return self.norm(x)
+
+    def linear_prob_forward(self, imgs):
+        x = self.decoder_embed(self.forward_encoder(imgs))
+        return x + self.decoder_pos_embed + self.decoder_image_type_embedding
+
+    def logits(self, imgs, texts):
+        x = self.linear_prob_forward(imgs)
+        t = self.text_embedding_layer_SimVLM(texts)
+        t = t + self.text_decoder_pos_embed[:, : t.shape[1], :] + self.decoder_text_type_embedding
+        for layer in self.decoder.layers:
+            t = layer(t, x)
+        return self.decoder_pred_text(t)
+
+    def loss(self, imgs, texts):
+        """The reference's per-example loss (forward with reduction='none')."""
+        output = self.logits(imgs, texts).permute(0, 2, 1)
+        labels = texts[:, 1:]
+        return F.cross_entropy(output[:, :, :-1], labels, ignore_index=0, reduction="none").sum(1) / (labels != 0).sum(1)
+
+    def greedy(self, img, max_tokens, bos=101, eos=102):
+        """``forward_caption`` for one image: argmax of the next token until [SEP]."""
+        text = [bos]
+        while len(text) - 1 < max_tokens and (len(text) == 1 or text[-1] != eos):
+            text.append(int(self.logits(img[None], torch.tensor([text]))[0, -1].argmax()))
+        return text[1:-1] if text[-1] == eos else text[1:]
+
+
+def save_reference(model: nn.Module, path: Path, **extra) -> Path:
+    args = argparse.Namespace(model="mae_vit_nano_patch16_autoregressive_nobias", target_txt_len=TEXT_LEN,
+                              sigma=0.5, batch_size=64)
+    torch.save({"model": model.state_dict(), "args": args, "epoch": 3, "privacy_step": 12, **extra}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    torch.manual_seed(0)
+    ref = ReferenceDPCap().eval()
+    return ref, save_reference(ref, tmp_path_factory.mktemp("ckpt") / "checkpoint-4.pth")
+
+
+@pytest.fixture(scope="module")
+def repo(reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dpcap")
+    return import_dpcap_checkpoint(reference[1], folder / "repo", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
+                                   model_name="dpcap-nano-test", vocab=write_vocab(folder / "vocab.txt"))
+
+
+def images(n=3, seed=1):
+    return torch.randn(n, 3, IMG, IMG, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------ parity
+def test_encoder_tokens_match_the_reference_with_plain_timm(reference, repo):
+    ref, _ = reference
+    model = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
+    cfg = json.loads((repo / "config.json").read_text())
+    assert cfg["model_args"]["qkv_bias"] is False and cfg["model_args"]["num_heads"] == 6
+    assert cfg["vip_hub"]["family"] == "dpcap" and list(cfg["vip_hub"]["feature_dims"]) == ["dpcap", "avg", "cls"]
+    x = images()
+    with torch.no_grad():
+        want = ref.forward_encoder(x)
+        got = model.forward_features(x)
+        default = model(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(default, want[:, 1:].mean(1), atol=2e-5, rtol=1e-5)  # timm's forward: avg
+
+
+def test_feature_modes_match_the_reference_and_others_are_refused(reference, repo):
+    ref, _ = reference
+    enc = load_encoder(repo)
+    x = images()
+    with torch.no_grad():
+        tokens = ref.forward_encoder(x)
+        want = {"dpcap": ref.linear_prob_forward(x).mean(1), "avg": tokens[:, 1:].mean(1), "cls": tokens[:, 0]}
+    assert enc.poolings == ("dpcap", "avg", "cls")
+    for mode, value in want.items():
+        torch.testing.assert_close(enc.embed(x, mode), value, atol=2e-5, rtol=1e-5)
+        assert enc.feature_dim(mode) == value.shape[1]
+    assert enc.feature_dim("dpcap") == WIDTH
+    with pytest.raises(ConfigError, match="'vip' is not available for dpcap-nano: DP-Cap encoders offer dpcap, avg, cls"):
+        enc.embed(x, "vip")
+
+
+def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
+    enc = load_encoder(tiny_repo)
+    assert enc.poolings == ("vip", "avg", "cls")
+    with pytest.raises(ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"):
+        enc.embed(torch.zeros(1, 3, 32, 32), "dpcap")
+    assert list(json.loads((tiny_repo / "config.json").read_text())["vip_hub"]["feature_dims"]) == ["vip", "avg", "cls"]
+
+
+def test_decoder_logits_and_per_example_loss_match_the_reference(reference, repo):
+    ref, _ = reference
+    cap = load_captioner(repo)
+    x = images(4)
+    texts = cap.tokenizer.encode(["a dog on the beach", "two red cars", "a photo", "the cat is sitting near a window"])
+    assert texts[2].tolist()[-1] == 0  # padded
+    with torch.no_grad():
+        want_logits, want_loss = ref.logits(x, texts), ref.loss(x, texts)
+        got_logits = cap.captioner.decoder(cap.captioner.encode(x), texts)
+        got_loss = cap.captioner(x, texts)
+        alone = cap.captioner(x[1:2], texts[1:2])  # each example's loss depends on that example only
+    torch.testing.assert_close(got_logits, want_logits, atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert got_loss.shape == (4,)
+    torch.testing.assert_close(alone, got_loss[1:2], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_captions_and_zero_shot_match_the_reference(reference, repo):
+    ref, _ = reference
+    cap = load_captioner(repo)
+    x = images(3, seed=5)
+    ids = cap.captioner.generate(x, max_tokens=6)
+    with torch.no_grad():
+        assert ids == [ref.greedy(img, 6) for img in x]
+    assert cap.caption(x, max_tokens=6) == [cap.tokenizer.decode(row) for row in ids]
+    assert cap.max_tokens == TEXT_LEN - 1
+    labels = ["dog", "red car", "handwritten digit zero"]
+    losses = cap.zero_shot(x, labels)
+    prompt = cap.tokenizer.encode(["this is a photo of a"])[0].tolist()[:-1]  # the README's prompt, [SEP] dropped
+    with torch.no_grad():
+        for i, label in enumerate(labels):
+            text = torch.tensor([prompt + cap.tokenizer.encode([label])[0].tolist()[1:]])  # label after its [CLS]
+            out = ref.logits(x, text.expand(3, -1)).permute(0, 2, 1)
+            want = torch.stack([F.cross_entropy(out[b : b + 1, :, :-1], text[:, 1:]) for b in range(3)])
+            torch.testing.assert_close(losses[:, i], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="max_tokens must be between 1 and 15"):
+        cap.captioner.generate(x, max_tokens=40)
+
+
+# ------------------------------------------------------------------------- import refusals
+def test_import_refuses_pickled_code(reference, tmp_path):
+    ref, _ = reference
+    bad = save_reference(ref, tmp_path / "evil.pth", hook=os.system)
+    with pytest.raises(CheckpointError, match="refused.*system"):
+        import_dpcap_checkpoint(bad, tmp_path / "out", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
+                                model_name="x")
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_names_wrong_shapes_missing_and_unexpected_keys(reference, tmp_path):
+    ref, path = reference
+    with pytest.raises(CheckpointError, match=r"shape mismatches for dpcap-tiny at 32px: .*blocks\.0\.attn\.qkv\.weight "
+                                              r"\(576, 192\) \(expected \(1152, 384\)\)"):
+        import_dpcap_checkpoint(path, tmp_path / "a", arch="dpcap-tiny", img_size=IMG, stages=[synthetic_stage()],
+                                model_name="x")
+    state = {k: v for k, v in ref.state_dict().items() if k not in ("encoder_image_type_embedding",
+                                                                     "decoder.layers.1.linear2.weight")}
+    state["extra_head.weight"] = torch.zeros(2)
+    odd = tmp_path / "odd.pth"
+    torch.save({"model": state, "args": argparse.Namespace()}, odd)
+    with pytest.raises(CheckpointError) as err:
+        import_dpcap_checkpoint(odd, tmp_path / "b", arch=ARCH, img_size=IMG, stages=[synthetic_stage()], model_name="x")
+    msg = str(err.value)
+    assert "missing keys: decoder.layers.1.linear2.weight, encoder_image_type_embedding" in msg
+    assert "unexpected keys: extra_head.weight" in msg
+    with pytest.raises(ConfigError, match="not a DP-Cap architecture"):
+        import_dpcap_checkpoint(path, tmp_path / "c", arch="vip-nano", img_size=IMG, stages=[synthetic_stage()],
+                                model_name="x")
+
+
+def test_import_refuses_a_vocabulary_that_does_not_fit(reference, tmp_path):
+    _, path = reference
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(VOCAB[:-5]) + "\n")
+    with pytest.raises(ConfigError, match=r"vocabulary's \(size, \[CLS\], \[SEP\], \[PAD\]\) = \(\d+, 101, 102, 0\) "
+                                          r"does not match"):
+        import_dpcap_checkpoint(path, tmp_path / "a", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
+                                model_name="x", vocab=short)
+    nosep = tmp_path / "nosep.txt"
+    nosep.write_text("\n".join(v for v in VOCAB if v != "[SEP]") + "\n")
+    with pytest.raises(ConfigError, match=r"lacks the special tokens \[SEP\]"):
+        CaptionTokenizer(nosep)
+
+
+def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
+    _, path = reference
+    out = import_dpcap_checkpoint(path, tmp_path / "novocab", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
+                                  model_name="novocab")
+    enc = load_encoder(out)
+    assert enc.poolings == ("dpcap", "avg", "cls") and not enc.can_caption
+    with pytest.raises(MissingInputError, match="has no vocab.txt: it cannot caption"):
+        load_captioner(out)
+    assert "Captioning | not available" in (out / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------ tokenizer, model
+def test_tokenizer_follows_the_reference_conventions(tmp_path):
+    tok = CaptionTokenizer(write_vocab(tmp_path / "vocab.txt"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.max_length) == (101, 102, 0, 40)
+    ids = tok.encode(["Two DOGS playing.", "a"])
+    word = VOCAB.index
+    assert ids[0].tolist() == [101, word("two"), word("dog"), word("##s"), word("playing"), word("."), 102]
+    assert ids[1].tolist() == [101, word("a"), 102, 0, 0, 0, 0]
+    assert tok.decode(ids[0].tolist()) == "two dogs playing."
+    long = tok.encode(["dog " * 100])[0].tolist()
+    assert len(long) == 40 and long[-1] == 102
+
+
+def test_text_decoder_is_clippable_per_example():
+    """Only Linear, LayerNorm and Embedding hold parameters, each runs once per forward, nothing
+    is tied, and the constants are buffers (what training.clipping.PerExampleClipper needs)."""
+    torch.manual_seed(0)
+    spec = EncoderSpec(ARCH, img_size=IMG)
+    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, width=48, depth=2, num_heads=4, vocab_size=50,
+                                                        max_length=8, bos_id=1, eos_id=2, pad_id=0))
+    model = Captioner(create_encoder(spec, mae_init=True), decoder)
+    assert not model.encoder.cls_token.requires_grad and not model.encoder.pos_embed.requires_grad
+    holders = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    assert all(isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding, nn.Conv2d)) for m in holders)
+    assert len({p.data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
+    calls: dict[nn.Module, int] = {}
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1)) for m in holders]
+    text = torch.tensor([[1, 5, 6, 2, 0], [1, 7, 2, 0, 0]])
+    losses = model(torch.randn(2, 3, IMG, IMG), text)
+    for h in hooks:
+        h.remove()
+    assert losses.shape == (2,) and set(calls.values()) == {1} and len(calls) == len(holders)
+    logits = torch.randn(2, 5, 50)
+    ce = [F.cross_entropy(logits[i, :-1], text[i, 1:], reduction="none") for i in range(2)]
+    torch.testing.assert_close(caption_loss(logits, text, 0), torch.stack([ce[0][:3].mean(), ce[1][:2].mean()]))
+    with pytest.raises(ConfigError, match="final norm on every token"):
+        Captioner(tiny_encoder(), TextDecoder(TextDecoderConfig.for_encoder(EncoderSpec("vip-nano", img_size=IMG),
+                                                                         vocab_size=50, bos_id=1, eos_id=2)))
+
+
+def test_export_refuses_text_parts_that_do_not_belong(tmp_path):
+    spec = EncoderSpec("vip-nano", img_size=IMG)
+    decoder = TextDecoder(TextDecoderConfig.for_encoder(EncoderSpec(ARCH, img_size=IMG), width=48, depth=1,
+                                                        num_heads=4, vocab_size=len(VOCAB)))
+    with pytest.raises(ConfigError, match="ViP repos carry no text decoder"):
+        export_encoder(tmp_path / "a", tiny_encoder(), spec, [synthetic_stage()], model_name="a", text_decoder=decoder)
+    with pytest.raises(ConfigError, match="only exported with the text decoder"):
+        export_encoder(tmp_path / "b", tiny_encoder(), spec, [synthetic_stage()], model_name="b", vocab=b"[PAD]\n")
+
+
+# ------------------------------------------------------------------- preset, ledger, card
+def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_path):
+    preset = PRESETS["dpcap-base-eps7"]()
+    assert preset.arch == "dpcap-base" and preset.license == "cc-by-nc-4.0"
+    dp = preset.stages[-1]
+    assert dp.dataset.name == "MetaCLIP" and dp.dataset.size == 2_000_000_000
+    assert (dp.noise_multiplier, dp.steps, dp.clipping_norm, dp.expected_batch_size) == (0.527, 5000, 1.0, 1_310_720)
+    assert dp.delta == pytest.approx(5e-10) and dp.sampling == "shuffle"
+    assert dp.epsilon == pytest.approx(7.30, abs=0.01)  # RDP; the README calls it the eps = 7 model
+    assert set(dp.reference_epsilon) == {"prv", "pld"} and all(6.2 < e < 6.4 for e in dp.reference_epsilon.values())
+    # The ledger on a small DP-Cap repo (the base weights are not needed to check the record).
+    enc = create_encoder(EncoderSpec(ARCH, img_size=IMG), mae_init=True)
+    cap = load_captioner(repo)
+    out = export_encoder(tmp_path / "eps7", enc, EncoderSpec(ARCH, img_size=IMG), preset.stages,
+                         model_name="dpcap-eps7-small", text_decoder=cap.captioner.decoder,
+                         vocab=(repo / "vocab.txt").read_bytes(), license=preset.license)
+    report = verify_repo(out)
+    assert report.ok, report.problems
+    assert report.recomputed["dp-pretraining/rdp"] == pytest.approx(dp.epsilon, rel=1e-4)
+    assert set(json.loads((out / "privacy_ledger.json").read_text())["artifacts"]) == {
+        "model.safetensors", "config.json", "text_decoder.safetensors", "vocab.txt"}
+    card = (out / "README.md").read_text()
+    assert "Sampling caveat for `dp-pretraining`" in card and "assumes Poisson sampling" in card
+    assert "`dpcap-nano` (DP-Cap family)" in card and "no qkv bias, final norm on every token" in card
+    assert "`dpcap` 96, `avg` 192, `cls` 192" in card and "## Captions and zero-shot classification" in card
+    assert 'pooling="dpcap"' in card and "license: cc-by-nc-4.0" in card and "shuffle (accounted as Poisson)" in card
+    (out / "vocab.txt").write_text("tampered\n")
+    assert not verify_repo(out).ok
+
+
+def test_vip_cards_stay_vip(tiny_repo):
+    card = (tiny_repo / "README.md").read_text()
+    assert "`vip-nano` (ViP family)" in card and "`vip` 1152, `avg` 192, `cls` 192" in card
+    assert "Captions" not in card and "Captioning" not in card and 'pooling="vip"' in card
+
+
+# ----------------------------------------------------------------------------------- CLI
+def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
+    _, path = reference
+    out = tmp_path / "cli-repo"
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    assert main(["import-dpcap", str(path), "--out", str(out), "--arch", ARCH, "--img-size", str(IMG),
+                 "--vocab", str(vocab), "--synthetic-dataset", "Shaders21k", "--private-dataset", "captions",
+                 "--dataset-size", "10000", "--sigma", "1.0", "--batch-size", "100", "--steps", "10",
+                 "--clip", "1"]) == 0
+    dp = json.loads((out / "privacy_ledger.json").read_text())["stages"][1]
+    assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(1e-4)  # the reference's defaults
+    from PIL import Image
+
+    files = []
+    for i, color in enumerate(("red", "blue")):
+        files.append(tmp_path / f"{i}.png")
+        Image.new("RGB", (40, 40), color).save(files[-1])
+    capsys.readouterr()
+    assert main(["caption", str(out), *map(str, files), "--max-tokens", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    expected = load_captioner(out, verify=False).caption([Image.open(f).convert("RGB") for f in files], max_tokens=5)
+    assert [c["caption"] for c in result["captions"]] == expected
+    assert result["privacy"]["epsilon"] > 0
+    assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,cat,red car", "--json"]) == 0
+    zs = json.loads(capsys.readouterr().out)["results"][0]
+    losses = [entry["loss"] for entry in zs["labels"]]
+    assert losses == sorted(losses) and zs["label"] == zs["labels"][0]["label"]
+    assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,,cat"]) == 1
+    assert "labels[1] is empty" in capsys.readouterr().err
+    assert main(["caption", str(out), str(tmp_path / "missing.png")]) == 1
+    assert "missing.png: no such image file" in capsys.readouterr().err
+
+
+def test_probe_trains_on_dpcap_features(repo, tmp_path):
+    from PIL import Image
+
+    from training.probe import ProbeConfig, run_probe
+    from vip_hub.heads import load_head
+
+    data = tmp_path / "labelled"
+    for label, color in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
+        (data / label).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (32, 32), tuple(min(255, c + 6 * i) for c in color)).save(data / label / f"{i}.png")
+    out = tmp_path / "with-head"
+    r = run_probe(ProbeConfig(encoder=str(repo), data=str(data), test_fraction=0.25, head="colors", pooling="dpcap",
+                              epochs=3, warmup_epochs=1, batch_size=8, out=str(out)))
+    assert r.features["train_x"].shape[1] == WIDTH
+    head, info = load_head(out, "colors")
+    assert info.pooling == "dpcap" and head.linear.in_features == WIDTH
+    assert verify_repo(out).ok
