@@ -52,7 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.store = HubStore(settings.store, upload_ttl=settings.hub.upload_ttl_s)
+    app.state.store = HubStore(settings.store, upload_ttl=settings.hub.upload_ttl_s,
+                               xet_ttl=settings.hub.xet_ttl_s)
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine
     app.state.metrics = metrics

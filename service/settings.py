@@ -33,8 +33,10 @@ class HubSettings(BaseModel):
 
     enabled: bool = True
     max_upload_bytes: int = Field(8 * GIB, gt=0, description="largest commit body, LFS object or Xet file accepted")
-    upload_ttl_s: float = Field(24 * 3600, gt=0, description="uploads (LFS objects, Xet xorbs) never committed "
-                                                             "are removed after this many seconds")
+    upload_ttl_s: float = Field(24 * 3600, gt=0, description="uploaded objects never committed are removed "
+                                                             "after this many seconds")
+    xet_ttl_s: float = Field(21 * 24 * 3600, gt=0, description="Xet xorbs are kept this long after their last use: "
+                             "hf_xet clients deduplicate against what they uploaded for 3 weeks")
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
 
 

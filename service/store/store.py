@@ -174,12 +174,13 @@ Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use)."""
 
-    def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600):
+    def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600,
+                 xet_ttl: float = 21 * 24 * 3600):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.root)
         self.xet = XetStore(self.root, self.blobs)
-        self.upload_ttl = upload_ttl
+        self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
@@ -191,9 +192,9 @@ class HubStore:
         self.collect_uploads()
 
     def collect_uploads(self) -> int:
-        """Remove uploads never committed (and xorbs no longer referred to) older than the
-        upload time-to-live, and temp files left by crashed requests; returns how many went."""
-        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(self.upload_ttl)
+        """Remove uploads never committed older than the upload time-to-live, xorbs unused for
+        the Xet time-to-live, and temp files left by crashed requests; returns how many went."""
+        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(self.xet_ttl)
 
     def maybe_collect_uploads(self) -> None:
         """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads begin)."""
