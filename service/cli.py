@@ -62,20 +62,33 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def register_token(sub: Any) -> None:
-    require_extra("serve", "fastapi", "pydantic_settings")
-    p = add_command(sub, "token", _token, "create an access token for the hub (printed once)")
-    p.add_argument("action", choices=["create"])
-    p.add_argument("--name", required=True, help="who the token is for; also the default org")
+    p = add_command(sub, "token", _token, "create, list or revoke the hub's access tokens (a running server "
+                                          "sees the change on its next request)")
+    p.add_argument("action", choices=["create", "list", "revoke"])
+    p.add_argument("--name", help="who the token is for, also the default org (create, revoke)")
     p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
-    p.add_argument("--store", type=Path, help="store folder whose tokens.json to update")
+    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
     p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
 
 
 def _token(args: argparse.Namespace) -> None:
-    from .auth import create_token
+    from vip_hub.errors import ConfigError
+
+    from .auth import create_token, list_tokens, revoke_token
     from .settings import Settings
 
     settings = Settings(**_overrides(args))
     path = args.tokens_file or settings.tokens_path()
-    secret = create_token(path, args.name, args.scope)
-    print(secret)
+    if args.action != "list" and not args.name:
+        raise ConfigError(f"vip-hub token {args.action} needs --name")
+    try:
+        if args.action == "create":
+            print(create_token(path, args.name, args.scope))  # the secret, shown this once
+        elif args.action == "revoke":
+            revoke_token(path, args.name)
+            print(f"revoked {args.name!r}")
+        else:
+            for t in list_tokens(path):
+                print(f"{t['name']}\t{t['scope']}\t{t['created_at']}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
