@@ -65,8 +65,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if engine is not None:
         from .inference.api import router as inference_router
         from .inference.body_limits import BodyLimitMiddleware
+        from .inference.captions import router as captions_router
 
         app.include_router(inference_router)
+        app.include_router(captions_router)
         app.add_middleware(BodyLimitMiddleware, max_bytes=settings.inference.max_request_bytes,
                            max_depth=settings.inference.max_json_depth)
     if settings.hub.enabled:

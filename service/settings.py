@@ -70,6 +70,8 @@ class InferenceSettings(BaseModel):
     max_image_bytes: int = Field(10 * MIB, gt=0)
     max_request_bytes: int = Field(64 * MIB, gt=0)
     max_image_pixels: int = Field(40_000_000, gt=0, description="width x height, checked from the header")
+    max_caption_tokens: int = Field(40, gt=0, le=127, description="most tokens a /v1/captions caption may ask for")
+    max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
     max_json_depth: int = Field(8, gt=0)
 
     @field_validator("device")

@@ -428,13 +428,17 @@ class CaptioningModel:
         return [self.tokenizer.decode(row) for row in ids]
 
     def label_texts(self, labels: Sequence[str], prompt: str = DEFAULT_PROMPT) -> torch.Tensor:
-        """Token ids (L, T) of ``prompt + " " + label`` for each label (the zero-shot candidates)."""
+        """Token ids (L, T) of ``prompt + " " + label`` for each label (the zero-shot candidates);
+        an empty label, or one too long for the decoder with the prompt, is a ConfigError."""
         if not labels:
             raise ConfigError("zero-shot needs at least one label")
         empty = [i for i, label in enumerate(labels) if not label.strip()]
         if empty:
             raise ConfigError(f"labels[{empty[0]}] is empty")
-        return self.tokenizer.encode([f"{prompt} {label}".strip() for label in labels])
+        try:
+            return self.tokenizer.encode([f"{prompt} {label}".strip() for label in labels], cut=False)
+        except ConfigError as e:
+            raise ConfigError(f"labels: with the prompt, {str(e).replace('text ', 'label ', 1)}") from None
 
     def zero_shot(self, images: Sequence[Image.Image] | torch.Tensor, labels: Sequence[str],
                   prompt: str = DEFAULT_PROMPT, batch_size: int = 16) -> torch.Tensor:

@@ -54,12 +54,18 @@ class CaptionTokenizer:
         self._tok.enable_truncation(max_length)
         self._tok.enable_padding(pad_id=self.pad_id, pad_token="[PAD]")
 
-    def encode(self, texts: Sequence[str]) -> torch.Tensor:
+    def encode(self, texts: Sequence[str], *, cut: bool = True) -> torch.Tensor:
         """``[CLS] text [SEP]`` for each text, cut at ``max_length`` (keeping [SEP]) and padded
-        with [PAD] to the longest: a (len(texts), T) long tensor."""
+        with [PAD] to the longest: a (len(texts), T) long tensor. With ``cut=False`` a text
+        longer than ``max_length`` tokens is a ConfigError naming it instead."""
         if not texts:
             return torch.empty(0, 2, dtype=torch.long)
-        return torch.tensor([e.ids for e in self._tok.encode_batch(list(texts))], dtype=torch.long)
+        encodings = self._tok.encode_batch(list(texts))
+        if not cut:
+            for i, e in enumerate(encodings):
+                if e.overflowing:
+                    raise ConfigError(f"text {i} ({texts[i][:60]!r}) is longer than {self.max_length} tokens")
+        return torch.tensor([e.ids for e in encodings], dtype=torch.long)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens dropped and word pieces joined."""

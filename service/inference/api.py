@@ -28,6 +28,8 @@ from vip_hub.repo_format import (
     LEDGER_FILE,
     META_POOLING,
     NAME_PATTERN,
+    TEXT_DECODER_FILE,
+    VOCAB_FILE,
     head_component,
     head_file,
     heads_in,
@@ -148,6 +150,8 @@ class ModelDescription(BaseModel):
     arch: str | None
     feature_dims: dict[str, int]
     heads: list[HeadDescription]
+    captions: bool = Field(False, description="whether /v1/captions and /v1/zero-shot serve it (a DP-Cap repo "
+                                              "with its text decoder and vocabulary)")
     privacy: Privacy
 
 
@@ -335,6 +339,7 @@ def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
     return ModelDescription(
         id=repo_id, revision=commit, loaded=loaded is not None, arch=meta.get("arch"),
         feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy.of(ledger.summary()),
+        captions=loaded.captions is not None if loaded else all(f in tree for f in (TEXT_DECODER_FILE, VOCAB_FILE)),
     )
 
 

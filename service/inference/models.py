@@ -1,5 +1,5 @@
-"""A model held in memory for inference: the verified encoder, its probe heads, its privacy
-summaries, and the batcher that runs its forward passes."""
+"""A model held in memory for inference: the verified encoder, its probe heads, its text
+decoder (DP-Cap repos that caption), and the batcher that runs its forward passes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from vip_hub import load_encoder
+from vip_hub.captioning import CaptioningModel
 from vip_hub.device import pick_device
-from vip_hub.features import POOLINGS, Pooling, extract_features
+from vip_hub.features import Pooling
 from vip_hub.heads import HeadInfo, LinearProbe, list_heads, load_head
 from vip_hub.ledger import PrivacyLedger
 
@@ -25,10 +26,18 @@ __all__ = ["LoadedModel", "Task"]
 
 @dataclass(frozen=True)
 class Task:
-    """What to compute for a work item: feature modes, or a head's class probabilities."""
+    """What to compute for a work item: feature modes, a head's class probabilities, captions
+    of at most ``caption_tokens`` tokens, or the caption loss of each of ``texts`` (zero-shot)."""
 
     poolings: tuple[Pooling, ...] = ()
     head: str | None = None
+    caption_tokens: int | None = None
+    texts: torch.Tensor | None = None  # (labels, T) token ids
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the text decoder runs (captions or zero-shot) rather than the features."""
+        return self.caption_tokens is not None or self.texts is not None
 
 
 @dataclass
@@ -41,6 +50,7 @@ class LoadedModel:
     heads: dict[str, tuple[LinearProbe, HeadInfo]]
     metrics: Metrics | None = None
     device: torch.device = torch.device("cpu")
+    captions: CaptioningModel | None = None
     batcher: Batcher | None = None
     last_used: float = field(default_factory=time.monotonic)
 
@@ -53,7 +63,7 @@ class LoadedModel:
         return f"{self.repo_id}@{self.commit[:10]}"
 
     def feature_dims(self) -> dict[str, int]:
-        return {p: self.encoder.feature_dim(p) for p in POOLINGS}
+        return {p: self.encoder.feature_dim(p) for p in self.encoder.poolings}
 
     @classmethod
     def load(cls, repo_id: str, commit: str, folder: Path, settings: InferenceSettings,
@@ -65,7 +75,8 @@ class LoadedModel:
         for name in list_heads(folder):
             head, info = load_head(folder, name)
             heads[name] = (head.to(device), info)
-        model = cls(repo_id, commit, encoder, heads, metrics, device)
+        captions = CaptioningModel.from_encoder(encoder) if encoder.can_caption else None
+        model = cls(repo_id, commit, encoder, heads, metrics, device, captions)
         model.warm_up()
         label = model.label
         model.batcher = Batcher(
@@ -81,37 +92,40 @@ class LoadedModel:
             self.batcher.close()
 
     def warm_up(self) -> None:
-        """One forward pass per head and mode on a blank batch, so first requests run warm."""
+        """One forward pass per head and mode (and one decoding step) on a blank batch, so first
+        requests run warm."""
         size = self.encoder.spec.img_size
         with torch.inference_mode():
-            feats = extract_features(self.encoder.model, torch.zeros(2, 3, size, size, device=self.device), POOLINGS)
+            x = torch.zeros(2, 3, size, size, device=self.device)
+            feats = self.encoder.features(x, self.encoder.poolings)
             for head, info in self.heads.values():
                 head(feats[info.pooling])
+            if self.captions is not None:
+                self.captions.captioner.generate(x, 1)
 
     @torch.inference_mode()
     def run_batch(self, items: list[WorkItem]) -> None:
         """Forward the items' images as one batch; set each item's result:
         ``(output, enqueued, started, forward seconds)``."""
         start = time.perf_counter()
-        modes: set[Pooling] = set()
-        for item in items:
-            task: Task = item.task
-            modes.update(task.poolings)
-            if task.head is not None:
-                modes.add(self.heads[task.head][1].pooling)
         x = torch.cat([i.images for i in items]) if len(items) > 1 else items[0].images
         x = x.to(self.device, non_blocking=True)
-        feats = extract_features(self.encoder.model, x, tuple(sorted(modes)))
-        results: list[Any] = []
-        offset = 0
+        rows, offset = [], 0
         for item in items:
-            rows = slice(offset, offset + item.size)
+            rows.append(slice(offset, offset + item.size))
             offset += item.size
-            if item.task.head is not None:
-                head, info = self.heads[item.task.head]
-                results.append(torch.softmax(head(feats[info.pooling][rows]).float(), dim=-1).cpu())
-            else:
-                results.append({m: feats[m][rows].float().cpu() for m in item.task.poolings})
+        results: list[Any] = [None] * len(items)
+        encode = [k for k, item in enumerate(items) if not item.task.decodes]
+        if encode:
+            self._run_features([items[k] for k in encode], torch.cat([x[rows[k]] for k in encode]), encode, results)
+        captions = [k for k, item in enumerate(items) if item.task.caption_tokens is not None]
+        if captions:
+            self._run_captions([items[k] for k in captions], torch.cat([x[rows[k]] for k in captions]), captions,
+                               results)
+        for k, item in enumerate(items):
+            if item.task.texts is not None:
+                assert self.captions is not None
+                results[k] = self.captions.captioner.text_losses(x[rows[k]], item.task.texts.to(self.device)).cpu()
         forward_s = time.perf_counter() - start  # after the copies back: a CUDA forward is asynchronous
         if self.metrics is not None:  # before the results: the event loop wakes on those
             self.metrics.batch_size.labels(self.label).observe(x.shape[0])
@@ -120,3 +134,32 @@ class LoadedModel:
                 self.metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
         for item, result in zip(items, results):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
+
+    def _run_features(self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]) -> None:
+        """Feature modes and head probabilities of ``items`` (images ``x``), into ``results[slots]``."""
+        modes: set[Pooling] = set()
+        for item in items:
+            modes.update(item.task.poolings)
+            if item.task.head is not None:
+                modes.add(self.heads[item.task.head][1].pooling)
+        feats = self.encoder.features(x, tuple(sorted(modes)))
+        offset = 0
+        for slot, item in zip(slots, items):
+            rows = slice(offset, offset + item.size)
+            offset += item.size
+            if item.task.head is not None:
+                head, info = self.heads[item.task.head]
+                results[slot] = torch.softmax(head(feats[info.pooling][rows]).float(), dim=-1).cpu()
+            else:
+                results[slot] = {m: feats[m][rows].float().cpu() for m in item.task.poolings}
+
+    def _run_captions(self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]) -> None:
+        """Greedy captions of ``items`` in one decoding loop: each caption is the prefix of the
+        longest budget's, so it is cut at its own item's ``caption_tokens``."""
+        assert self.captions is not None
+        ids = self.captions.captioner.generate(x, max(item.task.caption_tokens for item in items))
+        offset = 0
+        for slot, item in zip(slots, items):
+            rows = ids[offset : offset + item.size]
+            offset += item.size
+            results[slot] = [self.captions.tokenizer.decode(r[: item.task.caption_tokens]) for r in rows]

@@ -1,0 +1,134 @@
+"""``/v1/captions`` and ``/v1/zero-shot``: what a DP-Cap repo with its text decoder and vocabulary
+serves, batched through the model's batcher like embeddings, with the same limits, errors,
+timing headers and privacy block (``PrivacyLedger.summary``: the decoder was trained in the
+encoder's stages)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Annotated, Literal
+
+import torch
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from vip_hub.captioning import DEFAULT_PROMPT
+
+from ..auth import Identity
+from ..errors import BadRequest, PayloadTooLarge
+from .api import _ERRORS, Image64, ModelRef, Privacy, Usage, _decode_texts, _disconnected, _headers, _model, caller, engine_of
+from .models import LoadedModel, Task
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["inference"])
+
+Label = Annotated[str, Field(min_length=1, max_length=200, description="a class name, e.g. 'golden retriever'")]
+
+
+class CaptionsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelRef
+    input: Image64 | list[Image64] = Field(description="one image or a list (base64 or data: URIs)")
+    max_tokens: int | None = Field(None, ge=1, le=127, description="most tokens per caption (default: the "
+                                   "server's inference.max_caption_tokens, within the model's maximum)")
+
+
+class Caption(BaseModel):
+    object: Literal["caption"] = "caption"
+    index: int
+    caption: str
+
+
+class CaptionsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Caption]
+    model: str
+    revision: str
+    privacy: Privacy
+    usage: Usage
+
+
+class ZeroShotRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelRef
+    input: Image64 | list[Image64]
+    labels: list[Label] = Field(min_length=1, description="the candidate classes (at most inference.max_labels)")
+    prompt: str = Field(DEFAULT_PROMPT, max_length=200, description="text before each label")
+    top_k: int = Field(5, ge=1, le=1000)
+
+
+class LabelLoss(BaseModel):
+    label: str
+    loss: float = Field(description="caption loss of the prompt and label (smaller is more likely)")
+    score: float = Field(description="softmax of the negated losses over the labels")
+
+
+class ZeroShotResult(BaseModel):
+    index: int
+    label: str = Field(description="the prediction: the label with the smallest loss")
+    labels: list[LabelLoss]
+
+
+class ZeroShotResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ZeroShotResult]
+    model: str
+    revision: str
+    privacy: Privacy
+    usage: Usage
+
+
+async def _captioning_model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
+    model = await _model(request, ref, who)
+    if model.captions is None:
+        raise BadRequest(f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder and "
+                         "a vocabulary)")
+    return model
+
+
+@router.post("/captions", response_model=CaptionsResponse, responses=_ERRORS,
+             summary="Caption images (greedy decoding, DP-Cap repos)")
+async def captions(payload: CaptionsRequest, request: Request, response: Response,
+                   who: Identity | None = Depends(caller)) -> CaptionsResponse:
+    images = _decode_texts(request, payload.input)
+    model = await _captioning_model(request, payload.model, who)
+    assert model.captions is not None
+    limit = min(request.app.state.settings.inference.max_caption_tokens, model.captions.max_tokens)
+    tokens = limit if payload.max_tokens is None else payload.max_tokens
+    if tokens > limit:
+        raise BadRequest(f"max_tokens: {tokens} is more than the limit of {limit} for {model.repo_id}")
+    result = await engine_of(request).run(model, images, Task(caption_tokens=tokens), partial(_disconnected, request))
+    texts = [caption for out in result.outputs for caption in out]
+    privacy = Privacy.of(model.ledger.summary())
+    _headers(response, model, result, privacy)
+    return CaptionsResponse(data=[Caption(index=i, caption=c) for i, c in enumerate(texts)], model=model.repo_id,
+                            revision=model.commit, privacy=privacy, usage=Usage(images=len(images)))
+
+
+@router.post("/zero-shot", response_model=ZeroShotResponse, responses=_ERRORS,
+             summary="Classify images among label texts by caption likelihood (DP-Cap repos)")
+async def zero_shot(payload: ZeroShotRequest, request: Request, response: Response,
+                    who: Identity | None = Depends(caller)) -> ZeroShotResponse:
+    limit = request.app.state.settings.inference.max_labels
+    if len(payload.labels) > limit:
+        raise PayloadTooLarge(f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request")
+    images = _decode_texts(request, payload.input)
+    model = await _captioning_model(request, payload.model, who)
+    assert model.captions is not None
+    texts = model.captions.label_texts(payload.labels, payload.prompt)  # ConfigError (400) names a bad label
+    result = await engine_of(request).run(model, images, Task(texts=texts), partial(_disconnected, request))
+    losses = torch.cat(result.outputs)
+    scores = torch.softmax(-losses, dim=-1)
+    k = min(payload.top_k, len(payload.labels))
+    data = []
+    for i, row in enumerate(losses):
+        order = row.argsort()[:k].tolist()
+        ranked = [LabelLoss(label=payload.labels[j], loss=float(row[j]), score=float(scores[i, j])) for j in order]
+        data.append(ZeroShotResult(index=i, label=ranked[0].label, labels=ranked))
+    privacy = Privacy.of(model.ledger.summary())
+    _headers(response, model, result, privacy)
+    return ZeroShotResponse(data=data, model=model.repo_id, revision=model.commit, privacy=privacy,
+                            usage=Usage(images=len(images)))

@@ -1,0 +1,152 @@
+"""A DP-Cap repo published to a live vip-hub server: plain timm over hf-hub, /v1/captions,
+/v1/zero-shot, the dpcap feature mode over /v1/embeddings, limits, errors, batching, metrics."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+from live import WRITE_TOKEN, ThreadedServer, settings_for
+from vip_hub import load_encoder
+from vip_hub.captioning import load_captioner
+from vip_hub.importer import import_dpcap_checkpoint
+from vip_hub.push import push_repo
+
+from conftest import synthetic_stage
+from test_dpcap import ARCH, IMG, ReferenceDPCap, save_reference, write_vocab
+
+DPCAP = "vip/dpcap-nano-test"
+VIP = "vip/vip-nano-test"
+
+
+def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
+    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session hub."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ckpt = save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth")
+    repo = import_dpcap_checkpoint(ckpt, folder / "repo", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
+                                   model_name="dpcap-nano-test", vocab=write_vocab(folder / "vocab.txt"))
+    push_repo(repo, repo_id, token=WRITE_TOKEN)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def dpcap(hub, published, tmp_path_factory) -> Path:
+    return publish_dpcap(tmp_path_factory.mktemp("dpcap-service"))
+
+
+def png(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+IMAGES = [png(i) for i in range(4)]
+PIL_IMAGES = [Image.open(io.BytesIO(data)).convert("RGB") for data in IMAGES]
+
+
+def post(url: str, path: str, payload: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{path}", json=payload, timeout=120)
+
+
+def test_plain_timm_loads_it_through_the_hub(dpcap):
+    model = timm.create_model(f"hf-hub:{DPCAP}", pretrained=True).eval()
+    local = load_encoder(dpcap)
+    x = local.preprocess(PIL_IMAGES[:2])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), local.embed(x, "avg"))
+
+
+def test_captions_and_zero_shot_match_the_library(hub, dpcap):
+    local = load_captioner(dpcap, verify=False)
+    r = post(hub.url, "captions", {"model": DPCAP, "input": [b64(d) for d in IMAGES[:3]], "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["caption"] for c in body["data"]] == local.caption(PIL_IMAGES[:3], max_tokens=5)
+    assert body["usage"] == {"images": 3} and body["revision"] == r.headers["X-Model-Revision"]
+    assert body["privacy"]["epsilon"] == 0.0 and "no private data" in body["privacy"]["headline"]
+    assert float(r.headers["X-Inference-Ms"]) > 0
+    labels = ["dog", "red car", "handwritten digit"]
+    r = post(hub.url, "zero-shot", {"model": DPCAP, "input": [b64(d) for d in IMAGES[:2]], "labels": labels,
+                                    "top_k": 2})
+    assert r.status_code == 200, r.text
+    want = local.zero_shot(PIL_IMAGES[:2], labels)
+    for row, losses in zip(r.json()["data"], want):
+        order = losses.argsort().tolist()
+        assert row["label"] == labels[order[0]] and [x["label"] for x in row["labels"]] == [labels[j] for j in order[:2]]
+        assert row["labels"][0]["loss"] == pytest.approx(float(losses[order[0]]), abs=1e-4)
+        assert row["labels"][0]["score"] == pytest.approx(float(torch.softmax(-losses, 0)[order[0]]), abs=1e-4)
+
+
+def test_dpcap_features_over_rest_and_modes_it_does_not_have(hub, dpcap):
+    r = post(hub.url, "embeddings", {"model": DPCAP, "input": [b64(IMAGES[0])], "pooling": "dpcap"})
+    assert r.status_code == 200, r.text
+    want = load_encoder(dpcap, verify=False).embed(PIL_IMAGES[:1], "dpcap")[0]
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], want.numpy(), atol=1e-5)
+    r = post(hub.url, "embeddings", {"model": DPCAP, "input": [b64(IMAGES[0])], "pooling": "vip"})
+    assert r.status_code == 400 and "'vip' is not available for dpcap-nano" in r.json()["error"]
+    r = post(hub.url, "embeddings", {"model": VIP, "input": [b64(IMAGES[0])], "pooling": "dpcap"})
+    assert r.status_code == 400 and "'dpcap' is not available for vip-nano" in r.json()["error"]
+
+
+def test_models_listing_says_which_repos_caption(hub, dpcap):
+    one = httpx.get(f"{hub.url}/v1/models/{DPCAP}").json()
+    assert one["captions"] is True and list(one["feature_dims"]) == ["dpcap", "avg", "cls"]
+    listed = {m["id"]: m["captions"] for m in httpx.get(f"{hub.url}/v1/models").json()["data"]}
+    assert listed[DPCAP] is True and listed[VIP] is False
+
+
+@pytest.mark.parametrize("path,payload,status,fragment", [
+    ("captions", {"model": VIP, "input": ["IMG0"]}, 400, "vip/vip-nano-test cannot caption"),
+    ("zero-shot", {"model": VIP, "input": ["IMG0"], "labels": ["a"]}, 400, "cannot caption"),
+    ("captions", {"model": DPCAP, "input": ["IMG0"], "max_tokens": 30}, 400, "max_tokens: 30 is more than the limit of 15"),
+    ("captions", {"model": DPCAP, "input": ["IMG0", "bm90IGFuIGltYWdl"]}, 400, "input[1]"),
+    ("captions", {"model": DPCAP, "input": []}, 400, "at least one image"),
+    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": ["dog " * 20]}, 400, "longer than 16 tokens"),
+    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": ["a"] * 101}, 413, "101 labels, more than the limit of 100"),
+    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": []}, 422, "labels"),
+    ("captions", {"model": "vip/nothing-here", "input": ["IMG0"]}, 404, "vip/nothing-here"),
+])
+def test_bad_requests_are_named(hub, dpcap, path, payload, status, fragment):
+    payload = {**payload, "input": [b64(IMAGES[0]) if x == "IMG0" else x for x in payload["input"]]}
+    r = post(hub.url, path, payload)
+    assert r.status_code == status, r.text
+    assert fragment in r.text
+
+
+def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap):
+    local = load_captioner(dpcap, verify=False)
+    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 200.0, "max_batch_size": 16})
+    with ThreadedServer(settings) as server:
+        assert post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[0])]}).status_code == 200
+        results: dict[int, list[str]] = {}
+
+        def call(i: int) -> None:
+            r = post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[i % 4])], "max_tokens": 1 + i % 3})
+            results[i] = [c["caption"] for c in r.json()["data"]]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, captions in results.items():
+            assert captions == local.caption(PIL_IMAGES[i % 4 : i % 4 + 1], max_tokens=1 + i % 3), i
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'vip_hub_requests_total{method="POST",route="/v1/captions",status="200"}' in text
+        counts = [line for line in text.splitlines() if line.startswith("vip_hub_batch_images_count")]
+        assert counts and sum(float(line.split()[-1]) for line in counts) < 7  # 7 requests, fewer batches
