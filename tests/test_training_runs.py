@@ -73,7 +73,7 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     assert (syn_repo / "mae_decoder.safetensors").is_file()
     assert "training_curves.png" in ledger.artifacts
     log = [json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert [r["step"] for r in log] == [0, 1, 2, 3, 4]  # step 0: the public loss before training
 
 
 def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, images: Path,
@@ -124,7 +124,7 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
     with pytest.raises(MissingInputError, match="not a directory"):
         train_vip(VipConfig(**{**base, "data": str(tmp_path / "missing")}))
     with pytest.raises(MissingInputError, match="mae_decoder.safetensors"):
-        train_vip(VipConfig(**{**base, "init": str(make_repo_without_decoder(tmp_path))}))
+        train_vip(VipConfig(**{**base, "batch_size": 8, "init": str(make_repo_without_decoder(tmp_path))}))
     r = subprocess.run([str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
                         "--out", str(tmp_path / "y"), "--batch-size", "0"], capture_output=True, text=True)
     assert r.returncode == 1 and "--batch-size: Input should be greater than 0" in r.stderr
