@@ -76,9 +76,10 @@ def tiny_repo(tmp_path: Path, dp_stage_session: DPStage) -> Path:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory):
-    """The session's live server (hub + inference) on HF_ENDPOINT's port."""
+    """A live server (hub + inference) on HF_ENDPOINT's port, with a store of this test module's
+    own: what one module publishes never shows up in another's listings."""
     from live import ThreadedServer, settings_for
 
     store = tmp_path_factory.mktemp("hub-store")
@@ -102,9 +103,9 @@ def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Repos published to the session hub through `vip-hub push`: repo id -> local folder."""
+    """Repos published to the module's hub through `vip-hub push`: repo id -> local folder."""
     from live import WRITE_TOKEN
     from vip_hub.push import push_repo
 

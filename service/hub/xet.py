@@ -6,7 +6,9 @@ pipeline choose Xet from ``is_xet_available()`` alone (``hf_xet`` importable and
 ``HF_HUB_DISABLE_XET`` unset); no response of the hub changes that. So the hub speaks Xet:
 
 1. ``GET /api/models/{org}/{name}/xet-write-token/{rev}`` (with the user's write token) ->
-   ``{accessToken, exp, casUrl}``: a short-lived grant, and this server's ``/xet`` as the CAS.
+   ``{accessToken, exp, casUrl}``: a short-lived grant, and this server's ``/xet/<store id>``
+   as the CAS. The client keeps its deduplication cache per CAS URL, so the store's id in it
+   keeps a client from deduplicating against xorbs of another (or a wiped) store.
 2. ``POST {casUrl}/v1/xorbs/default/{hash}``: the chunk containers, kept in the store.
 3. ``POST {casUrl}/v1/shards``: the file records; each file is rebuilt from the xorbs into
    the uploads area and checked against its SHA-256 (``service.store.xet``). (``/v2/shards``
@@ -19,6 +21,7 @@ Downloads never advertise Xet (no ``X-Xet-*`` headers), so they stay plain HTTP.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -50,11 +53,18 @@ def write_token(org: str, name: str, revision: str, request: Request,
     store.maybe_collect_uploads()
     grant = sign_grant(store.secret(), "xet-upload", repo.repo_id, TOKEN_TTL_S)
     return {"accessToken": f"{repo.repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
-            "casUrl": base_url(request) + CAS_PREFIX}
+            "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_store_id(request)}"}
 
 
-def _authorised(request: Request) -> None:
-    """The CAS calls carry ``Authorization: Bearer <repo>:<grant>`` from ``write_token``."""
+def _store_id(request: Request) -> str:
+    return hashlib.sha256(store_of(request).secret()).hexdigest()[:16]
+
+
+def _authorised(request: Request, store_id: str) -> None:
+    """The CAS calls carry ``Authorization: Bearer <repo>:<grant>`` from ``write_token``, on
+    this store's CAS URL."""
+    if store_id != _store_id(request):
+        raise EntryNotFound(f"no Xet store {store_id!r} here: ask xet-write-token for the current CAS URL")
     kind, _, token = request.headers.get("authorization", "").partition(" ")
     repo_id, _, grant = token.rpartition(":")
     if kind.lower() != "bearer" or not repo_id:
@@ -62,9 +72,9 @@ def _authorised(request: Request) -> None:
     check_grant(store_of(request).secret(), "xet-upload", repo_id, grant)
 
 
-@router.post(CAS_PREFIX + "/v1/xorbs/default/{xorb}", include_in_schema=False)
-async def upload_xorb(xorb: str, request: Request) -> dict[str, bool]:
-    _authorised(request)
+@router.post(CAS_PREFIX + "/{store_id}/v1/xorbs/default/{xorb}", include_in_schema=False)
+async def upload_xorb(store_id: str, xorb: str, request: Request) -> dict[str, bool]:
+    _authorised(request, store_id)
     store = store_of(request)
     check_xet_hash(xorb)
     writer = store.blobs.writer()
@@ -78,9 +88,9 @@ async def upload_xorb(xorb: str, request: Request) -> dict[str, bool]:
     return {"was_inserted": inserted}
 
 
-@router.post(CAS_PREFIX + "/v1/shards", include_in_schema=False)
-async def upload_shard(request: Request) -> dict[str, int]:
-    _authorised(request)
+@router.post(CAS_PREFIX + "/{store_id}/v1/shards", include_in_schema=False)
+async def upload_shard(store_id: str, request: Request) -> dict[str, int]:
+    _authorised(request, store_id)
     store = store_of(request)
     writer = store.blobs.writer()
     try:
@@ -96,13 +106,13 @@ async def upload_shard(request: Request) -> dict[str, int]:
     return {"result": 1}  # "sync performed"
 
 
-@router.get(CAS_PREFIX + "/v1/chunks/{prefix}/{chunk}", include_in_schema=False)
-def dedup_query(prefix: str, chunk: str, request: Request) -> None:
-    _authorised(request)
+@router.get(CAS_PREFIX + "/{store_id}/v1/chunks/{prefix}/{chunk}", include_in_schema=False)
+def dedup_query(store_id: str, prefix: str, chunk: str, request: Request) -> None:
+    _authorised(request, store_id)
     raise EntryNotFound(f"chunk {chunk} is not offered for global deduplication")
 
 
-@router.post(CAS_PREFIX + "/v1/telemetry", include_in_schema=False)
+@router.post(CAS_PREFIX + "/{store_id}/v1/telemetry", include_in_schema=False)
 def telemetry(request: Request) -> JSONResponse:
     del request
     return JSONResponse({})

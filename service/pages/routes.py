@@ -12,8 +12,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from vip_hub.card import LEDGER_COLUMNS, guarantee_paragraphs, ledger_rows
+from vip_hub.card import LEDGER_COLUMNS, audit_paragraphs, guarantee_paragraphs, ledger_rows
 from vip_hub.ledger import LedgerError, PrivacyLedger
+from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params, privacy_headline
 
 from ..auth import identity
 from ..errors import BadRequest
@@ -54,7 +55,7 @@ def index(
     rows = store.list_models(search=q or None, max_epsilon=bound, sort=sort, descending=order == "desc",
                              limit=request.app.state.settings.hub.page_size)
     models = [
-        {"id": repo.repo_id, "arch": c.arch, "params": _params(c.num_params), "epsilon": c.epsilon,
+        {"id": repo.repo_id, "arch": c.arch, "params": format_params(c.num_params), "epsilon": c.epsilon,
          "delta": c.delta, "datasets": c.datasets, "updated": _date(c.created_at),
          "accountant": (c.accountant or "").upper()}
         for repo, c in rows
@@ -64,27 +65,30 @@ def index(
     })
 
 
-def model_page(request: Request, org: str, name: str, revision: str = Query("main", max_length=128)) -> HTMLResponse:
+def model_page(request: Request, org: str, name: str,
+               revision: str = Query(DEFAULT_BRANCH, max_length=128)) -> HTMLResponse:
     store = store_of(request)
     repo = readable_repo(store, org, name, identity(request))
     commit = store.resolve(repo.repo_id, validate_revision(revision))
     record = store.commit_record(repo.repo_id, commit)
     tree = store.tree(repo.repo_id, commit)
     file_base = f"/{repo.repo_id}/resolve/{commit}"
-    readme = store.blob_path(tree["README.md"]).read_text(encoding="utf-8")
+    readme = store.blob_path(tree[CARD_FILE]).read_text(encoding="utf-8")
     try:
-        ledger = PrivacyLedger.parse(store.blob_path(tree["privacy_ledger.json"]).read_bytes())
+        ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
     except LedgerError:  # cannot happen for a verified commit; shown rather than hidden
         ledger = None
     context: dict[str, Any] = {
         "repo": repo, "commit": record, "revision": revision,
         "card_html": markdown_html(card_body(readme), file_base),
+        "headline": privacy_headline(ledger.summary()) if ledger else "",
         "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger)] if ledger else [],
+        "audit_html": [markdown_html(p) for p in audit_paragraphs(ledger)] if ledger else [],
         "ledger_columns": LEDGER_COLUMNS, "ledger_rows": ledger_rows(ledger) if ledger else [],
         "files": [{"path": e.path, "size": _size(e.size), "sha256": e.sha256, "url": f"{file_base}/{e.path}"}
                   for e in tree.values()],
         "history": store.history(repo.repo_id, commit, limit=50),
-        "params": _params(record.num_params), "date": _date,
+        "params": format_params(record.num_params), "date": _date, "default_branch": DEFAULT_BRANCH,
     }
     return templates.TemplateResponse(request, "model.html", context)
 
@@ -92,12 +96,6 @@ def model_page(request: Request, org: str, name: str, revision: str = Query("mai
 def commit_page(org: str, name: str, sha: str) -> RedirectResponse:
     """Where ``commitUrl`` points: the model page at that commit."""
     return RedirectResponse(f"/{org}/{name}?revision={validate_revision(sha)}", status_code=303)
-
-
-def _params(n: int | None) -> str:
-    if not n:
-        return "–"
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 def _size(n: int) -> str:

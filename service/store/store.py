@@ -182,6 +182,7 @@ class HubStore:
         self.xet = XetStore(self.root, self.blobs)
         self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
+        self._secret = b""
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
         (self.root / "locks").mkdir(exist_ok=True)
@@ -206,9 +207,12 @@ class HubStore:
     def secret(self) -> bytes:
         """A random key kept in the store (so every replica sharing it agrees): signs the
         short-lived upload grants the hub hands out."""
+        if self._secret:
+            return self._secret
         path = self.root / "secret.key"
         try:
-            return path.read_bytes()
+            self._secret = path.read_bytes()
+            return self._secret
         except FileNotFoundError:
             tmp = self.blobs.new_temp()
             tmp.write_bytes(os.urandom(32))
@@ -219,7 +223,8 @@ class HubStore:
                 pass
             finally:
                 tmp.unlink()
-            return path.read_bytes()
+            self._secret = path.read_bytes()
+            return self._secret
 
     # ----------------------------------------------------------------- plumbing
     @contextlib.contextmanager
