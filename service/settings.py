@@ -86,7 +86,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="VIP_HUB_", env_nested_delimiter="__", extra="forbid")
 
-    store: Path = Field(Path("var/hub"), description="the embedded store: blobs plus SQLite index")
+    store: Path = Field(Path("var/hub"), description="the store: blobs, uploads and (by default) its SQLite index")
+    index: str | None = Field(None, description="postgresql://user:password@host:port/db: the store's index in "
+                              "PostgreSQL, so several hub processes on several hosts share one store (its "
+                              "folder on a shared filesystem); default: SQLite inside the store")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"

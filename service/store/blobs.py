@@ -45,6 +45,14 @@ def hash_file(path: Path) -> FileDigest:
     return FileDigest(sha256.hexdigest(), sha1.hexdigest(), size)
 
 
+def lfs_digest(sha256: str, size: int) -> FileDigest:
+    """The digest of an object received the LFS way: its git id is that of its LFS pointer
+    file, as git (and the Hugging Face Hub) record such a file."""
+    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+    git_oid = hashlib.sha1(b"blob %d\0" % len(pointer) + pointer, usedforsecurity=False).hexdigest()
+    return FileDigest(sha256, git_oid, size)
+
+
 def check_sha256(oid: str) -> str:
     """``oid`` if it is 64 lowercase hex digits, else InvalidRequest."""
     if len(oid) != 64 or not SHA256_HEX.issuperset(oid):

@@ -1,26 +1,23 @@
 """The hub store: repos, immutable commits, branches and tags over content-addressed blobs.
 
 A commit is written in this order, so a crash at any point leaves the previous revision
-intact and nothing half-visible: (1) uploaded files sit in ``tmp/``; (2) the would-be tree
-is verified (``vip_hub.verify_repo``); (3) new blobs are fsynced and renamed into place;
-(4) one SQLite transaction inserts the commit and its tree and moves the ref, but only if
-the ref still points at the parent the tree was built on. Publishes to one repo are
-serialised by a per-repo file lock, so history stays linear.
+intact and nothing half-visible: (1) uploaded files sit in ``tmp/`` or ``uploads/``; (2) the
+would-be tree is verified (``vip_hub.verify_repo``); (3) new blobs are fsynced and renamed
+into place; (4) one index transaction inserts the commit and its tree and moves the ref, but
+only if the ref still points at the parent the tree was built on (a compare-and-swap).
+Publishes to one repo are serialised by the index's per-repo lock, so history stays linear.
+The index is SQLite in the store, or PostgreSQL for several hosts (``service.store.index``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import sqlite3
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,8 +29,9 @@ from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BR
 from vip_hub.verify import verify_repo
 
 from .naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
-from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file
+from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file, lfs_digest
 from .errors import Conflict, InvalidRequest, NoSuchEntry, NoSuchRepo, NoSuchRevision, PublishRefused
+from .index import Index, Row, Transaction, open_index
 from .xet import XetStore
 
 __all__ = [
@@ -50,52 +48,6 @@ __all__ = [
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS repos (
-    id INTEGER PRIMARY KEY,
-    org TEXT NOT NULL,
-    name TEXT NOT NULL,
-    private INTEGER NOT NULL DEFAULT 0,
-    created_at TEXT NOT NULL,
-    UNIQUE (org, name)
-);
-CREATE TABLE IF NOT EXISTS commits (
-    sha TEXT PRIMARY KEY,
-    repo INTEGER NOT NULL REFERENCES repos(id),
-    parent TEXT,
-    title TEXT NOT NULL,
-    message TEXT NOT NULL,
-    author TEXT NOT NULL,
-    created_at TEXT NOT NULL,
-    arch TEXT,
-    num_params INTEGER,
-    epsilon REAL,
-    delta REAL,
-    accountant TEXT,
-    datasets TEXT NOT NULL,
-    card_data TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS files (
-    commit_sha TEXT NOT NULL REFERENCES commits(sha),
-    path TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    git_oid TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    PRIMARY KEY (commit_sha, path)
-);
-CREATE TABLE IF NOT EXISTS commit_datasets (
-    commit_sha TEXT NOT NULL REFERENCES commits(sha),
-    dataset TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS commit_datasets_by_name ON commit_datasets (dataset);
-CREATE TABLE IF NOT EXISTS refs (
-    repo INTEGER NOT NULL REFERENCES repos(id),
-    kind TEXT NOT NULL CHECK (kind IN ('branch', 'tag')),
-    name TEXT NOT NULL,
-    commit_sha TEXT NOT NULL REFERENCES commits(sha),
-    PRIMARY KEY (repo, kind, name)
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -175,7 +127,7 @@ class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use)."""
 
     def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600,
-                 xet_ttl: float = 21 * 24 * 3600):
+                 xet_ttl: float = 21 * 24 * 3600, index: str | None = None):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.root)
@@ -183,13 +135,8 @@ class HubStore:
         self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
         self._secret = b""
-        self._db_path = self.root / "index.sqlite"
-        self._local = threading.local()
-        (self.root / "locks").mkdir(exist_ok=True)
         (self.root / "snapshots").mkdir(exist_ok=True)
-        with self._db() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(_SCHEMA)
+        self.index: Index = open_index(index, self.root)
         self.collect_uploads()
 
     def collect_uploads(self) -> int:
@@ -227,33 +174,10 @@ class HubStore:
             return self._secret
 
     # ----------------------------------------------------------------- plumbing
-    @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        """This thread's connection to the index, opened on its first use (autocommit; writes
-        open their own transaction). Reusing it saves a connect per request."""
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA foreign_keys=ON")
-            db.execute("PRAGMA synchronous=FULL")
-            self._local.db = db
-        yield db
-
-    @contextlib.contextmanager
-    def _repo_lock(self, repo_id: str) -> Iterator[None]:
-        path = self.root / "locks" / (hashlib.sha256(repo_id.encode()).hexdigest()[:32] + ".lock")
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
-    def _repo_row(self, db: sqlite3.Connection, repo_id: str) -> sqlite3.Row:
+    def _repo_row(self, db: Index | Transaction, repo_id: str) -> Row:
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
-        row = db.execute("SELECT * FROM repos WHERE org = ? AND name = ?", (org, name)).fetchone()
+        row = db.row("SELECT * FROM repos WHERE org = ? AND name = ?", (org, name))
         if row is None:
             raise NoSuchRepo(f"repository {repo_id} not found")
         return row
@@ -263,46 +187,37 @@ class HubStore:
         """Create ``org/name``; returns (repo, created). An existing repo is returned as is."""
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
-        with self._db() as db:
-            cur = db.execute(
-                "INSERT OR IGNORE INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?)",
-                (org, name, int(private), _now()),
-            )
-            return self.get_repo(repo_id), cur.rowcount == 1
+        created = self.index.execute(
+            "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (org, name) DO NOTHING",
+            (org, name, int(private), _now()),
+        )
+        return self.get_repo(repo_id), created == 1
 
     def get_repo(self, repo_id: str) -> RepoRecord:
         """The repo, or NoSuchRepo."""
-        with self._db() as db:
-            row = self._repo_row(db, repo_id)
+        row = self._repo_row(self.index, repo_id)
         return RepoRecord(f"{row['org']}/{row['name']}", bool(row["private"]), row["created_at"])
 
     # ---------------------------------------------------------------- revisions
     def resolve(self, repo_id: str, revision: str = DEFAULT_BRANCH) -> str:
         """The commit id a branch, tag or full commit id of ``repo_id`` names."""
         validate_revision(revision)
-        with self._db() as db:
-            repo = self._repo_row(db, repo_id)
-            if COMMIT_RE.match(revision):
-                row = db.execute(
-                    "SELECT sha FROM commits WHERE sha = ? AND repo = ?", (revision, repo["id"])
-                ).fetchone()
-            else:
-                row = db.execute(
-                    "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? "
-                    "ORDER BY kind = 'branch' DESC LIMIT 1",
-                    (repo["id"], revision),
-                ).fetchone()
+        repo = self._repo_row(self.index, repo_id)
+        if COMMIT_RE.match(revision):
+            row = self.index.row("SELECT sha FROM commits WHERE sha = ? AND repo = ?", (revision, repo["id"]))
+        else:
+            row = self.index.row(
+                "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? ORDER BY kind = 'branch' DESC LIMIT 1",
+                (repo["id"], revision),
+            )
         if row is None:
             raise NoSuchRevision(f"revision {revision!r} not found in {repo_id}")
         return row["sha"]
 
     def commit_record(self, repo_id: str, commit: str) -> CommitRecord:
         """Metadata of one commit of ``repo_id``."""
-        with self._db() as db:
-            repo = self._repo_row(db, repo_id)
-            row = db.execute(
-                "SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"])
-            ).fetchone()
+        repo = self._repo_row(self.index, repo_id)
+        row = self.index.row("SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"]))
         if row is None:
             raise NoSuchRevision(f"commit {commit} not found in {repo_id}")
         return _commit_record(repo_id, row)
@@ -310,11 +225,8 @@ class HubStore:
     def tree(self, repo_id: str, commit: str) -> dict[str, FileEntry]:
         """Every file of a commit, by path."""
         self.commit_record(repo_id, commit)
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT path, sha256, git_oid, size FROM files WHERE commit_sha = ? ORDER BY path",
-                (commit,),
-            ).fetchall()
+        rows = self.index.rows("SELECT path, sha256, git_oid, size FROM files WHERE commit_sha = ? ORDER BY path",
+                               (commit,))
         return {r["path"]: FileEntry(r["path"], r["sha256"], r["git_oid"], r["size"]) for r in rows}
 
     def file(self, repo_id: str, commit: str, path: str) -> FileEntry:
@@ -341,10 +253,9 @@ class HubStore:
     def refs(self, repo_id: str) -> dict[str, dict[str, str]]:
         """``{"branch": {name: commit}, "tag": {name: commit}}``."""
         out: dict[str, dict[str, str]] = {"branch": {}, "tag": {}}
-        with self._db() as db:
-            repo = self._repo_row(db, repo_id)
-            for row in db.execute("SELECT kind, name, commit_sha FROM refs WHERE repo = ?", (repo["id"],)):
-                out[row["kind"]][row["name"]] = row["commit_sha"]
+        repo = self._repo_row(self.index, repo_id)
+        for row in self.index.rows("SELECT kind, name, commit_sha FROM refs WHERE repo = ?", (repo["id"],)):
+            out[row["kind"]][row["name"]] = row["commit_sha"]
         return out
 
     def create_tag(self, repo_id: str, tag: str, revision: str = DEFAULT_BRANCH) -> str:
@@ -353,15 +264,12 @@ class HubStore:
         if COMMIT_RE.match(tag):
             raise InvalidRequest(f"tag {tag!r} looks like a commit id")
         commit = self.resolve(repo_id, revision)
-        with self._db() as db:
-            repo = self._repo_row(db, repo_id)
-            try:
-                db.execute(
-                    "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?)",
-                    (repo["id"], tag, commit),
-                )
-            except sqlite3.IntegrityError:
-                raise Conflict(f"tag {tag!r} already exists in {repo_id}") from None
+        repo = self._repo_row(self.index, repo_id)
+        if not self.index.execute(
+            "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?) ON CONFLICT DO NOTHING",
+            (repo["id"], tag, commit),
+        ):
+            raise Conflict(f"tag {tag!r} already exists in {repo_id}")
         return commit
 
     # ------------------------------------------------------------------ listing
@@ -379,7 +287,7 @@ class HubStore:
         limit: int = 100,
         offset: int = 0,
     ) -> list[tuple[RepoRecord, CommitRecord]]:
-        """Repos with a ``main`` branch, filtered and sorted in SQLite (no blob is read)."""
+        """Repos with a default branch, filtered and sorted by the index (no blob is read)."""
         columns = {"updated": "c.created_at", "epsilon": "c.epsilon", "name": "r.org || '/' || r.name",
                    "params": "c.num_params", "delta": "c.delta", "arch": "c.arch"}
         if sort not in columns:
@@ -408,8 +316,7 @@ class HubStore:
             "JOIN refs f ON f.repo = r.id JOIN commits c ON c.sha = f.commit_sha "
             f"WHERE {' AND '.join(where)} ORDER BY {order} LIMIT ? OFFSET ?"
         )
-        with self._db() as db:
-            rows = db.execute(sql, [*args, limit, offset]).fetchall()
+        rows = self.index.rows(sql, [*args, limit, offset])
         return [
             (
                 RepoRecord(f"{r['org']}/{r['name']}", bool(r["private"]), r["repo_created"]),
@@ -438,7 +345,7 @@ class HubStore:
         Conflict when ``parent_commit`` is not the branch head.
         """
         try:
-            with self._repo_lock(repo_id):
+            with self.index.repo_lock(repo_id):
                 return self._commit_locked(
                     repo_id, operations, branch, parent_commit, title, message, author
                 )
@@ -481,10 +388,11 @@ class HubStore:
                     raise InvalidRequest(
                         f"{path}: pickle-based weight files are not accepted; publish safetensors"
                     )
-                source = op.source if isinstance(op, AddFile) else self.blobs.committed_source(check_sha256(op.sha256))
-                digest = hash_file(source)
-                if isinstance(op, AddObject) and digest.sha256 != op.sha256:
-                    raise InvalidRequest(f"{path}: the object stored as {op.sha256} hashes to {digest.sha256}")
+                if isinstance(op, AddFile):
+                    source, digest = op.source, hash_file(op.source)
+                else:  # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
+                    source = self.blobs.committed_source(check_sha256(op.sha256))
+                    digest = lfs_digest(op.sha256, source.stat().st_size)
                 new[path] = (source, digest)
                 local[path] = source
             elif isinstance(op, DeleteFile):
@@ -514,43 +422,32 @@ class HubStore:
         created = _now()
         sha = _commit_id(head, files, title, message, author, created)
         meta = config.get(CONFIG_BLOCK) or {}
-        with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                current = db.execute(
-                    "SELECT commit_sha FROM refs WHERE repo = (SELECT id FROM repos WHERE org = ? AND name = ?) "
-                    "AND kind = 'branch' AND name = ?",
-                    (*repo_id.split("/"), branch),
-                ).fetchone()
-                if (current["commit_sha"] if current else None) != head:
-                    raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
-                repo_row = self._repo_row(db, repo_id)
-                db.execute(
-                    "INSERT INTO commits (sha, repo, parent, title, message, author, created_at, arch, "
-                    "num_params, epsilon, delta, accountant, datasets, card_data) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (sha, repo_row["id"], head, title, message, author, created, meta.get("arch"),
-                     meta.get("num_params"), summary.epsilon, summary.delta,
-                     summary.accountant.value if summary.accountant else None,
-                     json.dumps(list(summary.datasets)), json.dumps(card_data, default=str)),
-                )
-                db.executemany(
-                    "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
-                    [(sha, e.path, e.sha256, e.git_oid, e.size) for e in files.values()],
-                )
-                db.executemany(
-                    "INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",
-                    [(sha, d) for d in summary.datasets],
-                )
-                db.execute(
-                    "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'branch', ?, ?) "
-                    "ON CONFLICT (repo, kind, name) DO UPDATE SET commit_sha = excluded.commit_sha",
-                    (repo_row["id"], branch, sha),
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with self.index.transaction() as tx:
+            repo_row = self._repo_row(tx, repo_id)
+            tx.execute(
+                "INSERT INTO commits (sha, repo, parent, title, message, author, created_at, arch, "
+                "num_params, epsilon, delta, accountant, datasets, card_data) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sha, repo_row["id"], head, title, message, author, created, meta.get("arch"),
+                 meta.get("num_params"), summary.epsilon, summary.delta,
+                 summary.accountant.value if summary.accountant else None,
+                 json.dumps(list(summary.datasets)), json.dumps(card_data, default=str)),
+            )
+            tx.executemany(
+                "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
+                [(sha, e.path, e.sha256, e.git_oid, e.size) for e in files.values()],
+            )
+            tx.executemany("INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",
+                           [(sha, d) for d in summary.datasets])
+            # the branch move, a compare-and-swap: from the head this tree was built on, or nothing
+            if head is None:
+                moved = tx.execute("INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'branch', ?, ?) "
+                                   "ON CONFLICT DO NOTHING", (repo_row["id"], branch, sha))
+            else:
+                moved = tx.execute("UPDATE refs SET commit_sha = ? WHERE repo = ? AND kind = 'branch' AND name = ? "
+                                   "AND commit_sha = ?", (sha, repo_row["id"], branch, head))
+            if moved != 1:  # rolls the whole transaction back
+                raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
         return self.commit_record(repo_id, sha)
 
     # ---------------------------------------------------------------- inference
@@ -582,7 +479,7 @@ class HubStore:
         return target
 
 
-def _commit_record(repo_id: str, row: sqlite3.Row) -> CommitRecord:
+def _commit_record(repo_id: str, row: Row) -> CommitRecord:
     return CommitRecord(
         sha=row["sha"], repo_id=repo_id, parent=row["parent"], title=row["title"],
         message=row["message"], author=row["author"], created_at=row["created_at"],

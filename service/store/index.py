@@ -1,0 +1,218 @@
+"""The store's index (repos, commits, trees, refs): one small interface, two backends.
+
+- :class:`SQLiteIndex`, the embedded default: ``STORE/index.sqlite`` (WAL), one connection per
+  thread; commits to a repo are serialised by a file lock in ``STORE/locks``.
+- :class:`PostgresIndex`, for several hub processes on several hosts sharing one store (the
+  blobs on a shared filesystem): a connection pool (psycopg 3); commits to a repo are
+  serialised by a PostgreSQL advisory lock, which holds across hosts where file locks on a
+  network filesystem may not.
+
+SQL is written once, with ``?`` placeholders, in the dialect both accept. The branch move is a
+compare-and-swap inside a transaction (``UPDATE refs ... WHERE commit_sha = <parent>``), so even
+without the lock no commit is lost or interleaved: a moved branch makes the commit fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Index", "PostgresIndex", "SQLiteIndex", "open_index"]
+
+Row = Mapping[str, Any]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS repos (
+    id {id_column},
+    org TEXT NOT NULL,
+    name TEXT NOT NULL,
+    private INTEGER NOT NULL DEFAULT 0,
+    created_at TEXT NOT NULL,
+    UNIQUE (org, name)
+);
+CREATE TABLE IF NOT EXISTS commits (
+    sha TEXT PRIMARY KEY,
+    repo BIGINT NOT NULL REFERENCES repos(id),
+    parent TEXT,
+    title TEXT NOT NULL,
+    message TEXT NOT NULL,
+    author TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    arch TEXT,
+    num_params BIGINT,
+    epsilon DOUBLE PRECISION,
+    delta DOUBLE PRECISION,
+    accountant TEXT,
+    datasets TEXT NOT NULL,
+    card_data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS files (
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    git_oid TEXT NOT NULL,
+    size BIGINT NOT NULL,
+    PRIMARY KEY (commit_sha, path)
+);
+CREATE TABLE IF NOT EXISTS commit_datasets (
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    dataset TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS commit_datasets_by_name ON commit_datasets (dataset);
+CREATE TABLE IF NOT EXISTS refs (
+    repo BIGINT NOT NULL REFERENCES repos(id),
+    kind TEXT NOT NULL CHECK (kind IN ('branch', 'tag')),
+    name TEXT NOT NULL,
+    commit_sha TEXT NOT NULL REFERENCES commits(sha),
+    PRIMARY KEY (repo, kind, name)
+);
+"""
+
+
+class Index:
+    """What the store needs of its index: reads, writes, a transaction, a per-repo lock."""
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        """All rows of a query (``?`` placeholders)."""
+        with self.transaction(read_only=True) as tx:
+            return tx.rows(sql, args)
+
+    def row(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+        """The first row of a query, or None."""
+        found = self.rows(sql, args)
+        return found[0] if found else None
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """Run one statement in its own transaction; the number of rows it changed."""
+        with self.transaction() as tx:
+            return tx.execute(sql, args)
+
+    def transaction(self, read_only: bool = False) -> contextlib.AbstractContextManager["Transaction"]:
+        """A transaction: committed when the block ends, rolled back when it raises."""
+        raise NotImplementedError
+
+    def repo_lock(self, repo_id: str) -> contextlib.AbstractContextManager[None]:
+        """Serialise commits to ``repo_id`` (across processes, and for PostgreSQL across hosts)."""
+        raise NotImplementedError
+
+
+class Transaction:
+    """Statements inside one transaction."""
+
+    def __init__(self, conn: Any, placeholder: str):
+        self._conn, self._placeholder = conn, placeholder
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("?", self._placeholder) if self._placeholder != "?" else sql
+
+    def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        return list(self._conn.execute(self._sql(sql), tuple(args)).fetchall())
+
+    def row(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+        found = self.rows(sql, args)
+        return found[0] if found else None
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
+        return self._conn.execute(self._sql(sql), tuple(args)).rowcount
+
+    def executemany(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        if args:
+            self._conn.cursor().executemany(self._sql(sql), [tuple(a) for a in args])
+
+
+class SQLiteIndex(Index):
+    """``root/index.sqlite``; a connection per thread (opened on its first use)."""
+
+    def __init__(self, root: Path):
+        self.path = root / "index.sqlite"
+        self.locks = root / "locks"
+        self.locks.mkdir(exist_ok=True)
+        self._local = threading.local()
+        conn = self._conn()
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.executescript(_SCHEMA.format(id_column="INTEGER PRIMARY KEY"))
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA synchronous=FULL")
+            self._local.conn = conn
+        return conn
+
+    @contextlib.contextmanager
+    def transaction(self, read_only: bool = False) -> Iterator[Transaction]:
+        conn = self._conn()
+        if read_only:  # autocommit reads see the last committed state
+            yield Transaction(conn, "?")
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield Transaction(conn, "?")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def repo_lock(self, repo_id: str) -> Iterator[None]:
+        path = self.locks / (hashlib.sha256(repo_id.encode()).hexdigest()[:32] + ".lock")
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class PostgresIndex(Index):
+    """A PostgreSQL database named by a ``postgresql://`` URL; a pool of connections."""
+
+    def __init__(self, url: str, max_connections: int = 16):
+        from psycopg.rows import dict_row
+        from psycopg_pool import ConnectionPool
+
+        self.pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True,
+                                   kwargs={"autocommit": True, "row_factory": dict_row})
+        with self.pool.connection() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(0)")  # one replica at a time creates the schema
+            conn.execute(_SCHEMA.format(id_column="BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY"))
+
+    @contextlib.contextmanager
+    def transaction(self, read_only: bool = False) -> Iterator[Transaction]:
+        with self.pool.connection() as conn:
+            if read_only:
+                yield Transaction(conn, "%s")
+                return
+            with conn.transaction():
+                yield Transaction(conn, "%s")
+
+    @contextlib.contextmanager
+    def repo_lock(self, repo_id: str) -> Iterator[None]:
+        key = int.from_bytes(hashlib.sha256(repo_id.encode()).digest()[:8], "big", signed=True)
+        with self.pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+            try:
+                yield
+            finally:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def open_index(url: str | None, root: Path) -> Index:
+    """The index a store's settings name: PostgreSQL for a ``postgresql://`` URL, else SQLite in ``root``."""
+    if url and url.startswith(("postgresql://", "postgres://")):
+        return PostgresIndex(url)
+    if url:
+        raise ValueError(f"index {url!r}: use a postgresql:// URL, or leave it unset for SQLite in the store")
+    return SQLiteIndex(root)
