@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 def test_openapi_fuzz_has_no_server_errors(hub, published, tmp_path):
     from test_dpcap_service import DPCAP, publish_dpcap
 
-    if DPCAP not in {m["id"] for m in httpx.get(f"{hub.url}/v1/models").json()["data"]}:
-        publish_dpcap(tmp_path / "dpcap")  # a repo that captions, so the fuzzed captions and zero-shot run too
+    publish_dpcap(tmp_path / "dpcap")  # a repo that captions, so the fuzzed captions and zero-shot run too
+    assert DPCAP in {m["id"] for m in httpx.get(f"{hub.url}/v1/models").json()["data"]}
     schema = httpx.get(f"{hub.url}/openapi.json").json()
     assert {"/v1/embeddings", "/v1/embeddings/files", "/v1/classify", "/v1/captions", "/v1/zero-shot",
             "/v1/models", "/healthz"} <= set(schema["paths"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,7 @@ __all__ = [
     "TextDecoder",
     "TextDecoderConfig",
     "caption_loss",
+    "can_caption",
     "load_captioner",
     "load_image_memory",
     "load_text_decoder",
@@ -98,6 +99,14 @@ class TextDecoderConfig:
     @property
     def num_image_tokens(self) -> int:
         return self.grid_size**2 + 1
+
+    def check_tokenizer(self, tokenizer: CaptionTokenizer) -> None:
+        """Raise ConfigError unless ``tokenizer``'s vocabulary size and special ids are this decoder's."""
+        ids = (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+        want = (self.vocab_size, self.bos_id, self.eos_id, self.pad_id)
+        if ids != want:
+            raise ConfigError(f"the vocabulary's (size, [CLS], [SEP], [PAD]) = {ids} does not match the text "
+                              f"decoder's {want}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -338,6 +347,11 @@ class Captioner(nn.Module):
 
 
 # ------------------------------------------------------------------------------ files
+def can_caption(files: Container[str]) -> bool:
+    """Whether a repo with these files (repo paths) captions: its text decoder and vocabulary."""
+    return TEXT_DECODER_FILE in files and VOCAB_FILE in files
+
+
 def text_decoder_file(decoder: TextDecoder) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and safetensors metadata of ``text_decoder.safetensors`` for ``decoder``."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()}
@@ -399,12 +413,8 @@ class CaptioningModel:
                                     "(import it with --vocab, or export it with its text decoder and vocabulary)")
         device = next(encoder.model.parameters()).device
         decoder = load_text_decoder(path / TEXT_DECODER_FILE, device)
-        c = decoder.config
-        tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=c.max_length)
-        ids = (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
-        if ids != (c.vocab_size, c.bos_id, c.eos_id, c.pad_id):
-            raise RepoFormatError(f"{VOCAB_FILE} (size, [CLS], [SEP], [PAD]) = {ids} does not match the text decoder's "
-                                  f"{(c.vocab_size, c.bos_id, c.eos_id, c.pad_id)}")
+        tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=decoder.config.max_length)
+        decoder.config.check_tokenizer(tokenizer)
         return cls(encoder, Captioner(encoder.model, decoder).eval(), tokenizer)
 
     @property

@@ -14,13 +14,13 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
-from .captioning import ImageMemory, load_image_memory
+from .captioning import ImageMemory, can_caption, load_image_memory
 from .errors import ConfigError, MissingInputError
 from .features import Pooling, check_pooling, extract_features, feature_dim
 from .ledger import PrivacyLedger, PrivacySummary
 from .models import EncoderSpec
 from .repo import read_config
-from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
+from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE
 from .verify import verify_repo
 
 __all__ = ["Encoder", "load_encoder", "resolve_source"]
@@ -46,13 +46,12 @@ class Encoder:
     @property
     def poolings(self) -> tuple[Pooling, ...]:
         """The feature modes this repo offers: its family's, ``dpcap`` only with the decoder weights."""
-        modes = self.spec.family.poolings
-        return tuple(m for m in modes if m != "dpcap" or self.memory is not None)  # type: ignore[misc]
+        return self.spec.family.offered_poolings(self.memory is not None)  # type: ignore[return-value]
 
     @property
     def can_caption(self) -> bool:
         """Whether the repo carries a text decoder and its vocabulary (``vip_hub.load_captioner``)."""
-        return self.spec.family.captions and all((self.path / f).is_file() for f in (TEXT_DECODER_FILE, VOCAB_FILE))
+        return self.spec.family.captions and can_caption(os.listdir(self.path))
 
     def check_pooling(self, pooling: str) -> None:
         """Raise ConfigError unless this repo offers feature mode ``pooling``."""

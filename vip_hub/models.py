@@ -72,6 +72,10 @@ class Family:
     crop_mode: str
     tags: tuple[str, ...]
 
+    def offered_poolings(self, text_decoder: bool) -> tuple[str, ...]:
+        """The feature modes a repo of this family offers: ``dpcap`` needs its text decoder's weights."""
+        return tuple(m for m in self.poolings if m != "dpcap" or text_decoder)
+
 
 FAMILIES: dict[str, Family] = {
     f.name: f

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from huggingface_hub import EvalResult
@@ -27,6 +27,7 @@ from .artifacts import (
     rewrite_safetensors_metadata,
     tensors_digest_of,
 )
+from .captioning import Captioner, ImageMemory, TextDecoder, can_caption, text_decoder_file
 from .card import CardInfo, card_info, render_card
 from .errors import ConfigError, RepoFormatError
 from .features import feature_dim
@@ -49,10 +50,8 @@ from .repo_format import (
     VOCAB_FILE,
     WEIGHTS_FILE,
 )
+from .tokenizer import CaptionTokenizer
 from .verify import verify_repo
-
-if TYPE_CHECKING:
-    from .captioning import ImageMemory, TextDecoder
 
 __all__ = ["export_encoder", "read_config", "update_repo", "weights_ledger"]
 
@@ -70,7 +69,7 @@ def export_encoder(
     eval_results: Iterable[EvalResult] = (),
     decoder: Mapping[str, torch.Tensor] | None = None,
     decoder_config: Mapping[str, Any] | None = None,
-    text_decoder: "TextDecoder | None" = None,
+    text_decoder: TextDecoder | None = None,
     vocab: bytes | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
@@ -97,8 +96,6 @@ def export_encoder(
         artifacts[MAE_DECODER_FILE] = tensors_digest_of(dec)
     text = None
     if text_decoder is not None:
-        from .captioning import text_decoder_file
-
         text = text_decoder_file(text_decoder)
         artifacts[TEXT_DECODER_FILE] = tensors_digest_of(text[0])
     if vocab is not None:
@@ -211,7 +208,7 @@ def _encoder_tensors(model: VisionTransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("head.")}
 
 
-def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder: "TextDecoder | None",
+def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder: TextDecoder | None,
                       vocab: bytes | None) -> None:
     """A text decoder only where the family captions, fitting the encoder; a vocab only with it, fitting it."""
     if text_decoder is None:
@@ -220,20 +217,13 @@ def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder:
         return
     if not spec.family.captions:
         raise ConfigError(f"{spec.arch}: {spec.family.title} repos carry no text decoder")
-    from .captioning import Captioner
-    from .tokenizer import CaptionTokenizer
-
     Captioner(model, text_decoder)  # checks that the decoder reads this encoder's tokens
     if vocab is not None:
-        c, tok = text_decoder.config, CaptionTokenizer(vocab)
-        ids, want = (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id), (c.vocab_size, c.bos_id, c.eos_id, c.pad_id)
-        if ids != want:
-            raise ConfigError(f"the vocabulary's (size, [CLS], [SEP], [PAD]) = {ids} does not match the text "
-                              f"decoder's {want}")
+        text_decoder.config.check_tokenizer(CaptionTokenizer(vocab))
 
 
-def _config(spec: EncoderSpec, model: VisionTransformer, memory: "ImageMemory | None" = None) -> dict[str, Any]:
-    modes = [m for m in spec.family.poolings if m != "dpcap" or memory is not None]
+def _config(spec: EncoderSpec, model: VisionTransformer, memory: ImageMemory | None = None) -> dict[str, Any]:
+    modes = spec.family.offered_poolings(memory is not None)
     return {
         "architecture": spec.architecture.timm_architecture,
         "num_classes": 0,
@@ -275,9 +265,10 @@ def _write_ledger_copies(
     _write_new(folder / LEDGER_FILE, ledger.to_json().encode())
     plots = sorted(p for p in ledger.artifacts if p.endswith(".png"))
     block = config[CONFIG_BLOCK]
-    card = render_card(info, EncoderSpec.from_config(config), ledger, num_params=int(block["num_params"]),
+    spec = EncoderSpec.from_config(config)
+    card = render_card(info, spec, ledger, num_params=int(block["num_params"]),
                        feature_dims=block["feature_dims"], plots=plots,
-                       captions=all((folder / f).is_file() for f in (TEXT_DECODER_FILE, VOCAB_FILE)))
+                       captions=spec.family.captions and can_caption(os.listdir(folder)))
     _write_new(folder / CARD_FILE, card.encode())
 
 

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, Up
 from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.artifacts import read_safetensors_header
+from vip_hub.captioning import can_caption
 from vip_hub.features import Pooling
 from vip_hub.ledger import PrivacyLedger, PrivacySummary
 from vip_hub.repo_format import (
@@ -28,8 +29,6 @@ from vip_hub.repo_format import (
     LEDGER_FILE,
     META_POOLING,
     NAME_PATTERN,
-    TEXT_DECODER_FILE,
-    VOCAB_FILE,
     head_component,
     head_file,
     heads_in,
@@ -339,7 +338,7 @@ def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
     return ModelDescription(
         id=repo_id, revision=commit, loaded=loaded is not None, arch=meta.get("arch"),
         feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy.of(ledger.summary()),
-        captions=loaded.captions is not None if loaded else all(f in tree for f in (TEXT_DECODER_FILE, VOCAB_FILE)),
+        captions=loaded.captions is not None if loaded else can_caption(tree),
     )
 
 
