@@ -1,0 +1,134 @@
+"""Several hub processes on one store: a PostgreSQL index (a real server, a throwaway cluster
+made with initdb) and one blob folder; concurrent pushes through both lose and interleave
+nothing."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import psycopg
+import pytest
+from huggingface_hub import HfApi
+
+from live import WRITE_TOKEN, ProcessServer, free_port
+from service.store import AddFile, Conflict, HubStore
+from vip_hub.push import push_repo
+from vip_hub.verify import repo_files
+
+from conftest import tiny_repo_with_head
+
+pytestmark = pytest.mark.slow
+
+
+def _pg_bin(name: str) -> str:
+    """A PostgreSQL program, installing Debian's ``postgresql`` package when it is missing."""
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None)
+    if found:
+        return found
+    if not shutil.which("apt-get"):
+        pytest.skip("no PostgreSQL and no apt-get to install Debian's postgresql package")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True).returncode:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True, check=True)
+    return _pg_bin(name)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL server on 127.0.0.1 (run as the ``postgres`` user when we are
+    root: the server refuses to run as root); yields a connection URL to an empty database."""
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    folder = Path(tempfile.mkdtemp(prefix="vip-hub-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if subprocess.run(["id", "postgres"], capture_output=True).returncode:
+            subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
+        shutil.chown(folder, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    data = folder / "data"
+    subprocess.run([*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "vip", "--no-sync"],
+                   check=True, capture_output=True)
+    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
+    subprocess.run([*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w", "start"],
+                   check=True, capture_output=True)
+    try:
+        with psycopg.connect(f"postgresql://vip@127.0.0.1:{port}/postgres", autocommit=True) as conn:
+            conn.execute("CREATE DATABASE hub")
+        yield f"postgresql://vip@127.0.0.1:{port}/hub"
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ops(store: HubStore, folder: Path) -> list[AddFile]:
+    ops = []
+    for rel, path in repo_files(folder).items():
+        tmp = store.blobs.new_temp()
+        tmp.write_bytes(path.read_bytes())
+        ops.append(AddFile(rel, tmp))
+    return ops
+
+
+def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
+    store = HubStore(tmp_path / "store", index=postgres)
+    folder = tiny_repo_with_head(tmp_path / "m")
+    store.create_repo("pg/m")
+    assert store.create_repo("pg/m")[1] is False
+    first = store.commit("pg/m", _ops(store, folder))
+    second = store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
+    with pytest.raises(Conflict, match="stale"):
+        store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
+    assert [c.sha for c in store.history("pg/m")] == [second.sha, first.sha]
+    assert second.epsilon == first.epsilon > 0 and second.datasets == ["test-images"]
+    assert [r.repo_id for r, _ in store.list_models(search="pg/")] == ["pg/m"]
+    store.create_tag("pg/m", "v1", first.sha)
+    with pytest.raises(Conflict):
+        store.create_tag("pg/m", "v1")
+    assert store.resolve("pg/m", "v1") == first.sha
+
+
+def test_two_hub_processes_share_one_store(postgres, tmp_path):
+    store = tmp_path / "shared-store"
+    env = {"VIP_HUB_INDEX": postgres}
+    servers = [ProcessServer(store, extra_env=env) for _ in range(2)]
+    starters = [threading.Thread(target=s.start) for s in servers]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    try:
+        folders = [tiny_repo_with_head(tmp_path / f"v{i}", seed=i) for i in range(4)]
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def publish(i: int) -> None:
+            try:  # alternate between the two processes
+                results[i] = push_repo(folders[i], "multi/m", endpoint=servers[i % 2].url, token=WRITE_TOKEN)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        pushers = [threading.Thread(target=publish, args=(i,)) for i in range(4)]
+        for t in pushers:
+            t.start()
+        for t in pushers:
+            t.join()
+        assert not errors, errors
+        for server in servers:  # both see the same linear history holding every push
+            history = HfApi(endpoint=server.url).list_repo_commits("multi/m")
+            assert sorted(c.commit_id for c in history) == sorted(results.values())
+        heads = {HfApi(endpoint=s.url).model_info("multi/m").sha for s in servers}
+        assert len(heads) == 1
+        index = HubStore(store, index=postgres)
+        chain = index.history("multi/m")
+        assert [c.parent for c in chain] == [c.sha for c in chain[1:]] + [None]
+    finally:
+        for server in servers:
+            server.stop()
