@@ -89,7 +89,8 @@ class TextDecoderConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"text decoder: {name} must be positive, got {getattr(self, name)}")
         if self.width % self.num_heads or self.width % 4:
-            raise ConfigError(f"text decoder: width {self.width} must be divisible by 4 and by num_heads {self.num_heads}")
+            raise ConfigError(f"text decoder: width {self.width} must be divisible by 4 and by num_heads "
+                              f"{self.num_heads}")
         if self.max_length < 2:
             raise ConfigError(f"text decoder: max_length must be at least 2, got {self.max_length}")
         bad = [n for n in ("bos_id", "eos_id", "pad_id") if not 0 <= getattr(self, n) < self.vocab_size]
@@ -124,7 +125,8 @@ class TextDecoderConfig:
             raise RepoFormatError(f"text decoder config: {e}") from None
 
     @classmethod
-    def for_encoder(cls, spec: EncoderSpec, tokenizer: CaptionTokenizer | None = None, **sizes: Any) -> "TextDecoderConfig":
+    def for_encoder(cls, spec: EncoderSpec, tokenizer: CaptionTokenizer | None = None,
+                    **sizes: Any) -> "TextDecoderConfig":
         """The family's decoder for ``spec``'s size (reference: 6 blocks, width of the encoder up
         to 768); token ids and vocabulary size from ``tokenizer`` when given; ``sizes`` override."""
         a = spec.architecture
@@ -294,7 +296,8 @@ class Captioner(nn.Module):
         super().__init__()
         c = decoder.config
         if not isinstance(encoder.fc_norm, nn.Identity):
-            raise ConfigError("a captioner needs an encoder with the final norm on every token (a dpcap-* architecture)")
+            raise ConfigError("a captioner needs an encoder with the final norm on every token "
+                              "(a dpcap-* architecture)")
         if (encoder.embed_dim, encoder.patch_embed.num_patches + 1) != (c.image_dim, c.num_image_tokens):
             raise ConfigError(f"the text decoder expects {c.num_image_tokens} tokens of width {c.image_dim}, the "
                               f"encoder gives {encoder.patch_embed.num_patches + 1} of width {encoder.embed_dim}")
@@ -342,7 +345,8 @@ class Captioner(nn.Module):
             for start in range(0, texts.shape[0], rows):
                 part = texts[start : start + rows]
                 image_kv = [k[b : b + 1].expand(part.shape[0], -1, -1) for k in kv]
-                out[b, start : start + part.shape[0]] = caption_loss(self.decoder.decode(part, image_kv), part, c.pad_id)
+                logits = self.decoder.decode(part, image_kv)
+                out[b, start : start + part.shape[0]] = caption_loss(logits, part, c.pad_id)
         return out
 
 
@@ -387,7 +391,8 @@ def load_image_memory(path: str | os.PathLike[str], device: str | torch.device =
     try:
         memory.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration ({' '.join(str(e).split())})") from None
+        raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration "
+                              f"({' '.join(str(e).split())})") from None
     return memory.eval().to(device)
 
 

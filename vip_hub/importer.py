@@ -257,7 +257,8 @@ def import_mae_checkpoint(
     if decoder_sd:
         arch = spec.architecture
         depth = len({k.split(".")[1] for k in decoder_sd if k.startswith("decoder_blocks.")})
-        width = decoder_sd["decoder_embed.weight"].shape[0] if "decoder_embed.weight" in decoder_sd else arch.decoder_embed_dim
+        embed = decoder_sd.get("decoder_embed.weight")
+        width = embed.shape[0] if embed is not None else arch.decoder_embed_dim
         decoder_config = {
             "embed_dim": int(width),
             "depth": depth,

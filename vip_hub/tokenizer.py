@@ -44,7 +44,8 @@ class CaptionTokenizer:
             index[token] = i
         missing = [t for t in SPECIAL_TOKENS if t not in index]
         if missing:
-            raise ConfigError(f"vocabulary lacks the special tokens {', '.join(missing)} (a BERT-style vocab.txt has them)")
+            raise ConfigError(f"vocabulary lacks the special tokens {', '.join(missing)} "
+                              "(a BERT-style vocab.txt has them)")
         if max_length < 2:
             raise ConfigError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
         self.vocab_size = len(tokens)

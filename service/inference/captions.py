@@ -16,7 +16,19 @@ from vip_hub.captioning import DEFAULT_PROMPT
 
 from ..auth import Identity
 from ..errors import BadRequest, PayloadTooLarge
-from .api import _ERRORS, Image64, ModelRef, Privacy, Usage, _decode_texts, _disconnected, _headers, _model, caller, engine_of
+from .api import (
+    _ERRORS,
+    Image64,
+    ModelRef,
+    Privacy,
+    Usage,
+    _decode_texts,
+    _disconnected,
+    _headers,
+    _model,
+    caller,
+    engine_of,
+)
 from .models import LoadedModel, Task
 
 __all__ = ["router"]
