@@ -216,7 +216,7 @@ def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float) -> str:
 def check_grant(key: bytes, purpose: str, subject: str, grant: str | None) -> None:
     """Unauthorized unless ``grant`` was signed for ``purpose`` on ``subject`` and has not expired."""
     expires, _, mac = (grant or "").partition(".")
-    if not expires.isdigit() or int(expires) < time.time():
+    if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) < time.time():
         raise Unauthorized(f"{purpose}: missing or expired grant; ask the hub for a new one")
     good = hmac.new(key, f"{purpose}\n{subject}\n{expires}".encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(good, mac):

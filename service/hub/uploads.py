@@ -76,6 +76,9 @@ class _Base64File:
             raise ValueError(f"content is not base64 ({e})") from None
         self._padded = text[cut - 1:cut] == b"="
 
+    def abort(self) -> None:
+        self._out.close()
+
     def close(self) -> None:
         self._out.close()
         if self._pending:
@@ -138,7 +141,7 @@ class CommitParser:
         """Remove every temp file made so far."""
         self.commit.discard()
         if self._sink is not None:
-            self._sink._out.close()
+            self._sink.abort()
         if self._content is not None:
             self._content.unlink(missing_ok=True)
 
@@ -184,8 +187,11 @@ class CommitParser:
 
     def _streams_here(self, top: _Container | None) -> bool:
         """Whether the string starting now is ``value.content``, the only one streamed."""
-        return (top is not None and not top.expect_key and len(self._stack) == 2 and top.key == b"content"
-                and self._stack[0].key == b"value" and self._sink is None and self._content is None)
+        here = (top is not None and not top.expect_key and len(self._stack) == 2 and top.key == b"content"
+                and self._stack[0].key == b"value")
+        if here and self._content is not None:
+            raise ValueError("'content' appears twice")
+        return here
 
     def _string(self, data: bytes, i: int) -> int:
         if self._escape is not None:
