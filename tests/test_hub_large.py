@@ -71,6 +71,13 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
     new = _held(server.store) - held
     assert len(new) == 1 and all(p.startswith("blobs/") for p in new)  # the card's blob, nothing else was sent
 
+    # upload_file and create_commit of single files at real size (the tree still verifies)
+    api.upload_file(path_or_fileobj=base_repo / "README.md", path_in_repo="README.md", repo_id="big/folder")
+    api.upload_file(path_or_fileobj=base_repo / "mae_decoder.safetensors", path_in_repo="mae_decoder.safetensors",
+                    repo_id="big/folder")
+    # the card made a commit; the decoder did not: preupload gave its SHA-256, the client saw it unchanged
+    assert len(api.list_repo_commits("big/folder")) == 2
+
     snap = Path(snapshot_download("big/push", endpoint=server.url, cache_dir=tmp_path / "cache"))
     assert sorted(repo_files(snap)) == sorted(repo_files(base_repo))
     for rel in ("model.safetensors", "mae_decoder.safetensors", "README.md"):
