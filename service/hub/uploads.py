@@ -112,8 +112,9 @@ class CommitParser:
         self._header_seen = False
 
     # ---------------------------------------------------------------- feeding
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Consume the next piece of the body."""
+        data = bytes(data)  # the scanner slices it many times
         self.received += len(data)
         if self.received > self.limit:
             raise PayloadTooLarge(f"commit body exceeds the upload limit of {self.limit} bytes")
@@ -324,7 +325,7 @@ def _path(value: dict[str, Any]) -> str:
 BATCH = 4 << 20  # body bytes handed to a worker thread at once (bounded memory, few hops)
 
 
-async def receive_body(request: Request, consume: Callable[[bytes], None], limit: int) -> int:
+async def receive_body(request: Request, consume: Callable[[bytearray], None], limit: int) -> int:
     """Stream a request body to ``consume(bytes)`` in a worker thread, ``BATCH`` bytes at a
     time; 413 past ``limit`` bytes. Returns the body's size."""
     size, buffer = 0, bytearray()
@@ -334,8 +335,8 @@ async def receive_body(request: Request, consume: Callable[[bytes], None], limit
             raise PayloadTooLarge(f"request body exceeds the upload limit of {limit} bytes")
         buffer += chunk
         if len(buffer) >= BATCH:
-            await run_in_threadpool(consume, bytes(buffer))
-            buffer.clear()
+            full, buffer = buffer, bytearray()  # handed over as is: no copy
+            await run_in_threadpool(consume, full)
     if buffer:
-        await run_in_threadpool(consume, bytes(buffer))
+        await run_in_threadpool(consume, buffer)
     return size
