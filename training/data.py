@@ -1,33 +1,50 @@
-"""Private image datasets: an image folder or webdataset-style tar shards, by index.
+"""Private datasets: images, or image-caption pairs, by index.
 
 ``open_images(path)`` picks the layout: a directory holding ``*.tar`` files is read as
-shards (each image member one example; keys grouping ``.jpg``/``.txt``/... as webdataset
-does, labels and captions ignored), anything else as an image folder searched recursively
-(class subfolders allowed, labels ignored). Examples are addressed by a stable index (sorted
-paths), which Poisson sampling needs; ``fingerprint()`` hashes the exact contents so the
-ledger pins the dataset.
+shards (each image member one example; captions and labels ignored), anything else as an
+image folder searched recursively (class subfolders allowed, labels ignored).
+``open_captions(path)`` reads image-caption pairs: webdataset tar shards (an image member
+``KEY.jpg``/``KEY.png``/... and its caption ``KEY.txt`` per sample) or a folder with a
+``captions.jsonl`` (one ``{"image": relative path, "caption": text}`` per line). Examples are
+addressed by a stable index (sorted paths, tar order, or the order of the lines), which
+Poisson sampling needs; ``fingerprint()`` hashes the exact contents, captions included, so the
+ledger pins the dataset. Anything malformed is a DataError naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from vip_hub.errors import DataError, MissingInputError
+from vip_hub.errors import DataError, MissingInputError, UnsafePathError
+from vip_hub.paths import validate_relpath
 
 from .sampling import AUGMENT, torch_generator
 
-__all__ = ["ImageFolder", "PrivateImages", "TarShards", "mae_transform", "open_images"]
+__all__ = [
+    "CAPTIONS_FILE",
+    "CaptionFolder",
+    "ImageFolder",
+    "PrivateCaptions",
+    "PrivateImages",
+    "TarShards",
+    "mae_transform",
+    "open_captions",
+    "open_images",
+]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".gif", ".tif", ".tiff")
 MAX_PIXELS = 64_000_000
+CAPTIONS_FILE = "captions.jsonl"
+MAX_CAPTION_BYTES = 64 * 1024
 
 
 class PrivateImages(torch.utils.data.Dataset):
@@ -79,31 +96,103 @@ class ImageFolder(PrivateImages):
         return "sha256:" + h.hexdigest()
 
 
-class TarShards(PrivateImages):
-    """Image members of the ``*.tar`` shards in ``root`` (webdataset layout), indexed once."""
+class PrivateCaptions(PrivateImages):
+    """Index -> RGB PIL image and its caption, plus a fingerprint covering both."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def caption(self, index: int) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @staticmethod
+    def _text(data: bytes, where: str) -> str:
+        """A caption's text: UTF-8, stripped, not empty, at most ``MAX_CAPTION_BYTES``."""
+        if len(data) > MAX_CAPTION_BYTES:
+            raise DataError(f"caption {where} is over {MAX_CAPTION_BYTES} bytes")
+        try:
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise DataError(f"caption {where} is not UTF-8 text ({e})") from None
+        if not text:
+            raise DataError(f"caption {where} is empty")
+        return text
+
+
+def _sample_key(name: str) -> tuple[str, str]:
+    """webdataset's split of a member name: (folder/basename up to its first dot, the rest)."""
+    path = PurePosixPath(name)
+    base, _, ext = path.name.partition(".")
+    return str(path.parent / base), ext.lower()
+
+
+class TarShards(PrivateCaptions):
+    """The samples of the ``*.tar`` shards in ``root`` (webdataset layout), indexed once, in
+    shard and tar order. Without ``captions`` every image member is an example; with them every
+    sample must hold exactly one image and one ``.txt`` caption."""
+
+    def __init__(self, root: str | os.PathLike[str], captions: bool = False):
         self.root = Path(root)
         self.name = self.root.name
         self.shards = sorted(self.root.glob("*.tar"))
-        self.members: list[tuple[int, int, int]] = []  # (shard, data offset, size)
+        self.members: list[tuple[int, int, int]] = []  # images: (shard, data offset, size)
+        self.texts: list[tuple[int, int, int]] = []  # captions, when read: (shard, data offset, size)
+        self.names: list[str] = []  # each example's image member
         for s, shard in enumerate(self.shards):
-            with tarfile.open(shard) as tar:
-                for m in tar:
-                    if m.isfile() and Path(m.name).suffix.lower() in IMAGE_EXTENSIONS:
-                        self.members.append((s, m.offset_data, m.size))
+            images: dict[str, tarfile.TarInfo] = {}
+            texts: dict[str, tarfile.TarInfo] = {}
+            try:
+                with tarfile.open(shard) as tar:
+                    for m in tar:
+                        if not m.isfile():
+                            continue
+                        key, ext = _sample_key(m.name)
+                        if "." + ext in IMAGE_EXTENSIONS and not captions:
+                            self._add(s, m)
+                        elif "." + ext in IMAGE_EXTENSIONS:
+                            if key in images:
+                                raise DataError(f"{shard}: sample {key!r} has two images ({images[key].name}, "
+                                                f"{m.name}); a sample is one image and one caption")
+                            images[key] = m
+                        elif ext == "txt" and captions:
+                            texts[key] = m
+            except (tarfile.TarError, OSError) as e:
+                raise DataError(f"{shard}: not a readable tar file ({e})") from None
+            if captions:
+                self._pair(s, shard, images, texts)
         if not self.members:
             raise DataError(f"no image members in the tar shards under {self.root}")
+
+    def _add(self, shard: int, image: tarfile.TarInfo, text: tarfile.TarInfo | None = None) -> None:
+        self.members.append((shard, image.offset_data, image.size))
+        self.names.append(image.name)
+        if text is not None:
+            self.texts.append((shard, text.offset_data, text.size))
+
+    def _pair(self, s: int, shard: Path, images: dict[str, tarfile.TarInfo], texts: dict[str, tarfile.TarInfo]) -> None:
+        lonely = sorted(set(texts) - set(images))
+        if lonely:
+            raise DataError(f"{shard}: sample {lonely[0]!r} has a caption ({texts[lonely[0]].name}) but no image")
+        for key, image in images.items():
+            if key not in texts:
+                raise DataError(f"{shard}: sample {key!r} ({image.name}) has no caption ({key}.txt)")
+            self._add(s, image, texts[key])
 
     def __len__(self) -> int:
         return len(self.members)
 
-    def load(self, index: int) -> Image.Image:
-        s, offset, size = self.members[index]
+    def _read(self, member: tuple[int, int, int]) -> bytes:
+        s, offset, size = member
         with open(self.shards[s], "rb") as f:
             f.seek(offset)
-            data = f.read(size)
-        return self._decode(data, f"{self.shards[s].name}@{offset}")
+            return f.read(size)
+
+    def load(self, index: int) -> Image.Image:
+        return self._decode(self._read(self.members[index]), f"{self.shards[self.members[index][0]].name}:"
+                                                             f"{self.names[index]}")
+
+    def caption(self, index: int) -> str:
+        if not self.texts:
+            raise DataError(f"{self.root} was opened without captions")
+        key = _sample_key(self.names[index])[0]
+        return self._text(self._read(self.texts[index]), f"{self.shards[self.texts[index][0]].name}:{key}.txt")
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -114,12 +203,91 @@ class TarShards(PrivateImages):
         return "sha256:" + h.hexdigest()
 
 
+class CaptionFolder(PrivateCaptions):
+    """The pairs listed in ``root/captions.jsonl``, one ``{"image": path relative to root,
+    "caption": text}`` per line (blank lines skipped), in the order of the lines. An image may
+    be listed once: the guarantee is per example, and an example is one image."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self.name = self.root.name
+        self.file = self.root / CAPTIONS_FILE
+        self.files: list[Path] = []
+        self.captions: list[str] = []
+        try:
+            lines = self.file.read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.file} is not UTF-8 text ({e})") from None
+        seen: dict[str, int] = {}
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                where = f"{self.file}:{number}"
+                rel, caption = self._entry(line, where)
+                if rel in seen:
+                    raise DataError(f"{where}: image {rel!r} is already listed on line {seen[rel]} (one caption "
+                                    "per image: the guarantee is per example)")
+                seen[rel] = number
+                self.files.append(self.root / rel)
+                self.captions.append(caption)
+        if not self.files:
+            raise DataError(f"{self.file} lists no image-caption pairs")
+
+    def _entry(self, line: str, where: str) -> tuple[str, str]:
+        """One line's (image path, caption), checked."""
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not JSON ({e})") from None
+        if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)
+                and isinstance(entry.get("caption"), str)):
+            raise DataError(f'{where}: expected {{"image": relative path, "caption": text}}')
+        rel = entry["image"]
+        try:
+            validate_relpath(rel)
+        except UnsafePathError as e:
+            raise DataError(f"{where}: image path {e}") from None
+        if PurePosixPath(rel).suffix.lower() not in IMAGE_EXTENSIONS:
+            raise DataError(f"{where}: {rel!r} is not an image file ({', '.join(IMAGE_EXTENSIONS)})")
+        if not (self.root / rel).is_file():
+            raise DataError(f"{where}: image {rel!r} not found under {self.root}")
+        return rel, self._text(entry["caption"].encode(), where)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, index: int) -> Image.Image:
+        path = self.files[index]
+        return self._decode(path.read_bytes(), str(path))
+
+    def caption(self, index: int) -> str:
+        return self.captions[index]
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.file.read_bytes())
+        for p in self.files:
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+        return "sha256:" + h.hexdigest()
+
+
 def open_images(path: str | os.PathLike[str]) -> PrivateImages:
     """An image folder or a directory of tar shards; a clear error for anything else."""
     root = Path(path)
     if not root.is_dir():
         raise MissingInputError(f"dataset {root} is not a directory")
     return TarShards(root) if any(root.glob("*.tar")) else ImageFolder(root)
+
+
+def open_captions(path: str | os.PathLike[str]) -> PrivateCaptions:
+    """Image-caption pairs: a directory of tar shards, or a folder with a ``captions.jsonl``."""
+    root = Path(path)
+    if not root.is_dir():
+        raise MissingInputError(f"dataset {root} is not a directory")
+    if any(root.glob("*.tar")):
+        return TarShards(root, captions=True)
+    if (root / CAPTIONS_FILE).is_file():
+        return CaptionFolder(root)
+    raise DataError(f"{root} holds neither webdataset tar shards (*.tar with KEY.jpg/KEY.png and KEY.txt per "
+                    f"sample) nor a {CAPTIONS_FILE} (one {{\"image\": relative path, \"caption\": text}} per line)")
 
 
 def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:

@@ -1,11 +1,15 @@
-"""Masked autoencoder around a vip-* timm encoder (He et al. 2022; the ViP recipe).
+"""Masked autoencoder around a vip-* or dpcap-* timm encoder (He et al. 2022; the ViP recipe, and
+the synthetic-image step DP-Cap starts from).
 
 The encoder is the exported timm ``VisionTransformer`` itself, so trained weights export
 without key surgery; the decoder's parameter names follow the reference ``models_mae.py``
 (``decoder_embed``, ``mask_token``, ``decoder_pos_embed``, ``decoder_blocks.N``,
 ``decoder_norm``, ``decoder_pred``). The loss is returned per example and each example's
 loss depends on that example only (no batch statistics), so per-example gradients are
-well defined. Masking noise is an input, so the caller owns its randomness.
+well defined. Masking noise is an input, so the caller owns its randomness. Both families'
+layouts work: the final norm is whichever the encoder has (ViP's ``fc_norm``, DP-Cap's per-token
+``norm``), ``pos_embed`` is fixed (DP-Cap's image type embedding is folded into it) and DP-Cap's
+random class token stays frozen (``freeze_fixed_tokens``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 from .sampling import MASKING, torch_generator
 from .synthetic import SyntheticImages
 
-__all__ = ["DecoderConfig", "MAE", "eval_loss", "load_mae", "new_mae", "patchify", "public_eval_batch"]
+__all__ = ["DecoderConfig", "MAE", "eval_loss", "freeze_fixed_tokens", "load_mae", "new_mae", "patchify",
+           "public_eval_batch", "public_images"]
 
 EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
 EVAL_IMAGES = 64
@@ -152,6 +157,16 @@ class MAE(nn.Module):
         return (per_patch * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
+def freeze_fixed_tokens(encoder: VisionTransformer, spec: EncoderSpec) -> VisionTransformer:
+    """Freeze what the family's reference never trains, as ``create_encoder(mae_init=True)`` does:
+    ``pos_embed`` (sin-cos, plus DP-Cap's type embedding) and, in DP-Cap, the random class token.
+    A loaded encoder needs it: loading makes every tensor trainable."""
+    encoder.pos_embed.requires_grad_(False)
+    if spec.family.frozen_tokens:
+        encoder.cls_token.requires_grad_(False)
+    return encoder
+
+
 def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
     """A freshly initialised MAE (MAE recipe initialisation)."""
     return MAE(create_encoder(spec, mae_init=True), decoder)
@@ -168,7 +183,7 @@ def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
         )
     with safe_open(path, "pt") as f:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
-    mae = MAE(enc.model.train(), DecoderConfig(**cfg))
+    mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), DecoderConfig(**cfg))
     missing, unexpected = mae.load_state_dict(
         {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | load_file(path), strict=False
     )
@@ -177,12 +192,16 @@ def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
     return mae, enc.spec, enc.ledger
 
 
+def public_images(spec: EncoderSpec) -> torch.Tensor:
+    """The fixed procedural images public loss curves are measured on (normalised, (64, 3, H, W))."""
+    data = SyntheticImages(spec.img_size, seed=EVAL_SEED)
+    return torch.stack([data[i] for i in range(EVAL_IMAGES)])
+
+
 def public_eval_batch(spec: EncoderSpec, num_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed procedural images and masks: a loss curve on them reveals nothing private."""
-    data = SyntheticImages(spec.img_size, seed=EVAL_SEED)
-    images = torch.stack([data[i] for i in range(EVAL_IMAGES)])
     noise = torch.rand(EVAL_IMAGES, num_patches, generator=torch_generator(EVAL_SEED, MASKING, 0))
-    return images, noise
+    return public_images(spec), noise
 
 
 @torch.no_grad()

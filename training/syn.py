@@ -1,4 +1,5 @@
-"""Step 1 of the ViP recipe: (Syn)-ViP, MAE pretraining on procedural images only.
+"""Step 1 of the ViP and DP-Cap recipes: (Syn)-ViP, MAE pretraining on procedural images only
+(``--arch vip-*`` for ViP, ``--arch dpcap-*`` for the encoder DP-Cap training starts from).
 
 AdamW (betas 0.9/0.95), warm-up + cosine schedule, bf16 autocast on GPU, checkpoints and
 resume (the run skeleton, ``training/run.py``). Batch ``step`` holds images
@@ -16,7 +17,7 @@ from pydantic import Field
 
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import Dataset, NonPrivateStage
-from vip_hub.models import EncoderSpec
+from vip_hub.models import ARCHS, EncoderSpec
 from vip_hub.repo import export_encoder
 
 from .distributed import Dist
@@ -37,7 +38,8 @@ CURVES_FILE = "training_curves.png"
 class SynConfig(RunConfig):
     """A (Syn)-ViP run. Defaults follow the MAE/ViP recipe, scaled for small experiments."""
 
-    arch: str = Field("vip-nano", description="encoder size: vip-nano, vip-tiny, vip-small, vip-base, vip-large")
+    arch: str = Field("vip-nano", description=f"encoder architecture: {', '.join(ARCHS)} (dpcap-*: to start DP-Cap "
+                                              "training from)")
     img_size: int = Field(224, gt=0, description="input resolution in pixels")
     patch_size: int = Field(16, gt=0, description="patch size in pixels")
     batch_size: int = Field(64, gt=0, description="images per step")
@@ -96,14 +98,15 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
                         description=("procedural images generated on the fly (" + ", ".join(FAMILIES)
                                      + f"), stream seed {run.seed}; no real images")),
         private_data=False,
-        description=(f"(Syn)-ViP: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
+        description=(f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
                      f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"),
     )
-    png = plot_curves(records, "train_loss", "MAE training loss (procedural images)", "(Syn)-ViP pretraining")
+    png = plot_curves(records, "train_loss", "MAE training loss (procedural images)",
+                      f"(Syn)-{spec.family.title} pretraining")
     return run.export(lambda: export_encoder(
         cfg.out, mae.encoder, spec, [stage], model_name=cfg.model_name or Path(cfg.out).name, repo_id=cfg.repo_id,
         summary=(f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
-                 "(Syn-ViP): it has seen no real images, so it carries no privacy cost."),
+                 f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy cost."),
         decoder=mae.decoder_state_dict(), decoder_config=decoder.to_dict(),
         extra_files={CURVES_FILE: png}, overwrite=True,
     ))

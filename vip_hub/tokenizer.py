@@ -13,19 +13,23 @@ so it is self-contained.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import BertWordPieceTokenizer
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from .errors import ConfigError
 
-__all__ = ["MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer"]
+__all__ = ["BERT_SPECIAL_IDS", "MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer", "public_vocab"]
 
 MAX_LENGTH = 40
 """Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BERT_SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
+"""Where ``bert-base-uncased``'s vocab.txt keeps the special tokens (ids 1-99 are ``[unused0]``...)."""
 
 
 class CaptionTokenizer:
@@ -71,3 +75,16 @@ class CaptionTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens dropped and word pieces joined."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def public_vocab(texts: Iterable[str]) -> bytes:
+    """A vocab.txt in BERT's layout (the special tokens at ``BERT_SPECIAL_IDS``, ``[unused*]``
+    between them) followed by the words of ``texts``, lowercased as the tokenizer reads them,
+    sorted. Only for public texts (templates, label names): it releases every word it holds."""
+    normalizer, split = BertNormalizer(lowercase=True), BertPreTokenizer()
+    words = sorted({w for text in texts for w, _ in split.pre_tokenize_str(normalizer.normalize_str(text))})
+    if not words:
+        raise ConfigError("a vocabulary needs at least one word")
+    by_id = {i: token for token, i in BERT_SPECIAL_IDS.items()}
+    head = [by_id.get(i, f"[unused{i - 1}]") for i in range(max(by_id) + 1)]
+    return ("\n".join(head + words) + "\n").encode()
