@@ -3,26 +3,124 @@
 Training scales its noise by it (noise std = sigma * sensitivity) and ``vip-hub verify``
 recomputes it from a ledger stage's mechanism, clipping norm and ``mechanism_params``, so a
 stage cannot claim a sensitivity its mechanism does not have.
+
+The contrastive mechanisms (``Logit-DP``, ``Naive-DP``) are derived step by step in
+``docs/logit_dp_sensitivity.md``; their ``mechanism_params`` are ``loss`` (``CONTRASTIVE_LOSS``),
+``temperature`` and, for a Logit-DP run that skips every batch larger than a cap,
+``max_batch``. An unknown key is an error: a misspelt cap must not change the claim silently.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import AccountingError
 
-__all__ = ["PER_EXAMPLE_MECHANISMS", "sensitivity"]
+__all__ = [
+    "CONTRASTIVE_LOSS",
+    "PER_EXAMPLE_MECHANISMS",
+    "logit_dp_sensitivity",
+    "logit_dp_sensitivity_at",
+    "naive_dp_sensitivity",
+    "sensitivity",
+]
 
 PER_EXAMPLE_MECHANISMS = ("DP-SGD", "DP-Adam", "DP-AdamW")
+CONTRASTIVE_LOSS = "symmetric-infonce"
+"""L = sum_i (CE(Z_i. / tau, i) + CE(Z_.i / tau, i)) / 2 over cosine similarities Z (the rows
+and the columns of the similarity matrix each a softmax over the other view)."""
+
+_LOGIT_DP_KEYS = {"loss", "temperature", "max_batch"}
+_NAIVE_DP_KEYS = {"loss", "temperature"}
 
 
 def sensitivity(mechanism: str, clipping_norm: float, params: Mapping[str, Any] | None = None) -> float:
     """The sensitivity of ``mechanism``'s clipped sum.
 
     Per-example clipping to C: adding or removing one example adds or removes one vector of
-    norm at most C, so the sensitivity is C.
+    norm at most C, so the sensitivity is C. Logit-DP and Naive-DP: see their functions.
     """
     if mechanism in PER_EXAMPLE_MECHANISMS:
         return float(clipping_norm)
+    params = dict(params or {})
+    if mechanism == "Logit-DP":
+        _check_keys(mechanism, params, _LOGIT_DP_KEYS)
+        tau = _temperature(mechanism, params)
+        max_batch = params.get("max_batch")
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)):
+            raise AccountingError(f"Logit-DP: max_batch must be an integer, got {max_batch!r}")
+        return logit_dp_sensitivity(clipping_norm, tau, max_batch)
+    if mechanism == "Naive-DP":
+        _check_keys(mechanism, params, _NAIVE_DP_KEYS)
+        if "temperature" in params:
+            _temperature(mechanism, params)
+        return naive_dp_sensitivity(clipping_norm)
     raise AccountingError(f"no sensitivity rule for mechanism {mechanism!r}")
+
+
+def logit_dp_sensitivity_at(clipping_norm: float, temperature: float, n: int) -> float:
+    """The bound for one batch size: ||G(X) - G(X minus one)|| <= this when |X| = n, where G is
+    the Logit-DP clipped sum with pair clip B = ``clipping_norm`` (derivation, step 3).
+
+    Delta(n) = (2B/tau) [r(n) + s(n)], r = (n-1)a / (1 + (n-1)a), s = (n-1)a / (a + n - 1),
+    a = e^(2/tau); increasing in n, with limit (2B/tau)(1 + a).
+    """
+    _check_positive(clipping_norm, temperature)
+    if n < 1:
+        raise AccountingError(f"batch size must be at least 1, got {n}")
+    if n == 1:
+        return 0.0
+    m = n - 1
+    r = 1.0 / (1.0 + math.exp(-2.0 / temperature) / m)  # (n-1)a / (1 + (n-1)a), overflow-free
+    s = m / (1.0 + m * math.exp(-2.0 / temperature))  # (n-1)a / (a + n - 1)
+    return 2.0 * clipping_norm / temperature * (r + s)
+
+
+def logit_dp_sensitivity(clipping_norm: float, temperature: float, max_batch: int | None = None) -> float:
+    """Logit-DP's sensitivity for every batch size Poisson sampling can produce.
+
+    Without a cap: sup_n Delta(n) = (2B/tau)(1 + e^(2/tau)). With ``max_batch`` m (the clipper
+    then adds nothing for a batch of more than m examples): (2B/tau) m r(m), the largest norm
+    of a batch of m examples' clipped sum, which is at least Delta(m).
+    """
+    _check_positive(clipping_norm, temperature)
+    if max_batch is None:
+        if 2.0 / temperature > 700.0:  # e^(2/tau) overflows a double
+            raise AccountingError(f"Logit-DP at temperature {temperature:g} without max_batch has a sensitivity "
+                                  "of e^(2/tau) B/tau, beyond floating point: record a max_batch")
+        return 2.0 * clipping_norm / temperature * (1.0 + math.exp(2.0 / temperature))
+    if max_batch < 2:
+        raise AccountingError(f"Logit-DP: max_batch must be at least 2, got {max_batch}")
+    r = 1.0 / (1.0 + math.exp(-2.0 / temperature) / (max_batch - 1))
+    return 2.0 * clipping_norm / temperature * max_batch * r
+
+
+def naive_dp_sensitivity(clipping_norm: float) -> float:
+    """Naive-DP (the whole-batch loss gradient clipped to C): both neighbours' clipped gradients
+    have norm at most C and may point opposite ways, so 2C, for every batch size."""
+    _check_positive(clipping_norm, 1.0)
+    return 2.0 * clipping_norm
+
+
+def _check_keys(mechanism: str, params: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise AccountingError(f"{mechanism}: unknown mechanism_params {unknown}; allowed: {sorted(allowed)}")
+    if params.get("loss") != CONTRASTIVE_LOSS:
+        raise AccountingError(f"{mechanism}: mechanism_params.loss must be {CONTRASTIVE_LOSS!r}, "
+                              f"got {params.get('loss')!r}")
+
+
+def _temperature(mechanism: str, params: Mapping[str, Any]) -> float:
+    tau = params.get("temperature")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise AccountingError(f"{mechanism}: mechanism_params.temperature must be a positive number, got {tau!r}")
+    return float(tau)
+
+
+def _check_positive(clipping_norm: float, temperature: float) -> None:
+    for name, value in (("clipping norm", clipping_norm), ("temperature", temperature)):
+        if not (math.isfinite(value) and value > 0):
+            raise AccountingError(f"{name} must be a positive number, got {value!r}")

@@ -1,0 +1,398 @@
+"""Per-pair clipping for Logit-DP, and whole-batch clipping for its Naive-DP baseline.
+
+The loss (``docs/logit_dp_sensitivity.md``): two views per image through one model,
+L2-normalised embeddings phi_i = e(x_i), psi_j = e(x'_j) (``embed``), cosine similarities
+Z = phi psi^T and the symmetric InfoNCE ``symmetric_infonce(Z, tau)``.
+
+``PairClipper`` (Logit-DP, Algorithm 1 of Kong et al.) adds sum_ij lambda_ij Clip_B(grad Z_ij)
+into ``.grad``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
+
+1. one forward pass over the 2n views records every layer's input ``a`` and output;
+2. one batched backward (d cotangents, one per embedding coordinate) gives each layer's
+   output Jacobian ``Gamma`` (d, 2n, tokens, out) w.r.t. the normalised embeddings;
+3. grad Z_ij = J_i^T psi_j + J'_j^T phi_i, so a linear layer's share of it is
+   sum_t (Gamma_it psi_j) a_it^T + sum_s (Gamma'_js phi_i) a'_js^T, a "2T-token example" whose
+   squared norm comes from token Gram matrices (the ghost norm) or from the materialised
+   (out, in) product, whichever is cheaper; small parameters (biases, LayerNorm, broadcast
+   tokens) have their per-view Jacobians (d, 2n, numel) formed and contracted directly;
+4. clip factors c_ij = ``clip_factors(||grad Z_ij||, B)``, and one backward of
+   sum_ij lambda_ij c_ij Z_ij with the weights detached adds the clipped sum into ``.grad``.
+
+Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
+Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from .clipping import ClipResult, UnsupportedLayerError, clip_factors
+
+__all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Pair tensors are formed for as many rows i at a time as keep them under this many elements."""
+
+
+def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-example losses (n,) of the similarity matrix ``z`` (n, n): the mean of the row's and
+    the column's cross-entropy with logits z / tau, the positive on the diagonal."""
+    logits = z / temperature
+    target = torch.arange(z.shape[0], device=z.device)
+    rows = F.cross_entropy(logits, target, reduction="none")
+    cols = F.cross_entropy(logits.T, target, reduction="none")
+    return (rows + cols) / 2
+
+
+def embed(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
+    """The 2n normalised embeddings [phi; psi] (2n, d): both views in one forward pass."""
+    if views1.shape != views2.shape:
+        raise ValueError(f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}")
+    out = model(torch.cat([views1, views2]))
+    if out.ndim != 2:
+        raise ValueError(f"the model must return embeddings (b, d), got {tuple(out.shape)}")
+    return F.normalize(out.float() if out.dtype in (torch.float16, torch.bfloat16) else out, dim=1)
+
+
+def _loss_weights(e: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """lambda = dL/dZ (n, n) and the per-example losses (n,), both detached."""
+    n = e.shape[0] // 2
+    z = (e[:n] @ e[n:].T).detach().requires_grad_(True)
+    with torch.enable_grad():
+        losses = symmetric_infonce(z, temperature)
+        (weights,) = torch.autograd.grad(losses.sum(), z)
+    return weights, losses.detach()
+
+
+def _require_empty_grads(params: list[nn.Parameter]) -> None:
+    if any(p.grad is not None for p in params):
+        raise RuntimeError(
+            "a contrastive clipped sum is not additive over micro-batches: give accumulate the step's "
+            "whole sample in one call (micro_batch_size=None) and clear .grad (set_to_none) between steps")
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    return params
+
+
+def _check_max_norm(max_norm: float, temperature: float) -> None:
+    if not max_norm > 0:
+        raise ValueError(f"clipping norm must be positive, got {max_norm}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+
+
+class ContrastiveEmbedder(nn.Module):
+    """A backbone and a projection head: ``forward(images) -> (b, dim)`` (``embed`` normalises).
+
+    The backbone is a timm model returning pooled features (``num_classes=0``). A
+    ``VisionTransformer``'s class token and trainable position embedding are broadcast here and
+    announced through ``broadcast_parameters()`` and ``broadcast_hooks``, as ``training.mae.MAE``
+    does, so that clippers can read their per-example gradients; its attention runs unfused (the
+    same function): ``PairClipper``'s batched backward has no batching rule for the fused kernel
+    and would fall back to a slow loop.
+    """
+
+    def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):
+        super().__init__()
+        features = int(getattr(encoder, "num_features"))
+        hidden = hidden or features
+        self.encoder = encoder
+        self.head = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+        if isinstance(encoder, VisionTransformer) and (
+                encoder.reg_token is not None or encoder.no_embed_class or encoder.dynamic_img_size
+                or encoder.pos_embed is None or encoder.attn_pool is not None):
+            raise UnsupportedLayerError("ContrastiveEmbedder supports ViTs with an optional class token, a "
+                                        "position embedding over all tokens and no register tokens or attention pool")
+        for module in encoder.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = False
+
+    def broadcast_parameters(self) -> list[nn.Parameter]:
+        """Parameters this module broadcasts over the batch itself (see ``broadcast_hooks``)."""
+        enc = self.encoder
+        if not isinstance(enc, VisionTransformer):
+            return []
+        return [p for p in (enc.cls_token, enc.pos_embed) if p is not None and p.requires_grad]
+
+    def _broadcast(self, param: nn.Parameter, shape: tuple[int, ...]) -> torch.Tensor:
+        out = param.expand(shape)
+        if param.requires_grad:
+            for hook in self.broadcast_hooks:
+                hook(param, out)
+        return out
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        enc = self.encoder
+        if not isinstance(enc, VisionTransformer):
+            return self.head(enc(images))
+        x = enc.patch_embed(images)
+        if enc.cls_token is not None:
+            x = torch.cat([self._broadcast(enc.cls_token, (x.shape[0], 1, x.shape[-1])), x], dim=1)
+        x = enc.pos_drop(x + self._broadcast(enc.pos_embed, x.shape))
+        x = enc.norm(enc.blocks(enc.norm_pre(enc.patch_drop(x))))
+        return self.head(enc.forward_head(x, pre_logits=True))
+
+
+@dataclass
+class _Record:
+    """One layer (or broadcast parameter) met in the forward pass: its input and output."""
+
+    owner: nn.Module | nn.Parameter
+    a: torch.Tensor | None
+    out: torch.Tensor
+
+
+class PairClipper:
+    """Logit-DP: adds sum_ij lambda_ij Clip_B(grad Z_ij) of ``model`` into ``.grad``.
+
+    ``model(images)`` returns (b, d) embeddings, each depending on its own image only (no batch
+    statistics). With ``max_batch`` m, a batch of more than m examples adds nothing (the
+    mechanism whose sensitivity ``logit_dp_sensitivity(B, tau, m)`` is). Supported trainable
+    layers: ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding), ``nn.LayerNorm`` over the last
+    dimension, and parameters the model broadcasts itself (``broadcast_parameters``).
+    """
+
+    def __init__(self, model: nn.Module, max_norm: float, temperature: float, max_batch: int | None = None):
+        _check_max_norm(max_norm, temperature)
+        if max_batch is not None and max_batch < 2:
+            raise ValueError(f"max_batch must be at least 2, got {max_batch}")
+        self.model, self.max_norm, self.temperature, self.max_batch = model, float(max_norm), float(temperature), max_batch
+        broadcast = list(getattr(model, "broadcast_parameters", lambda: [])())
+        covered = {id(p) for p in broadcast}
+        self.layers: list[nn.Module] = []
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in covered]
+            if own:
+                self._check_supported(module)
+                self.layers.append(module)
+                covered.update(id(p) for p in own)
+        self.params = _trainable(model)
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+        if missing:
+            raise UnsupportedLayerError(f"no per-pair rule for parameters {', '.join(missing)}")
+        self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+
+    @staticmethod
+    def _check_supported(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            return
+        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+            return
+        if isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+            return
+        raise UnsupportedLayerError(
+            f"{type(m).__name__} holds trainable parameters with no per-pair rule; supported: nn.Linear, "
+            "nn.Conv2d (groups 1, zero padding), nn.LayerNorm (last dim), broadcast parameters")
+
+    def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
+        """Add the Logit-DP clipped sum of this batch into ``.grad``. Returns the per-example
+        losses (n,), the pair norms ||grad Z_ij|| (n, n) and the factors applied (n, n)."""
+        _require_empty_grads(self.params)
+        n = views1.shape[0]
+        if self.max_batch is not None and n > self.max_batch:  # the capped mechanism adds nothing
+            with torch.no_grad():
+                _, losses = _loss_weights(embed(self.model, views1, views2), self.temperature)
+            full = torch.full((n, n), float("nan"), device=losses.device, dtype=self.norm_dtype)
+            return ClipResult(losses, full, torch.zeros_like(full))
+        records, e = self._forward(views1, views2)
+        jacobians = self._jacobians(e, records)
+        bad = self._bad_examples(e, records, jacobians)
+        if bool(bad.any()):  # decided per example: the others' clipped sum is the batch without it
+            del records, jacobians, e
+            return self._without(bad, views1, views2)
+        with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
+            phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
+            sq = torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
+            for record, jac in zip(records, jacobians):
+                if jac is not None:
+                    sq += self._pair_sq_norms(record, jac.to(self.norm_dtype), phi, psi)
+            del records, jacobians
+            norms = sq.sqrt()
+            factors = clip_factors(norms, self.max_norm)
+            weights, losses = _loss_weights(e, self.temperature)
+            w = weights.to(self.norm_dtype) * factors
+            cotangent = torch.cat([w @ psi, w.T @ phi]).to(e.dtype)
+        e.backward(cotangent)  # grad of sum_ij w_ij Z_ij: the clipped sum, into .grad
+        return ClipResult(losses, norms, factors)
+
+    def _forward(self, views1: torch.Tensor, views2: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
+        records: list[_Record] = []
+        seen: set[int] = set()
+
+        def on_forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            if id(module) in seen:
+                raise UnsupportedLayerError(f"{type(module).__name__} is called twice in one forward pass")
+            seen.add(id(module))
+            records.append(_Record(module, args[0].detach(), out))
+
+        def on_broadcast(param: nn.Parameter, out: torch.Tensor) -> None:
+            records.append(_Record(param, None, out))
+
+        handles = [m.register_forward_hook(on_forward) for m in self.layers]
+        hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
+        hooks.append(on_broadcast)
+        try:
+            e = embed(self.model, views1, views2)
+        finally:
+            for h in handles:
+                h.remove()
+            hooks.remove(on_broadcast)
+        return records, e
+
+    @staticmethod
+    def _jacobians(e: torch.Tensor, records: list[_Record]) -> list[torch.Tensor | None]:
+        """d(e)/d(out) of every record's output, (d, 2n, *out.shape[1:]): one batched backward."""
+        d = e.shape[1]
+        basis = torch.eye(d, device=e.device, dtype=e.dtype)[:, None, :].expand(d, *e.shape)
+        return list(torch.autograd.grad(e, [r.out for r in records], basis, retain_graph=True,
+                                        allow_unused=True, is_grads_batched=True))
+
+    @staticmethod
+    def _bad_examples(e: torch.Tensor, records: list[_Record], jacobians: list[torch.Tensor | None]) -> torch.Tensor:
+        """(n,) examples whose embedding, activations or Jacobians in either view do not sum to a
+        finite number (a function of the example alone, like everything that decides its pairs)."""
+        sums = e.detach().sum(1)
+        for record, jac in zip(records, jacobians):
+            if record.a is not None:
+                sums = sums + record.a.flatten(1).sum(1)
+            if jac is not None:
+                sums = sums + jac.sum([k for k in range(jac.ndim) if k != 1])
+        finite = torch.isfinite(sums)
+        n = e.shape[0] // 2
+        return ~(finite[:n] & finite[n:])
+
+    def _without(self, bad: torch.Tensor, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
+        n, keep = bad.shape[0], (~bad).nonzero().squeeze(1)
+        nan = torch.full((n, n), float("nan"), device=bad.device, dtype=self.norm_dtype)
+        losses, norms, factors = nan[0].clone(), nan.clone(), torch.zeros_like(nan)
+        if keep.numel():
+            sub = self.accumulate(views1[keep], views2[keep])
+            losses[keep] = sub.losses.to(losses.dtype)
+            rows = keep[:, None]
+            norms[rows, keep], factors[rows, keep] = sub.norms, sub.factors
+        return ClipResult(losses, norms, factors)
+
+    # ------------------------------------------------------------------ per-layer rules
+    def _pair_sq_norms(self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+        """This record's share of ||grad Z_ij||^2, (n, n), from its input and output Jacobian."""
+        m = record.owner
+        if isinstance(m, nn.Parameter):
+            return _direct(_broadcast_jacobian(m, record.out, jac), phi, psi)
+        a = record.a.to(self.norm_dtype)
+        sq = torch.zeros(phi.shape[0], phi.shape[0], device=phi.device, dtype=phi.dtype)
+        if isinstance(m, nn.LayerNorm):
+            g = jac.reshape(jac.shape[0], jac.shape[1], -1, jac.shape[-1])
+            if m.weight is not None and m.weight.requires_grad:
+                xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps).reshape(g.shape[1:])
+                sq += _direct((g * xhat).sum(2), phi, psi)
+            if m.bias is not None and m.bias.requires_grad:
+                sq += _direct(g.sum(2), phi, psi)
+            return sq
+        if isinstance(m, nn.Conv2d):
+            a = F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+            g = jac.flatten(3).transpose(2, 3)
+        else:
+            a = a.reshape(a.shape[0], -1, a.shape[-1])
+            g = jac.reshape(jac.shape[0], jac.shape[1], -1, jac.shape[-1])
+        if m.bias is not None and m.bias.requires_grad:
+            sq += _direct(g.sum(2), phi, psi)
+        if m.weight.requires_grad:
+            sq += _outer(a, g, phi, psi)
+        return sq
+
+
+def _broadcast_jacobian(param: nn.Parameter, out: torch.Tensor, jac: torch.Tensor) -> torch.Tensor:
+    """(d, 2n, numel): per-view Jacobians of a parameter the model expanded to ``out``."""
+    if param.ndim != out.ndim or param.shape[0] != 1:
+        raise UnsupportedLayerError(f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
+                                    f"along new leading batch dim 1 only, got {tuple(out.shape)}")
+    dims = [k + 1 for k in range(1, param.ndim) if param.shape[k] == 1 and out.shape[k] != 1]
+    summed = jac.sum(dims, keepdim=True) if dims else jac
+    return summed.reshape(jac.shape[0], jac.shape[1], -1)
+
+
+def _chunks(n: int, per_pair: int) -> list[slice]:
+    """Row blocks i such that a (rows, n, per_pair) tensor stays under ``_CHUNK_ELEMENTS``."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, n * per_pair))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def _direct(jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """||J_i^T psi_j + J'_j^T phi_i||^2 (n, n) from per-view Jacobians ``jac`` (d, 2n, p)."""
+    n = phi.shape[0]
+    ja, jb = jac[:, :n], jac[:, n:]
+    sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
+    for rows in _chunks(n, jac.shape[2]):
+        pair = torch.einsum("aip,ja->ijp", ja[:, rows], psi) + torch.einsum("ajp,ia->ijp", jb, phi[rows])
+        sq[rows] = pair.square().sum(2)
+    return sq
+
+
+def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """A weight's share of ||grad Z_ij||^2 (n, n): the pair gradient is u_ij^T a_i + v_ij^T a'_j
+    with u_ij = Gamma_i psi_j (T, out), v_ij = Gamma'_j phi_i; ``a`` (2n, T, in), ``g`` (d, 2n, T, out).
+
+    Either the (out, in) product is formed per pair, or (the ghost norm) the two views' own terms
+    come from per-view d x d Grams M_v = sum_{t,t'} (a_t . a_t') Gamma_t^T Gamma_t' as
+    psi_j^T M_i psi_j + phi_i^T M'_j phi_i, and only the cross term is formed per pair:
+    2 sum_{t,s} (a_it . a'_js)(u_ijt . v_ijs)."""
+    n, t, k, o = phi.shape[0], a.shape[1], a.shape[2], g.shape[3]
+    aa, ab = a[:n], a[n:]
+    ga, gb = g[:, :n], g[:, n:]
+    materialise = 2 * k * o < t * (k + o)  # per pair: the product vs the cross term's token Grams
+    sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
+    if not materialise:
+        views = g.permute(1, 2, 3, 0)  # (2n, T, out, d)
+        grams = torch.einsum("vtoa,vtob->vab", views, torch.einsum("vts,vsod->vtod", a @ a.transpose(1, 2), views))
+        sq.copy_(torch.einsum("iab,ja,jb->ij", grams[:n], psi, psi) + torch.einsum("jab,ia,ib->ij", grams[n:], phi, phi))
+    for rows in _chunks(n, max(2 * t * o, k * o if materialise else t * t)):
+        u = torch.einsum("aito,ja->ijto", ga[:, rows], psi)
+        v = torch.einsum("ajso,ia->ijso", gb, phi[rows])
+        if materialise:
+            w = torch.einsum("ijto,itk->ijok", u, aa[rows]) + torch.einsum("ijso,jsk->ijok", v, ab)
+            sq[rows] = w.square().sum((2, 3))
+        else:
+            cross = torch.einsum("itk,jsk->ijts", aa[rows], ab)  # (r, n, T, T)
+            sq[rows] += 2 * (u * (cross @ v)).sum((2, 3))
+    return sq
+
+
+class BatchClipper:
+    """Naive-DP: adds Clip_C(grad of the batch's summed ``symmetric_infonce``) into ``.grad``.
+
+    ``model(images)`` returns (b, d) embeddings. Returns the per-example losses (n,), the
+    whole-batch gradient norm (1,) and the factor applied (1,); 0 (nothing added) when the norm
+    is not finite.
+    """
+
+    def __init__(self, model: nn.Module, max_norm: float, temperature: float):
+        _check_max_norm(max_norm, temperature)
+        self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
+        self.params = _trainable(model)
+        self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+
+    def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
+        """Add the clipped whole-batch gradient of this batch into ``.grad``."""
+        _require_empty_grads(self.params)
+        e = embed(self.model, views1, views2)
+        n = views1.shape[0]
+        losses = symmetric_infonce(e[:n] @ e[n:].T, self.temperature)
+        grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
+            norm = torch.sqrt(sum(g.to(self.norm_dtype).square().sum() for g in grads)).reshape(1)
+            factor = clip_factors(norm, self.max_norm)
+            for p, g in zip(self.params, grads):  # a non-finite gradient adds zeros, not nan * 0
+                p.grad = torch.where(factor > 0, g.to(self.norm_dtype) * factor, 0.0).to(p.dtype)
+        return ClipResult(losses.detach(), norm, factor)
