@@ -1,0 +1,180 @@
+"""Cost of one contrastive step as the batch grows, side by side (ratios; never fails).
+
+(a) a non-private step: the summed symmetric InfoNCE, one backward;
+(b) Logit-DP with ``training.pair_clipping.PairClipper``: pair norms from per-view Jacobians
+    (d cotangents in one batched backward), then one weighted backward;
+(c) Logit-DP the naive way: every pair gradient grad Z_ij materialised (``torch.func.vmap``
+    over pairs, in chunks), clipped, weighted and summed;
+(d) Naive-DP with ``BatchClipper``: the whole-batch gradient clipped.
+
+Each variant's step adds its clipped sum into ``.grad`` (noise and the optimiser cost the same
+for all and are left out). Time: the variants run interleaved round by round in one process;
+the ratios use each variant's fastest round (on a shared machine the least disturbed one), the
+median is printed beside it. Memory: each (variant, n) runs once more in its own process; the
+peak resident set size (VmHWM, reset after set-up) minus the set-up's, glibc told to give
+tensors of 64 KiB or more back on free, as in ``benchmarks/dp_step.py``.
+
+    python benchmarks/logit_dp.py [--ns 16,32,64,128] [--rounds 5] [--dim 16] [--variants abcd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LABELS = {"a": "non-private", "b": "Logit-DP, PairClipper", "c": "Logit-DP, pair grads materialised",
+          "d": "Naive-DP, BatchClipper"}
+TAU, BOUND = 0.2, 1e-3
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Callable[[], None]]:
+    """One step function per variant on one shared model and batch of n images (two views)."""
+    import torch
+    import torch.nn.functional as F
+    from timm.models.vision_transformer import VisionTransformer
+    from torch.func import functional_call, grad, vmap
+
+    from training.clipping import clip_factors
+    from training.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
+
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=args.img_size, patch_size=args.patch, embed_dim=args.width, depth=args.depth,
+                                num_heads=4, num_classes=0, global_pool="avg", fc_norm=True)
+    model = ContrastiveEmbedder(encoder, dim=args.dim)
+    x1, x2 = (torch.randn(n, 3, args.img_size, args.img_size) for _ in range(2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    pair, batch = PairClipper(model, BOUND, TAU), BatchClipper(model, BOUND, TAU)
+
+    def a() -> None:
+        e = embed(model, x1, x2)
+        symmetric_infonce(e[:n] @ e[n:].T, TAU).sum().backward()
+
+    named = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def similarity(p: dict, xi: torch.Tensor, xj: torch.Tensor) -> torch.Tensor:
+        e = F.normalize(functional_call(model, (p, buffers), (torch.stack([xi, xj]),)), dim=1)
+        return e[0] @ e[1]
+
+    pair_grads = vmap(grad(similarity), in_dims=(None, 0, 0))
+    chunk = max(1, (1 << 24) // sum(p.numel() for p in params))
+
+    def c() -> None:
+        detached = {k: v.detach() for k, v in named.items()}
+        with torch.no_grad():
+            e = embed(model, x1, x2)
+            z = (e[:n] @ e[n:].T).requires_grad_(True)
+        with torch.enable_grad():
+            (weights,) = torch.autograd.grad(symmetric_infonce(z, TAU).sum(), z)
+        ii, jj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+        ii, jj, w = ii.flatten(), jj.flatten(), weights.flatten()
+        total = {k: torch.zeros_like(v) for k, v in detached.items()}
+        for s in range(0, n * n, chunk):
+            g = pair_grads(detached, x1[ii[s:s + chunk]], x2[jj[s:s + chunk]])
+            norms = torch.sqrt(sum(t.reshape(t.shape[0], -1).square().sum(1) for t in g.values()))
+            f = clip_factors(norms, BOUND) * w[s:s + chunk]
+            for k, t in g.items():
+                total[k] += torch.einsum("b,b...->...", f, t)
+        for k, v in named.items():
+            v.grad = total[k]
+
+    bodies = {"a": a, "b": lambda: pair.accumulate(x1, x2), "c": c, "d": lambda: batch.accumulate(x1, x2)}
+
+    def wrap(body: Callable[[], object]) -> Callable[[], None]:
+        def step() -> None:
+            body()
+            for p in params:
+                p.grad = None
+        return step
+
+    return {v: wrap(bodies[v]) for v in variants}
+
+
+def peak_memory(args: argparse.Namespace, n: int, variant: str) -> float:
+    """MiB of peak memory one step of ``variant`` needs beyond the set-up, in this process."""
+    step = make_steps(args, n, variant)[variant]
+    step()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = _rss_kib("VmRSS")
+    step()
+    return (_rss_kib("VmHWM") - base) / 1024
+
+
+def interleaved_times(args: argparse.Namespace, n: int, variants: str) -> dict[str, list[float]]:
+    steps = make_steps(args, n, variants)
+    for step in steps.values():
+        step()
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v, step in steps.items():
+            t = time.perf_counter()
+            step()
+            times[v].append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", default="16,32,64,128")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dim", type=int, default=16, help="projection (embedding) dimension d")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--img-size", type=int, default=32)
+    ap.add_argument("--patch", type=int, default=8)
+    ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--naive-up-to", type=int, default=128, help="largest n at which (c) runs")
+    ap.add_argument("--memory-of", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_of:
+        print(json.dumps(peak_memory(args, args.n, args.memory_of)))
+        return
+    shape = ["--dim", str(args.dim), "--width", str(args.width), "--depth", str(args.depth),
+             "--img-size", str(args.img_size), "--patch", str(args.patch)]
+    print(f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, projection d = "
+          f"{args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of {args.rounds} interleaved rounds, "
+          "memory = peak beyond set-up, own process")
+    for n in (int(s) for s in args.ns.split(",")):
+        variants = "".join(v for v in args.variants if v != "c" or n <= args.naive_up_to)
+        memory = {}
+        for v in variants:
+            cmd = [sys.executable, __file__, "--memory-of", v, "--n", str(n), *shape]
+            done = subprocess.run(cmd, capture_output=True, text=True,
+                                  env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+            if done.returncode:
+                print(f"n={n} ({v}) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            memory[v] = json.loads(done.stdout.strip().splitlines()[-1])
+        times = interleaved_times(args, n, "".join(memory))
+        fastest = {v: min(ts) for v, ts in times.items()}
+        for v in memory:
+            median = sorted(times[v])[len(times[v]) // 2]
+            print(f"n={n:4d} ({v}) {LABELS[v]:34s} {fastest[v]:9.3f} s (median {median:8.3f})   "
+                  f"peak +{memory[v]:8.1f} MiB")
+
+        def ratio(p: str, q: str) -> str:
+            return f"{p}/{q} time {fastest[p] / fastest[q]:7.2f} memory {memory[p] / max(memory[q], 1e-3):7.2f}"
+
+        pairs = [("b", "a"), ("c", "b"), ("d", "a")]
+        print(f"n={n:4d} " + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest))
+
+
+if __name__ == "__main__":
+    main()
