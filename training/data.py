@@ -315,5 +315,7 @@ class Augmented(torch.utils.data.Dataset):
     def __getitem__(self, item: tuple[int, int]) -> torch.Tensor:
         index, step = item
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch_generator(self.seed, AUGMENT, step, index).initial_seed()))
+            # the CPU generator only: torch.manual_seed would also queue lazy seeds for every
+            # accelerator backend, each recording a stack trace (milliseconds per example)
+            torch.default_generator.manual_seed(int(torch_generator(self.seed, AUGMENT, step, index).initial_seed()))
             return self.transform(self.images.load(index))
