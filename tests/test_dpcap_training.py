@@ -1,0 +1,332 @@
+"""DP-Cap training: the per-example clipper on the captioner equals naive per-example clipping
+(fp32, token embedding trainable); (Syn) dpcap-nano -> train-dpcap -> a verified repo that
+captions; caption datasets (tar shards, captions.jsonl) and their errors; a ViP init refused;
+resume after SIGKILL; the main job's digit captions and public vocabulary; 2-process torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import synthetic_stage, tiny_encoder, TINY
+from training.clipping import PerExampleClipper
+from training.data import CaptionFolder, TarShards, open_captions
+from training.dpcap import (DIGIT_NAMES, DIGIT_TEMPLATES, PUBLIC_CAPTIONS, DPCapConfig, digit_caption,
+                            digit_public_captions, train_dpcap, write_digit_captions, write_digit_vocab)
+from training.mae import load_mae
+from training.syn import SynConfig, train_syn
+from vip_hub import export_encoder, verify_repo
+from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig, load_captioner
+from vip_hub.errors import ConfigError, DataError, MissingInputError
+from vip_hub.ledger import PrivacyLedger
+from vip_hub.models import EncoderSpec, create_encoder
+from vip_hub.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
+
+BIN = Path(sys.executable).parent
+IMG, PATCH = 16, 8
+SYN_ARGS = dict(arch="dpcap-nano", img_size=IMG, patch_size=PATCH, steps=2, batch_size=4, decoder_dim=32,
+                decoder_depth=1, decoder_heads=2, workers=0, seed=0)
+DP_ARGS = dict(steps=6, batch_size=6, micro_batch_size=4, sigma=1.0, seed=5, workers=0, device="cpu", decoder_width=32,
+               decoder_depth=1, decoder_heads=2, max_length=12, checkpoint_every=2, eval_every=3)
+
+
+def cli_args(settings: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+
+
+def ledger_of(repo: Path) -> PrivacyLedger:
+    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+
+
+def make_digits(root: Path, per_label: int = 8, labels: int = 3) -> Path:
+    """Small grey images in the main job's <label>/<file>.png layout, captioned by the main job's rule."""
+    rng = np.random.default_rng(0)
+    for label in range(labels):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        for i in range(per_label):
+            pixels = rng.integers(0, 255, (8, 8), dtype=np.uint8)
+            Image.fromarray(pixels, mode="L").save(root / str(label) / f"{label * 100 + i:04d}.png")
+    write_digit_captions(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_syn(SynConfig(out=str(tmp_path_factory.mktemp("syn") / "dpcap-nano-syn"), **SYN_ARGS))
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_digits(tmp_path_factory.mktemp("data") / "digits")
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_digit_vocab(tmp_path_factory.mktemp("vocab") / "vocab.txt")
+
+
+@pytest.fixture(scope="module")
+def trained(syn_repo: Path, digits: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dp") / "dpcap-nano-digits"
+    return train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS))
+
+
+# ---------------------------------------------------------------- clipping
+def test_clipped_sum_on_the_captioner_equals_the_naive_per_example_computation() -> None:
+    """Every trainable parameter (token embedding included; DP-Cap's class token and pos_embed are
+    frozen), fp32, 1e-5 relative: some examples clipped, some not; repeated and padded tokens."""
+    torch.manual_seed(0)
+    spec = EncoderSpec("dpcap-nano", img_size=IMG, patch_size=PATCH)
+    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, width=32, depth=1, num_heads=2, vocab_size=40,
+                                                        max_length=8, bos_id=1, eos_id=2, pad_id=0))
+    model = Captioner(create_encoder(spec, mae_init=True), decoder)
+    x = torch.randn(5, 3, IMG, IMG)
+    text = torch.tensor([[1, 5, 6, 2, 0, 0], [1, 7, 2, 0, 0, 0], [1, 9, 9, 9, 9, 2], [1, 5, 7, 30, 2, 0],
+                         [1, 39, 3, 3, 5, 2]])
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert "decoder.token_embed.weight" in params
+    assert "encoder.cls_token" not in params and "encoder.pos_embed" not in params
+    grads = [torch.autograd.grad(model(x[i:i + 1], text[i:i + 1]).sum(), list(params.values())) for i in range(5)]
+    norms = torch.stack([torch.sqrt(sum(g.double().square().sum() for g in gs)) for gs in grads])
+    c = float(norms.median())
+    expected = {n: sum(gs[k].double() * min(1.0, c / (float(norm) + 1e-6)) for gs, norm in zip(grads, norms))
+                for k, n in enumerate(params)}
+
+    result = PerExampleClipper(model, c).accumulate(x, text)
+    assert torch.allclose(result.norms.double(), norms, rtol=1e-5)
+    assert (result.factors < 1).any() and (result.factors == 1).any()
+    got = {n: p.grad.double() for n, p in params.items()}
+    error = torch.sqrt(sum((got[n] - expected[n]).square().sum() for n in params))
+    assert float(error / torch.sqrt(sum(e.square().sum() for e in expected.values()))) < 1e-5
+    for n in params:
+        assert torch.allclose(got[n], expected[n], rtol=1e-3, atol=1e-5 * float(expected[n].abs().max())), n
+
+
+def test_the_mae_keeps_the_dpcap_layout(syn_repo: Path) -> None:
+    """(Syn) pretraining of a DP-Cap encoder: the class token and pos_embed stay frozen, the card
+    names the family."""
+    mae, spec, ledger = load_mae(syn_repo)
+    assert spec.family.name == "dpcap" and ledger.stages[0].description.startswith("(Syn)-DP-Cap")
+    assert not mae.encoder.cls_token.requires_grad and not mae.encoder.pos_embed.requires_grad
+    assert mae.broadcast_parameters() == [mae.mask_token]
+    PerExampleClipper(mae, 1.0)  # every trainable parameter has a rule
+
+
+# ---------------------------------------------------------------- end to end
+def test_train_dpcap_exports_a_verified_repo_that_captions(trained: Path, syn_repo: Path, digits: Path,
+                                                           vocab: Path) -> None:
+    assert verify_repo(trained).ok
+    ledger = ledger_of(trained)
+    syn, dp = ledger.stages
+    assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == ledger_of(syn_repo).stages[0]
+    assert (dp.type, dp.mechanism, dp.sampling, dp.clipping_norm, dp.steps) == ("dp", "DP-AdamW", "poisson", 1.0, 6)
+    assert dp.audit is not None and dp.audit.canaries == 1000
+    assert dp.dataset.size == 24 and dp.dataset.fingerprint == open_captions(digits).fingerprint()
+    assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
+
+    config = json.loads((trained / "config.json").read_text())
+    assert config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
+    assert (trained / "vocab.txt").read_bytes() == vocab.read_bytes()
+    card = (trained / "README.md").read_text()
+    assert "![training_curves.png](training_curves.png)" in card and "dp-captioning" in card
+
+    before, after = load_file(syn_repo / "model.safetensors"), load_file(trained / "model.safetensors")
+    assert torch.equal(before["cls_token"], after["cls_token"]) and torch.equal(before["pos_embed"], after["pos_embed"])
+    assert not torch.equal(before["blocks.0.attn.qkv.weight"], after["blocks.0.attn.qkv.weight"])
+
+    log = [json.loads(line) for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()]
+    curve = [r["step"] for r in log if "public_loss" in r]
+    assert curve == [0, 3, 6] and all(np.isfinite(r["public_loss"]) for r in log if "public_loss" in r)
+
+    model = load_captioner(trained)
+    images = [Image.open(p) for p in sorted(digits.glob("*/*.png"))[:2]]
+    captions = model.caption(images, max_tokens=6)
+    assert len(captions) == 2 and all(isinstance(c, str) for c in captions)
+    assert model.zero_shot(images, list(DIGIT_NAMES)).shape == (2, 10)
+
+
+def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(digits: Path, vocab: Path, tmp_path: Path) -> None:
+    vip = export_encoder(tmp_path / "vip", tiny_encoder(), TINY, [synthetic_stage()], model_name="vip")
+    with pytest.raises(ConfigError, match=r"ViP encoder \(vip-nano\).*vip-hub train-syn --arch dpcap-nano"):
+        train_dpcap(DPCapConfig(init=str(vip), data=str(digits), vocab=str(vocab), out=str(tmp_path / "o")))
+
+
+def test_the_vocabulary_is_a_public_file_given_before_training(syn_repo: Path, digits: Path,
+                                                                tmp_path: Path) -> None:
+    common = dict(init=str(syn_repo), data=str(digits), out=str(tmp_path / "o"))
+    with pytest.raises(MissingInputError, match="--vocab"):
+        train_dpcap(DPCapConfig(vocab=str(tmp_path / "absent.txt"), **common))
+    (tmp_path / "words.txt").write_text("a\nb\n")
+    with pytest.raises(ConfigError, match="--vocab .*special tokens"):
+        train_dpcap(DPCapConfig(vocab=str(tmp_path / "words.txt"), **common))
+
+
+# ---------------------------------------------------------------- data
+def test_tar_shards_and_captions_jsonl_hold_the_same_pairs(digits: Path, tmp_path: Path) -> None:
+    folder = open_captions(digits)
+    assert isinstance(folder, CaptionFolder) and len(folder) == 24
+    entries = [json.loads(line) for line in (digits / "captions.jsonl").read_text().splitlines()]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(2):
+        with tarfile.open(shards / f"{s:05d}.tar", "w") as tar:
+            for e in entries[s::2]:
+                key = e["image"].replace("/", "_").removesuffix(".png")
+                tar.add(digits / e["image"], arcname=f"{key}.png")
+                (tmp_path / "c.txt").write_text(e["caption"] + "\n")
+                tar.add(tmp_path / "c.txt", arcname=f"{key}.txt")
+    pairs = open_captions(shards)
+    assert isinstance(pairs, TarShards) and len(pairs) == 24
+    assert sorted(pairs.caption(i) for i in range(24)) == sorted(folder.caption(i) for i in range(24))
+    assert pairs.caption(0) == entries[0]["caption"] and pairs.load(0).size == folder.load(0).size
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for e in entries:
+        (copy / e["image"]).parent.mkdir(exist_ok=True)
+        (copy / e["image"]).write_bytes((digits / e["image"]).read_bytes())
+    (copy / "captions.jsonl").write_text((digits / "captions.jsonl").read_text())
+    assert open_captions(copy).fingerprint() == folder.fingerprint()
+    entries[3]["caption"] = "another caption"
+    (copy / "captions.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    assert open_captions(copy).fingerprint() != folder.fingerprint()  # the captions are pinned too
+
+
+JSONL_ERRORS = [
+    ('{"image": "a.png", "caption": "x"}\n{"image": "a.png"', r"captions.jsonl:2: not JSON"),
+    ('{"image": "a.png", "text": "x"}', r'captions.jsonl:1: expected \{"image"'),
+    ('{"image": "b.png", "caption": "x"}', r"captions.jsonl:1: image 'b.png' not found"),
+    ('{"image": "../a.png", "caption": "x"}', r"captions.jsonl:1: image path"),
+    ('{"image": "/tmp/a.png", "caption": "x"}', r"captions.jsonl:1: image path"),
+    ('{"image": "a.png", "caption": "x"}\n\n{"image": "a.png", "caption": "y"}',
+     r"captions.jsonl:3: image 'a.png' is already listed on line 1"),
+    ('{"image": "a.png", "caption": "  "}', r"captions.jsonl:1 is empty"),
+    ('{"image": "notes.txt", "caption": "x"}', r"captions.jsonl:1: 'notes.txt' is not an image file"),
+    ("\n", r"captions.jsonl lists no image-caption pairs"),
+]
+
+
+@pytest.mark.parametrize("text,match", JSONL_ERRORS)
+def test_a_bad_captions_jsonl_names_the_file_and_line(text: str, match: str, tmp_path: Path) -> None:
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "captions.jsonl").write_text(text)
+    with pytest.raises(DataError, match=match):
+        open_captions(tmp_path)
+
+
+def _shard(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            (path.parent / "member").write_bytes(data)
+            tar.add(path.parent / "member", arcname=name)
+    (path.parent / "member").unlink()
+
+
+def test_bad_caption_shards_and_folders_name_the_file(tmp_path: Path) -> None:
+    png = (tmp_path / "a.png")
+    Image.new("RGB", (8, 8)).save(png)
+    image = png.read_bytes()
+    png.unlink()
+    cases = [
+        ({"k1.png": image, "k2.png": image, "k2.txt": b"two"}, r"00000.tar: sample 'k1' \(k1.png\) has no caption"),
+        ({"k1.png": image, "k1.txt": b"one", "k3.txt": b"three"}, r"00000.tar: sample 'k3' has a caption .* no image"),
+        ({"k1.png": image, "k1.jpg": image, "k1.txt": b"one"}, r"00000.tar: sample 'k1' has two images"),
+    ]
+    for i, (members, match) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        _shard(tmp_path / str(i) / "00000.tar", members)
+        with pytest.raises(DataError, match=match):
+            open_captions(tmp_path / str(i))
+    _shard(tmp_path / "00001.tar", {"k1.png": image, "k1.txt": b"\xff\xfe caption", "k2.png": b"junk",
+                                    "k2.txt": b"ok"})
+    pairs = open_captions(tmp_path)
+    with pytest.raises(DataError, match=r"caption 00001.tar:k1.txt is not UTF-8"):
+        pairs.caption(0)
+    with pytest.raises(DataError, match=r"cannot decode image 00001.tar:k2.png"):
+        pairs.load(1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="neither webdataset tar shards .* nor a captions.jsonl"):
+        open_captions(tmp_path / "empty")
+    with pytest.raises(MissingInputError):
+        open_captions(tmp_path / "absent")
+
+
+# ---------------------------------------------------------------- main job helpers
+def test_digit_captions_follow_the_public_rule_and_the_vocabulary_covers_them(digits: Path, vocab: Path,
+                                                                              tmp_path: Path) -> None:
+    entries = [json.loads(line) for line in (digits / "captions.jsonl").read_text().splitlines()]
+    assert [e["image"] for e in entries] == sorted(p.relative_to(digits).as_posix() for p in digits.glob("*/*.png"))
+    for e in entries:
+        label = int(e["image"].split("/")[0])
+        assert e["caption"] == digit_caption(label, e["image"])
+        assert e["caption"] in {t.format(name=DIGIT_NAMES[label], digit=label) for t in DIGIT_TEMPLATES}
+    assert len({e["caption"] for e in entries}) > 3  # the rule varies the template
+    assert any(digit_caption(int(e["image"][0]), e["image"], seed=1) != e["caption"] for e in entries)
+
+    tokens = vocab.read_text().splitlines()
+    assert {t: tokens.index(t) for t in BERT_SPECIAL_IDS} == BERT_SPECIAL_IDS
+    assert tokens[1] == "[unused0]" and tokens[99] == "[unused98]"
+    tokenizer = CaptionTokenizer(vocab)
+    texts = [*digit_public_captions(), *PUBLIC_CAPTIONS, DEFAULT_PROMPT]
+    assert len(digit_public_captions()) == 10 * len(DIGIT_TEMPLATES)
+    assert not (tokenizer.encode(texts) == BERT_SPECIAL_IDS["[UNK]"]).any()
+
+    (tmp_path / "x").mkdir()
+    Image.new("L", (8, 8)).save(tmp_path / "x" / "1.png")
+    with pytest.raises(DataError, match="not a digit label"):
+        write_digit_captions(tmp_path)
+
+
+# ---------------------------------------------------------------- processes
+def dp_command(syn_repo: Path, digits: Path, vocab: Path, out: Path) -> list[str]:
+    return ["--init", str(syn_repo), "--data", str(digits), "--vocab", str(vocab), "--out", str(out),
+            *cli_args(DP_ARGS)]
+
+
+def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
+        syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dpcap-nano-digits"
+    log = tmp_path / "dpcap-nano-digits.run" / "log.jsonl"
+    proc = subprocess.Popen([str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # kill between checkpoints (2 and 4), mid-run
+        if log.exists() and any(json.loads(line).get("step") == 3 for line in log.read_text().splitlines()
+                                if line.endswith("}")):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "the run finished before it could be killed"
+    train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS))
+    assert ledger_of(out).stages == ledger_of(trained).stages
+    for name in ("model.safetensors", "text_decoder.safetensors"):
+        a, b = load_file(out / name), load_file(trained / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(7))
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_ledger(syn_repo: Path, digits: Path, vocab: Path, trained: Path,
+                                            tmp_path: Path) -> None:
+    out = tmp_path / "dpcap-nano-digits"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.dpcap",
+           *dp_command(syn_repo, digits, vocab, out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert verify_repo(out).ok
+    assert ledger_of(out).stages == ledger_of(trained).stages
+    assert load_captioner(out).caption([Image.new("RGB", (IMG, IMG))], max_tokens=4)

@@ -1,0 +1,307 @@
+"""The DP-Cap recipe: an image captioner (a DP-Cap encoder + the reference text decoder) trained
+with DP-AdamW on private image-caption pairs (Sander et al., 2024).
+
+The recipe is a model (``vip_hub.captioning.Captioner``), a per-example loss (the reference's
+caption loss) and a clipper (``PerExampleClipper`` over every trainable parameter, the token
+embedding included); everything private about a step is the DP engine's
+(``training/dp_engine.py``), as in the ViP recipe (``training/vip.py``). The encoder starts from a
+synthetic-image MAE of the DP-Cap family (``vip-hub train-syn --arch dpcap-*``), the text decoder
+from scratch. The tokenizer's vocabulary is a public file fixed before training, never fitted on
+the private captions. Augmentations are drawn per example from the (seed, step, index) streams.
+
+Run it with ``vip-hub train-dpcap ...`` or ``torchrun --nproc_per_node N -m training.dpcap ...``.
+
+The main job's digits get their captions and vocabulary here too (``write_digit_captions``,
+``write_digit_vocab``, ``write_digit_public_captions``): captions are made from the labels by
+fixed public templates, so the vocabulary and the public curve's captions are public by
+construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.errors import ConfigError, DataError, MissingInputError
+from vip_hub.ledger import Dataset
+from vip_hub.loading import load_encoder
+from vip_hub.repo import export_encoder
+from vip_hub.repo_format import ENCODER
+from vip_hub.sensitivity import sensitivity
+from vip_hub.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
+
+from .clipping import PerExampleClipper
+from .data import CAPTIONS_FILE, IMAGE_EXTENSIONS, Augmented, mae_transform, open_captions
+from .distributed import Dist
+from .dp_engine import Budget, DPEngine
+from .mae import freeze_fixed_tokens, public_images
+from .optim import make_adamw, warmup_cosine
+from .recipe import DPRunConfig, Recipe, recipe_main
+from .run import Run
+from .runlog import plot_curves
+
+__all__ = [
+    "DIGIT_NAMES",
+    "DIGIT_TEMPLATES",
+    "PUBLIC_CAPTIONS",
+    "RECIPE",
+    "DPCapConfig",
+    "digit_caption",
+    "digit_public_captions",
+    "train_dpcap",
+    "write_digit_captions",
+    "write_digit_public_captions",
+    "write_digit_vocab",
+]
+
+CURVES_FILE = "training_curves.png"
+MECHANISM = "DP-AdamW"
+PUBLIC_CAPTIONS = (
+    "an abstract pattern of colours",
+    "a colourful texture",
+    "a picture of circles and squares",
+    "a pattern of cells",
+    "waves and spirals",
+    "a kaleidoscope pattern",
+    "a cloudy swirl of colour",
+    "a blurry abstract picture",
+)
+"""Default captions of the public curve's procedural images (image i gets caption i mod 8)."""
+
+
+class DPCapConfig(DPRunConfig):
+    """A DP-Cap run: DP-AdamW on the caption loss. Defaults follow the DP-Cap paper (C = 1, AdamW
+    (0.9, 0.95), weight decay 0.05, lr 5.12e-4, 40 % warm-up, cosine over twice the run), with a
+    small text decoder for the CPU (the reference's is 6 blocks of up to 768)."""
+
+    init: str = Field(description="DP-Cap repo folder or hub id to start from, e.g. the output of "
+                                  "`vip-hub train-syn --arch dpcap-nano`")
+    data: str = Field(description="image-caption pairs: webdataset tar shards (KEY.jpg/KEY.png + KEY.txt) or a "
+                                  f"folder with a {CAPTIONS_FILE}")
+    vocab: str = Field(description="public vocabulary file (BERT-style vocab.txt, e.g. bert-base-uncased's), "
+                                   "fixed before training and never fitted on the private captions")
+    max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
+    lr: float = Field(5.12e-4, gt=0, description="peak learning rate")
+    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: 0.4 x steps, the paper's)")
+    decay_steps: int | None = Field(None, gt=0, description="cosine decay horizon (default: twice the steps)")
+    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    decoder_width: int = Field(128, gt=0, description="text decoder width (reference: the encoder's, up to 768)")
+    decoder_depth: int = Field(2, gt=0, description="text decoder blocks (reference: 6)")
+    decoder_heads: int = Field(4, gt=0, description="text decoder attention heads")
+    max_length: int = Field(MAX_LENGTH, ge=2, le=512, description="caption tokens, [CLS] and [SEP] included "
+                                                                  "(longer captions are cut)")
+    public_captions: str | None = Field(None, description="file of public captions (one a line) scored on fixed "
+                                                          "procedural images for the card's curve (default: "
+                                                          "built-in descriptions of such images)")
+
+
+def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
+    """Run (or resume) DP-AdamW training of a captioner and export the released repo; returns its path."""
+    dist = dist or Dist.from_env(cfg.device)
+    vocab, tokenizer = _vocabulary(cfg)
+    public = _public_captions(cfg.public_captions)
+    init = load_encoder(cfg.init)
+    spec = init.spec
+    if not spec.family.captions:
+        raise ConfigError(
+            f"{cfg.init} holds a {spec.family.title} encoder ({spec.arch}); DP-Cap trains a DP-Cap encoder (no qkv "
+            "bias, final norm on every token, frozen class token). Make one with `vip-hub train-syn --arch "
+            "dpcap-nano --out DIR` (any dpcap-* size) and pass --init DIR")
+    pairs = open_captions(cfg.data)
+    n = len(pairs)
+    if cfg.dataset_size is not None and cfg.dataset_size != n:
+        raise DataError(f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {n} image-caption pairs")
+    budget = Budget.plan(dataset_size=n, batch_size=cfg.batch_size, steps=cfg.steps, epsilon=cfg.epsilon,
+                         sigma=cfg.sigma, delta=cfg.delta, accountant=cfg.accountant)
+    run = Run(cfg, dist)
+    torch.manual_seed(run.seed)  # the fresh decoder's initialisation, the same on every rank
+    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, tokenizer, width=cfg.decoder_width,
+                                                        depth=cfg.decoder_depth, num_heads=cfg.decoder_heads))
+    model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
+    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.4 * cfg.steps))
+    horizon = cfg.decay_steps or 2 * cfg.steps
+    scheduler = warmup_cosine(optimizer, warmup, horizon)
+    engine = DPEngine(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget,
+                      sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), seed=run.seed, dist=dist,
+                      micro_batch_size=cfg.micro_batch_size, audit_canaries=cfg.audit_canaries,
+                      autocast=run.autocast)
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "engine": engine}
+    start = run.resume(objects)
+
+    mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
+    augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
+
+    def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenizer.encode([pairs.caption(index)])[0]
+        return augmented[index, step], F.pad(ids, (0, cfg.max_length - len(ids)), value=tokenizer.pad_id)
+
+    def steps():  # type: ignore[no-untyped-def]
+        for step, micro in engine.batches(load, start, cfg.workers):
+            def do(step: int = step, micro=micro) -> tuple[dict, int]:  # type: ignore[no-untyped-def]
+                stats = engine.step(step, _trimmed(micro, tokenizer.pad_id))
+                return {"train_loss": stats.loss, "sampled": stats.sampled,
+                        "lr": scheduler.get_last_lr()[0]}, stats.sampled
+            yield step, do
+
+    eval_images = public_images(spec)
+    eval_texts = tokenizer.encode([public[i % len(public)] for i in range(len(eval_images))])
+    records = run.loop(start, budget.steps, steps(), desc="train-dpcap", objects=objects,
+                       evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device),
+                                         "epsilon": engine.epsilon()},
+                       stop_message=budget.stop_message())
+
+    def export() -> None:
+        name = cfg.dataset_name or pairs.name
+        stage = engine.stage(
+            audit_delta=cfg.audit_delta, name="dp-captioning", mechanism=MECHANISM, clipping_norm=cfg.max_grad_norm,
+            dataset=Dataset(name=name, size=n, fingerprint=pairs.fingerprint(),
+                            description=f"{n} image-caption pairs; image captioning with DP-AdamW"),
+            description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every parameter, token "
+                         "embedding included; Gaussian noise once per logical step, Poisson sampling); the text "
+                         "decoder is trained from scratch in this stage"),
+            hyperparameters={
+                "lr": cfg.lr, "warmup_steps": warmup, "decay_steps": horizon,
+                "schedule": "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
+                "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2], "img_size": spec.img_size,
+                "text_decoder": {"width": cfg.decoder_width, "depth": cfg.decoder_depth, "heads": cfg.decoder_heads},
+                "max_length": cfg.max_length, "vocab_size": tokenizer.vocab_size,
+                "vocabulary": "public file fixed before training (vocab.txt), not fitted on the captions",
+                "augmentation": "random resized crop (0.2-1), flip",
+            },
+        )
+        prior = [s for s in init.ledger.stages if s.component == ENCODER]
+        png = plot_curves(records, "public_loss", "caption loss on public procedural images", f"DP-AdamW on {name}")
+        export_encoder(
+            cfg.out, model.encoder, spec, [*prior, stage], model_name=cfg.model_name or Path(cfg.out).name,
+            repo_id=cfg.repo_id,
+            summary=(f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining on procedural "
+                     f"images, then DP-AdamW captioning on {name} ({n} image-caption pairs). The loss curve is "
+                     "measured on public procedural images with public captions, so publishing it costs no "
+                     "privacy."),
+            text_decoder=model.decoder, vocab=vocab, extra_files={CURVES_FILE: png}, overwrite=True,
+        )
+
+    return run.export(export)
+
+
+def _vocabulary(cfg: DPCapConfig) -> tuple[bytes, CaptionTokenizer]:
+    """The public vocabulary file's bytes and its tokenizer."""
+    path = Path(cfg.vocab)
+    if not path.is_file():
+        raise MissingInputError(f"--vocab {path} is not a file (a public BERT-style vocab.txt)")
+    vocab = path.read_bytes()
+    try:
+        return vocab, CaptionTokenizer(vocab, max_length=cfg.max_length)
+    except ConfigError as e:
+        raise ConfigError(f"--vocab {path}: {e}") from None
+
+
+def _public_captions(path: str | None) -> Sequence[str]:
+    """The public curve's captions: the lines of ``path`` (blank ones skipped), or ``PUBLIC_CAPTIONS``."""
+    if path is None:
+        return PUBLIC_CAPTIONS
+    try:
+        lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise MissingInputError(f"--public-captions {path} is not a file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--public-captions {path}: {e}") from None
+    if not lines:
+        raise DataError(f"--public-captions {path} holds no caption")
+    return lines
+
+
+def _trimmed(micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches with the trailing text columns that are padding in every row cut off: the loss and the
+    gradients are those of the full width (padding is ignored, attention is causal), at less cost."""
+    for images, text in micro:
+        yield images, text[:, : int((text != pad_id).any(0).nonzero().max()) + 1]
+
+
+@torch.no_grad()
+def _eval_loss(model: Captioner, images: torch.Tensor, texts: torch.Tensor, device: torch.device) -> float:
+    """Mean caption loss on a fixed public batch (eval mode, no gradient)."""
+    was = model.training
+    model.eval()
+    loss = model(images.to(device), texts.to(device)).mean().item()
+    model.train(was)
+    return loss
+
+
+# ------------------------------------------------------------------ main job: the digits' captions
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+DIGIT_TEMPLATES = (
+    "a handwritten digit {name}",
+    "the number {digit} written by hand",
+    "a picture of the digit {name}",
+    "a handwritten {name}",
+    "the digit {digit}, written by hand",
+)
+"""Caption templates of the digits: ``{name}`` is the label's word, ``{digit}`` its numeral."""
+
+
+def digit_caption(label: int, key: str, seed: int = 0) -> str:
+    """The caption of the digit image ``key`` (its path in the dataset) with label ``label``:
+    template number ``sha256(f"{seed}:{key}") mod 5`` of ``DIGIT_TEMPLATES``, filled with the label.
+    The choice is a public rule of the seed and the file's name; it never looks at the pixels."""
+    if not 0 <= label <= 9:
+        raise DataError(f"a digit label is 0..9, got {label}")
+    choice = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") % len(DIGIT_TEMPLATES)
+    return DIGIT_TEMPLATES[choice].format(name=DIGIT_NAMES[label], digit=label)
+
+
+def write_digit_captions(folder: str | Path, seed: int = 0) -> Path:
+    """Write ``folder/captions.jsonl`` for a digits split in the ``<label>/<file>.png`` layout
+    (``training.main_job.write_digits``): one ``digit_caption`` per image; returns the file."""
+    root = Path(folder)
+    files = sorted(p for p in root.glob("*/*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise DataError(f"no <label>/<image> files under {root}")
+    lines = []
+    for p in files:
+        if p.parent.name not in {str(d) for d in range(10)}:
+            raise DataError(f"{p}: its folder {p.parent.name!r} is not a digit label 0..9")
+        key = p.relative_to(root).as_posix()
+        lines.append(json.dumps({"image": key, "caption": digit_caption(int(p.parent.name), key, seed)}))
+    out = root / CAPTIONS_FILE
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def digit_public_captions() -> list[str]:
+    """Every template filled with every label: public text (no image's caption is chosen here)."""
+    return [t.format(name=name, digit=d) for t in DIGIT_TEMPLATES for d, name in enumerate(DIGIT_NAMES)]
+
+
+def write_digit_public_captions(path: str | Path) -> Path:
+    """Write ``digit_public_captions()`` one a line (the main job's ``--public-captions``)."""
+    out = Path(path)
+    out.write_text("\n".join(digit_public_captions()) + "\n", encoding="utf-8")
+    return out
+
+
+def write_digit_vocab(path: str | Path) -> Path:
+    """Write the main job's public vocabulary (``public_vocab``): BERT's special tokens at BERT's ids,
+    then the words of the digit templates (numerals and number words included), of
+    ``PUBLIC_CAPTIONS`` and of the zero-shot prompt (``vip_hub.captioning.DEFAULT_PROMPT``)."""
+    out = Path(path)
+    out.write_bytes(public_vocab([*digit_public_captions(), *PUBLIC_CAPTIONS, DEFAULT_PROMPT]))
+    return out
+
+
+RECIPE = Recipe("dpcap", "DP-Cap: DP-AdamW image captioning on private image-caption pairs", DPCapConfig,
+                train_dpcap)
+
+if __name__ == "__main__":
+    raise SystemExit(recipe_main("train-dpcap"))
