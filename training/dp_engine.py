@@ -33,12 +33,14 @@ import torch
 from torch import nn
 
 from vip_hub.accounting import Accountant, calibrate, composed_epsilon, default_delta, max_steps_within
-from vip_hub.errors import AccountingError, CheckpointError, ConfigError
+from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
 from vip_hub.ledger import DPStage
 
 from .canaries import DiracCanaries
 from .clipping import ClipResult
 from .distributed import Dist
+from .recipe import DPRunConfig
+from .run import Run
 from .sampling import NOISE, micro_batches, poisson_sample, rank_shard, torch_generator
 
 __all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "gaussian_noise"]
@@ -91,6 +93,15 @@ class Budget:
         if within == 0:
             raise AccountingError(f"a single step at sigma {sigma:g}, q {q:.4g} already exceeds epsilon {epsilon}")
         return cls(n, float(batch_size), float(sigma), float(delta), kind, within, steps, epsilon)
+
+    @classmethod
+    def for_config(cls, cfg: DPRunConfig, dataset_size: int) -> "Budget":
+        """The budget a DP recipe's configuration asks for, on a dataset of ``dataset_size``
+        examples (checked against ``--dataset-size`` when given)."""
+        if cfg.dataset_size is not None and cfg.dataset_size != dataset_size:
+            raise DataError(f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {dataset_size} examples")
+        return cls.plan(dataset_size=dataset_size, batch_size=cfg.batch_size, steps=cfg.steps, epsilon=cfg.epsilon,
+                        sigma=cfg.sigma, delta=cfg.delta, accountant=cfg.accountant)
 
     def stop_message(self) -> str | None:
         """Why the run stops early, when it does."""
@@ -156,6 +167,46 @@ class DPEngine:
         self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, dist.main)
                          if audit_canaries else None)
         self.steps_done = 0
+
+    @classmethod
+    def for_run(cls, clipper: Clipper, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, run: Run, cfg: DPRunConfig, *,
+                sensitivity: float, micro_batch_size: int | None = None) -> "DPEngine":
+        """The engine of a recipe's run: the run's seed, ranks and autocast, the configuration's
+        micro-batch size (unless given: None for clippers that need the whole sample) and canaries."""
+        return cls(clipper, optimizer, scheduler, budget, sensitivity=sensitivity, seed=run.seed, dist=run.dist,
+                   micro_batch_size=cfg.micro_batch_size if micro_batch_size is None else micro_batch_size,
+                   audit_canaries=cfg.audit_canaries, autocast=run.autocast)
+
+    def checkpointed(self, model: nn.Module) -> dict[str, Any]:
+        """What a checkpoint of this run holds: the model, the optimiser, the scheduler, the engine."""
+        objects: dict[str, Any] = {"model": model, "optimizer": self.optimizer, "engine": self}
+        if self.scheduler is not None:
+            objects["scheduler"] = self.scheduler
+        return objects
+
+    def train(self, run: Run, model: nn.Module, load: Callable[[int, int], tuple[torch.Tensor, ...]], *,
+              desc: str, evaluate: Callable[[], dict[str, Any]],
+              prepare: Callable[[Iterator[tuple[torch.Tensor, ...]]], Iterable[Sequence[torch.Tensor]]] = lambda m: m,
+              ) -> list[dict[str, Any]]:
+        """Resume ``run`` and train to the budget's last step: examples from ``load(index, step)``,
+        each step's micro-batches through ``prepare``, ``evaluate()`` (public data only) and ε at the
+        evaluation cadence. Returns the run's log records."""
+        objects = self.checkpointed(model)
+        start = run.resume(objects)
+
+        def steps() -> Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]]:
+            for step, micro in self.batches(load, start, run.cfg.workers):
+                def do(step: int = step, micro: Iterator[tuple[torch.Tensor, ...]] = micro) -> tuple[dict[str, Any], int]:
+                    stats = self.step(step, prepare(micro))
+                    record = {"train_loss": stats.loss, "sampled": stats.sampled,
+                              "lr": self.optimizer.param_groups[0]["lr"]}
+                    return record, stats.sampled
+                yield step, do
+
+        return run.loop(start, self.budget.steps, steps(), desc=desc, objects=objects,
+                        evaluate=lambda: {**evaluate(), "epsilon": self.epsilon()},
+                        stop_message=self.budget.stop_message())
 
     # ---------------------------------------------------------------- sampling
     def plan(self, step: int) -> np.ndarray:

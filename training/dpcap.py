@@ -118,10 +118,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "dpcap-nano --out DIR` (any dpcap-* size) and pass --init DIR")
     pairs = open_captions(cfg.data)
     n = len(pairs)
-    if cfg.dataset_size is not None and cfg.dataset_size != n:
-        raise DataError(f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {n} image-caption pairs")
-    budget = Budget.plan(dataset_size=n, batch_size=cfg.batch_size, steps=cfg.steps, epsilon=cfg.epsilon,
-                         sigma=cfg.sigma, delta=cfg.delta, accountant=cfg.accountant)
+    budget = Budget.for_config(cfg, n)
     run = Run(cfg, dist)
     torch.manual_seed(run.seed)  # the fresh decoder's initialisation, the same on every rank
     decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, tokenizer, width=cfg.decoder_width,
@@ -131,12 +128,8 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.4 * cfg.steps))
     horizon = cfg.decay_steps or 2 * cfg.steps
     scheduler = warmup_cosine(optimizer, warmup, horizon)
-    engine = DPEngine(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget,
-                      sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), seed=run.seed, dist=dist,
-                      micro_batch_size=cfg.micro_batch_size, audit_canaries=cfg.audit_canaries,
-                      autocast=run.autocast)
-    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "engine": engine}
-    start = run.resume(objects)
+    engine = DPEngine.for_run(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
+                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm))
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
@@ -145,20 +138,11 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         ids = tokenizer.encode([pairs.caption(index)])[0]
         return augmented[index, step], F.pad(ids, (0, cfg.max_length - len(ids)), value=tokenizer.pad_id)
 
-    def steps():  # type: ignore[no-untyped-def]
-        for step, micro in engine.batches(load, start, cfg.workers):
-            def do(step: int = step, micro=micro) -> tuple[dict, int]:  # type: ignore[no-untyped-def]
-                stats = engine.step(step, _trimmed(micro, tokenizer.pad_id))
-                return {"train_loss": stats.loss, "sampled": stats.sampled,
-                        "lr": scheduler.get_last_lr()[0]}, stats.sampled
-            yield step, do
-
     eval_images = public_images(spec)
     eval_texts = tokenizer.encode([public[i % len(public)] for i in range(len(eval_images))])
-    records = run.loop(start, budget.steps, steps(), desc="train-dpcap", objects=objects,
-                       evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device),
-                                         "epsilon": engine.epsilon()},
-                       stop_message=budget.stop_message())
+    records = engine.train(run, model, load, desc="train-dpcap",
+                           prepare=lambda micro: _trimmed(micro, tokenizer.pad_id),
+                           evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)})
 
     def export() -> None:
         name = cfg.dataset_name or pairs.name

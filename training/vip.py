@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from vip_hub.errors import DataError
 from vip_hub.ledger import Dataset
 from vip_hub.repo import export_encoder
 from vip_hub.repo_format import ENCODER
@@ -56,23 +55,15 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     dist = dist or Dist.from_env(cfg.device)
     images = open_images(cfg.data)
     n = len(images)
-    if cfg.dataset_size is not None and cfg.dataset_size != n:
-        raise DataError(f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {n} images")
-    budget = Budget.plan(dataset_size=n, batch_size=cfg.batch_size, steps=cfg.steps, epsilon=cfg.epsilon,
-                         sigma=cfg.sigma, delta=cfg.delta, accountant=cfg.accountant)
+    budget = Budget.for_config(cfg, n)
     run = Run(cfg, dist)
     mae, spec, init_ledger = load_mae(cfg.init)
     mae.to(dist.device)
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(1000, cfg.steps // 10))
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    engine = DPEngine(PerExampleClipper(mae, cfg.max_grad_norm), optimizer, scheduler, budget,
-                      sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), seed=run.seed, dist=dist,
-                      micro_batch_size=cfg.micro_batch_size, audit_canaries=cfg.audit_canaries,
-                      autocast=run.autocast)
-    objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler, "engine": engine}
-    start = run.resume(objects)
-
+    engine = DPEngine.for_run(PerExampleClipper(mae, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
+                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm))
     mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
     augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
@@ -80,19 +71,9 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         noise = torch.rand(mae.num_patches, generator=torch_generator(run.seed, MASKING, step, index))
         return augmented[index, step], noise
 
-    def steps():  # type: ignore[no-untyped-def]
-        for step, micro in engine.batches(load, start, cfg.workers):
-            def do(step: int = step, micro=micro) -> tuple[dict, int]:  # type: ignore[no-untyped-def]
-                stats = engine.step(step, micro)
-                return {"train_loss": stats.loss, "sampled": stats.sampled,
-                        "lr": scheduler.get_last_lr()[0]}, stats.sampled
-            yield step, do
-
     public = public_eval_batch(spec, mae.num_patches)
-    records = run.loop(start, budget.steps, steps(), desc="train-vip", objects=objects,
-                       evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device),
-                                         "epsilon": engine.epsilon()},
-                       stop_message=budget.stop_message())
+    records = engine.train(run, mae, load, desc="train-vip",
+                           evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
 
     def export() -> None:
         name = cfg.dataset_name or images.name
