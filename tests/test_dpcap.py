@@ -449,6 +449,7 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
         "model.safetensors", "config.json", "text_decoder.safetensors", "vocab.txt"}
     card = (out / "README.md").read_text()
     assert "Sampling caveat for `dp-pretraining`" in card and "assumes Poisson sampling" in card
+    assert "for any single image-caption pair of `MetaCLIP" in card and "one image-caption pair" in card
     assert "`dpcap-nano` (DP-Cap family)" in card and "no qkv bias, final norm on every token" in card
     assert "`dpcap` 96, `avg` 192, `cls` 192" in card and "## Captions and zero-shot classification" in card
     assert 'pooling="dpcap"' in card and "license: cc-by-nc-4.0" in card and "shuffle (accounted as Poisson)" in card

@@ -99,7 +99,7 @@ def render_card(
         captions=captions,
         caption_family=family.captions,
         headline=privacy_headline(ledger.summary()),
-        guarantee_paragraphs=guarantee_paragraphs(ledger),
+        guarantee_paragraphs=guarantee_paragraphs(ledger, spec.family.unit),
         audit_paragraphs=audit_paragraphs(ledger),
         public_stages=", ".join(
             f"`{s.name}` ({s.dataset.name})"
@@ -111,7 +111,7 @@ def render_card(
             for s in ledger.stages
             if isinstance(s, NonPrivateStage) and s.private_data
         ),
-        unit="one training example (one image)",
+        unit=f"one training example (one {spec.family.unit})",
         adjacency="add/remove-one",
         schema=ledger.schema_,
         ledger_columns=LEDGER_COLUMNS,
@@ -148,13 +148,13 @@ def card_info(readme: str) -> CardInfo:
     )
 
 
-def guarantee_paragraphs(ledger: PrivacyLedger) -> list[str]:
+def guarantee_paragraphs(ledger: PrivacyLedger, unit: str = "image") -> list[str]:
     """The guarantee in plain words (Markdown), one paragraph per private dataset."""
     if not ledger.guarantees:
         return ["**No private data was used to train these weights**: every stage saw only "
                 "synthetic or public data, so the weights reveal nothing about any private dataset "
                 "(ε = 0)."]
-    return [_guarantee_text(ledger, g) for g in ledger.guarantees]
+    return [_guarantee_text(ledger, g, unit) for g in ledger.guarantees]
 
 
 def ledger_rows(ledger: PrivacyLedger) -> list[list[str]]:
@@ -188,7 +188,7 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
     return out
 
 
-def _guarantee_text(ledger: PrivacyLedger, g: Any) -> str:
+def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
     stages = [ledger.stage(n) for n in g.stages]
     n = stages[0].dataset.size
     bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
@@ -197,9 +197,9 @@ def _guarantee_text(ledger: PrivacyLedger, g: Any) -> str:
         f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
         f"`{g.dataset}`** ({n:,} examples), composed over stage(s) "
         f"{', '.join(f'`{s}`' for s in g.stages)} under the {g.accountant.value.upper()} accountant"
-        f"{_reference_note(stages)}. In plain words: for any single image of `{g.dataset}`, "
+        f"{_reference_note(stages)}. In plain words: for any single {unit} of `{g.dataset}`, "
         f"anything one can compute from the {' and '.join(components)} weights is almost equally "
-        f"likely whether or not that image was in the training data: probabilities differ by at "
+        f"likely whether or not that {unit} was in the training data: probabilities differ by at "
         f"most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
     )
 

@@ -68,6 +68,7 @@ class Family:
     frozen_tokens: bool  # class token and image type embedding are frozen random constants
     poolings: tuple[str, ...]  # feature modes, the family's linear-probe mode first
     captions: bool  # a repo can carry a text decoder (captions, zero-shot)
+    unit: str  # one training example of its recipe, as the card names the unit of privacy
     crop_pct: float
     crop_mode: str
     tags: tuple[str, ...]
@@ -86,7 +87,7 @@ FAMILIES: dict[str, Family] = {
             heads={s: (16 if s == "large" else 12) for s in SIZES},
             decoder={s: (512, 4, 16) for s in SIZES}, decoder_kind="MAE decoder",
             qkv_bias=True, pooled_norm=True, frozen_tokens=False, poolings=("vip", "avg", "cls"),
-            captions=False, crop_pct=0.875, crop_mode="center", tags=("vip", "mae"),
+            captions=False, unit="image", crop_pct=0.875, crop_mode="center", tags=("vip", "mae"),
         ),
         Family(
             name="dpcap", title="DP-Cap",
@@ -97,7 +98,7 @@ FAMILIES: dict[str, Family] = {
                      "large": (768, 6, 12)},
             decoder_kind="text decoder",
             qkv_bias=False, pooled_norm=False, frozen_tokens=True, poolings=("dpcap", "avg", "cls"),
-            captions=True, crop_pct=1.0, crop_mode="squash", tags=("dp-cap", "image-captioning"),
+            captions=True, unit="image-caption pair", crop_pct=1.0, crop_mode="squash", tags=("dp-cap", "image-captioning"),
         ),
     )
 }

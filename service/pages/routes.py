@@ -13,6 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from vip_hub.card import LEDGER_COLUMNS, audit_paragraphs, guarantee_paragraphs, ledger_rows
+from vip_hub.models import ARCHS
 from vip_hub.ledger import LedgerError, PrivacyLedger
 from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params, privacy_headline
 
@@ -82,7 +83,7 @@ def model_page(request: Request, org: str, name: str,
         "repo": repo, "commit": record, "revision": revision,
         "card_html": markdown_html(card_body(readme), file_base),
         "headline": privacy_headline(ledger.summary()) if ledger else "",
-        "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger)] if ledger else [],
+        "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger, _unit(record.arch))] if ledger else [],
         "audit_html": [markdown_html(p) for p in audit_paragraphs(ledger)] if ledger else [],
         "ledger_columns": LEDGER_COLUMNS, "ledger_rows": ledger_rows(ledger) if ledger else [],
         "files": [{"path": e.path, "size": _size(e.size), "sha256": e.sha256, "url": f"{file_base}/{e.path}"}
@@ -96,6 +97,11 @@ def model_page(request: Request, org: str, name: str,
 def commit_page(org: str, name: str, sha: str) -> RedirectResponse:
     """Where ``commitUrl`` points: the model page at that commit."""
     return RedirectResponse(f"/{org}/{name}?revision={validate_revision(sha)}", status_code=303)
+
+
+def _unit(arch: str | None) -> str:
+    """The unit of privacy the page names: one example of the arch's family's recipe."""
+    return ARCHS[arch].family.unit if arch in ARCHS else "training example"
 
 
 def _size(n: int) -> str:
