@@ -76,7 +76,7 @@ def test_few_shot_keeps_k_per_class_and_bad_input_is_named(tiny_repo: Path, digi
     assert r.train_size == 50 and r.repo is None and r.test_size == 288
     with pytest.raises(ValueError, match="head name"):
         run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), head="../evil"))
-    with pytest.raises(ValueError, match="unknown optimizer"):
+    with pytest.raises(ValueError, match="optimizer"):
         run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), optimizer="adam", epochs=1, export=False))
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -98,7 +98,8 @@ def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digit
     body = r.json()
     assert len(body["data"]) == 4 and all(len(row["labels"]) == 3 for row in body["data"])
     assert {x["label"] for row in body["data"] for x in row["labels"]} <= {str(d) for d in range(10)}
-    assert body["privacy"]["head"]["dp"] is False
+    head = body["privacy"]["head"]  # trained without DP on the labelled digits: no guarantee, named as such
+    assert head["epsilon"] is None and head["private_data"] and head["unprotected_datasets"] == ["train"]
 
 
 @pytest.mark.slow

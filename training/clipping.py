@@ -1,27 +1,35 @@
 """Per-example gradient clipping without per-example gradients.
 
-``PerExampleClipper.accumulate(batch)`` adds ``sum_i clip(g_i, C)`` to every trainable
+``PerExampleClipper.accumulate(*inputs)`` adds ``sum_i clip(g_i, C)`` to every trainable
 parameter's ``.grad``, where ``g_i`` is example i's gradient and
 ``clip(g, C) = g * min(1, C / ||g||)``. It never holds one full gradient per example:
 
-1. one forward pass hooks every layer: its input activations ``a`` and a gradient hook on
-   its output;
+1. one forward pass hooks every layer: its input ``a`` and a gradient hook on its output;
 2. one backward pass (``torch.autograd.grad`` down to the entry layers' outputs only, so
    autograd skips the weight-gradient products) hands each layer its output gradient ``g``;
-3. there and then, each layer's contribution to ``||g_i||^2`` comes from ``(a, g)`` alone
-   and only what step 4 needs is kept: for a linear map,
-   ``||G_i||^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` (the "ghost norm", O(T^2) per example) or
-   the materialised per-example product when that is cheaper (O(in * out));
-4. the weight gradients are then formed once, from ``a`` or ``g`` (the smaller) scaled per
-   example by its clip factor: ``sum_i c_i G_i = (c * g)^T a``, the same product a plain
-   backward computes. Small per-example gradients (biases, LayerNorm, tokens) are formed
-   once, used for the norms and then summed with the clip factors.
+3. there and then, each layer's contribution to ``||g_i||^2`` comes from ``(a, g)`` alone and
+   only what step 4 needs is kept. A linear map's per-example weight gradient is
+   ``G_i = g_i^T a_i`` over the example's T tokens; its squared norm is the "ghost norm"
+   ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` (O(T^2 (in + out)); both Gram matrices are symmetric,
+   so for many tokens only their block upper triangle is formed), unless materialising
+   ``G_i`` is both cheaper and no larger than the ``a`` and ``g`` the ghost route keeps (see
+   ``_materialise``). An embedding's ``G_i`` scatters the rows of ``g`` by token id: its rows
+   are summed per (example, id), O(T d), never a table per example;
+4. once the clip factors ``c`` are known, each weight's clipped sum is formed once:
+   ``sum_i c_i G_i = (c * g)^T a``, the same product a plain backward computes (for an
+   embedding, one scatter-add of the scaled rows). Small per-example gradients (biases,
+   LayerNorm, tokens, materialised products) are summed with the factors.
 
 This is book-keeping ghost clipping (Bu et al. 2023) written for our modules. Supported
-layers: ``nn.Linear``, ``nn.LayerNorm``, patchifying ``nn.Conv2d`` (kernel == stride), and
-parameters a model broadcasts over the batch itself (the class and mask tokens), which it
-announces through ``broadcast_parameters()`` and ``broadcast_hooks``. Any other trainable
-parameter is an error at construction: there is no silent fallback to a slow path.
+layers: ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, patchifying ``nn.Conv2d`` (kernel
+== stride), and parameters a model broadcasts over the batch itself (the class and mask
+tokens), which it announces through ``broadcast_parameters()`` and ``broadcast_hooks``. Any
+other trainable parameter is an error at construction: there is no silent fallback.
+
+Under bf16/fp16 (autocast, or a model in that dtype) the clipped products run in that
+precision, whose rounding could lift an example's contribution above C. The factors then
+come from an upper bound on each contribution's norm instead of the norm itself (see
+``_rounding_bound``); in fp32 and fp64 they come from the norm, as the equivalence tests check.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "clip_factors"]
+
+# Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
+# per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
+_PRODUCT_ELEMENT_COST = 100
+# Allowance for the fp32 evaluation of norms under reduced precision (their rounding is ~1e-6).
+_FP32_ALLOWANCE = 2.0**-12
 
 
 class UnsupportedLayerError(TypeError):
@@ -50,20 +64,24 @@ class ClipResult:
 
 
 @dataclass
-class _Parts:
-    """One layer's per-example gradient, in the cheapest form, computed once per micro-batch.
+class _Part:
+    """One layer's per-example gradient in the cheapest form, computed once per micro-batch.
 
     Small per-example gradients (LayerNorm affine, biases, broadcast tokens, and weights whose
-    per-example product is cheaper than the ghost norm) are held materialised, (b, *shape);
-    a large weight keeps the tokens ``a`` (b, T, in) and ``g`` (b, T, out) instead, and its
-    clipped sum is formed by one product once the clip factors are known.
+    per-example product is materialised) are held as (b, *shape). A large weight keeps the
+    tokens ``a`` (b, T, in) and ``g`` (b, T, out) instead (a patch embedding keeps its input
+    images as ``a``; an embedding keeps ``g`` as its rows summed per (example, id), with
+    ``a`` holding those keys), and its clipped sum is formed once the factors are known.
     """
 
     materialised: list[tuple[nn.Parameter, torch.Tensor]]
     sq_norms: torch.Tensor  # (b,) this layer's share of the squared per-example norms
-    weight: nn.Parameter | None = None
-    a: torch.Tensor | None = None  # (b, T, in), the layer's own dtype (bf16 under autocast)
-    g: torch.Tensor | None = None  # (b, T, out)
+    layer: nn.Module | None = None  # the layer whose weight's clipped sum is deferred
+    a: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    # (b,) bound on the norm of this layer's clipped contribution per unit factor, when its
+    # clipped product runs in bf16/fp16 (``_rounding_bound``); None in fp32 and fp64
+    bound: torch.Tensor | None = None
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -94,6 +112,49 @@ def _sq(per_example: torch.Tensor) -> torch.Tensor:
     return per_example.reshape(per_example.shape[0], -1).square().sum(1)
 
 
+def _ghost(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``||g_i^T a_i||_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, and
+    ``sum_t ||a_t|| ||g_t||`` (which bounds the effect of rounding either operand), both (b,).
+
+    Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
+    rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
+    twice (83% of the full products' time at 197 tokens on the CPU; one product below 96)."""
+    t = a.shape[1]
+    blocks = max(1, min(3, t // 48))
+    edges = [t * j // blocks for j in range(blocks + 1)]
+    sq = torch.zeros(a.shape[0], device=a.device, dtype=a.dtype)
+    cross = torch.zeros_like(sq)
+    for lo, hi in zip(edges, edges[1:]):
+        strip = torch.bmm(a[:, lo:hi], a[:, lo:].mT).mul_(torch.bmm(g[:, lo:hi], g[:, lo:].mT))
+        diagonal = strip[:, :, : hi - lo]
+        if hi < t:
+            sq += 2 * strip[:, :, hi - lo:].sum((1, 2))
+        sq += diagonal.sum((1, 2))
+        cross += diagonal.diagonal(dim1=1, dim2=2).sqrt().sum(1)
+    return sq, cross
+
+
+def _rounding_bound(sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
+    """Bound on ``||(c g)^T a|| / c`` for one example when that product runs in ``dtype``.
+
+    With unit roundoff u: the factor rounds to ``dtype`` (relative u), the scaled operand rounds
+    elementwise (at most ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error
+    need not stay relative to ``||g^T a||``), the fp32 accumulation over ``tokens`` products adds
+    at most ``gamma sum_t ||a_t|| ||g_t||`` (worst case, any order), the output rounds (relative
+    u): ``||.|| <= (1 + u)^2 (||G|| + (u + (1 + u) gamma) sum_t ||a_t|| ||g_t||)``."""
+    u = torch.finfo(dtype).eps / 2
+    k = tokens * torch.finfo(torch.float32).eps / 2
+    gamma = k / (1 - k)
+    return (1 + u) ** 2 * (sq.sqrt() + (u + (1 + u) * gamma) * cross)
+
+
+def _materialise(b: int, t: int, i: int, o: int) -> bool:
+    """Whether a weight's per-example products (b, o, i) are better than the ghost route:
+    both no larger than its kept ``a`` and ``g`` and cheaper than the Gram matrices
+    (the clipped sum costs one product of ``a`` and ``g`` either way)."""
+    return i * o <= t * (i + o) and _PRODUCT_ELEMENT_COST * i * o < t * t * (i + o)
+
+
 class PerExampleClipper:
     """Adds the sum of per-example clipped gradients of ``model`` into ``.grad``.
 
@@ -121,16 +182,27 @@ class PerExampleClipper:
         if missing:
             raise UnsupportedLayerError(
                 f"no per-example gradient rule for parameters {', '.join(missing)}; "
-                "supported: nn.Linear, nn.LayerNorm, patchifying nn.Conv2d, broadcast tokens"
+                "supported: nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d, broadcast tokens"
             )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        # a bf16/fp16 .grad rounds each clipped sum once more (relative u)
+        reduced = [torch.finfo(p.dtype).eps / 2 for p in self.params if p.dtype.itemsize < 4]
+        self.grad_roundoff = max(reduced, default=0.0)
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             return
         if isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+            return
+        if isinstance(m, nn.Embedding):
+            if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+                raise UnsupportedLayerError(
+                    "nn.Embedding with max_norm (renormalises rows of the table from the batch's ids), "
+                    "scale_grad_by_freq (a gradient that depends on the whole batch) or sparse "
+                    "gradients has no per-example gradient rule"
+                )
             return
         if (
             isinstance(m, nn.Conv2d)
@@ -143,20 +215,22 @@ class PerExampleClipper:
         names = ", ".join(n for n, p in m.named_parameters(recurse=False) if p.requires_grad)
         raise UnsupportedLayerError(
             f"{type(m).__name__} holds trainable parameters ({names}) with no per-example "
-            "gradient rule; supported: nn.Linear, nn.LayerNorm, patchifying nn.Conv2d"
+            "gradient rule; supported: nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d"
         )
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
         """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``."""
-        parts: list[_Parts] = []
+        parts: list[_Part] = []
         targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
 
         def when_grad(module: nn.Module | nn.Parameter, a: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+            held = [a]  # let go of the input once used: a LayerNorm's input is needed no longer
+
             def hook(g: torch.Tensor) -> None:
                 with torch.no_grad(), _no_autocast(g):
-                    parts.append(self._parts(module, a, g))
+                    parts.append(self._part(module, held.pop(), g))
             return hook
 
         def on_forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
@@ -166,7 +240,7 @@ class PerExampleClipper:
                     "per-example norms would miss the cross terms"
                 )
             seen.add(id(module))
-            if args[0].grad_fn is None:  # an entry layer (on the images): backward stops here
+            if args[0].grad_fn is None:  # an entry layer (on the images or token ids): backward stops here
                 targets.append(out)
             grad_hooks.append(out.register_hook(when_grad(module, args[0])))
 
@@ -200,67 +274,130 @@ class PerExampleClipper:
             for part in parts:
                 sq += part.sq_norms
             norms = sq.sqrt()
-            factors = clip_factors(norms, self.max_norm)
+            factors = clip_factors(self._factor_norms(parts, norms), self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
-            for part in parts:
-                self._add_clipped(part, factors, dropped)
+            while parts:  # each layer's kept tensors go as soon as its sum is added
+                self._add_clipped(parts.pop(), factors, dropped)
         return ClipResult(losses.detach(), norms, factors)
+
+    def _factor_norms(self, parts: list[_Part], norms: torch.Tensor) -> torch.Tensor:
+        """The norms the factors come from: the norms themselves, or under bf16/fp16 an upper
+        bound on the norm of each example's clipped contribution as it is computed."""
+        if all(p.bound is None for p in parts) and not self.grad_roundoff:
+            return norms
+        sq = torch.zeros_like(norms)
+        for p in parts:
+            sq += p.sq_norms if p.bound is None else p.bound.square()
+        return sq.sqrt() * ((1 + _FP32_ALLOWANCE) * (1 + self.grad_roundoff))
 
     # ---------------------------------------------------------------- per-layer rules
     @staticmethod
-    def _parts(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Parts:
-        """Layer ``m``'s per-example gradient (see ``_Parts``) and squared norms, from its
+    def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
+        """Layer ``m``'s per-example gradient (see ``_Part``) and squared norms, from its
         input ``a_in`` and its output's gradient ``g``."""
         if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
             pe = _fp32(_tokens(g)).sum(1)
-            return _Parts([(m, pe)], _sq(pe))
+            return _Part([(m, pe)], _sq(pe))
+        if isinstance(m, nn.Embedding):
+            return _embedding_part(m, a_in, g)
         # Tokens (b, T, features) in the tensors' own dtype; all arithmetic in at least fp32.
         g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
         gt = _fp32(g_tok)
         small = [(m.bias, gt.sum(1))] if m.bias is not None else []
         if isinstance(m, nn.LayerNorm):
-            xhat = _fp32(_tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps)))
-            small.append((m.weight, (gt * xhat).sum(1)))
-            return _Parts(small, sum(_sq(pe) for _, pe in small))
+            xhat = _tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps))
+            small.append((m.weight, xhat.mul_(gt).sum(1)))
+            return _Part(small, sum(_sq(pe) for _, pe in small))
+        sq = sum((_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype))
         if isinstance(m, nn.Conv2d):
-            a_tok = F.unfold(a_in, m.kernel_size, stride=m.kernel_size).transpose(1, 2)
-        else:
-            a_tok = _tokens(a_in)
+            return _conv_part(m, a_in, g, g_tok, small, sq)
+        a_tok = _tokens(a_in)
         a = _fp32(a_tok)
-        t, i, o = a.shape[1], a.shape[2], gt.shape[2]
-        sq = sum((_sq(pe) for _, pe in small), torch.zeros(a.shape[0], device=a.device, dtype=a.dtype))
-        if i * o < 2 * t * t:  # the per-example product is cheaper than the ghost norm
-            pe = torch.einsum("bto,bti->boi", gt, a)
+        b, t, i, o = *a.shape, gt.shape[2]
+        if _materialise(b, t, i, o):
+            pe = torch.bmm(gt.mT, a)
             small.append((m.weight, pe))
-            return _Parts(small, sq + _sq(pe))
-        ghost = ((a @ a.transpose(1, 2)) * (gt @ gt.transpose(1, 2))).sum((1, 2))
-        return _Parts(small, sq + ghost, m.weight, a_tok, g_tok)
+            return _Part(small, sq + _sq(pe))
+        ghost, cross = _ghost(a, gt)
+        dtype = torch.promote_types(a_tok.dtype, g_tok.dtype)
+        bound = _rounding_bound(sq + ghost, cross, dtype, b * t) if dtype.itemsize < 4 else None
+        return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
 
     @staticmethod
-    def _add_clipped(part: _Parts, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
+    def _add_clipped(part: _Part, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
         """Add sum_i factors_i * g_i for each of the layer's parameters into ``.grad``."""
         # ``dropped`` marks non-finite examples: 0 * nan is nan, so zero their values outright.
         for param, pe in part.materialised:
             if dropped is not None:
                 pe = torch.where(dropped.view(-1, *[1] * (pe.ndim - 1)), 0.0, pe)
             _add(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
-        if part.weight is None:
+        m = part.layer
+        if m is None:
+            return
+        if isinstance(m, nn.Embedding):  # rows summed per (example, id); keys = example * vocab + id
+            keys, rows = part.a, part.g
+            example = keys // m.num_embeddings
+            rows = rows * factors.to(rows.dtype)[example, None]
+            if dropped is not None:
+                rows = torch.where(dropped[example, None], 0.0, rows)
+            table = torch.zeros(m.weight.shape, device=rows.device, dtype=rows.dtype)
+            _add(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
             return
         # The product runs in the activations' dtype, as a plain backward would (bf16 under
         # autocast on GPU: the tensor cores; fp32 on CPU); the norms above are always fp32.
         dtype = torch.promote_types(part.a.dtype, part.g.dtype)
         a, g = part.a.to(dtype), part.g.to(dtype)
         if dropped is not None:
-            a = torch.where(dropped[:, None, None], 0.0, a)
-            g = torch.where(dropped[:, None, None], 0.0, g)
+            a = torch.where(dropped.view(-1, *[1] * (a.ndim - 1)), 0.0, a)
+            g = torch.where(dropped.view(-1, *[1] * (g.ndim - 1)), 0.0, g)
+        c = factors.to(dtype)
+        if isinstance(m, nn.Conv2d):  # the convolution's own weight-gradient kernel, on c * g
+            grad = torch.nn.grad.conv2d_weight(a, m.weight.shape, g * c.view(-1, 1, 1, 1), stride=m.stride)
+            _add(m.weight, grad)
+            return
         # sum_i c_i g_i^T a_i: scale the smaller side, then one product over all tokens.
-        c = factors.to(a.dtype)[:, None, None]
         if a.shape[2] <= g.shape[2]:
-            a = a * c
+            a = a * c[:, None, None]
         else:
-            g = g * c
-        _add(part.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+            g = g * c[:, None, None]
+        _add(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+
+
+def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch.Tensor,
+               small: list[tuple[nn.Parameter, torch.Tensor]], sq: torch.Tensor) -> _Part:
+    """A patchifying convolution: the ghost norm over its patches, unfolded a few examples at a
+    time (this runs last in the backward pass, at its memory peak); it keeps its input images,
+    not their patches, and its clipped sum is the convolution's own weight gradient."""
+    ghost, cross = [], []
+    for chunk in range(0, images.shape[0], 8):
+        rows = slice(chunk, chunk + 8)
+        patches = F.unfold(images[rows], m.kernel_size, stride=m.kernel_size).transpose(1, 2)
+        s, x = _ghost(_fp32(patches).contiguous(), _fp32(g_tok[rows]).contiguous())
+        ghost.append(s)
+        cross.append(x)
+    ghost_sq, cross_sum = torch.cat(ghost), torch.cat(cross)
+    dtype = torch.promote_types(images.dtype, g.dtype)
+    bound = (_rounding_bound(sq + ghost_sq, cross_sum, dtype, g_tok.shape[0] * g_tok.shape[1])
+             if dtype.itemsize < 4 else None)
+    return _Part(small, sq + ghost_sq, m, images, g, bound)
+
+
+def _embedding_part(m: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> _Part:
+    """An embedding: example i's gradient adds its output-gradient rows into the rows of its ids,
+    so its nonzero rows are the sums of ``g`` over equal ids within the example (the ghost form
+    ``sum_{t,s} [id_t = id_s] g_t . g_s``, in O(T d) instead of O(T^2 d)). Kept: those summed
+    rows and their keys ``example * vocab + id``; the clipped sum scatter-adds the scaled rows."""
+    gt = _fp32(_tokens(g))
+    b, d = gt.shape[0], gt.shape[2]
+    ids = ids.reshape(b, -1)
+    if m.padding_idx is not None:  # no gradient reaches the padding row
+        gt = gt * (ids != m.padding_idx)[..., None]
+    example = torch.arange(b, device=ids.device)[:, None]
+    keys, where = torch.unique(example * m.num_embeddings + ids, return_inverse=True)
+    rows = gt.new_zeros(len(keys), d).index_add_(0, where.flatten(), gt.reshape(-1, d))
+    sq = gt.new_zeros(b).index_add_(0, keys // m.num_embeddings, rows.square().sum(1))
+    return _Part([], sq, m, keys, rows)
 
 
 def _add(param: nn.Parameter, grad: torch.Tensor) -> None:

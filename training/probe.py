@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class ProbeConfig(BaseModel):
     epochs: int = Field(90, gt=0, description="training epochs")
     warmup_epochs: int = Field(10, ge=0, description="warm-up epochs")
     batch_size: int = Field(256, gt=0, description="batch size (a DP head's expected batch)")
-    optimizer: str = Field("lars", pattern="^(lars|sgd)$", description="lars or sgd (DP heads use SGD)")
+    optimizer: Literal["lars", "sgd"] = Field("lars", description="lars or sgd (DP heads use SGD)")
     lr: float = Field(0.1, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
     few_shot: int | None = Field(None, gt=0, description="keep k training examples per class")
@@ -131,9 +131,7 @@ def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.
         from timm.optim import Lars
 
         return Lars(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ConfigError(f"unknown optimizer {name!r}; choose lars or sgd")
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
 def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cfg: ProbeConfig,

@@ -101,7 +101,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=f"{text} (default: {field.default})")
             continue
-        choices = [e.value for e in tp] if isinstance(tp, type) and issubclass(tp, enum.Enum) else None
+        choices = None
+        if typing.get_origin(tp) is typing.Literal:
+            choices, tp = list(typing.get_args(tp)), str
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+            choices = [e.value for e in tp]
         kind = str if isinstance(tp, type) and issubclass(tp, (str, Path)) else tp
         default = "required" if field.is_required() else f"default: {_shown(field.default)}"
         parser.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS,
