@@ -303,8 +303,8 @@ def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]
 
 
 class Augmented(torch.utils.data.Dataset):
-    """Items are ``(index, step)``: image ``index`` augmented by the stream of (seed, step),
-    so an example's augmentation does not depend on its micro-batch or worker."""
+    """Items are ``(index, step)``: image ``index`` augmented by the stream of (seed, step, index),
+    so an example's augmentation does not depend on its micro-batch, worker or batch-mates."""
 
     def __init__(self, images: PrivateImages, transform: v2.Compose, seed: int):
         self.images, self.transform, self.seed = images, transform, seed
@@ -313,9 +313,14 @@ class Augmented(torch.utils.data.Dataset):
         return len(self.images)
 
     def __getitem__(self, item: tuple[int, int]) -> torch.Tensor:
-        index, step = item
+        return self.views(*item, count=1)[0]
+
+    def views(self, index: int, step: int, count: int) -> list[torch.Tensor]:
+        """``count`` independent augmentations of image ``index`` at ``step``, drawn one after the
+        other from that example's stream (the first is ``self[index, step]``)."""
+        image = self.images.load(index)
         with torch.random.fork_rng(devices=[]):
             # the CPU generator only: torch.manual_seed would also queue lazy seeds for every
             # accelerator backend, each recording a stack trace (milliseconds per example)
             torch.default_generator.manual_seed(int(torch_generator(self.seed, AUGMENT, step, index).initial_seed()))
-            return self.transform(self.images.load(index))
+            return [self.transform(image) for _ in range(count)]

@@ -1,0 +1,252 @@
+"""The Logit-DP recipe: a contrastive encoder trained under DP with per-pair clipping (Kong et
+al., *DP-SGD for non-decomposable objective functions*), and its Naive-DP baseline.
+
+The recipe is a model (``ContrastiveEmbedder``: a vip-* or dpcap-* encoder from a repo, its top
+K blocks trainable, and a projection head), a loss (symmetric InfoNCE at temperature tau over
+the cosine similarities of two augmented views per image) and a clipper: ``PairClipper``
+(``--mechanism logit-dp``: every pair's similarity gradient clipped to B, sensitivity from
+``vip_hub.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch gradient
+clipped to C, sensitivity 2C). Everything private about a step is the DP engine's
+(``training/dp_engine.py``); the derivation and the conditions this recipe keeps are in
+``docs/logit_dp_sensitivity.md``: the whole Poisson sample of a rank is one clipper call
+(micro-batching would change the mechanism), each rank contrasts its own sample, and an
+example's two views are drawn from its own (seed, step, index) stream.
+
+Run it with ``vip-hub train-logit-dp ...`` or ``torchrun --nproc_per_node N -m training.logit_dp ...``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from pathlib import Path
+
+import torch
+from PIL import Image
+from pydantic import Field, field_validator
+
+from vip_hub.errors import ConfigError
+from vip_hub.features import final_norm
+from vip_hub.ledger import Dataset
+from vip_hub.loading import load_encoder
+from vip_hub.models import EncoderSpec
+from vip_hub.repo import export_encoder
+from vip_hub.repo_format import ENCODER
+from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
+
+from .data import Augmented, mae_transform, open_images
+from .distributed import Dist
+from .dp_engine import Budget, DPEngine
+from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
+from .optim import make_adamw, warmup_cosine
+from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
+from .recipe import DPRunConfig, Recipe, recipe_main
+from .run import Run
+from .runlog import plot_curves
+from .synthetic import render
+
+__all__ = ["RECIPE", "LogitDPConfig", "Mechanism", "contrastive_model", "skip_cap", "train_logit_dp"]
+
+CURVES_FILE = "training_curves.png"
+
+
+class Mechanism(str, enum.Enum):
+    """How the batch gradient is clipped: per pair (Logit-DP) or as a whole (Naive-DP)."""
+
+    LOGIT_DP = "logit-dp"
+    NAIVE = "naive"
+
+    @property
+    def ledger_name(self) -> str:
+        """The mechanism's name in the ledger (the rule ``vip_hub.sensitivity`` applies)."""
+        return "Logit-DP" if self is Mechanism.LOGIT_DP else "Naive-DP"
+
+
+DEFAULT_CLIP = {Mechanism.LOGIT_DP: 1e-3, Mechanism.NAIVE: 1e-2}
+"""Default B (per pair) and C (whole batch): below the norms met at the start of training, so
+every pair (every batch) is clipped and AdamW sees normalised directions (see the README)."""
+
+
+class LogitDPConfig(DPRunConfig):
+    """A Logit-DP (or Naive-DP) run: symmetric InfoNCE on two views per image, DP-AdamW."""
+
+    init: str = Field(description="(Syn)-ViP, ViP or DP-Cap repo folder or hub id whose encoder starts the run")
+    data: str = Field(description="image folder (class subfolders allowed, labels ignored) or directory of "
+                                  "webdataset tar shards")
+    mechanism: Mechanism = Field(Mechanism.LOGIT_DP, description="logit-dp (per-pair clipping to B) or naive "
+                                                                 "(the whole-batch gradient clipped to C)")
+    temperature: float = Field(1.0, gt=0, description="InfoNCE temperature tau (Logit-DP's Delta grows like "
+                                                      "e^(2/tau)/tau: 16.8 B at 1, 222 B at 0.5)")
+    max_grad_norm: float | None = Field(None, gt=0, description="pair clip B (logit-dp) or batch clip C (naive) "
+                                                                "(default: 1e-3 and 1e-2)")
+    max_batch: int | None = Field(None, ge=0, description="Logit-DP skip cap m: a rank's sample of more than m "
+                                                          "examples adds only noise (default: B + 6 sqrt(B) where "
+                                                          "that lowers Delta; 0: no cap)")
+    trainable_blocks: int = Field(2, ge=0, description="top encoder blocks trained (with the final norm and the "
+                                                       "projection head); the rest stays the init repo's")
+    projection_dim: int = Field(16, gt=0, description="projection head output d (Logit-DP's memory and time grow "
+                                                      "with d)")
+    projection_hidden: int | None = Field(None, gt=0, description="projection head hidden width (default: the "
+                                                                  "encoder's width)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: steps // 10, at least 1)")
+    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    micro_batch_size: int | None = Field(None, description="not used: a contrastive clipped sum is not additive "
+                                                           "over micro-batches, each rank's sample is one call")
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _whole_sample(cls, value: int | None) -> None:
+        if value is not None:
+            raise ValueError("the contrastive clipped sum is not a sum over micro-batches: the whole Poisson "
+                             "sample of a rank is one call (spread a large batch over ranks with torchrun)")
+        return None
+
+
+def skip_cap(clip: float, temperature: float, batch_size: int, max_batch: int | None) -> int | None:
+    """The Logit-DP cap m to run with: ``max_batch`` if given (0: none), else B + 6 sqrt(B) for
+    the expected batch B when its sensitivity is below the uncapped one (or that overflows)."""
+    if max_batch == 0:
+        return None
+    if max_batch is not None:
+        if max_batch < max(2, batch_size):
+            raise ConfigError(f"--max-batch {max_batch} is below the expected batch {batch_size}: most steps would "
+                              "add only noise")
+        return max_batch
+    cap = math.ceil(batch_size + 6 * math.sqrt(batch_size))
+    if 2.0 / temperature > 700.0:
+        return cap
+    return cap if logit_dp_sensitivity(clip, temperature, cap) < logit_dp_sensitivity(clip, temperature) else None
+
+
+def contrastive_model(encoder: torch.nn.Module, spec: EncoderSpec, trainable_blocks: int, dim: int,
+                      hidden: int | None = None) -> ContrastiveEmbedder:
+    """The encoder with only its top ``trainable_blocks`` blocks and final norm trainable (all of
+    it but the fixed tokens when that is every block), plus a fresh projection head."""
+    depth = len(encoder.blocks)
+    if trainable_blocks > depth:
+        raise ConfigError(f"--trainable-blocks {trainable_blocks}: the {spec.arch} encoder has {depth} blocks")
+    encoder.requires_grad_(trainable_blocks == depth)
+    freeze_fixed_tokens(encoder, spec)
+    for module in [*encoder.blocks[depth - trainable_blocks:], final_norm(encoder)]:
+        module.requires_grad_(True)
+    return ContrastiveEmbedder(encoder, dim, hidden)
+
+
+def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
+    """Run (or resume) Logit-DP or Naive-DP training and export the released encoder; returns its path."""
+    dist = dist or Dist.from_env(cfg.device)
+    mechanism = Mechanism(cfg.mechanism)
+    clip = cfg.max_grad_norm or DEFAULT_CLIP[mechanism]
+    if mechanism is Mechanism.NAIVE and cfg.max_batch:
+        raise ConfigError("--max-batch is Logit-DP's: Naive-DP's sensitivity 2C holds for every batch size")
+    images = open_images(cfg.data)
+    n = len(images)
+    budget = Budget.for_config(cfg, n)
+    params: dict[str, object] = {"loss": CONTRASTIVE_LOSS, "temperature": cfg.temperature}
+    if mechanism is Mechanism.LOGIT_DP:
+        cap = skip_cap(clip, cfg.temperature, cfg.batch_size, cfg.max_batch)
+        if cap is not None:
+            params["max_batch"] = cap
+    delta_sensitivity = sensitivity(mechanism.ledger_name, clip, params)
+
+    run = Run(cfg, dist)
+    init = load_encoder(cfg.init)
+    spec = init.spec
+    torch.manual_seed(run.seed)  # the fresh projection head, the same on every rank
+    model = contrastive_model(init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim,
+                              cfg.projection_hidden).to(dist.device)
+    clipper = (PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
+               if mechanism is Mechanism.LOGIT_DP else BatchClipper(model, clip, cfg.temperature))
+    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
+    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
+    # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
+    engine = DPEngine.for_run(clipper, optimizer, scheduler, budget, run, cfg, sensitivity=delta_sensitivity)
+
+    mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
+    transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
+    augmented = Augmented(images, transform, run.seed)
+
+    def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
+        return tuple(augmented.views(index, step, 2))
+
+    public = public_views(spec, transform)
+    records = engine.train(run, model, load, desc=f"train-logit-dp ({mechanism.ledger_name})",
+                           evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)})
+
+    def export() -> None:
+        name = cfg.dataset_name or images.name
+        depth, k = len(model.encoder.blocks), cfg.trainable_blocks
+        trained = sum(p.numel() for p in clipper.params)
+        frozen = ("nothing (the fixed position embedding aside)" if k == depth else
+                  f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens")
+        clipping = (f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum weighted by "
+                    f"dL/dZ (Algorithm 1)" if mechanism is Mechanism.LOGIT_DP else
+                    f"the whole-batch gradient clipped to C = {clip:g}")
+        stage = engine.stage(
+            audit_delta=cfg.audit_delta, name="dp-contrastive", mechanism=mechanism.ledger_name,
+            mechanism_params=params, clipping_norm=clip,
+            dataset=Dataset(name=name, size=n, fingerprint=images.fingerprint(),
+                            description=f"{n} images; contrastive training with {mechanism.ledger_name}"),
+            description=(f"{mechanism.ledger_name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
+                         f"augmented views per image, negatives from the same rank's Poisson sample; {clipping}; "
+                         "Gaussian noise sigma x sensitivity once per logical step. Trained: the top "
+                         f"{k} of {depth} blocks, the final norm and a projection head ({trained:,} parameters); "
+                         f"{frozen} are the init repo's, unchanged: they never see this data and cost no privacy"),
+            hyperparameters={
+                "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine", "weight_decay": cfg.weight_decay,
+                "betas": [cfg.beta1, cfg.beta2], "img_size": spec.img_size, "trainable_blocks": k,
+                "trainable_parameters": trained, "frozen": frozen,
+                "projection_head": {"dim": cfg.projection_dim, "hidden": cfg.projection_hidden or model.encoder.num_features,
+                                    "released": False},
+                "augmentation": "two views per image: random resized crop (0.2-1), flip",
+            },
+        )
+        prior = [s for s in init.ledger.stages if s.component == ENCODER]
+        png = plot_curves(records, "public_loss", "contrastive loss on public procedural images",
+                          f"{mechanism.ledger_name} on {name}")
+        export_encoder(
+            cfg.out, model.encoder, spec, [*prior, stage], model_name=cfg.model_name or Path(cfg.out).name,
+            repo_id=cfg.repo_id,
+            summary=(f"A {spec.arch} encoder trained contrastively with {mechanism.ledger_name} on {name} ({n} "
+                     f"images), starting from {cfg.init}: symmetric InfoNCE (temperature {cfg.temperature:g}) on the "
+                     f"top {k} of {depth} blocks and a projection head, which is not released (the encoder's "
+                     "features are the ones to probe). The loss curve is measured on public procedural images, "
+                     "so publishing it costs no privacy."),
+            extra_files={CURVES_FILE: png}, overwrite=True,
+        )
+
+    return run.export(export)
+
+
+def public_views(spec: EncoderSpec, transform: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed augmented views of the public procedural images the MAE curves use."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(EVAL_SEED)
+        pictures = [Image.fromarray(render(EVAL_SEED, i, spec.img_size)) for i in range(EVAL_IMAGES)]
+        first = torch.stack([transform(p) for p in pictures])
+        second = torch.stack([transform(p) for p in pictures])
+    return first, second
+
+
+@torch.no_grad()
+def public_loss(model: ContrastiveEmbedder, views: tuple[torch.Tensor, torch.Tensor], temperature: float,
+                device: torch.device) -> float:
+    """Mean symmetric InfoNCE on the fixed public views (eval mode, no gradient)."""
+    was = model.training
+    model.eval()
+    e = embed(model, views[0].to(device), views[1].to(device))
+    k = views[0].shape[0]
+    loss = symmetric_infonce(e[:k] @ e[k:].T, temperature).mean().item()
+    model.train(was)
+    return loss
+
+
+RECIPE = Recipe("logit-dp", "Logit-DP: a contrastive encoder with per-pair clipping (or the Naive-DP baseline)",
+                LogitDPConfig, train_logit_dp)
+
+if __name__ == "__main__":
+    raise SystemExit(recipe_main("train-logit-dp"))
