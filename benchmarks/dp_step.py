@@ -1,109 +1,204 @@
 """Cost of one DP-AdamW step, side by side on the same MAE and batch (ratios; never fails).
 
-(a) a non-private AdamW step: mean loss, one backward;
-(b) our DP-AdamW step: book-keeping ghost clipping (``training.clipping``), noise, AdamW;
+Contenders (``VARIANTS``: add a row to add one):
+(a) non-private AdamW: the mean loss, one backward, AdamW;
+(b) DP-AdamW: one logical step of the DP engine (``training.dp_engine``) with book-keeping
+    ghost clipping (``training.clipping``): the clipped sum, Gaussian noise, AdamW;
 (c) the reference approach: per-example gradients materialised with ``torch.func.vmap``,
-    clipped, summed, noised.
+    clipped and summed, then the same engine's noise and AdamW;
+(d) (b) with the one-run privacy audit on: the engine's 1,000 Dirac canaries (the recipes'
+    default ``--audit-canaries``) sampled, clipped into their own block of the flat buffer,
+    noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
+    canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3%
+    difference is within a shared machine's drift between rounds.
 
-Time: the three steps run in one process, interleaved round by round (a, b, c, a, b, c, ...),
-so a noisy machine (other load, CPU steal) slows them alike; the median per variant is
-reported. Memory: each variant runs once more in its own process, so the peak is its own:
-on CUDA from the allocator, on CPU the peak resident set size (VmHWM, reset after set-up)
-minus the set-up's, with glibc told to give every tensor of 64 KiB or more back on free
-(``MALLOC_MMAP_THRESHOLD_``), so the peak counts live tensors, not the allocator's cache.
+Time: the steps run in one process, interleaved round by round (a, b, c, d, a, b, ...), so a
+noisy machine (other load, CPU steal) slows them alike; the median per variant is reported,
+with the median of the per-round ratios, and the time inside each step's forward-backward
+or clipping (the rest is noise, all-reduce and AdamW). The load average is printed before
+and after: on a shared machine, ratios taken under load are not worth much. Memory: each
+variant runs once more in its own process, so the peak is its own: on CUDA from the
+allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus the set-up's,
+with glibc told to give every tensor of 64 KiB or more back on free (``MALLOC_MMAP_THRESHOLD_``),
+so the peak counts live tensors, not the allocator's cache. See benchmarks/README.md.
 
-    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32] [--rounds 5]
+    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32] [--rounds 5] [--variants abcd]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LABELS = {"a": "non-private AdamW", "b": "DP-AdamW (ghost clipping)", "c": "vmap per-example grads"}
+from training.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
+from training.distributed import Dist  # noqa: E402
+from training.dp_engine import Budget, Clipper, DPEngine  # noqa: E402
+from training.mae import DecoderConfig, new_mae  # noqa: E402
+from training.optim import make_adamw  # noqa: E402
+from vip_hub.models import EncoderSpec  # noqa: E402
+
+CLIP = 0.1  # clipping norm C
+SIGMA = 1.0  # noise multiplier
+CANARIES = 1000  # the audit's canaries in (d), the recipes' default
+Step = Callable[[], None]
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+@dataclass
+class Bench:
+    """What every variant shares: one MAE, batch and optimiser; and the time each step spent in
+    its timed part (forward-backward or clipping), per variant."""
+
+    device: torch.device
+    mae: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    inner: dict[str, list[float]] = field(default_factory=dict)
+
+    def amp(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on CUDA, as training runs; nothing on the CPU."""
+        cuda = self.device.type == "cuda"
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, variant: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, with the time of each call kept under ``variant``."""
+        def call(*args: Any) -> Any:
+            self.sync()
+            start = time.perf_counter()
+            out = fn(*args)
+            self.sync()
+            self.inner.setdefault(variant, []).append(time.perf_counter() - start)
+            return out
+        return call
 
 
-def make_steps(args: argparse.Namespace, variants: str) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
-    """One step function per variant on one shared MAE, batch and optimiser; and a device sync."""
-    import torch
-    from torch.func import functional_call, grad, vmap
+class TimedClipper:
+    """A clipper whose ``accumulate`` calls are timed (the engine sees the same protocol)."""
 
-    from training.clipping import PerExampleClipper
-    from training.distributed import Dist
-    from training.dp import noisy_mean_gradient
-    from training.loop import new_mae
-    from training.mae import DecoderConfig
-    from training.optim import make_adamw
-    from vip_hub.models import EncoderSpec
+    def __init__(self, clipper: Clipper, bench: Bench, variant: str):
+        self.params = clipper.params
+        self.accumulate = bench.timed(variant, clipper.accumulate)
 
+
+class VmapClipper:
+    """The reference approach as a clipper: every per-example gradient materialised with
+    ``torch.func.vmap``, clipped through ``clip_factors`` and summed."""
+
+    def __init__(self, model: nn.Module, max_norm: float):
+        self.model, self.max_norm = model, max_norm
+        self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = list(self.named.values())
+
+    def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
+        from torch.func import functional_call, grad_and_value, vmap
+
+        buffers = dict(self.model.named_buffers())
+
+        def loss_one(params: dict[str, torch.Tensor], *one: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.model, (params, buffers), tuple(x[None] for x in one)).sum()
+
+        detached = {n: p.detach() for n, p in self.named.items()}
+        per, losses = vmap(grad_and_value(loss_one), in_dims=(None, *[0] * len(inputs)),
+                           randomness="different")(detached, *inputs)
+        b = len(losses)
+        norms = torch.sqrt(sum(g.float().reshape(b, -1).square().sum(1) for g in per.values()))
+        factors = clip_factors(norms, self.max_norm)
+        for n, p in self.named.items():
+            total = torch.einsum("b,b...->...", factors, per[n].float()).to(p.dtype)
+            p.grad = total if p.grad is None else p.grad + total
+        return ClipResult(losses.detach(), norms, factors)
+
+
+def non_private(bench: Bench) -> Step:
+    def forward_backward() -> None:
+        with bench.amp():
+            loss = bench.mae(*bench.inputs).mean()
+        loss.backward()
+
+    timed = bench.timed("a", forward_backward)
+
+    def step() -> None:
+        timed()
+        bench.optimizer.step()
+        bench.optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def engine_step(variant: str, clipper: Callable[[nn.Module, float], Clipper], canaries: int = 0
+                ) -> Callable[[Bench], Step]:
+    """A DP engine's logical step (one micro-batch) with ``clipper(model, C)`` and ``canaries``
+    audit canaries, whose own calls are timed under ``variant + " audit"``."""
+    def build(bench: Bench) -> Step:
+        batch = len(bench.inputs[0])
+        budget = Budget.plan(dataset_size=10**6, batch_size=batch, steps=10**6, epsilon=None, sigma=SIGMA,
+                             delta=1e-6, accountant="rdp")
+        engine = DPEngine(TimedClipper(clipper(bench.mae, CLIP), bench, variant), bench.optimizer, None, budget,
+                          sensitivity=CLIP, seed=0, dist=Dist(device=bench.device), micro_batch_size=None,
+                          audit_canaries=canaries, autocast=bench.amp)
+        if engine.canaries is not None:
+            audit = engine.canaries
+            audit.clipped_sum = bench.timed(variant + " audit", audit.clipped_sum)  # type: ignore[method-assign]
+            audit.observe = bench.timed(variant + " audit", audit.observe)  # type: ignore[method-assign]
+        return lambda: engine.step(engine.steps_done, [bench.inputs])
+    return build
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    inner: str  # what its timed part is
+    build: Callable[[Bench], Step]
+
+
+VARIANTS = {
+    "a": Variant("non-private AdamW", "forward+backward", non_private),
+    "b": Variant("DP-AdamW (ghost clipping)", "clipping", engine_step("b", PerExampleClipper)),
+    "c": Variant("vmap per-example grads", "clipping", engine_step("c", VmapClipper)),
+    "d": Variant(f"(b) + audit, {CANARIES} canaries", "clipping", engine_step("d", PerExampleClipper, CANARIES)),
+}
+
+
+def make_bench(args: argparse.Namespace) -> Bench:
     dev = torch.device(args.device)
     torch.manual_seed(0)
     mae = new_mae(EncoderSpec(args.arch, img_size=args.img_size), DecoderConfig()).to(dev)
-    opt = make_adamw(mae, 1e-4, 0.005)
-    b = args.batch
-    x = torch.randn(b, 3, args.img_size, args.img_size, device=dev)
-    noise = torch.rand(b, mae.num_patches, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    clipper = PerExampleClipper(mae, 0.1)
-    params = {k: v for k, v in mae.named_parameters() if v.requires_grad}
-    buffers = dict(mae.named_buffers())
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-
-    def loss_one(p, xi, ni):
-        return functional_call(mae, (p, buffers), (xi[None], ni[None])).sum()
-
-    def a() -> None:
-        mae(x, noise).mean().backward()
-
-    def b_() -> None:
-        clipper.accumulate(x, noise)
-        noisy_mean_gradient(clipper.params, 1.0, 0.1, b, gen, Dist(device=dev))
-
-    def c() -> None:
-        detached = {k: v.detach() for k, v in params.items()}
-        per = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(detached, x, noise)
-        norms = torch.sqrt(sum(g.float().reshape(b, -1).square().sum(1) for g in per.values()))
-        f = (0.1 / (norms + 1e-6)).clamp(max=1.0)
-        for k, p in params.items():
-            p.grad = torch.einsum("b,b...->...", f, per[k].float()).to(p.dtype)
-        noisy_mean_gradient(list(params.values()), 1.0, 0.1, b, gen, Dist(device=dev))
-
-    def wrap(body: Callable[[], None]) -> Callable[[], None]:
-        def step() -> None:
-            with amp:
-                body()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    bodies = {"a": a, "b": b_, "c": c}
-    return {v: wrap(bodies[v]) for v in variants}, sync
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=dev)
+    noise = torch.rand(args.batch, mae.num_patches, device=dev)
+    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise))
 
 
-def peak_memory(args: argparse.Namespace, variant: str) -> dict:
+def _rss_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field_name} in /proc/self/status")
+
+
+def peak_memory(args: argparse.Namespace, variant: str) -> dict[str, float]:
     """Peak memory of one step beyond the set-up (model, batch, optimiser state), this process."""
-    import torch
-
-    step = make_steps(args, variant)[0][variant]
+    bench = make_bench(args)
+    step = VARIANTS[variant].build(bench)
     step()  # warm-up: allocations, AdamW state
-    cuda = args.device.startswith("cuda")
+    cuda = bench.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -112,25 +207,32 @@ def peak_memory(args: argparse.Namespace, variant: str) -> dict:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         base = _rss_kib("VmRSS") * 1024
     step()
-    if cuda:
-        torch.cuda.synchronize()
+    bench.sync()
     peak = torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024
     return {"peak_extra_mib": (peak - base) / 2**20, "base_mib": base / 2**20}
 
 
-def interleaved_times(args: argparse.Namespace, variants: str) -> dict[str, list[float]]:
-    steps, sync = make_steps(args, variants)
+def interleaved_times(args: argparse.Namespace, variants: str
+                      ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant: the step times of ``args.rounds`` interleaved rounds, and their timed parts."""
+    bench = make_bench(args)
+    steps = {v: VARIANTS[v].build(bench) for v in variants}
     for step in steps.values():
         step()  # warm-up
-    sync()
+    bench.sync()
+    bench.inner.clear()
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v, step in steps.items():
-            t = time.perf_counter()
+            start = time.perf_counter()
             step()
-            sync()
-            times[v].append(time.perf_counter() - t)
-    return times
+            bench.sync()
+            times[v].append(time.perf_counter() - start)
+    return times, bench.inner
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -139,15 +241,16 @@ def main() -> None:
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    ap.add_argument("--variants", default="abc")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default="abcd", help=f"which of {''.join(VARIANTS)} to run")
     ap.add_argument("--memory-of", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_of:
         print(json.dumps(peak_memory(args, args.memory_of)))
         return
-    print(f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}: "
-          f"time = median of {args.rounds} interleaved rounds; memory = own process each")
+    print(f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, {torch.get_num_threads()} threads: "
+          f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
+          f"load average before {_load()} ({os.cpu_count()} cores)", flush=True)
     memory = {}
     for v in args.variants:
         cmd = [sys.executable, __file__, "--memory-of", v, "--arch", args.arch, "--img-size", str(args.img_size),
@@ -159,27 +262,29 @@ def main() -> None:
             print(f"({v}) failed: {last}")
             continue
         memory[v] = json.loads(done.stdout.strip().splitlines()[-1])
-    timed = interleaved_times(args, "".join(memory))
-    med = {v: sorted(ts)[len(ts) // 2] for v, ts in timed.items()}
+    timed, inner = interleaved_times(args, "".join(memory))
+    med = {v: statistics.median(ts) for v, ts in timed.items()}
     for v in memory:
-        m = memory[v]
-        print(f"({v}) {LABELS[v]:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f})   "
+        m, spec = memory[v], VARIANTS[v]
+        print(f"({v}) {spec.label:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f}, "
+              f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)   "
               f"peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)")
 
     def ratio(p: str, q: str) -> str:
         mem = memory[p]["peak_extra_mib"] / max(memory[q]["peak_extra_mib"], 1e-9)
-        return f"{p}/{q}: time {med[p] / med[q]:.2f}  memory {mem:.2f}"
+        rounds = statistics.median(tp / tq for tp, tq in zip(timed[p], timed[q]))
+        return f"{p}/{q}: time {med[p] / med[q]:.2f} (median of per-round ratios {rounds:.2f})  memory {mem:.2f}"
 
     if "a" in med and "b" in med:
-        print(ratio("b", "a") + "   (targets on CPU for vip-tiny at batch 32: <= 1.3 and <= 1.3)")
+        print(ratio("b", "a") + "   (issue 17 targets: <= 1.1 and <= 1.1 on the CPU for vip-tiny at batch 32; "
+              "<= 1.25 and <= 1.2 on one H100 for vip-base)")
     if "b" in med and "c" in med:
         print(ratio("c", "b"))
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    if "b" in med and "d" in med:
+        audit = statistics.median(inner["d audit"])
+        print(ratio("d", "b") + f"   (issue 14 target: <= 1.03 and <= 1.03); the canaries' own time "
+              f"{audit * 1e3:.2f} ms/step = {audit / med['b']:.3%} of (b)")
+    print(f"load average after {_load()}")
 
 
 if __name__ == "__main__":
