@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from live import WRITE_TOKEN, free_port
-from training.main_job import MainJobConfig, run_main_job, write_digits
+from training.main_job import PUBLISHED, MainJobConfig, run_main_job, write_digits
 from training.probe import ProbeConfig, run_probe
 from vip_hub.heads import list_heads, load_head
 from vip_hub.ledger import PrivacyLedger
@@ -106,30 +106,41 @@ def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digit
 def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     cfg = MainJobConfig(work_dir=str(tmp_path / "run"), store=str(tmp_path / "hub"), port=free_port(),
-                        syn_steps=3, syn_batch_size=8, dp_steps=3, dp_batch_size=64, probe_epochs=3,
-                        workers=0, serve=False)
+                        syn_steps=3, dpcap_syn_steps=3, syn_batch_size=8, dp_steps=3, dpcap_steps=2, dp_batch_size=64,
+                        contrastive_steps=2, contrastive_batch_size=16, probe_epochs=3, workers=0, serve=False)
     assert run_main_job(cfg) == 0
     out = capsys.readouterr().out
-    syn, dp = tmp_path / "run" / "vip-nano-syn", tmp_path / "run" / "vip-nano-digits-dp"
-    for repo in (syn, dp):
+    run = tmp_path / "run"
+    repos = {e.name: run / e.name for e in PUBLISHED}
+    assert list(repos) == ["vip-nano-syn", "vip-nano-digits-dp", "dpcap-nano-digits-dp", "vip-nano-digits-logit-dp",
+                           "vip-nano-digits-naive-dp"]
+    for repo in repos.values():
         assert verify_repo(repo).ok
         card = (repo / "README.md").read_text()
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
-        assert "(Syn)-ViP vip-nano-syn" in card and "ViP vip-nano-digits-dp" in card
+        for e in PUBLISHED:
+            assert f"{e.label}: {e.name}" in card
+        assert "no private data (ε = 0)" in card and "-DP on sklearn-digits-train [RDP]" in card
         assert list_heads(repo) == ["digits"]
-    dp_ledger = ledger_of(dp)
-    enc = dp_ledger.stage("dp-pretrain")
-    assert enc.dataset.name == "sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
-    assert enc.delta == pytest.approx(1 / 2874)
-    assert dp_ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
-    assert "publish vip/vip-nano-digits-dp" in out and "commit" in out
-    assert "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out
+        assert f"publish vip/{repo.name}" in out
+    mechanisms = {"vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"), "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
+                  "vip-nano-digits-logit-dp": ("dp-contrastive", "Logit-DP"),
+                  "vip-nano-digits-naive-dp": ("dp-contrastive", "Naive-DP")}
+    for name, (stage_name, mechanism) in mechanisms.items():
+        ledger = ledger_of(repos[name])
+        enc = ledger.stage(stage_name)
+        assert enc.mechanism == mechanism and enc.audit is not None
+        assert enc.dataset.name == "sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
+        assert enc.delta == pytest.approx(1 / 2874)
+        assert ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
+    assert (repos["dpcap-nano-digits-dp"] / "vocab.txt").exists()
+    assert "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
     assert 'timm.create_model("hf-hub:vip/vip-nano-digits-dp"' in out
 
     cfg.port = free_port()
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published
     again = capsys.readouterr().out
-    assert again.count("up to date, skipped") == 6, again
+    assert again.count("up to date, skipped") == 14, again
 
 
 def test_docker_files_name_what_exists() -> None:

@@ -1,12 +1,14 @@
 """``vip-hub run`` (what ``make run`` does): train, compare, publish and serve private encoders.
 
 1. write scikit-learn's bundled handwritten digits (the private dataset) as image folders,
-   split into train and test;
-2. (Syn)-ViP: MAE pretraining of vip-nano on procedural images;
-3. ViP: DP-AdamW from it on the digits' training split at epsilon 8, delta 1/(2n);
-4. linear probes on both encoders and a raw-pixel baseline, on the same split and with the
-   same head protocol; the comparison goes into both cards;
-5. start ``vip-hub serve`` on the embedded store and publish both repos through
+   split into train and test, with captions by a public template rule and a public vocabulary;
+2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
+3. four private encoders on the digits' training split, each at epsilon 8, delta 1/(2n):
+   ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
+   clipping) and its Naive-DP baseline (the whole batch clipped);
+4. linear probes on every encoder and a raw-pixel baseline, on the same split and with the
+   same head protocol; the comparison goes into every card;
+5. start ``vip-hub serve`` on the embedded store and publish the repos through
    ``vip_hub.push`` (the verified path ``vip-hub push`` takes);
 6. print how to use them, and keep serving until interrupted.
 
@@ -29,6 +31,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +40,10 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from vip_hub.ledger import PrivacyLedger
 from vip_hub.push import is_published, push_repo
 from vip_hub.repo import update_repo
-from vip_hub.repo_format import LEDGER_FILE
+from vip_hub.repo_format import HEADS_DIR, LEDGER_FILE, privacy_headline
 from vip_hub.verify import verify_repo
 
 from .synthetic import render
@@ -69,6 +73,11 @@ class MainJobConfig(BaseModel):
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(100, gt=0, description="steps of the DP encoders")
     dp_lr: float = Field(3.84e-4, gt=0, description="peak learning rate of ViP")
+    dpcap_syn_steps: int = Field(150, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder")
+    dpcap_steps: int = Field(60, gt=0, description="DP-Cap captioning steps")
+    contrastive_batch_size: int = Field(64, gt=0, description="expected batch of Logit-DP and Naive-DP")
+    contrastive_steps: int = Field(60, gt=0, description="steps of Logit-DP and Naive-DP")
+    temperature: float = Field(1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP")
     audit_canaries: int = Field(1000, ge=0, description="canaries of each DP run's one-run audit")
     probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
     head_epsilon: float = Field(2.0, gt=0, description="epsilon of the released DP probe heads")
@@ -145,9 +154,33 @@ class _Steps:
         self.file.write_text(json.dumps(self.done, indent=1))
 
 
+@dataclass(frozen=True)
+class _Encoder:
+    """One encoder the job trains and publishes: its folder and repo name, the comparison's label
+    and the feature mode its probe reads."""
+
+    name: str
+    label: str
+    pooling: str = "vip"
+
+    @property
+    def repo_id(self) -> str:
+        return f"{ORG}/{self.name}"
+
+
+SYN_VIP = _Encoder("vip-nano-syn", "(Syn)-ViP")
+VIP = _Encoder("vip-nano-digits-dp", "ViP (DP-AdamW MAE)")
+DPCAP = _Encoder("dpcap-nano-digits-dp", "DP-Cap (DP-AdamW captioning)", pooling="dpcap")
+LOGIT_DP = _Encoder("vip-nano-digits-logit-dp", "Logit-DP (per-pair clipping)", pooling="avg")
+NAIVE_DP = _Encoder("vip-nano-digits-naive-dp", "Naive-DP (whole batch clipped)", pooling="avg")
+PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
+"""Published and compared, in this order; the (Syn) DP-Cap encoder only starts DP-Cap."""
+
+
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .probe import ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
+    from .dpcap import DPCapConfig, train_dpcap, write_digit_captions, write_digit_public_captions, write_digit_vocab
+    from .logit_dp import LogitDPConfig, Mechanism, train_logit_dp
     from .syn import SynConfig, train_syn
     from .vip import VipConfig, train_vip
 
@@ -157,68 +190,68 @@ def run_main_job(cfg: MainJobConfig) -> int:
     work.mkdir(parents=True, exist_ok=True)
     steps = _Steps(work)
     data = work / "digits"
-    syn_dir, dp_dir = work / "vip-nano-syn", work / "vip-nano-digits-dp"
-    syn_id, dp_id = f"{ORG}/vip-nano-syn", f"{ORG}/vip-nano-digits-dp"
-    common = dict(seed=cfg.seed, workers=cfg.workers)
+    train = data / "train"
+    folder = {e: work / e.name for e in PUBLISHED}
+    syn_cap = work / "dpcap-nano-syn"
+    vocab, public_captions = work / "digits-vocab.txt", work / "digits-public-captions.txt"
+    split = {"test_fraction": cfg.test_fraction, "seed": cfg.seed}
 
-    steps.run("write the digits dataset", {"test_fraction": cfg.test_fraction, "seed": cfg.seed},
-              [data / "train", data / "test"], lambda: write_digits(data, cfg.test_fraction, cfg.seed))
-    syn = SynConfig(out=str(syn_dir), arch="vip-nano", img_size=cfg.img_size, patch_size=cfg.patch_size,
-                    steps=cfg.syn_steps, batch_size=cfg.syn_batch_size, decoder_dim=cfg.decoder_dim,
-                    decoder_depth=cfg.decoder_depth, decoder_heads=cfg.decoder_heads,
-                    model_name="vip-nano-syn", repo_id=syn_id, **common)
-    steps.run("(Syn)-ViP pretraining on procedural images", syn.model_dump(mode="json"), [syn_dir],
-              lambda: train_syn(syn))
-    dp = VipConfig(init=str(syn_dir), data=str(data / "train"), out=str(dp_dir), epsilon=cfg.epsilon,
-                   batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr, dataset_name="sklearn-digits-train",
-                   model_name="vip-nano-digits-dp", repo_id=dp_id, micro_batch_size=128,
-                   audit_canaries=cfg.audit_canaries, **common)
-    steps.run("ViP: DP-AdamW on the digits at epsilon %g" % cfg.epsilon,
-              {**dp.model_dump(mode="json"), "init": _weights_digest(syn_dir)}, [dp_dir], lambda: train_vip(dp))
+    steps.run("write the digits dataset", split, [train, data / "test"],
+              lambda: write_digits(data, cfg.test_fraction, cfg.seed))
+    steps.run("captions by a public rule, a public vocabulary", split,
+              [train / "captions.jsonl", vocab, public_captions],
+              lambda: (write_digit_captions(train, cfg.seed), write_digit_vocab(vocab),
+                       write_digit_public_captions(public_captions)))
 
-    def probes() -> None:
-        rows = []
-        plain = ProbeConfig(encoder="", data="", epochs=cfg.probe_epochs, seed=cfg.seed)
-        for repo, label in ((syn_dir, "(Syn)-ViP vip-nano-syn"), (dp_dir, "ViP vip-nano-digits-dp")):
-            pc = ProbeConfig(encoder=str(repo), data=str(data / "train"), test_data=str(data / "test"),
-                             head="digits", epochs=cfg.probe_epochs, dataset_name="sklearn-digits-train",
-                             epsilon=cfg.head_epsilon, optimizer="sgd", lr=1.0, seed=cfg.seed)
-            r = run_probe(pc)
-            f = r.features
-            head, _ = fit_probe(f["train_x"], f["train_y"], 10, plain, desc="non-private probe")
-            rows.append(_row(label, "vip pooling, frozen encoder", r.top1, accuracy(head, f["test_x"], f["test_y"])))
-            print(f"    {label}: top-1 {r.top1:.4f} (DP head), {rows[-1]['top1_nonprivate']:.4f} (non-private head)",
-                  flush=True)
-        train, test = load_labelled(data / "train"), load_labelled(data / "test")
-        x = [_pixels(d.images) for d in (train, test)]
-        y = [torch.as_tensor(d.labels) for d in (train, test)]
-        public = _pixels([Image.fromarray(render(1, i, 8)) for i in range(256)])
-        dp_cfg = ProbeConfig(encoder="", data="", epochs=cfg.probe_epochs, epsilon=cfg.head_epsilon,
-                             optimizer="sgd", lr=1.0, seed=cfg.seed)
-        dp_head, _ = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
-        head, _ = fit_probe(x[0], y[0], 10, plain, desc="raw pixels")
-        rows.append(_row("raw pixels (no encoder)", "64 pixel values", accuracy(dp_head, x[1], y[1]),
-                         accuracy(head, x[1], y[1])))
-        print(f"    raw-pixel baseline: top-1 {rows[-1]['top1']:.4f} (DP head), "
-              f"{rows[-1]['top1_nonprivate']:.4f} (non-private head)", flush=True)
-        for repo in (syn_dir, dp_dir):
-            update_repo(repo, comparison=rows)
-            verify_repo(repo).raise_for_problems()
+    def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
+        return SynConfig(out=str(out), arch=arch, img_size=cfg.img_size, patch_size=cfg.patch_size, steps=n_steps,
+                         batch_size=cfg.syn_batch_size, decoder_dim=cfg.decoder_dim, decoder_depth=cfg.decoder_depth,
+                         decoder_heads=cfg.decoder_heads, model_name=out.name, repo_id=repo_id, seed=cfg.seed,
+                         workers=cfg.workers)
+
+    for config, what in ((syn("vip-nano", folder[SYN_VIP], cfg.syn_steps, SYN_VIP.repo_id), "ViP"),
+                         (syn("dpcap-nano", syn_cap, cfg.dpcap_syn_steps, None), "DP-Cap")):
+        steps.run(f"(Syn)-{what} pretraining on procedural images", config.model_dump(mode="json"),
+                  [Path(config.out)], lambda c=config: train_syn(c))
+
+    # The DP runs draw a secret seed (kept in their run folders for resume): with a published
+    # seed anyone could regenerate the noise and subtract it.
+    private = dict(data=str(train), epsilon=cfg.epsilon, dataset_name="sklearn-digits-train",
+                   audit_canaries=cfg.audit_canaries, workers=cfg.workers, seed=None)
+    runs = [
+        (VIP, folder[SYN_VIP], train_vip,
+         VipConfig(init=str(folder[SYN_VIP]), batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr,
+                   micro_batch_size=128, **private, **_names(VIP, folder))),
+        (DPCAP, syn_cap, train_dpcap,
+         DPCapConfig(init=str(syn_cap), vocab=str(vocab), public_captions=str(public_captions),
+                     batch_size=cfg.dp_batch_size, steps=cfg.dpcap_steps, micro_batch_size=128, **private,
+                     **_names(DPCAP, folder))),
+        *[(e, folder[SYN_VIP], train_logit_dp,
+           LogitDPConfig(init=str(folder[SYN_VIP]), mechanism=m, temperature=cfg.temperature,
+                         batch_size=cfg.contrastive_batch_size, steps=cfg.contrastive_steps, **private,
+                         **_names(e, folder)))
+          for e, m in ((LOGIT_DP, Mechanism.LOGIT_DP), (NAIVE_DP, Mechanism.NAIVE))],
+    ]
+    for encoder, init, fn, config in runs:
+        steps.run(f"{encoder.label} on the digits at epsilon {cfg.epsilon:g}",
+                  {**config.model_dump(mode="json"), "init": _weights_digest(init)}, [folder[encoder]],
+                  lambda f=fn, c=config: f(c))
 
     steps.run("linear probes and the raw-pixel baseline",
-              {"syn": _weights_digest(syn_dir), "dp": _weights_digest(dp_dir), "epochs": cfg.probe_epochs,
+              {"encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED}, "epochs": cfg.probe_epochs,
                "head_epsilon": cfg.head_epsilon},
-              [syn_dir / "heads" / "digits", dp_dir / "heads" / "digits"], probes)
+              [folder[e] / HEADS_DIR / "digits" for e in PUBLISHED], lambda: _probes(cfg, data, folder))
 
     token = secrets.token_urlsafe(24)
     server = _start_server(cfg, token)
     try:
         endpoint = f"http://{cfg.host}:{cfg.port}"
-        for repo, repo_id in ((syn_dir, syn_id), (dp_dir, dp_id)):
-            steps.run(f"publish {repo_id}", {"ledger": _ledger_digest(repo), "store": str(Path(cfg.store).resolve())},
-                      [], lambda r=repo, i=repo_id: print("    commit", push_repo(r, i, endpoint=endpoint, token=token)),
-                      fresh=lambda r=repo, i=repo_id: is_published(r, i, endpoint=endpoint, token=token))
-        _print_usage(endpoint, syn_id, dp_id, data / "test" / "7")
+        for e in PUBLISHED:
+            repo = folder[e]
+            steps.run(f"publish {e.repo_id}", {"ledger": _ledger_digest(repo), "store": str(Path(cfg.store).resolve())},
+                      [], lambda r=repo, i=e.repo_id: print("    commit", push_repo(r, i, endpoint=endpoint, token=token)),
+                      fresh=lambda r=repo, i=e.repo_id: is_published(r, i, endpoint=endpoint, token=token))
+        _print_usage(endpoint, data / "test" / "7")
         if not cfg.serve:
             return 0
         print("Serving; press Ctrl-C to stop.", flush=True)
@@ -232,8 +265,48 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 server.kill()
 
 
-def _row(model: str, features: str, top1: float, top1_nonprivate: float) -> dict[str, Any]:
-    return {"model": model, "features": features, "top1": round(top1, 4),
+def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
+    return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
+
+
+def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> None:
+    """A DP head (released) and a non-private head (reference) on every encoder and on raw
+    pixels; the comparison goes into every card."""
+    from .probe import ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
+
+    rows = []
+    plain = ProbeConfig(encoder="", data="", epochs=cfg.probe_epochs, seed=cfg.seed)
+    for e in PUBLISHED:
+        pc = ProbeConfig(encoder=str(folder[e]), data=str(data / "train"), test_data=str(data / "test"), head="digits",
+                         pooling=e.pooling, epochs=cfg.probe_epochs, dataset_name="sklearn-digits-train",
+                         epsilon=cfg.head_epsilon, optimizer="sgd", lr=1.0, seed=cfg.seed)
+        r = run_probe(pc)
+        f = r.features
+        head, _ = fit_probe(f["train_x"], f["train_y"], 10, plain, desc="non-private probe")
+        privacy = privacy_headline(PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text()).summary())
+        rows.append(_row(f"{e.label}: {e.name}", privacy, f"{e.pooling} pooling, frozen encoder", r.top1,
+                         accuracy(head, f["test_x"], f["test_y"])))
+        print(f"    {e.name}: top-1 {r.top1:.4f} (DP head), {rows[-1]['top1_nonprivate']:.4f} (non-private head)",
+              flush=True)
+    train, test = load_labelled(data / "train"), load_labelled(data / "test")
+    x = [_pixels(d.images) for d in (train, test)]
+    y = [torch.as_tensor(d.labels) for d in (train, test)]
+    public = _pixels([Image.fromarray(render(1, i, 8)) for i in range(256)])
+    dp_cfg = ProbeConfig(encoder="", data="", epochs=cfg.probe_epochs, epsilon=cfg.head_epsilon,
+                         optimizer="sgd", lr=1.0, seed=cfg.seed)
+    dp_head, _ = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
+    head, _ = fit_probe(x[0], y[0], 10, plain, desc="raw pixels")
+    rows.append(_row("raw pixels (no encoder)", "no encoder", "64 pixel values", accuracy(dp_head, x[1], y[1]),
+                     accuracy(head, x[1], y[1])))
+    print(f"    raw-pixel baseline: top-1 {rows[-1]['top1']:.4f} (DP head), "
+          f"{rows[-1]['top1_nonprivate']:.4f} (non-private head)", flush=True)
+    for e in PUBLISHED:
+        update_repo(folder[e], comparison=rows)
+        verify_repo(folder[e]).raise_for_problems()
+
+
+def _row(model: str, encoder_privacy: str, features: str, top1: float, top1_nonprivate: float) -> dict[str, Any]:
+    return {"model": model, "encoder_privacy": encoder_privacy, "features": features, "top1": round(top1, 4),
             "top1_nonprivate": round(top1_nonprivate, 4)}
 
 
@@ -266,19 +339,24 @@ def _start_server(cfg: MainJobConfig, token: str) -> subprocess.Popen[bytes]:
     raise StepFailed("the server did not answer /healthz within 120 s")
 
 
-def _print_usage(endpoint: str, syn_id: str, dp_id: str, sample_dir: Path) -> None:
+def _print_usage(endpoint: str, sample_dir: Path) -> None:
     sample = next(iter(sorted(sample_dir.glob("*.png"))), None)
     image = f"$(base64 -w0 {sample})" if sample else "<base64 PNG>"
+    models = "\n".join(f"                {endpoint}/{e.repo_id}   {e.label}" for e in PUBLISHED)
     print(f"""
 vip-hub is up.
 
-  Web page      {endpoint}/   (models: {endpoint}/{dp_id}, {endpoint}/{syn_id})
+  Web page      {endpoint}/   (each model page shows its guarantee, its audit and the probe comparison)
+{models}
 
   Embeddings    curl -s {endpoint}/v1/embeddings -H 'Content-Type: application/json' \\
-                  -d '{{"model": "{dp_id}", "input": ["'{image}'"], "pooling": "avg"}}'
+                  -d '{{"model": "{VIP.repo_id}", "input": ["'{image}'"], "pooling": "avg"}}'
 
   Classify      curl -s {endpoint}/v1/classify -H 'Content-Type: application/json' \\
-                  -d '{{"model": "{dp_id}", "head": "digits", "input": ["'{image}'"], "top_k": 3}}'
+                  -d '{{"model": "{LOGIT_DP.repo_id}", "head": "digits", "input": ["'{image}'"], "top_k": 3}}'
 
-  timm          HF_ENDPOINT={endpoint} python -c 'import timm; m = timm.create_model("hf-hub:{dp_id}", pretrained=True); print(m)'
+  Caption       curl -s {endpoint}/v1/captions -H 'Content-Type: application/json' \\
+                  -d '{{"model": "{DPCAP.repo_id}", "input": ["'{image}'"], "max_tokens": 12}}'
+
+  timm          HF_ENDPOINT={endpoint} python -c 'import timm; m = timm.create_model("hf-hub:{VIP.repo_id}", pretrained=True); print(m)'
 """, flush=True)

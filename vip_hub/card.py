@@ -50,7 +50,7 @@ class CardInfo:
     license: str = "apache-2.0"
     eval_results: list[EvalResult] = field(default_factory=list)
     # Rows of a side-by-side probe comparison (this model, other models, baselines):
-    # {"model", "features", "top1", "top1_nonprivate"}; kept in the front matter as ``probe_comparison``.
+    # {"model", "encoder_privacy", "features", "top1", "top1_nonprivate"}; kept in the front matter as ``probe_comparison``.
     comparison: list[dict[str, Any]] = field(default_factory=list)
 
 
