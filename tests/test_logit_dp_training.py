@@ -20,10 +20,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from conftest import TINY, tiny_encoder
 from training.data import Augmented, ImageFolder, mae_transform
-from training.logit_dp import LogitDPConfig, Mechanism, skip_cap, train_logit_dp
+from training.distributed import Dist
+from training.dp_engine import Budget, DPEngine
+from training.logit_dp import LogitDPConfig, Mechanism, contrastive_model, skip_cap, train_logit_dp
+from training.pair_clipping import BatchClipper, PairClipper
 from training.syn import SynConfig, train_syn
 from vip_hub import verify_repo
+from vip_hub.accounting import epsilon
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
@@ -149,6 +154,36 @@ def test_two_views_come_from_the_example_own_stream(images: Path) -> None:
     again = augmented.views(4, 7, 2)
     assert torch.equal(again[0], first) and torch.equal(again[1], second)
     assert not torch.equal(augmented.views(4, 8, 2)[1], second)
+
+
+# ---------------------------------------------------------------- the engine with these clippers
+@pytest.mark.parametrize("mechanism", list(Mechanism))
+def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechanism: Mechanism) -> None:
+    model = contrastive_model(tiny_encoder(), TINY, trainable_blocks=12, dim=8)
+    clip, tau, sigma, batch = 1e-3, 0.5, 1.3, 32
+    if mechanism is Mechanism.LOGIT_DP:
+        clipper, delta = PairClipper(model, clip, tau), logit_dp_sensitivity(clip, tau)
+    else:
+        clipper, delta = BatchClipper(model, clip, tau), 2 * clip
+    budget = Budget.plan(dataset_size=1000, batch_size=batch, steps=10, epsilon=None, sigma=sigma, delta=1e-5,
+                         accountant="rdp")
+    engine = DPEngine(clipper, torch.optim.SGD(clipper.params, lr=0.0), None, budget, sensitivity=delta, seed=0,
+                      dist=Dist(device=torch.device("cpu")), micro_batch_size=None, audit_canaries=0)
+    seen = {}
+    engine.optimizer.step = lambda: seen.setdefault("update", torch.cat([p.grad.flatten() for p in clipper.params]))
+    engine.step(0, [])  # nothing sampled: still a noisy step
+    update = seen["update"]
+    assert update.numel() > 100_000
+    assert update.std().item() == pytest.approx(sigma * delta / batch, rel=0.01)
+    assert engine.history == [(sigma, batch / 1000, 1)]
+
+
+def test_the_budget_stops_a_run_before_it_exceeds_epsilon(syn_repo: Path, images: Path, tmp_path: Path) -> None:
+    settings = {**DP_ARGS, "steps": 6, "audit_canaries": 0, "epsilon": 1.0}
+    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "stopped"), **settings))
+    dp = ledger_of(out).stages[1]
+    assert dp.steps < 6 and dp.epsilon <= 1.0
+    assert epsilon(1.0, 6 / 24, dp.steps + 1, dp.delta, "rdp") > 1.0  # one more step would have exceeded it
 
 
 # ---------------------------------------------------------------- processes
