@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
 import tempfile
+import time
 from pathlib import Path
-
-import socket  # noqa: E402
 
 # Before huggingface_hub is imported: keep client caches and tokens away from the user's home,
 # and point unmodified clients (HF_ENDPOINT) at the session's hub server, on a port chosen now.
@@ -115,3 +118,20 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for repo_id, folder in repos.items():
         push_repo(folder, repo_id, token=WRITE_TOKEN)
     return repos
+
+
+def kill_mid_run(cmd: list[str], out: Path, step: int) -> Path:
+    """Start a training command, SIGKILL it once its log (``OUT.run/log.jsonl``) reaches ``step``
+    (between checkpoints), check it had not finished; returns the log's path."""
+    log = out.parent / f"{out.name}.run" / "log.jsonl"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and any(json.loads(line).get("step") == step for line in log.read_text().splitlines()
+                                if line.endswith("}")):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "the run finished before it could be killed"
+    return log

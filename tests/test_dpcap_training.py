@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import synthetic_stage, tiny_encoder, TINY
+from conftest import TINY, kill_mid_run, synthetic_stage, tiny_encoder
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
 from training.dpcap import (DIGIT_NAMES, DIGIT_TEMPLATES, PUBLIC_CAPTIONS, DPCapConfig, digit_caption,
@@ -299,18 +297,7 @@ def dp_command(syn_repo: Path, digits: Path, vocab: Path, out: Path) -> list[str
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "dpcap-nano-digits"
-    log = tmp_path / "dpcap-nano-digits.run" / "log.jsonl"
-    proc = subprocess.Popen([str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # kill between checkpoints (2 and 4), mid-run
-        if log.exists() and any(json.loads(line).get("step") == 3 for line in log.read_text().splitlines()
-                                if line.endswith("}")):
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not out.exists(), "the run finished before it could be killed"
+    log = kill_mid_run([str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)], out, step=3)
     train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS))
     assert ledger_of(out).stages == ledger_of(trained).stages
     for name in ("model.safetensors", "text_decoder.safetensors"):

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import TINY, tiny_encoder
+from conftest import TINY, kill_mid_run, tiny_encoder
 from training.data import Augmented, ImageFolder, mae_transform
 from training.distributed import Dist
 from training.dp_engine import Budget, DPEngine
@@ -194,18 +192,7 @@ def dp_command(syn_repo: Path, images: Path, out: Path) -> list[str]:
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(syn_repo: Path, images: Path, trained: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "vip-nano-logit-dp"
-    log = tmp_path / "vip-nano-logit-dp.run" / "log.jsonl"
-    proc = subprocess.Popen([str(BIN / "vip-hub"), "train-logit-dp", *dp_command(syn_repo, images, out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # kill between checkpoints (2 and 4), mid-run
-        if log.exists() and any(json.loads(line).get("step") == 3 for line in log.read_text().splitlines()
-                                if line.endswith("}")):
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not out.exists(), "the run finished before it could be killed"
+    log = kill_mid_run([str(BIN / "vip-hub"), "train-logit-dp", *dp_command(syn_repo, images, out)], out, step=3)
     train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS))
     assert ledger_of(out).stages == ledger_of(trained).stages
     a, b = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")

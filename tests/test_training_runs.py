@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from conftest import kill_mid_run
 from training.data import ImageFolder, TarShards, open_images
 from training.vip import VipConfig, train_vip
 from training.syn import SynConfig, train_syn
@@ -179,18 +178,7 @@ def reference_run(syn_repo: Path, images: Path, tmp_path_factory: pytest.TempPat
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "vip-nano-dp"
-    log = tmp_path / "vip-nano-dp.run" / "log.jsonl"
-    proc = subprocess.Popen(dp_command(syn_repo, images, out), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # kill between checkpoints, mid-run
-        if log.exists() and any(json.loads(line).get("step") == 5 for line in log.read_text().splitlines()
-                                if line.strip()):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not out.exists(), "the run finished before it could be killed"
+    log = kill_mid_run(dp_command(syn_repo, images, out), out, step=5)
     resumed = subprocess.run(dp_command(syn_repo, images, out), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert ledger_of(out).stages == ledger_of(reference_run).stages
