@@ -112,26 +112,36 @@ def _sq(per_example: torch.Tensor) -> torch.Tensor:
     return per_example.reshape(per_example.shape[0], -1).square().sum(1)
 
 
-def _ghost(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``||g_i^T a_i||_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, and
+def _ghost(a: torch.Tensor, g: torch.Tensor, cross: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``||g_i^T a_i||_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, and (when ``cross``)
     ``sum_t ||a_t|| ||g_t||`` (which bounds the effect of rounding either operand), both (b,).
 
     Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
     rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
-    twice (83% of the full products' time at 197 tokens on the CPU; one product below 96)."""
-    t = a.shape[1]
+    twice (83% of the full products' time at 197 tokens on the CPU; one product below 96).
+    Each strip's elementwise product is summed by one batched dot product (no product tensor)."""
+    b, t = a.shape[:2]
     blocks = max(1, min(3, t // 48))
     edges = [t * j // blocks for j in range(blocks + 1)]
-    sq = torch.zeros(a.shape[0], device=a.device, dtype=a.dtype)
-    cross = torch.zeros_like(sq)
+    sq = torch.zeros(b, device=a.device, dtype=a.dtype)
+    norms = torch.zeros_like(sq) if cross else None
     for lo, hi in zip(edges, edges[1:]):
-        strip = torch.bmm(a[:, lo:hi], a[:, lo:].mT).mul_(torch.bmm(g[:, lo:hi], g[:, lo:].mT))
-        diagonal = strip[:, :, : hi - lo]
-        if hi < t:
-            sq += 2 * strip[:, :, hi - lo:].sum((1, 2))
-        sq += diagonal.sum((1, 2))
-        cross += diagonal.diagonal(dim1=1, dim2=2).sqrt().sum(1)
-    return sq, cross
+        ga, gg = torch.bmm(a[:, lo:hi], a[:, lo:].mT), torch.bmm(g[:, lo:hi], g[:, lo:].mT)
+        whole = _dot(ga, gg)
+        if hi < t:  # the diagonal block once, the rest twice
+            diagonal = (ga[:, :, : hi - lo] * gg[:, :, : hi - lo]).sum((1, 2))
+            sq += whole.mul_(2).sub_(diagonal)
+        else:
+            sq += whole
+        if norms is not None:
+            norms += (ga.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+    return sq, norms
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-example dot products of two contiguous (b, ...) tensors, (b,)."""
+    b = x.shape[0]
+    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
 
 
 def _rounding_bound(sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
@@ -319,9 +329,9 @@ class PerExampleClipper:
             pe = torch.bmm(gt.mT, a)
             small.append((m.weight, pe))
             return _Part(small, sq + _sq(pe))
-        ghost, cross = _ghost(a, gt)
         dtype = torch.promote_types(a_tok.dtype, g_tok.dtype)
-        bound = _rounding_bound(sq + ghost, cross, dtype, b * t) if dtype.itemsize < 4 else None
+        ghost, cross = _ghost(a, gt, dtype.itemsize < 4)
+        bound = _rounding_bound(sq + ghost, cross, dtype, b * t) if cross is not None else None
         return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
 
     @staticmethod
@@ -369,17 +379,18 @@ def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch
     """A patchifying convolution: the ghost norm over its patches, unfolded a few examples at a
     time (this runs last in the backward pass, at its memory peak); it keeps its input images,
     not their patches, and its clipped sum is the convolution's own weight gradient."""
+    dtype = torch.promote_types(images.dtype, g.dtype)
+    reduced = dtype.itemsize < 4
     ghost, cross = [], []
     for chunk in range(0, images.shape[0], 8):
         rows = slice(chunk, chunk + 8)
         patches = F.unfold(images[rows], m.kernel_size, stride=m.kernel_size).transpose(1, 2)
-        s, x = _ghost(_fp32(patches).contiguous(), _fp32(g_tok[rows]).contiguous())
+        s, x = _ghost(_fp32(patches).contiguous(), _fp32(g_tok[rows]).contiguous(), reduced)
         ghost.append(s)
         cross.append(x)
-    ghost_sq, cross_sum = torch.cat(ghost), torch.cat(cross)
-    dtype = torch.promote_types(images.dtype, g.dtype)
-    bound = (_rounding_bound(sq + ghost_sq, cross_sum, dtype, g_tok.shape[0] * g_tok.shape[1])
-             if dtype.itemsize < 4 else None)
+    ghost_sq = torch.cat(ghost)
+    bound = (_rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
+             if reduced else None)
     return _Part(small, sq + ghost_sq, m, images, g, bound)
 
 
