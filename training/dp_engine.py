@@ -146,7 +146,7 @@ class StepStats:
 
 def gaussian_noise(numel: int, std: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """The step's noise: N(0, std^2) per coordinate, drawn once for the whole flat buffer."""
-    return std * torch.randn(numel, generator=generator, device=device)
+    return torch.randn(numel, generator=generator, device=device).mul_(std)
 
 
 class DPEngine:
@@ -253,26 +253,33 @@ class DPEngine:
         return StepStats(count, totals[1].item() / max(count, 1))
 
     def _privatise(self, step: int, stats: torch.Tensor) -> torch.Tensor:
-        """Noise once, one all-reduce, division by B; returns the summed ``stats``."""
+        """Noise once, one all-reduce, division by B; returns the summed ``stats``.
+
+        One flat fp32 buffer holds the clipped sums, the canary block and ``stats`` (copied in
+        once); noise goes on all but ``stats``; the fp32 gradients handed to the optimiser are
+        views of it, divided in place."""
         device = self.params[0].device
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         blocks = [g.reshape(-1).float() for g in grads]
         if self.canaries is not None:
             blocks.append(self.canaries.clipped_sum(step, device))
-        flat = torch.cat(blocks)
+        blocks.append(stats.to(device=device, dtype=torch.float32))
+        buffer = torch.cat(blocks)
+        del blocks, grads
+        flat = buffer[:-len(stats)]
         if self.dist.main:
             generator = torch_generator(self.seed, NOISE, step, 0, device=device)
             flat += gaussian_noise(flat.numel(), self.budget.noise_multiplier * self.sensitivity, generator, device)
-        flat = torch.cat([flat, stats.to(device=device, dtype=flat.dtype)])
-        self.dist.all_reduce_sum(flat)
+        self.dist.all_reduce_sum(buffer)
         size = sum(p.numel() for p in self.params)
         if self.canaries is not None:
             self.canaries.observe(flat[size:size + self.canaries.count], self.budget.noise_multiplier)
+        flat[:size].div_(self.budget.expected_batch_size)
         offset = 0
         for p in self.params:
-            p.grad = (flat[offset:offset + p.numel()] / self.budget.expected_batch_size).view_as(p).to(p.dtype)
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        return flat[-len(stats):].double().cpu()
+        return buffer[-len(stats):].double().cpu()
 
     # ---------------------------------------------------------------- accounting
     @property
