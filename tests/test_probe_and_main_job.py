@@ -105,8 +105,8 @@ def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digit
 @pytest.mark.slow
 def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = MainJobConfig(work_dir=str(tmp_path / "run"), store=str(tmp_path / "hub"), port=free_port(),
-                        syn_steps=3, dpcap_syn_steps=3, syn_batch_size=8, dp_steps=3, dpcap_steps=2, dp_batch_size=64,
+    cfg = MainJobConfig(work_dir=str(tmp_path / "run"), store=str(tmp_path / "hub"), port=free_port(), img_size=16,
+                        syn_steps=3, dpcap_syn_steps=3, syn_batch_size=8, dp_steps=3, dpcap_steps=2, dp_batch_size=32,
                         contrastive_steps=2, contrastive_batch_size=16, probe_epochs=3, workers=0, serve=False)
     assert run_main_job(cfg) == 0
     out = capsys.readouterr().out
