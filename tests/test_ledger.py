@@ -127,3 +127,14 @@ def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     assert h.epsilon is None and h.private_data  # some of its data has no guarantee at all
     assert h.to_dict() == {"epsilon": None, "delta": enc.delta, "datasets": ["test-images"],
                            "accountant": "rdp", "private_data": True, "unprotected_datasets": ["digits-labels"]}
+
+
+def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_composes_both():
+    enc_stage = dp_stage()
+    head = DPStage.from_parameters(name="linear-probe-dp:digits", component="heads/digits",
+                                   dataset=enc_stage.dataset, sample_rate=0.1, noise_multiplier=2.0, steps=50,
+                                   clipping_norm=1.0)
+    ledger = PrivacyLedger.build([synthetic_stage(), enc_stage, head])
+    enc, h = ledger.summary(), ledger.summary("heads/digits")
+    assert enc.epsilon == enc_stage.epsilon  # the encoder's weights never saw the head's training
+    assert h.epsilon == ledger.guarantees[0].epsilon > enc_stage.epsilon  # the head's: both stages composed

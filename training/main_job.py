@@ -64,19 +64,19 @@ class MainJobConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="port the server binds")
     img_size: int = Field(32, gt=0, description="input resolution of the encoders")
     patch_size: int = Field(8, gt=0, description="patch size of the encoders")
-    syn_steps: int = Field(300, gt=0, description="(Syn)-ViP pretraining steps")
+    syn_steps: int = Field(200, gt=0, description="(Syn)-ViP pretraining steps")
     syn_batch_size: int = Field(64, gt=0, description="(Syn)-ViP images per step")
     decoder_dim: int = Field(256, gt=0, description="MAE decoder width")
     decoder_depth: int = Field(2, gt=0, description="MAE decoder blocks")
     decoder_heads: int = Field(8, gt=0, description="MAE decoder heads")
     epsilon: float = Field(8.0, gt=0, description="epsilon of every DP encoder")
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
-    dp_steps: int = Field(100, gt=0, description="steps of the DP encoders")
+    dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
     dp_lr: float = Field(3.84e-4, gt=0, description="peak learning rate of ViP")
-    dpcap_syn_steps: int = Field(100, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder")
-    dpcap_steps: int = Field(40, gt=0, description="DP-Cap captioning steps")
+    dpcap_syn_steps: int = Field(60, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder")
+    dpcap_steps: int = Field(30, gt=0, description="DP-Cap captioning steps")
     contrastive_batch_size: int = Field(32, gt=0, description="expected batch of Logit-DP and Naive-DP")
-    contrastive_steps: int = Field(40, gt=0, description="steps of Logit-DP and Naive-DP")
+    contrastive_steps: int = Field(30, gt=0, description="steps of Logit-DP and Naive-DP")
     temperature: float = Field(1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP")
     audit_canaries: int = Field(1000, ge=0, description="canaries of each DP run's one-run audit")
     probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
@@ -280,10 +280,10 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
         pc = ProbeConfig(encoder=str(folder[e]), data=str(data / "train"), test_data=str(data / "test"), head="digits",
                          pooling=e.pooling, epochs=cfg.probe_epochs, dataset_name="sklearn-digits-train",
                          epsilon=cfg.head_epsilon, optimizer="sgd", lr=1.0, seed=cfg.seed)
+        privacy = privacy_headline(PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text()).summary())
         r = run_probe(pc)
         f = r.features
         head, _ = fit_probe(f["train_x"], f["train_y"], 10, plain, desc="non-private probe")
-        privacy = privacy_headline(PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text()).summary())
         rows.append(_row(f"{e.label}: {e.name}", privacy, f"{e.pooling} pooling, frozen encoder", r.top1,
                          accuracy(head, f["test_x"], f["test_y"])))
         print(f"    {e.name}: top-1 {r.top1:.4f} (DP head), {rows[-1]['top1_nonprivate']:.4f} (non-private head)",

@@ -418,13 +418,13 @@ class PrivacyLedger(_Model):
         return sorted({s.component for s in self.stages})
 
     def summary(self, component: str = ENCODER) -> PrivacySummary:
-        """What ``component``'s weights promise (a head's stages include its encoder's)."""
+        """What ``component``'s weights promise: its own stages composed (a head's include its
+        encoder's; the encoder's leave out a DP head trained later on the same data)."""
         stages = [s for s in self.stages if s.component in (ENCODER, component)]
-        names = {s.name for s in stages}
         unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
         return PrivacySummary(
             component=component,
-            guarantees=tuple(g for g in self.guarantees if names.intersection(g.stages)),
+            guarantees=tuple(compute_guarantees(stages)),
             unprotected_datasets=tuple(dict.fromkeys(unprotected)),
         )
 
