@@ -11,7 +11,7 @@ from conftest import dp_stage, synthetic_stage
 def test_build_and_round_trip():
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage()])
     data = json.loads(ledger.to_json())
-    assert data["schema"] == "vip-hub/privacy-ledger/v2"
+    assert data["schema"] == "vip-hub/privacy-ledger/v3"
     assert data["privacy_unit"] == "example" and data["adjacency"] == "add-remove"
     assert [s["type"] for s in data["stages"]] == ["non-private", "dp"]
     assert PrivacyLedger.parse(ledger.to_json()) == ledger
@@ -22,10 +22,10 @@ def test_build_and_round_trip():
 
 def test_dp_stage_defaults_and_all_three_accountants():
     s = dp_stage(n=1000, batch=50, sigma=1.0, steps=100)
-    assert s.delta == pytest.approx(1 / 2000)  # default delta 1/(2n)
+    assert s.delta == pytest.approx(1e-5)  # default delta min(1e-5, 1/(10n))
     assert s.expected_batch_size == pytest.approx(50)
     assert s.sensitivity == s.clipping_norm and s.noise_std == pytest.approx(1.0 * s.clipping_norm)
-    exact = epsilon(1.0, 0.05, 100, 1 / 2000, "rdp")
+    exact = epsilon(1.0, 0.05, 100, 1e-5, "rdp")
     assert exact <= s.epsilon <= exact + 1e-6  # rounded up, never down
     assert set(s.reference_epsilon) == {"prv", "pld"}
     assert max(s.reference_epsilon.values()) < s.epsilon  # PRV and PLD are the tighter analyses
@@ -126,7 +126,8 @@ def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     assert enc.epsilon == ledger.guarantees[0].epsilon and enc.private_data
     assert h.epsilon is None and h.private_data  # some of its data has no guarantee at all
     assert h.to_dict() == {"epsilon": None, "delta": enc.delta, "datasets": ["test-images"],
-                           "accountant": "rdp", "private_data": True, "unprotected_datasets": ["digits-labels"]}
+                           "accountant": "rdp", "private_data": True, "unprotected_datasets": ["digits-labels"],
+                           "caveat": None, "epsilon_without_amplification": None}
 
 
 def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_composes_both():
@@ -138,3 +139,74 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
     enc, h = ledger.summary(), ledger.summary("heads/digits")
     assert enc.epsilon == enc_stage.epsilon  # the encoder's weights never saw the head's training
     assert h.epsilon == ledger.guarantees[0].epsilon > enc_stage.epsilon  # the head's: both stages composed
+
+
+# ---------------------------------------------------------------- issue 22: what a guarantee must survive
+def _stage_on(name: str, n: int, stage: str = "dp-pretraining", component: str = "encoder", **kw) -> DPStage:
+    return DPStage.from_parameters(name=stage, component=component, dataset=Dataset(name=name, size=n),
+                                   sample_rate=kw.pop("q", 0.05), noise_multiplier=kw.pop("sigma", 1.0),
+                                   steps=kw.pop("steps", 100), clipping_norm=1.0, **kw)
+
+
+def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_encoder():
+    """A probe on part of the data keeps the dataset's name (today's code renamed it ``-train`` and keyed
+    it by a fingerprint, so the head's page showed only the head's own epsilon)."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    enc = _stage_on("org/digits", 1437)
+    head = _stage_on("org/digits", 1150, stage="linear-probe-dp:d", component="heads/d", q=0.2, sigma=3.0, steps=60)
+    ledger = PrivacyLedger.build([synthetic_stage(), enc, head])
+    acc = RdpAccountant()  # composed by dp_accounting from the raw (q, sigma, T), not by our own code
+    for s in (enc, head):
+        acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)),
+                    s.steps)
+    both = acc.get_epsilon(max(enc.delta, head.delta))
+    (g,) = ledger.summary("heads/d").guarantees
+    assert g.epsilon >= both * (1 - 1e-3) and g.epsilon > head.epsilon and g.stages == [enc.name, head.name]
+    assert ledger.summary().epsilon == enc.epsilon
+    assert "fingerprint" not in ledger.to_json()
+
+
+def test_one_dataset_named_in_two_ways_is_refused():
+    with pytest.raises(LedgerError, match="in two ways"):
+        PrivacyLedger.build([_stage_on("org/Digits_Train", 100),
+                             _stage_on("org/digits-train", 100, stage="linear-probe-dp:d", component="heads/d")])
+
+
+def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
+    data = json.loads(PrivacyLedger.build([synthetic_stage(), dp_stage()]).to_json())
+    data["schema"] = "vip-hub/privacy-ledger/v2"
+    data["stages"][1]["dataset"]["fingerprint"] = "sha256:" + "ab" * 32
+    with pytest.raises(LedgerError, match="unsalted SHA-256 of the private dataset"):
+        PrivacyLedger.parse(data)
+    data["schema"] = "vip-hub/privacy-ledger/v3"
+    with pytest.raises(LedgerError, match="fingerprint"):  # no field for it any more
+        PrivacyLedger.parse(data)
+
+
+def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
+    from vip_hub.card import audit_paragraphs
+    from vip_hub.importer import PRESETS
+    from vip_hub.repo_format import privacy_headline
+
+    ledger = PrivacyLedger.build(PRESETS["dpcap-base-eps7"]().stages)
+    summary = ledger.summary()
+    assert summary.epsilon == pytest.approx(7.30, abs=0.01)
+    assert 29 < summary.epsilon_without_amplification < 31  # 4 epochs at sigma 0.527, no sampling, PLD
+    headline = privacy_headline(summary)
+    assert "as reported, assuming Poisson sampling" in headline and f"{summary.epsilon_without_amplification:.2f}" in headline
+    assert summary.to_dict()["caveat"] == summary.caveat
+    assert any("without amplification" in p for p in audit_paragraphs(ledger))
+    poisson = PrivacyLedger.build(PRESETS["vip-base"]().stages).summary()
+    assert poisson.caveat is None and "assuming" not in privacy_headline(poisson)
+
+
+def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():
+    from vip_hub.accounting import default_delta, paper_delta
+    from vip_hub.importer import PRESETS
+
+    assert default_delta(1437) == 1e-5 and default_delta(10**6) == pytest.approx(1e-7)  # min(1e-5, 1/(10n))
+    assert paper_delta(1437) == pytest.approx(1 / 2874)
+    (vip,) = PRESETS["vip-base"]().stages[1:]
+    assert vip.delta == pytest.approx(1 / (2 * 233_000_000))  # the paper's own choice stays in its preset

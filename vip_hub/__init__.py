@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "accounting": ["Accountant", "calibrate", "default_delta", "epsilon", "epsilons", "max_steps_within"],
+    "accounting": ["Accountant", "calibrate", "default_delta", "epsilon", "epsilons", "max_steps_within", "paper_delta"],
     "errors": ["AccountingError", "AuditError", "CheckpointError", "ClaimTooLowError", "ConfigError",
                "DataError", "LedgerError", "MissingInputError", "RepoFormatError", "TamperedFileError",
                "VerificationError", "VipHubError"],
@@ -41,7 +41,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accounting import Accountant, calibrate, default_delta, epsilon, epsilons, max_steps_within
+    from .accounting import Accountant, calibrate, default_delta, epsilon, epsilons, max_steps_within, paper_delta
     from .errors import (AccountingError, AuditError, CheckpointError, ClaimTooLowError, ConfigError, DataError,
                          LedgerError, MissingInputError, RepoFormatError, TamperedFileError, VerificationError,
                          VipHubError)

@@ -31,8 +31,11 @@ __all__ = [
     "epsilon",
     "epsilons",
     "max_steps_within",
+    "paper_delta",
 ]
 
+DEFAULT_DELTA_CAP = 1e-5
+"""The default delta is never above this, whatever n."""
 PRV_EPS_ERROR = 0.01
 PLD_INTERVAL = 1e-3
 MAX_SIGMA = 1e4
@@ -56,10 +59,20 @@ Mechanism = tuple[float, float, int]
 
 
 def default_delta(n: int) -> float:
-    """The ViP paper's delta for a dataset of ``n`` examples: 1 / (2n)."""
+    """The default delta for a dataset of ``n`` examples: min(1e-5, 1/(10n)), well below 1/n
+    (at 1/(2n) a mechanism may publish one random record with probability 1/2)."""
+    return min(DEFAULT_DELTA_CAP, 1.0 / (10 * _checked_size(n)))
+
+
+def paper_delta(n: int) -> float:
+    """The ViP paper's delta, 1/(2n): an explicit choice (``--delta``), never a default."""
+    return 1.0 / (2 * _checked_size(n))
+
+
+def _checked_size(n: int) -> int:
     if n <= 0:
         raise AccountingError(f"dataset size must be positive, got {n}")
-    return 1.0 / (2 * n)
+    return n
 
 
 def epsilon(

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .accounting import paper_delta
 from .captioning import TextDecoder, TextDecoderConfig
 from .errors import CheckpointError, ConfigError
 from .ledger import Dataset, DPStage, NonPrivateStage
@@ -94,6 +95,7 @@ def _vip_base() -> ImportPreset:
         noise_multiplier=0.5,
         steps=10_000,
         clipping_norm=0.1,
+        delta=paper_delta(n),
         mechanism="DP-AdamW",
         description=(
             "MAE with DP-AdamW from the (Syn)-ViP initialisation (ViP paper, Sec. 4.1 and "

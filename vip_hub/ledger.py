@@ -1,13 +1,17 @@
 """The privacy ledger: what data each training stage saw and what it cost.
 
-A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v2"``) stored three times in
+A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v3"``) stored three times in
 a released repo (safetensors metadata, ``privacy_ledger.json``, the model card) and
 recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy ledger").
 
 - ``stages``: in order; ``non-private`` stages (synthetic pretraining, a non-DP probe) and
   ``dp`` stages: a Gaussian mechanism on clipped sums (sensitivity, noise), its sampling,
   its epsilon under all three accountants and, when the run audited itself, an ``audit``.
-- ``guarantees``: one per private dataset, composing every DP stage that touched it.
+- ``guarantees``: one per private dataset, composing every DP stage that touched it. A
+  dataset's identity is its declared name (never a folder, a split or a hash); stages on
+  the same name compose, and two spellings of one name are refused. The ledger holds no
+  hash of the private data (v2 ledgers published an unsalted SHA-256 of it); its size n is
+  treated as public.
 - ``artifacts``: digests of the files the ledger describes, binding it to the weights.
 
 Every epsilon is stored rounded *up* to ``EPSILON_DECIMALS`` decimals (an audit's lower
@@ -18,6 +22,7 @@ of ranks, the machine) and a claim stays an upper bound.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,9 +36,19 @@ from .errors import LedgerError, UnsafePathError
 from .paths import validate_relpath
 from .repo_format import COMPONENT_PATTERN, ENCODER
 
-SCHEMA = "vip-hub/privacy-ledger/v2"
+SCHEMA = "vip-hub/privacy-ledger/v3"
 EPSILON_DECIMALS = 6
 _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
+
+_OLD_SCHEMAS = {
+    "vip-hub/privacy-ledger/v1": " (written by vip-hub < 0.2: export the repo again)",
+    "vip-hub/privacy-ledger/v2": " (written by vip-hub < 0.3, whose ledgers carried an unsalted SHA-256 of the "
+                                 "private dataset: retrain or export again with this version, and withdraw the "
+                                 "old release)",
+}
+
+DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
+"""A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
 
 PER_EXAMPLE_MECHANISMS = ("DP-SGD", "DP-Adam", "DP-AdamW")
 """Per-example clipping: the sensitivity of the clipped sum is the clipping norm C."""
@@ -41,6 +56,7 @@ Mechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
 Sampling = Literal["poisson", "shuffle"]
 
 __all__ = [
+    "DATASET_NAME_PATTERN",
     "ENCODER",
     "EPSILON_DECIMALS",
     "SCHEMA",
@@ -82,16 +98,17 @@ class _Model(BaseModel):
 
 
 class Dataset(_Model):
-    """A dataset as the ledger names it. ``fingerprint`` pins the exact contents."""
+    """A dataset as the ledger names it: its declared name is its identity (stages on one name
+    compose); ``size`` is the n its stage saw (a subset's, for a head on part of it)."""
 
     name: str = Field(min_length=1, max_length=200)
-    size: int | None = Field(default=None, gt=0, description="number of training examples n")
-    fingerprint: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
+    size: int | None = Field(default=None, gt=0, description="number of training examples n (treated as public)")
     description: str = ""
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        return (self.name, self.fingerprint)
+    def key(self) -> str:
+        """What identifies the dataset across stages, repos and the hub's dataset pages."""
+        return self.name
 
 
 class _Stage(_Model):
@@ -256,15 +273,14 @@ class Guarantee(_Model):
     """(epsilon, delta)-DP for one private dataset, composing the DP stages that touched it."""
 
     dataset: str
-    fingerprint: str | None = None
     epsilon: float = Field(ge=0)
     delta: float = Field(gt=0, lt=1)
     accountant: Accountant = Accountant.RDP
     stages: list[str] = Field(min_length=1)
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        return (self.dataset, self.fingerprint)
+    def key(self) -> str:
+        return self.dataset
 
 
 @dataclass(frozen=True)
@@ -276,6 +292,11 @@ class PrivacySummary:
     component: str
     guarantees: tuple[Guarantee, ...]
     unprotected_datasets: tuple[str, ...]
+    assumed_poisson: tuple[str, ...] = ()
+    """DP stages accounted as Poisson-sampled that were not (imported releases that shuffled)."""
+    epsilon_without_amplification: float | None = None
+    """With ``assumed_poisson``: the largest epsilon that holds without amplification by sampling
+    (each such stage's examples in every one of its epochs), under PLD."""
 
     @property
     def epsilon(self) -> float | None:
@@ -301,6 +322,14 @@ class PrivacySummary:
     def private_data(self) -> bool:
         return bool(self.guarantees or self.unprotected_datasets)
 
+    @property
+    def caveat(self) -> str | None:
+        """What a reader must be told wherever the epsilon is shown, if anything."""
+        if not self.assumed_poisson:
+            return None
+        return (f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not sample so; "
+                f"without amplification by sampling: ε = {self.epsilon_without_amplification:.2f} under PLD)")
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (responses, the hub index)."""
         return {
@@ -310,13 +339,15 @@ class PrivacySummary:
             "accountant": self.accountant.value if self.accountant else None,
             "private_data": self.private_data,
             "unprotected_datasets": list(self.unprotected_datasets),
+            "caveat": self.caveat,
+            "epsilon_without_amplification": self.epsilon_without_amplification,
         }
 
 
 class PrivacyLedger(_Model):
     """The whole record; see the module docstring."""
 
-    schema_: Literal["vip-hub/privacy-ledger/v2"] = Field(default=SCHEMA, alias="schema")
+    schema_: Literal["vip-hub/privacy-ledger/v3"] = Field(default=SCHEMA, alias="schema")
     privacy_unit: Literal["example"] = "example"
     adjacency: Literal["add-remove"] = "add-remove"
     stages: list[Stage] = Field(min_length=1)
@@ -338,7 +369,7 @@ class PrivacyLedger(_Model):
         problems: list[str] = []
         expected = _dp_stages_by_dataset(self.stages)
         unprotected = {s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data}
-        claimed: set[tuple[str, str | None]] = set()
+        claimed: set[str] = set()
         for i, g in enumerate(self.guarantees):
             if g.key in claimed:
                 problems.append(f"guarantees.{i}.dataset: two guarantees for {g.dataset!r}")
@@ -357,7 +388,8 @@ class PrivacyLedger(_Model):
                 )
         for key in expected:
             if key not in claimed:
-                problems.append(f"guarantees: missing a guarantee for dataset {key[0]!r}")
+                problems.append(f"guarantees: missing a guarantee for dataset {key!r}")
+        problems += _spellings(self.stages)
         for path, digest in self.artifacts.items():
             try:
                 validate_relpath(path)
@@ -400,8 +432,8 @@ class PrivacyLedger(_Model):
         if not isinstance(data, dict):
             raise LedgerError(["ledger: must be a JSON object"])
         if data.get("schema") != SCHEMA:
-            hint = " (written by vip-hub < 0.2: export the repo again)" if "/v1" in str(data.get("schema")) else ""
-            raise LedgerError([f"schema: expected {SCHEMA!r}, got {data.get('schema')!r}{hint}"])
+            raise LedgerError([f"schema: expected {SCHEMA!r}, got {data.get('schema')!r}"
+                               f"{_OLD_SCHEMAS.get(str(data.get('schema')), '')}"])
         return _validated(cls, **data)
 
     # ---------------------------------------------------------------- reading
@@ -422,15 +454,33 @@ class PrivacyLedger(_Model):
         encoder's; the encoder's leave out a DP head trained later on the same data)."""
         stages = [s for s in self.stages if s.component in (ENCODER, component)]
         unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
+        guarantees = compute_guarantees(stages)
+        assumed = tuple(s.name for s in stages if isinstance(s, DPStage) and s.sampling != "poisson")
         return PrivacySummary(
             component=component,
-            guarantees=tuple(compute_guarantees(stages)),
+            guarantees=tuple(guarantees),
             unprotected_datasets=tuple(dict.fromkeys(unprotected)),
+            assumed_poisson=assumed,
+            epsilon_without_amplification=_without_amplification(stages, guarantees) if assumed else None,
         )
 
 
-def _dp_stages_by_dataset(stages: Iterable[Any]) -> dict[tuple[str, str | None], list[DPStage]]:
-    groups: dict[tuple[str, str | None], list[DPStage]] = {}
+def _spellings(stages: Iterable[Any]) -> list[str]:
+    """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``)
+    would escape composition: refused."""
+    seen: dict[str, str] = {}
+    problems = []
+    for s in stages:
+        name = s.dataset.name
+        canonical = re.sub(r"[\s_.-]+", "-", name.strip().casefold())
+        if seen.setdefault(canonical, name) != name:
+            problems.append(f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
+                            "in two ways: use one name, so its stages compose")
+    return problems
+
+
+def _dp_stages_by_dataset(stages: Iterable[Any]) -> dict[str, list[DPStage]]:
+    groups: dict[str, list[DPStage]] = {}
     for s in stages:
         if isinstance(s, DPStage):
             groups.setdefault(s.dataset.key, []).append(s)
@@ -443,7 +493,7 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
     When the stages name different deltas the composition is reported at the largest.
     """
     out = []
-    for (name, fingerprint), group in _dp_stages_by_dataset(stages).items():
+    for name, group in _dp_stages_by_dataset(stages).items():
         accountant = group[0].accountant
         delta = max(s.delta for s in group)
         eps = (
@@ -451,9 +501,22 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
             if len(group) == 1
             else round_up(composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
         )
-        out.append(Guarantee(dataset=name, fingerprint=fingerprint, epsilon=eps, delta=delta,
+        out.append(Guarantee(dataset=name, epsilon=eps, delta=delta,
                              accountant=accountant, stages=[s.name for s in group]))
     return out
+
+
+def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> float:
+    """The largest epsilon over ``guarantees`` when every non-Poisson stage is taken as its
+    examples in each of its epochs (q = 1, T = ceil(qT)) under PLD, at each guarantee's delta."""
+    groups = _dp_stages_by_dataset(stages)
+    worst = 0.0
+    for g in guarantees:
+        history = [s.mechanism_tuple if s.sampling == "poisson"
+                   else (s.noise_multiplier, 1.0, math.ceil(s.sample_rate * s.steps - 1e-9))
+                   for s in groups[g.key]]
+        worst = max(worst, round_up(composed_epsilon(history, g.delta, Accountant.PLD)))
+    return worst
 
 
 def _validated(cls: type[Any], **fields: Any) -> Any:

@@ -11,6 +11,7 @@ A repo folder (or a hub commit's tree) holds::
     vocab.txt                 optional (DP-Cap): the tokenizer's vocabulary
     *.png                     optional: training curves shown in the card
     heads/<name>/             optional linear-probe heads: head.safetensors, labels.json, metrics.json
+    model.sig                 optional: the trainer's signature over every other file (vip_hub.signing)
 
 Every other module (writing, verifying, loading, the hub store, the inference API, the
 pages) reads these names from here; see ``docs/architecture.md``.
@@ -41,6 +42,7 @@ __all__ = [
     "MANAGED_FILES",
     "NAME_PATTERN",
     "REQUIRED_FILES",
+    "SIGNATURE_FILE",
     "TEXT_DECODER_FILE",
     "VOCAB_FILE",
     "WEIGHTS_FILE",
@@ -64,8 +66,10 @@ CARD_FILE = "README.md"
 MAE_DECODER_FILE = "mae_decoder.safetensors"
 TEXT_DECODER_FILE = "text_decoder.safetensors"
 VOCAB_FILE = "vocab.txt"
+SIGNATURE_FILE = "model.sig"
+"""A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after them)."""
 REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE)
-MANAGED_FILES = REQUIRED_FILES
+MANAGED_FILES = (*REQUIRED_FILES, SIGNATURE_FILE)
 """Files only vip_hub writes (``update_repo`` refuses to replace them with given bytes)."""
 
 # safetensors ``__metadata__`` keys
@@ -119,8 +123,8 @@ def heads_in(paths: object) -> list[str]:
 
 
 def is_weights_file(path: str) -> bool:
-    """Whether a repo path holds tensors (digested over its tensors, not its bytes)."""
-    return path.endswith(".safetensors")
+    """Whether a repo path holds tensors (digested over its tensors, not its bytes); any case."""
+    return path.lower().endswith(".safetensors")
 
 
 def format_params(n: int | None) -> str:
@@ -137,4 +141,5 @@ def privacy_headline(summary: "PrivacySummary") -> str:
         for g in summary.guarantees
     ]
     parts += [f"NO guarantee for {d} (used without DP)" for d in summary.unprotected_datasets]
-    return "; ".join(parts) if parts else "no private data (ε = 0)"
+    line = "; ".join(parts) if parts else "no private data (ε = 0)"
+    return f"{line}, {summary.caveat}" if summary.caveat else line
