@@ -1,15 +1,17 @@
-"""Validation of the relative file paths a repo may contain (no traversal, no tricks)."""
+"""Validation of the relative file paths a repo may contain (no traversal, no tricks): each
+path alone (:func:`validate_relpath`) and a tree's paths together (:func:`tree_path_problems`)."""
 
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Iterable
 
 from .errors import UnsafePathError
 
 MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 
-__all__ = ["UnsafePathError", "validate_relpath"]
+__all__ = ["UnsafePathError", "tree_path_problems", "validate_relpath"]
 
 
 def validate_relpath(path: str) -> str:
@@ -31,4 +33,24 @@ def validate_relpath(path: str) -> str:
             raise UnsafePathError(f"path {path!r} has an empty, '.' or '..' segment")
         if len(segment) > MAX_SEGMENT_LENGTH:
             raise UnsafePathError(f"a segment of {path!r} is longer than {MAX_SEGMENT_LENGTH}")
+        if segment.rstrip(". ").casefold() == ".git":
+            raise UnsafePathError(f"path {path!r} has a '.git' segment: it would write into a downloader's git "
+                                  "checkout")
     return path
+
+
+def tree_path_problems(paths: Iterable[str]) -> list[str]:
+    """Paths of one tree that no filesystem can hold together: a file that is also a folder of
+    another path (``README.md`` beside ``README.md/x``), or two paths equal but for case."""
+    problems, seen = [], {}
+    files = set(paths)
+    for path in sorted(files):
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            if (folder := "/".join(parts[:depth])) in files:
+                problems.append(f"{folder!r} is a file and the folder of {path!r}")
+        folded = path.casefold()
+        if folded in seen:
+            problems.append(f"{seen[folded]!r} and {path!r} differ only by case")
+        seen.setdefault(folded, path)
+    return problems

@@ -3,8 +3,11 @@
 A repo verifies when
 - its three ledger copies (``privacy_ledger.json``, the weights' metadata, the card's front
   matter) are valid and equal;
+- its paths are safe, alone and together (``vip_hub.paths``), and no file holds a pickle, an
+  archive or compressed data whatever its name (``vip_hub.content``);
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
-- config.json and the weights agree on the architecture;
+- config.json and the weights agree on the architecture, and config.json names no other
+  source for the weights;
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
 - no DP stage claims less epsilon than its accountant gives for its parameters, its two
   reference figures are what the other accountants give, and no guarantee claims less than
@@ -26,6 +29,7 @@ from .accounting import Accountant, composed_epsilon
 from .artifacts import digest_file, read_safetensors_header
 from .audit import bound_over_grid
 from .card import card_ledger
+from .content import refused_content, weight_sources
 from .errors import (
     AccountingError,
     AuditError,
@@ -37,7 +41,7 @@ from .errors import (
     VerificationError,
 )
 from .ledger import EPSILON_DECIMALS, PrivacyLedger
-from .paths import validate_relpath
+from .paths import tree_path_problems, validate_relpath
 from .repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
@@ -123,11 +127,7 @@ def verify_repo(
     """Verify a repo folder, or a mapping of repo paths to local files (e.g. a hub commit)."""
     files = dict(repo) if isinstance(repo, Mapping) else repo_files(repo)
     report = VerificationReport()
-    for rel in files:
-        try:
-            validate_relpath(rel)
-        except RepoFormatError as e:
-            report.fail(rel, str(e))
+    _check_paths(files, report)
     for name in REQUIRED_FILES:
         if name not in files:
             report.fail(name, "missing: every released repo carries it")
@@ -142,6 +142,21 @@ def verify_repo(
         _check_accounting(ledger, report)
         _check_audits(ledger, report)
     return report
+
+
+def _check_paths(files: Mapping[str, Path], report: VerificationReport) -> None:
+    for rel, path in files.items():
+        try:
+            validate_relpath(rel)
+        except RepoFormatError as e:
+            report.fail(rel, str(e))
+            continue
+        if not is_weights_file(rel) and (what := refused_content(path)):  # weights are parsed as safetensors
+            report.fail(rel, f"holds {what}: content that can run code when loaded, or hide such content, is "
+                             "refused whatever the file's name; publish safetensors", TamperedFileError)
+    for problem in tree_path_problems(files):
+        report.fail("paths", problem)
+    report.checks.append("paths and content")
 
 
 def _ledger_copies(files: Mapping[str, Path], report: VerificationReport) -> dict[str, PrivacyLedger]:
@@ -229,6 +244,9 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
         report.fail(CONFIG_FILE, f"unreadable: {e}")
         return
     arch = (header.get("__metadata__") or {}).get(META_ARCH)
+    for key in weight_sources(config) if isinstance(config, dict) else []:
+        report.fail(key, f"would make timm load weights from elsewhere than the verified {WEIGHTS_FILE}",
+                    TamperedFileError)
     if not isinstance(config, dict) or "architecture" not in config:
         report.fail(CONFIG_FILE, "has no 'architecture' entry (timm needs one)")
     elif (config.get(CONFIG_BLOCK) or {}).get("arch") != arch:

@@ -42,12 +42,8 @@ __all__ = [
     "DeleteFolder",
     "FileEntry",
     "HubStore",
-    "PICKLE_SUFFIXES",
     "RepoRecord",
 ]
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-
 
 
 @dataclass(frozen=True)
@@ -383,11 +379,7 @@ class HubStore:
         new: dict[str, tuple[Path, FileDigest]] = {}
         for op in operations:
             path = validate_path(op.path.rstrip("/") if isinstance(op, DeleteFolder) else op.path)
-            if isinstance(op, AddFile | AddObject):
-                if path.lower().endswith(PICKLE_SUFFIXES):
-                    raise InvalidRequest(
-                        f"{path}: pickle-based weight files are not accepted; publish safetensors"
-                    )
+            if isinstance(op, AddFile | AddObject):  # what a file may hold is verify_repo's rule
                 if isinstance(op, AddFile):
                     source, digest = op.source, hash_file(op.source)
                 else:  # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
