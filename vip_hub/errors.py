@@ -21,8 +21,10 @@ __all__ = [
     "MissingInputError",
     "RepoFormatError",
     "SafetensorsError",
+    "SignatureError",
     "TamperedFileError",
     "UnsafePathError",
+    "UntrustedSignerError",
     "VerificationError",
     "VipHubError",
 ]
@@ -94,3 +96,12 @@ class ClaimTooLowError(VerificationError):
 class AuditError(VerificationError):
     """An empirical audit's lower bound exceeds the claim, or its recorded counts do not
     give the recorded bound."""
+
+
+class SignatureError(VerificationError):
+    """A repo's signature does not hold: malformed, not made by the key it names, leaving a
+    file unsigned, or over files that changed after signing."""
+
+
+class UntrustedSignerError(SignatureError):
+    """A repo signed by a key that is not among the trusted ones."""

@@ -46,6 +46,7 @@ from .repo_format import (
     META_DECODER,
     META_FORMAT,
     META_LEDGER,
+    SIGNATURE_FILE,
     TEXT_DECODER_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
@@ -101,6 +102,8 @@ def export_encoder(
     if vocab is not None:
         artifacts[VOCAB_FILE] = _sha256_bytes(vocab)
     for rel, data in (extra_files or {}).items():
+        if rel in MANAGED_FILES:
+            raise ConfigError(f"{rel} is managed by vip_hub and cannot be an extra file")
         artifacts[validate_relpath(rel)] = _sha256_bytes(data)
     ledger = PrivacyLedger.build(stages, artifacts)
     info = CardInfo(
@@ -143,8 +146,9 @@ def update_repo(
 
     ``replace_component`` (e.g. ``"heads/digits"``) first drops that component's stages and
     the files under its folder. ``comparison`` replaces the card's probe-comparison table.
-    The three ledger copies and the card are rewritten together; the update is atomic.
-    Returns the new ledger.
+    The three ledger copies and the card are rewritten together; the update is atomic. A
+    signature (``model.sig``) no longer covers the new files and is removed: sign again
+    (``vip-hub sign``). Returns the new ledger.
     """
     repo = Path(repo_dir)
     verify_repo(repo).raise_for_problems()
@@ -172,6 +176,7 @@ def update_repo(
     }
 
     def write(tmp: Path) -> None:
+        (tmp / SIGNATURE_FILE).unlink(missing_ok=True)
         if replace_component and (tmp / replace_component).is_dir():
             shutil.rmtree(tmp / replace_component)
         for rel, data in files.items():

@@ -1,0 +1,276 @@
+"""Signed provenance: a repo folder signed with an elliptic-curve key (OpenSSF model-signing),
+checked against public keys the reader trusts.
+
+``verify`` proves that a repo is consistent (its ledger copies agree, its files have the
+digests the ledger binds, every epsilon follows from its parameters); it cannot tell a
+consistent rewrite from the original. A signature (``model.sig``, a Sigstore bundle over
+the SHA-256 of every file but itself) says whose key produced exactly these files: the
+trainer's at export, and the hub records which trusted key that was when it accepts a
+commit. A key is named by its file (``NAME.pub``) and identified by its fingerprint, the
+SHA-256 of its PEM form (the key hint model-signing writes into the bundle).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from .artifacts import file_sha256
+from .errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
+from .repo_format import NAME_PATTERN, SIGNATURE_FILE
+from .verify import Problem, VerificationReport, repo_files
+
+__all__ = [
+    "KEY_NAME",
+    "PRIVATE_SUFFIX",
+    "PUBLIC_SUFFIX",
+    "SIGNING_KEY_ENV",
+    "PublicKey",
+    "check_signature",
+    "create_key",
+    "default_key_dir",
+    "load_keys",
+    "sign_repo",
+    "verify_signature",
+]
+
+SIGNING_KEY_ENV = "VIP_HUB_SIGNING_KEY"
+"""The environment variable naming the private key training runs sign their repos with."""
+KEY_NAME = "signing"
+"""The default name of a key pair: ``signing.key`` and ``signing.pub``."""
+PRIVATE_SUFFIX, PUBLIC_SUFFIX = ".key", ".pub"
+_CURVE = ec.SECP256R1()
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    """A public key a reader or a hub trusts: its name (the file's stem), file and fingerprint."""
+
+    name: str
+    path: Path
+    fingerprint: str
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PublicKey:
+        """Read a PEM public key file (an EC key on a curve model-signing supports)."""
+        path = Path(path)
+        try:
+            key = serialization.load_pem_public_key(path.read_bytes())
+        except FileNotFoundError:
+            raise MissingInputError(f"{path}: no such public key file") from None
+        except ValueError as e:
+            raise ConfigError(f"{path}: not a PEM public key ({e})") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise ConfigError(f"{path}: not an elliptic-curve key (model-signing signs with EC keys)")
+        return cls(path.name.removesuffix(PUBLIC_SUFFIX), path, _fingerprint(key))
+
+    def short(self) -> str:
+        """The name and the first 16 hex digits of the fingerprint, as messages and pages show it."""
+        return f"{self.name} ({self.fingerprint[:16]})"
+
+
+def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
+    """SHA-256 of the key's PEM SubjectPublicKeyInfo: the hint model-signing records."""
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(pem).hexdigest()
+
+
+def default_key_dir() -> Path:
+    """Where ``vip-hub key create`` keeps keys by default: ``$XDG_CONFIG_HOME/vip-hub`` (else
+    ``~/.config/vip-hub``), outside any repo."""
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "vip-hub"
+
+
+def create_key(folder: str | os.PathLike[str] | None = None, name: str = KEY_NAME, *,
+               overwrite: bool = False) -> tuple[Path, PublicKey]:
+    """Write a new P-256 key pair ``NAME.key`` (mode 0600) and ``NAME.pub`` to ``folder``
+    (default :func:`default_key_dir`); returns the private key's path and the public key."""
+    import re
+
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise ConfigError(f"key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    folder = Path(folder) if folder is not None else default_key_dir()
+    private, public = folder / f"{name}{PRIVATE_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
+    if not overwrite and (private.exists() or public.exists()):
+        raise ConfigError(f"{private} or {public} exists; choose another name or pass overwrite")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = ec.generate_private_key(_CURVE)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    private.unlink(missing_ok=True)
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, PublicKey.load(public)
+
+
+def load_keys(paths: Iterable[str | os.PathLike[str]]) -> list[PublicKey]:
+    """The public keys named: files, or folders whose ``*.pub`` files are read (a missing
+    folder holds none: a hub with no key list trusts nobody)."""
+    keys = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            keys += [PublicKey.load(f) for f in sorted(p.glob(f"*{PUBLIC_SUFFIX}"))]
+        elif p.exists() or p.suffix == PUBLIC_SUFFIX:
+            keys.append(PublicKey.load(p))
+    return keys
+
+
+def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> str:
+    """Sign every file of repo ``folder`` but its signature into ``folder/model.sig``
+    (replacing any earlier one); returns the signing key's fingerprint."""
+    from model_signing import signing
+
+    folder, private_key = Path(folder).resolve(), Path(private_key)
+    if private_key.resolve().is_relative_to(folder):
+        raise ConfigError(f"{private_key} lies inside the repo {folder}: it would be published with it")
+    try:
+        key = serialization.load_pem_private_key(private_key.read_bytes(), None)
+    except FileNotFoundError:
+        raise MissingInputError(f"{private_key}: no such private key file") from None
+    except (TypeError, ValueError) as e:  # not PEM, or protected by a password
+        raise ConfigError(f"{private_key}: not an unencrypted PEM private key ({e})") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{private_key}: not an elliptic-curve key (model-signing signs with EC keys)")
+    files = repo_files(folder)
+    files.pop(SIGNATURE_FILE, None)
+    tmp = folder / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
+    try:
+        with _view(files, folder.name) as view:
+            config = signing.Config().use_elliptic_key_signer(private_key=private_key)
+            config.set_hashing_config(_hashing()).sign(view, tmp)
+        os.replace(tmp, folder / SIGNATURE_FILE)
+    except ValueError as e:  # a curve model-signing does not support
+        raise ConfigError(f"{private_key}: cannot sign with it ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _fingerprint(key.public_key())
+
+
+def verify_signature(repo: str | os.PathLike[str] | Mapping[str, Path],
+                     keys: Iterable[PublicKey]) -> PublicKey | None:
+    """Check a repo folder's (or a mapping of repo paths to files') ``model.sig`` against
+    ``keys``; returns the key that signed it, or None for an unsigned repo.
+
+    Raises UntrustedSignerError when the signature names no key of ``keys``, SignatureError
+    when it is malformed, not made by that key, leaves a file unsigned, or the files changed
+    after signing."""
+    from model_signing import verifying
+
+    files = dict(repo) if isinstance(repo, Mapping) else repo_files(repo)
+    signature = files.pop(SIGNATURE_FILE, None)
+    if signature is None:
+        return None
+    bundle = _read_bundle(signature)
+    hint = ((bundle.get("verificationMaterial") or {}).get("publicKey") or {}).get("hint")
+    by_fingerprint = {k.fingerprint: k for k in keys}
+    signer = by_fingerprint.get(hint or "")
+    if signer is None:
+        trusted = ", ".join(k.short() for k in by_fingerprint.values()) or "none"
+        raise _refusal(f"signed by key {str(hint)[:16]}, which is not a trusted key (trusted: {trusted})",
+                       UntrustedSignerError)
+    name = "repo" if isinstance(repo, Mapping) else Path(repo).name
+    with _view(files, name) as view:
+        try:
+            config = verifying.Config().use_elliptic_key_verifier(public_key=signer.path)
+            config.set_hashing_config(_hashing()).verify(view, signature)
+        except ValueError as e:
+            if str(e).startswith("Signature mismatch"):
+                changes = _changes(files, bundle)
+                raise _refusal(f"the files differ from what {signer.short()} signed ({changes})") from None
+            raise _refusal(f"not a valid signature by {signer.short()}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - cryptography's InvalidSignature, a malformed bundle
+            raise _refusal(f"not a valid signature by {signer.short()}: {type(e).__name__} {e}".rstrip()) from None
+    unsigned = sorted(p for p in files if p not in _signed(bundle))
+    if unsigned:  # the signer listed them as ignored
+        raise _refusal(f"leaves {', '.join(unsigned)} unsigned")
+    return signer
+
+
+def check_signature(repo: str | os.PathLike[str], key_paths: Iterable[str | os.PathLike[str]] | None,
+                    report: VerificationReport) -> PublicKey | None:
+    """Add the signature's check to ``report`` (``vip-hub verify --key``): a problem when it
+    does not hold, a warning when the repo is unsigned or no key was given; returns the signer."""
+    if not (Path(repo) / SIGNATURE_FILE).is_file():
+        report.warnings.append(f"unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these "
+                               "files; verify proves only that they are consistent")
+        return None
+    if key_paths is None:
+        report.warnings.append(f"signed ({SIGNATURE_FILE}) but not checked: pass --key PUB, the public key of "
+                               "whoever you trust to have trained it")
+        return None
+    try:
+        signer = verify_signature(repo, load_keys(key_paths))
+    except SignatureError as e:
+        report.problems.extend(e.problems)
+        return None
+    report.checks.append(f"signed by {signer.short()}" if signer else "unsigned")
+    return signer
+
+
+def _refusal(message: str, kind: type[SignatureError] = SignatureError) -> SignatureError:
+    """The error for a signature that does not hold, its one problem named by the signature file."""
+    return kind([Problem(SIGNATURE_FILE, message, kind)])
+
+
+def _hashing() -> Any:
+    """The hashing every signature here uses: SHA-256 per file over a folder of links, the
+    signature file itself listed as ignored."""
+    from model_signing import hashing
+
+    return hashing.Config().set_allow_symlinks(True).set_ignored_paths(paths=[SIGNATURE_FILE])
+
+
+def _read_bundle(path: Path) -> dict[str, Any]:
+    """The signature file's JSON (a Sigstore bundle), or SignatureError."""
+    try:
+        bundle = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise _refusal(f"not a signature bundle ({e})") from None
+    if not isinstance(bundle, dict):
+        raise _refusal("not a signature bundle (not a JSON object)")
+    return bundle
+
+
+def _signed(bundle: Mapping[str, Any]) -> dict[str, str]:
+    """Repo path -> SHA-256 hex of every file the bundle's payload lists."""
+    payload = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    return {r["name"]: r["digest"] for r in payload["predicate"]["resources"]}
+
+
+def _changes(files: Mapping[str, Path], bundle: Mapping[str, Any]) -> str:
+    """Which files were changed, added or removed since signing (the bundle's signature is
+    already checked, so its payload is what the signer signed)."""
+    signed = _signed(bundle)
+    changed = sorted(p for p in set(signed) & set(files) if file_sha256(files[p]) != "sha256:" + signed[p])
+    parts = [f"{label} {', '.join(paths)}" for label, paths in (
+        ("changed:", changed), ("added:", sorted(set(files) - set(signed))),
+        ("removed:", sorted(set(signed) - set(files)))) if paths]
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _view(files: Mapping[str, Path], name: str) -> Iterator[Path]:
+    """A temporary folder named ``name`` of symbolic links to ``files`` (repo path -> file):
+    what is signed and verified is exactly a repo's files, wherever they are kept."""
+    with tempfile.TemporaryDirectory(prefix="vip-hub-sign-") as tmp:
+        root = Path(tmp) / name
+        root.mkdir()
+        for rel, path in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(Path(path).resolve(), root / rel)
+        yield root
