@@ -34,7 +34,7 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     NOT_RUN_SETTINGS: ClassVar[tuple[str, ...]] = (
-        "out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id")
+        "out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id", "signing_key")
     """Fields that name outputs or resources, not the run: they may change across a resume."""
 
     out: str = Field(description="folder the released repo is written to (the run folder is OUT.run/)")
@@ -48,6 +48,8 @@ class RunConfig(BaseModel):
     repo_id: str | None = Field(None, description="hub id shown on the card, e.g. vip/vip-nano")
     restart: bool = Field(False, description="discard the run folder's checkpoint and start over")
 
+    signing_key: str | None = Field(None, description="private key that signs the exported repo, model.sig "
+                                                      "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)")
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""
         return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))

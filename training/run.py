@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import shutil
 import sys
@@ -16,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
+
+from vip_hub.signing import SIGNING_KEY_ENV, sign_repo
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Dist
@@ -123,8 +126,12 @@ class Run:
         return self.log.records() if self.log is not None else []
 
     def export(self, write: Callable[[], Any]) -> Path:
-        """Write the released repo on rank 0 (every rank waits for it); returns its folder."""
+        """Write the released repo on rank 0 and sign it with ``signing_key`` (else
+        ``VIP_HUB_SIGNING_KEY``) if either is set; every rank waits for it. Returns its folder."""
         if self.dist.main:
             write()
+            key = self.cfg.signing_key or os.environ.get(SIGNING_KEY_ENV)
+            if key:
+                sign_repo(self.cfg.out, key)
         self.dist.barrier()
         return Path(self.cfg.out)
