@@ -120,6 +120,22 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return repos
 
 
+def published_hashes_of(data: Path, repo: Path) -> set[str]:
+    """The plain SHA-256 digests of the private data (each file's, and the whole folder's as vip-hub
+    < 0.3 fingerprinted it) that appear in any file of ``repo``: a released repo must hold none."""
+    import hashlib
+
+    files = sorted(p for p in data.rglob("*") if p.is_file())
+    digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    whole = hashlib.sha256()
+    for p in files:
+        whole.update(p.relative_to(data).as_posix().encode() + b"\0")
+        whole.update(hashlib.sha256(p.read_bytes()).digest())
+    digests.add(whole.hexdigest())
+    released = b"".join(p.read_bytes() for p in repo.rglob("*") if p.is_file())
+    return {d for d in digests if d.encode() in released}
+
+
 def kill_mid_run(cmd: list[str], out: Path, step: int) -> Path:
     """Start a training command, SIGKILL it once its log (``OUT.run/log.jsonl``) reaches ``step``
     (between checkpoints), check it had not finished; returns the log's path."""

@@ -481,8 +481,8 @@ def test_probe_trains_on_dpcap_features(repo, tmp_path):
         for i in range(8):
             Image.new("RGB", (32, 32), tuple(min(255, c + 6 * i) for c in color)).save(data / label / f"{i}.png")
     out = tmp_path / "with-head"
-    r = run_probe(ProbeConfig(encoder=str(repo), data=str(data), test_fraction=0.25, head="colors", pooling="dpcap",
-                              epochs=3, warmup_epochs=1, batch_size=8, out=str(out)))
+    r = run_probe(ProbeConfig(encoder=str(repo), data=str(data), test_fraction=0.5, head="colors", pooling="dpcap",
+                              epochs=3, warmup_epochs=1, batch_size=8, out=str(out), dataset_name="test/colors"))
     assert r.features["train_x"].shape[1] == WIDTH
     head, info = load_head(out, "colors")
     assert info.pooling == "dpcap" and head.linear.in_features == WIDTH

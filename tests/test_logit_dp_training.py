@@ -35,6 +35,7 @@ BIN = Path(sys.executable).parent
 SYN_ARGS = dict(arch="vip-nano", img_size=16, patch_size=8, steps=2, batch_size=4, decoder_dim=32, decoder_depth=1,
                 decoder_heads=2, workers=0, seed=0)
 DP_ARGS = dict(steps=6, batch_size=6, sigma=1.0, seed=5, workers=0, device="cpu", checkpoint_every=2, eval_every=3,
+               dataset_name="test/images",
                trainable_blocks=2, projection_dim=8)
 
 
@@ -134,7 +135,7 @@ def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(syn_repo: Path
 
 
 def test_bad_settings_are_named(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    common = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "o"))
+    common = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "o"), dataset_name="test/images")
     with pytest.raises(ValueError, match="whole Poisson sample"):
         LogitDPConfig(micro_batch_size=4, **common)
     with pytest.raises(ConfigError, match="--max-batch is Logit-DP's"):

@@ -40,13 +40,13 @@ def test_digits_are_written_as_stratified_class_folders(digits: tuple[Path, Path
 def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
     train, test = digits
     r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
-                              epochs=15, warmup_epochs=2, dataset_name="digits-train"))
+                              epochs=15, warmup_epochs=2, dataset_name="test/digits-train"))
     assert r.top1 > 0.3, r.top1  # chance is 0.1
     assert r.repo == tiny_repo and list_heads(tiny_repo) == ["digits"]
     assert verify_repo(tiny_repo).ok
     stage = ledger_of(tiny_repo).stage("linear-probe:digits")
     assert stage.type == "non-private" and stage.private_data and stage.component == "heads/digits"
-    assert stage.dataset.name == "digits-train" and stage.dataset.size == 1437
+    assert stage.dataset.name == "test/digits-train" and stage.dataset.size == 1437
     card = (tiny_repo / "README.md").read_text()
     assert "No guarantee covers" in card and "linear-probe:digits" in card
     assert "top-1, linear probe 'digits' (vip features, no DP)" in card  # model-index entry
@@ -58,37 +58,41 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
     train, test = digits
     out = tmp_path / "with-dp-head"
     r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits-dp",
-                              epochs=10, warmup_epochs=1, epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out)))
+                              epochs=10, warmup_epochs=1, epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out),
+                              dataset_name="test/digits-train"))
     assert r.top1 > 0.2, r.top1
     assert verify_repo(out).ok and not (tiny_repo / "heads").exists()  # written to --out only
     ledger = ledger_of(out)
     stage = ledger.stage("linear-probe-dp:digits-dp")
     assert stage.type == "dp" and stage.mechanism == "DP-SGD" and stage.component == "heads/digits-dp"
-    assert stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1 / 2874)
+    assert stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1e-5)
     assert stage.steps == 10 * 6 and stage.sample_rate == pytest.approx(1 / 6)
     guarantee = next(g for g in ledger.guarantees if g.dataset == stage.dataset.name)
     assert guarantee.epsilon == pytest.approx(stage.epsilon)  # the labelled data is covered by the head's DP
 
 
-def test_few_shot_keeps_k_per_class_and_bad_input_is_named(tiny_repo: Path, digits, tmp_path: Path) -> None:
+def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(tiny_repo: Path, digits, tmp_path: Path) -> None:
     train, _ = digits
-    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), few_shot=5, epochs=5, export=False))
-    assert r.train_size == 50 and r.repo is None and r.test_size == 288
+    named = dict(encoder=str(tiny_repo), dataset_name="test/digits-train")
+    r = run_probe(ProbeConfig(data=str(train), few_shot_rate=50 / 1437, epochs=5, export=False, **named))
+    assert 15 <= r.train_size <= 90 and r.repo is None and 200 <= r.test_size <= 380  # keyed Bernoulli choices
     with pytest.raises(ValueError, match="head name"):
-        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), head="../evil"))
+        run_probe(ProbeConfig(data=str(train), head="../evil", **named))
     with pytest.raises(ValueError, match="optimizer"):
-        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), optimizer="adam", epochs=1, export=False))
+        run_probe(ProbeConfig(data=str(train), optimizer="adam", epochs=1, export=False, **named))
+    with pytest.raises(ValueError, match="dataset_name"):
+        ProbeConfig(encoder=str(tiny_repo), data=str(train))  # a declared name, never the folder's
     flat = tmp_path / "flat"
     flat.mkdir()
     (flat / "a.png").write_bytes((train / "0").iterdir().__next__().read_bytes())
     with pytest.raises(ValueError, match="one subfolder per class"):
-        run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(flat), export=False))
+        run_probe(ProbeConfig(data=str(flat), export=False, **named))
 
 
 def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digits) -> None:
     train, test = digits
     run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
-                          epochs=15, warmup_epochs=2))
+                          epochs=15, warmup_epochs=2, dataset_name="test/digits-train"))
     push_repo(tiny_repo, "vip/probe-test", token=WRITE_TOKEN)
     images = sorted((test / "3").glob("*.png"))[:4]
     r = httpx.post(f"{hub.url}/v1/classify", timeout=60, json={
@@ -99,7 +103,48 @@ def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digit
     assert len(body["data"]) == 4 and all(len(row["labels"]) == 3 for row in body["data"])
     assert {x["label"] for row in body["data"] for x in row["labels"]} <= {str(d) for d in range(10)}
     head = body["privacy"]["head"]  # trained without DP on the labelled digits: no guarantee, named as such
-    assert head["epsilon"] is None and head["private_data"] and head["unprotected_datasets"] == ["train"]
+    assert head["epsilon"] is None and head["private_data"] and head["unprotected_datasets"] == ["test/digits-train"]
+
+
+def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -> float:
+    """The composition of every DP stage ``component`` depends on, from the raw (q, sigma, T) by
+    dp_accounting's RDP accountant (not through vip_hub's own composition code)."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = RdpAccountant()
+    for s in ledger.dp_stages():
+        if s.component in ("encoder", component):
+            acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)),
+                        s.steps)
+    return acc.get_epsilon(delta)
+
+
+def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) -> None:
+    """Each component's served guarantee (the privacy blocks of /v1/embeddings and /v1/classify,
+    the card's headline) is at least the composition of its DP stages."""
+    from live import ThreadedServer, settings_for
+
+    image = base64.b64encode(sorted(images.glob("*.png"))[0].read_bytes()).decode()
+    with ThreadedServer(settings_for(store)) as server:
+        for name, repo in repos.items():
+            ledger = ledger_of(repo)
+            model = f"vip/{name}"
+            emb = httpx.post(f"{server.url}/v1/embeddings", json={"model": model, "input": [image]}, timeout=60)
+            cls = httpx.post(f"{server.url}/v1/classify", json={"model": model, "head": "digits", "input": [image]},
+                             timeout=60)
+            assert emb.status_code == cls.status_code == 200, (emb.text, cls.text)
+            for privacy, component in ((emb.json()["privacy"], "encoder"), (cls.json()["privacy"]["encoder"], "encoder"),
+                                       (cls.json()["privacy"]["head"], "heads/digits")):
+                truth = dp_accounting_epsilon(ledger, component, privacy["delta"] or 1e-5)
+                assert privacy["epsilon"] >= truth * (1 - 1e-3), (name, component, privacy, truth)
+            head = ledger.summary("heads/digits")
+            assert head.epsilon >= dp_accounting_epsilon(ledger, "heads/digits", head.delta) * (1 - 1e-3)
+            assert head.epsilon > ledger.stage("linear-probe-dp:digits").epsilon or name == "vip-nano-syn"
+            card = (repo / "README.md").read_text()
+            headline = card.split("| Privacy |")[1].split("\n")[0]
+            enc_eps = ledger.summary().epsilon
+            assert (f"ε = {enc_eps:.2f}" in headline) if enc_eps else "no private data" in headline
 
 
 @pytest.mark.slow
@@ -120,7 +165,8 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
-        assert "no private data (ε = 0)" in card and "-DP on sklearn-digits-train [RDP]" in card
+        assert "-DP on vip/sklearn-digits-train [RDP]" in card
+        assert "non-private head" not in card and "top1_nonprivate" not in card  # figures without a guarantee
         assert list_heads(repo) == ["digits"]
         assert f"publish vip/{repo.name}" in out
     mechanisms = {"vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"), "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
@@ -130,12 +176,14 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
         ledger = ledger_of(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
-        assert enc.dataset.name == "sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
-        assert enc.delta == pytest.approx(1 / 2874)
+        assert enc.dataset.name == "vip/sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
+        assert enc.delta == pytest.approx(1e-5)
         assert ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
     assert (repos["dpcap-nano-digits-dp"] / "vocab.txt").exists()
     assert "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
     assert 'timm.create_model("hf-hub:vip/vip-nano-digits-dp"' in out
+
+    served_guarantees_hold(tmp_path / "hub", repos, run / "digits" / "test" / "7")
 
     cfg.port = free_port()
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published

@@ -81,8 +81,10 @@ def _probe(args: argparse.Namespace) -> int:
     cfg = config_from_args(ProbeConfig, args)
     r = run_probe(cfg)
     kind = f"DP, epsilon {r.stage.epsilon:.3g}" if r.stage.type == "dp" else "no DP"
-    print(f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} "
-          f"held-out images ({r.train_size} training)")
+    where = ("public test images (published with the head)" if cfg.test_data else
+             "held-out private images (not published: a figure on private data carries no guarantee)")
+    print(f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} {where}; "
+          f"{r.train_size} training images")
     if r.repo:
         print(f"saved to {r.repo}/heads/{cfg.head}/")
     return 0

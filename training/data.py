@@ -7,13 +7,13 @@ image folder searched recursively (class subfolders allowed, labels ignored).
 ``KEY.jpg``/``KEY.png``/... and its caption ``KEY.txt`` per sample) or a folder with a
 ``captions.jsonl`` (one ``{"image": relative path, "caption": text}`` per line). Examples are
 addressed by a stable index (sorted paths, tar order, or the order of the lines), which
-Poisson sampling needs; ``fingerprint()`` hashes the exact contents, captions included, so the
-ledger pins the dataset. Anything malformed is a DataError naming the file.
+Poisson sampling needs. No hash of the contents is kept: a released ledger names a dataset by its
+declared name only (a plain hash would let anyone confirm a candidate dataset). Anything
+malformed is a DataError naming the file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -48,15 +48,13 @@ MAX_CAPTION_BYTES = 64 * 1024
 
 
 class PrivateImages(torch.utils.data.Dataset):
-    """Index -> RGB PIL image, plus a content fingerprint."""
+    """Index -> RGB PIL image."""
 
     name: str
 
     def load(self, index: int) -> Image.Image:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def fingerprint(self) -> str:  # pragma: no cover - interface
-        raise NotImplementedError
 
     @staticmethod
     def _decode(data: bytes, where: str) -> Image.Image:
@@ -88,16 +86,9 @@ class ImageFolder(PrivateImages):
         path = self.files[index]
         return self._decode(path.read_bytes(), str(path))
 
-    def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        for p in self.files:
-            h.update(p.relative_to(self.root).as_posix().encode() + b"\0")
-            h.update(hashlib.sha256(p.read_bytes()).digest())
-        return "sha256:" + h.hexdigest()
-
 
 class PrivateCaptions(PrivateImages):
-    """Index -> RGB PIL image and its caption, plus a fingerprint covering both."""
+    """Index -> RGB PIL image and its caption."""
 
     def caption(self, index: int) -> str:  # pragma: no cover - interface
         raise NotImplementedError
@@ -194,14 +185,6 @@ class TarShards(PrivateCaptions):
         key = _sample_key(self.names[index])[0]
         return self._text(self._read(self.texts[index]), f"{self.shards[self.texts[index][0]].name}:{key}.txt")
 
-    def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        for p in self.shards:
-            h.update(p.name.encode() + b"\0")
-            with open(p, "rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-        return "sha256:" + h.hexdigest()
-
 
 class CaptionFolder(PrivateCaptions):
     """The pairs listed in ``root/captions.jsonl``, one ``{"image": path relative to root,
@@ -261,12 +244,6 @@ class CaptionFolder(PrivateCaptions):
 
     def caption(self, index: int) -> str:
         return self.captions[index]
-
-    def fingerprint(self) -> str:
-        h = hashlib.sha256(self.file.read_bytes())
-        for p in self.files:
-            h.update(hashlib.sha256(p.read_bytes()).digest())
-        return "sha256:" + h.hexdigest()
 
 
 def open_images(path: str | os.PathLike[str]) -> PrivateImages:

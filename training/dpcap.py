@@ -145,11 +145,10 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
                            evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)})
 
     def export() -> None:
-        name = cfg.dataset_name or pairs.name
+        name = cfg.dataset_name
         stage = engine.stage(
             audit_delta=cfg.audit_delta, name="dp-captioning", mechanism=MECHANISM, clipping_norm=cfg.max_grad_norm,
-            dataset=Dataset(name=name, size=n, fingerprint=pairs.fingerprint(),
-                            description=f"{n} image-caption pairs; image captioning with DP-AdamW"),
+            dataset=Dataset(name=name, size=n, description=f"{n} image-caption pairs; image captioning with DP-AdamW"),
             description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every parameter, token "
                          "embedding included; Gaussian noise once per logical step, Poisson sampling); the text "
                          "decoder is trained from scratch in this stage"),

@@ -178,7 +178,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
                            evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)})
 
     def export() -> None:
-        name = cfg.dataset_name or images.name
+        name = cfg.dataset_name
         depth, k = len(model.encoder.blocks), cfg.trainable_blocks
         trained = sum(p.numel() for p in clipper.params)
         frozen = ("nothing (the fixed position embedding aside)" if k == depth else
@@ -189,8 +189,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         stage = engine.stage(
             audit_delta=cfg.audit_delta, name="dp-contrastive", mechanism=mechanism.ledger_name,
             mechanism_params=params, clipping_norm=clip,
-            dataset=Dataset(name=name, size=n, fingerprint=images.fingerprint(),
-                            description=f"{n} images; contrastive training with {mechanism.ledger_name}"),
+            dataset=Dataset(name=name, size=n, description=f"{n} images; contrastive training with {mechanism.ledger_name}"),
             description=(f"{mechanism.ledger_name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
                          f"augmented views per image, negatives from the same rank's Poisson sample; {clipping}; "
                          "Gaussian noise sigma x sensitivity once per logical step. Trained: the top "

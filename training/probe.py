@@ -2,20 +2,31 @@
 
 Features are computed once from the frozen encoder (``vip`` pooling by default), then the
 head, BatchNorm without affine parameters followed by a linear layer, is trained on them:
-LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode keeps k
-training examples per class.
+LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode keeps each
+training record with a given probability.
 
 With ``epsilon`` the head is trained with DP-SGD by Opacus (Poisson sampling, per-example
 clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to statistics of
 *public* features (the encoder's features of procedural images), so only the linear layer
 sees the labelled data, and the head's ledger stage is a DP stage naming that dataset.
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
+
+What a DP head's guarantee rests on is secret and never written anywhere: its noise, its
+Poisson sampling and the choice of subsets of the private data (the held-out split, the
+few-shot choice) come from a key drawn for the run. Subsets are chosen per record by a
+keyed hash of the record's bytes, so a record's membership does not change when another
+record comes or goes; the stage keeps the dataset's declared name, so it composes with
+every other stage on that dataset. Accuracy on a held-out split of the private data is
+printed, never written into the repo: only a public test set's figure is published.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +44,7 @@ from vip_hub.accounting import Accountant, calibrate, default_delta
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import head_component
-from vip_hub.ledger import Dataset, DPStage, NonPrivateStage
+from vip_hub.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
 from vip_hub.loading import load_encoder
 
 from .data import ImageFolder
@@ -45,16 +56,17 @@ __all__ = ["LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "load_la
 
 @dataclass
 class LabelledImages:
-    """Images with integer labels, their class names, and the dataset's ledger identity."""
+    """Images with integer labels, their class names, their files, and the dataset's ledger identity."""
 
     images: list[Image.Image]
     labels: np.ndarray
     classes: list[str]
     dataset: Dataset
+    files: list[Path]
 
 
-def load_labelled(path: str | os.PathLike[str], name: str | None = None) -> LabelledImages:
-    """An image folder with one subfolder per class."""
+def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
+    """An image folder with one subfolder per class, named ``name`` in ledgers."""
     folder = ImageFolder(path)
     members = [(i, p.relative_to(folder.root).parts[0]) for i, p in enumerate(folder.files)
                if len(p.relative_to(folder.root).parts) > 1]  # files in a class subfolder
@@ -64,9 +76,20 @@ def load_labelled(path: str | os.PathLike[str], name: str | None = None) -> Labe
     index = {c: i for i, c in enumerate(classes)}
     images = [folder.load(i) for i, _ in members]
     labels = np.array([index[c] for _, c in members])
-    dataset = Dataset(name=name or folder.name, size=len(members), fingerprint=folder.fingerprint(),
-                      description=f"{len(members)} labelled images, {len(classes)} classes")
-    return LabelledImages(images, labels, classes, dataset)
+    dataset = Dataset(name=name, size=len(members), description=f"{len(members)} labelled images, {len(classes)} classes")
+    return LabelledImages(images, labels, classes, dataset, [folder.files[i] for i, _ in members])
+
+
+def keyed_uniforms(key: bytes, purpose: str, files: list[Path], labels: np.ndarray) -> np.ndarray:
+    """One number in [0, 1) per record: HMAC-SHA256 under ``key`` of the record's bytes and label.
+    A record's number depends on that record alone, so subsets chosen by threshold are stable
+    when any other record is added or removed; without the key the numbers are unpredictable."""
+    out = np.empty(len(files))
+    for i, (f, y) in enumerate(zip(files, labels, strict=True)):
+        digest = hmac.new(key, purpose.encode() + b"\0" + str(int(y)).encode() + b"\0" + f.read_bytes(),
+                          hashlib.sha256).digest()
+        out[i] = int.from_bytes(digest[:8], "big") / 2.0**64
+    return out
 
 
 class ProbeConfig(BaseModel):
@@ -76,8 +99,10 @@ class ProbeConfig(BaseModel):
 
     encoder: str = Field(description="encoder repo folder or hub repo id")
     data: str = Field(description="labelled image folder (one subfolder per class): the probe's training data")
-    test_data: str | None = Field(None, description="labelled test folder (default: a stratified split of --data)")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share when --test-data is not given")
+    test_data: str | None = Field(None, description="PUBLIC labelled test folder; its accuracy goes on the card "
+                                                    "(default: a held-out share of --data, whose accuracy is printed only)")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of --data when --test-data is not given "
+                                                              "(records chosen by a keyed hash under a secret)")
     head: str = Field("probe", description="head name: the repo gets heads/NAME/")
     pooling: str = Field("vip", description="feature mode: vip (the paper's), avg, cls, or a family's own")
     epochs: int = Field(90, gt=0, description="training epochs")
@@ -86,13 +111,19 @@ class ProbeConfig(BaseModel):
     optimizer: Literal["lars", "sgd"] = Field("lars", description="lars or sgd (DP heads use SGD)")
     lr: float = Field(0.1, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
-    few_shot: int | None = Field(None, gt=0, description="keep k training examples per class")
+    few_shot_rate: float | None = Field(
+        None, gt=0, le=1, description="few-shot probe: keep each training record with this probability, by a keyed "
+                                      "hash under a secret (about k per class for k x classes / n)")
     epsilon: float | None = Field(None, gt=0, description="train the head with DP-SGD at this epsilon")
-    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/(2n) of the probe's training set)")
+    delta: float | None = Field(None, gt=0, lt=1,
+                                description="delta (default min(1e-5, 1/(10n)) of the probe's training set)")
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm of a DP head")
     accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
-    dataset_name: str | None = Field(None, description="the ledger's name for the labelled data")
-    seed: int = Field(0, description="seed of the split, the few-shot choice and the head's training")
+    dataset_name: str = Field(pattern=DATASET_NAME_PATTERN,
+                              description="the labelled data's declared name, namespaced (e.g. org/digits-train): "
+                                          "its identity in ledgers; the head's stage composes with every stage on it")
+    seed: int = Field(0, description="seed of a head's initialisation and of a non-private head's batches (a DP "
+                                     "head's noise and sampling, and subsets of --data, use a secret drawn per run)")
     out: str | None = Field(None, description="repo folder to write with the head (default: the encoder folder)")
     export: bool = Field(True, description="add the head to the repo")
     device: str = Field("cpu", description="auto, cpu, cuda or cuda:N")
@@ -109,23 +140,6 @@ class ProbeResult:
     features: dict[str, torch.Tensor]  # train_x, train_y, test_x, test_y (to compare other heads)
 
 
-def _split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.model_selection import train_test_split
-
-    idx = np.arange(len(labels))
-    train, test = train_test_split(idx, test_size=fraction, random_state=seed, stratify=labels)
-    return np.sort(train), np.sort(test)
-
-
-def _few_shot(labels: np.ndarray, k: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    keep = []
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
-        keep.extend(rng.choice(members, size=min(k, len(members)), replace=False))
-    return np.sort(np.array(keep))
-
-
 def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     if name == "lars":
         from timm.optim import Lars
@@ -137,8 +151,8 @@ def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.
 def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cfg: ProbeConfig,
               public_x: torch.Tensor | None = None, desc: str = "probe") -> tuple[LinearProbe, dict[str, Any]]:
     """Train a head on fixed features. With ``cfg.epsilon``: DP-SGD (Opacus) on the linear
-    layer, BatchNorm fixed to ``public_x`` statistics. Returns the head (eval mode) and the
-    DP parameters used (empty without DP)."""
+    layer, BatchNorm fixed to ``public_x`` statistics, noise and sampling from a fresh secret.
+    Returns the head (eval mode) and the DP parameters used (empty without DP)."""
     torch.manual_seed(cfg.seed)
     head = LinearProbe(train_x.shape[1], num_classes)
     n = len(train_x)
@@ -189,14 +203,17 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
     delta = cfg.delta if cfg.delta is not None else default_delta(n)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
+    # The mechanism's randomness: a secret per run, never stored (a public seed would let anyone
+    # who knows all but one record replay the head's training in both worlds).
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(normed, y), batch_size=batch,
-                                         generator=torch.Generator().manual_seed(cfg.seed))
+                                         generator=torch.Generator().manual_seed(secrets.randbits(63)))
     engine = PrivacyEngine(accountant="rdp")  # keeps the step history; the claim is ours (any accountant)
     warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     linear, opt, loader = engine.make_private(
         module=head.linear, optimizer=torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9),
         data_loader=loader, noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, poisson_sampling=True,
+        noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
     )
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     step, warmup = 0, cfg.warmup_epochs * steps_per_epoch
@@ -226,16 +243,22 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     head_component(cfg.head)  # validate the name before any work
     encoder = load_encoder(cfg.encoder, device=cfg.device)
     train = load_labelled(cfg.data, cfg.dataset_name)
+    key = secrets.token_bytes(32)  # chooses subsets of the private data; never stored
+    n, tr_idx = len(train.labels), np.arange(len(train.labels))
     if cfg.test_data:
-        test = load_labelled(cfg.test_data)
+        test = load_labelled(cfg.test_data, "public/test")
         if test.classes != train.classes:
             raise DataError(f"test classes {test.classes} differ from training classes {train.classes}")
-        tr_idx, test_images, test_y = np.arange(len(train.labels)), test.images, test.labels
+        test_images, test_y = test.images, test.labels
     else:
-        tr_idx, te_idx = _split(train.labels, cfg.test_fraction, cfg.seed)
+        held_out = keyed_uniforms(key, "held-out", train.files, train.labels) < cfg.test_fraction
+        tr_idx, te_idx = np.flatnonzero(~held_out), np.flatnonzero(held_out)
         test_images, test_y = [train.images[i] for i in te_idx], train.labels[te_idx]
-    if cfg.few_shot:
-        tr_idx = tr_idx[_few_shot(train.labels[tr_idx], cfg.few_shot, cfg.seed)]
+    if cfg.few_shot_rate:  # a public rate: no record's membership depends on any other record
+        kept = keyed_uniforms(key, "few-shot", [train.files[i] for i in tr_idx], train.labels[tr_idx]) < cfg.few_shot_rate
+        tr_idx = tr_idx[kept]
+    if not len(tr_idx) or not len(test_y):
+        raise DataError(f"{cfg.data}: the keyed choice left {len(tr_idx)} training and {len(test_y)} test examples")
     pooling = cfg.pooling
     train_x = encoder.embed([train.images[i] for i in tr_idx], pooling)
     test_x = encoder.embed(test_images, pooling)
@@ -246,13 +269,14 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
         public_x = encoder.embed(torch.stack([synth[i] for i in range(256)]), pooling)
     head, dp = fit_probe(train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}")
     top1 = accuracy(head, test_x, test_t)
-    # The head's stage covers exactly the examples it trained on.
-    used = train.dataset if len(tr_idx) == len(train.labels) else Dataset(
-        name=train.dataset.name + (f"-{cfg.few_shot}shot" if cfg.few_shot else "-train"),
-        size=len(tr_idx), fingerprint=train.dataset.fingerprint,
-        description=f"{len(tr_idx)} of the {len(train.labels)} labelled images (split seed {cfg.seed})")
+    # The head's stage keeps the dataset's name (it composes with every stage on it) and the n it saw.
+    used = train.dataset if len(tr_idx) == n else Dataset(
+        name=train.dataset.name, size=len(tr_idx),
+        description=f"{len(tr_idx)} of the {n} labelled images, each record chosen by a keyed hash under a "
+                    "secret (its membership does not depend on any other record)")
     stage = _stage(cfg, used, dp)
-    repo = _export(cfg, encoder, head, train.classes, stage, top1, len(tr_idx), len(test_y)) if cfg.export else None
+    public_top1 = top1 if cfg.test_data else None
+    repo = _export(cfg, encoder, head, train.classes, stage, public_top1, len(tr_idx)) if cfg.export else None
     features = {"train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_t}
     return ProbeResult(top1, len(tr_idx), len(test_y), head, stage, repo, features)
 
@@ -276,7 +300,8 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
 
 
 def _export(cfg: ProbeConfig, encoder: Any, head: LinearProbe, classes: list[str],
-            stage: NonPrivateStage | DPStage, top1: float, n_train: int, n_test: int) -> Path:
+            stage: NonPrivateStage | DPStage, public_top1: float | None, n_train: int) -> Path:
+    """Add the head to the repo; its accuracy is written only when measured on public test data."""
     src = Path(encoder.path)
     if cfg.out:
         out = Path(cfg.out)
@@ -289,12 +314,15 @@ def _export(cfg: ProbeConfig, encoder: Any, head: LinearProbe, classes: list[str
     else:
         raise ConfigError("the encoder came from a hub: pass --out DIR to write a repo folder with the head")
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
-    metrics = {"top1": top1, "train_size": n_train, "test_size": n_test, "pooling": cfg.pooling,
-               "few_shot": cfg.few_shot, "epochs": cfg.epochs}
-    result = EvalResult(
-        task_type="image-classification", dataset_type=stage.dataset.name, dataset_name=stage.dataset.name,
-        metric_type="accuracy", metric_value=round(top1, 4),
-        metric_name=f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
-    )
+    metrics = {"train_size": n_train, "pooling": cfg.pooling, "few_shot_rate": cfg.few_shot_rate, "epochs": cfg.epochs}
+    result = None
+    if public_top1 is not None:
+        metrics |= {"top1": public_top1, "test_data": "public"}
+        test_name = Path(cfg.test_data or "").name
+        result = EvalResult(
+            task_type="image-classification", dataset_type=test_name, dataset_name=f"{test_name} (public test data)",
+            metric_type="accuracy", metric_value=round(public_top1, 4),
+            metric_name=f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
+        )
     save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)  # type: ignore[arg-type]
     return out

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vip_hub.accounting import Accountant
 from vip_hub.audit import DEFAULT_DELTA
 from vip_hub.errors import ConfigError
+from vip_hub.ledger import DATASET_NAME_PATTERN
 
 __all__ = ["DPRunConfig", "Recipe", "RunConfig", "add_config_args", "config_from_args", "recipe_main"]
 
@@ -47,9 +48,9 @@ class RunConfig(BaseModel):
     model_name: str | None = Field(None, description="model name on the card (default: the folder's name)")
     repo_id: str | None = Field(None, description="hub id shown on the card, e.g. vip/vip-nano")
     restart: bool = Field(False, description="discard the run folder's checkpoint and start over")
-
     signing_key: str | None = Field(None, description="private key that signs the exported repo, model.sig "
                                                       "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)")
+
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""
         return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))
@@ -61,10 +62,12 @@ class DPRunConfig(RunConfig):
     data: str = Field(description="the private training data (see the recipe for its layout)")
     epsilon: float | None = Field(8.0, gt=0, description="target epsilon; training stops before exceeding it")
     sigma: float | None = Field(None, gt=0, description="noise multiplier (default: calibrated from --epsilon)")
-    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/(2n))")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta (default min(1e-5, 1/(10n)))")
     batch_size: int = Field(256, gt=0, description="expected logical batch size B (q = B/n)")
     dataset_size: int | None = Field(None, gt=0, description="n, checked against the examples found")
-    dataset_name: str | None = Field(None, description="the ledger's name for the data (default: the folder's)")
+    dataset_name: str = Field(pattern=DATASET_NAME_PATTERN,
+                              description="the private data's declared name, namespaced (e.g. org/fashion-mnist-train): "
+                                          "its identity in every ledger; stages on one name compose")
     micro_batch_size: int = Field(32, gt=0, description="physical batch that fits memory (does not change the result)")
     max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
     accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")

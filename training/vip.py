@@ -76,11 +76,10 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
                            evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
 
     def export() -> None:
-        name = cfg.dataset_name or images.name
+        name = cfg.dataset_name
         stage = engine.stage(
             audit_delta=cfg.audit_delta, name="dp-pretrain", mechanism=MECHANISM, clipping_norm=cfg.max_grad_norm,
-            dataset=Dataset(name=name, size=n, fingerprint=images.fingerprint(),
-                            description=f"{n} images; MAE pretraining with DP-AdamW"),
+            dataset=Dataset(name=name, size=n, description=f"{n} images; MAE pretraining with DP-AdamW"),
             description=("ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
                          "Gaussian noise once per logical step, Poisson sampling)"),
             hyperparameters={

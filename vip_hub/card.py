@@ -10,14 +10,17 @@ layout, feature modes, captioning) comes from ``vip_hub.models.Family``.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
-from .errors import LedgerError
+from .errors import LedgerError, RepoFormatError
 from .features import MODE_DESCRIPTIONS
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec
@@ -31,6 +34,7 @@ __all__ = [
     "card_ledger",
     "guarantee_paragraphs",
     "ledger_rows",
+    "load_card",
     "render_card",
 ]
 
@@ -38,6 +42,7 @@ LEDGER_COLUMNS = ("Stage", "Component", "Data", "Mechanism", "q", "σ", "Steps",
                   "Batch (expected)", "δ", "ε")
 
 TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "timm"]
+_MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
 
 @dataclass
@@ -50,7 +55,8 @@ class CardInfo:
     license: str = "apache-2.0"
     eval_results: list[EvalResult] = field(default_factory=list)
     # Rows of a side-by-side probe comparison (this model, other models, baselines):
-    # {"model", "encoder_privacy", "features", "top1", "top1_nonprivate"}; kept in the front matter as ``probe_comparison``.
+    # {"model", "privacy", "features", "top1"}: DP heads only, top-1 on public test data, each row's
+    # guarantee (head and encoder composed); kept in the front matter as ``probe_comparison``.
     comparison: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -98,16 +104,16 @@ def render_card(
         avg_dim=feature_dims["avg"],
         captions=captions,
         caption_family=family.captions,
-        headline=privacy_headline(ledger.summary()),
+        headline=_md(privacy_headline(ledger.summary())),
         guarantee_paragraphs=guarantee_paragraphs(ledger, spec.family.unit),
         audit_paragraphs=audit_paragraphs(ledger),
         public_stages=", ".join(
-            f"`{s.name}` ({s.dataset.name})"
+            f"{_code(s.name)} ({_md(s.dataset.name)})"
             for s in ledger.stages
             if isinstance(s, NonPrivateStage) and not s.private_data
         ),
         unprotected=", ".join(
-            f"`{s.name}` ({s.dataset.name}, component {s.component})"
+            f"{_code(s.name)} ({_md(s.dataset.name)}, component {_md(s.component)})"
             for s in ledger.stages
             if isinstance(s, NonPrivateStage) and s.private_data
         ),
@@ -115,19 +121,34 @@ def render_card(
         adjacency="add/remove-one",
         schema=ledger.schema_,
         ledger_columns=LEDGER_COLUMNS,
-        ledger_rows=ledger_rows(ledger),
-        stage_details=[{"name": s.name, "component": s.component, "text": _stage_text(s)} for s in ledger.stages],
-        plots=list(plots),
+        ledger_rows=[[_md(cell) for cell in row] for row in ledger_rows(ledger)],
+        stage_details=[{"name": _md(s.name), "component": _md(s.component), "text": _stage_text(s)}
+                       for s in ledger.stages],
+        plots=[{"alt": _md(p), "url": quote(p)} for p in plots],
         results=info.eval_results,
-        comparison=info.comparison,
+        comparison=[{k: _md(v) if isinstance(v, str) else v for k, v in row.items()} for row in info.comparison],
     )
     return str(card)
+
+
+def load_card(readme: str, *, strict: bool = False) -> ModelCard:
+    """huggingface_hub's ModelCard of ``readme``, once its front matter is known to hold no YAML
+    alias (a few KB of nested aliases expand to gigabytes); ``strict`` refuses bad metadata."""
+    match = REGEX_YAML_BLOCK.search(readme)
+    if match:
+        try:
+            aliased = any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(match.group(2), Loader=yaml.SafeLoader))
+        except yaml.YAMLError:
+            aliased = False  # not YAML: ModelCard says where
+        if aliased:
+            raise RepoFormatError(f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused")
+    return ModelCard(readme, ignore_metadata_errors=not strict)
 
 
 def card_ledger(readme: str) -> PrivacyLedger:
     """The ledger copy kept in a card's front matter (``differential_privacy``)."""
     try:
-        data = ModelCard(readme, ignore_metadata_errors=True).data.to_dict()
+        data = load_card(readme).data.to_dict()
     except yaml.YAMLError as e:
         raise LedgerError([f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]) from None
     if "differential_privacy" not in data:
@@ -137,7 +158,7 @@ def card_ledger(readme: str) -> PrivacyLedger:
 
 def card_info(readme: str) -> CardInfo:
     """Recover the CardInfo a card was rendered from."""
-    data = ModelCard(readme, ignore_metadata_errors=True).data
+    data = load_card(readme).data
     return CardInfo(
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",
@@ -168,17 +189,19 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
     for s in ledger.dp_stages():
         if s.sampling != "poisson":
             out.append(
-                f"**Sampling caveat for `{s.name}`:** the accounted ε assumes Poisson sampling (each example "
-                f"in each step independently with probability q), but this stage's training used "
-                f"`{s.sampling}` sampling instead, so the figures are what the recipe would give with Poisson "
-                "sampling, not a formal guarantee for these weights as they were trained.")
+                f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson sampling (each "
+                f"example in each step independently with probability q), but this stage's training used "
+                f"{_code(s.sampling)} sampling instead, so the figures are what the recipe would give with Poisson "
+                "sampling, not a formal guarantee for these weights as they were trained. What holds without "
+                "amplification by sampling (each example in each of its epochs, the same σ, PLD): "
+                f"**ε = {ledger.summary(s.component).epsilon_without_amplification:.2f}**.")
         a = s.audit
         if a is None:
             continue
         accounted = ", ".join(f"{eps:.2f} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items())
         best = max(a.results, key=lambda r: r.correct / r.guesses)
         out.append(
-            f"**Empirical audit of `{s.name}`:** {a.canaries:,} gradient canaries were each secretly put in the "
+            f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each secretly put in the "
             f"training data with probability 1/2 and read off every noisy update. An attack that knew "
             f"everything but those secret bits could prove at most **ε ≥ {a.epsilon_lower_bound:.2f}** with "
             f"{1 - a.beta:.0%} confidence (its best guess count: {best.correct} of {best.guesses} correct); the "
@@ -195,10 +218,10 @@ def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
     components = sorted({s.component for s in stages})
     return (
         f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
-        f"`{g.dataset}`** ({n:,} examples), composed over stage(s) "
-        f"{', '.join(f'`{s}`' for s in g.stages)} under the {g.accountant.value.upper()} accountant"
-        f"{_reference_note(stages)}. In plain words: for any single {unit} of `{g.dataset}`, "
-        f"anything one can compute from the {' and '.join(components)} weights is almost equally "
+        f"{_code(g.dataset)}** ({n:,} examples), composed over stage(s) "
+        f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} accountant"
+        f"{_reference_note(stages)}. In plain words: for any single {unit} of {_code(g.dataset)}, "
+        f"anything one can compute from the {_md(' and '.join(components))} weights is almost equally "
         f"likely whether or not that {unit} was in the training data: probabilities differ by at "
         f"most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
     )
@@ -230,10 +253,24 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
 
 
 def _stage_text(s: NonPrivateStage | DPStage) -> str:
-    text = s.description or (
-        f"{s.mechanism} on `{s.dataset.name}`" if isinstance(s, DPStage) else f"trained on `{s.dataset.name}`"
+    text = _md(s.description) if s.description else (
+        f"{_md(s.mechanism)} on {_code(s.dataset.name)}" if isinstance(s, DPStage)
+        else f"trained on {_code(s.dataset.name)}"
     )
     if isinstance(s, DPStage) and s.hyperparameters:
-        text += " Hyperparameters: " + ", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items()) + "."
+        text += " Hyperparameters: " + _md(", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items())) + "."
     return text
+
+
+def _md(text: str) -> str:
+    """A ledger string as literal Markdown text: one line, every character that starts markup
+    (or ends a table cell) escaped."""
+    return _MARKUP.sub(r"\\\1", " ".join(str(text).split()))
+
+
+def _code(text: str) -> str:
+    """A ledger string as one Markdown code span, whatever backticks or line breaks it holds."""
+    text = " ".join(str(text).split())
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}"
 

@@ -91,21 +91,29 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------------- verify
 def register_verify(sub: Any) -> None:
-    p = add_command(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files")
+    p = add_command(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files, and who "
+                                            "signed it")
     p.add_argument("repo", help="repo folder")
+    p.add_argument("--key", action="append", metavar="PUB",
+                   help="public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
+                        "(repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _verify(args: argparse.Namespace) -> int:
     from .repo_format import privacy_headline
+    from .signing import check_signature
     from .verify import verify_repo
 
     report = verify_repo(args.repo)
+    check_signature(args.repo, args.key, report)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         for p in report.problems:
             print(f"FAIL  {p}")
+        for w in report.warnings:
+            print(f"WARN  {w}")
         if report.ok and report.ledger is not None:
             print(f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} ({', '.join(report.checks)})")
     return 0 if report.ok else 1
@@ -162,10 +170,10 @@ def _preset_or_args(args: argparse.Namespace, delta: Callable[[int], float]) -> 
 
 
 def _import_mae(args: argparse.Namespace) -> None:
-    from .accounting import default_delta
+    from .accounting import paper_delta
     from .importer import import_mae_checkpoint
 
-    arch, stages, name, summary, _ = _preset_or_args(args, default_delta)
+    arch, stages, name, summary, _ = _preset_or_args(args, paper_delta)
     out = import_mae_checkpoint(
         args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name,
         summary=summary, img_size=args.img_size, repo_id=args.repo_id, overwrite=args.overwrite,

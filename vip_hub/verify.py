@@ -46,6 +46,7 @@ from .repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
+    HEADS_DIR,
     LEDGER_FILE,
     META_ARCH,
     META_LEDGER,
@@ -82,6 +83,8 @@ class VerificationReport:
     problems: list[Problem] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
     recomputed: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What verifies but a reader must know (an epsilon that assumes sampling the run did not use)."""
 
     @property
     def ok(self) -> bool:
@@ -103,6 +106,7 @@ class VerificationReport:
             "problems": [{"where": p.where, "message": p.message, "kind": p.kind.__name__} for p in self.problems],
             "checks": self.checks,
             "recomputed": self.recomputed,
+            "warnings": self.warnings,
         }
 
 
@@ -136,6 +140,7 @@ def verify_repo(
         return report
     report.ledger = ledger
     _check_artifacts(files, ledger, report)
+    _check_components(files, ledger, report)
     _check_config(files, report)
     _check_mechanisms(ledger, report)
     if check_accounting:
@@ -232,6 +237,22 @@ def _check_artifacts(files: Mapping[str, Path], ledger: PrivacyLedger, report: V
         if (is_weights_file(rel) or rel == CONFIG_FILE) and rel not in ledger.artifacts:
             report.fail(rel, "not listed in the ledger's artifacts: its provenance is unknown", TamperedFileError)
     report.checks.append("file digests")
+
+
+def _check_components(files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport) -> None:
+    """Every head folder has a stage of its own (else it would inherit the encoder's summary);
+    every stage accounted under an assumption it did not meet is reported as a warning."""
+    components = set(ledger.components())
+    for head in sorted({rel.split("/")[1] for rel in files if rel.startswith(f"{HEADS_DIR}/") and rel.count("/") >= 2}):
+        if f"{HEADS_DIR}/{head}" not in components:
+            report.fail(f"{HEADS_DIR}/{head}/", "has files but no ledger stage (DP or non-private) of its own: "
+                                                 "what trained it, on which data, is unknown")
+    for stage in ledger.dp_stages():
+        if stage.sampling != "poisson":
+            report.warnings.append(
+                f"stages.{stage.name}: accounted as Poisson-sampled but trained with {stage.sampling} sampling: "
+                f"its ε is as reported, assuming Poisson sampling")
+    report.checks.append("every component has its stages")
 
 
 def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None:

@@ -63,6 +63,10 @@ class Privacy(BaseModel):
     accountant: str | None
     private_data: bool
     unprotected_datasets: list[str] = Field(description="private datasets used WITHOUT a guarantee")
+    caveat: str | None = Field(description="what the epsilon assumes but the training did not meet (an imported "
+                                           "release that shuffled instead of Poisson-sampling), else null")
+    epsilon_without_amplification: float | None = Field(
+        description="with a caveat: the epsilon that holds without amplification by sampling (PLD)")
     headline: str = Field(description="the guarantee in one line, as the card and the pages state it")
 
     @classmethod

@@ -1,0 +1,131 @@
+"""What a released guarantee must survive (issue 22, ``../shared/DESIGN.md``): a DP head's noise and
+sampling come from a secret, subsets of private data are stable when another record comes or goes,
+nothing released carries a plain hash of the private data or a figure without a guarantee, and
+``verify`` refuses structural gaps."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import published_hashes_of
+from training.main_job import write_digits
+from training.probe import ProbeConfig, fit_probe, keyed_uniforms, run_probe
+from vip_hub.verify import verify_repo
+
+N, DIM = 64, 6
+
+
+def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, DIM, generator=g)
+    y = (x[:, 0] > 0).long()
+    return x, y, torch.randn(128, DIM, generator=g)  # the last: "public" features for the normalisation
+
+
+def _dp_head(batch: int, **kw) -> torch.Tensor:
+    x, y, public = _data()
+    cfg = ProbeConfig(encoder="", data="", dataset_name="test/points", epsilon=4.0, epochs=3, warmup_epochs=0,
+                      optimizer="sgd", lr=0.5, batch_size=batch, seed=0, **kw)
+    head, _ = fit_probe(x, y, 2, cfg, public_x=public)
+    return torch.cat([p.detach().flatten() for p in head.linear.parameters()])
+
+
+def test_two_dp_heads_with_the_same_seed_get_different_noise() -> None:
+    """batch = n: Poisson sampling at q = 1 takes every record, so only the noise can differ
+    (today's code seeded it with --seed: both heads were bit-identical)."""
+    a, b = _dp_head(batch=N), _dp_head(batch=N)
+    assert not torch.equal(a, b)
+
+
+def test_two_dp_heads_with_the_same_seed_sample_different_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the noise zeroed, only the Poisson sampling can make two heads differ."""
+    import opacus.optimizers.optimizer as opt
+
+    monkeypatch.setattr(opt, "_generate_noise", lambda std, reference, *a, **k: torch.zeros_like(reference))
+    a, b = _dp_head(batch=8), _dp_head(batch=8)
+    assert not torch.equal(a, b)
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", _seeded_loader(torch.utils.data.DataLoader.__init__))
+    assert torch.equal(_dp_head(batch=8), _dp_head(batch=8))  # the check can fail: a fixed sampler is caught
+
+
+def _seeded_loader(init):  # type: ignore[no-untyped-def]
+    def wrapped(self, *args, generator=None, **kw):  # type: ignore[no-untyped-def]
+        return init(self, *args, generator=torch.Generator().manual_seed(0), **kw)
+    return wrapped
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_digits(tmp_path_factory.mktemp("digits"), test_fraction=0.2, seed=0)
+
+
+def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
+        tiny_repo: Path, digits: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn: list[bytes] = []
+    bits, token = secrets.randbits, secrets.token_bytes
+
+    def randbits(k: int) -> int:
+        v = bits(k)
+        drawn.append(v.to_bytes(8, "little"))
+        drawn.extend([v.to_bytes(8, "big"), str(v).encode(), f"{v:x}".encode()])
+        return v
+
+    def token_bytes(n: int) -> bytes:
+        v = token(n)
+        drawn.extend([v, v.hex().encode()])
+        return v
+
+    monkeypatch.setattr(secrets, "randbits", randbits)
+    monkeypatch.setattr(secrets, "token_bytes", token_bytes)
+    train, _ = digits
+    out = tmp_path / "repo"
+    run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), head="d", epochs=2, warmup_epochs=0,
+                          epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out), dataset_name="test/digits"))
+    assert len(drawn) >= 10  # noise, sampling and the subset key were drawn from the secret source
+    released = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert not [d for d in drawn if d in released]
+    assert not published_hashes_of(train, out)
+    assert verify_repo(out).ok
+
+
+def test_a_records_membership_does_not_depend_on_other_records(tiny_repo: Path, digits: tuple[Path, Path],
+                                                               tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out split and the few-shot choice of D and of D without one record agree on every
+    other record (today's seeded permutation reshuffled all of them)."""
+    train, _ = digits
+    smaller = tmp_path / "smaller"
+    for f in train.rglob("*.png"):
+        (smaller / f.parent.name).mkdir(parents=True, exist_ok=True)
+        (smaller / f.parent.name / f.name).write_bytes(f.read_bytes())
+    removed = sorted((train / "4").glob("*.png"))[0]
+    (smaller / "4" / removed.name).unlink()
+    key = b"k" * 32
+    monkeypatch.setattr(secrets, "token_bytes", lambda n: key)  # the same secret in both worlds
+    kept = []
+    for data in (train, smaller):
+        r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(data), few_shot_rate=0.2, epochs=1, warmup_epochs=0,
+                                  export=False, dataset_name="test/digits"))
+        kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["train_x"]})
+        kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["test_x"]})
+    gone = {tuple(np.round(row, 4)) for row in _features_of(tiny_repo, removed)}
+    assert kept[0] - gone == kept[2] and kept[1] - gone == kept[3]
+    files = sorted(train.rglob("*.png"))
+    labels = np.array([int(f.parent.name) for f in files])
+    u = keyed_uniforms(key, "held-out", files, labels)
+    assert np.array_equal(u[1:], keyed_uniforms(key, "held-out", files[1:], labels[1:]))
+    assert not np.array_equal(u, keyed_uniforms(b"other" * 8, "held-out", files, labels))
+
+
+def _features_of(repo: Path, image: Path) -> np.ndarray:
+    """The removed record's features, copied from a probe on the full folder (same encoder, same pooling)."""
+    from PIL import Image
+
+    from vip_hub.loading import load_encoder
+
+    return load_encoder(str(repo)).embed([Image.open(image).convert("RGB")], "vip").numpy()
