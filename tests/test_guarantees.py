@@ -129,3 +129,29 @@ def _features_of(repo: Path, image: Path) -> np.ndarray:
     from vip_hub.loading import load_encoder
 
     return load_encoder(str(repo)).embed([Image.open(image).convert("RGB")], "vip").numpy()
+
+
+def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path) -> None:
+    """Today such a head verified and inherited the encoder's summary."""
+    from safetensors.torch import save
+
+    from vip_hub.repo import update_repo
+
+    update_repo(tiny_repo, add_files={"heads/evil/head.safetensors": save({"w": torch.zeros(2)}),
+                                      "heads/evil/labels.json": b"[]"})
+    report = verify_repo(tiny_repo)
+    assert not report.ok and [p.where for p in report.problems] == ["heads/evil/"]
+
+
+def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:
+    from conftest import TINY, synthetic_stage, tiny_encoder
+    from vip_hub import Dataset, DPStage, export_encoder
+
+    shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
+                                       sample_rate=0.1, noise_multiplier=1.0, steps=40, clipping_norm=1.0,
+                                       sampling="shuffle")
+    repo = export_encoder(tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r")
+    report = verify_repo(repo)
+    assert report.ok and any("assuming Poisson sampling" in w for w in report.warnings)
+    card = (repo / "README.md").read_text()
+    assert "as reported, assuming Poisson sampling" in card.split("| Privacy |")[1].split("\n")[0]
