@@ -29,19 +29,22 @@ other trainable parameter is an error at construction: there is no silent fallba
 Under bf16/fp16 (autocast, or a model in that dtype) the clipped products run in that
 precision, whose rounding could lift an example's contribution above C. The factors then
 come from an upper bound on each contribution's norm instead of the norm itself (see
-``_rounding_bound``); in fp32 and fp64 they come from the norm, as the equivalence tests check.
+``rounding_bound`` and ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares); in
+fp32 and fp64 they come from the norm, as the equivalence tests check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "clip_factors"]
+__all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "add_to_grad", "clip_factors",
+           "factor_norms", "grad_roundoff", "rounding_bound"]
 
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
@@ -80,7 +83,7 @@ class _Part:
     a: torch.Tensor | None = None
     g: torch.Tensor | None = None
     # (b,) bound on the norm of this layer's clipped contribution per unit factor, when its
-    # clipped product runs in bf16/fp16 (``_rounding_bound``); None in fp32 and fp64
+    # clipped product runs in bf16/fp16 (``rounding_bound``); None in fp32 and fp64
     bound: torch.Tensor | None = None
 
 
@@ -90,6 +93,25 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     clipper, and the audit's canaries, clip through this one function."""
     factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def grad_roundoff(params: list[nn.Parameter]) -> float:
+    """The relative rounding of adding a clipped sum into a bf16/fp16 ``.grad`` (0 in fp32 and fp64)."""
+    return max((torch.finfo(p.dtype).eps / 2 for p in params if p.dtype.itemsize < 4), default=0.0)
+
+
+def factor_norms(norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]],
+                 roundoff: float) -> torch.Tensor:
+    """The norms clip factors come from: ``norms`` themselves, or, when some share's clipped
+    product runs in bf16/fp16 or ``.grad`` rounds (``roundoff``), an upper bound on the norm of each
+    contribution as it is computed. ``shares``: each part's squared norms and its rounding bound
+    (``rounding_bound``; None where its sum is formed in fp32 or fp64)."""
+    if all(bound is None for _, bound in shares) and not roundoff:
+        return norms
+    sq = torch.zeros_like(norms)
+    for part_sq, bound in shares:
+        sq += part_sq if bound is None else bound.square()
+    return sq.sqrt() * ((1 + _FP32_ALLOWANCE) * (1 + roundoff))
 
 
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
@@ -125,7 +147,7 @@ def _ghost(a: torch.Tensor, g: torch.Tensor, cross: bool) -> tuple[torch.Tensor,
     edges = [t * j // blocks for j in range(blocks + 1)]
     sq = torch.zeros(b, device=a.device, dtype=a.dtype)
     norms = torch.zeros_like(sq) if cross else None
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in pairwise(edges):
         ga, gg = torch.bmm(a[:, lo:hi], a[:, lo:].mT), torch.bmm(g[:, lo:hi], g[:, lo:].mT)
         whole = _dot(ga, gg)
         if hi < t:  # the diagonal block once, the rest twice
@@ -144,8 +166,9 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
 
 
-def _rounding_bound(sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
-    """Bound on ``||(c g)^T a|| / c`` for one example when that product runs in ``dtype``.
+def rounding_bound(sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
+    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``, which scales g in
+    fp32) when that product runs in ``dtype``.
 
     With unit roundoff u: the factor rounds to ``dtype`` (relative u), the scaled operand rounds
     elementwise (at most ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error
@@ -179,7 +202,7 @@ class PerExampleClipper:
         self.max_norm = float(max_norm)
         self.layers: list[nn.Module] = []
         covered: set[int] = set()
-        broadcast = list(getattr(model, "broadcast_parameters", lambda: [])())
+        broadcast = list(getattr(model, "broadcast_parameters", list)())
         covered.update(id(p) for p in broadcast)
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -196,9 +219,7 @@ class PerExampleClipper:
             )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        # a bf16/fp16 .grad rounds each clipped sum once more (relative u)
-        reduced = [torch.finfo(p.dtype).eps / 2 for p in self.params if p.dtype.itemsize < 4]
-        self.grad_roundoff = max(reduced, default=0.0)
+        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum once more
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -284,22 +305,13 @@ class PerExampleClipper:
             for part in parts:
                 sq += part.sq_norms
             norms = sq.sqrt()
-            factors = clip_factors(self._factor_norms(parts, norms), self.max_norm)
+            bounded = factor_norms(norms, [(p.sq_norms, p.bound) for p in parts], self.grad_roundoff)
+            factors = clip_factors(bounded, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
             while parts:  # each layer's kept tensors go as soon as its sum is added
                 self._add_clipped(parts.pop(), factors, dropped)
         return ClipResult(losses.detach(), norms, factors)
-
-    def _factor_norms(self, parts: list[_Part], norms: torch.Tensor) -> torch.Tensor:
-        """The norms the factors come from: the norms themselves, or under bf16/fp16 an upper
-        bound on the norm of each example's clipped contribution as it is computed."""
-        if all(p.bound is None for p in parts) and not self.grad_roundoff:
-            return norms
-        sq = torch.zeros_like(norms)
-        for p in parts:
-            sq += p.sq_norms if p.bound is None else p.bound.square()
-        return sq.sqrt() * ((1 + _FP32_ALLOWANCE) * (1 + self.grad_roundoff))
 
     # ---------------------------------------------------------------- per-layer rules
     @staticmethod
@@ -331,7 +343,7 @@ class PerExampleClipper:
             return _Part(small, sq + _sq(pe))
         dtype = torch.promote_types(a_tok.dtype, g_tok.dtype)
         ghost, cross = _ghost(a, gt, dtype.itemsize < 4)
-        bound = _rounding_bound(sq + ghost, cross, dtype, b * t) if cross is not None else None
+        bound = rounding_bound(sq + ghost, cross, dtype, b * t) if cross is not None else None
         return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
 
     @staticmethod
@@ -341,7 +353,7 @@ class PerExampleClipper:
         for param, pe in part.materialised:
             if dropped is not None:
                 pe = torch.where(dropped.view(-1, *[1] * (pe.ndim - 1)), 0.0, pe)
-            _add(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
+            add_to_grad(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
         m = part.layer
         if m is None:
             return
@@ -352,7 +364,7 @@ class PerExampleClipper:
             if dropped is not None:
                 rows = torch.where(dropped[example, None], 0.0, rows)
             table = torch.zeros(m.weight.shape, device=rows.device, dtype=rows.dtype)
-            _add(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
+            add_to_grad(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
             return
         # The product runs in the activations' dtype, as a plain backward would (bf16 under
         # autocast on GPU: the tensor cores; fp32 on CPU); the norms above are always fp32.
@@ -364,14 +376,14 @@ class PerExampleClipper:
         c = factors.to(dtype)
         if isinstance(m, nn.Conv2d):  # the convolution's own weight-gradient kernel, on c * g
             grad = torch.nn.grad.conv2d_weight(a, m.weight.shape, g * c.view(-1, 1, 1, 1), stride=m.stride)
-            _add(m.weight, grad)
+            add_to_grad(m.weight, grad)
             return
         # sum_i c_i g_i^T a_i: scale the smaller side, then one product over all tokens.
         if a.shape[2] <= g.shape[2]:
             a = a * c[:, None, None]
         else:
             g = g * c[:, None, None]
-        _add(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+        add_to_grad(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
 
 
 def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch.Tensor,
@@ -389,7 +401,7 @@ def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch
         ghost.append(s)
         cross.append(x)
     ghost_sq = torch.cat(ghost)
-    bound = (_rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
+    bound = (rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
              if reduced else None)
     return _Part(small, sq + ghost_sq, m, images, g, bound)
 
@@ -411,7 +423,7 @@ def _embedding_part(m: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> _Par
     return _Part([], sq, m, keys, rows)
 
 
-def _add(param: nn.Parameter, grad: torch.Tensor) -> None:
+def add_to_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
     """``param.grad += grad`` (``grad`` is a fresh tensor: it may become ``.grad`` itself)."""
     grad = grad.reshape(param.shape).to(param.dtype)
     if param.grad is None:

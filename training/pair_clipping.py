@@ -15,8 +15,16 @@ into ``.grad``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
    squared norm comes from token Gram matrices (the ghost norm) or from the materialised
    (out, in) product, whichever is cheaper; small parameters (biases, LayerNorm, broadcast
    tokens) have their per-view Jacobians (d, 2n, numel) formed and contracted directly;
-4. clip factors c_ij = ``clip_factors(||grad Z_ij||, B)``, and one backward of
-   sum_ij lambda_ij c_ij Z_ij with the weights detached adds the clipped sum into ``.grad``.
+4. clip factors c_ij = ``clip_factors(||grad Z_ij||, B)``; the clipped sum sum_ij w_ij grad Z_ij
+   (w = lambda c) is formed from the same ``a`` and ``Gamma``: each view's output gradient is
+   ``Gamma k_v`` with k_i = sum_j w_ij psi_j (k'_j = sum_i w_ij phi_i), then each weight's sum is
+   one product over all tokens, as a plain backward computes it, in the layer's own precision.
+
+Under bf16/fp16 (autocast, or a model in that dtype) those weight products round, which could
+lift a pair's clipped vector above B: as in ``training.clipping``, the factors then come from an
+upper bound on each pair's norm as it is computed (``rounding_bound``, ``factor_norms``; the
+rounding of ``Gamma k_v`` to bf16 is elementwise relative, so it is charged per pair), and every
+pair's share of the realised sum stays within B.
 
 Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
 Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
@@ -32,7 +40,15 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from .clipping import ClipResult, UnsupportedLayerError, clip_factors
+from .clipping import (
+    ClipResult,
+    UnsupportedLayerError,
+    add_to_grad,
+    clip_factors,
+    factor_norms,
+    grad_roundoff,
+    rounding_bound,
+)
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
 
@@ -104,7 +120,7 @@ class ContrastiveEmbedder(nn.Module):
 
     def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):
         super().__init__()
-        features = int(getattr(encoder, "num_features"))
+        features = int(encoder.num_features)
         hidden = hidden or features
         self.encoder = encoder
         self.head = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, dim))
@@ -168,7 +184,7 @@ class PairClipper:
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
         self.model, self.max_norm, self.temperature, self.max_batch = model, float(max_norm), float(temperature), max_batch
-        broadcast = list(getattr(model, "broadcast_parameters", lambda: [])())
+        broadcast = list(getattr(model, "broadcast_parameters", list)())
         covered = {id(p) for p in broadcast}
         self.layers: list[nn.Module] = []
         for module in model.modules():
@@ -182,6 +198,7 @@ class PairClipper:
         if missing:
             raise UnsupportedLayerError(f"no per-pair rule for parameters {', '.join(missing)}")
         self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum once more
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -213,17 +230,18 @@ class PairClipper:
             return self._without(bad, views1, views2)
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
             phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
-            sq = torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
-            for record, jac in zip(records, jacobians):
-                if jac is not None:
-                    sq += self._pair_sq_norms(record, jac.to(self.norm_dtype), phi, psi)
+            used = [(r, jac.to(self.norm_dtype)) for r, jac in zip(records, jacobians) if jac is not None]
             del records, jacobians
-            norms = sq.sqrt()
-            factors = clip_factors(norms, self.max_norm)
+            shares = [self._pair_share(record, jac, phi, psi) for record, jac in used]
+            norms = sum((sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)).sqrt()
+            factors = clip_factors(factor_norms(norms, shares, self.grad_roundoff), self.max_norm)
+            del shares
             weights, losses = _loss_weights(e, self.temperature)
             w = weights.to(self.norm_dtype) * factors
-            cotangent = torch.cat([w @ psi, w.T @ phi]).to(e.dtype)
-        e.backward(cotangent)  # grad of sum_ij w_ij Z_ij: the clipped sum, into .grad
+            k = torch.cat([w @ psi, w.T @ phi])  # each view's weight on its embedding: sum_ij w_ij Z_ij
+            while used:  # each record's Jacobian goes as soon as its sum is added
+                record, jac = used.pop()
+                self._add_clipped(record, torch.einsum("av...,va->v...", jac, k))
         return ClipResult(losses, norms, factors)
 
     def _forward(self, views1: torch.Tensor, views2: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
@@ -255,8 +273,8 @@ class PairClipper:
         """d(e)/d(out) of every record's output, (d, 2n, *out.shape[1:]): one batched backward."""
         d = e.shape[1]
         basis = torch.eye(d, device=e.device, dtype=e.dtype)[:, None, :].expand(d, *e.shape)
-        return list(torch.autograd.grad(e, [r.out for r in records], basis, retain_graph=True,
-                                        allow_unused=True, is_grads_batched=True))
+        return list(torch.autograd.grad(e, [r.out for r in records], basis, allow_unused=True,
+                                        is_grads_batched=True))
 
     @staticmethod
     def _bad_examples(e: torch.Tensor, records: list[_Record], jacobians: list[torch.Tensor | None]) -> torch.Tensor:
@@ -284,40 +302,83 @@ class PairClipper:
         return ClipResult(losses, norms, factors)
 
     # ------------------------------------------------------------------ per-layer rules
-    def _pair_sq_norms(self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-        """This record's share of ||grad Z_ij||^2, (n, n), from its input and output Jacobian."""
+    def _pair_share(self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This record's share of ||grad Z_ij||^2 (n, n) from its input and output Jacobian, and,
+        when its weight product runs in bf16/fp16, the bound on its rounded norm (``rounding_bound``)."""
         m = record.owner
         if isinstance(m, nn.Parameter):
-            return _direct(_broadcast_jacobian(m, record.out, jac), phi, psi)
-        a = record.a.to(self.norm_dtype)
+            return _direct(_broadcast_jacobian(m, record.out, jac), phi, psi), None
         sq = torch.zeros(phi.shape[0], phi.shape[0], device=phi.device, dtype=phi.dtype)
         if isinstance(m, nn.LayerNorm):
-            g = jac.reshape(jac.shape[0], jac.shape[1], -1, jac.shape[-1])
+            g = _tokens(m, jac, 2)
             if m.weight is not None and m.weight.requires_grad:
-                xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps).reshape(g.shape[1:])
-                sq += _direct((g * xhat).sum(2), phi, psi)
+                sq += _direct((g * self._normalised(record).reshape(g.shape[1:])).sum(2), phi, psi)
             if m.bias is not None and m.bias.requires_grad:
                 sq += _direct(g.sum(2), phi, psi)
-            return sq
-        if isinstance(m, nn.Conv2d):
-            a = F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
-            g = jac.flatten(3).transpose(2, 3)
-        else:
-            a = a.reshape(a.shape[0], -1, a.shape[-1])
-            g = jac.reshape(jac.shape[0], jac.shape[1], -1, jac.shape[-1])
+            return sq, None
+        a, g = self._inputs(record).to(self.norm_dtype), _tokens(m, jac, 2)
         if m.bias is not None and m.bias.requires_grad:
             sq += _direct(g.sum(2), phi, psi)
-        if m.weight.requires_grad:
-            sq += _outer(a, g, phi, psi)
-        return sq
+        if not m.weight.requires_grad:
+            return sq, None
+        weight_sq, cross = _outer(a, g, phi, psi, record.out.dtype.itemsize < 4)
+        sq += weight_sq
+        if cross is None:
+            return sq, None
+        return sq, rounding_bound(sq, cross, record.out.dtype, a.shape[0] * a.shape[1])
+
+    def _add_clipped(self, record: _Record, grad_out: torch.Tensor) -> None:
+        """Add the record's parameters' clipped sums into ``.grad`` from its output gradient
+        ``grad_out`` (2n, *out.shape[1:]), what a backward of sum_ij w_ij Z_ij would hand it."""
+        m = record.owner
+        if isinstance(m, nn.Parameter):
+            add_to_grad(m, grad_out.sum([0, *_expanded_dims(m, record.out)], keepdim=True))
+            return
+        g = _tokens(m, grad_out, 1).flatten(0, 1)
+        if m.bias is not None and m.bias.requires_grad:
+            add_to_grad(m.bias, g.sum(0))
+        if isinstance(m, nn.LayerNorm):
+            if m.weight is not None and m.weight.requires_grad:
+                add_to_grad(m.weight, (g * self._normalised(record).reshape(g.shape)).sum(0))
+            return
+        if m.weight.requires_grad:  # one product over all tokens, in the layer's own precision
+            add_to_grad(m.weight, g.to(record.out.dtype).T @ self._inputs(record).flatten(0, 1))
+
+    def _normalised(self, record: _Record) -> torch.Tensor:
+        """A LayerNorm's normalised input, in the norms' precision."""
+        m = record.owner
+        return F.layer_norm(record.a.to(self.norm_dtype), m.normalized_shape, eps=m.eps)
+
+    @staticmethod
+    def _inputs(record: _Record) -> torch.Tensor:
+        """A linear layer's input tokens, or a convolution's patches, (2n, T, in), as the layer
+        multiplied them: in its output's precision (autocast's)."""
+        m, a = record.owner, record.a.to(record.out.dtype)
+        if isinstance(m, nn.Conv2d):
+            return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+        return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+def _tokens(m: nn.Module, x: torch.Tensor, lead: int) -> torch.Tensor:
+    """A layer's output gradients (``lead`` leading dims, then the output's shape) as tokens of its
+    output features: (*lead dims, T, out); a convolution's channels first become last."""
+    if isinstance(m, nn.Conv2d):
+        return x.flatten(lead + 1).transpose(lead, lead + 1)
+    return x.reshape(*x.shape[:lead], -1, x.shape[-1])
+
+
+def _expanded_dims(param: nn.Parameter, out: torch.Tensor) -> list[int]:
+    """The dims of ``out`` a broadcast parameter of size 1 was expanded along (besides the batch)."""
+    if param.ndim != out.ndim or param.shape[0] != 1:
+        raise UnsupportedLayerError(f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
+                                    f"along new leading batch dim 1 only, got {tuple(out.shape)}")
+    return [k for k in range(1, param.ndim) if param.shape[k] == 1 and out.shape[k] != 1]
 
 
 def _broadcast_jacobian(param: nn.Parameter, out: torch.Tensor, jac: torch.Tensor) -> torch.Tensor:
     """(d, 2n, numel): per-view Jacobians of a parameter the model expanded to ``out``."""
-    if param.ndim != out.ndim or param.shape[0] != 1:
-        raise UnsupportedLayerError(f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
-                                    f"along new leading batch dim 1 only, got {tuple(out.shape)}")
-    dims = [k + 1 for k in range(1, param.ndim) if param.shape[k] == 1 and out.shape[k] != 1]
+    dims = [k + 1 for k in _expanded_dims(param, out)]
     summed = jac.sum(dims, keepdim=True) if dims else jac
     return summed.reshape(jac.shape[0], jac.shape[1], -1)
 
@@ -339,9 +400,12 @@ def _direct(jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Te
     return sq
 
 
-def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-    """A weight's share of ||grad Z_ij||^2 (n, n): the pair gradient is u_ij^T a_i + v_ij^T a'_j
-    with u_ij = Gamma_i psi_j (T, out), v_ij = Gamma'_j phi_i; ``a`` (2n, T, in), ``g`` (d, 2n, T, out).
+def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, cross: bool
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight's share of ||grad Z_ij||^2 (n, n) and (when ``cross``) the pair's
+    sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n, n), which bounds the effect of rounding
+    its operands: the pair gradient is u_ij^T a_i + v_ij^T a'_j with u_ij = Gamma_i psi_j (T, out),
+    v_ij = Gamma'_j phi_i; ``a`` (2n, T, in), ``g`` (d, 2n, T, out).
 
     Either the (out, in) product is formed per pair, or (the ghost norm) the two views' own terms
     come from per-view d x d Grams M_v = sum_{t,t'} (a_t . a_t') Gamma_t^T Gamma_t' as
@@ -352,6 +416,8 @@ def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tenso
     ga, gb = g[:, :n], g[:, n:]
     materialise = 2 * k * o < t * (k + o)  # per pair: the product vs the cross term's token Grams
     sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
+    sums = torch.empty_like(sq) if cross else None
+    token_norms = a.norm(dim=2) if cross else None  # (2n, T)
     if not materialise:
         views = g.permute(1, 2, 3, 0)  # (2n, T, out, d)
         grams = torch.einsum("vtoa,vtob->vab", views, torch.einsum("vts,vsod->vtod", a @ a.transpose(1, 2), views))
@@ -363,9 +429,12 @@ def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tenso
             w = torch.einsum("ijto,itk->ijok", u, aa[rows]) + torch.einsum("ijso,jsk->ijok", v, ab)
             sq[rows] = w.square().sum((2, 3))
         else:
-            cross = torch.einsum("itk,jsk->ijts", aa[rows], ab)  # (r, n, T, T)
-            sq[rows] += 2 * (u * (cross @ v)).sum((2, 3))
-    return sq
+            pairs = torch.einsum("itk,jsk->ijts", aa[rows], ab)  # (r, n, T, T)
+            sq[rows] += 2 * (u * (pairs @ v)).sum((2, 3))
+        if sums is not None:
+            own, other = token_norms[rows, None], token_norms[None, n:]  # ||a_it||, ||a'_js||
+            sums[rows] = (u.norm(dim=3) * own).sum(2) + (v.norm(dim=3) * other).sum(2)
+    return sq, sums
 
 
 class BatchClipper:
