@@ -24,6 +24,7 @@ __all__ = [
     "Conflict",
     "EntryNotFound",
     "Forbidden",
+    "NotFound",
     "PayloadTooLarge",
     "RepoNotFound",
     "RevisionNotFound",
@@ -63,6 +64,12 @@ class RepoNotFound(ServiceError):
     code = "RepoNotFound"
 
 
+class NotFound(ServiceError):
+    """A page or record that is not a repo, revision or file (e.g. a dataset no release names)."""
+
+    status = 404
+
+
 class RevisionNotFound(ServiceError):
     status = 404
     code = "RevisionNotFound"
@@ -87,6 +94,7 @@ _STORE: tuple[tuple[type[store.StoreError], int, str | None], ...] = (
     (store.NoSuchRevision, 404, "RevisionNotFound"),
     (store.NoSuchEntry, 404, "EntryNotFound"),
     (store.Conflict, 409, None),
+    (store.SignatureRefused, 403, None),
     (store.TooLarge, 413, None),
     (store.InvalidRequest, 400, None),
     (store.StoreError, 400, None),

@@ -155,3 +155,36 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
     assert report.ok and any("assuming Poisson sampling" in w for w in report.warnings)
     card = (repo / "README.md").read_text()
     assert "as reported, assuming Poisson sampling" in card.split("| Privacy |")[1].split("\n")[0]
+
+
+def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Path) -> None:
+    """Releases on one dataset across repos (encoders and heads) are composed on its page, linked from
+    each model page; the composition is recomputed here with dp_accounting from the raw (q, sigma, T)."""
+    import httpx
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    from conftest import TINY, synthetic_stage, tiny_encoder
+    from live import WRITE_TOKEN
+    from vip_hub import Dataset, DPStage, export_encoder
+    from vip_hub.push import push_repo
+
+    data = Dataset(name="test/shared-faces", size=2000)
+    stages = [DPStage.from_parameters(name="dp-pretraining", dataset=data, sample_rate=0.05, noise_multiplier=s,
+                                      steps=t, clipping_norm=1.0) for s, t in ((1.0, 200), (1.5, 300))]
+    for i, stage in enumerate(stages):
+        repo = export_encoder(tmp_path / f"r{i}", tiny_encoder(i), TINY, [synthetic_stage(), stage], model_name=f"r{i}")
+        push_repo(repo, f"writer/shared-{i}", token=WRITE_TOKEN)
+    page = httpx.get(f"{hub.url}/datasets/test/shared-faces", timeout=30)
+    assert page.status_code == 200, page.text
+    acc = RdpAccountant()
+    for s in stages:
+        acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)), s.steps)
+    composed = acc.get_epsilon(1e-5)
+    assert composed > max(s.epsilon for s in stages)
+    shown = float(page.text.split("ε = ")[1].split(" (RDP)")[0])
+    assert shown >= composed - 0.005 and shown == pytest.approx(composed, abs=0.02)
+    assert "/writer/shared-0" in page.text and "/writer/shared-1" in page.text
+    model = httpx.get(f"{hub.url}/writer/shared-0", timeout=30)
+    assert 'href="/datasets/test/shared-faces"' in model.text
+    assert httpx.get(f"{hub.url}/datasets/test/nobody", timeout=30).status_code == 404

@@ -70,6 +70,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivacySummary",
     "Stage",
+    "compose_releases",
     "round_down",
     "round_up",
 ]
@@ -504,6 +505,17 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
         out.append(Guarantee(dataset=name, epsilon=eps, delta=delta,
                              accountant=accountant, stages=[s.name for s in group]))
     return out
+
+
+def compose_releases(stages: Iterable[DPStage]) -> tuple[float, dict[Accountant, float]]:
+    """Every given DP stage composed (e.g. every release on one dataset, across repos), at the
+    largest of their deltas: (delta, epsilon under each accountant, rounded up)."""
+    stages = list(stages)
+    if not stages:
+        raise LedgerError(["compose_releases: no DP stage to compose"])
+    delta = max(s.delta for s in stages)
+    history = [s.mechanism_tuple for s in stages]
+    return delta, {a: round_up(composed_epsilon(history, delta, a)) for a in Accountant}
 
 
 def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> float:

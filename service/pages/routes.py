@@ -1,11 +1,13 @@
-"""``/`` (models, sortable and filterable by epsilon) and ``/{org}/{name}`` (card, ledger,
-files, history). Server-rendered: they work without JavaScript."""
+"""``/`` (models, sortable and filterable by epsilon), ``/{org}/{name}`` (card, ledger,
+files, history) and ``/datasets/{name}`` (every public release on a dataset, composed).
+Server-rendered: they work without JavaScript."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -14,11 +16,11 @@ from fastapi.templating import Jinja2Templates
 
 from vip_hub.card import LEDGER_COLUMNS, audit_paragraphs, guarantee_paragraphs, ledger_rows
 from vip_hub.models import ARCHS
-from vip_hub.ledger import LedgerError, PrivacyLedger
+from vip_hub.ledger import LedgerError, PrivacyLedger, compose_releases
 from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params, privacy_headline
 
 from ..auth import identity
-from ..errors import BadRequest
+from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..store.naming import validate_revision
 from .render import card_body, markdown_html
@@ -27,6 +29,12 @@ __all__ = ["install"]
 
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' https: data:; "
+                               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+"""Sent with every page: no script runs, nothing but images loads from elsewhere, no framing."""
 SORTS = {"updated": "Last update", "epsilon": "ε", "name": "Name", "params": "Parameters", "arch": "Architecture"}
 
 
@@ -37,6 +45,8 @@ def install(app: FastAPI) -> None:
     app.add_api_route("/{org}/{name}", model_page, methods=["GET"], response_class=HTMLResponse,
                       include_in_schema=False)
     app.add_api_route("/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/datasets/{dataset:path}", dataset_page, methods=["GET"], response_class=HTMLResponse,
+                      include_in_schema=False)
 
 
 def index(
@@ -63,7 +73,7 @@ def index(
     ]
     return templates.TemplateResponse(request, "index.html", {
         "models": models, "sort": sort, "order": order, "max_epsilon": max_epsilon, "q": q, "sorts": SORTS,
-    })
+    }, headers=PAGE_HEADERS)
 
 
 def model_page(request: Request, org: str, name: str,
@@ -89,9 +99,44 @@ def model_page(request: Request, org: str, name: str,
         "files": [{"path": e.path, "size": _size(e.size), "sha256": e.sha256, "url": f"{file_base}/{e.path}"}
                   for e in tree.values()],
         "history": store.history(repo.repo_id, commit, limit=50),
+        "signature": store.signature(commit),
+        "datasets": [{"name": d, "url": dataset_link(d)}
+                     for d in dict.fromkeys(s.dataset.name for s in (ledger.dp_stages() if ledger else []))],
         "params": format_params(record.num_params), "date": _date, "default_branch": DEFAULT_BRANCH,
     }
-    return templates.TemplateResponse(request, "model.html", context)
+    return templates.TemplateResponse(request, "model.html", context, headers=PAGE_HEADERS)
+
+
+def dataset_page(request: Request, dataset: str) -> HTMLResponse:
+    """Every public release's DP stages that name ``dataset`` (the default branch of each repo),
+    and their composition under each accountant: what an adversary who reads all of them faces."""
+    store = store_of(request)
+    releases, stages = [], []
+    for repo, commit in store.list_models(dataset=dataset, sort="name", descending=False, limit=1000):
+        tree = store.tree(repo.repo_id, commit.sha)
+        ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
+        for s in ledger.dp_stages():
+            if s.dataset.name == dataset:
+                stages.append(s)
+                releases.append({"repo": repo.repo_id, "stage": s.name, "component": s.component,
+                                 "mechanism": s.mechanism, "q": f"{s.sample_rate:.4g}", "sigma": f"{s.noise_multiplier:.4g}",
+                                 "steps": f"{s.steps:,}", "delta": f"{s.delta:.3g}",
+                                 "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
+                                 "sampling": s.sampling})
+    if not stages:
+        raise NotFound(f"no public release names the dataset {dataset!r}")
+    delta, composed = compose_releases(stages)
+    return templates.TemplateResponse(request, "dataset.html", {
+        "dataset": dataset, "releases": releases, "delta": delta,
+        "composed": [(a.value.upper(), eps) for a, eps in composed.items()],
+        "repos": sorted({r["repo"] for r in releases}),
+        "assumed_poisson": [r for r in releases if r["sampling"] != "poisson"],
+    }, headers=PAGE_HEADERS)
+
+
+def dataset_link(name: str) -> str:
+    """The path of ``name``'s dataset page."""
+    return f"/datasets/{quote(name, safe='/')}"
 
 
 def commit_page(org: str, name: str, sha: str) -> RedirectResponse:

@@ -11,26 +11,37 @@ The index is SQLite in the store, or PostgreSQL for several hosts (``service.sto
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import ModelCard
-
-from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, privacy_headline
+from vip_hub.card import load_card
+from vip_hub.errors import SignatureError
+from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE, privacy_headline
+from vip_hub.signing import PublicKey, load_keys, verify_signature
 from vip_hub.verify import verify_repo
 
 from .naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
-from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file, lfs_digest
-from .errors import Conflict, InvalidRequest, NoSuchEntry, NoSuchRepo, NoSuchRevision, PublishRefused
+from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file, lfs_digest, make_private_dir
+from .errors import (
+    Conflict,
+    InvalidRequest,
+    NoSuchEntry,
+    NoSuchRepo,
+    NoSuchRevision,
+    PublishRefused,
+    SignatureRefused,
+    UploadMissing,
+)
 from .index import Index, Row, Transaction, open_index
 from .xet import XetStore
 
@@ -43,6 +54,7 @@ __all__ = [
     "FileEntry",
     "HubStore",
     "RepoRecord",
+    "SignatureRecord",
 ]
 
 
@@ -90,6 +102,16 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
+class SignatureRecord:
+    """The hub's attestation, kept in its index beside the commit: it checked the commit's
+    signature against its trusted keys, and this key (its name then, and fingerprint) made it."""
+
+    signer: str
+    fingerprint: str
+    verified_at: str
+
+
+@dataclass(frozen=True)
 class AddFile:
     """Commit operation: add or replace ``path`` with the content of the temp file ``source``."""
 
@@ -123,15 +145,20 @@ class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use)."""
 
     def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600,
-                 xet_ttl: float = 21 * 24 * 3600, index: str | None = None):
+                 xet_ttl: float = 21 * 24 * 3600, index: str | None = None,
+                 trusted_keys: str | os.PathLike[str] | None = None, require_signature: bool = False):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.trusted_keys = Path(trusted_keys) if trusted_keys is not None else self.root / "trusted_keys"
+        self.require_signature = require_signature
+        make_private_dir(self.root)
+        with contextlib.suppress(PermissionError):  # a store made before it was owner-only
+            os.chmod(self.root, 0o700)
         self.blobs = BlobStore(self.root)
         self.xet = XetStore(self.root, self.blobs)
         self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
         self._secret = b""
-        (self.root / "snapshots").mkdir(exist_ok=True)
+        make_private_dir(self.root / "snapshots")
         self.index: Index = open_index(index, self.root)
         self.collect_uploads()
 
@@ -255,10 +282,12 @@ class HubStore:
         return out
 
     def create_tag(self, repo_id: str, tag: str, revision: str = DEFAULT_BRANCH) -> str:
-        """Point a new tag at ``revision``; an existing tag is a conflict."""
+        """Point a new tag at ``revision``; an existing tag, or a branch's name, is a conflict."""
         validate_revision(tag)
         if COMMIT_RE.match(tag):
             raise InvalidRequest(f"tag {tag!r} looks like a commit id")
+        if tag == DEFAULT_BRANCH or tag in self.refs(repo_id)["branch"]:
+            raise Conflict(f"{tag!r} is a branch of {repo_id}; a tag needs a name of its own")
         commit = self.resolve(repo_id, revision)
         repo = self._repo_row(self.index, repo_id)
         if not self.index.execute(
@@ -267,6 +296,24 @@ class HubStore:
         ):
             raise Conflict(f"tag {tag!r} already exists in {repo_id}")
         return commit
+
+    def delete_tag(self, repo_id: str, tag: str) -> None:
+        """Remove a tag (the commit it named stays); NoSuchRevision when there is none."""
+        repo = self._repo_row(self.index, repo_id)
+        if not self.index.execute("DELETE FROM refs WHERE repo = ? AND kind = 'tag' AND name = ?",
+                                  (repo["id"], validate_revision(tag))):
+            raise NoSuchRevision(f"tag {tag!r} not found in {repo_id}")
+
+    def held_for(self, repo_id: str, sha256: str) -> int | None:
+        """The size of object ``sha256`` if a commit to ``repo_id`` may name it (uploaded for this
+        repo, or in its history), else None, whether or not another repo holds it."""
+        repo = self._repo_row(self.index, repo_id)
+        if not self.blobs.was_uploaded_for(repo_id, check_sha256(sha256)) and self.index.row(
+            "SELECT 1 FROM files f JOIN commits c ON c.sha = f.commit_sha WHERE c.repo = ? AND f.sha256 = ? LIMIT 1",
+            (repo["id"], sha256),
+        ) is None:
+            return None
+        return self.blobs.object_size(sha256)
 
     # ------------------------------------------------------------------ listing
     def list_models(
@@ -277,20 +324,23 @@ class HubStore:
         arch: str | None = None,
         dataset: str | None = None,
         max_epsilon: float | None = None,
-        include_private: bool = False,
+        include_private: bool | Collection[str] = False,
         sort: str = "updated",
         descending: bool = True,
         limit: int = 100,
         offset: int = 0,
     ) -> list[tuple[RepoRecord, CommitRecord]]:
-        """Repos with a default branch, filtered and sorted by the index (no blob is read)."""
+        """Repos with a default branch, filtered and sorted by the index (no blob is read);
+        private ones with ``include_private`` (True: all; a collection: those of these namespaces)."""
         columns = {"updated": "c.created_at", "epsilon": "c.epsilon", "name": "r.org || '/' || r.name",
                    "params": "c.num_params", "delta": "c.delta", "arch": "c.arch"}
         if sort not in columns:
             raise InvalidRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
         where, args = ["f.kind = 'branch'", "f.name = ?"], [DEFAULT_BRANCH]
-        if not include_private:
-            where.append("r.private = 0")
+        if include_private is not True:
+            namespaces = sorted(include_private or ())
+            where.append(f"(r.private = 0 OR r.org IN ({', '.join('?' * len(namespaces)) or 'NULL'}))")
+            args.extend(namespaces)
         if search:
             where.append("(r.org || '/' || r.name) LIKE ? ESCAPE '\\'")
             args.append("%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
@@ -383,7 +433,7 @@ class HubStore:
                 if isinstance(op, AddFile):
                     source, digest = op.source, hash_file(op.source)
                 else:  # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
-                    source = self.blobs.committed_source(check_sha256(op.sha256))
+                    source = self._uploaded_source(repo_id, op.sha256)
                     digest = lfs_digest(op.sha256, source.stat().st_size)
                 new[path] = (source, digest)
                 local[path] = source
@@ -403,9 +453,10 @@ class HubStore:
                 f"refused: {repo_id} does not verify, nothing was stored. "
                 + "; ".join(str(p) for p in report.problems)
             )
+        signer = self._signer(local)
         summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
         config = json.loads(local[CONFIG_FILE].read_bytes())
-        card_data = ModelCard(local[CARD_FILE].read_text(encoding="utf-8"), ignore_metadata_errors=True).data.to_dict()
+        card_data = load_card(local[CARD_FILE].read_text(encoding="utf-8")).data.to_dict()
         files = {p: e for p, e in tree.items() if p in local and p not in new}
         for path, (source, digest) in new.items():
             self.blobs.ingest(source, digest)
@@ -429,8 +480,11 @@ class HubStore:
                 "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
                 [(sha, e.path, e.sha256, e.git_oid, e.size) for e in files.values()],
             )
-            tx.executemany("INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",
-                           [(sha, d) for d in summary.datasets])
+            tx.executemany("INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",  # any component's
+                           [(sha, d) for d in sorted({s.dataset.name for s in report.ledger.dp_stages()})])  # type: ignore[union-attr]
+            if signer is not None:
+                tx.execute("INSERT INTO signatures (commit_sha, signer, fingerprint, verified_at) VALUES (?, ?, ?, ?)",
+                           (sha, signer.name, signer.fingerprint, created))
             # the branch move, a compare-and-swap: from the head this tree was built on, or nothing
             if head is None:
                 moved = tx.execute("INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'branch', ?, ?) "
@@ -442,6 +496,38 @@ class HubStore:
                 raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
         return self.commit_record(repo_id, sha)
 
+    def _signer(self, files: dict[str, Path]) -> PublicKey | None:
+        """The trusted key that signed the would-be tree ``files`` (None: unsigned, where this hub
+        accepts that); else SignatureRefused. The trusted keys are read at every commit."""
+        try:
+            signer = verify_signature(files, load_keys([self.trusted_keys]))
+        except SignatureError as e:
+            raise SignatureRefused("refused, nothing was stored: " + "; ".join(map(str, e.problems))) from None
+        if signer is None and self.require_signature:
+            raise SignatureRefused(f"refused, nothing was stored: this hub accepts signed repos only, and the "
+                                   f"commit has no {SIGNATURE_FILE} (sign it with `vip-hub sign`)")
+        return signer
+
+    def signature(self, commit: str) -> SignatureRecord | None:
+        """The hub's record of who signed ``commit`` (None: unsigned)."""
+        row = self.index.row("SELECT signer, fingerprint, verified_at FROM signatures WHERE commit_sha = ?", (commit,))
+        return SignatureRecord(row["signer"], row["fingerprint"], row["verified_at"]) if row else None
+
+    def apply_shard(self, repo_id: str, shard: Path, max_file_bytes: int) -> list[str]:
+        """Rebuild the files of a Xet shard uploaded for ``repo_id`` (``XetStore.apply_shard``)
+        and note them as uploaded for it; returns their SHA-256s."""
+        done = self.xet.apply_shard(shard, max_file_bytes, lambda sha256: self.held_for(repo_id, sha256) is not None)
+        for sha256 in done:
+            self.blobs.note_upload(repo_id, sha256)
+        return done
+
+    def _uploaded_source(self, repo_id: str, sha256: str) -> Path:
+        """The file an ``lfsFile`` line names, if this repo may name it (``held_for``), else UploadMissing."""
+        if self.held_for(repo_id, sha256) is None:
+            raise UploadMissing(f"object {sha256} was never uploaded for {repo_id} (or its upload expired): "
+                                "upload it first (preupload, then the LFS batch API or Xet), then commit")
+        return self.blobs.committed_source(sha256)
+
     # ---------------------------------------------------------------- inference
     def snapshot_dir(self, repo_id: str, commit: str) -> Path:
         """A read-only folder holding ``commit``'s files (hard links to blobs), made once."""
@@ -449,16 +535,17 @@ class HubStore:
         target = self.root / "snapshots" / repo_id / commit
         if target.is_dir():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
         try:
+            make_private_dir(tmp)
             for path, entry in tree.items():
                 dest = tmp / path
-                dest.parent.mkdir(parents=True, exist_ok=True)
+                make_private_dir(dest.parent)
                 try:
                     os.link(self.blob_path(entry), dest)
                 except OSError:  # another filesystem: copy instead
                     shutil.copyfile(self.blob_path(entry), dest)
+                    os.chmod(dest, 0o400)
             try:
                 os.rename(tmp, target)
                 fsync_dir(target.parent)
