@@ -1,4 +1,4 @@
-"""``vip-hub serve`` and ``vip-hub token``."""
+"""``vip-hub serve``, ``vip-hub token`` and ``vip-hub trust``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from vip_hub.cli import add_command, require_extra
 
-__all__ = ["register_serve", "register_token"]
+__all__ = ["register_serve", "register_token", "register_trust"]
 
 
 def register_serve(sub: Any) -> None:
@@ -92,3 +92,44 @@ def _token(args: argparse.Namespace) -> None:
                 print(f"{t['name']}\t{t['scope']}\t{t['created_at']}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def register_trust(sub: Any) -> None:
+    p = add_command(sub, "trust", _trust, "add, list or remove the public keys whose signatures the hub accepts "
+                                          "(a running server sees the change on its next commit)")
+    p.add_argument("action", choices=["add", "list", "remove"])
+    p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
+    p.add_argument("public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)")
+    p.add_argument("--store", type=Path, help="store folder whose trusted_keys/ to use")
+    p.add_argument("--trusted-keys", type=Path, help="key folder (default: STORE/trusted_keys)")
+    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+
+
+def _trust(args: argparse.Namespace) -> None:
+    import shutil
+
+    from vip_hub.errors import ConfigError
+    from vip_hub.signing import PUBLIC_SUFFIX, PublicKey, check_key_name, load_keys
+
+    from .settings import Settings
+
+    folder = args.trusted_keys or Settings(**_overrides(args)).trusted_keys_path()
+    if args.action == "list":
+        for key in load_keys([folder]):
+            print(f"{key.name}\t{key.fingerprint}")
+        return
+    target = folder / f"{check_key_name(args.name)}{PUBLIC_SUFFIX}"
+    if args.action == "remove":
+        if not target.is_file():
+            raise ConfigError(f"no trusted key {args.name!r} in {folder}")
+        target.unlink()
+        print(f"removed {args.name!r}: commits signed by it are refused from now on")
+        return
+    if args.public_key is None:
+        raise ConfigError("vip-hub trust add needs NAME and the PUBLIC_KEY file")
+    key = PublicKey.load(args.public_key)  # refuses anything but an EC public key
+    if target.exists():
+        raise ConfigError(f"a trusted key {args.name!r} exists in {folder}; remove it first")
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(args.public_key, target)
+    print(f"trusted {args.name!r} ({key.fingerprint})")

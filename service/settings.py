@@ -38,6 +38,10 @@ class HubSettings(BaseModel):
     xet_ttl_s: float = Field(21 * 24 * 3600, gt=0, description="Xet xorbs are kept this long after their last use: "
                              "hf_xet clients deduplicate against what they uploaded for 3 weeks")
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
+    trusted_keys: Path | None = Field(None, description="folder of the public keys (NAME.pub) whose signatures "
+                                      "(model.sig) commits may carry, managed with `vip-hub trust` (default: "
+                                      "STORE/trusted_keys); a commit signed by any other key is refused")
+    require_signature: bool = Field(False, description="refuse unsigned commits too")
 
 
 class AuthSettings(BaseModel):
@@ -96,6 +100,10 @@ class Settings(BaseSettings):
     hub: HubSettings = Field(default_factory=HubSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
+
+    def trusted_keys_path(self) -> Path:
+        """The operator's key list: ``hub.trusted_keys``, else ``trusted_keys/`` in the store."""
+        return self.hub.trusted_keys or self.store / "trusted_keys"
 
     def tokens_path(self) -> Path:
         """Where tokens are kept: ``auth.tokens_file``, else ``tokens.json`` in the store."""

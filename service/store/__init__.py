@@ -9,11 +9,22 @@ from .errors import (
     NoSuchRepo,
     NoSuchRevision,
     PublishRefused,
+    SignatureRefused,
     StoreError,
     TooLarge,
     UploadMissing,
 )
-from .store import AddFile, AddObject, CommitRecord, DeleteFile, DeleteFolder, FileEntry, HubStore, RepoRecord
+from .store import (
+    AddFile,
+    AddObject,
+    CommitRecord,
+    DeleteFile,
+    DeleteFolder,
+    FileEntry,
+    HubStore,
+    RepoRecord,
+    SignatureRecord,
+)
 
 __all__ = [
     "AddFile",
@@ -32,6 +43,8 @@ __all__ = [
     "NoSuchRevision",
     "PublishRefused",
     "RepoRecord",
+    "SignatureRecord",
+    "SignatureRefused",
     "StoreError",
     "TooLarge",
     "UploadMissing",

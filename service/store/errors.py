@@ -10,6 +10,7 @@ __all__ = [
     "NoSuchRepo",
     "NoSuchRevision",
     "PublishRefused",
+    "SignatureRefused",
     "StoreError",
     "TooLarge",
     "UploadMissing",
@@ -26,6 +27,11 @@ class InvalidRequest(StoreError):
 
 class PublishRefused(InvalidRequest):
     """A commit whose resulting tree does not verify (nothing was stored)."""
+
+
+class SignatureRefused(PublishRefused):
+    """A commit whose signature does not hold, is by a key the hub does not trust, or is
+    missing where the hub requires one (nothing was stored)."""
 
 
 class UploadMissing(InvalidRequest):

@@ -65,6 +65,12 @@ CREATE TABLE IF NOT EXISTS commit_datasets (
     dataset TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS commit_datasets_by_name ON commit_datasets (dataset);
+CREATE TABLE IF NOT EXISTS signatures (
+    commit_sha TEXT PRIMARY KEY REFERENCES commits(sha),
+    signer TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    verified_at TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS refs (
     repo BIGINT NOT NULL REFERENCES repos(id),
     kind TEXT NOT NULL CHECK (kind IN ('branch', 'tag')),
