@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "PUBLIC_SUFFIX",
     "SIGNING_KEY_ENV",
     "PublicKey",
+    "check_key_name",
     "check_signature",
     "create_key",
     "default_key_dir",
@@ -86,6 +88,13 @@ def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
     return hashlib.sha256(pem).hexdigest()
 
 
+def check_key_name(name: str) -> str:
+    """``name`` if it can name a key (``NAME.key``, ``NAME.pub``, a signer on pages), else ConfigError."""
+    if not re.fullmatch(NAME_PATTERN, name or ""):
+        raise ConfigError(f"key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
 def default_key_dir() -> Path:
     """Where ``vip-hub key create`` keeps keys by default: ``$XDG_CONFIG_HOME/vip-hub`` (else
     ``~/.config/vip-hub``), outside any repo."""
@@ -97,10 +106,7 @@ def create_key(folder: str | os.PathLike[str] | None = None, name: str = KEY_NAM
                overwrite: bool = False) -> tuple[Path, PublicKey]:
     """Write a new P-256 key pair ``NAME.key`` (mode 0600) and ``NAME.pub`` to ``folder``
     (default :func:`default_key_dir`); returns the private key's path and the public key."""
-    import re
-
-    if not re.fullmatch(NAME_PATTERN, name):
-        raise ConfigError(f"key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    check_key_name(name)
     folder = Path(folder) if folder is not None else default_key_dir()
     private, public = folder / f"{name}{PRIVATE_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
     if not overwrite and (private.exists() or public.exists()):
