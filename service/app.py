@@ -10,6 +10,7 @@ creation), ``tokens`` (a :class:`service.auth.TokenRegistry`) and, with inferenc
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 import vip_hub
 
 from .auth import TokenRegistry
+from .body_limits import BodyLimit, BodyLimitMiddleware
 from .errors import install as install_errors
 from .metrics import Metrics
 from .settings import Settings
@@ -64,19 +66,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from .ops import install as install_ops
 
     install_ops(app, metrics)
+    limits: list[BodyLimit] = []
     if engine is not None:
         from .inference.api import router as inference_router
-        from .inference.body_limits import BodyLimitMiddleware
         from .inference.captions import router as captions_router
 
         app.include_router(inference_router)
         app.include_router(captions_router)
-        app.add_middleware(BodyLimitMiddleware, max_bytes=settings.inference.max_request_bytes,
-                           max_depth=settings.inference.max_json_depth)
+        limits.append(BodyLimit(re.compile("/v1/"), settings.inference.max_request_bytes,
+                                settings.inference.max_json_depth))
     if settings.hub.enabled:
+        from .hub.routes import STREAMED_UPLOADS
         from .hub.routes import router as hub_router
         from .pages.routes import install as install_pages
 
         app.include_router(hub_router)
         install_pages(app)
+        limits.append(BodyLimit(STREAMED_UPLOADS, None))
+    limits.append(BodyLimit(re.compile(""), settings.max_body_bytes))  # every other route
+    app.add_middleware(BodyLimitMiddleware, rules=limits)
     return app

@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    max_body_bytes: int = Field(MIB, gt=0, description="largest request body of the routes without a limit of "
+                                "their own (hub JSON API: repo creation, preupload, LFS batch, tags, "
+                                "validate-yaml; pages; operations); uploads and /v1/* have theirs")
     hub: HubSettings = Field(default_factory=HubSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)

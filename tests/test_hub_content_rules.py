@@ -5,7 +5,6 @@ recognised in any case, no ``.git`` path and no path that is also a folder. Chec
 
 from __future__ import annotations
 
-import base64
 import gzip
 import io
 import json
@@ -13,7 +12,6 @@ import pickle
 import shutil
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import timm
@@ -22,7 +20,7 @@ import yaml
 from conftest import tiny_repo_with_head
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
-from live import WRITE_TOKEN
+from live import WRITE_TOKEN, raw_commit
 
 from vip_hub import verify_repo
 from vip_hub.artifacts import digest_file, read_safetensors_header, rewrite_safetensors_metadata
@@ -145,22 +143,22 @@ def test_hub_refuses_a_repo_that_sends_timm_to_a_pickle(hub, good, tmp_path):
     folder = _redirect(_copy(good, tmp_path), "hf_hub_filename", "weights.pth.tar")
     (folder / "weights.pth.tar").write_bytes(_torch_pickle(legacy=True))
     api = HfApi(token=WRITE_TOKEN)
-    api.create_repo("evil/redirect")
+    api.create_repo("writer/redirect")
     with pytest.raises(BadRequestError, match="pretrained_cfg.hf_hub_filename") as err:
-        api.upload_folder(repo_id="evil/redirect", folder_path=folder)
+        api.upload_folder(repo_id="writer/redirect", folder_path=folder)
     assert "weights.pth.tar: holds a pickle" in str(err.value)
     with pytest.raises(RevisionNotFoundError):  # nothing was stored: timm has nothing to load
-        timm.create_model("hf-hub:evil/redirect", pretrained=True)
+        timm.create_model("hf-hub:writer/redirect", pretrained=True)
     # the same repo without the redirect is served, and timm loads its verified safetensors
-    push_repo(good, "evil/redirect", token=WRITE_TOKEN)
-    model = timm.create_model("hf-hub:evil/redirect", pretrained=True)
-    assert model.pretrained_cfg["hf_hub_id"] == "evil/redirect" and not model.pretrained_cfg.get("hf_hub_filename")
+    push_repo(good, "writer/redirect", token=WRITE_TOKEN)
+    model = timm.create_model("hf-hub:writer/redirect", pretrained=True)
+    assert model.pretrained_cfg["hf_hub_id"] == "writer/redirect" and not model.pretrained_cfg.get("hf_hub_filename")
 
 
 @pytest.mark.parametrize("name", ["checkpoint.pth.tar", "model.joblib", "weights.pt.gz", "model.npy"])
 def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
     api = HfApi(token=WRITE_TOKEN)
-    repo = f"evil/{name.replace('.', '-')}"
+    repo = f"writer/{name.replace('.', '-')}"
     api.create_repo(repo)
     push_repo(good, repo, token=WRITE_TOKEN)
     before = api.model_info(repo).sha
@@ -177,25 +175,15 @@ def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
     assert api.model_info(repo).sha == before
 
 
-def _raw_commit(hub, repo: str, files: dict[str, bytes]) -> httpx.Response:
-    """A commit body as HfApi.create_commit sends it, without the client's own path checks."""
-    lines = [{"key": "header", "value": {"summary": "raw", "description": ""}}]
-    lines += [{"key": "file", "value": {"path": p, "encoding": "base64", "content": base64.b64encode(b).decode()}}
-              for p, b in files.items()]
-    body = "\n".join(json.dumps(line) for line in lines).encode()
-    return httpx.post(f"{hub.url}/api/models/{repo}/commit/main", content=body, timeout=60,
-                      headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"})
-
-
 def test_hub_refuses_git_paths_and_a_file_that_is_a_folder(hub, good):
     api = HfApi(token=WRITE_TOKEN)
-    api.create_repo("evil/paths")
-    push_repo(good, "evil/paths", token=WRITE_TOKEN)
-    before = api.model_info("evil/paths").sha
+    api.create_repo("writer/paths")
+    push_repo(good, "writer/paths", token=WRITE_TOKEN)
+    before = api.model_info("writer/paths").sha
     hook = b"[core]\n\tfsmonitor = touch /tmp/owned\n"
     for path in (".git/config", "sub/.git/config", ".Git/config"):
-        r = _raw_commit(hub, "evil/paths", {path: hook})
+        r = raw_commit(hub.url, "writer/paths", {path: hook})
         assert r.status_code == 400 and "'.git' segment" in r.json()["error"], (path, r.text)
-    r = _raw_commit(hub, "evil/paths", {"README.md/x": b"shadow"})
+    r = raw_commit(hub.url, "writer/paths", {"README.md/x": b"shadow"})
     assert r.status_code == 400 and "'README.md' is a file and the folder of 'README.md/x'" in r.json()["error"]
-    assert api.model_info("evil/paths").sha == before
+    assert api.model_info("writer/paths").sha == before

@@ -11,9 +11,10 @@ from typing import Any
 import yaml
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse
-from huggingface_hub import ModelCard
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+
+from vip_hub.card import load_card
 
 from ..auth import Identity, identity, require_scope
 from ..errors import BadRequest
@@ -131,8 +132,8 @@ def validate_yaml(payload: dict[str, Any] = Body(...)) -> JSONResponse:
     if not isinstance(content, str):
         raise BadRequest("'content' must be the README.md text")
     try:
-        ModelCard(content, ignore_metadata_errors=False)
-    except (ValueError, yaml.YAMLError) as e:
+        load_card(content, strict=True)
+    except (ValueError, yaml.YAMLError) as e:  # RepoFormatError (YAML aliases) is a ValueError
         return JSONResponse({"errors": [{"message": " ".join(str(e).split())}], "warnings": []}, status_code=400)
     return JSONResponse({"errors": [], "warnings": []})
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from urllib.parse import quote, urlsplit
 
 import nh3
-from huggingface_hub import ModelCard
 from markdown_it import MarkdownIt
+
+from vip_hub.card import load_card
 
 __all__ = ["card_body", "markdown_html"]
 
@@ -22,7 +23,7 @@ _ATTRS = {"a": {"href", "title"}, "img": {"src", "alt", "title"}, "th": {"align"
 
 def card_body(readme: str) -> str:
     """The Markdown of a card without its YAML front matter."""
-    return ModelCard(readme, ignore_metadata_errors=True).text
+    return load_card(readme).text
 
 
 def markdown_html(text: str, file_base: str | None = None) -> str:

@@ -1,19 +1,23 @@
-"""An ASGI middleware that bounds ``/v1/*`` request bodies before any parsing: total bytes
-(413) and, for JSON, nesting depth (400), so oversized or pathological bodies never reach
-the JSON parser or the multipart parser unbounded."""
+"""An ASGI middleware that bounds every request body before any parsing: total bytes (413)
+and, where a route family asks, JSON nesting depth (400), so no body reaches the JSON or
+multipart parser unbounded. Routes that stream their bodies to disk (commits, LFS and Xet
+uploads) enforce their own limits as they stream; their rule passes them through."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import BadRequest, PayloadTooLarge, ServiceError, error_response
+from .errors import BadRequest, PayloadTooLarge, ServiceError, error_response
 
-__all__ = ["BodyLimitMiddleware", "json_depth"]
+__all__ = ["BodyLimit", "BodyLimitMiddleware", "json_depth"]
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs of plain bytes in one step
+
 
 def json_depth(body: bytes, stop_above: int | None = None) -> int:
     """Deepest nesting of arrays/objects in a JSON text (strings ignored); the scan stops as
@@ -35,18 +39,31 @@ def json_depth(body: bytes, stop_above: int | None = None) -> int:
             depth -= 1
     return deepest
 
-class BodyLimitMiddleware:
-    """Buffer a ``/v1/`` request body up to ``max_bytes``; check JSON depth; replay it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int, prefix: str = "/v1/"):
-        self.app, self.max_bytes, self.max_depth, self.prefix = app, max_bytes, max_depth, prefix
+@dataclass(frozen=True)
+class BodyLimit:
+    """The body limit of the request paths ``pattern`` matches: ``max_bytes`` (None: the route
+    streams the body under its own limit) and, when set, a JSON body's ``max_json_depth``."""
+
+    pattern: re.Pattern[str]
+    max_bytes: int | None
+    max_json_depth: int | None = None
+
+
+class BodyLimitMiddleware:
+    """Buffer a request body up to the limit of the first rule matching its path, check its
+    JSON depth where the rule asks, and replay it to the app."""
+
+    def __init__(self, app: ASGIApp, rules: Sequence[BodyLimit]):
+        self.app, self.rules = app, list(rules)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix) or scope["method"] != "POST":
+        rule = next((r for r in self.rules if r.pattern.match(scope.get("path", ""))), None)
+        if scope["type"] != "http" or rule is None or rule.max_bytes is None:
             await self.app(scope, receive, send)
             return
         try:
-            body = await self._read(scope, receive)
+            body = await self._read(scope, receive, rule)
         except ServiceError as err:
             await error_response(err)(scope, receive, send)
             return
@@ -61,11 +78,14 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope: Scope, receive: Receive) -> bytes:
+    @staticmethod
+    async def _read(scope: Scope, receive: Receive, rule: BodyLimit) -> bytes:
+        limit = rule.max_bytes or 0
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {self.max_bytes}")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit} "
+                                  f"for {scope['path']}")
         chunks, size = [], 0
         while True:
             message: Any = await receive()
@@ -73,13 +93,13 @@ class BodyLimitMiddleware:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                raise PayloadTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes for {scope['path']}")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        if b"json" in headers.get(b"content-type", b"") and json_depth(body, self.max_depth) > self.max_depth:
-            raise BadRequest(f"JSON nested deeper than {self.max_depth} levels")
+        depth = rule.max_json_depth
+        if depth is not None and b"json" in headers.get(b"content-type", b"") and json_depth(body, depth) > depth:
+            raise BadRequest(f"JSON nested deeper than {depth} levels")
         return body
-

@@ -1,0 +1,143 @@
+"""Untrusted text and bodies (issue 24, Medium 8 and 10, Low 12): YAML aliases in a card's front
+matter are refused wherever a card is parsed; every route bounds its body; ledger strings stay
+literal text in the card and on the pages, which send a Content-Security-Policy and nosniff."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY, synthetic_stage, tiny_encoder
+from huggingface_hub import HfApi
+from live import WRITE_TOKEN, raw_commit
+
+from service.pages.render import card_body, markdown_html
+from vip_hub import Dataset, DPStage, export_encoder, verify_repo
+from vip_hub.card import load_card
+from vip_hub.errors import RepoFormatError
+from vip_hub.push import push_repo
+
+EVIL = "digits` | [click](https://evil.example/a) ![x](https://evil.example/i.png) <b>bold</b>\n\n# `x"
+
+
+def _alias_bomb(levels: int, width: int = 4) -> str:
+    lines = [f"l0: &a0 [{', '.join(['x'] * width)}]"]
+    lines += [f"l{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _with_front_matter(readme: str, extra: str) -> str:
+    _, front, body = readme.split("---\n", 2)
+    return "---\n" + front + extra + "---\n" + body
+
+
+@pytest.fixture(scope="module")
+def evil_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A verified repo whose ledger strings carry Markdown: a dataset name breaking out of its
+    code span into a link, an image, HTML, a table cell and a heading."""
+    stage = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name=EVIL, size=1000,
+                                    description="see [here](https://evil.example/d) | **now**"),
+                                    sample_rate=0.05, noise_multiplier=1.0, steps=100, clipping_norm=0.1)
+    folder = export_encoder(tmp_path_factory.mktemp("evil") / "repo", tiny_encoder(), TINY,
+                            [synthetic_stage(), stage], model_name="evil")
+    assert verify_repo(folder).ok
+    return folder
+
+
+def _no_markup_from_the_ledger(html: str) -> None:
+    assert "evil.example" in html  # the text is shown...
+    assert not re.search(r"""(href|src)=["']?https://evil\.example""", html)  # ...never as a link or image
+    assert "<b>bold</b>" not in html
+
+
+def test_ledger_strings_are_literal_in_the_card(evil_repo):
+    readme = (evil_repo / "README.md").read_text()
+    html = markdown_html(card_body(readme))
+    _no_markup_from_the_ledger(html)
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html
+    table = html.split("<table>")[2]  # the first table is the model summary, the second the ledger
+    rows = re.findall(r"<tr>(.*?)</tr>", table, re.DOTALL)
+    assert {len(re.findall(r"<t[dh]", r)) for r in rows} == {11}  # no cell split by the name's '|'
+    assert html.count("<h1>") == 1  # the card's title; the name's '# ' made no heading
+
+
+def test_pages_escape_the_ledger_and_send_csp_and_nosniff(hub, evil_repo):
+    push_repo(evil_repo, "writer/markdown", token=WRITE_TOKEN)
+    for path in ("/writer/markdown", "/"):
+        r = httpx.get(hub.url + path)
+        assert r.status_code == 200
+        assert "script-src" not in r.headers["content-security-policy"]  # default-src 'none' covers it
+        assert "default-src 'none'" in r.headers["content-security-policy"]
+        assert r.headers["x-content-type-options"] == "nosniff"
+    box = httpx.get(hub.url + "/writer/markdown").text.split('class="panel guarantee"')[1].split("</section>")[0]
+    _no_markup_from_the_ledger(box)
+
+
+# ------------------------------------------------------------------------------- YAML aliases
+
+
+def test_load_card_refuses_aliases():
+    readme = "---\nlicense: mit\n" + _alias_bomb(3) + "---\n# card\n"
+    with pytest.raises(RepoFormatError, match="YAML aliases"):
+        load_card(readme)
+    assert load_card("---\nlicense: mit\n---\n# card\n").data.license == "mit"
+
+
+def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
+    from conftest import tiny_repo_with_head
+
+    folder = tiny_repo_with_head(tmp_path / "aliases")
+    readme = folder / "README.md"
+    readme.write_text(_with_front_matter(readme.read_text(), _alias_bomb(22, 2)))
+    assert any("YAML aliases" in str(p) for p in verify_repo(folder).problems)
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("writer/aliases")
+    with pytest.raises(ValueError, match="YAML aliases"):  # the client asks /api/validate-yaml first
+        api.upload_folder(repo_id="writer/aliases", folder_path=folder)
+    start = time.monotonic()  # a client that does not ask
+    r = raw_commit(hub.url, "writer/aliases", {p.relative_to(folder).as_posix(): p.read_bytes()
+                                               for p in folder.rglob("*") if p.is_file()})
+    assert r.status_code == 400 and "YAML aliases" in r.json()["error"]
+    assert time.monotonic() - start < 10
+
+
+def test_validate_yaml_refuses_aliases(hub):
+    r = httpx.post(hub.url + "/api/validate-yaml",
+                   json={"content": "---\nlicense: mit\n" + _alias_bomb(30, 2) + "---\n"}, timeout=30)
+    assert r.status_code == 400 and "YAML aliases" in r.json()["errors"][0]["message"]
+    ok = httpx.post(hub.url + "/api/validate-yaml", json={"content": "---\nlicense: mit\n---\n# card\n"})
+    assert ok.status_code == 200 and ok.json() == {"errors": [], "warnings": []}
+
+
+# ------------------------------------------------------------------------------- body limits
+
+
+def test_every_route_bounds_its_body(hub):
+    big = b"x" * (2 * 1024 * 1024)  # over the 1 MiB default of routes without a limit of their own
+    for path in ("/api/validate-yaml", "/api/repos/create", "/api/models/vip/x/preupload/main", "/healthz"):
+        r = httpx.post(hub.url + path, content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, (path, r.status_code)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(64):
+            yield b"x" * 65536
+
+    r = httpx.post(hub.url + "/api/validate-yaml", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "exceeds the limit of 1048576" in r.json()["error"]
+
+
+def test_uploads_stream_past_the_default_limit(hub, tmp_path):
+    """A commit with a 3 MiB inline file is not held to the 1 MiB default: it streams."""
+    from conftest import tiny_repo_with_head
+
+    folder = tiny_repo_with_head(tmp_path / "big")
+    api = HfApi(token=WRITE_TOKEN)
+    push_repo(folder, "writer/big-upload", token=WRITE_TOKEN)
+    api.upload_file(path_or_fileobj=b"a line of notes\n" * 200_000, path_in_repo="notes.txt",
+                    repo_id="writer/big-upload")
+    assert "notes.txt" in api.list_repo_files("writer/big-upload")
+    shutil.rmtree(folder)
