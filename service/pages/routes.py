@@ -35,12 +35,6 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
 }
 """Sent with every page: no script runs, nothing but images loads from elsewhere, no framing."""
-PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' https: data:; "
-                               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-}
-"""Sent with every page: no script runs, nothing but images loads from elsewhere, no framing."""
 SORTS = {"updated": "Last update", "epsilon": "ε", "name": "Name", "params": "Parameters", "arch": "Architecture"}
 
 
