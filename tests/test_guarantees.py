@@ -188,3 +188,33 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     model = httpx.get(f"{hub.url}/writer/shared-0", timeout=30)
     assert 'href="/datasets/test/shared-faces"' in model.text
     assert httpx.get(f"{hub.url}/datasets/test/nobody", timeout=30).status_code == 404
+
+
+def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, tmp_path: Path) -> None:
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from conftest import TINY, synthetic_stage, tiny_encoder
+    from live import WRITE_TOKEN
+    from vip_hub import Dataset, DPStage, export_encoder
+    from vip_hub.push import push_repo
+
+    shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
+                                       sample_rate=0.1, noise_multiplier=1.0, steps=40, clipping_norm=1.0,
+                                       sampling="shuffle")
+    repo = export_encoder(tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r")
+    push_repo(repo, "writer/shuffled", token=WRITE_TOKEN)
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (10, 200, 30)).save(buf, format="PNG")
+    r = httpx.post(f"{hub.url}/v1/embeddings", timeout=60,
+                   json={"model": "writer/shuffled", "input": [base64.b64encode(buf.getvalue()).decode()]})
+    assert r.status_code == 200, r.text
+    privacy = r.json()["privacy"]
+    assert "assuming Poisson sampling" in privacy["caveat"] and "assuming Poisson sampling" in privacy["headline"]
+    assert privacy["epsilon_without_amplification"] > privacy["epsilon"]
+    assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/api/models/writer/shuffled").json()["vip_hub"]["caveat"]
+    assert "as reported*" in httpx.get(f"{hub.url}/?q=shuffled").text
+    assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/writer/shuffled").text

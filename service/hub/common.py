@@ -8,11 +8,12 @@ from fastapi import Request
 
 from vip_hub.repo_format import is_weights_file
 
-from ..auth import Identity, check_read
-from ..store.naming import decode_segment, validate_repo_id
+from ..auth import Identity, check_read, check_write, require_scope
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
+from ..store.naming import decode_segment, validate_repo_id
 
-__all__ = ["LFS_THRESHOLD", "base_url", "etag", "is_lfs", "model_json", "raw_segments", "readable_repo", "store_of"]
+__all__ = ["LFS_THRESHOLD", "base_url", "etag", "is_lfs", "model_json", "raw_segments", "readable_repo", "store_of",
+           "writable_repo"]
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 """Files above this size (and every weights file) travel and are served as LFS objects."""
@@ -54,6 +55,15 @@ def readable_repo(store: HubStore, org: str, name: str, who: Identity | None) ->
     """The repo if the caller may read it; private repos are RepoNotFound without a token."""
     repo = store.get_repo(validate_repo_id(org, name))
     check_read(repo.private, repo.repo_id, who)
+    return repo
+
+
+def writable_repo(store: HubStore, org: str, name: str, who: Identity | None, what: str) -> RepoRecord:
+    """The repo if the caller may write to it: 401 without a write token, RepoNotFound for a
+    private repo it cannot read, 403 outside its namespaces (as the HF hub answers)."""
+    who = require_scope(who, "write", what)
+    repo = readable_repo(store, org, name, who)
+    check_write(who, repo.org, what)
     return repo
 
 
@@ -100,6 +110,7 @@ def model_json(
             "delta": commit.delta,
             "accountant": commit.accountant,
             "private_datasets": commit.datasets,
+            "caveat": commit.caveat,
         }
     if tree is not None:
         out["siblings"] = [sibling_json(e, blobs) for e in tree.values()]

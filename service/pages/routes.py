@@ -68,7 +68,7 @@ def index(
     models = [
         {"id": repo.repo_id, "arch": c.arch, "params": format_params(c.num_params), "epsilon": c.epsilon,
          "delta": c.delta, "datasets": c.datasets, "updated": _date(c.created_at),
-         "accountant": (c.accountant or "").upper()}
+         "accountant": (c.accountant or "").upper(), "caveat": c.caveat}
         for repo, c in rows
     ]
     return templates.TemplateResponse(request, "index.html", {

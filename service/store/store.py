@@ -26,6 +26,7 @@ from typing import Any
 
 from vip_hub.card import load_card
 from vip_hub.errors import SignatureError
+from vip_hub.ledger import PrivacyLedger
 from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE, privacy_headline
 from vip_hub.signing import PublicKey, load_keys, verify_signature
 from vip_hub.verify import verify_repo
@@ -99,6 +100,12 @@ class CommitRecord:
     accountant: str | None
     datasets: list[str] = field(default_factory=list)
     card_data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def caveat(self) -> str | None:
+        """What the encoder's epsilon assumes but its training did not meet (``PrivacySummary.caveat``)."""
+        ledger = self.card_data.get("differential_privacy")
+        return PrivacyLedger.parse(ledger).summary().caveat if ledger else None
 
 
 @dataclass(frozen=True)
