@@ -10,7 +10,8 @@
 4. a DP linear probe on every encoder and on raw pixels, on the same split and with the same
    head protocol; each head's guarantee composes its encoder's stages on the same data; the
    comparison (accuracy on the public test split, each row's guarantee) goes into every card;
-5. start ``vip-hub serve`` on the embedded store and publish the repos through
+5. sign every repo with the job's key (``WORK/signing/main-job.key``, made once), start
+   ``vip-hub serve`` on the embedded store trusting that key, and publish the repos through
    ``vip_hub.push`` (the verified path ``vip-hub push`` takes);
 6. print how to use them, and keep serving until interrupted.
 
@@ -42,10 +43,25 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from vip_hub.errors import SignatureError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.push import is_published, push_repo
 from vip_hub.repo import update_repo
-from vip_hub.repo_format import HEADS_DIR, LEDGER_FILE, head_component, privacy_headline
+from vip_hub.repo_format import (
+    HEADS_DIR,
+    LEDGER_FILE,
+    SIGNATURE_FILE,
+    head_component,
+    privacy_headline,
+)
+from vip_hub.signing import (
+    PRIVATE_SUFFIX,
+    PUBLIC_SUFFIX,
+    create_key,
+    load_keys,
+    sign_repo,
+    verify_signature,
+)
 from vip_hub.verify import verify_repo
 
 from .synthetic import render
@@ -246,13 +262,17 @@ def run_main_job(cfg: MainJobConfig) -> int:
                "head_epsilon": cfg.head_epsilon},
               [folder[e] / HEADS_DIR / "digits" for e in PUBLISHED], lambda: _probes(cfg, data, folder))
 
+    key = _signing_key(work)
+    for e in PUBLISHED:
+        _sign(folder[e], key)
     token = secrets.token_urlsafe(24)
-    server = _start_server(cfg, token)
+    server = _start_server(cfg, token, key.with_suffix(PUBLIC_SUFFIX))
     try:
         endpoint = f"http://{cfg.host}:{cfg.port}"
         for e in PUBLISHED:
             repo = folder[e]
-            steps.run(f"publish {e.repo_id}", {"ledger": _ledger_digest(repo), "store": str(Path(cfg.store).resolve())},
+            steps.run(f"publish {e.repo_id}", {"ledger": _ledger_digest(repo), "store": str(Path(cfg.store).resolve()),
+                                               "signature": _file_digest(repo / SIGNATURE_FILE)},
                       [], lambda r=repo, i=e.repo_id: print("    commit", push_repo(r, i, endpoint=endpoint, token=token)),
                       fresh=lambda r=repo, i=e.repo_id: is_published(r, i, endpoint=endpoint, token=token))
         _print_usage(endpoint, data / "test" / "7")
@@ -318,12 +338,37 @@ def _pixels(images: list[Any]) -> torch.Tensor:
                         for im in images])
 
 
-def _start_server(cfg: MainJobConfig, token: str) -> subprocess.Popen[bytes]:
+def _signing_key(work: Path) -> Path:
+    """The job's private signing key, kept in its work folder (made on the first run)."""
+    private = work / "signing" / f"main-job{PRIVATE_SUFFIX}"
+    if not private.exists():
+        create_key(private.parent, "main-job", overwrite=True)
+    return private
+
+
+def _sign(repo: Path, key: Path) -> None:
+    """Sign ``repo`` with ``key`` unless that key's signature over it still holds (a new one
+    would differ, and be published again)."""
+    try:
+        if verify_signature(repo, load_keys([key.with_suffix(PUBLIC_SUFFIX)])) is not None:
+            return
+    except SignatureError:  # stale (a probe or card update changed the files), or another key's
+        pass
+    sign_repo(repo, key)
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 hex of a file's bytes (a step's input stamp)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subprocess.Popen[bytes]:
     with socket.socket() as s:
         if s.connect_ex((cfg.host, cfg.port)) == 0:
             raise StepFailed(f"port {cfg.port} on {cfg.host} is in use: stop what holds it, or run "
                              "`vip-hub run --port N`")
-    env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}"}
+    env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
+           "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key)}  # the hub accepts what the job signed
     cmd = [sys.executable, "-m", "vip_hub.cli", "serve", "--store", cfg.store, "--host", cfg.host,
            "--port", str(cfg.port)]
     print(f"[*] starting the server: {' '.join(cmd[2:])}", flush=True)
