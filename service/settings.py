@@ -73,7 +73,10 @@ class InferenceSettings(BaseModel):
     max_images_per_request: int = Field(64, gt=0)
     max_image_bytes: int = Field(10 * MIB, gt=0)
     max_request_bytes: int = Field(64 * MIB, gt=0)
-    max_image_pixels: int = Field(40_000_000, gt=0, description="width x height, checked from the header")
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="width x height of one image, checked from "
+                                  "its header")
+    max_request_pixels: int = Field(64 * 1024 * 1024, gt=0, description="width x height summed over a request's "
+                                    "images, checked from their headers before any is decoded")
     max_caption_tokens: int = Field(40, gt=0, le=127, description="most tokens a /v1/captions caption may ask for")
     max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
     max_json_depth: int = Field(8, gt=0)

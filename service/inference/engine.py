@@ -9,6 +9,7 @@ worker thread.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,13 +21,13 @@ import torch
 
 from vip_hub.repo_format import DEFAULT_BRANCH
 
-from ..errors import BadRequest, ServiceError
+from ..errors import BadRequest, PayloadTooLarge, ServiceError
 from ..store import NoSuchRepo, NoSuchRevision, StoreError
 from ..metrics import Metrics
 from ..settings import InferenceSettings
 from ..store import HubStore
 from .batcher import DeadlineExceeded, ShuttingDown, WorkItem
-from .images import ImageLimits, decode_image
+from .images import ImageLimits, load_rgb, open_image
 from .models import LoadedModel, Task
 
 __all__ = ["InferenceEngine", "Result", "parse_model_ref"]
@@ -209,8 +210,15 @@ class InferenceEngine:
         assert batcher is not None
         try:
             if not all(f.cancelled() for f in futures):  # else the client went away while this waited
+                opened = [open_image(data, i, self.limits) for i, data in enumerate(images)]
+                pixels = sum(img.width * img.height for img in opened)
+                if pixels > self.settings.max_request_pixels:
+                    raise PayloadTooLarge(f"{len(images)} images of {pixels} pixels in all exceed the per-request "
+                                          f"budget of {self.settings.max_request_pixels}; send fewer or smaller images")
+                spec = model.encoder.spec
+                min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
                 transform = model.encoder.transform
-                batch = torch.stack([transform(decode_image(data, i, self.limits)) for i, data in enumerate(images)])
+                batch = torch.stack([transform(load_rgb(img, i, min_side)) for i, img in enumerate(opened)])
                 self.metrics.preprocess_seconds.labels(model.label).observe(time.perf_counter() - start)
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size

@@ -2,7 +2,8 @@
 
 Accepted: JPEG, PNG, WebP, GIF (first frame), BMP, TIFF. The byte size is checked before
 base64 decoding, the pixel count from the header before ``load()`` (decompression bombs never
-allocate), and every failure names the input's index and the reason.
+allocate), and every failure names the input's index and the reason. An image much larger than
+the model's input is decoded at a reduced scale (``load_rgb``).
 
 Modes become RGB as timm's loader does (``convert("RGB")``: L, LA, P, RGBA, CMYK), except
 16-bit and float greyscale (I;16, I, F), which are rescaled to 8 bits first instead of being
@@ -15,6 +16,8 @@ import binascii
 import io
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pybase64
@@ -22,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import BadRequest, PayloadTooLarge
 
-__all__ = ["FORMATS", "ImageLimits", "decode_image", "image_bytes_from_text"]
+__all__ = ["FORMATS", "ImageLimits", "decode_image", "image_bytes_from_text", "load_rgb", "open_image"]
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
@@ -56,33 +59,62 @@ def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
     return data
 
 
-def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
-    """An RGB image from untrusted bytes, or a 4xx naming ``index`` and what was wrong."""
+def open_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
+    """The image's header, checked (size in bytes, format, pixel count) before any pixel is
+    decoded; a 4xx naming ``index`` and what was wrong otherwise."""
     if not data:
         raise BadRequest(f"input[{index}]: empty image")
     if len(data) > limits.max_bytes:
         raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
+    with _decoding(index):
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+        width, height = img.size
+        if width * height > limits.max_pixels:
+            raise PayloadTooLarge(
+                f"input[{index}]: {width}x{height} pixels exceeds the limit of {limits.max_pixels} "
+                "(decompression bombs are refused from the header)"
+            )
+        if width == 0 or height == 0:
+            raise BadRequest(f"input[{index}]: image has no pixels")
+    return img
+
+
+def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:
+    """Decode an opened image's first frame to RGB, reduced by a power of two (at most 8) while
+    its shorter side stays at least twice ``min_side`` (the model's resize target): JPEG decodes
+    at that scale directly, other formats are reduced once decoded."""
+    factor = 1
+    while factor < 8 and min(img.size) // (2 * factor) >= 2 * min_side > 0:
+        factor *= 2
+    with _decoding(index):
+        img.seek(0)  # first frame of an animation
+        if factor > 1 and img.format == "JPEG":
+            img.draft("RGB", (img.width // factor, img.height // factor))
+            factor = 1
+        img.load()
+        if factor > 1:
+            img = img.reduce(factor)
+    return to_rgb(img)
+
+
+def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0) -> Image.Image:
+    """An RGB image from untrusted bytes (``open_image`` then ``load_rgb``)."""
+    return load_rgb(open_image(data, index, limits), index, min_side)
+
+
+@contextmanager
+def _decoding(index: int) -> Iterator[None]:
+    """PIL's failures as 4xx errors naming input ``index``; decompression-bomb warnings are errors."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=FORMATS)
-            width, height = img.size
-            if width * height > limits.max_pixels:
-                raise PayloadTooLarge(
-                    f"input[{index}]: {width}x{height} pixels exceeds the limit of {limits.max_pixels} "
-                    "(decompression bombs are refused from the header)"
-                )
-            if width == 0 or height == 0:
-                raise BadRequest(f"input[{index}]: image has no pixels")
-            img.seek(0)  # first frame of an animation
-            img.load()
+            yield
     except UnidentifiedImageError:
         raise BadRequest(f"input[{index}]: not an image in a supported format ({', '.join(FORMATS)})") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise PayloadTooLarge(f"input[{index}]: decompression bomb refused from the header ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None
-    return to_rgb(img)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
