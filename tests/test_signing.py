@@ -1,0 +1,253 @@
+"""Signed provenance: keys, signing at export, `vip-hub verify --key`, and the hub that checks
+signatures against its operator's trusted keys and shows who signed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
+
+from live import WRITE_TOKEN, ThreadedServer, settings_for
+from vip_hub.cli import main
+from vip_hub.errors import ConfigError, SignatureError, UntrustedSignerError
+from vip_hub.push import push_repo
+from vip_hub.repo import update_repo
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
+from vip_hub.signing import create_key, load_keys, sign_repo, verify_signature
+from vip_hub.verify import verify_repo
+
+from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder
+
+
+@pytest.fixture
+def cli(capsys):
+    """``vip-hub ARGS`` in this process: exit status, stdout, stderr."""
+    def run(*args: str | Path) -> SimpleNamespace:
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run
+
+
+@pytest.fixture
+def alice(tmp_path: Path) -> tuple[Path, Path]:
+    """A key pair outside any repo: (private key, public key)."""
+    private, public = create_key(tmp_path / "keys", "alice")
+    return private, public.path
+
+
+def _repo(folder: Path, seed: int = 0) -> Path:
+    return export_encoder(folder, tiny_encoder(seed), TINY, [synthetic_stage(), dp_stage()], model_name=folder.name)
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_key_create_keeps_the_private_key_private(tmp_path, cli):
+    made = cli("key", "create", "--dir", tmp_path / "k", "--name", "bob")
+    assert made.returncode == 0, made.stderr
+    private, public = tmp_path / "k" / "bob.key", tmp_path / "k" / "bob.pub"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    assert b"PRIVATE KEY" in private.read_bytes() and b"PUBLIC KEY" in public.read_bytes()
+    assert load_keys([public])[0].fingerprint in made.stdout
+    again = cli("key", "create", "--dir", tmp_path / "k", "--name", "bob")
+    assert again.returncode == 1 and "exists" in again.stderr  # never overwritten by accident
+    assert cli("key", "create", "--dir", tmp_path / "k", "--name", "../x").returncode == 1
+
+
+def test_sign_and_verify_roundtrip(tmp_path, alice, cli):
+    repo = _repo(tmp_path / "repo")
+    fingerprint = sign_repo(repo, alice[0])
+    signed = json.loads((repo / SIGNATURE_FILE).read_text())
+    assert signed["verificationMaterial"]["publicKey"]["hint"] == fingerprint
+    assert verify_signature(repo, load_keys([alice[1]])).name == "alice"
+    assert verify_repo(repo).ok  # the signature is no ledger artifact
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 0, out.stdout
+    assert f"signed by alice ({fingerprint[:16]})" in out.stdout and "WARN" not in out.stdout
+    assert cli("verify", repo, "--key", alice[1].parent).returncode == 0  # a folder of *.pub
+    unchecked = cli("verify", repo)
+    assert unchecked.returncode == 0 and "signed (model.sig) but not checked" in unchecked.stdout
+
+
+def test_a_key_inside_the_repo_is_refused(tmp_path):
+    repo = _repo(tmp_path / "repo")
+    private, _ = create_key(repo / "keys", "oops")
+    with pytest.raises(ConfigError, match="inside the repo"):
+        sign_repo(repo, private)
+
+
+def test_unsigned_repo_verifies_with_a_warning(tmp_path, alice, cli):
+    repo = _repo(tmp_path / "repo")
+    assert verify_signature(repo, load_keys([alice[1]])) is None
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 0
+    assert "WARN  unsigned: no model.sig, so nothing says who trained or published these files" in out.stdout
+    report = json.loads(cli("verify", repo, "--key", alice[1], "--json").stdout)
+    assert report["ok"] and any(w.startswith("unsigned") for w in report["warnings"])
+
+
+def test_one_byte_changed_after_signing_fails(tmp_path, alice, cli):
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    _flip_last_byte(repo / CARD_FILE)
+    with pytest.raises(SignatureError, match=r"differ from what alice \(\w+\) signed \(changed: README.md\)"):
+        verify_signature(repo, load_keys([alice[1]]))
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 1
+    assert "FAIL  model.sig: the files differ from what alice" in out.stdout
+
+
+def test_a_consistent_ledger_rewrite_verifies_but_its_signature_fails(tmp_path, alice, cli):
+    """The rewrite the issue names (q/4, sigma x 2, T = 1): every copy agrees and every epsilon
+    follows, so `verify` alone passes; the trainer's signature does not."""
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    signature = (repo / SIGNATURE_FILE).read_bytes()
+    honest = dp_stage()
+    update_repo(repo, replace_component="encoder",
+                add_stages=[synthetic_stage(), dp_stage(batch=50 / 4, sigma=2.0, steps=1)])
+    assert not (repo / SIGNATURE_FILE).exists()  # an update drops the signature it no longer matches
+    assert verify_repo(repo).ok and verify_repo(repo).ledger.guarantees[0].epsilon < honest.epsilon
+    (repo / SIGNATURE_FILE).write_bytes(signature)  # the forger keeps the trainer's signature
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 1
+    assert "FAIL  model.sig: the files differ from what alice" in out.stdout
+    for name in (LEDGER_FILE, CARD_FILE, "model.safetensors"):
+        assert name in out.stdout
+
+
+def test_wrong_key_or_a_forged_signature_fails(tmp_path, alice):
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    _, bob = create_key(tmp_path / "other", "bob")
+    with pytest.raises(UntrustedSignerError, match="not a trusted key"):
+        verify_signature(repo, [bob])
+    bundle = json.loads((repo / SIGNATURE_FILE).read_text())
+    bundle["verificationMaterial"]["publicKey"]["hint"] = bob.fingerprint  # claims bob, was made by alice
+    (repo / SIGNATURE_FILE).write_text(json.dumps(bundle))
+    with pytest.raises(SignatureError, match="not a valid signature by bob"):
+        verify_signature(repo, [bob])
+    (repo / SIGNATURE_FILE).write_text("not json")
+    with pytest.raises(SignatureError, match="not a signature bundle"):
+        verify_signature(repo, [bob])
+
+
+def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
+    from training.distributed import Dist
+    from training.recipe import RunConfig
+    from training.run import Run
+
+    out = tmp_path / "run-repo"
+    for key, env in ((str(alice[0]), None), (None, str(alice[0]))):
+        if env:
+            monkeypatch.setenv("VIP_HUB_SIGNING_KEY", env)
+        dist = Dist.from_env("cpu")
+        try:
+            run = Run(RunConfig(out=str(out), signing_key=key), dist)
+            run.export(lambda: export_encoder(out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r",
+                                              overwrite=True))
+        finally:
+            dist.close()
+        assert verify_signature(out, load_keys([alice[1]])).name == "alice"
+        assert "signing_key" not in run.settings  # another key resumes the same run
+
+
+@pytest.fixture(scope="module")
+def trusted(hub, tmp_path_factory) -> tuple[Path, Path]:
+    """Alice's key pair, trusted by the module's hub (its operator's key list in the store)."""
+    private, public = create_key(tmp_path_factory.mktemp("alice"), "alice")
+    folder = hub.settings.trusted_keys_path()
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(public.path, folder / "alice.pub")
+    return private, public.path
+
+
+def test_hub_accepts_a_trusted_signature_and_shows_the_signer(hub, trusted, tmp_path):
+    repo = _repo(tmp_path / "signed")
+    fingerprint = sign_repo(repo, trusted[0])
+    commit = push_repo(repo, "writer/signed", token=WRITE_TOKEN)
+    store = hub.app.state.store
+    record = store.signature(commit)
+    assert record is not None and (record.signer, record.fingerprint) == ("alice", fingerprint)
+    assert SIGNATURE_FILE in store.tree("writer/signed", commit)
+    html = httpx.get(f"{hub.url}/writer/signed").text
+    assert "Signed by <strong>alice</strong>" in html and fingerprint[:16] in html
+    # what a reader downloads verifies against alice's key
+    local = Path(HfApi(token=WRITE_TOKEN).snapshot_download("writer/signed", local_dir=tmp_path / "download"))
+    assert verify_signature(local, load_keys([trusted[1]])).name == "alice"
+    # the hub's attestation is in its index, not among the signed files
+    assert set(store.tree("writer/signed", commit)) == {p.relative_to(repo).as_posix() for p in repo.rglob("*")
+                                                    if p.is_file()}
+
+
+def test_hub_shows_an_unsigned_repo_as_unsigned(hub, trusted, tmp_path):
+    commit = push_repo(_repo(tmp_path / "plain"), "writer/plain", token=WRITE_TOKEN)
+    assert hub.app.state.store.signature(commit) is None
+    assert "<strong>Unsigned.</strong> Nothing says who trained this model" in httpx.get(f"{hub.url}/writer/plain").text
+
+
+def test_hub_refuses_untrusted_and_invalid_signatures(hub, trusted, tmp_path):
+    mallory, _ = create_key(tmp_path / "mallory", "mallory")
+    repo = _repo(tmp_path / "untrusted")
+    sign_repo(repo, mallory)
+    with pytest.raises(HfHubHTTPError) as refused:
+        push_repo(repo, "writer/untrusted", token=WRITE_TOKEN)
+    assert refused.value.response.status_code == 403 and "not a trusted key" in refused.value.response.text
+    assert not HfApi().list_repo_refs("writer/untrusted").branches  # nothing stored
+
+    forged = _repo(tmp_path / "forged", seed=1)
+    sign_repo(forged, trusted[0])
+    bundle = json.loads((forged / SIGNATURE_FILE).read_text())
+    sig = bytearray(base64.b64decode(bundle["dsseEnvelope"]["signatures"][0]["sig"]))
+    sig[-1] ^= 1  # alice's key hint, a signature alice did not make
+    bundle["dsseEnvelope"]["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
+    (forged / SIGNATURE_FILE).write_text(json.dumps(bundle))
+    with pytest.raises(HfHubHTTPError) as refused:
+        push_repo(forged, "writer/forged", token=WRITE_TOKEN)
+    assert refused.value.response.status_code == 403
+    assert "model.sig: not a valid signature by alice" in refused.value.response.text
+
+
+def test_hub_refuses_files_changed_after_signing(hub, trusted, tmp_path):
+    repo = _repo(tmp_path / "changed", seed=2)
+    sign_repo(repo, trusted[0])
+    signature = (repo / SIGNATURE_FILE).read_bytes()
+    update_repo(repo, add_files={"notes.txt": b"added after signing\n"})
+    (repo / SIGNATURE_FILE).write_bytes(signature)
+    with pytest.raises(HfHubHTTPError) as refused:
+        push_repo(repo, "writer/changed", token=WRITE_TOKEN)
+    text = refused.value.response.text
+    assert refused.value.response.status_code == 403 and "the files differ from what alice" in text
+    assert "added: notes.txt" in text
+
+
+def test_a_hub_that_requires_signatures_refuses_unsigned_commits(tmp_path, cli):
+    store = tmp_path / "store"
+    private, public = create_key(tmp_path / "keys", "carol")
+    with ThreadedServer(settings_for(store, hub={"require_signature": True})) as server:
+        repo = _repo(tmp_path / "repo")
+        with pytest.raises(HfHubHTTPError) as refused:
+            push_repo(repo, "writer/required", endpoint=server.url, token=WRITE_TOKEN)
+        assert refused.value.response.status_code == 403 and "signed repos only" in refused.value.response.text
+        # the operator trusts carol while the server runs: her next commit goes through
+        added = cli("trust", "add", "carol", public.path, "--store", store)
+        assert added.returncode == 0 and public.fingerprint in added.stdout
+        assert cli("trust", "list", "--store", store).stdout == f"carol\t{public.fingerprint}\n"
+        sign_repo(repo, private)
+        commit = push_repo(repo, "writer/required", endpoint=server.url, token=WRITE_TOKEN)
+        assert server.app.state.store.signature(commit).signer == "carol"
+        assert cli("trust", "add", "carol", public.path, "--store", store).returncode == 1  # no silent replace
+        assert cli("trust", "remove", "carol", "--store", store).returncode == 0
+        assert cli("trust", "list", "--store", store).stdout == ""
