@@ -38,9 +38,9 @@ class HubSettings(BaseModel):
     xet_ttl_s: float = Field(21 * 24 * 3600, gt=0, description="Xet xorbs are kept this long after their last use: "
                              "hf_xet clients deduplicate against what they uploaded for 3 weeks")
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
-    trusted_keys: Path | None = Field(None, description="folder of the public keys (NAME.pub) whose signatures "
-                                      "(model.sig) commits may carry, managed with `vip-hub trust` (default: "
-                                      "STORE/trusted_keys); a commit signed by any other key is refused")
+    trusted_keys: Path | None = Field(None, description="folder of the public keys (NAME.pub; or one such file) "
+                                      "whose signatures (model.sig) commits may carry, managed with `vip-hub trust` "
+                                      "(default: STORE/trusted_keys); a commit signed by any other key is refused")
     require_signature: bool = Field(False, description="refuse unsigned commits too")
 
 
