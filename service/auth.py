@@ -1,11 +1,14 @@
-"""Bearer tokens with scopes (read < write < admin). Only SHA-256 hashes are kept, and a
-presented token is compared against every stored hash in constant time.
+"""Users, organisations and bearer tokens with scopes (read < write < admin). Only SHA-256
+hashes are kept, and a presented token is compared against every stored hash in constant time.
 
-Tokens come from a JSON file (``vip-hub token create|revoke`` writes it; a running server
-re-reads it on the next request after a change) and/or the ``VIP_HUB_AUTH__TOKENS`` setting
-(``name:scope:secret;...``). Anonymous callers may read
-public repos; private repos answer RepoNotFound to anyone without a read token, as the
-Hugging Face hub does.
+A token belongs to a user: its name. A user owns the namespace of its own name and those of
+the organisations it is a member of: it writes there (with a write token) and reads the
+private repos there; admin tokens (the hub's operators) own every namespace. Everyone else
+gets the Hugging Face hub's answers: 403 on a write, RepoNotFound on a private repo.
+
+Tokens and organisations come from a JSON file (``vip-hub token`` and ``vip-hub org`` write
+it; a running server re-reads it on the next request after a change) and from the settings
+``auth.tokens`` (``name:scope:secret;...``) and ``auth.orgs`` (``{org: [user, ...]}``).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import logging
+import os
 import secrets
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,9 +31,12 @@ from fastapi import Request
 
 from .errors import Forbidden, RepoNotFound, Unauthorized
 from .settings import Settings
+from .store.errors import InvalidRequest
+from .store.naming import validate_namespace
 
-__all__ = ["Identity", "Scope", "TokenRegistry", "check_grant", "create_token", "identity", "list_tokens",
-           "require_scope", "revoke_token", "sign_grant"]
+__all__ = ["Identity", "Scope", "TokenRegistry", "add_member", "check_grant", "check_read", "check_write",
+           "create_token", "identity", "identity_or_anonymous", "list_orgs", "list_tokens", "private_namespaces",
+           "remove_member", "require_scope", "revoke_token", "sign_grant"]
 
 _log = logging.getLogger(__name__)
 
@@ -40,41 +47,72 @@ INVALID = "Invalid credentials in Authorization header"
 
 @dataclass(frozen=True)
 class Identity:
-    """Who a valid token belongs to."""
+    """Who a valid token belongs to: the user, the token's scope, the organisations the user
+    is a member of, and the token's id (what upload grants name, so they end with it)."""
 
     name: str
     scope: Scope
+    orgs: frozenset[str] = frozenset()
+    token_id: str = ""
 
     def allows(self, scope: Scope) -> bool:
+        """Whether the token's scope reaches ``scope``."""
         return _RANK[self.scope] >= _RANK[scope]
+
+    def owns(self, namespace: str) -> bool:
+        """Whether the user writes to ``namespace`` and reads its private repos."""
+        return self.scope == "admin" or namespace == self.name or namespace in self.orgs
 
 
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class TokenRegistry:
-    """The known tokens, as (hash, identity) pairs: those of the tokens file, re-read on the
-    first request after it changes (one ``stat`` per lookup), and those of ``auth.tokens``."""
+def _token_id(sha256: str) -> str:
+    """A token's id: the first 16 hex digits of its hash (never enough to find the token)."""
+    return sha256[:16]
 
-    def __init__(self, path: Path | None, fixed: list[tuple[str, Identity]]):
+
+@dataclass(frozen=True)
+class _Entry:
+    sha256: str
+    name: str
+    scope: Scope
+
+
+@dataclass
+class _Auth:
+    """What one source holds: token entries and organisations (org -> member users)."""
+
+    tokens: list[_Entry]
+    orgs: dict[str, set[str]]
+
+
+class TokenRegistry:
+    """The known tokens and organisations: those of the tokens file, re-read on the first
+    request after it changes (one ``stat`` per lookup), and those of the settings."""
+
+    def __init__(self, path: Path | None, fixed: _Auth):
         self._path, self._fixed = path, fixed
         self._stamp: tuple[int, int, int] | None = None
-        self._from_file: list[tuple[str, Identity]] = []
+        self._from_file = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "TokenRegistry":
-        """Tokens from the tokens file (if it exists) and from ``auth.tokens``."""
-        fixed: list[tuple[str, Identity]] = []
+        """Tokens and organisations from the tokens file (if it exists) and from ``auth.tokens``
+        and ``auth.orgs``."""
+        fixed = _Auth([], {org: set(members) for org, members in settings.auth.orgs.items()})
         for item in filter(None, (settings.auth.tokens or "").split(";")):
             try:
                 name, scope, secret = item.strip().split(":", 2)
             except ValueError:
                 raise ValueError("auth.tokens entries must look like name:scope:secret") from None
             _check_scope(scope, f"auth.tokens entry {name!r}")
-            fixed.append((_hash(secret), Identity(name, scope)))  # type: ignore[arg-type]
+            fixed.tokens.append(_Entry(_hash(secret), name, scope))  # type: ignore[arg-type]
+        for org in fixed.orgs:
+            _check_org_name(org, fixed, "auth.orgs")
         return cls(settings.tokens_path(), fixed)
 
     def _refresh(self, strict: bool = False) -> None:
@@ -91,7 +129,7 @@ class TokenRegistry:
             if stamp == self._stamp:
                 return
             try:
-                self._from_file = _read_tokens(self._path) if st and self._path else []
+                self._from_file = _read_auth(self._path) if st and self._path else _Auth([], {})
             except ValueError:
                 if strict:
                     raise
@@ -100,28 +138,46 @@ class TokenRegistry:
 
     def __len__(self) -> int:
         self._refresh()
-        return len(self._from_file) + len(self._fixed)
+        return len(self._from_file.tokens) + len(self._fixed.tokens)
 
     def lookup(self, token: str) -> Identity | None:
         """The identity of ``token``; every hash is compared, in constant time."""
         self._refresh()
         presented = _hash(token)
         found = None
-        for stored, who in self._from_file + self._fixed:
-            if hmac.compare_digest(stored, presented):
-                found = who
-        return found
+        for entry in self._from_file.tokens + self._fixed.tokens:
+            if hmac.compare_digest(entry.sha256, presented):
+                found = entry
+        return self._identity(found) if found else None
+
+    def by_id(self, token_id: str) -> Identity | None:
+        """The identity of the token whose id is ``token_id`` (an upload grant's), None once
+        it is revoked."""
+        self._refresh()
+        found = next((e for e in self._from_file.tokens + self._fixed.tokens
+                      if hmac.compare_digest(_token_id(e.sha256), token_id)), None)
+        return self._identity(found) if found else None
+
+    def _identity(self, entry: _Entry) -> Identity:
+        """``entry``'s identity; an organisation named like a user gives no membership (a
+        user's namespace is its own)."""
+        users = {e.name for e in self._from_file.tokens + self._fixed.tokens}
+        orgs = frozenset(org for source in (self._from_file, self._fixed)
+                         for org, members in source.orgs.items() if entry.name in members and org not in users)
+        return Identity(entry.name, entry.scope, orgs, _token_id(entry.sha256))
 
 
-def _read_tokens(path: Path) -> list[tuple[str, Identity]]:
-    entries = []
+def _read_auth(path: Path) -> _Auth:
+    data = _load(path)
     try:
-        for t in _load(path)["tokens"]:
+        entries = []
+        for t in data["tokens"]:
             _check_scope(t["scope"], f"{path}: token {t['name']!r}")
-            entries.append((t["sha256"], Identity(t["name"], t["scope"])))
+            entries.append(_Entry(t["sha256"], t["name"], t["scope"]))
+        orgs = {str(org): {str(m) for m in members} for org, members in data.get("orgs", {}).items()}
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a valid tokens file: {e}") from None
-    return entries
+    return _Auth(entries, orgs)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -135,17 +191,27 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
-    """Write the tokens file atomically (a running server sees the old or the new one)."""
+    """Write the tokens file atomically, owner-only (a running server sees the old or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.chmod(tmp, 0o600)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
 
 
 def _check_scope(scope: str, where: str) -> None:
     if scope not in _RANK:
         raise ValueError(f"{where}: scope must be read, write or admin, not {scope!r}")
+
+
+def _check_org_name(org: str, auth: _Auth, where: str) -> None:
+    """An organisation's name is a namespace no user holds (users and organisations share them)."""
+    try:
+        validate_namespace(org)
+    except InvalidRequest as e:
+        raise ValueError(f"{where}: {e}") from None
+    if any(t.name == org for t in auth.tokens):
+        raise ValueError(f"{where}: {org!r} is a user's name; an organisation needs a name of its own")
 
 
 def identity(request: Request) -> Identity | None:
@@ -162,6 +228,15 @@ def identity(request: Request) -> Identity | None:
     return who
 
 
+def identity_or_anonymous(request: Request) -> Identity | None:
+    """The caller's identity where no token is required: an unknown or malformed token counts
+    as anonymous (as OpenAI-compatible servers without keys do with ``api_key="EMPTY"``)."""
+    try:
+        return identity(request)
+    except Unauthorized:
+        return None
+
+
 def require_scope(who: Identity | None, scope: Scope, what: str) -> Identity:
     """``who`` if it has ``scope``; else 401 (no token) or 403 (too weak a token)."""
     if who is None:
@@ -172,17 +247,36 @@ def require_scope(who: Identity | None, scope: Scope, what: str) -> Identity:
 
 
 def check_read(private: bool, repo_id: str, who: Identity | None) -> None:
-    """Hide a private repo from callers without a read token (RepoNotFound, like the HF hub)."""
-    if private and (who is None or not who.allows("read")):
+    """Hide a private repo from callers who do not own its namespace (RepoNotFound, like the HF hub)."""
+    if private and (who is None or not who.owns(repo_id.partition("/")[0])):
         raise RepoNotFound(f"repository {repo_id} not found")
 
 
-def create_token(path: Path, name: str, scope: Scope) -> str:
-    """Add a new random token to the tokens file (hash only) and return the secret once."""
+def check_write(who: Identity | None, namespace: str, what: str) -> Identity:
+    """``who`` if it holds a write token and owns ``namespace``; else 401, or 403 as the HF hub answers."""
+    who = require_scope(who, "write", what)
+    if not who.owns(namespace):
+        raise Forbidden(f"{what}: {who.name!r} may not write to {namespace!r} (its own namespace "
+                        f"and its organisations' only)")
+    return who
+
+
+def private_namespaces(who: Identity | None) -> bool | frozenset[str]:
+    """Whose private repos a listing shows ``who``: all (an admin), its namespaces, or none."""
+    if who is None:
+        return False
+    return True if who.scope == "admin" else who.orgs | {who.name}
+
+
+def create_token(path: Path, name: str, scope: Scope, orgs: Collection[str] = ()) -> str:
+    """Add a new random token for user ``name`` to the tokens file (hash only) and return the
+    secret once; ``name`` may not be an organisation's (the file's, or one of ``orgs``)."""
     _check_scope(scope, "token")
     data = _load(path)
     if any(t["name"] == name for t in data["tokens"]):
         raise ValueError(f"a token named {name!r} already exists in {path}")
+    if name in data.get("orgs", {}) or name in orgs:
+        raise ValueError(f"{name!r} is an organisation in {path}; a user needs a name of its own")
     secret = "vh_" + secrets.token_urlsafe(32)
     data["tokens"].append({"name": name, "scope": scope, "sha256": _hash(secret),
                            "created_at": datetime.now(UTC).isoformat(timespec="seconds")})
@@ -196,7 +290,8 @@ def list_tokens(path: Path) -> list[dict[str, str]]:
 
 
 def revoke_token(path: Path, name: str) -> None:
-    """Remove the token ``name``; a running server refuses it from its next request on."""
+    """Remove the token ``name``; a running server refuses it (and the upload grants it was
+    given) from its next request on."""
     data = _load(path)
     kept = [t for t in data["tokens"] if t["name"] != name]
     if len(kept) == len(data["tokens"]):
@@ -204,20 +299,59 @@ def revoke_token(path: Path, name: str) -> None:
     _save(path, {**data, "tokens": kept})
 
 
-def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float) -> str:
+def add_member(path: Path, org: str, user: str) -> None:
+    """Make ``user`` a member of organisation ``org`` (created on its first member)."""
+    data = _load(path)
+    _check_org_name(org, _read_auth(path), str(path))
+    members = data.setdefault("orgs", {}).setdefault(org, [])
+    if user not in members:
+        members.append(user)
+    _save(path, data)
+
+
+def remove_member(path: Path, org: str, user: str) -> None:
+    """Remove ``user`` from ``org`` (an organisation without members goes)."""
+    data = _load(path)
+    members = data.get("orgs", {}).get(org, [])
+    if user not in members:
+        raise ValueError(f"{user!r} is not a member of {org!r} in {path}")
+    members.remove(user)
+    if not members:
+        del data["orgs"][org]
+    _save(path, data)
+
+
+def list_orgs(path: Path) -> dict[str, list[str]]:
+    """The organisations of the tokens file and their members."""
+    return {org: list(members) for org, members in _load(path).get("orgs", {}).items()}
+
+
+def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float, who: Identity) -> str:
     """A short-lived bearer grant for ``purpose`` on ``subject`` (e.g. an LFS object PUT, a
-    Xet upload session): ``<expiry>.<hmac>``, checked with :func:`check_grant` by any replica
-    that shares the store's key."""
+    Xet upload session), given to ``who``'s token: ``<expiry>.<token id>.<hmac>``, checked
+    with :func:`check_grant` by any replica that shares the store's key."""
     expires = int(time.time() + ttl_s)
-    mac = hmac.new(key, f"{purpose}\n{subject}\n{expires}".encode(), hashlib.sha256).hexdigest()
-    return f"{expires}.{mac}"
+    return f"{expires}.{who.token_id}.{_grant_mac(key, purpose, subject, expires, who.token_id)}"
 
 
-def check_grant(key: bytes, purpose: str, subject: str, grant: str | None) -> None:
-    """Unauthorized unless ``grant`` was signed for ``purpose`` on ``subject`` and has not expired."""
-    expires, _, mac = (grant or "").partition(".")
+def _grant_mac(key: bytes, purpose: str, subject: str, expires: int | str, token_id: str) -> str:
+    message = f"{purpose}\n{subject}\n{expires}\n{token_id}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def check_grant(request: Request, key: bytes, purpose: str, subject: str, grant: str | None,
+                namespace: str) -> Identity:
+    """The identity a grant was given to, unless the grant was not signed for ``purpose`` on
+    ``subject``, has expired, or its token was revoked or no longer writes to ``namespace``
+    (Unauthorized)."""
+    expires, _, rest = (grant or "").partition(".")
+    token_id, _, mac = rest.partition(".")
     if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) < time.time():
         raise Unauthorized(f"{purpose}: missing or expired grant; ask the hub for a new one")
-    good = hmac.new(key, f"{purpose}\n{subject}\n{expires}".encode(), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(good, mac):
+    if not hmac.compare_digest(_grant_mac(key, purpose, subject, expires, token_id), mac):
         raise Unauthorized(f"{purpose}: invalid grant")
+    who = request.app.state.tokens.by_id(token_id)
+    if who is None or not who.allows("write") or not who.owns(namespace):
+        raise Unauthorized(f"{purpose}: the token this grant was given to was revoked or may no longer "
+                           f"write to {namespace!r}")
+    return who

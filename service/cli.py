@@ -1,4 +1,4 @@
-"""``vip-hub serve``, ``vip-hub token`` and ``vip-hub trust``."""
+"""``vip-hub serve``, ``vip-hub token``, ``vip-hub org`` and ``vip-hub trust``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from vip_hub.cli import add_command, require_extra
 
-__all__ = ["register_serve", "register_token", "register_trust"]
+__all__ = ["register_org", "register_serve", "register_token", "register_trust"]
 
 
 def register_serve(sub: Any) -> None:
@@ -65,7 +65,8 @@ def register_token(sub: Any) -> None:
     p = add_command(sub, "token", _token, "create, list or revoke the hub's access tokens (a running server "
                                           "sees the change on its next request)")
     p.add_argument("action", choices=["create", "list", "revoke"])
-    p.add_argument("--name", help="who the token is for, also the default org (create, revoke)")
+    p.add_argument("--name", help="the user the token belongs to: it writes to the namespace of this name "
+                                  "and to its organisations' (create, revoke)")
     p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
     p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
     p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
@@ -83,13 +84,48 @@ def _token(args: argparse.Namespace) -> None:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
     try:
         if args.action == "create":
-            print(create_token(path, args.name, args.scope))  # the secret, shown this once
+            print(create_token(path, args.name, args.scope, settings.auth.orgs))  # the secret, shown this once
         elif args.action == "revoke":
             revoke_token(path, args.name)
             print(f"revoked {args.name!r}")
         else:
             for t in list_tokens(path):
                 print(f"{t['name']}\t{t['scope']}\t{t['created_at']}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def register_org(sub: Any) -> None:
+    p = add_command(sub, "org", _org, "add or remove members of the hub's organisations, or list them (a running "
+                                      "server sees the change on its next request)")
+    p.add_argument("action", choices=["add", "remove", "list"])
+    p.add_argument("org", nargs="?", help="the organisation (add, remove)")
+    p.add_argument("--member", help="the user (a token's name) to add or remove")
+    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
+    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+
+
+def _org(args: argparse.Namespace) -> None:
+    from vip_hub.errors import ConfigError
+
+    from .auth import add_member, list_orgs, remove_member
+    from .settings import Settings
+
+    settings = Settings(**_overrides(args))
+    path = args.tokens_file or settings.tokens_path()
+    if args.action != "list" and not (args.org and args.member):
+        raise ConfigError(f"vip-hub org {args.action} needs ORG and --member USER")
+    try:
+        if args.action == "add":
+            add_member(path, args.org, args.member)
+            print(f"{args.member!r} is a member of {args.org!r}")
+        elif args.action == "remove":
+            remove_member(path, args.org, args.member)
+            print(f"{args.member!r} is no longer a member of {args.org!r}")
+        else:
+            from_file = list_orgs(path)
+            for org in sorted({*settings.auth.orgs, *from_file}):
+                print(f"{org}\t{', '.join(sorted({*settings.auth.orgs.get(org, []), *from_file.get(org, [])}))}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

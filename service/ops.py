@@ -1,5 +1,7 @@
-"""Operations routes: ``/healthz`` (alive), ``/readyz`` (configured models loaded and warm),
-``/metrics`` (Prometheus), and the middleware that counts, times and logs every request.
+"""Operations routes: ``/healthz`` (alive), ``/readyz`` (configured models loaded and warm:
+it names only the models the caller may read), ``/metrics`` (Prometheus: private models are
+labelled by commit, never by repo name), and the middleware that counts, times and logs
+every request.
 
 The access log is written by that middleware once the response has gone out, with its
 duration, instead of by uvicorn as the response starts (which holds every response back by
@@ -20,7 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
+from .auth import identity_or_anonymous
 from .metrics import Metrics
+from .store import StoreError
 
 __all__ = ["ACCESS_LOGGER", "install", "log_config"]
 
@@ -90,7 +94,16 @@ def install(app: FastAPI, metrics: Metrics) -> None:
         engine = request.app.state.engine
         if engine is None:
             return JSONResponse({"status": "ready", "inference": "disabled"})
-        state = engine.readiness()
+        who, store = identity_or_anonymous(request), request.app.state.store
+
+        def visible(repo_id: str) -> bool:
+            try:
+                repo = store.get_repo(repo_id)
+            except StoreError:  # not published yet, or not a repo id: nothing private to hide
+                return True
+            return not repo.private or (who is not None and who.owns(repo.org))
+
+        state = engine.readiness(visible)
         return JSONResponse(state, status_code=200 if state["status"] == "ready" else 503)
 
     @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")

@@ -45,7 +45,7 @@ class HubSettings(BaseModel):
 
 
 class AuthSettings(BaseModel):
-    """Tokens. The server keeps only their SHA-256 hashes."""
+    """Tokens and organisations. The server keeps only the tokens' SHA-256 hashes."""
 
     tokens_file: Path | None = Field(
         None, description="JSON file written by `vip-hub token create` (default: STORE/tokens.json)"
@@ -53,6 +53,11 @@ class AuthSettings(BaseModel):
     tokens: str | None = Field(
         None,
         description="extra tokens, 'name:scope:secret' separated by ';' (e.g. from a secret store)",
+    )
+    orgs: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="organisations and their member users, e.g. {vip = ['alice']}: members write to the "
+                    "organisation's repos and read its private ones (beside those `vip-hub org` writes)",
     )
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 

@@ -23,6 +23,11 @@ WRITE_TOKEN = "vh_test_write_token"
 READ_TOKEN = "vh_test_read_token"
 ADMIN_TOKEN = "vh_test_admin_token"
 TOKENS = f"writer:write:{WRITE_TOKEN};reader:read:{READ_TOKEN};root:admin:{ADMIN_TOKEN}"
+TEST_ORGS = ("a", "auth", "bad", "big", "cli", "crash", "lfs", "load", "multi", "org", "other", "pages", "pg",
+             "pin", "plain", "race", "ready", "secret", "timm", "up", "vip")
+"""The organisations the tests publish to: the writer and reader users are members of each
+(a user writes only to its own namespace and its organisations')."""
+ORGS = {org: ["writer", "reader"] for org in TEST_ORGS}
 
 
 def free_port() -> int:
@@ -62,7 +67,7 @@ class ThreadedServer:
 
 def settings_for(store: Path, **overrides: object) -> Settings:
     """Test settings: the given store, the test tokens, overrides merged per section."""
-    base: dict[str, object] = {"store": store, "auth": {"tokens": TOKENS}}
+    base: dict[str, object] = {"store": store, "auth": {"tokens": TOKENS, "orgs": ORGS}}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             base[key] = {**base[key], **value}  # type: ignore[dict-item]
@@ -86,7 +91,8 @@ class ProcessServer:
 
     def __init__(self, store: Path, port: int | None = None, extra_env: dict[str, str] | None = None):
         self.store, self.port = store, port or free_port()
-        self.env = {**os.environ, "VIP_HUB_AUTH__TOKENS": TOKENS, **(extra_env or {})}
+        self.env = {**os.environ, "VIP_HUB_AUTH__TOKENS": TOKENS, "VIP_HUB_AUTH__ORGS": json.dumps(ORGS),
+                    **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

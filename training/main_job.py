@@ -33,7 +33,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,21 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 server.kill()
 
 
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM (``docker stop``, a process manager) interrupts as Ctrl-C does:
+    the server child is stopped and the current step can be resumed."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
     return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
 
@@ -367,7 +383,9 @@ def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subproce
         if s.connect_ex((cfg.host, cfg.port)) == 0:
             raise StepFailed(f"port {cfg.port} on {cfg.host} is in use: stop what holds it, or run "
                              "`vip-hub run --port N`")
+    # the job's own user, a member of the organisation it publishes to
     env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
+           "VIP_HUB_AUTH__ORGS": json.dumps({ORG: ["main-job"]}),
            "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key)}  # the hub accepts what the job signed
     cmd = [sys.executable, "-m", "vip_hub.cli", "serve", "--store", cfg.store, "--host", cfg.host,
            "--port", str(cfg.port)]

@@ -31,7 +31,10 @@ async def resolve(org: str, name: str, rest: str, request: Request,
         "ETag": f'"{etag(entry)}"',
         "X-Repo-Commit": commit,
         "Accept-Ranges": "bytes",
-        "Cache-Control": "public, max-age=31536000, immutable" if revision == commit else "no-cache",
+        # a private file is for its readers' caches only, never a shared one's
+        "Cache-Control": ("private" if repo.private else "public")
+        + (", max-age=31536000, immutable" if revision == commit else ", no-cache"),
+        "Vary": "Authorization",
     }
     if is_lfs(entry.path, entry.size):
         headers["X-Linked-Size"] = str(entry.size)

@@ -2,8 +2,10 @@
 (``HF_HUB_DISABLE_XET=1``, no ``hf_xet``, or file objects given to ``CommitOperationAdd``).
 
 ``POST /{org}/{name}.git/info/lfs/objects/batch`` answers, per object, nothing to do when the
-store already holds it, else an ``upload`` action (a PUT to this server, authorised by a
-short-lived grant in its URL: the client sends no token with it) and a ``verify`` action. The
+repo already holds it (uploaded for this repo, or in its history: whether another repo holds
+it is never told), else an ``upload`` action (a PUT to this server, authorised by a
+short-lived grant in its URL, bound to the repo and ended with the token it was given to:
+the client sends no token with it) and a ``verify`` action. The
 PUT streams the body into the store's uploads area, hashing as it writes; the commit then
 names the object by SHA-256 (an ``lfsFile`` line). Multipart transfer is the server's choice
 (a ``chunk_size`` in the upload header) and is not offered: one streamed PUT serves any size.
@@ -21,7 +23,7 @@ from ..auth import Identity, check_grant, identity, require_scope, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store.blobs import check_sha256
 from ..store.naming import validate_repo_id
-from .common import base_url, store_of
+from .common import base_url, store_of, writable_repo
 from .uploads import receive_body
 
 router = APIRouter()
@@ -45,24 +47,24 @@ class LfsBatch(BaseModel):
 @router.post("/{org}/{name}.git/info/lfs/objects/batch", summary="Git LFS batch API (uploads)")
 def batch(org: str, name: str, payload: LfsBatch, request: Request,
           who: Identity | None = Depends(identity)) -> JSONResponse:
-    require_scope(who, "write", "uploading")
+    who = require_scope(who, "write", "uploading")
     if payload.operation != "upload":
         raise BadRequest("this hub's LFS batch API takes uploads; download files from /{org}/{name}/resolve/...")
     if payload.hash_algo != "sha256" or "basic" not in payload.transfers:
         raise BadRequest("the LFS batch API here speaks the basic transfer with sha256 object ids")
     store = store_of(request)
-    repo = store.get_repo(validate_repo_id(org, name))
+    repo = writable_repo(store, org, name, who, "uploading")
     limit = request.app.state.settings.hub.max_upload_bytes
     base = f"{base_url(request)}/{repo.repo_id}.git/info/lfs"
     objects: list[dict[str, Any]] = []
     for obj in payload.objects:
         oid = check_sha256(obj.oid)
         entry: dict[str, Any] = {"oid": oid, "size": obj.size, "authenticated": True}
-        held = store.blobs.object_size(oid)
+        held = store.held_for(repo.repo_id, oid)
         if obj.size > limit:
             entry["error"] = {"code": 413, "message": f"{obj.size} bytes is over the upload limit of {limit}"}
         elif held is None:
-            grant = sign_grant(store.secret(), "lfs-upload", f"{oid}:{obj.size}", GRANT_TTL_S)
+            grant = sign_grant(store.secret(), "lfs-upload", f"{repo.repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who)
             entry["actions"] = {
                 "upload": {"href": f"{base}/objects/{oid}?size={obj.size}&grant={grant}", "expires_in": int(GRANT_TTL_S)},
                 "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
@@ -78,8 +80,9 @@ def batch(org: str, name: str, payload: LfsBatch, request: Request,
 async def upload(org: str, name: str, oid: str, request: Request, size: int = Query(ge=0),
                  grant: str | None = Query(None)) -> dict[str, Any]:
     store = store_of(request)
-    check_grant(store.secret(), "lfs-upload", f"{check_sha256(oid)}:{size}", grant)
-    store.get_repo(validate_repo_id(org, name))
+    repo_id = validate_repo_id(org, name)
+    check_grant(request, store.secret(), "lfs-upload", f"{repo_id}:{check_sha256(oid)}:{size}", grant, org)
+    store.get_repo(repo_id)
     writer = store.blobs.writer()
     try:
         await receive_body(request, writer.write, size)
@@ -91,16 +94,16 @@ async def upload(org: str, name: str, oid: str, request: Request, size: int = Qu
         writer.path.unlink(missing_ok=True)
         raise BadRequest(f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of {size} bytes")
     store.blobs.stage_upload(writer.path, oid)
+    store.blobs.note_upload(repo_id, oid)
     return {"oid": oid, "size": size}
 
 
 @router.post("/{org}/{name}.git/info/lfs/verify", summary="Git LFS: check that an object arrived")
 def verify(org: str, name: str, request: Request, payload: LfsObject = Body(...),
            who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    require_scope(who, "write", "uploading")
     store = store_of(request)
-    store.get_repo(validate_repo_id(org, name))
-    held = store.blobs.object_size(check_sha256(payload.oid))
+    repo = writable_repo(store, org, name, who, "uploading")
+    held = store.held_for(repo.repo_id, check_sha256(payload.oid))
     if held != payload.size:
         raise EntryNotFound(f"object {payload.oid} of {payload.size} bytes was not received")
     return {"oid": payload.oid, "size": held}

@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from ..auth import Identity, identity, require_scope
+from ..auth import Identity, identity, private_namespaces, require_scope
 from vip_hub.repo_format import DEFAULT_BRANCH
 
 from ..errors import BadRequest
@@ -43,7 +43,7 @@ def list_models(
     sort = {"lastModified": "updated", "last_modified": "updated"}.get(sort, sort)
     rows = store.list_models(
         search=search, author=author, arch=arch, dataset=dataset, max_epsilon=max_epsilon,
-        include_private=who is not None and who.allows("read"), sort=sort,
+        include_private=private_namespaces(who), sort=sort,
         descending=direction < 0, limit=size + 1, offset=offset,
     )
     body = [
@@ -152,7 +152,8 @@ def whoami(who: Identity | None = Depends(identity)) -> dict[str, Any]:
     who = require_scope(who, "read", "whoami")
     role = "write" if who.allows("write") else "read"
     return {
-        "type": "user", "id": who.name, "name": who.name, "fullname": who.name, "orgs": [],
+        "type": "user", "id": who.name, "name": who.name, "fullname": who.name,
+        "orgs": [{"type": "org", "name": org, "fullname": org} for org in sorted(who.orgs)],
         "auth": {"type": "access_token", "accessToken": {"displayName": who.name, "role": role}},
     }
 

@@ -10,17 +10,17 @@ from typing import Any
 
 import yaml
 from fastapi import APIRouter, Body, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from vip_hub.card import load_card
 
-from ..auth import Identity, identity, require_scope
+from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest
 from ..store import NoSuchRevision
 from ..store.naming import validate_path, validate_repo_id, validate_revision
-from .common import base_url, is_lfs, store_of
+from .common import base_url, is_lfs, store_of, writable_repo
 from .uploads import CommitParser, receive_body
 
 router = APIRouter(prefix="/api")
@@ -43,6 +43,7 @@ def create_repo(payload: CreateRepo, request: Request, who: Identity | None = De
         raise BadRequest(f"this hub stores models only, not {payload.type}s")
     org = payload.organization or who.name
     repo_id = validate_repo_id(org, payload.name)
+    check_write(who, org, "creating a repo")
     private = payload.visibility == "private" if payload.visibility else bool(payload.private)
     repo, created = store_of(request).create_repo(repo_id, private=private)
     url = f"{base_url(request)}/{repo.repo_id}"
@@ -66,9 +67,8 @@ class Preupload(BaseModel):
 @router.post("/models/{org}/{name}/preupload/{revision}", summary="Upload modes for files")
 def preupload(org: str, name: str, revision: str, payload: Preupload, request: Request,
               who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    require_scope(who, "write", "uploading")
     store = store_of(request)
-    repo = store.get_repo(validate_repo_id(org, name))
+    repo = writable_repo(store, org, name, who, "uploading")
     try:
         tree = store.tree(repo.repo_id, store.resolve(repo.repo_id, validate_revision(revision)))
     except NoSuchRevision:  # an empty repo or a new branch: nothing to compare against
@@ -90,7 +90,7 @@ async def commit(org: str, name: str, revision: str, request: Request,
     if request.query_params.get("create_pr") in ("1", "true"):
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
     store = store_of(request)
-    repo = store.get_repo(validate_repo_id(org, name))
+    repo = writable_repo(store, org, name, who, "committing")
     branch = validate_revision(revision)
     parser = CommitParser(store.blobs, request.app.state.settings.hub.max_upload_bytes)
     try:
@@ -119,11 +119,19 @@ class TagRequest(BaseModel):
 @router.post("/models/{org}/{name}/tag/{revision}", summary="Tag a revision")
 def create_tag(org: str, name: str, revision: str, payload: TagRequest, request: Request,
                who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    require_scope(who, "write", "tagging")
     store = store_of(request)
-    repo = store.get_repo(validate_repo_id(org, name))
+    repo = writable_repo(store, org, name, who, "tagging")
     commit = store.create_tag(repo.repo_id, payload.tag, validate_revision(revision))
     return {"tag": payload.tag, "targetCommit": commit}
+
+
+@router.delete("/models/{org}/{name}/tag/{tag}", summary="Delete a tag")
+def delete_tag(org: str, name: str, tag: str, request: Request,
+               who: Identity | None = Depends(identity)) -> Response:
+    store = store_of(request)
+    repo = writable_repo(store, org, name, who, "deleting a tag")
+    store.delete_tag(repo.repo_id, validate_revision(tag))
+    return Response(status_code=204)
 
 
 @router.post("/validate-yaml", summary="Check a model card's YAML front matter")

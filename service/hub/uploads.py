@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import BadRequest, PayloadTooLarge
 from ..store import AddFile, AddObject, BlobStore, DeleteFile, DeleteFolder
+from ..store.blobs import open_private
 
 __all__ = ["CommitParser", "CommitRequest", "receive_body"]
 
@@ -56,7 +57,7 @@ class _Base64File:
 
     def __init__(self, path: Path):
         self.path = path
-        self._out: BinaryIO = open(path, "wb")
+        self._out: BinaryIO = open_private(path)
         self._pending = b""
         self._padded = False
 

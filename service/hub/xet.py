@@ -16,6 +16,9 @@ pipeline choose Xet from ``is_xet_available()`` alone (``hf_xet`` importable and
 4. The commit names each file by SHA-256 in an ``lfsFile`` line, as with Git LFS.
 
 Global deduplication (``GET /v1/chunks/...``) answers 404: nothing is shared across users.
+A xorb is kept only under the hash of its content, and the answer to its upload does not
+tell whether the store held it already; a shard's files count as uploaded for the grant's
+repo only. A grant ends with the token it was given to (revoked, or no longer a member).
 Downloads never advertise Xet (no ``X-Xet-*`` headers), so they stay plain HTTP.
 """
 
@@ -31,9 +34,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..auth import Identity, check_grant, identity, require_scope, sign_grant
 from ..errors import EntryNotFound, Unauthorized
-from ..store.naming import validate_repo_id
 from ..store.xet import MAX_XORB_BYTES, check_xet_hash
-from .common import base_url, store_of
+from .common import base_url, store_of, writable_repo
 from .uploads import receive_body
 
 router = APIRouter()
@@ -49,9 +51,9 @@ def write_token(org: str, name: str, revision: str, request: Request,
     del revision  # the grant covers the repo's uploads; the commit names the branch
     who = require_scope(who, "write", "uploading")
     store = store_of(request)
-    repo = store.get_repo(validate_repo_id(org, name))
+    repo = writable_repo(store, org, name, who, "uploading")
     store.maybe_collect_uploads()
-    grant = sign_grant(store.secret(), "xet-upload", repo.repo_id, TOKEN_TTL_S)
+    grant = sign_grant(store.secret(), "xet-upload", repo.repo_id, TOKEN_TTL_S, who)
     return {"accessToken": f"{repo.repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
             "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_store_id(request)}"}
 
@@ -60,16 +62,17 @@ def _store_id(request: Request) -> str:
     return hashlib.sha256(store_of(request).secret()).hexdigest()[:16]
 
 
-def _authorised(request: Request, store_id: str) -> None:
-    """The CAS calls carry ``Authorization: Bearer <repo>:<grant>`` from ``write_token``, on
-    this store's CAS URL."""
+def _authorised(request: Request, store_id: str) -> str:
+    """The repo whose grant from ``write_token`` the CAS call carries (``Authorization: Bearer
+    <repo>:<grant>``), on this store's CAS URL."""
     if store_id != _store_id(request):
         raise EntryNotFound(f"no Xet store {store_id!r} here: ask xet-write-token for the current CAS URL")
     kind, _, token = request.headers.get("authorization", "").partition(" ")
     repo_id, _, grant = token.rpartition(":")
     if kind.lower() != "bearer" or not repo_id:
         raise Unauthorized("Xet CAS calls need the grant from xet-write-token")
-    check_grant(store_of(request).secret(), "xet-upload", repo_id, grant)
+    check_grant(request, store_of(request).secret(), "xet-upload", repo_id, grant, repo_id.partition("/")[0])
+    return repo_id
 
 
 @router.post(CAS_PREFIX + "/{store_id}/v1/xorbs/default/{xorb}", include_in_schema=False)
@@ -84,13 +87,13 @@ async def upload_xorb(store_id: str, xorb: str, request: Request) -> dict[str, b
     except BaseException:
         writer.discard()
         raise
-    inserted = await run_in_threadpool(store.xet.put_xorb, xorb, writer.path)
-    return {"was_inserted": inserted}
+    await run_in_threadpool(store.xet.put_xorb, xorb, writer.path)
+    return {"was_inserted": True}  # held now; whether it was before (another upload's bytes) is not told
 
 
 @router.post(CAS_PREFIX + "/{store_id}/v1/shards", include_in_schema=False)
 async def upload_shard(store_id: str, request: Request) -> dict[str, int]:
-    _authorised(request, store_id)
+    repo_id = _authorised(request, store_id)
     store = store_of(request)
     writer = store.blobs.writer()
     try:
@@ -100,7 +103,7 @@ async def upload_shard(store_id: str, request: Request) -> dict[str, int]:
         writer.discard()
         raise
     try:
-        await run_in_threadpool(store.xet.apply_shard, writer.path, request.app.state.settings.hub.max_upload_bytes)
+        await run_in_threadpool(store.apply_shard, repo_id, writer.path, request.app.state.settings.hub.max_upload_bytes)
     finally:
         writer.path.unlink(missing_ok=True)
     return {"result": 1}  # "sync performed"

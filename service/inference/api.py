@@ -35,7 +35,14 @@ from vip_hub.repo_format import (
     privacy_headline,
 )
 
-from ..auth import Identity, check_read, identity, require_scope
+from ..auth import (
+    Identity,
+    check_read,
+    identity,
+    identity_or_anonymous,
+    private_namespaces,
+    require_scope,
+)
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
 from ..hub.common import store_of
 from .engine import InferenceEngine, Result, parse_model_ref
@@ -173,12 +180,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 async def caller(request: Request) -> Identity | None:
-    """The caller; with ``auth.protect_inference`` a read token is required. (``async``: it only
+    """The caller; with ``auth.protect_inference`` a read token is required, else an unknown
+    token counts as anonymous (OpenAI clients send ``api_key="EMPTY"``). (``async``: it only
     reads memory, and FastAPI would run a plain function through its thread pool.)"""
-    who = identity(request)
     if request.app.state.settings.auth.protect_inference:
-        require_scope(who, "read", "inference")
-    return who
+        return require_scope(identity(request), "read", "inference")
+    return identity_or_anonymous(request)
 
 
 async def _disconnected(request: Request) -> None:
@@ -309,7 +316,7 @@ async def classify(payload: ClassifyRequest, request: Request, response: Respons
 @router.get("/models", response_model=ModelList, summary="Available and loaded models")
 def list_models(request: Request, who: Identity | None = Depends(caller)) -> ModelList:
     store = store_of(request)
-    rows = store.list_models(include_private=who is not None and who.allows("read"),
+    rows = store.list_models(include_private=private_namespaces(who),
                              limit=request.app.state.settings.hub.page_size)
     return ModelList(data=[_describe(request, repo.repo_id, commit.sha) for repo, commit in rows])
 

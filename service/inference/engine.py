@@ -84,9 +84,10 @@ class InferenceEngine:
         await asyncio.gather(*(asyncio.to_thread(m.close) for m in self._models.values()))
         self.preprocess_pool.shutdown(wait=True)
 
-    def readiness(self) -> dict[str, Any]:
-        """``ready`` once every preloaded model is loaded and warm."""
-        states = dict(self._preload)
+    def readiness(self, visible: Callable[[str], bool]) -> dict[str, Any]:
+        """``ready`` once every preloaded model is loaded and warm; models whose repo id is not
+        ``visible`` to the caller are counted in the status but not named."""
+        states = self._preload
         if self._closing:
             status = "stopping"
         elif any(s.startswith("error") for s in states.values()):
@@ -95,7 +96,9 @@ class InferenceEngine:
             status = "ready"
         else:
             status = "loading"
-        return {"status": status, "models": states, "loaded": [m.label for m in self._models.values()]}
+        return {"status": status,
+                "models": {ref: state for ref, state in states.items() if visible(ref.partition("@")[0])},
+                "loaded": [m.label for m in self._models.values() if visible(m.repo_id)]}
 
     async def _preload_all(self) -> None:
         """Load each configured model; one not published yet is waited for (checked every
@@ -146,7 +149,9 @@ class InferenceEngine:
     async def _load(self, key: tuple[str, str]) -> LoadedModel:
         repo_id, commit = key
         folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
-        model = await asyncio.to_thread(LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics)
+        private = self._store().get_repo(repo_id).private
+        model = await asyncio.to_thread(LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics,
+                                        private)
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
@@ -219,7 +224,7 @@ class InferenceEngine:
                 min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
                 transform = model.encoder.transform
                 batch = torch.stack([transform(load_rgb(img, i, min_side)) for i, img in enumerate(opened)])
-                self.metrics.preprocess_seconds.labels(model.label).observe(time.perf_counter() - start)
+                self.metrics.preprocess_seconds.labels(model.metrics_label).observe(time.perf_counter() - start)
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size
                 items = [WorkItem(batch[k * size:(k + 1) * size], task, deadline, f) for k, f in enumerate(futures)]

@@ -53,6 +53,7 @@ class LoadedModel:
     captions: CaptioningModel | None = None
     batcher: Batcher | None = None
     last_used: float = field(default_factory=time.monotonic)
+    private: bool = False
 
     @property
     def ledger(self) -> PrivacyLedger:
@@ -62,12 +63,17 @@ class LoadedModel:
     def label(self) -> str:
         return f"{self.repo_id}@{self.commit[:10]}"
 
+    @property
+    def metrics_label(self) -> str:
+        """The model in metrics' labels, which anyone may read: a private repo's name is left out."""
+        return f"private@{self.commit[:10]}" if self.private else self.label
+
     def feature_dims(self) -> dict[str, int]:
         return {p: self.encoder.feature_dim(p) for p in self.encoder.poolings}
 
     @classmethod
     def load(cls, repo_id: str, commit: str, folder: Path, settings: InferenceSettings,
-             metrics: Metrics) -> "LoadedModel":
+             metrics: Metrics, private: bool = False) -> "LoadedModel":
         """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
         device = pick_device(settings.device)
         encoder = load_encoder(folder, verify=True, device=device)
@@ -76,9 +82,9 @@ class LoadedModel:
             head, info = load_head(folder, name)
             heads[name] = (head.to(device), info)
         captions = CaptioningModel.from_encoder(encoder) if encoder.can_caption else None
-        model = cls(repo_id, commit, encoder, heads, metrics, device, captions)
+        model = cls(repo_id, commit, encoder, heads, metrics, device, captions, private=private)
         model.warm_up()
-        label = model.label
+        label = model.metrics_label
         model.batcher = Batcher(
             label, model.run_batch, max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
@@ -128,10 +134,10 @@ class LoadedModel:
                 results[k] = self.captions.captioner.text_losses(x[rows[k]], item.task.texts.to(self.device)).cpu()
         forward_s = time.perf_counter() - start  # after the copies back: a CUDA forward is asynchronous
         if self.metrics is not None:  # before the results: the event loop wakes on those
-            self.metrics.batch_size.labels(self.label).observe(x.shape[0])
-            self.metrics.forward_seconds.labels(self.label).observe(forward_s)
+            self.metrics.batch_size.labels(self.metrics_label).observe(x.shape[0])
+            self.metrics.forward_seconds.labels(self.metrics_label).observe(forward_s)
             for item in items:
-                self.metrics.queue_seconds.labels(self.label).observe(item.started - item.enqueued)
+                self.metrics.queue_seconds.labels(self.metrics_label).observe(item.started - item.enqueued)
         for item, result in zip(items, results):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
 

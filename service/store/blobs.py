@@ -2,8 +2,11 @@
 
 Beside them, ``uploads/`` holds objects received ahead of a commit (Git LFS PUTs, files
 rebuilt from Xet shards), also by SHA-256: a commit that names one moves it into the blobs;
-one never committed is removed after the upload time-to-live. ``tmp/`` holds files being
-written. All three live on one filesystem, so every move is an atomic rename.
+one never committed is removed after the upload time-to-live. ``uploads/for/`` notes which
+repo each object was uploaded for: a commit names only objects uploaded for its own repo (or
+already in its history). ``tmp/`` holds files being written. All live on one filesystem, so
+every move is an atomic rename. Everything is created owner-only (folders 0700, files 0600,
+blobs 0400): private repos' bytes are not for the machine's other users.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import InvalidRequest, UploadMissing
 
-__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file"]
+__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file", "make_private_dir", "open_private"]
 
 _CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
@@ -60,6 +64,25 @@ def check_sha256(oid: str) -> str:
     return oid
 
 
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` and its missing parents owner-only (0700)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another request
+            pass
+
+
+def open_private(path: Path, mode: str = "wb") -> BinaryIO:
+    """Open a new file for writing, owner-only (0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    return open(os.open(path, flags, 0o600), mode)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -75,7 +98,7 @@ class DigestWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = open(path, "wb")
+        self._file = open_private(path)
         self._sha256 = hashlib.sha256()
         self.size = 0
 
@@ -102,9 +125,10 @@ class BlobStore:
     def __init__(self, root: Path):
         self.dir = root / "blobs" / "sha256"
         self.uploads = root / "uploads" / "sha256"
+        self.uploaded_for = root / "uploads" / "for"
         self.tmp = root / "tmp"
-        for d in (self.dir, self.uploads, self.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        for d in (self.dir, self.uploads, self.uploaded_for, self.tmp):
+            make_private_dir(d)
 
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256[2:]
@@ -145,18 +169,31 @@ class BlobStore:
             tmp.unlink(missing_ok=True)
             return self.object_path(sha256) or self.upload_path(sha256)
         target = self.upload_path(sha256)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(target.parent)
         os.replace(tmp, target)
         fsync_dir(target.parent)
         return target
+
+    def note_upload(self, repo_id: str, sha256: str) -> None:
+        """Record that object ``sha256`` was received (its bytes checked) for ``repo_id``."""
+        marker = self._marker(repo_id, sha256)
+        make_private_dir(marker.parent)
+        open_private(marker).close()
+
+    def was_uploaded_for(self, repo_id: str, sha256: str) -> bool:
+        """Whether object ``sha256`` was received for ``repo_id`` within the upload time-to-live."""
+        return self._marker(repo_id, sha256).is_file()
+
+    def _marker(self, repo_id: str, sha256: str) -> Path:
+        return self.uploaded_for / hashlib.sha256(repo_id.encode()).hexdigest()[:32] / check_sha256(sha256)
 
     def committed_source(self, sha256: str) -> Path:
         """The file a commit's ``lfsFile`` line names, or UploadMissing."""
         path = self.object_path(sha256)
         if path is None:
             raise UploadMissing(
-                f"object {sha256} was never uploaded (or its upload expired): upload it first "
-                "(preupload, then the LFS batch API or Xet), then commit"
+                f"object {sha256} was never uploaded for this repo (or its upload expired): upload it "
+                "first (preupload, then the LFS batch API or Xet), then commit"
             )
         return path
 
@@ -171,8 +208,8 @@ class BlobStore:
             return target
         with open(source, "rb") as f:
             os.fsync(f.fileno())
-        os.chmod(source, 0o444)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(source, 0o400)
+        make_private_dir(target.parent)
         os.replace(source, target)
         fsync_dir(target.parent)
         return target
@@ -182,7 +219,7 @@ class BlobStore:
         than their age limits (so nothing in flight is touched). Returns how many went."""
         now = time.time()
         removed = 0
-        for folder, age in ((self.tmp, temp_age), (self.uploads, upload_age)):
+        for folder, age in ((self.tmp, temp_age), (self.uploads, upload_age), (self.uploaded_for, upload_age)):
             for p in folder.rglob("*"):
                 try:
                     if p.is_file() and now - p.stat().st_mtime > age:

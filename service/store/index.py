@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .blobs import make_private_dir, open_private
 
 __all__ = ["Index", "PostgresIndex", "SQLiteIndex", "open_index"]
 
@@ -60,6 +63,7 @@ CREATE TABLE IF NOT EXISTS files (
     size BIGINT NOT NULL,
     PRIMARY KEY (commit_sha, path)
 );
+CREATE INDEX IF NOT EXISTS files_by_sha256 ON files (sha256);
 CREATE TABLE IF NOT EXISTS commit_datasets (
     commit_sha TEXT NOT NULL REFERENCES commits(sha),
     dataset TEXT NOT NULL
@@ -133,12 +137,14 @@ class Transaction:
 
 
 class SQLiteIndex(Index):
-    """``root/index.sqlite``; a connection per thread (opened on its first use)."""
+    """``root/index.sqlite`` (owner-only, as its WAL files then are); a connection per thread
+    (opened on its first use)."""
 
     def __init__(self, root: Path):
         self.path = root / "index.sqlite"
         self.locks = root / "locks"
-        self.locks.mkdir(exist_ok=True)
+        make_private_dir(self.locks)
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
         self._local = threading.local()
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
@@ -171,7 +177,7 @@ class SQLiteIndex(Index):
     @contextlib.contextmanager
     def repo_lock(self, repo_id: str) -> Iterator[None]:
         path = self.locks / (hashlib.sha256(repo_id.encode()).hexdigest()[:32] + ".lock")
-        with open(path, "a") as f:
+        with open_private(path, "ab") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

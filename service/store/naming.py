@@ -13,7 +13,8 @@ from vip_hub.paths import UnsafePathError, validate_relpath
 
 from .errors import InvalidRequest
 
-__all__ = ["COMMIT_RE", "decode_segment", "validate_path", "validate_repo_id", "validate_revision"]
+__all__ = ["COMMIT_RE", "decode_segment", "validate_namespace", "validate_path", "validate_repo_id",
+           "validate_revision"]
 
 _PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -21,15 +22,20 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 
 
+def validate_namespace(part: str, what: str = "organisation") -> str:
+    """``part`` if it is 1-96 letters, digits, '_', '.', '-' (no '..'), else 400: a namespace
+    (user or organisation) or a repo name."""
+    if not _PART.match(part) or ".." in part:
+        raise InvalidRequest(
+            f"invalid {what} {part!r}: use 1-96 letters, digits, '_', '.' or '-', "
+            "starting and ending with a letter or digit"
+        )
+    return part
+
+
 def validate_repo_id(org: str, name: str) -> str:
-    """``org/name`` if both parts are 1-96 letters, digits, '_', '.', '-' (no '..'), else 400."""
-    for part, what in ((org, "organisation"), (name, "repo name")):
-        if not _PART.match(part) or ".." in part:
-            raise InvalidRequest(
-                f"invalid {what} {part!r}: use 1-96 letters, digits, '_', '.' or '-', "
-                "starting and ending with a letter or digit"
-            )
-    return f"{org}/{name}"
+    """``org/name`` if both parts are valid names (``validate_namespace``), else 400."""
+    return f"{validate_namespace(org)}/{validate_namespace(name, 'repo name')}"
 
 
 def validate_revision(revision: str) -> str:

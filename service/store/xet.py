@@ -11,6 +11,10 @@ Here a shard is applied at once: each file is rebuilt from the xorbs into the up
 that follows names it like any LFS object. Formats: xet-core's ``xet_core_structures``
 (``xorb_object``, ``metadata_shard``).
 
+A xorb is kept only under its own hash, recomputed from its chunks (xet-core's
+``merklehash``: each chunk's keyed BLAKE3, aggregated by a tree of mean branching factor 4),
+so no upload can hold a hash for other bytes. A shard may rebuild at most ``MAX_EXPANSION``
+times the distinct chunk bytes it references (a file repeating one chunk 800 times is refused).
 Xorbs are kept while a client may still refer to them: its local shard cache lets a later
 upload of the same bytes send a shard that names earlier xorbs instead of the bytes.
 """
@@ -20,18 +24,19 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import blake3
 import lz4.frame
 import numpy as np
 
-from .blobs import BlobStore, fsync_dir
+from .blobs import BlobStore, fsync_dir, make_private_dir
 from .errors import InvalidRequest, TooLarge
 
-__all__ = ["XetStore", "xet_hex"]
+__all__ = ["XetStore", "xet_hex", "xorb_hash"]
 
 SHARD_TAG = bytes([72, 70, 82, 101, 112, 111, 77, 101, 116, 97, 68, 97, 116, 97, 0, 85, 105, 103, 69, 106, 123,
                    129, 87, 131, 165, 189, 217, 92, 205, 209, 74, 169])  # "HFRepoMetaData\0" + magic
@@ -44,11 +49,38 @@ _CHUNK_HEADER = 8
 MAX_CHUNK = 128 * 1024  # 64 KiB target x 2
 MAX_XORB_BYTES = 64 * 1024 * 1024 + 8 * 1024 * _CHUNK_HEADER + (1 << 20)
 _MAX_TERMS = 1 << 20
+MAX_EXPANSION = 16
+"""A shard rebuilds at most this many times the distinct chunk bytes its files reference."""
+_DATA_KEY = bytes([102, 151, 245, 119, 91, 149, 80, 222, 49, 53, 203, 172, 165, 151, 24, 28, 157, 228, 33, 16, 155,
+                   235, 43, 88, 180, 208, 176, 75, 147, 173, 242, 41])  # xet-core merklehash DATA_KEY
+_NODE_KEY = bytes([1, 126, 197, 199, 165, 71, 41, 150, 253, 148, 102, 102, 180, 138, 2, 230, 93, 221, 83, 111, 55,
+                   199, 109, 210, 248, 99, 82, 230, 74, 83, 113, 63])  # ... and INTERNAL_NODE_HASH
+_BRANCHING = 4
 
 
 def xet_hex(raw: bytes) -> str:
     """A Xet hash in the text form URLs use: four little-endian u64s, each as 16 hex digits."""
     return "".join(raw[i:i + 8][::-1].hex() for i in range(0, 32, 8))
+
+
+def xorb_hash(chunks: list[tuple[bytes, int]]) -> str:
+    """The hash of a xorb of chunks given as (keyed BLAKE3 of the bytes, size), in text form
+    (xet-core's ``aggregated_node_hash``: groups cut where a hash is 0 mod 4, 2 to 9 long)."""
+    nodes = list(chunks)
+    while len(nodes) > 1:
+        merged, i = [], 0
+        while i < len(nodes):
+            rest = nodes[i:]
+            cut = len(rest)
+            if cut > 2:
+                cut = min(2 * _BRANCHING + 1, cut)
+                cut = next((j + 1 for j in range(2, cut) if rest[j][0][24] % _BRANCHING == 0), cut)
+            group = rest[:cut]
+            text = "".join(f"{xet_hex(h)} : {size}\n" for h, size in group).encode()
+            merged.append((blake3.blake3(text, key=_NODE_KEY).digest(), sum(size for _, size in group)))
+            i += cut
+        nodes = merged
+    return xet_hex(nodes[0][0]) if nodes else "0" * 64
 
 
 def check_xet_hash(text: str) -> str:
@@ -85,67 +117,87 @@ class XetStore:
 
     def __init__(self, root: Path, blobs: BlobStore):
         self.dir = root / "xet" / "xorbs"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.dir)
         self.blobs = blobs
 
     def xorb_path(self, xorb: str) -> Path:
         return self.dir / xorb[:2] / xorb[2:]
 
-    def put_xorb(self, xorb: str, tmp: Path) -> bool:
-        """Keep the uploaded xorb ``tmp`` (checked chunk by chunk) under its hash; False when
-        it was already held (``tmp`` is then removed). Its age is refreshed either way."""
+    def put_xorb(self, xorb: str, tmp: Path) -> None:
+        """Keep the uploaded xorb ``tmp`` under its hash, once that hash is recomputed from its
+        chunks (InvalidRequest otherwise); one already held has its age refreshed."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             with open(tmp, "rb") as f:
-                n = len(_chunk_offsets(f, tmp.stat().st_size, xorb))
-            if n == 0:
-                raise InvalidRequest(f"xorb {xorb} holds no chunk")
+                chunks = _chunk_offsets(f, tmp.stat().st_size, xorb)
+                if len(chunks) < 2:
+                    raise InvalidRequest(f"xorb {xorb} holds no chunk")
+                hashes = [(blake3.blake3(data, key=_DATA_KEY).digest(), len(data))
+                          for data in _read_chunks(f, chunks[0][0], len(chunks) - 1)]
+            if xorb_hash(hashes) != xorb:
+                raise InvalidRequest(f"xorb {xorb}: its chunks do not hash to the name it was sent under")
             if target.is_file():
                 os.utime(target)
-                return False
-            target.parent.mkdir(parents=True, exist_ok=True)
+                return
+            make_private_dir(target.parent)
             os.replace(tmp, target)
             fsync_dir(target.parent)
-            return True
         finally:
             tmp.unlink(missing_ok=True)
 
-    def apply_shard(self, shard: Path, max_file_bytes: int) -> list[str]:
+    def apply_shard(self, shard: Path, max_file_bytes: int, held: Callable[[str], bool]) -> list[str]:
         """Rebuild every file a shard describes into the uploads area, each checked against the
-        shard's SHA-256; returns their SHA-256s. A shard naming a xorb not held is refused."""
+        shard's SHA-256, except those ``held`` says the uploader's repo already holds; returns
+        their SHA-256s. A shard naming a xorb not held, or rebuilding more than ``MAX_EXPANSION``
+        times the distinct chunk bytes it references, is refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
-        done = []
-        offsets: dict[str, list[int]] = {}
-        for entry in files:
+        offsets: dict[str, list[tuple[int, int]]] = {}
+        rebuild = [entry for entry in files if not held(entry.sha256)]
+        for entry in rebuild:
             if entry.size > max_file_bytes:
                 raise TooLarge(f"file {entry.sha256} is {entry.size} bytes, over the upload limit of {max_file_bytes}")
-            if self.blobs.object_path(entry.sha256) is None:
-                self._rebuild(entry, offsets)
-            done.append(entry.sha256)
-        return done
+        distinct: dict[tuple[str, int], int] = {}
+        for entry in rebuild:
+            for term in entry.terms:
+                chunks = self._chunks(term, offsets)
+                distinct.update(((term.xorb, i), chunks[i][1]) for i in range(term.start, term.end))
+        total = sum(entry.size for entry in rebuild)
+        if total > MAX_EXPANSION * sum(distinct.values()):
+            raise TooLarge(f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk bytes, "
+                           f"more than {MAX_EXPANSION} times what was uploaded")
+        for entry in rebuild:
+            self._rebuild(entry, offsets)
+        return [entry.sha256 for entry in files]
 
-    def _rebuild(self, entry: ShardFile, offsets: dict[str, list[int]]) -> None:
+    def _chunks(self, term: Term, offsets: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
+        range checked against them. The xorb's age is refreshed: it is still referred to."""
+        path = self.xorb_path(term.xorb)
+        if term.xorb not in offsets:
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                raise InvalidRequest(
+                    f"the shard names xorb {term.xorb}, which this hub does not hold (never uploaded, or "
+                    "expired): upload again") from None
+            with f:
+                offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
+            os.utime(path)
+        chunks = offsets[term.xorb]
+        if not 0 <= term.start < term.end <= len(chunks) - 1:
+            raise InvalidRequest(f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
+                                 f"{term.xorb} ({len(chunks) - 1} chunks)")
+        return chunks
+
+    def _rebuild(self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]]) -> None:
         writer = self.blobs.writer()
         try:
             for term in entry.terms:
-                path = self.xorb_path(term.xorb)
-                try:
-                    f = open(path, "rb")
-                except FileNotFoundError:
-                    raise InvalidRequest(
-                        f"the shard names xorb {term.xorb}, which this hub does not hold (never uploaded, or "
-                        "expired): upload again") from None
-                with f:
-                    if term.xorb not in offsets:
-                        offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
-                    os.utime(path)  # still referred to: keep it
-                    chunks = offsets[term.xorb]
-                    if not 0 <= term.start < term.end <= len(chunks) - 1:
-                        raise InvalidRequest(f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
-                                             f"{term.xorb} ({len(chunks) - 1} chunks)")
+                chunks = self._chunks(term, offsets)
+                with open(self.xorb_path(term.xorb), "rb") as f:
                     written = 0
-                    for data in _read_chunks(f, chunks[term.start], term.end - term.start):
+                    for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
                         writer.write(data)
                         written += len(data)
                     if written != term.size:
@@ -155,10 +207,10 @@ class XetStore:
         except BaseException:
             writer.discard()
             raise
-        if sha256 != entry.sha256:
+        if sha256 != entry.sha256:  # (its actual hash is not told: it could name bytes of another upload)
             writer.path.unlink(missing_ok=True)
-            raise InvalidRequest(f"a file rebuilt from the shard has SHA-256 {sha256}, not the {entry.sha256} "
-                                 "the shard states")
+            raise InvalidRequest(f"a file rebuilt from the shard does not have the SHA-256 {entry.sha256} the shard "
+                                 "states")
         self.blobs.stage_upload(writer.path, sha256)
 
     def clean_stale(self, max_age: float) -> int:
@@ -174,8 +226,8 @@ class XetStore:
         return removed
 
 
-def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[int]:
-    """Offsets of each chunk header of a xorb, then of its end (``len - 1`` chunks)."""
+def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:
+    """(offset, unpacked size) of each chunk header of a xorb, then (its end, 0): ``len - 1`` chunks."""
     offsets, pos = [], 0
     while pos < size:
         f.seek(pos)
@@ -190,11 +242,11 @@ def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[int]:
         if version != 0 or scheme not in (0, 1, 2) or unpacked > MAX_CHUNK or compressed > 2 * MAX_CHUNK:
             raise InvalidRequest(f"xorb {xorb}: bad chunk header at byte {pos} (version {version}, scheme {scheme}, "
                                  f"{compressed} -> {unpacked} bytes)")
-        offsets.append(pos)
+        offsets.append((pos, unpacked))
         pos += _CHUNK_HEADER + compressed
         if pos > size:
-            raise InvalidRequest(f"xorb {xorb}: chunk at byte {offsets[-1]} runs past the end")
-    offsets.append(pos)
+            raise InvalidRequest(f"xorb {xorb}: chunk at byte {offsets[-1][0]} runs past the end")
+    offsets.append((pos, 0))
     return offsets
 
 

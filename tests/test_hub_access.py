@@ -1,0 +1,314 @@
+"""Who may do what (issue 24): users own their namespace and their organisations'; objects do
+not cross repos; private names and bytes stay private (listings, /readyz, /metrics, caches,
+file modes); Xet uploads are checked against their content and end with their token; tags;
+open inference routes take the OpenAI client's placeholder key. A real server, real clients."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import stat
+import struct
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import tiny_repo_with_head
+from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from live import ThreadedServer
+from PIL import Image
+
+from service.auth import create_token, revoke_token
+from service.settings import Settings
+from service.store.xet import SHARD_TAG, xet_hex, xorb_hash
+from vip_hub.cli import main
+from vip_hub.push import push_repo
+
+ALICE, BOB, CAROL, DAVE, ROOT = "vh_alice", "vh_bob", "vh_carol", "vh_dave", "vh_root"
+TOKENS = f"alice:write:{ALICE};bob:read:{BOB};carol:write:{CAROL};dave:read:{DAVE};root:admin:{ROOT}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    store = tmp_path_factory.mktemp("access-store")
+    settings = Settings(store=store, auth={"tokens": TOKENS, "orgs": {"team": ["alice", "dave"]}})
+    with ThreadedServer(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def repos(server, tmp_path_factory) -> dict[str, Path]:
+    """alice/secret (private), alice/public and team/private, published by alice."""
+    base = tmp_path_factory.mktemp("access-repos")
+    folders = {"alice/secret": tiny_repo_with_head(base / "secret", seed=3),
+               "alice/public": tiny_repo_with_head(base / "public", seed=4),
+               "team/private": tiny_repo_with_head(base / "team", seed=5)}
+    for repo_id, folder in folders.items():
+        push_repo(folder, repo_id, endpoint=server.url, token=ALICE, private=repo_id != "alice/public")
+    return folders
+
+
+def _api(server: ThreadedServer, token: str | None = None) -> HfApi:
+    return HfApi(endpoint=server.url, token=token)
+
+
+def _status(call) -> int:
+    with pytest.raises(HfHubHTTPError) as err:
+        call()
+    return err.value.response.status_code
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
+    carol, alice = _api(server, CAROL), _api(server, ALICE)
+    card = CommitOperationAdd("notes.txt", b"carol was here")
+    # someone else's public repo: 403, as the HF hub answers
+    assert _status(lambda: carol.create_commit("alice/public", [card], commit_message="x")) == 403
+    assert _status(lambda: carol.create_repo("alice/new-in-alice")) == 403
+    assert _status(lambda: carol.create_tag("alice/public", tag="carols")) == 403
+    assert _status(lambda: carol.preupload_lfs_files("alice/public", [CommitOperationAdd("w.bin", b"x")])) == 403
+    # someone else's private repo: it does not exist for carol (write) nor bob (read)
+    with pytest.raises(RepositoryNotFoundError):
+        carol.create_commit("alice/secret", [card], commit_message="x")
+    for who in (BOB, CAROL, None):
+        with pytest.raises(RepositoryNotFoundError):
+            _api(server, who).model_info("alice/secret")
+        with pytest.raises(RepositoryNotFoundError):
+            hf_hub_download("alice/secret", "config.json", endpoint=server.url, token=who, cache_dir=tmp_path / "c")
+        assert "alice/secret" not in {m.id for m in _api(server, who).list_models()}
+    # carol's own namespace
+    carol.create_repo("carol/mine")
+    push_repo(repos["alice/public"], "carol/mine", endpoint=server.url, token=CAROL)
+    # organisations: alice (write) and dave (read) are members of team; bob is not
+    assert _api(server, DAVE).model_info("team/private").private
+    assert "team/private" in {m.id for m in _api(server, DAVE).list_models()}
+    assert {m.id for m in _api(server, DAVE).list_models()} >= {"alice/public", "team/private"}
+    assert "alice/secret" not in {m.id for m in _api(server, DAVE).list_models()}
+    with pytest.raises(RepositoryNotFoundError):
+        _api(server, BOB).model_info("team/private")
+    assert alice.create_repo("team/another").repo_id == "team/another"
+    assert _status(lambda: carol.create_repo("team/by-carol")) == 403
+    assert [o["name"] for o in alice.whoami()["orgs"]] == ["team"]
+    # the hub's operators (admin tokens) own every namespace
+    assert _api(server, ROOT).model_info("alice/secret").private
+    assert alice.model_info("alice/secret").private
+
+
+def test_org_command_changes_membership_while_running(server, repos, capsys):
+    store = str(server.settings.store)
+    carol = _api(server, CAROL)
+    assert main(["org", "add", "crew", "--member", "carol", "--store", store]) == 0
+    carol.create_repo("crew/by-carol")  # no restart needed
+    assert main(["org", "list", "--store", store]) == 0
+    assert "crew\tcarol" in capsys.readouterr().out
+    assert main(["org", "remove", "crew", "--member", "carol", "--store", store]) == 0
+    assert _status(lambda: carol.create_repo("crew/again")) == 403
+    assert main(["org", "add", "crew", "--member", "dave", "--store", store]) == 0
+    assert main(["token", "create", "--name", "crew", "--store", store]) == 1  # an organisation's name
+    assert "organisation" in capsys.readouterr().err
+    assert main(["token", "create", "--name", "frank", "--store", store]) == 0
+    assert main(["org", "add", "frank", "--member", "carol", "--store", store]) == 1  # a user's name
+    assert "user's name" in capsys.readouterr().err
+    tokens = json.loads((server.settings.store / "tokens.json").read_text())
+    tokens["orgs"]["alice"] = ["carol"]  # written by hand: still no way into a user's namespace
+    (server.settings.store / "tokens.json").write_text(json.dumps(tokens))
+    assert _status(lambda: carol.create_repo("alice/via-an-org")) == 403
+
+
+def test_objects_do_not_cross_repos(server, repos):
+    """Carol names alice's private weights by SHA-256: the commit is refused, and neither the LFS
+    batch answer nor the Xet one says whether the store holds them."""
+    weights = (repos["alice/secret"] / "model.safetensors").read_bytes()
+    oid = hashlib.sha256(weights).hexdigest()
+    body = "\n".join(json.dumps(line) for line in [
+        {"key": "header", "value": {"summary": "borrow"}},
+        {"key": "lfsFile", "value": {"path": "model.safetensors", "algo": "sha256", "oid": oid, "size": len(weights)}},
+    ]) + "\n"
+    r = httpx.post(f"{server.url}/api/models/carol/mine/commit/main", content=body,
+                   headers={**_bearer(CAROL), "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 400 and "never uploaded for carol/mine" in r.json()["error"]
+    absent = "ab" * 32
+    batch = httpx.post(f"{server.url}/carol/mine.git/info/lfs/objects/batch", headers=_bearer(CAROL), json={
+        "operation": "upload", "objects": [{"oid": oid, "size": len(weights)}, {"oid": absent, "size": len(weights)}]})
+    held_elsewhere, nowhere = batch.json()["objects"]
+    assert held_elsewhere.keys() == nowhere.keys() and "upload" in held_elsewhere["actions"]
+    verify = httpx.post(held_elsewhere["actions"]["verify"]["href"], headers=_bearer(CAROL),
+                        json={"oid": oid, "size": len(weights)})
+    assert verify.status_code == 404
+    # alice's own repo holds them: nothing to send
+    mine = httpx.post(f"{server.url}/alice/secret.git/info/lfs/objects/batch", headers=_bearer(ALICE), json={
+        "operation": "upload", "objects": [{"oid": oid, "size": len(weights)}]}).json()["objects"][0]
+    assert "actions" not in mine
+    # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real hash
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    chunk = b"not alice's weights" * 10
+    xorb = _xorb([chunk])
+    assert httpx.post(f"{cas}/v1/xorbs/default/{xorb_hash(_hashes([chunk]))}", content=xorb,
+                      headers=grant).status_code == 200
+    shard = _shard(oid, [(xorb_hash(_hashes([chunk])), 0, 1, len(chunk))])
+    r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    assert r.status_code == 400 and hashlib.sha256(chunk).hexdigest() not in r.text
+    # the same user may publish the same bytes to another repo of its own (the bytes are sent)
+    push_repo(repos["alice/secret"], "alice/copy", endpoint=server.url, token=ALICE)
+
+
+def test_private_files_are_not_for_shared_caches(server, repos):
+    private = httpx.get(f"{server.url}/alice/secret/resolve/main/config.json", headers=_bearer(ALICE))
+    assert private.status_code == 200
+    assert private.headers["cache-control"].startswith("private") and "Authorization" in private.headers["vary"]
+    commit = private.headers["x-repo-commit"]
+    pinned = httpx.get(f"{server.url}/alice/secret/resolve/{commit}/config.json", headers=_bearer(ALICE))
+    assert pinned.headers["cache-control"].startswith("private,") and "immutable" in pinned.headers["cache-control"]
+    public = httpx.get(f"{server.url}/alice/public/resolve/main/config.json")
+    assert public.headers["cache-control"].startswith("public")
+
+
+def _png() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_readyz_and_metrics_name_no_private_repo(server, repos):
+    settings = server.settings.model_copy(deep=True)
+    settings.inference.preload = ["alice/secret", "alice/public"]
+    with ThreadedServer(settings) as other:
+        r = httpx.post(f"{other.url}/v1/embeddings", headers=_bearer(ALICE),
+                       json={"model": "alice/secret", "input": [_png()]})
+        assert r.status_code == 200
+        anonymous = httpx.get(f"{other.url}/readyz").text
+        assert "alice/secret" not in anonymous and "alice/public" in anonymous
+        assert "alice/secret" in httpx.get(f"{other.url}/readyz", headers=_bearer(ALICE)).text
+        metrics = httpx.get(f"{other.url}/metrics").text
+        assert "alice/secret" not in metrics and "private@" in metrics
+
+
+def test_openai_client_with_a_placeholder_key_on_open_routes(server, repos):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY")
+    out = client.embeddings.create(model="alice/public", input=[_png()])
+    assert len(out.data) == 1 and len(out.data[0].embedding) > 0
+    with pytest.raises(openai.NotFoundError):  # anonymous: the private repo does not exist
+        client.embeddings.create(model="alice/secret", input=[_png()])
+    mine = openai.OpenAI(base_url=f"{server.url}/v1", api_key=ALICE)  # a valid token sees its private repos
+    assert len(mine.embeddings.create(model="alice/secret", input=[_png()]).data) == 1
+    # the hub's routes keep Hugging Face's 401 for a bad token
+    assert _status(lambda: _api(server, "EMPTY").model_info("alice/public")) == 401
+    protected = server.settings.model_copy(deep=True)
+    protected.auth.protect_inference = True
+    with ThreadedServer(protected) as other, pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{other.url}/v1", api_key="EMPTY").embeddings.create(
+            model="alice/public", input=[_png()])
+
+
+def test_tags_named_like_branches_are_refused_and_tags_deleted(server, repos):
+    alice = _api(server, ALICE)
+    assert _status(lambda: alice.create_tag("alice/public", tag="main")) == 409
+    alice.create_tag("alice/public", tag="v1")
+    assert [t.name for t in alice.list_repo_refs("alice/public").tags] == ["v1"]
+    assert _status(lambda: _api(server, CAROL).delete_tag("alice/public", tag="v1")) == 403
+    alice.delete_tag("alice/public", tag="v1")
+    assert alice.list_repo_refs("alice/public").tags == []
+    with pytest.raises(RevisionNotFoundError):
+        alice.delete_tag("alice/public", tag="v1")
+
+
+def test_store_is_owner_only(server, repos):
+    httpx.post(f"{server.url}/v1/embeddings", headers=_bearer(ALICE), json={"model": "alice/secret", "input": [_png()]})
+    root = server.settings.store
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    blobs = [p for p in (root / "blobs").rglob("*") if p.is_file()]
+    assert blobs and all(stat.S_IMODE(p.stat().st_mode) == 0o400 for p in blobs)
+    assert stat.S_IMODE((root / "index.sqlite").stat().st_mode) == 0o600
+    snapshots = [p for p in (root / "snapshots").rglob("*") if p.is_dir()]
+    assert snapshots and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in snapshots)
+    xorbs = [p for p in (root / "xet").rglob("*") if p.is_file()]
+    assert xorbs  # the real client uploaded through Xet: its xorbs' hashes were checked
+    for folder in ("blobs", "uploads", "xet", "tmp", "snapshots", "locks"):
+        for p in [root / folder, *(root / folder).rglob("*")]:
+            assert not stat.S_IMODE(p.stat().st_mode) & 0o077, p
+
+
+# ------------------------------------------------------------------------ Xet by hand
+def _hashes(chunks: list[bytes]) -> list[tuple[bytes, int]]:
+    import blake3
+
+    from service.store.xet import _DATA_KEY
+
+    return [(blake3.blake3(c, key=_DATA_KEY).digest(), len(c)) for c in chunks]
+
+
+def _xorb(chunks: list[bytes]) -> bytes:
+    """Uncompressed chunks (scheme 0), each after its 8-byte header."""
+    return b"".join(bytes([0]) + len(c).to_bytes(3, "little") + bytes([0]) + len(c).to_bytes(3, "little") + c
+                    for c in chunks)
+
+
+def _raw(text: str) -> bytes:
+    return b"".join(bytes.fromhex(text[i:i + 16])[::-1] for i in range(0, 64, 16))
+
+
+def _shard(sha256: str, terms: list[tuple[str, int, int, int]]) -> bytes:
+    """A version-2 shard of one file (with its SHA-256 metadata extension) made of ``terms``."""
+    out = SHARD_TAG + struct.pack("<QQ", 2, 0)
+    out += b"\0" * 32 + struct.pack("<IIQ", 1 << 30, len(terms), 0)
+    for xorb, start, end, size in terms:
+        out += _raw(xorb) + struct.pack("<IIII", 0, size, start, end)
+    out += _raw(sha256) + b"\0" * 16
+    return out + b"\xff" * 32 + b"\0" * 16
+
+
+def _xet_grant(server: ThreadedServer, repo_id: str, token: str) -> tuple[str, dict[str, str]]:
+    r = httpx.get(f"{server.url}/api/models/{repo_id}/xet-write-token/main", headers=_bearer(token))
+    assert r.status_code == 200, r.text
+    return r.json()["casUrl"], _bearer(r.json()["accessToken"])
+
+
+def test_xet_hash_matches_the_official_client(tmp_path):
+    """A one-chunk file's Xet file hash is its xorb hash keyed with the zero salt (xet-core)."""
+    import blake3
+    import hf_xet
+
+    data = b"a small file: one chunk" * 50
+    (tmp_path / "f").write_bytes(data)
+    official = hf_xet.hash_files([str(tmp_path / "f")])[0].hash
+    ours = blake3.blake3(_raw(xorb_hash(_hashes([data]))), key=b"\0" * 32).digest()
+    assert official == xet_hex(ours)
+
+
+def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_path):
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    chunk = bytes(range(256)) * 512  # 128 KiB
+    name = xorb_hash(_hashes([chunk]))
+    # a xorb sent under another xorb's hash is refused (it cannot poison a later upload)
+    other = xorb_hash(_hashes([b"someone else's chunk"]))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{other}", content=_xorb([chunk]), headers=grant)
+    assert r.status_code == 400 and "do not hash" in r.json()["error"]
+    assert not (server.settings.store / "xet" / "xorbs" / other[:2] / other[2:]).exists()
+    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=grant).json() == {
+        "was_inserted": True}
+    # one 128 KiB chunk repeated 800 times (100 MiB) is refused: reconstructed sizes are bounded
+    bomb = chunk * 800
+    r = httpx.post(f"{cas}/v1/shards", content=_shard(hashlib.sha256(bomb).hexdigest(),
+                                                      [(name, 0, 1, len(chunk))] * 800), headers=grant)
+    assert r.status_code == 413
+    assert not [p for p in (server.settings.store / "uploads" / "sha256").rglob("*") if p.is_file()
+                and p.stat().st_size > 1 << 20]
+    # a grant ends with its token: revoked in the tokens file, the next CAS call is refused
+    tokens = server.settings.tokens_path()
+    secret = create_token(tokens, "erin", "write")
+    assert main(["org", "add", "erins", "--member", "erin", "--tokens-file", str(tokens)]) == 0
+    _api(server, secret).create_repo("erins/model")
+    cas, erin = _xet_grant(server, "erins/model", secret)
+    lfs = httpx.post(f"{server.url}/erins/model.git/info/lfs/objects/batch", headers=_bearer(secret), json={
+        "operation": "upload", "objects": [{"oid": hashlib.sha256(chunk).hexdigest(), "size": len(chunk)}]})
+    put = lfs.json()["objects"][0]["actions"]["upload"]["href"]
+    revoke_token(tokens, "erin")
+    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=erin).status_code == 401
+    assert httpx.put(put, content=chunk).status_code == 401
