@@ -4,6 +4,11 @@ the main job at its smallest sizes, and the shipping files."""
 from __future__ import annotations
 
 import base64
+import json
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -189,6 +194,31 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published
     again = capsys.readouterr().out
     assert again.count("up to date, skipped") == 14, again
+
+    # `vip-hub run` serving, then SIGTERM (docker stop): its server child stops as on Ctrl-C
+    cfg.port, cfg.serve = free_port(), True
+    toml = tmp_path / "run.toml"
+    toml.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.model_dump().items() if v is not None))
+    job = subprocess.Popen([str(Path(sys.executable).with_name("vip-hub")), "run", "--config", str(toml)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(300, job.kill)
+    watchdog.start()
+    try:
+        assert job.stdout is not None
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("Serving;"):
+                break
+        health = f"http://127.0.0.1:{cfg.port}/healthz"
+        assert httpx.get(health).status_code == 200, "".join(lines)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 130, job.stdout.read()  # the CLI's exit status for an interrupt
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(health)
+    finally:
+        watchdog.cancel()
+        job.kill()
 
 
 def test_docker_files_name_what_exists() -> None:

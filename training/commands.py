@@ -91,9 +91,10 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .main_job import MainJobConfig, StepFailed, run_main_job
+    from .main_job import MainJobConfig, StepFailed, run_main_job, sigterm_as_interrupt
 
     try:
-        return run_main_job(config_from_args(MainJobConfig, args))
+        with sigterm_as_interrupt():
+            return run_main_job(config_from_args(MainJobConfig, args))
     except StepFailed as e:
         raise CommandError(str(e)) from None
