@@ -305,21 +305,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block SIGTERM (``docker stop``, a process manager) interrupts as Ctrl-C does:
-    the server child is stopped and the current step can be resumed."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
     return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
 
