@@ -21,6 +21,7 @@ from training.probe import ProbeConfig, run_probe
 from vip_hub.heads import list_heads, load_head
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.push import push_repo
+from vip_hub.signing import load_keys, verify_signature
 from vip_hub.verify import verify_repo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +175,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
         assert "non-private head" not in card and "top1_nonprivate" not in card  # figures without a guarantee
         assert list_heads(repo) == ["digits"]
         assert f"publish vip/{repo.name}" in out
+        assert verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
     mechanisms = {"vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"), "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
                   "vip-nano-digits-logit-dp": ("dp-contrastive", "Logit-DP"),
                   "vip-nano-digits-naive-dp": ("dp-contrastive", "Naive-DP")}
