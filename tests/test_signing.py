@@ -77,6 +77,8 @@ def test_sign_and_verify_roundtrip(tmp_path, alice, cli):
     assert out.returncode == 0, out.stdout
     assert f"signed by alice ({fingerprint[:16]})" in out.stdout and "WARN" not in out.stdout
     assert cli("verify", repo, "--key", alice[1].parent).returncode == 0  # a folder of *.pub
+    missing = cli("verify", repo, "--key", tmp_path / "nope")
+    assert missing.returncode == 1 and "no such public key file or folder" in missing.stderr
     unchecked = cli("verify", repo)
     assert unchecked.returncode == 0 and "signed (model.sig) but not checked" in unchecked.stdout
 

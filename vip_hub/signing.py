@@ -207,7 +207,7 @@ def verify_signature(repo: str | os.PathLike[str] | Mapping[str, Path],
     return signer
 
 
-def check_signature(repo: str | os.PathLike[str], key_paths: Iterable[str | os.PathLike[str]] | None,
+def check_signature(repo: str | os.PathLike[str], key_paths: list[str] | None,
                     report: VerificationReport) -> PublicKey | None:
     """Add the signature's check to ``report`` (``vip-hub verify --key``): a problem when it
     does not hold, a warning when the repo is unsigned or no key was given; returns the signer."""
@@ -219,6 +219,9 @@ def check_signature(repo: str | os.PathLike[str], key_paths: Iterable[str | os.P
         report.warnings.append(f"signed ({SIGNATURE_FILE}) but not checked: pass --key PUB, the public key of "
                                "whoever you trust to have trained it")
         return None
+    missing = [str(k) for k in key_paths if not Path(k).exists()]
+    if missing:
+        raise MissingInputError(f"--key {', '.join(missing)}: no such public key file or folder")
     try:
         signer = verify_signature(repo, load_keys(key_paths))
     except SignatureError as e:
