@@ -218,3 +218,18 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
     assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/api/models/writer/shuffled").json()["vip_hub"]["caveat"]
     assert "as reported*" in httpx.get(f"{hub.url}/?q=shuffled").text
     assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/writer/shuffled").text
+
+
+def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(hub, tmp_path: Path) -> None:
+    import httpx
+
+    from conftest import tiny_repo_with_head
+    from live import WRITE_TOKEN
+    from vip_hub.push import push_repo
+
+    repo = tiny_repo_with_head(tmp_path / "labelled")
+    push_repo(repo, "writer/labelled", token=WRITE_TOKEN)
+    html = httpx.get(f"{hub.url}/writer/labelled", timeout=30).text
+    assert "The encoder: <strong>(ε = " in html and "The encoder with head toy: <strong>" in html
+    card = (repo / "README.md").read_text()
+    assert "(the encoder) |" in card and "| Privacy with head `toy` | " in card

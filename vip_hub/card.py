@@ -24,7 +24,7 @@ from .errors import LedgerError, RepoFormatError
 from .features import MODE_DESCRIPTIONS
 from .ledger import DPStage, NonPrivateStage, PrivacyLedger
 from .models import EncoderSpec
-from .repo_format import CARD_FILE, format_params, privacy_headline
+from .repo_format import CARD_FILE, ENCODER, format_params, privacy_headline
 
 __all__ = [
     "LEDGER_COLUMNS",
@@ -32,6 +32,7 @@ __all__ = [
     "audit_paragraphs",
     "card_info",
     "card_ledger",
+    "component_headlines",
     "guarantee_paragraphs",
     "ledger_rows",
     "load_card",
@@ -105,6 +106,7 @@ def render_card(
         captions=captions,
         caption_family=family.captions,
         headline=_md(privacy_headline(ledger.summary())),
+        head_headlines=[(name, _md(line)) for name, line in component_headlines(ledger)[1:]],
         guarantee_paragraphs=guarantee_paragraphs(ledger, spec.family.unit),
         audit_paragraphs=audit_paragraphs(ledger),
         public_stages=", ".join(
@@ -143,6 +145,14 @@ def load_card(readme: str, *, strict: bool = False) -> ModelCard:
         if aliased:
             raise RepoFormatError(f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused")
     return ModelCard(readme, ignore_metadata_errors=not strict)
+
+
+def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
+    """What each component promises: (None, the encoder's headline) first, then (head name, the
+    head's: its own stages composed with its encoder's), so no figure is mistaken for another."""
+    heads = [c for c in ledger.components() if c != ENCODER]
+    return [(None, privacy_headline(ledger.summary())),
+            *[(c.split("/", 1)[1], privacy_headline(ledger.summary(c))) for c in heads]]
 
 
 def card_ledger(readme: str) -> PrivacyLedger:

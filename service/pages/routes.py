@@ -14,10 +14,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from vip_hub.card import LEDGER_COLUMNS, audit_paragraphs, guarantee_paragraphs, ledger_rows
+from vip_hub.card import LEDGER_COLUMNS, audit_paragraphs, component_headlines, guarantee_paragraphs, ledger_rows
 from vip_hub.models import ARCHS
 from vip_hub.ledger import LedgerError, PrivacyLedger, compose_releases
-from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params, privacy_headline
+from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params
 
 from ..auth import identity
 from ..errors import BadRequest, NotFound
@@ -92,7 +92,7 @@ def model_page(request: Request, org: str, name: str,
     context: dict[str, Any] = {
         "repo": repo, "commit": record, "revision": revision,
         "card_html": markdown_html(card_body(readme), file_base),
-        "headline": privacy_headline(ledger.summary()) if ledger else "",
+        "headlines": component_headlines(ledger) if ledger else [],
         "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger, _unit(record.arch))] if ledger else [],
         "audit_html": [markdown_html(p) for p in audit_paragraphs(ledger)] if ledger else [],
         "ledger_columns": LEDGER_COLUMNS, "ledger_rows": ledger_rows(ledger) if ledger else [],
