@@ -29,8 +29,10 @@ other trainable parameter is an error at construction: there is no silent fallba
 Under bf16/fp16 (autocast, or a model in that dtype) the clipped products run in that
 precision, whose rounding could lift an example's contribution above C. The factors then
 come from an upper bound on each contribution's norm instead of the norm itself (see
-``rounding_bound`` and ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares); in
-fp32 and fp64 they come from the norm, as the equivalence tests check.
+``rounding_bound`` and ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares),
+for every product of a layer that ran in bf16/fp16, also where it is formed in fp32 (an fp32
+LayerNorm output times a bf16 gradient); in fp32 and fp64 they come from the norm, as the
+equivalence tests check.
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ def _no_autocast(x: torch.Tensor) -> torch.autocast:
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     """At least fp32 (norms under bf16/fp16 autocast are computed in fp32)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _reduced(*tensors: torch.Tensor) -> bool:
+    """Whether a layer ran in bf16/fp16: its product's rounding is then bounded, in whatever dtype."""
+    return any(x.dtype.itemsize < 4 for x in tensors)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +349,7 @@ class PerExampleClipper:
             small.append((m.weight, pe))
             return _Part(small, sq + _sq(pe))
         dtype = torch.promote_types(a_tok.dtype, g_tok.dtype)
-        ghost, cross = _ghost(a, gt, dtype.itemsize < 4)
+        ghost, cross = _ghost(a, gt, _reduced(a_tok, g_tok))
         bound = rounding_bound(sq + ghost, cross, dtype, b * t) if cross is not None else None
         return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
 
@@ -392,7 +399,7 @@ def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch
     time (this runs last in the backward pass, at its memory peak); it keeps its input images,
     not their patches, and its clipped sum is the convolution's own weight gradient."""
     dtype = torch.promote_types(images.dtype, g.dtype)
-    reduced = dtype.itemsize < 4
+    reduced = _reduced(images, g)
     ghost, cross = [], []
     for chunk in range(0, images.shape[0], 8):
         rows = slice(chunk, chunk + 8)
