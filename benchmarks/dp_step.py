@@ -6,8 +6,8 @@ Contenders (``VARIANTS``: add a row to add one):
     ghost clipping (``training.clipping``): the clipped sum, Gaussian noise, AdamW;
 (c) the reference approach: per-example gradients materialised with ``torch.func.vmap``,
     clipped and summed, then the same engine's noise and AdamW;
-(d) (b) with the one-run privacy audit on: the engine's 1,000 Dirac canaries (the recipes'
-    default ``--audit-canaries``) sampled, clipped into their own block of the flat buffer,
+(d) (b) with the one-run privacy audit on: the engine's Dirac canaries (the recipes' default
+    ``--audit-canaries``) sampled with the examples, clipped into their own block of the flat buffer,
     noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
     canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3%
     difference is within a shared machine's drift between rounds.
@@ -51,11 +51,11 @@ from training.distributed import Dist  # noqa: E402
 from training.dp_engine import Budget, Clipper, DPEngine  # noqa: E402
 from training.mae import DecoderConfig, new_mae  # noqa: E402
 from training.optim import make_adamw  # noqa: E402
+from vip_hub.audit import DEFAULT_CANARIES  # noqa: E402
 from vip_hub.models import EncoderSpec  # noqa: E402
 
 CLIP = 0.1  # clipping norm C
 SIGMA = 1.0  # noise multiplier
-CANARIES = 1000  # the audit's canaries in (d), the recipes' default
 Step = Callable[[], None]
 
 
@@ -95,7 +95,7 @@ class TimedClipper:
     """A clipper whose ``accumulate`` calls are timed (the engine sees the same protocol)."""
 
     def __init__(self, clipper: Clipper, bench: Bench, variant: str):
-        self.params = clipper.params
+        self.params, self.max_norm = clipper.params, clipper.max_norm
         self.accumulate = bench.timed(variant, clipper.accumulate)
 
 
@@ -152,7 +152,8 @@ def engine_step(variant: str, clipper: Callable[[nn.Module, float], Clipper], ca
         budget = Budget.plan(dataset_size=10**6, batch_size=batch, steps=10**6, epsilon=None, sigma=SIGMA,
                              delta=1e-6, accountant="rdp")
         engine = DPEngine(TimedClipper(clipper(bench.mae, CLIP), bench, variant), bench.optimizer, None, budget,
-                          sensitivity=CLIP, seed=0, dist=Dist(device=bench.device), micro_batch_size=None,
+                          sensitivity=CLIP, clipping_norm=CLIP, seed=0, dist=Dist(device=bench.device),
+                          micro_batch_size=None,
                           audit_canaries=canaries, autocast=bench.amp)
         if engine.canaries is not None:
             audit = engine.canaries
@@ -173,7 +174,8 @@ VARIANTS = {
     "a": Variant("non-private AdamW", "forward+backward", non_private),
     "b": Variant("DP-AdamW (ghost clipping)", "clipping", engine_step("b", PerExampleClipper)),
     "c": Variant("vmap per-example grads", "clipping", engine_step("c", VmapClipper)),
-    "d": Variant(f"(b) + audit, {CANARIES} canaries", "clipping", engine_step("d", PerExampleClipper, CANARIES)),
+    "d": Variant(f"(b) + audit, {DEFAULT_CANARIES} canaries", "clipping",
+                 engine_step("d", PerExampleClipper, DEFAULT_CANARIES)),
 }
 
 

@@ -32,8 +32,8 @@ class Sum(torch.nn.Module):
 model = Sum()
 budget = Budget.plan(dataset_size=N, batch_size=N, steps=1, epsilon=None, sigma=SIGMA, delta=1e-5, accountant="rdp")
 optimizer = torch.optim.SGD([layer.bias], lr=0.0)
-engine = DPEngine(PerExampleClipper(model, CLIP), optimizer, None, budget, sensitivity=CLIP, seed=3, dist=dist,
-                  micro_batch_size=16, audit_canaries=100)
+engine = DPEngine(PerExampleClipper(model, CLIP), optimizer, None, budget, sensitivity=CLIP, clipping_norm=CLIP,
+                  seed=3, dist=dist, micro_batch_size=16, audit_canaries=100)
 # capture the noisy mean gradient before the optimiser clears it
 seen: dict[str, torch.Tensor] = {}
 optimizer.step = lambda: seen.setdefault("update", layer.bias.grad.clone())  # type: ignore[method-assign]

@@ -7,7 +7,9 @@ import pytest
 from scipy.stats import binom
 
 from vip_hub.audit import (
+    DEFAULT_CANARIES,
     bound_over_grid,
+    ceiling,
     correct_guesses,
     epsilon_lower_bound,
     guess_grid,
@@ -74,3 +76,11 @@ def test_log_likelihood_ratio_is_the_exact_mixture_ratio():
     in_density = (1 - q) * np.exp(-y**2 / (2 * sigma**2)) + q * np.exp(-(y - 1) ** 2 / (2 * sigma**2))
     out_density = np.exp(-y**2 / (2 * sigma**2))
     np.testing.assert_allclose(log_likelihood_ratio(y, q, sigma), np.log(in_density / out_density), rtol=1e-12)
+
+
+def test_the_ceiling_is_every_guess_right_and_the_default_count_maximises_it():
+    assert ceiling(1000, 0.05, 1e-5) == pytest.approx(5.27, abs=0.005)  # the "about 5.3"
+    assert ceiling(10_000, 0.05, 1e-5) == pytest.approx(6.39, abs=0.005)
+    best = ceiling(DEFAULT_CANARIES, 0.05, 1e-5)
+    assert best == pytest.approx(6.43, abs=0.005)
+    assert all(ceiling(m, 0.05, 1e-5) < best for m in (1000, 5000, 5500, 6500, 7000, 20_000))

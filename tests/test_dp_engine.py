@@ -18,6 +18,7 @@ from training.distributed import Dist
 from training.dp_engine import EMPTY, Budget, DPEngine
 from vip_hub import Dataset, export_encoder
 from vip_hub.accounting import epsilon
+from vip_hub.audit import ceiling
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.push import push_repo
 from vip_hub.verify import verify_repo
@@ -42,7 +43,8 @@ def engine_for(model: torch.nn.Module, *, n: int, batch: int, sigma: float | Non
     budget = Budget.plan(dataset_size=n, batch_size=batch, steps=steps, epsilon=eps, sigma=sigma, delta=1e-5,
                          accountant="rdp")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    return DPEngine(PerExampleClipper(model, clip), optimizer, None, budget, sensitivity=clip, seed=seed,
+    return DPEngine(PerExampleClipper(model, clip), optimizer, None, budget, sensitivity=clip, clipping_norm=clip,
+                    seed=seed,
                     dist=Dist(device=next(model.parameters()).device), micro_batch_size=micro,
                     audit_canaries=canaries)
 
@@ -161,7 +163,7 @@ def audited_stage(monkeypatch: pytest.MonkeyPatch | None = None, *, noise_scale:
     engine = engine_for(BiasSum(8), **AUDITED)
     _train(engine, torch.randn(1000, 4), 0, engine.budget.steps)
     return engine.stage(audit_delta=1e-5, name="dp-audited", dataset=Dataset(name="audit-data", size=1000),
-                        clipping_norm=1.0, mechanism="DP-SGD")
+                        mechanism="DP-SGD")
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +176,27 @@ def test_an_honest_run_proves_less_than_it_claims(honest) -> None:  # type: igno
     assert honest.epsilon <= 2.0 and a.delta == 1e-5 and a.canaries == 1000
     assert [r.guesses for r in a.results] == [20, 50, 100, 200, 500, 1000]
     assert 0 < a.epsilon_lower_bound < 2.0 and a.epsilon_lower_bound < min(a.accountant_epsilon.values())
+    assert a.ceiling == pytest.approx(ceiling(1000, 0.05, 1e-5), abs=1e-6) and a.can_fail  # 5.27 > 2
+
+
+def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = training.dp_engine.poisson_sample
+    monkeypatch.setattr(training.dp_engine, "poisson_sample", lambda *a: calls.append(a) or real(*a))
+    engine = engine_for(BiasSum(4), n=30, batch=6, sigma=1e-6, steps=3, canaries=40)
+    members = engine.canaries.members
+    assert set(members) == set(np.flatnonzero(engine.canaries.secrets)) and 0 < len(members) < 40
+    seen = []
+    monkeypatch.setattr(engine.canaries, "observe", lambda block, sigma: seen.append(block.clone()))
+    for step in range(3):
+        examples = engine.plan(step)
+        calls.clear()
+        engine.step(step, [(torch.zeros(len(examples), 4),)])
+        assert [c[:4] for c in calls] == [(30 + len(members), 0.2, 0, step)]  # one population, one stream
+        drawn = real(30 + len(members), 0.2, 0, step)
+        np.testing.assert_array_equal(examples, drawn[drawn < 30])
+        sampled = members[drawn[drawn >= 30] - 30]
+        np.testing.assert_allclose(seen[-1].numpy(), np.isin(np.arange(40), sampled).astype(np.float32), atol=1e-4)
 
 
 def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(monkeypatch: pytest.MonkeyPatch,

@@ -93,14 +93,14 @@ def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size)
 
 
 def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
-    from vip_hub.audit import bound_over_grid
-    from vip_hub.ledger import Audit, AuditResult, DPStage
+    from vip_hub.audit import bound_over_grid, ceiling
+    from vip_hub.ledger import Audit, AuditResult, DPStage, round_down
 
     plain = dp_stage()
     results = [(100, 60)]
     audit = Audit(canaries=1000, canary_norm=1.0, results=[AuditResult(guesses=r, correct=v) for r, v in results],
                   beta=0.05, delta=plain.delta, epsilon_lower_bound=bound_over_grid(1000, results, 0.05, plain.delta),
-                  accountant_epsilon=plain.epsilons)
+                  ceiling=round_down(ceiling(1000, 0.05, plain.delta)), accountant_epsilon=plain.epsilons)
     stage = DPStage.from_parameters(name=plain.name, dataset=plain.dataset, sample_rate=plain.sample_rate,
                                     noise_multiplier=plain.noise_multiplier, steps=plain.steps,
                                     clipping_norm=plain.clipping_norm, audit=audit)
@@ -110,4 +110,5 @@ def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
     for accountant, eps in stage.epsilons.items():  # the claim and the two references, in the ledger table
         assert f"{eps:.3f} ({accountant.value.upper()})" in html, accountant
     assert "Empirical audit of <code>dp-pretraining</code>" in html and "1,000 gradient canaries" in html
+    assert f"prove at most <strong>ε ≥ {audit.ceiling:.2f}</strong> (its ceiling" in html  # beside the claim
     assert "(ε = " in html and "test-images [RDP]" in html  # the headline, from the ledger's summary

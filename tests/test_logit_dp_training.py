@@ -166,7 +166,8 @@ def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechani
         clipper, delta = BatchClipper(model, clip, tau), 2 * clip
     budget = Budget.plan(dataset_size=1000, batch_size=batch, steps=10, epsilon=None, sigma=sigma, delta=1e-5,
                          accountant="rdp")
-    engine = DPEngine(clipper, torch.optim.SGD(clipper.params, lr=0.0), None, budget, sensitivity=delta, seed=0,
+    engine = DPEngine(clipper, torch.optim.SGD(clipper.params, lr=0.0), None, budget, sensitivity=delta,
+                      clipping_norm=clip, seed=0,
                       dist=Dist(device=torch.device("cpu")), micro_batch_size=None, audit_canaries=0)
     seen = {}
     engine.optimizer.step = lambda: seen.setdefault("update", torch.cat([p.grad.flatten() for p in clipper.params]))

@@ -4,10 +4,12 @@ A recipe brings a model, a loss and a clipper (``PerExampleClipper`` for per-exa
 the per-pair clipper for Logit-DP); everything private about a step lives here, once:
 
 1. **Poisson sampling** at rate q = B/n: every rank samples its shard of the dataset with its
-   own stream (``sampler``), each step's plan is computed once and cut into physical
-   micro-batches, an empty sample included (it is still a step);
+   own stream (``sampler``), rank 0's shard joined by the audit's canaries in the data; each
+   step's plan is computed once and cut into physical micro-batches, an empty sample included
+   (it is still a step);
 2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``;
-3. the audit's canaries add their clipped gradients to their own block (``DiracCanaries``);
+3. the canaries of the step's sample add their clipped gradients to their own block
+   (``DiracCanaries``), clipped to the sensitivity the clipper's own bound gives;
 4. **one all-reduce** of one flat buffer, with Gaussian **noise N(0, (sigma * sensitivity)^2)
    added once** (by rank 0) before it;
 5. division by the **expected** batch size B (never the sampled count), then the optimiser
@@ -50,10 +52,11 @@ EMPTY = -1
 
 
 class Clipper(Protocol):
-    """What the engine needs of a clipper: the parameters it writes, and one micro-batch's
-    clipped sum added into their ``.grad``."""
+    """What the engine needs of a clipper: the parameters it writes, its clip bound, and one
+    micro-batch's clipped sum added into their ``.grad``."""
 
     params: list[nn.Parameter]
+    max_norm: float
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult: ...
 
@@ -154,27 +157,32 @@ class DPEngine:
 
     def __init__(self, clipper: Clipper, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, *,
-                 sensitivity: float, seed: int, dist: Dist, micro_batch_size: int | None,
+                 sensitivity: float, clipping_norm: float, seed: int, dist: Dist, micro_batch_size: int | None,
                  audit_canaries: int = 0,
                  autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext):
+        """``sensitivity``: the stated sensitivity (the noise is sigma times it) of the mechanism
+        with clip bound ``clipping_norm`` (as the ledger records it; linear in it)."""
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ConfigError(f"micro-batch size must be positive, got {micro_batch_size}")
         self.clipper, self.optimizer, self.scheduler, self.budget = clipper, optimizer, scheduler, budget
         self.sensitivity, self.seed, self.dist, self.micro_batch_size = float(sensitivity), seed, dist, micro_batch_size
+        self.clipping_norm = float(clipping_norm)
         self.params = list(clipper.params)
         self.autocast = autocast
         self.shard = rank_shard(budget.dataset_size, dist.rank, dist.world)
-        self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, dist.main)
+        bound = self.sensitivity * clipper.max_norm / self.clipping_norm
+        self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, bound, dist.main)
                          if audit_canaries else None)
         self.steps_done = 0
 
     @classmethod
     def for_run(cls, clipper: Clipper, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, run: Run, cfg: DPRunConfig, *,
-                sensitivity: float, micro_batch_size: int | None = None) -> "DPEngine":
+                sensitivity: float, clipping_norm: float, micro_batch_size: int | None = None) -> "DPEngine":
         """The engine of a recipe's run: the run's seed, ranks and autocast, the configuration's
         micro-batch size (unless given: None for clippers that need the whole sample) and canaries."""
-        return cls(clipper, optimizer, scheduler, budget, sensitivity=sensitivity, seed=run.seed, dist=run.dist,
+        return cls(clipper, optimizer, scheduler, budget, sensitivity=sensitivity, clipping_norm=clipping_norm,
+                   seed=run.seed, dist=run.dist,
                    micro_batch_size=cfg.micro_batch_size if micro_batch_size is None else micro_batch_size,
                    audit_canaries=cfg.audit_canaries, autocast=run.autocast)
 
@@ -211,7 +219,16 @@ class DPEngine:
     # ---------------------------------------------------------------- sampling
     def plan(self, step: int) -> np.ndarray:
         """This rank's Poisson sample at ``step``: dataset indices, sorted."""
-        return self.shard[poisson_sample(len(self.shard), self.budget.sample_rate, self.seed, step, self.dist.rank)]
+        return self._draw(step)[0]
+
+    def _draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's Poisson sample at ``step`` over its shard and its canaries in the data (rank
+        0's): dataset indices and canary ids, each sorted. A pure function of (seed, step, rank)."""
+        members = self.canaries.members if self.canaries is not None else np.zeros(0, dtype=np.int64)
+        n = len(self.shard)
+        drawn = poisson_sample(n + len(members), self.budget.sample_rate, self.seed, step, self.dist.rank)
+        cut = int(np.searchsorted(drawn, n))
+        return self.shard[drawn[:cut]], members[drawn[cut:] - n]
 
     def sampler(self, start: int) -> Iterator[list[tuple[int, int]]]:
         """A DataLoader batch sampler: ``(step, index)`` items per micro-batch from ``start`` to the
@@ -262,7 +279,7 @@ class DPEngine:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         blocks = [g.reshape(-1).float() for g in grads]
         if self.canaries is not None:
-            blocks.append(self.canaries.clipped_sum(step, device))
+            blocks.append(self.canaries.clipped_sum(self._draw(step)[1], device))  # the sampler's draw, again
         blocks.append(stats.to(device=device, dtype=torch.float32))
         buffer = torch.cat(blocks)
         del blocks, grads
@@ -300,7 +317,8 @@ class DPEngine:
         audit = self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
         return DPStage.from_parameters(
             sample_rate=b.sample_rate, noise_multiplier=b.noise_multiplier, steps=b.steps,
-            sensitivity=self.sensitivity, delta=b.delta, accountant=b.accountant, audit=audit, **fields)
+            sensitivity=self.sensitivity, clipping_norm=self.clipping_norm, delta=b.delta, accountant=b.accountant,
+            audit=audit, **fields)
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

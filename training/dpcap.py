@@ -129,7 +129,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     horizon = cfg.decay_steps or 2 * cfg.steps
     scheduler = warmup_cosine(optimizer, warmup, horizon)
     engine = DPEngine.for_run(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
-                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm))
+                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), clipping_norm=cfg.max_grad_norm)
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
@@ -147,7 +147,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     def export() -> None:
         name = cfg.dataset_name
         stage = engine.stage(
-            audit_delta=cfg.audit_delta, name="dp-captioning", mechanism=MECHANISM, clipping_norm=cfg.max_grad_norm,
+            audit_delta=cfg.audit_delta, name="dp-captioning", mechanism=MECHANISM,
             dataset=Dataset(name=name, size=n, description=f"{n} image-caption pairs; image captioning with DP-AdamW"),
             description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every parameter, token "
                          "embedding included; Gaussian noise once per logical step, Poisson sampling); the text "

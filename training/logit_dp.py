@@ -164,7 +164,8 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
-    engine = DPEngine.for_run(clipper, optimizer, scheduler, budget, run, cfg, sensitivity=delta_sensitivity)
+    engine = DPEngine.for_run(clipper, optimizer, scheduler, budget, run, cfg, sensitivity=delta_sensitivity,
+                              clipping_norm=clip)
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
@@ -188,7 +189,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
                     f"the whole-batch gradient clipped to C = {clip:g}")
         stage = engine.stage(
             audit_delta=cfg.audit_delta, name="dp-contrastive", mechanism=mechanism.ledger_name,
-            mechanism_params=params, clipping_norm=clip,
+            mechanism_params=params,
             dataset=Dataset(name=name, size=n, description=f"{n} images; contrastive training with {mechanism.ledger_name}"),
             description=(f"{mechanism.ledger_name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
                          f"augmented views per image, negatives from the same rank's Poisson sample; {clipping}; "

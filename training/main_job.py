@@ -44,6 +44,7 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import SignatureError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.push import is_published, push_repo
@@ -99,7 +100,7 @@ class MainJobConfig(BaseModel):
     contrastive_batch_size: int = Field(32, gt=0, description="expected batch of Logit-DP and Naive-DP")
     contrastive_steps: int = Field(30, gt=0, description="steps of Logit-DP and Naive-DP")
     temperature: float = Field(1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP")
-    audit_canaries: int = Field(1000, ge=0, description="canaries of each DP run's one-run audit")
+    audit_canaries: int = Field(DEFAULT_CANARIES, ge=0, description="canaries of each DP run's one-run audit")
     probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
     head_epsilon: float = Field(2.0, gt=0, description="epsilon of the released DP probe heads")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of the digits")

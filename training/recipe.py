@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vip_hub.accounting import Accountant
-from vip_hub.audit import DEFAULT_DELTA
+from vip_hub.audit import DEFAULT_CANARIES, DEFAULT_DELTA
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import DATASET_NAME_PATTERN
 
@@ -71,7 +71,7 @@ class DPRunConfig(RunConfig):
     micro_batch_size: int = Field(32, gt=0, description="physical batch that fits memory (does not change the result)")
     max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
     accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
-    audit_canaries: int = Field(1000, ge=0, description="canaries of the one-run audit (0 turns it off)")
+    audit_canaries: int = Field(DEFAULT_CANARIES, ge=0, description="canaries of the one-run audit (0 turns it off)")
     audit_delta: float = Field(DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon")
     seed: int | None = Field(None, description="seed of every random stream (default: a secret random one)")
     checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints")

@@ -17,7 +17,7 @@ from vip_hub.errors import AccountingError, ConfigError
 __all__ = ["micro_batches", "poisson_sample", "rank_shard", "step_generator", "torch_generator"]
 
 # Stream tags keep the per-purpose random streams of one step independent.
-SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS, CANARY_SAMPLING = 1, 2, 3, 4, 5, 6
+SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS = 1, 2, 3, 4, 5
 
 
 def step_generator(seed: int, purpose: int, step: int, rank: int = 0) -> np.random.Generator:

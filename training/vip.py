@@ -63,7 +63,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(1000, cfg.steps // 10))
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     engine = DPEngine.for_run(PerExampleClipper(mae, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
-                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm))
+                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), clipping_norm=cfg.max_grad_norm)
     mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
     augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
@@ -78,7 +78,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     def export() -> None:
         name = cfg.dataset_name
         stage = engine.stage(
-            audit_delta=cfg.audit_delta, name="dp-pretrain", mechanism=MECHANISM, clipping_norm=cfg.max_grad_norm,
+            audit_delta=cfg.audit_delta, name="dp-pretrain", mechanism=MECHANISM,
             dataset=Dataset(name=name, size=n, description=f"{n} images; MAE pretraining with DP-AdamW"),
             description=("ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
                          "Gaussian noise once per logical step, Poisson sampling)"),

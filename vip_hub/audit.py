@@ -11,7 +11,9 @@ the number v of correct guesses is unlikely to be large: its p-value is (their A
 and the lower bound is the largest eps with p(eps) <= beta. The guess counts are a grid
 fixed before training, with beta split evenly across it (Bonferroni), so looking at the
 scores to choose r cannot inflate the bound. ``vip-hub verify`` recomputes the bound from the
-counts a ledger records.
+counts a ledger records, and the audit's ``ceiling`` (every guess right): about 5.3 at
+m = 1,000 and 6.4 at m = 6,000 (beta 0.05, delta 1e-5), so a claim at or above it cannot be
+shown violated and the audit then catches only gross bugs.
 
 The scores come from white-box Dirac gradient canaries read off each step's noisy sum:
 a canary's coordinate is y_t = c_t + N(0, sigma^2) in units of the sensitivity, where c_t is
@@ -28,8 +30,10 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_BETA",
+    "DEFAULT_CANARIES",
     "DEFAULT_DELTA",
     "bound_over_grid",
+    "ceiling",
     "correct_guesses",
     "epsilon_lower_bound",
     "guess_grid",
@@ -39,6 +43,9 @@ __all__ = [
 
 DEFAULT_BETA = 0.05
 DEFAULT_DELTA = 1e-5
+DEFAULT_CANARIES = 6000
+"""m with the highest ceiling at beta 0.05 and delta 1e-5 (6.43; 5.27 at m = 1,000, falling again
+beyond m ~ 6,000 through the 2 m delta term); its cost per step: benchmarks/README.md."""
 GRID_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 MAX_EPSILON = 50.0
 
@@ -51,7 +58,7 @@ def p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
 
     q = 1.0 / (1.0 + math.exp(-eps))
     tail = binom.sf(np.arange(v, -1, -1) - 1, r, q)  # tail[i] = P[Bin >= v - i], i = 0..v
-    excess = max(((tail[i] - tail[0]) / i for i in range(1, v + 1)), default=0.0)
+    excess = float(np.max((tail[1:] - tail[0]) / np.arange(1, v + 1))) if v else 0.0
     return float(tail[0] + 2 * m * delta * excess)
 
 
@@ -85,6 +92,12 @@ def bound_over_grid(m: int, results: Sequence[tuple[int, int]], beta: float, del
     """The lower bound at confidence 1 - beta from (r, v) pairs of a grid fixed in advance."""
     share = beta / len(results)
     return max(epsilon_lower_bound(m, r, v, share, delta) for r, v in results)
+
+
+def ceiling(m: int, beta: float, delta: float) -> float:
+    """The largest lower bound an audit of m canaries can reach: every guess right at the grid's
+    best count. A claimed epsilon at or above it cannot be shown violated."""
+    return bound_over_grid(m, [(r, r) for r in guess_grid(m)], beta, delta)
 
 
 def log_likelihood_ratio(y: np.ndarray, sample_rate: float, noise_multiplier: float) -> np.ndarray:

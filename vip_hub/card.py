@@ -217,7 +217,11 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
             f"{1 - a.beta:.0%} confidence (its best guess count: {best.correct} of {best.guesses} correct); the "
             f"accounted ε at the same δ = {a.delta:g} is {accounted}. The audit is a lower bound and the "
             "accountants an upper bound: a lower bound above the accounted ε would mean the training leaks "
-            "more than it claims, and such a repo does not verify.")
+            "more than it claims, and such a repo does not verify. With every guess right this audit could "
+            f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at this δ); "
+            + (f"it could detect a violation of the accounted ε = {a.accounted:.2f}." if a.can_fail else
+               f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit could not detect a "
+               "violation of the claimed ε; it catches only gross bugs**."))
     return out
 
 

@@ -151,6 +151,8 @@ class Audit(_Model):
     beta: float = Field(gt=0, lt=1, description="1 - confidence, split evenly over the grid")
     delta: float = Field(gt=0, lt=1)
     epsilon_lower_bound: float = Field(ge=0)
+    ceiling: float = Field(ge=0, description="the largest lower bound this audit could reach: every guess right "
+                                             "at the grid's best count, given the canaries, beta and delta")
     accountant_epsilon: dict[Accountant, float] = Field(description="each accountant's epsilon at this delta")
 
     @model_validator(mode="after")
@@ -159,7 +161,19 @@ class Audit(_Model):
             raise ValueError(f"more guesses than the {self.canaries} canaries")
         if set(self.accountant_epsilon) != set(Accountant):
             raise ValueError("accountant_epsilon must give every accountant's epsilon")
+        if self.epsilon_lower_bound > self.ceiling:
+            raise ValueError(f"lower bound {self.epsilon_lower_bound} above the audit's ceiling {self.ceiling}")
         return self
+
+    @property
+    def accounted(self) -> float:
+        """The tightest accountant's epsilon at the audit's delta: the claim the audit tests."""
+        return min(self.accountant_epsilon.values())
+
+    @property
+    def can_fail(self) -> bool:
+        """Whether a violation of the accounted epsilon could show: the ceiling lies above it."""
+        return self.ceiling > self.accounted
 
 
 class DPStage(_Stage):

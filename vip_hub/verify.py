@@ -12,8 +12,9 @@ A repo verifies when
 - no DP stage claims less epsilon than its accountant gives for its parameters, its two
   reference figures are what the other accountants give, and no guarantee claims less than
   the composition of its stages (all within ``RELATIVE_TOLERANCE``);
-- every audit's lower bound is what its recorded counts give, and does not exceed the
-  accountants' epsilon at the audit's delta (a lower bound above an upper bound is a bug).
+- every audit's lower bound is what its recorded counts give, its ceiling what its canaries,
+  beta and delta give, and the bound does not exceed the accountants' epsilon at the audit's
+  delta (a lower bound above an upper bound is a bug).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from .accounting import Accountant, composed_epsilon
 from .artifacts import digest_file, read_safetensors_header
-from .audit import bound_over_grid
+from .audit import bound_over_grid, ceiling
 from .card import card_ledger
 from .content import refused_content, weight_sources
 from .errors import (
@@ -330,20 +331,24 @@ def _check_audits(ledger: PrivacyLedger, report: VerificationReport) -> None:
         where = f"stage {stage.name!r} audit"
         bound = bound_over_grid(audit.canaries, [(r.guesses, r.correct) for r in audit.results],
                                 audit.beta, audit.delta)
+        top = ceiling(audit.canaries, audit.beta, audit.delta)
         report.recomputed[f"{stage.name}/audit"] = bound
+        report.recomputed[f"{stage.name}/audit-ceiling"] = top
         if not _close(audit.epsilon_lower_bound, bound, RELATIVE_TOLERANCE):
             report.fail(where, f"records eps_lb {audit.epsilon_lower_bound:.6g} but its counts give {bound:.6g}",
                         AuditError)
+        if not _close(audit.ceiling, top, RELATIVE_TOLERANCE):
+            report.fail(where, f"records a ceiling of {audit.ceiling:.6g} but {audit.canaries} canaries at beta "
+                               f"{audit.beta:g}, delta {audit.delta:g} give {top:.6g}", AuditError)
         for accountant, claimed in audit.accountant_epsilon.items():
             actual = _recompute(report, where, [stage.mechanism_tuple], audit.delta, accountant)
             if actual is not None and not _close(claimed, actual, RELATIVE_TOLERANCE):
                 report.fail(where, f"records {accountant.value} epsilon {claimed:.6g} at delta {audit.delta:g} "
                                    f"but that accountant gives {actual:.6g}", AuditError)
-        upper = min(audit.accountant_epsilon.values())
-        if audit.epsilon_lower_bound > upper * (1 + RELATIVE_TOLERANCE) + _ROUNDING:
+        if audit.epsilon_lower_bound > audit.accounted * (1 + RELATIVE_TOLERANCE) + _ROUNDING:
             report.fail(where, f"the empirical lower bound eps >= {audit.epsilon_lower_bound:.4g} exceeds the "
-                               f"accounted epsilon {upper:.4g} at delta {audit.delta:g}: the training does not "
-                               "give the privacy it claims", AuditError)
+                               f"accounted epsilon {audit.accounted:.4g} at delta {audit.delta:g}: the training "
+                               "does not give the privacy it claims", AuditError)
     report.checks.append("audits recomputed")
 
 
