@@ -42,13 +42,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def repos(server, tmp_path_factory) -> dict[str, Path]:
-    """alice/secret (private), alice/public and team/private, published by alice."""
+    """alice/secret (private), alice/public and team/private, published by alice; carol/mine by carol."""
     base = tmp_path_factory.mktemp("access-repos")
     folders = {"alice/secret": tiny_repo_with_head(base / "secret", seed=3),
                "alice/public": tiny_repo_with_head(base / "public", seed=4),
                "team/private": tiny_repo_with_head(base / "team", seed=5)}
     for repo_id, folder in folders.items():
         push_repo(folder, repo_id, endpoint=server.url, token=ALICE, private=repo_id != "alice/public")
+    push_repo(folders["alice/public"], "carol/mine", endpoint=server.url, token=CAROL)  # her own namespace
     return folders
 
 
@@ -83,9 +84,7 @@ def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
         with pytest.raises(RepositoryNotFoundError):
             hf_hub_download("alice/secret", "config.json", endpoint=server.url, token=who, cache_dir=tmp_path / "c")
         assert "alice/secret" not in {m.id for m in _api(server, who).list_models()}
-    # carol's own namespace
-    carol.create_repo("carol/mine")
-    push_repo(repos["alice/public"], "carol/mine", endpoint=server.url, token=CAROL)
+    assert carol.model_info("carol/mine").sha  # her own namespace (the fixture pushed it)
     # organisations: alice (write) and dave (read) are members of team; bob is not
     assert _api(server, DAVE).model_info("team/private").private
     assert "team/private" in {m.id for m in _api(server, DAVE).list_models()}

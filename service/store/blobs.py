@@ -180,6 +180,10 @@ class BlobStore:
         make_private_dir(marker.parent)
         open_private(marker).close()
 
+    def forget_upload(self, repo_id: str, sha256: str) -> None:
+        """Drop the record of ``note_upload`` (the object is in the repo's history now)."""
+        self._marker(repo_id, sha256).unlink(missing_ok=True)
+
     def was_uploaded_for(self, repo_id: str, sha256: str) -> bool:
         """Whether object ``sha256`` was received for ``repo_id`` within the upload time-to-live."""
         return self._marker(repo_id, sha256).is_file()

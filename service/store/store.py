@@ -501,6 +501,9 @@ class HubStore:
                                    "AND commit_sha = ?", (sha, repo_row["id"], branch, head))
             if moved != 1:  # rolls the whole transaction back
                 raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
+        for op in operations:  # the repo's history holds these objects now
+            if isinstance(op, AddObject):
+                self.blobs.forget_upload(repo_id, op.sha256)
         return self.commit_record(repo_id, sha)
 
     def _signer(self, files: dict[str, Path]) -> PublicKey | None:
