@@ -18,6 +18,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import training.dpcap
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from conftest import TINY, kill_mid_run, published_hashes_of, synthetic_stage, tiny_encoder
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
@@ -26,6 +28,7 @@ from training.dpcap import (DIGIT_NAMES, DIGIT_TEMPLATES, PUBLIC_CAPTIONS, DPCap
 from training.mae import load_mae
 from training.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
+from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig, load_captioner
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import PrivacyLedger
@@ -131,7 +134,7 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(trained: Path, syn_re
     syn, dp = ledger.stages
     assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == ledger_of(syn_repo).stages[0]
     assert (dp.type, dp.mechanism, dp.sampling, dp.clipping_norm, dp.steps) == ("dp", "DP-AdamW", "poisson", 1.0, 6)
-    assert dp.audit is not None and dp.audit.canaries == 1000
+    assert dp.audit is not None and dp.audit.canaries == DEFAULT_CANARIES
     assert dp.dataset.size == 24 and dp.dataset.name == "test/digit-captions"
     assert not published_hashes_of(digits, trained)  # no plain hash of the private pairs
     assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
@@ -309,3 +312,13 @@ def test_two_processes_give_the_same_ledger(syn_repo: Path, digits: Path, vocab:
     assert verify_repo(out).ok
     assert ledger_of(out).stages == ledger_of(trained).stages
     assert load_captioner(out).caption([Image.new("RGB", (IMG, IMG))], max_tokens=4)
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_the_audit_catches_a_broken_engine(broken: str, syn_repo: Path, digits: Path, vocab: Path, hub,  # type: ignore[no-untyped-def]
+                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    break_engine(monkeypatch, broken, training.dpcap, "PerExampleClipper")
+    settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
+    out = train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(tmp_path / "broken"),
+                                  **settings))
+    assert_refused(out, hub, "dpcap-" + broken.replace(" ", "-"))

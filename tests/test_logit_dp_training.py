@@ -18,6 +18,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import training.logit_dp
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from conftest import TINY, kill_mid_run, tiny_encoder
 from training.data import Augmented, ImageFolder, mae_transform
 from training.distributed import Dist
@@ -27,6 +29,7 @@ from training.pair_clipping import BatchClipper, PairClipper
 from training.syn import SynConfig, train_syn
 from vip_hub import verify_repo
 from vip_hub.accounting import epsilon
+from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
@@ -82,7 +85,7 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(train
     assert dp.clipping_norm == 1e-3
     assert dp.sensitivity == pytest.approx(2e-3 * (1 + math.exp(2)))  # with the 1/tau factor (tau = 1 here)
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
-    assert dp.audit is not None and dp.audit.canaries == 1000 and dp.audit.epsilon_lower_bound < dp.epsilon
+    assert dp.audit is not None and dp.audit.canaries == DEFAULT_CANARIES and dp.audit.epsilon_lower_bound < dp.epsilon
     assert dp.dataset.size == 24 and dp.hyperparameters["trainable_blocks"] == 2
 
     before, after = load_file(syn_repo / "model.safetensors"), load_file(trained / "model.safetensors")
@@ -214,3 +217,15 @@ def test_two_processes_give_the_same_ledger_stage(syn_repo: Path, images: Path, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_repo(out).ok
     assert ledger_of(out).stages == ledger_of(trained).stages
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+@pytest.mark.parametrize("mechanism", list(Mechanism))
+def test_the_audit_catches_a_broken_engine(mechanism: Mechanism, broken: str, syn_repo: Path, images: Path, hub,  # type: ignore[no-untyped-def]
+                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clipper = "PairClipper" if mechanism is Mechanism.LOGIT_DP else "BatchClipper"
+    break_engine(monkeypatch, broken, training.logit_dp, clipper)
+    settings = {**DP_ARGS, **SETTINGS, "batch_size": 12, "mechanism": mechanism.value}  # q = 1/2 of 24 images
+    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "broken"), **settings))
+    dp = assert_refused(out, hub, f"{mechanism.value}-{broken.replace(' ', '-')}")
+    assert dp.mechanism == mechanism.ledger_name

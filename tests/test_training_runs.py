@@ -17,11 +17,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import training.vip
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from conftest import kill_mid_run, published_hashes_of
 from training.data import TarShards, open_images
 from training.vip import VipConfig, train_vip
 from training.syn import SynConfig, train_syn
 from vip_hub.accounting import Accountant, max_steps_within
+from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.verify import verify_repo
@@ -91,7 +94,7 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, i
     assert dp.epsilon <= 8.0 and set(dp.reference_epsilon) == {Accountant.PRV, Accountant.PLD}
     assert dp.sensitivity == 0.1 and dp.noise_std == pytest.approx(dp.noise_multiplier * 0.1)
     audit = dp.audit  # on by default: 1000 canaries, bound below the accounted epsilon at its delta
-    assert audit is not None and audit.canaries == 1000 and audit.delta == 1e-5
+    assert audit is not None and audit.canaries == DEFAULT_CANARIES and audit.delta == 1e-5
     assert 0 <= audit.epsilon_lower_bound <= min(audit.accountant_epsilon.values())
     assert "Empirical audit of `dp-pretrain`" in (out / "README.md").read_text()
     assert dp.dataset.name == "test/images" and not published_hashes_of(images, out)
@@ -223,3 +226,12 @@ def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Pa
     assert both["ranks_agree"] and both["mean_signal"] == pytest.approx(one["mean_signal"], rel=1e-6)
     assert both["sampled"] == one["sampled"] == 40
     assert both["canary_scores"] == one["canary_scores"]  # the audit does not depend on the ranks
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_the_audit_catches_a_broken_engine(broken: str, syn_repo: Path, images: Path, hub, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    break_engine(monkeypatch, broken, training.vip, "PerExampleClipper")
+    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-broken"), batch_size=20,
+                              micro_batch_size=10, seed=0, workers=0, dataset_name="test/images", **SETTINGS))
+    assert_refused(out, hub, "vip-" + broken.replace(" ", "-"))
