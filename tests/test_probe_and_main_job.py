@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from live import WRITE_TOKEN, free_port
+
 from training.main_job import PUBLISHED, MainJobConfig, run_main_job, write_digits
 from training.probe import ProbeConfig, run_probe
 from vip_hub.heads import list_heads, load_head
@@ -56,7 +56,7 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     card = (tiny_repo / "README.md").read_text()
     assert "No guarantee covers" in card and "linear-probe:digits" in card
     assert "top-1, linear probe 'digits' (vip features, no DP)" in card  # model-index entry
-    head, info = load_head(tiny_repo, "digits")
+    _head, info = load_head(tiny_repo, "digits")
     assert info.labels == [str(d) for d in range(10)] and info.metrics["top1"] == pytest.approx(r.top1)
 
 
@@ -77,9 +77,46 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
     assert guarantee.epsilon == pytest.approx(stage.epsilon)  # the labelled data is covered by the head's DP
 
 
+def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-example gradients Opacus clips are each example's own, as a lone example's
+    backward gives them (a summed loss with Opacus told "mean" scaled them by the batch size)."""
+    import torch
+    from opacus.optimizers.optimizer import DPOptimizer
+
+    from training.probe import fit_probe
+    from vip_hub.heads import LinearProbe
+
+    g = torch.Generator().manual_seed(0)
+    x, public = torch.randn(12, 5, generator=g) * 0.3, torch.randn(64, 5, generator=g)
+    y = torch.randint(0, 3, (12,), generator=g)
+    seen: list[torch.Tensor] = []
+    clip = DPOptimizer.clip_and_accumulate
+
+    def recording(self: DPOptimizer) -> None:
+        seen.append(torch.cat([p.grad_sample.flatten(1) for p in self.params], 1).norm(dim=1))
+        clip(self)
+
+    monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", recording)
+    cfg = ProbeConfig(encoder="", data="", dataset_name="test/points", epsilon=2.0, epochs=1, warmup_epochs=0,
+                      optimizer="sgd", batch_size=12, seed=3)
+    fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, the one step takes every example
+    torch.manual_seed(cfg.seed)
+    head = LinearProbe(5, 3)  # the initialisation fit_probe starts from
+    head.norm.running_mean.copy_(public.mean(0))
+    head.norm.running_var.copy_(public.var(0, unbiased=False))
+    head.eval()
+    lone = []
+    for i in range(len(x)):
+        head.zero_grad()
+        torch.nn.functional.cross_entropy(head(x[i:i + 1]), y[i:i + 1]).backward()
+        lone.append(torch.cat([p.grad.flatten() for p in head.linear.parameters()]).norm())
+    assert len(seen) == 1 and len(seen[0]) == len(x)
+    assert torch.allclose(seen[0].sort().values, torch.stack(lone).sort().values, rtol=1e-4)
+
+
 def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(tiny_repo: Path, digits, tmp_path: Path) -> None:
     train, _ = digits
-    named = dict(encoder=str(tiny_repo), dataset_name="test/digits-train")
+    named = {"encoder": str(tiny_repo), "dataset_name": "test/digits-train"}
     r = run_probe(ProbeConfig(data=str(train), few_shot_rate=50 / 1437, epochs=5, export=False, **named))
     assert 15 <= r.train_size <= 90 and r.repo is None and 200 <= r.test_size <= 380  # keyed Bernoulli choices
     with pytest.raises(ValueError, match="head name"):
@@ -131,7 +168,7 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
     the card's headline) is at least the composition of its DP stages."""
     from live import ThreadedServer, settings_for
 
-    image = base64.b64encode(sorted(images.glob("*.png"))[0].read_bytes()).decode()
+    image = base64.b64encode(min(images.glob("*.png")).read_bytes()).decode()
     with ThreadedServer(settings_for(store)) as server:
         for name, repo in repos.items():
             ledger = ledger_of(repo)

@@ -22,8 +22,6 @@ printed, never written into the repo: only a public test set's figure is publish
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
 import os
 import secrets
@@ -43,15 +41,21 @@ from tqdm.auto import tqdm
 from vip_hub.accounting import Accountant, calibrate, default_delta
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import head_component
 from vip_hub.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
 from vip_hub.loading import load_encoder
+from vip_hub.repo_format import head_component
 
 from .data import ImageFolder
-from .synthetic import SyntheticImages
+from .datasets import keyed_uniforms
 from .optim import lr_factor
+from .synthetic import SyntheticImages
 
-__all__ = ["LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "load_labelled", "run_probe"]
+__all__ = ["LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "keyed_uniforms", "load_labelled", "run_probe"]
+
+DP_LOSS_REDUCTION: Literal["mean", "sum"] = "mean"
+"""A DP head's loss reduction, told to Opacus too: it undoes the mean before clipping (so each
+per-example gradient is that example's own), and the optimiser divides the noisy clipped sum
+by the expected batch."""
 
 
 @dataclass
@@ -78,18 +82,6 @@ def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
     labels = np.array([index[c] for _, c in members])
     dataset = Dataset(name=name, size=len(members), description=f"{len(members)} labelled images, {len(classes)} classes")
     return LabelledImages(images, labels, classes, dataset, [folder.files[i] for i, _ in members])
-
-
-def keyed_uniforms(key: bytes, purpose: str, files: list[Path], labels: np.ndarray) -> np.ndarray:
-    """One number in [0, 1) per record: HMAC-SHA256 under ``key`` of the record's bytes and label.
-    A record's number depends on that record alone, so subsets chosen by threshold are stable
-    when any other record is added or removed; without the key the numbers are unpredictable."""
-    out = np.empty(len(files))
-    for i, (f, y) in enumerate(zip(files, labels, strict=True)):
-        digest = hmac.new(key, purpose.encode() + b"\0" + str(int(y)).encode() + b"\0" + f.read_bytes(),
-                          hashlib.sha256).digest()
-        out[i] = int.from_bytes(digest[:8], "big") / 2.0**64
-    return out
 
 
 class ProbeConfig(BaseModel):
@@ -184,10 +176,23 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cf
     return head.eval(), dp
 
 
-def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfig, public_x: torch.Tensor | None,
-            batch: int, steps_per_epoch: int, bar: tqdm) -> dict[str, Any]:
+def _make_private(engine: Any, linear: nn.Linear, loader: torch.utils.data.DataLoader, sigma: float,
+                  cfg: ProbeConfig) -> tuple[Any, Any, Any]:
+    """Opacus' (module, DP-SGD optimiser, Poisson loader) for the head's linear layer: its
+    per-example gradients are those of ``DP_LOSS_REDUCTION`` loss, noise from a fresh secret."""
     import warnings
 
+    warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    return engine.make_private(
+        module=linear, optimizer=torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
+        data_loader=loader, noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, poisson_sampling=True,
+        loss_reduction=DP_LOSS_REDUCTION, noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
+    )
+
+
+def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfig, public_x: torch.Tensor | None,
+            batch: int, steps_per_epoch: int, bar: tqdm) -> dict[str, Any]:
     from opacus import PrivacyEngine
 
     if public_x is None:
@@ -208,14 +213,8 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(normed, y), batch_size=batch,
                                          generator=torch.Generator().manual_seed(secrets.randbits(63)))
     engine = PrivacyEngine(accountant="rdp")  # keeps the step history; the claim is ours (any accountant)
-    warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    linear, opt, loader = engine.make_private(
-        module=head.linear, optimizer=torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9),
-        data_loader=loader, noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, poisson_sampling=True,
-        noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
-    )
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    linear, opt, loader = _make_private(engine, head.linear, loader, sigma, cfg)
+    loss_fn = nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION)
     step, warmup = 0, cfg.warmup_epochs * steps_per_epoch
     for _ in range(cfg.epochs):
         for xb, yb in loader:
