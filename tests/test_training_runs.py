@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,12 +21,14 @@ from safetensors.torch import load_file
 import training.vip
 from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from conftest import kill_mid_run, published_hashes_of
+from training.clipping import UnsupportedLayerError
 from training.data import TarShards, open_images
+from training.main_job import StepFailed
 from training.vip import VipConfig, train_vip
 from training.syn import SynConfig, train_syn
 from vip_hub.accounting import Accountant, max_steps_within
 from vip_hub.audit import DEFAULT_CANARIES
-from vip_hub.errors import ConfigError, DataError, MissingInputError
+from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.verify import verify_repo
 
@@ -141,6 +144,22 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
     with pytest.raises(DataError, match="no images"):
         (tmp_path / "empty").mkdir()
         train_vip(VipConfig(**{**base, "data": str(tmp_path / "empty")}))
+
+
+def test_resume_with_other_settings_is_one_line_naming_restart(syn_repo: Path, tmp_path: Path) -> None:
+    run_dir = syn_repo.with_name(syn_repo.name + ".run")
+    shutil.copytree(run_dir, tmp_path / run_dir.name)  # its checkpoint, written with --steps 4
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in {**SYN_ARGS, "steps": 5}.items()]
+    r = subprocess.run([str(BIN / "vip-hub"), "train-syn", "--out", str(tmp_path / syn_repo.name), *args],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "other settings (steps)" in r.stderr and "pass --restart" in r.stderr
+
+
+def test_training_errors_join_the_library_tree() -> None:
+    """The CLI prints a VipHubError as one line: a model the clipper cannot train, a failed main-job step."""
+    assert issubclass(UnsupportedLayerError, ConfigError) and issubclass(StepFailed, VipHubError)
 
 
 def test_tar_shards_read_like_an_image_folder(images: Path, tmp_path: Path) -> None:

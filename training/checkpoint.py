@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+from vip_hub.errors import CheckpointError
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used to resume this run."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -38,7 +36,7 @@ def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dic
     """Load a checkpoint (tensors and plain data only) and check it belongs to ``config``."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
+    except Exception as e:  # torch raises many types for a damaged file
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")

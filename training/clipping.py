@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vip_hub.errors import ConfigError
+
 __all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "add_to_grad", "clip_factors",
            "factor_norms", "grad_roundoff", "rounding_bound"]
 
@@ -55,8 +57,8 @@ _PRODUCT_ELEMENT_COST = 100
 _FP32_ALLOWANCE = 2.0**-12
 
 
-class UnsupportedLayerError(TypeError):
-    """A trainable parameter has no per-example gradient rule."""
+class UnsupportedLayerError(ConfigError, TypeError):
+    """A trainable parameter has no per-example gradient rule (a model the clipper cannot train)."""
 
 
 @dataclass

@@ -91,10 +91,7 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .main_job import MainJobConfig, StepFailed, run_main_job, sigterm_as_interrupt
+    from .main_job import MainJobConfig, run_main_job, sigterm_as_interrupt
 
-    try:
-        with sigterm_as_interrupt():
-            return run_main_job(config_from_args(MainJobConfig, args))
-    except StepFailed as e:
-        raise CommandError(str(e)) from None
+    with sigterm_as_interrupt():
+        return run_main_job(config_from_args(MainJobConfig, args))

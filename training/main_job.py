@@ -45,7 +45,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.audit import DEFAULT_CANARIES
-from vip_hub.errors import SignatureError
+from vip_hub.errors import SignatureError, VipHubError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.push import is_published, push_repo
 from vip_hub.repo import update_repo
@@ -110,7 +110,7 @@ class MainJobConfig(BaseModel):
     restart: bool = Field(False, description="delete the work folder first (the hub store is kept)")
 
 
-class StepFailed(RuntimeError):
+class StepFailed(VipHubError, RuntimeError):
     """A step of the main job failed; the message says which and how to resume."""
 
 
