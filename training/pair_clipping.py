@@ -230,9 +230,9 @@ class PairClipper:
             return self._without(bad, views1, views2)
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
             phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
-            used = [(r, jac.to(self.norm_dtype)) for r, jac in zip(records, jacobians) if jac is not None]
+            used = [(r, jac) for r, jac in zip(records, jacobians) if jac is not None]
             del records, jacobians
-            shares = [self._pair_share(record, jac, phi, psi) for record, jac in used]
+            shares = [self._pair_share(record, jac.to(self.norm_dtype), phi, psi) for record, jac in used]
             norms = sum((sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)).sqrt()
             factors = clip_factors(factor_norms(norms, shares, self.grad_roundoff), self.max_norm)
             del shares
@@ -241,7 +241,7 @@ class PairClipper:
             k = torch.cat([w @ psi, w.T @ phi])  # each view's weight on its embedding: sum_ij w_ij Z_ij
             while used:  # each record's Jacobian goes as soon as its sum is added
                 record, jac = used.pop()
-                self._add_clipped(record, torch.einsum("av...,va->v...", jac, k))
+                self._add_clipped(record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k))
         return ClipResult(losses, norms, factors)
 
     def _forward(self, views1: torch.Tensor, views2: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
