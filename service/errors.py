@@ -1,7 +1,7 @@
 """Errors as HTTP responses, in one place.
 
 Three families reach the app: :class:`ServiceError` (HTTP-level: auth, request limits,
-inference), the store's :class:`service.store.errors.StoreError` and the library's
+inference; each subclass here states its status, and no other module declares one), the store's :class:`service.store.errors.StoreError` and the library's
 :class:`vip_hub.errors.VipHubError`. :func:`error_response` maps each onto a status and, for
 the hub's lookups, the ``X-Error-Code`` that huggingface_hub clients turn into their own
 exceptions (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``). The body is JSON
@@ -21,14 +21,17 @@ from .store import errors as store
 
 __all__ = [
     "BadRequest",
-    "Conflict",
+    "ClientGone",
+    "DeadlineExceeded",
     "EntryNotFound",
     "Forbidden",
     "NotFound",
     "PayloadTooLarge",
+    "QueueFull",
     "RepoNotFound",
     "RevisionNotFound",
     "ServiceError",
+    "ShuttingDown",
     "Unauthorized",
     "error_response",
     "install",
@@ -80,12 +83,32 @@ class EntryNotFound(ServiceError):
     code = "EntryNotFound"
 
 
-class Conflict(ServiceError):
-    status = 409
-
-
 class PayloadTooLarge(ServiceError):
     status = 413
+
+
+class QueueFull(ServiceError):
+    """A model's inference queue holds as many images as it may (retry after ``Retry-After``)."""
+
+    status = 429
+
+
+class ClientGone(ServiceError):
+    """The client disconnected before its inference finished (nginx's 499: nobody reads it)."""
+
+    status = 499
+
+
+class ShuttingDown(ServiceError):
+    """The inference engine is stopping or not started."""
+
+    status = 503
+
+
+class DeadlineExceeded(ServiceError):
+    """An inference request waited past its deadline."""
+
+    status = 503
 
 
 # store error -> (status, hub error code); the first class that matches wins (subclasses first)

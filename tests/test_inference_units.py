@@ -10,10 +10,20 @@ import pytest
 import torch
 from PIL import Image
 
-from service.errors import BadRequest, PayloadTooLarge
-from service.inference.batcher import Batcher, DeadlineExceeded, QueueFull, ShuttingDown, WorkItem
-from service.inference.engine import ClientGone, _wait_or_disconnect
+from service.errors import (
+    BadRequest,
+    ClientGone,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    QueueFull,
+    ServiceError,
+    ShuttingDown,
+    error_response,
+)
+from service.inference.batcher import Batcher, WorkItem
+from service.inference.engine import _wait_or_disconnect
 from service.inference.images import ImageLimits, decode_image, image_bytes_from_text
+from service.store import errors as store_errors
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096)
 
@@ -219,3 +229,16 @@ def test_waiting_ends_with_the_results_the_client_leaving_or_the_timeout():
     assert asyncio.run(scenario(finish=True, leave=False, timeout=5)) == ("done", False)
     assert asyncio.run(scenario(finish=False, leave=True, timeout=5)) == ("ClientGone", True)
     assert asyncio.run(scenario(finish=False, leave=False, timeout=0.05)) == ("DeadlineExceeded", True)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_http_statuses_live_in_service_errors_and_each_error_name_is_one_class():
+    http = _subclasses(ServiceError)  # batcher and engine are imported: their errors would show here
+    assert {c.__module__ for c in http} == {"service.errors"}
+    store = [store_errors.StoreError, *_subclasses(store_errors.StoreError)]
+    assert not {c.__name__ for c in http} & {c.__name__ for c in store}
+    inference = (QueueFull, ClientGone, ShuttingDown, DeadlineExceeded)
+    assert [error_response(e("x")).status_code for e in inference] == [429, 499, 503, 503]

@@ -20,21 +20,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ServiceError
+from ..errors import DeadlineExceeded, QueueFull, ShuttingDown
 
-__all__ = ["Batcher", "QueueFull", "ShuttingDown", "WorkItem"]
-
-
-class QueueFull(ServiceError):
-    status = 429
-
-
-class ShuttingDown(ServiceError):
-    status = 503
-
-
-class DeadlineExceeded(ServiceError):
-    status = 503
+__all__ = ["Batcher", "WorkItem"]
 
 
 @dataclass

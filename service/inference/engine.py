@@ -21,12 +21,18 @@ import torch
 
 from vip_hub.repo_format import DEFAULT_BRANCH
 
-from ..errors import BadRequest, PayloadTooLarge, ServiceError
-from ..store import NoSuchRepo, NoSuchRevision, StoreError
+from ..errors import (
+    BadRequest,
+    ClientGone,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    ServiceError,
+    ShuttingDown,
+)
 from ..metrics import Metrics
 from ..settings import InferenceSettings
-from ..store import HubStore
-from .batcher import DeadlineExceeded, ShuttingDown, WorkItem
+from ..store import HubStore, NoSuchRepo, NoSuchRevision, StoreError
+from .batcher import WorkItem
 from .images import ImageLimits, load_rgb, open_image
 from .models import LoadedModel, Task
 
@@ -254,8 +260,3 @@ async def _wait_or_disconnect(
     if gone.done() and not gone.cancelled():
         raise ClientGone("client disconnected")
     raise DeadlineExceeded("timed out waiting for the model", {"Retry-After": "1"})
-
-
-class ClientGone(ServiceError):
-    status = 499
-
