@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_logit_dp_math import _clipped_sum
+from test_logit_dp_math import BOUND, _adversary, _clipped_sum
 from test_training_units import TokenModel
 from torch import nn
 
@@ -178,6 +178,23 @@ def test_no_pair_contributes_more_than_b_under_bf16(kind: str, monkeypatch: pyte
             shares.append(float(_clipped_sum(clipper, *views).double().norm()) / CLIP)
     print(f"pairs {kind}: {min(shares):.5f} to {max(shares):.5f} of B")
     assert 0.95 < min(shares) and max(shares) <= 1
+
+
+@pytest.mark.parametrize(("tau", "n"), [(0.2, 3), (0.5, 3), (1.0, 4)])
+def test_logit_dp_at_its_bound_stays_within_delta_under_bf16(tau: float, n: int) -> None:
+    """Neighbours chosen by gradient ascent to reach Delta(n) in fp64 (e(x) = Wx / |Wx|) stay
+    within it under bf16 autocast (the pair clipper's bf16 rounding once took them to 1.005)."""
+    model, x1, x2 = _adversary(n, tau, BOUND, remove=True, seed=n, steps=200)
+    delta = logit_dp_sensitivity_at(BOUND, tau, n)
+    ratios = []
+    for precision in PRECISIONS:
+        clipper = PairClipper(model.to(torch.float64 if precision == "fp64" else torch.float32), BOUND, tau)
+        views = [x.to(clipper.params[0].dtype) for x in (x1, x2)]
+        with _autocast(precision):
+            moved = _clipped_sum(clipper, *views).double() - _clipped_sum(clipper, *(x[:-1] for x in views)).double()
+        ratios.append(float(moved.norm()) / delta)
+    print(f"Logit-DP adversary tau {tau} n {n}: fp64 {ratios[0]:.5f}, bf16 {ratios[1]:.5f} of Delta(n)")
+    assert 0.99 < ratios[0] <= 1 and ratios[1] <= 1
 
 
 @pytest.mark.parametrize("clipper", ["per-example", "pair", "batch"])
