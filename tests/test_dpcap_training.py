@@ -143,7 +143,7 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(trained: Path, syn_re
     assert config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
     assert (trained / "vocab.txt").read_bytes() == vocab.read_bytes()
     card = (trained / "README.md").read_text()
-    assert "![training_curves.png](training_curves.png)" in card and "dp-captioning" in card
+    assert "](training_curves.png)" in card and "dp-captioning" in card
 
     before, after = load_file(syn_repo / "model.safetensors"), load_file(trained / "model.safetensors")
     assert torch.equal(before["cls_token"], after["cls_token"]) and torch.equal(before["pos_embed"], after["pos_embed"])

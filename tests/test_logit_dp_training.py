@@ -95,7 +95,7 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(train
     assert any(k.startswith("blocks.10.") for k in changed) and any(k.startswith("blocks.11.") for k in changed)
 
     card = (trained / "README.md").read_text()
-    assert "Logit-DP" in card and "![training_curves.png](training_curves.png)" in card
+    assert "Logit-DP" in card and "](training_curves.png)" in card
     log = [json.loads(line) for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "public_loss" in r] == [0, 3, 6]
     assert all(np.isfinite(r["public_loss"]) and r["epsilon"] <= 8 for r in log if "public_loss" in r)
