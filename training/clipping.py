@@ -53,7 +53,8 @@ __all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "add_to_g
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
 _PRODUCT_ELEMENT_COST = 100
-# Allowance for the fp32 evaluation of norms under reduced precision (their rounding is ~1e-6).
+# Allowance for what is evaluated in fp32 under reduced precision: the norms, and PairClipper's
+# contraction of each view's Jacobian with its pair weights (n + d terms; rounding ~1e-6).
 _FP32_ALLOWANCE = 2.0**-12
 
 
