@@ -53,3 +53,44 @@ def test_a_large_image_is_decoded_at_a_reduced_scale(fmt):
     assert img.getpixel((10, 10))[2] > 200
     assert decode_image(buf.getvalue(), 0, limits).size == (2000, 1500)  # no target: full size
     assert decode_image(buf.getvalue(), 0, limits, min_side=600).size == (2000, 1500)  # needed as is
+
+
+def test_preprocessing_serves_requests_in_turn_not_first_come_first_served():
+    """A one-image request queued behind a many-image request is preprocessed after one of the
+    large request's images, not after all of them (a FIFO pool finished the large one first)."""
+    import threading
+
+    from service.inference.fair_pool import FairPool
+
+    order: list[str] = []
+    small_queued = threading.Event()
+
+    def request(name: str, images: int):
+        for i in range(images):
+            if name == "large" and i == 0:
+                small_queued.wait(10)  # hold the only worker on the large request until the small one is queued
+            order.append(name)
+            yield
+
+    pool = FairPool(1)
+    try:
+        pool.submit(request("large", 8))
+        pool.submit(request("small", 1))
+        small_queued.set()
+    finally:
+        pool.shutdown()
+    assert order.index("small") <= 2 and len(order) == 9, order  # after at most one more large image
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(request("late", 1))
+
+
+def test_concurrent_requests_of_different_sizes_all_complete(hub, published):
+    import concurrent.futures
+
+    big, small = _png(1024, 1024), _png(32, 32)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        calls = [ex.submit(httpx.post, f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": images},
+                           timeout=120) for images in ([big] * 12, [small], [small] * 3, [big])]
+        answers = [c.result() for c in calls]
+    assert [r.status_code for r in answers] == [200] * 4
+    assert [len(r.json()["data"]) for r in answers] == [12, 1, 3, 1]

@@ -2,8 +2,8 @@
 preprocessing in a thread pool, and requests split into work items for each model's batcher.
 
 The event loop never runs torch or PIL: decoding/preprocessing run in ``preprocess_pool``
-(overlapping the forward passes, which run in each model's batcher thread), loading in a
-worker thread.
+(overlapping the forward passes, which run in each model's batcher thread), one image per step
+and round-robin across requests (``FairPool``), loading in a worker thread.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..metrics import Metrics
 from ..settings import InferenceSettings
 from ..store import HubStore, NoSuchRepo, NoSuchRevision, StoreError
 from .batcher import WorkItem
+from .fair_pool import FairPool
 from .images import ImageLimits, load_rgb, open_image
 from .models import LoadedModel, Task
 
@@ -68,8 +69,7 @@ class InferenceEngine:
         self.limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
         # No torch.set_num_threads in these threads: it also sets MKL's process-wide thread count,
         # which would slow the forward pass down.
-        self.preprocess_pool = ThreadPoolExecutor(max_workers=settings.preprocess_threads,
-                                                  thread_name_prefix="preprocess")
+        self.preprocess_pool = FairPool(settings.preprocess_threads)
         self.store: HubStore | None = None
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
@@ -88,7 +88,7 @@ class InferenceEngine:
         """Refuse new work, then drain every batcher (in-flight batches finish)."""
         self._closing = True
         await asyncio.gather(*(asyncio.to_thread(m.close) for m in self._models.values()))
-        self.preprocess_pool.shutdown(wait=True)
+        self.preprocess_pool.shutdown()
 
     def readiness(self, visible: Callable[[str], bool]) -> dict[str, Any]:
         """``ready`` once every preloaded model is loaded and warm; models whose repo id is not
@@ -183,9 +183,9 @@ class InferenceEngine:
         """Decode, preprocess and batch ``images`` for ``task``; results in input order.
         ``disconnected()`` returns when the client goes away (its images are then dropped).
 
-        The event loop hands the request to a preprocessing thread, which hands its work items
-        to the batcher; the loop wakes once, when the batcher has set their futures (or when
-        preprocessing has failed them)."""
+        The event loop hands the request to the preprocessing threads (one image per turn, in
+        turn with other requests), which hand its work items to the batcher; the loop wakes
+        once, when the batcher has set their futures (or when preprocessing has failed them)."""
         if self._closing:
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
         batcher = model.batcher
@@ -194,7 +194,7 @@ class InferenceEngine:
         futures: list[Future] = [Future() for _ in range(0, len(images), self.settings.max_batch_size)]
         batcher.expect(len(images))  # a forming batch waits for these
         try:
-            self.preprocess_pool.submit(self._prepare, model, images, task, futures, start)
+            self.preprocess_pool.submit(self._prepare(model, images, task, futures, start))
         except BaseException:
             batcher.withdraw(len(images))
             raise
@@ -214,22 +214,29 @@ class InferenceEngine:
         return Result(outputs, queue_s, preprocess_s, forward_s)
 
     def _prepare(self, model: LoadedModel, images: Sequence[bytes], task: Task, futures: list[Future],
-                 start: float) -> None:
-        """In a preprocessing thread: decode and preprocess, then hand the work items (one per
-        future) straight to the batcher; a failure goes to the futures instead."""
+                 start: float) -> Generator[None, None, None]:
+        """In the preprocessing threads, one image per step: check the headers against the
+        budget, decode and preprocess, then hand the work items (one per future) straight to the
+        batcher; a failure, or a client gone away, goes to the futures instead."""
         batcher = model.batcher
         assert batcher is not None
         try:
-            if not all(f.cancelled() for f in futures):  # else the client went away while this waited
-                opened = [open_image(data, i, self.limits) for i, data in enumerate(images)]
-                pixels = sum(img.width * img.height for img in opened)
-                if pixels > self.settings.max_request_pixels:
-                    raise PayloadTooLarge(f"{len(images)} images of {pixels} pixels in all exceed the per-request "
-                                          f"budget of {self.settings.max_request_pixels}; send fewer or smaller images")
-                spec = model.encoder.spec
-                min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
-                transform = model.encoder.transform
-                batch = torch.stack([transform(load_rgb(img, i, min_side)) for i, img in enumerate(opened)])
+            opened = [open_image(data, i, self.limits) for i, data in enumerate(images)]  # headers only
+            pixels = sum(img.width * img.height for img in opened)
+            if pixels > self.settings.max_request_pixels:
+                raise PayloadTooLarge(f"{len(images)} images of {pixels} pixels in all exceed the per-request "
+                                      f"budget of {self.settings.max_request_pixels}; send fewer or smaller images")
+            spec = model.encoder.spec
+            min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
+            transform = model.encoder.transform
+            tensors = []
+            for i, img in enumerate(opened):
+                yield  # the next image waits its turn behind the other requests' next images
+                if all(f.cancelled() for f in futures):  # the client went away
+                    break
+                tensors.append(transform(load_rgb(img, i, min_side)))
+            else:
+                batch = torch.stack(tensors)
                 self.metrics.preprocess_seconds.labels(model.metrics_label).observe(time.perf_counter() - start)
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size
