@@ -7,7 +7,7 @@ sum as computed exceeds its clip. A broken clip, and Logit-DP's Delta without 1/
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import pytest
@@ -32,6 +32,15 @@ repeated inputs (the last example a copy of the first; token ids repeated within
 PRECISIONS = ["fp64", "bf16"]
 N, TOKENS, VOCAB, TEXT = 4, 100, 50, 8  # examples per batch, token model length, vocabulary, caption
 CLIP, TAU = 1e-3, 0.1  # below every example's and pair's norm: each one is clipped
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: a second intra-op thread only spins (on a loaded 2-core machine, 20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _vip() -> MAE:
