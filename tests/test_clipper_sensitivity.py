@@ -79,6 +79,7 @@ def _model(build: Callable[[], nn.Module], precision: str) -> nn.Module:
 
 
 def _autocast(precision: str) -> torch.autocast | nullcontext[None]:
+    """bf16 autocast on the CPU, or nothing for fp64."""
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
 
