@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from vip_hub.repo_format import is_weights_file
 
-from ..auth import Identity, check_read, check_write, require_scope
+from ..auth import Identity, check_read, check_write, identity, require_scope
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
 from ..store.naming import decode_segment, validate_repo_id
 
-__all__ = ["LFS_THRESHOLD", "base_url", "etag", "is_lfs", "model_json", "raw_segments", "readable_repo", "store_of",
-           "writable_repo"]
+__all__ = ["LFS_THRESHOLD", "Writable", "base_url", "etag", "is_lfs", "model_json", "raw_segments",
+           "readable_repo", "store_of", "writable"]
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 """Files above this size (and every weights file) travel and are served as LFS objects."""
@@ -58,13 +59,34 @@ def readable_repo(store: HubStore, org: str, name: str, who: Identity | None) ->
     return repo
 
 
-def writable_repo(store: HubStore, org: str, name: str, who: Identity | None, what: str) -> RepoRecord:
-    """The repo if the caller may write to it: 401 without a write token, RepoNotFound for a
-    private repo it cannot read, 403 outside its namespaces (as the HF hub answers)."""
-    who = require_scope(who, "write", what)
-    repo = readable_repo(store, org, name, who)
-    check_write(who, repo.org, what)
-    return repo
+@dataclass(frozen=True)
+class Writable:
+    """A repo a route opened for writing: the store, the repo, the caller who may write it."""
+
+    store: HubStore
+    repo: RepoRecord
+    who: Identity
+
+    @property
+    def repo_id(self) -> str:
+        return self.repo.repo_id
+
+
+def writable(what: str) -> Any:
+    """A route dependency, ``Annotated[Writable, writable(what)]``: the path's ``{org}/{name}``
+    repo if the caller may write to it: 401 without a write token, RepoNotFound for a private
+    repo it cannot read, 403 outside its namespaces (as the HF hub answers); ``what`` names the
+    action in these errors."""
+
+    def open_writable(org: str, name: str, request: Request,
+                      who: Annotated[Identity | None, Depends(identity)]) -> Writable:
+        writer = require_scope(who, "write", what)
+        store = store_of(request)
+        repo = readable_repo(store, org, name, writer)
+        check_write(writer, repo.org, what)
+        return Writable(store, repo, writer)
+
+    return Depends(open_writable)
 
 
 def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:

@@ -13,18 +13,18 @@ names the object by SHA-256 (an ``lfsFile`` line). Multipart transfer is the ser
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ..auth import Identity, check_grant, identity, require_scope, sign_grant
+from ..auth import check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store.blobs import check_sha256
 from ..store.naming import validate_repo_id
-from .common import base_url, store_of, writable_repo
-from .uploads import receive_body
+from .common import Writable, base_url, store_of, writable
+from .uploads import receive_blob
 
 router = APIRouter()
 
@@ -45,26 +45,24 @@ class LfsBatch(BaseModel):
 
 
 @router.post("/{org}/{name}.git/info/lfs/objects/batch", summary="Git LFS batch API (uploads)")
-def batch(org: str, name: str, payload: LfsBatch, request: Request,
-          who: Identity | None = Depends(identity)) -> JSONResponse:
-    who = require_scope(who, "write", "uploading")
+def batch(payload: LfsBatch, request: Request,
+          opened: Annotated[Writable, writable("uploading")]) -> JSONResponse:
     if payload.operation != "upload":
         raise BadRequest("this hub's LFS batch API takes uploads; download files from /{org}/{name}/resolve/...")
     if payload.hash_algo != "sha256" or "basic" not in payload.transfers:
         raise BadRequest("the LFS batch API here speaks the basic transfer with sha256 object ids")
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "uploading")
+    store, repo_id, who = opened.store, opened.repo_id, opened.who
     limit = request.app.state.settings.hub.max_upload_bytes
-    base = f"{base_url(request)}/{repo.repo_id}.git/info/lfs"
+    base = f"{base_url(request)}/{repo_id}.git/info/lfs"
     objects: list[dict[str, Any]] = []
     for obj in payload.objects:
         oid = check_sha256(obj.oid)
         entry: dict[str, Any] = {"oid": oid, "size": obj.size, "authenticated": True}
-        held = store.held_for(repo.repo_id, oid)
+        held = store.held_for(repo_id, oid)
         if obj.size > limit:
             entry["error"] = {"code": 413, "message": f"{obj.size} bytes is over the upload limit of {limit}"}
         elif held is None:
-            grant = sign_grant(store.secret(), "lfs-upload", f"{repo.repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who)
+            grant = sign_grant(store.secret(), "lfs-upload", f"{repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who)
             entry["actions"] = {
                 "upload": {"href": f"{base}/objects/{oid}?size={obj.size}&grant={grant}", "expires_in": int(GRANT_TTL_S)},
                 "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
@@ -83,13 +81,7 @@ async def upload(org: str, name: str, oid: str, request: Request, size: int = Qu
     repo_id = validate_repo_id(org, name)
     check_grant(request, store.secret(), "lfs-upload", f"{repo_id}:{check_sha256(oid)}:{size}", grant, org)
     store.get_repo(repo_id)
-    writer = store.blobs.writer()
-    try:
-        await receive_body(request, writer.write, size)
-        got = writer.close()
-    except BaseException:
-        writer.discard()
-        raise
+    writer, got = await receive_blob(request, store.blobs, size)
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
         raise BadRequest(f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of {size} bytes")
@@ -99,11 +91,9 @@ async def upload(org: str, name: str, oid: str, request: Request, size: int = Qu
 
 
 @router.post("/{org}/{name}.git/info/lfs/verify", summary="Git LFS: check that an object arrived")
-def verify(org: str, name: str, request: Request, payload: LfsObject = Body(...),
-           who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "uploading")
-    held = store.held_for(repo.repo_id, check_sha256(payload.oid))
+def verify(payload: Annotated[LfsObject, Body()],
+           opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
+    held = opened.store.held_for(opened.repo_id, check_sha256(payload.oid))
     if held != payload.size:
         raise EntryNotFound(f"object {payload.oid} of {payload.size} bytes was not received")
     return {"oid": payload.oid, "size": held}

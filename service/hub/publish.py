@@ -6,7 +6,7 @@ not verify is refused with a 400 naming the failing check, and nothing is stored
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from fastapi import APIRouter, Body, Depends, Request
@@ -20,7 +20,7 @@ from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest
 from ..store import NoSuchRevision
 from ..store.naming import validate_path, validate_repo_id, validate_revision
-from .common import base_url, is_lfs, store_of, writable_repo
+from .common import Writable, base_url, is_lfs, store_of, writable
 from .uploads import CommitParser, receive_body
 
 router = APIRouter(prefix="/api")
@@ -65,12 +65,11 @@ class Preupload(BaseModel):
 
 
 @router.post("/models/{org}/{name}/preupload/{revision}", summary="Upload modes for files")
-def preupload(org: str, name: str, revision: str, payload: Preupload, request: Request,
-              who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "uploading")
+def preupload(revision: str, payload: Preupload,
+              opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
+    store, repo_id = opened.store, opened.repo_id
     try:
-        tree = store.tree(repo.repo_id, store.resolve(repo.repo_id, validate_revision(revision)))
+        tree = store.tree(repo_id, store.resolve(repo_id, validate_revision(revision)))
     except NoSuchRevision:  # an empty repo or a new branch: nothing to compare against
         tree = {}
     files = []
@@ -84,13 +83,11 @@ def preupload(org: str, name: str, revision: str, payload: Preupload, request: R
 
 
 @router.post("/models/{org}/{name}/commit/{revision}", summary="Commit files (NDJSON body)")
-async def commit(org: str, name: str, revision: str, request: Request,
-                 who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    who = require_scope(who, "write", "committing")
+async def commit(revision: str, request: Request,
+                 opened: Annotated[Writable, writable("committing")]) -> dict[str, Any]:
     if request.query_params.get("create_pr") in ("1", "true"):
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "committing")
+    store, repo_id = opened.store, opened.repo_id
     branch = validate_revision(revision)
     parser = CommitParser(store.blobs, request.app.state.settings.hub.max_upload_bytes)
     try:
@@ -100,12 +97,12 @@ async def commit(org: str, name: str, revision: str, request: Request,
         parser.discard()
         raise
     record = await run_in_threadpool(
-        store.commit, repo.repo_id, parsed.operations, branch=branch,
+        store.commit, repo_id, parsed.operations, branch=branch,
         parent_commit=parsed.parent_commit, title=parsed.summary or "Update",
-        message=parsed.description, author=who.name,
+        message=parsed.description, author=opened.who.name,
     )
     return {
-        "commitUrl": f"{base_url(request)}/{repo.repo_id}/commit/{record.sha}",
+        "commitUrl": f"{base_url(request)}/{repo_id}/commit/{record.sha}",
         "commitOid": record.sha,
         "pullRequestUrl": None,
     }
@@ -117,20 +114,15 @@ class TagRequest(BaseModel):
 
 
 @router.post("/models/{org}/{name}/tag/{revision}", summary="Tag a revision")
-def create_tag(org: str, name: str, revision: str, payload: TagRequest, request: Request,
-               who: Identity | None = Depends(identity)) -> dict[str, Any]:
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "tagging")
-    commit = store.create_tag(repo.repo_id, payload.tag, validate_revision(revision))
+def create_tag(revision: str, payload: TagRequest,
+               opened: Annotated[Writable, writable("tagging")]) -> dict[str, Any]:
+    commit = opened.store.create_tag(opened.repo_id, payload.tag, validate_revision(revision))
     return {"tag": payload.tag, "targetCommit": commit}
 
 
 @router.delete("/models/{org}/{name}/tag/{tag}", summary="Delete a tag")
-def delete_tag(org: str, name: str, tag: str, request: Request,
-               who: Identity | None = Depends(identity)) -> Response:
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "deleting a tag")
-    store.delete_tag(repo.repo_id, validate_revision(tag))
+def delete_tag(tag: str, opened: Annotated[Writable, writable("deleting a tag")]) -> Response:
+    opened.store.delete_tag(opened.repo_id, validate_revision(tag))
     return Response(status_code=204)
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import binascii
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from fastapi import Request
@@ -25,9 +25,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import BadRequest, PayloadTooLarge
 from ..store import AddFile, AddObject, BlobStore, DeleteFile, DeleteFolder
-from ..store.blobs import open_private
+from ..store.blobs import DigestWriter, open_private
+from ..store.faults import crash_point
 
-__all__ = ["CommitParser", "CommitRequest", "receive_body"]
+__all__ = ["CommitParser", "CommitRequest", "receive_blob", "receive_body"]
 
 MAX_SKELETON = 1 << 20  # bytes of a line outside its file content
 _STRUCTURE = re.compile(rb'["{}\[\]:,\n]')
@@ -75,6 +76,7 @@ class _Base64File:
             self._out.write(binascii.a2b_base64(text[:cut], strict_mode=True))
         except binascii.Error as e:
             raise ValueError(f"content is not base64 ({e})") from None
+        crash_point("upload-partial")
         self._padded = text[cut - 1:cut] == b"="
 
     def abort(self) -> None:
@@ -341,3 +343,16 @@ async def receive_body(request: Request, consume: Callable[[bytearray], None], l
     if buffer:
         await run_in_threadpool(consume, buffer)
     return size
+
+
+async def receive_blob(request: Request, blobs: BlobStore, limit: int) -> tuple[DigestWriter, str]:
+    """The request body (413 past ``limit`` bytes) in a new temp file of ``blobs``: its closed
+    writer (path, size) and SHA-256. A body that fails leaves no file behind."""
+    writer = blobs.writer()
+    try:
+        await receive_body(request, writer.write, limit)
+        sha256 = writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    return writer, sha256

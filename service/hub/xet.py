@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..auth import Identity, check_grant, identity, require_scope, sign_grant
+from ..auth import check_grant, sign_grant
 from ..errors import EntryNotFound, Unauthorized
 from ..store.xet import MAX_XORB_BYTES, check_xet_hash
-from .common import base_url, store_of, writable_repo
-from .uploads import receive_body
+from .common import Writable, base_url, store_of, writable
+from .uploads import receive_blob
 
 router = APIRouter()
 
@@ -46,15 +46,13 @@ MAX_SHARD_BYTES = 64 * 1024 * 1024
 
 
 @router.get("/api/models/{org}/{name}/xet-write-token/{revision:path}", summary="Xet upload grant")
-def write_token(org: str, name: str, revision: str, request: Request,
-                who: Identity | None = Depends(identity)) -> dict[str, Any]:
+def write_token(revision: str, request: Request,
+                opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
     del revision  # the grant covers the repo's uploads; the commit names the branch
-    who = require_scope(who, "write", "uploading")
-    store = store_of(request)
-    repo = writable_repo(store, org, name, who, "uploading")
+    store, repo_id = opened.store, opened.repo_id
     store.maybe_collect_uploads()
-    grant = sign_grant(store.secret(), "xet-upload", repo.repo_id, TOKEN_TTL_S, who)
-    return {"accessToken": f"{repo.repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
+    grant = sign_grant(store.secret(), "xet-upload", repo_id, TOKEN_TTL_S, opened.who)
+    return {"accessToken": f"{repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
             "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_store_id(request)}"}
 
 
@@ -80,13 +78,7 @@ async def upload_xorb(store_id: str, xorb: str, request: Request) -> dict[str, b
     _authorised(request, store_id)
     store = store_of(request)
     check_xet_hash(xorb)
-    writer = store.blobs.writer()
-    try:
-        await receive_body(request, writer.write, MAX_XORB_BYTES)
-        writer.close()
-    except BaseException:
-        writer.discard()
-        raise
+    writer, _ = await receive_blob(request, store.blobs, MAX_XORB_BYTES)
     await run_in_threadpool(store.xet.put_xorb, xorb, writer.path)
     return {"was_inserted": True}  # held now; whether it was before (another upload's bytes) is not told
 
@@ -95,13 +87,7 @@ async def upload_xorb(store_id: str, xorb: str, request: Request) -> dict[str, b
 async def upload_shard(store_id: str, request: Request) -> dict[str, int]:
     repo_id = _authorised(request, store_id)
     store = store_of(request)
-    writer = store.blobs.writer()
-    try:
-        await receive_body(request, writer.write, MAX_SHARD_BYTES)
-        writer.close()
-    except BaseException:
-        writer.discard()
-        raise
+    writer, _ = await receive_blob(request, store.blobs, MAX_SHARD_BYTES)
     try:
         await run_in_threadpool(store.apply_shard, repo_id, writer.path, request.app.state.settings.hub.max_upload_bytes)
     finally:

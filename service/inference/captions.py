@@ -5,7 +5,6 @@ encoder's stages)."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Annotated, Literal
 
 import torch
@@ -16,19 +15,7 @@ from vip_hub.captioning import DEFAULT_PROMPT
 
 from ..auth import Identity
 from ..errors import BadRequest, PayloadTooLarge
-from .api import (
-    _ERRORS,
-    Image64,
-    ModelRef,
-    Privacy,
-    Usage,
-    _decode_texts,
-    _disconnected,
-    _headers,
-    _model,
-    caller,
-    engine_of,
-)
+from . import common
 from .models import LoadedModel, Task
 
 __all__ = ["router"]
@@ -41,8 +28,9 @@ Label = Annotated[str, Field(min_length=1, max_length=200, description="a class 
 class CaptionsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: ModelRef
-    input: Image64 | list[Image64] = Field(description="one image or a list (base64 or data: URIs)")
+    model: common.ModelRef
+    input: common.Image64 | list[common.Image64] = Field(
+        description="one image or a list (base64 or data: URIs)")
     max_tokens: int | None = Field(None, ge=1, le=127, description="most tokens per caption (default: the "
                                    "server's inference.max_caption_tokens, within the model's maximum)")
 
@@ -58,15 +46,15 @@ class CaptionsResponse(BaseModel):
     data: list[Caption]
     model: str
     revision: str
-    privacy: Privacy
-    usage: Usage
+    privacy: common.Privacy
+    usage: common.Usage
 
 
 class ZeroShotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: ModelRef
-    input: Image64 | list[Image64]
+    model: common.ModelRef
+    input: common.Image64 | list[common.Image64]
     labels: list[Label] = Field(min_length=1, description="the candidate classes (at most inference.max_labels)")
     prompt: str = Field(DEFAULT_PROMPT, max_length=200, description="text before each label")
     top_k: int = Field(5, ge=1, le=1000)
@@ -89,49 +77,50 @@ class ZeroShotResponse(BaseModel):
     data: list[ZeroShotResult]
     model: str
     revision: str
-    privacy: Privacy
-    usage: Usage
+    privacy: common.Privacy
+    usage: common.Usage
 
 
 async def _captioning_model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
-    model = await _model(request, ref, who)
+    model = await common.open_model(request, ref, who)
     if model.captions is None:
         raise BadRequest(f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder and "
                          "a vocabulary)")
     return model
 
 
-@router.post("/captions", response_model=CaptionsResponse, responses=_ERRORS,
+@router.post("/captions", response_model=CaptionsResponse, responses=common.ERRORS,
              summary="Caption images (greedy decoding, DP-Cap repos)")
 async def captions(payload: CaptionsRequest, request: Request, response: Response,
-                   who: Identity | None = Depends(caller)) -> CaptionsResponse:
-    images = _decode_texts(request, payload.input)
+                   who: Identity | None = Depends(common.caller)) -> CaptionsResponse:
+    images = common.decode_texts(request, payload.input)
     model = await _captioning_model(request, payload.model, who)
     assert model.captions is not None
     limit = min(request.app.state.settings.inference.max_caption_tokens, model.captions.max_tokens)
     tokens = limit if payload.max_tokens is None else payload.max_tokens
     if tokens > limit:
         raise BadRequest(f"max_tokens: {tokens} is more than the limit of {limit} for {model.repo_id}")
-    result = await engine_of(request).run(model, images, Task(caption_tokens=tokens), partial(_disconnected, request))
+    result = await common.run_task(request, model, images, Task(caption_tokens=tokens))
     texts = [caption for out in result.outputs for caption in out]
-    privacy = Privacy.of(model.ledger.summary())
-    _headers(response, model, result, privacy)
-    return CaptionsResponse(data=[Caption(index=i, caption=c) for i, c in enumerate(texts)], model=model.repo_id,
-                            revision=model.commit, privacy=privacy, usage=Usage(images=len(images)))
+    privacy = common.Privacy.of(model.ledger.summary())
+    common.set_headers(response, model, result, privacy)
+    return CaptionsResponse(data=[Caption(index=i, caption=c) for i, c in enumerate(texts)],
+                            model=model.repo_id, revision=model.commit, privacy=privacy,
+                            usage=common.Usage(images=len(images)))
 
 
-@router.post("/zero-shot", response_model=ZeroShotResponse, responses=_ERRORS,
+@router.post("/zero-shot", response_model=ZeroShotResponse, responses=common.ERRORS,
              summary="Classify images among label texts by caption likelihood (DP-Cap repos)")
 async def zero_shot(payload: ZeroShotRequest, request: Request, response: Response,
-                    who: Identity | None = Depends(caller)) -> ZeroShotResponse:
+                    who: Identity | None = Depends(common.caller)) -> ZeroShotResponse:
     limit = request.app.state.settings.inference.max_labels
     if len(payload.labels) > limit:
         raise PayloadTooLarge(f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request")
-    images = _decode_texts(request, payload.input)
+    images = common.decode_texts(request, payload.input)
     model = await _captioning_model(request, payload.model, who)
     assert model.captions is not None
     texts = model.captions.label_texts(payload.labels, payload.prompt)  # ConfigError (400) names a bad label
-    result = await engine_of(request).run(model, images, Task(texts=texts), partial(_disconnected, request))
+    result = await common.run_task(request, model, images, Task(texts=texts))
     losses = torch.cat(result.outputs)
     scores = torch.softmax(-losses, dim=-1)
     k = min(payload.top_k, len(payload.labels))
@@ -140,7 +129,7 @@ async def zero_shot(payload: ZeroShotRequest, request: Request, response: Respon
         order = row.argsort()[:k].tolist()
         ranked = [LabelLoss(label=payload.labels[j], loss=float(row[j]), score=float(scores[i, j])) for j in order]
         data.append(ZeroShotResult(index=i, label=ranked[0].label, labels=ranked))
-    privacy = Privacy.of(model.ledger.summary())
-    _headers(response, model, result, privacy)
+    privacy = common.Privacy.of(model.ledger.summary())
+    common.set_headers(response, model, result, privacy)
     return ZeroShotResponse(data=data, model=model.repo_id, revision=model.commit, privacy=privacy,
-                            usage=Usage(images=len(images)))
+                            usage=common.Usage(images=len(images)))

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .errors import InvalidRequest, UploadMissing
+from .faults import crash_point
 
-__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file", "make_private_dir", "open_private"]
+__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file", "make_private_dir", "open_private",
+           "remove_older_than"]
 
 _CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
@@ -106,6 +108,7 @@ class DigestWriter:
         self._file.write(data)
         self._sha256.update(data)
         self.size += len(data)
+        crash_point("upload-partial")
 
     def close(self) -> str:
         """Flush to disk; the SHA-256 of what was written."""
@@ -221,14 +224,19 @@ class BlobStore:
     def clean_stale(self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS) -> int:
         """Remove temp files left by crashed requests, and uploads never committed, once older
         than their age limits (so nothing in flight is touched). Returns how many went."""
-        now = time.time()
-        removed = 0
-        for folder, age in ((self.tmp, temp_age), (self.uploads, upload_age), (self.uploaded_for, upload_age)):
-            for p in folder.rglob("*"):
-                try:
-                    if p.is_file() and now - p.stat().st_mtime > age:
-                        p.unlink()
-                        removed += 1
-                except FileNotFoundError:
-                    continue
-        return removed
+        return sum(remove_older_than(folder, age) for folder, age in
+                   ((self.tmp, temp_age), (self.uploads, upload_age), (self.uploaded_for, upload_age)))
+
+
+def remove_older_than(folder: Path, max_age: float) -> int:
+    """Remove the files below ``folder`` last modified more than ``max_age`` seconds ago (one
+    that vanishes meanwhile is skipped); returns how many went."""
+    now, removed = time.time(), 0
+    for p in folder.rglob("*"):
+        try:
+            if p.is_file() and now - p.stat().st_mtime > max_age:
+                p.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed

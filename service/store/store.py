@@ -43,6 +43,7 @@ from .errors import (
     SignatureRefused,
     UploadMissing,
 )
+from .faults import crash_point
 from .index import Index, Row, Transaction, open_index
 from .xet import XetStore
 
@@ -461,6 +462,7 @@ class HubStore:
                 + "; ".join(str(p) for p in report.problems)
             )
         signer = self._signer(local)
+        crash_point("commit-verified")
         summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = load_card(local[CARD_FILE].read_text(encoding="utf-8")).data.to_dict()
@@ -468,6 +470,7 @@ class HubStore:
         for path, (source, digest) in new.items():
             self.blobs.ingest(source, digest)
             files[path] = FileEntry(path, digest.sha256, digest.git_oid, digest.size)
+        crash_point("commit-blobs-stored")
         message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
         created = _now()
         sha = _commit_id(head, files, title, message, author, created)
@@ -501,6 +504,7 @@ class HubStore:
                                    "AND commit_sha = ?", (sha, repo_row["id"], branch, head))
             if moved != 1:  # rolls the whole transaction back
                 raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
+        crash_point("commit-indexed")
         for op in operations:  # the repo's history holds these objects now
             if isinstance(op, AddObject):
                 self.blobs.forget_upload(repo_id, op.sha256)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from .blobs import BlobStore, fsync_dir, make_private_dir
+from .blobs import BlobStore, fsync_dir, make_private_dir, remove_older_than
 from .errors import InvalidRequest, TooLarge
 
 __all__ = ["XetStore", "xet_hex", "xorb_hash"]
@@ -215,15 +214,7 @@ class XetStore:
 
     def clean_stale(self, max_age: float) -> int:
         """Remove xorbs no upload has referred to for ``max_age`` seconds."""
-        now, removed = time.time(), 0
-        for p in self.dir.rglob("*"):
-            try:
-                if p.is_file() and now - p.stat().st_mtime > max_age:
-                    p.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                continue
-        return removed
+        return remove_older_than(self.dir, max_age)
 
 
 def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:
