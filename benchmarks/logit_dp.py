@@ -2,7 +2,7 @@
 
 (a) a non-private step: the summed symmetric InfoNCE, one backward;
 (b) Logit-DP with ``training.pair_clipping.PairClipper``: pair norms from per-view Jacobians
-    (d cotangents in one batched backward), then one weighted backward;
+    (d cotangents in one batched backward), then the clipped sum from the same Jacobians;
 (c) Logit-DP the naive way: every pair gradient grad Z_ij materialised (``torch.func.vmap``
     over pairs, in chunks), clipped, weighted and summed;
 (d) Naive-DP with ``BatchClipper``: the whole-batch gradient clipped.
