@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import training.logit_dp
 from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from conftest import TINY, kill_mid_run, tiny_encoder
+from helpers import TINY, kill_mid_run, tiny_encoder
 from training.data import Augmented, ImageFolder, mae_transform
 from training.distributed import Dist
 from training.dp_engine import Budget, DPEngine
@@ -182,7 +182,7 @@ def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechani
 
 
 def test_the_budget_stops_a_run_before_it_exceeds_epsilon(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    settings = {**DP_ARGS, "steps": 6, "audit_canaries": 0, "epsilon": 1.0}
+    settings = {**DP_ARGS, "steps": 6, "audit_canaries": 0, "epsilon": 1.0, "delta": 1 / 48}  # delta 1/(2n), explicit
     out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "stopped"), **settings))
     dp = ledger_of(out).stages[1]
     assert dp.steps < 6 and dp.epsilon <= 1.0

@@ -286,5 +286,6 @@ def _code(text: str) -> str:
     """A ledger string as one Markdown code span, whatever backticks or line breaks it holds."""
     text = " ".join(str(text).split())
     fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
-    return f"{fence} {text} {fence}"
+    pad = " " if text.startswith("`") or text.endswith("`") else ""  # CommonMark strips one space each side
+    return f"{fence}{pad}{text}{pad}{fence}"
 
