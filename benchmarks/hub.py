@@ -68,7 +68,8 @@ def main() -> None:
 
     from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
 
-    from conftest import TINY, export_encoder, synthetic_stage, tiny_encoder
+    from helpers import TINY, synthetic_stage, tiny_encoder
+    from vip_hub import export_encoder
     from live import WRITE_TOKEN, ProcessServer
     from vip_hub.push import push_repo
 

@@ -1,14 +1,11 @@
-"""Shared fixtures. Tests make their own small data; nothing is downloaded."""
+"""Shared fixtures (shared helpers: ``helpers.py``). Tests make their own small data; nothing
+is downloaded."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 # Before huggingface_hub is imported: keep client caches and tokens away from the user's home,
@@ -22,40 +19,11 @@ with socket.socket() as _s:
     HUB_PORT = _s.getsockname()[1]
 os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{HUB_PORT}"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest  # noqa: E402 - after the environment above
+import torch  # noqa: E402 - after the environment above
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head  # noqa: E402 - idem
 
-from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder  # noqa: E402
-
-TINY = EncoderSpec("vip-nano", img_size=32)
-
-# Tests that must also hold on a GPU take ``device`` from here: CUDA runs where one is present.
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
-
-
-def synthetic_stage() -> NonPrivateStage:
-    return NonPrivateStage(
-        name="synthetic-pretraining",
-        dataset=Dataset(name="procedural-images", description="generated in the test"),
-        private_data=False,
-    )
-
-
-def dp_stage(n: int = 1000, batch: int = 50, sigma: float = 1.0, steps: int = 100) -> DPStage:
-    return DPStage.from_parameters(
-        name="dp-pretraining",
-        dataset=Dataset(name="test-images", size=n),
-        sample_rate=batch / n,
-        noise_multiplier=sigma,
-        steps=steps,
-        clipping_norm=0.1,
-    )
-
-
-def tiny_encoder(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return create_encoder(TINY, mae_init=True).eval()
+from vip_hub import DPStage, export_encoder  # noqa: E402 - after the environment above
 
 
 @pytest.fixture(scope="session")
@@ -90,26 +58,11 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
         yield server
 
 
-def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
-    """An exported tiny encoder with a 3-class probe head (non-DP, on sensitive labels)."""
-    from vip_hub.heads import HeadInfo, LinearProbe, save_head
-
-    stages = [synthetic_stage(), dp_stage()] if dp else [synthetic_stage()]
-    repo = export_encoder(folder, tiny_encoder(seed), TINY, stages, model_name=folder.name)
-    torch.manual_seed(seed)
-    head = LinearProbe(1152, 3)
-    head.norm.running_mean.normal_()
-    head.norm.running_var.uniform_(0.5, 2.0)
-    save_head(repo, head.eval(), HeadInfo("toy", "vip", ["red", "green", "blue"], {"top1": 0.5}),
-              NonPrivateStage(name="linear-probe:toy", component="heads/toy",
-                              dataset=Dataset(name="toy-labels", size=30), private_data=True))
-    return repo
-
-
 @pytest.fixture(scope="module")
 def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Repos published to the module's hub through `vip-hub push`: repo id -> local folder."""
     from live import WRITE_TOKEN
+
     from vip_hub.push import push_repo
 
     base = tmp_path_factory.mktemp("published")
@@ -120,34 +73,3 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return repos
 
 
-def published_hashes_of(data: Path, repo: Path) -> set[str]:
-    """The plain SHA-256 digests of the private data (each file's, and the whole folder's as vip-hub
-    < 0.3 fingerprinted it) that appear in any file of ``repo``: a released repo must hold none."""
-    import hashlib
-
-    files = sorted(p for p in data.rglob("*") if p.is_file())
-    digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-    whole = hashlib.sha256()
-    for p in files:
-        whole.update(p.relative_to(data).as_posix().encode() + b"\0")
-        whole.update(hashlib.sha256(p.read_bytes()).digest())
-    digests.add(whole.hexdigest())
-    released = b"".join(p.read_bytes() for p in repo.rglob("*") if p.is_file())
-    return {d for d in digests if d.encode() in released}
-
-
-def kill_mid_run(cmd: list[str], out: Path, step: int) -> Path:
-    """Start a training command, SIGKILL it once its log (``OUT.run/log.jsonl``) reaches ``step``
-    (between checkpoints), check it had not finished; returns the log's path."""
-    log = out.parent / f"{out.name}.run" / "log.jsonl"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if log.exists() and any(json.loads(line).get("step") == step for line in log.read_text().splitlines()
-                                if line.endswith("}")):
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not out.exists(), "the run finished before it could be killed"
-    return log

@@ -23,7 +23,7 @@ from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigE
 from vip_hub.push import push_repo
 from vip_hub.verify import verify_repo
 
-from conftest import DEVICES, TINY, synthetic_stage, tiny_encoder
+from helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 
 
 class BiasSum(torch.nn.Module):

@@ -32,7 +32,7 @@ from vip_hub.models import ARCHS, EncoderSpec, create_encoder
 from vip_hub.repo import export_encoder
 from vip_hub.tokenizer import CaptionTokenizer
 
-from conftest import synthetic_stage, tiny_encoder
+from helpers import synthetic_stage, tiny_encoder
 
 IMG, WIDTH, DEPTH, TEXT_LEN = 32, 96, 2, 16
 ARCH = "dpcap-nano"

@@ -21,7 +21,7 @@ from vip_hub.captioning import load_captioner
 from vip_hub.importer import import_dpcap_checkpoint
 from vip_hub.push import push_repo
 
-from conftest import synthetic_stage
+from helpers import synthetic_stage
 from test_dpcap import ARCH, IMG, ReferenceDPCap, save_reference, write_vocab
 
 DPCAP = "vip/dpcap-nano-test"

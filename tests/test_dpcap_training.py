@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import training.dpcap
 from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from conftest import TINY, kill_mid_run, published_hashes_of, synthetic_stage, tiny_encoder
+from helpers import TINY, kill_mid_run, published_hashes_of, synthetic_stage, tiny_encoder
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
 from training.dpcap import (DIGIT_NAMES, DIGIT_TEMPLATES, PUBLIC_CAPTIONS, DPCapConfig, digit_caption,

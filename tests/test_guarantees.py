@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import published_hashes_of
+from helpers import published_hashes_of
 from training.main_job import write_digits
 from training.probe import ProbeConfig, fit_probe, keyed_uniforms, run_probe
 from vip_hub.verify import verify_repo
@@ -144,7 +144,7 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
 
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:
-    from conftest import TINY, synthetic_stage, tiny_encoder
+    from helpers import TINY, synthetic_stage, tiny_encoder
     from vip_hub import Dataset, DPStage, export_encoder
 
     shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
@@ -164,7 +164,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     from dp_accounting import dp_event
     from dp_accounting.rdp import RdpAccountant
 
-    from conftest import TINY, synthetic_stage, tiny_encoder
+    from helpers import TINY, synthetic_stage, tiny_encoder
     from live import WRITE_TOKEN
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.push import push_repo
@@ -197,7 +197,7 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
     import httpx
     from PIL import Image
 
-    from conftest import TINY, synthetic_stage, tiny_encoder
+    from helpers import TINY, synthetic_stage, tiny_encoder
     from live import WRITE_TOKEN
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.push import push_repo
@@ -223,7 +223,7 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
 def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(hub, tmp_path: Path) -> None:
     import httpx
 
-    from conftest import tiny_repo_with_head
+    from helpers import tiny_repo_with_head
     from live import WRITE_TOKEN
     from vip_hub.push import push_repo
 

@@ -17,7 +17,7 @@ import pytest
 import timm
 import torch
 import yaml
-from conftest import tiny_repo_with_head
+from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
 from live import WRITE_TOKEN, raw_commit

@@ -1,12 +1,13 @@
-"""A publish killed with SIGKILL midway (inline content, or an LFS object and the commit naming it)
-leaves the previous revision intact and served."""
+"""A publish killed midway (inline content, or an LFS object and the commit naming it) leaves the
+previous revision intact and served, or the new one whole. The server dies at a named crash
+point (``VIP_HUB_CRASH_AT``, ``service/store/faults.py``), not after a guessed sleep."""
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -14,11 +15,13 @@ import pytest
 from huggingface_hub import HfApi, snapshot_download
 
 from live import WRITE_TOKEN, ProcessServer
+from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import verify_repo
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
 
-from conftest import TINY, export_encoder, synthetic_stage, tiny_encoder
+from helpers import TINY, synthetic_stage, tiny_encoder
+from vip_hub import export_encoder
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +40,8 @@ def _start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.sock
     head = (f"POST /api/models/{repo_id}/commit/main HTTP/1.1\r\nHost: {host}\r\n"
             f"Authorization: Bearer {WRITE_TOKEN}\r\nContent-Type: application/x-ndjson\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    sock.sendall(head + body[:send])
+    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
+        sock.sendall(head + body[:send])
     return sock
 
 
@@ -49,7 +53,9 @@ def _lfs_upload(url: str, repo_id: str, data: bytes, send: int) -> socket.socket
     href = batch["objects"][0]["actions"]["upload"]["href"].removeprefix(url)
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"PUT {href} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data[:send])
+    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
+        sock.sendall(f"PUT {href} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                     + data[:send])
     return sock
 
 
@@ -74,30 +80,41 @@ def _served(url: str, repo_id: str) -> str:
     return sha
 
 
-@pytest.mark.parametrize("when", ["mid-upload", "after-upload", "mid-lfs-upload", "lfs-commit"])
-def test_sigkill_mid_publish(tmp_path, when):
+# (what is being sent, the crash point the server dies at, whether the commit was made)
+CASES = [
+    ("inline-commit", "upload-partial", False),  # half the commit body sent: killed mid-content
+    ("lfs-upload", "upload-partial", False),  # half an LFS object sent: killed mid-object
+    ("inline-commit", "commit-verified", False),
+    ("inline-commit", "commit-indexed", True),
+    ("lfs-commit", "commit-blobs-stored", False),
+    ("lfs-commit", "commit-indexed", True),
+]
+
+
+@pytest.mark.parametrize(("send", "step", "committed"), CASES, ids=[f"{s}-at-{p}" for s, p, _ in CASES])
+def test_sigkill_mid_publish(tmp_path, send, step, committed):
     store = tmp_path / "store"
     server = ProcessServer(store).start()
     try:
         v1 = push_repo(export_encoder(tmp_path / "v1", tiny_encoder(0), TINY, [synthetic_stage()], model_name="m"),
                        "crash/m", endpoint=server.url, token=WRITE_TOKEN)
-        v2 = export_encoder(tmp_path / "v2", tiny_encoder(1), TINY, [synthetic_stage()], model_name="m",
-                            extra_files={"extra/noise.txt": os.urandom(24 * 1024 * 1024)})
-        big = (v2 / "extra/noise.txt").read_bytes()
-        if when == "mid-lfs-upload":  # killed while an LFS object streams in
+    finally:
+        server.stop()
+    v2 = export_encoder(tmp_path / "v2", tiny_encoder(1), TINY, [synthetic_stage()], model_name="m",
+                        extra_files={"extra/noise.txt": os.urandom(24 * 1024 * 1024)})
+    big = (v2 / "extra/noise.txt").read_bytes()
+    server = ProcessServer(store, port=server.port, extra_env={CRASH_ENV: step}).start()
+    try:
+        if send == "lfs-upload":
             sock = _lfs_upload(server.url, "crash/m", big, len(big) // 2)
-            time.sleep(0.2)
-        elif when == "lfs-commit":  # the object arrived whole; killed while the commit naming it runs
+        elif send == "lfs-commit":  # the object arrives whole; the commit naming it dies
             _lfs_upload(server.url, "crash/m", big, len(big)).recv(4096)
             body = _lfs_commit_body(v2, "extra/noise.txt")
             sock = _start_commit(server.url, "crash/m", body, len(body))
-            time.sleep(0.3)
         else:
             body = _commit_body(v2)
-            sock = _start_commit(server.url, "crash/m", body, len(body) // 2 if when == "mid-upload" else len(body))
-            if when == "after-upload":
-                time.sleep(0.4)  # parsing, verifying or moving blobs: kill it there
-        server.kill()
+            sock = _start_commit(server.url, "crash/m", body, len(body) // 2 if step == "upload-partial" else len(body))
+        assert server.proc is not None and server.proc.wait(60) == CRASH_STATUS  # it died at the step
         sock.close()
     finally:
         server.stop()
@@ -105,11 +122,9 @@ def test_sigkill_mid_publish(tmp_path, when):
     try:
         served = _served(restarted.url, "crash/m")
         history = [c.commit_id for c in HfApi(endpoint=restarted.url).list_repo_commits("crash/m")]
-        if when in ("mid-upload", "mid-lfs-upload"):
-            assert served == v1 and history == [v1]
+        assert history == ([served, v1] if committed else [v1]) and (served != v1) == committed
+        if step == "upload-partial":
             assert not [p for p in (store / "uploads").rglob("*") if p.is_file()]  # no partial object kept
-        else:  # the commit either happened whole or not at all
-            assert history in ([v1], [served, v1])
         assert httpx.get(f"{restarted.url}/crash/m/resolve/{v1}/config.json").status_code == 200
         # and the store still takes new publishes
         v3 = push_repo(export_encoder(tmp_path / "v3", tiny_encoder(2), TINY, [synthetic_stage()], model_name="m"),

@@ -23,7 +23,7 @@ from vip_hub import EncoderSpec, create_encoder, export_encoder, verify_repo
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
 
-from conftest import dp_stage, synthetic_stage
+from helpers import dp_stage, synthetic_stage
 
 pytestmark = pytest.mark.slow
 

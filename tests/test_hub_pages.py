@@ -11,7 +11,8 @@ import pytest
 from live import WRITE_TOKEN
 from vip_hub.push import push_repo
 
-from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from vip_hub import export_encoder
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

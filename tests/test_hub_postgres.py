@@ -21,7 +21,7 @@ from service.store import AddFile, Conflict, HubStore
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
 
-from conftest import tiny_repo_with_head
+from helpers import tiny_repo_with_head
 
 pytestmark = pytest.mark.slow
 

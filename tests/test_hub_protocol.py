@@ -25,7 +25,8 @@ import vip_hub
 from live import READ_TOKEN, WRITE_TOKEN
 from vip_hub.push import push_repo
 
-from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from vip_hub import export_encoder
 
 MODEL = "vip/vip-nano-test"
 

@@ -19,7 +19,8 @@ from service.store import (
 )
 from vip_hub.verify import repo_files
 
-from conftest import dp_stage, export_encoder, synthetic_stage, tiny_encoder, TINY, tiny_repo_with_head
+from helpers import dp_stage, synthetic_stage, tiny_encoder, TINY, tiny_repo_with_head
+from vip_hub import export_encoder
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TINY, synthetic_stage, tiny_encoder
+from helpers import TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from live import WRITE_TOKEN, raw_commit
 
@@ -88,7 +88,7 @@ def test_load_card_refuses_aliases():
 
 
 def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
-    from conftest import tiny_repo_with_head
+    from helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "aliases")
     readme = folder / "README.md"
@@ -132,7 +132,7 @@ def test_every_route_bounds_its_body(hub):
 
 def test_uploads_stream_past_the_default_limit(hub, tmp_path):
     """A commit with a 3 MiB inline file is not held to the 1 MiB default: it streams."""
-    from conftest import tiny_repo_with_head
+    from helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "big")
     api = HfApi(token=WRITE_TOKEN)

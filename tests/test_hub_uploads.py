@@ -19,7 +19,7 @@ from service.hub.uploads import CommitParser
 from service.store import AddFile, AddObject, DeleteFile, HubStore, UploadMissing
 from vip_hub.verify import repo_files
 
-from conftest import tiny_repo_with_head
+from helpers import tiny_repo_with_head
 
 
 @pytest.fixture

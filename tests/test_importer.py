@@ -14,7 +14,7 @@ from vip_hub.cli import main
 from vip_hub.importer import PRESETS, CheckpointError, import_mae_checkpoint, load_reference_checkpoint
 from vip_hub.models import ARCHS, sincos_pos_embed_2d
 
-from conftest import synthetic_stage
+from helpers import synthetic_stage
 
 
 class ReferenceMAE(torch.nn.Module):

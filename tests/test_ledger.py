@@ -5,7 +5,7 @@ import pytest
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
 from vip_hub.ledger import round_down, round_up
 
-from conftest import dp_stage, synthetic_stage
+from helpers import dp_stage, synthetic_stage
 
 
 def test_build_and_round_trip():

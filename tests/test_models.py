@@ -6,7 +6,7 @@ from vip_hub import ARCHS, EncoderSpec, create_encoder, extract_features, featur
 from vip_hub.features import final_norm
 from vip_hub.models import sincos_pos_embed_2d
 
-from conftest import TINY, tiny_encoder
+from helpers import TINY, tiny_encoder
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metad
 from vip_hub.ledger import Dataset, NonPrivateStage
 from vip_hub.repo import META_LEDGER
 
-from conftest import tiny_encoder
+from helpers import tiny_encoder
 
 PLAIN_TIMM = r"""
 import sys, timm, torch

@@ -24,7 +24,8 @@ from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
 from vip_hub.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.verify import verify_repo
 
-from conftest import TINY, dp_stage, export_encoder, synthetic_stage, tiny_encoder
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from vip_hub import export_encoder
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import training.vip
 from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from conftest import kill_mid_run, published_hashes_of
+from helpers import kill_mid_run, published_hashes_of
 from training.clipping import UnsupportedLayerError
 from training.data import TarShards, open_images
 from training.main_job import StepFailed
@@ -59,7 +59,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_repo_without_decoder(tmp_path: Path) -> Path:
-    from conftest import TINY, synthetic_stage, tiny_encoder
+    from helpers import TINY, synthetic_stage, tiny_encoder
     from vip_hub import export_encoder
 
     return export_encoder(tmp_path / "no-decoder", tiny_encoder(), TINY, [synthetic_stage()], model_name="x")

@@ -8,7 +8,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from conftest import DEVICES
+from helpers import DEVICES
 from training.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.mae import MAE, DecoderConfig, patchify
 from training.sampling import micro_batches, poisson_sample, rank_shard
