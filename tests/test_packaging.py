@@ -16,6 +16,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from vip_hub.ledger import PrivacyLedger
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
 
@@ -74,9 +76,10 @@ encoder = vip_hub.load_encoder(sys.argv[1])             # verifies first
 report = vip_hub.verify_repo(sys.argv[1])
 import torch
 out = encoder.embed(torch.zeros(2, 3, 32, 32), pooling="vip")
-absent = [m for m in ("fastapi", "uvicorn", "sklearn", "matplotlib", "service", "training")
-          if importlib.util.find_spec(m) is not None and m not in ("service", "training")]
-print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.privacy.epsilon, "present": absent}))
+present = [m for m in ("fastapi", "uvicorn", "sklearn", "matplotlib") if importlib.util.find_spec(m) is not None]
+loaded = [m for m in ("service", "training") if m in sys.modules]  # in the wheel, never needed here
+print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.privacy.epsilon,
+                  "present": present, "loaded": loaded}))
 """
 
 
@@ -108,7 +111,11 @@ def test_core_install_alone_loads_and_verifies_a_repo(wheel: Path, tiny_repo: Pa
     import json
 
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result == {"ok": True, "shape": [2, 192 * 6], "epsilon": result["epsilon"], "present": []}
+    assert result == {"ok": True, "shape": [2, 192 * 6], "epsilon": result["epsilon"], "present": [], "loaded": []}
+    claim = PrivacyLedger.parse((tiny_repo / "privacy_ledger.json").read_text()).summary().epsilon
+    assert claim and result["epsilon"] == pytest.approx(claim)  # the DP stage's, read in the core install
+    server = subprocess.run([str(python), "-c", "import service.app"], capture_output=True, text=True)
+    assert server.returncode != 0 and "No module named 'fastapi'" in server.stderr  # needs the serve extra
     cli = env_dir / "bin" / "vip-hub"
     assert subprocess.run([str(cli), "verify", str(tiny_repo)], capture_output=True, text=True).returncode == 0
     help_text = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
