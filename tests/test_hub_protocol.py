@@ -48,7 +48,7 @@ def test_downloads_and_metadata(hub, published):
     assert (snap / "heads/toy/head.safetensors").read_bytes() == (local / "heads/toy/head.safetensors").read_bytes()
     assert vip_hub.verify_repo(snap).ok
     card = ModelCard.load(MODEL)
-    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v2"
+    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v3"
 
 
 def test_timm_and_vip_hub_load_from_the_hub(hub, published):

@@ -76,7 +76,7 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
     data = card.data.to_dict()
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
-    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v2"
+    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v3"
     text = card.text
     for phrase in ("## Privacy guarantee", "differential privacy for the dataset `test-images`",
                    "`synthetic-pretraining` (procedural-images)", "## How to use",
