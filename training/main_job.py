@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import SignatureError, VipHubError
-from vip_hub.ledger import PrivacyLedger
+from vip_hub.ledger import PrivacyLedger, privacy_headline
 from vip_hub.push import is_published, push_repo
 from vip_hub.repo import update_repo
 from vip_hub.repo_format import (
@@ -54,7 +54,6 @@ from vip_hub.repo_format import (
     LEDGER_FILE,
     SIGNATURE_FILE,
     head_component,
-    privacy_headline,
 )
 from vip_hub.signing import (
     PRIVATE_SUFFIX,
@@ -166,7 +165,7 @@ class _Steps:
             fn()
         except KeyboardInterrupt:
             raise
-        except Exception as e:  # noqa: BLE001 - reported with the step's name, then re-raised
+        except Exception as e:
             raise StepFailed(
                 f"step {self.count} ({name}) failed: {type(e).__name__}: {e}\n"
                 "Fix the cause and run `make run` again: finished steps are skipped and training "
@@ -201,7 +200,13 @@ PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .dpcap import DPCapConfig, train_dpcap, write_digit_captions, write_digit_public_captions, write_digit_vocab
+    from .dpcap import (
+        DPCapConfig,
+        train_dpcap,
+        write_digit_captions,
+        write_digit_public_captions,
+        write_digit_vocab,
+    )
     from .logit_dp import LogitDPConfig, Mechanism, train_logit_dp
     from .syn import SynConfig, train_syn
     from .vip import VipConfig, train_vip
@@ -238,8 +243,8 @@ def run_main_job(cfg: MainJobConfig) -> int:
 
     # The DP runs draw a secret seed (kept in their run folders for resume): with a published
     # seed anyone could regenerate the noise and subtract it.
-    private = dict(data=str(train), epsilon=cfg.epsilon, dataset_name=DATASET,
-                   audit_canaries=cfg.audit_canaries, workers=cfg.workers, seed=None)
+    private = {"data": str(train), "epsilon": cfg.epsilon, "dataset_name": DATASET,
+                   "audit_canaries": cfg.audit_canaries, "workers": cfg.workers, "seed": None}
     runs = [
         (VIP, folder[SYN_VIP], train_vip,
          VipConfig(init=str(folder[SYN_VIP]), batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr,
@@ -317,13 +322,13 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
     released or measured: its accuracy would be a figure with no guarantee."""
     from vip_hub.accounting import epsilon as accounted
 
-    from .probe import ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
+    from .probe import DP_HEAD_LR, ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
 
     rows = []
     for e in PUBLISHED:
         pc = ProbeConfig(encoder=str(folder[e]), data=str(data / "train"), test_data=str(data / "test"), head="digits",
                          pooling=e.pooling, epochs=cfg.probe_epochs, dataset_name=DATASET,
-                         epsilon=cfg.head_epsilon, optimizer="sgd", lr=1.0, seed=cfg.seed)
+                         epsilon=cfg.head_epsilon, optimizer="sgd", lr=DP_HEAD_LR, seed=cfg.seed)
         r = run_probe(pc)
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
         rows.append(_row(f"{e.label}: {e.name}", privacy_headline(ledger.summary(head_component(pc.head))),
@@ -334,7 +339,7 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
     y = [torch.as_tensor(d.labels) for d in (train, test)]
     public = _pixels([Image.fromarray(render(1, i, 8)) for i in range(256)])
     dp_cfg = ProbeConfig(encoder="", data="", dataset_name=DATASET, epochs=cfg.probe_epochs, epsilon=cfg.head_epsilon,
-                         optimizer="sgd", lr=1.0, seed=cfg.seed)
+                         optimizer="sgd", lr=DP_HEAD_LR, seed=cfg.seed)
     dp_head, dp = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
     rows.append(_row("raw pixels (no encoder)", f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET} (the head's)",
