@@ -24,7 +24,8 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from vip_hub import load_encoder, verify_repo
-from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig, caption_loss, load_captioner
+from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig, caption_loss
+from vip_hub.loading import load_captioner
 from vip_hub.cli import main
 from vip_hub.errors import CheckpointError, ConfigError, MissingInputError
 from vip_hub.importer import PRESETS, import_dpcap_checkpoint

@@ -17,7 +17,7 @@ from PIL import Image
 
 from live import WRITE_TOKEN, ThreadedServer, settings_for
 from vip_hub import load_encoder
-from vip_hub.captioning import load_captioner
+from vip_hub.loading import load_captioner
 from vip_hub.importer import import_dpcap_checkpoint
 from vip_hub.push import push_repo
 

@@ -29,7 +29,8 @@ from training.mae import load_mae
 from training.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
 from vip_hub.audit import DEFAULT_CANARIES
-from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig, load_captioner
+from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.loading import load_captioner
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import PrivacyLedger
 from vip_hub.models import EncoderSpec, create_encoder

@@ -188,7 +188,7 @@ def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
 def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
     from vip_hub.card import audit_paragraphs
     from vip_hub.importer import PRESETS
-    from vip_hub.repo_format import privacy_headline
+    from vip_hub.ledger import privacy_headline
 
     ledger = PrivacyLedger.build(PRESETS["dpcap-base-eps7"]().stages)
     summary = ledger.summary()

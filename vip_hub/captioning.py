@@ -25,38 +25,31 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .artifacts import read_safetensors_header
-from .errors import ConfigError, MissingInputError, RepoFormatError
+from .errors import ConfigError, RepoFormatError
 from .models import EncoderSpec, sincos_pos_embed_1d, sincos_pos_embed_2d
 from .repo_format import META_DECODER, TEXT_DECODER_FILE, VOCAB_FILE
 from .tokenizer import MAX_LENGTH, CaptionTokenizer
 
-if TYPE_CHECKING:
-    from .loading import Encoder
-
 __all__ = [
     "DEFAULT_PROMPT",
     "Captioner",
-    "CaptioningModel",
     "ImageMemory",
     "TextDecoder",
     "TextDecoderConfig",
     "caption_loss",
     "can_caption",
-    "load_captioner",
     "load_image_memory",
     "load_text_decoder",
     "text_decoder_file",
@@ -394,78 +387,3 @@ def load_image_memory(path: str | os.PathLike[str], device: str | torch.device =
         raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration "
                               f"({' '.join(str(e).split())})") from None
     return memory.eval().to(device)
-
-
-# -------------------------------------------------------------------------- inference
-@dataclass
-class CaptioningModel:
-    """A loaded DP-Cap repo that captions: its ``Encoder`` (ledger, transform), the captioner and
-    the tokenizer of its vocabulary."""
-
-    encoder: "Encoder"
-    captioner: Captioner
-    tokenizer: CaptionTokenizer
-
-    @classmethod
-    def from_encoder(cls, encoder: "Encoder") -> "CaptioningModel":
-        """Add the repo's text decoder and vocabulary to a loaded encoder."""
-        path = Path(encoder.path)
-        if not encoder.spec.family.captions:
-            raise ConfigError(f"{encoder.spec.arch} is a {encoder.spec.family.title} encoder: it has no text decoder")
-        missing = [f for f in (TEXT_DECODER_FILE, VOCAB_FILE) if not (path / f).is_file()]
-        if missing:
-            raise MissingInputError(f"{path} has no {' and no '.join(missing)}: it cannot caption "
-                                    "(import it with --vocab, or export it with its text decoder and vocabulary)")
-        device = next(encoder.model.parameters()).device
-        decoder = load_text_decoder(path / TEXT_DECODER_FILE, device)
-        tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=decoder.config.max_length)
-        decoder.config.check_tokenizer(tokenizer)
-        return cls(encoder, Captioner(encoder.model, decoder).eval(), tokenizer)
-
-    @property
-    def max_tokens(self) -> int:
-        """The most tokens a caption can have."""
-        return self.captioner.decoder.config.max_length - 1
-
-    def _batches(self, images: Sequence[Image.Image] | torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-        device = next(self.captioner.parameters()).device
-        out = []
-        for start in range(0, len(images), batch_size):
-            part = images[start : start + batch_size]
-            out.append((part if isinstance(part, torch.Tensor) else self.encoder.preprocess(part)).to(device))
-        return out
-
-    def caption(self, images: Sequence[Image.Image] | torch.Tensor, max_tokens: int | None = None,
-                batch_size: int = 16) -> list[str]:
-        """Greedy captions of PIL images (or a preprocessed batch)."""
-        n = self.max_tokens if max_tokens is None else max_tokens
-        ids = [row for batch in self._batches(images, batch_size) for row in self.captioner.generate(batch, n)]
-        return [self.tokenizer.decode(row) for row in ids]
-
-    def label_texts(self, labels: Sequence[str], prompt: str = DEFAULT_PROMPT) -> torch.Tensor:
-        """Token ids (L, T) of ``prompt + " " + label`` for each label (the zero-shot candidates);
-        an empty label, or one too long for the decoder with the prompt, is a ConfigError."""
-        if not labels:
-            raise ConfigError("zero-shot needs at least one label")
-        empty = [i for i, label in enumerate(labels) if not label.strip()]
-        if empty:
-            raise ConfigError(f"labels[{empty[0]}] is empty")
-        try:
-            return self.tokenizer.encode([f"{prompt} {label}".strip() for label in labels], cut=False)
-        except ConfigError as e:
-            raise ConfigError(f"labels: with the prompt, {str(e).replace('text ', 'label ', 1)}") from None
-
-    def zero_shot(self, images: Sequence[Image.Image] | torch.Tensor, labels: Sequence[str],
-                  prompt: str = DEFAULT_PROMPT, batch_size: int = 16) -> torch.Tensor:
-        """Caption loss (N, L) of each label's prompt for each image; the smallest is the prediction."""
-        texts = self.label_texts(labels, prompt)
-        parts = [self.captioner.text_losses(b, texts.to(b.device)).cpu() for b in self._batches(images, batch_size)]
-        return torch.cat(parts) if parts else torch.empty(0, len(labels))
-
-
-def load_captioner(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = True,
-                   device: str | torch.device = "cpu") -> CaptioningModel:
-    """Load a DP-Cap repo (folder or hub id) that carries a text decoder and a vocabulary."""
-    from .loading import load_encoder
-
-    return CaptioningModel.from_encoder(load_encoder(source, revision=revision, verify=verify, device=device))

@@ -22,9 +22,9 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
 from .errors import LedgerError, RepoFormatError
 from .features import MODE_DESCRIPTIONS
-from .ledger import DPStage, NonPrivateStage, PrivacyLedger
+from .ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
 from .models import EncoderSpec
-from .repo_format import CARD_FILE, ENCODER, format_params, privacy_headline
+from .repo_format import CARD_FILE, ENCODER, format_params
 
 __all__ = [
     "LEDGER_COLUMNS",

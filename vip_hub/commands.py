@@ -101,7 +101,7 @@ def register_verify(sub: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .repo_format import privacy_headline
+    from .ledger import privacy_headline
     from .signing import check_signature
     from .verify import verify_repo
 
@@ -269,7 +269,7 @@ def _caption_source_args(p: argparse.ArgumentParser) -> None:
 def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     from PIL import Image, UnidentifiedImageError
 
-    from .captioning import load_captioner
+    from .loading import load_captioner
     from .device import pick_device
     from .errors import MissingInputError
 
@@ -293,7 +293,7 @@ def register_caption(sub: Any) -> None:
 
 
 def _caption(args: argparse.Namespace) -> None:
-    from .repo_format import privacy_headline
+    from .ledger import privacy_headline
 
     model, images = _load_for_captions(args)
     captions = model.caption(images, args.max_tokens)
@@ -318,7 +318,7 @@ def register_zero_shot(sub: Any) -> None:
 
 def _zero_shot(args: argparse.Namespace) -> None:
     from .captioning import DEFAULT_PROMPT
-    from .repo_format import privacy_headline
+    from .ledger import privacy_headline
 
     labels = [label.strip() for label in args.labels.split(",")]
     empty = [i for i, label in enumerate(labels) if not label]

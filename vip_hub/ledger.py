@@ -71,6 +71,7 @@ __all__ = [
     "PrivacySummary",
     "Stage",
     "compose_releases",
+    "privacy_headline",
     "round_down",
     "round_up",
 ]
@@ -357,6 +358,17 @@ class PrivacySummary:
             "caveat": self.caveat,
             "epsilon_without_amplification": self.epsilon_without_amplification,
         }
+
+
+def privacy_headline(summary: PrivacySummary) -> str:
+    """One line stating a component's guarantee, as the card, pages and CLI show it."""
+    parts = [
+        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
+        for g in summary.guarantees
+    ]
+    parts += [f"NO guarantee for {d} (used without DP)" for d in summary.unprotected_datasets]
+    line = "; ".join(parts) if parts else "no private data (ε = 0)"
+    return f"{line}, {summary.caveat}" if summary.caveat else line
 
 
 class PrivacyLedger(_Model):

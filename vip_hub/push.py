@@ -13,9 +13,14 @@ import os
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile
-from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 
-from .repo_format import DEFAULT_BRANCH, LEDGER_FILE, privacy_headline
+from .ledger import privacy_headline
+from .repo_format import DEFAULT_BRANCH, LEDGER_FILE
 from .verify import repo_files, verify_repo
 
 __all__ = ["is_published", "push_repo"]

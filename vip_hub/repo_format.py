@@ -20,12 +20,8 @@ pages) reads these names from here; see ``docs/architecture.md``.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:  # the ledger imports this module's names
-    from .ledger import PrivacySummary
 
 __all__ = [
     "CARD_FILE",
@@ -52,7 +48,6 @@ __all__ = [
     "head_name_of",
     "heads_in",
     "is_weights_file",
-    "privacy_headline",
 ]
 
 FORMAT_VERSION = 1
@@ -132,14 +127,3 @@ def format_params(n: int | None) -> str:
     if not n:
         return "–"
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-
-
-def privacy_headline(summary: "PrivacySummary") -> str:
-    """One line stating a component's guarantee, as the card, pages and CLI show it."""
-    parts = [
-        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
-        for g in summary.guarantees
-    ]
-    parts += [f"NO guarantee for {d} (used without DP)" for d in summary.unprotected_datasets]
-    line = "; ".join(parts) if parts else "no private data (ε = 0)"
-    return f"{line}, {summary.caveat}" if summary.caveat else line

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 from pydantic import BaseModel, Field
 
 from vip_hub.ledger import PrivacySummary
-from vip_hub.repo_format import privacy_headline
+from vip_hub.ledger import privacy_headline
 
 from ..auth import Identity, check_read, identity, identity_or_anonymous, require_scope
 from ..errors import BadRequest, PayloadTooLarge

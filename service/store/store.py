@@ -26,8 +26,8 @@ from typing import Any
 
 from vip_hub.card import load_card
 from vip_hub.errors import SignatureError
-from vip_hub.ledger import PrivacyLedger
-from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE, privacy_headline
+from vip_hub.ledger import PrivacyLedger, privacy_headline
+from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE
 from vip_hub.signing import PublicKey, load_keys, verify_signature
 from vip_hub.verify import verify_repo
 
