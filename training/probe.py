@@ -165,6 +165,8 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cf
         step = 0
         for _ in range(cfg.epochs):
             for idx in torch.randperm(n, generator=g).split(batch):
+                if len(idx) < 2:  # BatchNorm cannot train on one example: a last batch of one is skipped
+                    continue
                 for group in opt.param_groups:
                     group["lr"] = cfg.lr * lr_factor(step, warmup, total)
                 loss = loss_fn(head(train_x[idx]), train_y[idx])
