@@ -33,7 +33,7 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import Dataset
 from vip_hub.loading import load_encoder
 from vip_hub.repo import export_encoder
-from vip_hub.repo_format import ENCODER
+from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import sensitivity
 from vip_hub.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
 
@@ -61,7 +61,6 @@ __all__ = [
     "write_digit_vocab",
 ]
 
-CURVES_FILE = "training_curves.png"
 MECHANISM = "DP-AdamW"
 PUBLIC_CAPTIONS = (
     "an abstract pattern of colours",

@@ -31,7 +31,7 @@ from vip_hub.ledger import Dataset
 from vip_hub.loading import load_encoder
 from vip_hub.models import EncoderSpec
 from vip_hub.repo import export_encoder
-from vip_hub.repo_format import ENCODER
+from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
 
 from .data import Augmented, mae_transform, open_images
@@ -47,7 +47,6 @@ from .synthetic import render
 
 __all__ = ["RECIPE", "LogitDPConfig", "Mechanism", "contrastive_model", "skip_cap", "train_logit_dp"]
 
-CURVES_FILE = "training_curves.png"
 
 
 class Mechanism(str, enum.Enum):

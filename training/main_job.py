@@ -93,7 +93,6 @@ class MainJobConfig(BaseModel):
     epsilon: float = Field(8.0, gt=0, description="epsilon of every DP encoder")
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
-    dp_lr: float = Field(3.84e-4, gt=0, description="peak learning rate of ViP")
     dpcap_syn_steps: int = Field(60, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder")
     dpcap_steps: int = Field(30, gt=0, description="DP-Cap captioning steps")
     contrastive_batch_size: int = Field(32, gt=0, description="expected batch of Logit-DP and Naive-DP")
@@ -247,7 +246,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                    "audit_canaries": cfg.audit_canaries, "workers": cfg.workers, "seed": None}
     runs = [
         (VIP, folder[SYN_VIP], train_vip,
-         VipConfig(init=str(folder[SYN_VIP]), batch_size=cfg.dp_batch_size, steps=cfg.dp_steps, lr=cfg.dp_lr,
+         VipConfig(init=str(folder[SYN_VIP]), batch_size=cfg.dp_batch_size, steps=cfg.dp_steps,
                    micro_batch_size=128, **private, **_names(VIP, folder))),
         (DPCAP, syn_cap, train_dpcap,
          DPCapConfig(init=str(syn_cap), vocab=str(vocab), public_captions=str(public_captions),

@@ -19,6 +19,7 @@ from vip_hub.errors import ConfigError
 from vip_hub.ledger import Dataset, NonPrivateStage
 from vip_hub.models import ARCHS, EncoderSpec
 from vip_hub.repo import export_encoder
+from vip_hub.repo_format import CURVES_FILE
 
 from .distributed import Dist
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
@@ -32,7 +33,6 @@ from .synthetic import FAMILIES, SyntheticImages
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 
 SYNTHETIC_DATASET = "vip-hub-procedural-v1"
-CURVES_FILE = "training_curves.png"
 
 
 class SynConfig(RunConfig):

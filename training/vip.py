@@ -18,7 +18,7 @@ from pydantic import Field
 
 from vip_hub.ledger import Dataset
 from vip_hub.repo import export_encoder
-from vip_hub.repo_format import ENCODER
+from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import sensitivity
 
 from .clipping import PerExampleClipper
@@ -34,7 +34,6 @@ from .sampling import MASKING, torch_generator
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
 
-CURVES_FILE = "training_curves.png"
 MECHANISM = "DP-AdamW"
 
 

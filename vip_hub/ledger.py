@@ -50,8 +50,6 @@ _OLD_SCHEMAS = {
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
 """A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
 
-PER_EXAMPLE_MECHANISMS = ("DP-SGD", "DP-Adam", "DP-AdamW")
-"""Per-example clipping: the sensitivity of the clipped sum is the clipping norm C."""
 Mechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
 Sampling = Literal["poisson", "shuffle"]
 

@@ -26,6 +26,7 @@ from .errors import ConfigError
 __all__ = [
     "CARD_FILE",
     "CONFIG_FILE",
+    "CURVES_FILE",
     "DEFAULT_BRANCH",
     "ENCODER",
     "FORMAT_VERSION",
@@ -58,6 +59,8 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 LEDGER_FILE = "privacy_ledger.json"
 CARD_FILE = "README.md"
+CURVES_FILE = "training_curves.png"
+"""A recipe's training curves (measured on public data), shown in the card."""
 MAE_DECODER_FILE = "mae_decoder.safetensors"
 TEXT_DECODER_FILE = "text_decoder.safetensors"
 VOCAB_FILE = "vocab.txt"
