@@ -18,8 +18,9 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/vip-hub run
 
-## Every test, the slow end-to-end ones included (what CI runs).
+## The layer contracts (import-linter), then every test, the slow end-to-end ones included (what CI runs).
 test: venv
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 ## Skip the slow end-to-end tests.
