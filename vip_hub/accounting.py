@@ -24,7 +24,7 @@ from .errors import AccountingError
 __all__ = [
     "Accountant",
     "AccountingError",
-    "Mechanism",
+    "GaussianRun",
     "calibrate",
     "composed_epsilon",
     "default_delta",
@@ -54,7 +54,7 @@ class Accountant(StrEnum):
         return tuple(a for a in Accountant if a is not self)
 
 
-Mechanism = tuple[float, float, int]
+GaussianRun = tuple[float, float, int]
 """One homogeneous run of steps: (noise multiplier sigma, sample rate q, steps T)."""
 
 
@@ -92,7 +92,7 @@ def epsilons(sigma: float, sample_rate: float, steps: int, delta: float) -> dict
 
 
 def composed_epsilon(
-    history: Sequence[Mechanism], delta: float, accountant: Accountant | str = Accountant.RDP
+    history: Sequence[GaussianRun], delta: float, accountant: Accountant | str = Accountant.RDP
 ) -> float:
     """Epsilon of the composition of several runs (e.g. every DP stage on one dataset)."""
     kind = _check_accountant(accountant)
@@ -105,7 +105,7 @@ def composed_epsilon(
 
 
 @functools.lru_cache(maxsize=4096)
-def _epsilon(history: tuple[Mechanism, ...], delta: float, kind: Accountant) -> float:
+def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -> float:
     """The accountants are deterministic: each (history, delta) is computed once per process."""
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         warnings.simplefilter("ignore")
@@ -201,7 +201,7 @@ def _pld_accountant():  # type: ignore[no-untyped-def]
     return PLDAccountant(NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_INTERVAL)
 
 
-def _pld_event(history: Sequence[Mechanism]):  # type: ignore[no-untyped-def]
+def _pld_event(history: Sequence[GaussianRun]):  # type: ignore[no-untyped-def]
     from dp_accounting import dp_event
 
     return dp_event.ComposedDpEvent([
@@ -211,7 +211,7 @@ def _pld_event(history: Sequence[Mechanism]):  # type: ignore[no-untyped-def]
     ])
 
 
-def _pld_epsilon(history: Sequence[Mechanism], delta: float) -> float:
+def _pld_epsilon(history: Sequence[GaussianRun], delta: float) -> float:
     acc = _pld_accountant()
     acc.compose(_pld_event(history))
     return float(acc.get_epsilon(delta))

@@ -50,7 +50,8 @@ _OLD_SCHEMAS = {
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
 """A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
 
-Mechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
+MechanismName = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
+"""The mechanisms a DP stage may name (each fixes how its sensitivity is computed)."""
 Sampling = Literal["poisson", "shuffle"]
 
 __all__ = [
@@ -181,7 +182,7 @@ class DPStage(_Stage):
     as ``sampling`` says (the accountants assume Poisson sampling at rate q)."""
 
     type: Literal["dp"] = "dp"
-    mechanism: Mechanism
+    mechanism: MechanismName
     mechanism_params: dict[str, Any] = Field(
         default_factory=dict, description="what fixes the sensitivity beyond C (Logit-DP: loss, temperature...)")
     sampling: Sampling = "poisson"
