@@ -28,15 +28,19 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from vip_hub.accounting import Accountant, calibrate, composed_epsilon, default_delta, max_steps_within
 from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
-from vip_hub.ledger import DPStage
+from vip_hub.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.models import EncoderSpec
+from vip_hub.repo_format import ENCODER
 
 from .canaries import DiracCanaries
 from .clipping import ClipResult
@@ -319,6 +323,23 @@ class DPEngine:
             sample_rate=b.sample_rate, noise_multiplier=b.noise_multiplier, steps=b.steps,
             sensitivity=self.sensitivity, clipping_norm=self.clipping_norm, delta=b.delta, accountant=b.accountant,
             audit=audit, **fields)
+
+    def export(self, run: Run, cfg: DPRunConfig, encoder: VisionTransformer, spec: EncoderSpec,
+               init: PrivacyLedger, *, records: list[dict[str, Any]], mechanism: str,
+               curve_label: str, dataset_description: str, summary: str,
+               files: dict[str, Any] | None = None, **stage_fields: Any) -> Path:
+        """Export the released repo: the init repo's encoder stages, then this run's ``stage``
+        (named ``mechanism``, on ``cfg``'s dataset) and the curve of its ``public_loss``."""
+        def stages() -> list[NonPrivateStage | DPStage]:
+            dataset = Dataset(name=cfg.dataset_name, size=self.budget.dataset_size,
+                              description=dataset_description)
+            stage = self.stage(audit_delta=cfg.audit_delta, mechanism=mechanism, dataset=dataset,
+                               **stage_fields)
+            return [*(s for s in init.stages if s.component == ENCODER), stage]
+
+        curve = ("public_loss", curve_label, f"{mechanism} on {cfg.dataset_name}")
+        return run.export_encoder(encoder, spec, stages, records=records, curve=curve,
+                                  summary=summary, **(files or {}))
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -30,10 +30,7 @@ from pydantic import Field
 
 from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.errors import ConfigError, DataError, MissingInputError
-from vip_hub.ledger import Dataset
 from vip_hub.loading import load_encoder
-from vip_hub.repo import export_encoder
-from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import sensitivity
 from vip_hub.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
 
@@ -43,9 +40,17 @@ from .distributed import Dist
 from .dp_engine import Budget, DPEngine
 from .mae import freeze_fixed_tokens, public_images
 from .optim import make_adamw, warmup_cosine
-from .recipe import DPRunConfig, Recipe, recipe_main
+from .recipe import (
+    DPRunConfig,
+    Recipe,
+    beta_field,
+    lr_field,
+    recipe_main,
+    two_fifths_of_steps,
+    warmup_field,
+    weight_decay_field,
+)
 from .run import Run
-from .runlog import plot_curves
 
 __all__ = [
     "DIGIT_NAMES",
@@ -87,12 +92,12 @@ class DPCapConfig(DPRunConfig):
     vocab: str = Field(description="public vocabulary file (BERT-style vocab.txt, e.g. bert-base-uncased's), "
                                    "fixed before training and never fitted on the private captions")
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
-    lr: float = Field(5.12e-4, gt=0, description="peak learning rate")
-    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: 0.4 x steps, the paper's)")
+    lr: float = lr_field(5.12e-4)
+    warmup_steps: int | None = warmup_field(two_fifths_of_steps)
     decay_steps: int | None = Field(None, gt=0, description="cosine decay horizon (default: twice the steps)")
-    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    weight_decay: float = weight_decay_field(0.05)
+    beta1: float = beta_field(1)
+    beta2: float = beta_field(2)
     decoder_width: int = Field(128, gt=0, description="text decoder width (reference: the encoder's, up to 768)")
     decoder_depth: int = Field(2, gt=0, description="text decoder blocks (reference: 6)")
     decoder_heads: int = Field(4, gt=0, description="text decoder attention heads")
@@ -124,7 +129,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
                                                         depth=cfg.decoder_depth, num_heads=cfg.decoder_heads))
     model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
     optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.4 * cfg.steps))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else two_fifths_of_steps(cfg.steps)
     horizon = cfg.decay_steps or 2 * cfg.steps
     scheduler = warmup_cosine(optimizer, warmup, horizon)
     engine = DPEngine.for_run(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
@@ -143,37 +148,32 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
                            prepare=lambda micro: _trimmed(micro, tokenizer.pad_id),
                            evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)})
 
-    def export() -> None:
-        name = cfg.dataset_name
-        stage = engine.stage(
-            audit_delta=cfg.audit_delta, name="dp-captioning", mechanism=MECHANISM,
-            dataset=Dataset(name=name, size=n, description=f"{n} image-caption pairs; image captioning with DP-AdamW"),
-            description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every parameter, token "
-                         "embedding included; Gaussian noise once per logical step, Poisson sampling); the text "
-                         "decoder is trained from scratch in this stage"),
-            hyperparameters={
-                "lr": cfg.lr, "warmup_steps": warmup, "decay_steps": horizon,
-                "schedule": "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
-                "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2], "img_size": spec.img_size,
-                "text_decoder": {"width": cfg.decoder_width, "depth": cfg.decoder_depth, "heads": cfg.decoder_heads},
-                "max_length": cfg.max_length, "vocab_size": tokenizer.vocab_size,
-                "vocabulary": "public file fixed before training (vocab.txt), not fitted on the captions",
-                "augmentation": "random resized crop (0.2-1), flip",
-            },
-        )
-        prior = [s for s in init.ledger.stages if s.component == ENCODER]
-        png = plot_curves(records, "public_loss", "caption loss on public procedural images", f"DP-AdamW on {name}")
-        export_encoder(
-            cfg.out, model.encoder, spec, [*prior, stage], model_name=cfg.model_name or Path(cfg.out).name,
-            repo_id=cfg.repo_id,
-            summary=(f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining on procedural "
-                     f"images, then DP-AdamW captioning on {name} ({n} image-caption pairs). The loss curve is "
-                     "measured on public procedural images with public captions, so publishing it costs no "
-                     "privacy."),
-            text_decoder=model.decoder, vocab=vocab, extra_files={CURVES_FILE: png}, overwrite=True,
-        )
-
-    return run.export(export)
+    return engine.export(
+        run, cfg, model.encoder, spec, init.ledger, records=records, mechanism=MECHANISM,
+        curve_label="caption loss on public procedural images",
+        dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",
+        summary=(f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining "
+                 f"on procedural images, then DP-AdamW captioning on {cfg.dataset_name} ({n} "
+                 "image-caption pairs). The loss curve is measured on public procedural images "
+                 "with public captions, so publishing it costs no privacy."),
+        files={"text_decoder": model.decoder, "vocab": vocab},
+        name="dp-captioning",
+        description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every "
+                     "parameter, token embedding included; Gaussian noise once per logical step, "
+                     "Poisson sampling); the text decoder is trained from scratch in this stage"),
+        hyperparameters={
+            "lr": cfg.lr, "warmup_steps": warmup, "decay_steps": horizon,
+            "schedule": "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
+            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
+            "img_size": spec.img_size,
+            "text_decoder": {"width": cfg.decoder_width, "depth": cfg.decoder_depth,
+                             "heads": cfg.decoder_heads},
+            "max_length": cfg.max_length, "vocab_size": tokenizer.vocab_size,
+            "vocabulary": ("public file fixed before training (vocab.txt), not fitted on the "
+                           "captions"),
+            "augmentation": "random resized crop (0.2-1), flip",
+        },
+    )
 
 
 def _vocabulary(cfg: DPCapConfig) -> tuple[bytes, CaptionTokenizer]:

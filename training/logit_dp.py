@@ -27,11 +27,8 @@ from pydantic import Field, field_validator
 
 from vip_hub.errors import ConfigError
 from vip_hub.features import final_norm
-from vip_hub.ledger import Dataset
 from vip_hub.loading import load_encoder
 from vip_hub.models import EncoderSpec
-from vip_hub.repo import export_encoder
-from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
 
 from .data import Augmented, mae_transform, open_images
@@ -40,9 +37,17 @@ from .dp_engine import Budget, DPEngine
 from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
 from .optim import make_adamw, warmup_cosine
 from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
-from .recipe import DPRunConfig, Recipe, recipe_main
+from .recipe import (
+    DPRunConfig,
+    Recipe,
+    beta_field,
+    lr_field,
+    recipe_main,
+    tenth_of_steps,
+    warmup_field,
+    weight_decay_field,
+)
 from .run import Run
-from .runlog import plot_curves
 from .synthetic import render
 
 __all__ = ["RECIPE", "LogitDPConfig", "Mechanism", "contrastive_model", "skip_cap", "train_logit_dp"]
@@ -87,11 +92,11 @@ class LogitDPConfig(DPRunConfig):
                                                       "with d)")
     projection_hidden: int | None = Field(None, gt=0, description="projection head hidden width (default: the "
                                                                   "encoder's width)")
-    lr: float = Field(1e-3, gt=0, description="peak learning rate")
-    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: steps // 10, at least 1)")
-    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    lr: float = lr_field(1e-3)
+    warmup_steps: int | None = warmup_field(tenth_of_steps)
+    weight_decay: float = weight_decay_field(0.05)
+    beta1: float = beta_field(1)
+    beta2: float = beta_field(2)
     micro_batch_size: int | None = Field(None, description="not used: a contrastive clipped sum is not additive "
                                                            "over micro-batches, each rank's sample is one call")
 
@@ -160,7 +165,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     clipper = (PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
                if mechanism is Mechanism.LOGIT_DP else BatchClipper(model, clip, cfg.temperature))
     optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
     engine = DPEngine.for_run(clipper, optimizer, scheduler, budget, run, cfg, sensitivity=delta_sensitivity,
@@ -177,48 +182,40 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     records = engine.train(run, model, load, desc=f"train-logit-dp ({mechanism.ledger_name})",
                            evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)})
 
-    def export() -> None:
-        name = cfg.dataset_name
-        depth, k = len(model.encoder.blocks), cfg.trainable_blocks
-        trained = sum(p.numel() for p in clipper.params)
-        frozen = ("nothing (the fixed position embedding aside)" if k == depth else
-                  f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens")
-        clipping = (f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum weighted by "
-                    f"dL/dZ (Algorithm 1)" if mechanism is Mechanism.LOGIT_DP else
-                    f"the whole-batch gradient clipped to C = {clip:g}")
-        stage = engine.stage(
-            audit_delta=cfg.audit_delta, name="dp-contrastive", mechanism=mechanism.ledger_name,
-            mechanism_params=params,
-            dataset=Dataset(name=name, size=n, description=f"{n} images; contrastive training with {mechanism.ledger_name}"),
-            description=(f"{mechanism.ledger_name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
-                         f"augmented views per image, negatives from the same rank's Poisson sample; {clipping}; "
-                         "Gaussian noise sigma x sensitivity once per logical step. Trained: the top "
-                         f"{k} of {depth} blocks, the final norm and a projection head ({trained:,} parameters); "
-                         f"{frozen} are the init repo's, unchanged: they never see this data and cost no privacy"),
-            hyperparameters={
-                "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine", "weight_decay": cfg.weight_decay,
-                "betas": [cfg.beta1, cfg.beta2], "img_size": spec.img_size, "trainable_blocks": k,
-                "trainable_parameters": trained, "frozen": frozen,
-                "projection_head": {"dim": cfg.projection_dim, "hidden": cfg.projection_hidden or model.encoder.num_features,
-                                    "released": False},
-                "augmentation": "two views per image: random resized crop (0.2-1), flip",
-            },
-        )
-        prior = [s for s in init.ledger.stages if s.component == ENCODER]
-        png = plot_curves(records, "public_loss", "contrastive loss on public procedural images",
-                          f"{mechanism.ledger_name} on {name}")
-        export_encoder(
-            cfg.out, model.encoder, spec, [*prior, stage], model_name=cfg.model_name or Path(cfg.out).name,
-            repo_id=cfg.repo_id,
-            summary=(f"A {spec.arch} encoder trained contrastively with {mechanism.ledger_name} on {name} ({n} "
-                     f"images), starting from {cfg.init}: symmetric InfoNCE (temperature {cfg.temperature:g}) on the "
-                     f"top {k} of {depth} blocks and a projection head, which is not released (the encoder's "
-                     "features are the ones to probe). The loss curve is measured on public procedural images, "
-                     "so publishing it costs no privacy."),
-            extra_files={CURVES_FILE: png}, overwrite=True,
-        )
-
-    return run.export(export)
+    name, depth, k = mechanism.ledger_name, len(model.encoder.blocks), cfg.trainable_blocks
+    trained = sum(p.numel() for p in clipper.params)
+    frozen = ("nothing (the fixed position embedding aside)" if k == depth else
+              f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens")
+    clipping = (f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum "
+                f"weighted by dL/dZ (Algorithm 1)" if mechanism is Mechanism.LOGIT_DP else
+                f"the whole-batch gradient clipped to C = {clip:g}")
+    hidden = cfg.projection_hidden or model.encoder.num_features
+    return engine.export(
+        run, cfg, model.encoder, spec, init.ledger, records=records, mechanism=name,
+        curve_label="contrastive loss on public procedural images",
+        dataset_description=f"{n} images; contrastive training with {name}",
+        summary=(f"A {spec.arch} encoder trained contrastively with {name} on {cfg.dataset_name} "
+                 f"({n} images), starting from {cfg.init}: symmetric InfoNCE (temperature "
+                 f"{cfg.temperature:g}) on the top {k} of {depth} blocks and a projection head, "
+                 "which is not released (the encoder's features are the ones to probe). The loss "
+                 "curve is measured on public procedural images, so publishing it costs no "
+                 "privacy."),
+        name="dp-contrastive", mechanism_params=params,
+        description=(f"{name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
+                     "augmented views per image, negatives from the same rank's Poisson sample; "
+                     f"{clipping}; Gaussian noise sigma x sensitivity once per logical step. "
+                     f"Trained: the top {k} of {depth} blocks, the final norm and a projection "
+                     f"head ({trained:,} parameters); {frozen} are the init repo's, unchanged: "
+                     "they never see this data and cost no privacy"),
+        hyperparameters={
+            "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine",
+            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
+            "img_size": spec.img_size, "trainable_blocks": k,
+            "trainable_parameters": trained, "frozen": frozen,
+            "projection_head": {"dim": cfg.projection_dim, "hidden": hidden, "released": False},
+            "augmentation": "two views per image: random resized crop (0.2-1), flip",
+        },
+    )
 
 
 def public_views(spec: EncoderSpec, transform: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

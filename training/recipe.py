@@ -27,7 +27,22 @@ from vip_hub.audit import DEFAULT_CANARIES, DEFAULT_DELTA
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import DATASET_NAME_PATTERN
 
-__all__ = ["DPRunConfig", "Recipe", "RunConfig", "add_config_args", "config_from_args", "recipe_main"]
+__all__ = [
+    "DPRunConfig",
+    "Recipe",
+    "RunConfig",
+    "WarmupRule",
+    "add_config_args",
+    "beta_field",
+    "config_from_args",
+    "lr_field",
+    "recipe_main",
+    "tenth_of_steps",
+    "tenth_of_steps_to_1000",
+    "two_fifths_of_steps",
+    "warmup_field",
+    "weight_decay_field",
+]
 
 
 class RunConfig(BaseModel):
@@ -76,6 +91,45 @@ class DPRunConfig(RunConfig):
     seed: int | None = Field(None, description="seed of every random stream (default: a secret random one)")
     checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints")
     steps: int = Field(100, gt=0, description="training steps (the run stops earlier if the budget says so)")
+
+
+WarmupRule = Callable[[int], int]
+"""A recipe's default warm-up from its steps; its docstring is the ``--warmup-steps`` default."""
+
+
+def tenth_of_steps(steps: int) -> int:
+    """steps // 10, at least 1"""
+    return max(1, steps // 10)
+
+
+def tenth_of_steps_to_1000(steps: int) -> int:
+    """min(1000, steps // 10)"""
+    return max(1, min(1000, steps // 10))
+
+
+def two_fifths_of_steps(steps: int) -> int:
+    """0.4 x steps, the paper's"""
+    return max(1, round(0.4 * steps))
+
+
+def lr_field(default: float, note: str | None = None) -> Any:
+    """A recipe's ``lr`` field: AdamW's peak learning rate, ``default`` unless given."""
+    return Field(default, gt=0, description="peak learning rate" + (f" ({note})" if note else ""))
+
+
+def warmup_field(rule: WarmupRule) -> Any:
+    """A recipe's ``warmup_steps`` field: None stands for ``rule(steps)``."""
+    return Field(None, ge=0, description=f"warm-up steps (default: {rule.__doc__})")
+
+
+def weight_decay_field(default: float) -> Any:
+    """A recipe's ``weight_decay`` field: AdamW's decoupled weight decay."""
+    return Field(default, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
+
+
+def beta_field(n: typing.Literal[1, 2]) -> Any:
+    """A recipe's ``beta1`` or ``beta2`` field: AdamW's (0.9, 0.95), as in MAE."""
+    return Field((0.9, 0.95)[n - 1], ge=0, lt=1, description=f"AdamW beta{n}")
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,24 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from tqdm.auto import tqdm
 
+from vip_hub.ledger import DPStage, NonPrivateStage
+from vip_hub.models import EncoderSpec
+from vip_hub.repo import export_encoder
+from vip_hub.repo_format import CURVES_FILE
 from vip_hub.signing import SIGNING_KEY_ENV, sign_repo
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Dist
 from .recipe import RunConfig
-from .runlog import RunLog
+from .runlog import RunLog, plot_curves
 
 __all__ = ["Run", "Stateful"]
 
@@ -135,3 +140,17 @@ class Run:
                 sign_repo(self.cfg.out, key)
         self.dist.barrier()
         return Path(self.cfg.out)
+
+    def export_encoder(self, encoder: VisionTransformer, spec: EncoderSpec,
+                       stages: Callable[[], Sequence[NonPrivateStage | DPStage]], *,
+                       records: list[dict[str, Any]], curve: tuple[str, str, str], summary: str,
+                       **files: Any) -> Path:
+        """``export`` of the released encoder repo: the ledger of ``stages()``, the ``curve`` of
+        ``records`` (``plot_curves``' key, label, title) as ``CURVES_FILE``, and ``files``."""
+        def write() -> None:
+            cfg, name = self.cfg, self.cfg.model_name or Path(self.cfg.out).name
+            export_encoder(cfg.out, encoder, spec, stages(), model_name=name, repo_id=cfg.repo_id,
+                           summary=summary, overwrite=True,
+                           extra_files={CURVES_FILE: plot_curves(records, *curve)}, **files)
+
+        return self.export(write)

@@ -18,15 +18,21 @@ from pydantic import Field
 from vip_hub.errors import ConfigError
 from vip_hub.ledger import Dataset, NonPrivateStage
 from vip_hub.models import ARCHS, EncoderSpec
-from vip_hub.repo import export_encoder
-from vip_hub.repo_format import CURVES_FILE
 
 from .distributed import Dist
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
 from .optim import make_adamw, warmup_cosine
-from .recipe import Recipe, RunConfig, recipe_main
+from .recipe import (
+    Recipe,
+    RunConfig,
+    beta_field,
+    lr_field,
+    recipe_main,
+    tenth_of_steps,
+    warmup_field,
+    weight_decay_field,
+)
 from .run import Run
-from .runlog import plot_curves
 from .sampling import MASKING, torch_generator
 from .synthetic import FAMILIES, SyntheticImages
 
@@ -43,11 +49,11 @@ class SynConfig(RunConfig):
     img_size: int = Field(224, gt=0, description="input resolution in pixels")
     patch_size: int = Field(16, gt=0, description="patch size in pixels")
     batch_size: int = Field(64, gt=0, description="images per step")
-    lr: float = Field(1.5e-4 * 64 / 256, gt=0, description="peak learning rate (MAE's 1.5e-4 per 256 images)")
-    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: steps // 10)")
-    weight_decay: float = Field(0.05, ge=0, description="AdamW weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    lr: float = lr_field(1.5e-4 * 64 / 256, note="MAE's 1.5e-4 per 256 images")
+    warmup_steps: int | None = warmup_field(tenth_of_steps)
+    weight_decay: float = weight_decay_field(0.05)
+    beta1: float = beta_field(1)
+    beta2: float = beta_field(2)
     mask_ratio: float = Field(0.75, ge=0, lt=1, description="fraction of patches masked")
     norm_pix_loss: bool = Field(False, description="normalise each target patch (MAE's option)")
     decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
@@ -66,7 +72,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     torch.manual_seed(run.seed)  # initialisation only; batches and masks use their own streams
     mae = new_mae(spec, decoder).to(dist.device)
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler}
     start = run.resume(objects)
@@ -101,15 +107,14 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         description=(f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
                      f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"),
     )
-    png = plot_curves(records, "train_loss", "MAE training loss (procedural images)",
-                      f"(Syn)-{spec.family.title} pretraining")
-    return run.export(lambda: export_encoder(
-        cfg.out, mae.encoder, spec, [stage], model_name=cfg.model_name or Path(cfg.out).name, repo_id=cfg.repo_id,
+    return run.export_encoder(
+        mae.encoder, spec, lambda: [stage], records=records,
+        curve=("train_loss", "MAE training loss (procedural images)",
+               f"(Syn)-{spec.family.title} pretraining"),
         summary=(f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
                  f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy cost."),
         decoder=mae.decoder_state_dict(), decoder_config=decoder.to_dict(),
-        extra_files={CURVES_FILE: png}, overwrite=True,
-    ))
+    )
 
 
 RECIPE = Recipe("syn", "(Syn)-ViP: MAE pretraining on procedural images", SynConfig, train_syn)

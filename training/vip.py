@@ -16,9 +16,6 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from vip_hub.ledger import Dataset
-from vip_hub.repo import export_encoder
-from vip_hub.repo_format import CURVES_FILE, ENCODER
 from vip_hub.sensitivity import sensitivity
 
 from .clipping import PerExampleClipper
@@ -27,9 +24,17 @@ from .distributed import Dist
 from .dp_engine import Budget, DPEngine
 from .mae import eval_loss, load_mae, public_eval_batch
 from .optim import make_adamw, warmup_cosine
-from .recipe import DPRunConfig, Recipe, recipe_main
+from .recipe import (
+    DPRunConfig,
+    Recipe,
+    beta_field,
+    lr_field,
+    recipe_main,
+    tenth_of_steps_to_1000,
+    warmup_field,
+    weight_decay_field,
+)
 from .run import Run
-from .runlog import plot_curves
 from .sampling import MASKING, torch_generator
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
@@ -42,11 +47,11 @@ class VipConfig(DPRunConfig):
 
     init: str = Field(description="(Syn)-ViP repo folder or hub id to start from (with mae_decoder.safetensors)")
     data: str = Field(description="image folder (class subfolders allowed) or directory of webdataset tar shards")
-    lr: float = Field(3.84e-4, gt=0, description="peak learning rate")
-    warmup_steps: int | None = Field(None, ge=0, description="warm-up steps (default: min(1000, steps // 10))")
-    weight_decay: float = Field(0.005, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    lr: float = lr_field(3.84e-4)
+    warmup_steps: int | None = warmup_field(tenth_of_steps_to_1000)
+    weight_decay: float = weight_decay_field(0.005)
+    beta1: float = beta_field(1)
+    beta2: float = beta_field(2)
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -59,7 +64,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     mae, spec, init_ledger = load_mae(cfg.init)
     mae.to(dist.device)
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(1000, cfg.steps // 10))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps_to_1000(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     engine = DPEngine.for_run(PerExampleClipper(mae, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
                               sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), clipping_norm=cfg.max_grad_norm)
@@ -74,32 +79,25 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     records = engine.train(run, mae, load, desc="train-vip",
                            evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
 
-    def export() -> None:
-        name = cfg.dataset_name
-        stage = engine.stage(
-            audit_delta=cfg.audit_delta, name="dp-pretrain", mechanism=MECHANISM,
-            dataset=Dataset(name=name, size=n, description=f"{n} images; MAE pretraining with DP-AdamW"),
-            description=("ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
-                         "Gaussian noise once per logical step, Poisson sampling)"),
-            hyperparameters={
-                "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine", "weight_decay": cfg.weight_decay,
-                "betas": [cfg.beta1, cfg.beta2], "mask_ratio": mae.config.mask_ratio, "img_size": spec.img_size,
-                "augmentation": "random resized crop (0.2-1), flip",
-            },
-        )
-        prior = [s for s in init_ledger.stages if s.component == ENCODER]
-        png = plot_curves(records, "public_loss", "MAE loss on public procedural images", f"DP-AdamW on {name}")
-        export_encoder(
-            cfg.out, mae.encoder, spec, [*prior, stage], model_name=cfg.model_name or Path(cfg.out).name,
-            repo_id=cfg.repo_id,
-            summary=(f"A {spec.arch} encoder trained with the ViP recipe: MAE pretraining on procedural images, "
-                     f"then DP-AdamW on {name} ({n} images). The loss curve is measured on public procedural "
-                     "images, so publishing it costs no privacy."),
-            decoder=mae.decoder_state_dict(), decoder_config=mae.config.to_dict(),
-            extra_files={CURVES_FILE: png}, overwrite=True,
-        )
-
-    return run.export(export)
+    return engine.export(
+        run, cfg, mae.encoder, spec, init_ledger, records=records, mechanism=MECHANISM,
+        curve_label="MAE loss on public procedural images",
+        dataset_description=f"{n} images; MAE pretraining with DP-AdamW",
+        summary=(f"A {spec.arch} encoder trained with the ViP recipe: MAE pretraining on "
+                 f"procedural images, then DP-AdamW on {cfg.dataset_name} ({n} images). The "
+                 "loss curve is measured on public procedural images, so publishing it costs no "
+                 "privacy."),
+        files={"decoder": mae.decoder_state_dict(), "decoder_config": mae.config.to_dict()},
+        name="dp-pretrain",
+        description=("ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
+                     "Gaussian noise once per logical step, Poisson sampling)"),
+        hyperparameters={
+            "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine",
+            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
+            "mask_ratio": mae.config.mask_ratio, "img_size": spec.img_size,
+            "augmentation": "random resized crop (0.2-1), flip",
+        },
+    )
 
 
 RECIPE = Recipe("vip", "ViP: DP-AdamW MAE training on private images", VipConfig, train_vip)
