@@ -26,10 +26,10 @@ from typing import Any
 
 from vip_hub.card import load_card
 from vip_hub.errors import SignatureError
-from vip_hub.ledger import PrivacyLedger, privacy_headline
+from vip_hub.ledger import PrivacyLedger, PrivacySummary, privacy_headline
 from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE
 from vip_hub.signing import PublicKey, load_keys, verify_signature
-from vip_hub.verify import verify_repo
+from vip_hub.verify import VerificationReport, verify_repo
 
 from .naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
 from .blobs import BlobStore, FileDigest, check_sha256, fsync_dir, hash_file, lfs_digest, make_private_dir
@@ -117,6 +117,24 @@ class SignatureRecord:
     signer: str
     fingerprint: str
     verified_at: str
+
+
+@dataclass(frozen=True)
+class _NewCommit:
+    """A verified commit whose blobs are stored, as the index transaction writes it."""
+
+    sha: str
+    parent: str | None
+    title: str
+    message: str
+    author: str
+    created: str
+    meta: dict[str, Any]  # the config's CONFIG_BLOCK
+    summary: PrivacySummary
+    card_data: dict[str, Any]
+    files: dict[str, FileEntry]
+    dp_datasets: list[str]  # the datasets of every DP stage, any component's
+    signer: PublicKey | None
 
 
 @dataclass(frozen=True)
@@ -418,6 +436,32 @@ class HubStore:
         message: str,
         author: str,
     ) -> CommitRecord:
+        """``commit`` under the repo's lock, in the steps and order of the module docstring."""
+        head = self._branch_head(repo_id, branch, parent_commit)
+        tree = self.tree(repo_id, head) if head else {}
+        local, new = self._staged(repo_id, tree, operations)
+        report, signer = self._verified(repo_id, local)
+        crash_point("commit-verified")
+        summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
+        config = json.loads(local[CONFIG_FILE].read_bytes())
+        card_data = load_card(local[CARD_FILE].read_text(encoding="utf-8")).data.to_dict()
+        files = self._store_blobs(tree, local, new)
+        crash_point("commit-blobs-stored")
+        message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
+        created = _now()
+        commit = _NewCommit(
+            sha=_commit_id(head, files, title, message, author, created), parent=head, title=title,
+            message=message, author=author, created=created, meta=config.get(CONFIG_BLOCK) or {},
+            summary=summary, card_data=card_data, files=files, signer=signer,
+            dp_datasets=sorted({s.dataset.name for s in report.ledger.dp_stages()}),  # type: ignore[union-attr]
+        )
+        self._write_index(repo_id, branch, commit)
+        crash_point("commit-indexed")
+        self._forget_uploads(repo_id, operations)
+        return self.commit_record(repo_id, commit.sha)
+
+    def _branch_head(self, repo_id: str, branch: str, parent_commit: str | None) -> str | None:
+        """The head of ``branch`` to build on (None: none yet), if ``parent_commit`` is it."""
         validate_revision(branch)
         if COMMIT_RE.match(branch):
             raise InvalidRequest("commits go to a branch, not to a commit id")
@@ -432,19 +476,18 @@ class HubStore:
                 f"parent commit {parent_commit} is stale: branch {branch} of {repo_id} is at {head}; "
                 "fetch the new revision and commit again"
             )
-        tree = self.tree(repo_id, head) if head else {}
+        return head
+
+    def _staged(self, repo_id: str, tree: dict[str, FileEntry], operations: Sequence[Operation]
+                ) -> tuple[dict[str, Path], dict[str, tuple[Path, FileDigest]]]:
+        """The would-be tree (path -> local file) of ``operations`` on ``tree``; its new files."""
         local: dict[str, Path] = {p: self.blob_path(e) for p, e in tree.items()}
         new: dict[str, tuple[Path, FileDigest]] = {}
         for op in operations:
             path = validate_path(op.path.rstrip("/") if isinstance(op, DeleteFolder) else op.path)
             if isinstance(op, AddFile | AddObject):  # what a file may hold is verify_repo's rule
-                if isinstance(op, AddFile):
-                    source, digest = op.source, hash_file(op.source)
-                else:  # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
-                    source = self._uploaded_source(repo_id, op.sha256)
-                    digest = lfs_digest(op.sha256, source.stat().st_size)
-                new[path] = (source, digest)
-                local[path] = source
+                new[path] = self._added(repo_id, op)
+                local[path] = new[path][0]
             elif isinstance(op, DeleteFile):
                 if path not in local:
                     raise NoSuchEntry(f"cannot delete {path}: no such file in {repo_id}")
@@ -455,60 +498,84 @@ class HubStore:
                 for p in [p for p in local if p.startswith(prefix)]:
                     local.pop(p)
                     new.pop(p, None)
+        return local, new
+
+    def _added(self, repo_id: str, op: AddFile | AddObject) -> tuple[Path, FileDigest]:
+        """The local file an added file's content is in, and its digest."""
+        if isinstance(op, AddFile):
+            return op.source, hash_file(op.source)
+        # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
+        source = self._uploaded_source(repo_id, op.sha256)
+        return source, lfs_digest(op.sha256, source.stat().st_size)
+
+    def _verified(self, repo_id: str, local: dict[str, Path]
+                  ) -> tuple[VerificationReport, PublicKey | None]:
+        """The would-be tree's report and signer; else PublishRefused or SignatureRefused."""
         report = verify_repo(local)
         if not report.ok:
             raise PublishRefused(
                 f"refused: {repo_id} does not verify, nothing was stored. "
                 + "; ".join(str(p) for p in report.problems)
             )
-        signer = self._signer(local)
-        crash_point("commit-verified")
-        summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
-        config = json.loads(local[CONFIG_FILE].read_bytes())
-        card_data = load_card(local[CARD_FILE].read_text(encoding="utf-8")).data.to_dict()
+        return report, self._signer(local)
+
+    def _store_blobs(self, tree: dict[str, FileEntry], local: dict[str, Path],
+                     new: dict[str, tuple[Path, FileDigest]]) -> dict[str, FileEntry]:
+        """Move the ``new`` files into the blob store; the commit's tree (kept and new entries)."""
         files = {p: e for p, e in tree.items() if p in local and p not in new}
         for path, (source, digest) in new.items():
             self.blobs.ingest(source, digest)
             files[path] = FileEntry(path, digest.sha256, digest.git_oid, digest.size)
-        crash_point("commit-blobs-stored")
-        message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
-        created = _now()
-        sha = _commit_id(head, files, title, message, author, created)
-        meta = config.get(CONFIG_BLOCK) or {}
+        return files
+
+    def _write_index(self, repo_id: str, branch: str, commit: _NewCommit) -> None:
+        """One index transaction: the commit, its tree, datasets, signature and the branch move."""
+        summary = commit.summary
         with self.index.transaction() as tx:
             repo_row = self._repo_row(tx, repo_id)
             tx.execute(
                 "INSERT INTO commits (sha, repo, parent, title, message, author, created_at, arch, "
                 "num_params, epsilon, delta, accountant, datasets, card_data) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (sha, repo_row["id"], head, title, message, author, created, meta.get("arch"),
-                 meta.get("num_params"), summary.epsilon, summary.delta,
+                (commit.sha, repo_row["id"], commit.parent, commit.title, commit.message,
+                 commit.author, commit.created, commit.meta.get("arch"),
+                 commit.meta.get("num_params"), summary.epsilon, summary.delta,
                  summary.accountant.value if summary.accountant else None,
-                 json.dumps(list(summary.datasets)), json.dumps(card_data, default=str)),
+                 json.dumps(list(summary.datasets)), json.dumps(commit.card_data, default=str)),
             )
             tx.executemany(
                 "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
-                [(sha, e.path, e.sha256, e.git_oid, e.size) for e in files.values()],
+                [(commit.sha, e.path, e.sha256, e.git_oid, e.size) for e in commit.files.values()],
             )
             tx.executemany("INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",  # any component's
-                           [(sha, d) for d in sorted({s.dataset.name for s in report.ledger.dp_stages()})])  # type: ignore[union-attr]
-            if signer is not None:
-                tx.execute("INSERT INTO signatures (commit_sha, signer, fingerprint, verified_at) VALUES (?, ?, ?, ?)",
-                           (sha, signer.name, signer.fingerprint, created))
-            # the branch move, a compare-and-swap: from the head this tree was built on, or nothing
-            if head is None:
-                moved = tx.execute("INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'branch', ?, ?) "
-                                   "ON CONFLICT DO NOTHING", (repo_row["id"], branch, sha))
-            else:
-                moved = tx.execute("UPDATE refs SET commit_sha = ? WHERE repo = ? AND kind = 'branch' AND name = ? "
-                                   "AND commit_sha = ?", (sha, repo_row["id"], branch, head))
-            if moved != 1:  # rolls the whole transaction back
-                raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
-        crash_point("commit-indexed")
-        for op in operations:  # the repo's history holds these objects now
+                           [(commit.sha, d) for d in commit.dp_datasets])
+            if commit.signer is not None:
+                tx.execute("INSERT INTO signatures (commit_sha, signer, fingerprint, verified_at) "
+                           "VALUES (?, ?, ?, ?)",
+                           (commit.sha, commit.signer.name, commit.signer.fingerprint,
+                            commit.created))
+            self._move_branch(tx, repo_row["id"], repo_id, branch, commit)
+
+    @staticmethod
+    def _move_branch(tx: Transaction, repo: Any, repo_id: str, branch: str,
+                     commit: _NewCommit) -> None:
+        """Move the branch: compare-and-swap from the head the tree was built on, else Conflict."""
+        if commit.parent is None:
+            moved = tx.execute("INSERT INTO refs (repo, kind, name, commit_sha) "
+                               "VALUES (?, 'branch', ?, ?) ON CONFLICT DO NOTHING",
+                               (repo, branch, commit.sha))
+        else:
+            moved = tx.execute("UPDATE refs SET commit_sha = ? WHERE repo = ? AND kind = 'branch' "
+                               "AND name = ? AND commit_sha = ?",
+                               (commit.sha, repo, branch, commit.parent))
+        if moved != 1:  # rolls the whole transaction back
+            raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
+
+    def _forget_uploads(self, repo_id: str, operations: Sequence[Operation]) -> None:
+        """Drop the upload records of the committed objects: the repo's history holds them now."""
+        for op in operations:
             if isinstance(op, AddObject):
                 self.blobs.forget_upload(repo_id, op.sha256)
-        return self.commit_record(repo_id, sha)
 
     def _signer(self, files: dict[str, Path]) -> PublicKey | None:
         """The trusted key that signed the would-be tree ``files`` (None: unsigned, where this hub
