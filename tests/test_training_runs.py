@@ -112,11 +112,11 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, i
 def test_training_stops_before_the_budget_is_exceeded(syn_repo: Path, images: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     sigma, q = 0.6, 8 / 40
-    expected = max_steps_within(3.0, sigma, q, 1e-5, 50, Accountant.RDP)
+    expected = max_steps_within(3.0, sigma, q, 1 / 80, 50, Accountant.RDP)  # delta 1/(2n), given explicitly
     assert 0 < expected < 50
     out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "dp"), epsilon=3.0,
                             sigma=sigma, batch_size=8, steps=50, seed=0, workers=0, eval_every=100,
-                            dataset_name="test/images"))
+                            dataset_name="test/images", delta=1 / 80))
     assert f"stopping after step {expected} of 50" in capsys.readouterr().err
     dp = ledger_of(out).stages[-1]
     assert dp.steps == expected and dp.epsilon <= 3.0

@@ -11,7 +11,7 @@ from torch import nn
 from helpers import DEVICES
 from training.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.mae import MAE, DecoderConfig, patchify
-from training.sampling import micro_batches, poisson_sample, rank_shard
+from training.sampling import micro_batches, poisson_sample, rank_share
 from training.synthetic import FAMILIES, SyntheticImages, contact_sheet, render
 from vip_hub.models import EncoderSpec, create_encoder
 
@@ -257,8 +257,8 @@ def test_poisson_sampling_rate_determinism_and_rank_streams() -> None:
 
 
 def test_rank_shards_partition_the_dataset_and_micro_batches_cover_the_sample() -> None:
-    shards = [rank_shard(11, r, 3) for r in range(3)]
-    assert sorted(np.concatenate(shards).tolist()) == list(range(11))
+    shares = [rank_share(np.arange(11), r, 3) for r in range(3)]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(11))
     parts = micro_batches(np.arange(10), 4)
     assert [len(p) for p in parts] == [4, 4, 2]
     empty = micro_batches(np.zeros(0, dtype=int), 4)

@@ -3,8 +3,9 @@
 Each of m canaries is a fake example whose gradient is zero on the model and ``CANARY_NORM``
 times the sensitivity on one secret coordinate of its own, in a block outside the exported
 weights. A secret bit (probability 1/2) decides whether the canary is in the training data;
-the canaries in it (``members``) join rank 0's share of the data, so the engine's own Poisson
-sampler draws them with the real examples at every step (one draw from one stream). A sampled
+the canaries in it (``members``) are drawn by the engine's own Poisson sampler in the same
+sample as the real examples at every step (one draw from one stream, alike on every rank), and
+rank 0 adds the ones drawn. A sampled
 canary is clipped by the project's one clipping function (``clip_factors``) to the sensitivity
 the clipper's own bound gives, and summed into the same flat buffer as the real clipped sums,
 so it shares the step's single noise draw. After the noise, its coordinate reads
@@ -39,14 +40,15 @@ so a clip bound up to 100 times the stated one shows in full."""
 
 
 class DiracCanaries:
-    """m canaries of one run (bits from its secret seed); the owner (rank 0) holds the members
-    and observes the block. ``bound``: the sensitivity the clipper's own clip bound gives."""
+    """m canaries of one run (bits from its secret seed, known to every rank, which all draw the
+    same sample); the owner (rank 0) adds the drawn ones and observes the block. ``bound``: the
+    sensitivity the clipper's own clip bound gives."""
 
     def __init__(self, count: int, sample_rate: float, seed: int, sensitivity: float, bound: float, owner: bool):
         self.count, self.sample_rate, self.sensitivity, self.bound = count, sample_rate, sensitivity, bound
         self.owner = owner
         self.secrets = step_generator(seed, CANARY_BITS, 0).random(count) < 0.5
-        self.members = np.flatnonzero(self.secrets) if owner else np.zeros(0, dtype=np.int64)
+        self.members = np.flatnonzero(self.secrets)
         self.scores = np.zeros(count, dtype=np.float64)
 
     def clipped_sum(self, sampled: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -3,10 +3,11 @@
 A recipe brings a model, a loss and a clipper (``PerExampleClipper`` for per-example losses,
 the per-pair clipper for Logit-DP); everything private about a step lives here, once:
 
-1. **Poisson sampling** at rate q = B/n: every rank samples its shard of the dataset with its
-   own stream (``sampler``), rank 0's shard joined by the audit's canaries in the data; each
-   step's plan is computed once and cut into physical micro-batches, an empty sample included
-   (it is still a step);
+1. **Poisson sampling** at rate q = B/n: one sample per step over the whole dataset and the
+   audit's canaries in the data, drawn alike by every rank from (seed, step) (``sampler``), so
+   it does not depend on the number of ranks; each rank keeps its share of the examples (rank 0
+   the canaries too); each step's plan is computed once and cut into physical micro-batches, an
+   empty sample included (it is still a step);
 2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``;
 3. the canaries of the step's sample add their clipped gradients to their own block
    (``DiracCanaries``), clipped to the sensitivity the clipper's own bound gives;
@@ -47,7 +48,7 @@ from .clipping import ClipResult
 from .distributed import Dist
 from .recipe import DPRunConfig
 from .run import Run
-from .sampling import NOISE, micro_batches, poisson_sample, rank_shard, torch_generator
+from .sampling import NOISE, micro_batches, poisson_sample, rank_share, torch_generator
 
 __all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "gaussian_noise"]
 
@@ -173,7 +174,6 @@ class DPEngine:
         self.clipping_norm = float(clipping_norm)
         self.params = list(clipper.params)
         self.autocast = autocast
-        self.shard = rank_shard(budget.dataset_size, dist.rank, dist.world)
         bound = self.sensitivity * clipper.max_norm / self.clipping_norm
         self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, bound, dist.main)
                          if audit_canaries else None)
@@ -226,13 +226,15 @@ class DPEngine:
         return self._draw(step)[0]
 
     def _draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's Poisson sample at ``step`` over its shard and its canaries in the data (rank
-        0's): dataset indices and canary ids, each sorted. A pure function of (seed, step, rank)."""
+        """This rank's part of the step's one Poisson sample over the dataset and the canaries in the
+        data: its share of the dataset indices, and (rank 0) the canary ids, each sorted. A pure
+        function of (seed, step, rank), the same sample whatever the number of ranks."""
         members = self.canaries.members if self.canaries is not None else np.zeros(0, dtype=np.int64)
-        n = len(self.shard)
-        drawn = poisson_sample(n + len(members), self.budget.sample_rate, self.seed, step, self.dist.rank)
+        n = self.budget.dataset_size
+        drawn = poisson_sample(n + len(members), self.budget.sample_rate, self.seed, step)
         cut = int(np.searchsorted(drawn, n))
-        return self.shard[drawn[:cut]], members[drawn[cut:] - n]
+        canaries = members[drawn[cut:] - n] if self.dist.main else members[:0]
+        return rank_share(drawn[:cut], self.dist.rank, self.dist.world), canaries
 
     def sampler(self, start: int) -> Iterator[list[tuple[int, int]]]:
         """A DataLoader batch sampler: ``(step, index)`` items per micro-batch from ``start`` to the

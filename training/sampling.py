@@ -14,7 +14,7 @@ import torch
 
 from vip_hub.errors import AccountingError, ConfigError
 
-__all__ = ["micro_batches", "poisson_sample", "rank_shard", "step_generator", "torch_generator"]
+__all__ = ["micro_batches", "poisson_sample", "rank_share", "step_generator", "torch_generator"]
 
 # Stream tags keep the per-purpose random streams of one step independent.
 SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS = 1, 2, 3, 4, 5
@@ -33,9 +33,9 @@ def torch_generator(seed: int, purpose: int, step: int, rank: int = 0,
     return g
 
 
-def rank_shard(n: int, rank: int, world: int) -> np.ndarray:
-    """The dataset indices rank ``rank`` of ``world`` owns (every index on exactly one rank)."""
-    return np.arange(rank, n, world)
+def rank_share(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """The part of ``indices`` that rank ``rank`` of ``world`` owns (every index on exactly one rank)."""
+    return indices[indices % world == rank]
 
 
 def poisson_sample(n: int, sample_rate: float, seed: int, step: int, rank: int = 0,
