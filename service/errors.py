@@ -155,5 +155,6 @@ def install(app: FastAPI) -> None:
 
 
 def _header_safe(text: str) -> str:
-    line = " ".join(text.split())
-    return line.encode("latin-1", "replace").decode("latin-1")[:1000]
+    """The message as a header value: printable ASCII only (a control character, as a request path
+    may carry, makes the server drop the response); the body keeps the message as it is."""
+    return "".join(c if " " <= c <= "~" else "?" for c in " ".join(text.split()))[:1000]

@@ -141,3 +141,13 @@ def test_uploads_stream_past_the_default_limit(hub, tmp_path):
                     repo_id="writer/big-upload")
     assert "notes.txt" in api.list_repo_files("writer/big-upload")
     shutil.rmtree(folder)
+
+
+def test_an_error_naming_a_path_with_control_characters_is_still_answered(hub):
+    """A 413 whose message quotes a request path holding C1 control characters (U+0096) was dropped
+    by the server ("Invalid HTTP header value"), so the client saw a network error."""
+    body = b'{"files": [' + b",".join([b'{"path": "aaaa", "size": 1}'] * 50_000) + b"]}"
+    r = httpx.post(f"{hub.url}/api/models/%C2%96/toy/preupload/main", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "\x96" in r.json()["error"]
+    assert r.headers["X-Error-Message"].isascii() and "?" in r.headers["X-Error-Message"]
