@@ -15,16 +15,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from helpers import TINY, kill_mid_run, tiny_encoder
 from PIL import Image
 from safetensors.torch import load_file
 
 import training.logit_dp
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import TINY, kill_mid_run, tiny_encoder
 from training.data import Augmented, ImageFolder, mae_transform
 from training.distributed import Dist
 from training.dp_engine import Budget, DPEngine
-from training.logit_dp import LogitDPConfig, Mechanism, contrastive_model, skip_cap, train_logit_dp
+from training.logit_dp import (
+    ContrastiveMechanism,
+    LogitDPConfig,
+    contrastive_model,
+    skip_cap,
+    train_logit_dp,
+)
 from training.pair_clipping import BatchClipper, PairClipper
 from training.syn import SynConfig, train_syn
 from vip_hub import verify_repo
@@ -104,7 +110,7 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(train
 def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(trained: Path, syn_repo: Path, images: Path,
                                                            tmp_path: Path) -> None:
     out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "naive"),
-                                       mechanism=Mechanism.NAIVE, max_grad_norm=0.05, **DP_ARGS))
+                                       mechanism=ContrastiveMechanism.NAIVE, max_grad_norm=0.05, **DP_ARGS))
     assert verify_repo(out).ok
     naive, logit = ledger_of(out).stages[1], ledger_of(trained).stages[1]
     assert (naive.mechanism, naive.clipping_norm, naive.sensitivity) == ("Naive-DP", 0.05, 0.1)
@@ -159,11 +165,11 @@ def test_two_views_come_from_the_example_own_stream(images: Path) -> None:
 
 
 # ---------------------------------------------------------------- the engine with these clippers
-@pytest.mark.parametrize("mechanism", list(Mechanism))
-def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechanism: Mechanism) -> None:
+@pytest.mark.parametrize("mechanism", list(ContrastiveMechanism))
+def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechanism: ContrastiveMechanism) -> None:
     model = contrastive_model(tiny_encoder(), TINY, trainable_blocks=12, dim=8)
     clip, tau, sigma, batch = 1e-3, 0.5, 1.3, 32
-    if mechanism is Mechanism.LOGIT_DP:
+    if mechanism is ContrastiveMechanism.LOGIT_DP:
         clipper, delta = PairClipper(model, clip, tau), logit_dp_sensitivity(clip, tau)
     else:
         clipper, delta = BatchClipper(model, clip, tau), 2 * clip
@@ -220,10 +226,10 @@ def test_two_processes_give_the_same_ledger_stage(syn_repo: Path, images: Path, 
 
 
 @pytest.mark.parametrize("broken", BROKEN)
-@pytest.mark.parametrize("mechanism", list(Mechanism))
-def test_the_audit_catches_a_broken_engine(mechanism: Mechanism, broken: str, syn_repo: Path, images: Path, hub,  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mechanism", list(ContrastiveMechanism))
+def test_the_audit_catches_a_broken_engine(mechanism: ContrastiveMechanism, broken: str, syn_repo: Path, images: Path, hub,  # type: ignore[no-untyped-def]
                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    clipper = "PairClipper" if mechanism is Mechanism.LOGIT_DP else "BatchClipper"
+    clipper = "PairClipper" if mechanism is ContrastiveMechanism.LOGIT_DP else "BatchClipper"
     break_engine(monkeypatch, broken, training.logit_dp, clipper)
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12, "mechanism": mechanism.value}  # q = 1/2 of 24 images
     out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "broken"), **settings))

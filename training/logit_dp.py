@@ -50,11 +50,11 @@ from .recipe import (
 from .run import Run
 from .synthetic import render
 
-__all__ = ["RECIPE", "LogitDPConfig", "Mechanism", "contrastive_model", "skip_cap", "train_logit_dp"]
+__all__ = ["RECIPE", "ContrastiveMechanism", "LogitDPConfig", "contrastive_model", "skip_cap", "train_logit_dp"]
 
 
 
-class Mechanism(str, enum.Enum):
+class ContrastiveMechanism(str, enum.Enum):
     """How the batch gradient is clipped: per pair (Logit-DP) or as a whole (Naive-DP)."""
 
     LOGIT_DP = "logit-dp"
@@ -63,10 +63,10 @@ class Mechanism(str, enum.Enum):
     @property
     def ledger_name(self) -> str:
         """The mechanism's name in the ledger (the rule ``vip_hub.sensitivity`` applies)."""
-        return "Logit-DP" if self is Mechanism.LOGIT_DP else "Naive-DP"
+        return "Logit-DP" if self is ContrastiveMechanism.LOGIT_DP else "Naive-DP"
 
 
-DEFAULT_CLIP = {Mechanism.LOGIT_DP: 1e-3, Mechanism.NAIVE: 1e-2}
+DEFAULT_CLIP = {ContrastiveMechanism.LOGIT_DP: 1e-3, ContrastiveMechanism.NAIVE: 1e-2}
 """Default B (per pair) and C (whole batch): below the norms met at the start of training, so
 every pair (every batch) is clipped and AdamW sees normalised directions (see the README)."""
 
@@ -77,7 +77,7 @@ class LogitDPConfig(DPRunConfig):
     init: str = Field(description="(Syn)-ViP, ViP or DP-Cap repo folder or hub id whose encoder starts the run")
     data: str = Field(description="image folder (class subfolders allowed, labels ignored) or directory of "
                                   "webdataset tar shards")
-    mechanism: Mechanism = Field(Mechanism.LOGIT_DP, description="logit-dp (per-pair clipping to B) or naive "
+    mechanism: ContrastiveMechanism = Field(ContrastiveMechanism.LOGIT_DP, description="logit-dp (per-pair clipping to B) or naive "
                                                                  "(the whole-batch gradient clipped to C)")
     temperature: float = Field(1.0, gt=0, description="InfoNCE temperature tau (Logit-DP's Delta grows like "
                                                       "e^(2/tau)/tau: 16.8 B at 1, 222 B at 0.5)")
@@ -142,15 +142,15 @@ def contrastive_model(encoder: torch.nn.Module, spec: EncoderSpec, trainable_blo
 def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     """Run (or resume) Logit-DP or Naive-DP training and export the released encoder; returns its path."""
     dist = dist or Dist.from_env(cfg.device)
-    mechanism = Mechanism(cfg.mechanism)
+    mechanism = ContrastiveMechanism(cfg.mechanism)
     clip = cfg.max_grad_norm or DEFAULT_CLIP[mechanism]
-    if mechanism is Mechanism.NAIVE and cfg.max_batch:
+    if mechanism is ContrastiveMechanism.NAIVE and cfg.max_batch:
         raise ConfigError("--max-batch is Logit-DP's: Naive-DP's sensitivity 2C holds for every batch size")
     images = open_images(cfg.data)
     n = len(images)
     budget = Budget.for_config(cfg, n)
     params: dict[str, object] = {"loss": CONTRASTIVE_LOSS, "temperature": cfg.temperature}
-    if mechanism is Mechanism.LOGIT_DP:
+    if mechanism is ContrastiveMechanism.LOGIT_DP:
         cap = skip_cap(clip, cfg.temperature, cfg.batch_size, cfg.max_batch)
         if cap is not None:
             params["max_batch"] = cap
@@ -163,7 +163,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     model = contrastive_model(init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim,
                               cfg.projection_hidden).to(dist.device)
     clipper = (PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
-               if mechanism is Mechanism.LOGIT_DP else BatchClipper(model, clip, cfg.temperature))
+               if mechanism is ContrastiveMechanism.LOGIT_DP else BatchClipper(model, clip, cfg.temperature))
     optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
@@ -187,7 +187,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     frozen = ("nothing (the fixed position embedding aside)" if k == depth else
               f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens")
     clipping = (f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum "
-                f"weighted by dL/dZ (Algorithm 1)" if mechanism is Mechanism.LOGIT_DP else
+                f"weighted by dL/dZ (Algorithm 1)" if mechanism is ContrastiveMechanism.LOGIT_DP else
                 f"the whole-batch gradient clipped to C = {clip:g}")
     hidden = cfg.projection_hidden or model.encoder.num_features
     return engine.export(

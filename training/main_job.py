@@ -206,7 +206,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
         write_digit_public_captions,
         write_digit_vocab,
     )
-    from .logit_dp import LogitDPConfig, Mechanism, train_logit_dp
+    from .logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
     from .syn import SynConfig, train_syn
     from .vip import VipConfig, train_vip
 
@@ -256,7 +256,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
            LogitDPConfig(init=str(folder[SYN_VIP]), mechanism=m, temperature=cfg.temperature,
                          batch_size=cfg.contrastive_batch_size, steps=cfg.contrastive_steps, **private,
                          **_names(e, folder)))
-          for e, m in ((LOGIT_DP, Mechanism.LOGIT_DP), (NAIVE_DP, Mechanism.NAIVE))],
+          for e, m in ((LOGIT_DP, ContrastiveMechanism.LOGIT_DP), (NAIVE_DP, ContrastiveMechanism.NAIVE))],
     ]
     for encoder, init, fn, config in runs:
         steps.run(f"{encoder.label} on the digits at epsilon {cfg.epsilon:g}",
