@@ -12,7 +12,7 @@ from helpers import DEVICES
 from training.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.mae import MAE, DecoderConfig, patchify
 from training.sampling import micro_batches, poisson_sample, rank_share
-from training.synthetic import FAMILIES, SyntheticImages, contact_sheet, render
+from training.procedural import FAMILIES, SyntheticImages, contact_sheet, render
 from vip_hub.models import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)

@@ -66,7 +66,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _synth_preview(args: argparse.Namespace) -> int:
-    from .synthetic import contact_sheet
+    from .procedural import contact_sheet
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
         raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")

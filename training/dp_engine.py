@@ -47,7 +47,7 @@ from .canaries import DiracCanaries
 from .clipping import ClipResult
 from .distributed import Dist
 from .recipe import DPRunConfig
-from .run import Run
+from .runner import Run
 from .sampling import NOISE, micro_batches, poisson_sample, rank_share, torch_generator
 
 __all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "gaussian_noise"]

@@ -50,7 +50,7 @@ from .recipe import (
     warmup_field,
     weight_decay_field,
 )
-from .run import Run
+from .runner import Run
 
 __all__ = [
     "DIGIT_NAMES",

@@ -47,8 +47,8 @@ from .recipe import (
     warmup_field,
     weight_decay_field,
 )
-from .run import Run
-from .synthetic import render
+from .runner import Run
+from .procedural import render
 
 __all__ = ["RECIPE", "ContrastiveMechanism", "LogitDPConfig", "contrastive_model", "skip_cap", "train_logit_dp"]
 

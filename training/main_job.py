@@ -65,7 +65,7 @@ from vip_hub.signing import (
 )
 from vip_hub.verify import verify_repo
 
-from .synthetic import render
+from .procedural import render
 
 __all__ = ["MainJobConfig", "run_main_job", "write_digits"]
 

@@ -48,7 +48,7 @@ from vip_hub.repo_format import head_component
 from .data import ImageFolder
 from .datasets import keyed_uniforms
 from .optim import lr_factor
-from .synthetic import SyntheticImages
+from .procedural import SyntheticImages
 
 __all__ = ["DP_HEAD_LR", "LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "keyed_uniforms", "load_labelled", "run_probe"]
 

@@ -2,7 +2,7 @@
 (``--arch vip-*`` for ViP, ``--arch dpcap-*`` for the encoder DP-Cap training starts from).
 
 AdamW (betas 0.9/0.95), warm-up + cosine schedule, bf16 autocast on GPU, checkpoints and
-resume (the run skeleton, ``training/run.py``). Batch ``step`` holds images
+resume (the run skeleton, ``training/runner.py``). Batch ``step`` holds images
 ``step*B .. step*B+B-1`` of the procedural stream and its masks come from the (seed, step)
 stream, so a resumed run sees exactly what an uninterrupted one would. The export carries the
 encoder, the decoder and a ledger saying that no private data was used.
@@ -32,9 +32,9 @@ from .recipe import (
     warmup_field,
     weight_decay_field,
 )
-from .run import Run
+from .runner import Run
 from .sampling import MASKING, torch_generator
-from .synthetic import FAMILIES, SyntheticImages
+from .procedural import FAMILIES, SyntheticImages
 
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 

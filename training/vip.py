@@ -34,7 +34,7 @@ from .recipe import (
     warmup_field,
     weight_decay_field,
 )
-from .run import Run
+from .runner import Run
 from .sampling import MASKING, torch_generator
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
