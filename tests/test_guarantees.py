@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import published_hashes_of
+
+from training.datasets import keyed_uniforms
 from training.main_job import write_digits
-from training.probe import ProbeConfig, fit_probe, keyed_uniforms, run_probe
+from training.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.verify import verify_repo
 
 N, DIM = 64, 6
@@ -145,6 +146,7 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:
     from helpers import TINY, synthetic_stage, tiny_encoder
+
     from vip_hub import Dataset, DPStage, export_encoder
 
     shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
@@ -163,9 +165,9 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     import httpx
     from dp_accounting import dp_event
     from dp_accounting.rdp import RdpAccountant
-
     from helpers import TINY, synthetic_stage, tiny_encoder
     from live import WRITE_TOKEN
+
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.push import push_repo
 
@@ -195,10 +197,10 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
     import io
 
     import httpx
-    from PIL import Image
-
     from helpers import TINY, synthetic_stage, tiny_encoder
     from live import WRITE_TOKEN
+    from PIL import Image
+
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.push import push_repo
 
@@ -222,9 +224,9 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
 
 def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(hub, tmp_path: Path) -> None:
     import httpx
-
     from helpers import tiny_repo_with_head
     from live import WRITE_TOKEN
+
     from vip_hub.push import push_repo
 
     repo = tiny_repo_with_head(tmp_path / "labelled")

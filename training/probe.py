@@ -50,7 +50,7 @@ from .datasets import keyed_uniforms
 from .optim import lr_factor
 from .procedural import SyntheticImages
 
-__all__ = ["DP_HEAD_LR", "LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "keyed_uniforms", "load_labelled", "run_probe"]
+__all__ = ["DP_HEAD_LR", "LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "load_labelled", "run_probe"]
 
 DP_LOSS_REDUCTION: Literal["mean", "sum"] = "mean"
 """A DP head's loss reduction, told to Opacus too: it undoes the mean before clipping (so each
