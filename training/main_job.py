@@ -341,7 +341,10 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
                          optimizer="sgd", lr=DP_HEAD_LR, seed=cfg.seed)
     dp_head, dp = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
-    rows.append(_row("raw pixels (no encoder)", f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET} (the head's)",
+    # This head is in no repo, so no dataset page lists it: its row says so (its figure is a release too).
+    rows.append(_row("raw pixels (no encoder)",
+                     f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET}: the head's own, a release outside "
+                     "the hub, so not in the dataset page's composition: add it",
                      "64 pixel values", accuracy(dp_head, x[1], y[1])))
     print(f"    raw-pixel baseline: top-1 {rows[-1]['top1']:.4f} (DP head)", flush=True)
     for e in PUBLISHED:
