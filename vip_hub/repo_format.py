@@ -46,6 +46,7 @@ __all__ = [
     "format_params",
     "head_component",
     "head_file",
+    "head_folders",
     "head_name_of",
     "heads_in",
     "is_weights_file",
@@ -113,6 +114,12 @@ def head_name_of(path: str) -> str | None:
     if len(parts) == 3 and parts[0] == HEADS_DIR and parts[2] == HEAD_WEIGHTS and _NAME.match(parts[1]):
         return parts[1]
     return None
+
+
+def head_folders(paths: object) -> list[str]:
+    """The ``heads/<name>/`` folders (as components) holding any of the repo paths, sorted."""
+    return sorted({"/".join(parts[:2]) for p in paths
+                   if len(parts := str(p).split("/")) > 2 and parts[0] == HEADS_DIR})
 
 
 def heads_in(paths: object) -> list[str]:

@@ -47,12 +47,12 @@ from .repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
-    HEADS_DIR,
     LEDGER_FILE,
     META_ARCH,
     META_LEDGER,
     REQUIRED_FILES,
     WEIGHTS_FILE,
+    head_folders,
     is_weights_file,
 )
 from .sensitivity import sensitivity
@@ -244,10 +244,10 @@ def _check_components(files: Mapping[str, Path], ledger: PrivacyLedger, report: 
     """Every head folder has a stage of its own (else it would inherit the encoder's summary);
     every stage accounted under an assumption it did not meet is reported as a warning."""
     components = set(ledger.components())
-    for head in sorted({rel.split("/")[1] for rel in files if rel.startswith(f"{HEADS_DIR}/") and rel.count("/") >= 2}):
-        if f"{HEADS_DIR}/{head}" not in components:
-            report.fail(f"{HEADS_DIR}/{head}/", "has files but no ledger stage (DP or non-private) of its own: "
-                                                 "what trained it, on which data, is unknown")
+    for folder in head_folders(files):
+        if folder not in components:
+            report.fail(f"{folder}/", "has files but no ledger stage (DP or non-private) of its own: "
+                                      "what trained it, on which data, is unknown")
     for stage in ledger.dp_stages():
         if stage.sampling != "poisson":
             report.warnings.append(
