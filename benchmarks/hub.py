@@ -66,11 +66,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-
     from helpers import TINY, synthetic_stage, tiny_encoder
-    from vip_hub import export_encoder
+    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
     from live import WRITE_TOKEN, ProcessServer
+
+    from vip_hub import export_encoder
     from vip_hub.push import push_repo
 
     size = args.mib << 20

@@ -51,7 +51,13 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
     from torch.func import functional_call, grad, vmap
 
     from training.clipping import clip_factors
-    from training.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
+    from training.pair_clipping import (
+        BatchClipper,
+        ContrastiveEmbedder,
+        PairClipper,
+        embed,
+        symmetric_infonce,
+    )
 
     torch.manual_seed(0)
     encoder = VisionTransformer(img_size=args.img_size, patch_size=args.patch, embed_dim=args.width, depth=args.depth,

@@ -111,8 +111,8 @@ def scatter_features(train: LabelledArrays, test: LabelledArrays, device: str) -
 def syn_features(train: LabelledArrays, test: LabelledArrays, device: str, work: Path) -> Features:
     """The (Syn)-ViP encoder's ``vip`` features (trained once into ``work``); its head's
     normalisation is fixed to the features of public procedural images, as the probe does."""
-    from training.syn import SynConfig, train_syn
     from training.procedural import SyntheticImages
+    from training.syn import SynConfig, train_syn
     from vip_hub.loading import load_encoder
 
     repo = work / "vip-nano-syn"

@@ -9,8 +9,8 @@ creation), ``tokens`` (a :class:`service.auth.TokenRegistry`) and, with inferenc
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 import re
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI

@@ -13,9 +13,9 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
+from live import WRITE_TOKEN
 
 import training.dp_engine
-from live import WRITE_TOKEN
 from vip_hub.errors import AuditError
 from vip_hub.ledger import DPStage, PrivacyLedger
 from vip_hub.push import push_repo

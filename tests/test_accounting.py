@@ -1,12 +1,9 @@
 import json
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
-
-from vip_hub.cli import main
 
 from vip_hub.accounting import (
     AccountingError,
@@ -17,6 +14,7 @@ from vip_hub.accounting import (
     epsilons,
     max_steps_within,
 )
+from vip_hub.cli import main
 
 # The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
 N = 233_000_000

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
@@ -22,8 +23,6 @@ from vip_hub.audit import ceiling
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.push import push_repo
 from vip_hub.verify import verify_repo
-
-from helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 
 
 class BiasSum(torch.nn.Module):

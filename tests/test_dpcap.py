@@ -19,21 +19,20 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from helpers import synthetic_stage, tiny_encoder
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 from torch import nn
 
 from vip_hub import load_encoder, verify_repo
 from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig, caption_loss
-from vip_hub.loading import load_captioner
 from vip_hub.cli import main
 from vip_hub.errors import CheckpointError, ConfigError, MissingInputError
 from vip_hub.importer import PRESETS, import_dpcap_checkpoint
+from vip_hub.loading import load_captioner
 from vip_hub.models import ARCHS, EncoderSpec, create_encoder
 from vip_hub.repo import export_encoder
 from vip_hub.tokenizer import CaptionTokenizer
-
-from helpers import synthetic_stage, tiny_encoder
 
 IMG, WIDTH, DEPTH, TEXT_LEN = 32, 96, 2, 16
 ARCH = "dpcap-nano"

@@ -13,16 +13,15 @@ import numpy as np
 import pytest
 import timm
 import torch
-from PIL import Image
-
-from live import WRITE_TOKEN, ThreadedServer, settings_for
-from vip_hub import load_encoder
-from vip_hub.loading import load_captioner
-from vip_hub.importer import import_dpcap_checkpoint
-from vip_hub.push import push_repo
-
 from helpers import synthetic_stage
+from live import WRITE_TOKEN, ThreadedServer, settings_for
+from PIL import Image
 from test_dpcap import ARCH, IMG, ReferenceDPCap, save_reference, write_vocab
+
+from vip_hub import load_encoder
+from vip_hub.importer import import_dpcap_checkpoint
+from vip_hub.loading import load_captioner
+from vip_hub.push import push_repo
 
 DPCAP = "vip/dpcap-nano-test"
 VIP = "vip/vip-nano-test"

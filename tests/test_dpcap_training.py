@@ -15,24 +15,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from helpers import TINY, kill_mid_run, published_hashes_of, synthetic_stage, tiny_encoder
 from PIL import Image
 from safetensors.torch import load_file
 
 import training.dpcap
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import TINY, kill_mid_run, published_hashes_of, synthetic_stage, tiny_encoder
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
-from training.dpcap import (DIGIT_NAMES, DIGIT_TEMPLATES, PUBLIC_CAPTIONS, DPCapConfig, digit_caption,
-                            digit_public_captions, train_dpcap, write_digit_captions, write_digit_vocab)
+from training.dpcap import (
+    DIGIT_NAMES,
+    DIGIT_TEMPLATES,
+    PUBLIC_CAPTIONS,
+    DPCapConfig,
+    digit_caption,
+    digit_public_captions,
+    train_dpcap,
+    write_digit_captions,
+    write_digit_vocab,
+)
 from training.mae import load_mae
 from training.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
 from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
-from vip_hub.loading import load_captioner
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.ledger import PrivacyLedger
+from vip_hub.loading import load_captioner
 from vip_hub.models import EncoderSpec, create_encoder
 from vip_hub.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
 

@@ -12,16 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi, snapshot_download
-
 from live import WRITE_TOKEN, ProcessServer
+
 from service.store.faults import CRASH_ENV, CRASH_STATUS
-from vip_hub import verify_repo
+from vip_hub import export_encoder, verify_repo
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
-
-from helpers import TINY, synthetic_stage, tiny_encoder
-from vip_hub import export_encoder
 
 pytestmark = pytest.mark.slow
 

@@ -15,15 +15,14 @@ import huggingface_hub
 import pytest
 import timm
 import torch
+from helpers import dp_stage, synthetic_stage
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
+from live import WRITE_TOKEN, ProcessServer
 from safetensors.torch import load_file
 
-from live import WRITE_TOKEN, ProcessServer
 from vip_hub import EncoderSpec, create_encoder, export_encoder, verify_repo
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
-
-from helpers import dp_stage, synthetic_stage
 
 pytestmark = pytest.mark.slow
 

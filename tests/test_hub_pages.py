@@ -7,12 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from live import WRITE_TOKEN
-from vip_hub.push import push_repo
-
 from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from live import WRITE_TOKEN
+
 from vip_hub import export_encoder
+from vip_hub.push import push_repo
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-
 from live import WRITE_TOKEN, ProcessServer, free_port
+
 from service.store import AddFile, Conflict, HubStore
 from vip_hub.push import push_repo
 from vip_hub.verify import repo_files
-
-from helpers import tiny_repo_with_head
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import timm
 import torch
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 from huggingface_hub import HfApi, ModelCard, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     BadRequestError,
@@ -20,13 +21,11 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from live import READ_TOKEN, WRITE_TOKEN
 
 import vip_hub
-from live import READ_TOKEN, WRITE_TOKEN
-from vip_hub.push import push_repo
-
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 from vip_hub import export_encoder
+from vip_hub.push import push_repo
 
 MODEL = "vip/vip-nano-test"
 
@@ -157,8 +156,9 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     assert "nothing was stored" in str(err.value)
     # consistent but understated copies: the accountant check names the stage
     text = (folder / "privacy_ledger.json").read_text()
-    from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
     import yaml
+
+    from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 
     meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
     rewrite_safetensors_metadata(folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text})

@@ -5,6 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
 from service.store import (
     AddFile,
@@ -17,10 +18,8 @@ from service.store import (
     NoSuchRevision,
     PublishRefused,
 )
-from vip_hub.verify import repo_files
-
-from helpers import dp_stage, synthetic_stage, tiny_encoder, TINY, tiny_repo_with_head
 from vip_hub import export_encoder
+from vip_hub.verify import repo_files
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:

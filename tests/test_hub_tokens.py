@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import httpx
-
 from live import ThreadedServer, settings_for
+
 from vip_hub.cli import main
 
 

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
-
 from live import WRITE_TOKEN
+
 from service.errors import BadRequest
 from service.hub.uploads import CommitParser
 from service.store import AddFile, AddObject, DeleteFile, HubStore, UploadMissing
 from vip_hub.verify import repo_files
-
-from helpers import tiny_repo_with_head
 
 
 @pytest.fixture

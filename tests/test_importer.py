@@ -6,15 +6,19 @@ import os
 
 import pytest
 import torch
+from helpers import synthetic_stage
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 
 from vip_hub import load_encoder, verify_repo
 from vip_hub.cli import main
-from vip_hub.importer import PRESETS, CheckpointError, import_mae_checkpoint, load_reference_checkpoint
+from vip_hub.importer import (
+    PRESETS,
+    CheckpointError,
+    import_mae_checkpoint,
+    load_reference_checkpoint,
+)
 from vip_hub.models import ARCHS, sincos_pos_embed_2d
-
-from helpers import synthetic_stage
 
 
 class ReferenceMAE(torch.nn.Module):

@@ -12,16 +12,15 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from helpers import NEEDS_CUDA, tiny_repo_with_head
+from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 from PIL import Image
 
 import vip_hub
-from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 from service.inference.models import LoadedModel
 from vip_hub.device import pick_device
 from vip_hub.heads import load_head
 from vip_hub.push import push_repo
-
-from helpers import NEEDS_CUDA, tiny_repo_with_head
 
 MODEL = "vip/vip-nano-test"
 RNG = np.random.default_rng(0)

@@ -1,11 +1,10 @@
 import json
 
 import pytest
+from helpers import dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
 from vip_hub.ledger import round_down, round_up
-
-from helpers import dp_stage, synthetic_stage
 
 
 def test_build_and_round_trip():

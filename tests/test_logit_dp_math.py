@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.clipping import clip_factors
-from training.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
+from training.pair_clipping import (
+    BatchClipper,
+    ContrastiveEmbedder,
+    PairClipper,
+    embed,
+    symmetric_infonce,
+)
 from vip_hub.errors import AccountingError, ClaimTooLowError
 from vip_hub.ledger import Dataset, DPStage, PrivacyLedger
 from vip_hub.models import EncoderSpec, create_encoder

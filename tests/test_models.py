@@ -1,12 +1,11 @@
-import torch
 import pytest
+import torch
+from helpers import TINY, tiny_encoder
 from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub import ARCHS, EncoderSpec, create_encoder, extract_features, feature_dim
 from vip_hub.features import final_norm
 from vip_hub.models import sincos_pos_embed_2d
-
-from helpers import TINY, tiny_encoder
 
 
 @pytest.mark.parametrize(

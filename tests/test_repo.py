@@ -3,21 +3,19 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import tiny_encoder
 from huggingface_hub import EvalResult, ModelCard
 
-from pathlib import Path
-
-from vip_hub.cli import main
 from vip_hub import PrivacyLedger, load_encoder, update_repo, verify_repo
 from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.cli import main
 from vip_hub.ledger import Dataset, NonPrivateStage
 from vip_hub.repo import META_LEDGER
-
-from helpers import tiny_encoder
 
 PLAIN_TIMM = r"""
 import sys, timm, torch

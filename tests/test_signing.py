@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
-
 from live import WRITE_TOKEN, ThreadedServer, settings_for
+
+from vip_hub import export_encoder
 from vip_hub.cli import main
 from vip_hub.errors import ConfigError, SignatureError, UntrustedSignerError
 from vip_hub.push import push_repo
@@ -23,9 +25,6 @@ from vip_hub.repo import update_repo
 from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
 from vip_hub.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.verify import verify_repo
-
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
-from vip_hub import export_encoder
 
 
 @pytest.fixture

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import timm
 import torch
+from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from helpers import kill_mid_run, published_hashes_of
 from PIL import Image
 from safetensors.torch import load_file
 
 import training.vip
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import kill_mid_run, published_hashes_of
 from training.clipping import UnsupportedLayerError
 from training.data import TarShards, open_images
 from training.main_job import StepFailed
-from training.vip import VipConfig, train_vip
 from training.syn import SynConfig, train_syn
+from training.vip import VipConfig, train_vip
 from vip_hub.accounting import Accountant, max_steps_within
 from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubError
@@ -60,6 +60,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_repo_without_decoder(tmp_path: Path) -> Path:
     from helpers import TINY, synthetic_stage, tiny_encoder
+
     from vip_hub import export_encoder
 
     return export_encoder(tmp_path / "no-decoder", tiny_encoder(), TINY, [synthetic_stage()], model_name="x")

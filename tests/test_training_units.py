@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import DEVICES
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from helpers import DEVICES
 from training.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.mae import MAE, DecoderConfig, patchify
-from training.sampling import micro_batches, poisson_sample, rank_share
 from training.procedural import FAMILIES, SyntheticImages, contact_sheet, render
+from training.sampling import micro_batches, poisson_sample, rank_share
 from vip_hub.models import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)

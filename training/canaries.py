@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from vip_hub.accounting import Accountant, epsilon
-from vip_hub.audit import DEFAULT_BETA, bound_over_grid, ceiling, correct_guesses, guess_grid, log_likelihood_ratio
+from vip_hub.audit import (
+    DEFAULT_BETA,
+    bound_over_grid,
+    ceiling,
+    correct_guesses,
+    guess_grid,
+    log_likelihood_ratio,
+)
 from vip_hub.ledger import Audit, AuditResult, round_down, round_up
 
 from .clipping import clip_factors

@@ -37,7 +37,13 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from vip_hub.accounting import Accountant, calibrate, composed_epsilon, default_delta, max_steps_within
+from vip_hub.accounting import (
+    Accountant,
+    calibrate,
+    composed_epsilon,
+    default_delta,
+    max_steps_within,
+)
 from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
 from vip_hub.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
 from vip_hub.models import EncoderSpec

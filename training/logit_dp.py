@@ -37,6 +37,7 @@ from .dp_engine import Budget, DPEngine
 from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
 from .optim import make_adamw, warmup_cosine
 from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
+from .procedural import render
 from .recipe import (
     DPRunConfig,
     Recipe,
@@ -48,7 +49,6 @@ from .recipe import (
     weight_decay_field,
 )
 from .runner import Run
-from .procedural import render
 
 __all__ = ["RECIPE", "ContrastiveMechanism", "LogitDPConfig", "contrastive_model", "skip_cap", "train_logit_dp"]
 

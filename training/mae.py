@@ -34,8 +34,8 @@ from vip_hub.loading import load_encoder
 from vip_hub.models import EncoderSpec, create_encoder, sincos_pos_embed_2d
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
-from .sampling import MASKING, torch_generator
 from .procedural import SyntheticImages
+from .sampling import MASKING, torch_generator
 
 __all__ = ["DecoderConfig", "MAE", "eval_loss", "freeze_fixed_tokens", "load_mae", "new_mae", "patchify",
            "public_eval_batch", "public_images"]

@@ -22,6 +22,7 @@ from vip_hub.models import ARCHS, EncoderSpec
 from .distributed import Dist
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
 from .optim import make_adamw, warmup_cosine
+from .procedural import FAMILIES, SyntheticImages
 from .recipe import (
     Recipe,
     RunConfig,
@@ -34,7 +35,6 @@ from .recipe import (
 )
 from .runner import Run
 from .sampling import MASKING, torch_generator
-from .procedural import FAMILIES, SyntheticImages
 
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 

@@ -41,12 +41,39 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accounting import Accountant, calibrate, default_delta, epsilon, epsilons, max_steps_within, paper_delta
-    from .errors import (AccountingError, AuditError, CheckpointError, ClaimTooLowError, ConfigError, DataError,
-                         LedgerError, MissingInputError, RepoFormatError, TamperedFileError, VerificationError,
-                         VipHubError)
+    from .accounting import (
+        Accountant,
+        calibrate,
+        default_delta,
+        epsilon,
+        epsilons,
+        max_steps_within,
+        paper_delta,
+    )
+    from .errors import (
+        AccountingError,
+        AuditError,
+        CheckpointError,
+        ClaimTooLowError,
+        ConfigError,
+        DataError,
+        LedgerError,
+        MissingInputError,
+        RepoFormatError,
+        TamperedFileError,
+        VerificationError,
+        VipHubError,
+    )
     from .features import POOLINGS, Pooling, extract_features, feature_dim
-    from .ledger import Audit, DPStage, Dataset, Guarantee, NonPrivateStage, PrivacyLedger, PrivacySummary
+    from .ledger import (
+        Audit,
+        Dataset,
+        DPStage,
+        Guarantee,
+        NonPrivateStage,
+        PrivacyLedger,
+        PrivacySummary,
+    )
     from .loading import Encoder, load_encoder
     from .models import ARCHS, EncoderSpec, create_encoder, get_arch
     from .repo import export_encoder, update_repo

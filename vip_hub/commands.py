@@ -269,9 +269,9 @@ def _caption_source_args(p: argparse.ArgumentParser) -> None:
 def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     from PIL import Image, UnidentifiedImageError
 
-    from .loading import load_captioner
     from .device import pick_device
     from .errors import MissingInputError
+    from .loading import load_captioner
 
     model = load_captioner(args.source, revision=args.revision, device=pick_device(args.device))
     images = []

@@ -19,9 +19,9 @@ import argparse
 import os
 import pickle
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch

@@ -10,9 +10,9 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from ..auth import Identity, identity, private_namespaces, require_scope
 from vip_hub.repo_format import DEFAULT_BRANCH
 
+from ..auth import Identity, identity, private_namespaces, require_scope
 from ..errors import BadRequest
 from ..store import NoSuchEntry, NoSuchRevision
 from ..store.naming import validate_path, validate_revision
