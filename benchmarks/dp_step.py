@@ -51,8 +51,8 @@ from training.distributed import Dist  # noqa: E402
 from training.dp_engine import Budget, Clipper, DPEngine  # noqa: E402
 from training.mae import DecoderConfig, new_mae  # noqa: E402
 from training.optim import make_adamw  # noqa: E402
-from vip_hub.audit import DEFAULT_CANARIES  # noqa: E402
-from vip_hub.models import EncoderSpec  # noqa: E402
+from vip_hub.models.encoders import EncoderSpec  # noqa: E402
+from vip_hub.privacy.audit import DEFAULT_CANARIES  # noqa: E402
 
 CLIP = 0.1  # clipping norm C
 SIGMA = 1.0  # noise multiplier

@@ -71,7 +71,7 @@ def main() -> None:
     from live import WRITE_TOKEN, ProcessServer
 
     from vip_hub import export_encoder
-    from vip_hub.push import push_repo
+    from vip_hub.repo.push import push_repo
 
     size = args.mib << 20
     work = Path(tempfile.mkdtemp(prefix="vip-hub-bench-"))

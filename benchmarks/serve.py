@@ -62,7 +62,7 @@ def _decode(data: bytes) -> Image.Image:
 
 def export_model(folder: Path, arch: str, img_size: int) -> Path:
     from vip_hub import EncoderSpec, NonPrivateStage, create_encoder, export_encoder
-    from vip_hub.ledger import Dataset
+    from vip_hub.privacy.ledger import Dataset
 
     spec = EncoderSpec(arch, img_size=img_size)
     stage = NonPrivateStage(name="random-init", dataset=Dataset(name="none"), private_data=False)
@@ -280,7 +280,7 @@ def main() -> None:
     try:
         url_b, url_c = f"http://127.0.0.1:{port_b}", f"http://127.0.0.1:{port_c}"
         wait_ready(url_b + "/healthz", ours)
-        from vip_hub.push import push_repo
+        from vip_hub.repo.push import push_repo
 
         push_repo(model_dir, "bench/model", endpoint=url_b, token=TOKEN)
         wait_ready(url_b + "/readyz", ours)

@@ -47,8 +47,8 @@ from training.datasets import (
     fashion_mnist,
 )
 from training.probe import ProbeConfig, accuracy, fit_probe
-from vip_hub.accounting import Accountant
-from vip_hub.ledger import DPStage, compose_releases
+from vip_hub.privacy.accounting import Accountant
+from vip_hub.privacy.ledger import DPStage, compose_releases
 
 EPSILON, DELTA = 3.0, 1e-5
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}

@@ -1,1 +1,1 @@
-"""Model-card templates (Markdown with Jinja2 and YAML front matter), read by vip_hub.card."""
+"""Model-card templates (Markdown with Jinja2 and YAML front matter), read by vip_hub.repo.card."""

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vip_hub.cli import add_command, require_extra
+from vip_hub.cli.main import add_command, require_extra
 
 __all__ = ["register_org", "register_serve", "register_token", "register_trust"]
 
@@ -145,7 +145,7 @@ def _trust(args: argparse.Namespace) -> None:
     import shutil
 
     from vip_hub.errors import ConfigError
-    from vip_hub.signing import PUBLIC_SUFFIX, PublicKey, check_key_name, load_keys
+    from vip_hub.repo.signing import PUBLIC_SUFFIX, PublicKey, check_key_name, load_keys
 
     from .settings import Settings
 

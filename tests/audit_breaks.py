@@ -17,9 +17,9 @@ from live import WRITE_TOKEN
 
 import training.dp_engine
 from vip_hub.errors import AuditError
-from vip_hub.ledger import DPStage, PrivacyLedger
-from vip_hub.push import push_repo
-from vip_hub.verify import verify_repo
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import verify_repo
 
 CLAIM = 2.5
 BROKEN = ("noise zeroed", "clip bound x10")

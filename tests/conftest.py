@@ -63,7 +63,7 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Repos published to the module's hub through `vip-hub push`: repo id -> local folder."""
     from live import WRITE_TOKEN
 
-    from vip_hub.push import push_repo
+    from vip_hub.repo.push import push_repo
 
     base = tmp_path_factory.mktemp("published")
     repos = {"vip/vip-nano-test": tiny_repo_with_head(base / "vip-nano-test")}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
-from vip_hub.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
 TINY = EncoderSpec("vip-nano", img_size=32)
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from vip_hub.accounting import (
+from vip_hub.cli.main import main
+from vip_hub.privacy.accounting import (
     AccountingError,
     calibrate,
     composed_epsilon,
@@ -14,7 +15,6 @@ from vip_hub.accounting import (
     epsilons,
     max_steps_within,
 )
-from vip_hub.cli import main
 
 # The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
 N = 233_000_000

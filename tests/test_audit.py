@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from vip_hub.audit import (
+from vip_hub.privacy.audit import (
     DEFAULT_CANARIES,
     bound_over_grid,
     ceiling,

@@ -21,9 +21,9 @@ import training.pair_clipping
 from training.clipping import PerExampleClipper, _materialise
 from training.mae import MAE, DecoderConfig
 from training.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper
-from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig
-from vip_hub.models import EncoderSpec, create_encoder
-from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity_at, sensitivity
+from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity_at, sensitivity
 
 Inputs = tuple[torch.Tensor, torch.Tensor]
 KINDS = ["random", "large", "far", "repeated"]

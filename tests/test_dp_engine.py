@@ -18,11 +18,11 @@ from training.clipping import PerExampleClipper
 from training.distributed import Dist
 from training.dp_engine import EMPTY, Budget, DPEngine
 from vip_hub import Dataset, export_encoder
-from vip_hub.accounting import epsilon
-from vip_hub.audit import ceiling
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
-from vip_hub.push import push_repo
-from vip_hub.verify import verify_repo
+from vip_hub.privacy.accounting import epsilon
+from vip_hub.privacy.audit import ceiling
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import verify_repo
 
 
 class BiasSum(torch.nn.Module):

@@ -25,14 +25,14 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from vip_hub import load_encoder, verify_repo
-from vip_hub.captioning import Captioner, TextDecoder, TextDecoderConfig, caption_loss
-from vip_hub.cli import main
+from vip_hub.cli.main import main
 from vip_hub.errors import CheckpointError, ConfigError, MissingInputError
-from vip_hub.importer import PRESETS, import_dpcap_checkpoint
 from vip_hub.loading import load_captioner
-from vip_hub.models import ARCHS, EncoderSpec, create_encoder
-from vip_hub.repo import export_encoder
-from vip_hub.tokenizer import CaptionTokenizer
+from vip_hub.models.encoders import ARCHS, EncoderSpec, create_encoder
+from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig, caption_loss
+from vip_hub.models.tokenizer import CaptionTokenizer
+from vip_hub.repo.files import export_encoder
+from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 
 IMG, WIDTH, DEPTH, TEXT_LEN = 32, 96, 2, 16
 ARCH = "dpcap-nano"
@@ -473,7 +473,7 @@ def test_probe_trains_on_dpcap_features(repo, tmp_path):
     from PIL import Image
 
     from training.probe import ProbeConfig, run_probe
-    from vip_hub.heads import load_head
+    from vip_hub.repo.heads import load_head
 
     data = tmp_path / "labelled"
     for label, color in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):

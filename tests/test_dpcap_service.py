@@ -19,9 +19,9 @@ from PIL import Image
 from test_dpcap import ARCH, IMG, ReferenceDPCap, save_reference, write_vocab
 
 from vip_hub import load_encoder
-from vip_hub.importer import import_dpcap_checkpoint
 from vip_hub.loading import load_captioner
-from vip_hub.push import push_repo
+from vip_hub.repo.importer import import_dpcap_checkpoint
+from vip_hub.repo.push import push_repo
 
 DPCAP = "vip/dpcap-nano-test"
 VIP = "vip/vip-nano-test"

@@ -37,13 +37,13 @@ from training.dpcap import (
 from training.mae import load_mae
 from training.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
-from vip_hub.audit import DEFAULT_CANARIES
-from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.errors import ConfigError, DataError, MissingInputError
-from vip_hub.ledger import PrivacyLedger
 from vip_hub.loading import load_captioner
-from vip_hub.models import EncoderSpec, create_encoder
-from vip_hub.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
+from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub.models.text_decoder import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
+from vip_hub.privacy.audit import DEFAULT_CANARIES
+from vip_hub.privacy.ledger import PrivacyLedger
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8

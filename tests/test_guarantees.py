@@ -16,7 +16,7 @@ from helpers import published_hashes_of
 from training.datasets import keyed_uniforms
 from training.main_job import write_digits
 from training.probe import ProbeConfig, fit_probe, run_probe
-from vip_hub.verify import verify_repo
+from vip_hub.repo.verify import verify_repo
 
 N, DIM = 64, 6
 
@@ -136,7 +136,7 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
     """Today such a head verified and inherited the encoder's summary."""
     from safetensors.torch import save
 
-    from vip_hub.repo import update_repo
+    from vip_hub.repo.files import update_repo
 
     update_repo(tiny_repo, add_files={"heads/evil/head.safetensors": save({"w": torch.zeros(2)}),
                                       "heads/evil/labels.json": b"[]"})
@@ -169,7 +169,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     from live import WRITE_TOKEN
 
     from vip_hub import Dataset, DPStage, export_encoder
-    from vip_hub.push import push_repo
+    from vip_hub.repo.push import push_repo
 
     data = Dataset(name="test/shared-faces", size=2000)
     stages = [DPStage.from_parameters(name="dp-pretraining", dataset=data, sample_rate=0.05, noise_multiplier=s,
@@ -202,7 +202,7 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
     from PIL import Image
 
     from vip_hub import Dataset, DPStage, export_encoder
-    from vip_hub.push import push_repo
+    from vip_hub.repo.push import push_repo
 
     shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
                                        sample_rate=0.1, noise_multiplier=1.0, steps=40, clipping_norm=1.0,
@@ -227,7 +227,7 @@ def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(hub
     from helpers import tiny_repo_with_head
     from live import WRITE_TOKEN
 
-    from vip_hub.push import push_repo
+    from vip_hub.repo.push import push_repo
 
     repo = tiny_repo_with_head(tmp_path / "labelled")
     push_repo(repo, "writer/labelled", token=WRITE_TOKEN)

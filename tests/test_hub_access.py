@@ -25,8 +25,8 @@ from PIL import Image
 from service.auth import create_token, revoke_token
 from service.settings import Settings
 from service.store.xet import SHARD_TAG, xet_hex, xorb_hash
-from vip_hub.cli import main
-from vip_hub.push import push_repo
+from vip_hub.cli.main import main
+from vip_hub.repo.push import push_repo
 
 ALICE, BOB, CAROL, DAVE, ROOT = "vh_alice", "vh_bob", "vh_carol", "vh_dave", "vh_root"
 TOKENS = f"alice:write:{ALICE};bob:read:{BOB};carol:write:{CAROL};dave:read:{DAVE};root:admin:{ROOT}"

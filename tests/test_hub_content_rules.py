@@ -23,11 +23,15 @@ from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
 from live import WRITE_TOKEN, raw_commit
 
 from vip_hub import verify_repo
-from vip_hub.artifacts import digest_file, read_safetensors_header, rewrite_safetensors_metadata
-from vip_hub.content import WEIGHT_SOURCE_KEYS
-from vip_hub.ledger import PrivacyLedger
 from vip_hub.paths import tree_path_problems, validate_relpath
-from vip_hub.push import push_repo
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.artifacts import (
+    digest_file,
+    read_safetensors_header,
+    rewrite_safetensors_metadata,
+)
+from vip_hub.repo.content import WEIGHT_SOURCE_KEYS
+from vip_hub.repo.push import push_repo
 
 
 def _rebind(folder: Path) -> None:

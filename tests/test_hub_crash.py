@@ -18,8 +18,8 @@ from live import WRITE_TOKEN, ProcessServer
 
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import export_encoder, verify_repo
-from vip_hub.push import push_repo
-from vip_hub.verify import repo_files
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ from live import WRITE_TOKEN, ProcessServer
 from safetensors.torch import load_file
 
 from vip_hub import EncoderSpec, create_encoder, export_encoder, verify_repo
-from vip_hub.push import push_repo
-from vip_hub.verify import repo_files
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from live import WRITE_TOKEN
 
 from vip_hub import export_encoder
-from vip_hub.push import push_repo
+from vip_hub.repo.push import push_repo
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -93,8 +93,8 @@ def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size)
 
 
 def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
-    from vip_hub.audit import bound_over_grid, ceiling
-    from vip_hub.ledger import Audit, AuditResult, DPStage, round_down
+    from vip_hub.privacy.audit import bound_over_grid, ceiling
+    from vip_hub.privacy.ledger import Audit, AuditResult, DPStage, round_down
 
     plain = dp_stage()
     results = [(100, 60)]

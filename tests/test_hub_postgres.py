@@ -19,8 +19,8 @@ from huggingface_hub import HfApi
 from live import WRITE_TOKEN, ProcessServer, free_port
 
 from service.store import AddFile, Conflict, HubStore
-from vip_hub.push import push_repo
-from vip_hub.verify import repo_files
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from live import READ_TOKEN, WRITE_TOKEN
 
 import vip_hub
 from vip_hub import export_encoder
-from vip_hub.push import push_repo
+from vip_hub.repo.push import push_repo
 
 MODEL = "vip/vip-nano-test"
 
@@ -158,7 +158,7 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     text = (folder / "privacy_ledger.json").read_text()
     import yaml
 
-    from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+    from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 
     meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
     rewrite_safetensors_metadata(folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text})
@@ -224,7 +224,7 @@ def test_push_cli(hub, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert "pushed" in r.stdout and HfApi().model_info("cli/model").sha in r.stdout
     (folder / "config.json").write_text("{}")
-    from vip_hub.cli import main
+    from vip_hub.cli.main import main
 
     assert main(["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]) == 1
     assert "does not verify, nothing was pushed" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from service.store import (
     PublishRefused,
 )
 from vip_hub import export_encoder
-from vip_hub.verify import repo_files
+from vip_hub.repo.verify import repo_files
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:

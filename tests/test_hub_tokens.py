@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import httpx
 from live import ThreadedServer, settings_for
 
-from vip_hub.cli import main
+from vip_hub.cli.main import main
 
 
 def test_tokens_created_and_revoked_while_running(tmp_path, capsys):

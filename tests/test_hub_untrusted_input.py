@@ -17,9 +17,9 @@ from live import WRITE_TOKEN, raw_commit
 
 from service.pages.render import card_body, markdown_html
 from vip_hub import Dataset, DPStage, export_encoder, verify_repo
-from vip_hub.card import load_card
 from vip_hub.errors import RepoFormatError
-from vip_hub.push import push_repo
+from vip_hub.repo.card import load_card
+from vip_hub.repo.push import push_repo
 
 EVIL = "digits` | [click](https://evil.example/a) ![x](https://evil.example/i.png) <b>bold</b>\n\n# `x"
 

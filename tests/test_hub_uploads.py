@@ -18,7 +18,7 @@ from live import WRITE_TOKEN
 from service.errors import BadRequest
 from service.hub.uploads import CommitParser
 from service.store import AddFile, AddObject, DeleteFile, HubStore, UploadMissing
-from vip_hub.verify import repo_files
+from vip_hub.repo.verify import repo_files
 
 
 @pytest.fixture

@@ -11,14 +11,14 @@ from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 
 from vip_hub import load_encoder, verify_repo
-from vip_hub.cli import main
-from vip_hub.importer import (
+from vip_hub.cli.main import main
+from vip_hub.models.encoders import ARCHS, sincos_pos_embed_2d
+from vip_hub.repo.importer import (
     PRESETS,
     CheckpointError,
     import_mae_checkpoint,
     load_reference_checkpoint,
 )
-from vip_hub.models import ARCHS, sincos_pos_embed_2d
 
 
 class ReferenceMAE(torch.nn.Module):

@@ -19,8 +19,8 @@ from PIL import Image
 import vip_hub
 from service.inference.models import LoadedModel
 from vip_hub.device import pick_device
-from vip_hub.heads import load_head
-from vip_hub.push import push_repo
+from vip_hub.repo.heads import load_head
+from vip_hub.repo.push import push_repo
 
 MODEL = "vip/vip-nano-test"
 RNG = np.random.default_rng(0)

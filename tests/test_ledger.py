@@ -4,7 +4,7 @@ import pytest
 from helpers import dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
-from vip_hub.ledger import round_down, round_up
+from vip_hub.privacy.ledger import round_down, round_up
 
 
 def test_build_and_round_trip():
@@ -185,9 +185,9 @@ def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
 
 
 def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
-    from vip_hub.card import audit_paragraphs
-    from vip_hub.importer import PRESETS
-    from vip_hub.ledger import privacy_headline
+    from vip_hub.privacy.ledger import privacy_headline
+    from vip_hub.repo.card import audit_paragraphs
+    from vip_hub.repo.importer import PRESETS
 
     ledger = PrivacyLedger.build(PRESETS["dpcap-base-eps7"]().stages)
     summary = ledger.summary()
@@ -202,8 +202,8 @@ def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
 
 
 def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():
-    from vip_hub.accounting import default_delta, paper_delta
-    from vip_hub.importer import PRESETS
+    from vip_hub.privacy.accounting import default_delta, paper_delta
+    from vip_hub.repo.importer import PRESETS
 
     assert default_delta(1437) == 1e-5 and default_delta(10**6) == pytest.approx(1e-7)  # min(1e-5, 1/(10n))
     assert paper_delta(1437) == pytest.approx(1 / 2874)

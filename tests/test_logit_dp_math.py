@@ -21,17 +21,17 @@ from training.pair_clipping import (
     symmetric_infonce,
 )
 from vip_hub.errors import AccountingError, ClaimTooLowError
-from vip_hub.ledger import Dataset, DPStage, PrivacyLedger
-from vip_hub.models import EncoderSpec, create_encoder
-from vip_hub.repo_format import LEDGER_FILE
-from vip_hub.sensitivity import (
+from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub.privacy.ledger import Dataset, DPStage, PrivacyLedger
+from vip_hub.privacy.sensitivity import (
     CONTRASTIVE_LOSS,
     logit_dp_sensitivity,
     logit_dp_sensitivity_at,
     naive_dp_sensitivity,
     sensitivity,
 )
-from vip_hub.verify import verify_repo
+from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import LEDGER_FILE
 
 
 def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:

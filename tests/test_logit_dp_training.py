@@ -34,11 +34,11 @@ from training.logit_dp import (
 from training.pair_clipping import BatchClipper, PairClipper
 from training.syn import SynConfig, train_syn
 from vip_hub import verify_repo
-from vip_hub.accounting import epsilon
-from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import ConfigError
-from vip_hub.ledger import PrivacyLedger
-from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
+from vip_hub.privacy.accounting import epsilon
+from vip_hub.privacy.audit import DEFAULT_CANARIES
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
 
 BIN = Path(sys.executable).parent
 SYN_ARGS = dict(arch="vip-nano", img_size=16, patch_size=8, steps=2, batch_size=4, decoder_dim=32, decoder_depth=1,

@@ -4,8 +4,8 @@ from helpers import TINY, tiny_encoder
 from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub import ARCHS, EncoderSpec, create_encoder, extract_features, feature_dim
-from vip_hub.features import final_norm
-from vip_hub.models import sincos_pos_embed_2d
+from vip_hub.models.encoders import sincos_pos_embed_2d
+from vip_hub.models.features import final_norm
 
 
 @pytest.mark.parametrize(
@@ -95,15 +95,15 @@ def test_feature_modes_match_independent_computation():
 
 
 def test_cli_choices_follow_the_registry():
-    from vip_hub.commands import ARCH_NAMES, DPCAP_ARCHS, DPCAP_PRESETS, VIP_ARCHS, VIP_PRESETS
-    from vip_hub.importer import PRESETS
-    from vip_hub.models import family_archs
+    from vip_hub.cli.commands import ARCH_NAMES, DPCAP_ARCHS, DPCAP_PRESETS, VIP_ARCHS, VIP_PRESETS
+    from vip_hub.models.encoders import family_archs
+    from vip_hub.repo.importer import PRESETS
 
     assert list(ARCH_NAMES) == list(ARCHS)
     assert VIP_ARCHS == family_archs("vip") and DPCAP_ARCHS == family_archs("dpcap")
     assert sorted(VIP_PRESETS + DPCAP_PRESETS) == sorted(PRESETS)
     assert all(PRESETS[p]().arch in VIP_ARCHS for p in VIP_PRESETS if p != "vip-base")
-    from vip_hub.cli import build_parser
+    from vip_hub.cli.main import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices
     for command, presets in (("import-mae", VIP_PRESETS), ("import-dpcap", DPCAP_PRESETS)):
@@ -129,8 +129,8 @@ def test_dpcap_family_matches_reference(name, width, depth, heads, decoder):
 
 
 def test_families_declare_known_modes():
-    from vip_hub.features import POOLINGS
-    from vip_hub.models import FAMILIES
+    from vip_hub.models.encoders import FAMILIES
+    from vip_hub.models.features import POOLINGS
 
     for family in FAMILIES.values():
         assert set(family.poolings) <= set(POOLINGS) and "avg" in family.poolings

@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from vip_hub.ledger import PrivacyLedger
+from vip_hub.privacy.ledger import PrivacyLedger
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
@@ -45,7 +45,7 @@ def test_wheel_carries_every_package_file_and_entry_point(wheel: Path) -> None:
     assert {"service", "training", "vip_hub", "model_cards"} <= set(PACKAGES)
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
     entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    for line in ("vip-hub = vip_hub.cli:main", "serve = service.cli:register_serve",
+    for line in ("vip-hub = vip_hub.cli.main:main", "serve = service.cli:register_serve",
                  "training = training.commands:register"):
         assert line in entry_points
 

@@ -18,11 +18,11 @@ from live import WRITE_TOKEN, free_port
 
 from training.main_job import PUBLISHED, MainJobConfig, run_main_job, write_digits
 from training.probe import ProbeConfig, run_probe
-from vip_hub.heads import list_heads, load_head
-from vip_hub.ledger import PrivacyLedger
-from vip_hub.push import push_repo
-from vip_hub.signing import load_keys, verify_signature
-from vip_hub.verify import verify_repo
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.heads import list_heads, load_head
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.signing import load_keys, verify_signature
+from vip_hub.repo.verify import verify_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     from opacus.optimizers.optimizer import DPOptimizer
 
     from training.probe import fit_probe
-    from vip_hub.heads import LinearProbe
+    from vip_hub.repo.heads import LinearProbe
 
     g = torch.Generator().manual_seed(0)
     x, public = torch.randn(12, 5, generator=g) * 0.3, torch.randn(64, 5, generator=g)

@@ -12,10 +12,10 @@ from helpers import tiny_encoder
 from huggingface_hub import EvalResult, ModelCard
 
 from vip_hub import PrivacyLedger, load_encoder, update_repo, verify_repo
-from vip_hub.artifacts import read_safetensors_header, rewrite_safetensors_metadata
-from vip_hub.cli import main
-from vip_hub.ledger import Dataset, NonPrivateStage
-from vip_hub.repo import META_LEDGER
+from vip_hub.cli.main import main
+from vip_hub.privacy.ledger import Dataset, NonPrivateStage
+from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.repo.files import META_LEDGER
 
 PLAIN_TIMM = r"""
 import sys, timm, torch
@@ -204,7 +204,7 @@ def test_update_refuses_broken_repo_and_leaves_it_alone(tiny_repo):
 
 
 def test_heads_round_trip_and_replace(tiny_repo):
-    from vip_hub.heads import HeadInfo, LinearProbe, list_heads, load_head, save_head
+    from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, load_head, save_head
 
     torch.manual_seed(0)
     head = LinearProbe(1152, 3)

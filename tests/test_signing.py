@@ -18,13 +18,13 @@ from huggingface_hub.errors import HfHubHTTPError
 from live import WRITE_TOKEN, ThreadedServer, settings_for
 
 from vip_hub import export_encoder
-from vip_hub.cli import main
+from vip_hub.cli.main import main
 from vip_hub.errors import ConfigError, SignatureError, UntrustedSignerError
-from vip_hub.push import push_repo
-from vip_hub.repo import update_repo
+from vip_hub.repo.files import update_repo
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
+from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
-from vip_hub.signing import create_key, load_keys, sign_repo, verify_signature
-from vip_hub.verify import verify_repo
 
 
 @pytest.fixture

@@ -26,11 +26,11 @@ from training.data import TarShards, open_images
 from training.main_job import StepFailed
 from training.syn import SynConfig, train_syn
 from training.vip import VipConfig, train_vip
-from vip_hub.accounting import Accountant, max_steps_within
-from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubError
-from vip_hub.ledger import PrivacyLedger
-from vip_hub.verify import verify_repo
+from vip_hub.privacy.accounting import Accountant, max_steps_within
+from vip_hub.privacy.audit import DEFAULT_CANARIES
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.verify import verify_repo
 
 BIN = Path(sys.executable).parent
 SYN_ARGS = dict(arch="vip-nano", img_size=32, patch_size=8, steps=4, batch_size=8, decoder_dim=64,

@@ -13,7 +13,7 @@ from training.clipping import PerExampleClipper, UnsupportedLayerError, _materia
 from training.mae import MAE, DecoderConfig, patchify
 from training.procedural import FAMILIES, SyntheticImages, contact_sheet, render
 from training.sampling import micro_batches, poisson_sample, rank_share
-from vip_hub.models import EncoderSpec, create_encoder
+from vip_hub.models.encoders import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)

@@ -14,7 +14,7 @@ sampled (more when the clipper's bound exceeds the stated one), else 0; the per-
 log-likelihood ratio of "in" against "out" accumulates into its score.
 
 After training, ``audit()`` guesses the bits from the scores over a grid of guess counts
-fixed in advance and turns the counts into a lower bound on epsilon (``vip_hub.audit``),
+fixed in advance and turns the counts into a lower bound on epsilon (``vip_hub.privacy.audit``),
 recorded in the ledger beside the audit's ceiling and the accountants' upper bounds. Too
 little noise or a clip bound above the stated one shows up as a bound above the claim, where
 the ceiling lies above it.
@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vip_hub.accounting import Accountant, epsilon
-from vip_hub.audit import (
+from vip_hub.privacy.accounting import Accountant, epsilon
+from vip_hub.privacy.audit import (
     DEFAULT_BETA,
     bound_over_grid,
     ceiling,
@@ -34,7 +34,7 @@ from vip_hub.audit import (
     guess_grid,
     log_likelihood_ratio,
 )
-from vip_hub.ledger import Audit, AuditResult, round_down, round_up
+from vip_hub.privacy.ledger import Audit, AuditResult, round_down, round_up
 
 from .clipping import clip_factors
 from .sampling import CANARY_BITS, step_generator

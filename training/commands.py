@@ -11,7 +11,7 @@ import argparse
 import importlib
 from typing import Any
 
-from vip_hub.cli import CommandError, add_command, require_extra
+from vip_hub.cli.main import CommandError, add_command, require_extra
 
 from .recipe import Recipe, add_config_args, config_from_args
 

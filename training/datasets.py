@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from vip_hub.errors import DataError
-from vip_hub.ledger import Dataset
+from vip_hub.privacy.ledger import Dataset
 
 __all__ = [
     "FASHION_MNIST_CLASSES",

@@ -37,16 +37,16 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from vip_hub.accounting import (
+from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
+from vip_hub.models.encoders import EncoderSpec
+from vip_hub.privacy.accounting import (
     Accountant,
     calibrate,
     composed_epsilon,
     default_delta,
     max_steps_within,
 )
-from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
-from vip_hub.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
-from vip_hub.models import EncoderSpec
+from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
 from vip_hub.repo_format import ENCODER
 
 from .canaries import DiracCanaries

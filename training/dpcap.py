@@ -1,7 +1,7 @@
 """The DP-Cap recipe: an image captioner (a DP-Cap encoder + the reference text decoder) trained
 with DP-AdamW on private image-caption pairs (Sander et al., 2024).
 
-The recipe is a model (``vip_hub.captioning.Captioner``), a per-example loss (the reference's
+The recipe is a model (``vip_hub.models.text_decoder.Captioner``), a per-example loss (the reference's
 caption loss) and a clipper (``PerExampleClipper`` over every trainable parameter, the token
 embedding included); everything private about a step is the DP engine's
 (``training/dp_engine.py``), as in the ViP recipe (``training/vip.py``). The encoder starts from a
@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from vip_hub.captioning import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
-from vip_hub.sensitivity import sensitivity
-from vip_hub.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
+from vip_hub.models.text_decoder import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
+from vip_hub.privacy.sensitivity import sensitivity
 
 from .clipping import PerExampleClipper
 from .data import CAPTIONS_FILE, IMAGE_EXTENSIONS, Augmented, mae_transform, open_captions
@@ -276,7 +276,7 @@ def write_digit_public_captions(path: str | Path) -> Path:
 def write_digit_vocab(path: str | Path) -> Path:
     """Write the main job's public vocabulary (``public_vocab``): BERT's special tokens at BERT's ids,
     then the words of the digit templates (numerals and number words included), of
-    ``PUBLIC_CAPTIONS`` and of the zero-shot prompt (``vip_hub.captioning.DEFAULT_PROMPT``)."""
+    ``PUBLIC_CAPTIONS`` and of the zero-shot prompt (``vip_hub.models.text_decoder.DEFAULT_PROMPT``)."""
     out = Path(path)
     out.write_bytes(public_vocab([*digit_public_captions(), *PUBLIC_CAPTIONS, DEFAULT_PROMPT]))
     return out

@@ -5,7 +5,7 @@ The recipe is a model (``ContrastiveEmbedder``: a vip-* or dpcap-* encoder from 
 K blocks trainable, and a projection head), a loss (symmetric InfoNCE at temperature tau over
 the cosine similarities of two augmented views per image) and a clipper: ``PairClipper``
 (``--mechanism logit-dp``: every pair's similarity gradient clipped to B, sensitivity from
-``vip_hub.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch gradient
+``vip_hub.privacy.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch gradient
 clipped to C, sensitivity 2C). Everything private about a step is the DP engine's
 (``training/dp_engine.py``); the derivation and the conditions this recipe keeps are in
 ``docs/logit_dp_sensitivity.md``: the whole Poisson sample of a rank is one clipper call
@@ -26,10 +26,10 @@ from PIL import Image
 from pydantic import Field, field_validator
 
 from vip_hub.errors import ConfigError
-from vip_hub.features import final_norm
 from vip_hub.loading import load_encoder
-from vip_hub.models import EncoderSpec
-from vip_hub.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
+from vip_hub.models.encoders import EncoderSpec
+from vip_hub.models.features import final_norm
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
 
 from .data import Augmented, mae_transform, open_images
 from .distributed import Dist
@@ -62,7 +62,7 @@ class ContrastiveMechanism(str, enum.Enum):
 
     @property
     def ledger_name(self) -> str:
-        """The mechanism's name in the ledger (the rule ``vip_hub.sensitivity`` applies)."""
+        """The mechanism's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
         return "Logit-DP" if self is ContrastiveMechanism.LOGIT_DP else "Naive-DP"
 
 

@@ -28,10 +28,10 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from vip_hub.errors import ConfigError, MissingInputError, RepoFormatError
-from vip_hub.features import final_norm
-from vip_hub.ledger import PrivacyLedger
 from vip_hub.loading import load_encoder
-from vip_hub.models import EncoderSpec, create_encoder, sincos_pos_embed_2d
+from vip_hub.models.encoders import EncoderSpec, create_encoder, sincos_pos_embed_2d
+from vip_hub.models.features import final_norm
+from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from .procedural import SyntheticImages

@@ -12,7 +12,7 @@
    comparison (accuracy on the public test split, each row's guarantee) goes into every card;
 5. sign every repo with the job's key (``WORK/signing/main-job.key``, made once), start
    ``vip-hub serve`` on the embedded store trusting that key, and publish the repos through
-   ``vip_hub.push`` (the verified path ``vip-hub push`` takes);
+   ``vip_hub.repo.push`` (the verified path ``vip-hub push`` takes);
 6. print how to use them, and keep serving until interrupted.
 
 Every step records a stamp of its inputs; a re-run skips steps whose outputs exist and whose
@@ -44,18 +44,12 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from vip_hub.audit import DEFAULT_CANARIES
 from vip_hub.errors import SignatureError, VipHubError
-from vip_hub.ledger import PrivacyLedger, privacy_headline
-from vip_hub.push import is_published, push_repo
-from vip_hub.repo import update_repo
-from vip_hub.repo_format import (
-    HEADS_DIR,
-    LEDGER_FILE,
-    SIGNATURE_FILE,
-    head_component,
-)
-from vip_hub.signing import (
+from vip_hub.privacy.audit import DEFAULT_CANARIES
+from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
+from vip_hub.repo.files import update_repo
+from vip_hub.repo.push import is_published, push_repo
+from vip_hub.repo.signing import (
     PRIVATE_SUFFIX,
     PUBLIC_SUFFIX,
     create_key,
@@ -63,7 +57,13 @@ from vip_hub.signing import (
     sign_repo,
     verify_signature,
 )
-from vip_hub.verify import verify_repo
+from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import (
+    HEADS_DIR,
+    LEDGER_FILE,
+    SIGNATURE_FILE,
+    head_component,
+)
 
 from .procedural import render
 
@@ -319,7 +319,7 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
     split of DP heads only, each with its guarantee: the head's stages composed with its
     encoder's) goes into every card. No model trained without DP on the private split is
     released or measured: its accuracy would be a figure with no guarantee."""
-    from vip_hub.accounting import epsilon as accounted
+    from vip_hub.privacy.accounting import epsilon as accounted
 
     from .probe import DP_HEAD_LR, ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
 
@@ -395,7 +395,7 @@ def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subproce
     env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
            "VIP_HUB_AUTH__ORGS": json.dumps({ORG: ["main-job"]}),
            "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key)}  # the hub accepts what the job signed
-    cmd = [sys.executable, "-m", "vip_hub.cli", "serve", "--store", cfg.store, "--host", cfg.host,
+    cmd = [sys.executable, "-m", "vip_hub.cli.main", "serve", "--store", cfg.store, "--host", cfg.host,
            "--port", str(cfg.port)]
     print(f"[*] starting the server: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, env=env)

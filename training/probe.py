@@ -38,11 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from tqdm.auto import tqdm
 
-from vip_hub.accounting import Accountant, calibrate, default_delta
 from vip_hub.errors import ConfigError, DataError
-from vip_hub.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
 from vip_hub.loading import load_encoder
+from vip_hub.privacy.accounting import Accountant, calibrate, default_delta
+from vip_hub.privacy.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
+from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import head_component
 
 from .data import ImageFolder

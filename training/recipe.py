@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vip_hub.accounting import Accountant
-from vip_hub.audit import DEFAULT_CANARIES, DEFAULT_DELTA
 from vip_hub.errors import ConfigError
-from vip_hub.ledger import DATASET_NAME_PATTERN
+from vip_hub.privacy.accounting import Accountant
+from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA
+from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
 
 __all__ = [
     "DPRunConfig",
@@ -195,6 +195,6 @@ def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
 
 def recipe_main(command: str, argv: list[str] | None = None) -> int:
     """``torchrun ... -m training.<recipe>`` entry point: the arguments of ``vip-hub <command>``."""
-    from vip_hub.cli import main as cli_main
+    from vip_hub.cli.main import main as cli_main
 
     return cli_main([command, *(sys.argv[1:] if argv is None else argv)])

@@ -19,11 +19,11 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from tqdm.auto import tqdm
 
-from vip_hub.ledger import DPStage, NonPrivateStage
-from vip_hub.models import EncoderSpec
-from vip_hub.repo import export_encoder
+from vip_hub.models.encoders import EncoderSpec
+from vip_hub.privacy.ledger import DPStage, NonPrivateStage
+from vip_hub.repo.files import export_encoder
+from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
 from vip_hub.repo_format import CURVES_FILE
-from vip_hub.signing import SIGNING_KEY_ENV, sign_repo
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Dist

@@ -16,8 +16,8 @@ import torch
 from pydantic import Field
 
 from vip_hub.errors import ConfigError
-from vip_hub.ledger import Dataset, NonPrivateStage
-from vip_hub.models import ARCHS, EncoderSpec
+from vip_hub.models.encoders import ARCHS, EncoderSpec
+from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
 from .distributed import Dist
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch

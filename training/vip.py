@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from vip_hub.sensitivity import sensitivity
+from vip_hub.privacy.sensitivity import sensitivity
 
 from .clipping import PerExampleClipper
 from .data import Augmented, mae_transform, open_images

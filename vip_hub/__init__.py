@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "accounting": ["Accountant", "calibrate", "default_delta", "epsilon", "epsilons", "max_steps_within", "paper_delta"],
+    "privacy.accounting": ["Accountant", "calibrate", "default_delta", "epsilon", "epsilons", "max_steps_within", "paper_delta"],
     "errors": ["AccountingError", "AuditError", "CheckpointError", "ClaimTooLowError", "ConfigError",
                "DataError", "LedgerError", "MissingInputError", "RepoFormatError", "TamperedFileError",
                "VerificationError", "VipHubError"],
-    "features": ["POOLINGS", "Pooling", "extract_features", "feature_dim"],
-    "ledger": ["Audit", "DPStage", "Dataset", "Guarantee", "NonPrivateStage", "PrivacyLedger", "PrivacySummary"],
+    "models.features": ["POOLINGS", "Pooling", "extract_features", "feature_dim"],
+    "privacy.ledger": ["Audit", "DPStage", "Dataset", "Guarantee", "NonPrivateStage", "PrivacyLedger", "PrivacySummary"],
     "loading": ["Encoder", "load_encoder"],
-    "models": ["ARCHS", "EncoderSpec", "create_encoder", "get_arch"],
-    "repo": ["export_encoder", "update_repo"],
-    "verify": ["VerificationReport", "verify_repo"],
+    "models.encoders": ["ARCHS", "EncoderSpec", "create_encoder", "get_arch"],
+    "repo.files": ["export_encoder", "update_repo"],
+    "repo.verify": ["VerificationReport", "verify_repo"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -41,15 +41,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accounting import (
-        Accountant,
-        calibrate,
-        default_delta,
-        epsilon,
-        epsilons,
-        max_steps_within,
-        paper_delta,
-    )
     from .errors import (
         AccountingError,
         AuditError,
@@ -64,8 +55,19 @@ if TYPE_CHECKING:  # pragma: no cover
         VerificationError,
         VipHubError,
     )
-    from .features import POOLINGS, Pooling, extract_features, feature_dim
-    from .ledger import (
+    from .loading import Encoder, load_encoder
+    from .models.encoders import ARCHS, EncoderSpec, create_encoder, get_arch
+    from .models.features import POOLINGS, Pooling, extract_features, feature_dim
+    from .privacy.accounting import (
+        Accountant,
+        calibrate,
+        default_delta,
+        epsilon,
+        epsilons,
+        max_steps_within,
+        paper_delta,
+    )
+    from .privacy.ledger import (
         Audit,
         Dataset,
         DPStage,
@@ -74,7 +76,5 @@ if TYPE_CHECKING:  # pragma: no cover
         PrivacyLedger,
         PrivacySummary,
     )
-    from .loading import Encoder, load_encoder
-    from .models import ARCHS, EncoderSpec, create_encoder, get_arch
-    from .repo import export_encoder, update_repo
-    from .verify import VerificationReport, verify_repo
+    from .repo.files import export_encoder, update_repo
+    from .repo.verify import VerificationReport, verify_repo

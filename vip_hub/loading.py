@@ -15,22 +15,15 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
-from .captioning import (
-    DEFAULT_PROMPT,
-    Captioner,
-    ImageMemory,
-    can_caption,
-    load_image_memory,
-    load_text_decoder,
-)
 from .errors import ConfigError, MissingInputError
-from .features import Pooling, check_pooling, extract_features, feature_dim
-from .ledger import PrivacyLedger, PrivacySummary
-from .models import EncoderSpec
-from .repo import read_config
+from .models.encoders import EncoderSpec
+from .models.features import Pooling, check_pooling, extract_features, feature_dim
+from .models.text_decoder import DEFAULT_PROMPT, Captioner, ImageMemory
+from .models.tokenizer import CaptionTokenizer
+from .privacy.ledger import PrivacyLedger, PrivacySummary
+from .repo.files import can_caption, load_image_memory, load_text_decoder, read_config
+from .repo.verify import verify_repo
 from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
-from .tokenizer import CaptionTokenizer
-from .verify import verify_repo
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
 

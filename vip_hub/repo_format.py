@@ -11,7 +11,7 @@ A repo folder (or a hub commit's tree) holds::
     vocab.txt                 optional (DP-Cap): the tokenizer's vocabulary
     *.png                     optional: training curves shown in the card
     heads/<name>/             optional linear-probe heads: head.safetensors, labels.json, metrics.json
-    model.sig                 optional: the trainer's signature over every other file (vip_hub.signing)
+    model.sig                 optional: the trainer's signature over every other file (vip_hub.repo.signing)
 
 Every other module (writing, verifying, loading, the hub store, the inference API, the
 pages) reads these names from here; see ``docs/architecture.md``.

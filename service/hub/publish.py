@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from vip_hub.card import load_card
+from vip_hub.repo.card import load_card
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest

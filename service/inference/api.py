@@ -16,10 +16,10 @@ import torch
 from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
-from vip_hub.artifacts import read_safetensors_header
-from vip_hub.captioning import can_caption
-from vip_hub.features import Pooling
-from vip_hub.ledger import PrivacyLedger
+from vip_hub.models.features import Pooling
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.artifacts import read_safetensors_header
+from vip_hub.repo.files import can_caption
 from vip_hub.repo_format import (
     CONFIG_BLOCK,
     CONFIG_FILE,

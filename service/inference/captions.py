@@ -11,7 +11,7 @@ import torch
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from vip_hub.captioning import DEFAULT_PROMPT
+from vip_hub.models.text_decoder import DEFAULT_PROMPT
 
 from ..auth import Identity
 from ..errors import BadRequest, PayloadTooLarge

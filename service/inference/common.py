@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import Request, Response
 from pydantic import BaseModel, Field
 
-from vip_hub.ledger import PrivacySummary, privacy_headline
+from vip_hub.privacy.ledger import PrivacySummary, privacy_headline
 
 from ..auth import Identity, check_read, identity, identity_or_anonymous, require_scope
 from ..errors import BadRequest, PayloadTooLarge

@@ -12,10 +12,10 @@ import torch
 
 from vip_hub import load_encoder
 from vip_hub.device import pick_device
-from vip_hub.features import Pooling
-from vip_hub.heads import HeadInfo, LinearProbe, list_heads, load_head
-from vip_hub.ledger import PrivacyLedger
 from vip_hub.loading import CaptioningModel
+from vip_hub.models.features import Pooling
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, load_head
 
 from ..metrics import Metrics
 from ..settings import InferenceSettings

@@ -8,7 +8,7 @@ from urllib.parse import quote, urlsplit
 import nh3
 from markdown_it import MarkdownIt
 
-from vip_hub.card import load_card
+from vip_hub.repo.card import load_card
 
 __all__ = ["card_body", "markdown_html"]
 

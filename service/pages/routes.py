@@ -14,15 +14,15 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from vip_hub.card import (
+from vip_hub.models.encoders import ARCHS
+from vip_hub.privacy.ledger import LedgerError, PrivacyLedger, compose_releases
+from vip_hub.repo.card import (
     LEDGER_COLUMNS,
     audit_paragraphs,
     component_headlines,
     guarantee_paragraphs,
     ledger_rows,
 )
-from vip_hub.ledger import LedgerError, PrivacyLedger, compose_releases
-from vip_hub.models import ARCHS
 from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params
 
 from ..auth import identity

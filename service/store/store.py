@@ -24,12 +24,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vip_hub.card import load_card
 from vip_hub.errors import SignatureError
-from vip_hub.ledger import PrivacyLedger, PrivacySummary, privacy_headline
+from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headline
+from vip_hub.repo.card import load_card
+from vip_hub.repo.signing import PublicKey, load_keys, verify_signature
+from vip_hub.repo.verify import VerificationReport, verify_repo
 from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE
-from vip_hub.signing import PublicKey, load_keys, verify_signature
-from vip_hub.verify import VerificationReport, verify_repo
 
 from .blobs import (
     BlobStore,

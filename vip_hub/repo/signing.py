@@ -27,9 +27,9 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from ..errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
+from ..repo_format import NAME_PATTERN, SIGNATURE_FILE
 from .artifacts import file_sha256
-from .errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
-from .repo_format import NAME_PATTERN, SIGNATURE_FILE
 from .verify import Problem, VerificationReport, repo_files
 
 __all__ = [

@@ -19,8 +19,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .ledger import privacy_headline
-from .repo_format import DEFAULT_BRANCH, LEDGER_FILE
+from ..privacy.ledger import privacy_headline
+from ..repo_format import DEFAULT_BRANCH, LEDGER_FILE
 from .verify import repo_files, verify_repo
 
 __all__ = ["is_published", "push_repo"]

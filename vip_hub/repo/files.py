@@ -12,29 +12,24 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub import EvalResult
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
 
-from .artifacts import (
-    digest_file,
-    read_safetensors_header,
-    rewrite_safetensors_metadata,
-    tensors_digest_of,
-)
-from .captioning import Captioner, ImageMemory, TextDecoder, can_caption, text_decoder_file
-from .card import CardInfo, card_info, render_card
-from .errors import ConfigError, RepoFormatError
-from .features import feature_dim
-from .ledger import DPStage, NonPrivateStage, PrivacyLedger
-from .models import EncoderSpec, count_parameters
-from .paths import validate_relpath
-from .repo_format import (
+from ..errors import ConfigError, RepoFormatError
+from ..models.encoders import EncoderSpec, count_parameters
+from ..models.features import feature_dim
+from ..models.text_decoder import Captioner, ImageMemory, TextDecoder, TextDecoderConfig
+from ..models.tokenizer import CaptionTokenizer
+from ..paths import validate_relpath
+from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
+from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
@@ -51,10 +46,25 @@ from .repo_format import (
     VOCAB_FILE,
     WEIGHTS_FILE,
 )
-from .tokenizer import CaptionTokenizer
+from .artifacts import (
+    digest_file,
+    read_safetensors_header,
+    rewrite_safetensors_metadata,
+    tensors_digest_of,
+)
+from .card import CardInfo, card_info, render_card
 from .verify import verify_repo
 
-__all__ = ["export_encoder", "read_config", "update_repo", "weights_ledger"]
+__all__ = [
+    "can_caption",
+    "export_encoder",
+    "load_image_memory",
+    "load_text_decoder",
+    "read_config",
+    "text_decoder_file",
+    "update_repo",
+    "weights_ledger",
+]
 
 
 def export_encoder(
@@ -79,7 +89,7 @@ def export_encoder(
 
     ``stages`` are the ledger's stages in training order; guarantees and file digests are
     computed here. Optional: ``decoder`` (an MAE decoder state dict, ViP), ``text_decoder`` (a
-    ``vip_hub.captioning.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode) with
+    ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode) with
     ``vocab`` (the bytes of the tokenizer's vocab.txt), and ``extra_files`` (e.g. a
     training-curve PNG).
     """
@@ -316,3 +326,49 @@ def _fsync_tree(folder: Path) -> None:
 
 def _sha256_bytes(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# ------------------------------------------------------------------- text decoder files
+def can_caption(files: Container[str]) -> bool:
+    """Whether a repo with these files (repo paths) captions: its text decoder and vocabulary."""
+    return TEXT_DECODER_FILE in files and VOCAB_FILE in files
+
+
+def text_decoder_file(decoder: TextDecoder) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and safetensors metadata of ``text_decoder.safetensors`` for ``decoder``."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()}
+    return tensors, {"format": "pt", META_DECODER: json.dumps(decoder.config.to_dict())}
+
+
+def read_decoder_config(path: str | os.PathLike[str]) -> TextDecoderConfig:
+    """The ``TextDecoderConfig`` kept in a text decoder file's metadata."""
+    meta = read_safetensors_header(path)[0].get("__metadata__") or {}
+    try:
+        return TextDecoderConfig.from_dict(json.loads(meta[META_DECODER]))
+    except (KeyError, ValueError, ConfigError) as e:
+        raise RepoFormatError(f"{path}: no valid text decoder configuration in its metadata ({e})") from None
+
+
+def load_text_decoder(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> TextDecoder:
+    """A text decoder (eval mode) from its safetensors file."""
+    decoder = TextDecoder(read_decoder_config(path))
+    try:
+        decoder.load_state_dict(load_file(path), strict=True)
+    except RuntimeError as e:
+        raise RepoFormatError(f"{path}: tensors do not fit its configuration ({' '.join(str(e).split())})") from None
+    return decoder.eval().to(device)
+
+
+def load_image_memory(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> ImageMemory:
+    """Only the image-memory weights of a text decoder file (what the ``dpcap`` features need)."""
+    c = read_decoder_config(path)
+    memory = ImageMemory(c.image_dim, c.width, c.num_image_tokens)
+    prefix = "memory."
+    with safe_open(path, framework="pt") as f:
+        state = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    try:
+        memory.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration "
+                              f"({' '.join(str(e).split())})") from None
+    return memory.eval().to(device)

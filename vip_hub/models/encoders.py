@@ -11,7 +11,7 @@ reference code fixes beside the shapes, all of which a ``Family`` records:
 - DP-Cap (facebookresearch/dpcap ``models_mae.py``, the ``*_autoregressive_nobias`` models): no
   qkv bias, heads nano 6 / tiny 6 / small 12 / base 12 / large 16, the final norm on every
   token (timm's ``norm``), a frozen random class token and image type embedding (folded into
-  ``pos_embed``), and a text decoder (``vip_hub.captioning``). Feature modes ``dpcap``,
+  ``pos_embed``), and a text decoder (``vip_hub.models.text_decoder``). Feature modes ``dpcap``,
   ``avg``, ``cls``.
 
 Head count does not change weight shapes but does change outputs, so it must match. A repo's
@@ -29,8 +29,8 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.vision_transformer import VisionTransformer
 
-from .errors import ConfigError, RepoFormatError
-from .repo_format import CONFIG_BLOCK
+from ..errors import ConfigError, RepoFormatError
+from ..repo_format import CONFIG_BLOCK
 
 __all__ = [
     "ARCHS",

@@ -8,12 +8,12 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .accounting import Accountant
-from .cli import CommandError, add_command
-from .repo_format import DEFAULT_BRANCH
+from ..privacy.accounting import Accountant
+from ..repo_format import DEFAULT_BRANCH
+from .main import CommandError, add_command
 
 if TYPE_CHECKING:
-    from .ledger import DPStage, NonPrivateStage
+    from ..privacy.ledger import DPStage, NonPrivateStage
 
 # Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
 ACCOUNTANTS = tuple(a.value for a in Accountant)
@@ -58,7 +58,7 @@ def register_epsilon(sub: Any) -> None:
 
 
 def _epsilon(args: argparse.Namespace) -> None:
-    from .accounting import epsilon
+    from ..privacy.accounting import epsilon
 
     eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, args.accountant)
     payload = {"epsilon": eps, "sigma": args.sigma, "sample_rate": args.sample_rate,
@@ -78,7 +78,7 @@ def register_calibrate(sub: Any) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from .accounting import calibrate, epsilon
+    from ..privacy.accounting import calibrate, epsilon
 
     sigma = calibrate(args.epsilon, args.delta, args.sample_rate, args.steps, args.accountant)
     spent = epsilon(sigma, args.sample_rate, args.steps, args.delta, args.accountant)
@@ -101,9 +101,9 @@ def register_verify(sub: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .ledger import privacy_headline
-    from .signing import check_signature
-    from .verify import verify_repo
+    from ..privacy.ledger import privacy_headline
+    from ..repo.signing import check_signature
+    from ..repo.verify import verify_repo
 
     report = verify_repo(args.repo)
     check_signature(args.repo, args.key, report)
@@ -159,7 +159,7 @@ def _preset_or_args(args: argparse.Namespace, delta: Callable[[int], float]) -> 
     """(arch, stages, name, summary, licence) from --preset, or from --arch and the ledger options."""
     from pathlib import Path
 
-    from .importer import PRESETS
+    from ..repo.importer import PRESETS
 
     if args.preset:
         preset = PRESETS[args.preset]()
@@ -170,8 +170,8 @@ def _preset_or_args(args: argparse.Namespace, delta: Callable[[int], float]) -> 
 
 
 def _import_mae(args: argparse.Namespace) -> None:
-    from .accounting import paper_delta
-    from .importer import import_mae_checkpoint
+    from ..privacy.accounting import paper_delta
+    from ..repo.importer import import_mae_checkpoint
 
     arch, stages, name, summary, _ = _preset_or_args(args, paper_delta)
     out = import_mae_checkpoint(
@@ -194,7 +194,7 @@ def register_import_dpcap(sub: Any) -> None:
 
 
 def _import_dpcap(args: argparse.Namespace) -> None:
-    from .importer import import_dpcap_checkpoint
+    from ..repo.importer import import_dpcap_checkpoint
 
     arch, stages, name, summary, license = _preset_or_args(args, lambda n: 1.0 / n)
     out = import_dpcap_checkpoint(
@@ -206,7 +206,7 @@ def _import_dpcap(args: argparse.Namespace) -> None:
 
 
 def _stages_from_args(args: argparse.Namespace, delta: Callable[[int], float]) -> list[NonPrivateStage | DPStage]:
-    from .ledger import Dataset, DPStage, NonPrivateStage
+    from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
 
     stages: list[NonPrivateStage | DPStage] = []
     if args.synthetic_dataset:
@@ -244,8 +244,8 @@ def register_push(sub: Any) -> None:
 def _push(args: argparse.Namespace) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
-    from .errors import VerificationError
-    from .push import push_repo
+    from ..errors import VerificationError
+    from ..repo.push import push_repo
 
     try:
         commit = push_repo(args.folder, args.repo_id, endpoint=args.endpoint, token=args.token,
@@ -269,9 +269,9 @@ def _caption_source_args(p: argparse.ArgumentParser) -> None:
 def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     from PIL import Image, UnidentifiedImageError
 
-    from .device import pick_device
-    from .errors import MissingInputError
-    from .loading import load_captioner
+    from ..device import pick_device
+    from ..errors import MissingInputError
+    from ..loading import load_captioner
 
     model = load_captioner(args.source, revision=args.revision, device=pick_device(args.device))
     images = []
@@ -293,7 +293,7 @@ def register_caption(sub: Any) -> None:
 
 
 def _caption(args: argparse.Namespace) -> None:
-    from .ledger import privacy_headline
+    from ..privacy.ledger import privacy_headline
 
     model, images = _load_for_captions(args)
     captions = model.caption(images, args.max_tokens)
@@ -317,8 +317,8 @@ def register_zero_shot(sub: Any) -> None:
 
 
 def _zero_shot(args: argparse.Namespace) -> None:
-    from .captioning import DEFAULT_PROMPT
-    from .ledger import privacy_headline
+    from ..models.text_decoder import DEFAULT_PROMPT
+    from ..privacy.ledger import privacy_headline
 
     labels = [label.strip() for label in args.labels.split(",")]
     empty = [i for i, label in enumerate(labels) if not label]

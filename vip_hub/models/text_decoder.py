@@ -5,7 +5,7 @@ The architecture is the reference's (facebookresearch/dpcap ``model/torch_transf
 
 - image memory: ``embed(tokens) + pos_embed + type_embed`` over the encoder's normed tokens
   (reference ``decoder_embed``, ``decoder_pos_embed``, ``decoder_image_type_embedding``); its mean
-  over tokens is the ``dpcap`` feature mode (``vip_hub.features``);
+  over tokens is the ``dpcap`` feature mode (``vip_hub.models.features``);
 - text: ``token_embed(ids) + text_pos_embed + text_type_embed`` (fixed 1-D sin-cos positions);
 - ``depth`` post-LayerNorm blocks: causal self-attention, add, norm1; cross-attention to the
   image memory, add, norm2; MLP (GELU), add, norm3; linear layers without bias, LayerNorm
@@ -23,23 +23,16 @@ metadata) and the tokenizer's vocabulary in ``vocab.txt``; ``load_captioner`` lo
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Container
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from .artifacts import read_safetensors_header
-from .errors import ConfigError, RepoFormatError
-from .models import EncoderSpec, sincos_pos_embed_1d, sincos_pos_embed_2d
-from .repo_format import META_DECODER, TEXT_DECODER_FILE, VOCAB_FILE
+from ..errors import ConfigError, RepoFormatError
+from .encoders import EncoderSpec, sincos_pos_embed_1d, sincos_pos_embed_2d
 from .tokenizer import MAX_LENGTH, CaptionTokenizer
 
 __all__ = [
@@ -49,10 +42,6 @@ __all__ = [
     "TextDecoder",
     "TextDecoderConfig",
     "caption_loss",
-    "can_caption",
-    "load_image_memory",
-    "load_text_decoder",
-    "text_decoder_file",
 ]
 
 DEFAULT_PROMPT = "this is a photo of a"
@@ -341,49 +330,3 @@ class Captioner(nn.Module):
                 logits = self.decoder.decode(part, image_kv)
                 out[b, start : start + part.shape[0]] = caption_loss(logits, part, c.pad_id)
         return out
-
-
-# ------------------------------------------------------------------------------ files
-def can_caption(files: Container[str]) -> bool:
-    """Whether a repo with these files (repo paths) captions: its text decoder and vocabulary."""
-    return TEXT_DECODER_FILE in files and VOCAB_FILE in files
-
-
-def text_decoder_file(decoder: TextDecoder) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and safetensors metadata of ``text_decoder.safetensors`` for ``decoder``."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()}
-    return tensors, {"format": "pt", META_DECODER: json.dumps(decoder.config.to_dict())}
-
-
-def read_decoder_config(path: str | os.PathLike[str]) -> TextDecoderConfig:
-    """The ``TextDecoderConfig`` kept in a text decoder file's metadata."""
-    meta = read_safetensors_header(path)[0].get("__metadata__") or {}
-    try:
-        return TextDecoderConfig.from_dict(json.loads(meta[META_DECODER]))
-    except (KeyError, ValueError, ConfigError) as e:
-        raise RepoFormatError(f"{path}: no valid text decoder configuration in its metadata ({e})") from None
-
-
-def load_text_decoder(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> TextDecoder:
-    """A text decoder (eval mode) from its safetensors file."""
-    decoder = TextDecoder(read_decoder_config(path))
-    try:
-        decoder.load_state_dict(load_file(path), strict=True)
-    except RuntimeError as e:
-        raise RepoFormatError(f"{path}: tensors do not fit its configuration ({' '.join(str(e).split())})") from None
-    return decoder.eval().to(device)
-
-
-def load_image_memory(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> ImageMemory:
-    """Only the image-memory weights of a text decoder file (what the ``dpcap`` features need)."""
-    c = read_decoder_config(path)
-    memory = ImageMemory(c.image_dim, c.width, c.num_image_tokens)
-    prefix = "memory."
-    with safe_open(path, framework="pt") as f:
-        state = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-    try:
-        memory.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration "
-                              f"({' '.join(str(e).split())})") from None
-    return memory.eval().to(device)

@@ -17,8 +17,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .errors import SafetensorsError
-from .repo_format import is_weights_file
+from ..errors import SafetensorsError
+from ..repo_format import is_weights_file
 
 __all__ = [
     "SafetensorsError",

@@ -10,9 +10,9 @@
 - ``dpcap``: the DP-Cap reference's linear-probe features (``linear_prob_forward(x).mean(1)``):
   the mean over all tokens, class token included, of the text decoder's image memory
   ``decoder_embed(norm(h)) + decoder_pos_embed + decoder_image_type_embedding``. It needs that
-  memory's weights (``vip_hub.captioning.ImageMemory``, stored in the repo's text decoder file).
+  memory's weights (``vip_hub.models.text_decoder.ImageMemory``, stored in the repo's text decoder file).
 
-Which modes a repo offers is its family's business (``vip_hub.models.Family.poolings``);
+Which modes a repo offers is its family's business (``vip_hub.models.encoders.Family.poolings``);
 this module computes any mode it is given the weights for.
 """
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:  # captioning imports nothing from here, but keep the import light
-    from .captioning import ImageMemory
+    from .text_decoder import ImageMemory
 
 Pooling = Literal["cls", "avg", "vip", "dpcap"]
 POOLINGS: tuple[Pooling, ...] = get_args(Pooling)

@@ -7,7 +7,7 @@
 - DP-Cap (facebookresearch/dpcap, ``MaskedAutoencoderViT_autoregressive``): ``{"model":
   state_dict, "args": Namespace, ...}``. Encoder keys follow timm's layout (the final ``norm``
   stays per token); the frozen ``encoder_image_type_embedding`` is folded into ``pos_embed``;
-  the text decoder's keys are renamed to ``vip_hub.captioning.TextDecoder``'s (``DPCAP_DECODER_KEYS``).
+  the text decoder's keys are renamed to ``vip_hub.models.text_decoder.TextDecoder``'s (``DPCAP_DECODER_KEYS``).
 
 This is the only place that unpickles, with ``torch.load(weights_only=True)`` and only
 ``argparse.Namespace`` allowed: anything but plain tensors and containers is refused.
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from .accounting import paper_delta
-from .captioning import TextDecoder, TextDecoderConfig
-from .errors import CheckpointError, ConfigError
-from .ledger import Dataset, DPStage, NonPrivateStage
-from .models import EncoderSpec, create_encoder
-from .repo import export_encoder
-from .tokenizer import CaptionTokenizer
+from ..errors import CheckpointError, ConfigError
+from ..models.encoders import EncoderSpec, create_encoder
+from ..models.text_decoder import TextDecoder, TextDecoderConfig
+from ..models.tokenizer import CaptionTokenizer
+from ..privacy.accounting import paper_delta
+from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
+from .files import export_encoder
 
 __all__ = [
     "PRESETS",

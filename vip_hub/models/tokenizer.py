@@ -21,7 +21,7 @@ from tokenizers import BertWordPieceTokenizer
 from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["BERT_SPECIAL_IDS", "MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer", "public_vocab"]
 

@@ -4,7 +4,7 @@ A repo verifies when
 - its three ledger copies (``privacy_ledger.json``, the weights' metadata, the card's front
   matter) are valid and equal;
 - its paths are safe, alone and together (``vip_hub.paths``), and no file holds a pickle, an
-  archive or compressed data whatever its name (``vip_hub.content``);
+  archive or compressed data whatever its name (``vip_hub.repo.content``);
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
 - config.json and the weights agree on the architecture, and config.json names no other
   source for the weights;
@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .accounting import Accountant, composed_epsilon
-from .artifacts import digest_file, read_safetensors_header
-from .audit import bound_over_grid, ceiling
-from .card import card_ledger
-from .content import refused_content, weight_sources
-from .errors import (
+from ..errors import (
     AccountingError,
     AuditError,
     ClaimTooLowError,
@@ -41,9 +36,12 @@ from .errors import (
     TamperedFileError,
     VerificationError,
 )
-from .ledger import EPSILON_DECIMALS, PrivacyLedger
-from .paths import tree_path_problems, validate_relpath
-from .repo_format import (
+from ..paths import tree_path_problems, validate_relpath
+from ..privacy.accounting import Accountant, composed_epsilon
+from ..privacy.audit import bound_over_grid, ceiling
+from ..privacy.ledger import EPSILON_DECIMALS, PrivacyLedger
+from ..privacy.sensitivity import sensitivity
+from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
@@ -55,7 +53,9 @@ from .repo_format import (
     head_folders,
     is_weights_file,
 )
-from .sensitivity import sensitivity
+from .artifacts import digest_file, read_safetensors_header
+from .card import card_ledger
+from .content import refused_content, weight_sources
 
 __all__ = ["Problem", "RELATIVE_TOLERANCE", "VerificationReport", "repo_files", "verify_repo"]
 

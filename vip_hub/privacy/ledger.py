@@ -31,10 +31,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..errors import LedgerError, UnsafePathError
+from ..paths import validate_relpath
+from ..repo_format import COMPONENT_PATTERN, ENCODER
 from .accounting import Accountant, composed_epsilon, default_delta, epsilons
-from .errors import LedgerError, UnsafePathError
-from .paths import validate_relpath
-from .repo_format import COMPONENT_PATTERN, ENCODER
 
 SCHEMA = "vip-hub/privacy-ledger/v3"
 EPSILON_DECIMALS = 6

@@ -22,11 +22,10 @@ import torch
 from huggingface_hub import EvalResult
 from safetensors.torch import load_file, save_file
 
-from .artifacts import read_safetensors_header
-from .errors import ConfigError, MissingInputError
-from .features import Pooling, check_pooling
-from .ledger import DPStage, NonPrivateStage, PrivacyLedger
-from .repo_format import (
+from ..errors import ConfigError, MissingInputError
+from ..models.features import Pooling, check_pooling
+from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
+from ..repo_format import (
     HEAD_LABELS,
     HEAD_METRICS,
     HEAD_WEIGHTS,
@@ -38,6 +37,7 @@ from .repo_format import (
     head_file,
     heads_in,
 )
+from .artifacts import read_safetensors_header
 
 __all__ = ["HeadInfo", "LinearProbe", "head_pooling", "list_heads", "load_head", "save_head"]
 
@@ -78,7 +78,7 @@ def save_head(
     eval_result: EvalResult | None = None,
 ) -> PrivacyLedger:
     """Add (or replace) head ``info.name`` in a repo, with its ledger stage; returns the ledger."""
-    from .repo import update_repo
+    from .files import update_repo
 
     component = head_component(info.name)
     if stage.component != component:

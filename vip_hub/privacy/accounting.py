@@ -19,7 +19,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from .errors import AccountingError
+from ..errors import AccountingError
 
 __all__ = [
     "Accountant",

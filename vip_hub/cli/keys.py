@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .cli import CommandError, add_command
+from .main import CommandError, add_command
 
 __all__ = ["register_key", "register_sign"]
 
 
 def register_key(sub: Any) -> None:
     """Add ``vip-hub key create``."""
-    from .signing import KEY_NAME
+    from ..repo.signing import KEY_NAME
 
     p = add_command(sub, "key", _key, "create the EC key pair that signs your repos (kept outside them)")
     p.add_argument("action", choices=["create"])
@@ -25,7 +25,7 @@ def register_key(sub: Any) -> None:
 
 
 def _key(args: argparse.Namespace) -> None:
-    from .signing import SIGNING_KEY_ENV, create_key
+    from ..repo.signing import SIGNING_KEY_ENV, create_key
 
     private, public = create_key(args.dir, args.name, overwrite=args.overwrite)
     print(f"private key  {private}  (mode 0600: keep it secret, never inside a repo)")
@@ -36,7 +36,7 @@ def _key(args: argparse.Namespace) -> None:
 
 def register_sign(sub: Any) -> None:
     """Add ``vip-hub sign``."""
-    from .signing import SIGNING_KEY_ENV
+    from ..repo.signing import SIGNING_KEY_ENV
 
     p = add_command(sub, "sign", _sign, "sign a verified repo folder (writes model.sig)")
     p.add_argument("folder", help="repo folder")
@@ -45,8 +45,8 @@ def register_sign(sub: Any) -> None:
 
 
 def _sign(args: argparse.Namespace) -> None:
-    from .signing import sign_repo
-    from .verify import verify_repo
+    from ..repo.signing import sign_repo
+    from ..repo.verify import verify_repo
 
     if args.key is None:
         raise CommandError("name the private key: --key PATH (see `vip-hub key create`)")

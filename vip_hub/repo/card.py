@@ -4,7 +4,7 @@ The card is a pure function of the repo's config (architecture, family, feature 
 ledger, whether it carries a text decoder with its vocabulary, and a small ``CardInfo`` (name,
 summary, licence, evaluation results), so it can be rendered again whenever the ledger grows
 (e.g. when a probe head is added). One template serves every family: what differs (heads,
-layout, feature modes, captioning) comes from ``vip_hub.models.Family``.
+layout, feature modes, captioning) comes from ``vip_hub.models.encoders.Family``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
-from .errors import LedgerError, RepoFormatError
-from .features import MODE_DESCRIPTIONS
-from .ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
-from .models import EncoderSpec
-from .repo_format import CARD_FILE, ENCODER, format_params
+from ..errors import LedgerError, RepoFormatError
+from ..models.encoders import EncoderSpec
+from ..models.features import MODE_DESCRIPTIONS
+from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
+from ..repo_format import CARD_FILE, ENCODER, format_params
 
 __all__ = [
     "LEDGER_COLUMNS",

@@ -6,7 +6,7 @@
 - config.json keys that send timm elsewhere for the weights: a repo's verified
   ``model.safetensors`` is what ``timm.create_model("hf-hub:…", pretrained=True)`` loads.
 
-``vip_hub.verify`` applies both rules, so the hub (which verifies every commit) does too.
+``vip_hub.repo.verify`` applies both rules, so the hub (which verifies every commit) does too.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import AccountingError
+from ..errors import AccountingError
 
 __all__ = [
     "CONTRASTIVE_LOSS",

@@ -1,0 +1,1 @@
+"""The privacy layer: accountants (RDP, PRV, PLD), sensitivities, the audit's arithmetic, the ledger."""
