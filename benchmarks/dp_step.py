@@ -81,6 +81,7 @@ class Bench:
 
     def timed(self, variant: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, with the time of each call kept under ``variant``."""
+
         def call(*args: Any) -> Any:
             self.sync()
             start = time.perf_counter()
@@ -88,6 +89,7 @@ class Bench:
             self.sync()
             self.inner.setdefault(variant, []).append(time.perf_counter() - start)
             return out
+
         return call
 
 
@@ -117,8 +119,9 @@ class VmapClipper:
             return functional_call(self.model, (params, buffers), tuple(x[None] for x in one)).sum()
 
         detached = {n: p.detach() for n, p in self.named.items()}
-        per, losses = vmap(grad_and_value(loss_one), in_dims=(None, *[0] * len(inputs)),
-                           randomness="different")(detached, *inputs)
+        per, losses = vmap(
+            grad_and_value(loss_one), in_dims=(None, *[0] * len(inputs)), randomness="different"
+        )(detached, *inputs)
         b = len(losses)
         norms = torch.sqrt(sum(g.float().reshape(b, -1).square().sum(1) for g in per.values()))
         factors = clip_factors(norms, self.max_norm)
@@ -140,26 +143,46 @@ def non_private(bench: Bench) -> Step:
         timed()
         bench.optimizer.step()
         bench.optimizer.zero_grad(set_to_none=True)
+
     return step
 
 
-def engine_step(variant: str, clipper: Callable[[nn.Module, float], Clipper], canaries: int = 0
-                ) -> Callable[[Bench], Step]:
+def engine_step(
+    variant: str, clipper: Callable[[nn.Module, float], Clipper], canaries: int = 0
+) -> Callable[[Bench], Step]:
     """A DP engine's logical step (one micro-batch) with ``clipper(model, C)`` and ``canaries``
     audit canaries, whose own calls are timed under ``variant + " audit"``."""
+
     def build(bench: Bench) -> Step:
         batch = len(bench.inputs[0])
-        budget = Budget.plan(dataset_size=10**6, batch_size=batch, steps=10**6, epsilon=None, sigma=SIGMA,
-                             delta=1e-6, accountant="rdp")
-        engine = DPEngine(TimedClipper(clipper(bench.mae, CLIP), bench, variant), bench.optimizer, None, budget,
-                          sensitivity=CLIP, clipping_norm=CLIP, seed=0, dist=Dist(device=bench.device),
-                          micro_batch_size=None,
-                          audit_canaries=canaries, autocast=bench.amp)
+        budget = Budget.plan(
+            dataset_size=10**6,
+            batch_size=batch,
+            steps=10**6,
+            epsilon=None,
+            sigma=SIGMA,
+            delta=1e-6,
+            accountant="rdp",
+        )
+        engine = DPEngine(
+            TimedClipper(clipper(bench.mae, CLIP), bench, variant),
+            bench.optimizer,
+            None,
+            budget,
+            sensitivity=CLIP,
+            clipping_norm=CLIP,
+            seed=0,
+            dist=Dist(device=bench.device),
+            micro_batch_size=None,
+            audit_canaries=canaries,
+            autocast=bench.amp,
+        )
         if engine.canaries is not None:
             audit = engine.canaries
             audit.clipped_sum = bench.timed(variant + " audit", audit.clipped_sum)  # type: ignore[method-assign]
             audit.observe = bench.timed(variant + " audit", audit.observe)  # type: ignore[method-assign]
         return lambda: engine.step(engine.steps_done, [bench.inputs])
+
     return build
 
 
@@ -174,8 +197,11 @@ VARIANTS = {
     "a": Variant("non-private AdamW", "forward+backward", non_private),
     "b": Variant("DP-AdamW (ghost clipping)", "clipping", engine_step("b", PerExampleClipper)),
     "c": Variant("vmap per-example grads", "clipping", engine_step("c", VmapClipper)),
-    "d": Variant(f"(b) + audit, {DEFAULT_CANARIES} canaries", "clipping",
-                 engine_step("d", PerExampleClipper, DEFAULT_CANARIES)),
+    "d": Variant(
+        f"(b) + audit, {DEFAULT_CANARIES} canaries",
+        "clipping",
+        engine_step("d", PerExampleClipper, DEFAULT_CANARIES),
+    ),
 }
 
 
@@ -214,8 +240,9 @@ def peak_memory(args: argparse.Namespace, variant: str) -> dict[str, float]:
     return {"peak_extra_mib": (peak - base) / 2**20, "base_mib": base / 2**20}
 
 
-def interleaved_times(args: argparse.Namespace, variants: str
-                      ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def interleaved_times(
+    args: argparse.Namespace, variants: str
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per variant: the step times of ``args.rounds`` interleaved rounds, and their timed parts."""
     bench = make_bench(args)
     steps = {v: VARIANTS[v].build(bench) for v in variants}
@@ -250,13 +277,28 @@ def main() -> None:
     if args.memory_of:
         print(json.dumps(peak_memory(args, args.memory_of)))
         return
-    print(f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, {torch.get_num_threads()} threads: "
-          f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
-          f"load average before {_load()} ({os.cpu_count()} cores)", flush=True)
+    print(
+        f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, {torch.get_num_threads()} threads: "
+        f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
+        f"load average before {_load()} ({os.cpu_count()} cores)",
+        flush=True,
+    )
     memory = {}
     for v in args.variants:
-        cmd = [sys.executable, __file__, "--memory-of", v, "--arch", args.arch, "--img-size", str(args.img_size),
-               "--batch", str(args.batch), "--device", args.device]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-of",
+            v,
+            "--arch",
+            args.arch,
+            "--img-size",
+            str(args.img_size),
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+        ]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode:
@@ -268,9 +310,11 @@ def main() -> None:
     med = {v: statistics.median(ts) for v, ts in timed.items()}
     for v in memory:
         m, spec = memory[v], VARIANTS[v]
-        print(f"({v}) {spec.label:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f}, "
-              f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)   "
-              f"peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)")
+        print(
+            f"({v}) {spec.label:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f}, "
+            f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)   "
+            f"peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)"
+        )
 
     def ratio(p: str, q: str) -> str:
         mem = memory[p]["peak_extra_mib"] / max(memory[q]["peak_extra_mib"], 1e-9)
@@ -278,14 +322,19 @@ def main() -> None:
         return f"{p}/{q}: time {med[p] / med[q]:.2f} (median of per-round ratios {rounds:.2f})  memory {mem:.2f}"
 
     if "a" in med and "b" in med:
-        print(ratio("b", "a") + "   (issue 17 targets: <= 1.1 and <= 1.1 on the CPU for vip-tiny at batch 32; "
-              "<= 1.25 and <= 1.2 on one H100 for vip-base)")
+        print(
+            ratio("b", "a")
+            + "   (issue 17 targets: <= 1.1 and <= 1.1 on the CPU for vip-tiny at batch 32; "
+            "<= 1.25 and <= 1.2 on one H100 for vip-base)"
+        )
     if "b" in med and "c" in med:
         print(ratio("c", "b"))
     if "b" in med and "d" in med:
         audit = statistics.median(inner["d audit"])
-        print(ratio("d", "b") + f"   (issue 14 target: <= 1.03 and <= 1.03); the canaries' own time "
-              f"{audit * 1e3:.2f} ms/step = {audit / med['b']:.3%} of (b)")
+        print(
+            ratio("d", "b") + f"   (issue 14 target: <= 1.03 and <= 1.03); the canaries' own time "
+            f"{audit * 1e3:.2f} ms/step = {audit / med['b']:.3%} of (b)"
+        )
     print(f"load average after {_load()}")
 
 

@@ -82,8 +82,14 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             data = os.urandom(size)  # fresh bytes each round: nothing is deduplicated
-            repo = export_encoder(work / f"repo{r}", tiny_encoder(r), TINY, [synthetic_stage()], model_name="bench",
-                                  extra_files={"blob.dat": data})
+            repo = export_encoder(
+                work / f"repo{r}",
+                tiny_encoder(r),
+                TINY,
+                [synthetic_stage()],
+                model_name="bench",
+                extra_files={"blob.dat": data},
+            )
             del data
             blob = repo / "blob.dat"
             copies.append(size / loopback_copy(blob, work / "copy.bin") / 2**20)
@@ -108,16 +114,22 @@ def main() -> None:
                 dst.write(b"x")
                 while chunk := src.read(1 << 24):
                     dst.write(chunk)
-            with open(fresh, "rb") as f:  # a file object: huggingface_hub takes the Git LFS batch API
+            with open(
+                fresh, "rb"
+            ) as f:  # a file object: huggingface_hub takes the Git LFS batch API
                 op = CommitOperationAdd("other.dat", f)
-                _ = op.upload_info.sha256  # hashed before the clock starts, as push hashes its files too
+                _ = (
+                    op.upload_info.sha256
+                )  # hashed before the clock starts, as push hashes its files too
                 start = time.perf_counter()
                 api.preupload_lfs_files(f"bench/r{r}", [op])
                 puts.append(fresh.stat().st_size / (time.perf_counter() - start) / 2**20)
             fresh.unlink()
 
             start = time.perf_counter()
-            hf_hub_download(f"bench/r{r}", "blob.dat", endpoint=server.url, cache_dir=work / f"dl{r}")
+            hf_hub_download(
+                f"bench/r{r}", "blob.dat", endpoint=server.url, cache_dir=work / f"dl{r}"
+            )
             gets.append(size / (time.perf_counter() - start) / 2**20)
     finally:
         server.stop()
@@ -125,11 +137,19 @@ def main() -> None:
     med = statistics.median
     print(f"file {args.mib} MiB, {args.rounds} rounds (median MiB/s)")
     print(f"(a) loopback copy            {med(copies):8.0f}")
-    print(f"(b) upload: Xet transfer     {med(xets):8.0f}   xet/copy  {med(xets) / med(copies):.2f}  (target >= 0.5)")
-    print(f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}  (target >= 0.5)")
-    print(f"    publish: vip-hub push    {med(pushes):8.0f}   push/copy {med(pushes) / med(copies):.2f}  "
-          "(verifies locally, uploads, verifies again on commit)")
-    print(f"(c) download: hf_hub_download{med(gets):8.0f}   get/copy  {med(gets) / med(copies):.2f}  (target >= 0.9)")
+    print(
+        f"(b) upload: Xet transfer     {med(xets):8.0f}   xet/copy  {med(xets) / med(copies):.2f}  (target >= 0.5)"
+    )
+    print(
+        f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}  (target >= 0.5)"
+    )
+    print(
+        f"    publish: vip-hub push    {med(pushes):8.0f}   push/copy {med(pushes) / med(copies):.2f}  "
+        "(verifies locally, uploads, verifies again on commit)"
+    )
+    print(
+        f"(c) download: hf_hub_download{med(gets):8.0f}   get/copy  {med(gets) / med(copies):.2f}  (target >= 0.9)"
+    )
 
 
 if __name__ == "__main__":

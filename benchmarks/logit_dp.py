@@ -31,8 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LABELS = {"a": "non-private", "b": "Logit-DP, PairClipper", "c": "Logit-DP, pair grads materialised",
-          "d": "Naive-DP, BatchClipper"}
+LABELS = {
+    "a": "non-private",
+    "b": "Logit-DP, PairClipper",
+    "c": "Logit-DP, pair grads materialised",
+    "d": "Naive-DP, BatchClipper",
+}
 TAU, BOUND = 0.2, 1e-3
 
 
@@ -60,8 +64,16 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
     )
 
     torch.manual_seed(0)
-    encoder = VisionTransformer(img_size=args.img_size, patch_size=args.patch, embed_dim=args.width, depth=args.depth,
-                                num_heads=4, num_classes=0, global_pool="avg", fc_norm=True)
+    encoder = VisionTransformer(
+        img_size=args.img_size,
+        patch_size=args.patch,
+        embed_dim=args.width,
+        depth=args.depth,
+        num_heads=4,
+        num_classes=0,
+        global_pool="avg",
+        fc_norm=True,
+    )
     model = ContrastiveEmbedder(encoder, dim=args.dim)
     x1, x2 = (torch.randn(n, 3, args.img_size, args.img_size) for _ in range(2))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -92,21 +104,27 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
         ii, jj, w = ii.flatten(), jj.flatten(), weights.flatten()
         total = {k: torch.zeros_like(v) for k, v in detached.items()}
         for s in range(0, n * n, chunk):
-            g = pair_grads(detached, x1[ii[s:s + chunk]], x2[jj[s:s + chunk]])
+            g = pair_grads(detached, x1[ii[s : s + chunk]], x2[jj[s : s + chunk]])
             norms = torch.sqrt(sum(t.reshape(t.shape[0], -1).square().sum(1) for t in g.values()))
-            f = clip_factors(norms, BOUND) * w[s:s + chunk]
+            f = clip_factors(norms, BOUND) * w[s : s + chunk]
             for k, t in g.items():
                 total[k] += torch.einsum("b,b...->...", f, t)
         for k, v in named.items():
             v.grad = total[k]
 
-    bodies = {"a": a, "b": lambda: pair.accumulate(x1, x2), "c": c, "d": lambda: batch.accumulate(x1, x2)}
+    bodies = {
+        "a": a,
+        "b": lambda: pair.accumulate(x1, x2),
+        "c": c,
+        "d": lambda: batch.accumulate(x1, x2),
+    }
 
     def wrap(body: Callable[[], object]) -> Callable[[], None]:
         def step() -> None:
             body()
             for p in params:
                 p.grad = None
+
         return step
 
     return {v: wrap(bodies[v]) for v in variants}
@@ -152,18 +170,34 @@ def main() -> None:
     if args.memory_of:
         print(json.dumps(peak_memory(args, args.n, args.memory_of)))
         return
-    shape = ["--dim", str(args.dim), "--width", str(args.width), "--depth", str(args.depth),
-             "--img-size", str(args.img_size), "--patch", str(args.patch)]
-    print(f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, projection d = "
-          f"{args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of {args.rounds} interleaved rounds, "
-          "memory = peak beyond set-up, own process")
+    shape = [
+        "--dim",
+        str(args.dim),
+        "--width",
+        str(args.width),
+        "--depth",
+        str(args.depth),
+        "--img-size",
+        str(args.img_size),
+        "--patch",
+        str(args.patch),
+    ]
+    print(
+        f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, projection d = "
+        f"{args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of {args.rounds} interleaved rounds, "
+        "memory = peak beyond set-up, own process"
+    )
     for n in (int(s) for s in args.ns.split(",")):
         variants = "".join(v for v in args.variants if v != "c" or n <= args.naive_up_to)
         memory = {}
         for v in variants:
             cmd = [sys.executable, __file__, "--memory-of", v, "--n", str(n), *shape]
-            done = subprocess.run(cmd, capture_output=True, text=True,
-                                  env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+            )
             if done.returncode:
                 print(f"n={n} ({v}) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
@@ -172,14 +206,19 @@ def main() -> None:
         fastest = {v: min(ts) for v, ts in times.items()}
         for v in memory:
             median = sorted(times[v])[len(times[v]) // 2]
-            print(f"n={n:4d} ({v}) {LABELS[v]:34s} {fastest[v]:9.3f} s (median {median:8.3f})   "
-                  f"peak +{memory[v]:8.1f} MiB")
+            print(
+                f"n={n:4d} ({v}) {LABELS[v]:34s} {fastest[v]:9.3f} s (median {median:8.3f})   "
+                f"peak +{memory[v]:8.1f} MiB"
+            )
 
         def ratio(p: str, q: str) -> str:
             return f"{p}/{q} time {fastest[p] / fastest[q]:7.2f} memory {memory[p] / max(memory[q], 1e-3):7.2f}"
 
         pairs = [("b", "a"), ("c", "b"), ("d", "a")]
-        print(f"n={n:4d} " + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest))
+        print(
+            f"n={n:4d} "
+            + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest)
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def make_images(n: int, size: int) -> list[bytes]:
     out = []
     for _ in range(n):
         buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
+            buf, "JPEG", quality=90
+        )
         out.append(buf.getvalue())
     return out
 
@@ -66,8 +68,13 @@ def export_model(folder: Path, arch: str, img_size: int) -> Path:
 
     spec = EncoderSpec(arch, img_size=img_size)
     stage = NonPrivateStage(name="random-init", dataset=Dataset(name="none"), private_data=False)
-    return export_encoder(folder / "model", create_encoder(spec, mae_init=True).eval(), spec, [stage],
-                          model_name="bench")
+    return export_encoder(
+        folder / "model",
+        create_encoder(spec, mae_init=True).eval(),
+        spec,
+        [stage],
+        model_name="bench",
+    )
 
 
 def _forward(enc, x: torch.Tensor) -> None:
@@ -82,13 +89,14 @@ def _forward(enc, x: torch.Tensor) -> None:
 
 def raw_throughput(enc, images: list[bytes], batch: int, seconds: float) -> float:
     """Images/s of the in-process pipeline (decode, preprocess, forward) at ``batch``."""
+
     def run(chunk: list[bytes]) -> None:
         _forward(enc, enc.preprocess([_decode(b) for b in chunk]))
 
     run(images[:batch])
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        run(images[done % len(images):][:batch] or images[:batch])
+        run(images[done % len(images) :][:batch] or images[:batch])
         done += batch
     return done / (time.perf_counter() - start)
 
@@ -107,7 +115,9 @@ def one_image(enc, images: list[bytes]) -> tuple[float, float]:
     return statistics.median(singles) * 1e3, statistics.median(forwards) * 1e3
 
 
-def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rounds: int = 100) -> dict[str, float]:
+def paired_overhead(
+    port: int, enc, images: list[bytes], encoded: list[str], rounds: int = 100
+) -> dict[str, float]:
     """The latency one request at concurrency 1 adds to one in-process forward of the same image,
     taken pairwise (request, then forward, alternating) so a slow spell of the machine hits both
     sides of a pair; with the standard library's client (``http.client``, body encoded ahead:
@@ -126,8 +136,12 @@ def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rou
     with httpx.Client(timeout=60) as client:
         for i in range(rounds):
             t = time.perf_counter()
-            plain.request("POST", "/v1/embeddings", body=bodies[i % len(bodies)],
-                          headers={"Content-Type": "application/json"})
+            plain.request(
+                "POST",
+                "/v1/embeddings",
+                body=bodies[i % len(bodies)],
+                headers={"Content-Type": "application/json"},
+            )
             r = plain.getresponse()
             assert r.status == 200, r.read()
             r.read()
@@ -138,8 +152,11 @@ def paired_overhead(port: int, enc, images: list[bytes], encoded: list[str], rou
             # inside the same request: what the server spent around its own forward pass
             rows["server"].append(request_ms - float(r.getheader("X-Inference-Ms")))
             t = time.perf_counter()
-            r2 = client.post(f"http://127.0.0.1:{port}/v1/embeddings", content=bodies[i % len(bodies)],
-                             headers={"Content-Type": "application/json"})
+            r2 = client.post(
+                f"http://127.0.0.1:{port}/v1/embeddings",
+                content=bodies[i % len(bodies)],
+                headers={"Content-Type": "application/json"},
+            )
             request_ms = (time.perf_counter() - t) * 1e3
             assert r2.status_code == 200, r2.text
             rows["httpx"].append(request_ms - forward(i))
@@ -152,21 +169,33 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requ
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), None)
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        None,
+    )
     if length is None:
         raise RuntimeError(f"response without Content-Length: {head[:200]!r}")
     await reader.readexactly(length)
     return status
 
 
-async def load(port: int, path: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict[str, float]:
+async def load(
+    port: int, path: str, bodies: list[bytes], concurrency: int, seconds: float
+) -> dict[str, float]:
     """Closed-loop load: ``concurrency`` keep-alive connections, each posting JSON bodies encoded
     ahead. A minimal HTTP/1.1 client (like wrk) rather than httpx, whose async pool costs several
     ms of CPU per request at c=32 on the machine the server shares. Returns requests/s, p50 and
     p99 ms, errors, and the share of one core this client used."""
-    requests = [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies]
+    requests = [
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(b)}\r\n\r\n".encode()
+        + b
+        for b in bodies
+    ]
     latencies: list[float] = []
     errors = 0
     stop = time.perf_counter() + seconds
@@ -189,15 +218,22 @@ async def load(port: int, path: str, bodies: list[bytes], concurrency: int, seco
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     latencies.sort()
     p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
-    return {"rate": len(latencies) / elapsed, "p50": p(0.5), "p99": p(0.99), "errors": errors,
-            "client_cpu": cpu / elapsed}
+    return {
+        "rate": len(latencies) / elapsed,
+        "p50": p(0.5),
+        "p99": p(0.99),
+        "errors": errors,
+        "client_cpu": cpu / elapsed,
+    }
 
 
 def wait_ready(url: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
@@ -235,7 +271,9 @@ def naive_server(model_dir: str, port: int, device: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arch", default="vip-nano")
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -243,7 +281,9 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--preprocess-threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="where the model runs in all three: cpu or cuda (cuda:N)")
+    p.add_argument(
+        "--device", default="cpu", help="where the model runs in all three: cpu or cuda (cuda:N)"
+    )
     p.add_argument("--naive-server", nargs=2, metavar=("MODEL_DIR", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.naive_server:
@@ -254,29 +294,59 @@ def main() -> None:
     model_dir = export_model(work, args.arch, args.img_size)
     images = make_images(64, args.img_size)
     encoded = [base64.b64encode(b).decode() for b in images]
-    print(f"model {args.arch} at {args.img_size}px on {args.device}, torch threads {torch.get_num_threads()}, "
-          f"{os.cpu_count()} cores, {args.seconds:g}s per point", flush=True)
+    print(
+        f"model {args.arch} at {args.img_size}px on {args.device}, torch threads {torch.get_num_threads()}, "
+        f"{os.cpu_count()} cores, {args.seconds:g}s per point",
+        flush=True,
+    )
 
     from vip_hub import load_encoder
 
     enc = load_encoder(model_dir, device=args.device)
     single_ms, forward_ms = one_image(enc, images)
-    print(f"one image in process: {single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone; (a) is "
-          f"re-measured before each concurrency, so each ratio compares neighbours in time", flush=True)
+    print(
+        f"one image in process: {single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone; (a) is "
+        f"re-measured before each concurrency, so each ratio compares neighbours in time",
+        flush=True,
+    )
 
     port_b, port_c = _free_port(), _free_port()
-    env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"bench:write:{TOKEN}",
-           "VIP_HUB_INFERENCE__MAX_BATCH_SIZE": str(args.max_batch_size),
-           "VIP_HUB_INFERENCE__MAX_WAIT_MS": str(args.max_wait_ms),
-           "VIP_HUB_INFERENCE__MAX_QUEUE_IMAGES": "100000",
-           "VIP_HUB_INFERENCE__PREPROCESS_THREADS": str(args.preprocess_threads),
-           "VIP_HUB_INFERENCE__DEVICE": args.device,
-           "VIP_HUB_INFERENCE__PRELOAD": '["bench/model"]'}
-    ours = subprocess.Popen([str(Path(sys.executable).with_name("vip-hub")), "serve", "--store", str(work / "store"),
-                             "--port", str(port_b)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    naive = subprocess.Popen([sys.executable, __file__, "--naive-server", str(model_dir), str(port_c),
-                              "--device", args.device],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "VIP_HUB_AUTH__TOKENS": f"bench:write:{TOKEN}",
+        "VIP_HUB_INFERENCE__MAX_BATCH_SIZE": str(args.max_batch_size),
+        "VIP_HUB_INFERENCE__MAX_WAIT_MS": str(args.max_wait_ms),
+        "VIP_HUB_INFERENCE__MAX_QUEUE_IMAGES": "100000",
+        "VIP_HUB_INFERENCE__PREPROCESS_THREADS": str(args.preprocess_threads),
+        "VIP_HUB_INFERENCE__DEVICE": args.device,
+        "VIP_HUB_INFERENCE__PRELOAD": '["bench/model"]',
+    }
+    ours = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("vip-hub")),
+            "serve",
+            "--store",
+            str(work / "store"),
+            "--port",
+            str(port_b),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    naive = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--naive-server",
+            str(model_dir),
+            str(port_c),
+            "--device",
+            args.device,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         url_b, url_c = f"http://127.0.0.1:{port_b}", f"http://127.0.0.1:{port_c}"
         wait_ready(url_b + "/healthz", ours)
@@ -294,10 +364,13 @@ def main() -> None:
             b = asyncio.run(load(port_b, "/v1/embeddings", ours_bodies, c, args.seconds))
             n = asyncio.run(load(port_c, "/embed", naive_bodies, c, args.seconds))
             rows.append((c, raw, b, n))
-            print(f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 {b['p50']:7.1f} ms  "
-                  f"p99 {b['p99']:7.1f} ms  err {b['errors']}  client {b['client_cpu']:.0%} of a core   "
-                  f"(c) naive {n['rate']:6.1f} img/s  p50 {n['p50']:7.1f} ms  p99 {n['p99']:7.1f} ms  "
-                  f"err {n['errors']}", flush=True)
+            print(
+                f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 {b['p50']:7.1f} ms  "
+                f"p99 {b['p99']:7.1f} ms  err {b['errors']}  client {b['client_cpu']:.0%} of a core   "
+                f"(c) naive {n['rate']:6.1f} img/s  p50 {n['p50']:7.1f} ms  p99 {n['p99']:7.1f} ms  "
+                f"err {n['errors']}",
+                flush=True,
+            )
     finally:
         for proc in (ours, naive):
             proc.terminate()
@@ -306,13 +379,20 @@ def main() -> None:
     print("\nratios")
     for c, raw, b, n in rows:
         print(f"  c={c:>3}: b/a = {b['rate'] / raw:.2f}   b/c = {b['rate'] / n['rate']:.2f}")
-    print(f"  one request at c=1 minus one in-process forward, paired medians (target <= +10 ms; forward "
-          f"{paired['forward']:.1f} ms): {paired['stdlib']:+.1f} ms with http.client, {paired['httpx']:+.1f} ms "
-          f"with httpx; the request minus the server's own forward (X-Inference-Ms): {paired['server']:+.1f} ms")
-    targets = {32: "target on the CPU >= 0.85", 64: "issue 17's target on one H100 with vip-base >= 0.9"}
+    print(
+        f"  one request at c=1 minus one in-process forward, paired medians (target <= +10 ms; forward "
+        f"{paired['forward']:.1f} ms): {paired['stdlib']:+.1f} ms with http.client, {paired['httpx']:+.1f} ms "
+        f"with httpx; the request minus the server's own forward (X-Inference-Ms): {paired['server']:+.1f} ms"
+    )
+    targets = {
+        32: "target on the CPU >= 0.85",
+        64: "issue 17's target on one H100 with vip-base >= 0.9",
+    }
     for c, raw, b, _ in rows:
         if c in targets:
-            print(f"  b/a at c={c}: {b['rate'] / raw:.2f} ({b['rate']:.1f} vs {raw:.1f} img/s; {targets[c]})")
+            print(
+                f"  b/a at c={c}: {b['rate'] / raw:.2f} ({b['rate']:.1f} vs {raw:.1f} img/s; {targets[c]})"
+            )
 
 
 def _free_port() -> int:

@@ -56,8 +56,17 @@ PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN"
 STEPS_PER_EPOCH = 8  # the paper's batch 8192 of 60,000: q = 1/8 at any n
 CLIP, LR = 0.1, 16.0
 SCATTER_J, SCATTER_GROUPS = 2, 27
-SYN_SETTINGS = {"arch": "vip-nano", "img_size": 32, "patch_size": 8, "steps": 200, "batch_size": 64,
-                "decoder_dim": 256, "decoder_depth": 2, "decoder_heads": 8, "seed": 0}
+SYN_SETTINGS = {
+    "arch": "vip-nano",
+    "img_size": 32,
+    "patch_size": 8,
+    "steps": 200,
+    "batch_size": 64,
+    "decoder_dim": 256,
+    "decoder_depth": 2,
+    "decoder_heads": 8,
+    "seed": 0,
+}
 """The main job's (Syn)-ViP pretraining (``training.main_job.MainJobConfig`` defaults)."""
 CHUNK = 1000
 
@@ -98,14 +107,20 @@ def scatter_features(train: LabelledArrays, test: LabelledArrays, device: str) -
     def run(data: LabelledArrays, desc: str) -> torch.Tensor:
         out = []
         for start in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False):
-            x = torch.from_numpy(data.images[start:start + CHUNK].astype(np.float32) / 255).to(device)
+            x = torch.from_numpy(data.images[start : start + CHUNK].astype(np.float32) / 255).to(
+                device
+            )
             s = scattering(x)  # (n, 81, 7, 7)
             out.append(torch.nn.functional.group_norm(s, SCATTER_GROUPS, eps=1e-5).flatten(1).cpu())
         return torch.cat(out)
 
     x = run(train, "scattering train")
-    return Features(x, run(test, "scattering test"), _identity_norm(x.shape[1]),
-                    f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example")
+    return Features(
+        x,
+        run(test, "scattering test"),
+        _identity_norm(x.shape[1]),
+        f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example",
+    )
 
 
 def syn_features(train: LabelledArrays, test: LabelledArrays, device: str, work: Path) -> Features:
@@ -121,13 +136,21 @@ def syn_features(train: LabelledArrays, test: LabelledArrays, device: str, work:
     encoder = load_encoder(repo, device=device)
 
     def run(data: LabelledArrays, desc: str) -> torch.Tensor:
-        return torch.cat([encoder.embed([data.pil(i) for i in range(s, min(s + CHUNK, len(data)))], "vip")
-                          for s in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False)])
+        return torch.cat(
+            [
+                encoder.embed([data.pil(i) for i in range(s, min(s + CHUNK, len(data)))], "vip")
+                for s in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False)
+            ]
+        )
 
     synth = SyntheticImages(encoder.spec.img_size, seed=1)
     public = encoder.embed(torch.stack([synth[i] for i in range(256)]), "vip")
-    return Features(run(train, "(Syn)-ViP train"), run(test, "(Syn)-ViP test"), public,
-                    f"(Syn)-ViP vip-nano ({SYN_SETTINGS['steps']} steps on procedural images), vip features")
+    return Features(
+        run(train, "(Syn)-ViP train"),
+        run(test, "(Syn)-ViP test"),
+        public,
+        f"(Syn)-ViP vip-nano ({SYN_SETTINGS['steps']} steps on procedural images), vip features",
+    )
 
 
 def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float]:
@@ -146,41 +169,94 @@ def head_config(n: int, epochs: int, epsilon: float | None) -> ProbeConfig:
     """The paper's DP-SGD settings (expected batch n / 8, clipping 0.1, lr 16) for a DP head; for
     the non-private reference the same schedule with SGD at lr 0.1."""
     dp = epsilon is not None
-    return ProbeConfig(encoder="", data="", dataset_name=FASHION_MNIST_TRAIN, epsilon=epsilon,
-                       delta=DELTA if dp else None, batch_size=-(-n // STEPS_PER_EPOCH), epochs=epochs,
-                       warmup_epochs=max(1, epochs // 10), optimizer="sgd", lr=LR if dp else 0.1,
-                       max_grad_norm=CLIP, seed=0)
+    return ProbeConfig(
+        encoder="",
+        data="",
+        dataset_name=FASHION_MNIST_TRAIN,
+        epsilon=epsilon,
+        delta=DELTA if dp else None,
+        batch_size=-(-n // STEPS_PER_EPOCH),
+        epochs=epochs,
+        warmup_epochs=max(1, epochs // 10),
+        optimizer="sgd",
+        lr=LR if dp else 0.1,
+        max_grad_norm=CLIP,
+        seed=0,
+    )
 
 
-def run_row(name: str, f: Features, train: LabelledArrays, test: LabelledArrays,
-            epochs: int) -> dict[str, object]:
+def run_row(
+    name: str, f: Features, train: LabelledArrays, test: LabelledArrays, epochs: int
+) -> dict[str, object]:
     """A DP head and its non-private reference on one row's features."""
     y, yt = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
     start = time.perf_counter()
     cfg = head_config(len(train), epochs, EPSILON)
-    head, dp = fit_probe(f.train, y, len(FASHION_MNIST_CLASSES), cfg, public_x=f.public, desc=f"{name}, DP")
+    head, dp = fit_probe(
+        f.train, y, len(FASHION_MNIST_CLASSES), cfg, public_x=f.public, desc=f"{name}, DP"
+    )
     dp_time = time.perf_counter() - start
-    stage = DPStage.from_parameters(name="utility-head", dataset=train.dataset, mechanism="DP-SGD",
-                                    sample_rate=dp["sample_rate"], noise_multiplier=dp["sigma"], steps=dp["steps"],
-                                    clipping_norm=CLIP, delta=dp["delta"], accountant=Accountant.RDP)
+    stage = DPStage.from_parameters(
+        name="utility-head",
+        dataset=train.dataset,
+        mechanism="DP-SGD",
+        sample_rate=dp["sample_rate"],
+        noise_multiplier=dp["sigma"],
+        steps=dp["steps"],
+        clipping_norm=CLIP,
+        delta=dp["delta"],
+        accountant=Accountant.RDP,
+    )
     delta, eps = compose_releases([stage])
     start = time.perf_counter()
-    ref, _ = fit_probe(f.train, y, len(FASHION_MNIST_CLASSES), head_config(len(train), epochs, None),
-                       desc=f"{name}, non-private")
-    return {"row": name, "features": f.what, "dp": 100 * accuracy(head, f.test, yt),
-            "ref": 100 * accuracy(ref, f.test, yt), "eps": eps, "delta": delta, "sigma": dp["sigma"],
-            "q": dp["sample_rate"], "steps": dp["steps"], "dp_s": dp_time, "ref_s": time.perf_counter() - start}
+    ref, _ = fit_probe(
+        f.train,
+        y,
+        len(FASHION_MNIST_CLASSES),
+        head_config(len(train), epochs, None),
+        desc=f"{name}, non-private",
+    )
+    return {
+        "row": name,
+        "features": f.what,
+        "dp": 100 * accuracy(head, f.test, yt),
+        "ref": 100 * accuracy(ref, f.test, yt),
+        "eps": eps,
+        "delta": delta,
+        "sigma": dp["sigma"],
+        "q": dp["sample_rate"],
+        "steps": dp["steps"],
+        "dp_s": dp_time,
+        "ref_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", help="the four IDX files' folder or an image folder (default: the Debian package)")
-    p.add_argument("--work", default="var/utility", help="cache of features and the (Syn)-ViP encoder")
-    p.add_argument("--train-size", type=int, default=60_000, help="the first N training records (a public rule)")
+    p.add_argument(
+        "--data", help="the four IDX files' folder or an image folder (default: the Debian package)"
+    )
+    p.add_argument(
+        "--work", default="var/utility", help="cache of features and the (Syn)-ViP encoder"
+    )
+    p.add_argument(
+        "--train-size",
+        type=int,
+        default=60_000,
+        help="the first N training records (a public rule)",
+    )
     p.add_argument("--test-size", type=int, default=10_000, help="the first N test records")
-    p.add_argument("--epochs", type=int, default=100, help="epochs of every head (the paper's linear: 100)")
-    p.add_argument("--rows", default="pixels,scatter,syn", help="comma-separated: pixels, scatter, syn")
-    p.add_argument("--device", default="cpu", help="feature extraction device: cpu or cuda (heads train on CPU)")
+    p.add_argument(
+        "--epochs", type=int, default=100, help="epochs of every head (the paper's linear: 100)"
+    )
+    p.add_argument(
+        "--rows", default="pixels,scatter,syn", help="comma-separated: pixels, scatter, syn"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="feature extraction device: cpu or cuda (heads train on CPU)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
@@ -191,18 +267,25 @@ def main() -> None:
     test = fashion_mnist("test", args.data, work).first(args.test_size)
     makers: dict[str, tuple[str, Callable[[], Features]]] = {
         "pixels": ("raw pixels + DP linear", lambda: pixel_features(train, test)),
-        "scatter": ("ScatterNet + DP linear (GroupNorm)", lambda: scatter_features(train, test, args.device)),
+        "scatter": (
+            "ScatterNet + DP linear (GroupNorm)",
+            lambda: scatter_features(train, test, args.device),
+        ),
         "syn": ("(Syn)-ViP + DP linear", lambda: syn_features(train, test, args.device, work)),
     }
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(rows) - set(makers))
     if unknown:
         p.error(f"unknown rows {unknown}: choose from {sorted(makers)}")
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads  load average {os.getloadavg()}")
-    print(f"train: {len(train)} of {len(full_train)} private records ({train.dataset.name}), test: {len(test)} "
-          f"public; (epsilon {EPSILON:g}, delta {DELTA:g}); heads: expected batch n/{STEPS_PER_EPOCH}, clip {CLIP}, "
-          f"lr {LR:g}, SGD momentum 0.9, {args.epochs} epochs, warm-up + cosine; fixed in code, not tuned")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads  load average {os.getloadavg()}"
+    )
+    print(
+        f"train: {len(train)} of {len(full_train)} private records ({train.dataset.name}), test: {len(test)} "
+        f"public; (epsilon {EPSILON:g}, delta {DELTA:g}); heads: expected batch n/{STEPS_PER_EPOCH}, clip {CLIP}, "
+        f"lr {LR:g}, SGD momentum 0.9, {args.epochs} epochs, warm-up + cosine; fixed in code, not tuned"
+    )
     results = []
     for key in rows:
         name, make = makers[key]
@@ -211,18 +294,25 @@ def main() -> None:
         load = os.getloadavg()[0]
         r = run_row(name, features, train, test, args.epochs) | {"feat_s": feat_s, "load": load}
         results.append(r)
-        print(f"  {name}: DP {r['dp']:.2f} %, non-private {r['ref']:.2f} % "
-              f"(features {feat_s:.0f} s{' cached' if not feat_s else ''}, DP head {r['dp_s']:.0f} s, "
-              f"load {load:.1f})", flush=True)
+        print(
+            f"  {name}: DP {r['dp']:.2f} %, non-private {r['ref']:.2f} % "
+            f"(features {feat_s:.0f} s{' cached' if not feat_s else ''}, DP head {r['dp_s']:.0f} s, "
+            f"load {load:.1f})",
+            flush=True,
+        )
     print()
-    print("| features + head | top-1 at (3, 1e-5) | non-private reference | eps RDP / PRV / PLD | sigma, q, T | "
-          "features s | DP head s | load |")
+    print(
+        "| features + head | top-1 at (3, 1e-5) | non-private reference | eps RDP / PRV / PLD | sigma, q, T | "
+        "features s | DP head s | load |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         eps = r["eps"]
-        print(f"| {r['row']} | **{r['dp']:.1f}** | {r['ref']:.1f} | {eps[Accountant.RDP]:.3f} / "
-              f"{eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | {r['sigma']:.3f}, {r['q']:.3f}, "
-              f"{r['steps']} | {r['feat_s']:.0f} | {r['dp_s']:.0f} | {r['load']:.1f} |")
+        print(
+            f"| {r['row']} | **{r['dp']:.1f}** | {r['ref']:.1f} | {eps[Accountant.RDP]:.3f} / "
+            f"{eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | {r['sigma']:.3f}, {r['q']:.3f}, "
+            f"{r['steps']} | {r['feat_s']:.0f} | {r['dp_s']:.0f} | {r['load']:.1f} |"
+        )
     for name, top1 in PAPER.items():
         print(f"| Tramer & Boneh: {name} | {top1} | - | 3 (RDP, Poisson assumed) | - | - | - | - |")
     print(f"\nload average at the end {os.getloadavg()}")

@@ -54,10 +54,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.store = HubStore(settings.store, upload_ttl=settings.hub.upload_ttl_s,
-                               xet_ttl=settings.hub.xet_ttl_s, index=settings.index,
-                               trusted_keys=settings.trusted_keys_path(),
-                               require_signature=settings.hub.require_signature)
+    app.state.store = HubStore(
+        settings.store,
+        upload_ttl=settings.hub.upload_ttl_s,
+        xet_ttl=settings.hub.xet_ttl_s,
+        index=settings.index,
+        trusted_keys=settings.trusted_keys_path(),
+        require_signature=settings.hub.require_signature,
+    )
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -73,8 +77,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         app.include_router(inference_router)
         app.include_router(captions_router)
-        limits.append(BodyLimit(re.compile("/v1/"), settings.inference.max_request_bytes,
-                                settings.inference.max_json_depth))
+        limits.append(
+            BodyLimit(
+                re.compile("/v1/"),
+                settings.inference.max_request_bytes,
+                settings.inference.max_json_depth,
+            )
+        )
     if settings.hub.enabled:
         from .hub.routes import STREAMED_UPLOADS
         from .hub.routes import router as hub_router

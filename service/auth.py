@@ -34,9 +34,25 @@ from .settings import Settings
 from .store.errors import InvalidRequest
 from .store.naming import validate_namespace
 
-__all__ = ["Identity", "Scope", "TokenRegistry", "add_member", "check_grant", "check_read", "check_write",
-           "create_token", "identity", "identity_or_anonymous", "list_orgs", "list_tokens", "private_namespaces",
-           "remove_member", "require_scope", "revoke_token", "sign_grant"]
+__all__ = [
+    "Identity",
+    "Scope",
+    "TokenRegistry",
+    "add_member",
+    "check_grant",
+    "check_read",
+    "check_write",
+    "create_token",
+    "identity",
+    "identity_or_anonymous",
+    "list_orgs",
+    "list_tokens",
+    "private_namespaces",
+    "remove_member",
+    "require_scope",
+    "revoke_token",
+    "sign_grant",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -154,16 +170,26 @@ class TokenRegistry:
         """The identity of the token whose id is ``token_id`` (an upload grant's), None once
         it is revoked."""
         self._refresh()
-        found = next((e for e in self._from_file.tokens + self._fixed.tokens
-                      if hmac.compare_digest(_token_id(e.sha256), token_id)), None)
+        found = next(
+            (
+                e
+                for e in self._from_file.tokens + self._fixed.tokens
+                if hmac.compare_digest(_token_id(e.sha256), token_id)
+            ),
+            None,
+        )
         return self._identity(found) if found else None
 
     def _identity(self, entry: _Entry) -> Identity:
         """``entry``'s identity; an organisation named like a user gives no membership (a
         user's namespace is its own)."""
         users = {e.name for e in self._from_file.tokens + self._fixed.tokens}
-        orgs = frozenset(org for source in (self._from_file, self._fixed)
-                         for org, members in source.orgs.items() if entry.name in members and org not in users)
+        orgs = frozenset(
+            org
+            for source in (self._from_file, self._fixed)
+            for org, members in source.orgs.items()
+            if entry.name in members and org not in users
+        )
         return Identity(entry.name, entry.scope, orgs, _token_id(entry.sha256))
 
 
@@ -174,7 +200,9 @@ def _read_auth(path: Path) -> _Auth:
         for t in data["tokens"]:
             _check_scope(t["scope"], f"{path}: token {t['name']!r}")
             entries.append(_Entry(t["sha256"], t["name"], t["scope"]))
-        orgs = {str(org): {str(m) for m in members} for org, members in data.get("orgs", {}).items()}
+        orgs = {
+            str(org): {str(m) for m in members} for org, members in data.get("orgs", {}).items()
+        }
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a valid tokens file: {e}") from None
     return _Auth(entries, orgs)
@@ -211,7 +239,9 @@ def _check_org_name(org: str, auth: _Auth, where: str) -> None:
     except InvalidRequest as e:
         raise ValueError(f"{where}: {e}") from None
     if any(t.name == org for t in auth.tokens):
-        raise ValueError(f"{where}: {org!r} is a user's name; an organisation needs a name of its own")
+        raise ValueError(
+            f"{where}: {org!r} is a user's name; an organisation needs a name of its own"
+        )
 
 
 def identity(request: Request) -> Identity | None:
@@ -256,8 +286,10 @@ def check_write(who: Identity | None, namespace: str, what: str) -> Identity:
     """``who`` if it holds a write token and owns ``namespace``; else 401, or 403 as the HF hub answers."""
     who = require_scope(who, "write", what)
     if not who.owns(namespace):
-        raise Forbidden(f"{what}: {who.name!r} may not write to {namespace!r} (its own namespace "
-                        f"and its organisations' only)")
+        raise Forbidden(
+            f"{what}: {who.name!r} may not write to {namespace!r} (its own namespace "
+            f"and its organisations' only)"
+        )
     return who
 
 
@@ -278,15 +310,23 @@ def create_token(path: Path, name: str, scope: Scope, orgs: Collection[str] = ()
     if name in data.get("orgs", {}) or name in orgs:
         raise ValueError(f"{name!r} is an organisation in {path}; a user needs a name of its own")
     secret = "vh_" + secrets.token_urlsafe(32)
-    data["tokens"].append({"name": name, "scope": scope, "sha256": _hash(secret),
-                           "created_at": datetime.now(UTC).isoformat(timespec="seconds")})
+    data["tokens"].append(
+        {
+            "name": name,
+            "scope": scope,
+            "sha256": _hash(secret),
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+    )
     _save(path, data)
     return secret
 
 
 def list_tokens(path: Path) -> list[dict[str, str]]:
     """The tokens of the tokens file: name, scope and creation time (never a secret)."""
-    return [{k: t.get(k, "") for k in ("name", "scope", "created_at")} for t in _load(path)["tokens"]]
+    return [
+        {k: t.get(k, "") for k in ("name", "scope", "created_at")} for t in _load(path)["tokens"]
+    ]
 
 
 def revoke_token(path: Path, name: str) -> None:
@@ -339,19 +379,25 @@ def _grant_mac(key: bytes, purpose: str, subject: str, expires: int | str, token
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def check_grant(request: Request, key: bytes, purpose: str, subject: str, grant: str | None,
-                namespace: str) -> Identity:
+def check_grant(
+    request: Request, key: bytes, purpose: str, subject: str, grant: str | None, namespace: str
+) -> Identity:
     """The identity a grant was given to, unless the grant was not signed for ``purpose`` on
     ``subject``, has expired, or its token was revoked or no longer writes to ``namespace``
     (Unauthorized)."""
     expires, _, rest = (grant or "").partition(".")
     token_id, _, mac = rest.partition(".")
-    if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) < time.time():
+    if (
+        not (expires.isascii() and expires.isdigit() and len(expires) <= 12)
+        or int(expires) < time.time()
+    ):
         raise Unauthorized(f"{purpose}: missing or expired grant; ask the hub for a new one")
     if not hmac.compare_digest(_grant_mac(key, purpose, subject, expires, token_id), mac):
         raise Unauthorized(f"{purpose}: invalid grant")
     who = request.app.state.tokens.by_id(token_id)
     if who is None or not who.allows("write") or not who.owns(namespace):
-        raise Unauthorized(f"{purpose}: the token this grant was given to was revoked or may no longer "
-                           f"write to {namespace!r}")
+        raise Unauthorized(
+            f"{purpose}: the token this grant was given to was revoked or may no longer "
+            f"write to {namespace!r}"
+        )
     return who

@@ -84,8 +84,10 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit} "
-                                  f"for {scope['path']}")
+            raise PayloadTooLarge(
+                f"request body of {int(declared)} bytes exceeds the limit of {limit} "
+                f"for {scope['path']}"
+            )
         chunks, size = [], 0
         while True:
             message: Any = await receive()
@@ -94,12 +96,18 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes for {scope['path']}")
+                raise PayloadTooLarge(
+                    f"request body exceeds the limit of {limit} bytes for {scope['path']}"
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         depth = rule.max_json_depth
-        if depth is not None and b"json" in headers.get(b"content-type", b"") and json_depth(body, depth) > depth:
+        if (
+            depth is not None
+            and b"json" in headers.get(b"content-type", b"")
+            and json_depth(body, depth) > depth
+        ):
             raise BadRequest(f"JSON nested deeper than {depth} levels")
         return body

@@ -19,8 +19,13 @@ def register_serve(sub: Any) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--no-hub", action="store_true", help="serve inference only")
     p.add_argument("--no-inference", action="store_true", help="serve the hub only")
-    p.add_argument("--preload", action="append", metavar="ORG/NAME[@REV]", default=None,
-                   help="load and warm up a model before reporting ready (repeatable)")
+    p.add_argument(
+        "--preload",
+        action="append",
+        metavar="ORG/NAME[@REV]",
+        default=None,
+        help="load and warm up a model before reporting ready (repeatable)",
+    )
     p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
 
 
@@ -56,17 +61,35 @@ def _serve(args: argparse.Namespace) -> None:
     if args.preload:
         settings.inference.preload = list(args.preload)
     app = create_app(settings)
-    print(f"vip-hub: store {settings.store.resolve()}, http://{settings.host}:{settings.port}", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                log_config=log_config(settings.log_level), access_log=False, timeout_graceful_shutdown=30)
+    print(
+        f"vip-hub: store {settings.store.resolve()}, http://{settings.host}:{settings.port}",
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=log_config(settings.log_level),
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
 
 
 def register_token(sub: Any) -> None:
-    p = add_command(sub, "token", _token, "create, list or revoke the hub's access tokens (a running server "
-                                          "sees the change on its next request)")
+    p = add_command(
+        sub,
+        "token",
+        _token,
+        "create, list or revoke the hub's access tokens (a running server "
+        "sees the change on its next request)",
+    )
     p.add_argument("action", choices=["create", "list", "revoke"])
-    p.add_argument("--name", help="the user the token belongs to: it writes to the namespace of this name "
-                                  "and to its organisations' (create, revoke)")
+    p.add_argument(
+        "--name",
+        help="the user the token belongs to: it writes to the namespace of this name "
+        "and to its organisations' (create, revoke)",
+    )
     p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
     p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
     p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
@@ -84,7 +107,9 @@ def _token(args: argparse.Namespace) -> None:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
     try:
         if args.action == "create":
-            print(create_token(path, args.name, args.scope, settings.auth.orgs))  # the secret, shown this once
+            print(
+                create_token(path, args.name, args.scope, settings.auth.orgs)
+            )  # the secret, shown this once
         elif args.action == "revoke":
             revoke_token(path, args.name)
             print(f"revoked {args.name!r}")
@@ -96,8 +121,13 @@ def _token(args: argparse.Namespace) -> None:
 
 
 def register_org(sub: Any) -> None:
-    p = add_command(sub, "org", _org, "add or remove members of the hub's organisations, or list them (a running "
-                                      "server sees the change on its next request)")
+    p = add_command(
+        sub,
+        "org",
+        _org,
+        "add or remove members of the hub's organisations, or list them (a running "
+        "server sees the change on its next request)",
+    )
     p.add_argument("action", choices=["add", "remove", "list"])
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
     p.add_argument("--member", help="the user (a token's name) to add or remove")
@@ -125,17 +155,26 @@ def _org(args: argparse.Namespace) -> None:
         else:
             from_file = list_orgs(path)
             for org in sorted({*settings.auth.orgs, *from_file}):
-                print(f"{org}\t{', '.join(sorted({*settings.auth.orgs.get(org, []), *from_file.get(org, [])}))}")
+                print(
+                    f"{org}\t{', '.join(sorted({*settings.auth.orgs.get(org, []), *from_file.get(org, [])}))}"
+                )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def register_trust(sub: Any) -> None:
-    p = add_command(sub, "trust", _trust, "add, list or remove the public keys whose signatures the hub accepts "
-                                          "(a running server sees the change on its next commit)")
+    p = add_command(
+        sub,
+        "trust",
+        _trust,
+        "add, list or remove the public keys whose signatures the hub accepts "
+        "(a running server sees the change on its next commit)",
+    )
     p.add_argument("action", choices=["add", "list", "remove"])
     p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
-    p.add_argument("public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)")
+    p.add_argument(
+        "public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)"
+    )
     p.add_argument("--store", type=Path, help="store folder whose trusted_keys/ to use")
     p.add_argument("--trusted-keys", type=Path, help="key folder (default: STORE/trusted_keys)")
     p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")

@@ -15,18 +15,51 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("vip_hub_requests_total", "HTTP requests", ["method", "route", "status"], registry=r)
-        self.latency = Histogram("vip_hub_request_seconds", "HTTP request latency", ["method", "route", "status"],
-                                 buckets=_LATENCY, registry=r)
-        self.queue_depth = Gauge("vip_hub_queue_images", "Images waiting per model", ["model"], registry=r)
-        self.batch_size = Histogram("vip_hub_batch_images", "Images per forward batch", ["model"],
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.queue_seconds = Histogram("vip_hub_queue_seconds", "Time an image waited in the queue", ["model"],
-                                       buckets=_LATENCY, registry=r)
-        self.preprocess_seconds = Histogram("vip_hub_preprocess_seconds", "Decoding and preprocessing per request",
-                                            ["model"], buckets=_LATENCY, registry=r)
-        self.forward_seconds = Histogram("vip_hub_forward_seconds", "Forward pass per batch", ["model"],
-                                         buckets=_LATENCY, registry=r)
+        self.requests = Counter(
+            "vip_hub_requests_total", "HTTP requests", ["method", "route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "vip_hub_request_seconds",
+            "HTTP request latency",
+            ["method", "route", "status"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "vip_hub_queue_images", "Images waiting per model", ["model"], registry=r
+        )
+        self.batch_size = Histogram(
+            "vip_hub_batch_images",
+            "Images per forward batch",
+            ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "vip_hub_queue_seconds",
+            "Time an image waited in the queue",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.preprocess_seconds = Histogram(
+            "vip_hub_preprocess_seconds",
+            "Decoding and preprocessing per request",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "vip_hub_forward_seconds",
+            "Forward pass per batch",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
-        self.rejected = Counter("vip_hub_rejected_total", "Requests refused by the batcher", ["model", "reason"],
-                                registry=r)
+        self.rejected = Counter(
+            "vip_hub_rejected_total",
+            "Requests refused by the batcher",
+            ["model", "reason"],
+            registry=r,
+        )

@@ -40,9 +40,15 @@ def log_config(level: str = "info") -> dict[str, Any]:
         "()": "uvicorn.logging.AccessFormatter",
         "fmt": '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s %(duration_ms).1f ms',
     }
-    config["handlers"]["vip_hub_access"] = {**config["handlers"]["access"], "formatter": "vip_hub_access"}
-    config["loggers"][ACCESS_LOGGER] = {"handlers": ["vip_hub_access"], "level": LOG_LEVELS[level],
-                                      "propagate": False}
+    config["handlers"]["vip_hub_access"] = {
+        **config["handlers"]["access"],
+        "formatter": "vip_hub_access",
+    }
+    config["loggers"][ACCESS_LOGGER] = {
+        "handlers": ["vip_hub_access"],
+        "level": LOG_LEVELS[level],
+        "propagate": False,
+    }
     return config
 
 
@@ -75,9 +81,15 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(*labels).inc()
             self.metrics.latency.labels(*labels).observe(seconds)
             if _access.isEnabledFor(logging.INFO):
-                _access.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
-                             get_path_with_query_string(scope), scope["http_version"], status,
-                             extra={"duration_ms": seconds * 1e3})
+                _access.info(
+                    '%s - "%s %s HTTP/%s" %d',
+                    get_client_addr(scope),
+                    scope["method"],
+                    get_path_with_query_string(scope),
+                    scope["http_version"],
+                    status,
+                    extra={"duration_ms": seconds * 1e3},
+                )
 
 
 def install(app: FastAPI, metrics: Metrics) -> None:
@@ -88,8 +100,12 @@ def install(app: FastAPI, metrics: Metrics) -> None:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["operations"], summary="Configured models are loaded and warmed up",
-             responses={503: {"description": "not ready yet"}})
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        summary="Configured models are loaded and warmed up",
+        responses={503: {"description": "not ready yet"}},
+    )
     def readyz(request: Request) -> JSONResponse:
         engine = request.app.state.engine
         if engine is None:

@@ -32,15 +32,27 @@ class HubSettings(BaseModel):
     """The model hub: store protocol, uploads and web pages."""
 
     enabled: bool = True
-    max_upload_bytes: int = Field(8 * GIB, gt=0, description="largest commit body, LFS object or Xet file accepted")
-    upload_ttl_s: float = Field(24 * 3600, gt=0, description="uploaded objects never committed are removed "
-                                                             "after this many seconds")
-    xet_ttl_s: float = Field(21 * 24 * 3600, gt=0, description="Xet xorbs are kept this long after their last use: "
-                             "hf_xet clients deduplicate against what they uploaded for 3 weeks")
+    max_upload_bytes: int = Field(
+        8 * GIB, gt=0, description="largest commit body, LFS object or Xet file accepted"
+    )
+    upload_ttl_s: float = Field(
+        24 * 3600,
+        gt=0,
+        description="uploaded objects never committed are removed after this many seconds",
+    )
+    xet_ttl_s: float = Field(
+        21 * 24 * 3600,
+        gt=0,
+        description="Xet xorbs are kept this long after their last use: "
+        "hf_xet clients deduplicate against what they uploaded for 3 weeks",
+    )
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
-    trusted_keys: Path | None = Field(None, description="folder of the public keys (NAME.pub; or one such file) "
-                                      "whose signatures (model.sig) commits may carry, managed with `vip-hub trust` "
-                                      "(default: STORE/trusted_keys); a commit signed by any other key is refused")
+    trusted_keys: Path | None = Field(
+        None,
+        description="folder of the public keys (NAME.pub; or one such file) "
+        "whose signatures (model.sig) commits may carry, managed with `vip-hub trust` "
+        "(default: STORE/trusted_keys); a commit signed by any other key is refused",
+    )
     require_signature: bool = Field(False, description="refuse unsigned commits too")
 
 
@@ -57,7 +69,7 @@ class AuthSettings(BaseModel):
     orgs: dict[str, list[str]] = Field(
         default_factory=dict,
         description="organisations and their member users, e.g. {vip = ['alice']}: members write to the "
-                    "organisation's repos and read its private ones (beside those `vip-hub org` writes)",
+        "organisation's repos and read its private ones (beside those `vip-hub org` writes)",
     )
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 
@@ -66,48 +78,76 @@ class InferenceSettings(BaseModel):
     """Batched embeddings and classification."""
 
     enabled: bool = True
-    device: str = Field("auto", description="where forward passes run: auto (CUDA when present), cpu, cuda, cuda:N")
-    preload: list[str] = Field(default_factory=list, description="models loaded and warmed up before ready")
+    device: str = Field(
+        "auto", description="where forward passes run: auto (CUDA when present), cpu, cuda, cuda:N"
+    )
+    preload: list[str] = Field(
+        default_factory=list, description="models loaded and warmed up before ready"
+    )
     max_loaded_models: int = Field(4, gt=0, description="LRU bound on models held in memory")
     max_batch_size: int = Field(32, gt=0)
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_queue_images: int = Field(512, gt=0, description="images queued per model before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline for a request in the queue")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads of the forward pass (0: all cores)")
-    preprocess_threads: int = Field(1, gt=0, description="threads decoding and preprocessing beside the forward")
+    torch_threads: int = Field(
+        0, ge=0, description="torch intra-op threads of the forward pass (0: all cores)"
+    )
+    preprocess_threads: int = Field(
+        1, gt=0, description="threads decoding and preprocessing beside the forward"
+    )
     max_images_per_request: int = Field(64, gt=0)
     max_image_bytes: int = Field(10 * MIB, gt=0)
     max_request_bytes: int = Field(64 * MIB, gt=0)
-    max_image_pixels: int = Field(4096 * 4096, gt=0, description="width x height of one image, checked from "
-                                  "its header")
-    max_request_pixels: int = Field(64 * 1024 * 1024, gt=0, description="width x height summed over a request's "
-                                    "images, checked from their headers before any is decoded")
-    max_caption_tokens: int = Field(40, gt=0, le=127, description="most tokens a /v1/captions caption may ask for")
+    max_image_pixels: int = Field(
+        4096 * 4096, gt=0, description="width x height of one image, checked from its header"
+    )
+    max_request_pixels: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="width x height summed over a request's "
+        "images, checked from their headers before any is decoded",
+    )
+    max_caption_tokens: int = Field(
+        40, gt=0, le=127, description="most tokens a /v1/captions caption may ask for"
+    )
     max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
     max_json_depth: int = Field(8, gt=0)
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        pick_device(value)  # an unknown name or a missing GPU fails at start-up, not at first request
+        pick_device(
+            value
+        )  # an unknown name or a missing GPU fails at start-up, not at first request
         return value
 
 
 class Settings(BaseSettings):
     """Everything `vip-hub serve` reads."""
 
-    model_config = SettingsConfigDict(env_prefix="VIP_HUB_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="VIP_HUB_", env_nested_delimiter="__", extra="forbid"
+    )
 
-    store: Path = Field(Path("var/hub"), description="the store: blobs, uploads and (by default) its SQLite index")
-    index: str | None = Field(None, description="postgresql://user:password@host:port/db: the store's index in "
-                              "PostgreSQL, so several hub processes on several hosts share one store (its "
-                              "folder on a shared filesystem); default: SQLite inside the store")
+    store: Path = Field(
+        Path("var/hub"), description="the store: blobs, uploads and (by default) its SQLite index"
+    )
+    index: str | None = Field(
+        None,
+        description="postgresql://user:password@host:port/db: the store's index in "
+        "PostgreSQL, so several hub processes on several hosts share one store (its "
+        "folder on a shared filesystem); default: SQLite inside the store",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
-    max_body_bytes: int = Field(MIB, gt=0, description="largest request body of the routes without a limit of "
-                                "their own (hub JSON API: repo creation, preupload, LFS batch, tags, "
-                                "validate-yaml; pages; operations); uploads and /v1/* have theirs")
+    max_body_bytes: int = Field(
+        MIB,
+        gt=0,
+        description="largest request body of the routes without a limit of "
+        "their own (hub JSON API: repo creation, preupload, LFS batch, tags, "
+        "validate-yaml; pages; operations); uploads and /v1/* have theirs",
+    )
     hub: HubSettings = Field(default_factory=HubSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)

@@ -27,25 +27,38 @@ SETTINGS = dict(epsilon=CLAIM, sigma=None, delta=1e-5, audit_delta=1e-5, steps=4
 """A recipe's budget for these tests: the claim at the audit's delta; each test sets q = 1/2."""
 
 
-def break_engine(monkeypatch: pytest.MonkeyPatch, broken: str, recipe: ModuleType, clipper: str) -> None:
+def break_engine(
+    monkeypatch: pytest.MonkeyPatch, broken: str, recipe: ModuleType, clipper: str
+) -> None:
     """Zero the engine's noise, or make ``recipe``'s ``clipper`` clip at 10x the bound it is given."""
     if broken == "noise zeroed":
-        monkeypatch.setattr(training.dp_engine, "gaussian_noise",
-                            lambda numel, std, generator, device: torch.zeros(numel, device=device))
+        monkeypatch.setattr(
+            training.dp_engine,
+            "gaussian_noise",
+            lambda numel, std, generator, device: torch.zeros(numel, device=device),
+        )
     else:
         real = getattr(recipe, clipper)
-        monkeypatch.setattr(recipe, clipper, lambda model, max_norm, *rest: real(model, 10 * max_norm, *rest))
+        monkeypatch.setattr(
+            recipe, clipper, lambda model, max_norm, *rest: real(model, 10 * max_norm, *rest)
+        )
 
 
 def assert_refused(repo: Path, hub, name: str) -> DPStage:  # type: ignore[no-untyped-def]
     """The repo's audit bound exceeds its claim, and verify, push and the hub refuse it."""
-    dp = next(s for s in PrivacyLedger.parse((repo / "privacy_ledger.json").read_text()).stages
-              if isinstance(s, DPStage))
+    dp = next(
+        s
+        for s in PrivacyLedger.parse((repo / "privacy_ledger.json").read_text()).stages
+        if isinstance(s, DPStage)
+    )
     audit = dp.audit
     assert audit is not None and audit.can_fail and dp.delta == audit.delta
     assert dp.epsilon <= CLAIM < audit.epsilon_lower_bound <= audit.ceiling, (dp.epsilon, audit)
     report = verify_repo(repo)
-    assert any(p.kind is AuditError and "exceeds the accounted epsilon" in p.message for p in report.problems)
+    assert any(
+        p.kind is AuditError and "exceeds the accounted epsilon" in p.message
+        for p in report.problems
+    )
     with pytest.raises(AuditError):  # vip-hub push checks before sending anything
         push_repo(repo, f"vip/audit-{name}", endpoint=hub.url, token=WRITE_TOKEN)
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)  # the unmodified client: the hub refuses

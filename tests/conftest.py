@@ -71,5 +71,3 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for repo_id, folder in repos.items():
         push_repo(folder, repo_id, token=WRITE_TOKEN)
     return repos
-
-

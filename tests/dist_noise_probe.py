@@ -30,15 +30,27 @@ class Sum(torch.nn.Module):
 
 
 model = Sum()
-budget = Budget.plan(dataset_size=N, batch_size=N, steps=1, epsilon=None, sigma=SIGMA, delta=1e-5, accountant="rdp")
+budget = Budget.plan(
+    dataset_size=N, batch_size=N, steps=1, epsilon=None, sigma=SIGMA, delta=1e-5, accountant="rdp"
+)
 optimizer = torch.optim.SGD([layer.bias], lr=0.0)
-engine = DPEngine(PerExampleClipper(model, CLIP), optimizer, None, budget, sensitivity=CLIP, clipping_norm=CLIP,
-                  seed=3, dist=dist, micro_batch_size=16, audit_canaries=100)
+engine = DPEngine(
+    PerExampleClipper(model, CLIP),
+    optimizer,
+    None,
+    budget,
+    sensitivity=CLIP,
+    clipping_norm=CLIP,
+    seed=3,
+    dist=dist,
+    micro_batch_size=16,
+    audit_canaries=100,
+)
 # capture the noisy mean gradient before the optimiser clears it
 seen: dict[str, torch.Tensor] = {}
 optimizer.step = lambda: seen.setdefault("update", layer.bias.grad.clone())  # type: ignore[method-assign]
 local = engine.plan(0)
-parts = [(torch.zeros(len(local), 1)[i:i + 16],) for i in range(0, len(local), 16)]
+parts = [(torch.zeros(len(local), 1)[i : i + 16],) for i in range(0, len(local), 16)]
 stats = engine.step(0, parts)
 update = seen["update"]
 gathered = [torch.zeros_like(update) for _ in range(dist.world)]
@@ -49,10 +61,18 @@ else:
 signal = N * CLIP / WIDTH**0.5 / N  # every example's bias gradient, clipped to C, summed, / B
 if dist.main:
     with open(sys.argv[1], "w") as f:
-        json.dump({
-            "world": dist.world, "sigma": SIGMA, "clip": CLIP, "batch": N, "sampled": stats.sampled,
-            "std": (update - signal).std().item(), "mean_signal": update.mean().item(),
-            "ranks_agree": all(torch.equal(g, update) for g in gathered),
-            "canary_scores": engine.canaries.scores.tolist(),
-        }, f)
+        json.dump(
+            {
+                "world": dist.world,
+                "sigma": SIGMA,
+                "clip": CLIP,
+                "batch": N,
+                "sampled": stats.sampled,
+                "std": (update - signal).std().item(),
+                "mean_signal": update.mean().item(),
+                "ranks_agree": all(torch.equal(g, update) for g in gathered),
+                "canary_scores": engine.canaries.scores.tolist(),
+            },
+            f,
+        )
 dist.close()

@@ -18,8 +18,9 @@ from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 TINY = EncoderSpec("vip-nano", img_size=32)
 
 # Tests that must also hold on a GPU take ``device`` from here: CUDA runs where one is present.
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device on this machine")
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 
 
@@ -55,9 +56,17 @@ def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
     head = LinearProbe(1152, 3)
     head.norm.running_mean.normal_()
     head.norm.running_var.uniform_(0.5, 2.0)
-    save_head(repo, head.eval(), HeadInfo("toy", "vip", ["red", "green", "blue"], {"top1": 0.5}),
-              NonPrivateStage(name="linear-probe:toy", component="heads/toy",
-                              dataset=Dataset(name="toy-labels", size=30), private_data=True))
+    save_head(
+        repo,
+        head.eval(),
+        HeadInfo("toy", "vip", ["red", "green", "blue"], {"top1": 0.5}),
+        NonPrivateStage(
+            name="linear-probe:toy",
+            component="heads/toy",
+            dataset=Dataset(name="toy-labels", size=30),
+            private_data=True,
+        ),
+    )
     return repo
 
 

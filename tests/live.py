@@ -23,8 +23,29 @@ WRITE_TOKEN = "vh_test_write_token"
 READ_TOKEN = "vh_test_read_token"
 ADMIN_TOKEN = "vh_test_admin_token"
 TOKENS = f"writer:write:{WRITE_TOKEN};reader:read:{READ_TOKEN};root:admin:{ADMIN_TOKEN}"
-TEST_ORGS = ("a", "auth", "bad", "big", "cli", "crash", "lfs", "load", "multi", "org", "other", "pages", "pg",
-             "pin", "plain", "race", "ready", "secret", "timm", "up", "vip")
+TEST_ORGS = (
+    "a",
+    "auth",
+    "bad",
+    "big",
+    "cli",
+    "crash",
+    "lfs",
+    "load",
+    "multi",
+    "org",
+    "other",
+    "pages",
+    "pg",
+    "pin",
+    "plain",
+    "race",
+    "ready",
+    "secret",
+    "timm",
+    "up",
+    "vip",
+)
 """The organisations the tests publish to: the writer and reader users are members of each
 (a user writes only to its own namespace and its organisations')."""
 ORGS = {org: ["writer", "reader"] for org in TEST_ORGS}
@@ -43,8 +64,15 @@ class ThreadedServer:
         self.settings = settings
         self.port = port or free_port()
         self.app = create_app(settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                   log_level="warning", timeout_graceful_shutdown=30))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                timeout_graceful_shutdown=30,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -76,23 +104,39 @@ def settings_for(store: Path, **overrides: object) -> Settings:
     return Settings(**base)
 
 
-def raw_commit(url: str, repo: str, files: dict[str, bytes], token: str = WRITE_TOKEN) -> httpx.Response:
+def raw_commit(
+    url: str, repo: str, files: dict[str, bytes], token: str = WRITE_TOKEN
+) -> httpx.Response:
     """POST a commit body as HfApi.create_commit sends it, without the client's own checks."""
     lines = [{"key": "header", "value": {"summary": "raw", "description": ""}}]
-    lines += [{"key": "file", "value": {"path": p, "encoding": "base64", "content": base64.b64encode(b).decode()}}
-              for p, b in files.items()]
-    return httpx.post(f"{url}/api/models/{repo}/commit/main", content="\n".join(map(json.dumps, lines)).encode(),
-                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"},
-                      timeout=60)
+    lines += [
+        {
+            "key": "file",
+            "value": {"path": p, "encoding": "base64", "content": base64.b64encode(b).decode()},
+        }
+        for p, b in files.items()
+    ]
+    return httpx.post(
+        f"{url}/api/models/{repo}/commit/main",
+        content="\n".join(map(json.dumps, lines)).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"},
+        timeout=60,
+    )
 
 
 class ProcessServer:
     """``vip-hub serve`` in its own process (so a test can SIGKILL it)."""
 
-    def __init__(self, store: Path, port: int | None = None, extra_env: dict[str, str] | None = None):
+    def __init__(
+        self, store: Path, port: int | None = None, extra_env: dict[str, str] | None = None
+    ):
         self.store, self.port = store, port or free_port()
-        self.env = {**os.environ, "VIP_HUB_AUTH__TOKENS": TOKENS, "VIP_HUB_AUTH__ORGS": json.dumps(ORGS),
-                    **(extra_env or {})}
+        self.env = {
+            **os.environ,
+            "VIP_HUB_AUTH__TOKENS": TOKENS,
+            "VIP_HUB_AUTH__ORGS": json.dumps(ORGS),
+            **(extra_env or {}),
+        }
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -102,13 +146,25 @@ class ProcessServer:
     def start(self) -> "ProcessServer":
         script = Path(sys.executable).with_name("vip-hub")
         self.proc = subprocess.Popen(
-            [str(script), "serve", "--store", str(self.store), "--port", str(self.port), "--no-inference"],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                str(script),
+                "serve",
+                "--store",
+                str(self.store),
+                "--port",
+                str(self.port),
+                "--no-inference",
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read().decode() if self.proc.stderr else "server died")
+                raise RuntimeError(
+                    self.proc.stderr.read().decode() if self.proc.stderr else "server died"
+                )
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self

@@ -27,10 +27,13 @@ def test_reference_config_values():
     assert epsilon(SIGMA, Q, STEPS, DELTA, "pld") == pytest.approx(5.98, abs=0.02)
 
 
-@pytest.mark.parametrize("sigma,q,steps,delta", [
-    (5.6, 262144 / 1281167, 1500, 8e-7),  # ViP paper App. A.5, ImageNet fine-tuning
-    (SIGMA, Q, STEPS, DELTA),  # PRETRAIN.md: B 81920, n 233M, delta 1/2n
-])
+@pytest.mark.parametrize(
+    "sigma,q,steps,delta",
+    [
+        (5.6, 262144 / 1281167, 1500, 8e-7),  # ViP paper App. A.5, ImageNet fine-tuning
+        (SIGMA, Q, STEPS, DELTA),  # PRETRAIN.md: B 81920, n 233M, delta 1/2n
+    ],
+)
 def test_pld_agrees_with_prv_and_rdp_is_the_largest(sigma, q, steps, delta):
     eps = epsilons(sigma, q, steps, delta)
     assert eps["pld"] == pytest.approx(eps["prv"], rel=0.01)
@@ -40,7 +43,11 @@ def test_pld_agrees_with_prv_and_rdp_is_the_largest(sigma, q, steps, delta):
 def test_max_steps_within_is_the_last_step_inside_the_budget():
     for accountant in ("rdp", "pld"):
         t = max_steps_within(3.0, 1.0, 0.05, 1e-5, 10_000, accountant)
-        assert epsilon(1.0, 0.05, t, 1e-5, accountant) <= 3.0 < epsilon(1.0, 0.05, t + 1, 1e-5, accountant)
+        assert (
+            epsilon(1.0, 0.05, t, 1e-5, accountant)
+            <= 3.0
+            < epsilon(1.0, 0.05, t + 1, 1e-5, accountant)
+        )
     assert max_steps_within(3.0, 1.0, 0.05, 1e-5, 10, "rdp") == 10
 
 
@@ -68,8 +75,14 @@ def test_calibrate_inverts_epsilon(accountant):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(sigma=1.0, sample_rate=0.0, steps=10, delta=1e-5), r"sample rate q must be in \(0, 1\]"),
-        (dict(sigma=1.0, sample_rate=1.5, steps=10, delta=1e-5), r"sample rate q must be in \(0, 1\]"),
+        (
+            dict(sigma=1.0, sample_rate=0.0, steps=10, delta=1e-5),
+            r"sample rate q must be in \(0, 1\]",
+        ),
+        (
+            dict(sigma=1.0, sample_rate=1.5, steps=10, delta=1e-5),
+            r"sample rate q must be in \(0, 1\]",
+        ),
         (dict(sigma=1.0, sample_rate=0.1, steps=10, delta=0.0), r"delta must be in \(0, 1\)"),
         (dict(sigma=1.0, sample_rate=0.1, steps=10, delta=1.0), r"delta must be in \(0, 1\)"),
         (dict(sigma=0.0, sample_rate=0.1, steps=10, delta=1e-5), "sigma must be positive"),
@@ -101,30 +114,92 @@ def _cli(capsys, *args):
 
 def test_console_script():
     script = Path(sys.executable).with_name("vip-hub")
-    r = subprocess.run([str(script), "epsilon", "--sigma", "1", "--sample-rate", "0.01", "--steps", "100",
-                        "--delta", "1e-5", "--json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            str(script),
+            "epsilon",
+            "--sigma",
+            "1",
+            "--sample-rate",
+            "0.01",
+            "--steps",
+            "100",
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["epsilon"] == pytest.approx(epsilon(1, 0.01, 100, 1e-5))
 
 
 def test_cli_epsilon_and_calibrate(capsys):
-    r = _cli(capsys, "epsilon", "--sigma", "0.5", "--sample-rate", str(Q), "--steps", "10000",
-             "--delta", str(DELTA), "--json")
+    r = _cli(
+        capsys,
+        "epsilon",
+        "--sigma",
+        "0.5",
+        "--sample-rate",
+        str(Q),
+        "--steps",
+        "10000",
+        "--delta",
+        str(DELTA),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["epsilon"] == pytest.approx(7.00, abs=0.01) and out["accountant"] == "rdp"
-    r = _cli(capsys, "epsilon", "--sigma", "0.5", "--sample-rate", str(Q), "--steps", "10000",
-             "--delta", str(DELTA), "--accountant", "prv")
+    r = _cli(
+        capsys,
+        "epsilon",
+        "--sigma",
+        "0.5",
+        "--sample-rate",
+        str(Q),
+        "--steps",
+        "10000",
+        "--delta",
+        str(DELTA),
+        "--accountant",
+        "prv",
+    )
     assert r.returncode == 0 and "epsilon = 5.9" in r.stdout and "(prv)" in r.stdout
-    r = _cli(capsys, "calibrate", "--epsilon", "8", "--delta", "1e-5", "--sample-rate", "0.01",
-             "--steps", "1000", "--json")
+    r = _cli(
+        capsys,
+        "calibrate",
+        "--epsilon",
+        "8",
+        "--delta",
+        "1e-5",
+        "--sample-rate",
+        "0.01",
+        "--steps",
+        "1000",
+        "--json",
+    )
     out = json.loads(r.stdout)
     assert 0.5 < out["sigma"] < 0.7 and out["epsilon"] <= 8
 
 
 def test_cli_errors_are_one_line(capsys):
-    r = _cli(capsys, "epsilon", "--sigma", "1", "--sample-rate", "2", "--steps", "10", "--delta", "1e-5")
+    r = _cli(
+        capsys, "epsilon", "--sigma", "1", "--sample-rate", "2", "--steps", "10", "--delta", "1e-5"
+    )
     assert r.returncode == 1
     assert r.stderr.strip() == "vip-hub epsilon: error: sample rate q must be in (0, 1], got 2.0"
-    r = _cli(capsys, "calibrate", "--epsilon", "0.0001", "--delta", "1e-5", "--sample-rate", "1", "--steps", "100000")
+    r = _cli(
+        capsys,
+        "calibrate",
+        "--epsilon",
+        "0.0001",
+        "--delta",
+        "1e-5",
+        "--sample-rate",
+        "1",
+        "--steps",
+        "100000",
+    )
     assert r.returncode == 1 and "no noise multiplier reaches epsilon" in r.stderr

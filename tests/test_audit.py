@@ -18,11 +18,14 @@ from vip_hub.privacy.audit import (
 )
 
 
-@pytest.mark.parametrize("m,r,delta,ceiling", [
-    (200, 100, 0.0, 3.49),  # the notes' ceilings: every guess correct, beta 0.05
-    (2000, 1000, 0.0, 5.81),
-    (20_000, 10_000, 1e-5, 7.50),
-])
+@pytest.mark.parametrize(
+    "m,r,delta,ceiling",
+    [
+        (200, 100, 0.0, 3.49),  # the notes' ceilings: every guess correct, beta 0.05
+        (2000, 1000, 0.0, 5.81),
+        (20_000, 10_000, 1e-5, 7.50),
+    ],
+)
 def test_ceilings_when_every_guess_is_right(m, r, delta, ceiling):
     assert epsilon_lower_bound(m, r, r, 0.05, delta) == pytest.approx(ceiling, abs=0.005)
 
@@ -31,7 +34,9 @@ def test_all_correct_without_delta_is_the_closed_form():
     # P[Bin(r, p) >= r] = p^r = beta  =>  p = beta^(1/r), eps = log(p / (1 - p))
     for r in (10, 100, 1000):
         p = 0.05 ** (1 / r)
-        assert epsilon_lower_bound(r, r, r, 0.05, 0.0) == pytest.approx(math.log(p / (1 - p)), rel=1e-9)
+        assert epsilon_lower_bound(r, r, r, 0.05, 0.0) == pytest.approx(
+            math.log(p / (1 - p)), rel=1e-9
+        )
 
 
 def test_p_value_against_a_direct_sum():
@@ -39,7 +44,7 @@ def test_p_value_against_a_direct_sum():
     q = math.exp(eps) / (1 + math.exp(eps))
     pmf = [binom.pmf(k, r, q) for k in range(r + 1)]
     tail = sum(pmf[v:])
-    excess = max(sum(pmf[v - i:v]) / i for i in range(1, v + 1))
+    excess = max(sum(pmf[v - i : v]) / i for i in range(1, v + 1))
     assert p_value(m, r, v, eps, delta) == pytest.approx(tail + 2 * m * delta * excess, rel=1e-9)
 
 
@@ -60,7 +65,8 @@ def test_grid_is_fixed_in_advance_and_beta_is_split_across_it():
     assert grid == [20, 50, 100, 200, 500, 1000] and all(r % 2 == 0 for r in grid)
     results = [(r, r) for r in grid]
     assert bound_over_grid(1000, results, 0.05, 1e-5) == pytest.approx(
-        max(epsilon_lower_bound(1000, r, r, 0.05 / len(grid), 1e-5) for r in grid))
+        max(epsilon_lower_bound(1000, r, r, 0.05 / len(grid), 1e-5) for r in grid)
+    )
 
 
 def test_guesses_take_the_top_and_bottom_halves():
@@ -73,9 +79,13 @@ def test_guesses_take_the_top_and_bottom_halves():
 def test_log_likelihood_ratio_is_the_exact_mixture_ratio():
     q, sigma = 0.2, 1.5
     y = np.array([-1.0, 0.0, 0.7, 2.5])
-    in_density = (1 - q) * np.exp(-y**2 / (2 * sigma**2)) + q * np.exp(-(y - 1) ** 2 / (2 * sigma**2))
-    out_density = np.exp(-y**2 / (2 * sigma**2))
-    np.testing.assert_allclose(log_likelihood_ratio(y, q, sigma), np.log(in_density / out_density), rtol=1e-12)
+    in_density = (1 - q) * np.exp(-(y**2) / (2 * sigma**2)) + q * np.exp(
+        -((y - 1) ** 2) / (2 * sigma**2)
+    )
+    out_density = np.exp(-(y**2) / (2 * sigma**2))
+    np.testing.assert_allclose(
+        log_likelihood_ratio(y, q, sigma), np.log(in_density / out_density), rtol=1e-12
+    )
 
 
 def test_the_ceiling_is_every_guess_right_and_the_default_count_maximises_it():

@@ -30,7 +30,12 @@ KINDS = ["random", "large", "far", "repeated"]
 """Random inputs; large activations (inputs x1000); one example far from the rest (x100, shifted);
 repeated inputs (the last example a copy of the first; token ids repeated within every sequence)."""
 PRECISIONS = ["fp64", "bf16"]
-N, TOKENS, VOCAB, TEXT = 4, 100, 50, 8  # examples per batch, token model length, vocabulary, caption
+N, TOKENS, VOCAB, TEXT = (
+    4,
+    100,
+    50,
+    8,
+)  # examples per batch, token model length, vocabulary, caption
 CLIP, TAU = 1e-3, 0.1  # below every example's and pair's norm: each one is clipped
 
 
@@ -55,8 +60,22 @@ def _dpcap() -> Captioner:
     spec = EncoderSpec("dpcap-nano", img_size=32, patch_size=16)
     encoder = create_encoder(spec, mae_init=True)
     encoder.blocks = encoder.blocks[:1]
-    return Captioner(encoder, TextDecoder(TextDecoderConfig.for_encoder(
-        spec, width=32, depth=1, num_heads=4, vocab_size=VOCAB, max_length=TEXT, bos_id=1, eos_id=2, pad_id=0)))
+    return Captioner(
+        encoder,
+        TextDecoder(
+            TextDecoderConfig.for_encoder(
+                spec,
+                width=32,
+                depth=1,
+                num_heads=4,
+                vocab_size=VOCAB,
+                max_length=TEXT,
+                bos_id=1,
+                eos_id=2,
+                pad_id=0,
+            )
+        ),
+    )
 
 
 def _embedder() -> ContrastiveEmbedder:
@@ -67,7 +86,10 @@ def _embedder() -> ContrastiveEmbedder:
 
 
 PER_EXAMPLE: dict[str, Callable[[], nn.Module]] = {
-    "vip": _vip, "dpcap": _dpcap, "tokens": lambda: TokenModel(vocab=VOCAB)}
+    "vip": _vip,
+    "dpcap": _dpcap,
+    "tokens": lambda: TokenModel(vocab=VOCAB),
+}
 """The per-example families, and the token model: an embedding with padding and a linear layer
 over 100 tokens (the ghost norm in strips) beside a narrow one (per-example products)."""
 
@@ -99,7 +121,10 @@ def _per_example_inputs(family: str, kind: str, dtype: torch.dtype) -> Inputs:
     """(images, mask noise) for ViP, (images, caption ids) for DP-Cap, (ids, targets) for tokens."""
     g = torch.Generator().manual_seed(1)
     if family == "tokens":
-        ids, target = torch.randint(0, VOCAB, (N, TOKENS), generator=g), torch.randn(N, TOKENS, 4, generator=g)
+        ids, target = (
+            torch.randint(0, VOCAB, (N, TOKENS), generator=g),
+            torch.randn(N, TOKENS, 4, generator=g),
+        )
         if kind == "large":
             target *= 1e3
         elif kind == "far":
@@ -125,35 +150,52 @@ def _worst_ratio(clipper: object, inputs: Inputs, delta: float) -> float:
     moved = 0.0
     for i in range(N):
         keep = [j for j in range(N) if j != i]
-        moved = max(moved, float((full - _clipped_sum(clipper, *(x[keep] for x in inputs))).double().norm()))
+        moved = max(
+            moved, float((full - _clipped_sum(clipper, *(x[keep] for x in inputs))).double().norm())
+        )
     return moved / delta
 
 
 def _alone(clipper: PerExampleClipper, inputs: Inputs) -> float:
     """The largest norm of one example's clipped sum, computed as a batch of its own, over C."""
-    return max(float(_clipped_sum(clipper, *(x[i:i + 1] for x in inputs)).double().norm()) for i in range(N)) / CLIP
+    return (
+        max(
+            float(_clipped_sum(clipper, *(x[i : i + 1] for x in inputs)).double().norm())
+            for i in range(N)
+        )
+        / CLIP
+    )
 
 
 def _pair_ratios(model: nn.Module, views: Inputs) -> tuple[float, float]:
     """Worst neighbour ratios of Logit-DP (to Delta(N), the bound at this batch size, which is at
     most the capped and the uncapped rule) and of Naive-DP (to 2C)."""
     params = {"loss": CONTRASTIVE_LOSS, "temperature": TAU}
-    return (_worst_ratio(PairClipper(model, CLIP, TAU), views, logit_dp_sensitivity_at(CLIP, TAU, N)),
-            _worst_ratio(BatchClipper(model, CLIP, TAU), views, sensitivity("Naive-DP", CLIP, params)))
+    return (
+        _worst_ratio(PairClipper(model, CLIP, TAU), views, logit_dp_sensitivity_at(CLIP, TAU, N)),
+        _worst_ratio(BatchClipper(model, CLIP, TAU), views, sensitivity("Naive-DP", CLIP, params)),
+    )
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", PER_EXAMPLE)
-def test_per_example_clipper_moves_the_sum_by_at_most_c(family: str, kind: str, precision: str) -> None:
+def test_per_example_clipper_moves_the_sum_by_at_most_c(
+    family: str, kind: str, precision: str
+) -> None:
     model = _model(PER_EXAMPLE[family], precision)
     inputs = _per_example_inputs(family, kind, next(model.parameters()).dtype)
     clipper = PerExampleClipper(model, CLIP)
     with _autocast(precision):
-        ratio, alone = _worst_ratio(clipper, inputs, sensitivity("DP-SGD", CLIP)), _alone(clipper, inputs)
+        ratio, alone = (
+            _worst_ratio(clipper, inputs, sensitivity("DP-SGD", CLIP)),
+            _alone(clipper, inputs),
+        )
     print(f"per-example {family} {kind} {precision}: {ratio:.7f}, one example alone {alone:.7f}")
     assert ratio <= 1 and alone <= 1
-    assert ratio > (0.99 if precision == "fp64" else 0.95)  # every example is clipped: Delta cannot be lower
+    assert ratio > (
+        0.99 if precision == "fp64" else 0.95
+    )  # every example is clipped: Delta cannot be lower
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -162,16 +204,24 @@ def test_logit_dp_and_naive_dp_move_the_sum_by_at_most_delta(kind: str, precisio
     model = _model(_embedder, precision)
     dtype = next(model.parameters()).dtype
     with _autocast(precision):
-        pair, naive = _pair_ratios(model, (_images(kind, dtype, seed=3), _images(kind, dtype, seed=4)))
-    print(f"Logit-DP {kind} {precision}: {pair:.4f} of Delta(n), {pair / TAU:.4f} of it without 1/tau; "
-          f"Naive-DP {naive:.4f} of 2C")
+        pair, naive = _pair_ratios(
+            model, (_images(kind, dtype, seed=3), _images(kind, dtype, seed=4))
+        )
+    print(
+        f"Logit-DP {kind} {precision}: {pair:.4f} of Delta(n), {pair / TAU:.4f} of it without 1/tau; "
+        f"Naive-DP {naive:.4f} of 2C"
+    )
     assert pair <= 1 and naive <= 1
-    if kind != "repeated":  # (removing a duplicate moves the sum less) the 1/tau-free Delta is exceeded
+    if (
+        kind != "repeated"
+    ):  # (removing a duplicate moves the sum less) the 1/tau-free Delta is exceeded
         assert pair > TAU
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_no_pair_contributes_more_than_b_under_bf16(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_pair_contributes_more_than_b_under_bf16(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Logit-DP's proof needs every pair's clipped vector as computed within B: with the loss
     weights set to one pair, the realised sum is that vector (rounding in its bf16 products
     once lifted it 0.1-0.3 % above B)."""
@@ -180,7 +230,10 @@ def test_no_pair_contributes_more_than_b_under_bf16(kind: str, monkeypatch: pyte
     clipper, weights = PairClipper(model, CLIP, TAU), training.pair_clipping._loss_weights
     shares = []
     for pair in range(N * N):
-        def one_pair(e: torch.Tensor, tau: float, pair: int = pair) -> tuple[torch.Tensor, torch.Tensor]:
+
+        def one_pair(
+            e: torch.Tensor, tau: float, pair: int = pair
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return torch.eye(N * N, dtype=e.dtype)[pair].view(N, N), weights(e, tau)[1]
 
         monkeypatch.setattr(training.pair_clipping, "_loss_weights", one_pair)
@@ -198,12 +251,19 @@ def test_logit_dp_at_its_bound_stays_within_delta_under_bf16(tau: float, n: int)
     delta = logit_dp_sensitivity_at(BOUND, tau, n)
     ratios = []
     for precision in PRECISIONS:
-        clipper = PairClipper(model.to(torch.float64 if precision == "fp64" else torch.float32), BOUND, tau)
+        clipper = PairClipper(
+            model.to(torch.float64 if precision == "fp64" else torch.float32), BOUND, tau
+        )
         views = [x.to(clipper.params[0].dtype) for x in (x1, x2)]
         with _autocast(precision):
-            moved = _clipped_sum(clipper, *views).double() - _clipped_sum(clipper, *(x[:-1] for x in views)).double()
+            moved = (
+                _clipped_sum(clipper, *views).double()
+                - _clipped_sum(clipper, *(x[:-1] for x in views)).double()
+            )
         ratios.append(float(moved.norm()) / delta)
-    print(f"Logit-DP adversary tau {tau} n {n}: fp64 {ratios[0]:.5f}, bf16 {ratios[1]:.5f} of Delta(n)")
+    print(
+        f"Logit-DP adversary tau {tau} n {n}: fp64 {ratios[0]:.5f}, bf16 {ratios[1]:.5f} of Delta(n)"
+    )
     assert 0.99 < ratios[0] <= 1 and ratios[1] <= 1
 
 
@@ -214,8 +274,11 @@ def test_a_broken_clip_fails_the_check(clipper: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(module, "clip_factors", lambda norms, max_norm: torch.ones_like(norms))
     if clipper == "per-example":
         model = _model(_vip, "fp64")
-        ratio = _worst_ratio(PerExampleClipper(model, CLIP), _per_example_inputs("vip", "random", torch.float64),
-                             sensitivity("DP-SGD", CLIP))
+        ratio = _worst_ratio(
+            PerExampleClipper(model, CLIP),
+            _per_example_inputs("vip", "random", torch.float64),
+            sensitivity("DP-SGD", CLIP),
+        )
     else:
         model = _model(_embedder, "fp64")
         views = _images("random", torch.float64, seed=3), _images("random", torch.float64, seed=4)
@@ -237,7 +300,11 @@ def test_the_cases_cover_every_layer_kind() -> None:
         covered |= kinds(PerExampleClipper(model, CLIP).layers)
         covered |= {nn.Parameter} if getattr(model, "broadcast_parameters", list)() else set()
     assert covered == {*rules, nn.Parameter}
-    assert not _materialise(N, TOKENS, 320, 320) and TOKENS // 48 >= 2 and _materialise(N, TOKENS, 320, 4)
+    assert (
+        not _materialise(N, TOKENS, 320, 320)
+        and TOKENS // 48 >= 2
+        and _materialise(N, TOKENS, 320, 4)
+    )
     embedder = _embedder()
     assert kinds(PairClipper(embedder, CLIP, TAU).layers) == {nn.Linear, nn.Conv2d, nn.LayerNorm}
     assert embedder.broadcast_parameters()

@@ -36,19 +36,47 @@ class BiasSum(torch.nn.Module):
         return self.layer(x).sum(1)
 
 
-def engine_for(model: torch.nn.Module, *, n: int, batch: int, sigma: float | None = None, eps: float | None = None,
-               steps: int = 10, clip: float = 1.0, canaries: int = 0, micro: int | None = 8, seed: int = 0,
-               lr: float = 0.0) -> DPEngine:
-    budget = Budget.plan(dataset_size=n, batch_size=batch, steps=steps, epsilon=eps, sigma=sigma, delta=1e-5,
-                         accountant="rdp")
+def engine_for(
+    model: torch.nn.Module,
+    *,
+    n: int,
+    batch: int,
+    sigma: float | None = None,
+    eps: float | None = None,
+    steps: int = 10,
+    clip: float = 1.0,
+    canaries: int = 0,
+    micro: int | None = 8,
+    seed: int = 0,
+    lr: float = 0.0,
+) -> DPEngine:
+    budget = Budget.plan(
+        dataset_size=n,
+        batch_size=batch,
+        steps=steps,
+        epsilon=eps,
+        sigma=sigma,
+        delta=1e-5,
+        accountant="rdp",
+    )
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    return DPEngine(PerExampleClipper(model, clip), optimizer, None, budget, sensitivity=clip, clipping_norm=clip,
-                    seed=seed,
-                    dist=Dist(device=next(model.parameters()).device), micro_batch_size=micro,
-                    audit_canaries=canaries)
+    return DPEngine(
+        PerExampleClipper(model, clip),
+        optimizer,
+        None,
+        budget,
+        sensitivity=clip,
+        clipping_norm=clip,
+        seed=seed,
+        dist=Dist(device=next(model.parameters()).device),
+        micro_batch_size=micro,
+        audit_canaries=canaries,
+    )
 
 
-def update_of(engine: DPEngine, param: torch.nn.Parameter, step: int, micro_batches: list) -> torch.Tensor:
+def update_of(
+    engine: DPEngine, param: torch.nn.Parameter, step: int, micro_batches: list
+) -> torch.Tensor:
     """The noisy mean gradient the optimiser receives at ``step``."""
     seen = {}
     engine.optimizer.step = lambda: seen.setdefault("grad", param.grad.clone())  # type: ignore[method-assign]
@@ -57,11 +85,15 @@ def update_of(engine: DPEngine, param: torch.nn.Parameter, step: int, micro_batc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_noise_is_sigma_times_sensitivity_over_expected_batch_even_for_an_empty_sample(device: str) -> None:
+def test_noise_is_sigma_times_sensitivity_over_expected_batch_even_for_an_empty_sample(
+    device: str,
+) -> None:
     model = BiasSum(200_000, device)
     sigma, clip, batch = 1.3, 0.1, 64
     engine = engine_for(model, n=1000, batch=batch, sigma=sigma, clip=clip)
-    update = update_of(engine, model.layer.bias, 0, [])  # nothing sampled on this rank: still a noisy step
+    update = update_of(
+        engine, model.layer.bias, 0, []
+    )  # nothing sampled on this rank: still a noisy step
     assert update.std().item() == pytest.approx(sigma * clip / batch, rel=0.01)
     assert abs(update.mean().item()) < 3 * sigma * clip / batch / 200_000**0.5
     assert engine.steps_done == 1 and engine.history == [(sigma, batch / 1000, 1)]
@@ -75,13 +107,19 @@ def test_the_clipped_sum_is_divided_by_the_expected_batch_not_the_sampled_count(
     assert 0 < len(local) != batch
     update = update_of(engine, model.layer.bias, 0, [(torch.zeros(len(local), 4),)])
     per_example = clip / width**0.5  # an all-ones gradient of norm sqrt(width), clipped to C
-    torch.testing.assert_close(update, torch.full((width,), len(local) * per_example / batch), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        update, torch.full((width,), len(local) * per_example / batch), rtol=1e-5, atol=1e-7
+    )
 
 
-def test_sampler_plans_each_step_once_and_its_micro_batches_cover_the_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampler_plans_each_step_once_and_its_micro_batches_cover_the_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
     real = training.dp_engine.poisson_sample
-    monkeypatch.setattr(training.dp_engine, "poisson_sample", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(
+        training.dp_engine, "poisson_sample", lambda *a, **k: calls.append(a[3]) or real(*a, **k)
+    )
     engine = engine_for(BiasSum(4), n=30, batch=2, sigma=1.0, steps=40, micro=2)
     by_step: dict[int, list[int]] = {}
     for part in engine.sampler(0):
@@ -97,24 +135,67 @@ def test_sampler_plans_each_step_once_and_its_micro_batches_cover_the_sample(mon
 
 
 def test_budget_plan_calibrates_and_stops_within_the_target() -> None:
-    b = Budget.plan(dataset_size=1000, batch_size=50, steps=200, epsilon=3.0, sigma=None, delta=1e-5, accountant="pld")
-    assert b.steps == 200 and epsilon(b.noise_multiplier, 0.05, 200, 1e-5, "pld") <= 3.0 and b.stop_message() is None
-    b = Budget.plan(dataset_size=1000, batch_size=50, steps=10_000, epsilon=3.0, sigma=1.0, delta=1e-5,
-                    accountant="rdp")
+    b = Budget.plan(
+        dataset_size=1000,
+        batch_size=50,
+        steps=200,
+        epsilon=3.0,
+        sigma=None,
+        delta=1e-5,
+        accountant="pld",
+    )
+    assert (
+        b.steps == 200
+        and epsilon(b.noise_multiplier, 0.05, 200, 1e-5, "pld") <= 3.0
+        and b.stop_message() is None
+    )
+    b = Budget.plan(
+        dataset_size=1000,
+        batch_size=50,
+        steps=10_000,
+        epsilon=3.0,
+        sigma=1.0,
+        delta=1e-5,
+        accountant="rdp",
+    )
     assert epsilon(1.0, 0.05, b.steps, 1e-5) <= 3.0 < epsilon(1.0, 0.05, b.steps + 1, 1e-5)
     assert f"stopping after step {b.steps} of 10000" in b.stop_message()
     with pytest.raises(ConfigError, match="batch-size must be in"):
-        Budget.plan(dataset_size=10, batch_size=11, steps=1, epsilon=1.0, sigma=None, delta=None, accountant="rdp")
+        Budget.plan(
+            dataset_size=10,
+            batch_size=11,
+            steps=1,
+            epsilon=1.0,
+            sigma=None,
+            delta=None,
+            accountant="rdp",
+        )
     with pytest.raises(ConfigError, match="give --epsilon"):
-        Budget.plan(dataset_size=10, batch_size=1, steps=1, epsilon=None, sigma=None, delta=None, accountant="rdp")
+        Budget.plan(
+            dataset_size=10,
+            batch_size=1,
+            steps=1,
+            epsilon=None,
+            sigma=None,
+            delta=None,
+            accountant="rdp",
+        )
     with pytest.raises(AccountingError, match="a single step"):
-        Budget.plan(dataset_size=10, batch_size=10, steps=5, epsilon=0.01, sigma=0.5, delta=None, accountant="rdp")
+        Budget.plan(
+            dataset_size=10,
+            batch_size=10,
+            steps=5,
+            epsilon=0.01,
+            sigma=0.5,
+            delta=None,
+            accountant="rdp",
+        )
 
 
 def _train(engine: DPEngine, x: torch.Tensor, start: int, stop: int) -> None:
     for step in range(start, stop):
         idx = engine.plan(step)
-        engine.step(step, [(x[idx[i:i + 8]],) for i in range(0, len(idx), 8)])
+        engine.step(step, [(x[idx[i : i + 8]],) for i in range(0, len(idx), 8)])
 
 
 def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> None:
@@ -135,7 +216,10 @@ def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> 
     resumed.load_state_dict(state)
     _train(resumed, x, 3, 6)
     assert resumed.history == a.history == [(0.8, 0.2, 6)]
-    assert all(torch.equal(p, q) for p, q in zip(whole.state_dict().values(), resumed_model.state_dict().values()))
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(whole.state_dict().values(), resumed_model.state_dict().values())
+    )
     np.testing.assert_array_equal(resumed.canaries.scores, a.canaries.scores)
     other = engine_for(BiasSum(6), n=40, batch=8, sigma=0.9, steps=6)
     with pytest.raises(CheckpointError, match="does not match"):
@@ -148,21 +232,34 @@ def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> 
 AUDITED = dict(n=1000, batch=100, eps=2.0, steps=100, canaries=1000, micro=64)
 
 
-def audited_stage(monkeypatch: pytest.MonkeyPatch | None = None, *, noise_scale: float = 1.0,
-                  bypass_clipping: bool = False):  # type: ignore[no-untyped-def]
+def audited_stage(
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    *,
+    noise_scale: float = 1.0,
+    bypass_clipping: bool = False,
+):  # type: ignore[no-untyped-def]
     """A 100-step run claiming epsilon 2 (RDP, delta 1e-5) with 1000 canaries; optionally with
     its noise secretly scaled (the accountant still told sigma) or its canaries left unclipped."""
     if noise_scale != 1.0:
         real = training.dp_engine.gaussian_noise
-        monkeypatch.setattr(training.dp_engine, "gaussian_noise",
-                            lambda k, std, g, d: real(k, std * noise_scale, g, d))
+        monkeypatch.setattr(
+            training.dp_engine,
+            "gaussian_noise",
+            lambda k, std, g, d: real(k, std * noise_scale, g, d),
+        )
     if bypass_clipping:
-        monkeypatch.setattr(training.canaries, "clip_factors", lambda norms, c: torch.ones_like(norms))
+        monkeypatch.setattr(
+            training.canaries, "clip_factors", lambda norms, c: torch.ones_like(norms)
+        )
     torch.manual_seed(0)
     engine = engine_for(BiasSum(8), **AUDITED)
     _train(engine, torch.randn(1000, 4), 0, engine.budget.steps)
-    return engine.stage(audit_delta=1e-5, name="dp-audited", dataset=Dataset(name="audit-data", size=1000),
-                        mechanism="DP-SGD")
+    return engine.stage(
+        audit_delta=1e-5,
+        name="dp-audited",
+        dataset=Dataset(name="audit-data", size=1000),
+        mechanism="DP-SGD",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +271,22 @@ def test_an_honest_run_proves_less_than_it_claims(honest) -> None:  # type: igno
     a = honest.audit
     assert honest.epsilon <= 2.0 and a.delta == 1e-5 and a.canaries == 1000
     assert [r.guesses for r in a.results] == [20, 50, 100, 200, 500, 1000]
-    assert 0 < a.epsilon_lower_bound < 2.0 and a.epsilon_lower_bound < min(a.accountant_epsilon.values())
-    assert a.ceiling == pytest.approx(ceiling(1000, 0.05, 1e-5), abs=1e-6) and a.can_fail  # 5.27 > 2
+    assert 0 < a.epsilon_lower_bound < 2.0 and a.epsilon_lower_bound < min(
+        a.accountant_epsilon.values()
+    )
+    assert (
+        a.ceiling == pytest.approx(ceiling(1000, 0.05, 1e-5), abs=1e-6) and a.can_fail
+    )  # 5.27 > 2
 
 
-def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
     real = training.dp_engine.poisson_sample
-    monkeypatch.setattr(training.dp_engine, "poisson_sample", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(
+        training.dp_engine, "poisson_sample", lambda *a: calls.append(a) or real(*a)
+    )
     engine = engine_for(BiasSum(4), n=30, batch=6, sigma=1e-6, steps=3, canaries=40)
     members = engine.canaries.members
     assert set(members) == set(np.flatnonzero(engine.canaries.secrets)) and 0 < len(members) < 40
@@ -191,34 +296,47 @@ def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(monkeypatch:
         examples = engine.plan(step)
         calls.clear()
         engine.step(step, [(torch.zeros(len(examples), 4),)])
-        assert [c[:4] for c in calls] == [(30 + len(members), 0.2, 0, step)]  # one population, one stream
+        assert [c[:4] for c in calls] == [
+            (30 + len(members), 0.2, 0, step)
+        ]  # one population, one stream
         drawn = real(30 + len(members), 0.2, 0, step)
         np.testing.assert_array_equal(examples, drawn[drawn < 30])
         sampled = members[drawn[drawn >= 30] - 30]
-        np.testing.assert_allclose(seen[-1].numpy(), np.isin(np.arange(40), sampled).astype(np.float32), atol=1e-4)
+        np.testing.assert_allclose(
+            seen[-1].numpy(), np.isin(np.arange(40), sampled).astype(np.float32), atol=1e-4
+        )
 
 
-def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(monkeypatch: pytest.MonkeyPatch,
-                                                                    tmp_path: Path) -> None:
+def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from live import WRITE_TOKEN, ThreadedServer, settings_for
 
     stage = audited_stage(monkeypatch, noise_scale=0.1)
     assert stage.epsilon <= 2.0 < stage.audit.epsilon_lower_bound  # the claim is what it was told
-    repo = export_encoder(tmp_path / "leaky", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="leaky")
+    repo = export_encoder(
+        tmp_path / "leaky", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="leaky"
+    )
     report = verify_repo(repo)
-    assert not report.ok and any(p.kind is AuditError and "exceeds the accounted epsilon" in p.message
-                                 for p in report.problems)
+    assert not report.ok and any(
+        p.kind is AuditError and "exceeds the accounted epsilon" in p.message
+        for p in report.problems
+    )
     with pytest.raises(AuditError):
         report.raise_for_problems()
     with pytest.raises(AuditError):  # vip-hub push checks before sending anything
         push_repo(repo, "vip/leaky", endpoint="http://127.0.0.1:9", token=WRITE_TOKEN)
-    with ThreadedServer(settings_for(tmp_path / "store")) as server:  # the unmodified client: the hub refuses
+    with ThreadedServer(
+        settings_for(tmp_path / "store")
+    ) as server:  # the unmodified client: the hub refuses
         api = HfApi(endpoint=server.url, token=WRITE_TOKEN)
         api.create_repo("vip/leaky")
         with pytest.raises(HfHubHTTPError, match="exceeds the accounted epsilon"):
             api.upload_folder(folder_path=repo, repo_id="vip/leaky")
 
 
-def test_canaries_left_unclipped_give_a_higher_bound(monkeypatch: pytest.MonkeyPatch, honest) -> None:  # type: ignore[no-untyped-def]
+def test_canaries_left_unclipped_give_a_higher_bound(
+    monkeypatch: pytest.MonkeyPatch, honest
+) -> None:  # type: ignore[no-untyped-def]
     stage = audited_stage(monkeypatch, bypass_clipping=True)
     assert stage.audit.epsilon_lower_bound > 2 * honest.audit.epsilon_lower_bound

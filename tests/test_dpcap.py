@@ -52,8 +52,12 @@ bed room kitchen window door wall floor food pizza cake fruit apple banana plate
 shirt hat shoe ball game sport player team child woman girl boy baby face hand head eye hair group
 sitting standing walking running playing eating holding looking near next behind inside outside
 digit zero number written handwritten ##s ##ing ##ed ##er , . ! ?""".split()
-VOCAB = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(
-    dict.fromkeys(WORDS))
+VOCAB = (
+    ["[PAD]"]
+    + [f"[unused{i}]" for i in range(99)]
+    + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + list(dict.fromkeys(WORDS))
+)
 
 
 def write_vocab(path: Path) -> Path:
@@ -67,11 +71,17 @@ class RefSelfAttention(nn.Module):
         self.c_attn = nn.Linear(width, 3 * width, bias=False)
         self.c_proj = nn.Linear(width, width, bias=False)
         self.heads = heads
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size),
+        )
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.c_attn(x).split(c, dim=2))
+        q, k, v = (
+            y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for y in self.c_attn(x).split(c, dim=2)
+        )
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")).softmax(dim=-1)
         return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
@@ -89,7 +99,10 @@ class RefCrossAttention(nn.Module):
         b, t, c = x.shape
         n = y.shape[1]
         q = self.q_proj(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        k, v = (z.view(b, n, self.heads, c // self.heads).transpose(1, 2) for z in self.kv_proj(y).split(c, dim=2))
+        k, v = (
+            z.view(b, n, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.kv_proj(y).split(c, dim=2)
+        )
         att = ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))).softmax(dim=-1)
         return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
 
@@ -122,8 +135,16 @@ def frozen(*shape):
 class ReferenceDPCap(nn.Module):
     """The reference model's layout and forward passes, at a small size."""
 
-    def __init__(self, arch: str = ARCH, img_size: int = IMG, width: int = WIDTH, depth: int = DEPTH,
-                 vocab_size: int = len(VOCAB), text_len: int = TEXT_LEN, dec_heads: int = 6):
+    def __init__(
+        self,
+        arch: str = ARCH,
+        img_size: int = IMG,
+        width: int = WIDTH,
+        depth: int = DEPTH,
+        vocab_size: int = len(VOCAB),
+        text_len: int = TEXT_LEN,
+        dec_heads: int = 6,
+    ):
         super().__init__()
         a = ARCHS[arch]
         d = a.embed_dim
@@ -134,7 +155,9 @@ class ReferenceDPCap(nn.Module):
         self.text_pos_embed = frozen(1, text_len, d)
         self.cls_token = frozen(1, 1, d)
         self.pos_embed = frozen(1, n + 1, d)
-        self.blocks = nn.ModuleList(Block(d, a.num_heads, 4.0, qkv_bias=False, norm_layer=norm) for _ in range(a.depth))
+        self.blocks = nn.ModuleList(
+            Block(d, a.num_heads, 4.0, qkv_bias=False, norm_layer=norm) for _ in range(a.depth)
+        )
         self.norm = norm(d)
         self.decoder_embed = nn.Linear(d, width)
         self.mask_token = frozen(1, 1, width)
@@ -179,7 +202,9 @@ class ReferenceDPCap(nn.Module):
         """The reference's per-example loss (forward with reduction='none')."""
         output = self.logits(imgs, texts).permute(0, 2, 1)
         labels = texts[:, 1:]
-        return F.cross_entropy(output[:, :, :-1], labels, ignore_index=0, reduction="none").sum(1) / (labels != 0).sum(1)
+        return F.cross_entropy(output[:, :, :-1], labels, ignore_index=0, reduction="none").sum(
+            1
+        ) / (labels != 0).sum(1)
 
     def greedy(self, img, max_tokens, bos=101, eos=102):
         """``forward_caption`` for one image: argmax of the next token until [SEP]."""
@@ -190,9 +215,15 @@ class ReferenceDPCap(nn.Module):
 
 
 def save_reference(model: nn.Module, path: Path, **extra) -> Path:
-    args = argparse.Namespace(model="mae_vit_nano_patch16_autoregressive_nobias", target_txt_len=TEXT_LEN,
-                              sigma=0.5, batch_size=64)
-    torch.save({"model": model.state_dict(), "args": args, "epoch": 3, "privacy_step": 12, **extra}, path)
+    args = argparse.Namespace(
+        model="mae_vit_nano_patch16_autoregressive_nobias",
+        target_txt_len=TEXT_LEN,
+        sigma=0.5,
+        batch_size=64,
+    )
+    torch.save(
+        {"model": model.state_dict(), "args": args, "epoch": 3, "privacy_step": 12, **extra}, path
+    )
     return path
 
 
@@ -206,8 +237,15 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def repo(reference, tmp_path_factory):
     folder = tmp_path_factory.mktemp("dpcap")
-    return import_dpcap_checkpoint(reference[1], folder / "repo", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
-                                   model_name="dpcap-nano-test", vocab=write_vocab(folder / "vocab.txt"))
+    return import_dpcap_checkpoint(
+        reference[1],
+        folder / "repo",
+        arch=ARCH,
+        img_size=IMG,
+        stages=[synthetic_stage()],
+        model_name="dpcap-nano-test",
+        vocab=write_vocab(folder / "vocab.txt"),
+    )
 
 
 def images(n=3, seed=1):
@@ -220,14 +258,20 @@ def test_encoder_tokens_match_the_reference_with_plain_timm(reference, repo):
     model = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
     cfg = json.loads((repo / "config.json").read_text())
     assert cfg["model_args"]["qkv_bias"] is False and cfg["model_args"]["num_heads"] == 6
-    assert cfg["vip_hub"]["family"] == "dpcap" and list(cfg["vip_hub"]["feature_dims"]) == ["dpcap", "avg", "cls"]
+    assert cfg["vip_hub"]["family"] == "dpcap" and list(cfg["vip_hub"]["feature_dims"]) == [
+        "dpcap",
+        "avg",
+        "cls",
+    ]
     x = images()
     with torch.no_grad():
         want = ref.forward_encoder(x)
         got = model.forward_features(x)
         default = model(x)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(default, want[:, 1:].mean(1), atol=2e-5, rtol=1e-5)  # timm's forward: avg
+    torch.testing.assert_close(
+        default, want[:, 1:].mean(1), atol=2e-5, rtol=1e-5
+    )  # timm's forward: avg
 
 
 def test_feature_modes_match_the_reference_and_others_are_refused(reference, repo):
@@ -236,35 +280,52 @@ def test_feature_modes_match_the_reference_and_others_are_refused(reference, rep
     x = images()
     with torch.no_grad():
         tokens = ref.forward_encoder(x)
-        want = {"dpcap": ref.linear_prob_forward(x).mean(1), "avg": tokens[:, 1:].mean(1), "cls": tokens[:, 0]}
+        want = {
+            "dpcap": ref.linear_prob_forward(x).mean(1),
+            "avg": tokens[:, 1:].mean(1),
+            "cls": tokens[:, 0],
+        }
     assert enc.poolings == ("dpcap", "avg", "cls")
     for mode, value in want.items():
         torch.testing.assert_close(enc.embed(x, mode), value, atol=2e-5, rtol=1e-5)
         assert enc.feature_dim(mode) == value.shape[1]
     assert enc.feature_dim("dpcap") == WIDTH
-    with pytest.raises(ConfigError, match="'vip' is not available for dpcap-nano: DP-Cap encoders offer dpcap, avg, cls"):
+    with pytest.raises(
+        ConfigError,
+        match="'vip' is not available for dpcap-nano: DP-Cap encoders offer dpcap, avg, cls",
+    ):
         enc.embed(x, "vip")
 
 
 def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
     enc = load_encoder(tiny_repo)
     assert enc.poolings == ("vip", "avg", "cls")
-    with pytest.raises(ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"):
+    with pytest.raises(
+        ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"
+    ):
         enc.embed(torch.zeros(1, 3, 32, 32), "dpcap")
-    assert list(json.loads((tiny_repo / "config.json").read_text())["vip_hub"]["feature_dims"]) == ["vip", "avg", "cls"]
+    assert list(json.loads((tiny_repo / "config.json").read_text())["vip_hub"]["feature_dims"]) == [
+        "vip",
+        "avg",
+        "cls",
+    ]
 
 
 def test_decoder_logits_and_per_example_loss_match_the_reference(reference, repo):
     ref, _ = reference
     cap = load_captioner(repo)
     x = images(4)
-    texts = cap.tokenizer.encode(["a dog on the beach", "two red cars", "a photo", "the cat is sitting near a window"])
+    texts = cap.tokenizer.encode(
+        ["a dog on the beach", "two red cars", "a photo", "the cat is sitting near a window"]
+    )
     assert texts[2].tolist()[-1] == 0  # padded
     with torch.no_grad():
         want_logits, want_loss = ref.logits(x, texts), ref.loss(x, texts)
         got_logits = cap.captioner.decoder(cap.captioner.encode(x), texts)
         got_loss = cap.captioner(x, texts)
-        alone = cap.captioner(x[1:2], texts[1:2])  # each example's loss depends on that example only
+        alone = cap.captioner(
+            x[1:2], texts[1:2]
+        )  # each example's loss depends on that example only
     torch.testing.assert_close(got_logits, want_logits, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
     assert got_loss.shape == (4,)
@@ -282,12 +343,18 @@ def test_greedy_captions_and_zero_shot_match_the_reference(reference, repo):
     assert cap.max_tokens == TEXT_LEN - 1
     labels = ["dog", "red car", "handwritten digit zero"]
     losses = cap.zero_shot(x, labels)
-    prompt = cap.tokenizer.encode(["this is a photo of a"])[0].tolist()[:-1]  # the README's prompt, [SEP] dropped
+    prompt = cap.tokenizer.encode(["this is a photo of a"])[0].tolist()[
+        :-1
+    ]  # the README's prompt, [SEP] dropped
     with torch.no_grad():
         for i, label in enumerate(labels):
-            text = torch.tensor([prompt + cap.tokenizer.encode([label])[0].tolist()[1:]])  # label after its [CLS]
+            text = torch.tensor(
+                [prompt + cap.tokenizer.encode([label])[0].tolist()[1:]]
+            )  # label after its [CLS]
             out = ref.logits(x, text.expand(3, -1)).permute(0, 2, 1)
-            want = torch.stack([F.cross_entropy(out[b : b + 1, :, :-1], text[:, 1:]) for b in range(3)])
+            want = torch.stack(
+                [F.cross_entropy(out[b : b + 1, :, :-1], text[:, 1:]) for b in range(3)]
+            )
             torch.testing.assert_close(losses[:, i], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="max_tokens must be between 1 and 15"):
         cap.captioner.generate(x, max_tokens=40)
@@ -298,40 +365,76 @@ def test_import_refuses_pickled_code(reference, tmp_path):
     ref, _ = reference
     bad = save_reference(ref, tmp_path / "evil.pth", hook=os.system)
     with pytest.raises(CheckpointError, match="refused.*system"):
-        import_dpcap_checkpoint(bad, tmp_path / "out", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
-                                model_name="x")
+        import_dpcap_checkpoint(
+            bad,
+            tmp_path / "out",
+            arch=ARCH,
+            img_size=IMG,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_import_names_wrong_shapes_missing_and_unexpected_keys(reference, tmp_path):
     ref, path = reference
-    with pytest.raises(CheckpointError, match=r"shape mismatches for dpcap-tiny at 32px: .*blocks\.0\.attn\.qkv\.weight "
-                                              r"\(576, 192\) \(expected \(1152, 384\)\)"):
-        import_dpcap_checkpoint(path, tmp_path / "a", arch="dpcap-tiny", img_size=IMG, stages=[synthetic_stage()],
-                                model_name="x")
-    state = {k: v for k, v in ref.state_dict().items() if k not in ("encoder_image_type_embedding",
-                                                                     "decoder.layers.1.linear2.weight")}
+    with pytest.raises(
+        CheckpointError,
+        match=r"shape mismatches for dpcap-tiny at 32px: .*blocks\.0\.attn\.qkv\.weight "
+        r"\(576, 192\) \(expected \(1152, 384\)\)",
+    ):
+        import_dpcap_checkpoint(
+            path,
+            tmp_path / "a",
+            arch="dpcap-tiny",
+            img_size=IMG,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
+    state = {
+        k: v
+        for k, v in ref.state_dict().items()
+        if k not in ("encoder_image_type_embedding", "decoder.layers.1.linear2.weight")
+    }
     state["extra_head.weight"] = torch.zeros(2)
     odd = tmp_path / "odd.pth"
     torch.save({"model": state, "args": argparse.Namespace()}, odd)
     with pytest.raises(CheckpointError) as err:
-        import_dpcap_checkpoint(odd, tmp_path / "b", arch=ARCH, img_size=IMG, stages=[synthetic_stage()], model_name="x")
+        import_dpcap_checkpoint(
+            odd, tmp_path / "b", arch=ARCH, img_size=IMG, stages=[synthetic_stage()], model_name="x"
+        )
     msg = str(err.value)
     assert "missing keys: decoder.layers.1.linear2.weight, encoder_image_type_embedding" in msg
     assert "unexpected keys: extra_head.weight" in msg
     with pytest.raises(ConfigError, match="not a DP-Cap architecture"):
-        import_dpcap_checkpoint(path, tmp_path / "c", arch="vip-nano", img_size=IMG, stages=[synthetic_stage()],
-                                model_name="x")
+        import_dpcap_checkpoint(
+            path,
+            tmp_path / "c",
+            arch="vip-nano",
+            img_size=IMG,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
 
 
 def test_import_refuses_a_vocabulary_that_does_not_fit(reference, tmp_path):
     _, path = reference
     short = tmp_path / "short.txt"
     short.write_text("\n".join(VOCAB[:-5]) + "\n")
-    with pytest.raises(ConfigError, match=r"vocabulary's \(size, \[CLS\], \[SEP\], \[PAD\]\) = \(\d+, 101, 102, 0\) "
-                                          r"does not match"):
-        import_dpcap_checkpoint(path, tmp_path / "a", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
-                                model_name="x", vocab=short)
+    with pytest.raises(
+        ConfigError,
+        match=r"vocabulary's \(size, \[CLS\], \[SEP\], \[PAD\]\) = \(\d+, 101, 102, 0\) "
+        r"does not match",
+    ):
+        import_dpcap_checkpoint(
+            path,
+            tmp_path / "a",
+            arch=ARCH,
+            img_size=IMG,
+            stages=[synthetic_stage()],
+            model_name="x",
+            vocab=short,
+        )
     nosep = tmp_path / "nosep.txt"
     nosep.write_text("\n".join(v for v in VOCAB if v != "[SEP]") + "\n")
     with pytest.raises(ConfigError, match=r"lacks the special tokens \[SEP\]"):
@@ -340,8 +443,14 @@ def test_import_refuses_a_vocabulary_that_does_not_fit(reference, tmp_path):
 
 def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
     _, path = reference
-    out = import_dpcap_checkpoint(path, tmp_path / "novocab", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
-                                  model_name="novocab")
+    out = import_dpcap_checkpoint(
+        path,
+        tmp_path / "novocab",
+        arch=ARCH,
+        img_size=IMG,
+        stages=[synthetic_stage()],
+        model_name="novocab",
+    )
     enc = load_encoder(out)
     assert enc.poolings == ("dpcap", "avg", "cls") and not enc.can_caption
     with pytest.raises(MissingInputError, match="has no vocab.txt: it cannot caption"):
@@ -355,7 +464,15 @@ def test_tokenizer_follows_the_reference_conventions(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.max_length) == (101, 102, 0, 40)
     ids = tok.encode(["Two DOGS playing.", "a"])
     word = VOCAB.index
-    assert ids[0].tolist() == [101, word("two"), word("dog"), word("##s"), word("playing"), word("."), 102]
+    assert ids[0].tolist() == [
+        101,
+        word("two"),
+        word("dog"),
+        word("##s"),
+        word("playing"),
+        word("."),
+        102,
+    ]
     assert ids[1].tolist() == [101, word("a"), 102, 0, 0, 0, 0]
     assert tok.decode(ids[0].tolist()) == "two dogs playing."
     long = tok.encode(["dog " * 100])[0].tolist()
@@ -367,15 +484,31 @@ def test_text_decoder_is_clippable_per_example():
     is tied, and the constants are buffers (what training.clipping.PerExampleClipper needs)."""
     torch.manual_seed(0)
     spec = EncoderSpec(ARCH, img_size=IMG)
-    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, width=48, depth=2, num_heads=4, vocab_size=50,
-                                                        max_length=8, bos_id=1, eos_id=2, pad_id=0))
+    decoder = TextDecoder(
+        TextDecoderConfig.for_encoder(
+            spec,
+            width=48,
+            depth=2,
+            num_heads=4,
+            vocab_size=50,
+            max_length=8,
+            bos_id=1,
+            eos_id=2,
+            pad_id=0,
+        )
+    )
     model = Captioner(create_encoder(spec, mae_init=True), decoder)
     assert not model.encoder.cls_token.requires_grad and not model.encoder.pos_embed.requires_grad
-    holders = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    holders = [
+        m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
     assert all(isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding, nn.Conv2d)) for m in holders)
     assert len({p.data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
     calls: dict[nn.Module, int] = {}
-    hooks = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1)) for m in holders]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1))
+        for m in holders
+    ]
     text = torch.tensor([[1, 5, 6, 2, 0], [1, 7, 2, 0, 0]])
     losses = model(torch.randn(2, 3, IMG, IMG), text)
     for h in hooks:
@@ -383,20 +516,45 @@ def test_text_decoder_is_clippable_per_example():
     assert losses.shape == (2,) and set(calls.values()) == {1} and len(calls) == len(holders)
     logits = torch.randn(2, 5, 50)
     ce = [F.cross_entropy(logits[i, :-1], text[i, 1:], reduction="none") for i in range(2)]
-    torch.testing.assert_close(caption_loss(logits, text, 0), torch.stack([ce[0][:3].mean(), ce[1][:2].mean()]))
+    torch.testing.assert_close(
+        caption_loss(logits, text, 0), torch.stack([ce[0][:3].mean(), ce[1][:2].mean()])
+    )
     with pytest.raises(ConfigError, match="final norm on every token"):
-        Captioner(tiny_encoder(), TextDecoder(TextDecoderConfig.for_encoder(EncoderSpec("vip-nano", img_size=IMG),
-                                                                         vocab_size=50, bos_id=1, eos_id=2)))
+        Captioner(
+            tiny_encoder(),
+            TextDecoder(
+                TextDecoderConfig.for_encoder(
+                    EncoderSpec("vip-nano", img_size=IMG), vocab_size=50, bos_id=1, eos_id=2
+                )
+            ),
+        )
 
 
 def test_export_refuses_text_parts_that_do_not_belong(tmp_path):
     spec = EncoderSpec("vip-nano", img_size=IMG)
-    decoder = TextDecoder(TextDecoderConfig.for_encoder(EncoderSpec(ARCH, img_size=IMG), width=48, depth=1,
-                                                        num_heads=4, vocab_size=len(VOCAB)))
+    decoder = TextDecoder(
+        TextDecoderConfig.for_encoder(
+            EncoderSpec(ARCH, img_size=IMG), width=48, depth=1, num_heads=4, vocab_size=len(VOCAB)
+        )
+    )
     with pytest.raises(ConfigError, match="ViP repos carry no text decoder"):
-        export_encoder(tmp_path / "a", tiny_encoder(), spec, [synthetic_stage()], model_name="a", text_decoder=decoder)
+        export_encoder(
+            tmp_path / "a",
+            tiny_encoder(),
+            spec,
+            [synthetic_stage()],
+            model_name="a",
+            text_decoder=decoder,
+        )
     with pytest.raises(ConfigError, match="only exported with the text decoder"):
-        export_encoder(tmp_path / "b", tiny_encoder(), spec, [synthetic_stage()], model_name="b", vocab=b"[PAD]\n")
+        export_encoder(
+            tmp_path / "b",
+            tiny_encoder(),
+            spec,
+            [synthetic_stage()],
+            model_name="b",
+            vocab=b"[PAD]\n",
+        )
 
 
 # ------------------------------------------------------------------- preset, ledger, card
@@ -405,27 +563,57 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
     assert preset.arch == "dpcap-base" and preset.license == "cc-by-nc-4.0"
     dp = preset.stages[-1]
     assert dp.dataset.name == "MetaCLIP" and dp.dataset.size == 2_000_000_000
-    assert (dp.noise_multiplier, dp.steps, dp.clipping_norm, dp.expected_batch_size) == (0.527, 5000, 1.0, 1_310_720)
+    assert (dp.noise_multiplier, dp.steps, dp.clipping_norm, dp.expected_batch_size) == (
+        0.527,
+        5000,
+        1.0,
+        1_310_720,
+    )
     assert dp.delta == pytest.approx(5e-10) and dp.sampling == "shuffle"
     assert dp.epsilon == pytest.approx(7.30, abs=0.01)  # RDP; the README calls it the eps = 7 model
-    assert set(dp.reference_epsilon) == {"prv", "pld"} and all(6.2 < e < 6.4 for e in dp.reference_epsilon.values())
+    assert set(dp.reference_epsilon) == {"prv", "pld"} and all(
+        6.2 < e < 6.4 for e in dp.reference_epsilon.values()
+    )
     # The ledger on a small DP-Cap repo (the base weights are not needed to check the record).
     enc = create_encoder(EncoderSpec(ARCH, img_size=IMG), mae_init=True)
     cap = load_captioner(repo)
-    out = export_encoder(tmp_path / "eps7", enc, EncoderSpec(ARCH, img_size=IMG), preset.stages,
-                         model_name="dpcap-eps7-small", text_decoder=cap.captioner.decoder,
-                         vocab=(repo / "vocab.txt").read_bytes(), license=preset.license)
+    out = export_encoder(
+        tmp_path / "eps7",
+        enc,
+        EncoderSpec(ARCH, img_size=IMG),
+        preset.stages,
+        model_name="dpcap-eps7-small",
+        text_decoder=cap.captioner.decoder,
+        vocab=(repo / "vocab.txt").read_bytes(),
+        license=preset.license,
+    )
     report = verify_repo(out)
     assert report.ok, report.problems
     assert report.recomputed["dp-pretraining/rdp"] == pytest.approx(dp.epsilon, rel=1e-4)
     assert set(json.loads((out / "privacy_ledger.json").read_text())["artifacts"]) == {
-        "model.safetensors", "config.json", "text_decoder.safetensors", "vocab.txt"}
+        "model.safetensors",
+        "config.json",
+        "text_decoder.safetensors",
+        "vocab.txt",
+    }
     card = (out / "README.md").read_text()
     assert "Sampling caveat for `dp-pretraining`" in card and "assumes Poisson sampling" in card
-    assert "for any single image-caption pair of `MetaCLIP" in card and "one image-caption pair" in card
-    assert "`dpcap-nano` (DP-Cap family)" in card and "no qkv bias, final norm on every token" in card
-    assert "`dpcap` 96, `avg` 192, `cls` 192" in card and "## Captions and zero-shot classification" in card
-    assert 'pooling="dpcap"' in card and "license: cc-by-nc-4.0" in card and "shuffle (accounted as Poisson)" in card
+    assert (
+        "for any single image-caption pair of `MetaCLIP" in card
+        and "one image-caption pair" in card
+    )
+    assert (
+        "`dpcap-nano` (DP-Cap family)" in card and "no qkv bias, final norm on every token" in card
+    )
+    assert (
+        "`dpcap` 96, `avg` 192, `cls` 192" in card
+        and "## Captions and zero-shot classification" in card
+    )
+    assert (
+        'pooling="dpcap"' in card
+        and "license: cc-by-nc-4.0" in card
+        and "shuffle (accounted as Poisson)" in card
+    )
     (out / "vocab.txt").write_text("tampered\n")
     assert not verify_repo(out).ok
 
@@ -441,12 +629,41 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     _, path = reference
     out = tmp_path / "cli-repo"
     vocab = write_vocab(tmp_path / "vocab.txt")
-    assert main(["import-dpcap", str(path), "--out", str(out), "--arch", ARCH, "--img-size", str(IMG),
-                 "--vocab", str(vocab), "--synthetic-dataset", "Shaders21k", "--private-dataset", "captions",
-                 "--dataset-size", "10000", "--sigma", "1.0", "--batch-size", "100", "--steps", "10",
-                 "--clip", "1"]) == 0
+    assert (
+        main(
+            [
+                "import-dpcap",
+                str(path),
+                "--out",
+                str(out),
+                "--arch",
+                ARCH,
+                "--img-size",
+                str(IMG),
+                "--vocab",
+                str(vocab),
+                "--synthetic-dataset",
+                "Shaders21k",
+                "--private-dataset",
+                "captions",
+                "--dataset-size",
+                "10000",
+                "--sigma",
+                "1.0",
+                "--batch-size",
+                "100",
+                "--steps",
+                "10",
+                "--clip",
+                "1",
+            ]
+        )
+        == 0
+    )
     dp = json.loads((out / "privacy_ledger.json").read_text())["stages"][1]
-    assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(1e-4)  # the reference's defaults
+    assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(
+        1e-4
+    )  # the reference's defaults
     from PIL import Image
 
     files = []
@@ -456,10 +673,14 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     capsys.readouterr()
     assert main(["caption", str(out), *map(str, files), "--max-tokens", "5", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    expected = load_captioner(out, verify=False).caption([Image.open(f).convert("RGB") for f in files], max_tokens=5)
+    expected = load_captioner(out, verify=False).caption(
+        [Image.open(f).convert("RGB") for f in files], max_tokens=5
+    )
     assert [c["caption"] for c in result["captions"]] == expected
     assert result["privacy"]["epsilon"] > 0
-    assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,cat,red car", "--json"]) == 0
+    assert (
+        main(["zero-shot", str(out), str(files[0]), "--labels", "dog,cat,red car", "--json"]) == 0
+    )
     zs = json.loads(capsys.readouterr().out)["results"][0]
     losses = [entry["loss"] for entry in zs["labels"]]
     assert losses == sorted(losses) and zs["label"] == zs["labels"][0]["label"]
@@ -479,10 +700,24 @@ def test_probe_trains_on_dpcap_features(repo, tmp_path):
     for label, color in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
         (data / label).mkdir(parents=True)
         for i in range(8):
-            Image.new("RGB", (32, 32), tuple(min(255, c + 6 * i) for c in color)).save(data / label / f"{i}.png")
+            Image.new("RGB", (32, 32), tuple(min(255, c + 6 * i) for c in color)).save(
+                data / label / f"{i}.png"
+            )
     out = tmp_path / "with-head"
-    r = run_probe(ProbeConfig(encoder=str(repo), data=str(data), test_fraction=0.5, head="colors", pooling="dpcap",
-                              epochs=3, warmup_epochs=1, batch_size=8, out=str(out), dataset_name="test/colors"))
+    r = run_probe(
+        ProbeConfig(
+            encoder=str(repo),
+            data=str(data),
+            test_fraction=0.5,
+            head="colors",
+            pooling="dpcap",
+            epochs=3,
+            warmup_epochs=1,
+            batch_size=8,
+            out=str(out),
+            dataset_name="test/colors",
+        )
+    )
     assert r.features["train_x"].shape[1] == WIDTH
     head, info = load_head(out, "colors")
     assert info.pooling == "dpcap" and head.linear.in_features == WIDTH

@@ -32,8 +32,15 @@ def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     ckpt = save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth")
-    repo = import_dpcap_checkpoint(ckpt, folder / "repo", arch=ARCH, img_size=IMG, stages=[synthetic_stage()],
-                                   model_name="dpcap-nano-test", vocab=write_vocab(folder / "vocab.txt"))
+    repo = import_dpcap_checkpoint(
+        ckpt,
+        folder / "repo",
+        arch=ARCH,
+        img_size=IMG,
+        stages=[synthetic_stage()],
+        model_name="dpcap-nano-test",
+        vocab=write_vocab(folder / "vocab.txt"),
+    )
     push_repo(repo, repo_id, token=WRITE_TOKEN)
     return repo
 
@@ -72,7 +79,11 @@ def test_plain_timm_loads_it_through_the_hub(dpcap):
 
 def test_captions_and_zero_shot_match_the_library(hub, dpcap):
     local = load_captioner(dpcap, verify=False)
-    r = post(hub.url, "captions", {"model": DPCAP, "input": [b64(d) for d in IMAGES[:3]], "max_tokens": 5})
+    r = post(
+        hub.url,
+        "captions",
+        {"model": DPCAP, "input": [b64(d) for d in IMAGES[:3]], "max_tokens": 5},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["caption"] for c in body["data"]] == local.caption(PIL_IMAGES[:3], max_tokens=5)
@@ -80,15 +91,22 @@ def test_captions_and_zero_shot_match_the_library(hub, dpcap):
     assert body["privacy"]["epsilon"] == 0.0 and "no private data" in body["privacy"]["headline"]
     assert float(r.headers["X-Inference-Ms"]) > 0
     labels = ["dog", "red car", "handwritten digit"]
-    r = post(hub.url, "zero-shot", {"model": DPCAP, "input": [b64(d) for d in IMAGES[:2]], "labels": labels,
-                                    "top_k": 2})
+    r = post(
+        hub.url,
+        "zero-shot",
+        {"model": DPCAP, "input": [b64(d) for d in IMAGES[:2]], "labels": labels, "top_k": 2},
+    )
     assert r.status_code == 200, r.text
     want = local.zero_shot(PIL_IMAGES[:2], labels)
     for row, losses in zip(r.json()["data"], want):
         order = losses.argsort().tolist()
-        assert row["label"] == labels[order[0]] and [x["label"] for x in row["labels"]] == [labels[j] for j in order[:2]]
+        assert row["label"] == labels[order[0]] and [x["label"] for x in row["labels"]] == [
+            labels[j] for j in order[:2]
+        ]
         assert row["labels"][0]["loss"] == pytest.approx(float(losses[order[0]]), abs=1e-4)
-        assert row["labels"][0]["score"] == pytest.approx(float(torch.softmax(-losses, 0)[order[0]]), abs=1e-4)
+        assert row["labels"][0]["score"] == pytest.approx(
+            float(torch.softmax(-losses, 0)[order[0]]), abs=1e-4
+        )
 
 
 def test_dpcap_features_over_rest_and_modes_it_does_not_have(hub, dpcap):
@@ -109,17 +127,35 @@ def test_models_listing_says_which_repos_caption(hub, dpcap):
     assert listed[DPCAP] is True and listed[VIP] is False
 
 
-@pytest.mark.parametrize("path,payload,status,fragment", [
-    ("captions", {"model": VIP, "input": ["IMG0"]}, 400, "vip/vip-nano-test cannot caption"),
-    ("zero-shot", {"model": VIP, "input": ["IMG0"], "labels": ["a"]}, 400, "cannot caption"),
-    ("captions", {"model": DPCAP, "input": ["IMG0"], "max_tokens": 30}, 400, "max_tokens: 30 is more than the limit of 15"),
-    ("captions", {"model": DPCAP, "input": ["IMG0", "bm90IGFuIGltYWdl"]}, 400, "input[1]"),
-    ("captions", {"model": DPCAP, "input": []}, 400, "at least one image"),
-    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": ["dog " * 20]}, 400, "longer than 16 tokens"),
-    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": ["a"] * 101}, 413, "101 labels, more than the limit of 100"),
-    ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": []}, 422, "labels"),
-    ("captions", {"model": "vip/nothing-here", "input": ["IMG0"]}, 404, "vip/nothing-here"),
-])
+@pytest.mark.parametrize(
+    "path,payload,status,fragment",
+    [
+        ("captions", {"model": VIP, "input": ["IMG0"]}, 400, "vip/vip-nano-test cannot caption"),
+        ("zero-shot", {"model": VIP, "input": ["IMG0"], "labels": ["a"]}, 400, "cannot caption"),
+        (
+            "captions",
+            {"model": DPCAP, "input": ["IMG0"], "max_tokens": 30},
+            400,
+            "max_tokens: 30 is more than the limit of 15",
+        ),
+        ("captions", {"model": DPCAP, "input": ["IMG0", "bm90IGFuIGltYWdl"]}, 400, "input[1]"),
+        ("captions", {"model": DPCAP, "input": []}, 400, "at least one image"),
+        (
+            "zero-shot",
+            {"model": DPCAP, "input": ["IMG0"], "labels": ["dog " * 20]},
+            400,
+            "longer than 16 tokens",
+        ),
+        (
+            "zero-shot",
+            {"model": DPCAP, "input": ["IMG0"], "labels": ["a"] * 101},
+            413,
+            "101 labels, more than the limit of 100",
+        ),
+        ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": []}, 422, "labels"),
+        ("captions", {"model": "vip/nothing-here", "input": ["IMG0"]}, 404, "vip/nothing-here"),
+    ],
+)
 def test_bad_requests_are_named(hub, dpcap, path, payload, status, fragment):
     payload = {**payload, "input": [b64(IMAGES[0]) if x == "IMG0" else x for x in payload["input"]]}
     r = post(hub.url, path, payload)
@@ -129,13 +165,22 @@ def test_bad_requests_are_named(hub, dpcap, path, payload, status, fragment):
 
 def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap):
     local = load_captioner(dpcap, verify=False)
-    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 200.0, "max_batch_size": 16})
+    settings = settings_for(
+        hub.settings.store, inference={"max_wait_ms": 200.0, "max_batch_size": 16}
+    )
     with ThreadedServer(settings) as server:
-        assert post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[0])]}).status_code == 200
+        assert (
+            post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[0])]}).status_code
+            == 200
+        )
         results: dict[int, list[str]] = {}
 
         def call(i: int) -> None:
-            r = post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[i % 4])], "max_tokens": 1 + i % 3})
+            r = post(
+                server.url,
+                "captions",
+                {"model": DPCAP, "input": [b64(IMAGES[i % 4])], "max_tokens": 1 + i % 3},
+            )
             results[i] = [c["caption"] for c in r.json()["data"]]
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
@@ -147,5 +192,9 @@ def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap)
             assert captions == local.caption(PIL_IMAGES[i % 4 : i % 4 + 1], max_tokens=1 + i % 3), i
         text = httpx.get(f"{server.url}/metrics").text
         assert 'vip_hub_requests_total{method="POST",route="/v1/captions",status="200"}' in text
-        counts = [line for line in text.splitlines() if line.startswith("vip_hub_batch_images_count")]
-        assert counts and sum(float(line.split()[-1]) for line in counts) < 7  # 7 requests, fewer batches
+        counts = [
+            line for line in text.splitlines() if line.startswith("vip_hub_batch_images_count")
+        ]
+        assert (
+            counts and sum(float(line.split()[-1]) for line in counts) < 7
+        )  # 7 requests, fewer batches

@@ -47,11 +47,34 @@ from vip_hub.privacy.ledger import PrivacyLedger
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
-SYN_ARGS = dict(arch="dpcap-nano", img_size=IMG, patch_size=PATCH, steps=2, batch_size=4, decoder_dim=32,
-                decoder_depth=1, decoder_heads=2, workers=0, seed=0)
-DP_ARGS = dict(steps=6, batch_size=6, micro_batch_size=4, sigma=1.0, seed=5, workers=0, device="cpu", decoder_width=32,
-               dataset_name="test/digit-captions",
-               decoder_depth=1, decoder_heads=2, max_length=12, checkpoint_every=2, eval_every=3)
+SYN_ARGS = dict(
+    arch="dpcap-nano",
+    img_size=IMG,
+    patch_size=PATCH,
+    steps=2,
+    batch_size=4,
+    decoder_dim=32,
+    decoder_depth=1,
+    decoder_heads=2,
+    workers=0,
+    seed=0,
+)
+DP_ARGS = dict(
+    steps=6,
+    batch_size=6,
+    micro_batch_size=4,
+    sigma=1.0,
+    seed=5,
+    workers=0,
+    device="cpu",
+    decoder_width=32,
+    dataset_name="test/digit-captions",
+    decoder_depth=1,
+    decoder_heads=2,
+    max_length=12,
+    checkpoint_every=2,
+    eval_every=3,
+)
 
 
 def cli_args(settings: dict) -> list[str]:
@@ -76,7 +99,9 @@ def make_digits(root: Path, per_label: int = 8, labels: int = 3) -> Path:
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(SynConfig(out=str(tmp_path_factory.mktemp("syn") / "dpcap-nano-syn"), **SYN_ARGS))
+    return train_syn(
+        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "dpcap-nano-syn"), **SYN_ARGS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +115,13 @@ def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(syn_repo: Path, digits: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(
+    syn_repo: Path, digits: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     out = tmp_path_factory.mktemp("dp") / "dpcap-nano-digits"
-    return train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS))
+    return train_dpcap(
+        DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS)
+    )
 
 
 # ---------------------------------------------------------------- clipping
@@ -101,20 +130,45 @@ def test_clipped_sum_on_the_captioner_equals_the_naive_per_example_computation()
     frozen), fp32, 1e-5 relative: some examples clipped, some not; repeated and padded tokens."""
     torch.manual_seed(0)
     spec = EncoderSpec("dpcap-nano", img_size=IMG, patch_size=PATCH)
-    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, width=32, depth=1, num_heads=2, vocab_size=40,
-                                                        max_length=8, bos_id=1, eos_id=2, pad_id=0))
+    decoder = TextDecoder(
+        TextDecoderConfig.for_encoder(
+            spec,
+            width=32,
+            depth=1,
+            num_heads=2,
+            vocab_size=40,
+            max_length=8,
+            bos_id=1,
+            eos_id=2,
+            pad_id=0,
+        )
+    )
     model = Captioner(create_encoder(spec, mae_init=True), decoder)
     x = torch.randn(5, 3, IMG, IMG)
-    text = torch.tensor([[1, 5, 6, 2, 0, 0], [1, 7, 2, 0, 0, 0], [1, 9, 9, 9, 9, 2], [1, 5, 7, 30, 2, 0],
-                         [1, 39, 3, 3, 5, 2]])
+    text = torch.tensor(
+        [
+            [1, 5, 6, 2, 0, 0],
+            [1, 7, 2, 0, 0, 0],
+            [1, 9, 9, 9, 9, 2],
+            [1, 5, 7, 30, 2, 0],
+            [1, 39, 3, 3, 5, 2],
+        ]
+    )
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert "decoder.token_embed.weight" in params
     assert "encoder.cls_token" not in params and "encoder.pos_embed" not in params
-    grads = [torch.autograd.grad(model(x[i:i + 1], text[i:i + 1]).sum(), list(params.values())) for i in range(5)]
+    grads = [
+        torch.autograd.grad(model(x[i : i + 1], text[i : i + 1]).sum(), list(params.values()))
+        for i in range(5)
+    ]
     norms = torch.stack([torch.sqrt(sum(g.double().square().sum() for g in gs)) for gs in grads])
     c = float(norms.median())
-    expected = {n: sum(gs[k].double() * min(1.0, c / (float(norm) + 1e-6)) for gs, norm in zip(grads, norms))
-                for k, n in enumerate(params)}
+    expected = {
+        n: sum(
+            gs[k].double() * min(1.0, c / (float(norm) + 1e-6)) for gs, norm in zip(grads, norms)
+        )
+        for k, n in enumerate(params)
+    }
 
     result = PerExampleClipper(model, c).accumulate(x, text)
     assert torch.allclose(result.norms.double(), norms, rtol=1e-5)
@@ -123,7 +177,9 @@ def test_clipped_sum_on_the_captioner_equals_the_naive_per_example_computation()
     error = torch.sqrt(sum((got[n] - expected[n]).square().sum() for n in params))
     assert float(error / torch.sqrt(sum(e.square().sum() for e in expected.values()))) < 1e-5
     for n in params:
-        assert torch.allclose(got[n], expected[n], rtol=1e-3, atol=1e-5 * float(expected[n].abs().max())), n
+        assert torch.allclose(
+            got[n], expected[n], rtol=1e-3, atol=1e-5 * float(expected[n].abs().max())
+        ), n
 
 
 def test_the_mae_keeps_the_dpcap_layout(syn_repo: Path) -> None:
@@ -137,31 +193,52 @@ def test_the_mae_keeps_the_dpcap_layout(syn_repo: Path) -> None:
 
 
 # ---------------------------------------------------------------- end to end
-def test_train_dpcap_exports_a_verified_repo_that_captions(trained: Path, syn_repo: Path, digits: Path,
-                                                           vocab: Path) -> None:
+def test_train_dpcap_exports_a_verified_repo_that_captions(
+    trained: Path, syn_repo: Path, digits: Path, vocab: Path
+) -> None:
     assert verify_repo(trained).ok
     ledger = ledger_of(trained)
     syn, dp = ledger.stages
-    assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == ledger_of(syn_repo).stages[0]
-    assert (dp.type, dp.mechanism, dp.sampling, dp.clipping_norm, dp.steps) == ("dp", "DP-AdamW", "poisson", 1.0, 6)
+    assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == ledger_of(
+        syn_repo
+    ).stages[0]
+    assert (dp.type, dp.mechanism, dp.sampling, dp.clipping_norm, dp.steps) == (
+        "dp",
+        "DP-AdamW",
+        "poisson",
+        1.0,
+        6,
+    )
     assert dp.audit is not None and dp.audit.canaries == DEFAULT_CANARIES
     assert dp.dataset.size == 24 and dp.dataset.name == "test/digit-captions"
     assert not published_hashes_of(digits, trained)  # no plain hash of the private pairs
     assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
 
     config = json.loads((trained / "config.json").read_text())
-    assert config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
+    assert (
+        config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
+    )
     assert (trained / "vocab.txt").read_bytes() == vocab.read_bytes()
     card = (trained / "README.md").read_text()
     assert "](training_curves.png)" in card and "dp-captioning" in card
 
-    before, after = load_file(syn_repo / "model.safetensors"), load_file(trained / "model.safetensors")
-    assert torch.equal(before["cls_token"], after["cls_token"]) and torch.equal(before["pos_embed"], after["pos_embed"])
+    before, after = (
+        load_file(syn_repo / "model.safetensors"),
+        load_file(trained / "model.safetensors"),
+    )
+    assert torch.equal(before["cls_token"], after["cls_token"]) and torch.equal(
+        before["pos_embed"], after["pos_embed"]
+    )
     assert not torch.equal(before["blocks.0.attn.qkv.weight"], after["blocks.0.attn.qkv.weight"])
 
-    log = [json.loads(line) for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()]
+    log = [
+        json.loads(line)
+        for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()
+    ]
     curve = [r["step"] for r in log if "public_loss" in r]
-    assert curve == [0, 3, 6] and all(np.isfinite(r["public_loss"]) for r in log if "public_loss" in r)
+    assert curve == [0, 3, 6] and all(
+        np.isfinite(r["public_loss"]) for r in log if "public_loss" in r
+    )
 
     model = load_captioner(trained)
     images = [Image.open(p) for p in sorted(digits.glob("*/*.png"))[:2]]
@@ -170,16 +247,35 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(trained: Path, syn_re
     assert model.zero_shot(images, list(DIGIT_NAMES)).shape == (2, 10)
 
 
-def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(digits: Path, vocab: Path, tmp_path: Path) -> None:
-    vip = export_encoder(tmp_path / "vip", tiny_encoder(), TINY, [synthetic_stage()], model_name="vip")
-    with pytest.raises(ConfigError, match=r"ViP encoder \(vip-nano\).*vip-hub train-syn --arch dpcap-nano"):
-        train_dpcap(DPCapConfig(init=str(vip), data=str(digits), vocab=str(vocab), out=str(tmp_path / "o"),
-                                dataset_name="test/digit-captions"))
+def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(
+    digits: Path, vocab: Path, tmp_path: Path
+) -> None:
+    vip = export_encoder(
+        tmp_path / "vip", tiny_encoder(), TINY, [synthetic_stage()], model_name="vip"
+    )
+    with pytest.raises(
+        ConfigError, match=r"ViP encoder \(vip-nano\).*vip-hub train-syn --arch dpcap-nano"
+    ):
+        train_dpcap(
+            DPCapConfig(
+                init=str(vip),
+                data=str(digits),
+                vocab=str(vocab),
+                out=str(tmp_path / "o"),
+                dataset_name="test/digit-captions",
+            )
+        )
 
 
-def test_the_vocabulary_is_a_public_file_given_before_training(syn_repo: Path, digits: Path,
-                                                                tmp_path: Path) -> None:
-    common = dict(init=str(syn_repo), data=str(digits), out=str(tmp_path / "o"), dataset_name="test/digit-captions")
+def test_the_vocabulary_is_a_public_file_given_before_training(
+    syn_repo: Path, digits: Path, tmp_path: Path
+) -> None:
+    common = dict(
+        init=str(syn_repo),
+        data=str(digits),
+        out=str(tmp_path / "o"),
+        dataset_name="test/digit-captions",
+    )
     with pytest.raises(MissingInputError, match="--vocab"):
         train_dpcap(DPCapConfig(vocab=str(tmp_path / "absent.txt"), **common))
     (tmp_path / "words.txt").write_text("a\nb\n")
@@ -203,7 +299,9 @@ def test_tar_shards_and_captions_jsonl_hold_the_same_pairs(digits: Path, tmp_pat
                 tar.add(tmp_path / "c.txt", arcname=f"{key}.txt")
     pairs = open_captions(shards)
     assert isinstance(pairs, TarShards) and len(pairs) == 24
-    assert sorted(pairs.caption(i) for i in range(24)) == sorted(folder.caption(i) for i in range(24))
+    assert sorted(pairs.caption(i) for i in range(24)) == sorted(
+        folder.caption(i) for i in range(24)
+    )
     assert pairs.caption(0) == entries[0]["caption"] and pairs.load(0).size == folder.load(0).size
 
 
@@ -213,16 +311,23 @@ JSONL_ERRORS = [
     ('{"image": "b.png", "caption": "x"}', r"captions.jsonl:1: image 'b.png' not found"),
     ('{"image": "../a.png", "caption": "x"}', r"captions.jsonl:1: image path"),
     ('{"image": "/tmp/a.png", "caption": "x"}', r"captions.jsonl:1: image path"),
-    ('{"image": "a.png", "caption": "x"}\n\n{"image": "a.png", "caption": "y"}',
-     r"captions.jsonl:3: image 'a.png' is already listed on line 1"),
+    (
+        '{"image": "a.png", "caption": "x"}\n\n{"image": "a.png", "caption": "y"}',
+        r"captions.jsonl:3: image 'a.png' is already listed on line 1",
+    ),
     ('{"image": "a.png", "caption": "  "}', r"captions.jsonl:1 is empty"),
-    ('{"image": "notes.txt", "caption": "x"}', r"captions.jsonl:1: 'notes.txt' is not an image file"),
+    (
+        '{"image": "notes.txt", "caption": "x"}',
+        r"captions.jsonl:1: 'notes.txt' is not an image file",
+    ),
     ("\n", r"captions.jsonl lists no image-caption pairs"),
 ]
 
 
 @pytest.mark.parametrize("text,match", JSONL_ERRORS)
-def test_a_bad_captions_jsonl_names_the_file_and_line(text: str, match: str, tmp_path: Path) -> None:
+def test_a_bad_captions_jsonl_names_the_file_and_line(
+    text: str, match: str, tmp_path: Path
+) -> None:
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "captions.jsonl").write_text(text)
@@ -239,22 +344,33 @@ def _shard(path: Path, members: dict[str, bytes]) -> None:
 
 
 def test_bad_caption_shards_and_folders_name_the_file(tmp_path: Path) -> None:
-    png = (tmp_path / "a.png")
+    png = tmp_path / "a.png"
     Image.new("RGB", (8, 8)).save(png)
     image = png.read_bytes()
     png.unlink()
     cases = [
-        ({"k1.png": image, "k2.png": image, "k2.txt": b"two"}, r"00000.tar: sample 'k1' \(k1.png\) has no caption"),
-        ({"k1.png": image, "k1.txt": b"one", "k3.txt": b"three"}, r"00000.tar: sample 'k3' has a caption .* no image"),
-        ({"k1.png": image, "k1.jpg": image, "k1.txt": b"one"}, r"00000.tar: sample 'k1' has two images"),
+        (
+            {"k1.png": image, "k2.png": image, "k2.txt": b"two"},
+            r"00000.tar: sample 'k1' \(k1.png\) has no caption",
+        ),
+        (
+            {"k1.png": image, "k1.txt": b"one", "k3.txt": b"three"},
+            r"00000.tar: sample 'k3' has a caption .* no image",
+        ),
+        (
+            {"k1.png": image, "k1.jpg": image, "k1.txt": b"one"},
+            r"00000.tar: sample 'k1' has two images",
+        ),
     ]
     for i, (members, match) in enumerate(cases):
         (tmp_path / str(i)).mkdir()
         _shard(tmp_path / str(i) / "00000.tar", members)
         with pytest.raises(DataError, match=match):
             open_captions(tmp_path / str(i))
-    _shard(tmp_path / "00001.tar", {"k1.png": image, "k1.txt": b"\xff\xfe caption", "k2.png": b"junk",
-                                    "k2.txt": b"ok"})
+    _shard(
+        tmp_path / "00001.tar",
+        {"k1.png": image, "k1.txt": b"\xff\xfe caption", "k2.png": b"junk", "k2.txt": b"ok"},
+    )
     pairs = open_captions(tmp_path)
     with pytest.raises(DataError, match=r"caption 00001.tar:k1.txt is not UTF-8"):
         pairs.caption(0)
@@ -268,16 +384,23 @@ def test_bad_caption_shards_and_folders_name_the_file(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- main job helpers
-def test_digit_captions_follow_the_public_rule_and_the_vocabulary_covers_them(digits: Path, vocab: Path,
-                                                                              tmp_path: Path) -> None:
+def test_digit_captions_follow_the_public_rule_and_the_vocabulary_covers_them(
+    digits: Path, vocab: Path, tmp_path: Path
+) -> None:
     entries = [json.loads(line) for line in (digits / "captions.jsonl").read_text().splitlines()]
-    assert [e["image"] for e in entries] == sorted(p.relative_to(digits).as_posix() for p in digits.glob("*/*.png"))
+    assert [e["image"] for e in entries] == sorted(
+        p.relative_to(digits).as_posix() for p in digits.glob("*/*.png")
+    )
     for e in entries:
         label = int(e["image"].split("/")[0])
         assert e["caption"] == digit_caption(label, e["image"])
-        assert e["caption"] in {t.format(name=DIGIT_NAMES[label], digit=label) for t in DIGIT_TEMPLATES}
+        assert e["caption"] in {
+            t.format(name=DIGIT_NAMES[label], digit=label) for t in DIGIT_TEMPLATES
+        }
     assert len({e["caption"] for e in entries}) > 3  # the rule varies the template
-    assert any(digit_caption(int(e["image"][0]), e["image"], seed=1) != e["caption"] for e in entries)
+    assert any(
+        digit_caption(int(e["image"][0]), e["image"], seed=1) != e["caption"] for e in entries
+    )
 
     tokens = vocab.read_text().splitlines()
     assert {t: tokens.index(t) for t in BERT_SPECIAL_IDS} == BERT_SPECIAL_IDS
@@ -295,15 +418,31 @@ def test_digit_captions_follow_the_public_rule_and_the_vocabulary_covers_them(di
 
 # ---------------------------------------------------------------- processes
 def dp_command(syn_repo: Path, digits: Path, vocab: Path, out: Path) -> list[str]:
-    return ["--init", str(syn_repo), "--data", str(digits), "--vocab", str(vocab), "--out", str(out),
-            *cli_args(DP_ARGS)]
+    return [
+        "--init",
+        str(syn_repo),
+        "--data",
+        str(digits),
+        "--vocab",
+        str(vocab),
+        "--out",
+        str(out),
+        *cli_args(DP_ARGS),
+    ]
 
 
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
-        syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path) -> None:
+    syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "dpcap-nano-digits"
-    log = kill_mid_run([str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)], out, step=3)
-    train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS))
+    log = kill_mid_run(
+        [str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)],
+        out,
+        step=3,
+    )
+    train_dpcap(
+        DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS)
+    )
     assert ledger_of(out).stages == ledger_of(trained).stages
     for name in ("model.safetensors", "text_decoder.safetensors"):
         a, b = load_file(out / name), load_file(trained / name)
@@ -312,12 +451,22 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_ledger(syn_repo: Path, digits: Path, vocab: Path, trained: Path,
-                                            tmp_path: Path) -> None:
+def test_two_processes_give_the_same_ledger(
+    syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "dpcap-nano-digits"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.dpcap",
-           *dp_command(syn_repo, digits, vocab, out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "training.dpcap",
+        *dp_command(syn_repo, digits, vocab, out),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_repo(out).ok
     assert ledger_of(out).stages == ledger_of(trained).stages
@@ -325,10 +474,24 @@ def test_two_processes_give_the_same_ledger(syn_repo: Path, digits: Path, vocab:
 
 
 @pytest.mark.parametrize("broken", BROKEN)
-def test_the_audit_catches_a_broken_engine(broken: str, syn_repo: Path, digits: Path, vocab: Path, hub,  # type: ignore[no-untyped-def]
-                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_audit_catches_a_broken_engine(
+    broken: str,
+    syn_repo: Path,
+    digits: Path,
+    vocab: Path,
+    hub,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     break_engine(monkeypatch, broken, training.dpcap, "PerExampleClipper")
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
-    out = train_dpcap(DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(tmp_path / "broken"),
-                                  **settings))
+    out = train_dpcap(
+        DPCapConfig(
+            init=str(syn_repo),
+            data=str(digits),
+            vocab=str(vocab),
+            out=str(tmp_path / "broken"),
+            **settings,
+        )
+    )
     assert_refused(out, hub, "dpcap-" + broken.replace(" ", "-"))

@@ -25,13 +25,28 @@ def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, DIM, generator=g)
     y = (x[:, 0] > 0).long()
-    return x, y, torch.randn(128, DIM, generator=g)  # the last: "public" features for the normalisation
+    return (
+        x,
+        y,
+        torch.randn(128, DIM, generator=g),
+    )  # the last: "public" features for the normalisation
 
 
 def _dp_head(batch: int, **kw) -> torch.Tensor:
     x, y, public = _data()
-    cfg = ProbeConfig(encoder="", data="", dataset_name="test/points", epsilon=4.0, epochs=3, warmup_epochs=0,
-                      optimizer="sgd", lr=0.5, batch_size=batch, seed=0, **kw)
+    cfg = ProbeConfig(
+        encoder="",
+        data="",
+        dataset_name="test/points",
+        epsilon=4.0,
+        epochs=3,
+        warmup_epochs=0,
+        optimizer="sgd",
+        lr=0.5,
+        batch_size=batch,
+        seed=0,
+        **kw,
+    )
     head, _ = fit_probe(x, y, 2, cfg, public_x=public)
     return torch.cat([p.detach().flatten() for p in head.linear.parameters()])
 
@@ -43,20 +58,31 @@ def test_two_dp_heads_with_the_same_seed_get_different_noise() -> None:
     assert not torch.equal(a, b)
 
 
-def test_two_dp_heads_with_the_same_seed_sample_different_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_dp_heads_with_the_same_seed_sample_different_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With the noise zeroed, only the Poisson sampling can make two heads differ."""
     import opacus.optimizers.optimizer as opt
 
-    monkeypatch.setattr(opt, "_generate_noise", lambda std, reference, *a, **k: torch.zeros_like(reference))
+    monkeypatch.setattr(
+        opt, "_generate_noise", lambda std, reference, *a, **k: torch.zeros_like(reference)
+    )
     a, b = _dp_head(batch=8), _dp_head(batch=8)
     assert not torch.equal(a, b)
-    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", _seeded_loader(torch.utils.data.DataLoader.__init__))
-    assert torch.equal(_dp_head(batch=8), _dp_head(batch=8))  # the check can fail: a fixed sampler is caught
+    monkeypatch.setattr(
+        torch.utils.data.DataLoader,
+        "__init__",
+        _seeded_loader(torch.utils.data.DataLoader.__init__),
+    )
+    assert torch.equal(
+        _dp_head(batch=8), _dp_head(batch=8)
+    )  # the check can fail: a fixed sampler is caught
 
 
 def _seeded_loader(init):  # type: ignore[no-untyped-def]
     def wrapped(self, *args, generator=None, **kw):  # type: ignore[no-untyped-def]
         return init(self, *args, generator=torch.Generator().manual_seed(0), **kw)
+
     return wrapped
 
 
@@ -66,7 +92,8 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
-        tiny_repo: Path, digits: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_repo: Path, digits: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     drawn: list[bytes] = []
     bits, token = secrets.randbits, secrets.token_bytes
 
@@ -85,8 +112,20 @@ def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
     monkeypatch.setattr(secrets, "token_bytes", token_bytes)
     train, _ = digits
     out = tmp_path / "repo"
-    run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), head="d", epochs=2, warmup_epochs=0,
-                          epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out), dataset_name="test/digits"))
+    run_probe(
+        ProbeConfig(
+            encoder=str(tiny_repo),
+            data=str(train),
+            head="d",
+            epochs=2,
+            warmup_epochs=0,
+            epsilon=2.0,
+            optimizer="sgd",
+            lr=1.0,
+            out=str(out),
+            dataset_name="test/digits",
+        )
+    )
     assert len(drawn) >= 10  # noise, sampling and the subset key were drawn from the secret source
     released = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
     assert not [d for d in drawn if d in released]
@@ -94,9 +133,9 @@ def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
     assert verify_repo(out).ok
 
 
-def test_a_records_membership_does_not_depend_on_other_records(tiny_repo: Path, digits: tuple[Path, Path],
-                                                               tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_records_membership_does_not_depend_on_other_records(
+    tiny_repo: Path, digits: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The held-out split and the few-shot choice of D and of D without one record agree on every
     other record (today's seeded permutation reshuffled all of them)."""
     train, _ = digits
@@ -110,8 +149,17 @@ def test_a_records_membership_does_not_depend_on_other_records(tiny_repo: Path, 
     monkeypatch.setattr(secrets, "token_bytes", lambda n: key)  # the same secret in both worlds
     kept = []
     for data in (train, smaller):
-        r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(data), few_shot_rate=0.2, epochs=1, warmup_epochs=0,
-                                  export=False, dataset_name="test/digits"))
+        r = run_probe(
+            ProbeConfig(
+                encoder=str(tiny_repo),
+                data=str(data),
+                few_shot_rate=0.2,
+                epochs=1,
+                warmup_epochs=0,
+                export=False,
+                dataset_name="test/digits",
+            )
+        )
         kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["train_x"]})
         kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["test_x"]})
     gone = {tuple(np.round(row, 4)) for row in _features_of(tiny_repo, removed)}
@@ -138,8 +186,13 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
 
     from vip_hub.repo.files import update_repo
 
-    update_repo(tiny_repo, add_files={"heads/evil/head.safetensors": save({"w": torch.zeros(2)}),
-                                      "heads/evil/labels.json": b"[]"})
+    update_repo(
+        tiny_repo,
+        add_files={
+            "heads/evil/head.safetensors": save({"w": torch.zeros(2)}),
+            "heads/evil/labels.json": b"[]",
+        },
+    )
     report = verify_repo(tiny_repo)
     assert not report.ok and [p.where for p in report.problems] == ["heads/evil/"]
 
@@ -149,10 +202,18 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
 
     from vip_hub import Dataset, DPStage, export_encoder
 
-    shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
-                                       sample_rate=0.1, noise_multiplier=1.0, steps=40, clipping_norm=1.0,
-                                       sampling="shuffle")
-    repo = export_encoder(tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r")
+    shuffled = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="org/pairs", size=1000),
+        sample_rate=0.1,
+        noise_multiplier=1.0,
+        steps=40,
+        clipping_norm=1.0,
+        sampling="shuffle",
+    )
+    repo = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r"
+    )
     report = verify_repo(repo)
     assert report.ok and any("assuming Poisson sampling" in w for w in report.warnings)
     card = (repo / "README.md").read_text()
@@ -172,16 +233,36 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     from vip_hub.repo.push import push_repo
 
     data = Dataset(name="test/shared-faces", size=2000)
-    stages = [DPStage.from_parameters(name="dp-pretraining", dataset=data, sample_rate=0.05, noise_multiplier=s,
-                                      steps=t, clipping_norm=1.0) for s, t in ((1.0, 200), (1.5, 300))]
+    stages = [
+        DPStage.from_parameters(
+            name="dp-pretraining",
+            dataset=data,
+            sample_rate=0.05,
+            noise_multiplier=s,
+            steps=t,
+            clipping_norm=1.0,
+        )
+        for s, t in ((1.0, 200), (1.5, 300))
+    ]
     for i, stage in enumerate(stages):
-        repo = export_encoder(tmp_path / f"r{i}", tiny_encoder(i), TINY, [synthetic_stage(), stage], model_name=f"r{i}")
+        repo = export_encoder(
+            tmp_path / f"r{i}",
+            tiny_encoder(i),
+            TINY,
+            [synthetic_stage(), stage],
+            model_name=f"r{i}",
+        )
         push_repo(repo, f"writer/shared-{i}", token=WRITE_TOKEN)
     page = httpx.get(f"{hub.url}/datasets/test/shared-faces", timeout=30)
     assert page.status_code == 200, page.text
     acc = RdpAccountant()
     for s in stages:
-        acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)), s.steps)
+        acc.compose(
+            dp_event.PoissonSampledDpEvent(
+                s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)
+            ),
+            s.steps,
+        )
     composed = acc.get_epsilon(1e-5)
     assert composed > max(s.epsilon for s in stages)
     shown = float(page.text.split("ε = ")[1].split(" (RDP)")[0])
@@ -192,7 +273,9 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     assert httpx.get(f"{hub.url}/datasets/test/nobody", timeout=30).status_code == 404
 
 
-def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, tmp_path: Path) -> None:
+def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(
+    hub, tmp_path: Path
+) -> None:
     import base64
     import io
 
@@ -204,25 +287,44 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(hub, t
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.repo.push import push_repo
 
-    shuffled = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name="org/pairs", size=1000),
-                                       sample_rate=0.1, noise_multiplier=1.0, steps=40, clipping_norm=1.0,
-                                       sampling="shuffle")
-    repo = export_encoder(tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r")
+    shuffled = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="org/pairs", size=1000),
+        sample_rate=0.1,
+        noise_multiplier=1.0,
+        steps=40,
+        clipping_norm=1.0,
+        sampling="shuffle",
+    )
+    repo = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="r"
+    )
     push_repo(repo, "writer/shuffled", token=WRITE_TOKEN)
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), (10, 200, 30)).save(buf, format="PNG")
-    r = httpx.post(f"{hub.url}/v1/embeddings", timeout=60,
-                   json={"model": "writer/shuffled", "input": [base64.b64encode(buf.getvalue()).decode()]})
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        timeout=60,
+        json={"model": "writer/shuffled", "input": [base64.b64encode(buf.getvalue()).decode()]},
+    )
     assert r.status_code == 200, r.text
     privacy = r.json()["privacy"]
-    assert "assuming Poisson sampling" in privacy["caveat"] and "assuming Poisson sampling" in privacy["headline"]
+    assert (
+        "assuming Poisson sampling" in privacy["caveat"]
+        and "assuming Poisson sampling" in privacy["headline"]
+    )
     assert privacy["epsilon_without_amplification"] > privacy["epsilon"]
-    assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/api/models/writer/shuffled").json()["vip_hub"]["caveat"]
+    assert (
+        "assuming Poisson sampling"
+        in httpx.get(f"{hub.url}/api/models/writer/shuffled").json()["vip_hub"]["caveat"]
+    )
     assert "as reported*" in httpx.get(f"{hub.url}/?q=shuffled").text
     assert "assuming Poisson sampling" in httpx.get(f"{hub.url}/writer/shuffled").text
 
 
-def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(hub, tmp_path: Path) -> None:
+def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(
+    hub, tmp_path: Path
+) -> None:
     import httpx
     from helpers import tiny_repo_with_head
     from live import WRITE_TOKEN

@@ -29,7 +29,9 @@ from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 
 ALICE, BOB, CAROL, DAVE, ROOT = "vh_alice", "vh_bob", "vh_carol", "vh_dave", "vh_root"
-TOKENS = f"alice:write:{ALICE};bob:read:{BOB};carol:write:{CAROL};dave:read:{DAVE};root:admin:{ROOT}"
+TOKENS = (
+    f"alice:write:{ALICE};bob:read:{BOB};carol:write:{CAROL};dave:read:{DAVE};root:admin:{ROOT}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +46,18 @@ def server(tmp_path_factory):
 def repos(server, tmp_path_factory) -> dict[str, Path]:
     """alice/secret (private), alice/public and team/private, published by alice; carol/mine by carol."""
     base = tmp_path_factory.mktemp("access-repos")
-    folders = {"alice/secret": tiny_repo_with_head(base / "secret", seed=3),
-               "alice/public": tiny_repo_with_head(base / "public", seed=4),
-               "team/private": tiny_repo_with_head(base / "team", seed=5)}
+    folders = {
+        "alice/secret": tiny_repo_with_head(base / "secret", seed=3),
+        "alice/public": tiny_repo_with_head(base / "public", seed=4),
+        "team/private": tiny_repo_with_head(base / "team", seed=5),
+    }
     for repo_id, folder in folders.items():
-        push_repo(folder, repo_id, endpoint=server.url, token=ALICE, private=repo_id != "alice/public")
-    push_repo(folders["alice/public"], "carol/mine", endpoint=server.url, token=CAROL)  # her own namespace
+        push_repo(
+            folder, repo_id, endpoint=server.url, token=ALICE, private=repo_id != "alice/public"
+        )
+    push_repo(
+        folders["alice/public"], "carol/mine", endpoint=server.url, token=CAROL
+    )  # her own namespace
     return folders
 
 
@@ -74,7 +82,12 @@ def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
     assert _status(lambda: carol.create_commit("alice/public", [card], commit_message="x")) == 403
     assert _status(lambda: carol.create_repo("alice/new-in-alice")) == 403
     assert _status(lambda: carol.create_tag("alice/public", tag="carols")) == 403
-    assert _status(lambda: carol.preupload_lfs_files("alice/public", [CommitOperationAdd("w.bin", b"x")])) == 403
+    assert (
+        _status(
+            lambda: carol.preupload_lfs_files("alice/public", [CommitOperationAdd("w.bin", b"x")])
+        )
+        == 403
+    )
     # someone else's private repo: it does not exist for carol (write) nor bob (read)
     with pytest.raises(RepositoryNotFoundError):
         carol.create_commit("alice/secret", [card], commit_message="x")
@@ -82,7 +95,13 @@ def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
         with pytest.raises(RepositoryNotFoundError):
             _api(server, who).model_info("alice/secret")
         with pytest.raises(RepositoryNotFoundError):
-            hf_hub_download("alice/secret", "config.json", endpoint=server.url, token=who, cache_dir=tmp_path / "c")
+            hf_hub_download(
+                "alice/secret",
+                "config.json",
+                endpoint=server.url,
+                token=who,
+                cache_dir=tmp_path / "c",
+            )
         assert "alice/secret" not in {m.id for m in _api(server, who).list_models()}
     assert carol.model_info("carol/mine").sha  # her own namespace (the fixture pushed it)
     # organisations: alice (write) and dave (read) are members of team; bob is not
@@ -110,10 +129,14 @@ def test_org_command_changes_membership_while_running(server, repos, capsys):
     assert main(["org", "remove", "crew", "--member", "carol", "--store", store]) == 0
     assert _status(lambda: carol.create_repo("crew/again")) == 403
     assert main(["org", "add", "crew", "--member", "dave", "--store", store]) == 0
-    assert main(["token", "create", "--name", "crew", "--store", store]) == 1  # an organisation's name
+    assert (
+        main(["token", "create", "--name", "crew", "--store", store]) == 1
+    )  # an organisation's name
     assert "organisation" in capsys.readouterr().err
     assert main(["token", "create", "--name", "frank", "--store", store]) == 0
-    assert main(["org", "add", "frank", "--member", "carol", "--store", store]) == 1  # a user's name
+    assert (
+        main(["org", "add", "frank", "--member", "carol", "--store", store]) == 1
+    )  # a user's name
     assert "user's name" in capsys.readouterr().err
     tokens = json.loads((server.settings.store / "tokens.json").read_text())
     tokens["orgs"]["alice"] = ["carol"]  # written by hand: still no way into a user's namespace
@@ -126,31 +149,64 @@ def test_objects_do_not_cross_repos(server, repos):
     batch answer nor the Xet one says whether the store holds them."""
     weights = (repos["alice/secret"] / "model.safetensors").read_bytes()
     oid = hashlib.sha256(weights).hexdigest()
-    body = "\n".join(json.dumps(line) for line in [
-        {"key": "header", "value": {"summary": "borrow"}},
-        {"key": "lfsFile", "value": {"path": "model.safetensors", "algo": "sha256", "oid": oid, "size": len(weights)}},
-    ]) + "\n"
-    r = httpx.post(f"{server.url}/api/models/carol/mine/commit/main", content=body,
-                   headers={**_bearer(CAROL), "Content-Type": "application/x-ndjson"})
+    body = (
+        "\n".join(
+            json.dumps(line)
+            for line in [
+                {"key": "header", "value": {"summary": "borrow"}},
+                {
+                    "key": "lfsFile",
+                    "value": {
+                        "path": "model.safetensors",
+                        "algo": "sha256",
+                        "oid": oid,
+                        "size": len(weights),
+                    },
+                },
+            ]
+        )
+        + "\n"
+    )
+    r = httpx.post(
+        f"{server.url}/api/models/carol/mine/commit/main",
+        content=body,
+        headers={**_bearer(CAROL), "Content-Type": "application/x-ndjson"},
+    )
     assert r.status_code == 400 and "never uploaded for carol/mine" in r.json()["error"]
     absent = "ab" * 32
-    batch = httpx.post(f"{server.url}/carol/mine.git/info/lfs/objects/batch", headers=_bearer(CAROL), json={
-        "operation": "upload", "objects": [{"oid": oid, "size": len(weights)}, {"oid": absent, "size": len(weights)}]})
+    batch = httpx.post(
+        f"{server.url}/carol/mine.git/info/lfs/objects/batch",
+        headers=_bearer(CAROL),
+        json={
+            "operation": "upload",
+            "objects": [{"oid": oid, "size": len(weights)}, {"oid": absent, "size": len(weights)}],
+        },
+    )
     held_elsewhere, nowhere = batch.json()["objects"]
     assert held_elsewhere.keys() == nowhere.keys() and "upload" in held_elsewhere["actions"]
-    verify = httpx.post(held_elsewhere["actions"]["verify"]["href"], headers=_bearer(CAROL),
-                        json={"oid": oid, "size": len(weights)})
+    verify = httpx.post(
+        held_elsewhere["actions"]["verify"]["href"],
+        headers=_bearer(CAROL),
+        json={"oid": oid, "size": len(weights)},
+    )
     assert verify.status_code == 404
     # alice's own repo holds them: nothing to send
-    mine = httpx.post(f"{server.url}/alice/secret.git/info/lfs/objects/batch", headers=_bearer(ALICE), json={
-        "operation": "upload", "objects": [{"oid": oid, "size": len(weights)}]}).json()["objects"][0]
+    mine = httpx.post(
+        f"{server.url}/alice/secret.git/info/lfs/objects/batch",
+        headers=_bearer(ALICE),
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(weights)}]},
+    ).json()["objects"][0]
     assert "actions" not in mine
     # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real hash
     cas, grant = _xet_grant(server, "carol/mine", CAROL)
     chunk = b"not alice's weights" * 10
     xorb = _xorb([chunk])
-    assert httpx.post(f"{cas}/v1/xorbs/default/{xorb_hash(_hashes([chunk]))}", content=xorb,
-                      headers=grant).status_code == 200
+    assert (
+        httpx.post(
+            f"{cas}/v1/xorbs/default/{xorb_hash(_hashes([chunk]))}", content=xorb, headers=grant
+        ).status_code
+        == 200
+    )
     shard = _shard(oid, [(xorb_hash(_hashes([chunk])), 0, 1, len(chunk))])
     r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
     assert r.status_code == 400 and hashlib.sha256(chunk).hexdigest() not in r.text
@@ -159,12 +215,22 @@ def test_objects_do_not_cross_repos(server, repos):
 
 
 def test_private_files_are_not_for_shared_caches(server, repos):
-    private = httpx.get(f"{server.url}/alice/secret/resolve/main/config.json", headers=_bearer(ALICE))
+    private = httpx.get(
+        f"{server.url}/alice/secret/resolve/main/config.json", headers=_bearer(ALICE)
+    )
     assert private.status_code == 200
-    assert private.headers["cache-control"].startswith("private") and "Authorization" in private.headers["vary"]
+    assert (
+        private.headers["cache-control"].startswith("private")
+        and "Authorization" in private.headers["vary"]
+    )
     commit = private.headers["x-repo-commit"]
-    pinned = httpx.get(f"{server.url}/alice/secret/resolve/{commit}/config.json", headers=_bearer(ALICE))
-    assert pinned.headers["cache-control"].startswith("private,") and "immutable" in pinned.headers["cache-control"]
+    pinned = httpx.get(
+        f"{server.url}/alice/secret/resolve/{commit}/config.json", headers=_bearer(ALICE)
+    )
+    assert (
+        pinned.headers["cache-control"].startswith("private,")
+        and "immutable" in pinned.headers["cache-control"]
+    )
     public = httpx.get(f"{server.url}/alice/public/resolve/main/config.json")
     assert public.headers["cache-control"].startswith("public")
 
@@ -179,8 +245,11 @@ def test_readyz_and_metrics_name_no_private_repo(server, repos):
     settings = server.settings.model_copy(deep=True)
     settings.inference.preload = ["alice/secret", "alice/public"]
     with ThreadedServer(settings) as other:
-        r = httpx.post(f"{other.url}/v1/embeddings", headers=_bearer(ALICE),
-                       json={"model": "alice/secret", "input": [_png()]})
+        r = httpx.post(
+            f"{other.url}/v1/embeddings",
+            headers=_bearer(ALICE),
+            json={"model": "alice/secret", "input": [_png()]},
+        )
         assert r.status_code == 200
         anonymous = httpx.get(f"{other.url}/readyz").text
         assert "alice/secret" not in anonymous and "alice/public" in anonymous
@@ -195,7 +264,9 @@ def test_openai_client_with_a_placeholder_key_on_open_routes(server, repos):
     assert len(out.data) == 1 and len(out.data[0].embedding) > 0
     with pytest.raises(openai.NotFoundError):  # anonymous: the private repo does not exist
         client.embeddings.create(model="alice/secret", input=[_png()])
-    mine = openai.OpenAI(base_url=f"{server.url}/v1", api_key=ALICE)  # a valid token sees its private repos
+    mine = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=ALICE
+    )  # a valid token sees its private repos
     assert len(mine.embeddings.create(model="alice/secret", input=[_png()]).data) == 1
     # the hub's routes keep Hugging Face's 401 for a bad token
     assert _status(lambda: _api(server, "EMPTY").model_info("alice/public")) == 401
@@ -203,7 +274,8 @@ def test_openai_client_with_a_placeholder_key_on_open_routes(server, repos):
     protected.auth.protect_inference = True
     with ThreadedServer(protected) as other, pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{other.url}/v1", api_key="EMPTY").embeddings.create(
-            model="alice/public", input=[_png()])
+            model="alice/public", input=[_png()]
+        )
 
 
 def test_tags_named_like_branches_are_refused_and_tags_deleted(server, repos):
@@ -219,7 +291,11 @@ def test_tags_named_like_branches_are_refused_and_tags_deleted(server, repos):
 
 
 def test_store_is_owner_only(server, repos):
-    httpx.post(f"{server.url}/v1/embeddings", headers=_bearer(ALICE), json={"model": "alice/secret", "input": [_png()]})
+    httpx.post(
+        f"{server.url}/v1/embeddings",
+        headers=_bearer(ALICE),
+        json={"model": "alice/secret", "input": [_png()]},
+    )
     root = server.settings.store
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     blobs = [p for p in (root / "blobs").rglob("*") if p.is_file()]
@@ -245,12 +321,14 @@ def _hashes(chunks: list[bytes]) -> list[tuple[bytes, int]]:
 
 def _xorb(chunks: list[bytes]) -> bytes:
     """Uncompressed chunks (scheme 0), each after its 8-byte header."""
-    return b"".join(bytes([0]) + len(c).to_bytes(3, "little") + bytes([0]) + len(c).to_bytes(3, "little") + c
-                    for c in chunks)
+    return b"".join(
+        bytes([0]) + len(c).to_bytes(3, "little") + bytes([0]) + len(c).to_bytes(3, "little") + c
+        for c in chunks
+    )
 
 
 def _raw(text: str) -> bytes:
-    return b"".join(bytes.fromhex(text[i:i + 16])[::-1] for i in range(0, 64, 16))
+    return b"".join(bytes.fromhex(text[i : i + 16])[::-1] for i in range(0, 64, 16))
 
 
 def _shard(sha256: str, terms: list[tuple[str, int, int, int]]) -> bytes:
@@ -290,24 +368,42 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
     r = httpx.post(f"{cas}/v1/xorbs/default/{other}", content=_xorb([chunk]), headers=grant)
     assert r.status_code == 400 and "do not hash" in r.json()["error"]
     assert not (server.settings.store / "xet" / "xorbs" / other[:2] / other[2:]).exists()
-    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=grant).json() == {
-        "was_inserted": True}
+    assert httpx.post(
+        f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=grant
+    ).json() == {"was_inserted": True}
     # one 128 KiB chunk repeated 800 times (100 MiB) is refused: reconstructed sizes are bounded
     bomb = chunk * 800
-    r = httpx.post(f"{cas}/v1/shards", content=_shard(hashlib.sha256(bomb).hexdigest(),
-                                                      [(name, 0, 1, len(chunk))] * 800), headers=grant)
+    r = httpx.post(
+        f"{cas}/v1/shards",
+        content=_shard(hashlib.sha256(bomb).hexdigest(), [(name, 0, 1, len(chunk))] * 800),
+        headers=grant,
+    )
     assert r.status_code == 413
-    assert not [p for p in (server.settings.store / "uploads" / "sha256").rglob("*") if p.is_file()
-                and p.stat().st_size > 1 << 20]
+    assert not [
+        p
+        for p in (server.settings.store / "uploads" / "sha256").rglob("*")
+        if p.is_file() and p.stat().st_size > 1 << 20
+    ]
     # a grant ends with its token: revoked in the tokens file, the next CAS call is refused
     tokens = server.settings.tokens_path()
     secret = create_token(tokens, "erin", "write")
     assert main(["org", "add", "erins", "--member", "erin", "--tokens-file", str(tokens)]) == 0
     _api(server, secret).create_repo("erins/model")
     cas, erin = _xet_grant(server, "erins/model", secret)
-    lfs = httpx.post(f"{server.url}/erins/model.git/info/lfs/objects/batch", headers=_bearer(secret), json={
-        "operation": "upload", "objects": [{"oid": hashlib.sha256(chunk).hexdigest(), "size": len(chunk)}]})
+    lfs = httpx.post(
+        f"{server.url}/erins/model.git/info/lfs/objects/batch",
+        headers=_bearer(secret),
+        json={
+            "operation": "upload",
+            "objects": [{"oid": hashlib.sha256(chunk).hexdigest(), "size": len(chunk)}],
+        },
+    )
     put = lfs.json()["objects"][0]["actions"]["upload"]["href"]
     revoke_token(tokens, "erin")
-    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=erin).status_code == 401
+    assert (
+        httpx.post(
+            f"{cas}/v1/xorbs/default/{name}", content=_xorb([chunk]), headers=erin
+        ).status_code
+        == 401
+    )
     assert httpx.put(put, content=chunk).status_code == 401

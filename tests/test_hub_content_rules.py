@@ -42,11 +42,15 @@ def _rebind(folder: Path) -> None:
     text = PrivacyLedger.parse(json.dumps(data)).to_json()
     (folder / "privacy_ledger.json").write_text(text)
     meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text})
+    rewrite_safetensors_metadata(
+        folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text}
+    )
     _, front, body = (folder / "README.md").read_text().split("---\n", 2)
     card = yaml.safe_load(front)
     card["differential_privacy"] = json.loads(text)
-    (folder / "README.md").write_text("---\n" + yaml.safe_dump(card, sort_keys=False) + "---\n" + body)
+    (folder / "README.md").write_text(
+        "---\n" + yaml.safe_dump(card, sort_keys=False) + "---\n" + body
+    )
 
 
 def _redirect(folder: Path, key: str, value: object) -> Path:
@@ -82,10 +86,16 @@ def test_rebind_alone_keeps_a_repo_verified(good, tmp_path):
 
 @pytest.mark.parametrize("key", sorted(WEIGHT_SOURCE_KEYS))
 def test_every_timm_weight_source_key_is_refused(good, tmp_path, key):
-    folder = _redirect(_copy(good, tmp_path), key, "weights.pth.tar" if key != "custom_load" else "hf")
+    folder = _redirect(
+        _copy(good, tmp_path), key, "weights.pth.tar" if key != "custom_load" else "hf"
+    )
     problems = [str(p) for p in verify_repo(folder).problems]
-    assert problems == [(f"config.json:pretrained_cfg.{key}: would make timm load weights from elsewhere "
-                         "than the verified model.safetensors")]
+    assert problems == [
+        (
+            f"config.json:pretrained_cfg.{key}: would make timm load weights from elsewhere "
+            "than the verified model.safetensors"
+        )
+    ]
 
 
 def test_a_weight_source_at_the_top_level_is_refused(good, tmp_path):
@@ -97,15 +107,21 @@ def test_a_weight_source_at_the_top_level_is_refused(good, tmp_path):
     assert [p.where for p in verify_repo(folder).problems] == ["config.json:url"]
 
 
-@pytest.mark.parametrize("name, content", [
-    ("checkpoint.pth.tar", _torch_pickle()),
-    ("weights.pth.tar", _torch_pickle(legacy=True)),
-    ("model.joblib", pickle.dumps({"w": [0.0] * 4}, protocol=5)),
-    ("weights.pt.gz", gzip.compress(_torch_pickle(legacy=True))),
-    ("model.npy", pickle.dumps({"w": 1}, protocol=2)),
-    ("array.npy", b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (1,), }"),
-    ("notes.txt", b"cos\nsystem\n(S'echo owned'\ntR."),  # protocol 0: plain ASCII
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("checkpoint.pth.tar", _torch_pickle()),
+        ("weights.pth.tar", _torch_pickle(legacy=True)),
+        ("model.joblib", pickle.dumps({"w": [0.0] * 4}, protocol=5)),
+        ("weights.pt.gz", gzip.compress(_torch_pickle(legacy=True))),
+        ("model.npy", pickle.dumps({"w": 1}, protocol=2)),
+        (
+            "array.npy",
+            b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (1,), }",
+        ),
+        ("notes.txt", b"cos\nsystem\n(S'echo owned'\ntR."),  # protocol 0: plain ASCII
+    ],
+)
 def test_pickle_and_archive_content_is_refused_whatever_the_name(good, tmp_path, name, content):
     folder = _copy(good, tmp_path)
     (folder / name).write_bytes(content)
@@ -116,7 +132,9 @@ def test_pickle_and_archive_content_is_refused_whatever_the_name(good, tmp_path,
 
 def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
     folder = _copy(good, tmp_path)
-    for i, text in enumerate(["The model card.\n" * 50, "N.B. short", "S'quoted'\n", "(\n)\n", "I1\nI2\n"]):
+    for i, text in enumerate(
+        ["The model card.\n" * 50, "N.B. short", "S'quoted'\n", "(\n)\n", "I1\nI2\n"]
+    ):
         (folder / f"note{i}.txt").write_text(text)
     assert verify_repo(folder).ok
 
@@ -125,11 +143,18 @@ def test_weights_files_are_recognised_in_any_case(good, tmp_path):
     folder = _copy(good, tmp_path)
     shutil.copy(folder / "model.safetensors", folder / "extra.SAFETENSORS")
     assert [(p.where, "not listed" in p.message) for p in verify_repo(folder).problems] == [
-        ("extra.SAFETENSORS", True)]
+        ("extra.SAFETENSORS", True)
+    ]
 
 
 def test_git_segments_and_file_folder_clashes_are_refused():
-    for path in (".git/config", "a/.git/hooks/post-checkout", ".GIT/config", ".git./config", ".git"):
+    for path in (
+        ".git/config",
+        "a/.git/hooks/post-checkout",
+        ".GIT/config",
+        ".git./config",
+        ".git",
+    ):
         with pytest.raises(ValueError, match="'.git' segment"):
             validate_relpath(path)
     assert validate_relpath(".gitattributes") == ".gitattributes"
@@ -156,10 +181,14 @@ def test_hub_refuses_a_repo_that_sends_timm_to_a_pickle(hub, good, tmp_path):
     # the same repo without the redirect is served, and timm loads its verified safetensors
     push_repo(good, "writer/redirect", token=WRITE_TOKEN)
     model = timm.create_model("hf-hub:writer/redirect", pretrained=True)
-    assert model.pretrained_cfg["hf_hub_id"] == "writer/redirect" and not model.pretrained_cfg.get("hf_hub_filename")
+    assert model.pretrained_cfg["hf_hub_id"] == "writer/redirect" and not model.pretrained_cfg.get(
+        "hf_hub_filename"
+    )
 
 
-@pytest.mark.parametrize("name", ["checkpoint.pth.tar", "model.joblib", "weights.pt.gz", "model.npy"])
+@pytest.mark.parametrize(
+    "name", ["checkpoint.pth.tar", "model.joblib", "weights.pt.gz", "model.npy"]
+)
 def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
     api = HfApi(token=WRITE_TOKEN)
     repo = f"writer/{name.replace('.', '-')}"
@@ -174,8 +203,11 @@ def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
     with pytest.raises(BadRequestError, match=f"{name}: holds"):
         api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
     with pytest.raises(BadRequestError, match="MODEL.SAFETENSORS: not listed in the ledger"):
-        api.upload_file(path_or_fileobj=(good / "model.safetensors").read_bytes(),
-                        path_in_repo="MODEL.SAFETENSORS", repo_id=repo)
+        api.upload_file(
+            path_or_fileobj=(good / "model.safetensors").read_bytes(),
+            path_in_repo="MODEL.SAFETENSORS",
+            repo_id=repo,
+        )
     assert api.model_info(repo).sha == before
 
 
@@ -189,5 +221,8 @@ def test_hub_refuses_git_paths_and_a_file_that_is_a_folder(hub, good):
         r = raw_commit(hub.url, "writer/paths", {path: hook})
         assert r.status_code == 400 and "'.git' segment" in r.json()["error"], (path, r.text)
     r = raw_commit(hub.url, "writer/paths", {"README.md/x": b"shadow"})
-    assert r.status_code == 400 and "'README.md' is a file and the folder of 'README.md/x'" in r.json()["error"]
+    assert (
+        r.status_code == 400
+        and "'README.md' is a file and the folder of 'README.md/x'" in r.json()["error"]
+    )
     assert api.model_info("writer/paths").sha == before

@@ -27,17 +27,27 @@ pytestmark = pytest.mark.slow
 def _commit_body(folder: Path) -> bytes:
     lines = [{"key": "header", "value": {"summary": "v2", "description": ""}}]
     for rel, path in repo_files(folder).items():
-        lines.append({"key": "file", "value": {"content": base64.b64encode(path.read_bytes()).decode(),
-                                               "path": rel, "encoding": "base64"}})
+        lines.append(
+            {
+                "key": "file",
+                "value": {
+                    "content": base64.b64encode(path.read_bytes()).decode(),
+                    "path": rel,
+                    "encoding": "base64",
+                },
+            }
+        )
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
 def _start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    head = (f"POST /api/models/{repo_id}/commit/main HTTP/1.1\r\nHost: {host}\r\n"
-            f"Authorization: Bearer {WRITE_TOKEN}\r\nContent-Type: application/x-ndjson\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /api/models/{repo_id}/commit/main HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {WRITE_TOKEN}\r\nContent-Type: application/x-ndjson\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
         sock.sendall(head + body[:send])
     return sock
@@ -46,14 +56,19 @@ def _start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.sock
 def _lfs_upload(url: str, repo_id: str, data: bytes, send: int) -> socket.socket:
     """Start the Git LFS PUT of ``data`` (its batch call first), sending ``send`` bytes of it."""
     oid = hashlib.sha256(data).hexdigest()
-    batch = httpx.post(f"{url}/{repo_id}.git/info/lfs/objects/batch", headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
-                       json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]}).json()
+    batch = httpx.post(
+        f"{url}/{repo_id}.git/info/lfs/objects/batch",
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
+    ).json()
     href = batch["objects"][0]["actions"]["upload"]["href"].removeprefix(url)
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
-        sock.sendall(f"PUT {href} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-                     + data[:send])
+        sock.sendall(
+            f"PUT {href} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data[:send]
+        )
     return sock
 
 
@@ -62,18 +77,37 @@ def _lfs_commit_body(folder: Path, big: str) -> bytes:
     for rel, path in repo_files(folder).items():
         if rel == big:
             data = path.read_bytes()
-            lines.append({"key": "lfsFile", "value": {"path": rel, "algo": "sha256",
-                                                      "oid": hashlib.sha256(data).hexdigest(), "size": len(data)}})
+            lines.append(
+                {
+                    "key": "lfsFile",
+                    "value": {
+                        "path": rel,
+                        "algo": "sha256",
+                        "oid": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                    },
+                }
+            )
         else:
-            lines.append({"key": "file", "value": {"content": base64.b64encode(path.read_bytes()).decode(),
-                                                   "path": rel, "encoding": "base64"}})
+            lines.append(
+                {
+                    "key": "file",
+                    "value": {
+                        "content": base64.b64encode(path.read_bytes()).decode(),
+                        "path": rel,
+                        "encoding": "base64",
+                    },
+                }
+            )
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
 def _served(url: str, repo_id: str) -> str:
     api = HfApi(endpoint=url)
     sha = api.model_info(repo_id).sha
-    folder = snapshot_download(repo_id, revision=sha, endpoint=url, cache_dir=os.environ["HF_HOME"] + "/crash")
+    folder = snapshot_download(
+        repo_id, revision=sha, endpoint=url, cache_dir=os.environ["HF_HOME"] + "/crash"
+    )
     assert verify_repo(folder).ok
     return sha
 
@@ -89,17 +123,31 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("send", "step", "committed"), CASES, ids=[f"{s}-at-{p}" for s, p, _ in CASES])
+@pytest.mark.parametrize(
+    ("send", "step", "committed"), CASES, ids=[f"{s}-at-{p}" for s, p, _ in CASES]
+)
 def test_sigkill_mid_publish(tmp_path, send, step, committed):
     store = tmp_path / "store"
     server = ProcessServer(store).start()
     try:
-        v1 = push_repo(export_encoder(tmp_path / "v1", tiny_encoder(0), TINY, [synthetic_stage()], model_name="m"),
-                       "crash/m", endpoint=server.url, token=WRITE_TOKEN)
+        v1 = push_repo(
+            export_encoder(
+                tmp_path / "v1", tiny_encoder(0), TINY, [synthetic_stage()], model_name="m"
+            ),
+            "crash/m",
+            endpoint=server.url,
+            token=WRITE_TOKEN,
+        )
     finally:
         server.stop()
-    v2 = export_encoder(tmp_path / "v2", tiny_encoder(1), TINY, [synthetic_stage()], model_name="m",
-                        extra_files={"extra/noise.txt": os.urandom(24 * 1024 * 1024)})
+    v2 = export_encoder(
+        tmp_path / "v2",
+        tiny_encoder(1),
+        TINY,
+        [synthetic_stage()],
+        model_name="m",
+        extra_files={"extra/noise.txt": os.urandom(24 * 1024 * 1024)},
+    )
     big = (v2 / "extra/noise.txt").read_bytes()
     server = ProcessServer(store, port=server.port, extra_env={CRASH_ENV: step}).start()
     try:
@@ -111,8 +159,15 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
             sock = _start_commit(server.url, "crash/m", body, len(body))
         else:
             body = _commit_body(v2)
-            sock = _start_commit(server.url, "crash/m", body, len(body) // 2 if step == "upload-partial" else len(body))
-        assert server.proc is not None and server.proc.wait(60) == CRASH_STATUS  # it died at the step
+            sock = _start_commit(
+                server.url,
+                "crash/m",
+                body,
+                len(body) // 2 if step == "upload-partial" else len(body),
+            )
+        assert (
+            server.proc is not None and server.proc.wait(60) == CRASH_STATUS
+        )  # it died at the step
         sock.close()
     finally:
         server.stop()
@@ -122,11 +177,19 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
         history = [c.commit_id for c in HfApi(endpoint=restarted.url).list_repo_commits("crash/m")]
         assert history == ([served, v1] if committed else [v1]) and (served != v1) == committed
         if step == "upload-partial":
-            assert not [p for p in (store / "uploads").rglob("*") if p.is_file()]  # no partial object kept
+            assert not [
+                p for p in (store / "uploads").rglob("*") if p.is_file()
+            ]  # no partial object kept
         assert httpx.get(f"{restarted.url}/crash/m/resolve/{v1}/config.json").status_code == 200
         # and the store still takes new publishes
-        v3 = push_repo(export_encoder(tmp_path / "v3", tiny_encoder(2), TINY, [synthetic_stage()], model_name="m"),
-                       "crash/m", endpoint=restarted.url, token=WRITE_TOKEN)
+        v3 = push_repo(
+            export_encoder(
+                tmp_path / "v3", tiny_encoder(2), TINY, [synthetic_stage()], model_name="m"
+            ),
+            "crash/m",
+            endpoint=restarted.url,
+            token=WRITE_TOKEN,
+        )
         assert _served(restarted.url, "crash/m") == v3
     finally:
         restarted.stop()

@@ -40,15 +40,29 @@ def server(tmp_path_factory):
 def base_repo(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = create_encoder(BASE, mae_init=True).eval()
-    decoder = {"decoder_embed.weight": torch.randn(512, 768), "decoder_pred.weight": torch.randn(16_384, 768)}
-    return export_encoder(tmp_path_factory.mktemp("base") / "vip-base-test", model, BASE,
-                          [synthetic_stage(), dp_stage()], model_name="vip-base-test",
-                          decoder=decoder, decoder_config={"embed_dim": 512, "depth": 0})
+    decoder = {
+        "decoder_embed.weight": torch.randn(512, 768),
+        "decoder_pred.weight": torch.randn(16_384, 768),
+    }
+    return export_encoder(
+        tmp_path_factory.mktemp("base") / "vip-base-test",
+        model,
+        BASE,
+        [synthetic_stage(), dp_stage()],
+        model_name="vip-base-test",
+        decoder=decoder,
+        decoder_config={"embed_dim": 512, "depth": 0},
+    )
 
 
 def _held(store: Path) -> set[str]:
     """Every upload the server holds (xorbs, LFS objects awaiting or past their commit)."""
-    return {str(p.relative_to(store)) for d in ("xet", "uploads", "blobs") for p in (store / d).rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(store))
+        for d in ("xet", "uploads", "blobs")
+        for p in (store / d).rglob("*")
+        if p.is_file()
+    }
 
 
 def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypatch):
@@ -63,17 +77,29 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
 
     first = push_repo(base_repo, "big/push", endpoint=server.url, token=WRITE_TOKEN)
     held = _held(server.store)
-    (base_repo / "README.md").write_text((base_repo / "README.md").read_text() + "\nA note on the card.\n")
+    (base_repo / "README.md").write_text(
+        (base_repo / "README.md").read_text() + "\nA note on the card.\n"
+    )
     assert verify_repo(base_repo).ok
     second = push_repo(base_repo, "big/push", endpoint=server.url, token=WRITE_TOKEN)
-    assert second != first and [c.commit_id for c in api.list_repo_commits("big/push")] == [second, first]
+    assert second != first and [c.commit_id for c in api.list_repo_commits("big/push")] == [
+        second,
+        first,
+    ]
     new = _held(server.store) - held
-    assert len(new) == 1 and all(p.startswith("blobs/") for p in new)  # the card's blob, nothing else was sent
+    assert len(new) == 1 and all(
+        p.startswith("blobs/") for p in new
+    )  # the card's blob, nothing else was sent
 
     # upload_file and create_commit of single files at real size (the tree still verifies)
-    api.upload_file(path_or_fileobj=base_repo / "README.md", path_in_repo="README.md", repo_id="big/folder")
-    api.upload_file(path_or_fileobj=base_repo / "mae_decoder.safetensors", path_in_repo="mae_decoder.safetensors",
-                    repo_id="big/folder")
+    api.upload_file(
+        path_or_fileobj=base_repo / "README.md", path_in_repo="README.md", repo_id="big/folder"
+    )
+    api.upload_file(
+        path_or_fileobj=base_repo / "mae_decoder.safetensors",
+        path_in_repo="mae_decoder.safetensors",
+        repo_id="big/folder",
+    )
     # the card made a commit; the decoder did not: preupload gave its SHA-256, the client saw it unchanged
     assert len(api.list_repo_commits("big/folder")) == 2
 
@@ -84,8 +110,11 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
     assert verify_repo(snap).ok
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)  # what HF_ENDPOINT does
-    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        huggingface_hub.constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        server.url + "/{repo_id}/resolve/{revision}/{filename}",
+    )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "timm-cache"))
     model = timm.create_model("hf-hub:big/folder", pretrained=True)
     expected = load_file(base_repo / "model.safetensors")
@@ -131,5 +160,7 @@ def test_receiving_a_gib_keeps_server_memory_flat(server, tmp_path):
     uploads = list((server.store / "uploads").rglob("*"))
     assert any(p.is_file() and p.stat().st_size == 1 << 30 for p in uploads)
     growth_mb = (peak[0] - baseline) / 1024
-    print(f"server RSS while receiving 1 GiB: {baseline / 1024:.0f} MB -> peak {peak[0] / 1024:.0f} MB")
+    print(
+        f"server RSS while receiving 1 GiB: {baseline / 1024:.0f} MB -> peak {peak[0] / 1024:.0f} MB"
+    )
     assert growth_mb < 100, f"server RSS grew by {growth_mb:.0f} MB"

@@ -13,13 +13,25 @@ from live import WRITE_TOKEN
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 
 def _rows(html: str) -> list[str]:
-    return [line.split('href="/')[1].split('"')[0] for line in html.splitlines() if 'class="model-link"' in line]
+    return [
+        line.split('href="/')[1].split('"')[0]
+        for line in html.splitlines()
+        if 'class="model-link"' in line
+    ]
 
 
 def test_index_lists_sorts_and_filters(hub, published):
@@ -38,23 +50,43 @@ def test_model_page(hub, published):
     r = httpx.get(hub.url + "/vip/vip-nano-test")
     assert r.status_code == 200
     html = r.text
-    for fragment in ("Privacy guarantee", "differential privacy for the dataset", "Privacy ledger",
-                     "dp-pretraining", "synthetic-pretraining", "heads/toy/head.safetensors", "History",
-                     "No guarantee covers"):
+    for fragment in (
+        "Privacy guarantee",
+        "differential privacy for the dataset",
+        "Privacy ledger",
+        "dp-pretraining",
+        "synthetic-pretraining",
+        "heads/toy/head.safetensors",
+        "History",
+        "No guarantee covers",
+    ):
         assert fragment in html, fragment
     commit = httpx.get(hub.url + "/api/models/vip/vip-nano-test").json()["sha"]
     assert commit[:10] in html
-    assert httpx.get(hub.url + f"/vip/vip-nano-test/commit/{commit}", follow_redirects=False).status_code == 303
+    assert (
+        httpx.get(
+            hub.url + f"/vip/vip-nano-test/commit/{commit}", follow_redirects=False
+        ).status_code
+        == 303
+    )
     assert httpx.get(hub.url + "/vip/absent").status_code == 404
 
 
 def test_card_html_is_sanitised(hub, tmp_path):
-    folder = export_encoder(tmp_path / "xss", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="xss",
-                            summary='<script>alert(1)</script> [click](javascript:alert(2)) <img src=x onerror=alert(3)>')
+    folder = export_encoder(
+        tmp_path / "xss",
+        tiny_encoder(),
+        TINY,
+        [synthetic_stage(), dp_stage()],
+        model_name="xss",
+        summary="<script>alert(1)</script> [click](javascript:alert(2)) <img src=x onerror=alert(3)>",
+    )
     push_repo(folder, "pages/xss", token=WRITE_TOKEN)
     html = httpx.get(hub.url + "/pages/xss").text
     assert "&lt;script&gt;alert(1)" in html  # shown as text
-    assert "<script>alert" not in html and 'href="javascript' not in html and "<img src=x" not in html
+    assert (
+        "<script>alert" not in html and 'href="javascript' not in html and "<img src=x" not in html
+    )
 
 
 def _chromium() -> str:
@@ -64,9 +96,13 @@ def _chromium() -> str:
     if not shutil.which("apt-get"):
         pytest.skip("no chromium and no apt-get to install Debian's chromium package")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True).returncode:
+    if subprocess.run(
+        ["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True
+    ).returncode:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, check=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, check=True
+        )
     return shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -76,15 +112,23 @@ def chromium() -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page,size", [("/", "1280,900"), ("/vip/vip-nano-test", "1280,2200"), ("/", "390,844")])
+@pytest.mark.parametrize(
+    "page,size", [("/", "1280,900"), ("/vip/vip-nano-test", "1280,2200"), ("/", "390,844")]
+)
 def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size):
     shot = tmp_path / "page.png"
     base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*base, "--dump-dom", hub.url + page], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run(
+        [*base, "--dump-dom", hub.url + page], capture_output=True, text=True, timeout=120
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "vip/vip-nano-test" in dom.stdout
-    r = subprocess.run([*base, f"--screenshot={shot}", f"--window-size={size}", hub.url + page],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*base, f"--screenshot={shot}", f"--window-size={size}", hub.url + page],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
     keep = Path(os.environ.get("VIP_HUB_SCREENSHOTS", tmp_path))
     keep.mkdir(parents=True, exist_ok=True)
@@ -98,17 +142,42 @@ def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
 
     plain = dp_stage()
     results = [(100, 60)]
-    audit = Audit(canaries=1000, canary_norm=1.0, results=[AuditResult(guesses=r, correct=v) for r, v in results],
-                  beta=0.05, delta=plain.delta, epsilon_lower_bound=bound_over_grid(1000, results, 0.05, plain.delta),
-                  ceiling=round_down(ceiling(1000, 0.05, plain.delta)), accountant_epsilon=plain.epsilons)
-    stage = DPStage.from_parameters(name=plain.name, dataset=plain.dataset, sample_rate=plain.sample_rate,
-                                    noise_multiplier=plain.noise_multiplier, steps=plain.steps,
-                                    clipping_norm=plain.clipping_norm, audit=audit)
-    folder = export_encoder(tmp_path / "audited", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="audited")
+    audit = Audit(
+        canaries=1000,
+        canary_norm=1.0,
+        results=[AuditResult(guesses=r, correct=v) for r, v in results],
+        beta=0.05,
+        delta=plain.delta,
+        epsilon_lower_bound=bound_over_grid(1000, results, 0.05, plain.delta),
+        ceiling=round_down(ceiling(1000, 0.05, plain.delta)),
+        accountant_epsilon=plain.epsilons,
+    )
+    stage = DPStage.from_parameters(
+        name=plain.name,
+        dataset=plain.dataset,
+        sample_rate=plain.sample_rate,
+        noise_multiplier=plain.noise_multiplier,
+        steps=plain.steps,
+        clipping_norm=plain.clipping_norm,
+        audit=audit,
+    )
+    folder = export_encoder(
+        tmp_path / "audited", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="audited"
+    )
     push_repo(folder, "pages/audited", token=WRITE_TOKEN)
     html = httpx.get(hub.url + "/pages/audited").text
-    for accountant, eps in stage.epsilons.items():  # the claim and the two references, in the ledger table
+    for (
+        accountant,
+        eps,
+    ) in stage.epsilons.items():  # the claim and the two references, in the ledger table
         assert f"{eps:.3f} ({accountant.value.upper()})" in html, accountant
-    assert "Empirical audit of <code>dp-pretraining</code>" in html and "1,000 gradient canaries" in html
-    assert f"prove at most <strong>ε ≥ {audit.ceiling:.2f}</strong> (its ceiling" in html  # beside the claim
-    assert "(ε = " in html and "test-images [RDP]" in html  # the headline, from the ledger's summary
+    assert (
+        "Empirical audit of <code>dp-pretraining</code>" in html
+        and "1,000 gradient canaries" in html
+    )
+    assert (
+        f"prove at most <strong>ε ≥ {audit.ceiling:.2f}</strong> (its ceiling" in html
+    )  # beside the claim
+    assert (
+        "(ε = " in html and "test-images [RDP]" in html
+    )  # the headline, from the ledger's summary

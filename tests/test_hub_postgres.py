@@ -27,15 +27,24 @@ pytestmark = pytest.mark.slow
 
 def _pg_bin(name: str) -> str:
     """A PostgreSQL program, installing Debian's ``postgresql`` package when it is missing."""
-    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None)
+    found = shutil.which(name) or next(
+        iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None
+    )
     if found:
         return found
     if not shutil.which("apt-get"):
         pytest.skip("no PostgreSQL and no apt-get to install Debian's postgresql package")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True).returncode:
+    if subprocess.run(
+        ["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True
+    ).returncode:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True, check=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "postgresql"],
+            env=env,
+            capture_output=True,
+            check=True,
+        )
     return _pg_bin(name)
 
 
@@ -53,17 +62,40 @@ def postgres():
         as_user = ["runuser", "-u", "postgres", "--"]
     port = free_port()
     data = folder / "data"
-    subprocess.run([*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "vip", "--no-sync"],
-                   check=True, capture_output=True)
-    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
-    subprocess.run([*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w", "start"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "vip", "--no-sync"],
+        check=True,
+        capture_output=True,
+    )
+    options = (
+        f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
+    )
+    subprocess.run(
+        [
+            *as_user,
+            pg_ctl,
+            "-D",
+            str(data),
+            "-o",
+            options,
+            "-l",
+            str(folder / "log"),
+            "-w",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     try:
-        with psycopg.connect(f"postgresql://vip@127.0.0.1:{port}/postgres", autocommit=True) as conn:
+        with psycopg.connect(
+            f"postgresql://vip@127.0.0.1:{port}/postgres", autocommit=True
+        ) as conn:
             conn.execute("CREATE DATABASE hub")
         yield f"postgresql://vip@127.0.0.1:{port}/hub"
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run(
+            [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+        )
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -110,7 +142,9 @@ def test_two_hub_processes_share_one_store(postgres, tmp_path):
 
         def publish(i: int) -> None:
             try:  # alternate between the two processes
-                results[i] = push_repo(folders[i], "multi/m", endpoint=servers[i % 2].url, token=WRITE_TOKEN)
+                results[i] = push_repo(
+                    folders[i], "multi/m", endpoint=servers[i % 2].url, token=WRITE_TOKEN
+                )
             except BaseException as e:  # reported below
                 errors.append(e)
 

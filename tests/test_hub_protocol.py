@@ -40,11 +40,14 @@ def test_downloads_and_metadata(hub, published):
     assert sizes["model.safetensors"] == (local / "model.safetensors").stat().st_size
     assert next(s for s in info.siblings if s.rfilename == "model.safetensors").lfs is not None
     assert sorted(api.list_repo_files(MODEL)) == sorted(
-        p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()
+    )
     path = hf_hub_download(MODEL, "privacy_ledger.json")
     assert Path(path).read_bytes() == (local / "privacy_ledger.json").read_bytes()
     snap = Path(snapshot_download(MODEL))
-    assert (snap / "heads/toy/head.safetensors").read_bytes() == (local / "heads/toy/head.safetensors").read_bytes()
+    assert (snap / "heads/toy/head.safetensors").read_bytes() == (
+        local / "heads/toy/head.safetensors"
+    ).read_bytes()
     assert vip_hub.verify_repo(snap).ok
     card = ModelCard.load(MODEL)
     assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v3"
@@ -68,7 +71,9 @@ def test_list_models_and_search(hub, published):
     rows = httpx.get(f"{hub.url}/api/models", params={"max_epsilon": 0, "sort": "epsilon"}).json()
     assert [r["id"] for r in rows] == ["vip/vip-nano-syn"]
     rows = httpx.get(f"{hub.url}/api/models", params={"dataset": "test-images"}).json()
-    assert MODEL in [r["id"] for r in rows] and rows[0]["vip_hub"]["private_datasets"] == ["test-images"]
+    assert MODEL in [r["id"] for r in rows] and rows[0]["vip_hub"]["private_datasets"] == [
+        "test-images"
+    ]
     assert len(list(api.list_models(limit=1))) == 1
 
 
@@ -121,9 +126,16 @@ def test_error_codes(hub, published):
     with pytest.raises(EntryNotFoundError):
         hf_hub_download(MODEL, "pytorch_model.bin")
     r = httpx.head(f"{hub.url}/{MODEL}/resolve/main/missing.txt")
-    assert r.status_code == 404 and r.headers["x-error-code"] == "EntryNotFound" and r.headers["x-repo-commit"]
+    assert (
+        r.status_code == 404
+        and r.headers["x-error-code"] == "EntryNotFound"
+        and r.headers["x-repo-commit"]
+    )
     assert httpx.get(f"{hub.url}/api/models/vip/absent").headers["x-error-code"] == "RepoNotFound"
-    assert httpx.get(f"{hub.url}/api/models/{MODEL}/revision/nope").headers["x-error-code"] == "RevisionNotFound"
+    assert (
+        httpx.get(f"{hub.url}/api/models/{MODEL}/revision/nope").headers["x-error-code"]
+        == "RevisionNotFound"
+    )
 
 
 def test_uploads_with_unmodified_clients(hub, tmp_path):
@@ -139,11 +151,15 @@ def test_uploads_with_unmodified_clients(hub, tmp_path):
     from huggingface_hub import CommitOperationDelete
 
     with pytest.raises(BadRequestError, match="does not verify"):
-        api.create_commit("up/folder", [CommitOperationDelete("heads/", is_folder=True)], commit_message="x")
+        api.create_commit(
+            "up/folder", [CommitOperationDelete("heads/", is_folder=True)], commit_message="x"
+        )
 
 
 def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
-    folder = export_encoder(tmp_path / "bad", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="bad")
+    folder = export_encoder(
+        tmp_path / "bad", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="bad"
+    )
     for name in ("privacy_ledger.json",):
         data = json.loads((folder / name).read_text())
         data["stages"][1]["epsilon"] = 0.5
@@ -161,11 +177,15 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 
     meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text})
+    rewrite_safetensors_metadata(
+        folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text}
+    )
     _, front, body = (folder / "README.md").read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = json.loads(text)
-    (folder / "README.md").write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+    (folder / "README.md").write_text(
+        "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
+    )
     with pytest.raises(BadRequestError, match="stage 'dp-pretraining': claims epsilon 0.5"):
         api.upload_folder(repo_id="bad/ledger", folder_path=folder)
     with pytest.raises(RevisionNotFoundError):
@@ -174,8 +194,13 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
 
 def test_no_ledger_and_pickles_are_refused(hub, tmp_path):
     api = HfApi(token=WRITE_TOKEN)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, depth=1)
-    with pytest.raises(BadRequestError, match="pytorch_model.bin: holds a zip archive .* refused whatever the file's name"):
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32, depth=1
+    )
+    with pytest.raises(
+        BadRequestError,
+        match="pytorch_model.bin: holds a zip archive .* refused whatever the file's name",
+    ):
         timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN)  # safetensors and a .bin
     with pytest.raises(BadRequestError, match="privacy_ledger.json: missing"):
         timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN, safe_serialization=True)
@@ -190,7 +215,9 @@ def test_timm_push_updates_a_verified_repo_only_with_a_ledger(hub, tmp_path):
     push_repo(tiny_repo_with_head(tmp_path / "t"), "timm/verified", token=WRITE_TOKEN)
     before = api.model_info("timm/verified").sha
     with pytest.raises(BadRequestError, match="model.safetensors"):
-        timm.models.push_to_hf_hub(tiny_encoder(0), "timm/verified", token=WRITE_TOKEN, safe_serialization=True)
+        timm.models.push_to_hf_hub(
+            tiny_encoder(0), "timm/verified", token=WRITE_TOKEN, safe_serialization=True
+        )
     assert api.model_info("timm/verified").sha == before
 
 
@@ -219,30 +246,47 @@ def test_auth(hub, tmp_path):
 def test_push_cli(hub, tmp_path, capsys):
     folder = tiny_repo_with_head(tmp_path / "cli")
     script = Path(sys.executable).with_name("vip-hub")
-    r = subprocess.run([str(script), "push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            str(script),
+            "push",
+            str(folder),
+            "cli/model",
+            "--endpoint",
+            hub.url,
+            "--token",
+            WRITE_TOKEN,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "pushed" in r.stdout and HfApi().model_info("cli/model").sha in r.stdout
     (folder / "config.json").write_text("{}")
     from vip_hub.cli.main import main
 
-    assert main(["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]) == 1
+    assert (
+        main(["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]) == 1
+    )
     assert "does not verify, nothing was pushed" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", [
-    "/vip/vip-nano-test/resolve/main/../../../etc/passwd",
-    "/vip/vip-nano-test/resolve/main/%2e%2e/%2e%2e/etc/passwd",
-    "/vip/vip-nano-test/resolve/main/%252e%252e/config.json",
-    "/vip/vip-nano-test/resolve/main/heads%5Ctoy%5Clabels.json",
-    "/vip/vip-nano-test/resolve/main/%2Fetc%2Fpasswd",
-    "/vip/vip-nano-test/resolve/main/conf%00ig.json",
-    "/vip/vip-nano-test/resolve/main/" + "a" * 300 + "/x",
-    "/vip/vip-nano-test/resolve/..%2f..%2fmain/config.json",
-    "/vip/vip-nano-test/resolve/refs%2Fpr%2F1/config.json",
-    "/vip/" + "n" * 200 + "/resolve/main/config.json",
-    "/api/models/vip/vip-nano-test/tree/main/..%2F..",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/vip/vip-nano-test/resolve/main/../../../etc/passwd",
+        "/vip/vip-nano-test/resolve/main/%2e%2e/%2e%2e/etc/passwd",
+        "/vip/vip-nano-test/resolve/main/%252e%252e/config.json",
+        "/vip/vip-nano-test/resolve/main/heads%5Ctoy%5Clabels.json",
+        "/vip/vip-nano-test/resolve/main/%2Fetc%2Fpasswd",
+        "/vip/vip-nano-test/resolve/main/conf%00ig.json",
+        "/vip/vip-nano-test/resolve/main/" + "a" * 300 + "/x",
+        "/vip/vip-nano-test/resolve/..%2f..%2fmain/config.json",
+        "/vip/vip-nano-test/resolve/refs%2Fpr%2F1/config.json",
+        "/vip/" + "n" * 200 + "/resolve/main/config.json",
+        "/api/models/vip/vip-nano-test/tree/main/..%2F..",
+    ],
+)
 def test_path_tricks_are_refused(hub, published, path):
     with httpx.Client() as client:
         request = client.build_request("GET", hub.url)
@@ -253,14 +297,25 @@ def test_path_tricks_are_refused(hub, published, path):
 
 
 def test_upload_path_tricks(hub, published, tmp_path):
-    body = "\n".join(json.dumps(line) for line in [
-        {"key": "header", "value": {"summary": "x"}},
-        {"key": "file", "value": {"path": "../escape.txt", "content": "aGk=", "encoding": "base64"}},
-    ])
-    r = httpx.post(f"{hub.url}/api/models/{MODEL}/commit/main", content=body,
-                   headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"})
+    body = "\n".join(
+        json.dumps(line)
+        for line in [
+            {"key": "header", "value": {"summary": "x"}},
+            {
+                "key": "file",
+                "value": {"path": "../escape.txt", "content": "aGk=", "encoding": "base64"},
+            },
+        ]
+    )
+    r = httpx.post(
+        f"{hub.url}/api/models/{MODEL}/commit/main",
+        content=body,
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"},
+    )
     assert r.status_code == 400 and "invalid path" in r.json()["error"]
-    assert not any(p.name == "escape.txt" for p in Path(hub.settings.store).parent.rglob("escape.txt"))
+    assert not any(
+        p.name == "escape.txt" for p in Path(hub.settings.store).parent.rglob("escape.txt")
+    )
 
 
 def test_concurrent_publishes(hub, tmp_path):
@@ -282,28 +337,45 @@ def test_concurrent_publishes(hub, tmp_path):
         t.join()
     assert not errors
     history = [c.commit_id for c in HfApi().list_repo_commits(repo_id)]
-    assert sorted(history) == sorted(commits) and len(history) == 2  # linear: one on top of the other
+    assert (
+        sorted(history) == sorted(commits) and len(history) == 2
+    )  # linear: one on top of the other
     # a client that commits against a stale parent gets a clear conflict
     from huggingface_hub import CommitOperationAdd
 
     with pytest.raises(HfHubHTTPError, match="stale") as err:
         HfApi(token=WRITE_TOKEN).create_commit(
-            repo_id, [CommitOperationAdd("notes.txt", b"hello")], commit_message="late",
-            parent_commit=history[-1])
+            repo_id,
+            [CommitOperationAdd("notes.txt", b"hello")],
+            commit_message="late",
+            parent_commit=history[-1],
+        )
     assert err.value.response.status_code == 409
 
 
 def test_validate_yaml(hub):
-    ok = httpx.post(f"{hub.url}/api/validate-yaml", json={"content": "---\nlicense: mit\n---\nhi", "repoType": "model"})
+    ok = httpx.post(
+        f"{hub.url}/api/validate-yaml",
+        json={"content": "---\nlicense: mit\n---\nhi", "repoType": "model"},
+    )
     assert ok.status_code == 200 and ok.json()["errors"] == []
-    bad = httpx.post(f"{hub.url}/api/validate-yaml", json={"content": "---\nlicense: [unclosed\n---\n", "repoType": "model"})
+    bad = httpx.post(
+        f"{hub.url}/api/validate-yaml",
+        json={"content": "---\nlicense: [unclosed\n---\n", "repoType": "model"},
+    )
     assert bad.status_code == 400 and bad.json()["errors"]
 
 
 def test_big_commit_streams_to_disk(hub, tmp_path):
     """A folder with a 40 MB extra file goes through one commit; nothing is held in memory whole."""
-    folder = export_encoder(tmp_path / "big", tiny_encoder(), TINY, [synthetic_stage()], model_name="big",
-                            extra_files={"data/blob.bin.txt": os.urandom(40 * 1024 * 1024)})
+    folder = export_encoder(
+        tmp_path / "big",
+        tiny_encoder(),
+        TINY,
+        [synthetic_stage()],
+        model_name="big",
+        extra_files={"data/blob.bin.txt": os.urandom(40 * 1024 * 1024)},
+    )
     commit = push_repo(folder, "big/model", token=WRITE_TOKEN)
     r = httpx.get(f"{hub.url}/big/model/resolve/{commit}/data/blob.bin.txt")
     assert r.content == (folder / "data/blob.bin.txt").read_bytes()

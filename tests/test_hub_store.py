@@ -46,14 +46,18 @@ def test_commit_resolve_tree_and_dedup(store, repo_dir):
     store.create_repo("vip/m")
     c1 = store.commit("vip/m", _ops(store, repo_dir), title="first", author="t")
     assert len(c1.sha) == 40 and c1.parent is None and c1.arch == "vip-nano"
-    assert c1.datasets == ["test-images"] and c1.epsilon > 0 and c1.card_data["library_name"] == "timm"
+    assert (
+        c1.datasets == ["test-images"] and c1.epsilon > 0 and c1.card_data["library_name"] == "timm"
+    )
     assert store.resolve("vip/m") == store.resolve("vip/m", c1.sha) == c1.sha
     tree = store.tree("vip/m", c1.sha)
     assert "heads/toy/head.safetensors" in tree
     blobs_before = sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file())
     c2 = store.commit("vip/m", _ops(store, repo_dir), title="same again", author="t")
     assert c2.parent == c1.sha
-    assert sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file()) == blobs_before  # stored once
+    assert (
+        sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file()) == blobs_before
+    )  # stored once
     assert [c.sha for c in store.history("vip/m")] == [c2.sha, c1.sha]
     assert not list((store.root / "tmp").iterdir())
 
@@ -66,7 +70,9 @@ def test_refused_commit_stores_nothing(store, repo_dir):
     data = json.loads(ledger.source.read_text())
     data["stages"][1]["epsilon"] = 0.01
     ledger.source.write_text(json.dumps(data))
-    with pytest.raises(PublishRefused, match="does not verify, nothing was stored.*privacy_ledger.json"):
+    with pytest.raises(
+        PublishRefused, match="does not verify, nothing was stored.*privacy_ledger.json"
+    ):
         store.commit("vip/m", ops)
     assert store.resolve("vip/m") == good.sha
     assert not list((store.root / "tmp").iterdir())
@@ -134,19 +140,33 @@ def test_tags_and_errors(store, repo_dir):
 
 def test_listing_filters_without_reading_blobs(store, tmp_path):
     a = tiny_repo_with_head(tmp_path / "a")
-    b = export_encoder(tmp_path / "b", tiny_encoder(), TINY, [synthetic_stage(), dp_stage(sigma=0.6)],
-                       model_name="b")
+    b = export_encoder(
+        tmp_path / "b",
+        tiny_encoder(),
+        TINY,
+        [synthetic_stage(), dp_stage(sigma=0.6)],
+        model_name="b",
+    )
     c = export_encoder(tmp_path / "c", tiny_encoder(), TINY, [synthetic_stage()], model_name="c")
     for name, folder in (("org/a", a), ("org/b", b), ("other/c", c)):
         store.create_repo(name, private=name == "other/c")
         store.commit(name, _ops(store, folder))
-    (store.root / "blobs").rename(store.root / "blobs-away")  # listing must not need them (even as root)
+    (store.root / "blobs").rename(
+        store.root / "blobs-away"
+    )  # listing must not need them (even as root)
     ids = lambda rows: [r.repo_id for r, _ in rows]  # noqa: E731
     assert ids(store.list_models(sort="epsilon", descending=False)) == ["org/a", "org/b"]
-    assert ids(store.list_models(include_private=True, sort="epsilon", descending=False)) == ["other/c", "org/a", "org/b"]
+    assert ids(store.list_models(include_private=True, sort="epsilon", descending=False)) == [
+        "other/c",
+        "org/a",
+        "org/b",
+    ]
     eps_a = store.list_models(search="org/a")[0][1].epsilon
     assert ids(store.list_models(max_epsilon=eps_a)) == ["org/a"]
-    assert ids(store.list_models(dataset="test-images", sort="name", descending=False)) == ["org/a", "org/b"]
+    assert ids(store.list_models(dataset="test-images", sort="name", descending=False)) == [
+        "org/a",
+        "org/b",
+    ]
     assert ids(store.list_models(arch="vip-tiny")) == []
     assert ids(store.list_models(author="org", search="_")) == []
     with pytest.raises(InvalidRequest):
@@ -159,10 +179,14 @@ def test_snapshot_dir(store, repo_dir):
     snap = store.snapshot_dir("vip/m", c.sha)
     assert snap == store.snapshot_dir("vip/m", c.sha)
     assert sorted(repo_files(snap)) == sorted(repo_files(repo_dir))
-    assert (snap / "model.safetensors").read_bytes() == (repo_dir / "model.safetensors").read_bytes()
+    assert (snap / "model.safetensors").read_bytes() == (
+        repo_dir / "model.safetensors"
+    ).read_bytes()
 
 
-@pytest.mark.parametrize("repo_id", ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden"])
+@pytest.mark.parametrize(
+    "repo_id", ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden"]
+)
 def test_bad_repo_ids(store, repo_id):
     with pytest.raises(InvalidRequest):
         store.create_repo(repo_id)

@@ -21,7 +21,9 @@ from vip_hub.errors import RepoFormatError
 from vip_hub.repo.card import load_card
 from vip_hub.repo.push import push_repo
 
-EVIL = "digits` | [click](https://evil.example/a) ![x](https://evil.example/i.png) <b>bold</b>\n\n# `x"
+EVIL = (
+    "digits` | [click](https://evil.example/a) ![x](https://evil.example/i.png) <b>bold</b>\n\n# `x"
+)
 
 
 def _alias_bomb(levels: int, width: int = 4) -> str:
@@ -39,18 +41,32 @@ def _with_front_matter(readme: str, extra: str) -> str:
 def evil_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A verified repo whose ledger strings carry Markdown: a dataset name breaking out of its
     code span into a link, an image, HTML, a table cell and a heading."""
-    stage = DPStage.from_parameters(name="dp-pretraining", dataset=Dataset(name=EVIL, size=1000,
-                                    description="see [here](https://evil.example/d) | **now**"),
-                                    sample_rate=0.05, noise_multiplier=1.0, steps=100, clipping_norm=0.1)
-    folder = export_encoder(tmp_path_factory.mktemp("evil") / "repo", tiny_encoder(), TINY,
-                            [synthetic_stage(), stage], model_name="evil")
+    stage = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(
+            name=EVIL, size=1000, description="see [here](https://evil.example/d) | **now**"
+        ),
+        sample_rate=0.05,
+        noise_multiplier=1.0,
+        steps=100,
+        clipping_norm=0.1,
+    )
+    folder = export_encoder(
+        tmp_path_factory.mktemp("evil") / "repo",
+        tiny_encoder(),
+        TINY,
+        [synthetic_stage(), stage],
+        model_name="evil",
+    )
     assert verify_repo(folder).ok
     return folder
 
 
 def _no_markup_from_the_ledger(html: str) -> None:
     assert "evil.example" in html  # the text is shown...
-    assert not re.search(r"""(href|src)=["']?https://evil\.example""", html)  # ...never as a link or image
+    assert not re.search(
+        r"""(href|src)=["']?https://evil\.example""", html
+    )  # ...never as a link or image
     assert "<b>bold</b>" not in html
 
 
@@ -70,10 +86,16 @@ def test_pages_escape_the_ledger_and_send_csp_and_nosniff(hub, evil_repo):
     for path in ("/writer/markdown", "/"):
         r = httpx.get(hub.url + path)
         assert r.status_code == 200
-        assert "script-src" not in r.headers["content-security-policy"]  # default-src 'none' covers it
+        assert (
+            "script-src" not in r.headers["content-security-policy"]
+        )  # default-src 'none' covers it
         assert "default-src 'none'" in r.headers["content-security-policy"]
         assert r.headers["x-content-type-options"] == "nosniff"
-    box = httpx.get(hub.url + "/writer/markdown").text.split('class="panel guarantee"')[1].split("</section>")[0]
+    box = (
+        httpx.get(hub.url + "/writer/markdown")
+        .text.split('class="panel guarantee"')[1]
+        .split("</section>")[0]
+    )
     _no_markup_from_the_ledger(box)
 
 
@@ -96,20 +118,34 @@ def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
     assert any("YAML aliases" in str(p) for p in verify_repo(folder).problems)
     api = HfApi(token=WRITE_TOKEN)
     api.create_repo("writer/aliases")
-    with pytest.raises(ValueError, match="YAML aliases"):  # the client asks /api/validate-yaml first
+    with pytest.raises(
+        ValueError, match="YAML aliases"
+    ):  # the client asks /api/validate-yaml first
         api.upload_folder(repo_id="writer/aliases", folder_path=folder)
     start = time.monotonic()  # a client that does not ask
-    r = raw_commit(hub.url, "writer/aliases", {p.relative_to(folder).as_posix(): p.read_bytes()
-                                               for p in folder.rglob("*") if p.is_file()})
+    r = raw_commit(
+        hub.url,
+        "writer/aliases",
+        {
+            p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in folder.rglob("*")
+            if p.is_file()
+        },
+    )
     assert r.status_code == 400 and "YAML aliases" in r.json()["error"]
     assert time.monotonic() - start < 10
 
 
 def test_validate_yaml_refuses_aliases(hub):
-    r = httpx.post(hub.url + "/api/validate-yaml",
-                   json={"content": "---\nlicense: mit\n" + _alias_bomb(30, 2) + "---\n"}, timeout=30)
+    r = httpx.post(
+        hub.url + "/api/validate-yaml",
+        json={"content": "---\nlicense: mit\n" + _alias_bomb(30, 2) + "---\n"},
+        timeout=30,
+    )
     assert r.status_code == 400 and "YAML aliases" in r.json()["errors"][0]["message"]
-    ok = httpx.post(hub.url + "/api/validate-yaml", json={"content": "---\nlicense: mit\n---\n# card\n"})
+    ok = httpx.post(
+        hub.url + "/api/validate-yaml", json={"content": "---\nlicense: mit\n---\n# card\n"}
+    )
     assert ok.status_code == 200 and ok.json() == {"errors": [], "warnings": []}
 
 
@@ -118,7 +154,12 @@ def test_validate_yaml_refuses_aliases(hub):
 
 def test_every_route_bounds_its_body(hub):
     big = b"x" * (2 * 1024 * 1024)  # over the 1 MiB default of routes without a limit of their own
-    for path in ("/api/validate-yaml", "/api/repos/create", "/api/models/vip/x/preupload/main", "/healthz"):
+    for path in (
+        "/api/validate-yaml",
+        "/api/repos/create",
+        "/api/models/vip/x/preupload/main",
+        "/healthz",
+    ):
         r = httpx.post(hub.url + path, content=big, headers={"Content-Type": "application/json"})
         assert r.status_code == 413, (path, r.status_code)
 
@@ -126,7 +167,11 @@ def test_every_route_bounds_its_body(hub):
         for _ in range(64):
             yield b"x" * 65536
 
-    r = httpx.post(hub.url + "/api/validate-yaml", content=chunks(), headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        hub.url + "/api/validate-yaml",
+        content=chunks(),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and "exceeds the limit of 1048576" in r.json()["error"]
 
 
@@ -137,8 +182,11 @@ def test_uploads_stream_past_the_default_limit(hub, tmp_path):
     folder = tiny_repo_with_head(tmp_path / "big")
     api = HfApi(token=WRITE_TOKEN)
     push_repo(folder, "writer/big-upload", token=WRITE_TOKEN)
-    api.upload_file(path_or_fileobj=b"a line of notes\n" * 200_000, path_in_repo="notes.txt",
-                    repo_id="writer/big-upload")
+    api.upload_file(
+        path_or_fileobj=b"a line of notes\n" * 200_000,
+        path_in_repo="notes.txt",
+        repo_id="writer/big-upload",
+    )
     assert "notes.txt" in api.list_repo_files("writer/big-upload")
     shutil.rmtree(folder)
 
@@ -147,7 +195,11 @@ def test_an_error_naming_a_path_with_control_characters_is_still_answered(hub):
     """A 413 whose message quotes a request path holding C1 control characters (U+0096) was dropped
     by the server ("Invalid HTTP header value"), so the client saw a network error."""
     body = b'{"files": [' + b",".join([b'{"path": "aaaa", "size": 1}'] * 50_000) + b"]}"
-    r = httpx.post(f"{hub.url}/api/models/%C2%96/toy/preupload/main", content=body,
-                   headers={"Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{hub.url}/api/models/%C2%96/toy/preupload/main",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 413 and "\x96" in r.json()["error"]
     assert r.headers["X-Error-Message"].isascii() and "?" in r.headers["X-Error-Message"]

@@ -30,7 +30,7 @@ def _parse(store: HubStore, body: bytes, piece: int) -> object:
     parser = CommitParser(store.blobs, limit=1 << 30)
     try:
         for i in range(0, len(body), piece):
-            parser.feed(body[i:i + piece])
+            parser.feed(body[i : i + piece])
         return parser.finish()
     except BaseException:
         parser.discard()
@@ -44,40 +44,78 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
     lines = [
         '{"value": {"summary": "s \\" q", "parentCommit": null, "description": "d\\nd"}, "key": "header"}',
         # key order free, escaped '/' in the base64, a path with an escaped quote and unicode
-        json.dumps({"value": {"path": 'a"b/ü.bin', "encoding": "base64", "content": encoded}, "key": "file"})
-        .replace("/", "\\/"),
-        '{"key": "file", "value": {"content": "' + encoded[:8].replace("/", "\\u002f") + '", "path": "x"}}',
-        '{"key": "lfsFile", "value": {"path": "w.safetensors", "algo": "sha256", "oid": "' + "ab" * 32 + '"}}',
+        json.dumps(
+            {
+                "value": {"path": 'a"b/ü.bin', "encoding": "base64", "content": encoded},
+                "key": "file",
+            }
+        ).replace("/", "\\/"),
+        '{"key": "file", "value": {"content": "'
+        + encoded[:8].replace("/", "\\u002f")
+        + '", "path": "x"}}',
+        '{"key": "lfsFile", "value": {"path": "w.safetensors", "algo": "sha256", "oid": "'
+        + "ab" * 32
+        + '"}}',
         "",  # a blank line is skipped
         '{"key": "deletedFile", "value": {"path": "old.txt"}}',
     ]
     commit = _parse(store, "\n".join(lines).encode(), piece)
-    assert commit.summary == 's " q' and commit.description == "d\nd" and commit.parent_commit is None
+    assert (
+        commit.summary == 's " q' and commit.description == "d\nd" and commit.parent_commit is None
+    )
     first, second, lfs, deleted = commit.operations
-    assert isinstance(first, AddFile) and first.path == 'a"b/ü.bin' and first.source.read_bytes() == data
+    assert (
+        isinstance(first, AddFile)
+        and first.path == 'a"b/ü.bin'
+        and first.source.read_bytes() == data
+    )
     assert isinstance(second, AddFile) and second.source.read_bytes() == data[:6]
     assert lfs == AddObject("w.safetensors", "ab" * 32) and deleted == DeleteFile("old.txt")
     commit.discard()
     assert not list(store.blobs.tmp.iterdir())
 
 
-@pytest.mark.parametrize("body,message", [
-    (b'{"key": "file", "value": {"path": "a", "content": ""}}\n', "commit line 1: the first line must be the header"),
-    (b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "@@@@"}}\n',
-     "commit line 2: content is not base64"),
-    (b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD"}}}\n',
-     "commit line 2: unexpected '}'"),
-    (b'{"key": "header", "value": {}}\n\n{"key": "file" "value": 1}\n', "commit line 3: not valid JSON"),
-    (b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD',
-     "commit line 2: the body ends inside the line"),
-    (b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QU\nJD"}}\n',
-     "commit line 2: a line ends inside a string"),
-    (b'{"key": "header", "value": {}}\n{"key": "nope", "value": {}}\n', "commit line 2: unknown key 'nope'"),
-    (b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QQ==QUJD"}}\n',
-     "commit line 2: content has base64 data after its padding"),
-    (b'{"key": "header", "value": {}}\n{"key": "lfsFile", "value": {"path": "a", "oid": 5}}\n',
-     "commit line 2: an lfsFile line needs 'oid'"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (
+            b'{"key": "file", "value": {"path": "a", "content": ""}}\n',
+            "commit line 1: the first line must be the header",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "@@@@"}}\n',
+            "commit line 2: content is not base64",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD"}}}\n',
+            "commit line 2: unexpected '}'",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n\n{"key": "file" "value": 1}\n',
+            "commit line 3: not valid JSON",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD',
+            "commit line 2: the body ends inside the line",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QU\nJD"}}\n',
+            "commit line 2: a line ends inside a string",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "nope", "value": {}}\n',
+            "commit line 2: unknown key 'nope'",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QQ==QUJD"}}\n',
+            "commit line 2: content has base64 data after its padding",
+        ),
+        (
+            b'{"key": "header", "value": {}}\n{"key": "lfsFile", "value": {"path": "a", "oid": 5}}\n',
+            "commit line 2: an lfsFile line needs 'oid'",
+        ),
+    ],
+)
 def test_malformed_bodies_name_the_line(store, body, message):
     with pytest.raises(BadRequest) as err:
         _parse(store, body, 3)
@@ -87,8 +125,11 @@ def test_malformed_bodies_name_the_line(store, body, message):
 
 def test_malformed_commit_is_a_400_naming_the_line(hub, published):
     body = b'{"key": "header", "value": {"summary": "x"}}\n{"key": "file", "value": {"path": "a", "content": "%%"}}\n'
-    r = httpx.post(f"{hub.url}/api/models/vip/vip-nano-test/commit/main", content=body,
-                   headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"})
+    r = httpx.post(
+        f"{hub.url}/api/models/vip/vip-nano-test/commit/main",
+        content=body,
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"},
+    )
     assert r.status_code == 400 and r.json()["error"] == "commit line 2: content is not base64"
 
 
@@ -100,8 +141,11 @@ def test_git_lfs_batch_api(hub, tmp_path):
     api.create_repo("lfs/basic")
     handles = {rel: open(path, "rb") for rel, path in repo_files(folder).items()}
     try:
-        info = api.create_commit("lfs/basic", [CommitOperationAdd(rel, f) for rel, f in handles.items()],
-                                 commit_message="via LFS")
+        info = api.create_commit(
+            "lfs/basic",
+            [CommitOperationAdd(rel, f) for rel, f in handles.items()],
+            commit_message="via LFS",
+        )
     finally:
         for f in handles.values():
             f.close()
@@ -111,16 +155,28 @@ def test_git_lfs_batch_api(hub, tmp_path):
     snap = Path(snapshot_download("lfs/basic", revision=info.oid, cache_dir=tmp_path / "cache"))
     assert (snap / "model.safetensors").read_bytes() == weights
 
-    batch = httpx.post(f"{hub.url}/lfs/basic.git/info/lfs/objects/batch", headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
-                       json={"operation": "upload", "transfers": ["basic"], "objects": [
-                           {"oid": oid, "size": len(weights)}, {"oid": "cd" * 32, "size": 3}]}).json()
+    batch = httpx.post(
+        f"{hub.url}/lfs/basic.git/info/lfs/objects/batch",
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
+        json={
+            "operation": "upload",
+            "transfers": ["basic"],
+            "objects": [{"oid": oid, "size": len(weights)}, {"oid": "cd" * 32, "size": 3}],
+        },
+    ).json()
     held, missing = batch["objects"]
     assert "actions" not in held  # already stored: nothing to send
     href = missing["actions"]["upload"]["href"]
     assert httpx.put(href, content=b"abc").status_code == 400  # not the announced bytes
     assert httpx.put(href.replace("grant=", "grant=1"), content=b"abc").status_code == 401
-    assert httpx.post(missing["actions"]["verify"]["href"], json={"oid": "cd" * 32, "size": 3},
-                      headers={"Authorization": f"Bearer {WRITE_TOKEN}"}).status_code == 404
+    assert (
+        httpx.post(
+            missing["actions"]["verify"]["href"],
+            json={"oid": "cd" * 32, "size": 3},
+            headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
+        ).status_code
+        == 404
+    )
 
 
 def test_uploads_never_committed_are_collected(store, tmp_path):

@@ -32,15 +32,21 @@ class ReferenceMAE(torch.nn.Module):
         n = self.patch_embed.num_patches
         self.cls_token = torch.nn.Parameter(torch.randn(1, 1, a.embed_dim) * 0.02)
         self.pos_embed = torch.nn.Parameter(
-            sincos_pos_embed_2d(a.embed_dim, int(n**0.5))[None], requires_grad=False)
+            sincos_pos_embed_2d(a.embed_dim, int(n**0.5))[None], requires_grad=False
+        )
         self.blocks = torch.nn.ModuleList(
-            [Block(a.embed_dim, a.num_heads, 4.0, qkv_bias=True, norm_layer=norm) for _ in range(a.depth)])
+            [
+                Block(a.embed_dim, a.num_heads, 4.0, qkv_bias=True, norm_layer=norm)
+                for _ in range(a.depth)
+            ]
+        )
         self.norm = norm(a.embed_dim)
         self.decoder_embed = torch.nn.Linear(a.embed_dim, 512)
         self.mask_token = torch.nn.Parameter(torch.zeros(1, 1, 512))
         self.decoder_pos_embed = torch.nn.Parameter(torch.zeros(1, n + 1, 512), requires_grad=False)
         self.decoder_blocks = torch.nn.ModuleList(
-            [Block(512, 16, 4.0, qkv_bias=True, norm_layer=norm) for _ in range(decoder_depth)])
+            [Block(512, 16, 4.0, qkv_bias=True, norm_layer=norm) for _ in range(decoder_depth)]
+        )
         self.decoder_norm = norm(512)
         self.decoder_pred = torch.nn.Linear(512, 16 * 16 * 3)
         for p in self.parameters():  # not the zero init of a fresh model: every weight matters
@@ -62,15 +68,27 @@ def reference(tmp_path):
     torch.manual_seed(0)
     mae = ReferenceMAE().eval()
     path = tmp_path / "checkpoint-799.pth"
-    torch.save({"model": mae.state_dict(), "epoch": 799,
-                "args": argparse.Namespace(model="mae_vit_nano_dec512d4b", mask_ratio=0.75)}, path)
+    torch.save(
+        {
+            "model": mae.state_dict(),
+            "epoch": 799,
+            "args": argparse.Namespace(model="mae_vit_nano_dec512d4b", mask_ratio=0.75),
+        },
+        path,
+    )
     return mae, path
 
 
 def test_converted_encoder_matches_source(reference, tmp_path):
     mae, path = reference
-    out = import_mae_checkpoint(path, tmp_path / "repo", arch="vip-nano", img_size=32,
-                                stages=[synthetic_stage()], model_name="imported")
+    out = import_mae_checkpoint(
+        path,
+        tmp_path / "repo",
+        arch="vip-nano",
+        img_size=32,
+        stages=[synthetic_stage()],
+        model_name="imported",
+    )
     assert verify_repo(out).ok
     enc = load_encoder(out)
     x = torch.randn(4, 3, 32, 32)
@@ -82,32 +100,60 @@ def test_converted_encoder_matches_source(reference, tmp_path):
     from safetensors.torch import load_file
 
     decoder = load_file(out / "mae_decoder.safetensors")
-    assert set(decoder) == {k for k in mae.state_dict() if k.startswith("decoder_") or k == "mask_token"}
+    assert set(decoder) == {
+        k for k in mae.state_dict() if k.startswith("decoder_") or k == "mask_token"
+    }
 
 
 def test_encoder_only_checkpoint(tmp_path):
     torch.manual_seed(1)
     mae = ReferenceMAE()
-    state = {k: v for k, v in mae.state_dict().items() if not k.startswith(("decoder_", "mask_token"))}
+    state = {
+        k: v for k, v in mae.state_dict().items() if not k.startswith(("decoder_", "mask_token"))
+    }
     state["head.weight"] = torch.zeros(10, 192)  # a fine-tuned classifier is dropped
     torch.save(state, tmp_path / "enc.pth")
-    out = import_mae_checkpoint(tmp_path / "enc.pth", tmp_path / "repo", arch="vip-nano", img_size=32,
-                                stages=[synthetic_stage()], model_name="enc")
+    out = import_mae_checkpoint(
+        tmp_path / "enc.pth",
+        tmp_path / "repo",
+        arch="vip-nano",
+        img_size=32,
+        stages=[synthetic_stage()],
+        model_name="enc",
+    )
     assert not (out / "mae_decoder.safetensors").exists()
 
 
 def test_mismatches_list_the_keys(reference, tmp_path):
     _, path = reference
-    with pytest.raises(CheckpointError, match=r"shape mismatches for vip-tiny.*cls_token \(1, 1, 192\) \(expected \(1, 1, 384\)\)"):
-        import_mae_checkpoint(path, tmp_path / "r", arch="vip-tiny", img_size=32,
-                              stages=[synthetic_stage()], model_name="x")
+    with pytest.raises(
+        CheckpointError,
+        match=r"shape mismatches for vip-tiny.*cls_token \(1, 1, 192\) \(expected \(1, 1, 384\)\)",
+    ):
+        import_mae_checkpoint(
+            path,
+            tmp_path / "r",
+            arch="vip-tiny",
+            img_size=32,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
     state = torch.load(path, weights_only=False)["model"]
     del state["blocks.3.mlp.fc1.weight"]
     state["extra.thing"] = torch.zeros(1)
     torch.save({"model": state}, tmp_path / "broken.pth")
-    with pytest.raises(CheckpointError, match=r"missing encoder keys: blocks\.3\.mlp\.fc1\.weight; unexpected keys: extra\.thing"):
-        import_mae_checkpoint(tmp_path / "broken.pth", tmp_path / "r", arch="vip-nano", img_size=32,
-                              stages=[synthetic_stage()], model_name="x")
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing encoder keys: blocks\.3\.mlp\.fc1\.weight; unexpected keys: extra\.thing",
+    ):
+        import_mae_checkpoint(
+            tmp_path / "broken.pth",
+            tmp_path / "r",
+            arch="vip-nano",
+            img_size=32,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
     assert not (tmp_path / "r").exists()
 
 
@@ -131,23 +177,65 @@ def test_presets():
     assert syn.arch == "vip-base" and [s.type for s in syn.stages] == ["non-private"]
     base = PRESETS["vip-base"]()
     dp = base.stages[1]
-    assert (dp.noise_multiplier, dp.steps, dp.clipping_norm, dp.expected_batch_size) == (0.5, 10_000, 0.1, 81_920)
+    assert (dp.noise_multiplier, dp.steps, dp.clipping_norm, dp.expected_batch_size) == (
+        0.5,
+        10_000,
+        0.1,
+        81_920,
+    )
     assert dp.delta == pytest.approx(1 / (2 * 233_000_000))
-    assert dp.epsilon == pytest.approx(7.00, abs=0.01) and dp.reference_epsilon["prv"] == pytest.approx(5.98, abs=0.02)
+    assert dp.epsilon == pytest.approx(7.00, abs=0.01) and dp.reference_epsilon[
+        "prv"
+    ] == pytest.approx(5.98, abs=0.02)
 
 
 def test_cli_import_with_ledger_options(reference, tmp_path, capsys):
     _, path = reference
     out = tmp_path / "cli-repo"
-    code = main(["import-mae", str(path), "--arch", "vip-nano", "--img-size", "32", "--out", str(out),
-                 "--synthetic-dataset", "Shaders21k", "--private-dataset", "my-images",
-                 "--dataset-size", "5000", "--sigma", "1.0", "--batch-size", "100", "--steps", "50",
-                 "--clip", "0.1"])
+    code = main(
+        [
+            "import-mae",
+            str(path),
+            "--arch",
+            "vip-nano",
+            "--img-size",
+            "32",
+            "--out",
+            str(out),
+            "--synthetic-dataset",
+            "Shaders21k",
+            "--private-dataset",
+            "my-images",
+            "--dataset-size",
+            "5000",
+            "--sigma",
+            "1.0",
+            "--batch-size",
+            "100",
+            "--steps",
+            "50",
+            "--clip",
+            "0.1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     report = verify_repo(out)
     assert report.ok and report.ledger.guarantees[0].dataset == "my-images"
-    assert main(["import-mae", str(path), "--arch", "vip-nano", "--out", str(tmp_path / "x"),
-                 "--sigma", "1"]) == 1
+    assert (
+        main(
+            [
+                "import-mae",
+                str(path),
+                "--arch",
+                "vip-nano",
+                "--out",
+                str(tmp_path / "x"),
+                "--sigma",
+                "1",
+            ]
+        )
+        == 1
+    )
     assert "a DP stage needs" in capsys.readouterr().err
 
 
@@ -157,8 +245,23 @@ def test_cli_preset_vip_base(tmp_path, capsys):
     mae = ReferenceMAE("vip-base", img_size=32, decoder_depth=4)
     torch.save({"model": mae.state_dict()}, tmp_path / "vip-base.pth")
     out = tmp_path / "vip-base"
-    assert main(["import-mae", str(tmp_path / "vip-base.pth"), "--preset", "vip-base", "--img-size", "32",
-                 "--out", str(out), "--repo-id", "vip/vip-base"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "import-mae",
+                str(tmp_path / "vip-base.pth"),
+                "--preset",
+                "vip-base",
+                "--img-size",
+                "32",
+                "--out",
+                str(out),
+                "--repo-id",
+                "vip/vip-base",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     report = verify_repo(out)
     assert report.ok
     assert report.ledger.summary().datasets == ("LAION-233M",)

@@ -37,8 +37,16 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-BOMB = (lambda buf: (Image.new("L", (8000, 8000)).save(buf, "PNG"), buf.getvalue())[1])(io.BytesIO())
-IMAGES = [image(40, 30), image(64, 64, "JPEG"), image(17, 50, "WEBP"), image(32, 32, "BMP"), image(50, 20, "GIF")]
+BOMB = (lambda buf: (Image.new("L", (8000, 8000)).save(buf, "PNG"), buf.getvalue())[1])(
+    io.BytesIO()
+)
+IMAGES = [
+    image(40, 30),
+    image(64, 64, "JPEG"),
+    image(17, 50, "WEBP"),
+    image(32, 32, "BMP"),
+    image(50, 20, "GIF"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +61,11 @@ def _pil(data: bytes) -> Image.Image:
 
 @pytest.mark.parametrize("pooling", ["avg", "cls", "vip"])
 def test_parity_with_in_process(hub, local, pooling):
-    r = httpx.post(f"{hub.url}/v1/embeddings", timeout=60,
-                   json={"model": MODEL, "input": [b64(x) for x in IMAGES], "pooling": pooling})
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        timeout=60,
+        json={"model": MODEL, "input": [b64(x) for x in IMAGES], "pooling": pooling},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     got = torch.tensor([d["embedding"] for d in body["data"]])
@@ -63,7 +74,10 @@ def test_parity_with_in_process(hub, local, pooling):
     assert [d["index"] for d in body["data"]] == list(range(len(IMAGES)))
     assert body["object"] == "list" and body["model"] == MODEL and body["usage"] == {"images": 5}
     assert body["privacy"]["datasets"] == ["test-images"] and body["privacy"]["accountant"] == "rdp"
-    assert body["privacy"]["headline"].startswith("(ε = ") and "test-images" in body["privacy"]["headline"]
+    assert (
+        body["privacy"]["headline"].startswith("(ε = ")
+        and "test-images" in body["privacy"]["headline"]
+    )
     assert r.headers["x-model-revision"] == body["revision"] and len(body["revision"]) == 40
     assert float(r.headers["x-privacy-epsilon"]) == pytest.approx(body["privacy"]["epsilon"])
     assert float(r.headers["x-privacy-delta"]) == pytest.approx(body["privacy"]["delta"])
@@ -74,29 +88,50 @@ def test_parity_with_in_process(hub, local, pooling):
 def test_encodings_normalize_dimensions_and_data_uris(hub, local):
     data_uri = "data:image/png;base64," + b64(IMAGES[0])
     floats = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": data_uri}).json()
-    packed = httpx.post(f"{hub.url}/v1/embeddings",
-                        json={"model": MODEL, "input": [b64(IMAGES[0])], "encoding_format": "base64"}).json()
+    packed = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(IMAGES[0])], "encoding_format": "base64"},
+    ).json()
     vec = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(vec, floats["data"][0]["embedding"], rtol=0, atol=0)
-    short = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])],
-                                                         "normalize": True, "dimensions": 16}).json()
+    short = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(IMAGES[0])], "normalize": True, "dimensions": 16},
+    ).json()
     v = np.array(short["data"][0]["embedding"])
     assert v.shape == (16,) and abs(np.linalg.norm(v) - 1) < 1e-5
     ref = np.array(floats["data"][0]["embedding"][:16])
     np.testing.assert_allclose(v, ref / np.linalg.norm(ref), atol=1e-6)
-    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])], "dimensions": 999})
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(IMAGES[0])], "dimensions": 999},
+    )
     assert r.status_code == 400 and "dimensions" in r.json()["error"]
 
 
 def test_multipart_variant(hub):
-    files = [("files", (f"img{i}.bin", x, "application/octet-stream")) for i, x in enumerate(IMAGES[:3])]
-    r = httpx.post(f"{hub.url}/v1/embeddings/files", data={"model": MODEL, "pooling": "vip"}, files=files, timeout=60)
+    files = [
+        ("files", (f"img{i}.bin", x, "application/octet-stream")) for i, x in enumerate(IMAGES[:3])
+    ]
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings/files",
+        data={"model": MODEL, "pooling": "vip"},
+        files=files,
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
-    j = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(x) for x in IMAGES[:3]],
-                                                     "pooling": "vip"}).json()
-    np.testing.assert_allclose([d["embedding"] for d in r.json()["data"]], [d["embedding"] for d in j["data"]], atol=1e-5)
-    bad = httpx.post(f"{hub.url}/v1/embeddings/files", data={"model": MODEL},
-                     files=[("files", ("a", IMAGES[0], "image/png")), ("files", ("b", b"", "image/png"))])
+    j = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(x) for x in IMAGES[:3]], "pooling": "vip"},
+    ).json()
+    np.testing.assert_allclose(
+        [d["embedding"] for d in r.json()["data"]], [d["embedding"] for d in j["data"]], atol=1e-5
+    )
+    bad = httpx.post(
+        f"{hub.url}/v1/embeddings/files",
+        data={"model": MODEL},
+        files=[("files", ("a", IMAGES[0], "image/png")), ("files", ("b", b"", "image/png"))],
+    )
     assert bad.status_code == 400 and "input[1]: empty image" in bad.json()["error"]
 
 
@@ -104,7 +139,9 @@ def test_device_setting_is_checked_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         settings_for(tmp_path, inference={"device": "tpu"})
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="device cuda:0 was asked for, but this machine has 0 CUDA"):
+        with pytest.raises(
+            ValueError, match="device cuda:0 was asked for, but this machine has 0 CUDA"
+        ):
             settings_for(tmp_path, inference={"device": "cuda"})
     assert settings_for(tmp_path, inference={"device": "cpu"}).inference.device == "cpu"
 
@@ -114,7 +151,9 @@ def test_cpu_and_cuda_servers_agree(hub, published):
     body = {"model": MODEL, "input": [b64(x) for x in IMAGES], "pooling": "vip"}
     got = {}
     for device in ("cpu", "cuda"):
-        with ThreadedServer(settings_for(hub.settings.store, inference={"device": device})) as server:
+        with ThreadedServer(
+            settings_for(hub.settings.store, inference={"device": device})
+        ) as server:
             r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
             assert r.status_code == 200, r.text
             got[device] = torch.tensor([d["embedding"] for d in r.json()["data"]])
@@ -123,8 +162,10 @@ def test_cpu_and_cuda_servers_agree(hub, published):
 
 
 def test_classify(hub, local, published):
-    r = httpx.post(f"{hub.url}/v1/classify", json={"model": MODEL, "head": "toy", "input": [b64(x) for x in IMAGES[:2]],
-                                                   "top_k": 2})
+    r = httpx.post(
+        f"{hub.url}/v1/classify",
+        json={"model": MODEL, "head": "toy", "input": [b64(x) for x in IMAGES[:2]], "top_k": 2},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     head, info = load_head(published[MODEL], "toy")
@@ -133,23 +174,39 @@ def test_classify(hub, local, published):
     for row, p in zip(body["data"], probs):
         top = p.topk(2)
         assert [x["label"] for x in row["labels"]] == [info.labels[i] for i in top.indices]
-        np.testing.assert_allclose([x["score"] for x in row["labels"]], top.values.numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            [x["score"] for x in row["labels"]], top.values.numpy(), atol=1e-5
+        )
     privacy = body["privacy"]
     assert privacy["encoder"]["datasets"] == ["test-images"] and privacy["encoder"]["epsilon"] > 0
     assert privacy["encoder"]["unprotected_datasets"] == []
     # the head's summary carries its encoder's guarantee and names the labels used without DP
-    assert privacy["head"]["datasets"] == ["test-images"] and privacy["head"]["unprotected_datasets"] == ["toy-labels"]
-    assert privacy["head"]["epsilon"] is None and "NO guarantee for toy-labels" in privacy["head"]["headline"]
+    assert privacy["head"]["datasets"] == ["test-images"] and privacy["head"][
+        "unprotected_datasets"
+    ] == ["toy-labels"]
+    assert (
+        privacy["head"]["epsilon"] is None
+        and "NO guarantee for toy-labels" in privacy["head"]["headline"]
+    )
     assert r.headers["x-privacy-epsilon"] == repr(privacy["encoder"]["epsilon"])
-    missing = httpx.post(f"{hub.url}/v1/classify", json={"model": MODEL, "head": "nope", "input": [b64(IMAGES[0])]})
+    missing = httpx.post(
+        f"{hub.url}/v1/classify", json={"model": MODEL, "head": "nope", "input": [b64(IMAGES[0])]}
+    )
     assert missing.status_code == 404 and "heads: toy" in missing.json()["error"]
 
 
 def test_models_listing(hub, published):
     models = httpx.get(f"{hub.url}/v1/models").json()["data"]
     entry = next(m for m in models if m["id"] == MODEL)
-    assert entry["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152} and entry["arch"] == "vip-nano"
-    assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == ["red", "green", "blue"]
+    assert (
+        entry["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152}
+        and entry["arch"] == "vip-nano"
+    )
+    assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == [
+        "red",
+        "green",
+        "blue",
+    ]
     assert entry["heads"][0]["privacy"]["unprotected_datasets"] == ["toy-labels"]
     assert entry["privacy"]["epsilon"] > 0 and entry["privacy"]["datasets"] == ["test-images"]
     one = httpx.get(f"{hub.url}/v1/models/vip/vip-nano-syn").json()
@@ -158,21 +215,31 @@ def test_models_listing(hub, published):
 
 
 def test_unknown_model_and_revision(hub, published):
-    assert httpx.post(f"{hub.url}/v1/embeddings", json={"model": "vip/absent", "input": [b64(IMAGES[0])]}).status_code == 404
-    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": f"{MODEL}@nope", "input": [b64(IMAGES[0])]})
+    assert (
+        httpx.post(
+            f"{hub.url}/v1/embeddings", json={"model": "vip/absent", "input": [b64(IMAGES[0])]}
+        ).status_code
+        == 404
+    )
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", json={"model": f"{MODEL}@nope", "input": [b64(IMAGES[0])]}
+    )
     assert r.status_code == 404 and r.headers["x-error-code"] == "RevisionNotFound"
 
 
-@pytest.mark.parametrize("payload,status,fragment", [
-    ({"input": ["aGVsbG8gd29ybGQ="]}, 400, "input[0]: not an image"),
-    ({"input": [b64(IMAGES[0]), b64(IMAGES[0][:300])]}, 400, "input[1]: truncated or corrupt"),
-    ({"input": [b64(b"%PDF-1.7 not an image")]}, 400, "input[0]: not an image"),
-    ({"input": ["!!!"]}, 400, "input[0]: not valid base64"),
-    ({"input": ["https://example.com/cat.jpg"]}, 400, "URLs are not fetched"),
-    ({"input": [b64(BOMB)]}, 413, "input[0]: 8000x8000 pixels exceeds"),
-    ({"input": [b64(IMAGES[0])] * 65}, 413, "more than the limit of 64"),
-    ({"input": []}, 400, "at least one image"),
-])
+@pytest.mark.parametrize(
+    "payload,status,fragment",
+    [
+        ({"input": ["aGVsbG8gd29ybGQ="]}, 400, "input[0]: not an image"),
+        ({"input": [b64(IMAGES[0]), b64(IMAGES[0][:300])]}, 400, "input[1]: truncated or corrupt"),
+        ({"input": [b64(b"%PDF-1.7 not an image")]}, 400, "input[0]: not an image"),
+        ({"input": ["!!!"]}, 400, "input[0]: not valid base64"),
+        ({"input": ["https://example.com/cat.jpg"]}, 400, "URLs are not fetched"),
+        ({"input": [b64(BOMB)]}, 413, "input[0]: 8000x8000 pixels exceeds"),
+        ({"input": [b64(IMAGES[0])] * 65}, 413, "more than the limit of 64"),
+        ({"input": []}, 400, "at least one image"),
+    ],
+)
 def test_bad_inputs(hub, published, payload, status, fragment):
     r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, **payload}, timeout=60)
     assert r.status_code == status, r.text
@@ -182,9 +249,15 @@ def test_bad_inputs(hub, published, payload, status, fragment):
 
 def test_malformed_requests(hub, published):
     deep = b'{"model": "vip/vip-nano-test", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    r = httpx.post(f"{hub.url}/v1/embeddings", content=deep, headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", content=deep, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and "nested deeper" in r.json()["error"]
-    r = httpx.post(f"{hub.url}/v1/embeddings", content=b"{not json", headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 422
     r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": "../../etc", "input": ["x"]})
     assert r.status_code == 422
@@ -192,30 +265,47 @@ def test_malformed_requests(hub, published):
 
 @pytest.fixture(scope="module")
 def limited(hub):
-    settings = settings_for(hub.settings.store, inference={
-        "max_request_bytes": 300_000, "max_image_bytes": 50_000, "max_images_per_request": 3,
-        "max_queue_images": 4, "max_batch_size": 2, "max_wait_ms": 300.0})
+    settings = settings_for(
+        hub.settings.store,
+        inference={
+            "max_request_bytes": 300_000,
+            "max_image_bytes": 50_000,
+            "max_images_per_request": 3,
+            "max_queue_images": 4,
+            "max_batch_size": 2,
+            "max_wait_ms": 300.0,
+        },
+    )
     with ThreadedServer(settings) as server:
         yield server
 
 
 def test_size_limits(limited, published):
     big = image(200, 200, "BMP")  # ~120 KB: over the per-image limit
-    r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0]), b64(big)]})
+    r = httpx.post(
+        f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0]), b64(big)]}
+    )
     assert r.status_code == 413 and "input[1]: image larger than 50000 bytes" in r.json()["error"]
     r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(big)] * 3})
     assert r.status_code == 413 and "request body" in r.json()["error"]
-    r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 4})
+    r = httpx.post(
+        f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 4}
+    )
     assert r.status_code == 413 and "limit of 3" in r.json()["error"]
 
 
 def test_overload_gets_429_with_retry_after(limited, published):
-    httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)  # load
+    httpx.post(
+        f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60
+    )  # load
     statuses, retry = [], []
 
     def call() -> None:
-        r = httpx.post(f"{limited.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 2},
-                       timeout=60)
+        r = httpx.post(
+            f"{limited.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])] * 2},
+            timeout=60,
+        )
         statuses.append(r.status_code)
         if r.status_code == 429:
             retry.append(r.headers.get("retry-after"))
@@ -231,7 +321,10 @@ def test_overload_gets_429_with_retry_after(limited, published):
 
 def _metric(url: str, name: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{.*\}})? ([0-9.e+-]+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(rf"^{name}(\{{.*\}})? ([0-9.e+-]+)$", text, re.M)
+    }
 
 
 def test_access_log_line_follows_the_response_with_its_duration(hub, published, caplog):
@@ -240,27 +333,48 @@ def test_access_log_line_follows_the_response_with_its_duration(hub, published, 
     from service.ops import ACCESS_LOGGER, log_config
 
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60
+    )
     assert r.status_code == 200
     deadline = time.monotonic() + 10  # written once the response has gone out
-    while not (records := [x for x in caplog.records if x.name == ACCESS_LOGGER and "/v1/embeddings" in x.getMessage()]):
+    while not (
+        records := [
+            x
+            for x in caplog.records
+            if x.name == ACCESS_LOGGER and "/v1/embeddings" in x.getMessage()
+        ]
+    ):
         assert time.monotonic() < deadline, "no access log line"
         time.sleep(0.01)
-    line = AccessFormatter(fmt=log_config()["formatters"]["vip_hub_access"]["fmt"], use_colors=False).format(records[-1])
-    assert re.search(r'127\.0\.0\.1:\d+ - "POST /v1/embeddings HTTP/1\.1" 200 OK \d+\.\d ms$', line), line
+    line = AccessFormatter(
+        fmt=log_config()["formatters"]["vip_hub_access"]["fmt"], use_colors=False
+    ).format(records[-1])
+    assert re.search(
+        r'127\.0\.0\.1:\d+ - "POST /v1/embeddings HTTP/1\.1" 200 OK \d+\.\d ms$', line
+    ), line
     assert log_config("warning")["loggers"][ACCESS_LOGGER]["level"] == logging.WARNING
 
 
 def test_concurrent_clients_share_batches(hub, published):
-    settings = settings_for(hub.settings.store, inference={"max_wait_ms": 100.0, "max_batch_size": 16})
+    settings = settings_for(
+        hub.settings.store, inference={"max_wait_ms": 100.0, "max_batch_size": 16}
+    )
     with ThreadedServer(settings) as server:
-        httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+        httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])]},
+            timeout=60,
+        )
         before = sum(_metric(server.url, "vip_hub_batch_images_count").values())
         results = []
 
         def call(i: int) -> None:
-            r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[i % 5])]},
-                           timeout=60)
+            r = httpx.post(
+                f"{server.url}/v1/embeddings",
+                json={"model": MODEL, "input": [b64(IMAGES[i % 5])]},
+                timeout=60,
+            )
             results.append((i, r.status_code, r.json()["data"][0]["embedding"]))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
@@ -312,9 +426,16 @@ def test_readiness_waits_for_preloaded_models(hub, tmp_path):
         r = httpx.get(f"{server.url}/readyz")
         assert r.status_code == 503 and r.json()["models"]["ready/later"].startswith("waiting")
         assert httpx.get(f"{server.url}/healthz").status_code == 200
-        push_repo(tiny_repo_with_head(tmp_path / "later"), "ready/later", endpoint=server.url, token=WRITE_TOKEN)
+        push_repo(
+            tiny_repo_with_head(tmp_path / "later"),
+            "ready/later",
+            endpoint=server.url,
+            token=WRITE_TOKEN,
+        )
         deadline = time.monotonic() + 60
-        while (r := httpx.get(f"{server.url}/readyz")).status_code != 200 and time.monotonic() < deadline:
+        while (
+            r := httpx.get(f"{server.url}/readyz")
+        ).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert r.status_code == 200 and r.json()["models"] == {"ready/later": "ready"}
 
@@ -333,26 +454,38 @@ def slow_batches(monkeypatch):
 
 def test_deadline_and_disconnect(hub, published, slow_batches):
     # One image per batch: the last of 64 queued images waits for 63 batches (> 10 ms).
-    settings = settings_for(hub.settings.store, inference={"request_timeout_s": 0.01, "max_batch_size": 1})
+    settings = settings_for(
+        hub.settings.store, inference={"request_timeout_s": 0.01, "max_batch_size": 1}
+    )
     with ThreadedServer(settings) as server:
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])] * 64},
-                       timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])] * 64},
+            timeout=60,
+        )
         assert r.status_code == 503 and "deadline" in r.json()["error"]
     settings = settings_for(hub.settings.store, inference={"max_batch_size": 1})
     with ThreadedServer(settings) as server:
         httpx.get(f"{server.url}/v1/models/{MODEL}")
-        body = ('{"model": "%s", "input": [%s]}' % (MODEL, ", ".join(['"%s"' % b64(IMAGES[0])] * 64))).encode()
+        body = (
+            '{"model": "%s", "input": [%s]}' % (MODEL, ", ".join(['"%s"' % b64(IMAGES[0])] * 64))
+        ).encode()
         sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         deadline = time.monotonic() + 60  # wait until it is decoded and queued
         while not sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values()):
             assert time.monotonic() < deadline, "the request never reached the server"
             time.sleep(0.005)
         sock.close()  # gone while most of its 64 one-image batches (>= 1.28 s) are still queued
         # One image queued behind them: once it is answered, the worker is past all of them.
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]},
-                       timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])]},
+            timeout=60,
+        )
         assert r.status_code == 200
         batches = sum(_metric(server.url, "vip_hub_batch_images_count").values())
         assert batches - 1 < 64  # the rest of the 64 was dropped
@@ -362,18 +495,31 @@ def test_shutdown_drains_in_flight(hub, published):
     settings = settings_for(hub.settings.store, inference={"max_batch_size": 1})
     statuses: list[int] = []
     with ThreadedServer(settings) as server:  # leaving the block shuts the server down
-        httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}, timeout=60)
+        httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])]},
+            timeout=60,
+        )
         preprocessed = sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values())
 
         def call() -> None:  # 64 one-image batches each: 256 forward passes queued in all
-            statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[1])] * 64},
-                                       timeout=60).status_code)
+            statuses.append(
+                httpx.post(
+                    f"{server.url}/v1/embeddings",
+                    json={"model": MODEL, "input": [b64(IMAGES[1])] * 64},
+                    timeout=60,
+                ).status_code
+            )
 
         threads = [threading.Thread(target=call) for _ in range(4)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30  # stop once all four requests are in (preprocessed, queued)
-        while sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values()) < preprocessed + 4:
+        deadline = (
+            time.monotonic() + 30
+        )  # stop once all four requests are in (preprocessed, queued)
+        while (
+            sum(_metric(server.url, "vip_hub_preprocess_seconds_count").values()) < preprocessed + 4
+        ):
             assert time.monotonic() < deadline, "the requests never reached the server"
             time.sleep(0.005)
     for t in threads:
@@ -382,15 +528,25 @@ def test_shutdown_drains_in_flight(hub, published):
 
 
 def test_auth_for_inference(hub, published, tmp_path):
-    push_repo(tiny_repo_with_head(tmp_path / "priv"), "secret/model", token=WRITE_TOKEN, private=True)
+    push_repo(
+        tiny_repo_with_head(tmp_path / "priv"), "secret/model", token=WRITE_TOKEN, private=True
+    )
     payload = {"model": "secret/model", "input": [b64(IMAGES[0])]}
     assert httpx.post(f"{hub.url}/v1/embeddings", json=payload).status_code == 404
-    ok = httpx.post(f"{hub.url}/v1/embeddings", json=payload, headers={"Authorization": f"Bearer {READ_TOKEN}"})
+    ok = httpx.post(
+        f"{hub.url}/v1/embeddings", json=payload, headers={"Authorization": f"Bearer {READ_TOKEN}"}
+    )
     assert ok.status_code == 200
     settings = settings_for(hub.settings.store, auth={"protect_inference": True})
     with ThreadedServer(settings) as server:
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]})
+        r = httpx.post(
+            f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]}
+        )
         assert r.status_code == 401
-        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]},
-                       headers={"Authorization": f"Bearer {READ_TOKEN}"}, timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])]},
+            headers={"Authorization": f"Bearer {READ_TOKEN}"},
+            timeout=60,
+        )
         assert r.status_code == 200

@@ -26,20 +26,26 @@ def _png(width: int, height: int) -> str:
 
 def test_defaults_cap_an_image_at_16_megapixels_and_a_request_at_64():
     settings = InferenceSettings()
-    assert settings.max_image_pixels == 4096 * 4096 and settings.max_request_pixels == 64 * 1024 * 1024
+    assert (
+        settings.max_image_pixels == 4096 * 4096 and settings.max_request_pixels == 64 * 1024 * 1024
+    )
 
 
 def test_a_request_over_its_pixel_budget_is_refused_before_decoding(hub, published):
     big = _png(4096, 4096)  # at the per-image cap; five of them are over the request's budget
     start = time.monotonic()
-    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [big] * 5}, timeout=60)
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [big] * 5}, timeout=60
+    )
     assert r.status_code == 413, r.text
     assert "per-request budget of 67108864" in r.json()["error"]
     assert time.monotonic() - start < 5
     over = _png(4097, 4096)
     r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [over]}, timeout=60)
     assert r.status_code == 413 and "exceeds the limit of 16777216" in r.json()["error"]
-    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [big] * 2}, timeout=60)
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [big] * 2}, timeout=60
+    )
     assert r.status_code == 200 and len(r.json()["data"]) == 2
 
 
@@ -52,7 +58,10 @@ def test_a_large_image_is_decoded_at_a_reduced_scale(fmt):
     assert img.mode == "RGB" and min(img.size) >= 72 and img.size[0] <= 2000 // 8 + 8
     assert img.getpixel((10, 10))[2] > 200
     assert decode_image(buf.getvalue(), 0, limits).size == (2000, 1500)  # no target: full size
-    assert decode_image(buf.getvalue(), 0, limits, min_side=600).size == (2000, 1500)  # needed as is
+    assert decode_image(buf.getvalue(), 0, limits, min_side=600).size == (
+        2000,
+        1500,
+    )  # needed as is
 
 
 def test_preprocessing_serves_requests_in_turn_not_first_come_first_served():
@@ -68,7 +77,9 @@ def test_preprocessing_serves_requests_in_turn_not_first_come_first_served():
     def request(name: str, images: int):
         for i in range(images):
             if name == "large" and i == 0:
-                small_queued.wait(10)  # hold the only worker on the large request until the small one is queued
+                small_queued.wait(
+                    10
+                )  # hold the only worker on the large request until the small one is queued
             order.append(name)
             yield
 
@@ -79,7 +90,9 @@ def test_preprocessing_serves_requests_in_turn_not_first_come_first_served():
         small_queued.set()
     finally:
         pool.shutdown()
-    assert order.index("small") <= 2 and len(order) == 9, order  # after at most one more large image
+    assert order.index("small") <= 2 and len(order) == 9, (
+        order
+    )  # after at most one more large image
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(request("late", 1))
 
@@ -89,8 +102,15 @@ def test_concurrent_requests_of_different_sizes_all_complete(hub, published):
 
     big, small = _png(1024, 1024), _png(32, 32)
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        calls = [ex.submit(httpx.post, f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": images},
-                           timeout=120) for images in ([big] * 12, [small], [small] * 3, [big])]
+        calls = [
+            ex.submit(
+                httpx.post,
+                f"{hub.url}/v1/embeddings",
+                json={"model": MODEL, "input": images},
+                timeout=120,
+            )
+            for images in ([big] * 12, [small], [small] * 3, [big])
+        ]
         answers = [c.result() for c in calls]
     assert [r.status_code for r in answers] == [200] * 4
     assert [len(r.json()["data"]) for r in answers] == [12, 1, 3, 1]

@@ -45,8 +45,11 @@ def test_formats(fmt):
 
 @pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK", "I;16"])
 def test_modes_become_rgb(mode):
-    src = RGB.convert(mode) if mode != "I;16" else Image.fromarray(
-        (np.arange(24 * 32).reshape(24, 32) * 80).astype(np.uint16))
+    src = (
+        RGB.convert(mode)
+        if mode != "I;16"
+        else Image.fromarray((np.arange(24 * 32).reshape(24, 32) * 80).astype(np.uint16))
+    )
     fmt = "TIFF" if mode in ("CMYK", "I;16") else "PNG"
     img = decode_image(encode(src, fmt), 0, LIMITS)
     assert img.mode == "RGB"
@@ -80,7 +83,9 @@ def test_decompression_bomb_refused_from_header():
     with pytest.raises(PayloadTooLarge, match=r"input\[0\]: 5000x5000 pixels exceeds"):
         decode_image(bomb, 0, LIMITS)
     huge = encode(Image.new("1", (20000, 20000)), "PNG")  # PIL itself refuses this one in open()
-    with pytest.raises(PayloadTooLarge, match=r"input\[1\]: decompression bomb refused from the header"):
+    with pytest.raises(
+        PayloadTooLarge, match=r"input\[1\]: decompression bomb refused from the header"
+    ):
         decode_image(huge, 1, LIMITS)
 
 
@@ -228,7 +233,10 @@ def test_waiting_ends_with_the_results_the_client_leaving_or_the_timeout():
 
     assert asyncio.run(scenario(finish=True, leave=False, timeout=5)) == ("done", False)
     assert asyncio.run(scenario(finish=False, leave=True, timeout=5)) == ("ClientGone", True)
-    assert asyncio.run(scenario(finish=False, leave=False, timeout=0.05)) == ("DeadlineExceeded", True)
+    assert asyncio.run(scenario(finish=False, leave=False, timeout=0.05)) == (
+        "DeadlineExceeded",
+        True,
+    )
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -236,7 +244,9 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def test_http_statuses_live_in_service_errors_and_each_error_name_is_one_class():
-    http = _subclasses(ServiceError)  # batcher and engine are imported: their errors would show here
+    http = _subclasses(
+        ServiceError
+    )  # batcher and engine are imported: their errors would show here
     assert {c.__module__ for c in http} == {"service.errors"}
     store = [store_errors.StoreError, *_subclasses(store_errors.StoreError)]
     assert not {c.__name__ for c in http} & {c.__name__ for c in store}

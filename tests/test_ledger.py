@@ -28,9 +28,19 @@ def test_dp_stage_defaults_and_all_three_accountants():
     assert exact <= s.epsilon <= exact + 1e-6  # rounded up, never down
     assert set(s.reference_epsilon) == {"prv", "pld"}
     assert max(s.reference_epsilon.values()) < s.epsilon  # PRV and PLD are the tighter analyses
-    named = DPStage.from_parameters(name="x", dataset=Dataset(name="d", size=1000), sample_rate=0.05,
-                                    noise_multiplier=1.0, steps=100, clipping_norm=1.0, accountant="pld")
-    assert named.epsilon == s.reference_epsilon["pld"] and set(named.reference_epsilon) == {"rdp", "prv"}
+    named = DPStage.from_parameters(
+        name="x",
+        dataset=Dataset(name="d", size=1000),
+        sample_rate=0.05,
+        noise_multiplier=1.0,
+        steps=100,
+        clipping_norm=1.0,
+        accountant="pld",
+    )
+    assert named.epsilon == s.reference_epsilon["pld"] and set(named.reference_epsilon) == {
+        "rdp",
+        "prv",
+    }
 
 
 def test_stored_epsilons_are_rounded_up_at_six_decimals():
@@ -65,8 +75,12 @@ def test_no_private_data_summary():
 def test_two_private_datasets_get_two_guarantees():
     a = dp_stage()
     b = DPStage.from_parameters(
-        name="dp-finetune", dataset=Dataset(name="imagenet", size=10_000), sample_rate=0.01,
-        noise_multiplier=2.0, steps=50, clipping_norm=1.0,
+        name="dp-finetune",
+        dataset=Dataset(name="imagenet", size=10_000),
+        sample_rate=0.01,
+        noise_multiplier=2.0,
+        steps=50,
+        clipping_norm=1.0,
     )
     ledger = PrivacyLedger.build([synthetic_stage(), a, b])
     assert {g.dataset for g in ledger.guarantees} == {"test-images", "imagenet"}
@@ -92,7 +106,9 @@ def _bad(mutate):
 
 def test_errors_name_the_field():
     assert "stages.1.dp.sample_rate" in _bad(lambda d: d["stages"][1].update(sample_rate=1.5))
-    assert "stages.1.dp.noise_multiplier" in _bad(lambda d: d["stages"][1].update(noise_multiplier=-1))
+    assert "stages.1.dp.noise_multiplier" in _bad(
+        lambda d: d["stages"][1].update(noise_multiplier=-1)
+    )
     assert "stages.1.dp.delta" in _bad(lambda d: d["stages"][1].update(delta=1.0))
     assert "stages.0.non-private.private_data" in _bad(lambda d: d["stages"][0].pop("private_data"))
     assert "stages.1.dp.mechanism" in _bad(lambda d: d["stages"][1].update(mechanism="magic"))
@@ -101,21 +117,27 @@ def test_errors_name_the_field():
     assert "schema: expected" in _bad(lambda d: d.update(schema="vip-hub/privacy-ledger/v0"))
     assert "duplicate stage name" in _bad(lambda d: d["stages"][0].update(name="dp-pretraining"))
     assert "missing a guarantee" in _bad(lambda d: d.update(guarantees=[]))
-    assert "guarantees.0.stages" in _bad(lambda d: d["guarantees"][0].update(stages=["synthetic-pretraining"]))
+    assert "guarantees.0.stages" in _bad(
+        lambda d: d["guarantees"][0].update(stages=["synthetic-pretraining"])
+    )
     assert "artifacts" in _bad(lambda d: d.update(artifacts={"../x": "sha256:" + "0" * 64}))
     assert "not sha256" in _bad(lambda d: d.update(artifacts={"x": "md5:abc"}))
     assert "not valid JSON" in str(pytest.raises(LedgerError, PrivacyLedger.parse, "{nope").value)
 
 
 def test_dataset_used_without_dp_cannot_be_guaranteed():
-    leak = NonPrivateStage(name="probe", dataset=Dataset(name="test-images", size=1000), private_data=True)
+    leak = NonPrivateStage(
+        name="probe", dataset=Dataset(name="test-images", size=1000), private_data=True
+    )
     with pytest.raises(LedgerError, match="also used by a non-private stage"):
         PrivacyLedger.build([dp_stage(), leak])
 
 
 def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     head = NonPrivateStage(
-        name="linear-probe", component="heads/digits", dataset=Dataset(name="digits-labels", size=10),
+        name="linear-probe",
+        component="heads/digits",
+        dataset=Dataset(name="digits-labels", size=10),
         private_data=True,
     )
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage(), head])
@@ -124,27 +146,51 @@ def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     assert h.datasets == enc.datasets == ("test-images",) and h.delta == enc.delta
     assert enc.epsilon == ledger.guarantees[0].epsilon and enc.private_data
     assert h.epsilon is None and h.private_data  # some of its data has no guarantee at all
-    assert h.to_dict() == {"epsilon": None, "delta": enc.delta, "datasets": ["test-images"],
-                           "accountant": "rdp", "private_data": True, "unprotected_datasets": ["digits-labels"],
-                           "caveat": None, "epsilon_without_amplification": None}
+    assert h.to_dict() == {
+        "epsilon": None,
+        "delta": enc.delta,
+        "datasets": ["test-images"],
+        "accountant": "rdp",
+        "private_data": True,
+        "unprotected_datasets": ["digits-labels"],
+        "caveat": None,
+        "epsilon_without_amplification": None,
+    }
 
 
 def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_composes_both():
     enc_stage = dp_stage()
-    head = DPStage.from_parameters(name="linear-probe-dp:digits", component="heads/digits",
-                                   dataset=enc_stage.dataset, sample_rate=0.1, noise_multiplier=2.0, steps=50,
-                                   clipping_norm=1.0)
+    head = DPStage.from_parameters(
+        name="linear-probe-dp:digits",
+        component="heads/digits",
+        dataset=enc_stage.dataset,
+        sample_rate=0.1,
+        noise_multiplier=2.0,
+        steps=50,
+        clipping_norm=1.0,
+    )
     ledger = PrivacyLedger.build([synthetic_stage(), enc_stage, head])
     enc, h = ledger.summary(), ledger.summary("heads/digits")
     assert enc.epsilon == enc_stage.epsilon  # the encoder's weights never saw the head's training
-    assert h.epsilon == ledger.guarantees[0].epsilon > enc_stage.epsilon  # the head's: both stages composed
+    assert (
+        h.epsilon == ledger.guarantees[0].epsilon > enc_stage.epsilon
+    )  # the head's: both stages composed
 
 
 # ---------------------------------------------------------------- issue 22: what a guarantee must survive
-def _stage_on(name: str, n: int, stage: str = "dp-pretraining", component: str = "encoder", **kw) -> DPStage:
-    return DPStage.from_parameters(name=stage, component=component, dataset=Dataset(name=name, size=n),
-                                   sample_rate=kw.pop("q", 0.05), noise_multiplier=kw.pop("sigma", 1.0),
-                                   steps=kw.pop("steps", 100), clipping_norm=1.0, **kw)
+def _stage_on(
+    name: str, n: int, stage: str = "dp-pretraining", component: str = "encoder", **kw
+) -> DPStage:
+    return DPStage.from_parameters(
+        name=stage,
+        component=component,
+        dataset=Dataset(name=name, size=n),
+        sample_rate=kw.pop("q", 0.05),
+        noise_multiplier=kw.pop("sigma", 1.0),
+        steps=kw.pop("steps", 100),
+        clipping_norm=1.0,
+        **kw,
+    )
 
 
 def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_encoder():
@@ -154,23 +200,45 @@ def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_
     from dp_accounting.rdp import RdpAccountant
 
     enc = _stage_on("org/digits", 1437)
-    head = _stage_on("org/digits", 1150, stage="linear-probe-dp:d", component="heads/d", q=0.2, sigma=3.0, steps=60)
+    head = _stage_on(
+        "org/digits",
+        1150,
+        stage="linear-probe-dp:d",
+        component="heads/d",
+        q=0.2,
+        sigma=3.0,
+        steps=60,
+    )
     ledger = PrivacyLedger.build([synthetic_stage(), enc, head])
-    acc = RdpAccountant()  # composed by dp_accounting from the raw (q, sigma, T), not by our own code
+    acc = (
+        RdpAccountant()
+    )  # composed by dp_accounting from the raw (q, sigma, T), not by our own code
     for s in (enc, head):
-        acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)),
-                    s.steps)
+        acc.compose(
+            dp_event.PoissonSampledDpEvent(
+                s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)
+            ),
+            s.steps,
+        )
     both = acc.get_epsilon(max(enc.delta, head.delta))
     (g,) = ledger.summary("heads/d").guarantees
-    assert g.epsilon >= both * (1 - 1e-3) and g.epsilon > head.epsilon and g.stages == [enc.name, head.name]
+    assert (
+        g.epsilon >= both * (1 - 1e-3)
+        and g.epsilon > head.epsilon
+        and g.stages == [enc.name, head.name]
+    )
     assert ledger.summary().epsilon == enc.epsilon
     assert "fingerprint" not in ledger.to_json()
 
 
 def test_one_dataset_named_in_two_ways_is_refused():
     with pytest.raises(LedgerError, match="in two ways"):
-        PrivacyLedger.build([_stage_on("org/Digits_Train", 100),
-                             _stage_on("org/digits-train", 100, stage="linear-probe-dp:d", component="heads/d")])
+        PrivacyLedger.build(
+            [
+                _stage_on("org/Digits_Train", 100),
+                _stage_on("org/digits-train", 100, stage="linear-probe-dp:d", component="heads/d"),
+            ]
+        )
 
 
 def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
@@ -192,9 +260,14 @@ def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
     ledger = PrivacyLedger.build(PRESETS["dpcap-base-eps7"]().stages)
     summary = ledger.summary()
     assert summary.epsilon == pytest.approx(7.30, abs=0.01)
-    assert 29 < summary.epsilon_without_amplification < 31  # 4 epochs at sigma 0.527, no sampling, PLD
+    assert (
+        29 < summary.epsilon_without_amplification < 31
+    )  # 4 epochs at sigma 0.527, no sampling, PLD
     headline = privacy_headline(summary)
-    assert "as reported, assuming Poisson sampling" in headline and f"{summary.epsilon_without_amplification:.2f}" in headline
+    assert (
+        "as reported, assuming Poisson sampling" in headline
+        and f"{summary.epsilon_without_amplification:.2f}" in headline
+    )
     assert summary.to_dict()["caveat"] == summary.caveat
     assert any("without amplification" in p for p in audit_paragraphs(ledger))
     poisson = PrivacyLedger.build(PRESETS["vip-base"]().stages).summary()
@@ -205,7 +278,11 @@ def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():
     from vip_hub.privacy.accounting import default_delta, paper_delta
     from vip_hub.repo.importer import PRESETS
 
-    assert default_delta(1437) == 1e-5 and default_delta(10**6) == pytest.approx(1e-7)  # min(1e-5, 1/(10n))
+    assert default_delta(1437) == 1e-5 and default_delta(10**6) == pytest.approx(
+        1e-7
+    )  # min(1e-5, 1/(10n))
     assert paper_delta(1437) == pytest.approx(1 / 2874)
     (vip,) = PRESETS["vip-base"]().stages[1:]
-    assert vip.delta == pytest.approx(1 / (2 * 233_000_000))  # the paper's own choice stays in its preset
+    assert vip.delta == pytest.approx(
+        1 / (2 * 233_000_000)
+    )  # the paper's own choice stays in its preset

@@ -36,13 +36,17 @@ from vip_hub.repo_format import LEDGER_FILE
 
 def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
     """The parameters' ``.grad`` as one vector (zeros where none), then cleared."""
-    out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    out = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
     for p in params:
         p.grad = None
     return out
 
 
-def _clipped_sum(clipper: PairClipper | BatchClipper, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
+def _clipped_sum(
+    clipper: PairClipper | BatchClipper, views1: torch.Tensor, views2: torch.Tensor
+) -> torch.Tensor:
     if views1.shape[0] == 0:  # the engine never calls a clipper on an empty sample: it adds nothing
         return torch.zeros(sum(p.numel() for p in clipper.params), dtype=clipper.params[0].dtype)
     clipper.accumulate(views1, views2)
@@ -60,8 +64,9 @@ def test_symmetric_infonce_is_the_mean_of_row_and_column_cross_entropy() -> None
 
 
 # ----------------------------------------------------------------------------- exactness
-def _pair_by_pair(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor,
-                  tau: float) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _pair_by_pair(
+    model: nn.Module, views1: torch.Tensor, views2: torch.Tensor, tau: float
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The naive computation: every pair gradient grad Z_ij from its own forward and backward,
     and lambda in closed form: ((P - I) + (Q - I)) / (2 tau), P and Q the row and column softmax."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -69,11 +74,18 @@ def _pair_by_pair(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor,
     pair_grads, norms = [], torch.zeros(n, n)
     for i in range(n):
         for j in range(n):
-            e = embed(model, views1[i:i + 1], views2[j:j + 1])
+            e = embed(model, views1[i : i + 1], views2[j : j + 1])
             g = torch.autograd.grad(e[0] @ e[1], params, allow_unused=True)
-            flat = torch.cat([(torch.zeros_like(p) if gi is None else gi).reshape(-1) for p, gi in zip(params, g)])
+            flat = torch.cat(
+                [
+                    (torch.zeros_like(p) if gi is None else gi).reshape(-1)
+                    for p, gi in zip(params, g)
+                ]
+            )
             pair_grads.append(flat)
-            norms[i, j] = flat.double().norm()  # torch's fp32 norm of millions of entries is off by 1e-4
+            norms[i, j] = (
+                flat.double().norm()
+            )  # torch's fp32 norm of millions of entries is off by 1e-4
     with torch.no_grad():
         e = embed(model, views1, views2)
         logits = e[:n] @ e[n:].T / tau
@@ -83,12 +95,20 @@ def _pair_by_pair(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor,
 
 
 def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 6))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(12, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 6)
+    )
 
 
 def _convnet() -> nn.Module:  # a stride-1 padded conv (materialised rule) and a strided one
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 6, 3, stride=2), nn.GELU(),
-                         nn.Flatten(), nn.Linear(6 * 3 * 3, 6))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GELU(),
+        nn.Conv2d(4, 6, 3, stride=2),
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(6 * 3 * 3, 6),
+    )
 
 
 def _vip_nano() -> nn.Module:
@@ -99,9 +119,11 @@ def _vip_nano() -> nn.Module:
     return ContrastiveEmbedder(encoder, dim=8)
 
 
-@pytest.mark.parametrize(("build", "shape", "n"), [(_mlp, (3, 2, 2), 5), (_convnet, (3, 8, 8), 4),
-                                                    (_vip_nano, (3, 32, 32), 3)],
-                         ids=["mlp-layernorm", "convnet", "vip-nano-2-blocks-32px"])
+@pytest.mark.parametrize(
+    ("build", "shape", "n"),
+    [(_mlp, (3, 2, 2), 5), (_convnet, (3, 8, 8), 4), (_vip_nano, (3, 32, 32), 3)],
+    ids=["mlp-layernorm", "convnet", "vip-nano-2-blocks-32px"],
+)
 def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
     torch.manual_seed(0)
     model = build()
@@ -118,13 +140,15 @@ def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
     assert 0 < int((result.factors < 1).sum()) < n * n
     assert torch.allclose(result.norms, norms, rtol=1e-5)
     assert (got - expected).double().norm() <= 1e-5 * expected.double().norm()
-    assert torch.allclose(result.losses, symmetric_infonce(_similarities(model, views1, views2), tau), atol=1e-6)
+    assert torch.allclose(
+        result.losses, symmetric_infonce(_similarities(model, views1, views2), tau), atol=1e-6
+    )
 
 
 def _similarities(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         e = embed(model, views1, views2)
-    return e[:len(views1)] @ e[len(views1):].T
+    return e[: len(views1)] @ e[len(views1) :].T
 
 
 def test_embedder_is_the_timm_vit_with_a_head() -> None:
@@ -132,11 +156,16 @@ def test_embedder_is_the_timm_vit_with_a_head() -> None:
     model = _vip_nano().eval()
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(model(x), model.head(model.encoder(x)))
-    assert {id(p) for p in model.broadcast_parameters()} == {id(model.encoder.cls_token), id(model.encoder.pos_embed)}
+    assert {id(p) for p in model.broadcast_parameters()} == {
+        id(model.encoder.cls_token),
+        id(model.encoder.pos_embed),
+    }
 
 
 # --------------------------------------------------------------------------- sensitivity
-def _linear_clipped_sum(w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bound: float, tau: float) -> torch.Tensor:
+def _linear_clipped_sum(
+    w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bound: float, tau: float
+) -> torch.Tensor:
     """The Logit-DP sum for the model e(x) = Wx / |Wx|, differentiably and in closed form:
     grad_W Z_ij = ((psi_j - Z_ij phi_i) / |W x_i|) x_i^T + ((phi_i - Z_ij psi_j) / |W x'_j|) x'_j^T."""
     n = x1.shape[0]
@@ -155,8 +184,9 @@ def _linear_clipped_sum(w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bou
     return (weights[..., None, None] * clipped).sum((0, 1)).reshape(-1)
 
 
-def _adversary(n: int, tau: float, bound: float, *, remove: bool, seed: int, steps: int = 60
-               ) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+def _adversary(
+    n: int, tau: float, bound: float, *, remove: bool, seed: int, steps: int = 60
+) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
     """Weights and a batch of n examples chosen by gradient ascent to maximise the norm of the
     difference of the clipped sums with and without the last example (``remove``), or of the
     batch's own clipped sum (the capped mechanism's boundary: the batch with one more is skipped)."""
@@ -182,13 +212,17 @@ BOUND = 1e-3  # small: every pair is clipped, the adversary's best case
 
 
 @pytest.mark.parametrize(("tau", "n"), [(0.1, 3), (0.5, 3), (1.0, 4)])
-def test_adversarial_neighbours_stay_within_delta_and_exceed_it_without_one_over_tau(tau: float, n: int) -> None:
+def test_adversarial_neighbours_stay_within_delta_and_exceed_it_without_one_over_tau(
+    tau: float, n: int
+) -> None:
     model, x1, x2 = _adversary(n, tau, BOUND, remove=True, seed=n)
     clipper = PairClipper(model, BOUND, tau)
     moved = float((_clipped_sum(clipper, x1, x2) - _clipped_sum(clipper, x1[:-1], x2[:-1])).norm())
     delta_n = logit_dp_sensitivity_at(BOUND, tau, n)
     assert moved <= delta_n * (1 + 1e-9)
-    assert delta_n <= logit_dp_sensitivity(BOUND, tau) and delta_n <= logit_dp_sensitivity(BOUND, tau, max_batch=n)
+    assert delta_n <= logit_dp_sensitivity(BOUND, tau) and delta_n <= logit_dp_sensitivity(
+        BOUND, tau, max_batch=n
+    )
     assert moved >= 0.75 * delta_n  # the bound is nearly attained: the adversary is a real one
     if tau < 1:  # the public implementation's omission: the same bound without 1/tau is exceeded
         assert moved > tau * logit_dp_sensitivity(BOUND, tau, max_batch=n)
@@ -203,7 +237,9 @@ def test_a_capped_run_is_charged_the_norm_of_a_full_batch(tau: float) -> None:
     clipper = PairClipper(model, BOUND, tau, max_batch=m)
     full = float(_clipped_sum(clipper, x1, x2).norm())
     extra = torch.randn(1, 6, dtype=torch.float64)
-    skipped = clipper.accumulate(torch.cat([x1, extra]), torch.cat([x2, extra]))  # m + 1: nothing added
+    skipped = clipper.accumulate(
+        torch.cat([x1, extra]), torch.cat([x2, extra])
+    )  # m + 1: nothing added
     assert all(p.grad is None for p in clipper.params) and not skipped.factors.any()
     assert full <= logit_dp_sensitivity(BOUND, tau, max_batch=m) * (1 + 1e-9)
     if tau == 1.0:  # at the boundary a cap costs more than Delta(m): the rule must charge it
@@ -221,7 +257,9 @@ def test_random_neighbours_stay_within_delta(build) -> None:
         clipper = PairClipper(model, 0.05, tau)
         drop = trial % n  # remove any one example, not only the last
         keep = [i for i in range(n) if i != drop]
-        moved = float((_clipped_sum(clipper, x1, x2) - _clipped_sum(clipper, x1[keep], x2[keep])).norm())
+        moved = float(
+            (_clipped_sum(clipper, x1, x2) - _clipped_sum(clipper, x1[keep], x2[keep])).norm()
+        )
         assert moved <= logit_dp_sensitivity_at(0.05, tau, n) * (1 + 1e-6)
 
 
@@ -259,7 +297,7 @@ def test_naive_dp_clips_the_batch_gradient_and_stays_within_two_c() -> None:
 
     def clipped(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         e = F.normalize(torch.cat([a, b]) @ w.T, dim=1)
-        loss = symmetric_infonce(e[:len(a)] @ e[len(a):].T, tau).sum()
+        loss = symmetric_infonce(e[: len(a)] @ e[len(a) :].T, tau).sum()
         (g,) = torch.autograd.grad(loss, w, create_graph=True)
         return g * torch.clamp(c / g.norm(), max=1.0)
 
@@ -286,10 +324,18 @@ def test_delta_grows_with_n_to_a_finite_limit() -> None:
     for tau in (0.1, 0.2, 0.5, 1.0):
         values = [logit_dp_sensitivity_at(1.0, tau, n) for n in (1, 2, 3, 10, 100, 10**4, 10**8)]
         assert values[0] == 0.0 and values == sorted(values)
-        assert values[-1] < logit_dp_sensitivity(1.0, tau) == pytest.approx(2 / tau * (1 + math.exp(2 / tau)))
+        assert (
+            values[-1]
+            < logit_dp_sensitivity(1.0, tau)
+            == pytest.approx(2 / tau * (1 + math.exp(2 / tau)))
+        )
         for m in (2, 5, 256):
-            assert logit_dp_sensitivity(1.0, tau, max_batch=m) >= logit_dp_sensitivity_at(1.0, tau, m)
-    assert logit_dp_sensitivity(1.0, 1.0, max_batch=2) == pytest.approx(logit_dp_sensitivity_at(1.0, 1.0, 2))
+            assert logit_dp_sensitivity(1.0, tau, max_batch=m) >= logit_dp_sensitivity_at(
+                1.0, tau, m
+            )
+    assert logit_dp_sensitivity(1.0, 1.0, max_batch=2) == pytest.approx(
+        logit_dp_sensitivity_at(1.0, 1.0, 2)
+    )
 
 
 def _params(**extra) -> dict:
@@ -300,9 +346,17 @@ def test_the_rules_read_the_ledger_params() -> None:
     assert sensitivity("Logit-DP", 0.1, _params()) == logit_dp_sensitivity(0.1, 0.5)
     assert sensitivity("Logit-DP", 0.1, _params(max_batch=64)) == logit_dp_sensitivity(0.1, 0.5, 64)
     assert sensitivity("Naive-DP", 0.1, _params()) == 0.2
-    for bad in ({"loss": CONTRASTIVE_LOSS}, _params(temperature=0), _params(temperature="0.5"),
-                _params(max_batch=1), _params(max_batch=True), _params(max_batch=64.0), _params(cap=64),
-                {**_params(), "loss": "infonce"}, _params(temperature=0.002)):
+    for bad in (
+        {"loss": CONTRASTIVE_LOSS},
+        _params(temperature=0),
+        _params(temperature="0.5"),
+        _params(max_batch=1),
+        _params(max_batch=True),
+        _params(max_batch=64.0),
+        _params(cap=64),
+        {**_params(), "loss": "infonce"},
+        _params(temperature=0.002),
+    ):
         with pytest.raises(AccountingError):
             sensitivity("Logit-DP", 0.1, bad)
     with pytest.raises(AccountingError):
@@ -310,19 +364,33 @@ def test_the_rules_read_the_ledger_params() -> None:
 
 
 @pytest.mark.parametrize("mechanism", ["Logit-DP", "Naive-DP"])
-def test_verify_accepts_the_right_delta_and_rejects_the_one_without_one_over_tau(tmp_path, mechanism: str) -> None:
+def test_verify_accepts_the_right_delta_and_rejects_the_one_without_one_over_tau(
+    tmp_path, mechanism: str
+) -> None:
     params, b = _params(max_batch=256), 1e-5
     if mechanism == "Naive-DP":
         params.pop("max_batch")
     right = sensitivity(mechanism, b, params)
-    wrong = right * params["temperature"] if mechanism == "Logit-DP" else b  # 1/tau left out; C for 2C
+    wrong = (
+        right * params["temperature"] if mechanism == "Logit-DP" else b
+    )  # 1/tau left out; C for 2C
     for claimed, ok in ((right, True), (wrong, False)):
         stage = DPStage.from_parameters(
-            name="contrastive", dataset=Dataset(name="digits", size=1000), sample_rate=0.256,
-            noise_multiplier=1.0, steps=10, clipping_norm=b, mechanism=mechanism, sensitivity=claimed,
-            mechanism_params=params)
+            name="contrastive",
+            dataset=Dataset(name="digits", size=1000),
+            sample_rate=0.256,
+            noise_multiplier=1.0,
+            steps=10,
+            clipping_norm=b,
+            mechanism=mechanism,
+            sensitivity=claimed,
+            mechanism_params=params,
+        )
         path = tmp_path / f"{ok}.json"
         path.write_text(PrivacyLedger.build([stage]).to_json())
-        problems = [p for p in verify_repo({LEDGER_FILE: path}, check_accounting=False).problems
-                    if p.where == "stage 'contrastive'"]
+        problems = [
+            p
+            for p in verify_repo({LEDGER_FILE: path}, check_accounting=False).problems
+            if p.where == "stage 'contrastive'"
+        ]
         assert not problems if ok else [p.kind for p in problems] == [ClaimTooLowError]

@@ -41,11 +41,31 @@ from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
 
 BIN = Path(sys.executable).parent
-SYN_ARGS = dict(arch="vip-nano", img_size=16, patch_size=8, steps=2, batch_size=4, decoder_dim=32, decoder_depth=1,
-                decoder_heads=2, workers=0, seed=0)
-DP_ARGS = dict(steps=6, batch_size=6, sigma=1.0, seed=5, workers=0, device="cpu", checkpoint_every=2, eval_every=3,
-               dataset_name="test/images",
-               trainable_blocks=2, projection_dim=8)
+SYN_ARGS = dict(
+    arch="vip-nano",
+    img_size=16,
+    patch_size=8,
+    steps=2,
+    batch_size=4,
+    decoder_dim=32,
+    decoder_depth=1,
+    decoder_heads=2,
+    workers=0,
+    seed=0,
+)
+DP_ARGS = dict(
+    steps=6,
+    batch_size=6,
+    sigma=1.0,
+    seed=5,
+    workers=0,
+    device="cpu",
+    checkpoint_every=2,
+    eval_every=3,
+    dataset_name="test/images",
+    trainable_blocks=2,
+    projection_dim=8,
+)
 
 
 def cli_args(settings: dict) -> list[str]:
@@ -58,7 +78,9 @@ def ledger_of(repo: Path) -> PrivacyLedger:
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS))
+    return train_syn(
+        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,87 +91,145 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for label in range(3):
         (root / str(label)).mkdir(parents=True)
         for i in range(8):
-            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8), mode="L").save(root / str(label) / f"{i}.png")
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8), mode="L").save(
+                root / str(label) / f"{i}.png"
+            )
     return root
 
 
 @pytest.fixture(scope="module")
 def trained(syn_repo: Path, images: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dp") / "vip-nano-logit-dp"
-    return train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS))
+    return train_logit_dp(
+        LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS)
+    )
 
 
 # ---------------------------------------------------------------- end to end
-def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(trained: Path, syn_repo: Path,
-                                                                          images: Path) -> None:
+def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
+    trained: Path, syn_repo: Path, images: Path
+) -> None:
     report = verify_repo(trained)
     assert report.ok, report.to_dict()
     syn, dp = ledger_of(trained).stages
     assert syn == ledger_of(syn_repo).stages[0]
-    assert (dp.type, dp.name, dp.mechanism, dp.sampling, dp.steps) == ("dp", "dp-contrastive", "Logit-DP", "poisson", 6)
-    assert dp.mechanism_params == {"loss": CONTRASTIVE_LOSS, "temperature": 1.0}  # no cap: it would not lower Delta
+    assert (dp.type, dp.name, dp.mechanism, dp.sampling, dp.steps) == (
+        "dp",
+        "dp-contrastive",
+        "Logit-DP",
+        "poisson",
+        6,
+    )
+    assert dp.mechanism_params == {
+        "loss": CONTRASTIVE_LOSS,
+        "temperature": 1.0,
+    }  # no cap: it would not lower Delta
     assert dp.clipping_norm == 1e-3
-    assert dp.sensitivity == pytest.approx(2e-3 * (1 + math.exp(2)))  # with the 1/tau factor (tau = 1 here)
+    assert dp.sensitivity == pytest.approx(
+        2e-3 * (1 + math.exp(2))
+    )  # with the 1/tau factor (tau = 1 here)
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
-    assert dp.audit is not None and dp.audit.canaries == DEFAULT_CANARIES and dp.audit.epsilon_lower_bound < dp.epsilon
+    assert (
+        dp.audit is not None
+        and dp.audit.canaries == DEFAULT_CANARIES
+        and dp.audit.epsilon_lower_bound < dp.epsilon
+    )
     assert dp.dataset.size == 24 and dp.hyperparameters["trainable_blocks"] == 2
 
-    before, after = load_file(syn_repo / "model.safetensors"), load_file(trained / "model.safetensors")
+    before, after = (
+        load_file(syn_repo / "model.safetensors"),
+        load_file(trained / "model.safetensors"),
+    )
     assert set(before) == set(after)  # the projection head is not released
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith(("blocks.10.", "blocks.11.", "fc_norm.")) for k in changed)
-    assert any(k.startswith("blocks.10.") for k in changed) and any(k.startswith("blocks.11.") for k in changed)
+    assert any(k.startswith("blocks.10.") for k in changed) and any(
+        k.startswith("blocks.11.") for k in changed
+    )
 
     card = (trained / "README.md").read_text()
     assert "Logit-DP" in card and "](training_curves.png)" in card
-    log = [json.loads(line) for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()]
+    log = [
+        json.loads(line)
+        for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in log if "public_loss" in r] == [0, 3, 6]
-    assert all(np.isfinite(r["public_loss"]) and r["epsilon"] <= 8 for r in log if "public_loss" in r)
+    assert all(
+        np.isfinite(r["public_loss"]) and r["epsilon"] <= 8 for r in log if "public_loss" in r
+    )
 
 
-def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(trained: Path, syn_repo: Path, images: Path,
-                                                           tmp_path: Path) -> None:
-    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "naive"),
-                                       mechanism=ContrastiveMechanism.NAIVE, max_grad_norm=0.05, **DP_ARGS))
+def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(
+    trained: Path, syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    out = train_logit_dp(
+        LogitDPConfig(
+            init=str(syn_repo),
+            data=str(images),
+            out=str(tmp_path / "naive"),
+            mechanism=ContrastiveMechanism.NAIVE,
+            max_grad_norm=0.05,
+            **DP_ARGS,
+        )
+    )
     assert verify_repo(out).ok
     naive, logit = ledger_of(out).stages[1], ledger_of(trained).stages[1]
     assert (naive.mechanism, naive.clipping_norm, naive.sensitivity) == ("Naive-DP", 0.05, 0.1)
     assert naive.noise_std == pytest.approx(naive.noise_multiplier * 0.1)
-    assert naive.epsilon == logit.epsilon  # equal epsilon: same q, sigma, steps; only what is clipped differs
+    assert (
+        naive.epsilon == logit.epsilon
+    )  # equal epsilon: same q, sigma, steps; only what is clipped differs
 
 
 def test_the_skip_cap_is_used_where_it_lowers_delta_and_recorded() -> None:
     assert skip_cap(1e-3, 1.0, 64, None) is None  # at tau 1 the uncapped 16.8 B is smaller
     cap = skip_cap(1e-3, 0.1, 64, None)  # at tau 0.1, e^20: the cap B + 6 sqrt(B)
     assert cap == 112 and logit_dp_sensitivity(1e-3, 0.1, cap) < logit_dp_sensitivity(1e-3, 0.1)
-    assert skip_cap(1e-3, 0.001, 64, None) == 112  # e^2000 overflows: the cap is the only finite Delta
+    assert (
+        skip_cap(1e-3, 0.001, 64, None) == 112
+    )  # e^2000 overflows: the cap is the only finite Delta
     assert skip_cap(1e-3, 0.1, 64, 0) is None and skip_cap(1e-3, 0.1, 64, 80) == 80
     with pytest.raises(ConfigError, match="below the expected batch 64"):
         skip_cap(1e-3, 0.1, 64, 50)
 
 
-def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(syn_repo: Path, images: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
     settings = {**DP_ARGS, "steps": 2, "audit_canaries": 0}
-    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "capped"),
-                                       temperature=0.1, max_batch=12, **settings))
+    out = train_logit_dp(
+        LogitDPConfig(
+            init=str(syn_repo),
+            data=str(images),
+            out=str(tmp_path / "capped"),
+            temperature=0.1,
+            max_batch=12,
+            **settings,
+        )
+    )
     dp = ledger_of(out).stages[1]
     assert dp.mechanism_params == {"loss": CONTRASTIVE_LOSS, "temperature": 0.1, "max_batch": 12}
     assert dp.sensitivity == pytest.approx(logit_dp_sensitivity(1e-3, 0.1, 12)) and dp.audit is None
     assert verify_repo(out).ok
     ledger = json.loads((out / "privacy_ledger.json").read_text())
-    ledger["stages"][1]["mechanism_params"]["max_batch"] = 6  # a smaller cap than the run used: Delta too low
+    ledger["stages"][1]["mechanism_params"]["max_batch"] = (
+        6  # a smaller cap than the run used: Delta too low
+    )
     (out / "privacy_ledger.json").write_text(json.dumps(ledger))
     assert not verify_repo(out).ok
 
 
 def test_bad_settings_are_named(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    common = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "o"), dataset_name="test/images")
+    common = dict(
+        init=str(syn_repo), data=str(images), out=str(tmp_path / "o"), dataset_name="test/images"
+    )
     with pytest.raises(ValueError, match="whole Poisson sample"):
         LogitDPConfig(micro_batch_size=4, **common)
     with pytest.raises(ConfigError, match="--max-batch is Logit-DP's"):
         train_logit_dp(LogitDPConfig(mechanism="naive", max_batch=40, **common))
-    with pytest.raises(ConfigError, match="--trainable-blocks 13: the vip-nano encoder has 12 blocks"):
+    with pytest.raises(
+        ConfigError, match="--trainable-blocks 13: the vip-nano encoder has 12 blocks"
+    ):
         train_logit_dp(LogitDPConfig(**{**DP_ARGS, **common, "trainable_blocks": 13}))
 
 
@@ -157,7 +237,9 @@ def test_two_views_come_from_the_example_own_stream(images: Path) -> None:
     folder = ImageFolder(images)
     augmented = Augmented(folder, mae_transform(16, (0.5,) * 3, (0.5,) * 3), seed=3)
     first, second = augmented.views(4, 7, 2)
-    assert torch.equal(first, augmented[4, 7])  # the first view is the one-view recipes' augmentation
+    assert torch.equal(
+        first, augmented[4, 7]
+    )  # the first view is the one-view recipes' augmentation
     assert not torch.equal(first, second)
     again = augmented.views(4, 7, 2)
     assert torch.equal(again[0], first) and torch.equal(again[1], second)
@@ -166,20 +248,40 @@ def test_two_views_come_from_the_example_own_stream(images: Path) -> None:
 
 # ---------------------------------------------------------------- the engine with these clippers
 @pytest.mark.parametrize("mechanism", list(ContrastiveMechanism))
-def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechanism: ContrastiveMechanism) -> None:
+def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(
+    mechanism: ContrastiveMechanism,
+) -> None:
     model = contrastive_model(tiny_encoder(), TINY, trainable_blocks=12, dim=8)
     clip, tau, sigma, batch = 1e-3, 0.5, 1.3, 32
     if mechanism is ContrastiveMechanism.LOGIT_DP:
         clipper, delta = PairClipper(model, clip, tau), logit_dp_sensitivity(clip, tau)
     else:
         clipper, delta = BatchClipper(model, clip, tau), 2 * clip
-    budget = Budget.plan(dataset_size=1000, batch_size=batch, steps=10, epsilon=None, sigma=sigma, delta=1e-5,
-                         accountant="rdp")
-    engine = DPEngine(clipper, torch.optim.SGD(clipper.params, lr=0.0), None, budget, sensitivity=delta,
-                      clipping_norm=clip, seed=0,
-                      dist=Dist(device=torch.device("cpu")), micro_batch_size=None, audit_canaries=0)
+    budget = Budget.plan(
+        dataset_size=1000,
+        batch_size=batch,
+        steps=10,
+        epsilon=None,
+        sigma=sigma,
+        delta=1e-5,
+        accountant="rdp",
+    )
+    engine = DPEngine(
+        clipper,
+        torch.optim.SGD(clipper.params, lr=0.0),
+        None,
+        budget,
+        sensitivity=delta,
+        clipping_norm=clip,
+        seed=0,
+        dist=Dist(device=torch.device("cpu")),
+        micro_batch_size=None,
+        audit_canaries=0,
+    )
     seen = {}
-    engine.optimizer.step = lambda: seen.setdefault("update", torch.cat([p.grad.flatten() for p in clipper.params]))
+    engine.optimizer.step = lambda: seen.setdefault(
+        "update", torch.cat([p.grad.flatten() for p in clipper.params])
+    )
     engine.step(0, [])  # nothing sampled: still a noisy step
     update = seen["update"]
     assert update.numel() > 100_000
@@ -187,12 +289,26 @@ def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(mechani
     assert engine.history == [(sigma, batch / 1000, 1)]
 
 
-def test_the_budget_stops_a_run_before_it_exceeds_epsilon(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    settings = {**DP_ARGS, "steps": 6, "audit_canaries": 0, "epsilon": 1.0, "delta": 1 / 48}  # delta 1/(2n), explicit
-    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "stopped"), **settings))
+def test_the_budget_stops_a_run_before_it_exceeds_epsilon(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    settings = {
+        **DP_ARGS,
+        "steps": 6,
+        "audit_canaries": 0,
+        "epsilon": 1.0,
+        "delta": 1 / 48,
+    }  # delta 1/(2n), explicit
+    out = train_logit_dp(
+        LogitDPConfig(
+            init=str(syn_repo), data=str(images), out=str(tmp_path / "stopped"), **settings
+        )
+    )
     dp = ledger_of(out).stages[1]
     assert dp.steps < 6 and dp.epsilon <= 1.0
-    assert epsilon(1.0, 6 / 24, dp.steps + 1, dp.delta, "rdp") > 1.0  # one more step would have exceeded it
+    assert (
+        epsilon(1.0, 6 / 24, dp.steps + 1, dp.delta, "rdp") > 1.0
+    )  # one more step would have exceeded it
 
 
 # ---------------------------------------------------------------- processes
@@ -200,10 +316,13 @@ def dp_command(syn_repo: Path, images: Path, out: Path) -> list[str]:
     return ["--init", str(syn_repo), "--data", str(images), "--out", str(out), *cli_args(DP_ARGS)]
 
 
-def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(syn_repo: Path, images: Path, trained: Path,
-                                                                    tmp_path: Path) -> None:
+def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
+    syn_repo: Path, images: Path, trained: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "vip-nano-logit-dp"
-    log = kill_mid_run([str(BIN / "vip-hub"), "train-logit-dp", *dp_command(syn_repo, images, out)], out, step=3)
+    log = kill_mid_run(
+        [str(BIN / "vip-hub"), "train-logit-dp", *dp_command(syn_repo, images, out)], out, step=3
+    )
     train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS))
     assert ledger_of(out).stages == ledger_of(trained).stages
     a, b = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")
@@ -212,14 +331,24 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(syn_repo: Pa
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_ledger_stage(syn_repo: Path, images: Path, trained: Path,
-                                                  tmp_path: Path) -> None:
+def test_two_processes_give_the_same_ledger_stage(
+    syn_repo: Path, images: Path, trained: Path, tmp_path: Path
+) -> None:
     """Each rank contrasts its own Poisson sample, so the weights differ from one process's; what
     the ledger records (budget, Delta, audit: the canaries read only the noise) must not."""
     out = tmp_path / "vip-nano-logit-dp"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.logit_dp",
-           *dp_command(syn_repo, images, out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "training.logit_dp",
+        *dp_command(syn_repo, images, out),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_repo(out).ok
     assert ledger_of(out).stages == ledger_of(trained).stages
@@ -227,11 +356,27 @@ def test_two_processes_give_the_same_ledger_stage(syn_repo: Path, images: Path, 
 
 @pytest.mark.parametrize("broken", BROKEN)
 @pytest.mark.parametrize("mechanism", list(ContrastiveMechanism))
-def test_the_audit_catches_a_broken_engine(mechanism: ContrastiveMechanism, broken: str, syn_repo: Path, images: Path, hub,  # type: ignore[no-untyped-def]
-                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_audit_catches_a_broken_engine(
+    mechanism: ContrastiveMechanism,
+    broken: str,
+    syn_repo: Path,
+    images: Path,
+    hub,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     clipper = "PairClipper" if mechanism is ContrastiveMechanism.LOGIT_DP else "BatchClipper"
     break_engine(monkeypatch, broken, training.logit_dp, clipper)
-    settings = {**DP_ARGS, **SETTINGS, "batch_size": 12, "mechanism": mechanism.value}  # q = 1/2 of 24 images
-    out = train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "broken"), **settings))
+    settings = {
+        **DP_ARGS,
+        **SETTINGS,
+        "batch_size": 12,
+        "mechanism": mechanism.value,
+    }  # q = 1/2 of 24 images
+    out = train_logit_dp(
+        LogitDPConfig(
+            init=str(syn_repo), data=str(images), out=str(tmp_path / "broken"), **settings
+        )
+    )
     dp = assert_refused(out, hub, f"{mechanism.value}-{broken.replace(' ', '-')}")
     assert dp.mechanism == mechanism.ledger_name

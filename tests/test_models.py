@@ -10,8 +10,13 @@ from vip_hub.models.features import final_norm
 
 @pytest.mark.parametrize(
     "name,width,depth,heads",
-    [("vip-nano", 192, 12, 12), ("vip-tiny", 384, 12, 12), ("vip-small", 576, 12, 12),
-     ("vip-base", 768, 12, 12), ("vip-large", 1024, 24, 16)],
+    [
+        ("vip-nano", 192, 12, 12),
+        ("vip-tiny", 384, 12, 12),
+        ("vip-small", 576, 12, 12),
+        ("vip-base", 768, 12, 12),
+        ("vip-large", 1024, 24, 16),
+    ],
 )
 def test_family_matches_design(name, width, depth, heads):
     a = ARCHS[name]
@@ -113,9 +118,13 @@ def test_cli_choices_follow_the_registry():
 
 @pytest.mark.parametrize(
     "name,width,depth,heads,decoder",
-    [("dpcap-nano", 192, 12, 6, (192, 6, 6)), ("dpcap-tiny", 384, 12, 6, (384, 6, 6)),
-     ("dpcap-small", 576, 12, 12, (576, 6, 12)), ("dpcap-base", 768, 12, 12, (768, 6, 12)),
-     ("dpcap-large", 1024, 24, 16, (768, 6, 12))],
+    [
+        ("dpcap-nano", 192, 12, 6, (192, 6, 6)),
+        ("dpcap-tiny", 384, 12, 6, (384, 6, 6)),
+        ("dpcap-small", 576, 12, 12, (576, 6, 12)),
+        ("dpcap-base", 768, 12, 12, (768, 6, 12)),
+        ("dpcap-large", 1024, 24, 16, (768, 6, 12)),
+    ],
 )
 def test_dpcap_family_matches_reference(name, width, depth, heads, decoder):
     a = ARCHS[name]
@@ -125,7 +134,9 @@ def test_dpcap_family_matches_reference(name, width, depth, heads, decoder):
         m = create_encoder(EncoderSpec(name))
     assert all(b.attn.num_heads == heads for b in m.blocks)
     assert m.blocks[0].attn.qkv.bias is None and m.blocks[0].attn.proj.bias is not None
-    assert isinstance(m.fc_norm, torch.nn.Identity) and m.norm.eps == 1e-6  # the final norm on every token
+    assert (
+        isinstance(m.fc_norm, torch.nn.Identity) and m.norm.eps == 1e-6
+    )  # the final norm on every token
 
 
 def test_families_declare_known_modes():

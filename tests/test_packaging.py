@@ -31,8 +31,23 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(ROOT / name, src / name)
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                           "--wheel-dir", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return next((tmp / "dist").glob("vip_hub-*.whl"))
 
@@ -40,13 +55,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_carries_every_package_file_and_entry_point(wheel: Path) -> None:
     archive = zipfile.ZipFile(wheel)
     names = set(archive.namelist())
-    expected = {p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*")
-                if p.is_file() and "__pycache__" not in p.parts}
+    expected = {
+        p.relative_to(ROOT).as_posix()
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert {"service", "training", "vip_hub", "model_cards"} <= set(PACKAGES)
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
-    entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    for line in ("vip-hub = vip_hub.cli.main:main", "serve = service.cli:register_serve",
-                 "training = training.commands:register"):
+    entry_points = archive.read(
+        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    ).decode()
+    for line in (
+        "vip-hub = vip_hub.cli.main:main",
+        "serve = service.cli:register_serve",
+        "training = training.commands:register",
+    ):
         assert line in entry_points
 
 
@@ -84,7 +108,9 @@ print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.
 
 
 @pytest.mark.slow
-def test_core_install_alone_loads_and_verifies_a_repo(wheel: Path, tiny_repo: Path, tmp_path: Path) -> None:
+def test_core_install_alone_loads_and_verifies_a_repo(
+    wheel: Path, tiny_repo: Path, tmp_path: Path
+) -> None:
     # A fresh environment with nothing but Python; torch and torchvision (several GB, on this
     # machine's disk) are linked in rather than installed again; pip installs the rest of the
     # core requirements from the package index.
@@ -98,27 +124,60 @@ def test_core_install_alone_loads_and_verifies_a_repo(wheel: Path, tiny_repo: Pa
             if not (linked / top).exists() and (site / top).exists():
                 (linked / top).symlink_to(site / top)
     python = env_dir / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib, "torch-from-disk.pth").write_text(str(linked) + "\n")
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
-    run = subprocess.run([str(python), "-c", CORE_SCRIPT, str(tiny_repo)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(python), "-c", CORE_SCRIPT, str(tiny_repo)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result == {"ok": True, "shape": [2, 192 * 6], "epsilon": result["epsilon"], "present": [], "loaded": []}
+    assert result == {
+        "ok": True,
+        "shape": [2, 192 * 6],
+        "epsilon": result["epsilon"],
+        "present": [],
+        "loaded": [],
+    }
     claim = PrivacyLedger.parse((tiny_repo / "privacy_ledger.json").read_text()).summary().epsilon
-    assert claim and result["epsilon"] == pytest.approx(claim)  # the DP stage's, read in the core install
-    server = subprocess.run([str(python), "-c", "import service.app"], capture_output=True, text=True)
-    assert server.returncode != 0 and "No module named 'fastapi'" in server.stderr  # needs the serve extra
+    assert claim and result["epsilon"] == pytest.approx(
+        claim
+    )  # the DP stage's, read in the core install
+    server = subprocess.run(
+        [str(python), "-c", "import service.app"], capture_output=True, text=True
+    )
+    assert (
+        server.returncode != 0 and "No module named 'fastapi'" in server.stderr
+    )  # needs the serve extra
     cli = env_dir / "bin" / "vip-hub"
-    assert subprocess.run([str(cli), "verify", str(tiny_repo)], capture_output=True, text=True).returncode == 0
+    assert (
+        subprocess.run(
+            [str(cli), "verify", str(tiny_repo)], capture_output=True, text=True
+        ).returncode
+        == 0
+    )
     help_text = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
     unavailable = help_text.split("unavailable commands")[1]
-    assert "serve (needs the serve extra" in unavailable and "training (needs the train extra" in unavailable
+    assert (
+        "serve (needs the serve extra" in unavailable
+        and "training (needs the train extra" in unavailable
+    )
     assert "verify" in help_text.split("unavailable commands")[0]

@@ -45,8 +45,17 @@ def test_digits_are_written_as_stratified_class_folders(digits: tuple[Path, Path
 
 def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
     train, test = digits
-    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
-                              epochs=15, warmup_epochs=2, dataset_name="test/digits-train"))
+    r = run_probe(
+        ProbeConfig(
+            encoder=str(tiny_repo),
+            data=str(train),
+            test_data=str(test),
+            head="digits",
+            epochs=15,
+            warmup_epochs=2,
+            dataset_name="test/digits-train",
+        )
+    )
     assert r.top1 > 0.3, r.top1  # chance is 0.1
     assert r.repo == tiny_repo and list_heads(tiny_repo) == ["digits"]
     assert verify_repo(tiny_repo).ok
@@ -57,24 +66,44 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     assert "No guarantee covers" in card and "linear-probe:digits" in card
     assert "top-1, linear probe 'digits' (vip features, no DP)" in card  # model-index entry
     _head, info = load_head(tiny_repo, "digits")
-    assert info.labels == [str(d) for d in range(10)] and info.metrics["top1"] == pytest.approx(r.top1)
+    assert info.labels == [str(d) for d in range(10)] and info.metrics["top1"] == pytest.approx(
+        r.top1
+    )
 
 
 def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:
     train, test = digits
     out = tmp_path / "with-dp-head"
-    r = run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits-dp",
-                              epochs=10, warmup_epochs=1, epsilon=2.0, optimizer="sgd", lr=1.0, out=str(out),
-                              dataset_name="test/digits-train"))
+    r = run_probe(
+        ProbeConfig(
+            encoder=str(tiny_repo),
+            data=str(train),
+            test_data=str(test),
+            head="digits-dp",
+            epochs=10,
+            warmup_epochs=1,
+            epsilon=2.0,
+            optimizer="sgd",
+            lr=1.0,
+            out=str(out),
+            dataset_name="test/digits-train",
+        )
+    )
     assert r.top1 > 0.2, r.top1
     assert verify_repo(out).ok and not (tiny_repo / "heads").exists()  # written to --out only
     ledger = ledger_of(out)
     stage = ledger.stage("linear-probe-dp:digits-dp")
-    assert stage.type == "dp" and stage.mechanism == "DP-SGD" and stage.component == "heads/digits-dp"
-    assert stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1e-5)
+    assert (
+        stage.type == "dp" and stage.mechanism == "DP-SGD" and stage.component == "heads/digits-dp"
+    )
+    assert (
+        stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1e-5)
+    )
     assert stage.steps == 10 * 6 and stage.sample_rate == pytest.approx(1 / 6)
     guarantee = next(g for g in ledger.guarantees if g.dataset == stage.dataset.name)
-    assert guarantee.epsilon == pytest.approx(stage.epsilon)  # the labelled data is covered by the head's DP
+    assert guarantee.epsilon == pytest.approx(
+        stage.epsilon
+    )  # the labelled data is covered by the head's DP
 
 
 def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,8 +126,17 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
         clip(self)
 
     monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", recording)
-    cfg = ProbeConfig(encoder="", data="", dataset_name="test/points", epsilon=2.0, epochs=1, warmup_epochs=0,
-                      optimizer="sgd", batch_size=12, seed=3)
+    cfg = ProbeConfig(
+        encoder="",
+        data="",
+        dataset_name="test/points",
+        epsilon=2.0,
+        epochs=1,
+        warmup_epochs=0,
+        optimizer="sgd",
+        batch_size=12,
+        seed=3,
+    )
     fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, the one step takes every example
     torch.manual_seed(cfg.seed)
     head = LinearProbe(5, 3)  # the initialisation fit_probe starts from
@@ -108,17 +146,23 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     lone = []
     for i in range(len(x)):
         head.zero_grad()
-        torch.nn.functional.cross_entropy(head(x[i:i + 1]), y[i:i + 1]).backward()
+        torch.nn.functional.cross_entropy(head(x[i : i + 1]), y[i : i + 1]).backward()
         lone.append(torch.cat([p.grad.flatten() for p in head.linear.parameters()]).norm())
     assert len(seen) == 1 and len(seen[0]) == len(x)
     assert torch.allclose(seen[0].sort().values, torch.stack(lone).sort().values, rtol=1e-4)
 
 
-def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(tiny_repo: Path, digits, tmp_path: Path) -> None:
+def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(
+    tiny_repo: Path, digits, tmp_path: Path
+) -> None:
     train, _ = digits
     named = {"encoder": str(tiny_repo), "dataset_name": "test/digits-train"}
-    r = run_probe(ProbeConfig(data=str(train), few_shot_rate=50 / 1437, epochs=5, export=False, **named))
-    assert 15 <= r.train_size <= 90 and r.repo is None and 200 <= r.test_size <= 380  # keyed Bernoulli choices
+    r = run_probe(
+        ProbeConfig(data=str(train), few_shot_rate=50 / 1437, epochs=5, export=False, **named)
+    )
+    assert (
+        15 <= r.train_size <= 90 and r.repo is None and 200 <= r.test_size <= 380
+    )  # keyed Bernoulli choices
     with pytest.raises(ValueError, match="head name"):
         run_probe(ProbeConfig(data=str(train), head="../evil", **named))
     with pytest.raises(ValueError, match="optimizer"):
@@ -134,19 +178,43 @@ def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(tiny_repo: Pa
 
 def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digits) -> None:
     train, test = digits
-    run_probe(ProbeConfig(encoder=str(tiny_repo), data=str(train), test_data=str(test), head="digits",
-                          epochs=15, warmup_epochs=2, dataset_name="test/digits-train"))
+    run_probe(
+        ProbeConfig(
+            encoder=str(tiny_repo),
+            data=str(train),
+            test_data=str(test),
+            head="digits",
+            epochs=15,
+            warmup_epochs=2,
+            dataset_name="test/digits-train",
+        )
+    )
     push_repo(tiny_repo, "vip/probe-test", token=WRITE_TOKEN)
     images = sorted((test / "3").glob("*.png"))[:4]
-    r = httpx.post(f"{hub.url}/v1/classify", timeout=60, json={
-        "model": "vip/probe-test", "head": "digits", "top_k": 3,
-        "input": [base64.b64encode(p.read_bytes()).decode() for p in images]})
+    r = httpx.post(
+        f"{hub.url}/v1/classify",
+        timeout=60,
+        json={
+            "model": "vip/probe-test",
+            "head": "digits",
+            "top_k": 3,
+            "input": [base64.b64encode(p.read_bytes()).decode() for p in images],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["data"]) == 4 and all(len(row["labels"]) == 3 for row in body["data"])
-    assert {x["label"] for row in body["data"] for x in row["labels"]} <= {str(d) for d in range(10)}
-    head = body["privacy"]["head"]  # trained without DP on the labelled digits: no guarantee, named as such
-    assert head["epsilon"] is None and head["private_data"] and head["unprotected_datasets"] == ["test/digits-train"]
+    assert {x["label"] for row in body["data"] for x in row["labels"]} <= {
+        str(d) for d in range(10)
+    }
+    head = body["privacy"][
+        "head"
+    ]  # trained without DP on the labelled digits: no guarantee, named as such
+    assert (
+        head["epsilon"] is None
+        and head["private_data"]
+        and head["unprotected_datasets"] == ["test/digits-train"]
+    )
 
 
 def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -> float:
@@ -158,8 +226,12 @@ def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -
     acc = RdpAccountant()
     for s in ledger.dp_stages():
         if s.component in ("encoder", component):
-            acc.compose(dp_event.PoissonSampledDpEvent(s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)),
-                        s.steps)
+            acc.compose(
+                dp_event.PoissonSampledDpEvent(
+                    s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)
+                ),
+                s.steps,
+            )
     return acc.get_epsilon(delta)
 
 
@@ -173,17 +245,30 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
         for name, repo in repos.items():
             ledger = ledger_of(repo)
             model = f"vip/{name}"
-            emb = httpx.post(f"{server.url}/v1/embeddings", json={"model": model, "input": [image]}, timeout=60)
-            cls = httpx.post(f"{server.url}/v1/classify", json={"model": model, "head": "digits", "input": [image]},
-                             timeout=60)
+            emb = httpx.post(
+                f"{server.url}/v1/embeddings", json={"model": model, "input": [image]}, timeout=60
+            )
+            cls = httpx.post(
+                f"{server.url}/v1/classify",
+                json={"model": model, "head": "digits", "input": [image]},
+                timeout=60,
+            )
             assert emb.status_code == cls.status_code == 200, (emb.text, cls.text)
-            for privacy, component in ((emb.json()["privacy"], "encoder"), (cls.json()["privacy"]["encoder"], "encoder"),
-                                       (cls.json()["privacy"]["head"], "heads/digits")):
+            for privacy, component in (
+                (emb.json()["privacy"], "encoder"),
+                (cls.json()["privacy"]["encoder"], "encoder"),
+                (cls.json()["privacy"]["head"], "heads/digits"),
+            ):
                 truth = dp_accounting_epsilon(ledger, component, privacy["delta"] or 1e-5)
                 assert privacy["epsilon"] >= truth * (1 - 1e-3), (name, component, privacy, truth)
             head = ledger.summary("heads/digits")
-            assert head.epsilon >= dp_accounting_epsilon(ledger, "heads/digits", head.delta) * (1 - 1e-3)
-            assert head.epsilon > ledger.stage("linear-probe-dp:digits").epsilon or name == "vip-nano-syn"
+            assert head.epsilon >= dp_accounting_epsilon(ledger, "heads/digits", head.delta) * (
+                1 - 1e-3
+            )
+            assert (
+                head.epsilon > ledger.stage("linear-probe-dp:digits").epsilon
+                or name == "vip-nano-syn"
+            )
             card = (repo / "README.md").read_text()
             headline = card.split("| Privacy |")[1].split("\n")[0]
             enc_eps = ledger.summary().epsilon
@@ -191,17 +276,37 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
 
 
 @pytest.mark.slow
-def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = MainJobConfig(work_dir=str(tmp_path / "run"), store=str(tmp_path / "hub"), port=free_port(), img_size=16,
-                        syn_steps=3, dpcap_syn_steps=3, syn_batch_size=8, dp_steps=3, dpcap_steps=2, dp_batch_size=32,
-                        contrastive_steps=2, contrastive_batch_size=16, probe_epochs=3, workers=0, serve=False)
+def test_main_job_trains_compares_publishes_and_skips_done_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = MainJobConfig(
+        work_dir=str(tmp_path / "run"),
+        store=str(tmp_path / "hub"),
+        port=free_port(),
+        img_size=16,
+        syn_steps=3,
+        dpcap_syn_steps=3,
+        syn_batch_size=8,
+        dp_steps=3,
+        dpcap_steps=2,
+        dp_batch_size=32,
+        contrastive_steps=2,
+        contrastive_batch_size=16,
+        probe_epochs=3,
+        workers=0,
+        serve=False,
+    )
     assert run_main_job(cfg) == 0
     out = capsys.readouterr().out
     run = tmp_path / "run"
     repos = {e.name: run / e.name for e in PUBLISHED}
-    assert list(repos) == ["vip-nano-syn", "vip-nano-digits-dp", "dpcap-nano-digits-dp", "vip-nano-digits-logit-dp",
-                           "vip-nano-digits-naive-dp"]
+    assert list(repos) == [
+        "vip-nano-syn",
+        "vip-nano-digits-dp",
+        "dpcap-nano-digits-dp",
+        "vip-nano-digits-logit-dp",
+        "vip-nano-digits-naive-dp",
+    ]
     for repo in repos.values():
         assert verify_repo(repo).ok
         card = (repo / "README.md").read_text()
@@ -209,22 +314,35 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
         assert "-DP on vip/sklearn-digits-train [RDP]" in card
-        assert "non-private head" not in card and "top1_nonprivate" not in card  # figures without a guarantee
+        assert (
+            "non-private head" not in card and "top1_nonprivate" not in card
+        )  # figures without a guarantee
         assert list_heads(repo) == ["digits"]
         assert f"publish vip/{repo.name}" in out
-        assert verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
-    mechanisms = {"vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"), "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
-                  "vip-nano-digits-logit-dp": ("dp-contrastive", "Logit-DP"),
-                  "vip-nano-digits-naive-dp": ("dp-contrastive", "Naive-DP")}
+        assert (
+            verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
+        )
+    mechanisms = {
+        "vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"),
+        "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
+        "vip-nano-digits-logit-dp": ("dp-contrastive", "Logit-DP"),
+        "vip-nano-digits-naive-dp": ("dp-contrastive", "Naive-DP"),
+    }
     for name, (stage_name, mechanism) in mechanisms.items():
         ledger = ledger_of(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
-        assert enc.dataset.name == "vip/sklearn-digits-train" and enc.dataset.size == 1437 and enc.epsilon <= 8.0
+        assert (
+            enc.dataset.name == "vip/sklearn-digits-train"
+            and enc.dataset.size == 1437
+            and enc.epsilon <= 8.0
+        )
         assert enc.delta == pytest.approx(1e-5)
         assert ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
     assert (repos["dpcap-nano-digits-dp"] / "vocab.txt").exists()
-    assert "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
+    assert (
+        "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
+    )
     assert 'timm.create_model("hf-hub:vip/vip-nano-digits-dp"' in out
 
     served_guarantees_hold(tmp_path / "hub", repos, run / "digits" / "test" / "7")
@@ -237,9 +355,15 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(tmp_path: Path,
     # `vip-hub run` serving, then SIGTERM (docker stop): its server child stops as on Ctrl-C
     cfg.port, cfg.serve = free_port(), True
     toml = tmp_path / "run.toml"
-    toml.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.model_dump().items() if v is not None))
-    job = subprocess.Popen([str(Path(sys.executable).with_name("vip-hub")), "run", "--config", str(toml)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    toml.write_text(
+        "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.model_dump().items() if v is not None)
+    )
+    job = subprocess.Popen(
+        [str(Path(sys.executable).with_name("vip-hub")), "run", "--config", str(toml)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     watchdog = threading.Timer(300, job.kill)
     watchdog.start()
     try:
@@ -270,4 +394,7 @@ def test_docker_files_name_what_exists() -> None:
                 for src in line.split()[1:-1]:
                     assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
-    assert compose["services"]["hub"]["volumes"] == ["hub-data:/data"] and "hub-data" in compose["volumes"]
+    assert (
+        compose["services"]["hub"]["volumes"] == ["hub-data:/data"]
+        and "hub-data" in compose["volumes"]
+    )

@@ -31,8 +31,13 @@ print(cfg["input_size"], cfg["interpolation"], cfg["crop_pct"])
 
 def test_export_layout(tiny_repo):
     names = {p.name for p in tiny_repo.iterdir()}
-    assert names == {"model.safetensors", "config.json", "privacy_ledger.json", "README.md",
-                     "mae_decoder.safetensors"}
+    assert names == {
+        "model.safetensors",
+        "config.json",
+        "privacy_ledger.json",
+        "README.md",
+        "mae_decoder.safetensors",
+    }
     config = json.loads((tiny_repo / "config.json").read_text())
     assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 0
     assert config["num_features"] == 192 and config["global_pool"] == "avg"
@@ -41,14 +46,26 @@ def test_export_layout(tiny_repo):
     assert config["vip_hub"]["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152}
     meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
     assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
-    assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse((tiny_repo / "privacy_ledger.json").read_text())
+    assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse(
+        (tiny_repo / "privacy_ledger.json").read_text()
+    )
 
 
 def test_plain_timm_loads_the_repo(tiny_repo, tmp_path):
     x = torch.randn(2, 3, 32, 32)
     torch.save(x, tmp_path / "x.pt")
-    r = subprocess.run([sys.executable, "-c", PLAIN_TIMM, str(tiny_repo), str(tmp_path / "x.pt"),
-                        str(tmp_path / "y.pt")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PLAIN_TIMM,
+            str(tiny_repo),
+            str(tmp_path / "x.pt"),
+            str(tmp_path / "y.pt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "(3, 32, 32) bicubic 0.875" in r.stdout
     with torch.no_grad():
@@ -76,9 +93,14 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
     assert data["datasets"] == ["procedural-images", "test-images"]
     assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v3"
     text = card.text
-    for phrase in ("## Privacy guarantee", "differential privacy for the dataset `test-images`",
-                   "`synthetic-pretraining` (procedural-images)", "## How to use",
-                   "## Intended use and limitations", 'timm.create_model("hf-hub:vip/vip-nano-test"'):
+    for phrase in (
+        "## Privacy guarantee",
+        "differential privacy for the dataset `test-images`",
+        "`synthetic-pretraining` (procedural-images)",
+        "## How to use",
+        "## Intended use and limitations",
+        'timm.create_model("hf-hub:vip/vip-nano-test"',
+    ):
         assert phrase in text
 
 
@@ -87,10 +109,14 @@ def test_verify_passes_and_cli(tiny_repo):
     assert report.ok, report.problems
     assert "epsilon recomputed (rdp, prv, pld)" in report.checks
     script = Path(sys.executable).with_name("vip-hub")
-    r = subprocess.run([str(script), "verify", str(tiny_repo), "--json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [str(script), "verify", str(tiny_repo), "--json"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
-    assert out["ok"] and all(out["recomputed"][f"dp-pretraining/{a}"] > 0 for a in ("rdp", "prv", "pld"))
+    assert out["ok"] and all(
+        out["recomputed"][f"dp-pretraining/{a}"] > 0 for a in ("rdp", "prv", "pld")
+    )
 
 
 def _fails(repo, *fragments):
@@ -141,9 +167,14 @@ def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
     _, front, body = (tiny_repo / "README.md").read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = ledger
-    (tiny_repo / "README.md").write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
-    _fails(tiny_repo, "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
-           "guarantee 'test-images'")
+    (tiny_repo / "README.md").write_text(
+        "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
+    )
+    _fails(
+        tiny_repo,
+        "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
+        "guarantee 'test-images'",
+    )
 
 
 def test_tampered_weights(tiny_repo):
@@ -155,15 +186,21 @@ def test_tampered_weights(tiny_repo):
 
 
 def test_tampered_config_and_extra_weights(tiny_repo):
-    (tiny_repo / "config.json").write_text((tiny_repo / "config.json").read_text().replace('"depth": 12', '"depth": 11'))
-    (tiny_repo / "extra.safetensors").write_bytes((tiny_repo / "mae_decoder.safetensors").read_bytes())
+    (tiny_repo / "config.json").write_text(
+        (tiny_repo / "config.json").read_text().replace('"depth": 12', '"depth": 11')
+    )
+    (tiny_repo / "extra.safetensors").write_bytes(
+        (tiny_repo / "mae_decoder.safetensors").read_bytes()
+    )
     _fails(tiny_repo, "config.json: content changed", "extra.safetensors: not listed")
 
 
 def test_missing_files(tiny_repo):
     (tiny_repo / "privacy_ledger.json").unlink()
     (tiny_repo / "mae_decoder.safetensors").unlink()
-    _fails(tiny_repo, "privacy_ledger.json: missing", "mae_decoder.safetensors: listed in the ledger")
+    _fails(
+        tiny_repo, "privacy_ledger.json: missing", "mae_decoder.safetensors: listed in the ledger"
+    )
 
 
 def test_load_encoder_refuses_unverified(tiny_repo):
@@ -176,12 +213,26 @@ def test_load_encoder_refuses_unverified(tiny_repo):
 
 def test_update_repo_adds_stage_file_and_result(tiny_repo):
     before = (tiny_repo / "model.safetensors").read_bytes()
-    stage = NonPrivateStage(name="linear-probe", component="heads/probe",
-                            dataset=Dataset(name="labels", size=10), private_data=True)
-    result = EvalResult(task_type="image-classification", dataset_type="labels", dataset_name="labels",
-                        metric_type="accuracy", metric_value=0.5, metric_name="linear probe (vip)")
-    ledger = update_repo(tiny_repo, add_stages=[stage], add_files={"heads/probe/labels.json": b"[]"},
-                         add_eval_results=[result])
+    stage = NonPrivateStage(
+        name="linear-probe",
+        component="heads/probe",
+        dataset=Dataset(name="labels", size=10),
+        private_data=True,
+    )
+    result = EvalResult(
+        task_type="image-classification",
+        dataset_type="labels",
+        dataset_name="labels",
+        metric_type="accuracy",
+        metric_value=0.5,
+        metric_name="linear probe (vip)",
+    )
+    ledger = update_repo(
+        tiny_repo,
+        add_stages=[stage],
+        add_files={"heads/probe/labels.json": b"[]"},
+        add_eval_results=[result],
+    )
     assert ledger.stage("linear-probe").component == "heads/probe"
     assert "heads/probe/labels.json" in ledger.artifacts
     assert verify_repo(tiny_repo).ok
@@ -209,12 +260,18 @@ def test_heads_round_trip_and_replace(tiny_repo):
     torch.manual_seed(0)
     head = LinearProbe(1152, 3)
     head.norm.running_mean.normal_()
-    stage = NonPrivateStage(name="linear-probe:toy", component="heads/toy",
-                            dataset=Dataset(name="toy-labels", size=30), private_data=True)
+    stage = NonPrivateStage(
+        name="linear-probe:toy",
+        component="heads/toy",
+        dataset=Dataset(name="toy-labels", size=30),
+        private_data=True,
+    )
     save_head(tiny_repo, head, HeadInfo("toy", "vip", ["a", "b", "c"], {"top1": 0.9}), stage)
     assert list_heads(tiny_repo) == ["toy"]
     loaded, info = load_head(tiny_repo, "toy")
-    assert info.labels == ["a", "b", "c"] and info.pooling == "vip" and info.metrics == {"top1": 0.9}
+    assert (
+        info.labels == ["a", "b", "c"] and info.pooling == "vip" and info.metrics == {"top1": 0.9}
+    )
     x = torch.randn(5, 1152)
     head.eval()
     torch.testing.assert_close(loaded(x), head(x))

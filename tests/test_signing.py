@@ -30,10 +30,12 @@ from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
 @pytest.fixture
 def cli(capsys):
     """``vip-hub ARGS`` in this process: exit status, stdout, stderr."""
+
     def run(*args: str | Path) -> SimpleNamespace:
         code = main([str(a) for a in args])
         out = capsys.readouterr()
         return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
     return run
 
 
@@ -45,7 +47,9 @@ def alice(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _repo(folder: Path, seed: int = 0) -> Path:
-    return export_encoder(folder, tiny_encoder(seed), TINY, [synthetic_stage(), dp_stage()], model_name=folder.name)
+    return export_encoder(
+        folder, tiny_encoder(seed), TINY, [synthetic_stage(), dp_stage()], model_name=folder.name
+    )
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -95,7 +99,10 @@ def test_unsigned_repo_verifies_with_a_warning(tmp_path, alice, cli):
     assert verify_signature(repo, load_keys([alice[1]])) is None
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 0
-    assert "WARN  unsigned: no model.sig, so nothing says who trained or published these files" in out.stdout
+    assert (
+        "WARN  unsigned: no model.sig, so nothing says who trained or published these files"
+        in out.stdout
+    )
     report = json.loads(cli("verify", repo, "--key", alice[1], "--json").stdout)
     assert report["ok"] and any(w.startswith("unsigned") for w in report["warnings"])
 
@@ -104,7 +111,9 @@ def test_one_byte_changed_after_signing_fails(tmp_path, alice, cli):
     repo = _repo(tmp_path / "repo")
     sign_repo(repo, alice[0])
     _flip_last_byte(repo / CARD_FILE)
-    with pytest.raises(SignatureError, match=r"differ from what alice \(\w+\) signed \(changed: README.md\)"):
+    with pytest.raises(
+        SignatureError, match=r"differ from what alice \(\w+\) signed \(changed: README.md\)"
+    ):
         verify_signature(repo, load_keys([alice[1]]))
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 1
@@ -118,9 +127,14 @@ def test_a_consistent_ledger_rewrite_verifies_but_its_signature_fails(tmp_path, 
     sign_repo(repo, alice[0])
     signature = (repo / SIGNATURE_FILE).read_bytes()
     honest = dp_stage()
-    update_repo(repo, replace_component="encoder",
-                add_stages=[synthetic_stage(), dp_stage(batch=50 / 4, sigma=2.0, steps=1)])
-    assert not (repo / SIGNATURE_FILE).exists()  # an update drops the signature it no longer matches
+    update_repo(
+        repo,
+        replace_component="encoder",
+        add_stages=[synthetic_stage(), dp_stage(batch=50 / 4, sigma=2.0, steps=1)],
+    )
+    assert not (
+        repo / SIGNATURE_FILE
+    ).exists()  # an update drops the signature it no longer matches
     assert verify_repo(repo).ok and verify_repo(repo).ledger.guarantees[0].epsilon < honest.epsilon
     (repo / SIGNATURE_FILE).write_bytes(signature)  # the forger keeps the trainer's signature
     out = cli("verify", repo, "--key", alice[1])
@@ -137,7 +151,9 @@ def test_wrong_key_or_a_forged_signature_fails(tmp_path, alice):
     with pytest.raises(UntrustedSignerError, match="not a trusted key"):
         verify_signature(repo, [bob])
     bundle = json.loads((repo / SIGNATURE_FILE).read_text())
-    bundle["verificationMaterial"]["publicKey"]["hint"] = bob.fingerprint  # claims bob, was made by alice
+    bundle["verificationMaterial"]["publicKey"]["hint"] = (
+        bob.fingerprint
+    )  # claims bob, was made by alice
     (repo / SIGNATURE_FILE).write_text(json.dumps(bundle))
     with pytest.raises(SignatureError, match="not a valid signature by bob"):
         verify_signature(repo, [bob])
@@ -158,8 +174,11 @@ def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
         dist = Dist.from_env("cpu")
         try:
             run = Run(RunConfig(out=str(out), signing_key=key), dist)
-            run.export(lambda: export_encoder(out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r",
-                                              overwrite=True))
+            run.export(
+                lambda: export_encoder(
+                    out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r", overwrite=True
+                )
+            )
         finally:
             dist.close()
         assert verify_signature(out, load_keys([alice[1]])).name == "alice"
@@ -187,17 +206,23 @@ def test_hub_accepts_a_trusted_signature_and_shows_the_signer(hub, trusted, tmp_
     html = httpx.get(f"{hub.url}/writer/signed").text
     assert "Signed by <strong>alice</strong>" in html and fingerprint[:16] in html
     # what a reader downloads verifies against alice's key
-    local = Path(HfApi(token=WRITE_TOKEN).snapshot_download("writer/signed", local_dir=tmp_path / "download"))
+    local = Path(
+        HfApi(token=WRITE_TOKEN).snapshot_download("writer/signed", local_dir=tmp_path / "download")
+    )
     assert verify_signature(local, load_keys([trusted[1]])).name == "alice"
     # the hub's attestation is in its index, not among the signed files
-    assert set(store.tree("writer/signed", commit)) == {p.relative_to(repo).as_posix() for p in repo.rglob("*")
-                                                    if p.is_file()}
+    assert set(store.tree("writer/signed", commit)) == {
+        p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file()
+    }
 
 
 def test_hub_shows_an_unsigned_repo_as_unsigned(hub, trusted, tmp_path):
     commit = push_repo(_repo(tmp_path / "plain"), "writer/plain", token=WRITE_TOKEN)
     assert hub.app.state.store.signature(commit) is None
-    assert "<strong>Unsigned.</strong> Nothing says who trained this model" in httpx.get(f"{hub.url}/writer/plain").text
+    assert (
+        "<strong>Unsigned.</strong> Nothing says who trained this model"
+        in httpx.get(f"{hub.url}/writer/plain").text
+    )
 
 
 def test_hub_refuses_untrusted_and_invalid_signatures(hub, trusted, tmp_path):
@@ -206,7 +231,10 @@ def test_hub_refuses_untrusted_and_invalid_signatures(hub, trusted, tmp_path):
     sign_repo(repo, mallory)
     with pytest.raises(HfHubHTTPError) as refused:
         push_repo(repo, "writer/untrusted", token=WRITE_TOKEN)
-    assert refused.value.response.status_code == 403 and "not a trusted key" in refused.value.response.text
+    assert (
+        refused.value.response.status_code == 403
+        and "not a trusted key" in refused.value.response.text
+    )
     assert not HfApi().list_repo_refs("writer/untrusted").branches  # nothing stored
 
     forged = _repo(tmp_path / "forged", seed=1)
@@ -242,7 +270,10 @@ def test_a_hub_that_requires_signatures_refuses_unsigned_commits(tmp_path, cli):
         repo = _repo(tmp_path / "repo")
         with pytest.raises(HfHubHTTPError) as refused:
             push_repo(repo, "writer/required", endpoint=server.url, token=WRITE_TOKEN)
-        assert refused.value.response.status_code == 403 and "signed repos only" in refused.value.response.text
+        assert (
+            refused.value.response.status_code == 403
+            and "signed repos only" in refused.value.response.text
+        )
         # the operator trusts carol while the server runs: her next commit goes through
         added = cli("trust", "add", "carol", public.path, "--store", store)
         assert added.returncode == 0 and public.fingerprint in added.stdout
@@ -250,6 +281,8 @@ def test_a_hub_that_requires_signatures_refuses_unsigned_commits(tmp_path, cli):
         sign_repo(repo, private)
         commit = push_repo(repo, "writer/required", endpoint=server.url, token=WRITE_TOKEN)
         assert server.app.state.store.signature(commit).signer == "carol"
-        assert cli("trust", "add", "carol", public.path, "--store", store).returncode == 1  # no silent replace
+        assert (
+            cli("trust", "add", "carol", public.path, "--store", store).returncode == 1
+        )  # no silent replace
         assert cli("trust", "remove", "carol", "--store", store).returncode == 0
         assert cli("trust", "list", "--store", store).stdout == ""

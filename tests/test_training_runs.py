@@ -33,8 +33,17 @@ from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.verify import verify_repo
 
 BIN = Path(sys.executable).parent
-SYN_ARGS = dict(arch="vip-nano", img_size=32, patch_size=8, steps=4, batch_size=8, decoder_dim=64,
-                decoder_depth=1, decoder_heads=4, workers=0)
+SYN_ARGS = dict(
+    arch="vip-nano",
+    img_size=32,
+    patch_size=8,
+    steps=4,
+    batch_size=8,
+    decoder_dim=64,
+    decoder_depth=1,
+    decoder_heads=4,
+    workers=0,
+)
 
 
 def make_images(root: Path, per_class: int = 20, classes: int = 2, seed: int = 0) -> Path:
@@ -44,13 +53,16 @@ def make_images(root: Path, per_class: int = 20, classes: int = 2, seed: int = 0
         for i in range(per_class):
             size = int(rng.integers(24, 64))
             Image.fromarray(rng.integers(0, 255, (size, size + 3, 3), dtype=np.uint8)).save(
-                root / f"class{c}" / f"{i:03d}.png")
+                root / f"class{c}" / f"{i:03d}.png"
+            )
     return root
 
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS))
+    return train_syn(
+        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,9 @@ def make_repo_without_decoder(tmp_path: Path) -> Path:
 
     from vip_hub import export_encoder
 
-    return export_encoder(tmp_path / "no-decoder", tiny_encoder(), TINY, [synthetic_stage()], model_name="x")
+    return export_encoder(
+        tmp_path / "no-decoder", tiny_encoder(), TINY, [synthetic_stage()], model_name="x"
+    )
 
 
 def ledger_of(repo: Path) -> PrivacyLedger:
@@ -78,15 +92,29 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     assert ledger.stages[0].private_data is False and ledger.guarantees == []
     assert (syn_repo / "mae_decoder.safetensors").is_file()
     assert "training_curves.png" in ledger.artifacts
-    log = [json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()]
+    log = [
+        json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()
+    ]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]  # step 0: the public loss before training
 
 
-def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, images: Path,
-                                                             tmp_path: Path) -> None:
-    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-nano-dp"),
-                            epsilon=8.0, batch_size=8, steps=3, micro_batch_size=3, seed=0, workers=0,
-                            dataset_name="test/images"))
+def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    out = train_vip(
+        VipConfig(
+            init=str(syn_repo),
+            data=str(images),
+            out=str(tmp_path / "vip-nano-dp"),
+            epsilon=8.0,
+            batch_size=8,
+            steps=3,
+            micro_batch_size=3,
+            seed=0,
+            workers=0,
+            dataset_name="test/images",
+        )
+    )
     report = verify_repo(out)
     assert report.ok, report.problems
     ledger = ledger_of(out)
@@ -110,22 +138,44 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(syn_repo: Path, i
     assert "mask_token" in decoder and "decoder_pred.weight" in decoder
 
 
-def test_training_stops_before_the_budget_is_exceeded(syn_repo: Path, images: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_training_stops_before_the_budget_is_exceeded(
+    syn_repo: Path, images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     sigma, q = 0.6, 8 / 40
-    expected = max_steps_within(3.0, sigma, q, 1 / 80, 50, Accountant.RDP)  # delta 1/(2n), given explicitly
+    expected = max_steps_within(
+        3.0, sigma, q, 1 / 80, 50, Accountant.RDP
+    )  # delta 1/(2n), given explicitly
     assert 0 < expected < 50
-    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "dp"), epsilon=3.0,
-                            sigma=sigma, batch_size=8, steps=50, seed=0, workers=0, eval_every=100,
-                            dataset_name="test/images", delta=1 / 80))
+    out = train_vip(
+        VipConfig(
+            init=str(syn_repo),
+            data=str(images),
+            out=str(tmp_path / "dp"),
+            epsilon=3.0,
+            sigma=sigma,
+            batch_size=8,
+            steps=50,
+            seed=0,
+            workers=0,
+            eval_every=100,
+            dataset_name="test/images",
+            delta=1 / 80,
+        )
+    )
     assert f"stopping after step {expected} of 50" in capsys.readouterr().err
     dp = ledger_of(out).stages[-1]
     assert dp.steps == expected and dp.epsilon <= 3.0
 
 
 def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    base = dict(init=str(syn_repo), data=str(images), out=str(tmp_path / "x"), seed=0, workers=0,
-                dataset_name="test/images")
+    base = dict(
+        init=str(syn_repo),
+        data=str(images),
+        out=str(tmp_path / "x"),
+        seed=0,
+        workers=0,
+        dataset_name="test/images",
+    )
     with pytest.raises(DataError, match="dataset-size 41"):
         train_vip(VipConfig(**base, dataset_size=41))
     with pytest.raises(ConfigError, match="batch-size"):
@@ -133,26 +183,66 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
     with pytest.raises(MissingInputError, match="not a directory"):
         train_vip(VipConfig(**{**base, "data": str(tmp_path / "missing")}))
     with pytest.raises(MissingInputError, match="mae_decoder.safetensors"):
-        train_vip(VipConfig(**{**base, "batch_size": 8, "init": str(make_repo_without_decoder(tmp_path))}))
-    r = subprocess.run([str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
-                        "--out", str(tmp_path / "y"), "--batch-size", "0", "--dataset-name", "test/images"],
-                       capture_output=True, text=True)
+        train_vip(
+            VipConfig(**{**base, "batch_size": 8, "init": str(make_repo_without_decoder(tmp_path))})
+        )
+    r = subprocess.run(
+        [
+            str(BIN / "vip-hub"),
+            "train-vip",
+            "--init",
+            str(syn_repo),
+            "--data",
+            str(images),
+            "--out",
+            str(tmp_path / "y"),
+            "--batch-size",
+            "0",
+            "--dataset-name",
+            "test/images",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "--batch-size: Input should be greater than 0" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run([str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
-                        "--out", str(tmp_path / "y"), "--dataset-name", "images"], capture_output=True, text=True)
-    assert r.returncode == 1 and "--dataset-name: String should match pattern" in r.stderr  # a namespace: org/name
+    r = subprocess.run(
+        [
+            str(BIN / "vip-hub"),
+            "train-vip",
+            "--init",
+            str(syn_repo),
+            "--data",
+            str(images),
+            "--out",
+            str(tmp_path / "y"),
+            "--dataset-name",
+            "images",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        r.returncode == 1 and "--dataset-name: String should match pattern" in r.stderr
+    )  # a namespace: org/name
     with pytest.raises(DataError, match="no images"):
         (tmp_path / "empty").mkdir()
         train_vip(VipConfig(**{**base, "data": str(tmp_path / "empty")}))
 
 
-def test_resume_with_other_settings_is_one_line_naming_restart(syn_repo: Path, tmp_path: Path) -> None:
+def test_resume_with_other_settings_is_one_line_naming_restart(
+    syn_repo: Path, tmp_path: Path
+) -> None:
     run_dir = syn_repo.with_name(syn_repo.name + ".run")
     shutil.copytree(run_dir, tmp_path / run_dir.name)  # its checkpoint, written with --steps 4
     args = [f"--{k.replace('_', '-')}={v}" for k, v in {**SYN_ARGS, "steps": 5}.items()]
-    r = subprocess.run([str(BIN / "vip-hub"), "train-syn", "--out", str(tmp_path / syn_repo.name), *args],
-                       check=False, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(BIN / "vip-hub"), "train-syn", "--out", str(tmp_path / syn_repo.name), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "other settings (steps)" in r.stderr and "pass --restart" in r.stderr
@@ -187,14 +277,42 @@ def test_tar_shards_read_like_an_image_folder(images: Path, tmp_path: Path) -> N
 
 
 # ---------------------------------------------------------------- processes
-DP_ARGS = ["--device", "cpu", "--epsilon", "8", "--batch-size", "8", "--steps", "10", "--micro-batch-size", "4",
-           "--seed", "7", "--workers", "0", "--checkpoint-every", "2", "--eval-every", "5",
-           "--dataset-name", "test/images"]
+DP_ARGS = [
+    "--device",
+    "cpu",
+    "--epsilon",
+    "8",
+    "--batch-size",
+    "8",
+    "--steps",
+    "10",
+    "--micro-batch-size",
+    "4",
+    "--seed",
+    "7",
+    "--workers",
+    "0",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "5",
+    "--dataset-name",
+    "test/images",
+]
 
 
 def dp_command(syn_repo: Path, images: Path, out: Path) -> list[str]:
-    return [str(BIN / "vip-hub"), "train-vip", "--init", str(syn_repo), "--data", str(images),
-            "--out", str(out), *DP_ARGS]
+    return [
+        str(BIN / "vip-hub"),
+        "train-vip",
+        "--init",
+        str(syn_repo),
+        "--data",
+        str(images),
+        "--out",
+        str(out),
+        *DP_ARGS,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +324,13 @@ def reference_run(syn_repo: Path, images: Path, tmp_path_factory: pytest.TempPat
 
 @pytest.mark.slow
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
-        syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path) -> None:
+    syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "vip-nano-dp"
     log = kill_mid_run(dp_command(syn_repo, images, out), out, step=5)
-    resumed = subprocess.run(dp_command(syn_repo, images, out), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        dp_command(syn_repo, images, out), capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert ledger_of(out).stages == ledger_of(reference_run).stages
     a, b = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
@@ -219,11 +340,25 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Path, reference_run: Path,
-                                                      tmp_path: Path) -> None:
+def test_two_processes_give_the_same_ledger_and_noise(
+    syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "vip-nano-dp"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "training.vip",
-           "--init", str(syn_repo), "--data", str(images), "--out", str(out), *DP_ARGS]
+    cmd = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "training.vip",
+        "--init",
+        str(syn_repo),
+        "--data",
+        str(images),
+        "--out",
+        str(out),
+        *DP_ARGS,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -232,26 +367,65 @@ def test_two_processes_give_the_same_ledger_and_noise(syn_repo: Path, images: Pa
     assert ledger_of(out).guarantees == ledger_of(reference_run).guarantees
 
     probe = Path(__file__).with_name("dist_noise_probe.py")
-    single = subprocess.run([sys.executable, str(probe), str(tmp_path / "one.json")], env=env,
-                            capture_output=True, text=True, timeout=120)
+    single = subprocess.run(
+        [sys.executable, str(probe), str(tmp_path / "one.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert single.returncode == 0, single.stderr
-    two = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(probe),
-                          str(tmp_path / "two.json")], env=env, capture_output=True, text=True, timeout=120)
+    two = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(probe),
+            str(tmp_path / "two.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    one, both = json.loads((tmp_path / "one.json").read_text()), json.loads((tmp_path / "two.json").read_text())
+    one, both = (
+        json.loads((tmp_path / "one.json").read_text()),
+        json.loads((tmp_path / "two.json").read_text()),
+    )
     assert both["world"] == 2 and one["world"] == 1
     expected = one["sigma"] * one["clip"] / one["batch"]
     assert one["std"] == pytest.approx(expected, rel=0.01)
     assert both["std"] == pytest.approx(one["std"], rel=1e-6)  # once, not once per rank
-    assert both["ranks_agree"] and both["mean_signal"] == pytest.approx(one["mean_signal"], rel=1e-6)
+    assert both["ranks_agree"] and both["mean_signal"] == pytest.approx(
+        one["mean_signal"], rel=1e-6
+    )
     assert both["sampled"] == one["sampled"] == 40
     assert both["canary_scores"] == one["canary_scores"]  # the audit does not depend on the ranks
 
 
 @pytest.mark.parametrize("broken", BROKEN)
-def test_the_audit_catches_a_broken_engine(broken: str, syn_repo: Path, images: Path, hub, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_audit_catches_a_broken_engine(
+    broken: str,
+    syn_repo: Path,
+    images: Path,
+    hub,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     break_engine(monkeypatch, broken, training.vip, "PerExampleClipper")
-    out = train_vip(VipConfig(init=str(syn_repo), data=str(images), out=str(tmp_path / "vip-broken"), batch_size=20,
-                              micro_batch_size=10, seed=0, workers=0, dataset_name="test/images", **SETTINGS))
+    out = train_vip(
+        VipConfig(
+            init=str(syn_repo),
+            data=str(images),
+            out=str(tmp_path / "vip-broken"),
+            batch_size=20,
+            micro_batch_size=10,
+            seed=0,
+            workers=0,
+            dataset_name="test/images",
+            **SETTINGS,
+        )
+    )
     assert_refused(out, hub, "vip-" + broken.replace(" ", "-"))

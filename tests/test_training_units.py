@@ -72,8 +72,14 @@ def test_mae_loss_is_per_example_and_masks_the_ratio() -> None:
 
 def test_mae_decoder_keys_follow_the_reference() -> None:
     keys = set(small_mae().decoder_state_dict())
-    for k in ("mask_token", "decoder_pos_embed", "decoder_embed.weight", "decoder_blocks.0.attn.qkv.weight",
-              "decoder_norm.weight", "decoder_pred.weight"):
+    for k in (
+        "mask_token",
+        "decoder_pos_embed",
+        "decoder_embed.weight",
+        "decoder_blocks.0.attn.qkv.weight",
+        "decoder_norm.weight",
+        "decoder_pred.weight",
+    ):
         assert k in keys
     assert not any(k.startswith("encoder.") for k in keys)
 
@@ -95,18 +101,25 @@ class TokenModel(nn.Module):
         return (y - target).square().mean((1, 2))
 
 
-def clipping_case(model: str, dtype: torch.dtype, device: str, b: int = 6, seed: int = 1
-                  ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def clipping_case(
+    model: str, dtype: torch.dtype, device: str, b: int = 6, seed: int = 1
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A model and a batch for the clipping tests: the small MAE, or TokenModel on ``tokens``."""
     if model == "mae":
         mae = small_mae(dtype, device=device)
         torch.manual_seed(seed)
-        return mae, (torch.randn(b, 3, 32, 32, dtype=dtype).to(device), torch.rand(b, 16, dtype=dtype).to(device))
+        return mae, (
+            torch.randn(b, 3, 32, 32, dtype=dtype).to(device),
+            torch.rand(b, 16, dtype=dtype).to(device),
+        )
     tokens = int(model.removeprefix("tokens"))
     torch.manual_seed(0)
     net = TokenModel().to(device, dtype)
     torch.manual_seed(seed)
-    return net, (torch.randint(0, 13, (b, tokens)).to(device), torch.randn(b, tokens, 4, dtype=dtype).to(device))
+    return net, (
+        torch.randint(0, 13, (b, tokens)).to(device),
+        torch.randn(b, tokens, 4, dtype=dtype).to(device),
+    )
 
 
 def naive_clipped_sum(model: nn.Module, c: float, *inputs: torch.Tensor):
@@ -115,9 +128,12 @@ def naive_clipped_sum(model: nn.Module, c: float, *inputs: torch.Tensor):
     norms = []
     for i in range(len(inputs[0])):
         model.zero_grad(set_to_none=True)
-        model(*(x[i:i + 1] for x in inputs)).sum().backward()
-        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                 for n, p in model.named_parameters() if p.requires_grad}
+        model(*(x[i : i + 1] for x in inputs)).sum().backward()
+        grads = {
+            n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        }
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
         norms.append(norm)
         for n in total:
@@ -150,8 +166,9 @@ def test_token_model_exercises_every_linear_route() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("model", ["mae", "tokens100", "tokens150"])
-def test_clipped_sum_equals_the_naive_per_example_computation(model: str, dtype: torch.dtype, tol: float,
-                                                             device: str, exact_cuda_matmuls: None) -> None:
+def test_clipped_sum_equals_the_naive_per_example_computation(
+    model: str, dtype: torch.dtype, tol: float, device: str, exact_cuda_matmuls: None
+) -> None:
     net, inputs = clipping_case(model, dtype, device)
     expected, norms = naive_clipped_sum(net, 1.0, *inputs)
     c = float(norms.median())  # some examples are clipped, some are not
@@ -163,8 +180,12 @@ def test_clipped_sum_equals_the_naive_per_example_computation(model: str, dtype:
     assert set(got) == set(expected)  # cls_token and mask_token included, nothing skipped
     assert relative_error(got, expected) < tol
     for n in got:  # and layer by layer
-        assert torch.allclose(got[n].double(), expected[n].double(), rtol=tol * 100,
-                              atol=tol * float(expected[n].abs().max())), n
+        assert torch.allclose(
+            got[n].double(),
+            expected[n].double(),
+            rtol=tol * 100,
+            atol=tol * float(expected[n].abs().max()),
+        ), n
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,15 +218,23 @@ def test_no_example_contributes_more_than_c_under_bf16_autocast(device: str) -> 
         mae.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16):
             assert PerExampleClipper(mae, c).accumulate(x, noise).factors[0] < 1
-        contributions.append(float(torch.sqrt(sum(p.grad.double().square().sum() for p in mae.parameters()
-                                                  if p.requires_grad))))
+        contributions.append(
+            float(
+                torch.sqrt(
+                    sum(p.grad.double().square().sum() for p in mae.parameters() if p.requires_grad)
+                )
+            )
+        )
     assert max(contributions) <= c
     assert min(contributions) > 0.97 * c  # and the margin that guarantees it is small
 
 
 def test_clipped_sum_does_not_depend_on_the_micro_batch_split() -> None:
     mae = small_mae(torch.float64)
-    x, noise = torch.randn(7, 3, 32, 32, dtype=torch.float64), torch.rand(7, 16, dtype=torch.float64)
+    x, noise = (
+        torch.randn(7, 3, 32, 32, dtype=torch.float64),
+        torch.rand(7, 16, dtype=torch.float64),
+    )
     clipper = PerExampleClipper(mae, 0.5)
     clipper.accumulate(x, noise)
     whole = [p.grad.clone() for p in clipper.params]
@@ -219,7 +248,9 @@ def test_clipped_sum_does_not_depend_on_the_micro_batch_split() -> None:
 @pytest.mark.parametrize("model", ["mae", "tokens150"])
 def test_clipping_bounds_every_example_and_drops_non_finite_ones(model: str) -> None:
     net, inputs = clipping_case(model, torch.float32, "cpu", b=4)
-    next(x for x in inputs if x.is_floating_point()).view(4, -1)[2, 0] = float("nan")  # images or targets
+    next(x for x in inputs if x.is_floating_point()).view(4, -1)[2, 0] = float(
+        "nan"
+    )  # images or targets
     r = PerExampleClipper(net, 1e-3).accumulate(*inputs)
     assert r.factors[2] == 0 and not torch.isfinite(r.norms[2])
     assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.requires_grad)
@@ -228,8 +259,15 @@ def test_clipping_bounds_every_example_and_drops_non_finite_ones(model: str) -> 
 
 
 def test_parameters_without_a_rule_are_refused_not_silently_slow() -> None:
-    enc = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
-                            num_classes=0, init_values=1e-5)  # LayerScale holds a bare parameter
+    enc = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        embed_dim=64,
+        depth=1,
+        num_heads=4,
+        num_classes=0,
+        init_values=1e-5,
+    )  # LayerScale holds a bare parameter
     with pytest.raises(UnsupportedLayerError, match="LayerScale"):
         PerExampleClipper(MAE(enc, SMALL_DECODER), 1.0)
     for option in ({"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}):

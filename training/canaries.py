@@ -51,8 +51,21 @@ class DiracCanaries:
     same sample); the owner (rank 0) adds the drawn ones and observes the block. ``bound``: the
     sensitivity the clipper's own clip bound gives."""
 
-    def __init__(self, count: int, sample_rate: float, seed: int, sensitivity: float, bound: float, owner: bool):
-        self.count, self.sample_rate, self.sensitivity, self.bound = count, sample_rate, sensitivity, bound
+    def __init__(
+        self,
+        count: int,
+        sample_rate: float,
+        seed: int,
+        sensitivity: float,
+        bound: float,
+        owner: bool,
+    ):
+        self.count, self.sample_rate, self.sensitivity, self.bound = (
+            count,
+            sample_rate,
+            sensitivity,
+            bound,
+        )
         self.owner = owner
         self.secrets = step_generator(seed, CANARY_BITS, 0).random(count) < 0.5
         self.members = np.flatnonzero(self.secrets)
@@ -62,7 +75,9 @@ class DiracCanaries:
         """This rank's canary block at a step: the clipped gradient of each canary in ``sampled``
         (the ids the engine's Poisson sample drew, members only), zeros elsewhere."""
         block = torch.zeros(self.count, device=device, dtype=torch.float32)
-        raw = torch.full((len(sampled),), CANARY_NORM * self.sensitivity, device=device, dtype=torch.float64)
+        raw = torch.full(
+            (len(sampled),), CANARY_NORM * self.sensitivity, device=device, dtype=torch.float64
+        )
         ids = torch.as_tensor(sampled, device=device, dtype=torch.long)
         block[ids] = (clip_factors(raw, self.bound) * raw).float()
         return block
@@ -73,7 +88,9 @@ class DiracCanaries:
             y = noisy_block.double().cpu().numpy() / self.sensitivity
             self.scores += log_likelihood_ratio(y, self.sample_rate, noise_multiplier)
 
-    def audit(self, history: tuple[float, float, int], delta: float, beta: float = DEFAULT_BETA) -> Audit:
+    def audit(
+        self, history: tuple[float, float, int], delta: float, beta: float = DEFAULT_BETA
+    ) -> Audit:
         """Guess the bits over the grid fixed in advance; the lower bound and the accountants'
         epsilon at ``delta`` for the run's (sigma, q, T), and the audit's ceiling."""
         grid = guess_grid(self.count)
@@ -87,7 +104,9 @@ class DiracCanaries:
             delta=delta,
             epsilon_lower_bound=round_down(bound_over_grid(self.count, results, beta, delta)),
             ceiling=round_down(ceiling(self.count, beta, delta)),
-            accountant_epsilon={a: round_up(epsilon(sigma, q, steps, delta, a)) for a in Accountant},
+            accountant_epsilon={
+                a: round_up(epsilon(sigma, q, steps, delta, a)) for a in Accountant
+            },
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

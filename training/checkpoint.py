@@ -39,10 +39,14 @@ def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dic
     except Exception as e:  # torch raises many types for a damaged file
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"
+        )
     saved = state.get("config")
     if saved != config:
-        diff = sorted(k for k in set(saved or {}) | set(config) if (saved or {}).get(k) != config.get(k))
+        diff = sorted(
+            k for k in set(saved or {}) | set(config) if (saved or {}).get(k) != config.get(k)
+        )
         raise CheckpointError(
             f"checkpoint {path} was written with other settings ({', '.join(diff)}); "
             "resume with the same settings, or pass --restart to start over"

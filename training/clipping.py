@@ -47,8 +47,16 @@ from torch import nn
 
 from vip_hub.errors import ConfigError
 
-__all__ = ["ClipResult", "PerExampleClipper", "UnsupportedLayerError", "add_to_grad", "clip_factors",
-           "factor_norms", "grad_roundoff", "rounding_bound"]
+__all__ = [
+    "ClipResult",
+    "PerExampleClipper",
+    "UnsupportedLayerError",
+    "add_to_grad",
+    "clip_factors",
+    "factor_norms",
+    "grad_roundoff",
+    "rounding_bound",
+]
 
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
@@ -105,8 +113,9 @@ def grad_roundoff(params: list[nn.Parameter]) -> float:
     return max((torch.finfo(p.dtype).eps / 2 for p in params if p.dtype.itemsize < 4), default=0.0)
 
 
-def factor_norms(norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]],
-                 roundoff: float) -> torch.Tensor:
+def factor_norms(
+    norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]], roundoff: float
+) -> torch.Tensor:
     """The norms clip factors come from: ``norms`` themselves, or, when some share's clipped
     product runs in bf16/fp16 or ``.grad`` rounds (``roundoff``), an upper bound on the norm of each
     contribution as it is computed. ``shares``: each part's squared norms and its rounding bound
@@ -144,7 +153,9 @@ def _sq(per_example: torch.Tensor) -> torch.Tensor:
     return per_example.reshape(per_example.shape[0], -1).square().sum(1)
 
 
-def _ghost(a: torch.Tensor, g: torch.Tensor, cross: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ghost(
+    a: torch.Tensor, g: torch.Tensor, cross: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``||g_i^T a_i||_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, and (when ``cross``)
     ``sum_t ||a_t|| ||g_t||`` (which bounds the effect of rounding either operand), both (b,).
 
@@ -176,7 +187,9 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
 
 
-def rounding_bound(sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int) -> torch.Tensor:
+def rounding_bound(
+    sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int
+) -> torch.Tensor:
     """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``, which scales g in
     fp32) when that product runs in ``dtype``.
 
@@ -221,15 +234,21 @@ class PerExampleClipper:
             self._check_supported(module)
             self.layers.append(module)
             covered.update(id(p) for p in own)
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+        missing = [
+            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered
+        ]
         if missing:
             raise UnsupportedLayerError(
                 f"no per-example gradient rule for parameters {', '.join(missing)}; "
                 "supported: nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d, broadcast tokens"
             )
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum once more
+        self.norm_dtype = (
+            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        )
+        self.grad_roundoff = grad_roundoff(
+            self.params
+        )  # a bf16/fp16 .grad rounds each sum once more
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -266,22 +285,29 @@ class PerExampleClipper:
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
 
-        def when_grad(module: nn.Module | nn.Parameter, a: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+        def when_grad(
+            module: nn.Module | nn.Parameter, a: torch.Tensor | None
+        ) -> Callable[[torch.Tensor], None]:
             held = [a]  # let go of the input once used: a LayerNorm's input is needed no longer
 
             def hook(g: torch.Tensor) -> None:
                 with torch.no_grad(), _no_autocast(g):
                     parts.append(self._part(module, held.pop(), g))
+
             return hook
 
-        def on_forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        def on_forward(
+            module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+        ) -> None:
             if id(module) in seen:
                 raise UnsupportedLayerError(
                     f"{type(module).__name__} is called twice in one forward pass; "
                     "per-example norms would miss the cross terms"
                 )
             seen.add(id(module))
-            if args[0].grad_fn is None:  # an entry layer (on the images or token ids): backward stops here
+            if (
+                args[0].grad_fn is None
+            ):  # an entry layer (on the images or token ids): backward stops here
                 targets.append(out)
             grad_hooks.append(out.register_hook(when_grad(module, args[0])))
 
@@ -299,7 +325,9 @@ class PerExampleClipper:
                 h.remove()
             hooks.remove(on_broadcast)
         if losses.ndim != 1:
-            raise ValueError(f"the model must return per-example losses (b,), got {tuple(losses.shape)}")
+            raise ValueError(
+                f"the model must return per-example losses (b,), got {tuple(losses.shape)}"
+            )
         # Every layer lies between the loss and an entry layer or a broadcast parameter, so its
         # output's hook sees its gradient; no weight gradient is formed here. Each layer is
         # reduced as soon as its gradient arrives, keeping only what step 4 needs.
@@ -315,7 +343,9 @@ class PerExampleClipper:
             for part in parts:
                 sq += part.sq_norms
             norms = sq.sqrt()
-            bounded = factor_norms(norms, [(p.sq_norms, p.bound) for p in parts], self.grad_roundoff)
+            bounded = factor_norms(
+                norms, [(p.sq_norms, p.bound) for p in parts], self.grad_roundoff
+            )
             factors = clip_factors(bounded, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
@@ -341,7 +371,9 @@ class PerExampleClipper:
             xhat = _tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps))
             small.append((m.weight, xhat.mul_(gt).sum(1)))
             return _Part(small, sum(_sq(pe) for _, pe in small))
-        sq = sum((_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype))
+        sq = sum(
+            (_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype)
+        )
         if isinstance(m, nn.Conv2d):
             return _conv_part(m, a_in, g, g_tok, small, sq)
         a_tok = _tokens(a_in)
@@ -367,7 +399,9 @@ class PerExampleClipper:
         m = part.layer
         if m is None:
             return
-        if isinstance(m, nn.Embedding):  # rows summed per (example, id); keys = example * vocab + id
+        if isinstance(
+            m, nn.Embedding
+        ):  # rows summed per (example, id); keys = example * vocab + id
             keys, rows = part.a, part.g
             example = keys // m.num_embeddings
             rows = rows * factors.to(rows.dtype)[example, None]
@@ -385,7 +419,9 @@ class PerExampleClipper:
             g = torch.where(dropped.view(-1, *[1] * (g.ndim - 1)), 0.0, g)
         c = factors.to(dtype)
         if isinstance(m, nn.Conv2d):  # the convolution's own weight-gradient kernel, on c * g
-            grad = torch.nn.grad.conv2d_weight(a, m.weight.shape, g * c.view(-1, 1, 1, 1), stride=m.stride)
+            grad = torch.nn.grad.conv2d_weight(
+                a, m.weight.shape, g * c.view(-1, 1, 1, 1), stride=m.stride
+            )
             add_to_grad(m.weight, grad)
             return
         # sum_i c_i g_i^T a_i: scale the smaller side, then one product over all tokens.
@@ -396,8 +432,14 @@ class PerExampleClipper:
         add_to_grad(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
 
 
-def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch.Tensor,
-               small: list[tuple[nn.Parameter, torch.Tensor]], sq: torch.Tensor) -> _Part:
+def _conv_part(
+    m: nn.Conv2d,
+    images: torch.Tensor,
+    g: torch.Tensor,
+    g_tok: torch.Tensor,
+    small: list[tuple[nn.Parameter, torch.Tensor]],
+    sq: torch.Tensor,
+) -> _Part:
     """A patchifying convolution: the ghost norm over its patches, unfolded a few examples at a
     time (this runs last in the backward pass, at its memory peak); it keeps its input images,
     not their patches, and its clipped sum is the convolution's own weight gradient."""
@@ -411,8 +453,11 @@ def _conv_part(m: nn.Conv2d, images: torch.Tensor, g: torch.Tensor, g_tok: torch
         ghost.append(s)
         cross.append(x)
     ghost_sq = torch.cat(ghost)
-    bound = (rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
-             if reduced else None)
+    bound = (
+        rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
+        if reduced
+        else None
+    )
     return _Part(small, sq + ghost_sq, m, images, g, bound)
 
 

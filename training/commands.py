@@ -38,11 +38,21 @@ def register(sub: Any) -> None:
     from .main_job import MainJobConfig
     from .probe import ProbeConfig
 
-    add_config_args(add_command(sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder"),
-                    ProbeConfig)
-    add_config_args(add_command(sub, "run", _run, "the main job: train, compare, publish and serve private encoders"),
-                    MainJobConfig)
-    p = add_command(sub, "synth-preview", _synth_preview, "write a contact sheet of procedural images")
+    add_config_args(
+        add_command(
+            sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder"
+        ),
+        ProbeConfig,
+    )
+    add_config_args(
+        add_command(
+            sub, "run", _run, "the main job: train, compare, publish and serve private encoders"
+        ),
+        MainJobConfig,
+    )
+    p = add_command(
+        sub, "synth-preview", _synth_preview, "write a contact sheet of procedural images"
+    )
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=64)
@@ -81,10 +91,15 @@ def _probe(args: argparse.Namespace) -> int:
     cfg = config_from_args(ProbeConfig, args)
     r = run_probe(cfg)
     kind = f"DP, epsilon {r.stage.epsilon:.3g}" if r.stage.type == "dp" else "no DP"
-    where = ("public test images (published with the head)" if cfg.test_data else
-             "held-out private images (not published: a figure on private data carries no guarantee)")
-    print(f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} {where}; "
-          f"{r.train_size} training images")
+    where = (
+        "public test images (published with the head)"
+        if cfg.test_data
+        else "held-out private images (not published: a figure on private data carries no guarantee)"
+    )
+    print(
+        f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} {where}; "
+        f"{r.train_size} training images"
+    )
     if r.repo:
         print(f"saved to {r.repo}/heads/{cfg.head}/")
     return 0

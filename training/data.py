@@ -55,7 +55,6 @@ class PrivateImages(torch.utils.data.Dataset):
     def load(self, index: int) -> Image.Image:  # pragma: no cover - interface
         raise NotImplementedError
 
-
     @staticmethod
     def _decode(data: bytes, where: str) -> Image.Image:
         try:
@@ -124,7 +123,9 @@ class TarShards(PrivateCaptions):
         self.name = self.root.name
         self.shards = sorted(self.root.glob("*.tar"))
         self.members: list[tuple[int, int, int]] = []  # images: (shard, data offset, size)
-        self.texts: list[tuple[int, int, int]] = []  # captions, when read: (shard, data offset, size)
+        self.texts: list[
+            tuple[int, int, int]
+        ] = []  # captions, when read: (shard, data offset, size)
         self.names: list[str] = []  # each example's image member
         for s, shard in enumerate(self.shards):
             images: dict[str, tarfile.TarInfo] = {}
@@ -139,8 +140,10 @@ class TarShards(PrivateCaptions):
                             self._add(s, m)
                         elif "." + ext in IMAGE_EXTENSIONS:
                             if key in images:
-                                raise DataError(f"{shard}: sample {key!r} has two images ({images[key].name}, "
-                                                f"{m.name}); a sample is one image and one caption")
+                                raise DataError(
+                                    f"{shard}: sample {key!r} has two images ({images[key].name}, "
+                                    f"{m.name}); a sample is one image and one caption"
+                                )
                             images[key] = m
                         elif ext == "txt" and captions:
                             texts[key] = m
@@ -157,13 +160,23 @@ class TarShards(PrivateCaptions):
         if text is not None:
             self.texts.append((shard, text.offset_data, text.size))
 
-    def _pair(self, s: int, shard: Path, images: dict[str, tarfile.TarInfo], texts: dict[str, tarfile.TarInfo]) -> None:
+    def _pair(
+        self,
+        s: int,
+        shard: Path,
+        images: dict[str, tarfile.TarInfo],
+        texts: dict[str, tarfile.TarInfo],
+    ) -> None:
         lonely = sorted(set(texts) - set(images))
         if lonely:
-            raise DataError(f"{shard}: sample {lonely[0]!r} has a caption ({texts[lonely[0]].name}) but no image")
+            raise DataError(
+                f"{shard}: sample {lonely[0]!r} has a caption ({texts[lonely[0]].name}) but no image"
+            )
         for key, image in images.items():
             if key not in texts:
-                raise DataError(f"{shard}: sample {key!r} ({image.name}) has no caption ({key}.txt)")
+                raise DataError(
+                    f"{shard}: sample {key!r} ({image.name}) has no caption ({key}.txt)"
+                )
             self._add(s, image, texts[key])
 
     def __len__(self) -> int:
@@ -176,14 +189,18 @@ class TarShards(PrivateCaptions):
             return f.read(size)
 
     def load(self, index: int) -> Image.Image:
-        return self._decode(self._read(self.members[index]), f"{self.shards[self.members[index][0]].name}:"
-                                                             f"{self.names[index]}")
+        return self._decode(
+            self._read(self.members[index]),
+            f"{self.shards[self.members[index][0]].name}:{self.names[index]}",
+        )
 
     def caption(self, index: int) -> str:
         if not self.texts:
             raise DataError(f"{self.root} was opened without captions")
         key = _sample_key(self.names[index])[0]
-        return self._text(self._read(self.texts[index]), f"{self.shards[self.texts[index][0]].name}:{key}.txt")
+        return self._text(
+            self._read(self.texts[index]), f"{self.shards[self.texts[index][0]].name}:{key}.txt"
+        )
 
 
 class CaptionFolder(PrivateCaptions):
@@ -207,8 +224,10 @@ class CaptionFolder(PrivateCaptions):
                 where = f"{self.file}:{number}"
                 rel, caption = self._entry(line, where)
                 if rel in seen:
-                    raise DataError(f"{where}: image {rel!r} is already listed on line {seen[rel]} (one caption "
-                                    "per image: the guarantee is per example)")
+                    raise DataError(
+                        f"{where}: image {rel!r} is already listed on line {seen[rel]} (one caption "
+                        "per image: the guarantee is per example)"
+                    )
                 seen[rel] = number
                 self.files.append(self.root / rel)
                 self.captions.append(caption)
@@ -221,8 +240,11 @@ class CaptionFolder(PrivateCaptions):
             entry = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not JSON ({e})") from None
-        if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)
-                and isinstance(entry.get("caption"), str)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("image"), str)
+            and isinstance(entry.get("caption"), str)
+        ):
             raise DataError(f'{where}: expected {{"image": relative path, "caption": text}}')
         rel = entry["image"]
         try:
@@ -230,7 +252,9 @@ class CaptionFolder(PrivateCaptions):
         except UnsafePathError as e:
             raise DataError(f"{where}: image path {e}") from None
         if PurePosixPath(rel).suffix.lower() not in IMAGE_EXTENSIONS:
-            raise DataError(f"{where}: {rel!r} is not an image file ({', '.join(IMAGE_EXTENSIONS)})")
+            raise DataError(
+                f"{where}: {rel!r} is not an image file ({', '.join(IMAGE_EXTENSIONS)})"
+            )
         if not (self.root / rel).is_file():
             raise DataError(f"{where}: image {rel!r} not found under {self.root}")
         return rel, self._text(entry["caption"].encode(), where)
@@ -263,20 +287,28 @@ def open_captions(path: str | os.PathLike[str]) -> PrivateCaptions:
         return TarShards(root, captions=True)
     if (root / CAPTIONS_FILE).is_file():
         return CaptionFolder(root)
-    raise DataError(f"{root} holds neither webdataset tar shards (*.tar with KEY.jpg/KEY.png and KEY.txt per "
-                    f"sample) nor a {CAPTIONS_FILE} (one {{\"image\": relative path, \"caption\": text}} per line)")
+    raise DataError(
+        f"{root} holds neither webdataset tar shards (*.tar with KEY.jpg/KEY.png and KEY.txt per "
+        f'sample) nor a {CAPTIONS_FILE} (one {{"image": relative path, "caption": text}} per line)'
+    )
 
 
 def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
     """The reference MAE pretraining augmentation: random resized crop (0.2-1) and flip."""
-    return v2.Compose([
-        v2.ToImage(),
-        v2.RandomResizedCrop(img_size, scale=(0.2, 1.0), interpolation=v2.InterpolationMode.BICUBIC,
-                             antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(mean=list(mean), std=list(std)),
-    ])
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.RandomResizedCrop(
+                img_size,
+                scale=(0.2, 1.0),
+                interpolation=v2.InterpolationMode.BICUBIC,
+                antialias=True,
+            ),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean=list(mean), std=list(std)),
+        ]
+    )
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -299,5 +331,7 @@ class Augmented(torch.utils.data.Dataset):
         with torch.random.fork_rng(devices=[]):
             # the CPU generator only: torch.manual_seed would also queue lazy seeds for every
             # accelerator backend, each recording a stack trace (milliseconds per example)
-            torch.default_generator.manual_seed(int(torch_generator(self.seed, AUGMENT, step, index).initial_seed()))
+            torch.default_generator.manual_seed(
+                int(torch_generator(self.seed, AUGMENT, step, index).initial_seed())
+            )
             return [self.transform(image) for _ in range(count)]

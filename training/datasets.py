@@ -47,13 +47,25 @@ __all__ = [
 
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 FASHION_MNIST_TRAIN = "public-benchmarks/fashion-mnist-train"
 """The private split's declared name: every DP stage on it names it, so they compose."""
 FASHION_MNIST_TEST = "public-benchmarks/fashion-mnist-test"
-FASHION_MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-                       "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+FASHION_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 FASHION_MNIST_SIDE = 28
 
 # IDX type codes (the third byte of the magic number) and their big-endian dtypes
@@ -72,22 +84,30 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_TYPES or raw[3] == 0:
-        raise DataError(f"{path}: not an IDX file (magic {raw[:4].hex() or 'missing'}; expected 0000, a type "
-                        f"code in {sorted(_IDX_TYPES)}, and a dimension count)")
+        raise DataError(
+            f"{path}: not an IDX file (magic {raw[:4].hex() or 'missing'}; expected 0000, a type "
+            f"code in {sorted(_IDX_TYPES)}, and a dimension count)"
+        )
     dtype, ndim = np.dtype(_IDX_TYPES[raw[2]]), raw[3]
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise DataError(f"{path}: truncated IDX header ({len(raw)} bytes, {ndim} dimensions need {header})")
+        raise DataError(
+            f"{path}: truncated IDX header ({len(raw)} bytes, {ndim} dimensions need {header})"
+        )
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, 4))
     expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if len(raw) != expected:
         what = "truncated" if len(raw) < expected else "longer than its dimensions say"
-        raise DataError(f"{path}: {what}: dimensions {dims} of {dtype.name} need {expected} bytes, "
-                        f"the file has {len(raw)}")
+        raise DataError(
+            f"{path}: {what}: dimensions {dims} of {dtype.name} need {expected} bytes, "
+            f"the file has {len(raw)}"
+        )
     return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
 
-def keyed_uniforms(key: bytes, purpose: str, records: Iterable[bytes | Path], labels: np.ndarray) -> np.ndarray:
+def keyed_uniforms(
+    key: bytes, purpose: str, records: Iterable[bytes | Path], labels: np.ndarray
+) -> np.ndarray:
     """One number in [0, 1) per record (its bytes, or a file's): HMAC-SHA256 under ``key`` of
     the record and its label. A record's number depends on that record alone, so subsets
     chosen by threshold are stable when any other record comes or goes; without the key the
@@ -95,8 +115,9 @@ def keyed_uniforms(key: bytes, purpose: str, records: Iterable[bytes | Path], la
     out = np.empty(len(labels))
     for i, (record, y) in enumerate(zip(records, labels, strict=True)):
         data = record.read_bytes() if isinstance(record, Path) else record
-        digest = hmac.new(key, purpose.encode() + b"\0" + str(int(y)).encode() + b"\0" + data,
-                          hashlib.sha256).digest()
+        digest = hmac.new(
+            key, purpose.encode() + b"\0" + str(int(y)).encode() + b"\0" + data, hashlib.sha256
+        ).digest()
         out[i] = int.from_bytes(digest[:8], "big") / 2.0**64
     return out
 
@@ -118,8 +139,11 @@ class LabelledArrays:
         n = len(indices)
         if n == 0:
             raise DataError(f"{self.dataset.name}: the subset ({rule}) is empty")
-        dataset = Dataset(name=self.dataset.name, size=n,
-                          description=f"{n} of the {len(self)} records of {self.dataset.name}, {rule}")
+        dataset = Dataset(
+            name=self.dataset.name,
+            size=n,
+            description=f"{n} of the {len(self)} records of {self.dataset.name}, {rule}",
+        )
         return LabelledArrays(self.images[indices], self.labels[indices], self.classes, dataset)
 
     def first(self, n: int) -> LabelledArrays:
@@ -131,8 +155,11 @@ class LabelledArrays:
     def keyed(self, key: bytes, purpose: str, rate: float) -> LabelledArrays:
         """Each record kept when its keyed number (``keyed_uniforms``) is below ``rate``."""
         u = keyed_uniforms(key, purpose, (im.tobytes() for im in self.images), self.labels)
-        return self.subset(np.flatnonzero(u < rate), f"each kept with probability {rate:g} by a keyed hash "
-                                                     "under a secret (membership independent of other records)")
+        return self.subset(
+            np.flatnonzero(u < rate),
+            f"each kept with probability {rate:g} by a keyed hash "
+            "under a secret (membership independent of other records)",
+        )
 
     def pil(self, index: int) -> Image.Image:
         """Record ``index`` as a greyscale PIL image."""
@@ -151,20 +178,28 @@ def _idx_pair(folder: Path, split: str) -> tuple[Path, Path] | None:
     return found[0], found[1]
 
 
-def fetch_fashion_mnist(work_dir: str | os.PathLike[str], system_dir: Path = FASHION_MNIST_DIR) -> Path:
+def fetch_fashion_mnist(
+    work_dir: str | os.PathLike[str], system_dir: Path = FASHION_MNIST_DIR
+) -> Path:
     """The folder of the four IDX files: the installed package's, else installed now
     (``apt-get install`` as root), else unpacked into ``work_dir`` (``apt-get download``,
     ``dpkg -x``). A DataError names the package and ``--data`` when none of these works."""
     downloads = Path(work_dir) / "debian"
-    local = downloads / FASHION_MNIST_DIR.relative_to(FASHION_MNIST_DIR.anchor)  # where dpkg -x puts the files
+    local = downloads / FASHION_MNIST_DIR.relative_to(
+        FASHION_MNIST_DIR.anchor
+    )  # where dpkg -x puts the files
     for folder in (system_dir, local):
         if all(_idx_pair(folder, s) for s in FASHION_MNIST_FILES):
             return folder
     apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg")
     tried: list[str] = []
-    if (apt and os.geteuid() == 0 and _run([apt, "update", "-q"], tried)
-            and _run([apt, "install", "-y", "-q", FASHION_MNIST_PACKAGE], tried)
-            and all(_idx_pair(system_dir, s) for s in FASHION_MNIST_FILES)):
+    if (
+        apt
+        and os.geteuid() == 0
+        and _run([apt, "update", "-q"], tried)
+        and _run([apt, "install", "-y", "-q", FASHION_MNIST_PACKAGE], tried)
+        and all(_idx_pair(system_dir, s) for s in FASHION_MNIST_FILES)
+    ):
         return system_dir
     if apt and dpkg:
         downloads.mkdir(parents=True, exist_ok=True)
@@ -175,16 +210,20 @@ def fetch_fashion_mnist(work_dir: str | os.PathLike[str], system_dir: Path = FAS
                 return local
             tried.append(f"the unpacked package has no IDX files under {local}")
     why = "; ".join(tried) if tried else "apt-get and dpkg are not on PATH"
-    raise DataError(f"Fashion-MNIST is not installed and could not be fetched ({why}). Install the Debian package "
-                    f"{FASHION_MNIST_PACKAGE} (apt-get install {FASHION_MNIST_PACKAGE}), or pass --data FOLDER: "
-                    "the folder of its four IDX files (train-/t10k-images-idx3-ubyte, train-/t10k-labels-idx1-ubyte, "
-                    "gzipped or not) or an image folder with train/ and test/ class subfolders")
+    raise DataError(
+        f"Fashion-MNIST is not installed and could not be fetched ({why}). Install the Debian package "
+        f"{FASHION_MNIST_PACKAGE} (apt-get install {FASHION_MNIST_PACKAGE}), or pass --data FOLDER: "
+        "the folder of its four IDX files (train-/t10k-images-idx3-ubyte, train-/t10k-labels-idx1-ubyte, "
+        "gzipped or not) or an image folder with train/ and test/ class subfolders"
+    )
 
 
 def _run(cmd: list[str], tried: list[str], cwd: Path | None = None) -> bool:
     """Run ``cmd``; on failure note it (with the end of its output) in ``tried``."""
     try:
-        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, timeout=600, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         tried.append(f"{' '.join(cmd[:2])}: {e}")
         return False
@@ -194,18 +233,30 @@ def _run(cmd: list[str], tried: list[str], cwd: Path | None = None) -> bool:
     return done.returncode == 0
 
 
-def _read_idx_split(images_file: Path, labels_file: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _read_idx_split(
+    images_file: Path, labels_file: Path, name: str
+) -> tuple[np.ndarray, np.ndarray]:
     """A split's images (n, 28, 28) uint8 and labels (n,), checked against each other."""
     images, labels = read_idx(images_file), read_idx(labels_file)
-    if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (FASHION_MNIST_SIDE,) * 2:
-        raise DataError(f"{images_file}: expected uint8 images n x {FASHION_MNIST_SIDE} x {FASHION_MNIST_SIDE}, "
-                        f"found {images.dtype.name} {images.shape}")
+    if (
+        images.dtype != np.uint8
+        or images.ndim != 3
+        or images.shape[1:] != (FASHION_MNIST_SIDE,) * 2
+    ):
+        raise DataError(
+            f"{images_file}: expected uint8 images n x {FASHION_MNIST_SIDE} x {FASHION_MNIST_SIDE}, "
+            f"found {images.dtype.name} {images.shape}"
+        )
     if labels.dtype != np.uint8 or labels.ndim != 1 or len(labels) != len(images):
-        raise DataError(f"{labels_file}: expected {len(images)} uint8 labels (one per image of {images_file.name}), "
-                        f"found {labels.dtype.name} {labels.shape}")
+        raise DataError(
+            f"{labels_file}: expected {len(images)} uint8 labels (one per image of {images_file.name}), "
+            f"found {labels.dtype.name} {labels.shape}"
+        )
     if len(labels) and labels.max() >= len(FASHION_MNIST_CLASSES):
-        raise DataError(f"{labels_file}: label {labels.max()} is not one of the {len(FASHION_MNIST_CLASSES)} classes "
-                        f"of {name}")
+        raise DataError(
+            f"{labels_file}: label {labels.max()} is not one of the {len(FASHION_MNIST_CLASSES)} classes "
+            f"of {name}"
+        )
     return images, labels.astype(np.int64)
 
 
@@ -221,15 +272,22 @@ def _read_image_split(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     for i, path in enumerate(images.files):
         parts = path.relative_to(folder).parts
         if len(parts) < 2 or parts[0] not in index:
-            raise DataError(f"{path}: not in a class subfolder of {folder} (one of {sorted(index)})")
-        grey = images.load(i).convert("L").resize((FASHION_MNIST_SIDE,) * 2, Image.Resampling.BILINEAR)
+            raise DataError(
+                f"{path}: not in a class subfolder of {folder} (one of {sorted(index)})"
+            )
+        grey = (
+            images.load(i).convert("L").resize((FASHION_MNIST_SIDE,) * 2, Image.Resampling.BILINEAR)
+        )
         pixels.append(np.asarray(grey, dtype=np.uint8))
         labels.append(index[parts[0]])
     return np.stack(pixels), np.asarray(labels, dtype=np.int64)
 
 
-def fashion_mnist(split: Literal["train", "test"], data: str | os.PathLike[str] | None = None,
-                  work_dir: str | os.PathLike[str] = "var/data") -> LabelledArrays:
+def fashion_mnist(
+    split: Literal["train", "test"],
+    data: str | os.PathLike[str] | None = None,
+    work_dir: str | os.PathLike[str] = "var/data",
+) -> LabelledArrays:
     """Fashion-MNIST's ``split`` from ``data`` (IDX folder or image folder) or the Debian package
     (fetched into ``work_dir`` when missing). Train is declared as the private ``FASHION_MNIST_TRAIN``."""
     if split not in FASHION_MNIST_FILES:
@@ -240,18 +298,24 @@ def fashion_mnist(split: Literal["train", "test"], data: str | os.PathLike[str] 
     else:
         folder = Path(data)
         if not folder.is_dir():
-            raise DataError(f"--data {folder} is not a folder (give the four IDX files' folder or an image folder "
-                            "with train/ and test/ class subfolders)")
+            raise DataError(
+                f"--data {folder} is not a folder (give the four IDX files' folder or an image folder "
+                "with train/ and test/ class subfolders)"
+            )
     pair = _idx_pair(folder, split)
     if pair is not None:
         images, labels = _read_idx_split(*pair, name)
     elif (folder / split).is_dir():
         images, labels = _read_image_split(folder / split)
     else:
-        raise DataError(f"{folder} holds neither the {split} IDX files ({', '.join(FASHION_MNIST_FILES[split])}, "
-                        f"gzipped or not) nor an image folder {split}/ with one subfolder per class")
-    dataset = Dataset(name=name, size=len(labels),
-                      description=f"Fashion-MNIST {split} split: {len(labels)} grey 28x28 images, 10 classes"
-                                  + (" (private)" if split == "train" else " (public)"))
+        raise DataError(
+            f"{folder} holds neither the {split} IDX files ({', '.join(FASHION_MNIST_FILES[split])}, "
+            f"gzipped or not) nor an image folder {split}/ with one subfolder per class"
+        )
+    dataset = Dataset(
+        name=name,
+        size=len(labels),
+        description=f"Fashion-MNIST {split} split: {len(labels)} grey 28x28 images, 10 classes"
+        + (" (private)" if split == "train" else " (public)"),
+    )
     return LabelledArrays(images, labels, FASHION_MNIST_CLASSES, dataset)
-

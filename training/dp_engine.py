@@ -91,8 +91,17 @@ class Budget:
         return self.expected_batch_size / self.dataset_size
 
     @classmethod
-    def plan(cls, *, dataset_size: int, batch_size: int, steps: int, epsilon: float | None,
-             sigma: float | None, delta: float | None, accountant: Accountant | str) -> "Budget":
+    def plan(
+        cls,
+        *,
+        dataset_size: int,
+        batch_size: int,
+        steps: int,
+        epsilon: float | None,
+        sigma: float | None,
+        delta: float | None,
+        accountant: Accountant | str,
+    ) -> "Budget":
         """Calibrate sigma from ``epsilon`` (unless given) and find the last step within it."""
         n = dataset_size
         if not 0 < batch_size <= n:
@@ -103,9 +112,13 @@ class Budget:
         q = batch_size / n
         delta = default_delta(n) if delta is None else delta
         sigma = calibrate(epsilon, delta, q, steps, kind) if sigma is None else sigma
-        within = steps if epsilon is None else max_steps_within(epsilon, sigma, q, delta, steps, kind)
+        within = (
+            steps if epsilon is None else max_steps_within(epsilon, sigma, q, delta, steps, kind)
+        )
         if within == 0:
-            raise AccountingError(f"a single step at sigma {sigma:g}, q {q:.4g} already exceeds epsilon {epsilon}")
+            raise AccountingError(
+                f"a single step at sigma {sigma:g}, q {q:.4g} already exceeds epsilon {epsilon}"
+            )
         return cls(n, float(batch_size), float(sigma), float(delta), kind, within, steps, epsilon)
 
     @classmethod
@@ -113,16 +126,27 @@ class Budget:
         """The budget a DP recipe's configuration asks for, on a dataset of ``dataset_size``
         examples (checked against ``--dataset-size`` when given)."""
         if cfg.dataset_size is not None and cfg.dataset_size != dataset_size:
-            raise DataError(f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {dataset_size} examples")
-        return cls.plan(dataset_size=dataset_size, batch_size=cfg.batch_size, steps=cfg.steps, epsilon=cfg.epsilon,
-                        sigma=cfg.sigma, delta=cfg.delta, accountant=cfg.accountant)
+            raise DataError(
+                f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {dataset_size} examples"
+            )
+        return cls.plan(
+            dataset_size=dataset_size,
+            batch_size=cfg.batch_size,
+            steps=cfg.steps,
+            epsilon=cfg.epsilon,
+            sigma=cfg.sigma,
+            delta=cfg.delta,
+            accountant=cfg.accountant,
+        )
 
     def stop_message(self) -> str | None:
         """Why the run stops early, when it does."""
         if self.steps == self.requested_steps:
             return None
-        return (f"budget: stopping after step {self.steps} of {self.requested_steps}; step {self.steps + 1} "
-                f"would exceed epsilon {self.target_epsilon} ({self.accountant.value}, delta {self.delta:.3g})")
+        return (
+            f"budget: stopping after step {self.steps} of {self.requested_steps}; step {self.steps + 1} "
+            f"would exceed epsilon {self.target_epsilon} ({self.accountant.value}, delta {self.delta:.3g})"
+        )
 
 
 @dataclass
@@ -147,7 +171,9 @@ class _StepItems(torch.utils.data.Dataset):
 
 def _collate(items: list[tuple[Any, ...]]) -> StepBatch:
     rows = [item[1:] for item in items if item[1] is not None]
-    return StepBatch(items[0][0], tuple(torch.stack(column) for column in zip(*rows)) if rows else ())
+    return StepBatch(
+        items[0][0], tuple(torch.stack(column) for column in zip(*rows)) if rows else ()
+    )
 
 
 @dataclass(frozen=True)
@@ -158,7 +184,9 @@ class StepStats:
     loss: float
 
 
-def gaussian_noise(numel: int, std: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+def gaussian_noise(
+    numel: int, std: float, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """The step's noise: N(0, std^2) per coordinate, drawn once for the whole flat buffer."""
     return torch.randn(numel, generator=generator, device=device).mul_(std)
 
@@ -166,35 +194,79 @@ def gaussian_noise(numel: int, std: float, generator: torch.Generator, device: t
 class DPEngine:
     """Owns a run's DP logical steps (see the module docstring)."""
 
-    def __init__(self, clipper: Clipper, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, *,
-                 sensitivity: float, clipping_norm: float, seed: int, dist: Dist, micro_batch_size: int | None,
-                 audit_canaries: int = 0,
-                 autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext):
+    def __init__(
+        self,
+        clipper: Clipper,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        budget: Budget,
+        *,
+        sensitivity: float,
+        clipping_norm: float,
+        seed: int,
+        dist: Dist,
+        micro_batch_size: int | None,
+        audit_canaries: int = 0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ):
         """``sensitivity``: the stated sensitivity (the noise is sigma times it) of the mechanism
         with clip bound ``clipping_norm`` (as the ledger records it; linear in it)."""
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ConfigError(f"micro-batch size must be positive, got {micro_batch_size}")
-        self.clipper, self.optimizer, self.scheduler, self.budget = clipper, optimizer, scheduler, budget
-        self.sensitivity, self.seed, self.dist, self.micro_batch_size = float(sensitivity), seed, dist, micro_batch_size
+        self.clipper, self.optimizer, self.scheduler, self.budget = (
+            clipper,
+            optimizer,
+            scheduler,
+            budget,
+        )
+        self.sensitivity, self.seed, self.dist, self.micro_batch_size = (
+            float(sensitivity),
+            seed,
+            dist,
+            micro_batch_size,
+        )
         self.clipping_norm = float(clipping_norm)
         self.params = list(clipper.params)
         self.autocast = autocast
         bound = self.sensitivity * clipper.max_norm / self.clipping_norm
-        self.canaries = (DiracCanaries(audit_canaries, budget.sample_rate, seed, self.sensitivity, bound, dist.main)
-                         if audit_canaries else None)
+        self.canaries = (
+            DiracCanaries(
+                audit_canaries, budget.sample_rate, seed, self.sensitivity, bound, dist.main
+            )
+            if audit_canaries
+            else None
+        )
         self.steps_done = 0
 
     @classmethod
-    def for_run(cls, clipper: Clipper, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler | None, budget: Budget, run: Run, cfg: DPRunConfig, *,
-                sensitivity: float, clipping_norm: float, micro_batch_size: int | None = None) -> "DPEngine":
+    def for_run(
+        cls,
+        clipper: Clipper,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        budget: Budget,
+        run: Run,
+        cfg: DPRunConfig,
+        *,
+        sensitivity: float,
+        clipping_norm: float,
+        micro_batch_size: int | None = None,
+    ) -> "DPEngine":
         """The engine of a recipe's run: the run's seed, ranks and autocast, the configuration's
         micro-batch size (unless given: None for clippers that need the whole sample) and canaries."""
-        return cls(clipper, optimizer, scheduler, budget, sensitivity=sensitivity, clipping_norm=clipping_norm,
-                   seed=run.seed, dist=run.dist,
-                   micro_batch_size=cfg.micro_batch_size if micro_batch_size is None else micro_batch_size,
-                   audit_canaries=cfg.audit_canaries, autocast=run.autocast)
+        return cls(
+            clipper,
+            optimizer,
+            scheduler,
+            budget,
+            sensitivity=sensitivity,
+            clipping_norm=clipping_norm,
+            seed=run.seed,
+            dist=run.dist,
+            micro_batch_size=cfg.micro_batch_size if micro_batch_size is None else micro_batch_size,
+            audit_canaries=cfg.audit_canaries,
+            autocast=run.autocast,
+        )
 
     def checkpointed(self, model: nn.Module) -> dict[str, Any]:
         """What a checkpoint of this run holds: the model, the optimiser, the scheduler, the engine."""
@@ -203,10 +275,18 @@ class DPEngine:
             objects["scheduler"] = self.scheduler
         return objects
 
-    def train(self, run: Run, model: nn.Module, load: Callable[[int, int], tuple[torch.Tensor, ...]], *,
-              desc: str, evaluate: Callable[[], dict[str, Any]],
-              prepare: Callable[[Iterator[tuple[torch.Tensor, ...]]], Iterable[Sequence[torch.Tensor]]] = lambda m: m,
-              ) -> list[dict[str, Any]]:
+    def train(
+        self,
+        run: Run,
+        model: nn.Module,
+        load: Callable[[int, int], tuple[torch.Tensor, ...]],
+        *,
+        desc: str,
+        evaluate: Callable[[], dict[str, Any]],
+        prepare: Callable[
+            [Iterator[tuple[torch.Tensor, ...]]], Iterable[Sequence[torch.Tensor]]
+        ] = lambda m: m,
+    ) -> list[dict[str, Any]]:
         """Resume ``run`` and train to the budget's last step: examples from ``load(index, step)``,
         each step's micro-batches through ``prepare``, ``evaluate()`` (public data only) and ε at the
         evaluation cadence. Returns the run's log records."""
@@ -215,16 +295,29 @@ class DPEngine:
 
         def steps() -> Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]]:
             for step, micro in self.batches(load, start, run.cfg.workers):
-                def do(step: int = step, micro: Iterator[tuple[torch.Tensor, ...]] = micro) -> tuple[dict[str, Any], int]:
+
+                def do(
+                    step: int = step, micro: Iterator[tuple[torch.Tensor, ...]] = micro
+                ) -> tuple[dict[str, Any], int]:
                     stats = self.step(step, prepare(micro))
-                    record = {"train_loss": stats.loss, "sampled": stats.sampled,
-                              "lr": self.optimizer.param_groups[0]["lr"]}
+                    record = {
+                        "train_loss": stats.loss,
+                        "sampled": stats.sampled,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                    }
                     return record, stats.sampled
+
                 yield step, do
 
-        return run.loop(start, self.budget.steps, steps(), desc=desc, objects=objects,
-                        evaluate=lambda: {**evaluate(), "epsilon": self.epsilon()},
-                        stop_message=self.budget.stop_message())
+        return run.loop(
+            start,
+            self.budget.steps,
+            steps(),
+            desc=desc,
+            objects=objects,
+            evaluate=lambda: {**evaluate(), "epsilon": self.epsilon()},
+            stop_message=self.budget.stop_message(),
+        )
 
     # ---------------------------------------------------------------- sampling
     def plan(self, step: int) -> np.ndarray:
@@ -235,7 +328,9 @@ class DPEngine:
         """This rank's part of the step's one Poisson sample over the dataset and the canaries in the
         data: its share of the dataset indices, and (rank 0) the canary ids, each sorted. A pure
         function of (seed, step, rank), the same sample whatever the number of ranks."""
-        members = self.canaries.members if self.canaries is not None else np.zeros(0, dtype=np.int64)
+        members = (
+            self.canaries.members if self.canaries is not None else np.zeros(0, dtype=np.int64)
+        )
         n = self.budget.dataset_size
         drawn = poisson_sample(n + len(members), self.budget.sample_rate, self.seed, step)
         cut = int(np.searchsorted(drawn, n))
@@ -250,13 +345,18 @@ class DPEngine:
             for part in micro_batches(local, self.micro_batch_size or max(1, len(local))):
                 yield [(step, int(i)) for i in part] or [(step, EMPTY)]
 
-    def batches(self, load: Callable[[int, int], tuple[torch.Tensor, ...]], start: int, workers: int
-                ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, ...]]]]:
+    def batches(
+        self, load: Callable[[int, int], tuple[torch.Tensor, ...]], start: int, workers: int
+    ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, ...]]]]:
         """Each step from ``start`` with an iterator over its non-empty micro-batches, loaded by
         ``load(index, step)`` in ``workers`` processes (pass them to ``step``)."""
         loader = torch.utils.data.DataLoader(
-            _StepItems(load), batch_sampler=self.sampler(start), collate_fn=_collate, num_workers=workers,
-            pin_memory=self.params[0].device.type == "cuda")
+            _StepItems(load),
+            batch_sampler=self.sampler(start),
+            collate_fn=_collate,
+            num_workers=workers,
+            pin_memory=self.params[0].device.type == "cuda",
+        )
         for step, group in itertools.groupby(loader, key=lambda b: b.step):
             yield step, (b.tensors for b in group if b.tensors)
 
@@ -272,7 +372,9 @@ class DPEngine:
                 result = self.clipper.accumulate(*(t.to(device, non_blocking=True) for t in inputs))
             sampled += len(result.losses)
             loss += result.losses.double().sum().cpu()
-        totals = self._privatise(step, torch.tensor([float(sampled), float(loss)], dtype=torch.float64))
+        totals = self._privatise(
+            step, torch.tensor([float(sampled), float(loss)], dtype=torch.float64)
+        )
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -291,30 +393,40 @@ class DPEngine:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         blocks = [g.reshape(-1).float() for g in grads]
         if self.canaries is not None:
-            blocks.append(self.canaries.clipped_sum(self._draw(step)[1], device))  # the sampler's draw, again
+            blocks.append(
+                self.canaries.clipped_sum(self._draw(step)[1], device)
+            )  # the sampler's draw, again
         blocks.append(stats.to(device=device, dtype=torch.float32))
         buffer = torch.cat(blocks)
         del blocks, grads
-        flat = buffer[:-len(stats)]
+        flat = buffer[: -len(stats)]
         if self.dist.main:
             generator = torch_generator(self.seed, NOISE, step, 0, device=device)
-            flat += gaussian_noise(flat.numel(), self.budget.noise_multiplier * self.sensitivity, generator, device)
+            flat += gaussian_noise(
+                flat.numel(), self.budget.noise_multiplier * self.sensitivity, generator, device
+            )
         self.dist.all_reduce_sum(buffer)
         size = sum(p.numel() for p in self.params)
         if self.canaries is not None:
-            self.canaries.observe(flat[size:size + self.canaries.count], self.budget.noise_multiplier)
+            self.canaries.observe(
+                flat[size : size + self.canaries.count], self.budget.noise_multiplier
+            )
         flat[:size].div_(self.budget.expected_batch_size)
         offset = 0
         for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        return buffer[-len(stats):].double().cpu()
+        return buffer[-len(stats) :].double().cpu()
 
     # ---------------------------------------------------------------- accounting
     @property
     def history(self) -> list[tuple[float, float, int]]:
         """The accountant's view of the steps done: [(sigma, q, steps)]."""
-        return [(self.budget.noise_multiplier, self.budget.sample_rate, self.steps_done)] if self.steps_done else []
+        return (
+            [(self.budget.noise_multiplier, self.budget.sample_rate, self.steps_done)]
+            if self.steps_done
+            else []
+        )
 
     def epsilon(self) -> float:
         """Epsilon spent so far under the run's accountant, at its delta."""
@@ -324,30 +436,59 @@ class DPEngine:
         """The finished run's ledger stage (``fields``: name, dataset, mechanism, descriptions...),
         with its audit when it ran canaries."""
         if self.steps_done != self.budget.steps:
-            raise RuntimeError(f"{self.steps_done} steps done, the budget planned {self.budget.steps}")
+            raise RuntimeError(
+                f"{self.steps_done} steps done, the budget planned {self.budget.steps}"
+            )
         b = self.budget
-        audit = self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
+        audit = (
+            self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
+        )
         return DPStage.from_parameters(
-            sample_rate=b.sample_rate, noise_multiplier=b.noise_multiplier, steps=b.steps,
-            sensitivity=self.sensitivity, clipping_norm=self.clipping_norm, delta=b.delta, accountant=b.accountant,
-            audit=audit, **fields)
+            sample_rate=b.sample_rate,
+            noise_multiplier=b.noise_multiplier,
+            steps=b.steps,
+            sensitivity=self.sensitivity,
+            clipping_norm=self.clipping_norm,
+            delta=b.delta,
+            accountant=b.accountant,
+            audit=audit,
+            **fields,
+        )
 
-    def export(self, run: Run, cfg: DPRunConfig, encoder: VisionTransformer, spec: EncoderSpec,
-               init: PrivacyLedger, *, records: list[dict[str, Any]], mechanism: str,
-               curve_label: str, dataset_description: str, summary: str,
-               files: dict[str, Any] | None = None, **stage_fields: Any) -> Path:
+    def export(
+        self,
+        run: Run,
+        cfg: DPRunConfig,
+        encoder: VisionTransformer,
+        spec: EncoderSpec,
+        init: PrivacyLedger,
+        *,
+        records: list[dict[str, Any]],
+        mechanism: str,
+        curve_label: str,
+        dataset_description: str,
+        summary: str,
+        files: dict[str, Any] | None = None,
+        **stage_fields: Any,
+    ) -> Path:
         """Export the released repo: the init repo's encoder stages, then this run's ``stage``
         (named ``mechanism``, on ``cfg``'s dataset) and the curve of its ``public_loss``."""
+
         def stages() -> list[NonPrivateStage | DPStage]:
-            dataset = Dataset(name=cfg.dataset_name, size=self.budget.dataset_size,
-                              description=dataset_description)
-            stage = self.stage(audit_delta=cfg.audit_delta, mechanism=mechanism, dataset=dataset,
-                               **stage_fields)
+            dataset = Dataset(
+                name=cfg.dataset_name,
+                size=self.budget.dataset_size,
+                description=dataset_description,
+            )
+            stage = self.stage(
+                audit_delta=cfg.audit_delta, mechanism=mechanism, dataset=dataset, **stage_fields
+            )
             return [*(s for s in init.stages if s.component == ENCODER), stage]
 
         curve = ("public_loss", curve_label, f"{mechanism} on {cfg.dataset_name}")
-        return run.export_encoder(encoder, spec, stages, records=records, curve=curve,
-                                  summary=summary, **(files or {}))
+        return run.export_encoder(
+            encoder, spec, stages, records=records, curve=curve, summary=summary, **(files or {})
+        )
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -359,9 +500,10 @@ class DPEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps_done = int(state["steps_done"])
         if [tuple(h) for h in state["history"]] != self.history:
-            raise CheckpointError(f"checkpoint accountant history {state['history']} does not match "
-                                  f"{self.steps_done} steps at sigma {self.budget.noise_multiplier}, "
-                                  f"q {self.budget.sample_rate}")
+            raise CheckpointError(
+                f"checkpoint accountant history {state['history']} does not match "
+                f"{self.steps_done} steps at sigma {self.budget.noise_multiplier}, "
+                f"q {self.budget.sample_rate}"
+            )
         if self.canaries is not None:
             self.canaries.load_state_dict(state["canaries"])
-

@@ -85,27 +85,44 @@ class DPCapConfig(DPRunConfig):
     (0.9, 0.95), weight decay 0.05, lr 5.12e-4, 40 % warm-up, cosine over twice the run), with a
     small text decoder for the CPU (the reference's is 6 blocks of up to 768)."""
 
-    init: str = Field(description="DP-Cap repo folder or hub id to start from, e.g. the output of "
-                                  "`vip-hub train-syn --arch dpcap-nano`")
-    data: str = Field(description="image-caption pairs: webdataset tar shards (KEY.jpg/KEY.png + KEY.txt) or a "
-                                  f"folder with a {CAPTIONS_FILE}")
-    vocab: str = Field(description="public vocabulary file (BERT-style vocab.txt, e.g. bert-base-uncased's), "
-                                   "fixed before training and never fitted on the private captions")
+    init: str = Field(
+        description="DP-Cap repo folder or hub id to start from, e.g. the output of "
+        "`vip-hub train-syn --arch dpcap-nano`"
+    )
+    data: str = Field(
+        description="image-caption pairs: webdataset tar shards (KEY.jpg/KEY.png + KEY.txt) or a "
+        f"folder with a {CAPTIONS_FILE}"
+    )
+    vocab: str = Field(
+        description="public vocabulary file (BERT-style vocab.txt, e.g. bert-base-uncased's), "
+        "fixed before training and never fitted on the private captions"
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
     lr: float = lr_field(5.12e-4)
     warmup_steps: int | None = warmup_field(two_fifths_of_steps)
-    decay_steps: int | None = Field(None, gt=0, description="cosine decay horizon (default: twice the steps)")
+    decay_steps: int | None = Field(
+        None, gt=0, description="cosine decay horizon (default: twice the steps)"
+    )
     weight_decay: float = weight_decay_field(0.05)
     beta1: float = beta_field(1)
     beta2: float = beta_field(2)
-    decoder_width: int = Field(128, gt=0, description="text decoder width (reference: the encoder's, up to 768)")
+    decoder_width: int = Field(
+        128, gt=0, description="text decoder width (reference: the encoder's, up to 768)"
+    )
     decoder_depth: int = Field(2, gt=0, description="text decoder blocks (reference: 6)")
     decoder_heads: int = Field(4, gt=0, description="text decoder attention heads")
-    max_length: int = Field(MAX_LENGTH, ge=2, le=512, description="caption tokens, [CLS] and [SEP] included "
-                                                                  "(longer captions are cut)")
-    public_captions: str | None = Field(None, description="file of public captions (one a line) scored on fixed "
-                                                          "procedural images for the card's curve (default: "
-                                                          "built-in descriptions of such images)")
+    max_length: int = Field(
+        MAX_LENGTH,
+        ge=2,
+        le=512,
+        description="caption tokens, [CLS] and [SEP] included (longer captions are cut)",
+    )
+    public_captions: str | None = Field(
+        None,
+        description="file of public captions (one a line) scored on fixed "
+        "procedural images for the card's curve (default: "
+        "built-in descriptions of such images)",
+    )
 
 
 def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
@@ -119,58 +136,99 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         raise ConfigError(
             f"{cfg.init} holds a {spec.family.title} encoder ({spec.arch}); DP-Cap trains a DP-Cap encoder (no qkv "
             "bias, final norm on every token, frozen class token). Make one with `vip-hub train-syn --arch "
-            "dpcap-nano --out DIR` (any dpcap-* size) and pass --init DIR")
+            "dpcap-nano --out DIR` (any dpcap-* size) and pass --init DIR"
+        )
     pairs = open_captions(cfg.data)
     n = len(pairs)
     budget = Budget.for_config(cfg, n)
     run = Run(cfg, dist)
     torch.manual_seed(run.seed)  # the fresh decoder's initialisation, the same on every rank
-    decoder = TextDecoder(TextDecoderConfig.for_encoder(spec, tokenizer, width=cfg.decoder_width,
-                                                        depth=cfg.decoder_depth, num_heads=cfg.decoder_heads))
+    decoder = TextDecoder(
+        TextDecoderConfig.for_encoder(
+            spec,
+            tokenizer,
+            width=cfg.decoder_width,
+            depth=cfg.decoder_depth,
+            num_heads=cfg.decoder_heads,
+        )
+    )
     model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
     optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else two_fifths_of_steps(cfg.steps)
     horizon = cfg.decay_steps or 2 * cfg.steps
     scheduler = warmup_cosine(optimizer, warmup, horizon)
-    engine = DPEngine.for_run(PerExampleClipper(model, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
-                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), clipping_norm=cfg.max_grad_norm)
+    engine = DPEngine.for_run(
+        PerExampleClipper(model, cfg.max_grad_norm),
+        optimizer,
+        scheduler,
+        budget,
+        run,
+        cfg,
+        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
+        clipping_norm=cfg.max_grad_norm,
+    )
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = tokenizer.encode([pairs.caption(index)])[0]
-        return augmented[index, step], F.pad(ids, (0, cfg.max_length - len(ids)), value=tokenizer.pad_id)
+        return augmented[index, step], F.pad(
+            ids, (0, cfg.max_length - len(ids)), value=tokenizer.pad_id
+        )
 
     eval_images = public_images(spec)
     eval_texts = tokenizer.encode([public[i % len(public)] for i in range(len(eval_images))])
-    records = engine.train(run, model, load, desc="train-dpcap",
-                           prepare=lambda micro: _trimmed(micro, tokenizer.pad_id),
-                           evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)})
+    records = engine.train(
+        run,
+        model,
+        load,
+        desc="train-dpcap",
+        prepare=lambda micro: _trimmed(micro, tokenizer.pad_id),
+        evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)},
+    )
 
     return engine.export(
-        run, cfg, model.encoder, spec, init.ledger, records=records, mechanism=MECHANISM,
+        run,
+        cfg,
+        model.encoder,
+        spec,
+        init.ledger,
+        records=records,
+        mechanism=MECHANISM,
         curve_label="caption loss on public procedural images",
         dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",
-        summary=(f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining "
-                 f"on procedural images, then DP-AdamW captioning on {cfg.dataset_name} ({n} "
-                 "image-caption pairs). The loss curve is measured on public procedural images "
-                 "with public captions, so publishing it costs no privacy."),
+        summary=(
+            f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining "
+            f"on procedural images, then DP-AdamW captioning on {cfg.dataset_name} ({n} "
+            "image-caption pairs). The loss curve is measured on public procedural images "
+            "with public captions, so publishing it costs no privacy."
+        ),
         files={"text_decoder": model.decoder, "vocab": vocab},
         name="dp-captioning",
-        description=("DP-Cap: image captioning with DP-AdamW (per-example clipping of every "
-                     "parameter, token embedding included; Gaussian noise once per logical step, "
-                     "Poisson sampling); the text decoder is trained from scratch in this stage"),
+        description=(
+            "DP-Cap: image captioning with DP-AdamW (per-example clipping of every "
+            "parameter, token embedding included; Gaussian noise once per logical step, "
+            "Poisson sampling); the text decoder is trained from scratch in this stage"
+        ),
         hyperparameters={
-            "lr": cfg.lr, "warmup_steps": warmup, "decay_steps": horizon,
+            "lr": cfg.lr,
+            "warmup_steps": warmup,
+            "decay_steps": horizon,
             "schedule": "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
-            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
+            "weight_decay": cfg.weight_decay,
+            "betas": [cfg.beta1, cfg.beta2],
             "img_size": spec.img_size,
-            "text_decoder": {"width": cfg.decoder_width, "depth": cfg.decoder_depth,
-                             "heads": cfg.decoder_heads},
-            "max_length": cfg.max_length, "vocab_size": tokenizer.vocab_size,
-            "vocabulary": ("public file fixed before training (vocab.txt), not fitted on the "
-                           "captions"),
+            "text_decoder": {
+                "width": cfg.decoder_width,
+                "depth": cfg.decoder_depth,
+                "heads": cfg.decoder_heads,
+            },
+            "max_length": cfg.max_length,
+            "vocab_size": tokenizer.vocab_size,
+            "vocabulary": (
+                "public file fixed before training (vocab.txt), not fitted on the captions"
+            ),
             "augmentation": "random resized crop (0.2-1), flip",
         },
     )
@@ -193,7 +251,11 @@ def _public_captions(path: str | None) -> Sequence[str]:
     if path is None:
         return PUBLIC_CAPTIONS
     try:
-        lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [
+            line.strip()
+            for line in Path(path).read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
     except FileNotFoundError:
         raise MissingInputError(f"--public-captions {path} is not a file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -203,8 +265,9 @@ def _public_captions(path: str | None) -> Sequence[str]:
     return lines
 
 
-def _trimmed(micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
-             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _trimmed(
+    micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batches with the trailing text columns that are padding in every row cut off: the loss and the
     gradients are those of the full width (padding is ignored, attention is causal), at less cost."""
     for images, text in micro:
@@ -212,7 +275,9 @@ def _trimmed(micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
 
 
 @torch.no_grad()
-def _eval_loss(model: Captioner, images: torch.Tensor, texts: torch.Tensor, device: torch.device) -> float:
+def _eval_loss(
+    model: Captioner, images: torch.Tensor, texts: torch.Tensor, device: torch.device
+) -> float:
     """Mean caption loss on a fixed public batch (eval mode, no gradient)."""
     was = model.training
     model.eval()
@@ -239,7 +304,9 @@ def digit_caption(label: int, key: str, seed: int = 0) -> str:
     The choice is a public rule of the seed and the file's name; it never looks at the pixels."""
     if not 0 <= label <= 9:
         raise DataError(f"a digit label is 0..9, got {label}")
-    choice = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") % len(DIGIT_TEMPLATES)
+    choice = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") % len(
+        DIGIT_TEMPLATES
+    )
     return DIGIT_TEMPLATES[choice].format(name=DIGIT_NAMES[label], digit=label)
 
 
@@ -255,7 +322,9 @@ def write_digit_captions(folder: str | Path, seed: int = 0) -> Path:
         if p.parent.name not in {str(d) for d in range(10)}:
             raise DataError(f"{p}: its folder {p.parent.name!r} is not a digit label 0..9")
         key = p.relative_to(root).as_posix()
-        lines.append(json.dumps({"image": key, "caption": digit_caption(int(p.parent.name), key, seed)}))
+        lines.append(
+            json.dumps({"image": key, "caption": digit_caption(int(p.parent.name), key, seed)})
+        )
     out = root / CAPTIONS_FILE
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
@@ -263,7 +332,9 @@ def write_digit_captions(folder: str | Path, seed: int = 0) -> Path:
 
 def digit_public_captions() -> list[str]:
     """Every template filled with every label: public text (no image's caption is chosen here)."""
-    return [t.format(name=name, digit=d) for t in DIGIT_TEMPLATES for d, name in enumerate(DIGIT_NAMES)]
+    return [
+        t.format(name=name, digit=d) for t in DIGIT_TEMPLATES for d, name in enumerate(DIGIT_NAMES)
+    ]
 
 
 def write_digit_public_captions(path: str | Path) -> Path:
@@ -282,8 +353,12 @@ def write_digit_vocab(path: str | Path) -> Path:
     return out
 
 
-RECIPE = Recipe("dpcap", "DP-Cap: DP-AdamW image captioning on private image-caption pairs", DPCapConfig,
-                train_dpcap)
+RECIPE = Recipe(
+    "dpcap",
+    "DP-Cap: DP-AdamW image captioning on private image-caption pairs",
+    DPCapConfig,
+    train_dpcap,
+)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-dpcap"))

@@ -50,8 +50,14 @@ from .recipe import (
 )
 from .runner import Run
 
-__all__ = ["RECIPE", "ContrastiveMechanism", "LogitDPConfig", "contrastive_model", "skip_cap", "train_logit_dp"]
-
+__all__ = [
+    "RECIPE",
+    "ContrastiveMechanism",
+    "LogitDPConfig",
+    "contrastive_model",
+    "skip_cap",
+    "train_logit_dp",
+]
 
 
 class ContrastiveMechanism(str, enum.Enum):
@@ -74,38 +80,67 @@ every pair (every batch) is clipped and AdamW sees normalised directions (see th
 class LogitDPConfig(DPRunConfig):
     """A Logit-DP (or Naive-DP) run: symmetric InfoNCE on two views per image, DP-AdamW."""
 
-    init: str = Field(description="(Syn)-ViP, ViP or DP-Cap repo folder or hub id whose encoder starts the run")
-    data: str = Field(description="image folder (class subfolders allowed, labels ignored) or directory of "
-                                  "webdataset tar shards")
-    mechanism: ContrastiveMechanism = Field(ContrastiveMechanism.LOGIT_DP, description="logit-dp (per-pair clipping to B) or naive "
-                                                                 "(the whole-batch gradient clipped to C)")
-    temperature: float = Field(1.0, gt=0, description="InfoNCE temperature tau (Logit-DP's Delta grows like "
-                                                      "e^(2/tau)/tau: 16.8 B at 1, 222 B at 0.5)")
-    max_grad_norm: float | None = Field(None, gt=0, description="pair clip B (logit-dp) or batch clip C (naive) "
-                                                                "(default: 1e-3 and 1e-2)")
-    max_batch: int | None = Field(None, ge=0, description="Logit-DP skip cap m: a rank's sample of more than m "
-                                                          "examples adds only noise (default: B + 6 sqrt(B) where "
-                                                          "that lowers Delta; 0: no cap)")
-    trainable_blocks: int = Field(2, ge=0, description="top encoder blocks trained (with the final norm and the "
-                                                       "projection head); the rest stays the init repo's")
-    projection_dim: int = Field(16, gt=0, description="projection head output d (Logit-DP's memory and time grow "
-                                                      "with d)")
-    projection_hidden: int | None = Field(None, gt=0, description="projection head hidden width (default: the "
-                                                                  "encoder's width)")
+    init: str = Field(
+        description="(Syn)-ViP, ViP or DP-Cap repo folder or hub id whose encoder starts the run"
+    )
+    data: str = Field(
+        description="image folder (class subfolders allowed, labels ignored) or directory of "
+        "webdataset tar shards"
+    )
+    mechanism: ContrastiveMechanism = Field(
+        ContrastiveMechanism.LOGIT_DP,
+        description="logit-dp (per-pair clipping to B) or naive "
+        "(the whole-batch gradient clipped to C)",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="InfoNCE temperature tau (Logit-DP's Delta grows like "
+        "e^(2/tau)/tau: 16.8 B at 1, 222 B at 0.5)",
+    )
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        description="pair clip B (logit-dp) or batch clip C (naive) (default: 1e-3 and 1e-2)",
+    )
+    max_batch: int | None = Field(
+        None,
+        ge=0,
+        description="Logit-DP skip cap m: a rank's sample of more than m "
+        "examples adds only noise (default: B + 6 sqrt(B) where "
+        "that lowers Delta; 0: no cap)",
+    )
+    trainable_blocks: int = Field(
+        2,
+        ge=0,
+        description="top encoder blocks trained (with the final norm and the "
+        "projection head); the rest stays the init repo's",
+    )
+    projection_dim: int = Field(
+        16, gt=0, description="projection head output d (Logit-DP's memory and time grow with d)"
+    )
+    projection_hidden: int | None = Field(
+        None, gt=0, description="projection head hidden width (default: the encoder's width)"
+    )
     lr: float = lr_field(1e-3)
     warmup_steps: int | None = warmup_field(tenth_of_steps)
     weight_decay: float = weight_decay_field(0.05)
     beta1: float = beta_field(1)
     beta2: float = beta_field(2)
-    micro_batch_size: int | None = Field(None, description="not used: a contrastive clipped sum is not additive "
-                                                           "over micro-batches, each rank's sample is one call")
+    micro_batch_size: int | None = Field(
+        None,
+        description="not used: a contrastive clipped sum is not additive "
+        "over micro-batches, each rank's sample is one call",
+    )
 
     @field_validator("micro_batch_size")
     @classmethod
     def _whole_sample(cls, value: int | None) -> None:
         if value is not None:
-            raise ValueError("the contrastive clipped sum is not a sum over micro-batches: the whole Poisson "
-                             "sample of a rank is one call (spread a large batch over ranks with torchrun)")
+            raise ValueError(
+                "the contrastive clipped sum is not a sum over micro-batches: the whole Poisson "
+                "sample of a rank is one call (spread a large batch over ranks with torchrun)"
+            )
         return None
 
 
@@ -116,25 +151,38 @@ def skip_cap(clip: float, temperature: float, batch_size: int, max_batch: int | 
         return None
     if max_batch is not None:
         if max_batch < max(2, batch_size):
-            raise ConfigError(f"--max-batch {max_batch} is below the expected batch {batch_size}: most steps would "
-                              "add only noise")
+            raise ConfigError(
+                f"--max-batch {max_batch} is below the expected batch {batch_size}: most steps would "
+                "add only noise"
+            )
         return max_batch
     cap = math.ceil(batch_size + 6 * math.sqrt(batch_size))
     if 2.0 / temperature > 700.0:
         return cap
-    return cap if logit_dp_sensitivity(clip, temperature, cap) < logit_dp_sensitivity(clip, temperature) else None
+    return (
+        cap
+        if logit_dp_sensitivity(clip, temperature, cap) < logit_dp_sensitivity(clip, temperature)
+        else None
+    )
 
 
-def contrastive_model(encoder: torch.nn.Module, spec: EncoderSpec, trainable_blocks: int, dim: int,
-                      hidden: int | None = None) -> ContrastiveEmbedder:
+def contrastive_model(
+    encoder: torch.nn.Module,
+    spec: EncoderSpec,
+    trainable_blocks: int,
+    dim: int,
+    hidden: int | None = None,
+) -> ContrastiveEmbedder:
     """The encoder with only its top ``trainable_blocks`` blocks and final norm trainable (all of
     it but the fixed tokens when that is every block), plus a fresh projection head."""
     depth = len(encoder.blocks)
     if trainable_blocks > depth:
-        raise ConfigError(f"--trainable-blocks {trainable_blocks}: the {spec.arch} encoder has {depth} blocks")
+        raise ConfigError(
+            f"--trainable-blocks {trainable_blocks}: the {spec.arch} encoder has {depth} blocks"
+        )
     encoder.requires_grad_(trainable_blocks == depth)
     freeze_fixed_tokens(encoder, spec)
-    for module in [*encoder.blocks[depth - trainable_blocks:], final_norm(encoder)]:
+    for module in [*encoder.blocks[depth - trainable_blocks :], final_norm(encoder)]:
         module.requires_grad_(True)
     return ContrastiveEmbedder(encoder, dim, hidden)
 
@@ -145,7 +193,9 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     mechanism = ContrastiveMechanism(cfg.mechanism)
     clip = cfg.max_grad_norm or DEFAULT_CLIP[mechanism]
     if mechanism is ContrastiveMechanism.NAIVE and cfg.max_batch:
-        raise ConfigError("--max-batch is Logit-DP's: Naive-DP's sensitivity 2C holds for every batch size")
+        raise ConfigError(
+            "--max-batch is Logit-DP's: Naive-DP's sensitivity 2C holds for every batch size"
+        )
     images = open_images(cfg.data)
     n = len(images)
     budget = Budget.for_config(cfg, n)
@@ -160,16 +210,28 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     init = load_encoder(cfg.init)
     spec = init.spec
     torch.manual_seed(run.seed)  # the fresh projection head, the same on every rank
-    model = contrastive_model(init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim,
-                              cfg.projection_hidden).to(dist.device)
-    clipper = (PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
-               if mechanism is ContrastiveMechanism.LOGIT_DP else BatchClipper(model, clip, cfg.temperature))
+    model = contrastive_model(
+        init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim, cfg.projection_hidden
+    ).to(dist.device)
+    clipper = (
+        PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
+        if mechanism is ContrastiveMechanism.LOGIT_DP
+        else BatchClipper(model, clip, cfg.temperature)
+    )
     optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
-    engine = DPEngine.for_run(clipper, optimizer, scheduler, budget, run, cfg, sensitivity=delta_sensitivity,
-                              clipping_norm=clip)
+    engine = DPEngine.for_run(
+        clipper,
+        optimizer,
+        scheduler,
+        budget,
+        run,
+        cfg,
+        sensitivity=delta_sensitivity,
+        clipping_norm=clip,
+    )
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
@@ -179,58 +241,93 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         return tuple(augmented.views(index, step, 2))
 
     public = public_views(spec, transform)
-    records = engine.train(run, model, load, desc=f"train-logit-dp ({mechanism.ledger_name})",
-                           evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)})
+    records = engine.train(
+        run,
+        model,
+        load,
+        desc=f"train-logit-dp ({mechanism.ledger_name})",
+        evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)},
+    )
 
     name, depth, k = mechanism.ledger_name, len(model.encoder.blocks), cfg.trainable_blocks
     trained = sum(p.numel() for p in clipper.params)
-    frozen = ("nothing (the fixed position embedding aside)" if k == depth else
-              f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens")
-    clipping = (f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum "
-                f"weighted by dL/dZ (Algorithm 1)" if mechanism is ContrastiveMechanism.LOGIT_DP else
-                f"the whole-batch gradient clipped to C = {clip:g}")
+    frozen = (
+        "nothing (the fixed position embedding aside)"
+        if k == depth
+        else f"the patch embedding, blocks 0-{depth - k - 1} and the class and position tokens"
+    )
+    clipping = (
+        f"each pair's similarity gradient clipped to B = {clip:g}, the clipped sum "
+        f"weighted by dL/dZ (Algorithm 1)"
+        if mechanism is ContrastiveMechanism.LOGIT_DP
+        else f"the whole-batch gradient clipped to C = {clip:g}"
+    )
     hidden = cfg.projection_hidden or model.encoder.num_features
     return engine.export(
-        run, cfg, model.encoder, spec, init.ledger, records=records, mechanism=name,
+        run,
+        cfg,
+        model.encoder,
+        spec,
+        init.ledger,
+        records=records,
+        mechanism=name,
         curve_label="contrastive loss on public procedural images",
         dataset_description=f"{n} images; contrastive training with {name}",
-        summary=(f"A {spec.arch} encoder trained contrastively with {name} on {cfg.dataset_name} "
-                 f"({n} images), starting from {cfg.init}: symmetric InfoNCE (temperature "
-                 f"{cfg.temperature:g}) on the top {k} of {depth} blocks and a projection head, "
-                 "which is not released (the encoder's features are the ones to probe). The loss "
-                 "curve is measured on public procedural images, so publishing it costs no "
-                 "privacy."),
-        name="dp-contrastive", mechanism_params=params,
-        description=(f"{name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
-                     "augmented views per image, negatives from the same rank's Poisson sample; "
-                     f"{clipping}; Gaussian noise sigma x sensitivity once per logical step. "
-                     f"Trained: the top {k} of {depth} blocks, the final norm and a projection "
-                     f"head ({trained:,} parameters); {frozen} are the init repo's, unchanged: "
-                     "they never see this data and cost no privacy"),
+        summary=(
+            f"A {spec.arch} encoder trained contrastively with {name} on {cfg.dataset_name} "
+            f"({n} images), starting from {cfg.init}: symmetric InfoNCE (temperature "
+            f"{cfg.temperature:g}) on the top {k} of {depth} blocks and a projection head, "
+            "which is not released (the encoder's features are the ones to probe). The loss "
+            "curve is measured on public procedural images, so publishing it costs no "
+            "privacy."
+        ),
+        name="dp-contrastive",
+        mechanism_params=params,
+        description=(
+            f"{name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
+            "augmented views per image, negatives from the same rank's Poisson sample; "
+            f"{clipping}; Gaussian noise sigma x sensitivity once per logical step. "
+            f"Trained: the top {k} of {depth} blocks, the final norm and a projection "
+            f"head ({trained:,} parameters); {frozen} are the init repo's, unchanged: "
+            "they never see this data and cost no privacy"
+        ),
         hyperparameters={
-            "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine",
-            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
-            "img_size": spec.img_size, "trainable_blocks": k,
-            "trainable_parameters": trained, "frozen": frozen,
+            "lr": cfg.lr,
+            "warmup_steps": warmup,
+            "schedule": "cosine",
+            "weight_decay": cfg.weight_decay,
+            "betas": [cfg.beta1, cfg.beta2],
+            "img_size": spec.img_size,
+            "trainable_blocks": k,
+            "trainable_parameters": trained,
+            "frozen": frozen,
             "projection_head": {"dim": cfg.projection_dim, "hidden": hidden, "released": False},
             "augmentation": "two views per image: random resized crop (0.2-1), flip",
         },
     )
 
 
-def public_views(spec: EncoderSpec, transform: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def public_views(
+    spec: EncoderSpec, transform: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two fixed augmented views of the public procedural images the MAE curves use."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(EVAL_SEED)
-        pictures = [Image.fromarray(render(EVAL_SEED, i, spec.img_size)) for i in range(EVAL_IMAGES)]
+        pictures = [
+            Image.fromarray(render(EVAL_SEED, i, spec.img_size)) for i in range(EVAL_IMAGES)
+        ]
         first = torch.stack([transform(p) for p in pictures])
         second = torch.stack([transform(p) for p in pictures])
     return first, second
 
 
 @torch.no_grad()
-def public_loss(model: ContrastiveEmbedder, views: tuple[torch.Tensor, torch.Tensor], temperature: float,
-                device: torch.device) -> float:
+def public_loss(
+    model: ContrastiveEmbedder,
+    views: tuple[torch.Tensor, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+) -> float:
     """Mean symmetric InfoNCE on the fixed public views (eval mode, no gradient)."""
     was = model.training
     model.eval()
@@ -241,8 +338,12 @@ def public_loss(model: ContrastiveEmbedder, views: tuple[torch.Tensor, torch.Ten
     return loss
 
 
-RECIPE = Recipe("logit-dp", "Logit-DP: a contrastive encoder with per-pair clipping (or the Naive-DP baseline)",
-                LogitDPConfig, train_logit_dp)
+RECIPE = Recipe(
+    "logit-dp",
+    "Logit-DP: a contrastive encoder with per-pair clipping (or the Naive-DP baseline)",
+    LogitDPConfig,
+    train_logit_dp,
+)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-logit-dp"))

@@ -37,8 +37,17 @@ from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 from .procedural import SyntheticImages
 from .sampling import MASKING, torch_generator
 
-__all__ = ["DecoderConfig", "MAE", "eval_loss", "freeze_fixed_tokens", "load_mae", "new_mae", "patchify",
-           "public_eval_batch", "public_images"]
+__all__ = [
+    "DecoderConfig",
+    "MAE",
+    "eval_loss",
+    "freeze_fixed_tokens",
+    "load_mae",
+    "new_mae",
+    "patchify",
+    "public_eval_batch",
+    "public_images",
+]
 
 EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
 EVAL_IMAGES = 64
@@ -62,7 +71,9 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     """(B, 3, H, W) -> (B, L, patch*patch*3), MAE's (row, col, channel) order within a patch."""
     b, c, h, w = images.shape
     x = images.reshape(b, c, h // patch, patch, w // patch, patch)
-    return torch.einsum("nchpwq->nhwpqc", x).reshape(b, (h // patch) * (w // patch), patch * patch * c)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(
+        b, (h // patch) * (w // patch), patch * patch * c
+    )
 
 
 class MAE(nn.Module):
@@ -185,10 +196,13 @@ def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
     mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), DecoderConfig(**cfg))
     missing, unexpected = mae.load_state_dict(
-        {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | load_file(path), strict=False
+        {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | load_file(path),
+        strict=False,
     )
     if missing or unexpected:
-        raise RepoFormatError(f"{path} does not match the decoder: missing {missing}, unexpected {unexpected}")
+        raise RepoFormatError(
+            f"{path} does not match the decoder: missing {missing}, unexpected {unexpected}"
+        )
     return mae, enc.spec, enc.ledger
 
 

@@ -93,18 +93,28 @@ class MainJobConfig(BaseModel):
     epsilon: float = Field(8.0, gt=0, description="epsilon of every DP encoder")
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
-    dpcap_syn_steps: int = Field(60, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder")
+    dpcap_syn_steps: int = Field(
+        60, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder"
+    )
     dpcap_steps: int = Field(30, gt=0, description="DP-Cap captioning steps")
-    contrastive_batch_size: int = Field(32, gt=0, description="expected batch of Logit-DP and Naive-DP")
+    contrastive_batch_size: int = Field(
+        32, gt=0, description="expected batch of Logit-DP and Naive-DP"
+    )
     contrastive_steps: int = Field(30, gt=0, description="steps of Logit-DP and Naive-DP")
-    temperature: float = Field(1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP")
-    audit_canaries: int = Field(DEFAULT_CANARIES, ge=0, description="canaries of each DP run's one-run audit")
+    temperature: float = Field(
+        1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP"
+    )
+    audit_canaries: int = Field(
+        DEFAULT_CANARIES, ge=0, description="canaries of each DP run's one-run audit"
+    )
     probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
     head_epsilon: float = Field(2.0, gt=0, description="epsilon of the released DP probe heads")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of the digits")
     seed: int = Field(0, description="seed of every run of the job")
     workers: int = Field(1, ge=0, description="data-loading processes")
-    serve: bool = Field(True, description="keep serving after publishing (--no-serve: stop, e.g. in tests)")
+    serve: bool = Field(
+        True, description="keep serving after publishing (--no-serve: stop, e.g. in tests)"
+    )
     restart: bool = Field(False, description="delete the work folder first (the hub store is kept)")
 
 
@@ -120,7 +130,9 @@ def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Pat
 
     digits = load_digits()
     idx = np.arange(len(digits.target))
-    train, test = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=digits.target)
+    train, test = train_test_split(
+        idx, test_size=test_fraction, random_state=seed, stratify=digits.target
+    )
     for split, members in (("train", train), ("test", test)):
         for i in members:
             folder = root / split / str(digits.target[i])
@@ -141,7 +153,9 @@ def _ledger_digest(repo: Path) -> str:
 def _weights_digest(repo: Path) -> str:
     """The encoder's and decoder's tensor digests (unchanged when heads or cards change)."""
     artifacts = json.loads((repo / LEDGER_FILE).read_text())["artifacts"]
-    return _stamp({k: v for k, v in artifacts.items() if k.endswith(".safetensors") and "/" not in k})
+    return _stamp(
+        {k: v for k, v in artifacts.items() if k.endswith(".safetensors") and "/" not in k}
+    )
 
 
 class _Steps:
@@ -152,8 +166,14 @@ class _Steps:
         self.done: dict[str, str] = json.loads(self.file.read_text()) if self.file.exists() else {}
         self.count = 0
 
-    def run(self, name: str, inputs: dict[str, Any], outputs: list[Path], fn: Callable[[], Any],
-            fresh: Callable[[], bool] = lambda: True) -> None:
+    def run(
+        self,
+        name: str,
+        inputs: dict[str, Any],
+        outputs: list[Path],
+        fn: Callable[[], Any],
+        fresh: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.count += 1
         stamp = _stamp(inputs)
         if self.done.get(name) == stamp and all(p.exists() for p in outputs) and fresh():
@@ -222,51 +242,129 @@ def run_main_job(cfg: MainJobConfig) -> int:
     vocab, public_captions = work / "digits-vocab.txt", work / "digits-public-captions.txt"
     split = {"test_fraction": cfg.test_fraction, "seed": cfg.seed}
 
-    steps.run("write the digits dataset", split, [train, data / "test"],
-              lambda: write_digits(data, cfg.test_fraction, cfg.seed))
-    steps.run("captions by a public rule, a public vocabulary", split,
-              [train / "captions.jsonl", vocab, public_captions],
-              lambda: (write_digit_captions(train, cfg.seed), write_digit_vocab(vocab),
-                       write_digit_public_captions(public_captions)))
+    steps.run(
+        "write the digits dataset",
+        split,
+        [train, data / "test"],
+        lambda: write_digits(data, cfg.test_fraction, cfg.seed),
+    )
+    steps.run(
+        "captions by a public rule, a public vocabulary",
+        split,
+        [train / "captions.jsonl", vocab, public_captions],
+        lambda: (
+            write_digit_captions(train, cfg.seed),
+            write_digit_vocab(vocab),
+            write_digit_public_captions(public_captions),
+        ),
+    )
 
     def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
-        return SynConfig(out=str(out), arch=arch, img_size=cfg.img_size, patch_size=cfg.patch_size, steps=n_steps,
-                         batch_size=cfg.syn_batch_size, decoder_dim=cfg.decoder_dim, decoder_depth=cfg.decoder_depth,
-                         decoder_heads=cfg.decoder_heads, model_name=out.name, repo_id=repo_id, seed=cfg.seed,
-                         workers=cfg.workers)
+        return SynConfig(
+            out=str(out),
+            arch=arch,
+            img_size=cfg.img_size,
+            patch_size=cfg.patch_size,
+            steps=n_steps,
+            batch_size=cfg.syn_batch_size,
+            decoder_dim=cfg.decoder_dim,
+            decoder_depth=cfg.decoder_depth,
+            decoder_heads=cfg.decoder_heads,
+            model_name=out.name,
+            repo_id=repo_id,
+            seed=cfg.seed,
+            workers=cfg.workers,
+        )
 
-    for config, what in ((syn("vip-nano", folder[SYN_VIP], cfg.syn_steps, SYN_VIP.repo_id), "ViP"),
-                         (syn("dpcap-nano", syn_cap, cfg.dpcap_syn_steps, None), "DP-Cap")):
-        steps.run(f"(Syn)-{what} pretraining on procedural images", config.model_dump(mode="json"),
-                  [Path(config.out)], lambda c=config: train_syn(c))
+    for config, what in (
+        (syn("vip-nano", folder[SYN_VIP], cfg.syn_steps, SYN_VIP.repo_id), "ViP"),
+        (syn("dpcap-nano", syn_cap, cfg.dpcap_syn_steps, None), "DP-Cap"),
+    ):
+        steps.run(
+            f"(Syn)-{what} pretraining on procedural images",
+            config.model_dump(mode="json"),
+            [Path(config.out)],
+            lambda c=config: train_syn(c),
+        )
 
     # The DP runs draw a secret seed (kept in their run folders for resume): with a published
     # seed anyone could regenerate the noise and subtract it.
-    private = {"data": str(train), "epsilon": cfg.epsilon, "dataset_name": DATASET,
-                   "audit_canaries": cfg.audit_canaries, "workers": cfg.workers, "seed": None}
+    private = {
+        "data": str(train),
+        "epsilon": cfg.epsilon,
+        "dataset_name": DATASET,
+        "audit_canaries": cfg.audit_canaries,
+        "workers": cfg.workers,
+        "seed": None,
+    }
     runs = [
-        (VIP, folder[SYN_VIP], train_vip,
-         VipConfig(init=str(folder[SYN_VIP]), batch_size=cfg.dp_batch_size, steps=cfg.dp_steps,
-                   micro_batch_size=128, **private, **_names(VIP, folder))),
-        (DPCAP, syn_cap, train_dpcap,
-         DPCapConfig(init=str(syn_cap), vocab=str(vocab), public_captions=str(public_captions),
-                     batch_size=cfg.dp_batch_size, steps=cfg.dpcap_steps, micro_batch_size=128, **private,
-                     **_names(DPCAP, folder))),
-        *[(e, folder[SYN_VIP], train_logit_dp,
-           LogitDPConfig(init=str(folder[SYN_VIP]), mechanism=m, temperature=cfg.temperature,
-                         batch_size=cfg.contrastive_batch_size, steps=cfg.contrastive_steps, **private,
-                         **_names(e, folder)))
-          for e, m in ((LOGIT_DP, ContrastiveMechanism.LOGIT_DP), (NAIVE_DP, ContrastiveMechanism.NAIVE))],
+        (
+            VIP,
+            folder[SYN_VIP],
+            train_vip,
+            VipConfig(
+                init=str(folder[SYN_VIP]),
+                batch_size=cfg.dp_batch_size,
+                steps=cfg.dp_steps,
+                micro_batch_size=128,
+                **private,
+                **_names(VIP, folder),
+            ),
+        ),
+        (
+            DPCAP,
+            syn_cap,
+            train_dpcap,
+            DPCapConfig(
+                init=str(syn_cap),
+                vocab=str(vocab),
+                public_captions=str(public_captions),
+                batch_size=cfg.dp_batch_size,
+                steps=cfg.dpcap_steps,
+                micro_batch_size=128,
+                **private,
+                **_names(DPCAP, folder),
+            ),
+        ),
+        *[
+            (
+                e,
+                folder[SYN_VIP],
+                train_logit_dp,
+                LogitDPConfig(
+                    init=str(folder[SYN_VIP]),
+                    mechanism=m,
+                    temperature=cfg.temperature,
+                    batch_size=cfg.contrastive_batch_size,
+                    steps=cfg.contrastive_steps,
+                    **private,
+                    **_names(e, folder),
+                ),
+            )
+            for e, m in (
+                (LOGIT_DP, ContrastiveMechanism.LOGIT_DP),
+                (NAIVE_DP, ContrastiveMechanism.NAIVE),
+            )
+        ],
     ]
     for encoder, init, fn, config in runs:
-        steps.run(f"{encoder.label} on the digits at epsilon {cfg.epsilon:g}",
-                  {**config.model_dump(mode="json"), "init": _weights_digest(init)}, [folder[encoder]],
-                  lambda f=fn, c=config: f(c))
+        steps.run(
+            f"{encoder.label} on the digits at epsilon {cfg.epsilon:g}",
+            {**config.model_dump(mode="json"), "init": _weights_digest(init)},
+            [folder[encoder]],
+            lambda f=fn, c=config: f(c),
+        )
 
-    steps.run("DP linear probes and the raw-pixel baseline",
-              {"encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED}, "epochs": cfg.probe_epochs,
-               "head_epsilon": cfg.head_epsilon},
-              [folder[e] / HEADS_DIR / "digits" for e in PUBLISHED], lambda: _probes(cfg, data, folder))
+    steps.run(
+        "DP linear probes and the raw-pixel baseline",
+        {
+            "encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED},
+            "epochs": cfg.probe_epochs,
+            "head_epsilon": cfg.head_epsilon,
+        },
+        [folder[e] / HEADS_DIR / "digits" for e in PUBLISHED],
+        lambda: _probes(cfg, data, folder),
+    )
 
     key = _signing_key(work)
     for e in PUBLISHED:
@@ -277,10 +375,21 @@ def run_main_job(cfg: MainJobConfig) -> int:
         endpoint = f"http://{cfg.host}:{cfg.port}"
         for e in PUBLISHED:
             repo = folder[e]
-            steps.run(f"publish {e.repo_id}", {"ledger": _ledger_digest(repo), "store": str(Path(cfg.store).resolve()),
-                                               "signature": _file_digest(repo / SIGNATURE_FILE)},
-                      [], lambda r=repo, i=e.repo_id: print("    commit", push_repo(r, i, endpoint=endpoint, token=token)),
-                      fresh=lambda r=repo, i=e.repo_id: is_published(r, i, endpoint=endpoint, token=token))
+            steps.run(
+                f"publish {e.repo_id}",
+                {
+                    "ledger": _ledger_digest(repo),
+                    "store": str(Path(cfg.store).resolve()),
+                    "signature": _file_digest(repo / SIGNATURE_FILE),
+                },
+                [],
+                lambda r=repo, i=e.repo_id: print(
+                    "    commit", push_repo(r, i, endpoint=endpoint, token=token)
+                ),
+                fresh=lambda r=repo, i=e.repo_id: is_published(
+                    r, i, endpoint=endpoint, token=token
+                ),
+            )
         _print_usage(endpoint, data / "test" / "7")
         if not cfg.serve:
             return 0
@@ -325,27 +434,62 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
 
     rows = []
     for e in PUBLISHED:
-        pc = ProbeConfig(encoder=str(folder[e]), data=str(data / "train"), test_data=str(data / "test"), head="digits",
-                         pooling=e.pooling, epochs=cfg.probe_epochs, dataset_name=DATASET,
-                         epsilon=cfg.head_epsilon, optimizer="sgd", lr=DP_HEAD_LR, seed=cfg.seed)
+        pc = ProbeConfig(
+            encoder=str(folder[e]),
+            data=str(data / "train"),
+            test_data=str(data / "test"),
+            head="digits",
+            pooling=e.pooling,
+            epochs=cfg.probe_epochs,
+            dataset_name=DATASET,
+            epsilon=cfg.head_epsilon,
+            optimizer="sgd",
+            lr=DP_HEAD_LR,
+            seed=cfg.seed,
+        )
         r = run_probe(pc)
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
-        rows.append(_row(f"{e.label}: {e.name}", privacy_headline(ledger.summary(head_component(pc.head))),
-                         f"{e.pooling} pooling, frozen encoder", r.top1))
-        print(f"    {e.name}: top-1 {r.top1:.4f} (DP head; encoder and head: {rows[-1]['privacy']})", flush=True)
-    train, test = load_labelled(data / "train", DATASET), load_labelled(data / "test", "public/sklearn-digits-test")
+        rows.append(
+            _row(
+                f"{e.label}: {e.name}",
+                privacy_headline(ledger.summary(head_component(pc.head))),
+                f"{e.pooling} pooling, frozen encoder",
+                r.top1,
+            )
+        )
+        print(
+            f"    {e.name}: top-1 {r.top1:.4f} (DP head; encoder and head: {rows[-1]['privacy']})",
+            flush=True,
+        )
+    train, test = (
+        load_labelled(data / "train", DATASET),
+        load_labelled(data / "test", "public/sklearn-digits-test"),
+    )
     x = [_pixels(d.images) for d in (train, test)]
     y = [torch.as_tensor(d.labels) for d in (train, test)]
     public = _pixels([Image.fromarray(render(1, i, 8)) for i in range(256)])
-    dp_cfg = ProbeConfig(encoder="", data="", dataset_name=DATASET, epochs=cfg.probe_epochs, epsilon=cfg.head_epsilon,
-                         optimizer="sgd", lr=DP_HEAD_LR, seed=cfg.seed)
+    dp_cfg = ProbeConfig(
+        encoder="",
+        data="",
+        dataset_name=DATASET,
+        epochs=cfg.probe_epochs,
+        epsilon=cfg.head_epsilon,
+        optimizer="sgd",
+        lr=DP_HEAD_LR,
+        seed=cfg.seed,
+    )
     dp_head, dp = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
     # This head is in no repo, so no dataset page lists it: its row says so (its figure is a release too).
-    rows.append(_row("raw pixels (no encoder)",
-                     f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET}: the head's own, a release outside "
-                     "the hub, so not in the dataset page's composition: add it",
-                     "64 pixel values", accuracy(dp_head, x[1], y[1])))
+    rows.append(
+        _row(
+            "raw pixels (no encoder)",
+            f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET}: the head's own, a release outside "
+            "the hub, so not in the dataset page's composition: add it",
+            "64 pixel values",
+            accuracy(dp_head, x[1], y[1]),
+        )
+    )
     print(f"    raw-pixel baseline: top-1 {rows[-1]['top1']:.4f} (DP head)", flush=True)
     for e in PUBLISHED:
         update_repo(folder[e], comparison=rows)
@@ -358,8 +502,14 @@ def _row(model: str, privacy: str, features: str, top1: float) -> dict[str, Any]
 
 def _pixels(images: list[Any]) -> torch.Tensor:
     """8x8 grey images as (N, 64) values in [0, 1]: the raw-pixel baseline's features."""
-    return torch.stack([torch.from_numpy(np.asarray(im.convert("L").resize((8, 8)), dtype=np.float32).ravel() / 255)
-                        for im in images])
+    return torch.stack(
+        [
+            torch.from_numpy(
+                np.asarray(im.convert("L").resize((8, 8)), dtype=np.float32).ravel() / 255
+            )
+            for im in images
+        ]
+    )
 
 
 def _signing_key(work: Path) -> Path:
@@ -389,20 +539,37 @@ def _file_digest(path: Path) -> str:
 def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subprocess.Popen[bytes]:
     with socket.socket() as s:
         if s.connect_ex((cfg.host, cfg.port)) == 0:
-            raise StepFailed(f"port {cfg.port} on {cfg.host} is in use: stop what holds it, or run "
-                             "`vip-hub run --port N`")
+            raise StepFailed(
+                f"port {cfg.port} on {cfg.host} is in use: stop what holds it, or run "
+                "`vip-hub run --port N`"
+            )
     # the job's own user, a member of the organisation it publishes to
-    env = {**os.environ, "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
-           "VIP_HUB_AUTH__ORGS": json.dumps({ORG: ["main-job"]}),
-           "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key)}  # the hub accepts what the job signed
-    cmd = [sys.executable, "-m", "vip_hub.cli.main", "serve", "--store", cfg.store, "--host", cfg.host,
-           "--port", str(cfg.port)]
+    env = {
+        **os.environ,
+        "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
+        "VIP_HUB_AUTH__ORGS": json.dumps({ORG: ["main-job"]}),
+        "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key),
+    }  # the hub accepts what the job signed
+    cmd = [
+        sys.executable,
+        "-m",
+        "vip_hub.cli.main",
+        "serve",
+        "--store",
+        cfg.store,
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+    ]
     print(f"[*] starting the server: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise StepFailed(f"the server exited with status {server.returncode} before it was ready")
+            raise StepFailed(
+                f"the server exited with status {server.returncode} before it was ready"
+            )
         try:
             with urllib.request.urlopen(f"http://{cfg.host}:{cfg.port}/healthz", timeout=2):
                 return server
@@ -416,7 +583,8 @@ def _print_usage(endpoint: str, sample_dir: Path) -> None:
     sample = next(iter(sorted(sample_dir.glob("*.png"))), None)
     image = f"$(base64 -w0 {sample})" if sample else "<base64 PNG>"
     models = "\n".join(f"                {endpoint}/{e.repo_id}   {e.label}" for e in PUBLISHED)
-    print(f"""
+    print(
+        f"""
 vip-hub is up.
 
   Web page      {endpoint}/   (each model page shows its guarantee, its audit and the probe comparison)
@@ -432,4 +600,6 @@ vip-hub is up.
                   -d '{{"model": "{DPCAP.repo_id}", "input": ["'{image}'"], "max_tokens": 12}}'
 
   timm          HF_ENDPOINT={endpoint} python -c 'import timm; m = timm.create_model("hf-hub:{VIP.repo_id}", pretrained=True); print(m)'
-""", flush=True)
+""",
+        flush=True,
+    )

@@ -10,15 +10,19 @@ from torch import nn
 __all__ = ["lr_factor", "make_adamw", "warmup_cosine"]
 
 
-def make_adamw(model: nn.Module, lr: float, weight_decay: float,
-               betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+def make_adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; biases and norm scales (ndim < 2) get no decay,
     as in the reference (timm's ``param_groups_weight_decay``)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
@@ -30,7 +34,10 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int,
-                  total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """The ``lr_factor`` schedule as a scheduler (its state goes into checkpoints)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, warmup_steps, total_steps)
+    )

@@ -69,7 +69,9 @@ def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:
 def embed(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
     """The 2n normalised embeddings [phi; psi] (2n, d): both views in one forward pass."""
     if views1.shape != views2.shape:
-        raise ValueError(f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}")
+        raise ValueError(
+            f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}"
+        )
     out = model(torch.cat([views1, views2]))
     if out.ndim != 2:
         raise ValueError(f"the model must return embeddings (b, d), got {tuple(out.shape)}")
@@ -90,7 +92,8 @@ def _require_empty_grads(params: list[nn.Parameter]) -> None:
     if any(p.grad is not None for p in params):
         raise RuntimeError(
             "a contrastive clipped sum is not additive over micro-batches: give accumulate the step's "
-            "whole sample in one call (micro_batch_size=None) and clear .grad (set_to_none) between steps")
+            "whole sample in one call (micro_batch_size=None) and clear .grad (set_to_none) between steps"
+        )
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -126,10 +129,16 @@ class ContrastiveEmbedder(nn.Module):
         self.head = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, dim))
         self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
         if isinstance(encoder, VisionTransformer) and (
-                encoder.reg_token is not None or encoder.no_embed_class or encoder.dynamic_img_size
-                or encoder.pos_embed is None or encoder.attn_pool is not None):
-            raise UnsupportedLayerError("ContrastiveEmbedder supports ViTs with an optional class token, a "
-                                        "position embedding over all tokens and no register tokens or attention pool")
+            encoder.reg_token is not None
+            or encoder.no_embed_class
+            or encoder.dynamic_img_size
+            or encoder.pos_embed is None
+            or encoder.attn_pool is not None
+        ):
+            raise UnsupportedLayerError(
+                "ContrastiveEmbedder supports ViTs with an optional class token, a "
+                "position embedding over all tokens and no register tokens or attention pool"
+            )
         for module in encoder.modules():
             if hasattr(module, "fused_attn"):
                 module.fused_attn = False
@@ -179,26 +188,43 @@ class PairClipper:
     dimension, and parameters the model broadcasts itself (``broadcast_parameters``).
     """
 
-    def __init__(self, model: nn.Module, max_norm: float, temperature: float, max_batch: int | None = None):
+    def __init__(
+        self, model: nn.Module, max_norm: float, temperature: float, max_batch: int | None = None
+    ):
         _check_max_norm(max_norm, temperature)
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
-        self.model, self.max_norm, self.temperature, self.max_batch = model, float(max_norm), float(temperature), max_batch
+        self.model, self.max_norm, self.temperature, self.max_batch = (
+            model,
+            float(max_norm),
+            float(temperature),
+            max_batch,
+        )
         broadcast = list(getattr(model, "broadcast_parameters", list)())
         covered = {id(p) for p in broadcast}
         self.layers: list[nn.Module] = []
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in covered]
+            own = [
+                p
+                for p in module.parameters(recurse=False)
+                if p.requires_grad and id(p) not in covered
+            ]
             if own:
                 self._check_supported(module)
                 self.layers.append(module)
                 covered.update(id(p) for p in own)
         self.params = _trainable(model)
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+        missing = [
+            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered
+        ]
         if missing:
             raise UnsupportedLayerError(f"no per-pair rule for parameters {', '.join(missing)}")
-        self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum once more
+        self.norm_dtype = (
+            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        )
+        self.grad_roundoff = grad_roundoff(
+            self.params
+        )  # a bf16/fp16 .grad rounds each sum once more
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -206,11 +232,17 @@ class PairClipper:
             return
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
             return
-        if isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+        if (
+            isinstance(m, nn.Conv2d)
+            and m.groups == 1
+            and m.padding_mode == "zeros"
+            and isinstance(m.padding, tuple)
+        ):
             return
         raise UnsupportedLayerError(
             f"{type(m).__name__} holds trainable parameters with no per-pair rule; supported: nn.Linear, "
-            "nn.Conv2d (groups 1, zero padding), nn.LayerNorm (last dim), broadcast parameters")
+            "nn.Conv2d (groups 1, zero padding), nn.LayerNorm (last dim), broadcast parameters"
+        )
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         """Add the Logit-DP clipped sum of this batch into ``.grad``. Returns the per-example
@@ -232,25 +264,39 @@ class PairClipper:
             phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
             used = [(r, jac) for r, jac in zip(records, jacobians) if jac is not None]
             del records, jacobians
-            shares = [self._pair_share(record, jac.to(self.norm_dtype), phi, psi) for record, jac in used]
-            norms = sum((sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)).sqrt()
+            shares = [
+                self._pair_share(record, jac.to(self.norm_dtype), phi, psi) for record, jac in used
+            ]
+            norms = sum(
+                (sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
+            ).sqrt()
             factors = clip_factors(factor_norms(norms, shares, self.grad_roundoff), self.max_norm)
             del shares
             weights, losses = _loss_weights(e, self.temperature)
             w = weights.to(self.norm_dtype) * factors
-            k = torch.cat([w @ psi, w.T @ phi])  # each view's weight on its embedding: sum_ij w_ij Z_ij
+            k = torch.cat(
+                [w @ psi, w.T @ phi]
+            )  # each view's weight on its embedding: sum_ij w_ij Z_ij
             while used:  # each record's Jacobian goes as soon as its sum is added
                 record, jac = used.pop()
-                self._add_clipped(record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k))
+                self._add_clipped(
+                    record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
+                )
         return ClipResult(losses, norms, factors)
 
-    def _forward(self, views1: torch.Tensor, views2: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
+    def _forward(
+        self, views1: torch.Tensor, views2: torch.Tensor
+    ) -> tuple[list[_Record], torch.Tensor]:
         records: list[_Record] = []
         seen: set[int] = set()
 
-        def on_forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        def on_forward(
+            module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+        ) -> None:
             if id(module) in seen:
-                raise UnsupportedLayerError(f"{type(module).__name__} is called twice in one forward pass")
+                raise UnsupportedLayerError(
+                    f"{type(module).__name__} is called twice in one forward pass"
+                )
             seen.add(id(module))
             records.append(_Record(module, args[0].detach(), out))
 
@@ -273,11 +319,16 @@ class PairClipper:
         """d(e)/d(out) of every record's output, (d, 2n, *out.shape[1:]): one batched backward."""
         d = e.shape[1]
         basis = torch.eye(d, device=e.device, dtype=e.dtype)[:, None, :].expand(d, *e.shape)
-        return list(torch.autograd.grad(e, [r.out for r in records], basis, allow_unused=True,
-                                        is_grads_batched=True))
+        return list(
+            torch.autograd.grad(
+                e, [r.out for r in records], basis, allow_unused=True, is_grads_batched=True
+            )
+        )
 
     @staticmethod
-    def _bad_examples(e: torch.Tensor, records: list[_Record], jacobians: list[torch.Tensor | None]) -> torch.Tensor:
+    def _bad_examples(
+        e: torch.Tensor, records: list[_Record], jacobians: list[torch.Tensor | None]
+    ) -> torch.Tensor:
         """(n,) examples whose embedding, activations or Jacobians in either view do not sum to a
         finite number (a function of the example alone, like everything that decides its pairs)."""
         sums = e.detach().sum(1)
@@ -302,8 +353,9 @@ class PairClipper:
         return ClipResult(losses, norms, factors)
 
     # ------------------------------------------------------------------ per-layer rules
-    def _pair_share(self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pair_share(
+        self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This record's share of ||grad Z_ij||^2 (n, n) from its input and output Jacobian, and,
         when its weight product runs in bf16/fp16, the bound on its rounded norm (``rounding_bound``)."""
         m = record.owner
@@ -371,8 +423,10 @@ def _tokens(m: nn.Module, x: torch.Tensor, lead: int) -> torch.Tensor:
 def _expanded_dims(param: nn.Parameter, out: torch.Tensor) -> list[int]:
     """The dims of ``out`` a broadcast parameter of size 1 was expanded along (besides the batch)."""
     if param.ndim != out.ndim or param.shape[0] != 1:
-        raise UnsupportedLayerError(f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
-                                    f"along new leading batch dim 1 only, got {tuple(out.shape)}")
+        raise UnsupportedLayerError(
+            f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
+            f"along new leading batch dim 1 only, got {tuple(out.shape)}"
+        )
     return [k for k in range(1, param.ndim) if param.shape[k] == 1 and out.shape[k] != 1]
 
 
@@ -395,13 +449,16 @@ def _direct(jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Te
     ja, jb = jac[:, :n], jac[:, n:]
     sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
     for rows in _chunks(n, jac.shape[2]):
-        pair = torch.einsum("aip,ja->ijp", ja[:, rows], psi) + torch.einsum("ajp,ia->ijp", jb, phi[rows])
+        pair = torch.einsum("aip,ja->ijp", ja[:, rows], psi) + torch.einsum(
+            "ajp,ia->ijp", jb, phi[rows]
+        )
         sq[rows] = pair.square().sum(2)
     return sq
 
 
-def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, cross: bool
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _outer(
+    a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, cross: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A weight's share of ||grad Z_ij||^2 (n, n) and (when ``cross``) the pair's
     sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n, n), which bounds the effect of rounding
     its operands: the pair gradient is u_ij^T a_i + v_ij^T a'_j with u_ij = Gamma_i psi_j (T, out),
@@ -420,8 +477,13 @@ def _outer(a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tenso
     token_norms = a.norm(dim=2) if cross else None  # (2n, T)
     if not materialise:
         views = g.permute(1, 2, 3, 0)  # (2n, T, out, d)
-        grams = torch.einsum("vtoa,vtob->vab", views, torch.einsum("vts,vsod->vtod", a @ a.transpose(1, 2), views))
-        sq.copy_(torch.einsum("iab,ja,jb->ij", grams[:n], psi, psi) + torch.einsum("jab,ia,ib->ij", grams[n:], phi, phi))
+        grams = torch.einsum(
+            "vtoa,vtob->vab", views, torch.einsum("vts,vsod->vtod", a @ a.transpose(1, 2), views)
+        )
+        sq.copy_(
+            torch.einsum("iab,ja,jb->ij", grams[:n], psi, psi)
+            + torch.einsum("jab,ia,ib->ij", grams[n:], phi, phi)
+        )
     for rows in _chunks(n, max(2 * t * o, k * o if materialise else t * t)):
         u = torch.einsum("aito,ja->ijto", ga[:, rows], psi)
         v = torch.einsum("ajso,ia->ijso", gb, phi[rows])
@@ -449,7 +511,9 @@ class BatchClipper:
         _check_max_norm(max_norm, temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
         self.params = _trainable(model)
-        self.norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.norm_dtype = (
+            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        )
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         """Add the clipped whole-batch gradient of this batch into ``.grad``."""

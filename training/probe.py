@@ -50,7 +50,15 @@ from .datasets import keyed_uniforms
 from .optim import lr_factor
 from .procedural import SyntheticImages
 
-__all__ = ["DP_HEAD_LR", "LabelledImages", "ProbeConfig", "ProbeResult", "fit_probe", "load_labelled", "run_probe"]
+__all__ = [
+    "DP_HEAD_LR",
+    "LabelledImages",
+    "ProbeConfig",
+    "ProbeResult",
+    "fit_probe",
+    "load_labelled",
+    "run_probe",
+]
 
 DP_LOSS_REDUCTION: Literal["mean", "sum"] = "mean"
 """A DP head's loss reduction, told to Opacus too: it undoes the mean before clipping (so each
@@ -75,15 +83,24 @@ class LabelledImages:
 def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
     """An image folder with one subfolder per class, named ``name`` in ledgers."""
     folder = ImageFolder(path)
-    members = [(i, p.relative_to(folder.root).parts[0]) for i, p in enumerate(folder.files)
-               if len(p.relative_to(folder.root).parts) > 1]  # files in a class subfolder
+    members = [
+        (i, p.relative_to(folder.root).parts[0])
+        for i, p in enumerate(folder.files)
+        if len(p.relative_to(folder.root).parts) > 1
+    ]  # files in a class subfolder
     classes = sorted({c for _, c in members})
     if len(classes) < 2:
-        raise DataError(f"{path} needs one subfolder per class (found {len(classes)} class folders)")
+        raise DataError(
+            f"{path} needs one subfolder per class (found {len(classes)} class folders)"
+        )
     index = {c: i for i, c in enumerate(classes)}
     images = [folder.load(i) for i, _ in members]
     labels = np.array([index[c] for _, c in members])
-    dataset = Dataset(name=name, size=len(members), description=f"{len(members)} labelled images, {len(classes)} classes")
+    dataset = Dataset(
+        name=name,
+        size=len(members),
+        description=f"{len(members)} labelled images, {len(classes)} classes",
+    )
     return LabelledImages(images, labels, classes, dataset, [folder.files[i] for i, _ in members])
 
 
@@ -93,13 +110,25 @@ class ProbeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     encoder: str = Field(description="encoder repo folder or hub repo id")
-    data: str = Field(description="labelled image folder (one subfolder per class): the probe's training data")
-    test_data: str | None = Field(None, description="PUBLIC labelled test folder; its accuracy goes on the card "
-                                                    "(default: a held-out share of --data, whose accuracy is printed only)")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of --data when --test-data is not given "
-                                                              "(records chosen by a keyed hash under a secret)")
+    data: str = Field(
+        description="labelled image folder (one subfolder per class): the probe's training data"
+    )
+    test_data: str | None = Field(
+        None,
+        description="PUBLIC labelled test folder; its accuracy goes on the card "
+        "(default: a held-out share of --data, whose accuracy is printed only)",
+    )
+    test_fraction: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="held-out share of --data when --test-data is not given "
+        "(records chosen by a keyed hash under a secret)",
+    )
     head: str = Field("probe", description="head name: the repo gets heads/NAME/")
-    pooling: str = Field("vip", description="feature mode: vip (the paper's), avg, cls, or a family's own")
+    pooling: str = Field(
+        "vip", description="feature mode: vip (the paper's), avg, cls, or a family's own"
+    )
     epochs: int = Field(90, gt=0, description="training epochs")
     warmup_epochs: int = Field(10, ge=0, description="warm-up epochs")
     batch_size: int = Field(256, gt=0, description="batch size (a DP head's expected batch)")
@@ -107,19 +136,38 @@ class ProbeConfig(BaseModel):
     lr: float = Field(0.1, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
     few_shot_rate: float | None = Field(
-        None, gt=0, le=1, description="few-shot probe: keep each training record with this probability, by a keyed "
-                                      "hash under a secret (about k per class for k x classes / n)")
-    epsilon: float | None = Field(None, gt=0, description="train the head with DP-SGD at this epsilon")
-    delta: float | None = Field(None, gt=0, lt=1,
-                                description="delta (default min(1e-5, 1/(10n)) of the probe's training set)")
+        None,
+        gt=0,
+        le=1,
+        description="few-shot probe: keep each training record with this probability, by a keyed "
+        "hash under a secret (about k per class for k x classes / n)",
+    )
+    epsilon: float | None = Field(
+        None, gt=0, description="train the head with DP-SGD at this epsilon"
+    )
+    delta: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="delta (default min(1e-5, 1/(10n)) of the probe's training set)",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm of a DP head")
-    accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
-    dataset_name: str = Field(pattern=DATASET_NAME_PATTERN,
-                              description="the labelled data's declared name, namespaced (e.g. org/digits-train): "
-                                          "its identity in ledgers; the head's stage composes with every stage on it")
-    seed: int = Field(0, description="seed of a head's initialisation and of a non-private head's batches (a DP "
-                                     "head's noise and sampling, and subsets of --data, use a secret drawn per run)")
-    out: str | None = Field(None, description="repo folder to write with the head (default: the encoder folder)")
+    accountant: Accountant = Field(
+        Accountant.RDP, description="the accountant whose epsilon is the claim"
+    )
+    dataset_name: str = Field(
+        pattern=DATASET_NAME_PATTERN,
+        description="the labelled data's declared name, namespaced (e.g. org/digits-train): "
+        "its identity in ledgers; the head's stage composes with every stage on it",
+    )
+    seed: int = Field(
+        0,
+        description="seed of a head's initialisation and of a non-private head's batches (a DP "
+        "head's noise and sampling, and subsets of --data, use a secret drawn per run)",
+    )
+    out: str | None = Field(
+        None, description="repo folder to write with the head (default: the encoder folder)"
+    )
     export: bool = Field(True, description="add the head to the repo")
     device: str = Field("cpu", description="auto, cpu, cuda or cuda:N")
 
@@ -143,8 +191,14 @@ def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
 
 
-def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cfg: ProbeConfig,
-              public_x: torch.Tensor | None = None, desc: str = "probe") -> tuple[LinearProbe, dict[str, Any]]:
+def fit_probe(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    num_classes: int,
+    cfg: ProbeConfig,
+    public_x: torch.Tensor | None = None,
+    desc: str = "probe",
+) -> tuple[LinearProbe, dict[str, Any]]:
     """Train a head on fixed features. With ``cfg.epsilon``: DP-SGD (Opacus) on the linear
     layer, BatchNorm fixed to ``public_x`` statistics, noise and sampling from a fresh secret.
     Returns the head (eval mode) and the DP parameters used (empty without DP)."""
@@ -165,7 +219,9 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cf
         step = 0
         for _ in range(cfg.epochs):
             for idx in torch.randperm(n, generator=g).split(batch):
-                if len(idx) < 2:  # BatchNorm cannot train on one example: a last batch of one is skipped
+                if (
+                    len(idx) < 2
+                ):  # BatchNorm cannot train on one example: a last batch of one is skipped
                     continue
                 for group in opt.param_groups:
                     group["lr"] = cfg.lr * lr_factor(step, warmup, total)
@@ -181,8 +237,13 @@ def fit_probe(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, cf
     return head.eval(), dp
 
 
-def _make_private(engine: Any, linear: nn.Linear, loader: torch.utils.data.DataLoader, sigma: float,
-                  cfg: ProbeConfig) -> tuple[Any, Any, Any]:
+def _make_private(
+    engine: Any,
+    linear: nn.Linear,
+    loader: torch.utils.data.DataLoader,
+    sigma: float,
+    cfg: ProbeConfig,
+) -> tuple[Any, Any, Any]:
     """Opacus' (module, DP-SGD optimiser, Poisson loader) for the head's linear layer: its
     per-example gradients are those of ``DP_LOSS_REDUCTION`` loss, noise from a fresh secret."""
     import warnings
@@ -190,14 +251,27 @@ def _make_private(engine: Any, linear: nn.Linear, loader: torch.utils.data.DataL
     warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     return engine.make_private(
-        module=linear, optimizer=torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
-        data_loader=loader, noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, poisson_sampling=True,
-        loss_reduction=DP_LOSS_REDUCTION, noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
+        module=linear,
+        optimizer=torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
+        data_loader=loader,
+        noise_multiplier=sigma,
+        max_grad_norm=cfg.max_grad_norm,
+        poisson_sampling=True,
+        loss_reduction=DP_LOSS_REDUCTION,
+        noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
     )
 
 
-def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfig, public_x: torch.Tensor | None,
-            batch: int, steps_per_epoch: int, bar: tqdm) -> dict[str, Any]:
+def _fit_dp(
+    head: LinearProbe,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: ProbeConfig,
+    public_x: torch.Tensor | None,
+    batch: int,
+    steps_per_epoch: int,
+    bar: tqdm,
+) -> dict[str, Any]:
     from opacus import PrivacyEngine
 
     if public_x is None:
@@ -215,9 +289,14 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
     # The mechanism's randomness: a secret per run, never stored (a public seed would let anyone
     # who knows all but one record replay the head's training in both worlds).
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(normed, y), batch_size=batch,
-                                         generator=torch.Generator().manual_seed(secrets.randbits(63)))
-    engine = PrivacyEngine(accountant="rdp")  # keeps the step history; the claim is ours (any accountant)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(normed, y),
+        batch_size=batch,
+        generator=torch.Generator().manual_seed(secrets.randbits(63)),
+    )
+    engine = PrivacyEngine(
+        accountant="rdp"
+    )  # keeps the step history; the claim is ours (any accountant)
     linear, opt, loader = _make_private(engine, head.linear, loader, sigma, cfg)
     loss_fn = nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION)
     step, warmup = 0, cfg.warmup_epochs * steps_per_epoch
@@ -232,7 +311,9 @@ def _fit_dp(head: LinearProbe, x: torch.Tensor, y: torch.Tensor, cfg: ProbeConfi
             step += 1
             bar.update(1)
     if engine.accountant.history != [(sigma, q, steps)]:
-        raise RuntimeError(f"accountant history {engine.accountant.history} != {steps} steps at ({sigma}, {q})")
+        raise RuntimeError(
+            f"accountant history {engine.accountant.history} != {steps} steps at ({sigma}, {q})"
+        )
     head.linear = linear._module if hasattr(linear, "_module") else linear
     return {"sigma": sigma, "sample_rate": q, "steps": steps, "delta": delta, "accountant": kind}
 
@@ -252,17 +333,24 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     if cfg.test_data:
         test = load_labelled(cfg.test_data, "public/test")
         if test.classes != train.classes:
-            raise DataError(f"test classes {test.classes} differ from training classes {train.classes}")
+            raise DataError(
+                f"test classes {test.classes} differ from training classes {train.classes}"
+            )
         test_images, test_y = test.images, test.labels
     else:
         held_out = keyed_uniforms(key, "held-out", train.files, train.labels) < cfg.test_fraction
         tr_idx, te_idx = np.flatnonzero(~held_out), np.flatnonzero(held_out)
         test_images, test_y = [train.images[i] for i in te_idx], train.labels[te_idx]
     if cfg.few_shot_rate:  # a public rate: no record's membership depends on any other record
-        kept = keyed_uniforms(key, "few-shot", [train.files[i] for i in tr_idx], train.labels[tr_idx]) < cfg.few_shot_rate
+        kept = (
+            keyed_uniforms(key, "few-shot", [train.files[i] for i in tr_idx], train.labels[tr_idx])
+            < cfg.few_shot_rate
+        )
         tr_idx = tr_idx[kept]
     if not len(tr_idx) or not len(test_y):
-        raise DataError(f"{cfg.data}: the keyed choice left {len(tr_idx)} training and {len(test_y)} test examples")
+        raise DataError(
+            f"{cfg.data}: the keyed choice left {len(tr_idx)} training and {len(test_y)} test examples"
+        )
     pooling = cfg.pooling
     train_x = encoder.embed([train.images[i] for i in tr_idx], pooling)
     test_x = encoder.embed(test_images, pooling)
@@ -271,16 +359,28 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     if cfg.epsilon is not None:
         synth = SyntheticImages(encoder.spec.img_size, seed=1)
         public_x = encoder.embed(torch.stack([synth[i] for i in range(256)]), pooling)
-    head, dp = fit_probe(train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}")
+    head, dp = fit_probe(
+        train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}"
+    )
     top1 = accuracy(head, test_x, test_t)
     # The head's stage keeps the dataset's name (it composes with every stage on it) and the n it saw.
-    used = train.dataset if len(tr_idx) == n else Dataset(
-        name=train.dataset.name, size=len(tr_idx),
-        description=f"{len(tr_idx)} of the {n} labelled images, each record chosen by a keyed hash under a "
-                    "secret (its membership does not depend on any other record)")
+    used = (
+        train.dataset
+        if len(tr_idx) == n
+        else Dataset(
+            name=train.dataset.name,
+            size=len(tr_idx),
+            description=f"{len(tr_idx)} of the {n} labelled images, each record chosen by a keyed hash under a "
+            "secret (its membership does not depend on any other record)",
+        )
+    )
     stage = _stage(cfg, used, dp)
     public_top1 = top1 if cfg.test_data else None
-    repo = _export(cfg, encoder, head, train.classes, stage, public_top1, len(tr_idx)) if cfg.export else None
+    repo = (
+        _export(cfg, encoder, head, train.classes, stage, public_top1, len(tr_idx))
+        if cfg.export
+        else None
+    )
     features = {"train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_t}
     return ProbeResult(top1, len(tr_idx), len(test_y), head, stage, repo, features)
 
@@ -290,21 +390,44 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
     protocol = f"{cfg.pooling} features, BatchNorm + linear, {cfg.epochs} epochs"
     if not dp:
         return NonPrivateStage(
-            name=f"linear-probe:{cfg.head}", component=component, dataset=data, private_data=True,
+            name=f"linear-probe:{cfg.head}",
+            component=component,
+            dataset=data,
+            private_data=True,
             description=f"linear probe ({protocol}, {cfg.optimizer}) trained without DP: its "
-                        "labelled data has no privacy guarantee")
+            "labelled data has no privacy guarantee",
+        )
     return DPStage.from_parameters(
-        name=f"linear-probe-dp:{cfg.head}", component=component, dataset=data, mechanism="DP-SGD",
-        sample_rate=dp["sample_rate"], noise_multiplier=dp["sigma"], steps=dp["steps"],
-        clipping_norm=cfg.max_grad_norm, delta=dp["delta"], accountant=dp["accountant"],
+        name=f"linear-probe-dp:{cfg.head}",
+        component=component,
+        dataset=data,
+        mechanism="DP-SGD",
+        sample_rate=dp["sample_rate"],
+        noise_multiplier=dp["sigma"],
+        steps=dp["steps"],
+        clipping_norm=cfg.max_grad_norm,
+        delta=dp["delta"],
+        accountant=dp["accountant"],
         description=f"linear probe ({protocol}) trained with DP-SGD (Opacus); normalisation "
-                    "fixed to public procedural-image features",
-        hyperparameters={"lr": cfg.lr, "epochs": cfg.epochs, "momentum": 0.9, "pooling": cfg.pooling},
+        "fixed to public procedural-image features",
+        hyperparameters={
+            "lr": cfg.lr,
+            "epochs": cfg.epochs,
+            "momentum": 0.9,
+            "pooling": cfg.pooling,
+        },
     )
 
 
-def _export(cfg: ProbeConfig, encoder: Any, head: LinearProbe, classes: list[str],
-            stage: NonPrivateStage | DPStage, public_top1: float | None, n_train: int) -> Path:
+def _export(
+    cfg: ProbeConfig,
+    encoder: Any,
+    head: LinearProbe,
+    classes: list[str],
+    stage: NonPrivateStage | DPStage,
+    public_top1: float | None,
+    n_train: int,
+) -> Path:
     """Add the head to the repo; its accuracy is written only when measured on public test data."""
     src = Path(encoder.path)
     if cfg.out:
@@ -316,16 +439,26 @@ def _export(cfg: ProbeConfig, encoder: Any, head: LinearProbe, classes: list[str
     elif Path(cfg.encoder).is_dir():
         out = src
     else:
-        raise ConfigError("the encoder came from a hub: pass --out DIR to write a repo folder with the head")
+        raise ConfigError(
+            "the encoder came from a hub: pass --out DIR to write a repo folder with the head"
+        )
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
-    metrics = {"train_size": n_train, "pooling": cfg.pooling, "few_shot_rate": cfg.few_shot_rate, "epochs": cfg.epochs}
+    metrics = {
+        "train_size": n_train,
+        "pooling": cfg.pooling,
+        "few_shot_rate": cfg.few_shot_rate,
+        "epochs": cfg.epochs,
+    }
     result = None
     if public_top1 is not None:
         metrics |= {"top1": public_top1, "test_data": "public"}
         test_name = Path(cfg.test_data or "").name
         result = EvalResult(
-            task_type="image-classification", dataset_type=test_name, dataset_name=f"{test_name} (public test data)",
-            metric_type="accuracy", metric_value=round(public_top1, 4),
+            task_type="image-classification",
+            dataset_type=test_name,
+            dataset_name=f"{test_name} (public test data)",
+            metric_type="accuracy",
+            metric_value=round(public_top1, 4),
             metric_name=f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
         )
     save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)  # type: ignore[arg-type]

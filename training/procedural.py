@@ -119,7 +119,9 @@ def plasma(rng: np.random.Generator, grid: Grid) -> Field:
             u + 0.15 * np.sin(2 * np.pi * k[0] * v + p[0]) * np.cos(k[1] * u + p[1]),
             v + 0.15 * np.sin(2 * np.pi * k[2] * u + p[2]) * np.cos(k[3] * v + p[3]),
         )
-    return _normalise(np.sin(2 * np.pi * rng.uniform(1, 6) * u) + np.cos(2 * np.pi * rng.uniform(1, 6) * v))
+    return _normalise(
+        np.sin(2 * np.pi * rng.uniform(1, 6) * u) + np.cos(2 * np.pi * rng.uniform(1, 6) * v)
+    )
 
 
 FAMILIES: dict[str, Callable[[np.random.Generator, Grid], Field]] = {
@@ -164,9 +166,14 @@ def render(seed: int, index: int, size: int) -> np.ndarray:
 class SyntheticImages(torch.utils.data.Dataset):
     """An (effectively infinite) dataset of procedural images, as normalised tensors."""
 
-    def __init__(self, size: int, seed: int = 0, length: int = 2**31 - 1,
-                 mean: tuple[float, ...] = (0.485, 0.456, 0.406),
-                 std: tuple[float, ...] = (0.229, 0.224, 0.225)):
+    def __init__(
+        self,
+        size: int,
+        seed: int = 0,
+        length: int = 2**31 - 1,
+        mean: tuple[float, ...] = (0.485, 0.456, 0.406),
+        std: tuple[float, ...] = (0.229, 0.224, 0.225),
+    ):
         self.size, self.seed, self.length = size, seed, length
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
@@ -185,5 +192,7 @@ def contact_sheet(seed: int = 0, count: int = 64, size: int = 96, columns: int =
     sheet = Image.new("RGB", (columns * (size + 4) + 4, rows * (size + 4) + 4), "white")
     for i in range(count):
         r, c = divmod(i, columns)
-        sheet.paste(Image.fromarray(render(seed, i, size)), (4 + c * (size + 4), 4 + r * (size + 4)))
+        sheet.paste(
+            Image.fromarray(render(seed, i, size)), (4 + c * (size + 4), 4 + r * (size + 4))
+        )
     return sheet

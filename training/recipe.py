@@ -50,21 +50,40 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     NOT_RUN_SETTINGS: ClassVar[tuple[str, ...]] = (
-        "out", "device", "workers", "checkpoint_every", "restart", "model_name", "repo_id", "signing_key")
+        "out",
+        "device",
+        "workers",
+        "checkpoint_every",
+        "restart",
+        "model_name",
+        "repo_id",
+        "signing_key",
+    )
     """Fields that name outputs or resources, not the run: they may change across a resume."""
 
-    out: str = Field(description="folder the released repo is written to (the run folder is OUT.run/)")
-    steps: int = Field(1000, gt=0, description="training steps (a DP run may stop earlier, within its budget)")
+    out: str = Field(
+        description="folder the released repo is written to (the run folder is OUT.run/)"
+    )
+    steps: int = Field(
+        1000, gt=0, description="training steps (a DP run may stop earlier, within its budget)"
+    )
     seed: int | None = Field(0, description="seed of every random stream")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     workers: int = Field(1, ge=0, description="data-loading processes")
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints")
-    eval_every: int | None = Field(None, gt=0, description="steps between evaluations (default: steps // 20)")
-    model_name: str | None = Field(None, description="model name on the card (default: the folder's name)")
+    eval_every: int | None = Field(
+        None, gt=0, description="steps between evaluations (default: steps // 20)"
+    )
+    model_name: str | None = Field(
+        None, description="model name on the card (default: the folder's name)"
+    )
     repo_id: str | None = Field(None, description="hub id shown on the card, e.g. vip/vip-nano")
     restart: bool = Field(False, description="discard the run folder's checkpoint and start over")
-    signing_key: str | None = Field(None, description="private key that signs the exported repo, model.sig "
-                                                      "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)")
+    signing_key: str | None = Field(
+        None,
+        description="private key that signs the exported repo, model.sig "
+        "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)",
+    )
 
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""
@@ -75,22 +94,42 @@ class DPRunConfig(RunConfig):
     """What every DP recipe has: data, budget, batch, clipping, accountant and audit."""
 
     data: str = Field(description="the private training data (see the recipe for its layout)")
-    epsilon: float | None = Field(8.0, gt=0, description="target epsilon; training stops before exceeding it")
-    sigma: float | None = Field(None, gt=0, description="noise multiplier (default: calibrated from --epsilon)")
+    epsilon: float | None = Field(
+        8.0, gt=0, description="target epsilon; training stops before exceeding it"
+    )
+    sigma: float | None = Field(
+        None, gt=0, description="noise multiplier (default: calibrated from --epsilon)"
+    )
     delta: float | None = Field(None, gt=0, lt=1, description="delta (default min(1e-5, 1/(10n)))")
     batch_size: int = Field(256, gt=0, description="expected logical batch size B (q = B/n)")
-    dataset_size: int | None = Field(None, gt=0, description="n, checked against the examples found")
-    dataset_name: str = Field(pattern=DATASET_NAME_PATTERN,
-                              description="the private data's declared name, namespaced (e.g. org/fashion-mnist-train): "
-                                          "its identity in every ledger; stages on one name compose")
-    micro_batch_size: int = Field(32, gt=0, description="physical batch that fits memory (does not change the result)")
+    dataset_size: int | None = Field(
+        None, gt=0, description="n, checked against the examples found"
+    )
+    dataset_name: str = Field(
+        pattern=DATASET_NAME_PATTERN,
+        description="the private data's declared name, namespaced (e.g. org/fashion-mnist-train): "
+        "its identity in every ledger; stages on one name compose",
+    )
+    micro_batch_size: int = Field(
+        32, gt=0, description="physical batch that fits memory (does not change the result)"
+    )
     max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
-    accountant: Accountant = Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
-    audit_canaries: int = Field(DEFAULT_CANARIES, ge=0, description="canaries of the one-run audit (0 turns it off)")
-    audit_delta: float = Field(DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon")
-    seed: int | None = Field(None, description="seed of every random stream (default: a secret random one)")
+    accountant: Accountant = Field(
+        Accountant.RDP, description="the accountant whose epsilon is the claim"
+    )
+    audit_canaries: int = Field(
+        DEFAULT_CANARIES, ge=0, description="canaries of the one-run audit (0 turns it off)"
+    )
+    audit_delta: float = Field(
+        DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon"
+    )
+    seed: int | None = Field(
+        None, description="seed of every random stream (default: a secret random one)"
+    )
     checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints")
-    steps: int = Field(100, gt=0, description="training steps (the run stops earlier if the budget says so)")
+    steps: int = Field(
+        100, gt=0, description="training steps (the run stops earlier if the budget says so)"
+    )
 
 
 WarmupRule = Callable[[int], int]
@@ -151,14 +190,21 @@ def _base(tp: Any) -> Any:
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
     """One option per field of ``cls`` (defaults and help from the declaration) and ``--config``."""
-    parser.add_argument("--config", type=Path, help="TOML file of settings (command-line options win)")
+    parser.add_argument(
+        "--config", type=Path, help="TOML file of settings (command-line options win)"
+    )
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         tp = _base(field.annotation)
         text = field.description or ""
         if tp is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f"{text} (default: {field.default})")
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"{text} (default: {field.default})",
+            )
             continue
         choices = None
         if typing.get_origin(tp) is typing.Literal:
@@ -167,8 +213,14 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
             choices = [e.value for e in tp]
         kind = str if isinstance(tp, type) and issubclass(tp, (str, Path)) else tp
         default = "required" if field.is_required() else f"default: {_shown(field.default)}"
-        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS,
-                            help=f"{text} ({default})")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"{text} ({default})",
+        )
 
 
 def _shown(value: Any) -> Any:
@@ -188,8 +240,10 @@ def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     try:
         return cls.model_validate(values)
     except ValidationError as e:
-        problems = "; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
-                             for err in e.errors())
+        problems = "; ".join(
+            f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+            for err in e.errors()
+        )
         raise ConfigError(f"invalid settings: {problems}") from None
 
 

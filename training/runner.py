@@ -87,9 +87,17 @@ class Run:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def loop(self, start: int, total: int, steps: Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]],
-             *, desc: str, objects: dict[str, Stateful], evaluate: Callable[[], dict[str, Any]] | None = None,
-             stop_message: str | None = None) -> list[dict[str, Any]]:
+    def loop(
+        self,
+        start: int,
+        total: int,
+        steps: Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]],
+        *,
+        desc: str,
+        objects: dict[str, Stateful],
+        evaluate: Callable[[], dict[str, Any]] | None = None,
+        stop_message: str | None = None,
+    ) -> list[dict[str, Any]]:
         """Run ``steps`` (pairs of a step number and a function doing it, returning its log record
         and its number of examples) from ``start`` to ``total``: evaluation, the JSONL log and the
         progress bar on rank 0, checkpoints of ``objects``. Returns every log record."""
@@ -115,13 +123,22 @@ class Run:
                 if self.log is not None and bar is not None:
                     rate = images / max(time.perf_counter() - t0, 1e-9)
                     self.log.write({"step": done, **record, "images_per_s": round(rate, 2)})
-                    bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if isinstance(v, float)} |
-                                    {"img/s": f"{rate:.1f}"}, refresh=False)
+                    bar.set_postfix(
+                        {k: f"{v:.4g}" for k, v in record.items() if isinstance(v, float)}
+                        | {"img/s": f"{rate:.1f}"},
+                        refresh=False,
+                    )
                     bar.update(1)
                 if done % self.cfg.checkpoint_every == 0 or done == total:
                     if self.dist.main:
-                        save_checkpoint(self.checkpoint_path, {"config": self.settings, "step": done,
-                                                               **{k: o.state_dict() for k, o in objects.items()}})
+                        save_checkpoint(
+                            self.checkpoint_path,
+                            {
+                                "config": self.settings,
+                                "step": done,
+                                **{k: o.state_dict() for k, o in objects.items()},
+                            },
+                        )
                     self.dist.barrier()
         finally:
             if bar is not None:
@@ -141,16 +158,33 @@ class Run:
         self.dist.barrier()
         return Path(self.cfg.out)
 
-    def export_encoder(self, encoder: VisionTransformer, spec: EncoderSpec,
-                       stages: Callable[[], Sequence[NonPrivateStage | DPStage]], *,
-                       records: list[dict[str, Any]], curve: tuple[str, str, str], summary: str,
-                       **files: Any) -> Path:
+    def export_encoder(
+        self,
+        encoder: VisionTransformer,
+        spec: EncoderSpec,
+        stages: Callable[[], Sequence[NonPrivateStage | DPStage]],
+        *,
+        records: list[dict[str, Any]],
+        curve: tuple[str, str, str],
+        summary: str,
+        **files: Any,
+    ) -> Path:
         """``export`` of the released encoder repo: the ledger of ``stages()``, the ``curve`` of
         ``records`` (``plot_curves``' key, label, title) as ``CURVES_FILE``, and ``files``."""
+
         def write() -> None:
             cfg, name = self.cfg, self.cfg.model_name or Path(self.cfg.out).name
-            export_encoder(cfg.out, encoder, spec, stages(), model_name=name, repo_id=cfg.repo_id,
-                           summary=summary, overwrite=True,
-                           extra_files={CURVES_FILE: plot_curves(records, *curve)}, **files)
+            export_encoder(
+                cfg.out,
+                encoder,
+                spec,
+                stages(),
+                model_name=name,
+                repo_id=cfg.repo_id,
+                summary=summary,
+                overwrite=True,
+                extra_files={CURVES_FILE: plot_curves(records, *curve)},
+                **files,
+            )
 
         return self.export(write)

@@ -25,8 +25,9 @@ def step_generator(seed: int, purpose: int, step: int, rank: int = 0) -> np.rand
     return np.random.default_rng([seed, purpose, step, rank])
 
 
-def torch_generator(seed: int, purpose: int, step: int, rank: int = 0,
-                    device: str | torch.device = "cpu") -> torch.Generator:
+def torch_generator(
+    seed: int, purpose: int, step: int, rank: int = 0, device: str | torch.device = "cpu"
+) -> torch.Generator:
     """A torch generator seeded from the same counter-based stream."""
     g = torch.Generator(device=device)
     g.manual_seed(int(step_generator(seed, purpose, step, rank).integers(2**63)))
@@ -38,8 +39,9 @@ def rank_share(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
     return indices[indices % world == rank]
 
 
-def poisson_sample(n: int, sample_rate: float, seed: int, step: int, rank: int = 0,
-                   purpose: int = SAMPLING) -> np.ndarray:
+def poisson_sample(
+    n: int, sample_rate: float, seed: int, step: int, rank: int = 0, purpose: int = SAMPLING
+) -> np.ndarray:
     """Indices in [0, n) each included independently with probability ``sample_rate``, sorted.
 
     Drawn as a Binomial(n, q) count then that many distinct indices, which has the same
@@ -58,4 +60,4 @@ def micro_batches(indices: np.ndarray, size: int) -> list[np.ndarray]:
     if size <= 0:
         raise ConfigError(f"micro-batch size must be positive, got {size}")
     parts = max(1, math.ceil(len(indices) / size))
-    return [indices[i * size:(i + 1) * size] for i in range(parts)]
+    return [indices[i * size : (i + 1) * size] for i in range(parts)]

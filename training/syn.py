@@ -44,8 +44,11 @@ SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 class SynConfig(RunConfig):
     """A (Syn)-ViP run. Defaults follow the MAE/ViP recipe, scaled for small experiments."""
 
-    arch: str = Field("vip-nano", description=f"encoder architecture: {', '.join(ARCHS)} (dpcap-*: to start DP-Cap "
-                                              "training from)")
+    arch: str = Field(
+        "vip-nano",
+        description=f"encoder architecture: {', '.join(ARCHS)} (dpcap-*: to start DP-Cap "
+        "training from)",
+    )
     img_size: int = Field(224, gt=0, description="input resolution in pixels")
     patch_size: int = Field(16, gt=0, description="patch size in pixels")
     batch_size: int = Field(64, gt=0, description="images per step")
@@ -65,9 +68,13 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     """Run (or resume) MAE pretraining on procedural images and export the repo."""
     dist = dist or Dist.from_env(cfg.device)
     if dist.world > 1:
-        raise ConfigError("train-syn runs on one process (use a DP recipe with torchrun for several)")
+        raise ConfigError(
+            "train-syn runs on one process (use a DP recipe with torchrun for several)"
+        )
     spec = EncoderSpec(cfg.arch, img_size=cfg.img_size, patch_size=cfg.patch_size)
-    decoder = DecoderConfig(cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss)
+    decoder = DecoderConfig(
+        cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss
+    )
     run = Run(cfg, dist)
     torch.manual_seed(run.seed)  # initialisation only; batches and masks use their own streams
     mae = new_mae(spec, decoder).to(dist.device)
@@ -79,41 +86,70 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
 
     data = SyntheticImages(cfg.img_size, seed=run.seed)
     batches = (range(s * cfg.batch_size, (s + 1) * cfg.batch_size) for s in range(start, cfg.steps))
-    loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=cfg.workers,
-                                         pin_memory=dist.device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        data, batch_sampler=batches, num_workers=cfg.workers, pin_memory=dist.device.type == "cuda"
+    )
     public = public_eval_batch(spec, mae.num_patches)
 
     def steps():  # type: ignore[no-untyped-def]
         for step, images in enumerate(loader, start):
+
             def do(step: int = step, images: torch.Tensor = images) -> tuple[dict, int]:
-                noise = torch.rand(len(images), mae.num_patches, generator=torch_generator(run.seed, MASKING, step))
+                noise = torch.rand(
+                    len(images), mae.num_patches, generator=torch_generator(run.seed, MASKING, step)
+                )
                 with run.autocast():
-                    loss = mae(images.to(dist.device, non_blocking=True), noise.to(dist.device)).mean()
+                    loss = mae(
+                        images.to(dist.device, non_blocking=True), noise.to(dist.device)
+                    ).mean()
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 return {"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0]}, len(images)
+
             yield step, do
 
-    records = run.loop(start, cfg.steps, steps(), desc="train-syn", objects=objects,
-                       evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
+    records = run.loop(
+        start,
+        cfg.steps,
+        steps(),
+        desc="train-syn",
+        objects=objects,
+        evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)},
+    )
     stage = NonPrivateStage(
         name="syn-pretrain",
-        dataset=Dataset(name=SYNTHETIC_DATASET,
-                        description=("procedural images generated on the fly (" + ", ".join(FAMILIES)
-                                     + f"), stream seed {run.seed}; no real images")),
+        dataset=Dataset(
+            name=SYNTHETIC_DATASET,
+            description=(
+                "procedural images generated on the fly ("
+                + ", ".join(FAMILIES)
+                + f"), stream seed {run.seed}; no real images"
+            ),
+        ),
         private_data=False,
-        description=(f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
-                     f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"),
+        description=(
+            f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
+            f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"
+        ),
     )
     return run.export_encoder(
-        mae.encoder, spec, lambda: [stage], records=records,
-        curve=("train_loss", "MAE training loss (procedural images)",
-               f"(Syn)-{spec.family.title} pretraining"),
-        summary=(f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
-                 f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy cost."),
-        decoder=mae.decoder_state_dict(), decoder_config=decoder.to_dict(),
+        mae.encoder,
+        spec,
+        lambda: [stage],
+        records=records,
+        curve=(
+            "train_loss",
+            "MAE training loss (procedural images)",
+            f"(Syn)-{spec.family.title} pretraining",
+        ),
+        summary=(
+            f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
+            f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy cost."
+        ),
+        decoder=mae.decoder_state_dict(),
+        decoder_config=decoder.to_dict(),
     )
 
 

@@ -45,8 +45,12 @@ MECHANISM = "DP-AdamW"
 class VipConfig(DPRunConfig):
     """A ViP run: DP-AdamW on the MAE loss. Defaults follow the ViP paper, App. A.2."""
 
-    init: str = Field(description="(Syn)-ViP repo folder or hub id to start from (with mae_decoder.safetensors)")
-    data: str = Field(description="image folder (class subfolders allowed) or directory of webdataset tar shards")
+    init: str = Field(
+        description="(Syn)-ViP repo folder or hub id to start from (with mae_decoder.safetensors)"
+    )
+    data: str = Field(
+        description="image folder (class subfolders allowed) or directory of webdataset tar shards"
+    )
     lr: float = lr_field(3.84e-4)
     warmup_steps: int | None = warmup_field(tenth_of_steps_to_1000)
     weight_decay: float = weight_decay_field(0.005)
@@ -66,35 +70,64 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps_to_1000(cfg.steps)
     scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    engine = DPEngine.for_run(PerExampleClipper(mae, cfg.max_grad_norm), optimizer, scheduler, budget, run, cfg,
-                              sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm), clipping_norm=cfg.max_grad_norm)
+    engine = DPEngine.for_run(
+        PerExampleClipper(mae, cfg.max_grad_norm),
+        optimizer,
+        scheduler,
+        budget,
+        run,
+        cfg,
+        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
+        clipping_norm=cfg.max_grad_norm,
+    )
     mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
     augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = torch.rand(mae.num_patches, generator=torch_generator(run.seed, MASKING, step, index))
+        noise = torch.rand(
+            mae.num_patches, generator=torch_generator(run.seed, MASKING, step, index)
+        )
         return augmented[index, step], noise
 
     public = public_eval_batch(spec, mae.num_patches)
-    records = engine.train(run, mae, load, desc="train-vip",
-                           evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)})
+    records = engine.train(
+        run,
+        mae,
+        load,
+        desc="train-vip",
+        evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)},
+    )
 
     return engine.export(
-        run, cfg, mae.encoder, spec, init_ledger, records=records, mechanism=MECHANISM,
+        run,
+        cfg,
+        mae.encoder,
+        spec,
+        init_ledger,
+        records=records,
+        mechanism=MECHANISM,
         curve_label="MAE loss on public procedural images",
         dataset_description=f"{n} images; MAE pretraining with DP-AdamW",
-        summary=(f"A {spec.arch} encoder trained with the ViP recipe: MAE pretraining on "
-                 f"procedural images, then DP-AdamW on {cfg.dataset_name} ({n} images). The "
-                 "loss curve is measured on public procedural images, so publishing it costs no "
-                 "privacy."),
+        summary=(
+            f"A {spec.arch} encoder trained with the ViP recipe: MAE pretraining on "
+            f"procedural images, then DP-AdamW on {cfg.dataset_name} ({n} images). The "
+            "loss curve is measured on public procedural images, so publishing it costs no "
+            "privacy."
+        ),
         files={"decoder": mae.decoder_state_dict(), "decoder_config": mae.config.to_dict()},
         name="dp-pretrain",
-        description=("ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
-                     "Gaussian noise once per logical step, Poisson sampling)"),
+        description=(
+            "ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
+            "Gaussian noise once per logical step, Poisson sampling)"
+        ),
         hyperparameters={
-            "lr": cfg.lr, "warmup_steps": warmup, "schedule": "cosine",
-            "weight_decay": cfg.weight_decay, "betas": [cfg.beta1, cfg.beta2],
-            "mask_ratio": mae.config.mask_ratio, "img_size": spec.img_size,
+            "lr": cfg.lr,
+            "warmup_steps": warmup,
+            "schedule": "cosine",
+            "weight_decay": cfg.weight_decay,
+            "betas": [cfg.beta1, cfg.beta2],
+            "mask_ratio": mae.config.mask_ratio,
+            "img_size": spec.img_size,
             "augmentation": "random resized crop (0.2-1), flip",
         },
     )

@@ -28,5 +28,7 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = int(name.split(":")[1])
         if index >= count:
-            raise ConfigError(f"device {name} was asked for, but this machine has {count} CUDA device(s)")
+            raise ConfigError(
+                f"device {name} was asked for, but this machine has {count} CUDA device(s)"
+            )
     return torch.device(name)

@@ -59,16 +59,23 @@ class Encoder:
         """Raise ConfigError unless this repo offers feature mode ``pooling``."""
         check_pooling(pooling)
         if pooling not in self.poolings:
-            why = (f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
-                   if pooling not in self.spec.family.poolings else f"{self.path} has no {TEXT_DECODER_FILE}")
-            raise ConfigError(f"feature mode {pooling!r} is not available for {self.spec.arch}: {why} "
-                              f"(this repo offers {', '.join(self.poolings)})")
+            why = (
+                f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
+                if pooling not in self.spec.family.poolings
+                else f"{self.path} has no {TEXT_DECODER_FILE}"
+            )
+            raise ConfigError(
+                f"feature mode {pooling!r} is not available for {self.spec.arch}: {why} "
+                f"(this repo offers {', '.join(self.poolings)})"
+            )
 
     def feature_dim(self, pooling: Pooling = "avg") -> int:
         self.check_pooling(pooling)
         return feature_dim(self.model, pooling, self.memory)
 
-    def features(self, images: torch.Tensor, poolings: tuple[Pooling, ...]) -> dict[Pooling, torch.Tensor]:
+    def features(
+        self, images: torch.Tensor, poolings: tuple[Pooling, ...]
+    ) -> dict[Pooling, torch.Tensor]:
         """Several feature modes of a preprocessed batch (on the model's device), one forward pass."""
         for mode in poolings:
             self.check_pooling(mode)
@@ -80,7 +87,10 @@ class Encoder:
 
     @torch.inference_mode()
     def embed(
-        self, images: Sequence[Image.Image] | torch.Tensor, pooling: Pooling = "avg", batch_size: int = 64
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        pooling: Pooling = "avg",
+        batch_size: int = 64,
     ) -> torch.Tensor:
         """Embeddings (N, dim) for PIL images or an already preprocessed batch."""
         self.check_pooling(pooling)
@@ -111,7 +121,9 @@ def resolve_source(source: str | os.PathLike[str], revision: str | None = None) 
     try:
         return Path(snapshot_download(repo_id, revision=revision or rev or None))
     except (HfHubHTTPError, HFValidationError) as e:
-        raise MissingInputError(f"{text} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}") from None
+        raise MissingInputError(
+            f"{text} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}"
+        ) from None
 
 
 def load_encoder(
@@ -156,11 +168,15 @@ class CaptioningModel:
         """Add the repo's text decoder and vocabulary to a loaded encoder."""
         path = Path(encoder.path)
         if not encoder.spec.family.captions:
-            raise ConfigError(f"{encoder.spec.arch} is a {encoder.spec.family.title} encoder: it has no text decoder")
+            raise ConfigError(
+                f"{encoder.spec.arch} is a {encoder.spec.family.title} encoder: it has no text decoder"
+            )
         missing = [f for f in (TEXT_DECODER_FILE, VOCAB_FILE) if not (path / f).is_file()]
         if missing:
-            raise MissingInputError(f"{path} has no {' and no '.join(missing)}: it cannot caption "
-                                    "(import it with --vocab, or export it with its text decoder and vocabulary)")
+            raise MissingInputError(
+                f"{path} has no {' and no '.join(missing)}: it cannot caption "
+                "(import it with --vocab, or export it with its text decoder and vocabulary)"
+            )
         device = next(encoder.model.parameters()).device
         decoder = load_text_decoder(path / TEXT_DECODER_FILE, device)
         tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=decoder.config.max_length)
@@ -172,19 +188,33 @@ class CaptioningModel:
         """The most tokens a caption can have."""
         return self.captioner.decoder.config.max_length - 1
 
-    def _batches(self, images: Sequence[Image.Image] | torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    def _batches(
+        self, images: Sequence[Image.Image] | torch.Tensor, batch_size: int
+    ) -> list[torch.Tensor]:
         device = next(self.captioner.parameters()).device
         out = []
         for start in range(0, len(images), batch_size):
             part = images[start : start + batch_size]
-            out.append((part if isinstance(part, torch.Tensor) else self.encoder.preprocess(part)).to(device))
+            out.append(
+                (part if isinstance(part, torch.Tensor) else self.encoder.preprocess(part)).to(
+                    device
+                )
+            )
         return out
 
-    def caption(self, images: Sequence[Image.Image] | torch.Tensor, max_tokens: int | None = None,
-                batch_size: int = 16) -> list[str]:
+    def caption(
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        max_tokens: int | None = None,
+        batch_size: int = 16,
+    ) -> list[str]:
         """Greedy captions of PIL images (or a preprocessed batch)."""
         n = self.max_tokens if max_tokens is None else max_tokens
-        ids = [row for batch in self._batches(images, batch_size) for row in self.captioner.generate(batch, n)]
+        ids = [
+            row
+            for batch in self._batches(images, batch_size)
+            for row in self.captioner.generate(batch, n)
+        ]
         return [self.tokenizer.decode(row) for row in ids]
 
     def label_texts(self, labels: Sequence[str], prompt: str = DEFAULT_PROMPT) -> torch.Tensor:
@@ -196,19 +226,38 @@ class CaptioningModel:
         if empty:
             raise ConfigError(f"labels[{empty[0]}] is empty")
         try:
-            return self.tokenizer.encode([f"{prompt} {label}".strip() for label in labels], cut=False)
+            return self.tokenizer.encode(
+                [f"{prompt} {label}".strip() for label in labels], cut=False
+            )
         except ConfigError as e:
-            raise ConfigError(f"labels: with the prompt, {str(e).replace('text ', 'label ', 1)}") from None
+            raise ConfigError(
+                f"labels: with the prompt, {str(e).replace('text ', 'label ', 1)}"
+            ) from None
 
-    def zero_shot(self, images: Sequence[Image.Image] | torch.Tensor, labels: Sequence[str],
-                  prompt: str = DEFAULT_PROMPT, batch_size: int = 16) -> torch.Tensor:
+    def zero_shot(
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        labels: Sequence[str],
+        prompt: str = DEFAULT_PROMPT,
+        batch_size: int = 16,
+    ) -> torch.Tensor:
         """Caption loss (N, L) of each label's prompt for each image; the smallest is the prediction."""
         texts = self.label_texts(labels, prompt)
-        parts = [self.captioner.text_losses(b, texts.to(b.device)).cpu() for b in self._batches(images, batch_size)]
+        parts = [
+            self.captioner.text_losses(b, texts.to(b.device)).cpu()
+            for b in self._batches(images, batch_size)
+        ]
         return torch.cat(parts) if parts else torch.empty(0, len(labels))
 
 
-def load_captioner(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = True,
-                   device: str | torch.device = "cpu") -> CaptioningModel:
+def load_captioner(
+    source: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+) -> CaptioningModel:
     """Load a DP-Cap repo (folder or hub id) that carries a text decoder and a vocabulary."""
-    return CaptioningModel.from_encoder(load_encoder(source, revision=revision, verify=verify, device=device))
+    return CaptioningModel.from_encoder(
+        load_encoder(source, revision=revision, verify=verify, device=device)
+    )

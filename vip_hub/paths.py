@@ -34,8 +34,10 @@ def validate_relpath(path: str) -> str:
         if len(segment) > MAX_SEGMENT_LENGTH:
             raise UnsafePathError(f"a segment of {path!r} is longer than {MAX_SEGMENT_LENGTH}")
         if segment.rstrip(". ").casefold() == ".git":
-            raise UnsafePathError(f"path {path!r} has a '.git' segment: it would write into a downloader's git "
-                                  "checkout")
+            raise UnsafePathError(
+                f"path {path!r} has a '.git' segment: it would write into a downloader's git "
+                "checkout"
+            )
     return path
 
 

@@ -111,15 +111,25 @@ def head_file(name: str, file: str = HEAD_WEIGHTS) -> str:
 def head_name_of(path: str) -> str | None:
     """The head whose weights live at repo path ``path``, else None."""
     parts = path.split("/")
-    if len(parts) == 3 and parts[0] == HEADS_DIR and parts[2] == HEAD_WEIGHTS and _NAME.match(parts[1]):
+    if (
+        len(parts) == 3
+        and parts[0] == HEADS_DIR
+        and parts[2] == HEAD_WEIGHTS
+        and _NAME.match(parts[1])
+    ):
         return parts[1]
     return None
 
 
 def head_folders(paths: object) -> list[str]:
     """The ``heads/<name>/`` folders (as components) holding any of the repo paths, sorted."""
-    return sorted({"/".join(parts[:2]) for p in paths
-                   if len(parts := str(p).split("/")) > 2 and parts[0] == HEADS_DIR})
+    return sorted(
+        {
+            "/".join(parts[:2])
+            for p in paths
+            if len(parts := str(p).split("/")) > 2 and parts[0] == HEADS_DIR
+        }
+    )
 
 
 def heads_in(paths: object) -> list[str]:

@@ -13,8 +13,18 @@ from ..auth import Identity, check_read, check_write, identity, require_scope
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
 from ..store.naming import decode_segment, validate_repo_id
 
-__all__ = ["LFS_THRESHOLD", "Writable", "base_url", "etag", "is_lfs", "model_json", "raw_segments",
-           "readable_repo", "store_of", "writable"]
+__all__ = [
+    "LFS_THRESHOLD",
+    "Writable",
+    "base_url",
+    "etag",
+    "is_lfs",
+    "model_json",
+    "raw_segments",
+    "readable_repo",
+    "store_of",
+    "writable",
+]
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 """Files above this size (and every weights file) travel and are served as LFS objects."""
@@ -78,8 +88,9 @@ def writable(what: str) -> Any:
     repo it cannot read, 403 outside its namespaces (as the HF hub answers); ``what`` names the
     action in these errors."""
 
-    def open_writable(org: str, name: str, request: Request,
-                      who: Annotated[Identity | None, Depends(identity)]) -> Writable:
+    def open_writable(
+        org: str, name: str, request: Request, who: Annotated[Identity | None, Depends(identity)]
+    ) -> Writable:
         writer = require_scope(who, "write", what)
         store = store_of(request)
         repo = readable_repo(store, org, name, writer)

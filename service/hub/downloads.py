@@ -14,9 +14,12 @@ from .common import etag, is_lfs, raw_segments, readable_repo, store_of
 router = APIRouter()
 
 
-@router.api_route("/{org}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"], include_in_schema=False)
-async def resolve(org: str, name: str, rest: str, request: Request,
-                  who: Identity | None = Depends(identity)) -> FileResponse:
+@router.api_route(
+    "/{org}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"], include_in_schema=False
+)
+async def resolve(
+    org: str, name: str, rest: str, request: Request, who: Identity | None = Depends(identity)
+) -> FileResponse:
     """A file at a revision (branch, tag or commit id)."""
     del rest  # parsed from the raw path below
     store = store_of(request)
@@ -38,7 +41,9 @@ async def resolve(org: str, name: str, rest: str, request: Request,
     }
     if is_lfs(entry.path, entry.size):
         headers["X-Linked-Size"] = str(entry.size)
-    return BlobResponse(store.blob_path(entry), headers=headers, filename=None, media_type=_media_type(path))
+    return BlobResponse(
+        store.blob_path(entry), headers=headers, filename=None, media_type=_media_type(path)
+    )
 
 
 class BlobResponse(FileResponse):

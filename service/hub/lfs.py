@@ -45,10 +45,13 @@ class LfsBatch(BaseModel):
 
 
 @router.post("/{org}/{name}.git/info/lfs/objects/batch", summary="Git LFS batch API (uploads)")
-def batch(payload: LfsBatch, request: Request,
-          opened: Annotated[Writable, writable("uploading")]) -> JSONResponse:
+def batch(
+    payload: LfsBatch, request: Request, opened: Annotated[Writable, writable("uploading")]
+) -> JSONResponse:
     if payload.operation != "upload":
-        raise BadRequest("this hub's LFS batch API takes uploads; download files from /{org}/{name}/resolve/...")
+        raise BadRequest(
+            "this hub's LFS batch API takes uploads; download files from /{org}/{name}/resolve/..."
+        )
     if payload.hash_algo != "sha256" or "basic" not in payload.transfers:
         raise BadRequest("the LFS batch API here speaks the basic transfer with sha256 object ids")
     store, repo_id, who = opened.store, opened.repo_id, opened.who
@@ -60,39 +63,65 @@ def batch(payload: LfsBatch, request: Request,
         entry: dict[str, Any] = {"oid": oid, "size": obj.size, "authenticated": True}
         held = store.held_for(repo_id, oid)
         if obj.size > limit:
-            entry["error"] = {"code": 413, "message": f"{obj.size} bytes is over the upload limit of {limit}"}
+            entry["error"] = {
+                "code": 413,
+                "message": f"{obj.size} bytes is over the upload limit of {limit}",
+            }
         elif held is None:
-            grant = sign_grant(store.secret(), "lfs-upload", f"{repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who)
+            grant = sign_grant(
+                store.secret(), "lfs-upload", f"{repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who
+            )
             entry["actions"] = {
-                "upload": {"href": f"{base}/objects/{oid}?size={obj.size}&grant={grant}", "expires_in": int(GRANT_TTL_S)},
+                "upload": {
+                    "href": f"{base}/objects/{oid}?size={obj.size}&grant={grant}",
+                    "expires_in": int(GRANT_TTL_S),
+                },
                 "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
             }
         elif held != obj.size:
-            entry["error"] = {"code": 422, "message": f"object {oid} is held with {held} bytes, not {obj.size}"}
+            entry["error"] = {
+                "code": 422,
+                "message": f"object {oid} is held with {held} bytes, not {obj.size}",
+            }
         objects.append(entry)
     store.maybe_collect_uploads()
-    return JSONResponse({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, media_type=LFS_JSON)
+    return JSONResponse(
+        {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, media_type=LFS_JSON
+    )
 
 
-@router.put("/{org}/{name}.git/info/lfs/objects/{oid}", summary="Git LFS basic transfer: upload one object")
-async def upload(org: str, name: str, oid: str, request: Request, size: int = Query(ge=0),
-                 grant: str | None = Query(None)) -> dict[str, Any]:
+@router.put(
+    "/{org}/{name}.git/info/lfs/objects/{oid}", summary="Git LFS basic transfer: upload one object"
+)
+async def upload(
+    org: str,
+    name: str,
+    oid: str,
+    request: Request,
+    size: int = Query(ge=0),
+    grant: str | None = Query(None),
+) -> dict[str, Any]:
     store = store_of(request)
     repo_id = validate_repo_id(org, name)
-    check_grant(request, store.secret(), "lfs-upload", f"{repo_id}:{check_sha256(oid)}:{size}", grant, org)
+    check_grant(
+        request, store.secret(), "lfs-upload", f"{repo_id}:{check_sha256(oid)}:{size}", grant, org
+    )
     store.get_repo(repo_id)
     writer, got = await receive_blob(request, store.blobs, size)
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
-        raise BadRequest(f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of {size} bytes")
+        raise BadRequest(
+            f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of {size} bytes"
+        )
     store.blobs.stage_upload(writer.path, oid)
     store.blobs.note_upload(repo_id, oid)
     return {"oid": oid, "size": size}
 
 
 @router.post("/{org}/{name}.git/info/lfs/verify", summary="Git LFS: check that an object arrived")
-def verify(payload: Annotated[LfsObject, Body()],
-           opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
+def verify(
+    payload: Annotated[LfsObject, Body()], opened: Annotated[Writable, writable("uploading")]
+) -> dict[str, Any]:
     held = opened.store.held_for(opened.repo_id, check_sha256(payload.oid))
     if held != payload.size:
         raise EntryNotFound(f"object {payload.oid} of {payload.size} bytes was not received")

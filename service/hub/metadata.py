@@ -29,7 +29,9 @@ def list_models(
     search: str | None = Query(None, max_length=200, description="substring of org/name"),
     author: str | None = Query(None, max_length=100),
     arch: str | None = Query(None, max_length=50, description="e.g. vip-base"),
-    dataset: str | None = Query(None, max_length=200, description="a private dataset the model saw"),
+    dataset: str | None = Query(
+        None, max_length=200, description="a private dataset the model saw"
+    ),
     max_epsilon: float | None = Query(None, ge=0, description="guarantee at most this epsilon"),
     sort: str = Query("updated", description="updated, epsilon, delta, params, arch or name"),
     direction: int = Query(-1, description="-1 descending, 1 ascending"),
@@ -39,12 +41,21 @@ def list_models(
     who: Identity | None = Depends(identity),
 ) -> JSONResponse:
     store = store_of(request)
-    size = min(limit or request.app.state.settings.hub.page_size, request.app.state.settings.hub.page_size)
+    size = min(
+        limit or request.app.state.settings.hub.page_size, request.app.state.settings.hub.page_size
+    )
     sort = {"lastModified": "updated", "last_modified": "updated"}.get(sort, sort)
     rows = store.list_models(
-        search=search, author=author, arch=arch, dataset=dataset, max_epsilon=max_epsilon,
-        include_private=private_namespaces(who), sort=sort,
-        descending=direction < 0, limit=size + 1, offset=offset,
+        search=search,
+        author=author,
+        arch=arch,
+        dataset=dataset,
+        max_epsilon=max_epsilon,
+        include_private=private_namespaces(who),
+        sort=sort,
+        descending=direction < 0,
+        limit=size + 1,
+        offset=offset,
     )
     body = [
         model_json(repo, commit, store.tree(repo.repo_id, commit.sha) if full else None)
@@ -59,20 +70,38 @@ def list_models(
 
 
 @router.get("/models/{org}/{name}", summary="Model info at main")
-def model_info(org: str, name: str, request: Request, blobs: bool = False,
-               who: Identity | None = Depends(identity)) -> dict[str, Any]:
+def model_info(
+    org: str,
+    name: str,
+    request: Request,
+    blobs: bool = False,
+    who: Identity | None = Depends(identity),
+) -> dict[str, Any]:
     return _info(request, org, name, DEFAULT_BRANCH, blobs, who, missing_ok=True)
 
 
 @router.get("/models/{org}/{name}/revision/{revision:path}", summary="Model info at a revision")
-def model_info_at(org: str, name: str, revision: str, request: Request, blobs: bool = False,
-                  who: Identity | None = Depends(identity)) -> dict[str, Any]:
+def model_info_at(
+    org: str,
+    name: str,
+    revision: str,
+    request: Request,
+    blobs: bool = False,
+    who: Identity | None = Depends(identity),
+) -> dict[str, Any]:
     del revision  # the raw path keeps an encoded '/' from splitting it
     return _info(request, org, name, _raw_revision(request, 5), blobs, who)
 
 
-def _info(request: Request, org: str, name: str, revision: str, blobs: bool,
-          who: Identity | None, missing_ok: bool = False) -> dict[str, Any]:
+def _info(
+    request: Request,
+    org: str,
+    name: str,
+    revision: str,
+    blobs: bool,
+    who: Identity | None,
+    missing_ok: bool = False,
+) -> dict[str, Any]:
     store = store_of(request)
     repo = readable_repo(store, org, name, who)
     try:
@@ -86,9 +115,16 @@ def _info(request: Request, org: str, name: str, revision: str, blobs: bool,
 
 
 @router.get("/models/{org}/{name}/tree/{rest:path}", summary="Files and folders at a revision")
-def tree(org: str, name: str, rest: str, request: Request, recursive: bool = False,
-         expand: bool = False, cursor: int = Query(0, ge=0),
-         who: Identity | None = Depends(identity)) -> JSONResponse:
+def tree(
+    org: str,
+    name: str,
+    rest: str,
+    request: Request,
+    recursive: bool = False,
+    expand: bool = False,
+    cursor: int = Query(0, ge=0),
+    who: Identity | None = Depends(identity),
+) -> JSONResponse:
     del rest, expand
     store = store_of(request)
     segments = raw_segments(request, 5)
@@ -104,18 +140,21 @@ def tree(org: str, name: str, rest: str, request: Request, recursive: bool = Fal
     for path, e in files.items():
         if not path.startswith(base):
             continue
-        parts = path[len(base):].split("/")
+        parts = path[len(base) :].split("/")
         for depth in range(1, len(parts)):  # folders on the way
             folder = base + "/".join(parts[:depth])
             if recursive or depth == 1:
-                entries.setdefault(folder, {"type": "directory", "path": folder, "oid": _folder_oid(folder, commit)})
+                entries.setdefault(
+                    folder,
+                    {"type": "directory", "path": folder, "oid": _folder_oid(folder, commit)},
+                )
         if recursive or len(parts) == 1:
             item: dict[str, Any] = {"type": "file", "path": path, "size": e.size, "oid": e.git_oid}
             if is_lfs(e.path, e.size):
                 item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": POINTER_SIZE}
             entries[path] = item
     ordered = sorted(entries.values(), key=lambda x: (x["type"] != "directory", x["path"]))
-    page = ordered[cursor:cursor + TREE_PAGE]
+    page = ordered[cursor : cursor + TREE_PAGE]
     headers = {"X-Repo-Commit": commit}
     if cursor + TREE_PAGE < len(ordered):
         params = dict(request.query_params) | {"cursor": str(cursor + TREE_PAGE)}
@@ -124,25 +163,39 @@ def tree(org: str, name: str, rest: str, request: Request, recursive: bool = Fal
 
 
 @router.get("/models/{org}/{name}/refs", summary="Branches and tags")
-def refs(org: str, name: str, request: Request, who: Identity | None = Depends(identity)) -> dict[str, Any]:
+def refs(
+    org: str, name: str, request: Request, who: Identity | None = Depends(identity)
+) -> dict[str, Any]:
     store = store_of(request)
     repo = readable_repo(store, org, name, who)
     refs = store.refs(repo.repo_id)
     return {
-        "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": c} for n, c in refs["branch"].items()],
-        "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": c} for n, c in refs["tag"].items()],
+        "branches": [
+            {"name": n, "ref": f"refs/heads/{n}", "targetCommit": c}
+            for n, c in refs["branch"].items()
+        ],
+        "tags": [
+            {"name": n, "ref": f"refs/tags/{n}", "targetCommit": c} for n, c in refs["tag"].items()
+        ],
         "converts": [],
     }
 
 
 @router.get("/models/{org}/{name}/commits/{revision}", summary="Commit history")
-def commits(org: str, name: str, revision: str, request: Request,
-            who: Identity | None = Depends(identity)) -> list[dict[str, Any]]:
+def commits(
+    org: str, name: str, revision: str, request: Request, who: Identity | None = Depends(identity)
+) -> list[dict[str, Any]]:
     store = store_of(request)
     repo = readable_repo(store, org, name, who)
     return [
-        {"id": c.sha, "title": c.title, "message": c.message, "authors": [{"user": c.author}],
-         "date": c.created_at, "parents": [c.parent] if c.parent else []}
+        {
+            "id": c.sha,
+            "title": c.title,
+            "message": c.message,
+            "authors": [{"user": c.author}],
+            "date": c.created_at,
+            "parents": [c.parent] if c.parent else [],
+        }
         for c in store.history(repo.repo_id, validate_revision(revision))
     ]
 
@@ -152,7 +205,10 @@ def whoami(who: Identity | None = Depends(identity)) -> dict[str, Any]:
     who = require_scope(who, "read", "whoami")
     role = "write" if who.allows("write") else "read"
     return {
-        "type": "user", "id": who.name, "name": who.name, "fullname": who.name,
+        "type": "user",
+        "id": who.name,
+        "name": who.name,
+        "fullname": who.name,
         "orgs": [{"type": "org", "name": org, "fullname": org} for org in sorted(who.orgs)],
         "auth": {"type": "access_token", "accessToken": {"displayName": who.name, "role": role}},
     }

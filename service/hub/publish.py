@@ -37,7 +37,9 @@ class CreateRepo(BaseModel):
 
 
 @router.post("/repos/create", summary="Create a model repo")
-def create_repo(payload: CreateRepo, request: Request, who: Identity | None = Depends(identity)) -> JSONResponse:
+def create_repo(
+    payload: CreateRepo, request: Request, who: Identity | None = Depends(identity)
+) -> JSONResponse:
     who = require_scope(who, "write", "creating a repo")
     if payload.type != "model":
         raise BadRequest(f"this hub stores models only, not {payload.type}s")
@@ -48,7 +50,9 @@ def create_repo(payload: CreateRepo, request: Request, who: Identity | None = De
     repo, created = store_of(request).create_repo(repo_id, private=private)
     url = f"{base_url(request)}/{repo.repo_id}"
     if not created:
-        return JSONResponse({"error": "You already created this model repo", "url": url}, status_code=409)
+        return JSONResponse(
+            {"error": "You already created this model repo", "url": url}, status_code=409
+        )
     return JSONResponse({"url": url, "name": repo.repo_id, "id": repo.repo_id})
 
 
@@ -65,8 +69,9 @@ class Preupload(BaseModel):
 
 
 @router.post("/models/{org}/{name}/preupload/{revision}", summary="Upload modes for files")
-def preupload(revision: str, payload: Preupload,
-              opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
+def preupload(
+    revision: str, payload: Preupload, opened: Annotated[Writable, writable("uploading")]
+) -> dict[str, Any]:
     store, repo_id = opened.store, opened.repo_id
     try:
         tree = store.tree(repo_id, store.resolve(repo_id, validate_revision(revision)))
@@ -78,13 +83,21 @@ def preupload(revision: str, payload: Preupload,
         existing = tree.get(path)
         lfs = is_lfs(path, f.size)
         oid = (existing.sha256 if lfs else existing.git_oid) if existing else None
-        files.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+        files.append(
+            {
+                "path": path,
+                "uploadMode": "lfs" if lfs else "regular",
+                "shouldIgnore": False,
+                "oid": oid,
+            }
+        )
     return {"files": files, "commitOid": None}
 
 
 @router.post("/models/{org}/{name}/commit/{revision}", summary="Commit files (NDJSON body)")
-async def commit(revision: str, request: Request,
-                 opened: Annotated[Writable, writable("committing")]) -> dict[str, Any]:
+async def commit(
+    revision: str, request: Request, opened: Annotated[Writable, writable("committing")]
+) -> dict[str, Any]:
     if request.query_params.get("create_pr") in ("1", "true"):
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
     store, repo_id = opened.store, opened.repo_id
@@ -97,9 +110,14 @@ async def commit(revision: str, request: Request,
         parser.discard()
         raise
     record = await run_in_threadpool(
-        store.commit, repo_id, parsed.operations, branch=branch,
-        parent_commit=parsed.parent_commit, title=parsed.summary or "Update",
-        message=parsed.description, author=opened.who.name,
+        store.commit,
+        repo_id,
+        parsed.operations,
+        branch=branch,
+        parent_commit=parsed.parent_commit,
+        title=parsed.summary or "Update",
+        message=parsed.description,
+        author=opened.who.name,
     )
     return {
         "commitUrl": f"{base_url(request)}/{repo_id}/commit/{record.sha}",
@@ -114,8 +132,9 @@ class TagRequest(BaseModel):
 
 
 @router.post("/models/{org}/{name}/tag/{revision}", summary="Tag a revision")
-def create_tag(revision: str, payload: TagRequest,
-               opened: Annotated[Writable, writable("tagging")]) -> dict[str, Any]:
+def create_tag(
+    revision: str, payload: TagRequest, opened: Annotated[Writable, writable("tagging")]
+) -> dict[str, Any]:
     commit = opened.store.create_tag(opened.repo_id, payload.tag, validate_revision(revision))
     return {"tag": payload.tag, "targetCommit": commit}
 
@@ -134,6 +153,7 @@ def validate_yaml(payload: dict[str, Any] = Body(...)) -> JSONResponse:
     try:
         load_card(content, strict=True)
     except (ValueError, yaml.YAMLError) as e:  # RepoFormatError (YAML aliases) is a ValueError
-        return JSONResponse({"errors": [{"message": " ".join(str(e).split())}], "warnings": []}, status_code=400)
+        return JSONResponse(
+            {"errors": [{"message": " ".join(str(e).split())}], "warnings": []}, status_code=400
+        )
     return JSONResponse({"errors": [], "warnings": []})
-

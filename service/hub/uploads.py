@@ -77,7 +77,7 @@ class _Base64File:
         except binascii.Error as e:
             raise ValueError(f"content is not base64 ({e})") from None
         crash_point("upload-partial")
-        self._padded = text[cut - 1:cut] == b"="
+        self._padded = text[cut - 1 : cut] == b"="
 
     def abort(self) -> None:
         self._out.close()
@@ -186,13 +186,18 @@ class CommitParser:
             top.expect_key = False
         elif c == 0x2C and top and top.kind == 0x7B:  # ,
             top.expect_key, top.key = True, None
-        self._keep(data[j:j + 1])
+        self._keep(data[j : j + 1])
         return j + 1
 
     def _streams_here(self, top: _Container | None) -> bool:
         """Whether the string starting now is ``value.content``, the only one streamed."""
-        here = (top is not None and not top.expect_key and len(self._stack) == 2 and top.key == b"content"
-                and self._stack[0].key == b"value")
+        here = (
+            top is not None
+            and not top.expect_key
+            and len(self._stack) == 2
+            and top.key == b"content"
+            and self._stack[0].key == b"value"
+        )
         if here and self._content is not None:
             raise ValueError("'content' appears twice")
         return here
@@ -246,7 +251,7 @@ class CommitParser:
             return
         self._keep(piece)
         if self._string_is_key and len(self._key) <= _KEY_CAP:
-            self._key += piece[:_KEY_CAP + 1]
+            self._key += piece[: _KEY_CAP + 1]
 
     def _keep(self, piece: bytes) -> None:
         self._skeleton += piece

@@ -46,14 +46,18 @@ MAX_SHARD_BYTES = 64 * 1024 * 1024
 
 
 @router.get("/api/models/{org}/{name}/xet-write-token/{revision:path}", summary="Xet upload grant")
-def write_token(revision: str, request: Request,
-                opened: Annotated[Writable, writable("uploading")]) -> dict[str, Any]:
+def write_token(
+    revision: str, request: Request, opened: Annotated[Writable, writable("uploading")]
+) -> dict[str, Any]:
     del revision  # the grant covers the repo's uploads; the commit names the branch
     store, repo_id = opened.store, opened.repo_id
     store.maybe_collect_uploads()
     grant = sign_grant(store.secret(), "xet-upload", repo_id, TOKEN_TTL_S, opened.who)
-    return {"accessToken": f"{repo_id}:{grant}", "exp": int(time.time() + TOKEN_TTL_S) - 60,
-            "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_store_id(request)}"}
+    return {
+        "accessToken": f"{repo_id}:{grant}",
+        "exp": int(time.time() + TOKEN_TTL_S) - 60,
+        "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_store_id(request)}",
+    }
 
 
 def _store_id(request: Request) -> str:
@@ -64,12 +68,16 @@ def _authorised(request: Request, store_id: str) -> str:
     """The repo whose grant from ``write_token`` the CAS call carries (``Authorization: Bearer
     <repo>:<grant>``), on this store's CAS URL."""
     if store_id != _store_id(request):
-        raise EntryNotFound(f"no Xet store {store_id!r} here: ask xet-write-token for the current CAS URL")
+        raise EntryNotFound(
+            f"no Xet store {store_id!r} here: ask xet-write-token for the current CAS URL"
+        )
     kind, _, token = request.headers.get("authorization", "").partition(" ")
     repo_id, _, grant = token.rpartition(":")
     if kind.lower() != "bearer" or not repo_id:
         raise Unauthorized("Xet CAS calls need the grant from xet-write-token")
-    check_grant(request, store_of(request).secret(), "xet-upload", repo_id, grant, repo_id.partition("/")[0])
+    check_grant(
+        request, store_of(request).secret(), "xet-upload", repo_id, grant, repo_id.partition("/")[0]
+    )
     return repo_id
 
 
@@ -80,7 +88,9 @@ async def upload_xorb(store_id: str, xorb: str, request: Request) -> dict[str, b
     check_xet_hash(xorb)
     writer, _ = await receive_blob(request, store.blobs, MAX_XORB_BYTES)
     await run_in_threadpool(store.xet.put_xorb, xorb, writer.path)
-    return {"was_inserted": True}  # held now; whether it was before (another upload's bytes) is not told
+    return {
+        "was_inserted": True
+    }  # held now; whether it was before (another upload's bytes) is not told
 
 
 @router.post(CAS_PREFIX + "/{store_id}/v1/shards", include_in_schema=False)
@@ -89,7 +99,9 @@ async def upload_shard(store_id: str, request: Request) -> dict[str, int]:
     store = store_of(request)
     writer, _ = await receive_blob(request, store.blobs, MAX_SHARD_BYTES)
     try:
-        await run_in_threadpool(store.apply_shard, repo_id, writer.path, request.app.state.settings.hub.max_upload_bytes)
+        await run_in_threadpool(
+            store.apply_shard, repo_id, writer.path, request.app.state.settings.hub.max_upload_bytes
+        )
     finally:
         writer.path.unlink(missing_ok=True)
     return {"result": 1}  # "sync performed"

@@ -133,8 +133,11 @@ class ModelDescription(BaseModel):
     arch: str | None
     feature_dims: dict[str, int]
     heads: list[HeadDescription]
-    captions: bool = Field(False, description="whether /v1/captions and /v1/zero-shot serve it (a DP-Cap repo "
-                                              "with its text decoder and vocabulary)")
+    captions: bool = Field(
+        False,
+        description="whether /v1/captions and /v1/zero-shot serve it (a DP-Cap repo "
+        "with its text decoder and vocabulary)",
+    )
     privacy: Privacy
 
 
@@ -143,12 +146,23 @@ class ModelList(BaseModel):
     data: list[ModelDescription]
 
 
-async def _embed(request: Request, response: Response, who: Identity | None, ref: str, images: list[bytes],
-                 pooling: Pooling, normalize: bool, encoding_format: str, dimensions: int | None) -> EmbeddingsResponse:
+async def _embed(
+    request: Request,
+    response: Response,
+    who: Identity | None,
+    ref: str,
+    images: list[bytes],
+    pooling: Pooling,
+    normalize: bool,
+    encoding_format: str,
+    dimensions: int | None,
+) -> EmbeddingsResponse:
     model = await open_model(request, ref, who)
     width = model.encoder.feature_dim(pooling)
     if dimensions is not None and dimensions > width:
-        raise BadRequest(f"dimensions: {dimensions} is more than the {width} of {pooling} embeddings")
+        raise BadRequest(
+            f"dimensions: {dimensions} is more than the {width} of {pooling} embeddings"
+        )
     result = await run_task(request, model, images, Task(poolings=(pooling,)))
     vectors = torch.cat([out[pooling] for out in result.outputs])
     if dimensions is not None:
@@ -157,9 +171,17 @@ async def _embed(request: Request, response: Response, who: Identity | None, ref
         vectors = torch.nn.functional.normalize(vectors, dim=-1)
     privacy = Privacy.of(model.ledger.summary())
     set_headers(response, model, result, privacy)
-    data = [Embedding(index=i, embedding=_encode(v, encoding_format)) for i, v in enumerate(vectors)]
-    return EmbeddingsResponse(data=data, model=model.repo_id, revision=model.commit, pooling=pooling,
-                              privacy=privacy, usage=Usage(images=len(images)))
+    data = [
+        Embedding(index=i, embedding=_encode(v, encoding_format)) for i, v in enumerate(vectors)
+    ]
+    return EmbeddingsResponse(
+        data=data,
+        model=model.repo_id,
+        revision=model.commit,
+        pooling=pooling,
+        privacy=privacy,
+        usage=Usage(images=len(images)),
+    )
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -168,16 +190,38 @@ def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-@router.post("/embeddings", response_model=EmbeddingsResponse, responses=ERRORS, summary="Embed images (JSON)")
-async def embeddings(payload: EmbeddingsRequest, request: Request, response: Response,
-                     who: Identity | None = Depends(caller)) -> EmbeddingsResponse:
+@router.post(
+    "/embeddings",
+    response_model=EmbeddingsResponse,
+    responses=ERRORS,
+    summary="Embed images (JSON)",
+)
+async def embeddings(
+    payload: EmbeddingsRequest,
+    request: Request,
+    response: Response,
+    who: Identity | None = Depends(caller),
+) -> EmbeddingsResponse:
     images = decode_texts(request, payload.input)
-    return await _embed(request, response, who, payload.model, images, payload.pooling, payload.normalize,
-                        payload.encoding_format, payload.dimensions)
+    return await _embed(
+        request,
+        response,
+        who,
+        payload.model,
+        images,
+        payload.pooling,
+        payload.normalize,
+        payload.encoding_format,
+        payload.dimensions,
+    )
 
 
-@router.post("/embeddings/files", response_model=EmbeddingsResponse, responses=ERRORS,
-             summary="Embed uploaded image files (multipart form)")
+@router.post(
+    "/embeddings/files",
+    response_model=EmbeddingsResponse,
+    responses=ERRORS,
+    summary="Embed uploaded image files (multipart form)",
+)
 async def embeddings_files(
     request: Request,
     response: Response,
@@ -197,13 +241,23 @@ async def embeddings_files(
         if len(data) > limit:
             raise PayloadTooLarge(f"input[{i}]: image larger than {limit} bytes")
         images.append(data)
-    return await _embed(request, response, who, model, images, pooling, normalize, encoding_format, dimensions)
+    return await _embed(
+        request, response, who, model, images, pooling, normalize, encoding_format, dimensions
+    )
 
 
-@router.post("/classify", response_model=ClassifyResponse, responses=ERRORS,
-             summary="Classify images with a linear-probe head")
-async def classify(payload: ClassifyRequest, request: Request, response: Response,
-                   who: Identity | None = Depends(caller)) -> ClassifyResponse:
+@router.post(
+    "/classify",
+    response_model=ClassifyResponse,
+    responses=ERRORS,
+    summary="Classify images with a linear-probe head",
+)
+async def classify(
+    payload: ClassifyRequest,
+    request: Request,
+    response: Response,
+    who: Identity | None = Depends(caller),
+) -> ClassifyResponse:
     images = decode_texts(request, payload.input)
     model = await open_model(request, payload.model, who)
     if payload.head not in model.heads:
@@ -215,27 +269,46 @@ async def classify(payload: ClassifyRequest, request: Request, response: Respons
     k = min(payload.top_k, len(labels))
     scores, indices = probs.topk(k, dim=-1)
     data = [
-        Classification(index=i, labels=[LabelScore(label=labels[j], score=float(s)) for s, j in zip(row_s, row_i)])
+        Classification(
+            index=i,
+            labels=[LabelScore(label=labels[j], score=float(s)) for s, j in zip(row_s, row_i)],
+        )
         for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist()))
     ]
-    privacy = ClassifyPrivacy(encoder=Privacy.of(model.ledger.summary()),
-                              head=Privacy.of(model.ledger.summary(head_component(payload.head))))
+    privacy = ClassifyPrivacy(
+        encoder=Privacy.of(model.ledger.summary()),
+        head=Privacy.of(model.ledger.summary(head_component(payload.head))),
+    )
     set_headers(response, model, result, privacy.encoder)
-    return ClassifyResponse(data=data, model=model.repo_id, revision=model.commit, head=payload.head,
-                            privacy=privacy, usage=Usage(images=len(images)))
+    return ClassifyResponse(
+        data=data,
+        model=model.repo_id,
+        revision=model.commit,
+        head=payload.head,
+        privacy=privacy,
+        usage=Usage(images=len(images)),
+    )
 
 
 @router.get("/models", response_model=ModelList, summary="Available and loaded models")
 def list_models(request: Request, who: Identity | None = Depends(caller)) -> ModelList:
     store = store_of(request)
-    rows = store.list_models(include_private=private_namespaces(who),
-                             limit=request.app.state.settings.hub.page_size)
+    rows = store.list_models(
+        include_private=private_namespaces(who), limit=request.app.state.settings.hub.page_size
+    )
     return ModelList(data=[_describe(request, repo.repo_id, commit.sha) for repo, commit in rows])
 
 
-@router.get("/models/{org}/{name}", response_model=ModelDescription, responses=ERRORS, summary="One model")
-def get_model(org: str, name: str, request: Request, revision: str = Query(DEFAULT_BRANCH, max_length=128),
-              who: Identity | None = Depends(caller)) -> ModelDescription:
+@router.get(
+    "/models/{org}/{name}", response_model=ModelDescription, responses=ERRORS, summary="One model"
+)
+def get_model(
+    org: str,
+    name: str,
+    request: Request,
+    revision: str = Query(DEFAULT_BRANCH, max_length=128),
+    who: Identity | None = Depends(caller),
+) -> ModelDescription:
     store = store_of(request)
     repo = store.get_repo(f"{org}/{name}")
     check_read(repo.private, repo.repo_id, who)
@@ -245,26 +318,45 @@ def get_model(org: str, name: str, request: Request, revision: str = Query(DEFAU
 def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
     """From memory when loaded; otherwise from the store's index and files (nothing loaded)."""
     store = store_of(request)
-    loaded = next((m for m in engine_of(request).loaded() if (m.repo_id, m.commit) == (repo_id, commit)), None)
+    loaded = next(
+        (m for m in engine_of(request).loaded() if (m.repo_id, m.commit) == (repo_id, commit)), None
+    )
     tree = store.tree(repo_id, commit)
     config = json.loads(store.blob_path(tree[CONFIG_FILE]).read_bytes())
-    ledger = loaded.ledger if loaded else PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
+    ledger = (
+        loaded.ledger
+        if loaded
+        else PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
+    )
     heads = []
     for name in heads_in(tree):
         labels_entry = tree.get(head_file(name, HEAD_LABELS))
         labels = json.loads(store.blob_path(labels_entry).read_bytes()) if labels_entry else []
-        pooling = (loaded.heads[name][1].pooling if loaded and name in loaded.heads
-                   else _head_pooling(store.blob_path(tree[head_file(name)])))
-        heads.append(HeadDescription(name=name, pooling=pooling, labels=labels,
-                                     privacy=Privacy.of(ledger.summary(head_component(name)))))
+        pooling = (
+            loaded.heads[name][1].pooling
+            if loaded and name in loaded.heads
+            else _head_pooling(store.blob_path(tree[head_file(name)]))
+        )
+        heads.append(
+            HeadDescription(
+                name=name,
+                pooling=pooling,
+                labels=labels,
+                privacy=Privacy.of(ledger.summary(head_component(name))),
+            )
+        )
     meta = config.get(CONFIG_BLOCK) or {}
     return ModelDescription(
-        id=repo_id, revision=commit, loaded=loaded is not None, arch=meta.get("arch"),
-        feature_dims=meta.get("feature_dims") or {}, heads=heads, privacy=Privacy.of(ledger.summary()),
+        id=repo_id,
+        revision=commit,
+        loaded=loaded is not None,
+        arch=meta.get("arch"),
+        feature_dims=meta.get("feature_dims") or {},
+        heads=heads,
+        privacy=Privacy.of(ledger.summary()),
         captions=loaded.captions is not None if loaded else can_caption(tree),
     )
 
 
 def _head_pooling(path: Path) -> str:
     return (read_safetensors_header(path)[0].get("__metadata__") or {}).get(META_POOLING, "vip")
-

@@ -61,7 +61,9 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue_images = max_queue_images
         self._on_depth = on_depth
-        self._clock = clock  # the time of enqueue stamps, the fill wait and deadlines (tests inject theirs)
+        self._clock = (
+            clock  # the time of enqueue stamps, the fill wait and deadlines (tests inject theirs)
+        )
         self._incoming = 0  # images announced by expect() and not yet submitted or withdrawn
         self._items: deque[WorkItem] = deque()
         self._queued = 0
@@ -126,8 +128,12 @@ class Batcher:
             # preprocessed), and never past max_wait after the oldest arrival: a lone request
             # runs at once.
             fill_by = self._items[0].enqueued + self.max_wait_s
-            while (sum(i.size for i in self._items) < self.max_batch_size and not self._closing
-                   and self._incoming > 0 and (remaining := fill_by - self._clock()) > 0):
+            while (
+                sum(i.size for i in self._items) < self.max_batch_size
+                and not self._closing
+                and self._incoming > 0
+                and (remaining := fill_by - self._clock()) > 0
+            ):
                 self._cond.wait(min(remaining, 0.001))
             batch, size = [], 0
             while self._items and size + self._items[0].size <= self.max_batch_size:
@@ -148,8 +154,12 @@ class Batcher:
             for item in batch:
                 if now > item.deadline:
                     if item.future.set_running_or_notify_cancel():
-                        item.future.set_exception(DeadlineExceeded(
-                            f"{self.name}: waited past the request deadline", {"Retry-After": "1"}))
+                        item.future.set_exception(
+                            DeadlineExceeded(
+                                f"{self.name}: waited past the request deadline",
+                                {"Retry-After": "1"},
+                            )
+                        )
                 elif item.future.set_running_or_notify_cancel():  # False: the client went away
                     item.started = now
                     live.append(item)

@@ -22,7 +22,9 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
-Label = Annotated[str, Field(min_length=1, max_length=200, description="a class name, e.g. 'golden retriever'")]
+Label = Annotated[
+    str, Field(min_length=1, max_length=200, description="a class name, e.g. 'golden retriever'")
+]
 
 
 class CaptionsRequest(BaseModel):
@@ -30,9 +32,15 @@ class CaptionsRequest(BaseModel):
 
     model: common.ModelRef
     input: common.Image64 | list[common.Image64] = Field(
-        description="one image or a list (base64 or data: URIs)")
-    max_tokens: int | None = Field(None, ge=1, le=127, description="most tokens per caption (default: the "
-                                   "server's inference.max_caption_tokens, within the model's maximum)")
+        description="one image or a list (base64 or data: URIs)"
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=127,
+        description="most tokens per caption (default: the "
+        "server's inference.max_caption_tokens, within the model's maximum)",
+    )
 
 
 class Caption(BaseModel):
@@ -55,7 +63,9 @@ class ZeroShotRequest(BaseModel):
 
     model: common.ModelRef
     input: common.Image64 | list[common.Image64]
-    labels: list[Label] = Field(min_length=1, description="the candidate classes (at most inference.max_labels)")
+    labels: list[Label] = Field(
+        min_length=1, description="the candidate classes (at most inference.max_labels)"
+    )
     prompt: str = Field(DEFAULT_PROMPT, max_length=200, description="text before each label")
     top_k: int = Field(5, ge=1, le=1000)
 
@@ -84,42 +94,70 @@ class ZeroShotResponse(BaseModel):
 async def _captioning_model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
     model = await common.open_model(request, ref, who)
     if model.captions is None:
-        raise BadRequest(f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder and "
-                         "a vocabulary)")
+        raise BadRequest(
+            f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder and "
+            "a vocabulary)"
+        )
     return model
 
 
-@router.post("/captions", response_model=CaptionsResponse, responses=common.ERRORS,
-             summary="Caption images (greedy decoding, DP-Cap repos)")
-async def captions(payload: CaptionsRequest, request: Request, response: Response,
-                   who: Identity | None = Depends(common.caller)) -> CaptionsResponse:
+@router.post(
+    "/captions",
+    response_model=CaptionsResponse,
+    responses=common.ERRORS,
+    summary="Caption images (greedy decoding, DP-Cap repos)",
+)
+async def captions(
+    payload: CaptionsRequest,
+    request: Request,
+    response: Response,
+    who: Identity | None = Depends(common.caller),
+) -> CaptionsResponse:
     images = common.decode_texts(request, payload.input)
     model = await _captioning_model(request, payload.model, who)
     assert model.captions is not None
     limit = min(request.app.state.settings.inference.max_caption_tokens, model.captions.max_tokens)
     tokens = limit if payload.max_tokens is None else payload.max_tokens
     if tokens > limit:
-        raise BadRequest(f"max_tokens: {tokens} is more than the limit of {limit} for {model.repo_id}")
+        raise BadRequest(
+            f"max_tokens: {tokens} is more than the limit of {limit} for {model.repo_id}"
+        )
     result = await common.run_task(request, model, images, Task(caption_tokens=tokens))
     texts = [caption for out in result.outputs for caption in out]
     privacy = common.Privacy.of(model.ledger.summary())
     common.set_headers(response, model, result, privacy)
-    return CaptionsResponse(data=[Caption(index=i, caption=c) for i, c in enumerate(texts)],
-                            model=model.repo_id, revision=model.commit, privacy=privacy,
-                            usage=common.Usage(images=len(images)))
+    return CaptionsResponse(
+        data=[Caption(index=i, caption=c) for i, c in enumerate(texts)],
+        model=model.repo_id,
+        revision=model.commit,
+        privacy=privacy,
+        usage=common.Usage(images=len(images)),
+    )
 
 
-@router.post("/zero-shot", response_model=ZeroShotResponse, responses=common.ERRORS,
-             summary="Classify images among label texts by caption likelihood (DP-Cap repos)")
-async def zero_shot(payload: ZeroShotRequest, request: Request, response: Response,
-                    who: Identity | None = Depends(common.caller)) -> ZeroShotResponse:
+@router.post(
+    "/zero-shot",
+    response_model=ZeroShotResponse,
+    responses=common.ERRORS,
+    summary="Classify images among label texts by caption likelihood (DP-Cap repos)",
+)
+async def zero_shot(
+    payload: ZeroShotRequest,
+    request: Request,
+    response: Response,
+    who: Identity | None = Depends(common.caller),
+) -> ZeroShotResponse:
     limit = request.app.state.settings.inference.max_labels
     if len(payload.labels) > limit:
-        raise PayloadTooLarge(f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request")
+        raise PayloadTooLarge(
+            f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request"
+        )
     images = common.decode_texts(request, payload.input)
     model = await _captioning_model(request, payload.model, who)
     assert model.captions is not None
-    texts = model.captions.label_texts(payload.labels, payload.prompt)  # ConfigError (400) names a bad label
+    texts = model.captions.label_texts(
+        payload.labels, payload.prompt
+    )  # ConfigError (400) names a bad label
     result = await common.run_task(request, model, images, Task(texts=texts))
     losses = torch.cat(result.outputs)
     scores = torch.softmax(-losses, dim=-1)
@@ -127,9 +165,17 @@ async def zero_shot(payload: ZeroShotRequest, request: Request, response: Respon
     data = []
     for i, row in enumerate(losses):
         order = row.argsort()[:k].tolist()
-        ranked = [LabelLoss(label=payload.labels[j], loss=float(row[j]), score=float(scores[i, j])) for j in order]
+        ranked = [
+            LabelLoss(label=payload.labels[j], loss=float(row[j]), score=float(scores[i, j]))
+            for j in order
+        ]
         data.append(ZeroShotResult(index=i, label=ranked[0].label, labels=ranked))
     privacy = common.Privacy.of(model.ledger.summary())
     common.set_headers(response, model, result, privacy)
-    return ZeroShotResponse(data=data, model=model.repo_id, revision=model.commit, privacy=privacy,
-                            usage=common.Usage(images=len(images)))
+    return ZeroShotResponse(
+        data=data,
+        model=model.repo_id,
+        revision=model.commit,
+        privacy=privacy,
+        usage=common.Usage(images=len(images)),
+    )

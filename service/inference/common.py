@@ -19,9 +19,22 @@ from .engine import InferenceEngine, Result, parse_model_ref
 from .images import image_bytes_from_text
 from .models import LoadedModel, Task
 
-__all__ = ["ERRORS", "MODEL_PATTERN", "Image64", "ModelRef", "Privacy", "Usage", "caller",
-           "check_count", "decode_texts", "disconnected", "engine_of", "open_model", "run_task",
-           "set_headers"]
+__all__ = [
+    "ERRORS",
+    "MODEL_PATTERN",
+    "Image64",
+    "ModelRef",
+    "Privacy",
+    "Usage",
+    "caller",
+    "check_count",
+    "decode_texts",
+    "disconnected",
+    "engine_of",
+    "open_model",
+    "run_task",
+    "set_headers",
+]
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
 MODEL_PATTERN = rf"^{_NAME}/{_NAME}(@[A-Za-z0-9][A-Za-z0-9_.-]{{0,127}})?$"
@@ -33,21 +46,27 @@ class Privacy(BaseModel):
     """What a component's weights promise (``PrivacyLedger.summary``): a head's summary
     includes its encoder's stages."""
 
-    epsilon: float | None = Field(description="the largest epsilon; 0 without private data; null "
-                                              "when some private data was used without DP (no "
-                                              "guarantee)")
+    epsilon: float | None = Field(
+        description="the largest epsilon; 0 without private data; null "
+        "when some private data was used without DP (no "
+        "guarantee)"
+    )
     delta: float
     datasets: list[str] = Field(description="private datasets with a DP guarantee")
     accountant: str | None
     private_data: bool
     unprotected_datasets: list[str] = Field(description="private datasets used WITHOUT a guarantee")
-    caveat: str | None = Field(description="what the epsilon assumes but the training did not meet "
-                                           "(an imported release that shuffled instead of "
-                                           "Poisson-sampling), else null")
+    caveat: str | None = Field(
+        description="what the epsilon assumes but the training did not meet "
+        "(an imported release that shuffled instead of "
+        "Poisson-sampling), else null"
+    )
     epsilon_without_amplification: float | None = Field(
-        description="with a caveat: the epsilon that holds without amplification by sampling (PLD)")
+        description="with a caveat: the epsilon that holds without amplification by sampling (PLD)"
+    )
     headline: str = Field(
-        description="the guarantee in one line, as the card and the pages state it")
+        description="the guarantee in one line, as the card and the pages state it"
+    )
 
     @classmethod
     def of(cls, summary: PrivacySummary) -> Privacy:

@@ -102,9 +102,13 @@ class InferenceEngine:
             status = "ready"
         else:
             status = "loading"
-        return {"status": status,
-                "models": {ref: state for ref, state in states.items() if visible(ref.partition("@")[0])},
-                "loaded": [m.label for m in self._models.values() if visible(m.repo_id)]}
+        return {
+            "status": status,
+            "models": {
+                ref: state for ref, state in states.items() if visible(ref.partition("@")[0])
+            },
+            "loaded": [m.label for m in self._models.values() if visible(m.repo_id)],
+        }
 
     async def _preload_all(self) -> None:
         """Load each configured model; one not published yet is waited for (checked every
@@ -150,14 +154,17 @@ class InferenceEngine:
             task = asyncio.create_task(self._load(key))
             self._loading[key] = task
             task.add_done_callback(lambda _: self._loading.pop(key, None))
-        return await asyncio.shield(task)  # a waiter that goes away does not cancel the others' load
+        return await asyncio.shield(
+            task
+        )  # a waiter that goes away does not cancel the others' load
 
     async def _load(self, key: tuple[str, str]) -> LoadedModel:
         repo_id, commit = key
         folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
         private = self._store().get_repo(repo_id).private
-        model = await asyncio.to_thread(LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics,
-                                        private)
+        model = await asyncio.to_thread(
+            LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics, private
+        )
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
@@ -191,7 +198,9 @@ class InferenceEngine:
         batcher = model.batcher
         assert batcher is not None
         start = time.perf_counter()
-        futures: list[Future] = [Future() for _ in range(0, len(images), self.settings.max_batch_size)]
+        futures: list[Future] = [
+            Future() for _ in range(0, len(images), self.settings.max_batch_size)
+        ]
         batcher.expect(len(images))  # a forming batch waits for these
         try:
             self.preprocess_pool.submit(self._prepare(model, images, task, futures, start))
@@ -199,8 +208,11 @@ class InferenceEngine:
             batcher.withdraw(len(images))
             raise
         try:
-            await _wait_or_disconnect([asyncio.wrap_future(f) for f in futures], disconnected,
-                                      self.settings.request_timeout_s + 5)
+            await _wait_or_disconnect(
+                [asyncio.wrap_future(f) for f in futures],
+                disconnected,
+                self.settings.request_timeout_s + 5,
+            )
         except BaseException:
             for f in futures:
                 f.cancel()  # images not yet computed are dropped, before or after preprocessing
@@ -213,19 +225,29 @@ class InferenceEngine:
             queue_s, forward_s = max(queue_s, started - enqueued), forward_s + fwd
         return Result(outputs, queue_s, preprocess_s, forward_s)
 
-    def _prepare(self, model: LoadedModel, images: Sequence[bytes], task: Task, futures: list[Future],
-                 start: float) -> Generator[None, None, None]:
+    def _prepare(
+        self,
+        model: LoadedModel,
+        images: Sequence[bytes],
+        task: Task,
+        futures: list[Future],
+        start: float,
+    ) -> Generator[None, None, None]:
         """In the preprocessing threads, one image per step: check the headers against the
         budget, decode and preprocess, then hand the work items (one per future) straight to the
         batcher; a failure, or a client gone away, goes to the futures instead."""
         batcher = model.batcher
         assert batcher is not None
         try:
-            opened = [open_image(data, i, self.limits) for i, data in enumerate(images)]  # headers only
+            opened = [
+                open_image(data, i, self.limits) for i, data in enumerate(images)
+            ]  # headers only
             pixels = sum(img.width * img.height for img in opened)
             if pixels > self.settings.max_request_pixels:
-                raise PayloadTooLarge(f"{len(images)} images of {pixels} pixels in all exceed the per-request "
-                                      f"budget of {self.settings.max_request_pixels}; send fewer or smaller images")
+                raise PayloadTooLarge(
+                    f"{len(images)} images of {pixels} pixels in all exceed the per-request "
+                    f"budget of {self.settings.max_request_pixels}; send fewer or smaller images"
+                )
             spec = model.encoder.spec
             min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
             transform = model.encoder.transform
@@ -237,11 +259,18 @@ class InferenceEngine:
                 tensors.append(transform(load_rgb(img, i, min_side)))
             else:
                 batch = torch.stack(tensors)
-                self.metrics.preprocess_seconds.labels(model.metrics_label).observe(time.perf_counter() - start)
+                self.metrics.preprocess_seconds.labels(model.metrics_label).observe(
+                    time.perf_counter() - start
+                )
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size
-                items = [WorkItem(batch[k * size:(k + 1) * size], task, deadline, f) for k, f in enumerate(futures)]
-                batcher.submit(items, announced=len(images))  # accepted: the announcement is settled
+                items = [
+                    WorkItem(batch[k * size : (k + 1) * size], task, deadline, f)
+                    for k, f in enumerate(futures)
+                ]
+                batcher.submit(
+                    items, announced=len(images)
+                )  # accepted: the announcement is settled
                 return
         except BaseException as e:
             for f in futures:

@@ -25,7 +25,10 @@ class FairPool:
         self._ring: deque[Generator[None, None, None]] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -57,7 +60,9 @@ class FairPool:
                 next(request)  # one step, outside the lock: only this worker holds the request now
             except StopIteration:
                 continue
-            except Exception:  # a request reports its own failures; this is a bug, logged, not fatal
+            except (
+                Exception
+            ):  # a request reports its own failures; this is a bug, logged, not fatal
                 log.exception("a preprocessing step raised")
                 continue
             with self._cv:

@@ -25,11 +25,25 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import BadRequest, PayloadTooLarge
 
-__all__ = ["FORMATS", "ImageLimits", "decode_image", "image_bytes_from_text", "load_rgb", "open_image"]
+__all__ = [
+    "FORMATS",
+    "ImageLimits",
+    "decode_image",
+    "image_bytes_from_text",
+    "load_rgb",
+    "open_image",
+]
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
-_WIDE_GREY = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
+_WIDE_GREY = {
+    "I;16": 65535.0,
+    "I;16L": 65535.0,
+    "I;16B": 65535.0,
+    "I;16N": 65535.0,
+    "I": 65535.0,
+    "F": 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -43,13 +57,17 @@ class ImageLimits:
 def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
     """Bytes of a base64 string or ``data:`` URI; URLs are refused (no server-side fetching)."""
     if text.startswith(("http://", "https://", "ftp://", "file:")):
-        raise BadRequest(f"input[{index}]: URLs are not fetched; send the image bytes as base64 or a data: URI")
+        raise BadRequest(
+            f"input[{index}]: URLs are not fetched; send the image bytes as base64 or a data: URI"
+        )
     payload = text
     if text.startswith("data:"):
         match = _DATA_URI.match(text)
         if match is None:
-            raise BadRequest(f"input[{index}]: a data: URI must be base64-encoded (data:image/png;base64,...)")
-        payload = text[match.end():]
+            raise BadRequest(
+                f"input[{index}]: a data: URI must be base64-encoded (data:image/png;base64,...)"
+            )
+        payload = text[match.end() :]
     if len(payload) * 3 // 4 > limits.max_bytes + 3:
         raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
     try:
@@ -110,9 +128,13 @@ def _decoding(index: int) -> Iterator[None]:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             yield
     except UnidentifiedImageError:
-        raise BadRequest(f"input[{index}]: not an image in a supported format ({', '.join(FORMATS)})") from None
+        raise BadRequest(
+            f"input[{index}]: not an image in a supported format ({', '.join(FORMATS)})"
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise PayloadTooLarge(f"input[{index}]: decompression bomb refused from the header ({e})") from None
+        raise PayloadTooLarge(
+            f"input[{index}]: decompression bomb refused from the header ({e})"
+        ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None
 

@@ -72,8 +72,15 @@ class LoadedModel:
         return {p: self.encoder.feature_dim(p) for p in self.encoder.poolings}
 
     @classmethod
-    def load(cls, repo_id: str, commit: str, folder: Path, settings: InferenceSettings,
-             metrics: Metrics, private: bool = False) -> "LoadedModel":
+    def load(
+        cls,
+        repo_id: str,
+        commit: str,
+        folder: Path,
+        settings: InferenceSettings,
+        metrics: Metrics,
+        private: bool = False,
+    ) -> "LoadedModel":
         """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
         device = pick_device(settings.device)
         encoder = load_encoder(folder, verify=True, device=device)
@@ -86,8 +93,11 @@ class LoadedModel:
         model.warm_up()
         label = model.metrics_label
         model.batcher = Batcher(
-            label, model.run_batch, max_batch_size=settings.max_batch_size,
-            max_wait_s=settings.max_wait_ms / 1000, max_queue_images=settings.max_queue_images,
+            label,
+            model.run_batch,
+            max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.max_wait_ms / 1000,
+            max_queue_images=settings.max_queue_images,
             on_depth=metrics.queue_depth.labels(label).set,
         )
         return model
@@ -123,25 +133,39 @@ class LoadedModel:
         results: list[Any] = [None] * len(items)
         encode = [k for k, item in enumerate(items) if not item.task.decodes]
         if encode:
-            self._run_features([items[k] for k in encode], torch.cat([x[rows[k]] for k in encode]), encode, results)
+            self._run_features(
+                [items[k] for k in encode], torch.cat([x[rows[k]] for k in encode]), encode, results
+            )
         captions = [k for k, item in enumerate(items) if item.task.caption_tokens is not None]
         if captions:
-            self._run_captions([items[k] for k in captions], torch.cat([x[rows[k]] for k in captions]), captions,
-                               results)
+            self._run_captions(
+                [items[k] for k in captions],
+                torch.cat([x[rows[k]] for k in captions]),
+                captions,
+                results,
+            )
         for k, item in enumerate(items):
             if item.task.texts is not None:
                 assert self.captions is not None
-                results[k] = self.captions.captioner.text_losses(x[rows[k]], item.task.texts.to(self.device)).cpu()
-        forward_s = time.perf_counter() - start  # after the copies back: a CUDA forward is asynchronous
+                results[k] = self.captions.captioner.text_losses(
+                    x[rows[k]], item.task.texts.to(self.device)
+                ).cpu()
+        forward_s = (
+            time.perf_counter() - start
+        )  # after the copies back: a CUDA forward is asynchronous
         if self.metrics is not None:  # before the results: the event loop wakes on those
             self.metrics.batch_size.labels(self.metrics_label).observe(x.shape[0])
             self.metrics.forward_seconds.labels(self.metrics_label).observe(forward_s)
             for item in items:
-                self.metrics.queue_seconds.labels(self.metrics_label).observe(item.started - item.enqueued)
+                self.metrics.queue_seconds.labels(self.metrics_label).observe(
+                    item.started - item.enqueued
+                )
         for item, result in zip(items, results):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
 
-    def _run_features(self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]) -> None:
+    def _run_features(
+        self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]
+    ) -> None:
         """Feature modes and head probabilities of ``items`` (images ``x``), into ``results[slots]``."""
         modes: set[Pooling] = set()
         for item in items:
@@ -159,7 +183,9 @@ class LoadedModel:
             else:
                 results[slot] = {m: feats[m][rows].float().cpu() for m in item.task.poolings}
 
-    def _run_captions(self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]) -> None:
+    def _run_captions(
+        self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]
+    ) -> None:
         """Greedy captions of ``items`` in one decoding loop: each caption is the prefix of the
         longest budget's, so it is cut at its own item's ``caption_tokens``."""
         assert self.captions is not None
@@ -168,4 +194,6 @@ class LoadedModel:
         for slot, item in zip(slots, items):
             rows = ids[offset : offset + item.size]
             offset += item.size
-            results[slot] = [self.captions.tokenizer.decode(r[: item.task.caption_tokens]) for r in rows]
+            results[slot] = [
+                self.captions.tokenizer.decode(r[: item.task.caption_tokens]) for r in rows
+            ]

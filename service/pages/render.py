@@ -14,11 +14,43 @@ __all__ = ["card_body", "markdown_html"]
 
 _md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
 _TAGS = {
-    "a", "abbr", "b", "blockquote", "br", "code", "del", "em", "h1", "h2", "h3", "h4", "h5", "h6",
-    "hr", "i", "img", "li", "ol", "p", "pre", "strong", "table", "tbody", "td", "th", "thead", "tr", "ul",
+    "a",
+    "abbr",
+    "b",
+    "blockquote",
+    "br",
+    "code",
+    "del",
+    "em",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "hr",
+    "i",
+    "img",
+    "li",
+    "ol",
+    "p",
+    "pre",
+    "strong",
+    "table",
+    "tbody",
+    "td",
+    "th",
+    "thead",
+    "tr",
+    "ul",
 }
-_ATTRS = {"a": {"href", "title"}, "img": {"src", "alt", "title"}, "th": {"align"}, "td": {"align"},
-          "code": {"class"}}
+_ATTRS = {
+    "a": {"href", "title"},
+    "img": {"src", "alt", "title"},
+    "th": {"align"},
+    "td": {"align"},
+    "code": {"class"},
+}
 
 
 def card_body(readme: str) -> str:
@@ -35,8 +67,12 @@ def markdown_html(text: str, file_base: str | None = None) -> str:
         return value
 
     return nh3.clean(
-        _md.render(text), tags=_TAGS, attributes=_ATTRS, attribute_filter=rewrite,
-        url_schemes={"http", "https", "mailto"}, link_rel="noopener noreferrer nofollow",
+        _md.render(text),
+        tags=_TAGS,
+        attributes=_ATTRS,
+        attribute_filter=rewrite,
+        url_schemes={"http", "https", "mailto"},
+        link_rel="noopener noreferrer nofollow",
     )
 
 

@@ -37,22 +37,42 @@ HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' https: data:; "
-                               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
 }
 """Sent with every page: no script runs, nothing but images loads from elsewhere, no framing."""
-SORTS = {"updated": "Last update", "epsilon": "ε", "name": "Name", "params": "Parameters", "arch": "Architecture"}
+SORTS = {
+    "updated": "Last update",
+    "epsilon": "ε",
+    "name": "Name",
+    "params": "Parameters",
+    "arch": "Architecture",
+}
 
 
 def install(app: FastAPI) -> None:
     """Mount the pages and their static files on ``app``."""
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
-    app.add_api_route("/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False)
-    app.add_api_route("/{org}/{name}", model_page, methods=["GET"], response_class=HTMLResponse,
-                      include_in_schema=False)
-    app.add_api_route("/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/datasets/{dataset:path}", dataset_page, methods=["GET"], response_class=HTMLResponse,
-                      include_in_schema=False)
+    app.add_api_route(
+        "/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False
+    )
+    app.add_api_route(
+        "/{org}/{name}",
+        model_page,
+        methods=["GET"],
+        response_class=HTMLResponse,
+        include_in_schema=False,
+    )
+    app.add_api_route(
+        "/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False
+    )
+    app.add_api_route(
+        "/datasets/{dataset:path}",
+        dataset_page,
+        methods=["GET"],
+        response_class=HTMLResponse,
+        include_in_schema=False,
+    )
 
 
 def index(
@@ -69,21 +89,45 @@ def index(
     except ValueError:
         raise BadRequest(f"max_epsilon must be a number, not {max_epsilon!r}") from None
     store = store_of(request)
-    rows = store.list_models(search=q or None, max_epsilon=bound, sort=sort, descending=order == "desc",
-                             limit=request.app.state.settings.hub.page_size)
+    rows = store.list_models(
+        search=q or None,
+        max_epsilon=bound,
+        sort=sort,
+        descending=order == "desc",
+        limit=request.app.state.settings.hub.page_size,
+    )
     models = [
-        {"id": repo.repo_id, "arch": c.arch, "params": format_params(c.num_params), "epsilon": c.epsilon,
-         "delta": c.delta, "datasets": c.datasets, "updated": _date(c.created_at),
-         "accountant": (c.accountant or "").upper(), "caveat": c.caveat}
+        {
+            "id": repo.repo_id,
+            "arch": c.arch,
+            "params": format_params(c.num_params),
+            "epsilon": c.epsilon,
+            "delta": c.delta,
+            "datasets": c.datasets,
+            "updated": _date(c.created_at),
+            "accountant": (c.accountant or "").upper(),
+            "caveat": c.caveat,
+        }
         for repo, c in rows
     ]
-    return templates.TemplateResponse(request, "index.html", {
-        "models": models, "sort": sort, "order": order, "max_epsilon": max_epsilon, "q": q, "sorts": SORTS,
-    }, headers=PAGE_HEADERS)
+    return templates.TemplateResponse(
+        request,
+        "index.html",
+        {
+            "models": models,
+            "sort": sort,
+            "order": order,
+            "max_epsilon": max_epsilon,
+            "q": q,
+            "sorts": SORTS,
+        },
+        headers=PAGE_HEADERS,
+    )
 
 
-def model_page(request: Request, org: str, name: str,
-               revision: str = Query(DEFAULT_BRANCH, max_length=128)) -> HTMLResponse:
+def model_page(
+    request: Request, org: str, name: str, revision: str = Query(DEFAULT_BRANCH, max_length=128)
+) -> HTMLResponse:
     store = store_of(request)
     repo = readable_repo(store, org, name, identity(request))
     commit = store.resolve(repo.repo_id, validate_revision(revision))
@@ -96,19 +140,37 @@ def model_page(request: Request, org: str, name: str,
     except LedgerError:  # cannot happen for a verified commit; shown rather than hidden
         ledger = None
     context: dict[str, Any] = {
-        "repo": repo, "commit": record, "revision": revision,
+        "repo": repo,
+        "commit": record,
+        "revision": revision,
         "card_html": markdown_html(card_body(readme), file_base),
         "headlines": component_headlines(ledger) if ledger else [],
-        "guarantee_html": [markdown_html(p) for p in guarantee_paragraphs(ledger, _unit(record.arch))] if ledger else [],
+        "guarantee_html": [
+            markdown_html(p) for p in guarantee_paragraphs(ledger, _unit(record.arch))
+        ]
+        if ledger
+        else [],
         "audit_html": [markdown_html(p) for p in audit_paragraphs(ledger)] if ledger else [],
-        "ledger_columns": LEDGER_COLUMNS, "ledger_rows": ledger_rows(ledger) if ledger else [],
-        "files": [{"path": e.path, "size": _size(e.size), "sha256": e.sha256, "url": f"{file_base}/{e.path}"}
-                  for e in tree.values()],
+        "ledger_columns": LEDGER_COLUMNS,
+        "ledger_rows": ledger_rows(ledger) if ledger else [],
+        "files": [
+            {
+                "path": e.path,
+                "size": _size(e.size),
+                "sha256": e.sha256,
+                "url": f"{file_base}/{e.path}",
+            }
+            for e in tree.values()
+        ],
         "history": store.history(repo.repo_id, commit, limit=50),
         "signature": store.signature(commit),
-        "datasets": [{"name": d, "url": dataset_link(d)}
-                     for d in dict.fromkeys(s.dataset.name for s in (ledger.dp_stages() if ledger else []))],
-        "params": format_params(record.num_params), "date": _date, "default_branch": DEFAULT_BRANCH,
+        "datasets": [
+            {"name": d, "url": dataset_link(d)}
+            for d in dict.fromkeys(s.dataset.name for s in (ledger.dp_stages() if ledger else []))
+        ],
+        "params": format_params(record.num_params),
+        "date": _date,
+        "default_branch": DEFAULT_BRANCH,
     }
     return templates.TemplateResponse(request, "model.html", context, headers=PAGE_HEADERS)
 
@@ -118,26 +180,44 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     and their composition under each accountant: what an adversary who reads all of them faces."""
     store = store_of(request)
     releases, stages = [], []
-    for repo, commit in store.list_models(dataset=dataset, sort="name", descending=False, limit=1000):
+    for repo, commit in store.list_models(
+        dataset=dataset, sort="name", descending=False, limit=1000
+    ):
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
         for s in ledger.dp_stages():
             if s.dataset.name == dataset:
                 stages.append(s)
-                releases.append({"repo": repo.repo_id, "stage": s.name, "component": s.component,
-                                 "mechanism": s.mechanism, "q": f"{s.sample_rate:.4g}", "sigma": f"{s.noise_multiplier:.4g}",
-                                 "steps": f"{s.steps:,}", "delta": f"{s.delta:.3g}",
-                                 "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
-                                 "sampling": s.sampling})
+                releases.append(
+                    {
+                        "repo": repo.repo_id,
+                        "stage": s.name,
+                        "component": s.component,
+                        "mechanism": s.mechanism,
+                        "q": f"{s.sample_rate:.4g}",
+                        "sigma": f"{s.noise_multiplier:.4g}",
+                        "steps": f"{s.steps:,}",
+                        "delta": f"{s.delta:.3g}",
+                        "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
+                        "sampling": s.sampling,
+                    }
+                )
     if not stages:
         raise NotFound(f"no public release names the dataset {dataset!r}")
     delta, composed = compose_releases(stages)
-    return templates.TemplateResponse(request, "dataset.html", {
-        "dataset": dataset, "releases": releases, "delta": delta,
-        "composed": [(a.value.upper(), eps) for a, eps in composed.items()],
-        "repos": sorted({r["repo"] for r in releases}),
-        "assumed_poisson": [r for r in releases if r["sampling"] != "poisson"],
-    }, headers=PAGE_HEADERS)
+    return templates.TemplateResponse(
+        request,
+        "dataset.html",
+        {
+            "dataset": dataset,
+            "releases": releases,
+            "delta": delta,
+            "composed": [(a.value.upper(), eps) for a, eps in composed.items()],
+            "repos": sorted({r["repo"] for r in releases}),
+            "assumed_poisson": [r for r in releases if r["sampling"] != "poisson"],
+        },
+        headers=PAGE_HEADERS,
+    )
 
 
 def dataset_link(name: str) -> str:

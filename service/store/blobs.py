@@ -22,8 +22,15 @@ from typing import BinaryIO
 from .errors import InvalidRequest, UploadMissing
 from .faults import crash_point
 
-__all__ = ["BlobStore", "DigestWriter", "FileDigest", "hash_file", "make_private_dir", "open_private",
-           "remove_older_than"]
+__all__ = [
+    "BlobStore",
+    "DigestWriter",
+    "FileDigest",
+    "hash_file",
+    "make_private_dir",
+    "open_private",
+    "remove_older_than",
+]
 
 _CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
@@ -54,7 +61,9 @@ def hash_file(path: Path) -> FileDigest:
 def lfs_digest(sha256: str, size: int) -> FileDigest:
     """The digest of an object received the LFS way: its git id is that of its LFS pointer
     file, as git (and the Hugging Face Hub) record such a file."""
-    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+    pointer = (
+        f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+    )
     git_oid = hashlib.sha1(b"blob %d\0" % len(pointer) + pointer, usedforsecurity=False).hexdigest()
     return FileDigest(sha256, git_oid, size)
 
@@ -62,7 +71,9 @@ def lfs_digest(sha256: str, size: int) -> FileDigest:
 def check_sha256(oid: str) -> str:
     """``oid`` if it is 64 lowercase hex digits, else InvalidRequest."""
     if len(oid) != 64 or not SHA256_HEX.issuperset(oid):
-        raise InvalidRequest(f"invalid object id {oid!r}: expected a SHA-256 as 64 lowercase hex digits")
+        raise InvalidRequest(
+            f"invalid object id {oid!r}: expected a SHA-256 as 64 lowercase hex digits"
+        )
     return oid
 
 
@@ -192,7 +203,11 @@ class BlobStore:
         return self._marker(repo_id, sha256).is_file()
 
     def _marker(self, repo_id: str, sha256: str) -> Path:
-        return self.uploaded_for / hashlib.sha256(repo_id.encode()).hexdigest()[:32] / check_sha256(sha256)
+        return (
+            self.uploaded_for
+            / hashlib.sha256(repo_id.encode()).hexdigest()[:32]
+            / check_sha256(sha256)
+        )
 
     def committed_source(self, sha256: str) -> Path:
         """The file a commit's ``lfsFile`` line names, or UploadMissing."""
@@ -221,11 +236,19 @@ class BlobStore:
         fsync_dir(target.parent)
         return target
 
-    def clean_stale(self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS) -> int:
+    def clean_stale(
+        self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS
+    ) -> int:
         """Remove temp files left by crashed requests, and uploads never committed, once older
         than their age limits (so nothing in flight is touched). Returns how many went."""
-        return sum(remove_older_than(folder, age) for folder, age in
-                   ((self.tmp, temp_age), (self.uploads, upload_age), (self.uploaded_for, upload_age)))
+        return sum(
+            remove_older_than(folder, age)
+            for folder, age in (
+                (self.tmp, temp_age),
+                (self.uploads, upload_age),
+                (self.uploaded_for, upload_age),
+            )
+        )
 
 
 def remove_older_than(folder: Path, max_age: float) -> int:

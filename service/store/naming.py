@@ -13,8 +13,14 @@ from vip_hub.paths import UnsafePathError, validate_relpath
 
 from .errors import InvalidRequest
 
-__all__ = ["COMMIT_RE", "decode_segment", "validate_namespace", "validate_path", "validate_repo_id",
-           "validate_revision"]
+__all__ = [
+    "COMMIT_RE",
+    "decode_segment",
+    "validate_namespace",
+    "validate_path",
+    "validate_repo_id",
+    "validate_revision",
+]
 
 _PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -41,7 +47,9 @@ def validate_repo_id(org: str, name: str) -> str:
 def validate_revision(revision: str) -> str:
     """A branch, tag (letters, digits, '_', '.', '-') or 40-hex commit id, else 400."""
     if not _REVISION.match(revision) or ".." in revision:
-        raise InvalidRequest(f"invalid revision {revision!r}: use a branch, a tag or a full commit id")
+        raise InvalidRequest(
+            f"invalid revision {revision!r}: use a branch, a tag or a full commit id"
+        )
     return revision
 
 

@@ -180,11 +180,19 @@ Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use)."""
 
-    def __init__(self, root: str | os.PathLike[str], upload_ttl: float = 24 * 3600,
-                 xet_ttl: float = 21 * 24 * 3600, index: str | None = None,
-                 trusted_keys: str | os.PathLike[str] | None = None, require_signature: bool = False):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        upload_ttl: float = 24 * 3600,
+        xet_ttl: float = 21 * 24 * 3600,
+        index: str | None = None,
+        trusted_keys: str | os.PathLike[str] | None = None,
+        require_signature: bool = False,
+    ):
         self.root = Path(root).resolve()
-        self.trusted_keys = Path(trusted_keys) if trusted_keys is not None else self.root / "trusted_keys"
+        self.trusted_keys = (
+            Path(trusted_keys) if trusted_keys is not None else self.root / "trusted_keys"
+        )
         self.require_signature = require_signature
         make_private_dir(self.root)
         with contextlib.suppress(PermissionError):  # a store made before it was owner-only
@@ -201,7 +209,9 @@ class HubStore:
     def collect_uploads(self) -> int:
         """Remove uploads never committed older than the upload time-to-live, xorbs unused for
         the Xet time-to-live, and temp files left by crashed requests; returns how many went."""
-        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(self.xet_ttl)
+        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(
+            self.xet_ttl
+        )
 
     def maybe_collect_uploads(self) -> None:
         """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads begin)."""
@@ -263,7 +273,9 @@ class HubStore:
         validate_revision(revision)
         repo = self._repo_row(self.index, repo_id)
         if COMMIT_RE.match(revision):
-            row = self.index.row("SELECT sha FROM commits WHERE sha = ? AND repo = ?", (revision, repo["id"]))
+            row = self.index.row(
+                "SELECT sha FROM commits WHERE sha = ? AND repo = ?", (revision, repo["id"])
+            )
         else:
             row = self.index.row(
                 "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? ORDER BY kind = 'branch' DESC LIMIT 1",
@@ -276,7 +288,9 @@ class HubStore:
     def commit_record(self, repo_id: str, commit: str) -> CommitRecord:
         """Metadata of one commit of ``repo_id``."""
         repo = self._repo_row(self.index, repo_id)
-        row = self.index.row("SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"]))
+        row = self.index.row(
+            "SELECT * FROM commits WHERE sha = ? AND repo = ?", (commit, repo["id"])
+        )
         if row is None:
             raise NoSuchRevision(f"commit {commit} not found in {repo_id}")
         return _commit_record(repo_id, row)
@@ -284,8 +298,10 @@ class HubStore:
     def tree(self, repo_id: str, commit: str) -> dict[str, FileEntry]:
         """Every file of a commit, by path."""
         self.commit_record(repo_id, commit)
-        rows = self.index.rows("SELECT path, sha256, git_oid, size FROM files WHERE commit_sha = ? ORDER BY path",
-                               (commit,))
+        rows = self.index.rows(
+            "SELECT path, sha256, git_oid, size FROM files WHERE commit_sha = ? ORDER BY path",
+            (commit,),
+        )
         return {r["path"]: FileEntry(r["path"], r["sha256"], r["git_oid"], r["size"]) for r in rows}
 
     def file(self, repo_id: str, commit: str, path: str) -> FileEntry:
@@ -299,7 +315,9 @@ class HubStore:
     def blob_path(self, entry: FileEntry) -> Path:
         return self.blobs.path(entry.sha256)
 
-    def history(self, repo_id: str, revision: str = DEFAULT_BRANCH, limit: int = 100) -> list[CommitRecord]:
+    def history(
+        self, repo_id: str, revision: str = DEFAULT_BRANCH, limit: int = 100
+    ) -> list[CommitRecord]:
         """Commits reachable from ``revision``, newest first."""
         sha: str | None = self.resolve(repo_id, revision)
         out = []
@@ -313,7 +331,9 @@ class HubStore:
         """``{"branch": {name: commit}, "tag": {name: commit}}``."""
         out: dict[str, dict[str, str]] = {"branch": {}, "tag": {}}
         repo = self._repo_row(self.index, repo_id)
-        for row in self.index.rows("SELECT kind, name, commit_sha FROM refs WHERE repo = ?", (repo["id"],)):
+        for row in self.index.rows(
+            "SELECT kind, name, commit_sha FROM refs WHERE repo = ?", (repo["id"],)
+        ):
             out[row["kind"]][row["name"]] = row["commit_sha"]
         return out
 
@@ -336,18 +356,24 @@ class HubStore:
     def delete_tag(self, repo_id: str, tag: str) -> None:
         """Remove a tag (the commit it named stays); NoSuchRevision when there is none."""
         repo = self._repo_row(self.index, repo_id)
-        if not self.index.execute("DELETE FROM refs WHERE repo = ? AND kind = 'tag' AND name = ?",
-                                  (repo["id"], validate_revision(tag))):
+        if not self.index.execute(
+            "DELETE FROM refs WHERE repo = ? AND kind = 'tag' AND name = ?",
+            (repo["id"], validate_revision(tag)),
+        ):
             raise NoSuchRevision(f"tag {tag!r} not found in {repo_id}")
 
     def held_for(self, repo_id: str, sha256: str) -> int | None:
         """The size of object ``sha256`` if a commit to ``repo_id`` may name it (uploaded for this
         repo, or in its history), else None, whether or not another repo holds it."""
         repo = self._repo_row(self.index, repo_id)
-        if not self.blobs.was_uploaded_for(repo_id, check_sha256(sha256)) and self.index.row(
-            "SELECT 1 FROM files f JOIN commits c ON c.sha = f.commit_sha WHERE c.repo = ? AND f.sha256 = ? LIMIT 1",
-            (repo["id"], sha256),
-        ) is None:
+        if (
+            not self.blobs.was_uploaded_for(repo_id, check_sha256(sha256))
+            and self.index.row(
+                "SELECT 1 FROM files f JOIN commits c ON c.sha = f.commit_sha WHERE c.repo = ? AND f.sha256 = ? LIMIT 1",
+                (repo["id"], sha256),
+            )
+            is None
+        ):
             return None
         return self.blobs.object_size(sha256)
 
@@ -368,18 +394,28 @@ class HubStore:
     ) -> list[tuple[RepoRecord, CommitRecord]]:
         """Repos with a default branch, filtered and sorted by the index (no blob is read);
         private ones with ``include_private`` (True: all; a collection: those of these namespaces)."""
-        columns = {"updated": "c.created_at", "epsilon": "c.epsilon", "name": "r.org || '/' || r.name",
-                   "params": "c.num_params", "delta": "c.delta", "arch": "c.arch"}
+        columns = {
+            "updated": "c.created_at",
+            "epsilon": "c.epsilon",
+            "name": "r.org || '/' || r.name",
+            "params": "c.num_params",
+            "delta": "c.delta",
+            "arch": "c.arch",
+        }
         if sort not in columns:
             raise InvalidRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
         where, args = ["f.kind = 'branch'", "f.name = ?"], [DEFAULT_BRANCH]
         if include_private is not True:
             namespaces = sorted(include_private or ())
-            where.append(f"(r.private = 0 OR r.org IN ({', '.join('?' * len(namespaces)) or 'NULL'}))")
+            where.append(
+                f"(r.private = 0 OR r.org IN ({', '.join('?' * len(namespaces)) or 'NULL'}))"
+            )
             args.extend(namespaces)
         if search:
             where.append("(r.org || '/' || r.name) LIKE ? ESCAPE '\\'")
-            args.append("%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
+            args.append(
+                "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            )
         if author:
             where.append("r.org = ?")
             args.append(author)
@@ -387,7 +423,9 @@ class HubStore:
             where.append("c.arch = ?")
             args.append(arch)
         if dataset:
-            where.append("EXISTS (SELECT 1 FROM commit_datasets d WHERE d.commit_sha = c.sha AND d.dataset = ?)")
+            where.append(
+                "EXISTS (SELECT 1 FROM commit_datasets d WHERE d.commit_sha = c.sha AND d.dataset = ?)"
+            )
             args.append(dataset)
         if max_epsilon is not None:
             where.append("c.epsilon <= ?")
@@ -460,9 +498,17 @@ class HubStore:
         message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
         created = _now()
         commit = _NewCommit(
-            sha=_commit_id(head, files, title, message, author, created), parent=head, title=title,
-            message=message, author=author, created=created, meta=config.get(CONFIG_BLOCK) or {},
-            summary=summary, card_data=card_data, files=files, signer=signer,
+            sha=_commit_id(head, files, title, message, author, created),
+            parent=head,
+            title=title,
+            message=message,
+            author=author,
+            created=created,
+            meta=config.get(CONFIG_BLOCK) or {},
+            summary=summary,
+            card_data=card_data,
+            files=files,
+            signer=signer,
             dp_datasets=sorted({s.dataset.name for s in report.ledger.dp_stages()}),  # type: ignore[union-attr]
         )
         self._write_index(repo_id, branch, commit)
@@ -488,8 +534,9 @@ class HubStore:
             )
         return head
 
-    def _staged(self, repo_id: str, tree: dict[str, FileEntry], operations: Sequence[Operation]
-                ) -> tuple[dict[str, Path], dict[str, tuple[Path, FileDigest]]]:
+    def _staged(
+        self, repo_id: str, tree: dict[str, FileEntry], operations: Sequence[Operation]
+    ) -> tuple[dict[str, Path], dict[str, tuple[Path, FileDigest]]]:
         """The would-be tree (path -> local file) of ``operations`` on ``tree``; its new files."""
         local: dict[str, Path] = {p: self.blob_path(e) for p, e in tree.items()}
         new: dict[str, tuple[Path, FileDigest]] = {}
@@ -518,8 +565,9 @@ class HubStore:
         source = self._uploaded_source(repo_id, op.sha256)
         return source, lfs_digest(op.sha256, source.stat().st_size)
 
-    def _verified(self, repo_id: str, local: dict[str, Path]
-                  ) -> tuple[VerificationReport, PublicKey | None]:
+    def _verified(
+        self, repo_id: str, local: dict[str, Path]
+    ) -> tuple[VerificationReport, PublicKey | None]:
         """The would-be tree's report and signer; else PublishRefused or SignatureRefused."""
         report = verify_repo(local)
         if not report.ok:
@@ -529,8 +577,12 @@ class HubStore:
             )
         return report, self._signer(local)
 
-    def _store_blobs(self, tree: dict[str, FileEntry], local: dict[str, Path],
-                     new: dict[str, tuple[Path, FileDigest]]) -> dict[str, FileEntry]:
+    def _store_blobs(
+        self,
+        tree: dict[str, FileEntry],
+        local: dict[str, Path],
+        new: dict[str, tuple[Path, FileDigest]],
+    ) -> dict[str, FileEntry]:
         """Move the ``new`` files into the blob store; the commit's tree (kept and new entries)."""
         files = {p: e for p, e in tree.items() if p in local and p not in new}
         for path, (source, digest) in new.items():
@@ -547,37 +599,56 @@ class HubStore:
                 "INSERT INTO commits (sha, repo, parent, title, message, author, created_at, arch, "
                 "num_params, epsilon, delta, accountant, datasets, card_data) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (commit.sha, repo_row["id"], commit.parent, commit.title, commit.message,
-                 commit.author, commit.created, commit.meta.get("arch"),
-                 commit.meta.get("num_params"), summary.epsilon, summary.delta,
-                 summary.accountant.value if summary.accountant else None,
-                 json.dumps(list(summary.datasets)), json.dumps(commit.card_data, default=str)),
+                (
+                    commit.sha,
+                    repo_row["id"],
+                    commit.parent,
+                    commit.title,
+                    commit.message,
+                    commit.author,
+                    commit.created,
+                    commit.meta.get("arch"),
+                    commit.meta.get("num_params"),
+                    summary.epsilon,
+                    summary.delta,
+                    summary.accountant.value if summary.accountant else None,
+                    json.dumps(list(summary.datasets)),
+                    json.dumps(commit.card_data, default=str),
+                ),
             )
             tx.executemany(
                 "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
                 [(commit.sha, e.path, e.sha256, e.git_oid, e.size) for e in commit.files.values()],
             )
-            tx.executemany("INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",  # any component's
-                           [(commit.sha, d) for d in commit.dp_datasets])
+            tx.executemany(
+                "INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",  # any component's
+                [(commit.sha, d) for d in commit.dp_datasets],
+            )
             if commit.signer is not None:
-                tx.execute("INSERT INTO signatures (commit_sha, signer, fingerprint, verified_at) "
-                           "VALUES (?, ?, ?, ?)",
-                           (commit.sha, commit.signer.name, commit.signer.fingerprint,
-                            commit.created))
+                tx.execute(
+                    "INSERT INTO signatures (commit_sha, signer, fingerprint, verified_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    (commit.sha, commit.signer.name, commit.signer.fingerprint, commit.created),
+                )
             self._move_branch(tx, repo_row["id"], repo_id, branch, commit)
 
     @staticmethod
-    def _move_branch(tx: Transaction, repo: Any, repo_id: str, branch: str,
-                     commit: _NewCommit) -> None:
+    def _move_branch(
+        tx: Transaction, repo: Any, repo_id: str, branch: str, commit: _NewCommit
+    ) -> None:
         """Move the branch: compare-and-swap from the head the tree was built on, else Conflict."""
         if commit.parent is None:
-            moved = tx.execute("INSERT INTO refs (repo, kind, name, commit_sha) "
-                               "VALUES (?, 'branch', ?, ?) ON CONFLICT DO NOTHING",
-                               (repo, branch, commit.sha))
+            moved = tx.execute(
+                "INSERT INTO refs (repo, kind, name, commit_sha) "
+                "VALUES (?, 'branch', ?, ?) ON CONFLICT DO NOTHING",
+                (repo, branch, commit.sha),
+            )
         else:
-            moved = tx.execute("UPDATE refs SET commit_sha = ? WHERE repo = ? AND kind = 'branch' "
-                               "AND name = ? AND commit_sha = ?",
-                               (commit.sha, repo, branch, commit.parent))
+            moved = tx.execute(
+                "UPDATE refs SET commit_sha = ? WHERE repo = ? AND kind = 'branch' "
+                "AND name = ? AND commit_sha = ?",
+                (commit.sha, repo, branch, commit.parent),
+            )
         if moved != 1:  # rolls the whole transaction back
             raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
 
@@ -593,21 +664,32 @@ class HubStore:
         try:
             signer = verify_signature(files, load_keys([self.trusted_keys]))
         except SignatureError as e:
-            raise SignatureRefused("refused, nothing was stored: " + "; ".join(map(str, e.problems))) from None
+            raise SignatureRefused(
+                "refused, nothing was stored: " + "; ".join(map(str, e.problems))
+            ) from None
         if signer is None and self.require_signature:
-            raise SignatureRefused(f"refused, nothing was stored: this hub accepts signed repos only, and the "
-                                   f"commit has no {SIGNATURE_FILE} (sign it with `vip-hub sign`)")
+            raise SignatureRefused(
+                f"refused, nothing was stored: this hub accepts signed repos only, and the "
+                f"commit has no {SIGNATURE_FILE} (sign it with `vip-hub sign`)"
+            )
         return signer
 
     def signature(self, commit: str) -> SignatureRecord | None:
         """The hub's record of who signed ``commit`` (None: unsigned)."""
-        row = self.index.row("SELECT signer, fingerprint, verified_at FROM signatures WHERE commit_sha = ?", (commit,))
-        return SignatureRecord(row["signer"], row["fingerprint"], row["verified_at"]) if row else None
+        row = self.index.row(
+            "SELECT signer, fingerprint, verified_at FROM signatures WHERE commit_sha = ?",
+            (commit,),
+        )
+        return (
+            SignatureRecord(row["signer"], row["fingerprint"], row["verified_at"]) if row else None
+        )
 
     def apply_shard(self, repo_id: str, shard: Path, max_file_bytes: int) -> list[str]:
         """Rebuild the files of a Xet shard uploaded for ``repo_id`` (``XetStore.apply_shard``)
         and note them as uploaded for it; returns their SHA-256s."""
-        done = self.xet.apply_shard(shard, max_file_bytes, lambda sha256: self.held_for(repo_id, sha256) is not None)
+        done = self.xet.apply_shard(
+            shard, max_file_bytes, lambda sha256: self.held_for(repo_id, sha256) is not None
+        )
         for sha256 in done:
             self.blobs.note_upload(repo_id, sha256)
         return done
@@ -615,8 +697,10 @@ class HubStore:
     def _uploaded_source(self, repo_id: str, sha256: str) -> Path:
         """The file an ``lfsFile`` line names, if this repo may name it (``held_for``), else UploadMissing."""
         if self.held_for(repo_id, sha256) is None:
-            raise UploadMissing(f"object {sha256} was never uploaded for {repo_id} (or its upload expired): "
-                                "upload it first (preupload, then the LFS batch API or Xet), then commit")
+            raise UploadMissing(
+                f"object {sha256} was never uploaded for {repo_id} (or its upload expired): "
+                "upload it first (preupload, then the LFS batch API or Xet), then commit"
+            )
         return self.blobs.committed_source(sha256)
 
     # ---------------------------------------------------------------- inference
@@ -651,20 +735,40 @@ class HubStore:
 
 def _commit_record(repo_id: str, row: Row) -> CommitRecord:
     return CommitRecord(
-        sha=row["sha"], repo_id=repo_id, parent=row["parent"], title=row["title"],
-        message=row["message"], author=row["author"], created_at=row["created_at"],
-        arch=row["arch"], num_params=row["num_params"], epsilon=row["epsilon"], delta=row["delta"],
-        accountant=row["accountant"], datasets=json.loads(row["datasets"]),
+        sha=row["sha"],
+        repo_id=repo_id,
+        parent=row["parent"],
+        title=row["title"],
+        message=row["message"],
+        author=row["author"],
+        created_at=row["created_at"],
+        arch=row["arch"],
+        num_params=row["num_params"],
+        epsilon=row["epsilon"],
+        delta=row["delta"],
+        accountant=row["accountant"],
+        datasets=json.loads(row["datasets"]),
         card_data=json.loads(row["card_data"]),
     )
 
 
 def _commit_id(
-    parent: str | None, files: dict[str, FileEntry], title: str, message: str, author: str, created: str
+    parent: str | None,
+    files: dict[str, FileEntry],
+    title: str,
+    message: str,
+    author: str,
+    created: str,
 ) -> str:
     content = json.dumps(
-        {"parent": parent, "tree": sorted((p, e.sha256) for p, e in files.items()),
-         "title": title, "message": message, "author": author, "created": created},
+        {
+            "parent": parent,
+            "tree": sorted((p, e.sha256) for p, e in files.items()),
+            "title": title,
+            "message": message,
+            "author": author,
+            "created": created,
+        },
         sort_keys=True,
     )
     return hashlib.sha1(content.encode(), usedforsecurity=False).hexdigest()

@@ -37,8 +37,42 @@ from .errors import InvalidRequest, TooLarge
 
 __all__ = ["XetStore", "xet_hex", "xorb_hash"]
 
-SHARD_TAG = bytes([72, 70, 82, 101, 112, 111, 77, 101, 116, 97, 68, 97, 116, 97, 0, 85, 105, 103, 69, 106, 123,
-                   129, 87, 131, 165, 189, 217, 92, 205, 209, 74, 169])  # "HFRepoMetaData\0" + magic
+SHARD_TAG = bytes(
+    [
+        72,
+        70,
+        82,
+        101,
+        112,
+        111,
+        77,
+        101,
+        116,
+        97,
+        68,
+        97,
+        116,
+        97,
+        0,
+        85,
+        105,
+        103,
+        69,
+        106,
+        123,
+        129,
+        87,
+        131,
+        165,
+        189,
+        217,
+        92,
+        205,
+        209,
+        74,
+        169,
+    ]
+)  # "HFRepoMetaData\0" + magic
 _ENTRY = 48  # every shard record: a 32-byte hash then 16 bytes
 _BOOKEND = b"\xff" * 32
 _WITH_VERIFICATION = 1 << 31
@@ -50,16 +84,84 @@ MAX_XORB_BYTES = 64 * 1024 * 1024 + 8 * 1024 * _CHUNK_HEADER + (1 << 20)
 _MAX_TERMS = 1 << 20
 MAX_EXPANSION = 16
 """A shard rebuilds at most this many times the distinct chunk bytes its files reference."""
-_DATA_KEY = bytes([102, 151, 245, 119, 91, 149, 80, 222, 49, 53, 203, 172, 165, 151, 24, 28, 157, 228, 33, 16, 155,
-                   235, 43, 88, 180, 208, 176, 75, 147, 173, 242, 41])  # xet-core merklehash DATA_KEY
-_NODE_KEY = bytes([1, 126, 197, 199, 165, 71, 41, 150, 253, 148, 102, 102, 180, 138, 2, 230, 93, 221, 83, 111, 55,
-                   199, 109, 210, 248, 99, 82, 230, 74, 83, 113, 63])  # ... and INTERNAL_NODE_HASH
+_DATA_KEY = bytes(
+    [
+        102,
+        151,
+        245,
+        119,
+        91,
+        149,
+        80,
+        222,
+        49,
+        53,
+        203,
+        172,
+        165,
+        151,
+        24,
+        28,
+        157,
+        228,
+        33,
+        16,
+        155,
+        235,
+        43,
+        88,
+        180,
+        208,
+        176,
+        75,
+        147,
+        173,
+        242,
+        41,
+    ]
+)  # xet-core merklehash DATA_KEY
+_NODE_KEY = bytes(
+    [
+        1,
+        126,
+        197,
+        199,
+        165,
+        71,
+        41,
+        150,
+        253,
+        148,
+        102,
+        102,
+        180,
+        138,
+        2,
+        230,
+        93,
+        221,
+        83,
+        111,
+        55,
+        199,
+        109,
+        210,
+        248,
+        99,
+        82,
+        230,
+        74,
+        83,
+        113,
+        63,
+    ]
+)  # ... and INTERNAL_NODE_HASH
 _BRANCHING = 4
 
 
 def xet_hex(raw: bytes) -> str:
     """A Xet hash in the text form URLs use: four little-endian u64s, each as 16 hex digits."""
-    return "".join(raw[i:i + 8][::-1].hex() for i in range(0, 32, 8))
+    return "".join(raw[i : i + 8][::-1].hex() for i in range(0, 32, 8))
 
 
 def xorb_hash(chunks: list[tuple[bytes, int]]) -> str:
@@ -76,7 +178,9 @@ def xorb_hash(chunks: list[tuple[bytes, int]]) -> str:
                 cut = next((j + 1 for j in range(2, cut) if rest[j][0][24] % _BRANCHING == 0), cut)
             group = rest[:cut]
             text = "".join(f"{xet_hex(h)} : {size}\n" for h, size in group).encode()
-            merged.append((blake3.blake3(text, key=_NODE_KEY).digest(), sum(size for _, size in group)))
+            merged.append(
+                (blake3.blake3(text, key=_NODE_KEY).digest(), sum(size for _, size in group))
+            )
             i += cut
         nodes = merged
     return xet_hex(nodes[0][0]) if nodes else "0" * 64
@@ -131,10 +235,14 @@ class XetStore:
                 chunks = _chunk_offsets(f, tmp.stat().st_size, xorb)
                 if len(chunks) < 2:
                     raise InvalidRequest(f"xorb {xorb} holds no chunk")
-                hashes = [(blake3.blake3(data, key=_DATA_KEY).digest(), len(data))
-                          for data in _read_chunks(f, chunks[0][0], len(chunks) - 1)]
+                hashes = [
+                    (blake3.blake3(data, key=_DATA_KEY).digest(), len(data))
+                    for data in _read_chunks(f, chunks[0][0], len(chunks) - 1)
+                ]
             if xorb_hash(hashes) != xorb:
-                raise InvalidRequest(f"xorb {xorb}: its chunks do not hash to the name it was sent under")
+                raise InvalidRequest(
+                    f"xorb {xorb}: its chunks do not hash to the name it was sent under"
+                )
             if target.is_file():
                 os.utime(target)
                 return
@@ -144,7 +252,9 @@ class XetStore:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def apply_shard(self, shard: Path, max_file_bytes: int, held: Callable[[str], bool]) -> list[str]:
+    def apply_shard(
+        self, shard: Path, max_file_bytes: int, held: Callable[[str], bool]
+    ) -> list[str]:
         """Rebuild every file a shard describes into the uploads area, each checked against the
         shard's SHA-256, except those ``held`` says the uploader's repo already holds; returns
         their SHA-256s. A shard naming a xorb not held, or rebuilding more than ``MAX_EXPANSION``
@@ -155,7 +265,9 @@ class XetStore:
         rebuild = [entry for entry in files if not held(entry.sha256)]
         for entry in rebuild:
             if entry.size > max_file_bytes:
-                raise TooLarge(f"file {entry.sha256} is {entry.size} bytes, over the upload limit of {max_file_bytes}")
+                raise TooLarge(
+                    f"file {entry.sha256} is {entry.size} bytes, over the upload limit of {max_file_bytes}"
+                )
         distinct: dict[tuple[str, int], int] = {}
         for entry in rebuild:
             for term in entry.terms:
@@ -163,13 +275,17 @@ class XetStore:
                 distinct.update(((term.xorb, i), chunks[i][1]) for i in range(term.start, term.end))
         total = sum(entry.size for entry in rebuild)
         if total > MAX_EXPANSION * sum(distinct.values()):
-            raise TooLarge(f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk bytes, "
-                           f"more than {MAX_EXPANSION} times what was uploaded")
+            raise TooLarge(
+                f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk bytes, "
+                f"more than {MAX_EXPANSION} times what was uploaded"
+            )
         for entry in rebuild:
             self._rebuild(entry, offsets)
         return [entry.sha256 for entry in files]
 
-    def _chunks(self, term: Term, offsets: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    def _chunks(
+        self, term: Term, offsets: dict[str, list[tuple[int, int]]]
+    ) -> list[tuple[int, int]]:
         """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
         range checked against them. The xorb's age is refreshed: it is still referred to."""
         path = self.xorb_path(term.xorb)
@@ -179,14 +295,17 @@ class XetStore:
             except FileNotFoundError:
                 raise InvalidRequest(
                     f"the shard names xorb {term.xorb}, which this hub does not hold (never uploaded, or "
-                    "expired): upload again") from None
+                    "expired): upload again"
+                ) from None
             with f:
                 offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
             os.utime(path)
         chunks = offsets[term.xorb]
         if not 0 <= term.start < term.end <= len(chunks) - 1:
-            raise InvalidRequest(f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
-                                 f"{term.xorb} ({len(chunks) - 1} chunks)")
+            raise InvalidRequest(
+                f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
+                f"{term.xorb} ({len(chunks) - 1} chunks)"
+            )
         return chunks
 
     def _rebuild(self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]]) -> None:
@@ -200,16 +319,22 @@ class XetStore:
                         writer.write(data)
                         written += len(data)
                     if written != term.size:
-                        raise InvalidRequest(f"shard term of xorb {term.xorb} unpacks to {written} bytes, "
-                                             f"not the {term.size} it states")
+                        raise InvalidRequest(
+                            f"shard term of xorb {term.xorb} unpacks to {written} bytes, "
+                            f"not the {term.size} it states"
+                        )
             sha256 = writer.close()
         except BaseException:
             writer.discard()
             raise
-        if sha256 != entry.sha256:  # (its actual hash is not told: it could name bytes of another upload)
+        if (
+            sha256 != entry.sha256
+        ):  # (its actual hash is not told: it could name bytes of another upload)
             writer.path.unlink(missing_ok=True)
-            raise InvalidRequest(f"a file rebuilt from the shard does not have the SHA-256 {entry.sha256} the shard "
-                                 "states")
+            raise InvalidRequest(
+                f"a file rebuilt from the shard does not have the SHA-256 {entry.sha256} the shard "
+                "states"
+            )
         self.blobs.stage_upload(writer.path, sha256)
 
     def clean_stale(self, max_age: float) -> int:
@@ -230,9 +355,16 @@ def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:
         version, scheme = header[0], header[4]
         compressed = int.from_bytes(header[1:4], "little")
         unpacked = int.from_bytes(header[5:8], "little")
-        if version != 0 or scheme not in (0, 1, 2) or unpacked > MAX_CHUNK or compressed > 2 * MAX_CHUNK:
-            raise InvalidRequest(f"xorb {xorb}: bad chunk header at byte {pos} (version {version}, scheme {scheme}, "
-                                 f"{compressed} -> {unpacked} bytes)")
+        if (
+            version != 0
+            or scheme not in (0, 1, 2)
+            or unpacked > MAX_CHUNK
+            or compressed > 2 * MAX_CHUNK
+        ):
+            raise InvalidRequest(
+                f"xorb {xorb}: bad chunk header at byte {pos} (version {version}, scheme {scheme}, "
+                f"{compressed} -> {unpacked} bytes)"
+            )
         offsets.append((pos, unpacked))
         pos += _CHUNK_HEADER + compressed
         if pos > size:
@@ -258,7 +390,9 @@ def _read_chunks(f: BinaryIO, offset: int, count: int) -> Iterator[bytes]:
         except RuntimeError as e:
             raise InvalidRequest(f"a xorb chunk does not decompress ({e})") from None
         if len(data) != unpacked:
-            raise InvalidRequest(f"a xorb chunk unpacks to {len(data)} bytes, not the {unpacked} its header states")
+            raise InvalidRequest(
+                f"a xorb chunk unpacks to {len(data)} bytes, not the {unpacked} its header states"
+            )
         yield data
 
 
@@ -270,7 +404,7 @@ def _bg4_regroup(grouped: bytes) -> bytes:
     start = 0
     for g in range(4):
         count = len(range(g, n, 4))
-        out[g::4] = src[start:start + count]
+        out[g::4] = src[start : start + count]
         start += count
     return out.tobytes()
 
@@ -302,9 +436,13 @@ def _shard_files(f: BinaryIO, size: int) -> Iterator[ShardFile]:
         if flags & _WITH_VERIFICATION:
             f.seek(n * _ENTRY, os.SEEK_CUR)
         if not flags & _WITH_METADATA_EXT:
-            raise InvalidRequest("Xet shard: a file record carries no SHA-256 (metadata extension); "
-                                 "this hub keys uploads by SHA-256")
+            raise InvalidRequest(
+                "Xet shard: a file record carries no SHA-256 (metadata extension); "
+                "this hub keys uploads by SHA-256"
+            )
         ext = f.read(_ENTRY)
         if len(ext) < _ENTRY:
             raise InvalidRequest("Xet shard: truncated metadata extension")
-        yield ShardFile(xet_hex(ext[:32]), tuple(terms))  # a SHA-256 in the same u64 layout as Xet hashes
+        yield ShardFile(
+            xet_hex(ext[:32]), tuple(terms)
+        )  # a SHA-256 in the same u64 layout as Xet hashes

@@ -38,8 +38,12 @@ __all__ = [
 
 
 def _accountant_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp",
-                   help="rdp (Opacus, the ViP paper's; default), prv (Opacus) or pld (Google's dp_accounting)")
+    p.add_argument(
+        "--accountant",
+        choices=ACCOUNTANTS,
+        default="rdp",
+        help="rdp (Opacus, the ViP paper's; default), prv (Opacus) or pld (Google's dp_accounting)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,15 +65,27 @@ def _epsilon(args: argparse.Namespace) -> None:
     from ..privacy.accounting import epsilon
 
     eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, args.accountant)
-    payload = {"epsilon": eps, "sigma": args.sigma, "sample_rate": args.sample_rate,
-               "steps": args.steps, "delta": args.delta, "accountant": args.accountant}
-    _emit(args, payload, f"epsilon = {eps:.4f} ({args.accountant}) for sigma={args.sigma:g}, "
-          f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}")
+    payload = {
+        "epsilon": eps,
+        "sigma": args.sigma,
+        "sample_rate": args.sample_rate,
+        "steps": args.steps,
+        "delta": args.delta,
+        "accountant": args.accountant,
+    }
+    _emit(
+        args,
+        payload,
+        f"epsilon = {eps:.4f} ({args.accountant}) for sigma={args.sigma:g}, "
+        f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}",
+    )
 
 
 # ----------------------------------------------------------------------- calibrate
 def register_calibrate(sub: Any) -> None:
-    p = add_command(sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon")
+    p = add_command(
+        sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon"
+    )
     p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
     p.add_argument("--delta", type=float, required=True)
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
@@ -82,21 +98,39 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     sigma = calibrate(args.epsilon, args.delta, args.sample_rate, args.steps, args.accountant)
     spent = epsilon(sigma, args.sample_rate, args.steps, args.delta, args.accountant)
-    payload = {"sigma": sigma, "epsilon": spent, "target_epsilon": args.epsilon,
-               "delta": args.delta, "sample_rate": args.sample_rate, "steps": args.steps,
-               "accountant": args.accountant}
-    _emit(args, payload, f"sigma = {sigma:.6g} (gives epsilon {spent:.4f} <= {args.epsilon:g}, "
-          f"{args.accountant}) for q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}")
+    payload = {
+        "sigma": sigma,
+        "epsilon": spent,
+        "target_epsilon": args.epsilon,
+        "delta": args.delta,
+        "sample_rate": args.sample_rate,
+        "steps": args.steps,
+        "accountant": args.accountant,
+    }
+    _emit(
+        args,
+        payload,
+        f"sigma = {sigma:.6g} (gives epsilon {spent:.4f} <= {args.epsilon:g}, "
+        f"{args.accountant}) for q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}",
+    )
 
 
 # -------------------------------------------------------------------------- verify
 def register_verify(sub: Any) -> None:
-    p = add_command(sub, "verify", _verify, "check a repo's privacy ledger, its copies and its files, and who "
-                                            "signed it")
+    p = add_command(
+        sub,
+        "verify",
+        _verify,
+        "check a repo's privacy ledger, its copies and its files, and who signed it",
+    )
     p.add_argument("repo", help="repo folder")
-    p.add_argument("--key", action="append", metavar="PUB",
-                   help="public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
-                        "(repeatable)")
+    p.add_argument(
+        "--key",
+        action="append",
+        metavar="PUB",
+        help="public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
+        "(repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -115,13 +149,20 @@ def _verify(args: argparse.Namespace) -> int:
         for w in report.warnings:
             print(f"WARN  {w}")
         if report.ok and report.ledger is not None:
-            print(f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} ({', '.join(report.checks)})")
+            print(
+                f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} ({', '.join(report.checks)})"
+            )
     return 0 if report.ok else 1
 
 
 # ---------------------------------------------------------------------- import-mae
-def _import_args(p: argparse.ArgumentParser, presets: tuple[str, ...], archs: tuple[str, ...],
-                 sampling: str, delta_help: str) -> None:
+def _import_args(
+    p: argparse.ArgumentParser,
+    presets: tuple[str, ...],
+    archs: tuple[str, ...],
+    sampling: str,
+    delta_help: str,
+) -> None:
     """The options every import command shares: the repo, and the ledger of any other run."""
     p.add_argument("checkpoint", help="reference checkpoint (.pth), loaded with weights_only=True")
     p.add_argument("--out", required=True, help="repo folder to write")
@@ -132,8 +173,11 @@ def _import_args(p: argparse.ArgumentParser, presets: tuple[str, ...], archs: tu
     p.add_argument("--repo-id", help="hub id shown on the card, e.g. vip/vip-base")
     p.add_argument("--overwrite", action="store_true")
     g = p.add_argument_group("ledger (without --preset)")
-    g.add_argument("--synthetic-dataset", default=None,
-                   help="non-private pretraining data, e.g. Shaders21k (a stage with no cost)")
+    g.add_argument(
+        "--synthetic-dataset",
+        default=None,
+        help="non-private pretraining data, e.g. Shaders21k (a stage with no cost)",
+    )
     g.add_argument("--private-dataset", help="name of the DP-trained dataset")
     g.add_argument("--dataset-size", type=int, help="n, examples in the private dataset")
     g.add_argument("--sigma", type=float, help="noise multiplier")
@@ -142,16 +186,28 @@ def _import_args(p: argparse.ArgumentParser, presets: tuple[str, ...], archs: tu
     g.add_argument("--clip", type=float, help="clipping norm C")
     g.add_argument("--delta", type=float, help=delta_help)
     g.add_argument("--mechanism", default="DP-AdamW", choices=MECHANISMS)
-    g.add_argument("--sampling", choices=("poisson", "shuffle"), default=sampling,
-                   help=f"how the run drew its batches (default {sampling}); the accountants assume Poisson "
-                        "sampling, and the card says so when it was not")
-    g.add_argument("--ledger-accountant", choices=ACCOUNTANTS, default="rdp",
-                   help="the accountant whose epsilon is the claim (the others are reported beside it)")
+    g.add_argument(
+        "--sampling",
+        choices=("poisson", "shuffle"),
+        default=sampling,
+        help=f"how the run drew its batches (default {sampling}); the accountants assume Poisson "
+        "sampling, and the card says so when it was not",
+    )
+    g.add_argument(
+        "--ledger-accountant",
+        choices=ACCOUNTANTS,
+        default="rdp",
+        help="the accountant whose epsilon is the claim (the others are reported beside it)",
+    )
 
 
 def register_import_mae(sub: Any) -> None:
-    p = add_command(sub, "import-mae", _import_mae,
-                    "convert a ViP-MAE reference checkpoint into a released-encoder repo")
+    p = add_command(
+        sub,
+        "import-mae",
+        _import_mae,
+        "convert a ViP-MAE reference checkpoint into a released-encoder repo",
+    )
     _import_args(p, VIP_PRESETS, VIP_ARCHS, "poisson", "default 1/(2n), the ViP paper's")
 
 
@@ -175,22 +231,40 @@ def _import_mae(args: argparse.Namespace) -> None:
 
     arch, stages, name, summary, _ = _preset_or_args(args, paper_delta)
     out = import_mae_checkpoint(
-        args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name,
-        summary=summary, img_size=args.img_size, repo_id=args.repo_id, overwrite=args.overwrite,
+        args.checkpoint,
+        args.out,
+        arch=arch,
+        stages=stages,
+        model_name=args.name or name,
+        summary=summary,
+        img_size=args.img_size,
+        repo_id=args.repo_id,
+        overwrite=args.overwrite,
     )
     print(f"wrote {out}")
 
 
 # -------------------------------------------------------------------- import-dpcap
 def register_import_dpcap(sub: Any) -> None:
-    p = add_command(sub, "import-dpcap", _import_dpcap,
-                    "convert a DP-Cap reference checkpoint (encoder and text decoder) into a released-encoder repo")
+    p = add_command(
+        sub,
+        "import-dpcap",
+        _import_dpcap,
+        "convert a DP-Cap reference checkpoint (encoder and text decoder) into a released-encoder repo",
+    )
     _import_args(p, DPCAP_PRESETS, DPCAP_ARCHS, "shuffle", "default 1/n, the DP-Cap authors'")
-    p.add_argument("--vocab", metavar="FILE",
-                   help="the tokenizer's vocab.txt (BERT uncased WordPiece, e.g. bert-base-uncased's): "
-                        "copied into the repo so it can caption")
-    p.add_argument("--decoder-heads", type=int, help="text decoder heads (default: the architecture's)")
-    p.add_argument("--license", help="licence on the card (default: the preset's, else cc-by-nc-4.0)")
+    p.add_argument(
+        "--vocab",
+        metavar="FILE",
+        help="the tokenizer's vocab.txt (BERT uncased WordPiece, e.g. bert-base-uncased's): "
+        "copied into the repo so it can caption",
+    )
+    p.add_argument(
+        "--decoder-heads", type=int, help="text decoder heads (default: the architecture's)"
+    )
+    p.add_argument(
+        "--license", help="licence on the card (default: the preset's, else cc-by-nc-4.0)"
+    )
 
 
 def _import_dpcap(args: argparse.Namespace) -> None:
@@ -198,40 +272,76 @@ def _import_dpcap(args: argparse.Namespace) -> None:
 
     arch, stages, name, summary, license = _preset_or_args(args, lambda n: 1.0 / n)
     out = import_dpcap_checkpoint(
-        args.checkpoint, args.out, arch=arch, stages=stages, model_name=args.name or name, summary=summary,
-        img_size=args.img_size, vocab=args.vocab, decoder_heads=args.decoder_heads, repo_id=args.repo_id,
-        license=args.license or license or "cc-by-nc-4.0", overwrite=args.overwrite,
+        args.checkpoint,
+        args.out,
+        arch=arch,
+        stages=stages,
+        model_name=args.name or name,
+        summary=summary,
+        img_size=args.img_size,
+        vocab=args.vocab,
+        decoder_heads=args.decoder_heads,
+        repo_id=args.repo_id,
+        license=args.license or license or "cc-by-nc-4.0",
+        overwrite=args.overwrite,
     )
     print(f"wrote {out}" + ("" if args.vocab else " (no --vocab: it cannot caption)"))
 
 
-def _stages_from_args(args: argparse.Namespace, delta: Callable[[int], float]) -> list[NonPrivateStage | DPStage]:
+def _stages_from_args(
+    args: argparse.Namespace, delta: Callable[[int], float]
+) -> list[NonPrivateStage | DPStage]:
     from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
 
     stages: list[NonPrivateStage | DPStage] = []
     if args.synthetic_dataset:
-        stages.append(NonPrivateStage(name="synthetic-pretraining",
-                                      dataset=Dataset(name=args.synthetic_dataset), private_data=False))
-    dp = [args.private_dataset, args.dataset_size, args.sigma, args.batch_size, args.steps, args.clip]
+        stages.append(
+            NonPrivateStage(
+                name="synthetic-pretraining",
+                dataset=Dataset(name=args.synthetic_dataset),
+                private_data=False,
+            )
+        )
+    dp = [
+        args.private_dataset,
+        args.dataset_size,
+        args.sigma,
+        args.batch_size,
+        args.steps,
+        args.clip,
+    ]
     if any(v is not None for v in dp):
         if any(v is None for v in dp):
-            raise CommandError("a DP stage needs --private-dataset, --dataset-size, --sigma, "
-                               "--batch-size, --steps and --clip")
-        stages.append(DPStage.from_parameters(
-            name="dp-pretraining",
-            dataset=Dataset(name=args.private_dataset, size=args.dataset_size),
-            sample_rate=args.batch_size / args.dataset_size, noise_multiplier=args.sigma,
-            steps=args.steps, clipping_norm=args.clip, mechanism=args.mechanism, sampling=args.sampling,
-            delta=args.delta or delta(args.dataset_size), accountant=args.ledger_accountant,
-        ))
+            raise CommandError(
+                "a DP stage needs --private-dataset, --dataset-size, --sigma, "
+                "--batch-size, --steps and --clip"
+            )
+        stages.append(
+            DPStage.from_parameters(
+                name="dp-pretraining",
+                dataset=Dataset(name=args.private_dataset, size=args.dataset_size),
+                sample_rate=args.batch_size / args.dataset_size,
+                noise_multiplier=args.sigma,
+                steps=args.steps,
+                clipping_norm=args.clip,
+                mechanism=args.mechanism,
+                sampling=args.sampling,
+                delta=args.delta or delta(args.dataset_size),
+                accountant=args.ledger_accountant,
+            )
+        )
     if not stages:
-        raise CommandError("describe the training: --preset, or --synthetic-dataset and/or the DP stage options")
+        raise CommandError(
+            "describe the training: --preset, or --synthetic-dataset and/or the DP stage options"
+        )
     return stages
 
 
 # ---------------------------------------------------------------------------- push
 def register_push(sub: Any) -> None:
-    p = add_command(sub, "push", _push, "verify a repo folder and publish it to a hub as one commit")
+    p = add_command(
+        sub, "push", _push, "verify a repo folder and publish it to a hub as one commit"
+    )
     p.add_argument("folder", help="repo folder (as written by export, train-* or import-mae)")
     p.add_argument("repo_id", metavar="ORG/NAME")
     p.add_argument("--endpoint", help="hub URL (default: HF_ENDPOINT, else https://huggingface.co)")
@@ -248,8 +358,15 @@ def _push(args: argparse.Namespace) -> None:
     from ..repo.push import push_repo
 
     try:
-        commit = push_repo(args.folder, args.repo_id, endpoint=args.endpoint, token=args.token,
-                           private=args.private, revision=args.revision, message=args.message)
+        commit = push_repo(
+            args.folder,
+            args.repo_id,
+            endpoint=args.endpoint,
+            token=args.token,
+            private=args.private,
+            revision=args.revision,
+            message=args.message,
+        )
     except VerificationError as e:
         raise CommandError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
     except HfHubHTTPError as e:
@@ -259,7 +376,11 @@ def _push(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ caption, zero-shot
 def _caption_source_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="DIR_OR_REPO", help="repo folder or hub repo id (HF_ENDPOINT) of a DP-Cap repo")
+    p.add_argument(
+        "source",
+        metavar="DIR_OR_REPO",
+        help="repo folder or hub repo id (HF_ENDPOINT) of a DP-Cap repo",
+    )
     p.add_argument("images", metavar="IMAGE", nargs="+", help="image files")
     p.add_argument("--revision", help="hub revision")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
@@ -289,7 +410,9 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
 def register_caption(sub: Any) -> None:
     p = add_command(sub, "caption", _caption, "caption images with a DP-Cap repo (greedy decoding)")
     _caption_source_args(p)
-    p.add_argument("--max-tokens", type=int, help="most tokens per caption (default: the decoder's maximum)")
+    p.add_argument(
+        "--max-tokens", type=int, help="most tokens per caption (default: the decoder's maximum)"
+    )
 
 
 def _caption(args: argparse.Namespace) -> None:
@@ -299,8 +422,14 @@ def _caption(args: argparse.Namespace) -> None:
     captions = model.caption(images, args.max_tokens)
     privacy = model.encoder.privacy
     if args.json:
-        print(json.dumps({"captions": [{"image": i, "caption": c} for i, c in zip(args.images, captions)],
-                          "privacy": privacy.to_dict()}))
+        print(
+            json.dumps(
+                {
+                    "captions": [{"image": i, "caption": c} for i, c in zip(args.images, captions)],
+                    "privacy": privacy.to_dict(),
+                }
+            )
+        )
         return
     for path, caption in zip(args.images, captions):
         print(f"{path}: {caption}")
@@ -308,8 +437,12 @@ def _caption(args: argparse.Namespace) -> None:
 
 
 def register_zero_shot(sub: Any) -> None:
-    p = add_command(sub, "zero-shot", _zero_shot,
-                    "classify images among label texts by caption likelihood (DP-Cap repos)")
+    p = add_command(
+        sub,
+        "zero-shot",
+        _zero_shot,
+        "classify images among label texts by caption likelihood (DP-Cap repos)",
+    )
     _caption_source_args(p)
     p.add_argument("--labels", required=True, help="comma-separated label texts, e.g. dog,cat,car")
     p.add_argument("--prompt", help="text before each label (default: 'this is a photo of a')")
@@ -330,10 +463,21 @@ def _zero_shot(args: argparse.Namespace) -> None:
     ranked = [[(labels[j], float(row[j])) for j in row.argsort()[:k].tolist()] for row in losses]
     privacy = model.encoder.privacy
     if args.json:
-        print(json.dumps({"results": [{"image": path, "label": r[0][0],
-                                       "labels": [{"label": lab, "loss": loss} for lab, loss in r]}
-                                      for path, r in zip(args.images, ranked)],
-                          "privacy": privacy.to_dict()}))
+        print(
+            json.dumps(
+                {
+                    "results": [
+                        {
+                            "image": path,
+                            "label": r[0][0],
+                            "labels": [{"label": lab, "loss": loss} for lab, loss in r],
+                        }
+                        for path, r in zip(args.images, ranked)
+                    ],
+                    "privacy": privacy.to_dict(),
+                }
+            )
+        )
         return
     for path, r in zip(args.images, ranked):
         print(f"{path}: {r[0][0]}  (" + ", ".join(f"{lab} {loss:.3f}" for lab, loss in r) + ")")

@@ -17,7 +17,9 @@ def register_key(sub: Any) -> None:
     """Add ``vip-hub key create``."""
     from ..repo.signing import KEY_NAME
 
-    p = add_command(sub, "key", _key, "create the EC key pair that signs your repos (kept outside them)")
+    p = add_command(
+        sub, "key", _key, "create the EC key pair that signs your repos (kept outside them)"
+    )
     p.add_argument("action", choices=["create"])
     p.add_argument("--dir", type=Path, help="folder to keep it in (default: ~/.config/vip-hub)")
     p.add_argument("--name", default=KEY_NAME, help=f"NAME.key and NAME.pub (default {KEY_NAME})")
@@ -29,9 +31,13 @@ def _key(args: argparse.Namespace) -> None:
 
     private, public = create_key(args.dir, args.name, overwrite=args.overwrite)
     print(f"private key  {private}  (mode 0600: keep it secret, never inside a repo)")
-    print(f"public key   {public.path}  (give it to readers and hub operators: `vip-hub trust add`)")
+    print(
+        f"public key   {public.path}  (give it to readers and hub operators: `vip-hub trust add`)"
+    )
     print(f"fingerprint  {public.fingerprint}")
-    print(f"training runs sign their repos with it when {SIGNING_KEY_ENV}={private} (or --signing-key)")
+    print(
+        f"training runs sign their repos with it when {SIGNING_KEY_ENV}={private} (or --signing-key)"
+    )
 
 
 def register_sign(sub: Any) -> None:
@@ -40,8 +46,12 @@ def register_sign(sub: Any) -> None:
 
     p = add_command(sub, "sign", _sign, "sign a verified repo folder (writes model.sig)")
     p.add_argument("folder", help="repo folder")
-    p.add_argument("--key", type=Path, default=os.environ.get(SIGNING_KEY_ENV),
-                   help=f"private key (default: {SIGNING_KEY_ENV})")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=os.environ.get(SIGNING_KEY_ENV),
+        help=f"private key (default: {SIGNING_KEY_ENV})",
+    )
 
 
 def _sign(args: argparse.Namespace) -> None:

@@ -23,7 +23,6 @@ class CommandError(VipHubError):
     """A user-facing failure of a command's own arguments: printed as one line, exit status 1."""
 
 
-
 def require_extra(extra: str, *modules: str) -> None:
     """Raise ImportError (the command is then listed as unavailable) unless ``modules`` are
     installed: a plugin from an optional extra calls this before registering its commands."""
@@ -34,8 +33,9 @@ def require_extra(extra: str, *modules: str) -> None:
         raise ImportError(f"needs the {extra} extra: pip install 'vip-hub[{extra}]'")
 
 
-def add_command(sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None],
-                help: str) -> argparse.ArgumentParser:
+def add_command(
+    sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None], help: str
+) -> argparse.ArgumentParser:
     """Add sub-command ``name`` to the sub-parsers ``sub``; plugins call this to register."""
     p = sub.add_parser(name, help=help, description=help)
     p.set_defaults(handler=handler, command=name)

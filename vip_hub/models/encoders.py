@@ -49,8 +49,13 @@ __all__ = [
 SIZES = ("nano", "tiny", "small", "base", "large")
 _WIDTH = {"nano": 192, "tiny": 384, "small": 576, "base": 768, "large": 1024}
 _DEPTH = {"nano": 12, "tiny": 12, "small": 12, "base": 12, "large": 24}
-_TIMM_ARCH = {"nano": "vit_tiny_patch16_224", "tiny": "vit_small_patch16_224", "small": "vit_base_patch16_224",
-              "base": "vit_base_patch16_224", "large": "vit_large_patch16_224"}
+_TIMM_ARCH = {
+    "nano": "vit_tiny_patch16_224",
+    "tiny": "vit_small_patch16_224",
+    "small": "vit_base_patch16_224",
+    "base": "vit_base_patch16_224",
+    "large": "vit_large_patch16_224",
+}
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,14 @@ class Family:
     title: str
     paper: str  # one line for the card
     heads: dict[str, int]  # attention heads per size
-    decoder: dict[str, tuple[int, int, int]]  # per size: the training decoder's (width, depth, heads)
+    decoder: dict[
+        str, tuple[int, int, int]
+    ]  # per size: the training decoder's (width, depth, heads)
     decoder_kind: str  # what that decoder is, for people
     qkv_bias: bool
-    pooled_norm: bool  # final LayerNorm after pooling (timm fc_norm) rather than on every token (timm norm)
+    pooled_norm: (
+        bool  # final LayerNorm after pooling (timm fc_norm) rather than on every token (timm norm)
+    )
     frozen_tokens: bool  # class token and image type embedding are frozen random constants
     poolings: tuple[str, ...]  # feature modes, the family's linear-probe mode first
     captions: bool  # a repo can carry a text decoder (captions, zero-shot)
@@ -82,23 +91,45 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family(
-            name="vip", title="ViP",
+            name="vip",
+            title="ViP",
             paper="ViP (Yu et al., 2023): MAE pretraining with DP-AdamW after synthetic-image pretraining",
             heads={s: (16 if s == "large" else 12) for s in SIZES},
-            decoder={s: (512, 4, 16) for s in SIZES}, decoder_kind="MAE decoder",
-            qkv_bias=True, pooled_norm=True, frozen_tokens=False, poolings=("vip", "avg", "cls"),
-            captions=False, unit="image", crop_pct=0.875, crop_mode="center", tags=("vip", "mae"),
+            decoder={s: (512, 4, 16) for s in SIZES},
+            decoder_kind="MAE decoder",
+            qkv_bias=True,
+            pooled_norm=True,
+            frozen_tokens=False,
+            poolings=("vip", "avg", "cls"),
+            captions=False,
+            unit="image",
+            crop_pct=0.875,
+            crop_mode="center",
+            tags=("vip", "mae"),
         ),
         Family(
-            name="dpcap", title="DP-Cap",
+            name="dpcap",
+            title="DP-Cap",
             paper="DP-Cap (Sander et al., 2024): image captioning trained with DP-AdamW after synthetic-image "
-                  "pretraining",
+            "pretraining",
             heads={"nano": 6, "tiny": 6, "small": 12, "base": 12, "large": 16},
-            decoder={"nano": (192, 6, 6), "tiny": (384, 6, 6), "small": (576, 6, 12), "base": (768, 6, 12),
-                     "large": (768, 6, 12)},
+            decoder={
+                "nano": (192, 6, 6),
+                "tiny": (384, 6, 6),
+                "small": (576, 6, 12),
+                "base": (768, 6, 12),
+                "large": (768, 6, 12),
+            },
             decoder_kind="text decoder",
-            qkv_bias=False, pooled_norm=False, frozen_tokens=True, poolings=("dpcap", "avg", "cls"),
-            captions=True, unit="image-caption pair", crop_pct=1.0, crop_mode="squash", tags=("dp-cap", "image-captioning"),
+            qkv_bias=False,
+            pooled_norm=False,
+            frozen_tokens=True,
+            poolings=("dpcap", "avg", "cls"),
+            captions=True,
+            unit="image-caption pair",
+            crop_pct=1.0,
+            crop_mode="squash",
+            tags=("dp-cap", "image-captioning"),
         ),
     )
 }
@@ -122,11 +153,23 @@ class Arch:
 
 def _arch(family: Family, size: str) -> Arch:
     width, depth, heads = family.decoder[size]
-    return Arch(f"{family.name}-{size}", family, size, _WIDTH[size], _DEPTH[size], family.heads[size],
-                _TIMM_ARCH[size], width, depth, heads)
+    return Arch(
+        f"{family.name}-{size}",
+        family,
+        size,
+        _WIDTH[size],
+        _DEPTH[size],
+        family.heads[size],
+        _TIMM_ARCH[size],
+        width,
+        depth,
+        heads,
+    )
 
 
-ARCHS: dict[str, Arch] = {a.name: a for f in FAMILIES.values() for a in (_arch(f, s) for s in SIZES)}
+ARCHS: dict[str, Arch] = {
+    a.name: a for f in FAMILIES.values() for a in (_arch(f, s) for s in SIZES)
+}
 
 
 def family_archs(family: str) -> tuple[str, ...]:
@@ -226,7 +269,9 @@ class EncoderSpec:
             interpolation=str(cfg.get("interpolation", "bicubic")),
         )
         if meta.get("family", spec.family.name) != spec.family.name:
-            raise RepoFormatError(f"config.json: vip_hub.family {meta['family']!r} disagrees with arch {spec.arch!r}")
+            raise RepoFormatError(
+                f"config.json: vip_hub.family {meta['family']!r} disagrees with arch {spec.arch!r}"
+            )
         return spec
 
 
@@ -234,7 +279,11 @@ def sincos_pos_embed_1d(dim: int, positions: torch.Tensor | int) -> torch.Tensor
     """Fixed 1-D sine-cosine embeddings (MAE), shape (len(positions), dim): sines then cosines."""
     if dim % 2:
         raise ConfigError(f"embedding dim {dim} must be even")
-    pos = torch.arange(positions, dtype=torch.float64) if isinstance(positions, int) else positions.double()
+    pos = (
+        torch.arange(positions, dtype=torch.float64)
+        if isinstance(positions, int)
+        else positions.double()
+    )
     omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
     angles = pos.reshape(-1, 1) * omega.reshape(1, -1)
     return torch.cat([angles.sin(), angles.cos()], dim=1).float()
@@ -250,7 +299,9 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, cls_token: bool = True) -> tor
     coords = torch.arange(grid_size, dtype=torch.float64)
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")
     # MAE's convention: the first half of the channels encodes the column (w), then the row (h).
-    emb = torch.cat([sincos_pos_embed_1d(dim // 2, cols), sincos_pos_embed_1d(dim // 2, rows)], dim=1)
+    emb = torch.cat(
+        [sincos_pos_embed_1d(dim // 2, cols), sincos_pos_embed_1d(dim // 2, rows)], dim=1
+    )
     if cls_token:
         emb = torch.cat([torch.zeros(1, dim), emb], dim=0)
     return emb
@@ -299,4 +350,3 @@ def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of parameters (trainable or not)."""
     return sum(p.numel() for p in model.parameters())
-

@@ -38,9 +38,9 @@ MODE_DESCRIPTIONS: dict[str, str] = {
     "cls": "the class token after the final norm",
     "avg": "the mean of the patch tokens with the final norm (timm's default forward)",
     "vip": "the ViP paper's linear-probe features: mean patch token of each of the last 6 blocks, "
-           "concatenated, then a LayerNorm without parameters",
+    "concatenated, then a LayerNorm without parameters",
     "dpcap": "the DP-Cap paper's linear-probe features: mean over all tokens of the text decoder's image "
-             "memory (decoder_embed of the normed tokens plus its position and type embeddings)",
+    "memory (decoder_embed of the normed tokens plus its position and type embeddings)",
 }
 """Each mode in one line, for cards and help texts."""
 
@@ -66,7 +66,9 @@ def vip_layers(model: VisionTransformer) -> int:
     return min(VIP_LAYERS, len(model.blocks))
 
 
-def feature_dim(model: VisionTransformer, pooling: Pooling, memory: "ImageMemory | None" = None) -> int:
+def feature_dim(
+    model: VisionTransformer, pooling: Pooling, memory: "ImageMemory | None" = None
+) -> int:
     """Width of the embedding that ``pooling`` produces."""
     check_pooling(pooling)
     if pooling == "dpcap":
@@ -126,9 +128,13 @@ def check_pooling(pooling: str) -> None:
 
 def _need_memory(model: VisionTransformer, memory: "ImageMemory | None") -> "ImageMemory":
     if memory is None:
-        raise ConfigError("the dpcap feature mode needs the text decoder's image-memory weights "
-                          "(a DP-Cap repo's text_decoder.safetensors)")
+        raise ConfigError(
+            "the dpcap feature mode needs the text decoder's image-memory weights "
+            "(a DP-Cap repo's text_decoder.safetensors)"
+        )
     if not isinstance(model.fc_norm, torch.nn.Identity):
-        raise ConfigError("the dpcap feature mode needs an encoder with the final norm on every token "
-                          "(a dpcap-* architecture)")
+        raise ConfigError(
+            "the dpcap feature mode needs an encoder with the final norm on every token "
+            "(a dpcap-* architecture)"
+        )
     return memory

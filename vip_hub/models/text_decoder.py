@@ -69,15 +69,23 @@ class TextDecoderConfig:
     def __post_init__(self) -> None:
         for name in ("image_dim", "grid_size", "width", "depth", "num_heads", "vocab_size"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"text decoder: {name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"text decoder: {name} must be positive, got {getattr(self, name)}"
+                )
         if self.width % self.num_heads or self.width % 4:
-            raise ConfigError(f"text decoder: width {self.width} must be divisible by 4 and by num_heads "
-                              f"{self.num_heads}")
+            raise ConfigError(
+                f"text decoder: width {self.width} must be divisible by 4 and by num_heads "
+                f"{self.num_heads}"
+            )
         if self.max_length < 2:
             raise ConfigError(f"text decoder: max_length must be at least 2, got {self.max_length}")
-        bad = [n for n in ("bos_id", "eos_id", "pad_id") if not 0 <= getattr(self, n) < self.vocab_size]
+        bad = [
+            n for n in ("bos_id", "eos_id", "pad_id") if not 0 <= getattr(self, n) < self.vocab_size
+        ]
         if bad:
-            raise ConfigError(f"text decoder: {', '.join(bad)} outside the vocabulary of {self.vocab_size}")
+            raise ConfigError(
+                f"text decoder: {', '.join(bad)} outside the vocabulary of {self.vocab_size}"
+            )
 
     @property
     def num_image_tokens(self) -> int:
@@ -88,8 +96,10 @@ class TextDecoderConfig:
         ids = (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
         want = (self.vocab_size, self.bos_id, self.eos_id, self.pad_id)
         if ids != want:
-            raise ConfigError(f"the vocabulary's (size, [CLS], [SEP], [PAD]) = {ids} does not match the text "
-                              f"decoder's {want}")
+            raise ConfigError(
+                f"the vocabulary's (size, [CLS], [SEP], [PAD]) = {ids} does not match the text "
+                f"decoder's {want}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,17 +117,28 @@ class TextDecoderConfig:
             raise RepoFormatError(f"text decoder config: {e}") from None
 
     @classmethod
-    def for_encoder(cls, spec: EncoderSpec, tokenizer: CaptionTokenizer | None = None,
-                    **sizes: Any) -> "TextDecoderConfig":
+    def for_encoder(
+        cls, spec: EncoderSpec, tokenizer: CaptionTokenizer | None = None, **sizes: Any
+    ) -> "TextDecoderConfig":
         """The family's decoder for ``spec``'s size (reference: 6 blocks, width of the encoder up
         to 768); token ids and vocabulary size from ``tokenizer`` when given; ``sizes`` override."""
         a = spec.architecture
         ids = {}
         if tokenizer is not None:
-            ids = {"vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
-                   "pad_id": tokenizer.pad_id, "max_length": tokenizer.max_length}
-        base = {"image_dim": a.embed_dim, "grid_size": spec.grid_size, "width": a.decoder_embed_dim,
-                "depth": a.decoder_depth, "num_heads": a.decoder_num_heads}
+            ids = {
+                "vocab_size": tokenizer.vocab_size,
+                "bos_id": tokenizer.bos_id,
+                "eos_id": tokenizer.eos_id,
+                "pad_id": tokenizer.pad_id,
+                "max_length": tokenizer.max_length,
+            }
+        base = {
+            "image_dim": a.embed_dim,
+            "grid_size": spec.grid_size,
+            "width": a.decoder_embed_dim,
+            "depth": a.decoder_depth,
+            "num_heads": a.decoder_num_heads,
+        }
         return cls(**{**base, **ids, **sizes})
 
 
@@ -222,7 +243,9 @@ class TextDecoder(nn.Module):
         self.token_embed = nn.Embedding(c.vocab_size, c.width)
         self.register_buffer("text_pos_embed", torch.zeros(1, c.max_length, c.width))
         self.register_buffer("text_type_embed", torch.zeros(1, 1, c.width))
-        self.blocks = nn.ModuleList(DecoderBlock(c.width, c.num_heads, c.mlp_ratio) for _ in range(c.depth))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(c.width, c.num_heads, c.mlp_ratio) for _ in range(c.depth)
+        )
         self.head_norm = nn.LayerNorm(c.width, eps=LN_EPS)
         self.head = nn.Linear(c.width, c.vocab_size)
         self._init_weights()
@@ -251,7 +274,9 @@ class TextDecoder(nn.Module):
     def decode(self, text: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
         """Next-token logits (B, T, vocab) for token ids ``text`` (B, T) given ``cross_kv``."""
         if text.shape[1] > self.config.max_length:
-            raise ConfigError(f"{text.shape[1]} text tokens, more than this decoder's {self.config.max_length}")
+            raise ConfigError(
+                f"{text.shape[1]} text tokens, more than this decoder's {self.config.max_length}"
+            )
         x = self.token_embed(text) + self.text_pos_embed[:, : text.shape[1]] + self.text_type_embed
         for block, block_kv in zip(self.blocks, kv):
             x = block(x, block_kv)
@@ -266,7 +291,9 @@ def caption_loss(logits: torch.Tensor, text: torch.Tensor, pad_id: int) -> torch
     """Per-example loss (B,): cross-entropy of each next token, padding ignored, summed over the
     caption and divided by its number of non-pad targets (the reference's loss)."""
     targets = text[:, 1:]
-    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=pad_id, reduction="none")
+    ce = F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=pad_id, reduction="none"
+    )
     return ce.sum(dim=1) / (targets != pad_id).sum(dim=1).clamp(min=1)
 
 
@@ -278,11 +305,18 @@ class Captioner(nn.Module):
         super().__init__()
         c = decoder.config
         if not isinstance(encoder.fc_norm, nn.Identity):
-            raise ConfigError("a captioner needs an encoder with the final norm on every token "
-                              "(a dpcap-* architecture)")
-        if (encoder.embed_dim, encoder.patch_embed.num_patches + 1) != (c.image_dim, c.num_image_tokens):
-            raise ConfigError(f"the text decoder expects {c.num_image_tokens} tokens of width {c.image_dim}, the "
-                              f"encoder gives {encoder.patch_embed.num_patches + 1} of width {encoder.embed_dim}")
+            raise ConfigError(
+                "a captioner needs an encoder with the final norm on every token "
+                "(a dpcap-* architecture)"
+            )
+        if (encoder.embed_dim, encoder.patch_embed.num_patches + 1) != (
+            c.image_dim,
+            c.num_image_tokens,
+        ):
+            raise ConfigError(
+                f"the text decoder expects {c.num_image_tokens} tokens of width {c.image_dim}, the "
+                f"encoder gives {encoder.patch_embed.num_patches + 1} of width {encoder.embed_dim}"
+            )
         self.encoder = encoder
         self.decoder = decoder
 
@@ -292,7 +326,9 @@ class Captioner(nn.Module):
 
     def forward(self, images: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Per-example caption losses (B,) for images (B, 3, H, W) and token ids (B, T)."""
-        return caption_loss(self.decoder(self.encode(images), text), text, self.decoder.config.pad_id)
+        return caption_loss(
+            self.decoder(self.encode(images), text), text, self.decoder.config.pad_id
+        )
 
     @torch.inference_mode()
     def generate(self, images: torch.Tensor, max_tokens: int) -> list[list[int]]:
@@ -300,7 +336,9 @@ class Captioner(nn.Module):
         [SEP] (not included). ``max_tokens`` is at most ``max_length - 1``."""
         c = self.decoder.config
         if not 1 <= max_tokens <= c.max_length - 1:
-            raise ConfigError(f"max_tokens must be between 1 and {c.max_length - 1}, got {max_tokens}")
+            raise ConfigError(
+                f"max_tokens must be between 1 and {c.max_length - 1}, got {max_tokens}"
+            )
         kv = self.decoder.cross_kv(self.decoder.memory(self.encode(images)))
         text = torch.full((images.shape[0], 1), c.bos_id, dtype=torch.long, device=images.device)
         done = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)

@@ -44,12 +44,16 @@ class CaptionTokenizer:
         index: dict[str, int] = {}
         for i, token in enumerate(tokens):
             if not token or token in index:
-                raise ConfigError(f"vocabulary line {i + 1}: {'empty' if not token else f'duplicate {token!r}'}")
+                raise ConfigError(
+                    f"vocabulary line {i + 1}: {'empty' if not token else f'duplicate {token!r}'}"
+                )
             index[token] = i
         missing = [t for t in SPECIAL_TOKENS if t not in index]
         if missing:
-            raise ConfigError(f"vocabulary lacks the special tokens {', '.join(missing)} "
-                              "(a BERT-style vocab.txt has them)")
+            raise ConfigError(
+                f"vocabulary lacks the special tokens {', '.join(missing)} "
+                "(a BERT-style vocab.txt has them)"
+            )
         if max_length < 2:
             raise ConfigError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
         self.vocab_size = len(tokens)
@@ -69,7 +73,9 @@ class CaptionTokenizer:
         if not cut:
             for i, e in enumerate(encodings):
                 if e.overflowing:
-                    raise ConfigError(f"text {i} ({texts[i][:60]!r}) is longer than {self.max_length} tokens")
+                    raise ConfigError(
+                        f"text {i} ({texts[i][:60]!r}) is longer than {self.max_length} tokens"
+                    )
         return torch.tensor([e.ids for e in encodings], dtype=torch.long)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -82,7 +88,9 @@ def public_vocab(texts: Iterable[str]) -> bytes:
     between them) followed by the words of ``texts``, lowercased as the tokenizer reads them,
     sorted. Only for public texts (templates, label names): it releases every word it holds."""
     normalizer, split = BertNormalizer(lowercase=True), BertPreTokenizer()
-    words = sorted({w for text in texts for w, _ in split.pre_tokenize_str(normalizer.normalize_str(text))})
+    words = sorted(
+        {w for text in texts for w, _ in split.pre_tokenize_str(normalizer.normalize_str(text))}
+    )
     if not words:
         raise ConfigError("a vocabulary needs at least one word")
     by_id = {i: token for token, i in BERT_SPECIAL_IDS.items()}

@@ -154,22 +154,37 @@ def calibrate(
             while lo > 1e-2 and epsilon(lo, sample_rate, steps, delta, kind) <= target_epsilon:
                 hi, lo = lo, lo * 0.7
             sigma = dp_accounting.calibrate_dp_mechanism(
-                _pld_accountant, lambda s: _pld_event([(s, sample_rate, steps)]), target_epsilon, delta,
-                bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tolerance / 10,
+                _pld_accountant,
+                lambda s: _pld_event([(s, sample_rate, steps)]),
+                target_epsilon,
+                delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
+                tol=tolerance / 10,
             )
         else:
             from opacus.accountants.utils import get_noise_multiplier
 
-            extra = {"alphas": rdp_alphas()} if kind is Accountant.RDP else {"eps_error": PRV_EPS_ERROR}
+            extra = (
+                {"alphas": rdp_alphas()} if kind is Accountant.RDP else {"eps_error": PRV_EPS_ERROR}
+            )
             sigma = get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-                accountant=kind.value, epsilon_tolerance=tolerance, **extra,
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=kind.value,
+                epsilon_tolerance=tolerance,
+                **extra,
             )
     return float(sigma)
 
 
 def max_steps_within(
-    target: float, sigma: float, sample_rate: float, delta: float, steps: int,
+    target: float,
+    sigma: float,
+    sample_rate: float,
+    delta: float,
+    steps: int,
     accountant: Accountant | str = Accountant.RDP,
 ) -> int:
     """The most steps (<= ``steps``) whose epsilon stays within ``target`` (0 if none)."""
@@ -198,17 +213,22 @@ def _pld_accountant():  # type: ignore[no-untyped-def]
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    return PLDAccountant(NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_INTERVAL)
+    return PLDAccountant(
+        NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_INTERVAL
+    )
 
 
 def _pld_event(history: Sequence[GaussianRun]):  # type: ignore[no-untyped-def]
     from dp_accounting import dp_event
 
-    return dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(
-            dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), int(steps))
-        for sigma, q, steps in history
-    ])
+    return dp_event.ComposedDpEvent(
+        [
+            dp_event.SelfComposedDpEvent(
+                dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), int(steps)
+            )
+            for sigma, q, steps in history
+        ]
+    )
 
 
 def _pld_epsilon(history: Sequence[GaussianRun], delta: float) -> float:

@@ -85,7 +85,7 @@ def correct_guesses(scores: Sequence[float], secrets: Sequence[bool], r: int) ->
     order = np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")
     bits = np.asarray(secrets, dtype=bool)
     half = r // 2
-    return int(bits[order[len(order) - half:]].sum() + (~bits[order[:half]]).sum())
+    return int(bits[order[len(order) - half :]].sum() + (~bits[order[:half]]).sum())
 
 
 def bound_over_grid(m: int, results: Sequence[tuple[int, int]], beta: float, delta: float) -> float:
@@ -103,4 +103,6 @@ def ceiling(m: int, beta: float, delta: float) -> float:
 def log_likelihood_ratio(y: np.ndarray, sample_rate: float, noise_multiplier: float) -> np.ndarray:
     """Per-step score of Dirac canaries observed as y = c + N(0, sigma^2), c in {0, 1} w.p. q."""
     z = (2.0 * np.asarray(y, dtype=np.float64) - 1.0) / (2.0 * noise_multiplier**2)
-    return np.logaddexp(math.log1p(-sample_rate) if sample_rate < 1 else -np.inf, math.log(sample_rate) + z)
+    return np.logaddexp(
+        math.log1p(-sample_rate) if sample_rate < 1 else -np.inf, math.log(sample_rate) + z
+    )

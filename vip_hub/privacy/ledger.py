@@ -43,8 +43,8 @@ _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
 _OLD_SCHEMAS = {
     "vip-hub/privacy-ledger/v1": " (written by vip-hub < 0.2: export the repo again)",
     "vip-hub/privacy-ledger/v2": " (written by vip-hub < 0.3, whose ledgers carried an unsalted SHA-256 of the "
-                                 "private dataset: retrain or export again with this version, and withdraw the "
-                                 "old release)",
+    "private dataset: retrain or export again with this version, and withdraw the "
+    "old release)",
 }
 
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
@@ -78,7 +78,9 @@ __all__ = [
 
 def round_up(eps: float) -> float:
     """``eps`` rounded up to ``EPSILON_DECIMALS`` decimals (exactly: the result is >= eps)."""
-    return float(Decimal(eps).quantize(Decimal(1).scaleb(-EPSILON_DECIMALS), rounding=ROUND_CEILING))
+    return float(
+        Decimal(eps).quantize(Decimal(1).scaleb(-EPSILON_DECIMALS), rounding=ROUND_CEILING)
+    )
 
 
 def round_down(eps: float) -> float:
@@ -103,7 +105,9 @@ class Dataset(_Model):
     compose); ``size`` is the n its stage saw (a subset's, for a head on part of it)."""
 
     name: str = Field(min_length=1, max_length=200)
-    size: int | None = Field(default=None, gt=0, description="number of training examples n (treated as public)")
+    size: int | None = Field(
+        default=None, gt=0, description="number of training examples n (treated as public)"
+    )
     description: str = ""
 
     @property
@@ -146,14 +150,23 @@ class Audit(_Model):
 
     method: Literal["one-run-dirac-canaries"] = "one-run-dirac-canaries"
     canaries: int = Field(gt=0, description="m: canaries, each in the data with probability 1/2")
-    canary_norm: float = Field(gt=0, description="a canary's gradient norm before clipping, in units of the sensitivity")
-    results: list[AuditResult] = Field(min_length=1, description="one per guess count of the grid, fixed in advance")
+    canary_norm: float = Field(
+        gt=0, description="a canary's gradient norm before clipping, in units of the sensitivity"
+    )
+    results: list[AuditResult] = Field(
+        min_length=1, description="one per guess count of the grid, fixed in advance"
+    )
     beta: float = Field(gt=0, lt=1, description="1 - confidence, split evenly over the grid")
     delta: float = Field(gt=0, lt=1)
     epsilon_lower_bound: float = Field(ge=0)
-    ceiling: float = Field(ge=0, description="the largest lower bound this audit could reach: every guess right "
-                                             "at the grid's best count, given the canaries, beta and delta")
-    accountant_epsilon: dict[Accountant, float] = Field(description="each accountant's epsilon at this delta")
+    ceiling: float = Field(
+        ge=0,
+        description="the largest lower bound this audit could reach: every guess right "
+        "at the grid's best count, given the canaries, beta and delta",
+    )
+    accountant_epsilon: dict[Accountant, float] = Field(
+        description="each accountant's epsilon at this delta"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "Audit":
@@ -162,7 +175,9 @@ class Audit(_Model):
         if set(self.accountant_epsilon) != set(Accountant):
             raise ValueError("accountant_epsilon must give every accountant's epsilon")
         if self.epsilon_lower_bound > self.ceiling:
-            raise ValueError(f"lower bound {self.epsilon_lower_bound} above the audit's ceiling {self.ceiling}")
+            raise ValueError(
+                f"lower bound {self.epsilon_lower_bound} above the audit's ceiling {self.ceiling}"
+            )
         return self
 
     @property
@@ -184,14 +199,20 @@ class DPStage(_Stage):
     type: Literal["dp"] = "dp"
     mechanism: MechanismName
     mechanism_params: dict[str, Any] = Field(
-        default_factory=dict, description="what fixes the sensitivity beyond C (Logit-DP: loss, temperature...)")
+        default_factory=dict,
+        description="what fixes the sensitivity beyond C (Logit-DP: loss, temperature...)",
+    )
     sampling: Sampling = "poisson"
     sample_rate: float = Field(gt=0, le=1)
     noise_multiplier: float = Field(gt=0)
     steps: int = Field(gt=0)
     clipping_norm: float = Field(gt=0)
-    sensitivity: float = Field(gt=0, description="L2 sensitivity of the clipped sum (add/remove one example)")
-    noise_std: float = Field(gt=0, description="standard deviation of the noise added to the clipped sum")
+    sensitivity: float = Field(
+        gt=0, description="L2 sensitivity of the clipped sum (add/remove one example)"
+    )
+    noise_std: float = Field(
+        gt=0, description="standard deviation of the noise added to the clipped sum"
+    )
     expected_batch_size: float = Field(gt=0)
     delta: float = Field(gt=0, lt=1)
     accountant: Accountant = Accountant.RDP
@@ -205,7 +226,9 @@ class DPStage(_Stage):
         n = self.dataset.size
         if n is None:
             raise ValueError("dataset.size is required for a DP stage (q and delta depend on it)")
-        if abs(self.sample_rate * n - self.expected_batch_size) > 1e-6 * max(1.0, self.expected_batch_size):
+        if abs(self.sample_rate * n - self.expected_batch_size) > 1e-6 * max(
+            1.0, self.expected_batch_size
+        ):
             raise ValueError(
                 f"expected_batch_size {self.expected_batch_size} != sample_rate * dataset.size "
                 f"= {self.sample_rate * n:g}"
@@ -254,7 +277,9 @@ class DPStage(_Stage):
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
         acc = Accountant(accountant)
-        eps = {a: round_up(e) for a, e in epsilons(noise_multiplier, sample_rate, steps, delta).items()}
+        eps = {
+            a: round_up(e) for a, e in epsilons(noise_multiplier, sample_rate, steps, delta).items()
+        }
         sensitivity = clipping_norm if sensitivity is None else sensitivity
         return _validated(
             cls,
@@ -342,8 +367,10 @@ class PrivacySummary:
         """What a reader must be told wherever the epsilon is shown, if anything."""
         if not self.assumed_poisson:
             return None
-        return (f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not sample so; "
-                f"without amplification by sampling: ε = {self.epsilon_without_amplification:.2f} under PLD)")
+        return (
+            f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not sample so; "
+            f"without amplification by sampling: ε = {self.epsilon_without_amplification:.2f} under PLD)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (responses, the hub index)."""
@@ -394,7 +421,9 @@ class PrivacyLedger(_Model):
     def _consistent(self) -> "PrivacyLedger":
         problems: list[str] = []
         expected = _dp_stages_by_dataset(self.stages)
-        unprotected = {s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data}
+        unprotected = {
+            s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data
+        }
         claimed: set[str] = set()
         for i, g in enumerate(self.guarantees):
             if g.key in claimed:
@@ -434,11 +463,15 @@ class PrivacyLedger(_Model):
     ) -> "PrivacyLedger":
         """A ledger whose guarantees are computed from its DP stages."""
         stages = list(stages)
-        return _validated(cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {})
+        return _validated(
+            cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {}
+        )
 
     def with_artifacts(self, artifacts: dict[str, str]) -> "PrivacyLedger":
         """A copy that binds the given file digests (replacing the old ones)."""
-        return _validated(PrivacyLedger, **{**self.model_dump(by_alias=True), "artifacts": artifacts})
+        return _validated(
+            PrivacyLedger, **{**self.model_dump(by_alias=True), "artifacts": artifacts}
+        )
 
     # ------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -458,8 +491,12 @@ class PrivacyLedger(_Model):
         if not isinstance(data, dict):
             raise LedgerError(["ledger: must be a JSON object"])
         if data.get("schema") != SCHEMA:
-            raise LedgerError([f"schema: expected {SCHEMA!r}, got {data.get('schema')!r}"
-                               f"{_OLD_SCHEMAS.get(str(data.get('schema')), '')}"])
+            raise LedgerError(
+                [
+                    f"schema: expected {SCHEMA!r}, got {data.get('schema')!r}"
+                    f"{_OLD_SCHEMAS.get(str(data.get('schema')), '')}"
+                ]
+            )
         return _validated(cls, **data)
 
     # ---------------------------------------------------------------- reading
@@ -479,15 +516,21 @@ class PrivacyLedger(_Model):
         """What ``component``'s weights promise: its own stages composed (a head's include its
         encoder's; the encoder's leave out a DP head trained later on the same data)."""
         stages = [s for s in self.stages if s.component in (ENCODER, component)]
-        unprotected = [s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data]
+        unprotected = [
+            s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data
+        ]
         guarantees = compute_guarantees(stages)
-        assumed = tuple(s.name for s in stages if isinstance(s, DPStage) and s.sampling != "poisson")
+        assumed = tuple(
+            s.name for s in stages if isinstance(s, DPStage) and s.sampling != "poisson"
+        )
         return PrivacySummary(
             component=component,
             guarantees=tuple(guarantees),
             unprotected_datasets=tuple(dict.fromkeys(unprotected)),
             assumed_poisson=assumed,
-            epsilon_without_amplification=_without_amplification(stages, guarantees) if assumed else None,
+            epsilon_without_amplification=_without_amplification(stages, guarantees)
+            if assumed
+            else None,
         )
 
 
@@ -500,8 +543,10 @@ def _spellings(stages: Iterable[Any]) -> list[str]:
         name = s.dataset.name
         canonical = re.sub(r"[\s_.-]+", "-", name.strip().casefold())
         if seen.setdefault(canonical, name) != name:
-            problems.append(f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
-                            "in two ways: use one name, so its stages compose")
+            problems.append(
+                f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
+                "in two ways: use one name, so its stages compose"
+            )
     return problems
 
 
@@ -527,8 +572,15 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
             if len(group) == 1
             else round_up(composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
         )
-        out.append(Guarantee(dataset=name, epsilon=eps, delta=delta,
-                             accountant=accountant, stages=[s.name for s in group]))
+        out.append(
+            Guarantee(
+                dataset=name,
+                epsilon=eps,
+                delta=delta,
+                accountant=accountant,
+                stages=[s.name for s in group],
+            )
+        )
     return out
 
 
@@ -549,9 +601,12 @@ def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> fl
     groups = _dp_stages_by_dataset(stages)
     worst = 0.0
     for g in guarantees:
-        history = [s.mechanism_tuple if s.sampling == "poisson"
-                   else (s.noise_multiplier, 1.0, math.ceil(s.sample_rate * s.steps - 1e-9))
-                   for s in groups[g.key]]
+        history = [
+            s.mechanism_tuple
+            if s.sampling == "poisson"
+            else (s.noise_multiplier, 1.0, math.ceil(s.sample_rate * s.steps - 1e-9))
+            for s in groups[g.key]
+        ]
         worst = max(worst, round_up(composed_epsilon(history, g.delta, Accountant.PLD)))
     return worst
 

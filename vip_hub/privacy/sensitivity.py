@@ -36,7 +36,9 @@ _LOGIT_DP_KEYS = {"loss", "temperature", "max_batch"}
 _NAIVE_DP_KEYS = {"loss", "temperature"}
 
 
-def sensitivity(mechanism: str, clipping_norm: float, params: Mapping[str, Any] | None = None) -> float:
+def sensitivity(
+    mechanism: str, clipping_norm: float, params: Mapping[str, Any] | None = None
+) -> float:
     """The sensitivity of ``mechanism``'s clipped sum.
 
     Per-example clipping to C: adding or removing one example adds or removes one vector of
@@ -49,7 +51,9 @@ def sensitivity(mechanism: str, clipping_norm: float, params: Mapping[str, Any] 
         _check_keys(mechanism, params, _LOGIT_DP_KEYS)
         tau = _temperature(mechanism, params)
         max_batch = params.get("max_batch")
-        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)):
+        if max_batch is not None and (
+            isinstance(max_batch, bool) or not isinstance(max_batch, int)
+        ):
             raise AccountingError(f"Logit-DP: max_batch must be an integer, got {max_batch!r}")
         return logit_dp_sensitivity(clipping_norm, tau, max_batch)
     if mechanism == "Naive-DP":
@@ -78,7 +82,9 @@ def logit_dp_sensitivity_at(clipping_norm: float, temperature: float, n: int) ->
     return 2.0 * clipping_norm / temperature * (r + s)
 
 
-def logit_dp_sensitivity(clipping_norm: float, temperature: float, max_batch: int | None = None) -> float:
+def logit_dp_sensitivity(
+    clipping_norm: float, temperature: float, max_batch: int | None = None
+) -> float:
     """Logit-DP's sensitivity for every batch size Poisson sampling can produce.
 
     Without a cap: sup_n Delta(n) = (2B/tau)(1 + e^(2/tau)). With ``max_batch`` m (the clipper
@@ -88,8 +94,10 @@ def logit_dp_sensitivity(clipping_norm: float, temperature: float, max_batch: in
     _check_positive(clipping_norm, temperature)
     if max_batch is None:
         if 2.0 / temperature > 700.0:  # e^(2/tau) overflows a double
-            raise AccountingError(f"Logit-DP at temperature {temperature:g} without max_batch has a sensitivity "
-                                  "of e^(2/tau) B/tau, beyond floating point: record a max_batch")
+            raise AccountingError(
+                f"Logit-DP at temperature {temperature:g} without max_batch has a sensitivity "
+                "of e^(2/tau) B/tau, beyond floating point: record a max_batch"
+            )
         return 2.0 * clipping_norm / temperature * (1.0 + math.exp(2.0 / temperature))
     if max_batch < 2:
         raise AccountingError(f"Logit-DP: max_batch must be at least 2, got {max_batch}")
@@ -107,16 +115,27 @@ def naive_dp_sensitivity(clipping_norm: float) -> float:
 def _check_keys(mechanism: str, params: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise AccountingError(f"{mechanism}: unknown mechanism_params {unknown}; allowed: {sorted(allowed)}")
+        raise AccountingError(
+            f"{mechanism}: unknown mechanism_params {unknown}; allowed: {sorted(allowed)}"
+        )
     if params.get("loss") != CONTRASTIVE_LOSS:
-        raise AccountingError(f"{mechanism}: mechanism_params.loss must be {CONTRASTIVE_LOSS!r}, "
-                              f"got {params.get('loss')!r}")
+        raise AccountingError(
+            f"{mechanism}: mechanism_params.loss must be {CONTRASTIVE_LOSS!r}, "
+            f"got {params.get('loss')!r}"
+        )
 
 
 def _temperature(mechanism: str, params: Mapping[str, Any]) -> float:
     tau = params.get("temperature")
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
-        raise AccountingError(f"{mechanism}: mechanism_params.temperature must be a positive number, got {tau!r}")
+    if (
+        isinstance(tau, bool)
+        or not isinstance(tau, (int, float))
+        or not math.isfinite(tau)
+        or tau <= 0
+    ):
+        raise AccountingError(
+            f"{mechanism}: mechanism_params.temperature must be a positive number, got {tau!r}"
+        )
     return float(tau)
 
 

@@ -33,10 +33,18 @@ __all__ = [
 _CHUNK = 1 << 20
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }  # the safetensors format's dtype names
 _DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -62,7 +70,9 @@ def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any]
         raise SafetensorsError(f"{name}: too short to be a safetensors file")
     (n,) = struct.unpack("<Q", raw)
     if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise SafetensorsError(f"{name}: header length {n} is impossible for a {file_size}-byte file")
+        raise SafetensorsError(
+            f"{name}: header length {n} is impossible for a {file_size}-byte file"
+        )
     try:
         header = json.loads(f.read(n))
     except ValueError as e:

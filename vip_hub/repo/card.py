@@ -39,8 +39,19 @@ __all__ = [
     "render_card",
 ]
 
-LEDGER_COLUMNS = ("Stage", "Component", "Data", "Mechanism", "q", "σ", "Steps", "Clip C",
-                  "Batch (expected)", "δ", "ε")
+LEDGER_COLUMNS = (
+    "Stage",
+    "Component",
+    "Data",
+    "Mechanism",
+    "q",
+    "σ",
+    "Steps",
+    "Clip C",
+    "Batch (expected)",
+    "δ",
+    "ε",
+)
 
 TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "timm"]
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
@@ -100,7 +111,9 @@ def render_card(
         patch_size=spec.patch_size,
         img_size=spec.img_size,
         params=format_params(num_params),
-        modes=[{"name": m, "dim": d, "text": MODE_DESCRIPTIONS[m]} for m, d in feature_dims.items()],
+        modes=[
+            {"name": m, "dim": d, "text": MODE_DESCRIPTIONS[m]} for m, d in feature_dims.items()
+        ],
         probe_mode=next(iter(feature_dims)),
         avg_dim=feature_dims["avg"],
         captions=captions,
@@ -124,11 +137,16 @@ def render_card(
         schema=ledger.schema_,
         ledger_columns=LEDGER_COLUMNS,
         ledger_rows=[[_md(cell) for cell in row] for row in ledger_rows(ledger)],
-        stage_details=[{"name": _md(s.name), "component": _md(s.component), "text": _stage_text(s)}
-                       for s in ledger.stages],
+        stage_details=[
+            {"name": _md(s.name), "component": _md(s.component), "text": _stage_text(s)}
+            for s in ledger.stages
+        ],
         plots=[{"alt": _md(p), "url": quote(p)} for p in plots],
         results=info.eval_results,
-        comparison=[{k: _md(v) if isinstance(v, str) else v for k, v in row.items()} for row in info.comparison],
+        comparison=[
+            {k: _md(v) if isinstance(v, str) else v for k, v in row.items()}
+            for row in info.comparison
+        ],
     )
     return str(card)
 
@@ -139,11 +157,16 @@ def load_card(readme: str, *, strict: bool = False) -> ModelCard:
     match = REGEX_YAML_BLOCK.search(readme)
     if match:
         try:
-            aliased = any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(match.group(2), Loader=yaml.SafeLoader))
+            aliased = any(
+                isinstance(e, yaml.AliasEvent)
+                for e in yaml.parse(match.group(2), Loader=yaml.SafeLoader)
+            )
         except yaml.YAMLError:
             aliased = False  # not YAML: ModelCard says where
         if aliased:
-            raise RepoFormatError(f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused")
+            raise RepoFormatError(
+                f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused"
+            )
     return ModelCard(readme, ignore_metadata_errors=not strict)
 
 
@@ -151,8 +174,10 @@ def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
     """What each component promises: (None, the encoder's headline) first, then (head name, the
     head's: its own stages composed with its encoder's), so no figure is mistaken for another."""
     heads = [c for c in ledger.components() if c != ENCODER]
-    return [(None, privacy_headline(ledger.summary())),
-            *[(c.split("/", 1)[1], privacy_headline(ledger.summary(c))) for c in heads]]
+    return [
+        (None, privacy_headline(ledger.summary())),
+        *[(c.split("/", 1)[1], privacy_headline(ledger.summary(c))) for c in heads],
+    ]
 
 
 def card_ledger(readme: str) -> PrivacyLedger:
@@ -160,7 +185,9 @@ def card_ledger(readme: str) -> PrivacyLedger:
     try:
         data = load_card(readme).data.to_dict()
     except yaml.YAMLError as e:
-        raise LedgerError([f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]) from None
+        raise LedgerError(
+            [f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]
+        ) from None
     if "differential_privacy" not in data:
         raise LedgerError([f"{CARD_FILE}: front matter has no differential_privacy block"])
     return PrivacyLedger.parse(data["differential_privacy"])
@@ -182,9 +209,11 @@ def card_info(readme: str) -> CardInfo:
 def guarantee_paragraphs(ledger: PrivacyLedger, unit: str = "image") -> list[str]:
     """The guarantee in plain words (Markdown), one paragraph per private dataset."""
     if not ledger.guarantees:
-        return ["**No private data was used to train these weights**: every stage saw only "
-                "synthetic or public data, so the weights reveal nothing about any private dataset "
-                "(ε = 0)."]
+        return [
+            "**No private data was used to train these weights**: every stage saw only "
+            "synthetic or public data, so the weights reveal nothing about any private dataset "
+            "(ε = 0)."
+        ]
     return [_guarantee_text(ledger, g, unit) for g in ledger.guarantees]
 
 
@@ -204,11 +233,14 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
                 f"{_code(s.sampling)} sampling instead, so the figures are what the recipe would give with Poisson "
                 "sampling, not a formal guarantee for these weights as they were trained. What holds without "
                 "amplification by sampling (each example in each of its epochs, the same σ, PLD): "
-                f"**ε = {ledger.summary(s.component).epsilon_without_amplification:.2f}**.")
+                f"**ε = {ledger.summary(s.component).epsilon_without_amplification:.2f}**."
+            )
         a = s.audit
         if a is None:
             continue
-        accounted = ", ".join(f"{eps:.2f} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items())
+        accounted = ", ".join(
+            f"{eps:.2f} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items()
+        )
         best = max(a.results, key=lambda r: r.correct / r.guesses)
         out.append(
             f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each secretly put in the "
@@ -219,9 +251,13 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
             "accountants an upper bound: a lower bound above the accounted ε would mean the training leaks "
             "more than it claims, and such a repo does not verify. With every guess right this audit could "
             f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at this δ); "
-            + (f"it could detect a violation of the accounted ε = {a.accounted:.2f}." if a.can_fail else
-               f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit could not detect a "
-               "violation of the claimed ε; it catches only gross bugs**."))
+            + (
+                f"it could detect a violation of the accounted ε = {a.accounted:.2f}."
+                if a.can_fail
+                else f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit could not detect a "
+                "violation of the claimed ε; it catches only gross bugs**."
+            )
+        )
     return out
 
 
@@ -245,7 +281,8 @@ def _reference_note(stages: list[Any]) -> str:
     if len(stages) != 1 or not isinstance(stages[0], DPStage) or not stages[0].reference_epsilon:
         return ""
     others = ", ".join(
-        f"ε = {eps:.2f} under {acc.value.upper()}" for acc, eps in stages[0].reference_epsilon.items()
+        f"ε = {eps:.2f} under {acc.value.upper()}"
+        for acc, eps in stages[0].reference_epsilon.items()
     )
     return f" (for reference: {others}, a tighter analysis of the same run)"
 
@@ -254,25 +291,54 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
     data = s.dataset.name + (f" (n={s.dataset.size:,})" if s.dataset.size else "")
     if isinstance(s, NonPrivateStage):
         note = "none: private data, NO guarantee" if s.private_data else "none (no private data)"
-        return [s.name, s.component, data, note, "", "", "", "", "", "", "0" if not s.private_data else "∞"]
+        return [
+            s.name,
+            s.component,
+            data,
+            note,
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "0" if not s.private_data else "∞",
+        ]
     eps = f"{s.epsilon:.3f} ({s.accountant.value.upper()})" + "".join(
         f"; {v:.3f} ({a.value.upper()})" for a, v in s.reference_epsilon.items()
     )
     sampling = "Poisson" if s.sampling == "poisson" else f"{s.sampling} (accounted as Poisson)"
     return [
-        s.name, s.component, data, f"{s.mechanism}, {sampling}", f"{s.sample_rate:.4g}",
-        f"{s.noise_multiplier:.4g}", f"{s.steps:,}", f"{s.clipping_norm:g}",
-        f"{s.expected_batch_size:,.1f}", f"{s.delta:.3g}", eps,
+        s.name,
+        s.component,
+        data,
+        f"{s.mechanism}, {sampling}",
+        f"{s.sample_rate:.4g}",
+        f"{s.noise_multiplier:.4g}",
+        f"{s.steps:,}",
+        f"{s.clipping_norm:g}",
+        f"{s.expected_batch_size:,.1f}",
+        f"{s.delta:.3g}",
+        eps,
     ]
 
 
 def _stage_text(s: NonPrivateStage | DPStage) -> str:
-    text = _md(s.description) if s.description else (
-        f"{_md(s.mechanism)} on {_code(s.dataset.name)}" if isinstance(s, DPStage)
-        else f"trained on {_code(s.dataset.name)}"
+    text = (
+        _md(s.description)
+        if s.description
+        else (
+            f"{_md(s.mechanism)} on {_code(s.dataset.name)}"
+            if isinstance(s, DPStage)
+            else f"trained on {_code(s.dataset.name)}"
+        )
     )
     if isinstance(s, DPStage) and s.hyperparameters:
-        text += " Hyperparameters: " + _md(", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items())) + "."
+        text += (
+            " Hyperparameters: "
+            + _md(", ".join(f"{k} = {v}" for k, v in s.hyperparameters.items()))
+            + "."
+        )
     return text
 
 
@@ -286,6 +352,7 @@ def _code(text: str) -> str:
     """A ledger string as one Markdown code span, whatever backticks or line breaks it holds."""
     text = " ".join(str(text).split())
     fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""  # CommonMark strips one space each side
+    pad = (
+        " " if text.startswith("`") or text.endswith("`") else ""
+    )  # CommonMark strips one space each side
     return f"{fence}{pad}{text}{pad}{fence}"
-

@@ -21,10 +21,17 @@ from typing import Any, BinaryIO
 
 __all__ = ["WEIGHT_SOURCE_KEYS", "refused_content", "weight_sources"]
 
-WEIGHT_SOURCE_KEYS = frozenset({
-    "source", "url", "file", "state_dict", "hf_hub_id", "hf_hub_filename",  # timm _resolve_pretrained_source
-    "custom_load",  # timm load_pretrained: hands the file to the model's own loader
-})
+WEIGHT_SOURCE_KEYS = frozenset(
+    {
+        "source",
+        "url",
+        "file",
+        "state_dict",
+        "hf_hub_id",
+        "hf_hub_filename",  # timm _resolve_pretrained_source
+        "custom_load",  # timm load_pretrained: hands the file to the model's own loader
+    }
+)
 """pretrained_cfg keys timm (1.0: ``models/_builder.py``) reads to find where weights come from."""
 
 _MAGIC: tuple[tuple[int, bytes, str], ...] = (
@@ -74,7 +81,7 @@ def refused_content(path: str | os.PathLike[str]) -> str | None:
     with open(path, "rb") as f:
         head = f.read(_HEAD)
         for offset, magic, what in _MAGIC:
-            if head[offset:offset + len(magic)] == magic:
+            if head[offset : offset + len(magic)] == magic:
                 return what
         if _is_zlib(head):
             return "zlib-compressed data"
@@ -113,4 +120,6 @@ def weight_sources(config: Mapping[str, Any]) -> list[str]:
     cfg = config.get("pretrained_cfg", {})
     if not isinstance(cfg, Mapping):
         return [*found, "config.json:pretrained_cfg (not an object)"]
-    return found + [f"config.json:pretrained_cfg.{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(cfg))]
+    return found + [
+        f"config.json:pretrained_cfg.{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(cfg))
+    ]

@@ -181,7 +181,8 @@ def update_repo(
 
     stages = [s for s in old.stages if s.component != replace_component]
     kept = {
-        rel: d for rel, d in old.artifacts.items()
+        rel: d
+        for rel, d in old.artifacts.items()
         if not (replace_component and rel.startswith(replace_component + "/"))
     }
 
@@ -223,8 +224,12 @@ def _encoder_tensors(model: VisionTransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("head.")}
 
 
-def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder: TextDecoder | None,
-                      vocab: bytes | None) -> None:
+def _check_text_parts(
+    spec: EncoderSpec,
+    model: VisionTransformer,
+    text_decoder: TextDecoder | None,
+    vocab: bytes | None,
+) -> None:
     """A text decoder only where the family captions, fitting the encoder; a vocab only with it, fitting it."""
     if text_decoder is None:
         if vocab is not None:
@@ -237,7 +242,9 @@ def _check_text_parts(spec: EncoderSpec, model: VisionTransformer, text_decoder:
         text_decoder.config.check_tokenizer(CaptionTokenizer(vocab))
 
 
-def _config(spec: EncoderSpec, model: VisionTransformer, memory: ImageMemory | None = None) -> dict[str, Any]:
+def _config(
+    spec: EncoderSpec, model: VisionTransformer, memory: ImageMemory | None = None
+) -> dict[str, Any]:
     modes = spec.family.offered_poolings(memory is not None)
     return {
         "architecture": spec.architecture.timm_architecture,
@@ -281,9 +288,15 @@ def _write_ledger_copies(
     plots = sorted(p for p in ledger.artifacts if p.endswith(".png"))
     block = config[CONFIG_BLOCK]
     spec = EncoderSpec.from_config(config)
-    card = render_card(info, spec, ledger, num_params=int(block["num_params"]),
-                       feature_dims=block["feature_dims"], plots=plots,
-                       captions=spec.family.captions and can_caption(os.listdir(folder)))
+    card = render_card(
+        info,
+        spec,
+        ledger,
+        num_params=int(block["num_params"]),
+        feature_dims=block["feature_dims"],
+        plots=plots,
+        captions=spec.family.captions and can_caption(os.listdir(folder)),
+    )
     _write_new(folder / CARD_FILE, card.encode())
 
 
@@ -346,20 +359,28 @@ def read_decoder_config(path: str | os.PathLike[str]) -> TextDecoderConfig:
     try:
         return TextDecoderConfig.from_dict(json.loads(meta[META_DECODER]))
     except (KeyError, ValueError, ConfigError) as e:
-        raise RepoFormatError(f"{path}: no valid text decoder configuration in its metadata ({e})") from None
+        raise RepoFormatError(
+            f"{path}: no valid text decoder configuration in its metadata ({e})"
+        ) from None
 
 
-def load_text_decoder(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> TextDecoder:
+def load_text_decoder(
+    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+) -> TextDecoder:
     """A text decoder (eval mode) from its safetensors file."""
     decoder = TextDecoder(read_decoder_config(path))
     try:
         decoder.load_state_dict(load_file(path), strict=True)
     except RuntimeError as e:
-        raise RepoFormatError(f"{path}: tensors do not fit its configuration ({' '.join(str(e).split())})") from None
+        raise RepoFormatError(
+            f"{path}: tensors do not fit its configuration ({' '.join(str(e).split())})"
+        ) from None
     return decoder.eval().to(device)
 
 
-def load_image_memory(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> ImageMemory:
+def load_image_memory(
+    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+) -> ImageMemory:
     """Only the image-memory weights of a text decoder file (what the ``dpcap`` features need)."""
     c = read_decoder_config(path)
     memory = ImageMemory(c.image_dim, c.width, c.num_image_tokens)
@@ -369,6 +390,8 @@ def load_image_memory(path: str | os.PathLike[str], device: str | torch.device =
     try:
         memory.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise RepoFormatError(f"{path}: image-memory tensors do not fit its configuration "
-                              f"({' '.join(str(e).split())})") from None
+        raise RepoFormatError(
+            f"{path}: image-memory tensors do not fit its configuration "
+            f"({' '.join(str(e).split())})"
+        ) from None
     return memory.eval().to(device)

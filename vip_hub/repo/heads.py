@@ -101,8 +101,12 @@ def save_head(
             add_stages=[stage],
             add_files={
                 head_file(info.name, HEAD_WEIGHTS): weights,
-                head_file(info.name, HEAD_LABELS): (json.dumps(info.labels, indent=1) + "\n").encode(),
-                head_file(info.name, HEAD_METRICS): (json.dumps(info.metrics, indent=1) + "\n").encode(),
+                head_file(info.name, HEAD_LABELS): (
+                    json.dumps(info.labels, indent=1) + "\n"
+                ).encode(),
+                head_file(info.name, HEAD_METRICS): (
+                    json.dumps(info.metrics, indent=1) + "\n"
+                ).encode(),
             },
             add_eval_results=[eval_result] if eval_result else [],
             replace_component=component,
@@ -112,7 +116,9 @@ def save_head(
 def list_heads(repo_dir: str | os.PathLike[str]) -> list[str]:
     """Names of the heads stored in a repo folder."""
     root = Path(repo_dir)
-    return heads_in(p.relative_to(root).as_posix() for p in root.glob(f"{HEADS_DIR}/*/{HEAD_WEIGHTS}"))
+    return heads_in(
+        p.relative_to(root).as_posix() for p in root.glob(f"{HEADS_DIR}/*/{HEAD_WEIGHTS}")
+    )
 
 
 def head_pooling(weights: str | os.PathLike[str]) -> Pooling:

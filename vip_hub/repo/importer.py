@@ -77,7 +77,9 @@ def _shaders21k() -> NonPrivateStage:
 
 def _vip_syn_base() -> ImportPreset:
     return ImportPreset(
-        "vip-base", "vip-syn-base", "(Syn)-ViP-Base from the ViP paper: MAE on synthetic images only.",
+        "vip-base",
+        "vip-syn-base",
+        "(Syn)-ViP-Base from the ViP paper: MAE on synthetic images only.",
         (_shaders21k(),),
     )
 
@@ -103,12 +105,20 @@ def _vip_base() -> ImportPreset:
             "epsilon below."
         ),
         hyperparameters={
-            "lr": 3.84e-4, "warmup_steps": 1000, "weight_decay": 0.005, "betas": [0.9, 0.95],
-            "adam_eps": 1e-8, "lr_schedule": "cosine", "mask_ratio": 0.75, "batch_size": batch,
+            "lr": 3.84e-4,
+            "warmup_steps": 1000,
+            "weight_decay": 0.005,
+            "betas": [0.9, 0.95],
+            "adam_eps": 1e-8,
+            "lr_schedule": "cosine",
+            "mask_ratio": 0.75,
+            "batch_size": batch,
         },
     )
     return ImportPreset(
-        "vip-base", "vip-base", "ViP-Base from the ViP paper: (Syn)-ViP then DP-AdamW on LAION-233M.",
+        "vip-base",
+        "vip-base",
+        "ViP-Base from the ViP paper: (Syn)-ViP then DP-AdamW on LAION-233M.",
         (_shaders21k(), laion),
     )
 
@@ -126,7 +136,7 @@ def _dpcap_base_eps7() -> ImportPreset:
             name="MetaCLIP",
             size=DPCAP_N,
             description="image-text pairs curated as for Meta-CLIP; the release's README gives 2 billion samples "
-                        "(not the paper's LAION-233M); n = 2e9 is that figure, the exact count is unpublished",
+            "(not the paper's LAION-233M); n = 2e9 is that figure, the exact count is unpublished",
         ),
         sample_rate=DPCAP_BATCH / DPCAP_N,
         noise_multiplier=0.527,
@@ -143,8 +153,12 @@ def _dpcap_base_eps7() -> ImportPreset:
             "reference code does not Poisson-sample (it prints 'Training WITHOUT poisson sampling'): it reads "
             "shuffled fixed-size batches, while the accountants assume Poisson sampling."
         ),
-        hyperparameters={"batch_size": DPCAP_BATCH, "betas": [0.9, 0.95], "text_max_length": 40,
-                         "tokenizer": "bert-base-uncased WordPiece"},
+        hyperparameters={
+            "batch_size": DPCAP_BATCH,
+            "betas": [0.9, 0.95],
+            "text_max_length": 40,
+            "tokenizer": "bert-base-uncased WordPiece",
+        },
     )
     synthetic = NonPrivateStage(
         name="synthetic-pretraining",
@@ -153,15 +167,19 @@ def _dpcap_base_eps7() -> ImportPreset:
         description="MAE pretraining on synthetic images only (the DP-Cap initialisation, as for (Syn)-ViP).",
     )
     return ImportPreset(
-        "dpcap-base", "dpcap-base-eps7",
+        "dpcap-base",
+        "dpcap-base-eps7",
         "DP-Cap-Base released by the DP-Cap authors: an image captioner trained with DP-AdamW on 2 billion "
         "MetaCLIP image-text pairs (eps about 7).",
-        (synthetic, metaclip), license="cc-by-nc-4.0",
+        (synthetic, metaclip),
+        license="cc-by-nc-4.0",
     )
 
 
 PRESETS: dict[str, Callable[[], ImportPreset]] = {
-    "vip-syn-base": _vip_syn_base, "vip-base": _vip_base, "dpcap-base-eps7": _dpcap_base_eps7,
+    "vip-syn-base": _vip_syn_base,
+    "vip-base": _vip_base,
+    "dpcap-base-eps7": _dpcap_base_eps7,
 }
 """The published checkpoints, by name (built on demand: their epsilon needs the accountant)."""
 
@@ -172,7 +190,9 @@ def _shapes_of(build: Callable[[Any], torch.nn.Module], arg: Any) -> dict[str, t
         return build(arg).state_dict()
 
 
-def _loaded(build: Callable[[Any], torch.nn.Module], arg: Any, state: dict[str, torch.Tensor]) -> Any:
+def _loaded(
+    build: Callable[[Any], torch.nn.Module], arg: Any, state: dict[str, torch.Tensor]
+) -> Any:
     """``build(arg)`` holding ``state`` (every key, checked shapes), without initialising it first."""
     with torch.device("meta"):
         module = build(arg)
@@ -190,7 +210,9 @@ def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.T
     except pickle.UnpicklingError as e:
         globals_ = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
         if not globals_:
-            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint (corrupt pickle)") from None
+            raise CheckpointError(
+                f"{path}: not a readable PyTorch checkpoint (corrupt pickle)"
+            ) from None
         raise CheckpointError(
             f"{path}: refused, the file holds objects other than tensors and plain containers "
             f"(loaded with weights_only=True): {globals_[0]}"
@@ -231,7 +253,9 @@ def split_mae_state_dict(
     if unexpected:
         problems.append(f"unexpected keys: {', '.join(sorted(unexpected))}")
     if wrong:
-        problems.append(f"shape mismatches for {spec.arch} at {spec.img_size}px: {', '.join(wrong)}")
+        problems.append(
+            f"shape mismatches for {spec.arch} at {spec.img_size}px: {', '.join(wrong)}"
+        )
     if problems:
         raise CheckpointError("; ".join(problems))
     return encoder, decoder
@@ -252,7 +276,9 @@ def import_mae_checkpoint(
     """Convert a ViP-MAE reference checkpoint to a released-encoder repo folder."""
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "vip":
-        raise ConfigError(f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use import_dpcap_checkpoint")
+        raise ConfigError(
+            f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use import_dpcap_checkpoint"
+        )
     encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
     model = _loaded(create_encoder, spec, encoder_sd)
     decoder_config = None
@@ -295,16 +321,19 @@ DPCAP_DECODER_KEYS: dict[str, str] = {
     "head_norm.bias": "decoder_pred_text.0.bias",
     "head.weight": "decoder_pred_text.1.weight",
     "head.bias": "decoder_pred_text.1.bias",
-    **{f"blocks.{{i}}.{ours}": f"decoder.layers.{{i}}.{ref}" for ours, ref in (
-        ("self_attn.qkv.weight", "self_attn.c_attn.weight"),
-        ("self_attn.proj.weight", "self_attn.c_proj.weight"),
-        ("cross_attn.q.weight", "multihead_attn.q_proj.weight"),
-        ("cross_attn.kv.weight", "multihead_attn.kv_proj.weight"),
-        ("cross_attn.proj.weight", "multihead_attn.c_proj.weight"),
-        ("mlp.fc1.weight", "linear1.weight"),
-        ("mlp.fc2.weight", "linear2.weight"),
-        *((f"norm{n}.{p}", f"norm{n}.{p}") for n in (1, 2, 3) for p in ("weight", "bias")),
-    )},
+    **{
+        f"blocks.{{i}}.{ours}": f"decoder.layers.{{i}}.{ref}"
+        for ours, ref in (
+            ("self_attn.qkv.weight", "self_attn.c_attn.weight"),
+            ("self_attn.proj.weight", "self_attn.c_proj.weight"),
+            ("cross_attn.q.weight", "multihead_attn.q_proj.weight"),
+            ("cross_attn.kv.weight", "multihead_attn.kv_proj.weight"),
+            ("cross_attn.proj.weight", "multihead_attn.c_proj.weight"),
+            ("mlp.fc1.weight", "linear1.weight"),
+            ("mlp.fc2.weight", "linear2.weight"),
+            *((f"norm{n}.{p}", f"norm{n}.{p}") for n in (1, 2, 3) for p in ("weight", "bias")),
+        )
+    },
 }
 """``TextDecoder`` key -> the reference's key (``MaskedAutoencoderViT_autoregressive``); ``{i}`` is a block."""
 _DPCAP_UNUSED = re.compile(
@@ -319,7 +348,9 @@ _REF_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.")
 def dpcap_reference_key(key: str) -> str:
     """The reference's name of one of ``TextDecoder``'s keys."""
     m = _BLOCK.match(key)
-    return DPCAP_DECODER_KEYS[f"blocks.{{i}}.{m[2]}"].format(i=m[1]) if m else DPCAP_DECODER_KEYS[key]
+    return (
+        DPCAP_DECODER_KEYS[f"blocks.{{i}}.{m[2]}"].format(i=m[1]) if m else DPCAP_DECODER_KEYS[key]
+    )
 
 
 def split_dpcap_state_dict(
@@ -331,9 +362,13 @@ def split_dpcap_state_dict(
     try:
         config = _dpcap_decoder_config(state, spec, decoder_heads)
     except KeyError as e:
-        raise CheckpointError(f"not a DP-Cap checkpoint: no text decoder key {e} (missing keys)") from None
+        raise CheckpointError(
+            f"not a DP-Cap checkpoint: no text decoder key {e} (missing keys)"
+        ) from None
     expected_enc = {k: v.shape for k, v in _shapes_of(create_encoder, spec).items()}
-    expected_dec = {dpcap_reference_key(k): (k, v.shape) for k, v in _shapes_of(TextDecoder, config).items()}
+    expected_dec = {
+        dpcap_reference_key(k): (k, v.shape) for k, v in _shapes_of(TextDecoder, config).items()
+    }
     encoder, decoder, unexpected, wrong = {}, {}, [], []
     for key, value in state.items():
         if _DPCAP_UNUSED.match(key) or key == _TYPE:
@@ -355,25 +390,35 @@ def split_dpcap_state_dict(
     if unexpected:
         problems.append(f"unexpected keys: {', '.join(sorted(unexpected))}")
     if _TYPE in state and state[_TYPE].shape != (1, 1, spec.architecture.embed_dim):
-        wrong.append(f"{_TYPE} {tuple(state[_TYPE].shape)} (expected (1, 1, {spec.architecture.embed_dim}))")
+        wrong.append(
+            f"{_TYPE} {tuple(state[_TYPE].shape)} (expected (1, 1, {spec.architecture.embed_dim}))"
+        )
     if wrong:
-        problems.append(f"shape mismatches for {spec.arch} at {spec.img_size}px: {', '.join(sorted(wrong))}")
+        problems.append(
+            f"shape mismatches for {spec.arch} at {spec.img_size}px: {', '.join(sorted(wrong))}"
+        )
     if problems:
         raise CheckpointError("; ".join(problems))
     encoder["pos_embed"] = encoder["pos_embed"] + state[_TYPE]
     return encoder, config, decoder
 
 
-def _dpcap_decoder_config(state: dict[str, torch.Tensor], spec: EncoderSpec, heads: int | None) -> TextDecoderConfig:
+def _dpcap_decoder_config(
+    state: dict[str, torch.Tensor], spec: EncoderSpec, heads: int | None
+) -> TextDecoderConfig:
     """The text decoder's sizes as the reference tensors show them (heads cannot be seen in
     shapes: ``heads``, else the family's default for the size)."""
     width = int(state["decoder_embed.weight"].shape[0])
     depth = len({m[1] for k in state if (m := _REF_BLOCK.match(k))})
     hidden = int(state["decoder.layers.0.linear1.weight"].shape[0]) if depth else 4 * width
     return TextDecoderConfig.for_encoder(
-        spec, width=width, depth=depth, num_heads=heads or spec.architecture.decoder_num_heads,
+        spec,
+        width=width,
+        depth=depth,
+        num_heads=heads or spec.architecture.decoder_num_heads,
         vocab_size=int(state["text_embedding_layer_SimVLM.weight"].shape[0]),
-        max_length=int(state["text_decoder_pos_embed"].shape[1]), mlp_ratio=hidden / width,
+        max_length=int(state["text_decoder_pos_embed"].shape[1]),
+        mlp_ratio=hidden / width,
     )
 
 
@@ -397,16 +442,28 @@ def import_dpcap_checkpoint(
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "dpcap":
         raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
-    encoder_sd, config, decoder_sd = split_dpcap_state_dict(load_reference_checkpoint(checkpoint), spec, decoder_heads)
+    encoder_sd, config, decoder_sd = split_dpcap_state_dict(
+        load_reference_checkpoint(checkpoint), spec, decoder_heads
+    )
     vocab_bytes = None
     if vocab is not None:
         vocab_bytes = Path(vocab).read_bytes()
         tok = CaptionTokenizer(vocab_bytes, max_length=config.max_length)
-        config = TextDecoderConfig.from_dict({**config.to_dict(), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-                                              "pad_id": tok.pad_id})
+        config = TextDecoderConfig.from_dict(
+            {**config.to_dict(), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+        )
     model = _loaded(create_encoder, spec, encoder_sd)
     decoder = _loaded(TextDecoder, config, decoder_sd)
     return export_encoder(
-        out_dir, model, spec, stages, model_name=model_name, repo_id=repo_id, summary=summary, license=license,
-        text_decoder=decoder, vocab=vocab_bytes, overwrite=overwrite,
+        out_dir,
+        model,
+        spec,
+        stages,
+        model_name=model_name,
+        repo_id=repo_id,
+        summary=summary,
+        license=license,
+        text_decoder=decoder,
+        vocab=vocab_bytes,
+        overwrite=overwrite,
     )

@@ -46,19 +46,28 @@ def push_repo(
     api.create_repo(repo_id, private=private, exist_ok=True)
     files = repo_files(folder)
     try:
-        remote = {f.path: f for f in api.list_repo_tree(repo_id, revision=revision, recursive=True)
-                  if isinstance(f, RepoFile)}
+        remote = {
+            f.path: f
+            for f in api.list_repo_tree(repo_id, revision=revision, recursive=True)
+            if isinstance(f, RepoFile)
+        }
     except RevisionNotFoundError:
         remote = {}
     operations: list[CommitOperationAdd | CommitOperationDelete] = [
-        CommitOperationDelete(path) for path in sorted(set(remote) - set(files) - {".gitattributes"})
+        CommitOperationDelete(path)
+        for path in sorted(set(remote) - set(files) - {".gitattributes"})
     ]
-    operations += [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
-                   for rel, path in files.items() if rel not in remote or not _same_content(path, remote[rel])]
+    operations += [
+        CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
+        for rel, path in files.items()
+        if rel not in remote or not _same_content(path, remote[rel])
+    ]
     if not operations:  # the remote revision already holds this folder
         return api.model_info(repo_id, revision=revision).sha
     default = f"Publish {folder.name}: {privacy_headline(report.ledger.summary())}"
-    info = api.create_commit(repo_id, operations, commit_message=message or default, revision=revision)
+    info = api.create_commit(
+        repo_id, operations, commit_message=message or default, revision=revision
+    )
     return info.oid
 
 
@@ -67,15 +76,25 @@ def _same_content(local: Path, remote: RepoFile) -> bool:
     size = local.stat().st_size
     if remote.size != size:
         return False
-    digest = hashlib.sha256() if remote.lfs else hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    digest = (
+        hashlib.sha256()
+        if remote.lfs
+        else hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    )
     with open(local, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest() == (remote.lfs.sha256 if remote.lfs else remote.blob_id)
 
 
-def is_published(folder: str | os.PathLike[str], repo_id: str, *, endpoint: str | None = None,
-                 token: str | None = None, revision: str = DEFAULT_BRANCH) -> bool:
+def is_published(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    endpoint: str | None = None,
+    token: str | None = None,
+    revision: str = DEFAULT_BRANCH,
+) -> bool:
     """Whether ``repo_id`` at ``revision`` already holds this folder's ledger. The ledger binds
     the digest of every file, so equal ledgers mean equal published contents."""
     api = HfApi(endpoint=endpoint, token=token)

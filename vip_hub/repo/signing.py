@@ -74,7 +74,9 @@ class PublicKey:
         except ValueError as e:
             raise ConfigError(f"{path}: not a PEM public key ({e})") from None
         if not isinstance(key, ec.EllipticCurvePublicKey):
-            raise ConfigError(f"{path}: not an elliptic-curve key (model-signing signs with EC keys)")
+            raise ConfigError(
+                f"{path}: not an elliptic-curve key (model-signing signs with EC keys)"
+            )
         return cls(path.name.removesuffix(PUBLIC_SUFFIX), path, _fingerprint(key))
 
     def short(self) -> str:
@@ -84,7 +86,9 @@ class PublicKey:
 
 def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
     """SHA-256 of the key's PEM SubjectPublicKeyInfo: the hint model-signing records."""
-    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return hashlib.sha256(pem).hexdigest()
 
 
@@ -102,8 +106,9 @@ def default_key_dir() -> Path:
     return Path(base) / "vip-hub"
 
 
-def create_key(folder: str | os.PathLike[str] | None = None, name: str = KEY_NAME, *,
-               overwrite: bool = False) -> tuple[Path, PublicKey]:
+def create_key(
+    folder: str | os.PathLike[str] | None = None, name: str = KEY_NAME, *, overwrite: bool = False
+) -> tuple[Path, PublicKey]:
     """Write a new P-256 key pair ``NAME.key`` (mode 0600) and ``NAME.pub`` to ``folder``
     (default :func:`default_key_dir`); returns the private key's path and the public key."""
     check_key_name(name)
@@ -113,14 +118,18 @@ def create_key(folder: str | os.PathLike[str] | None = None, name: str = KEY_NAM
         raise ConfigError(f"{private} or {public} exists; choose another name or pass overwrite")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = ec.generate_private_key(_CURVE)
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     private.unlink(missing_ok=True)
     fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return private, PublicKey.load(public)
 
 
@@ -143,7 +152,9 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
 
     folder, private_key = Path(folder).resolve(), Path(private_key)
     if private_key.resolve().is_relative_to(folder):
-        raise ConfigError(f"{private_key} lies inside the repo {folder}: it would be published with it")
+        raise ConfigError(
+            f"{private_key} lies inside the repo {folder}: it would be published with it"
+        )
     try:
         key = serialization.load_pem_private_key(private_key.read_bytes(), None)
     except FileNotFoundError:
@@ -151,7 +162,9 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
     except (TypeError, ValueError) as e:  # not PEM, or protected by a password
         raise ConfigError(f"{private_key}: not an unencrypted PEM private key ({e})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ConfigError(f"{private_key}: not an elliptic-curve key (model-signing signs with EC keys)")
+        raise ConfigError(
+            f"{private_key}: not an elliptic-curve key (model-signing signs with EC keys)"
+        )
     files = repo_files(folder)
     files.pop(SIGNATURE_FILE, None)
     tmp = folder / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
@@ -167,8 +180,9 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
     return _fingerprint(key.public_key())
 
 
-def verify_signature(repo: str | os.PathLike[str] | Mapping[str, Path],
-                     keys: Iterable[PublicKey]) -> PublicKey | None:
+def verify_signature(
+    repo: str | os.PathLike[str] | Mapping[str, Path], keys: Iterable[PublicKey]
+) -> PublicKey | None:
     """Check a repo folder's (or a mapping of repo paths to files') ``model.sig`` against
     ``keys``; returns the key that signed it, or None for an unsigned repo.
 
@@ -187,8 +201,10 @@ def verify_signature(repo: str | os.PathLike[str] | Mapping[str, Path],
     signer = by_fingerprint.get(hint or "")
     if signer is None:
         trusted = ", ".join(k.short() for k in by_fingerprint.values()) or "none"
-        raise _refusal(f"signed by key {str(hint)[:16]}, which is not a trusted key (trusted: {trusted})",
-                       UntrustedSignerError)
+        raise _refusal(
+            f"signed by key {str(hint)[:16]}, which is not a trusted key (trusted: {trusted})",
+            UntrustedSignerError,
+        )
     name = "repo" if isinstance(repo, Mapping) else Path(repo).name
     with _view(files, name) as view:
         try:
@@ -197,27 +213,36 @@ def verify_signature(repo: str | os.PathLike[str] | Mapping[str, Path],
         except ValueError as e:
             if str(e).startswith("Signature mismatch"):
                 changes = _changes(files, bundle)
-                raise _refusal(f"the files differ from what {signer.short()} signed ({changes})") from None
+                raise _refusal(
+                    f"the files differ from what {signer.short()} signed ({changes})"
+                ) from None
             raise _refusal(f"not a valid signature by {signer.short()}: {e}") from None
         except Exception as e:  # noqa: BLE001 - cryptography's InvalidSignature, a malformed bundle
-            raise _refusal(f"not a valid signature by {signer.short()}: {type(e).__name__} {e}".rstrip()) from None
+            raise _refusal(
+                f"not a valid signature by {signer.short()}: {type(e).__name__} {e}".rstrip()
+            ) from None
     unsigned = sorted(p for p in files if p not in _signed(bundle))
     if unsigned:  # the signer listed them as ignored
         raise _refusal(f"leaves {', '.join(unsigned)} unsigned")
     return signer
 
 
-def check_signature(repo: str | os.PathLike[str], key_paths: list[str] | None,
-                    report: VerificationReport) -> PublicKey | None:
+def check_signature(
+    repo: str | os.PathLike[str], key_paths: list[str] | None, report: VerificationReport
+) -> PublicKey | None:
     """Add the signature's check to ``report`` (``vip-hub verify --key``): a problem when it
     does not hold, a warning when the repo is unsigned or no key was given; returns the signer."""
     if not (Path(repo) / SIGNATURE_FILE).is_file():
-        report.warnings.append(f"unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these "
-                               "files; verify proves only that they are consistent")
+        report.warnings.append(
+            f"unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these "
+            "files; verify proves only that they are consistent"
+        )
         return None
     if key_paths is None:
-        report.warnings.append(f"signed ({SIGNATURE_FILE}) but not checked: pass --key PUB, the public key of "
-                               "whoever you trust to have trained it")
+        report.warnings.append(
+            f"signed ({SIGNATURE_FILE}) but not checked: pass --key PUB, the public key of "
+            "whoever you trust to have trained it"
+        )
         return None
     missing = [str(k) for k in key_paths if not Path(k).exists()]
     if missing:
@@ -265,10 +290,18 @@ def _changes(files: Mapping[str, Path], bundle: Mapping[str, Any]) -> str:
     """Which files were changed, added or removed since signing (the bundle's signature is
     already checked, so its payload is what the signer signed)."""
     signed = _signed(bundle)
-    changed = sorted(p for p in set(signed) & set(files) if file_sha256(files[p]) != "sha256:" + signed[p])
-    parts = [f"{label} {', '.join(paths)}" for label, paths in (
-        ("changed:", changed), ("added:", sorted(set(files) - set(signed))),
-        ("removed:", sorted(set(signed) - set(files)))) if paths]
+    changed = sorted(
+        p for p in set(signed) & set(files) if file_sha256(files[p]) != "sha256:" + signed[p]
+    )
+    parts = [
+        f"{label} {', '.join(paths)}"
+        for label, paths in (
+            ("changed:", changed),
+            ("added:", sorted(set(files) - set(signed))),
+            ("removed:", sorted(set(signed) - set(files))),
+        )
+        if paths
+    ]
     return "; ".join(parts)
 
 

@@ -91,7 +91,9 @@ class VerificationReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def fail(self, where: str, message: str, kind: type[VerificationError] = VerificationError) -> None:
+    def fail(
+        self, where: str, message: str, kind: type[VerificationError] = VerificationError
+    ) -> None:
         self.problems.append(Problem(where, message, kind))
 
     def raise_for_problems(self) -> "VerificationReport":
@@ -104,7 +106,10 @@ class VerificationReport:
         """The JSON form ``vip-hub verify --json`` prints."""
         return {
             "ok": self.ok,
-            "problems": [{"where": p.where, "message": p.message, "kind": p.kind.__name__} for p in self.problems],
+            "problems": [
+                {"where": p.where, "message": p.message, "kind": p.kind.__name__}
+                for p in self.problems
+            ],
             "checks": self.checks,
             "recomputed": self.recomputed,
             "warnings": self.warnings,
@@ -157,15 +162,23 @@ def _check_paths(files: Mapping[str, Path], report: VerificationReport) -> None:
         except RepoFormatError as e:
             report.fail(rel, str(e))
             continue
-        if not is_weights_file(rel) and (what := refused_content(path)):  # weights are parsed as safetensors
-            report.fail(rel, f"holds {what}: content that can run code when loaded, or hide such content, is "
-                             "refused whatever the file's name; publish safetensors", TamperedFileError)
+        if not is_weights_file(rel) and (
+            what := refused_content(path)
+        ):  # weights are parsed as safetensors
+            report.fail(
+                rel,
+                f"holds {what}: content that can run code when loaded, or hide such content, is "
+                "refused whatever the file's name; publish safetensors",
+                TamperedFileError,
+            )
     for problem in tree_path_problems(files):
         report.fail("paths", problem)
     report.checks.append("paths and content")
 
 
-def _ledger_copies(files: Mapping[str, Path], report: VerificationReport) -> dict[str, PrivacyLedger]:
+def _ledger_copies(
+    files: Mapping[str, Path], report: VerificationReport
+) -> dict[str, PrivacyLedger]:
     readers = {
         LEDGER_FILE: lambda p: PrivacyLedger.parse(p.read_bytes()),
         WEIGHTS_FILE: _weights_copy,
@@ -191,7 +204,9 @@ def _weights_copy(path: Path) -> PrivacyLedger:
     return PrivacyLedger.parse(text)
 
 
-def _compare_copies(copies: dict[str, PrivacyLedger], report: VerificationReport) -> PrivacyLedger | None:
+def _compare_copies(
+    copies: dict[str, PrivacyLedger], report: VerificationReport
+) -> PrivacyLedger | None:
     """Compare every copy with the first readable one (privacy_ledger.json first); return it."""
     if not copies:
         return None
@@ -221,10 +236,14 @@ def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
     return where, a, b
 
 
-def _check_artifacts(files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport) -> None:
+def _check_artifacts(
+    files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport
+) -> None:
     for rel, claimed in ledger.artifacts.items():
         if rel not in files:
-            report.fail(rel, "listed in the ledger's artifacts but missing from the repo", TamperedFileError)
+            report.fail(
+                rel, "listed in the ledger's artifacts but missing from the repo", TamperedFileError
+            )
             continue
         try:
             actual = digest_file(files[rel], rel)
@@ -232,27 +251,40 @@ def _check_artifacts(files: Mapping[str, Path], ledger: PrivacyLedger, report: V
             report.fail(rel, f"cannot be digested: {e}", TamperedFileError)
             continue
         if actual != claimed:
-            report.fail(rel, f"content changed since export (digest {actual}, ledger says {claimed})",
-                        TamperedFileError)
+            report.fail(
+                rel,
+                f"content changed since export (digest {actual}, ledger says {claimed})",
+                TamperedFileError,
+            )
     for rel in files:
         if (is_weights_file(rel) or rel == CONFIG_FILE) and rel not in ledger.artifacts:
-            report.fail(rel, "not listed in the ledger's artifacts: its provenance is unknown", TamperedFileError)
+            report.fail(
+                rel,
+                "not listed in the ledger's artifacts: its provenance is unknown",
+                TamperedFileError,
+            )
     report.checks.append("file digests")
 
 
-def _check_components(files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport) -> None:
+def _check_components(
+    files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport
+) -> None:
     """Every head folder has a stage of its own (else it would inherit the encoder's summary);
     every stage accounted under an assumption it did not meet is reported as a warning."""
     components = set(ledger.components())
     for folder in head_folders(files):
         if folder not in components:
-            report.fail(f"{folder}/", "has files but no ledger stage (DP or non-private) of its own: "
-                                      "what trained it, on which data, is unknown")
+            report.fail(
+                f"{folder}/",
+                "has files but no ledger stage (DP or non-private) of its own: "
+                "what trained it, on which data, is unknown",
+            )
     for stage in ledger.dp_stages():
         if stage.sampling != "poisson":
             report.warnings.append(
                 f"stages.{stage.name}: accounted as Poisson-sampled but trained with {stage.sampling} sampling: "
-                f"its ε is as reported, assuming Poisson sampling")
+                f"its ε is as reported, assuming Poisson sampling"
+            )
     report.checks.append("every component has its stages")
 
 
@@ -267,12 +299,17 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
         return
     arch = (header.get("__metadata__") or {}).get(META_ARCH)
     for key in weight_sources(config) if isinstance(config, dict) else []:
-        report.fail(key, f"would make timm load weights from elsewhere than the verified {WEIGHTS_FILE}",
-                    TamperedFileError)
+        report.fail(
+            key,
+            f"would make timm load weights from elsewhere than the verified {WEIGHTS_FILE}",
+            TamperedFileError,
+        )
     if not isinstance(config, dict) or "architecture" not in config:
         report.fail(CONFIG_FILE, "has no 'architecture' entry (timm needs one)")
     elif (config.get(CONFIG_BLOCK) or {}).get("arch") != arch:
-        report.fail(CONFIG_FILE, f"{CONFIG_BLOCK}.arch disagrees with {WEIGHTS_FILE} metadata ({arch!r})")
+        report.fail(
+            CONFIG_FILE, f"{CONFIG_BLOCK}.arch disagrees with {WEIGHTS_FILE} metadata ({arch!r})"
+        )
     report.checks.append("config matches weights")
 
 
@@ -285,31 +322,51 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
             report.fail(where, str(e), ClaimTooLowError)
             continue
         if not _close(stage.sensitivity, expected, 1e-9):
-            report.fail(where, f"claims sensitivity {stage.sensitivity:.6g} but {stage.mechanism} with "
-                               f"{stage.mechanism_params or 'C'} = {stage.clipping_norm:g} has {expected:.6g}",
-                        ClaimTooLowError)
+            report.fail(
+                where,
+                f"claims sensitivity {stage.sensitivity:.6g} but {stage.mechanism} with "
+                f"{stage.mechanism_params or 'C'} = {stage.clipping_norm:g} has {expected:.6g}",
+                ClaimTooLowError,
+            )
         if not _close(stage.noise_std, stage.noise_multiplier * stage.sensitivity, 1e-9):
-            report.fail(where, f"noise std {stage.noise_std:.6g} is not sigma * sensitivity = "
-                               f"{stage.noise_multiplier * stage.sensitivity:.6g}", ClaimTooLowError)
+            report.fail(
+                where,
+                f"noise std {stage.noise_std:.6g} is not sigma * sensitivity = "
+                f"{stage.noise_multiplier * stage.sensitivity:.6g}",
+                ClaimTooLowError,
+            )
     report.checks.append("sensitivity and noise")
 
 
 def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None:
     for stage in ledger.dp_stages():
         for accountant, claimed in stage.epsilons.items():
-            actual = _recompute(report, f"stage {stage.name!r}", [stage.mechanism_tuple], stage.delta, accountant)
+            actual = _recompute(
+                report, f"stage {stage.name!r}", [stage.mechanism_tuple], stage.delta, accountant
+            )
             if actual is None:
                 continue
             report.recomputed[f"{stage.name}/{accountant.value}"] = actual
-            params = (f"sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, steps={stage.steps}, "
-                      f"delta={stage.delta:.6g}")
+            params = (
+                f"sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, steps={stage.steps}, "
+                f"delta={stage.delta:.6g}"
+            )
             if accountant is stage.accountant and _understated(claimed, actual):
-                report.fail(f"stage {stage.name!r}", f"claims epsilon {claimed:.6g} but the {accountant.value} "
-                                                     f"accountant gives {actual:.6g} for {params}", ClaimTooLowError)
-            elif accountant is not stage.accountant and not _close(claimed, actual, RELATIVE_TOLERANCE):
-                report.fail(f"stage {stage.name!r}", f"reference epsilon {claimed:.6g} ({accountant.value}) is not "
-                                                     f"what that accountant gives: {actual:.6g} for {params}",
-                            ClaimTooLowError)
+                report.fail(
+                    f"stage {stage.name!r}",
+                    f"claims epsilon {claimed:.6g} but the {accountant.value} "
+                    f"accountant gives {actual:.6g} for {params}",
+                    ClaimTooLowError,
+                )
+            elif accountant is not stage.accountant and not _close(
+                claimed, actual, RELATIVE_TOLERANCE
+            ):
+                report.fail(
+                    f"stage {stage.name!r}",
+                    f"reference epsilon {claimed:.6g} ({accountant.value}) is not "
+                    f"what that accountant gives: {actual:.6g} for {params}",
+                    ClaimTooLowError,
+                )
     for g in ledger.guarantees:
         history = [ledger.stage(name).mechanism_tuple for name in g.stages]  # type: ignore[union-attr]
         actual = _recompute(report, f"guarantee {g.dataset!r}", history, g.delta, g.accountant)
@@ -317,9 +374,11 @@ def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None
             continue
         report.recomputed[f"guarantee:{g.dataset}"] = actual
         if _understated(g.epsilon, actual):
-            report.fail(f"guarantee {g.dataset!r}",
-                        f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives {actual:.6g}",
-                        ClaimTooLowError)
+            report.fail(
+                f"guarantee {g.dataset!r}",
+                f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives {actual:.6g}",
+                ClaimTooLowError,
+            )
     report.checks.append("epsilon recomputed (rdp, prv, pld)")
 
 
@@ -329,31 +388,52 @@ def _check_audits(ledger: PrivacyLedger, report: VerificationReport) -> None:
         if audit is None:
             continue
         where = f"stage {stage.name!r} audit"
-        bound = bound_over_grid(audit.canaries, [(r.guesses, r.correct) for r in audit.results],
-                                audit.beta, audit.delta)
+        bound = bound_over_grid(
+            audit.canaries, [(r.guesses, r.correct) for r in audit.results], audit.beta, audit.delta
+        )
         top = ceiling(audit.canaries, audit.beta, audit.delta)
         report.recomputed[f"{stage.name}/audit"] = bound
         report.recomputed[f"{stage.name}/audit-ceiling"] = top
         if not _close(audit.epsilon_lower_bound, bound, RELATIVE_TOLERANCE):
-            report.fail(where, f"records eps_lb {audit.epsilon_lower_bound:.6g} but its counts give {bound:.6g}",
-                        AuditError)
+            report.fail(
+                where,
+                f"records eps_lb {audit.epsilon_lower_bound:.6g} but its counts give {bound:.6g}",
+                AuditError,
+            )
         if not _close(audit.ceiling, top, RELATIVE_TOLERANCE):
-            report.fail(where, f"records a ceiling of {audit.ceiling:.6g} but {audit.canaries} canaries at beta "
-                               f"{audit.beta:g}, delta {audit.delta:g} give {top:.6g}", AuditError)
+            report.fail(
+                where,
+                f"records a ceiling of {audit.ceiling:.6g} but {audit.canaries} canaries at beta "
+                f"{audit.beta:g}, delta {audit.delta:g} give {top:.6g}",
+                AuditError,
+            )
         for accountant, claimed in audit.accountant_epsilon.items():
             actual = _recompute(report, where, [stage.mechanism_tuple], audit.delta, accountant)
             if actual is not None and not _close(claimed, actual, RELATIVE_TOLERANCE):
-                report.fail(where, f"records {accountant.value} epsilon {claimed:.6g} at delta {audit.delta:g} "
-                                   f"but that accountant gives {actual:.6g}", AuditError)
+                report.fail(
+                    where,
+                    f"records {accountant.value} epsilon {claimed:.6g} at delta {audit.delta:g} "
+                    f"but that accountant gives {actual:.6g}",
+                    AuditError,
+                )
         if audit.epsilon_lower_bound > audit.accounted * (1 + RELATIVE_TOLERANCE) + _ROUNDING:
-            report.fail(where, f"the empirical lower bound eps >= {audit.epsilon_lower_bound:.4g} exceeds the "
-                               f"accounted epsilon {audit.accounted:.4g} at delta {audit.delta:g}: the training "
-                               "does not give the privacy it claims", AuditError)
+            report.fail(
+                where,
+                f"the empirical lower bound eps >= {audit.epsilon_lower_bound:.4g} exceeds the "
+                f"accounted epsilon {audit.accounted:.4g} at delta {audit.delta:g}: the training "
+                "does not give the privacy it claims",
+                AuditError,
+            )
     report.checks.append("audits recomputed")
 
 
-def _recompute(report: VerificationReport, where: str, history: list[tuple[float, float, int]], delta: float,
-               accountant: Accountant) -> float | None:
+def _recompute(
+    report: VerificationReport,
+    where: str,
+    history: list[tuple[float, float, int]],
+    delta: float,
+    accountant: Accountant,
+) -> float | None:
     try:
         return composed_epsilon(history, delta, accountant)
     except AccountingError as e:
@@ -367,4 +447,3 @@ def _understated(claimed: float, actual: float) -> bool:
 
 def _close(claimed: float, actual: float, tolerance: float) -> bool:
     return abs(claimed - actual) <= tolerance * abs(actual) + _ROUNDING
-
