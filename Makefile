@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast venv bench clean
+.PHONY: run test test-fast quality venv bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,16 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/vip-hub run
 
-## The layer contracts (import-linter), then every test, the slow end-to-end ones included (what CI runs).
-test: venv
-	$(BIN)/lint-imports
+## Lint, format and layer contracts (ruff, import-linter), then every test, the slow end-to-end
+## ones included (what CI runs).
+test: quality
 	$(BIN)/python -m pytest
+
+## Lint (ruff check), formatting (ruff format --check) and the layer contracts (lint-imports).
+quality: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 ## Skip the slow end-to-end tests.
 test-fast: venv
