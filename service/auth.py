@@ -116,7 +116,7 @@ class TokenRegistry:
         self._refresh(strict=True)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "TokenRegistry":
+    def from_settings(cls, settings: Settings) -> TokenRegistry:
         """Tokens and organisations from the tokens file (if it exists) and from ``auth.tokens``
         and ``auth.orgs``."""
         fixed = _Auth([], {org: set(members) for org, members in settings.auth.orgs.items()})

@@ -79,7 +79,7 @@ class ThreadedServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ThreadedServer":
+    def __enter__(self) -> ThreadedServer:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -143,7 +143,7 @@ class ProcessServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ProcessServer":
+    def start(self) -> ProcessServer:
         script = Path(sys.executable).with_name("vip-hub")
         self.proc = subprocess.Popen(
             [

@@ -23,7 +23,7 @@ class Dist:
     device: torch.device = torch.device("cpu")
 
     @classmethod
-    def from_env(cls, device: str = "auto") -> "Dist":
+    def from_env(cls, device: str = "auto") -> Dist:
         """Join the group ``torchrun`` describes in the environment, if any."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -101,7 +101,7 @@ class Budget:
         sigma: float | None,
         delta: float | None,
         accountant: Accountant | str,
-    ) -> "Budget":
+    ) -> Budget:
         """Calibrate sigma from ``epsilon`` (unless given) and find the last step within it."""
         n = dataset_size
         if not 0 < batch_size <= n:
@@ -122,7 +122,7 @@ class Budget:
         return cls(n, float(batch_size), float(sigma), float(delta), kind, within, steps, epsilon)
 
     @classmethod
-    def for_config(cls, cfg: DPRunConfig, dataset_size: int) -> "Budget":
+    def for_config(cls, cfg: DPRunConfig, dataset_size: int) -> Budget:
         """The budget a DP recipe's configuration asks for, on a dataset of ``dataset_size``
         examples (checked against ``--dataset-size`` when given)."""
         if cfg.dataset_size is not None and cfg.dataset_size != dataset_size:
@@ -251,7 +251,7 @@ class DPEngine:
         sensitivity: float,
         clipping_norm: float,
         micro_batch_size: int | None = None,
-    ) -> "DPEngine":
+    ) -> DPEngine:
         """The engine of a recipe's run: the run's seed, ranks and autocast, the configuration's
         micro-batch size (unless given: None for clippers that need the whole sample) and canaries."""
         return cls(

@@ -164,7 +164,7 @@ class CaptioningModel:
     tokenizer: CaptionTokenizer
 
     @classmethod
-    def from_encoder(cls, encoder: Encoder) -> "CaptioningModel":
+    def from_encoder(cls, encoder: Encoder) -> CaptioningModel:
         """Add the repo's text decoder and vocabulary to a loaded encoder."""
         path = Path(encoder.path)
         if not encoder.spec.family.captions:

@@ -80,7 +80,7 @@ class LoadedModel:
         settings: InferenceSettings,
         metrics: Metrics,
         private: bool = False,
-    ) -> "LoadedModel":
+    ) -> LoadedModel:
         """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
         device = pick_device(settings.device)
         encoder = load_encoder(folder, verify=True, device=device)

@@ -105,7 +105,7 @@ class Index:
 
     def transaction(
         self, read_only: bool = False
-    ) -> contextlib.AbstractContextManager["Transaction"]:
+    ) -> contextlib.AbstractContextManager[Transaction]:
         """A transaction: committed when the block ends, rolled back when it raises."""
         raise NotImplementedError
 

@@ -254,7 +254,7 @@ class EncoderSpec:
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "EncoderSpec":
+    def from_config(cls, config: dict[str, Any]) -> EncoderSpec:
         """Rebuild the spec from an exported config.json."""
         meta = config.get(CONFIG_BLOCK) or {}
         args = config.get("model_args") or {}

@@ -67,7 +67,7 @@ def vip_layers(model: VisionTransformer) -> int:
 
 
 def feature_dim(
-    model: VisionTransformer, pooling: Pooling, memory: "ImageMemory | None" = None
+    model: VisionTransformer, pooling: Pooling, memory: ImageMemory | None = None
 ) -> int:
     """Width of the embedding that ``pooling`` produces."""
     check_pooling(pooling)
@@ -80,7 +80,7 @@ def extract_features(
     model: VisionTransformer,
     images: torch.Tensor,
     pooling: Pooling | tuple[Pooling, ...],
-    memory: "ImageMemory | None" = None,
+    memory: ImageMemory | None = None,
 ) -> torch.Tensor | dict[Pooling, torch.Tensor]:
     """Embed a batch of preprocessed images, shape (B, 3, H, W).
 
@@ -126,7 +126,7 @@ def check_pooling(pooling: str) -> None:
         raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
 
 
-def _need_memory(model: VisionTransformer, memory: "ImageMemory | None") -> "ImageMemory":
+def _need_memory(model: VisionTransformer, memory: ImageMemory | None) -> ImageMemory:
     if memory is None:
         raise ConfigError(
             "the dpcap feature mode needs the text decoder's image-memory weights "

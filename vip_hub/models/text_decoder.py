@@ -105,7 +105,7 @@ class TextDecoderConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TextDecoderConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TextDecoderConfig:
         """Rebuild from ``to_dict``'s output; unknown keys are an error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
@@ -119,7 +119,7 @@ class TextDecoderConfig:
     @classmethod
     def for_encoder(
         cls, spec: EncoderSpec, tokenizer: CaptionTokenizer | None = None, **sizes: Any
-    ) -> "TextDecoderConfig":
+    ) -> TextDecoderConfig:
         """The family's decoder for ``spec``'s size (reference: 6 blocks, width of the encoder up
         to 768); token ids and vocabulary size from ``tokenizer`` when given; ``sizes`` override."""
         a = spec.architecture

@@ -49,7 +49,7 @@ class Accountant(StrEnum):
     PLD = "pld"
 
     @property
-    def others(self) -> tuple["Accountant", ...]:
+    def others(self) -> tuple[Accountant, ...]:
         """The accountants a ledger reports beside this one, for reference."""
         return tuple(a for a in Accountant if a is not self)
 

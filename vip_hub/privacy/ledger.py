@@ -137,7 +137,7 @@ class AuditResult(_Model):
     correct: int = Field(ge=0)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "AuditResult":
+    def _consistent(self) -> AuditResult:
         if self.correct > self.guesses:
             raise ValueError(f"{self.correct} correct guesses out of {self.guesses}")
         return self
@@ -169,7 +169,7 @@ class Audit(_Model):
     )
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Audit":
+    def _consistent(self) -> Audit:
         if any(r.guesses > self.canaries for r in self.results):
             raise ValueError(f"more guesses than the {self.canaries} canaries")
         if set(self.accountant_epsilon) != set(Accountant):
@@ -222,7 +222,7 @@ class DPStage(_Stage):
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DPStage":
+    def _consistent(self) -> DPStage:
         n = self.dataset.size
         if n is None:
             raise ValueError("dataset.size is required for a DP stage (q and delta depend on it)")
@@ -270,7 +270,7 @@ class DPStage(_Stage):
         component: str = ENCODER,
         description: str = "",
         hyperparameters: dict[str, Any] | None = None,
-    ) -> "DPStage":
+    ) -> DPStage:
         """Build a DP stage, computing its epsilon under every accountant (the named one is the
         claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping)."""
         if dataset.size is None:
@@ -418,7 +418,7 @@ class PrivacyLedger(_Model):
         return stages
 
     @model_validator(mode="after")
-    def _consistent(self) -> "PrivacyLedger":
+    def _consistent(self) -> PrivacyLedger:
         problems: list[str] = []
         expected = _dp_stages_by_dataset(self.stages)
         unprotected = {
@@ -460,14 +460,14 @@ class PrivacyLedger(_Model):
     @classmethod
     def build(
         cls, stages: Iterable[NonPrivateStage | DPStage], artifacts: dict[str, str] | None = None
-    ) -> "PrivacyLedger":
+    ) -> PrivacyLedger:
         """A ledger whose guarantees are computed from its DP stages."""
         stages = list(stages)
         return _validated(
             cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {}
         )
 
-    def with_artifacts(self, artifacts: dict[str, str]) -> "PrivacyLedger":
+    def with_artifacts(self, artifacts: dict[str, str]) -> PrivacyLedger:
         """A copy that binds the given file digests (replacing the old ones)."""
         return _validated(
             PrivacyLedger, **{**self.model_dump(by_alias=True), "artifacts": artifacts}
@@ -481,7 +481,7 @@ class PrivacyLedger(_Model):
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
-    def parse(cls, data: str | bytes | dict[str, Any]) -> "PrivacyLedger":
+    def parse(cls, data: str | bytes | dict[str, Any]) -> PrivacyLedger:
         """Parse JSON text or a dict; raises LedgerError naming each offending field."""
         if isinstance(data, (str, bytes)):
             try:

@@ -96,7 +96,7 @@ class VerificationReport:
     ) -> None:
         self.problems.append(Problem(where, message, kind))
 
-    def raise_for_problems(self) -> "VerificationReport":
+    def raise_for_problems(self) -> VerificationReport:
         """Raise the first problem's error class (listing every problem) unless the repo verifies."""
         if self.problems:
             raise self.problems[0].kind(self.problems)
