@@ -68,40 +68,44 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .errors import (
-        AccountingError,
-        AuditError,
-        CheckpointError,
-        ClaimTooLowError,
-        ConfigError,
-        DataError,
-        LedgerError,
-        MissingInputError,
-        RepoFormatError,
-        TamperedFileError,
-        VerificationError,
-        VipHubError,
-    )
-    from .loading import Encoder, load_encoder
-    from .models.encoders import ARCHS, EncoderSpec, create_encoder, get_arch
-    from .models.features import POOLINGS, Pooling, extract_features, feature_dim
-    from .privacy.accounting import (
-        Accountant,
-        calibrate,
-        default_delta,
-        epsilon,
-        epsilons,
-        max_steps_within,
-        paper_delta,
-    )
-    from .privacy.ledger import (
-        Audit,
-        Dataset,
-        DPStage,
-        Guarantee,
-        NonPrivateStage,
-        PrivacyLedger,
-        PrivacySummary,
-    )
-    from .repo.files import export_encoder, update_repo
-    from .repo.verify import VerificationReport, verify_repo
+    # The same names as _EXPORTS (tests/test_public_api.py checks), re-exported for type checkers.
+    from .errors import AccountingError as AccountingError
+    from .errors import AuditError as AuditError
+    from .errors import CheckpointError as CheckpointError
+    from .errors import ClaimTooLowError as ClaimTooLowError
+    from .errors import ConfigError as ConfigError
+    from .errors import DataError as DataError
+    from .errors import LedgerError as LedgerError
+    from .errors import MissingInputError as MissingInputError
+    from .errors import RepoFormatError as RepoFormatError
+    from .errors import TamperedFileError as TamperedFileError
+    from .errors import VerificationError as VerificationError
+    from .errors import VipHubError as VipHubError
+    from .loading import Encoder as Encoder
+    from .loading import load_encoder as load_encoder
+    from .models.encoders import ARCHS as ARCHS
+    from .models.encoders import EncoderSpec as EncoderSpec
+    from .models.encoders import create_encoder as create_encoder
+    from .models.encoders import get_arch as get_arch
+    from .models.features import POOLINGS as POOLINGS
+    from .models.features import Pooling as Pooling
+    from .models.features import extract_features as extract_features
+    from .models.features import feature_dim as feature_dim
+    from .privacy.accounting import Accountant as Accountant
+    from .privacy.accounting import calibrate as calibrate
+    from .privacy.accounting import default_delta as default_delta
+    from .privacy.accounting import epsilon as epsilon
+    from .privacy.accounting import epsilons as epsilons
+    from .privacy.accounting import max_steps_within as max_steps_within
+    from .privacy.accounting import paper_delta as paper_delta
+    from .privacy.ledger import Audit as Audit
+    from .privacy.ledger import Dataset as Dataset
+    from .privacy.ledger import DPStage as DPStage
+    from .privacy.ledger import Guarantee as Guarantee
+    from .privacy.ledger import NonPrivateStage as NonPrivateStage
+    from .privacy.ledger import PrivacyLedger as PrivacyLedger
+    from .privacy.ledger import PrivacySummary as PrivacySummary
+    from .repo.files import export_encoder as export_encoder
+    from .repo.files import update_repo as update_repo
+    from .repo.verify import VerificationReport as VerificationReport
+    from .repo.verify import verify_repo as verify_repo
