@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vip_hub.cli.main import add_command, require_extra
+from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
 
 __all__ = ["register_org", "register_serve", "register_token", "register_trust"]
 
@@ -14,9 +15,11 @@ __all__ = ["register_org", "register_serve", "register_token", "register_trust"]
 def register_serve(sub: Any) -> None:
     require_extra("serve", "fastapi", "uvicorn")
     p = add_command(sub, "serve", _serve, "run the hub and inference service (uvicorn)")
-    p.add_argument("--store", type=Path, help="store folder (default: var/hub, or VIP_HUB_STORE)")
-    p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument(
+        "--store", type=Path, help=f"store folder (default: {DEFAULT_STORE}, or VIP_HUB_STORE)"
+    )
+    p.add_argument("--host", help=f"interface to bind (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--no-hub", action="store_true", help="serve inference only")
     p.add_argument("--no-inference", action="store_true", help="serve the hub only")
     p.add_argument(

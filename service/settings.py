@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from vip_hub.device import pick_device
+from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
 
@@ -130,7 +131,7 @@ class Settings(BaseSettings):
     )
 
     store: Path = Field(
-        Path("var/hub"), description="the store: blobs, uploads and (by default) its SQLite index"
+        DEFAULT_STORE, description="the store: blobs, uploads and (by default) its SQLite index"
     )
     index: str | None = Field(
         None,
@@ -138,8 +139,8 @@ class Settings(BaseSettings):
         "PostgreSQL, so several hub processes on several hosts share one store (its "
         "folder on a shared filesystem); default: SQLite inside the store",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = DEFAULT_HOST
+    port: Port = DEFAULT_PORT
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     max_body_bytes: int = Field(
         MIB,

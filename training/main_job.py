@@ -45,6 +45,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.errors import SignatureError, VipHubError
+from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
@@ -80,9 +81,9 @@ class MainJobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     work_dir: str = Field("var/run", description="where the job keeps data, runs and repos")
-    store: str = Field("var/hub", description="the hub store the server uses")
-    host: str = Field("127.0.0.1", description="interface the server binds")
-    port: int = Field(8000, ge=0, le=65535, description="port the server binds")
+    store: str = Field(str(DEFAULT_STORE), description="the hub store the server uses")
+    host: str = Field(DEFAULT_HOST, description="interface the server binds")
+    port: Port = Field(DEFAULT_PORT, description="port the server binds")
     img_size: int = Field(32, gt=0, description="input resolution of the encoders")
     patch_size: int = Field(8, gt=0, description="patch size of the encoders")
     syn_steps: int = Field(200, gt=0, description="(Syn)-ViP pretraining steps")
