@@ -15,6 +15,7 @@ from vip_hub.privacy.ledger import PrivacySummary, privacy_headline
 from ..auth import Identity, check_read, identity, identity_or_anonymous, require_scope
 from ..errors import BadRequest, PayloadTooLarge
 from ..hub.common import store_of
+from ..store.naming import NAME_PATTERN, REVISION_PATTERN
 from .engine import InferenceEngine, Result, parse_model_ref
 from .images import image_bytes_from_text
 from .models import LoadedModel, Task
@@ -36,8 +37,7 @@ __all__ = [
     "set_headers",
 ]
 
-_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
-MODEL_PATTERN = rf"^{_NAME}/{_NAME}(@[A-Za-z0-9][A-Za-z0-9_.-]{{0,127}})?$"
+MODEL_PATTERN = rf"^{NAME_PATTERN}/{NAME_PATTERN}(@{REVISION_PATTERN})?$"
 ModelRef = Annotated[str, Field(pattern=MODEL_PATTERN, max_length=300, examples=["vip/vip-nano"])]
 Image64 = Annotated[str, Field(min_length=1, description="base64 image bytes, or a data: URI")]
 

@@ -15,6 +15,8 @@ from .errors import InvalidRequest
 
 __all__ = [
     "COMMIT_RE",
+    "NAME_PATTERN",
+    "REVISION_PATTERN",
     "decode_segment",
     "validate_namespace",
     "validate_path",
@@ -22,8 +24,12 @@ __all__ = [
     "validate_revision",
 ]
 
-_PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+NAME_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
+"""A namespace (user or organisation) or a repo name, unanchored (also in request schemas)."""
+REVISION_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+"""A branch, a tag or a commit id, unanchored."""
+_PART = re.compile(rf"^{NAME_PATTERN}$")
+_REVISION = re.compile(rf"^{REVISION_PATTERN}$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 
