@@ -664,6 +664,7 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(
         1e-4
     )  # the reference's defaults
+    assert "license: cc-by-nc-4.0" in (out / "README.md").read_text()  # the DP-Cap authors'
     from PIL import Image
 
     files = []

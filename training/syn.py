@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from vip_hub.errors import ConfigError
-from vip_hub.models.encoders import ARCHS, EncoderSpec
+from vip_hub.models.encoders import ARCHS, DEFAULT_IMG_SIZE, DEFAULT_PATCH_SIZE, EncoderSpec
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
 from .distributed import Dist
@@ -49,8 +49,8 @@ class SynConfig(RunConfig):
         description=f"encoder architecture: {', '.join(ARCHS)} (dpcap-*: to start DP-Cap "
         "training from)",
     )
-    img_size: int = Field(224, gt=0, description="input resolution in pixels")
-    patch_size: int = Field(16, gt=0, description="patch size in pixels")
+    img_size: int = Field(DEFAULT_IMG_SIZE, gt=0, description="input resolution in pixels")
+    patch_size: int = Field(DEFAULT_PATCH_SIZE, gt=0, description="patch size in pixels")
     batch_size: int = Field(64, gt=0, description="images per step")
     lr: float = lr_field(1.5e-4 * 64 / 256, note="MAE's 1.5e-4 per 256 images")
     warmup_steps: int | None = warmup_field(tenth_of_steps)

@@ -168,7 +168,9 @@ def _import_args(
     p.add_argument("--out", required=True, help="repo folder to write")
     p.add_argument("--preset", choices=presets, help="a published checkpoint's arch and ledger")
     p.add_argument("--arch", choices=archs, help="architecture (required without --preset)")
-    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument(
+        "--img-size", type=int, help="input resolution in pixels (default: the architecture's)"
+    )
     p.add_argument("--name", help="model name (default: the preset's or the folder's)")
     p.add_argument("--repo-id", help="hub id shown on the card, e.g. vip/vip-base")
     p.add_argument("--overwrite", action="store_true")
@@ -211,36 +213,41 @@ def register_import_mae(sub: Any) -> None:
     _import_args(p, VIP_PRESETS, VIP_ARCHS, "poisson", "default 1/(2n), the ViP paper's")
 
 
-def _preset_or_args(args: argparse.Namespace, delta: Callable[[int], float]) -> tuple[Any, ...]:
-    """(arch, stages, name, summary, licence) from --preset, or from --arch and the ledger options."""
+def _import_kwargs(args: argparse.Namespace, delta: Callable[[int], float]) -> dict[str, Any]:
+    """The keywords both importers take, from --preset or from --arch and the ledger options;
+    an option not given (and not set by the preset) is left to the importer's default."""
     from pathlib import Path
 
     from ..repo.importer import PRESETS
 
     if args.preset:
         preset = PRESETS[args.preset]()
-        return preset.arch, preset.stages, preset.model_name, preset.summary, preset.license
-    if not args.arch:
+        arch, stages, name = preset.arch, preset.stages, preset.model_name
+        summary, license = preset.summary, preset.license
+    elif args.arch:
+        arch, stages, name = args.arch, _stages_from_args(args, delta), Path(args.out).name
+        summary, license = "", None
+    else:
         raise CommandError("--arch is required without --preset")
-    return args.arch, _stages_from_args(args, delta), Path(args.out).name, "", None
+    given = {"img_size": args.img_size}
+    if "license" in vars(args):  # import-dpcap's option; ViP repos keep the writer's licence
+        given["license"] = args.license or license
+    return {
+        "arch": arch,
+        "stages": stages,
+        "model_name": args.name or name,
+        "summary": summary,
+        "repo_id": args.repo_id,
+        "overwrite": args.overwrite,
+        **{key: value for key, value in given.items() if value is not None},
+    }
 
 
 def _import_mae(args: argparse.Namespace) -> None:
     from ..privacy.accounting import paper_delta
     from ..repo.importer import import_mae_checkpoint
 
-    arch, stages, name, summary, _ = _preset_or_args(args, paper_delta)
-    out = import_mae_checkpoint(
-        args.checkpoint,
-        args.out,
-        arch=arch,
-        stages=stages,
-        model_name=args.name or name,
-        summary=summary,
-        img_size=args.img_size,
-        repo_id=args.repo_id,
-        overwrite=args.overwrite,
-    )
+    out = import_mae_checkpoint(args.checkpoint, args.out, **_import_kwargs(args, paper_delta))
     print(f"wrote {out}")
 
 
@@ -263,27 +270,19 @@ def register_import_dpcap(sub: Any) -> None:
         "--decoder-heads", type=int, help="text decoder heads (default: the architecture's)"
     )
     p.add_argument(
-        "--license", help="licence on the card (default: the preset's, else cc-by-nc-4.0)"
+        "--license", help="licence on the card (default: the preset's, else the DP-Cap authors')"
     )
 
 
 def _import_dpcap(args: argparse.Namespace) -> None:
     from ..repo.importer import import_dpcap_checkpoint
 
-    arch, stages, name, summary, license = _preset_or_args(args, lambda n: 1.0 / n)
     out = import_dpcap_checkpoint(
         args.checkpoint,
         args.out,
-        arch=arch,
-        stages=stages,
-        model_name=args.name or name,
-        summary=summary,
-        img_size=args.img_size,
         vocab=args.vocab,
         decoder_heads=args.decoder_heads,
-        repo_id=args.repo_id,
-        license=args.license or license or "cc-by-nc-4.0",
-        overwrite=args.overwrite,
+        **_import_kwargs(args, lambda n: 1.0 / n),
     )
     print(f"wrote {out}" + ("" if args.vocab else " (no --vocab: it cannot caption)"))
 

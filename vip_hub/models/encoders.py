@@ -34,6 +34,8 @@ from ..repo_format import CONFIG_BLOCK
 
 __all__ = [
     "ARCHS",
+    "DEFAULT_IMG_SIZE",
+    "DEFAULT_PATCH_SIZE",
     "FAMILIES",
     "Arch",
     "EncoderSpec",
@@ -47,6 +49,10 @@ __all__ = [
 ]
 
 SIZES = ("nano", "tiny", "small", "base", "large")
+DEFAULT_IMG_SIZE = 224
+"""Input resolution in pixels of an encoder that names none (the released checkpoints')."""
+DEFAULT_PATCH_SIZE = 16
+DEFAULT_INTERPOLATION = "bicubic"
 _WIDTH = {"nano": 192, "tiny": 384, "small": 576, "base": 768, "large": 1024}
 _DEPTH = {"nano": 12, "tiny": 12, "small": 12, "base": 12, "large": 24}
 _TIMM_ARCH = {
@@ -191,10 +197,10 @@ class EncoderSpec:
     to the family's (ViP 0.875 centre crop; DP-Cap 1.0, a plain resize as its README does)."""
 
     arch: str
-    img_size: int = 224
-    patch_size: int = 16
+    img_size: int = DEFAULT_IMG_SIZE
+    patch_size: int = DEFAULT_PATCH_SIZE
     crop_pct: float | None = None
-    interpolation: str = "bicubic"
+    interpolation: str = DEFAULT_INTERPOLATION
 
     def __post_init__(self) -> None:
         arch = get_arch(self.arch)
@@ -263,10 +269,10 @@ class EncoderSpec:
             raise RepoFormatError("config.json has no vip_hub.arch entry: not a vip-hub export")
         spec = cls(
             arch=meta["arch"],
-            img_size=int(args.get("img_size", 224)),
-            patch_size=int(args.get("patch_size", 16)),
+            img_size=int(args.get("img_size", DEFAULT_IMG_SIZE)),
+            patch_size=int(args.get("patch_size", DEFAULT_PATCH_SIZE)),
             crop_pct=float(cfg["crop_pct"]) if "crop_pct" in cfg else None,
-            interpolation=str(cfg.get("interpolation", "bicubic")),
+            interpolation=str(cfg.get("interpolation", DEFAULT_INTERPOLATION)),
         )
         if meta.get("family", spec.family.name) != spec.family.name:
             raise RepoFormatError(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..models.encoders import EncoderSpec, create_encoder
+from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder
 from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import paper_delta
@@ -269,7 +269,7 @@ def import_mae_checkpoint(
     stages: tuple[NonPrivateStage | DPStage, ...] | list[NonPrivateStage | DPStage],
     model_name: str,
     summary: str = "",
-    img_size: int = 224,
+    img_size: int = DEFAULT_IMG_SIZE,
     repo_id: str | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -430,7 +430,7 @@ def import_dpcap_checkpoint(
     stages: tuple[NonPrivateStage | DPStage, ...] | list[NonPrivateStage | DPStage],
     model_name: str,
     summary: str = "",
-    img_size: int = 224,
+    img_size: int = DEFAULT_IMG_SIZE,
     vocab: str | os.PathLike[str] | None = None,
     decoder_heads: int | None = None,
     repo_id: str | None = None,
