@@ -27,6 +27,7 @@ from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_he
 from ..repo_format import CARD_FILE, ENCODER, format_params
 
 __all__ = [
+    "DEFAULT_LICENSE",
     "LEDGER_COLUMNS",
     "CardInfo",
     "audit_paragraphs",
@@ -53,6 +54,8 @@ LEDGER_COLUMNS = (
     "ε",
 )
 
+DEFAULT_LICENSE = "apache-2.0"
+"""The card's licence when the writer names none."""
 TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "timm"]
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
@@ -64,7 +67,7 @@ class CardInfo:
     model_name: str
     repo_id: str
     summary: str = ""
-    license: str = "apache-2.0"
+    license: str = DEFAULT_LICENSE
     eval_results: list[EvalResult] = field(default_factory=list)
     # Rows of a side-by-side probe comparison (this model, other models, baselines):
     # {"model", "privacy", "features", "top1"}: DP heads only, top-1 on public test data, each row's
@@ -200,7 +203,7 @@ def card_info(readme: str) -> CardInfo:
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",
         summary=getattr(data, "summary", "") or "",
-        license=data.license or "apache-2.0",
+        license=data.license or DEFAULT_LICENSE,
         eval_results=list(data.eval_results or []),
         comparison=list(getattr(data, "probe_comparison", None) or []),
     )

@@ -52,7 +52,7 @@ from .artifacts import (
     rewrite_safetensors_metadata,
     tensors_digest_of,
 )
-from .card import CardInfo, card_info, render_card
+from .card import DEFAULT_LICENSE, CardInfo, card_info, render_card
 from .verify import verify_repo
 
 __all__ = [
@@ -76,7 +76,7 @@ def export_encoder(
     model_name: str,
     repo_id: str | None = None,
     summary: str = "",
-    license: str = "apache-2.0",
+    license: str = DEFAULT_LICENSE,
     eval_results: Iterable[EvalResult] = (),
     decoder: Mapping[str, torch.Tensor] | None = None,
     decoder_config: Mapping[str, Any] | None = None,

@@ -32,6 +32,7 @@ from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import paper_delta
 from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
+from .card import DEFAULT_LICENSE
 from .files import export_encoder
 
 __all__ = [
@@ -59,7 +60,7 @@ class ImportPreset:
     model_name: str
     summary: str
     stages: tuple[NonPrivateStage | DPStage, ...]
-    license: str = "apache-2.0"
+    license: str = DEFAULT_LICENSE
 
 
 def _shaders21k() -> NonPrivateStage:
