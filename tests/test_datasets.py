@@ -1,6 +1,8 @@
 """Fashion-MNIST's data module (``training/datasets.py``): the IDX reader on files the test
-writes (good and corrupt), the --data folder forms, public-rule and keyed subsets, and the
-fetch's fallbacks and error path with apt-get absent or failing (no network)."""
+writes (good and corrupt), the --data folder forms, public-rule and keyed subsets, the fetch's
+fallbacks and error path with apt-get absent or failing (no network), and the image and
+caption folders written from arrays (what the probe and the recipes read), with captions,
+vocabulary and public captions made from the class names alone."""
 
 from __future__ import annotations
 
@@ -15,16 +17,26 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from training.data import CaptionFolder, open_captions, open_images
 from training.datasets import (
+    CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_PACKAGE,
     FASHION_MNIST_TRAIN,
+    class_folder,
+    class_public_captions,
+    class_vocabulary,
     fashion_mnist,
     fetch_fashion_mnist,
     keyed_uniforms,
     read_idx,
+    write_caption_folder,
+    write_image_folder,
 )
-from vip_hub.errors import DataError
+from training.probe import load_labelled
+from vip_hub.errors import ConfigError, DataError
+from vip_hub.models.text_decoder import DEFAULT_PROMPT
+from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
 
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -198,7 +210,8 @@ def test_fetch_falls_back_to_download_and_unpack(
     _executable(
         bin_dir / "apt-get",
         'case "$1" in\n  download) [ -n "$FAKE_DEB" ] && touch '
-        f'{FASHION_MNIST_PACKAGE}_1_all.deb && exit 0 ;;\nesac\necho "E: no network" >&2\nexit 100\n',
+        f"{FASHION_MNIST_PACKAGE}_1_all.deb && exit 0 ;;\nesac\n"
+        'echo "E: no network" >&2\nexit 100\n',
     )
     _executable(
         bin_dir / "dpkg",
@@ -216,3 +229,69 @@ def test_fetch_falls_back_to_download_and_unpack(
     assert folder.is_relative_to(tmp_path / "work") and len(fashion_mnist("train", folder)) == 30
     monkeypatch.setenv("PATH", "")
     assert fetch_fashion_mnist(tmp_path / "work", system_dir=system) == folder  # found, nothing run
+
+
+def test_an_image_folder_written_from_arrays_reads_back_as_the_same_records(
+    tmp_path: Path,
+) -> None:
+    """Every record lands in its class's folder, pixel for pixel; the probe's reader and the
+    IDX-or-image-folder reader recover the labels; a second write replaces the first whole."""
+    data = fashion_mnist("train", write_fashion(tmp_path / "idx"))
+    root = write_image_folder(data, tmp_path / "images" / "train", FASHION_MNIST_CLASSES)
+    assert root == tmp_path / "images" / "train"
+    assert sorted(p.name for p in root.parent.iterdir()) == ["train"]  # no temporary left
+    files = sorted(root.glob("*/*.png"))
+    assert len(files) == len(data) and len(open_images(root)) == len(data)
+    for path in files:
+        i = int(path.stem)
+        assert path.parent.name == class_folder(FASHION_MNIST_CLASSES[data.labels[i]])
+        assert np.array_equal(np.asarray(Image.open(path)), data.images[i])
+    folder_of = [class_folder(FASHION_MNIST_CLASSES[y]) for y in data.labels]
+    probe = load_labelled(root, "test/fashion")
+    assert [probe.classes[y] for y in probe.labels] == [folder_of[int(p.stem)] for p in probe.files]
+    again = fashion_mnist("train", root.parent)  # an image folder's train/ split
+    order = sorted(range(len(data)), key=lambda i: (folder_of[i], i))
+    assert np.array_equal(again.images, data.images[order])
+    assert np.array_equal(again.labels, data.labels[order])
+    write_image_folder(data.first(5), root, FASHION_MNIST_CLASSES)
+    assert len(list(root.glob("*/*.png"))) == 5
+
+
+def test_writing_a_folder_names_what_is_wrong_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    data = fashion_mnist("train", write_fashion(tmp_path / "idx"))
+    with pytest.raises(DataError, match="labels span 0..9, but 3 class names"):
+        write_image_folder(data, tmp_path / "out", FASHION_MNIST_CLASSES[:3])
+    with pytest.raises(DataError, match="the same folder twice"):
+        write_image_folder(data, tmp_path / "out", ["a/b", "a-b", *FASHION_MNIST_CLASSES[2:]])
+    with pytest.raises(DataError, match="cannot name a folder"):
+        write_image_folder(data, tmp_path / "out", ["..", *FASHION_MNIST_CLASSES[1:]])
+    with pytest.raises(ConfigError, match="only field is {name}"):
+        write_caption_folder(data, tmp_path / "out", FASHION_MNIST_CLASSES, "a {label}")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "idx"]
+
+
+def test_captions_are_the_public_template_over_each_class_name(tmp_path: Path) -> None:
+    """Each image's caption is the template over its class name (nothing else about the image
+    enters it), listed in record order; the vocabulary covers every caption and the zero-shot
+    prompt, so DP-Cap trains on the texts zero-shot scores."""
+    data = fashion_mnist("train", write_fashion(tmp_path / "idx"))
+    root = write_caption_folder(data, tmp_path / "captions", FASHION_MNIST_CLASSES)
+    pairs = open_captions(root)
+    assert isinstance(pairs, CaptionFolder) and len(pairs) == len(data)
+    for i in range(len(data)):
+        name = FASHION_MNIST_CLASSES[data.labels[i]]
+        assert pairs.caption(i) == f"{DEFAULT_PROMPT} {name}" == CAPTION_TEMPLATE.format(name=name)
+        assert np.array_equal(np.asarray(pairs.load(i).convert("L")), data.images[i])
+    public = class_public_captions(FASHION_MNIST_CLASSES)
+    assert public == [f"{DEFAULT_PROMPT} {c}" for c in FASHION_MNIST_CLASSES]
+    assert class_public_captions(["cat"], "{name} on a mat") == ["cat on a mat"]
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
+    tokens = vocab.read_text().splitlines()
+    assert {t: tokens.index(t) for t in BERT_SPECIAL_IDS} == BERT_SPECIAL_IDS
+    assert {"shirt", "ankle", "boot", "photo", "/", "-"} <= set(tokens)
+    texts = [*public, DEFAULT_PROMPT, *(pairs.caption(i) for i in range(len(pairs)))]
+    unk = BERT_SPECIAL_IDS["[UNK]"]
+    assert not (CaptionTokenizer(vocab).encode(texts) == unk).any()
+    assert (CaptionTokenizer(vocab).encode(["a photo of a dog"]) == unk).any()  # no other words

@@ -1,7 +1,7 @@
 """DP-Cap training: the per-example clipper on the captioner equals naive per-example clipping
 (fp32, token embedding trainable); (Syn) dpcap-nano -> train-dpcap -> a verified repo that
 captions; caption datasets (tar shards, captions.jsonl) and their errors; a ViP init refused;
-resume after SIGKILL; the main job's digit captions and public vocabulary; 2-process torchrun."""
+resume after SIGKILL; 2-process torchrun."""
 
 from __future__ import annotations
 
@@ -23,27 +23,22 @@ from safetensors.torch import load_file
 import training.dpcap
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
-from training.dpcap import (
-    DIGIT_NAMES,
-    DIGIT_TEMPLATES,
-    PUBLIC_CAPTIONS,
-    DPCapConfig,
-    digit_caption,
-    digit_public_captions,
-    train_dpcap,
-    write_digit_captions,
-    write_digit_vocab,
+from training.datasets import (
+    FASHION_MNIST_CLASSES,
+    LabelledArrays,
+    class_vocabulary,
+    write_caption_folder,
 )
+from training.dpcap import DPCapConfig, train_dpcap
 from training.mae import load_mae
 from training.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_captioner
 from vip_hub.models.encoders import EncoderSpec, create_encoder
-from vip_hub.models.text_decoder import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
-from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
+from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.privacy.audit import DEFAULT_CANARIES
-from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
@@ -71,7 +66,7 @@ DP_ARGS = dict(
     dataset_name="test/digit-captions",
     decoder_depth=1,
     decoder_heads=2,
-    max_length=12,
+    max_length=16,  # "this is a photo of a t - shirt / top" and [CLS], [SEP]
     checkpoint_every=2,
     eval_every=3,
 )
@@ -85,16 +80,14 @@ def ledger_of(repo: Path) -> PrivacyLedger:
     return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
 
 
-def make_digits(root: Path, per_label: int = 8, labels: int = 3) -> Path:
-    """Small grey images in the main job's <label>/<file>.png layout, captioned by the main job's rule."""
-    rng = np.random.default_rng(0)
-    for label in range(labels):
-        (root / str(label)).mkdir(parents=True, exist_ok=True)
-        for i in range(per_label):
-            pixels = rng.integers(0, 255, (8, 8), dtype=np.uint8)
-            Image.fromarray(pixels, mode="L").save(root / str(label) / f"{label * 100 + i:04d}.png")
-    write_digit_captions(root)
-    return root
+def make_pairs(root: Path, per_class: int = 8, classes: int = 3) -> Path:
+    """Small random grey images of the first ``classes`` Fashion-MNIST classes, captioned by the
+    data module's public template over the class names (the main job's rule)."""
+    labels = np.repeat(np.arange(classes), per_class)
+    images = np.random.default_rng(0).integers(0, 255, (len(labels), 8, 8), dtype=np.uint8)
+    dataset = Dataset(name="test/captions", size=len(labels))
+    data = LabelledArrays(images, labels, FASHION_MNIST_CLASSES, dataset)
+    return write_caption_folder(data, root, FASHION_MNIST_CLASSES)
 
 
 @pytest.fixture(scope="module")
@@ -105,22 +98,24 @@ def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_digits(tmp_path_factory.mktemp("data") / "digits")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pairs(tmp_path_factory.mktemp("data") / "pairs")
 
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_digit_vocab(tmp_path_factory.mktemp("vocab") / "vocab.txt")
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    path.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
+    return path
 
 
 @pytest.fixture(scope="module")
 def trained(
-    syn_repo: Path, digits: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory
+    syn_repo: Path, pairs: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    out = tmp_path_factory.mktemp("dp") / "dpcap-nano-digits"
+    out = tmp_path_factory.mktemp("dp") / "dpcap-nano-pairs"
     return train_dpcap(
-        DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS)
+        DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
     )
 
 
@@ -165,7 +160,8 @@ def test_clipped_sum_on_the_captioner_equals_the_naive_per_example_computation()
     c = float(norms.median())
     expected = {
         n: sum(
-            gs[k].double() * min(1.0, c / (float(norm) + 1e-6)) for gs, norm in zip(grads, norms)
+            gs[k].double() * min(1.0, c / (float(norm) + 1e-6))
+            for gs, norm in zip(grads, norms, strict=True)
         )
         for k, n in enumerate(params)
     }
@@ -194,7 +190,7 @@ def test_the_mae_keeps_the_dpcap_layout(syn_repo: Path) -> None:
 
 # ---------------------------------------------------------------- end to end
 def test_train_dpcap_exports_a_verified_repo_that_captions(
-    trained: Path, syn_repo: Path, digits: Path, vocab: Path
+    trained: Path, syn_repo: Path, pairs: Path, vocab: Path
 ) -> None:
     assert verify_repo(trained).ok
     ledger = ledger_of(trained)
@@ -211,7 +207,7 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     )
     assert dp.audit is not None and dp.audit.canaries == DEFAULT_CANARIES
     assert dp.dataset.size == 24 and dp.dataset.name == "test/digit-captions"
-    assert not published_hashes_of(digits, trained)  # no plain hash of the private pairs
+    assert not published_hashes_of(pairs, trained)  # no plain hash of the private pairs
     assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
 
     config = json.loads((trained / "config.json").read_text())
@@ -241,14 +237,14 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     )
 
     model = load_captioner(trained)
-    images = [Image.open(p) for p in sorted(digits.glob("*/*.png"))[:2]]
+    images = [Image.open(p) for p in sorted(pairs.glob("*/*.png"))[:2]]
     captions = model.caption(images, max_tokens=6)
     assert len(captions) == 2 and all(isinstance(c, str) for c in captions)
-    assert model.zero_shot(images, list(DIGIT_NAMES)).shape == (2, 10)
+    assert model.zero_shot(images, list(FASHION_MNIST_CLASSES)).shape == (2, 10)
 
 
 def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(
-    digits: Path, vocab: Path, tmp_path: Path
+    pairs: Path, vocab: Path, tmp_path: Path
 ) -> None:
     vip = export_encoder(
         tmp_path / "vip", tiny_encoder(), TINY, [synthetic_stage()], model_name="vip"
@@ -259,7 +255,7 @@ def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(
         train_dpcap(
             DPCapConfig(
                 init=str(vip),
-                data=str(digits),
+                data=str(pairs),
                 vocab=str(vocab),
                 out=str(tmp_path / "o"),
                 dataset_name="test/digit-captions",
@@ -268,11 +264,11 @@ def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(
 
 
 def test_the_vocabulary_is_a_public_file_given_before_training(
-    syn_repo: Path, digits: Path, tmp_path: Path
+    syn_repo: Path, pairs: Path, tmp_path: Path
 ) -> None:
     common = dict(
         init=str(syn_repo),
-        data=str(digits),
+        data=str(pairs),
         out=str(tmp_path / "o"),
         dataset_name="test/digit-captions",
     )
@@ -284,25 +280,26 @@ def test_the_vocabulary_is_a_public_file_given_before_training(
 
 
 # ---------------------------------------------------------------- data
-def test_tar_shards_and_captions_jsonl_hold_the_same_pairs(digits: Path, tmp_path: Path) -> None:
-    folder = open_captions(digits)
+def test_tar_shards_and_captions_jsonl_hold_the_same_pairs(pairs: Path, tmp_path: Path) -> None:
+    folder = open_captions(pairs)
     assert isinstance(folder, CaptionFolder) and len(folder) == 24
-    entries = [json.loads(line) for line in (digits / "captions.jsonl").read_text().splitlines()]
+    entries = [json.loads(line) for line in (pairs / "captions.jsonl").read_text().splitlines()]
     shards = tmp_path / "shards"
     shards.mkdir()
     for s in range(2):
         with tarfile.open(shards / f"{s:05d}.tar", "w") as tar:
             for e in entries[s::2]:
                 key = e["image"].replace("/", "_").removesuffix(".png")
-                tar.add(digits / e["image"], arcname=f"{key}.png")
+                tar.add(pairs / e["image"], arcname=f"{key}.png")
                 (tmp_path / "c.txt").write_text(e["caption"] + "\n")
                 tar.add(tmp_path / "c.txt", arcname=f"{key}.txt")
-    pairs = open_captions(shards)
-    assert isinstance(pairs, TarShards) and len(pairs) == 24
-    assert sorted(pairs.caption(i) for i in range(24)) == sorted(
+    tarred = open_captions(shards)
+    assert isinstance(tarred, TarShards) and len(tarred) == 24
+    assert sorted(tarred.caption(i) for i in range(24)) == sorted(
         folder.caption(i) for i in range(24)
     )
-    assert pairs.caption(0) == entries[0]["caption"] and pairs.load(0).size == folder.load(0).size
+    assert tarred.caption(0) == entries[0]["caption"]
+    assert tarred.load(0).size == folder.load(0).size
 
 
 JSONL_ERRORS = [
@@ -383,46 +380,13 @@ def test_bad_caption_shards_and_folders_name_the_file(tmp_path: Path) -> None:
         open_captions(tmp_path / "absent")
 
 
-# ---------------------------------------------------------------- main job helpers
-def test_digit_captions_follow_the_public_rule_and_the_vocabulary_covers_them(
-    digits: Path, vocab: Path, tmp_path: Path
-) -> None:
-    entries = [json.loads(line) for line in (digits / "captions.jsonl").read_text().splitlines()]
-    assert [e["image"] for e in entries] == sorted(
-        p.relative_to(digits).as_posix() for p in digits.glob("*/*.png")
-    )
-    for e in entries:
-        label = int(e["image"].split("/")[0])
-        assert e["caption"] == digit_caption(label, e["image"])
-        assert e["caption"] in {
-            t.format(name=DIGIT_NAMES[label], digit=label) for t in DIGIT_TEMPLATES
-        }
-    assert len({e["caption"] for e in entries}) > 3  # the rule varies the template
-    assert any(
-        digit_caption(int(e["image"][0]), e["image"], seed=1) != e["caption"] for e in entries
-    )
-
-    tokens = vocab.read_text().splitlines()
-    assert {t: tokens.index(t) for t in BERT_SPECIAL_IDS} == BERT_SPECIAL_IDS
-    assert tokens[1] == "[unused0]" and tokens[99] == "[unused98]"
-    tokenizer = CaptionTokenizer(vocab)
-    texts = [*digit_public_captions(), *PUBLIC_CAPTIONS, DEFAULT_PROMPT]
-    assert len(digit_public_captions()) == 10 * len(DIGIT_TEMPLATES)
-    assert not (tokenizer.encode(texts) == BERT_SPECIAL_IDS["[UNK]"]).any()
-
-    (tmp_path / "x").mkdir()
-    Image.new("L", (8, 8)).save(tmp_path / "x" / "1.png")
-    with pytest.raises(DataError, match="not a digit label"):
-        write_digit_captions(tmp_path)
-
-
 # ---------------------------------------------------------------- processes
-def dp_command(syn_repo: Path, digits: Path, vocab: Path, out: Path) -> list[str]:
+def dp_command(syn_repo: Path, pairs: Path, vocab: Path, out: Path) -> list[str]:
     return [
         "--init",
         str(syn_repo),
         "--data",
-        str(digits),
+        str(pairs),
         "--vocab",
         str(vocab),
         "--out",
@@ -432,16 +396,16 @@ def dp_command(syn_repo: Path, digits: Path, vocab: Path, out: Path) -> list[str
 
 
 def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
-    syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path
+    syn_repo: Path, pairs: Path, vocab: Path, trained: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "dpcap-nano-digits"
+    out = tmp_path / "dpcap-nano-pairs"
     log = kill_mid_run(
-        [str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, digits, vocab, out)],
+        [str(BIN / "vip-hub"), "train-dpcap", *dp_command(syn_repo, pairs, vocab, out)],
         out,
         step=3,
     )
     train_dpcap(
-        DPCapConfig(init=str(syn_repo), data=str(digits), vocab=str(vocab), out=str(out), **DP_ARGS)
+        DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
     )
     assert ledger_of(out).stages == ledger_of(trained).stages
     for name in ("model.safetensors", "text_decoder.safetensors"):
@@ -452,9 +416,9 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
 
 @pytest.mark.slow
 def test_two_processes_give_the_same_ledger(
-    syn_repo: Path, digits: Path, vocab: Path, trained: Path, tmp_path: Path
+    syn_repo: Path, pairs: Path, vocab: Path, trained: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "dpcap-nano-digits"
+    out = tmp_path / "dpcap-nano-pairs"
     cmd = [
         str(BIN / "torchrun"),
         "--standalone",
@@ -462,7 +426,7 @@ def test_two_processes_give_the_same_ledger(
         "2",
         "-m",
         "training.dpcap",
-        *dp_command(syn_repo, digits, vocab, out),
+        *dp_command(syn_repo, pairs, vocab, out),
     ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -477,7 +441,7 @@ def test_two_processes_give_the_same_ledger(
 def test_the_audit_catches_a_broken_engine(
     broken: str,
     syn_repo: Path,
-    digits: Path,
+    pairs: Path,
     vocab: Path,
     hub,  # type: ignore[no-untyped-def]
     tmp_path: Path,
@@ -488,7 +452,7 @@ def test_the_audit_catches_a_broken_engine(
     out = train_dpcap(
         DPCapConfig(
             init=str(syn_repo),
-            data=str(digits),
+            data=str(pairs),
             vocab=str(vocab),
             out=str(tmp_path / "broken"),
             **settings,

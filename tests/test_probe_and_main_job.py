@@ -38,7 +38,8 @@ def ledger_of(repo: Path) -> PrivacyLedger:
 
 def test_digits_are_written_as_stratified_class_folders(digits: tuple[Path, Path]) -> None:
     train, test = digits
-    assert sorted(p.name for p in train.iterdir()) == [str(d) for d in range(10)]
+    assert sorted(p.name for p in train.iterdir() if p.is_dir()) == [str(d) for d in range(10)]
+    assert (train / "captions.jsonl").is_file()
     n_train, n_test = len(list(train.rglob("*.png"))), len(list(test.rglob("*.png")))
     assert (n_train, n_test) == (1437, 360)
 

@@ -11,6 +11,13 @@ works a DataError names the package and ``--data``. The train split is private (
 Subsets of private data are chosen by a public rule (``LabelledArrays.first``: the first n
 records, n declared) or per record by a keyed hash (``keyed_uniforms``): either way a record's
 membership never depends on another record.
+
+Arrays become the folders the recipes and the probe read: ``write_image_folder`` (PNG class
+folders, ``training/data.py``'s ``open_images``, ``training/probe.py``'s ``load_labelled``) and
+``write_caption_folder`` (the same with a ``captions.jsonl``, ``open_captions``), each caption
+the public ``CAPTION_TEMPLATE`` over its class name. So captions, DP-Cap's vocabulary
+(``class_vocabulary``) and its public curve's captions (``class_public_captions``) are made from
+the class names alone and are public by construction.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import hmac
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,19 +39,27 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from vip_hub.errors import DataError
+from vip_hub.errors import ConfigError, DataError
+from vip_hub.models.text_decoder import DEFAULT_PROMPT
+from vip_hub.models.tokenizer import public_vocab
 from vip_hub.privacy.ledger import Dataset
 
 __all__ = [
+    "CAPTION_TEMPLATE",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_PACKAGE",
     "FASHION_MNIST_TEST",
     "FASHION_MNIST_TRAIN",
     "LabelledArrays",
+    "class_folder",
+    "class_public_captions",
+    "class_vocabulary",
     "fashion_mnist",
     "fetch_fashion_mnist",
     "keyed_uniforms",
     "read_idx",
+    "write_caption_folder",
+    "write_image_folder",
 ]
 
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
@@ -67,6 +84,9 @@ FASHION_MNIST_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 FASHION_MNIST_SIDE = 28
+CAPTION_TEMPLATE = DEFAULT_PROMPT + " {name}"
+"""Every image's caption: the zero-shot prompt (``DEFAULT_PROMPT``) then its class name, so
+DP-Cap is trained on the very texts zero-shot scores, and no caption depends on pixels."""
 
 # IDX type codes (the third byte of the magic number) and their big-endian dtypes
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -135,7 +155,8 @@ class LabelledArrays:
         return len(self.labels)
 
     def subset(self, indices: np.ndarray, rule: str) -> LabelledArrays:
-        """The records at ``indices`` under the same declared name (stages on it compose), n and rule declared."""
+        """The records at ``indices`` under the same declared name (stages on it compose), with
+        n and the rule declared."""
         n = len(indices)
         if n == 0:
             raise DataError(f"{self.dataset.name}: the subset ({rule}) is empty")
@@ -147,7 +168,8 @@ class LabelledArrays:
         return LabelledArrays(self.images[indices], self.labels[indices], self.classes, dataset)
 
     def first(self, n: int) -> LabelledArrays:
-        """The first ``n`` records in file order: a public rule, so no record's membership depends on another."""
+        """The first ``n`` records in file order: a public rule, so no record's membership
+        depends on another."""
         if n >= len(self):
             return self
         return self.subset(np.arange(n), f"the first {n} in file order (a public rule)")
@@ -211,10 +233,11 @@ def fetch_fashion_mnist(
             tried.append(f"the unpacked package has no IDX files under {local}")
     why = "; ".join(tried) if tried else "apt-get and dpkg are not on PATH"
     raise DataError(
-        f"Fashion-MNIST is not installed and could not be fetched ({why}). Install the Debian package "
-        f"{FASHION_MNIST_PACKAGE} (apt-get install {FASHION_MNIST_PACKAGE}), or pass --data FOLDER: "
-        "the folder of its four IDX files (train-/t10k-images-idx3-ubyte, train-/t10k-labels-idx1-ubyte, "
-        "gzipped or not) or an image folder with train/ and test/ class subfolders"
+        f"Fashion-MNIST is not installed and could not be fetched ({why}). Install the Debian "
+        f"package {FASHION_MNIST_PACKAGE} (apt-get install {FASHION_MNIST_PACKAGE}), or pass "
+        "--data FOLDER: the folder of its four IDX files (train-/t10k-images-idx3-ubyte, "
+        "train-/t10k-labels-idx1-ubyte, gzipped or not) or an image folder with train/ and test/ "
+        "class subfolders"
     )
 
 
@@ -244,29 +267,30 @@ def _read_idx_split(
         or images.shape[1:] != (FASHION_MNIST_SIDE,) * 2
     ):
         raise DataError(
-            f"{images_file}: expected uint8 images n x {FASHION_MNIST_SIDE} x {FASHION_MNIST_SIDE}, "
-            f"found {images.dtype.name} {images.shape}"
+            f"{images_file}: expected uint8 images n x {FASHION_MNIST_SIDE} x "
+            f"{FASHION_MNIST_SIDE}, found {images.dtype.name} {images.shape}"
         )
     if labels.dtype != np.uint8 or labels.ndim != 1 or len(labels) != len(images):
         raise DataError(
-            f"{labels_file}: expected {len(images)} uint8 labels (one per image of {images_file.name}), "
-            f"found {labels.dtype.name} {labels.shape}"
+            f"{labels_file}: expected {len(images)} uint8 labels (one per image of "
+            f"{images_file.name}), found {labels.dtype.name} {labels.shape}"
         )
     if len(labels) and labels.max() >= len(FASHION_MNIST_CLASSES):
         raise DataError(
-            f"{labels_file}: label {labels.max()} is not one of the {len(FASHION_MNIST_CLASSES)} classes "
-            f"of {name}"
+            f"{labels_file}: label {labels.max()} is not one of the "
+            f"{len(FASHION_MNIST_CLASSES)} classes of {name}"
         )
     return images, labels.astype(np.int64)
 
 
 def _read_image_split(folder: Path) -> tuple[np.ndarray, np.ndarray]:
-    """An image folder with one subfolder per class (named as ``FASHION_MNIST_CLASSES`` with '/'
-    as '-', or by class index), as 28 x 28 grey arrays in sorted path order."""
+    """An image folder with one subfolder per class (named by ``class_folder`` of a
+    ``FASHION_MNIST_CLASSES`` name, or by class index), as 28 x 28 grey arrays in sorted path
+    order."""
     from .data import ImageFolder
 
     images = ImageFolder(folder)
-    index = {c.replace("/", "-"): i for i, c in enumerate(FASHION_MNIST_CLASSES)}
+    index = {class_folder(c): i for i, c in enumerate(FASHION_MNIST_CLASSES)}
     index |= {str(i): i for i in range(len(FASHION_MNIST_CLASSES))}
     pixels, labels = [], []
     for i, path in enumerate(images.files):
@@ -289,7 +313,8 @@ def fashion_mnist(
     work_dir: str | os.PathLike[str] = "var/data",
 ) -> LabelledArrays:
     """Fashion-MNIST's ``split`` from ``data`` (IDX folder or image folder) or the Debian package
-    (fetched into ``work_dir`` when missing). Train is declared as the private ``FASHION_MNIST_TRAIN``."""
+    (fetched into ``work_dir`` when missing). Train is declared as the private
+    ``FASHION_MNIST_TRAIN``."""
     if split not in FASHION_MNIST_FILES:
         raise DataError(f"unknown split {split!r}: train or test")
     name = FASHION_MNIST_TRAIN if split == "train" else FASHION_MNIST_TEST
@@ -299,8 +324,8 @@ def fashion_mnist(
         folder = Path(data)
         if not folder.is_dir():
             raise DataError(
-                f"--data {folder} is not a folder (give the four IDX files' folder or an image folder "
-                "with train/ and test/ class subfolders)"
+                f"--data {folder} is not a folder (give the four IDX files' folder or an image "
+                "folder with train/ and test/ class subfolders)"
             )
     pair = _idx_pair(folder, split)
     if pair is not None:
@@ -309,8 +334,9 @@ def fashion_mnist(
         images, labels = _read_image_split(folder / split)
     else:
         raise DataError(
-            f"{folder} holds neither the {split} IDX files ({', '.join(FASHION_MNIST_FILES[split])}, "
-            f"gzipped or not) nor an image folder {split}/ with one subfolder per class"
+            f"{folder} holds neither the {split} IDX files "
+            f"({', '.join(FASHION_MNIST_FILES[split])}, gzipped or not) nor an image folder "
+            f"{split}/ with one subfolder per class"
         )
     dataset = Dataset(
         name=name,
@@ -319,3 +345,100 @@ def fashion_mnist(
         + (" (private)" if split == "train" else " (public)"),
     )
     return LabelledArrays(images, labels, FASHION_MNIST_CLASSES, dataset)
+
+
+def class_folder(name: str) -> str:
+    """The folder of class ``name`` in an image folder: the name with '/' as '-'
+    ("T-shirt/top" -> "T-shirt-top"); an empty name, "." or ".." is a DataError."""
+    folder = name.replace("/", "-")
+    if not folder.strip() or folder in (".", "..") or "\0" in folder:
+        raise DataError(f"class name {name!r} cannot name a folder")
+    return folder
+
+
+def class_public_captions(
+    class_names: Sequence[str], template: str = CAPTION_TEMPLATE
+) -> list[str]:
+    """``template`` over each class name, in class order: every caption an image can get, so
+    public text (DP-Cap's ``--public-captions`` for its curve on procedural images)."""
+    if not class_names:
+        raise DataError("no class names")
+    try:
+        return [template.format(name=name) for name in class_names]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"caption template {template!r}: its only field is {{name}} (the class name): {e!r}"
+        ) from None
+
+
+def class_vocabulary(class_names: Sequence[str], template: str = CAPTION_TEMPLATE) -> bytes:
+    """DP-Cap's public vocabulary file (``public_vocab``): BERT's special tokens, then the words
+    of every class caption and of the zero-shot prompt; fixed before training, fitted on no
+    private text."""
+    return public_vocab([*class_public_captions(class_names, template), DEFAULT_PROMPT])
+
+
+def write_image_folder(data: LabelledArrays, root: Path, class_names: Sequence[str]) -> Path:
+    """``data`` as PNG class folders ``root/<class folder>/<index>.png`` (indices zero-padded, so
+    sorted paths keep the records' order); written into a temporary sibling and renamed into
+    place, so ``root`` is whole or absent. Returns ``root``."""
+    return _write_folder(data, Path(root), class_names, lambda tmp, files: None)
+
+
+def write_caption_folder(
+    data: LabelledArrays,
+    root: Path,
+    class_names: Sequence[str],
+    template: str = CAPTION_TEMPLATE,
+) -> Path:
+    """``write_image_folder`` plus a ``captions.jsonl`` (``training/data.py``'s ``open_captions``)
+    listing the images in record order, each captioned by ``template`` over its class name."""
+    from .data import CAPTIONS_FILE
+
+    captions = class_public_captions(class_names, template)
+
+    def write_captions(tmp: Path, files: list[str]) -> None:
+        lines = (
+            json.dumps({"image": f, "caption": captions[y]})
+            for f, y in zip(files, data.labels, strict=True)
+        )
+        (tmp / CAPTIONS_FILE).write_text("".join(f"{line}\n" for line in lines), "utf-8")
+
+    return _write_folder(data, Path(root), class_names, write_captions)
+
+
+def _write_folder(
+    data: LabelledArrays,
+    root: Path,
+    class_names: Sequence[str],
+    finish: Callable[[Path, list[str]], None],
+) -> Path:
+    """The images of ``data`` in class folders under a temporary sibling of ``root``, then
+    ``finish(tmp, relative paths in record order)``, then the sibling renamed to ``root``."""
+    folders = [class_folder(name) for name in class_names]
+    if len(set(folders)) != len(folders):
+        raise DataError(f"class names {list(class_names)} name the same folder twice")
+    if len(data) == 0:
+        raise DataError(f"{data.dataset.name}: no records to write")
+    if data.labels.min() < 0 or data.labels.max() >= len(folders):
+        raise DataError(
+            f"{data.dataset.name}: labels span {data.labels.min()}..{data.labels.max()}, "
+            f"but {len(folders)} class names were given"
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
+    try:
+        width = len(str(len(data) - 1))
+        files = [f"{folders[y]}/{i:0{width}d}.png" for i, y in enumerate(data.labels)]
+        for name in {folders[y] for y in data.labels}:
+            (tmp / name).mkdir()
+        for i, f in enumerate(files):
+            data.pil(i).save(tmp / f)
+        finish(tmp, files)
+        if root.exists():
+            shutil.rmtree(root)
+        tmp.rename(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root

@@ -1,9 +1,9 @@
 """The DP-Cap recipe: an image captioner (a DP-Cap encoder + the reference text decoder) trained
 with DP-AdamW on private image-caption pairs (Sander et al., 2024).
 
-The recipe is a model (``vip_hub.models.text_decoder.Captioner``), a per-example loss (the reference's
-caption loss) and a clipper (``PerExampleClipper`` over every trainable parameter, the token
-embedding included); everything private about a step is the DP engine's
+The recipe is a model (``vip_hub.models.text_decoder.Captioner``), a per-example loss (the
+reference's caption loss) and a clipper (``PerExampleClipper`` over every trainable parameter,
+the token embedding included); everything private about a step is the DP engine's
 (``training/dp_engine.py``), as in the ViP recipe (``training/vip.py``). The encoder starts from a
 synthetic-image MAE of the DP-Cap family (``vip-hub train-syn --arch dpcap-*``), the text decoder
 from scratch. The tokenizer's vocabulary is a public file fixed before training, never fitted on
@@ -11,16 +11,13 @@ the private captions. Augmentations are drawn per example from the (seed, step, 
 
 Run it with ``vip-hub train-dpcap ...`` or ``torchrun --nproc_per_node N -m training.dpcap ...``.
 
-The main job's digits get their captions and vocabulary here too (``write_digit_captions``,
-``write_digit_vocab``, ``write_digit_public_captions``): captions are made from the labels by
-fixed public templates, so the vocabulary and the public curve's captions are public by
-construction.
+Captions over class names, their vocabulary and public captions are data preparation:
+``training/datasets.py`` (``write_caption_folder``, ``class_vocabulary``,
+``class_public_captions``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -30,12 +27,12 @@ from pydantic import Field
 
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
-from vip_hub.models.text_decoder import DEFAULT_PROMPT, Captioner, TextDecoder, TextDecoderConfig
-from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer, public_vocab
+from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
+from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
 from vip_hub.privacy.sensitivity import sensitivity
 
 from .clipping import PerExampleClipper
-from .data import CAPTIONS_FILE, IMAGE_EXTENSIONS, Augmented, mae_transform, open_captions
+from .data import CAPTIONS_FILE, Augmented, mae_transform, open_captions
 from .distributed import Dist
 from .dp_engine import Budget, DPEngine
 from .mae import freeze_fixed_tokens, public_images
@@ -52,19 +49,7 @@ from .recipe import (
 )
 from .runner import Run
 
-__all__ = [
-    "DIGIT_NAMES",
-    "DIGIT_TEMPLATES",
-    "PUBLIC_CAPTIONS",
-    "RECIPE",
-    "DPCapConfig",
-    "digit_caption",
-    "digit_public_captions",
-    "train_dpcap",
-    "write_digit_captions",
-    "write_digit_public_captions",
-    "write_digit_vocab",
-]
+__all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 
 MECHANISM = "DP-AdamW"
 PUBLIC_CAPTIONS = (
@@ -126,7 +111,8 @@ class DPCapConfig(DPRunConfig):
 
 
 def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) DP-AdamW training of a captioner and export the released repo; returns its path."""
+    """Run (or resume) DP-AdamW training of a captioner and export the released repo; returns
+    its path."""
     dist = dist or Dist.from_env(cfg.device)
     vocab, tokenizer = _vocabulary(cfg)
     public = _public_captions(cfg.public_captions)
@@ -134,9 +120,10 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     spec = init.spec
     if not spec.family.captions:
         raise ConfigError(
-            f"{cfg.init} holds a {spec.family.title} encoder ({spec.arch}); DP-Cap trains a DP-Cap encoder (no qkv "
-            "bias, final norm on every token, frozen class token). Make one with `vip-hub train-syn --arch "
-            "dpcap-nano --out DIR` (any dpcap-* size) and pass --init DIR"
+            f"{cfg.init} holds a {spec.family.title} encoder ({spec.arch}); DP-Cap trains a "
+            "DP-Cap encoder (no qkv bias, final norm on every token, frozen class token). Make "
+            "one with `vip-hub train-syn --arch dpcap-nano --out DIR` (any dpcap-* size) and "
+            "pass --init DIR"
         )
     pairs = open_captions(cfg.data)
     n = len(pairs)
@@ -247,7 +234,8 @@ def _vocabulary(cfg: DPCapConfig) -> tuple[bytes, CaptionTokenizer]:
 
 
 def _public_captions(path: str | None) -> Sequence[str]:
-    """The public curve's captions: the lines of ``path`` (blank ones skipped), or ``PUBLIC_CAPTIONS``."""
+    """The public curve's captions: the lines of ``path`` (blank ones skipped), or
+    ``PUBLIC_CAPTIONS``."""
     if path is None:
         return PUBLIC_CAPTIONS
     try:
@@ -268,8 +256,9 @@ def _public_captions(path: str | None) -> Sequence[str]:
 def _trimmed(
     micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Micro-batches with the trailing text columns that are padding in every row cut off: the loss and the
-    gradients are those of the full width (padding is ignored, attention is causal), at less cost."""
+    """Micro-batches with the trailing text columns that are padding in every row cut off: the
+    loss and the gradients are those of the full width (padding is ignored, attention is
+    causal), at less cost."""
     for images, text in micro:
         yield images, text[:, : int((text != pad_id).any(0).nonzero().max()) + 1]
 
@@ -284,73 +273,6 @@ def _eval_loss(
     loss = model(images.to(device), texts.to(device)).mean().item()
     model.train(was)
     return loss
-
-
-# ------------------------------------------------------------------ main job: the digits' captions
-DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-DIGIT_TEMPLATES = (
-    "a handwritten digit {name}",
-    "the number {digit} written by hand",
-    "a picture of the digit {name}",
-    "a handwritten {name}",
-    "the digit {digit}, written by hand",
-)
-"""Caption templates of the digits: ``{name}`` is the label's word, ``{digit}`` its numeral."""
-
-
-def digit_caption(label: int, key: str, seed: int = 0) -> str:
-    """The caption of the digit image ``key`` (its path in the dataset) with label ``label``:
-    template number ``sha256(f"{seed}:{key}") mod 5`` of ``DIGIT_TEMPLATES``, filled with the label.
-    The choice is a public rule of the seed and the file's name; it never looks at the pixels."""
-    if not 0 <= label <= 9:
-        raise DataError(f"a digit label is 0..9, got {label}")
-    choice = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") % len(
-        DIGIT_TEMPLATES
-    )
-    return DIGIT_TEMPLATES[choice].format(name=DIGIT_NAMES[label], digit=label)
-
-
-def write_digit_captions(folder: str | Path, seed: int = 0) -> Path:
-    """Write ``folder/captions.jsonl`` for a digits split in the ``<label>/<file>.png`` layout
-    (``training.main_job.write_digits``): one ``digit_caption`` per image; returns the file."""
-    root = Path(folder)
-    files = sorted(p for p in root.glob("*/*") if p.suffix.lower() in IMAGE_EXTENSIONS)
-    if not files:
-        raise DataError(f"no <label>/<image> files under {root}")
-    lines = []
-    for p in files:
-        if p.parent.name not in {str(d) for d in range(10)}:
-            raise DataError(f"{p}: its folder {p.parent.name!r} is not a digit label 0..9")
-        key = p.relative_to(root).as_posix()
-        lines.append(
-            json.dumps({"image": key, "caption": digit_caption(int(p.parent.name), key, seed)})
-        )
-    out = root / CAPTIONS_FILE
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return out
-
-
-def digit_public_captions() -> list[str]:
-    """Every template filled with every label: public text (no image's caption is chosen here)."""
-    return [
-        t.format(name=name, digit=d) for t in DIGIT_TEMPLATES for d, name in enumerate(DIGIT_NAMES)
-    ]
-
-
-def write_digit_public_captions(path: str | Path) -> Path:
-    """Write ``digit_public_captions()`` one a line (the main job's ``--public-captions``)."""
-    out = Path(path)
-    out.write_text("\n".join(digit_public_captions()) + "\n", encoding="utf-8")
-    return out
-
-
-def write_digit_vocab(path: str | Path) -> Path:
-    """Write the main job's public vocabulary (``public_vocab``): BERT's special tokens at BERT's ids,
-    then the words of the digit templates (numerals and number words included), of
-    ``PUBLIC_CAPTIONS`` and of the zero-shot prompt (``vip_hub.models.text_decoder.DEFAULT_PROMPT``)."""
-    out = Path(path)
-    out.write_bytes(public_vocab([*digit_public_captions(), *PUBLIC_CAPTIONS, DEFAULT_PROMPT]))
-    return out
 
 
 RECIPE = Recipe(

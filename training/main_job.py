@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vip_hub.errors import SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.audit import DEFAULT_CANARIES
-from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
+from vip_hub.privacy.ledger import Dataset, PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import is_published, push_repo
 from vip_hub.repo.signing import (
@@ -123,24 +123,31 @@ class StepFailed(VipHubError, RuntimeError):
     """A step of the main job failed; the message says which and how to resume."""
 
 
+DIGIT_CLASSES = tuple(str(d) for d in range(10))
+
+
 def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Path]:
-    """scikit-learn's 1,797 8x8 digits as PNG class folders ``train/`` and ``test/``."""
-    from PIL import Image
+    """scikit-learn's 1,797 8x8 digits as PNG class folders ``train/`` (captioned by the data
+    module's public template over the class names) and ``test/``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
+    from .datasets import LabelledArrays, write_caption_folder, write_image_folder
+
     digits = load_digits()
+    pixels = (digits.images * (255 / 16)).round().astype(np.uint8)
     idx = np.arange(len(digits.target))
     train, test = train_test_split(
         idx, test_size=test_fraction, random_state=seed, stratify=digits.target
     )
-    for split, members in (("train", train), ("test", test)):
-        for i in members:
-            folder = root / split / str(digits.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
-            pixels = (digits.images[i] * (255 / 16)).round().astype(np.uint8)
-            Image.fromarray(pixels, mode="L").save(folder / f"{i:04d}.png")
-    return root / "train", root / "test"
+    train_data, test_data = (
+        LabelledArrays(pixels[i], digits.target[i], DIGIT_CLASSES, Dataset(name=name, size=len(i)))
+        for i, name in ((train, DATASET), (test, "public/sklearn-digits-test"))
+    )
+    return (
+        write_caption_folder(train_data, root / "train", DIGIT_CLASSES),
+        write_image_folder(test_data, root / "test", DIGIT_CLASSES),
+    )
 
 
 def _stamp(inputs: dict[str, Any]) -> str:
@@ -220,13 +227,8 @@ PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .dpcap import (
-        DPCapConfig,
-        train_dpcap,
-        write_digit_captions,
-        write_digit_public_captions,
-        write_digit_vocab,
-    )
+    from .datasets import class_public_captions, class_vocabulary
+    from .dpcap import DPCapConfig, train_dpcap
     from .logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
     from .syn import SynConfig, train_syn
     from .vip import VipConfig, train_vip
@@ -250,13 +252,12 @@ def run_main_job(cfg: MainJobConfig) -> int:
         lambda: write_digits(data, cfg.test_fraction, cfg.seed),
     )
     steps.run(
-        "captions by a public rule, a public vocabulary",
-        split,
-        [train / "captions.jsonl", vocab, public_captions],
+        "a public vocabulary and public captions over the class names",
+        {"classes": DIGIT_CLASSES},
+        [vocab, public_captions],
         lambda: (
-            write_digit_captions(train, cfg.seed),
-            write_digit_vocab(vocab),
-            write_digit_public_captions(public_captions),
+            vocab.write_bytes(class_vocabulary(DIGIT_CLASSES)),
+            public_captions.write_text("\n".join(class_public_captions(DIGIT_CLASSES)) + "\n"),
         ),
     )
 
