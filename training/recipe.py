@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vip_hub.errors import ConfigError
-from vip_hub.privacy.accounting import Accountant
+from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
 from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
 
@@ -100,7 +100,9 @@ class DPRunConfig(RunConfig):
     sigma: float | None = Field(
         None, gt=0, description="noise multiplier (default: calibrated from --epsilon)"
     )
-    delta: float | None = Field(None, gt=0, lt=1, description="delta (default min(1e-5, 1/(10n)))")
+    delta: float | None = Field(
+        None, gt=0, lt=1, description=f"delta (default {DEFAULT_DELTA_RULE})"
+    )
     batch_size: int = Field(256, gt=0, description="expected logical batch size B (q = B/n)")
     dataset_size: int | None = Field(
         None, gt=0, description="n, checked against the examples found"

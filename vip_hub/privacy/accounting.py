@@ -24,6 +24,8 @@ from ..errors import AccountingError
 __all__ = [
     "Accountant",
     "AccountingError",
+    "DEFAULT_DELTA_CAP",
+    "DEFAULT_DELTA_RULE",
     "GaussianRun",
     "calibrate",
     "composed_epsilon",
@@ -36,6 +38,8 @@ __all__ = [
 
 DEFAULT_DELTA_CAP = 1e-5
 """The default delta is never above this, whatever n."""
+DEFAULT_DELTA_RULE = f"min({DEFAULT_DELTA_CAP:g}, 1/(10n))"
+"""The default delta in words, for help texts (:func:`default_delta` computes it)."""
 PRV_EPS_ERROR = 0.01
 PLD_INTERVAL = 1e-3
 MAX_SIGMA = 1e4
