@@ -318,7 +318,7 @@ def main() -> None:
 
     def ratio(p: str, q: str) -> str:
         mem = memory[p]["peak_extra_mib"] / max(memory[q]["peak_extra_mib"], 1e-9)
-        rounds = statistics.median(tp / tq for tp, tq in zip(timed[p], timed[q]))
+        rounds = statistics.median(tp / tq for tp, tq in zip(timed[p], timed[q], strict=True))
         return f"{p}/{q}: time {med[p] / med[q]:.2f} (median of per-round ratios {rounds:.2f})  memory {mem:.2f}"
 
     if "a" in med and "b" in med:

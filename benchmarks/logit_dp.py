@@ -183,9 +183,9 @@ def main() -> None:
         str(args.patch),
     ]
     print(
-        f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, projection d = "
-        f"{args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of {args.rounds} interleaved rounds, "
-        "memory = peak beyond set-up, own process"
+        f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, "
+        f"projection d = {args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of "
+        f"{args.rounds} interleaved rounds, memory = peak beyond set-up, own process"
     )
     for n in (int(s) for s in args.ns.split(",")):
         variants = "".join(v for v in args.variants if v != "c" or n <= args.naive_up_to)
@@ -211,8 +211,11 @@ def main() -> None:
                 f"peak +{memory[v]:8.1f} MiB"
             )
 
-        def ratio(p: str, q: str) -> str:
-            return f"{p}/{q} time {fastest[p] / fastest[q]:7.2f} memory {memory[p] / max(memory[q], 1e-3):7.2f}"
+        def ratio(
+            p: str, q: str, fastest: dict[str, float] = fastest, memory: dict[str, float] = memory
+        ) -> str:
+            time_ratio, memory_ratio = fastest[p] / fastest[q], memory[p] / max(memory[q], 1e-3)
+            return f"{p}/{q} time {time_ratio:7.2f} memory {memory_ratio:7.2f}"
 
         pairs = [("b", "a"), ("c", "b"), ("d", "a")]
         print(

@@ -282,7 +282,7 @@ def test_a_broken_clip_fails_the_check(clipper: str, monkeypatch: pytest.MonkeyP
     else:
         model = _model(_embedder, "fp64")
         views = _images("random", torch.float64, seed=3), _images("random", torch.float64, seed=4)
-        ratio = dict(zip(["pair", "batch"], _pair_ratios(model, views)))[clipper]
+        ratio = dict(zip(["pair", "batch"], _pair_ratios(model, views), strict=True))[clipper]
     assert ratio > 10
 
 

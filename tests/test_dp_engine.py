@@ -218,7 +218,9 @@ def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> 
     assert resumed.history == a.history == [(0.8, 0.2, 6)]
     assert all(
         torch.equal(p, q)
-        for p, q in zip(whole.state_dict().values(), resumed_model.state_dict().values())
+        for p, q in zip(
+            whole.state_dict().values(), resumed_model.state_dict().values(), strict=True
+        )
     )
     np.testing.assert_array_equal(resumed.canaries.scores, a.canaries.scores)
     other = engine_for(BiasSum(6), n=40, batch=8, sigma=0.9, steps=6)

@@ -98,7 +98,7 @@ def test_captions_and_zero_shot_match_the_library(hub, dpcap):
     )
     assert r.status_code == 200, r.text
     want = local.zero_shot(PIL_IMAGES[:2], labels)
-    for row, losses in zip(r.json()["data"], want):
+    for row, losses in zip(r.json()["data"], want, strict=True):
         order = losses.argsort().tolist()
         assert row["label"] == labels[order[0]] and [x["label"] for x in row["labels"]] == [
             labels[j] for j in order[:2]

@@ -2,6 +2,7 @@
 
 import base64
 import io
+import json
 import logging
 import re
 import socket
@@ -171,7 +172,7 @@ def test_classify(hub, local, published):
     head, info = load_head(published[MODEL], "toy")
     with torch.no_grad():
         probs = torch.softmax(head(local.embed([_pil(x) for x in IMAGES[:2]], info.pooling)), -1)
-    for row, p in zip(body["data"], probs):
+    for row, p in zip(body["data"], probs, strict=True):
         top = p.topk(2)
         assert [x["label"] for x in row["labels"]] == [info.labels[i] for i in top.indices]
         np.testing.assert_allclose(
@@ -467,9 +468,7 @@ def test_deadline_and_disconnect(hub, published, slow_batches):
     settings = settings_for(hub.settings.store, inference={"max_batch_size": 1})
     with ThreadedServer(settings) as server:
         httpx.get(f"{server.url}/v1/models/{MODEL}")
-        body = (
-            '{"model": "%s", "input": [%s]}' % (MODEL, ", ".join(['"%s"' % b64(IMAGES[0])] * 64))
-        ).encode()
+        body = json.dumps({"model": MODEL, "input": [b64(IMAGES[0])] * 64}).encode()
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(
             b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -79,7 +79,7 @@ def _pair_by_pair(
             flat = torch.cat(
                 [
                     (torch.zeros_like(p) if gi is None else gi).reshape(-1)
-                    for p, gi in zip(params, g)
+                    for p, gi in zip(params, g, strict=True)
                 ]
             )
             pair_grads.append(flat)
@@ -132,7 +132,9 @@ def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
     pair_grads, norms, weights = _pair_by_pair(model, views1, views2, tau)
     bound = float(norms.flatten().median())  # about half the pairs clipped
     factors = clip_factors(norms, bound)
-    expected = sum(w * f * g for w, f, g in zip(weights.flatten(), factors.flatten(), pair_grads))
+    expected = sum(
+        w * f * g for w, f, g in zip(weights.flatten(), factors.flatten(), pair_grads, strict=True)
+    )
 
     clipper = PairClipper(model, bound, tau)
     result = clipper.accumulate(views1, views2)

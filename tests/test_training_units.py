@@ -241,7 +241,7 @@ def test_clipped_sum_does_not_depend_on_the_micro_batch_split() -> None:
     mae.zero_grad(set_to_none=True)
     for part in micro_batches(np.arange(7), 3):
         clipper.accumulate(x[part], noise[part])
-    for a, p in zip(whole, clipper.params):
+    for a, p in zip(whole, clipper.params, strict=True):
         assert torch.allclose(a, p.grad, rtol=1e-10, atol=1e-14)
 
 

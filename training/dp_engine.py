@@ -172,7 +172,8 @@ class _StepItems(torch.utils.data.Dataset):
 def _collate(items: list[tuple[Any, ...]]) -> StepBatch:
     rows = [item[1:] for item in items if item[1] is not None]
     return StepBatch(
-        items[0][0], tuple(torch.stack(column) for column in zip(*rows)) if rows else ()
+        items[0][0],
+        tuple(torch.stack(column) for column in zip(*rows, strict=True)) if rows else (),
     )
 
 

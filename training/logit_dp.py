@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-class ContrastiveMechanism(str, enum.Enum):
+class ContrastiveMechanism(enum.StrEnum):
     """How the batch gradient is clipped: per pair (Logit-DP) or as a whole (Naive-DP)."""
 
     LOGIT_DP = "logit-dp"

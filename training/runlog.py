@@ -54,13 +54,13 @@ def plot_curves(records: list[dict[str, Any]], loss_key: str, loss_label: str, t
     eps = [(r["step"], r["epsilon"]) for r in records if r.get("epsilon") is not None]
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     if pts:
-        ax.plot(*zip(*pts), color="#2563eb", label=loss_label)
+        ax.plot(*zip(*pts, strict=True), color="#2563eb", label=loss_label)
     ax.set_xlabel("step")
     ax.set_ylabel(loss_label, color="#2563eb")
     ax.grid(alpha=0.3)
     if eps:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*eps), color="#dc2626", label="epsilon spent")
+        ax2.plot(*zip(*eps, strict=True), color="#dc2626", label="epsilon spent")
         ax2.set_ylabel("epsilon spent", color="#dc2626")
         ax2.set_ylim(bottom=0)
     ax.set_title(title)

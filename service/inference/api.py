@@ -271,9 +271,12 @@ async def classify(
     data = [
         Classification(
             index=i,
-            labels=[LabelScore(label=labels[j], score=float(s)) for s, j in zip(row_s, row_i)],
+            labels=[
+                LabelScore(label=labels[j], score=float(s))
+                for s, j in zip(row_s, row_i, strict=True)
+            ],
         )
-        for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist()))
+        for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist(), strict=True))
     ]
     privacy = ClassifyPrivacy(
         encoder=Privacy.of(model.ledger.summary()),

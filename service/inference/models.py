@@ -160,7 +160,7 @@ class LoadedModel:
                 self.metrics.queue_seconds.labels(self.metrics_label).observe(
                     item.started - item.enqueued
                 )
-        for item, result in zip(items, results):
+        for item, result in zip(items, results, strict=True):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
 
     def _run_features(
@@ -174,7 +174,7 @@ class LoadedModel:
                 modes.add(self.heads[item.task.head][1].pooling)
         feats = self.encoder.features(x, tuple(sorted(modes)))
         offset = 0
-        for slot, item in zip(slots, items):
+        for slot, item in zip(slots, items, strict=True):
             rows = slice(offset, offset + item.size)
             offset += item.size
             if item.task.head is not None:
@@ -191,7 +191,7 @@ class LoadedModel:
         assert self.captions is not None
         ids = self.captions.captioner.generate(x, max(item.task.caption_tokens for item in items))
         offset = 0
-        for slot, item in zip(slots, items):
+        for slot, item in zip(slots, items, strict=True):
             rows = ids[offset : offset + item.size]
             offset += item.size
             results[slot] = [

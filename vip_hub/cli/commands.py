@@ -424,13 +424,16 @@ def _caption(args: argparse.Namespace) -> None:
         print(
             json.dumps(
                 {
-                    "captions": [{"image": i, "caption": c} for i, c in zip(args.images, captions)],
+                    "captions": [
+                        {"image": i, "caption": c}
+                        for i, c in zip(args.images, captions, strict=True)
+                    ],
                     "privacy": privacy.to_dict(),
                 }
             )
         )
         return
-    for path, caption in zip(args.images, captions):
+    for path, caption in zip(args.images, captions, strict=True):
         print(f"{path}: {caption}")
     print(f"model privacy: {privacy_headline(privacy)}")
 
@@ -471,13 +474,13 @@ def _zero_shot(args: argparse.Namespace) -> None:
                             "label": r[0][0],
                             "labels": [{"label": lab, "loss": loss} for lab, loss in r],
                         }
-                        for path, r in zip(args.images, ranked)
+                        for path, r in zip(args.images, ranked, strict=True)
                     ],
                     "privacy": privacy.to_dict(),
                 }
             )
         )
         return
-    for path, r in zip(args.images, ranked):
+    for path, r in zip(args.images, ranked, strict=True):
         print(f"{path}: {r[0][0]}  (" + ", ".join(f"{lab} {loss:.3f}" for lab, loss in r) + ")")
     print(f"model privacy: {privacy_headline(privacy)}")

@@ -278,7 +278,7 @@ class TextDecoder(nn.Module):
                 f"{text.shape[1]} text tokens, more than this decoder's {self.config.max_length}"
             )
         x = self.token_embed(text) + self.text_pos_embed[:, : text.shape[1]] + self.text_type_embed
-        for block, block_kv in zip(self.blocks, kv):
+        for block, block_kv in zip(self.blocks, kv, strict=True):
             x = block(x, block_kv)
         return self.head(self.head_norm(x))
 

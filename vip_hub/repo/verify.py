@@ -230,7 +230,7 @@ def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
             if a.get(k) != b.get(k):
                 return _first_difference(a.get(k), b.get(k), f"{where}.{k}".lstrip("."))
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             if x != y:
                 return _first_difference(x, y, f"{where}.{i}".lstrip("."))
     return where, a, b
