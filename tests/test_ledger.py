@@ -286,3 +286,34 @@ def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():
     assert vip.delta == pytest.approx(
         1 / (2 * 233_000_000)
     )  # the paper's own choice stays in its preset
+
+
+def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
+    """A stage that trained the encoder and a head together (DP fine-tuning) is one mechanism:
+    both components' summaries are that stage's epsilon (not two compositions of it); a stage
+    without joint heads is written exactly as before the field existed."""
+    plain = dp_stage()
+    assert "also_trains" not in json.loads(PrivacyLedger.build([plain]).to_json())["stages"][0]
+    joint = DPStage.from_parameters(
+        name="dp-finetune",
+        dataset=plain.dataset,
+        sample_rate=plain.sample_rate,
+        noise_multiplier=plain.noise_multiplier,
+        steps=plain.steps,
+        clipping_norm=plain.clipping_norm,
+        also_trains=["heads/clf"],
+    )
+    ledger = PrivacyLedger.parse(PrivacyLedger.build([synthetic_stage(), joint]).to_json())
+    assert ledger.components() == ["encoder", "heads/clf"]
+    head, encoder = ledger.summary("heads/clf"), ledger.summary()
+    assert head.epsilon == encoder.epsilon == joint.epsilon == plain.epsilon
+    assert [g.stages for g in head.guarantees] == [["dp-finetune"]]
+    assert ledger.summary("heads/other").epsilon == joint.epsilon  # via the encoder, as any head
+    for bad in (["encoder"], ["heads/clf", "heads/clf"], ["heads/a/b"]):
+        with pytest.raises(LedgerError, match="also_trains"):
+            PrivacyLedger.parse(
+                {
+                    **ledger.to_dict(),
+                    "stages": [{**joint.model_dump(mode="json"), "also_trains": bad}],
+                }
+            )

@@ -29,11 +29,20 @@ from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
-from ..repo_format import COMPONENT_PATTERN, ENCODER
+from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, NAME_PATTERN
 from .accounting import Accountant, composed_epsilon, default_delta, epsilons
 
 SCHEMA = "vip-hub/privacy-ledger/v3"
@@ -119,8 +128,33 @@ class Dataset(_Model):
 class _Stage(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._:-]{0,99}$")
     component: str = Field(default=ENCODER, pattern=COMPONENT_PATTERN)
+    also_trains: list[Annotated[str, Field(pattern=rf"^{HEADS_DIR}/{NAME_PATTERN}$")]] = Field(
+        default_factory=list,
+        description="heads trained together with the component by this one stage (one "
+        "mechanism: an end-to-end fine-tuning's classifier); written only when not empty",
+    )
     dataset: Dataset
     description: str = ""
+
+    @field_validator("also_trains")
+    @classmethod
+    def _distinct(cls, heads: list[str]) -> list[str]:
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"a head is listed twice in {heads}")
+        return heads
+
+    @model_serializer(mode="wrap")
+    def _omit_no_joint_heads(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without joint heads a stage is written as before the field existed."""
+        data = handler(self)
+        if not self.also_trains:
+            data.pop("also_trains", None)
+        return data
+
+    @property
+    def trained_components(self) -> tuple[str, ...]:
+        """Every component whose weights this stage trained: its own, then its joint heads."""
+        return (self.component, *self.also_trains)
 
 
 class NonPrivateStage(_Stage):
@@ -268,11 +302,13 @@ class DPStage(_Stage):
         accountant: Accountant | str = Accountant.RDP,
         audit: Audit | None = None,
         component: str = ENCODER,
+        also_trains: Iterable[str] = (),
         description: str = "",
         hyperparameters: dict[str, Any] | None = None,
     ) -> DPStage:
         """Build a DP stage, computing its epsilon under every accountant (the named one is the
-        claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping)."""
+        claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping);
+        ``also_trains``: heads trained jointly with ``component``."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
@@ -285,6 +321,7 @@ class DPStage(_Stage):
             cls,
             name=name,
             component=component,
+            also_trains=list(also_trains),
             dataset=dataset,
             description=description,
             mechanism=mechanism,
@@ -510,12 +547,13 @@ class PrivacyLedger(_Model):
         raise KeyError(name)
 
     def components(self) -> list[str]:
-        return sorted({s.component for s in self.stages})
+        """Every component some stage trained (a joint stage's heads included)."""
+        return sorted({c for s in self.stages for c in s.trained_components})
 
     def summary(self, component: str = ENCODER) -> PrivacySummary:
         """What ``component``'s weights promise: its own stages composed (a head's include its
         encoder's; the encoder's leave out a DP head trained later on the same data)."""
-        stages = [s for s in self.stages if s.component in (ENCODER, component)]
+        stages = [s for s in self.stages if {ENCODER, component} & set(s.trained_components)]
         unprotected = [
             s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data
         ]

@@ -141,7 +141,7 @@ def render_card(
         ledger_columns=LEDGER_COLUMNS,
         ledger_rows=[[_md(cell) for cell in row] for row in ledger_rows(ledger)],
         stage_details=[
-            {"name": _md(s.name), "component": _md(s.component), "text": _stage_text(s)}
+            {"name": _md(s.name), "component": _md(_trained(s)), "text": _stage_text(s)}
             for s in ledger.stages
         ],
         plots=[{"alt": _md(p), "url": quote(p)} for p in plots],
@@ -268,7 +268,7 @@ def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
     stages = [ledger.stage(n) for n in g.stages]
     n = stages[0].dataset.size
     bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
-    components = sorted({s.component for s in stages})
+    components = sorted({c for s in stages for c in s.trained_components})
     return (
         f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
         f"{_code(g.dataset)}** ({n:,} examples), composed over stage(s) "
@@ -290,13 +290,18 @@ def _reference_note(stages: list[Any]) -> str:
     return f" (for reference: {others}, a tighter analysis of the same run)"
 
 
+def _trained(s: NonPrivateStage | DPStage) -> str:
+    """The components a stage trained, as the card names them (``encoder + heads/x``)."""
+    return " + ".join(s.trained_components)
+
+
 def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
     data = s.dataset.name + (f" (n={s.dataset.size:,})" if s.dataset.size else "")
     if isinstance(s, NonPrivateStage):
         note = "none: private data, NO guarantee" if s.private_data else "none (no private data)"
         return [
             s.name,
-            s.component,
+            _trained(s),
             data,
             note,
             "",
@@ -313,7 +318,7 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
     sampling = "Poisson" if s.sampling == "poisson" else f"{s.sampling} (accounted as Poisson)"
     return [
         s.name,
-        s.component,
+        _trained(s),
         data,
         f"{s.mechanism}, {sampling}",
         f"{s.sample_rate:.4g}",

@@ -6,7 +6,8 @@ then a Linear layer, on top of one of the encoder's feature modes. Its folder (l
 class names in index order and the head's evaluation metrics.
 
 Its training is a ledger stage with ``component = "heads/<name>"`` (DP or not), added to the
-repo's ledger when the head is saved.
+repo's ledger when the head is saved, or a stage already in the ledger that trained it jointly
+with the encoder (one mechanism, its ``also_trains`` naming the head: end-to-end fine-tuning).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..repo_format import (
     HEAD_METRICS,
     HEAD_WEIGHTS,
     HEADS_DIR,
+    LEDGER_FILE,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
@@ -74,14 +76,21 @@ def save_head(
     repo_dir: str | os.PathLike[str],
     head: LinearProbe,
     info: HeadInfo,
-    stage: NonPrivateStage | DPStage,
+    stage: NonPrivateStage | DPStage | None,
     eval_result: EvalResult | None = None,
 ) -> PrivacyLedger:
-    """Add (or replace) head ``info.name`` in a repo, with its ledger stage; returns the ledger."""
+    """Add (or replace) head ``info.name`` in a repo, with its ledger stage (None: a stage of the
+    repo's ledger trained it jointly, its ``also_trains`` names the head); returns the ledger."""
     from .files import update_repo
 
     component = head_component(info.name)
-    if stage.component != component:
+    if stage is None:
+        ledger = PrivacyLedger.parse((Path(repo_dir) / LEDGER_FILE).read_text())
+        if not any(component in s.also_trains for s in ledger.stages):
+            raise ConfigError(
+                f"no stage of {repo_dir}'s ledger trained {component} jointly: give its own stage"
+            )
+    elif stage.component != component:
         raise ConfigError(f"the head's ledger stage must have component {component!r}")
     check_pooling(info.pooling)
     if len(info.labels) != head.linear.out_features:
@@ -98,7 +107,7 @@ def save_head(
         save_file(tensors, weights, metadata=meta)
         return update_repo(
             repo_dir,
-            add_stages=[stage],
+            add_stages=[stage] if stage is not None else [],
             add_files={
                 head_file(info.name, HEAD_WEIGHTS): weights,
                 head_file(info.name, HEAD_LABELS): (
