@@ -24,7 +24,7 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from .auth import identity_or_anonymous
 from .metrics import Metrics
-from .store import StoreError
+from .store.errors import StoreError
 
 __all__ = ["ACCESS_LOGGER", "install", "log_config"]
 

@@ -18,7 +18,8 @@ from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
 from live import WRITE_TOKEN, ProcessServer, free_port
 
-from service.store import AddFile, Conflict, HubStore
+from service.store import AddFile, HubStore
+from service.store.errors import Conflict
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
 

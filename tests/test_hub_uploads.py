@@ -17,7 +17,8 @@ from live import WRITE_TOKEN
 
 from service.errors import BadRequest
 from service.hub.uploads import CommitParser
-from service.store import AddFile, AddObject, DeleteFile, HubStore, UploadMissing
+from service.store import AddFile, AddObject, DeleteFile, HubStore
+from service.store.errors import UploadMissing
 from vip_hub.repo.verify import repo_files
 
 

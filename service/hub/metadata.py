@@ -14,7 +14,7 @@ from vip_hub.repo_format import DEFAULT_BRANCH
 
 from ..auth import Identity, identity, private_namespaces, require_scope
 from ..errors import BadRequest
-from ..store import NoSuchEntry, NoSuchRevision
+from ..store.errors import NoSuchEntry, NoSuchRevision
 from ..store.naming import validate_path, validate_revision
 from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_repo, store_of
 

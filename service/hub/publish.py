@@ -18,7 +18,7 @@ from vip_hub.repo.card import load_card
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest
-from ..store import NoSuchRevision
+from ..store.errors import NoSuchRevision
 from ..store.naming import validate_path, validate_repo_id, validate_revision
 from .common import Writable, base_url, is_lfs, store_of, writable
 from .uploads import CommitParser, receive_body

@@ -31,7 +31,8 @@ from ..errors import (
 )
 from ..metrics import Metrics
 from ..settings import InferenceSettings
-from ..store import HubStore, NoSuchRepo, NoSuchRevision, StoreError
+from ..store import HubStore
+from ..store.errors import NoSuchRepo, NoSuchRevision, StoreError
 from .batcher import WorkItem
 from .fair_pool import FairPool
 from .images import ImageLimits, load_rgb, open_image

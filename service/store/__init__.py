@@ -2,18 +2,6 @@
 and an index of repos, commits and refs. Errors are :mod:`service.store.errors` (no HTTP)."""
 
 from .blobs import BlobStore, FileDigest, hash_file
-from .errors import (
-    Conflict,
-    InvalidRequest,
-    NoSuchEntry,
-    NoSuchRepo,
-    NoSuchRevision,
-    PublishRefused,
-    SignatureRefused,
-    StoreError,
-    TooLarge,
-    UploadMissing,
-)
 from .store import (
     AddFile,
     AddObject,
@@ -31,22 +19,12 @@ __all__ = [
     "AddObject",
     "BlobStore",
     "CommitRecord",
-    "Conflict",
     "DeleteFile",
     "DeleteFolder",
     "FileDigest",
     "FileEntry",
     "HubStore",
-    "InvalidRequest",
-    "NoSuchEntry",
-    "NoSuchRepo",
-    "NoSuchRevision",
-    "PublishRefused",
     "RepoRecord",
     "SignatureRecord",
-    "SignatureRefused",
-    "StoreError",
-    "TooLarge",
-    "UploadMissing",
     "hash_file",
 ]
