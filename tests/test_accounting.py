@@ -14,6 +14,7 @@ from vip_hub.privacy.accounting import (
     epsilon,
     epsilons,
     max_steps_within,
+    remaining_epsilon,
 )
 
 # The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
@@ -70,6 +71,24 @@ def test_calibrate_inverts_epsilon(accountant):
     eps = epsilon(sigma, q, steps, delta, accountant)
     assert eps <= 8.0 and eps > 8.0 - 0.02
     assert epsilon(sigma * 0.98, q, steps, delta, accountant) > 8.0 - 0.01
+
+
+def test_remaining_epsilon_calibrates_a_run_so_the_composition_is_the_total():
+    """An encoder at epsilon 2, then a head calibrated to what remains: the two compose to the
+    total (within the calibration's tolerance), more than the 1 left by adding epsilons, and
+    calibrating the head to any more would pass the total."""
+    n, delta = 20_000, 1e-5
+    encoder = (calibrate(2.0, delta, 256 / n, 70), 256 / n, 70)
+    q, steps = 1 / 40, 3600
+    own = remaining_epsilon(3.0, delta, [encoder], q, steps)
+    assert 1.0 < own < 3.0
+    composed = composed_epsilon([encoder, (calibrate(own, delta, q, steps), q, steps)], delta)
+    assert 3.0 - 0.02 < composed <= 3.0
+    greedy = calibrate(own * 1.02, delta, q, steps)
+    assert composed_epsilon([encoder, (greedy, q, steps)], delta) > 3.0
+    assert remaining_epsilon(3.0, delta, [], q, steps) == 3.0  # nothing spent before
+    with pytest.raises(AccountingError, match="already spend epsilon"):
+        remaining_epsilon(1.5, delta, [encoder], q, steps)
 
 
 @pytest.mark.parametrize(

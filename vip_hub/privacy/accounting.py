@@ -34,6 +34,7 @@ __all__ = [
     "epsilons",
     "max_steps_within",
     "paper_delta",
+    "remaining_epsilon",
 ]
 
 DEFAULT_DELTA_CAP = 1e-5
@@ -202,6 +203,46 @@ def max_steps_within(
         else:
             hi = mid
     return lo
+
+
+def remaining_epsilon(
+    total_epsilon: float,
+    delta: float,
+    prior: Sequence[GaussianRun],
+    sample_rate: float,
+    steps: int,
+    accountant: Accountant | str = Accountant.RDP,
+) -> float:
+    """The epsilon to calibrate one more run at (``sample_rate``, ``steps``) to, so that its
+    composition with ``prior`` stays within ``total_epsilon``: the run's own epsilon at the
+    smallest noise multiplier (bisection, to 0.1 % of sigma) whose composition is within the
+    total. Calibrating to it gives at least that noise, so the composition stays within."""
+    kind = _check_accountant(accountant)
+    _check_mechanism(1.0, sample_rate, steps)
+    if not prior:
+        return total_epsilon
+    spent = composed_epsilon(prior, delta, kind)
+    if spent >= total_epsilon:
+        raise AccountingError(
+            f"the earlier runs already spend epsilon {spent:.4g} >= {total_epsilon:g} at delta "
+            f"{delta:g}: nothing is left for another"
+        )
+
+    def within(sigma: float) -> bool:
+        return composed_epsilon([*prior, (sigma, sample_rate, steps)], delta, kind) <= total_epsilon
+
+    if not within(MAX_SIGMA):
+        raise AccountingError(
+            f"even sigma={MAX_SIGMA:g} at sample rate {sample_rate} over {steps} steps takes the "
+            f"composition past epsilon {total_epsilon:g} (the earlier runs spend {spent:.4g})"
+        )
+    lo, hi = 1e-2, MAX_SIGMA  # not within at lo (or lo itself is the answer), within at hi
+    if within(lo):
+        hi = lo
+    while hi / lo > 1.001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if within(mid) else (mid, hi)
+    return epsilon(hi, sample_rate, steps, delta, kind)
 
 
 @functools.cache
