@@ -11,6 +11,7 @@ exceptions (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``). The body
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -22,6 +23,7 @@ from .store import errors as store
 __all__ = [
     "BadRequest",
     "ClientGone",
+    "Conflicting",
     "DeadlineExceeded",
     "EntryNotFound",
     "Forbidden",
@@ -39,10 +41,16 @@ __all__ = [
 
 
 class ServiceError(Exception):
-    """Base of the HTTP-level errors: a status, an optional hub error code, a message, extra headers."""
+    """Base of the HTTP-level errors: a status, an optional hub error code, a message, extra
+    headers. A subclass states its status (``class X(ServiceError, status=404)``); with
+    ``hub_code=True`` its name is the ``X-Error-Code`` huggingface_hub clients read."""
 
-    status = 400
-    code: str | None = None
+    status: ClassVar[int] = 500
+    code: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, *, status: int, hub_code: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.status, cls.code = status, cls.__name__ if hub_code else None
 
     def __init__(self, message: str, headers: Mapping[str, str] | None = None):
         super().__init__(message)
@@ -50,77 +58,68 @@ class ServiceError(Exception):
         self.headers = dict(headers or {})
 
 
-class BadRequest(ServiceError):
-    status = 400
+class BadRequest(ServiceError, status=400):
+    """A request the service does not accept; the message names what was wrong."""
 
 
-class Unauthorized(ServiceError):
-    status = 401
+class Unauthorized(ServiceError, status=401):
+    """No valid token where the route needs one."""
 
 
-class Forbidden(ServiceError):
-    status = 403
+class Forbidden(ServiceError, status=403):
+    """A token whose scope or owner does not allow the operation."""
 
 
-class RepoNotFound(ServiceError):
-    status = 404
-    code = "RepoNotFound"
+class RepoNotFound(ServiceError, status=404, hub_code=True):
+    """No repo of that id that the caller may read."""
 
 
-class NotFound(ServiceError):
+class RevisionNotFound(ServiceError, status=404, hub_code=True):
+    """No branch, tag or commit of that name in the repo."""
+
+
+class EntryNotFound(ServiceError, status=404, hub_code=True):
+    """No file at that path in the revision."""
+
+
+class NotFound(ServiceError, status=404):
     """A page or record that is not a repo, revision or file (e.g. a dataset no release names)."""
 
-    status = 404
+
+class Conflicting(ServiceError, status=409):
+    """The state changed under the request: a branch moved (stale parent), a tag exists."""
 
 
-class RevisionNotFound(ServiceError):
-    status = 404
-    code = "RevisionNotFound"
+class PayloadTooLarge(ServiceError, status=413):
+    """A body, an upload or an image over its limit."""
 
 
-class EntryNotFound(ServiceError):
-    status = 404
-    code = "EntryNotFound"
-
-
-class PayloadTooLarge(ServiceError):
-    status = 413
-
-
-class QueueFull(ServiceError):
+class QueueFull(ServiceError, status=429):
     """A model's inference queue holds as many images as it may (retry after ``Retry-After``)."""
 
-    status = 429
 
-
-class ClientGone(ServiceError):
+class ClientGone(ServiceError, status=499):
     """The client disconnected before its inference finished (nginx's 499: nobody reads it)."""
 
-    status = 499
 
-
-class ShuttingDown(ServiceError):
+class ShuttingDown(ServiceError, status=503):
     """The inference engine is stopping or not started."""
 
-    status = 503
 
-
-class DeadlineExceeded(ServiceError):
+class DeadlineExceeded(ServiceError, status=503):
     """An inference request waited past its deadline."""
 
-    status = 503
 
-
-# store error -> (status, hub error code); the first class that matches wins (subclasses first)
-_STORE: tuple[tuple[type[store.StoreError], int, str | None], ...] = (
-    (store.NoSuchRepo, 404, "RepoNotFound"),
-    (store.NoSuchRevision, 404, "RevisionNotFound"),
-    (store.NoSuchEntry, 404, "EntryNotFound"),
-    (store.Conflict, 409, None),
-    (store.SignatureRefused, 403, None),
-    (store.TooLarge, 413, None),
-    (store.InvalidRequest, 400, None),
-    (store.StoreError, 400, None),
+# store error -> the service error it is answered as; the first class that matches wins
+# (subclasses first)
+_STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
+    (store.NoSuchRepo, RepoNotFound),
+    (store.NoSuchRevision, RevisionNotFound),
+    (store.NoSuchEntry, EntryNotFound),
+    (store.Conflict, Conflicting),
+    (store.SignatureRefused, Forbidden),
+    (store.TooLarge, PayloadTooLarge),
+    (store.StoreError, BadRequest),
 )
 
 
@@ -130,7 +129,8 @@ def error_response(err: Exception) -> JSONResponse:
     if isinstance(err, ServiceError):
         status, code, message, headers = err.status, err.code, err.message, dict(err.headers)
     elif isinstance(err, store.StoreError):
-        status, code = next((s, c) for cls, s, c in _STORE if isinstance(err, cls))
+        answer = next(service for cls, service in _STORE if isinstance(err, cls))
+        status, code = answer.status, answer.code
         message = str(err)
         if isinstance(err, store.NoSuchEntry) and err.commit:
             headers["X-Repo-Commit"] = err.commit  # lets the client cache the absence

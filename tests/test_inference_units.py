@@ -252,3 +252,23 @@ def test_http_statuses_live_in_service_errors_and_each_error_name_is_one_class()
     assert not {c.__name__ for c in http} & {c.__name__ for c in store}
     inference = (QueueFull, ClientGone, ShuttingDown, DeadlineExceeded)
     assert [error_response(e("x")).status_code for e in inference] == [429, 499, 503, 503]
+
+
+def test_store_errors_answer_with_their_status_and_hub_code():
+    answers = {
+        cls.__name__: (r.status_code, r.headers.get("x-error-code"))
+        for cls in (store_errors.StoreError, *_subclasses(store_errors.StoreError))
+        for r in [error_response(cls("x"))]
+    }
+    assert answers == {
+        "StoreError": (400, None),
+        "InvalidRequest": (400, None),
+        "PublishRefused": (400, None),
+        "SignatureRefused": (403, None),
+        "UploadMissing": (400, None),
+        "NoSuchRepo": (404, "RepoNotFound"),
+        "NoSuchRevision": (404, "RevisionNotFound"),
+        "NoSuchEntry": (404, "EntryNotFound"),
+        "Conflict": (409, None),
+        "TooLarge": (413, None),
+    }
