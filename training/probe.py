@@ -39,7 +39,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vip_hub.errors import ConfigError, DataError
-from vip_hub.loading import load_encoder
+from vip_hub.loading import Encoder, load_encoder
+from vip_hub.models.features import Pooling
 from vip_hub.privacy.accounting import Accountant, calibrate, default_delta
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
@@ -55,8 +56,11 @@ __all__ = [
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
+    "dp_head_sampling",
     "fit_probe",
+    "fix_normalisation",
     "load_labelled",
+    "public_features",
     "run_probe",
 ]
 
@@ -206,7 +210,7 @@ def fit_probe(
     head = LinearProbe(train_x.shape[1], num_classes)
     n = len(train_x)
     batch = min(cfg.batch_size, n)
-    steps_per_epoch = math.ceil(n / batch)
+    steps_per_epoch = _steps_per_epoch(n, cfg)
     total = cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_epochs * steps_per_epoch
     loss_fn = nn.CrossEntropyLoss()
@@ -235,6 +239,19 @@ def fit_probe(
         dp = _fit_dp(head, train_x, train_y, cfg, public_x, batch, steps_per_epoch, bar)
     bar.close()
     return head.eval(), dp
+
+
+def _steps_per_epoch(n: int, cfg: ProbeConfig) -> int:
+    """Batches of ``cfg.batch_size`` (at most ``n``) in one pass over ``n`` records."""
+    return math.ceil(n / min(cfg.batch_size, n))
+
+
+def dp_head_sampling(n: int, cfg: ProbeConfig) -> tuple[float, int]:
+    """A DP head's sample rate and steps on ``n`` records: Opacus' Poisson loader samples an
+    expected batch of n / (batches per pass), for ``cfg.epochs`` passes. Known before training,
+    so a head can be calibrated to compose with earlier stages (``remaining_epsilon``)."""
+    per_epoch = _steps_per_epoch(n, cfg)
+    return 1.0 / per_epoch, cfg.epochs * per_epoch
 
 
 def _make_private(
@@ -276,14 +293,10 @@ def _fit_dp(
 
     if public_x is None:
         raise ConfigError("a DP head needs public features to fix its normalisation")
-    with torch.no_grad():
-        head.norm.running_mean.copy_(public_x.mean(0))
-        head.norm.running_var.copy_(public_x.var(0, unbiased=False))
-    head.norm.eval()
+    fix_normalisation(head, public_x)
     normed = head.norm(x).detach()
     n = len(x)
-    q = 1.0 / steps_per_epoch  # Opacus' Poisson loader: expected batch n / len(loader)
-    steps = cfg.epochs * steps_per_epoch
+    q, steps = dp_head_sampling(n, cfg)
     delta = cfg.delta if cfg.delta is not None else default_delta(n)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
@@ -316,6 +329,22 @@ def _fit_dp(
         )
     head.linear = linear._module if hasattr(linear, "_module") else linear
     return {"sigma": sigma, "sample_rate": q, "steps": steps, "delta": delta, "accountant": kind}
+
+
+def public_features(encoder: Encoder, pooling: Pooling) -> torch.Tensor:
+    """``encoder``'s ``pooling`` features of public procedural images (no private data): what
+    fixes a DP head's normalisation."""
+    synth = SyntheticImages(encoder.spec.img_size, seed=1)
+    return encoder.embed(torch.stack([synth[i] for i in range(256)]), pooling)
+
+
+def fix_normalisation(head: LinearProbe, public_x: torch.Tensor) -> None:
+    """Fix ``head``'s BatchNorm to the statistics of ``public_x`` (eval mode: it then reads no
+    statistic across examples, and its input's privacy rests on the features alone)."""
+    with torch.no_grad():
+        head.norm.running_mean.copy_(public_x.mean(0))
+        head.norm.running_var.copy_(public_x.var(0, unbiased=False))
+    head.norm.eval()
 
 
 @torch.no_grad()
@@ -355,10 +384,7 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     train_x = encoder.embed([train.images[i] for i in tr_idx], pooling)
     test_x = encoder.embed(test_images, pooling)
     train_y, test_t = torch.as_tensor(train.labels[tr_idx]), torch.as_tensor(test_y)
-    public_x = None
-    if cfg.epsilon is not None:
-        synth = SyntheticImages(encoder.spec.img_size, seed=1)
-        public_x = encoder.embed(torch.stack([synth[i] for i in range(256)]), pooling)
+    public_x = public_features(encoder, pooling) if cfg.epsilon is not None else None
     head, dp = fit_probe(
         train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}"
     )
