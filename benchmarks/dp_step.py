@@ -7,10 +7,10 @@ Contenders (``VARIANTS``: add a row to add one):
 (c) the reference approach: per-example gradients materialised with ``torch.func.vmap``,
     clipped and summed, then the same engine's noise and AdamW;
 (d) (b) with the one-run privacy audit on: the engine's Dirac canaries (the recipes' default
-    ``--audit-canaries``) sampled with the examples, clipped into their own block of the flat buffer,
-    noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
-    canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3%
-    difference is within a shared machine's drift between rounds.
+    ``--audit-canaries``) sampled with the examples, clipped into their own block of the flat
+    buffer, noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
+    canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3% difference is
+    within a shared machine's drift between rounds.
 
 Time: the steps run in one process, interleaved round by round (a, b, c, d, a, b, ...), so a
 noisy machine (other load, CPU steal) slows them alike; the median per variant is reported,
@@ -22,7 +22,8 @@ allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus t
 with glibc told to give every tensor of 64 KiB or more back on free (``MALLOC_MMAP_THRESHOLD_``),
 so the peak counts live tensors, not the allocator's cache. See benchmarks/README.md.
 
-    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32] [--rounds 5] [--variants abcd]
+    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32] \
+        [--rounds 5] [--variants abcd]
 """
 
 from __future__ import annotations
@@ -278,9 +279,9 @@ def main() -> None:
         print(json.dumps(peak_memory(args, args.memory_of)))
         return
     print(
-        f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, {torch.get_num_threads()} threads: "
-        f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
-        f"load average before {_load()} ({os.cpu_count()} cores)",
+        f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, "
+        f"{torch.get_num_threads()} threads: time = median of {args.rounds} interleaved rounds; "
+        f"memory = own process each; load average before {_load()} ({os.cpu_count()} cores)",
         flush=True,
     )
     memory = {}
@@ -312,14 +313,17 @@ def main() -> None:
         m, spec = memory[v], VARIANTS[v]
         print(
             f"({v}) {spec.label:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f}, "
-            f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)   "
-            f"peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)"
+            f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)"
+            f"   peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)"
         )
 
     def ratio(p: str, q: str) -> str:
         mem = memory[p]["peak_extra_mib"] / max(memory[q]["peak_extra_mib"], 1e-9)
         rounds = statistics.median(tp / tq for tp, tq in zip(timed[p], timed[q], strict=True))
-        return f"{p}/{q}: time {med[p] / med[q]:.2f} (median of per-round ratios {rounds:.2f})  memory {mem:.2f}"
+        return (
+            f"{p}/{q}: time {med[p] / med[q]:.2f} (median of per-round ratios {rounds:.2f})  "
+            f"memory {mem:.2f}"
+        )
 
     if "a" in med and "b" in med:
         print(

@@ -138,17 +138,20 @@ def main() -> None:
     print(f"file {args.mib} MiB, {args.rounds} rounds (median MiB/s)")
     print(f"(a) loopback copy            {med(copies):8.0f}")
     print(
-        f"(b) upload: Xet transfer     {med(xets):8.0f}   xet/copy  {med(xets) / med(copies):.2f}  (target >= 0.5)"
+        f"(b) upload: Xet transfer     {med(xets):8.0f}   xet/copy  {med(xets) / med(copies):.2f}  "
+        "(target >= 0.5)"
     )
     print(
-        f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}  (target >= 0.5)"
+        f"    upload: Git LFS PUT      {med(puts):8.0f}   lfs/copy  {med(puts) / med(copies):.2f}  "
+        "(target >= 0.5)"
     )
     print(
-        f"    publish: vip-hub push    {med(pushes):8.0f}   push/copy {med(pushes) / med(copies):.2f}  "
-        "(verifies locally, uploads, verifies again on commit)"
+        f"    publish: vip-hub push    {med(pushes):8.0f}   push/copy "
+        f"{med(pushes) / med(copies):.2f}  (verifies locally, uploads, verifies again on commit)"
     )
     print(
-        f"(c) download: hf_hub_download{med(gets):8.0f}   get/copy  {med(gets) / med(copies):.2f}  (target >= 0.9)"
+        f"(c) download: hf_hub_download{med(gets):8.0f}   get/copy  {med(gets) / med(copies):.2f}  "
+        "(target >= 0.9)"
     )
 
 

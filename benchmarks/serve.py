@@ -16,7 +16,8 @@ the same image, in alternation, so a slow spell of a shared machine lands on bot
 each pair; with the standard library's HTTP client (the service's own cost) and with httpx
 (about 1 ms more, spent in the client). See benchmarks/README.md.
 
-    python benchmarks/serve.py [--arch vip-nano] [--img-size 224] [--concurrency 1 8 32 64] [--device cpu|cuda]
+    python benchmarks/serve.py [--arch vip-nano] [--img-size 224] \
+        [--concurrency 1 8 32 64] [--device cpu|cuda]
 """
 
 import os
@@ -102,7 +103,8 @@ def raw_throughput(enc, images: list[bytes], batch: int, seconds: float) -> floa
 
 
 def one_image(enc, images: list[bytes]) -> tuple[float, float]:
-    """Median ms of one image in process: end to end (decode, preprocess, forward), forward alone."""
+    """Median ms of one image in process: end to end (decode, preprocess, forward), forward
+    alone."""
     singles, forwards = [], []
     for b in images[:20]:
         t = time.perf_counter()
@@ -165,7 +167,8 @@ def paired_overhead(
 
 
 async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
-    """One HTTP/1.1 keep-alive exchange: send ``request`` (head and body), read the whole response."""
+    """One HTTP/1.1 keep-alive exchange: send ``request`` (head and body), read the whole
+    response."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
@@ -295,8 +298,8 @@ def main() -> None:
     images = make_images(64, args.img_size)
     encoded = [base64.b64encode(b).decode() for b in images]
     print(
-        f"model {args.arch} at {args.img_size}px on {args.device}, torch threads {torch.get_num_threads()}, "
-        f"{os.cpu_count()} cores, {args.seconds:g}s per point",
+        f"model {args.arch} at {args.img_size}px on {args.device}, torch threads "
+        f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.seconds:g}s per point",
         flush=True,
     )
 
@@ -305,8 +308,8 @@ def main() -> None:
     enc = load_encoder(model_dir, device=args.device)
     single_ms, forward_ms = one_image(enc, images)
     print(
-        f"one image in process: {single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone; (a) is "
-        f"re-measured before each concurrency, so each ratio compares neighbours in time",
+        f"one image in process: {single_ms:.1f} ms end to end, {forward_ms:.1f} ms forward alone; "
+        "(a) is re-measured before each concurrency, so each ratio compares neighbours in time",
         flush=True,
     )
 
@@ -365,10 +368,10 @@ def main() -> None:
             n = asyncio.run(load(port_c, "/embed", naive_bodies, c, args.seconds))
             rows.append((c, raw, b, n))
             print(
-                f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 {b['p50']:7.1f} ms  "
-                f"p99 {b['p99']:7.1f} ms  err {b['errors']}  client {b['client_cpu']:.0%} of a core   "
-                f"(c) naive {n['rate']:6.1f} img/s  p50 {n['p50']:7.1f} ms  p99 {n['p99']:7.1f} ms  "
-                f"err {n['errors']}",
+                f"c={c:>3}  (a) {raw:6.1f} img/s   (b) ours {b['rate']:6.1f} img/s  p50 "
+                f"{b['p50']:7.1f} ms  p99 {b['p99']:7.1f} ms  err {b['errors']}  client "
+                f"{b['client_cpu']:.0%} of a core   (c) naive {n['rate']:6.1f} img/s  p50 "
+                f"{n['p50']:7.1f} ms  p99 {n['p99']:7.1f} ms  err {n['errors']}",
                 flush=True,
             )
     finally:
@@ -380,9 +383,10 @@ def main() -> None:
     for c, raw, b, n in rows:
         print(f"  c={c:>3}: b/a = {b['rate'] / raw:.2f}   b/c = {b['rate'] / n['rate']:.2f}")
     print(
-        f"  one request at c=1 minus one in-process forward, paired medians (target <= +10 ms; forward "
-        f"{paired['forward']:.1f} ms): {paired['stdlib']:+.1f} ms with http.client, {paired['httpx']:+.1f} ms "
-        f"with httpx; the request minus the server's own forward (X-Inference-Ms): {paired['server']:+.1f} ms"
+        "  one request at c=1 minus one in-process forward, paired medians (target <= +10 ms; "
+        f"forward {paired['forward']:.1f} ms): {paired['stdlib']:+.1f} ms with http.client, "
+        f"{paired['httpx']:+.1f} ms with httpx; the request minus the server's own forward "
+        f"(X-Inference-Ms): {paired['server']:+.1f} ms"
     )
     targets = {
         32: "target on the CPU >= 0.85",
@@ -391,7 +395,8 @@ def main() -> None:
     for c, raw, b, _ in rows:
         if c in targets:
             print(
-                f"  b/a at c={c}: {b['rate'] / raw:.2f} ({b['rate']:.1f} vs {raw:.1f} img/s; {targets[c]})"
+                f"  b/a at c={c}: {b['rate'] / raw:.2f} ({b['rate']:.1f} vs {raw:.1f} img/s; "
+                f"{targets[c]})"
             )
 
 

@@ -2,8 +2,8 @@
 and the inference half (``/v1/*``) can each be switched off; the operations routes
 (``/healthz``, ``/readyz``, ``/metrics``) are always there.
 
-``app.state`` carries ``settings``, ``metrics``, ``store`` (a :class:`service.store.HubStore`, opened at
-creation), ``tokens`` (a :class:`service.auth.TokenRegistry`) and, with inference on,
+``app.state`` carries ``settings``, ``metrics``, ``store`` (a :class:`service.store.HubStore`,
+opened at creation), ``tokens`` (a :class:`service.auth.TokenRegistry`) and, with inference on,
 ``engine`` (the inference engine, started and drained by the lifespan).
 """
 

@@ -219,7 +219,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
-    """Write the tokens file atomically, owner-only (a running server sees the old or the new one)."""
+    """Write the tokens file atomically, owner-only (a running server sees the old or the new
+    one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -277,13 +278,15 @@ def require_scope(who: Identity | None, scope: Scope, what: str) -> Identity:
 
 
 def check_read(private: bool, repo_id: str, who: Identity | None) -> None:
-    """Hide a private repo from callers who do not own its namespace (RepoNotFound, like the HF hub)."""
+    """Hide a private repo from callers who do not own its namespace (RepoNotFound, like the HF
+    hub)."""
     if private and (who is None or not who.owns(repo_id.partition("/")[0])):
         raise RepoNotFound(f"repository {repo_id} not found")
 
 
 def check_write(who: Identity | None, namespace: str, what: str) -> Identity:
-    """``who`` if it holds a write token and owns ``namespace``; else 401, or 403 as the HF hub answers."""
+    """``who`` if it holds a write token and owns ``namespace``; else 401, or 403 as the HF hub
+    answers."""
     who = require_scope(who, "write", what)
     if not who.owns(namespace):
         raise Forbidden(

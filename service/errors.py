@@ -1,11 +1,12 @@
 """Errors as HTTP responses, in one place.
 
 Three families reach the app: :class:`ServiceError` (HTTP-level: auth, request limits,
-inference; each subclass here states its status, and no other module declares one), the store's :class:`service.store.errors.StoreError` and the library's
-:class:`vip_hub.errors.VipHubError`. :func:`error_response` maps each onto a status and, for
-the hub's lookups, the ``X-Error-Code`` that huggingface_hub clients turn into their own
-exceptions (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``). The body is JSON
-``{"error": message}``, the message also in ``X-Error-Message`` (one line).
+inference; each subclass here states its status, and no other module declares one), the store's
+:class:`service.store.errors.StoreError` and the library's :class:`vip_hub.errors.VipHubError`.
+:func:`error_response` maps each onto a status and, for the hub's lookups, the ``X-Error-Code`` that
+huggingface_hub clients turn into their own exceptions (``RepoNotFound``, ``RevisionNotFound``,
+``EntryNotFound``). The body is JSON ``{"error": message}``, the message also in ``X-Error-Message``
+(one line).
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ def log_config(level: str = "info") -> dict[str, Any]:
     config = copy.deepcopy(LOGGING_CONFIG)
     config["formatters"]["vip_hub_access"] = {
         "()": "uvicorn.logging.AccessFormatter",
-        "fmt": '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s %(duration_ms).1f ms',
+        "fmt": (
+            '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s '
+            "%(duration_ms).1f ms"
+        ),
     }
     config["handlers"]["vip_hub_access"] = {
         **config["handlers"]["access"],

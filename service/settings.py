@@ -69,8 +69,10 @@ class AuthSettings(BaseModel):
     )
     orgs: dict[str, list[str]] = Field(
         default_factory=dict,
-        description="organisations and their member users, e.g. {vip = ['alice']}: members write to the "
-        "organisation's repos and read its private ones (beside those `vip-hub org` writes)",
+        description=(
+            "organisations and their member users, e.g. {vip = ['alice']}: members write to the "
+            "organisation's repos and read its private ones (beside those `vip-hub org` writes)"
+        ),
     )
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 

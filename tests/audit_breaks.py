@@ -30,7 +30,8 @@ SETTINGS = dict(epsilon=CLAIM, sigma=None, delta=1e-5, audit_delta=1e-5, steps=4
 def break_engine(
     monkeypatch: pytest.MonkeyPatch, broken: str, recipe: ModuleType, clipper: str
 ) -> None:
-    """Zero the engine's noise, or make ``recipe``'s ``clipper`` clip at 10x the bound it is given."""
+    """Zero the engine's noise, or make ``recipe``'s ``clipper`` clip at 10x the bound it is
+    given."""
     if broken == "noise zeroed":
         monkeypatch.setattr(
             training.dp_engine,

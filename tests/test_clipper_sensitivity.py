@@ -41,7 +41,8 @@ CLIP, TAU = 1e-3, 0.1  # below every example's and pair's norm: each one is clip
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    """Tiny tensors: a second intra-op thread only spins (on a loaded 2-core machine, 20x slower)."""
+    """Tiny tensors: a second intra-op thread only spins (on a loaded 2-core machine, 20x
+    slower)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -208,8 +209,8 @@ def test_logit_dp_and_naive_dp_move_the_sum_by_at_most_delta(kind: str, precisio
             model, (_images(kind, dtype, seed=3), _images(kind, dtype, seed=4))
         )
     print(
-        f"Logit-DP {kind} {precision}: {pair:.4f} of Delta(n), {pair / TAU:.4f} of it without 1/tau; "
-        f"Naive-DP {naive:.4f} of 2C"
+        f"Logit-DP {kind} {precision}: {pair:.4f} of Delta(n), {pair / TAU:.4f} of it without "
+        f"1/tau; Naive-DP {naive:.4f} of 2C"
     )
     assert pair <= 1 and naive <= 1
     if (
@@ -262,7 +263,8 @@ def test_logit_dp_at_its_bound_stays_within_delta_under_bf16(tau: float, n: int)
             )
         ratios.append(float(moved.norm()) / delta)
     print(
-        f"Logit-DP adversary tau {tau} n {n}: fp64 {ratios[0]:.5f}, bf16 {ratios[1]:.5f} of Delta(n)"
+        f"Logit-DP adversary tau {tau} n {n}: fp64 {ratios[0]:.5f}, bf16 {ratios[1]:.5f} of "
+        "Delta(n)"
     )
     assert 0.99 < ratios[0] <= 1 and ratios[1] <= 1
 

@@ -37,21 +37,21 @@ from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 IMG, WIDTH, DEPTH, TEXT_LEN = 32, 96, 2, 16
 ARCH = "dpcap-nano"
 
-# A public vocabulary in BERT's layout ([PAD] 0, [unused*], [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103),
-# then common English words: nothing here is learnt from any caption.
+# A public vocabulary in BERT's layout ([PAD] 0, [unused*], [UNK] 100, [CLS] 101, [SEP] 102,
+# [MASK] 103), then common English words: nothing here is learnt from any caption.
 WORDS = """the of and to in is was it for on with as by at from this that be are or an a not but all
 which one two three four five six seven eight nine ten there their they have had has were been more
 when who will would can could some out up about into than then them these so what its only other new
 also time first after two over most such may many any well where way even much our just very through
 back years those now people state made like between before own under same both world day few man
-house water under long little big small large old young high low left right red green blue black white
-yellow orange purple brown gray pink dark light photo picture image painting drawing view close top
-side front dog cat bird horse cow sheep fish car bus train boat plane bike truck road street city
-building tree flower grass field sky cloud sun beach sea river lake mountain snow rain table chair
-bed room kitchen window door wall floor food pizza cake fruit apple banana plate cup glass bottle
-shirt hat shoe ball game sport player team child woman girl boy baby face hand head eye hair group
-sitting standing walking running playing eating holding looking near next behind inside outside
-digit zero number written handwritten ##s ##ing ##ed ##er , . ! ?""".split()
+house water under long little big small large old young high low left right red green blue black
+white yellow orange purple brown gray pink dark light photo picture image painting drawing view
+close top side front dog cat bird horse cow sheep fish car bus train boat plane bike truck road
+street city building tree flower grass field sky cloud sun beach sea river lake mountain snow rain
+table chair bed room kitchen window door wall floor food pizza cake fruit apple banana plate cup
+glass bottle shirt hat shoe ball game sport player team child woman girl boy baby face hand head eye
+hair group sitting standing walking running playing eating holding looking near next behind inside
+outside digit zero number written handwritten ##s ##ing ##ed ##er , . ! ?""".split()
 VOCAB = (
     ["[PAD]"]
     + [f"[unused{i}]" for i in range(99)]

@@ -28,7 +28,8 @@ VIP = "vip/vip-nano-test"
 
 
 def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
-    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session hub."""
+    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session
+    hub."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     ckpt = save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth")

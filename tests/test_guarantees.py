@@ -172,7 +172,8 @@ def test_a_records_membership_does_not_depend_on_other_records(
 
 
 def _features_of(repo: Path, image: Path) -> np.ndarray:
-    """The removed record's features, copied from a probe on the full folder (same encoder, same pooling)."""
+    """The removed record's features, copied from a probe on the full folder (same encoder, same
+    pooling)."""
     from PIL import Image
 
     from vip_hub.loading import load_encoder
@@ -221,8 +222,9 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
 
 
 def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Path) -> None:
-    """Releases on one dataset across repos (encoders and heads) are composed on its page, linked from
-    each model page; the composition is recomputed here with dp_accounting from the raw (q, sigma, T)."""
+    """Releases on one dataset across repos (encoders and heads) are composed on its page, linked
+    from each model page; the composition is recomputed here with dp_accounting from the raw (q,
+    sigma, T)."""
     import httpx
     from dp_accounting import dp_event
     from dp_accounting.rdp import RdpAccountant

@@ -44,7 +44,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def repos(server, tmp_path_factory) -> dict[str, Path]:
-    """alice/secret (private), alice/public and team/private, published by alice; carol/mine by carol."""
+    """alice/secret (private), alice/public and team/private, published by alice; carol/mine by
+    carol."""
     base = tmp_path_factory.mktemp("access-repos")
     folders = {
         "alice/secret": tiny_repo_with_head(base / "secret", seed=3),
@@ -197,7 +198,8 @@ def test_objects_do_not_cross_repos(server, repos):
         json={"operation": "upload", "objects": [{"oid": oid, "size": len(weights)}]},
     ).json()["objects"][0]
     assert "actions" not in mine
-    # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real hash
+    # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real
+    # hash
     cas, grant = _xet_grant(server, "carol/mine", CAROL)
     chunk = b"not alice's weights" * 10
     xorb = _xorb([chunk])

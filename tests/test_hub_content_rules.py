@@ -168,7 +168,8 @@ def test_git_segments_and_file_folder_clashes_are_refused():
 
 
 def test_hub_refuses_a_repo_that_sends_timm_to_a_pickle(hub, good, tmp_path):
-    """The review's repo: pretrained_cfg.hf_hub_filename names a pickle beside the verified weights."""
+    """The review's repo: pretrained_cfg.hf_hub_filename names a pickle beside the verified
+    weights."""
     folder = _redirect(_copy(good, tmp_path), "hf_hub_filename", "weights.pth.tar")
     (folder / "weights.pth.tar").write_bytes(_torch_pickle(legacy=True))
     api = HfApi(token=WRITE_TOKEN)

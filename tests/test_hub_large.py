@@ -100,7 +100,8 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
         path_in_repo="mae_decoder.safetensors",
         repo_id="big/folder",
     )
-    # the card made a commit; the decoder did not: preupload gave its SHA-256, the client saw it unchanged
+    # the card made a commit; the decoder did not: preupload gave its SHA-256, the client saw it
+    # unchanged
     assert len(api.list_repo_commits("big/folder")) == 2
 
     snap = Path(snapshot_download("big/push", endpoint=server.url, cache_dir=tmp_path / "cache"))
@@ -161,6 +162,7 @@ def test_receiving_a_gib_keeps_server_memory_flat(server, tmp_path):
     assert any(p.is_file() and p.stat().st_size == 1 << 30 for p in uploads)
     growth_mb = (peak[0] - baseline) / 1024
     print(
-        f"server RSS while receiving 1 GiB: {baseline / 1024:.0f} MB -> peak {peak[0] / 1024:.0f} MB"
+        f"server RSS while receiving 1 GiB: {baseline / 1024:.0f} MB "
+        f"-> peak {peak[0] / 1024:.0f} MB"
     )
     assert growth_mb < 100, f"server RSS grew by {growth_mb:.0f} MB"

@@ -79,7 +79,9 @@ def test_card_html_is_sanitised(hub, tmp_path):
         TINY,
         [synthetic_stage(), dp_stage()],
         model_name="xss",
-        summary="<script>alert(1)</script> [click](javascript:alert(2)) <img src=x onerror=alert(3)>",
+        summary=(
+            "<script>alert(1)</script> [click](javascript:alert(2)) <img src=x onerror=alert(3)>"
+        ),
     )
     push_repo(folder, "pages/xss", token=WRITE_TOKEN)
     html = httpx.get(hub.url + "/pages/xss").text

@@ -43,7 +43,8 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
     data = os.urandom(5000)
     encoded = base64.b64encode(data).decode()
     lines = [
-        '{"value": {"summary": "s \\" q", "parentCommit": null, "description": "d\\nd"}, "key": "header"}',
+        '{"value": {"summary": "s \\" q", "parentCommit": null, "description": "d\\nd"}, '
+        '"key": "header"}',
         # key order free, escaped '/' in the base64, a path with an escaped quote and unicode
         json.dumps(
             {
@@ -84,11 +85,13 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
             "commit line 1: the first line must be the header",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "@@@@"}}\n',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "file", "value": {"path": "a", "content": "@@@@"}}\n',
             "commit line 2: content is not base64",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD"}}}\n',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "file", "value": {"path": "a", "content": "QUJD"}}}\n',
             "commit line 2: unexpected '}'",
         ),
         (
@@ -96,11 +99,13 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
             "commit line 3: not valid JSON",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QUJD',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "file", "value": {"path": "a", "content": "QUJD',
             "commit line 2: the body ends inside the line",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QU\nJD"}}\n',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "file", "value": {"path": "a", "content": "QU\nJD"}}\n',
             "commit line 2: a line ends inside a string",
         ),
         (
@@ -108,11 +113,13 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
             "commit line 2: unknown key 'nope'",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "file", "value": {"path": "a", "content": "QQ==QUJD"}}\n',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "file", "value": {"path": "a", "content": "QQ==QUJD"}}\n',
             "commit line 2: content has base64 data after its padding",
         ),
         (
-            b'{"key": "header", "value": {}}\n{"key": "lfsFile", "value": {"path": "a", "oid": 5}}\n',
+            b'{"key": "header", "value": {}}\n'
+            b'{"key": "lfsFile", "value": {"path": "a", "oid": 5}}\n',
             "commit line 2: an lfsFile line needs 'oid'",
         ),
     ],
@@ -125,7 +132,10 @@ def test_malformed_bodies_name_the_line(store, body, message):
 
 
 def test_malformed_commit_is_a_400_naming_the_line(hub, published):
-    body = b'{"key": "header", "value": {"summary": "x"}}\n{"key": "file", "value": {"path": "a", "content": "%%"}}\n'
+    body = (
+        b'{"key": "header", "value": {"summary": "x"}}\n'
+        b'{"key": "file", "value": {"path": "a", "content": "%%"}}\n'
+    )
     r = httpx.post(
         f"{hub.url}/api/models/vip/vip-nano-test/commit/main",
         content=body,

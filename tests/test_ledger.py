@@ -177,7 +177,7 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
     )  # the head's: both stages composed
 
 
-# ---------------------------------------------------------------- issue 22: what a guarantee must survive
+# -------------------------------------------------------- issue 22: what a guarantee must survive
 def _stage_on(
     name: str, n: int, stage: str = "dp-pretraining", component: str = "encoder", **kw
 ) -> DPStage:
@@ -194,8 +194,8 @@ def _stage_on(
 
 
 def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_encoder():
-    """A probe on part of the data keeps the dataset's name (today's code renamed it ``-train`` and keyed
-    it by a fingerprint, so the head's page showed only the head's own epsilon)."""
+    """A probe on part of the data keeps the dataset's name (today's code renamed it ``-train`` and
+    keyed it by a fingerprint, so the head's page showed only the head's own epsilon)."""
     from dp_accounting import dp_event
     from dp_accounting.rdp import RdpAccountant
 

@@ -169,7 +169,8 @@ def _linear_clipped_sum(
     w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bound: float, tau: float
 ) -> torch.Tensor:
     """The Logit-DP sum for the model e(x) = Wx / |Wx|, differentiably and in closed form:
-    grad_W Z_ij = ((psi_j - Z_ij phi_i) / |W x_i|) x_i^T + ((phi_i - Z_ij psi_j) / |W x'_j|) x'_j^T."""
+    grad_W Z_ij = ((psi_j - Z_ij phi_i) / |W x_i|) x_i^T + ((phi_i - Z_ij psi_j) / |W x'_j|)
+    x'_j^T."""
     n = x1.shape[0]
     if n == 0:
         return torch.zeros(w.numel(), dtype=w.dtype)
@@ -191,7 +192,8 @@ def _adversary(
 ) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
     """Weights and a batch of n examples chosen by gradient ascent to maximise the norm of the
     difference of the clipped sums with and without the last example (``remove``), or of the
-    batch's own clipped sum (the capped mechanism's boundary: the batch with one more is skipped)."""
+    batch's own clipped sum (the capped mechanism's boundary: the batch with one more is
+    skipped)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_(True)
     x1 = torch.randn(n, 6, generator=g, dtype=torch.float64).requires_grad_(True)
@@ -228,7 +230,8 @@ def test_adversarial_neighbours_stay_within_delta_and_exceed_it_without_one_over
     assert moved >= 0.75 * delta_n  # the bound is nearly attained: the adversary is a real one
     if tau < 1:  # the public implementation's omission: the same bound without 1/tau is exceeded
         assert moved > tau * logit_dp_sensitivity(BOUND, tau, max_batch=n)
-    else:  # and the paper's Lemma 4.5 constant (tau = 1) is too small: it conflates two probabilities
+    else:
+        # and the paper's Lemma 4.5 constant (tau = 1) is too small: it conflates two probabilities
         assert moved > 2 * BOUND * (1 + (n - 2) * math.e**2 / (math.e**2 + n - 1))
 
 

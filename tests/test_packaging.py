@@ -100,7 +100,8 @@ encoder = vip_hub.load_encoder(sys.argv[1])             # verifies first
 report = vip_hub.verify_repo(sys.argv[1])
 import torch
 out = encoder.embed(torch.zeros(2, 3, 32, 32), pooling="vip")
-present = [m for m in ("fastapi", "uvicorn", "sklearn", "matplotlib") if importlib.util.find_spec(m) is not None]
+present = [m for m in ("fastapi", "uvicorn", "sklearn", "matplotlib")
+           if importlib.util.find_spec(m) is not None]
 loaded = [m for m in ("service", "training") if m in sys.modules]  # in the wheel, never needed here
 print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.privacy.epsilon,
                   "present": present, "loaded": loaded}))

@@ -249,7 +249,8 @@ def test_resume_with_other_settings_is_one_line_naming_restart(
 
 
 def test_training_errors_join_the_library_tree() -> None:
-    """The CLI prints a VipHubError as one line: a model the clipper cannot train, a failed main-job step."""
+    """The CLI prints a VipHubError as one line: a model the clipper cannot train, a failed main-job
+    step."""
     assert issubclass(UnsupportedLayerError, ConfigError) and issubclass(StepFailed, VipHubError)
 
 

@@ -109,7 +109,8 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def grad_roundoff(params: list[nn.Parameter]) -> float:
-    """The relative rounding of adding a clipped sum into a bf16/fp16 ``.grad`` (0 in fp32 and fp64)."""
+    """The relative rounding of adding a clipped sum into a bf16/fp16 ``.grad`` (0 in fp32 and
+    fp64)."""
     return max((torch.finfo(p.dtype).eps / 2 for p in params if p.dtype.itemsize < 4), default=0.0)
 
 
@@ -139,7 +140,8 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reduced(*tensors: torch.Tensor) -> bool:
-    """Whether a layer ran in bf16/fp16: its product's rounding is then bounded, in whatever dtype."""
+    """Whether a layer ran in bf16/fp16: its product's rounding is then bounded, in whatever
+    dtype."""
     return any(x.dtype.itemsize < 4 for x in tensors)
 
 
@@ -190,8 +192,8 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def rounding_bound(
     sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int
 ) -> torch.Tensor:
-    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``, which scales g in
-    fp32) when that product runs in ``dtype``.
+    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``, which scales g
+    in fp32) when that product runs in ``dtype``.
 
     With unit roundoff u: the factor rounds to ``dtype`` (relative u), the scaled operand rounds
     elementwise (at most ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error
@@ -239,8 +241,8 @@ class PerExampleClipper:
         ]
         if missing:
             raise UnsupportedLayerError(
-                f"no per-example gradient rule for parameters {', '.join(missing)}; "
-                "supported: nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d, broadcast tokens"
+                f"no per-example gradient rule for parameters {', '.join(missing)}; supported: "
+                "nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d, broadcast tokens"
             )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_dtype = (
@@ -259,9 +261,9 @@ class PerExampleClipper:
         if isinstance(m, nn.Embedding):
             if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
                 raise UnsupportedLayerError(
-                    "nn.Embedding with max_norm (renormalises rows of the table from the batch's ids), "
-                    "scale_grad_by_freq (a gradient that depends on the whole batch) or sparse "
-                    "gradients has no per-example gradient rule"
+                    "nn.Embedding with max_norm (renormalises rows of the table from the batch's "
+                    "ids), scale_grad_by_freq (a gradient that depends on the whole batch) or "
+                    "sparse gradients has no per-example gradient rule"
                 )
             return
         if (

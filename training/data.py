@@ -170,7 +170,8 @@ class TarShards(PrivateCaptions):
         lonely = sorted(set(texts) - set(images))
         if lonely:
             raise DataError(
-                f"{shard}: sample {lonely[0]!r} has a caption ({texts[lonely[0]].name}) but no image"
+                f"{shard}: sample {lonely[0]!r} has a caption ({texts[lonely[0]].name}) but no "
+                "image"
             )
         for key, image in images.items():
             if key not in texts:
@@ -225,8 +226,8 @@ class CaptionFolder(PrivateCaptions):
                 rel, caption = self._entry(line, where)
                 if rel in seen:
                     raise DataError(
-                        f"{where}: image {rel!r} is already listed on line {seen[rel]} (one caption "
-                        "per image: the guarantee is per example)"
+                        f"{where}: image {rel!r} is already listed on line {seen[rel]} (one "
+                        "caption per image: the guarantee is per example)"
                     )
                 seen[rel] = number
                 self.files.append(self.root / rel)

@@ -144,8 +144,9 @@ class Budget:
         if self.steps == self.requested_steps:
             return None
         return (
-            f"budget: stopping after step {self.steps} of {self.requested_steps}; step {self.steps + 1} "
-            f"would exceed epsilon {self.target_epsilon} ({self.accountant.value}, delta {self.delta:.3g})"
+            f"budget: stopping after step {self.steps} of {self.requested_steps}; step "
+            f"{self.steps + 1} would exceed epsilon {self.target_epsilon} "
+            f"({self.accountant.value}, delta {self.delta:.3g})"
         )
 
 
@@ -254,7 +255,8 @@ class DPEngine:
         micro_batch_size: int | None = None,
     ) -> DPEngine:
         """The engine of a recipe's run: the run's seed, ranks and autocast, the configuration's
-        micro-batch size (unless given: None for clippers that need the whole sample) and canaries."""
+        micro-batch size (unless given: None for clippers that need the whole sample) and
+        canaries."""
         return cls(
             clipper,
             optimizer,
@@ -270,7 +272,8 @@ class DPEngine:
         )
 
     def checkpointed(self, model: nn.Module) -> dict[str, Any]:
-        """What a checkpoint of this run holds: the model, the optimiser, the scheduler, the engine."""
+        """What a checkpoint of this run holds: the model, the optimiser, the scheduler, the
+        engine."""
         objects: dict[str, Any] = {"model": model, "optimizer": self.optimizer, "engine": self}
         if self.scheduler is not None:
             objects["scheduler"] = self.scheduler
@@ -289,8 +292,8 @@ class DPEngine:
         ] = lambda m: m,
     ) -> list[dict[str, Any]]:
         """Resume ``run`` and train to the budget's last step: examples from ``load(index, step)``,
-        each step's micro-batches through ``prepare``, ``evaluate()`` (public data only) and ε at the
-        evaluation cadence. Returns the run's log records."""
+        each step's micro-batches through ``prepare``, ``evaluate()`` (public data only) and ε at
+        the evaluation cadence. Returns the run's log records."""
         objects = self.checkpointed(model)
         start = run.resume(objects)
 
@@ -326,8 +329,8 @@ class DPEngine:
         return self._draw(step)[0]
 
     def _draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's part of the step's one Poisson sample over the dataset and the canaries in the
-        data: its share of the dataset indices, and (rank 0) the canary ids, each sorted. A pure
+        """This rank's part of the step's one Poisson sample over the dataset and the canaries in
+        the data: its share of the dataset indices, and (rank 0) the canary ids, each sorted. A pure
         function of (seed, step, rank), the same sample whatever the number of ranks."""
         members = (
             self.canaries.members if self.canaries is not None else np.zeros(0, dtype=np.int64)

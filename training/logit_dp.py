@@ -5,14 +5,15 @@ The recipe is a model (``ContrastiveEmbedder``: a vip-* or dpcap-* encoder from 
 K blocks trainable, and a projection head), a loss (symmetric InfoNCE at temperature tau over
 the cosine similarities of two augmented views per image) and a clipper: ``PairClipper``
 (``--mechanism logit-dp``: every pair's similarity gradient clipped to B, sensitivity from
-``vip_hub.privacy.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch gradient
-clipped to C, sensitivity 2C). Everything private about a step is the DP engine's
+``vip_hub.privacy.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch
+gradient clipped to C, sensitivity 2C). Everything private about a step is the DP engine's
 (``training/dp_engine.py``); the derivation and the conditions this recipe keeps are in
 ``docs/logit_dp_sensitivity.md``: the whole Poisson sample of a rank is one clipper call
-(micro-batching would change the mechanism), each rank contrasts its own sample, and an
-example's two views are drawn from its own (seed, step, index) stream.
+(micro-batching would change the mechanism), each rank contrasts its own sample, and an example's
+two views are drawn from its own (seed, step, index) stream.
 
-Run it with ``vip-hub train-logit-dp ...`` or ``torchrun --nproc_per_node N -m training.logit_dp ...``.
+Run it with ``vip-hub train-logit-dp ...`` or ``torchrun --nproc_per_node N -m training.logit_dp
+...``.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def skip_cap(clip: float, temperature: float, batch_size: int, max_batch: int | 
     if max_batch is not None:
         if max_batch < max(2, batch_size):
             raise ConfigError(
-                f"--max-batch {max_batch} is below the expected batch {batch_size}: most steps would "
-                "add only noise"
+                f"--max-batch {max_batch} is below the expected batch {batch_size}: most steps "
+                "would add only noise"
             )
         return max_batch
     cap = math.ceil(batch_size + 6 * math.sqrt(batch_size))
@@ -188,7 +189,8 @@ def contrastive_model(
 
 
 def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) Logit-DP or Naive-DP training and export the released encoder; returns its path."""
+    """Run (or resume) Logit-DP or Naive-DP training and export the released encoder; returns its
+    path."""
     dist = dist or Dist.from_env(cfg.device)
     mechanism = ContrastiveMechanism(cfg.mechanism)
     clip = cfg.max_grad_norm or DEFAULT_CLIP[mechanism]

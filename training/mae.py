@@ -207,7 +207,8 @@ def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
 
 
 def public_images(spec: EncoderSpec) -> torch.Tensor:
-    """The fixed procedural images public loss curves are measured on (normalised, (64, 3, H, W))."""
+    """The fixed procedural images public loss curves are measured on (normalised, (64, 3, H,
+    W))."""
     data = SyntheticImages(spec.img_size, seed=EVAL_SEED)
     return torch.stack([data[i] for i in range(EVAL_IMAGES)])
 

@@ -75,7 +75,8 @@ right, 0.25 beat 1, 4 and 16 on the digits' raw pixels at epsilon 2 (2026-11-24,
 
 @dataclass
 class LabelledImages:
-    """Images with integer labels, their class names, their files, and the dataset's ledger identity."""
+    """Images with integer labels, their class names, their files, and the dataset's ledger
+    identity."""
 
     images: list[Image.Image]
     labels: np.ndarray
@@ -378,7 +379,8 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
         tr_idx = tr_idx[kept]
     if not len(tr_idx) or not len(test_y):
         raise DataError(
-            f"{cfg.data}: the keyed choice left {len(tr_idx)} training and {len(test_y)} test examples"
+            f"{cfg.data}: the keyed choice left {len(tr_idx)} training and {len(test_y)} test "
+            "examples"
         )
     pooling = cfg.pooling
     train_x = encoder.embed([train.images[i] for i in tr_idx], pooling)
@@ -389,15 +391,18 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
         train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}"
     )
     top1 = accuracy(head, test_x, test_t)
-    # The head's stage keeps the dataset's name (it composes with every stage on it) and the n it saw.
+    # The head's stage keeps the dataset's name (it composes with every stage on it) and the n it
+    # saw.
     used = (
         train.dataset
         if len(tr_idx) == n
         else Dataset(
             name=train.dataset.name,
             size=len(tr_idx),
-            description=f"{len(tr_idx)} of the {n} labelled images, each record chosen by a keyed hash under a "
-            "secret (its membership does not depend on any other record)",
+            description=(
+                f"{len(tr_idx)} of the {n} labelled images, each record chosen by a keyed hash "
+                "under a secret (its membership does not depend on any other record)"
+            ),
         )
     )
     stage = _stage(cfg, used, dp)

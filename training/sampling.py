@@ -35,7 +35,8 @@ def torch_generator(
 
 
 def rank_share(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """The part of ``indices`` that rank ``rank`` of ``world`` owns (every index on exactly one rank)."""
+    """The part of ``indices`` that rank ``rank`` of ``world`` owns (every index on exactly one
+    rank)."""
     return indices[indices % world == rank]
 
 

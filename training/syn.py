@@ -130,8 +130,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         ),
         private_data=False,
         description=(
-            f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} images at "
-            f"{cfg.img_size} px, mask ratio {cfg.mask_ratio}"
+            f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} "
+            f"images at {cfg.img_size} px, mask ratio {cfg.mask_ratio}"
         ),
     )
     return run.export_encoder(
@@ -146,7 +146,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         ),
         summary=(
             f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
-            f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy cost."
+            f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy "
+            "cost."
         ),
         decoder=mae.decoder_state_dict(),
         decoder_config=decoder.to_dict(),

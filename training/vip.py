@@ -59,7 +59,8 @@ class VipConfig(DPRunConfig):
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) DP-AdamW training of an MAE and export the released repo; returns its path."""
+    """Run (or resume) DP-AdamW training of an MAE and export the released repo; returns its
+    path."""
     dist = dist or Dist.from_env(cfg.device)
     images = open_images(cfg.data)
     n = len(images)

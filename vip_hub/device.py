@@ -1,4 +1,5 @@
-"""Which torch device to run on, from a setting or flag: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+"""Which torch device to run on, from a setting or flag: ``auto``, ``cpu``, ``cuda`` or
+``cuda:N``."""
 
 from __future__ import annotations
 

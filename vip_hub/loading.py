@@ -47,12 +47,14 @@ class Encoder:
 
     @property
     def poolings(self) -> tuple[Pooling, ...]:
-        """The feature modes this repo offers: its family's, ``dpcap`` only with the decoder weights."""
+        """The feature modes this repo offers: its family's, ``dpcap`` only with the decoder
+        weights."""
         return self.spec.family.offered_poolings(self.memory is not None)  # type: ignore[return-value]
 
     @property
     def can_caption(self) -> bool:
-        """Whether the repo carries a text decoder and its vocabulary (``vip_hub.load_captioner``)."""
+        """Whether the repo carries a text decoder and its vocabulary
+        (``vip_hub.load_captioner``)."""
         return self.spec.family.captions and can_caption(os.listdir(self.path))
 
     def check_pooling(self, pooling: str) -> None:
@@ -76,7 +78,8 @@ class Encoder:
     def features(
         self, images: torch.Tensor, poolings: tuple[Pooling, ...]
     ) -> dict[Pooling, torch.Tensor]:
-        """Several feature modes of a preprocessed batch (on the model's device), one forward pass."""
+        """Several feature modes of a preprocessed batch (on the model's device), one forward
+        pass."""
         for mode in poolings:
             self.check_pooling(mode)
         return extract_features(self.model, images, poolings, self.memory)  # type: ignore[return-value]
@@ -169,7 +172,8 @@ class CaptioningModel:
         path = Path(encoder.path)
         if not encoder.spec.family.captions:
             raise ConfigError(
-                f"{encoder.spec.arch} is a {encoder.spec.family.title} encoder: it has no text decoder"
+                f"{encoder.spec.arch} is a {encoder.spec.family.title} encoder: it has no text "
+                "decoder"
             )
         missing = [f for f in (TEXT_DECODER_FILE, VOCAB_FILE) if not (path / f).is_file()]
         if missing:
@@ -241,7 +245,8 @@ class CaptioningModel:
         prompt: str = DEFAULT_PROMPT,
         batch_size: int = 16,
     ) -> torch.Tensor:
-        """Caption loss (N, L) of each label's prompt for each image; the smallest is the prediction."""
+        """Caption loss (N, L) of each label's prompt for each image; the smallest is the
+        prediction."""
         texts = self.label_texts(labels, prompt)
         parts = [
             self.captioner.text_losses(b, texts.to(b.device)).cpu()

@@ -15,7 +15,8 @@ __all__ = ["UnsafePathError", "tree_path_problems", "validate_relpath"]
 
 
 def validate_relpath(path: str) -> str:
-    """Return ``path`` if it is a safe relative POSIX path inside a repo, else raise UnsafePathError."""
+    """Return ``path`` if it is a safe relative POSIX path inside a repo, else raise
+    UnsafePathError."""
     if not isinstance(path, str) or not path:
         raise UnsafePathError("empty path")
     if len(path) > MAX_PATH_LENGTH:

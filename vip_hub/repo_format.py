@@ -10,8 +10,10 @@ A repo folder (or a hub commit's tree) holds::
     text_decoder.safetensors  optional (DP-Cap): the caption decoder; its config in the metadata
     vocab.txt                 optional (DP-Cap): the tokenizer's vocabulary
     *.png                     optional: training curves shown in the card
-    heads/<name>/             optional linear-probe heads: head.safetensors, labels.json, metrics.json
-    model.sig                 optional: the trainer's signature over every other file (vip_hub.repo.signing)
+    heads/<name>/             optional linear-probe heads: head.safetensors, labels.json,
+                              metrics.json
+    model.sig                 optional: the trainer's signature over every other file
+                              (vip_hub.repo.signing)
 
 Every other module (writing, verifying, loading, the hub store, the inference API, the
 pages) reads these names from here; see ``docs/architecture.md``.
@@ -66,7 +68,8 @@ MAE_DECODER_FILE = "mae_decoder.safetensors"
 TEXT_DECODER_FILE = "text_decoder.safetensors"
 VOCAB_FILE = "vocab.txt"
 SIGNATURE_FILE = "model.sig"
-"""A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after them)."""
+"""A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after
+them)."""
 REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE)
 MANAGED_FILES = (*REQUIRED_FILES, SIGNATURE_FILE)
 """Files only vip_hub writes (``update_repo`` refuses to replace them with given bytes)."""

@@ -32,7 +32,8 @@ POINTER_SIZE = 134  # bytes of a git LFS pointer file (what clients show as the 
 
 
 def is_lfs(path: str, size: int) -> bool:
-    """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything large."""
+    """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything
+    large."""
     return is_weights_file(path) or size > LFS_THRESHOLD
 
 

@@ -111,7 +111,8 @@ async def upload(
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
         raise BadRequest(
-            f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of {size} bytes"
+            f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of "
+            f"{size} bytes"
         )
     store.blobs.stage_upload(writer.path, oid)
     store.blobs.note_upload(repo_id, oid)

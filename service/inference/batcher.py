@@ -92,14 +92,16 @@ class Batcher:
 
     def submit(self, items: list[WorkItem], announced: int = 0) -> None:
         """Queue a request's items, all or none; 429 when the queue is full, 503 when closing.
-        Accepted, they settle ``announced`` images of ``expect``; refused, the caller withdraws them."""
+        Accepted, they settle ``announced`` images of ``expect``; refused, the caller withdraws
+        them."""
         size = sum(i.size for i in items)
         with self._cond:
             if self._closing:
                 raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
             if self._queued + size > self.max_queue_images:
                 raise QueueFull(
-                    f"{self.name}: queue full ({self._queued} images waiting, limit {self.max_queue_images})",
+                    f"{self.name}: queue full ({self._queued} images waiting, limit "
+                    f"{self.max_queue_images})",
                     {"Retry-After": "1"},
                 )
             now = self._clock()

@@ -95,8 +95,8 @@ async def _captioning_model(request: Request, ref: str, who: Identity | None) ->
     model = await common.open_model(request, ref, who)
     if model.captions is None:
         raise BadRequest(
-            f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder and "
-            "a vocabulary)"
+            f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder "
+            "and a vocabulary)"
         )
     return model
 

@@ -122,7 +122,8 @@ def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0
 
 @contextmanager
 def _decoding(index: int) -> Iterator[None]:
-    """PIL's failures as 4xx errors naming input ``index``; decompression-bomb warnings are errors."""
+    """PIL's failures as 4xx errors naming input ``index``; decompression-bomb warnings are
+    errors."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -65,7 +65,8 @@ class LoadedModel:
 
     @property
     def metrics_label(self) -> str:
-        """The model in metrics' labels, which anyone may read: a private repo's name is left out."""
+        """The model in metrics' labels, which anyone may read: a private repo's name is left
+        out."""
         return f"private@{self.commit[:10]}" if self.private else self.label
 
     def feature_dims(self) -> dict[str, int]:
@@ -166,7 +167,8 @@ class LoadedModel:
     def _run_features(
         self, items: list[WorkItem], x: torch.Tensor, slots: list[int], results: list[Any]
     ) -> None:
-        """Feature modes and head probabilities of ``items`` (images ``x``), into ``results[slots]``."""
+        """Feature modes and head probabilities of ``items`` (images ``x``), into
+        ``results[slots]``."""
         modes: set[Pooling] = set()
         for item in items:
             modes.update(item.task.poolings)

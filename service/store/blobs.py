@@ -134,7 +134,8 @@ class DigestWriter:
 
 
 class BlobStore:
-    """``root/blobs/sha256/ab/cdef...``, uploads in ``root/uploads/sha256/ab/...``, temp files in ``root/tmp``."""
+    """``root/blobs/sha256/ab/cdef...``, uploads in ``root/uploads/sha256/ab/...``, temp files in
+    ``root/tmp``."""
 
     def __init__(self, root: Path):
         self.dir = root / "blobs" / "sha256"
@@ -163,7 +164,8 @@ class BlobStore:
         return self.uploads / sha256[:2] / sha256[2:]
 
     def object_path(self, sha256: str) -> Path | None:
-        """Where the object ``sha256`` lies (a blob, or an upload awaiting its commit), else None."""
+        """Where the object ``sha256`` lies (a blob, or an upload awaiting its commit), else
+        None."""
         for path in (self.path(check_sha256(sha256)), self.upload_path(sha256)):
             if path.is_file():
                 return path
@@ -214,8 +216,8 @@ class BlobStore:
         path = self.object_path(sha256)
         if path is None:
             raise UploadMissing(
-                f"object {sha256} was never uploaded for this repo (or its upload expired): upload it "
-                "first (preupload, then the LFS batch API or Xet), then commit"
+                f"object {sha256} was never uploaded for this repo (or its upload expired): upload "
+                "it first (preupload, then the LFS batch API or Xet), then commit"
             )
         return path
 

@@ -47,7 +47,8 @@ class NoSuchRevision(StoreError):
 
 
 class NoSuchEntry(StoreError):
-    """No file at that path in the commit (``commit`` says which, so clients can cache the absence)."""
+    """No file at that path in the commit (``commit`` says which, so clients can cache the
+    absence)."""
 
     def __init__(self, message: str, commit: str | None = None):
         super().__init__(message)

@@ -247,7 +247,8 @@ class PostgresIndex(Index):
 
 
 def open_index(url: str | None, root: Path) -> Index:
-    """The index a store's settings name: PostgreSQL for a ``postgresql://`` URL, else SQLite in ``root``."""
+    """The index a store's settings name: PostgreSQL for a ``postgresql://`` URL, else SQLite in
+    ``root``."""
     if url and url.startswith(("postgresql://", "postgres://")):
         return PostgresIndex(url)
     if url:

@@ -112,7 +112,8 @@ class CommitRecord:
 
     @property
     def caveat(self) -> str | None:
-        """What the encoder's epsilon assumes but its training did not meet (``PrivacySummary.caveat``)."""
+        """What the encoder's epsilon assumes but its training did not meet
+        (``PrivacySummary.caveat``)."""
         ledger = self.card_data.get("differential_privacy") or {}
         if all(s.get("sampling", "poisson") == "poisson" for s in ledger.get("stages", [])):
             return None  # the common case, without parsing the ledger on every listed row
@@ -214,7 +215,8 @@ class HubStore:
         )
 
     def maybe_collect_uploads(self) -> None:
-        """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads begin)."""
+        """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads
+        begin)."""
         now = time.monotonic()
         if now - self._collected > self.upload_ttl / 10:
             self._collected = now
@@ -257,7 +259,8 @@ class HubStore:
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
         created = self.index.execute(
-            "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (org, name) DO NOTHING",
+            "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (org, name) DO NOTHING",
             (org, name, int(private), _now()),
         )
         return self.get_repo(repo_id), created == 1
@@ -278,7 +281,8 @@ class HubStore:
             )
         else:
             row = self.index.row(
-                "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? ORDER BY kind = 'branch' DESC LIMIT 1",
+                "SELECT commit_sha AS sha FROM refs WHERE repo = ? AND name = ? "
+                "ORDER BY kind = 'branch' DESC LIMIT 1",
                 (repo["id"], revision),
             )
         if row is None:
@@ -347,7 +351,8 @@ class HubStore:
         commit = self.resolve(repo_id, revision)
         repo = self._repo_row(self.index, repo_id)
         if not self.index.execute(
-            "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?) ON CONFLICT DO NOTHING",
+            "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?) "
+            "ON CONFLICT DO NOTHING",
             (repo["id"], tag, commit),
         ):
             raise Conflict(f"tag {tag!r} already exists in {repo_id}")
@@ -369,7 +374,8 @@ class HubStore:
         if (
             not self.blobs.was_uploaded_for(repo_id, check_sha256(sha256))
             and self.index.row(
-                "SELECT 1 FROM files f JOIN commits c ON c.sha = f.commit_sha WHERE c.repo = ? AND f.sha256 = ? LIMIT 1",
+                "SELECT 1 FROM files f JOIN commits c ON c.sha = f.commit_sha "
+                "WHERE c.repo = ? AND f.sha256 = ? LIMIT 1",
                 (repo["id"], sha256),
             )
             is None
@@ -393,7 +399,8 @@ class HubStore:
         offset: int = 0,
     ) -> list[tuple[RepoRecord, CommitRecord]]:
         """Repos with a default branch, filtered and sorted by the index (no blob is read);
-        private ones with ``include_private`` (True: all; a collection: those of these namespaces)."""
+        private ones with ``include_private`` (True: all; a collection: those of these
+        namespaces)."""
         columns = {
             "updated": "c.created_at",
             "epsilon": "c.epsilon",
@@ -424,7 +431,8 @@ class HubStore:
             args.append(arch)
         if dataset:
             where.append(
-                "EXISTS (SELECT 1 FROM commit_datasets d WHERE d.commit_sha = c.sha AND d.dataset = ?)"
+                "EXISTS (SELECT 1 FROM commit_datasets d "
+                "WHERE d.commit_sha = c.sha AND d.dataset = ?)"
             )
             args.append(dataset)
         if max_epsilon is not None:
@@ -529,8 +537,8 @@ class HubStore:
             raise NoSuchRevision(f"branch {branch!r} does not exist in {repo_id}")
         if parent_commit is not None and parent_commit != head:
             raise Conflict(
-                f"parent commit {parent_commit} is stale: branch {branch} of {repo_id} is at {head}; "
-                "fetch the new revision and commit again"
+                f"parent commit {parent_commit} is stale: branch {branch} of {repo_id} is at "
+                f"{head}; fetch the new revision and commit again"
             )
         return head
 
@@ -617,11 +625,13 @@ class HubStore:
                 ),
             )
             tx.executemany(
-                "INSERT INTO files (commit_sha, path, sha256, git_oid, size) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO files (commit_sha, path, sha256, git_oid, size) "
+                "VALUES (?, ?, ?, ?, ?)",
                 [(commit.sha, e.path, e.sha256, e.git_oid, e.size) for e in commit.files.values()],
             )
             tx.executemany(
-                "INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",  # any component's
+                # any component's
+                "INSERT INTO commit_datasets (commit_sha, dataset) VALUES (?, ?)",
                 [(commit.sha, d) for d in commit.dp_datasets],
             )
             if commit.signer is not None:
@@ -695,7 +705,8 @@ class HubStore:
         return done
 
     def _uploaded_source(self, repo_id: str, sha256: str) -> Path:
-        """The file an ``lfsFile`` line names, if this repo may name it (``held_for``), else UploadMissing."""
+        """The file an ``lfsFile`` line names, if this repo may name it (``held_for``), else
+        UploadMissing."""
         if self.held_for(repo_id, sha256) is None:
             raise UploadMissing(
                 f"object {sha256} was never uploaded for {repo_id} (or its upload expired): "

@@ -266,7 +266,8 @@ class XetStore:
         for entry in rebuild:
             if entry.size > max_file_bytes:
                 raise TooLarge(
-                    f"file {entry.sha256} is {entry.size} bytes, over the upload limit of {max_file_bytes}"
+                    f"file {entry.sha256} is {entry.size} bytes, over the upload limit of "
+                    f"{max_file_bytes}"
                 )
         distinct: dict[tuple[str, int], int] = {}
         for entry in rebuild:
@@ -276,8 +277,8 @@ class XetStore:
         total = sum(entry.size for entry in rebuild)
         if total > MAX_EXPANSION * sum(distinct.values()):
             raise TooLarge(
-                f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk bytes, "
-                f"more than {MAX_EXPANSION} times what was uploaded"
+                f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk "
+                f"bytes, more than {MAX_EXPANSION} times what was uploaded"
             )
         for entry in rebuild:
             self._rebuild(entry, offsets)
@@ -294,8 +295,8 @@ class XetStore:
                 f = open(path, "rb")
             except FileNotFoundError:
                 raise InvalidRequest(
-                    f"the shard names xorb {term.xorb}, which this hub does not hold (never uploaded, or "
-                    "expired): upload again"
+                    f"the shard names xorb {term.xorb}, which this hub does not hold (never "
+                    "uploaded, or expired): upload again"
                 ) from None
             with f:
                 offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
@@ -343,7 +344,8 @@ class XetStore:
 
 
 def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:
-    """(offset, unpacked size) of each chunk header of a xorb, then (its end, 0): ``len - 1`` chunks."""
+    """(offset, unpacked size) of each chunk header of a xorb, then (its end, 0): ``len - 1``
+    chunks."""
     offsets, pos = [], 0
     while pos < size:
         f.seek(pos)

@@ -128,8 +128,10 @@ def register_verify(sub: Any) -> None:
         "--key",
         action="append",
         metavar="PUB",
-        help="public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
-        "(repeatable)",
+        help=(
+            "public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
+            "(repeatable)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -150,7 +152,8 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"WARN  {w}")
         if report.ok and report.ledger is not None:
             print(
-                f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} ({', '.join(report.checks)})"
+                f"OK    {args.repo}: {privacy_headline(report.ledger.summary())} "
+                f"({', '.join(report.checks)})"
             )
     return 0 if report.ok else 1
 
@@ -257,7 +260,8 @@ def register_import_dpcap(sub: Any) -> None:
         sub,
         "import-dpcap",
         _import_dpcap,
-        "convert a DP-Cap reference checkpoint (encoder and text decoder) into a released-encoder repo",
+        "convert a DP-Cap reference checkpoint (encoder and text decoder) into a released-encoder "
+        "repo",
     )
     _import_args(p, DPCAP_PRESETS, DPCAP_ARCHS, "shuffle", "default 1/n, the DP-Cap authors'")
     p.add_argument(

@@ -36,7 +36,8 @@ def _key(args: argparse.Namespace) -> None:
     )
     print(f"fingerprint  {public.fingerprint}")
     print(
-        f"training runs sign their repos with it when {SIGNING_KEY_ENV}={private} (or --signing-key)"
+        f"training runs sign their repos with it when {SIGNING_KEY_ENV}={private} (or "
+        "--signing-key)"
     )
 
 

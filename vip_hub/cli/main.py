@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser with every installed sub-command."""
     parser = argparse.ArgumentParser(
         prog="vip-hub",
-        description="Released private vision encoders: accounting, ledgers, training, hub and serving.",
+        description=(
+            "Released private vision encoders: accounting, ledgers, training, hub and serving."
+        ),
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     broken = []

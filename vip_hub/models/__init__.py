@@ -1,1 +1,2 @@
-"""The models: encoder families and their registry, feature poolings, the DP-Cap text decoder, its tokenizer."""
+"""The models: encoder families and their registry, feature poolings, the DP-Cap text decoder, its
+tokenizer."""

@@ -89,7 +89,8 @@ class Family:
     tags: tuple[str, ...]
 
     def offered_poolings(self, text_decoder: bool) -> tuple[str, ...]:
-        """The feature modes a repo of this family offers: ``dpcap`` needs its text decoder's weights."""
+        """The feature modes a repo of this family offers: ``dpcap`` needs its text decoder's
+        weights."""
         return tuple(m for m in self.poolings if m != "dpcap" or text_decoder)
 
 
@@ -99,7 +100,10 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="vip",
             title="ViP",
-            paper="ViP (Yu et al., 2023): MAE pretraining with DP-AdamW after synthetic-image pretraining",
+            paper=(
+                "ViP (Yu et al., 2023): MAE pretraining with DP-AdamW after synthetic-image "
+                "pretraining"
+            ),
             heads={s: (16 if s == "large" else 12) for s in SIZES},
             decoder={s: (512, 4, 16) for s in SIZES},
             decoder_kind="MAE decoder",
@@ -116,8 +120,10 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="dpcap",
             title="DP-Cap",
-            paper="DP-Cap (Sander et al., 2024): image captioning trained with DP-AdamW after synthetic-image "
-            "pretraining",
+            paper=(
+                "DP-Cap (Sander et al., 2024): image captioning trained with DP-AdamW after "
+                "synthetic-image pretraining"
+            ),
             heads={"nano": 6, "tiny": 6, "small": 12, "base": 12, "large": 16},
             decoder={
                 "nano": (192, 6, 6),

@@ -10,7 +10,8 @@
 - ``dpcap``: the DP-Cap reference's linear-probe features (``linear_prob_forward(x).mean(1)``):
   the mean over all tokens, class token included, of the text decoder's image memory
   ``decoder_embed(norm(h)) + decoder_pos_embed + decoder_image_type_embedding``. It needs that
-  memory's weights (``vip_hub.models.text_decoder.ImageMemory``, stored in the repo's text decoder file).
+  memory's weights (``vip_hub.models.text_decoder.ImageMemory``, stored in the repo's text decoder
+  file).
 
 Which modes a repo offers is its family's business (``vip_hub.models.encoders.Family.poolings``);
 this module computes any mode it is given the weights for.
@@ -39,8 +40,10 @@ MODE_DESCRIPTIONS: dict[str, str] = {
     "avg": "the mean of the patch tokens with the final norm (timm's default forward)",
     "vip": "the ViP paper's linear-probe features: mean patch token of each of the last 6 blocks, "
     "concatenated, then a LayerNorm without parameters",
-    "dpcap": "the DP-Cap paper's linear-probe features: mean over all tokens of the text decoder's image "
-    "memory (decoder_embed of the normed tokens plus its position and type embeddings)",
+    "dpcap": (
+        "the DP-Cap paper's linear-probe features: mean over all tokens of the text decoder's "
+        "image memory (decoder_embed of the normed tokens plus its position and type embeddings)"
+    ),
 }
 """Each mode in one line, for cards and help texts."""
 

@@ -92,7 +92,8 @@ class TextDecoderConfig:
         return self.grid_size**2 + 1
 
     def check_tokenizer(self, tokenizer: CaptionTokenizer) -> None:
-        """Raise ConfigError unless ``tokenizer``'s vocabulary size and special ids are this decoder's."""
+        """Raise ConfigError unless ``tokenizer``'s vocabulary size and special ids are this
+        decoder's."""
         ids = (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
         want = (self.vocab_size, self.bos_id, self.eos_id, self.pad_id)
         if ids != want:
@@ -188,7 +189,8 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Multi-head attention of the text to the image memory (keys and values from one projection)."""
+    """Multi-head attention of the text to the image memory (keys and values from one
+    projection)."""
 
     def __init__(self, width: int, num_heads: int):
         super().__init__()
@@ -283,7 +285,8 @@ class TextDecoder(nn.Module):
         return self.head(self.head_norm(x))
 
     def forward(self, image_tokens: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for ``text`` (B, T) given the encoder's normed tokens (B, N, image_dim)."""
+        """Logits (B, T, vocab) for ``text`` (B, T) given the encoder's normed tokens (B, N,
+        image_dim)."""
         return self.decode(text, self.cross_kv(self.memory(image_tokens)))
 
 
@@ -356,7 +359,8 @@ class Captioner(nn.Module):
 
     @torch.inference_mode()
     def text_losses(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
-        """Caption loss of every text (L, T) for every image: (B, L). Zero-shot picks the smallest."""
+        """Caption loss of every text (L, T) for every image: (B, L). Zero-shot picks the
+        smallest."""
         c = self.decoder.config
         kv = self.decoder.cross_kv(self.decoder.memory(self.encode(images)))
         rows = max(1, _LOGITS_BUDGET // (texts.shape[1] * c.vocab_size))

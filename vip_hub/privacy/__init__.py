@@ -1,1 +1,2 @@
-"""The privacy layer: accountants (RDP, PRV, PLD), sensitivities, the audit's arithmetic, the ledger."""
+"""The privacy layer: accountants (RDP, PRV, PLD), sensitivities, the audit's arithmetic, the
+ledger."""

@@ -287,7 +287,8 @@ def _check_accountant(accountant: Accountant | str) -> Accountant:
         return Accountant(accountant)
     except ValueError:
         raise AccountingError(
-            f"unknown accountant {accountant!r}; choose one of {', '.join(a.value for a in Accountant)}"
+            f"unknown accountant {accountant!r}; choose one of "
+            f"{', '.join(a.value for a in Accountant)}"
         ) from None
 
 

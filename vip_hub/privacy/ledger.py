@@ -51,9 +51,10 @@ _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
 
 _OLD_SCHEMAS = {
     "vip-hub/privacy-ledger/v1": " (written by vip-hub < 0.2: export the repo again)",
-    "vip-hub/privacy-ledger/v2": " (written by vip-hub < 0.3, whose ledgers carried an unsalted SHA-256 of the "
-    "private dataset: retrain or export again with this version, and withdraw the "
-    "old release)",
+    "vip-hub/privacy-ledger/v2": (
+        " (written by vip-hub < 0.3, whose ledgers carried an unsalted SHA-256 of the private "
+        "dataset: retrain or export again with this version, and withdraw the old release)"
+    ),
 }
 
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
@@ -158,7 +159,8 @@ class _Stage(_Model):
 
 
 class NonPrivateStage(_Stage):
-    """A stage without DP. ``private_data`` says whether its data is sensitive (and so unprotected)."""
+    """A stage without DP. ``private_data`` says whether its data is sensitive (and so
+    unprotected)."""
 
     type: Literal["non-private"] = "non-private"
     private_data: bool
@@ -377,7 +379,8 @@ class PrivacySummary:
 
     @property
     def epsilon(self) -> float | None:
-        """The largest epsilon; 0 without private data; None when some private data has no guarantee."""
+        """The largest epsilon; 0 without private data; None when some private data has no
+        guarantee."""
         if self.unprotected_datasets:
             return None
         return max((g.epsilon for g in self.guarantees), default=0.0)
@@ -405,8 +408,9 @@ class PrivacySummary:
         if not self.assumed_poisson:
             return None
         return (
-            f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not sample so; "
-            f"without amplification by sampling: ε = {self.epsilon_without_amplification:.2f} under PLD)"
+            f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not "
+            "sample so; without amplification by sampling: ε = "
+            f"{self.epsilon_without_amplification:.2f} under PLD)"
         )
 
     def to_dict(self) -> dict[str, Any]:

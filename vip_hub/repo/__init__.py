@@ -1,1 +1,2 @@
-"""The released-encoder repo: writing and reading its files, the card, verification, signing, heads, import, push."""
+"""The released-encoder repo: writing and reading its files, the card, verification, signing, heads,
+import, push."""

@@ -231,12 +231,13 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
     for s in ledger.dp_stages():
         if s.sampling != "poisson":
             out.append(
-                f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson sampling (each "
-                f"example in each step independently with probability q), but this stage's training used "
-                f"{_code(s.sampling)} sampling instead, so the figures are what the recipe would give with Poisson "
-                "sampling, not a formal guarantee for these weights as they were trained. What holds without "
-                "amplification by sampling (each example in each of its epochs, the same σ, PLD): "
-                f"**ε = {ledger.summary(s.component).epsilon_without_amplification:.2f}**."
+                f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson "
+                "sampling (each example in each step independently with probability q), but this "
+                f"stage's training used {_code(s.sampling)} sampling instead, so the figures are "
+                "what the recipe would give with Poisson sampling, not a formal guarantee for "
+                "these weights as they were trained. What holds without amplification by sampling "
+                "(each example in each of its epochs, the same σ, PLD): **ε = "
+                f"{ledger.summary(s.component).epsilon_without_amplification:.2f}**."
             )
         a = s.audit
         if a is None:
@@ -246,19 +247,21 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
         )
         best = max(a.results, key=lambda r: r.correct / r.guesses)
         out.append(
-            f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each secretly put in the "
-            f"training data with probability 1/2 and read off every noisy update. An attack that knew "
-            f"everything but those secret bits could prove at most **ε ≥ {a.epsilon_lower_bound:.2f}** with "
-            f"{1 - a.beta:.0%} confidence (its best guess count: {best.correct} of {best.guesses} correct); the "
-            f"accounted ε at the same δ = {a.delta:g} is {accounted}. The audit is a lower bound and the "
-            "accountants an upper bound: a lower bound above the accounted ε would mean the training leaks "
-            "more than it claims, and such a repo does not verify. With every guess right this audit could "
-            f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at this δ); "
+            f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each "
+            "secretly put in the training data with probability 1/2 and read off every noisy "
+            "update. An attack that knew everything but those secret bits could prove at most **ε "
+            f"≥ {a.epsilon_lower_bound:.2f}** with {1 - a.beta:.0%} confidence (its best guess "
+            f"count: {best.correct} of {best.guesses} correct); the accounted ε at the same δ = "
+            f"{a.delta:g} is {accounted}. The audit is a lower bound and the accountants an upper "
+            "bound: a lower bound above the accounted ε would mean the training leaks more than it "
+            "claims, and such a repo does not verify. With every guess right this audit could "
+            f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at "
+            "this δ); "
             + (
                 f"it could detect a violation of the accounted ε = {a.accounted:.2f}."
                 if a.can_fail
-                else f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit could not detect a "
-                "violation of the claimed ε; it catches only gross bugs**."
+                else f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit "
+                "could not detect a violation of the claimed ε; it catches only gross bugs**."
             )
         )
     return out
@@ -272,11 +275,11 @@ def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
     return (
         f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
         f"{_code(g.dataset)}** ({n:,} examples), composed over stage(s) "
-        f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} accountant"
-        f"{_reference_note(stages)}. In plain words: for any single {unit} of {_code(g.dataset)}, "
-        f"anything one can compute from the {_md(' and '.join(components))} weights is almost equally "
-        f"likely whether or not that {unit} was in the training data: probabilities differ by at "
-        f"most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
+        f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} "
+        f"accountant{_reference_note(stages)}. In plain words: for any single {unit} of "
+        f"{_code(g.dataset)}, anything one can compute from the {_md(' and '.join(components))} "
+        f"weights is almost equally likely whether or not that {unit} was in the training data: "
+        f"probabilities differ by at most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
     )
 
 

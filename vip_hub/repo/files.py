@@ -89,8 +89,8 @@ def export_encoder(
 
     ``stages`` are the ledger's stages in training order; guarantees and file digests are
     computed here. Optional: ``decoder`` (an MAE decoder state dict, ViP), ``text_decoder`` (a
-    ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode) with
-    ``vocab`` (the bytes of the tokenizer's vocab.txt), and ``extra_files`` (e.g. a
+    ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode)
+    with ``vocab`` (the bytes of the tokenizer's vocab.txt), and ``extra_files`` (e.g. a
     training-curve PNG).
     """
     out = Path(out_dir)
@@ -230,7 +230,8 @@ def _check_text_parts(
     text_decoder: TextDecoder | None,
     vocab: bytes | None,
 ) -> None:
-    """A text decoder only where the family captions, fitting the encoder; a vocab only with it, fitting it."""
+    """A text decoder only where the family captions, fitting the encoder; a vocab only with it,
+    fitting it."""
     if text_decoder is None:
         if vocab is not None:
             raise ConfigError("a vocabulary is only exported with the text decoder that uses it")

@@ -7,7 +7,8 @@
 - DP-Cap (facebookresearch/dpcap, ``MaskedAutoencoderViT_autoregressive``): ``{"model":
   state_dict, "args": Namespace, ...}``. Encoder keys follow timm's layout (the final ``norm``
   stays per token); the frozen ``encoder_image_type_embedding`` is folded into ``pos_embed``;
-  the text decoder's keys are renamed to ``vip_hub.models.text_decoder.TextDecoder``'s (``DPCAP_DECODER_KEYS``).
+  the text decoder's keys are renamed to ``vip_hub.models.text_decoder.TextDecoder``'s
+  (``DPCAP_DECODER_KEYS``).
 
 This is the only place that unpickles, with ``torch.load(weights_only=True)`` and only
 ``argparse.Namespace`` allowed: anything but plain tensors and containers is refused.
@@ -69,10 +70,14 @@ def _shaders21k() -> NonPrivateStage:
         dataset=Dataset(
             name="Shaders21k",
             size=1_300_000,
-            description="images rendered from 21k procedural OpenGL shader programs (Baradad et al., 2022)",
+            description=(
+                "images rendered from 21k procedural OpenGL shader programs (Baradad et al., 2022)"
+            ),
         ),
         private_data=False,
-        description="MAE pretraining (AdamW, 1,000 epochs, mask ratio 0.75) on synthetic images only.",
+        description=(
+            "MAE pretraining (AdamW, 1,000 epochs, mask ratio 0.75) on synthetic images only."
+        ),
     )
 
 
@@ -125,9 +130,11 @@ def _vip_base() -> ImportPreset:
 
 
 DPCAP_N = 2_000_000_000
-"""MetaCLIP as the DP-Cap release's README counts it ("2 billion samples"); no exact count is published."""
+"""MetaCLIP as the DP-Cap release's README counts it ("2 billion samples"); no exact count is
+published."""
 DPCAP_BATCH = 1_310_720
-"""The ``--batch_size`` of the reference's training command, which the paper and README call 1.3M."""
+"""The ``--batch_size`` of the reference's training command, which the paper and README call
+1.3M."""
 
 
 def _dpcap_base_eps7() -> ImportPreset:
@@ -136,8 +143,11 @@ def _dpcap_base_eps7() -> ImportPreset:
         dataset=Dataset(
             name="MetaCLIP",
             size=DPCAP_N,
-            description="image-text pairs curated as for Meta-CLIP; the release's README gives 2 billion samples "
-            "(not the paper's LAION-233M); n = 2e9 is that figure, the exact count is unpublished",
+            description=(
+                "image-text pairs curated as for Meta-CLIP; the release's README gives 2 billion "
+                "samples (not the paper's LAION-233M); n = 2e9 is that figure, the exact count is "
+                "unpublished"
+            ),
         ),
         sample_rate=DPCAP_BATCH / DPCAP_N,
         noise_multiplier=0.527,
@@ -147,12 +157,13 @@ def _dpcap_base_eps7() -> ImportPreset:
         sampling="shuffle",
         delta=1.0 / DPCAP_N,
         description=(
-            "Image captioning with DP-AdamW (per-example clipping of the whole captioner, C = 1) from a "
-            "synthetic-image MAE initialisation (DP-Cap paper and release README: 5,000 steps, sigma 0.527, "
-            "batch 1.3M, 2 billion MetaCLIP pairs; the README calls it the eps = 7 model). delta = 1/n as the "
-            "authors account it (their patched private-transformers sets target_delta = sample_size ** -1). The "
-            "reference code does not Poisson-sample (it prints 'Training WITHOUT poisson sampling'): it reads "
-            "shuffled fixed-size batches, while the accountants assume Poisson sampling."
+            "Image captioning with DP-AdamW (per-example clipping of the whole captioner, C = 1) "
+            "from a synthetic-image MAE initialisation (DP-Cap paper and release README: 5,000 "
+            "steps, sigma 0.527, batch 1.3M, 2 billion MetaCLIP pairs; the README calls it the eps "
+            "= 7 model). delta = 1/n as the authors account it (their patched private-transformers "
+            "sets target_delta = sample_size ** -1). The reference code does not Poisson-sample "
+            "(it prints 'Training WITHOUT poisson sampling'): it reads shuffled fixed-size "
+            "batches, while the accountants assume Poisson sampling."
         ),
         hyperparameters={
             "batch_size": DPCAP_BATCH,
@@ -165,13 +176,16 @@ def _dpcap_base_eps7() -> ImportPreset:
         name="synthetic-pretraining",
         dataset=_shaders21k().dataset,
         private_data=False,
-        description="MAE pretraining on synthetic images only (the DP-Cap initialisation, as for (Syn)-ViP).",
+        description=(
+            "MAE pretraining on synthetic images only (the DP-Cap initialisation, as for "
+            "(Syn)-ViP)."
+        ),
     )
     return ImportPreset(
         "dpcap-base",
         "dpcap-base-eps7",
-        "DP-Cap-Base released by the DP-Cap authors: an image captioner trained with DP-AdamW on 2 billion "
-        "MetaCLIP image-text pairs (eps about 7).",
+        "DP-Cap-Base released by the DP-Cap authors: an image captioner trained with DP-AdamW on 2 "
+        "billion MetaCLIP image-text pairs (eps about 7).",
         (synthetic, metaclip),
         license="cc-by-nc-4.0",
     )
@@ -194,7 +208,8 @@ def _shapes_of(build: Callable[[Any], torch.nn.Module], arg: Any) -> dict[str, t
 def _loaded(
     build: Callable[[Any], torch.nn.Module], arg: Any, state: dict[str, torch.Tensor]
 ) -> Any:
-    """``build(arg)`` holding ``state`` (every key, checked shapes), without initialising it first."""
+    """``build(arg)`` holding ``state`` (every key, checked shapes), without initialising it
+    first."""
     with torch.device("meta"):
         module = build(arg)
     module.load_state_dict(state, strict=True, assign=True)
@@ -278,7 +293,8 @@ def import_mae_checkpoint(
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "vip":
         raise ConfigError(
-            f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use import_dpcap_checkpoint"
+            f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use "
+            "import_dpcap_checkpoint"
         )
     encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
     model = _loaded(create_encoder, spec, encoder_sd)
@@ -336,11 +352,14 @@ DPCAP_DECODER_KEYS: dict[str, str] = {
         )
     },
 }
-"""``TextDecoder`` key -> the reference's key (``MaskedAutoencoderViT_autoregressive``); ``{i}`` is a block."""
+"""``TextDecoder`` key -> the reference's key (``MaskedAutoencoderViT_autoregressive``); ``{i}`` is
+a block."""
 _DPCAP_UNUSED = re.compile(
     r"^(mask_token|mask_token_text|text_pos_embed|encoder_text_type_embedding"
     r"|decoder\.layers\.\d+\.self_attn\.bias)$"
-)  # masking tokens, the unused text-encoder inputs, and the causal-mask buffer: not part of the forward pass
+    # masking tokens, the unused text-encoder inputs, and the causal-mask buffer: not part of the
+    # forward pass
+)
 _TYPE = "encoder_image_type_embedding"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _REF_BLOCK = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -80,7 +80,8 @@ class PublicKey:
         return cls(path.name.removesuffix(PUBLIC_SUFFIX), path, _fingerprint(key))
 
     def short(self) -> str:
-        """The name and the first 16 hex digits of the fingerprint, as messages and pages show it."""
+        """The name and the first 16 hex digits of the fingerprint, as messages and pages show
+        it."""
         return f"{self.name} ({self.fingerprint[:16]})"
 
 
@@ -93,7 +94,8 @@ def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
 
 
 def check_key_name(name: str) -> str:
-    """``name`` if it can name a key (``NAME.key``, ``NAME.pub``, a signer on pages), else ConfigError."""
+    """``name`` if it can name a key (``NAME.key``, ``NAME.pub``, a signer on pages), else
+    ConfigError."""
     if not re.fullmatch(NAME_PATTERN, name or ""):
         raise ConfigError(f"key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
     return name

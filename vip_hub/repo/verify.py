@@ -85,7 +85,8 @@ class VerificationReport:
     checks: list[str] = field(default_factory=list)
     recomputed: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    """What verifies but a reader must know (an epsilon that assumes sampling the run did not use)."""
+    """What verifies but a reader must know (an epsilon that assumes sampling the run did not
+    use)."""
 
     @property
     def ok(self) -> bool:
@@ -97,7 +98,8 @@ class VerificationReport:
         self.problems.append(Problem(where, message, kind))
 
     def raise_for_problems(self) -> VerificationReport:
-        """Raise the first problem's error class (listing every problem) unless the repo verifies."""
+        """Raise the first problem's error class (listing every problem) unless the repo
+        verifies."""
         if self.problems:
             raise self.problems[0].kind(self.problems)
         return self
@@ -282,8 +284,8 @@ def _check_components(
     for stage in ledger.dp_stages():
         if stage.sampling != "poisson":
             report.warnings.append(
-                f"stages.{stage.name}: accounted as Poisson-sampled but trained with {stage.sampling} sampling: "
-                f"its ε is as reported, assuming Poisson sampling"
+                f"stages.{stage.name}: accounted as Poisson-sampled but trained with "
+                f"{stage.sampling} sampling: its ε is as reported, assuming Poisson sampling"
             )
     report.checks.append("every component has its stages")
 
@@ -348,8 +350,8 @@ def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None
                 continue
             report.recomputed[f"{stage.name}/{accountant.value}"] = actual
             params = (
-                f"sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, steps={stage.steps}, "
-                f"delta={stage.delta:.6g}"
+                f"sigma={stage.noise_multiplier:g}, q={stage.sample_rate:.6g}, "
+                f"steps={stage.steps}, delta={stage.delta:.6g}"
             )
             if accountant is stage.accountant and _understated(claimed, actual):
                 report.fail(
@@ -376,7 +378,8 @@ def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None
         if _understated(g.epsilon, actual):
             report.fail(
                 f"guarantee {g.dataset!r}",
-                f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives {actual:.6g}",
+                f"claims epsilon {g.epsilon:.6g} but composing stages {g.stages} gives "
+                f"{actual:.6g}",
                 ClaimTooLowError,
             )
     report.checks.append("epsilon recomputed (rdp, prv, pld)")
