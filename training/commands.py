@@ -17,7 +17,7 @@ from .recipe import Recipe, add_config_args, config_from_args
 
 __all__ = ["RECIPES", "recipe", "register"]
 
-RECIPES = ("syn", "vip", "dpcap", "logit_dp")
+RECIPES = ("syn", "vip", "dpcap", "logit_dp", "finetune")
 """Modules of ``training`` that each declare a ``RECIPE``."""
 
 

@@ -1,0 +1,320 @@
+"""DP fine-tuning (train-finetune): the clipped sum over the fine-tuned parameters is each example's
+own clipped gradient summed, the update's noise is sigma C / B on exactly those parameters, the
+frozen blocks never change, the noise and sampling come from a secret drawn per run, and the
+exported repo (encoder + head, one DP stage covering both) verifies, composes and classifies
+through the hub; a small run through the CLI on a generated subsample."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from live import WRITE_TOKEN
+from safetensors.torch import load_file
+
+from training.clipping import PerExampleClipper, clip_factors
+from training.datasets import LabelledArrays, write_image_folder
+from training.distributed import Dist
+from training.dp_engine import Budget, DPEngine
+from training.finetune import FinetuneConfig, classifier, train_finetune
+from training.syn import SynConfig, train_syn
+from vip_hub.errors import ConfigError, DataError
+from vip_hub.loading import load_encoder
+from vip_hub.privacy.accounting import epsilon
+from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
+from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import verify_repo
+
+BIN = Path(sys.executable).parent
+CLASSES = ("circle", "square", "stripe")
+SYN_ARGS = dict(
+    arch="vip-nano",
+    img_size=32,
+    patch_size=8,
+    steps=2,
+    batch_size=4,
+    decoder_dim=32,
+    decoder_depth=1,
+    decoder_heads=2,
+    workers=0,
+    seed=0,
+)
+RUN_ARGS = dict(
+    steps=3,
+    batch_size=8,
+    sigma=1.0,
+    workers=0,
+    device="cpu",
+    audit_canaries=64,
+    dataset_name="test/shapes",
+    head="clf",
+    trainable_blocks=2,
+)
+DEPTH, TRAINED = 12, 2  # vip-nano's blocks, and the top ones fine-tuned
+
+
+@pytest.fixture(scope="module")
+def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_syn(
+        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
+    )
+
+
+def shapes(n: int, seed: int) -> LabelledArrays:
+    """n generated 28 x 28 grey images whose class sets their mean brightness, in 3 classes."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n) % len(CLASSES)
+    images = rng.integers(0, 80, (n, 28, 28)) + 80 * labels[:, None, None]
+    return LabelledArrays(
+        images.astype(np.uint8), labels, CLASSES, Dataset(name="test/shapes", size=n)
+    )
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A private train folder (the first 24 of 60 generated records) and a public test folder."""
+    root = tmp_path_factory.mktemp("shapes")
+    train = write_image_folder(shapes(60, 0).first(24), root / "train", CLASSES)
+    return train, write_image_folder(shapes(12, 1), root / "test", CLASSES)
+
+
+def finetune(syn_repo: Path, data: tuple[Path, Path], out: Path, **settings: object) -> Path:
+    cfg = FinetuneConfig(
+        init=str(syn_repo),
+        data=str(data[0]),
+        test_data=str(data[1]),
+        out=str(out),
+        **{**RUN_ARGS, **settings},
+    )
+    return train_finetune(cfg)
+
+
+@pytest.fixture(scope="module")
+def finetuned(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """Two runs with the same settings and no --seed (each draws its secret)."""
+    base = tmp_path_factory.mktemp("finetuned")
+    return tuple(finetune(syn_repo, data, base / f"run{i}") for i in range(2))  # type: ignore[return-value]
+
+
+def ledger_of(repo: Path) -> PrivacyLedger:
+    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+
+
+# ---------------------------------------------------------------- the mechanism on this model
+@pytest.mark.parametrize("pooling", ["avg", "vip"])
+def test_the_clipped_sum_is_each_examples_own_clipped_gradient_over_the_fine_tuned_parameters(
+    syn_repo: Path, pooling: str
+) -> None:
+    torch.manual_seed(0)
+    model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, TRAINED).double()  # type: ignore[arg-type]
+    enc = model.encoder
+    trained = [*enc.blocks[DEPTH - TRAINED :], model.head.linear]
+    trained += [enc.fc_norm] if pooling == "avg" else []  # vip features skip the final norm
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in params} == {id(p) for m in trained for p in m.parameters()}
+
+    x = torch.randn(6, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    own = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(model(x[i : i + 1], y[i : i + 1]).sum(), params)
+            ]
+        )
+        for i in range(len(y))
+    ]
+    norms = torch.stack([g.norm() for g in own])
+    clip = float(norms.median())  # some examples clipped, some not
+    expected = sum(g * c for g, c in zip(own, clip_factors(norms, clip), strict=True))
+
+    clipper = PerExampleClipper(model, clip)
+    result = clipper.accumulate(x, y)
+    got = torch.cat([p.grad.flatten() for p in clipper.params])
+    torch.testing.assert_close(result.norms.double(), norms, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
+
+    # every example clipped: removing any one moves the sum by at most C, and by almost C
+    tiny = float(norms.min()) / 10
+    full = _clipped(model, tiny, x, y)
+    moved = max(
+        float((full - _clipped(model, tiny, x[keep], y[keep])).norm()) for keep in _drop_one(6)
+    )
+    assert 0.99 * tiny < moved <= tiny
+
+
+def _drop_one(n: int) -> list[list[int]]:
+    return [[j for j in range(n) if j != i] for i in range(n)]
+
+
+def _clipped(model: torch.nn.Module, clip: float, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    clipper = PerExampleClipper(model, clip)
+    for p in clipper.params:
+        p.grad = None
+    clipper.accumulate(x, y)
+    return torch.cat([p.grad.flatten() for p in clipper.params])
+
+
+def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(
+    syn_repo: Path,
+) -> None:
+    model = classifier(load_encoder(syn_repo), len(CLASSES), "avg", TRAINED)
+    clip, sigma, batch = 0.1, 1.3, 32
+    clipper = PerExampleClipper(model, clip)
+    budget = Budget.plan(
+        dataset_size=1000,
+        batch_size=batch,
+        steps=10,
+        epsilon=None,
+        sigma=sigma,
+        delta=1e-5,
+        accountant="rdp",
+    )
+    engine = DPEngine(
+        clipper,
+        torch.optim.SGD(clipper.params, lr=0.0),
+        None,
+        budget,
+        sensitivity=clip,
+        clipping_norm=clip,
+        seed=0,
+        dist=Dist(device=torch.device("cpu")),
+        micro_batch_size=8,
+    )
+    seen = {}
+    engine.optimizer.step = lambda: seen.setdefault(  # type: ignore[method-assign]
+        "update", torch.cat([p.grad.flatten() for p in clipper.params])
+    )
+    engine.step(0, [])  # nothing sampled: still a noisy step
+    update = seen["update"]
+    assert update.numel() == sum(p.numel() for p in clipper.params) > 100_000
+    assert update.std().item() == pytest.approx(sigma * clip / batch, rel=0.01)
+    assert abs(update.mean().item()) < 4 * sigma * clip / batch / update.numel() ** 0.5
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+# ---------------------------------------------------------------- end to end
+def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
+    finetuned: tuple[Path, Path], data: tuple[Path, Path]
+) -> None:
+    repo = finetuned[0]
+    assert verify_repo(repo).ok
+    ledger = ledger_of(repo)
+    syn, dp = ledger.stages
+    assert isinstance(syn, NonPrivateStage) and not syn.private_data
+    assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
+    assert dp.dataset.name == "test/shapes" and dp.dataset.size == 24
+    assert dp.sensitivity == dp.clipping_norm and dp.noise_std == dp.noise_multiplier * 0.1
+    assert dp.audit is not None and dp.audit.canaries == 64
+    exact = epsilon(1.0, 8 / 24, 3, dp.delta, "rdp")
+    for component in ("encoder", "heads/clf"):
+        summary = ledger.summary(component)
+        assert [g.stages for g in summary.guarantees] == [["dp-finetune"]]
+        assert exact <= summary.epsilon == dp.epsilon <= exact + 1e-6
+    head, info = load_head(repo, "clf")
+    assert info.labels == sorted(CLASSES) and info.pooling == "avg"
+    assert info.metrics["test_data"] == "public" and 0 <= info.metrics["top1"] <= 1
+    assert "encoder + heads/clf" in (repo / "README.md").read_text()
+
+
+def test_frozen_blocks_are_the_init_repos_and_the_top_blocks_moved(
+    syn_repo: Path, finetuned: tuple[Path, Path]
+) -> None:
+    before, after = (
+        load_file(syn_repo / "model.safetensors"),
+        load_file(finetuned[0] / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    top = tuple(f"blocks.{i}." for i in range(DEPTH - TRAINED, DEPTH)) + ("fc_norm.",)
+    for key in before:
+        moved = not torch.equal(before[key], after[key])
+        assert moved == key.startswith(top), key
+
+
+def test_two_runs_with_the_same_settings_draw_their_own_secret(
+    finetuned: tuple[Path, Path],
+) -> None:
+    first, second = finetuned
+    seeds = [(Path(f"{r}.run") / "seed").read_text() for r in finetuned]
+    assert seeds[0] != seeds[1]
+    w1, w2 = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert not torch.equal(w1["blocks.11.mlp.fc1.weight"], w2["blocks.11.mlp.fc1.weight"])
+    h1, h2 = load_head(first, "clf")[0], load_head(second, "clf")[0]
+    assert not torch.equal(h1.linear.weight, h2.linear.weight)
+    for repo, seed in zip(finetuned, seeds, strict=True):
+        released = b"".join(p.read_bytes() for p in repo.rglob("*") if p.is_file())
+        assert seed.encode() not in released
+
+
+def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--trainable-blocks 13"):
+        finetune(syn_repo, data, tmp_path / "a", trainable_blocks=13)
+    with pytest.raises(ConfigError, match="head name"):
+        finetune(syn_repo, data, tmp_path / "b", head="no/slash")
+    odd = write_image_folder(shapes(6, 2), tmp_path / "odd", ("a", "b", "c"))
+    with pytest.raises(DataError, match="--test-data classes"):
+        finetune(syn_repo, (data[0], odd), tmp_path / "c")
+    with pytest.raises(ConfigError, match="trained heads/x jointly"):
+        save_head(syn_repo, LinearProbe(192, 2), HeadInfo("x", "avg", ["a", "b"]), None)
+
+
+@pytest.mark.slow
+def test_the_cli_run_on_a_generated_subsample_verifies_and_classifies_through_the_hub(
+    hub, syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "vip-nano-ft"
+    settings = {**RUN_ARGS, "pooling": "vip", "seed": 7}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    subprocess.run(
+        [
+            BIN / "vip-hub",
+            "train-finetune",
+            f"--init={syn_repo}",
+            f"--data={data[0]}",
+            f"--test-data={data[1]}",
+            f"--out={out}",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    assert (
+        subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True).returncode == 0
+    )
+    before, after = load_file(syn_repo / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("fc_norm."))
+
+    push_repo(out, "vip/ft-test", token=WRITE_TOKEN)
+    images = sorted(data[1].rglob("*.png"))[:3]
+    r = httpx.post(
+        f"{hub.url}/v1/classify",
+        timeout=60,
+        json={
+            "model": "vip/ft-test",
+            "head": "clf",
+            "input": [base64.b64encode(p.read_bytes()).decode() for p in images],
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    encoder = load_encoder(out)
+    head = load_head(out, "clf")[0]
+    from PIL import Image
+
+    local = head(encoder.embed([Image.open(p) for p in images], "vip")).argmax(1)
+    assert [row["labels"][0]["label"] for row in body["data"]] == [
+        sorted(CLASSES)[i] for i in local
+    ]
+    stage = ledger_of(out).stage("dp-finetune")
+    assert (
+        body["privacy"]["head"]["epsilon"] == body["privacy"]["encoder"]["epsilon"] == stage.epsilon
+    )

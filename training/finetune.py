@@ -1,0 +1,298 @@
+"""DP fine-tuning (issue 26's end-to-end row): a (Syn)-ViP encoder's top K blocks and a new
+linear head, trained together on labelled private images with DP-AdamW.
+
+The recipe is a model (``Classifier``: the encoder's features in one feature mode, then the
+linear-probe head ``LinearProbe``, whose normalisation is fixed to the init encoder's features of
+public procedural images), a per-example loss (cross-entropy over the labels) and
+``PerExampleClipper``; everything private about a step is the DP engine's
+(``training/dp_engine.py``). Trained: the top K blocks, the final norm where the feature mode
+reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's. Images
+go through the encoder's own transform (the one ``/v1/classify`` applies), without augmentation.
+
+The export is the fine-tuned encoder with the head in ``heads/<name>/``. Its ledger holds the
+init repo's encoder stages and one DP stage on the dataset whose ``also_trains`` names the head:
+one mechanism trained both, so the encoder's and the head's guarantees are that one stage's.
+
+Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
+``torchrun --nproc_per_node N -m training.finetune ...`` (same arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import EvalResult
+from PIL import Image
+from pydantic import Field
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from vip_hub.errors import ConfigError, DataError
+from vip_hub.loading import Encoder, load_encoder
+from vip_hub.models.features import extract_features, final_norm
+from vip_hub.privacy.sensitivity import sensitivity
+from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo_format import head_component
+
+from .clipping import PerExampleClipper
+from .distributed import Dist
+from .dp_engine import Budget, DPEngine
+from .optim import make_adamw, warmup_cosine
+from .probe import LabelledImages, fix_normalisation, load_labelled, public_features
+from .recipe import (
+    DPRunConfig,
+    Recipe,
+    beta_field,
+    lr_field,
+    recipe_main,
+    tenth_of_steps,
+    warmup_field,
+    weight_decay_field,
+)
+from .runner import Run
+
+__all__ = [
+    "RECIPE",
+    "Classifier",
+    "FinetuneConfig",
+    "classifier",
+    "evaluate",
+    "train_finetune",
+]
+
+MECHANISM = "DP-AdamW"
+CURVE_IMAGES = 1000
+"""Public test images the curve's loss is measured on at each evaluation (the top-1 uses all)."""
+FinetunePooling = Literal["avg", "cls", "vip"]
+
+
+class FinetuneConfig(DPRunConfig):
+    """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head."""
+
+    init: str = Field(description="(Syn)-ViP repo folder or hub id whose encoder is fine-tuned")
+    data: str = Field(
+        description="labelled image folder, one subfolder per class (the private training data)"
+    )
+    test_data: str | None = Field(
+        None,
+        description="PUBLIC labelled test folder with the same classes: its top-1 goes on the "
+        "card and in the head's metrics, its loss is the card's curve",
+    )
+    head: str = Field("classifier", description="head name: the repo gets heads/NAME/")
+    pooling: FinetunePooling = Field(
+        "avg",
+        description="feature mode the head reads: avg, cls or vip (the final norm is "
+        "trained only where the mode reads it: avg, cls)",
+    )
+    trainable_blocks: int = Field(
+        2, ge=1, description="top encoder blocks trained with the head; the rest stays the init's"
+    )
+    lr: float = lr_field(1e-3)
+    warmup_steps: int | None = warmup_field(tenth_of_steps)
+    weight_decay: float = weight_decay_field(0.05)
+    beta1: float = beta_field(1)
+    beta2: float = beta_field(2)
+
+
+class Classifier(nn.Module):
+    """An encoder's ``pooling`` features, then a linear-probe head whose normalisation is fixed
+    (eval mode whatever ``train`` says): ``forward(images, labels)`` gives per-example
+    cross-entropies, each depending on its own example only."""
+
+    def __init__(self, encoder: VisionTransformer, head: LinearProbe, pooling: FinetunePooling):
+        super().__init__()
+        self.encoder, self.head, self.pooling = encoder, head, pooling
+
+    def train(self, mode: bool = True) -> Classifier:
+        """Set the encoder's mode; the head's normalisation stays fixed."""
+        super().train(mode)
+        self.head.norm.eval()
+        return self
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Class scores of a preprocessed batch, (b, classes)."""
+        return self.head(extract_features(self.encoder, images, self.pooling))
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(images), labels, reduction="none")
+
+
+def classifier(
+    init: Encoder, num_classes: int, pooling: FinetunePooling, trainable_blocks: int
+) -> Classifier:
+    """``init``'s encoder with only its top ``trainable_blocks`` blocks (and its final norm,
+    where ``pooling`` reads it) trainable, and a fresh head normalised by public features."""
+    encoder, depth = init.model, len(init.model.blocks)
+    if trainable_blocks > depth:
+        raise ConfigError(
+            f"--trainable-blocks {trainable_blocks}: the {init.spec.arch} encoder has only "
+            f"{depth} blocks"
+        )
+    init.check_pooling(pooling)
+    head = LinearProbe(init.feature_dim(pooling), num_classes)
+    fix_normalisation(head, public_features(init, pooling))
+    encoder.requires_grad_(False)
+    trained = list(encoder.blocks[depth - trainable_blocks :])
+    if pooling != "vip":  # the vip mode reads the blocks before the final norm
+        trained.append(final_norm(encoder))
+    for module in trained:
+        module.requires_grad_(True)
+    return Classifier(encoder, head, pooling).train()
+
+
+@torch.no_grad()
+def evaluate(
+    model: Classifier,
+    transform: Callable[[Image.Image], torch.Tensor],
+    images: Sequence[Image.Image],
+    labels: Sequence[int],
+    device: torch.device,
+    batch: int = 256,
+) -> tuple[float, float]:
+    """Mean cross-entropy and top-1 on labelled (public) images, in eval mode."""
+    was = model.training
+    model.eval()
+    loss, right = 0.0, 0
+    for start in range(0, len(images), batch):
+        x = torch.stack([transform(i.convert("RGB")) for i in images[start : start + batch]])
+        y = torch.as_tensor(labels[start : start + batch], device=device)
+        logits = model.logits(x.to(device)).float()
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        right += int((logits.argmax(1) == y).sum())
+    model.train(was)
+    return loss / max(len(images), 1), right / max(len(images), 1)
+
+
+def _public_test(cfg: FinetuneConfig, train: LabelledImages) -> LabelledImages | None:
+    if cfg.test_data is None:
+        return None
+    test = load_labelled(cfg.test_data, "public/test")
+    if test.classes != train.classes:
+        raise DataError(
+            f"--test-data classes {test.classes} differ from --data classes {train.classes}"
+        )
+    return test
+
+
+def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
+    """Run (or resume) DP fine-tuning and export the released encoder with its head; returns the
+    repo's path."""
+    dist = dist or Dist.from_env(cfg.device)
+    component = head_component(cfg.head)  # the name is checked before any work
+    train = load_labelled(cfg.data, cfg.dataset_name)
+    test = _public_test(cfg, train)
+    n = len(train.labels)
+    budget = Budget.for_config(cfg, n)
+    run = Run(cfg, dist)
+    init = load_encoder(cfg.init)
+    spec, transform = init.spec, init.transform
+    torch.manual_seed(run.seed)  # the fresh head, the same on every rank
+    model = classifier(init, len(train.classes), cfg.pooling, cfg.trainable_blocks)
+    model.to(dist.device)
+    clipper = PerExampleClipper(model, cfg.max_grad_norm)
+    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
+    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
+    engine = DPEngine.for_run(
+        clipper,
+        optimizer,
+        scheduler,
+        budget,
+        run,
+        cfg,
+        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
+        clipping_norm=cfg.max_grad_norm,
+    )
+
+    def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return transform(train.images[index].convert("RGB")), torch.tensor(train.labels[index])
+
+    def curve() -> dict[str, float]:
+        if test is None:
+            return {}
+        loss, top1 = evaluate(
+            model,
+            transform,
+            test.images[:CURVE_IMAGES],
+            test.labels[:CURVE_IMAGES].tolist(),
+            dist.device,
+        )
+        return {"public_loss": loss, "public_top1": top1}
+
+    records = engine.train(run, model, load, desc="train-finetune", evaluate=curve)
+
+    depth, k = len(model.encoder.blocks), cfg.trainable_blocks
+    trained = sum(p.numel() for p in clipper.params)
+    norm = " and the final norm" if cfg.pooling != "vip" else ""
+    out = engine.export(
+        run,
+        cfg,
+        model.encoder,
+        spec,
+        init.ledger,
+        records=records,
+        mechanism=MECHANISM,
+        curve_label="cross-entropy on public test images"
+        if test is not None
+        else "no public labelled data: no loss curve",
+        dataset_description=f"{n} labelled images, {len(train.classes)} classes; DP fine-tuning",
+        summary=(
+            f"A {spec.arch} encoder fine-tuned end to end with DP-AdamW on {cfg.dataset_name} "
+            f"({n} labelled images), starting from {cfg.init}: the top {k} of {depth} blocks"
+            f"{norm} and the linear head heads/{cfg.head} ({cfg.pooling} features), trained "
+            "together by one DP stage whose guarantee covers both."
+        ),
+        name="dp-finetune",
+        also_trains=[component],
+        description=(
+            f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
+            f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x C once "
+            f"per logical step, Poisson sampling. Trained together: the top {k} of {depth} "
+            f"blocks{norm} and the head {component}'s linear layer ({trained:,} parameters); "
+            "the rest of the encoder is the init repo's, unchanged. The head's normalisation "
+            "is fixed to the init encoder's features of public procedural images"
+        ),
+        hyperparameters={
+            "lr": cfg.lr,
+            "warmup_steps": warmup,
+            "schedule": "cosine",
+            "weight_decay": cfg.weight_decay,
+            "betas": [cfg.beta1, cfg.beta2],
+            "img_size": spec.img_size,
+            "pooling": cfg.pooling,
+            "trainable_blocks": k,
+            "trainable_parameters": trained,
+            "augmentation": "none (the encoder's own transform)",
+        },
+    )
+    metrics: dict[str, object] = {"train_size": n, "pooling": cfg.pooling, "fine_tuned_blocks": k}
+    result = None
+    if test is not None:
+        _, top1 = evaluate(model, transform, test.images, test.labels.tolist(), dist.device)
+        metrics |= {"top1": top1, "test_data": "public", "test_size": len(test.labels)}
+        name = Path(cfg.test_data or "").name
+        result = EvalResult(
+            task_type="image-classification",
+            dataset_type=name,
+            dataset_name=f"{name} (public test data)",
+            metric_type="accuracy",
+            metric_value=round(top1, 4),
+            metric_name=f"top-1, DP fine-tuned head '{cfg.head}' ({cfg.pooling} features)",
+        )
+    info = HeadInfo(cfg.head, cfg.pooling, train.classes, metrics)
+    return run.export(lambda: save_head(out, model.head, info, None, result))
+
+
+RECIPE = Recipe(
+    "finetune",
+    "DP fine-tuning: a (Syn)-ViP encoder's top blocks and a linear head on labelled images",
+    FinetuneConfig,
+    train_finetune,
+)
+
+if __name__ == "__main__":
+    raise SystemExit(recipe_main("train-finetune"))
