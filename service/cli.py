@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vip_hub.cli.main import add_command, require_extra
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
 
+if TYPE_CHECKING:
+    from .settings import Settings
+
 __all__ = ["register_org", "register_serve", "register_token", "register_trust"]
+
+TOKEN_ACTIONS = ("create", "list", "revoke")
+LIST_ADD_REMOVE = ("add", "list", "remove")
 
 
 def register_serve(sub: Any) -> None:
@@ -79,36 +87,61 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _admin_command(
+    sub: Any,
+    name: str,
+    handler: Callable[[argparse.Namespace], None],
+    help: str,
+    actions: tuple[str, ...],
+) -> argparse.ArgumentParser:
+    """A command that changes or lists one of the hub's files (its first argument: the action);
+    a running server reads the file again, so it needs no restart."""
+    p = add_command(sub, name, handler, f"{help} (a running server sees the change)")
+    p.add_argument("action", choices=actions)
+    return p
+
+
+def _tokens_file_options(p: argparse.ArgumentParser) -> None:
+    """Where ``token`` and ``org`` find the tokens file."""
+    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
+    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+
+
+@contextmanager
+def _tokens_file(args: argparse.Namespace) -> Iterator[tuple[Settings, Path]]:
+    """The settings and the tokens file; a refused change (ValueError) becomes a one-line error."""
+    from vip_hub.errors import ConfigError
+
+    from .settings import Settings
+
+    settings = Settings(**_overrides(args))
+    try:
+        yield settings, args.tokens_file or settings.tokens_path()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def register_token(sub: Any) -> None:
-    p = add_command(
-        sub,
-        "token",
-        _token,
-        "create, list or revoke the hub's access tokens (a running server "
-        "sees the change on its next request)",
+    p = _admin_command(
+        sub, "token", _token, "create, list or revoke the hub's access tokens", TOKEN_ACTIONS
     )
-    p.add_argument("action", choices=["create", "list", "revoke"])
     p.add_argument(
         "--name",
         help="the user the token belongs to: it writes to the namespace of this name "
         "and to its organisations' (create, revoke)",
     )
     p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
-    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
-    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+    _tokens_file_options(p)
 
 
 def _token(args: argparse.Namespace) -> None:
     from vip_hub.errors import ConfigError
 
     from .auth import create_token, list_tokens, revoke_token
-    from .settings import Settings
 
-    settings = Settings(**_overrides(args))
-    path = args.tokens_file or settings.tokens_path()
     if args.action != "list" and not args.name:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
-    try:
+    with _tokens_file(args) as (settings, path):
         if args.action == "create":
             print(
                 create_token(path, args.name, args.scope, settings.auth.orgs)
@@ -119,36 +152,29 @@ def _token(args: argparse.Namespace) -> None:
         else:
             for t in list_tokens(path):
                 print(f"{t['name']}\t{t['scope']}\t{t['created_at']}")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def register_org(sub: Any) -> None:
-    p = add_command(
+    p = _admin_command(
         sub,
         "org",
         _org,
-        "add or remove members of the hub's organisations, or list them (a running "
-        "server sees the change on its next request)",
+        "add or remove members of the hub's organisations, or list them",
+        LIST_ADD_REMOVE,
     )
-    p.add_argument("action", choices=["add", "remove", "list"])
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
     p.add_argument("--member", help="the user (a token's name) to add or remove")
-    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
-    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+    _tokens_file_options(p)
 
 
 def _org(args: argparse.Namespace) -> None:
     from vip_hub.errors import ConfigError
 
     from .auth import add_member, list_orgs, remove_member
-    from .settings import Settings
 
-    settings = Settings(**_overrides(args))
-    path = args.tokens_file or settings.tokens_path()
     if args.action != "list" and not (args.org and args.member):
         raise ConfigError(f"vip-hub org {args.action} needs ORG and --member USER")
-    try:
+    with _tokens_file(args) as (settings, path):
         if args.action == "add":
             add_member(path, args.org, args.member)
             print(f"{args.member!r} is a member of {args.org!r}")
@@ -158,22 +184,18 @@ def _org(args: argparse.Namespace) -> None:
         else:
             from_file = list_orgs(path)
             for org in sorted({*settings.auth.orgs, *from_file}):
-                print(
-                    f"{org}\t{', '.join(sorted({*settings.auth.orgs.get(org, []), *from_file.get(org, [])}))}"
-                )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+                members = {*settings.auth.orgs.get(org, []), *from_file.get(org, [])}
+                print(f"{org}\t{', '.join(sorted(members))}")
 
 
 def register_trust(sub: Any) -> None:
-    p = add_command(
+    p = _admin_command(
         sub,
         "trust",
         _trust,
-        "add, list or remove the public keys whose signatures the hub accepts "
-        "(a running server sees the change on its next commit)",
+        "add, list or remove the public keys whose signatures the hub accepts",
+        LIST_ADD_REMOVE,
     )
-    p.add_argument("action", choices=["add", "list", "remove"])
     p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
     p.add_argument(
         "public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)"
