@@ -94,11 +94,12 @@ def _probe(args: argparse.Namespace) -> int:
     where = (
         "public test images (published with the head)"
         if cfg.test_data
-        else "held-out private images (not published: a figure on private data carries no guarantee)"
+        else "held-out private images (not published: a figure on private data carries no "
+        "guarantee)"
     )
     print(
-        f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on {r.test_size} {where}; "
-        f"{r.train_size} training images"
+        f"head {cfg.head!r} ({cfg.pooling} features, {kind}): top-1 {r.top1:.4f} on "
+        f"{r.test_size} {where}; {r.train_size} training images"
     )
     if r.repo:
         print(f"saved to {r.repo}/heads/{cfg.head}/")
