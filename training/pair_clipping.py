@@ -8,23 +8,28 @@ Z = phi psi^T and the symmetric InfoNCE ``symmetric_infonce(Z, tau)``.
 into ``.grad``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
 
 1. one forward pass over the 2n views records every layer's input ``a`` and output;
-2. one batched backward (d cotangents, one per embedding coordinate) gives each layer's
-   output Jacobian ``Gamma`` (d, 2n, tokens, out) w.r.t. the normalised embeddings;
+2. one batched backward (``torch.func.vmap`` over d cotangents, one per embedding coordinate)
+   hands each layer its output Jacobian ``Gamma`` (d, 2n, tokens, out) w.r.t. the normalised
+   embeddings as it arrives (``_Tap``); the layer's share of the pair norms is computed there and
+   then and ``Gamma`` let go, so at most a few layers' Jacobians are alive at once;
 3. grad Z_ij = J_i^T psi_j + J'_j^T phi_i, so a linear layer's share of it is
    sum_t (Gamma_it psi_j) a_it^T + sum_s (Gamma'_js phi_i) a'_js^T, a "2T-token example" whose
-   squared norm comes from token Gram matrices (the ghost norm) or from the materialised
-   (out, in) product, whichever is cheaper; small parameters (biases, LayerNorm, broadcast
-   tokens) have their per-view Jacobians (d, 2n, numel) formed and contracted directly;
+   squared norm comes from per-view d x d Grams and one cross term per pair (``_pair_sq``), or,
+   when the layer has no more inputs than tokens, from each view's (out, in) products; small
+   parameters (biases, LayerNorm, broadcast tokens) are the same sum with one token of input 1;
+   pairs are taken in row blocks of about ``pair_block`` elements (memory against time);
 4. clip factors c_ij = ``clip_factors(||grad Z_ij||, B)``; the clipped sum sum_ij w_ij grad Z_ij
-   (w = lambda c) is formed from the same ``a`` and ``Gamma``: each view's output gradient is
-   ``Gamma k_v`` with k_i = sum_j w_ij psi_j (k'_j = sum_i w_ij phi_i), then each weight's sum is
-   one product over all tokens, as a plain backward computes it, in the layer's own precision.
+   (w = lambda c) is the gradient of sum_ij w_ij Z_ij: one ordinary backward of the embeddings
+   with cotangent k (k_i = sum_j w_ij psi_j, k'_j = sum_i w_ij phi_i) through the graph kept
+   from step 1, weight gradients in each layer's own precision.
 
-Under bf16/fp16 (autocast, or a model in that dtype) those weight products round, which could
-lift a pair's clipped vector above B: as in ``training.clipping``, the factors then come from an
-upper bound on each pair's norm as it is computed (``rounding_bound``, ``factor_norms``; the
-rounding of ``Gamma k_v`` to bf16 is elementwise relative, so it is charged per pair), and every
-pair's share of the realised sum stays within B.
+Under bf16/fp16 (autocast, or a model in that dtype) a backward's rounding differs from the
+Jacobians' the norms came from, so there step 2 keeps every ``Gamma`` and step 4 forms each
+view's output gradient ``Gamma k_v`` from them, then one product per weight over all tokens; the
+factors come from an upper bound on each pair's norm as it is computed (``rounding_bound``,
+``factor_norms``, as in ``training.clipping``; the rounding of ``Gamma k_v`` to bf16 is
+elementwise relative, so it is charged per pair), and every pair's share of the realised sum
+stays within B.
 
 Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
 Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +58,9 @@ from .clipping import (
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
 
-_CHUNK_ELEMENTS = 1 << 24
-"""Pair tensors are formed for as many rows i at a time as keep them under this many elements."""
+PAIR_BLOCK = 1 << 20
+"""``PairClipper``'s default ``pair_block``: per-pair tensors are formed for as many rows i at a
+time as keep each under this many elements (4 MiB in fp32; see benchmarks/README.md)."""
 
 
 def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -91,8 +98,9 @@ def _loss_weights(e: torch.Tensor, temperature: float) -> tuple[torch.Tensor, to
 def _require_empty_grads(params: list[nn.Parameter]) -> None:
     if any(p.grad is not None for p in params):
         raise RuntimeError(
-            "a contrastive clipped sum is not additive over micro-batches: give accumulate the step's "
-            "whole sample in one call (micro_batch_size=None) and clear .grad (set_to_none) between steps"
+            "a contrastive clipped sum is not additive over micro-batches: give accumulate the "
+            "step's whole sample in one call (micro_batch_size=None) and clear .grad "
+            "(set_to_none) between steps"
         )
 
 
@@ -171,11 +179,34 @@ class ContrastiveEmbedder(nn.Module):
 
 @dataclass
 class _Record:
-    """One layer (or broadcast parameter) met in the forward pass: its input and output."""
+    """One layer (or broadcast parameter) met in the forward pass: its input and output, and
+    whether the backward stops there (its input needs no gradient)."""
 
     owner: nn.Module | nn.Parameter
     a: torch.Tensor | None
     out: torch.Tensor
+    entry: bool
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a gradient. Applied to a gradient inside ``torch.func.vmap`` (the batched
+    backward), its vmap rule sees the whole tensor, cotangents first, and hands it to ``fn``."""
+
+    @staticmethod
+    def forward(g: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        return g
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        """Nothing to save: the tap is never differentiated."""
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, None], g: torch.Tensor, fn: Callable[..., None]
+    ) -> tuple[torch.Tensor, int | None]:
+        dim = in_dims[0]
+        fn(g.expand(info.batch_size, *g.shape) if dim is None else g.movedim(dim, 0))
+        return g, dim
 
 
 class PairClipper:
@@ -186,20 +217,29 @@ class PairClipper:
     mechanism whose sensitivity ``logit_dp_sensitivity(B, tau, m)`` is). Supported trainable
     layers: ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding), ``nn.LayerNorm`` over the last
     dimension, and parameters the model broadcasts itself (``broadcast_parameters``).
+    ``pair_block``: elements per block of per-pair tensors (smaller: less memory, more time).
     """
 
     def __init__(
-        self, model: nn.Module, max_norm: float, temperature: float, max_batch: int | None = None
+        self,
+        model: nn.Module,
+        max_norm: float,
+        temperature: float,
+        max_batch: int | None = None,
+        pair_block: int = PAIR_BLOCK,
     ):
         _check_max_norm(max_norm, temperature)
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
+        if pair_block < 1:
+            raise ValueError(f"pair_block must be positive, got {pair_block}")
         self.model, self.max_norm, self.temperature, self.max_batch = (
             model,
             float(max_norm),
             float(temperature),
             max_batch,
         )
+        self.pair_block = pair_block
         broadcast = list(getattr(model, "broadcast_parameters", list)())
         covered = {id(p) for p in broadcast}
         self.layers: list[nn.Module] = []
@@ -240,8 +280,9 @@ class PairClipper:
         ):
             return
         raise UnsupportedLayerError(
-            f"{type(m).__name__} holds trainable parameters with no per-pair rule; supported: nn.Linear, "
-            "nn.Conv2d (groups 1, zero padding), nn.LayerNorm (last dim), broadcast parameters"
+            f"{type(m).__name__} holds trainable parameters with no per-pair rule; supported: "
+            "nn.Linear, nn.Conv2d (groups 1, zero padding), nn.LayerNorm (last dim), broadcast "
+            "parameters"
         )
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
@@ -255,18 +296,16 @@ class PairClipper:
             full = torch.full((n, n), float("nan"), device=losses.device, dtype=self.norm_dtype)
             return ClipResult(losses, full, torch.zeros_like(full))
         records, e = self._forward(views1, views2)
-        jacobians = self._jacobians(e, records)
-        bad = self._bad_examples(e, records, jacobians)
+        keep = any(r.out.dtype.itemsize < 4 for r in records)  # bf16/fp16: see the module docstring
+        with torch.no_grad():
+            phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
+        shares, kept, finite = self._jacobian_pass(e, records, phi, psi, keep)
+        del records
+        bad = ~(finite[:n] & finite[n:])
         if bool(bad.any()):  # decided per example: the others' clipped sum is the batch without it
-            del records, jacobians, e
+            del kept, e
             return self._without(bad, views1, views2)
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
-            phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
-            used = [(r, jac) for r, jac in zip(records, jacobians, strict=True) if jac is not None]
-            del records, jacobians
-            shares = [
-                self._pair_share(record, jac.to(self.norm_dtype), phi, psi) for record, jac in used
-            ]
             norms = sum(
                 (sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
             ).sqrt()
@@ -274,14 +313,14 @@ class PairClipper:
             del shares
             weights, losses = _loss_weights(e, self.temperature)
             w = weights.to(self.norm_dtype) * factors
-            k = torch.cat(
-                [w @ psi, w.T @ phi]
-            )  # each view's weight on its embedding: sum_ij w_ij Z_ij
-            while used:  # each record's Jacobian goes as soon as its sum is added
-                record, jac = used.pop()
+            k = torch.cat([w @ psi, w.T @ phi])  # each view's cotangent: d(sum_ij w_ij Z_ij)/de
+            while kept:  # each record's Jacobian goes as soon as its sum is added
+                record, jac = kept.pop()
                 self._add_clipped(
                     record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
                 )
+        if not keep:
+            e.backward(k.to(e.dtype))
         return ClipResult(losses, norms, factors)
 
     def _forward(
@@ -298,10 +337,10 @@ class PairClipper:
                     f"{type(module).__name__} is called twice in one forward pass"
                 )
             seen.add(id(module))
-            records.append(_Record(module, args[0].detach(), out))
+            records.append(_Record(module, args[0].detach(), out, args[0].grad_fn is None))
 
         def on_broadcast(param: nn.Parameter, out: torch.Tensor) -> None:
-            records.append(_Record(param, None, out))
+            records.append(_Record(param, None, out, True))
 
         handles = [m.register_forward_hook(on_forward) for m in self.layers]
         hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
@@ -314,32 +353,62 @@ class PairClipper:
             hooks.remove(on_broadcast)
         return records, e
 
-    @staticmethod
-    def _jacobians(e: torch.Tensor, records: list[_Record]) -> list[torch.Tensor | None]:
-        """d(e)/d(out) of every record's output, (d, 2n, *out.shape[1:]): one batched backward."""
+    def _jacobian_pass(
+        self,
+        e: torch.Tensor,
+        records: list[_Record],
+        phi: torch.Tensor,
+        psi: torch.Tensor,
+        keep: bool,
+    ) -> tuple[
+        list[tuple[torch.Tensor, torch.Tensor | None]],
+        list[tuple[_Record, torch.Tensor]],
+        torch.Tensor,
+    ]:
+        """One batched backward of the d cotangents (one per embedding coordinate) from ``e`` down
+        to the records: each record's Jacobian (d, 2n, *out.shape[1:]) is reduced to its pair share
+        (``_pair_share``) as it arrives, then let go, or kept when ``keep`` (the graph is kept
+        otherwise, for the clipped sum's backward). Returns the shares, the kept (record,
+        Jacobian) and (2n,) whether each view's embedding, activations and Jacobians sum to a
+        finite number (a function of the example alone, like everything that decides its pairs)."""
+        shares: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        kept: list[tuple[_Record, torch.Tensor]] = []
+        sums = [e.detach().sum(1)]
+
+        def reduce(record: _Record) -> Callable[[torch.Tensor], None]:
+            def fn(jac: torch.Tensor) -> None:
+                with torch.no_grad(), torch.autocast(jac.device.type, enabled=False):
+                    sums.append(jac.sum([k for k in range(jac.ndim) if k != 1]))
+                    if record.a is not None:
+                        sums.append(record.a.flatten(1).sum(1))
+                    shares.append(self._pair_share(record, jac.to(self.norm_dtype), phi, psi))
+                    if keep:
+                        kept.append((record, jac))
+
+            return lambda g: _Tap.apply(g, fn)
+
+        handles = [r.out.register_hook(reduce(r)) for r in records]
+        targets = [r.out for r in records if r.entry]
         d = e.shape[1]
         basis = torch.eye(d, device=e.device, dtype=e.dtype)[:, None, :].expand(d, *e.shape)
-        return list(
-            torch.autograd.grad(
-                e, [r.out for r in records], basis, allow_unused=True, is_grads_batched=True
-            )
-        )
 
-    @staticmethod
-    def _bad_examples(
-        e: torch.Tensor, records: list[_Record], jacobians: list[torch.Tensor | None]
-    ) -> torch.Tensor:
-        """(n,) examples whose embedding, activations or Jacobians in either view do not sum to a
-        finite number (a function of the example alone, like everything that decides its pairs)."""
-        sums = e.detach().sum(1)
-        for record, jac in zip(records, jacobians, strict=True):
-            if record.a is not None:
-                sums = sums + record.a.flatten(1).sum(1)
-            if jac is not None:
-                sums = sums + jac.sum([k for k in range(jac.ndim) if k != 1])
-        finite = torch.isfinite(sums)
-        n = e.shape[0] // 2
-        return ~(finite[:n] & finite[n:])
+        def backward(cotangent: torch.Tensor) -> list[torch.Tensor]:
+            grads = torch.autograd.grad(
+                e, targets, cotangent, retain_graph=not keep, allow_unused=True
+            )
+            return [g for g in grads if g is not None]
+
+        try:
+            torch.func.vmap(backward)(basis)
+        finally:
+            for h in handles:
+                h.remove()
+        if len(shares) != len(records):
+            raise UnsupportedLayerError(
+                f"{len(records) - len(shares)} recorded layer outputs got no gradient from the "
+                "embeddings: every layer with trainable parameters must feed them"
+            )
+        return shares, kept, torch.isfinite(sum(x.to(self.norm_dtype) for x in sums))
 
     def _without(self, bad: torch.Tensor, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         n, keep = bad.shape[0], (~bad).nonzero().squeeze(1)
@@ -357,27 +426,34 @@ class PairClipper:
         self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This record's share of ||grad Z_ij||^2 (n, n) from its input and output Jacobian, and,
-        when its weight product runs in bf16/fp16, the bound on its rounded norm (``rounding_bound``)."""
-        m = record.owner
+        when its weight product runs in bf16/fp16, the bound on its rounded norm
+        (``rounding_bound``)."""
+        m, block = record.owner, self.pair_block
         if isinstance(m, nn.Parameter):
-            return _direct(_broadcast_jacobian(m, record.out, jac), phi, psi), None
-        sq = torch.zeros(phi.shape[0], phi.shape[0], device=phi.device, dtype=phi.dtype)
-        if isinstance(m, nn.LayerNorm):
-            g = _tokens(m, jac, 2)
-            if m.weight is not None and m.weight.requires_grad:
-                sq += _direct((g * self._normalised(record).reshape(g.shape[1:])).sum(2), phi, psi)
-            if m.bias is not None and m.bias.requires_grad:
-                sq += _direct(g.sum(2), phi, psi)
-            return sq, None
-        a, g = self._inputs(record).to(self.norm_dtype), _tokens(m, jac, 2)
+            return _pair_sq(
+                None, _broadcast_jacobian(m, record.out, jac)[:, :, None], phi, psi, block
+            ), None
+        g = _tokens(m, jac, 2)
+        small = []  # per-view Jacobians (d, 2n, numel) of the bias and a LayerNorm's weight
         if m.bias is not None and m.bias.requires_grad:
-            sq += _direct(g.sum(2), phi, psi)
+            small.append(g.sum(2))
+        if isinstance(m, nn.LayerNorm):
+            if m.weight is not None and m.weight.requires_grad:
+                small.append((g * self._normalised(record).reshape(g.shape[1:])).sum(2))
+            return _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block), None
+        sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block) if small else 0
         if not m.weight.requires_grad:
             return sq, None
-        weight_sq, cross = _outer(a, g, phi, psi, record.out.dtype.itemsize < 4)
-        sq += weight_sq
-        if cross is None:
+        a = self._inputs(record).to(self.norm_dtype)
+        if a.shape[2] <= a.shape[1]:  # no more inputs than tokens: each view's (out, in) products
+            sq = sq + _pair_sq(
+                None, (g.transpose(2, 3) @ a).flatten(2)[:, :, None], phi, psi, block
+            )
+        else:
+            sq = sq + _pair_sq(a, g, phi, psi, block)
+        if record.out.dtype.itemsize >= 4:
             return sq, None
+        cross = _rounding_sums(a, g, phi, psi, block)
         return sq, rounding_bound(sq, cross, record.out.dtype, a.shape[0] * a.shape[1])
 
     def _add_clipped(self, record: _Record, grad_out: torch.Tensor) -> None:
@@ -421,7 +497,8 @@ def _tokens(m: nn.Module, x: torch.Tensor, lead: int) -> torch.Tensor:
 
 
 def _expanded_dims(param: nn.Parameter, out: torch.Tensor) -> list[int]:
-    """The dims of ``out`` a broadcast parameter of size 1 was expanded along (besides the batch)."""
+    """The dims of ``out`` a broadcast parameter of size 1 was expanded along (besides the
+    batch)."""
     if param.ndim != out.ndim or param.shape[0] != 1:
         raise UnsupportedLayerError(
             f"a broadcast parameter of shape {tuple(param.shape)} must be expanded "
@@ -437,66 +514,62 @@ def _broadcast_jacobian(param: nn.Parameter, out: torch.Tensor, jac: torch.Tenso
     return summed.reshape(jac.shape[0], jac.shape[1], -1)
 
 
-def _chunks(n: int, per_pair: int) -> list[slice]:
-    """Row blocks i such that a (rows, n, per_pair) tensor stays under ``_CHUNK_ELEMENTS``."""
-    rows = max(1, _CHUNK_ELEMENTS // max(1, n * per_pair))
+def _blocks(n: int, per_row: int, block: int) -> list[slice]:
+    """Row blocks such that a (rows, per_row) tensor stays under ``block`` elements (one row at
+    least)."""
+    rows = max(1, block // max(1, per_row))
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
-def _direct(jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-    """||J_i^T psi_j + J'_j^T phi_i||^2 (n, n) from per-view Jacobians ``jac`` (d, 2n, p)."""
-    n = phi.shape[0]
-    ja, jb = jac[:, :n], jac[:, n:]
-    sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
-    for rows in _chunks(n, jac.shape[2]):
-        pair = torch.einsum("aip,ja->ijp", ja[:, rows], psi) + torch.einsum(
-            "ajp,ia->ijp", jb, phi[rows]
-        )
-        sq[rows] = pair.square().sum(2)
+def _pair_sq(
+    a: torch.Tensor | None, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, block: int
+) -> torch.Tensor:
+    """||sum_t u_ijt a_it^T + sum_s v_ijs a'_js^T||^2 (n, n), u_ijt = Gamma_it psi_j and
+    v_ijs = Gamma'_js phi_i: one parameter's share of ||grad Z_ij||^2, from the views' inputs
+    ``a`` (2n, T, in) (None: one token of input 1, the Jacobian is the parameter's own) and
+    Jacobians ``g`` = Gamma (d, 2n, T, out).
+
+    The views' own terms come from per-view d x d Grams M_v = sum_{t,t'} (a_t . a_t') Gamma_t^T
+    Gamma_t' as psi_j^T M_i psi_j + phi_i^T M'_j phi_i; only the cross term
+    2 sum_{t,s} (a_it . a'_js)(u_ijt . v_ijs) = 2 sum_a psi_j^a (Gamma_i^a . Y_ij) with
+    Y_ijt = sum_s (a_it . a'_js) v_ijs is formed per pair, in row blocks (u never is)."""
+    d, views, t, o = g.shape
+    n = views // 2
+    per_view = g.transpose(0, 1).flatten(2)  # (2n, d, T out), a view
+    grams = torch.empty(views, d, d, device=g.device, dtype=g.dtype)
+    for rows in _blocks(views, d * t * o, block):
+        x = per_view[rows]
+        if a is not None:
+            x = (a[rows] @ a[rows].mT)[:, None] @ x.unflatten(2, (t, o))
+        grams[rows] = per_view[rows] @ x.flatten(2).mT
+    sq = ((grams[:n] @ psi.T) * psi.T).sum(1) + ((grams[n:] @ phi.T) * phi.T).sum(1).T
+    other = g[:, n:].reshape(d, n * t * o)  # Gamma'_j, a view
+    tokens = None if a is None else a[n:].reshape(n * t, a.shape[2])
+    for rows in _blocks(n, n * t * max(o, t), block):
+        y = (phi[rows] @ other).view(-1, n, t, o)  # v_ij
+        if a is not None:
+            cross = (a[rows].flatten(0, 1) @ tokens.T).view(-1, t, n, t).transpose(1, 2)
+            y = cross @ y
+        z = per_view[rows] @ y.flatten(2).mT  # (rows, d, n): Gamma_i^a . Y_ij
+        sq[rows] += 2 * (z * psi.T).sum(1)
     return sq
 
 
-def _outer(
-    a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, cross: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight's share of ||grad Z_ij||^2 (n, n) and (when ``cross``) the pair's
-    sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n, n), which bounds the effect of rounding
-    its operands: the pair gradient is u_ij^T a_i + v_ij^T a'_j with u_ij = Gamma_i psi_j (T, out),
-    v_ij = Gamma'_j phi_i; ``a`` (2n, T, in), ``g`` (d, 2n, T, out).
-
-    Either the (out, in) product is formed per pair, or (the ghost norm) the two views' own terms
-    come from per-view d x d Grams M_v = sum_{t,t'} (a_t . a_t') Gamma_t^T Gamma_t' as
-    psi_j^T M_i psi_j + phi_i^T M'_j phi_i, and only the cross term is formed per pair:
-    2 sum_{t,s} (a_it . a'_js)(u_ijt . v_ijs)."""
-    n, t, k, o = phi.shape[0], a.shape[1], a.shape[2], g.shape[3]
-    aa, ab = a[:n], a[n:]
-    ga, gb = g[:, :n], g[:, n:]
-    materialise = 2 * k * o < t * (k + o)  # per pair: the product vs the cross term's token Grams
-    sq = torch.empty(n, n, device=phi.device, dtype=phi.dtype)
-    sums = torch.empty_like(sq) if cross else None
-    token_norms = a.norm(dim=2) if cross else None  # (2n, T)
-    if not materialise:
-        views = g.permute(1, 2, 3, 0)  # (2n, T, out, d)
-        grams = torch.einsum(
-            "vtoa,vtob->vab", views, torch.einsum("vts,vsod->vtod", a @ a.transpose(1, 2), views)
-        )
-        sq.copy_(
-            torch.einsum("iab,ja,jb->ij", grams[:n], psi, psi)
-            + torch.einsum("jab,ia,ib->ij", grams[n:], phi, phi)
-        )
-    for rows in _chunks(n, max(2 * t * o, k * o if materialise else t * t)):
-        u = torch.einsum("aito,ja->ijto", ga[:, rows], psi)
-        v = torch.einsum("ajso,ia->ijso", gb, phi[rows])
-        if materialise:
-            w = torch.einsum("ijto,itk->ijok", u, aa[rows]) + torch.einsum("ijso,jsk->ijok", v, ab)
-            sq[rows] = w.square().sum((2, 3))
-        else:
-            pairs = torch.einsum("itk,jsk->ijts", aa[rows], ab)  # (r, n, T, T)
-            sq[rows] += 2 * (u * (pairs @ v)).sum((2, 3))
-        if sums is not None:
-            own, other = token_norms[rows, None], token_norms[None, n:]  # ||a_it||, ||a'_js||
-            sums[rows] = (u.norm(dim=3) * own).sum(2) + (v.norm(dim=3) * other).sum(2)
-    return sq, sums
+def _rounding_sums(
+    a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, block: int
+) -> torch.Tensor:
+    """sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n, n), which bounds the effect of
+    rounding the operands of a weight's product (``rounding_bound``); ``_pair_sq``'s notation."""
+    d, views, t, o = g.shape
+    n = views // 2
+    norms = a.norm(dim=2)  # (2n, T)
+    other = g[:, n:].reshape(d, n * t * o)
+    sums = torch.empty(n, n, device=g.device, dtype=g.dtype)
+    for rows in _blocks(n, n * t * o, block):
+        u = (psi @ g[:, rows].reshape(d, -1)).view(n, -1, t, o)  # u_ij, indexed [j, i]
+        v = (phi[rows] @ other).view(-1, n, t, o)
+        sums[rows] = (u.norm(dim=3) * norms[rows]).sum(2).T + (v.norm(dim=3) * norms[n:]).sum(2)
+    return sums
 
 
 class BatchClipper:
