@@ -16,9 +16,6 @@ if TYPE_CHECKING:
 
 __all__ = ["register_org", "register_serve", "register_token", "register_trust"]
 
-TOKEN_ACTIONS = ("create", "list", "revoke")
-LIST_ADD_REMOVE = ("add", "list", "remove")
-
 
 def register_serve(sub: Any) -> None:
     require_extra("serve", "fastapi", "uvicorn")
@@ -92,7 +89,7 @@ def _admin_command(
     name: str,
     handler: Callable[[argparse.Namespace], None],
     help: str,
-    actions: tuple[str, ...],
+    actions: tuple[str, ...] = ("add", "list", "remove"),
 ) -> argparse.ArgumentParser:
     """A command that changes or lists one of the hub's files (its first argument: the action);
     a running server reads the file again, so it needs no restart."""
@@ -122,8 +119,9 @@ def _tokens_file(args: argparse.Namespace) -> Iterator[tuple[Settings, Path]]:
 
 
 def register_token(sub: Any) -> None:
+    actions = ("create", "list", "revoke")
     p = _admin_command(
-        sub, "token", _token, "create, list or revoke the hub's access tokens", TOKEN_ACTIONS
+        sub, "token", _token, "create, list or revoke the hub's access tokens", actions
     )
     p.add_argument(
         "--name",
@@ -155,13 +153,7 @@ def _token(args: argparse.Namespace) -> None:
 
 
 def register_org(sub: Any) -> None:
-    p = _admin_command(
-        sub,
-        "org",
-        _org,
-        "add or remove members of the hub's organisations, or list them",
-        LIST_ADD_REMOVE,
-    )
+    p = _admin_command(sub, "org", _org, "add, list or remove the hub's organisation members")
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
     p.add_argument("--member", help="the user (a token's name) to add or remove")
     _tokens_file_options(p)
@@ -189,13 +181,7 @@ def _org(args: argparse.Namespace) -> None:
 
 
 def register_trust(sub: Any) -> None:
-    p = _admin_command(
-        sub,
-        "trust",
-        _trust,
-        "add, list or remove the public keys whose signatures the hub accepts",
-        LIST_ADD_REMOVE,
-    )
+    p = _admin_command(sub, "trust", _trust, "add, list or remove the public keys the hub trusts")
     p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
     p.add_argument(
         "public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)"

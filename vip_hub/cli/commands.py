@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..privacy.accounting import Accountant
+from ..privacy.sensitivity import PER_EXAMPLE_MECHANISMS
 from ..repo_format import DEFAULT_BRANCH
 from .main import CommandError, add_command
 
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 # Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
 ACCOUNTANTS = tuple(a.value for a in Accountant)
-MECHANISMS = ("DP-AdamW", "DP-Adam", "DP-SGD")
 SIZES = ("nano", "tiny", "small", "base", "large")
 VIP_ARCHS = tuple(f"vip-{s}" for s in SIZES)
 DPCAP_ARCHS = tuple(f"dpcap-{s}" for s in SIZES)
@@ -37,7 +37,11 @@ __all__ = [
 ]
 
 
-def _accountant_arg(p: argparse.ArgumentParser) -> None:
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """The options of a run of Poisson-sampled Gaussian steps: q, T, delta, the accountant."""
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
+    p.add_argument("--steps", type=int, required=True, help="number of steps T")
+    p.add_argument("--delta", type=float, required=True)
     p.add_argument(
         "--accountant",
         choices=ACCOUNTANTS,
@@ -48,37 +52,26 @@ def _accountant_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
-    print(json.dumps(payload) if args.json else text)
+    """Print the result: ``payload`` and the run's options as JSON (--json), else ``text``
+    followed by the run's options."""
+    run = {k: getattr(args, k) for k in ("sample_rate", "steps", "delta", "accountant")}
+    options = f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}"
+    print(json.dumps(payload | run) if args.json else f"{text} for {options}")
 
 
 # ------------------------------------------------------------------------- epsilon
 def register_epsilon(sub: Any) -> None:
     p = add_command(sub, "epsilon", _epsilon, "epsilon spent by T Poisson-sampled Gaussian steps")
     p.add_argument("--sigma", type=float, required=True, help="noise multiplier")
-    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
-    p.add_argument("--steps", type=int, required=True, help="number of steps T")
-    p.add_argument("--delta", type=float, required=True)
-    _accountant_arg(p)
+    _run_args(p)
 
 
 def _epsilon(args: argparse.Namespace) -> None:
     from ..privacy.accounting import epsilon
 
     eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, args.accountant)
-    payload = {
-        "epsilon": eps,
-        "sigma": args.sigma,
-        "sample_rate": args.sample_rate,
-        "steps": args.steps,
-        "delta": args.delta,
-        "accountant": args.accountant,
-    }
-    _emit(
-        args,
-        payload,
-        f"epsilon = {eps:.4f} ({args.accountant}) for sigma={args.sigma:g}, "
-        f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}",
-    )
+    text = f"epsilon = {eps:.4f} ({args.accountant}) with sigma={args.sigma:g}"
+    _emit(args, {"epsilon": eps, "sigma": args.sigma}, text)
 
 
 # ----------------------------------------------------------------------- calibrate
@@ -87,10 +80,7 @@ def register_calibrate(sub: Any) -> None:
         sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon"
     )
     p.add_argument("--epsilon", type=float, required=True, help="target epsilon")
-    p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q = B/n")
-    p.add_argument("--steps", type=int, required=True, help="number of steps T")
-    _accountant_arg(p)
+    _run_args(p)
 
 
 def _calibrate(args: argparse.Namespace) -> None:
@@ -98,21 +88,9 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     sigma = calibrate(args.epsilon, args.delta, args.sample_rate, args.steps, args.accountant)
     spent = epsilon(sigma, args.sample_rate, args.steps, args.delta, args.accountant)
-    payload = {
-        "sigma": sigma,
-        "epsilon": spent,
-        "target_epsilon": args.epsilon,
-        "delta": args.delta,
-        "sample_rate": args.sample_rate,
-        "steps": args.steps,
-        "accountant": args.accountant,
-    }
-    _emit(
-        args,
-        payload,
-        f"sigma = {sigma:.6g} (gives epsilon {spent:.4f} <= {args.epsilon:g}, "
-        f"{args.accountant}) for q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}",
-    )
+    payload = {"sigma": sigma, "epsilon": spent, "target_epsilon": args.epsilon}
+    text = f"sigma = {sigma:.6g} (gives epsilon {spent:.4f} <= {args.epsilon:g}, {args.accountant})"
+    _emit(args, payload, text)
 
 
 # -------------------------------------------------------------------------- verify
@@ -190,7 +168,7 @@ def _import_args(
     g.add_argument("--steps", type=int, help="DP steps T")
     g.add_argument("--clip", type=float, help="clipping norm C")
     g.add_argument("--delta", type=float, help=delta_help)
-    g.add_argument("--mechanism", default="DP-AdamW", choices=MECHANISMS)
+    g.add_argument("--mechanism", default="DP-AdamW", choices=PER_EXAMPLE_MECHANISMS)
     g.add_argument(
         "--sampling",
         choices=("poisson", "shuffle"),
