@@ -54,7 +54,7 @@ class Encoder:
     @property
     def can_caption(self) -> bool:
         """Whether the repo carries a text decoder and its vocabulary
-        (``vip_hub.load_captioner``)."""
+        (:func:`load_captioner`)."""
         return self.spec.family.captions and can_caption(os.listdir(self.path))
 
     def check_pooling(self, pooling: str) -> None:

@@ -1,5 +1,5 @@
 """The ``vip-hub`` command line. Sub-commands are plugins registered by each package under
-the ``vip_hub.cli.commands`` entry-point group, so this library never imports training/ or
+the ``vip_hub.commands`` entry-point group, so this library never imports training/ or
 service/. Each entry point is a function taking the argparse sub-parsers object.
 
 A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line

@@ -18,7 +18,9 @@ so ``training.clipping.PerExampleClipper`` can clip it per example. ``Captioner`
 decoder) returns per-example losses, as a DP recipe needs.
 
 A repo stores the decoder in ``text_decoder.safetensors`` (its ``TextDecoderConfig`` in the
-metadata) and the tokenizer's vocabulary in ``vocab.txt``; ``load_captioner`` loads both.
+metadata) and the tokenizer's vocabulary in ``vocab.txt``; that file I/O is in
+``vip_hub.repo.files`` (``text_decoder_file``, ``load_text_decoder``), and
+``vip_hub.loading.load_captioner`` loads a captioning repo.
 """
 
 from __future__ import annotations
