@@ -44,6 +44,7 @@ from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
 from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, NAME_PATTERN
 from .accounting import Accountant, composed_epsilon, default_delta, epsilons
+from .sensitivity import MechanismName
 
 SCHEMA = "vip-hub/privacy-ledger/v3"
 EPSILON_DECIMALS = 6
@@ -60,8 +61,6 @@ _OLD_SCHEMAS = {
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
 """A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
 
-MechanismName = Literal["DP-SGD", "DP-Adam", "DP-AdamW", "Logit-DP", "Naive-DP"]
-"""The mechanisms a DP stage may name (each fixes how its sensitivity is computed)."""
 Sampling = Literal["poisson", "shuffle"]
 
 __all__ = [

@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..errors import AccountingError
 
 __all__ = [
     "CONTRASTIVE_LOSS",
     "PER_EXAMPLE_MECHANISMS",
+    "MechanismName",
+    "PerExampleMechanism",
     "logit_dp_sensitivity",
     "logit_dp_sensitivity_at",
     "naive_dp_sensitivity",
     "sensitivity",
 ]
 
-PER_EXAMPLE_MECHANISMS = ("DP-SGD", "DP-Adam", "DP-AdamW")
+PerExampleMechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW"]
+PER_EXAMPLE_MECHANISMS: tuple[str, ...] = get_args(PerExampleMechanism)
+MechanismName = Literal[PerExampleMechanism, "Logit-DP", "Naive-DP"]
+"""The mechanisms a DP stage may name (each fixes how its sensitivity is computed)."""
 CONTRASTIVE_LOSS = "symmetric-infonce"
 """L = sum_i (CE(Z_i. / tau, i) + CE(Z_.i / tau, i)) / 2 over cosine similarities Z (the rows
 and the columns of the similarity matrix each a softmax over the other view)."""
