@@ -2,83 +2,173 @@
 Tramer & Boneh's table (ICLR 2021): end-to-end CNN 86.0, ScatterNet + linear 89.7,
 ScatterNet + CNN 89.0 (test top-1, %).
 
-Rows built so far, each a DP linear head (``training.probe.fit_probe``: Opacus DP-SGD, Poisson
-sampling, sigma from our accountant, noise and sampling from a per-run secret) on fixed features:
+A row is a released classifier: features, then a DP linear head (``training.probe.fit_probe``:
+Opacus DP-SGD, Poisson sampling, sigma from our accountant, noise and sampling from a per-run
+secret). Its guarantee is with respect to the private train split (declared
+``public-benchmarks/fashion-mnist-train``, delta 1e-5 passed explicitly) and composes every DP
+stage the classifier depends on (``compose_releases``; RDP is the claim, PRV and PLD printed
+beside it). The standard test split is public.
 
 - raw pixels, scaled to [-1, 1] (a public per-example rule);
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of
   channels per example (no statistics across examples), as in the paper;
-- (Syn)-ViP: the ``vip`` features of the encoder ``vip-hub train-syn`` makes with the main
-  job's settings (procedural images only: no private data; the whole budget on the head).
+- (Syn)-ViP: the ``vip`` features of a ``train-syn`` encoder (procedural images only: no
+  private data, so the whole budget goes to the head);
+- ViP, DP-Cap, Logit-DP and Naive-DP: an encoder trained on the private split by its recipe
+  (``train_vip``, ``train_dpcap`` with captions by ``CAPTION_TEMPLATE`` over the class names,
+  ``train_logit_dp``), from a (Syn) encoder, at ``ENCODER_EPSILON``; the head gets the rest
+  (``head_epsilon``). Each head sees that encoder's exported features only.
 
-The train split is private (declared ``public-benchmarks/fashion-mnist-train``, delta 1e-5
-passed explicitly); the standard test split is public. Hyperparameters are fixed in code
-(the paper's: batch n/8, clipping 0.1, learning rate 16, momentum 0.9), never tuned here.
-Each row's non-private reference (the same features and head without DP) is printed here
-only, never released. Features are cached under ``--work``; ``--train-size`` takes the first
-N training records (a public rule), and the table says so.
+Settings are fixed in code (``SCHEDULE``; heads: the paper's batch n/8, clipping 0.1, learning
+rate 16, momentum 0.9). ``--tune ROWS`` picks those rows' head learning rate from
+``HEAD_LR_GRID`` on a validation split carved from train by a keyed hash under a secret (never
+the test split); the table says which rows were tuned and how many configurations were tried.
+Each row's non-private reference (the same features, a head without DP) is printed here only.
+Features and trained encoders are cached under ``--work``; ``--train-size`` takes the first N
+training records (a public rule), and the table says so.
 
     python benchmarks/utility.py [--train-size 60000] [--test-size 10000] [--epochs 100] \
-        [--rows pixels,scatter,syn] [--device cpu|cuda] [--data FOLDER] [--work var/utility]
+        [--rows pixels,scatter,syn,vip,dpcap,logit-dp,naive-dp] [--tune ROWS] \
+        [--device cpu|cuda] [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import platform
-import sys
+import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from scipy.optimize import brentq
 from tqdm.auto import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from training.datasets import (
-    FASHION_MNIST_CLASSES,
     FASHION_MNIST_TRAIN,
     LabelledArrays,
     fashion_mnist,
+    keyed_uniforms,
 )
 from training.probe import ProbeConfig, accuracy, fit_probe
-from vip_hub.privacy.accounting import Accountant
-from vip_hub.privacy.ledger import DPStage, compose_releases
+from vip_hub.errors import AccountingError, DataError
+from vip_hub.loading import load_encoder
+from vip_hub.privacy.accounting import Accountant, composed_epsilon, epsilon
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
+from vip_hub.repo_format import LEDGER_FILE, head_component
 
 EPSILON, DELTA = 3.0, 1e-5
+ENCODER_EPSILON = 2.0
+"""The split rule: an encoder trained on the private split spends epsilon 2 (RDP, at DELTA);
+its head is calibrated so that encoder and head compose to EPSILON (``head_epsilon``). A row
+with no private encoder puts the whole EPSILON on its head."""
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}
 """Tramer & Boneh 2021, Fashion-MNIST at (3, 1e-5), test top-1 in %."""
 STEPS_PER_EPOCH = 8  # the paper's batch 8192 of 60,000: q = 1/8 at any n
 CLIP, LR = 0.1, 16.0
+HEAD_LR_GRID = (4.0, 16.0, 64.0)
+"""Head learning rates ``--tune`` tries (clipping and batch stay the paper's)."""
+VALIDATION_RATE = 0.1
+"""Share of the training records a tuned row holds out for validation (by a keyed hash)."""
 SCATTER_J, SCATTER_GROUPS = 2, 27
-SYN_SETTINGS = {
-    "arch": "vip-nano",
-    "img_size": 32,
-    "patch_size": 8,
-    "steps": 200,
-    "batch_size": 64,
-    "decoder_dim": 256,
-    "decoder_depth": 2,
-    "decoder_heads": 8,
-    "seed": 0,
-}
-"""The main job's (Syn)-ViP pretraining (``training.main_job.MainJobConfig`` defaults)."""
 CHUNK = 1000
+PUBLIC_IMAGES = 256
+"""Procedural images whose features fix a learned row's head normalisation (the probe's rule)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every training run's size, fixed in code (public choices, not tuned): the (Syn) MAEs
+    (``SynConfig`` fields but ``arch`` and ``steps``), their steps per architecture, and each DP
+    recipe's config fields."""
+
+    syn: dict[str, Any] = field(
+        default_factory=lambda: {
+            "img_size": 32,
+            "patch_size": 8,
+            "batch_size": 64,
+            "decoder_dim": 256,
+            "decoder_depth": 2,
+            "decoder_heads": 8,
+            "seed": 0,
+        }
+    )
+    syn_steps: dict[str, int] = field(default_factory=lambda: {"vip-nano": 200, "dpcap-nano": 60})
+    vip: dict[str, Any] = field(
+        default_factory=lambda: {"batch_size": 256, "steps": 70, "micro_batch_size": 128}
+    )
+    dpcap: dict[str, Any] = field(
+        default_factory=lambda: {"batch_size": 256, "steps": 30, "micro_batch_size": 128}
+    )
+    contrastive: dict[str, Any] = field(
+        default_factory=lambda: {"batch_size": 32, "steps": 30, "temperature": 1.0}
+    )
+
+    def recipes(self) -> dict[str, dict[str, Any]]:
+        """Each DP encoder recipe's settings by name."""
+        return {"ViP": self.vip, "DP-Cap": self.dpcap, "Logit-DP/Naive-DP": self.contrastive}
+
+    def with_steps(self, steps: int) -> Schedule:
+        """This schedule with every DP encoder recipe run for ``steps`` steps."""
+        return replace(
+            self,
+            vip={**self.vip, "steps": steps},
+            dpcap={**self.dpcap, "steps": steps},
+            contrastive={**self.contrastive, "steps": steps},
+        )
+
+
+SCHEDULE = Schedule()
+
+
+@dataclass
+class Bench:
+    """One benchmark run: the data, where it caches, and how it trains."""
+
+    train: LabelledArrays
+    test: LabelledArrays
+    work: Path
+    device: str = "cpu"
+    epochs: int = 100
+    schedule: Schedule = SCHEDULE
+    tune: frozenset[str] = frozenset()
+    workers: int = 0
 
 
 @dataclass
 class Features:
-    """One row's features: train and test (N, D), and public features fixing the head's normalisation."""
+    """One row's features: train and test (N, D), public features fixing the head's
+    normalisation, and the DP stages (on the private split) that made the encoder."""
 
     train: torch.Tensor
     test: torch.Tensor
     public: torch.Tensor
     what: str
+    stages: list[DPStage] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """One row of the table: the DP classifier's test top-1 and every DP stage it rests on."""
+
+    row: str
+    what: str
+    dp: float
+    ref: float | None
+    stages: list[DPStage]
+    tried: int  # head configurations tried on the validation split (0: fixed in code)
+    lr: float
+    make_s: float
+    cached: bool
+    head_s: float
+    load: float
 
 
 def _identity_norm(dim: int) -> torch.Tensor:
@@ -92,153 +182,462 @@ def _pixels(data: LabelledArrays) -> torch.Tensor:
     return torch.from_numpy(data.images.reshape(len(data), -1).astype(np.float32) / 127.5 - 1.0)
 
 
-def pixel_features(train: LabelledArrays, test: LabelledArrays) -> Features:
+def pixel_features(b: Bench) -> Features:
     """Raw pixels; the head's normalisation is the identity."""
-    x = _pixels(train)
-    return Features(x, _pixels(test), _identity_norm(x.shape[1]), "784 pixels in [-1, 1]")
+    x = _pixels(b.train)
+    return Features(x, _pixels(b.test), _identity_norm(x.shape[1]), "784 pixels in [-1, 1]")
 
 
-def scatter_features(train: LabelledArrays, test: LabelledArrays, device: str) -> Features:
+def scatter_features(b: Bench) -> Features:
     """ScatterNet (J = 2, L = 8) on 28 x 28, then GroupNorm over groups of channels, per example."""
     from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 
-    scattering = ScatteringTorch2D(J=SCATTER_J, shape=(28, 28), L=8).to(device)
+    scattering = ScatteringTorch2D(J=SCATTER_J, shape=(28, 28), L=8).to(b.device)
 
     def run(data: LabelledArrays, desc: str) -> torch.Tensor:
         out = []
         for start in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False):
-            x = torch.from_numpy(data.images[start : start + CHUNK].astype(np.float32) / 255).to(
-                device
-            )
-            s = scattering(x)  # (n, 81, 7, 7)
+            x = torch.from_numpy(data.images[start : start + CHUNK].astype(np.float32) / 255)
+            s = scattering(x.to(b.device))  # (n, 81, 7, 7)
             out.append(torch.nn.functional.group_norm(s, SCATTER_GROUPS, eps=1e-5).flatten(1).cpu())
         return torch.cat(out)
 
-    x = run(train, "scattering train")
+    x = run(b.train, "scattering train")
     return Features(
         x,
-        run(test, "scattering test"),
+        run(b.test, "scattering test"),
         _identity_norm(x.shape[1]),
         f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example",
     )
 
 
-def syn_features(train: LabelledArrays, test: LabelledArrays, device: str, work: Path) -> Features:
-    """The (Syn)-ViP encoder's ``vip`` features (trained once into ``work``); its head's
-    normalisation is fixed to the features of public procedural images, as the probe does."""
-    from training.procedural import SyntheticImages
-    from training.syn import SynConfig, train_syn
-    from vip_hub.loading import load_encoder
+def _stamp(settings: dict[str, Any]) -> str:
+    """A short digest of a run's settings: its cache folder's name changes with them."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
 
-    repo = work / "vip-nano-syn"
-    if not (repo / "config.json").exists():
-        train_syn(SynConfig(out=str(repo), model_name=repo.name, device=device, **SYN_SETTINGS))
-    encoder = load_encoder(repo, device=device)
+
+def syn_repo(b: Bench, arch: str) -> Path:
+    """The (Syn) MAE of ``arch``'s family (procedural images only), trained once into the work
+    folder."""
+    from training.syn import SynConfig, train_syn
+
+    settings = {"arch": arch, "steps": b.schedule.syn_steps[arch], **b.schedule.syn}
+    repo = b.work / "encoders" / f"{arch}-syn-{_stamp(settings)}"
+    if not (repo / LEDGER_FILE).exists():
+        train_syn(
+            SynConfig(
+                out=str(repo),
+                model_name=f"{arch}-syn",
+                device=b.device,
+                workers=b.workers,
+                **settings,
+            )
+        )
+    return repo
+
+
+def private_repo(
+    b: Bench, name: str, train: Callable[..., Path], config: Any, **fields: Any
+) -> Path:
+    """An encoder trained on the private split by a DP recipe (``train(config(...))``) at
+    ``ENCODER_EPSILON``, trained once into the work folder (a secret seed, kept in its run
+    folder, draws its noise and sampling)."""
+    settings = {
+        "epsilon": ENCODER_EPSILON,
+        "delta": DELTA,
+        "dataset_name": b.train.dataset.name,
+        "dataset_size": len(b.train),
+        **fields,
+    }
+    repo = b.work / "encoders" / f"{name}-{len(b.train)}-{_stamp(settings)}"
+    if not (repo / LEDGER_FILE).exists():
+        train(
+            config(
+                out=str(repo),
+                model_name=name,
+                device=b.device,
+                workers=b.workers,
+                seed=None,
+                **settings,
+            )
+        )
+    return repo
+
+
+def private_images(b: Bench, captions: bool = False) -> Path:
+    """The private split as the image folder the recipes read (with captions by the public
+    template over the class names for DP-Cap), written once."""
+    from training.datasets import write_caption_folder, write_image_folder
+
+    kind = "captions" if captions else "images"
+    root = b.work / "data" / f"train-{len(b.train)}-{kind}"
+    if not root.exists():
+        write = write_caption_folder if captions else write_image_folder
+        write(b.train, root, b.train.classes)
+    return root
+
+
+def encoder_features(b: Bench, repo: Path, pooling: str, what: str) -> Features:
+    """An exported encoder's ``pooling`` features of train and test, its head's normalisation
+    fixed to its features of public procedural images (the probe's rule), and its ledger's DP
+    stages."""
+    from training.procedural import SyntheticImages
+
+    encoder = load_encoder(repo, device=b.device)
 
     def run(data: LabelledArrays, desc: str) -> torch.Tensor:
         return torch.cat(
             [
-                encoder.embed([data.pil(i) for i in range(s, min(s + CHUNK, len(data)))], "vip")
+                encoder.embed([data.pil(i) for i in range(s, min(s + CHUNK, len(data)))], pooling)
                 for s in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False)
             ]
         )
 
     synth = SyntheticImages(encoder.spec.img_size, seed=1)
-    public = encoder.embed(torch.stack([synth[i] for i in range(256)]), "vip")
+    public = encoder.embed(torch.stack([synth[i] for i in range(PUBLIC_IMAGES)]), pooling)
+    ledger = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
     return Features(
-        run(train, "(Syn)-ViP train"),
-        run(test, "(Syn)-ViP test"),
+        run(b.train, f"{repo.name} train"),
+        run(b.test, f"{repo.name} test"),
         public,
-        f"(Syn)-ViP vip-nano ({SYN_SETTINGS['steps']} steps on procedural images), vip features",
+        what,
+        ledger.dp_stages(),
     )
 
 
-def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float]:
-    """Features from ``path`` (a tensor file this script wrote), else made and saved; and the seconds spent making them."""
+def syn_features(b: Bench) -> Features:
+    """(Syn)-ViP's ``vip`` features: no private data."""
+    steps = b.schedule.syn_steps["vip-nano"]
+    return encoder_features(
+        b, syn_repo(b, "vip-nano"), "vip", f"(Syn)-ViP vip-nano ({steps} steps), vip features"
+    )
+
+
+def vip_features(b: Bench) -> Features:
+    """ViP: the (Syn)-ViP MAE trained on the private images with DP-AdamW; ``vip`` features."""
+    from training.vip import VipConfig, train_vip
+
+    s = b.schedule.vip
+    init = syn_repo(b, "vip-nano")
+    repo = private_repo(
+        b, "vip-nano-vip", train_vip, VipConfig, init=str(init), data=str(private_images(b)), **s
+    )
+    return encoder_features(
+        b, repo, "vip", f"ViP vip-nano (DP-AdamW MAE, {s['steps']} x {s['batch_size']}), vip"
+    )
+
+
+def dpcap_features(b: Bench) -> Features:
+    """DP-Cap: a (Syn) DP-Cap encoder trained to caption the private images (the public
+    template over their class names) with DP-AdamW; ``dpcap`` features."""
+    from training.datasets import class_public_captions, class_vocabulary
+    from training.dpcap import DPCapConfig, train_dpcap
+
+    s = b.schedule.dpcap
+    text = b.work / "data" / "text"
+    text.mkdir(parents=True, exist_ok=True)
+    vocab, public = text / "vocab.txt", text / "public-captions.txt"
+    vocab.write_bytes(class_vocabulary(b.train.classes))
+    public.write_text("\n".join(class_public_captions(b.train.classes)) + "\n", "utf-8")
+    repo = private_repo(
+        b,
+        "dpcap-nano-dpcap",
+        train_dpcap,
+        DPCapConfig,
+        init=str(syn_repo(b, "dpcap-nano")),
+        data=str(private_images(b, captions=True)),
+        vocab=str(vocab),
+        public_captions=str(public),
+        **s,
+    )
+    return encoder_features(
+        b, repo, "dpcap", f"DP-Cap dpcap-nano (DP-AdamW captions, {s['steps']} x {s['batch_size']})"
+    )
+
+
+def contrastive_features(mechanism: str) -> Callable[[Bench], Features]:
+    """Logit-DP (per-pair clipping) or Naive-DP (the whole batch clipped): the top blocks of the
+    (Syn)-ViP encoder trained contrastively on the private images; ``avg`` features."""
+
+    def make(b: Bench) -> Features:
+        from training.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
+
+        s = b.schedule.contrastive
+        m = ContrastiveMechanism(mechanism)
+        repo = private_repo(
+            b,
+            f"vip-nano-{mechanism}",
+            train_logit_dp,
+            LogitDPConfig,
+            init=str(syn_repo(b, "vip-nano")),
+            data=str(private_images(b)),
+            mechanism=m.value,
+            **s,
+        )
+        what = f"{m.ledger_name} vip-nano ({s['steps']} x {s['batch_size']}), avg features"
+        return encoder_features(b, repo, "avg", what)
+
+    return make
+
+
+def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, bool]:
+    """Features from ``path`` (a file this script wrote), else made and saved; with the seconds
+    making them took (then or now) and whether they came from the cache."""
     if path.exists():
         blob = torch.load(path, weights_only=True)
-        return Features(blob["train"], blob["test"], blob["public"], blob["what"]), 0.0
+        stages = [DPStage.model_validate_json(s) for s in blob["stages"]]
+        f = Features(blob["train"], blob["test"], blob["public"], blob["what"], stages)
+        return f, float(blob["make_s"]), True
     start = time.perf_counter()
     f = make()
+    seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"train": f.train, "test": f.test, "public": f.public, "what": f.what}, path)
-    return f, time.perf_counter() - start
+    blob = {
+        "train": f.train,
+        "test": f.test,
+        "public": f.public,
+        "what": f.what,
+        "stages": [s.model_dump_json() for s in f.stages],
+        "make_s": seconds,
+    }
+    torch.save(blob, path)
+    return f, seconds, False
 
 
-def head_config(n: int, epochs: int, epsilon: float | None) -> ProbeConfig:
-    """The paper's DP-SGD settings (expected batch n / 8, clipping 0.1, lr 16) for a DP head; for
-    the non-private reference the same schedule with SGD at lr 0.1."""
-    dp = epsilon is not None
+def head_plan(n: int, epochs: int) -> tuple[int, float, int]:
+    """A DP head's expected batch, sample rate and steps on ``n`` records: batch n / 8 (q = 1/8,
+    the paper's), ``epochs`` passes (as ``fit_probe`` plans them)."""
+    batch = -(-n // STEPS_PER_EPOCH)
+    per_epoch = -(-n // batch)
+    return batch, 1.0 / per_epoch, epochs * per_epoch
+
+
+def head_epsilon(prior: Sequence[DPStage], sample_rate: float, steps: int) -> float:
+    """The head's own target epsilon (RDP at DELTA): EPSILON after no DP stage, else the epsilon
+    of a noise multiplier whose composition with ``prior`` is within 1e-3 below EPSILON (Brent's
+    root finding on the composed RDP epsilon). Calibrating to it gives at least that noise."""
+    if not prior:
+        return EPSILON
+    history = [s.mechanism_tuple for s in prior]
+    spent = composed_epsilon(history, DELTA, Accountant.RDP)
+    if spent >= EPSILON:
+        raise AccountingError(
+            f"the encoder's stages already spend epsilon {spent:.3f} >= {EPSILON} at delta {DELTA}"
+        )
+    target = EPSILON - 1e-3
+
+    def excess(sigma: float) -> float:
+        run = (sigma, sample_rate, steps)
+        return composed_epsilon([*history, run], DELTA, Accountant.RDP) - target
+
+    lo, hi = 0.5, 1.0
+    while excess(hi) > 0:
+        lo, hi = hi, 2 * hi
+    while excess(lo) <= 0:
+        lo, hi = lo / 2, lo
+    sigma = brentq(excess, lo, hi, xtol=1e-4)
+    if excess(sigma) > 1e-3:
+        raise AccountingError(f"no head noise multiplier found for epsilon {EPSILON}")
+    return epsilon(sigma, sample_rate, steps, DELTA, Accountant.RDP)
+
+
+def head_config(n: int, epochs: int, eps: float | None, lr: float = LR) -> ProbeConfig:
+    """The paper's DP-SGD settings (expected batch n / 8, clipping 0.1, lr 16) for a DP head at
+    ``eps``; for the non-private reference (``eps`` None) the same schedule with SGD at 0.1."""
+    dp = eps is not None
     return ProbeConfig(
         encoder="",
         data="",
         dataset_name=FASHION_MNIST_TRAIN,
-        epsilon=epsilon,
+        epsilon=eps,
         delta=DELTA if dp else None,
-        batch_size=-(-n // STEPS_PER_EPOCH),
+        batch_size=head_plan(n, epochs)[0],
         epochs=epochs,
         warmup_epochs=max(1, epochs // 10),
         optimizer="sgd",
-        lr=LR if dp else 0.1,
+        lr=lr if dp else 0.1,
         max_grad_norm=CLIP,
         seed=0,
     )
 
 
-def run_row(
-    name: str, f: Features, train: LabelledArrays, test: LabelledArrays, epochs: int
-) -> dict[str, object]:
-    """A DP head and its non-private reference on one row's features."""
-    y, yt = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
-    start = time.perf_counter()
-    cfg = head_config(len(train), epochs, EPSILON)
-    head, dp = fit_probe(
-        f.train, y, len(FASHION_MNIST_CLASSES), cfg, public_x=f.public, desc=f"{name}, DP"
-    )
-    dp_time = time.perf_counter() - start
+def dp_head(
+    f: Features, x: torch.Tensor, y: torch.Tensor, data: LabelledArrays, epochs: int, lr: float
+) -> tuple[Any, DPStage]:
+    """A DP head on features ``x`` of ``data``'s records, calibrated so that it composes with
+    the encoder's stages to EPSILON; and its ledger stage."""
+    _, q, steps = head_plan(len(y), epochs)
+    cfg = head_config(len(y), epochs, head_epsilon(f.stages, q, steps), lr)
+    head, dp = fit_probe(x, y, len(data.classes), cfg, public_x=f.public, desc="DP head")
+    if (dp["sample_rate"], dp["steps"]) != (q, steps):
+        raise RuntimeError(
+            f"the head ran (q, T) = {dp['sample_rate'], dp['steps']}, not {q, steps}"
+        )
     stage = DPStage.from_parameters(
         name="utility-head",
-        dataset=train.dataset,
+        component=head_component("utility"),
+        dataset=data.dataset,
         mechanism="DP-SGD",
-        sample_rate=dp["sample_rate"],
+        sample_rate=q,
         noise_multiplier=dp["sigma"],
-        steps=dp["steps"],
+        steps=steps,
         clipping_norm=CLIP,
         delta=dp["delta"],
         accountant=Accountant.RDP,
     )
-    delta, eps = compose_releases([stage])
-    start = time.perf_counter()
-    ref, _ = fit_probe(
-        f.train,
-        y,
-        len(FASHION_MNIST_CLASSES),
-        head_config(len(train), epochs, None),
-        desc=f"{name}, non-private",
+    return head, stage
+
+
+def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
+    """The head learning rate of ``HEAD_LR_GRID`` with the best top-1 on a validation split of
+    the private train split (each record held out when its keyed number under a fresh secret is
+    below ``VALIDATION_RATE``); every candidate a DP head at the row's budget. Never the test
+    split."""
+    u = keyed_uniforms(
+        secrets.token_bytes(32),
+        "validation",
+        (im.tobytes() for im in b.train.images),
+        b.train.labels,
     )
-    return {
-        "row": name,
-        "features": f.what,
-        "dp": 100 * accuracy(head, f.test, yt),
-        "ref": 100 * accuracy(ref, f.test, yt),
-        "eps": eps,
-        "delta": delta,
-        "sigma": dp["sigma"],
-        "q": dp["sample_rate"],
-        "steps": dp["steps"],
-        "dp_s": dp_time,
-        "ref_s": time.perf_counter() - start,
-    }
+    held = u < VALIDATION_RATE
+    fit_idx, val_idx = np.flatnonzero(~held), np.flatnonzero(held)
+    if not len(fit_idx) or not len(val_idx):
+        raise DataError(f"the validation split left {len(fit_idx)} and {len(val_idx)} records")
+    part = b.train.subset(
+        fit_idx, f"records outside the keyed validation split ({VALIDATION_RATE:g})"
+    )
+    y = torch.as_tensor(b.train.labels)
+    scores = {}
+    for lr in HEAD_LR_GRID:
+        head, _ = dp_head(f, f.train[fit_idx], y[fit_idx], part, b.epochs, lr)
+        scores[lr] = 100 * accuracy(head, f.train[val_idx], y[val_idx])
+    return max(scores, key=lambda lr: scores[lr]), scores
 
 
-def main() -> None:
+def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Bench, str], Result]:
+    """A row that is a DP linear head on fixed features (``make``, cached), with the head's
+    learning rate tuned on validation when the row is in ``--tune``, and its non-private
+    reference."""
+
+    def run(b: Bench, key: str) -> Result:
+        path = (
+            b.work / "features" / f"{key}-{len(b.train)}-{len(b.test)}-{_stamp(_schedule_of(b))}.pt"
+        )
+        f, make_s, hit = cached(path, lambda: make(b))
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        lr, tried = LR, 0
+        if key in b.tune:
+            lr, scores = tune_lr(b, f)
+            tried = len(scores)
+            shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
+            print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
+        y, yt = torch.as_tensor(b.train.labels), torch.as_tensor(b.test.labels)
+        head, stage = dp_head(f, f.train, y, b.train, b.epochs, lr)
+        head_s = time.perf_counter() - start
+        ref, _ = fit_probe(
+            f.train, y, len(b.train.classes), head_config(len(y), b.epochs, None), desc="reference"
+        )
+        return Result(
+            row=label,
+            what=f.what,
+            dp=100 * accuracy(head, f.test, yt),
+            ref=100 * accuracy(ref, f.test, yt),
+            stages=[*f.stages, stage],
+            tried=tried,
+            lr=lr,
+            make_s=make_s,
+            cached=hit,
+            head_s=head_s,
+            load=load,
+        )
+
+    return run
+
+
+def _schedule_of(b: Bench) -> dict[str, Any]:
+    return {"schedule": b.schedule.__dict__}
+
+
+ROWS: dict[str, tuple[str, Callable[[Bench, str], Result]]] = {
+    key: (label, feature_row(label, make))
+    for key, label, make in (
+        ("pixels", "raw pixels + DP linear", pixel_features),
+        ("scatter", "ScatterNet + DP linear (GroupNorm)", scatter_features),
+        ("syn", "(Syn)-ViP + DP linear", syn_features),
+        ("vip", "ViP (eps 2) + DP linear", vip_features),
+        ("dpcap", "DP-Cap (eps 2) + DP linear", dpcap_features),
+        ("logit-dp", "Logit-DP (eps 2) + DP linear", contrastive_features("logit-dp")),
+        ("naive-dp", "Naive-DP (eps 2) + DP linear", contrastive_features("naive")),
+    )
+}
+"""Every row, in table order: a label and a function of the run and the row's key returning its
+``Result``. A row that trains its own classifier end to end adds itself here with one function."""
+
+
+def compose(result: Result, dataset: str) -> tuple[float, dict[Accountant, float]]:
+    """The row's guarantee: every DP stage composed (``compose_releases``); a stage on another
+    dataset, or a claim above EPSILON under RDP, is an error."""
+    names = {s.dataset.name for s in result.stages}
+    if names != {dataset}:
+        raise RuntimeError(f"{result.row}: stages on {sorted(names)}, expected only {dataset}")
+    delta, eps = compose_releases(result.stages)
+    if delta > DELTA or eps[Accountant.RDP] > EPSILON:
+        raise RuntimeError(f"{result.row}: composes to ({eps[Accountant.RDP]}, {delta}) > budget")
+    return delta, eps
+
+
+def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Accountant, float]]]:
+    """Every row of ``rows`` in turn, each with its composed epsilon under the three accountants."""
+    out = []
+    for key in rows:
+        label, run = ROWS[key]
+        r = run(b, key)
+        _, eps = compose(r, b.train.dataset.name)
+        out.append((r, eps))
+        ref = f"{r.ref:.2f} %" if r.ref is not None else "-"
+        print(
+            f"  {label}: DP {r.dp:.2f} %, non-private {ref} (make {r.make_s:.0f} s"
+            f"{' cached' if r.cached else ''}, DP head {r.head_s:.0f} s, load {r.load:.1f})",
+            flush=True,
+        )
+    return out
+
+
+def table(results: Sequence[tuple[Result, dict[Accountant, float]]]) -> list[str]:
+    """The Markdown table: every row beside the paper's three figures."""
+    lines = [
+        "| features + head | top-1 at (3, 1e-5) | non-private reference | eps RDP / PRV / PLD | "
+        "DP stages | tuned | make s | DP head s | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r, eps in results:
+        stages = " + ".join(
+            f"{s.mechanism} ({s.noise_multiplier:.2f}, {s.sample_rate:.3g}, {s.steps})"
+            for s in r.stages
+        )
+        tuned = f"yes, {r.tried} configs (lr {r.lr:g})" if r.tried else "no"
+        ref = f"{r.ref:.1f}" if r.ref is not None else "-"
+        lines.append(
+            f"| {r.row} | **{r.dp:.1f}** | {ref} | {eps[Accountant.RDP]:.3f} / "
+            f"{eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | {stages} | {tuned} | "
+            f"{r.make_s:.0f}{' (cached)' if r.cached else ''} | {r.head_s:.0f} | {r.load:.1f} |"
+        )
+    for name, top1 in PAPER.items():
+        lines.append(
+            f"| Tramer & Boneh: {name} | {top1} | - | 3 (RDP, Poisson assumed) | - | - |"
+            " - | - | - |"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the options, run the rows, print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--data", help="the four IDX files' folder or an image folder (default: the Debian package)"
     )
-    p.add_argument(
-        "--work", default="var/utility", help="cache of features and the (Syn)-ViP encoder"
-    )
+    p.add_argument("--work", default="var/utility", help="cache of features and encoders")
     p.add_argument(
         "--train-size",
         type=int,
@@ -249,73 +648,55 @@ def main() -> None:
     p.add_argument(
         "--epochs", type=int, default=100, help="epochs of every head (the paper's linear: 100)"
     )
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--tune", default="", help="rows whose head lr is tuned on validation")
+    p.add_argument("--device", default="cpu", help="encoders' device: cpu or cuda (heads on CPU)")
     p.add_argument(
-        "--rows", default="pixels,scatter,syn", help="comma-separated: pixels, scatter, syn"
-    )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="feature extraction device: cpu or cuda (heads train on CPU)",
+        "--encoder-steps",
+        type=int,
+        default=None,
+        help="steps of every DP encoder recipe (default: the schedule's, "
+        + ", ".join(f"{k} {v['steps']}" for k, v in SCHEDULE.recipes().items())
+        + ")",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    tune = {r.strip() for r in args.tune.split(",") if r.strip()}
+    unknown = sorted((set(rows) | tune) - set(ROWS))
+    if unknown:
+        p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.work)
-    full_train = fashion_mnist("train", args.data, work)
-    train = full_train.first(args.train_size)
-    test = fashion_mnist("test", args.data, work).first(args.test_size)
-    makers: dict[str, tuple[str, Callable[[], Features]]] = {
-        "pixels": ("raw pixels + DP linear", lambda: pixel_features(train, test)),
-        "scatter": (
-            "ScatterNet + DP linear (GroupNorm)",
-            lambda: scatter_features(train, test, args.device),
-        ),
-        "syn": ("(Syn)-ViP + DP linear", lambda: syn_features(train, test, args.device, work)),
-    }
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = sorted(set(rows) - set(makers))
-    if unknown:
-        p.error(f"unknown rows {unknown}: choose from {sorted(makers)}")
+    full = fashion_mnist("train", args.data, work)
+    b = Bench(
+        train=full.first(args.train_size),
+        test=fashion_mnist("test", args.data, work).first(args.test_size),
+        work=work,
+        device=args.device,
+        epochs=args.epochs,
+        tune=frozenset(tune),
+        schedule=SCHEDULE.with_steps(args.encoder_steps) if args.encoder_steps else SCHEDULE,
+    )
+    start = time.perf_counter()
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads  load average {os.getloadavg()}"
+        f"{torch.__version__}, {torch.get_num_threads()} threads, device {args.device}  "
+        f"load average {os.getloadavg()}"
     )
     print(
-        f"train: {len(train)} of {len(full_train)} private records ({train.dataset.name}), test: {len(test)} "
-        f"public; (epsilon {EPSILON:g}, delta {DELTA:g}); heads: expected batch n/{STEPS_PER_EPOCH}, clip {CLIP}, "
-        f"lr {LR:g}, SGD momentum 0.9, {args.epochs} epochs, warm-up + cosine; fixed in code, not tuned"
+        f"train: {len(b.train)} of {len(full)} private records ({b.train.dataset.name}), test: "
+        f"{len(b.test)} public; (epsilon {EPSILON:g}, delta {DELTA:g}) per classifier, encoders "
+        f"at epsilon {ENCODER_EPSILON:g}; heads: expected batch n/{STEPS_PER_EPOCH}, clip {CLIP}, "
+        f"lr {LR:g} unless tuned, SGD momentum 0.9, {args.epochs} epochs, warm-up + cosine"
     )
-    results = []
-    for key in rows:
-        name, make = makers[key]
-        tag = f"{key}-{len(train)}-{len(test)}"
-        features, feat_s = cached(work / "features" / f"{tag}.pt", make)
-        load = os.getloadavg()[0]
-        r = run_row(name, features, train, test, args.epochs) | {"feat_s": feat_s, "load": load}
-        results.append(r)
-        print(
-            f"  {name}: DP {r['dp']:.2f} %, non-private {r['ref']:.2f} % "
-            f"(features {feat_s:.0f} s{' cached' if not feat_s else ''}, DP head {r['dp_s']:.0f} s, "
-            f"load {load:.1f})",
-            flush=True,
-        )
-    print()
+    results = run_benchmark(b, rows)
+    print("\n" + "\n".join(table(results)))
     print(
-        "| features + head | top-1 at (3, 1e-5) | non-private reference | eps RDP / PRV / PLD | sigma, q, T | "
-        "features s | DP head s | load |"
+        f"\nwall time {time.perf_counter() - start:.0f} s, load average at the end "
+        f"{os.getloadavg()}"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        eps = r["eps"]
-        print(
-            f"| {r['row']} | **{r['dp']:.1f}** | {r['ref']:.1f} | {eps[Accountant.RDP]:.3f} / "
-            f"{eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | {r['sigma']:.3f}, {r['q']:.3f}, "
-            f"{r['steps']} | {r['feat_s']:.0f} | {r['dp_s']:.0f} | {r['load']:.1f} |"
-        )
-    for name, top1 in PAPER.items():
-        print(f"| Tramer & Boneh: {name} | {top1} | - | 3 (RDP, Poisson assumed) | - | - | - | - |")
-    print(f"\nload average at the end {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""The utility benchmark (``benchmarks/utility.py``) end to end on a tiny generated Fashion-MNIST:
+every row trains its encoder (few steps) and its DP head, and each released classifier composes
+to at most (3, 1e-5) under RDP with its encoder's stages counted."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+from training.datasets import FASHION_MNIST_TRAIN, fashion_mnist
+from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
+from vip_hub.privacy.ledger import Dataset, DPStage
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("utility", ROOT / "benchmarks" / "utility.py")
+assert SPEC is not None and SPEC.loader is not None
+utility = importlib.util.module_from_spec(SPEC)
+sys.modules["utility"] = utility  # dataclasses look their module up there
+SPEC.loader.exec_module(utility)
+
+TINY = utility.Schedule(
+    syn={
+        "img_size": 32,
+        "patch_size": 8,
+        "batch_size": 8,
+        "decoder_dim": 32,
+        "decoder_depth": 1,
+        "decoder_heads": 2,
+        "seed": 0,
+    },
+    syn_steps={"vip-nano": 2, "dpcap-nano": 2},
+    vip={"batch_size": 8, "steps": 2, "micro_batch_size": 8},
+    dpcap={
+        "batch_size": 8,
+        "steps": 2,
+        "micro_batch_size": 8,
+        "decoder_width": 32,
+        "decoder_depth": 1,
+        "decoder_heads": 2,
+    },
+    contrastive={"batch_size": 8, "steps": 2, "trainable_blocks": 1, "projection_dim": 8},
+)
+
+
+def write_idx(folder: Path, prefix: str, n: int, seed: int) -> None:
+    """Gzipped IDX files of ``n`` 28 x 28 grey images whose brightness follows their label."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n, dtype=np.uint8) % 10
+    images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
+    (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(
+        gzip.compress(struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes())
+    )
+    (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
+        gzip.compress(struct.pack(">II", 0x801, n) + labels.tobytes())
+    )
+
+
+def pld_epsilon(stages: list[DPStage]) -> float:
+    """dp_accounting's PLD composition of every stage, computed here without our wrapper."""
+    acc = PLDAccountant()
+    acc.compose(
+        dp_event.ComposedDpEvent(
+            [
+                dp_event.SelfComposedDpEvent(
+                    dp_event.PoissonSampledDpEvent(
+                        s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)
+                    ),
+                    s.steps,
+                )
+                for s in stages
+            ]
+        )
+    )
+    return acc.get_epsilon(utility.DELTA)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("idx")
+    write_idx(folder, "train", 40, seed=0)
+    write_idx(folder, "t10k", 20, seed=1)
+    return folder
+
+
+def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
+    """``rows`` through the benchmark's pipeline on the tiny data, each checked: its stages are
+    on the private split only, the last is the head, and the composition is at most EPSILON under
+    RDP, at least dp_accounting's PLD composition of the same stages, and within 0.01 of EPSILON
+    (the head takes what the encoder left); an encoder spends at most ENCODER_EPSILON."""
+    bench = utility.Bench(
+        train=fashion_mnist("train", data),
+        test=fashion_mnist("test", data),
+        work=work,
+        epochs=2,
+        schedule=TINY,
+        tune=frozenset(tune),
+    )
+    results = utility.run_benchmark(bench, rows)
+    assert [r.row for r, _ in results] == [utility.ROWS[k][0] for k in rows]
+    for key, (r, eps) in zip(rows, results, strict=True):
+        assert {s.dataset.name for s in r.stages} == {FASHION_MNIST_TRAIN}
+        assert r.stages[-1].component == "heads/utility"
+        assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= utility.EPSILON, r.row
+        assert eps[Accountant.RDP] > utility.EPSILON - 0.01, r.row
+        assert eps[Accountant.PLD] <= eps[Accountant.RDP]
+        encoder = [s.mechanism_tuple for s in r.stages[:-1]]
+        assert not encoder or composed_epsilon(encoder, utility.DELTA) <= utility.ENCODER_EPSILON
+        assert 0 <= r.dp <= 100 and r.ref is not None
+        assert r.tried == (len(utility.HEAD_LR_GRID) if key in tune else 0)
+    lines = utility.table(results)
+    assert len(lines) == 2 + len(rows) + len(utility.PAPER)
+    cells = [line.split(" | ") for line in lines]
+    assert all(len(c) == len(cells[0]) for c in cells)
+    assert [c[0].lstrip("| ") for c in cells[-3:]] == [
+        f"Tramer & Boneh: {name}" for name in utility.PAPER
+    ]
+    return results
+
+
+def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path: Path) -> None:
+    results = run_rows(data, tmp_path, ["pixels", "syn", "vip"], {"pixels"})
+    (_, _), (syn, _), (vip, _) = results
+    assert len(syn.stages) == 1  # (Syn)-ViP saw no private data: the whole budget on its head
+    assert [s.mechanism for s in vip.stages] == ["DP-AdamW", "DP-SGD"]
+    again, _ = utility.run_benchmark(
+        utility.Bench(
+            train=fashion_mnist("train", data),
+            test=fashion_mnist("test", data),
+            work=tmp_path,
+            epochs=2,
+            schedule=TINY,
+        ),
+        ["vip"],
+    )[0]
+    assert again.cached and again.stages[0] == vip.stages[0]  # features and encoder cached
+
+
+@pytest.mark.slow
+def test_scatter_dpcap_and_contrastive_rows_compose_within_the_budget(
+    data: Path, tmp_path: Path
+) -> None:
+    results = run_rows(data, tmp_path, ["scatter", "dpcap", "logit-dp", "naive-dp"], set())
+    assert [[s.mechanism for s in r.stages] for r, _ in results] == [
+        ["DP-SGD"],
+        ["DP-AdamW", "DP-SGD"],
+        ["Logit-DP", "DP-SGD"],
+        ["Naive-DP", "DP-SGD"],
+    ]
+
+
+def test_a_head_after_an_encoder_gets_only_the_rest_of_the_budget() -> None:
+    encoder = DPStage.from_parameters(
+        name="enc",
+        dataset=Dataset(name=FASHION_MNIST_TRAIN, size=60_000),
+        sample_rate=0.01,
+        noise_multiplier=calibrate(utility.ENCODER_EPSILON, utility.DELTA, 0.01, 500),
+        steps=500,
+        clipping_norm=1.0,
+        delta=utility.DELTA,
+    )
+    eps_alone = utility.head_epsilon([], 0.125, 80)
+    eps_after = utility.head_epsilon([encoder], 0.125, 80)
+    assert eps_alone == utility.EPSILON and eps_after < utility.EPSILON - 0.5
+    sigma = calibrate(eps_after, utility.DELTA, 0.125, 80)
+    total = composed_epsilon([encoder.mechanism_tuple, (sigma, 0.125, 80)], utility.DELTA)
+    assert utility.EPSILON - 0.01 < total <= utility.EPSILON
+
+
+def test_unknown_rows_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        utility.main(["--rows", "pixels,cnn", "--tune", "nope"])
+    assert "unknown rows ['cnn', 'nope']" in capsys.readouterr().err
