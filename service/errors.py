@@ -5,8 +5,9 @@ inference; each subclass here states its status, and no other module declares on
 :class:`service.store.errors.StoreError` and the library's :class:`vip_hub.errors.VipHubError`.
 :func:`error_response` maps each onto a status and, for the hub's lookups, the ``X-Error-Code`` that
 huggingface_hub clients turn into their own exceptions (``RepoNotFound``, ``RevisionNotFound``,
-``EntryNotFound``). The body is JSON ``{"error": message}``, the message also in ``X-Error-Message``
-(one line).
+``EntryNotFound``). The body is JSON ``{"error": message}`` with any fields the error carries
+(the url of a repo that exists, validate-yaml's ``errors``), the message also in
+``X-Error-Message`` (one line).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ __all__ = [
 
 class ServiceError(Exception):
     """Base of the HTTP-level errors: a status, an optional hub error code, a message, extra
-    headers. A subclass states its status (``class X(ServiceError, status=404)``); with
-    ``hub_code=True`` its name is the ``X-Error-Code`` huggingface_hub clients read."""
+    headers and extra body fields (beside ``error``). A subclass states its status
+    (``class X(ServiceError, status=404)``); with ``hub_code=True`` its name is the
+    ``X-Error-Code`` huggingface_hub clients read."""
 
     status: ClassVar[int] = 500
     code: ClassVar[str | None] = None
@@ -53,10 +55,16 @@ class ServiceError(Exception):
         super().__init_subclass__(**kwargs)
         cls.status, cls.code = status, cls.__name__ if hub_code else None
 
-    def __init__(self, message: str, headers: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+        body: Mapping[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.headers = dict(headers or {})
+        self.body = dict(body or {})
 
 
 class BadRequest(ServiceError, status=400):
@@ -127,8 +135,10 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
 def error_response(err: Exception) -> JSONResponse:
     """The response for an error of any of the three families (anything else is a bug: 500)."""
     headers: dict[str, str] = {}
+    body: dict[str, Any] = {}
     if isinstance(err, ServiceError):
         status, code, message, headers = err.status, err.code, err.message, dict(err.headers)
+        body = err.body
     elif isinstance(err, store.StoreError):
         answer = next(service for cls, service in _STORE if isinstance(err, cls))
         status, code = answer.status, answer.code
@@ -142,7 +152,7 @@ def error_response(err: Exception) -> JSONResponse:
     headers["X-Error-Message"] = _header_safe(message)
     if code:
         headers["X-Error-Code"] = code
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": message, **body}, status_code=status, headers=headers)
 
 
 async def _handle(_request: Request, err: Exception) -> JSONResponse:

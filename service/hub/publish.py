@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from vip_hub.repo.card import load_card
 
 from ..auth import Identity, check_write, identity, require_scope
-from ..errors import BadRequest
+from ..errors import BadRequest, Conflicting
 from ..store.errors import NoSuchRevision
 from ..store.naming import validate_path, validate_repo_id, validate_revision
 from .common import Writable, base_url, is_lfs, store_of, writable
@@ -49,10 +49,8 @@ def create_repo(
     private = payload.visibility == "private" if payload.visibility else bool(payload.private)
     repo, created = store_of(request).create_repo(repo_id, private=private)
     url = f"{base_url(request)}/{repo.repo_id}"
-    if not created:
-        return JSONResponse(
-            {"error": "You already created this model repo", "url": url}, status_code=409
-        )
+    if not created:  # huggingface_hub's create_repo(exist_ok=True) reads the url
+        raise Conflicting("You already created this model repo", body={"url": url})
     return JSONResponse({"url": url, "name": repo.repo_id, "id": repo.repo_id})
 
 
@@ -153,7 +151,6 @@ def validate_yaml(payload: dict[str, Any] = Body(...)) -> JSONResponse:
     try:
         load_card(content, strict=True)
     except (ValueError, yaml.YAMLError) as e:  # RepoFormatError (YAML aliases) is a ValueError
-        return JSONResponse(
-            {"errors": [{"message": " ".join(str(e).split())}], "warnings": []}, status_code=400
-        )
+        message = " ".join(str(e).split())
+        raise BadRequest(message, body={"errors": [{"message": message}], "warnings": []}) from None
     return JSONResponse({"errors": [], "warnings": []})
