@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +19,11 @@ from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encod
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
 TINY = EncoderSpec("vip-nano", img_size=32)
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+"""Fashion-MNIST's four IDX files, by split (images, labels)."""
 
 # Tests that must also hold on a GPU take ``device`` from here: CUDA runs where one is present.
 NEEDS_CUDA = pytest.mark.skipif(
@@ -99,3 +107,58 @@ def kill_mid_run(cmd: list[str], out: Path, step: int) -> Path:
     proc.wait()
     assert not out.exists(), "the run finished before it could be killed"
     return log
+
+
+def idx_bytes(array: np.ndarray, code: int = 0x08) -> bytes:
+    """An IDX file's bytes: magic (0, 0, type code, dimension count), big-endian dims, data."""
+    dtype = {0x08: ">u1", 0x0D: ">f4"}[code]
+    return (
+        bytes([0, 0, code, array.ndim])
+        + struct.pack(f">{array.ndim}I", *array.shape)
+        + array.astype(dtype).tobytes()
+    )
+
+
+def write_fashion(folder: Path, n: dict[str, int] | None = None, gz: bool = True) -> Path:
+    """The four Fashion-MNIST IDX files with random content (``n`` records per split)."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, (images, labels) in IDX_FILES.items():
+        count = (n or {"train": 30, "test": 10})[split]
+        for stem, array in (
+            (images, rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)),
+            (labels, rng.integers(0, 10, count, dtype=np.uint8)),
+        ):
+            data = idx_bytes(array)
+            (folder / (stem + ".gz" if gz else stem)).write_bytes(
+                gzip.compress(data) if gz else data
+            )
+    return folder
+
+
+def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Path]:
+    """scikit-learn's 1,797 8x8 digits (small, with real structure) as PNG class folders
+    ``train/`` (captioned by the data module's template over the digits' names) and ``test/``,
+    split stratified."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from training.datasets import LabelledArrays, write_caption_folder, write_image_folder
+
+    digits = load_digits()
+    classes = [str(d) for d in range(10)]
+    pixels = (digits.images * (255 / 16)).round().astype(np.uint8)
+    splits = train_test_split(
+        np.arange(len(digits.target)),
+        test_size=test_fraction,
+        random_state=seed,
+        stratify=digits.target,
+    )
+    train, test = (
+        LabelledArrays(pixels[i], digits.target[i], tuple(classes), Dataset(name=name, size=len(i)))
+        for i, name in zip(splits, ("test/digits-train", "test/digits-test"), strict=True)
+    )
+    return (
+        write_caption_folder(train, root / "train", classes),
+        write_image_folder(test, root / "test", classes),
+    )

@@ -10,11 +10,11 @@ import gzip
 import os
 import secrets
 import stat
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import idx_bytes, write_fashion
 from PIL import Image
 
 from training.data import CaptionFolder, open_captions, open_images
@@ -37,38 +37,6 @@ from training.probe import load_labelled
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
-
-FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-
-
-def idx_bytes(array: np.ndarray, code: int = 0x08) -> bytes:
-    """An IDX file's bytes: magic (0, 0, type code, dimension count), big-endian dims, data."""
-    dtype = {0x08: ">u1", 0x0D: ">f4"}[code]
-    return (
-        bytes([0, 0, code, array.ndim])
-        + struct.pack(f">{array.ndim}I", *array.shape)
-        + array.astype(dtype).tobytes()
-    )
-
-
-def write_fashion(folder: Path, n: dict[str, int] | None = None, gz: bool = True) -> Path:
-    """The four Fashion-MNIST IDX files with random content (``n`` records per split)."""
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, (images, labels) in FILES.items():
-        count = (n or {"train": 30, "test": 10})[split]
-        for stem, array in (
-            (images, rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)),
-            (labels, rng.integers(0, 10, count, dtype=np.uint8)),
-        ):
-            data = idx_bytes(array)
-            (folder / (stem + ".gz" if gz else stem)).write_bytes(
-                gzip.compress(data) if gz else data
-            )
-    return folder
 
 
 def test_idx_reader_reads_what_was_written(tmp_path: Path) -> None:

@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import published_hashes_of
+from helpers import published_hashes_of, write_digits
 
 from training.datasets import keyed_uniforms
-from training.main_job import write_digits
 from training.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.repo.verify import verify_repo
 

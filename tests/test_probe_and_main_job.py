@@ -1,5 +1,6 @@
-"""Linear probes (non-DP, DP, few-shot), head export and classification through the service,
-the main job at its smallest sizes, and the shipping files."""
+"""Linear probes (non-DP, DP, few-shot), head export and classification through the service
+(on scikit-learn's tiny digits), the main job at its smallest sizes (on generated Fashion-MNIST
+IDX files), and the shipping files."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import write_digits, write_fashion
 from live import WRITE_TOKEN, free_port
 
-from training.main_job import PUBLISHED, MainJobConfig, run_main_job, write_digits
+from training.datasets import FASHION_MNIST_TRAIN
+from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
 from training.probe import ProbeConfig, run_probe
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import list_heads, load_head
@@ -34,14 +37,6 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def ledger_of(repo: Path) -> PrivacyLedger:
     return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
-
-
-def test_digits_are_written_as_stratified_class_folders(digits: tuple[Path, Path]) -> None:
-    train, test = digits
-    assert sorted(p.name for p in train.iterdir() if p.is_dir()) == [str(d) for d in range(10)]
-    assert (train / "captions.jsonl").is_file()
-    n_train, n_test = len(list(train.rglob("*.png"))), len(list(test.rglob("*.png")))
-    assert (n_train, n_test) == (1437, 360)
 
 
 def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
@@ -241,7 +236,7 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
     the card's headline) is at least the composition of its DP stages."""
     from live import ThreadedServer, settings_for
 
-    image = base64.b64encode(min(images.glob("*.png")).read_bytes()).decode()
+    image = base64.b64encode(min(images.glob("*/*.png")).read_bytes()).decode()
     with ThreadedServer(settings_for(store)) as server:
         for name, repo in repos.items():
             ledger = ledger_of(repo)
@@ -251,23 +246,23 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
             )
             cls = httpx.post(
                 f"{server.url}/v1/classify",
-                json={"model": model, "head": "digits", "input": [image]},
+                json={"model": model, "head": HEAD, "input": [image]},
                 timeout=60,
             )
             assert emb.status_code == cls.status_code == 200, (emb.text, cls.text)
             for privacy, component in (
                 (emb.json()["privacy"], "encoder"),
                 (cls.json()["privacy"]["encoder"], "encoder"),
-                (cls.json()["privacy"]["head"], "heads/digits"),
+                (cls.json()["privacy"]["head"], f"heads/{HEAD}"),
             ):
                 truth = dp_accounting_epsilon(ledger, component, privacy["delta"] or 1e-5)
                 assert privacy["epsilon"] >= truth * (1 - 1e-3), (name, component, privacy, truth)
-            head = ledger.summary("heads/digits")
-            assert head.epsilon >= dp_accounting_epsilon(ledger, "heads/digits", head.delta) * (
+            head = ledger.summary(f"heads/{HEAD}")
+            assert head.epsilon >= dp_accounting_epsilon(ledger, f"heads/{HEAD}", head.delta) * (
                 1 - 1e-3
             )
             assert (
-                head.epsilon > ledger.stage("linear-probe-dp:digits").epsilon
+                head.epsilon > ledger.stage(f"linear-probe-dp:{HEAD}").epsilon
                 or name == "vip-nano-syn"
             )
             card = (repo / "README.md").read_text()
@@ -280,10 +275,18 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
 def test_main_job_trains_compares_publishes_and_skips_done_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The job on generated Fashion-MNIST IDX files (300 train, 100 test records): the first 240
+    train records are the private dataset, every DP stage declares them, each released
+    classifier (encoder and head) composes to the total epsilon by the split rule, the cards
+    and the summary carry DP rows only, and everything is signed, published and served."""
+    idx = write_fashion(tmp_path / "idx", {"train": 300, "test": 100})
     cfg = MainJobConfig(
         work_dir=str(tmp_path / "run"),
         store=str(tmp_path / "hub"),
         port=free_port(),
+        data=str(idx),
+        train_size=240,
+        test_size=80,
         img_size=16,
         syn_steps=3,
         dpcap_syn_steps=3,
@@ -300,13 +303,16 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert run_main_job(cfg) == 0
     out = capsys.readouterr().out
     run = tmp_path / "run"
+    data = run / "fashion-mnist"
+    assert len(list((data / "train").glob("*/*.png"))) == 240
+    assert len(list((data / "test").glob("*/*.png"))) == 80
     repos = {e.name: run / e.name for e in PUBLISHED}
     assert list(repos) == [
         "vip-nano-syn",
-        "vip-nano-digits-dp",
-        "dpcap-nano-digits-dp",
-        "vip-nano-digits-logit-dp",
-        "vip-nano-digits-naive-dp",
+        "vip-nano-fashion-dp",
+        "dpcap-nano-fashion-dp",
+        "vip-nano-fashion-logit-dp",
+        "vip-nano-fashion-naive-dp",
     ]
     for repo in repos.values():
         assert verify_repo(repo).ok
@@ -314,44 +320,47 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
-        assert "-DP on vip/sklearn-digits-train [RDP]" in card
+        assert "DP-Cap zero-shot: dpcap-nano-fashion-dp" in card
+        assert f"-DP on {FASHION_MNIST_TRAIN} [RDP]" in card
         assert (
             "non-private head" not in card and "top1_nonprivate" not in card
         )  # figures without a guarantee
-        assert list_heads(repo) == ["digits"]
+        assert list_heads(repo) == [HEAD]
         assert f"publish vip/{repo.name}" in out
         assert (
             verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
         )
+        # the split rule: the encoder's stages and the head's compose to the total epsilon
+        head = ledger_of(repo).summary(f"heads/{HEAD}")
+        assert 3.0 - 0.02 < head.epsilon <= 3.0 and head.delta == pytest.approx(1e-5)
     mechanisms = {
-        "vip-nano-digits-dp": ("dp-pretrain", "DP-AdamW"),
-        "dpcap-nano-digits-dp": ("dp-captioning", "DP-AdamW"),
-        "vip-nano-digits-logit-dp": ("dp-contrastive", "Logit-DP"),
-        "vip-nano-digits-naive-dp": ("dp-contrastive", "Naive-DP"),
+        "vip-nano-fashion-dp": ("dp-pretrain", "DP-AdamW"),
+        "dpcap-nano-fashion-dp": ("dp-captioning", "DP-AdamW"),
+        "vip-nano-fashion-logit-dp": ("dp-contrastive", "Logit-DP"),
+        "vip-nano-fashion-naive-dp": ("dp-contrastive", "Naive-DP"),
     }
     for name, (stage_name, mechanism) in mechanisms.items():
         ledger = ledger_of(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
-        assert (
-            enc.dataset.name == "vip/sklearn-digits-train"
-            and enc.dataset.size == 1437
-            and enc.epsilon <= 8.0
-        )
-        assert enc.delta == pytest.approx(1e-5)
-        assert ledger.stage("linear-probe-dp:digits").epsilon <= 2.0
-    assert (repos["dpcap-nano-digits-dp"] / "vocab.txt").exists()
+        assert enc.dataset.name == FASHION_MNIST_TRAIN and enc.dataset.size == 240
+        assert enc.epsilon <= 2.0 and enc.delta == pytest.approx(1e-5)
+        head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
+        assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
+    assert (repos["dpcap-nano-fashion-dp"] / "vocab.txt").exists()
+    assert "Top-1 on the first 80 public Fashion-MNIST test records" in out
+    assert "Job wall time" in out and "load average" in out
     assert (
         "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
     )
-    assert 'timm.create_model("hf-hub:vip/vip-nano-digits-dp"' in out
+    assert 'timm.create_model("hf-hub:vip/vip-nano-fashion-dp"' in out
 
-    served_guarantees_hold(tmp_path / "hub", repos, run / "digits" / "test" / "7")
+    served_guarantees_hold(tmp_path / "hub", repos, data / "test")
 
     cfg.port = free_port()
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published
     again = capsys.readouterr().out
-    assert again.count("up to date, skipped") == 14, again
+    assert again.count("up to date, skipped") == 13, again
 
     # `vip-hub run` serving, then SIGTERM (docker stop): its server child stops as on Ctrl-C
     cfg.port, cfg.serve = free_port(), True

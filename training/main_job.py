@@ -1,19 +1,29 @@
-"""``vip-hub run`` (what ``make run`` does): train, compare, publish and serve private encoders.
+"""``vip-hub run`` (what ``make run`` does): train, compare, publish and serve private encoders
+on Fashion-MNIST.
 
-1. write scikit-learn's bundled handwritten digits (the private dataset) as image folders,
-   split into train and test, with captions by a public template rule and a public vocabulary;
+1. the data (``training/datasets.py``): Fashion-MNIST from ``--data`` (its four IDX files, or an
+   image folder), else the Debian package, fetched when missing. The private dataset is the
+   first ``train_size`` records of the train split in file order (a public rule: no record's
+   membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
+   n; the first ``test_size`` records of the public test split measure top-1. Both are written
+   as PNG class folders (train captioned by the public template over the class names), with a
+   public vocabulary and public captions over the class names;
 2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
-3. four private encoders on the digits' training split (declared as ``vip/sklearn-digits-train``),
-   each at epsilon 8 and the default delta min(1e-5, 1/(10n)):
-   ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
+3. four private encoders on the private records, each at ``encoder_epsilon`` (2) and delta
+   1e-5: ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
    clipping) and its Naive-DP baseline (the whole batch clipped);
-4. a DP linear probe on every encoder and on raw pixels, on the same split and with the same
-   head protocol; each head's guarantee composes its encoder's stages on the same data; the
-   comparison (accuracy on the public test split, each row's guarantee) goes into every card;
+4. the comparison, every row a classifier released at (``epsilon`` = 3, delta = 1e-5) on the
+   private records, the literature's budget for Fashion-MNIST. The split rule: an encoder
+   spends ``encoder_epsilon``, and its DP linear head is calibrated so that the two compose to
+   ``epsilon`` (``remaining_epsilon``, RDP); (Syn)-ViP saw no private data, so its head, like
+   the raw-pixel baseline's, gets all of it; DP-Cap's zero-shot over the 10 class names adds no
+   stage to its encoder's. Top-1 on the public test records goes into every card (DP rows only)
+   and the printed summary;
 5. sign every repo with the job's key (``WORK/signing/main-job.key``, made once), start
    ``vip-hub serve`` on the embedded store trusting that key, and publish the repos through
    ``vip_hub.repo.push`` (the verified path ``vip-hub push`` takes);
-6. print how to use them, and keep serving until interrupted.
+6. print the comparison, the job's wall time and how to use the models, and keep serving until
+   interrupted.
 
 Every step records a stamp of its inputs; a re-run skips steps whose outputs exist and whose
 stamp matches. A failing step says which one failed and how to resume. The server is a child
@@ -42,12 +52,13 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vip_hub.errors import SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
+from vip_hub.privacy.accounting import Accountant, remaining_epsilon
 from vip_hub.privacy.audit import DEFAULT_CANARIES
-from vip_hub.privacy.ledger import Dataset, PrivacyLedger, privacy_headline
+from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import is_published, push_repo
 from vip_hub.repo.signing import (
@@ -66,21 +77,53 @@ from vip_hub.repo_format import (
     head_component,
 )
 
+from .datasets import (
+    CAPTION_TEMPLATE,
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_DELTA,
+    FASHION_MNIST_EPSILON,
+    FASHION_MNIST_TRAIN,
+    LabelledArrays,
+    class_public_captions,
+    class_vocabulary,
+    fashion_mnist,
+    write_caption_folder,
+    write_image_folder,
+)
 from .procedural import render
 
-__all__ = ["MainJobConfig", "run_main_job", "write_digits"]
+__all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
 ORG = "vip"
-DATASET = f"{ORG}/sklearn-digits-train"
-"""The private dataset's declared name: every DP stage of the job names it, so they compose."""
+HEAD = "fashion-mnist"
+"""The DP probe head every published encoder gets (``heads/fashion-mnist``)."""
+TRAIN_SIZE = 10_000
+"""Private records: the first N of Fashion-MNIST's train split (the job embeds them once per
+encoder, which sets its length on 2 cores)."""
+TEST_SIZE = 2_000
+"""Public test records that measure top-1: the first M of the test split."""
 
 
 class MainJobConfig(BaseModel):
-    """Sizes chosen so the whole job stays under 15 minutes on 2 CPU cores."""
+    """Sizes chosen so the whole job stays under 15 minutes on 2 CPU cores, the install included."""
 
     model_config = ConfigDict(extra="forbid")
 
     work_dir: str = Field("var/run", description="where the job keeps data, runs and repos")
+    data: str | None = Field(
+        None,
+        description="Fashion-MNIST: the folder of its four IDX files (gzipped or not) or an image "
+        "folder with train/ and test/ class subfolders (default: the Debian package "
+        "dataset-fashion-mnist, fetched into WORK_DIR/data when missing)",
+    )
+    train_size: int = Field(
+        TRAIN_SIZE,
+        gt=0,
+        description="private records: the first N of the train split in file order",
+    )
+    test_size: int = Field(
+        TEST_SIZE, gt=0, description="public test records: the first M of the test split"
+    )
     store: str = Field(str(DEFAULT_STORE), description="the hub store the server uses")
     host: str = Field(DEFAULT_HOST, description="interface the server binds")
     port: Port = Field(DEFAULT_PORT, description="port the server binds")
@@ -91,7 +134,14 @@ class MainJobConfig(BaseModel):
     decoder_dim: int = Field(256, gt=0, description="MAE decoder width")
     decoder_depth: int = Field(2, gt=0, description="MAE decoder blocks")
     decoder_heads: int = Field(8, gt=0, description="MAE decoder heads")
-    epsilon: float = Field(8.0, gt=0, description="epsilon of every DP encoder")
+    epsilon: float = Field(
+        FASHION_MNIST_EPSILON,
+        gt=0,
+        description="epsilon of every released classifier (encoder and head composed, RDP)",
+    )
+    encoder_epsilon: float = Field(
+        2.0, gt=0, description="epsilon of every DP encoder; its head gets the rest"
+    )
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
     dpcap_syn_steps: int = Field(
@@ -109,8 +159,6 @@ class MainJobConfig(BaseModel):
         DEFAULT_CANARIES, ge=0, description="canaries of each DP run's one-run audit"
     )
     probe_epochs: int = Field(90, gt=0, description="linear-probe epochs")
-    head_epsilon: float = Field(2.0, gt=0, description="epsilon of the released DP probe heads")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share of the digits")
     seed: int = Field(0, description="seed of every run of the job")
     workers: int = Field(1, ge=0, description="data-loading processes")
     serve: bool = Field(
@@ -118,36 +166,18 @@ class MainJobConfig(BaseModel):
     )
     restart: bool = Field(False, description="delete the work folder first (the hub store is kept)")
 
+    @model_validator(mode="after")
+    def _budget_split(self) -> MainJobConfig:
+        if self.encoder_epsilon >= self.epsilon:
+            raise ValueError(
+                f"encoder_epsilon {self.encoder_epsilon:g} leaves nothing of epsilon "
+                f"{self.epsilon:g} for the heads"
+            )
+        return self
+
 
 class StepFailed(VipHubError, RuntimeError):
     """A step of the main job failed; the message says which and how to resume."""
-
-
-DIGIT_CLASSES = tuple(str(d) for d in range(10))
-
-
-def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Path]:
-    """scikit-learn's 1,797 8x8 digits as PNG class folders ``train/`` (captioned by the data
-    module's public template over the class names) and ``test/``."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    from .datasets import LabelledArrays, write_caption_folder, write_image_folder
-
-    digits = load_digits()
-    pixels = (digits.images * (255 / 16)).round().astype(np.uint8)
-    idx = np.arange(len(digits.target))
-    train, test = train_test_split(
-        idx, test_size=test_fraction, random_state=seed, stratify=digits.target
-    )
-    train_data, test_data = (
-        LabelledArrays(pixels[i], digits.target[i], DIGIT_CLASSES, Dataset(name=name, size=len(i)))
-        for i, name in ((train, DATASET), (test, "public/sklearn-digits-test"))
-    )
-    return (
-        write_caption_folder(train_data, root / "train", DIGIT_CLASSES),
-        write_image_folder(test_data, root / "test", DIGIT_CLASSES),
-    )
 
 
 def _stamp(inputs: dict[str, Any]) -> str:
@@ -188,6 +218,7 @@ class _Steps:
             print(f"[{self.count}] {name}: up to date, skipped", flush=True)
             return
         print(f"[{self.count}] {name} ...", flush=True)
+        start = time.monotonic()
         try:
             fn()
         except KeyboardInterrupt:
@@ -200,6 +231,7 @@ class _Steps:
             ) from e
         self.done[name] = stamp
         self.file.write_text(json.dumps(self.done, indent=1))
+        print(f"[{self.count}] done in {_duration(time.monotonic() - start)}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -217,48 +249,41 @@ class _Encoder:
 
 
 SYN_VIP = _Encoder("vip-nano-syn", "(Syn)-ViP")
-VIP = _Encoder("vip-nano-digits-dp", "ViP (DP-AdamW MAE)")
-DPCAP = _Encoder("dpcap-nano-digits-dp", "DP-Cap (DP-AdamW captioning)", pooling="dpcap")
-LOGIT_DP = _Encoder("vip-nano-digits-logit-dp", "Logit-DP (per-pair clipping)", pooling="avg")
-NAIVE_DP = _Encoder("vip-nano-digits-naive-dp", "Naive-DP (whole batch clipped)", pooling="avg")
+VIP = _Encoder("vip-nano-fashion-dp", "ViP (DP-AdamW MAE)")
+DPCAP = _Encoder("dpcap-nano-fashion-dp", "DP-Cap (DP-AdamW captioning)", pooling="dpcap")
+LOGIT_DP = _Encoder("vip-nano-fashion-logit-dp", "Logit-DP (per-pair clipping)", pooling="avg")
+NAIVE_DP = _Encoder("vip-nano-fashion-naive-dp", "Naive-DP (whole batch clipped)", pooling="avg")
 PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 """Published and compared, in this order; the (Syn) DP-Cap encoder only starts DP-Cap."""
 
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .datasets import class_public_captions, class_vocabulary
     from .dpcap import DPCapConfig, train_dpcap
     from .logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
     from .syn import SynConfig, train_syn
     from .vip import VipConfig, train_vip
 
+    began = time.monotonic()
     work = Path(cfg.work_dir)
     if cfg.restart and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     steps = _Steps(work)
-    data = work / "digits"
-    train = data / "train"
+    data = work / "fashion-mnist"
+    train, test = data / "train", data / "test"
     folder = {e: work / e.name for e in PUBLISHED}
     syn_cap = work / "dpcap-nano-syn"
-    vocab, public_captions = work / "digits-vocab.txt", work / "digits-public-captions.txt"
-    split = {"test_fraction": cfg.test_fraction, "seed": cfg.seed}
+    vocab, public_captions = data / "vocab.txt", data / "public-captions.txt"
+    comparison = work / "comparison.json"
+    sizes = {"data": cfg.data, "train_size": cfg.train_size, "test_size": cfg.test_size}
 
     steps.run(
-        "write the digits dataset",
-        split,
-        [train, data / "test"],
-        lambda: write_digits(data, cfg.test_fraction, cfg.seed),
-    )
-    steps.run(
-        "a public vocabulary and public captions over the class names",
-        {"classes": DIGIT_CLASSES},
-        [vocab, public_captions],
-        lambda: (
-            vocab.write_bytes(class_vocabulary(DIGIT_CLASSES)),
-            public_captions.write_text("\n".join(class_public_captions(DIGIT_CLASSES)) + "\n"),
-        ),
+        "Fashion-MNIST: the private and the public test records as image folders; captions, "
+        "vocabulary and public captions over the class names",
+        sizes,
+        [train, test, vocab, public_captions],
+        lambda: _write_data(cfg, work, train, test, vocab, public_captions),
     )
 
     def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
@@ -293,8 +318,9 @@ def run_main_job(cfg: MainJobConfig) -> int:
     # seed anyone could regenerate the noise and subtract it.
     private = {
         "data": str(train),
-        "epsilon": cfg.epsilon,
-        "dataset_name": DATASET,
+        "epsilon": cfg.encoder_epsilon,
+        "delta": FASHION_MNIST_DELTA,
+        "dataset_name": FASHION_MNIST_TRAIN,
         "audit_canaries": cfg.audit_canaries,
         "workers": cfg.workers,
         "seed": None,
@@ -351,21 +377,22 @@ def run_main_job(cfg: MainJobConfig) -> int:
     ]
     for encoder, init, fn, config in runs:
         steps.run(
-            f"{encoder.label} on the digits at epsilon {cfg.epsilon:g}",
+            f"{encoder.label} on {FASHION_MNIST_TRAIN} at epsilon {cfg.encoder_epsilon:g}",
             {**config.model_dump(mode="json"), "init": _weights_digest(init)},
             [folder[encoder]],
             lambda f=fn, c=config: f(c),
         )
 
     steps.run(
-        "DP linear probes and the raw-pixel baseline",
+        f"DP heads composing to epsilon {cfg.epsilon:g}, raw pixels, DP-Cap zero-shot",
         {
+            **sizes,
             "encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED},
             "epochs": cfg.probe_epochs,
-            "head_epsilon": cfg.head_epsilon,
+            "epsilon": cfg.epsilon,
         },
-        [folder[e] / HEADS_DIR / "digits" for e in PUBLISHED],
-        lambda: _probes(cfg, data, folder),
+        [comparison, *(folder[e] / HEADS_DIR / HEAD for e in PUBLISHED)],
+        lambda: _compare(cfg, work, train, test, folder, comparison),
     )
 
     key = _signing_key(work)
@@ -392,7 +419,8 @@ def run_main_job(cfg: MainJobConfig) -> int:
                     r, i, endpoint=endpoint, token=token
                 ),
             )
-        _print_usage(endpoint, data / "test" / "7")
+        _print_summary(cfg, json.loads(comparison.read_text()), time.monotonic() - began)
+        _print_usage(endpoint, test)
         if not cfg.serve:
             return 0
         print("Serving; press Ctrl-C to stop.", flush=True)
@@ -425,70 +453,115 @@ def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
     return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
 
 
-def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> None:
-    """A DP head on every encoder and on raw pixels; the comparison (accuracy on the public test
-    split of DP heads only, each with its guarantee: the head's stages composed with its
-    encoder's) goes into every card. No model trained without DP on the private split is
-    released or measured: its accuracy would be a figure with no guarantee."""
+def _splits(cfg: MainJobConfig, work: Path) -> tuple[LabelledArrays, LabelledArrays]:
+    """The private records (the first ``train_size`` of the train split, declared with their n)
+    and the public test records (the first ``test_size`` of the test split)."""
+    return (
+        fashion_mnist("train", cfg.data, work / "data").first(cfg.train_size),
+        fashion_mnist("test", cfg.data, work / "data").first(cfg.test_size),
+    )
+
+
+def _write_data(
+    cfg: MainJobConfig, work: Path, train: Path, test: Path, vocab: Path, captions: Path
+) -> None:
+    """The private records captioned over their class names (what every recipe and the probes
+    read), the public test records, and DP-Cap's public vocabulary and captions (from the class
+    names alone)."""
+    private, public = _splits(cfg, work)
+    write_caption_folder(private, train, FASHION_MNIST_CLASSES)
+    write_image_folder(public, test, FASHION_MNIST_CLASSES)
+    vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
+    captions.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
+    print(f"    {private.dataset.description}; {len(public)} public test records", flush=True)
+
+
+def _compare(
+    cfg: MainJobConfig,
+    work: Path,
+    train: Path,
+    test: Path,
+    folder: dict[_Encoder, Path],
+    out: Path,
+) -> None:
+    """Every row a classifier released at (``cfg.epsilon``, delta) on the private records: a DP
+    head on every encoder, calibrated so that it composes with the encoder's DP stages to
+    ``cfg.epsilon`` (the split rule), and on raw pixels; DP-Cap's zero-shot over the class names.
+    Top-1 on the public test records; the rows go into every card and ``out``. No model trained
+    without DP on the private records is released or measured: its accuracy would be a figure
+    with no guarantee."""
+    from vip_hub.loading import load_captioner
     from vip_hub.privacy.accounting import epsilon as accounted
 
-    from .probe import DP_HEAD_LR, ProbeConfig, accuracy, fit_probe, load_labelled, run_probe
+    from .probe import DP_HEAD_LR, ProbeConfig, accuracy, dp_head_sampling, fit_probe, run_probe
 
+    head = {
+        "dataset_name": FASHION_MNIST_TRAIN,
+        "delta": FASHION_MNIST_DELTA,
+        "epochs": cfg.probe_epochs,
+        "optimizer": "sgd",
+        "lr": DP_HEAD_LR,
+        "seed": cfg.seed,
+    }
+    private, public = _splits(cfg, work)
+    q, steps = dp_head_sampling(len(private), ProbeConfig(encoder="", data="", **head))
     rows = []
     for e in PUBLISHED:
-        pc = ProbeConfig(
-            encoder=str(folder[e]),
-            data=str(data / "train"),
-            test_data=str(data / "test"),
-            head="digits",
-            pooling=e.pooling,
-            epochs=cfg.probe_epochs,
-            dataset_name=DATASET,
-            epsilon=cfg.head_epsilon,
-            optimizer="sgd",
-            lr=DP_HEAD_LR,
-            seed=cfg.seed,
-        )
-        r = run_probe(pc)
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
-        rows.append(
-            _row(
-                f"{e.label}: {e.name}",
-                privacy_headline(ledger.summary(head_component(pc.head))),
-                f"{e.pooling} pooling, frozen encoder",
-                r.top1,
+        prior = [
+            (s.noise_multiplier, s.sample_rate, s.steps)
+            for s in ledger.dp_stages()
+            if s.dataset.name == FASHION_MNIST_TRAIN
+        ]
+        own = remaining_epsilon(cfg.epsilon, FASHION_MNIST_DELTA, prior, q, steps, Accountant.RDP)
+        r = run_probe(
+            ProbeConfig(
+                encoder=str(folder[e]),
+                data=str(train),
+                test_data=str(test),
+                head=HEAD,
+                pooling=e.pooling,
+                epsilon=own,
+                **head,
             )
         )
-        print(
-            f"    {e.name}: top-1 {r.top1:.4f} (DP head; encoder and head: {rows[-1]['privacy']})",
-            flush=True,
+        ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
+        privacy = privacy_headline(ledger.summary(head_component(HEAD)))
+        rows.append(_row(f"{e.label}: {e.name}", privacy, f"{e.pooling} features", r.top1))
+        print(f"    {e.name}: top-1 {r.top1:.4f} (its head at epsilon {own:.3f}; {privacy})")
+
+    captioner = load_captioner(folder[DPCAP])
+    losses = captioner.zero_shot(
+        [public.pil(i) for i in range(len(public))], list(FASHION_MNIST_CLASSES)
+    )
+    rows.append(
+        _row(
+            f"DP-Cap zero-shot: {DPCAP.name}",
+            privacy_headline(captioner.encoder.privacy),
+            f"caption loss of '{CAPTION_TEMPLATE}' per class name, no head",
+            float((losses.argmin(1).numpy() == public.labels).mean()),
         )
-    train, test = (
-        load_labelled(data / "train", DATASET),
-        load_labelled(data / "test", "public/sklearn-digits-test"),
     )
-    x = [_pixels(d.images) for d in (train, test)]
-    y = [torch.as_tensor(d.labels) for d in (train, test)]
-    public = _pixels([Image.fromarray(render(1, i, 8)) for i in range(256)])
-    dp_cfg = ProbeConfig(
-        encoder="",
-        data="",
-        dataset_name=DATASET,
-        epochs=cfg.probe_epochs,
-        epsilon=cfg.head_epsilon,
-        optimizer="sgd",
-        lr=DP_HEAD_LR,
-        seed=cfg.seed,
+    print(f"    {DPCAP.name} zero-shot: top-1 {rows[-1]['top1']:.4f}", flush=True)
+
+    x = [_pixels(d.images) for d in (private, public)]
+    y = [torch.as_tensor(d.labels) for d in (private, public)]
+    side = private.images.shape[1]
+    procedural = np.stack(
+        [np.asarray(Image.fromarray(render(1, i, side)).convert("L")) for i in range(256)]
     )
-    dp_head, dp = fit_probe(x[0], y[0], 10, dp_cfg, public_x=public, desc="raw pixels, DP")
+    raw = ProbeConfig(encoder="", data="", epsilon=cfg.epsilon, **head)
+    classes = len(FASHION_MNIST_CLASSES)
+    dp_head, dp = fit_probe(x[0], y[0], classes, raw, _pixels(procedural), desc="raw pixels")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
-    # This head is in no repo, so no dataset page lists it: its row says so (its figure is a release too).
+    # This head is in no repo, so no dataset page lists it: its row says so (its figure is a
+    # release too).
     rows.append(
         _row(
             "raw pixels (no encoder)",
-            f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {DATASET}: the head's own, a release outside "
-            "the hub, so not in the dataset page's composition: add it",
-            "64 pixel values",
+            f"(ε = {eps:.2f}, δ = {dp['delta']:.2g})-DP on {FASHION_MNIST_TRAIN}: the head's "
+            "own, a release outside the hub, so not in the dataset page's composition: add it",
+            f"{x[0].shape[1]} pixel values",
             accuracy(dp_head, x[1], y[1]),
         )
     )
@@ -496,22 +569,33 @@ def _probes(cfg: MainJobConfig, data: Path, folder: dict[_Encoder, Path]) -> Non
     for e in PUBLISHED:
         update_repo(folder[e], comparison=rows)
         verify_repo(folder[e]).raise_for_problems()
+    out.write_text(json.dumps(rows, indent=1, ensure_ascii=False))
 
 
 def _row(model: str, privacy: str, features: str, top1: float) -> dict[str, Any]:
     return {"model": model, "privacy": privacy, "features": features, "top1": round(top1, 4)}
 
 
-def _pixels(images: list[Any]) -> torch.Tensor:
-    """8x8 grey images as (N, 64) values in [0, 1]: the raw-pixel baseline's features."""
-    return torch.stack(
-        [
-            torch.from_numpy(
-                np.asarray(im.convert("L").resize((8, 8)), dtype=np.float32).ravel() / 255
-            )
-            for im in images
-        ]
+def _pixels(images: np.ndarray) -> torch.Tensor:
+    """Grey images (n, h, w) uint8 as (n, h * w) values in [0, 1]: the raw-pixel features."""
+    return torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255)
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+
+
+def _print_summary(cfg: MainJobConfig, rows: list[dict[str, Any]], seconds: float) -> None:
+    """The comparison (DP rows only) and the job's wall time with the load average."""
+    print(
+        f"\nTop-1 on the first {cfg.test_size} public Fashion-MNIST test records; every row a "
+        f"classifier released at epsilon <= {cfg.epsilon:g}, delta = {FASHION_MNIST_DELTA:g} on "
+        f"the first {cfg.train_size} train records ({FASHION_MNIST_TRAIN}):"
     )
+    for r in rows:
+        print(f"  {r['top1']:.4f}  {r['model']}\n          {r['privacy']}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"Job wall time {_duration(seconds)} (load average {load}).", flush=True)
 
 
 def _signing_key(work: Path) -> Path:
@@ -581,27 +665,32 @@ def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subproce
     raise StepFailed("the server did not answer /healthz within 120 s")
 
 
-def _print_usage(endpoint: str, sample_dir: Path) -> None:
-    sample = next(iter(sorted(sample_dir.glob("*.png"))), None)
-    image = f"$(base64 -w0 {sample})" if sample else "<base64 PNG>"
+def _print_usage(endpoint: str, test: Path) -> None:
+    sample = min(test.glob("*/*.png"), default=None)
+    image = f"$(base64 -w0 '{sample}')" if sample else "<base64 PNG>"
     models = "\n".join(f"                {endpoint}/{e.repo_id}   {e.label}" for e in PUBLISHED)
+    json_header = "-H 'Content-Type: application/json'"
+    timm = f'm = timm.create_model("hf-hub:{VIP.repo_id}", pretrained=True)'
     print(
         f"""
 vip-hub is up.
 
-  Web page      {endpoint}/   (each model page shows its guarantee, its audit and the probe comparison)
+  Web page      {endpoint}/
+                (each model page shows its guarantee, its audit and the comparison)
 {models}
 
-  Embeddings    curl -s {endpoint}/v1/embeddings -H 'Content-Type: application/json' \\
-                  -d '{{"model": "{VIP.repo_id}", "input": ["'{image}'"], "pooling": "avg"}}'
+  Embeddings    curl -s {endpoint}/v1/embeddings {json_header} \\
+                  -d '{{"model": "{VIP.repo_id}", "input": ["'{image}'"], \\
+                       "pooling": "avg"}}'
 
-  Classify      curl -s {endpoint}/v1/classify -H 'Content-Type: application/json' \\
-                  -d '{{"model": "{LOGIT_DP.repo_id}", "head": "digits", "input": ["'{image}'"], "top_k": 3}}'
+  Classify      curl -s {endpoint}/v1/classify {json_header} \\
+                  -d '{{"model": "{LOGIT_DP.repo_id}", "head": "{HEAD}", \\
+                       "input": ["'{image}'"], "top_k": 3}}'
 
-  Caption       curl -s {endpoint}/v1/captions -H 'Content-Type: application/json' \\
+  Caption       curl -s {endpoint}/v1/captions {json_header} \\
                   -d '{{"model": "{DPCAP.repo_id}", "input": ["'{image}'"], "max_tokens": 12}}'
 
-  timm          HF_ENDPOINT={endpoint} python -c 'import timm; m = timm.create_model("hf-hub:{VIP.repo_id}", pretrained=True); print(m)'
+  timm          HF_ENDPOINT={endpoint} python -c 'import timm; {timm}; print(m)'
 """,
         flush=True,
     )
