@@ -158,23 +158,38 @@ def test_tampered_card_copy(tiny_repo):
     _fails(tiny_repo, "README.md: its ledger copy disagrees", "stages.1.epsilon")
 
 
-def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
-    ledger = _lower_epsilon(json.loads((tiny_repo / "privacy_ledger.json").read_text()))
+def _rewrite_all_copies(repo, change) -> None:
+    """Apply ``change`` to the ledger and write it consistently into its three copies."""
+    ledger = change(json.loads((repo / "privacy_ledger.json").read_text()))
     text = json.dumps(ledger)
-    (tiny_repo / "privacy_ledger.json").write_text(text)
-    meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(tiny_repo / "model.safetensors", {**meta, META_LEDGER: text})
-    _, front, body = (tiny_repo / "README.md").read_text().split("---\n", 2)
+    (repo / "privacy_ledger.json").write_text(text)
+    meta = read_safetensors_header(repo / "model.safetensors")[0]["__metadata__"]
+    rewrite_safetensors_metadata(repo / "model.safetensors", {**meta, META_LEDGER: text})
+    _, front, body = (repo / "README.md").read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = ledger
-    (tiny_repo / "README.md").write_text(
+    (repo / "README.md").write_text(
         "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
     )
+
+
+def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
+    _rewrite_all_copies(tiny_repo, _lower_epsilon)
     _fails(
         tiny_repo,
         "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
         "guarantee 'test-images'",
     )
+
+
+def test_a_reference_epsilon_off_its_accountant_fails(tiny_repo):
+    def doubled_prv(ledger: dict) -> dict:
+        ledger["stages"][1]["reference_epsilon"]["prv"] *= 2
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, doubled_prv)
+    text = _fails(tiny_repo, "(prv) is not what that accountant gives")
+    assert "claims epsilon" not in text  # the claim (rdp) itself still holds
 
 
 def test_tampered_weights(tiny_repo):
