@@ -28,7 +28,7 @@ def recipe(module: str) -> Recipe:
 
 def register(sub: Any) -> None:
     """Add every training sub-command to the ``vip-hub`` parser."""
-    require_extra("train", "matplotlib", "sklearn")
+    require_extra("train", "matplotlib")
     for module in RECIPES:
         r = recipe(module)
         p = add_command(sub, f"train-{r.name}", _train, r.summary)
