@@ -151,12 +151,9 @@ class CommitParser:
 
     # ---------------------------------------------------------------- scanning
     def _structure(self, data: bytes, i: int) -> int:
-        m = _STRUCTURE.search(data, i)
-        j = m.start() if m else len(data)
-        self._keep(data[i:j])
-        if m is None:
+        j, c = _run_until(_STRUCTURE, data, i, self._keep)
+        if c is None:
             return j
-        c = data[j]
         top = self._stack[-1] if self._stack else None
         if c == 0x0A:  # newline: the end of a line
             if self._stack:
@@ -205,12 +202,9 @@ class CommitParser:
     def _string(self, data: bytes, i: int) -> int:
         if self._escape is not None:
             return self._read_escape(data, i)
-        m = _IN_STRING.search(data, i)
-        j = m.start() if m else len(data)
-        self._text(data[i:j])
-        if m is None:
+        j, c = _run_until(_IN_STRING, data, i, self._text)
+        if c is None:
             return j
-        c = data[j]
         if c == 0x0A:
             raise ValueError("a line ends inside a string (unterminated string)")
         if c == 0x5C:  # backslash
@@ -321,6 +315,17 @@ class CommitParser:
             path.unlink(missing_ok=True)
             raise
         return path
+
+
+def _run_until(
+    pattern: re.Pattern[bytes], data: bytes, i: int, take: Callable[[bytes], None]
+) -> tuple[int, int | None]:
+    """Hand the bytes from ``i`` up to the next match of ``pattern`` to ``take``; return where
+    that match starts and its byte (``None``: no match, the chunk is used up)."""
+    m = pattern.search(data, i)
+    j = m.start() if m else len(data)
+    take(data[i:j])
+    return j, (data[j] if m else None)
 
 
 def _path(value: dict[str, Any]) -> str:
