@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from fastapi import File, Form, Query, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.models.features import Pooling
@@ -33,29 +33,24 @@ from vip_hub.repo_format import (
     heads_in,
 )
 
-from ..auth import Identity, check_read, private_namespaces
+from ..auth import check_read, private_namespaces
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
 from ..hub.common import store_of
 from .common import (
-    ERRORS,
     MODEL_PATTERN,
+    Call,
     Image64,
+    InferenceCall,
     ModelRef,
     Privacy,
     Usage,
-    caller,
-    check_count,
-    decode_texts,
-    engine_of,
-    open_model,
-    run_task,
-    set_headers,
+    new_router,
 )
 from .models import Task
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["inference"])
+router = new_router()
 
 
 class EmbeddingsRequest(BaseModel):
@@ -147,9 +142,7 @@ class ModelList(BaseModel):
 
 
 async def _embed(
-    request: Request,
-    response: Response,
-    who: Identity | None,
+    call: Call,
     ref: str,
     images: list[bytes],
     pooling: Pooling,
@@ -157,30 +150,24 @@ async def _embed(
     encoding_format: str,
     dimensions: int | None,
 ) -> EmbeddingsResponse:
-    model = await open_model(request, ref, who)
+    model = await call.model(ref)
     width = model.encoder.feature_dim(pooling)
     if dimensions is not None and dimensions > width:
         raise BadRequest(
             f"dimensions: {dimensions} is more than the {width} of {pooling} embeddings"
         )
-    result = await run_task(request, model, images, Task(poolings=(pooling,)))
+    result = await call.run(model, images, Task(poolings=(pooling,)))
     vectors = torch.cat([out[pooling] for out in result.outputs])
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     if normalize:
         vectors = torch.nn.functional.normalize(vectors, dim=-1)
-    privacy = Privacy.of(model.ledger.summary())
-    set_headers(response, model, result, privacy)
     data = [
         Embedding(index=i, embedding=_encode(v, encoding_format)) for i, v in enumerate(vectors)
     ]
+    privacy = Privacy.of(model.ledger.summary())
     return EmbeddingsResponse(
-        data=data,
-        model=model.repo_id,
-        revision=model.commit,
-        pooling=pooling,
-        privacy=privacy,
-        usage=Usage(images=len(images)),
+        data=data, pooling=pooling, **call.answer(model, result, images, privacy)
     )
 
 
@@ -190,23 +177,11 @@ def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-@router.post(
-    "/embeddings",
-    response_model=EmbeddingsResponse,
-    responses=ERRORS,
-    summary="Embed images (JSON)",
-)
-async def embeddings(
-    payload: EmbeddingsRequest,
-    request: Request,
-    response: Response,
-    who: Identity | None = Depends(caller),
-) -> EmbeddingsResponse:
-    images = decode_texts(request, payload.input)
+@router.post("/embeddings", summary="Embed images (JSON)")
+async def embeddings(payload: EmbeddingsRequest, call: Call) -> EmbeddingsResponse:
+    images = call.images(payload.input)
     return await _embed(
-        request,
-        response,
-        who,
+        call,
         payload.model,
         images,
         payload.pooling,
@@ -216,55 +191,36 @@ async def embeddings(
     )
 
 
-@router.post(
-    "/embeddings/files",
-    response_model=EmbeddingsResponse,
-    responses=ERRORS,
-    summary="Embed uploaded image files (multipart form)",
-)
+@router.post("/embeddings/files", summary="Embed uploaded image files (multipart form)")
 async def embeddings_files(
-    request: Request,
-    response: Response,
+    call: Call,
     model: Annotated[str, Form(max_length=300, pattern=MODEL_PATTERN)],
     files: Annotated[list[UploadFile], File(description="image files, in order")],
     pooling: Annotated[Pooling, Form()] = "avg",
     normalize: Annotated[bool, Form()] = False,
     encoding_format: Annotated[Literal["float", "base64"], Form()] = "float",
     dimensions: Annotated[int | None, Form(ge=1)] = None,
-    who: Identity | None = Depends(caller),
 ) -> EmbeddingsResponse:
-    check_count(request, len(files))
-    limit = engine_of(request).limits.max_bytes
+    call.check_count(len(files))
+    limit = call.engine.limits.max_bytes
     images = []
     for i, f in enumerate(files):
         data = await f.read(limit + 1)
         if len(data) > limit:
             raise PayloadTooLarge(f"input[{i}]: image larger than {limit} bytes")
         images.append(data)
-    return await _embed(
-        request, response, who, model, images, pooling, normalize, encoding_format, dimensions
-    )
+    return await _embed(call, model, images, pooling, normalize, encoding_format, dimensions)
 
 
-@router.post(
-    "/classify",
-    response_model=ClassifyResponse,
-    responses=ERRORS,
-    summary="Classify images with a linear-probe head",
-)
-async def classify(
-    payload: ClassifyRequest,
-    request: Request,
-    response: Response,
-    who: Identity | None = Depends(caller),
-) -> ClassifyResponse:
-    images = decode_texts(request, payload.input)
-    model = await open_model(request, payload.model, who)
+@router.post("/classify", summary="Classify images with a linear-probe head")
+async def classify(payload: ClassifyRequest, call: Call) -> ClassifyResponse:
+    images = call.images(payload.input)
+    model = await call.model(payload.model)
     if payload.head not in model.heads:
         known = ", ".join(sorted(model.heads)) or "none"
         raise EntryNotFound(f"{model.repo_id} has no head {payload.head!r} (heads: {known})")
     labels = model.heads[payload.head][1].labels
-    result = await run_task(request, model, images, Task(head=payload.head))
+    result = await call.run(model, images, Task(head=payload.head))
     probs = torch.cat(result.outputs)
     k = min(payload.top_k, len(labels))
     scores, indices = probs.topk(k, dim=-1)
@@ -278,51 +234,38 @@ async def classify(
         )
         for i, (row_s, row_i) in enumerate(zip(scores.tolist(), indices.tolist(), strict=True))
     ]
+    fields = call.answer(model, result, images, Privacy.of(model.ledger.summary()))
     privacy = ClassifyPrivacy(
-        encoder=Privacy.of(model.ledger.summary()),
+        encoder=fields.pop("privacy"),
         head=Privacy.of(model.ledger.summary(head_component(payload.head))),
     )
-    set_headers(response, model, result, privacy.encoder)
-    return ClassifyResponse(
-        data=data,
-        model=model.repo_id,
-        revision=model.commit,
-        head=payload.head,
-        privacy=privacy,
-        usage=Usage(images=len(images)),
+    return ClassifyResponse(data=data, head=payload.head, privacy=privacy, **fields)
+
+
+@router.get("/models", summary="Available and loaded models")
+def list_models(call: Call) -> ModelList:
+    rows = store_of(call.request).list_models(
+        include_private=private_namespaces(call.who),
+        limit=call.request.app.state.settings.hub.page_size,
     )
+    return ModelList(data=[_describe(call, repo.repo_id, commit.sha) for repo, commit in rows])
 
 
-@router.get("/models", response_model=ModelList, summary="Available and loaded models")
-def list_models(request: Request, who: Identity | None = Depends(caller)) -> ModelList:
-    store = store_of(request)
-    rows = store.list_models(
-        include_private=private_namespaces(who), limit=request.app.state.settings.hub.page_size
-    )
-    return ModelList(data=[_describe(request, repo.repo_id, commit.sha) for repo, commit in rows])
-
-
-@router.get(
-    "/models/{org}/{name}", response_model=ModelDescription, responses=ERRORS, summary="One model"
-)
+@router.get("/models/{org}/{name}", summary="One model")
 def get_model(
-    org: str,
-    name: str,
-    request: Request,
-    revision: str = Query(DEFAULT_BRANCH, max_length=128),
-    who: Identity | None = Depends(caller),
+    org: str, name: str, call: Call, revision: str = Query(DEFAULT_BRANCH, max_length=128)
 ) -> ModelDescription:
-    store = store_of(request)
+    store = store_of(call.request)
     repo = store.get_repo(f"{org}/{name}")
-    check_read(repo.private, repo.repo_id, who)
-    return _describe(request, repo.repo_id, store.resolve(repo.repo_id, revision))
+    check_read(repo.private, repo.repo_id, call.who)
+    return _describe(call, repo.repo_id, store.resolve(repo.repo_id, revision))
 
 
-def _describe(request: Request, repo_id: str, commit: str) -> ModelDescription:
+def _describe(call: InferenceCall, repo_id: str, commit: str) -> ModelDescription:
     """From memory when loaded; otherwise from the store's index and files (nothing loaded)."""
-    store = store_of(request)
+    store = store_of(call.request)
     loaded = next(
-        (m for m in engine_of(request).loaded() if (m.repo_id, m.commit) == (repo_id, commit)), None
+        (m for m in call.engine.loaded() if (m.repo_id, m.commit) == (repo_id, commit)), None
     )
     tree = store.tree(repo_id, commit)
     config = json.loads(store.blob_path(tree[CONFIG_FILE]).read_bytes())

@@ -8,19 +8,17 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import torch
-from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 
-from ..auth import Identity
 from ..errors import BadRequest, PayloadTooLarge
 from . import common
 from .models import LoadedModel, Task
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["inference"])
+router = common.new_router()
 
 Label = Annotated[
     str, Field(min_length=1, max_length=200, description="a class name, e.g. 'golden retriever'")
@@ -91,8 +89,8 @@ class ZeroShotResponse(BaseModel):
     usage: common.Usage
 
 
-async def _captioning_model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
-    model = await common.open_model(request, ref, who)
+async def _captioning_model(call: common.InferenceCall, ref: str) -> LoadedModel:
+    model = await call.model(ref)
     if model.captions is None:
         raise BadRequest(
             f"model: {model.repo_id} cannot caption (it is not a DP-Cap repo with a text decoder "
@@ -101,64 +99,42 @@ async def _captioning_model(request: Request, ref: str, who: Identity | None) ->
     return model
 
 
-@router.post(
-    "/captions",
-    response_model=CaptionsResponse,
-    responses=common.ERRORS,
-    summary="Caption images (greedy decoding, DP-Cap repos)",
-)
-async def captions(
-    payload: CaptionsRequest,
-    request: Request,
-    response: Response,
-    who: Identity | None = Depends(common.caller),
-) -> CaptionsResponse:
-    images = common.decode_texts(request, payload.input)
-    model = await _captioning_model(request, payload.model, who)
+@router.post("/captions", summary="Caption images (greedy decoding, DP-Cap repos)")
+async def captions(payload: CaptionsRequest, call: common.Call) -> CaptionsResponse:
+    images = call.images(payload.input)
+    model = await _captioning_model(call, payload.model)
     assert model.captions is not None
-    limit = min(request.app.state.settings.inference.max_caption_tokens, model.captions.max_tokens)
+    limit = min(call.settings.max_caption_tokens, model.captions.max_tokens)
     tokens = limit if payload.max_tokens is None else payload.max_tokens
     if tokens > limit:
         raise BadRequest(
             f"max_tokens: {tokens} is more than the limit of {limit} for {model.repo_id}"
         )
-    result = await common.run_task(request, model, images, Task(caption_tokens=tokens))
+    result = await call.run(model, images, Task(caption_tokens=tokens))
     texts = [caption for out in result.outputs for caption in out]
     privacy = common.Privacy.of(model.ledger.summary())
-    common.set_headers(response, model, result, privacy)
     return CaptionsResponse(
         data=[Caption(index=i, caption=c) for i, c in enumerate(texts)],
-        model=model.repo_id,
-        revision=model.commit,
-        privacy=privacy,
-        usage=common.Usage(images=len(images)),
+        **call.answer(model, result, images, privacy),
     )
 
 
 @router.post(
-    "/zero-shot",
-    response_model=ZeroShotResponse,
-    responses=common.ERRORS,
-    summary="Classify images among label texts by caption likelihood (DP-Cap repos)",
+    "/zero-shot", summary="Classify images among label texts by caption likelihood (DP-Cap repos)"
 )
-async def zero_shot(
-    payload: ZeroShotRequest,
-    request: Request,
-    response: Response,
-    who: Identity | None = Depends(common.caller),
-) -> ZeroShotResponse:
-    limit = request.app.state.settings.inference.max_labels
+async def zero_shot(payload: ZeroShotRequest, call: common.Call) -> ZeroShotResponse:
+    limit = call.settings.max_labels
     if len(payload.labels) > limit:
         raise PayloadTooLarge(
             f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request"
         )
-    images = common.decode_texts(request, payload.input)
-    model = await _captioning_model(request, payload.model, who)
+    images = call.images(payload.input)
+    model = await _captioning_model(call, payload.model)
     assert model.captions is not None
     texts = model.captions.label_texts(
         payload.labels, payload.prompt
     )  # ConfigError (400) names a bad label
-    result = await common.run_task(request, model, images, Task(texts=texts))
+    result = await call.run(model, images, Task(texts=texts))
     losses = torch.cat(result.outputs)
     scores = torch.softmax(-losses, dim=-1)
     k = min(payload.top_k, len(payload.labels))
@@ -171,11 +147,4 @@ async def zero_shot(
         ]
         data.append(ZeroShotResult(index=i, label=ranked[0].label, labels=ranked))
     privacy = common.Privacy.of(model.ledger.summary())
-    common.set_headers(response, model, result, privacy)
-    return ZeroShotResponse(
-        data=data,
-        model=model.repo_id,
-        revision=model.commit,
-        privacy=privacy,
-        usage=common.Usage(images=len(images)),
-    )
+    return ZeroShotResponse(data=data, **call.answer(model, result, images, privacy))

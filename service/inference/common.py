@@ -1,13 +1,13 @@
-"""What the inference routers share (``api.py``, ``captions.py``): the request fields for a model
-and its images, the privacy and usage blocks of a response, the caller, the model lookup, the
-input checks and the response headers."""
+"""What the inference routers share (``api.py``, ``captions.py``): their router, the request
+fields for a model and its images, the privacy and usage blocks of a response, and the call
+(``Call``: the caller, the model lookup, the input checks, the run and the response headers)."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, Field
 
 from vip_hub.privacy.ledger import PrivacySummary, privacy_headline
@@ -15,6 +15,7 @@ from vip_hub.privacy.ledger import PrivacySummary, privacy_headline
 from ..auth import Identity, check_read, identity, identity_or_anonymous, require_scope
 from ..errors import BadRequest, PayloadTooLarge
 from ..hub.common import store_of
+from ..settings import InferenceSettings
 from ..store.naming import NAME_PATTERN, REVISION_PATTERN
 from .engine import InferenceEngine, Result, parse_model_ref
 from .images import image_bytes_from_text
@@ -23,18 +24,15 @@ from .models import LoadedModel, Task
 __all__ = [
     "ERRORS",
     "MODEL_PATTERN",
+    "Call",
     "Image64",
+    "InferenceCall",
     "ModelRef",
     "Privacy",
     "Usage",
     "caller",
-    "check_count",
-    "decode_texts",
     "disconnected",
-    "engine_of",
-    "open_model",
-    "run_task",
-    "set_headers",
+    "new_router",
 ]
 
 MODEL_PATTERN = rf"^{NAME_PATTERN}/{NAME_PATTERN}(@{REVISION_PATTERN})?$"
@@ -104,48 +102,81 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def engine_of(request: Request) -> InferenceEngine:
-    """The app's inference engine (``app.state.engine``)."""
-    return request.app.state.engine
+class InferenceCall:
+    """One inference request as its route works with it: the request, the response (whose
+    headers it sets) and the caller, with the steps every route takes."""
+
+    def __init__(self, request: Request, response: Response, who: Identity | None):
+        self.request, self.response, self.who = request, response, who
+
+    @property
+    def engine(self) -> InferenceEngine:
+        """The app's inference engine (``app.state.engine``)."""
+        return self.request.app.state.engine
+
+    @property
+    def settings(self) -> InferenceSettings:
+        """The server's ``inference`` settings."""
+        return self.request.app.state.settings.inference
+
+    async def model(self, ref: str) -> LoadedModel:
+        """The model ``ref`` (``org/name[@revision]``) names, loaded, if the caller may read it."""
+        store = store_of(self.request)
+        repo_id, revision = parse_model_ref(ref)
+        repo = store.get_repo(repo_id)
+        check_read(repo.private, repo_id, self.who)
+        return await self.engine.model(repo_id, store.resolve(repo_id, revision))
+
+    async def run(self, model: LoadedModel, images: list[bytes], task: Task) -> Result:
+        """Compute ``task`` on ``images`` through the model's batcher; given up if the client
+        leaves."""
+        return await self.engine.run(model, images, task, partial(disconnected, self.request))
+
+    def check_count(self, n: int) -> None:
+        """400 for no image, 413 for more than ``inference.max_images_per_request``."""
+        limit = self.settings.max_images_per_request
+        if n == 0:
+            raise BadRequest("input: at least one image is required")
+        if n > limit:
+            raise PayloadTooLarge(f"input: {n} images, more than the limit of {limit} per request")
+
+    def images(self, inputs: str | list[str]) -> list[bytes]:
+        """The image bytes of one or more base64 texts or data: URIs, counted and size-checked."""
+        items = [inputs] if isinstance(inputs, str) else inputs
+        self.check_count(len(items))
+        return [image_bytes_from_text(text, i, self.engine.limits) for i, text in enumerate(items)]
+
+    def answer(
+        self, model: LoadedModel, result: Result, images: list[bytes], privacy: Privacy
+    ) -> dict[str, Any]:
+        """Set the ``X-...`` headers (the revision, the guarantee, the timings) and return the
+        fields every inference response has: model, revision, privacy, usage."""
+        headers = self.response.headers
+        headers["X-Model-Revision"] = model.commit
+        headers["X-Privacy-Epsilon"] = "none" if privacy.epsilon is None else repr(privacy.epsilon)
+        headers["X-Privacy-Delta"] = repr(privacy.delta)
+        headers["X-Queue-Ms"] = f"{result.queue_s * 1e3:.2f}"
+        headers["X-Preprocess-Ms"] = f"{result.preprocess_s * 1e3:.2f}"
+        headers["X-Inference-Ms"] = f"{result.forward_s * 1e3:.2f}"
+        return {
+            "model": model.repo_id,
+            "revision": model.commit,
+            "privacy": privacy,
+            "usage": Usage(images=len(images)),
+        }
 
 
-async def open_model(request: Request, ref: str, who: Identity | None) -> LoadedModel:
-    """The model ``ref`` (``org/name[@revision]``) names, loaded, if ``who`` may read it."""
-    store = store_of(request)
-    repo_id, revision = parse_model_ref(ref)
-    repo = store.get_repo(repo_id)
-    check_read(repo.private, repo_id, who)
-    return await engine_of(request).model(repo_id, store.resolve(repo_id, revision))
+async def _call(
+    request: Request, response: Response, who: Identity | None = Depends(caller)
+) -> InferenceCall:
+    # async, as caller: a plain function would go through FastAPI's thread pool
+    return InferenceCall(request, response, who)
 
 
-async def run_task(request: Request, model: LoadedModel, images: list[bytes], task: Task) -> Result:
-    """Compute ``task`` on ``images`` through the model's batcher; given up if the client leaves."""
-    return await engine_of(request).run(model, images, task, partial(disconnected, request))
+Call = Annotated[InferenceCall, Depends(_call)]
+"""The parameter every inference route takes."""
 
 
-def check_count(request: Request, n: int) -> None:
-    """400 for no image, 413 for more than ``inference.max_images_per_request``."""
-    limit = request.app.state.settings.inference.max_images_per_request
-    if n == 0:
-        raise BadRequest("input: at least one image is required")
-    if n > limit:
-        raise PayloadTooLarge(f"input: {n} images, more than the limit of {limit} per request")
-
-
-def decode_texts(request: Request, inputs: str | list[str]) -> list[bytes]:
-    """The image bytes of one or more base64 texts or data: URIs, counted and size-checked."""
-    items = [inputs] if isinstance(inputs, str) else inputs
-    check_count(request, len(items))
-    limits = engine_of(request).limits
-    return [image_bytes_from_text(text, i, limits) for i, text in enumerate(items)]
-
-
-def set_headers(response: Response, model: LoadedModel, result: Result, privacy: Privacy) -> None:
-    """The revision, the guarantee and the timings as ``X-...`` headers."""
-    response.headers["X-Model-Revision"] = model.commit
-    epsilon = "none" if privacy.epsilon is None else repr(privacy.epsilon)
-    response.headers["X-Privacy-Epsilon"] = epsilon
-    response.headers["X-Privacy-Delta"] = repr(privacy.delta)
-    response.headers["X-Queue-Ms"] = f"{result.queue_s * 1e3:.2f}"
-    response.headers["X-Preprocess-Ms"] = f"{result.preprocess_s * 1e3:.2f}"
-    response.headers["X-Inference-Ms"] = f"{result.forward_s * 1e3:.2f}"
+def new_router() -> APIRouter:
+    """A router of inference routes: under ``/v1``, documenting the errors they share."""
+    return APIRouter(prefix="/v1", tags=["inference"], responses=ERRORS)
