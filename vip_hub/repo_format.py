@@ -45,7 +45,6 @@ __all__ = [
     "TEXT_DECODER_FILE",
     "VOCAB_FILE",
     "WEIGHTS_FILE",
-    "format_params",
     "head_component",
     "head_file",
     "head_folders",
@@ -143,10 +142,3 @@ def heads_in(paths: object) -> list[str]:
 def is_weights_file(path: str) -> bool:
     """Whether a repo path holds tensors (digested over its tensors, not its bytes); any case."""
     return path.lower().endswith(".safetensors")
-
-
-def format_params(n: int | None) -> str:
-    """A parameter count as people read it: ``86.6M``, ``742K``, ``–`` when unknown."""
-    if not n:
-        return "–"
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"

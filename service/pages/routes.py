@@ -20,10 +20,11 @@ from vip_hub.repo.card import (
     LEDGER_COLUMNS,
     audit_paragraphs,
     component_headlines,
+    format_params,
     guarantee_paragraphs,
     ledger_rows,
 )
-from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, format_params
+from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE
 
 from ..auth import identity
 from ..errors import BadRequest, NotFound

@@ -24,7 +24,7 @@ from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
 from ..models.features import MODE_DESCRIPTIONS
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
-from ..repo_format import CARD_FILE, ENCODER, format_params
+from ..repo_format import CARD_FILE, ENCODER
 
 __all__ = [
     "DEFAULT_LICENSE",
@@ -34,6 +34,7 @@ __all__ = [
     "card_info",
     "card_ledger",
     "component_headlines",
+    "format_params",
     "guarantee_paragraphs",
     "ledger_rows",
     "load_card",
@@ -194,6 +195,13 @@ def card_ledger(readme: str) -> PrivacyLedger:
     if "differential_privacy" not in data:
         raise LedgerError([f"{CARD_FILE}: front matter has no differential_privacy block"])
     return PrivacyLedger.parse(data["differential_privacy"])
+
+
+def format_params(n: int | None) -> str:
+    """A parameter count as people read it: ``86.6M``, ``742K``, ``–`` when unknown."""
+    if not n:
+        return "–"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 def card_info(readme: str) -> CardInfo:
