@@ -27,6 +27,8 @@ __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
 
 GIB = 1024**3
 MIB = 1024**2
+MAX_CAPTION_TOKENS = 127
+"""The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
 
 
 class HubSettings(BaseModel):
@@ -111,7 +113,10 @@ class InferenceSettings(BaseModel):
         "images, checked from their headers before any is decoded",
     )
     max_caption_tokens: int = Field(
-        40, gt=0, le=127, description="most tokens a /v1/captions caption may ask for"
+        40,
+        gt=0,
+        le=MAX_CAPTION_TOKENS,
+        description="most tokens a /v1/captions caption may ask for",
     )
     max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
     max_json_depth: int = Field(8, gt=0)

@@ -14,12 +14,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from vip_hub.paths import MAX_PATH_LENGTH
 from vip_hub.repo.card import load_card
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest, Conflicting
 from ..store.errors import NoSuchRevision
-from ..store.naming import validate_path, validate_repo_id, validate_revision
+from ..store.naming import (
+    MAX_REVISION_LENGTH,
+    validate_path,
+    validate_repo_id,
+    validate_revision,
+)
 from .common import Writable, base_url, is_lfs, store_of, writable
 from .uploads import CommitParser, receive_body
 
@@ -55,7 +61,7 @@ def create_repo(
 
 
 class PreuploadFile(BaseModel):
-    path: str = Field(max_length=1024)
+    path: str = Field(max_length=MAX_PATH_LENGTH)
     sample: str = ""
     size: int = Field(ge=0)
 
@@ -125,7 +131,7 @@ async def commit(
 
 
 class TagRequest(BaseModel):
-    tag: str = Field(max_length=128)
+    tag: str = Field(max_length=MAX_REVISION_LENGTH)
     message: str | None = None
 
 

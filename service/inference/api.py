@@ -36,7 +36,9 @@ from vip_hub.repo_format import (
 from ..auth import check_read, private_namespaces
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
 from ..hub.common import store_of
+from ..store.naming import MAX_REVISION_LENGTH
 from .common import (
+    MAX_MODEL_REF_LENGTH,
     MODEL_PATTERN,
     Call,
     Image64,
@@ -194,7 +196,7 @@ async def embeddings(payload: EmbeddingsRequest, call: Call) -> EmbeddingsRespon
 @router.post("/embeddings/files", summary="Embed uploaded image files (multipart form)")
 async def embeddings_files(
     call: Call,
-    model: Annotated[str, Form(max_length=300, pattern=MODEL_PATTERN)],
+    model: Annotated[str, Form(max_length=MAX_MODEL_REF_LENGTH, pattern=MODEL_PATTERN)],
     files: Annotated[list[UploadFile], File(description="image files, in order")],
     pooling: Annotated[Pooling, Form()] = "avg",
     normalize: Annotated[bool, Form()] = False,
@@ -253,7 +255,10 @@ def list_models(call: Call) -> ModelList:
 
 @router.get("/models/{org}/{name}", summary="One model")
 def get_model(
-    org: str, name: str, call: Call, revision: str = Query(DEFAULT_BRANCH, max_length=128)
+    org: str,
+    name: str,
+    call: Call,
+    revision: str = Query(DEFAULT_BRANCH, max_length=MAX_REVISION_LENGTH),
 ) -> ModelDescription:
     store = store_of(call.request)
     repo = store.get_repo(f"{org}/{name}")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 
 from ..errors import BadRequest, PayloadTooLarge
+from ..settings import MAX_CAPTION_TOKENS
 from . import common
 from .models import LoadedModel, Task
 
@@ -35,7 +36,7 @@ class CaptionsRequest(BaseModel):
     max_tokens: int | None = Field(
         None,
         ge=1,
-        le=127,
+        le=MAX_CAPTION_TOKENS,
         description="most tokens per caption (default: the "
         "server's inference.max_caption_tokens, within the model's maximum)",
     )

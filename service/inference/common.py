@@ -23,6 +23,7 @@ from .models import LoadedModel, Task
 
 __all__ = [
     "ERRORS",
+    "MAX_MODEL_REF_LENGTH",
     "MODEL_PATTERN",
     "Call",
     "Image64",
@@ -36,7 +37,10 @@ __all__ = [
 ]
 
 MODEL_PATTERN = rf"^{NAME_PATTERN}/{NAME_PATTERN}(@{REVISION_PATTERN})?$"
-ModelRef = Annotated[str, Field(pattern=MODEL_PATTERN, max_length=300, examples=["vip/vip-nano"])]
+MAX_MODEL_REF_LENGTH = 300
+ModelRef = Annotated[
+    str, Field(pattern=MODEL_PATTERN, max_length=MAX_MODEL_REF_LENGTH, examples=["vip/vip-nano"])
+]
 Image64 = Annotated[str, Field(min_length=1, description="base64 image bytes, or a data: URI")]
 
 

@@ -29,7 +29,7 @@ from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE
 from ..auth import identity
 from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
-from ..store.naming import validate_revision
+from ..store.naming import MAX_REVISION_LENGTH, validate_revision
 from .render import card_body, markdown_html
 
 __all__ = ["install"]
@@ -127,7 +127,10 @@ def index(
 
 
 def model_page(
-    request: Request, org: str, name: str, revision: str = Query(DEFAULT_BRANCH, max_length=128)
+    request: Request,
+    org: str,
+    name: str,
+    revision: str = Query(DEFAULT_BRANCH, max_length=MAX_REVISION_LENGTH),
 ) -> HTMLResponse:
     store = store_of(request)
     repo = readable_repo(store, org, name, identity(request))

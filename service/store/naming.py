@@ -15,6 +15,7 @@ from .errors import InvalidRequest
 
 __all__ = [
     "COMMIT_RE",
+    "MAX_REVISION_LENGTH",
     "NAME_PATTERN",
     "REVISION_PATTERN",
     "decode_segment",
@@ -26,7 +27,8 @@ __all__ = [
 
 NAME_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
 """A namespace (user or organisation) or a repo name, unanchored (also in request schemas)."""
-REVISION_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+MAX_REVISION_LENGTH = 128
+REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 """A branch, a tag or a commit id, unanchored."""
 _PART = re.compile(rf"^{NAME_PATTERN}$")
 _REVISION = re.compile(rf"^{REVISION_PATTERN}$")
