@@ -19,6 +19,7 @@ this module computes any mode it is given the weights for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
@@ -55,6 +56,7 @@ __all__ = [
     "extract_features",
     "feature_dim",
     "final_norm",
+    "pool_features",
     "vip_layers",
 ]
 
@@ -104,6 +106,19 @@ def extract_features(
         return_prefix_tokens=True,
         intermediates_only=True,
     )
+    result = pool_features(model, outputs, modes, memory)
+    return result[modes[0]] if isinstance(pooling, str) else result
+
+
+def pool_features(
+    model: VisionTransformer,
+    outputs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    modes: tuple[Pooling, ...],
+    memory: ImageMemory | None = None,
+) -> dict[Pooling, torch.Tensor]:
+    """The feature modes from the blocks' outputs as (patch tokens, prefix tokens) pairs, the last
+    block's last (``vip`` reads the patch-token mean of the last ``vip_layers`` pairs; the others
+    the last pair only): what ``extract_features`` computes after the blocks."""
     spatial, prefix = outputs[-1]
     # The per-token final norm (timm's ``norm``: Identity in the ViP layout), then the pooled
     # one (``fc_norm``: Identity in the DP-Cap layout), exactly as timm's forward applies them.
@@ -118,9 +133,9 @@ def extract_features(
         elif mode == "dpcap":
             result[mode] = memory.pooled(tokens)  # type: ignore[union-attr]
         else:
-            stacked = torch.cat([s.mean(dim=1) for s, _ in outputs], dim=1)
+            stacked = torch.cat([s.mean(dim=1) for s, _ in outputs[-vip_layers(model) :]], dim=1)
             result[mode] = F.layer_norm(stacked, stacked.shape[-1:], eps=LN_EPS)
-    return result[modes[0]] if isinstance(pooling, str) else result
+    return result
 
 
 def check_pooling(pooling: str) -> None:
