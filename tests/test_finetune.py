@@ -26,6 +26,7 @@ from training.finetune import FinetuneConfig, classifier, train_finetune
 from training.syn import SynConfig, train_syn
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
+from vip_hub.models.features import extract_features
 from vip_hub.privacy.accounting import epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
@@ -122,46 +123,57 @@ def test_the_clipped_sum_is_each_examples_own_clipped_gradient_over_the_fine_tun
     params = [p for p in model.parameters() if p.requires_grad]
     assert {id(p) for p in params} == {id(p) for m in trained for p in m.parameters()}
 
-    x = torch.randn(6, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    images = torch.randn(
+        6, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    x = (*model.frozen(images), torch.tensor([0, 1, 2, 0, 1, 2]))
     own = [
-        torch.cat(
-            [
-                g.flatten()
-                for g in torch.autograd.grad(model(x[i : i + 1], y[i : i + 1]).sum(), params)
-            ]
-        )
-        for i in range(len(y))
+        torch.cat([g.flatten() for g in torch.autograd.grad(model(*_one(x, i)).sum(), params)])
+        for i in range(6)
     ]
     norms = torch.stack([g.norm() for g in own])
     clip = float(norms.median())  # some examples clipped, some not
     expected = sum(g * c for g, c in zip(own, clip_factors(norms, clip), strict=True))
 
     clipper = PerExampleClipper(model, clip)
-    result = clipper.accumulate(x, y)
+    result = clipper.accumulate(*x)
     got = torch.cat([p.grad.flatten() for p in clipper.params])
     torch.testing.assert_close(result.norms.double(), norms, rtol=1e-6, atol=0)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
 
     # every example clipped: removing any one moves the sum by at most C, and by almost C
     tiny = float(norms.min()) / 10
-    full = _clipped(model, tiny, x, y)
+    full = _clipped(model, tiny, x)
     moved = max(
-        float((full - _clipped(model, tiny, x[keep], y[keep])).norm()) for keep in _drop_one(6)
+        float((full - _clipped(model, tiny, tuple(t[keep] for t in x))).norm())
+        for keep in ([j for j in range(6) if j != i] for i in range(6))
     )
     assert 0.99 * tiny < moved <= tiny
 
 
-def _drop_one(n: int) -> list[list[int]]:
-    return [[j for j in range(n) if j != i] for i in range(n)]
+def _one(x: tuple[torch.Tensor, ...], i: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t[i : i + 1] for t in x)
 
 
-def _clipped(model: torch.nn.Module, clip: float, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _clipped(model: torch.nn.Module, clip: float, x: tuple[torch.Tensor, ...]) -> torch.Tensor:
     clipper = PerExampleClipper(model, clip)
     for p in clipper.params:
         p.grad = None
-    clipper.accumulate(x, y)
+    clipper.accumulate(*x)
     return torch.cat([p.grad.flatten() for p in clipper.params])
+
+
+@pytest.mark.parametrize(("pooling", "trained"), [("avg", 1), ("cls", 2), ("vip", 2), ("vip", 7)])
+def test_training_on_the_frozen_blocks_outputs_computes_what_the_service_does(
+    syn_repo: Path, pooling: str, trained: int
+) -> None:
+    """The top blocks run on the frozen blocks' outputs, computed once, give the scores of the
+    whole encoder's feature mode and the head: what /v1/classify computes."""
+    model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, trained).eval()  # type: ignore[arg-type]
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        served = model.head(extract_features(model.encoder, images, pooling))  # type: ignore[arg-type]
+        torch.testing.assert_close(model.top(*model.frozen(images)), served, rtol=1e-6, atol=1e-6)
 
 
 def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(

@@ -7,7 +7,9 @@ public procedural images), a per-example loss (cross-entropy over the labels) an
 ``PerExampleClipper``; everything private about a step is the DP engine's
 (``training/dp_engine.py``). Trained: the top K blocks, the final norm where the feature mode
 reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's. Images
-go through the encoder's own transform (the one ``/v1/classify`` applies), without augmentation.
+go through the encoder's own transform (the one ``/v1/classify`` applies), without augmentation,
+so what the frozen blocks give for each image is computed once, before training, and each step
+runs the top blocks only (the same scores as the whole encoder, as the tests check).
 
 The export is the fine-tuned encoder with the head in ``heads/<name>/``. Its ledger holds the
 init repo's encoder stages and one DP stage on the dataset whose ``also_trains`` names the head:
@@ -19,9 +21,12 @@ Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +38,14 @@ from torch import nn
 
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
-from vip_hub.models.features import extract_features, final_norm
+from vip_hub.models.features import final_norm, pool_features, vip_layers
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import sensitivity
-from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import head_component
+from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
+from vip_hub.repo_format import LEDGER_FILE, head_component
 
 from .clipping import PerExampleClipper
+from .datasets import LabelledArrays, write_image_folder
 from .distributed import Dist
 from .dp_engine import Budget, DPEngine
 from .optim import make_adamw, warmup_cosine
@@ -57,14 +64,20 @@ from .runner import Run
 
 __all__ = [
     "RECIPE",
+    "STAGE",
+    "ArraysRun",
     "Classifier",
     "FinetuneConfig",
     "classifier",
     "evaluate",
+    "finetune_arrays",
+    "frozen_outputs",
     "train_finetune",
 ]
 
 MECHANISM = "DP-AdamW"
+STAGE = "dp-finetune"
+"""The name of the DP stage in the exported ledger."""
 CURVE_IMAGES = 1000
 """Public test images the curve's loss is measured on at each evaluation (the top-1 uses all)."""
 FinetunePooling = Literal["avg", "cls", "vip"]
@@ -89,7 +102,10 @@ class FinetuneConfig(DPRunConfig):
         "trained only where the mode reads it: avg, cls)",
     )
     trainable_blocks: int = Field(
-        2, ge=1, description="top encoder blocks trained with the head; the rest stays the init's"
+        2,
+        ge=1,
+        description="top encoder blocks trained with the head (at most all but the first); the "
+        "rest stays the init's",
     )
     lr: float = lr_field(1e-3)
     warmup_steps: int | None = warmup_field(tenth_of_steps)
@@ -100,12 +116,21 @@ class FinetuneConfig(DPRunConfig):
 
 class Classifier(nn.Module):
     """An encoder's ``pooling`` features, then a linear-probe head whose normalisation is fixed
-    (eval mode whatever ``train`` says): ``forward(images, labels)`` gives per-example
-    cross-entropies, each depending on its own example only."""
+    (eval mode whatever ``train`` says). The blocks below the top ``trained`` ones are frozen, so
+    what they compute is a fixed function of each image, computed once (``frozen``); training runs
+    the top blocks on it: ``forward(tokens, means, labels)`` gives per-example cross-entropies,
+    each depending on its own example only, and ``logits(images)`` is the served computation."""
 
-    def __init__(self, encoder: VisionTransformer, head: LinearProbe, pooling: FinetunePooling):
+    def __init__(
+        self, encoder: VisionTransformer, head: LinearProbe, pooling: FinetunePooling, trained: int
+    ):
         super().__init__()
         self.encoder, self.head, self.pooling = encoder, head, pooling
+        depth = len(encoder.blocks)
+        self.first = depth - trained  # the first trained block
+        lowest_read = depth - vip_layers(encoder) if pooling == "vip" else depth
+        self.read = list(range(lowest_read, self.first))  # frozen outputs the vip mode reads
+        self.indices = self.read or [self.first - 1]  # the last one's output enters the top
 
     def train(self, mode: bool = True) -> Classifier:
         """Set the encoder's mode; the head's normalisation stays fixed."""
@@ -113,12 +138,45 @@ class Classifier(nn.Module):
         self.head.norm.eval()
         return self
 
+    @torch.no_grad()
+    def frozen(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the frozen blocks give for a preprocessed batch: the tokens entering the first
+        trained block (b, tokens, width), and the patch-token means of the frozen blocks the
+        feature mode reads (b, m, width; m = 0 but for ``vip`` with fewer than 6 trained)."""
+        outputs = self.encoder.forward_intermediates(
+            images,
+            indices=self.indices,
+            norm=False,
+            output_fmt="NLC",
+            return_prefix_tokens=True,
+            intermediates_only=True,
+            stop_early=True,
+        )
+        spatial, prefix = outputs[-1]
+        means = [s.mean(dim=1) for s, _ in outputs[: len(self.read)]]
+        width = spatial.shape[-1]
+        stacked = torch.stack(means, 1) if means else spatial.new_zeros(len(spatial), 0, width)
+        return torch.cat([prefix, spatial], dim=1), stacked
+
+    def top(self, tokens: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        """Class scores from what ``frozen`` gave: the trained blocks, the pooling, the head."""
+        p = self.encoder.num_prefix_tokens
+        outputs = [(means[:, i : i + 1], means[:, :0]) for i in range(means.shape[1])]
+        x = tokens
+        for block in self.encoder.blocks[self.first :]:
+            x = block(x)
+            outputs.append((x[:, p:], x[:, :p]))
+        features = pool_features(self.encoder, outputs, (self.pooling,))[self.pooling]
+        return self.head(features)
+
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """Class scores of a preprocessed batch, (b, classes)."""
-        return self.head(extract_features(self.encoder, images, self.pooling))
+        return self.top(*self.frozen(images))
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.logits(images), labels, reduction="none")
+    def forward(
+        self, tokens: torch.Tensor, means: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        return F.cross_entropy(self.top(tokens, means), labels, reduction="none")
 
 
 def classifier(
@@ -127,10 +185,10 @@ def classifier(
     """``init``'s encoder with only its top ``trainable_blocks`` blocks (and its final norm,
     where ``pooling`` reads it) trainable, and a fresh head normalised by public features."""
     encoder, depth = init.model, len(init.model.blocks)
-    if trainable_blocks > depth:
+    if trainable_blocks >= depth:
         raise ConfigError(
-            f"--trainable-blocks {trainable_blocks}: the {init.spec.arch} encoder has only "
-            f"{depth} blocks"
+            f"--trainable-blocks {trainable_blocks}: the {init.spec.arch} encoder has {depth} "
+            f"blocks, of which at most {depth - 1} can be trained (the first stays frozen)"
         )
     init.check_pooling(pooling)
     head = LinearProbe(init.feature_dim(pooling), num_classes)
@@ -141,7 +199,29 @@ def classifier(
         trained.append(final_norm(encoder))
     for module in trained:
         module.requires_grad_(True)
-    return Classifier(encoder, head, pooling).train()
+    return Classifier(encoder, head, pooling, trainable_blocks).train()
+
+
+def _preprocessed(
+    transform: Callable[[Image.Image], torch.Tensor],
+    images: Sequence[Image.Image],
+    batch: int = 256,
+) -> Iterator[torch.Tensor]:
+    """``images`` through ``transform``, ``batch`` at a time."""
+    for start in range(0, len(images), batch):
+        yield torch.stack([transform(i.convert("RGB")) for i in images[start : start + batch]])
+
+
+def frozen_outputs(
+    model: Classifier,
+    transform: Callable[[Image.Image], torch.Tensor],
+    images: Sequence[Image.Image],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.frozen`` of every image, on the CPU: computed once, before training (the frozen
+    blocks never change and there is no augmentation)."""
+    parts = [model.frozen(x.to(device)) for x in _preprocessed(transform, images)]
+    return torch.cat([t.cpu() for t, _ in parts]), torch.cat([m.cpu() for _, m in parts])
 
 
 @torch.no_grad()
@@ -151,18 +231,17 @@ def evaluate(
     images: Sequence[Image.Image],
     labels: Sequence[int],
     device: torch.device,
-    batch: int = 256,
 ) -> tuple[float, float]:
     """Mean cross-entropy and top-1 on labelled (public) images, in eval mode."""
     was = model.training
     model.eval()
-    loss, right = 0.0, 0
-    for start in range(0, len(images), batch):
-        x = torch.stack([transform(i.convert("RGB")) for i in images[start : start + batch]])
-        y = torch.as_tensor(labels[start : start + batch], device=device)
+    loss, right, start = 0.0, 0, 0
+    for x in _preprocessed(transform, images):
+        y = torch.as_tensor(labels[start : start + len(x)], device=device)
         logits = model.logits(x.to(device)).float()
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         right += int((logits.argmax(1) == y).sum())
+        start += len(x)
     model.train(was)
     return loss / max(len(images), 1), right / max(len(images), 1)
 
@@ -208,8 +287,11 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         clipping_norm=cfg.max_grad_norm,
     )
 
-    def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return transform(train.images[index].convert("RGB")), torch.tensor(train.labels[index])
+    tokens, means = frozen_outputs(model, transform, train.images, dist.device)
+    labels = torch.as_tensor(train.labels)
+
+    def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
+        return tokens[index], means[index], labels[index]
 
     def curve() -> dict[str, float]:
         if test is None:
@@ -246,7 +328,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             f"{norm} and the linear head heads/{cfg.head} ({cfg.pooling} features), trained "
             "together by one DP stage whose guarantee covers both."
         ),
-        name="dp-finetune",
+        name=STAGE,
         also_trains=[component],
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
@@ -285,6 +367,50 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         )
     info = HeadInfo(cfg.head, cfg.pooling, train.classes, metrics)
     return run.export(lambda: save_head(out, model.head, info, None, result))
+
+
+@dataclass(frozen=True)
+class ArraysRun:
+    """What ``finetune_arrays`` measured: the released repo, its DP stage, the head's top-1 on
+    the public test arrays and the recipe's wall time (data written to folders excluded)."""
+
+    repo: Path
+    stage: DPStage
+    top1: float
+    seconds: float
+
+
+def finetune_arrays(
+    init: str | os.PathLike[str],
+    train: LabelledArrays,
+    test: LabelledArrays,
+    work: str | os.PathLike[str],
+    *,
+    epsilon: float,
+    delta: float,
+    **settings: Any,
+) -> ArraysRun:
+    """Fine-tune ``init`` on ``train`` (private, under its dataset's declared name) at
+    (``epsilon``, ``delta``) and measure top-1 on ``test`` (public): both written as class folders
+    under ``work``, the repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields
+    (a run starts over unless ``restart=False``)."""
+    work = Path(work)
+    cfg = FinetuneConfig(
+        init=str(init),
+        data=str(write_image_folder(train, work / "train", train.classes)),
+        test_data=str(write_image_folder(test, work / "test", test.classes)),
+        out=str(work / "finetuned"),
+        dataset_name=train.dataset.name,
+        epsilon=epsilon,
+        delta=delta,
+        **{"restart": True, **settings},
+    )
+    start = time.perf_counter()
+    repo = train_finetune(cfg)
+    seconds = time.perf_counter() - start
+    ledger = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
+    stage = next(s for s in ledger.dp_stages() if s.name == STAGE)
+    return ArraysRun(repo, stage, float(load_head(repo, cfg.head)[1].metrics["top1"]), seconds)
 
 
 RECIPE = Recipe(
