@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..models.names import family_archs
 from ..privacy.accounting import Accountant
 from ..privacy.sensitivity import PER_EXAMPLE_MECHANISMS
 from ..repo_format import DEFAULT_BRANCH
@@ -18,10 +19,8 @@ if TYPE_CHECKING:
 
 # Heavy modules (torch, opacus) are imported inside the handlers, so `vip-hub --help` is quick.
 ACCOUNTANTS = tuple(a.value for a in Accountant)
-SIZES = ("nano", "tiny", "small", "base", "large")
-VIP_ARCHS = tuple(f"vip-{s}" for s in SIZES)
-DPCAP_ARCHS = tuple(f"dpcap-{s}" for s in SIZES)
-ARCH_NAMES = VIP_ARCHS + DPCAP_ARCHS
+VIP_ARCHS = family_archs("vip")
+DPCAP_ARCHS = family_archs("dpcap")
 VIP_PRESETS = ("vip-base", "vip-syn-base")
 DPCAP_PRESETS = ("dpcap-base-eps7",)
 

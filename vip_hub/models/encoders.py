@@ -31,6 +31,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from ..errors import ConfigError, RepoFormatError
 from ..repo_format import CONFIG_BLOCK
+from .names import SIZES, arch_name
 
 __all__ = [
     "ARCHS",
@@ -42,13 +43,11 @@ __all__ = [
     "Family",
     "count_parameters",
     "create_encoder",
-    "family_archs",
     "get_arch",
     "sincos_pos_embed_1d",
     "sincos_pos_embed_2d",
 ]
 
-SIZES = ("nano", "tiny", "small", "base", "large")
 DEFAULT_IMG_SIZE = 224
 """Input resolution in pixels of an encoder that names none (the released checkpoints')."""
 DEFAULT_PATCH_SIZE = 16
@@ -166,7 +165,7 @@ class Arch:
 def _arch(family: Family, size: str) -> Arch:
     width, depth, heads = family.decoder[size]
     return Arch(
-        f"{family.name}-{size}",
+        arch_name(family.name, size),
         family,
         size,
         _WIDTH[size],
@@ -182,11 +181,6 @@ def _arch(family: Family, size: str) -> Arch:
 ARCHS: dict[str, Arch] = {
     a.name: a for f in FAMILIES.values() for a in (_arch(f, s) for s in SIZES)
 }
-
-
-def family_archs(family: str) -> tuple[str, ...]:
-    """The architecture names of ``family``, smallest first."""
-    return tuple(name for name, a in ARCHS.items() if a.family.name == family)
 
 
 def get_arch(name: str) -> Arch:
