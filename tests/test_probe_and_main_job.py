@@ -18,7 +18,7 @@ import yaml
 from helpers import write_digits, write_fashion
 from live import WRITE_TOKEN, free_port
 
-from training.datasets import FASHION_MNIST_TRAIN
+from training.datasets import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
 from training.probe import ProbeConfig, run_probe
 from vip_hub.privacy.ledger import PrivacyLedger
@@ -304,8 +304,12 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     out = capsys.readouterr().out
     run = tmp_path / "run"
     data = run / "fashion-mnist"
-    assert len(list((data / "train").glob("*/*.png"))) == 240
-    assert len(list((data / "test").glob("*/*.png"))) == 80
+    private = fashion_mnist("train", data)  # the job's image folders, read back
+    first = fashion_mnist("train", idx).first(240)
+    assert sorted(im.tobytes() for im in private.images) == sorted(
+        im.tobytes() for im in first.images
+    )  # the private records are the first 240 of the IDX file, no others
+    assert len(fashion_mnist("test", data)) == 80
     repos = {e.name: run / e.name for e in PUBLISHED}
     assert list(repos) == [
         "vip-nano-syn",
