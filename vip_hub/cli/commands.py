@@ -149,7 +149,9 @@ def _import_args(
     p.add_argument("--preset", choices=presets, help="a published checkpoint's arch and ledger")
     p.add_argument("--arch", choices=archs, help="architecture (required without --preset)")
     p.add_argument(
-        "--img-size", type=int, help="input resolution in pixels (default: the architecture's)"
+        "--img-size",
+        type=int,
+        help="input resolution in pixels (default: the released checkpoints')",
     )
     p.add_argument("--name", help="model name (default: the preset's or the folder's)")
     p.add_argument("--repo-id", help="hub id shown on the card, e.g. vip/vip-base")
