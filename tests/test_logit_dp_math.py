@@ -120,11 +120,23 @@ def _vip_nano() -> nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("build", "shape", "n"),
-    [(_mlp, (3, 2, 2), 5), (_convnet, (3, 8, 8), 4), (_vip_nano, (3, 32, 32), 3)],
-    ids=["mlp-layernorm", "convnet", "vip-nano-2-blocks-32px"],
+    ("build", "shape", "n", "passes"),
+    [
+        (_mlp, (3, 2, 2), 5, (1, 1)),
+        (_convnet, (3, 8, 8), 4, (1, 1)),
+        (_vip_nano, (3, 32, 32), 3, (1, 1)),
+        (_mlp, (3, 2, 2), 5, (2, 3)),
+        (_vip_nano, (3, 32, 32), 3, (2, 1)),
+    ],
+    ids=[
+        "mlp-layernorm",
+        "convnet",
+        "vip-nano-2-blocks-32px",
+        "mlp-layernorm-2x3-passes",
+        "vip-nano-2x1-passes",
+    ],
 )
-def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
+def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n, passes) -> None:
     torch.manual_seed(0)
     model = build()
     views1, views2 = torch.randn(n, *shape), torch.randn(n, *shape)
@@ -136,7 +148,7 @@ def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
         w * f * g for w, f, g in zip(weights.flatten(), factors.flatten(), pair_grads, strict=True)
     )
 
-    clipper = PairClipper(model, bound, tau)
+    clipper = PairClipper(model, bound, tau, passes=passes)
     result = clipper.accumulate(views1, views2)
     got = _flat_grads(clipper.params)
     assert 0 < int((result.factors < 1).sum()) < n * n
@@ -162,6 +174,22 @@ def test_embedder_is_the_timm_vit_with_a_head() -> None:
         id(model.encoder.cls_token),
         id(model.encoder.pos_embed),
     }
+    assert not any(type(m) is nn.GELU for m in model.modules())  # each one became _Gelu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_embedder_gelu_is_torch_gelu_value_and_gradient(dtype: torch.dtype) -> None:
+    """The embedder's GELU (its own backward, for the pair clipper's batched backward) computes
+    nn.GELU and its gradient, also under a batched backward of several cotangents."""
+    gelu = _vip_nano().head[1]
+    x = (torch.linspace(-12, 12, 2001, dtype=dtype) ** 3 / 144).requires_grad_(True)
+    cotangents = torch.randn(3, 2001, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    ours, reference = gelu(x), F.gelu(x)
+    assert torch.equal(ours, reference)
+    got = torch.func.vmap(lambda c: torch.autograd.grad(ours, x, c, retain_graph=True)[0])
+    want = torch.autograd.grad(reference, x, cotangents, is_grads_batched=True)[0]
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    assert torch.allclose(got(cotangents), want, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------- sensitivity

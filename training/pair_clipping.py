@@ -37,6 +37,7 @@ Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,12 @@ def embed(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch
         raise ValueError(
             f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}"
         )
-    out = model(torch.cat([views1, views2]))
+    return _embeddings(model, torch.cat([views1, views2]))
+
+
+def _embeddings(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The normalised embeddings (b, d) of a batch of images."""
+    out = model(images)
     if out.ndim != 2:
         raise ValueError(f"the model must return embeddings (b, d), got {tuple(out.shape)}")
     return F.normalize(out.float() if out.dtype in (torch.float16, torch.bfloat16) else out, dim=1)
@@ -118,6 +124,33 @@ def _check_max_norm(max_norm: float, temperature: float) -> None:
         raise ValueError(f"temperature must be positive, got {temperature}")
 
 
+class _GeluFunction(torch.autograd.Function):
+    """The exact GELU, x Phi(x), whose backward multiplies the gradient by its derivative
+    Phi(x) + x phi(x) computed from the saved input (in at least fp32), once per backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x = x.float() if x.dtype.itemsize < 4 else x
+        slope = x.square().mul_(-0.5).exp_().mul_(x).div_(math.sqrt(2 * math.pi))
+        return grad * slope.add_(torch.special.ndtr(x)).to(grad.dtype)
+
+
+class _Gelu(nn.Module):
+    """``nn.GELU()`` through ``_GeluFunction``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GeluFunction.apply(x)
+
+
 class ContrastiveEmbedder(nn.Module):
     """A backbone and a projection head: ``forward(images) -> (b, dim)`` (``embed`` normalises).
 
@@ -126,7 +159,9 @@ class ContrastiveEmbedder(nn.Module):
     announced through ``broadcast_parameters()`` and ``broadcast_hooks``, as ``training.mae.MAE``
     does, so that clippers can read their per-example gradients; its attention runs unfused (the
     same function): ``PairClipper``'s batched backward has no batching rule for the fused kernel
-    and would fall back to a slow loop.
+    and would fall back to a slow loop. Its exact GELUs become ``_Gelu`` (the same function), whose
+    backward evaluates the derivative once where aten's evaluates it, and holds the input, once
+    per cotangent of that batched backward.
     """
 
     def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):
@@ -147,9 +182,12 @@ class ContrastiveEmbedder(nn.Module):
                 "ContrastiveEmbedder supports ViTs with an optional class token, a "
                 "position embedding over all tokens and no register tokens or attention pool"
             )
-        for module in encoder.modules():
+        for module in self.modules():
             if hasattr(module, "fused_attn"):
                 module.fused_attn = False
+            for name, child in module.named_children():
+                if type(child) is nn.GELU and child.approximate == "none":
+                    setattr(module, name, _Gelu())
 
     def broadcast_parameters(self) -> list[nn.Parameter]:
         """Parameters this module broadcasts over the batch itself (see ``broadcast_hooks``)."""
@@ -218,6 +256,12 @@ class PairClipper:
     layers: ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding), ``nn.LayerNorm`` over the last
     dimension, and parameters the model broadcasts itself (``broadcast_parameters``).
     ``pair_block``: elements per block of per-pair tensors (smaller: less memory, more time).
+    ``passes`` (rows, columns): in fp32 and fp64 the pair norms may come from rows x columns
+    batched backwards, each over the views of one block of the pair matrix (its rows' first views
+    and its columns' second views) and the forward pass it needs, instead of one over all 2n
+    views, and the clipped sum from a forward pass of its own: peak memory falls to about
+    (1/rows + 1/columns) / 2 of the Jacobian pass's, whose time grows (rows + columns) / 2 fold,
+    plus two forward passes (see benchmarks/README.md).
     """
 
     def __init__(
@@ -227,19 +271,22 @@ class PairClipper:
         temperature: float,
         max_batch: int | None = None,
         pair_block: int = PAIR_BLOCK,
+        passes: tuple[int, int] = (1, 1),
     ):
         _check_max_norm(max_norm, temperature)
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
         if pair_block < 1:
             raise ValueError(f"pair_block must be positive, got {pair_block}")
+        if len(passes) != 2 or min(passes) < 1:
+            raise ValueError(f"passes must be two positive counts (rows, columns), got {passes}")
         self.model, self.max_norm, self.temperature, self.max_batch = (
             model,
             float(max_norm),
             float(temperature),
             max_batch,
         )
-        self.pair_block = pair_block
+        self.pair_block, self.passes = pair_block, (int(passes[0]), int(passes[1]))
         broadcast = list(getattr(model, "broadcast_parameters", list)())
         covered = {id(p) for p in broadcast}
         self.layers: list[nn.Module] = []
@@ -295,11 +342,22 @@ class PairClipper:
                 _, losses = _loss_weights(embed(self.model, views1, views2), self.temperature)
             full = torch.full((n, n), float("nan"), device=losses.device, dtype=self.norm_dtype)
             return ClipResult(losses, full, torch.zeros_like(full))
-        records, e = self._forward(views1, views2)
+        if views1.shape != views2.shape:
+            raise ValueError(
+                f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}"
+            )
+        images, single = torch.cat([views1, views2]), self.passes == (1, 1)
+        with torch.set_grad_enabled(single):  # blocks: the embeddings only, no graph held
+            records, e = self._forward(images)
         keep = any(r.out.dtype.itemsize < 4 for r in records)  # bf16/fp16: see the module docstring
+        if keep and not single:  # its Jacobians are kept: one pass
+            records, e = self._forward(images)
         with torch.no_grad():
             phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
-        shares, kept, finite = self._jacobian_pass(e, records, phi, psi, keep)
+        if keep or single:
+            shares, kept, finite = self._jacobian_pass(e, records, phi, psi, keep, not keep)
+        else:
+            kept, (shares, finite) = [], self._block_passes(views1, views2, phi, psi)
         del records
         bad = ~(finite[:n] & finite[n:])
         if bool(bad.any()):  # decided per example: the others' clipped sum is the batch without it
@@ -320,12 +378,13 @@ class PairClipper:
                     record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
                 )
         if not keep:
+            if not single:  # the graph for the clipped sum, after the blocks' passes
+                e = _embeddings(self.model, images)
             e.backward(k.to(e.dtype))
         return ClipResult(losses, norms, factors)
 
-    def _forward(
-        self, views1: torch.Tensor, views2: torch.Tensor
-    ) -> tuple[list[_Record], torch.Tensor]:
+    def _forward(self, images: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
+        """The normalised embeddings of ``images`` and the records of the layers that made them."""
         records: list[_Record] = []
         seen: set[int] = set()
 
@@ -346,7 +405,7 @@ class PairClipper:
         hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
         hooks.append(on_broadcast)
         try:
-            e = embed(self.model, views1, views2)
+            e = _embeddings(self.model, images)
         finally:
             for h in handles:
                 h.remove()
@@ -360,17 +419,20 @@ class PairClipper:
         phi: torch.Tensor,
         psi: torch.Tensor,
         keep: bool,
+        retain: bool,
     ) -> tuple[
         list[tuple[torch.Tensor, torch.Tensor | None]],
         list[tuple[_Record, torch.Tensor]],
         torch.Tensor,
     ]:
-        """One batched backward of the d cotangents (one per embedding coordinate) from ``e`` down
-        to the records: each record's Jacobian (d, 2n, *out.shape[1:]) is reduced to its pair share
-        (``_pair_share``) as it arrives, then let go, or kept when ``keep`` (the graph is kept
-        otherwise, for the clipped sum's backward). Returns the shares, the kept (record,
-        Jacobian) and (2n,) whether each view's embedding, activations and Jacobians sum to a
-        finite number (a function of the example alone, like everything that decides its pairs)."""
+        """One batched backward of the d cotangents (one per embedding coordinate) from ``e``, the
+        embeddings of views whose first ``len(phi)`` are first views and the rest second views,
+        down to the records: each record's Jacobian (d, views, *out.shape[1:]) is reduced to its
+        share of the norms of the pairs (first view, second view) (``_pair_share``) as it arrives,
+        then let go, or kept when ``keep``; ``retain``: the graph stays, for the clipped sum's
+        backward. Returns the shares, the kept (record, Jacobian) and (views,) whether each view's
+        embedding, activations and Jacobians sum to a finite number (a function of the example
+        alone, like everything that decides its pairs)."""
         shares: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         kept: list[tuple[_Record, torch.Tensor]] = []
         sums = [e.detach().sum(1)]
@@ -394,7 +456,7 @@ class PairClipper:
 
         def backward(cotangent: torch.Tensor) -> list[torch.Tensor]:
             grads = torch.autograd.grad(
-                e, targets, cotangent, retain_graph=not keep, allow_unused=True
+                e, targets, cotangent, retain_graph=retain, allow_unused=True
             )
             return [g for g in grads if g is not None]
 
@@ -409,6 +471,27 @@ class PairClipper:
                 "embeddings: every layer with trainable parameters must feed them"
             )
         return shares, kept, torch.isfinite(sum(x.to(self.norm_dtype) for x in sums))
+
+    def _block_passes(
+        self, views1: torch.Tensor, views2: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
+    ) -> tuple[list[tuple[torch.Tensor, None]], torch.Tensor]:
+        """The pair norms' squares (n, n) in ``passes`` blocks, each from a forward pass and a
+        Jacobian pass over its rows' first views and its columns' second views (``phi`` and
+        ``psi`` stay the whole batch's), as one share; and (2n,) each view's finiteness."""
+        n = len(views1)
+        sq = torch.empty(n, n, device=phi.device, dtype=self.norm_dtype)
+        finite = torch.ones(2 * n, device=phi.device, dtype=torch.bool)
+        for rows in _blocks(n, 1, -(-n // self.passes[0])):
+            for cols in _blocks(n, 1, -(-n // self.passes[1])):
+                records, e = self._forward(torch.cat([views1[rows], views2[cols]]))
+                shares, _, ok = self._jacobian_pass(
+                    e, records, phi[rows], psi[cols], keep=False, retain=False
+                )
+                sq[rows, cols] = sum(share for share, _ in shares)
+                split = rows.stop - rows.start
+                finite[rows] &= ok[:split]
+                finite[n + cols.start : n + cols.stop] &= ok[split:]
+        return [(sq, None)], finite
 
     def _without(self, bad: torch.Tensor, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         n, keep = bad.shape[0], (~bad).nonzero().squeeze(1)
@@ -524,18 +607,18 @@ def _blocks(n: int, per_row: int, block: int) -> list[slice]:
 def _pair_sq(
     a: torch.Tensor | None, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, block: int
 ) -> torch.Tensor:
-    """||sum_t u_ijt a_it^T + sum_s v_ijs a'_js^T||^2 (n, n), u_ijt = Gamma_it psi_j and
+    """||sum_t u_ijt a_it^T + sum_s v_ijs a'_js^T||^2 (n1, n2), u_ijt = Gamma_it psi_j and
     v_ijs = Gamma'_js phi_i: one parameter's share of ||grad Z_ij||^2, from the views' inputs
-    ``a`` (2n, T, in) (None: one token of input 1, the Jacobian is the parameter's own) and
-    Jacobians ``g`` = Gamma (d, 2n, T, out).
+    ``a`` (n1 + n2, T, in) (None: one token of input 1, the Jacobian is the parameter's own) and
+    Jacobians ``g`` = Gamma (d, n1 + n2, T, out), the n1 = len(phi) first views first.
 
     The views' own terms come from per-view d x d Grams M_v = sum_{t,t'} (a_t . a_t') Gamma_t^T
     Gamma_t' as psi_j^T M_i psi_j + phi_i^T M'_j phi_i; only the cross term
     2 sum_{t,s} (a_it . a'_js)(u_ijt . v_ijs) = 2 sum_a psi_j^a (Gamma_i^a . Y_ij) with
     Y_ijt = sum_s (a_it . a'_js) v_ijs is formed per pair, in row blocks (u never is)."""
     d, views, t, o = g.shape
-    n = views // 2
-    per_view = g.transpose(0, 1).flatten(2)  # (2n, d, T out), a view
+    n, m = len(phi), len(psi)
+    per_view = g.transpose(0, 1).flatten(2)  # (views, d, T out), a view
     grams = torch.empty(views, d, d, device=g.device, dtype=g.dtype)
     for rows in _blocks(views, d * t * o, block):
         x = per_view[rows]
@@ -543,12 +626,12 @@ def _pair_sq(
             x = (a[rows] @ a[rows].mT)[:, None] @ x.unflatten(2, (t, o))
         grams[rows] = per_view[rows] @ x.flatten(2).mT
     sq = ((grams[:n] @ psi.T) * psi.T).sum(1) + ((grams[n:] @ phi.T) * phi.T).sum(1).T
-    other = g[:, n:].reshape(d, n * t * o)  # Gamma'_j, a view
-    tokens = None if a is None else a[n:].reshape(n * t, a.shape[2])
-    for rows in _blocks(n, n * t * max(o, t), block):
-        y = (phi[rows] @ other).view(-1, n, t, o)  # v_ij
+    other = g[:, n:].reshape(d, m * t * o)  # Gamma'_j, a view
+    tokens = None if a is None else a[n:].reshape(m * t, a.shape[2])
+    for rows in _blocks(n, m * t * max(o, t), block):
+        y = (phi[rows] @ other).view(-1, m, t, o)  # v_ij
         if a is not None:
-            cross = (a[rows].flatten(0, 1) @ tokens.T).view(-1, t, n, t).transpose(1, 2)
+            cross = (a[rows].flatten(0, 1) @ tokens.T).view(-1, t, m, t).transpose(1, 2)
             y = cross @ y
         z = per_view[rows] @ y.flatten(2).mT  # (rows, d, n): Gamma_i^a . Y_ij
         sq[rows] += 2 * (z * psi.T).sum(1)
@@ -558,16 +641,16 @@ def _pair_sq(
 def _rounding_sums(
     a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, block: int
 ) -> torch.Tensor:
-    """sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n, n), which bounds the effect of
+    """sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n1, n2), which bounds the effect of
     rounding the operands of a weight's product (``rounding_bound``); ``_pair_sq``'s notation."""
-    d, views, t, o = g.shape
-    n = views // 2
-    norms = a.norm(dim=2)  # (2n, T)
-    other = g[:, n:].reshape(d, n * t * o)
-    sums = torch.empty(n, n, device=g.device, dtype=g.dtype)
-    for rows in _blocks(n, n * t * o, block):
-        u = (psi @ g[:, rows].reshape(d, -1)).view(n, -1, t, o)  # u_ij, indexed [j, i]
-        v = (phi[rows] @ other).view(-1, n, t, o)
+    d, _, t, o = g.shape
+    n, m = len(phi), len(psi)
+    norms = a.norm(dim=2)  # (views, T)
+    other = g[:, n:].reshape(d, m * t * o)
+    sums = torch.empty(n, m, device=g.device, dtype=g.dtype)
+    for rows in _blocks(n, m * t * o, block):
+        u = (psi @ g[:, rows].reshape(d, -1)).view(m, -1, t, o)  # u_ij, indexed [j, i]
+        v = (phi[rows] @ other).view(-1, m, t, o)
         sums[rows] = (u.norm(dim=3) * norms[rows]).sum(2).T + (v.norm(dim=3) * norms[n:]).sum(2)
     return sums
 
