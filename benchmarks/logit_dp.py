@@ -2,19 +2,23 @@
 
 (a) a non-private step: the summed symmetric InfoNCE, one backward;
 (b) Logit-DP with ``training.pair_clipping.PairClipper``: pair norms from per-view Jacobians
-    (d cotangents in one batched backward), then the clipped sum from the same Jacobians;
+    (d cotangents in one batched backward, each layer's reduced as it arrives), then the clipped
+    sum from one backward; ``--passes 1x1,2x2`` runs it once per ``passes`` setting (rows x
+    columns of Jacobian passes: less memory, more time), labelled b1x1, b2x2, ...;
 (c) Logit-DP the naive way: every pair gradient grad Z_ij materialised (``torch.func.vmap``
     over pairs, in chunks), clipped, weighted and summed;
 (d) Naive-DP with ``BatchClipper``: the whole-batch gradient clipped.
 
 Each variant's step adds its clipped sum into ``.grad`` (noise and the optimiser cost the same
 for all and are left out). Time: the variants run interleaved round by round in one process;
-the ratios use each variant's fastest round (on a shared machine the least disturbed one), the
-median is printed beside it. Memory: each (variant, n) runs once more in its own process; the
-peak resident set size (VmHWM, reset after set-up) minus the set-up's, glibc told to give
-tensors of 64 KiB or more back on free, as in ``benchmarks/dp_step.py``.
+the ratios use each variant's fastest round (on a shared machine the least disturbed one), with
+the median of the per-round ratios beside them; the load average is printed before and after.
+Memory: each (variant, n) runs once more in its own process; the peak resident set size (VmHWM,
+reset after set-up) minus the set-up's, glibc told to give tensors of 64 KiB or more back on
+free, as in ``benchmarks/dp_step.py``.
 
     python benchmarks/logit_dp.py [--ns 16,32,64,128] [--rounds 5] [--dim 16] [--variants abcd]
+        [--passes 1x1] [--threads N]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +52,15 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Callable[[], None]]:
+def _passes(variant: str) -> tuple[int, int]:
+    """The ``passes`` of a (b) variant named b<rows>x<columns>."""
+    rows, cols = variant[1:].split("x")
+    return int(rows), int(cols)
+
+
+def make_steps(
+    args: argparse.Namespace, n: int, variants: list[str]
+) -> dict[str, Callable[[], None]]:
     """One step function per variant on one shared model and batch of n images (two views)."""
     import torch
     import torch.nn.functional as F
@@ -77,7 +90,7 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
     model = ContrastiveEmbedder(encoder, dim=args.dim)
     x1, x2 = (torch.randn(n, 3, args.img_size, args.img_size) for _ in range(2))
     params = [p for p in model.parameters() if p.requires_grad]
-    pair, batch = PairClipper(model, BOUND, TAU), BatchClipper(model, BOUND, TAU)
+    batch = BatchClipper(model, BOUND, TAU)
 
     def a() -> None:
         e = embed(model, x1, x2)
@@ -112,12 +125,11 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
         for k, v in named.items():
             v.grad = total[k]
 
-    bodies = {
-        "a": a,
-        "b": lambda: pair.accumulate(x1, x2),
-        "c": c,
-        "d": lambda: batch.accumulate(x1, x2),
-    }
+    def body(variant: str) -> Callable[[], object]:
+        if variant[0] == "b":
+            pair = PairClipper(model, BOUND, TAU, passes=_passes(variant))
+            return lambda: pair.accumulate(x1, x2)
+        return {"a": a, "c": c, "d": lambda: batch.accumulate(x1, x2)}[variant]
 
     def wrap(body: Callable[[], object]) -> Callable[[], None]:
         def step() -> None:
@@ -127,12 +139,12 @@ def make_steps(args: argparse.Namespace, n: int, variants: str) -> dict[str, Cal
 
         return step
 
-    return {v: wrap(bodies[v]) for v in variants}
+    return {v: wrap(body(v)) for v in variants}
 
 
 def peak_memory(args: argparse.Namespace, n: int, variant: str) -> float:
     """MiB of peak memory one step of ``variant`` needs beyond the set-up, in this process."""
-    step = make_steps(args, n, variant)[variant]
+    step = make_steps(args, n, [variant])[variant]
     step()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = _rss_kib("VmRSS")
@@ -140,7 +152,9 @@ def peak_memory(args: argparse.Namespace, n: int, variant: str) -> float:
     return (_rss_kib("VmHWM") - base) / 1024
 
 
-def interleaved_times(args: argparse.Namespace, n: int, variants: str) -> dict[str, list[float]]:
+def interleaved_times(
+    args: argparse.Namespace, n: int, variants: list[str]
+) -> dict[str, list[float]]:
     steps = make_steps(args, n, variants)
     for step in steps.values():
         step()
@@ -163,10 +177,16 @@ def main() -> None:
     ap.add_argument("--img-size", type=int, default=32)
     ap.add_argument("--patch", type=int, default=8)
     ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--passes", default="1x1", help="(b)'s PairClipper passes, rows x columns")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--naive-up-to", type=int, default=128, help="largest n at which (c) runs")
     ap.add_argument("--memory-of", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_of:
         print(json.dumps(peak_memory(args, args.n, args.memory_of)))
         return
@@ -181,14 +201,22 @@ def main() -> None:
         str(args.img_size),
         "--patch",
         str(args.patch),
+        *(["--threads", str(args.threads)] if args.threads else []),
     ]
     print(
         f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, "
-        f"projection d = {args.dim}, tau {TAU}, {os.cpu_count()} CPUs: time = fastest of "
-        f"{args.rounds} interleaved rounds, memory = peak beyond set-up, own process"
+        f"projection d = {args.dim}, tau {TAU}, {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} threads: time = fastest of {args.rounds} interleaved rounds "
+        "(median of per-round ratios in brackets), memory = peak beyond set-up, own process"
     )
     for n in (int(s) for s in args.ns.split(",")):
-        variants = "".join(v for v in args.variants if v != "c" or n <= args.naive_up_to)
+        print(f"n={n:4d} load average before {_load()}")
+        variants = [
+            f"b{p}" if v == "b" else v
+            for v in args.variants
+            if v != "c" or n <= args.naive_up_to
+            for p in (args.passes.split(",") if v == "b" else [""])
+        ]
         memory = {}
         for v in variants:
             cmd = [sys.executable, __file__, "--memory-of", v, "--n", str(n), *shape]
@@ -202,26 +230,38 @@ def main() -> None:
                 print(f"n={n} ({v}) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
             memory[v] = json.loads(done.stdout.strip().splitlines()[-1])
-        times = interleaved_times(args, n, "".join(memory))
+        times = interleaved_times(args, n, list(memory))
         fastest = {v: min(ts) for v, ts in times.items()}
         for v in memory:
-            median = sorted(times[v])[len(times[v]) // 2]
+            median = statistics.median(times[v])
+            label = LABELS[v[0]] + (f", passes {v[1:]}" if v[0] == "b" else "")
             print(
-                f"n={n:4d} ({v}) {LABELS[v]:34s} {fastest[v]:9.3f} s (median {median:8.3f})   "
+                f"n={n:4d} ({v}) {label:42s} {fastest[v]:9.3f} s (median {median:8.3f})   "
                 f"peak +{memory[v]:8.1f} MiB"
             )
 
         def ratio(
-            p: str, q: str, fastest: dict[str, float] = fastest, memory: dict[str, float] = memory
+            p: str,
+            q: str,
+            fastest: dict[str, float] = fastest,
+            memory: dict[str, float] = memory,
+            times: dict[str, list[float]] = times,
         ) -> str:
             time_ratio, memory_ratio = fastest[p] / fastest[q], memory[p] / max(memory[q], 1e-3)
-            return f"{p}/{q} time {time_ratio:7.2f} memory {memory_ratio:7.2f}"
+            rounds = statistics.median(x / y for x, y in zip(times[p], times[q], strict=True))
+            return f"{p}/{q} time {time_ratio:6.2f} ({rounds:6.2f}) memory {memory_ratio:6.2f}"
 
-        pairs = [("b", "a"), ("c", "b"), ("d", "a")]
+        pairs = [*((v, "a") for v in memory if v[0] == "b"), ("d", "a")]
+        pairs += [("c", v) for v in memory if v[0] == "b"]
         print(
             f"n={n:4d} "
             + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest)
         )
+        print(f"n={n:4d} load average after {_load()}")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -180,7 +180,8 @@ def test_embedder_is_the_timm_vit_with_a_head() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_embedder_gelu_is_torch_gelu_value_and_gradient(dtype: torch.dtype) -> None:
     """The embedder's GELU (its own backward, for the pair clipper's batched backward) computes
-    nn.GELU and its gradient, also under a batched backward of several cotangents."""
+    nn.GELU and its gradient, under a batched backward of several cotangents and per example
+    (``torch.func.vmap`` over the inputs)."""
     gelu = _vip_nano().head[1]
     x = (torch.linspace(-12, 12, 2001, dtype=dtype) ** 3 / 144).requires_grad_(True)
     cotangents = torch.randn(3, 2001, generator=torch.Generator().manual_seed(0), dtype=dtype)
@@ -190,6 +191,10 @@ def test_the_embedder_gelu_is_torch_gelu_value_and_gradient(dtype: torch.dtype) 
     want = torch.autograd.grad(reference, x, cotangents, is_grads_batched=True)[0]
     tol = 1e-6 if dtype == torch.float32 else 1e-13
     assert torch.allclose(got(cotangents), want, rtol=tol, atol=tol)
+    per_example = torch.func.vmap(torch.func.grad(lambda xi: gelu(xi).square().sum()))
+    reference_per_example = torch.func.vmap(torch.func.grad(lambda xi: F.gelu(xi).square().sum()))
+    rows = x.detach().view(3, 667)
+    assert torch.allclose(per_example(rows), reference_per_example(rows), rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------- sensitivity

@@ -37,7 +37,6 @@ Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +124,9 @@ def _check_max_norm(max_norm: float, temperature: float) -> None:
 
 
 class _GeluFunction(torch.autograd.Function):
-    """The exact GELU, x Phi(x), whose backward multiplies the gradient by its derivative
-    Phi(x) + x phi(x) computed from the saved input (in at least fp32), once per backward."""
+    """The exact GELU, whose backward is ``_GeluGrad``."""
+
+    generate_vmap_rule = True  # torch.func.vmap over the model (per-example gradients) works
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +139,35 @@ class _GeluFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        x = x.float() if x.dtype.itemsize < 4 else x
-        slope = x.square().mul_(-0.5).exp_().mul_(x).div_(math.sqrt(2 * math.pi))
-        return grad * slope.add_(torch.special.ndtr(x)).to(grad.dtype)
+        return _GeluGrad.apply(grad, x)
+
+
+class _GeluGrad(torch.autograd.Function):
+    """GELU's backward, aten's ``gelu_backward(grad, x)``; batched over the gradient only (d
+    cotangents through one input: ``PairClipper``'s batched backward), the derivative is
+    evaluated once and multiplies every cotangent's gradient."""
+
+    @staticmethod
+    def forward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gelu_backward(grad, x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: Any) -> None:
+        """Nothing to save: GELU's second derivative is never taken."""
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, int | None], grad: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        grad_dim, x_dim = in_dims
+        if x_dim is None and grad_dim is not None:
+            slope = torch.ops.aten.gelu_backward(x.new_ones(()).expand_as(x), x)
+            return grad * slope.unsqueeze(grad_dim), grad_dim
+        grad, x = (
+            t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+            for t, dim in ((grad, grad_dim), (x, x_dim))
+        )
+        return torch.ops.aten.gelu_backward(grad, x), 0
 
 
 class _Gelu(nn.Module):
