@@ -178,3 +178,28 @@ def test_unknown_rows_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         utility.main(["--rows", "pixels,cnn", "--tune", "nope"])
     assert "unknown rows ['cnn', 'nope']" in capsys.readouterr().err
+
+
+def test_the_dp_fine_tuning_row_is_one_dp_stage_at_the_whole_budget(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end-to-end row: the encoder's top block and the head trained together by one DP stage
+    on the private split, calibrated to the whole (3, 1e-5), its top-1 on the public test split
+    (one epoch and 64 canaries here: the row's schedule is the benchmark's)."""
+    monkeypatch.setitem(utility.FINETUNE, "epochs", 1)
+    monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
+    monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
+    bench = utility.Bench(
+        train=fashion_mnist("train", data),
+        test=fashion_mnist("test", data),
+        work=tmp_path,
+        schedule=TINY,
+    )
+    ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
+    (stage,) = r.stages
+    assert stage.trained_components == ("encoder", "heads/classifier")
+    assert stage.dataset.name == FASHION_MNIST_TRAIN and stage.sample_rate == 5 / 40
+    assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= utility.EPSILON
+    assert eps[Accountant.RDP] > utility.EPSILON - 0.01
+    assert 0 <= r.dp <= 100 and r.ref is None and r.tried == 0
+    assert len(utility.table([(r, eps)])) == 3 + len(utility.PAPER)
