@@ -1,7 +1,8 @@
 """Recipe configurations, declared once, and the one way every entry point reads them.
 
 Each recipe declares its settings as one pydantic model (a subclass of ``RunConfig``, or of
-``DPRunConfig`` for DP recipes) and itself as one ``Recipe``. From that declaration come the
+``DPRunConfig`` for DP recipes, with its AdamW defaults and warm-up rule given once to
+``with_adamw``) and itself as one ``Recipe``. From that declaration come the
 ``vip-hub train-<name>`` options, the arguments of ``torchrun -m training.<name>`` (the same
 ones), and TOML files given with ``--config FILE`` (keys named like the fields; options given
 on the command line win). Field descriptions are the help texts.
@@ -18,7 +19,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,6 +43,7 @@ __all__ = [
     "two_fifths_of_steps",
     "warmup_field",
     "weight_decay_field",
+    "with_adamw",
 ]
 
 
@@ -134,6 +136,8 @@ class DPRunConfig(RunConfig):
     )
 
 
+C = TypeVar("C", bound=RunConfig)
+
 WarmupRule = Callable[[int], int]
 """A recipe's default warm-up from its steps; its docstring is the ``--warmup-steps`` default."""
 
@@ -171,6 +175,39 @@ def weight_decay_field(default: float) -> Any:
 def beta_field(n: typing.Literal[1, 2]) -> Any:
     """A recipe's ``beta1`` or ``beta2`` field: AdamW's (0.9, 0.95), as in MAE."""
     return Field((0.9, 0.95)[n - 1], ge=0, lt=1, description=f"AdamW beta{n}")
+
+
+def with_adamw(
+    base: type[C], *, lr: float, warmup: WarmupRule, weight_decay: float, lr_note: str | None = None
+) -> type[C]:
+    """``base`` with a recipe's AdamW fields (peak ``lr``, warm-up ``warmup(steps)`` unless given,
+    ``weight_decay``, betas (0.9, 0.95) as in MAE): the one declaration of its defaults."""
+    rule, peak, decay = warmup, lr, weight_decay  # the class body's own names hide the arguments
+
+    class AdamWConfig(base):
+        lr: float = lr_field(peak, lr_note)
+        warmup_steps: int | None = warmup_field(rule)
+        weight_decay: float = weight_decay_field(decay)
+        beta1: float = beta_field(1)
+        beta2: float = beta_field(2)
+
+        def warmup(self) -> int:
+            """The warm-up steps: ``warmup_steps``, else the recipe's rule of its steps."""
+            return rule(self.steps) if self.warmup_steps is None else self.warmup_steps
+
+        def adamw_hyperparameters(self, schedule: str = "cosine", **horizon: int) -> dict[str, Any]:
+            """The optimiser's settings as the ledger records them (``horizon``: the decay's,
+            where it is not the steps)."""
+            return {
+                "lr": self.lr,
+                "warmup_steps": self.warmup(),
+                **horizon,
+                "schedule": schedule,
+                "weight_decay": self.weight_decay,
+                "betas": [self.beta1, self.beta2],
+            }
+
+    return AdamWConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The run skeleton every recipe shares: the run folder ``<out>.run/`` (settings, secret seed,
 checkpoint, JSONL log), resume, checkpoint and evaluation cadence, autocast, the progress
-bar, and the export at the end (rank 0, then every rank waits)."""
+bar, AdamW from the recipe's fields, and the export at the end (rank 0, then every rank waits)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from vip_hub.repo_format import CURVES_FILE
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Dist
+from .optim import make_adamw, warmup_cosine
 from .recipe import RunConfig
 from .runlog import RunLog, plot_curves
 
@@ -80,6 +81,16 @@ class Run:
         for key, obj in objects.items():
             obj.load_state_dict(state[key])
         return int(state["step"])
+
+    def adamw(
+        self, model: torch.nn.Module, horizon: int | None = None
+    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over ``model``'s trainable parameters from the configuration's AdamW fields
+        (``training.recipe.with_adamw``), and its warm-up + cosine schedule over ``horizon``
+        steps (default: the run's)."""
+        cfg: Any = self.cfg
+        optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+        return optimizer, warmup_cosine(optimizer, cfg.warmup(), horizon or cfg.steps)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast on CUDA; nothing on the CPU."""

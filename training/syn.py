@@ -21,18 +21,8 @@ from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
 from .distributed import Dist
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
-from .optim import make_adamw, warmup_cosine
 from .procedural import FAMILIES, SyntheticImages
-from .recipe import (
-    Recipe,
-    RunConfig,
-    beta_field,
-    lr_field,
-    recipe_main,
-    tenth_of_steps,
-    warmup_field,
-    weight_decay_field,
-)
+from .recipe import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
 from .runner import Run
 from .sampling import MASKING, torch_generator
 
@@ -41,7 +31,15 @@ __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 
 
-class SynConfig(RunConfig):
+class SynConfig(
+    with_adamw(
+        RunConfig,
+        lr=1.5e-4 * 64 / 256,
+        lr_note="MAE's 1.5e-4 per 256 images",
+        warmup=tenth_of_steps,
+        weight_decay=0.05,
+    )
+):
     """A (Syn)-ViP run. Defaults follow the MAE/ViP recipe, scaled for small experiments."""
 
     arch: str = Field(
@@ -52,11 +50,6 @@ class SynConfig(RunConfig):
     img_size: int = Field(DEFAULT_IMG_SIZE, gt=0, description="input resolution in pixels")
     patch_size: int = Field(DEFAULT_PATCH_SIZE, gt=0, description="patch size in pixels")
     batch_size: int = Field(64, gt=0, description="images per step")
-    lr: float = lr_field(1.5e-4 * 64 / 256, note="MAE's 1.5e-4 per 256 images")
-    warmup_steps: int | None = warmup_field(tenth_of_steps)
-    weight_decay: float = weight_decay_field(0.05)
-    beta1: float = beta_field(1)
-    beta2: float = beta_field(2)
     mask_ratio: float = Field(0.75, ge=0, lt=1, description="fraction of patches masked")
     norm_pix_loss: bool = Field(False, description="normalise each target patch (MAE's option)")
     decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
@@ -78,9 +71,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     run = Run(cfg, dist)
     torch.manual_seed(run.seed)  # initialisation only; batches and masks use their own streams
     mae = new_mae(spec, decoder).to(dist.device)
-    optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
-    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
+    optimizer, scheduler = run.adamw(mae)
     objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler}
     start = run.resume(objects)
 
