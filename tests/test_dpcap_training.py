@@ -20,7 +20,7 @@ from helpers import TINY, kill_mid_run, published_hashes_of, synthetic_stage, ti
 from PIL import Image
 from safetensors.torch import load_file
 
-import training.dpcap
+import training.dp_run
 from training.clipping import PerExampleClipper
 from training.data import CaptionFolder, TarShards, open_captions
 from training.datasets import (
@@ -447,7 +447,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.dpcap, "PerExampleClipper")
+    break_engine(monkeypatch, broken, training.dp_run, "PerExampleClipper")
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
     out = train_dpcap(
         DPCapConfig(

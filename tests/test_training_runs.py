@@ -20,7 +20,7 @@ from helpers import kill_mid_run, published_hashes_of
 from PIL import Image
 from safetensors.torch import load_file
 
-import training.vip
+import training.dp_run
 from training.clipping import UnsupportedLayerError
 from training.data import TarShards, open_images
 from training.main_job import StepFailed
@@ -415,7 +415,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.vip, "PerExampleClipper")
+    break_engine(monkeypatch, broken, training.dp_run, "PerExampleClipper")
     out = train_vip(
         VipConfig(
             init=str(syn_repo),

@@ -29,29 +29,15 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
-from vip_hub.privacy.sensitivity import sensitivity
 
-from .clipping import PerExampleClipper
 from .data import CAPTIONS_FILE, Augmented, mae_transform, open_captions
 from .distributed import Dist
-from .dp_engine import Budget, DPEngine
+from .dp_run import DPRun
 from .mae import freeze_fixed_tokens, public_images
-from .optim import make_adamw, warmup_cosine
-from .recipe import (
-    DPRunConfig,
-    Recipe,
-    beta_field,
-    lr_field,
-    recipe_main,
-    two_fifths_of_steps,
-    warmup_field,
-    weight_decay_field,
-)
-from .runner import Run
+from .recipe import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 
-MECHANISM = "DP-AdamW"
 PUBLIC_CAPTIONS = (
     "an abstract pattern of colours",
     "a colourful texture",
@@ -65,7 +51,9 @@ PUBLIC_CAPTIONS = (
 """Default captions of the public curve's procedural images (image i gets caption i mod 8)."""
 
 
-class DPCapConfig(DPRunConfig):
+class DPCapConfig(
+    with_adamw(DPRunConfig, lr=5.12e-4, warmup=two_fifths_of_steps, weight_decay=0.05)
+):
     """A DP-Cap run: DP-AdamW on the caption loss. Defaults follow the DP-Cap paper (C = 1, AdamW
     (0.9, 0.95), weight decay 0.05, lr 5.12e-4, 40 % warm-up, cosine over twice the run), with a
     small text decoder for the CPU (the reference's is 6 blocks of up to 768)."""
@@ -83,14 +71,9 @@ class DPCapConfig(DPRunConfig):
         "fixed before training and never fitted on the private captions"
     )
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
-    lr: float = lr_field(5.12e-4)
-    warmup_steps: int | None = warmup_field(two_fifths_of_steps)
     decay_steps: int | None = Field(
         None, gt=0, description="cosine decay horizon (default: twice the steps)"
     )
-    weight_decay: float = weight_decay_field(0.05)
-    beta1: float = beta_field(1)
-    beta2: float = beta_field(2)
     decoder_width: int = Field(
         128, gt=0, description="text decoder width (reference: the encoder's, up to 768)"
     )
@@ -127,8 +110,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         )
     pairs = open_captions(cfg.data)
     n = len(pairs)
-    budget = Budget.for_config(cfg, n)
-    run = Run(cfg, dist)
+    run = DPRun(cfg, dist, n)
     torch.manual_seed(run.seed)  # the fresh decoder's initialisation, the same on every rank
     decoder = TextDecoder(
         TextDecoderConfig.for_encoder(
@@ -140,20 +122,8 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         )
     )
     model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
-    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else two_fifths_of_steps(cfg.steps)
     horizon = cfg.decay_steps or 2 * cfg.steps
-    scheduler = warmup_cosine(optimizer, warmup, horizon)
-    engine = DPEngine.for_run(
-        PerExampleClipper(model, cfg.max_grad_norm),
-        optimizer,
-        scheduler,
-        budget,
-        run,
-        cfg,
-        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
-        clipping_norm=cfg.max_grad_norm,
-    )
+    engine = run.engine(model, horizon=horizon)
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
@@ -175,14 +145,11 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)},
     )
 
-    return engine.export(
-        run,
-        cfg,
+    return run.export_dp(
         model.encoder,
         spec,
         init.ledger,
         records=records,
-        mechanism=MECHANISM,
         curve_label="caption loss on public procedural images",
         dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",
         summary=(
@@ -199,12 +166,10 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "Poisson sampling); the text decoder is trained from scratch in this stage"
         ),
         hyperparameters={
-            "lr": cfg.lr,
-            "warmup_steps": warmup,
-            "decay_steps": horizon,
-            "schedule": "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
-            "weight_decay": cfg.weight_decay,
-            "betas": [cfg.beta1, cfg.beta2],
+            **cfg.adamw_hyperparameters(
+                "linear warm-up, then half-cycle cosine reaching 0 at decay_steps",
+                decay_steps=horizon,
+            ),
             "img_size": spec.img_size,
             "text_decoder": {
                 "width": cfg.decoder_width,

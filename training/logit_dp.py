@@ -30,26 +30,15 @@ from vip_hub.errors import ConfigError
 from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.models.features import final_norm
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity, sensitivity
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
 
 from .data import Augmented, mae_transform, open_images
 from .distributed import Dist
-from .dp_engine import Budget, DPEngine
+from .dp_run import DPRun
 from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
-from .optim import make_adamw, warmup_cosine
 from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
 from .procedural import render
-from .recipe import (
-    DPRunConfig,
-    Recipe,
-    beta_field,
-    lr_field,
-    recipe_main,
-    tenth_of_steps,
-    warmup_field,
-    weight_decay_field,
-)
-from .runner import Run
+from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
 
 __all__ = [
     "RECIPE",
@@ -78,7 +67,7 @@ DEFAULT_CLIP = {ContrastiveMechanism.LOGIT_DP: 1e-3, ContrastiveMechanism.NAIVE:
 every pair (every batch) is clipped and AdamW sees normalised directions (see the README)."""
 
 
-class LogitDPConfig(DPRunConfig):
+class LogitDPConfig(with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)):
     """A Logit-DP (or Naive-DP) run: symmetric InfoNCE on two views per image, DP-AdamW."""
 
     init: str = Field(
@@ -123,11 +112,6 @@ class LogitDPConfig(DPRunConfig):
     projection_hidden: int | None = Field(
         None, gt=0, description="projection head hidden width (default: the encoder's width)"
     )
-    lr: float = lr_field(1e-3)
-    warmup_steps: int | None = warmup_field(tenth_of_steps)
-    weight_decay: float = weight_decay_field(0.05)
-    beta1: float = beta_field(1)
-    beta2: float = beta_field(2)
     micro_batch_size: int | None = Field(
         None,
         description="not used: a contrastive clipped sum is not additive "
@@ -200,15 +184,12 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         )
     images = open_images(cfg.data)
     n = len(images)
-    budget = Budget.for_config(cfg, n)
     params: dict[str, object] = {"loss": CONTRASTIVE_LOSS, "temperature": cfg.temperature}
     if mechanism is ContrastiveMechanism.LOGIT_DP:
         cap = skip_cap(clip, cfg.temperature, cfg.batch_size, cfg.max_batch)
         if cap is not None:
             params["max_batch"] = cap
-    delta_sensitivity = sensitivity(mechanism.ledger_name, clip, params)
-
-    run = Run(cfg, dist)
+    run = DPRun(cfg, dist, n, mechanism.ledger_name, params, clip)
     init = load_encoder(cfg.init)
     spec = init.spec
     torch.manual_seed(run.seed)  # the fresh projection head, the same on every rank
@@ -220,20 +201,8 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         if mechanism is ContrastiveMechanism.LOGIT_DP
         else BatchClipper(model, clip, cfg.temperature)
     )
-    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
-    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
-    engine = DPEngine.for_run(
-        clipper,
-        optimizer,
-        scheduler,
-        budget,
-        run,
-        cfg,
-        sensitivity=delta_sensitivity,
-        clipping_norm=clip,
-    )
+    engine = run.engine(model, clipper)
 
     mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
@@ -265,14 +234,11 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         else f"the whole-batch gradient clipped to C = {clip:g}"
     )
     hidden = cfg.projection_hidden or model.encoder.num_features
-    return engine.export(
-        run,
-        cfg,
+    return run.export_dp(
         model.encoder,
         spec,
         init.ledger,
         records=records,
-        mechanism=name,
         curve_label="contrastive loss on public procedural images",
         dataset_description=f"{n} images; contrastive training with {name}",
         summary=(
@@ -284,7 +250,6 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
             "privacy."
         ),
         name="dp-contrastive",
-        mechanism_params=params,
         description=(
             f"{name}: symmetric InfoNCE at temperature {cfg.temperature:g} over two "
             "augmented views per image, negatives from the same rank's Poisson sample; "
@@ -294,11 +259,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
             "they never see this data and cost no privacy"
         ),
         hyperparameters={
-            "lr": cfg.lr,
-            "warmup_steps": warmup,
-            "schedule": "cosine",
-            "weight_decay": cfg.weight_decay,
-            "betas": [cfg.beta1, cfg.beta2],
+            **cfg.adamw_hyperparameters(),
             "img_size": spec.img_size,
             "trainable_blocks": k,
             "trainable_parameters": trained,

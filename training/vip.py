@@ -16,33 +16,19 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from vip_hub.privacy.sensitivity import sensitivity
-
-from .clipping import PerExampleClipper
 from .data import Augmented, mae_transform, open_images
 from .distributed import Dist
-from .dp_engine import Budget, DPEngine
+from .dp_run import DPRun
 from .mae import eval_loss, load_mae, public_eval_batch
-from .optim import make_adamw, warmup_cosine
-from .recipe import (
-    DPRunConfig,
-    Recipe,
-    beta_field,
-    lr_field,
-    recipe_main,
-    tenth_of_steps_to_1000,
-    warmup_field,
-    weight_decay_field,
-)
-from .runner import Run
+from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from .sampling import MASKING, torch_generator
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
 
-MECHANISM = "DP-AdamW"
 
-
-class VipConfig(DPRunConfig):
+class VipConfig(
+    with_adamw(DPRunConfig, lr=3.84e-4, warmup=tenth_of_steps_to_1000, weight_decay=0.005)
+):
     """A ViP run: DP-AdamW on the MAE loss. Defaults follow the ViP paper, App. A.2."""
 
     init: str = Field(
@@ -51,11 +37,6 @@ class VipConfig(DPRunConfig):
     data: str = Field(
         description="image folder (class subfolders allowed) or directory of webdataset tar shards"
     )
-    lr: float = lr_field(3.84e-4)
-    warmup_steps: int | None = warmup_field(tenth_of_steps_to_1000)
-    weight_decay: float = weight_decay_field(0.005)
-    beta1: float = beta_field(1)
-    beta2: float = beta_field(2)
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -64,23 +45,10 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     dist = dist or Dist.from_env(cfg.device)
     images = open_images(cfg.data)
     n = len(images)
-    budget = Budget.for_config(cfg, n)
-    run = Run(cfg, dist)
+    run = DPRun(cfg, dist, n)
     mae, spec, init_ledger = load_mae(cfg.init)
     mae.to(dist.device)
-    optimizer = make_adamw(mae, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps_to_1000(cfg.steps)
-    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    engine = DPEngine.for_run(
-        PerExampleClipper(mae, cfg.max_grad_norm),
-        optimizer,
-        scheduler,
-        budget,
-        run,
-        cfg,
-        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
-        clipping_norm=cfg.max_grad_norm,
-    )
+    engine = run.engine(mae)
     mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
     augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
@@ -99,14 +67,11 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)},
     )
 
-    return engine.export(
-        run,
-        cfg,
+    return run.export_dp(
         mae.encoder,
         spec,
         init_ledger,
         records=records,
-        mechanism=MECHANISM,
         curve_label="MAE loss on public procedural images",
         dataset_description=f"{n} images; MAE pretraining with DP-AdamW",
         summary=(
@@ -122,11 +87,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
             "Gaussian noise once per logical step, Poisson sampling)"
         ),
         hyperparameters={
-            "lr": cfg.lr,
-            "warmup_steps": warmup,
-            "schedule": "cosine",
-            "weight_decay": cfg.weight_decay,
-            "betas": [cfg.beta1, cfg.beta2],
+            **cfg.adamw_hyperparameters(),
             "mask_ratio": mae.config.mask_ratio,
             "img_size": spec.img_size,
             "augmentation": "random resized crop (0.2-1), flip",

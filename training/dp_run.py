@@ -1,0 +1,85 @@
+"""The DP recipes' run skeleton: a ``Run`` (``training/runner.py``) with its privacy plan (the
+budget of its configuration and the sensitivity of its mechanism, both checked before the run
+folder is touched), the DP engine (``training/dp_engine.py``) that trains its model with AdamW
+from the recipe's fields, and the export of the encoder with that mechanism's ledger stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from vip_hub.models.encoders import EncoderSpec
+from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.sensitivity import sensitivity
+
+from .clipping import PerExampleClipper
+from .distributed import Dist
+from .dp_engine import Budget, Clipper, DPEngine
+from .recipe import DPRunConfig
+from .runner import Run
+
+__all__ = ["DP_ADAMW", "DPRun"]
+
+DP_ADAMW = "DP-AdamW"
+"""Per-example clipping's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
+
+
+class DPRun(Run):
+    """One DP recipe's run of ``cfg`` on ``dist`` over ``dataset_size`` private examples, clipped
+    by ``mechanism`` (its ledger name, with ``params``) to ``clipping_norm`` (default
+    ``--max-grad-norm``)."""
+
+    cfg: DPRunConfig
+
+    def __init__(
+        self,
+        cfg: DPRunConfig,
+        dist: Dist,
+        dataset_size: int,
+        mechanism: str = DP_ADAMW,
+        params: dict[str, Any] | None = None,
+        clipping_norm: float | None = None,
+    ):
+        self.budget = Budget.for_config(cfg, dataset_size)
+        self.mechanism, self.params = mechanism, params
+        self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm
+        self.sensitivity = sensitivity(mechanism, self.clipping_norm, params)
+        super().__init__(cfg, dist)
+
+    def engine(
+        self, model: nn.Module, clipper: Clipper | None = None, *, horizon: int | None = None
+    ) -> DPEngine:
+        """The engine training ``model`` with ``Run.adamw`` (cosine over ``horizon`` steps,
+        default the run's) and ``clipper``, the mechanism's (default: per-example clipping)."""
+        if clipper is None:
+            clipper = PerExampleClipper(model, self.clipping_norm)
+        self.dp = DPEngine.for_run(
+            clipper,
+            *self.adamw(model, horizon),
+            self.budget,
+            self,
+            self.cfg,
+            sensitivity=self.sensitivity,
+            clipping_norm=self.clipping_norm,
+        )
+        return self.dp
+
+    def export_dp(
+        self, encoder: VisionTransformer, spec: EncoderSpec, init: PrivacyLedger, **fields: Any
+    ) -> Path:
+        """``DPEngine.export`` of the encoder the engine trained: ``init``'s encoder stages, then
+        the stage of this run's mechanism (``fields``: the records, the card's texts, the stage's
+        name, description and hyper-parameters, files)."""
+        return self.dp.export(
+            self,
+            self.cfg,
+            encoder,
+            spec,
+            init,
+            mechanism=self.mechanism,
+            mechanism_params=self.params,
+            **fields,
+        )
