@@ -75,11 +75,16 @@ def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def embed(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
     """The 2n normalised embeddings [phi; psi] (2n, d): both views in one forward pass."""
+    return _embeddings(model, _both_views(views1, views2))
+
+
+def _both_views(views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
+    """The 2n views, first views first; the two must have one shape."""
     if views1.shape != views2.shape:
         raise ValueError(
             f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}"
         )
-    return _embeddings(model, torch.cat([views1, views2]))
+    return torch.cat([views1, views2])
 
 
 def _embeddings(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -368,11 +373,7 @@ class PairClipper:
                 _, losses = _loss_weights(embed(self.model, views1, views2), self.temperature)
             full = torch.full((n, n), float("nan"), device=losses.device, dtype=self.norm_dtype)
             return ClipResult(losses, full, torch.zeros_like(full))
-        if views1.shape != views2.shape:
-            raise ValueError(
-                f"the two views differ in shape: {tuple(views1.shape)} vs {tuple(views2.shape)}"
-            )
-        images, single = torch.cat([views1, views2]), self.passes == (1, 1)
+        images, single = _both_views(views1, views2), self.passes == (1, 1)
         with torch.set_grad_enabled(single):  # blocks: the embeddings only, no graph held
             records, e = self._forward(images)
         keep = any(r.out.dtype.itemsize < 4 for r in records)  # bf16/fp16: see the module docstring
