@@ -159,15 +159,28 @@ def test_a_records_membership_does_not_depend_on_other_records(
                 dataset_name="test/digits",
             )
         )
-        kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["train_x"]})
-        kept.append({tuple(np.round(row.numpy(), 4)) for row in r.features["test_x"]})
-    gone = {tuple(np.round(row, 4)) for row in _features_of(tiny_repo, removed)}
-    assert kept[0] - gone == kept[2] and kept[1] - gone == kept[3]
+        kept.append((r.features["train_x"], r.features["test_x"]))
+    gone = torch.from_numpy(_features_of(tiny_repo, removed))
+    for full, small in zip(*kept, strict=True):
+        assert _same_records(full[_distances(full, gone).min(1).values > 1e-3], small)
     files = sorted(train.rglob("*.png"))
     labels = np.array([int(f.parent.name) for f in files])
     u = keyed_uniforms(key, "held-out", files, labels)
     assert np.array_equal(u[1:], keyed_uniforms(key, "held-out", files[1:], labels[1:]))
     assert not np.array_equal(u, keyed_uniforms(b"other" * 8, "held-out", files, labels))
+
+
+def _same_records(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two feature matrices hold the same records in any order: as many rows, each of
+    ``a`` within 1e-3 of a row of ``b`` (batched inference changes the last digits, so rounded
+    features are no identity)."""
+    return len(a) == len(b) and bool((_distances(a, b).min(1).values < 1e-3).all())
+
+
+def _distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Euclidean distances row by row, computed directly (cdist's matrix-product shortcut is off
+    by about 0.03 at these norms in float32)."""
+    return torch.cdist(a.double(), b.double(), compute_mode="donot_use_mm_for_euclid_dist")
 
 
 def _features_of(repo: Path, image: Path) -> np.ndarray:
