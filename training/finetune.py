@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import EvalResult
 from PIL import Image
 from pydantic import Field
 from timm.models.vision_transformer import VisionTransformer
@@ -40,27 +39,20 @@ from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import final_norm, pool_features, vip_layers
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
-from vip_hub.privacy.sensitivity import sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo_format import LEDGER_FILE, head_component
 
-from .clipping import PerExampleClipper
 from .datasets import LabelledArrays, write_image_folder
 from .distributed import Dist
-from .dp_engine import Budget, DPEngine
-from .optim import make_adamw, warmup_cosine
-from .probe import LabelledImages, fix_normalisation, load_labelled, public_features
-from .recipe import (
-    DPRunConfig,
-    Recipe,
-    beta_field,
-    lr_field,
-    recipe_main,
-    tenth_of_steps,
-    warmup_field,
-    weight_decay_field,
+from .dp_run import DPRun
+from .probe import (
+    LabelledImages,
+    fix_normalisation,
+    load_labelled,
+    public_features,
+    top1_result,
 )
-from .runner import Run
+from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
 
 __all__ = [
     "RECIPE",
@@ -75,7 +67,6 @@ __all__ = [
     "train_finetune",
 ]
 
-MECHANISM = "DP-AdamW"
 STAGE = "dp-finetune"
 """The name of the DP stage in the exported ledger."""
 CURVE_IMAGES = 1000
@@ -84,7 +75,7 @@ CURVE_IMAGES = 1000
 FinetunePooling = Literal["avg", "cls", "vip"]
 
 
-class FinetuneConfig(DPRunConfig):
+class FinetuneConfig(with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)):
     """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head."""
 
     init: str = Field(description="(Syn)-ViP repo folder or hub id whose encoder is fine-tuned")
@@ -108,11 +99,6 @@ class FinetuneConfig(DPRunConfig):
         description="top encoder blocks trained with the head (at most all but the first); the "
         "rest stays the init's",
     )
-    lr: float = lr_field(1e-3)
-    warmup_steps: int | None = warmup_field(tenth_of_steps)
-    weight_decay: float = weight_decay_field(0.05)
-    beta1: float = beta_field(1)
-    beta2: float = beta_field(2)
 
 
 class Classifier(nn.Module):
@@ -266,27 +252,13 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     train = load_labelled(cfg.data, cfg.dataset_name)
     test = _public_test(cfg, train)
     n = len(train.labels)
-    budget = Budget.for_config(cfg, n)
-    run = Run(cfg, dist)
+    run = DPRun(cfg, dist, n)
     init = load_encoder(cfg.init)
     spec, transform = init.spec, init.transform
     torch.manual_seed(run.seed)  # the fresh head, the same on every rank
     model = classifier(init, len(train.classes), cfg.pooling, cfg.trainable_blocks)
     model.to(dist.device)
-    clipper = PerExampleClipper(model, cfg.max_grad_norm)
-    optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else tenth_of_steps(cfg.steps)
-    scheduler = warmup_cosine(optimizer, warmup, cfg.steps)
-    engine = DPEngine.for_run(
-        clipper,
-        optimizer,
-        scheduler,
-        budget,
-        run,
-        cfg,
-        sensitivity=sensitivity(MECHANISM, cfg.max_grad_norm),
-        clipping_norm=cfg.max_grad_norm,
-    )
+    engine = run.engine(model)
 
     tokens, means = frozen_outputs(model, transform, train.images, dist.device)
     labels = torch.as_tensor(train.labels)
@@ -306,16 +278,13 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     records = engine.train(run, model, load, desc="train-finetune", evaluate=curve)
 
     depth, k = len(model.encoder.blocks), cfg.trainable_blocks
-    trained = sum(p.numel() for p in clipper.params)
+    trained = sum(p.numel() for p in engine.params)
     norm = " and the final norm" if cfg.pooling != "vip" else ""
-    out = engine.export(
-        run,
-        cfg,
+    out = run.export_dp(
         model.encoder,
         spec,
         init.ledger,
         records=records,
-        mechanism=MECHANISM,
         curve_label="cross-entropy on public test images"
         if test is not None
         else "no public labelled data: no loss curve",
@@ -337,11 +306,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "is fixed to the init encoder's features of public procedural images"
         ),
         hyperparameters={
-            "lr": cfg.lr,
-            "warmup_steps": warmup,
-            "schedule": "cosine",
-            "weight_decay": cfg.weight_decay,
-            "betas": [cfg.beta1, cfg.beta2],
+            **cfg.adamw_hyperparameters(),
             "img_size": spec.img_size,
             "pooling": cfg.pooling,
             "trainable_blocks": k,
@@ -354,14 +319,8 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     if test is not None:
         _, top1 = evaluate(model, transform, test.images, test.labels.tolist(), dist.device)
         metrics |= {"top1": top1, "test_data": "public", "test_size": len(test.labels)}
-        name = Path(cfg.test_data or "").name
-        result = EvalResult(
-            task_type="image-classification",
-            dataset_type=name,
-            dataset_name=f"{name} (public test data)",
-            metric_type="accuracy",
-            metric_value=round(top1, 4),
-            metric_name=f"top-1, DP fine-tuned head '{cfg.head}' ({cfg.pooling} features)",
+        result = top1_result(
+            cfg.test_data, top1, f"top-1, DP fine-tuned head '{cfg.head}' ({cfg.pooling} features)"
         )
     info = HeadInfo(cfg.head, cfg.pooling, train.classes, metrics)
     return run.export(lambda: save_head(out, model.head, info, None, result))

@@ -62,6 +62,7 @@ __all__ = [
     "load_labelled",
     "public_features",
     "run_probe",
+    "top1_result",
 ]
 
 DP_LOSS_REDUCTION: Literal["mean", "sum"] = "mean"
@@ -450,6 +451,19 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
     )
 
 
+def top1_result(test_data: str | None, top1: float, metric_name: str) -> EvalResult:
+    """The card's result for a head's top-1 on the public labelled folder ``test_data``."""
+    name = Path(test_data or "").name
+    return EvalResult(
+        task_type="image-classification",
+        dataset_type=name,
+        dataset_name=f"{name} (public test data)",
+        metric_type="accuracy",
+        metric_value=round(top1, 4),
+        metric_name=metric_name,
+    )
+
+
 def _export(
     cfg: ProbeConfig,
     encoder: Any,
@@ -483,14 +497,10 @@ def _export(
     result = None
     if public_top1 is not None:
         metrics |= {"top1": public_top1, "test_data": "public"}
-        test_name = Path(cfg.test_data or "").name
-        result = EvalResult(
-            task_type="image-classification",
-            dataset_type=test_name,
-            dataset_name=f"{test_name} (public test data)",
-            metric_type="accuracy",
-            metric_value=round(public_top1, 4),
-            metric_name=f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
+        result = top1_result(
+            cfg.test_data,
+            public_top1,
+            f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
         )
     save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)  # type: ignore[arg-type]
     return out

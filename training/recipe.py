@@ -34,15 +34,11 @@ __all__ = [
     "RunConfig",
     "WarmupRule",
     "add_config_args",
-    "beta_field",
     "config_from_args",
-    "lr_field",
     "recipe_main",
     "tenth_of_steps",
     "tenth_of_steps_to_1000",
     "two_fifths_of_steps",
-    "warmup_field",
-    "weight_decay_field",
     "with_adamw",
 ]
 
@@ -157,22 +153,22 @@ def two_fifths_of_steps(steps: int) -> int:
     return max(1, round(0.4 * steps))
 
 
-def lr_field(default: float, note: str | None = None) -> Any:
+def _lr_field(default: float, note: str | None = None) -> Any:
     """A recipe's ``lr`` field: AdamW's peak learning rate, ``default`` unless given."""
     return Field(default, gt=0, description="peak learning rate" + (f" ({note})" if note else ""))
 
 
-def warmup_field(rule: WarmupRule) -> Any:
+def _warmup_field(rule: WarmupRule) -> Any:
     """A recipe's ``warmup_steps`` field: None stands for ``rule(steps)``."""
     return Field(None, ge=0, description=f"warm-up steps (default: {rule.__doc__})")
 
 
-def weight_decay_field(default: float) -> Any:
+def _weight_decay_field(default: float) -> Any:
     """A recipe's ``weight_decay`` field: AdamW's decoupled weight decay."""
     return Field(default, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
 
 
-def beta_field(n: typing.Literal[1, 2]) -> Any:
+def _beta_field(n: typing.Literal[1, 2]) -> Any:
     """A recipe's ``beta1`` or ``beta2`` field: AdamW's (0.9, 0.95), as in MAE."""
     return Field((0.9, 0.95)[n - 1], ge=0, lt=1, description=f"AdamW beta{n}")
 
@@ -185,11 +181,11 @@ def with_adamw(
     rule, peak, decay = warmup, lr, weight_decay  # the class body's own names hide the arguments
 
     class AdamWConfig(base):
-        lr: float = lr_field(peak, lr_note)
-        warmup_steps: int | None = warmup_field(rule)
-        weight_decay: float = weight_decay_field(decay)
-        beta1: float = beta_field(1)
-        beta2: float = beta_field(2)
+        lr: float = _lr_field(peak, lr_note)
+        warmup_steps: int | None = _warmup_field(rule)
+        weight_decay: float = _weight_decay_field(decay)
+        beta1: float = _beta_field(1)
+        beta2: float = _beta_field(2)
 
         def warmup(self) -> int:
             """The warm-up steps: ``warmup_steps``, else the recipe's rule of its steps."""
