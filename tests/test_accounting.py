@@ -125,6 +125,13 @@ def test_unreachable_and_unknown():
         default_delta(0)
 
 
+def test_prv_refuses_by_name_an_epsilon_its_grid_cannot_hold():
+    """At sigma 1e-4 the PRV grid would need terabytes; a clear error comes first."""
+    with pytest.raises(AccountingError, match="beyond what the PRV accountant can compute"):
+        epsilon(1e-4, 1 / 8, 48, 1e-5, "prv")
+    assert epsilon(0.2, 1 / 8, 48, 1e-5, "prv") < epsilon(0.2, 1 / 8, 48, 1e-5, "rdp")
+
+
 def _cli(capsys, *args):
     code = main(list(args))
     out = capsys.readouterr()

@@ -42,6 +42,8 @@ DEFAULT_DELTA_CAP = 1e-5
 DEFAULT_DELTA_RULE = f"min({DEFAULT_DELTA_CAP:g}, 1/(10n))"
 """The default delta in words, for help texts (:func:`default_delta` computes it)."""
 PRV_EPS_ERROR = 0.01
+PRV_MAX_EPSILON = 1000.0
+"""Past this epsilon (under RDP) the PRV accountant's grid outgrows memory: refused by name."""
 PLD_INTERVAL = 1e-3
 MAX_SIGMA = 1e4
 
@@ -122,6 +124,12 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
             acc = RDPAccountant()
             acc.history = list(history)
             return float(acc.get_epsilon(delta=delta, alphas=rdp_alphas()))
+        rdp = _epsilon(history, delta, Accountant.RDP)
+        if rdp > PRV_MAX_EPSILON:
+            raise AccountingError(
+                f"epsilon {rdp:.3g} (RDP) is beyond what the PRV accountant can compute (up to "
+                f"{PRV_MAX_EPSILON:g}): the noise multiplier is far too small for a DP release"
+            )
         acc = PRVAccountant()
         acc.history = list(history)
         return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
