@@ -320,9 +320,11 @@ def _fit_dp(
             for group in opt.param_groups:
                 group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
             opt.zero_grad()
-            if len(xb):
-                loss_fn(linear(xb), yb).backward()
-            opt.step()  # an empty Poisson sample still takes a noisy step
+            out = linear(xb)
+            # An empty Poisson sample still takes a noisy step: its backward hands Opacus an
+            # empty set of per-example gradients (a mean over no examples would be NaN).
+            (loss_fn(out, yb) if len(xb) else out.sum()).backward()
+            opt.step()
             step += 1
             bar.update(1)
     if engine.accountant.history != [(sigma, q, steps)]:
