@@ -4,6 +4,7 @@ is downloaded."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ import torch  # noqa: E402 - after the environment above
 from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head  # noqa: E402 - idem
 
 from vip_hub import DPStage, export_encoder  # noqa: E402 - after the environment above
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the session's client home (hub caches hold GiB-sized models)."""
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
