@@ -50,7 +50,10 @@ def test_type_checking_block_re_exports_exactly_the_lazy_exports() -> None:
 
 def test_every_public_name_resolves_to_its_module_object() -> None:
     exports, _ = _declarations()
-    assert vip_hub.__all__ == sorted(name for names in exports.values() for name in names)
+    lazy = [name for names in exports.values() for name in names]
+    assert vip_hub.__all__ == sorted([*lazy, *vip_hub.errors.__all__])
+    for name in vip_hub.errors.__all__:
+        assert getattr(vip_hub, name) is getattr(vip_hub.errors, name), f"vip_hub.{name}"
     for module, names in exports.items():
         home = importlib.import_module(f"vip_hub.{module}")
         for name in names:

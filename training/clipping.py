@@ -108,6 +108,19 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
+def require_covered(model: nn.Module, covered: set[int], why: str) -> None:
+    """Raise ``UnsupportedLayerError`` naming each trainable parameter of ``model`` whose id is
+    not in ``covered`` (no rule computes its per-example or per-pair gradient), ``why`` said."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    if missing:
+        raise UnsupportedLayerError(f"{why}: parameters {', '.join(missing)}")
+
+
+def norm_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    """The dtype norms are accumulated in: fp64 where any parameter is fp64, else fp32."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
 def grad_roundoff(params: list[nn.Parameter]) -> float:
     """The relative rounding of adding a clipped sum into a bf16/fp16 ``.grad`` (0 in fp32 and
     fp64)."""
@@ -236,21 +249,15 @@ class PerExampleClipper:
             self._check_supported(module)
             self.layers.append(module)
             covered.update(id(p) for p in own)
-        missing = [
-            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered
-        ]
-        if missing:
-            raise UnsupportedLayerError(
-                f"no per-example gradient rule for parameters {', '.join(missing)}; supported: "
-                "nn.Linear, nn.LayerNorm, nn.Embedding, patchifying nn.Conv2d, broadcast tokens"
-            )
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.norm_dtype = (
-            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        require_covered(
+            model,
+            covered,
+            "no per-example gradient rule; supported: nn.Linear, nn.LayerNorm, nn.Embedding, "
+            "patchifying nn.Conv2d, broadcast tokens",
         )
-        self.grad_roundoff = grad_roundoff(
-            self.params
-        )  # a bf16/fp16 .grad rounds each sum once more
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.norm_dtype = norm_dtype(self.params)
+        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:

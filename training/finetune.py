@@ -46,6 +46,7 @@ from .datasets import LabelledArrays, write_image_folder
 from .distributed import Dist
 from .dp_run import DPRun
 from .probe import (
+    HeadData,
     LabelledImages,
     fix_normalisation,
     load_labelled,
@@ -75,18 +76,13 @@ CURVE_IMAGES = 1000
 FinetunePooling = Literal["avg", "cls", "vip"]
 
 
-class FinetuneConfig(with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)):
-    """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head."""
+class FinetuneConfig(
+    with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05), HeadData
+):
+    """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head; the
+    test folder's loss is also the card's curve."""
 
     init: str = Field(description="(Syn)-ViP repo folder or hub id whose encoder is fine-tuned")
-    data: str = Field(
-        description="labelled image folder, one subfolder per class (the private training data)"
-    )
-    test_data: str | None = Field(
-        None,
-        description="PUBLIC labelled test folder with the same classes: its top-1 goes on the "
-        "card and in the head's metrics, its loss is the card's curve",
-    )
     head: str = Field("classifier", description="head name: the repo gets heads/NAME/")
     pooling: FinetunePooling = Field(
         "avg",

@@ -53,6 +53,8 @@ from .clipping import (
     clip_factors,
     factor_norms,
     grad_roundoff,
+    norm_dtype,
+    require_covered,
     rounding_bound,
 )
 
@@ -332,17 +334,9 @@ class PairClipper:
                 self.layers.append(module)
                 covered.update(id(p) for p in own)
         self.params = _trainable(model)
-        missing = [
-            n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered
-        ]
-        if missing:
-            raise UnsupportedLayerError(f"no per-pair rule for parameters {', '.join(missing)}")
-        self.norm_dtype = (
-            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        )
-        self.grad_roundoff = grad_roundoff(
-            self.params
-        )  # a bf16/fp16 .grad rounds each sum once more
+        require_covered(model, covered, "no per-pair rule")
+        self.norm_dtype = norm_dtype(self.params)
+        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -694,9 +688,7 @@ class BatchClipper:
         _check_max_norm(max_norm, temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
         self.params = _trainable(model)
-        self.norm_dtype = (
-            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        )
+        self.norm_dtype = norm_dtype(self.params)
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         """Add the clipped whole-batch gradient of this batch into ``.grad``."""

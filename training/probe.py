@@ -110,20 +110,26 @@ def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
     return LabelledImages(images, labels, classes, dataset, [folder.files[i] for i, _ in members])
 
 
-class ProbeConfig(BaseModel):
-    """A linear-probe run. Defaults follow the MAE linear-probe recipe, scaled to small data."""
+class HeadData(BaseModel):
+    """The labelled folders a classifier head (a probe, a fine-tuned classifier) trains and is
+    tested on: the settings every head recipe shares."""
 
     model_config = ConfigDict(extra="forbid")
 
-    encoder: str = Field(description="encoder repo folder or hub repo id")
     data: str = Field(
-        description="labelled image folder (one subfolder per class): the probe's training data"
+        description="labelled image folder, one subfolder per class: the head's training data"
     )
     test_data: str | None = Field(
         None,
-        description="PUBLIC labelled test folder; its accuracy goes on the card "
-        "(default: a held-out share of --data, whose accuracy is printed only)",
+        description="PUBLIC labelled test folder with the same classes; its top-1 goes on the "
+        "card (a probe's default: a held-out share of --data, whose top-1 is printed only)",
     )
+
+
+class ProbeConfig(HeadData):
+    """A linear-probe run. Defaults follow the MAE linear-probe recipe, scaled to small data."""
+
+    encoder: str = Field(description="encoder repo folder or hub repo id")
     test_fraction: float = Field(
         0.2,
         gt=0,

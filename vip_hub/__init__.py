@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors as _errors
+from .errors import *  # noqa: F403 - the error tree is light, and public whole (errors.__all__)
+
 __version__ = "0.2.0"
 
 _EXPORTS = {
@@ -20,20 +23,6 @@ _EXPORTS = {
         "epsilons",
         "max_steps_within",
         "paper_delta",
-    ],
-    "errors": [
-        "AccountingError",
-        "AuditError",
-        "CheckpointError",
-        "ClaimTooLowError",
-        "ConfigError",
-        "DataError",
-        "LedgerError",
-        "MissingInputError",
-        "RepoFormatError",
-        "TamperedFileError",
-        "VerificationError",
-        "VipHubError",
     ],
     "models.features": ["POOLINGS", "Pooling", "extract_features", "feature_dim"],
     "privacy.ledger": [
@@ -51,7 +40,7 @@ _EXPORTS = {
     "repo.verify": ["VerificationReport", "verify_repo"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_MODULE_OF)
+__all__ = sorted([*_MODULE_OF, *_errors.__all__])
 
 
 def __getattr__(name: str) -> Any:
@@ -69,18 +58,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     # The same names as _EXPORTS (tests/test_public_api.py checks), re-exported for type checkers.
-    from .errors import AccountingError as AccountingError
-    from .errors import AuditError as AuditError
-    from .errors import CheckpointError as CheckpointError
-    from .errors import ClaimTooLowError as ClaimTooLowError
-    from .errors import ConfigError as ConfigError
-    from .errors import DataError as DataError
-    from .errors import LedgerError as LedgerError
-    from .errors import MissingInputError as MissingInputError
-    from .errors import RepoFormatError as RepoFormatError
-    from .errors import TamperedFileError as TamperedFileError
-    from .errors import VerificationError as VerificationError
-    from .errors import VipHubError as VipHubError
     from .loading import Encoder as Encoder
     from .loading import load_encoder as load_encoder
     from .models.encoders import ARCHS as ARCHS
