@@ -108,12 +108,22 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
-def require_covered(model: nn.Module, covered: set[int], why: str) -> None:
-    """Raise ``UnsupportedLayerError`` naming each trainable parameter of ``model`` whose id is
-    not in ``covered`` (no rule computes its per-example or per-pair gradient), ``why`` said."""
+def rule_layers(model: nn.Module, check: Callable[[nn.Module], None]) -> list[nn.Module]:
+    """The modules holding ``model``'s trainable parameters besides its broadcast ones (each
+    passed to ``check``, which raises for a layer with no rule); ``UnsupportedLayerError`` names
+    any trainable parameter left uncovered."""
+    covered = {id(p) for p in getattr(model, "broadcast_parameters", list)()}
+    layers = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own := [p for p in own if id(p) not in covered]:
+            check(module)
+            layers.append(module)
+            covered.update(id(p) for p in own)
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
     if missing:
-        raise UnsupportedLayerError(f"{why}: parameters {', '.join(missing)}")
+        raise UnsupportedLayerError(f"no clipping rule covers parameters {', '.join(missing)}")
+    return layers
 
 
 def norm_dtype(params: list[nn.Parameter]) -> torch.dtype:
@@ -238,23 +248,7 @@ class PerExampleClipper:
             raise ValueError(f"clipping norm must be positive, got {max_norm}")
         self.model = model
         self.max_norm = float(max_norm)
-        self.layers: list[nn.Module] = []
-        covered: set[int] = set()
-        broadcast = list(getattr(model, "broadcast_parameters", list)())
-        covered.update(id(p) for p in broadcast)
-        for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not own or any(id(p) in covered for p in own):
-                continue
-            self._check_supported(module)
-            self.layers.append(module)
-            covered.update(id(p) for p in own)
-        require_covered(
-            model,
-            covered,
-            "no per-example gradient rule; supported: nn.Linear, nn.LayerNorm, nn.Embedding, "
-            "patchifying nn.Conv2d, broadcast tokens",
-        )
+        self.layers = rule_layers(model, self._check_supported)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_dtype = norm_dtype(self.params)
         self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again

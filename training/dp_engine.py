@@ -129,15 +129,8 @@ class Budget:
             raise DataError(
                 f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {dataset_size} examples"
             )
-        return cls.plan(
-            dataset_size=dataset_size,
-            batch_size=cfg.batch_size,
-            steps=cfg.steps,
-            epsilon=cfg.epsilon,
-            sigma=cfg.sigma,
-            delta=cfg.delta,
-            accountant=cfg.accountant,
-        )
+        planned = {"batch_size", "steps", "epsilon", "sigma", "delta", "accountant"}
+        return cls.plan(dataset_size=dataset_size, **cfg.model_dump(include=planned))
 
     def stop_message(self) -> str | None:
         """Why the run stops early, when it does."""

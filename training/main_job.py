@@ -287,20 +287,15 @@ def run_main_job(cfg: MainJobConfig) -> int:
     )
 
     def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
+        shared = {"img_size", "patch_size", "decoder_dim", "decoder_depth", "decoder_heads", "seed"}
         return SynConfig(
             out=str(out),
             arch=arch,
-            img_size=cfg.img_size,
-            patch_size=cfg.patch_size,
             steps=n_steps,
             batch_size=cfg.syn_batch_size,
-            decoder_dim=cfg.decoder_dim,
-            decoder_depth=cfg.decoder_depth,
-            decoder_heads=cfg.decoder_heads,
             model_name=out.name,
             repo_id=repo_id,
-            seed=cfg.seed,
-            workers=cfg.workers,
+            **cfg.model_dump(include={*shared, "workers"}),
         )
 
     for config, what in (

@@ -54,8 +54,8 @@ from .clipping import (
     factor_norms,
     grad_roundoff,
     norm_dtype,
-    require_covered,
     rounding_bound,
+    rule_layers,
 )
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
@@ -320,21 +320,8 @@ class PairClipper:
             max_batch,
         )
         self.pair_block, self.passes = pair_block, (int(passes[0]), int(passes[1]))
-        broadcast = list(getattr(model, "broadcast_parameters", list)())
-        covered = {id(p) for p in broadcast}
-        self.layers: list[nn.Module] = []
-        for module in model.modules():
-            own = [
-                p
-                for p in module.parameters(recurse=False)
-                if p.requires_grad and id(p) not in covered
-            ]
-            if own:
-                self._check_supported(module)
-                self.layers.append(module)
-                covered.update(id(p) for p in own)
         self.params = _trainable(model)
-        require_covered(model, covered, "no per-pair rule")
+        self.layers = rule_layers(model, self._check_supported)
         self.norm_dtype = norm_dtype(self.params)
         self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
