@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Container, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import torch
 from huggingface_hub import EvalResult
@@ -56,6 +56,7 @@ from .card import DEFAULT_LICENSE, CardInfo, card_info, render_card
 from .verify import verify_repo
 
 __all__ = [
+    "Release",
     "can_caption",
     "export_encoder",
     "load_image_memory",
@@ -65,6 +66,18 @@ __all__ = [
     "update_repo",
     "weights_ledger",
 ]
+
+
+class Release(TypedDict, total=False):
+    """What a repo records besides its weights, passed through to ``export_encoder`` by the
+    checkpoint importers: ledger stages in training order, names, card fields."""
+
+    stages: Required[Iterable[NonPrivateStage | DPStage]]
+    model_name: Required[str]
+    repo_id: str | None
+    summary: str
+    license: str
+    overwrite: bool
 
 
 def export_encoder(

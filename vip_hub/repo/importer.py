@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -34,7 +34,7 @@ from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import paper_delta
 from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
 from .card import DEFAULT_LICENSE
-from .files import export_encoder
+from .files import Release, export_encoder
 
 __all__ = [
     "PRESETS",
@@ -48,6 +48,9 @@ __all__ = [
     "split_dpcap_state_dict",
     "split_mae_state_dict",
 ]
+
+DPCAP_LICENSE = "cc-by-nc-4.0"
+"""The licence of the DP-Cap authors' released weights (CC BY-NC 4.0)."""
 
 _DECODER = re.compile(r"^(decoder_|mask_token$)")
 _IGNORED = re.compile(r"^head\.")  # a fine-tuned classifier: not part of a released encoder
@@ -187,7 +190,7 @@ def _dpcap_base_eps7() -> ImportPreset:
         "DP-Cap-Base released by the DP-Cap authors: an image captioner trained with DP-AdamW on 2 "
         "billion MetaCLIP image-text pairs (eps about 7).",
         (synthetic, metaclip),
-        license="cc-by-nc-4.0",
+        license=DPCAP_LICENSE,
     )
 
 
@@ -282,14 +285,11 @@ def import_mae_checkpoint(
     out_dir: str | os.PathLike[str],
     *,
     arch: str,
-    stages: tuple[NonPrivateStage | DPStage, ...] | list[NonPrivateStage | DPStage],
-    model_name: str,
-    summary: str = "",
     img_size: int = DEFAULT_IMG_SIZE,
-    repo_id: str | None = None,
-    overwrite: bool = False,
+    **release: Unpack[Release],
 ) -> Path:
-    """Convert a ViP-MAE reference checkpoint to a released-encoder repo folder."""
+    """Convert a ViP-MAE reference checkpoint to a released-encoder repo folder (``release``:
+    its ledger stages, name and card fields, as ``export_encoder`` takes them)."""
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "vip":
         raise ConfigError(
@@ -312,16 +312,7 @@ def import_mae_checkpoint(
             "in_chans": 3,
         }
     return export_encoder(
-        out_dir,
-        model,
-        spec,
-        stages,
-        model_name=model_name,
-        repo_id=repo_id,
-        summary=summary,
-        decoder=decoder_sd or None,
-        decoder_config=decoder_config,
-        overwrite=overwrite,
+        out_dir, model, spec, decoder=decoder_sd or None, decoder_config=decoder_config, **release
     )
 
 
@@ -447,18 +438,14 @@ def import_dpcap_checkpoint(
     out_dir: str | os.PathLike[str],
     *,
     arch: str,
-    stages: tuple[NonPrivateStage | DPStage, ...] | list[NonPrivateStage | DPStage],
-    model_name: str,
-    summary: str = "",
     img_size: int = DEFAULT_IMG_SIZE,
     vocab: str | os.PathLike[str] | None = None,
     decoder_heads: int | None = None,
-    repo_id: str | None = None,
-    license: str = "cc-by-nc-4.0",
-    overwrite: bool = False,
+    **release: Unpack[Release],
 ) -> Path:
     """Convert a DP-Cap reference checkpoint (encoder and text decoder) to a repo folder; with
-    ``vocab`` (the tokenizer's vocab.txt, e.g. bert-base-uncased's) the repo can caption."""
+    ``vocab`` (the tokenizer's vocab.txt, e.g. bert-base-uncased's) the repo can caption
+    (``release``: as for ``import_mae_checkpoint``; licence by default the DP-Cap authors')."""
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "dpcap":
         raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
@@ -474,16 +461,5 @@ def import_dpcap_checkpoint(
         )
     model = _loaded(create_encoder, spec, encoder_sd)
     decoder = _loaded(TextDecoder, config, decoder_sd)
-    return export_encoder(
-        out_dir,
-        model,
-        spec,
-        stages,
-        model_name=model_name,
-        repo_id=repo_id,
-        summary=summary,
-        license=license,
-        text_decoder=decoder,
-        vocab=vocab_bytes,
-        overwrite=overwrite,
-    )
+    release.setdefault("license", DPCAP_LICENSE)
+    return export_encoder(out_dir, model, spec, text_decoder=decoder, vocab=vocab_bytes, **release)
