@@ -49,13 +49,17 @@ from vip_hub.errors import ConfigError
 
 __all__ = [
     "ClipResult",
+    "LayerClipper",
     "PerExampleClipper",
     "UnsupportedLayerError",
     "add_to_grad",
     "clip_factors",
     "factor_norms",
     "grad_roundoff",
+    "norm_dtype",
     "rounding_bound",
+    "rule_layers",
+    "trainable",
 ]
 
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
@@ -106,6 +110,14 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     clipper, and the audit's canaries, clip through this one function."""
     factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s trainable parameters; ``ValueError`` when it has none."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    return params
 
 
 def rule_layers(model: nn.Module, check: Callable[[nn.Module], None]) -> list[nn.Module]:
@@ -236,22 +248,31 @@ def _materialise(b: int, t: int, i: int, o: int) -> bool:
     return i * o <= t * (i + o) and _PRODUCT_ELEMENT_COST * i * o < t * t * (i + o)
 
 
-class PerExampleClipper:
+class LayerClipper:
+    """What every layer-wise clipper holds: the model, its clip bound and trainable parameters,
+    the layers its rules cover (``_check_supported`` refuses the others), and the precision its
+    norms are formed in."""
+
+    def __init__(self, model: nn.Module, max_norm: float):
+        if not max_norm > 0:
+            raise ValueError(f"clipping norm must be positive, got {max_norm}")
+        self.model, self.max_norm = model, float(max_norm)
+        self.params = trainable(model)
+        self.layers = rule_layers(model, self._check_supported)
+        self.norm_dtype = norm_dtype(self.params)
+        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
+
+    @staticmethod
+    def _check_supported(m: nn.Module) -> None:
+        raise NotImplementedError
+
+
+class PerExampleClipper(LayerClipper):
     """Adds the sum of per-example clipped gradients of ``model`` into ``.grad``.
 
     ``model(*inputs)`` must return per-example losses of shape (b,) where example i's loss
     depends on example i only (no batch statistics).
     """
-
-    def __init__(self, model: nn.Module, max_norm: float):
-        if not max_norm > 0:
-            raise ValueError(f"clipping norm must be positive, got {max_norm}")
-        self.model = model
-        self.max_norm = float(max_norm)
-        self.layers = rule_layers(model, self._check_supported)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.norm_dtype = norm_dtype(self.params)
-        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:

@@ -48,14 +48,14 @@ from torch import nn
 
 from .clipping import (
     ClipResult,
+    LayerClipper,
     UnsupportedLayerError,
     add_to_grad,
     clip_factors,
     factor_norms,
-    grad_roundoff,
     norm_dtype,
     rounding_bound,
-    rule_layers,
+    trainable,
 )
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
@@ -114,13 +114,6 @@ def _require_empty_grads(params: list[nn.Parameter]) -> None:
             "step's whole sample in one call (micro_batch_size=None) and clear .grad "
             "(set_to_none) between steps"
         )
-
-
-def _trainable(model: nn.Module) -> list[nn.Parameter]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameters")
-    return params
 
 
 def _check_max_norm(max_norm: float, temperature: float) -> None:
@@ -280,7 +273,7 @@ class _Tap(torch.autograd.Function):
         return g, dim
 
 
-class PairClipper:
+class PairClipper(LayerClipper):
     """Logit-DP: adds sum_ij lambda_ij Clip_B(grad Z_ij) of ``model`` into ``.grad``.
 
     ``model(images)`` returns (b, d) embeddings, each depending on its own image only (no batch
@@ -313,17 +306,9 @@ class PairClipper:
             raise ValueError(f"pair_block must be positive, got {pair_block}")
         if len(passes) != 2 or min(passes) < 1:
             raise ValueError(f"passes must be two positive counts (rows, columns), got {passes}")
-        self.model, self.max_norm, self.temperature, self.max_batch = (
-            model,
-            float(max_norm),
-            float(temperature),
-            max_batch,
-        )
+        super().__init__(model, max_norm)
+        self.temperature, self.max_batch = float(temperature), max_batch
         self.pair_block, self.passes = pair_block, (int(passes[0]), int(passes[1]))
-        self.params = _trainable(model)
-        self.layers = rule_layers(model, self._check_supported)
-        self.norm_dtype = norm_dtype(self.params)
-        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -674,7 +659,7 @@ class BatchClipper:
     def __init__(self, model: nn.Module, max_norm: float, temperature: float):
         _check_max_norm(max_norm, temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
-        self.params = _trainable(model)
+        self.params = trainable(model)
         self.norm_dtype = norm_dtype(self.params)
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
