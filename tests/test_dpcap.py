@@ -685,6 +685,14 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     zs = json.loads(capsys.readouterr().out)["results"][0]
     losses = [entry["loss"] for entry in zs["labels"]]
     assert losses == sorted(losses) and zs["label"] == zs["labels"][0]["label"]
+    assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,cat", "--top-k", "1"]) == 0
+    line, headline = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{files[0]}: ") and line.endswith(")")
+    assert headline.startswith("model privacy: (ε = ")
+    assert main(["caption", str(out), *map(str, files), "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"{f}: {c}" for f, c in zip(files, expected, strict=True)
+    ]
     assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,,cat"]) == 1
     assert "labels[1] is empty" in capsys.readouterr().err
     assert main(["caption", str(out), str(tmp_path / "missing.png")]) == 1

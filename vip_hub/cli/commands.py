@@ -398,26 +398,30 @@ def register_caption(sub: Any) -> None:
 
 
 def _caption(args: argparse.Namespace) -> None:
-    from ..privacy.ledger import privacy_headline
-
     model, images = _load_for_captions(args)
     captions = model.caption(images, args.max_tokens)
+    pairs = list(zip(args.images, captions, strict=True))
+    _print_per_image(
+        args,
+        model,
+        "captions",
+        [{"image": i, "caption": c} for i, c in pairs],
+        [f"{path}: {caption}" for path, caption in pairs],
+    )
+
+
+def _print_per_image(
+    args: argparse.Namespace, model: Any, key: str, rows: list[dict[str, Any]], lines: list[str]
+) -> None:
+    """Print per-image results: with --json one object ``{key: rows, "privacy": ...}``, else a
+    line each and the model's privacy headline."""
+    from ..privacy.ledger import privacy_headline
+
     privacy = model.encoder.privacy
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "captions": [
-                        {"image": i, "caption": c}
-                        for i, c in zip(args.images, captions, strict=True)
-                    ],
-                    "privacy": privacy.to_dict(),
-                }
-            )
-        )
+        print(json.dumps({key: rows, "privacy": privacy.to_dict()}))
         return
-    for path, caption in zip(args.images, captions, strict=True):
-        print(f"{path}: {caption}")
+    print("\n".join(lines))
     print(f"model privacy: {privacy_headline(privacy)}")
 
 
@@ -436,7 +440,6 @@ def register_zero_shot(sub: Any) -> None:
 
 def _zero_shot(args: argparse.Namespace) -> None:
     from ..models.text_decoder import DEFAULT_PROMPT
-    from ..privacy.ledger import privacy_headline
 
     labels = [label.strip() for label in args.labels.split(",")]
     empty = [i for i, label in enumerate(labels) if not label]
@@ -446,24 +449,21 @@ def _zero_shot(args: argparse.Namespace) -> None:
     losses = model.zero_shot(images, labels, DEFAULT_PROMPT if args.prompt is None else args.prompt)
     k = max(1, min(args.top_k, len(labels)))
     ranked = [[(labels[j], float(row[j])) for j in row.argsort()[:k].tolist()] for row in losses]
-    privacy = model.encoder.privacy
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "results": [
-                        {
-                            "image": path,
-                            "label": r[0][0],
-                            "labels": [{"label": lab, "loss": loss} for lab, loss in r],
-                        }
-                        for path, r in zip(args.images, ranked, strict=True)
-                    ],
-                    "privacy": privacy.to_dict(),
-                }
-            )
-        )
-        return
-    for path, r in zip(args.images, ranked, strict=True):
-        print(f"{path}: {r[0][0]}  (" + ", ".join(f"{lab} {loss:.3f}" for lab, loss in r) + ")")
-    print(f"model privacy: {privacy_headline(privacy)}")
+    results = list(zip(args.images, ranked, strict=True))
+    _print_per_image(
+        args,
+        model,
+        "results",
+        [
+            {
+                "image": path,
+                "label": r[0][0],
+                "labels": [{"label": lab, "loss": loss} for lab, loss in r],
+            }
+            for path, r in results
+        ],
+        [
+            f"{path}: {r[0][0]}  (" + ", ".join(f"{lab} {loss:.3f}" for lab, loss in r) + ")"
+            for path, r in results
+        ],
+    )
