@@ -156,6 +156,17 @@ class Features:
     stages: list[DPStage] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where a row's wall time went: making its features (0 s when ``cached``), then fitting
+    its DP head (or fine-tuning); and the 1-minute load average as the fit began."""
+
+    make_s: float
+    cached: bool
+    fit_s: float
+    load: float
+
+
 @dataclass
 class Result:
     """One row of the table: the DP classifier's test top-1 and every DP stage it rests on."""
@@ -167,10 +178,7 @@ class Result:
     stages: list[DPStage]
     tried: int  # head configurations tried on the validation split (0: fixed in code)
     lr: float
-    make_s: float
-    cached: bool
-    head_s: float
-    load: float
+    timing: Timing
 
 
 def _identity_norm(dim: int) -> torch.Tensor:
@@ -548,10 +556,7 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
             stages=[*f.stages, stage],
             tried=tried,
             lr=lr,
-            make_s=make_s,
-            cached=hit,
-            head_s=head_s,
-            load=load,
+            timing=Timing(make_s, hit, head_s, load),
         )
 
     return run
@@ -624,10 +629,7 @@ def finetune_row(b: Bench, key: str) -> Result:
         stages=[run.stage],
         tried=0,
         lr=settings["lr"],
-        make_s=0.0,
-        cached=False,
-        head_s=run.seconds,
-        load=load,
+        timing=Timing(0.0, False, run.seconds, load),
     )
 
 
@@ -654,10 +656,10 @@ def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Acco
         r = run(b, key)
         _, eps = compose(r, b.train.dataset.name)
         out.append((r, eps))
-        ref = f"{r.ref:.2f} %" if r.ref is not None else "-"
+        ref, t = (f"{r.ref:.2f} %" if r.ref is not None else "-"), r.timing
         print(
-            f"  {label}: DP {r.dp:.2f} %, non-private {ref} (make {r.make_s:.0f} s"
-            f"{' cached' if r.cached else ''}, DP head {r.head_s:.0f} s, load {r.load:.1f})",
+            f"  {label}: DP {r.dp:.2f} %, non-private {ref} (make {t.make_s:.0f} s"
+            f"{' cached' if t.cached else ''}, DP head {t.fit_s:.0f} s, load {t.load:.1f})",
             flush=True,
         )
     return out
@@ -676,11 +678,11 @@ def table(results: Sequence[tuple[Result, dict[Accountant, float]]]) -> list[str
             for s in r.stages
         )
         tuned = f"yes, {r.tried} configs (lr {r.lr:g})" if r.tried else "no"
-        ref = f"{r.ref:.1f}" if r.ref is not None else "-"
+        ref, t = (f"{r.ref:.1f}" if r.ref is not None else "-"), r.timing
         lines.append(
             f"| {r.row} | **{r.dp:.1f}** | {ref} | {eps[Accountant.RDP]:.3f} / "
             f"{eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | {stages} | {tuned} | "
-            f"{r.make_s:.0f}{' (cached)' if r.cached else ''} | {r.head_s:.0f} | {r.load:.1f} |"
+            f"{t.make_s:.0f}{' (cached)' if t.cached else ''} | {t.fit_s:.0f} | {t.load:.1f} |"
         )
     for name, top1 in PAPER.items():
         lines.append(

@@ -140,7 +140,7 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
         ),
         ["vip"],
     )[0]
-    assert again.cached and again.stages[0] == vip.stages[0]  # features and encoder cached
+    assert again.timing.cached and again.stages[0] == vip.stages[0]  # features and encoder cached
 
 
 @pytest.mark.slow
