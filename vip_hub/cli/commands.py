@@ -389,6 +389,21 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     return model, images
 
 
+def _print_per_image(
+    args: argparse.Namespace, model: Any, key: str, rows: list[dict[str, Any]], lines: list[str]
+) -> None:
+    """Print per-image results: with --json one object ``{key: rows, "privacy": ...}``, else a
+    line each and the model's privacy headline."""
+    from ..privacy.ledger import privacy_headline
+
+    privacy = model.encoder.privacy
+    if args.json:
+        print(json.dumps({key: rows, "privacy": privacy.to_dict()}))
+        return
+    print("\n".join(lines))
+    print(f"model privacy: {privacy_headline(privacy)}")
+
+
 def register_caption(sub: Any) -> None:
     p = add_command(sub, "caption", _caption, "caption images with a DP-Cap repo (greedy decoding)")
     _caption_source_args(p)
@@ -408,21 +423,6 @@ def _caption(args: argparse.Namespace) -> None:
         [{"image": i, "caption": c} for i, c in pairs],
         [f"{path}: {caption}" for path, caption in pairs],
     )
-
-
-def _print_per_image(
-    args: argparse.Namespace, model: Any, key: str, rows: list[dict[str, Any]], lines: list[str]
-) -> None:
-    """Print per-image results: with --json one object ``{key: rows, "privacy": ...}``, else a
-    line each and the model's privacy headline."""
-    from ..privacy.ledger import privacy_headline
-
-    privacy = model.encoder.privacy
-    if args.json:
-        print(json.dumps({key: rows, "privacy": privacy.to_dict()}))
-        return
-    print("\n".join(lines))
-    print(f"model privacy: {privacy_headline(privacy)}")
 
 
 def register_zero_shot(sub: Any) -> None:
