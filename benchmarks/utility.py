@@ -607,11 +607,12 @@ def finetune_row(b: Bench, key: str) -> Result:
     epochs = settings.pop("epochs")
     batch, _, steps = head_plan(len(b.train), epochs)
     load = os.getloadavg()[0]
+    work = b.work / "finetune" / f"{len(b.train)}-{len(b.test)}-{_stamp(FINETUNE)}"
     run = finetune_arrays(
         syn_repo(b, "vip-nano"),
         b.train,
         b.test,
-        b.work / "finetune" / f"{len(b.train)}-{len(b.test)}-{_stamp(FINETUNE)}",
+        work,
         epsilon=EPSILON,
         delta=DELTA,
         batch_size=batch,
@@ -625,12 +626,46 @@ def finetune_row(b: Bench, key: str) -> Result:
         what=f"(Syn)-ViP vip-nano, top {settings['trainable_blocks']} block(s) and a head on "
         f"{settings['pooling']} features, DP-AdamW {steps} x {batch}",
         dp=100 * run.top1,
-        ref=None,
+        ref=100 * finetune_reference(syn_repo(b, "vip-nano"), work, run.stage, batch, b.device),
         stages=[run.stage],
         tried=0,
         lr=settings["lr"],
         timing=Timing(0.0, False, run.seconds, load),
     )
+
+
+def finetune_reference(
+    init: Path, work: Path, stage: DPStage, batch: int, device: str = "cpu"
+) -> float:
+    """The DP fine-tuning row's non-private reference (printed, never released): the same
+    blocks and head from the same init, trained on the train folder ``finetune_arrays`` wrote
+    under ``work`` with plain AdamW (the mean loss, no clipping, no noise) at the DP stage's
+    recorded settings, steps and expected batch; its top-1 on the public test folder."""
+    from training.finetune import classifier, evaluate, frozen_outputs
+    from training.optim import make_adamw, warmup_cosine
+    from training.probe import load_labelled
+    from vip_hub.device import pick_device
+
+    hp, dev = stage.hyperparameters, pick_device(device)
+    train = load_labelled(work / "train", "reference/train")
+    test = load_labelled(work / "test", "public/test")
+    encoder = load_encoder(init)
+    torch.manual_seed(0)
+    model = classifier(encoder, len(train.classes), hp["pooling"], hp["trainable_blocks"])
+    model.to(dev)
+    tokens, means = frozen_outputs(model, encoder.transform, train.images, dev)
+    labels = torch.as_tensor(train.labels)
+    optimizer = make_adamw(model, hp["lr"], hp["weight_decay"], tuple(hp["betas"]))
+    schedule = warmup_cosine(optimizer, hp["warmup_steps"], stage.steps)
+    order = torch.Generator().manual_seed(0)
+    for _ in tqdm(range(stage.steps), desc="reference", leave=False):
+        i = torch.randint(len(labels), (batch,), generator=order)
+        loss = model(tokens[i].to(dev), means[i].to(dev), labels[i].to(dev)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return evaluate(model, encoder.transform, test.images, test.labels.tolist(), dev)[1]
 
 
 ROWS["finetune"] = ("DP fine-tuning: (Syn)-ViP top block + head", finetune_row)

@@ -201,5 +201,5 @@ def test_the_dp_fine_tuning_row_is_one_dp_stage_at_the_whole_budget(
     assert stage.dataset.name == FASHION_MNIST_TRAIN and stage.sample_rate == 5 / 40
     assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= utility.EPSILON
     assert eps[Accountant.RDP] > utility.EPSILON - 0.01
-    assert 0 <= r.dp <= 100 and r.ref is None and r.tried == 0
+    assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.ref <= 100 and r.tried == 0
     assert len(utility.table([(r, eps)])) == 3 + len(utility.PAPER)
