@@ -277,6 +277,25 @@ def test_parameters_without_a_rule_are_refused_not_silently_slow() -> None:
         PerExampleClipper(small_mae(), 0.0)
 
 
+class _HalfBroadcast(nn.Linear):
+    """A layer that announces its bias as broadcast: a rule for the layer would count the bias
+    again beside the broadcast rule's share, and a norm could come out up to sqrt(2) too small."""
+
+    def broadcast_parameters(self) -> list[nn.Parameter]:
+        return [self.bias]
+
+
+def test_a_layer_partly_covered_elsewhere_is_refused_by_every_clipper() -> None:
+    from training.pair_clipping import PairClipper
+    from vip_hub.errors import ConfigError
+
+    for make in (lambda m: PerExampleClipper(m, 1.0), lambda m: PairClipper(m, 1.0, 0.5)):
+        with pytest.raises(UnsupportedLayerError, match="broadcast or shared"):
+            make(_HalfBroadcast(3, 2))
+        with pytest.raises(ConfigError, match="no trainable parameters"):
+            make(nn.Linear(3, 2).requires_grad_(False))
+
+
 # ---------------------------------------------------------------- sampling
 def test_poisson_sampling_rate_determinism_and_rank_streams() -> None:
     n, q = 2000, 0.05

@@ -113,10 +113,10 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """``model``'s trainable parameters; ``ValueError`` when it has none."""
+    """``model``'s trainable parameters; ``ConfigError`` when it has none."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the model has no trainable parameters")
+        raise ConfigError("the model has no trainable parameters: nothing to train")
     return params
 
 
@@ -126,9 +126,15 @@ def rule_layers(model: nn.Module, check: Callable[[nn.Module], None]) -> list[nn
     any trainable parameter left uncovered."""
     covered = {id(p) for p in getattr(model, "broadcast_parameters", list)()}
     layers = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if own := [p for p in own if id(p) not in covered]:
+        done = [id(p) in covered for p in own]
+        if any(done) and not all(done):  # a rule would count the covered ones a second time
+            raise UnsupportedLayerError(
+                f"{name or type(module).__name__}: some of its trainable parameters are broadcast "
+                "or shared with another layer and some are not; no rule covers such a module"
+            )
+        if own and not any(done):
             check(module)
             layers.append(module)
             covered.update(id(p) for p in own)

@@ -77,7 +77,7 @@ FinetunePooling = Literal["avg", "cls", "vip"]
 
 
 class FinetuneConfig(
-    with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05), HeadData
+    HeadData, with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)
 ):
     """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head; the
     test folder's loss is also the card's curve."""

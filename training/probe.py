@@ -112,7 +112,8 @@ def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
 
 class HeadData(BaseModel):
     """The labelled folders a classifier head (a probe, a fine-tuned classifier) trains and is
-    tested on: the settings every head recipe shares."""
+    tested on: the settings every head recipe shares (first in a recipe's bases, so its ``data``
+    help, which names the layout, is the one shown)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -122,7 +123,7 @@ class HeadData(BaseModel):
     test_data: str | None = Field(
         None,
         description="PUBLIC labelled test folder with the same classes; its top-1 goes on the "
-        "card (a probe's default: a held-out share of --data, whose top-1 is printed only)",
+        "card and in the head's metrics",
     )
 
 
@@ -134,8 +135,8 @@ class ProbeConfig(HeadData):
         0.2,
         gt=0,
         lt=1,
-        description="held-out share of --data when --test-data is not given "
-        "(records chosen by a keyed hash under a secret)",
+        description="held-out share of --data when --test-data is not given: records chosen by "
+        "a keyed hash under a secret; its top-1 is printed, never put on the card",
     )
     head: str = Field("probe", description="head name: the repo gets heads/NAME/")
     pooling: str = Field(
