@@ -60,9 +60,9 @@ from .clipping import (
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
 
-PAIR_BLOCK = 1 << 20
+PAIR_BLOCK = 1 << 19
 """``PairClipper``'s default ``pair_block``: per-pair tensors are formed for as many rows i at a
-time as keep each under this many elements (4 MiB in fp32; see benchmarks/README.md)."""
+time as keep each under this many elements (2 MiB in fp32; see benchmarks/README.md)."""
 
 
 def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -161,8 +161,11 @@ class _GeluGrad(torch.autograd.Function):
     ) -> tuple[torch.Tensor, int]:
         grad_dim, x_dim = in_dims
         if x_dim is None and grad_dim is not None:
+            # In place: the d-fold gradient reaching GELU is the next layer's input gradient,
+            # which no clipping rule reads (they read output gradients), so its buffer becomes
+            # GELU's input gradient instead of a second d-fold buffer beside it (the peak).
             slope = torch.ops.aten.gelu_backward(x.new_ones(()).expand_as(x), x)
-            return grad * slope.unsqueeze(grad_dim), grad_dim
+            return grad.mul_(slope.unsqueeze(grad_dim)), grad_dim
         grad, x = (
             t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
             for t, dim in ((grad, grad_dim), (x, x_dim))
