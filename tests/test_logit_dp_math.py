@@ -190,7 +190,9 @@ def test_the_embedder_gelu_is_torch_gelu_value_and_gradient(dtype: torch.dtype) 
     got = torch.func.vmap(lambda c: torch.autograd.grad(ours, x, c, retain_graph=True)[0])
     want = torch.autograd.grad(reference, x, cotangents, is_grads_batched=True)[0]
     tol = 1e-6 if dtype == torch.float32 else 1e-13
+    given = cotangents.clone()
     assert torch.allclose(got(cotangents), want, rtol=tol, atol=tol)
+    assert torch.equal(cotangents, given)  # a caller's cotangents are never written to
     per_example = torch.func.vmap(torch.func.grad(lambda xi: gelu(xi).square().sum()))
     reference_per_example = torch.func.vmap(torch.func.grad(lambda xi: F.gelu(xi).square().sum()))
     rows = x.detach().view(3, 667)

@@ -38,6 +38,7 @@ Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,11 @@ def _check_max_norm(max_norm: float, temperature: float) -> None:
         raise ValueError(f"temperature must be positive, got {temperature}")
 
 
+_REUSE_GRADIENTS: ContextVar[bool] = ContextVar("reuse_gradients", default=False)
+"""True inside ``PairClipper``'s batched backward, where GELU may overwrite the gradient it
+receives (see ``_GeluGrad.vmap``)."""
+
+
 class _GeluFunction(torch.autograd.Function):
     """The exact GELU, whose backward is ``_GeluGrad``."""
 
@@ -161,11 +167,16 @@ class _GeluGrad(torch.autograd.Function):
     ) -> tuple[torch.Tensor, int]:
         grad_dim, x_dim = in_dims
         if x_dim is None and grad_dim is not None:
-            # In place: the d-fold gradient reaching GELU is the next layer's input gradient,
-            # which no clipping rule reads (they read output gradients), so its buffer becomes
-            # GELU's input gradient instead of a second d-fold buffer beside it (the peak).
-            slope = torch.ops.aten.gelu_backward(x.new_ones(()).expand_as(x), x)
-            return grad.mul_(slope.unsqueeze(grad_dim)), grad_dim
+            # In PairClipper's batched backward the d-fold gradient reaching GELU is the next
+            # layer's input gradient, autograd's own buffer, which no clipping rule reads (they
+            # read output gradients): it becomes GELU's input gradient in place instead of a
+            # second d-fold buffer beside it (the peak). Elsewhere (a caller's cotangents fed
+            # straight in) and for an expanded gradient, a new tensor.
+            slope = torch.ops.aten.gelu_backward(x.new_ones(()).expand_as(x), x).unsqueeze(grad_dim)
+            pairs = zip(grad.stride(), grad.shape, strict=True)
+            expanded = any(step == 0 and size > 1 for step, size in pairs)
+            reuse = _REUSE_GRADIENTS.get() and not expanded
+            return (grad.mul_(slope) if reuse else grad * slope), grad_dim
         grad, x = (
             t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
             for t, dim in ((grad, grad_dim), (x, x_dim))
@@ -456,9 +467,11 @@ class PairClipper(LayerClipper):
             )
             return [g for g in grads if g is not None]
 
+        reuse = _REUSE_GRADIENTS.set(True)
         try:
             torch.func.vmap(backward)(basis)
         finally:
+            _REUSE_GRADIENTS.reset(reuse)
             for h in handles:
                 h.remove()
         if len(shares) != len(records):
