@@ -199,6 +199,31 @@ def test_the_embedder_gelu_is_torch_gelu_value_and_gradient(dtype: torch.dtype) 
     assert torch.allclose(per_example(rows), reference_per_example(rows), rtol=tol, atol=tol)
 
 
+class _ResidualGelu(nn.Module):
+    """An encoder whose GELU output also feeds a residual sum (shares its gradient)."""
+
+    num_features = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(12, 8), nn.GELU()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.fc(images.flatten(1)[:, :12])
+        return h + self.act(h)
+
+
+def test_only_gelus_feeding_one_linear_layer_get_the_overwriting_backward() -> None:
+    """``_Gelu``'s batched backward overwrites the gradient it receives: only the GELUs of timm
+    Mlp blocks and of the head (each feeding a linear layer alone) are swapped for it."""
+    from training.pair_clipping import _Gelu
+
+    vit = ContrastiveEmbedder(create_encoder(EncoderSpec("vip-nano", img_size=32)))
+    assert not any(type(m) is nn.GELU for m in vit.modules())
+    residual = ContrastiveEmbedder(_ResidualGelu(), dim=4)
+    assert type(residual.encoder.act) is nn.GELU and isinstance(residual.head[1], _Gelu)
+
+
 # --------------------------------------------------------------------------- sensitivity
 def _linear_clipped_sum(
     w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bound: float, tau: float

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -199,9 +200,11 @@ class ContrastiveEmbedder(nn.Module):
     announced through ``broadcast_parameters()`` and ``broadcast_hooks``, as ``training.mae.MAE``
     does, so that clippers can read their per-example gradients; its attention runs unfused (the
     same function): ``PairClipper``'s batched backward has no batching rule for the fused kernel
-    and would fall back to a slow loop. Its exact GELUs become ``_Gelu`` (the same function), whose
+    and would fall back to a slow loop. The exact GELUs of timm ``Mlp`` blocks and of the head,
+    whose output feeds one linear layer alone, become ``_Gelu`` (the same function), whose
     backward evaluates the derivative once where aten's evaluates it, and holds the input, once
-    per cotangent of that batched backward.
+    per cotangent of that batched backward, and overwrites the gradient it receives there (a
+    GELU whose output also fed a residual sum would share that gradient with the other branch).
     """
 
     def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):
@@ -225,6 +228,8 @@ class ContrastiveEmbedder(nn.Module):
         for module in self.modules():
             if hasattr(module, "fused_attn"):
                 module.fused_attn = False
+            if not (isinstance(module, Mlp) or module is self.head):
+                continue  # only where a GELU's output feeds one linear layer (_GeluGrad.vmap)
             for name, child in module.named_children():
                 if type(child) is nn.GELU and child.approximate == "none":
                     setattr(module, name, _Gelu())
