@@ -608,8 +608,9 @@ def finetune_row(b: Bench, key: str) -> Result:
     batch, _, steps = head_plan(len(b.train), epochs)
     load = os.getloadavg()[0]
     work = b.work / "finetune" / f"{len(b.train)}-{len(b.test)}-{_stamp(FINETUNE)}"
+    init = syn_repo(b, "vip-nano")
     run = finetune_arrays(
-        syn_repo(b, "vip-nano"),
+        init,
         b.train,
         b.test,
         work,
@@ -626,7 +627,7 @@ def finetune_row(b: Bench, key: str) -> Result:
         what=f"(Syn)-ViP vip-nano, top {settings['trainable_blocks']} block(s) and a head on "
         f"{settings['pooling']} features, DP-AdamW {steps} x {batch}",
         dp=100 * run.top1,
-        ref=100 * finetune_reference(syn_repo(b, "vip-nano"), work, run.stage, batch, b.device),
+        ref=100 * finetune_reference(init, work, run.stage, batch, b.device),
         stages=[run.stage],
         tried=0,
         lr=settings["lr"],

@@ -53,6 +53,7 @@ __all__ = [
     "PerExampleClipper",
     "UnsupportedLayerError",
     "add_to_grad",
+    "check_max_norm",
     "clip_factors",
     "factor_norms",
     "grad_roundoff",
@@ -110,6 +111,12 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     clipper, and the audit's canaries, clip through this one function."""
     factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def check_max_norm(max_norm: float) -> None:
+    """``ValueError`` unless the clipping norm is positive: every clipper's first check."""
+    if not max_norm > 0:
+        raise ValueError(f"clipping norm must be positive, got {max_norm}")
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -260,8 +267,7 @@ class LayerClipper:
     norms are formed in."""
 
     def __init__(self, model: nn.Module, max_norm: float):
-        if not max_norm > 0:
-            raise ValueError(f"clipping norm must be positive, got {max_norm}")
+        check_max_norm(max_norm)
         self.model, self.max_norm = model, float(max_norm)
         self.params = trainable(model)
         self.layers = rule_layers(model, self._check_supported)

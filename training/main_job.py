@@ -287,7 +287,6 @@ def run_main_job(cfg: MainJobConfig) -> int:
     )
 
     def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
-        shared = {"img_size", "patch_size", "decoder_dim", "decoder_depth", "decoder_heads", "seed"}
         return SynConfig(
             out=str(out),
             arch=arch,
@@ -295,7 +294,17 @@ def run_main_job(cfg: MainJobConfig) -> int:
             batch_size=cfg.syn_batch_size,
             model_name=out.name,
             repo_id=repo_id,
-            **cfg.model_dump(include={*shared, "workers"}),
+            **cfg.model_dump(
+                include={
+                    "img_size",
+                    "patch_size",
+                    "decoder_dim",
+                    "decoder_depth",
+                    "decoder_heads",
+                    "seed",
+                    "workers",
+                }
+            ),
         )
 
     for config, what in (

@@ -53,6 +53,7 @@ from .clipping import (
     LayerClipper,
     UnsupportedLayerError,
     add_to_grad,
+    check_max_norm,
     clip_factors,
     factor_norms,
     norm_dtype,
@@ -118,9 +119,7 @@ def _require_empty_grads(params: list[nn.Parameter]) -> None:
         )
 
 
-def _check_max_norm(max_norm: float, temperature: float) -> None:
-    if not max_norm > 0:
-        raise ValueError(f"clipping norm must be positive, got {max_norm}")
+def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
 
@@ -318,7 +317,7 @@ class PairClipper(LayerClipper):
         pair_block: int = PAIR_BLOCK,
         passes: tuple[int, int] = (1, 1),
     ):
-        _check_max_norm(max_norm, temperature)
+        _check_temperature(temperature)  # the clipping norm: LayerClipper's
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
         if pair_block < 1:
@@ -678,7 +677,8 @@ class BatchClipper:
     """
 
     def __init__(self, model: nn.Module, max_norm: float, temperature: float):
-        _check_max_norm(max_norm, temperature)
+        check_max_norm(max_norm)
+        _check_temperature(temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
         self.params = trainable(model)
         self.norm_dtype = norm_dtype(self.params)
