@@ -99,6 +99,37 @@ def test_noise_is_sigma_times_sensitivity_over_expected_batch_even_for_an_empty_
     assert engine.steps_done == 1 and engine.history == [(sigma, batch / 1000, 1)]
 
 
+def test_noise_chunks_are_independent_streams_whatever_the_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(training.dp_engine, "NOISE_CHUNK", 1 << 16)
+    monkeypatch.setattr(training.dp_engine, "_NOISE_DRAW", 1 << 12)
+    numel, std = 11 << 15, 2.0  # 5.5 chunks of 4,096-coordinate draws
+    threads = torch.get_num_threads()
+
+    def noise(step: int, workers: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        flat = torch.zeros(numel) if base is None else base.clone()
+        torch.set_num_threads(workers)
+        try:
+            training.dp_engine.add_gaussian_noise(flat, std, 7, step)
+        finally:
+            torch.set_num_threads(threads)
+        return flat
+
+    one, two = noise(3, 1), noise(3, 2)
+    torch.testing.assert_close(one, two, rtol=0, atol=0)  # the seed alone decides the noise
+    chunks = one.split(1 << 16)
+    assert len(chunks) == 6 and len(chunks[-1]) == 1 << 15
+    for chunk in chunks:
+        assert chunk.std().item() == pytest.approx(std, rel=0.03)
+        assert abs(chunk.mean().item()) < 5 * std / len(chunk) ** 0.5
+    for a, b in zip(chunks[:-2], chunks[1:-1], strict=True):  # no chunk repeats another's stream
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.03
+    assert not torch.equal(one, noise(4, 2))  # nor one step another's
+    base = torch.randn(numel)
+    torch.testing.assert_close(noise(3, 2, base) - base, one, rtol=0, atol=1e-5)  # added, in place
+
+
 def test_the_clipped_sum_is_divided_by_the_expected_batch_not_the_sampled_count() -> None:
     width, clip, batch = 64, 0.5, 10
     model = BiasSum(width)
@@ -243,11 +274,11 @@ def audited_stage(
     """A 100-step run claiming epsilon 2 (RDP, delta 1e-5) with 1000 canaries; optionally with
     its noise secretly scaled (the accountant still told sigma) or its canaries left unclipped."""
     if noise_scale != 1.0:
-        real = training.dp_engine.gaussian_noise
+        real = training.dp_engine.add_gaussian_noise
         monkeypatch.setattr(
             training.dp_engine,
-            "gaussian_noise",
-            lambda k, std, g, d: real(k, std * noise_scale, g, d),
+            "add_gaussian_noise",
+            lambda flat, std, seed, step: real(flat, std * noise_scale, seed, step),
         )
     if bypass_clipping:
         monkeypatch.setattr(

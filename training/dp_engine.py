@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,7 +57,7 @@ from .recipe import DPRunConfig
 from .runner import Run
 from .sampling import NOISE, micro_batches, poisson_sample, rank_share, torch_generator
 
-__all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "gaussian_noise"]
+__all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "add_gaussian_noise"]
 
 EMPTY = -1
 """The index a sampler yields for a step whose Poisson sample is empty on this rank."""
@@ -179,11 +180,32 @@ class StepStats:
     loss: float
 
 
-def gaussian_noise(
-    numel: int, std: float, generator: torch.Generator, device: torch.device
-) -> torch.Tensor:
-    """The step's noise: N(0, std^2) per coordinate, drawn once for the whole flat buffer."""
-    return torch.randn(numel, generator=generator, device=device).mul_(std)
+# Coordinates per independently seeded noise stream, and per draw within one (a draw this size
+# stays in cache while it is added).
+NOISE_CHUNK, _NOISE_DRAW = 1 << 22, 1 << 18
+
+
+def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> None:
+    """``flat += N(0, std^2)`` per coordinate: chunk k of ``NOISE_CHUNK`` coordinates from its own
+    stream ``(seed, NOISE, step, k)``, so the noise a seed gives does not depend on the number of
+    threads; on the CPU the chunks are drawn in parallel (one draw runs on one thread)."""
+
+    def chunk(k: int) -> None:
+        part = flat[k * NOISE_CHUNK : (k + 1) * NOISE_CHUNK]
+        generator = torch_generator(seed, NOISE, step, k, device=flat.device)
+        for lo in range(0, part.numel(), _NOISE_DRAW):
+            piece = part[lo : lo + _NOISE_DRAW]
+            draw = torch.randn(piece.shape, generator=generator, device=flat.device)
+            piece.add_(draw, alpha=std)
+
+    chunks = range(-(-flat.numel() // NOISE_CHUNK))
+    workers = torch.get_num_threads() if flat.device.type == "cpu" else 1
+    if workers > 1 and len(chunks) > 1:
+        with ThreadPoolExecutor(min(workers, len(chunks))) as pool:
+            list(pool.map(chunk, chunks))
+    else:
+        for k in chunks:
+            chunk(k)
 
 
 class DPEngine:
@@ -398,9 +420,8 @@ class DPEngine:
         del blocks, grads
         flat = buffer[: -len(stats)]
         if self.dist.main:
-            generator = torch_generator(self.seed, NOISE, step, 0, device=device)
-            flat += gaussian_noise(
-                flat.numel(), self.budget.noise_multiplier * self.sensitivity, generator, device
+            add_gaussian_noise(
+                flat, self.budget.noise_multiplier * self.sensitivity, self.seed, step
             )
         self.dist.all_reduce_sum(buffer)
         size = sum(p.numel() for p in self.params)

@@ -20,17 +20,18 @@ __all__ = ["micro_batches", "poisson_sample", "rank_share", "step_generator", "t
 SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS = 1, 2, 3, 4, 5
 
 
-def step_generator(seed: int, purpose: int, step: int, rank: int = 0) -> np.random.Generator:
-    """The numpy stream for one purpose at one step on one rank."""
-    return np.random.default_rng([seed, purpose, step, rank])
+def step_generator(seed: int, purpose: int, step: int, index: int = 0) -> np.random.Generator:
+    """The numpy stream for one purpose at one step and ``index`` (a rank, an example or a chunk
+    of the noise: each its own independent stream)."""
+    return np.random.default_rng([seed, purpose, step, index])
 
 
 def torch_generator(
-    seed: int, purpose: int, step: int, rank: int = 0, device: str | torch.device = "cpu"
+    seed: int, purpose: int, step: int, index: int = 0, device: str | torch.device = "cpu"
 ) -> torch.Generator:
     """A torch generator seeded from the same counter-based stream."""
     g = torch.Generator(device=device)
-    g.manual_seed(int(step_generator(seed, purpose, step, rank).integers(2**63)))
+    g.manual_seed(int(step_generator(seed, purpose, step, index).integers(2**63)))
     return g
 
 
