@@ -103,10 +103,13 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
 
 
 def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example gradients Opacus clips are each example's own, as a lone example's
-    backward gives them (a summed loss with Opacus told "mean" scaled them by the batch size)."""
+    """The per-example norms Opacus' ghost clipping computes are each example's own, as a lone
+    example's backward gives them (a summed loss with Opacus told "mean" scaled them by the batch
+    size), and with the noise zeroed the step is SGD on the sum of those gradients, each clipped
+    to the head's norm, over the expected batch; the noise asked for is sigma times that norm."""
+    import opacus.optimizers.optimizer_fast_gradient_clipping as ghost
     import torch
-    from opacus.optimizers.optimizer import DPOptimizer
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping as GhostModule
 
     from training.probe import fit_probe
     from vip_hub.repo.heads import LinearProbe
@@ -115,13 +118,16 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     x, public = torch.randn(12, 5, generator=g) * 0.3, torch.randn(64, 5, generator=g)
     y = torch.randint(0, 3, (12,), generator=g)
     seen: list[torch.Tensor] = []
-    clip = DPOptimizer.clip_and_accumulate
-
-    def recording(self: DPOptimizer) -> None:
-        seen.append(torch.cat([p.grad_sample.flatten(1) for p in self.params], 1).norm(dim=1))
-        clip(self)
-
-    monkeypatch.setattr(DPOptimizer, "clip_and_accumulate", recording)
+    norms = GhostModule.get_norm_sample
+    monkeypatch.setattr(
+        GhostModule, "get_norm_sample", lambda self: seen.append(norms(self)) or seen[-1]
+    )
+    stds: list[float] = []
+    monkeypatch.setattr(
+        ghost,
+        "_generate_noise",
+        lambda std, reference, **k: stds.append(std) or torch.zeros_like(reference),
+    )
     cfg = ProbeConfig(
         encoder="",
         data="",
@@ -130,22 +136,31 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
         epochs=1,
         warmup_epochs=0,
         optimizer="sgd",
+        lr=0.5,
+        max_grad_norm=0.3,
         batch_size=12,
         seed=3,
     )
-    fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, the one step takes every example
+    trained, dp = fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, one step, all of x
+    assert stds == [pytest.approx(dp["sigma"] * cfg.max_grad_norm)] * 2  # weight, bias: sigma C
     torch.manual_seed(cfg.seed)
     head = LinearProbe(5, 3)  # the initialisation fit_probe starts from
     head.norm.running_mean.copy_(public.mean(0))
     head.norm.running_var.copy_(public.var(0, unbiased=False))
     head.eval()
-    lone = []
+    start = torch.cat([p.detach().flatten() for p in head.linear.parameters()])
+    lone, clipped = [], torch.zeros_like(start)
     for i in range(len(x)):
         head.zero_grad()
         torch.nn.functional.cross_entropy(head(x[i : i + 1]), y[i : i + 1]).backward()
-        lone.append(torch.cat([p.grad.flatten() for p in head.linear.parameters()]).norm())
+        grad = torch.cat([p.grad.flatten() for p in head.linear.parameters()])
+        lone.append(grad.norm())
+        clipped += grad * min(1.0, cfg.max_grad_norm / (grad.norm().item() + 1e-6))
     assert len(seen) == 1 and len(seen[0]) == len(x)
     assert torch.allclose(seen[0].sort().values, torch.stack(lone).sort().values, rtol=1e-4)
+    assert max(lone) > cfg.max_grad_norm  # some examples are clipped
+    end = torch.cat([p.detach().flatten() for p in trained.linear.parameters()])
+    torch.testing.assert_close(end, start - cfg.lr * clipped / len(x), rtol=1e-4, atol=1e-6)
 
 
 def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(

@@ -6,7 +6,7 @@ LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode kee
 training record with a given probability.
 
 With ``epsilon`` the head is trained with DP-SGD by Opacus (Poisson sampling, per-example
-clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to statistics of
+clipping by ghost clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to statistics of
 *public* features (the encoder's features of procedural images), so only the linear layer
 sees the labelled data, and the head's ledger stage is a DP stage naming that dataset.
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
@@ -269,9 +269,10 @@ def _make_private(
     loader: torch.utils.data.DataLoader,
     sigma: float,
     cfg: ProbeConfig,
-) -> tuple[Any, Any, Any]:
-    """Opacus' (module, DP-SGD optimiser, Poisson loader) for the head's linear layer: its
-    per-example gradients are those of ``DP_LOSS_REDUCTION`` loss, noise from a fresh secret."""
+) -> tuple[Any, Any, Any, Any]:
+    """Opacus' (module, DP-SGD optimiser, loss, Poisson loader) for the head's linear layer, with
+    ghost clipping (each example's gradient norm in closed form, no per-example gradients held):
+    per-example gradients of a ``DP_LOSS_REDUCTION`` loss, noise from a fresh secret."""
     import warnings
 
     warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
@@ -284,6 +285,8 @@ def _make_private(
         max_grad_norm=cfg.max_grad_norm,
         poisson_sampling=True,
         loss_reduction=DP_LOSS_REDUCTION,
+        criterion=nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION),
+        grad_sample_mode="ghost",
         noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
     )
 
@@ -319,8 +322,7 @@ def _fit_dp(
     engine = PrivacyEngine(
         accountant="rdp"
     )  # keeps the step history; the claim is ours (any accountant)
-    linear, opt, loader = _make_private(engine, head.linear, loader, sigma, cfg)
-    loss_fn = nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION)
+    linear, opt, loss_fn, loader = _make_private(engine, head.linear, loader, sigma, cfg)
     step, warmup = 0, cfg.warmup_epochs * steps_per_epoch
     for _ in range(cfg.epochs):
         for xb, yb in loader:
@@ -328,9 +330,7 @@ def _fit_dp(
                 group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
             opt.zero_grad()
             out = linear(xb)
-            # An empty Poisson sample still takes a noisy step: its backward hands Opacus an
-            # empty set of per-example gradients (a mean over no examples would be NaN).
-            (loss_fn(out, yb) if len(xb) else out.sum()).backward()
+            loss_fn(out, yb).backward()  # two passes: the norms, then the clipped sum
             opt.step()
             step += 1
             bar.update(1)
