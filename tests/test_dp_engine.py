@@ -103,7 +103,7 @@ def test_noise_chunks_are_independent_streams_whatever_the_thread_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(training.dp_engine, "NOISE_CHUNK", 1 << 16)
-    monkeypatch.setattr(training.dp_engine, "_NOISE_DRAW", 1 << 12)
+    monkeypatch.setattr(training.dp_engine, "_CPU_NOISE_DRAW", 1 << 12)
     numel, std = 11 << 15, 2.0  # 5.5 chunks of 4,096-coordinate draws
     threads = torch.get_num_threads()
 

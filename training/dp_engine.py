@@ -180,28 +180,28 @@ class StepStats:
     loss: float
 
 
-# Coordinates per independently seeded noise stream, and per draw within one (a draw this size
-# stays in cache while it is added).
-NOISE_CHUNK, _NOISE_DRAW = 1 << 22, 1 << 18
+# Coordinates per independently seeded noise stream, and per draw within one on the CPU (a draw
+# this size stays in cache while it is added; a GPU draws a chunk at once, one kernel each).
+NOISE_CHUNK, _CPU_NOISE_DRAW = 1 << 22, 1 << 18
 
 
 def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> None:
     """``flat += N(0, std^2)`` per coordinate: chunk k of ``NOISE_CHUNK`` coordinates from its own
     stream ``(seed, NOISE, step, k)``, so the noise a seed gives does not depend on the number of
     threads; on the CPU the chunks are drawn in parallel (one draw runs on one thread)."""
+    cpu = flat.device.type == "cpu"
+    size = _CPU_NOISE_DRAW if cpu else NOISE_CHUNK
 
     def chunk(k: int) -> None:
         part = flat[k * NOISE_CHUNK : (k + 1) * NOISE_CHUNK]
         generator = torch_generator(seed, NOISE, step, k, device=flat.device)
-        for lo in range(0, part.numel(), _NOISE_DRAW):
-            piece = part[lo : lo + _NOISE_DRAW]
-            draw = torch.randn(piece.shape, generator=generator, device=flat.device)
-            piece.add_(draw, alpha=std)
+        for piece in part.split(size):
+            piece.add_(torch.randn(piece.shape, generator=generator, device=flat.device), alpha=std)
 
     chunks = range(-(-flat.numel() // NOISE_CHUNK))
-    workers = torch.get_num_threads() if flat.device.type == "cpu" else 1
-    if workers > 1 and len(chunks) > 1:
-        with ThreadPoolExecutor(min(workers, len(chunks))) as pool:
+    workers = min(torch.get_num_threads(), len(chunks)) if cpu else 1
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
             list(pool.map(chunk, chunks))
     else:
         for k in chunks:

@@ -6,9 +6,10 @@ LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode kee
 training record with a given probability.
 
 With ``epsilon`` the head is trained with DP-SGD by Opacus (Poisson sampling, per-example
-clipping by ghost clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to statistics of
-*public* features (the encoder's features of procedural images), so only the linear layer
-sees the labelled data, and the head's ledger stage is a DP stage naming that dataset.
+clipping by ghost clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to
+statistics of *public* features (the encoder's features of procedural images), so only the
+linear layer sees the labelled data, and the head's ledger stage is a DP stage naming that
+dataset.
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
 
 What a DP head's guarantee rests on is secret and never written anywhere: its noise, its
