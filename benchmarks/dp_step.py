@@ -12,6 +12,11 @@ Contenders (``VARIANTS``: add a row to add one):
     canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3% difference is
     within a shared machine's drift between rounds.
 
+Batches: the non-private step takes B inputs; each DP step takes the engine's own Poisson
+sample of expected size B (from 10^6 records), as a shipped run does, so its batch varies from
+step to step and no fixed shape flatters it. ``--batch`` takes several sizes, ``max`` the
+largest at which a DP step fits on the GPU.
+
 Time: the steps run in one process, interleaved round by round (a, b, c, d, a, b, ...), so a
 noisy machine (other load, CPU steal) slows them alike; the median per variant is reported,
 with the median of the per-round ratios, and the time inside each step's forward-backward
@@ -20,9 +25,10 @@ and after: on a shared machine, ratios taken under load are not worth much. Memo
 variant runs once more in its own process, so the peak is its own: on CUDA from the
 allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus the set-up's,
 with glibc told to give every tensor of 64 KiB or more back on free (``MALLOC_MMAP_THRESHOLD_``),
-so the peak counts live tensors, not the allocator's cache. See benchmarks/README.md.
+so the peak counts live tensors, not the allocator's cache; the memory runs take exactly B
+inputs, so their peaks compare. See benchmarks/README.md.
 
-    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32] \
+    python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32[,128,512,max]] \
         [--rounds 5] [--variants abcd]
 """
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -62,14 +69,20 @@ Step = Callable[[], None]
 
 @dataclass
 class Bench:
-    """What every variant shares: one MAE, batch and optimiser; and the time each step spent in
-    its timed part (forward-backward or clipping), per variant."""
+    """What every variant shares: one MAE, optimiser and pool of inputs (the batch B and room
+    for a Poisson sample above it); and the time each step spent in its timed part
+    (forward-backward or clipping), per variant."""
 
     device: torch.device
     mae: nn.Module
     optimizer: torch.optim.Optimizer
     inputs: tuple[torch.Tensor, torch.Tensor]
+    batch: int
     inner: dict[str, list[float]] = field(default_factory=dict)
+
+    def take(self, k: int) -> tuple[torch.Tensor, ...]:
+        """The first ``k`` inputs of the pool."""
+        return tuple(x[:k] for x in self.inputs)
 
     def amp(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast on CUDA, as training runs; nothing on the CPU."""
@@ -135,7 +148,7 @@ class VmapClipper:
 def non_private(bench: Bench) -> Step:
     def forward_backward() -> None:
         with bench.amp():
-            loss = bench.mae(*bench.inputs).mean()
+            loss = bench.mae(*bench.take(bench.batch)).mean()
         loss.backward()
 
     timed = bench.timed("a", forward_backward)
@@ -152,13 +165,14 @@ def engine_step(
     variant: str, clipper: Callable[[nn.Module, float], Clipper], canaries: int = 0
 ) -> Callable[[Bench], Step]:
     """A DP engine's logical step (one micro-batch) with ``clipper(model, C)`` and ``canaries``
-    audit canaries, whose own calls are timed under ``variant + " audit"``."""
+    audit canaries, whose own calls are timed under ``variant + " audit"``. Its batch is the
+    engine's own Poisson sample of expected size B from 10^6 records, as shipped (a fixed B in
+    the memory runs, so their peaks compare)."""
 
-    def build(bench: Bench) -> Step:
-        batch = len(bench.inputs[0])
+    def build(bench: Bench, poisson: bool = True) -> Step:
         budget = Budget.plan(
             dataset_size=10**6,
-            batch_size=batch,
+            batch_size=bench.batch,
             steps=10**6,
             epsilon=None,
             sigma=SIGMA,
@@ -182,7 +196,13 @@ def engine_step(
             audit = engine.canaries
             audit.clipped_sum = bench.timed(variant + " audit", audit.clipped_sum)  # type: ignore[method-assign]
             audit.observe = bench.timed(variant + " audit", audit.observe)  # type: ignore[method-assign]
-        return lambda: engine.step(engine.steps_done, [bench.inputs])
+
+        def step() -> None:
+            k = len(engine.plan(engine.steps_done)) if poisson else bench.batch
+            k = min(k, len(bench.inputs[0]))  # the pool holds B + 6 sqrt(B)
+            engine.step(engine.steps_done, [bench.take(k)] if k else [])
+
+        return step
 
     return build
 
@@ -191,7 +211,7 @@ def engine_step(
 class Variant:
     label: str
     inner: str  # what its timed part is
-    build: Callable[[Bench], Step]
+    build: Callable[..., Step]  # (bench) for (a); (bench, poisson) for the engine's steps
 
 
 VARIANTS = {
@@ -206,13 +226,14 @@ VARIANTS = {
 }
 
 
-def make_bench(args: argparse.Namespace) -> Bench:
+def make_bench(args: argparse.Namespace, batch: int) -> Bench:
     dev = torch.device(args.device)
     torch.manual_seed(0)
     mae = new_mae(EncoderSpec(args.arch, img_size=args.img_size), DecoderConfig()).to(dev)
-    x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=dev)
-    noise = torch.rand(args.batch, mae.num_patches, device=dev)
-    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise))
+    pool = batch + math.ceil(6 * batch**0.5)
+    x = torch.randn(pool, 3, args.img_size, args.img_size, device=dev)
+    noise = torch.rand(pool, mae.num_patches, device=dev)
+    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise), batch)
 
 
 def _rss_kib(field_name: str) -> int:
@@ -222,10 +243,12 @@ def _rss_kib(field_name: str) -> int:
     raise RuntimeError(f"no {field_name} in /proc/self/status")
 
 
-def peak_memory(args: argparse.Namespace, variant: str) -> dict[str, float]:
-    """Peak memory of one step beyond the set-up (model, batch, optimiser state), this process."""
-    bench = make_bench(args)
-    step = VARIANTS[variant].build(bench)
+def peak_memory(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float]:
+    """Peak memory of one step at batch ``batch`` beyond the set-up (model, inputs, optimiser
+    state), this process."""
+    bench = make_bench(args, batch)
+    build = VARIANTS[variant].build
+    step = build(bench) if variant == "a" else build(bench, False)
     step()  # warm-up: allocations, AdamW state
     cuda = bench.device.type == "cuda"
     if cuda:
@@ -242,10 +265,10 @@ def peak_memory(args: argparse.Namespace, variant: str) -> dict[str, float]:
 
 
 def interleaved_times(
-    args: argparse.Namespace, variants: str
+    args: argparse.Namespace, variants: str, batch: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per variant: the step times of ``args.rounds`` interleaved rounds, and their timed parts."""
-    bench = make_bench(args)
+    bench = make_bench(args, batch)
     steps = {v: VARIANTS[v].build(bench) for v in variants}
     for step in steps.values():
         step()  # warm-up
@@ -265,55 +288,45 @@ def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="vip-tiny")
-    ap.add_argument("--img-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--variants", default="abcd", help=f"which of {''.join(VARIANTS)} to run")
-    ap.add_argument("--memory-of", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.memory_of:
-        print(json.dumps(peak_memory(args, args.memory_of)))
-        return
-    print(
-        f"{args.arch}, {args.img_size} px, batch {args.batch}, {args.device}, "
-        f"{torch.get_num_threads()} threads: time = median of {args.rounds} interleaved rounds; "
-        f"memory = own process each; load average before {_load()} ({os.cpu_count()} cores)",
-        flush=True,
-    )
+def _memory_run(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float] | str:
+    """``peak_memory`` in a process of its own: its figures, or the last line of its error."""
+    cmd = [sys.executable, __file__, "--memory-of", variant, "--batch", str(batch)]
+    cmd += ["--arch", args.arch, "--img-size", str(args.img_size), "--device", args.device]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def largest_batch(args: argparse.Namespace, start: int) -> int:
+    """The largest power-of-two multiple of ``start`` at which a DP step (b) fits on the GPU."""
+    if args.device == "cpu":
+        raise SystemExit("--batch max needs a GPU: on the CPU every batch fits, only slower")
+    batch = start
+    while isinstance(_memory_run(args, "b", 2 * batch), dict):
+        batch *= 2
+    return batch
+
+
+def report(args: argparse.Namespace, batch: int) -> None:
+    """Memory (each variant in its own process) and interleaved times at one batch size."""
     memory = {}
     for v in args.variants:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--memory-of",
-            v,
-            "--arch",
-            args.arch,
-            "--img-size",
-            str(args.img_size),
-            "--batch",
-            str(args.batch),
-            "--device",
-            args.device,
-        ]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if done.returncode:
-            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode
-            print(f"({v}) failed: {last}")
-            continue
-        memory[v] = json.loads(done.stdout.strip().splitlines()[-1])
-    timed, inner = interleaved_times(args, "".join(memory))
+        got = _memory_run(args, v, batch)
+        if isinstance(got, str):
+            print(f"({v}) failed at batch {batch}: {got}")
+        else:
+            memory[v] = got
+    timed, inner = interleaved_times(args, "".join(memory), batch)
     med = {v: statistics.median(ts) for v, ts in timed.items()}
+    print(f"batch {batch} (the DP steps: Poisson samples of expected size {batch}):")
     for v in memory:
         m, spec = memory[v], VARIANTS[v]
         print(
             f"({v}) {spec.label:28s} {med[v]:8.3f} s/step (min {min(timed[v]):.3f}, "
-            f"{args.batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)"
+            f"{batch / med[v]:7.1f} img/s; {spec.inner} {statistics.median(inner[v]):.3f} s)"
             f"   peak +{m['peak_extra_mib']:8.1f} MiB (over {m['base_mib']:.0f} MiB set-up)"
         )
 
@@ -328,7 +341,7 @@ def main() -> None:
     if "a" in med and "b" in med:
         print(
             ratio("b", "a")
-            + "   (issue 17 targets: <= 1.1 and <= 1.1 on the CPU for vip-tiny at batch 32; "
+            + "   (issue 27 targets: <= 1.1 and <= 1.1 on the CPU for vip-tiny at batch 32; "
             "<= 1.25 and <= 1.2 on one H100 for vip-base)"
         )
     if "b" in med and "c" in med:
@@ -339,6 +352,40 @@ def main() -> None:
             ratio("d", "b") + f"   (issue 14 target: <= 1.03 and <= 1.03); the canaries' own time "
             f"{audit * 1e3:.2f} ms/step = {audit / med['b']:.3%} of (b)"
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="vip-tiny")
+    ap.add_argument("--img-size", type=int, default=224)
+    ap.add_argument(
+        "--batch",
+        default="32",
+        help="batch sizes, comma-separated, e.g. 32,128,512,max (max: the largest a DP step "
+        "fits on the GPU, doubling from the largest given)",
+    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default="abcd", help=f"which of {''.join(VARIANTS)} to run")
+    ap.add_argument("--memory-of", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_of:
+        print(json.dumps(peak_memory(args, args.memory_of, int(args.batch))))
+        return
+    sizes = args.batch.split(",")
+    if not all(b.isdigit() and int(b) > 0 for b in sizes if b != "max"):
+        raise SystemExit(f"--batch: positive integers or max, got {args.batch}")
+    batches = [int(b) for b in sizes if b != "max"]
+    if "max" in sizes:
+        batches.append(largest_batch(args, max(batches, default=32)))
+    print(
+        f"{args.arch}, {args.img_size} px, {args.device}, {torch.get_num_threads()} threads: "
+        f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
+        f"load average before {_load()} ({os.cpu_count()} cores)",
+        flush=True,
+    )
+    for batch in batches:
+        report(args, batch)
     print(f"load average after {_load()}")
 
 
