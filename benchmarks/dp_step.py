@@ -70,14 +70,15 @@ Step = Callable[[], None]
 @dataclass
 class Bench:
     """What every variant shares: one MAE, optimiser and pool of inputs (the batch B and room
-    for a Poisson sample above it); and the time each step spent in its timed part
-    (forward-backward or clipping), per variant."""
+    for a Poisson sample above it), whether the DP steps take Poisson samples or exactly B; and
+    the time each step spent in its timed part (forward-backward or clipping), per variant."""
 
     device: torch.device
     mae: nn.Module
     optimizer: torch.optim.Optimizer
     inputs: tuple[torch.Tensor, torch.Tensor]
     batch: int
+    poisson: bool
     inner: dict[str, list[float]] = field(default_factory=dict)
 
     def take(self, k: int) -> tuple[torch.Tensor, ...]:
@@ -169,7 +170,7 @@ def engine_step(
     engine's own Poisson sample of expected size B from 10^6 records, as shipped (a fixed B in
     the memory runs, so their peaks compare)."""
 
-    def build(bench: Bench, poisson: bool = True) -> Step:
+    def build(bench: Bench) -> Step:
         budget = Budget.plan(
             dataset_size=10**6,
             batch_size=bench.batch,
@@ -198,7 +199,7 @@ def engine_step(
             audit.observe = bench.timed(variant + " audit", audit.observe)  # type: ignore[method-assign]
 
         def step() -> None:
-            k = len(engine.plan(engine.steps_done)) if poisson else bench.batch
+            k = len(engine.plan(engine.steps_done)) if bench.poisson else bench.batch
             k = min(k, len(bench.inputs[0]))  # the pool holds B + 6 sqrt(B)
             engine.step(engine.steps_done, [bench.take(k)] if k else [])
 
@@ -211,7 +212,7 @@ def engine_step(
 class Variant:
     label: str
     inner: str  # what its timed part is
-    build: Callable[..., Step]  # (bench) for (a); (bench, poisson) for the engine's steps
+    build: Callable[[Bench], Step]
 
 
 VARIANTS = {
@@ -226,14 +227,14 @@ VARIANTS = {
 }
 
 
-def make_bench(args: argparse.Namespace, batch: int) -> Bench:
+def make_bench(args: argparse.Namespace, batch: int, poisson: bool = True) -> Bench:
     dev = torch.device(args.device)
     torch.manual_seed(0)
     mae = new_mae(EncoderSpec(args.arch, img_size=args.img_size), DecoderConfig()).to(dev)
     pool = batch + math.ceil(6 * batch**0.5)
     x = torch.randn(pool, 3, args.img_size, args.img_size, device=dev)
     noise = torch.rand(pool, mae.num_patches, device=dev)
-    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise), batch)
+    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise), batch, poisson)
 
 
 def _rss_kib(field_name: str) -> int:
@@ -246,9 +247,8 @@ def _rss_kib(field_name: str) -> int:
 def peak_memory(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float]:
     """Peak memory of one step at batch ``batch`` beyond the set-up (model, inputs, optimiser
     state), this process."""
-    bench = make_bench(args, batch)
-    build = VARIANTS[variant].build
-    step = build(bench) if variant == "a" else build(bench, False)
+    bench = make_bench(args, batch, poisson=False)
+    step = VARIANTS[variant].build(bench)
     step()  # warm-up: allocations, AdamW state
     cuda = bench.device.type == "cuda"
     if cuda:

@@ -38,7 +38,7 @@ def test_a_dp_step_takes_the_engines_poisson_sample(monkeypatch: pytest.MonkeyPa
     for _ in range(6):
         step()
     assert len(set(sizes)) > 1 and all(0 < k <= 40 for k in sizes), sizes
-    fixed = dp_step.VARIANTS["b"].build(bench, False)  # the memory runs' exact B
+    fixed = dp_step.VARIANTS["b"].build(dp_step.make_bench(TINY, 16, poisson=False))  # exact B
     sizes.clear()
     fixed()
     assert sizes == [16]

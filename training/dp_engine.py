@@ -192,19 +192,19 @@ def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> 
     cpu = flat.device.type == "cpu"
     size = _CPU_NOISE_DRAW if cpu else NOISE_CHUNK
 
+    chunks = flat.split(NOISE_CHUNK)
+
     def chunk(k: int) -> None:
-        part = flat[k * NOISE_CHUNK : (k + 1) * NOISE_CHUNK]
         generator = torch_generator(seed, NOISE, step, k, device=flat.device)
-        for piece in part.split(size):
+        for piece in chunks[k].split(size):
             piece.add_(torch.randn(piece.shape, generator=generator, device=flat.device), alpha=std)
 
-    chunks = range(-(-flat.numel() // NOISE_CHUNK))
     workers = min(torch.get_num_threads(), len(chunks)) if cpu else 1
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(chunk, chunks))
+            list(pool.map(chunk, range(len(chunks))))
     else:
-        for k in chunks:
+        for k in range(len(chunks)):
             chunk(k)
 
 
