@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import timm
 import torch
 from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from helpers import kill_mid_run, published_hashes_of
+from live import free_port
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -340,57 +342,71 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
     assert steps == list(range(11))  # the log was cut back to the checkpoint, then continued
 
 
+LAYOUTS = ["one node", "two nodes"]
+
+
+def torchrun(args: list[str], layout: str) -> tuple[int, str]:
+    """Run ``torchrun ... args`` as two processes on one node, or as two nodes of one process
+    each that meet through c10d's rendezvous on 127.0.0.1 (as two machines would, with
+    ``--local-addr`` for what each node tells the other); the exit status and the stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if layout == "one node":
+        launches = [["--standalone", "--nproc_per_node", "2"]]
+    else:
+        rendezvous = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id={os.getpid()}-{time.monotonic_ns()}",
+            "--local-addr=127.0.0.1",
+        ]
+        launches = [rendezvous, rendezvous]
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "torchrun"), *launch, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for launch in launches
+    ]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return max(p.returncode for p in procs), "\n".join(e[-3000:] for e in errors)
+
+
 @pytest.mark.slow
-def test_two_processes_give_the_same_ledger_and_noise(
-    syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_give_the_same_ledger_noise_and_weights(
+    syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path, layout: str
 ) -> None:
     out = tmp_path / "vip-nano-dp"
-    cmd = [
-        str(BIN / "torchrun"),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "training.vip",
-        "--init",
-        str(syn_repo),
-        "--data",
-        str(images),
-        "--out",
-        str(out),
-        *DP_ARGS,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = ["-m", "training.vip", "--init", str(syn_repo), "--data", str(images)]
+    code, stderr = torchrun([*args, "--out", str(out), *DP_ARGS], layout)
+    assert code == 0, stderr
     assert verify_repo(out).ok
     assert ledger_of(out).stages == ledger_of(reference_run).stages
     assert ledger_of(out).guarantees == ledger_of(reference_run).guarantees
+    a, b = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
+    for k in a:  # the same samples and noise; only the all-reduce's order of sums differs
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
     probe = Path(__file__).with_name("dist_noise_probe.py")
     single = subprocess.run(
         [sys.executable, str(probe), str(tmp_path / "one.json")],
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert single.returncode == 0, single.stderr
-    two = subprocess.run(
-        [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(probe),
-            str(tmp_path / "two.json"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
+    code, stderr = torchrun([str(probe), str(tmp_path / "two.json")], layout)
+    assert code == 0, stderr
     one, both = (
         json.loads((tmp_path / "one.json").read_text()),
         json.loads((tmp_path / "two.json").read_text()),

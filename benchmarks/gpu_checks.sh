@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 38's GPU checks in one run (the `device` tool's machine: Python 3.12, its own PyTorch,
+# timm and safetensors). Carries the missing small packages as cp312 wheels in .whl/ (see the
+# README's GPU section), then, each stage under its own time limit, each result written to $OUT
+# as soon as it is measured:
+#   1. the tests that need CUDA (-k cuda), and any test files given in GPU_TESTS;
+#   2. benchmarks/dp_step.py: vip-base, 224 px, bf16 autocast, (a) non-private, (b) DP, (d) DP
+#      with the audit, as shipped, at the batch sizes in GPU_BATCHES;
+#   3. benchmarks/serve.py --device cuda: vip-base at 224 px, concurrency 64.
+#       bash benchmarks/gpu_checks.sh [tests|dp_step|serve ...]   (default: all three)
+set -u
+OUT=${OUT:-/tmp/gpu-checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir . >/dev/null \
+    || exit 1  # the vip-hub command and its entry points (serve.py starts `vip-hub serve`)
+export PYTHONPATH=/tmp/site:$PWD
+{ date -u; git log -1 --format='%H %s' 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c 'import torch, timm; print("torch", torch.__version__, "timm", timm.__version__)'; } \
+    | tee "$OUT/machine.txt"
+stages=${*:-tests dp_step serve}
+for stage in $stages; do
+  case $stage in
+    tests)
+      timeout "${GPU_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+          -k cuda tests/ ${GPU_TESTS:-} 2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
+    dp_step)
+      timeout "${GPU_DP_STEP_S:-260}" python3 benchmarks/dp_step.py --arch vip-base \
+          --img-size 224 --batch "${GPU_BATCHES:-32,128}" --rounds "${GPU_ROUNDS:-5}" \
+          --variants abd 2>&1 | tee "$OUT/dp_step.txt" ;;
+    serve)
+      timeout "${GPU_SERVE_S:-150}" python3 benchmarks/serve.py --device cuda --arch vip-base \
+          --img-size 224 --concurrency 64 --seconds 8 2>&1 | tee "$OUT/serve.txt" ;;
+  esac
+done
