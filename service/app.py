@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         index=settings.index,
         trusted_keys=settings.trusted_keys_path(),
         require_signature=settings.hub.require_signature,
+        limits=settings.hub,
     )
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine

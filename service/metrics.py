@@ -57,6 +57,11 @@ class Metrics:
             registry=r,
         )
         self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
+        self.compositions = Counter(
+            "vip_hub_compositions_total",
+            "Dataset-page compositions computed (each kept until the dataset's releases change)",
+            registry=r,
+        )
         self.rejected = Counter(
             "vip_hub_rejected_total",
             "Requests refused by the batcher",

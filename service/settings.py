@@ -57,6 +57,32 @@ class HubSettings(BaseModel):
         "(default: STORE/trusted_keys); a commit signed by any other key is refused",
     )
     require_signature: bool = Field(False, description="refuse unsigned commits too")
+    max_commit_files: int = Field(
+        10_000,
+        gt=0,
+        description="files in a commit's tree (and operations in its body); 413 beyond",
+    )
+    max_labels_bytes: int = Field(
+        MIB, gt=0, description="size of a head's labels.json in a commit; 413 beyond"
+    )
+    xet_max_expansion: int = Field(
+        32,
+        gt=0,
+        description="a Xet shard rebuilds at most this many times the stored (compressed) bytes "
+        "of the distinct chunks it reads, each from a xorb its uploader sent (413 beyond)",
+    )
+    max_prv_stages: int = Field(
+        6,
+        gt=0,
+        description="DP stages a dataset page composes under PRV (its cost grows fast with "
+        "them); beyond, the page says so and shows RDP and PLD",
+    )
+    compositions_kept: int = Field(
+        256,
+        gt=0,
+        description="dataset-page compositions kept in memory, each computed once per change "
+        "of the dataset's public releases",
+    )
 
 
 class AuthSettings(BaseModel):
@@ -120,6 +146,17 @@ class InferenceSettings(BaseModel):
     )
     max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
     max_json_depth: int = Field(8, gt=0)
+    max_aspect_ratio: float = Field(
+        16.0,
+        ge=1,
+        description="longer side over shorter side of one image, from its header; 400 beyond",
+    )
+    max_resized_pixels: int = Field(
+        4 * MIB,
+        gt=0,
+        description="pixels of one image once resized to the model's input: a longer image is "
+        "centre-cropped along its long side first (the part the centre crop drops)",
+    )
 
     @field_validator("device")
     @classmethod

@@ -128,9 +128,13 @@ class ProcessServer:
     """``vip-hub serve`` in its own process (so a test can SIGKILL it)."""
 
     def __init__(
-        self, store: Path, port: int | None = None, extra_env: dict[str, str] | None = None
+        self,
+        store: Path,
+        port: int | None = None,
+        extra_env: dict[str, str] | None = None,
+        inference: bool = False,
     ):
-        self.store, self.port = store, port or free_port()
+        self.store, self.port, self.inference = store, port or free_port(), inference
         self.env = {
             **os.environ,
             "VIP_HUB_AUTH__TOKENS": TOKENS,
@@ -153,7 +157,7 @@ class ProcessServer:
                 str(self.store),
                 "--port",
                 str(self.port),
-                "--no-inference",
+                *([] if self.inference else ["--no-inference"]),
             ],
             env=self.env,
             stdout=subprocess.DEVNULL,

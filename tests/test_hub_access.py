@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from helpers import tiny_repo_with_head
@@ -409,3 +410,74 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
         == 401
     )
     assert httpx.put(put, content=chunk).status_code == 401
+
+
+def _lz4_xorb(chunks: list[bytes]) -> bytes:
+    """LZ4-framed chunks (scheme 1), each after its 8-byte header."""
+    import lz4.frame
+
+    out = b""
+    for c in chunks:
+        packed = lz4.frame.compress(c)
+        out += bytes([0]) + len(packed).to_bytes(3, "little") + bytes([1])
+        out += len(c).to_bytes(3, "little") + packed
+    return out
+
+
+def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(server, repos):
+    """A shard rebuilds at most ``hub.xet_max_expansion`` times the stored (compressed) bytes of
+    the chunks it reads, each from a xorb its own user sent; earlier xorbs of the same user count
+    at their stored size; another user's xorb is answered like one never uploaded."""
+    ratio = server.settings.hub.xet_max_expansion
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    zeros = [bytes(128 * 1024)] * 64  # 8 MiB unpacked, about 36 KB as LZ4 frames
+    packed = _lz4_xorb(zeros)
+    name = xorb_hash(_hashes(zeros))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=packed, headers=grant)
+    assert r.status_code == 200 and len(packed) < 40_000
+    for copies in (1, 3):  # the issue's three shards wrote 384 MiB
+        body = bytes(128 * 1024 * 64 * copies)
+        terms = [(name, 0, 64, 128 * 1024 * 64)] * copies
+        shard = _shard(hashlib.sha256(body).hexdigest(), terms)
+        r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
+        assert r.status_code == 413, r.text
+        assert f"limit of {ratio} times what was uploaded" in r.json()["error"]
+    uploads = server.settings.store / "uploads"
+    assert not [p for p in uploads.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+    # incompressible chunks: a file repeating its xorb up to the ratio is rebuilt, not beyond
+    noise = [np.random.default_rng(i).bytes(32 * 1024) for i in range(2)]
+    random_xorb = xorb_hash(_hashes(noise))
+    assert httpx.post(
+        f"{cas}/v1/xorbs/default/{random_xorb}", content=_xorb(noise), headers=grant
+    ).is_success
+    whole = (random_xorb, 0, 2, 64 * 1024)
+    within = _shard(hashlib.sha256(b"".join(noise) * ratio).hexdigest(), [whole] * ratio)
+    assert httpx.post(f"{cas}/v1/shards", content=within, headers=grant).status_code == 200
+    over = (b"".join(noise) * (ratio + 1), [whole] * (ratio + 1))
+    r = httpx.post(
+        f"{cas}/v1/shards",
+        content=_shard(hashlib.sha256(over[0]).hexdigest(), over[1]),
+        headers=grant,
+    )
+    assert r.status_code == 413
+    # a later session deduplicating against carol's earlier xorb counts it at its stored size
+    cas2, grant2 = _xet_grant(server, "carol/mine", CAROL)
+    assert cas2 == cas  # one CAS URL per user: the client deduplicates against its own xorbs
+    again = _shard(hashlib.sha256(b"".join(noise) * 2).hexdigest(), [whole] * 2)
+    assert httpx.post(f"{cas}/v1/shards", content=again, headers=grant2).status_code == 200
+    # alice may not read carol's xorb: answered exactly as a xorb never uploaded
+    alice_cas, alice = _xet_grant(server, "alice/public", ALICE)
+    assert alice_cas != cas
+    absent = xorb_hash(_hashes([b"never uploaded"]))
+    answers = [
+        httpx.post(
+            f"{alice_cas}/v1/shards",
+            content=_shard(hashlib.sha256(b"".join(noise)).hexdigest(), [(x, 0, 2, 64 * 1024)]),
+            headers=alice,
+        )
+        for x in (random_xorb, absent)
+    ]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert answers[0].text.replace(random_xorb, absent) == answers[1].text
+    # a grant is good on its own user's CAS URL only
+    assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404

@@ -53,7 +53,7 @@ def test_a_request_over_its_pixel_budget_is_refused_before_decoding(hub, publish
 def test_a_large_image_is_decoded_at_a_reduced_scale(fmt):
     buf = io.BytesIO()
     Image.new("RGB", (2000, 1500), (10, 120, 240)).save(buf, fmt)
-    limits = ImageLimits(10 * 1024 * 1024, 4096 * 4096)
+    limits = ImageLimits(10 * 1024 * 1024, 4096 * 4096, 16)
     img = decode_image(buf.getvalue(), 0, limits, min_side=36)
     assert img.mode == "RGB" and min(img.size) >= 72 and img.size[0] <= 2000 // 8 + 8
     assert img.getpixel((10, 10))[2] > 200

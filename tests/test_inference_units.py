@@ -25,7 +25,7 @@ from service.inference.engine import _wait_or_disconnect
 from service.inference.images import ImageLimits, decode_image, image_bytes_from_text
 from service.store import errors as store_errors
 
-LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096)
+LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_aspect_ratio=16)
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:

@@ -18,7 +18,7 @@ from vip_hub.paths import MAX_PATH_LENGTH
 from vip_hub.repo.card import load_card
 
 from ..auth import Identity, check_write, identity, require_scope
-from ..errors import BadRequest, Conflicting
+from ..errors import BadRequest, Conflicting, PayloadTooLarge
 from ..store.errors import NoSuchRevision
 from ..store.naming import (
     MAX_REVISION_LENGTH,
@@ -69,7 +69,7 @@ class PreuploadFile(BaseModel):
 class Preupload(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    files: list[PreuploadFile] = Field(max_length=10_000)
+    files: list[PreuploadFile]
 
 
 @router.post("/models/{org}/{name}/preupload/{revision}", summary="Upload modes for files")
@@ -77,6 +77,11 @@ def preupload(
     revision: str, payload: Preupload, opened: Annotated[Writable, writable("uploading")]
 ) -> dict[str, Any]:
     store, repo_id = opened.store, opened.repo_id
+    if len(payload.files) > store.limits.max_commit_files:
+        raise PayloadTooLarge(
+            f"preupload of {len(payload.files)} files: over the limit of "
+            f"{store.limits.max_commit_files} files per commit (hub.max_commit_files)"
+        )
     try:
         tree = store.tree(repo_id, store.resolve(repo_id, validate_revision(revision)))
     except NoSuchRevision:  # an empty repo or a new branch: nothing to compare against
@@ -106,7 +111,7 @@ async def commit(
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
     store, repo_id = opened.store, opened.repo_id
     branch = validate_revision(revision)
-    parser = CommitParser(store.blobs, request.app.state.settings.hub.max_upload_bytes)
+    parser = CommitParser(store.blobs, store.limits.max_upload_bytes, store.limits.max_commit_files)
     try:
         await receive_body(request, parser.feed, parser.limit)
         parsed = parser.finish()

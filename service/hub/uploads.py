@@ -96,11 +96,12 @@ class _Container:
 
 
 class CommitParser:
-    """Push parser of a commit body: ``feed`` the bytes as they arrive, then ``finish``.
-    On any error the caller calls ``discard`` (temp files are removed)."""
+    """Push parser of a commit body of at most ``limit`` bytes and ``max_operations``
+    operations: ``feed`` the bytes as they arrive, then ``finish``. On any error the caller
+    calls ``discard`` (temp files are removed)."""
 
-    def __init__(self, blobs: BlobStore, limit: int):
-        self.blobs, self.limit = blobs, limit
+    def __init__(self, blobs: BlobStore, limit: int, max_operations: int):
+        self.blobs, self.limit, self.max_operations = blobs, limit, max_operations
         self.commit = CommitRequest()
         self.received = 0
         self._line = 1
@@ -297,6 +298,11 @@ class CommitParser:
             self.commit.operations.append(DeleteFolder(_path(value)))
         else:
             raise ValueError(f"unknown key {key!r}")
+        if len(self.commit.operations) > self.max_operations:
+            raise PayloadTooLarge(
+                f"commit line {self._line}: more than {self.max_operations} operations, the limit "
+                "of files per commit (hub.max_commit_files)"
+            )
 
     def _file_content(self, value: dict[str, Any], content: Path | None) -> Path:
         if value.get("encoding", "base64") != "base64":

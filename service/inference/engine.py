@@ -35,7 +35,7 @@ from ..store import HubStore
 from ..store.errors import NoSuchRepo, NoSuchRevision, StoreError
 from .batcher import WorkItem
 from .fair_pool import FairPool
-from .images import ImageLimits, load_rgb, open_image
+from .images import ImageLimits, crop_for_resize, load_rgb, open_image
 from .models import LoadedModel, Task
 
 __all__ = ["InferenceEngine", "Result", "parse_model_ref"]
@@ -67,7 +67,9 @@ class InferenceEngine:
     def __init__(self, settings: InferenceSettings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
-        self.limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
+        self.limits = ImageLimits(
+            settings.max_image_bytes, settings.max_image_pixels, settings.max_aspect_ratio
+        )
         # No torch.set_num_threads in these threads: it also sets MKL's process-wide thread count,
         # which would slow the forward pass down.
         self.preprocess_pool = FairPool(settings.preprocess_threads)
@@ -257,7 +259,10 @@ class InferenceEngine:
                 yield  # the next image waits its turn behind the other requests' next images
                 if all(f.cancelled() for f in futures):  # the client went away
                     break
-                tensors.append(transform(load_rgb(img, i, min_side)))
+                rgb = load_rgb(img, i, min_side)
+                tensors.append(
+                    transform(crop_for_resize(rgb, min_side, self.settings.max_resized_pixels))
+                )
             else:
                 batch = torch.stack(tensors)
                 self.metrics.preprocess_seconds.labels(model.metrics_label).observe(

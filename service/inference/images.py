@@ -1,9 +1,11 @@
 """Untrusted images in, RGB PIL images out, with limits enforced before the pixels are decoded.
 
 Accepted: JPEG, PNG, WebP, GIF (first frame), BMP, TIFF. The byte size is checked before
-base64 decoding, the pixel count from the header before ``load()`` (decompression bombs never
-allocate), and every failure names the input's index and the reason. An image much larger than
-the model's input is decoded at a reduced scale (``load_rgb``).
+base64 decoding, the pixel count and the aspect ratio from the header before ``load()``
+(decompression bombs never allocate), and every failure names the input's index and the reason.
+An image much larger than the model's input is decoded at a reduced scale (``load_rgb``); one
+whose resize to the model's input would be large is centre-cropped along its long side first
+(``crop_for_resize``), so a thin image is never resized to hundreds of megapixels.
 
 Modes become RGB as timm's loader does (``convert("RGB")``: L, LA, P, RGBA, CMYK), except
 16-bit and float greyscale (I;16, I, F), which are rescaled to 8 bits first instead of being
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import binascii
 import io
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -28,6 +31,7 @@ from ..errors import BadRequest, PayloadTooLarge
 __all__ = [
     "FORMATS",
     "ImageLimits",
+    "crop_for_resize",
     "decode_image",
     "image_bytes_from_text",
     "load_rgb",
@@ -48,10 +52,12 @@ _WIDE_GREY = {
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Per-image limits."""
+    """Per-image limits (``inference.max_image_bytes``, ``max_image_pixels``,
+    ``max_aspect_ratio``)."""
 
     max_bytes: int
     max_pixels: int
+    max_aspect_ratio: float
 
 
 def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
@@ -94,7 +100,28 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
             )
         if width == 0 or height == 0:
             raise BadRequest(f"input[{index}]: image has no pixels")
+        long, short = max(width, height), min(width, height)
+        if long > limits.max_aspect_ratio * short:
+            raise BadRequest(
+                f"input[{index}]: {width}x{height} pixels has an aspect ratio of "
+                f"{long / short:.6g}:1, over the limit of {limits.max_aspect_ratio:g}:1 "
+                "(inference.max_aspect_ratio); crop or pad it first"
+            )
     return img
+
+
+def crop_for_resize(img: Image.Image, min_side: int, max_pixels: int) -> Image.Image:
+    """``img`` centre-cropped along its long side so that resizing its shorter side to
+    ``min_side`` makes at most ``max_pixels`` pixels (never below a square: what is cut lies
+    outside the centre crop that follows the resize)."""
+    short, long = min(img.size), max(img.size)
+    keep = max(short, math.floor(max_pixels * short / max(min_side, 1) ** 2))
+    if min_side <= 0 or long <= keep:
+        return img
+    start = (long - keep) // 2
+    if img.width > img.height:
+        return img.crop((start, 0, start + keep, img.height))
+    return img.crop((0, start, img.width, start + keep))
 
 
 def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:

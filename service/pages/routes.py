@@ -4,6 +4,7 @@ Server-rendered: they work without JavaScript."""
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from vip_hub.models.encoders import ARCHS
+from vip_hub.privacy.accounting import Accountant
 from vip_hub.privacy.ledger import LedgerError, PrivacyLedger, compose_releases
 from vip_hub.repo.card import (
     LEDGER_COLUMNS,
@@ -30,6 +32,7 @@ from ..auth import identity
 from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..store.naming import MAX_REVISION_LENGTH, validate_revision
+from .cache import ComputedOnce
 from .render import card_body, markdown_html
 
 __all__ = ["install"]
@@ -52,7 +55,9 @@ SORTS = {
 
 
 def install(app: FastAPI) -> None:
-    """Mount the pages and their static files on ``app``."""
+    """Mount the pages and their static files on ``app``; its dataset compositions are kept
+    in ``app.state.compositions``."""
+    app.state.compositions = ComputedOnce(app.state.settings.hub.compositions_kept)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.add_api_route(
         "/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False
@@ -181,12 +186,15 @@ def model_page(
 
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     """Every public release's DP stages that name ``dataset`` (the default branch of each repo),
-    and their composition under each accountant: what an adversary who reads all of them faces."""
+    and their composition under each accountant: what an adversary who reads all of them faces.
+    The composition is computed once per change of those releases (``app.state.compositions``),
+    under PRV only up to ``hub.max_prv_stages`` stages."""
     store = store_of(request)
-    releases, stages = [], []
+    releases, stages, sources = [], [], []
     for repo, commit in store.list_models(
         dataset=dataset, sort="name", descending=False, limit=1000
     ):
+        sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
         for s in ledger.dp_stages():
@@ -208,7 +216,16 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
                 )
     if not stages:
         raise NotFound(f"no public release names the dataset {dataset!r}")
-    delta, composed = compose_releases(stages)
+    limits, app = request.app.state.settings.hub, request.app
+    over_budget = len(stages) > limits.max_prv_stages
+    accountants = [a for a in Accountant if not (over_budget and a is Accountant.PRV)]
+
+    def compose() -> tuple[float, dict[Accountant, float]]:
+        app.state.metrics.compositions.inc()
+        return compose_releases(stages, accountants)
+
+    digest = hashlib.sha256("\n".join(sorted(sources)).encode()).hexdigest()
+    delta, composed = app.state.compositions.get((dataset, digest), compose)
     return templates.TemplateResponse(
         request,
         "dataset.html",
@@ -217,6 +234,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
             "releases": releases,
             "delta": delta,
             "composed": [(a.value.upper(), eps) for a, eps in composed.items()],
+            "prv_budget": limits.max_prv_stages if over_budget else None,
             "repos": sorted({r["repo"] for r in releases}),
             "assumed_poisson": [r for r in releases if r["sampling"] != "poisson"],
         },

@@ -29,8 +29,18 @@ from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headli
 from vip_hub.repo.card import load_card
 from vip_hub.repo.signing import PublicKey, load_keys, verify_signature
 from vip_hub.repo.verify import VerificationReport, verify_repo
-from vip_hub.repo_format import CARD_FILE, CONFIG_BLOCK, CONFIG_FILE, DEFAULT_BRANCH, SIGNATURE_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_BLOCK,
+    CONFIG_FILE,
+    DEFAULT_BRANCH,
+    HEAD_LABELS,
+    SIGNATURE_FILE,
+    head_file,
+    heads_in,
+)
 
+from ..settings import HubSettings
 from .blobs import (
     BlobStore,
     FileDigest,
@@ -48,6 +58,7 @@ from .errors import (
     NoSuchRevision,
     PublishRefused,
     SignatureRefused,
+    TooLarge,
     UploadMissing,
 )
 from .faults import crash_point
@@ -189,8 +200,10 @@ class HubStore:
         index: str | None = None,
         trusted_keys: str | os.PathLike[str] | None = None,
         require_signature: bool = False,
+        limits: HubSettings | None = None,
     ):
         self.root = Path(root).resolve()
+        self.limits = limits or HubSettings()  # what one commit or Xet shard may hold
         self.trusted_keys = (
             Path(trusted_keys) if trusted_keys is not None else self.root / "trusted_keys"
         )
@@ -496,6 +509,7 @@ class HubStore:
         head = self._branch_head(repo_id, branch, parent_commit)
         tree = self.tree(repo_id, head) if head else {}
         local, new = self._staged(repo_id, tree, operations)
+        self._check_limits(local)
         report, signer = self._verified(repo_id, local)
         crash_point("commit-verified")
         summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
@@ -564,6 +578,22 @@ class HubStore:
                     local.pop(p)
                     new.pop(p, None)
         return local, new
+
+    def _check_limits(self, local: dict[str, Path]) -> None:
+        """TooLarge for a would-be tree over ``hub.max_commit_files`` files, or with a head's
+        labels.json over ``hub.max_labels_bytes`` (checked before the tree is verified)."""
+        if len(local) > self.limits.max_commit_files:
+            raise TooLarge(
+                f"the commit's tree would hold {len(local)} files, over the limit of "
+                f"{self.limits.max_commit_files} files per commit (hub.max_commit_files)"
+            )
+        for name in heads_in(local):
+            labels = local.get(head_file(name, HEAD_LABELS))
+            if labels is not None and labels.stat().st_size > self.limits.max_labels_bytes:
+                raise TooLarge(
+                    f"{head_file(name, HEAD_LABELS)} is {labels.stat().st_size} bytes, over the "
+                    f"limit of {self.limits.max_labels_bytes} (hub.max_labels_bytes)"
+                )
 
     def _added(self, repo_id: str, op: AddFile | AddObject) -> tuple[Path, FileDigest]:
         """The local file an added file's content is in, and its digest."""
@@ -694,11 +724,16 @@ class HubStore:
             SignatureRecord(row["signer"], row["fingerprint"], row["verified_at"]) if row else None
         )
 
-    def apply_shard(self, repo_id: str, shard: Path, max_file_bytes: int) -> list[str]:
-        """Rebuild the files of a Xet shard uploaded for ``repo_id`` (``XetStore.apply_shard``)
-        and note them as uploaded for it; returns their SHA-256s."""
+    def apply_shard(self, repo_id: str, shard: Path, uploader: str) -> list[str]:
+        """Rebuild the files of a Xet shard ``uploader`` sent for ``repo_id``
+        (``XetStore.apply_shard``, within the hub's limits) and note them as uploaded for it;
+        returns their SHA-256s."""
         done = self.xet.apply_shard(
-            shard, max_file_bytes, lambda sha256: self.held_for(repo_id, sha256) is not None
+            shard,
+            uploader,
+            lambda sha256: self.held_for(repo_id, sha256) is not None,
+            self.limits.max_upload_bytes,
+            self.limits.xet_max_expansion,
         )
         for sha256 in done:
             self.blobs.note_upload(repo_id, sha256)

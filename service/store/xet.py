@@ -13,14 +13,20 @@ that follows names it like any LFS object. Formats: xet-core's ``xet_core_struct
 
 A xorb is kept only under its own hash, recomputed from its chunks (xet-core's
 ``merklehash``: each chunk's keyed BLAKE3, aggregated by a tree of mean branching factor 4),
-so no upload can hold a hash for other bytes. A shard may rebuild at most ``MAX_EXPANSION``
-times the distinct chunk bytes it references (a file repeating one chunk 800 times is refused).
-Xorbs are kept while a client may still refer to them: its local shard cache lets a later
-upload of the same bytes send a shard that names earlier xorbs instead of the bytes.
+so no upload can hold a hash for other bytes. Each xorb is noted as sent by its uploader
+(``owners/``), and a shard reads only xorbs its own uploader sent: another user's is answered
+like one never uploaded. A shard rebuilds at most ``max_expansion`` times the bytes it reads as
+stored (each distinct chunk counted once, compressed, header included), so what it writes is
+bounded by what the same user actually uploaded (``hub.xet_max_expansion``): a 36 KB xorb of
+LZ4-packed zero chunks rebuilds that many times 36 KB a shard, not 16 x 8 MiB. Xorbs are kept
+while a client may still refer to them: its local shard cache lets a later upload of the same
+bytes send a shard that names earlier xorbs instead of the bytes; those count at their stored
+size, as if sent again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -32,7 +38,7 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from .blobs import BlobStore, fsync_dir, make_private_dir, remove_older_than
+from .blobs import BlobStore, fsync_dir, make_private_dir, open_private, remove_older_than
 from .errors import InvalidRequest, TooLarge
 
 __all__ = ["XetStore", "xet_hex", "xorb_hash"]
@@ -82,8 +88,6 @@ _CHUNK_HEADER = 8
 MAX_CHUNK = 128 * 1024  # 64 KiB target x 2
 MAX_XORB_BYTES = 64 * 1024 * 1024 + 8 * 1024 * _CHUNK_HEADER + (1 << 20)
 _MAX_TERMS = 1 << 20
-MAX_EXPANSION = 16
-"""A shard rebuilds at most this many times the distinct chunk bytes its files reference."""
 _DATA_KEY = bytes(
     [
         102,
@@ -216,19 +220,26 @@ class ShardFile:
 
 
 class XetStore:
-    """Xorbs under ``root/xet/xorbs/``; shards applied into ``blobs``' uploads area."""
+    """Xorbs under ``root/xet/xorbs/``, who sent each under ``root/xet/owners/``; shards
+    applied into ``blobs``' uploads area."""
 
     def __init__(self, root: Path, blobs: BlobStore):
         self.dir = root / "xet" / "xorbs"
+        self.owners = root / "xet" / "owners"
         make_private_dir(self.dir)
+        make_private_dir(self.owners)
         self.blobs = blobs
 
     def xorb_path(self, xorb: str) -> Path:
         return self.dir / xorb[:2] / xorb[2:]
 
-    def put_xorb(self, xorb: str, tmp: Path) -> None:
-        """Keep the uploaded xorb ``tmp`` under its hash, once that hash is recomputed from its
-        chunks (InvalidRequest otherwise); one already held has its age refreshed."""
+    def _owner_marker(self, uploader: str, xorb: str) -> Path:
+        return self.owners / hashlib.sha256(uploader.encode()).hexdigest()[:32] / xorb
+
+    def put_xorb(self, xorb: str, tmp: Path, uploader: str) -> None:
+        """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
+        recomputed from its chunks (InvalidRequest otherwise), and note who sent it; one already
+        held has its age refreshed."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             with open(tmp, "rb") as f:
@@ -245,20 +256,29 @@ class XetStore:
                 )
             if target.is_file():
                 os.utime(target)
-                return
-            make_private_dir(target.parent)
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
+            else:
+                make_private_dir(target.parent)
+                os.replace(tmp, target)
+                fsync_dir(target.parent)
+            marker = self._owner_marker(uploader, xorb)
+            make_private_dir(marker.parent)
+            open_private(marker).close()  # (re)written: its age is refreshed
         finally:
             tmp.unlink(missing_ok=True)
 
     def apply_shard(
-        self, shard: Path, max_file_bytes: int, held: Callable[[str], bool]
+        self,
+        shard: Path,
+        uploader: str,
+        held: Callable[[str], bool],
+        max_file_bytes: int,
+        max_expansion: int,
     ) -> list[str]:
-        """Rebuild every file a shard describes into the uploads area, each checked against the
-        shard's SHA-256, except those ``held`` says the uploader's repo already holds; returns
-        their SHA-256s. A shard naming a xorb not held, or rebuilding more than ``MAX_EXPANSION``
-        times the distinct chunk bytes it references, is refused."""
+        """Rebuild every file a shard ``uploader`` sent describes into the uploads area, each
+        checked against the shard's SHA-256, except those ``held`` says the uploader's repo
+        already holds; returns their SHA-256s. A shard naming a xorb this uploader did not send
+        (InvalidRequest, as for one not held), or rebuilding more than ``max_expansion`` times
+        the stored bytes of the distinct chunks it reads (TooLarge), is refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
         offsets: dict[str, list[tuple[int, int]]] = {}
@@ -269,38 +289,46 @@ class XetStore:
                     f"file {entry.sha256} is {entry.size} bytes, over the upload limit of "
                     f"{max_file_bytes}"
                 )
-        distinct: dict[tuple[str, int], int] = {}
+        stored: dict[tuple[str, int], int] = {}  # each distinct chunk read: its stored bytes
         for entry in rebuild:
             for term in entry.terms:
-                chunks = self._chunks(term, offsets)
-                distinct.update(((term.xorb, i), chunks[i][1]) for i in range(term.start, term.end))
-        total = sum(entry.size for entry in rebuild)
-        if total > MAX_EXPANSION * sum(distinct.values()):
+                chunks = self._chunks(term, offsets, uploader)
+                stored.update(
+                    ((term.xorb, i), chunks[i + 1][0] - chunks[i][0])
+                    for i in range(term.start, term.end)
+                )
+        total, sent = sum(entry.size for entry in rebuild), sum(stored.values())
+        if total > max_expansion * sent:
             raise TooLarge(
-                f"the shard rebuilds {total} bytes from {sum(distinct.values())} distinct chunk "
-                f"bytes, more than {MAX_EXPANSION} times what was uploaded"
+                f"the shard rebuilds {total} bytes from {sent} bytes of uploaded chunks, more "
+                f"than the limit of {max_expansion} times what was uploaded "
+                "(hub.xet_max_expansion)"
             )
         for entry in rebuild:
-            self._rebuild(entry, offsets)
+            self._rebuild(entry, offsets, uploader)
         return [entry.sha256 for entry in files]
 
     def _chunks(
-        self, term: Term, offsets: dict[str, list[tuple[int, int]]]
+        self, term: Term, offsets: dict[str, list[tuple[int, int]]], uploader: str
     ) -> list[tuple[int, int]]:
         """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
-        range checked against them. The xorb's age is refreshed: it is still referred to."""
-        path = self.xorb_path(term.xorb)
+        range checked against them. The xorb and its uploader's note are refreshed: it is still
+        referred to."""
+        path, marker = self.xorb_path(term.xorb), self._owner_marker(uploader, term.xorb)
         if term.xorb not in offsets:
             try:
+                if not marker.is_file():
+                    raise FileNotFoundError(marker)
                 f = open(path, "rb")
-            except FileNotFoundError:
+            except FileNotFoundError:  # another user's xorb is answered alike
                 raise InvalidRequest(
-                    f"the shard names xorb {term.xorb}, which this hub does not hold (never "
-                    "uploaded, or expired): upload again"
+                    f"the shard names xorb {term.xorb}, which this hub does not hold for this "
+                    "user (never uploaded, or expired): upload again"
                 ) from None
             with f:
                 offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
             os.utime(path)
+            os.utime(marker)
         chunks = offsets[term.xorb]
         if not 0 <= term.start < term.end <= len(chunks) - 1:
             raise InvalidRequest(
@@ -309,11 +337,13 @@ class XetStore:
             )
         return chunks
 
-    def _rebuild(self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]]) -> None:
+    def _rebuild(
+        self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]], uploader: str
+    ) -> None:
         writer = self.blobs.writer()
         try:
             for term in entry.terms:
-                chunks = self._chunks(term, offsets)
+                chunks = self._chunks(term, offsets, uploader)
                 with open(self.xorb_path(term.xorb), "rb") as f:
                     written = 0
                     for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
@@ -339,8 +369,9 @@ class XetStore:
         self.blobs.stage_upload(writer.path, sha256)
 
     def clean_stale(self, max_age: float) -> int:
-        """Remove xorbs no upload has referred to for ``max_age`` seconds."""
-        return remove_older_than(self.dir, max_age)
+        """Remove xorbs, and notes of who sent them, no upload has referred to for ``max_age``
+        seconds."""
+        return remove_older_than(self.dir, max_age) + remove_older_than(self.owners, max_age)
 
 
 def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:

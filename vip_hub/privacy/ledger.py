@@ -625,15 +625,17 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
     return out
 
 
-def compose_releases(stages: Iterable[DPStage]) -> tuple[float, dict[Accountant, float]]:
+def compose_releases(
+    stages: Iterable[DPStage], accountants: Iterable[Accountant] = tuple(Accountant)
+) -> tuple[float, dict[Accountant, float]]:
     """Every given DP stage composed (e.g. every release on one dataset, across repos), at the
-    largest of their deltas: (delta, epsilon under each accountant, rounded up)."""
+    largest of their deltas: (delta, epsilon under each of ``accountants``, rounded up)."""
     stages = list(stages)
     if not stages:
         raise LedgerError(["compose_releases: no DP stage to compose"])
     delta = max(s.delta for s in stages)
     history = [s.mechanism_tuple for s in stages]
-    return delta, {a: round_up(composed_epsilon(history, delta, a)) for a in Accountant}
+    return delta, {a: round_up(composed_epsilon(history, delta, a)) for a in accountants}
 
 
 def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> float:
