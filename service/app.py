@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=vip_hub.__version__,
         summary="Released private vision encoders: a model hub and an inference service.",
         lifespan=lifespan,
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
     )
     app.state.settings = settings
     app.state.store = HubStore(
@@ -83,6 +85,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 re.compile("/v1/"),
                 settings.inference.max_request_bytes,
                 settings.inference.max_json_depth,
+                settings.inference.max_pending_requests,
+                settings.inference.max_pending_bytes,
             )
         )
     if settings.hub.enabled:

@@ -1,7 +1,9 @@
-"""An ASGI middleware that bounds every request body before any parsing: total bytes (413)
-and, where a route family asks, JSON nesting depth (400), so no body reaches the JSON or
-multipart parser unbounded. Routes that stream their bodies to disk (commits, LFS and Xet
-uploads) enforce their own limits as they stream; their rule passes them through."""
+"""An ASGI middleware that bounds every request body before any parsing: total bytes (413),
+and, where a route family asks, JSON nesting depth (400, checked in linear work off the event
+loop) and the requests served at once (429 before the body is read), so no body reaches the JSON
+or multipart parser unbounded and the bodies held in memory are bounded. Routes that stream
+their bodies to disk (commits, LFS and Xet uploads) enforce their own limits as they stream;
+their rule passes them through."""
 
 from __future__ import annotations
 
@@ -10,78 +12,146 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import BadRequest, PayloadTooLarge, ServiceError, error_response
+from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, error_response
 
-__all__ = ["BodyLimit", "BodyLimitMiddleware", "json_depth"]
+__all__ = ["BodyLimit", "BodyLimitMiddleware", "JsonDepth", "json_depth"]
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs of plain bytes in one step
+RETRY_AFTER_S = "1"
+"""What a request refused for the requests already being served is told to wait, in seconds."""
+_DELTA = np.zeros(256, np.int8)
+_DELTA[[0x5B, 0x7B]], _DELTA[[0x5D, 0x7D]] = 1, -1  # [ { open, ] } close
+
+
+class JsonDepth:
+    """The nesting depth of a JSON text in one pass over it, block by block: quotes, and the
+    backslash runs that escape them, tracked across blocks; brackets inside strings ignored.
+    ``blocks`` counts the steps taken, each a fixed number of vector operations on ``BLOCK``
+    bytes, so the work grows linearly with the text (a regex over its strings grew
+    quadratically)."""
+
+    BLOCK = 1 << 18
+
+    def __init__(self, stop_above: int | None = None):
+        self.stop_above = stop_above
+        self.depth = self.deepest = self.blocks = 0
+        self.in_string = 0  # 1 inside a string
+        self.backslashes = 0  # the run of backslashes that ended the last block
+
+    def feed(self, data: bytes) -> int:
+        """Scan ``data`` after what was fed before; the deepest nesting so far (the scan stops
+        once it passes ``stop_above``)."""
+        view = memoryview(data)
+        for start in range(0, len(view), self.BLOCK):
+            if self.stop_above is not None and self.deepest > self.stop_above:
+                break
+            self._scan(np.frombuffer(view[start : start + self.BLOCK], np.uint8))
+        return self.deepest
+
+    def _scan(self, block: np.ndarray) -> None:
+        self.blocks += 1
+        quote = block == 0x22
+        backslash = block == 0x5C
+        if self.backslashes or backslash.any():  # a quote after an odd run of them is escaped
+            at = np.arange(len(block), dtype=np.int32)
+            last_other = np.where(backslash, np.int32(-1 - self.backslashes), at)
+            np.maximum.accumulate(last_other, out=last_other)
+            quote[0] &= self.backslashes % 2 == 0
+            quote[1:] &= (at[1:] - last_other[:-1]) % 2 == 1
+            self.backslashes = int(len(block) - 1 - last_other[-1])
+        inside = np.cumsum(quote, dtype=np.int32)
+        inside += self.in_string
+        inside &= 1
+        delta = _DELTA[block]
+        delta[inside == 1] = 0
+        path = np.cumsum(delta, dtype=np.int32)
+        path += self.depth
+        self.deepest = max(self.deepest, int(path.max()))
+        self.depth, self.in_string = int(path[-1]), int(inside[-1])
 
 
 def json_depth(body: bytes, stop_above: int | None = None) -> int:
-    """Deepest nesting of arrays/objects in a JSON text (strings ignored); the scan stops as
-    soon as the depth passes ``stop_above``."""
+    """Deepest nesting of arrays/objects in a JSON text (strings ignored), in linear work; the
+    scan stops as soon as the depth passes ``stop_above``."""
     if stop_above is not None and body.count(b"[") + body.count(b"{") <= stop_above:
         return stop_above  # too few brackets, in strings or not, to nest that deep
-    text = _STRING.sub(b'""', body)
-    if stop_above is not None and text.count(b"[") + text.count(b"{") <= stop_above:
-        return stop_above
-    depth = deepest = 0
-    for ch in text:
-        if ch in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if stop_above is not None and deepest > stop_above:
-                    break
-        elif ch in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
+    return JsonDepth(stop_above).feed(body)
 
 
 @dataclass(frozen=True)
 class BodyLimit:
     """The body limit of the request paths ``pattern`` matches: ``max_bytes`` (None: the route
-    streams the body under its own limit) and, when set, a JSON body's ``max_json_depth``."""
+    streams the body under its own limit) and, when set, a JSON body's ``max_json_depth`` and
+    how many requests with a body (``max_pending``), holding how many bytes together
+    (``max_pending_bytes``), are served at once: more are answered 429 before their body is
+    read."""
 
     pattern: re.Pattern[str]
     max_bytes: int | None
     max_json_depth: int | None = None
+    max_pending: int | None = None
+    max_pending_bytes: int | None = None
+
+
+@dataclass
+class _Pending:
+    """The requests with a body a rule has admitted and not yet answered, and their bytes."""
+
+    requests: int = 0
+    bytes: int = 0
 
 
 class BodyLimitMiddleware:
-    """Buffer a request body up to the limit of the first rule matching its path, check its
-    JSON depth where the rule asks, and replay it to the app."""
+    """Admit a request under its rule's pending bounds, buffer its body up to the rule's limit,
+    check its JSON depth where the rule asks (in a worker thread: the event loop keeps serving),
+    and replay it to the app."""
 
     def __init__(self, app: ASGIApp, rules: Sequence[BodyLimit]):
         self.app, self.rules = app, list(rules)
+        self._pending = {rule: _Pending() for rule in self.rules}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rule = next((r for r in self.rules if r.pattern.match(scope.get("path", ""))), None)
         if scope["type"] != "http" or rule is None or rule.max_bytes is None:
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
+        size = _body_size(headers, rule.max_bytes)
+        pending = self._pending[rule]
         try:
-            body = await self._read(scope, receive, rule)
+            _admit(pending, rule, size, scope["path"])
         except ServiceError as err:
             await error_response(err)(scope, receive, send)
             return
-        replayed = False
+        counted = 1 if size else 0
+        pending.requests, pending.bytes = pending.requests + counted, pending.bytes + size
+        try:
+            try:
+                body = await self._read(scope, receive, rule, headers)
+            except ServiceError as err:
+                await error_response(err)(scope, receive, send)
+                return
+            replayed = False
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            pending.requests, pending.bytes = pending.requests - counted, pending.bytes - size
 
     @staticmethod
-    async def _read(scope: Scope, receive: Receive, rule: BodyLimit) -> bytes:
+    async def _read(
+        scope: Scope, receive: Receive, rule: BodyLimit, headers: dict[bytes, bytes]
+    ) -> bytes:
         limit = rule.max_bytes or 0
-        headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLarge(
@@ -103,11 +173,40 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        chunks.clear()  # from here the body is held once
         depth = rule.max_json_depth
         if (
             depth is not None
             and b"json" in headers.get(b"content-type", b"")
-            and json_depth(body, depth) > depth
+            and await run_in_threadpool(json_depth, body, depth) > depth
         ):
             raise BadRequest(f"JSON nested deeper than {depth} levels")
         return body
+
+
+def _body_size(headers: dict[bytes, bytes], max_bytes: int) -> int:
+    """The bytes a request's body will hold: its Content-Length, ``max_bytes`` for a chunked
+    body (its length is not known in advance), 0 without a body."""
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit():
+        return min(int(declared), max_bytes)
+    return max_bytes if b"chunked" in headers.get(b"transfer-encoding", b"") else 0
+
+
+def _admit(pending: _Pending, rule: BodyLimit, size: int, path: str) -> None:
+    """QueueFull (429, Retry-After) if a body of ``size`` bytes would pass ``rule``'s bounds on
+    the requests served at once; a request without a body always passes."""
+    if not size:
+        return
+    if rule.max_pending is not None and pending.requests >= rule.max_pending:
+        raise QueueFull(
+            f"{pending.requests} requests like {path} are being served, the most at once: "
+            f"retry after {RETRY_AFTER_S} s",
+            {"Retry-After": RETRY_AFTER_S},
+        )
+    if rule.max_pending_bytes is not None and pending.bytes + size > rule.max_pending_bytes:
+        raise QueueFull(
+            f"the requests being served hold {pending.bytes} bytes; this one's {size} more "
+            f"would pass the limit of {rule.max_pending_bytes}: retry after {RETRY_AFTER_S} s",
+            {"Retry-After": RETRY_AFTER_S},
+        )

@@ -104,7 +104,8 @@ class PayloadTooLarge(ServiceError, status=413):
 
 
 class QueueFull(ServiceError, status=429):
-    """A model's inference queue holds as many images as it may (retry after ``Retry-After``)."""
+    """A model's inference queue holds as many images as it may, or the inference routes serve
+    as many requests as they may at once (retry after ``Retry-After``)."""
 
 
 class ClientGone(ServiceError, status=499):

@@ -56,6 +56,11 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.page_renders = Counter(
+            "vip_hub_page_renders_total",
+            "Model pages rendered from a commit's files (once per commit while cached)",
+            registry=r,
+        )
         self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
         self.compositions = Counter(
             "vip_hub_compositions_total",

@@ -22,6 +22,7 @@ from pydantic_settings import (
 
 from vip_hub.device import pick_device
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
+from vip_hub.repo_format import FrontMatterLimits
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
 
@@ -83,6 +84,25 @@ class HubSettings(BaseModel):
         description="dataset-page compositions kept in memory, each computed once per change "
         "of the dataset's public releases",
     )
+    max_front_matter_bytes: int = Field(
+        FrontMatterLimits.max_bytes,
+        gt=0,
+        description="largest YAML front matter of a model card (README.md) that a commit or "
+        "/api/validate-yaml accepts (400 naming the limit)",
+    )
+    max_front_matter_depth: int = Field(
+        FrontMatterLimits.max_depth,
+        gt=0,
+        description="deepest nesting of lists and mappings in a card's front matter (400 naming "
+        "the limit)",
+    )
+    page_cache_entries: int = Field(
+        256, gt=0, description="model pages kept rendered (each commit's is rendered once)"
+    )
+
+    def front_matter(self) -> FrontMatterLimits:
+        """The front-matter limits commits and /api/validate-yaml hold cards to."""
+        return FrontMatterLimits(self.max_front_matter_bytes, self.max_front_matter_depth)
 
 
 class AuthSettings(BaseModel):
@@ -145,7 +165,6 @@ class InferenceSettings(BaseModel):
         description="most tokens a /v1/captions caption may ask for",
     )
     max_labels: int = Field(100, gt=0, description="label texts per /v1/zero-shot request")
-    max_json_depth: int = Field(8, gt=0)
     max_aspect_ratio: float = Field(
         16.0,
         ge=1,
@@ -156,6 +175,22 @@ class InferenceSettings(BaseModel):
         gt=0,
         description="pixels of one image once resized to the model's input: a longer image is "
         "centre-cropped along its long side first (the part the centre crop drops)",
+    )
+    max_json_depth: int = Field(
+        8, gt=0, description="JSON nesting of a /v1 body, checked before it is parsed (400)"
+    )
+    max_pending_requests: int = Field(
+        16,
+        gt=0,
+        description="/v1 requests with a body served at once (read, decoded, queued or "
+        "computed); more are answered 429 with Retry-After before their body is read",
+    )
+    max_pending_bytes: int = Field(
+        256 * MIB,
+        gt=0,
+        description="bytes the bodies of the /v1 requests served at once hold together (a "
+        "chunked body counts as max_request_bytes); one over it is answered 429 with "
+        "Retry-After before it is read",
     )
 
     @field_validator("device")
@@ -192,6 +227,11 @@ class Settings(BaseSettings):
         description="largest request body of the routes without a limit of "
         "their own (hub JSON API: repo creation, preupload, LFS batch, tags, "
         "validate-yaml; pages; operations); uploads and /v1/* have theirs",
+    )
+    api_docs: bool = Field(
+        False,
+        description="serve /docs and /redoc, FastAPI's pages, which load their JavaScript from "
+        "a third party (cdn.jsdelivr.net); the schema is at /openapi.json either way",
     )
     hub: HubSettings = Field(default_factory=HubSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)

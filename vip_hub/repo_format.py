@@ -22,6 +22,7 @@ pages) reads these names from here; see ``docs/architecture.md``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .errors import ConfigError
 
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_BRANCH",
     "ENCODER",
     "FORMAT_VERSION",
+    "FrontMatterLimits",
     "HEADS_DIR",
     "HEAD_LABELS",
     "HEAD_METRICS",
@@ -69,6 +71,17 @@ VOCAB_FILE = "vocab.txt"
 SIGNATURE_FILE = "model.sig"
 """A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after
 them)."""
+
+
+@dataclass(frozen=True)
+class FrontMatterLimits:
+    """How much YAML a card's front matter may hold: ``max_bytes`` of text, lists and mappings
+    nested at most ``max_depth`` deep (a YAML loader recurses once per level)."""
+
+    max_bytes: int = 64 * 1024
+    max_depth: int = 20
+
+
 REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE)
 MANAGED_FILES = (*REQUIRED_FILES, SIGNATURE_FILE)
 """Files only vip_hub writes (``update_repo`` refuses to replace them with given bytes)."""

@@ -155,12 +155,12 @@ def delete_tag(tag: str, opened: Annotated[Writable, writable("deleting a tag")]
 
 
 @router.post("/validate-yaml", summary="Check a model card's YAML front matter")
-def validate_yaml(payload: dict[str, Any] = Body(...)) -> JSONResponse:
+def validate_yaml(request: Request, payload: dict[str, Any] = Body(...)) -> JSONResponse:
     content = payload.get("content")
     if not isinstance(content, str):
         raise BadRequest("'content' must be the README.md text")
     try:
-        load_card(content, strict=True)
+        load_card(content, strict=True, limits=request.app.state.settings.hub.front_matter())
     except (ValueError, yaml.YAMLError) as e:  # RepoFormatError (YAML aliases) is a ValueError
         message = " ".join(str(e).split())
         raise BadRequest(message, body={"errors": [{"message": message}], "warnings": []}) from None

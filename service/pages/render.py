@@ -1,18 +1,38 @@
 """Model cards as safe HTML: Markdown (no raw HTML) rendered by markdown-it-py, then
-sanitised by nh3; relative links and images point at the repo's files at that revision."""
+sanitised by nh3; relative links and images point at the repo's files at that revision, and an
+image from another site is a link to it (pages load images from the hub only)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit
 
 import nh3
+from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from markdown_it import MarkdownIt
-
-from vip_hub.repo.card import load_card
+from markdown_it.common.utils import escapeHtml
+from markdown_it.renderer import RendererHTML
+from markdown_it.token import Token
+from markdown_it.utils import EnvType, OptionsDict
 
 __all__ = ["card_body", "markdown_html"]
 
 _md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
+
+
+def _image(
+    renderer: RendererHTML, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType
+) -> str:
+    """An image on the hub itself as an image; one from elsewhere as a link to it, by its alt."""
+    token = tokens[idx]
+    src = str(token.attrGet("src") or "")
+    if _relative(src) or (src.startswith("/") and not src.startswith("//")):
+        return renderer.image(tokens, idx, options, env)
+    alt = renderer.renderInlineAsText(token.children or [], options, env) or src
+    return f'<a href="{escapeHtml(src)}">{escapeHtml(alt)}</a>'
+
+
+_md.add_render_rule("image", _image)
 _TAGS = {
     "a",
     "abbr",
@@ -54,8 +74,10 @@ _ATTRS = {
 
 
 def card_body(readme: str) -> str:
-    """The Markdown of a card without its YAML front matter."""
-    return load_card(readme).text
+    """The Markdown of a card without its YAML front matter, which is not parsed (where the card
+    was written before its front matter was bounded, it is shown all the same)."""
+    match = REGEX_YAML_BLOCK.search(readme)
+    return readme[match.end() :] if match else readme
 
 
 def markdown_html(text: str, file_base: str | None = None) -> str:

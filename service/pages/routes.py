@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -31,6 +32,8 @@ from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE
 from ..auth import identity
 from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
+from ..metrics import Metrics
+from ..store import HubStore
 from ..store.naming import MAX_REVISION_LENGTH, validate_revision
 from .cache import ComputedOnce
 from .render import card_body, markdown_html
@@ -40,11 +43,12 @@ __all__ = ["install"]
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' https: data:; "
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
 }
-"""Sent with every page: no script runs, nothing but images loads from elsewhere, no framing."""
+"""Sent with every page: no script runs, nothing loads from elsewhere (a card's images from
+other sites are links: ``markdown_html``), no framing."""
 SORTS = {
     "updated": "Last update",
     "epsilon": "ε",
@@ -59,8 +63,18 @@ def install(app: FastAPI) -> None:
     in ``app.state.compositions``."""
     app.state.compositions = ComputedOnce(app.state.settings.hub.compositions_kept)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.state.commit_content = lru_cache(maxsize=app.state.settings.hub.page_cache_entries)(
+        partial(_commit_content, app.state.store, app.state.metrics)
+    )
     app.add_api_route(
         "/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False
+    )
+    app.add_api_route(  # before /{org}/{name}: /datasets/NAME is a dataset, not a model
+        "/datasets/{dataset:path}",
+        dataset_page,
+        methods=["GET"],
+        response_class=HTMLResponse,
+        include_in_schema=False,
     )
     app.add_api_route(
         "/{org}/{name}",
@@ -71,13 +85,6 @@ def install(app: FastAPI) -> None:
     )
     app.add_api_route(
         "/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False
-    )
-    app.add_api_route(
-        "/datasets/{dataset:path}",
-        dataset_page,
-        methods=["GET"],
-        response_class=HTMLResponse,
-        include_in_schema=False,
     )
 
 
@@ -140,18 +147,32 @@ def model_page(
     store = store_of(request)
     repo = readable_repo(store, org, name, identity(request))
     commit = store.resolve(repo.repo_id, validate_revision(revision))
-    record = store.commit_record(repo.repo_id, commit)
-    tree = store.tree(repo.repo_id, commit)
-    file_base = f"/{repo.repo_id}/resolve/{commit}"
+    context: dict[str, Any] = {
+        "repo": repo,
+        "revision": revision,
+        "history": store.history(repo.repo_id, commit, limit=50),
+        "signature": store.signature(commit),
+        "date": _date,
+        "default_branch": DEFAULT_BRANCH,
+        **request.app.state.commit_content(repo.repo_id, commit),
+    }
+    return templates.TemplateResponse(request, "model.html", context, headers=PAGE_HEADERS)
+
+
+def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str) -> dict[str, Any]:
+    """What a model page shows of one commit: its card, guarantee, ledger and files, rendered
+    once per commit (``install`` keeps them in an LRU cache: a commit never changes)."""
+    metrics.page_renders.inc()
+    record = store.commit_record(repo_id, commit)
+    tree = store.tree(repo_id, commit)
+    file_base = f"/{repo_id}/resolve/{commit}"
     readme = store.blob_path(tree[CARD_FILE]).read_text(encoding="utf-8")
     try:
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
     except LedgerError:  # cannot happen for a verified commit; shown rather than hidden
         ledger = None
-    context: dict[str, Any] = {
-        "repo": repo,
+    return {
         "commit": record,
-        "revision": revision,
         "card_html": markdown_html(card_body(readme), file_base),
         "headlines": component_headlines(ledger) if ledger else [],
         "guarantee_html": [
@@ -171,17 +192,12 @@ def model_page(
             }
             for e in tree.values()
         ],
-        "history": store.history(repo.repo_id, commit, limit=50),
-        "signature": store.signature(commit),
         "datasets": [
             {"name": d, "url": dataset_link(d)}
             for d in dict.fromkeys(s.dataset.name for s in (ledger.dp_stages() if ledger else []))
         ],
         "params": format_params(record.num_params),
-        "date": _date,
-        "default_branch": DEFAULT_BRANCH,
     }
-    return templates.TemplateResponse(request, "model.html", context, headers=PAGE_HEADERS)
 
 
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:

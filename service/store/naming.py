@@ -17,6 +17,7 @@ __all__ = [
     "COMMIT_RE",
     "MAX_REVISION_LENGTH",
     "NAME_PATTERN",
+    "RESERVED_NAMESPACES",
     "REVISION_PATTERN",
     "decode_segment",
     "validate_namespace",
@@ -27,6 +28,8 @@ __all__ = [
 
 NAME_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
 """A namespace (user or organisation) or a repo name, unanchored (also in request schemas)."""
+RESERVED_NAMESPACES = frozenset({"datasets"})
+"""Namespaces no repo is created in: ``/datasets/NAME`` is a dataset's page, not a model's."""
 MAX_REVISION_LENGTH = 128
 REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 """A branch, a tag or a commit id, unanchored."""

@@ -63,7 +63,13 @@ from .errors import (
 )
 from .faults import crash_point
 from .index import Index, Row, Transaction, open_index
-from .naming import COMMIT_RE, validate_path, validate_repo_id, validate_revision
+from .naming import (
+    COMMIT_RE,
+    RESERVED_NAMESPACES,
+    validate_path,
+    validate_repo_id,
+    validate_revision,
+)
 from .xet import XetStore
 
 __all__ = [
@@ -271,6 +277,8 @@ class HubStore:
         """Create ``org/name``; returns (repo, created). An existing repo is returned as is."""
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
+        if org in RESERVED_NAMESPACES:
+            raise InvalidRequest(f"no repo can be created under {org}/: the hub's pages use it")
         created = self.index.execute(
             "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) "
             "ON CONFLICT (org, name) DO NOTHING",
@@ -514,7 +522,9 @@ class HubStore:
         crash_point("commit-verified")
         summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
         config = json.loads(local[CONFIG_FILE].read_bytes())
-        card_data = load_card(local[CARD_FILE].read_text(encoding="utf-8")).data.to_dict()
+        card_data = load_card(
+            local[CARD_FILE].read_text(encoding="utf-8"), limits=self.limits.front_matter()
+        ).data.to_dict()
         files = self._store_blobs(tree, local, new)
         crash_point("commit-blobs-stored")
         message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
@@ -607,7 +617,7 @@ class HubStore:
         self, repo_id: str, local: dict[str, Path]
     ) -> tuple[VerificationReport, PublicKey | None]:
         """The would-be tree's report and signer; else PublishRefused or SignatureRefused."""
-        report = verify_repo(local)
+        report = verify_repo(local, front_matter=self.limits.front_matter())
         if not report.ok:
             raise PublishRefused(
                 f"refused: {repo_id} does not verify, nothing was stored. "

@@ -24,7 +24,7 @@ from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
 from ..models.features import MODE_DESCRIPTIONS
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
-from ..repo_format import CARD_FILE, ENCODER
+from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
 
 __all__ = [
     "DEFAULT_LICENSE",
@@ -155,23 +155,46 @@ def render_card(
     return str(card)
 
 
-def load_card(readme: str, *, strict: bool = False) -> ModelCard:
-    """huggingface_hub's ModelCard of ``readme``, once its front matter is known to hold no YAML
-    alias (a few KB of nested aliases expand to gigabytes); ``strict`` refuses bad metadata."""
+def load_card(
+    readme: str, *, strict: bool = False, limits: FrontMatterLimits | None = None
+) -> ModelCard:
+    """huggingface_hub's ModelCard of ``readme``, once its front matter is known to be within
+    ``limits`` (default: ``FrontMatterLimits()``) and to hold no YAML alias (a few KB of nested
+    aliases expand to gigabytes); ``strict`` refuses bad metadata."""
     match = REGEX_YAML_BLOCK.search(readme)
     if match:
-        try:
-            aliased = any(
-                isinstance(e, yaml.AliasEvent)
-                for e in yaml.parse(match.group(2), Loader=yaml.SafeLoader)
-            )
-        except yaml.YAMLError:
-            aliased = False  # not YAML: ModelCard says where
-        if aliased:
-            raise RepoFormatError(
-                f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused"
-            )
+        _check_front_matter(match.group(2), limits or FrontMatterLimits())
     return ModelCard(readme, ignore_metadata_errors=not strict)
+
+
+def _check_front_matter(text: str, limits: FrontMatterLimits) -> None:
+    """RepoFormatError for front matter over ``limits`` or with an alias, from its size and then
+    one pass over its YAML events, stopped at the first excess (parsing events does not recurse;
+    loading them does)."""
+    size = len(text.encode("utf-8"))
+    if size > limits.max_bytes:
+        raise RepoFormatError(
+            f"{CARD_FILE}: its front matter is {size} bytes, over the limit of "
+            f"{limits.max_bytes} bytes"
+        )
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise RepoFormatError(
+                    f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused"
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > limits.max_depth:
+                    raise RepoFormatError(
+                        f"{CARD_FILE}: its front matter nests lists and mappings deeper than the "
+                        f"limit of {limits.max_depth} levels"
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        return  # not YAML: ModelCard says where, having nested no deeper than the limit
 
 
 def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
@@ -184,10 +207,11 @@ def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
     ]
 
 
-def card_ledger(readme: str) -> PrivacyLedger:
-    """The ledger copy kept in a card's front matter (``differential_privacy``)."""
+def card_ledger(readme: str, limits: FrontMatterLimits | None = None) -> PrivacyLedger:
+    """The ledger copy kept in a card's front matter (``differential_privacy``), read within
+    ``limits`` (``load_card``)."""
     try:
-        data = load_card(readme).data.to_dict()
+        data = load_card(readme, limits=limits).data.to_dict()
     except yaml.YAMLError as e:
         raise LedgerError(
             [f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]

@@ -50,6 +50,7 @@ from ..repo_format import (
     META_LEDGER,
     REQUIRED_FILES,
     WEIGHTS_FILE,
+    FrontMatterLimits,
     head_folders,
     is_weights_file,
 )
@@ -138,16 +139,20 @@ def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
 
 
 def verify_repo(
-    repo: str | os.PathLike[str] | Mapping[str, Path], *, check_accounting: bool = True
+    repo: str | os.PathLike[str] | Mapping[str, Path],
+    *,
+    check_accounting: bool = True,
+    front_matter: FrontMatterLimits | None = None,
 ) -> VerificationReport:
-    """Verify a repo folder, or a mapping of repo paths to local files (e.g. a hub commit)."""
+    """Verify a repo folder, or a mapping of repo paths to local files (e.g. a hub commit); the
+    card's front matter is read within ``front_matter`` (default: ``FrontMatterLimits()``)."""
     files = dict(repo) if isinstance(repo, Mapping) else repo_files(repo)
     report = VerificationReport()
     _check_paths(files, report)
     for name in REQUIRED_FILES:
         if name not in files:
             report.fail(name, "missing: every released repo carries it")
-    ledger = _compare_copies(_ledger_copies(files, report), report)
+    ledger = _compare_copies(_ledger_copies(files, report, front_matter), report)
     if ledger is None:
         return report
     report.ledger = ledger
@@ -183,12 +188,12 @@ def _check_paths(files: Mapping[str, Path], report: VerificationReport) -> None:
 
 
 def _ledger_copies(
-    files: Mapping[str, Path], report: VerificationReport
+    files: Mapping[str, Path], report: VerificationReport, front_matter: FrontMatterLimits | None
 ) -> dict[str, PrivacyLedger]:
     readers = {
         LEDGER_FILE: lambda p: PrivacyLedger.parse(p.read_bytes()),
         WEIGHTS_FILE: _weights_copy,
-        CARD_FILE: lambda p: card_ledger(p.read_text(encoding="utf-8")),
+        CARD_FILE: lambda p: card_ledger(p.read_text(encoding="utf-8"), front_matter),
     }
     copies = {}
     for name, read in readers.items():

@@ -1,0 +1,326 @@
+"""Bounded work for every request (issue 35, points 1, 2, 6 and 7): the JSON-depth check is
+linear and off the event loop; a card's front matter is capped in size and depth and each model
+page is rendered once per commit; /v1 admits a bounded number of bodies (429 with Retry-After
+before reading more) so concurrent maximal bodies stay within a stated memory; a Xet shard
+learns nothing of xorbs it may not use; /datasets/NAME is the dataset's page; no third-party
+script on /docs and no image from elsewhere on the pages. A real server, real clients."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import re
+import selectors
+import socket
+import tracemalloc
+
+import httpx
+import pytest
+from helpers import tiny_repo_with_head
+from huggingface_hub import HfApi
+from live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
+from test_hub_access import _hashes, _shard, _xorb
+from test_hub_untrusted_input import _with_front_matter
+
+from service.pages.render import markdown_html
+from service.store.xet import xorb_hash
+from vip_hub import verify_repo
+from vip_hub.repo.push import push_repo
+
+MIB = 1024 * 1024
+QUADRATIC = b"[" * 9 + b'"' + b'\\"' * (MIB // 2)
+"""The issue's body at 1 MB: 9 brackets, then one string of escaped quotes that never closes
+(a regex over strings tried it from each of its 524,288 quotes)."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Hub and inference with default limits."""
+    with ThreadedServer(settings_for(tmp_path_factory.mktemp("bounds-store"))) as server:
+        yield server
+
+
+def _metric(server: ThreadedServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+# ---------------------------------------------------------------------- 1. JSON depth, linear
+
+
+def test_json_depth_is_one_pass_over_strings_and_escapes():
+    """The scanner's steps grow linearly with the body (each a fixed number of operations on
+    ``JsonDepth.BLOCK`` bytes), and strings, escapes and backslash runs crossing its blocks
+    are tracked: brackets inside strings never count."""
+    from service.body_limits import JsonDepth
+
+    steps = []
+    for size in (1, 2, 4):
+        scan = JsonDepth()
+        assert scan.feed(QUADRATIC[:10] + b'\\"' * (size * MIB // 2)) == 9
+        steps.append(scan.blocks)
+    assert steps == [math.ceil((10 + size * MIB) / JsonDepth.BLOCK) for size in (1, 2, 4)]
+    assert JsonDepth(stop_above=8).feed(QUADRATIC) == 9
+    pad = b" " * (JsonDepth.BLOCK - 3)  # puts the next bytes across a block boundary
+    cases = {
+        b'["[[[", "\\"[[", "\\\\", [["]"]]]': 3,
+        b"[" + pad + b'"\\\\\\"[[[[", [[]]]': 3,  # an escaped quote across the boundary
+        b"[" + pad + b'"\\\\", [[[]]]]': 4,  # an even backslash run: the string ends
+        b'{"a": {"b": [1, {"c": "}}}}"}]}}': 4,
+    }
+    for text, depth in cases.items():
+        assert json.loads(text) is not None
+        assert JsonDepth().feed(text) == depth, text[-40:]
+
+
+def test_a_quadratic_json_body_is_refused_while_healthz_answers(server):
+    """Four 1 MB bodies of the issue's shape, at once: each is refused with 400 naming the depth
+    limit, and /healthz answers meanwhile (the check runs in worker threads, in linear work;
+    before, each took about half an hour on the event loop)."""
+    url = f"{server.url}/v1/embeddings"
+    headers = {"Content-Type": "application/json"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        calls = [
+            pool.submit(httpx.post, url, content=QUADRATIC, headers=headers, timeout=120)
+            for _ in range(4)
+        ]
+        health = [httpx.get(server.url + "/healthz", timeout=30).status_code for _ in range(5)]
+        answers = [c.result() for c in calls]
+    assert health == [200] * 5
+    for r in answers:
+        assert r.status_code == 400 and "nested deeper than 8 levels" in r.json()["error"]
+
+
+# ------------------------------------------------------------- 2. YAML front matter, pages
+
+
+def test_validate_yaml_caps_front_matter_depth_and_size(server, tmp_path):
+    nested = "---\nlicense: mit\nx: " + "[" * 20_000 + "]" * 20_000 + "\n---\n# card\n"
+    r = httpx.post(server.url + "/api/validate-yaml", json={"content": nested}, timeout=60)
+    assert r.status_code == 400, r.text  # was 500: an uncaught RecursionError
+    assert "deeper than the limit of 20 levels" in r.json()["errors"][0]["message"]
+    big = "---\nlicense: mit\n" + "k: v\n" * 14_000 + "---\n"  # 70 KB
+    r = httpx.post(server.url + "/api/validate-yaml", json={"content": big}, timeout=60)
+    assert r.status_code == 400 and "over the limit of 65536 bytes" in r.json()["error"]
+    settings = settings_for(
+        tmp_path, hub={"max_front_matter_bytes": 200, "max_front_matter_depth": 3}
+    )
+    with ThreadedServer(settings) as small:
+        for text, message in (
+            ("---\nx: [[[1]]]\n---\n", "deeper than the limit of 3 levels"),  # the mapping: 1
+            ("---\nx: [[1]]\n" + "k: v\n" * 50 + "---\n", "over the limit of 200 bytes"),
+        ):
+            r = httpx.post(small.url + "/api/validate-yaml", json={"content": text})
+            assert r.status_code == 400 and message in r.json()["error"], r.text
+        ok = httpx.post(small.url + "/api/validate-yaml", json={"content": "---\nx: [[1]]\n---\n"})
+        assert ok.status_code == 200
+
+
+def test_a_card_nested_too_deep_is_refused_at_commit(server, tmp_path):
+    folder = tiny_repo_with_head(tmp_path / "deep")
+    readme = folder / "README.md"
+    readme.write_text(
+        _with_front_matter(readme.read_text(), "deep: " + "[" * 300 + "]" * 300 + "\n")
+    )
+    report = verify_repo(folder, check_accounting=False)
+    assert any("limit of 20 levels" in str(p) for p in report.problems)
+    HfApi(endpoint=server.url, token=WRITE_TOKEN).create_repo("writer/deep")
+    r = raw_commit(
+        server.url,
+        "writer/deep",
+        {
+            p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in folder.rglob("*")
+            if p.is_file()
+        },
+    )
+    assert r.status_code == 400 and "limit of 20 levels" in r.json()["error"], r.text
+
+
+def test_a_model_page_is_rendered_once_per_commit(server, tmp_path):
+    folder = tiny_repo_with_head(tmp_path / "paged")
+    push_repo(folder, "writer/paged", endpoint=server.url, token=WRITE_TOKEN)
+    before = _metric(server, "vip_hub_page_renders_total")
+    pages = [httpx.get(server.url + "/writer/paged", timeout=30) for _ in range(3)]
+    assert [p.status_code for p in pages] == [200] * 3 and pages[0].text == pages[2].text
+    assert _metric(server, "vip_hub_page_renders_total") == before + 1
+    (folder / "notes.txt").write_text("a new commit\n")
+    push_repo(folder, "writer/paged", endpoint=server.url, token=WRITE_TOKEN)
+    for _ in range(2):
+        assert "notes.txt" in httpx.get(server.url + "/writer/paged", timeout=30).text
+    assert _metric(server, "vip_hub_page_renders_total") == before + 2
+
+
+# --------------------------------------------------------- 6. bounded /v1 bodies and queue
+
+
+def _start(port: int, length: int, head: bytes) -> socket.socket:
+    """A POST /v1/embeddings of ``length`` body bytes, of which only ``head`` is sent yet."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {length}\r\n\r\n".encode()
+        + head
+    )
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
+    """Status, headers and JSON body of the response on ``sock``."""
+    sock.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_concurrent_maximal_bodies_stay_within_the_pending_budget(tmp_path):
+    """Twelve clients send maximal (2 MiB) bodies at once to a server that holds at most
+    4 MiB + 64 KiB of /v1 bodies: two are read, the other ten are answered 429 with Retry-After
+    from their headers alone, and the server's allocations while it serves them stay under
+    3 x max_pending_bytes (twelve bodies read at once would be 24 MiB before any parsing).
+    Then a count limit: small bodies are admitted up to max_pending_requests."""
+    body_bytes, clients = 2 * MIB, 12
+    budget = 2 * body_bytes + 64 * 1024
+    settings = settings_for(
+        tmp_path,
+        inference={
+            "max_request_bytes": body_bytes,
+            "max_pending_bytes": budget,
+            "max_pending_requests": 3,
+        },
+    )
+    payload = b"A" * (body_bytes - 40)  # valid base64, decoded before the model is looked up
+    body = b'{"model": "writer/none", "input": "' + payload + b'"}'
+    body += b" " * (body_bytes - len(body))
+    view = memoryview(body)
+    with ThreadedServer(settings) as server:
+        tracemalloc.start()
+        try:
+            socks = [_start(server.port, len(body), view[:1024]) for _ in range(clients)]
+            refused = _first_answers(socks, clients - 2)
+            admitted = [s for s in socks if s not in refused]
+            for sock in admitted:  # the rest of their bodies, but the last byte
+                sock.sendall(view[1024:-1])
+            for sock in admitted:
+                sock.sendall(view[-1:])
+            done = [_answer(s) for s in admitted]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        for status, headers, answer in refused.values():
+            assert status == 429 and headers["retry-after"] == "1"
+            assert f"the limit of {budget}" in answer["error"]
+        assert [status for status, _, _ in done] == [404, 404], done  # no such model
+        assert peak < 3 * budget, f"{peak / MIB:.1f} MiB"
+        for sock in socks:
+            sock.close()
+        small = [_start(server.port, 100, b"{") for _ in range(4)]  # count limit: 3 at once
+        refused = _first_answers(small, 1)
+        ((status, headers, answer),) = refused.values()
+        assert status == 429 and "3 requests" in answer["error"]
+        for sock in small:
+            sock.close()
+
+
+def _first_answers(socks: list[socket.socket], n: int) -> dict[socket.socket, tuple]:
+    """The first ``n`` sockets to be answered, with their answers (the others are not)."""
+    with selectors.DefaultSelector() as sel:
+        for sock in socks:
+            sel.register(sock, selectors.EVENT_READ)
+        answered: dict[socket.socket, tuple] = {}
+        while len(answered) < n:
+            ready = sel.select(timeout=60)
+            assert ready, f"{len(answered)} of {n} requests answered"
+            for key, _ in ready:
+                answered[key.fileobj] = _answer(key.fileobj)  # type: ignore[index]
+                sel.unregister(key.fileobj)
+    return answered
+
+
+# ------------------------------------------------------------------------------- 7. low
+
+
+def test_a_shard_is_answered_alike_for_absent_and_foreign_xorbs(tmp_path):
+    """Alice's xorb named in Carol's shard, with a wrong chunk range or size, is answered as a
+    xorb the hub does not hold: neither its chunk count nor its size is told."""
+    tokens = "alice:write:vh_alice;carol:write:vh_carol"
+    with ThreadedServer(settings_for(tmp_path, auth={"tokens": tokens})) as server:
+        grants = {}
+        for user, token in (("alice", "vh_alice"), ("carol", "vh_carol")):
+            auth = {"Authorization": f"Bearer {token}"}
+            httpx.post(f"{server.url}/api/repos/create", json={"name": "x"}, headers=auth)
+            r = httpx.get(f"{server.url}/api/models/{user}/x/xet-write-token/main", headers=auth)
+            grants[user] = (
+                r.json()["casUrl"],
+                {"Authorization": f"Bearer {r.json()['accessToken']}"},
+            )
+        chunk = b"alice's chunk " * 73  # 1022 bytes
+        held = xorb_hash(_hashes([chunk]))
+        cas, alice = grants["alice"]
+        assert (
+            httpx.post(
+                f"{cas}/v1/xorbs/default/{held}", content=_xorb([chunk]), headers=alice
+            ).status_code
+            == 200
+        )
+        absent = xorb_hash(_hashes([b"nobody's chunk"]))
+        cas, carol = grants["carol"]
+        sha = hashlib.sha256(b"what carol claims").hexdigest()
+        for start, end, size in ((0, 5, 4000), (0, 1, 10)):  # too many chunks; a wrong size
+            answers = [
+                httpx.post(
+                    f"{cas}/v1/shards", content=_shard(sha, [(x, start, end, size)]), headers=carol
+                )
+                for x in (held, absent)
+            ]
+            assert [a.status_code for a in answers] == [400, 400]
+            foreign, nowhere = (a.json()["error"] for a in answers)
+            assert foreign.replace(held, absent) == nowhere, (foreign, nowhere)
+            assert str(len(chunk)) not in foreign and "1 chunks" not in foreign
+
+
+def test_a_dataset_name_without_a_slash_has_its_page(server, tmp_path):
+    push_repo(
+        tiny_repo_with_head(tmp_path / "ds"), "writer/ds", endpoint=server.url, token=WRITE_TOKEN
+    )
+    page = httpx.get(server.url + "/datasets/test-images", timeout=30)
+    assert page.status_code == 200, page.text  # was 404: "repository datasets/test-images"
+    assert "/writer/ds" in page.text and "dp-pretraining" in page.text
+    missing = httpx.get(server.url + "/datasets/nobody", timeout=30)
+    assert missing.status_code == 404 and "no public release names" in missing.json()["error"]
+    r = httpx.post(
+        f"{server.url}/api/repos/create",
+        json={"name": "x", "organization": "datasets"},
+        headers={"Authorization": "Bearer vh_test_admin_token"},
+    )
+    assert r.status_code == 400 and "datasets/" in r.json()["error"]
+
+
+def test_no_third_party_script_and_images_only_from_the_hub(server, tmp_path):
+    assert httpx.get(server.url + "/docs").status_code == 404
+    assert httpx.get(server.url + "/redoc").status_code == 404
+    assert httpx.get(server.url + "/openapi.json").status_code == 200
+    with ThreadedServer(settings_for(tmp_path, api_docs=True)) as docs:
+        assert httpx.get(docs.url + "/docs").status_code == 200  # the operator's choice
+    html = markdown_html(
+        "![plot](https://elsewhere.example/p.png) ![curve](curve.png)", "/o/n/resolve/c"
+    )
+    assert '<img src="/o/n/resolve/c/curve.png"' in html
+    assert '<a href="https://elsewhere.example/p.png"' in html and '<img src="https' not in html
+    folder = tiny_repo_with_head(tmp_path / "imgs")
+    readme = folder / "README.md"
+    readme.write_text(readme.read_text() + "\n![plot](https://elsewhere.example/p.png)\n")
+    push_repo(folder, "writer/imgs", endpoint=server.url, token=WRITE_TOKEN)
+    page = httpx.get(server.url + "/writer/imgs", timeout=30)
+    csp = page.headers["content-security-policy"]
+    assert "img-src 'self';" in csp and "https:" not in csp and "data:" not in csp
+    assert 'href="https://elsewhere.example/p.png"' in page.text
+    assert 'src="https://elsewhere.example' not in page.text
