@@ -13,8 +13,10 @@ import json
 import math
 import re
 import selectors
+import shutil
 import socket
 import tracemalloc
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,6 +42,16 @@ def server(tmp_path_factory):
     """Hub and inference with default limits."""
     with ThreadedServer(settings_for(tmp_path_factory.mktemp("bounds-store"))) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """A tiny exported repo; each test publishes its own copy."""
+    return tiny_repo_with_head(tmp_path_factory.mktemp("bounds-repo") / "repo")
+
+
+def _copy(exported: Path, folder: Path) -> Path:
+    return Path(shutil.copytree(exported, folder))
 
 
 def _metric(server: ThreadedServer, name: str) -> float:
@@ -118,8 +130,8 @@ def test_validate_yaml_caps_front_matter_depth_and_size(server, tmp_path):
         assert ok.status_code == 200
 
 
-def test_a_card_nested_too_deep_is_refused_at_commit(server, tmp_path):
-    folder = tiny_repo_with_head(tmp_path / "deep")
+def test_a_card_nested_too_deep_is_refused_at_commit(server, exported, tmp_path):
+    folder = _copy(exported, tmp_path / "deep")
     readme = folder / "README.md"
     readme.write_text(
         _with_front_matter(readme.read_text(), "deep: " + "[" * 300 + "]" * 300 + "\n")
@@ -139,8 +151,8 @@ def test_a_card_nested_too_deep_is_refused_at_commit(server, tmp_path):
     assert r.status_code == 400 and "limit of 20 levels" in r.json()["error"], r.text
 
 
-def test_a_model_page_is_rendered_once_per_commit(server, tmp_path):
-    folder = tiny_repo_with_head(tmp_path / "paged")
+def test_a_model_page_is_rendered_once_per_commit(server, exported, tmp_path):
+    folder = _copy(exported, tmp_path / "paged")
     push_repo(folder, "writer/paged", endpoint=server.url, token=WRITE_TOKEN)
     before = _metric(server, "vip_hub_page_renders_total")
     pages = [httpx.get(server.url + "/writer/paged", timeout=30) for _ in range(3)]
@@ -287,10 +299,8 @@ def test_a_shard_is_answered_alike_for_absent_and_foreign_xorbs(tmp_path):
             assert str(len(chunk)) not in foreign and "1 chunks" not in foreign
 
 
-def test_a_dataset_name_without_a_slash_has_its_page(server, tmp_path):
-    push_repo(
-        tiny_repo_with_head(tmp_path / "ds"), "writer/ds", endpoint=server.url, token=WRITE_TOKEN
-    )
+def test_a_dataset_name_without_a_slash_has_its_page(server, exported, tmp_path):
+    push_repo(_copy(exported, tmp_path / "ds"), "writer/ds", endpoint=server.url, token=WRITE_TOKEN)
     page = httpx.get(server.url + "/datasets/test-images", timeout=30)
     assert page.status_code == 200, page.text  # was 404: "repository datasets/test-images"
     assert "/writer/ds" in page.text and "dp-pretraining" in page.text
@@ -304,7 +314,7 @@ def test_a_dataset_name_without_a_slash_has_its_page(server, tmp_path):
     assert r.status_code == 400 and "datasets/" in r.json()["error"]
 
 
-def test_no_third_party_script_and_images_only_from_the_hub(server, tmp_path):
+def test_no_third_party_script_and_images_only_from_the_hub(server, exported, tmp_path):
     assert httpx.get(server.url + "/docs").status_code == 404
     assert httpx.get(server.url + "/redoc").status_code == 404
     assert httpx.get(server.url + "/openapi.json").status_code == 200
@@ -315,7 +325,7 @@ def test_no_third_party_script_and_images_only_from_the_hub(server, tmp_path):
     )
     assert '<img src="/o/n/resolve/c/curve.png"' in html
     assert '<a href="https://elsewhere.example/p.png"' in html and '<img src="https' not in html
-    folder = tiny_repo_with_head(tmp_path / "imgs")
+    folder = _copy(exported, tmp_path / "imgs")
     readme = folder / "README.md"
     readme.write_text(readme.read_text() + "\n![plot](https://elsewhere.example/p.png)\n")
     push_repo(folder, "writer/imgs", endpoint=server.url, token=WRITE_TOKEN)
