@@ -180,7 +180,7 @@ class InferenceSettings(BaseModel):
         8, gt=0, description="JSON nesting of a /v1 body, checked before it is parsed (400)"
     )
     max_pending_requests: int = Field(
-        16,
+        64,
         gt=0,
         description="/v1 requests with a body served at once (read, decoded, queued or "
         "computed); more are answered 429 with Retry-After before their body is read",
