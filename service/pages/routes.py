@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -60,12 +60,11 @@ SORTS = {
 
 def install(app: FastAPI) -> None:
     """Mount the pages and their static files on ``app``; its dataset compositions are kept
-    in ``app.state.compositions``."""
+    in ``app.state.compositions``, what model pages show of each commit in
+    ``app.state.commit_pages``."""
     app.state.compositions = ComputedOnce(app.state.settings.hub.compositions_kept)
+    app.state.commit_pages = ComputedOnce(app.state.settings.hub.page_cache_entries)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
-    app.state.commit_content = lru_cache(maxsize=app.state.settings.hub.page_cache_entries)(
-        partial(_commit_content, app.state.store, app.state.metrics)
-    )
     app.add_api_route(
         "/", index, methods=["GET"], response_class=HTMLResponse, include_in_schema=False
     )
@@ -154,14 +153,17 @@ def model_page(
         "signature": store.signature(commit),
         "date": _date,
         "default_branch": DEFAULT_BRANCH,
-        **request.app.state.commit_content(repo.repo_id, commit),
+        **request.app.state.commit_pages.get(
+            (repo.repo_id, commit),
+            partial(_commit_content, store, request.app.state.metrics, repo.repo_id, commit),
+        ),
     }
     return templates.TemplateResponse(request, "model.html", context, headers=PAGE_HEADERS)
 
 
 def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str) -> dict[str, Any]:
     """What a model page shows of one commit: its card, guarantee, ledger and files, rendered
-    once per commit (``install`` keeps them in an LRU cache: a commit never changes)."""
+    once per commit (kept in ``app.state.commit_pages``: a commit never changes)."""
     metrics.page_renders.inc()
     record = store.commit_record(repo_id, commit)
     tree = store.tree(repo_id, commit)
