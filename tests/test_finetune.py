@@ -29,6 +29,7 @@ from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
 from vip_hub.privacy.accounting import epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
@@ -225,7 +226,9 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
     assert isinstance(syn, NonPrivateStage) and not syn.private_data
     assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
     assert dp.dataset.name == "test/shapes" and dp.dataset.size == 24
-    assert dp.sensitivity == dp.clipping_norm and dp.noise_std == dp.noise_multiplier * 0.1
+    assert dp.mechanism_params == {ROUNDING_TERMS: 24}  # the sample bound: every example
+    assert dp.sensitivity == dp.clipping_norm * rounding_allowance(24)
+    assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     assert dp.audit is not None and dp.audit.canaries == 64
     exact = epsilon(1.0, 8 / 24, 3, dp.delta, "rdp")
     for component in ("encoder", "heads/clf"):

@@ -38,7 +38,12 @@ from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import epsilon
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
+from vip_hub.privacy.sensitivity import (
+    CONTRASTIVE_LOSS,
+    ROUNDING_TERMS,
+    logit_dp_sensitivity,
+    rounding_allowance,
+)
 
 BIN = Path(sys.executable).parent
 SYN_ARGS = dict(
@@ -120,13 +125,14 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
         "poisson",
         6,
     )
+    terms = dp.mechanism_params.pop(ROUNDING_TERMS)
     assert dp.mechanism_params == {
         "loss": CONTRASTIVE_LOSS,
         "temperature": 1.0,
     }  # no cap: it would not lower Delta
     assert dp.clipping_norm == 1e-3
     assert dp.sensitivity == pytest.approx(
-        2e-3 * (1 + math.exp(2))
+        2e-3 * (1 + math.exp(2)) * rounding_allowance(terms)
     )  # with the 1/tau factor (tau = 1 here)
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     assert (
@@ -174,8 +180,9 @@ def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(
     )
     assert verify_repo(out).ok
     naive, logit = ledger_of(out).stages[1], ledger_of(trained).stages[1]
-    assert (naive.mechanism, naive.clipping_norm, naive.sensitivity) == ("Naive-DP", 0.05, 0.1)
-    assert naive.noise_std == pytest.approx(naive.noise_multiplier * 0.1)
+    assert (naive.mechanism, naive.clipping_norm) == ("Naive-DP", 0.05)
+    assert naive.sensitivity == 0.1 * rounding_allowance(naive.mechanism_params[ROUNDING_TERMS])
+    assert naive.noise_std == pytest.approx(naive.noise_multiplier * naive.sensitivity)
     assert (
         naive.epsilon == logit.epsilon
     )  # equal epsilon: same q, sigma, steps; only what is clipped differs
@@ -208,8 +215,12 @@ def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(
         )
     )
     dp = ledger_of(out).stages[1]
+    terms = dp.mechanism_params.pop(ROUNDING_TERMS)
     assert dp.mechanism_params == {"loss": CONTRASTIVE_LOSS, "temperature": 0.1, "max_batch": 12}
-    assert dp.sensitivity == pytest.approx(logit_dp_sensitivity(1e-3, 0.1, 12)) and dp.audit is None
+    assert dp.sensitivity == pytest.approx(
+        logit_dp_sensitivity(1e-3, 0.1, 12) * rounding_allowance(terms)
+    )
+    assert dp.audit is None
     assert verify_repo(out).ok
     ledger = json.loads((out / "privacy_ledger.json").read_text())
     ledger["stages"][1]["mechanism_params"]["max_batch"] = (

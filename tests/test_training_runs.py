@@ -32,6 +32,7 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubErro
 from vip_hub.privacy.accounting import Accountant, max_steps_within
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance, sample_bound
 from vip_hub.repo.verify import verify_repo
 
 BIN = Path(sys.executable).parent
@@ -126,7 +127,10 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     assert dp.dataset.size == 40 and dp.sample_rate == pytest.approx(8 / 40)
     assert dp.delta == pytest.approx(1e-5) and dp.clipping_norm == 0.1
     assert dp.epsilon <= 8.0 and set(dp.reference_epsilon) == {Accountant.PRV, Accountant.PLD}
-    assert dp.sensitivity == 0.1 and dp.noise_std == pytest.approx(dp.noise_multiplier * 0.1)
+    terms = sample_bound(40, 8 / 40)
+    assert dp.mechanism_params == {ROUNDING_TERMS: terms}
+    assert dp.sensitivity == 0.1 * rounding_allowance(terms)
+    assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     audit = dp.audit  # on by default: 1000 canaries, bound below the accounted epsilon at its delta
     assert audit is not None and audit.canaries == DEFAULT_CANARIES and audit.delta == 1e-5
     assert 0 <= audit.epsilon_lower_bound <= min(audit.accountant_epsilon.values())

@@ -26,18 +26,23 @@ layers: ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, patchifying ``nn.Conv
 tokens), which it announces through ``broadcast_parameters()`` and ``broadcast_hooks``. Any
 other trainable parameter is an error at construction: there is no silent fallback.
 
-Under bf16/fp16 (autocast, or a model in that dtype) the clipped products run in that
-precision, whose rounding could lift an example's contribution above C. The factors then
-come from an upper bound on each contribution's norm instead of the norm itself (see
-``rounding_bound`` and ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares),
-for every product of a layer that ran in bf16/fp16, also where it is formed in fp32 (an fp32
-LayerNorm output times a bf16 gradient); in fp32 and fp64 they come from the norm, as the
-equivalence tests check.
+Under bf16/fp16 autocast the layers' inputs ``a`` and output gradients ``g`` come in that
+precision, but every clipped product and every sum over the micro-batch is formed in fp32 (fp64
+for an fp64 model) from those values, never rounded to bf16: a sum rounded to 8 bits once moves
+by a rounding that depends on every example in it (up to 1.9 C between neighbours, issue 32).
+What remains is fp32 rounding: per example, the scaled operand and the accumulation over the
+tokens, bounded by ``rounding_bound`` (the factors of a layer whose ``a`` or ``g`` came in bf16/fp16
+come from that bound, see ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares;
+in fp32 and fp64 from the norm, as the equivalence tests check); between neighbours, the sum's
+own rounding, which the stated sensitivity covers (``vip_hub.privacy.sensitivity``,
+``rounding_terms``). Parameters must be fp32 or fp64: a bf16/fp16 ``.grad`` would round the sum
+to its precision again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -55,8 +60,8 @@ __all__ = [
     "add_to_grad",
     "check_max_norm",
     "clip_factors",
+    "exact_fp32",
     "factor_norms",
-    "grad_roundoff",
     "norm_dtype",
     "rounding_bound",
     "rule_layers",
@@ -66,9 +71,12 @@ __all__ = [
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
 _PRODUCT_ELEMENT_COST = 100
-# Allowance for what is evaluated in fp32 under reduced precision: the norms, and PairClipper's
-# contraction of each view's Jacobian with its pair weights (n + d terms; rounding ~1e-6).
+# Allowance for what is evaluated in fp32 under reduced precision besides the clipped products:
+# the norms, and PairClipper's contraction of each view's Jacobian with its pair weights (n + d
+# terms; rounding ~1e-6).
 _FP32_ALLOWANCE = 2.0**-12
+_SUM_DTYPES = (torch.float32, torch.float64)
+"""What clipped products, their sums and ``.grad`` are held in (issue 32)."""
 
 
 class UnsupportedLayerError(ConfigError, TypeError):
@@ -120,10 +128,17 @@ def check_max_norm(max_norm: float) -> None:
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """``model``'s trainable parameters; ``ConfigError`` when it has none."""
+    """``model``'s trainable parameters; ``ConfigError`` when it has none or one is not fp32/fp64
+    (its ``.grad`` would round the clipped sum to its precision: train under autocast instead)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters: nothing to train")
+    reduced = sorted({str(p.dtype) for p in params if p.dtype not in _SUM_DTYPES})
+    if reduced:
+        raise ConfigError(
+            f"DP training needs fp32 or fp64 trainable parameters, got {', '.join(reduced)}: their "
+            ".grad would round each clipped sum to that precision (use bf16 autocast instead)"
+        )
     return params
 
 
@@ -156,25 +171,19 @@ def norm_dtype(params: list[nn.Parameter]) -> torch.dtype:
     return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
 
-def grad_roundoff(params: list[nn.Parameter]) -> float:
-    """The relative rounding of adding a clipped sum into a bf16/fp16 ``.grad`` (0 in fp32 and
-    fp64)."""
-    return max((torch.finfo(p.dtype).eps / 2 for p in params if p.dtype.itemsize < 4), default=0.0)
-
-
 def factor_norms(
-    norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]], roundoff: float
+    norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]]
 ) -> torch.Tensor:
-    """The norms clip factors come from: ``norms`` themselves, or, when some share's clipped
-    product runs in bf16/fp16 or ``.grad`` rounds (``roundoff``), an upper bound on the norm of each
-    contribution as it is computed. ``shares``: each part's squared norms and its rounding bound
-    (``rounding_bound``; None where its sum is formed in fp32 or fp64)."""
-    if all(bound is None for _, bound in shares) and not roundoff:
+    """The norms clip factors come from: ``norms`` themselves, or, when some share's operands came
+    in bf16/fp16, an upper bound on the norm of each contribution as it is computed in fp32.
+    ``shares``: each part's squared norms and its rounding bound (``rounding_bound``; None where
+    its operands are fp32 or fp64)."""
+    if all(bound is None for _, bound in shares):
         return norms
     sq = torch.zeros_like(norms)
     for part_sq, bound in shares:
         sq += part_sq if bound is None else bound.square()
-    return sq.sqrt() * ((1 + _FP32_ALLOWANCE) * (1 + roundoff))
+    return sq.sqrt() * (1 + _FP32_ALLOWANCE)
 
 
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
@@ -183,13 +192,25 @@ def _no_autocast(x: torch.Tensor) -> torch.autocast:
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (norms under bf16/fp16 autocast are computed in fp32)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    """At least fp32 (norms and clipped sums under bf16/fp16 autocast are computed in fp32)."""
+    return x if x.dtype in _SUM_DTYPES else x.float()
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """fp32 products in fp32 on CUDA: no TF32 (whose 10-bit operands cuBLAS and cuDNN may
+    otherwise use for an fp32 matmul or convolution) while a clipped sum is formed."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _reduced(*tensors: torch.Tensor) -> bool:
-    """Whether a layer ran in bf16/fp16: its product's rounding is then bounded, in whatever
-    dtype."""
+    """Whether a layer ran in bf16/fp16: its fp32 product's rounding is then bounded."""
     return any(x.dtype.itemsize < 4 for x in tensors)
 
 
@@ -237,21 +258,18 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
 
 
-def rounding_bound(
-    sq: torch.Tensor, cross: torch.Tensor, dtype: torch.dtype, tokens: int
-) -> torch.Tensor:
-    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``, which scales g
-    in fp32) when that product runs in ``dtype``.
+def rounding_bound(sq: torch.Tensor, cross: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``) when that
+    product of bf16/fp16-valued operands is formed in fp32 over ``tokens`` tokens of the batch.
 
-    With unit roundoff u: the factor rounds to ``dtype`` (relative u), the scaled operand rounds
-    elementwise (at most ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error
-    need not stay relative to ``||g^T a||``), the fp32 accumulation over ``tokens`` products adds
-    at most ``gamma sum_t ||a_t|| ||g_t||`` (worst case, any order), the output rounds (relative
-    u): ``||.|| <= (1 + u)^2 (||G|| + (u + (1 + u) gamma) sum_t ||a_t|| ||g_t||)``."""
-    u = torch.finfo(dtype).eps / 2
-    k = tokens * torch.finfo(torch.float32).eps / 2
-    gamma = k / (1 - k)
-    return (1 + u) ** 2 * (sq.sqrt() + (u + (1 + u) * gamma) * cross)
+    With fp32's unit roundoff u: the scaled operand rounds elementwise (at most
+    ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error need not stay relative to
+    ``||g^T a||``), the accumulation over ``tokens`` products adds at most
+    ``gamma sum_t ||a_t|| ||g_t||`` (worst case, any order), the output rounds (relative u):
+    ``||.|| <= (1 + u) (||G|| + (u + (1 + u) gamma) sum_t ||a_t|| ||g_t||)``."""
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = tokens * u / (1 - tokens * u)
+    return (1 + u) * (sq.sqrt() + (u + (1 + u) * gamma) * cross)
 
 
 def _materialise(b: int, t: int, i: int, o: int) -> bool:
@@ -272,7 +290,6 @@ class LayerClipper:
         self.params = trainable(model)
         self.layers = rule_layers(model, self._check_supported)
         self.norm_dtype = norm_dtype(self.params)
-        self.grad_roundoff = grad_roundoff(self.params)  # a bf16/fp16 .grad rounds each sum again
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -379,14 +396,13 @@ class PerExampleClipper(LayerClipper):
             for part in parts:
                 sq += part.sq_norms
             norms = sq.sqrt()
-            bounded = factor_norms(
-                norms, [(p.sq_norms, p.bound) for p in parts], self.grad_roundoff
-            )
+            bounded = factor_norms(norms, [(p.sq_norms, p.bound) for p in parts])
             factors = clip_factors(bounded, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
-            while parts:  # each layer's kept tensors go as soon as its sum is added
-                self._add_clipped(parts.pop(), factors, dropped)
+            with exact_fp32():
+                while parts:  # each layer's kept tensors go as soon as its sum is added
+                    self._add_clipped(parts.pop(), factors, dropped)
         return ClipResult(losses.detach(), norms, factors)
 
     # ---------------------------------------------------------------- per-layer rules
@@ -419,9 +435,8 @@ class PerExampleClipper(LayerClipper):
             pe = torch.bmm(gt.mT, a)
             small.append((m.weight, pe))
             return _Part(small, sq + _sq(pe))
-        dtype = torch.promote_types(a_tok.dtype, g_tok.dtype)
         ghost, cross = _ghost(a, gt, _reduced(a_tok, g_tok))
-        bound = rounding_bound(sq + ghost, cross, dtype, b * t) if cross is not None else None
+        bound = rounding_bound(sq + ghost, cross, b * t) if cross is not None else None
         return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
 
     @staticmethod
@@ -446,10 +461,11 @@ class PerExampleClipper(LayerClipper):
             table = torch.zeros(m.weight.shape, device=rows.device, dtype=rows.dtype)
             add_to_grad(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
             return
-        # The product runs in the activations' dtype, as a plain backward would (bf16 under
-        # autocast on GPU: the tensor cores; fp32 on CPU); the norms above are always fp32.
-        dtype = torch.promote_types(part.a.dtype, part.g.dtype)
-        a, g = part.a.to(dtype), part.g.to(dtype)
+        # The product and its sum in at least fp32 from the values the norms came from (bf16 ones
+        # under autocast, converted exactly), never rounded to bf16 (see the module docstring).
+        a, g = _fp32(part.a), _fp32(part.g)
+        dtype = torch.promote_types(a.dtype, g.dtype)
+        a, g = a.to(dtype), g.to(dtype)
         if dropped is not None:
             a = torch.where(dropped.view(-1, *[1] * (a.ndim - 1)), 0.0, a)
             g = torch.where(dropped.view(-1, *[1] * (g.ndim - 1)), 0.0, g)
@@ -479,7 +495,6 @@ def _conv_part(
     """A patchifying convolution: the ghost norm over its patches, unfolded a few examples at a
     time (this runs last in the backward pass, at its memory peak); it keeps its input images,
     not their patches, and its clipped sum is the convolution's own weight gradient."""
-    dtype = torch.promote_types(images.dtype, g.dtype)
     reduced = _reduced(images, g)
     ghost, cross = [], []
     for chunk in range(0, images.shape[0], 8):
@@ -490,7 +505,7 @@ def _conv_part(
         cross.append(x)
     ghost_sq = torch.cat(ghost)
     bound = (
-        rounding_bound(sq + ghost_sq, torch.cat(cross), dtype, g_tok.shape[0] * g_tok.shape[1])
+        rounding_bound(sq + ghost_sq, torch.cat(cross), g_tok.shape[0] * g_tok.shape[1])
         if reduced
         else None
     )

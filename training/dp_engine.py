@@ -8,7 +8,10 @@ the per-pair clipper for Logit-DP); everything private about a step lives here, 
    it does not depend on the number of ranks; each rank keeps its share of the examples (rank 0
    the canaries too); each step's plan is computed once and cut into physical micro-batches, an
    empty sample included (it is still a step);
-2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``;
+2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``, formed in fp32 (or
+   fp64) under autocast too; a step whose sample holds more than ``sample_bound(n, q)`` examples
+   (probability below 2^-64), beyond what the sensitivity's rounding allowance covers, stops the
+   run before its update is applied;
 3. the canaries of the step's sample add their clipped gradients to their own block
    (``DiracCanaries``), clipped to the sensitivity the clipper's own bound gives;
 4. **one all-reduce** of one flat buffer, with Gaussian **noise N(0, (sigma * sensitivity)^2)
@@ -48,6 +51,7 @@ from vip_hub.privacy.accounting import (
     max_steps_within,
 )
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.privacy.sensitivity import sample_bound
 from vip_hub.repo_format import ENCODER
 
 from .canaries import DiracCanaries
@@ -245,6 +249,7 @@ class DPEngine:
         self.clipping_norm = float(clipping_norm)
         self.params = list(clipper.params)
         self.autocast = autocast
+        self.max_sample = sample_bound(budget.dataset_size, budget.sample_rate)
         bound = self.sensitivity * clipper.max_norm / self.clipping_norm
         self.canaries = (
             DiracCanaries(
@@ -394,12 +399,17 @@ class DPEngine:
         totals = self._privatise(
             step, torch.tensor([float(sampled), float(loss)], dtype=torch.float64)
         )
+        count = int(round(totals[0].item()))
+        if count > self.max_sample:
+            raise AccountingError(
+                f"step {step} sampled {count} examples, more than the {self.max_sample} the "
+                "sensitivity's rounding allowance covers; the run stops before this update"
+            )
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        count = int(round(totals[0].item()))
         return StepStats(count, totals[1].item() / max(count, 1))
 
     def _privatise(self, step: int, stats: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.privacy.sensitivity import sensitivity
+from vip_hub.privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 
 from .clipping import PerExampleClipper
 from .distributed import Dist
@@ -30,7 +30,8 @@ DP_ADAMW = "DP-AdamW"
 class DPRun(Run):
     """One DP recipe's run of ``cfg`` on ``dist`` over ``dataset_size`` private examples, clipped
     by ``mechanism`` (its ledger name, with ``params``) to ``clipping_norm`` (default
-    ``--max-grad-norm``)."""
+    ``--max-grad-norm``); its sensitivity covers the fp32 rounding of sums of up to
+    ``sample_bound`` examples (recorded as ``rounding_terms``), the most the engine sums."""
 
     cfg: DPRunConfig
 
@@ -44,7 +45,8 @@ class DPRun(Run):
         clipping_norm: float | None = None,
     ):
         self.budget = Budget.for_config(cfg, dataset_size)
-        self.mechanism, self.params = mechanism, params
+        terms = sample_bound(dataset_size, self.budget.sample_rate)
+        self.mechanism, self.params = mechanism, {**(params or {}), ROUNDING_TERMS: terms}
         self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm
         self.sensitivity = sensitivity(mechanism, self.clipping_norm, params)
         super().__init__(cfg, dist)

@@ -23,13 +23,12 @@ into ``.grad``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
    with cotangent k (k_i = sum_j w_ij psi_j, k'_j = sum_i w_ij phi_i) through the graph kept
    from step 1, weight gradients in each layer's own precision.
 
-Under bf16/fp16 (autocast, or a model in that dtype) a backward's rounding differs from the
-Jacobians' the norms came from, so there step 2 keeps every ``Gamma`` and step 4 forms each
-view's output gradient ``Gamma k_v`` from them, then one product per weight over all tokens; the
-factors come from an upper bound on each pair's norm as it is computed (``rounding_bound``,
-``factor_norms``, as in ``training.clipping``; the rounding of ``Gamma k_v`` to bf16 is
-elementwise relative, so it is charged per pair), and every pair's share of the realised sum
-stays within B.
+Under bf16/fp16 autocast a backward's rounding differs from the Jacobians' the norms came from,
+so there step 2 keeps every ``Gamma`` and step 4 forms each view's output gradient ``Gamma k_v``
+from them in fp32, then one fp32 product per weight over all tokens (never rounded to bf16: a
+sum rounded to 8 bits moves by a rounding that depends on every pair, issue 32); the factors come
+from an upper bound on each pair's norm as it is computed (``rounding_bound``, ``factor_norms``,
+as in ``training.clipping``), and every pair's share of the realised sum stays within B.
 
 Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
 Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
@@ -55,6 +54,7 @@ from .clipping import (
     add_to_grad,
     check_max_norm,
     clip_factors,
+    exact_fp32,
     factor_norms,
     norm_dtype,
     rounding_bound,
@@ -378,16 +378,17 @@ class PairClipper(LayerClipper):
             norms = sum(
                 (sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
             ).sqrt()
-            factors = clip_factors(factor_norms(norms, shares, self.grad_roundoff), self.max_norm)
+            factors = clip_factors(factor_norms(norms, shares), self.max_norm)
             del shares
             weights, losses = _loss_weights(e, self.temperature)
             w = weights.to(self.norm_dtype) * factors
             k = torch.cat([w @ psi, w.T @ phi])  # each view's cotangent: d(sum_ij w_ij Z_ij)/de
-            while kept:  # each record's Jacobian goes as soon as its sum is added
-                record, jac = kept.pop()
-                self._add_clipped(
-                    record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
-                )
+            with exact_fp32():
+                while kept:  # each record's Jacobian goes as soon as its sum is added
+                    record, jac = kept.pop()
+                    self._add_clipped(
+                        record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
+                    )
         if not keep:
             if not single:  # the graph for the clipped sum, after the blocks' passes
                 e = _embeddings(self.model, images)
@@ -522,7 +523,7 @@ class PairClipper(LayerClipper):
         self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This record's share of ||grad Z_ij||^2 (n, n) from its input and output Jacobian, and,
-        when its weight product runs in bf16/fp16, the bound on its rounded norm
+        when the layer ran in bf16/fp16, the bound on its norm as its fp32 product forms it
         (``rounding_bound``)."""
         m, block = record.owner, self.pair_block
         if isinstance(m, nn.Parameter):
@@ -550,7 +551,7 @@ class PairClipper(LayerClipper):
         if record.out.dtype.itemsize >= 4:
             return sq, None
         cross = _rounding_sums(a, g, phi, psi, block)
-        return sq, rounding_bound(sq, cross, record.out.dtype, a.shape[0] * a.shape[1])
+        return sq, rounding_bound(sq, cross, a.shape[0] * a.shape[1])
 
     def _add_clipped(self, record: _Record, grad_out: torch.Tensor) -> None:
         """Add the record's parameters' clipped sums into ``.grad`` from its output gradient
@@ -566,8 +567,8 @@ class PairClipper(LayerClipper):
             if m.weight is not None and m.weight.requires_grad:
                 add_to_grad(m.weight, (g * self._normalised(record).reshape(g.shape)).sum(0))
             return
-        if m.weight.requires_grad:  # one product over all tokens, in the layer's own precision
-            add_to_grad(m.weight, g.to(record.out.dtype).T @ self._inputs(record).flatten(0, 1))
+        if m.weight.requires_grad:  # one product over all tokens, in g's fp32 (fp64)
+            add_to_grad(m.weight, g.T @ self._inputs(record).flatten(0, 1).to(g.dtype))
 
     def _normalised(self, record: _Record) -> torch.Tensor:
         """A LayerNorm's normalised input, in the norms' precision."""

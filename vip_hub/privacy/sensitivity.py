@@ -8,6 +8,12 @@ The contrastive mechanisms (``Logit-DP``, ``Naive-DP``) are derived step by step
 ``docs/logit_dp_sensitivity.md``; their ``mechanism_params`` are ``loss`` (``CONTRASTIVE_LOSS``),
 ``temperature`` and, for a Logit-DP run that skips every batch larger than a cap,
 ``max_batch``. An unknown key is an error: a misspelt cap must not change the claim silently.
+
+Every mechanism's ``mechanism_params`` may also hold ``rounding_terms`` b: the clipped sum is
+formed in fp32, and its rounding moves the neighbours' difference by at most ``b 2^-23`` times
+the exact sensitivity when no step sums more than b examples (``rounding_allowance``; the
+derivation is in ``docs/architecture.md``, "Rounding of the clipped sum"). The DP engine records
+b = ``sample_bound(n, q)`` and refuses a step whose sample is larger.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from ..errors import AccountingError
 
 __all__ = [
     "CONTRASTIVE_LOSS",
+    "ROUNDING_TERMS",
     "PER_EXAMPLE_MECHANISMS",
     "MechanismName",
     "PerExampleMechanism",
     "logit_dp_sensitivity",
     "logit_dp_sensitivity_at",
     "naive_dp_sensitivity",
+    "rounding_allowance",
+    "sample_bound",
     "sensitivity",
 ]
 
@@ -37,21 +46,57 @@ CONTRASTIVE_LOSS = "symmetric-infonce"
 """L = sum_i (CE(Z_i. / tau, i) + CE(Z_.i / tau, i)) / 2 over cosine similarities Z (the rows
 and the columns of the similarity matrix each a softmax over the other view)."""
 
-_LOGIT_DP_KEYS = {"loss", "temperature", "max_batch"}
-_NAIVE_DP_KEYS = {"loss", "temperature"}
+ROUNDING_TERMS = "rounding_terms"
+"""The ``mechanism_params`` key of b, the most examples one step's fp32 clipped sum holds."""
+_FP32_ROUNDING = 2.0**-23
+"""Twice fp32's unit roundoff 2^-24: one rounding of each neighbour's sum, per example in it."""
+_SAMPLE_TAIL_BITS = 64
+"""``sample_bound`` is exceeded with probability at most 2^-64 per step."""
+_LOGIT_DP_KEYS = {"loss", "temperature", "max_batch", ROUNDING_TERMS}
+_NAIVE_DP_KEYS = {"loss", "temperature", ROUNDING_TERMS}
 
 
 def sensitivity(
     mechanism: str, clipping_norm: float, params: Mapping[str, Any] | None = None
 ) -> float:
-    """The sensitivity of ``mechanism``'s clipped sum.
+    """The sensitivity of ``mechanism``'s clipped sum, times ``rounding_allowance`` when ``params``
+    record ``rounding_terms``.
 
     Per-example clipping to C: adding or removing one example adds or removes one vector of
     norm at most C, so the sensitivity is C. Logit-DP and Naive-DP: see their functions.
     """
-    if mechanism in PER_EXAMPLE_MECHANISMS:
-        return float(clipping_norm)
     params = dict(params or {})
+    terms = params.get(ROUNDING_TERMS)
+    exact = _exact_sensitivity(mechanism, clipping_norm, params)
+    return exact if terms is None else exact * rounding_allowance(terms)
+
+
+def rounding_allowance(terms: int) -> float:
+    """``1 + b 2^-23``: the factor on the exact sensitivity that covers the fp32 rounding of a
+    clipped sum of at most ``terms`` = b examples (see ``docs/architecture.md``)."""
+    if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
+        raise AccountingError(f"{ROUNDING_TERMS} must be a positive integer, got {terms!r}")
+    return 1.0 + terms * _FP32_ROUNDING
+
+
+def sample_bound(dataset_size: int, sample_rate: float) -> int:
+    """The most examples a Poisson sample of ``dataset_size`` at rate q holds, but with
+    probability at most 2^-64: mean mu = n q plus t, where Bernstein's inequality
+    P(X >= mu + t) <= exp(-t^2 / (2 (mu + t / 3))) reaches 2^-64; at most n."""
+    if dataset_size < 1 or not 0 < sample_rate <= 1:
+        raise AccountingError(
+            f"no sample bound for {dataset_size} examples at sample rate {sample_rate!r}"
+        )
+    mu, tail = dataset_size * sample_rate, _SAMPLE_TAIL_BITS * math.log(2)
+    t = tail / 3 + math.sqrt((tail / 3) ** 2 + 2 * tail * mu)
+    return min(dataset_size, math.ceil(mu + t))
+
+
+def _exact_sensitivity(mechanism: str, clipping_norm: float, params: dict[str, Any]) -> float:
+    """The sensitivity of ``mechanism``'s clipped sum in exact arithmetic."""
+    if mechanism in PER_EXAMPLE_MECHANISMS:
+        _check_keys(mechanism, params, {ROUNDING_TERMS}, loss=False)
+        return float(clipping_norm)
     if mechanism == "Logit-DP":
         _check_keys(mechanism, params, _LOGIT_DP_KEYS)
         tau = _temperature(mechanism, params)
@@ -117,13 +162,15 @@ def naive_dp_sensitivity(clipping_norm: float) -> float:
     return 2.0 * clipping_norm
 
 
-def _check_keys(mechanism: str, params: Mapping[str, Any], allowed: set[str]) -> None:
+def _check_keys(
+    mechanism: str, params: Mapping[str, Any], allowed: set[str], loss: bool = True
+) -> None:
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise AccountingError(
             f"{mechanism}: unknown mechanism_params {unknown}; allowed: {sorted(allowed)}"
         )
-    if params.get("loss") != CONTRASTIVE_LOSS:
+    if loss and params.get("loss") != CONTRASTIVE_LOSS:
         raise AccountingError(
             f"{mechanism}: mechanism_params.loss must be {CONTRASTIVE_LOSS!r}, "
             f"got {params.get('loss')!r}"

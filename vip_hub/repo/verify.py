@@ -40,7 +40,7 @@ from ..paths import tree_path_problems, validate_relpath
 from ..privacy.accounting import Accountant, composed_epsilon
 from ..privacy.audit import bound_over_grid, ceiling
 from ..privacy.ledger import EPSILON_DECIMALS, PrivacyLedger
-from ..privacy.sensitivity import sensitivity
+from ..privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
@@ -329,6 +329,13 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
         where = f"stage {stage.name!r}"
         try:
             expected = sensitivity(stage.mechanism, stage.clipping_norm, stage.mechanism_params)
+            terms = stage.mechanism_params.get(ROUNDING_TERMS)
+            if terms is not None and terms < sample_bound(stage.dataset.size, stage.sample_rate):
+                raise AccountingError(
+                    f"{ROUNDING_TERMS} {terms} is below the {stage.dataset.size} examples' sample "
+                    f"bound {sample_bound(stage.dataset.size, stage.sample_rate)} at q "
+                    f"{stage.sample_rate:g}: the allowance covers smaller sums than the steps held"
+                )
         except AccountingError as e:
             report.overclaims(where, str(e))
             continue
