@@ -48,7 +48,7 @@ class DPRun(Run):
         terms = sample_bound(dataset_size, self.budget.sample_rate)
         self.mechanism, self.params = mechanism, {**(params or {}), ROUNDING_TERMS: terms}
         self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm
-        self.sensitivity = sensitivity(mechanism, self.clipping_norm, params)
+        self.sensitivity = sensitivity(mechanism, self.clipping_norm, self.params)
         super().__init__(cfg, dist)
 
     def engine(
