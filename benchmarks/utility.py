@@ -672,16 +672,16 @@ def finetune_reference(
 ROWS["finetune"] = ("DP fine-tuning: (Syn)-ViP top block + head", finetune_row)
 
 
-def compose(result: Result, dataset: str) -> tuple[float, dict[Accountant, float]]:
-    """The row's guarantee: every DP stage composed (``compose_releases``); a stage on another
-    dataset, or a claim above EPSILON under RDP, is an error."""
+def compose(result: Result, dataset: str) -> dict[Accountant, float]:
+    """The row's guarantee: every DP stage composed at DELTA (``compose_releases``); a stage on
+    another dataset, or a claim above EPSILON under RDP, is an error."""
     names = {s.dataset.name for s in result.stages}
     if names != {dataset}:
         raise RuntimeError(f"{result.row}: stages on {sorted(names)}, expected only {dataset}")
-    delta, eps = compose_releases(result.stages)
-    if delta > DELTA or eps[Accountant.RDP] > EPSILON:
-        raise RuntimeError(f"{result.row}: composes to ({eps[Accountant.RDP]}, {delta}) > budget")
-    return delta, eps
+    eps = compose_releases(result.stages, DELTA)
+    if eps[Accountant.RDP] > EPSILON:
+        raise RuntimeError(f"{result.row}: composes to ({eps[Accountant.RDP]}, {DELTA}) > budget")
+    return eps
 
 
 def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Accountant, float]]]:
@@ -690,7 +690,7 @@ def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Acco
     for key in rows:
         label, run = ROWS[key]
         r = run(b, key)
-        _, eps = compose(r, b.train.dataset.name)
+        eps = compose(r, b.train.dataset.name)
         out.append((r, eps))
         ref, t = (f"{r.ref:.2f} %" if r.ref is not None else "-"), r.timing
         print(

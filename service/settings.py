@@ -22,6 +22,7 @@ from pydantic_settings import (
 
 from vip_hub.device import pick_device
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
+from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
 from vip_hub.repo_format import FrontMatterLimits
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
@@ -98,6 +99,15 @@ class HubSettings(BaseModel):
     )
     page_cache_entries: int = Field(
         256, gt=0, description="model pages kept rendered (each commit's is rendered once)"
+    )
+
+    delta: float = Field(
+        DEFAULT_DELTA_CAP,
+        gt=0,
+        lt=1,
+        description="the one delta at which the hub states, ranks, filters (max_epsilon) and "
+        "composes (dataset pages) epsilons, each recomputed from its stage's (sigma, q, T): a "
+        "publisher's own delta never changes them",
     )
 
     def front_matter(self) -> FrontMatterLimits:

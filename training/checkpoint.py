@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from vip_hub.errors import CheckpointError
+from vip_hub.paths import make_private_dir, private_writer
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -16,20 +17,12 @@ CHECKPOINT_FORMAT = 1
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` via a fsynced temp file and one rename (crash-safe)."""
+    """Write ``state`` to ``path`` owner-only (it holds the run's secret seed), via a fsynced
+    temp file and one rename (crash-safe), in an owner-only folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    make_private_dir(path.parent)
+    with private_writer(path) as f:
         torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dict[str, Any]:

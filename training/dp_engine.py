@@ -46,6 +46,7 @@ from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import (
     Accountant,
     calibrate,
+    check_delta,
     composed_epsilon,
     default_delta,
     max_steps_within,
@@ -106,8 +107,10 @@ class Budget:
         sigma: float | None,
         delta: float | None,
         accountant: Accountant | str,
+        allow_weak_delta: bool = False,
     ) -> Budget:
-        """Calibrate sigma from ``epsilon`` (unless given) and find the last step within it."""
+        """Calibrate sigma from ``epsilon`` (unless given) and find the last step within it; a
+        ``delta`` above 1/n is refused unless ``allow_weak_delta``."""
         n = dataset_size
         if not 0 < batch_size <= n:
             raise ConfigError(f"--batch-size must be in [1, n={n}], got {batch_size}")
@@ -116,6 +119,7 @@ class Budget:
         kind = Accountant(accountant)
         q = batch_size / n
         delta = default_delta(n) if delta is None else delta
+        check_delta(delta, n, allow_weak_delta)
         sigma = calibrate(epsilon, delta, q, steps, kind) if sigma is None else sigma
         within = (
             steps if epsilon is None else max_steps_within(epsilon, sigma, q, delta, steps, kind)
@@ -134,7 +138,15 @@ class Budget:
             raise DataError(
                 f"--dataset-size {cfg.dataset_size} but {cfg.data} holds {dataset_size} examples"
             )
-        planned = {"batch_size", "steps", "epsilon", "sigma", "delta", "accountant"}
+        planned = {
+            "batch_size",
+            "steps",
+            "epsilon",
+            "sigma",
+            "delta",
+            "accountant",
+            "allow_weak_delta",
+        }
         return cls.plan(dataset_size=dataset_size, **cfg.model_dump(include=planned))
 
     def stop_message(self) -> str | None:
@@ -509,7 +521,11 @@ class DPEngine:
                 description=dataset_description,
             )
             stage = self.stage(
-                audit_delta=cfg.audit_delta, mechanism=mechanism, dataset=dataset, **stage_fields
+                audit_delta=cfg.audit_delta,
+                mechanism=mechanism,
+                dataset=dataset,
+                run_id=run.run_id(),
+                **stage_fields,
             )
             return [*(s for s in init.stages if s.component == ENCODER), stage]
 

@@ -42,8 +42,14 @@ from tqdm.auto import tqdm
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import Pooling
-from vip_hub.privacy.accounting import Accountant, calibrate, default_delta
-from vip_hub.privacy.ledger import DATASET_NAME_PATTERN, Dataset, DPStage, NonPrivateStage
+from vip_hub.privacy.accounting import Accountant, calibrate, check_delta, default_delta
+from vip_hub.privacy.ledger import (
+    DATASET_NAME_PATTERN,
+    Dataset,
+    DPStage,
+    NonPrivateStage,
+    new_run_id,
+)
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import head_component
 
@@ -51,6 +57,7 @@ from .data import ImageFolder
 from .datasets import keyed_uniforms
 from .optim import lr_factor
 from .procedural import SyntheticImages
+from .recipe import WeakDeltaOption
 
 __all__ = [
     "DP_HEAD_LR",
@@ -128,7 +135,7 @@ class HeadData(BaseModel):
     )
 
 
-class ProbeConfig(HeadData):
+class ProbeConfig(HeadData, WeakDeltaOption):
     """A linear-probe run. Defaults follow the MAE linear-probe recipe, scaled to small data."""
 
     encoder: str = Field(description="encoder repo folder or hub repo id")
@@ -311,6 +318,7 @@ def _fit_dp(
     n = len(x)
     q, steps = dp_head_sampling(n, cfg)
     delta = cfg.delta if cfg.delta is not None else default_delta(n)
+    check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
     # The mechanism's randomness: a secret per run, never stored (a public seed would let anyone
@@ -450,6 +458,7 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
         clipping_norm=cfg.max_grad_norm,
         delta=dp["delta"],
         accountant=dp["accountant"],
+        run_id=new_run_id(),
         description=f"linear probe ({protocol}) trained with DP-SGD (Opacus); normalisation "
         "fixed to public procedural-image features",
         hyperparameters={

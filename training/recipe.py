@@ -33,6 +33,7 @@ __all__ = [
     "Recipe",
     "RunConfig",
     "WarmupRule",
+    "WeakDeltaOption",
     "add_config_args",
     "config_from_args",
     "recipe_main",
@@ -88,7 +89,19 @@ class RunConfig(BaseModel):
         return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))
 
 
-class DPRunConfig(RunConfig):
+class WeakDeltaOption(BaseModel):
+    """The option every DP recipe and DP head shares: train at a delta above 1/n only when asked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow_weak_delta: bool = Field(
+        False,
+        description="allow a --delta above 1/n (refused otherwise: at such a delta a mechanism "
+        "may publish a random record); a delta above 1/(10n) is flagged weak wherever shown",
+    )
+
+
+class DPRunConfig(RunConfig, WeakDeltaOption):
     """What every DP recipe has: data, budget, batch, clipping, accountant and audit."""
 
     data: str = Field(description="the private training data (see the recipe for its layout)")

@@ -1,4 +1,5 @@
-"""The per-step JSONL log of a training run, and the curves plotted into the model card."""
+"""The per-step JSONL log of a training run (owner-only, in the private run folder), and the
+curves plotted into the model card."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from vip_hub.paths import make_private_dir, open_private, write_private
 
 __all__ = ["RunLog", "plot_curves"]
 
@@ -18,11 +21,12 @@ class RunLog:
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.path.parent)
         kept = [r for r in self.records() if r.get("step", 0) <= resume_step] if resume_step else []
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        self._file = open(self.path, "a", buffering=1)
+        write_private(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        self._file = io.TextIOWrapper(
+            open_private(self.path, "ab"), encoding="utf-8", line_buffering=True
+        )
 
     def records(self) -> list[dict[str, Any]]:
         """Every record written so far (a torn last line, from a kill, is skipped)."""

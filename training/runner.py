@@ -1,6 +1,8 @@
 """The run skeleton every recipe shares: the run folder ``<out>.run/`` (settings, secret seed,
-checkpoint, JSONL log), resume, checkpoint and evaluation cadence, autocast, the progress
-bar, AdamW from the recipe's fields, and the export at the end (rank 0, then every rank waits)."""
+run id, checkpoint, JSONL log; owner-only: the folder 0700 and every file 0600 from its creation,
+since the seed and the checkpoints give away the noise, the sampling and the audit's canary
+bits), resume, checkpoint and evaluation cadence, autocast, the progress bar, AdamW from the
+recipe's fields, and the export at the end (rank 0, then every rank waits)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from timm.models.vision_transformer import VisionTransformer
 from tqdm.auto import tqdm
 
 from vip_hub.models.encoders import EncoderSpec
-from vip_hub.privacy.ledger import DPStage, NonPrivateStage
+from vip_hub.paths import make_private_dir, write_private
+from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
 from vip_hub.repo_format import CURVES_FILE
@@ -49,8 +52,12 @@ class Run:
         self.cfg, self.dist = cfg, dist
         out = Path(cfg.out)
         self.dir = out.with_name(out.name + ".run")
-        if cfg.restart and dist.main and self.dir.exists():
-            shutil.rmtree(self.dir)
+        if dist.main:
+            if cfg.restart and self.dir.exists():
+                shutil.rmtree(self.dir)
+            make_private_dir(self.dir)
+            if self.dir.stat().st_mode & 0o077:  # a run folder made before it was owner-only
+                os.chmod(self.dir, 0o700)
         dist.barrier()
         self.seed = self._resolve_seed(cfg.seed)
         self.settings = {**cfg.run_settings(), "seed": self.seed}
@@ -66,11 +73,18 @@ class Run:
         if self.dist.main:
             saved = self.dir / "seed"
             if not saved.exists():
-                self.dir.mkdir(parents=True, exist_ok=True)
-                saved.write_text(str(secrets.randbits(62)))
+                write_private(saved, str(secrets.randbits(62)).encode())
             chosen[0] = int(saved.read_text())
         self.dist.broadcast_([chosen])
         return int(chosen.item())
+
+    def run_id(self) -> str:
+        """This run's random id for its ledger stage (``new_run_id``), drawn once and kept in the
+        run folder so a resumed run records the same one (rank 0, which exports)."""
+        path = self.dir / "run_id"
+        if not path.exists():
+            write_private(path, new_run_id().encode())
+        return path.read_text()
 
     def resume(self, objects: dict[str, Stateful]) -> int:
         """Load the checkpoint (checked against this run's settings) into ``objects``; the step to
@@ -116,8 +130,10 @@ class Run:
         t0, images = time.perf_counter(), 0
         bar = None
         if self.dist.main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "settings.json").write_text(json.dumps(self.settings, indent=2) + "\n")
+            public = {k: v for k, v in self.settings.items() if k != "seed"}  # the seed: its file
+            write_private(
+                self.dir / "settings.json", (json.dumps(public, indent=2) + "\n").encode()
+            )
             self.log = RunLog(self.dir / "log.jsonl", start)
             if stop_message:
                 print(stop_message, file=sys.stderr)

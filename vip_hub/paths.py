@@ -1,17 +1,33 @@
 """Validation of the relative file paths a repo may contain (no traversal, no tricks): each
-path alone (:func:`validate_relpath`) and a tree's paths together (:func:`tree_path_problems`)."""
+path alone (:func:`validate_relpath`) and a tree's paths together (:func:`tree_path_problems`);
+and owner-only folders and files, private from their creation (never chmod-ed afterwards, so
+no other user can open them in between): the hub's store and the training run folders."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import unicodedata
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
 
 from .errors import UnsafePathError
 
 MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 
-__all__ = ["UnsafePathError", "tree_path_problems", "validate_relpath"]
+__all__ = [
+    "UnsafePathError",
+    "fsync_dir",
+    "make_private_dir",
+    "open_private",
+    "private_writer",
+    "tree_path_problems",
+    "validate_relpath",
+    "write_private",
+]
 
 
 def validate_relpath(path: str) -> str:
@@ -57,3 +73,55 @@ def tree_path_problems(paths: Iterable[str]) -> list[str]:
             problems.append(f"{seen[folded]!r} and {path!r} differ only by case")
         seen.setdefault(folded, path)
     return problems
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` and its missing parents owner-only (0700)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another request
+            pass
+
+
+def open_private(path: Path, mode: str = "wb") -> BinaryIO:
+    """Open a file for writing, created owner-only (0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    return open(os.open(path, flags, 0o600), mode)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def private_writer(path: Path) -> Iterator[BinaryIO]:
+    """A new owner-only (0600) file that replaces ``path`` in one fsynced rename when the block
+    ends (so a crash leaves the old file or the new one, whole); discarded if the block raises."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    f = open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` as :func:`private_writer` does."""
+    with private_writer(path) as f:
+        f.write(data)

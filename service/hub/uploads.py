@@ -23,9 +23,11 @@ from typing import Any, BinaryIO
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from vip_hub.paths import open_private
+
 from ..errors import BadRequest, PayloadTooLarge
 from ..store import AddFile, AddObject, BlobStore, DeleteFile, DeleteFolder
-from ..store.blobs import DigestWriter, open_private
+from ..store.blobs import DigestWriter
 from ..store.faults import crash_point
 
 __all__ = ["CommitParser", "CommitRequest", "receive_blob", "receive_body"]

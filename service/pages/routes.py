@@ -1,5 +1,6 @@
-"""``/`` (models, sortable and filterable by epsilon), ``/{org}/{name}`` (card, ledger,
-files, history) and ``/datasets/{name}`` (every public release on a dataset, composed).
+"""``/`` (models, sortable and filterable by epsilon at the hub's one delta), ``/{org}/{name}``
+(card, ledger, files, history) and ``/datasets/{name}`` (every public release on a dataset,
+composed at the hub's delta, the dataset owner's apart from other publishers').
 Server-rendered: they work without JavaScript."""
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from vip_hub.models.encoders import ARCHS
-from vip_hub.privacy.accounting import Accountant
-from vip_hub.privacy.ledger import LedgerError, PrivacyLedger, compose_releases
+from vip_hub.privacy.accounting import Accountant, composed_epsilon
+from vip_hub.privacy.ledger import (
+    DPStage,
+    LedgerError,
+    PrivacyLedger,
+    compose_releases,
+    round_up,
+)
 from vip_hub.repo.card import (
     LEDGER_COLUMNS,
     audit_paragraphs,
@@ -119,6 +126,7 @@ def index(
             "updated": _date(c.created_at),
             "accountant": (c.accountant or "").upper(),
             "caveat": c.caveat,
+            "weak_delta": c.weak_delta,
         }
         for repo, c in rows
     ]
@@ -185,6 +193,7 @@ def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str
         "audit_html": [markdown_html(p) for p in audit_paragraphs(ledger)] if ledger else [],
         "ledger_columns": LEDGER_COLUMNS,
         "ledger_rows": ledger_rows(ledger) if ledger else [],
+        "weak_stages": [s for s in ledger.dp_stages() if s.weak_delta] if ledger else [],
         "files": [
             {
                 "path": e.path,
@@ -204,60 +213,94 @@ def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str
 
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     """Every public release's DP stages that name ``dataset`` (the default branch of each repo),
-    and their composition under each accountant: what an adversary who reads all of them faces.
-    The composition is computed once per change of those releases (``app.state.compositions``),
-    under PRV only up to ``hub.max_prv_stages`` stages."""
+    and their composition at the hub's one delta, each stage once: the owner's (repos in the
+    dataset name's namespace) apart from other publishers'; what an adversary reading them faces.
+    Each composition is computed once per change of those releases (``_composed``)."""
     store = store_of(request)
-    releases, stages, sources = [], [], []
+    delta = request.app.state.settings.hub.delta
+    owner = dataset.split("/")[0] if "/" in dataset else ""  # a name without one has no owner
+    groups: dict[bool, list[DPStage]] = {True: [], False: []}
+    rows: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    sources = []
     for repo, commit in store.list_models(
         dataset=dataset, sort="name", descending=False, limit=1000
     ):
         sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
+        own = bool(owner) and repo.org == owner
         for s in ledger.dp_stages():
             if s.dataset.name == dataset:
-                stages.append(s)
-                releases.append(
-                    {
-                        "repo": repo.repo_id,
-                        "stage": s.name,
-                        "component": s.component,
-                        "mechanism": s.mechanism,
-                        "q": f"{s.sample_rate:.4g}",
-                        "sigma": f"{s.noise_multiplier:.4g}",
-                        "steps": f"{s.steps:,}",
-                        "delta": f"{s.delta:.3g}",
-                        "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
-                        "sampling": s.sampling,
-                    }
-                )
-    if not stages:
+                groups[own].append(s)
+                rows[own].append(_stage_row(repo.repo_id, s, delta))
+    if not (groups[True] or groups[False]):
         raise NotFound(f"no public release names the dataset {dataset!r}")
-    limits, app = request.app.state.settings.hub, request.app
-    over_budget = len(stages) > limits.max_prv_stages
-    accountants = [a for a in Accountant if not (over_budget and a is Accountant.PRV)]
-
-    def compose() -> tuple[float, dict[Accountant, float]]:
-        app.state.metrics.compositions.inc()
-        return compose_releases(stages, accountants)
-
     digest = hashlib.sha256("\n".join(sorted(sources)).encode()).hexdigest()
-    delta, composed = app.state.compositions.get((dataset, digest), compose)
     return templates.TemplateResponse(
         request,
         "dataset.html",
         {
             "dataset": dataset,
-            "releases": releases,
+            "owner": owner,
             "delta": delta,
-            "composed": [(a.value.upper(), eps) for a, eps in composed.items()],
-            "prv_budget": limits.max_prv_stages if over_budget else None,
-            "repos": sorted({r["repo"] for r in releases}),
-            "assumed_poisson": [r for r in releases if r["sampling"] != "poisson"],
+            "owners": rows[True],
+            "others": rows[False],
+            "composed": _composed(request.app, (dataset, digest, "owner"), groups[True], delta),
+            "composed_all": _composed(
+                request.app, (dataset, digest, "all"), groups[True] + groups[False], delta
+            )
+            if groups[False]
+            else None,
+            "distinct": {own: len({s.identity for s in groups[own]}) for own in groups},
+            "repos": {own: sorted({r["repo"] for r in rows[own]}) for own in rows},
+            "assumed_poisson": any(r["sampling"] != "poisson" for r in rows[True] + rows[False]),
         },
         headers=PAGE_HEADERS,
     )
+
+
+def _composed(
+    app: FastAPI, key: tuple[str, ...], stages: list[DPStage], delta: float
+) -> dict[str, Any] | None:
+    """``compose_releases`` of ``stages`` at ``delta`` as the page shows it (None without
+    stages), computed once per ``key`` (``app.state.compositions``), under PRV only up to
+    ``hub.max_prv_stages`` distinct stages (``prv_budget`` says when it was left out)."""
+    if not stages:
+        return None
+    budget = app.state.settings.hub.max_prv_stages
+    count = len({s.identity for s in stages})
+    accountants = [a for a in Accountant if not (count > budget and a is Accountant.PRV)]
+
+    def compose() -> dict[Accountant, float]:
+        app.state.metrics.compositions.inc()
+        return compose_releases(stages, delta, accountants)
+
+    epsilons = app.state.compositions.get((*key, delta), compose)
+    return {
+        "epsilons": [(a.value.upper(), eps) for a, eps in epsilons.items()],
+        "stages": count,
+        "prv_budget": budget if count > budget else None,
+    }
+
+
+def _stage_row(repo_id: str, s: DPStage, delta: float) -> dict[str, Any]:
+    """One stage of the dataset page: as stated, and its claim's accountant at the hub's delta."""
+    at_hub = composed_epsilon([s.mechanism_tuple], delta, s.accountant)
+    return {
+        "repo": repo_id,
+        "stage": s.name,
+        "id": s.identity[:12],
+        "component": s.component,
+        "mechanism": s.mechanism,
+        "q": f"{s.sample_rate:.4g}",
+        "sigma": f"{s.noise_multiplier:.4g}",
+        "steps": f"{s.steps:,}",
+        "delta": f"{s.delta:.3g}",
+        "weak_delta": s.weak_delta,
+        "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
+        "epsilon_at_hub": f"{round_up(at_hub):.2f}",
+        "sampling": s.sampling,
+    }
 
 
 def dataset_link(name: str) -> str:

@@ -17,7 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+
+from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
 from .errors import InvalidRequest, UploadMissing
 from .faults import crash_point
@@ -27,8 +28,6 @@ __all__ = [
     "DigestWriter",
     "FileDigest",
     "hash_file",
-    "make_private_dir",
-    "open_private",
     "remove_older_than",
 ]
 
@@ -75,34 +74,6 @@ def check_sha256(oid: str) -> str:
             f"invalid object id {oid!r}: expected a SHA-256 as 64 lowercase hex digits"
         )
     return oid
-
-
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` and its missing parents owner-only (0700)."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:  # made meanwhile by another request
-            pass
-
-
-def open_private(path: Path, mode: str = "wb") -> BinaryIO:
-    """Open a new file for writing, owner-only (0600)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
-    return open(os.open(path, flags, 0o600), mode)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DigestWriter:

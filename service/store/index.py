@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .blobs import make_private_dir, open_private
+from vip_hub.paths import make_private_dir, open_private
 
 __all__ = ["Index", "PostgresIndex", "SQLiteIndex", "open_index"]
 

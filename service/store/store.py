@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from vip_hub.errors import SignatureError
+from vip_hub.paths import fsync_dir, make_private_dir
+from vip_hub.privacy.accounting import is_weak_delta
 from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headline
 from vip_hub.repo.card import load_card
 from vip_hub.repo.signing import PublicKey, load_keys, verify_signature
@@ -45,10 +47,8 @@ from .blobs import (
     BlobStore,
     FileDigest,
     check_sha256,
-    fsync_dir,
     hash_file,
     lfs_digest,
-    make_private_dir,
 )
 from .errors import (
     Conflict,
@@ -135,6 +135,16 @@ class CommitRecord:
         if all(s.get("sampling", "poisson") == "poisson" for s in ledger.get("stages", [])):
             return None  # the common case, without parsing the ledger on every listed row
         return PrivacyLedger.parse(ledger).summary().caveat
+
+    @property
+    def weak_delta(self) -> bool:
+        """Whether a DP stage of its ledger states a delta above 1/(10n) (flagged on pages)."""
+        ledger = self.card_data.get("differential_privacy") or {}
+        return any(
+            is_weak_delta(s["delta"], s["dataset"]["size"])
+            for s in ledger.get("stages", [])
+            if s.get("type") == "dp"
+        )
 
 
 @dataclass(frozen=True)
@@ -224,7 +234,22 @@ class HubStore:
         self._secret = b""
         make_private_dir(self.root / "snapshots")
         self.index: Index = open_index(index, self.root)
+        self._restate_epsilons()
         self.collect_uploads()
+
+    def _restate_epsilons(self) -> None:
+        """Recompute the index's epsilon of every commit stated at another delta than the hub's
+        (a store indexed before the hub fixed one delta, or under another ``delta`` setting)."""
+        rows = self.index.rows(
+            "SELECT sha, card_data FROM commits WHERE delta > 0 AND delta <> ?", [self.limits.delta]
+        )
+        for row in rows:
+            ledger = json.loads(row["card_data"]).get("differential_privacy")
+            summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
+            self.index.execute(
+                "UPDATE commits SET epsilon = ?, delta = ? WHERE sha = ?",
+                [summary.epsilon, summary.delta, row["sha"]],
+            )
 
     def collect_uploads(self) -> int:
         """Remove uploads never committed older than the upload time-to-live, xorbs unused for
@@ -520,14 +545,16 @@ class HubStore:
         self._check_limits(local)
         report, signer = self._verified(repo_id, local)
         crash_point("commit-verified")
-        summary = report.ledger.summary()  # type: ignore[union-attr]  # the encoder's: what the index shows
+        # the encoder's, at the hub's one delta: what the index shows, ranks and filters
+        summary = report.ledger.summary(delta=self.limits.delta)  # type: ignore[union-attr]
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = load_card(
             local[CARD_FILE].read_text(encoding="utf-8"), limits=self.limits.front_matter()
         ).data.to_dict()
         files = self._store_blobs(tree, local, new)
         crash_point("commit-blobs-stored")
-        message = "\n\n".join(filter(None, [message, f"Privacy: {privacy_headline(summary)}"]))
+        claim = privacy_headline(report.ledger.summary())  # type: ignore[union-attr]  # as stated
+        message = "\n\n".join(filter(None, [message, f"Privacy: {claim}"]))
         created = _now()
         commit = _NewCommit(
             sha=_commit_id(head, files, title, message, author, created),

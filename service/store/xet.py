@@ -38,7 +38,9 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from .blobs import BlobStore, fsync_dir, make_private_dir, open_private, remove_older_than
+from vip_hub.paths import fsync_dir, make_private_dir, open_private
+
+from .blobs import BlobStore, remove_older_than
 from .errors import InvalidRequest, TooLarge
 
 __all__ = ["XetStore", "xet_hex", "xorb_hash"]

@@ -28,8 +28,10 @@ __all__ = [
     "DEFAULT_DELTA_RULE",
     "GaussianRun",
     "calibrate",
+    "check_delta",
     "composed_epsilon",
     "default_delta",
+    "is_weak_delta",
     "epsilon",
     "epsilons",
     "max_steps_within",
@@ -68,7 +70,29 @@ GaussianRun = tuple[float, float, int]
 def default_delta(n: int) -> float:
     """The default delta for a dataset of ``n`` examples: min(1e-5, 1/(10n)), well below 1/n
     (at 1/(2n) a mechanism may publish one random record with probability 1/2)."""
-    return min(DEFAULT_DELTA_CAP, 1.0 / (10 * _checked_size(n)))
+    return min(DEFAULT_DELTA_CAP, _strong_delta_bound(n))
+
+
+def _strong_delta_bound(n: int) -> float:
+    """1/(10n): a larger delta is flagged weak wherever it is shown."""
+    return 1.0 / (10 * _checked_size(n))
+
+
+def is_weak_delta(delta: float, n: int) -> bool:
+    """Whether ``delta`` is weak for ``n`` examples: above 1/(10n) (``verify`` and every page flag
+    such a stage; the ViP paper's 1/(2n) and DP-Cap's 1/n are)."""
+    return delta > _strong_delta_bound(n)
+
+
+def check_delta(delta: float, n: int, allow_weak: bool) -> None:
+    """Refuse a training delta above 1/n (a mechanism that publishes a random record can meet
+    it) unless ``allow_weak`` (``--allow-weak-delta``) says it is meant."""
+    if delta > 1.0 / _checked_size(n) and not allow_weak:
+        raise AccountingError(
+            f"delta {delta:g} is above 1/n = {1.0 / n:g} for n = {n}: such a guarantee allows "
+            f"publishing a random record; use the default {DEFAULT_DELTA_RULE}, or pass "
+            "--allow-weak-delta if this delta is meant"
+        )
 
 
 def paper_delta(n: int) -> float:

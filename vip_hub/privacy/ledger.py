@@ -14,6 +14,10 @@ recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy led
   treated as public.
 - ``artifacts``: digests of the files the ledger describes, binding it to the weights.
 
+A DP stage written by a training run carries the run's random ``run_id`` (an optional field:
+ledgers written before it, and imports, have none and are still v3); it identifies the stage
+across repos (``DPStage.identity``), so a release copied or trained further counts once.
+
 Every epsilon is stored rounded *up* to ``EPSILON_DECIMALS`` decimals (an audit's lower
 bound rounded *down*), so the document does not depend on floating-point noise (the number
 of ranks, the machine) and a claim stays an upper bound.
@@ -21,9 +25,11 @@ of ranks, the machine) and a claim stays an upper bound.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
@@ -43,7 +49,7 @@ from pydantic import (
 from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
 from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, NAME_PATTERN
-from .accounting import Accountant, composed_epsilon, default_delta, epsilons
+from .accounting import Accountant, composed_epsilon, default_delta, epsilons, is_weak_delta
 from .sensitivity import MechanismName
 
 SCHEMA = "vip-hub/privacy-ledger/v3"
@@ -79,6 +85,7 @@ __all__ = [
     "PrivacySummary",
     "Stage",
     "compose_releases",
+    "new_run_id",
     "privacy_headline",
     "round_down",
     "round_up",
@@ -144,11 +151,13 @@ class _Stage(_Model):
         return heads
 
     @model_serializer(mode="wrap")
-    def _omit_no_joint_heads(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without joint heads a stage is written as before the field existed."""
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without joint heads (or a run id) a stage is written as before the field existed."""
         data = handler(self)
         if not self.also_trains:
             data.pop("also_trains", None)
+        if data.get("run_id", "") is None:
+            data.pop("run_id")
         return data
 
     @property
@@ -229,9 +238,16 @@ class Audit(_Model):
 class DPStage(_Stage):
     """A DP stage: T steps of a Gaussian mechanism on a clipped sum of sensitivity ``sensitivity``,
     with noise of standard deviation ``noise_std`` = sigma * sensitivity, on batches sampled
-    as ``sampling`` says (the accountants assume Poisson sampling at rate q)."""
+    as ``sampling`` says (the accountants assume Poisson sampling at rate q). ``run_id``: drawn at
+    random by the training run (a copy of a release carries its stages' ids; see ``identity``)."""
 
     type: Literal["dp"] = "dp"
+    run_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the training run's random id (128 bits, hex); absent in imports and ledgers "
+        "written before it existed; written only when set",
+    )
     mechanism: MechanismName
     mechanism_params: dict[str, Any] = Field(
         default_factory=dict,
@@ -285,6 +301,28 @@ class DPStage(_Stage):
         """Every accountant's epsilon, the claim's first."""
         return {self.accountant: self.epsilon, **self.reference_epsilon}
 
+    @property
+    def weak_delta(self) -> bool:
+        """Whether its delta is above 1/(10n) (flagged by ``verify`` and every page)."""
+        return is_weak_delta(self.delta, self.dataset.size or 1)
+
+    @property
+    def identity(self) -> str:
+        """What makes two stages one release of one training run (counted once by
+        ``compose_releases``): a SHA-256 of its run id and its mechanism (dataset, n, mechanism,
+        sampling, q, sigma, T, clipping); its delta, epsilons, names and texts are left out, so a
+        copy that restates them is still the same stage. Two runs with the same settings differ
+        by their random run ids; a stage without one (an import) is identified by its mechanism
+        alone; a forged run id on another mechanism makes another stage (which can only
+        overstate a composition)."""
+        fields = {
+            "run_id": self.run_id,
+            "dataset": [self.dataset.name, self.dataset.size],
+            "mechanism": [self.mechanism, self.mechanism_params, self.sampling],
+            "gaussian": [*self.mechanism_tuple, self.clipping_norm, self.sensitivity],
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
     @classmethod
     def from_parameters(
         cls,
@@ -302,6 +340,7 @@ class DPStage(_Stage):
         delta: float | None = None,
         accountant: Accountant | str = Accountant.RDP,
         audit: Audit | None = None,
+        run_id: str | None = None,
         component: str = ENCODER,
         also_trains: Iterable[str] = (),
         description: str = "",
@@ -309,7 +348,8 @@ class DPStage(_Stage):
     ) -> DPStage:
         """Build a DP stage, computing its epsilon under every accountant (the named one is the
         claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping);
-        ``also_trains``: heads trained jointly with ``component``."""
+        ``also_trains``: heads trained jointly with ``component``; ``run_id``: the training
+        run's random id (``new_run_id``)."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
@@ -340,6 +380,7 @@ class DPStage(_Stage):
             epsilon=eps[acc],
             reference_epsilon={a: eps[a] for a in acc.others},
             audit=audit,
+            run_id=run_id,
             hyperparameters=hyperparameters or {},
         )
 
@@ -553,14 +594,15 @@ class PrivacyLedger(_Model):
         """Every component some stage trained (a joint stage's heads included)."""
         return sorted({c for s in self.stages for c in s.trained_components})
 
-    def summary(self, component: str = ENCODER) -> PrivacySummary:
+    def summary(self, component: str = ENCODER, delta: float | None = None) -> PrivacySummary:
         """What ``component``'s weights promise: its own stages composed (a head's include its
-        encoder's; the encoder's leave out a DP head trained later on the same data)."""
+        encoder's; the encoder's leave out a DP head trained later on the same data), at the
+        ledger's deltas, or each epsilon recomputed at ``delta`` (the hub's, to compare)."""
         stages = [s for s in self.stages if {ENCODER, component} & set(s.trained_components)]
         unprotected = [
             s.dataset.name for s in stages if isinstance(s, NonPrivateStage) and s.private_data
         ]
-        guarantees = compute_guarantees(stages)
+        guarantees = compute_guarantees(stages, delta)
         assumed = tuple(
             s.name for s in stages if isinstance(s, DPStage) and s.sampling != "poisson"
         )
@@ -599,18 +641,19 @@ def _dp_stages_by_dataset(stages: Iterable[Any]) -> dict[str, list[DPStage]]:
     return groups
 
 
-def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guarantee]:
-    """One guarantee per private dataset: its DP stages composed under the first one's accountant.
-
-    When the stages name different deltas the composition is reported at the largest.
-    """
+def compute_guarantees(
+    stages: Iterable[NonPrivateStage | DPStage], at_delta: float | None = None
+) -> list[Guarantee]:
+    """One guarantee per private dataset: its DP stages composed under the first one's accountant,
+    at ``at_delta`` (every epsilon recomputed from (sigma, q, T)), else at the stages' delta (the
+    largest when they name different ones)."""
     out = []
     for name, group in _dp_stages_by_dataset(stages).items():
         accountant = group[0].accountant
-        delta = max(s.delta for s in group)
+        delta = max(s.delta for s in group) if at_delta is None else at_delta
         eps = (
             group[0].epsilon
-            if len(group) == 1
+            if len(group) == 1 and delta == group[0].delta
             else round_up(composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
         )
         out.append(
@@ -626,16 +669,22 @@ def compute_guarantees(stages: Iterable[NonPrivateStage | DPStage]) -> list[Guar
 
 
 def compose_releases(
-    stages: Iterable[DPStage], accountants: Iterable[Accountant] = tuple(Accountant)
-) -> tuple[float, dict[Accountant, float]]:
-    """Every given DP stage composed (e.g. every release on one dataset, across repos), at the
-    largest of their deltas: (delta, epsilon under each of ``accountants``, rounded up)."""
-    stages = list(stages)
-    if not stages:
+    stages: Iterable[DPStage], delta: float, accountants: Iterable[Accountant] = tuple(Accountant)
+) -> dict[Accountant, float]:
+    """Every distinct given DP stage (e.g. every release on one dataset, across repos; stages of
+    one ``identity`` counted once) composed at ``delta``, each epsilon recomputed from its
+    (sigma, q, T) whatever delta and epsilon the stage states: epsilon under each of
+    ``accountants``, rounded up."""
+    distinct = {s.identity: s for s in stages}
+    if not distinct:
         raise LedgerError(["compose_releases: no DP stage to compose"])
-    delta = max(s.delta for s in stages)
-    history = [s.mechanism_tuple for s in stages]
-    return delta, {a: round_up(composed_epsilon(history, delta, a)) for a in accountants}
+    history = [s.mechanism_tuple for s in distinct.values()]
+    return {a: round_up(composed_epsilon(history, delta, a)) for a in accountants}
+
+
+def new_run_id() -> str:
+    """A training run's random id (128 bits, hex), recorded in its DP stage."""
+    return secrets.token_hex(16)
 
 
 def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> float:

@@ -356,6 +356,11 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
 
 def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None:
     for stage in ledger.dp_stages():
+        if stage.weak_delta:
+            report.warnings.append(
+                f"stage {stage.name!r}: weak delta {stage.delta:.3g} for n = "
+                f"{stage.dataset.size:,}, above 1/(10n): its epsilon says little"
+            )
         for accountant, claimed in stage.epsilons.items():
             actual = _recompute(
                 report, f"stage {stage.name!r}", [stage.mechanism_tuple], stage.delta, accountant
