@@ -17,7 +17,7 @@ import training.dp_engine
 from training.clipping import PerExampleClipper
 from training.distributed import Dist
 from training.dp_engine import EMPTY, Budget, DPEngine
-from vip_hub import Dataset, export_encoder
+from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.privacy.accounting import epsilon
 from vip_hub.privacy.audit import ceiling
@@ -221,6 +221,38 @@ def test_budget_plan_calibrates_and_stops_within_the_target() -> None:
             delta=None,
             accountant="rdp",
         )
+
+
+def test_a_delta_above_one_over_n_is_refused_unless_asked_for(tmp_path: Path) -> None:
+    """Recipes and DP heads refuse delta > 1/n unless --allow-weak-delta; verify flags a stage
+    above 1/(10n) as weak (an import keeps its paper's delta and is flagged)."""
+    from training.probe import ProbeConfig, fit_probe
+
+    plan = dict(dataset_size=1000, batch_size=10, steps=10, epsilon=None, sigma=1.0)
+    with pytest.raises(AccountingError, match="above 1/n .*--allow-weak-delta"):
+        Budget.plan(**plan, delta=0.002, accountant="rdp")
+    assert Budget.plan(**plan, delta=0.002, accountant="rdp", allow_weak_delta=True).delta == 0.002
+    assert Budget.plan(**plan, delta=0.001, accountant="rdp").delta == 0.001  # 1/n itself
+    head = dict(encoder="e", data="d", dataset_name="test/d", epsilon=1.0, epochs=1)
+    x, y = torch.randn(100, 8), torch.arange(100) % 2
+    with pytest.raises(AccountingError, match="--allow-weak-delta"):
+        fit_probe(x, y, 2, ProbeConfig(**head, delta=0.02), public_x=torch.randn(10, 8))
+    for delta, weak in ((1e-4, False), (1.01e-4, True), (1 / 2000, True)):
+        stage = DPStage.from_parameters(
+            name="dp-pretraining",
+            dataset=Dataset(name="test/weak", size=1000),
+            sample_rate=0.01,
+            noise_multiplier=1.0,
+            steps=10,
+            clipping_norm=1.0,
+            delta=delta,
+        )
+        repo = export_encoder(
+            tmp_path / f"r{delta}", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="r"
+        )
+        report = verify_repo(repo)
+        assert report.ok and stage.weak_delta == weak
+        assert any("weak delta" in w for w in report.warnings) == weak, report.warnings
 
 
 def _train(engine: DPEngine, x: torch.Tensor, start: int, stop: int) -> None:

@@ -255,7 +255,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.repo.push import push_repo
 
-    data = Dataset(name="test/shared-faces", size=2000)
+    data = Dataset(name="writer/shared-faces", size=2000)
     stages = [
         DPStage.from_parameters(
             name="dp-pretraining",
@@ -276,7 +276,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
             model_name=f"r{i}",
         )
         push_repo(repo, f"writer/shared-{i}", token=WRITE_TOKEN)
-    page = httpx.get(f"{hub.url}/datasets/test/shared-faces", timeout=30)
+    page = httpx.get(f"{hub.url}/datasets/writer/shared-faces", timeout=30)
     assert page.status_code == 200, page.text
     acc = RdpAccountant()
     for s in stages:
@@ -292,7 +292,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     assert shown >= composed - 0.005 and shown == pytest.approx(composed, abs=0.02)
     assert "/writer/shared-0" in page.text and "/writer/shared-1" in page.text
     model = httpx.get(f"{hub.url}/writer/shared-0", timeout=30)
-    assert 'href="/datasets/test/shared-faces"' in model.text
+    assert 'href="/datasets/writer/shared-faces"' in model.text
     assert httpx.get(f"{hub.url}/datasets/test/nobody", timeout=30).status_code == 404
 
 

@@ -144,6 +144,48 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     assert "mask_token" in decoder and "decoder_pred.weight" in decoder
 
 
+def test_a_dp_run_folder_is_private_from_its_creation(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """Under umask 022 (the usual one; under 077 anything passes), a DP run with a secret seed
+    leaves no file or folder under OUT.run/ with a group or other bit (the seed, the settings,
+    the run id, every checkpoint, the log), the seed only in its own file (and the owner-only
+    checkpoint), and its random run id in the released stage."""
+    old = os.umask(0o022)
+    try:
+        out = train_vip(
+            VipConfig(
+                init=str(syn_repo),
+                data=str(images),
+                out=str(tmp_path / "vip-nano-dp"),
+                epsilon=8.0,
+                batch_size=8,
+                steps=2,
+                checkpoint_every=1,
+                audit_canaries=100,
+                workers=0,
+                dataset_name="test/images",
+            )
+        )
+    finally:
+        os.umask(old)
+    run = tmp_path / "vip-nano-dp.run"
+    made = [run, *run.rglob("*")]
+    assert {p.name for p in made} == {
+        run.name,
+        "seed",
+        "run_id",
+        "settings.json",
+        "checkpoint.pt",
+        "log.jsonl",
+    }
+    assert [f"{p} {p.stat().st_mode & 0o777:o}" for p in made if p.stat().st_mode & 0o077] == []
+    seed = (run / "seed").read_text()
+    assert seed not in (run / "settings.json").read_text()
+    assert "seed" not in json.loads((run / "settings.json").read_text())
+    assert ledger_of(out).stages[-1].run_id == (run / "run_id").read_text()
+
+
 def test_training_stops_before_the_budget_is_exceeded(
     syn_repo: Path, images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

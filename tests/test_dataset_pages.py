@@ -1,0 +1,177 @@
+"""The dataset page and the rankings no publisher can bend: one delta the hub fixes, each stage's
+epsilon recomputed from (sigma, q, T), a stage counted once however many repos carry it (its
+training run's random id), and stages outside the dataset name's namespace shown apart. Against
+a live server, with releases published through `vip-hub push`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.rdp import RdpAccountant
+from helpers import TINY, synthetic_stage, tiny_encoder
+from live import WRITE_TOKEN
+
+from vip_hub import Dataset, DPStage, export_encoder
+from vip_hub.privacy.ledger import new_run_id
+from vip_hub.repo.push import push_repo
+
+N = 10_000
+SIGMA, Q, STEPS = 1.0, 0.01, 500
+"""At delta 1e-5 about epsilon 1.65 (RDP); at delta 0.1 about 0.18."""
+
+
+def stage(dataset: str, run_id: str | None, delta: float | None = None) -> DPStage:
+    """The mechanism on ``dataset`` (each test its own, in the namespace ``pages``, an
+    organisation the test writer belongs to)."""
+    return DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name=dataset, size=N),
+        sample_rate=Q,
+        noise_multiplier=SIGMA,
+        steps=STEPS,
+        clipping_norm=1.0,
+        delta=delta,
+        run_id=run_id,
+    )
+
+
+def publish(tmp_path: Path, repo_id: str, dp: DPStage, seed: int = 0) -> None:
+    folder = export_encoder(
+        tmp_path / repo_id.replace("/", "--"),
+        tiny_encoder(seed),
+        TINY,
+        [synthetic_stage(), dp],
+        model_name=repo_id.split("/")[1],
+    )
+    push_repo(folder, repo_id, token=WRITE_TOKEN)
+
+
+def rdp_epsilon(runs: int, delta: float = 1e-5) -> float:
+    """``runs`` independent copies of the mechanism composed, by dp_accounting (not our code)."""
+    acc = RdpAccountant()
+    event = dp_event.PoissonSampledDpEvent(Q, dp_event.GaussianDpEvent(SIGMA))
+    for _ in range(runs):
+        acc.compose(event, STEPS)
+    return acc.get_epsilon(delta)
+
+
+def owner_figure(url: str, dataset: str) -> tuple[float, str]:
+    """The owner's composed RDP epsilon and delta, as ``dataset``'s page states them."""
+    page = httpx.get(f"{url}/datasets/{dataset}", timeout=60)
+    assert page.status_code == 200, page.text
+    headline = page.text.split('id="owner-composition"')[1].split("</p>")[0]
+    eps = float(headline.split("ε = ")[1].split(" (RDP)")[0])
+    return eps, headline.split("at δ = ")[1].split("<")[0].strip()
+
+
+def model_ids(url: str, **params: object) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{url}/api/models", params=params, timeout=60).json()}
+
+
+def test_a_copy_at_a_large_delta_neither_bends_the_page_nor_passes_max_epsilon(
+    hub, tmp_path: Path
+) -> None:
+    """The attack of issue 34.3: a copy of a real release restated at delta 0.1 (its epsilon
+    recomputed, so it verifies) must not lower the dataset page's figure, be counted again, or
+    pass ``max_epsilon`` below the release's epsilon at the hub's delta."""
+    name = "pages/faces"
+    real = stage(name, new_run_id())
+    publish(tmp_path, "pages/faces-encoder", real)
+    before, delta = owner_figure(hub.url, name)
+    assert delta == "1e-05"
+    assert before == pytest.approx(rdp_epsilon(1), abs=0.006)  # shown with 2 decimals
+
+    copy = stage(name, real.run_id, delta=0.1)
+    assert copy.epsilon < 0.5 < real.epsilon  # the copy verifies: its epsilon follows at 0.1
+    publish(tmp_path, "pages/faces-copy", copy)  # in the owner's namespace
+    publish(tmp_path, "other/faces-copy", copy)  # and outside it
+    assert owner_figure(hub.url, name) == (before, "1e-05")  # one stage, at the hub's delta
+
+    cheap = model_ids(hub.url, max_epsilon=0.5)
+    assert not cheap & {"pages/faces-encoder", "pages/faces-copy", "other/faces-copy"}
+    listed = {
+        m["id"]: m for m in httpx.get(f"{hub.url}/api/models", params={"sort": "epsilon"}).json()
+    }
+    for repo in ("pages/faces-encoder", "pages/faces-copy", "other/faces-copy"):
+        assert listed[repo]["vip_hub"]["epsilon"] == pytest.approx(real.epsilon, abs=1e-6), repo
+        assert listed[repo]["vip_hub"]["delta"] == 1e-5, repo
+    index = httpx.get(hub.url + "/", params={"max_epsilon": "0.5"}).text
+    assert "faces-copy" not in index
+
+    page = httpx.get(f"{hub.url}/datasets/{name}", timeout=60).text
+    assert "weak δ</span>" in page  # the copies state delta 0.1 > 1/(10n)
+    assert "above 1/(10n)" in httpx.get(f"{hub.url}/pages/faces-copy", timeout=60).text
+    assert "above 1/(10n)" not in httpx.get(f"{hub.url}/pages/faces-encoder", timeout=60).text
+
+
+def test_independent_runs_count_twice_and_copies_once(hub, tmp_path: Path) -> None:
+    """Two runs with identical settings are two stages (their random run ids differ); a release
+    trained further or copied carries its stage's id and counts once."""
+    name = "pages/twice"
+    first, second = stage(name, new_run_id()), stage(name, new_run_id())
+    publish(tmp_path, "pages/twice-1", first)
+    publish(tmp_path, "pages/twice-2", second, seed=1)
+    publish(tmp_path, "pages/twice-1-copy", first, seed=2)
+    eps, _ = owner_figure(hub.url, name)
+    assert eps == pytest.approx(rdp_epsilon(2), abs=0.006)
+    assert eps < rdp_epsilon(3) - 0.1
+
+
+def test_stages_outside_the_dataset_namespace_are_shown_apart(hub, tmp_path: Path) -> None:
+    """Another publisher's stages on the name neither raise nor lower the owner's figure; they are
+    listed in their own section, with what everything together would compose to."""
+    name = "pages/apart"
+    publish(tmp_path, "pages/apart", stage(name, new_run_id()))
+    alone, _ = owner_figure(hub.url, name)
+    for i in range(2):
+        publish(tmp_path, f"other/apart-{i}", stage(name, new_run_id()), seed=i + 1)
+    assert owner_figure(hub.url, name)[0] == alone
+    page = httpx.get(f"{hub.url}/datasets/{name}", timeout=60).text
+    owners, others = page.split('id="other-publishers"')
+    assert "/other/apart-0" not in owners and "/pages/apart" in owners
+    assert "/other/apart-0" in others and "/other/apart-1" in others
+    together = float(others.split("ε = ")[1].split(" (RDP)")[0])
+    assert together == pytest.approx(rdp_epsilon(3), abs=0.006)
+
+
+def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:
+    """Stages without a run id (imports, older ledgers) count once per mechanism, whatever delta,
+    name or texts a copy restates; any other mechanism is another stage."""
+    name = "pages/imported"
+    imported = stage(name, None)
+    restated = stage(name, None, delta=0.1).model_copy(
+        update={"name": "copied", "description": "x"}
+    )
+    assert imported.identity == restated.identity
+    assert stage(name, None).model_copy(update={"steps": STEPS + 1}).identity != imported.identity
+    assert stage(name, new_run_id()).identity != stage(name, new_run_id()).identity
+    assert "run_id" not in imported.model_dump(mode="json")  # written as before the field
+
+
+def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_path: Path) -> None:
+    """The index ranks and filters at the hub's delta: commits indexed under another ``delta``
+    setting (or before the hub fixed one) are recomputed when the store opens, from the ledger
+    the index keeps (no blob read)."""
+    from service.store import AddFile, HubStore
+    from vip_hub.privacy.accounting import epsilon
+    from vip_hub.repo.verify import repo_files
+
+    dp = stage("pages/restated", new_run_id())
+    folder = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
+    )
+    store = HubStore(tmp_path / "store", delta=1e-3)
+    store.create_repo("pages/r")
+    ops = []
+    for rel, path in repo_files(folder).items():
+        ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
+        tmp.write_bytes(path.read_bytes())
+    at_1e3 = store.commit("pages/r", ops)
+    assert at_1e3.delta == 1e-3
+    assert at_1e3.epsilon == pytest.approx(epsilon(SIGMA, Q, STEPS, 1e-3), abs=1e-5)
+    (store.root / "blobs").rename(store.root / "blobs-away")
+    _, record = HubStore(tmp_path / "store").list_models()[0]  # the default delta, 1e-5
+    assert (record.epsilon, record.delta) == (dp.epsilon, 1e-5)
