@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 import re
-import secrets
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
@@ -245,7 +245,7 @@ class DPStage(_Stage):
     run_id: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{32}$",
-        description="the training run's random id (128 bits, hex); absent in imports and ledgers "
+        description="the training run's random id (a UUID4 as 32 hex digits); absent in imports and ledgers "
         "written before it existed; written only when set",
     )
     mechanism: MechanismName
@@ -683,8 +683,9 @@ def compose_releases(
 
 
 def new_run_id() -> str:
-    """A training run's random id (128 bits, hex), recorded in its DP stage."""
-    return secrets.token_hex(16)
+    """A training run's random id (a UUID4, 122 random bits, as 32 hex digits), recorded in its
+    DP stage: public, and drawn apart from the run's secrets."""
+    return uuid.uuid4().hex
 
 
 def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> float:
