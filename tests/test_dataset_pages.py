@@ -155,6 +155,7 @@ def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_pat
     """The index ranks and filters at the hub's delta: commits indexed under another ``delta``
     setting (or before the hub fixed one) are recomputed when the store opens, from the ledger
     the index keeps (no blob read)."""
+    from service.settings import HubSettings
     from service.store import AddFile, HubStore
     from vip_hub.privacy.accounting import epsilon
     from vip_hub.repo.verify import repo_files
@@ -163,7 +164,7 @@ def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_pat
     folder = export_encoder(
         tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
     )
-    store = HubStore(tmp_path / "store", delta=1e-3)
+    store = HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3))
     store.create_repo("pages/r")
     ops = []
     for rel, path in repo_files(folder).items():

@@ -245,8 +245,8 @@ class DPStage(_Stage):
     run_id: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{32}$",
-        description="the training run's random id (a UUID4 as 32 hex digits); absent in imports and ledgers "
-        "written before it existed; written only when set",
+        description="the training run's random id (a UUID4 as 32 hex digits); absent in imports "
+        "and ledgers written before it existed; written only when set",
     )
     mechanism: MechanismName
     mechanism_params: dict[str, Any] = Field(
