@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
+from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
 TINY = EncoderSpec("vip-nano", img_size=32)
@@ -49,6 +50,15 @@ def dp_stage(n: int = 1000, batch: int = 50, sigma: float = 1.0, steps: int = 10
         steps=steps,
         clipping_norm=0.1,
     )
+
+
+def run_stages(ledger: PrivacyLedger) -> list[NonPrivateStage | DPStage]:
+    """A ledger's stages without their training runs' random ids: what two runs of one
+    configuration (and seed) share."""
+    return [
+        s.model_copy(update={"run_id": None}) if isinstance(s, DPStage) else s
+        for s in ledger.stages
+    ]
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

@@ -130,9 +130,9 @@ class Run:
         t0, images = time.perf_counter(), 0
         bar = None
         if self.dist.main:
-            public = {k: v for k, v in self.settings.items() if k != "seed"}  # the seed: its file
+            unseeded = {k: v for k, v in self.settings.items() if k != "seed"}  # seed: its own file
             write_private(
-                self.dir / "settings.json", (json.dumps(public, indent=2) + "\n").encode()
+                self.dir / "settings.json", (json.dumps(unseeded, indent=2) + "\n").encode()
             )
             self.log = RunLog(self.dir / "log.jsonl", start)
             if stop_message:
