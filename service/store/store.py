@@ -110,7 +110,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """A commit with the index fields taken from its verified ledger, config and card."""
+    """A commit with the index fields taken from its verified ledger, config and card;
+    ``epsilon`` is the encoder's at the hub's one ``delta`` (``hub.delta``), not the ledger's."""
 
     sha: str
     repo_id: str
