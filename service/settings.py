@@ -100,7 +100,6 @@ class HubSettings(BaseModel):
     page_cache_entries: int = Field(
         256, gt=0, description="model pages kept rendered (each commit's is rendered once)"
     )
-
     delta: float = Field(
         DEFAULT_DELTA_CAP,
         gt=0,
