@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -49,6 +50,13 @@ def dp_stage(n: int = 1000, batch: int = 50, sigma: float = 1.0, steps: int = 10
         steps=steps,
         clipping_norm=0.1,
     )
+
+
+def random_text(size: int) -> bytes:
+    """``size`` bytes of fresh random plain text (hex digits after a '#', which no pickle opcode
+    is): a large file of a kind a repo may carry, which neither deduplicates nor compresses
+    much."""
+    return b"#" + os.urandom(size // 2).hex().encode()[: size - 1]
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:
