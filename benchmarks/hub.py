@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from helpers import TINY, synthetic_stage, tiny_encoder
+    from helpers import TINY, random_text, synthetic_stage, tiny_encoder
     from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
     from live import WRITE_TOKEN, ProcessServer
 
@@ -81,17 +81,17 @@ def main() -> None:
     copies, pushes, xets, puts, gets = [], [], [], [], []
     try:
         for r in range(args.rounds):
-            data = os.urandom(size)  # fresh bytes each round: nothing is deduplicated
+            data = random_text(size)  # fresh bytes each round: nothing is deduplicated
             repo = export_encoder(
                 work / f"repo{r}",
                 tiny_encoder(r),
                 TINY,
                 [synthetic_stage()],
                 model_name="bench",
-                extra_files={"blob.dat": data},
+                extra_files={"blob.txt": data},
             )
             del data
-            blob = repo / "blob.dat"
+            blob = repo / "blob.txt"
             copies.append(size / loopback_copy(blob, work / "copy.bin") / 2**20)
             (work / "copy.bin").unlink()
 
@@ -128,7 +128,7 @@ def main() -> None:
 
             start = time.perf_counter()
             hf_hub_download(
-                f"bench/r{r}", "blob.dat", endpoint=server.url, cache_dir=work / f"dl{r}"
+                f"bench/r{r}", "blob.txt", endpoint=server.url, cache_dir=work / f"dl{r}"
             )
             gets.append(size / (time.perf_counter() - start) / 2**20)
     finally:

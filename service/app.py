@@ -20,6 +20,7 @@ import vip_hub
 from .auth import TokenRegistry
 from .body_limits import BodyLimit, BodyLimitMiddleware
 from .errors import install as install_errors
+from .headers import NoSniffMiddleware
 from .metrics import Metrics
 from .settings import Settings
 from .store import HubStore
@@ -99,4 +100,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits.append(BodyLimit(STREAMED_UPLOADS, None))
     limits.append(BodyLimit(re.compile(""), settings.max_body_bytes))  # every other route
     app.add_middleware(BodyLimitMiddleware, rules=limits)
+    app.add_middleware(NoSniffMiddleware)
     return app

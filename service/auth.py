@@ -9,6 +9,11 @@ gets the Hugging Face hub's answers: 403 on a write, RepoNotFound on a private r
 Tokens and organisations come from a JSON file (``vip-hub token`` and ``vip-hub org`` write
 it; a running server re-reads it on the next request after a change) and from the settings
 ``auth.tokens`` (``name:scope:secret;...``) and ``auth.orgs`` (``{org: [user, ...]}``).
+
+Users and organisations share one set of namespace names, unique whatever their case (no
+``Alice`` beside ``alice``). A namespace that holds repos in the store is never handed to a new
+user or organisation (a token under a revoked user's name, a new organisation) unless the
+command says so (``--inherit``); an organisation keeps its name without members.
 """
 
 from __future__ import annotations
@@ -119,17 +124,7 @@ class TokenRegistry:
     def from_settings(cls, settings: Settings) -> TokenRegistry:
         """Tokens and organisations from the tokens file (if it exists) and from ``auth.tokens``
         and ``auth.orgs``."""
-        fixed = _Auth([], {org: set(members) for org, members in settings.auth.orgs.items()})
-        for item in filter(None, (settings.auth.tokens or "").split(";")):
-            try:
-                name, scope, secret = item.strip().split(":", 2)
-            except ValueError:
-                raise ValueError("auth.tokens entries must look like name:scope:secret") from None
-            _check_scope(scope, f"auth.tokens entry {name!r}")
-            fixed.tokens.append(_Entry(_hash(secret), name, scope))  # type: ignore[arg-type]
-        for org in fixed.orgs:
-            _check_org_name(org, fixed, "auth.orgs")
-        return cls(settings.tokens_path(), fixed)
+        return cls(settings.tokens_path(), _settings_auth(settings))
 
     def _refresh(self, strict: bool = False) -> None:
         """Re-read the tokens file if it changed (written by ``vip-hub token``, atomically). An
@@ -180,17 +175,47 @@ class TokenRegistry:
         )
         return self._identity(found) if found else None
 
+    def holder_in_other_case(self, namespace: str) -> str | None:
+        """The user or organisation whose name is ``namespace`` in another case, if any."""
+        self._refresh()
+        return next(
+            (
+                other
+                for source in (self._from_file, self._fixed)
+                for other in [*(t.name for t in source.tokens), *source.orgs]
+                if other != namespace and other.casefold() == namespace.casefold()
+            ),
+            None,
+        )
+
     def _identity(self, entry: _Entry) -> Identity:
-        """``entry``'s identity; an organisation named like a user gives no membership (a
-        user's namespace is its own)."""
-        users = {e.name for e in self._from_file.tokens + self._fixed.tokens}
+        """``entry``'s identity; an organisation named like a user, in any case, gives no
+        membership (a user's namespace is its own)."""
+        users = {e.name.casefold() for e in self._from_file.tokens + self._fixed.tokens}
         orgs = frozenset(
             org
             for source in (self._from_file, self._fixed)
             for org, members in source.orgs.items()
-            if entry.name in members and org not in users
+            if entry.name in members and org.casefold() not in users
         )
         return Identity(entry.name, entry.scope, orgs, _token_id(entry.sha256))
+
+
+def _settings_auth(settings: Settings) -> _Auth:
+    """The tokens and organisations of the settings (``auth.tokens``, ``auth.orgs``), checked."""
+    fixed = _Auth([], {org: set(members) for org, members in settings.auth.orgs.items()})
+    for item in filter(None, (settings.auth.tokens or "").split(";")):
+        try:
+            name, scope, secret = item.strip().split(":", 2)
+        except ValueError:
+            raise ValueError("auth.tokens entries must look like name:scope:secret") from None
+        _check_scope(scope, f"auth.tokens entry {name!r}")
+        fixed.tokens.append(_Entry(_hash(secret), name, scope))  # type: ignore[arg-type]
+    for org in fixed.orgs:
+        _check_org_name(org, "auth.orgs")
+        others = _Auth(fixed.tokens, {o: m for o, m in fixed.orgs.items() if o != org})
+        _check_free(org, [others], "auth.orgs")
+    return fixed
 
 
 def _read_auth(path: Path) -> _Auth:
@@ -233,15 +258,50 @@ def _check_scope(scope: str, where: str) -> None:
         raise ValueError(f"{where}: scope must be read, write or admin, not {scope!r}")
 
 
-def _check_org_name(org: str, auth: _Auth, where: str) -> None:
-    """An organisation's name is a namespace no user holds (users and organisations share them)."""
+def _check_org_name(org: str, where: str) -> None:
+    """An organisation's name is a valid namespace (``validate_namespace``)."""
     try:
         validate_namespace(org)
     except InvalidRequest as e:
         raise ValueError(f"{where}: {e}") from None
-    if any(t.name == org for t in auth.tokens):
+
+
+def _check_free(name: str, sources: Collection[_Auth], where: str) -> None:
+    """No user or organisation of ``sources`` holds ``name`` in any case (users and
+    organisations share the namespaces)."""
+    holders = [(t.name, "user") for source in sources for t in source.tokens]
+    holders += [(org, "organisation") for source in sources for org in source.orgs]
+    for other, what in holders:  # users first: an organisation named like one is void
+        if other.casefold() == name.casefold():
+            raise ValueError(
+                f"{where}: {name!r} is taken: the {what} {other!r} holds that namespace "
+                "(names of users and organisations are unique whatever their case)"
+            )
+
+
+def _sources(path: Path, settings: Settings | None) -> list[_Auth]:
+    """The users and organisations of the tokens file and of the settings."""
+    return [_read_auth(path), *([_settings_auth(settings)] if settings else [])]
+
+
+def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -> None:
+    """The store's repos in namespace ``name`` (``repos``: their ids, the namespace in any
+    case) go to a new user or organisation only when ``inherit`` says so, and never to a name
+    that differs from theirs only by case."""
+    if not repos:
+        return
+    listed = ", ".join(sorted(repos)[:3]) + (", ..." if len(repos) > 3 else "")
+    held = sorted({r.partition("/")[0] for r in repos} - {name})
+    if held:
         raise ValueError(
-            f"{where}: {org!r} is a user's name; an organisation needs a name of its own"
+            f"{name!r} differs only by case from the namespace {held[0]!r}, which holds repos "
+            f"({listed}): names are unique whatever their case"
+        )
+    if not inherit:
+        raise ValueError(
+            f"the namespace {name!r} holds {len(repos)} repo(s) ({listed}) of a former user or "
+            f"organisation: a new {kind} named {name!r} would own them. Pass --inherit to hand "
+            "them over on purpose (e.g. a new token for the same person)"
         )
 
 
@@ -303,15 +363,22 @@ def private_namespaces(who: Identity | None) -> bool | frozenset[str]:
     return True if who.scope == "admin" else who.orgs | {who.name}
 
 
-def create_token(path: Path, name: str, scope: Scope, orgs: Collection[str] = ()) -> str:
+def create_token(
+    path: Path,
+    name: str,
+    scope: Scope,
+    settings: Settings | None = None,
+    repos: Collection[str] = (),
+    inherit: bool = False,
+) -> str:
     """Add a new random token for user ``name`` to the tokens file (hash only) and return the
-    secret once; ``name`` may not be an organisation's (the file's, or one of ``orgs``)."""
+    secret once. ``name`` may not be a user's or an organisation's in any case (the file's, or
+    the ``settings``'), nor a namespace holding ``repos`` (the store's repos in it) unless
+    ``inherit``."""
     _check_scope(scope, "token")
     data = _load(path)
-    if any(t["name"] == name for t in data["tokens"]):
-        raise ValueError(f"a token named {name!r} already exists in {path}")
-    if name in data.get("orgs", {}) or name in orgs:
-        raise ValueError(f"{name!r} is an organisation in {path}; a user needs a name of its own")
+    _check_free(name, _sources(path, settings), str(path))
+    _check_unheld(name, "user", repos, inherit)
     secret = "vh_" + secrets.token_urlsafe(32)
     data["tokens"].append(
         {
@@ -342,25 +409,37 @@ def revoke_token(path: Path, name: str) -> None:
     _save(path, {**data, "tokens": kept})
 
 
-def add_member(path: Path, org: str, user: str) -> None:
-    """Make ``user`` a member of organisation ``org`` (created on its first member)."""
+def add_member(
+    path: Path,
+    org: str,
+    user: str,
+    settings: Settings | None = None,
+    repos: Collection[str] = (),
+    inherit: bool = False,
+) -> None:
+    """Make ``user`` a member of organisation ``org``. A new organisation's name may not be a
+    user's or another organisation's in any case (the file's, or the ``settings'``), nor a
+    namespace holding ``repos`` (the store's repos in it) unless ``inherit``."""
     data = _load(path)
-    _check_org_name(org, _read_auth(path), str(path))
-    members = data.setdefault("orgs", {}).setdefault(org, [])
+    orgs = data.setdefault("orgs", {})
+    if org not in orgs and (settings is None or org not in settings.auth.orgs):
+        _check_org_name(org, str(path))
+        _check_free(org, _sources(path, settings), str(path))
+        _check_unheld(org, "organisation", repos, inherit)
+    members = orgs.setdefault(org, [])
     if user not in members:
         members.append(user)
     _save(path, data)
 
 
 def remove_member(path: Path, org: str, user: str) -> None:
-    """Remove ``user`` from ``org`` (an organisation without members goes)."""
+    """Remove ``user`` from ``org``; the organisation keeps its name (and its namespace) even
+    without members."""
     data = _load(path)
     members = data.get("orgs", {}).get(org, [])
     if user not in members:
         raise ValueError(f"{user!r} is not a member of {org!r} in {path}")
     members.remove(user)
-    if not members:
-        del data["orgs"][org]
     _save(path, data)
 
 

@@ -99,9 +99,27 @@ def _admin_command(
 
 
 def _tokens_file_options(p: argparse.ArgumentParser) -> None:
-    """Where ``token`` and ``org`` find the tokens file."""
-    p.add_argument("--store", type=Path, help="store folder whose tokens.json to use")
+    """Where ``token`` and ``org`` find the tokens file and the store whose namespaces they
+    give out; ``--inherit``."""
+    p.add_argument(
+        "--store", type=Path, help="store folder whose tokens.json to use and whose repos to check"
+    )
     p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+    p.add_argument(
+        "--inherit",
+        action="store_true",
+        help="a new user or organisation takes over the repos already in its namespace (a "
+        "namespace that holds repos is refused otherwise)",
+    )
+
+
+def _repos_in(settings: Settings, namespace: str) -> list[str]:
+    """The store's repos in ``namespace`` (any case); none when the store does not exist yet."""
+    from .store import HubStore
+
+    if not settings.store.is_dir():
+        return []
+    return HubStore(settings.store, index=settings.index).repos_in(namespace)
 
 
 @contextmanager
@@ -141,9 +159,9 @@ def _token(args: argparse.Namespace) -> None:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
     with _tokens_file(args) as (settings, path):
         if args.action == "create":
-            print(
-                create_token(path, args.name, args.scope, settings.auth.orgs)
-            )  # the secret, shown this once
+            repos = _repos_in(settings, args.name)
+            secret = create_token(path, args.name, args.scope, settings, repos, args.inherit)
+            print(secret)  # shown this once
         elif args.action == "revoke":
             revoke_token(path, args.name)
             print(f"revoked {args.name!r}")
@@ -168,7 +186,8 @@ def _org(args: argparse.Namespace) -> None:
         raise ConfigError(f"vip-hub org {args.action} needs ORG and --member USER")
     with _tokens_file(args) as (settings, path):
         if args.action == "add":
-            add_member(path, args.org, args.member)
+            repos = _repos_in(settings, args.org)
+            add_member(path, args.org, args.member, settings, repos, args.inherit)
             print(f"{args.member!r} is a member of {args.org!r}")
         elif args.action == "remove":
             remove_member(path, args.org, args.member)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -59,6 +60,13 @@ def run_stages(ledger: PrivacyLedger) -> list[NonPrivateStage | DPStage]:
         s.model_copy(update={"run_id": None}) if isinstance(s, DPStage) else s
         for s in ledger.stages
     ]
+
+
+def random_text(size: int) -> bytes:
+    """``size`` bytes of fresh random plain text (hex digits after a '#', which no pickle opcode
+    is): a large file of a kind a repo may carry, which neither deduplicates nor compresses
+    much."""
+    return b"#" + os.urandom(size // 2).hex().encode()[: size - 1]
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

@@ -139,11 +139,66 @@ def test_org_command_changes_membership_while_running(server, repos, capsys):
     assert (
         main(["org", "add", "frank", "--member", "carol", "--store", store]) == 1
     )  # a user's name
-    assert "user's name" in capsys.readouterr().err
+    assert "the user 'frank' holds that namespace" in capsys.readouterr().err
     tokens = json.loads((server.settings.store / "tokens.json").read_text())
     tokens["orgs"]["alice"] = ["carol"]  # written by hand: still no way into a user's namespace
     (server.settings.store / "tokens.json").write_text(json.dumps(tokens))
     assert _status(lambda: carol.create_repo("alice/via-an-org")) == 403
+
+
+def test_names_are_unique_whatever_their_case(server, repos, capsys):
+    """Issue 34, point 4: no organisation or user named like another in another case, from the
+    command line or the hub (409 naming the existing one)."""
+    store = str(server.settings.store)
+    assert main(["token", "create", "--name", "gina", "--store", store]) == 0
+    for args, existing in (
+        (["org", "add", "Gina", "--member", "carol"], "the user 'gina'"),
+        (["org", "add", "TEAMS", "--member", "carol"], None),
+        (["org", "add", "Teams", "--member", "carol"], "the organisation 'TEAMS'"),
+        (["token", "create", "--name", "teams"], "the organisation 'TEAMS'"),
+        (["token", "create", "--name", "GINA"], "the user 'gina'"),
+    ):
+        assert main([*args, "--store", store]) == (1 if existing else 0), args
+        if existing:
+            assert f"is taken: {existing} holds that namespace" in capsys.readouterr().err
+    assert "Gina" not in json.loads((server.settings.store / "tokens.json").read_text())["orgs"]
+    root = _api(server, ROOT)  # an operator may create anywhere, but not beside a name
+    with pytest.raises(HfHubHTTPError) as err:
+        root.create_repo("Alice/imitation")
+    assert err.value.response.status_code == 409 and "'alice'" in str(err.value)
+    root.create_repo("Zed/one")
+    with pytest.raises(HfHubHTTPError) as err:
+        root.create_repo("zed/two")
+    assert err.value.response.status_code == 409 and "from the existing 'Zed'" in str(err.value)
+    assert main(["org", "add", "zed", "--member", "carol", "--store", store]) == 1
+    assert "differs only by case from the namespace 'Zed'" in capsys.readouterr().err
+
+
+def test_a_namespace_with_repos_is_not_handed_to_a_new_holder(server, repos, capsys):
+    """Issue 34, point 4: after ``token revoke eve``, ``org add eve`` (or a new token named eve)
+    would give eve's repos to someone else: refused unless ``--inherit`` says so."""
+    store = str(server.settings.store)
+    assert main(["token", "create", "--name", "eve", "--scope", "write", "--store", store]) == 0
+    eve = _api(server, capsys.readouterr().out.strip())
+    eve.create_repo("eve/e1")
+    assert main(["token", "revoke", "--name", "eve", "--store", store]) == 0
+    capsys.readouterr()
+    for args in (["org", "add", "eve", "--member", "carol"], ["token", "create", "--name", "eve"]):
+        assert main([*args, "--store", store]) == 1, args
+        err = capsys.readouterr().err
+        assert "the namespace 'eve' holds 1 repo(s) (eve/e1)" in err and "--inherit" in err
+    assert _status(lambda: _api(server, CAROL).create_repo("eve/d2")) == 403
+    assert main(["token", "create", "--name", "Eve", "--inherit", "--store", store]) == 1
+    assert "differs only by case from the namespace 'eve'" in capsys.readouterr().err
+    # the explicit hand-over: a new token for eve owns eve's repos
+    assert (
+        main(
+            ["token", "create", "--name", "eve", "--scope", "write", "--inherit", "--store", store]
+        )
+        == 0
+    )
+    again = _api(server, capsys.readouterr().out.strip())
+    assert again.create_repo("eve/e2").repo_id == "eve/e2"
 
 
 def test_objects_do_not_cross_repos(server, repos):

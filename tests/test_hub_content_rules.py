@@ -1,17 +1,23 @@
-"""What a verified repo may hold (issue 24, High 3 and 4): no config.json key that sends timm to
-other weights, no pickle, archive or compressed content whatever its name, weights files
-recognised in any case, no ``.git`` path and no path that is also a folder. Checked by
-``vip-hub verify`` and by the live hub at push, with the real huggingface_hub and timm clients."""
+"""What a verified repo may hold (issue 24, High 3 and 4; issue 34, point 2): no config.json key
+that sends timm to other weights; only the kinds the allow list names (safetensors, JSON, YAML,
+Markdown, plain text, PNG, JPEG, WebP, model.sig), each wholly that kind (no polyglot, no
+pickle written as text); weights files recognised in any case; no ``.git`` path (nor its short
+name ``GIT~1``) and no path that is also a folder. Checked by ``vip-hub verify`` and by the live
+hub at push, with the real huggingface_hub and timm clients; the hub's downloads say nosniff."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
+import os
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
+import httpx
+import joblib
 import numpy as np
 import pytest
 import timm
@@ -21,6 +27,7 @@ from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
 from live import WRITE_TOKEN, raw_commit
+from PIL import Image
 
 from vip_hub import verify_repo
 from vip_hub.paths import tree_path_problems, validate_relpath
@@ -107,27 +114,137 @@ def test_a_weight_source_at_the_top_level_is_refused(good, tmp_path):
     assert [p.where for p in verify_repo(folder).problems] == ["config.json:url"]
 
 
+class _RunsOnLoad:
+    """What the review's model.joblib held: unpickling it calls os.system (never loaded here)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, ("touch /tmp/owned-by-a-repo",)
+
+
+def _joblib_lzma(tmp_path: Path) -> bytes:
+    """A joblib file compressed with LZMA (its bytes start 5D 00 00: no magic a deny list knows)."""
+    joblib.dump({"model": _RunsOnLoad()}, tmp_path / "m.joblib", compress="lzma")
+    data = (tmp_path / "m.joblib").read_bytes()
+    assert data[:3] == b"\x5d\x00\x00"
+    return data
+
+
+def _zip(content: bytes = b"") -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", content or pickle.dumps(_RunsOnLoad()))
+    return buf.getvalue()
+
+
+def _image(fmt: str, **options: object) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.arange(48 * 32 * 3, dtype=np.uint8).reshape(48, 32, 3)).save(
+        buf, fmt, **options
+    )
+    return buf.getvalue()
+
+
+_PICKLE_AS_TEXT = b"cos\nsystem\n(S'echo owned'\ntR."  # protocol 0: plain ASCII
+
+
+def _what_runs(tmp_path: Path) -> dict[str, bytes]:
+    """The review's files: each runs code when a client loads it (or hides what does)."""
+    return {
+        "model.joblib": _joblib_lzma(tmp_path),
+        "weights.zip": b"\x00" + _zip(_torch_pickle()),  # one junk byte before a zip
+        "archive.txt": b"x" + _zip(),
+        "plot.png": _image("PNG") + _zip(),  # a PNG and a zip in one file
+        "photo.jpg": _image("JPEG") + _zip(),
+        "modeling_vip.py": b"import os\nos.system('touch /tmp/owned-by-a-repo')\n",
+        "notes.txt": _PICKLE_AS_TEXT,
+    }
+
+
+def test_files_that_run_code_are_refused_naming_the_file(good, tmp_path):
+    messages = {}
+    for name, content in _what_runs(tmp_path).items():
+        folder = _copy(good, tmp_path / name)
+        (folder / name).write_bytes(content)
+        problems = verify_repo(folder).problems
+        assert [p.where for p in problems] == [name], (name, problems)
+        messages[name] = problems[0].message
+    assert "'.py' file is refused by name" in messages["modeling_vip.py"]
+    assert "'.joblib' file is refused by name" in messages["model.joblib"]
+    assert "bytes after its IEND chunk" in messages["plot.png"]
+    assert "bytes after its EOI marker" in messages["photo.jpg"]
+    assert "is not UTF-8 text" in messages["archive.txt"]
+    assert "holds a pickle" in messages["notes.txt"]
+
+
 @pytest.mark.parametrize(
     "name, content",
     [
         ("checkpoint.pth.tar", _torch_pickle()),
-        ("weights.pth.tar", _torch_pickle(legacy=True)),
-        ("model.joblib", pickle.dumps({"w": [0.0] * 4}, protocol=5)),
+        ("weights.pth", _torch_pickle(legacy=True)),
+        ("model.pkl", pickle.dumps({"w": [0.0] * 4}, protocol=5)),
         ("weights.pt.gz", gzip.compress(_torch_pickle(legacy=True))),
+        ("pytorch_model.bin", _torch_pickle()),
         ("model.npy", pickle.dumps({"w": 1}, protocol=2)),
-        (
-            "array.npy",
-            b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (1,), }",
-        ),
-        ("notes.txt", b"cos\nsystem\n(S'echo owned'\ntR."),  # protocol 0: plain ASCII
+        ("LICENSE", b"MIT\n"),
+        ("config.json.py", b"{}"),
     ],
 )
-def test_pickle_and_archive_content_is_refused_whatever_the_name(good, tmp_path, name, content):
+def test_every_kind_outside_the_allow_list_is_refused_by_name(good, tmp_path, name, content):
     folder = _copy(good, tmp_path)
     (folder / name).write_bytes(content)
     problems = verify_repo(folder).problems
     assert [p.where for p in problems] == [name]
-    assert "refused whatever the file's name" in problems[0].message
+    assert "is refused by name" in problems[0].message
+
+
+def test_every_allowed_kind_is_accepted_when_it_is_wholly_that_kind(good, tmp_path):
+    folder = _copy(good, tmp_path)
+    files = {
+        "plots/curve.png": _image("PNG"),
+        "plots/photo.jpg": _image("JPEG"),
+        "plots/photo.JPEG": _image("JPEG", progressive=True),
+        "plots/photo.webp": _image("WEBP"),
+        "plots/lossless.webp": _image("WEBP", lossless=True),
+        "notes/settings.yaml": b"lr: 0.001\nsteps: [1, 2]\n",
+        "notes/more.yml": b"a: b\n",
+        "notes/extra.md": "---\nlicense: mit\n---\n# Notes\n\u00e9t\u00e9\n".encode(),
+        "notes/vocab.txt": "[PAD]\n[UNK]\nthe\n\u00e9t\u00e9\t\r\n".encode(),
+        "notes/data.json": b'{"a": [1, 2.5, null]}',
+    }
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    assert verify_repo(folder).ok, verify_repo(folder).problems
+
+
+@pytest.mark.parametrize(
+    "name, content, why",
+    [
+        ("data.json", b'{"a": 1}\n{"b": 2}', "is not valid JSON"),
+        ("data.json", b'{"a": 1}\x00', "control character"),
+        ("vocab.txt", b"the\n\xff\xfe", "is not UTF-8 text"),
+        ("settings.yaml", b"a: [1\n", "is not valid YAML"),
+        ("extra.md", b"---\n- a list\n---\ntext", "is not valid Markdown"),
+        ("curve.png", _image("PNG")[:-1], "ends before its IEND chunk"),
+        ("photo.jpg", b"x" + _image("JPEG"), "does not start with the JPEG SOI marker"),
+        ("photo.webp", _image("WEBP") + b"\x00\x00", "2 bytes after its RIFF data"),
+        ("extra.safetensors", (b"x" * 8), "is not a valid safetensors file"),
+    ],
+)
+def test_an_allowed_name_with_other_content_is_refused(good, tmp_path, name, content, why):
+    folder = _copy(good, tmp_path)
+    (folder / name).write_bytes(content)
+    problems = verify_repo(folder).problems
+    assert problems and problems[0].where == name and why in problems[0].message, problems
+
+
+def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
+    folder = _copy(good, tmp_path)
+    head = folder / "heads" / "toy" / "head.safetensors"
+    head.write_bytes(head.read_bytes() + _zip())  # the tensors digest does not see these bytes
+    problems = verify_repo(folder).problems
+    assert [p.where for p in problems] == ["heads/toy/head.safetensors"]
+    assert "not fully covered" in problems[0].message
 
 
 def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
@@ -157,7 +274,11 @@ def test_git_segments_and_file_folder_clashes_are_refused():
     ):
         with pytest.raises(ValueError, match="'.git' segment"):
             validate_relpath(path)
+    for path in ("GIT~1/config", "a/git~2/hooks/post-checkout", "Git~1./config", ".git::$DATA"):
+        with pytest.raises(ValueError, match="short name of one, such as GIT~1"):
+            validate_relpath(path)
     assert validate_relpath(".gitattributes") == ".gitattributes"
+    assert validate_relpath("git~notes/x.txt") == "git~notes/x.txt"
     assert tree_path_problems(["README.md", "README.md/x", "a/b", "A/b", "c"]) == [
         "'README.md' is a file and the folder of 'README.md/x'",
         "'A/b' and 'a/b' differ only by case",
@@ -176,7 +297,7 @@ def test_hub_refuses_a_repo_that_sends_timm_to_a_pickle(hub, good, tmp_path):
     api.create_repo("writer/redirect")
     with pytest.raises(BadRequestError, match="pretrained_cfg.hf_hub_filename") as err:
         api.upload_folder(repo_id="writer/redirect", folder_path=folder)
-    assert "weights.pth.tar: holds a pickle" in str(err.value)
+    assert "weights.pth.tar: a '.tar' file is refused by name" in str(err.value)
     with pytest.raises(RevisionNotFoundError):  # nothing was stored: timm has nothing to load
         timm.create_model("hf-hub:writer/redirect", pretrained=True)
     # the same repo without the redirect is served, and timm loads its verified safetensors
@@ -201,7 +322,7 @@ def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
         buf = io.BytesIO()
         np.save(buf, np.array([{"w": 1}], dtype=object), allow_pickle=True)
         data = buf.getvalue()
-    with pytest.raises(BadRequestError, match=f"{name}: holds"):
+    with pytest.raises(BadRequestError, match=f"{name}: a '"):
         api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
     with pytest.raises(BadRequestError, match="MODEL.SAFETENSORS: not listed in the ledger"):
         api.upload_file(
@@ -218,7 +339,7 @@ def test_hub_refuses_git_paths_and_a_file_that_is_a_folder(hub, good):
     push_repo(good, "writer/paths", token=WRITE_TOKEN)
     before = api.model_info("writer/paths").sha
     hook = b"[core]\n\tfsmonitor = touch /tmp/owned\n"
-    for path in (".git/config", "sub/.git/config", ".Git/config"):
+    for path in (".git/config", "sub/.git/config", ".Git/config", "GIT~1/config", "a/git~12/HEAD"):
         r = raw_commit(hub.url, "writer/paths", {path: hook})
         assert r.status_code == 400 and "'.git' segment" in r.json()["error"], (path, r.text)
     r = raw_commit(hub.url, "writer/paths", {"README.md/x": b"shadow"})
@@ -227,3 +348,39 @@ def test_hub_refuses_git_paths_and_a_file_that_is_a_folder(hub, good):
         and "'README.md' is a file and the folder of 'README.md/x'" in r.json()["error"]
     )
     assert api.model_info("writer/paths").sha == before
+
+
+def test_hub_refuses_files_that_run_code_naming_them(hub, good, tmp_path):
+    """The review's files, each pushed with huggingface_hub's upload_file: refused with a 400
+    naming the file, and nothing stored."""
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("writer/runs-code")
+    push_repo(good, "writer/runs-code", token=WRITE_TOKEN)
+    before = api.model_info("writer/runs-code").sha
+    for name, content in _what_runs(tmp_path).items():
+        with pytest.raises(BadRequestError, match=f"{name}: ") as err:
+            api.upload_file(path_or_fileobj=content, path_in_repo=name, repo_id="writer/runs-code")
+        assert "does not verify, nothing was stored" in str(err.value)
+    assert api.model_info("writer/runs-code").sha == before
+    # what the allow list names is published and served
+    api.upload_file(
+        path_or_fileobj=_image("PNG"), path_in_repo="plot.png", repo_id="writer/runs-code"
+    )
+    assert api.model_info("writer/runs-code").sha != before
+
+
+def test_resolve_says_nosniff_on_every_answer(hub, good):
+    """A browser never takes a served repo file for HTML or script, whatever its bytes look like:
+    whole files, ranges, HEAD, and errors."""
+    push_repo(good, "writer/nosniff", token=WRITE_TOKEN)
+    base = f"{hub.url}/writer/nosniff/resolve/main"
+    answers = [
+        httpx.get(f"{base}/README.md"),
+        httpx.get(f"{base}/config.json", headers={"Range": "bytes=0-9"}),
+        httpx.head(f"{base}/model.safetensors"),
+        httpx.get(f"{base}/missing.txt"),
+        httpx.get(f"{hub.url}/writer/no-such-repo/resolve/main/README.md"),
+        httpx.get(f"{base}/..%2Fsecret"),
+    ]
+    assert [r.status_code for r in answers] == [200, 206, 200, 404, 404, 400]
+    assert [r.headers.get("x-content-type-options") for r in answers] == ["nosniff"] * 6

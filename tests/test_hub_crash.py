@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import TINY, synthetic_stage, tiny_encoder
+from helpers import TINY, random_text, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi, snapshot_download
 from live import WRITE_TOKEN, ProcessServer
 
@@ -146,7 +146,7 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
         TINY,
         [synthetic_stage()],
         model_name="m",
-        extra_files={"extra/noise.txt": os.urandom(24 * 1024 * 1024)},
+        extra_files={"extra/noise.txt": random_text(24 * 1024 * 1024)},
     )
     big = (v2 / "extra/noise.txt").read_bytes()
     server = ProcessServer(store, port=server.port, extra_env={CRASH_ENV: step}).start()

@@ -114,6 +114,9 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
     folder = tiny_repo_with_head(tmp_path / "m")
     store.create_repo("pg/m")
     assert store.create_repo("pg/m")[1] is False
+    with pytest.raises(Conflict, match="'PG' differs only by case from the existing 'pg'"):
+        store.create_repo("PG/other")  # namespaces are unique by lower(name) here too
+    assert store.repos_in("Pg") == ["pg/m"]
     first = store.commit("pg/m", _ops(store, folder))
     second = store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
     with pytest.raises(Conflict, match="stale"):

@@ -74,7 +74,7 @@ def test_refused_commit_stores_nothing(store, repo_dir):
         store.commit("vip/m", ops)
     assert store.resolve("vip/m") == good.sha
     assert not list((store.root / "tmp").iterdir())
-    with pytest.raises(PublishRefused, match="pytorch_model.bin: holds a pickle"):
+    with pytest.raises(PublishRefused, match="pytorch_model.bin: a '.bin' file is refused by name"):
         tmp = store.blobs.new_temp()
         tmp.write_bytes(b"\x80\x04")
         store.commit("vip/m", [AddFile("pytorch_model.bin", tmp)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,8 @@ from .errors import UnsafePathError
 
 MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
+_SHORT_GIT = re.compile(r"git~[0-9]+")
+"""An 8.3 short name (``GIT~1``) by which Windows also opens a ``.git`` folder."""
 
 __all__ = [
     "UnsafePathError",
@@ -50,10 +53,12 @@ def validate_relpath(path: str) -> str:
             raise UnsafePathError(f"path {path!r} has an empty, '.' or '..' segment")
         if len(segment) > MAX_SEGMENT_LENGTH:
             raise UnsafePathError(f"a segment of {path!r} is longer than {MAX_SEGMENT_LENGTH}")
-        if segment.rstrip(". ").casefold() == ".git":
+        # what Windows opens: trailing dots and spaces dropped, ':' starts a data stream
+        opened = segment.split(":", 1)[0].rstrip(". ").casefold()
+        if opened == ".git" or _SHORT_GIT.fullmatch(opened):
             raise UnsafePathError(
-                f"path {path!r} has a '.git' segment: it would write into a downloader's git "
-                "checkout"
+                f"path {path!r} has a '.git' segment (or a short name of one, such as GIT~1): "
+                "it would write into a downloader's git checkout"
             )
     return path
 

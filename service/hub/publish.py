@@ -52,6 +52,11 @@ def create_repo(
     org = payload.organization or who.name
     repo_id = validate_repo_id(org, payload.name)
     check_write(who, org, "creating a repo")
+    if (other := request.app.state.tokens.holder_in_other_case(org)) is not None:
+        raise Conflicting(
+            f"namespace {org!r} differs only by case from {other!r}'s: namespaces are unique "
+            "whatever their case"
+        )
     private = payload.visibility == "private" if payload.visibility else bool(payload.private)
     repo, created = store_of(request).create_repo(repo_id, private=private)
     url = f"{base_url(request)}/{repo.repo_id}"

@@ -52,10 +52,10 @@ templates = Jinja2Templates(directory=HERE / "templates")
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
 }
 """Sent with every page: no script runs, nothing loads from elsewhere (a card's images from
-other sites are links: ``markdown_html``), no framing."""
+other sites are links: ``markdown_html``), no framing (nosniff goes with every response:
+``service/headers.py``)."""
 SORTS = {
     "updated": "Last update",
     "epsilon": "ε",

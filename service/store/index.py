@@ -39,6 +39,11 @@ CREATE TABLE IF NOT EXISTS repos (
     created_at TEXT NOT NULL,
     UNIQUE (org, name)
 );
+CREATE TABLE IF NOT EXISTS namespaces (
+    name TEXT PRIMARY KEY
+);
+CREATE UNIQUE INDEX IF NOT EXISTS namespaces_any_case ON namespaces (lower(name));
+INSERT INTO namespaces (name) SELECT DISTINCT org FROM repos WHERE true ON CONFLICT DO NOTHING;
 CREATE TABLE IF NOT EXISTS commits (
     sha TEXT PRIMARY KEY,
     repo BIGINT NOT NULL REFERENCES repos(id),

@@ -300,17 +300,35 @@ class HubStore:
 
     # -------------------------------------------------------------------- repos
     def create_repo(self, repo_id: str, private: bool = False) -> tuple[RepoRecord, bool]:
-        """Create ``org/name``; returns (repo, created). An existing repo is returned as is."""
+        """Create ``org/name``; returns (repo, created). An existing repo is returned as is; a
+        namespace that differs from an existing one only by case is a Conflict."""
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
         if org in RESERVED_NAMESPACES:
             raise InvalidRequest(f"no repo can be created under {org}/: the hub's pages use it")
-        created = self.index.execute(
-            "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (org, name) DO NOTHING",
-            (org, name, int(private), _now()),
-        )
+        with self.index.transaction() as tx:
+            tx.execute("INSERT INTO namespaces (name) VALUES (?) ON CONFLICT DO NOTHING", (org,))
+            held = tx.rows("SELECT name FROM namespaces WHERE lower(name) = lower(?)", (org,))
+            if held[0]["name"] != org:
+                raise Conflict(
+                    f"namespace {org!r} differs only by case from the existing "
+                    f"{held[0]['name']!r}: namespaces are unique whatever their case"
+                )
+            created = tx.execute(
+                "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (org, name) DO NOTHING",
+                (org, name, int(private), _now()),
+            )
         return self.get_repo(repo_id), created == 1
+
+    def repos_in(self, namespace: str) -> list[str]:
+        """The ids of the repos in ``namespace``, in any case (what a new user or organisation
+        of that name would own)."""
+        rows = self.index.rows(
+            "SELECT org, name FROM repos WHERE lower(org) = lower(?) ORDER BY org, name",
+            (namespace,),
+        )
+        return [f"{r['org']}/{r['name']}" for r in rows]
 
     def get_repo(self, repo_id: str) -> RepoRecord:
         """The repo, or NoSuchRepo."""

@@ -1,25 +1,51 @@
-"""What a released repo may not carry, whatever its files are named.
+"""What a released repo may carry: an allow list by name and by content together.
 
-- Content that runs code when loaded, or hides such content: pickles (any protocol), zip
-  archives (a PyTorch checkpoint is a zip of pickles), tar and compressed streams, NumPy
-  arrays (object arrays are pickles). Found by looking at the bytes, not the name.
-- config.json keys that send timm elsewhere for the weights: a repo's verified
-  ``model.safetensors`` is what ``timm.create_model("hf-hub:…", pretrained=True)`` loads.
+A file's kind comes from its name, and the file is accepted only when that kind's own parser
+accepts all of its bytes, nothing before or after them (so no polyglot: a PNG with a zip
+appended, a zip behind one junk byte):
+
+- safetensors (``*.safetensors``): the safetensors library's header checks (its tensors cover
+  the data section exactly);
+- JSON (``*.json``, and ``model.sig``: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
+  Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
+  vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and
+  carriage return, then the kind's parser; every text file is also scanned for pickle opcodes
+  (a protocol-0 pickle is plain ASCII);
+- PNG, JPEG (``*.jpg``, ``*.jpeg``) and WebP: their chunk or segment structure, from the
+  signature to the end marker on the file's last byte.
+
+Every other kind is refused naming the file: code (``.py``), pickles and what hides them
+(``.pkl``, ``.joblib``, ``.pt``, ``.bin``, ``.npy``), archives and compressed streams
+(``.zip``, ``.tar``, ``.gz``), files without a suffix. Also here: the config.json keys that
+would send timm elsewhere for the weights (a repo's verified ``model.safetensors`` is what
+``timm.create_model("hf-hub:…", pretrained=True)`` loads).
 
 ``vip_hub.repo.verify`` applies both rules, so the hub (which verifies every commit) does too.
 """
 
 from __future__ import annotations
 
+import codecs
 import io
+import json
+import mmap
 import os
 import pickletools
+import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-__all__ = ["WEIGHT_SOURCE_KEYS", "refused_content", "weight_sources"]
+import yaml
+from safetensors import SafetensorError, safe_open
+
+from ..errors import RepoFormatError
+from ..repo_format import SIGNATURE_FILE
+from .card import load_card
+
+__all__ = ["ALLOWED_KINDS", "WEIGHT_SOURCE_KEYS", "content_problem", "weight_sources"]
 
 WEIGHT_SOURCE_KEYS = frozenset(
     {
@@ -34,22 +60,15 @@ WEIGHT_SOURCE_KEYS = frozenset(
 )
 """pretrained_cfg keys timm (1.0: ``models/_builder.py``) reads to find where weights come from."""
 
-_MAGIC: tuple[tuple[int, bytes, str], ...] = (
-    (0, b"PK\x03\x04", "a zip archive (PyTorch checkpoints are zip archives of pickles)"),
-    (0, b"PK\x05\x06", "a zip archive"),
-    (0, b"PK\x07\x08", "a zip archive"),
-    (0, b"\x1f\x8b", "gzip-compressed data"),
-    (0, b"BZh", "bzip2-compressed data"),
-    (0, b"\xfd7zXZ\x00", "xz-compressed data"),
-    (0, b"\x28\xb5\x2f\xfd", "zstd-compressed data"),
-    (0, b"\x04\x22\x4d\x18", "lz4-compressed data"),
-    (0, b"7z\xbc\xaf\x27\x1c", "a 7-zip archive"),
-    (0, b"\x93NUMPY", "a NumPy array file (object arrays are pickles)"),
-    (257, b"ustar", "a tar archive"),
-)
-_HEAD = 4096
+_CHUNK = 1 << 20
 _MAX_OPCODES = 64  # this many valid pickle opcodes in a row is a pickle, not text
 _MAX_ARGUMENT = 1 << 20  # an opcode argument longer than this is a padded pickle
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+"""Control characters plain text does not hold (tab, line feed and carriage return it may)."""
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------ text kinds
 
 
 class _TooLong(Exception):
@@ -76,28 +95,6 @@ class _Capped:
         return line
 
 
-def refused_content(path: str | os.PathLike[str]) -> str | None:
-    """What the file is when its bytes are a pickle, an archive or compressed data, else None."""
-    with open(path, "rb") as f:
-        head = f.read(_HEAD)
-        for offset, magic, what in _MAGIC:
-            if head[offset : offset + len(magic)] == magic:
-                return what
-        if _is_zlib(head):
-            return "zlib-compressed data"
-        f.seek(0)
-        return "a pickle" if _is_pickle(f) else None
-
-
-def _is_zlib(head: bytes) -> bool:
-    if len(head) < 2 or head[0] & 0x0F != 8 or (head[0] << 8 | head[1]) % 31:
-        return False
-    try:
-        return bool(zlib.decompressobj().decompress(head))
-    except zlib.error:
-        return False
-
-
 def _is_pickle(f: BinaryIO) -> bool:
     """Whether the stream parses as pickle opcodes up to STOP, or for long enough (nothing runs)."""
     count = 0
@@ -111,6 +108,179 @@ def _is_pickle(f: BinaryIO) -> bool:
         return True
     except (ValueError, struct.error, OverflowError, io.UnsupportedOperation):
         return False
+
+
+def _plain_text(path: Path) -> str | None:
+    """Why the file is not plain UTF-8 text (or is a pickle written as text), else None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        offset = 0
+        while True:
+            chunk = f.read(_CHUNK)
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                return f"is not UTF-8 text (invalid byte near offset {offset + e.start})"
+            if found := _CONTROL.search(text):
+                return f"holds the control character {found.group()!r}: it is not plain text"
+            if not chunk:
+                break
+            offset += len(chunk)
+        f.seek(0)
+        if _is_pickle(f):
+            return "holds a pickle (plain ASCII opcodes that run code when unpickled)"
+    return None
+
+
+def _parsed(parse: Callable[[str], object], what: str) -> Callable[[Path], str | None]:
+    """A text kind: plain text that ``parse`` accepts whole."""
+
+    def check(path: Path) -> str | None:
+        if problem := _plain_text(path):
+            return problem
+        try:
+            parse(path.read_text(encoding="utf-8"))
+        except (ValueError, yaml.YAMLError, RepoFormatError, RecursionError) as e:
+            return f"is not valid {what}: {' '.join(str(e).split())[:300]}"
+        return None
+
+    return check
+
+
+# ---------------------------------------------------------------------------- binary kinds
+
+
+def _safetensors(path: Path) -> str | None:
+    try:
+        with safe_open(path, framework="pt"):
+            return None
+    except SafetensorError as e:
+        return f"is not a valid safetensors file: {e}"
+
+
+def _ends_at(end: int, size: int, marker: str) -> str | None:
+    if end > size:
+        return f"ends before its {marker}"
+    if end < size:
+        return f"has {size - end} bytes after its {marker}: one file may not hide another"
+    return None
+
+
+def _png(path: Path) -> str | None:
+    """The chunks, each with its CRC, from the signature to IEND on the last byte."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if f.read(8) != _PNG_SIGNATURE:
+            return "does not start with the PNG signature"
+        kind = b""
+        while kind != b"IEND":
+            start = f.tell()
+            head = f.read(8)
+            if len(head) < 8:
+                return "ends before its IEND chunk"
+            length, kind = struct.unpack(">I4s", head)
+            if length >= 1 << 31 or not kind.isalpha() or (start == 8) != (kind == b"IHDR"):
+                return f"has a malformed chunk at byte {start}"
+            crc, remaining = zlib.crc32(kind), length
+            while remaining and (data := f.read(min(_CHUNK, remaining))):
+                crc, remaining = zlib.crc32(data, crc), remaining - len(data)
+            stored = f.read(4)
+            if remaining or len(stored) < 4:
+                return "ends before its IEND chunk"
+            if struct.unpack(">I", stored)[0] != crc:
+                return f"its {kind.decode()} chunk at byte {start} fails its CRC"
+        return _ends_at(f.tell(), size, "IEND chunk")
+
+
+def _jpeg(path: Path) -> str | None:
+    """The marker segments and scans, from SOI to EOI on the last byte."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 4:
+            return "is too short to be a JPEG image"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m[:2] != b"\xff\xd8":
+                return "does not start with the JPEG SOI marker"
+            pos = 2
+            while True:
+                if pos + 2 > size:
+                    return "ends before its EOI marker"
+                if m[pos] != 0xFF:
+                    return f"has no marker where one is due, at byte {pos}"
+                marker = m[pos + 1]
+                pos += 1 if marker == 0xFF else 2  # 0xFF: a fill byte before a marker
+                if marker == 0xD9:  # EOI
+                    return _ends_at(pos, size, "EOI marker")
+                if marker == 0xFF or 0xD0 <= marker <= 0xD7 or marker == 0x01:
+                    continue  # fill byte, restart, TEM: no length
+                if marker in (0x00, 0xD8) or pos + 2 > size:
+                    return f"has a malformed segment at byte {pos - 2}"
+                length = m[pos] << 8 | m[pos + 1]
+                if length < 2:
+                    return f"has a malformed segment at byte {pos - 2}"
+                pos += length
+                if marker == 0xDA:  # SOS: entropy-coded data up to the next real marker
+                    while (pos := m.find(b"\xff", pos)) >= 0 and pos + 1 < size:
+                        following = m[pos + 1]
+                        if following != 0x00 and not 0xD0 <= following <= 0xD7:
+                            break
+                        pos += 2  # a stuffed 0xFF or a restart marker
+                    else:
+                        return "ends inside its scan data"
+
+
+def _webp(path: Path) -> str | None:
+    """The RIFF container: its size is the file's, its chunks fill it exactly."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:] != b"WEBP":
+            return "does not start with a RIFF WEBP header"
+        if (
+            problem := _ends_at(struct.unpack("<I", head[4:8])[0] + 8, size, "RIFF data")
+        ) is not None:
+            return problem
+        pos = 12
+        while pos < size:
+            chunk = f.read(8)
+            if len(chunk) < 8:
+                return "ends inside a chunk header"
+            pos += 8 + (n := struct.unpack("<I", chunk[4:])[0]) + (n & 1)
+            f.seek(pos)
+        return _ends_at(pos, size, "last chunk") if pos != 12 else "holds no image chunk"
+
+
+# ------------------------------------------------------------------------------ the rules
+
+ALLOWED_KINDS: dict[str, Callable[[Path], str | None]] = {
+    ".safetensors": _safetensors,
+    ".json": _parsed(json.loads, "JSON"),
+    ".yaml": _parsed(yaml.safe_load, "YAML"),
+    ".yml": _parsed(yaml.safe_load, "YAML"),
+    ".md": _parsed(load_card, "Markdown with YAML front matter"),
+    ".txt": _plain_text,
+    ".png": _png,
+    ".jpg": _jpeg,
+    ".jpeg": _jpeg,
+    ".webp": _webp,
+}
+"""Each allowed suffix (any case) and the check of its content: why the file is not one, or None."""
+_BY_NAME = {SIGNATURE_FILE: ALLOWED_KINDS[".json"], ".gitattributes": _plain_text}
+"""Repo paths allowed by their whole name: the signature (a Sigstore bundle), git's attributes."""
+
+
+def content_problem(rel: str, path: str | os.PathLike[str]) -> str | None:
+    """Why repo path ``rel`` (its content in the local file ``path``) may not be published, or
+    None: its name is not an allowed kind, or its bytes are not wholly that kind."""
+    suffix = PurePosixPath(rel).suffix.lower()
+    check = _BY_NAME.get(rel) or ALLOWED_KINDS.get(suffix)
+    if check is None:
+        allowed = ", ".join([*ALLOWED_KINDS, *_BY_NAME])
+        return (
+            f"a {f'{suffix!r} file' if suffix else 'file without a suffix'} is refused by name "
+            f"(code, pickles and archives run when loaded); a repo carries only {allowed}"
+        )
+    return check(Path(path))
 
 
 def weight_sources(config: Mapping[str, Any]) -> list[str]:

@@ -3,8 +3,8 @@
 A repo verifies when
 - its three ledger copies (``privacy_ledger.json``, the weights' metadata, the card's front
   matter) are valid and equal;
-- its paths are safe, alone and together (``vip_hub.paths``), and no file holds a pickle, an
-  archive or compressed data whatever its name (``vip_hub.repo.content``);
+- its paths are safe, alone and together (``vip_hub.paths``), and every file is of a kind the
+  allow list names and wholly that kind, parsed (``vip_hub.repo.content``);
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
 - config.json and the weights agree on the architecture, and config.json names no other
   source for the weights;
@@ -56,7 +56,7 @@ from ..repo_format import (
 )
 from .artifacts import digest_file, read_safetensors_header
 from .card import card_ledger
-from .content import refused_content, weight_sources
+from .content import content_problem, weight_sources
 
 __all__ = ["Problem", "RELATIVE_TOLERANCE", "VerificationReport", "repo_files", "verify_repo"]
 
@@ -173,15 +173,8 @@ def _check_paths(files: Mapping[str, Path], report: VerificationReport) -> None:
         except RepoFormatError as e:
             report.fail(rel, str(e))
             continue
-        if not is_weights_file(rel) and (
-            what := refused_content(path)
-        ):  # weights are parsed as safetensors
-            report.fail(
-                rel,
-                f"holds {what}: content that can run code when loaded, or hide such content, is "
-                "refused whatever the file's name; publish safetensors",
-                TamperedFileError,
-            )
+        if problem := content_problem(rel, path):
+            report.fail(rel, problem, TamperedFileError)
     for problem in tree_path_problems(files):
         report.fail("paths", problem)
     report.checks.append("paths and content")
