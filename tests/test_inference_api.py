@@ -12,6 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import timm
 import torch
 from helpers import NEEDS_CUDA, tiny_repo_with_head
 from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
@@ -84,6 +85,52 @@ def test_parity_with_in_process(hub, local, pooling):
     assert float(r.headers["x-privacy-delta"]) == pytest.approx(body["privacy"]["delta"])
     for h in ("x-queue-ms", "x-preprocess-ms", "x-inference-ms"):
         assert float(r.headers[h]) >= 0
+
+
+def test_spatial_pooling_live(hub, local):
+    """A spatial mode the repo declares is served as the library computes it, by name; plain timm
+    (through HF_ENDPOINT) still loads the repo; an undeclared or unknown mode is a 400 naming the
+    declared ones."""
+    described = httpx.get(f"{hub.url}/v1/models/{MODEL}").json()
+    assert described["feature_dims"]["spatial-b8-g2"] == 768
+    for files in (False, True):
+        r = (
+            httpx.post(
+                f"{hub.url}/v1/embeddings/files",
+                data={"model": MODEL, "pooling": "spatial-b8-g2"},
+                files=[("files", ("a.png", IMAGES[0], "image/png"))],
+                timeout=60,
+            )
+            if files
+            else httpx.post(
+                f"{hub.url}/v1/embeddings",
+                json={
+                    "model": MODEL,
+                    "input": [b64(x) for x in IMAGES[:2]],
+                    "pooling": "spatial-b8-g2",
+                },
+                timeout=60,
+            )
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        got = torch.tensor([d["embedding"] for d in body["data"]])
+        n = 1 if files else 2
+        expected = local.embed([_pil(x) for x in IMAGES[:n]], "spatial-b8-g2")
+        assert body["pooling"] == "spatial-b8-g2" and got.shape == (n, 768)
+        assert (got - expected).abs().max().item() <= 1e-4
+    timm_model = timm.create_model(f"hf-hub:{MODEL}", pretrained=True).eval()
+    batch = local.preprocess([_pil(IMAGES[0])])
+    with torch.no_grad():
+        plain = vip_hub.extract_features(timm_model, batch, "spatial-b8-g2")
+    torch.testing.assert_close(plain, local.embed(batch, "spatial-b8-g2"))
+    for mode in ("spatial-b5-g2", "max", "spatial-b8-g3"):
+        r = httpx.post(
+            f"{hub.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])], "pooling": mode},
+        )
+        assert r.status_code == 400, r.text
+        assert "this repo offers vip, avg, cls, spatial-b4-g2, spatial-b8-g2" in r.json()["error"]
 
 
 def test_encodings_normalize_dimensions_and_data_uris(hub, local):

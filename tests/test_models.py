@@ -146,3 +146,46 @@ def test_families_declare_known_modes():
     for family in FAMILIES.values():
         assert set(family.poolings) <= set(POOLINGS) and "avg" in family.poolings
     assert FAMILIES["vip"].poolings[0] == "vip" and FAMILIES["dpcap"].poolings[0] == "dpcap"
+
+
+def test_spatial_modes_keep_the_grid_normalised_per_example():
+    """Patch tokens of the chosen blocks (hooks, no forward_intermediates), pooled to the grid by
+    hand, each block's map standardised per example; shapes, widths and errors."""
+    torch.manual_seed(0)
+    model = create_encoder(EncoderSpec("vip-nano", img_size=32, patch_size=8), mae_init=True)
+    model.eval()
+    x = torch.randn(3, 3, 32, 32)
+    outs = []
+    hooks = [b.register_forward_hook(lambda _m, _i, o: outs.append(o)) for b in model.blocks]
+    with torch.no_grad():
+        model.forward_features(x)
+        for h in hooks:
+            h.remove()
+        ours = extract_features(model, x, ("spatial-b4-g2", "avg", "spatial-b4.12-g4"))
+    assert list(ours) == ["spatial-b4-g2", "avg", "spatial-b4.12-g4"]  # in the order asked
+    for block in (4, 12):
+        patches = outs[block - 1][:, 1:].reshape(3, 4, 4, 192)  # a 4 x 4 patch grid, row-major
+        quads = patches.reshape(3, 2, 2, 2, 2, 192).mean(dim=(2, 4))  # 2 x 2 cells of 2 x 2
+        for grid, pooled in ((4, patches), (2, quads)):
+            flat = pooled.permute(0, 3, 1, 2).flatten(1)  # channel-major, as (C, g, g)
+            want = (flat - flat.mean(1, keepdim=True)) / (flat.var(1, False, True) + 1e-6).sqrt()
+            if (block, grid) == (4, 2):
+                torch.testing.assert_close(ours["spatial-b4-g2"], want, atol=1e-4, rtol=1e-4)
+            if grid == 4:
+                part = ours["spatial-b4.12-g4"][:, (block // 12) * 3072 :][:, :3072]
+                torch.testing.assert_close(part, want, atol=1e-4, rtol=1e-4)
+    assert ours["spatial-b4.12-g4"].shape == (3, 2 * 192 * 16)
+    assert feature_dim(model, "spatial-b4.12-g4") == 6144
+    assert feature_dim(model, "spatial-b4-g2") == 768
+    halves = ours["spatial-b4.12-g4"].split(3072, dim=1)
+    for h in halves:  # each block's map: mean 0, variance 1 per example
+        torch.testing.assert_close(h.mean(1), torch.zeros(3), atol=1e-5, rtol=0)
+        torch.testing.assert_close(h.var(1, unbiased=False), torch.ones(3), atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="block 13 of a 12-block"):
+        feature_dim(model, "spatial-b13-g2")
+    with pytest.raises(ValueError, match="a 5-cell grid from 4 x 4 patches"):
+        extract_features(model, x, "spatial-b4-g5")
+    with pytest.raises(ValueError, match="increasing order"):
+        feature_dim(model, "spatial-b8.4-g2")
+    with pytest.raises(ValueError, match="spatial-b<block>"):
+        feature_dim(model, "spatial-b04-g2")

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny_encoder
+from helpers import TINY, tiny_encoder
 from huggingface_hub import EvalResult, ModelCard
 
-from vip_hub import PrivacyLedger, load_encoder, update_repo, verify_repo
+from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
+from vip_hub.errors import RepoFormatError
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
@@ -43,7 +44,14 @@ def test_export_layout(tiny_repo):
     assert config["num_features"] == 192 and config["global_pool"] == "avg"
     assert config["model_args"]["num_heads"] == 12 and config["model_args"]["img_size"] == 32
     assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]
-    assert config["vip_hub"]["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152}
+    assert config["vip_hub"]["feature_dims"] == {
+        "vip": 1152,
+        "avg": 192,
+        "cls": 192,
+        "spatial-b4-g2": 768,  # the default spatial modes: a 2 x 2 patch grid at 32 px
+        "spatial-b8-g2": 768,
+        "spatial-b12-g2": 768,
+    }
     meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
     assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
     assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse(
@@ -84,6 +92,42 @@ def test_load_encoder(tiny_repo):
     batch = enc.preprocess(imgs)
     assert batch.shape == (3, 3, 32, 32)
     torch.testing.assert_close(enc.embed(batch, pooling="avg"), enc.model(batch))
+
+
+def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_session):
+    """A repo offers the spatial modes its config.json declares, and only those; the card lists
+    them; a declaration that does not fit the weights is refused."""
+    enc = load_encoder(tiny_repo)
+    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2", "spatial-b12-g2")
+    x = torch.randn(2, 3, 32, 32)
+    feats = enc.embed(x, pooling="spatial-b8-g2")
+    assert feats.shape == (2, 768) and enc.feature_dim("spatial-b8-g2") == 768
+    torch.testing.assert_close(feats.mean(1), torch.zeros(2), atol=1e-5, rtol=0)
+    for undeclared in ("spatial-b4.8-g2", "spatial-b5-g1", "max"):
+        with pytest.raises(ValueError, match=r"this repo offers vip, avg, cls, spatial-b4-g2, "):
+            enc.embed(x, pooling=undeclared)
+    card = (tiny_repo / "README.md").read_text()
+    assert "`spatial-b8-g2` (768): patch tokens of block 8 average-pooled to a 2 x 2 grid" in card
+    assert "small images and classes that live in the layout" in card
+    chosen = export_encoder(
+        tmp_path / "chosen",
+        tiny_encoder(),
+        TINY,
+        [dp_stage_session],
+        model_name="chosen",
+        spatial=["spatial-b1.2-g1"],
+    )
+    assert load_encoder(chosen).poolings[3:] == ("spatial-b1.2-g1",)
+    with pytest.raises(ValueError, match="block 13 of a 12-block encoder"):
+        export_encoder(
+            tmp_path / "bad", tiny_encoder(), TINY, [dp_stage_session], model_name="bad",
+            spatial=["spatial-b13-g1"],
+        )  # fmt: skip
+    config = json.loads((chosen / "config.json").read_text())
+    config["vip_hub"]["feature_dims"]["spatial-b1.2-g1"] = 192
+    (chosen / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RepoFormatError, match="spatial-b1.2-g1 is 384 wide, not 192"):
+        load_encoder(chosen, verify=False)
 
 
 def test_card_parses_with_huggingface_hub(tiny_repo):

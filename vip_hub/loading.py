@@ -17,11 +17,25 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .errors import ConfigError, MissingInputError
 from .models.encoders import EncoderSpec
-from .models.features import Pooling, check_pooling, extract_features, feature_dim
+from .models.features import (
+    POOLINGS,
+    SPATIAL_PATTERN,
+    SPATIAL_SYNTAX,
+    Pooling,
+    extract_features,
+    feature_dim,
+)
 from .models.text_decoder import DEFAULT_PROMPT, Captioner, ImageMemory
 from .models.tokenizer import CaptionTokenizer
 from .privacy.ledger import PrivacyLedger, PrivacySummary
-from .repo.files import can_caption, load_image_memory, load_text_decoder, read_config
+from .repo.files import (
+    can_caption,
+    check_feature_dims,
+    declared_spatial,
+    load_image_memory,
+    load_text_decoder,
+    read_config,
+)
 from .repo.verify import verify_repo
 from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
 
@@ -47,9 +61,11 @@ class Encoder:
 
     @property
     def poolings(self) -> tuple[Pooling, ...]:
-        """The feature modes this repo offers: its family's, ``dpcap`` only with the decoder
-        weights."""
-        return self.spec.family.offered_poolings(self.memory is not None)  # type: ignore[return-value]
+        """The feature modes this repo offers: its family's (``dpcap`` only with the decoder
+        weights), then the spatial modes its config.json declares."""
+        return self.spec.family.offered_poolings(self.memory is not None) + declared_spatial(
+            self.config
+        )
 
     @property
     def can_caption(self) -> bool:
@@ -58,18 +74,21 @@ class Encoder:
         return self.spec.family.captions and can_caption(os.listdir(self.path))
 
     def check_pooling(self, pooling: str) -> None:
-        """Raise ConfigError unless this repo offers feature mode ``pooling``."""
-        check_pooling(pooling)
-        if pooling not in self.poolings:
-            why = (
-                f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
-                if pooling not in self.spec.family.poolings
-                else f"{self.path} has no {TEXT_DECODER_FILE}"
-            )
-            raise ConfigError(
-                f"feature mode {pooling!r} is not available for {self.spec.arch}: {why} "
-                f"(this repo offers {', '.join(self.poolings)})"
-            )
+        """Raise ConfigError, naming the modes this repo offers, unless it offers ``pooling``."""
+        if pooling in self.poolings:
+            return
+        if pooling in self.spec.family.poolings:
+            why = f"{self.path} has no {TEXT_DECODER_FILE}"
+        elif pooling in POOLINGS:
+            why = f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
+        elif SPATIAL_PATTERN.fullmatch(pooling):
+            why = "its config.json's feature_dims does not declare this spatial mode"
+        else:
+            why = f"unknown feature mode (fixed: {', '.join(POOLINGS)}; spatial: {SPATIAL_SYNTAX})"
+        raise ConfigError(
+            f"feature mode {pooling!r} is not available for {self.spec.arch}: {why} "
+            f"(this repo offers {', '.join(self.poolings)})"
+        )
 
     def feature_dim(self, pooling: Pooling = "avg") -> int:
         self.check_pooling(pooling)
@@ -92,20 +111,25 @@ class Encoder:
     def embed(
         self,
         images: Sequence[Image.Image] | torch.Tensor,
-        pooling: Pooling = "avg",
+        pooling: Pooling | tuple[Pooling, ...] = "avg",
         batch_size: int = 64,
-    ) -> torch.Tensor:
-        """Embeddings (N, dim) for PIL images or an already preprocessed batch."""
-        self.check_pooling(pooling)
+    ) -> torch.Tensor | dict[Pooling, torch.Tensor]:
+        """Embeddings (N, dim) for PIL images or an already preprocessed batch; a tuple of modes
+        gives a dict of them, one forward pass per batch."""
+        modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
+        for mode in modes:
+            self.check_pooling(mode)
         device = next(self.model.parameters()).device
-        chunks = []
+        chunks: dict[Pooling, list[torch.Tensor]] = {m: [] for m in modes}
         for start in range(0, len(images), batch_size):
             part = images[start : start + batch_size]
             batch = part if isinstance(part, torch.Tensor) else self.preprocess(part)
-            chunks.append(self.features(batch.to(device), (pooling,))[pooling].float().cpu())
-        if not chunks:
-            return torch.empty(0, self.feature_dim(pooling))
-        return torch.cat(chunks)
+            for mode, v in self.features(batch.to(device), modes).items():
+                chunks[mode].append(v.float().cpu())
+        out = {
+            m: torch.cat(c) if c else torch.empty(0, self.feature_dim(m)) for m, c in chunks.items()
+        }
+        return out[modes[0]] if isinstance(pooling, str) else out
 
 
 def resolve_source(source: str | os.PathLike[str], revision: str | None = None) -> Path:
@@ -150,6 +174,7 @@ def load_encoder(
     config = read_config(path)
     spec = EncoderSpec.from_config(config)
     model = timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
+    check_feature_dims(config, model)
     transform = create_transform(**resolve_data_config({}, model=model))
     memory = None
     if spec.family.captions and (path / TEXT_DECODER_FILE).is_file():

@@ -53,6 +53,11 @@ from .models import Task
 __all__ = ["router"]
 
 router = new_router()
+MAX_POOLING_LENGTH = 64
+POOLING_HELP = (
+    "feature mode: avg, cls, a family's own (vip, dpcap), or a spatial mode the repo declares "
+    "(spatial-b<blocks>-g<grid>; /v1/models lists each model's feature_dims)"
+)
 
 
 class EmbeddingsRequest(BaseModel):
@@ -60,7 +65,7 @@ class EmbeddingsRequest(BaseModel):
 
     model: ModelRef
     input: Image64 | list[Image64] = Field(description="one image or a list (base64 or data: URIs)")
-    pooling: Pooling = "avg"
+    pooling: Pooling = Field("avg", max_length=MAX_POOLING_LENGTH, description=POOLING_HELP)
     normalize: bool = False
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions")
@@ -198,7 +203,9 @@ async def embeddings_files(
     call: Call,
     model: Annotated[str, Form(max_length=MAX_MODEL_REF_LENGTH, pattern=MODEL_PATTERN)],
     files: Annotated[list[UploadFile], File(description="image files, in order")],
-    pooling: Annotated[Pooling, Form()] = "avg",
+    pooling: Annotated[
+        Pooling, Form(max_length=MAX_POOLING_LENGTH, description=POOLING_HELP)
+    ] = "avg",
     normalize: Annotated[bool, Form()] = False,
     encoding_format: Annotated[Literal["float", "base64"], Form()] = "float",
     dimensions: Annotated[int | None, Form(ge=1)] = None,

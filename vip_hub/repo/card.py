@@ -22,7 +22,7 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
 from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
-from ..models.features import MODE_DESCRIPTIONS
+from ..models.features import SpatialMode, describe
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
 from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
 
@@ -115,9 +115,8 @@ def render_card(
         patch_size=spec.patch_size,
         img_size=spec.img_size,
         params=format_params(num_params),
-        modes=[
-            {"name": m, "dim": d, "text": MODE_DESCRIPTIONS[m]} for m, d in feature_dims.items()
-        ],
+        modes=[{"name": m, "dim": d, "text": describe(m)} for m, d in feature_dims.items()],
+        spatial=any(SpatialMode.parse(m) for m in feature_dims),
         probe_mode=next(iter(feature_dims)),
         avg_dim=feature_dims["avg"],
         captions=captions,

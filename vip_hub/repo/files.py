@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Required, TypedDict
 
@@ -24,7 +24,13 @@ from timm.models.vision_transformer import VisionTransformer
 
 from ..errors import ConfigError, RepoFormatError
 from ..models.encoders import EncoderSpec, count_parameters
-from ..models.features import feature_dim
+from ..models.features import (
+    SPATIAL_SYNTAX,
+    SpatialMode,
+    check_pooling,
+    default_spatial_modes,
+    feature_dim,
+)
 from ..models.text_decoder import Captioner, ImageMemory, TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..paths import validate_relpath
@@ -58,6 +64,8 @@ from .verify import verify_repo
 __all__ = [
     "Release",
     "can_caption",
+    "check_feature_dims",
+    "declared_spatial",
     "export_encoder",
     "load_image_memory",
     "load_text_decoder",
@@ -96,6 +104,7 @@ def export_encoder(
     text_decoder: TextDecoder | None = None,
     vocab: bytes | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    spatial: Sequence[str] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a released-encoder repo for ``model`` to ``out_dir`` and return its path.
@@ -103,15 +112,17 @@ def export_encoder(
     ``stages`` are the ledger's stages in training order; guarantees and file digests are
     computed here. Optional: ``decoder`` (an MAE decoder state dict, ViP), ``text_decoder`` (a
     ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode)
-    with ``vocab`` (the bytes of the tokenizer's vocab.txt), and ``extra_files`` (e.g. a
-    training-curve PNG).
+    with ``vocab`` (the bytes of the tokenizer's vocab.txt), ``extra_files`` (e.g. a
+    training-curve PNG), and ``spatial``: the spatial feature modes the repo declares (default
+    ``default_spatial_modes(model)``; ``()`` for none).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
     _check_text_parts(spec, model, text_decoder, vocab)
     tensors = _encoder_tensors(model)
-    config = _config(spec, model, text_decoder.memory if text_decoder is not None else None)
+    memory = text_decoder.memory if text_decoder is not None else None
+    config = _config(spec, model, memory, spatial)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
     artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: _sha256_bytes(config_bytes)}
     dec = None
@@ -256,10 +267,41 @@ def _check_text_parts(
         text_decoder.config.check_tokenizer(CaptionTokenizer(vocab))
 
 
+def declared_spatial(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The spatial feature modes that config.json's ``feature_dims`` declares, in its order."""
+    dims = (config.get(CONFIG_BLOCK) or {}).get("feature_dims") or {}
+    try:
+        return tuple(m for m in dims if SpatialMode.parse(m) is not None)
+    except ConfigError as e:
+        raise RepoFormatError(f"config.json feature_dims: {e}") from None
+
+
+def check_feature_dims(config: Mapping[str, Any], model: VisionTransformer) -> None:
+    """Raise RepoFormatError unless every spatial mode config.json declares fits ``model`` with
+    the declared width."""
+    dims = config[CONFIG_BLOCK]["feature_dims"]
+    for mode in declared_spatial(config):
+        try:
+            width = feature_dim(model, mode)
+        except ConfigError as e:
+            raise RepoFormatError(f"config.json feature_dims: {e}") from None
+        if dims[mode] != width:
+            raise RepoFormatError(
+                f"config.json feature_dims: {mode} is {width} wide, not {dims[mode]}"
+            )
+
+
 def _config(
-    spec: EncoderSpec, model: VisionTransformer, memory: ImageMemory | None = None
+    spec: EncoderSpec,
+    model: VisionTransformer,
+    memory: ImageMemory | None = None,
+    spatial: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    modes = spec.family.offered_poolings(memory is not None)
+    spatial = default_spatial_modes(model) if spatial is None else tuple(spatial)
+    for mode in spatial:
+        if check_pooling(mode, model) is None:
+            raise ConfigError(f"{mode} is not a spatial feature mode ({SPATIAL_SYNTAX})")
+    modes = (*spec.family.offered_poolings(memory is not None), *dict.fromkeys(spatial))
     return {
         "architecture": spec.architecture.timm_architecture,
         "num_classes": 0,
