@@ -50,7 +50,6 @@ def test_export_layout(tiny_repo):
         "cls": 192,
         "spatial-b4-g2": 768,  # the default spatial modes: a 2 x 2 patch grid at 32 px
         "spatial-b8-g2": 768,
-        "spatial-b12-g2": 768,
     }
     meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
     assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
@@ -98,7 +97,7 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
     """A repo offers the spatial modes its config.json declares, and only those; the card lists
     them; a declaration that does not fit the weights is refused."""
     enc = load_encoder(tiny_repo)
-    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2", "spatial-b12-g2")
+    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2")
     x = torch.randn(2, 3, 32, 32)
     feats = enc.embed(x, pooling="spatial-b8-g2")
     assert feats.shape == (2, 768) and enc.feature_dim("spatial-b8-g2") == 768

@@ -131,10 +131,11 @@ SPATIAL_NORM = "a LayerNorm without parameters over each block's pooled map"
 
 
 def default_spatial_modes(model: VisionTransformer) -> tuple[str, ...]:
-    """The spatial modes a repo declares unless told otherwise: blocks at a third, two thirds and
-    all of the depth, each on a 4 x 4 and a 2 x 2 grid (at most the patch grid)."""
+    """The spatial modes a repo declares unless told otherwise: the blocks at a third and two
+    thirds of the depth (the last block's layout is the MAE's reconstruction target, weaker for a
+    probe), each on a 4 x 4 and a 2 x 2 grid (at most the patch grid)."""
     depth, side = len(model.blocks), min(model.patch_embed.grid_size)
-    blocks = sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})
+    blocks = sorted({max(1, depth // 3), max(1, 2 * depth // 3)})
     grids = sorted({min(4, side), min(2, side)}, reverse=True)
     return tuple(SpatialMode((b,), g).name for g in grids for b in blocks)
 
