@@ -291,7 +291,8 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The job on generated Fashion-MNIST IDX files (300 train, 100 test records): the first 240
-    train records are the private dataset, every DP stage declares them, each released
+    train records are the private dataset, test records 0-19 choose the feature modes and 20-99
+    measure top-1, every DP stage declares them, each released
     classifier (encoder and head) composes to the total epsilon by the split rule, the cards
     and the summary carry DP rows only, and everything is signed, published and served."""
     idx = write_fashion(tmp_path / "idx", {"train": 300, "test": 100})
@@ -302,6 +303,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         data=str(idx),
         train_size=240,
         test_size=80,
+        select_size=20,
         img_size=16,
         syn_steps=3,
         dpcap_syn_steps=3,
@@ -324,7 +326,10 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert sorted(im.tobytes() for im in private.images) == sorted(
         im.tobytes() for im in first.images
     )  # the private records are the first 240 of the IDX file, no others
-    assert len(fashion_mnist("test", data)) == 80
+    measured = fashion_mnist("test", idx).images[20:100]  # after the 20 that choose modes
+    assert sorted(im.tobytes() for im in fashion_mnist("test", data).images) == sorted(
+        im.tobytes() for im in measured
+    )
     repos = {e.name: run / e.name for e in PUBLISHED}
     assert list(repos) == [
         "vip-nano-syn",
@@ -337,6 +342,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert verify_repo(repo).ok
         card = (repo / "README.md").read_text()
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
+        assert card.count("modes on public test records 0-19") == len(PUBLISHED)
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
         assert "DP-Cap zero-shot: dpcap-nano-fashion-dp" in card

@@ -113,7 +113,9 @@ def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
         assert eps[Accountant.PLD] <= eps[Accountant.RDP]
         encoder = [s.mechanism_tuple for s in r.stages[:-1]]
         assert not encoder or composed_epsilon(encoder, utility.DELTA) <= utility.ENCODER_EPSILON
-        assert 0 <= r.dp <= 100 and r.ref is not None
+        assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.dp_rest <= 100
+        learned = key not in ("pixels", "scatter")
+        assert r.chosen.endswith("modes on test records 0-9") == learned, r.chosen  # 10 of 20
         assert r.tried == (len(utility.HEAD_LR_GRID) if key in tune else 0)
     lines = utility.table(results)
     assert len(lines) == 2 + len(rows) + len(utility.PAPER)

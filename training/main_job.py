@@ -5,7 +5,9 @@ on Fashion-MNIST.
    image folder), else the Debian package, fetched when missing. The private dataset is the
    first ``train_size`` records of the train split in file order (a public rule: no record's
    membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
-   n; the first ``test_size`` records of the public test split measure top-1. Both are written
+   n; of the public test split, the first ``select_size`` records choose each head's feature
+   mode (``training.probe.choose_pooling``) and the next ``test_size`` measure top-1. Both are
+   written
    as PNG class folders (train captioned by the public template over the class names), with a
    public vocabulary and public captions over the class names;
 2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
@@ -54,7 +56,7 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vip_hub.errors import SignatureError, VipHubError
+from vip_hub.errors import DataError, SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import Accountant, remaining_epsilon
 from vip_hub.privacy.audit import DEFAULT_CANARIES
@@ -101,7 +103,9 @@ TRAIN_SIZE = 10_000
 """Private records: the first N of Fashion-MNIST's train split (the job embeds them once per
 encoder, which sets its length on 2 cores)."""
 TEST_SIZE = 2_000
-"""Public test records that measure top-1: the first M of the test split."""
+"""Public test records that measure top-1: the M after the selection records of the test split."""
+SELECT_SIZE = 1_000
+"""Public test records that choose each head's feature mode: the first K of the test split."""
 
 
 class MainJobConfig(BaseModel):
@@ -122,7 +126,15 @@ class MainJobConfig(BaseModel):
         description="private records: the first N of the train split in file order",
     )
     test_size: int = Field(
-        TEST_SIZE, gt=0, description="public test records: the first M of the test split"
+        TEST_SIZE,
+        gt=0,
+        description="public test records that measure top-1: the M after the selection records",
+    )
+    select_size: int = Field(
+        SELECT_SIZE,
+        ge=4,
+        description="public test records that choose each head's feature mode among its repo's "
+        "(spatial modes included): the first K of the test split",
     )
     store: str = Field(str(DEFAULT_STORE), description="the hub store the server uses")
     host: str = Field(DEFAULT_HOST, description="interface the server binds")
@@ -236,12 +248,11 @@ class _Steps:
 
 @dataclass(frozen=True)
 class _Encoder:
-    """One encoder the job trains and publishes: its folder and repo name, the comparison's label
-    and the feature mode its probe reads."""
+    """One encoder the job trains and publishes: its folder and repo name and the comparison's
+    label."""
 
     name: str
     label: str
-    pooling: str = "vip"
 
     @property
     def repo_id(self) -> str:
@@ -250,9 +261,9 @@ class _Encoder:
 
 SYN_VIP = _Encoder("vip-nano-syn", "(Syn)-ViP")
 VIP = _Encoder("vip-nano-fashion-dp", "ViP (DP-AdamW MAE)")
-DPCAP = _Encoder("dpcap-nano-fashion-dp", "DP-Cap (DP-AdamW captioning)", pooling="dpcap")
-LOGIT_DP = _Encoder("vip-nano-fashion-logit-dp", "Logit-DP (per-pair clipping)", pooling="avg")
-NAIVE_DP = _Encoder("vip-nano-fashion-naive-dp", "Naive-DP (whole batch clipped)", pooling="avg")
+DPCAP = _Encoder("dpcap-nano-fashion-dp", "DP-Cap (DP-AdamW captioning)")
+LOGIT_DP = _Encoder("vip-nano-fashion-logit-dp", "Logit-DP (per-pair clipping)")
+NAIVE_DP = _Encoder("vip-nano-fashion-naive-dp", "Naive-DP (whole batch clipped)")
 PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 """Published and compared, in this order; the (Syn) DP-Cap encoder only starts DP-Cap."""
 
@@ -276,7 +287,12 @@ def run_main_job(cfg: MainJobConfig) -> int:
     syn_cap = work / "dpcap-nano-syn"
     vocab, public_captions = data / "vocab.txt", data / "public-captions.txt"
     comparison = work / "comparison.json"
-    sizes = {"data": cfg.data, "train_size": cfg.train_size, "test_size": cfg.test_size}
+    sizes = {
+        "data": cfg.data,
+        "train_size": cfg.train_size,
+        "test_size": cfg.test_size,
+        "select_size": cfg.select_size,
+    }
 
     steps.run(
         "Fashion-MNIST: the private and the public test records as image folders; captions, "
@@ -457,12 +473,26 @@ def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
     return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
 
 
-def _splits(cfg: MainJobConfig, work: Path) -> tuple[LabelledArrays, LabelledArrays]:
-    """The private records (the first ``train_size`` of the train split, declared with their n)
-    and the public test records (the first ``test_size`` of the test split)."""
+def _splits(
+    cfg: MainJobConfig, work: Path
+) -> tuple[LabelledArrays, LabelledArrays, LabelledArrays]:
+    """The private records (the first ``train_size`` of the train split, declared with their n),
+    the public records that measure top-1 (the ``test_size`` after the first ``select_size`` of
+    the test split) and those that choose feature modes (the first ``select_size``)."""
+    test = fashion_mnist("test", cfg.data, work / "data")
+    end = cfg.select_size + cfg.test_size
+    if end > len(test):
+        raise DataError(
+            f"select_size {cfg.select_size} + test_size {cfg.test_size} > the {len(test)} test "
+            "records"
+        )
     return (
         fashion_mnist("train", cfg.data, work / "data").first(cfg.train_size),
-        fashion_mnist("test", cfg.data, work / "data").first(cfg.test_size),
+        test.subset(
+            np.arange(cfg.select_size, end),
+            f"records {cfg.select_size} to {end - 1} in file order (a public rule)",
+        ),
+        test.first(cfg.select_size),
     )
 
 
@@ -472,7 +502,7 @@ def _write_data(
     """The private records captioned over their class names (what every recipe and the probes
     read), the public test records, and DP-Cap's public vocabulary and captions (from the class
     names alone)."""
-    private, public = _splits(cfg, work)
+    private, public, _ = _splits(cfg, work)
     write_caption_folder(private, train, FASHION_MNIST_CLASSES)
     write_image_folder(public, test, FASHION_MNIST_CLASSES)
     vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
@@ -494,10 +524,18 @@ def _compare(
     Top-1 on the public test records; the rows go into every card and ``out``. No model trained
     without DP on the private records is released or measured: its accuracy would be a figure
     with no guarantee."""
-    from vip_hub.loading import load_captioner
+    from vip_hub.loading import load_captioner, load_encoder
     from vip_hub.privacy.accounting import epsilon as accounted
 
-    from .probe import DP_HEAD_LR, ProbeConfig, accuracy, dp_head_sampling, fit_probe, run_probe
+    from .probe import (
+        DP_HEAD_LR,
+        ProbeConfig,
+        accuracy,
+        choose_pooling,
+        dp_head_sampling,
+        fit_probe,
+        run_probe,
+    )
 
     head = {
         "dataset_name": FASHION_MNIST_TRAIN,
@@ -507,7 +545,8 @@ def _compare(
         "lr": DP_HEAD_LR,
         "seed": cfg.seed,
     }
-    private, public = _splits(cfg, work)
+    private, public, selection = _splits(cfg, work)
+    chooser = [selection.pil(i) for i in range(len(selection))]
     q, steps = dp_head_sampling(len(private), ProbeConfig(encoder="", data="", **head))
     rows = []
     for e in PUBLISHED:
@@ -518,21 +557,29 @@ def _compare(
             if s.dataset.name == FASHION_MNIST_TRAIN
         ]
         own = remaining_epsilon(cfg.epsilon, FASHION_MNIST_DELTA, prior, q, steps, Accountant.RDP)
-        r = run_probe(
-            ProbeConfig(
-                encoder=str(folder[e]),
-                data=str(train),
-                test_data=str(test),
-                head=HEAD,
-                pooling=e.pooling,
-                epsilon=own,
-                **head,
-            )
+        probe = ProbeConfig(
+            encoder=str(folder[e]),
+            data=str(train),
+            test_data=str(test),
+            head=HEAD,
+            epsilon=own,
+            **head,
         )
+        pooling, scores = choose_pooling(
+            load_encoder(folder[e]), chooser, selection.labels, len(FASHION_MNIST_CLASSES), probe,
+            len(private),
+        )  # fmt: skip
+        r = run_probe(probe.model_copy(update={"pooling": pooling}))
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
         privacy = privacy_headline(ledger.summary(head_component(HEAD)))
-        rows.append(_row(f"{e.label}: {e.name}", privacy, f"{e.pooling} features", r.top1))
-        print(f"    {e.name}: top-1 {r.top1:.4f} (its head at epsilon {own:.3f}; {privacy})")
+        features = (
+            f"{pooling} features (the best of {len(scores)} modes on public test records 0-"
+            f"{len(selection) - 1})"
+        )
+        rows.append(_row(f"{e.label}: {e.name}", privacy, features, r.top1))
+        shown = ", ".join(f"{m} {v:.1f}" for m, v in sorted(scores.items(), key=lambda kv: -kv[1]))
+        print(f"    {e.name}: modes on public records: {shown}")
+        print(f"    {e.name}: top-1 {r.top1:.4f} ({pooling}; head at epsilon {own:.3f}; {privacy})")
 
     captioner = load_captioner(folder[DPCAP])
     losses = captioner.zero_shot(
@@ -592,7 +639,9 @@ def _duration(seconds: float) -> str:
 def _print_summary(cfg: MainJobConfig, rows: list[dict[str, Any]], seconds: float) -> None:
     """The comparison (DP rows only) and the job's wall time with the load average."""
     print(
-        f"\nTop-1 on the first {cfg.test_size} public Fashion-MNIST test records; every row a "
+        f"\nTop-1 on public Fashion-MNIST test records {cfg.select_size} to "
+        f"{cfg.select_size + cfg.test_size - 1} (the first {cfg.select_size} chose feature modes); "
+        "every row a "
         f"classifier released at epsilon <= {cfg.epsilon:g}, delta = {FASHION_MNIST_DELTA:g} on "
         f"the first {cfg.train_size} train records ({FASHION_MNIST_TRAIN}):"
     )

@@ -27,6 +27,7 @@ import math
 import os
 import secrets
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,7 +43,13 @@ from tqdm.auto import tqdm
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import Pooling
-from vip_hub.privacy.accounting import Accountant, calibrate, check_delta, default_delta
+from vip_hub.privacy.accounting import (
+    Accountant,
+    calibrate,
+    check_delta,
+    default_delta,
+    epsilon,
+)
 from vip_hub.privacy.ledger import (
     DATASET_NAME_PATTERN,
     Dataset,
@@ -64,6 +71,7 @@ __all__ = [
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
+    "choose_pooling",
     "dp_head_sampling",
     "fit_probe",
     "fix_normalisation",
@@ -148,7 +156,9 @@ class ProbeConfig(HeadData, WeakDeltaOption):
     )
     head: str = Field("probe", description="head name: the repo gets heads/NAME/")
     pooling: str = Field(
-        "vip", description="feature mode: vip (the paper's), avg, cls, or a family's own"
+        "vip",
+        description="feature mode: vip (the paper's), avg, cls, a family's own, or a spatial "
+        "mode the repo declares (spatial-b<blocks>-g<grid>: small images, layout-bound classes)",
     )
     epochs: int = Field(90, gt=0, description="training epochs")
     warmup_epochs: int = Field(10, ge=0, description="warm-up epochs")
@@ -351,11 +361,54 @@ def _fit_dp(
     return {"sigma": sigma, "sample_rate": q, "steps": steps, "delta": delta, "accountant": kind}
 
 
-def public_features(encoder: Encoder, pooling: Pooling) -> torch.Tensor:
-    """``encoder``'s ``pooling`` features of public procedural images (no private data): what
-    fixes a DP head's normalisation."""
+def public_features(
+    encoder: Encoder, pooling: Pooling | tuple[Pooling, ...]
+) -> torch.Tensor | dict[Pooling, torch.Tensor]:
+    """``encoder``'s ``pooling`` features (a dict for a tuple of modes) of public procedural
+    images (no private data): what fixes a DP head's normalisation."""
     synth = SyntheticImages(encoder.spec.img_size, seed=1)
     return encoder.embed(torch.stack([synth[i] for i in range(256)]), pooling)
+
+
+def choose_pooling(
+    encoder: Encoder,
+    images: Sequence[Image.Image],
+    labels: np.ndarray,
+    num_classes: int,
+    cfg: ProbeConfig,
+    private_n: int,
+) -> tuple[Pooling, dict[Pooling, float]]:
+    """The feature mode of ``encoder`` that a head trained by ``cfg`` on ``private_n`` private
+    records should read, chosen on PUBLIC labelled ``images`` only: for every mode the repo offers,
+    a head fit on their first half and scored (top-1, %) on the second. A DP ``cfg``'s selection
+    heads keep its sample rate and steps, and their noise multiplier is scaled by the ratio of
+    the expected batches, so that the noise on their averaged gradient is the private head's
+    (their epsilon on the public images means nothing). Returns the best mode and every score."""
+    half = len(images) // 2
+    if half < 2:
+        raise DataError(
+            f"choosing a feature mode needs at least 4 public images, not {len(images)}"
+        )
+    feats = encoder.embed(images, encoder.poolings)
+    y = torch.as_tensor(labels)
+    fit = cfg
+    if cfg.epsilon is not None:
+        q, steps = dp_head_sampling(private_n, cfg)
+        delta = cfg.delta if cfg.delta is not None else default_delta(private_n)
+        sigma = calibrate(cfg.epsilon, delta, q, steps, cfg.accountant)
+        fit = cfg.model_copy(update={"batch_size": max(1, round(half * q))})
+        q_fit, steps_fit = dp_head_sampling(half, fit)
+        matched = sigma * (half * q_fit) / (private_n * q)
+        eps = epsilon(matched, q_fit, steps_fit, delta, cfg.accountant)
+        fit = fit.model_copy(update={"epsilon": eps, "delta": delta})
+    public = public_features(encoder, encoder.poolings) if cfg.epsilon is not None else {}
+    scores = {}
+    for mode, x in feats.items():
+        head, _ = fit_probe(
+            x[:half], y[:half], num_classes, fit, public.get(mode), desc=f"choose {mode}"
+        )
+        scores[mode] = 100 * accuracy(head, x[half:], y[half:])
+    return max(scores, key=lambda m: scores[m]), scores
 
 
 def fix_normalisation(head: LinearProbe, public_x: torch.Tensor) -> None:
