@@ -258,11 +258,9 @@ def test_encoder_tokens_match_the_reference_with_plain_timm(reference, repo):
     model = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
     cfg = json.loads((repo / "config.json").read_text())
     assert cfg["model_args"]["qkv_bias"] is False and cfg["model_args"]["num_heads"] == 6
-    assert cfg["vip_hub"]["family"] == "dpcap" and list(cfg["vip_hub"]["feature_dims"]) == [
-        "dpcap",
-        "avg",
-        "cls",
-    ]
+    modes = list(cfg["vip_hub"]["feature_dims"])
+    assert cfg["vip_hub"]["family"] == "dpcap" and modes[:3] == ["dpcap", "avg", "cls"]
+    assert modes[3:] and all(m.startswith("spatial-") for m in modes[3:])  # the default ones
     x = images()
     with torch.no_grad():
         want = ref.forward_encoder(x)
@@ -285,7 +283,7 @@ def test_feature_modes_match_the_reference_and_others_are_refused(reference, rep
             "avg": tokens[:, 1:].mean(1),
             "cls": tokens[:, 0],
         }
-    assert enc.poolings == ("dpcap", "avg", "cls")
+    assert enc.poolings[:3] == ("dpcap", "avg", "cls")
     for mode, value in want.items():
         torch.testing.assert_close(enc.embed(x, mode), value, atol=2e-5, rtol=1e-5)
         assert enc.feature_dim(mode) == value.shape[1]
@@ -299,7 +297,7 @@ def test_feature_modes_match_the_reference_and_others_are_refused(reference, rep
 
 def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
     enc = load_encoder(tiny_repo)
-    assert enc.poolings == ("vip", "avg", "cls")
+    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2")
     with pytest.raises(
         ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"
     ):
@@ -308,6 +306,8 @@ def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
         "vip",
         "avg",
         "cls",
+        "spatial-b4-g2",
+        "spatial-b8-g2",
     ]
 
 
@@ -452,7 +452,7 @@ def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
         model_name="novocab",
     )
     enc = load_encoder(out)
-    assert enc.poolings == ("dpcap", "avg", "cls") and not enc.can_caption
+    assert enc.poolings[:3] == ("dpcap", "avg", "cls") and not enc.can_caption
     with pytest.raises(MissingInputError, match="has no vocab.txt: it cannot caption"):
         load_captioner(out)
     assert "Captioning | not available" in (out / "README.md").read_text()

@@ -123,7 +123,7 @@ def test_dpcap_features_over_rest_and_modes_it_does_not_have(hub, dpcap):
 
 def test_models_listing_says_which_repos_caption(hub, dpcap):
     one = httpx.get(f"{hub.url}/v1/models/{DPCAP}").json()
-    assert one["captions"] is True and list(one["feature_dims"]) == ["dpcap", "avg", "cls"]
+    assert one["captions"] is True and list(one["feature_dims"])[:3] == ["dpcap", "avg", "cls"]
     listed = {m["id"]: m["captions"] for m in httpx.get(f"{hub.url}/v1/models").json()["data"]}
     assert listed[DPCAP] is True and listed[VIP] is False
 

@@ -247,7 +247,8 @@ def test_models_listing(hub, published):
     models = httpx.get(f"{hub.url}/v1/models").json()["data"]
     entry = next(m for m in models if m["id"] == MODEL)
     assert (
-        entry["feature_dims"] == {"cls": 192, "avg": 192, "vip": 1152}
+        entry["feature_dims"]
+        == {"cls": 192, "avg": 192, "vip": 1152, "spatial-b4-g2": 768, "spatial-b8-g2": 768}
         and entry["arch"] == "vip-nano"
     )
     assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == [
