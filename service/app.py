@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         trusted_keys=settings.trusted_keys_path(),
         require_signature=settings.hub.require_signature,
         limits=settings.hub,
+        objects=settings.object_store,
     )
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine

@@ -36,6 +36,7 @@ __all__ = [
     "RevisionNotFound",
     "ServiceError",
     "ShuttingDown",
+    "StorageUnavailable",
     "Unauthorized",
     "error_response",
     "install",
@@ -120,6 +121,10 @@ class DeadlineExceeded(ServiceError, status=503):
     """An inference request waited past its deadline."""
 
 
+class StorageUnavailable(ServiceError, status=503):
+    """The object store does not answer; nothing was stored (retry after ``Retry-After``)."""
+
+
 # store error -> the service error it is answered as; the first class that matches wins
 # (subclasses first)
 _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
@@ -129,6 +134,7 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
     (store.Conflict, Conflicting),
     (store.SignatureRefused, Forbidden),
     (store.TooLarge, PayloadTooLarge),
+    (store.StoreUnavailable, StorageUnavailable),
     (store.StoreError, BadRequest),
 )
 
@@ -146,6 +152,8 @@ def error_response(err: Exception) -> JSONResponse:
         message = str(err)
         if isinstance(err, store.NoSuchEntry) and err.commit:
             headers["X-Repo-Commit"] = err.commit  # lets the client cache the absence
+        if isinstance(err, store.StoreUnavailable):
+            headers["Retry-After"] = str(err.retry_after_s)
     elif isinstance(err, VipHubError):
         status, code, message = (404 if isinstance(err, MissingInputError) else 400), None, str(err)
     else:

@@ -25,7 +25,7 @@ from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
 from vip_hub.repo_format import FrontMatterLimits
 
-__all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "Settings"]
+__all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "ObjectStoreSettings", "Settings"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -112,6 +112,35 @@ class HubSettings(BaseModel):
     def front_matter(self) -> FrontMatterLimits:
         """The front-matter limits commits and /api/validate-yaml hold cards to."""
         return FrontMatterLimits(self.max_front_matter_bytes, self.max_front_matter_depth)
+
+
+class ObjectStoreSettings(BaseModel):
+    """Blobs in an S3-compatible object store (AWS S3, Ceph RGW, SeaweedFS, Garage) instead of
+    the store folder, moved by clients through presigned URLs. Credentials come from boto3's
+    usual sources (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
+    ``~/.aws/``), never from these settings, and are never logged."""
+
+    endpoint: str | None = Field(
+        None,
+        description="the S3 API's URL as the hub reaches it, e.g. http://s3.internal:8333 "
+        "(unset: blobs stay in the store folder, the embedded default)",
+    )
+    public_endpoint: str | None = Field(
+        None,
+        description="the S3 API's URL as clients reach it, which presigned URLs name "
+        "(SigV4 signs the host; default: endpoint)",
+    )
+    bucket: str = Field("vip-hub", description="the bucket holding blobs, uploads and staging")
+    region: str = Field("us-east-1", description="the region SigV4 signs for")
+    addressing_style: Literal["path", "virtual", "auto"] = Field(
+        "path", description="bucket in the path (most self-hosted stores) or in the host name"
+    )
+    presign_ttl_s: int = Field(
+        900,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="lifetime of a presigned upload or download URL",
+    )
 
 
 class AuthSettings(BaseModel):
@@ -243,6 +272,7 @@ class Settings(BaseSettings):
         "a third party (cdn.jsdelivr.net); the schema is at /openapi.json either way",
     )
     hub: HubSettings = Field(default_factory=HubSettings)
+    object_store: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
 

@@ -77,3 +77,19 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for repo_id, folder in repos.items():
         push_repo(folder, repo_id, token=WRITE_TOKEN)
     return repos
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory):
+    """One real SeaweedFS per test session, answering S3 on loopback; its credentials in
+    boto3's environment variables, where a hub with an object store finds them."""
+    from seaweed import SeaweedFS
+
+    store = SeaweedFS(tmp_path_factory.mktemp("seaweed")).start()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", store.access_key)
+        env.setenv("AWS_SECRET_ACCESS_KEY", store.secret_key)
+        try:
+            yield store
+        finally:
+            store.stop()

@@ -1,14 +1,20 @@
 """``HEAD`` / ``GET /{org}/{name}/resolve/{revision}/{path}``: file downloads with ETag,
-X-Repo-Commit and Range, as ``hf_hub_download`` and timm expect."""
+X-Repo-Commit and Range, as ``hf_hub_download`` and timm expect.
+
+With an object store, an LFS file is a redirect to a presigned GET of its blob, with
+``X-Linked-Etag`` / ``X-Linked-Size`` (which huggingface_hub reads, then checks the download
+against): issued like the file itself, only to a caller who may read the repo, short-lived,
+and neither the redirect nor the URL kept by any cache (``private, no-store``)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from ..auth import Identity, identity
 from ..errors import BadRequest
 from ..store.naming import validate_path, validate_revision
+from ..store.s3 import NO_STORE, blob_key
 from .common import etag, is_lfs, raw_segments, readable_repo, store_of
 
 router = APIRouter()
@@ -19,7 +25,7 @@ router = APIRouter()
 )
 async def resolve(
     org: str, name: str, rest: str, request: Request, who: Identity | None = Depends(identity)
-) -> FileResponse:
+) -> Response:
     """A file at a revision (branch, tag or commit id)."""
     del rest  # parsed from the raw path below
     store = store_of(request)
@@ -41,6 +47,12 @@ async def resolve(
     }
     if is_lfs(entry.path, entry.size):
         headers["X-Linked-Size"] = str(entry.size)
+        remote = store.blobs.remote
+        if remote is not None:
+            headers.update({"X-Linked-Etag": headers["ETag"], "Cache-Control": NO_STORE})
+            return RedirectResponse(
+                remote.presign_get(blob_key(entry.sha256)), status_code=302, headers=headers
+            )
     return BlobResponse(
         store.blob_path(entry), headers=headers, filename=None, media_type=_media_type(path)
     )

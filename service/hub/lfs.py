@@ -9,20 +9,29 @@ the client sends no token with it) and a ``verify`` action. The
 PUT streams the body into the store's uploads area, hashing as it writes; the commit then
 names the object by SHA-256 (an ``lfsFile`` line). Multipart transfer is the server's choice
 (a ``chunk_size`` in the upload header) and is not offered: one streamed PUT serves any size.
+
+With an object store (``object_store.endpoint``) the ``upload`` action is instead a presigned
+PUT straight to the store, to a staging key of this upload alone (never a content key), and
+the ``verify`` action (granted like the PUT above) is where the hub hashes the staged object
+itself and keeps it only if it is the object announced (``BlobStore.receive_staged``): nothing
+a client sent is named by a commit before that.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ..auth import check_grant, sign_grant
+from ..auth import Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
+from ..store import HubStore
 from ..store.blobs import check_sha256
 from ..store.naming import validate_repo_id
+from ..store.s3 import staging_key
 from .common import Writable, base_url, store_of, writable
 from .uploads import receive_blob
 
@@ -68,16 +77,7 @@ def batch(
                 "message": f"{obj.size} bytes is over the upload limit of {limit}",
             }
         elif held is None:
-            grant = sign_grant(
-                store.secret(), "lfs-upload", f"{repo_id}:{oid}:{obj.size}", GRANT_TTL_S, who
-            )
-            entry["actions"] = {
-                "upload": {
-                    "href": f"{base}/objects/{oid}?size={obj.size}&grant={grant}",
-                    "expires_in": int(GRANT_TTL_S),
-                },
-                "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
-            }
+            entry["actions"] = _upload_actions(store, base, repo_id, oid, obj.size, who)
         elif held != obj.size:
             entry["error"] = {
                 "code": 422,
@@ -88,6 +88,36 @@ def batch(
     return JSONResponse(
         {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, media_type=LFS_JSON
     )
+
+
+def _upload_actions(
+    store: HubStore, base: str, repo_id: str, oid: str, size: int, who: Identity
+) -> dict[str, Any]:
+    """The ``upload`` and ``verify`` actions of one object: a granted PUT to this hub, or a
+    presigned PUT to a fresh staging key of the object store and a granted verify."""
+    remote = store.blobs.remote
+    if remote is None:
+        grant = sign_grant(
+            store.secret(), "lfs-upload", f"{repo_id}:{oid}:{size}", GRANT_TTL_S, who
+        )
+        return {
+            "upload": {
+                "href": f"{base}/objects/{oid}?size={size}&grant={grant}",
+                "expires_in": int(GRANT_TTL_S),
+            },
+            "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
+        }
+    staged = uuid.uuid4().hex
+    grant = sign_grant(
+        store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", GRANT_TTL_S, who
+    )
+    return {
+        "upload": {"href": remote.presign_put(staging_key(staged), size), "expires_in": remote.ttl},
+        "verify": {
+            "href": f"{base}/verify?staged={staged}&grant={grant}",
+            "expires_in": int(GRANT_TTL_S),
+        },
+    }
 
 
 @router.put(
@@ -121,9 +151,19 @@ async def upload(
 
 @router.post("/{org}/{name}.git/info/lfs/verify", summary="Git LFS: check that an object arrived")
 def verify(
-    payload: Annotated[LfsObject, Body()], opened: Annotated[Writable, writable("uploading")]
+    payload: Annotated[LfsObject, Body()],
+    request: Request,
+    opened: Annotated[Writable, writable("uploading")],
+    staged: str | None = Query(None, max_length=32),
+    grant: str | None = Query(None),
 ) -> dict[str, Any]:
-    held = opened.store.held_for(opened.repo_id, check_sha256(payload.oid))
+    store, repo_id, oid = opened.store, opened.repo_id, check_sha256(payload.oid)
+    if staged is not None and store.blobs.remote is not None:  # a presigned PUT: check it
+        subject = f"{repo_id}:{oid}:{payload.size}:{staged}"
+        check_grant(request, store.secret(), "lfs-staged", subject, grant, opened.repo.org)
+        store.blobs.receive_staged(staged, oid, payload.size)
+        store.blobs.note_upload(repo_id, oid)
+    held = store.held_for(repo_id, oid)
     if held != payload.size:
         raise EntryNotFound(f"object {payload.oid} of {payload.size} bytes was not received")
     return {"oid": payload.oid, "size": held}

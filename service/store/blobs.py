@@ -7,10 +7,17 @@ repo each object was uploaded for: a commit names only objects uploaded for its 
 already in its history). ``tmp/`` holds files being written. All live on one filesystem, so
 every move is an atomic rename. Everything is created owner-only (folders 0700, files 0600,
 blobs 0400): private repos' bytes are not for the machine's other users.
+
+With an object store (:mod:`service.store.s3`) the bucket is where blobs and checked uploads
+live, under the same names, each written there before any commit may name it; the folder is
+this process's cache of what it read or wrote (fetched on first use, checked against its
+SHA-256). Clients upload to per-upload staging keys that :meth:`BlobStore.receive_staged`
+hashes before anything may name them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -20,8 +27,9 @@ from pathlib import Path
 
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
-from .errors import InvalidRequest, UploadMissing
+from .errors import InvalidRequest, StoreUnavailable, UploadMismatch, UploadMissing
 from .faults import crash_point
+from .s3 import STAGING, UPLOADS, S3Objects, blob_key, staging_key, upload_key
 
 __all__ = [
     "BlobStore",
@@ -106,9 +114,10 @@ class DigestWriter:
 
 class BlobStore:
     """``root/blobs/sha256/ab/cdef...``, uploads in ``root/uploads/sha256/ab/...``, temp files in
-    ``root/tmp``."""
+    ``root/tmp``; with ``remote``, blobs and uploads in its bucket, the folder caching them."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, remote: S3Objects | None = None):
+        self.remote = remote
         self.dir = root / "blobs" / "sha256"
         self.uploads = root / "uploads" / "sha256"
         self.uploaded_for = root / "uploads" / "for"
@@ -118,6 +127,14 @@ class BlobStore:
 
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256[2:]
+
+    def local(self, sha256: str) -> Path:
+        """The blob ``sha256`` as a local file (with an object store: fetched into the cache on
+        first use)."""
+        path = self.path(sha256)
+        if self.remote is None or path.is_file():
+            return path
+        return self._place(self._fetch(blob_key(sha256), sha256), path)
 
     def exists(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
@@ -146,20 +163,72 @@ class BlobStore:
         """The size of a held object, None when it is not held."""
         path = self.object_path(sha256)
         try:
-            return path.stat().st_size if path else None
+            if path:
+                return path.stat().st_size
         except FileNotFoundError:  # committed (moved) or collected meanwhile
+            pass
+        if self.remote is None:
             return None
+        size = self.remote.size(blob_key(sha256))
+        return self.remote.size(upload_key(sha256)) if size is None else size
 
     def stage_upload(self, tmp: Path, sha256: str) -> Path:
-        """Move a fully written and checked temp file into the uploads area (durably)."""
+        """Move a fully written and checked temp file into the uploads area (durably; with an
+        object store, into its bucket first)."""
         if self.object_path(sha256) is not None:
             tmp.unlink(missing_ok=True)
             return self.object_path(sha256) or self.upload_path(sha256)
+        if self.remote is not None and self.object_size(sha256) is None:
+            self.remote.put_file(tmp, upload_key(sha256))
+        return self._stage_local(tmp, sha256)
+
+    def _stage_local(self, tmp: Path, sha256: str) -> Path:
         target = self.upload_path(sha256)
         make_private_dir(target.parent)
         os.replace(tmp, target)
         fsync_dir(target.parent)
         return target
+
+    def receive_staged(self, upload_id: str, sha256: str, size: int) -> None:
+        """Check what a client PUT to the staging key ``upload_id`` through a presigned URL:
+        the hub hashes it itself, then copies it to its upload key (and its cache); bytes that
+        are not object ``sha256`` of ``size`` bytes are UploadMismatch. The staged object is
+        removed either way, unless the store stopped answering (then it stays for a retry, and
+        goes with the uploads' collection if none comes)."""
+        assert self.remote is not None
+        staged = staging_key(upload_id)
+        try:
+            if self.remote.size(staged) != size:
+                raise UploadMismatch(
+                    f"the staged upload is not object {sha256} of {size} bytes "
+                    "(missing, or another size): upload it again"
+                )
+            tmp = self._fetch(staged, sha256, size)
+            if self.object_size(sha256) is None:
+                self.remote.copy(staged, upload_key(sha256))
+            self._stage_local(tmp, sha256)
+        except StoreUnavailable:
+            raise
+        except BaseException:
+            self.remote.delete(staged)
+            raise
+        self.remote.delete(staged)
+
+    def _fetch(self, key: str, sha256: str, limit: int | None = None) -> Path:
+        """``key`` of the object store downloaded to a temp file, if its SHA-256 is ``sha256``
+        (else UploadMismatch)."""
+        assert self.remote is not None
+        writer = self.writer()
+        try:
+            self.remote.read_into(key, writer.write, limit)
+        except BaseException:
+            writer.discard()
+            raise
+        got = writer.close()
+        if got != sha256:
+            writer.path.unlink(missing_ok=True)
+            raise UploadMismatch(f"{key} holds bytes of SHA-256 {got}, not object {sha256}")
+        return writer.path
 
     def note_upload(self, repo_id: str, sha256: str) -> None:
         """Record that object ``sha256`` was received (its bytes checked) for ``repo_id``."""
@@ -183,8 +252,14 @@ class BlobStore:
         )
 
     def committed_source(self, sha256: str) -> Path:
-        """The file a commit's ``lfsFile`` line names, or UploadMissing."""
+        """The file a commit's ``lfsFile`` line names (with an object store: fetched into the
+        cache), or UploadMissing."""
         path = self.object_path(sha256)
+        if path is None and self.remote is not None:
+            for key in (blob_key(sha256), upload_key(sha256)):
+                if self.remote.size(key) is not None:
+                    path = self._stage_local(self._fetch(key, sha256), sha256)
+                    break
         if path is None:
             raise UploadMissing(
                 f"object {sha256} was never uploaded for this repo (or its upload expired): upload "
@@ -194,8 +269,19 @@ class BlobStore:
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, source: Path, digest: FileDigest) -> Path:
-        """Move a verified temp or upload file into place, durably; a blob already there wins."""
-        target = self.path(digest.sha256)
+        """Move a verified temp or upload file into place, durably (with an object store: into
+        its bucket first, then the cache); a blob already there wins."""
+        if self.remote is not None and self.remote.size(blob_key(digest.sha256)) is None:
+            if self.remote.size(upload_key(digest.sha256)) is not None:
+                self.remote.copy(upload_key(digest.sha256), blob_key(digest.sha256))
+                self.remote.delete(upload_key(digest.sha256))
+            else:
+                self.remote.put_file(source, blob_key(digest.sha256))
+        return self._place(source, self.path(digest.sha256))
+
+    def _place(self, source: Path, target: Path) -> Path:
+        """Move a checked file to its blob path ``target``, durably, read-only; one already
+        there wins."""
         if source == target:
             return target
         if target.is_file():  # the same bytes are already stored
@@ -213,8 +299,9 @@ class BlobStore:
         self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS
     ) -> int:
         """Remove temp files left by crashed requests, and uploads never committed, once older
-        than their age limits (so nothing in flight is touched). Returns how many went."""
-        return sum(
+        than their age limits (so nothing in flight is touched), in the object store too.
+        Returns how many went."""
+        removed = sum(
             remove_older_than(folder, age)
             for folder, age in (
                 (self.tmp, temp_age),
@@ -222,6 +309,13 @@ class BlobStore:
                 (self.uploaded_for, upload_age),
             )
         )
+        if self.remote is not None:
+            with contextlib.suppress(StoreUnavailable):  # collected at a later call
+                removed += sum(
+                    self.remote.remove_older_than(prefix, upload_age)
+                    for prefix in (UPLOADS, STAGING)
+                )
+        return removed
 
 
 def remove_older_than(folder: Path, max_age: float) -> int:

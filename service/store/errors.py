@@ -12,7 +12,9 @@ __all__ = [
     "PublishRefused",
     "SignatureRefused",
     "StoreError",
+    "StoreUnavailable",
     "TooLarge",
+    "UploadMismatch",
     "UploadMissing",
 ]
 
@@ -38,6 +40,11 @@ class UploadMissing(InvalidRequest):
     """A commit names an uploaded object (by SHA-256) that the store does not hold."""
 
 
+class UploadMismatch(InvalidRequest):
+    """Uploaded bytes that are not the object announced (another SHA-256 or size): refused and
+    removed."""
+
+
 class NoSuchRepo(StoreError):
     """No repo of that id."""
 
@@ -61,3 +68,10 @@ class Conflict(StoreError):
 
 class TooLarge(StoreError):
     """An upload over the configured size limit."""
+
+
+class StoreUnavailable(StoreError):
+    """The object store holding the blobs does not answer (nothing was written to the index):
+    try again after ``retry_after_s`` seconds."""
+
+    retry_after_s = 10

@@ -42,7 +42,7 @@ from vip_hub.repo_format import (
     heads_in,
 )
 
-from ..settings import HubSettings
+from ..settings import HubSettings, ObjectStoreSettings
 from .blobs import (
     BlobStore,
     FileDigest,
@@ -70,6 +70,7 @@ from .naming import (
     validate_repo_id,
     validate_revision,
 )
+from .s3 import S3Objects
 from .xet import XetStore
 
 __all__ = [
@@ -218,6 +219,7 @@ class HubStore:
         trusted_keys: str | os.PathLike[str] | None = None,
         require_signature: bool = False,
         limits: HubSettings | None = None,
+        objects: ObjectStoreSettings | None = None,
     ):
         self.root = Path(root).resolve()
         self.limits = limits or HubSettings()  # what one commit or Xet shard may hold
@@ -228,7 +230,10 @@ class HubStore:
         make_private_dir(self.root)
         with contextlib.suppress(PermissionError):  # a store made before it was owner-only
             os.chmod(self.root, 0o700)
-        self.blobs = BlobStore(self.root)
+        # blobs in an object store when ``objects`` names one, else in the folder
+        self.blobs = BlobStore(
+            self.root, S3Objects(objects) if objects and objects.endpoint else None
+        )
         self.xet = XetStore(self.root, self.blobs)
         self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
@@ -382,7 +387,8 @@ class HubStore:
         return entry
 
     def blob_path(self, entry: FileEntry) -> Path:
-        return self.blobs.path(entry.sha256)
+        """A committed file's content as a local file (``BlobStore.local``)."""
+        return self.blobs.local(entry.sha256)
 
     def history(
         self, repo_id: str, revision: str = DEFAULT_BRANCH, limit: int = 100

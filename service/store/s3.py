@@ -1,0 +1,162 @@
+"""Blobs in an S3-compatible object store (boto3, SigV4), for hubs whose bytes outgrow one disk.
+
+Keys in the bucket mirror the store folder: ``blobs/sha256/ab/cdef...`` (content a commit
+names), ``uploads/sha256/ab/...`` (objects whose bytes the hub checked, awaiting their commit)
+and ``staging/<upload id>`` (what a client PUT through a presigned URL, unchecked: a SigV4
+presigned PUT does not sign the body, so nothing staged is trusted before the hub hashed it).
+Clients only ever get presigned URLs for a staging key (PUT) or a blob key (GET). Any failure
+to reach the store is :class:`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ..settings import ObjectStoreSettings
+from .errors import StoreUnavailable, TooLarge
+
+__all__ = ["STAGING", "UPLOADS", "S3Objects", "blob_key", "staging_key", "upload_key"]
+
+_CHUNK = 1 << 20
+_TRANSFER = TransferConfig(multipart_chunksize=64 << 20, multipart_threshold=64 << 20)
+_NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
+NO_STORE = "private, no-store"
+"""Cache-Control of everything a presigned URL reaches or names: for the caller alone, not
+kept (the URL is a short-lived bearer credential)."""
+
+
+UPLOADS = "uploads/"
+STAGING = "staging/"
+
+
+def blob_key(sha256: str) -> str:
+    return f"blobs/sha256/{sha256[:2]}/{sha256[2:]}"
+
+
+def upload_key(sha256: str) -> str:
+    return f"{UPLOADS}sha256/{sha256[:2]}/{sha256[2:]}"
+
+
+def staging_key(upload_id: str) -> str:
+    return f"{STAGING}{upload_id}"
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Turn the store not answering (no connection, time-out, a 5xx) into StoreUnavailable."""
+    try:
+        yield
+    except ClientError as e:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status >= 500:
+            raise StoreUnavailable(f"the object store failed ({status}); try again") from None
+        raise
+    except BotoCoreError as e:  # connection refused or reset, time-out
+        raise StoreUnavailable(
+            f"the object store does not answer ({type(e).__name__}); try again"
+        ) from None
+
+
+class S3Objects:
+    """One bucket of an S3-compatible store: the hub's own client, and a second one that only
+    signs URLs for the public endpoint clients reach."""
+
+    def __init__(self, settings: ObjectStoreSettings):
+        assert settings.endpoint is not None
+        self.bucket, self.ttl = settings.bucket, settings.presign_ttl_s
+        config = Config(
+            signature_version="s3v4",
+            region_name=settings.region,
+            s3={"addressing_style": settings.addressing_style},
+            retries={"max_attempts": 2, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=60,
+        )
+        session = boto3.session.Session()  # credentials: boto3's environment and config files
+        self._client = session.client("s3", endpoint_url=settings.endpoint, config=config)
+        self._signer = session.client(
+            "s3", endpoint_url=settings.public_endpoint or settings.endpoint, config=config
+        )
+
+    def presign_put(self, key: str, size: int) -> str:
+        """A short-lived URL that PUTs ``size`` bytes (the length is signed) to ``key``."""
+        return self._signer.generate_presigned_url(
+            "put_object",
+            Params={"Bucket": self.bucket, "Key": key, "ContentLength": size},
+            ExpiresIn=self.ttl,
+        )
+
+    def presign_get(self, key: str) -> str:
+        """A short-lived URL that GETs ``key``, answered as not for shared caches."""
+        return self._signer.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": key, "ResponseCacheControl": NO_STORE},
+            ExpiresIn=self.ttl,
+        )
+
+    def size(self, key: str) -> int | None:
+        """The size of ``key``, None when the bucket does not hold it."""
+        with _reachable():
+            try:
+                head = self._client.head_object(Bucket=self.bucket, Key=key)
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in _NOT_FOUND:
+                    return None
+                raise
+        return int(head["ContentLength"])
+
+    def read_into(self, key: str, write: Callable[[bytes], None], limit: int | None) -> None:
+        """Stream ``key`` into ``write`` in pieces; TooLarge past ``limit`` bytes (if any)."""
+        got = 0
+        with _reachable():
+            body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            with contextlib.closing(body):
+                for chunk in body.iter_chunks(_CHUNK):
+                    got += len(chunk)
+                    if limit is not None and got > limit:
+                        raise TooLarge(f"{key} holds more than the {limit} bytes announced")
+                    write(chunk)
+
+    def put_file(self, path: Path, key: str) -> None:
+        """Upload a local file to ``key`` (multipart when large)."""
+        with _reachable():
+            self._client.upload_file(str(path), self.bucket, key, Config=_TRANSFER)
+
+    def copy(self, source: str, key: str) -> None:
+        """Copy ``source`` to ``key`` inside the store (multipart when large)."""
+        with _reachable():
+            self._client.copy(
+                {"Bucket": self.bucket, "Key": source}, self.bucket, key, Config=_TRANSFER
+            )
+
+    def delete(self, key: str) -> None:
+        with _reachable():
+            self._client.delete_object(Bucket=self.bucket, Key=key)
+
+    def remove_older_than(self, prefix: str, max_age: float) -> int:
+        """Remove the objects under ``prefix`` last modified more than ``max_age`` seconds
+        ago; returns how many went."""
+        removed, now = 0, time.time()
+        with _reachable():
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                old: list[dict[str, Any]] = [
+                    {"Key": o["Key"]}
+                    for o in page.get("Contents", [])
+                    if now - o["LastModified"].timestamp() > max_age
+                ]
+                if old:
+                    self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": old})
+                    removed += len(old)
+        return removed

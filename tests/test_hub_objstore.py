@@ -1,0 +1,251 @@
+"""Blobs in a real S3-compatible object store (SeaweedFS, the session's ``seaweed`` fixture):
+unmodified huggingface_hub and timm clients move bytes straight to and from the store through
+presigned URLs; the hub trusts nothing a client staged before hashing it, and answers 503
+with Retry-After (having written nothing) while the store is down."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import httpx
+import huggingface_hub
+import pytest
+import timm
+import torch
+from conftest import HUB_PORT
+from helpers import tiny_repo_with_head
+from huggingface_hub import HfApi, snapshot_download
+from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
+from safetensors.torch import load_file
+from seaweed import BUCKET
+
+from service.settings import ObjectStoreSettings
+from service.store.s3 import S3Objects, blob_key
+from vip_hub.repo.verify import repo_files
+
+AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def hub(seaweed, tmp_path_factory):
+    """A live hub on HF_ENDPOINT's port whose blobs live in the session's SeaweedFS."""
+    settings = settings_for(
+        tmp_path_factory.mktemp("s3-hub"), object_store={"endpoint": seaweed.url, "bucket": BUCKET}
+    )
+    with ThreadedServer(settings, port=HUB_PORT) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def published(hub, tmp_path_factory) -> Path:
+    """``lfs/s3`` published with ``upload_folder`` over presigned LFS (Xet off)."""
+    folder = tiny_repo_with_head(tmp_path_factory.mktemp("s3-repo") / "vip-nano-s3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+        api.create_repo("lfs/s3")
+        api.upload_folder(repo_id="lfs/s3", folder_path=folder, commit_message="v1")
+    return folder
+
+
+def _keys(seaweed, prefix: str) -> set[str]:
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def _batch(hub, repo: str, data: bytes) -> dict:
+    """The LFS batch reply for one object of content ``data``."""
+    oid = hashlib.sha256(data).hexdigest()
+    reply = httpx.post(
+        f"{hub.url}/{repo}.git/info/lfs/objects/batch",
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
+        headers=AUTH,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["objects"][0]
+
+
+def _lfs_commit(hub, repo: str, path: str, data: bytes) -> httpx.Response:
+    lines = [
+        {"key": "header", "value": {"summary": "lfs", "description": ""}},
+        {
+            "key": "lfsFile",
+            "value": {
+                "path": path,
+                "algo": "sha256",
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+            },
+        },
+    ]
+    return httpx.post(
+        f"{hub.url}/api/models/{repo}/commit/main",
+        content="\n".join(map(json.dumps, lines)).encode(),
+        headers={**AUTH, "Content-Type": "application/x-ndjson"},
+    )
+
+
+def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_path, monkeypatch):
+    weights = (published / "model.safetensors").read_bytes()
+    sha = hashlib.sha256(weights).hexdigest()
+    # upload_folder's weights went to the bucket under their SHA-256, nothing left staged
+    assert blob_key(sha) in _keys(seaweed, "blobs/")
+    assert not _keys(seaweed, "staging/")
+
+    # /resolve/ of an LFS file: a redirect to a presigned GET, with what the client checks
+    url = f"{hub.url}/lfs/s3/resolve/main/model.safetensors"
+    head = httpx.head(url)
+    assert head.status_code == 302
+    assert head.headers["location"].startswith(f"{seaweed.url}/{BUCKET}/{blob_key(sha)}?")
+    assert "X-Amz-Signature=" in head.headers["location"]
+    assert head.headers["x-linked-etag"] == f'"{sha}"'
+    assert head.headers["x-linked-size"] == str(len(weights))
+    assert head.headers["cache-control"] == "private, no-store"
+    got = httpx.get(head.headers["location"])
+    assert got.content == weights and got.headers["cache-control"] == "private, no-store"
+
+    snap = Path(snapshot_download("lfs/s3", endpoint=hub.url, cache_dir=tmp_path / "cache"))
+    assert sorted(repo_files(snap)) == sorted(repo_files(published))
+    for rel, path in repo_files(published).items():
+        assert (snap / rel).read_bytes() == path.read_bytes(), rel
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)  # what HF_ENDPOINT does
+    monkeypatch.setattr(
+        huggingface_hub.constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        hub.url + "/{repo_id}/resolve/{revision}/{filename}",
+    )
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "timm-cache"))
+    model = timm.create_model("hf-hub:lfs/s3", pretrained=True)
+    expected = load_file(published / "model.safetensors")
+    state = model.state_dict()
+    assert set(expected) <= set(state)
+    assert all(torch.equal(state[k], t) for k, t in expected.items())
+
+
+def test_private_files_are_presigned_for_readers_only(hub, published):
+    HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("secret/s3", private=True)
+    data = (published / "model.safetensors").read_bytes()
+    entry = _batch(hub, "secret/s3", data)
+    assert httpx.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
+    verify = entry["actions"]["verify"]["href"]
+    assert httpx.post(
+        verify, json={"oid": entry["oid"], "size": len(data)}, headers=AUTH
+    ).is_success
+    files = {rel: p.read_bytes() for rel, p in repo_files(published).items()}
+    files.pop("model.safetensors")
+    lines = [{"key": "header", "value": {"summary": "v1", "description": ""}}]
+    lines += [
+        {
+            "key": "file",
+            "value": {"path": p, "encoding": "base64", "content": base64.b64encode(b).decode()},
+        }
+        for p, b in files.items()
+    ]
+    lines.append(
+        {
+            "key": "lfsFile",
+            "value": {
+                "path": "model.safetensors",
+                "algo": "sha256",
+                "oid": entry["oid"],
+                "size": len(data),
+            },
+        }
+    )
+    commit = httpx.post(
+        f"{hub.url}/api/models/secret/s3/commit/main",
+        content="\n".join(map(json.dumps, lines)).encode(),
+        headers={**AUTH, "Content-Type": "application/x-ndjson"},
+        timeout=60,
+    )
+    assert commit.status_code == 200, commit.text
+    url = f"{hub.url}/secret/s3/resolve/main/model.safetensors"
+    anonymous = httpx.head(url)
+    assert anonymous.status_code == 404 and "location" not in anonymous.headers
+    reader = httpx.head(url, headers={"Authorization": f"Bearer {READ_TOKEN}"})
+    assert reader.status_code == 302
+    assert httpx.get(reader.headers["location"]).content == data
+
+
+def test_presigned_urls_are_refused_for_another_key_or_once_expired(hub, seaweed, published):
+    # an upload URL names its staging key alone: the store refuses it for any other key
+    data = b"another object " * 1000
+    href = _batch(hub, "lfs/s3", data)["actions"]["upload"]["href"]
+    assert "/staging/" in href
+    sha = hashlib.sha256((published / "model.safetensors").read_bytes()).hexdigest()
+    elsewhere = href.split("?")[0].rsplit("/staging/", 1)[0] + "/" + blob_key(sha)
+    moved = httpx.put(elsewhere + "?" + href.split("?", 1)[1], content=data)
+    assert moved.status_code == 403 and "SignatureDoesNotMatch" in moved.text
+
+    short = S3Objects(
+        ObjectStoreSettings(endpoint=seaweed.url, bucket=BUCKET, presign_ttl_s=1)
+    ).presign_get(blob_key(sha))
+    assert httpx.get(short).status_code == 200
+    time.sleep(2.5)  # past its one second of life
+    expired = httpx.get(short)
+    assert expired.status_code == 403 and "expired" in expired.text
+    assert seaweed.client().head_object(Bucket=BUCKET, Key=blob_key(sha))  # untouched
+
+
+def test_bytes_other_than_announced_are_never_committed(hub, seaweed, published):
+    announced, sent = b"A" * 4096, b"B" * 4096  # same size: the store accepts the PUT
+    entry = _batch(hub, "lfs/s3", announced)
+    href, verify = entry["actions"]["upload"]["href"], entry["actions"]["verify"]["href"]
+    assert httpx.put(href, content=sent).status_code == 200
+    staged = href.split("?")[0].split(f"/{BUCKET}/", 1)[1]
+    assert staged in _keys(seaweed, "staging/")
+    refused = httpx.post(verify, json={"oid": entry["oid"], "size": 4096}, headers=AUTH)
+    assert refused.status_code == 400 and "SHA-256" in refused.text
+    assert staged not in _keys(seaweed, "staging/")  # deleted
+    head = HfApi(endpoint=hub.url).model_info("lfs/s3").sha
+    commit = _lfs_commit(hub, "lfs/s3", "extra.bin", announced)
+    assert commit.status_code == 400 and "never uploaded" in commit.text
+    assert HfApi(endpoint=hub.url).model_info("lfs/s3").sha == head
+    assert blob_key(entry["oid"]) not in _keys(seaweed, "blobs/")
+    # skipping verify does not help either: nothing staged is named before the hub hashed it
+    skipped = _batch(hub, "lfs/s3", announced)
+    assert httpx.put(skipped["actions"]["upload"]["href"], content=announced).status_code == 200
+    assert _lfs_commit(hub, "lfs/s3", "extra.bin", announced).status_code == 400
+
+
+def test_store_down_answers_503_and_resumes(hub, seaweed, published):
+    api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+    head = api.model_info("lfs/s3").sha
+    card = (published / "README.md").read_bytes() + b"\nA note on the card.\n"
+    data = b"staged before the outage"
+    entry = _batch(hub, "lfs/s3", data)
+    assert httpx.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
+    seaweed.stop()
+    try:
+        verify = httpx.post(
+            entry["actions"]["verify"]["href"],
+            json={"oid": entry["oid"], "size": len(data)},
+            headers=AUTH,
+        )
+        assert verify.status_code == 503 and int(verify.headers["retry-after"]) > 0
+        down = raw_commit(hub.url, "lfs/s3", {"README.md": card})
+        assert down.status_code == 503 and int(down.headers["retry-after"]) > 0
+        assert api.model_info("lfs/s3").sha == head
+    finally:
+        seaweed.start()
+    # nothing in the index names an object the store does not hold
+    store = hub.app.state.store
+    named = {r["sha256"] for r in store.index.rows("SELECT DISTINCT sha256 FROM files", ())}
+    assert named and named <= {
+        k.removeprefix("blobs/sha256/").replace("/", "") for k in _keys(seaweed, "blobs/")
+    }
+    # the same hub resumes without a restart (the staged upload is still there to verify)
+    verify = httpx.post(
+        entry["actions"]["verify"]["href"],
+        json={"oid": entry["oid"], "size": len(data)},
+        headers=AUTH,
+    )
+    assert verify.status_code == 200, verify.text
+    up = raw_commit(hub.url, "lfs/s3", {"README.md": card})
+    assert up.status_code == 200, up.text
+    assert api.model_info("lfs/s3").sha != head
