@@ -52,14 +52,16 @@ def staging_key(upload_id: str) -> str:
 
 @contextlib.contextmanager
 def _reachable() -> Iterator[None]:
-    """Turn the store not answering (no connection, time-out, a 5xx) into StoreUnavailable."""
+    """Turn the store failing (no connection, time-out, an error answer other than "no such
+    key", such as a 5xx or credentials it refuses) into StoreUnavailable."""
     try:
         yield
     except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if code in _NOT_FOUND:
+            raise
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if status >= 500:
-            raise StoreUnavailable(f"the object store failed ({status}); try again") from None
-        raise
+        raise StoreUnavailable(f"the object store failed ({status} {code}); try again") from None
     except BotoCoreError as e:  # connection refused or reset, time-out
         raise StoreUnavailable(
             f"the object store does not answer ({type(e).__name__}); try again"
