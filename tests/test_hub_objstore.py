@@ -253,7 +253,10 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
     folder = tiny_repo_with_head(tmp_path / "vip-nano-xet", seed=2)
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
     api.create_repo("lfs/s3-xet")
-    api.upload_folder(repo_id="lfs/s3-xet", folder_path=folder, commit_message="v1")  # Xet
+    xorbs = hub.app.state.store.xet.dir
+    held = {p for p in xorbs.rglob("*") if p.is_file()}
+    api.upload_folder(repo_id="lfs/s3-xet", folder_path=folder, commit_message="v1")
+    assert {p for p in xorbs.rglob("*") if p.is_file()} - held  # it went the Xet way
     weights = (folder / "model.safetensors").read_bytes()
     assert blob_key(hashlib.sha256(weights).hexdigest()) in _keys(seaweed, "blobs/")
     snap = Path(snapshot_download("lfs/s3-xet", endpoint=hub.url, cache_dir=tmp_path / "cache"))
