@@ -96,6 +96,26 @@ def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
     return repo
 
 
+def base_size_repo(folder: Path) -> Path:
+    """A repo at real size: a random ViP-Base encoder (344 MB) with a 52 MB MAE decoder."""
+    torch.manual_seed(0)
+    base = EncoderSpec("vip-base")
+    model = create_encoder(base, mae_init=True).eval()
+    decoder = {
+        "decoder_embed.weight": torch.randn(512, 768),
+        "decoder_pred.weight": torch.randn(16_384, 768),
+    }
+    return export_encoder(
+        folder,
+        model,
+        base,
+        [synthetic_stage(), dp_stage()],
+        model_name=folder.name,
+        decoder=decoder,
+        decoder_config={"embed_dim": 512, "depth": 0},
+    )
+
+
 def published_hashes_of(data: Path, repo: Path) -> set[str]:
     """The plain SHA-256 digests of the private data (each file's, and the whole folder's as vip-hub
     < 0.3 fingerprinted it) that appear in any file of ``repo``: a released repo must hold none."""

@@ -15,18 +15,16 @@ import huggingface_hub
 import pytest
 import timm
 import torch
-from helpers import dp_stage, synthetic_stage
+from helpers import base_size_repo
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
 from live import WRITE_TOKEN, ProcessServer
 from safetensors.torch import load_file
 
-from vip_hub import EncoderSpec, create_encoder, export_encoder, verify_repo
+from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
-
-BASE = EncoderSpec("vip-base")
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +36,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_repo(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = create_encoder(BASE, mae_init=True).eval()
-    decoder = {
-        "decoder_embed.weight": torch.randn(512, 768),
-        "decoder_pred.weight": torch.randn(16_384, 768),
-    }
-    return export_encoder(
-        tmp_path_factory.mktemp("base") / "vip-base-test",
-        model,
-        BASE,
-        [synthetic_stage(), dp_stage()],
-        model_name="vip-base-test",
-        decoder=decoder,
-        decoder_config={"embed_dim": 512, "depth": 0},
-    )
+    return base_size_repo(tmp_path_factory.mktemp("base") / "vip-base-test")
 
 
 def _held(store: Path) -> set[str]:

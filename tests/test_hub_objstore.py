@@ -17,7 +17,7 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import tiny_repo_with_head
+from helpers import base_size_repo, tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
 from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 from safetensors.torch import load_file
@@ -261,3 +261,18 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
     assert blob_key(hashlib.sha256(weights).hexdigest()) in _keys(seaweed, "blobs/")
     snap = Path(snapshot_download("lfs/s3-xet", endpoint=hub.url, cache_dir=tmp_path / "cache"))
     assert (snap / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
+def test_real_size_repo_through_presigned_urls(hub, seaweed, tmp_path, monkeypatch):
+    folder = base_size_repo(tmp_path / "vip-base-s3")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+    api.create_repo("big/s3")
+    api.upload_folder(repo_id="big/s3", folder_path=folder, commit_message="v1")
+    weights = folder / "model.safetensors"
+    assert weights.stat().st_size > 340e6
+    assert not _keys(seaweed, "staging/")
+    snap = Path(snapshot_download("big/s3", endpoint=hub.url, cache_dir=tmp_path / "cache"))
+    for rel, path in repo_files(folder).items():
+        assert (snap / rel).read_bytes() == path.read_bytes(), rel
