@@ -141,6 +141,12 @@ class ObjectStoreSettings(BaseModel):
         le=7 * 24 * 3600,
         description="lifetime of a presigned upload or download URL",
     )
+    multipart_chunk_bytes: int = Field(
+        64 * MIB,
+        ge=5 * MIB,
+        description="LFS objects larger than this are uploaded in parts of this size, each "
+        "through its own presigned URL (S3 takes parts of 5 MiB and more, 10,000 at most)",
+    )
 
 
 class AuthSettings(BaseModel):

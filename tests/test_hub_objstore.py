@@ -28,6 +28,7 @@ from service.store.s3 import S3Objects, blob_key
 from vip_hub.repo.verify import repo_files
 
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+CHUNK = 8 * 1024 * 1024  # the tiny repo's 22 MB weights go in 3 parts, its head in one PUT
 HTTP = httpx.Client(timeout=60)  # generous: 2 shared cores, and the store restarts in a test
 
 
@@ -35,7 +36,8 @@ HTTP = httpx.Client(timeout=60)  # generous: 2 shared cores, and the store resta
 def hub(seaweed, tmp_path_factory):
     """A live hub on HF_ENDPOINT's port whose blobs live in the session's SeaweedFS."""
     settings = settings_for(
-        tmp_path_factory.mktemp("s3-hub"), object_store={"endpoint": seaweed.url, "bucket": BUCKET}
+        tmp_path_factory.mktemp("s3-hub"),
+        object_store={"endpoint": seaweed.url, "bucket": BUCKET, "multipart_chunk_bytes": CHUNK},
     )
     with ThreadedServer(settings, port=HUB_PORT) as server:
         yield server
@@ -68,6 +70,22 @@ def _batch(hub, repo: str, data: bytes) -> dict:
     )
     assert reply.status_code == 200, reply.text
     return reply.json()["objects"][0]
+
+
+def _send(upload: dict, oid: str, data: bytes) -> None:
+    """Send ``data`` as an LFS ``upload`` action says: one presigned PUT, or a presigned PUT
+    per part then the completion POST (as huggingface_hub does)."""
+    header = upload.get("header") or {}
+    if "chunk_size" not in header:
+        assert HTTP.put(upload["href"], content=data).status_code == 200
+        return
+    chunk, urls = int(header["chunk_size"]), [header[str(n)] for n in range(1, len(header))]
+    etags = [
+        HTTP.put(url, content=data[i * chunk : (i + 1) * chunk]).headers["etag"]
+        for i, url in enumerate(urls)
+    ]
+    parts = [{"partNumber": n, "etag": e} for n, e in enumerate(etags, 1)]
+    assert HTTP.post(upload["href"], json={"oid": oid, "parts": parts}).is_success
 
 
 def _lfs_commit(hub, repo: str, path: str, data: bytes) -> httpx.Response:
@@ -132,7 +150,7 @@ def test_private_files_are_presigned_for_readers_only(hub, published):
     HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("secret/s3", private=True)
     data = (published / "model.safetensors").read_bytes()
     entry = _batch(hub, "secret/s3", data)
-    assert HTTP.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
+    _send(entry["actions"]["upload"], entry["oid"], data)
     verify = entry["actions"]["verify"]["href"]
     assert HTTP.post(verify, json={"oid": entry["oid"], "size": len(data)}, headers=AUTH).is_success
     files = {rel: p.read_bytes() for rel, p in repo_files(published).items()}
@@ -266,13 +284,31 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
 @pytest.mark.slow
 def test_real_size_repo_through_presigned_urls(hub, seaweed, tmp_path, monkeypatch):
     folder = base_size_repo(tmp_path / "vip-base-s3")
+    staged = _keys(seaweed, "staging/")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
     api.create_repo("big/s3")
     api.upload_folder(repo_id="big/s3", folder_path=folder, commit_message="v1")
     weights = folder / "model.safetensors"
     assert weights.stat().st_size > 340e6
-    assert not _keys(seaweed, "staging/")
+    assert _keys(seaweed, "staging/") == staged  # each upload's staged object checked, gone
     snap = Path(snapshot_download("big/s3", endpoint=hub.url, cache_dir=tmp_path / "cache"))
     for rel, path in repo_files(folder).items():
         assert (snap / rel).read_bytes() == path.read_bytes(), rel
+
+
+def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
+    data = bytes(range(256)) * (CHUNK // 256) + b"tail"  # just over one part
+    entry = _batch(hub, "lfs/s3", data)
+    upload = entry["actions"]["upload"]
+    assert upload["header"]["chunk_size"] == str(CHUNK)
+    assert len(upload["header"]) == 3  # chunk_size and two parts
+    assert all(upload["header"][n].startswith(f"{seaweed.url}/{BUCKET}/staging/") for n in "12")
+    _send(upload, entry["oid"], data)
+    verify = HTTP.post(
+        entry["actions"]["verify"]["href"],
+        json={"oid": entry["oid"], "size": len(data)},
+        headers=AUTH,
+    )
+    assert verify.status_code == 200, verify.text
+    assert _batch(hub, "lfs/s3", data).get("actions") is None  # held for the repo now

@@ -8,19 +8,23 @@ short-lived grant in its URL, bound to the repo and ended with the token it was 
 the client sends no token with it) and a ``verify`` action. The
 PUT streams the body into the store's uploads area, hashing as it writes; the commit then
 names the object by SHA-256 (an ``lfsFile`` line). Multipart transfer is the server's choice
-(a ``chunk_size`` in the upload header) and is not offered: one streamed PUT serves any size.
+(a ``chunk_size`` in the upload header) and is not offered to this hub: one streamed PUT
+serves any size.
 
 With an object store (``object_store.endpoint``) the ``upload`` action is instead a presigned
 PUT straight to the store, to a staging key of this upload alone (never a content key), and
 the ``verify`` action (granted like the PUT above) is where the hub hashes the staged object
 itself and keeps it only if it is the object announced (``BlobStore.receive_staged``): nothing
-a client sent is named by a commit before that.
+a client sent is named by a commit before that. An object over
+``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part, then the
+client's completion POST to this hub (granted, as it carries no token), which joins them.
 """
 
 from __future__ import annotations
 
 import uuid
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
@@ -111,8 +115,20 @@ def _upload_actions(
     grant = sign_grant(
         store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", GRANT_TTL_S, who
     )
+    upload: dict[str, Any] = {"expires_in": remote.ttl}
+    if size <= remote.chunk:
+        upload["href"] = remote.presign_put(staging_key(staged), size)
+    else:  # in parts: a presigned PUT each, then the completion POST (no token) to this hub
+        parts_id, urls = remote.presign_parts(staging_key(staged), size)
+        subject = f"{repo_id}:{oid}:{size}:{staged}:{parts_id}"
+        done = sign_grant(store.secret(), "lfs-parts", subject, GRANT_TTL_S, who)
+        query = urlencode({"staged": staged, "parts": parts_id, "size": size, "grant": done})
+        upload["href"] = f"{base}/complete/{oid}?{query}"
+        upload["header"] = {"chunk_size": str(remote.chunk)} | {
+            str(n): url for n, url in enumerate(urls, 1)
+        }
     return {
-        "upload": {"href": remote.presign_put(staging_key(staged), size), "expires_in": remote.ttl},
+        "upload": upload,
         "verify": {
             "href": f"{base}/verify?staged={staged}&grant={grant}",
             "expires_in": int(GRANT_TTL_S),
@@ -146,6 +162,45 @@ async def upload(
         )
     store.blobs.stage_upload(writer.path, oid)
     store.blobs.note_upload(repo_id, oid)
+    return {"oid": oid, "size": size}
+
+
+class LfsPart(BaseModel):
+    partNumber: int = Field(ge=1)  # noqa: N815 - the protocol's name
+    etag: str = Field(max_length=200)
+
+
+class LfsCompletion(BaseModel):
+    oid: str = Field(max_length=64)
+    parts: list[LfsPart] = Field(max_length=10_000)
+
+
+@router.post(
+    "/{org}/{name}.git/info/lfs/complete/{oid}",
+    summary="Git LFS multipart transfer: join the parts PUT through presigned URLs",
+)
+def complete(
+    org: str,
+    name: str,
+    oid: str,
+    payload: LfsCompletion,
+    request: Request,
+    staged: str = Query(max_length=32),
+    parts: str = Query(max_length=1024),
+    size: int = Query(ge=0),
+    grant: str | None = Query(None),
+) -> dict[str, Any]:
+    store = store_of(request)
+    repo_id = validate_repo_id(org, name)
+    subject = f"{repo_id}:{check_sha256(oid)}:{size}:{staged}:{parts}"
+    check_grant(request, store.secret(), "lfs-parts", subject, grant, org)
+    if payload.oid != oid or [p.partNumber for p in payload.parts] != list(
+        range(1, len(payload.parts) + 1)
+    ):
+        raise BadRequest(f"expected the parts of object {oid}, numbered from 1 in order")
+    if store.blobs.remote is None:
+        raise BadRequest("this hub keeps no object store: upload with a single PUT")
+    store.blobs.remote.complete_parts(staging_key(staged), parts, [p.etag for p in payload.parts])
     return {"oid": oid, "size": size}
 
 

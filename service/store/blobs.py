@@ -314,7 +314,7 @@ class BlobStore:
                 removed += sum(
                     self.remote.remove_older_than(prefix, upload_age)
                     for prefix in (UPLOADS, STAGING)
-                )
+                ) + self.remote.abort_older_than(STAGING, upload_age)
         return removed
 
 

@@ -22,13 +22,14 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..settings import ObjectStoreSettings
-from .errors import StoreUnavailable, TooLarge
+from .errors import InvalidRequest, StoreUnavailable, TooLarge
 
 __all__ = ["STAGING", "UPLOADS", "S3Objects", "blob_key", "staging_key", "upload_key"]
 
 _CHUNK = 1 << 20
 _TRANSFER = TransferConfig(multipart_chunksize=64 << 20, multipart_threshold=64 << 20)
 _NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
+_BAD_PARTS = frozenset({"InvalidPart", "InvalidPartOrder", "NoSuchUpload", "EntityTooSmall"})
 NO_STORE = "private, no-store"
 """Cache-Control of everything a presigned URL reaches or names: for the caller alone, not
 kept (the URL is a short-lived bearer credential)."""
@@ -75,6 +76,7 @@ class S3Objects:
     def __init__(self, settings: ObjectStoreSettings):
         assert settings.endpoint is not None
         self.bucket, self.ttl = settings.bucket, settings.presign_ttl_s
+        self.chunk = settings.multipart_chunk_bytes
         config = Config(
             signature_version="s3v4",
             region_name=settings.region,
@@ -96,6 +98,47 @@ class S3Objects:
             Params={"Bucket": self.bucket, "Key": key, "ContentLength": size},
             ExpiresIn=self.ttl,
         )
+
+    def presign_parts(self, key: str, size: int) -> tuple[str, list[str]]:
+        """A multipart upload to ``key`` begun for ``size`` bytes: its id, and a short-lived URL
+        that PUTs each part of ``self.chunk`` bytes (the last one shorter), in order."""
+        with _reachable():
+            upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)[
+                "UploadId"
+            ]
+        urls = [
+            self._signer.generate_presigned_url(
+                "upload_part",
+                Params={
+                    "Bucket": self.bucket,
+                    "Key": key,
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                },
+                ExpiresIn=self.ttl,
+            )
+            for number in range(1, -(-size // self.chunk) + 1)
+        ]
+        return upload_id, urls
+
+    def complete_parts(self, key: str, upload_id: str, etags: list[str]) -> None:
+        """Join the parts of a multipart upload (part ``n`` is ``etags[n - 1]``) into ``key``."""
+        parts = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]
+        with _reachable():
+            try:
+                self._client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code", "")
+                if code in _BAD_PARTS:
+                    raise InvalidRequest(
+                        f"the parts sent do not complete the upload ({code}): upload it again"
+                    ) from None
+                raise
 
     def presign_get(self, key: str) -> str:
         """A short-lived URL that GETs ``key``, answered as not for shared caches."""
@@ -162,3 +205,20 @@ class S3Objects:
                     self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": old})
                     removed += len(old)
         return removed
+
+    def abort_older_than(self, prefix: str, max_age: float) -> int:
+        """Abort the multipart uploads to keys under ``prefix`` begun more than ``max_age``
+        seconds ago (their parts go with them); returns how many."""
+        aborted, now = 0, time.time()
+        with _reachable():
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if now - upload["Initiated"].timestamp() > max_age:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        aborted += 1
+        return aborted
