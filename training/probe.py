@@ -16,8 +16,8 @@ Without ``epsilon`` the stage says plainly that the labelled data has no guarant
 
 What a DP head's guarantee rests on is secret and never written anywhere: its noise and its
 Poisson sampling come from that secret, and the choice of subsets of the private data (the
-held-out split, the few-shot choice) from a key drawn for the run. Subsets are chosen per record by a
-keyed hash of the record's bytes, so a record's membership does not change when another
+held-out split, the few-shot choice) from a key drawn for the run. Subsets are chosen per
+record by a keyed hash of the record's bytes, so a record's membership does not change when another
 record comes or goes; the stage keeps the dataset's declared name, so it composes with
 every other stage on that dataset. Accuracy on a held-out split of the private data is
 printed, never written into the repo: only a public test set's figure is published.
