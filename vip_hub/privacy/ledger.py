@@ -71,7 +71,7 @@ _OLD_SCHEMAS = {
         "dataset: retrain or export again with this version, and withdraw the old release)"
     ),
     "vip-hub/privacy-ledger/v3": (
-        " (written by vip-hub < 0.4, whose stages omit the noise sampler's support and the "
+        " (written by an earlier vip-hub, whose stages omit the noise sampler's support and the "
         "delta its truncation adds (the CPU noise stopped at 5.77 sigma) and whose noise was "
         "keyed by 32 bits: retrain with this version, and withdraw the old release)"
     ),
