@@ -519,6 +519,7 @@ def dp_head(
         noise_multiplier=dp["sigma"],
         steps=steps,
         clipping_norm=CLIP,
+        noised_dimension=dp["noised"],
         delta=dp["delta"],
         accountant=Accountant.RDP,
     )

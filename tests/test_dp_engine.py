@@ -245,6 +245,7 @@ def test_a_delta_above_one_over_n_is_refused_unless_asked_for(tmp_path: Path) ->
             noise_multiplier=1.0,
             steps=10,
             clipping_norm=1.0,
+            noised_dimension=1_000,
             delta=delta,
         )
         repo = export_encoder(

@@ -64,34 +64,25 @@ def test_two_dp_heads_with_the_same_seed_get_different_noise() -> None:
     assert not torch.equal(a, b)
 
 
-def test_two_dp_heads_with_the_same_seed_sample_different_batches(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("mechanism", ["sampling", "noise"])
+def test_a_dp_heads_sampling_and_noise_are_keyed_by_its_whole_secret(
+    monkeypatch: pytest.MonkeyPatch, mechanism: str
 ) -> None:
-    """With the noise zeroed, only the Poisson sampling can make two heads differ."""
-    import opacus.optimizers.optimizer as opt
-    import opacus.optimizers.optimizer_fast_gradient_clipping as ghost
+    """The same 128-bit secret gives the same head; secrets differing only in bit 100 (out of
+    reach of the 63-bit torch seed of before, and of a 32-bit search) give different heads. For
+    the sampling the noise is off (batch 8 of 64: only the Poisson sample can differ); for the
+    noise q = 1 (every record sampled at every step: only the noise can differ)."""
+    import training.probe
 
-    for module in (opt, ghost):  # the DP optimiser, and the ghost-clipping one the heads use
-        monkeypatch.setattr(
-            module, "_generate_noise", lambda std, reference, *a, **k: torch.zeros_like(reference)
-        )
-    a, b = _dp_head(batch=8), _dp_head(batch=8)
-    assert not torch.equal(a, b)
-    monkeypatch.setattr(
-        torch.utils.data.DataLoader,
-        "__init__",
-        _seeded_loader(torch.utils.data.DataLoader.__init__),
-    )
-    assert torch.equal(
-        _dp_head(batch=8), _dp_head(batch=8)
-    )  # the check can fail: a fixed sampler is caught
-
-
-def _seeded_loader(init):  # type: ignore[no-untyped-def]
-    def wrapped(self, *args, generator=None, **kw):  # type: ignore[no-untyped-def]
-        return init(self, *args, generator=torch.Generator().manual_seed(0), **kw)
-
-    return wrapped
+    if mechanism == "sampling":
+        monkeypatch.setattr(training.probe, "add_gaussian_noise", lambda *args: None)
+    key = 0x0123_4567_89AB_CDEF_FEDC_BA98_7654_3210
+    heads = []
+    for secret in (key, key, key ^ (1 << 100)):
+        monkeypatch.setattr(secrets, "token_bytes", lambda n, s=secret: s.to_bytes(n, "little"))
+        heads.append(_dp_head(batch=8 if mechanism == "sampling" else N))
+    assert torch.equal(heads[0], heads[1])
+    assert not torch.equal(heads[0], heads[2])
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +125,7 @@ def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
             dataset_name="test/digits",
         )
     )
-    assert len(drawn) >= 10  # noise, sampling and the subset key were drawn from the secret source
+    assert len(drawn) >= 4  # the head's secret (noise, sampling) and the subset key were drawn
     released = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
     assert not [d for d in drawn if d in released]
     assert not published_hashes_of(train, out)
@@ -231,6 +222,7 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
         noise_multiplier=1.0,
         steps=40,
         clipping_norm=1.0,
+        noised_dimension=1_000,
         sampling="shuffle",
     )
     repo = export_encoder(
@@ -264,6 +256,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
             noise_multiplier=s,
             steps=t,
             clipping_norm=1.0,
+            noised_dimension=1_000,
         )
         for s, t in ((1.0, 200), (1.5, 300))
     ]
@@ -317,6 +310,7 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(
         noise_multiplier=1.0,
         steps=40,
         clipping_norm=1.0,
+        noised_dimension=1_000,
         sampling="shuffle",
     )
     repo = export_encoder(

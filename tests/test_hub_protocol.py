@@ -50,7 +50,7 @@ def test_downloads_and_metadata(hub, published):
     ).read_bytes()
     assert vip_hub.verify_repo(snap).ok
     card = ModelCard.load(MODEL)
-    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v3"
+    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v4"
 
 
 def test_timm_and_vip_hub_load_from_the_hub(hub, published):

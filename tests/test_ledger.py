@@ -1,16 +1,19 @@
 import json
+import math
 
+import numpy as np
 import pytest
 from helpers import dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
+from vip_hub.privacy.accounting import NOISE_SUPPORT, truncation_delta
 from vip_hub.privacy.ledger import round_down, round_up
 
 
 def test_build_and_round_trip():
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage()])
     data = json.loads(ledger.to_json())
-    assert data["schema"] == "vip-hub/privacy-ledger/v3"
+    assert data["schema"] == "vip-hub/privacy-ledger/v4"
     assert data["privacy_unit"] == "example" and data["adjacency"] == "add-remove"
     assert [s["type"] for s in data["stages"]] == ["non-private", "dp"]
     assert PrivacyLedger.parse(ledger.to_json()) == ledger
@@ -35,6 +38,7 @@ def test_dp_stage_defaults_and_all_three_accountants():
         noise_multiplier=1.0,
         steps=100,
         clipping_norm=1.0,
+        noised_dimension=1_000,
         accountant="pld",
     )
     assert named.epsilon == s.reference_epsilon["pld"] and set(named.reference_epsilon) == {
@@ -81,6 +85,7 @@ def test_two_private_datasets_get_two_guarantees():
         noise_multiplier=2.0,
         steps=50,
         clipping_norm=1.0,
+        noised_dimension=1_000,
     )
     ledger = PrivacyLedger.build([synthetic_stage(), a, b])
     assert {g.dataset for g in ledger.guarantees} == {"test-images", "imagenet"}
@@ -168,6 +173,7 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
         noise_multiplier=2.0,
         steps=50,
         clipping_norm=1.0,
+        noised_dimension=1_000,
     )
     ledger = PrivacyLedger.build([synthetic_stage(), enc_stage, head])
     enc, h = ledger.summary(), ledger.summary("heads/digits")
@@ -189,6 +195,7 @@ def _stage_on(
         noise_multiplier=kw.pop("sigma", 1.0),
         steps=kw.pop("steps", 100),
         clipping_norm=1.0,
+        noised_dimension=1_000,
         **kw,
     )
 
@@ -247,7 +254,7 @@ def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
     data["stages"][1]["dataset"]["fingerprint"] = "sha256:" + "ab" * 32
     with pytest.raises(LedgerError, match="unsalted SHA-256 of the private dataset"):
         PrivacyLedger.parse(data)
-    data["schema"] = "vip-hub/privacy-ledger/v3"
+    data["schema"] = "vip-hub/privacy-ledger/v4"
     with pytest.raises(LedgerError, match="fingerprint"):  # no field for it any more
         PrivacyLedger.parse(data)
 
@@ -301,6 +308,7 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
         noise_multiplier=plain.noise_multiplier,
         steps=plain.steps,
         clipping_norm=plain.clipping_norm,
+        noised_dimension=plain.noised_dimension,
         also_trains=["heads/clf"],
     )
     ledger = PrivacyLedger.parse(PrivacyLedger.build([synthetic_stage(), joint]).to_json())
@@ -317,3 +325,51 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
                     "stages": [{**joint.model_dump(mode="json"), "also_trains": bad}],
                 }
             )
+
+
+# ------------------------------------------------ issue 32: the delta a truncated sampler adds
+def _truncated_stage(support: float, dimension: int = 7_060_000) -> DPStage:
+    return DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="org/images", size=100_000),
+        sample_rate=0.01,
+        noise_multiplier=1.0,
+        steps=1000,
+        clipping_norm=1.0,
+        noise_support=support,
+        noised_dimension=dimension,
+        delta=1e-5,
+    )
+
+
+def test_a_truncated_sampler_adds_its_delta_to_the_guarantee():
+    """torch's CPU float32 sampler stopped at sqrt(48 ln 2) = 5.768: on 7.06 M coordinates over
+    q T = 10 sampled steps it adds more than 40 times the stated delta of 1e-5; the shipped
+    sampler (12.2 sigma) adds nothing a float can show."""
+    from scipy import stats
+
+    old = _truncated_stage(math.sqrt(48 * math.log(2)))
+    c, s, d, qt = old.noise_support, 1 / old.noise_multiplier, old.noised_dimension, 10
+    issue = qt * max(
+        math.sqrt(d) * stats.norm.pdf(c) * s, stats.norm.cdf(c) - stats.norm.cdf(c - s)
+    )
+    assert issue <= old.truncation_delta <= 1.1 * issue  # an upper bound, and a tight one here
+    (g,) = PrivacyLedger.build([old]).guarantees
+    assert g.delta == old.delta + old.truncation_delta > 40 * old.delta
+    new = _truncated_stage(NOISE_SUPPORT)
+    assert new.truncation_delta < 1e-20
+    assert PrivacyLedger.build([new]).guarantees[0].delta == new.delta
+
+
+@pytest.mark.parametrize("support", [4.0, math.sqrt(48 * math.log(2)), 8.0])
+def test_the_truncation_bound_covers_every_way_a_neighbour_can_spread_its_shift(support):
+    """The mass a shifted coordinate puts past c, P(c - a < z <= c), summed over k coordinates
+    sharing the shift s = 1/sigma (a = s / sqrt(k)), never exceeds the bound per step."""
+    from scipy import stats
+
+    sigma, d = 0.7, 100_000
+    per_step = truncation_delta(sigma, 1.0, 1, support, d)
+    for k in np.unique(np.logspace(0, 5, 60).astype(int)):
+        a = 1 / sigma / math.sqrt(k)
+        mass = k * (stats.norm.sf(support - a) - stats.norm.sf(support))
+        assert mass <= per_step < 1, (k, mass, per_step)

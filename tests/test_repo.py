@@ -134,7 +134,7 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
     data = card.data.to_dict()
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
-    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v3"
+    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v4"
     text = card.text
     for phrase in (
         "## Privacy guarantee",
@@ -342,3 +342,25 @@ def test_heads_round_trip_and_replace(tiny_repo):
         save_head(tiny_repo, head, HeadInfo("other", "vip", ["a", "b", "c"]), stage)
     with pytest.raises(ValueError, match="head name"):
         save_head(tiny_repo, head, HeadInfo("../x", "vip", ["a", "b", "c"]), stage)
+
+
+def test_verify_recomputes_the_truncation_delta(tiny_repo):
+    """Issue 32: a stage that records a sampler truncated at 5.768 sigma but not the delta it
+    adds is an overclaim."""
+
+    def truncated_early(ledger: dict) -> dict:
+        ledger["stages"][1]["noise_support"] = 5.768
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, truncated_early)
+    _fails(tiny_repo, "records a truncation delta of", "noise truncated at 5.768 sigma")
+
+
+@pytest.mark.parametrize("field", ["truncation_delta", "noise_support", "noised_dimension"])
+def test_verify_refuses_a_ledger_without_the_truncation_bound(tiny_repo, field):
+    def omitted(ledger: dict) -> dict:
+        del ledger["stages"][1][field]
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, omitted)
+    _fails(tiny_repo, field)

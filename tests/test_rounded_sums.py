@@ -219,6 +219,7 @@ def test_verify_recomputes_the_rounding_allowance(terms: int, claimed: float, ok
         noise_multiplier=1.0,
         steps=10,
         clipping_norm=0.5,
+        noised_dimension=1_000,
         sensitivity=0.5 * claimed,
         mechanism_params={ROUNDING_TERMS: terms},
     )

@@ -166,6 +166,7 @@ def test_a_head_after_an_encoder_gets_only_the_rest_of_the_budget() -> None:
         noise_multiplier=calibrate(utility.ENCODER_EPSILON, utility.DELTA, 0.01, 500),
         steps=500,
         clipping_norm=1.0,
+        noised_dimension=1_000,
         delta=utility.DELTA,
     )
     eps_alone = utility.head_epsilon([], 0.125, 80)

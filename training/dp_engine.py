@@ -60,7 +60,14 @@ from .clipping import ClipResult
 from .distributed import Dist
 from .recipe import DPRunConfig
 from .runner import Run
-from .sampling import NOISE, micro_batches, poisson_sample, rank_share, torch_generator
+from .sampling import (
+    NOISE,
+    micro_batches,
+    poisson_sample,
+    rank_share,
+    standard_normal,
+    step_generator,
+)
 
 __all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "add_gaussian_noise"]
 
@@ -196,26 +203,30 @@ class StepStats:
     loss: float
 
 
-# Coordinates per independently seeded noise stream, and per draw within one on the CPU (a draw
-# this size stays in cache while it is added; a GPU draws a chunk at once, one kernel each).
+# Coordinates per independently keyed noise stream, and per draw within one (a float64 draw this
+# size stays in cache while it is added; on CUDA a chunk is drawn on the CPU and copied at once).
 NOISE_CHUNK, _CPU_NOISE_DRAW = 1 << 22, 1 << 18
 
 
 def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> None:
     """``flat += N(0, std^2)`` per coordinate: chunk k of ``NOISE_CHUNK`` coordinates from its own
-    stream ``(seed, NOISE, step, k)``, so the noise a seed gives does not depend on the number of
-    threads; on the CPU the chunks are drawn in parallel (one draw runs on one thread)."""
+    stream ``(seed, NOISE, step, k)`` (Philox keyed by the whole secret), drawn in float64 on the
+    CPU (``standard_normal``: support 12.2 sigma) and added in float64, rounded once to
+    ``flat``'s dtype; the noise a seed gives does not depend on the device or the number of
+    threads, over which the chunks are drawn in parallel (numpy releases the GIL)."""
     cpu = flat.device.type == "cpu"
     size = _CPU_NOISE_DRAW if cpu else NOISE_CHUNK
-
     chunks = flat.split(NOISE_CHUNK)
 
     def chunk(k: int) -> None:
-        generator = torch_generator(seed, NOISE, step, k, device=flat.device)
+        generator = step_generator(seed, NOISE, step, k)
+        draw = np.empty(min(size, len(chunks[k])))
         for piece in chunks[k].split(size):
-            piece.add_(torch.randn(piece.shape, generator=generator, device=flat.device), alpha=std)
+            z = standard_normal(generator, draw[: len(piece)])
+            z *= std
+            piece.add_(torch.from_numpy(z).to(piece.device))
 
-    workers = min(torch.get_num_threads(), len(chunks)) if cpu else 1
+    workers = min(torch.get_num_threads(), len(chunks))
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(chunk, range(len(chunks))))
@@ -480,6 +491,9 @@ class DPEngine:
                 f"{self.steps_done} steps done, the budget planned {self.budget.steps}"
             )
         b = self.budget
+        noised = sum(p.numel() for p in self.params) + (
+            self.canaries.count if self.canaries is not None else 0
+        )
         audit = (
             self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
         )
@@ -489,6 +503,7 @@ class DPEngine:
             steps=b.steps,
             sensitivity=self.sensitivity,
             clipping_norm=self.clipping_norm,
+            noised_dimension=noised,
             delta=b.delta,
             accountant=b.accountant,
             audit=audit,

@@ -35,6 +35,7 @@ from .distributed import Dist
 from .dp_run import DPRun
 from .mae import freeze_fixed_tokens, public_images
 from .recipe import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
+from .sampling import init_seed
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 
@@ -111,7 +112,9 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     pairs = open_captions(cfg.data)
     n = len(pairs)
     run = DPRun(cfg, dist, n)
-    torch.manual_seed(run.seed)  # the fresh decoder's initialisation, the same on every rank
+    torch.manual_seed(
+        init_seed(run.seed)
+    )  # the fresh decoder's initialisation, the same on every rank
     decoder = TextDecoder(
         TextDecoderConfig.for_encoder(
             spec,

@@ -54,6 +54,7 @@ from .probe import (
     top1_result,
 )
 from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
+from .sampling import init_seed
 
 __all__ = [
     "RECIPE",
@@ -251,7 +252,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     run = DPRun(cfg, dist, n)
     init = load_encoder(cfg.init)
     spec, transform = init.spec, init.transform
-    torch.manual_seed(run.seed)  # the fresh head, the same on every rank
+    torch.manual_seed(init_seed(run.seed))  # the fresh head, the same on every rank
     model = classifier(init, len(train.classes), cfg.pooling, cfg.trainable_blocks)
     model.to(dist.device)
     engine = run.engine(model)

@@ -39,6 +39,7 @@ from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
 from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
 from .procedural import render
 from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
+from .sampling import init_seed
 
 __all__ = [
     "RECIPE",
@@ -192,7 +193,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     run = DPRun(cfg, dist, n, mechanism.ledger_name, params, clip)
     init = load_encoder(cfg.init)
     spec = init.spec
-    torch.manual_seed(run.seed)  # the fresh projection head, the same on every rank
+    torch.manual_seed(init_seed(run.seed))  # the fresh projection head, the same on every rank
     model = contrastive_model(
         init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim, cfg.projection_hidden
     ).to(dist.device)

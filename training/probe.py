@@ -5,17 +5,19 @@ head, BatchNorm without affine parameters followed by a linear layer, is trained
 LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode keeps each
 training record with a given probability.
 
-With ``epsilon`` the head is trained with DP-SGD by Opacus (Poisson sampling, per-example
-clipping by ghost clipping, the same RDP/PRV accountants): the BatchNorm is then fixed to
+With ``epsilon`` the head is trained with DP-SGD: Opacus' ghost clipping (per-example clipping
+without per-example gradients) and its RDP accountant's history, with the DP engine's Poisson
+sampler and noise (``training.sampling``, ``add_gaussian_noise``) keyed by a 128-bit secret
+drawn for the run: the BatchNorm is then fixed to
 statistics of *public* features (the encoder's features of procedural images), so only the
 linear layer sees the labelled data, and the head's ledger stage is a DP stage naming that
 dataset.
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
 
-What a DP head's guarantee rests on is secret and never written anywhere: its noise, its
-Poisson sampling and the choice of subsets of the private data (the held-out split, the
-few-shot choice) come from a key drawn for the run. Subsets are chosen per record by a
-keyed hash of the record's bytes, so a record's membership does not change when another
+What a DP head's guarantee rests on is secret and never written anywhere: its noise and its
+Poisson sampling come from that secret, and the choice of subsets of the private data (the
+held-out split, the few-shot choice) from a key drawn for the run. Subsets are chosen per
+record by a keyed hash of the record's bytes, so a record's membership does not change when another
 record comes or goes; the stage keeps the dataset's declared name, so it composes with
 every other stage on that dataset. Accuracy on a held-out split of the private data is
 printed, never written into the repo: only a public test set's figure is published.
@@ -62,9 +64,11 @@ from vip_hub.repo_format import head_component
 
 from .data import ImageFolder
 from .datasets import keyed_uniforms
+from .dp_engine import add_gaussian_noise
 from .optim import lr_factor
 from .procedural import SyntheticImages
 from .recipe import WeakDeltaOption
+from .sampling import new_secret, poisson_sample
 
 __all__ = [
     "DP_HEAD_LR",
@@ -263,7 +267,7 @@ def fit_probe(
                 step += 1
                 bar.update(1)
     else:
-        dp = _fit_dp(head, train_x, train_y, cfg, public_x, batch, steps_per_epoch, bar)
+        dp = _fit_dp(head, train_x, train_y, cfg, public_x, steps_per_epoch, bar)
     bar.close()
     return head.eval(), dp
 
@@ -281,32 +285,46 @@ def dp_head_sampling(n: int, cfg: ProbeConfig) -> tuple[float, int]:
     return 1.0 / per_epoch, cfg.epochs * per_epoch
 
 
-def _make_private(
-    engine: Any,
-    linear: nn.Linear,
-    loader: torch.utils.data.DataLoader,
-    sigma: float,
-    cfg: ProbeConfig,
-) -> tuple[Any, Any, Any, Any]:
-    """Opacus' (module, DP-SGD optimiser, loss, Poisson loader) for the head's linear layer, with
-    ghost clipping (each example's gradient norm in closed form, no per-example gradients held):
-    per-example gradients of a ``DP_LOSS_REDUCTION`` loss, noise from a fresh secret."""
+def _keyed_dp_sgd(
+    linear: nn.Linear, sigma: float, expected_batch: int, cfg: ProbeConfig, secret: int
+) -> tuple[Any, Any, Any]:
+    """Opacus' ghost clipping (each example's gradient norm in closed form, no per-example
+    gradients held) for the head's linear layer, with the DP engine's noise keyed by ``secret``:
+    the (module, DP-SGD optimiser, loss) of a ``DP_LOSS_REDUCTION`` loss."""
     import warnings
 
-    warnings.filterwarnings("ignore", module="opacus")  # secure-RNG and hook notices, per run
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    class KeyedNoise(DPOptimizerFastGradientClipping):  # type: ignore[misc]
+        """Adds ``add_gaussian_noise`` (float64, full tail, stream (secret, step)) in place of
+        torch's float32 draws from a 32-bit-seeded generator."""
+
+        noised_steps = 0
+
+        def add_noise(self) -> None:
+            params = list(self.params)
+            flat = torch.cat([p.summed_grad.reshape(-1) for p in params])
+            std = self.noise_multiplier * self.max_grad_norm
+            add_gaussian_noise(flat, std, secret, self.noised_steps)
+            self.noised_steps += 1
+            for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad = part.view_as(p)
+
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    return engine.make_private(
-        module=linear,
-        optimizer=torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
-        data_loader=loader,
+    module = GradSampleModuleFastGradientClipping(
+        linear, loss_reduction=DP_LOSS_REDUCTION, max_grad_norm=cfg.max_grad_norm
+    )
+    opt = KeyedNoise(
+        torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
         noise_multiplier=sigma,
         max_grad_norm=cfg.max_grad_norm,
-        poisson_sampling=True,
+        expected_batch_size=expected_batch,
         loss_reduction=DP_LOSS_REDUCTION,
-        criterion=nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION),
-        grad_sample_mode="ghost",
-        noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
     )
+    criterion = nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION)
+    return module, opt, DPLossFastGradientClipping(module, opt, criterion, DP_LOSS_REDUCTION)
 
 
 def _fit_dp(
@@ -315,11 +333,10 @@ def _fit_dp(
     y: torch.Tensor,
     cfg: ProbeConfig,
     public_x: torch.Tensor | None,
-    batch: int,
     steps_per_epoch: int,
     bar: tqdm,
 ) -> dict[str, Any]:
-    from opacus import PrivacyEngine
+    from opacus.accountants import RDPAccountant
 
     if public_x is None:
         raise ConfigError("a DP head needs public features to fix its normalisation")
@@ -331,34 +348,35 @@ def _fit_dp(
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
-    # The mechanism's randomness: a secret per run, never stored (a public seed would let anyone
-    # who knows all but one record replay the head's training in both worlds).
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(normed, y),
-        batch_size=batch,
-        generator=torch.Generator().manual_seed(secrets.randbits(63)),
-    )
-    engine = PrivacyEngine(
-        accountant="rdp"
-    )  # keeps the step history; the claim is ours (any accountant)
-    linear, opt, loss_fn, loader = _make_private(engine, head.linear, loader, sigma, cfg)
-    step, warmup = 0, cfg.warmup_epochs * steps_per_epoch
-    for _ in range(cfg.epochs):
-        for xb, yb in loader:
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
-            opt.zero_grad()
-            out = linear(xb)
-            loss_fn(out, yb).backward()  # two passes: the norms, then the clipped sum
-            opt.step()
-            step += 1
-            bar.update(1)
-    if engine.accountant.history != [(sigma, q, steps)]:
+    # The mechanism's randomness: a 128-bit secret per run, never stored (a public seed would
+    # let anyone who knows all but one record replay the head's training in both worlds); it
+    # keys the Poisson sample and the noise of every step.
+    secret = new_secret()
+    linear, opt, loss_fn = _keyed_dp_sgd(head.linear, sigma, int(n * q), cfg, secret)
+    accountant = RDPAccountant()  # keeps the step history; the claim is ours (any accountant)
+    opt.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=q))
+    warmup = cfg.warmup_epochs * steps_per_epoch
+    for step in range(steps):
+        batch = torch.as_tensor(poisson_sample(n, q, secret, step))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
+        opt.zero_grad()
+        loss_fn(linear(normed[batch]), y[batch]).backward()  # the norms, then the clipped sum
+        opt.step()
+        bar.update(1)
+    if accountant.history != [(sigma, q, steps)]:
         raise RuntimeError(
-            f"accountant history {engine.accountant.history} != {steps} steps at ({sigma}, {q})"
+            f"accountant history {accountant.history} != {steps} steps at ({sigma}, {q})"
         )
-    head.linear = linear._module if hasattr(linear, "_module") else linear
-    return {"sigma": sigma, "sample_rate": q, "steps": steps, "delta": delta, "accountant": kind}
+    head.linear = linear._module
+    return {
+        "sigma": sigma,
+        "sample_rate": q,
+        "steps": steps,
+        "delta": delta,
+        "accountant": kind,
+        "noised": sum(p.numel() for p in head.linear.parameters()),
+    }
 
 
 def public_features(
@@ -509,6 +527,7 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
         noise_multiplier=dp["sigma"],
         steps=dp["steps"],
         clipping_norm=cfg.max_grad_norm,
+        noised_dimension=dp["noised"],
         delta=dp["delta"],
         accountant=dp["accountant"],
         run_id=new_run_id(),

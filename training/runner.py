@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
+import re
 import shutil
 import sys
 import time
@@ -21,6 +21,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from tqdm.auto import tqdm
 
+from vip_hub.errors import CheckpointError
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
@@ -33,6 +34,7 @@ from .distributed import Dist
 from .optim import make_adamw, warmup_cosine
 from .recipe import RunConfig
 from .runlog import RunLog, plot_curves
+from .sampling import SECRET_BITS, new_secret
 
 __all__ = ["Run", "Stateful"]
 
@@ -65,18 +67,27 @@ class Run:
         self.log: RunLog | None = None
 
     def _resolve_seed(self, seed: int | None) -> int:
-        """The given seed, else the one kept in the run folder, else a new secret one; rank 0
-        decides and every rank gets the same."""
+        """The given seed, else the secret kept in the run folder (``SECRET_BITS`` bits, in hex),
+        else a new one; rank 0 decides and every rank gets the same (as 32-bit words)."""
         if seed is not None:
             return seed
-        chosen = torch.zeros(1, dtype=torch.int64, device=self.dist.device)
+        words = SECRET_BITS // 32
+        chosen = torch.zeros(words, dtype=torch.int64, device=self.dist.device)
         if self.dist.main:
             saved = self.dir / "seed"
             if not saved.exists():
-                write_private(saved, str(secrets.randbits(62)).encode())
-            chosen[0] = int(saved.read_text())
+                write_private(saved, f"{new_secret():0{SECRET_BITS // 4}x}".encode())
+            text = saved.read_text().strip()
+            if not re.fullmatch(f"[0-9a-f]{{{SECRET_BITS // 4}}}", text):
+                raise CheckpointError(
+                    f"{saved} holds no {SECRET_BITS}-bit secret: the run folder was written "
+                    "by an earlier vip-hub, whose noise and sampling were keyed by 32 bits; it "
+                    "cannot resume under the new streams: pass --restart to start over"
+                )
+            secret = int(text, 16)
+            chosen.copy_(torch.tensor([(secret >> (32 * i)) & 0xFFFFFFFF for i in range(words)]))
         self.dist.broadcast_([chosen])
-        return int(chosen.item())
+        return sum(int(w) << (32 * i) for i, w in enumerate(chosen.tolist()))
 
     def run_id(self) -> str:
         """This run's random id for its ledger stage (``new_run_id``), drawn once and kept in the

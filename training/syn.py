@@ -24,7 +24,7 @@ from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
 from .procedural import FAMILIES, SyntheticImages
 from .recipe import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
 from .runner import Run
-from .sampling import MASKING, torch_generator
+from .sampling import MASKING, init_seed, torch_generator
 
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 
@@ -69,7 +69,9 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss
     )
     run = Run(cfg, dist)
-    torch.manual_seed(run.seed)  # initialisation only; batches and masks use their own streams
+    torch.manual_seed(
+        init_seed(run.seed)
+    )  # initialisation only; batches and masks use their own streams
     mae = new_mae(spec, decoder).to(dist.device)
     optimizer, scheduler = run.adamw(mae)
     objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler}

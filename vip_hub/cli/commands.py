@@ -274,6 +274,7 @@ def _stages_from_args(
     args: argparse.Namespace, delta: Callable[[int], float]
 ) -> list[NonPrivateStage | DPStage]:
     from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
+    from ..repo.importer import REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION
 
     stages: list[NonPrivateStage | DPStage] = []
     if args.synthetic_dataset:
@@ -306,6 +307,8 @@ def _stages_from_args(
                 noise_multiplier=args.sigma,
                 steps=args.steps,
                 clipping_norm=args.clip,
+                noise_support=REFERENCE_NOISE_SUPPORT,
+                noised_dimension=REFERENCE_NOISED_DIMENSION,
                 mechanism=args.mechanism,
                 sampling=args.sampling,
                 delta=args.delta or delta(args.dataset_size),

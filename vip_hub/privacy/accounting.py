@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_DELTA_CAP",
     "DEFAULT_DELTA_RULE",
     "GaussianRun",
+    "NOISE_SUPPORT",
     "calibrate",
     "check_delta",
     "composed_epsilon",
@@ -37,6 +38,7 @@ __all__ = [
     "max_steps_within",
     "paper_delta",
     "remaining_epsilon",
+    "truncation_delta",
 ]
 
 DEFAULT_DELTA_CAP = 1e-5
@@ -65,6 +67,34 @@ class Accountant(StrEnum):
 
 GaussianRun = tuple[float, float, int]
 """One homogeneous run of steps: (noise multiplier sigma, sample rate q, steps T)."""
+
+
+ZIGGURAT_R = 3.6541528853610088
+"""Where numpy's float64 ziggurat (``random_standard_normal``) starts its tail."""
+NOISE_SUPPORT = ZIGGURAT_R + math.sqrt(106 * math.log(2))
+"""c = 12.226: no draw of the noise sampler vip-hub ships (numpy's float64 ziggurat) exceeds it
+in absolute value. Its tail returns r + x with x = -log(1 - u1) / r accepted only when
+-2 log(1 - u2) > x^2; u2 is a multiple of 2^-53 below 1, so x^2 < 2 * 53 ln 2."""
+
+
+def truncation_delta(
+    sigma: float, sample_rate: float, steps: int, support: float, dimension: int
+) -> float:
+    """The delta a Gaussian sampler truncated to |z| <= ``support`` adds to a run of ``steps``
+    Poisson-sampled steps at (sigma, q) on ``dimension`` noised coordinates.
+
+    A neighbour shifts coordinate i by a_i (sum a_i^2 <= s^2, s = 1/sigma); the outputs the
+    truncated sampler cannot produce for one dataset have mass at most
+    sum_i P(c - a_i < z <= c) <= phi(c) sum_i (e^(c a_i) - 1)/c
+    <= phi(c) (sqrt(d) s + (e^(c s) - 1 - c s)/c) (split e^x - 1 = x + (e^x - 1 - x), the
+    second part convex with ratio to x^2 increasing), counted once per step the record is
+    sampled in: q T times that, at most 1 (``docs/architecture.md``, "The noise")."""
+    s = 1.0 / sigma
+    log_phi = -0.5 * support * support - 0.5 * math.log(2 * math.pi)
+    per_step = math.exp(log_phi) * math.sqrt(dimension) * s + math.exp(
+        min(log_phi + support * s - math.log(support), 0.0)
+    )
+    return min(1.0, sample_rate * steps * per_step)
 
 
 def default_delta(n: int) -> float:

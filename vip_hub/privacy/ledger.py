@@ -1,6 +1,6 @@
 """The privacy ledger: what data each training stage saw and what it cost.
 
-A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v3"``) stored three times in
+A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v4"``) stored three times in
 a released repo (safetensors metadata, ``privacy_ledger.json``, the model card) and
 recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy ledger").
 
@@ -49,10 +49,18 @@ from pydantic import (
 from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
 from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, NAME_PATTERN
-from .accounting import Accountant, composed_epsilon, default_delta, epsilons, is_weak_delta
+from .accounting import (
+    NOISE_SUPPORT,
+    Accountant,
+    composed_epsilon,
+    default_delta,
+    epsilons,
+    is_weak_delta,
+    truncation_delta,
+)
 from .sensitivity import MechanismName
 
-SCHEMA = "vip-hub/privacy-ledger/v3"
+SCHEMA = "vip-hub/privacy-ledger/v4"
 EPSILON_DECIMALS = 6
 _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
 
@@ -61,6 +69,11 @@ _OLD_SCHEMAS = {
     "vip-hub/privacy-ledger/v2": (
         " (written by vip-hub < 0.3, whose ledgers carried an unsalted SHA-256 of the private "
         "dataset: retrain or export again with this version, and withdraw the old release)"
+    ),
+    "vip-hub/privacy-ledger/v3": (
+        " (written by an earlier vip-hub, whose stages omit the noise sampler's support and the "
+        "delta its truncation adds (the CPU noise stopped at 5.77 sigma) and whose noise was "
+        "keyed by 32 bits: retrain with this version, and withdraw the old release)"
     ),
 }
 
@@ -89,6 +102,7 @@ __all__ = [
     "privacy_headline",
     "round_down",
     "round_up",
+    "truncated",
 ]
 
 
@@ -239,7 +253,10 @@ class DPStage(_Stage):
     """A DP stage: T steps of a Gaussian mechanism on a clipped sum of sensitivity ``sensitivity``,
     with noise of standard deviation ``noise_std`` = sigma * sensitivity, on batches sampled
     as ``sampling`` says (the accountants assume Poisson sampling at rate q). ``run_id``: drawn at
-    random by the training run (a copy of a release carries its stages' ids; see ``identity``)."""
+    random by the training run (a copy of a release carries its stages' ids; see ``identity``).
+    The noise sampler draws |z| <= ``noise_support`` on ``noised_dimension`` coordinates; the
+    delta that truncation adds (``truncation_delta``) is part of the stage's guarantee:
+    (epsilon, delta + truncation_delta)."""
 
     type: Literal["dp"] = "dp"
     run_id: str | None = Field(
@@ -265,7 +282,17 @@ class DPStage(_Stage):
         gt=0, description="standard deviation of the noise added to the clipped sum"
     )
     expected_batch_size: float = Field(gt=0)
-    delta: float = Field(gt=0, lt=1)
+    delta: float = Field(gt=0, lt=1, description="the delta the accountants' epsilon is at")
+    noise_support: float = Field(
+        gt=0, description="c: every draw of the noise sampler has |z| <= c (units of noise_std)"
+    )
+    noised_dimension: int = Field(gt=0, description="d: the coordinates the noise is added to")
+    truncation_delta: float = Field(
+        ge=0,
+        le=1,
+        description="what the sampler's truncation at c adds to delta "
+        "(vip_hub.privacy.accounting.truncation_delta of sigma, q, T, c, d)",
+    )
     accountant: Accountant = Accountant.RDP
     epsilon: float = Field(ge=0)
     reference_epsilon: dict[Accountant, float]
@@ -333,6 +360,8 @@ class DPStage(_Stage):
         noise_multiplier: float,
         steps: int,
         clipping_norm: float,
+        noised_dimension: int,
+        noise_support: float = NOISE_SUPPORT,
         mechanism: str = "DP-AdamW",
         sensitivity: float | None = None,
         mechanism_params: dict[str, Any] | None = None,
@@ -347,9 +376,10 @@ class DPStage(_Stage):
         hyperparameters: dict[str, Any] | None = None,
     ) -> DPStage:
         """Build a DP stage, computing its epsilon under every accountant (the named one is the
-        claim). ``sensitivity`` defaults to ``clipping_norm`` (per-example clipping);
-        ``also_trains``: heads trained jointly with ``component``; ``run_id``: the training
-        run's random id (``new_run_id``)."""
+        claim) and the delta its sampler's truncation adds (``noise_support``: vip-hub's own
+        sampler's by default). ``sensitivity`` defaults to ``clipping_norm`` (per-example
+        clipping); ``also_trains``: heads trained jointly with ``component``; ``run_id``: the
+        training run's random id (``new_run_id``)."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
@@ -376,6 +406,11 @@ class DPStage(_Stage):
             noise_std=noise_multiplier * sensitivity,
             expected_batch_size=sample_rate * dataset.size,
             delta=delta,
+            noise_support=noise_support,
+            noised_dimension=noised_dimension,
+            truncation_delta=truncation_delta(
+                noise_multiplier, sample_rate, steps, noise_support, noised_dimension
+            ),
             accountant=acc,
             epsilon=eps[acc],
             reference_epsilon={a: eps[a] for a in acc.others},
@@ -481,7 +516,7 @@ def privacy_headline(summary: PrivacySummary) -> str:
 class PrivacyLedger(_Model):
     """The whole record; see the module docstring."""
 
-    schema_: Literal["vip-hub/privacy-ledger/v3"] = Field(default=SCHEMA, alias="schema")
+    schema_: Literal["vip-hub/privacy-ledger/v4"] = Field(default=SCHEMA, alias="schema")
     privacy_unit: Literal["example"] = "example"
     adjacency: Literal["add-remove"] = "add-remove"
     stages: list[Stage] = Field(min_length=1)
@@ -646,7 +681,8 @@ def compute_guarantees(
 ) -> list[Guarantee]:
     """One guarantee per private dataset: its DP stages composed under the first one's accountant,
     at ``at_delta`` (every epsilon recomputed from (sigma, q, T)), else at the stages' delta (the
-    largest when they name different ones)."""
+    largest when they name different ones); the guarantee's delta adds every stage's
+    ``truncation_delta`` to it."""
     out = []
     for name, group in _dp_stages_by_dataset(stages).items():
         accountant = group[0].accountant
@@ -660,12 +696,17 @@ def compute_guarantees(
             Guarantee(
                 dataset=name,
                 epsilon=eps,
-                delta=delta,
+                delta=delta + truncated(group),
                 accountant=accountant,
                 stages=[s.name for s in group],
             )
         )
     return out
+
+
+def truncated(stages: Iterable[DPStage]) -> float:
+    """What the stages' truncated noise samplers add to the delta of their composition."""
+    return sum(s.truncation_delta for s in stages)
 
 
 def compose_releases(
@@ -700,7 +741,8 @@ def _without_amplification(stages: list[Any], guarantees: list[Guarantee]) -> fl
             else (s.noise_multiplier, 1.0, math.ceil(s.sample_rate * s.steps - 1e-9))
             for s in groups[g.key]
         ]
-        worst = max(worst, round_up(composed_epsilon(history, g.delta, Accountant.PLD)))
+        delta = max(s.delta for s in groups[g.key])
+        worst = max(worst, round_up(composed_epsilon(history, delta, Accountant.PLD)))
     return worst
 
 

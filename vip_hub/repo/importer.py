@@ -17,6 +17,7 @@ This is the only place that unpickles, with ``torch.load(weights_only=True)`` an
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import re
@@ -38,6 +39,8 @@ from .files import Release, export_encoder
 
 __all__ = [
     "PRESETS",
+    "REFERENCE_NOISED_DIMENSION",
+    "REFERENCE_NOISE_SUPPORT",
     "CheckpointError",
     "DPCAP_DECODER_KEYS",
     "ImportPreset",
@@ -54,6 +57,13 @@ DPCAP_LICENSE = "cc-by-nc-4.0"
 
 _DECODER = re.compile(r"^(decoder_|mask_token$)")
 _IGNORED = re.compile(r"^head\.")  # a fine-tuned classifier: not part of a released encoder
+
+
+REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION = math.sqrt(66 * math.log(2)), 10**9
+"""The noise sampler an imported DP stage is recorded with: the reference code drew its noise with
+torch on CUDA in float32 (curand's Box-Muller on 32-bit uniforms, |z| <= sqrt(66 ln 2) = 6.76:
+unverified for each release), on at most 10^9 trained coordinates; its stage's delta counts
+that truncation."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,8 @@ def _vip_base() -> ImportPreset:
         noise_multiplier=0.5,
         steps=10_000,
         clipping_norm=0.1,
+        noise_support=REFERENCE_NOISE_SUPPORT,
+        noised_dimension=REFERENCE_NOISED_DIMENSION,
         delta=paper_delta(n),
         mechanism="DP-AdamW",
         description=(
@@ -156,6 +168,8 @@ def _dpcap_base_eps7() -> ImportPreset:
         noise_multiplier=0.527,
         steps=5_000,
         clipping_norm=1.0,
+        noise_support=REFERENCE_NOISE_SUPPORT,
+        noised_dimension=REFERENCE_NOISED_DIMENSION,
         mechanism="DP-AdamW",
         sampling="shuffle",
         delta=1.0 / DPCAP_N,

@@ -37,9 +37,9 @@ from ..errors import (
     VerificationError,
 )
 from ..paths import tree_path_problems, validate_relpath
-from ..privacy.accounting import Accountant, composed_epsilon
+from ..privacy.accounting import Accountant, composed_epsilon, truncation_delta
 from ..privacy.audit import bound_over_grid, ceiling
-from ..privacy.ledger import EPSILON_DECIMALS, PrivacyLedger
+from ..privacy.ledger import EPSILON_DECIMALS, DPStage, PrivacyLedger, truncated
 from ..privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 from ..repo_format import (
     CARD_FILE,
@@ -347,6 +347,25 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
     report.checks.append("sensitivity and noise")
 
 
+def _check_truncation(stage: DPStage, report: VerificationReport) -> None:
+    """The delta the stage's truncated sampler adds, recomputed from (sigma, q, T, c, d)."""
+    actual = truncation_delta(
+        stage.noise_multiplier,
+        stage.sample_rate,
+        stage.steps,
+        stage.noise_support,
+        stage.noised_dimension,
+    )
+    report.recomputed[f"{stage.name}/truncation_delta"] = actual
+    if _understated(stage.truncation_delta, actual):
+        report.overclaims(
+            f"stage {stage.name!r}",
+            f"records a truncation delta of {stage.truncation_delta:.6g} but noise truncated at "
+            f"{stage.noise_support:g} sigma on {stage.noised_dimension} coordinates adds "
+            f"{actual:.6g}",
+        )
+
+
 def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None:
     for stage in ledger.dp_stages():
         if stage.weak_delta:
@@ -354,6 +373,7 @@ def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None
                 f"stage {stage.name!r}: weak delta {stage.delta:.3g} for n = "
                 f"{stage.dataset.size:,}, above 1/(10n): its epsilon says little"
             )
+        _check_truncation(stage, report)
         for accountant, claimed in stage.epsilons.items():
             actual = _recompute(
                 report, f"stage {stage.name!r}", [stage.mechanism_tuple], stage.delta, accountant
@@ -377,8 +397,16 @@ def _check_accounting(ledger: PrivacyLedger, report: VerificationReport) -> None
             if wrong:
                 report.overclaims(f"stage {stage.name!r}", f"{what} {actual:.6g} for {params}")
     for g in ledger.guarantees:
-        history = [ledger.stage(name).mechanism_tuple for name in g.stages]  # type: ignore[union-attr]
-        actual = _recompute(report, f"guarantee {g.dataset!r}", history, g.delta, g.accountant)
+        stages: list[Any] = [ledger.stage(name) for name in g.stages]
+        history = [s.mechanism_tuple for s in stages]
+        accounted = g.delta - truncated(stages)  # the guarantee's delta includes the truncation
+        if accounted <= 0:
+            report.overclaims(
+                f"guarantee {g.dataset!r}",
+                f"delta {g.delta:.6g} does not cover its stages' truncation deltas",
+            )
+            continue
+        actual = _recompute(report, f"guarantee {g.dataset!r}", history, accounted, g.accountant)
         if actual is None:
             continue
         report.recomputed[f"guarantee:{g.dataset}"] = actual
