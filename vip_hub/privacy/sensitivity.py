@@ -10,9 +10,10 @@ The contrastive mechanisms (``Logit-DP``, ``Naive-DP``) are derived step by step
 ``max_batch``. An unknown key is an error: a misspelt cap must not change the claim silently.
 
 Every mechanism's ``mechanism_params`` may also hold ``rounding_terms`` b: the clipped sum is
-formed in fp32, and its rounding moves the neighbours' difference by at most ``b 2^-23`` times
-the exact sensitivity when no step sums more than b examples (``rounding_allowance``; the
-derivation is in ``docs/architecture.md``, "Rounding of the clipped sum"). The DP engine records
+formed in fp32, and its rounding moves the neighbours' difference by at most
+``b ceil(log2 b) 2^-23`` times the exact sensitivity when no step sums more than b examples
+(``rounding_allowance``; the model and what it leaves open are in ``docs/architecture.md``,
+"Rounding of the clipped sum"). The DP engine records
 b = ``sample_bound(n, q)`` and refuses a step whose sample is larger.
 """
 
@@ -49,7 +50,8 @@ and the columns of the similarity matrix each a softmax over the other view)."""
 ROUNDING_TERMS = "rounding_terms"
 """The ``mechanism_params`` key of b, the most examples one step's fp32 clipped sum holds."""
 _FP32_ROUNDING = 2.0**-23
-"""Twice fp32's unit roundoff 2^-24: one rounding of each neighbour's sum, per example in it."""
+"""Twice fp32's unit roundoff 2^-24: each neighbour's sum, per example in it and level of the
+summation."""
 _SAMPLE_TAIL_BITS = 64
 """``sample_bound`` is exceeded with probability at most 2^-64 per step."""
 _LOGIT_DP_KEYS = {"loss", "temperature", "max_batch", ROUNDING_TERMS}
@@ -72,11 +74,12 @@ def sensitivity(
 
 
 def rounding_allowance(terms: int) -> float:
-    """``1 + b 2^-23``: the factor on the exact sensitivity that covers the fp32 rounding of a
-    clipped sum of at most ``terms`` = b examples (see ``docs/architecture.md``)."""
+    """``1 + b ceil(log2 b) 2^-23`` (at least one level): the factor on the exact sensitivity
+    that covers the fp32 rounding of a clipped sum of at most ``terms`` = b examples, summed in
+    up to ceil(log2 b) levels (see ``docs/architecture.md``)."""
     if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
         raise AccountingError(f"{ROUNDING_TERMS} must be a positive integer, got {terms!r}")
-    return 1.0 + terms * _FP32_ROUNDING
+    return 1.0 + terms * max(1, math.ceil(math.log2(terms))) * _FP32_ROUNDING
 
 
 def sample_bound(dataset_size: int, sample_rate: float) -> int:
