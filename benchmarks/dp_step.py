@@ -2,8 +2,8 @@
 
 Contenders (``VARIANTS``: add a row to add one):
 (a) non-private AdamW: the mean loss, one backward, AdamW;
-(b) DP-AdamW: one logical step of the DP engine (``training.dp_engine``) with book-keeping
-    ghost clipping (``training.clipping``): the clipped sum, Gaussian noise, AdamW;
+(b) DP-AdamW: one logical step of the DP engine (``training.dp.engine``) with book-keeping
+    ghost clipping (``training.dp.clipping``): the clipped sum, Gaussian noise, AdamW;
 (c) the reference approach: per-example gradients materialised with ``torch.func.vmap``,
     clipped and summed, then the same engine's noise and AdamW;
 (d) (b) with the one-run privacy audit on: the engine's Dirac canaries (the recipes' default
@@ -54,11 +54,11 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
-from training.distributed import Dist  # noqa: E402
-from training.dp_engine import Budget, Clipper, DPEngine  # noqa: E402
-from training.mae import DecoderConfig, new_mae  # noqa: E402
-from training.optim import make_adamw  # noqa: E402
+from training.dp.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
+from training.dp.engine import Budget, Clipper, DPEngine  # noqa: E402
+from training.recipes.mae import DecoderConfig, new_mae  # noqa: E402
+from training.skeleton.distributed import Dist  # noqa: E402
+from training.skeleton.optim import make_adamw  # noqa: E402
 from vip_hub.models.encoders import EncoderSpec  # noqa: E402
 from vip_hub.privacy.audit import DEFAULT_CANARIES  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Cost of one contrastive step as the batch grows, side by side (ratios; never fails).
 
 (a) a non-private step: the summed symmetric InfoNCE, one backward;
-(b) Logit-DP with ``training.pair_clipping.PairClipper``: pair norms from per-view Jacobians
+(b) Logit-DP with ``training.dp.pair_clipping.PairClipper``: pair norms from per-view Jacobians
     (d cotangents in one batched backward, each layer's reduced as it arrives), then the clipped
     sum from one backward; ``--passes 1x1,2x2`` runs it once per ``passes`` setting (rows x
     columns of Jacobian passes: less memory, more time), labelled b1x1, b2x2, ...;
@@ -67,8 +67,8 @@ def make_steps(
     from timm.models.vision_transformer import VisionTransformer
     from torch.func import functional_call, grad, vmap
 
-    from training.clipping import clip_factors
-    from training.pair_clipping import (
+    from training.dp.clipping import clip_factors
+    from training.dp.pair_clipping import (
         BatchClipper,
         ContrastiveEmbedder,
         PairClipper,

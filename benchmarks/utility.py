@@ -2,12 +2,12 @@
 Tramer & Boneh's table (ICLR 2021): end-to-end CNN 86.0, ScatterNet + linear 89.7,
 ScatterNet + CNN 89.0 (test top-1, %).
 
-A row is a released classifier: features, then a DP linear head (``training.probe.fit_probe``:
-Opacus DP-SGD, Poisson sampling, sigma from our accountant, noise and sampling from a per-run
-secret). Its guarantee is with respect to the private train split (declared
-``public-benchmarks/fashion-mnist-train``, delta 1e-5 passed explicitly) and composes every DP
-stage the classifier depends on (``compose_releases``; RDP is the claim, PRV and PLD printed
-beside it). The standard test split is public.
+A row is a released classifier: features, then a DP linear head
+(``training.recipes.probe.fit_probe``: Opacus DP-SGD, Poisson sampling, sigma from our accountant,
+noise and sampling from a per-run secret). Its guarantee is with respect to the private train split
+(declared ``public-benchmarks/fashion-mnist-train``, delta 1e-5 passed explicitly) and composes
+every DP stage the classifier depends on (``compose_releases``; RDP is the claim, PRV and PLD
+printed beside it). The standard test split is public.
 
 - raw pixels, scaled to [-1, 1] (a public per-example rule);
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of
@@ -15,18 +15,20 @@ beside it). The standard test split is public.
 - (Syn)-ViP: the features of a ``train-syn`` encoder (procedural images only: no private data,
   so the whole budget goes to the head);
 - DP fine-tuning: the (Syn)-ViP encoder's top block and a linear head trained together on the
-  private split through the DP engine (``training.finetune``), one DP stage at the whole epsilon;
+  private split through the DP engine (``training.recipes.finetune``), one DP stage at the whole
+  epsilon;
 - ViP, DP-Cap, Logit-DP and Naive-DP: an encoder trained on the private split by its recipe
   (``train_vip``, ``train_dpcap`` with captions by ``CAPTION_TEMPLATE`` over the class names,
   ``train_logit_dp``), from a (Syn) encoder, at ``ENCODER_EPSILON``; the head gets the rest
   (``head_epsilon``). Each head sees that encoder's exported features only.
 
-A learned row's feature mode is chosen on public data only (``training.probe.choose_pooling``):
-every mode its repo offers (the family's and the spatial modes its config.json declares) gets a
-DP head with the row's settings on the first half of the first ``SELECTION`` test records, its
-noise matched to the row's private head (the same noise on the averaged gradient), scored on the
-second half; the best is the row's mode. The table reports each row's top-1 on the other test
-records (those no choice saw) and on all of them, and says which mode was chosen and how.
+A learned row's feature mode is chosen on public data only
+(``training.recipes.probe.choose_pooling``): every mode its repo offers (the family's and the
+spatial modes its config.json declares) gets a DP head with the row's settings on the first half of
+the first ``SELECTION`` test records, its noise matched to the row's private head (the same noise on
+the averaged gradient), scored on the second half; the best is the row's mode. The table reports
+each row's top-1 on the other test records (those no choice saw) and on all of them, and says which
+mode was chosen and how.
 
 Settings are fixed in code (``SCHEDULE``; heads: the paper's batch n/8, clipping 0.1, learning
 rate 16, momentum 0.9). ``--tune ROWS`` picks those rows' head learning rate from
@@ -60,13 +62,13 @@ import torch
 from scipy.optimize import brentq
 from tqdm.auto import tqdm
 
-from training.datasets import (
+from training.data.labelled import (
     FASHION_MNIST_TRAIN,
     LabelledArrays,
     fashion_mnist,
     keyed_uniforms,
 )
-from training.probe import ProbeConfig, accuracy, choose_pooling, fit_probe, public_features
+from training.recipes.probe import ProbeConfig, accuracy, choose_pooling, fit_probe, public_features
 from vip_hub.errors import AccountingError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant, composed_epsilon, epsilon
@@ -240,7 +242,7 @@ def _stamp(settings: dict[str, Any]) -> str:
 def syn_repo(b: Bench, arch: str) -> Path:
     """The (Syn) MAE of ``arch``'s family (procedural images only), trained once into the work
     folder."""
-    from training.syn import SynConfig, train_syn
+    from training.recipes.syn import SynConfig, train_syn
 
     settings = {"arch": arch, "steps": b.schedule.syn_steps[arch], **b.schedule.syn}
     repo = b.work / "encoders" / f"{arch}-syn-{_stamp(settings)}"
@@ -288,7 +290,7 @@ def private_repo(
 def private_images(b: Bench, captions: bool = False) -> Path:
     """The private split as the image folder the recipes read (with captions by the public
     template over the class names for DP-Cap), written once."""
-    from training.datasets import write_caption_folder, write_image_folder
+    from training.data.labelled import write_caption_folder, write_image_folder
 
     kind = "captions" if captions else "images"
     root = b.work / "data" / f"train-{len(b.train)}-{kind}"
@@ -348,7 +350,7 @@ def syn_features(b: Bench) -> Features:
 
 def vip_features(b: Bench) -> Features:
     """ViP: the (Syn)-ViP MAE trained on the private images with DP-AdamW."""
-    from training.vip import VipConfig, train_vip
+    from training.recipes.vip import VipConfig, train_vip
 
     s = b.schedule.vip
     init = syn_repo(b, "vip-nano")
@@ -363,8 +365,8 @@ def vip_features(b: Bench) -> Features:
 def dpcap_features(b: Bench) -> Features:
     """DP-Cap: a (Syn) DP-Cap encoder trained to caption the private images (the public
     template over their class names) with DP-AdamW."""
-    from training.datasets import class_public_captions, class_vocabulary
-    from training.dpcap import DPCapConfig, train_dpcap
+    from training.data.labelled import class_public_captions, class_vocabulary
+    from training.recipes.dpcap import DPCapConfig, train_dpcap
 
     s = b.schedule.dpcap
     text = b.work / "data" / "text"
@@ -393,7 +395,7 @@ def contrastive_features(mechanism: str) -> Callable[[Bench], Features]:
     (Syn)-ViP encoder trained contrastively on the private images."""
 
     def make(b: Bench) -> Features:
-        from training.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
+        from training.recipes.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
 
         s = b.schedule.contrastive
         m = ContrastiveMechanism(mechanism)
@@ -621,16 +623,17 @@ FINETUNE: dict[str, Any] = {
     "warmup_steps": 5,
     "micro_batch_size": 250,
 }
-"""The DP fine-tuning row (``training.finetune``), fixed in code: the (Syn)-ViP encoder's top block
-and a linear head on ``vip`` features, DP-AdamW at lr 5e-3, expected batch n / 8 (q = 1/8),
-6 epochs. Not tuned on validation, but not blind either: chosen after a few runs on 6,000 records
-whose test top-1 was seen (so its figure may flatter it by the choice among them)."""
+"""The DP fine-tuning row (``training.recipes.finetune``), fixed in code: the (Syn)-ViP encoder's
+top block and a linear head on ``vip`` features, DP-AdamW at lr 5e-3, expected batch n / 8 (q =
+1/8), 6 epochs. Not tuned on validation, but not blind either: chosen after a few runs on 6,000
+records whose test top-1 was seen (so its figure may flatter it by the choice among them)."""
 
 
 def finetune_row(b: Bench, key: str) -> Result:
     """DP fine-tuning: the (Syn)-ViP encoder's top blocks and a linear head trained together on the
-    private split (``training.finetune.finetune_arrays``), one DP stage at the whole EPSILON."""
-    from training.finetune import finetune_arrays
+    private split (``training.recipes.finetune.finetune_arrays``), one DP stage at the whole
+    EPSILON."""
+    from training.recipes.finetune import finetune_arrays
 
     if key in b.tune:
         raise ValueError(f"--tune {key}: the DP fine-tuning row's settings are fixed in FINETUNE")
@@ -674,9 +677,9 @@ def finetune_reference(
     blocks and head from the same init, trained on the train folder ``finetune_arrays`` wrote
     under ``work`` with plain AdamW (the mean loss, no clipping, no noise) at the DP stage's
     recorded settings, steps and expected batch; its top-1 on the public test folder."""
-    from training.finetune import classifier, evaluate, frozen_outputs
-    from training.optim import make_adamw, warmup_cosine
-    from training.probe import load_labelled
+    from training.recipes.finetune import classifier, evaluate, frozen_outputs
+    from training.recipes.probe import load_labelled
+    from training.skeleton.optim import make_adamw, warmup_cosine
     from vip_hub.device import pick_device
 
     hp, dev = stage.hyperparameters, pick_device(device)

@@ -14,7 +14,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from live import WRITE_TOKEN
 
-import training.dp_engine
+import training.dp.engine
 from vip_hub.errors import AuditError
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.push import push_repo
@@ -33,7 +33,7 @@ def break_engine(
     given."""
     if broken == "noise zeroed":
         monkeypatch.setattr(
-            training.dp_engine,
+            training.dp.engine,
             "add_gaussian_noise",
             lambda flat, std, seed, step: None,
         )

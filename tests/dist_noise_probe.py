@@ -9,9 +9,9 @@ import sys
 import torch
 import torch.distributed as torch_dist
 
-from training.clipping import PerExampleClipper
-from training.distributed import Dist
-from training.dp_engine import Budget, DPEngine
+from training.dp.clipping import PerExampleClipper
+from training.dp.engine import Budget, DPEngine
+from training.skeleton.distributed import Dist
 
 SIGMA, CLIP, N, WIDTH = 1.1, 0.1, 40, 400_000
 

@@ -182,7 +182,7 @@ def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Pat
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    from training.datasets import LabelledArrays, write_caption_folder, write_image_folder
+    from training.data.labelled import LabelledArrays, write_caption_folder, write_image_folder
 
     digits = load_digits()
     classes = [str(d) for d in range(10)]

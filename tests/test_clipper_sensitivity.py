@@ -16,11 +16,11 @@ from test_logit_dp_math import BOUND, _adversary, _clipped_sum
 from test_training_units import TokenModel
 from torch import nn
 
-import training.clipping
-import training.pair_clipping
-from training.clipping import PerExampleClipper, _materialise
-from training.mae import MAE, DecoderConfig
-from training.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper
+import training.dp.clipping
+import training.dp.pair_clipping
+from training.dp.clipping import PerExampleClipper, _materialise
+from training.dp.pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper
+from training.recipes.mae import MAE, DecoderConfig
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity_at, sensitivity
@@ -228,7 +228,7 @@ def test_no_pair_contributes_more_than_b_under_bf16(
     once lifted it 0.1-0.3 % above B)."""
     model = _model(_embedder, "bf16")
     views = _images(kind, torch.float32, seed=3), _images(kind, torch.float32, seed=4)
-    clipper, weights = PairClipper(model, CLIP, TAU), training.pair_clipping._loss_weights
+    clipper, weights = PairClipper(model, CLIP, TAU), training.dp.pair_clipping._loss_weights
     shares = []
     for pair in range(N * N):
 
@@ -237,7 +237,7 @@ def test_no_pair_contributes_more_than_b_under_bf16(
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return torch.eye(N * N, dtype=e.dtype)[pair].view(N, N), weights(e, tau)[1]
 
-        monkeypatch.setattr(training.pair_clipping, "_loss_weights", one_pair)
+        monkeypatch.setattr(training.dp.pair_clipping, "_loss_weights", one_pair)
         with _autocast("bf16"):
             shares.append(float(_clipped_sum(clipper, *views).double().norm()) / CLIP)
     print(f"pairs {kind}: {min(shares):.5f} to {max(shares):.5f} of B")
@@ -272,7 +272,7 @@ def test_logit_dp_at_its_bound_stays_within_delta_under_bf16(tau: float, n: int)
 @pytest.mark.parametrize("clipper", ["per-example", "pair", "batch"])
 def test_a_broken_clip_fails_the_check(clipper: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above have teeth: with every clip factor 1 (nothing clipped) they fail."""
-    module = training.clipping if clipper == "per-example" else training.pair_clipping
+    module = training.dp.clipping if clipper == "per-example" else training.dp.pair_clipping
     monkeypatch.setattr(module, "clip_factors", lambda norms, max_norm: torch.ones_like(norms))
     if clipper == "per-example":
         model = _model(_vip, "fp64")

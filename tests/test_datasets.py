@@ -1,4 +1,4 @@
-"""Fashion-MNIST's data module (``training/datasets.py``): the IDX reader on files the test
+"""Fashion-MNIST's data module (``training/data/labelled.py``): the IDX reader on files the test
 writes (good and corrupt), the --data folder forms, public-rule and keyed subsets, the fetch's
 fallbacks and error path with apt-get absent or failing (no network), and the image and
 caption folders written from arrays (what the probe and the recipes read), with captions,
@@ -17,8 +17,8 @@ import pytest
 from helpers import idx_bytes, write_fashion
 from PIL import Image
 
-from training.data import CaptionFolder, open_captions, open_images
-from training.datasets import (
+from training.data.images import CaptionFolder, open_captions, open_images
+from training.data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_PACKAGE,
@@ -33,7 +33,7 @@ from training.datasets import (
     write_caption_folder,
     write_image_folder,
 )
-from training.probe import load_labelled
+from training.recipes.probe import load_labelled
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer

@@ -12,11 +12,11 @@ from helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-import training.canaries
-import training.dp_engine
-from training.clipping import PerExampleClipper
-from training.distributed import Dist
-from training.dp_engine import EMPTY, Budget, DPEngine
+import training.dp.canaries
+import training.dp.engine
+from training.dp.clipping import PerExampleClipper
+from training.dp.engine import EMPTY, Budget, DPEngine
+from training.skeleton.distributed import Dist
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.privacy.accounting import epsilon
@@ -102,8 +102,8 @@ def test_noise_is_sigma_times_sensitivity_over_expected_batch_even_for_an_empty_
 def test_noise_chunks_are_independent_streams_whatever_the_thread_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(training.dp_engine, "NOISE_CHUNK", 1 << 16)
-    monkeypatch.setattr(training.dp_engine, "_CPU_NOISE_DRAW", 1 << 12)
+    monkeypatch.setattr(training.dp.engine, "NOISE_CHUNK", 1 << 16)
+    monkeypatch.setattr(training.dp.engine, "_CPU_NOISE_DRAW", 1 << 12)
     numel, std = 11 << 15, 2.0  # 5.5 chunks of 4,096-coordinate draws
     threads = torch.get_num_threads()
 
@@ -111,7 +111,7 @@ def test_noise_chunks_are_independent_streams_whatever_the_thread_count(
         flat = torch.zeros(numel) if base is None else base.clone()
         torch.set_num_threads(workers)
         try:
-            training.dp_engine.add_gaussian_noise(flat, std, 7, step)
+            training.dp.engine.add_gaussian_noise(flat, std, 7, step)
         finally:
             torch.set_num_threads(threads)
         return flat
@@ -147,9 +147,9 @@ def test_sampler_plans_each_step_once_and_its_micro_batches_cover_the_sample(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = []
-    real = training.dp_engine.poisson_sample
+    real = training.dp.engine.poisson_sample
     monkeypatch.setattr(
-        training.dp_engine, "poisson_sample", lambda *a, **k: calls.append(a[3]) or real(*a, **k)
+        training.dp.engine, "poisson_sample", lambda *a, **k: calls.append(a[3]) or real(*a, **k)
     )
     engine = engine_for(BiasSum(4), n=30, batch=2, sigma=1.0, steps=40, micro=2)
     by_step: dict[int, list[int]] = {}
@@ -226,7 +226,7 @@ def test_budget_plan_calibrates_and_stops_within_the_target() -> None:
 def test_a_delta_above_one_over_n_is_refused_unless_asked_for(tmp_path: Path) -> None:
     """Recipes and DP heads refuse delta > 1/n unless --allow-weak-delta; verify flags a stage
     above 1/(10n) as weak (an import keeps its paper's delta and is flagged)."""
-    from training.probe import ProbeConfig, fit_probe
+    from training.recipes.probe import ProbeConfig, fit_probe
 
     plan = dict(dataset_size=1000, batch_size=10, steps=10, epsilon=None, sigma=1.0)
     with pytest.raises(AccountingError, match="above 1/n .*--allow-weak-delta"):
@@ -307,15 +307,15 @@ def audited_stage(
     """A 100-step run claiming epsilon 2 (RDP, delta 1e-5) with 1000 canaries; optionally with
     its noise secretly scaled (the accountant still told sigma) or its canaries left unclipped."""
     if noise_scale != 1.0:
-        real = training.dp_engine.add_gaussian_noise
+        real = training.dp.engine.add_gaussian_noise
         monkeypatch.setattr(
-            training.dp_engine,
+            training.dp.engine,
             "add_gaussian_noise",
             lambda flat, std, seed, step: real(flat, std * noise_scale, seed, step),
         )
     if bypass_clipping:
         monkeypatch.setattr(
-            training.canaries, "clip_factors", lambda norms, c: torch.ones_like(norms)
+            training.dp.canaries, "clip_factors", lambda norms, c: torch.ones_like(norms)
         )
     torch.manual_seed(0)
     engine = engine_for(BiasSum(8), **AUDITED)
@@ -349,9 +349,9 @@ def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = []
-    real = training.dp_engine.poisson_sample
+    real = training.dp.engine.poisson_sample
     monkeypatch.setattr(
-        training.dp_engine, "poisson_sample", lambda *a: calls.append(a) or real(*a)
+        training.dp.engine, "poisson_sample", lambda *a: calls.append(a) or real(*a)
     )
     engine = engine_for(BiasSum(4), n=30, batch=6, sigma=1e-6, steps=3, canaries=40)
     members = engine.canaries.members

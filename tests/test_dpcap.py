@@ -481,7 +481,7 @@ def test_tokenizer_follows_the_reference_conventions(tmp_path):
 
 def test_text_decoder_is_clippable_per_example():
     """Only Linear, LayerNorm and Embedding hold parameters, each runs once per forward, nothing
-    is tied, and the constants are buffers (what training.clipping.PerExampleClipper needs)."""
+    is tied, and the constants are buffers (what training.dp.clipping.PerExampleClipper needs)."""
     torch.manual_seed(0)
     spec = EncoderSpec(ARCH, img_size=IMG)
     decoder = TextDecoder(
@@ -702,7 +702,7 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
 def test_probe_trains_on_dpcap_features(repo, tmp_path):
     from PIL import Image
 
-    from training.probe import ProbeConfig, run_probe
+    from training.recipes.probe import ProbeConfig, run_probe
     from vip_hub.repo.heads import load_head
 
     data = tmp_path / "labelled"

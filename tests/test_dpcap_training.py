@@ -27,18 +27,18 @@ from helpers import (
 from PIL import Image
 from safetensors.torch import load_file
 
-import training.dp_run
-from training.clipping import PerExampleClipper
-from training.data import CaptionFolder, TarShards, open_captions
-from training.datasets import (
+import training.dp.run
+from training.data.images import CaptionFolder, TarShards, open_captions
+from training.data.labelled import (
     FASHION_MNIST_CLASSES,
     LabelledArrays,
     class_vocabulary,
     write_caption_folder,
 )
-from training.dpcap import DPCapConfig, train_dpcap
-from training.mae import load_mae
-from training.syn import SynConfig, train_syn
+from training.dp.clipping import PerExampleClipper
+from training.recipes.dpcap import DPCapConfig, train_dpcap
+from training.recipes.mae import load_mae
+from training.recipes.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_captioner
@@ -432,7 +432,7 @@ def test_two_processes_give_the_same_ledger(
         "--nproc_per_node",
         "2",
         "-m",
-        "training.dpcap",
+        "training.recipes.dpcap",
         *dp_command(syn_repo, pairs, vocab, out),
     ]
     done = subprocess.run(
@@ -454,7 +454,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.dp_run, "PerExampleClipper")
+    break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
     out = train_dpcap(
         DPCapConfig(

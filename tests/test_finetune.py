@@ -18,12 +18,12 @@ import torch
 from live import WRITE_TOKEN
 from safetensors.torch import load_file
 
-from training.clipping import PerExampleClipper, clip_factors
-from training.datasets import LabelledArrays, write_image_folder
-from training.distributed import Dist
-from training.dp_engine import Budget, DPEngine
-from training.finetune import FinetuneConfig, classifier, train_finetune
-from training.syn import SynConfig, train_syn
+from training.data.labelled import LabelledArrays, write_image_folder
+from training.dp.clipping import PerExampleClipper, clip_factors
+from training.dp.engine import Budget, DPEngine
+from training.recipes.finetune import FinetuneConfig, classifier, train_finetune
+from training.recipes.syn import SynConfig, train_syn
+from training.skeleton.distributed import Dist
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features

@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import published_hashes_of, write_digits
 
-from training.datasets import keyed_uniforms
-from training.probe import ProbeConfig, fit_probe, run_probe
+from training.data.labelled import keyed_uniforms
+from training.recipes.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.repo.verify import verify_repo
 
 N, DIM = 64, 6
@@ -72,10 +72,10 @@ def test_a_dp_heads_sampling_and_noise_are_keyed_by_its_whole_secret(
     reach of the 63-bit torch seed of before, and of a 32-bit search) give different heads. For
     the sampling the noise is off (batch 8 of 64: only the Poisson sample can differ); for the
     noise q = 1 (every record sampled at every step: only the noise can differ)."""
-    import training.probe
+    import training.recipes.probe
 
     if mechanism == "sampling":
-        monkeypatch.setattr(training.probe, "add_gaussian_noise", lambda *args: None)
+        monkeypatch.setattr(training.recipes.probe, "add_gaussian_noise", lambda *args: None)
     key = 0x0123_4567_89AB_CDEF_FEDC_BA98_7654_3210
     heads = []
     for secret in (key, key, key ^ (1 << 100)):

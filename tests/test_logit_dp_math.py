@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.clipping import clip_factors
-from training.pair_clipping import (
+from training.dp.clipping import clip_factors
+from training.dp.pair_clipping import (
     BatchClipper,
     ContrastiveEmbedder,
     PairClipper,
@@ -216,7 +216,7 @@ class _ResidualGelu(nn.Module):
 def test_only_gelus_feeding_one_linear_layer_get_the_overwriting_backward() -> None:
     """``_Gelu``'s batched backward overwrites the gradient it receives: only the GELUs of timm
     Mlp blocks and of the head (each feeding a linear layer alone) are swapped for it."""
-    from training.pair_clipping import _Gelu
+    from training.dp.pair_clipping import _Gelu
 
     vit = ContrastiveEmbedder(create_encoder(EncoderSpec("vip-nano", img_size=32)))
     assert not any(type(m) is nn.GELU for m in vit.modules())

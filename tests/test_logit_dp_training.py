@@ -20,19 +20,19 @@ from helpers import TINY, kill_mid_run, run_stages, tiny_encoder
 from PIL import Image
 from safetensors.torch import load_file
 
-import training.logit_dp
-from training.data import Augmented, ImageFolder, mae_transform
-from training.distributed import Dist
-from training.dp_engine import Budget, DPEngine
-from training.logit_dp import (
+import training.recipes.logit_dp
+from training.data.images import Augmented, ImageFolder, mae_transform
+from training.dp.engine import Budget, DPEngine
+from training.dp.pair_clipping import BatchClipper, PairClipper
+from training.recipes.logit_dp import (
     ContrastiveMechanism,
     LogitDPConfig,
     contrastive_model,
     skip_cap,
     train_logit_dp,
 )
-from training.pair_clipping import BatchClipper, PairClipper
-from training.syn import SynConfig, train_syn
+from training.recipes.syn import SynConfig, train_syn
+from training.skeleton.distributed import Dist
 from vip_hub import verify_repo
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import epsilon
@@ -354,7 +354,7 @@ def test_two_processes_give_the_same_ledger_stage(
         "--nproc_per_node",
         "2",
         "-m",
-        "training.logit_dp",
+        "training.recipes.logit_dp",
         *dp_command(syn_repo, images, out),
     ]
     done = subprocess.run(
@@ -377,7 +377,7 @@ def test_the_audit_catches_a_broken_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clipper = "PairClipper" if mechanism is ContrastiveMechanism.LOGIT_DP else "BatchClipper"
-    break_engine(monkeypatch, broken, training.logit_dp, clipper)
+    break_engine(monkeypatch, broken, training.recipes.logit_dp, clipper)
     settings = {
         **DP_ARGS,
         **SETTINGS,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from scipy import stats
 
-from training.distributed import Dist
-from training.dp_engine import NOISE_CHUNK, add_gaussian_noise
-from training.recipe import RunConfig
-from training.runner import Run
-from training.sampling import NOISE, standard_normal, step_generator, stream_words
+from training.dp.engine import NOISE_CHUNK, add_gaussian_noise
+from training.dp.sampling import NOISE, standard_normal, step_generator, stream_words
+from training.skeleton.config import RunConfig
+from training.skeleton.distributed import Dist
+from training.skeleton.run import Run
 from vip_hub.errors import CheckpointError
 from vip_hub.privacy.accounting import NOISE_SUPPORT
 
@@ -167,7 +167,7 @@ def test_the_noise_reaches_past_5_77_sigma_as_often_as_a_gaussian() -> None:
 
 # -------------------------------------------------------------------------------- the secret
 def test_a_run_secret_has_128_bits_and_a_run_folder_from_before_is_refused(tmp_path) -> None:
-    from training.checkpoint import load_checkpoint, save_checkpoint
+    from training.skeleton.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = RunConfig(out=str(tmp_path / "repo"), seed=None)
     run = Run(cfg, Dist())

@@ -18,9 +18,9 @@ import yaml
 from helpers import write_digits, write_fashion
 from live import WRITE_TOKEN, free_port
 
-from training.datasets import FASHION_MNIST_TRAIN, fashion_mnist
+from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
-from training.probe import ProbeConfig, run_probe
+from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
@@ -110,8 +110,8 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     import torch
     from opacus.grad_sample import GradSampleModuleFastGradientClipping as GhostModule
 
-    import training.probe
-    from training.probe import fit_probe
+    import training.recipes.probe
+    from training.recipes.probe import fit_probe
     from vip_hub.repo.heads import LinearProbe
 
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     )
     stds: list[float] = []
     monkeypatch.setattr(  # the heads' noise is the engine's (keyed by the head's secret)
-        training.probe, "add_gaussian_noise", lambda flat, std, seed, step: stds.append(std)
+        training.recipes.probe, "add_gaussian_noise", lambda flat, std, seed, step: stds.append(std)
     )
     cfg = ProbeConfig(
         encoder="",

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-import training.pair_clipping
-from training.clipping import PerExampleClipper
-from training.pair_clipping import BatchClipper, PairClipper
+import training.dp.pair_clipping
+from training.dp.clipping import PerExampleClipper
+from training.dp.pair_clipping import BatchClipper, PairClipper
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.ledger import Dataset, DPStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, ROUNDING_TERMS, sample_bound, sensitivity
@@ -154,13 +154,13 @@ def test_pair_sum_under_bf16_stays_within_the_recorded_sensitivity(
     identical clipped pair vectors (second views -x) and the neighbour removes one, a difference
     of B (C scanned at 16 values here, each pass is slower); Logit-DP's
     own Delta is far above it, so B (1 + b ceil(log2 b) 2^-23) is the bound checked."""
-    weights = training.pair_clipping._loss_weights
+    weights = training.dp.pair_clipping._loss_weights
 
     def diagonal(e: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
         n = e.shape[0] // 2
         return torch.eye(n, dtype=e.dtype, device=e.device), weights(e, tau)[1]
 
-    monkeypatch.setattr(training.pair_clipping, "_loss_weights", diagonal)
+    monkeypatch.setattr(training.dp.pair_clipping, "_loss_weights", diagonal)
     torch.manual_seed(0)
     net = _Embedder().to(device)
     x = torch.rand(1, 1, device=device).expand(b, 1) + 0.5

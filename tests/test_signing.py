@@ -163,9 +163,9 @@ def test_wrong_key_or_a_forged_signature_fails(tmp_path, alice):
 
 
 def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
-    from training.distributed import Dist
-    from training.recipe import RunConfig
-    from training.runner import Run
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
 
     out = tmp_path / "run-repo"
     for key, env in ((str(alice[0]), None), (None, str(alice[0]))):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training.clipping import PerExampleClipper
+from training.dp.clipping import PerExampleClipper
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "dp_step.py"

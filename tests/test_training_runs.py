@@ -22,12 +22,12 @@ from live import free_port
 from PIL import Image
 from safetensors.torch import load_file
 
-import training.dp_run
-from training.clipping import UnsupportedLayerError
-from training.data import TarShards, open_images
+import training.dp.run
+from training.data.images import TarShards, open_images
+from training.dp.clipping import UnsupportedLayerError
 from training.main_job import StepFailed
-from training.syn import SynConfig, train_syn
-from training.vip import VipConfig, train_vip
+from training.recipes.syn import SynConfig, train_syn
+from training.recipes.vip import VipConfig, train_vip
 from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubError
 from vip_hub.privacy.accounting import Accountant, max_steps_within
 from vip_hub.privacy.audit import DEFAULT_CANARIES
@@ -433,7 +433,7 @@ def test_two_processes_give_the_same_ledger_noise_and_weights(
     syn_repo: Path, images: Path, reference_run: Path, tmp_path: Path, layout: str
 ) -> None:
     out = tmp_path / "vip-nano-dp"
-    args = ["-m", "training.vip", "--init", str(syn_repo), "--data", str(images)]
+    args = ["-m", "training.recipes.vip", "--init", str(syn_repo), "--data", str(images)]
     code, stderr = torchrun([*args, "--out", str(out), *DP_ARGS], layout)
     assert code == 0, stderr
     assert verify_repo(out).ok
@@ -478,7 +478,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.dp_run, "PerExampleClipper")
+    break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     out = train_vip(
         VipConfig(
             init=str(syn_repo),

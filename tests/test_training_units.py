@@ -9,10 +9,10 @@ from helpers import DEVICES
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from training.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
-from training.mae import MAE, DecoderConfig, patchify
-from training.procedural import FAMILIES, SyntheticImages, contact_sheet, render
-from training.sampling import micro_batches, poisson_sample, rank_share
+from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, render
+from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
+from training.dp.sampling import micro_batches, poisson_sample, rank_share
+from training.recipes.mae import MAE, DecoderConfig, patchify
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
@@ -286,7 +286,7 @@ class _HalfBroadcast(nn.Linear):
 
 
 def test_a_layer_partly_covered_elsewhere_is_refused_by_every_clipper() -> None:
-    from training.pair_clipping import PairClipper
+    from training.dp.pair_clipping import PairClipper
     from vip_hub.errors import ConfigError
 
     for make in (lambda m: PerExampleClipper(m, 1.0), lambda m: PairClipper(m, 1.0, 0.5)):

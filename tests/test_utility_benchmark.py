@@ -15,7 +15,7 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
-from training.datasets import FASHION_MNIST_TRAIN, fashion_mnist
+from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage
 

@@ -1,8 +1,8 @@
 """The training sub-commands of ``vip-hub`` (one entry-point plugin, ``register``).
 
 Every recipe in ``RECIPES`` becomes ``vip-hub train-<name>`` with the options of its one
-configuration declaration (``training/recipe.py``); ``probe`` and ``run`` read theirs the same
-way. ``torchrun -m training.<module>`` takes the same arguments.
+configuration declaration (``training/skeleton/config.py``); ``probe`` and ``run`` read theirs the
+same way. ``torchrun -m training.recipes.<module>`` takes the same arguments.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import Any
 
 from vip_hub.cli.main import CommandError, add_command, require_extra
 
-from .recipe import Recipe, add_config_args, config_from_args
+from .skeleton.config import Recipe, add_config_args, config_from_args
 
 __all__ = ["RECIPES", "recipe", "register"]
 
 RECIPES = ("syn", "vip", "dpcap", "logit_dp", "finetune")
-"""Modules of ``training`` that each declare a ``RECIPE``."""
+"""Modules of ``training.recipes`` that each declare a ``RECIPE``."""
 
 
 def recipe(module: str) -> Recipe:
-    """The recipe declared by ``training.<module>``."""
-    return importlib.import_module(f"training.{module}").RECIPE
+    """The recipe declared by ``training.recipes.<module>``."""
+    return importlib.import_module(f"training.recipes.{module}").RECIPE
 
 
 def register(sub: Any) -> None:
@@ -36,7 +36,7 @@ def register(sub: Any) -> None:
         add_config_args(p, r.config)
 
     from .main_job import MainJobConfig
-    from .probe import ProbeConfig
+    from .recipes.probe import ProbeConfig
 
     add_config_args(
         add_command(
@@ -61,7 +61,7 @@ def register(sub: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .distributed import Dist
+    from .skeleton.distributed import Dist
 
     r = recipe(args.recipe)
     cfg = config_from_args(r.config, args)
@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _synth_preview(args: argparse.Namespace) -> int:
-    from .procedural import contact_sheet
+    from .data.procedural import contact_sheet
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
         raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")
@@ -86,7 +86,7 @@ def _synth_preview(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from .probe import ProbeConfig, run_probe
+    from .recipes.probe import ProbeConfig, run_probe
 
     cfg = config_from_args(ProbeConfig, args)
     r = run_probe(cfg)

@@ -1,13 +1,13 @@
 """``vip-hub run`` (what ``make run`` does): train, compare, publish and serve private encoders
 on Fashion-MNIST.
 
-1. the data (``training/datasets.py``): Fashion-MNIST from ``--data`` (its four IDX files, or an
-   image folder), else the Debian package, fetched when missing. The private dataset is the
+1. the data (``training/data/labelled.py``): Fashion-MNIST from ``--data`` (its four IDX files, or
+   an image folder), else the Debian package, fetched when missing. The private dataset is the
    first ``train_size`` records of the train split in file order (a public rule: no record's
    membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
    n; of the public test split, the first ``select_size`` records choose each head's feature
-   mode (``training.probe.choose_pooling``) and the next ``test_size`` measure top-1. Both are
-   written
+   mode (``training.recipes.probe.choose_pooling``) and the next ``test_size`` measure top-1. Both
+   are written
    as PNG class folders (train captioned by the public template over the class names), with a
    public vocabulary and public captions over the class names;
 2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
@@ -79,7 +79,7 @@ from vip_hub.repo_format import (
     head_component,
 )
 
-from .datasets import (
+from .data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_DELTA,
@@ -92,7 +92,7 @@ from .datasets import (
     write_caption_folder,
     write_image_folder,
 )
-from .procedural import render
+from .data.procedural import render
 
 __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
@@ -270,10 +270,10 @@ PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
-    from .dpcap import DPCapConfig, train_dpcap
-    from .logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
-    from .syn import SynConfig, train_syn
-    from .vip import VipConfig, train_vip
+    from .recipes.dpcap import DPCapConfig, train_dpcap
+    from .recipes.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
+    from .recipes.syn import SynConfig, train_syn
+    from .recipes.vip import VipConfig, train_vip
 
     began = time.monotonic()
     work = Path(cfg.work_dir)
@@ -527,7 +527,7 @@ def _compare(
     from vip_hub.loading import load_captioner, load_encoder
     from vip_hub.privacy.accounting import epsilon as accounted
 
-    from .probe import (
+    from .recipes.probe import (
         DP_HEAD_LR,
         ProbeConfig,
         accuracy,

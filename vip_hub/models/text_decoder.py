@@ -14,7 +14,7 @@ The architecture is the reference's (facebookresearch/dpcap ``model/torch_transf
 
 It is built only from ``nn.Linear``, ``nn.LayerNorm`` and ``nn.Embedding`` (constants are
 buffers, nothing is tied or broadcast as a parameter) and each of them runs once per forward,
-so ``training.clipping.PerExampleClipper`` can clip it per example. ``Captioner`` (encoder +
+so ``training.dp.clipping.PerExampleClipper`` can clip it per example. ``Captioner`` (encoder +
 decoder) returns per-example losses, as a DP recipe needs.
 
 A repo stores the decoder in ``text_decoder.safetensors`` (its ``TextDecoderConfig`` in the

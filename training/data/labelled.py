@@ -13,11 +13,11 @@ records, n declared) or per record by a keyed hash (``keyed_uniforms``): either 
 membership never depends on another record.
 
 Arrays become the folders the recipes and the probe read: ``write_image_folder`` (PNG class
-folders, ``training/data.py``'s ``open_images``, ``training/probe.py``'s ``load_labelled``) and
-``write_caption_folder`` (the same with a ``captions.jsonl``, ``open_captions``), each caption
-the public ``CAPTION_TEMPLATE`` over its class name. So captions, DP-Cap's vocabulary
-(``class_vocabulary``) and its public curve's captions (``class_public_captions``) are made from
-the class names alone and are public by construction.
+folders, ``training/data/images.py``'s ``open_images``, ``training/recipes/probe.py``'s
+``load_labelled``) and ``write_caption_folder`` (the same with a ``captions.jsonl``,
+``open_captions``), each caption the public ``CAPTION_TEMPLATE`` over its class name. So captions,
+DP-Cap's vocabulary (``class_vocabulary``) and its public curve's captions
+(``class_public_captions``) are made from the class names alone and are public by construction.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def _read_image_split(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     """An image folder with one subfolder per class (named by ``class_folder`` of a
     ``FASHION_MNIST_CLASSES`` name, or by class index), as 28 x 28 grey arrays in sorted path
     order."""
-    from .data import ImageFolder
+    from .images import ImageFolder
 
     images = ImageFolder(folder)
     index = {class_folder(c): i for i, c in enumerate(FASHION_MNIST_CLASSES)}
@@ -397,9 +397,10 @@ def write_caption_folder(
     class_names: Sequence[str],
     template: str = CAPTION_TEMPLATE,
 ) -> Path:
-    """``write_image_folder`` plus a ``captions.jsonl`` (``training/data.py``'s ``open_captions``)
-    listing the images in record order, each captioned by ``template`` over its class name."""
-    from .data import CAPTIONS_FILE
+    """``write_image_folder`` plus a ``captions.jsonl`` (``training/data/images.py``'s
+    ``open_captions``) listing the images in record order, each captioned by ``template`` over its
+    class name."""
+    from .images import CAPTIONS_FILE
 
     captions = class_public_captions(class_names, template)
 

@@ -7,7 +7,7 @@ training record with a given probability.
 
 With ``epsilon`` the head is trained with DP-SGD: Opacus' ghost clipping (per-example clipping
 without per-example gradients) and its RDP accountant's history, with the DP engine's Poisson
-sampler and noise (``training.sampling``, ``add_gaussian_noise``) keyed by a 128-bit secret
+sampler and noise (``training.dp.sampling``, ``add_gaussian_noise``) keyed by a 128-bit secret
 drawn for the run: the BatchNorm is then fixed to
 statistics of *public* features (the encoder's features of procedural images), so only the
 linear layer sees the labelled data, and the head's ledger stage is a DP stage naming that
@@ -62,13 +62,13 @@ from vip_hub.privacy.ledger import (
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import head_component
 
-from .data import ImageFolder
-from .datasets import keyed_uniforms
-from .dp_engine import add_gaussian_noise
-from .optim import lr_factor
-from .procedural import SyntheticImages
-from .recipe import WeakDeltaOption
-from .sampling import new_secret, poisson_sample
+from ..data.images import ImageFolder
+from ..data.labelled import keyed_uniforms
+from ..data.procedural import SyntheticImages
+from ..dp.engine import add_gaussian_noise
+from ..dp.sampling import new_secret, poisson_sample
+from ..skeleton.config import WeakDeltaOption
+from ..skeleton.optim import lr_factor
 
 __all__ = [
     "DP_HEAD_LR",

@@ -27,7 +27,7 @@ from torchvision.transforms import v2
 from vip_hub.errors import DataError, MissingInputError, UnsafePathError
 from vip_hub.paths import validate_relpath
 
-from .sampling import AUGMENT, torch_generator
+from ..dp.sampling import AUGMENT, torch_generator
 
 __all__ = [
     "CAPTIONS_FILE",

@@ -7,13 +7,13 @@ the cosine similarities of two augmented views per image) and a clipper: ``PairC
 (``--mechanism logit-dp``: every pair's similarity gradient clipped to B, sensitivity from
 ``vip_hub.privacy.sensitivity``) or ``BatchClipper`` (``--mechanism naive``: the whole-batch
 gradient clipped to C, sensitivity 2C). Everything private about a step is the DP engine's
-(``training/dp_engine.py``); the derivation and the conditions this recipe keeps are in
+(``training/dp/engine.py``); the derivation and the conditions this recipe keeps are in
 ``docs/logit_dp_sensitivity.md``: the whole Poisson sample of a rank is one clipper call
 (micro-batching would change the mechanism), each rank contrasts its own sample, and an example's
 two views are drawn from its own (seed, step, index) stream.
 
-Run it with ``vip-hub train-logit-dp ...`` or ``torchrun --nproc_per_node N -m training.logit_dp
-...``.
+Run it with ``vip-hub train-logit-dp ...`` or ``torchrun --nproc_per_node N -m
+training.recipes.logit_dp ...``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,20 @@ from vip_hub.models.encoders import EncoderSpec
 from vip_hub.models.features import final_norm
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
 
-from .data import Augmented, mae_transform, open_images
-from .distributed import Dist
-from .dp_run import DPRun
+from ..data.images import Augmented, mae_transform, open_images
+from ..data.procedural import render
+from ..dp.pair_clipping import (
+    BatchClipper,
+    ContrastiveEmbedder,
+    PairClipper,
+    embed,
+    symmetric_infonce,
+)
+from ..dp.run import DPRun
+from ..dp.sampling import init_seed
+from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
+from ..skeleton.distributed import Dist
 from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
-from .pair_clipping import BatchClipper, ContrastiveEmbedder, PairClipper, embed, symmetric_infonce
-from .procedural import render
-from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
-from .sampling import init_seed
 
 __all__ = [
     "RECIPE",

@@ -55,11 +55,11 @@ from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLed
 from vip_hub.privacy.sensitivity import sample_bound
 from vip_hub.repo_format import ENCODER
 
+from ..skeleton.config import DPRunConfig
+from ..skeleton.distributed import Dist
+from ..skeleton.run import Run
 from .canaries import DiracCanaries
 from .clipping import ClipResult
-from .distributed import Dist
-from .recipe import DPRunConfig
-from .runner import Run
 from .sampling import (
     NOISE,
     micro_batches,

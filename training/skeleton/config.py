@@ -3,7 +3,7 @@
 Each recipe declares its settings as one pydantic model (a subclass of ``RunConfig``, or of
 ``DPRunConfig`` for DP recipes, with its AdamW defaults and warm-up rule given once to
 ``with_adamw``) and itself as one ``Recipe``. From that declaration come the
-``vip-hub train-<name>`` options, the arguments of ``torchrun -m training.<name>`` (the same
+``vip-hub train-<name>`` options, the arguments of ``torchrun -m training.recipes.<name>`` (the same
 ones), and TOML files given with ``--config FILE`` (keys named like the fields; options given
 on the command line win). Field descriptions are the help texts.
 """
@@ -223,10 +223,11 @@ def with_adamw(
 class Recipe:
     """A recipe: its command name, what it does, its configuration and its training function."""
 
-    name: str  # `vip-hub train-<name>`, `torchrun -m training.<module>`
+    name: str  # `vip-hub train-<name>`, `torchrun -m training.recipes.<module>`
     summary: str
     config: type[RunConfig]
-    train: Callable[[Any, Any], Path]  # (config, training.distributed.Dist) -> the exported repo
+    # (config, training.skeleton.distributed.Dist) -> the exported repo
+    train: Callable[[Any, Any], Path]
 
 
 def _base(tp: Any) -> Any:
@@ -296,7 +297,8 @@ def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
 
 
 def recipe_main(command: str, argv: list[str] | None = None) -> int:
-    """``torchrun ... -m training.<recipe>`` entry point: the arguments of ``vip-hub <command>``."""
+    """``torchrun ... -m training.recipes.<recipe>`` entry point: the arguments of ``vip-hub
+    <command>``."""
     from vip_hub.cli.main import main as cli_main
 
     return cli_main([command, *(sys.argv[1:] if argv is None else argv)])

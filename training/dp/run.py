@@ -1,6 +1,6 @@
-"""The DP recipes' run skeleton: a ``Run`` (``training/runner.py``) with its privacy plan (the
+"""The DP recipes' run skeleton: a ``Run`` (``training/skeleton/run.py``) with its privacy plan (the
 budget of its configuration and the sensitivity of its mechanism, both checked before the run
-folder is touched), the DP engine (``training/dp_engine.py``) that trains its model with AdamW
+folder is touched), the DP engine (``training/dp/engine.py``) that trains its model with AdamW
 from the recipe's fields, and the export of the encoder with that mechanism's ledger stage."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 
+from ..skeleton.config import DPRunConfig
+from ..skeleton.distributed import Dist
+from ..skeleton.run import Run
 from .clipping import PerExampleClipper
-from .distributed import Dist
-from .dp_engine import Budget, Clipper, DPEngine
-from .recipe import DPRunConfig
-from .runner import Run
+from .engine import Budget, Clipper, DPEngine
 
 __all__ = ["DP_ADAMW", "DPRun"]
 

@@ -32,7 +32,7 @@ for an fp64 model) from those values, never rounded to bf16: a sum rounded to 8 
 by a rounding that depends on every example in it (up to 1.9 C between neighbours, issue 32).
 What remains is fp32 rounding: per example, the scaled operand and the accumulation over the
 tokens, bounded by ``rounding_bound`` (the factors of a layer whose ``a`` or ``g`` came in bf16/fp16
-come from that bound, see ``factor_norms``, which ``training.pair_clipping.PairClipper`` shares;
+come from that bound, see ``factor_norms``, which ``training.dp.pair_clipping.PairClipper`` shares;
 in fp32 and fp64 from the norm, as the equivalence tests check); between neighbours, the sum's
 own rounding, which the stated sensitivity covers (``vip_hub.privacy.sensitivity``,
 ``rounding_terms``). Parameters must be fp32 or fp64: a bf16/fp16 ``.grad`` would round the sum

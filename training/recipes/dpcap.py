@@ -4,15 +4,17 @@ with DP-AdamW on private image-caption pairs (Sander et al., 2024).
 The recipe is a model (``vip_hub.models.text_decoder.Captioner``), a per-example loss (the
 reference's caption loss) and a clipper (``PerExampleClipper`` over every trainable parameter,
 the token embedding included); everything private about a step is the DP engine's
-(``training/dp_engine.py``), as in the ViP recipe (``training/vip.py``). The encoder starts from a
-synthetic-image MAE of the DP-Cap family (``vip-hub train-syn --arch dpcap-*``), the text decoder
-from scratch. The tokenizer's vocabulary is a public file fixed before training, never fitted on
-the private captions. Augmentations are drawn per example from the (seed, step, index) streams.
+(``training/dp/engine.py``), as in the ViP recipe (``training/recipes/vip.py``). The encoder starts
+from a synthetic-image MAE of the DP-Cap family (``vip-hub train-syn --arch dpcap-*``), the text
+decoder from scratch. The tokenizer's vocabulary is a public file fixed before training, never
+fitted on the private captions. Augmentations are drawn per example from the (seed, step, index)
+streams.
 
-Run it with ``vip-hub train-dpcap ...`` or ``torchrun --nproc_per_node N -m training.dpcap ...``.
+Run it with ``vip-hub train-dpcap ...`` or ``torchrun --nproc_per_node N -m training.recipes.dpcap
+...``.
 
 Captions over class names, their vocabulary and public captions are data preparation:
-``training/datasets.py`` (``write_caption_folder``, ``class_vocabulary``,
+``training/data/labelled.py`` (``write_caption_folder``, ``class_vocabulary``,
 ``class_public_captions``).
 """
 
@@ -30,12 +32,12 @@ from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
 
-from .data import CAPTIONS_FILE, Augmented, mae_transform, open_captions
-from .distributed import Dist
-from .dp_run import DPRun
+from ..data.images import CAPTIONS_FILE, Augmented, mae_transform, open_captions
+from ..dp.run import DPRun
+from ..dp.sampling import init_seed
+from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
+from ..skeleton.distributed import Dist
 from .mae import freeze_fixed_tokens, public_images
-from .recipe import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
-from .sampling import init_seed
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 

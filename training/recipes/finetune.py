@@ -5,7 +5,7 @@ The recipe is a model (``Classifier``: the encoder's features in one feature mod
 linear-probe head ``LinearProbe``, whose normalisation is fixed to the init encoder's features of
 public procedural images), a per-example loss (cross-entropy over the labels) and
 ``PerExampleClipper``; everything private about a step is the DP engine's
-(``training/dp_engine.py``). Trained: the top K blocks, the final norm where the feature mode
+(``training/dp/engine.py``). Trained: the top K blocks, the final norm where the feature mode
 reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's. Images
 go through the encoder's own transform (the one ``/v1/classify`` applies), without augmentation,
 so what the frozen blocks give for each image is computed once, before training, and each step
@@ -16,7 +16,7 @@ init repo's encoder stages and one DP stage on the dataset whose ``also_trains``
 one mechanism trained both, so the encoder's and the head's guarantees are that one stage's.
 
 Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
-``torchrun --nproc_per_node N -m training.finetune ...`` (same arguments).
+``torchrun --nproc_per_node N -m training.recipes.finetune ...`` (same arguments).
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo_format import LEDGER_FILE, head_component
 
-from .datasets import LabelledArrays, write_image_folder
-from .distributed import Dist
-from .dp_run import DPRun
+from ..data.labelled import LabelledArrays, write_image_folder
+from ..dp.run import DPRun
+from ..dp.sampling import init_seed
+from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
+from ..skeleton.distributed import Dist
 from .probe import (
     HeadData,
     LabelledImages,
@@ -53,8 +55,6 @@ from .probe import (
     public_features,
     top1_result,
 )
-from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
-from .sampling import init_seed
 
 __all__ = [
     "RECIPE",

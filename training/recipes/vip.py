@@ -2,11 +2,11 @@
 
 The recipe is a model (the MAE), a per-example loss (its masked reconstruction error) and a
 clipper (``PerExampleClipper``); everything private about a step is the DP engine's
-(``training/dp_engine.py``). Masks and augmentations are drawn per example from the
+(``training/dp/engine.py``). Masks and augmentations are drawn per example from the
 (seed, step, index) streams, so nothing depends on the micro-batch split or the number of ranks.
 
 Run it with ``vip-hub train-vip ...`` or, on several processes or GPUs,
-``torchrun --nproc_per_node N -m training.vip ...`` (same arguments).
+``torchrun --nproc_per_node N -m training.recipes.vip ...`` (same arguments).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from .data import Augmented, mae_transform, open_images
-from .distributed import Dist
-from .dp_run import DPRun
+from ..data.images import Augmented, mae_transform, open_images
+from ..dp.run import DPRun
+from ..dp.sampling import MASKING, torch_generator
+from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
+from ..skeleton.distributed import Dist
 from .mae import eval_loss, load_mae, public_eval_batch
-from .recipe import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
-from .sampling import MASKING, torch_generator
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
 

@@ -28,7 +28,7 @@ so there step 2 keeps every ``Gamma`` and step 4 forms each view's output gradie
 from them in fp32, then one fp32 product per weight over all tokens (never rounded to bf16: a
 sum rounded to 8 bits moves by a rounding that depends on every pair, issue 32); the factors come
 from an upper bound on each pair's norm as it is computed (``rounding_bound``, ``factor_norms``,
-as in ``training.clipping``), and every pair's share of the realised sum stays within B.
+as in ``training.dp.clipping``), and every pair's share of the realised sum stays within B.
 
 Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
 Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
@@ -196,14 +196,15 @@ class ContrastiveEmbedder(nn.Module):
 
     The backbone is a timm model returning pooled features (``num_classes=0``). A
     ``VisionTransformer``'s class token and trainable position embedding are broadcast here and
-    announced through ``broadcast_parameters()`` and ``broadcast_hooks``, as ``training.mae.MAE``
-    does, so that clippers can read their per-example gradients; its attention runs unfused (the
-    same function): ``PairClipper``'s batched backward has no batching rule for the fused kernel
-    and would fall back to a slow loop. The exact GELUs of timm ``Mlp`` blocks and of the head,
-    whose output feeds one linear layer alone, become ``_Gelu`` (the same function), whose
-    backward evaluates the derivative once where aten's evaluates it, and holds the input, once
-    per cotangent of that batched backward, and overwrites the gradient it receives there (a
-    GELU whose output also fed a residual sum would share that gradient with the other branch).
+    announced through ``broadcast_parameters()`` and ``broadcast_hooks``, as
+    ``training.recipes.mae.MAE`` does, so that clippers can read their per-example gradients; its
+    attention runs unfused (the same function): ``PairClipper``'s batched backward has no batching
+    rule for the fused kernel and would fall back to a slow loop. The exact GELUs of timm ``Mlp``
+    blocks and of the head, whose output feeds one linear layer alone, become ``_Gelu`` (the same
+    function), whose backward evaluates the derivative once where aten's evaluates it, and holds the
+    input, once per cotangent of that batched backward, and overwrites the gradient it receives
+    there (a GELU whose output also fed a residual sum would share that gradient with the other
+    branch).
     """
 
     def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):

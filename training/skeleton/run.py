@@ -29,12 +29,12 @@ from vip_hub.repo.files import export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
 from vip_hub.repo_format import CURVES_FILE
 
+from ..dp.sampling import SECRET_BITS, new_secret
 from .checkpoint import load_checkpoint, save_checkpoint
+from .config import RunConfig
 from .distributed import Dist
 from .optim import make_adamw, warmup_cosine
-from .recipe import RunConfig
 from .runlog import RunLog, plot_curves
-from .sampling import SECRET_BITS, new_secret
 
 __all__ = ["Run", "Stateful"]
 
@@ -111,8 +111,8 @@ class Run:
         self, model: torch.nn.Module, horizon: int | None = None
     ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW over ``model``'s trainable parameters from the configuration's AdamW fields
-        (``training.recipe.with_adamw``), and its warm-up + cosine schedule over ``horizon``
-        steps (default: the run's)."""
+        (``training.skeleton.config.with_adamw``), and its warm-up + cosine schedule over
+        ``horizon`` steps (default: the run's)."""
         cfg: Any = self.cfg
         optimizer = make_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
         return optimizer, warmup_cosine(optimizer, cfg.warmup(), horizon or cfg.steps)

@@ -34,8 +34,8 @@ from vip_hub.models.features import final_norm
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
-from .procedural import SyntheticImages
-from .sampling import MASKING, torch_generator
+from ..data.procedural import SyntheticImages
+from ..dp.sampling import MASKING, torch_generator
 
 __all__ = [
     "DecoderConfig",

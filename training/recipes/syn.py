@@ -2,7 +2,7 @@
 (``--arch vip-*`` for ViP, ``--arch dpcap-*`` for the encoder DP-Cap training starts from).
 
 AdamW (betas 0.9/0.95), warm-up + cosine schedule, bf16 autocast on GPU, checkpoints and
-resume (the run skeleton, ``training/runner.py``). Batch ``step`` holds images
+resume (the run skeleton, ``training/skeleton/run.py``). Batch ``step`` holds images
 ``step*B .. step*B+B-1`` of the procedural stream and its masks come from the (seed, step)
 stream, so a resumed run sees exactly what an uninterrupted one would. The export carries the
 encoder, the decoder and a ledger saying that no private data was used.
@@ -19,12 +19,12 @@ from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import ARCHS, DEFAULT_IMG_SIZE, DEFAULT_PATCH_SIZE, EncoderSpec
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
-from .distributed import Dist
+from ..data.procedural import FAMILIES, SyntheticImages
+from ..dp.sampling import MASKING, init_seed, torch_generator
+from ..skeleton.config import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
+from ..skeleton.distributed import Dist
+from ..skeleton.run import Run
 from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
-from .procedural import FAMILIES, SyntheticImages
-from .recipe import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
-from .runner import Run
-from .sampling import MASKING, init_seed, torch_generator
 
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
 

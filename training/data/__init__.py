@@ -1,0 +1,2 @@
+"""Data: private image folders and tar shards, labelled arrays (Fashion-MNIST's IDX
+files), procedural images."""
