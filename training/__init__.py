@@ -1,1 +1,2 @@
-"""Recipes that produce released encoders: procedural images, MAE pretraining, DP-AdamW, probes."""
+"""Training: the DP core (``dp``), the recipes (``recipes``), their data (``data``) and the run
+skeleton (``skeleton``); the ``vip-hub`` training commands and the main job."""
