@@ -14,8 +14,8 @@ the per-pair clipper for Logit-DP); everything private about a step lives here, 
    run before its update is applied;
 3. the canaries of the step's sample add their clipped gradients to their own block
    (``DiracCanaries``), clipped to the sensitivity the clipper's own bound gives;
-4. **one all-reduce** of one flat buffer, with Gaussian **noise N(0, (sigma * sensitivity)^2)
-   added once** (by rank 0) before it;
+4. **one all-reduce** of one flat buffer, then Gaussian **noise N(0, (sigma * sensitivity)^2)
+   added once** to the sum (every rank draws the same keyed noise, so the ranks stay alike);
 5. division by the **expected** batch size B (never the sampled count), then the optimiser
    and scheduler step (post-processing: no privacy cost);
 6. the accountant's history advances one step; the ``Budget`` fixed before training stops the
@@ -436,7 +436,7 @@ class DPEngine:
         return StepStats(count, totals[1].item() / max(count, 1))
 
     def _privatise(self, step: int, stats: torch.Tensor) -> torch.Tensor:
-        """Noise once, one all-reduce, division by B; returns the summed ``stats``.
+        """One all-reduce, noise once, division by B; returns the summed ``stats``.
 
         One flat fp32 buffer holds the clipped sums, the canary block and ``stats`` (copied in
         once); noise goes on all but ``stats``; the fp32 gradients handed to the optimiser are
@@ -452,11 +452,10 @@ class DPEngine:
         buffer = torch.cat(blocks)
         del blocks, grads
         flat = buffer[: -len(stats)]
-        if self.dist.main:
-            add_gaussian_noise(
-                flat, self.budget.noise_multiplier * self.sensitivity, self.seed, step
-            )
         self.dist.all_reduce_sum(buffer)
+        # After the all-reduce, every rank adds the same keyed noise to the same sum: the noisy
+        # buffer is alike everywhere and no rounding of the sum depends on the noise.
+        add_gaussian_noise(flat, self.budget.noise_multiplier * self.sensitivity, self.seed, step)
         size = sum(p.numel() for p in self.params)
         if self.canaries is not None:
             self.canaries.observe(
