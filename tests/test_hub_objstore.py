@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -267,18 +268,39 @@ def test_store_down_answers_503_and_resumes(hub, seaweed, published):
     assert api.model_info("lfs/s3").sha != head
 
 
+def _record(repo: str, oid: str = "") -> str:
+    """The key of the upload record of ``oid`` for ``repo`` (the folder of them without)."""
+    return f"uploads/for/{hashlib.sha256(repo.encode()).hexdigest()[:32]}/{oid}"
+
+
 def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
     folder = tiny_repo_with_head(tmp_path / "vip-nano-xet", seed=2)
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
     api.create_repo("lfs/s3-xet")
-    xorbs = hub.app.state.store.xet.dir
-    held = {p for p in xorbs.rglob("*") if p.is_file()}
+    before = _keys(seaweed, "xet/xorbs/")
     api.upload_folder(repo_id="lfs/s3-xet", folder_path=folder, commit_message="v1")
-    assert {p for p in xorbs.rglob("*") if p.is_file()} - held  # it went the Xet way
+    xorbs = _keys(seaweed, "xet/xorbs/") - before
+    assert xorbs  # it went the Xet way: the xorbs to the bucket, with who sent them
+    assert {k.rsplit("/", 1)[1] for k in _keys(seaweed, "xet/owners/")} >= {
+        k.rsplit("/", 1)[1] for k in xorbs
+    }
+    assert not _keys(seaweed, _record("lfs/s3-xet"))  # the commit took its upload records
     weights = (folder / "model.safetensors").read_bytes()
     assert blob_key(hashlib.sha256(weights).hexdigest()) in _keys(seaweed, "blobs/")
-    snap = Path(snapshot_download("lfs/s3-xet", endpoint=hub.url, cache_dir=tmp_path / "cache"))
-    assert (snap / "model.safetensors").read_bytes() == weights
+
+    # a replica that never saw these xorbs (its cache wiped) rebuilds the same files from the
+    # bucket: the client's shard names the xorbs it sent before and sends no bytes again
+    cache = hub.app.state.store.xet.dir
+    shutil.rmtree(cache)
+    cache.mkdir()
+    api.create_repo("lfs/s3-xet2")
+    api.upload_folder(repo_id="lfs/s3-xet2", folder_path=folder, commit_message="v1")
+    assert _keys(seaweed, "xet/xorbs/") - before == xorbs  # nothing sent again
+    read_back = {p.parent.name + p.name for p in cache.rglob("*") if p.is_file()}
+    assert read_back and {f"xet/xorbs/{x}" for x in read_back} <= xorbs
+    for repo in ("lfs/s3-xet", "lfs/s3-xet2"):
+        snap = Path(snapshot_download(repo, endpoint=hub.url, cache_dir=tmp_path / repo))
+        assert (snap / "model.safetensors").read_bytes() == weights
 
 
 @pytest.mark.slow
@@ -311,4 +333,5 @@ def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
         headers=AUTH,
     )
     assert verify.status_code == 200, verify.text
+    assert _record("lfs/s3", entry["oid"]) in _keys(seaweed, "uploads/for/")  # any replica sees it
     assert _batch(hub, "lfs/s3", data).get("actions") is None  # held for the repo now

@@ -22,6 +22,7 @@ import hashlib
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +30,26 @@ from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
 from .errors import InvalidRequest, StoreUnavailable, UploadMismatch, UploadMissing
 from .faults import crash_point
-from .s3 import STAGING, UPLOADS, S3Objects, blob_key, staging_key, upload_key
+from .s3 import (
+    BLOBS,
+    RECORDS,
+    STAGING,
+    UPLOADS,
+    Listed,
+    S3Objects,
+    blob_key,
+    staging_key,
+    upload_key,
+)
 
 __all__ = [
     "BlobStore",
     "DigestWriter",
     "FileDigest",
     "hash_file",
+    "listed_files",
     "remove_older_than",
+    "sharded_name",
 ]
 
 _CHUNK = 1 << 20
@@ -231,25 +244,33 @@ class BlobStore:
         return writer.path
 
     def note_upload(self, repo_id: str, sha256: str) -> None:
-        """Record that object ``sha256`` was received (its bytes checked) for ``repo_id``."""
-        marker = self._marker(repo_id, sha256)
+        """Record that object ``sha256`` was received (its bytes checked) for ``repo_id`` (with
+        an object store, in its bucket, so that any replica sees it); a record already there
+        has its age refreshed."""
+        if self.remote is not None:
+            self.remote.put_bytes(RECORDS + self._record(repo_id, sha256), b"")
+            return
+        marker = self.uploaded_for / self._record(repo_id, sha256)
         make_private_dir(marker.parent)
         open_private(marker).close()
 
     def forget_upload(self, repo_id: str, sha256: str) -> None:
         """Drop the record of ``note_upload`` (the object is in the repo's history now)."""
-        self._marker(repo_id, sha256).unlink(missing_ok=True)
+        if self.remote is not None:
+            self.remote.delete(RECORDS + self._record(repo_id, sha256))
+        else:
+            (self.uploaded_for / self._record(repo_id, sha256)).unlink(missing_ok=True)
 
     def was_uploaded_for(self, repo_id: str, sha256: str) -> bool:
         """Whether object ``sha256`` was received for ``repo_id`` within the upload time-to-live."""
-        return self._marker(repo_id, sha256).is_file()
+        if self.remote is not None:
+            return self.remote.size(RECORDS + self._record(repo_id, sha256)) is not None
+        return (self.uploaded_for / self._record(repo_id, sha256)).is_file()
 
-    def _marker(self, repo_id: str, sha256: str) -> Path:
-        return (
-            self.uploaded_for
-            / hashlib.sha256(repo_id.encode()).hexdigest()[:32]
-            / check_sha256(sha256)
-        )
+    @staticmethod
+    def _record(repo_id: str, sha256: str) -> str:
+        """An upload record's name below ``uploads/for/``."""
+        return f"{hashlib.sha256(repo_id.encode()).hexdigest()[:32]}/{check_sha256(sha256)}"
 
     def committed_source(self, sha256: str) -> Path:
         """The file a commit's ``lfsFile`` line names (with an object store: fetched into the
@@ -298,33 +319,111 @@ class BlobStore:
     def clean_stale(
         self, temp_age: float = STALE_TMP_SECONDS, upload_age: float = STALE_TMP_SECONDS
     ) -> int:
-        """Remove temp files left by crashed requests, and uploads never committed, once older
-        than their age limits (so nothing in flight is touched), in the object store too.
-        Returns how many went."""
-        removed = sum(
-            remove_older_than(folder, age)
-            for folder, age in (
-                (self.tmp, temp_age),
-                (self.uploads, upload_age),
-                (self.uploaded_for, upload_age),
-            )
+        """Remove temp files left by crashed requests, upload records older than
+        ``upload_age``, then uploads and staged objects older than it that no remaining record
+        names (so nothing an upload in flight may still name is touched), in the object store
+        too. Returns how many went."""
+        removed = remove_older_than(self.tmp, temp_age)
+        if self.remote is None:
+            removed += remove_older_than(self.uploaded_for, upload_age)
+            named = {p.name for p in self.uploaded_for.rglob("*") if p.is_file()}
+        else:
+            try:
+                removed += self.remote.remove_older_than(RECORDS, upload_age)
+                named = {o.key.rsplit("/", 1)[1] for o in self.remote.listed(RECORDS)}
+                removed += self.remote.remove_older_than(
+                    UPLOADS + "sha256/", upload_age, keep=lambda key: sharded_name(key) in named
+                )
+                removed += self.remote.remove_older_than(STAGING, upload_age)
+                removed += self.remote.abort_older_than(STAGING, upload_age)
+            except StoreUnavailable:  # collected at a later call
+                return removed
+        return removed + remove_older_than(
+            self.uploads, upload_age, keep=lambda p: sharded_name(p) in named
         )
+
+    # ------------------------------------------------------------------ upkeep
+    def listed_blobs(self) -> Iterator[Listed]:
+        """Every blob held (with an object store: in its bucket), keyed by SHA-256."""
         if self.remote is not None:
-            with contextlib.suppress(StoreUnavailable):  # collected at a later call
-                removed += sum(
-                    self.remote.remove_older_than(prefix, upload_age)
-                    for prefix in (UPLOADS, STAGING)
-                ) + self.remote.abort_older_than(STAGING, upload_age)
-        return removed
+            for o in self.remote.listed(BLOBS):
+                yield Listed(sharded_name(o.key), o.size, o.mtime)
+        else:
+            yield from listed_files(self.dir, sharded_name)
+
+    def stored_sha256(self, sha256: str) -> str | None:
+        """The SHA-256 of the bytes held as blob ``sha256`` (with an object store: in its
+        bucket), None when none are."""
+        if self.remote is None:
+            path = self.path(check_sha256(sha256))
+            return hash_file(path).sha256 if path.is_file() else None
+        if self.remote.size(blob_key(sha256)) is None:
+            return None
+        digest = hashlib.sha256()
+        self.remote.read_into(blob_key(sha256), digest.update, None)
+        return digest.hexdigest()
+
+    def good_copy(self, sha256: str) -> Path | None:
+        """A local file holding object ``sha256``'s bytes, checked, from anywhere but the blob
+        itself: this process's cache of it (with an object store), or an upload of it (in the
+        folder, or fetched from the bucket); None when there is none."""
+        places = [self.upload_path(check_sha256(sha256))]
+        if self.remote is not None:
+            places.insert(0, self.path(sha256))
+        for path in places:
+            with contextlib.suppress(FileNotFoundError):
+                if hash_file(path).sha256 == sha256:
+                    return path
+        if self.remote is not None and self.remote.size(upload_key(sha256)) is not None:
+            with contextlib.suppress(UploadMismatch):
+                return self._fetch(upload_key(sha256), sha256)
+        return None
+
+    def restore(self, sha256: str, good: Path) -> None:
+        """Put the checked file ``good`` (``good_copy``) in place of blob ``sha256``, whatever
+        is held there now (with an object store: in its bucket, then its cache)."""
+        if self.remote is not None:
+            self.remote.put_file(good, blob_key(sha256))
+        target = self.path(sha256)
+        if good != target:
+            target.unlink(missing_ok=True)
+            self._place(good, target)
+
+    def remove_blob(self, sha256: str) -> None:
+        """Delete blob ``sha256`` (with an object store: from its bucket, then this cache). Only
+        for one no commit names: the caller holds the index's collection lock."""
+        if self.remote is not None:
+            self.remote.delete(blob_key(sha256))
+        self.path(check_sha256(sha256)).unlink(missing_ok=True)
 
 
-def remove_older_than(folder: Path, max_age: float) -> int:
-    """Remove the files below ``folder`` last modified more than ``max_age`` seconds ago (one
-    that vanishes meanwhile is skipped); returns how many went."""
+def sharded_name(name: str | Path) -> str:
+    """The hash a path or key sharded by its first two digits (``.../ab/cdef...``) names."""
+    parts = str(name).rsplit("/", 2)
+    return parts[-2] + parts[-1]
+
+
+def listed_files(folder: Path, name: Callable[[Path], str]) -> Iterator[Listed]:
+    """The files below ``folder``, each named by ``name`` of its path (one that vanishes while
+    listed is skipped)."""
+    for p in folder.rglob("*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if p.is_file():
+            yield Listed(name(p), st.st_size, st.st_mtime)
+
+
+def remove_older_than(
+    folder: Path, max_age: float, keep: Callable[[Path], bool] = lambda path: False
+) -> int:
+    """Remove the files below ``folder`` last modified more than ``max_age`` seconds ago, but
+    those ``keep`` says to keep (one that vanishes meanwhile is skipped); returns how many went."""
     now, removed = time.time(), 0
     for p in folder.rglob("*"):
         try:
-            if p.is_file() and now - p.stat().st_mtime > max_age:
+            if p.is_file() and now - p.stat().st_mtime > max_age and not keep(p):
                 p.unlink()
                 removed += 1
         except FileNotFoundError:

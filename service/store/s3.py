@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -24,7 +24,19 @@ from botocore.exceptions import BotoCoreError, ClientError
 from ..settings import ObjectStoreSettings
 from .errors import InvalidRequest, StoreUnavailable, TooLarge
 
-__all__ = ["STAGING", "UPLOADS", "S3Objects", "blob_key", "staging_key", "upload_key"]
+__all__ = [
+    "BLOBS",
+    "RECORDS",
+    "STAGING",
+    "UPLOADS",
+    "XORBS",
+    "XORB_OWNERS",
+    "Listed",
+    "S3Objects",
+    "blob_key",
+    "staging_key",
+    "upload_key",
+]
 
 _CHUNK = 1 << 20
 _TRANSFER = TransferConfig(multipart_chunksize=64 << 20, multipart_threshold=64 << 20)
@@ -35,12 +47,27 @@ NO_STORE = "private, no-store"
 kept (the URL is a short-lived bearer credential)."""
 
 
+BLOBS = "blobs/sha256/"
 UPLOADS = "uploads/"
+RECORDS = "uploads/for/"
+"""Upload records: ``uploads/for/<repo hash>/<sha256>``, empty, one per object and repo."""
 STAGING = "staging/"
+XORBS = "xet/xorbs/"
+XORB_OWNERS = "xet/owners/"
+"""Who sent each xorb: ``xet/owners/<user hash>/<xorb>``, empty, rewritten at each use."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object of a listing: its key (or path below the listed folder), size and age."""
+
+    key: str
+    size: int
+    mtime: float
 
 
 def blob_key(sha256: str) -> str:
-    return f"blobs/sha256/{sha256[:2]}/{sha256[2:]}"
+    return f"{BLOBS}{sha256[:2]}/{sha256[2:]}"
 
 
 def upload_key(sha256: str) -> str:
@@ -187,24 +214,38 @@ class S3Objects:
         with _reachable():
             self._client.delete_object(Bucket=self.bucket, Key=key)
 
-    def remove_older_than(self, prefix: str, max_age: float) -> int:
-        """Remove the objects under ``prefix`` last modified more than ``max_age`` seconds
-        ago; returns how many went."""
-        removed, now = 0, time.time()
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object (a record) whole; one already there is replaced (its age
+        refreshed)."""
+        with _reachable():
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def listed(self, prefix: str) -> Iterator[Listed]:
+        """Every object under ``prefix``, page by page."""
         with _reachable():
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=prefix
             )
             for page in pages:
-                old: list[dict[str, Any]] = [
-                    {"Key": o["Key"]}
-                    for o in page.get("Contents", [])
-                    if now - o["LastModified"].timestamp() > max_age
-                ]
-                if old:
-                    self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": old})
-                    removed += len(old)
-        return removed
+                for o in page.get("Contents", []):
+                    yield Listed(o["Key"], int(o["Size"]), o["LastModified"].timestamp())
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete ``keys`` (a thousand per request, the S3 limit)."""
+        with _reachable():
+            for i in range(0, len(keys), 1000):
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
+
+    def remove_older_than(
+        self, prefix: str, max_age: float, keep: Callable[[str], bool] = lambda key: False
+    ) -> int:
+        """Remove the objects under ``prefix`` last modified more than ``max_age`` seconds
+        ago, but those ``keep`` says to keep; returns how many went."""
+        now = time.time()
+        old = [o.key for o in self.listed(prefix) if now - o.mtime > max_age and not keep(o.key)]
+        self.delete_many(old)
+        return len(old)
 
     def abort_older_than(self, prefix: str, max_age: float) -> int:
         """Abort the multipart uploads to keys under ``prefix`` begun more than ``max_age``

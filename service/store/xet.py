@@ -26,6 +26,7 @@ size, as if sent again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -40,10 +41,11 @@ import numpy as np
 
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
-from .blobs import BlobStore, remove_older_than
-from .errors import InvalidRequest, TooLarge
+from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
+from .errors import InvalidRequest, StoreUnavailable, TooLarge
+from .s3 import XORB_OWNERS, XORBS
 
-__all__ = ["XetStore", "xet_hex", "xorb_hash"]
+__all__ = ["XetStore", "check_xorb", "xet_hex", "xorb_hash", "xorb_key"]
 
 SHARD_TAG = bytes(
     [
@@ -223,7 +225,9 @@ class ShardFile:
 
 class XetStore:
     """Xorbs under ``root/xet/xorbs/``, who sent each under ``root/xet/owners/``; shards
-    applied into ``blobs``' uploads area."""
+    applied into ``blobs``' uploads area. With an object store (``blobs.remote``), xorbs and
+    who sent them are kept in its bucket (``xet/xorbs/``, ``xet/owners/``), so that a shard
+    may reach any replica; the folder caches the xorbs this process read or wrote."""
 
     def __init__(self, root: Path, blobs: BlobStore):
         self.dir = root / "xet" / "xorbs"
@@ -231,42 +235,96 @@ class XetStore:
         make_private_dir(self.dir)
         make_private_dir(self.owners)
         self.blobs = blobs
+        self.remote = blobs.remote
 
     def xorb_path(self, xorb: str) -> Path:
         return self.dir / xorb[:2] / xorb[2:]
 
-    def _owner_marker(self, uploader: str, xorb: str) -> Path:
-        return self.owners / hashlib.sha256(uploader.encode()).hexdigest()[:32] / xorb
+    @staticmethod
+    def _owner(uploader: str, xorb: str) -> str:
+        """The note that ``uploader`` sent ``xorb``, below ``owners/``."""
+        return f"{hashlib.sha256(uploader.encode()).hexdigest()[:32]}/{xorb}"
+
+    def _note_owner(self, uploader: str, xorb: str) -> None:
+        """Note (again: its age is refreshed) that ``uploader`` sent ``xorb``."""
+        if self.remote is not None:
+            self.remote.put_bytes(XORB_OWNERS + self._owner(uploader, xorb), b"")
+            return
+        marker = self.owners / self._owner(uploader, xorb)
+        make_private_dir(marker.parent)
+        open_private(marker).close()  # (re)written: its age is refreshed
+
+    def _sent_by(self, uploader: str, xorb: str) -> bool:
+        if self.remote is not None:
+            return self.remote.size(XORB_OWNERS + self._owner(uploader, xorb)) is not None
+        return (self.owners / self._owner(uploader, xorb)).is_file()
 
     def put_xorb(self, xorb: str, tmp: Path, uploader: str) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
         recomputed from its chunks (InvalidRequest otherwise), and note who sent it; one already
-        held has its age refreshed."""
+        held has its age refreshed (with an object store: written to its bucket again)."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
-            with open(tmp, "rb") as f:
-                chunks = _chunk_offsets(f, tmp.stat().st_size, xorb)
-                if len(chunks) < 2:
-                    raise InvalidRequest(f"xorb {xorb} holds no chunk")
-                hashes = [
-                    (blake3.blake3(data, key=_DATA_KEY).digest(), len(data))
-                    for data in _read_chunks(f, chunks[0][0], len(chunks) - 1)
-                ]
-            if xorb_hash(hashes) != xorb:
-                raise InvalidRequest(
-                    f"xorb {xorb}: its chunks do not hash to the name it was sent under"
-                )
+            check_xorb(tmp, xorb)
+            if self.remote is not None:
+                self.remote.put_file(tmp, xorb_key(xorb))
             if target.is_file():
                 os.utime(target)
             else:
                 make_private_dir(target.parent)
                 os.replace(tmp, target)
                 fsync_dir(target.parent)
-            marker = self._owner_marker(uploader, xorb)
-            make_private_dir(marker.parent)
-            open_private(marker).close()  # (re)written: its age is refreshed
+            self._note_owner(uploader, xorb)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _local(self, xorb: str) -> Path:
+        """The xorb as a local file (with an object store: fetched into the cache and checked
+        on first use); FileNotFoundError when it is not held."""
+        path = self.xorb_path(xorb)
+        if self.remote is None or path.is_file():
+            return path
+        fetched = self._fetched(xorb)
+        make_private_dir(path.parent)
+        os.replace(fetched, path)
+        return path
+
+    def _fetched(self, xorb: str) -> Path:
+        """The bucket's copy of ``xorb`` in a temp file, checked (InvalidRequest, TooLarge);
+        FileNotFoundError when the bucket does not hold it."""
+        assert self.remote is not None
+        if self.remote.size(xorb_key(xorb)) is None:
+            raise FileNotFoundError(xorb_key(xorb))
+        writer = self.blobs.writer()
+        try:
+            self.remote.read_into(xorb_key(xorb), writer.write, MAX_XORB_BYTES)
+            writer.close()
+            check_xorb(writer.path, xorb)
+        except BaseException:
+            writer.discard()
+            raise
+        return writer.path
+
+    def check(self, xorb: str) -> None:
+        """InvalidRequest (or TooLarge) unless the xorb held (with an object store: in its
+        bucket) hashes to its name."""
+        if self.remote is None:
+            check_xorb(self.xorb_path(xorb), xorb)
+        else:
+            self._fetched(xorb).unlink()
+
+    def listed(self) -> list[str]:
+        """The xorbs held (with an object store: in its bucket)."""
+        if self.remote is None:
+            return [x.key for x in listed_files(self.dir, sharded_name)]
+        return [o.key.removeprefix(XORBS) for o in self.remote.listed(XORBS)]
+
+    def remove(self, xorb: str) -> None:
+        """Delete a xorb (with an object store: from its bucket, then this cache); only one
+        that does not hash to its name: a shard may name any other."""
+        if self.remote is not None:
+            self.remote.delete(xorb_key(xorb))
+        self.xorb_path(xorb).unlink(missing_ok=True)
 
     def apply_shard(
         self,
@@ -316,11 +374,11 @@ class XetStore:
         """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
         range checked against them. The xorb and its uploader's note are refreshed: it is still
         referred to."""
-        path, marker = self.xorb_path(term.xorb), self._owner_marker(uploader, term.xorb)
         if term.xorb not in offsets:
             try:
-                if not marker.is_file():
-                    raise FileNotFoundError(marker)
+                if not self._sent_by(uploader, term.xorb):
+                    raise FileNotFoundError(term.xorb)
+                path = self._local(term.xorb)
                 f = open(path, "rb")
             except FileNotFoundError:  # another user's xorb is answered alike
                 raise InvalidRequest(
@@ -330,7 +388,7 @@ class XetStore:
             with f:
                 offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
             os.utime(path)
-            os.utime(marker)
+            self._note_owner(uploader, term.xorb)
         chunks = offsets[term.xorb]
         if not 0 <= term.start < term.end <= len(chunks) - 1:
             raise InvalidRequest(
@@ -346,7 +404,7 @@ class XetStore:
         try:
             for term in entry.terms:
                 chunks = self._chunks(term, offsets, uploader)
-                with open(self.xorb_path(term.xorb), "rb") as f:
+                with open(self._local(term.xorb), "rb") as f:
                     written = 0
                     for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
                         writer.write(data)
@@ -372,8 +430,36 @@ class XetStore:
 
     def clean_stale(self, max_age: float) -> int:
         """Remove xorbs, and notes of who sent them, no upload has referred to for ``max_age``
-        seconds."""
-        return remove_older_than(self.dir, max_age) + remove_older_than(self.owners, max_age)
+        seconds (with an object store: from its bucket too, a xorb once no note younger than
+        that names it; the folder's copies are its cache)."""
+        removed = remove_older_than(self.dir, max_age) + remove_older_than(self.owners, max_age)
+        if self.remote is not None:
+            with contextlib.suppress(StoreUnavailable):  # collected at a later call
+                removed += self.remote.remove_older_than(XORB_OWNERS, max_age)
+                used = {o.key.rsplit("/", 1)[1] for o in self.remote.listed(XORB_OWNERS)}
+                removed += self.remote.remove_older_than(
+                    XORBS, max_age, keep=lambda key: key.removeprefix(XORBS) in used
+                )
+        return removed
+
+
+def xorb_key(xorb: str) -> str:
+    """A xorb's key in the object store."""
+    return f"{XORBS}{xorb}"
+
+
+def check_xorb(path: Path, xorb: str) -> None:
+    """InvalidRequest unless the xorb file ``path`` holds chunks whose hash is ``xorb``."""
+    with open(path, "rb") as f:
+        chunks = _chunk_offsets(f, path.stat().st_size, xorb)
+        if len(chunks) < 2:
+            raise InvalidRequest(f"xorb {xorb} holds no chunk")
+        hashes = [
+            (blake3.blake3(data, key=_DATA_KEY).digest(), len(data))
+            for data in _read_chunks(f, chunks[0][0], len(chunks) - 1)
+        ]
+    if xorb_hash(hashes) != xorb:
+        raise InvalidRequest(f"xorb {xorb}: its chunks do not hash to the name it was sent under")
 
 
 def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:
