@@ -57,16 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url="/redoc" if settings.api_docs else None,
     )
     app.state.settings = settings
-    app.state.store = HubStore(
-        settings.store,
-        upload_ttl=settings.hub.upload_ttl_s,
-        xet_ttl=settings.hub.xet_ttl_s,
-        index=settings.index,
-        trusted_keys=settings.trusted_keys_path(),
-        require_signature=settings.hub.require_signature,
-        limits=settings.hub,
-        objects=settings.object_store,
-    )
+    app.state.store = HubStore.from_settings(settings)
     app.state.tokens = TokenRegistry.from_settings(settings)
     app.state.engine = engine
     app.state.metrics = metrics

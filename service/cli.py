@@ -1,4 +1,4 @@
-"""``vip-hub serve``, ``vip-hub token``, ``vip-hub org`` and ``vip-hub trust``."""
+"""The service's commands: ``vip-hub serve``, ``token``, ``org``, ``trust`` and ``store``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
 if TYPE_CHECKING:
     from .settings import Settings
 
-__all__ = ["register_org", "register_serve", "register_token", "register_trust"]
+__all__ = ["register_org", "register_serve", "register_store", "register_token", "register_trust"]
 
 
 def register_serve(sub: Any) -> None:
@@ -238,3 +238,51 @@ def _trust(args: argparse.Namespace) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(args.public_key, target)
     print(f"trusted {args.name!r} ({key.fingerprint})")
+
+
+def register_store(sub: Any) -> None:
+    p = add_command(
+        sub,
+        "store",
+        _store,
+        "the store's upkeep: collect objects no commit names (gc), or check where the index "
+        "and the stored objects disagree (check; --repair: what is safe)",
+    )
+    p.add_argument("action", choices=("gc", "check"))
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="check: restore missing or corrupt blobs from checked copies, remove corrupt "
+        "copies no commit names and what gc removes; never what a commit names",
+    )
+    p.add_argument("--store", type=Path, help="store folder (default: the settings')")
+    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+
+
+def _store(args: argparse.Namespace) -> int:
+    from .settings import Settings
+    from .store import HubStore
+    from .store.upkeep import check_store, collect_garbage
+
+    settings = Settings(**_overrides(args))
+    store = HubStore.from_settings(settings)
+    grace = settings.hub.gc_grace_s
+    if args.action == "gc":
+        done = collect_garbage(store, grace)
+        for sha256 in done.blobs:
+            print(f"removed blob {sha256}")
+        print(
+            f"removed {len(done.blobs)} blobs no commit names and {done.uploads} expired uploads, "
+            f"staged uploads, records, temp files and xorbs; {done.young} unnamed blobs kept "
+            f"within hub.gc_grace_s ({grace:.0f} s)"
+        )
+        return 0
+    findings = check_store(store, args.repair, grace)
+    for finding in findings:
+        print(finding.line())
+    left = sum(f.problem and not f.repaired for f in findings)
+    print(
+        f"{len(findings)} findings, {sum(f.repaired for f in findings)} repaired, {left} "
+        "still needing an operator"
+    )
+    return 1 if left else 0

@@ -51,6 +51,12 @@ class HubSettings(BaseModel):
         description="Xet xorbs are kept this long after their last use: "
         "hf_xet clients deduplicate against what they uploaded for 3 weeks",
     )
+    gc_grace_s: float = Field(
+        24 * 3600,
+        gt=0,
+        description="blobs no commit names (left by a commit that failed or crashed after "
+        "storing them) are removed by `vip-hub store gc` once this old",
+    )
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
     trusted_keys: Path | None = Field(
         None,

@@ -29,6 +29,10 @@ from vip_hub.paths import make_private_dir, open_private
 __all__ = ["Index", "PostgresIndex", "SQLiteIndex", "open_index"]
 
 Row = Mapping[str, Any]
+_COLLECTION_KEY = int.from_bytes(
+    hashlib.sha256(b"vip-hub collection").digest()[:8], "big", signed=True
+)
+"""The PostgreSQL advisory lock of ``collection_lock`` (repo locks hash their repo's id alike)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS repos (
@@ -118,6 +122,12 @@ class Index:
         """Serialise commits to ``repo_id`` (across processes, and for PostgreSQL across hosts)."""
         raise NotImplementedError
 
+    def collection_lock(self, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """Held shared by every commit while it may name an object its index rows do not name
+        yet, exclusive by the collection of blobs no commit names: none goes while a commit
+        may be about to name it."""
+        raise NotImplementedError
+
 
 class Transaction:
     """Statements inside one transaction."""
@@ -181,11 +191,16 @@ class SQLiteIndex(Index):
             raise
         conn.execute("COMMIT")
 
+    def repo_lock(self, repo_id: str) -> contextlib.AbstractContextManager[None]:
+        return self._flock(hashlib.sha256(repo_id.encode()).hexdigest()[:32], fcntl.LOCK_EX)
+
+    def collection_lock(self, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        return self._flock("collection", fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+
     @contextlib.contextmanager
-    def repo_lock(self, repo_id: str) -> Iterator[None]:
-        path = self.locks / (hashlib.sha256(repo_id.encode()).hexdigest()[:32] + ".lock")
-        with open_private(path, "ab") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+    def _flock(self, name: str, mode: int) -> Iterator[None]:
+        with open_private(self.locks / f"{name}.lock", "ab") as f:
+            fcntl.flock(f, mode)
             try:
                 yield
             finally:
@@ -246,6 +261,16 @@ class PostgresIndex(Index):
             finally:
                 self._local.conn = None
                 conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+    @contextlib.contextmanager
+    def collection_lock(self, exclusive: bool) -> Iterator[None]:
+        kind = "" if exclusive else "_shared"
+        with self._connection() as conn:
+            conn.execute(f"SELECT pg_advisory_lock{kind}(%s)", (_COLLECTION_KEY,))
+            try:
+                yield
+            finally:
+                conn.execute(f"SELECT pg_advisory_unlock{kind}(%s)", (_COLLECTION_KEY,))
 
     def close(self) -> None:
         self.pool.close()

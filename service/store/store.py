@@ -42,7 +42,7 @@ from vip_hub.repo_format import (
     heads_in,
 )
 
-from ..settings import HubSettings, ObjectStoreSettings
+from ..settings import HubSettings, ObjectStoreSettings, Settings
 from .blobs import (
     BlobStore,
     FileDigest,
@@ -242,6 +242,20 @@ class HubStore:
         self.index: Index = open_index(index, self.root)
         self._restate_epsilons()
         self.collect_uploads()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HubStore:
+        """The store the service's settings describe (folder, index, limits, object store)."""
+        return cls(
+            settings.store,
+            upload_ttl=settings.hub.upload_ttl_s,
+            xet_ttl=settings.hub.xet_ttl_s,
+            index=settings.index,
+            trusted_keys=settings.trusted_keys_path(),
+            require_signature=settings.hub.require_signature,
+            limits=settings.hub,
+            objects=settings.object_store,
+        )
 
     def _restate_epsilons(self) -> None:
         """Recompute the index's epsilon of every commit stated at another delta than the hub's
@@ -544,7 +558,7 @@ class HubStore:
         Conflict when ``parent_commit`` is not the branch head.
         """
         try:
-            with self.index.repo_lock(repo_id):
+            with self.index.repo_lock(repo_id), self.index.collection_lock(exclusive=False):
                 return self._commit_locked(
                     repo_id, operations, branch, parent_commit, title, message, author
                 )

@@ -1,0 +1,315 @@
+"""The store's upkeep (``vip-hub store gc``, ``vip-hub store check``) on real files and on a real
+SeaweedFS, each from deliberately broken states: what no commit names goes after its grace
+period, what a commit or an upload in flight names never does; the check reports where the
+index and the store disagree and repairs only what is safe."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import huggingface_hub
+import pytest
+from helpers import tiny_repo_with_head
+from huggingface_hub import HfApi
+from live import WRITE_TOKEN, ThreadedServer, settings_for
+
+from service.store import AddFile, AddObject, HubStore, hash_file
+from service.store.s3 import blob_key, upload_key
+from service.store.upkeep import collect_garbage
+from vip_hub.cli.main import main
+from vip_hub.repo.verify import repo_files
+
+DAY = 24 * 3600
+AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+HTTP = httpx.Client(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def repo_dir(tmp_path_factory) -> Path:
+    return tiny_repo_with_head(tmp_path_factory.mktemp("upkeep") / "vip-nano-upkeep")
+
+
+def _published(root: Path, repo_dir: Path) -> tuple[HubStore, dict[str, str]]:
+    """A folder store holding ``vip/m`` (the repo's files as one commit); path -> SHA-256."""
+    store = HubStore(root)
+    store.create_repo("vip/m")
+    ops = []
+    for rel, path in repo_files(repo_dir).items():
+        tmp = store.blobs.new_temp()
+        tmp.write_bytes(path.read_bytes())
+        ops.append(AddFile(rel, tmp))
+    commit = store.commit("vip/m", ops)
+    return store, {p: e.sha256 for p, e in store.tree("vip/m", commit.sha).items()}
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def _upload(store: HubStore, data: bytes, repo: str | None = None) -> str:
+    """``data`` received into the uploads area (for ``repo``: with its upload record)."""
+    oid = hashlib.sha256(data).hexdigest()
+    tmp = store.blobs.new_temp()
+    tmp.write_bytes(data)
+    store.blobs.stage_upload(tmp, oid)
+    if repo is not None:
+        store.blobs.note_upload(repo, oid)
+    return oid
+
+
+def _orphan(store: HubStore, data: bytes) -> str:
+    """A blob no commit names, as a commit that crashed after storing its blobs leaves one."""
+    oid = hashlib.sha256(data).hexdigest()
+    tmp = store.blobs.new_temp()
+    tmp.write_bytes(data)
+    store.blobs.ingest(tmp, hash_file(tmp))
+    return oid
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    code = main(["store", *args])
+    return code, capsys.readouterr().out
+
+
+def _lines(out: str, kind: str, what: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(f"{kind}\t{what}")]
+
+
+# ---------------------------------------------------------------- the folder store
+
+
+def test_gc_removes_only_what_no_commit_or_upload_names(tmp_path, repo_dir, capsys):
+    store, named = _published(tmp_path / "store", repo_dir)
+    for sha in named.values():  # however old, a blob a commit names stays
+        _age(store.blobs.path(sha), 30 * DAY)
+    old, young = _orphan(store, b"a crashed commit's blob"), _orphan(store, b"a newer one")
+    _age(store.blobs.path(old), 2 * DAY)
+    in_flight = _upload(store, b"uploaded twice", "vip/m")
+    _age(store.blobs.upload_path(in_flight), 2 * DAY)  # first received long ago, noted again now
+    abandoned = _upload(store, b"never committed", "vip/m")
+    _age(store.blobs.upload_path(abandoned), 2 * DAY)
+    for record in (store.blobs.uploaded_for).rglob(abandoned):
+        _age(record, 2 * DAY)
+
+    code, out = _cli(capsys, "gc", "--store", str(store.root))
+    assert code == 0 and f"removed blob {old}" in out, out
+    assert "removed 1 blobs no commit names" in out and "1 unnamed blobs kept" in out
+    assert all(store.blobs.path(sha).is_file() for sha in named.values())
+    assert not store.blobs.path(old).exists() and store.blobs.path(young).is_file()
+    assert store.blobs.object_size(abandoned) is None
+    # the upload a record still names stays, and its commit goes through
+    store.commit("vip/m", [AddObject("notes/extra.txt", in_flight)])
+    assert store.blobs.path(in_flight).read_bytes() == b"uploaded twice"
+
+
+def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
+    store, _ = _published(tmp_path / "store", repo_dir)
+    sha = _orphan(store, b"stored by a commit not yet indexed")
+    _age(store.blobs.path(sha), 2 * DAY)
+    done = threading.Event()
+    with store.index.collection_lock(exclusive=False):  # as a commit holds it
+        worker = threading.Thread(target=lambda: (collect_garbage(store, DAY), done.set()))
+        worker.start()
+        assert not done.wait(1.0)  # the collection waits for the commit...
+        assert store.blobs.path(sha).is_file()
+    worker.join(30)
+    assert done.is_set() and not store.blobs.path(sha).exists()  # ...and then goes on
+
+
+def test_check_reports_and_repairs_only_what_is_safe(tmp_path, repo_dir, capsys):
+    store, named = _published(tmp_path / "store", repo_dir)
+    weights, config, card = (named[p] for p in ("model.safetensors", "config.json", "README.md"))
+    data = {sha: store.blobs.path(sha).read_bytes() for sha in named.values()}
+    # missing, with a checked copy in the uploads area (received again since)
+    store.blobs.path(weights).unlink()
+    _upload(store, data[weights])
+    # missing, no copy anywhere
+    store.blobs.path(config).unlink()
+    # corrupt: the bytes a commit names changed on disk
+    os.chmod(store.blobs.path(card), 0o600)
+    store.blobs.path(card).write_bytes(b"not the card")
+    # an upload whose bytes are not its name, an old orphan, a young one, a bad xorb
+    bad_upload = hashlib.sha256(b"announced").hexdigest()
+    store.blobs.upload_path(bad_upload).parent.mkdir(parents=True, exist_ok=True)
+    store.blobs.upload_path(bad_upload).write_bytes(b"something else")
+    old, young = _orphan(store, b"old orphan"), _orphan(store, b"young orphan")
+    _age(store.blobs.path(old), 2 * DAY)
+    xorb = "ab" * 32
+    store.xet.xorb_path(xorb).parent.mkdir(parents=True, exist_ok=True)
+    store.xet.xorb_path(xorb).write_bytes(b"\0" * 64)
+
+    code, out = _cli(capsys, "check", "--store", str(store.root))
+    assert code == 1
+    assert "PROBLEM" in _lines(out, "missing", weights)[0]
+    assert "PROBLEM" in _lines(out, "missing", config)[0]
+    assert "holds 12 bytes" in _lines(out, "corrupt", card)[0]
+    assert _lines(out, "corrupt", f"upload:{bad_upload}")
+    assert _lines(out, "corrupt", f"xorb:{xorb}")
+    assert "PROBLEM" in _lines(out, "orphan", old)[0] and "ok" in _lines(out, "orphan", young)[0]
+    assert store.blobs.path(old).is_file()  # a check alone changes nothing
+
+    code, out = _cli(capsys, "check", "--repair", "--store", str(store.root))
+    assert code == 1  # what has no copy is still missing
+    assert "repaired" in _lines(out, "missing", weights)[0]
+    assert store.blobs.path(weights).read_bytes() == data[weights]
+    assert "cannot repair" in _lines(out, "missing", config)[0]
+    assert "cannot repair" in _lines(out, "corrupt", card)[0]
+    assert store.blobs.path(card).read_bytes() == b"not the card"  # kept: a commit names it
+    assert not store.blobs.upload_path(bad_upload).exists()
+    assert not store.xet.xorb_path(xorb).exists()
+    assert not store.blobs.path(old).exists() and store.blobs.path(young).is_file()
+
+    # the bytes received again (an upload, no commit), or put among the uploads by an operator
+    _upload(store, data[config])
+    store.blobs.upload_path(card).parent.mkdir(parents=True, exist_ok=True)
+    store.blobs.upload_path(card).write_bytes(data[card])
+    code, out = _cli(capsys, "check", "--repair", "--store", str(store.root))
+    assert code == 0, out
+    assert all(store.blobs.path(sha).read_bytes() == data[sha] for sha in named.values())
+    code, out = _cli(capsys, "check", "--store", str(store.root))
+    assert code == 0 and "PROBLEM" not in out
+
+
+# ---------------------------------------------------------------- the object store
+
+BUCKET = "upkeep"
+
+
+@pytest.fixture(scope="module")
+def s3_hub(seaweed, tmp_path_factory, repo_dir):
+    """A live hub on its own bucket of the session's SeaweedFS, ``lfs/upkeep`` sent over LFS."""
+    seaweed.client().create_bucket(Bucket=BUCKET)
+    settings = settings_for(
+        tmp_path_factory.mktemp("upkeep-hub"),
+        object_store={"endpoint": seaweed.url, "bucket": BUCKET},
+    )
+    with ThreadedServer(settings) as server, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        api = HfApi(endpoint=server.url, token=WRITE_TOKEN)
+        for repo in ("lfs/upkeep", "lfs/upkeep-other"):
+            api.create_repo(repo)
+        api.upload_folder(repo_id="lfs/upkeep", folder_path=repo_dir, commit_message="v1")
+        yield server
+
+
+@pytest.fixture
+def cli_env(s3_hub, monkeypatch):
+    """The CLI pointed at the hub's store and bucket (as an operator's settings would be)."""
+    monkeypatch.setenv("VIP_HUB_STORE", str(s3_hub.settings.store))
+    monkeypatch.setenv("VIP_HUB_OBJECT_STORE__ENDPOINT", s3_hub.settings.object_store.endpoint)
+    monkeypatch.setenv("VIP_HUB_OBJECT_STORE__BUCKET", BUCKET)
+    return monkeypatch
+
+
+def _keys(seaweed, prefix: str) -> set[str]:
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def _lfs_upload(hub, repo: str, data: bytes, verify: bool = True) -> str:
+    """``data`` sent for ``repo`` as huggingface_hub sends it (a presigned PUT to a staging
+    key), then verified (the hub hashes it), unless not ``verify``; returns the staging key."""
+    oid = hashlib.sha256(data).hexdigest()
+    reply = HTTP.post(
+        f"{hub.url}/{repo}.git/info/lfs/objects/batch",
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
+        headers=AUTH,
+    )
+    actions = reply.json()["objects"][0]["actions"]
+    assert HTTP.put(actions["upload"]["href"], content=data).status_code == 200
+    if verify:
+        done = HTTP.post(
+            actions["verify"]["href"], json={"oid": oid, "size": len(data)}, headers=AUTH
+        )
+        assert done.status_code == 200, done.text
+    return actions["upload"]["href"].split("?")[0].split(f"/{BUCKET}/", 1)[1]
+
+
+def _named(hub) -> set[str]:
+    rows = hub.app.state.store.index.rows("SELECT DISTINCT sha256 FROM files")
+    return {r["sha256"] for r in rows}
+
+
+def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
+    s3 = seaweed.client()
+    orphan = os.urandom(1000)
+    orphan_sha = hashlib.sha256(orphan).hexdigest()
+    s3.put_object(Bucket=BUCKET, Key=blob_key(orphan_sha), Body=orphan)
+    twice = b"received for two repos" * 100
+    oid = hashlib.sha256(twice).hexdigest()
+    _lfs_upload(s3_hub, "lfs/upkeep", twice)
+    abandoned = _lfs_upload(s3_hub, "lfs/upkeep", b"PUT, never verified", verify=False)
+    time.sleep(2.5)
+    _lfs_upload(s3_hub, "lfs/upkeep-other", twice)  # a fresh record names the old upload
+    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "2")
+    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "2")
+    code, out = _cli(capsys, "gc")
+    assert code == 0 and f"removed blob {orphan_sha}" in out, out
+    blobs = {k.rsplit("/", 2)[1] + k.rsplit("/", 1)[1] for k in _keys(seaweed, "blobs/")}
+    assert _named(s3_hub) <= blobs and orphan_sha not in blobs
+    assert abandoned not in _keys(seaweed, "staging/")
+    assert upload_key(oid) in _keys(seaweed, "uploads/")  # still named by lfs/upkeep-other's record
+    reply = HTTP.post(
+        f"{s3_hub.url}/lfs/upkeep-other.git/info/lfs/objects/batch",
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(twice)}]},
+        headers=AUTH,
+    )
+    assert "actions" not in reply.json()["objects"][0]  # held for lfs/upkeep-other: nothing to send
+
+
+def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys):
+    s3, store = seaweed.client(), s3_hub.app.state.store
+    files = {rel: p.read_bytes() for rel, p in repo_files(repo_dir).items()}
+    weights = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    config = hashlib.sha256(files["config.json"]).hexdigest()
+    s3.put_object(Bucket=BUCKET, Key=blob_key(weights), Body=b"x" * 100)  # corrupt in the bucket
+    s3.delete_object(Bucket=BUCKET, Key=blob_key(config))  # missing from the bucket
+    staged = _lfs_upload(s3_hub, "lfs/upkeep", b"in flight", verify=False)
+    orphan = os.urandom(500)
+    orphan_sha = hashlib.sha256(orphan).hexdigest()
+    s3.put_object(Bucket=BUCKET, Key=blob_key(orphan_sha), Body=orphan)
+    xorb = "cd" * 32
+    s3.put_object(Bucket=BUCKET, Key=f"xet/xorbs/{xorb}", Body=b"\0" * 64)
+
+    code, out = _cli(capsys, "check")
+    assert code == 1
+    assert "holds 100 bytes" in _lines(out, "corrupt", weights)[0]
+    assert "PROBLEM" in _lines(out, "missing", config)[0]
+    assert "in flight" in _lines(out, "staged", staged)[0]
+    assert _lines(out, "orphan", orphan_sha) and _lines(out, "corrupt", f"xorb:{xorb}")
+
+    # the hub's cache holds checked copies: --repair puts them back in the bucket
+    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
+    time.sleep(1.5)
+    code, out = _cli(capsys, "check", "--repair")
+    assert "repaired" in _lines(out, "corrupt", weights)[0]
+    assert "repaired" in _lines(out, "missing", config)[0]
+    assert "repaired" in _lines(out, "orphan", orphan_sha)[0]
+    assert code == 0, out
+    body = s3.get_object(Bucket=BUCKET, Key=blob_key(weights))["Body"].read()
+    assert body == files["model.safetensors"]
+    assert blob_key(config) in _keys(seaweed, "blobs/")
+    assert blob_key(orphan_sha) not in _keys(seaweed, "blobs/")
+    assert f"xet/xorbs/{xorb}" not in _keys(seaweed, "xet/")
+
+    # no copy left anywhere: the corrupt blob is kept (a commit names it) until an operator
+    # puts the bytes among the uploads
+    s3.put_object(Bucket=BUCKET, Key=blob_key(weights), Body=b"y" * 100)
+    store.blobs.path(weights).unlink()
+    code, out = _cli(capsys, "check", "--repair")
+    assert code == 1 and "cannot repair" in _lines(out, "corrupt", weights)[0]
+    assert blob_key(weights) in _keys(seaweed, "blobs/")
+    s3.put_object(Bucket=BUCKET, Key=upload_key(weights), Body=b"z" * 100)  # not its bytes
+    code, out = _cli(capsys, "check", "--repair")
+    assert code == 1 and "cannot repair" in _lines(out, "corrupt", weights)[0]
+    s3.put_object(Bucket=BUCKET, Key=upload_key(weights), Body=files["model.safetensors"])
+    code, out = _cli(capsys, "check", "--repair")
+    assert code == 0 and "repaired" in _lines(out, "corrupt", weights)[0], out
+    body = s3.get_object(Bucket=BUCKET, Key=blob_key(weights))["Body"].read()
+    assert body == files["model.safetensors"]
