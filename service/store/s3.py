@@ -1,8 +1,10 @@
 """Blobs in an S3-compatible object store (boto3, SigV4), for hubs whose bytes outgrow one disk.
 
 Keys in the bucket mirror the store folder: ``blobs/sha256/ab/cdef...`` (content a commit
-names), ``uploads/sha256/ab/...`` (objects whose bytes the hub checked, awaiting their commit)
-and ``staging/<upload id>`` (what a client PUT through a presigned URL, unchecked: a SigV4
+names), ``uploads/sha256/ab/...`` (objects whose bytes the hub checked, awaiting their commit),
+``uploads/for/<repo hash>/<sha256>`` (upload records: which repo each was received for),
+``xet/xorbs/<hash>`` and ``xet/owners/<user hash>/<hash>`` (Xet xorbs and who sent each), and
+``staging/<upload id>`` (what a client PUT through a presigned URL, unchecked: a SigV4
 presigned PUT does not sign the body, so nothing staged is trusted before the hub hashed it).
 Clients only ever get presigned URLs for a staging key (PUT) or a blob key (GET). Any failure
 to reach the store is :class:`StoreUnavailable`.
