@@ -169,3 +169,19 @@ def test_two_hub_processes_share_one_store(postgres, tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_collection_waits_for_commits_on_other_hosts(postgres, tmp_path):
+    """Two stores (two hosts' folders) on one PostgreSQL index: a collection on one waits while
+    a commit on the other holds the collection lock shared (an advisory lock)."""
+    from service.store.upkeep import collect_garbage
+
+    here = HubStore(tmp_path / "here", index=postgres)
+    there = HubStore(tmp_path / "there", index=postgres)
+    done = threading.Event()
+    with here.index.collection_lock(exclusive=False):  # as a commit holds it
+        worker = threading.Thread(target=lambda: (collect_garbage(there, 3600), done.set()))
+        worker.start()
+        assert not done.wait(1.0)
+    worker.join(30)
+    assert done.is_set()
