@@ -238,6 +238,8 @@ def _check_xorbs(store: HubStore, repair: bool) -> list[Finding]:
     for xorb in store.xet.listed():
         try:
             store.xet.check(xorb)
+        except FileNotFoundError:  # collected since it was listed
+            continue
         except (InvalidRequest, TooLarge) as e:
             if repair:
                 store.xet.remove(xorb)
