@@ -97,9 +97,9 @@ def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
     return repo
 
 
-def base_size_repo(folder: Path) -> Path:
+def base_size_repo(folder: Path, seed: int = 0) -> Path:
     """A repo at real size: a random ViP-Base encoder (344 MB) with a 52 MB MAE decoder."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     base = EncoderSpec("vip-base")
     model = create_encoder(base, mae_init=True).eval()
     decoder = {
