@@ -16,9 +16,11 @@ import huggingface_hub
 import pytest
 from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ThreadedServer, settings_for
+from live import WRITE_TOKEN, ProcessServer, ThreadedServer, raw_commit, settings_for
 
+from service.settings import ObjectStoreSettings
 from service.store import AddFile, AddObject, HubStore, hash_file
+from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key, upload_key
 from service.store.upkeep import collect_garbage
 from vip_hub.cli.main import main
@@ -34,17 +36,20 @@ def repo_dir(tmp_path_factory) -> Path:
     return tiny_repo_with_head(tmp_path_factory.mktemp("upkeep") / "vip-nano-upkeep")
 
 
-def _published(root: Path, repo_dir: Path) -> tuple[HubStore, dict[str, str]]:
-    """A folder store holding ``vip/m`` (the repo's files as one commit); path -> SHA-256."""
-    store = HubStore(root)
-    store.create_repo("vip/m")
+def _published(
+    root: Path, repo_dir: Path, objects: ObjectStoreSettings | None = None, repo: str = "vip/m"
+) -> tuple[HubStore, dict[str, str]]:
+    """A store holding ``repo`` (the repo's files as one commit; blobs in the folder, or in
+    ``objects``); path -> SHA-256."""
+    store = HubStore(root, objects=objects)
+    store.create_repo(repo)
     ops = []
     for rel, path in repo_files(repo_dir).items():
         tmp = store.blobs.new_temp()
         tmp.write_bytes(path.read_bytes())
         ops.append(AddFile(rel, tmp))
-    commit = store.commit("vip/m", ops)
-    return store, {p: e.sha256 for p, e in store.tree("vip/m", commit.sha).items()}
+    commit = store.commit(repo, ops)
+    return store, {p: e.sha256 for p, e in store.tree(repo, commit.sha).items()}
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -313,3 +318,41 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys):
     assert code == 0 and "repaired" in _lines(out, "corrupt", weights)[0], out
     body = s3.get_object(Bucket=BUCKET, Key=blob_key(weights))["Body"].read()
     assert body == files["model.safetensors"]
+
+
+@pytest.mark.slow  # two processes, as the other crash tests
+def test_a_commit_killed_after_storing_its_blobs_is_cleared_by_gc(
+    seaweed, tmp_path, repo_dir, capsys, monkeypatch
+):
+    """A hub killed between storing a commit's new blob in the bucket and its index transaction
+    leaves an orphan: the check reports it (within its grace period: no problem), gc removes
+    it once older, and nothing a commit names is touched."""
+    bucket = "upkeep-crash"
+    seaweed.client().create_bucket(Bucket=bucket)
+    env = {"VIP_HUB_OBJECT_STORE__ENDPOINT": seaweed.url, "VIP_HUB_OBJECT_STORE__BUCKET": bucket}
+    for name, value in {**env, "VIP_HUB_STORE": str(tmp_path / "store")}.items():
+        monkeypatch.setenv(name, value)
+    files = {rel: p.read_bytes() for rel, p in repo_files(repo_dir).items()}
+    objects = ObjectStoreSettings(endpoint=seaweed.url, bucket=bucket)
+    _published(tmp_path / "store", repo_dir, objects, repo="crash/objgc")
+    extra = b"stored, never indexed"
+    orphan = hashlib.sha256(extra).hexdigest()
+    server = ProcessServer(tmp_path / "store", extra_env={**env, CRASH_ENV: "commit-blobs-stored"})
+    server.start()
+    with pytest.raises(httpx.HTTPError):
+        raw_commit(server.url, "crash/objgc", {**files, "notes/extra.txt": extra})
+    assert server.proc.wait(30) == CRASH_STATUS
+    listed = seaweed.client().list_objects_v2(Bucket=bucket, Prefix="blobs/")
+    held = {o["Key"] for o in listed["Contents"]}
+    assert blob_key(orphan) in held
+
+    code, out = _cli(capsys, "check")
+    assert code == 0 and "kept within hub.gc_grace_s" in _lines(out, "orphan", orphan)[0], out
+    monkeypatch.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
+    time.sleep(1.5)
+    code, out = _cli(capsys, "gc")
+    assert code == 0 and f"removed blob {orphan}" in out and "removed 1 blobs" in out, out
+    listed = seaweed.client().list_objects_v2(Bucket=bucket, Prefix="blobs/")
+    assert {o["Key"] for o in listed["Contents"]} == held - {blob_key(orphan)}
+    code, out = _cli(capsys, "check")
+    assert code == 0 and not out.splitlines()[:-1], out  # the index and the bucket agree

@@ -9,10 +9,10 @@ every move is an atomic rename. Everything is created owner-only (folders 0700, 
 blobs 0400): private repos' bytes are not for the machine's other users.
 
 With an object store (:mod:`service.store.s3`) the bucket is where blobs, checked uploads and
-upload records live, under the same names, each written there before any commit may name it; the folder is
-this process's cache of what it read or wrote (fetched on first use, checked against its
-SHA-256). Clients upload to per-upload staging keys that :meth:`BlobStore.receive_staged`
-hashes before anything may name them.
+upload records live, under the same names, each written there before any commit may name it;
+the folder is this process's cache of what it read or wrote (fetched on first use, checked
+against its SHA-256). Clients upload to per-upload staging keys that
+:meth:`BlobStore.receive_staged` hashes before anything may name them.
 """
 
 from __future__ import annotations
