@@ -268,6 +268,18 @@ def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
     assert "actions" not in reply.json()["objects"][0]  # held for lfs/upkeep-other: nothing to send
 
 
+def test_a_replicas_cache_does_not_stand_for_the_bucket(s3_hub, seaweed):
+    """What a replica's cache holds says nothing of the bucket: an upload the bucket lost is
+    asked for again, and lands in the bucket, where any replica reads it."""
+    data = b"cached here, gone from the bucket" * 100
+    oid = hashlib.sha256(data).hexdigest()
+    _lfs_upload(s3_hub, "lfs/upkeep", data)
+    assert s3_hub.app.state.store.blobs.upload_path(oid).is_file()  # this replica's cache
+    seaweed.client().delete_object(Bucket=BUCKET, Key=upload_key(oid))
+    _lfs_upload(s3_hub, "lfs/upkeep", data)  # asked for again (not "held"), then verified
+    assert upload_key(oid) in _keys(seaweed, "uploads/")
+
+
 def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys):
     s3, store = seaweed.client(), s3_hub.app.state.store
     files = {rel: p.read_bytes() for rel, p in repo_files(repo_dir).items()}

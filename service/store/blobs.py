@@ -173,26 +173,25 @@ class BlobStore:
         return None
 
     def object_size(self, sha256: str) -> int | None:
-        """The size of a held object, None when it is not held."""
+        """The size of a held object, None when it is not held (with an object store: in its
+        bucket, whatever this cache holds)."""
+        if self.remote is not None:
+            size = self.remote.size(blob_key(check_sha256(sha256)))
+            return self.remote.size(upload_key(sha256)) if size is None else size
         path = self.object_path(sha256)
         try:
-            if path:
-                return path.stat().st_size
+            return path.stat().st_size if path else None
         except FileNotFoundError:  # committed (moved) or collected meanwhile
-            pass
-        if self.remote is None:
             return None
-        size = self.remote.size(blob_key(sha256))
-        return self.remote.size(upload_key(sha256)) if size is None else size
 
     def stage_upload(self, tmp: Path, sha256: str) -> Path:
         """Move a fully written and checked temp file into the uploads area (durably; with an
-        object store, into its bucket first)."""
+        object store, into its bucket first, unless the bucket holds it)."""
+        if self.remote is not None and self.object_size(sha256) is None:
+            self.remote.put_file(tmp, upload_key(sha256))
         if self.object_path(sha256) is not None:
             tmp.unlink(missing_ok=True)
             return self.object_path(sha256) or self.upload_path(sha256)
-        if self.remote is not None and self.object_size(sha256) is None:
-            self.remote.put_file(tmp, upload_key(sha256))
         return self._stage_local(tmp, sha256)
 
     def _stage_local(self, tmp: Path, sha256: str) -> Path:
