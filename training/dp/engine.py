@@ -217,6 +217,7 @@ def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> 
     cpu = flat.device.type == "cpu"
     size = _CPU_NOISE_DRAW if cpu else NOISE_CHUNK
     chunks = flat.split(NOISE_CHUNK)
+    in_numpy = cpu and flat.dtype in (torch.float32, torch.float64)
 
     def chunk(k: int) -> None:
         generator = step_generator(seed, NOISE, step, k)
@@ -224,7 +225,11 @@ def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> 
         for piece in chunks[k].split(size):
             z = standard_normal(generator, draw[: len(piece)])
             z *= std
-            piece.add_(torch.from_numpy(z).to(piece.device))
+            if in_numpy:  # numpy's buffered cast: 9x faster than torch's mixed-dtype add_
+                out = piece.numpy()
+                np.add(out, z, out=out, casting="unsafe")
+            else:
+                piece.add_(torch.from_numpy(z).to(piece.device))
 
     workers = min(torch.get_num_threads(), len(chunks))
     if workers > 1:
