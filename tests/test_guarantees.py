@@ -51,8 +51,8 @@ def _dp_head(batch: int, **kw) -> torch.Tensor:
 
 
 def test_a_dp_head_takes_its_noisy_steps_on_empty_poisson_samples() -> None:
-    """q = 1/N: about a third of the steps sample nobody; each still takes a noisy step (the
-    accountant's history, checked inside, counts every one) instead of crashing Opacus."""
+    """q = 1/N: about a third of the steps sample nobody; each still takes a noisy step (the DP
+    engine's step on an empty sample) instead of crashing."""
     params = _dp_head(batch=1)
     assert torch.isfinite(params).all()
 
@@ -72,10 +72,10 @@ def test_a_dp_heads_sampling_and_noise_are_keyed_by_its_whole_secret(
     reach of the 63-bit torch seed of before, and of a 32-bit search) give different heads. For
     the sampling the noise is off (batch 8 of 64: only the Poisson sample can differ); for the
     noise q = 1 (every record sampled at every step: only the noise can differ)."""
-    import training.recipes.probe
+    import training.dp.engine
 
-    if mechanism == "sampling":
-        monkeypatch.setattr(training.recipes.probe, "add_gaussian_noise", lambda *args: None)
+    if mechanism == "sampling":  # the heads' noise is the DP engine's
+        monkeypatch.setattr(training.dp.engine, "add_gaussian_noise", lambda *args: None)
     key = 0x0123_4567_89AB_CDEF_FEDC_BA98_7654_3210
     heads = []
     for secret in (key, key, key ^ (1 << 100)):

@@ -103,28 +103,39 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
 
 
 def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example norms Opacus' ghost clipping computes are each example's own, as a lone
-    example's backward gives them (a summed loss with Opacus told "mean" scaled them by the batch
-    size), and with the noise zeroed the step is SGD on the sum of those gradients, each clipped
-    to the head's norm, over the expected batch; the noise asked for is sigma times that norm."""
+    """The per-example norms the head's clipper computes are each example's own, as a lone
+    example's backward gives them, and with the noise zeroed the step is SGD on the sum of those
+    gradients, each clipped to the head's norm, over the expected batch; the noise asked for is
+    sigma times the recorded sensitivity, C times the proved rounding allowance of b terms."""
     import torch
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping as GhostModule
 
-    import training.recipes.probe
+    import training.dp.engine
+    from training.dp.clipping import PerExampleClipper
     from training.recipes.probe import fit_probe
+    from vip_hub.privacy.sensitivity import (
+        FP64_ONCE,
+        ROUNDING_SUM,
+        ROUNDING_TERMS,
+        rounding_allowance,
+        sample_bound,
+    )
     from vip_hub.repo.heads import LinearProbe
 
     g = torch.Generator().manual_seed(0)
     x, public = torch.randn(12, 5, generator=g) * 0.3, torch.randn(64, 5, generator=g)
     y = torch.randint(0, 3, (12,), generator=g)
     seen: list[torch.Tensor] = []
-    norms = GhostModule.get_norm_sample
-    monkeypatch.setattr(
-        GhostModule, "get_norm_sample", lambda self: seen.append(norms(self)) or seen[-1]
-    )
+    accumulate = PerExampleClipper.accumulate
+
+    def spy(self: PerExampleClipper, *inputs: torch.Tensor):  # type: ignore[no-untyped-def]
+        result = accumulate(self, *inputs)
+        seen.append(result.norms)
+        return result
+
+    monkeypatch.setattr(PerExampleClipper, "accumulate", spy)
     stds: list[float] = []
     monkeypatch.setattr(  # the heads' noise is the engine's (keyed by the head's secret)
-        training.recipes.probe, "add_gaussian_noise", lambda flat, std, seed, step: stds.append(std)
+        training.dp.engine, "add_gaussian_noise", lambda flat, std, seed, step: stds.append(std)
     )
     cfg = ProbeConfig(
         encoder="",
@@ -140,7 +151,10 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
         seed=3,
     )
     trained, dp = fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, one step, all of x
-    assert stds == [pytest.approx(dp["sigma"] * cfg.max_grad_norm)]  # weight and bias: sigma C
+    allowance = rounding_allowance(sample_bound(len(x), 1.0), FP64_ONCE)
+    assert dp["mechanism_params"] == {ROUNDING_TERMS: 12, ROUNDING_SUM: FP64_ONCE}
+    assert dp["sensitivity"] == cfg.max_grad_norm * allowance
+    assert stds == [dp["sigma"] * dp["sensitivity"]]  # weight and bias: sigma C (1 + ...)
     torch.manual_seed(cfg.seed)
     head = LinearProbe(5, 3)  # the initialisation fit_probe starts from
     head.norm.running_mean.copy_(public.mean(0))
@@ -155,7 +169,7 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
         lone.append(grad.norm())
         clipped += grad * min(1.0, cfg.max_grad_norm / (grad.norm().item() + 1e-6))
     assert len(seen) == 1 and len(seen[0]) == len(x)
-    assert torch.allclose(seen[0].sort().values, torch.stack(lone).sort().values, rtol=1e-4)
+    assert torch.allclose(seen[0].float(), torch.stack(lone), rtol=1e-4)  # q = 1: in order
     assert max(lone) > cfg.max_grad_norm  # some examples are clipped
     end = torch.cat([p.detach().flatten() for p in trained.linear.parameters()])
     torch.testing.assert_close(end, start - cfg.lr * clipped / len(x), rtol=1e-4, atol=1e-6)

@@ -4,7 +4,9 @@ every example in it (up to 1.9 C at a micro-batch of 250); formed in fp32, what 
 allowance ``rounding_terms`` b records: C (1 + b ceil(log2 b) 2^-23).
 
 The scan: b identical examples against b - 1 of them, the clip C over 96 values in [1, 2), at
-micro-batches 32, 128 and 250, on the CPU (autocast emulates bf16) and on CUDA where present."""
+micro-batches 32, 128 and 250, on the CPU (autocast emulates bf16) and on CUDA where present.
+The DP heads' exact clipper (``PerExampleClipper(..., exact=True)``: the sum across examples in
+fp64, rounded once) is scanned against its proved allowance C (1 + b 2^-23 + (b + 1)^2 2^-52)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,20 @@ import torch
 from torch import nn
 
 import training.dp.pair_clipping
-from training.dp.clipping import PerExampleClipper
+from training.dp.clipping import PerExampleClipper, UnsupportedLayerError
 from training.dp.pair_clipping import BatchClipper, PairClipper
-from vip_hub.errors import ConfigError
+from training.recipes.probe import DPHeadLoss
+from vip_hub.errors import AccountingError, ConfigError
 from vip_hub.privacy.ledger import Dataset, DPStage, PrivacyLedger
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, ROUNDING_TERMS, sample_bound, sensitivity
+from vip_hub.privacy.sensitivity import (
+    CONTRASTIVE_LOSS,
+    FP32_BLOCKED,
+    FP64_ONCE,
+    ROUNDING_SUM,
+    ROUNDING_TERMS,
+    sample_bound,
+    sensitivity,
+)
 from vip_hub.repo.verify import VerificationReport, _check_mechanisms
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -132,6 +143,44 @@ def test_per_example_sum_stays_within_the_recorded_sensitivity(
     assert 0.99 < ratio <= 1
 
 
+@pytest.mark.parametrize("b", BATCHES)
+def test_a_dp_heads_exact_sum_stays_within_its_proved_allowance_and_needs_it(b: int) -> None:
+    """The head's clipper (``training.recipes.probe``: cross-entropy of ``Linear(64, 10)`` on
+    features) on b identical examples: the neighbours' difference stays within the recorded
+    C (1 + b 2^-23 + (b + 1)^2 2^-52), and exceeds C itself somewhere in the scan, so a stage
+    that did not record the allowance (or noise that ignored it) would fail here."""
+    torch.manual_seed(0)
+    head = DPHeadLoss(nn.Linear(64, 10))
+    x = (torch.rand(1, 64) * 4 + 2).expand(b, 64)
+    y = torch.zeros(b, dtype=torch.long)
+
+    def accumulate(batch: torch.Tensor, clip: float) -> None:
+        result = PerExampleClipper(head, clip, exact=True).accumulate(batch, y[: len(batch)])
+        assert bool((result.factors < 1).all())
+
+    params = list(head.parameters())
+    exact = _recorded("DP-SGD", b, {ROUNDING_SUM: FP64_ONCE})
+    recorded = _worst(accumulate, params, x, exact, "cpu", "fp32")
+    plain = _worst(accumulate, params, x, lambda clip: clip, "cpu", "fp32")
+    print(f"head b={b}: worst {recorded:.10f} of the recorded allowance, {plain:.10f} of C")
+    assert 0.99 < recorded <= 1 < plain
+
+
+def test_the_exact_clipper_refuses_sums_over_tokens_and_a_second_call() -> None:
+    """Exact mode takes per-example contributions summed across examples only (a product over
+    several tokens of each example is refused) and rounds once into an empty ``.grad``."""
+    net = _Patches()
+    with pytest.raises(UnsupportedLayerError, match="exact clipped sums"):
+        PerExampleClipper(net, 1.0, exact=True).accumulate(torch.rand(4, 1, 4, 4))
+    head = DPHeadLoss(nn.Linear(8, 3))
+    clipper = PerExampleClipper(head, 1.0, exact=True)
+    clipper.accumulate(torch.rand(4, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ConfigError, match="empty .grad"):
+        clipper.accumulate(torch.rand(4, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ConfigError, match="at least 2\\^-64"):
+        PerExampleClipper(head, 2.0**-65, exact=True)
+
+
 class _Embedder(nn.Module):
     """Logit-DP's minimal model: ``Linear(1, 8)`` embeddings (the pair clipper's Jacobian pass
     runs one backward per embedding coordinate)."""
@@ -205,16 +254,23 @@ def test_a_bf16_model_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("terms", "claimed", "ok"),
+    ("terms", "summation", "claimed", "ok"),
     [
-        (423, 1 + 423 * 9 * 2.0**-23, True),  # the engine's record at n q = 256
-        (423, 1.0, False),  # the allowance recorded but not in the sensitivity
-        (100, 1 + 100 * 7 * 2.0**-23, False),  # b below what the steps could sum
+        (423, None, 1 + 423 * 9 * 2.0**-23, True),  # the engine's record at n q = 256
+        (423, FP32_BLOCKED, 1 + 423 * 9 * 2.0**-23, True),
+        (423, None, 1.0, False),  # the allowance recorded but not in the sensitivity
+        (100, None, 1 + 100 * 7 * 2.0**-23, False),  # b below what the steps could sum
+        (423, FP64_ONCE, 1 + 423 * 2.0**-23 + 424**2 * 2.0**-52, True),  # a DP head's record
+        (423, FP64_ONCE, 1.0, False),
+        (423, FP64_ONCE, 1 + 423 * 9 * 2.0**-23, False),  # another rule's figure
+        (423, "fp16", 1.0, False),  # no such rule
     ],
 )
-def test_verify_recomputes_the_rounding_allowance(terms: int, claimed: float, ok: bool) -> None:
-    """``verify`` recomputes Delta (1 + b ceil(log2 b) 2^-23) and refuses a b below the stage's
-    sample bound."""
+def test_verify_recomputes_the_rounding_allowance(
+    terms: int, summation: str | None, claimed: float, ok: bool
+) -> None:
+    """``verify`` recomputes Delta (1 + b ceil(log2 b) 2^-23) for blocked fp32 sums, Delta (1 +
+    b 2^-23 + (b + 1)^2 2^-52) for exact ones, and refuses a b below the stage's sample bound."""
     assert sample_bound(50_000, 256 / 50_000) == 423
     stage = DPStage.from_parameters(
         name="dp",
@@ -226,8 +282,18 @@ def test_verify_recomputes_the_rounding_allowance(terms: int, claimed: float, ok
         clipping_norm=0.5,
         noised_dimension=1_000,
         sensitivity=0.5 * claimed,
-        mechanism_params={ROUNDING_TERMS: terms},
+        mechanism_params={
+            ROUNDING_TERMS: terms,
+            **({} if summation is None else {ROUNDING_SUM: summation}),
+        },
     )
     report = VerificationReport()
     _check_mechanisms(PrivacyLedger.build([stage]), report)
     assert report.ok is ok, report.problems
+
+
+def test_a_summation_rule_without_its_terms_or_beyond_its_proof_is_refused() -> None:
+    with pytest.raises(AccountingError, match="without rounding_terms"):
+        sensitivity("DP-SGD", 1.0, {ROUNDING_SUM: FP64_ONCE})
+    with pytest.raises(AccountingError, match="at most 4194304"):
+        sensitivity("DP-SGD", 1.0, {ROUNDING_TERMS: 2**22 + 1, ROUNDING_SUM: FP64_ONCE})

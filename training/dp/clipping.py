@@ -37,6 +37,15 @@ in fp32 and fp64 from the norm, as the equivalence tests check); between neighbo
 own rounding, which the stated sensitivity covers (``vip_hub.privacy.sensitivity``,
 ``rounding_terms``). Parameters must be fp32 or fp64: a bf16/fp16 ``.grad`` would round the sum
 to its precision again.
+
+``PerExampleClipper(..., exact=True)`` makes that last rounding provable instead (rule
+``FP64_ONCE`` of ``vip_hub.privacy.sensitivity``, proof in ``docs/architecture.md``): every
+per-example quantity and every sum across examples in fp64 from the operands' own values, the
+factors from the fp64 norms raised by ``_FP64_NORM_MARGIN``, and each ``.grad`` rounded once,
+so one call must form the step's whole sum. A sum over the tokens of several examples in one
+product (a linear layer with more than one token per example, a patchifying convolution, an
+embedding) is refused there: its error scales with each example's sum of token magnitudes,
+which the clip does not bound.
 """
 
 from __future__ import annotations
@@ -77,6 +86,12 @@ _PRODUCT_ELEMENT_COST = 100
 _FP32_ALLOWANCE = 2.0**-12
 _SUM_DTYPES = (torch.float32, torch.float64)
 """What clipped products, their sums and ``.grad`` are held in (issue 32)."""
+_FP64_NORM_MARGIN = 2.0**-30
+"""Exact mode: the factors come from the fp64 norms times 1 + this, above the relative error of
+an fp64 norm over up to 2^22 terms and of the factor's division (``docs/architecture.md``)."""
+_EXACT_MIN_CLIP = 2.0**-64
+"""Exact mode: the smallest clip bound, so that subnormal roundings stay within the proof's
+slack."""
 
 
 class UnsupportedLayerError(ConfigError, TypeError):
@@ -300,8 +315,19 @@ class PerExampleClipper(LayerClipper):
     """Adds the sum of per-example clipped gradients of ``model`` into ``.grad``.
 
     ``model(*inputs)`` must return per-example losses of shape (b,) where example i's loss
-    depends on example i only (no batch statistics).
+    depends on example i only (no batch statistics). ``exact``: the sum across examples in fp64,
+    rounded once into an empty ``.grad`` (see the module docstring).
     """
+
+    def __init__(self, model: nn.Module, max_norm: float, *, exact: bool = False):
+        super().__init__(model, max_norm)
+        self.exact = exact
+        if exact:
+            if self.max_norm < _EXACT_MIN_CLIP:
+                raise ConfigError(
+                    f"exact clipped sums need a clipping norm of at least 2^-64, got {max_norm}"
+                )
+            self.norm_dtype = torch.float64
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -333,6 +359,11 @@ class PerExampleClipper(LayerClipper):
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
         """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``."""
+        if self.exact and any(p.grad is not None for p in self.params):
+            raise ConfigError(
+                "exact clipped sums are rounded once into an empty .grad: one call per step "
+                "(no micro-batches), .grad set to None between steps"
+            )
         parts: list[_Part] = []
         targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -345,7 +376,10 @@ class PerExampleClipper(LayerClipper):
 
             def hook(g: torch.Tensor) -> None:
                 with torch.no_grad(), _no_autocast(g):
-                    parts.append(self._part(module, held.pop(), g))
+                    if self.exact:
+                        parts.append(_exact_part(module, _fp64(held.pop()), g.double()))
+                    else:
+                        parts.append(self._part(module, held.pop(), g))
 
             return hook
 
@@ -397,6 +431,8 @@ class PerExampleClipper(LayerClipper):
                 sq += part.sq_norms
             norms = sq.sqrt()
             bounded = factor_norms(norms, [(p.sq_norms, p.bound) for p in parts])
+            if self.exact:
+                bounded = bounded * (1 + _FP64_NORM_MARGIN)
             factors = clip_factors(bounded, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
@@ -482,6 +518,26 @@ class PerExampleClipper(LayerClipper):
         else:
             g = g * c[:, None, None]
         add_to_grad(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+
+
+def _fp64(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A floating-point input in fp64 (exactly: fp32, bf16 and fp16 values are fp64 values)."""
+    return x.double() if x is not None and x.is_floating_point() else x
+
+
+def _exact_part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
+    """``PerExampleClipper._part`` on fp64 operands, for exact mode: refused where the clipped sum
+    would be one product over the tokens of several examples."""
+    part = PerExampleClipper._part(m, a_in, g)
+    layer = part.layer
+    if layer is not None and not (isinstance(layer, nn.Linear) and part.a.shape[1] == 1):
+        tokens = part.a.shape[1] if isinstance(layer, nn.Linear) else "its"
+        raise UnsupportedLayerError(
+            f"exact clipped sums: {type(layer).__name__} sums {tokens} tokens per example in one "
+            "product across examples, whose rounding the clip does not bound; exact mode takes "
+            "per-example contributions summed across examples only"
+        )
+    return part
 
 
 def _conv_part(

@@ -296,8 +296,9 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         also_trains=[component],
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
-            f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x C once "
-            f"per logical step, Poisson sampling. Trained together: the top {k} of {depth} "
+            f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
+            "sensitivity (C times its fp32 rounding allowance) once per logical step, "
+            f"Poisson sampling. Trained together: the top {k} of {depth} "
             f"blocks{norm} and the head {component}'s linear layer ({trained:,} parameters); "
             "the rest of the encoder is the init repo's, unchanged. The head's normalisation "
             "is fixed to the init encoder's features of public procedural images"

@@ -5,10 +5,11 @@ head, BatchNorm without affine parameters followed by a linear layer, is trained
 LARS (timm's) or SGD with momentum, warm-up + cosine schedule. Few-shot mode keeps each
 training record with a given probability.
 
-With ``epsilon`` the head is trained with DP-SGD: Opacus' ghost clipping (per-example clipping
-without per-example gradients) and its RDP accountant's history, with the DP engine's Poisson
-sampler and noise (``training.dp.sampling``, ``add_gaussian_noise``) keyed by a 128-bit secret
-drawn for the run: the BatchNorm is then fixed to
+With ``epsilon`` the head is trained with DP-SGD by the DP engine (``training/dp/engine.py``):
+its Poisson sampler and noise keyed by a 128-bit secret drawn for the run, and
+``PerExampleClipper`` in exact mode (one linear layer on features: each example's clipped
+gradient summed across examples in fp64 and rounded once, the proved rounding allowance
+``fp64-once`` recorded in the stage): the BatchNorm is then fixed to
 statistics of *public* features (the encoder's features of procedural images), so only the
 linear layer sees the labelled data, and the head's ledger stage is a DP stage naming that
 dataset.
@@ -36,6 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from huggingface_hub import EvalResult
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,19 +61,30 @@ from vip_hub.privacy.ledger import (
     NonPrivateStage,
     new_run_id,
 )
+from vip_hub.privacy.sensitivity import (
+    FP64_ONCE,
+    ROUNDING_SUM,
+    ROUNDING_TERMS,
+    sample_bound,
+    sensitivity,
+)
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import head_component
 
 from ..data.images import ImageFolder
 from ..data.labelled import keyed_uniforms
 from ..data.procedural import SyntheticImages
-from ..dp.engine import add_gaussian_noise
-from ..dp.sampling import new_secret, poisson_sample
+from ..dp.clipping import PerExampleClipper
+from ..dp.engine import Budget, DPEngine
+from ..dp.sampling import new_secret
 from ..skeleton.config import WeakDeltaOption
+from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
 __all__ = [
     "DP_HEAD_LR",
+    "DP_SGD",
+    "DPHeadLoss",
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
@@ -85,10 +98,8 @@ __all__ = [
     "top1_result",
 ]
 
-DP_LOSS_REDUCTION: Literal["mean", "sum"] = "mean"
-"""A DP head's loss reduction, told to Opacus too: it undoes the mean before clipping (so each
-per-example gradient is that example's own), and the optimiser divides the noisy clipped sum
-by the expected batch."""
+DP_SGD = "DP-SGD"
+"""A DP head's mechanism in the ledger (per-example clipping, SGD with momentum)."""
 DP_HEAD_LR = 0.25
 """SGD learning rate of a DP head at clipping norm 1 (the main job's): with per-example gradients
 right, 0.25 beat 1, 4 and 16 on the digits' raw pixels at epsilon 2 (2026-11-24, one run each)."""
@@ -234,7 +245,7 @@ def fit_probe(
     public_x: torch.Tensor | None = None,
     desc: str = "probe",
 ) -> tuple[LinearProbe, dict[str, Any]]:
-    """Train a head on fixed features. With ``cfg.epsilon``: DP-SGD (Opacus) on the linear
+    """Train a head on fixed features. With ``cfg.epsilon``: DP-SGD (the DP engine) on the linear
     layer, BatchNorm fixed to ``public_x`` statistics, noise and sampling from a fresh secret.
     Returns the head (eval mode) and the DP parameters used (empty without DP)."""
     torch.manual_seed(cfg.seed)
@@ -278,53 +289,22 @@ def _steps_per_epoch(n: int, cfg: ProbeConfig) -> int:
 
 
 def dp_head_sampling(n: int, cfg: ProbeConfig) -> tuple[float, int]:
-    """A DP head's sample rate and steps on ``n`` records: Opacus' Poisson loader samples an
-    expected batch of n / (batches per pass), for ``cfg.epochs`` passes. Known before training,
+    """A DP head's sample rate and steps on ``n`` records: Poisson samples of an expected batch
+    of n / (batches per pass), for ``cfg.epochs`` passes. Known before training,
     so a head can be calibrated to compose with earlier stages (``remaining_epsilon``)."""
     per_epoch = _steps_per_epoch(n, cfg)
     return 1.0 / per_epoch, cfg.epochs * per_epoch
 
 
-def _keyed_dp_sgd(
-    linear: nn.Linear, sigma: float, expected_batch: int, cfg: ProbeConfig, secret: int
-) -> tuple[Any, Any, Any]:
-    """Opacus' ghost clipping (each example's gradient norm in closed form, no per-example
-    gradients held) for the head's linear layer, with the DP engine's noise keyed by ``secret``:
-    the (module, DP-SGD optimiser, loss) of a ``DP_LOSS_REDUCTION`` loss."""
-    import warnings
+class DPHeadLoss(nn.Module):
+    """A DP head's per-example loss: cross-entropy of its linear layer on normalised features."""
 
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping
-    from opacus.optimizers import DPOptimizerFastGradientClipping
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
 
-    class KeyedNoise(DPOptimizerFastGradientClipping):  # type: ignore[misc]
-        """Adds ``add_gaussian_noise`` (float64, full tail, stream (secret, step)) in place of
-        torch's float32 draws from a 32-bit-seeded generator."""
-
-        noised_steps = 0
-
-        def add_noise(self) -> None:
-            params = list(self.params)
-            flat = torch.cat([p.summed_grad.reshape(-1) for p in params])
-            std = self.noise_multiplier * self.max_grad_norm
-            add_gaussian_noise(flat, std, secret, self.noised_steps)
-            self.noised_steps += 1
-            for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
-                p.grad = part.view_as(p)
-
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    module = GradSampleModuleFastGradientClipping(
-        linear, loss_reduction=DP_LOSS_REDUCTION, max_grad_norm=cfg.max_grad_norm
-    )
-    opt = KeyedNoise(
-        torch.optim.SGD(linear.parameters(), lr=cfg.lr, momentum=0.9),
-        noise_multiplier=sigma,
-        max_grad_norm=cfg.max_grad_norm,
-        expected_batch_size=expected_batch,
-        loss_reduction=DP_LOSS_REDUCTION,
-    )
-    criterion = nn.CrossEntropyLoss(reduction=DP_LOSS_REDUCTION)
-    return module, opt, DPLossFastGradientClipping(module, opt, criterion, DP_LOSS_REDUCTION)
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.linear(x), y, reduction="none")
 
 
 def _fit_dp(
@@ -336,8 +316,6 @@ def _fit_dp(
     steps_per_epoch: int,
     bar: tqdm,
 ) -> dict[str, Any]:
-    from opacus.accountants import RDPAccountant
-
     if public_x is None:
         raise ConfigError("a DP head needs public features to fix its normalisation")
     fix_normalisation(head, public_x)
@@ -348,27 +326,33 @@ def _fit_dp(
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
+    # One Linear on features: each example one token, so the clipped sum is formed exactly
+    # (fp64, rounded once) and its allowance is the proved one; the engine refuses a step whose
+    # sample holds more than the b it covers.
+    clipper = PerExampleClipper(DPHeadLoss(head.linear), cfg.max_grad_norm, exact=True)
+    params = {ROUNDING_TERMS: sample_bound(n, q), ROUNDING_SUM: FP64_ONCE}
+    budget = Budget(n, n * q, sigma, delta, kind, steps, steps, cfg.epsilon)
     # The mechanism's randomness: a 128-bit secret per run, never stored (a public seed would
     # let anyone who knows all but one record replay the head's training in both worlds); it
     # keys the Poisson sample and the noise of every step.
-    secret = new_secret()
-    linear, opt, loss_fn = _keyed_dp_sgd(head.linear, sigma, int(n * q), cfg, secret)
-    accountant = RDPAccountant()  # keeps the step history; the claim is ours (any accountant)
-    opt.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=q))
+    engine = DPEngine(
+        clipper,
+        torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9),
+        None,
+        budget,
+        sensitivity=sensitivity(DP_SGD, cfg.max_grad_norm, params),
+        clipping_norm=cfg.max_grad_norm,
+        seed=new_secret(),
+        dist=Dist(),
+        micro_batch_size=None,
+    )
     warmup = cfg.warmup_epochs * steps_per_epoch
     for step in range(steps):
-        batch = torch.as_tensor(poisson_sample(n, q, secret, step))
-        for group in opt.param_groups:
+        batch = torch.as_tensor(engine.plan(step))
+        for group in engine.optimizer.param_groups:
             group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
-        opt.zero_grad()
-        loss_fn(linear(normed[batch]), y[batch]).backward()  # the norms, then the clipped sum
-        opt.step()
+        engine.step(step, [(normed[batch], y[batch])] if len(batch) else [])
         bar.update(1)
-    if accountant.history != [(sigma, q, steps)]:
-        raise RuntimeError(
-            f"accountant history {accountant.history} != {steps} steps at ({sigma}, {q})"
-        )
-    head.linear = linear._module
     return {
         "sigma": sigma,
         "sample_rate": q,
@@ -376,6 +360,8 @@ def _fit_dp(
         "delta": delta,
         "accountant": kind,
         "noised": sum(p.numel() for p in head.linear.parameters()),
+        "sensitivity": engine.sensitivity,
+        "mechanism_params": params,
     }
 
 
@@ -522,7 +508,9 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
         name=f"linear-probe-dp:{cfg.head}",
         component=component,
         dataset=data,
-        mechanism="DP-SGD",
+        mechanism=DP_SGD,
+        mechanism_params=dp["mechanism_params"],
+        sensitivity=dp["sensitivity"],
         sample_rate=dp["sample_rate"],
         noise_multiplier=dp["sigma"],
         steps=dp["steps"],
@@ -531,8 +519,9 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
         delta=dp["delta"],
         accountant=dp["accountant"],
         run_id=new_run_id(),
-        description=f"linear probe ({protocol}) trained with DP-SGD (Opacus); normalisation "
-        "fixed to public procedural-image features",
+        description=f"linear probe ({protocol}) trained with DP-SGD (per-example clipping, its "
+        "sum formed in fp64 and rounded once); normalisation fixed to public procedural-image "
+        "features",
         hyperparameters={
             "lr": cfg.lr,
             "epochs": cfg.epochs,

@@ -9,11 +9,14 @@ The contrastive mechanisms (``Logit-DP``, ``Naive-DP``) are derived step by step
 ``temperature`` and, for a Logit-DP run that skips every batch larger than a cap,
 ``max_batch``. An unknown key is an error: a misspelt cap must not change the claim silently.
 
-Every mechanism's ``mechanism_params`` may also hold ``rounding_terms`` b: the clipped sum is
-formed in fp32, and its rounding moves the neighbours' difference by at most
-``b ceil(log2 b) 2^-23`` times the exact sensitivity when no step sums more than b examples
-(``rounding_allowance``; the model and what it leaves open are in ``docs/architecture.md``,
-"Rounding of the clipped sum"). The DP engine records
+Every mechanism's ``mechanism_params`` may also hold ``rounding_terms`` b, the most examples
+one step's clipped sum holds, and ``rounding_sum``, how that sum was formed
+(``rounding_allowance``; both rules and what they leave open are in ``docs/architecture.md``,
+"Rounding of the clipped sum"): ``fp32-blocked`` (the default) sums in fp32 over threads,
+micro-batches, ranks and tokens, and moves the neighbours' difference by at most
+``b ceil(log2 b) 2^-23`` times the exact sensitivity under a model of blocked summation;
+``fp64-once`` sums each example's fp32-valued contribution in fp64 and rounds once to fp32, and
+moves it by at most ``b 2^-23 + (b + 1)^2 2^-52``, proved. The DP engine records
 b = ``sample_bound(n, q)`` and refuses a step whose sample is larger.
 """
 
@@ -27,6 +30,9 @@ from ..errors import AccountingError
 
 __all__ = [
     "CONTRASTIVE_LOSS",
+    "FP32_BLOCKED",
+    "FP64_ONCE",
+    "ROUNDING_SUM",
     "ROUNDING_TERMS",
     "PER_EXAMPLE_MECHANISMS",
     "MechanismName",
@@ -49,37 +55,64 @@ and the columns of the similarity matrix each a softmax over the other view)."""
 
 ROUNDING_TERMS = "rounding_terms"
 """The ``mechanism_params`` key of b, the most examples one step's fp32 clipped sum holds."""
+ROUNDING_SUM = "rounding_sum"
+"""The ``mechanism_params`` key of how the clipped sum was formed (``FP32_BLOCKED`` if absent)."""
+FP32_BLOCKED = "fp32-blocked"
+"""Summed in fp32 in up to ceil(log2 b) levels of blocks: the allowance is a model."""
+FP64_ONCE = "fp64-once"
+"""Each example's contribution summed in fp64, rounded once to fp32: the allowance is proved."""
+_FP64_ONCE_MAX_TERMS = 1 << 22
+"""The proof of ``FP64_ONCE``'s allowance needs b at most 2^22 (``docs/architecture.md``)."""
 _FP32_ROUNDING = 2.0**-23
 """Twice fp32's unit roundoff 2^-24: each neighbour's sum, per example in it and level of the
 summation."""
+_FP64_ROUNDING = 2.0**-52
+"""Twice fp64's unit roundoff 2^-53."""
 _SAMPLE_TAIL_BITS = 64
 """``sample_bound`` is exceeded with probability at most 2^-64 per step."""
-_LOGIT_DP_KEYS = {"loss", "temperature", "max_batch", ROUNDING_TERMS}
-_NAIVE_DP_KEYS = {"loss", "temperature", ROUNDING_TERMS}
+_ROUNDING_KEYS = {ROUNDING_TERMS, ROUNDING_SUM}
+_LOGIT_DP_KEYS = {"loss", "temperature", "max_batch", *_ROUNDING_KEYS}
+_NAIVE_DP_KEYS = {"loss", "temperature", *_ROUNDING_KEYS}
 
 
 def sensitivity(
     mechanism: str, clipping_norm: float, params: Mapping[str, Any] | None = None
 ) -> float:
     """The sensitivity of ``mechanism``'s clipped sum, times ``rounding_allowance`` when ``params``
-    record ``rounding_terms``.
+    record ``rounding_terms`` (under the rule ``rounding_sum`` names).
 
     Per-example clipping to C: adding or removing one example adds or removes one vector of
     norm at most C, so the sensitivity is C. Logit-DP and Naive-DP: see their functions.
     """
     params = dict(params or {})
-    terms = params.get(ROUNDING_TERMS)
+    terms, summation = params.get(ROUNDING_TERMS), params.get(ROUNDING_SUM)
     exact = _exact_sensitivity(mechanism, clipping_norm, params)
-    return exact if terms is None else exact * rounding_allowance(terms)
+    if terms is None:
+        if summation is not None:
+            raise AccountingError(f"{mechanism}: {ROUNDING_SUM} without {ROUNDING_TERMS}")
+        return exact
+    return exact * rounding_allowance(terms, FP32_BLOCKED if summation is None else summation)
 
 
-def rounding_allowance(terms: int) -> float:
-    """``1 + b ceil(log2 b) 2^-23`` (at least one level): the factor on the exact sensitivity
-    that covers the fp32 rounding of a clipped sum of at most ``terms`` = b examples, summed in
-    up to ceil(log2 b) levels (see ``docs/architecture.md``)."""
+def rounding_allowance(terms: int, summation: str = FP32_BLOCKED) -> float:
+    """The factor on the exact sensitivity that covers the rounding of a clipped sum of at most
+    ``terms`` = b examples formed as ``summation`` says: ``1 + b ceil(log2 b) 2^-23`` (at least
+    one level) for ``FP32_BLOCKED``, ``1 + b 2^-23 + (b + 1)^2 2^-52`` for ``FP64_ONCE`` (b at
+    most 2^22); see ``docs/architecture.md``."""
     if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
         raise AccountingError(f"{ROUNDING_TERMS} must be a positive integer, got {terms!r}")
-    return 1.0 + terms * max(1, math.ceil(math.log2(terms))) * _FP32_ROUNDING
+    if summation == FP32_BLOCKED:
+        return 1.0 + terms * max(1, math.ceil(math.log2(terms))) * _FP32_ROUNDING
+    if summation == FP64_ONCE:
+        if terms > _FP64_ONCE_MAX_TERMS:
+            raise AccountingError(
+                f"{FP64_ONCE}: the allowance is proved for at most {_FP64_ONCE_MAX_TERMS} terms, "
+                f"got {terms}"
+            )
+        return 1.0 + terms * _FP32_ROUNDING + (terms + 1) ** 2 * _FP64_ROUNDING
+    raise AccountingError(
+        f"{ROUNDING_SUM} must be {FP32_BLOCKED!r} or {FP64_ONCE!r}, got {summation!r}"
+    )
 
 
 def sample_bound(dataset_size: int, sample_rate: float) -> int:
@@ -98,7 +131,7 @@ def sample_bound(dataset_size: int, sample_rate: float) -> int:
 def _exact_sensitivity(mechanism: str, clipping_norm: float, params: dict[str, Any]) -> float:
     """The sensitivity of ``mechanism``'s clipped sum in exact arithmetic."""
     if mechanism in PER_EXAMPLE_MECHANISMS:
-        _check_keys(mechanism, params, {ROUNDING_TERMS}, loss=False)
+        _check_keys(mechanism, params, _ROUNDING_KEYS, loss=False)
         return float(clipping_norm)
     if mechanism == "Logit-DP":
         _check_keys(mechanism, params, _LOGIT_DP_KEYS)
