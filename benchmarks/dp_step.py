@@ -10,7 +10,10 @@ Contenders (``VARIANTS``: add a row to add one):
     ``--audit-canaries``) sampled with the examples, clipped into their own block of the flat
     buffer, noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
     canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3% difference is
-    within a shared machine's drift between rounds.
+    within a shared machine's drift between rounds;
+(e) (b) with every clipped sum formed in fp64 and rounded once into ``.grad`` (issue 32): what
+    fp64 sums would cost on this path. Not shipped: the ViT's clipped sums run over tokens in
+    one product, where fp64 proves nothing (``PerExampleClipper``'s exact mode refuses them).
 
 Batches: the non-private step takes B inputs; each DP step takes the engine's own Poisson
 sample of expected size B (from 10^6 records), as a shipped run does, so its batch varies from
@@ -146,6 +149,18 @@ class VmapClipper:
         return ClipResult(losses.detach(), norms, factors)
 
 
+class Fp64SumClipper(PerExampleClipper):
+    """(e): ``PerExampleClipper`` with each layer's kept operands and factors in fp64 when its
+    clipped sum is formed (the per-example norms and factors as in (b))."""
+
+    @staticmethod
+    def _add_clipped(part: Any, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
+        part.materialised = [(p, pe.double()) for p, pe in part.materialised]
+        part.a = part.a.double() if part.a is not None and part.a.is_floating_point() else part.a
+        part.g = part.g.double() if part.g is not None else None
+        PerExampleClipper._add_clipped(part, factors.double(), dropped)
+
+
 def non_private(bench: Bench) -> Step:
     def forward_backward() -> None:
         with bench.amp():
@@ -224,6 +239,7 @@ VARIANTS = {
         "clipping",
         engine_step("d", PerExampleClipper, DEFAULT_CANARIES),
     ),
+    "e": Variant("(b), clipped sums in fp64", "clipping", engine_step("e", Fp64SumClipper)),
 }
 
 
@@ -346,6 +362,8 @@ def report(args: argparse.Namespace, batch: int) -> None:
         )
     if "b" in med and "c" in med:
         print(ratio("c", "b"))
+    if "b" in med and "e" in med:
+        print(ratio("e", "b") + "   (fp64 clipped sums against fp32)")
     if "b" in med and "d" in med:
         audit = statistics.median(inner["d audit"])
         print(
