@@ -3,11 +3,11 @@ Tramer & Boneh's table (ICLR 2021): end-to-end CNN 86.0, ScatterNet + linear 89.
 ScatterNet + CNN 89.0 (test top-1, %).
 
 A row is a released classifier: features, then a DP linear head
-(``training.recipes.probe.fit_probe``: Opacus DP-SGD, Poisson sampling, sigma from our accountant,
-noise and sampling from a per-run secret). Its guarantee is with respect to the private train split
-(declared ``public-benchmarks/fashion-mnist-train``, delta 1e-5 passed explicitly) and composes
-every DP stage the classifier depends on (``compose_releases``; RDP is the claim, PRV and PLD
-printed beside it). The standard test split is public.
+(``training.recipes.probe.fit_probe``: DP-SGD on the DP engine, Poisson sampling, sigma from our
+accountant, noise and sampling from a per-run secret). Its guarantee is with respect to the private
+train split (declared ``public-benchmarks/fashion-mnist-train``, delta 1e-5 passed explicitly) and
+composes every DP stage the classifier depends on (``compose_releases``; RDP is the claim, PRV and
+PLD printed beside it). The standard test split is public.
 
 - raw pixels, scaled to [-1, 1] (a public per-example rule);
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of
