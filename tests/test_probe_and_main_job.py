@@ -68,6 +68,14 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
 
 
 def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:
+    from vip_hub.privacy.sensitivity import (
+        FP64_ONCE,
+        ROUNDING_SUM,
+        ROUNDING_TERMS,
+        rounding_allowance,
+        sample_bound,
+    )
+
     train, test = digits
     out = tmp_path / "with-dp-head"
     r = run_probe(
@@ -96,6 +104,9 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
         stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1e-5)
     )
     assert stage.steps == 10 * 6 and stage.sample_rate == pytest.approx(1 / 6)
+    terms = sample_bound(1437, stage.sample_rate)  # the proved allowance, recorded and applied
+    assert stage.mechanism_params == {ROUNDING_TERMS: terms, ROUNDING_SUM: FP64_ONCE}
+    assert stage.sensitivity == stage.clipping_norm * rounding_allowance(terms, FP64_ONCE) > 1.0
     guarantee = next(g for g in ledger.guarantees if g.dataset == stage.dataset.name)
     assert guarantee.epsilon == pytest.approx(
         stage.epsilon
