@@ -81,7 +81,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=settings.log_level,
         log_config=log_config(settings.log_level),
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.drain_s,  # SIGTERM: stop accepting, drain, exit
     )
 
 

@@ -275,6 +275,13 @@ class Settings(BaseSettings):
     host: str = DEFAULT_HOST
     port: Port = DEFAULT_PORT
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    drain_s: float = Field(
+        120,
+        gt=0,
+        description="graceful drain on SIGTERM: the server stops accepting at once, then gives "
+        "the requests in flight (uploads, commits, inference batches) this long to finish "
+        "before it cancels them and exits",
+    )
     max_body_bytes: int = Field(
         MIB,
         gt=0,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
+import http.client
 import json
 import os
 import signal
@@ -122,6 +125,61 @@ def raw_commit(
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"},
         timeout=60,
     )
+
+
+def commit_body(folder: Path) -> bytes:
+    """An NDJSON commit body adding every file of ``folder`` inline (base64)."""
+    from vip_hub.repo.verify import repo_files
+
+    lines: list[dict[str, object]] = [
+        {"key": "header", "value": {"summary": "v2", "description": ""}}
+    ]
+    for rel, path in repo_files(folder).items():
+        content = base64.b64encode(path.read_bytes()).decode()
+        lines.append(
+            {"key": "file", "value": {"content": content, "path": rel, "encoding": "base64"}}
+        )
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def start_request(
+    url: str, method: str, target: str, body: bytes, send: int, headers: dict[str, str]
+) -> socket.socket:
+    """Open a connection to ``url`` and send a request's head and the first ``send`` bytes of
+    its ``body`` (the rest with ``sock.sendall``); :func:`read_response` reads the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = f"{method} {target} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Length": len(body)}.items())
+    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
+        sock.sendall(head.encode() + b"\r\n" + body[:send])
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """The status and body of the HTTP response on ``sock``."""
+    reply = http.client.HTTPResponse(sock)
+    reply.begin()
+    return reply.status, reply.read()
+
+
+def start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.socket:
+    """Start a commit POST of ``body`` to ``repo_id``'s main, sending ``send`` bytes of it."""
+    headers = {"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"}
+    return start_request(url, "POST", f"/api/models/{repo_id}/commit/main", body, send, headers)
+
+
+def start_lfs_put(url: str, repo_id: str, data: bytes, send: int) -> socket.socket:
+    """Start the Git LFS PUT of ``data`` (its batch call first), sending ``send`` bytes of it."""
+    oid = hashlib.sha256(data).hexdigest()
+    batch = httpx.post(
+        f"{url}/{repo_id}.git/info/lfs/objects/batch",
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
+        timeout=60,
+    ).json()
+    href = batch["objects"][0]["actions"]["upload"]["href"]
+    return start_request(url, "PUT", href.removeprefix(url), data, send, {})
 
 
 class ProcessServer:
