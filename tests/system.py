@@ -1,16 +1,20 @@
 """Real servers from Debian packages, for tests: the package is installed with apt-get when its
 program is missing (as ``make test`` on a fresh Debian machine needs), then started on loopback
 with a folder and free ports of its own. PostgreSQL (a throwaway cluster made with initdb) and
-nginx (a load balancer in front of hub replicas)."""
+nginx (``docker/nginx.conf``, the load balancer in front of hub replicas)."""
 
 from __future__ import annotations
 
 import glob
 import itertools
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import psycopg
@@ -98,3 +102,74 @@ class Postgres:
             capture_output=True,
         )
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+NGINX_CONF = Path(__file__).resolve().parents[1] / "docker" / "nginx.conf"
+
+
+class Nginx:
+    """nginx on 127.0.0.1:``port`` running the shipped ``docker/nginx.conf``, its ``hub`` and
+    ``inference`` upstreams pointed at the given ``host:port`` replicas; one worker, so
+    requests go round the replicas in turn."""
+
+    def __init__(self, folder: Path, port: int, hub: list[str], inference: list[str]):
+        self.folder, self.port = folder, port
+        self.hub, self.inference = hub, inference
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _site(self) -> str:
+        site = NGINX_CONF.read_text().replace("listen 8000;", f"listen 127.0.0.1:{self.port};")
+        for name, replicas in (("hub", self.hub), ("inference", self.inference)):
+            site = re.sub(
+                rf"server {name}:8000([^;]*);",
+                lambda m, rs=replicas: " ".join(f"server {r}{m.group(1)};" for r in rs),
+                site,
+            )
+        return site
+
+    def start(self) -> Nginx:
+        nginx = debian_program("nginx", "nginx", "/usr/sbin/nginx")
+        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+        temp = " ".join(
+            f"{kind}_temp_path {self.folder / kind};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        conf = self.folder / "nginx.conf"
+        conf.write_text(
+            ("user root;\n" if os.geteuid() == 0 else "")
+            + f"worker_processes 1;\npid {self.folder / 'nginx.pid'};\n"
+            + f"error_log {self.folder / 'error.log'} warn;\n"
+            + "events { worker_connections 512; }\n"
+            + f"http {{\naccess_log off;\n{temp}\n{self._site()}\n}}\n"
+        )
+        self.proc = subprocess.Popen(
+            [nginx, "-p", str(self.folder), "-c", str(conf), "-g", "daemon off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()}")  # type: ignore[union-attr]
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("nginx did not listen within 30 s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGQUIT (finish what is in flight), then SIGKILL after 10 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGQUIT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
