@@ -200,6 +200,8 @@ class ProcessServer:
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
+        # its log (the access log included) in a file: a pipe nobody reads would fill and stall it
+        self.log = store.parent / f"{store.name}-{self.port}.log"
 
     @property
     def url(self) -> str:
@@ -207,26 +209,25 @@ class ProcessServer:
 
     def start(self) -> ProcessServer:
         script = Path(sys.executable).with_name("vip-hub")
-        self.proc = subprocess.Popen(
-            [
-                str(script),
-                "serve",
-                "--store",
-                str(self.store),
-                "--port",
-                str(self.port),
-                *([] if self.inference else ["--no-inference"]),
-            ],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        with open(self.log, "ab") as log:  # the process holds its own copy
+            self.proc = subprocess.Popen(
+                [
+                    str(script),
+                    "serve",
+                    "--store",
+                    str(self.store),
+                    "--port",
+                    str(self.port),
+                    *([] if self.inference else ["--no-inference"]),
+                ],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    self.proc.stderr.read().decode() if self.proc.stderr else "server died"
-                )
+                raise RuntimeError(self.log.read_text(errors="replace")[-4000:])
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self

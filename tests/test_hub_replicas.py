@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -23,14 +25,16 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import tiny_repo_with_head
+from helpers import random_text, tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer
+from live import WRITE_TOKEN, ProcessServer, free_port
 from PIL import Image
 from safetensors.torch import load_file
 from system import Nginx
 
+from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key
+from vip_hub.cli.main import main
 from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
@@ -156,3 +160,182 @@ def test_clients_through_the_balancer(balancer, replicas, tmp_path, monkeypatch)
     # both replicas took their share of the hub and of the inference routes
     assert all(_served(r, "{org}/{name}") for r in replicas)
     assert all(_served(r, "/embeddings") for r in replicas)
+
+
+def _cli(capsys, *args: str) -> str:
+    """``vip-hub ARGS`` in this process; its output (the command must succeed)."""
+    assert main(list(args)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out.strip()
+
+
+def _lfs_lines(path: str, data: bytes) -> bytes:
+    lines = [
+        {"key": "header", "value": {"summary": f"add {path}", "description": ""}},
+        {
+            "key": "lfsFile",
+            "value": {
+                "path": path,
+                "algo": "sha256",
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+            },
+        },
+    ]
+    return "\n".join(map(json.dumps, lines)).encode()
+
+
+def _commit(url: str, repo: str, body: bytes, auth: dict[str, str] = AUTH) -> httpx.Response:
+    return HTTP.post(
+        f"{url}/api/models/{repo}/commit/main",
+        content=body,
+        headers={**auth, "Content-Type": "application/x-ndjson"},
+    )
+
+
+def _batch(url: str, repo: str, data: bytes, auth: dict[str, str] = AUTH) -> dict:
+    """Announce ``data`` (LFS batch) and PUT it to the presigned staging URL; the object's
+    ``verify`` action (not yet called)."""
+    reply = HTTP.post(
+        f"{url}/{repo}.git/info/lfs/objects/batch",
+        json={
+            "operation": "upload",
+            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
+        },
+        headers=auth,
+    )
+    assert reply.status_code == 200, reply.text
+    actions = reply.json()["objects"][0]["actions"]
+    assert HTTP.put(actions["upload"]["href"], content=data).status_code == 200
+    return actions["verify"]
+
+
+def verify_oid(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _verify(verify: dict, data: bytes, auth: dict[str, str] = AUTH) -> httpx.Response:
+    payload = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    return HTTP.post(verify["href"], json=payload, headers=auth)
+
+
+def test_what_one_replica_issued_the_other_honours(replicas, shared, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VIP_HUB_INDEX", shared["VIP_HUB_INDEX"])
+    admin = str(tmp_path / "admin")  # the operator's own folder: the index is what counts
+    secret = _cli(capsys, "token", "create", "--name", "nina", "--scope", "write", "--store", admin)
+    nina = {"Authorization": f"Bearer {secret}"}
+    first, second = replicas
+    for r in replicas:  # a token made once, honoured by every replica at once
+        assert HTTP.get(f"{r.url}/api/whoami-v2", headers=nina).json()["name"] == "nina"
+    assert HTTP.post(
+        f"{first.url}/api/repos/create", json={"name": "m", "organization": "nina"}, headers=nina
+    ).is_success
+    data = random_text(256 * 1024)
+    verify = _batch(first.url, "nina/m", data, nina)  # the grant comes from the first replica
+    verify["href"] = verify["href"].replace(first.url, second.url)
+    assert _verify(verify, data, nina).status_code == 200  # the second checks it
+    with httpx.Client(base_url=first.url) as client:  # the first honours the second's record
+        assert client.get("/api/models/nina/m", headers=nina).status_code == 200
+        batch = client.post(
+            "/nina/m.git/info/lfs/objects/batch",
+            json={
+                "operation": "upload",
+                "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
+            },
+            headers=nina,
+        ).json()
+        assert "actions" not in batch["objects"][0]  # held for nina/m: nothing to upload again
+    _cli(capsys, "token", "revoke", "--name", "nina", "--store", admin)
+    for r in replicas:
+        assert HTTP.get(f"{r.url}/api/whoami-v2", headers=nina).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def faulty(replicas, shared, seaweed, tmp_path_factory):
+    """nginx in front of the second replica and of a port where each fault test starts a
+    replica armed to die at a crash point; ``crash/replicas`` published through it."""
+    port = free_port()
+    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{replicas[1].port}"]
+    lb = Nginx(tmp_path_factory.mktemp("nginx-faults"), free_port(), addresses, addresses).start()
+    try:
+        folder = tiny_repo_with_head(tmp_path_factory.mktemp("crash") / "vip-nano-crash", dp=False)
+        api = HfApi(endpoint=lb.url, token=WRITE_TOKEN)
+        api.create_repo("crash/replicas")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+            api.upload_folder(repo_id="crash/replicas", folder_path=folder, commit_message="v1")
+        yield lb, port
+    finally:
+        lb.stop()
+
+
+def _armed(shared: dict[str, str], folder: Path, port: int, step: str) -> ProcessServer:
+    """A hub replica on ``port`` that dies (as under SIGKILL) when it reaches ``step``."""
+    return ProcessServer(folder, port=port, extra_env={**shared, CRASH_ENV: step}).start()
+
+
+def _next_goes_to_armed(lb: Nginx, other: ProcessServer) -> None:
+    """Send probes through ``lb`` until one reached the armed replica and the last reached
+    ``other``: nginx (one worker, round robin) sends the next request to the armed one."""
+    deadline, armed_seen = time.monotonic() + 60, False
+    while True:
+        before = _served(other, "/healthz")
+        assert HTTP.get(f"{lb.url}/healthz").status_code == 200
+        on_other = _served(other, "/healthz") > before
+        if on_other and armed_seen:
+            return
+        armed_seen |= not on_other
+        assert time.monotonic() < deadline, "nginx sent no probe to the armed replica"
+        time.sleep(0.2)  # nginx retries a replica it saw fail after fail_timeout
+
+
+def _head_names(lb: Nginx, path: str, data: bytes) -> None:
+    """The branch head holds ``path`` with ``data``, read through the balancer."""
+    reply = HTTP.get(f"{lb.url}/crash/replicas/resolve/main/{path}", follow_redirects=True)
+    assert reply.status_code == 200 and reply.content == data
+
+
+def test_upload_killed_midway_completes_on_the_other_replica(
+    faulty, replicas, shared, seaweed, postgres, tmp_path
+):
+    lb, port = faulty
+    armed = _armed(shared, tmp_path / "armed", port, "upload-partial")
+    try:
+        data = random_text(3 * 1024 * 1024)
+        verify = _batch(lb.url, "crash/replicas", data)
+        _next_goes_to_armed(lb, replicas[1])
+        # the armed replica dies while it hashes the staged object: nginx answers 502
+        assert _verify(verify, data).status_code == 502
+        assert armed.proc is not None and armed.proc.wait(30) == CRASH_STATUS
+        # the client sends it again through nginx; the other replica checks it and completes
+        assert _verify(verify, data).status_code == 200
+        assert _commit(lb.url, "crash/replicas", _lfs_lines("extra/upload.txt", data)).is_success
+    finally:
+        armed.stop()
+    _head_names(lb, "extra/upload.txt", data)
+    assert _objects_verified(seaweed, postgres) > 0
+
+
+@pytest.mark.parametrize("step", ["commit-blobs-stored", "commit-indexed"])
+def test_commit_killed_midway_completes_on_the_other_replica(
+    faulty, replicas, shared, seaweed, postgres, tmp_path, step
+):
+    lb, port = faulty
+    data = random_text(1024 * 1024)
+    assert _verify(_batch(lb.url, "crash/replicas", data), data).status_code == 200
+    body = _lfs_lines(f"extra/{step}.txt", data)
+    before = HfApi(endpoint=lb.url).model_info("crash/replicas").sha
+    armed = _armed(shared, tmp_path / "armed", port, step)
+    try:
+        _next_goes_to_armed(lb, replicas[1])
+        assert _commit(lb.url, "crash/replicas", body).status_code == 502  # died mid-commit
+        assert armed.proc is not None and armed.proc.wait(30) == CRASH_STATUS
+        again = _commit(lb.url, "crash/replicas", body)  # sent again: the other replica
+        assert again.status_code == 200, again.text
+    finally:
+        armed.stop()
+    history = [c.commit_id for c in HfApi(endpoint=lb.url).list_repo_commits("crash/replicas")]
+    made = history[: history.index(before)]
+    # killed before its index transaction: one commit; after it: the first and the resent one
+    assert len(made) == (2 if step == "commit-indexed" else 1)
+    _head_names(lb, f"extra/{step}.txt", data)
+    assert _objects_verified(seaweed, postgres) > 0
