@@ -127,6 +127,23 @@ def raw_commit(
     )
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux's
+    /proc): so a test never mistakes another process that took a freed port for its server."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port and inode in inodes:
+            return True
+    return False
+
+
 def commit_body(folder: Path) -> bytes:
     """An NDJSON commit body adding every file of ``folder`` inline (base64)."""
     from vip_hub.repo.verify import repo_files
@@ -229,7 +246,8 @@ class ProcessServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(self.log.read_text(errors="replace")[-4000:])
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                answered = httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+                if answered and listens_on(self.proc.pid, self.port):
                     return self
             except httpx.HTTPError:
                 pass

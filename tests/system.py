@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from live import free_port
+from live import free_port, listens_on
 
 
 def debian_program(name: str, package: str, pattern: str = "") -> str:
@@ -155,13 +154,11 @@ class Nginx:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()}")  # type: ignore[union-attr]
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            if listens_on(self.proc.pid, self.port):
                 return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("nginx did not listen within 30 s") from None
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise RuntimeError("nginx did not listen within 30 s")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """SIGQUIT (finish what is in flight), then SIGKILL after 10 s."""
