@@ -269,8 +269,9 @@ class Settings(BaseSettings):
     index: str | None = Field(
         None,
         description="postgresql://user:password@host:port/db: the store's index in "
-        "PostgreSQL, so several hub processes on several hosts share one store (its "
-        "folder on a shared filesystem); default: SQLite inside the store",
+        "PostgreSQL, so several hub processes on several hosts share one store (with an "
+        "object store, each with a folder of its own; else its folder on a shared "
+        "filesystem); default: SQLite inside the store",
     )
     host: str = DEFAULT_HOST
     port: Port = DEFAULT_PORT

@@ -209,7 +209,9 @@ Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 
 
 class HubStore:
-    """Read and write API of the store rooted at ``root`` (created on first use)."""
+    """Read and write API of the store rooted at ``root`` (created on first use). What replicas
+    must share lives in the index (``shared``): ``trusted_keys`` names only a single-host
+    store's key folder, adopted into the index at the first start."""
 
     def __init__(
         self,
