@@ -146,7 +146,8 @@ class Nginx:
             + f"http {{\naccess_log off;\n{temp}\n{self._site()}\n}}\n"
         )
         self.proc = subprocess.Popen(
-            [nginx, "-p", str(self.folder), "-c", str(conf), "-g", "daemon off;"],
+            [nginx, "-p", str(self.folder), "-e", str(self.folder / "error.log"), "-c", str(conf)]
+            + ["-g", "daemon off;"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
