@@ -47,6 +47,7 @@ __all__ = [
     "Scope",
     "TokenRegistry",
     "add_member",
+    "adopt_tokens_file",
     "check_grant",
     "check_read",
     "check_write",
@@ -119,7 +120,7 @@ class TokenRegistry:
     def __init__(self, index: Index, fixed: _Auth):
         self._index, self._fixed = index, fixed
         self._stamp = -1
-        self._from_file = _Auth([], {})
+        self._stored = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
 
@@ -140,7 +141,7 @@ class TokenRegistry:
             if stamp == self._stamp:
                 return
             try:
-                self._from_file = _parse_auth(_document(value, _WHERE), _WHERE)
+                self._stored = _parse_auth(_document(value, _WHERE), _WHERE)
             except ValueError:
                 if strict:
                     raise
@@ -149,14 +150,14 @@ class TokenRegistry:
 
     def __len__(self) -> int:
         self._refresh()
-        return len(self._from_file.tokens) + len(self._fixed.tokens)
+        return len(self._stored.tokens) + len(self._fixed.tokens)
 
     def lookup(self, token: str) -> Identity | None:
         """The identity of ``token``; every hash is compared, in constant time."""
         self._refresh()
         presented = _hash(token)
         found = None
-        for entry in self._from_file.tokens + self._fixed.tokens:
+        for entry in self._stored.tokens + self._fixed.tokens:
             if hmac.compare_digest(entry.sha256, presented):
                 found = entry
         return self._identity(found) if found else None
@@ -168,7 +169,7 @@ class TokenRegistry:
         found = next(
             (
                 e
-                for e in self._from_file.tokens + self._fixed.tokens
+                for e in self._stored.tokens + self._fixed.tokens
                 if hmac.compare_digest(_token_id(e.sha256), token_id)
             ),
             None,
@@ -181,7 +182,7 @@ class TokenRegistry:
         return next(
             (
                 other
-                for source in (self._from_file, self._fixed)
+                for source in (self._stored, self._fixed)
                 for other in [*(t.name for t in source.tokens), *source.orgs]
                 if other != namespace and other.casefold() == namespace.casefold()
             ),
@@ -191,10 +192,10 @@ class TokenRegistry:
     def _identity(self, entry: _Entry) -> Identity:
         """``entry``'s identity; an organisation named like a user, in any case, gives no
         membership (a user's namespace is its own)."""
-        users = {e.name.casefold() for e in self._from_file.tokens + self._fixed.tokens}
+        users = {e.name.casefold() for e in self._stored.tokens + self._fixed.tokens}
         orgs = frozenset(
             org
-            for source in (self._from_file, self._fixed)
+            for source in (self._stored, self._fixed)
             for org, members in source.orgs.items()
             if entry.name in members and org.casefold() not in users
         )

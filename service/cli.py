@@ -189,9 +189,9 @@ def _org(args: argparse.Namespace) -> None:
             remove_member(store.index, args.org, args.member)
             print(f"{args.member!r} is no longer a member of {args.org!r}")
         else:
-            from_file = list_orgs(store.index)
-            for org in sorted({*settings.auth.orgs, *from_file}):
-                members = {*settings.auth.orgs.get(org, []), *from_file.get(org, [])}
+            stored = list_orgs(store.index)
+            for org in sorted({*settings.auth.orgs, *stored}):
+                members = {*settings.auth.orgs.get(org, []), *stored.get(org, [])}
                 print(f"{org}\t{', '.join(sorted(members))}")
 
 

@@ -5,6 +5,7 @@ the same PostgreSQL index honours."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -12,7 +13,7 @@ import httpx
 from huggingface_hub import HfApi
 from live import ThreadedServer, settings_for
 
-from service.auth import TokenRegistry, _hash, create_token, revoke_token
+from service.auth import TokenRegistry, create_token, revoke_token
 from service.store import HubStore
 from service.store.shared import trust_key, trusted_keys
 from vip_hub.repo.signing import create_key
@@ -22,8 +23,9 @@ def test_a_single_host_store_is_adopted_into_the_index(tmp_path):
     root = tmp_path / "store"
     HubStore(root).create_repo("team/model")
     secret = "vh_" + "s" * 40  # what `vip-hub token create` wrote before: its hash, in a file
+    digest = hashlib.sha256(secret.encode()).hexdigest()
     tokens = {
-        "tokens": [{"name": "sam", "scope": "write", "sha256": _hash(secret)}],
+        "tokens": [{"name": "sam", "scope": "write", "sha256": digest}],
         "orgs": {"team": ["sam"]},
     }
     (root / "tokens.json").write_text(json.dumps(tokens))
