@@ -58,11 +58,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = HubStore.from_settings(settings)
-    app.state.tokens = TokenRegistry.from_settings(settings)
+    app.state.tokens = TokenRegistry.from_settings(settings, app.state.store.index)
     app.state.engine = engine
     app.state.metrics = metrics
     install_errors(app)
 
+    from .ops import InFlightMiddleware
     from .ops import install as install_ops
 
     install_ops(app, metrics)
@@ -93,4 +94,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     limits.append(BodyLimit(re.compile(""), settings.max_body_bytes))  # every other route
     app.add_middleware(BodyLimitMiddleware, rules=limits)
     app.add_middleware(NoSniffMiddleware)
+    app.add_middleware(InFlightMiddleware, metrics=metrics)  # outermost: counts every request
     return app

@@ -6,9 +6,11 @@ the organisations it is a member of: it writes there (with a write token) and re
 private repos there; admin tokens (the hub's operators) own every namespace. Everyone else
 gets the Hugging Face hub's answers: 403 on a write, RepoNotFound on a private repo.
 
-Tokens and organisations come from a JSON file (``vip-hub token`` and ``vip-hub org`` write
-it; a running server re-reads it on the next request after a change) and from the settings
-``auth.tokens`` (``name:scope:secret;...``) and ``auth.orgs`` (``{org: [user, ...]}``).
+Tokens and organisations come from the hub's index (one JSON document, ``vip-hub token`` and
+``vip-hub org`` change it; every replica sharing the index sees a change on its next request:
+one version lookup per request) and from the settings ``auth.tokens``
+(``name:scope:secret;...``) and ``auth.orgs`` (``{org: [user, ...]}``). A single-host store's
+tokens file (``STORE/tokens.json``) is moved into the index at the first start.
 
 Users and organisations share one set of namespace names, unique whatever their case (no
 ``Alice`` beside ``alice``). A namespace that holds repos in the store is never handed to a new
@@ -22,11 +24,10 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,13 +38,16 @@ from fastapi import Request
 from .errors import Forbidden, RepoNotFound, Unauthorized
 from .settings import Settings
 from .store.errors import InvalidRequest
+from .store.index import Index
 from .store.naming import validate_namespace
+from .store.shared import AUTH_KEY, adopt_file
 
 __all__ = [
     "Identity",
     "Scope",
     "TokenRegistry",
     "add_member",
+    "adopt_tokens_file",
     "check_grant",
     "check_read",
     "check_write",
@@ -110,53 +114,50 @@ class _Auth:
 
 
 class TokenRegistry:
-    """The known tokens and organisations: those of the tokens file, re-read on the first
-    request after it changes (one ``stat`` per lookup), and those of the settings."""
+    """The known tokens and organisations: those of the index, read again on the first request
+    after they change (one version lookup per request), and those of the settings."""
 
-    def __init__(self, path: Path | None, fixed: _Auth):
-        self._path, self._fixed = path, fixed
-        self._stamp: tuple[int, int, int] | None = None
-        self._from_file = _Auth([], {})
+    def __init__(self, index: Index, fixed: _Auth):
+        self._index, self._fixed = index, fixed
+        self._stamp = -1
+        self._stored = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> TokenRegistry:
-        """Tokens and organisations from the tokens file (if it exists) and from ``auth.tokens``
-        and ``auth.orgs``."""
-        return cls(settings.tokens_path(), _settings_auth(settings))
+    def from_settings(cls, settings: Settings, index: Index) -> TokenRegistry:
+        """Tokens and organisations from ``index`` (adopting a single-host store's tokens file
+        first) and from ``auth.tokens`` and ``auth.orgs``."""
+        adopt_tokens_file(index, settings.tokens_path())
+        return cls(index, _settings_auth(settings))
 
     def _refresh(self, strict: bool = False) -> None:
-        """Re-read the tokens file if it changed (written by ``vip-hub token``, atomically). An
-        invalid file fails at start-up (``strict``); later, the last valid one stays in force."""
-        try:
-            st = self._path.stat() if self._path else None
-        except FileNotFoundError:
-            st = None
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
-        if stamp == self._stamp:
+        """Read the index's tokens again if their version changed. An invalid document fails at
+        start-up (``strict``); later, the last valid one stays in force."""
+        if self._index.state(AUTH_KEY)[1] == self._stamp:
             return
         with self._lock:
+            value, stamp = self._index.state(AUTH_KEY)
             if stamp == self._stamp:
                 return
             try:
-                self._from_file = _read_auth(self._path) if st and self._path else _Auth([], {})
+                self._stored = _parse_auth(_document(value, _WHERE), _WHERE)
             except ValueError:
                 if strict:
                     raise
-                _log.exception("keeping the previous tokens: the tokens file is invalid")
+                _log.exception("keeping the previous tokens: the index's tokens are invalid")
             self._stamp = stamp
 
     def __len__(self) -> int:
         self._refresh()
-        return len(self._from_file.tokens) + len(self._fixed.tokens)
+        return len(self._stored.tokens) + len(self._fixed.tokens)
 
     def lookup(self, token: str) -> Identity | None:
         """The identity of ``token``; every hash is compared, in constant time."""
         self._refresh()
         presented = _hash(token)
         found = None
-        for entry in self._from_file.tokens + self._fixed.tokens:
+        for entry in self._stored.tokens + self._fixed.tokens:
             if hmac.compare_digest(entry.sha256, presented):
                 found = entry
         return self._identity(found) if found else None
@@ -168,7 +169,7 @@ class TokenRegistry:
         found = next(
             (
                 e
-                for e in self._from_file.tokens + self._fixed.tokens
+                for e in self._stored.tokens + self._fixed.tokens
                 if hmac.compare_digest(_token_id(e.sha256), token_id)
             ),
             None,
@@ -181,7 +182,7 @@ class TokenRegistry:
         return next(
             (
                 other
-                for source in (self._from_file, self._fixed)
+                for source in (self._stored, self._fixed)
                 for other in [*(t.name for t in source.tokens), *source.orgs]
                 if other != namespace and other.casefold() == namespace.casefold()
             ),
@@ -191,10 +192,10 @@ class TokenRegistry:
     def _identity(self, entry: _Entry) -> Identity:
         """``entry``'s identity; an organisation named like a user, in any case, gives no
         membership (a user's namespace is its own)."""
-        users = {e.name.casefold() for e in self._from_file.tokens + self._fixed.tokens}
+        users = {e.name.casefold() for e in self._stored.tokens + self._fixed.tokens}
         orgs = frozenset(
             org
-            for source in (self._from_file, self._fixed)
+            for source in (self._stored, self._fixed)
             for org, members in source.orgs.items()
             if entry.name in members and org.casefold() not in users
         )
@@ -218,39 +219,59 @@ def _settings_auth(settings: Settings) -> _Auth:
     return fixed
 
 
-def _read_auth(path: Path) -> _Auth:
-    data = _load(path)
+_WHERE = "the hub's tokens"
+
+
+def _parse_auth(data: dict[str, Any], where: str) -> _Auth:
     try:
         entries = []
         for t in data["tokens"]:
-            _check_scope(t["scope"], f"{path}: token {t['name']!r}")
+            _check_scope(t["scope"], f"{where}: token {t['name']!r}")
             entries.append(_Entry(t["sha256"], t["name"], t["scope"]))
         orgs = {
             str(org): {str(m) for m in members} for org, members in data.get("orgs", {}).items()
         }
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a valid tokens file: {e}") from None
+        raise ValueError(f"{where} are not valid: {e}") from None
     return _Auth(entries, orgs)
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _document(text: str | None, where: str) -> dict[str, Any]:
+    """The tokens document ``{"tokens": [...], "orgs": {...}}`` of ``text`` (empty if None)."""
     try:
-        data = json.loads(path.read_text()) if path.is_file() else {"tokens": []}
+        data = json.loads(text) if text is not None else {"tokens": []}
     except ValueError as e:
-        raise ValueError(f"{path} is not a valid tokens file: {e}") from None
+        raise ValueError(f"{where} are not valid: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
-        raise ValueError(f"{path} is not a valid tokens file: no 'tokens' list")
+        raise ValueError(f"{where} are not valid: no 'tokens' list")
     return data
 
 
-def _save(path: Path, data: dict[str, Any]) -> None:
-    """Write the tokens file atomically, owner-only (a running server sees the old or the new
-    one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def _read_tokens_file(path: Path) -> str:
+    """A single-host store's tokens file, checked, as the index keeps it."""
+    data = _document(path.read_text(), str(path))
+    _parse_auth(data, str(path))
+    return json.dumps(data)
+
+
+def adopt_tokens_file(index: Index, path: Path) -> None:
+    """Move a single-host store's tokens file into ``index`` (unless it holds tokens already)."""
+    adopt_file(index, AUTH_KEY, path, _read_tokens_file)
+
+
+def _change(index: Index, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``change`` to the index's tokens document (atomically, against other writers)."""
+
+    def changed(value: str | None) -> str:
+        data = _document(value, _WHERE)
+        change(data)
+        return json.dumps(data)
+
+    index.update_state(AUTH_KEY, changed)
+
+
+def _load(index: Index) -> dict[str, Any]:
+    return _document(index.state(AUTH_KEY)[0], _WHERE)
 
 
 def _check_scope(scope: str, where: str) -> None:
@@ -279,9 +300,9 @@ def _check_free(name: str, sources: Collection[_Auth], where: str) -> None:
             )
 
 
-def _sources(path: Path, settings: Settings | None) -> list[_Auth]:
-    """The users and organisations of the tokens file and of the settings."""
-    return [_read_auth(path), *([_settings_auth(settings)] if settings else [])]
+def _sources(data: dict[str, Any], settings: Settings | None) -> list[_Auth]:
+    """The users and organisations of the tokens document and of the settings."""
+    return [_parse_auth(data, _WHERE), *([_settings_auth(settings)] if settings else [])]
 
 
 def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -> None:
@@ -364,53 +385,58 @@ def private_namespaces(who: Identity | None) -> bool | frozenset[str]:
 
 
 def create_token(
-    path: Path,
+    index: Index,
     name: str,
     scope: Scope,
     settings: Settings | None = None,
     repos: Collection[str] = (),
     inherit: bool = False,
 ) -> str:
-    """Add a new random token for user ``name`` to the tokens file (hash only) and return the
-    secret once. ``name`` may not be a user's or an organisation's in any case (the file's, or
-    the ``settings``'), nor a namespace holding ``repos`` (the store's repos in it) unless
+    """Add a new random token for user ``name`` to the index (hash only) and return the secret
+    once. ``name`` may not be a user's or an organisation's in any case (the index's, or the
+    ``settings``'), nor a namespace holding ``repos`` (the store's repos in it) unless
     ``inherit``."""
     _check_scope(scope, "token")
-    data = _load(path)
-    _check_free(name, _sources(path, settings), str(path))
-    _check_unheld(name, "user", repos, inherit)
     secret = "vh_" + secrets.token_urlsafe(32)
-    data["tokens"].append(
-        {
-            "name": name,
-            "scope": scope,
-            "sha256": _hash(secret),
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-    )
-    _save(path, data)
+
+    def add(data: dict[str, Any]) -> None:
+        _check_free(name, _sources(data, settings), _WHERE)
+        _check_unheld(name, "user", repos, inherit)
+        data["tokens"].append(
+            {
+                "name": name,
+                "scope": scope,
+                "sha256": _hash(secret),
+                "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        )
+
+    _change(index, add)
     return secret
 
 
-def list_tokens(path: Path) -> list[dict[str, str]]:
-    """The tokens of the tokens file: name, scope and creation time (never a secret)."""
+def list_tokens(index: Index) -> list[dict[str, str]]:
+    """The index's tokens: name, scope and creation time (never a secret)."""
     return [
-        {k: t.get(k, "") for k in ("name", "scope", "created_at")} for t in _load(path)["tokens"]
+        {k: t.get(k, "") for k in ("name", "scope", "created_at")} for t in _load(index)["tokens"]
     ]
 
 
-def revoke_token(path: Path, name: str) -> None:
-    """Remove the token ``name``; a running server refuses it (and the upload grants it was
-    given) from its next request on."""
-    data = _load(path)
-    kept = [t for t in data["tokens"] if t["name"] != name]
-    if len(kept) == len(data["tokens"]):
-        raise ValueError(f"no token named {name!r} in {path}")
-    _save(path, {**data, "tokens": kept})
+def revoke_token(index: Index, name: str) -> None:
+    """Remove the token ``name``; every replica refuses it (and the upload grants it was given)
+    from its next request on."""
+
+    def remove(data: dict[str, Any]) -> None:
+        kept = [t for t in data["tokens"] if t["name"] != name]
+        if len(kept) == len(data["tokens"]):
+            raise ValueError(f"no token named {name!r} in {_WHERE}")
+        data["tokens"] = kept
+
+    _change(index, remove)
 
 
 def add_member(
-    path: Path,
+    index: Index,
     org: str,
     user: str,
     settings: Settings | None = None,
@@ -418,40 +444,44 @@ def add_member(
     inherit: bool = False,
 ) -> None:
     """Make ``user`` a member of organisation ``org``. A new organisation's name may not be a
-    user's or another organisation's in any case (the file's, or the ``settings'``), nor a
+    user's or another organisation's in any case (the index's, or the ``settings'``), nor a
     namespace holding ``repos`` (the store's repos in it) unless ``inherit``."""
-    data = _load(path)
-    orgs = data.setdefault("orgs", {})
-    if org not in orgs and (settings is None or org not in settings.auth.orgs):
-        _check_org_name(org, str(path))
-        _check_free(org, _sources(path, settings), str(path))
-        _check_unheld(org, "organisation", repos, inherit)
-    members = orgs.setdefault(org, [])
-    if user not in members:
-        members.append(user)
-    _save(path, data)
+
+    def add(data: dict[str, Any]) -> None:
+        orgs = data.setdefault("orgs", {})
+        if org not in orgs and (settings is None or org not in settings.auth.orgs):
+            _check_org_name(org, _WHERE)
+            _check_free(org, _sources(data, settings), _WHERE)
+            _check_unheld(org, "organisation", repos, inherit)
+        members = orgs.setdefault(org, [])
+        if user not in members:
+            members.append(user)
+
+    _change(index, add)
 
 
-def remove_member(path: Path, org: str, user: str) -> None:
+def remove_member(index: Index, org: str, user: str) -> None:
     """Remove ``user`` from ``org``; the organisation keeps its name (and its namespace) even
     without members."""
-    data = _load(path)
-    members = data.get("orgs", {}).get(org, [])
-    if user not in members:
-        raise ValueError(f"{user!r} is not a member of {org!r} in {path}")
-    members.remove(user)
-    _save(path, data)
+
+    def remove(data: dict[str, Any]) -> None:
+        members = data.get("orgs", {}).get(org, [])
+        if user not in members:
+            raise ValueError(f"{user!r} is not a member of {org!r} in {_WHERE}")
+        members.remove(user)
+
+    _change(index, remove)
 
 
-def list_orgs(path: Path) -> dict[str, list[str]]:
-    """The organisations of the tokens file and their members."""
-    return {org: list(members) for org, members in _load(path).get("orgs", {}).items()}
+def list_orgs(index: Index) -> dict[str, list[str]]:
+    """The index's organisations and their members."""
+    return {org: list(members) for org, members in _load(index).get("orgs", {}).items()}
 
 
 def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float, who: Identity) -> str:
     """A short-lived bearer grant for ``purpose`` on ``subject`` (e.g. an LFS object PUT, a
     Xet upload session), given to ``who``'s token: ``<expiry>.<token id>.<hmac>``, checked
-    with :func:`check_grant` by any replica that shares the store's key."""
+    with :func:`check_grant` by any replica that shares the index (its grant key)."""
     expires = int(time.time() + ttl_s)
     return f"{expires}.{who.token_id}.{_grant_mac(key, purpose, subject, expires, who.token_id)}"
 

@@ -13,6 +13,7 @@ from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
 
 if TYPE_CHECKING:
     from .settings import Settings
+    from .store import HubStore
 
 __all__ = ["register_org", "register_serve", "register_store", "register_token", "register_trust"]
 
@@ -80,7 +81,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=settings.log_level,
         log_config=log_config(settings.log_level),
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.drain_s,  # SIGTERM: stop accepting, drain, exit
     )
 
 
@@ -91,20 +92,18 @@ def _admin_command(
     help: str,
     actions: tuple[str, ...] = ("add", "list", "remove"),
 ) -> argparse.ArgumentParser:
-    """A command that changes or lists one of the hub's files (its first argument: the action);
-    a running server reads the file again, so it needs no restart."""
-    p = add_command(sub, name, handler, f"{help} (a running server sees the change)")
+    """A command that changes or lists what the hub's index holds (its first argument: the
+    action); every replica sharing the index sees the change, without a restart."""
+    p = add_command(sub, name, handler, f"{help} (running servers see the change)")
     p.add_argument("action", choices=actions)
+    p.add_argument(
+        "--store", type=Path, help="store folder (its index, unless the settings name one)"
+    )
+    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
     return p
 
 
-def _tokens_file_options(p: argparse.ArgumentParser) -> None:
-    """Where ``token`` and ``org`` find the tokens file and the store whose namespaces they
-    give out; ``--inherit``."""
-    p.add_argument(
-        "--store", type=Path, help="store folder whose tokens.json to use and whose repos to check"
-    )
-    p.add_argument("--tokens-file", type=Path, help="tokens file (default: STORE/tokens.json)")
+def _inherit_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--inherit",
         action="store_true",
@@ -113,26 +112,23 @@ def _tokens_file_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _repos_in(settings: Settings, namespace: str) -> list[str]:
-    """The store's repos in ``namespace`` (any case); none when the store does not exist yet."""
-    from .store import HubStore
-
-    if not settings.store.is_dir():
-        return []
-    return HubStore(settings.store, index=settings.index).repos_in(namespace)
-
-
 @contextmanager
-def _tokens_file(args: argparse.Namespace) -> Iterator[tuple[Settings, Path]]:
-    """The settings and the tokens file; a refused change (ValueError) becomes a one-line error."""
+def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
+    """The settings and the store with its index (a single-host store's files adopted into it);
+    a refused change (ValueError, a store error) becomes a one-line error."""
     from vip_hub.errors import ConfigError
 
+    from .auth import adopt_tokens_file
     from .settings import Settings
+    from .store import HubStore
+    from .store.errors import StoreError
 
     settings = Settings(**_overrides(args))
+    store = HubStore.from_settings(settings)
+    adopt_tokens_file(store.index, settings.tokens_path())
     try:
-        yield settings, args.tokens_file or settings.tokens_path()
-    except ValueError as e:
+        yield settings, store
+    except (ValueError, StoreError) as e:
         raise ConfigError(str(e)) from None
 
 
@@ -147,7 +143,7 @@ def register_token(sub: Any) -> None:
         "and to its organisations' (create, revoke)",
     )
     p.add_argument("--scope", choices=["read", "write", "admin"], default="read")
-    _tokens_file_options(p)
+    _inherit_option(p)
 
 
 def _token(args: argparse.Namespace) -> None:
@@ -157,16 +153,16 @@ def _token(args: argparse.Namespace) -> None:
 
     if args.action != "list" and not args.name:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
-    with _tokens_file(args) as (settings, path):
+    with _hub_store(args) as (settings, store):
         if args.action == "create":
-            repos = _repos_in(settings, args.name)
-            secret = create_token(path, args.name, args.scope, settings, repos, args.inherit)
+            repos = store.repos_in(args.name)
+            secret = create_token(store.index, args.name, args.scope, settings, repos, args.inherit)
             print(secret)  # shown this once
         elif args.action == "revoke":
-            revoke_token(path, args.name)
+            revoke_token(store.index, args.name)
             print(f"revoked {args.name!r}")
         else:
-            for t in list_tokens(path):
+            for t in list_tokens(store.index):
                 print(f"{t['name']}\t{t['scope']}\t{t['created_at']}")
 
 
@@ -174,7 +170,7 @@ def register_org(sub: Any) -> None:
     p = _admin_command(sub, "org", _org, "add, list or remove the hub's organisation members")
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
     p.add_argument("--member", help="the user (a token's name) to add or remove")
-    _tokens_file_options(p)
+    _inherit_option(p)
 
 
 def _org(args: argparse.Namespace) -> None:
@@ -184,18 +180,18 @@ def _org(args: argparse.Namespace) -> None:
 
     if args.action != "list" and not (args.org and args.member):
         raise ConfigError(f"vip-hub org {args.action} needs ORG and --member USER")
-    with _tokens_file(args) as (settings, path):
+    with _hub_store(args) as (settings, store):
         if args.action == "add":
-            repos = _repos_in(settings, args.org)
-            add_member(path, args.org, args.member, settings, repos, args.inherit)
+            repos = store.repos_in(args.org)
+            add_member(store.index, args.org, args.member, settings, repos, args.inherit)
             print(f"{args.member!r} is a member of {args.org!r}")
         elif args.action == "remove":
-            remove_member(path, args.org, args.member)
+            remove_member(store.index, args.org, args.member)
             print(f"{args.member!r} is no longer a member of {args.org!r}")
         else:
-            from_file = list_orgs(path)
-            for org in sorted({*settings.auth.orgs, *from_file}):
-                members = {*settings.auth.orgs.get(org, []), *from_file.get(org, [])}
+            stored = list_orgs(store.index)
+            for org in sorted({*settings.auth.orgs, *stored}):
+                members = {*settings.auth.orgs.get(org, []), *stored.get(org, [])}
                 print(f"{org}\t{', '.join(sorted(members))}")
 
 
@@ -205,39 +201,28 @@ def register_trust(sub: Any) -> None:
     p.add_argument(
         "public_key", nargs="?", type=Path, help="the signer's PEM public key file (add)"
     )
-    p.add_argument("--store", type=Path, help="store folder whose trusted_keys/ to use")
-    p.add_argument("--trusted-keys", type=Path, help="key folder (default: STORE/trusted_keys)")
-    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
 
 
 def _trust(args: argparse.Namespace) -> None:
-    import shutil
-
     from vip_hub.errors import ConfigError
-    from vip_hub.repo.signing import PUBLIC_SUFFIX, PublicKey, check_key_name, load_keys
 
-    from .settings import Settings
+    from .store.shared import distrust_key, trust_key, trusted_public_keys
 
-    folder = args.trusted_keys or Settings(**_overrides(args)).trusted_keys_path()
-    if args.action == "list":
-        for key in load_keys([folder]):
-            print(f"{key.name}\t{key.fingerprint}")
-        return
-    target = folder / f"{check_key_name(args.name)}{PUBLIC_SUFFIX}"
-    if args.action == "remove":
-        if not target.is_file():
-            raise ConfigError(f"no trusted key {args.name!r} in {folder}")
-        target.unlink()
-        print(f"removed {args.name!r}: commits signed by it are refused from now on")
-        return
-    if args.public_key is None:
-        raise ConfigError("vip-hub trust add needs NAME and the PUBLIC_KEY file")
-    key = PublicKey.load(args.public_key)  # refuses anything but an EC public key
-    if target.exists():
-        raise ConfigError(f"a trusted key {args.name!r} exists in {folder}; remove it first")
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(args.public_key, target)
-    print(f"trusted {args.name!r} ({key.fingerprint})")
+    with _hub_store(args) as (_, store):
+        if args.action == "list":
+            with trusted_public_keys(store.index, store.blobs.tmp) as keys:
+                for key in keys:
+                    print(f"{key.name}\t{key.fingerprint}")
+        elif args.action == "remove":
+            if not args.name:
+                raise ConfigError("vip-hub trust remove needs NAME")
+            distrust_key(store.index, args.name)
+            print(f"removed {args.name!r}: commits signed by it are refused from now on")
+        else:
+            if args.public_key is None:
+                raise ConfigError("vip-hub trust add needs NAME and the PUBLIC_KEY file")
+            key = trust_key(store.index, args.name, args.public_key)
+            print(f"trusted {args.name!r} ({key.fingerprint})")
 
 
 def register_store(sub: Any) -> None:

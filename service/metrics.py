@@ -25,6 +25,11 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.in_flight = Gauge(
+            "vip_hub_requests_in_flight",
+            "HTTP requests received and not yet answered (what a drain on SIGTERM waits for)",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "vip_hub_queue_images", "Images waiting per model", ["model"], registry=r
         )

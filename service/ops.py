@@ -26,7 +26,7 @@ from .auth import identity_or_anonymous
 from .metrics import Metrics
 from .store.errors import StoreError
 
-__all__ = ["ACCESS_LOGGER", "install", "log_config"]
+__all__ = ["ACCESS_LOGGER", "InFlightMiddleware", "install", "log_config"]
 
 ACCESS_LOGGER = "vip_hub.access"
 _access = logging.getLogger(ACCESS_LOGGER)
@@ -93,6 +93,25 @@ class RequestMetricsMiddleware:
                     status,
                     extra={"duration_ms": seconds * 1e3},
                 )
+
+
+class InFlightMiddleware:
+    """Count the HTTP requests received and not yet answered (``vip_hub_requests_in_flight``),
+    from the moment their head is parsed: the outermost layer, so a body still arriving or
+    held by another layer counts too."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.metrics.in_flight.dec()
 
 
 def install(app: FastAPI, metrics: Metrics) -> None:

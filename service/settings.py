@@ -60,9 +60,10 @@ class HubSettings(BaseModel):
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
     trusted_keys: Path | None = Field(
         None,
-        description="folder of the public keys (NAME.pub; or one such file) "
-        "whose signatures (model.sig) commits may carry, managed with `vip-hub trust` "
-        "(default: STORE/trusted_keys); a commit signed by any other key is refused",
+        description="a single-host store's folder of trusted public keys (NAME.pub), moved "
+        "into the index at the first start (default: STORE/trusted_keys); the keys whose "
+        "signatures (model.sig) commits may carry are then managed with `vip-hub trust`, and a "
+        "commit signed by any other key is refused",
     )
     require_signature: bool = Field(False, description="refuse unsigned commits too")
     max_commit_files: int = Field(
@@ -159,7 +160,10 @@ class AuthSettings(BaseModel):
     """Tokens and organisations. The server keeps only the tokens' SHA-256 hashes."""
 
     tokens_file: Path | None = Field(
-        None, description="JSON file written by `vip-hub token create` (default: STORE/tokens.json)"
+        None,
+        description="a single-host store's tokens file, moved into the index at the first "
+        "start (default: STORE/tokens.json); tokens and organisations are then managed with "
+        "`vip-hub token` and `vip-hub org`",
     )
     tokens: str | None = Field(
         None,
@@ -265,12 +269,20 @@ class Settings(BaseSettings):
     index: str | None = Field(
         None,
         description="postgresql://user:password@host:port/db: the store's index in "
-        "PostgreSQL, so several hub processes on several hosts share one store (its "
-        "folder on a shared filesystem); default: SQLite inside the store",
+        "PostgreSQL, so several hub processes on several hosts share one store (with an "
+        "object store, each with a folder of its own; else its folder on a shared "
+        "filesystem); default: SQLite inside the store",
     )
     host: str = DEFAULT_HOST
     port: Port = DEFAULT_PORT
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    drain_s: float = Field(
+        120,
+        gt=0,
+        description="graceful drain on SIGTERM: the server stops accepting at once, then gives "
+        "the requests in flight (uploads, commits, inference batches) this long to finish "
+        "before it cancels them and exits",
+    )
     max_body_bytes: int = Field(
         MIB,
         gt=0,
@@ -289,11 +301,13 @@ class Settings(BaseSettings):
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
 
     def trusted_keys_path(self) -> Path:
-        """The operator's key list: ``hub.trusted_keys``, else ``trusted_keys/`` in the store."""
+        """A single-host store's key folder (adopted into the index): ``hub.trusted_keys``, else
+        ``trusted_keys/`` in the store."""
         return self.hub.trusted_keys or self.store / "trusted_keys"
 
     def tokens_path(self) -> Path:
-        """Where tokens are kept: ``auth.tokens_file``, else ``tokens.json`` in the store."""
+        """A single-host store's tokens file (adopted into the index): ``auth.tokens_file``, else
+        ``tokens.json`` in the store."""
         return self.auth.tokens_file or self.store / "tokens.json"
 
     @classmethod

@@ -93,3 +93,21 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory):
             yield store
         finally:
             store.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One throwaway PostgreSQL server per test session (``system.Postgres``)."""
+    from system import Postgres
+
+    server = Postgres().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres(postgres_server) -> str:
+    """The URL of an empty database of the test module's own on the session's PostgreSQL."""
+    return postgres_server.new_database()

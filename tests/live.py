@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
+import http.client
 import json
 import os
 import signal
@@ -124,6 +127,78 @@ def raw_commit(
     )
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux's
+    /proc): so a test never mistakes another process that took a freed port for its server."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port and inode in inodes:
+            return True
+    return False
+
+
+def commit_body(folder: Path) -> bytes:
+    """An NDJSON commit body adding every file of ``folder`` inline (base64)."""
+    from vip_hub.repo.verify import repo_files
+
+    lines: list[dict[str, object]] = [
+        {"key": "header", "value": {"summary": "v2", "description": ""}}
+    ]
+    for rel, path in repo_files(folder).items():
+        content = base64.b64encode(path.read_bytes()).decode()
+        lines.append(
+            {"key": "file", "value": {"content": content, "path": rel, "encoding": "base64"}}
+        )
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def start_request(
+    url: str, method: str, target: str, body: bytes, send: int, headers: dict[str, str]
+) -> socket.socket:
+    """Open a connection to ``url`` and send a request's head and the first ``send`` bytes of
+    its ``body`` (the rest with ``sock.sendall``); :func:`read_response` reads the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = f"{method} {target} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Length": len(body)}.items())
+    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
+        sock.sendall(head.encode() + b"\r\n" + body[:send])
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """The status and body of the HTTP response on ``sock``."""
+    reply = http.client.HTTPResponse(sock)
+    reply.begin()
+    return reply.status, reply.read()
+
+
+def start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.socket:
+    """Start a commit POST of ``body`` to ``repo_id``'s main, sending ``send`` bytes of it."""
+    headers = {"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"}
+    return start_request(url, "POST", f"/api/models/{repo_id}/commit/main", body, send, headers)
+
+
+def start_lfs_put(url: str, repo_id: str, data: bytes, send: int) -> socket.socket:
+    """Start the Git LFS PUT of ``data`` (its batch call first), sending ``send`` bytes of it."""
+    oid = hashlib.sha256(data).hexdigest()
+    batch = httpx.post(
+        f"{url}/{repo_id}.git/info/lfs/objects/batch",
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
+        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
+        timeout=60,
+    ).json()
+    href = batch["objects"][0]["actions"]["upload"]["href"]
+    return start_request(url, "PUT", href.removeprefix(url), data, send, {})
+
+
 class ProcessServer:
     """``vip-hub serve`` in its own process (so a test can SIGKILL it)."""
 
@@ -142,6 +217,8 @@ class ProcessServer:
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
+        # its log (the access log included) in a file: a pipe nobody reads would fill and stall it
+        self.log = store.parent / f"{store.name}-{self.port}.log"
 
     @property
     def url(self) -> str:
@@ -149,28 +226,28 @@ class ProcessServer:
 
     def start(self) -> ProcessServer:
         script = Path(sys.executable).with_name("vip-hub")
-        self.proc = subprocess.Popen(
-            [
-                str(script),
-                "serve",
-                "--store",
-                str(self.store),
-                "--port",
-                str(self.port),
-                *([] if self.inference else ["--no-inference"]),
-            ],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        with open(self.log, "ab") as log:  # the process holds its own copy
+            self.proc = subprocess.Popen(
+                [
+                    str(script),
+                    "serve",
+                    "--store",
+                    str(self.store),
+                    "--port",
+                    str(self.port),
+                    *([] if self.inference else ["--no-inference"]),
+                ],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    self.proc.stderr.read().decode() if self.proc.stderr else "server died"
-                )
+                raise RuntimeError(self.log.read_text(errors="replace")[-4000:])
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                answered = httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+                if answered and listens_on(self.proc.pid, self.port):
                     return self
             except httpx.HTTPError:
                 pass

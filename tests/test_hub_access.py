@@ -140,9 +140,10 @@ def test_org_command_changes_membership_while_running(server, repos, capsys):
         main(["org", "add", "frank", "--member", "carol", "--store", store]) == 1
     )  # a user's name
     assert "the user 'frank' holds that namespace" in capsys.readouterr().err
-    tokens = json.loads((server.settings.store / "tokens.json").read_text())
+    index = server.app.state.store.index
+    tokens = json.loads(index.state("auth")[0])
     tokens["orgs"]["alice"] = ["carol"]  # written by hand: still no way into a user's namespace
-    (server.settings.store / "tokens.json").write_text(json.dumps(tokens))
+    index.update_state("auth", lambda _: json.dumps(tokens))
     assert _status(lambda: carol.create_repo("alice/via-an-org")) == 403
 
 
@@ -161,7 +162,7 @@ def test_names_are_unique_whatever_their_case(server, repos, capsys):
         assert main([*args, "--store", store]) == (1 if existing else 0), args
         if existing:
             assert f"is taken: {existing} holds that namespace" in capsys.readouterr().err
-    assert "Gina" not in json.loads((server.settings.store / "tokens.json").read_text())["orgs"]
+    assert "Gina" not in json.loads(server.app.state.store.index.state("auth")[0])["orgs"]
     root = _api(server, ROOT)  # an operator may create anywhere, but not beside a name
     with pytest.raises(HfHubHTTPError) as err:
         root.create_repo("Alice/imitation")
@@ -442,10 +443,11 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
         for p in (server.settings.store / "uploads" / "sha256").rglob("*")
         if p.is_file() and p.stat().st_size > 1 << 20
     ]
-    # a grant ends with its token: revoked in the tokens file, the next CAS call is refused
-    tokens = server.settings.tokens_path()
+    # a grant ends with its token: revoked in the index, the next CAS call is refused
+    tokens = server.app.state.store.index
     secret = create_token(tokens, "erin", "write")
-    assert main(["org", "add", "erins", "--member", "erin", "--tokens-file", str(tokens)]) == 0
+    store = str(server.settings.store)
+    assert main(["org", "add", "erins", "--member", "erin", "--store", store]) == 0
     _api(server, secret).create_repo("erins/model")
     cas, erin = _xet_grant(server, "erins/model", secret)
     lfs = httpx.post(

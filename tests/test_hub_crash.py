@@ -3,18 +3,16 @@ previous revision intact and served, or the new one whole. The server dies at a 
 point (``VIP_HUB_CRASH_AT``, ``service/store/faults.py``), not after a guessed sleep."""
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers import TINY, random_text, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer
+from live import WRITE_TOKEN, ProcessServer, commit_body, start_commit, start_lfs_put
 
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import export_encoder, verify_repo
@@ -22,54 +20,6 @@ from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
-
-
-def _commit_body(folder: Path) -> bytes:
-    lines = [{"key": "header", "value": {"summary": "v2", "description": ""}}]
-    for rel, path in repo_files(folder).items():
-        lines.append(
-            {
-                "key": "file",
-                "value": {
-                    "content": base64.b64encode(path.read_bytes()).decode(),
-                    "path": rel,
-                    "encoding": "base64",
-                },
-            }
-        )
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-def _start_commit(url: str, repo_id: str, body: bytes, send: int) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    head = (
-        f"POST /api/models/{repo_id}/commit/main HTTP/1.1\r\nHost: {host}\r\n"
-        f"Authorization: Bearer {WRITE_TOKEN}\r\nContent-Type: application/x-ndjson\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
-        sock.sendall(head + body[:send])
-    return sock
-
-
-def _lfs_upload(url: str, repo_id: str, data: bytes, send: int) -> socket.socket:
-    """Start the Git LFS PUT of ``data`` (its batch call first), sending ``send`` bytes of it."""
-    oid = hashlib.sha256(data).hexdigest()
-    batch = httpx.post(
-        f"{url}/{repo_id}.git/info/lfs/objects/batch",
-        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
-        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
-    ).json()
-    href = batch["objects"][0]["actions"]["upload"]["href"].removeprefix(url)
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    with contextlib.suppress(ConnectionError):  # the server may reach its crash point meanwhile
-        sock.sendall(
-            f"PUT {href} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-            + data[:send]
-        )
-    return sock
 
 
 def _lfs_commit_body(folder: Path, big: str) -> bytes:
@@ -152,14 +102,14 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
     server = ProcessServer(store, port=server.port, extra_env={CRASH_ENV: step}).start()
     try:
         if send == "lfs-upload":
-            sock = _lfs_upload(server.url, "crash/m", big, len(big) // 2)
+            sock = start_lfs_put(server.url, "crash/m", big, len(big) // 2)
         elif send == "lfs-commit":  # the object arrives whole; the commit naming it dies
-            _lfs_upload(server.url, "crash/m", big, len(big)).recv(4096)
+            start_lfs_put(server.url, "crash/m", big, len(big)).recv(4096)
             body = _lfs_commit_body(v2, "extra/noise.txt")
-            sock = _start_commit(server.url, "crash/m", body, len(body))
+            sock = start_commit(server.url, "crash/m", body, len(body))
         else:
-            body = _commit_body(v2)
-            sock = _start_commit(
+            body = commit_body(v2)
+            sock = start_commit(
                 server.url,
                 "crash/m",
                 body,

@@ -4,19 +4,13 @@ nothing."""
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
-import psycopg
 import pytest
 from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ProcessServer, free_port
+from live import WRITE_TOKEN, ProcessServer
 
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict
@@ -24,80 +18,6 @@ from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
 
 pytestmark = pytest.mark.slow
-
-
-def _pg_bin(name: str) -> str:
-    """A PostgreSQL program, installing Debian's ``postgresql`` package when it is missing."""
-    found = shutil.which(name) or next(
-        iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None
-    )
-    if found:
-        return found
-    if not shutil.which("apt-get"):
-        pytest.skip("no PostgreSQL and no apt-get to install Debian's postgresql package")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(
-        ["apt-get", "install", "-y", "-q", "postgresql"], env=env, capture_output=True
-    ).returncode:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "postgresql"],
-            env=env,
-            capture_output=True,
-            check=True,
-        )
-    return _pg_bin(name)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    """A throwaway PostgreSQL server on 127.0.0.1 (run as the ``postgres`` user when we are
-    root: the server refuses to run as root); yields a connection URL to an empty database."""
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    folder = Path(tempfile.mkdtemp(prefix="vip-hub-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        if subprocess.run(["id", "postgres"], capture_output=True).returncode:
-            subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
-        shutil.chown(folder, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    port = free_port()
-    data = folder / "data"
-    subprocess.run(
-        [*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "vip", "--no-sync"],
-        check=True,
-        capture_output=True,
-    )
-    options = (
-        f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
-    )
-    subprocess.run(
-        [
-            *as_user,
-            pg_ctl,
-            "-D",
-            str(data),
-            "-o",
-            options,
-            "-l",
-            str(folder / "log"),
-            "-w",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        with psycopg.connect(
-            f"postgresql://vip@127.0.0.1:{port}/postgres", autocommit=True
-        ) as conn:
-            conn.execute("CREATE DATABASE hub")
-        yield f"postgresql://vip@127.0.0.1:{port}/hub"
-    finally:
-        subprocess.run(
-            [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True
-        )
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:

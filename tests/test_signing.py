@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from live import WRITE_TOKEN, ThreadedServer, settings_for
 
+from service.store.shared import trust_key
 from vip_hub import export_encoder
 from vip_hub.cli.main import main
 from vip_hub.errors import ConfigError, SignatureError, UntrustedSignerError
@@ -187,11 +187,9 @@ def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
 
 @pytest.fixture(scope="module")
 def trusted(hub, tmp_path_factory) -> tuple[Path, Path]:
-    """Alice's key pair, trusted by the module's hub (its operator's key list in the store)."""
+    """Alice's key pair, trusted by the module's hub (its operator's key list in the index)."""
     private, public = create_key(tmp_path_factory.mktemp("alice"), "alice")
-    folder = hub.settings.trusted_keys_path()
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(public.path, folder / "alice.pub")
+    trust_key(hub.app.state.store.index, "alice", public.path)
     return private, public.path
 
 

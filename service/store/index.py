@@ -3,13 +3,17 @@
 - :class:`SQLiteIndex`, the embedded default: ``STORE/index.sqlite`` (WAL), one connection per
   thread; commits to a repo are serialised by a file lock in ``STORE/locks``.
 - :class:`PostgresIndex`, for several hub processes on several hosts sharing one store (the
-  blobs on a shared filesystem): a connection pool (psycopg 3); commits to a repo are
-  serialised by a PostgreSQL advisory lock, which holds across hosts where file locks on a
-  network filesystem may not.
+  blobs on a shared filesystem or in an object store): a connection pool (psycopg 3); commits to
+  a repo are serialised by a PostgreSQL advisory lock, which holds across hosts where file locks
+  on a network filesystem may not.
 
 SQL is written once, with ``?`` placeholders, in the dialect both accept. The branch move is a
 compare-and-swap inside a transaction (``UPDATE refs ... WHERE commit_sha = <parent>``), so even
 without the lock no commit is lost or interleaved: a moved branch makes the commit fail.
+
+Beside them, ``hub_state`` holds what every replica must agree on and no replica may keep to
+itself (tokens and organisations, the trusted keys, the upload-grant key), each a versioned
+value changed by compare-and-swap.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import hashlib
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +95,11 @@ CREATE TABLE IF NOT EXISTS refs (
     commit_sha TEXT NOT NULL REFERENCES commits(sha),
     PRIMARY KEY (repo, kind, name)
 );
+CREATE TABLE IF NOT EXISTS hub_state (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    version BIGINT NOT NULL
+);
 """
 
 
@@ -111,6 +120,41 @@ class Index:
         """Run one statement in its own transaction; the number of rows it changed."""
         with self.transaction() as tx:
             return tx.execute(sql, args)
+
+    def state(self, key: str) -> tuple[str | None, int]:
+        """The hub-wide value ``key`` (tokens, trust list, grant key) and its version; (None, 0)
+        while unset."""
+        row = self.row("SELECT value, version FROM hub_state WHERE key = ?", (key,))
+        return (row["value"], int(row["version"])) if row else (None, 0)
+
+    def update_state(self, key: str, change: Callable[[str | None], str]) -> str:
+        """Set ``key`` to ``change(current value)``, retried until no other writer (process or
+        host) changed it meanwhile (a compare-and-swap on its version); returns what was set.
+        An exception from ``change`` leaves the value as it was."""
+        while True:
+            value, version = self.state(key)
+            new = change(value)
+            if version and new == value:
+                return new
+            with self.transaction() as tx:
+                if version == 0:
+                    done = tx.execute(
+                        "INSERT INTO hub_state (key, value, version) VALUES (?, ?, 1) "
+                        "ON CONFLICT (key) DO NOTHING",
+                        (key, new),
+                    )
+                else:
+                    done = tx.execute(
+                        "UPDATE hub_state SET value = ?, version = version + 1 "
+                        "WHERE key = ? AND version = ?",
+                        (new, key, version),
+                    )
+            if done == 1:
+                return new
+
+    def initial_state(self, key: str, value: str) -> str:
+        """``key``'s value, set to ``value`` first if unset (the first writer wins)."""
+        return self.update_state(key, lambda current: value if current is None else current)
 
     def transaction(
         self, read_only: bool = False

@@ -29,7 +29,7 @@ from vip_hub.paths import fsync_dir, make_private_dir
 from vip_hub.privacy.accounting import is_weak_delta
 from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headline
 from vip_hub.repo.card import load_card
-from vip_hub.repo.signing import PublicKey, load_keys, verify_signature
+from vip_hub.repo.signing import PublicKey, verify_signature
 from vip_hub.repo.verify import VerificationReport, verify_repo
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -71,6 +71,7 @@ from .naming import (
     validate_revision,
 )
 from .s3 import S3Objects
+from .shared import adopt_store_files, grant_key, trusted_public_keys
 from .xet import XetStore
 
 __all__ = [
@@ -208,7 +209,9 @@ Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 
 
 class HubStore:
-    """Read and write API of the store rooted at ``root`` (created on first use)."""
+    """Read and write API of the store rooted at ``root`` (created on first use). What replicas
+    must share lives in the index (``shared``): ``trusted_keys`` names only a single-host
+    store's key folder, adopted into the index at the first start."""
 
     def __init__(
         self,
@@ -240,6 +243,7 @@ class HubStore:
         self._secret = b""
         make_private_dir(self.root / "snapshots")
         self.index: Index = open_index(index, self.root)
+        adopt_store_files(self.index, self.root, self.trusted_keys)
         self._restate_epsilons()
         self.collect_uploads()
 
@@ -287,26 +291,11 @@ class HubStore:
             self.collect_uploads()
 
     def secret(self) -> bytes:
-        """A random key kept in the store (so every replica sharing it agrees): signs the
-        short-lived upload grants the hub hands out."""
-        if self._secret:
-            return self._secret
-        path = self.root / "secret.key"
-        try:
-            self._secret = path.read_bytes()
-            return self._secret
-        except FileNotFoundError:
-            tmp = self.blobs.new_temp()
-            tmp.write_bytes(os.urandom(32))
-            os.chmod(tmp, 0o600)
-            try:
-                os.link(tmp, path)  # the first replica to get here wins
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-            self._secret = path.read_bytes()
-            return self._secret
+        """The key that signs the short-lived upload grants the hub hands out: kept in the
+        index, so every replica sharing it agrees (``shared.grant_key``)."""
+        if not self._secret:
+            self._secret = grant_key(self.index)
+        return self._secret
 
     # ----------------------------------------------------------------- plumbing
     def _repo_row(self, db: Index | Transaction, repo_id: str) -> Row:
@@ -776,9 +765,11 @@ class HubStore:
 
     def _signer(self, files: dict[str, Path]) -> PublicKey | None:
         """The trusted key that signed the would-be tree ``files`` (None: unsigned, where this hub
-        accepts that); else SignatureRefused. The trusted keys are read at every commit."""
+        accepts that); else SignatureRefused. The trusted keys are read from the index at every
+        commit."""
         try:
-            signer = verify_signature(files, load_keys([self.trusted_keys]))
+            with trusted_public_keys(self.index, self.blobs.tmp) as keys:
+                signer = verify_signature(files, keys)
         except SignatureError as e:
             raise SignatureRefused(
                 "refused, nothing was stored: " + "; ".join(map(str, e.problems))

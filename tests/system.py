@@ -1,0 +1,173 @@
+"""Real servers from Debian packages, for tests: the package is installed with apt-get when its
+program is missing (as ``make test`` on a fresh Debian machine needs), then started on loopback
+with a folder and free ports of its own. PostgreSQL (a throwaway cluster made with initdb) and
+nginx (``docker/nginx.conf``, the load balancer in front of hub replicas)."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from live import free_port, listens_on
+
+
+def debian_program(name: str, package: str, pattern: str = "") -> str:
+    """The program ``name`` (on PATH or at ``pattern``, a glob), installing Debian's
+    ``package`` when it is missing."""
+    found = shutil.which(name) or next(iter(sorted(glob.glob(pattern or name))), None)
+    if found:
+        return found
+    if not shutil.which("apt-get"):
+        pytest.skip(f"no {name} and no apt-get to install Debian's {package} package")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", package]
+    if subprocess.run(install, env=env, capture_output=True).returncode:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        subprocess.run(install, env=env, capture_output=True, check=True)
+    return debian_program(name, package, pattern)
+
+
+def _pg_bin(name: str) -> str:
+    return debian_program(name, "postgresql", f"/usr/lib/postgresql/*/bin/{name}")
+
+
+class Postgres:
+    """A throwaway PostgreSQL server on 127.0.0.1 (run as the ``postgres`` user when we are
+    root: the server refuses to run as root); :meth:`new_database` gives each user an empty
+    database of its own."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="vip-hub-pg-"))
+        self.data = self.folder / "data"
+        self.port = free_port()
+        self.as_user: list[str] = []
+        self._names = itertools.count()
+
+    def start(self) -> Postgres:
+        initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if os.geteuid() == 0:
+            if subprocess.run(["id", "postgres"], capture_output=True).returncode:
+                subprocess.run(["useradd", "--system", "--no-create-home", "postgres"], check=True)
+            shutil.chown(self.folder, "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        subprocess.run(
+            [*self.as_user, initdb, "-D", str(self.data), "-A", "trust", "-U", "vip", "--no-sync"],
+            check=True,
+            capture_output=True,
+        )
+        options = (
+            f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c max_connections=200"
+        )
+        subprocess.run(
+            [
+                *self.as_user,
+                pg_ctl,
+                "-D",
+                str(self.data),
+                "-o",
+                options,
+                "-l",
+                str(self.folder / "log"),
+                "-w",
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return self
+
+    def new_database(self) -> str:
+        """The URL of a new empty database."""
+        name = f"hub{next(self._names)}"
+        url = f"postgresql://vip@127.0.0.1:{self.port}"
+        with psycopg.connect(f"{url}/postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return f"{url}/{name}"
+
+    def stop(self) -> None:
+        subprocess.run(
+            [*self.as_user, _pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"],
+            capture_output=True,
+        )
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+NGINX_CONF = Path(__file__).resolve().parents[1] / "docker" / "nginx.conf"
+
+
+class Nginx:
+    """nginx on 127.0.0.1:``port`` running the shipped ``docker/nginx.conf``, its ``hub`` and
+    ``inference`` upstreams pointed at the given ``host:port`` replicas; one worker, so
+    requests go round the replicas in turn."""
+
+    def __init__(self, folder: Path, port: int, hub: list[str], inference: list[str]):
+        self.folder, self.port = folder, port
+        self.hub, self.inference = hub, inference
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _site(self) -> str:
+        site = NGINX_CONF.read_text().replace("listen 8000;", f"listen 127.0.0.1:{self.port};")
+        for name, replicas in (("hub", self.hub), ("inference", self.inference)):
+            site = re.sub(
+                rf"server {name}:8000([^;]*);",
+                lambda m, rs=replicas: " ".join(f"server {r}{m.group(1)};" for r in rs),
+                site,
+            )
+        return site
+
+    def start(self) -> Nginx:
+        nginx = debian_program("nginx", "nginx", "/usr/sbin/nginx")
+        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+        temp = " ".join(
+            f"{kind}_temp_path {self.folder / kind};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        conf = self.folder / "nginx.conf"
+        conf.write_text(
+            ("user root;\n" if os.geteuid() == 0 else "")
+            + f"worker_processes 1;\npid {self.folder / 'nginx.pid'};\n"
+            + f"error_log {self.folder / 'error.log'} warn;\n"
+            + "events { worker_connections 512; }\n"
+            + f"http {{\naccess_log off;\n{temp}\n{self._site()}\n}}\n"
+        )
+        self.proc = subprocess.Popen(
+            [nginx, "-p", str(self.folder), "-e", str(self.folder / "error.log"), "-c", str(conf)]
+            + ["-g", "daemon off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()}")  # type: ignore[union-attr]
+            if listens_on(self.proc.pid, self.port):
+                return self
+            if time.monotonic() > deadline:
+                raise RuntimeError("nginx did not listen within 30 s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGQUIT (finish what is in flight), then SIGKILL after 10 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGQUIT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -1,0 +1,71 @@
+"""What every replica must agree on lives in the index, not in a replica's folder: a store made
+by a single host (tokens.json, trusted_keys/, secret.key) is adopted at its first start
+without losing anything, and what one replica's store was told, another's on
+the same PostgreSQL index honours."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import httpx
+from huggingface_hub import HfApi
+from live import ThreadedServer, settings_for
+
+from service.auth import TokenRegistry, create_token, revoke_token
+from service.store import HubStore
+from service.store.shared import trust_key, trusted_keys
+from vip_hub.repo.signing import create_key
+
+
+def test_a_single_host_store_is_adopted_into_the_index(tmp_path):
+    root = tmp_path / "store"
+    HubStore(root).create_repo("team/model")
+    secret = "vh_" + "s" * 40  # what `vip-hub token create` wrote before: its hash, in a file
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    tokens = {
+        "tokens": [{"name": "sam", "scope": "write", "sha256": digest}],
+        "orgs": {"team": ["sam"]},
+    }
+    (root / "tokens.json").write_text(json.dumps(tokens))
+    grant_key = os.urandom(32)
+    (root / "secret.key").write_bytes(grant_key)
+    create_key(root / "trusted_keys", "alice")
+    (root / "trusted_keys" / "alice.key").unlink()  # a hub holds public keys only
+
+    with ThreadedServer(settings_for(root, auth={"tokens": None, "orgs": {}})) as server:
+        store = server.app.state.store
+        who = HfApi(endpoint=server.url, token=secret).whoami()
+        assert who["name"] == "sam" and [o["name"] for o in who["orgs"]] == ["team"]
+        assert store.secret() == grant_key  # grants issued before the move still hold
+        assert list(trusted_keys(store.index)) == ["alice"]
+        reply = httpx.get(f"{server.url}/api/whoami-v2", headers={"Authorization": "Bearer x"})
+        assert reply.status_code == 401
+    # the files are set aside, so nobody edits what no longer counts
+    for name in ("tokens.json", "secret.key", "trusted_keys"):
+        assert not (root / name).exists() and (root / f"{name}.migrated").exists()
+
+    # a file put back later is not adopted over what the index holds
+    (root / "tokens.json").write_text(json.dumps({"tokens": []}))
+    again = HubStore(root)
+    assert again.secret() == grant_key
+    registry = TokenRegistry.from_settings(settings_for(root, auth={"tokens": None}), again.index)
+    assert registry.lookup(secret) is not None
+
+
+def test_stores_on_one_index_share_tokens_grant_key_and_trust(postgres, tmp_path):
+    """Two replicas' folders on one PostgreSQL index: what one was told, the other honours."""
+    first = HubStore(tmp_path / "replica-a", index=postgres)
+    second = HubStore(tmp_path / "replica-b", index=postgres)
+    assert first.secret() == second.secret()
+    registry = TokenRegistry.from_settings(
+        settings_for(tmp_path / "replica-b", auth={"tokens": None}), second.index
+    )
+    secret = create_token(first.index, "rita", "write")
+    assert registry.lookup(secret).name == "rita"  # seen on the next lookup
+    revoke_token(first.index, "rita")
+    assert registry.lookup(secret) is None
+    _, public = create_key(tmp_path / "keys", "bob")
+    trust_key(first.index, "bob", public.path)
+    assert list(trusted_keys(second.index)) == ["bob"]
