@@ -250,10 +250,10 @@ def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
     oid = hashlib.sha256(twice).hexdigest()
     _lfs_upload(s3_hub, "lfs/upkeep", twice)
     abandoned = _lfs_upload(s3_hub, "lfs/upkeep", b"PUT, never verified", verify=False)
-    time.sleep(2.5)
+    time.sleep(5.5)  # past the TTL and grace below; the fresh record then has 5 s of them
     _lfs_upload(s3_hub, "lfs/upkeep-other", twice)  # a fresh record names the old upload
-    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "2")
-    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "2")
+    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "5")
+    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "5")
     code, out = _cli(capsys, "gc")
     assert code == 0 and f"removed blob {orphan_sha}" in out, out
     blobs = {k.rsplit("/", 2)[1] + k.rsplit("/", 1)[1] for k in _keys(seaweed, "blobs/")}
