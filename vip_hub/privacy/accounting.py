@@ -209,6 +209,22 @@ def calibrate(
             f"sample rate {sample_rate} over {steps} steps (even sigma={MAX_SIGMA:g} gives more); "
             "raise the budget, or lower the sample rate or the number of steps"
         )
+    return _calibrate(
+        float(target_epsilon), float(delta), float(sample_rate), int(steps), kind, float(tolerance)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _calibrate(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    kind: Accountant,
+    tolerance: float,
+) -> float:
+    """``calibrate``'s search, once per process for each setting (the accountants are
+    deterministic; a search takes about a second)."""
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         warnings.simplefilter("ignore")
         if kind is Accountant.PLD:
