@@ -18,10 +18,14 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/vip-hub run
 
+## Tests run on both cores (pytest-xdist): each worker has its own servers, ports and folders;
+## tests marked xdist_group("NAME") share one worker, one after another (loadgroup).
+XDIST := -n 2 --dist loadgroup
+
 ## Lint, format and layer contracts (ruff, import-linter), then every test, the slow end-to-end
 ## ones included (what CI runs).
 test: quality
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 ## Lint (ruff check), formatting (ruff format --check) and the layer contracts (lint-imports).
 quality: venv
@@ -31,7 +35,7 @@ quality: venv
 
 ## Skip the slow end-to-end tests.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 ## Speed ratios (never fail on speed).
 bench: venv
