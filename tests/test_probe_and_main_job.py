@@ -365,9 +365,11 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert verify_repo(repo).ok
         card = (repo / "README.md").read_text()
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
-        assert card.count("modes on public test records 0-19") == 2 * len(PUBLISHED)  # the
-        # comparison is in the card's front matter and in its table: every encoder's row says its
-        # feature mode was chosen on the 20 selection records
+        # the comparison is in the card's front matter and in its table: every encoder's row says
+        # its feature mode was chosen on the 20 selection records, scored on its (Syn) encoder's
+        # features (vip-nano-syn for the ViP family, dpcap-nano-syn for DP-Cap)
+        assert card.count("modes on public test records 0-19, scored on vip-nano-syn)") == 2 * 4
+        assert card.count("modes on public test records 0-19, scored on dpcap-nano-syn)") == 2
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
         assert "DP-Cap zero-shot: dpcap-nano-fashion-dp" in card
@@ -399,6 +401,13 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
     assert (repos["dpcap-nano-fashion-dp"] / "vocab.txt").exists()
     assert "Top-1 on public Fashion-MNIST test records 20 to 99 (the first 20 chose" in out
+    # one choice per (Syn) encoder, read by every head of the encoders trained from it
+    assert out.count("modes on public records:") == 2
+    assert "vip-nano-syn: modes on public records" in out
+    assert "dpcap-nano-syn: modes on public records" in out
+    rows = json.loads((run / "comparison.json").read_text())
+    vip_family = {r["features"].split()[0] for r in rows if "vip-nano" in r["model"]}
+    assert len(vip_family) == 1, rows  # (Syn)-ViP, ViP, Logit-DP and Naive-DP read one mode
     assert "Job wall time" in out and "load average" in out
     assert (
         "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out

@@ -5,11 +5,11 @@ on Fashion-MNIST.
    an image folder), else the Debian package, fetched when missing. The private dataset is the
    first ``train_size`` records of the train split in file order (a public rule: no record's
    membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
-   n; of the public test split, the first ``select_size`` records choose each head's feature
-   mode (``training.recipes.probe.choose_pooling``) and the next ``test_size`` measure top-1. Both
-   are written
-   as PNG class folders (train captioned by the public template over the class names), with a
-   public vocabulary and public captions over the class names;
+   n; of the public test split, the first ``select_size`` records choose the feature mode of
+   each (Syn) encoder, read by the heads of every encoder trained from it
+   (``training.recipes.probe.choose_pooling``), and the next ``test_size`` measure top-1. Both
+   are written as PNG class folders (train captioned by the public template over the class
+   names), with a public vocabulary and public captions over the class names;
 2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
 3. four private encoders on the private records, each at ``encoder_epsilon`` (2) and delta
    1e-5: ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
@@ -105,7 +105,8 @@ encoder, which sets its length on 2 cores)."""
 TEST_SIZE = 2_000
 """Public test records that measure top-1: the M after the selection records of the test split."""
 SELECT_SIZE = 1_000
-"""Public test records that choose each head's feature mode: the first K of the test split."""
+"""Public test records that choose each (Syn) encoder's feature mode: the first K of the test
+split."""
 
 
 class MainJobConfig(BaseModel):
@@ -133,8 +134,9 @@ class MainJobConfig(BaseModel):
     select_size: int = Field(
         SELECT_SIZE,
         ge=4,
-        description="public test records that choose each head's feature mode among its repo's "
-        "(spatial modes included): the first K of the test split",
+        description="public test records that choose each (Syn) encoder's feature mode among its "
+        "repo's (spatial modes included), read by the heads of the encoders trained from it: the "
+        "first K of the test split",
     )
     store: str = Field(str(DEFAULT_STORE), description="the hub store the server uses")
     host: str = Field(DEFAULT_HOST, description="interface the server binds")
@@ -403,16 +405,20 @@ def run_main_job(cfg: MainJobConfig) -> int:
             lambda f=fn, c=config: f(c),
         )
 
+    # Each published encoder's (Syn) encoder: the one it was trained from (itself for (Syn)-ViP),
+    # on whose features its feature mode is chosen.
+    origin = {SYN_VIP: folder[SYN_VIP], **{e: init for e, init, _, _ in runs}}
     steps.run(
         f"DP heads composing to epsilon {cfg.epsilon:g}, raw pixels, DP-Cap zero-shot",
         {
             **sizes,
             "encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED},
+            "chosen on": {e.name: _weights_digest(origin[e]) for e in PUBLISHED},
             "epochs": cfg.probe_epochs,
             "epsilon": cfg.epsilon,
         },
         [comparison, *(folder[e] / HEADS_DIR / HEAD for e in PUBLISHED)],
-        lambda: _compare(cfg, work, train, test, folder, comparison),
+        lambda: _compare(cfg, work, train, test, folder, origin, comparison),
     )
 
     key = _signing_key(work)
@@ -516,14 +522,17 @@ def _compare(
     train: Path,
     test: Path,
     folder: dict[_Encoder, Path],
+    origin: dict[_Encoder, Path],
     out: Path,
 ) -> None:
     """Every row a classifier released at (``cfg.epsilon``, delta) on the private records: a DP
     head on every encoder, calibrated so that it composes with the encoder's DP stages to
     ``cfg.epsilon`` (the split rule), and on raw pixels; DP-Cap's zero-shot over the class names.
-    Top-1 on the public test records; the rows go into every card and ``out``. No model trained
-    without DP on the private records is released or measured: its accuracy would be a figure
-    with no guarantee."""
+    Each head reads the feature mode chosen once per (Syn) encoder (``origin``: what the encoder
+    was trained from) on the public selection records, by selection heads with the noise of the
+    noisiest head that reads it. Top-1 on the public test records; the rows go into every card
+    and ``out``. No model trained without DP on the private records is released or measured:
+    its accuracy would be a figure with no guarantee."""
     from vip_hub.loading import load_captioner, load_encoder
     from vip_hub.privacy.accounting import epsilon as accounted
 
@@ -548,7 +557,7 @@ def _compare(
     private, public, selection = _splits(cfg, work)
     chooser = [selection.pil(i) for i in range(len(selection))]
     q, steps = dp_head_sampling(len(private), ProbeConfig(encoder="", data="", **head))
-    rows = []
+    probes = {}
     for e in PUBLISHED:
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
         prior = [
@@ -557,7 +566,7 @@ def _compare(
             if s.dataset.name == FASHION_MNIST_TRAIN
         ]
         own = remaining_epsilon(cfg.epsilon, FASHION_MNIST_DELTA, prior, q, steps, Accountant.RDP)
-        probe = ProbeConfig(
+        probes[e] = ProbeConfig(
             encoder=str(folder[e]),
             data=str(train),
             test_data=str(test),
@@ -565,21 +574,32 @@ def _compare(
             epsilon=own,
             **head,
         )
-        pooling, scores = choose_pooling(
-            load_encoder(folder[e]), chooser, selection.labels, len(FASHION_MNIST_CLASSES), probe,
+    chosen = {}  # (Syn) encoder -> (mode, every mode's score)
+    for syn in dict.fromkeys(origin.values()):
+        noisiest = min((p for e, p in probes.items() if origin[e] == syn), key=lambda p: p.epsilon)
+        chosen[syn] = choose_pooling(
+            load_encoder(syn), chooser, selection.labels, len(FASHION_MNIST_CLASSES), noisiest,
             len(private),
         )  # fmt: skip
-        r = run_probe(probe.model_copy(update={"pooling": pooling}))
+        shown = ", ".join(
+            f"{m} {v:.1f}" for m, v in sorted(chosen[syn][1].items(), key=lambda kv: -kv[1])
+        )
+        print(f"    {syn.name}: modes on public records: {shown}")
+    rows = []
+    for e in PUBLISHED:
+        pooling, scores = chosen[origin[e]]
+        r = run_probe(probes[e].model_copy(update={"pooling": pooling}))
         ledger = PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text())
         privacy = privacy_headline(ledger.summary(head_component(HEAD)))
         features = (
             f"{pooling} features (the best of {len(scores)} modes on public test records 0-"
-            f"{len(selection) - 1})"
+            f"{len(selection) - 1}, scored on {origin[e].name})"
         )
         rows.append(_row(f"{e.label}: {e.name}", privacy, features, r.top1))
-        shown = ", ".join(f"{m} {v:.1f}" for m, v in sorted(scores.items(), key=lambda kv: -kv[1]))
-        print(f"    {e.name}: modes on public records: {shown}")
-        print(f"    {e.name}: top-1 {r.top1:.4f} ({pooling}; head at epsilon {own:.3f}; {privacy})")
+        print(
+            f"    {e.name}: top-1 {r.top1:.4f} ({pooling}; head at epsilon "
+            f"{probes[e].epsilon:.3f}; {privacy})"
+        )
 
     captioner = load_captioner(folder[DPCAP])
     losses = captioner.zero_shot(
