@@ -11,6 +11,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,6 +74,20 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_images(tmp_path_factory.mktemp("data") / "private-images")
 
 
+def vip_config(syn_repo: Path, images: Path, out: Path, **settings: Any) -> VipConfig:
+    """A DP-AdamW run from the module's (Syn) repo on its private images into ``out`` (no
+    data-loading processes, the images declared as ``test/images``); ``settings`` are the run's
+    own."""
+    return VipConfig(
+        init=str(syn_repo),
+        data=str(images),
+        out=str(out),
+        workers=0,
+        dataset_name="test/images",
+        **settings,
+    )
+
+
 def make_repo_without_decoder(tmp_path: Path) -> Path:
     from helpers import TINY, synthetic_stage, tiny_encoder
 
@@ -105,17 +120,15 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     syn_repo: Path, images: Path, tmp_path: Path
 ) -> None:
     out = train_vip(
-        VipConfig(
-            init=str(syn_repo),
-            data=str(images),
-            out=str(tmp_path / "vip-nano-dp"),
+        vip_config(
+            syn_repo,
+            images,
+            tmp_path / "vip-nano-dp",
             epsilon=8.0,
             batch_size=8,
             steps=3,
             micro_batch_size=3,
             seed=0,
-            workers=0,
-            dataset_name="test/images",
         )
     )
     report = verify_repo(out)
@@ -154,17 +167,15 @@ def test_a_dp_run_folder_is_private_from_its_creation(
     old = os.umask(0o022)
     try:
         out = train_vip(
-            VipConfig(
-                init=str(syn_repo),
-                data=str(images),
-                out=str(tmp_path / "vip-nano-dp"),
+            vip_config(
+                syn_repo,
+                images,
+                tmp_path / "vip-nano-dp",
                 epsilon=8.0,
                 batch_size=8,
                 steps=2,
                 checkpoint_every=1,
                 audit_canaries=100,
-                workers=0,
-                dataset_name="test/images",
             )
         )
     finally:
@@ -195,18 +206,16 @@ def test_training_stops_before_the_budget_is_exceeded(
     )  # delta 1/(2n), given explicitly
     assert 0 < expected < 50
     out = train_vip(
-        VipConfig(
-            init=str(syn_repo),
-            data=str(images),
-            out=str(tmp_path / "dp"),
+        vip_config(
+            syn_repo,
+            images,
+            tmp_path / "dp",
             epsilon=3.0,
             sigma=sigma,
             batch_size=8,
             steps=50,
             seed=0,
-            workers=0,
             eval_every=100,
-            dataset_name="test/images",
             delta=1 / 80,
         )
     )
@@ -216,23 +225,16 @@ def test_training_stops_before_the_budget_is_exceeded(
 
 
 def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
-    base = dict(
-        init=str(syn_repo),
-        data=str(images),
-        out=str(tmp_path / "x"),
-        seed=0,
-        workers=0,
-        dataset_name="test/images",
-    )
+    out = tmp_path / "x"
     with pytest.raises(DataError, match="dataset-size 41"):
-        train_vip(VipConfig(**base, dataset_size=41))
+        train_vip(vip_config(syn_repo, images, out, seed=0, dataset_size=41))
     with pytest.raises(ConfigError, match="batch-size"):
-        train_vip(VipConfig(**base, batch_size=100))
+        train_vip(vip_config(syn_repo, images, out, seed=0, batch_size=100))
     with pytest.raises(MissingInputError, match="not a directory"):
-        train_vip(VipConfig(**{**base, "data": str(tmp_path / "missing")}))
+        train_vip(vip_config(syn_repo, tmp_path / "missing", out, seed=0))
     with pytest.raises(MissingInputError, match="mae_decoder.safetensors"):
         train_vip(
-            VipConfig(**{**base, "batch_size": 8, "init": str(make_repo_without_decoder(tmp_path))})
+            vip_config(make_repo_without_decoder(tmp_path), images, out, seed=0, batch_size=8)
         )
     r = subprocess.run(
         [
@@ -275,7 +277,7 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
     )  # a namespace: org/name
     with pytest.raises(DataError, match="no images"):
         (tmp_path / "empty").mkdir()
-        train_vip(VipConfig(**{**base, "data": str(tmp_path / "empty")}))
+        train_vip(vip_config(syn_repo, tmp_path / "empty", out, seed=0))
 
 
 def test_resume_with_other_settings_is_one_line_naming_restart(
@@ -480,15 +482,13 @@ def test_the_audit_catches_a_broken_engine(
 ) -> None:
     break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     out = train_vip(
-        VipConfig(
-            init=str(syn_repo),
-            data=str(images),
-            out=str(tmp_path / "vip-broken"),
+        vip_config(
+            syn_repo,
+            images,
+            tmp_path / "vip-broken",
             batch_size=20,
             micro_batch_size=10,
             seed=0,
-            workers=0,
-            dataset_name="test/images",
             **SETTINGS,
         )
     )
