@@ -14,6 +14,7 @@ from helpers import TINY, random_text, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi, snapshot_download
 from live import WRITE_TOKEN, ProcessServer, commit_body, start_commit, start_lfs_put
 
+from service.hub.common import LFS_THRESHOLD
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import export_encoder, verify_repo
 from vip_hub.repo.push import push_repo
@@ -96,7 +97,8 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
         TINY,
         [synthetic_stage()],
         model_name="m",
-        extra_files={"extra/noise.txt": random_text(24 * 1024 * 1024)},
+        # just over the LFS threshold: a file clients upload and fetch the LFS way
+        extra_files={"extra/noise.txt": random_text(LFS_THRESHOLD + 1024 * 1024)},
     )
     big = (v2 / "extra/noise.txt").read_bytes()
     server = ProcessServer(store, port=server.port, extra_env={CRASH_ENV: step}).start()
