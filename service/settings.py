@@ -60,8 +60,9 @@ class HubSettings(BaseModel):
     page_size: int = Field(100, gt=0, le=1000, description="entries per page of listings")
     trusted_keys: Path | None = Field(
         None,
-        description="a single-host store's folder of trusted public keys (NAME.pub), moved "
-        "into the index at the first start (default: STORE/trusted_keys); the keys whose "
+        description="a single-host store's folder (or file) of trusted public keys "
+        "(NAME.pub), moved into the index at the first start (default: STORE/trusted_keys; "
+        "one outside the store is read, never renamed); the keys whose "
         "signatures (model.sig) commits may carry are then managed with `vip-hub trust`, and a "
         "commit signed by any other key is refused",
     )

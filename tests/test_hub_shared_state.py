@@ -46,6 +46,12 @@ def test_a_single_host_store_is_adopted_into_the_index(tmp_path):
     for name in ("tokens.json", "secret.key", "trusted_keys"):
         assert not (root / name).exists() and (root / f"{name}.migrated").exists()
 
+    # an operator's key file outside the store (hub.trusted_keys) is read, never renamed
+    outside = tmp_path / "signing"
+    create_key(outside, "job")
+    fresh = HubStore(tmp_path / "other", trusted_keys=outside / "job.pub")
+    assert list(trusted_keys(fresh.index)) == ["job"] and (outside / "job.pub").is_file()
+
     # a file put back later is not adopted over what the index holds
     (root / "tokens.json").write_text(json.dumps({"tokens": []}))
     again = HubStore(root)

@@ -2,8 +2,9 @@
 one process or one replica's folder: the upload-grant key and the trusted signers' keys (the
 tokens and organisations are :mod:`service.auth`'s, in the same table). A single-host store
 keeps them as files (``secret.key``, ``trusted_keys/*.pub``, ``tokens.json``): the first start
-on the index adopts them (:func:`adopt_file`), and renames each to ``NAME.migrated`` so nobody
-edits a file that no longer counts.
+on the index adopts them (:func:`adopt_file`), and renames each in the store's folder to
+``NAME.migrated`` so nobody edits a file that no longer counts (an operator's key file named by
+``hub.trusted_keys`` outside it is only read).
 """
 
 from __future__ import annotations
@@ -49,18 +50,21 @@ def grant_key(index: Index) -> bytes:
     return bytes.fromhex(index.initial_state(_GRANT_KEY, secrets.token_hex(32)))
 
 
-def adopt_file(index: Index, key: str, path: Path, read: Callable[[Path], str]) -> bool:
+def adopt_file(
+    index: Index, key: str, path: Path, read: Callable[[Path], str], *, set_aside: bool = True
+) -> bool:
     """Move a single-host file's state into the index's ``key`` (``read(path)``: its value),
-    unless the index already holds one; then rename the file ``NAME.migrated``. Returns whether
-    the file was adopted."""
+    unless the index already holds one; then, if ``set_aside``, rename the file
+    ``NAME.migrated``. Returns whether the file was adopted."""
     if not path.exists() or index.state(key)[0] is not None:
         return False
     value = read(path)
     adopted = index.initial_state(key, value) == value
     if adopted:
         _log.warning("moved %s into the hub's index (%s)", path, key)
-    with contextlib.suppress(OSError):  # a read-only folder of the operator's: it stays
-        path.rename(path.with_name(path.name + MIGRATED_SUFFIX))
+    if set_aside:
+        with contextlib.suppress(OSError):  # a read-only folder of the operator's: it stays
+            path.rename(path.with_name(path.name + MIGRATED_SUFFIX))
     return adopted
 
 
@@ -74,9 +78,16 @@ def _read_key_folder(folder: Path) -> str:
 
 def adopt_store_files(index: Index, root: Path, trusted_folder: Path) -> None:
     """Adopt a single-host store's grant key (``root/secret.key``) and trusted keys
-    (``trusted_folder``) into the index."""
+    (``trusted_folder``) into the index; files outside the store's folder (an operator's, named
+    by ``hub.trusted_keys``) are read, never renamed."""
     adopt_file(index, _GRANT_KEY, root / "secret.key", _read_secret)
-    adopt_file(index, _TRUST_KEY, trusted_folder, _read_key_folder)
+    adopt_file(
+        index,
+        _TRUST_KEY,
+        trusted_folder,
+        _read_key_folder,
+        set_aside=trusted_folder.resolve().is_relative_to(root.resolve()),
+    )
 
 
 def trusted_keys(index: Index) -> dict[str, str]:
