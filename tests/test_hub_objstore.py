@@ -18,7 +18,7 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import base_size_repo, tiny_repo_with_head
+from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
 from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 from safetensors.torch import load_file
@@ -301,22 +301,6 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
     for repo in ("lfs/s3-xet", "lfs/s3-xet2"):
         snap = Path(snapshot_download(repo, endpoint=hub.url, cache_dir=tmp_path / repo))
         assert (snap / "model.safetensors").read_bytes() == weights
-
-
-@pytest.mark.slow
-def test_real_size_repo_through_presigned_urls(hub, seaweed, tmp_path, monkeypatch):
-    folder = base_size_repo(tmp_path / "vip-base-s3")
-    staged = _keys(seaweed, "staging/")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
-    api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
-    api.create_repo("big/s3")
-    api.upload_folder(repo_id="big/s3", folder_path=folder, commit_message="v1")
-    weights = folder / "model.safetensors"
-    assert weights.stat().st_size > 340e6
-    assert _keys(seaweed, "staging/") == staged  # each upload's staged object checked, gone
-    snap = Path(snapshot_download("big/s3", endpoint=hub.url, cache_dir=tmp_path / "cache"))
-    for rel, path in repo_files(folder).items():
-        assert (snap / rel).read_bytes() == path.read_bytes(), rel
 
 
 def test_large_objects_go_in_presigned_parts(hub, seaweed, published):

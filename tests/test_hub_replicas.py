@@ -1,10 +1,11 @@
 """Stateless replicas: two ``vip-hub serve`` processes share one PostgreSQL index and one
 SeaweedFS bucket behind nginx (the shipped ``docker/nginx.conf``), each with a folder of its
 own. Unmodified clients (huggingface_hub with presigned LFS and with Xet, timm, openai) work
-through the balancer; what one replica issued (tokens, upload grants, upload records) the other
-honours; a replica killed at a crash point in the middle of an upload or a commit loses
-nothing: the client sends the request again through nginx, the other replica completes it, and
-no commit names a missing or unverified object."""
+through the balancer, a repo at real size (395 MB, presigned LFS) included; what one replica
+issued (tokens, upload grants, upload records) the other honours; a replica killed at a crash
+point in the middle of an upload or a commit loses nothing: the client sends the request again
+through nginx, the other replica completes it, and no commit names a missing or unverified
+object."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import random_text, tiny_repo_with_head
+from helpers import base_size_repo, random_text, tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
 from live import WRITE_TOKEN, ProcessServer, free_port
 from PIL import Image
@@ -160,6 +161,26 @@ def test_clients_through_the_balancer(balancer, replicas, tmp_path, monkeypatch)
     # both replicas took their share of the hub and of the inference routes
     assert all(_served(r, "{org}/{name}") for r in replicas)
     assert all(_served(r, "/embeddings") for r in replicas)
+
+
+def _staged(seaweed) -> set[str]:
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix="staging/")
+    return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def test_real_size_repo_through_the_balancer(balancer, seaweed, tmp_path, monkeypatch):
+    folder = base_size_repo(tmp_path / "vip-base-replicas")
+    assert (folder / "model.safetensors").stat().st_size > 340e6
+    staged = _staged(seaweed)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    api = HfApi(endpoint=balancer.url, token=WRITE_TOKEN)
+    api.create_repo("big/replicas")
+    api.upload_folder(repo_id="big/replicas", folder_path=folder, commit_message="v1")
+    assert _staged(seaweed) == staged  # each upload's staged object checked, then gone
+    snap = snapshot_download("big/replicas", endpoint=balancer.url, cache_dir=tmp_path / "cache")
+    assert sorted(repo_files(Path(snap))) == sorted(repo_files(folder))
+    for rel, path in repo_files(folder).items():
+        assert (Path(snap) / rel).read_bytes() == path.read_bytes(), rel
 
 
 def _cli(capsys, *args: str) -> str:
