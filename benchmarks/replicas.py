@@ -13,8 +13,10 @@ embeddings: ``/v1/embeddings`` (one JPEG a request, ``serve.py``'s load generato
     at concurrency 32 through nginx to two replicas against nginx to one, alternated point by
     point; the ratio of requests/s, and the CPU each side used in cores (CPU seconds per
     second): the replicas, nginx, the load generator, and the whole machine (other jobs
-    included). Two replicas can only beat one where one leaves cores idle: on the 2-core
-    development machine one replica's forward already uses both.
+    included), and requests per CPU second of the replicas. Two replicas can only beat one
+    where one leaves cores idle: on the 2-core development machine one replica's forward
+    already uses both, and what a second one adds there is a larger share of cores taken from
+    other jobs, which the CPU columns show.
 
     python benchmarks/replicas.py [--rounds 2] [--points 3] [--seconds 8] [--concurrency 32]
 """
@@ -148,15 +150,22 @@ def main() -> None:
                 print(
                     f"  {n} replica{'s' if n > 1 else ' '} {p['rate']:6.1f} req/s  p50 "
                     f"{p['p50']:6.0f} ms  p99 {p['p99']:6.0f} ms  err {p['errors']}  CPU: "
-                    f"replicas {p['replicas']:.2f}, nginx {p['nginx']:.2f}, client "
-                    f"{p['client_cpu']:.2f}, whole machine {p['machine']:.2f} of "
+                    f"replicas {p['replicas']:.2f} ({p['rate'] / p['replicas']:.1f} req per "
+                    f"CPU s), nginx {p['nginx']:.3f}, client {p['client_cpu']:.3f}, whole "
+                    f"machine {p['machine']:.2f} of "
                     f"{os.cpu_count()}; load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
         med = {n: statistics.median(p["rate"] for p in pts) for n, pts in points.items()}
+        per_cpu = {
+            n: statistics.median(p["rate"] / p["replicas"] for p in pts)
+            for n, pts in points.items()
+        }
         print(
             f"embeddings 2 replicas / 1 replica: {med[2] / med[1]:.2f} "
-            f"({med[2]:.1f} vs {med[1]:.1f} req/s, medians of {args.points} points)\n",
+            f"({med[2]:.1f} vs {med[1]:.1f} req/s, medians of {args.points} points); per "
+            f"replica CPU second: {per_cpu[2] / per_cpu[1]:.2f} ({per_cpu[2]:.1f} vs "
+            f"{per_cpu[1]:.1f} req)\n",
             flush=True,
         )
 
