@@ -163,26 +163,6 @@ def test_clients_through_the_balancer(balancer, replicas, tmp_path, monkeypatch)
     assert all(_served(r, "/embeddings") for r in replicas)
 
 
-def _staged(seaweed) -> set[str]:
-    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix="staging/")
-    return {o["Key"] for o in listed.get("Contents", [])}
-
-
-def test_real_size_repo_through_the_balancer(balancer, seaweed, tmp_path, monkeypatch):
-    folder = base_size_repo(tmp_path / "vip-base-replicas")
-    assert (folder / "model.safetensors").stat().st_size > 340e6
-    staged = _staged(seaweed)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
-    api = HfApi(endpoint=balancer.url, token=WRITE_TOKEN)
-    api.create_repo("big/replicas")
-    api.upload_folder(repo_id="big/replicas", folder_path=folder, commit_message="v1")
-    assert _staged(seaweed) == staged  # each upload's staged object checked, then gone
-    snap = snapshot_download("big/replicas", endpoint=balancer.url, cache_dir=tmp_path / "cache")
-    assert sorted(repo_files(Path(snap))) == sorted(repo_files(folder))
-    for rel, path in repo_files(folder).items():
-        assert (Path(snap) / rel).read_bytes() == path.read_bytes(), rel
-
-
 def _cli(capsys, *args: str) -> str:
     """``vip-hub ARGS`` in this process; its output (the command must succeed)."""
     assert main(list(args)) == 0, capsys.readouterr().err
@@ -360,3 +340,24 @@ def test_commit_killed_midway_completes_on_the_other_replica(
     assert len(made) == (2 if step == "commit-indexed" else 1)
     _head_names(lb, f"extra/{step}.txt", data)
     assert _objects_verified(seaweed, postgres) > 0
+
+
+def _staged(seaweed) -> set[str]:
+    listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix="staging/")
+    return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def test_real_size_repo_through_the_balancer(balancer, seaweed, tmp_path, monkeypatch):
+    # last in the module: the fault tests above read back every object the index names
+    folder = base_size_repo(tmp_path / "vip-base-replicas")
+    assert (folder / "model.safetensors").stat().st_size > 340e6
+    staged = _staged(seaweed)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    api = HfApi(endpoint=balancer.url, token=WRITE_TOKEN)
+    api.create_repo("big/replicas")
+    api.upload_folder(repo_id="big/replicas", folder_path=folder, commit_message="v1")
+    assert _staged(seaweed) == staged  # each upload's staged object checked, then gone
+    snap = snapshot_download("big/replicas", endpoint=balancer.url, cache_dir=tmp_path / "cache")
+    assert sorted(repo_files(Path(snap))) == sorted(repo_files(folder))
+    for rel, path in repo_files(folder).items():
+        assert (Path(snap) / rel).read_bytes() == path.read_bytes(), rel
