@@ -69,7 +69,16 @@ RUN_ARGS = dict(
 )
 DEPTH, TRAINED = 12, 2  # vip-nano's blocks, and the top ones fine-tuned
 SPATIAL = "spatial-b4-g2"  # a mode the (Syn) repo declares: block 4 on a 2 x 2 grid
-WHOLE_ARGS = dict(trainable_blocks="all", pooling=SPATIAL, augmult=2, epsilon=3.0, delta=1e-3)
+WHOLE_ARGS = dict(
+    trainable_blocks="all",
+    pooling=SPATIAL,
+    augmult=2,
+    epsilon=3.0,
+    sigma=None,
+    probe_epsilon=1.0,
+    probe_epochs=2,
+)
+"""The whole encoder after a DP probe: (3, 1e-5) in all, the probe's epsilon 1 alone."""
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +372,47 @@ def test_two_runs_with_the_same_settings_draw_their_own_secret(
         assert seed.encode() not in released
 
 
+@pytest.fixture(scope="module")
+def whole(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return finetune(syn_repo, data, tmp_path_factory.mktemp("whole") / "run", **WHOLE_ARGS)
+
+
+def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: Path) -> None:
+    assert verify_repo(whole).ok
+    ledger = ledger_of(whole)
+    syn, probe, dp = ledger.stages
+    assert isinstance(syn, NonPrivateStage) and not syn.private_data
+    assert isinstance(probe, DPStage) and probe.name == "linear-probe-dp:clf"
+    assert probe.trained_components == ("encoder", "heads/clf")  # the encoder starts from it
+    assert probe.epsilon == pytest.approx(1.0, abs=0.01)
+    assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
+    assert dp.hyperparameters["augmult"] == 2 and dp.hyperparameters["trainable_blocks"] == "all"
+    runs = [probe.mechanism_tuple, dp.mechanism_tuple]
+    both = composed_epsilon(runs, dp.delta, "rdp")
+    assert 2.9 < both <= 3.0  # the fine-tuning took what the probe left
+    for component in ("encoder", "heads/clf"):
+        summary = ledger.summary(component)
+        assert [g.stages for g in summary.guarantees] == [["linear-probe-dp:clf", "dp-finetune"]]
+        assert summary.epsilon == pytest.approx(both, abs=1e-6)
+    head, info = load_head(whole, "clf")
+    assert info.pooling == SPATIAL and 0 <= info.metrics["top1"] <= 1
+
+
+def test_the_whole_encoder_moved_where_its_feature_mode_reads_and_nowhere_else(
+    syn_repo: Path, whole: Path
+) -> None:
+    before, after = (
+        load_file(syn_repo / "model.safetensors"),
+        load_file(whole / "model.safetensors"),
+    )
+    read = ("patch_embed.", "cls_token", *(f"blocks.{i}." for i in range(4)))  # blocks 1-4
+    for key in before:
+        moved = not torch.equal(before[key], after[key])
+        assert moved == key.startswith(read), key
+
+
 def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--trainable-blocks 13"):
         finetune(syn_repo, data, tmp_path / "a", trainable_blocks=13)
@@ -373,6 +423,46 @@ def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_pat
         finetune(syn_repo, (data[0], odd), tmp_path / "c")
     with pytest.raises(ConfigError, match="trained heads/x jointly"):
         save_head(syn_repo, LinearProbe(192, 2), HeadInfo("x", "avg", ["a", "b"]), None)
+
+
+def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``vip-hub train-finetune --trainable-blocks all`` on the generated subsample: the repo
+    verifies, plain timm loads it, and the head's published top-1 is what the released encoder's
+    spatial features and head give (what /v1/classify computes)."""
+    import timm
+
+    out = tmp_path / "vip-nano-whole"
+    settings = {**RUN_ARGS, **WHOLE_ARGS, "seed": 7, "audit_canaries": 0}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
+    subprocess.run(
+        [
+            BIN / "vip-hub",
+            "train-finetune",
+            f"--init={syn_repo}",
+            f"--data={data[0]}",
+            f"--test-data={data[1]}",
+            f"--out={out}",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    verified = subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    encoder = load_encoder(out)
+    for key, value in encoder.model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    from PIL import Image
+
+    files = sorted(data[1].rglob("*.png"))
+    labels = torch.tensor([sorted(CLASSES).index(p.parent.name) for p in files])
+    head, info = load_head(out, "clf")
+    with torch.no_grad():
+        scores = head(encoder.embed([Image.open(p) for p in files], SPATIAL))
+    assert info.metrics["top1"] == pytest.approx(float((scores.argmax(1) == labels).float().mean()))
 
 
 @pytest.mark.slow
