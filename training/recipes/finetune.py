@@ -627,11 +627,13 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
 
 @dataclass(frozen=True)
 class ArraysRun:
-    """What ``finetune_arrays`` measured: the released repo, its DP stage, the head's top-1 on
+    """What ``finetune_arrays`` measured: the released repo, its fine-tuning stage and every DP
+    stage the classifier rests on (the DP probe's, then the fine-tuning's), the head's top-1 on
     the public test arrays and the recipe's wall time (data written to folders excluded)."""
 
     repo: Path
     stage: DPStage
+    stages: list[DPStage]
     top1: float
     seconds: float
 
@@ -664,9 +666,10 @@ def finetune_arrays(
     start = time.perf_counter()
     repo = train_finetune(cfg)
     seconds = time.perf_counter() - start
-    ledger = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
-    stage = next(s for s in ledger.dp_stages() if s.name == STAGE)
-    return ArraysRun(repo, stage, float(load_head(repo, cfg.head)[1].metrics["top1"]), seconds)
+    stages = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
+    stage = next(s for s in stages if s.name == STAGE)
+    top1 = float(load_head(repo, cfg.head)[1].metrics["top1"])
+    return ArraysRun(repo, stage, stages, top1, seconds)
 
 
 RECIPE = Recipe(
