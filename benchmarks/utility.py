@@ -644,17 +644,22 @@ top-1 on test records 0-4,999 only (benchmarks/README.md lists the candidates)."
 
 def released_top1(repo: Path, head: str, data: LabelledArrays, start: int, device: str) -> float:
     """Top-1 (%) of a released repo's head on ``data``'s records from ``start``: the encoder's
-    features in the head's mode, then the head (what ``/v1/classify`` computes)."""
+    features in the head's mode, then the head (what ``/v1/classify`` computes); the head's
+    labels are class folder names (``write_image_folder``), mapped back to ``data``'s labels."""
+    from training.data.labelled import class_folder
     from vip_hub.repo.heads import load_head
 
     encoder = load_encoder(repo, device=device)
     probe, info = load_head(repo, head)
+    label = {class_folder(name): i for i, name in enumerate(data.classes)}
+    order = torch.tensor([label[name] for name in info.labels])
     right = 0
     for s in range(start, len(data), CHUNK):
         part = range(s, min(s + CHUNK, len(data)))
         x = encoder.embed([data.pil(i) for i in part], info.pooling).cpu()
         with torch.no_grad():
-            right += int((probe(x).argmax(1) == torch.as_tensor(data.labels[part])).sum())
+            guess = order[probe(x).argmax(1)]
+        right += int((guess == torch.as_tensor(data.labels[part])).sum())
     return 100 * right / max(len(data) - start, 1)
 
 

@@ -211,4 +211,6 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     assert eps[Accountant.RDP] > utility.EPSILON - 0.01
     assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.ref <= 100 and r.tried == 0
     assert r.dp_rest is not None and 0 <= r.dp_rest <= 100
+    (repo,) = (tmp_path / "finetune").glob("*/finetuned")  # the released head, read back
+    assert utility.released_top1(repo, "classifier", bench.test, 0, "cpu") == pytest.approx(r.dp)
     assert len(utility.table([(r, eps)])) == 3 + len(utility.PAPER)
