@@ -189,8 +189,9 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     """The end-to-end row: a DP probe on the mode chosen on public records, then the whole encoder
     that mode reads and the head trained together by one DP stage on the private split, the two
     composed to (3, 1e-5), its top-1 on the public test split and on the records no choice saw
-    (one epoch each and 64 canaries here: the row's schedule is the benchmark's)."""
-    monkeypatch.setitem(utility.FINETUNE, "epochs", 1)
+    (a 1-epoch probe, 2 fine-tuning steps and 64 canaries here: the row's schedule is the
+    benchmark's)."""
+    monkeypatch.setitem(utility.FINETUNE, "steps", 2)
     monkeypatch.setitem(utility.FINETUNE, "probe_epochs", 1)
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
