@@ -60,9 +60,9 @@ from vip_hub.models.features import (
     vip_layers,
 )
 from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
-from vip_hub.privacy.ledger import DPStage, PrivacyLedger, new_run_id
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
-from vip_hub.repo_format import ENCODER, LEDGER_FILE, head_component
+from vip_hub.repo_format import LEDGER_FILE, head_component
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.run import DPRun
@@ -77,6 +77,7 @@ from .probe import (
     fit_probe,
     fix_normalisation,
     load_labelled,
+    probe_stage,
     public_features,
     top1_result,
 )
@@ -103,8 +104,6 @@ CURVE_IMAGES = 1000
 (the final top-1 uses all)."""
 FinetunePooling = Literal["avg", "cls", "vip"]
 """The modes ``Classifier`` (top blocks) reads; ``EncoderClassifier`` reads any but ``dpcap``."""
-PROBE_STAGE = "linear-probe-dp"
-"""The DP probe's stage name in the ledger (``:<head>`` appended)."""
 
 
 class FinetuneConfig(
@@ -460,34 +459,7 @@ def _probe(
     )
     if (dp["sigma"], dp["sample_rate"], dp["steps"]) != _probe_plan(cfg, n):
         raise RuntimeError(f"the probe ran {dp}, not the plan the fine-tuning was calibrated to")
-    stage = DPStage.from_parameters(
-        name=f"{PROBE_STAGE}:{cfg.head}",
-        component=ENCODER,
-        also_trains=[head_component(cfg.head)],
-        dataset=train.dataset,
-        mechanism="DP-SGD",
-        sample_rate=dp["sample_rate"],
-        noise_multiplier=dp["sigma"],
-        steps=dp["steps"],
-        clipping_norm=probe.max_grad_norm,
-        noised_dimension=dp["noised"],
-        delta=dp["delta"],
-        accountant=dp["accountant"],
-        run_id=new_run_id(),
-        description=(
-            f"DP linear probe on the init encoder's frozen {cfg.pooling} features (BatchNorm "
-            "fixed to public procedural-image features, then a linear layer; DP-SGD, Poisson "
-            "sampling): the head the fine-tuning starts from, so the fine-tuned encoder and "
-            "head depend on it too"
-        ),
-        hyperparameters={
-            "lr": probe.lr,
-            "epochs": probe.epochs,
-            "batch_size": probe.batch_size,
-            "momentum": 0.9,
-            "pooling": cfg.pooling,
-        },
-    )
+    stage = probe_stage(probe, train.dataset, dp, fine_tuned=True)
     shape = (head.linear.in_features, head.linear.out_features)
     torch.save({"head": head.state_dict(), "shape": shape, "stage": stage.model_dump_json()}, saved)
     return head, stage
