@@ -1,8 +1,10 @@
 """DP fine-tuning (train-finetune): the clipped sum over the fine-tuned parameters is each example's
-own clipped gradient summed, the update's noise is sigma C / B on exactly those parameters, the
+own clipped gradient summed (with augmentation multiplicity: the mean over the example's views,
+clipped once, never per view), the update's noise is sigma C / B on exactly those parameters, the
 frozen blocks never change, the noise and sampling come from a secret drawn per run, and the
-exported repo (encoder + head, one DP stage covering both) verifies, composes and classifies
-through the hub; a small run through the CLI on a generated subsample."""
+exported repo (encoder + head, one DP stage covering both, after a DP probe whose stage composes
+with it within the total epsilon) verifies, composes and classifies through the hub; small runs
+through the CLI on a generated subsample."""
 
 from __future__ import annotations
 
@@ -21,13 +23,19 @@ from safetensors.torch import load_file
 from training.data.labelled import LabelledArrays, write_image_folder
 from training.dp.clipping import PerExampleClipper, clip_factors
 from training.dp.engine import Budget, DPEngine
-from training.recipes.finetune import FinetuneConfig, classifier, train_finetune
+from training.recipes.finetune import (
+    EncoderClassifier,
+    FinetuneConfig,
+    augment_views,
+    classifier,
+    train_finetune,
+)
 from training.recipes.syn import SynConfig, train_syn
 from training.skeleton.distributed import Dist
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
-from vip_hub.privacy.accounting import epsilon
+from vip_hub.privacy.accounting import composed_epsilon, epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
@@ -60,6 +68,17 @@ RUN_ARGS = dict(
     trainable_blocks=2,
 )
 DEPTH, TRAINED = 12, 2  # vip-nano's blocks, and the top ones fine-tuned
+SPATIAL = "spatial-b4-g2"  # a mode the (Syn) repo declares: block 4 on a 2 x 2 grid
+WHOLE_ARGS = dict(
+    trainable_blocks="all",
+    pooling=SPATIAL,
+    augmult=2,
+    epsilon=3.0,
+    sigma=None,
+    probe_epsilon=1.0,
+    probe_epochs=2,
+)
+"""The whole encoder after a DP probe: (3, 1e-5) in all, the probe's epsilon 1 alone."""
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +171,77 @@ def test_the_clipped_sum_is_each_examples_own_clipped_gradient_over_the_fine_tun
     assert 0.99 * tiny < moved <= tiny
 
 
+@pytest.mark.parametrize("pooling", [SPATIAL])
+def test_augmentation_multiplicity_clips_each_examples_mean_over_its_views_once(
+    syn_repo: Path, pooling: str
+) -> None:
+    """K views per example: the clipped sum is that of each example's one gradient, the mean over
+    its views (what the loss averages), clipped once; clipping each view would give another sum,
+    and removing an example still moves the sum by at most C."""
+    torch.manual_seed(0)
+    model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, "all").double()
+    enc = model.encoder
+    assert isinstance(model, EncoderClassifier)
+    read = 4 if pooling == SPATIAL else DEPTH
+    trained = [enc.patch_embed, *enc.blocks[:read], model.head.linear]
+    trained += [enc.fc_norm] if pooling == "avg" else []
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected_params = {id(enc.cls_token)} | {id(p) for m in trained for p in m.parameters()}
+    assert {id(p) for p in params} == expected_params
+
+    g = torch.Generator().manual_seed(1)
+    views = torch.randn(6, 3, 3, 32, 32, dtype=torch.float64, generator=g)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    x = (views, labels)
+    own = [
+        torch.cat([g.flatten() for g in torch.autograd.grad(model(*_one(x, i)).sum(), params)])
+        for i in range(6)
+    ]
+    norms = torch.stack([g.norm() for g in own])
+    clip = float(norms.median())
+    expected = sum(g * c for g, c in zip(own, clip_factors(norms, clip), strict=True))
+    got = _clipped(model, clip, x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
+
+    # per view: each view's share of the loss (1/K of its cross-entropy) clipped on its own
+    per_view = []
+    for i in range(6):
+        for k in range(3):
+            one = (views[i : i + 1, k : k + 1], labels[i : i + 1])
+            grads = torch.autograd.grad(model(*one).sum() / 3, params)
+            per_view.append(torch.cat([g.flatten() for g in grads]))
+    view_norms = torch.stack([g.norm() for g in per_view])
+    wrong = sum(g * c for g, c in zip(per_view, clip_factors(view_norms, clip), strict=True))
+    assert float((wrong - expected).norm()) > 0.05 * clip
+
+    tiny = float(norms.min()) / 10
+    full = _clipped(model, tiny, x)
+    moved = max(
+        float((full - _clipped(model, tiny, tuple(t[keep] for t in x))).norm())
+        for keep in ([j for j in range(6) if j != i] for i in range(6))
+    )
+    assert 0.99 * tiny < moved <= tiny
+
+
+def test_views_are_shifted_and_flipped_copies_drawn_from_the_stream() -> None:
+    image = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(0))
+    views = augment_views(image, 8, torch.Generator().manual_seed(5))
+    assert views.shape == (8, 3, 32, 32)
+    again = augment_views(image, 8, torch.Generator().manual_seed(5))
+    assert torch.equal(views, again)
+    assert not all(torch.equal(views[0], v) for v in views[1:])
+    inner = image[:, 4:28, 4:28]  # every view holds the image's centre, shifted by <= 4 pixels
+    for v in views:
+        found = any(
+            torch.equal(w[:, 4 + dy : 28 + dy, 4 + dx : 28 + dx], inner)
+            for w in (v, v.flip(-1))
+            for dy in range(-4, 5)
+            for dx in range(-4, 5)
+        )
+        assert found
+    assert torch.equal(augment_views(image, 0, torch.Generator()), image[None])
+
+
 def _one(x: tuple[torch.Tensor, ...], i: int) -> tuple[torch.Tensor, ...]:
     return tuple(t[i : i + 1] for t in x)
 
@@ -177,10 +267,22 @@ def test_training_on_the_frozen_blocks_outputs_computes_what_the_service_does(
         torch.testing.assert_close(model.top(*model.frozen(images)), served, rtol=1e-6, atol=1e-6)
 
 
-def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(
-    syn_repo: Path,
+@pytest.mark.parametrize("pooling", [SPATIAL, "vip", "cls"])
+def test_the_whole_encoder_model_computes_what_the_service_does(
+    syn_repo: Path, pooling: str
 ) -> None:
-    model = classifier(load_encoder(syn_repo), len(CLASSES), "avg", TRAINED)
+    model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, "all").eval()
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        served = model.head(extract_features(model.encoder, images, pooling))  # type: ignore[arg-type]
+        torch.testing.assert_close(model.logits(images), served, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("pooling", "trained"), [("avg", TRAINED), (SPATIAL, "all")])
+def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(
+    syn_repo: Path, pooling: str, trained: int | str
+) -> None:
+    model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, trained)  # type: ignore[arg-type]
     clip, sigma, batch = 0.1, 1.3, 32
     clipper = PerExampleClipper(model, clip)
     budget = Budget.plan(
@@ -270,6 +372,47 @@ def test_two_runs_with_the_same_settings_draw_their_own_secret(
         assert seed.encode() not in released
 
 
+@pytest.fixture(scope="module")
+def whole(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return finetune(syn_repo, data, tmp_path_factory.mktemp("whole") / "run", **WHOLE_ARGS)
+
+
+def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: Path) -> None:
+    assert verify_repo(whole).ok
+    ledger = ledger_of(whole)
+    syn, probe, dp = ledger.stages
+    assert isinstance(syn, NonPrivateStage) and not syn.private_data
+    assert isinstance(probe, DPStage) and probe.name == "linear-probe-dp:clf"
+    assert probe.trained_components == ("encoder", "heads/clf")  # the encoder starts from it
+    assert probe.epsilon == pytest.approx(1.0, abs=0.01)
+    assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
+    assert dp.hyperparameters["augmult"] == 2 and dp.hyperparameters["trainable_blocks"] == "all"
+    runs = [probe.mechanism_tuple, dp.mechanism_tuple]
+    both = composed_epsilon(runs, dp.delta, "rdp")
+    assert 2.9 < both <= 3.0  # the fine-tuning took what the probe left
+    for component in ("encoder", "heads/clf"):
+        summary = ledger.summary(component)
+        assert [g.stages for g in summary.guarantees] == [["linear-probe-dp:clf", "dp-finetune"]]
+        assert summary.epsilon == pytest.approx(both, abs=1e-6)
+    head, info = load_head(whole, "clf")
+    assert info.pooling == SPATIAL and 0 <= info.metrics["top1"] <= 1
+
+
+def test_the_whole_encoder_moved_where_its_feature_mode_reads_and_nowhere_else(
+    syn_repo: Path, whole: Path
+) -> None:
+    before, after = (
+        load_file(syn_repo / "model.safetensors"),
+        load_file(whole / "model.safetensors"),
+    )
+    read = ("patch_embed.", "cls_token", *(f"blocks.{i}." for i in range(4)))  # blocks 1-4
+    for key in before:
+        moved = not torch.equal(before[key], after[key])
+        assert moved == key.startswith(read), key
+
+
 def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--trainable-blocks 13"):
         finetune(syn_repo, data, tmp_path / "a", trainable_blocks=13)
@@ -280,6 +423,46 @@ def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_pat
         finetune(syn_repo, (data[0], odd), tmp_path / "c")
     with pytest.raises(ConfigError, match="trained heads/x jointly"):
         save_head(syn_repo, LinearProbe(192, 2), HeadInfo("x", "avg", ["a", "b"]), None)
+
+
+def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``vip-hub train-finetune --trainable-blocks all`` on the generated subsample: the repo
+    verifies, plain timm loads it, and the head's published top-1 is what the released encoder's
+    spatial features and head give (what /v1/classify computes)."""
+    import timm
+
+    out = tmp_path / "vip-nano-whole"
+    settings = {**RUN_ARGS, **WHOLE_ARGS, "seed": 7, "audit_canaries": 0}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
+    subprocess.run(
+        [
+            BIN / "vip-hub",
+            "train-finetune",
+            f"--init={syn_repo}",
+            f"--data={data[0]}",
+            f"--test-data={data[1]}",
+            f"--out={out}",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    verified = subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    encoder = load_encoder(out)
+    for key, value in encoder.model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    from PIL import Image
+
+    files = sorted(data[1].rglob("*.png"))
+    labels = torch.tensor([sorted(CLASSES).index(p.parent.name) for p in files])
+    head, info = load_head(out, "clf")
+    with torch.no_grad():
+        scores = head(encoder.embed([Image.open(p) for p in files], SPATIAL))
+    assert info.metrics["top1"] == pytest.approx(float((scores.argmax(1) == labels).float().mean()))
 
 
 @pytest.mark.slow

@@ -183,13 +183,16 @@ def test_unknown_rows_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown rows ['cnn', 'nope']" in capsys.readouterr().err
 
 
-def test_the_dp_fine_tuning_row_is_one_dp_stage_at_the_whole_budget(
+def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_whole_budget(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The end-to-end row: the encoder's top block and the head trained together by one DP stage
-    on the private split, calibrated to the whole (3, 1e-5), its top-1 on the public test split
-    (one epoch and 64 canaries here: the row's schedule is the benchmark's)."""
-    monkeypatch.setitem(utility.FINETUNE, "epochs", 1)
+    """The end-to-end row: a DP probe on the mode chosen on public records, then the whole encoder
+    that mode reads and the head trained together by one DP stage on the private split, the two
+    composed to (3, 1e-5), its top-1 on the public test split and on the records no choice saw
+    (a 1-epoch probe, 2 fine-tuning steps and 64 canaries here: the row's schedule is the
+    benchmark's)."""
+    monkeypatch.setitem(utility.FINETUNE, "steps", 2)
+    monkeypatch.setitem(utility.FINETUNE, "probe_epochs", 1)
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
     bench = utility.Bench(
@@ -199,10 +202,16 @@ def test_the_dp_fine_tuning_row_is_one_dp_stage_at_the_whole_budget(
         schedule=TINY,
     )
     ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
-    (stage,) = r.stages
-    assert stage.trained_components == ("encoder", "heads/classifier")
+    probe, stage = r.stages
+    assert probe.trained_components == stage.trained_components == ("encoder", "heads/classifier")
+    assert probe.epsilon == pytest.approx(utility.FINETUNE["probe_epsilon"], abs=0.01)
     assert stage.dataset.name == FASHION_MNIST_TRAIN and stage.sample_rate == 5 / 40
+    assert stage.hyperparameters["trainable_blocks"] == "all"
+    assert stage.hyperparameters["pooling"] in r.chosen
     assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= utility.EPSILON
     assert eps[Accountant.RDP] > utility.EPSILON - 0.01
     assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.ref <= 100 and r.tried == 0
+    assert r.dp_rest is not None and 0 <= r.dp_rest <= 100
+    (repo,) = (tmp_path / "finetune").glob("*/finetuned")  # the released head, read back
+    assert utility.released_top1(repo, "classifier", bench.test, 0, "cpu") == pytest.approx(r.dp)
     assert len(utility.table([(r, eps)])) == 3 + len(utility.PAPER)

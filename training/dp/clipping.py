@@ -358,7 +358,12 @@ class PerExampleClipper(LayerClipper):
         )
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
-        """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``."""
+        """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``.
+
+        The model may run its layers on K rows per example (augmentation multiplicity: K views of
+        each example, example i's rows ``i*K .. i*K+K-1``) as long as it returns one loss per
+        example: each layer's per-example gradient is then summed over the example's K rows
+        before the norm (``_grouped``), so what is clipped is the example's whole gradient."""
         if self.exact and any(p.grad is not None for p in self.params):
             raise ConfigError(
                 "exact clipped sums are rounded once into an empty .grad: one call per step "
@@ -368,6 +373,7 @@ class PerExampleClipper(LayerClipper):
         targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
+        examples: list[int] = []  # the number of examples, known once the losses are
 
         def when_grad(
             module: nn.Module | nn.Parameter, a: torch.Tensor | None
@@ -376,10 +382,11 @@ class PerExampleClipper(LayerClipper):
 
             def hook(g: torch.Tensor) -> None:
                 with torch.no_grad(), _no_autocast(g):
+                    a_in, g_in = _grouped(module, held.pop(), g, examples[0])
                     if self.exact:
-                        parts.append(_exact_part(module, _fp64(held.pop()), g.double()))
+                        parts.append(_exact_part(module, _fp64(a_in), g_in.double()))
                     else:
-                        parts.append(self._part(module, held.pop(), g))
+                        parts.append(self._part(module, a_in, g_in))
 
             return hook
 
@@ -415,6 +422,7 @@ class PerExampleClipper(LayerClipper):
             raise ValueError(
                 f"the model must return per-example losses (b,), got {tuple(losses.shape)}"
             )
+        examples.append(losses.shape[0])
         # Every layer lies between the loss and an entry layer or a broadcast parameter, so its
         # output's hook sees its gradient; no weight gradient is formed here. Each layer is
         # reduced as soon as its gradient arrives, keeping only what step 4 needs.
@@ -538,6 +546,34 @@ def _exact_part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch
             "per-example contributions summed across examples only"
         )
     return part
+
+
+def _grouped(
+    m: nn.Module | nn.Parameter, a: torch.Tensor | None, g: torch.Tensor, examples: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A layer's input and output gradient with each example's K consecutive rows (its views)
+    made one example: tokens (b K, T, d) -> (b, K T, d), a patchifying convolution's images and
+    output maps stacked along the height (b K, c, h, w) -> (b, c, K h, w), an embedding's ids
+    (b K, T) -> (b, K T). The per-example gradient over the K T tokens is the sum of the views'
+    gradients, which the rules then compute as for one example."""
+    rows = g.shape[0]
+    if rows == examples:
+        return a, g
+    if examples == 0 or rows % examples:
+        raise ValueError(f"{rows} rows for {examples} per-example losses: not K rows per example")
+    if isinstance(m, nn.Conv2d):
+        return _stack_views(a, examples), _stack_views(g, examples)  # type: ignore[arg-type]
+    if isinstance(m, nn.Embedding):
+        return a.reshape(examples, -1), g.reshape(examples, -1, g.shape[-1])  # type: ignore[union-attr]
+    a_out = None if a is None else a.reshape(examples, -1, a.shape[-1])
+    return a_out, g.reshape(examples, -1, g.shape[-1])
+
+
+def _stack_views(x: torch.Tensor, examples: int) -> torch.Tensor:
+    """(b K, c, h, w) -> (b, c, K h, w): each example's K maps one above the other."""
+    _, c, h, w = x.shape
+    views = x.reshape(examples, -1, c, h, w)
+    return views.transpose(1, 2).reshape(examples, c, views.shape[1] * h, w)
 
 
 def _conv_part(

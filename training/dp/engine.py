@@ -528,10 +528,13 @@ class DPEngine:
         dataset_description: str,
         summary: str,
         files: dict[str, Any] | None = None,
+        earlier: Sequence[DPStage] = (),
         **stage_fields: Any,
     ) -> Path:
-        """Export the released repo: the init repo's encoder stages, then this run's ``stage``
-        (named ``mechanism``, on ``cfg``'s dataset) and the curve of its ``public_loss``."""
+        """Export the released repo: the init repo's encoder stages, the ``earlier`` DP stages of
+        this run on the same data (a DP linear probe whose head the model started from), then this
+        run's ``stage`` (named ``mechanism``, on ``cfg``'s dataset) and the curve of its
+        ``public_loss``."""
 
         def stages() -> list[NonPrivateStage | DPStage]:
             dataset = Dataset(
@@ -546,7 +549,7 @@ class DPEngine:
                 run_id=run.run_id(),
                 **stage_fields,
             )
-            return [*(s for s in init.stages if s.component == ENCODER), stage]
+            return [*(s for s in init.stages if s.component == ENCODER), *earlier, stage]
 
         curve = ("public_loss", curve_label, f"{mechanism} on {cfg.dataset_name}")
         return run.export_encoder(

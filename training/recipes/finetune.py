@@ -1,19 +1,34 @@
-"""DP fine-tuning (issue 26's end-to-end row): a (Syn)-ViP encoder's top K blocks and a new
-linear head, trained together on labelled private images with DP-AdamW.
+"""DP fine-tuning (issue 26's end-to-end row, issue 36's whole-encoder row): a (Syn)-ViP
+encoder's top K blocks, or the whole encoder, and a linear head, trained together on labelled
+private images with DP-AdamW.
 
-The recipe is a model (``Classifier``: the encoder's features in one feature mode, then the
-linear-probe head ``LinearProbe``, whose normalisation is fixed to the init encoder's features of
-public procedural images), a per-example loss (cross-entropy over the labels) and
-``PerExampleClipper``; everything private about a step is the DP engine's
-(``training/dp/engine.py``). Trained: the top K blocks, the final norm where the feature mode
-reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's. Images
-go through the encoder's own transform (the one ``/v1/classify`` applies), without augmentation,
-so what the frozen blocks give for each image is computed once, before training, and each step
-runs the top blocks only (the same scores as the whole encoder, as the tests check).
+The recipe is a model (the encoder's features in one feature mode, then the linear-probe head
+``LinearProbe``, whose normalisation is fixed to the init encoder's features of public procedural
+images), a per-example loss (cross-entropy over the labels) and ``PerExampleClipper``; everything
+private about a step is the DP engine's (``training/dp/engine.py``). Two models:
+
+- ``Classifier`` (``--trainable-blocks K``): the top K blocks, the final norm where the feature
+  mode reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's.
+  Images go through the encoder's own transform (the one ``/v1/classify`` applies), without
+  augmentation, so what the frozen blocks give for each image is computed once, before training,
+  and each step runs the top blocks only.
+- ``EncoderClassifier`` (``--trainable-blocks all``, after DP-RandP and De et al. 2022): every
+  block the feature mode reads (a spatial mode ``spatial-b<blocks>-g<grid>`` included), the patch
+  embedding, the class token (and the final norm for ``avg``/``cls``), and the head; each step runs
+  the images through them, with **augmentation multiplicity** (``--augmult K``: K views of each
+  example, random shifts by reflection padding and flips from the run's secret stream of (step,
+  example); the example's loss is the mean over its views, so its one gradient, the views'
+  average, is what is clipped: the sensitivity is the engine's, unchanged).
+
+``--probe-epsilon`` first fits the head as a DP linear probe on the init encoder's frozen
+features (``training.recipes.probe.fit_probe``) and starts the fine-tuning from it; the probe's
+stage goes into the same ledger (it trained what the fine-tuning started from: component
+``encoder``, also the head), and the fine-tuning's noise is calibrated so that the two compose
+within ``--epsilon`` (``remaining_epsilon``).
 
 The export is the fine-tuned encoder with the head in ``heads/<name>/``. Its ledger holds the
-init repo's encoder stages and one DP stage on the dataset whose ``also_trains`` names the head:
-one mechanism trained both, so the encoder's and the head's guarantees are that one stage's.
+init repo's encoder stages, the probe's stage if any, and one DP stage on the dataset whose
+``also_trains`` names the head: the encoder's and the head's guarantees are those stages composed.
 
 Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
 ``torchrun --nproc_per_node N -m training.recipes.finetune ...`` (same arguments).
@@ -37,21 +52,32 @@ from torch import nn
 
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
-from vip_hub.models.features import final_norm, pool_features, vip_layers
+from vip_hub.models.features import (
+    SpatialMode,
+    check_pooling,
+    final_norm,
+    pool_features,
+    vip_layers,
+)
+from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo_format import LEDGER_FILE, head_component
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.run import DPRun
-from ..dp.sampling import init_seed
+from ..dp.sampling import AUGMENT, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
 from ..skeleton.distributed import Dist
 from .probe import (
     HeadData,
     LabelledImages,
+    ProbeConfig,
+    dp_head_sampling,
+    fit_probe,
     fix_normalisation,
     load_labelled,
+    probe_stage,
     public_features,
     top1_result,
 )
@@ -61,7 +87,9 @@ __all__ = [
     "STAGE",
     "ArraysRun",
     "Classifier",
+    "EncoderClassifier",
     "FinetuneConfig",
+    "augment_views",
     "classifier",
     "evaluate",
     "finetune_arrays",
@@ -75,6 +103,7 @@ CURVE_IMAGES = 1000
 """At most this many public test images (every k-th) give the curve's loss at each evaluation
 (the final top-1 uses all)."""
 FinetunePooling = Literal["avg", "cls", "vip"]
+"""The modes ``Classifier`` (top blocks) reads; ``EncoderClassifier`` reads any but ``dpcap``."""
 
 
 class FinetuneConfig(
@@ -85,17 +114,58 @@ class FinetuneConfig(
 
     init: str = Field(description="(Syn)-ViP repo folder or hub id whose encoder is fine-tuned")
     head: str = Field("classifier", description="head name: the repo gets heads/NAME/")
-    pooling: FinetunePooling = Field(
+    pooling: str = Field(
         "avg",
-        description="feature mode the head reads: avg, cls or vip (the final norm is "
-        "trained only where the mode reads it: avg, cls)",
+        description="feature mode the head reads: avg, cls or vip (the final norm is trained "
+        "only where the mode reads it: avg, cls); with --trainable-blocks all also a spatial mode "
+        "the init repo declares (spatial-b<blocks>-g<grid>)",
     )
-    trainable_blocks: int = Field(
+    trainable_blocks: int | Literal["all"] = Field(
         2,
-        ge=1,
-        description="top encoder blocks trained with the head (at most all but the first); the "
-        "rest stays the init's",
+        description="top encoder blocks trained with the head (at most all but the first; the "
+        "rest stays the init's), or all: every block the feature mode reads, the patch embedding "
+        "and the class token, the images run through them at each step (with --augmult)",
     )
+    augmult: int = Field(
+        1,
+        ge=0,
+        description="with --trainable-blocks all: augmented views per example (random shift by "
+        "reflection padding, flip), their losses averaged inside the example's gradient before "
+        "clipping; 0: the image itself, unaugmented",
+    )
+    probe_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="first fit the head as a DP linear probe (DP-SGD) on the init encoder's "
+        "frozen features at this epsilon; its stage composes with the fine-tuning's, whose "
+        "noise is calibrated so that both stay within --epsilon",
+    )
+    probe_epochs: int = Field(100, gt=0, description="epochs of the DP probe")
+    probe_batch_size: int | None = Field(
+        None, gt=0, description="expected batch of the DP probe (default: n / 8, rounded up)"
+    )
+    probe_lr: float = Field(16.0, gt=0, description="SGD learning rate of the DP probe")
+    probe_max_grad_norm: float = Field(0.1, gt=0, description="clipping norm of the DP probe")
+
+    def probe_config(self, n: int) -> ProbeConfig:
+        """The DP probe's settings on ``n`` records (SGD, momentum 0.9, warm-up + cosine)."""
+        return ProbeConfig(
+            encoder=self.init,
+            data=self.data,
+            dataset_name=self.dataset_name,
+            head=self.head,
+            pooling=self.pooling,
+            epochs=self.probe_epochs,
+            warmup_epochs=max(1, self.probe_epochs // 10),
+            batch_size=self.probe_batch_size or -(-n // 8),
+            optimizer="sgd",
+            lr=self.probe_lr,
+            epsilon=self.probe_epsilon,
+            delta=self.delta if self.delta is not None else default_delta(n),
+            max_grad_norm=self.probe_max_grad_norm,
+            accountant=self.accountant,
+            allow_weak_delta=self.allow_weak_delta,
+        )
 
 
 class Classifier(nn.Module):
@@ -163,27 +233,128 @@ class Classifier(nn.Module):
         return F.cross_entropy(self.top(tokens, means), labels, reduction="none")
 
 
+class EncoderClassifier(nn.Module):
+    """The whole encoder as far as ``pooling`` reads (the patch embedding, the class token, the
+    blocks up to the deepest one the mode reads), then the head, whose normalisation is fixed.
+    ``forward(views, labels)`` takes K views per example (b, K, 3, H, W) and gives each example's
+    cross-entropy averaged over its views (b,): the layers run on the b K views, and the clipper
+    sums each example's K rows into its one gradient (``PerExampleClipper``). The class token is
+    broadcast over the batch here, announced through ``broadcast_hooks``."""
+
+    def __init__(self, encoder: VisionTransformer, head: LinearProbe, pooling: str):
+        super().__init__()
+        self.encoder, self.head, self.pooling = encoder, head, pooling
+        spatial, depth = check_pooling(pooling, encoder), len(encoder.blocks)
+        if spatial is not None:
+            self.indices = [b - 1 for b in spatial.blocks]
+        elif pooling == "vip":
+            self.indices = list(range(depth - vip_layers(encoder), depth))
+        else:
+            self.indices = [depth - 1]
+        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+
+    def train(self, mode: bool = True) -> EncoderClassifier:
+        """Set the encoder's mode; the head's normalisation stays fixed."""
+        super().train(mode)
+        self.head.norm.eval()
+        return self
+
+    def broadcast_parameters(self) -> list[nn.Parameter]:
+        """The class token, when trained (see ``broadcast_hooks``)."""
+        token = self.encoder.cls_token
+        return [token] if token is not None and token.requires_grad else []
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """The ``pooling`` features of a preprocessed batch: timm's own forward, with the class
+        token broadcast here."""
+        enc = self.encoder
+        x = enc.patch_embed(images)
+        if enc.cls_token is not None:
+            token = enc.cls_token.expand(len(x), -1, -1)
+            for hook in self.broadcast_hooks:
+                hook(enc.cls_token, token)
+            x = torch.cat([token, x], dim=1)
+        x = enc.norm_pre(enc.patch_drop(enc.pos_drop(x + enc.pos_embed)))
+        p, outputs = enc.num_prefix_tokens, []
+        for i, block in enumerate(enc.blocks[: self.indices[-1] + 1]):
+            x = block(x)
+            if i in self.indices:
+                outputs.append((x[:, p:], x[:, :p]))
+        return pool_features(enc, outputs, (self.pooling,), blocks=self.indices)[self.pooling]
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Class scores of a preprocessed batch, (b, classes)."""
+        return self.head(self.features(images))
+
+    def forward(self, views: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, k = views.shape[:2]
+        logits = self.logits(views.flatten(0, 1))
+        losses = F.cross_entropy(logits, labels.repeat_interleave(k), reduction="none")
+        return losses.view(b, k).mean(1)
+
+
+def augment_views(image: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` views (count, 3, H, W) of a preprocessed image: each shifted by up to H/8 pixels
+    (reflection padding, then a crop) and flipped left-right with probability 1/2, drawn from
+    ``generator``; ``count`` 0 gives the image itself as one view."""
+    if count == 0:
+        return image[None]
+    h, w = image.shape[-2:]
+    pad = max(1, h // 8)
+    padded = F.pad(image[None], (pad, pad, pad, pad), mode="reflect")[0]
+    shifts = torch.randint(0, 2 * pad + 1, (count, 2), generator=generator).tolist()
+    flips = (torch.rand(count, generator=generator) < 0.5).tolist()
+    views = [padded[:, dy : dy + h, dx : dx + w] for dy, dx in shifts]
+    return torch.stack([v.flip(-1) if f else v for v, f in zip(views, flips, strict=True)])
+
+
 def classifier(
-    init: Encoder, num_classes: int, pooling: FinetunePooling, trainable_blocks: int
-) -> Classifier:
-    """``init``'s encoder with only its top ``trainable_blocks`` blocks (and its final norm,
-    where ``pooling`` reads it) trainable, and a fresh head normalised by public features."""
+    init: Encoder,
+    num_classes: int,
+    pooling: str,
+    trainable_blocks: int | Literal["all"],
+    head: LinearProbe | None = None,
+) -> Classifier | EncoderClassifier:
+    """``init``'s encoder with its top ``trainable_blocks`` blocks (and its final norm, where
+    ``pooling`` reads it) trainable, or (``"all"``) everything ``pooling`` reads; and ``head`` (a
+    DP probe's) or a fresh head normalised by public features."""
     encoder, depth = init.model, len(init.model.blocks)
-    if trainable_blocks >= depth:
-        raise ConfigError(
-            f"--trainable-blocks {trainable_blocks}: the {init.spec.arch} encoder has {depth} "
-            f"blocks, of which at most {depth - 1} can be trained (the first stays frozen)"
-        )
     init.check_pooling(pooling)
-    head = LinearProbe(init.feature_dim(pooling), num_classes)
-    fix_normalisation(head, public_features(init, pooling))
+    spatial = SpatialMode.parse(pooling)
+    if trainable_blocks != "all":
+        if trainable_blocks < 1 or trainable_blocks >= depth:
+            raise ConfigError(
+                f"--trainable-blocks {trainable_blocks}: the {init.spec.arch} encoder has "
+                f"{depth} blocks, of which 1 to {depth - 1} can be trained (the first stays "
+                "frozen), or all"
+            )
+        if pooling not in ("avg", "cls", "vip"):
+            raise ConfigError(
+                f"--pooling {pooling}: the top-blocks model reads avg, cls or vip; "
+                "train a spatial mode with --trainable-blocks all"
+            )
+    elif pooling == "dpcap":
+        raise ConfigError("--pooling dpcap: the whole-encoder model reads the encoder's own modes")
+    if head is None:
+        head = LinearProbe(init.feature_dim(pooling), num_classes)
+        fix_normalisation(head, public_features(init, pooling))
     encoder.requires_grad_(False)
-    trained = list(encoder.blocks[depth - trainable_blocks :])
-    if pooling != "vip":  # the vip mode reads the blocks before the final norm
+    reads_norm = spatial is None and pooling != "vip"  # the spatial and vip modes skip it
+    if trainable_blocks == "all":
+        model: Classifier | EncoderClassifier = EncoderClassifier(encoder, head, pooling)
+        trained = [encoder.patch_embed, *encoder.blocks[: model.indices[-1] + 1]]
+        token = encoder.cls_token  # trained unless the family fixes it (DP-Cap's random one)
+        if token is not None and not init.spec.family.frozen_tokens:
+            token.requires_grad_(True)
+    else:
+        model = Classifier(encoder, head, pooling, trainable_blocks)  # type: ignore[arg-type]
+        trained = list(encoder.blocks[depth - trainable_blocks :])
+    if reads_norm:
         trained.append(final_norm(encoder))
     for module in trained:
         module.requires_grad_(True)
-    return Classifier(encoder, head, pooling, trainable_blocks).train()
+    head.linear.requires_grad_(True)
+    return model.train()
 
 
 def _preprocessed(
@@ -210,7 +381,7 @@ def frozen_outputs(
 
 @torch.no_grad()
 def evaluate(
-    model: Classifier,
+    model: Classifier | EncoderClassifier,
     transform: Callable[[Image.Image], torch.Tensor],
     images: Sequence[Image.Image],
     labels: Sequence[int],
@@ -241,27 +412,104 @@ def _public_test(cfg: FinetuneConfig, train: LabelledImages) -> LabelledImages |
     return test
 
 
+def _probe_plan(cfg: FinetuneConfig, n: int) -> tuple[float, float, int] | None:
+    """The DP probe's (sigma, q, steps) on ``n`` records (known before it runs), or None."""
+    if cfg.probe_epsilon is None:
+        return None
+    probe = cfg.probe_config(n)
+    q, steps = dp_head_sampling(n, probe)
+    return calibrate(probe.epsilon, probe.delta, q, steps, probe.accountant), q, steps
+
+
+def _with_probe(cfg: FinetuneConfig, n: int) -> FinetuneConfig:
+    """``cfg`` with the fine-tuning's own epsilon: what is left of ``--epsilon`` after the DP
+    probe (``remaining_epsilon``: the two compose within it), or ``cfg`` without a probe."""
+    plan = _probe_plan(cfg, n)
+    if plan is None or cfg.epsilon is None:
+        return cfg
+    q = cfg.batch_size / n
+    delta = cfg.delta if cfg.delta is not None else default_delta(n)
+    own = remaining_epsilon(cfg.epsilon, delta, [plan], q, cfg.steps, cfg.accountant)
+    return cfg.model_copy(update={"epsilon": own})
+
+
+def _probe(
+    cfg: FinetuneConfig, init: Encoder, train: LabelledImages, run: DPRun
+) -> tuple[LinearProbe, DPStage] | None:
+    """The DP probe's head and its ledger stage: fitted on ``init``'s frozen ``cfg.pooling``
+    features (noise and sampling from a fresh secret, ``fit_probe``), or read back from the run
+    folder when the run resumes (the released model depends on the one probe that ran)."""
+    if cfg.probe_epsilon is None:
+        return None
+    saved = run.dir / "probe.pt"
+    if saved.exists():
+        blob = torch.load(saved, weights_only=True)
+        head = LinearProbe(*blob["shape"])
+        head.load_state_dict(blob["head"])
+        return head.eval(), DPStage.model_validate_json(blob["stage"])
+    n, probe = len(train.labels), cfg.probe_config(len(train.labels))
+    x = init.embed(train.images, cfg.pooling)
+    head, dp = fit_probe(
+        x,
+        torch.as_tensor(train.labels),
+        len(train.classes),
+        probe,
+        public_features(init, cfg.pooling),
+        desc="DP probe",
+    )
+    if (dp["sigma"], dp["sample_rate"], dp["steps"]) != _probe_plan(cfg, n):
+        raise RuntimeError(f"the probe ran {dp}, not the plan the fine-tuning was calibrated to")
+    stage = probe_stage(probe, train.dataset, dp, fine_tuned=True)
+    shape = (head.linear.in_features, head.linear.out_features)
+    torch.save({"head": head.state_dict(), "shape": shape, "stage": stage.model_dump_json()}, saved)
+    return head, stage
+
+
 def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) DP fine-tuning and export the released encoder with its head; returns the
-    repo's path."""
+    """Run (or resume) DP fine-tuning (after a DP probe, with ``--probe-epsilon``) and export the
+    released encoder with its head; returns the repo's path."""
     dist = dist or Dist.from_env(cfg.device)
     component = head_component(cfg.head)  # the name is checked before any work
+    whole = cfg.trainable_blocks == "all"
+    if cfg.augmult != 1 and not whole:
+        raise ConfigError(
+            "--augmult needs --trainable-blocks all (the top-blocks model reads "
+            "the frozen blocks' outputs of unaugmented images)"
+        )
     train = load_labelled(cfg.data, cfg.dataset_name)
     test = _public_test(cfg, train)
     n = len(train.labels)
-    run = DPRun(cfg, dist, n)
+    run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)
     spec, transform = init.spec, init.transform
+    init.check_pooling(cfg.pooling)
+    probe = _probe(cfg, init, train, run)
     torch.manual_seed(init_seed(run.seed))  # the fresh head, the same on every rank
-    model = classifier(init, len(train.classes), cfg.pooling, cfg.trainable_blocks)
+    model = classifier(
+        init,
+        len(train.classes),
+        cfg.pooling,
+        cfg.trainable_blocks,
+        head=probe[0] if probe is not None else None,
+    )
     model.to(dist.device)
     engine = run.engine(model)
-
-    tokens, means = frozen_outputs(model, transform, train.images, dist.device)
     labels = torch.as_tensor(train.labels)
 
-    def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
-        return tokens[index], means[index], labels[index]
+    if isinstance(model, EncoderClassifier):
+        pixels = torch.cat(list(_preprocessed(transform, train.images)))
+
+        def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
+            views = augment_views(
+                pixels[index], cfg.augmult, torch_generator(run.seed, AUGMENT, step, index)
+            )
+            return views, labels[index]
+
+    else:
+        tokens, means = frozen_outputs(model, transform, train.images, dist.device)
+
+        def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
+            return tokens[index], means[index], labels[index]
 
     def curve() -> dict[str, float]:
         if test is None:
@@ -276,7 +524,29 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
 
     depth, k = len(model.encoder.blocks), cfg.trainable_blocks
     trained = sum(p.numel() for p in engine.params)
-    norm = " and the final norm" if cfg.pooling != "vip" else ""
+    reads_norm = cfg.pooling in ("avg", "cls")
+    norm = " and the final norm" if reads_norm else ""
+    if isinstance(model, EncoderClassifier):
+        what = (
+            f"the whole encoder the {cfg.pooling} features read (the patch embedding, the class "
+            f"token, blocks 1-{model.indices[-1] + 1} of {depth}{norm})"
+        )
+        augmentation = (
+            f"{cfg.augmult} views per example (shift by up to 1/8 of the side, reflection "
+            "padding; flip), their losses averaged inside the example's gradient before clipping"
+            if cfg.augmult
+            else "none (the encoder's own transform)"
+        )
+    else:
+        what, augmentation = (
+            f"the top {k} of {depth} blocks{norm}",
+            "none (the encoder's own transform)",
+        )
+    start = (
+        f"the head {cfg.head} of a DP linear probe ({probe[1].name}, in this ledger)"
+        if probe is not None
+        else "a fresh head"
+    )
     out = run.export_dp(
         model.encoder,
         spec,
@@ -288,20 +558,21 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         dataset_description=f"{n} labelled images, {len(train.classes)} classes; DP fine-tuning",
         summary=(
             f"A {spec.arch} encoder fine-tuned end to end with DP-AdamW on {cfg.dataset_name} "
-            f"({n} labelled images), starting from {cfg.init}: the top {k} of {depth} blocks"
-            f"{norm} and the linear head heads/{cfg.head} ({cfg.pooling} features), trained "
-            "together by one DP stage whose guarantee covers both."
+            f"({n} labelled images), starting from {cfg.init} and {start}: {what} and the "
+            f"linear head heads/{cfg.head} ({cfg.pooling} features), trained together by one DP "
+            "stage whose guarantee covers both."
         ),
         name=STAGE,
         also_trains=[component],
+        earlier=[probe[1]] if probe is not None else [],
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
             f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
             "sensitivity (C times its fp32 rounding allowance) once per logical step, "
-            f"Poisson sampling. Trained together: the top {k} of {depth} "
-            f"blocks{norm} and the head {component}'s linear layer ({trained:,} parameters); "
-            "the rest of the encoder is the init repo's, unchanged. The head's normalisation "
-            "is fixed to the init encoder's features of public procedural images"
+            f"Poisson sampling. Trained together from {start}: {what} and the "
+            f"head {component}'s linear layer ({trained:,} parameters); the rest of the encoder "
+            "is the init repo's, unchanged. The head's normalisation is fixed to the init "
+            f"encoder's features of public procedural images. Augmentation: {augmentation}"
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(),
@@ -309,7 +580,9 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "pooling": cfg.pooling,
             "trainable_blocks": k,
             "trainable_parameters": trained,
-            "augmentation": "none (the encoder's own transform)",
+            "augmult": cfg.augmult if whole else None,
+            "augmentation": augmentation,
+            "probe_epsilon": cfg.probe_epsilon,
         },
     )
     metrics: dict[str, object] = {"train_size": n, "pooling": cfg.pooling, "fine_tuned_blocks": k}
@@ -326,11 +599,13 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
 
 @dataclass(frozen=True)
 class ArraysRun:
-    """What ``finetune_arrays`` measured: the released repo, its DP stage, the head's top-1 on
+    """What ``finetune_arrays`` measured: the released repo, its fine-tuning stage and every DP
+    stage the classifier rests on (the DP probe's, then the fine-tuning's), the head's top-1 on
     the public test arrays and the recipe's wall time (data written to folders excluded)."""
 
     repo: Path
     stage: DPStage
+    stages: list[DPStage]
     top1: float
     seconds: float
 
@@ -363,9 +638,10 @@ def finetune_arrays(
     start = time.perf_counter()
     repo = train_finetune(cfg)
     seconds = time.perf_counter() - start
-    ledger = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
-    stage = next(s for s in ledger.dp_stages() if s.name == STAGE)
-    return ArraysRun(repo, stage, float(load_head(repo, cfg.head)[1].metrics["top1"]), seconds)
+    stages = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
+    stage = next(s for s in stages if s.name == STAGE)
+    top1 = float(load_head(repo, cfg.head)[1].metrics["top1"])
+    return ArraysRun(repo, stage, stages, top1, seconds)
 
 
 RECIPE = Recipe(

@@ -69,7 +69,7 @@ from vip_hub.privacy.sensitivity import (
     sensitivity,
 )
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import head_component
+from vip_hub.repo_format import ENCODER, head_component
 
 from ..data.images import ImageFolder
 from ..data.labelled import keyed_uniforms
@@ -93,6 +93,7 @@ __all__ = [
     "fit_probe",
     "fix_normalisation",
     "load_labelled",
+    "probe_stage",
     "public_features",
     "run_probe",
     "top1_result",
@@ -481,7 +482,7 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
             ),
         )
     )
-    stage = _stage(cfg, used, dp)
+    stage = probe_stage(cfg, used, dp)
     public_top1 = top1 if cfg.test_data else None
     repo = (
         _export(cfg, encoder, head, train.classes, stage, public_top1, len(tr_idx))
@@ -492,7 +493,12 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     return ProbeResult(top1, len(tr_idx), len(test_y), head, stage, repo, features)
 
 
-def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateStage | DPStage:
+def probe_stage(
+    cfg: ProbeConfig, data: Dataset, dp: dict[str, Any], *, fine_tuned: bool = False
+) -> NonPrivateStage | DPStage:
+    """The ledger stage of a probe head fit by ``fit_probe`` (``dp``: its DP parameters, empty
+    without DP); ``fine_tuned``: a DP fine-tuning of the encoder starts from this head, so the
+    stage is the encoder's too (component ``encoder``, the head in ``also_trains``)."""
     component = head_component(cfg.head)
     protocol = f"{cfg.pooling} features, BatchNorm + linear, {cfg.epochs} epochs"
     if not dp:
@@ -504,9 +510,16 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
             description=f"linear probe ({protocol}, {cfg.optimizer}) trained without DP: its "
             "labelled data has no privacy guarantee",
         )
+    start = (
+        "; the head a DP fine-tuning of the encoder starts from, so the fine-tuned encoder and "
+        "head depend on it too"
+        if fine_tuned
+        else ""
+    )
     return DPStage.from_parameters(
         name=f"linear-probe-dp:{cfg.head}",
-        component=component,
+        component=ENCODER if fine_tuned else component,
+        also_trains=[component] if fine_tuned else [],
         dataset=data,
         mechanism=DP_SGD,
         mechanism_params=dp["mechanism_params"],
@@ -521,7 +534,7 @@ def _stage(cfg: ProbeConfig, data: Dataset, dp: dict[str, Any]) -> NonPrivateSta
         run_id=new_run_id(),
         description=f"linear probe ({protocol}) trained with DP-SGD (per-example clipping, its "
         "sum formed in fp64 and rounded once); normalisation fixed to public procedural-image "
-        "features",
+        f"features{start}",
         hyperparameters={
             "lr": cfg.lr,
             "epochs": cfg.epochs,

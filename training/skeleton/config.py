@@ -256,7 +256,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
             )
             continue
         choices = None
-        if typing.get_origin(tp) is typing.Literal:
+        members = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        if len(members) > 1 and any(typing.get_origin(a) is typing.Literal for a in members):
+            tp = str  # a number or a named value (``int | Literal["all"]``): pydantic parses it
+        elif typing.get_origin(tp) is typing.Literal:
             choices, tp = list(typing.get_args(tp)), str
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
             choices = [e.value for e in tp]
