@@ -34,10 +34,17 @@ from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
 from ..skeleton.distributed import Dist
 from ..skeleton.run import Run
-from .logit_dp import public_loss, public_views
-from .mae import DecoderConfig, eval_loss, freeze_fixed_tokens, new_mae, public_eval_batch
+from .mae import (
+    EVAL_IMAGES,
+    EVAL_SEED,
+    DecoderConfig,
+    eval_loss,
+    freeze_fixed_tokens,
+    new_mae,
+    public_eval_batch,
+)
 
-__all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
+__all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "public_loss", "public_views", "train_syn"]
 
 SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 
@@ -102,6 +109,36 @@ class SynConfig(
     def family_names(self) -> tuple[str, ...]:
         """``families`` as a tuple of names."""
         return tuple(self.families.split(","))
+
+
+def public_views(
+    spec: EncoderSpec, transform: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed augmented views of the public procedural images the MAE curves use."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(EVAL_SEED)
+        source = ProceduralPictures(spec.img_size, seed=EVAL_SEED)
+        pictures = [source.load(i) for i in range(EVAL_IMAGES)]
+        first = torch.stack([transform(p) for p in pictures])
+        second = torch.stack([transform(p) for p in pictures])
+    return first, second
+
+
+@torch.no_grad()
+def public_loss(
+    model: ContrastiveEmbedder,
+    views: tuple[torch.Tensor, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+) -> float:
+    """Mean symmetric InfoNCE on the fixed public views (eval mode, no gradient)."""
+    was = model.training
+    model.eval()
+    e = embed(model, views[0].to(device), views[1].to(device))
+    k = views[0].shape[0]
+    loss = symmetric_infonce(e[:k] @ e[k:].T, temperature).mean().item()
+    model.train(was)
+    return loss
 
 
 class _Views(torch.utils.data.Dataset):
