@@ -127,7 +127,7 @@ def probe_row(
         time.process_time() - began,
     )
     shown = ", ".join(f"{m} {v:.1f}" for m, v in sorted(scores.items(), key=lambda kv: -kv[1]))
-    print(f"{name}: {shown}", flush=True)
+    print(f"{name}: {shown}; chosen {best}, {report:.1f} on the report records", flush=True)
     return row
 
 
