@@ -120,7 +120,7 @@ def test_contrastive_syn_exports_a_verified_repo_without_private_data(tmp_path: 
     """The (Syn) contrastive objective: its own ledger stage saying no private data, no MAE
     decoder (so a DP recipe refuses it by name), plain timm loads it, and a rerun of the same
     settings reproduces its loss curve (its views come from their own streams)."""
-    cfg = dict(SYN_ARGS, img_size=28, patch_size=4, crop_pct=1.0, objective="contrastive", steps=3)
+    cfg = dict(SYN_ARGS, img_size=16, patch_size=4, crop_pct=1.0, objective="contrastive", steps=3)
     cfg["families"] = "dead_leaves,cellular"
     out = train_syn(SynConfig(out=str(tmp_path / "con"), **cfg))
     report = verify_repo(out)
