@@ -116,6 +116,34 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]  # step 0: the public loss before training
 
 
+def test_contrastive_syn_exports_a_verified_repo_without_private_data(tmp_path: Path) -> None:
+    """The (Syn) contrastive objective: its own ledger stage saying no private data, no MAE
+    decoder (so a DP recipe refuses it by name), plain timm loads it, and a rerun of the same
+    settings reproduces its loss curve (its views come from their own streams)."""
+    cfg = dict(SYN_ARGS, img_size=16, patch_size=4, crop_pct=1.0, objective="contrastive", steps=3)
+    cfg["families"] = "dead_leaves,cellular"
+    out = train_syn(SynConfig(out=str(tmp_path / "con"), **cfg))
+    report = verify_repo(out)
+    assert report.ok, report.problems
+    (stage,) = ledger_of(out).stages
+    assert stage.type == "non-private" and stage.name == "syn-contrastive"
+    assert stage.private_data is False and "no private data" in stage.description
+    assert "dead_leaves, cellular" in stage.dataset.description
+    assert not (out / "mae_decoder.safetensors").exists()
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    assert model.patch_embed.grid_size == (4, 4)
+    assert model.pretrained_cfg["crop_pct"] == 1.0
+    again = train_syn(SynConfig(out=str(tmp_path / "again"), **cfg))
+
+    def curve(repo: Path) -> list[float]:
+        log = (repo.with_name(repo.name + ".run") / "log.jsonl").open()
+        return [r["train_loss"] for r in map(json.loads, log) if "train_loss" in r]
+
+    assert len(curve(out)) == 3 and curve(out) == pytest.approx(curve(again), rel=1e-5)
+    with pytest.raises(ValueError, match="unknown procedural families"):
+        SynConfig(out=str(tmp_path / "x"), families="dead_leaves,stripes")
+
+
 def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     syn_repo: Path, images: Path, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, r
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
 from training.recipes.mae import MAE, DecoderConfig, patchify
+from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
@@ -46,6 +47,17 @@ def test_every_family_draws_varied_images() -> None:
         field = family(rng, (grid[0], grid[1]))
         assert field.shape == (32, 32), name
         assert 0 <= field.min() and field.max() <= 1 and field.std() > 0.01, name
+
+
+def test_families_restrict_the_programs() -> None:
+    """A stream restricted to some families differs from the full stream and stays
+    deterministic; an unknown family is named."""
+    some = ("dead_leaves", "cellular")
+    a = render(0, 3, 32, some)
+    assert np.array_equal(a, render(0, 3, 32, some))
+    assert any(not np.array_equal(render(0, i, 32, some), render(0, i, 32)) for i in range(8))
+    with pytest.raises(ConfigError, match="stripes"):
+        render(0, 0, 32, ("stripes",))
 
 
 def test_synthetic_dataset_and_contact_sheet() -> None:

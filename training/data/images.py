@@ -19,6 +19,7 @@ import json
 import os
 import tarfile
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 import torch
 from PIL import Image
@@ -35,7 +36,9 @@ __all__ = [
     "ImageFolder",
     "PrivateCaptions",
     "PrivateImages",
+    "Pictures",
     "TarShards",
+    "contrastive_transform",
     "mae_transform",
     "open_captions",
     "open_images",
@@ -45,6 +48,14 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".gif", ".
 MAX_PIXELS = 64_000_000
 CAPTIONS_FILE = "captions.jsonl"
 MAX_CAPTION_BYTES = 64 * 1024
+
+
+class Pictures(Protocol):
+    """Anything that numbers RGB PIL images (private folders, procedural streams)."""
+
+    def __len__(self) -> int: ...
+
+    def load(self, index: int) -> Image.Image: ...
 
 
 class PrivateImages(torch.utils.data.Dataset):
@@ -312,11 +323,35 @@ def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]
     )
 
 
+def contrastive_transform(
+    img_size: int, mean: tuple[float, ...], std: tuple[float, ...]
+) -> v2.Compose:
+    """SimCLR's augmentation (Chen et al. 2020) for contrastive views: random resized crop
+    (0.2-1), flip, colour jitter (0.4, 0.4, 0.4, 0.1) with probability 0.8, greyscale with
+    probability 0.2 (no blur: the images are tiny)."""
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.RandomResizedCrop(
+                img_size,
+                scale=(0.2, 1.0),
+                interpolation=v2.InterpolationMode.BICUBIC,
+                antialias=True,
+            ),
+            v2.RandomHorizontalFlip(),
+            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean=list(mean), std=list(std)),
+        ]
+    )
+
+
 class Augmented(torch.utils.data.Dataset):
     """Items are ``(index, step)``: image ``index`` augmented by the stream of (seed, step, index),
     so an example's augmentation does not depend on its micro-batch, worker or batch-mates."""
 
-    def __init__(self, images: PrivateImages, transform: v2.Compose, seed: int):
+    def __init__(self, images: Pictures, transform: v2.Compose, seed: int):
         self.images, self.transform, self.seed = images, transform, seed
 
     def __len__(self) -> int:

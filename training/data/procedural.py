@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["FAMILIES", "SyntheticImages", "contact_sheet", "render"]
+from vip_hub.errors import ConfigError
+
+__all__ = ["FAMILIES", "ProceduralPictures", "SyntheticImages", "contact_sheet", "render"]
 
 Field = np.ndarray  # (H, W) float32 in [0, 1]
 Grid = tuple[np.ndarray, np.ndarray]  # x, y in [0, 1), shape (H, W)
@@ -141,15 +143,23 @@ def _palette(rng: np.random.Generator, t: Field) -> np.ndarray:
     return a + b * np.cos(2 * np.pi * (c * t[..., None] + d))
 
 
-def render(seed: int, index: int, size: int) -> np.ndarray:
-    """Image ``index`` of stream ``seed`` as an (size, size, 3) uint8 array."""
+def render(
+    seed: int, index: int, size: int, families: tuple[str, ...] = tuple(FAMILIES)
+) -> np.ndarray:
+    """Image ``index`` of stream ``seed`` as an (size, size, 3) uint8 array, its programs drawn
+    from ``families`` (the masks and warps keep their own)."""
+    unknown = set(families) - set(FAMILIES)
+    if unknown or not families:
+        raise ConfigError(
+            f"unknown procedural families {sorted(unknown)}: choose among {list(FAMILIES)}"
+        )
     rng = np.random.default_rng([seed, index])
     ys, xs = np.meshgrid(np.arange(size) / size, np.arange(size) / size, indexing="ij")
     grid: Grid = (xs, ys)
     if rng.random() < 0.3:  # domain warp by a smooth field
         warp = spectral_noise(rng, grid) - 0.5
         grid = (xs + 0.2 * warp, ys + 0.2 * np.roll(warp, size // 3, axis=0))
-    names = list(FAMILIES)
+    names = list(families)
     field = FAMILIES[names[rng.integers(len(names))]](rng, grid)
     rgb = _palette(rng, field)
     if rng.random() < 0.5:  # blend a second program through a third field's mask
@@ -173,8 +183,9 @@ class SyntheticImages(torch.utils.data.Dataset):
         length: int = 2**31 - 1,
         mean: tuple[float, ...] = (0.485, 0.456, 0.406),
         std: tuple[float, ...] = (0.229, 0.224, 0.225),
+        families: tuple[str, ...] = tuple(FAMILIES),
     ):
-        self.size, self.seed, self.length = size, seed, length
+        self.size, self.seed, self.length, self.families = size, seed, length, tuple(families)
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
 
@@ -182,8 +193,22 @@ class SyntheticImages(torch.utils.data.Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        img = torch.from_numpy(render(self.seed, int(index), self.size)).permute(2, 0, 1)
+        img = torch.from_numpy(render(self.seed, int(index), self.size, self.families))
+        img = img.permute(2, 0, 1)
         return (img.float() / 255 - self.mean) / self.std
+
+
+class ProceduralPictures:
+    """The same stream as PIL pictures (``load(index)``), for augmentation pipelines."""
+
+    def __init__(self, size: int, seed: int = 0, families: tuple[str, ...] = tuple(FAMILIES)):
+        self.size, self.seed, self.families = size, seed, tuple(families)
+
+    def __len__(self) -> int:
+        return 2**31 - 1
+
+    def load(self, index: int) -> Image.Image:
+        return Image.fromarray(render(self.seed, int(index), self.size, self.families))
 
 
 def contact_sheet(seed: int = 0, count: int = 64, size: int = 96, columns: int = 8) -> Image.Image:

@@ -23,7 +23,6 @@ import math
 from pathlib import Path
 
 import torch
-from PIL import Image
 from pydantic import Field, field_validator
 
 from vip_hub.errors import ConfigError
@@ -33,19 +32,17 @@ from vip_hub.models.features import final_norm
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
 
 from ..data.images import Augmented, mae_transform, open_images
-from ..data.procedural import render
 from ..dp.pair_clipping import (
     BatchClipper,
     ContrastiveEmbedder,
     PairClipper,
-    embed,
-    symmetric_infonce,
 )
 from ..dp.run import DPRun
 from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import EVAL_IMAGES, EVAL_SEED, freeze_fixed_tokens
+from .mae import freeze_fixed_tokens
+from .syn import public_loss, public_views
 
 __all__ = [
     "RECIPE",
@@ -275,37 +272,6 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
             "augmentation": "two views per image: random resized crop (0.2-1), flip",
         },
     )
-
-
-def public_views(
-    spec: EncoderSpec, transform: torch.nn.Module
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fixed augmented views of the public procedural images the MAE curves use."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(EVAL_SEED)
-        pictures = [
-            Image.fromarray(render(EVAL_SEED, i, spec.img_size)) for i in range(EVAL_IMAGES)
-        ]
-        first = torch.stack([transform(p) for p in pictures])
-        second = torch.stack([transform(p) for p in pictures])
-    return first, second
-
-
-@torch.no_grad()
-def public_loss(
-    model: ContrastiveEmbedder,
-    views: tuple[torch.Tensor, torch.Tensor],
-    temperature: float,
-    device: torch.device,
-) -> float:
-    """Mean symmetric InfoNCE on the fixed public views (eval mode, no gradient)."""
-    was = model.training
-    model.eval()
-    e = embed(model, views[0].to(device), views[1].to(device))
-    k = views[0].shape[0]
-    loss = symmetric_infonce(e[:k] @ e[k:].T, temperature).mean().item()
-    model.train(was)
-    return loss
 
 
 RECIPE = Recipe(

@@ -11,22 +11,40 @@ encoder, the decoder and a ledger saying that no private data was used.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from vip_hub.errors import ConfigError
-from vip_hub.models.encoders import ARCHS, DEFAULT_IMG_SIZE, DEFAULT_PATCH_SIZE, EncoderSpec
+from vip_hub.models.encoders import (
+    ARCHS,
+    DEFAULT_IMG_SIZE,
+    DEFAULT_PATCH_SIZE,
+    EncoderSpec,
+    create_encoder,
+)
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
-from ..data.procedural import FAMILIES, SyntheticImages
+from ..data.images import Augmented, contrastive_transform
+from ..data.procedural import FAMILIES, ProceduralPictures, SyntheticImages
+from ..dp.pair_clipping import ContrastiveEmbedder, embed, symmetric_infonce
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
 from ..skeleton.distributed import Dist
 from ..skeleton.run import Run
-from .mae import DecoderConfig, eval_loss, new_mae, public_eval_batch
+from .mae import (
+    EVAL_IMAGES,
+    EVAL_SEED,
+    DecoderConfig,
+    eval_loss,
+    freeze_fixed_tokens,
+    new_mae,
+    public_eval_batch,
+)
 
-__all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "train_syn"]
+__all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "public_loss", "public_views", "train_syn"]
 
 SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 
@@ -49,52 +67,160 @@ class SynConfig(
     )
     img_size: int = Field(DEFAULT_IMG_SIZE, gt=0, description="input resolution in pixels")
     patch_size: int = Field(DEFAULT_PATCH_SIZE, gt=0, description="patch size in pixels")
+    crop_pct: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="the released transform's centre crop (default: the family's; 1: a plain "
+        "resize, none at all when images already have --img-size pixels)",
+    )
+    families: str = Field(
+        ",".join(FAMILIES),
+        min_length=1,
+        description=f"procedural families the images are drawn from, comma-separated (of "
+        f"{', '.join(FAMILIES)})",
+    )
     batch_size: int = Field(64, gt=0, description="images per step")
     mask_ratio: float = Field(0.75, ge=0, lt=1, description="fraction of patches masked")
     norm_pix_loss: bool = Field(False, description="normalise each target patch (MAE's option)")
     decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
     decoder_depth: int = Field(4, gt=0, description="MAE decoder blocks")
     decoder_heads: int = Field(16, gt=0, description="MAE decoder attention heads")
+    objective: Literal["mae", "contrastive"] = Field(
+        "mae",
+        description="mae (masked autoencoder, the ViP recipe's; DP training can start from it) "
+        "or contrastive (InfoNCE between SimCLR-augmented views, as Baradad et al. 2021 and "
+        "DP-RandP; no MAE decoder, so a prior for heads and fine-tuning only)",
+    )
+    temperature: float = Field(0.2, gt=0, description="InfoNCE temperature (contrastive)")
+    projection_dim: int = Field(128, gt=0, description="projection head width (contrastive)")
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, value: str) -> str:
+        unknown = sorted(set(value.split(",")) - set(FAMILIES))
+        if unknown:
+            raise ValueError(
+                f"unknown procedural families {unknown}: choose among {list(FAMILIES)}"
+            )
+        return value
+
+    @property
+    def family_names(self) -> tuple[str, ...]:
+        """``families`` as a tuple of names."""
+        return tuple(self.families.split(","))
+
+
+def public_views(
+    spec: EncoderSpec, transform: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed augmented views of the public procedural images the MAE curves use."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(EVAL_SEED)
+        source = ProceduralPictures(spec.img_size, seed=EVAL_SEED)
+        pictures = [source.load(i) for i in range(EVAL_IMAGES)]
+        first = torch.stack([transform(p) for p in pictures])
+        second = torch.stack([transform(p) for p in pictures])
+    return first, second
+
+
+@torch.no_grad()
+def public_loss(
+    model: ContrastiveEmbedder,
+    views: tuple[torch.Tensor, torch.Tensor],
+    temperature: float,
+    device: torch.device,
+) -> float:
+    """Mean symmetric InfoNCE on the fixed public views (eval mode, no gradient)."""
+    was = model.training
+    model.eval()
+    e = embed(model, views[0].to(device), views[1].to(device))
+    k = views[0].shape[0]
+    loss = symmetric_infonce(e[:k] @ e[k:].T, temperature).mean().item()
+    model.train(was)
+    return loss
+
+
+class _Views(torch.utils.data.Dataset):
+    """Item ``index``: two augmented views (2, 3, H, W) of procedural image ``index``, drawn from
+    that image's own (seed, step, index) stream (``Augmented``)."""
+
+    def __init__(self, augmented: Augmented, batch_size: int):
+        self.augmented, self.batch_size = augmented, batch_size
+
+    def __len__(self) -> int:
+        return len(self.augmented)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.stack(self.augmented.views(index, index // self.batch_size, 2))
 
 
 def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) MAE pretraining on procedural images and export the repo."""
+    """Run (or resume) (Syn) pretraining on procedural images (``cfg.objective``: MAE or
+    contrastive) and export the repo."""
     dist = dist or Dist.from_env(cfg.device)
     if dist.world > 1:
         raise ConfigError(
             "train-syn runs on one process (use a DP recipe with torchrun for several)"
         )
-    spec = EncoderSpec(cfg.arch, img_size=cfg.img_size, patch_size=cfg.patch_size)
+    spec = EncoderSpec(
+        cfg.arch, img_size=cfg.img_size, patch_size=cfg.patch_size, crop_pct=cfg.crop_pct
+    )
     decoder = DecoderConfig(
         cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss
     )
     run = Run(cfg, dist)
     torch.manual_seed(
         init_seed(run.seed)
-    )  # initialisation only; batches and masks use their own streams
-    mae = new_mae(spec, decoder).to(dist.device)
-    optimizer, scheduler = run.adamw(mae)
-    objects = {"model": mae, "optimizer": optimizer, "scheduler": scheduler}
+    )  # initialisation only; batches, masks and views use their own streams
+    contrastive = cfg.objective == "contrastive"
+    if contrastive:
+        model: torch.nn.Module = ContrastiveEmbedder(
+            freeze_fixed_tokens(create_encoder(spec, mae_init=True), spec), cfg.projection_dim
+        )
+        transform = contrastive_transform(
+            cfg.img_size, tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
+        )
+        pictures = ProceduralPictures(cfg.img_size, seed=run.seed, families=cfg.family_names)
+        data: torch.utils.data.Dataset = _Views(
+            Augmented(pictures, transform, run.seed), cfg.batch_size
+        )
+        views = public_views(spec, transform)
+        evaluate = lambda: {  # noqa: E731
+            "public_loss": public_loss(model, views, cfg.temperature, dist.device)  # type: ignore[arg-type]
+        }
+    else:
+        model = new_mae(spec, decoder)
+        data = SyntheticImages(cfg.img_size, seed=run.seed, families=cfg.family_names)
+        public = public_eval_batch(spec, model.num_patches)
+        evaluate = lambda: {"public_loss": eval_loss(model, public, dist.device)}  # noqa: E731
+    model.to(dist.device)
+    optimizer, scheduler = run.adamw(model)
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     start = run.resume(objects)
 
-    data = SyntheticImages(cfg.img_size, seed=run.seed)
     batches = (range(s * cfg.batch_size, (s + 1) * cfg.batch_size) for s in range(start, cfg.steps))
     loader = torch.utils.data.DataLoader(
         data, batch_sampler=batches, num_workers=cfg.workers, pin_memory=dist.device.type == "cuda"
     )
-    public = public_eval_batch(spec, mae.num_patches)
+
+    def loss_of(step: int, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(dist.device, non_blocking=True)
+        if contrastive:  # (B, 2, 3, H, W): symmetric InfoNCE across the two views
+            e = embed(model, images[:, 0], images[:, 1])
+            b = images.shape[0]
+            return symmetric_infonce(e[:b] @ e[b:].T, cfg.temperature)
+        noise = torch.rand(
+            len(images), model.num_patches, generator=torch_generator(run.seed, MASKING, step)
+        )
+        return model(images, noise.to(dist.device))
 
     def steps():  # type: ignore[no-untyped-def]
         for step, images in enumerate(loader, start):
 
             def do(step: int = step, images: torch.Tensor = images) -> tuple[dict, int]:
-                noise = torch.rand(
-                    len(images), mae.num_patches, generator=torch_generator(run.seed, MASKING, step)
-                )
                 with run.autocast():
-                    loss = mae(
-                        images.to(dist.device, non_blocking=True), noise.to(dist.device)
-                    ).mean()
+                    loss = loss_of(step, images).mean()
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
@@ -104,46 +230,49 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             yield step, do
 
     records = run.loop(
-        start,
-        cfg.steps,
-        steps(),
-        desc="train-syn",
-        objects=objects,
-        evaluate=lambda: {"public_loss": eval_loss(mae, public, dist.device)},
+        start, cfg.steps, steps(), desc="train-syn", objects=objects, evaluate=evaluate
     )
+    title = f"(Syn)-{spec.family.title}"
+    if contrastive:
+        what = (
+            f"contrastive pretraining (symmetric InfoNCE at temperature {cfg.temperature:g} "
+            "between two SimCLR-augmented views of each image, a projection head that is not "
+            "released)"
+        )
+        curve = "contrastive loss (procedural images)"
+        files: dict = {}
+    else:
+        what = f"MAE pretraining, mask ratio {cfg.mask_ratio}"
+        curve = "MAE training loss (procedural images)"
+        files = {"decoder": model.decoder_state_dict(), "decoder_config": decoder.to_dict()}
     stage = NonPrivateStage(
-        name="syn-pretrain",
+        name="syn-contrastive" if contrastive else "syn-pretrain",
         dataset=Dataset(
             name=SYNTHETIC_DATASET,
             description=(
                 "procedural images generated on the fly ("
-                + ", ".join(FAMILIES)
+                + ", ".join(cfg.family_names)
                 + f"), stream seed {run.seed}; no real images"
             ),
         ),
         private_data=False,
         description=(
-            f"(Syn)-{spec.family.title}: MAE pretraining, {cfg.steps} steps x {cfg.batch_size} "
-            f"images at {cfg.img_size} px, mask ratio {cfg.mask_ratio}"
+            f"{title}: {what}, {cfg.steps} steps x {cfg.batch_size} images at {cfg.img_size} px"
+            "; no private data"
         ),
     )
+    encoder = model.encoder
     return run.export_encoder(
-        mae.encoder,
+        encoder,
         spec,
         lambda: [stage],
         records=records,
-        curve=(
-            "train_loss",
-            "MAE training loss (procedural images)",
-            f"(Syn)-{spec.family.title} pretraining",
-        ),
+        curve=("train_loss", curve, f"{title} pretraining"),
         summary=(
-            f"A {spec.arch} encoder pretrained as a masked autoencoder on procedural images only "
-            f"((Syn)-{spec.family.title}): it has seen no real images, so it carries no privacy "
-            "cost."
+            f"A {spec.arch} encoder pretrained by {cfg.objective} learning on procedural images "
+            f"only ({title}): it has seen no real images, so it carries no privacy cost."
         ),
-        decoder=mae.decoder_state_dict(),
-        decoder_config=decoder.to_dict(),
+        **files,
     )
 
 

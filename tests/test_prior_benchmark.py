@@ -1,0 +1,72 @@
+"""The prior benchmark (``benchmarks/prior.py``) on a tiny generated Fashion-MNIST: references and
+a candidate in one run, each row's mode chosen on the first half of the test records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_utility_benchmark import write_idx
+
+from training.recipes.syn import SynConfig, train_syn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # prior.py imports utility.py as a script does
+SPEC = importlib.util.spec_from_file_location("prior", ROOT / "benchmarks" / "prior.py")
+assert SPEC is not None and SPEC.loader is not None
+prior = importlib.util.module_from_spec(SPEC)
+sys.modules["prior"] = prior  # dataclasses look their module up there
+SPEC.loader.exec_module(prior)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("fmnist")
+    write_idx(folder, "train", 60, 0)
+    write_idx(folder, "t10k", 40, 1)
+    return folder
+
+
+def test_references_and_a_candidate_in_one_run(data: Path, tmp_path: Path) -> None:
+    repo = train_syn(
+        SynConfig(
+            out=str(tmp_path / "cand"),
+            img_size=28,
+            patch_size=4,
+            crop_pct=1.0,
+            steps=1,
+            batch_size=4,
+            decoder_dim=32,
+            decoder_depth=1,
+            decoder_heads=2,
+            workers=0,
+        )
+    )
+    out = tmp_path / "rows.json"
+    prior.main(
+        [
+            str(repo),
+            "--data",
+            str(data),
+            "--train-size",
+            "50",
+            "--epochs",
+            "2",
+            "--block-step",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == ["raw pixels", "random vip-nano 28 px patch 4", "cand"]
+    assert rows[0]["dims"] == 784
+    # blocks 6 and 12 of 12 on every grid the 7 x 7 patch grid allows
+    assert set(rows[2]["scores"]) == {f"spatial-b{b}-g{g}" for b in (6, 12) for g in (2, 4, 7)}
+    for r in rows:
+        assert r["mode"] in r["scores"] and r["select_top1"] == max(r["scores"].values())
+        assert 0 <= r["report_top1"] <= 100
+    assert rows[2]["dims"] == 192 * int(rows[2]["mode"].rsplit("g", 1)[1]) ** 2
