@@ -201,3 +201,12 @@ def write_digits(root: Path, test_fraction: float, seed: int) -> tuple[Path, Pat
         write_caption_folder(train, root / "train", classes),
         write_image_folder(test, root / "test", classes),
     )
+
+
+def write_idx(folder: Path, prefix: str, n: int, seed: int) -> None:
+    """Gzipped IDX files of ``n`` 28 x 28 grey images whose brightness follows their label."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n, dtype=np.uint8) % 10
+    images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
+    (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(images)))
+    (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))

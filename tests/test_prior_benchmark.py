@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_utility_benchmark import write_idx
+from helpers import write_idx
 
 from training.recipes.syn import SynConfig, train_syn
 

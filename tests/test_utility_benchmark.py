@@ -4,16 +4,14 @@ to at most (3, 1e-5) under RDP with its encoder's stages counted."""
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import struct
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+from helpers import write_idx
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
@@ -48,19 +46,6 @@ TINY = utility.Schedule(
     },
     contrastive={"batch_size": 8, "steps": 2, "trainable_blocks": 1, "projection_dim": 8},
 )
-
-
-def write_idx(folder: Path, prefix: str, n: int, seed: int) -> None:
-    """Gzipped IDX files of ``n`` 28 x 28 grey images whose brightness follows their label."""
-    rng = np.random.default_rng(seed)
-    labels = np.arange(n, dtype=np.uint8) % 10
-    images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
-    (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(
-        gzip.compress(struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes())
-    )
-    (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
-        gzip.compress(struct.pack(">II", 0x801, n) + labels.tobytes())
-    )
 
 
 def pld_epsilon(stages: list[DPStage]) -> float:
