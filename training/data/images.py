@@ -307,6 +307,13 @@ def open_captions(path: str | os.PathLike[str]) -> PrivateCaptions:
 
 def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
     """The reference MAE pretraining augmentation: random resized crop (0.2-1) and flip."""
+    return _augmented(img_size, mean, std)
+
+
+def _augmented(
+    img_size: int, mean: tuple[float, ...], std: tuple[float, ...], *colour: v2.Transform
+) -> v2.Compose:
+    """Random resized crop (0.2-1, bicubic) and flip, then ``colour``, then normalisation."""
     return v2.Compose(
         [
             v2.ToImage(),
@@ -317,6 +324,7 @@ def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]
                 antialias=True,
             ),
             v2.RandomHorizontalFlip(),
+            *colour,
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(mean=list(mean), std=list(std)),
         ]
@@ -329,21 +337,12 @@ def contrastive_transform(
     """SimCLR's augmentation (Chen et al. 2020) for contrastive views: random resized crop
     (0.2-1), flip, colour jitter (0.4, 0.4, 0.4, 0.1) with probability 0.8, greyscale with
     probability 0.2 (no blur: the images are tiny)."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.RandomResizedCrop(
-                img_size,
-                scale=(0.2, 1.0),
-                interpolation=v2.InterpolationMode.BICUBIC,
-                antialias=True,
-            ),
-            v2.RandomHorizontalFlip(),
-            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
-            v2.RandomGrayscale(p=0.2),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=list(mean), std=list(std)),
-        ]
+    return _augmented(
+        img_size,
+        mean,
+        std,
+        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+        v2.RandomGrayscale(p=0.2),
     )
 
 
