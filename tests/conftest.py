@@ -19,6 +19,11 @@ with socket.socket() as _s:
     _s.bind(("127.0.0.1", 0))
     HUB_PORT = _s.getsockname()[1]
 os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{HUB_PORT}"
+# Under pytest-xdist each worker gets its share of the cores, for its torch and the processes it
+# starts (tests that measure threads set their own), so the workers do not oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 import pytest  # noqa: E402 - after the environment above
 import torch  # noqa: E402 - after the environment above

@@ -55,7 +55,7 @@ def test_a_run_over_two_batch_sizes_prints_each_variants_figures() -> None:
         "--device",
         "cpu",
     ]
-    cmd = [*tiny, "--batch", "4,8", "--rounds", "2", "--variants", "abd"]
+    cmd = [*tiny, "--batch", "4,8", "--rounds", "1", "--variants", "abd"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     for batch in (4, 8):
         section = out.split(f"batch {batch} ")[1]
