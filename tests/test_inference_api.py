@@ -157,7 +157,7 @@ def test_encodings_normalize_dimensions_and_data_uris(hub, local):
     assert r.status_code == 400 and "dimensions" in r.json()["error"]
 
 
-def test_multipart_variant(hub):
+def test_multipart_variant(hub, published):
     files = [
         ("files", (f"img{i}.bin", x, "application/octet-stream")) for i, x in enumerate(IMAGES[:3])
     ]
