@@ -114,7 +114,8 @@ def test_core_install_alone_loads_and_verifies_a_repo(
 ) -> None:
     # A fresh environment with nothing but Python; torch and torchvision (several GB, on this
     # machine's disk) are linked in rather than installed again; pip installs the rest of the
-    # core requirements from the package index.
+    # core requirements from the package index. Every command runs in tmp_path: from the
+    # checkout, `python -c`/`-m` would put its source tree and vip_hub.egg-info on sys.path.
     env_dir = tmp_path / "core-venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     linked = tmp_path / "torch-site"
@@ -128,6 +129,7 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,
+        cwd=tmp_path,
         text=True,
         check=True,
     ).stdout.strip()
@@ -135,15 +137,19 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
         capture_output=True,
+        cwd=tmp_path,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
+    check = subprocess.run(
+        [str(python), "-m", "pip", "check"], capture_output=True, cwd=tmp_path, text=True
+    )
     assert check.returncode == 0, check.stdout
     run = subprocess.run(
         [str(python), "-c", CORE_SCRIPT, str(tiny_repo)],
         capture_output=True,
+        cwd=tmp_path,
         text=True,
         timeout=300,
     )
@@ -161,7 +167,7 @@ def test_core_install_alone_loads_and_verifies_a_repo(
         "loaded": [],
     }
     server = subprocess.run(
-        [str(python), "-c", "import service.app"], capture_output=True, text=True
+        [str(python), "-c", "import service.app"], capture_output=True, cwd=tmp_path, text=True
     )
     assert (
         server.returncode != 0 and "No module named 'fastapi'" in server.stderr
@@ -169,11 +175,13 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     cli = env_dir / "bin" / "vip-hub"
     assert (
         subprocess.run(
-            [str(cli), "verify", str(tiny_repo)], capture_output=True, text=True
+            [str(cli), "verify", str(tiny_repo)], capture_output=True, cwd=tmp_path, text=True
         ).returncode
         == 0
     )
-    help_text = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
+    help_text = subprocess.run(
+        [str(cli), "--help"], capture_output=True, cwd=tmp_path, text=True
+    ).stdout
     unavailable = help_text.split("unavailable commands")[1]
     assert (
         "serve (needs the serve extra" in unavailable
