@@ -167,7 +167,7 @@ def test_bad_requests_are_named(hub, dpcap, path, payload, status, fragment):
 def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap):
     local = load_captioner(dpcap, verify=False)
     settings = settings_for(
-        hub.settings.store, inference={"max_wait_ms": 200.0, "max_batch_size": 16}
+        hub.settings.store, inference={"max_wait_ms": 2000.0, "max_batch_size": 16}
     )
     with ThreadedServer(settings) as server:
         assert (
@@ -176,7 +176,10 @@ def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap)
         )
         results: dict[int, list[str]] = {}
 
+        start = threading.Barrier(6)
+
         def call(i: int) -> None:
+            start.wait()  # all six at once, well within one batch's wait under any load
             r = post(
                 server.url,
                 "captions",
