@@ -18,9 +18,11 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/vip-hub run
 
-## Tests run on both cores (pytest-xdist): each worker has its own servers, ports and folders;
-## tests marked xdist_group("NAME") share one worker, one after another (loadgroup).
-XDIST := -n 2 --dist loadgroup
+## One pytest process by default (what CI runs). `make test XDIST="-n 2 --dist loadgroup"` runs
+## on both cores (pytest-xdist; about 12 minutes against 17-19 here), each worker with its own
+## servers, ports, folders and share of the cores: its three full runs so far each had one
+## different timing or order failure (each fixed), so it is not yet the default.
+XDIST ?=
 
 ## Lint, format and layer contracts (ruff, import-linter), then every test, the slow end-to-end
 ## ones included (what CI runs).
