@@ -425,16 +425,9 @@ def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_pat
         save_head(syn_repo, LinearProbe(192, 2), HeadInfo("x", "avg", ["a", "b"]), None)
 
 
-def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
-    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """``vip-hub train-finetune --trainable-blocks all`` on the generated subsample: the repo
-    verifies, plain timm loads it, and the head's published top-1 is what the released encoder's
-    spatial features and head give (what /v1/classify computes)."""
-    import timm
-
-    out = tmp_path / "vip-nano-whole"
-    settings = {**RUN_ARGS, **WHOLE_ARGS, "seed": 7, "audit_canaries": 0}
+def _train_cli(syn_repo: Path, data: tuple[Path, Path], out: Path, settings: dict) -> None:
+    """`vip-hub train-finetune` from ``syn_repo`` on ``data`` into ``out`` with ``settings``
+    (None values left out)."""
     args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
     subprocess.run(
         [
@@ -449,6 +442,19 @@ def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
         check=True,
         capture_output=True,
     )
+
+
+def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``vip-hub train-finetune --trainable-blocks all`` on the generated subsample: the repo
+    verifies, plain timm loads it, and the head's published top-1 is what the released encoder's
+    spatial features and head give (what /v1/classify computes)."""
+    import timm
+
+    out = tmp_path / "vip-nano-whole"
+    settings = {**RUN_ARGS, **WHOLE_ARGS, "seed": 7, "audit_canaries": 0}
+    _train_cli(syn_repo, data, out, settings)
     verified = subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
@@ -471,20 +477,7 @@ def test_the_cli_run_on_a_generated_subsample_verifies_and_classifies_through_th
 ) -> None:
     out = tmp_path / "vip-nano-ft"
     settings = {**RUN_ARGS, "pooling": "vip", "seed": 7}
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
-    subprocess.run(
-        [
-            BIN / "vip-hub",
-            "train-finetune",
-            f"--init={syn_repo}",
-            f"--data={data[0]}",
-            f"--test-data={data[1]}",
-            f"--out={out}",
-            *args,
-        ],
-        check=True,
-        capture_output=True,
-    )
+    _train_cli(syn_repo, data, out, settings)
     assert (
         subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True).returncode == 0
     )
