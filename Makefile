@@ -18,11 +18,10 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/vip-hub run
 
-## One pytest process by default (what CI runs). `make test XDIST="-n 2 --dist loadgroup"` runs
-## on both cores (pytest-xdist; about 12 minutes against 17-19 here), each worker with its own
-## servers, ports, folders and share of the cores: its three full runs so far each had one
-## different timing or order failure (each fixed), so it is not yet the default.
-XDIST ?=
+## Two pytest workers by default (pytest-xdist, one per core; what CI runs): each worker has its
+## own servers, ports, folders and share of the cores, and a module's tests stay on one worker
+## (loadgroup). `make test XDIST=` runs them in one process (about 18 minutes against 14 here).
+XDIST ?= -n 2 --dist loadgroup
 
 ## Lint, format and layer contracts (ruff, import-linter), then every test, the slow end-to-end
 ## ones included (what CI runs).
