@@ -13,7 +13,10 @@ PLD printed beside it). The standard test split is public.
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of
   channels per example (no statistics across examples), as in the paper;
 - (Syn)-ViP: the features of a ``train-syn`` encoder (procedural images only: no private data,
-  so the whole budget goes to the head);
+  so the whole budget goes to the head): since issue 36 a vip-nano at 28 px and patch 4
+  (Fashion-MNIST read without resizing, a 7 x 7 patch grid) whose blocks 1-4 learned to predict a
+  ScatterNet's coefficients (``--objective scatter``, ``training.recipes.scatter``); DP-Cap's
+  (Syn) dpcap-nano likewise;
 - DP fine-tuning (after DP-RandP): a DP linear probe on the (Syn)-ViP encoder's best feature mode
   (chosen like the other rows'), then the whole encoder that mode reads and the probe's head
   trained together on the private split through the DP engine with augmentation multiplicity
@@ -95,7 +98,6 @@ HEAD_LR_GRID = (4.0, 16.0, 64.0)
 """Head learning rates ``--tune`` tries (clipping and batch stay the paper's)."""
 VALIDATION_RATE = 0.1
 """Share of the training records a tuned row holds out for validation (by a keyed hash)."""
-SCATTER_J, SCATTER_GROUPS = 2, 27
 CHUNK = 1000
 SELECTION = 5_000
 """The first SELECTION (public) test records choose each learned row's feature mode
@@ -104,22 +106,23 @@ SELECTION = 5_000
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every training run's size, fixed in code (public choices, not tuned): the (Syn) MAEs
+    """Every training run's size, fixed in code (public choices, not tuned): the (Syn) priors
     (``SynConfig`` fields but ``arch`` and ``steps``), their steps per architecture, and each DP
     recipe's config fields."""
 
     syn: dict[str, Any] = field(
         default_factory=lambda: {
-            "img_size": 32,
-            "patch_size": 8,
+            "objective": "scatter",
+            "distill_block": 4,
+            "img_size": 28,
+            "patch_size": 4,
+            "crop_pct": 1.0,
             "batch_size": 64,
-            "decoder_dim": 256,
-            "decoder_depth": 2,
-            "decoder_heads": 8,
+            "lr": 1e-3,
             "seed": 0,
         }
     )
-    syn_steps: dict[str, int] = field(default_factory=lambda: {"vip-nano": 200, "dpcap-nano": 60})
+    syn_steps: dict[str, int] = field(default_factory=lambda: {"vip-nano": 800, "dpcap-nano": 400})
     vip: dict[str, Any] = field(
         default_factory=lambda: {"batch_size": 256, "steps": 70, "micro_batch_size": 128}
     )
@@ -219,17 +222,17 @@ def pixel_features(b: Bench) -> Features:
 
 
 def scatter_features(b: Bench) -> Features:
-    """ScatterNet (J = 2, L = 8) on 28 x 28, then GroupNorm over groups of channels, per example."""
-    from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
+    """ScatterNet (J = 2, L = 8) on 28 x 28, then GroupNorm over groups of channels, per example
+    (the (Syn) distillation's teacher, ``training.recipes.scatter.Scattering``)."""
+    from training.recipes.scatter import SCATTER_GROUPS, SCATTER_J, Scattering
 
-    scattering = ScatteringTorch2D(J=SCATTER_J, shape=(28, 28), L=8).to(b.device)
+    scattering = Scattering(28).to(b.device)
 
     def run(data: LabelledArrays, desc: str) -> torch.Tensor:
         out = []
         for start in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False):
             x = torch.from_numpy(data.images[start : start + CHUNK].astype(np.float32) / 255)
-            s = scattering(x.to(b.device))  # (n, 81, 7, 7)
-            out.append(torch.nn.functional.group_norm(s, SCATTER_GROUPS, eps=1e-5).flatten(1).cpu())
+            out.append(scattering(x.to(b.device)).flatten(1).cpu())  # (n, 81 x 7 x 7)
         return torch.cat(out)
 
     x = run(b.train, "scattering train")
@@ -247,7 +250,7 @@ def _stamp(settings: dict[str, Any]) -> str:
 
 
 def syn_repo(b: Bench, arch: str) -> Path:
-    """The (Syn) MAE of ``arch``'s family (procedural images only), trained once into the work
+    """The (Syn) prior of ``arch``'s family (procedural images only), trained once into the work
     folder."""
     from training.recipes.syn import SynConfig, train_syn
 

@@ -39,6 +39,7 @@ __all__ = [
     "Pictures",
     "TarShards",
     "contrastive_transform",
+    "greyscale_transform",
     "mae_transform",
     "open_captions",
     "open_images",
@@ -343,6 +344,19 @@ def contrastive_transform(
         std,
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
+    )
+
+
+def greyscale_transform() -> v2.Compose:
+    """Greyscale in [0, 1], (1, H, W), inverted with probability 1/2 (dark objects on light ground
+    and the other way round), for the (Syn) ScatterNet distillation."""
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.Grayscale(1),
+            v2.RandomInvert(p=0.5),
+            v2.ToDtype(torch.float32, scale=True),
+        ]
     )
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from vip_hub.errors import ConfigError, MissingInputError, RepoFormatError
+from vip_hub.errors import ConfigError, RepoFormatError
 from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec, create_encoder, sincos_pos_embed_2d
 from vip_hub.models.features import final_norm
@@ -184,14 +184,15 @@ def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
 
 
 def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
-    """The MAE of an exported repo (its verified encoder and its MAE decoder), and its ledger."""
+    """The MAE of an exported repo (its verified encoder and its MAE decoder), and its ledger. A
+    repo without a decoder (a contrastive or distilled (Syn) prior) gets a freshly initialised
+    one of its family's shape for its size (seed torch first for a reproducible one)."""
     enc = load_encoder(repo)
     path = Path(enc.path) / MAE_DECODER_FILE
     if not path.is_file():
-        raise MissingInputError(
-            f"{repo} has no {MAE_DECODER_FILE}: DP training starts from an MAE (train one with "
-            "`vip-hub train-syn`)"
-        )
+        a = enc.spec.architecture
+        fresh = DecoderConfig(a.decoder_embed_dim, a.decoder_depth, a.decoder_num_heads)
+        return MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), fresh), enc.spec, enc.ledger
     with safe_open(path, "pt") as f:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
     mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), DecoderConfig(**cfg))

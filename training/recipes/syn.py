@@ -25,9 +25,10 @@ from vip_hub.models.encoders import (
     EncoderSpec,
     create_encoder,
 )
+from vip_hub.models.features import SpatialMode
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
-from ..data.images import Augmented, contrastive_transform
+from ..data.images import Augmented, contrastive_transform, greyscale_transform
 from ..data.procedural import FAMILIES, ProceduralPictures, SyntheticImages
 from ..dp.pair_clipping import ContrastiveEmbedder, embed, symmetric_infonce
 from ..dp.sampling import MASKING, init_seed, torch_generator
@@ -43,6 +44,7 @@ from .mae import (
     new_mae,
     public_eval_batch,
 )
+from .scatter import ScatterDistiller
 
 __all__ = ["RECIPE", "SYNTHETIC_DATASET", "SynConfig", "public_loss", "public_views", "train_syn"]
 
@@ -86,11 +88,19 @@ class SynConfig(
     decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
     decoder_depth: int = Field(4, gt=0, description="MAE decoder blocks")
     decoder_heads: int = Field(16, gt=0, description="MAE decoder attention heads")
-    objective: Literal["mae", "contrastive"] = Field(
+    objective: Literal["mae", "contrastive", "scatter"] = Field(
         "mae",
-        description="mae (masked autoencoder, the ViP recipe's; DP training can start from it) "
-        "or contrastive (InfoNCE between SimCLR-augmented views, as Baradad et al. 2021 and "
-        "DP-RandP; no MAE decoder, so a prior for heads and fine-tuning only)",
+        description="mae (masked autoencoder, the ViP recipe's), contrastive (InfoNCE between "
+        "SimCLR-augmented views, as Baradad et al. 2021 and DP-RandP) or scatter (the patch "
+        "tokens of --distill-block regress a ScatterNet's coefficients of greyscale images, "
+        "training/recipes/scatter.py); the last two export no MAE decoder (ViP then starts one "
+        "fresh)",
+    )
+    distill_block: int | None = Field(
+        None,
+        gt=0,
+        description="scatter: the block whose patch tokens learn the teacher (default: the "
+        "last); the blocks above it keep their initialisation",
     )
     temperature: float = Field(0.2, gt=0, description="InfoNCE temperature (contrastive)")
     projection_dim: int = Field(128, gt=0, description="projection head width (contrastive)")
@@ -142,22 +152,42 @@ def public_loss(
 
 
 class _Views(torch.utils.data.Dataset):
-    """Item ``index``: two augmented views (2, 3, H, W) of procedural image ``index``, drawn from
-    that image's own (seed, step, index) stream (``Augmented``)."""
+    """Item ``index``: ``count`` augmented views (count, C, H, W) of procedural image ``index``,
+    drawn from that image's own (seed, step, index) stream (``Augmented``)."""
 
-    def __init__(self, augmented: Augmented, batch_size: int):
-        self.augmented, self.batch_size = augmented, batch_size
+    def __init__(self, augmented: Augmented, batch_size: int, count: int):
+        self.augmented, self.batch_size, self.count = augmented, batch_size, count
 
     def __len__(self) -> int:
         return len(self.augmented)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.stack(self.augmented.views(index, index // self.batch_size, 2))
+        return torch.stack(self.augmented.views(index, index // self.batch_size, self.count))
+
+
+def public_greys(size: int) -> torch.Tensor:
+    """The fixed public procedural images the curves use, greyscale in [0, 1] (EVAL_IMAGES, 1, H, W)
+    through ``greyscale_transform`` under ``EVAL_SEED``."""
+    transform = greyscale_transform()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(EVAL_SEED)
+        source = ProceduralPictures(size, seed=EVAL_SEED)
+        return torch.stack([transform(source.load(i)) for i in range(EVAL_IMAGES)])
+
+
+@torch.no_grad()
+def _mean_loss(model: torch.nn.Module, images: torch.Tensor, device: torch.device) -> float:
+    """``model``'s mean per-example loss on ``images`` (eval mode, no gradient)."""
+    was = model.training
+    model.eval()
+    loss = model(images.to(device)).mean().item()
+    model.train(was)
+    return loss
 
 
 def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) (Syn) pretraining on procedural images (``cfg.objective``: MAE or
-    contrastive) and export the repo."""
+    """Run (or resume) (Syn) pretraining on procedural images (``cfg.objective``: MAE,
+    contrastive or ScatterNet distillation) and export the repo."""
     dist = dist or Dist.from_env(cfg.device)
     if dist.world > 1:
         raise ConfigError(
@@ -173,22 +203,31 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     torch.manual_seed(
         init_seed(run.seed)
     )  # initialisation only; batches, masks and views use their own streams
-    contrastive = cfg.objective == "contrastive"
-    if contrastive:
+    pictures = ProceduralPictures(cfg.img_size, seed=run.seed, families=cfg.family_names)
+    if cfg.objective == "contrastive":
         model: torch.nn.Module = ContrastiveEmbedder(
             freeze_fixed_tokens(create_encoder(spec, mae_init=True), spec), cfg.projection_dim
         )
         transform = contrastive_transform(
             cfg.img_size, tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
         )
-        pictures = ProceduralPictures(cfg.img_size, seed=run.seed, families=cfg.family_names)
         data: torch.utils.data.Dataset = _Views(
-            Augmented(pictures, transform, run.seed), cfg.batch_size
+            Augmented(pictures, transform, run.seed), cfg.batch_size, 2
         )
         views = public_views(spec, transform)
         evaluate = lambda: {  # noqa: E731
             "public_loss": public_loss(model, views, cfg.temperature, dist.device)  # type: ignore[arg-type]
         }
+    elif cfg.objective == "scatter":
+        encoder = create_encoder(spec, mae_init=True)
+        block = cfg.distill_block or len(encoder.blocks)
+        if block > len(encoder.blocks):
+            raise ConfigError(f"--distill-block {block} of a {len(encoder.blocks)}-block encoder")
+        cfg_mean, cfg_std = encoder.pretrained_cfg["mean"], encoder.pretrained_cfg["std"]
+        model = ScatterDistiller(encoder, block, torch.tensor(cfg_mean), torch.tensor(cfg_std))
+        data = _Views(Augmented(pictures, greyscale_transform(), run.seed), cfg.batch_size, 1)
+        greys = public_greys(cfg.img_size)
+        evaluate = lambda: {"public_loss": _mean_loss(model, greys[:, 0], dist.device)}  # noqa: E731
     else:
         model = new_mae(spec, decoder)
         data = SyntheticImages(cfg.img_size, seed=run.seed, families=cfg.family_names)
@@ -206,10 +245,12 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
 
     def loss_of(step: int, images: torch.Tensor) -> torch.Tensor:
         images = images.to(dist.device, non_blocking=True)
-        if contrastive:  # (B, 2, 3, H, W): symmetric InfoNCE across the two views
+        if cfg.objective == "contrastive":  # (B, 2, 3, H, W): InfoNCE across the two views
             e = embed(model, images[:, 0], images[:, 1])
             b = images.shape[0]
             return symmetric_infonce(e[:b] @ e[b:].T, cfg.temperature)
+        if cfg.objective == "scatter":  # (B, 1, 1, H, W): one greyscale view each
+            return model(images[:, 0, 0])
         noise = torch.rand(
             len(images), model.num_patches, generator=torch_generator(run.seed, MASKING, step)
         )
@@ -233,20 +274,34 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         start, cfg.steps, steps(), desc="train-syn", objects=objects, evaluate=evaluate
     )
     title = f"(Syn)-{spec.family.title}"
-    if contrastive:
+    files: dict = {}
+    if cfg.objective == "contrastive":
         what = (
             f"contrastive pretraining (symmetric InfoNCE at temperature {cfg.temperature:g} "
             "between two SimCLR-augmented views of each image, a projection head that is not "
             "released)"
         )
         curve = "contrastive loss (procedural images)"
-        files: dict = {}
+    elif cfg.objective == "scatter":
+        what = (
+            f"ScatterNet distillation (the patch tokens of block {model.block} regress, through "
+            "a linear map that is not released, the GroupNorm-ed coefficients of kymatio's "
+            "Scattering2D(J=2, L=8) of greyscale images, half of them inverted; the blocks above "
+            "keep their initialisation)"
+        )
+        curve = "distillation loss (procedural images)"
+        side = min(model.encoder.patch_embed.grid_size)
+        files = {
+            "spatial": tuple(
+                dict.fromkeys(SpatialMode((model.block,), g).name for g in (side, min(4, side)))
+            )
+        }
     else:
         what = f"MAE pretraining, mask ratio {cfg.mask_ratio}"
         curve = "MAE training loss (procedural images)"
         files = {"decoder": model.decoder_state_dict(), "decoder_config": decoder.to_dict()}
     stage = NonPrivateStage(
-        name="syn-contrastive" if contrastive else "syn-pretrain",
+        name={"mae": "syn-pretrain"}.get(cfg.objective, f"syn-{cfg.objective}"),
         dataset=Dataset(
             name=SYNTHETIC_DATASET,
             description=(

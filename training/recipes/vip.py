@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ..data.images import Augmented, mae_transform, open_images
 from ..dp.run import DPRun
-from ..dp.sampling import MASKING, torch_generator
+from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from ..skeleton.distributed import Dist
 from .mae import eval_loss, load_mae, public_eval_batch
@@ -46,6 +46,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     images = open_images(cfg.data)
     n = len(images)
     run = DPRun(cfg, dist, n)
+    torch.manual_seed(init_seed(run.seed))  # a fresh decoder, if the init has none: every rank's
     mae, spec, init_ledger = load_mae(cfg.init)
     mae.to(dist.device)
     engine = run.engine(mae)
