@@ -171,13 +171,13 @@ def run(
         px, tpx = {"pixels": pixels(train)}, {"pixels": pixels(test)}
         rows.append(probe_row("raw pixels", px, tpx, y, ty, epochs))
     loaded = {r: load_encoder(r) for r in repos}
-    shapes: dict[tuple[str, int, int], Callable[[], VisionTransformer]] = {}
+    shapes: dict[tuple[str, int, int, int | None], Callable[[], VisionTransformer]] = {}
     for enc in loaded.values():
-        s = EncoderSpec(enc.spec.arch, enc.spec.img_size, enc.spec.patch_size, enc.spec.crop_pct)
-        key = (s.arch, s.img_size, s.patch_size)
+        s = enc.spec
+        key = (s.arch, s.img_size, s.patch_size, s.depth)
         shapes.setdefault(key, lambda s=s: random_encoder(s, seed))
-    for (arch, size, patch), make in shapes.items() if refs else ():
-        name = f"random {arch} {size} px patch {patch}"
+    for (arch, size, patch, depth), make in shapes.items() if refs else ():
+        name = f"random {arch} ({depth} blocks) {size} px patch {patch}"
         rows.append(encoder_row(name, make(), train, test, epochs, block_step))
     for r, enc in loaded.items() if cands else ():
         rows.append(encoder_row(Path(r).name, enc.model, train, test, epochs, block_step))

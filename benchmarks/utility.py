@@ -106,25 +106,21 @@ SELECTION = 5_000
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every training run's size, fixed in code (public choices, not tuned): the (Syn) priors
-    (``SynConfig`` fields but ``arch`` and ``steps``), their steps per architecture, and each DP
-    recipe's config fields."""
+    """Every training run's size, fixed in code (public choices, not tuned): the committed (Syn)
+    prior of each architecture (``training.priors``) and each DP recipe's config fields."""
 
-    syn: dict[str, Any] = field(
-        default_factory=lambda: {
-            "objective": "scatter",
-            "distill_block": 4,
-            "img_size": 28,
-            "patch_size": 4,
-            "crop_pct": 1.0,
-            "batch_size": 64,
-            "lr": 1e-3,
-            "seed": 0,
-        }
+    syn: dict[str, str] = field(
+        default_factory=lambda: {"vip-nano": "vip-nano-scatter", "dpcap-nano": "dpcap-nano-scatter"}
     )
-    syn_steps: dict[str, int] = field(default_factory=lambda: {"vip-nano": 800, "dpcap-nano": 400})
     vip: dict[str, Any] = field(
-        default_factory=lambda: {"batch_size": 256, "steps": 70, "micro_batch_size": 128}
+        default_factory=lambda: {
+            "batch_size": 256,
+            "steps": 70,
+            "micro_batch_size": 128,
+            "decoder_dim": 256,  # the fresh MAE decoder (the prior has none): the main job's
+            "decoder_depth": 2,
+            "decoder_heads": 8,
+        }
     )
     dpcap: dict[str, Any] = field(
         default_factory=lambda: {"batch_size": 256, "steps": 30, "micro_batch_size": 128}
@@ -250,23 +246,11 @@ def _stamp(settings: dict[str, Any]) -> str:
 
 
 def syn_repo(b: Bench, arch: str) -> Path:
-    """The (Syn) prior of ``arch``'s family (procedural images only), trained once into the work
-    folder."""
-    from training.recipes.syn import SynConfig, train_syn
+    """The committed (Syn) prior of ``arch``'s family (procedural images only,
+    ``training.priors``)."""
+    from training.priors import prior_path
 
-    settings = {"arch": arch, "steps": b.schedule.syn_steps[arch], **b.schedule.syn}
-    repo = b.work / "encoders" / f"{arch}-syn-{_stamp(settings)}"
-    if not (repo / LEDGER_FILE).exists():
-        train_syn(
-            SynConfig(
-                out=str(repo),
-                model_name=f"{arch}-syn",
-                device=b.device,
-                workers=b.workers,
-                **settings,
-            )
-        )
-    return repo
+    return prior_path(b.schedule.syn[arch])
 
 
 def private_repo(
@@ -354,8 +338,8 @@ def encoder_features(b: Bench, repo: Path, what: str) -> Features:
 
 def syn_features(b: Bench) -> Features:
     """(Syn)-ViP: no private data."""
-    steps = b.schedule.syn_steps["vip-nano"]
-    return encoder_features(b, syn_repo(b, "vip-nano"), f"(Syn)-ViP vip-nano ({steps} steps)")
+    name = b.schedule.syn["vip-nano"]
+    return encoder_features(b, syn_repo(b, "vip-nano"), f"(Syn)-ViP {name} (committed prior)")
 
 
 def vip_features(b: Bench) -> Features:

@@ -188,7 +188,8 @@ def test_clipped_sum_on_the_captioner_equals_the_naive_per_example_computation()
 def test_the_mae_keeps_the_dpcap_layout(syn_repo: Path) -> None:
     """(Syn) pretraining of a DP-Cap encoder: the class token and pos_embed stay frozen, the card
     names the family."""
-    mae, spec, ledger = load_mae(syn_repo)
+    mae, loaded = load_mae(syn_repo)
+    spec, ledger = loaded.spec, loaded.ledger
     assert spec.family.name == "dpcap" and ledger.stages[0].description.startswith("(Syn)-DP-Cap")
     assert not mae.encoder.cls_token.requires_grad and not mae.encoder.pos_embed.requires_grad
     assert mae.broadcast_parameters() == [mae.mask_token]

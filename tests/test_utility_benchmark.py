@@ -25,17 +25,14 @@ sys.modules["utility"] = utility  # dataclasses look their module up there
 SPEC.loader.exec_module(utility)
 
 TINY = utility.Schedule(
-    syn={
-        "img_size": 32,
-        "patch_size": 8,
+    vip={
         "batch_size": 8,
+        "steps": 2,
+        "micro_batch_size": 8,
         "decoder_dim": 32,
         "decoder_depth": 1,
         "decoder_heads": 2,
-        "seed": 0,
     },
-    syn_steps={"vip-nano": 2, "dpcap-nano": 2},
-    vip={"batch_size": 8, "steps": 2, "micro_batch_size": 8},
     dpcap={
         "batch_size": 8,
         "steps": 2,

@@ -56,7 +56,7 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vip_hub.errors import DataError, SignatureError, VipHubError
+from vip_hub.errors import DataError, MissingInputError, SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import Accountant, remaining_epsilon
 from vip_hub.privacy.audit import DEFAULT_CANARIES
@@ -141,13 +141,17 @@ class MainJobConfig(BaseModel):
     store: str = Field(str(DEFAULT_STORE), description="the hub store the server uses")
     host: str = Field(DEFAULT_HOST, description="interface the server binds")
     port: Port = Field(DEFAULT_PORT, description="port the server binds")
-    img_size: int = Field(32, gt=0, description="input resolution of the encoders")
-    patch_size: int = Field(8, gt=0, description="patch size of the encoders")
-    syn_steps: int = Field(200, gt=0, description="(Syn)-ViP pretraining steps")
-    syn_batch_size: int = Field(64, gt=0, description="(Syn)-ViP images per step")
-    decoder_dim: int = Field(256, gt=0, description="MAE decoder width")
-    decoder_depth: int = Field(2, gt=0, description="MAE decoder blocks")
-    decoder_heads: int = Field(8, gt=0, description="MAE decoder heads")
+    syn_prior: str = Field(
+        "vip-nano-scatter",
+        description="the (Syn)-ViP encoder, published and the start of ViP, Logit-DP and Naive-DP:"
+        " a committed prior's name (training.priors) or a (Syn) repo folder",
+    )
+    dpcap_prior: str = Field(
+        "dpcap-nano-scatter", description="the (Syn) encoder DP-Cap starts from (likewise)"
+    )
+    decoder_dim: int = Field(256, gt=0, description="ViP's fresh MAE decoder width")
+    decoder_depth: int = Field(2, gt=0, description="ViP's fresh MAE decoder blocks")
+    decoder_heads: int = Field(8, gt=0, description="ViP's fresh MAE decoder heads")
     epsilon: float = Field(
         FASHION_MNIST_EPSILON,
         gt=0,
@@ -158,9 +162,6 @@ class MainJobConfig(BaseModel):
     )
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
-    dpcap_syn_steps: int = Field(
-        60, gt=0, description="(Syn) pretraining steps of the DP-Cap encoder"
-    )
     dpcap_steps: int = Field(30, gt=0, description="DP-Cap captioning steps")
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
@@ -208,6 +209,15 @@ def _weights_digest(repo: Path) -> str:
     return _stamp(
         {k: v for k, v in artifacts.items() if k.endswith(".safetensors") and "/" not in k}
     )
+
+
+def _copy_repo(source: Path, out: Path) -> None:
+    """Copy the repo folder ``source`` to ``out``, replacing what is there (the job signs its
+    copy, never the committed prior)."""
+    if not (source / LEDGER_FILE).is_file():
+        raise MissingInputError(f"{source} is not an exported repo (no {LEDGER_FILE})")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(source, out)
 
 
 class _Steps:
@@ -272,9 +282,9 @@ PUBLISHED = (SYN_VIP, VIP, DPCAP, LOGIT_DP, NAIVE_DP)
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
+    from .priors import PRIORS, prior_path
     from .recipes.dpcap import DPCapConfig, train_dpcap
     from .recipes.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
-    from .recipes.syn import SynConfig, train_syn
     from .recipes.vip import VipConfig, train_vip
 
     began = time.monotonic()
@@ -304,36 +314,16 @@ def run_main_job(cfg: MainJobConfig) -> int:
         lambda: _write_data(cfg, work, train, test, vocab, public_captions),
     )
 
-    def syn(arch: str, out: Path, n_steps: int, repo_id: str | None) -> SynConfig:
-        return SynConfig(
-            out=str(out),
-            arch=arch,
-            steps=n_steps,
-            batch_size=cfg.syn_batch_size,
-            model_name=out.name,
-            repo_id=repo_id,
-            **cfg.model_dump(
-                include={
-                    "img_size",
-                    "patch_size",
-                    "decoder_dim",
-                    "decoder_depth",
-                    "decoder_heads",
-                    "seed",
-                    "workers",
-                }
-            ),
-        )
-
-    for config, what in (
-        (syn("vip-nano", folder[SYN_VIP], cfg.syn_steps, SYN_VIP.repo_id), "ViP"),
-        (syn("dpcap-nano", syn_cap, cfg.dpcap_syn_steps, None), "DP-Cap"),
+    for prior, out, what in (
+        (cfg.syn_prior, folder[SYN_VIP], "(Syn)-ViP"),
+        (cfg.dpcap_prior, syn_cap, "the (Syn) DP-Cap encoder"),
     ):
+        source = prior_path(prior) if prior in PRIORS else Path(prior)
         steps.run(
-            f"(Syn)-{what} pretraining on procedural images",
-            config.model_dump(mode="json"),
-            [Path(config.out)],
-            lambda c=config: train_syn(c),
+            f"{what}: the prior {prior} (procedural images only, no private data)",
+            {"prior": _weights_digest(source)},
+            [out],
+            lambda s=source, o=out: _copy_repo(s, o),
         )
 
     # The DP runs draw a secret seed (kept in their run folders for resume): with a published
@@ -357,6 +347,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 batch_size=cfg.dp_batch_size,
                 steps=cfg.dp_steps,
                 micro_batch_size=128,
+                **cfg.model_dump(include={"decoder_dim", "decoder_depth", "decoder_heads"}),
                 **private,
                 **_names(VIP, folder),
             ),

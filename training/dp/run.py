@@ -11,9 +11,10 @@ from typing import Any
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
-from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
+from vip_hub.repo.files import declared_spatial
 
 from ..skeleton.config import DPRunConfig
 from ..skeleton.distributed import Dist
@@ -70,17 +71,20 @@ class DPRun(Run):
         return self.dp
 
     def export_dp(
-        self, encoder: VisionTransformer, spec: EncoderSpec, init: PrivacyLedger, **fields: Any
+        self, encoder: VisionTransformer, spec: EncoderSpec, init: Encoder, **fields: Any
     ) -> Path:
-        """``DPEngine.export`` of the encoder the engine trained: ``init``'s encoder stages, then
-        the stage of this run's mechanism (``fields``: the records, the card's texts, the stage's
-        name, description and hyper-parameters, files)."""
+        """``DPEngine.export`` of the encoder the engine trained from the repo ``init``: its
+        encoder stages, then the stage of this run's mechanism (``fields``: the records, the
+        card's texts, the stage's name, description and hyper-parameters, files); the repo
+        declares the spatial modes ``init`` declares (the modes chosen for its lineage)."""
+        files = {"spatial": declared_spatial(init.config), **fields.pop("files", {})}
         return self.dp.export(
             self,
             self.cfg,
             encoder,
             spec,
-            init,
+            init.ledger,
+            files=files,
             mechanism=self.mechanism,
             mechanism_params=self.params,
             **fields,

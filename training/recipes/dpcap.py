@@ -153,7 +153,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     return run.export_dp(
         model.encoder,
         spec,
-        init.ledger,
+        init,
         records=records,
         curve_label="caption loss on public procedural images",
         dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",

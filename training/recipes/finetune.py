@@ -550,7 +550,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     out = run.export_dp(
         model.encoder,
         spec,
-        init.ledger,
+        init,
         records=records,
         curve_label="cross-entropy on public test images"
         if test is not None

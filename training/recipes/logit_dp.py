@@ -241,7 +241,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     return run.export_dp(
         model.encoder,
         spec,
-        init.ledger,
+        init,
         records=records,
         curve_label="contrastive loss on public procedural images",
         dataset_description=f"{n} images; contrastive training with {name}",

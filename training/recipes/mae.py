@@ -15,8 +15,8 @@ random class token stays frozen (``freeze_fixed_tokens``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,9 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from vip_hub.errors import ConfigError, RepoFormatError
-from vip_hub.loading import load_encoder
+from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.encoders import EncoderSpec, create_encoder, sincos_pos_embed_2d
 from vip_hub.models.features import final_norm
-from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import SyntheticImages
@@ -183,16 +182,19 @@ def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
     return MAE(create_encoder(spec, mae_init=True), decoder)
 
 
-def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
-    """The MAE of an exported repo (its verified encoder and its MAE decoder), and its ledger. A
+def load_mae(repo: str | Path, fresh: Mapping[str, Any] | None = None) -> tuple[MAE, Encoder]:
+    """The MAE of an exported repo (its verified encoder and its MAE decoder), and the loaded
+    repo (its spec, ledger and config). A
     repo without a decoder (a contrastive or distilled (Syn) prior) gets a freshly initialised
-    one of its family's shape for its size (seed torch first for a reproducible one)."""
+    one of its family's shape for its size, ``fresh``'s ``DecoderConfig`` fields overriding it
+    (seed torch first for a reproducible one)."""
     enc = load_encoder(repo)
     path = Path(enc.path) / MAE_DECODER_FILE
     if not path.is_file():
         a = enc.spec.architecture
-        fresh = DecoderConfig(a.decoder_embed_dim, a.decoder_depth, a.decoder_num_heads)
-        return MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), fresh), enc.spec, enc.ledger
+        shape = DecoderConfig(a.decoder_embed_dim, a.decoder_depth, a.decoder_num_heads)
+        decoder = replace(shape, **(fresh or {}))
+        return MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), decoder), enc
     with safe_open(path, "pt") as f:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
     mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), DecoderConfig(**cfg))
@@ -204,7 +206,7 @@ def load_mae(repo: str | Path) -> tuple[MAE, EncoderSpec, PrivacyLedger]:
         raise RepoFormatError(
             f"{path} does not match the decoder: missing {missing}, unexpected {unexpected}"
         )
-    return mae, enc.spec, enc.ledger
+    return mae, enc
 
 
 def public_images(spec: EncoderSpec) -> torch.Tensor:

@@ -5,11 +5,12 @@ The teacher is Tramer & Boneh's handcrafted ScatterNet (ICLR 2021): kymatio's ``
 (``SCATTER_J`` scales, ``SCATTER_ANGLES`` angles: 81 coefficient maps at 1 / 2^J of the image's
 side) on the greyscale image in [0, 1], then a GroupNorm over ``SCATTER_GROUPS`` groups of maps
 per example, the features whose DP linear probe reaches 89.7 % on Fashion-MNIST at (3, 1e-5).
-The student is the encoder's stack up to ``block``: its patch tokens, through a linear map that is
-not released, regress the teacher's maps average-pooled to the patch grid (a mean squared error
-per example). The teacher has no parameters and sees only procedural images, so the stage uses
-no private data; a linear probe on the released block's spatial map can then read what the
-teacher computes, and the encoder stays a plain timm ViT that DP training can start from.
+The student is the encoder (a shallow one, ``train-syn --depth``): its last block's patch
+tokens, through a linear map that is not released, regress the teacher's maps average-pooled to
+the patch grid (a mean squared error per example). The teacher has no parameters and sees only
+procedural images, so the stage uses no private data; a linear probe on the last block's spatial
+map can then read what the teacher computes, and the encoder stays a plain timm ViT that DP
+training can start from.
 """
 
 from __future__ import annotations
@@ -53,27 +54,23 @@ class Scattering(nn.Module):
 
 
 class ScatterDistiller(nn.Module):
-    """An encoder's blocks up to ``block`` and a linear map from each patch token to the teacher's
+    """An encoder and a linear map from each of its last block's patch tokens to the teacher's
     coefficients at that patch: ``forward(grey)`` returns each example's mean squared error."""
 
-    def __init__(
-        self, encoder: VisionTransformer, block: int, mean: torch.Tensor, std: torch.Tensor
-    ):
+    def __init__(self, encoder: VisionTransformer, mean: torch.Tensor, std: torch.Tensor):
         super().__init__()
-        self.encoder, self.block = encoder, block
+        self.encoder = encoder
         self.teacher = Scattering(encoder.patch_embed.img_size[0])
         self.head = nn.Linear(encoder.embed_dim, scattering_channels())
         self.register_buffer("mean", mean.view(1, -1, 1, 1))
         self.register_buffer("std", std.view(1, -1, 1, 1))
 
     def tokens(self, grey: torch.Tensor) -> torch.Tensor:
-        """The patch tokens (B, N, C) at the output of ``block`` for greyscale images in [0, 1]."""
+        """The last block's patch tokens (B, N, C), before the final norm, for greyscale images in
+        [0, 1]."""
         e = self.encoder
         x = (grey.unsqueeze(1).expand(-1, 3, -1, -1) - self.mean) / self.std
-        x = e.norm_pre(e._pos_embed(e.patch_embed(x)))
-        for blk in e.blocks[: self.block]:
-            x = blk(x)
-        return x[:, e.num_prefix_tokens :]
+        return e.blocks(e.norm_pre(e._pos_embed(e.patch_embed(x))))[:, e.num_prefix_tokens :]
 
     def forward(self, grey: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

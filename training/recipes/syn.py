@@ -91,16 +91,21 @@ class SynConfig(
     objective: Literal["mae", "contrastive", "scatter"] = Field(
         "mae",
         description="mae (masked autoencoder, the ViP recipe's), contrastive (InfoNCE between "
-        "SimCLR-augmented views, as Baradad et al. 2021 and DP-RandP) or scatter (the patch "
-        "tokens of --distill-block regress a ScatterNet's coefficients of greyscale images, "
+        "SimCLR-augmented views, as Baradad et al. 2021 and DP-RandP) or scatter (the last "
+        "block's patch tokens regress a ScatterNet's coefficients of greyscale images, "
         "training/recipes/scatter.py); the last two export no MAE decoder (ViP then starts one "
         "fresh)",
     )
-    distill_block: int | None = Field(
+    depth: int | None = Field(
         None,
         gt=0,
-        description="scatter: the block whose patch tokens learn the teacher (default: the "
-        "last); the blocks above it keep their initialisation",
+        description="encoder blocks (default: the architecture's; fewer: a shallower stack of "
+        "the same blocks)",
+    )
+    weights_dtype: Literal["float32", "float16"] = Field(
+        "float32",
+        description="dtype of the exported encoder weights (float16: half the size, for a prior "
+        "committed to a project)",
     )
     temperature: float = Field(0.2, gt=0, description="InfoNCE temperature (contrastive)")
     projection_dim: int = Field(128, gt=0, description="projection head width (contrastive)")
@@ -194,7 +199,11 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             "train-syn runs on one process (use a DP recipe with torchrun for several)"
         )
     spec = EncoderSpec(
-        cfg.arch, img_size=cfg.img_size, patch_size=cfg.patch_size, crop_pct=cfg.crop_pct
+        cfg.arch,
+        img_size=cfg.img_size,
+        patch_size=cfg.patch_size,
+        crop_pct=cfg.crop_pct,
+        depth=cfg.depth,
     )
     decoder = DecoderConfig(
         cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads, cfg.mask_ratio, cfg.norm_pix_loss
@@ -220,11 +229,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         }
     elif cfg.objective == "scatter":
         encoder = create_encoder(spec, mae_init=True)
-        block = cfg.distill_block or len(encoder.blocks)
-        if block > len(encoder.blocks):
-            raise ConfigError(f"--distill-block {block} of a {len(encoder.blocks)}-block encoder")
         cfg_mean, cfg_std = encoder.pretrained_cfg["mean"], encoder.pretrained_cfg["std"]
-        model = ScatterDistiller(encoder, block, torch.tensor(cfg_mean), torch.tensor(cfg_std))
+        model = ScatterDistiller(encoder, torch.tensor(cfg_mean), torch.tensor(cfg_std))
         data = _Views(Augmented(pictures, greyscale_transform(), run.seed), cfg.batch_size, 1)
         greys = public_greys(cfg.img_size)
         evaluate = lambda: {"public_loss": _mean_loss(model, greys[:, 0], dist.device)}  # noqa: E731
@@ -284,16 +290,15 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         curve = "contrastive loss (procedural images)"
     elif cfg.objective == "scatter":
         what = (
-            f"ScatterNet distillation (the patch tokens of block {model.block} regress, through "
-            "a linear map that is not released, the GroupNorm-ed coefficients of kymatio's "
-            "Scattering2D(J=2, L=8) of greyscale images, half of them inverted; the blocks above "
-            "keep their initialisation)"
+            f"ScatterNet distillation (the patch tokens of the last of {spec.depth} blocks "
+            "regress, through a linear map that is not released, the GroupNorm-ed coefficients "
+            "of kymatio's Scattering2D(J=2, L=8) of greyscale images, half of them inverted)"
         )
         curve = "distillation loss (procedural images)"
         side = min(model.encoder.patch_embed.grid_size)
         files = {
             "spatial": tuple(
-                dict.fromkeys(SpatialMode((model.block,), g).name for g in (side, min(4, side)))
+                dict.fromkeys(SpatialMode((spec.depth,), g).name for g in (side, min(4, side)))
             )
         }
     else:
@@ -327,6 +332,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             f"A {spec.arch} encoder pretrained by {cfg.objective} learning on procedural images "
             f"only ({title}): it has seen no real images, so it carries no privacy cost."
         ),
+        weights_dtype=getattr(torch, cfg.weights_dtype),
         **files,
     )
 

@@ -37,6 +37,14 @@ class VipConfig(
     data: str = Field(
         description="image folder (class subfolders allowed) or directory of webdataset tar shards"
     )
+    decoder_dim: int | None = Field(
+        None,
+        gt=0,
+        description="a fresh MAE decoder's width, if the init has none (default: the "
+        "family's, as for the next two)",
+    )
+    decoder_depth: int | None = Field(None, gt=0, description="a fresh MAE decoder's blocks")
+    decoder_heads: int | None = Field(None, gt=0, description="a fresh MAE decoder's heads")
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -47,7 +55,9 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     n = len(images)
     run = DPRun(cfg, dist, n)
     torch.manual_seed(init_seed(run.seed))  # a fresh decoder, if the init has none: every rank's
-    mae, spec, init_ledger = load_mae(cfg.init)
+    shape = {"dim": cfg.decoder_dim, "depth": cfg.decoder_depth, "num_heads": cfg.decoder_heads}
+    mae, init = load_mae(cfg.init, {k: v for k, v in shape.items() if v is not None})
+    spec = init.spec
     mae.to(dist.device)
     engine = run.engine(mae)
     mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
@@ -71,7 +81,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     return run.export_dp(
         mae.encoder,
         spec,
-        init_ledger,
+        init,
         records=records,
         curve_label="MAE loss on public procedural images",
         dataset_description=f"{n} images; MAE pretraining with DP-AdamW",

@@ -201,11 +201,17 @@ class EncoderSpec:
     patch_size: int = DEFAULT_PATCH_SIZE
     crop_pct: float | None = None
     interpolation: str = DEFAULT_INTERPOLATION
+    depth: int | None = None
+    """Blocks (default: the architecture's); fewer is a shallower stack of the same blocks."""
 
     def __post_init__(self) -> None:
         arch = get_arch(self.arch)
         if self.crop_pct is None:
             object.__setattr__(self, "crop_pct", arch.family.crop_pct)
+        if self.depth is None:
+            object.__setattr__(self, "depth", arch.depth)
+        if not 1 <= self.depth <= arch.depth:
+            raise ConfigError(f"depth {self.depth}: a {self.arch} has 1 to {arch.depth} blocks")
         if self.patch_size <= 0 or self.img_size <= 0:
             raise ConfigError("img_size and patch_size must be positive")
         if self.img_size % self.patch_size:
@@ -234,7 +240,7 @@ class EncoderSpec:
             "img_size": self.img_size,
             "patch_size": self.patch_size,
             "embed_dim": a.embed_dim,
-            "depth": a.depth,
+            "depth": self.depth,
             "num_heads": a.num_heads,
             "mlp_ratio": 4.0,
             "qkv_bias": a.family.qkv_bias,
@@ -273,6 +279,7 @@ class EncoderSpec:
             patch_size=int(args.get("patch_size", DEFAULT_PATCH_SIZE)),
             crop_pct=float(cfg["crop_pct"]) if "crop_pct" in cfg else None,
             interpolation=str(cfg.get("interpolation", DEFAULT_INTERPOLATION)),
+            depth=int(args["depth"]) if "depth" in args else None,
         )
         if meta.get("family", spec.family.name) != spec.family.name:
             raise RepoFormatError(

@@ -109,7 +109,7 @@ def render_card(
         template_str=template,
         arch=spec.arch,
         family=family,
-        depth=arch.depth,
+        depth=spec.depth,
         width=arch.embed_dim,
         heads=arch.num_heads,
         patch_size=spec.patch_size,

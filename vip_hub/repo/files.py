@@ -105,6 +105,7 @@ def export_encoder(
     vocab: bytes | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     spatial: Sequence[str] | None = None,
+    weights_dtype: torch.dtype | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a released-encoder repo for ``model`` to ``out_dir`` and return its path.
@@ -114,13 +115,14 @@ def export_encoder(
     ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode)
     with ``vocab`` (the bytes of the tokenizer's vocab.txt), ``extra_files`` (e.g. a
     training-curve PNG), and ``spatial``: the spatial feature modes the repo declares (default
-    ``default_spatial_modes(model)``; ``()`` for none).
+    ``default_spatial_modes(model)``; ``()`` for none); ``weights_dtype`` stores the encoder's
+    floating tensors in that dtype (float16 halves a prior committed to a project).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
     _check_text_parts(spec, model, text_decoder, vocab)
-    tensors = _encoder_tensors(model)
+    tensors = _encoder_tensors(model, weights_dtype)
     memory = text_decoder.memory if text_decoder is not None else None
     config = _config(spec, model, memory, spatial)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
@@ -243,9 +245,16 @@ def weights_ledger(path: str | os.PathLike[str]) -> str | None:
 
 
 # --------------------------------------------------------------------------- internals
-def _encoder_tensors(model: VisionTransformer) -> dict[str, torch.Tensor]:
-    state = model.state_dict()
-    return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("head.")}
+def _encoder_tensors(
+    model: VisionTransformer, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in model.state_dict().items():
+        if not k.startswith("head."):
+            v = v.detach().cpu()
+            cast = dtype is not None and v.is_floating_point()
+            out[k] = (v.to(dtype) if cast else v).contiguous()
+    return out
 
 
 def _check_text_parts(
