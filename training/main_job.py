@@ -10,7 +10,9 @@ on Fashion-MNIST.
    (``training.recipes.probe.choose_pooling``), and the next ``test_size`` measure top-1. Both
    are written as PNG class folders (train captioned by the public template over the class
    names), with a public vocabulary and public captions over the class names;
-2. (Syn) pretraining on procedural images: an MAE for vip-nano and one for dpcap-nano;
+2. the (Syn) encoders: the committed priors (``training.priors``; procedural images only, no
+   private data), a 4-block vip-nano and a 4-block dpcap-nano at 28 px and patch 4 whose last
+   block learned a ScatterNet's coefficients, copied into the work folder;
 3. four private encoders on the private records, each at ``encoder_epsilon`` (2) and delta
    1e-5: ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
    clipping) and its Naive-DP baseline (the whole batch clipped);

@@ -1,11 +1,12 @@
-"""Step 1 of the ViP and DP-Cap recipes: (Syn)-ViP, MAE pretraining on procedural images only
-(``--arch vip-*`` for ViP, ``--arch dpcap-*`` for the encoder DP-Cap training starts from).
+"""Step 1 of the ViP and DP-Cap recipes: (Syn)-ViP, pretraining on procedural images only
+(``--arch vip-*`` for ViP, ``--arch dpcap-*`` for the encoder DP-Cap training starts from), by
+MAE (the default), contrastive learning or ScatterNet distillation (``--objective``).
 
 AdamW (betas 0.9/0.95), warm-up + cosine schedule, bf16 autocast on GPU, checkpoints and
 resume (the run skeleton, ``training/skeleton/run.py``). Batch ``step`` holds images
 ``step*B .. step*B+B-1`` of the procedural stream and its masks come from the (seed, step)
 stream, so a resumed run sees exactly what an uninterrupted one would. The export carries the
-encoder, the decoder and a ledger saying that no private data was used.
+encoder, the MAE decoder (MAE only) and a ledger saying that no private data was used.
 """
 
 from __future__ import annotations
@@ -337,7 +338,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     )
 
 
-RECIPE = Recipe("syn", "(Syn)-ViP: MAE pretraining on procedural images", SynConfig, train_syn)
+RECIPE = Recipe("syn", "(Syn)-ViP: pretraining on procedural images", SynConfig, train_syn)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-syn"))
