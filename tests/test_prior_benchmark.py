@@ -62,7 +62,11 @@ def test_references_and_a_candidate_in_one_run(data: Path, tmp_path: Path) -> No
         ]
     )
     rows = json.loads(out.read_text())
-    assert [r["name"] for r in rows] == ["raw pixels", "random vip-nano 28 px patch 4", "cand"]
+    assert [r["name"] for r in rows] == [
+        "raw pixels",
+        "random vip-nano (12 blocks) 28 px patch 4",
+        "cand",
+    ]
     assert rows[0]["dims"] == 784
     # blocks 6 and 12 of 12 on every grid the 7 x 7 patch grid allows
     assert set(rows[2]["scores"]) == {f"spatial-b{b}-g{g}" for b in (6, 12) for g in (2, 4, 7)}
