@@ -16,6 +16,7 @@ from training.priors import PRIORS, losses_path, prior_command, prior_path, read
 from vip_hub.errors import MissingInputError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE
 
 BIN = Path(__file__).resolve().parents[1] / ".venv" / "bin"
 MAX_BYTES = 5 * 1024 * 1024
@@ -27,14 +28,14 @@ def test_a_committed_prior_is_a_small_verified_repo_without_private_data(name: s
     repo = prior_path(name)
     report = verify_repo(repo)
     assert report.ok, report.problems
-    (stage,) = PrivacyLedger.parse((repo / "privacy_ledger.json").read_text()).stages
+    (stage,) = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).stages
     assert stage.name == "syn-scatter" and stage.private_data is False
-    weights = repo / "model.safetensors"
+    weights = repo / WEIGHTS_FILE
     total = sum(f.stat().st_size for f in repo.iterdir())
     assert total <= MAX_BYTES, f"{name}: {total} bytes"
     with safe_open(weights, "pt") as f:
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} <= {"F16"}
-    config = json.loads((repo / "config.json").read_text())
+    config = json.loads((repo / CONFIG_FILE).read_text())
     settings = PRIORS[name]
     assert config["model_args"]["depth"] == settings["depth"]
     assert config["vip_hub"]["arch"] == settings["arch"]

@@ -35,6 +35,7 @@ from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance, sample_bound
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import CONFIG_FILE, MAE_DECODER_FILE
 
 BIN = Path(sys.executable).parent
 SYN_ARGS = dict(
@@ -129,7 +130,7 @@ def test_contrastive_syn_exports_a_verified_repo_without_private_data(tmp_path: 
     assert stage.type == "non-private" and stage.name == "syn-contrastive"
     assert stage.private_data is False and "no private data" in stage.description
     assert "dead_leaves, cellular" in stage.dataset.description
-    assert not (out / "mae_decoder.safetensors").exists()
+    assert not (out / MAE_DECODER_FILE).exists()
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     assert model.patch_embed.grid_size == (4, 4)
     assert model.pretrained_cfg["crop_pct"] == 1.0
@@ -178,8 +179,8 @@ def test_scatter_syn_distils_the_scatternet_into_a_shallow_encoder(tmp_path: Pat
     (stage,) = ledger_of(out).stages
     assert stage.name == "syn-scatter" and stage.private_data is False
     assert "last of 2 blocks" in stage.description
-    assert not (out / "mae_decoder.safetensors").exists()
-    config = json.loads((out / "config.json").read_text())
+    assert not (out / MAE_DECODER_FILE).exists()
+    config = json.loads((out / CONFIG_FILE).read_text())
     assert config["model_args"]["depth"] == 2
     dims = config["vip_hub"]["feature_dims"]
     assert dims["spatial-b2-g4"] == 192 * 16 and dims["vip"] == 2 * 192
@@ -321,7 +322,7 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
             delta=1 / 80,
         )
     )
-    assert (fresh / "mae_decoder.safetensors").is_file()
+    assert (fresh / MAE_DECODER_FILE).is_file()
     r = subprocess.run(
         [
             str(BIN / "vip-hub"),

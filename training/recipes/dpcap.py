@@ -37,7 +37,7 @@ from ..dp.run import DPRun
 from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import freeze_fixed_tokens, public_images
+from .mae import eval_loss, freeze_fixed_tokens, public_images
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 
@@ -147,7 +147,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         load,
         desc="train-dpcap",
         prepare=lambda micro: _trimmed(micro, tokenizer.pad_id),
-        evaluate=lambda: {"public_loss": _eval_loss(model, eval_images, eval_texts, dist.device)},
+        evaluate=lambda: {"public_loss": eval_loss(model, (eval_images, eval_texts), dist.device)},
     )
 
     return run.export_dp(
@@ -231,18 +231,6 @@ def _trimmed(
     causal), at less cost."""
     for images, text in micro:
         yield images, text[:, : int((text != pad_id).any(0).nonzero().max()) + 1]
-
-
-@torch.no_grad()
-def _eval_loss(
-    model: Captioner, images: torch.Tensor, texts: torch.Tensor, device: torch.device
-) -> float:
-    """Mean caption loss on a fixed public batch (eval mode, no gradient)."""
-    was = model.training
-    model.eval()
-    loss = model(images.to(device), texts.to(device)).mean().item()
-    model.train(was)
-    return loss
 
 
 RECIPE = Recipe(

@@ -15,7 +15,7 @@ random class token stays frozen (``freeze_fixed_tokens``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -184,10 +184,9 @@ def new_mae(spec: EncoderSpec, decoder: DecoderConfig) -> MAE:
 
 def load_mae(repo: str | Path, fresh: Mapping[str, Any] | None = None) -> tuple[MAE, Encoder]:
     """The MAE of an exported repo (its verified encoder and its MAE decoder), and the loaded
-    repo (its spec, ledger and config). A
-    repo without a decoder (a contrastive or distilled (Syn) prior) gets a freshly initialised
-    one of its family's shape for its size, ``fresh``'s ``DecoderConfig`` fields overriding it
-    (seed torch first for a reproducible one)."""
+    repo (its spec, ledger and config). A repo without a decoder (a contrastive or distilled
+    (Syn) prior) gets a freshly initialised one of its family's shape for its size, ``fresh``'s
+    ``DecoderConfig`` fields overriding it (seed torch first for a reproducible one)."""
     enc = load_encoder(repo)
     path = Path(enc.path) / MAE_DECODER_FILE
     if not path.is_file():
@@ -223,10 +222,11 @@ def public_eval_batch(spec: EncoderSpec, num_patches: int) -> tuple[torch.Tensor
 
 
 @torch.no_grad()
-def eval_loss(mae: MAE, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
-    """Mean MAE loss on a fixed batch (eval mode, no gradient)."""
-    was = mae.training
-    mae.eval()
-    loss = mae(batch[0].to(device), batch[1].to(device)).mean().item()
-    mae.train(was)
+def eval_loss(model: nn.Module, batch: Sequence[torch.Tensor], device: torch.device) -> float:
+    """Mean of ``model(*batch)``'s per-example losses on a fixed batch (eval mode, no gradient):
+    the MAE's, the (Syn) distiller's and the captioner's public curves."""
+    was = model.training
+    model.eval()
+    loss = model(*(t.to(device) for t in batch)).mean().item()
+    model.train(was)
     return loss

@@ -181,16 +181,6 @@ def public_greys(size: int) -> torch.Tensor:
         return torch.stack([transform(source.load(i)) for i in range(EVAL_IMAGES)])
 
 
-@torch.no_grad()
-def _mean_loss(model: torch.nn.Module, images: torch.Tensor, device: torch.device) -> float:
-    """``model``'s mean per-example loss on ``images`` (eval mode, no gradient)."""
-    was = model.training
-    model.eval()
-    loss = model(images.to(device)).mean().item()
-    model.train(was)
-    return loss
-
-
 def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     """Run (or resume) (Syn) pretraining on procedural images (``cfg.objective``: MAE,
     contrastive or ScatterNet distillation) and export the repo."""
@@ -234,7 +224,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         model = ScatterDistiller(encoder, torch.tensor(cfg_mean), torch.tensor(cfg_std))
         data = _Views(Augmented(pictures, greyscale_transform(), run.seed), cfg.batch_size, 1)
         greys = public_greys(cfg.img_size)
-        evaluate = lambda: {"public_loss": _mean_loss(model, greys[:, 0], dist.device)}  # noqa: E731
+        evaluate = lambda: {"public_loss": eval_loss(model, (greys[:, 0],), dist.device)}  # noqa: E731
     else:
         model = new_mae(spec, decoder)
         data = SyntheticImages(cfg.img_size, seed=run.seed, families=cfg.family_names)
