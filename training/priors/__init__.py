@@ -32,7 +32,7 @@ _DISTILLED = {
     "workers": 0,
 }
 PRIORS: dict[str, dict[str, Any]] = {
-    "vip-nano-scatter": {"arch": "vip-nano", "steps": 2000, **_DISTILLED},
+    "vip-nano-scatter": {"arch": "vip-nano", "steps": 4000, **_DISTILLED},
     "dpcap-nano-scatter": {"arch": "dpcap-nano", "steps": 400, **_DISTILLED},
 }
 """Each prior's ``SynConfig`` settings (but ``out``): a 4-block encoder at 28 px and patch 4 (a
