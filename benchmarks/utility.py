@@ -83,7 +83,7 @@ from vip_hub.errors import AccountingError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant, composed_epsilon, epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
-from vip_hub.repo_format import LEDGER_FILE, head_component
+from vip_hub.repo_format import LEDGER_FILE, VOCAB_FILE, head_component
 
 EPSILON, DELTA = 3.0, 1e-5
 ENCODER_EPSILON = 2.0
@@ -365,7 +365,7 @@ def dpcap_features(b: Bench) -> Features:
     s = b.schedule.dpcap
     text = b.work / "data" / "text"
     text.mkdir(parents=True, exist_ok=True)
-    vocab, public = text / "vocab.txt", text / "public-captions.txt"
+    vocab, public = text / VOCAB_FILE, text / "public-captions.txt"
     vocab.write_bytes(class_vocabulary(b.train.classes))
     public.write_text("\n".join(class_public_captions(b.train.classes)) + "\n", "utf-8")
     repo = private_repo(

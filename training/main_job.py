@@ -78,6 +78,7 @@ from vip_hub.repo_format import (
     HEADS_DIR,
     LEDGER_FILE,
     SIGNATURE_FILE,
+    VOCAB_FILE,
     head_component,
 )
 
@@ -299,7 +300,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
     train, test = data / "train", data / "test"
     folder = {e: work / e.name for e in PUBLISHED}
     syn_cap = work / "dpcap-nano-syn"
-    vocab, public_captions = data / "vocab.txt", data / "public-captions.txt"
+    vocab, public_captions = data / VOCAB_FILE, data / "public-captions.txt"
     comparison = work / "comparison.json"
     sizes = {
         "data": cfg.data,
