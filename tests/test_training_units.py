@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,9 @@ from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, r
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
 from training.recipes.mae import MAE, DecoderConfig, patchify
+from training.skeleton.config import RunConfig
+from training.skeleton.distributed import Dist
+from training.skeleton.run import Run
 from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 
@@ -332,3 +337,18 @@ def test_rank_shards_partition_the_dataset_and_micro_batches_cover_the_sample() 
     assert [len(p) for p in parts] == [4, 4, 2]
     empty = micro_batches(np.zeros(0, dtype=int), 4)
     assert len(empty) == 1 and len(empty[0]) == 0
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_cuda_run_autocasts_to_bf16_unless_its_bf16_setting_is_off(tmp_path) -> None:
+    """``bf16`` (a run setting, so a checkpoint resumes only under the same one) decides a CUDA
+    run's autocast; the committed priors turn it off to train in fp32 on any device."""
+    cuda = Dist(device=torch.device("cuda"))
+    on = Run(RunConfig(out=str(tmp_path / "on")), cuda).autocast()
+    assert isinstance(on, torch.autocast) and on.fast_dtype == torch.bfloat16
+    off = RunConfig(out=str(tmp_path / "off"), bf16=False)
+    assert isinstance(Run(off, cuda).autocast(), contextlib.nullcontext)
+    assert off.run_settings()["bf16"] is False
+    assert isinstance(
+        Run(RunConfig(out=str(tmp_path / "cpu")), Dist()).autocast(), contextlib.nullcontext
+    )

@@ -5,7 +5,8 @@ the main job and of ``benchmarks/utility.py`` starts from, instead of training i
 Each is reproduced by one command, ``prior_command(name)`` (``vip-hub train-syn`` with
 ``PRIORS[name]``'s settings, seed 0), whose per-step training losses are committed beside the repo
 (``<name>.losses.json``): a rerun reproduces that curve, which tests/test_priors.py checks on its
-first steps. The weights are stored in float16 (a committed prior is at most 5 MB).
+first steps. They train in fp32 on any device (``bf16`` off), so a GPU run reproduces the CPU's
+curve to rounding. The weights are stored in float16 (a committed prior is at most 5 MB).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _DISTILLED = {
     "seed": 0,
     "weights_dtype": "float16",
     "workers": 0,
+    "bf16": False,
 }
 PRIORS: dict[str, dict[str, Any]] = {
     "vip-nano-scatter": {"arch": "vip-nano", "steps": 4000, **_DISTILLED},
@@ -57,7 +59,11 @@ def prior_command(name: str, out: str | None = None) -> list[str]:
     folder = prior_path(name)  # raises for an unknown name
     args = ["vip-hub", "train-syn", "--out", out or str(folder), "--model-name", name]
     for key, value in PRIORS[name].items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):  # argparse's --flag / --no-flag
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += [f"--{flag}", str(value)]
     return args
 
 

@@ -68,6 +68,9 @@ class RunConfig(BaseModel):
     )
     seed: int | None = Field(0, description="seed of every random stream")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    bf16: bool = Field(
+        True, description="bf16 autocast on CUDA (off: fp32 as on the CPU, which never autocasts)"
+    )
     workers: int = Field(1, ge=0, description="data-loading processes")
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints")
     eval_every: int | None = Field(

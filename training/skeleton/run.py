@@ -118,8 +118,8 @@ class Run:
         return optimizer, warmup_cosine(optimizer, cfg.warmup(), horizon or cfg.steps)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bf16 autocast on CUDA; nothing on the CPU."""
-        if self.dist.device.type == "cuda":
+        """bf16 autocast on CUDA unless the run's ``bf16`` is off; nothing on the CPU."""
+        if self.dist.device.type == "cuda" and self.cfg.bf16:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
