@@ -34,8 +34,8 @@ _DISTILLED = {
     "bf16": False,
 }
 PRIORS: dict[str, dict[str, Any]] = {
-    "vip-nano-scatter": {"arch": "vip-nano", "steps": 4000, **_DISTILLED},
-    "dpcap-nano-scatter": {"arch": "dpcap-nano", "steps": 400, **_DISTILLED},
+    "vip-nano-scatter": {"arch": "vip-nano", "steps": 10000, **_DISTILLED},
+    "dpcap-nano-scatter": {"arch": "dpcap-nano", "steps": 5000, **_DISTILLED},
 }
 """Each prior's ``SynConfig`` settings (but ``out``): a 4-block encoder at 28 px and patch 4 (a
 7 x 7 patch grid that reads Fashion-MNIST without resizing) whose last block's tokens learned a
