@@ -721,7 +721,8 @@ def finetune_reference(
     model from the same init (after a non-private probe where the row has a DP one: SGD at 0.1,
     the probe's epochs), trained on the train folder ``finetune_arrays`` wrote under ``work``
     with plain AdamW (the mean loss, no clipping, no noise; the same views) at the DP stage's
-    recorded settings, steps and expected batch; its top-1 on the public test folder."""
+    recorded settings, steps and expected batch (summed over micro-batches, as the DP row is);
+    its top-1 on the public test folder."""
     from training.recipes.finetune import augment_views, classifier, evaluate, frozen_outputs
     from training.recipes.probe import load_labelled
     from training.skeleton.optim import make_adamw, warmup_cosine
@@ -758,9 +759,9 @@ def finetune_reference(
     schedule = warmup_cosine(optimizer, hp["warmup_steps"], stage.steps)
     for _ in tqdm(range(stage.steps), desc="reference", leave=False):
         i = torch.randint(len(labels), (batch,), generator=order)
-        loss = model(*(t.to(dev) for t in inputs(i))).mean()
         optimizer.zero_grad()
-        loss.backward()
+        for part in i.split(FINETUNE["micro_batch_size"]):  # the batch's mean loss, in parts
+            (model(*(t.to(dev) for t in inputs(part))).sum() / batch).backward()
         optimizer.step()
         schedule.step()
     return evaluate(model, encoder.transform, test.images, test.labels.tolist(), dev)[1]
