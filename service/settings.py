@@ -23,7 +23,7 @@ from pydantic_settings import (
 from vip_hub.device import pick_device
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
-from vip_hub.repo_format import FrontMatterLimits
+from vip_hub.repo_format import SIGNATURE_FILE, FrontMatterLimits
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "ObjectStoreSettings", "Settings"]
 
@@ -63,8 +63,8 @@ class HubSettings(BaseModel):
         description="a single-host store's folder (or file) of trusted public keys "
         "(NAME.pub), moved into the index at the first start (default: STORE/trusted_keys; "
         "one outside the store is read, never renamed); the keys whose "
-        "signatures (model.sig) commits may carry are then managed with `vip-hub trust`, and a "
-        "commit signed by any other key is refused",
+        f"signatures ({SIGNATURE_FILE}) commits may carry are then managed with `vip-hub trust`, "
+        "and a commit signed by any other key is refused",
     )
     require_signature: bool = Field(False, description="refuse unsigned commits too")
     max_commit_files: int = Field(

@@ -31,6 +31,7 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
+from vip_hub.repo_format import VOCAB_FILE
 
 from ..data.images import CAPTIONS_FILE, Augmented, mae_transform, open_captions
 from ..dp.run import DPRun
@@ -184,7 +185,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "max_length": cfg.max_length,
             "vocab_size": tokenizer.vocab_size,
             "vocabulary": (
-                "public file fixed before training (vocab.txt), not fitted on the captions"
+                f"public file fixed before training ({VOCAB_FILE}), not fitted on the captions"
             ),
             "augmentation": "random resized crop (0.2-1), flip",
         },

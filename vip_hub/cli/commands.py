@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..models.names import family_archs
 from ..privacy.accounting import Accountant
 from ..privacy.sensitivity import PER_EXAMPLE_MECHANISMS
-from ..repo_format import DEFAULT_BRANCH
+from ..repo_format import DEFAULT_BRANCH, SIGNATURE_FILE
 from .main import CommandError, add_command
 
 if TYPE_CHECKING:
@@ -106,8 +106,8 @@ def register_verify(sub: Any) -> None:
         action="append",
         metavar="PUB",
         help=(
-            "public key (file, or folder of *.pub) of a signer you trust: model.sig must be theirs "
-            "(repeatable)"
+            f"public key (file, or folder of *.pub) of a signer you trust: {SIGNATURE_FILE} must "
+            "be theirs (repeatable)"
         ),
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")

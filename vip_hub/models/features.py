@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from ..errors import ConfigError
+from ..repo_format import TEXT_DECODER_FILE
 
 if TYPE_CHECKING:  # captioning imports nothing from here, but keep the import light
     from .text_decoder import ImageMemory
@@ -269,7 +270,7 @@ def _need_memory(model: VisionTransformer, memory: ImageMemory | None) -> ImageM
     if memory is None:
         raise ConfigError(
             "the dpcap feature mode needs the text decoder's image-memory weights "
-            "(a DP-Cap repo's text_decoder.safetensors)"
+            f"(a DP-Cap repo's {TEXT_DECODER_FILE})"
         )
     if not isinstance(model.fc_norm, torch.nn.Identity):
         raise ConfigError(

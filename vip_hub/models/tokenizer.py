@@ -22,6 +22,7 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from ..errors import ConfigError
+from ..repo_format import VOCAB_FILE
 
 __all__ = ["BERT_SPECIAL_IDS", "MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer", "public_vocab"]
 
@@ -53,7 +54,7 @@ class CaptionTokenizer:
         if missing:
             raise ConfigError(
                 f"vocabulary lacks the special tokens {', '.join(missing)} "
-                "(a BERT-style vocab.txt has them)"
+                f"(a BERT-style {VOCAB_FILE} has them)"
             )
         if max_length < 2:
             raise ConfigError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
