@@ -79,6 +79,7 @@ from training.recipes.probe import (
     fit_probe,
     public_features,
 )
+from training.skeleton.memory import reuse_freed_memory
 from vip_hub.errors import AccountingError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant, composed_epsilon, epsilon
@@ -867,6 +868,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    reuse_freed_memory()
     work = Path(args.work)
     full = fashion_mnist("train", args.data, work)
     b = Bench(

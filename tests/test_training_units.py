@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -352,3 +355,37 @@ def test_a_cuda_run_autocasts_to_bf16_unless_its_bf16_setting_is_off(tmp_path) -
     assert isinstance(
         Run(RunConfig(out=str(tmp_path / "cpu")), Dist()).autocast(), contextlib.nullcontext
     )
+
+
+_REFAULTS = """
+import resource, sys, torch
+from training.skeleton.memory import reuse_freed_memory
+applied = reuse_freed_memory() if sys.argv[1] == "reuse" else None
+x, g = torch.ones(8_000, 2_048), torch.Generator().manual_seed(0)
+for step in range(30):  # a DP head's steps: a Poisson-sized gather, its fp64 copy, a product
+    if step == 10:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    size = int(torch.randint(3_500, 4_500, (1,), generator=g))
+    batch = x[torch.randint(0, 8_000, (size,), generator=g)].double()
+    (batch * 2).sum()
+    del batch
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_reuse_freed_memory_stops_each_steps_tensors_from_faulting_their_pages_in_again():
+    """Under glibc's defaults every step's 60-100 MiB of fresh tensors are unmapped on free and
+    faulted in again next step (about 20,000 pages a step); after ``reuse_freed_memory`` the
+    steps reuse the freed blocks."""
+    faults = {}
+    for how in ("default", "reuse"):
+        out = subprocess.run(
+            [sys.executable, "-c", _REFAULTS, how], capture_output=True, text=True, check=True
+        ).stdout.split()
+        faults[how] = int(out[1])
+        if how == "reuse":
+            assert out[0] == "True"
+    per_step = 4_000 * 2_048 * (4 + 8 + 8) // resource.getpagesize()
+    assert faults["default"] > 20 * per_step / 2
+    assert faults["reuse"] < faults["default"] / 10

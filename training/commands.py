@@ -14,6 +14,7 @@ from typing import Any
 from vip_hub.cli.main import CommandError, add_command, require_extra
 
 from .skeleton.config import Recipe, add_config_args, config_from_args
+from .skeleton.memory import reuse_freed_memory
 
 __all__ = ["RECIPES", "recipe", "register"]
 
@@ -65,6 +66,7 @@ def _train(args: argparse.Namespace) -> int:
 
     r = recipe(args.recipe)
     cfg = config_from_args(r.config, args)
+    reuse_freed_memory()
     dist = Dist.from_env(cfg.device)
     try:
         out = r.train(cfg, dist)
@@ -89,6 +91,7 @@ def _probe(args: argparse.Namespace) -> int:
     from .recipes.probe import ProbeConfig, run_probe
 
     cfg = config_from_args(ProbeConfig, args)
+    reuse_freed_memory()
     r = run_probe(cfg)
     kind = f"DP, epsilon {r.stage.epsilon:.3g}" if r.stage.type == "dp" else "no DP"
     where = (
@@ -109,5 +112,7 @@ def _probe(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .main_job import MainJobConfig, run_main_job, sigterm_as_interrupt
 
+    cfg = config_from_args(MainJobConfig, args)
+    reuse_freed_memory()  # the server it starts is a process of its own, with glibc's defaults
     with sigterm_as_interrupt():
-        return run_main_job(config_from_args(MainJobConfig, args))
+        return run_main_job(cfg)
