@@ -375,8 +375,8 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_reuse_freed_memory_stops_each_steps_tensors_from_faulting_their_pages_in_again():
-    """Under glibc's defaults every step's 60-100 MiB of fresh tensors are unmapped on free and
-    faulted in again next step (about 20,000 pages a step); after ``reuse_freed_memory`` the
+    """Under glibc's defaults every step's 140-185 MiB of fresh tensors are unmapped on free and
+    faulted in again next step (about 40,000 pages a step); after ``reuse_freed_memory`` the
     steps reuse the freed blocks."""
     faults = {}
     for how in ("default", "reuse"):
