@@ -37,7 +37,7 @@ from .repo.files import (
     read_config,
 )
 from .repo.verify import verify_repo
-from .repo_format import LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
+from .repo_format import CONFIG_FILE, LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
 
@@ -82,7 +82,7 @@ class Encoder:
         elif pooling in POOLINGS:
             why = f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
         elif SPATIAL_PATTERN.fullmatch(pooling):
-            why = "its config.json's feature_dims does not declare this spatial mode"
+            why = f"its {CONFIG_FILE}'s feature_dims does not declare this spatial mode"
         else:
             why = f"unknown feature mode (fixed: {', '.join(POOLINGS)}; spatial: {SPATIAL_SYNTAX})"
         raise ConfigError(

@@ -71,7 +71,7 @@ class DPCapConfig(
         f"folder with a {CAPTIONS_FILE}"
     )
     vocab: str = Field(
-        description="public vocabulary file (BERT-style vocab.txt, e.g. bert-base-uncased's), "
+        description=f"public vocabulary file (BERT-style {VOCAB_FILE}, e.g. bert-base-uncased's), "
         "fixed before training and never fitted on the private captions"
     )
     max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
@@ -196,7 +196,7 @@ def _vocabulary(cfg: DPCapConfig) -> tuple[bytes, CaptionTokenizer]:
     """The public vocabulary file's bytes and its tokenizer."""
     path = Path(cfg.vocab)
     if not path.is_file():
-        raise MissingInputError(f"--vocab {path} is not a file (a public BERT-style vocab.txt)")
+        raise MissingInputError(f"--vocab {path} is not a file (a public BERT-style {VOCAB_FILE})")
     vocab = path.read_bytes()
     try:
         return vocab, CaptionTokenizer(vocab, max_length=cfg.max_length)

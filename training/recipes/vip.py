@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from vip_hub.repo_format import MAE_DECODER_FILE
+
 from ..data.images import Augmented, mae_transform, open_images
 from ..dp.run import DPRun
 from ..dp.sampling import MASKING, init_seed, torch_generator
@@ -32,7 +34,7 @@ class VipConfig(
     """A ViP run: DP-AdamW on the MAE loss. Defaults follow the ViP paper, App. A.2."""
 
     init: str = Field(
-        description="(Syn)-ViP repo folder or hub id to start from (with mae_decoder.safetensors)"
+        description=f"(Syn)-ViP repo folder or hub id to start from (with {MAE_DECODER_FILE})"
     )
     data: str = Field(
         description="image folder (class subfolders allowed) or directory of webdataset tar shards"

@@ -27,6 +27,7 @@ from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
 from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
+from vip_hub.repo_format import SIGNATURE_FILE
 
 __all__ = [
     "DPRunConfig",
@@ -83,7 +84,7 @@ class RunConfig(BaseModel):
     restart: bool = Field(False, description="discard the run folder's checkpoint and start over")
     signing_key: str | None = Field(
         None,
-        description="private key that signs the exported repo, model.sig "
+        description=f"private key that signs the exported repo, {SIGNATURE_FILE} "
         "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)",
     )
 

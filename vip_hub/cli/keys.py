@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..repo_format import SIGNATURE_FILE
 from .main import CommandError, add_command
 
 __all__ = ["register_key", "register_sign"]
@@ -45,7 +46,7 @@ def register_sign(sub: Any) -> None:
     """Add ``vip-hub sign``."""
     from ..repo.signing import SIGNING_KEY_ENV
 
-    p = add_command(sub, "sign", _sign, "sign a verified repo folder (writes model.sig)")
+    p = add_command(sub, "sign", _sign, f"sign a verified repo folder (writes {SIGNATURE_FILE})")
     p.add_argument("folder", help="repo folder")
     p.add_argument(
         "--key",

@@ -30,7 +30,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.vision_transformer import VisionTransformer
 
 from ..errors import ConfigError, RepoFormatError
-from ..repo_format import CONFIG_BLOCK
+from ..repo_format import CONFIG_BLOCK, CONFIG_FILE
 from .names import SIZES, arch_name
 
 __all__ = [
@@ -272,7 +272,7 @@ class EncoderSpec:
         args = config.get("model_args") or {}
         cfg = config.get("pretrained_cfg") or {}
         if "arch" not in meta:
-            raise RepoFormatError("config.json has no vip_hub.arch entry: not a vip-hub export")
+            raise RepoFormatError(f"{CONFIG_FILE} has no vip_hub.arch entry: not a vip-hub export")
         spec = cls(
             arch=meta["arch"],
             img_size=int(args.get("img_size", DEFAULT_IMG_SIZE)),
@@ -283,7 +283,8 @@ class EncoderSpec:
         )
         if meta.get("family", spec.family.name) != spec.family.name:
             raise RepoFormatError(
-                f"config.json: vip_hub.family {meta['family']!r} disagrees with arch {spec.arch!r}"
+                f"{CONFIG_FILE}: vip_hub.family {meta['family']!r} disagrees with arch "
+                f"{spec.arch!r}"
             )
         return spec
 

@@ -42,7 +42,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from ..errors import RepoFormatError
-from ..repo_format import SIGNATURE_FILE
+from ..repo_format import CONFIG_FILE, SIGNATURE_FILE
 from .card import load_card
 
 __all__ = ["ALLOWED_KINDS", "WEIGHT_SOURCE_KEYS", "content_problem", "weight_sources"]
@@ -286,10 +286,10 @@ def content_problem(rel: str, path: str | os.PathLike[str]) -> str | None:
 def weight_sources(config: Mapping[str, Any]) -> list[str]:
     """config.json keys that would make timm load weights from elsewhere (top level, where
     timm's legacy layout reads them, and ``pretrained_cfg``), as ``block.key``."""
-    found = [f"config.json:{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(config))]
+    found = [f"{CONFIG_FILE}:{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(config))]
     cfg = config.get("pretrained_cfg", {})
     if not isinstance(cfg, Mapping):
-        return [*found, "config.json:pretrained_cfg (not an object)"]
+        return [*found, f"{CONFIG_FILE}:pretrained_cfg (not an object)"]
     return found + [
-        f"config.json:pretrained_cfg.{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(cfg))
+        f"{CONFIG_FILE}:pretrained_cfg.{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(cfg))
     ]

@@ -235,7 +235,7 @@ def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise RepoFormatError(f"{path}: not a readable config.json ({e})") from None
+        raise RepoFormatError(f"{path}: not a readable {CONFIG_FILE} ({e})") from None
 
 
 def weights_ledger(path: str | os.PathLike[str]) -> str | None:
@@ -282,7 +282,7 @@ def declared_spatial(config: Mapping[str, Any]) -> tuple[str, ...]:
     try:
         return tuple(m for m in dims if SpatialMode.parse(m) is not None)
     except ConfigError as e:
-        raise RepoFormatError(f"config.json feature_dims: {e}") from None
+        raise RepoFormatError(f"{CONFIG_FILE} feature_dims: {e}") from None
 
 
 def check_feature_dims(config: Mapping[str, Any], model: VisionTransformer) -> None:
@@ -293,10 +293,10 @@ def check_feature_dims(config: Mapping[str, Any], model: VisionTransformer) -> N
         try:
             width = feature_dim(model, mode)
         except ConfigError as e:
-            raise RepoFormatError(f"config.json feature_dims: {e}") from None
+            raise RepoFormatError(f"{CONFIG_FILE} feature_dims: {e}") from None
         if dims[mode] != width:
             raise RepoFormatError(
-                f"config.json feature_dims: {mode} is {width} wide, not {dims[mode]}"
+                f"{CONFIG_FILE} feature_dims: {mode} is {width} wide, not {dims[mode]}"
             )
 
 
