@@ -20,7 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from vip_hub.device import pick_device
+from vip_hub.device import check_device_name
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
 from vip_hub.repo_format import SIGNATURE_FILE, FrontMatterLimits
@@ -251,10 +251,9 @@ class InferenceSettings(BaseModel):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        pick_device(
-            value
-        )  # an unknown name or a missing GPU fails at start-up, not at first request
-        return value
+        """An unknown name fails here; a missing GPU when the inference engine is created (at
+        start-up, not at the first request), so that the hub's processes need no torch."""
+        return check_device_name(value)
 
 
 class Settings(BaseSettings):

@@ -1,8 +1,9 @@
 """The hub at real model sizes: a ViP-Base-size repo (random weights, 344 MB encoder + 52 MB
 decoder) published with unmodified clients (``upload_folder``: Xet; ``vip-hub push``), a
 card-only revision that does not send the weights again, downloads through
-``snapshot_download`` and timm, and the server's memory while it receives a 1 GiB file.
-The server runs as its own process (its RSS is measured)."""
+``snapshot_download`` and timm, the server's memory while it receives a 1 GiB file, and a hub
+without inference that starts without torch and never loads the models. The server runs as
+its own process (its RSS and its mapped libraries are read)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import huggingface_hub
 import pytest
 import timm
 import torch
-from helpers import base_size_repo
+from helpers import base_size_repo, tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
 from live import WRITE_TOKEN, ProcessServer
 from safetensors.torch import load_file
@@ -150,3 +152,23 @@ def test_receiving_a_gib_keeps_server_memory_flat(server, tmp_path):
         f"-> peak {peak[0] / 1024:.0f} MB"
     )
     assert growth_mb < 100, f"server RSS grew by {growth_mb:.0f} MB"
+
+
+def test_a_hub_without_inference_starts_without_torch_and_never_loads_the_models(tmp_path):
+    """The hub half alone (``vip-hub serve --no-inference``: the replicas behind a balancer)
+    starts without importing torch, and verifies, stores, serves and renders repos without the
+    models (timm, and with it torchvision): only the accountants that verify recomputes epsilon
+    with (opacus) bring torch in, at the first commit."""
+    server = ProcessServer(tmp_path / "store").start()
+    try:
+        assert "libtorch" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
+        repo = tiny_repo_with_head(tmp_path / "tiny")
+        push_repo(repo, "big/tiny", endpoint=server.url, token=WRITE_TOKEN)
+        snap = Path(snapshot_download("big/tiny", endpoint=server.url, cache_dir=tmp_path / "c"))
+        assert verify_repo(snap).ok
+        for path in ("/big/tiny", "/api/models/big/tiny", "/"):
+            assert httpx.get(server.url + path, timeout=30).status_code == 200, path
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+        assert "libtorch" in maps and "torchvision" not in maps  # opacus, but no timm
+    finally:
+        server.stop()

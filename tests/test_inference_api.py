@@ -19,8 +19,10 @@ from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 from PIL import Image
 
 import vip_hub
+from service.app import create_app
 from service.inference.models import LoadedModel
 from vip_hub.device import pick_device
+from vip_hub.errors import ConfigError
 from vip_hub.repo.heads import load_head
 from vip_hub.repo.push import push_repo
 
@@ -187,10 +189,11 @@ def test_device_setting_is_checked_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         settings_for(tmp_path, inference={"device": "tpu"})
     if not torch.cuda.is_available():
+        cuda = settings_for(tmp_path, inference={"device": "cuda"})
         with pytest.raises(
-            ValueError, match="device cuda:0 was asked for, but this machine has 0 CUDA"
+            ConfigError, match="device cuda:0 was asked for, but this machine has 0 CUDA"
         ):
-            settings_for(tmp_path, inference={"device": "cuda"})
+            create_app(cuda)  # what `vip-hub serve` does before it listens
     assert settings_for(tmp_path, inference={"device": "cpu"}).inference.device == "cpu"
 
 

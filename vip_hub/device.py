@@ -1,17 +1,28 @@
 """Which torch device to run on, from a setting or flag: ``auto``, ``cpu``, ``cuda`` or
-``cuda:N``."""
+``cuda:N``. Importing this module does not import torch (the hub's processes check their
+settings without it); :func:`pick_device` does."""
 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 
-__all__ = ["pick_device"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_device_name", "pick_device"]
 
 _NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device_name(name: str) -> str:
+    """``name`` if it is a device name this module knows (without asking torch for the devices);
+    raises ConfigError naming it otherwise."""
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
+    return name
 
 
 def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
@@ -19,8 +30,9 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
 
     Raises ConfigError naming the problem for an unknown name or a GPU that is not there.
     """
-    if not _NAME.fullmatch(name):
-        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
+    import torch
+
+    check_device_name(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vip_hub.device import pick_device
 from vip_hub.repo_format import DEFAULT_BRANCH
 
 from ..errors import (
@@ -67,6 +68,7 @@ class InferenceEngine:
     def __init__(self, settings: InferenceSettings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
+        pick_device(settings.device)  # a GPU that is not there fails at start-up
         self.limits = ImageLimits(
             settings.max_image_bytes, settings.max_image_pixels, settings.max_aspect_ratio
         )

@@ -17,21 +17,23 @@ reference code fixes beside the shapes, all of which a ``Family`` records:
 Head count does not change weight shapes but does change outputs, so it must match. A repo's
 config.json names the architecture (``vip_hub.arch``) and its family (``vip_hub.family``), so
 it loads with ``timm.create_model`` alone and its default forward returns the ``avg`` embedding.
+
+Importing this module imports neither torch nor timm (the hub's processes read specs and render
+cards without them); the functions that build tensors or models import them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import timm
-import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models.vision_transformer import VisionTransformer
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, RepoFormatError
 from ..repo_format import CONFIG_BLOCK, CONFIG_FILE
 from .names import SIZES, arch_name
+
+if TYPE_CHECKING:
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
 
 __all__ = [
     "ARCHS",
@@ -251,6 +253,8 @@ class EncoderSpec:
 
     def pretrained_cfg(self) -> dict[str, Any]:
         """timm's pretrained_cfg: input size and preprocessing for this encoder."""
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
         return {
             "input_size": [3, self.img_size, self.img_size],
             "fixed_input_size": True,
@@ -291,6 +295,8 @@ class EncoderSpec:
 
 def sincos_pos_embed_1d(dim: int, positions: torch.Tensor | int) -> torch.Tensor:
     """Fixed 1-D sine-cosine embeddings (MAE), shape (len(positions), dim): sines then cosines."""
+    import torch
+
     if dim % 2:
         raise ConfigError(f"embedding dim {dim} must be even")
     pos = (
@@ -308,6 +314,8 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, cls_token: bool = True) -> tor
 
     Half the channels encode the row, half the column; the class token gets zeros.
     """
+    import torch
+
     if dim % 4:
         raise ConfigError(f"embedding dim {dim} must be divisible by 4")
     coords = torch.arange(grid_size, dtype=torch.float64)
@@ -329,6 +337,8 @@ def create_encoder(spec: EncoderSpec, *, mae_init: bool = False) -> VisionTransf
     with ``frozen_tokens`` (DP-Cap) a normal(0.02) image type embedding is added to every row of
     ``pos_embed`` and the class token is frozen, as in the reference.
     """
+    import timm
+
     model = timm.create_model(
         spec.architecture.timm_architecture,
         pretrained=False,
@@ -342,6 +352,8 @@ def create_encoder(spec: EncoderSpec, *, mae_init: bool = False) -> VisionTransf
 
 
 def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
+    import torch
+
     with torch.no_grad():
         model.pos_embed.copy_(sincos_pos_embed_2d(model.embed_dim, spec.grid_size)[None])
         model.pos_embed.requires_grad_(False)

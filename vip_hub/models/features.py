@@ -21,7 +21,8 @@
   A repo declares which spatial modes it offers (config.json's ``feature_dims``).
 
 Which modes a repo offers is its family's business (``vip_hub.models.encoders.Family.poolings``);
-this module computes any mode it is given the weights for.
+this module computes any mode it is given the weights for. Importing it does not import torch
+(the hub's processes name and describe modes without it); the functions that compute do.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-import torch
-import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
-
 from ..errors import ConfigError
 from ..repo_format import TEXT_DECODER_FILE
 
-if TYPE_CHECKING:  # captioning imports nothing from here, but keep the import light
+if TYPE_CHECKING:
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
     from .text_decoder import ImageMemory
 
 FixedPooling = Literal["cls", "avg", "vip", "dpcap"]
@@ -119,6 +119,9 @@ class SpatialMode:
 
     def pool(self, tokens: Sequence[torch.Tensor], grid_size: tuple[int, int]) -> torch.Tensor:
         """The embedding from each block's patch tokens (B, N, C), ``grid_size`` the patch grid."""
+        import torch
+        import torch.nn.functional as F
+
         maps = []
         for t in tokens:
             x = t.transpose(1, 2).reshape(t.shape[0], t.shape[2], *grid_size)
@@ -156,6 +159,8 @@ def describe(pooling: Pooling) -> str:
 
 def final_norm(model: VisionTransformer) -> torch.nn.Module:
     """The encoder's final LayerNorm, wherever the timm layout keeps it."""
+    import torch
+
     return model.fc_norm if not isinstance(model.fc_norm, torch.nn.Identity) else model.norm
 
 
@@ -223,6 +228,9 @@ def pool_features(
     block's last (``vip`` reads the patch-token mean of the last ``vip_layers`` pairs; the other
     fixed modes the last pair only): what ``extract_features`` computes after the blocks.
     Spatial modes need ``blocks``, each output's block index (0-based)."""
+    import torch
+    import torch.nn.functional as F
+
     result: dict[Pooling, torch.Tensor] = {}
     for mode in modes:
         spatial = SpatialMode.parse(mode)
@@ -267,6 +275,8 @@ def check_pooling(pooling: str, model: VisionTransformer | None = None) -> Spati
 
 
 def _need_memory(model: VisionTransformer, memory: ImageMemory | None) -> ImageMemory:
+    import torch
+
     if memory is None:
         raise ConfigError(
             "the dpcap feature mode needs the text decoder's image-memory weights "

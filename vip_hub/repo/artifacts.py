@@ -1,4 +1,5 @@
-"""Digests of repo files, and safetensors headers read and rewritten without torch.
+"""Digests of repo files, and safetensors headers read and rewritten without torch (importing
+this module does not import it: the hub's processes digest and verify files without torch).
 
 A weights digest (``tensors-sha256:``) covers tensor names, dtypes, shapes and bytes but
 not the header's metadata, so the ledger kept in that metadata can name the digest of the
@@ -13,12 +14,13 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import SafetensorsError
 from ..repo_format import is_weights_file
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SafetensorsError",
@@ -32,21 +34,20 @@ __all__ = [
 
 _CHUNK = 1 << 20
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}  # the safetensors format's dtype names
-_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}  # the safetensors format's dtype names, and torch's name of each
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -117,10 +118,13 @@ def tensors_digest(path: str | os.PathLike[str]) -> str:
 
 def tensors_digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
     """The same digest as :func:`tensors_digest`, for tensors in memory (before saving)."""
+    import torch
+
+    names = {getattr(torch, t): st for st, t in _ST_DTYPES.items()}
     h = hashlib.sha256()
     for key in sorted(tensors):
         t = tensors[key].detach().cpu().contiguous()
-        _update_entry(h, key, _DTYPE_NAMES[t.dtype], list(t.shape))
+        _update_entry(h, key, names[t.dtype], list(t.shape))
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return "tensors-sha256:" + h.hexdigest()
 
