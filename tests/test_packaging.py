@@ -188,3 +188,22 @@ def test_core_install_alone_loads_and_verifies_a_repo(
         and "training (needs the train extra" in unavailable
     )
     assert "verify" in help_text.split("unavailable commands")[0]
+
+
+def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -> None:
+    """``vip-hub token`` (or ``serve``) loads the service's plugin only, not the training one
+    with torch and timm (seconds before every command); ``--help`` still lists every command."""
+    code = (
+        "import sys\n"
+        "from vip_hub.cli.main import main\n"
+        "rc = main(['token', 'list', '--store', sys.argv[1]])\n"
+        "print(rc, sorted(m for m in ('torch', 'timm', 'training') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout
+    cli = Path(sys.executable).with_name("vip-hub")
+    listed = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
+    assert "train-vip" in listed and "token" in listed and "verify" in listed

@@ -1,6 +1,9 @@
 """The ``vip-hub`` command line. Sub-commands are plugins registered by each package under
 the ``vip_hub.commands`` entry-point group, so this library never imports training/ or
-service/. Each entry point is a function taking the argparse sub-parsers object.
+service/. Each entry point is a function taking the argparse sub-parsers object. An entry point
+named like the command it registers is loaded alone when that command runs, so that ``vip-hub
+serve --no-inference`` or ``vip-hub token`` skip the training plugin's imports (torch, timm:
+seconds); any other command, or none, loads every plugin.
 
 A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line
 with exit status 1; any other exception is a bug and keeps its traceback."""
@@ -42,8 +45,9 @@ def add_command(
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser with every installed sub-command."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every installed sub-command, or only the plugin's named ``command`` if an
+    entry point has that name."""
     parser = argparse.ArgumentParser(
         prog="vip-hub",
         description=(
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     broken = []
-    for ep in sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name):
+    plugins = sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name)
+    plugins = [ep for ep in plugins if ep.name == command] or plugins
+    for ep in plugins:
         try:
             ep.load()(sub)
         except (ImportError, AttributeError) as e:  # a package not installed, or half-built
@@ -64,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:
