@@ -23,7 +23,7 @@ from pydantic_settings import (
 from vip_hub.device import check_device_name
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
-from vip_hub.repo_format import SIGNATURE_FILE, FrontMatterLimits
+from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, SIGNATURE_FILE, FrontMatterLimits
 
 __all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "ObjectStoreSettings", "Settings"]
 
@@ -73,7 +73,7 @@ class HubSettings(BaseModel):
         description="files in a commit's tree (and operations in its body); 413 beyond",
     )
     max_labels_bytes: int = Field(
-        MIB, gt=0, description="size of a head's labels.json in a commit; 413 beyond"
+        MIB, gt=0, description=f"size of a head's {HEAD_LABELS} in a commit; 413 beyond"
     )
     xet_max_expansion: int = Field(
         32,
@@ -96,7 +96,7 @@ class HubSettings(BaseModel):
     max_front_matter_bytes: int = Field(
         FrontMatterLimits.max_bytes,
         gt=0,
-        description="largest YAML front matter of a model card (README.md) that a commit or "
+        description=f"largest YAML front matter of a model card ({CARD_FILE}) that a commit or "
         "/api/validate-yaml accepts (400 naming the limit)",
     )
     max_front_matter_depth: int = Field(

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from vip_hub.paths import MAX_PATH_LENGTH
 from vip_hub.repo.card import load_card
+from vip_hub.repo_format import CARD_FILE
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest, Conflicting, PayloadTooLarge
@@ -163,7 +164,7 @@ def delete_tag(tag: str, opened: Annotated[Writable, writable("deleting a tag")]
 def validate_yaml(request: Request, payload: dict[str, Any] = Body(...)) -> JSONResponse:
     content = payload.get("content")
     if not isinstance(content, str):
-        raise BadRequest("'content' must be the README.md text")
+        raise BadRequest(f"'content' must be the {CARD_FILE} text")
     try:
         load_card(content, strict=True, limits=request.app.state.settings.hub.front_matter())
     except (ValueError, yaml.YAMLError) as e:  # RepoFormatError (YAML aliases) is a ValueError

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..models.names import family_archs
 from ..privacy.accounting import Accountant
 from ..privacy.sensitivity import PER_EXAMPLE_MECHANISMS
-from ..repo_format import DEFAULT_BRANCH, SIGNATURE_FILE
+from ..repo_format import DEFAULT_BRANCH, SIGNATURE_FILE, VOCAB_FILE
 from .main import CommandError, add_command
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def register_import_dpcap(sub: Any) -> None:
     p.add_argument(
         "--vocab",
         metavar="FILE",
-        help="the tokenizer's vocab.txt (BERT uncased WordPiece, e.g. bert-base-uncased's): "
+        help=f"the tokenizer's {VOCAB_FILE} (BERT uncased WordPiece, e.g. bert-base-uncased's): "
         "copied into the repo so it can caption",
     )
     p.add_argument(
