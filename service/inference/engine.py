@@ -68,7 +68,7 @@ class InferenceEngine:
     def __init__(self, settings: InferenceSettings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
-        pick_device(settings.device)  # a GPU that is not there fails at start-up
+        self.device = pick_device(settings.device)  # a GPU that is not there fails at start-up
         self.limits = ImageLimits(
             settings.max_image_bytes, settings.max_image_pixels, settings.max_aspect_ratio
         )
@@ -168,7 +168,14 @@ class InferenceEngine:
         folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
         private = self._store().get_repo(repo_id).private
         model = await asyncio.to_thread(
-            LoadedModel.load, repo_id, commit, folder, self.settings, self.metrics, private
+            LoadedModel.load,
+            repo_id,
+            commit,
+            folder,
+            self.settings,
+            self.metrics,
+            self.device,
+            private,
         )
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)

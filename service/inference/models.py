@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from vip_hub import load_encoder
-from vip_hub.device import pick_device
 from vip_hub.loading import CaptioningModel
 from vip_hub.models.features import Pooling
 from vip_hub.privacy.ledger import PrivacyLedger
@@ -80,10 +79,11 @@ class LoadedModel:
         folder: Path,
         settings: InferenceSettings,
         metrics: Metrics,
+        device: torch.device,
         private: bool = False,
     ) -> LoadedModel:
-        """Load (verifying the ledger), warm up, and start the batcher. Runs in a worker thread."""
-        device = pick_device(settings.device)
+        """Load onto ``device`` (verifying the ledger), warm up, and start the batcher. Runs in a
+        worker thread."""
         encoder = load_encoder(folder, verify=True, device=device)
         heads = {}
         for name in list_heads(folder):
