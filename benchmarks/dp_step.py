@@ -26,7 +26,8 @@ with the median of the per-round ratios, and the time inside each step's forward
 or clipping (the rest is noise, all-reduce and AdamW). The load average is printed before
 and after: on a shared machine, ratios taken under load are not worth much. Memory: each
 variant runs once more in its own process, so the peak is its own: on CUDA from the
-allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus the set-up's,
+allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus the set-up's
+(the processes fork from one that imported torch and timm once),
 with glibc told to give every tensor of 64 KiB or more back on free (``MALLOC_MMAP_THRESHOLD_``),
 so the peak counts live tensors, not the allocator's cache; the memory runs take exactly B
 inputs, so their peaks compare. See benchmarks/README.md.
@@ -39,14 +40,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
+import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,15 +306,18 @@ def _load() -> str:
 
 
 def _memory_run(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float] | str:
-    """``peak_memory`` in a process of its own: its figures, or the last line of its error."""
-    cmd = [sys.executable, __file__, "--memory-of", variant, "--batch", str(batch)]
-    cmd += ["--arch", args.arch, "--img-size", str(args.img_size), "--device", args.device]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode:
-        lines = done.stderr.strip().splitlines()
-        return lines[-1] if lines else f"exit status {done.returncode}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """``peak_memory`` in a process of its own, forked from a server that imported torch, timm
+    and this script once (``forkserver``; glibc's ``MALLOC_MMAP_THRESHOLD_`` set before the server
+    starts, so every child inherits it): its figures, or the last line of its error."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "timm"])
+    try:
+        with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+            return pool.submit(peak_memory, args, variant, batch).result()
+    except Exception as error:  # the step's own (CUDA out of memory), or a killed child's
+        lines = str(error).strip().splitlines()
+        return lines[-1] if lines else type(error).__name__
 
 
 def largest_batch(args: argparse.Namespace, start: int) -> int:
@@ -385,11 +389,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default="abcd", help=f"which of {''.join(VARIANTS)} to run")
-    ap.add_argument("--memory-of", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.memory_of:
-        print(json.dumps(peak_memory(args, args.memory_of, int(args.batch))))
-        return
     sizes = args.batch.split(",")
     if not all(b.isdigit() and int(b) > 0 for b in sizes if b != "max"):
         raise SystemExit(f"--batch: positive integers or max, got {args.batch}")

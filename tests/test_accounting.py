@@ -63,6 +63,25 @@ def test_composition_of_equal_runs_equals_one_longer_run():
     assert composed_epsilon([], 1e-5) == 0.0
 
 
+def test_rdp_is_exactly_what_opacus_rdp_accountant_reports() -> None:
+    """The claim's RDP figure (one step's RDP per (sigma, q) computed once, times the steps,
+    summed over the runs) is opacus' RDPAccountant's, to the last bit, at the same orders."""
+    from opacus.accountants import RDPAccountant
+
+    from vip_hub.privacy.accounting import rdp_alphas
+
+    for history in (
+        [(SIGMA, Q, STEPS)],
+        [(7.69, 0.125, 800), (1.34, 0.125, 10)],
+        [(1.1, 0.01, 300), (2.5, 1 / 3, 7), (1.1, 0.01, 41)],
+    ):
+        acc = RDPAccountant()
+        acc.history = list(history)
+        for delta in (1e-5, DELTA):
+            expected = acc.get_epsilon(delta=delta, alphas=rdp_alphas())
+            assert composed_epsilon(history, delta) == expected
+
+
 @pytest.mark.parametrize("accountant", ["rdp", "prv", "pld"])
 def test_calibrate_inverts_epsilon(accountant):
     n = 1797

@@ -532,6 +532,14 @@ def test_two_processes_give_the_same_ledger_noise_and_weights(
     for k in a:  # the same samples and noise; only the all-reduce's order of sums differs
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
+
+@pytest.mark.slow
+def test_two_ranks_add_the_noise_once_and_agree_on_the_sample_and_the_audit(
+    tmp_path: Path,
+) -> None:
+    """One DP-engine step (``dist_noise_probe.py``) in one process and on two nodes of one rank
+    each (the layout with a rendezvous; the engine's code is the same in both): the update's
+    noise is sigma C / B once, not once per rank, and the ranks agree with the single process."""
     probe = Path(__file__).with_name("dist_noise_probe.py")
     single = subprocess.run(
         [sys.executable, str(probe), str(tmp_path / "one.json")],
@@ -541,7 +549,7 @@ def test_two_processes_give_the_same_ledger_noise_and_weights(
         timeout=120,
     )
     assert single.returncode == 0, single.stderr
-    code, stderr = torchrun([str(probe), str(tmp_path / "two.json")], layout)
+    code, stderr = torchrun([str(probe), str(tmp_path / "two.json")], "two nodes")
     assert code == 0, stderr
     one, both = (
         json.loads((tmp_path / "one.json").read_text()),
