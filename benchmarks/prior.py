@@ -2,23 +2,26 @@
 of candidate encoders, beside raw pixels and randomly initialised encoders of the same shapes, in
 one run (issue 36).
 
-Every row is a non-private softmax-regression head (``training.recipes.probe.fit_probe`` with
+Only the public test split is read, never the private training split: every row is a
+non-private softmax-regression head (``training.recipes.probe.fit_probe`` with
 ``benchmarks.utility.head_config``'s non-private settings: SGD 0.1, momentum 0.9, batch n / 8,
-warm-up and cosine, the ``LinearProbe``'s BatchNorm) trained on the first ``--train-size``
-training records (a fixed public rule). An encoder's candidate modes are spatial modes
+warm-up and cosine, the ``LinearProbe``'s BatchNorm) trained on public test records
+0..``--fit-size``-1 (4,000), its mode **chosen on the rest of records 0-4,999** and the row
+**reported on records 5,000-9,999**, which neither saw (a smaller test split keeps these
+proportions of its first half). An encoder's candidate modes are spatial modes
 (``spatial-b<block>-g<grid>``: one block's patch tokens average-pooled to a grid, a LayerNorm
-without parameters per example) for every ``--block-step``-th block and every grid in
-``GRIDS`` that its patch grid allows, read through the encoder's own transform (what the hub
-serves). The mode is **chosen on public test records 0-4,999** and the row **reported on
-records 5,000-9,999**, which no choice saw; the per-mode scores on the selection records are
-printed too. Raw pixels are scaled to [-1, 1] and normalised per example (a LayerNorm without
-parameters), like the spatial maps. A random-weights reference (``create_encoder(mae_init=True)``
-under ``--seed``) is added for every distinct (architecture, image size, patch size) among the
-candidates, so each prior is compared with its own shapes' random weights.
+without parameters per example) for every ``--block-step``-th block and every grid in ``GRIDS``
+that its patch grid allows, read through the encoder's own transform (what the hub serves); the
+per-mode scores on the choosing records are printed too. Raw pixels are scaled to [-1, 1] and
+normalised per example (a LayerNorm without parameters), like the spatial maps. A random-weights
+reference (``create_encoder(mae_init=True)`` under ``--seed``) is added for every distinct
+(architecture, image size, patch size) among the candidates, so each prior is compared with its
+own shapes' random weights.
 
-Nothing here is private (no DP, no ledger): it ranks priors, it releases nothing.
+Nothing here is private (no DP, no ledger, no private record): it ranks priors, it releases
+nothing.
 
-    python benchmarks/prior.py REPO [REPO ...] [--train-size 10000] [--epochs 50] \
+    python benchmarks/prior.py REPO [REPO ...] [--fit-size 4000] [--epochs 50] \
         [--block-step 3] [--rows all|references|candidates] [--json OUT.json]
 """
 
@@ -45,8 +48,10 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.features import LN_EPS, SpatialMode, extract_features
 
 SELECTION = 5_000
-"""Test records 0..SELECTION-1 choose each row's mode; the rest report it (half and half of a
-test split smaller than twice that)."""
+"""Test records 0..SELECTION-1 train the heads and choose each row's mode; the rest report it
+(half and half of a test split smaller than twice that)."""
+FIT = 4_000
+"""Of those, the first FIT train the heads (at most four fifths of them in a smaller split)."""
 GRIDS = (2, 4, 7)
 """Grids tried (those no finer than the encoder's patch grid)."""
 CHUNK = 500
@@ -97,30 +102,34 @@ def pixels(data: LabelledArrays) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], eps=LN_EPS)
 
 
+def splits(n: int, fit: int) -> tuple[slice, slice, slice]:
+    """Of ``n`` public test records: those that train the heads, those that choose each row's mode
+    and those that report it."""
+    half = min(SELECTION, n // 2)
+    fit = min(fit, half * 4 // 5)
+    return slice(0, fit), slice(fit, half), slice(half, None)
+
+
 def probe_row(
-    name: str,
-    train: dict[str, torch.Tensor],
-    test: dict[str, torch.Tensor],
-    train_y: torch.Tensor,
-    test_y: torch.Tensor,
-    epochs: int,
+    name: str, features: dict[str, torch.Tensor], labels: torch.Tensor, epochs: int, fit: int
 ) -> Row:
-    """Fit a head per mode, choose the best on the selection records, report the rest."""
+    """Fit a head per mode on the public records ``splits`` gives for training, choose the best on
+    the choosing records, report it on the rest."""
     began = time.process_time()
-    cfg = head_config(len(train_y), epochs, None)
-    classes = int(train_y.max()) + 1
-    half = min(SELECTION, len(test_y) // 2)  # a smaller test split: its first half chooses
-    sel, rep = slice(0, half), slice(half, None)
+    train, sel, rep = splits(len(labels), fit)
+    y = labels[train]
+    cfg = head_config(len(y), epochs, None)
+    classes = int(labels.max()) + 1
     heads, scores = {}, {}
-    for mode, x in train.items():
-        heads[mode], _ = fit_probe(x.float(), train_y, classes, cfg, desc=f"{name} {mode}")
-        scores[mode] = 100 * accuracy(heads[mode], test[mode][sel].float(), test_y[sel])
+    for mode, x in features.items():
+        heads[mode], _ = fit_probe(x[train].float(), y, classes, cfg, desc=f"{name} {mode}")
+        scores[mode] = 100 * accuracy(heads[mode], x[sel].float(), labels[sel])
     best = max(scores, key=lambda m: scores[m])
-    report = 100 * accuracy(heads[best], test[best][rep].float(), test_y[rep])
+    report = 100 * accuracy(heads[best], features[best][rep].float(), labels[rep])
     row = Row(
         name,
         best,
-        train[best].shape[1],
+        features[best].shape[1],
         scores[best],
         report,
         scores,
@@ -134,15 +143,15 @@ def probe_row(
 def encoder_row(
     name: str,
     model: VisionTransformer,
-    train: LabelledArrays,
     test: LabelledArrays,
     epochs: int,
+    fit: int,
     block_step: int,
 ) -> Row:
-    """A row for ``model``: its candidate modes' features, then ``probe_row``."""
+    """A row for ``model``: its candidate modes' features of the public records, then
+    ``probe_row``."""
     modes = candidate_modes(model, block_step)
-    y, ty = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
-    return probe_row(name, embed(model, train, modes), embed(model, test, modes), y, ty, epochs)
+    return probe_row(name, embed(model, test, modes), torch.as_tensor(test.labels), epochs, fit)
 
 
 def random_encoder(spec: EncoderSpec, seed: int) -> VisionTransformer:
@@ -153,7 +162,7 @@ def random_encoder(spec: EncoderSpec, seed: int) -> VisionTransformer:
 
 def run(
     repos: Sequence[str],
-    train_size: int,
+    fit: int,
     epochs: int,
     block_step: int,
     seed: int,
@@ -161,15 +170,14 @@ def run(
     rows_wanted: str = "all",
 ) -> list[Row]:
     """Rows for raw pixels and each distinct shape's random weights (``rows_wanted`` "all" or
-    "references"), and every repo in ``repos`` ("all" or "candidates")."""
-    train = fashion_mnist("train", data).first(train_size)
+    "references"), and every repo in ``repos`` ("all" or "candidates"), on the public test split
+    alone."""
     test = fashion_mnist("test", data)
-    y, ty = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
     refs, cands = rows_wanted in ("all", "references"), rows_wanted in ("all", "candidates")
     rows = []
     if refs:
-        px, tpx = {"pixels": pixels(train)}, {"pixels": pixels(test)}
-        rows.append(probe_row("raw pixels", px, tpx, y, ty, epochs))
+        labels = torch.as_tensor(test.labels)
+        rows.append(probe_row("raw pixels", {"pixels": pixels(test)}, labels, epochs, fit))
     loaded = {r: load_encoder(r) for r in repos}
     shapes: dict[tuple[str, int, int, int | None], Callable[[], VisionTransformer]] = {}
     for enc in loaded.values():
@@ -178,16 +186,16 @@ def run(
         shapes.setdefault(key, lambda s=s: random_encoder(s, seed))
     for (arch, size, patch, depth), make in shapes.items() if refs else ():
         name = f"random {arch} ({depth} blocks) {size} px patch {patch}"
-        rows.append(encoder_row(name, make(), train, test, epochs, block_step))
+        rows.append(encoder_row(name, make(), test, epochs, fit, block_step))
     for r, enc in loaded.items() if cands else ():
-        rows.append(encoder_row(Path(r).name, enc.model, train, test, epochs, block_step))
+        rows.append(encoder_row(Path(r).name, enc.model, test, epochs, fit, block_step))
     return rows
 
 
 def table(rows: Sequence[Row]) -> list[str]:
     """The rows as a Markdown table."""
     out = [
-        f"| features | mode chosen on test 0-{SELECTION - 1} | dims | top-1 there | "
+        f"| features | mode chosen on test {FIT}-{SELECTION - 1} | dims | top-1 there | "
         f"top-1 on test {SELECTION}-9,999 | probe CPU s |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -203,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the table (and write every score to ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("repos", nargs="*", help="encoder repo folders (candidate priors)")
-    p.add_argument("--train-size", type=int, default=10_000, help="first N training records")
+    p.add_argument(
+        "--fit-size", type=int, default=FIT, help="first N public test records train the heads"
+    )
     p.add_argument("--epochs", type=int, default=50, help="head epochs (8 steps each)")
     p.add_argument("--block-step", type=int, default=3, help="try every k-th block")
     p.add_argument("--seed", type=int, default=0, help="the random-weights references' seed")
@@ -217,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="write every row and score here")
     a = p.parse_args(argv)
     began, cpu = time.monotonic(), time.process_time()
-    rows = run(a.repos, a.train_size, a.epochs, a.block_step, a.seed, a.data, a.rows)
+    rows = run(a.repos, a.fit_size, a.epochs, a.block_step, a.seed, a.data, a.rows)
     print("\n".join(table(rows)))
     print(
         f"wall {time.monotonic() - began:.0f} s, CPU {time.process_time() - cpu:.0f} s, "

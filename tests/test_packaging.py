@@ -135,7 +135,9 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     ).stdout.strip()
     Path(purelib, "torch-from-disk.pth").write_text(str(linked) + "\n")
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
+        # --no-compile: the script below imports a few of the modules once; compiling every
+        # installed file to bytecode first would cost more than it saves
+        [str(python), "-m", "pip", "install", "-q", "--no-compile", str(wheel)],
         capture_output=True,
         cwd=tmp_path,
         text=True,

@@ -1,5 +1,6 @@
-"""The prior benchmark (``benchmarks/prior.py``) on a tiny generated Fashion-MNIST: references and
-a candidate in one run, each row's mode chosen on the first half of the test records."""
+"""The prior benchmark (``benchmarks/prior.py``) on a tiny generated Fashion-MNIST test split (no
+training split on disk: the private records are never read): references and a candidate in one
+run, each row's head trained and its mode chosen on the first half of the test records."""
 
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ SPEC.loader.exec_module(prior)
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("fmnist")
-    write_idx(folder, "train", 60, 0)
-    write_idx(folder, "t10k", 40, 1)
+    write_idx(folder, "t10k", 80, 1)
     return folder
 
 
@@ -51,7 +51,7 @@ def test_references_and_a_candidate_in_one_run(data: Path, tmp_path: Path) -> No
             str(repo),
             "--data",
             str(data),
-            "--train-size",
+            "--fit-size",
             "50",
             "--epochs",
             "2",
@@ -61,6 +61,7 @@ def test_references_and_a_candidate_in_one_run(data: Path, tmp_path: Path) -> No
             str(out),
         ]
     )
+    assert prior.splits(80, 50) == (slice(0, 32), slice(32, 40), slice(40, None))
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == [
         "raw pixels",
