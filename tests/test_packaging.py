@@ -137,7 +137,8 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     done = subprocess.run(
         # --no-compile: the script below imports a few of the modules once; compiling every
         # installed file to bytecode first would cost more than it saves
-        [str(python), "-m", "pip", "install", "-q", "--no-compile", str(wheel)],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+        + [str(wheel)],
         capture_output=True,
         cwd=tmp_path,
         text=True,
