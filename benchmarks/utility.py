@@ -63,7 +63,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import brentq
 from tqdm.auto import tqdm
 
 from training.data.labelled import (
@@ -80,9 +79,9 @@ from training.recipes.probe import (
     public_features,
 )
 from training.skeleton.memory import reuse_freed_memory
-from vip_hub.errors import AccountingError, DataError
+from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
-from vip_hub.privacy.accounting import Accountant, composed_epsilon, epsilon
+from vip_hub.privacy.accounting import Accountant, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
 from vip_hub.repo_format import LEDGER_FILE, VOCAB_FILE, head_component
 
@@ -447,32 +446,10 @@ def head_plan(n: int, epochs: int) -> tuple[int, float, int]:
 
 
 def head_epsilon(prior: Sequence[DPStage], sample_rate: float, steps: int) -> float:
-    """The head's own target epsilon (RDP at DELTA): EPSILON after no DP stage, else the epsilon
-    of a noise multiplier whose composition with ``prior`` is within 1e-3 below EPSILON (Brent's
-    root finding on the composed RDP epsilon). Calibrating to it gives at least that noise."""
-    if not prior:
-        return EPSILON
+    """The head's own target epsilon (RDP at DELTA): what ``remaining_epsilon`` leaves of EPSILON
+    after ``prior`` (EPSILON after no DP stage). Calibrating to it gives at least that noise."""
     history = [s.mechanism_tuple for s in prior]
-    spent = composed_epsilon(history, DELTA, Accountant.RDP)
-    if spent >= EPSILON:
-        raise AccountingError(
-            f"the encoder's stages already spend epsilon {spent:.3f} >= {EPSILON} at delta {DELTA}"
-        )
-    target = EPSILON - 1e-3
-
-    def excess(sigma: float) -> float:
-        run = (sigma, sample_rate, steps)
-        return composed_epsilon([*history, run], DELTA, Accountant.RDP) - target
-
-    lo, hi = 0.5, 1.0
-    while excess(hi) > 0:
-        lo, hi = hi, 2 * hi
-    while excess(lo) <= 0:
-        lo, hi = lo / 2, lo
-    sigma = brentq(excess, lo, hi, xtol=1e-4)
-    if excess(sigma) > 1e-3:
-        raise AccountingError(f"no head noise multiplier found for epsilon {EPSILON}")
-    return epsilon(sigma, sample_rate, steps, DELTA, Accountant.RDP)
+    return remaining_epsilon(EPSILON, DELTA, history, sample_rate, steps, Accountant.RDP)
 
 
 def head_config(n: int, epochs: int, eps: float | None, lr: float = LR) -> ProbeConfig:

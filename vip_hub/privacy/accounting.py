@@ -51,6 +51,8 @@ PRV_MAX_EPSILON = 1000.0
 PLD_INTERVAL = 1e-3
 MIN_SIGMA, MAX_SIGMA = 1e-2, 1e4
 """The noise multipliers a calibration searches between."""
+EPSILON_TOLERANCE = 1e-3
+"""How far below its target a calibrated epsilon may fall (the search stays within the target)."""
 
 
 class Accountant(StrEnum):
@@ -211,7 +213,7 @@ def calibrate(
     sample_rate: float,
     steps: int,
     accountant: Accountant | str = Accountant.RDP,
-    tolerance: float = 1e-3,
+    tolerance: float = EPSILON_TOLERANCE,
 ) -> float:
     """Smallest noise multiplier (to ``tolerance`` in epsilon) whose epsilon is <= target."""
     kind = _check_accountant(accountant)
@@ -319,7 +321,7 @@ def remaining_epsilon(
             f"even sigma={MAX_SIGMA:g} at sample rate {sample_rate} over {steps} steps takes the "
             f"composition past epsilon {total_epsilon:g} (the earlier runs spend {spent:.4g})"
         )
-    return epsilon(_least_sigma(excess, 1e-3), sample_rate, steps, delta, kind)
+    return epsilon(_least_sigma(excess, EPSILON_TOLERANCE), sample_rate, steps, delta, kind)
 
 
 def _least_sigma(excess: Callable[[float], float], tolerance: float) -> float:
@@ -337,6 +339,8 @@ def _least_sigma(excess: Callable[[float], float], tolerance: float) -> float:
     lo = hi = 0.0
     if f(hi) > 0:
         while f(hi) > 0:
+            if hi >= ceiling:
+                raise AccountingError(f"no noise multiplier up to {MAX_SIGMA:g} is within")
             lo, hi = hi, min(hi + step, ceiling)
     else:
         while f(lo) <= 0:
