@@ -195,8 +195,8 @@ def run(
 def table(rows: Sequence[Row]) -> list[str]:
     """The rows as a Markdown table."""
     out = [
-        f"| features | mode chosen on test {FIT}-{SELECTION - 1} | dims | top-1 there | "
-        f"top-1 on test {SELECTION}-9,999 | probe CPU s |",
+        f"| features | mode chosen on test {FIT:,}-{SELECTION - 1:,} | dims | top-1 there | "
+        f"top-1 on test {SELECTION:,}-9,999 | probe CPU s |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
