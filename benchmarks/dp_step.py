@@ -25,12 +25,11 @@ noisy machine (other load, CPU steal) slows them alike; the median per variant i
 with the median of the per-round ratios, and the time inside each step's forward-backward
 or clipping (the rest is noise, all-reduce and AdamW). The load average is printed before
 and after: on a shared machine, ratios taken under load are not worth much. Memory: each
-variant runs once more in its own process, so the peak is its own: on CUDA from the
-allocator, on CPU the peak resident set size (VmHWM, reset after set-up) minus the set-up's
-(the processes fork from one that imported torch and timm once),
-with glibc told to give every tensor of 64 KiB or more back on free (``MALLOC_MMAP_THRESHOLD_``),
-so the peak counts live tensors, not the allocator's cache; the memory runs take exactly B
-inputs, so their peaks compare. See benchmarks/README.md.
+variant runs once more in its own process (``benchmarks/own_process.py``: forked from one that
+imported torch and timm once, glibc told to give every tensor of 64 KiB or more back on free),
+so the peak is its own: on CUDA from the allocator, on CPU the peak resident set size (VmHWM,
+reset after set-up) minus the set-up's, which counts live tensors, not the allocator's cache;
+the memory runs take exactly B inputs, so their peaks compare. See benchmarks/README.md.
 
     python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32[,128,512,max]] \
         [--rounds 5] [--variants abcd]
@@ -41,13 +40,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import multiprocessing
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +54,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from own_process import in_own_process, peak, reset_peak  # noqa: E402
 
 from training.dp.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
 from training.dp.engine import Budget, Clipper, DPEngine  # noqa: E402
@@ -254,13 +253,6 @@ def make_bench(args: argparse.Namespace, batch: int, poisson: bool = True) -> Be
     return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise), batch, poisson)
 
 
-def _rss_kib(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field_name} in /proc/self/status")
-
-
 def peak_memory(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float]:
     """Peak memory of one step at batch ``batch`` beyond the set-up (model, inputs, optimiser
     state), this process."""
@@ -273,12 +265,11 @@ def peak_memory(args: argparse.Namespace, variant: str, batch: int) -> dict[str,
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _rss_kib("VmRSS") * 1024
+        base = reset_peak()
     step()
     bench.sync()
-    peak = torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024
-    return {"peak_extra_mib": (peak - base) / 2**20, "base_mib": base / 2**20}
+    top = torch.cuda.max_memory_allocated() if cuda else peak()
+    return {"peak_extra_mib": (top - base) / 2**20, "base_mib": base / 2**20}
 
 
 def interleaved_times(
@@ -306,18 +297,8 @@ def _load() -> str:
 
 
 def _memory_run(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float] | str:
-    """``peak_memory`` in a process of its own, forked from a server that imported torch, timm
-    and this script once (``forkserver``; glibc's ``MALLOC_MMAP_THRESHOLD_`` set before the server
-    starts, so every child inherits it): its figures, or the last line of its error."""
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "timm"])
-    try:
-        with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
-            return pool.submit(peak_memory, args, variant, batch).result()
-    except Exception as error:  # the step's own (CUDA out of memory), or a killed child's
-        lines = str(error).strip().splitlines()
-        return lines[-1] if lines else type(error).__name__
+    """``peak_memory`` in a process of its own (``own_process``): its figures, or its error."""
+    return in_own_process(peak_memory, args, variant, batch)
 
 
 def largest_batch(args: argparse.Namespace, start: int) -> int:

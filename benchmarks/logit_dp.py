@@ -13,9 +13,8 @@ Each variant's step adds its clipped sum into ``.grad`` (noise and the optimiser
 for all and are left out). Time: the variants run interleaved round by round in one process;
 the ratios use each variant's fastest round (on a shared machine the least disturbed one), with
 the median of the per-round ratios beside them; the load average is printed before and after.
-Memory: each (variant, n) runs once more in its own process; the peak resident set size (VmHWM,
-reset after set-up) minus the set-up's, glibc told to give tensors of 64 KiB or more back on
-free, as in ``benchmarks/dp_step.py``.
+Memory: each (variant, n) runs once more in its own process (``benchmarks/own_process.py``);
+the peak resident set size (VmHWM, reset after set-up) minus the set-up's.
 
     python benchmarks/logit_dp.py [--ns 16,32,64,128] [--rounds 5] [--dim 16] [--variants abcd]
         [--passes 1x1] [--threads N]
@@ -24,10 +23,8 @@ free, as in ``benchmarks/dp_step.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from own_process import in_own_process, peak, reset_peak  # noqa: E402
+
 LABELS = {
     "a": "non-private",
     "b": "Logit-DP, PairClipper",
@@ -43,13 +42,6 @@ LABELS = {
     "d": "Naive-DP, BatchClipper",
 }
 TAU, BOUND = 0.2, 1e-3
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _passes(variant: str) -> tuple[int, int]:
@@ -144,12 +136,15 @@ def make_steps(
 
 def peak_memory(args: argparse.Namespace, n: int, variant: str) -> float:
     """MiB of peak memory one step of ``variant`` needs beyond the set-up, in this process."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     step = make_steps(args, n, [variant])[variant]
     step()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    base = _rss_kib("VmRSS")
+    base = reset_peak()
     step()
-    return (_rss_kib("VmHWM") - base) / 1024
+    return (peak() - base) / 2**20
 
 
 def interleaved_times(
@@ -180,29 +175,11 @@ def main() -> None:
     ap.add_argument("--passes", default="1x1", help="(b)'s PairClipper passes, rows x columns")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--naive-up-to", type=int, default=128, help="largest n at which (c) runs")
-    ap.add_argument("--memory-of", help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.memory_of:
-        print(json.dumps(peak_memory(args, args.n, args.memory_of)))
-        return
-    shape = [
-        "--dim",
-        str(args.dim),
-        "--width",
-        str(args.width),
-        "--depth",
-        str(args.depth),
-        "--img-size",
-        str(args.img_size),
-        "--patch",
-        str(args.patch),
-        *(["--threads", str(args.threads)] if args.threads else []),
-    ]
     print(
         f"ViT width {args.width}, depth {args.depth}, {args.img_size} px / patch {args.patch}, "
         f"projection d = {args.dim}, tau {TAU}, {os.cpu_count()} CPUs, "
@@ -219,17 +196,11 @@ def main() -> None:
         ]
         memory = {}
         for v in variants:
-            cmd = [sys.executable, __file__, "--memory-of", v, "--n", str(n), *shape]
-            done = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
-            )
-            if done.returncode:
-                print(f"n={n} ({v}) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            got = in_own_process(peak_memory, args, n, v)
+            if isinstance(got, str):
+                print(f"n={n} ({v}) failed: {got}")
                 continue
-            memory[v] = json.loads(done.stdout.strip().splitlines()[-1])
+            memory[v] = got
         times = interleaved_times(args, n, list(memory))
         fastest = {v: min(ts) for v, ts in times.items()}
         for v in memory:

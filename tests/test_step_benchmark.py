@@ -15,6 +15,7 @@ from training.dp.clipping import PerExampleClipper
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "dp_step.py"
+sys.path.insert(0, str(SCRIPT.parent))  # dp_step.py imports own_process.py as a script does
 SPEC = importlib.util.spec_from_file_location("dp_step", SCRIPT)
 assert SPEC is not None and SPEC.loader is not None
 dp_step = importlib.util.module_from_spec(SPEC)
