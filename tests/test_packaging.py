@@ -210,3 +210,7 @@ def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -
     cli = Path(sys.executable).with_name("vip-hub")
     listed = subprocess.run([str(cli), "--help"], capture_output=True, text=True).stdout
     assert "train-vip" in listed and "token" in listed and "verify" in listed
+    # a plugin's name that is not one of its commands: the error lists every command
+    wrong = subprocess.run([str(cli), "training"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "invalid choice: 'training'" in wrong.stderr
+    assert "train-vip" in wrong.stderr and "token" in wrong.stderr and "verify" in wrong.stderr

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from ..errors import VipHubError
@@ -47,7 +47,18 @@ def add_command(
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with every installed sub-command, or only the plugin's named ``command`` if an
-    entry point has that name."""
+    entry point has that name and registers that command."""
+    plugins = sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name)
+    named = [ep for ep in plugins if ep.name == command]
+    if named:
+        parser, sub = _parser(named)
+        if command in sub.choices:
+            return parser
+    return _parser(plugins)[0]
+
+
+def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any]:
+    """A parser with the sub-commands ``plugins`` register, and its sub-parsers."""
     parser = argparse.ArgumentParser(
         prog="vip-hub",
         description=(
@@ -56,8 +67,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     broken = []
-    plugins = sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name)
-    plugins = [ep for ep in plugins if ep.name == command] or plugins
     for ep in plugins:
         try:
             ep.load()(sub)
@@ -65,7 +74,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             broken.append(f"{ep.name} ({e})")
     if broken:
         parser.epilog = "unavailable commands: " + "; ".join(broken)
-    return parser
+    return parser, sub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
