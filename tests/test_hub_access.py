@@ -171,6 +171,10 @@ def test_names_are_unique_whatever_their_case(server, repos, capsys):
     with pytest.raises(HfHubHTTPError) as err:
         root.create_repo("zed/two")
     assert err.value.response.status_code == 409 and "from the existing 'Zed'" in str(err.value)
+    with pytest.raises(HfHubHTTPError) as err:  # a repo name too, in its namespace
+        root.create_repo("Zed/ONE")
+    assert err.value.response.status_code == 409 and "the existing Zed/one" in str(err.value)
+    root.create_repo("Zed/one", exist_ok=True)  # the same name is the same repo
     assert main(["org", "add", "zed", "--member", "carol", "--store", store]) == 1
     assert "differs only by case from the namespace 'Zed'" in capsys.readouterr().err
 

@@ -36,6 +36,8 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
     assert store.create_repo("pg/m")[1] is False
     with pytest.raises(Conflict, match="'PG' differs only by case from the existing 'pg'"):
         store.create_repo("PG/other")  # namespaces are unique by lower(name) here too
+    with pytest.raises(Conflict, match="'M' differs only by case from the existing pg/m"):
+        store.create_repo("pg/M")  # and names in a namespace
     assert store.repos_in("Pg") == ["pg/m"]
     first = store.commit("pg/m", _ops(store, folder))
     second = store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)

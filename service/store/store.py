@@ -309,7 +309,8 @@ class HubStore:
     # -------------------------------------------------------------------- repos
     def create_repo(self, repo_id: str, private: bool = False) -> tuple[RepoRecord, bool]:
         """Create ``org/name``; returns (repo, created). An existing repo is returned as is; a
-        namespace that differs from an existing one only by case is a Conflict."""
+        namespace, or a name in its namespace, that differs from an existing one only by case is a
+        Conflict (two names a reader cannot tell apart)."""
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
         if org in RESERVED_NAMESPACES:
@@ -321,6 +322,15 @@ class HubStore:
                 raise Conflict(
                     f"namespace {org!r} differs only by case from the existing "
                     f"{held[0]['name']!r}: namespaces are unique whatever their case"
+                )
+            twin = tx.rows(
+                "SELECT name FROM repos WHERE org = ? AND lower(name) = lower(?) AND name <> ?",
+                (org, name, name),
+            )
+            if twin:
+                raise Conflict(
+                    f"repo name {name!r} differs only by case from the existing "
+                    f"{org}/{twin[0]['name']}: names in a namespace are unique whatever their case"
                 )
             created = tx.execute(
                 "INSERT INTO repos (org, name, private, created_at) VALUES (?, ?, ?, ?) "
