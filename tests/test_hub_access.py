@@ -28,6 +28,7 @@ from service.settings import Settings
 from service.store.xet import SHARD_TAG, xet_hex, xorb_hash
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
 
 ALICE, BOB, CAROL, DAVE, ROOT = "vh_alice", "vh_bob", "vh_carol", "vh_dave", "vh_root"
 TOKENS = (
@@ -99,7 +100,7 @@ def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
         with pytest.raises(RepositoryNotFoundError):
             hf_hub_download(
                 "alice/secret",
-                "config.json",
+                CONFIG_FILE,
                 endpoint=server.url,
                 token=who,
                 cache_dir=tmp_path / "c",
@@ -209,7 +210,7 @@ def test_a_namespace_with_repos_is_not_handed_to_a_new_holder(server, repos, cap
 def test_objects_do_not_cross_repos(server, repos):
     """Carol names alice's private weights by SHA-256: the commit is refused, and neither the LFS
     batch answer nor the Xet one says whether the store holds them."""
-    weights = (repos["alice/secret"] / "model.safetensors").read_bytes()
+    weights = (repos["alice/secret"] / WEIGHTS_FILE).read_bytes()
     oid = hashlib.sha256(weights).hexdigest()
     body = (
         "\n".join(
@@ -219,7 +220,7 @@ def test_objects_do_not_cross_repos(server, repos):
                 {
                     "key": "lfsFile",
                     "value": {
-                        "path": "model.safetensors",
+                        "path": WEIGHTS_FILE,
                         "algo": "sha256",
                         "oid": oid,
                         "size": len(weights),
@@ -279,7 +280,7 @@ def test_objects_do_not_cross_repos(server, repos):
 
 def test_private_files_are_not_for_shared_caches(server, repos):
     private = httpx.get(
-        f"{server.url}/alice/secret/resolve/main/config.json", headers=_bearer(ALICE)
+        f"{server.url}/alice/secret/resolve/main/{CONFIG_FILE}", headers=_bearer(ALICE)
     )
     assert private.status_code == 200
     assert (
@@ -288,13 +289,13 @@ def test_private_files_are_not_for_shared_caches(server, repos):
     )
     commit = private.headers["x-repo-commit"]
     pinned = httpx.get(
-        f"{server.url}/alice/secret/resolve/{commit}/config.json", headers=_bearer(ALICE)
+        f"{server.url}/alice/secret/resolve/{commit}/{CONFIG_FILE}", headers=_bearer(ALICE)
     )
     assert (
         pinned.headers["cache-control"].startswith("private,")
         and "immutable" in pinned.headers["cache-control"]
     )
-    public = httpx.get(f"{server.url}/alice/public/resolve/main/config.json")
+    public = httpx.get(f"{server.url}/alice/public/resolve/main/{CONFIG_FILE}")
     assert public.headers["cache-control"].startswith("public")
 
 

@@ -35,7 +35,14 @@ from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance, sample_bound
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CONFIG_FILE, MAE_DECODER_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    CURVES_FILE,
+    LEDGER_FILE,
+    MAE_DECODER_FILE,
+    WEIGHTS_FILE,
+)
 
 BIN = Path(sys.executable).parent
 SYN_ARGS = dict(
@@ -100,7 +107,7 @@ def make_repo_without_decoder(tmp_path: Path) -> Path:
 
 
 def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+    return PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
 
 
 def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
@@ -110,7 +117,7 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     assert [s.type for s in ledger.stages] == ["non-private"]
     assert ledger.stages[0].private_data is False and ledger.guarantees == []
     assert (syn_repo / "mae_decoder.safetensors").is_file()
-    assert "training_curves.png" in ledger.artifacts
+    assert CURVES_FILE in ledger.artifacts
     log = [
         json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()
     ]
@@ -224,10 +231,10 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     audit = dp.audit  # on by default: 1000 canaries, bound below the accounted epsilon at its delta
     assert audit is not None and audit.canaries == DEFAULT_CANARIES and audit.delta == 1e-5
     assert 0 <= audit.epsilon_lower_bound <= min(audit.accountant_epsilon.values())
-    assert "Empirical audit of `dp-pretrain`" in (out / "README.md").read_text()
+    assert "Empirical audit of `dp-pretrain`" in (out / CARD_FILE).read_text()
     assert dp.dataset.name == "test/images" and not published_hashes_of(images, out)
     assert ledger.guarantees[0].epsilon == pytest.approx(dp.epsilon)
-    assert "training_curves.png" in (out / "README.md").read_text()
+    assert CURVES_FILE in (out / CARD_FILE).read_text()
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 192)
     decoder = load_file(out / "mae_decoder.safetensors")
@@ -472,7 +479,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
     assert resumed.returncode == 0, resumed.stderr
     assert run_stages(ledger_of(out)) == run_stages(ledger_of(reference_run))
     assert ledger_of(out).stages[-1].run_id != ledger_of(reference_run).stages[-1].run_id
-    a, b = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
+    a, b = load_file(out / WEIGHTS_FILE), load_file(reference_run / WEIGHTS_FILE)
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert steps == list(range(11))  # the log was cut back to the checkpoint, then continued
@@ -528,7 +535,7 @@ def test_two_processes_give_the_same_ledger_noise_and_weights(
     assert verify_repo(out).ok
     assert run_stages(ledger_of(out)) == run_stages(ledger_of(reference_run))
     assert ledger_of(out).guarantees == ledger_of(reference_run).guarantees
-    a, b = load_file(out / "model.safetensors"), load_file(reference_run / "model.safetensors")
+    a, b = load_file(out / WEIGHTS_FILE), load_file(reference_run / WEIGHTS_FILE)
     for k in a:  # the same samples and noise; only the all-reduce's order of sums differs
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
