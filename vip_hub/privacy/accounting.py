@@ -336,13 +336,10 @@ def _least_sigma(excess: Callable[[float], float], tolerance: float) -> float:
         return min(excess(math.exp(t)), 1e6)
 
     step, floor, ceiling = math.log(2), math.log(MIN_SIGMA), math.log(MAX_SIGMA)
-    lo = hi = 0.0
-    if f(hi) > 0:
-        while f(hi) > 0:
-            if hi >= ceiling:
-                raise AccountingError(f"no noise multiplier up to {MAX_SIGMA:g} is within")
-            lo, hi = hi, min(hi + step, ceiling)
-    else:
+    lo = hi = 0.0  # log sigma
+    while hi < ceiling and f(hi) > 0:  # double until within (brentq refuses a bracket that is not)
+        lo, hi = hi, min(hi + step, ceiling)
+    if hi == 0.0:  # sigma 1 is within: halve until it is not
         while f(lo) <= 0:
             if lo <= floor:
                 return MIN_SIGMA
