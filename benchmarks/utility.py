@@ -66,6 +66,9 @@ import torch
 from tqdm.auto import tqdm
 
 from training.data.labelled import (
+    FASHION_MNIST_DELTA,
+    FASHION_MNIST_ENCODER_EPSILON,
+    FASHION_MNIST_EPSILON,
     FASHION_MNIST_TRAIN,
     LabelledArrays,
     fashion_mnist,
@@ -85,11 +88,10 @@ from vip_hub.privacy.accounting import Accountant, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
 from vip_hub.repo_format import LEDGER_FILE, VOCAB_FILE, head_component
 
-EPSILON, DELTA = 3.0, 1e-5
-ENCODER_EPSILON = 2.0
-"""The split rule: an encoder trained on the private split spends epsilon 2 (RDP, at DELTA);
-its head is calibrated so that encoder and head compose to EPSILON (``head_epsilon``). A row
-with no private encoder puts the whole EPSILON on its head."""
+EPSILON, DELTA = FASHION_MNIST_EPSILON, FASHION_MNIST_DELTA
+ENCODER_EPSILON = FASHION_MNIST_ENCODER_EPSILON
+"""The split rule (``--encoder-epsilon`` overrides it): a DP encoder's epsilon; its head gets the
+rest of EPSILON (``head_epsilon``), a row with no private encoder all of it."""
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}
 """Tramer & Boneh 2021, Fashion-MNIST at (3, 1e-5), test top-1 in %."""
 STEPS_PER_EPOCH = 8  # the paper's batch 8192 of 60,000: q = 1/8 at any n
@@ -158,6 +160,7 @@ class Bench:
     schedule: Schedule = SCHEDULE
     tune: frozenset[str] = frozenset()
     workers: int = 0
+    encoder_epsilon: float = ENCODER_EPSILON
 
 
 @dataclass
@@ -260,7 +263,7 @@ def private_repo(
     ``ENCODER_EPSILON``, trained once into the work folder (a secret seed, kept in its run
     folder, draws its noise and sampling)."""
     settings = {
-        "epsilon": ENCODER_EPSILON,
+        "epsilon": b.encoder_epsilon,
         "delta": DELTA,
         "dataset_name": b.train.dataset.name,
         "dataset_size": len(b.train),
@@ -568,7 +571,11 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
 
 
 def _schedule_of(b: Bench) -> dict[str, Any]:
-    return {"schedule": b.schedule.__dict__, "selection": selection_size(b)}
+    return {
+        "schedule": b.schedule.__dict__,
+        "selection": selection_size(b),
+        "encoder_epsilon": b.encoder_epsilon,
+    }
 
 
 ROWS: dict[str, tuple[str, Callable[[Bench, str], Result]]] = {
@@ -577,10 +584,10 @@ ROWS: dict[str, tuple[str, Callable[[Bench, str], Result]]] = {
         ("pixels", "raw pixels + DP linear", pixel_features),
         ("scatter", "ScatterNet + DP linear (GroupNorm)", scatter_features),
         ("syn", "(Syn)-ViP + DP linear", syn_features),
-        ("vip", "ViP (eps 2) + DP linear", vip_features),
-        ("dpcap", "DP-Cap (eps 2) + DP linear", dpcap_features),
-        ("logit-dp", "Logit-DP (eps 2) + DP linear", contrastive_features("logit-dp")),
-        ("naive-dp", "Naive-DP (eps 2) + DP linear", contrastive_features("naive")),
+        ("vip", "ViP (DP encoder) + DP linear", vip_features),
+        ("dpcap", "DP-Cap (DP encoder) + DP linear", dpcap_features),
+        ("logit-dp", "Logit-DP (DP encoder) + DP linear", contrastive_features("logit-dp")),
+        ("naive-dp", "Naive-DP (DP encoder) + DP linear", contrastive_features("naive")),
     )
 }
 """Every row, in table order: a label and a function of the run and the row's key returning its
@@ -836,6 +843,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         + ", ".join(f"{k} {v['steps']}" for k, v in SCHEDULE.recipes().items())
         + ")",
     )
+    p.add_argument(
+        "--encoder-epsilon",
+        type=float,
+        default=ENCODER_EPSILON,
+        help=f"epsilon of every DP encoder; its head gets the rest of {EPSILON:g} (the split rule)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -856,6 +869,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         epochs=args.epochs,
         tune=frozenset(tune),
         schedule=SCHEDULE.with_steps(args.encoder_steps) if args.encoder_steps else SCHEDULE,
+        encoder_epsilon=args.encoder_epsilon,
     )
     start = time.perf_counter()
     print(
@@ -866,8 +880,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"train: {len(b.train)} of {len(full)} private records ({b.train.dataset.name}), test: "
         f"{len(b.test)} public; (epsilon {EPSILON:g}, delta {DELTA:g}) per classifier, encoders "
-        f"at epsilon {ENCODER_EPSILON:g}; heads: expected batch n/{STEPS_PER_EPOCH}, clip {CLIP}, "
-        f"lr {LR:g} unless tuned, SGD momentum 0.9, {args.epochs} epochs, warm-up + cosine"
+        f"at epsilon {b.encoder_epsilon:g}; heads: expected batch n/{STEPS_PER_EPOCH}, "
+        f"clip {CLIP}, lr {LR:g} unless tuned, SGD momentum 0.9, {args.epochs} epochs, "
+        "warm-up + cosine"
     )
     results = run_benchmark(b, rows)
     print("\n" + "\n".join(table(results)))

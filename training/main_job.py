@@ -13,7 +13,7 @@ on Fashion-MNIST.
 2. the (Syn) encoders: the committed priors (``training.priors``; procedural images only, no
    private data), a 4-block vip-nano and a 4-block dpcap-nano at 28 px and patch 4 whose last
    block learned a ScatterNet's coefficients, copied into the work folder;
-3. four private encoders on the private records, each at ``encoder_epsilon`` (2) and delta
+3. four private encoders on the private records, each at ``encoder_epsilon`` (1) and delta
    1e-5: ViP (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair
    clipping) and its Naive-DP baseline (the whole batch clipped);
 4. the comparison, every row a classifier released at (``epsilon`` = 3, delta = 1e-5) on the
@@ -86,6 +86,7 @@ from .data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_DELTA,
+    FASHION_MNIST_ENCODER_EPSILON,
     FASHION_MNIST_EPSILON,
     FASHION_MNIST_TRAIN,
     LabelledArrays,
@@ -163,7 +164,9 @@ class MainJobConfig(BaseModel):
         description="epsilon of every released classifier (encoder and head composed, RDP)",
     )
     encoder_epsilon: float = Field(
-        2.0, gt=0, description="epsilon of every DP encoder; its head gets the rest"
+        FASHION_MNIST_ENCODER_EPSILON,
+        gt=0,
+        description="epsilon of every DP encoder; its head gets the rest",
     )
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
