@@ -28,11 +28,11 @@ PLD printed beside it). The standard test split is public.
 
 A learned row's feature mode is chosen on public data only
 (``training.recipes.probe.choose_pooling``): every mode its repo offers (the family's and the
-spatial modes its config.json declares) gets a DP head with the row's settings on the first half of
-the first ``SELECTION`` test records, its noise matched to the row's private head (the same noise on
-the averaged gradient), scored on the second half; the best is the row's mode. The table reports
-each row's top-1 on the other test records (those no choice saw) and on all of them, and says which
-mode was chosen and how.
+spatial modes its config.json declares) gets two DP heads with the row's settings, one fit on each
+half of the first ``SELECTION`` test records and scored on the other (their noise matched to the
+row's private head: the same noise on the averaged gradient); the best mean is the row's mode.
+The table reports each row's top-1 on the other test records (those no choice saw) and on all of
+them, and says which mode was chosen and how.
 
 Settings are fixed in code (``SCHEDULE``; heads: the paper's batch n/8, clipping 0.1, learning
 rate 16, momentum 0.9). ``--tune ROWS`` picks those rows' head learning rate from

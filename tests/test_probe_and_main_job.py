@@ -67,6 +67,46 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     )
 
 
+def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_other(
+    tiny_repo: Path, digits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``choose_pooling`` is two-fold: per mode, a head fit on the first half of the public images
+    scored on the second, one fit on the second scored on the first, and the mode's score the
+    mean of the two (an odd last image is in neither half)."""
+    import torch
+
+    import training.recipes.probe as probe
+    from vip_hub.loading import load_encoder
+
+    data = probe.load_labelled(digits[0], "test/digits-train")
+    images = data.images[:41]
+    fits, scored = [], []
+    fit_probe, accuracy = probe.fit_probe, probe.accuracy
+
+    def recording_fit(x, y, *args, **kwargs):
+        fits.append(x.clone())
+        return fit_probe(x, y, *args, **kwargs)
+
+    def recording_accuracy(head, x, y):
+        top1 = accuracy(head, x, y)
+        scored.append((x.clone(), top1))
+        return top1
+
+    monkeypatch.setattr(probe, "fit_probe", recording_fit)
+    monkeypatch.setattr(probe, "accuracy", recording_accuracy)
+    encoder = load_encoder(tiny_repo)
+    cfg = ProbeConfig(encoder="", data="", dataset_name="test/digits-train", epochs=2)
+    mode, scores = probe.choose_pooling(encoder, images, data.labels[:41], 10, cfg, 1000)
+    feats = encoder.embed(images, encoder.poolings)
+    assert len(fits) == len(scored) == 2 * len(feats) and set(scores) == set(feats)
+    for i, (m, x) in enumerate(feats.items()):
+        (first, second), (on_second, on_first) = fits[2 * i : 2 * i + 2], scored[2 * i : 2 * i + 2]
+        assert torch.allclose(first, x[:20]) and torch.allclose(second, x[20:40])
+        assert torch.allclose(on_second[0], x[20:40]) and torch.allclose(on_first[0], x[:20])
+        assert scores[m] == pytest.approx(100 * (on_second[1] + on_first[1]) / 2)
+    assert scores[mode] == max(scores.values())
+
+
 def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:
     from vip_hub.privacy.sensitivity import (
         FP64_ONCE,

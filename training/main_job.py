@@ -110,9 +110,10 @@ TEST_SIZE = 2_000
 """Public test records that measure top-1: the M after the selection records of the test split."""
 SELECT_SIZE = 4_000
 """Public test records that choose each (Syn) encoder's feature mode: the first K of the test
-split (heads fit on half, scored on the other half). At 1,000 the 500 scoring records' standard
-error (about 2 points) exceeded the modes' differences, and the job chose a mode 2 points below
-the one 5,000 public records choose (benchmarks/utility.py's ``SELECTION``)."""
+split (a head fit on each half, scored on the other; two-fold since 2026-11-28). At 1,000 the
+500 scoring records' standard error (about 2 points) exceeded the modes' differences, and the job
+chose a mode 2 points below the one 5,000 public records choose (benchmarks/utility.py's
+``SELECTION``)."""
 
 
 class MainJobConfig(BaseModel):

@@ -385,7 +385,8 @@ def choose_pooling(
 ) -> tuple[Pooling, dict[Pooling, float]]:
     """The feature mode of ``encoder`` that a head trained by ``cfg`` on ``private_n`` private
     records should read, chosen on PUBLIC labelled ``images`` only: for every mode the repo offers,
-    a head fit on their first half and scored (top-1, %) on the second. A DP ``cfg``'s selection
+    the mean top-1 (%) of two heads, one fit on each half of the images and scored on the other
+    (every image scores a head, each head's noise drawn afresh). A DP ``cfg``'s selection
     heads keep its sample rate and steps, and their noise multiplier is scaled by the ratio of
     the expected batches, so that the noise on their averaged gradient is the private head's
     (their epsilon on the public images means nothing). Returns the best mode and every score."""
@@ -407,12 +408,16 @@ def choose_pooling(
         eps = epsilon(matched, q_fit, steps_fit, delta, cfg.accountant)
         fit = fit.model_copy(update={"epsilon": eps, "delta": delta})
     public = public_features(encoder, encoder.poolings) if cfg.epsilon is not None else {}
+    halves = (slice(0, half), slice(half, 2 * half))
     scores = {}
     for mode, x in feats.items():
-        head, _ = fit_probe(
-            x[:half], y[:half], num_classes, fit, public.get(mode), desc=f"choose {mode}"
-        )
-        scores[mode] = 100 * accuracy(head, x[half:], y[half:])
+        top1 = []
+        for fit_on, score_on in (halves, halves[::-1]):
+            head, _ = fit_probe(
+                x[fit_on], y[fit_on], num_classes, fit, public.get(mode), desc=f"choose {mode}"
+            )
+            top1.append(accuracy(head, x[score_on], y[score_on]))
+        scores[mode] = 100 * sum(top1) / len(top1)
     return max(scores, key=lambda m: scores[m]), scores
 
 
