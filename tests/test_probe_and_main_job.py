@@ -26,6 +26,7 @@ from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import load_keys, verify_signature
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, VOCAB_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
+    return PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
 
 
 def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
@@ -58,7 +59,7 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     stage = ledger_of(tiny_repo).stage("linear-probe:digits")
     assert stage.type == "non-private" and stage.private_data and stage.component == "heads/digits"
     assert stage.dataset.name == "test/digits-train" and stage.dataset.size == 1437
-    card = (tiny_repo / "README.md").read_text()
+    card = (tiny_repo / CARD_FILE).read_text()
     assert "No guarantee covers" in card and "linear-probe:digits" in card
     assert "top-1, linear probe 'digits' (vip features, no DP)" in card  # model-index entry
     _head, info = load_head(tiny_repo, "digits")
@@ -343,7 +344,7 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
                 head.epsilon > ledger.stage(f"linear-probe-dp:{HEAD}").epsilon
                 or name == "vip-nano-syn"
             )
-            card = (repo / "README.md").read_text()
+            card = (repo / CARD_FILE).read_text()
             headline = card.split("| Privacy |")[1].split("\n")[0]
             enc_eps = ledger.summary().epsilon
             assert (f"ε = {enc_eps:.2f}" in headline) if enc_eps else "no private data" in headline
@@ -399,7 +400,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     ]
     for repo in repos.values():
         assert verify_repo(repo).ok
-        card = (repo / "README.md").read_text()
+        card = (repo / CARD_FILE).read_text()
         assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
         # the comparison is in the card's front matter (YAML folds its long lines) and in its
         # table: every encoder's row says its feature mode was chosen on the 20 selection
@@ -437,7 +438,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert enc.epsilon <= cfg.encoder_epsilon and enc.delta == pytest.approx(1e-5)
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
-    assert (repos["dpcap-nano-fashion-dp"] / "vocab.txt").exists()
+    assert (repos["dpcap-nano-fashion-dp"] / VOCAB_FILE).exists()
     assert "Top-1 on public Fashion-MNIST test records 20 to 99 (the first 20 chose" in out
     # one choice per (Syn) encoder, read by every head of the encoders trained from it
     assert out.count("modes on public records:") == 2
