@@ -259,9 +259,9 @@ def syn_repo(b: Bench, arch: str) -> Path:
 def private_repo(
     b: Bench, name: str, train: Callable[..., Path], config: Any, **fields: Any
 ) -> Path:
-    """An encoder trained on the private split by a DP recipe (``train(config(...))``) at
-    ``ENCODER_EPSILON``, trained once into the work folder (a secret seed, kept in its run
-    folder, draws its noise and sampling)."""
+    """An encoder trained on the private split by a DP recipe (``train(config(...))``) at the
+    run's encoder epsilon (``ENCODER_EPSILON`` unless ``--encoder-epsilon``), trained once into
+    the work folder (a secret seed, kept in its run folder, draws its noise and sampling)."""
     settings = {
         "epsilon": b.encoder_epsilon,
         "delta": DELTA,

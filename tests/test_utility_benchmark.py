@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,17 +115,21 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     (_, _), (syn, _), (vip, _) = results
     assert len(syn.stages) == 1  # (Syn)-ViP saw no private data: the whole budget on its head
     assert [s.mechanism for s in vip.stages] == ["DP-AdamW", "DP-SGD"]
-    again, _ = utility.run_benchmark(
-        utility.Bench(
-            train=fashion_mnist("train", data),
-            test=fashion_mnist("test", data),
-            work=tmp_path,
-            epochs=2,
-            schedule=TINY,
-        ),
-        ["vip"],
-    )[0]
+    bench = utility.Bench(
+        train=fashion_mnist("train", data),
+        test=fashion_mnist("test", data),
+        work=tmp_path,
+        epochs=2,
+        schedule=TINY,
+    )
+    again, _ = utility.run_benchmark(bench, ["vip"])[0]
     assert again.timing.cached and again.stages[0] == vip.stages[0]  # features and encoder cached
+    # another split rule (--encoder-epsilon) trains its own encoder and features, at its epsilon
+    wider = 2 * utility.ENCODER_EPSILON
+    other, _ = utility.run_benchmark(replace(bench, encoder_epsilon=wider), ["vip"])[0]
+    assert not other.timing.cached
+    spent = composed_epsilon([other.stages[0].mechanism_tuple], utility.DELTA)
+    assert utility.ENCODER_EPSILON < spent <= wider
 
 
 @pytest.mark.slow
