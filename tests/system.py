@@ -20,6 +20,10 @@ import psycopg
 import pytest
 from live import free_port, listens_on
 
+APT_LOCK_WAIT_S = 900
+"""How long an install waits for dpkg's lock (held by another worker's install on a fresh machine:
+two workers' apt-get at once failed with exit 100)."""
+
 
 def debian_program(name: str, package: str, pattern: str = "") -> str:
     """The program ``name`` (on PATH or at ``pattern``, a glob), installing Debian's
@@ -30,9 +34,11 @@ def debian_program(name: str, package: str, pattern: str = "") -> str:
     if not shutil.which("apt-get"):
         pytest.skip(f"no {name} and no apt-get to install Debian's {package} package")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", package]
+    # another test worker may be installing a package: wait for dpkg's lock rather than fail
+    apt = ["apt-get", "-q", "-o", f"DPkg::Lock::Timeout={APT_LOCK_WAIT_S}"]
+    install = [*apt, "install", "-y", package]
     if subprocess.run(install, env=env, capture_output=True).returncode:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        subprocess.run([*apt, "update"], env=env, capture_output=True, check=True)
         subprocess.run(install, env=env, capture_output=True, check=True)
     return debian_program(name, package, pattern)
 

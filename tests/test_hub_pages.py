@@ -9,6 +9,7 @@ import httpx
 import pytest
 from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from live import WRITE_TOKEN
+from system import debian_program
 
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
@@ -91,26 +92,9 @@ def test_card_html_is_sanitised(hub, tmp_path):
     )
 
 
-def _chromium() -> str:
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if not shutil.which("apt-get"):
-        pytest.skip("no chromium and no apt-get to install Debian's chromium package")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(
-        ["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True
-    ).returncode:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, check=True
-        )
-    return shutil.which("chromium") or "/usr/bin/chromium"
-
-
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    return _chromium()
+    return debian_program("chromium", "chromium", "/usr/bin/chromium")
 
 
 @pytest.mark.slow
