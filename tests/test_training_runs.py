@@ -116,7 +116,7 @@ def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     ledger = ledger_of(syn_repo)
     assert [s.type for s in ledger.stages] == ["non-private"]
     assert ledger.stages[0].private_data is False and ledger.guarantees == []
-    assert (syn_repo / "mae_decoder.safetensors").is_file()
+    assert (syn_repo / MAE_DECODER_FILE).is_file()
     assert CURVES_FILE in ledger.artifacts
     log = [
         json.loads(line) for line in (syn_repo.with_name("vip-nano-syn.run") / "log.jsonl").open()
@@ -237,7 +237,7 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     assert CURVES_FILE in (out / CARD_FILE).read_text()
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 192)
-    decoder = load_file(out / "mae_decoder.safetensors")
+    decoder = load_file(out / MAE_DECODER_FILE)
     assert "mask_token" in decoder and "decoder_pred.weight" in decoder
 
 

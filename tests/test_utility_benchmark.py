@@ -78,20 +78,24 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
-    """``rows`` through the benchmark's pipeline on the tiny data, each checked: its stages are
-    on the private split only, the last is the head, and the composition is at most EPSILON under
-    RDP, at least dp_accounting's PLD composition of the same stages, and within 0.01 of EPSILON
-    (the head takes what the encoder left); an encoder spends at most ENCODER_EPSILON."""
-    bench = utility.Bench(
+def tiny_bench(data: Path, work: Path, **fields) -> utility.Bench:
+    """A benchmark run on the tiny data: 2 epochs per head, the TINY schedule."""
+    return utility.Bench(
         train=fashion_mnist("train", data),
         test=fashion_mnist("test", data),
         work=work,
         epochs=2,
         schedule=TINY,
-        tune=frozenset(tune),
+        **fields,
     )
-    results = utility.run_benchmark(bench, rows)
+
+
+def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
+    """``rows`` through the benchmark's pipeline on the tiny data, each checked: its stages are
+    on the private split only, the last is the head, and the composition is at most EPSILON under
+    RDP, at least dp_accounting's PLD composition of the same stages, and within 0.01 of EPSILON
+    (the head takes what the encoder left); an encoder spends at most ENCODER_EPSILON."""
+    results = utility.run_benchmark(tiny_bench(data, work, tune=frozenset(tune)), rows)
     assert [r.row for r, _ in results] == [utility.ROWS[k][0] for k in rows]
     for key, (r, eps) in zip(rows, results, strict=True):
         assert {s.dataset.name for s in r.stages} == {FASHION_MNIST_TRAIN}
@@ -120,13 +124,7 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     (_, _), (syn, _), (vip, _) = results
     assert len(syn.stages) == 1  # (Syn)-ViP saw no private data: the whole budget on its head
     assert [s.mechanism for s in vip.stages] == ["DP-AdamW", "DP-SGD"]
-    bench = utility.Bench(
-        train=fashion_mnist("train", data),
-        test=fashion_mnist("test", data),
-        work=tmp_path,
-        epochs=2,
-        schedule=TINY,
-    )
+    bench = tiny_bench(data, tmp_path)
     again, _ = utility.run_benchmark(bench, ["vip"])[0]
     assert again.timing.cached and again.stages[0] == vip.stages[0]  # features and encoder cached
     # another split rule (--encoder-epsilon) trains its own encoder and features, at its epsilon
