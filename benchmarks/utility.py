@@ -44,7 +44,7 @@ training records (a public rule), and the table says so.
 
     python benchmarks/utility.py [--train-size 60000] [--test-size 10000] [--epochs 100] \
         [--rows pixels,scatter,syn,vip,dpcap,logit-dp,naive-dp,finetune] [--tune ROWS] \
-        [--device cpu|cuda] [--data FOLDER] [--work var/utility]
+        [--encoder-epsilon 1] [--device cpu|cuda] [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
