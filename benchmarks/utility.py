@@ -26,6 +26,10 @@ PLD printed beside it). The standard test split is public.
   ``train_logit_dp``), from a (Syn) encoder, at ``ENCODER_EPSILON``; the head gets the rest
   (``head_epsilon``). Each head sees that encoder's exported features only.
 
+Every DP head, the baselines' too, has its BatchNorm fixed to the mean of the row's features of
+the first ``SELECTION`` (public) test records with variance 1 (``centred_statistics``: the probe's
+``--public-data`` rule), which removes the component every example's features share.
+
 A learned row's feature mode is chosen on public data only
 (``training.recipes.probe.choose_pooling``): every mode its repo offers (the family's and the
 spatial modes its config.json declares) gets two DP heads with the row's settings, one fit on each
@@ -77,9 +81,9 @@ from training.data.labelled import (
 from training.recipes.probe import (
     ProbeConfig,
     accuracy,
+    centred_statistics,
     choose_pooling,
     fit_probe,
-    public_features,
 )
 from training.skeleton.memory import reuse_freed_memory
 from vip_hub.errors import DataError
@@ -165,12 +169,11 @@ class Bench:
 
 @dataclass
 class Features:
-    """One row's features: train and test (N, D), public features fixing the head's
-    normalisation, and the DP stages (on the private split) that made the encoder."""
+    """One row's features: train and test (N, D), and the DP stages (on the private split) that
+    made the encoder."""
 
     train: torch.Tensor
     test: torch.Tensor
-    public: torch.Tensor
     what: str
     stages: list[DPStage] = field(default_factory=list)
     chosen: str = "fixed"  # how the feature mode was chosen, for the table
@@ -203,21 +206,14 @@ class Result:
     chosen: str = "fixed"
 
 
-def _identity_norm(dim: int) -> torch.Tensor:
-    """Two public 'feature' rows with mean 0 and variance 1 per dimension: the head's BatchNorm
-    is then the identity (the features are already normalised by a public per-example rule)."""
-    return torch.cat([torch.ones(1, dim), -torch.ones(1, dim)])
-
-
 def _pixels(data: LabelledArrays) -> torch.Tensor:
     """Grey pixels scaled to [-1, 1], flattened."""
     return torch.from_numpy(data.images.reshape(len(data), -1).astype(np.float32) / 127.5 - 1.0)
 
 
 def pixel_features(b: Bench) -> Features:
-    """Raw pixels; the head's normalisation is the identity."""
-    x = _pixels(b.train)
-    return Features(x, _pixels(b.test), _identity_norm(x.shape[1]), "784 pixels in [-1, 1]")
+    """Raw pixels."""
+    return Features(_pixels(b.train), _pixels(b.test), "784 pixels in [-1, 1]")
 
 
 def scatter_features(b: Bench) -> Features:
@@ -234,11 +230,9 @@ def scatter_features(b: Bench) -> Features:
             out.append(scattering(x.to(b.device)).flatten(1).cpu())  # (n, 81 x 7 x 7)
         return torch.cat(out)
 
-    x = run(b.train, "scattering train")
     return Features(
-        x,
+        run(b.train, "scattering train"),
         run(b.test, "scattering test"),
-        _identity_norm(x.shape[1]),
         f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example",
     )
 
@@ -305,9 +299,8 @@ def selection_size(b: Bench) -> int:
 
 def encoder_features(b: Bench, repo: Path, what: str) -> Features:
     """An exported encoder's features of train and test in the mode ``choose_pooling`` picks on
-    the first ``selection_size`` (public) test records for the row's DP head, its head's
-    normalisation fixed to its features of public procedural images (the probe's rule), and its
-    ledger's DP stages."""
+    the first ``selection_size`` (public) test records for the row's DP head, and its ledger's DP
+    stages."""
     encoder = load_encoder(repo, device=b.device)
     stages = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
     _, q, steps = head_plan(len(b.train), b.epochs)
@@ -332,7 +325,6 @@ def encoder_features(b: Bench, repo: Path, what: str) -> Features:
     return Features(
         run(b.train, f"{repo.name} train"),
         run(b.test, f"{repo.name} test"),
-        public_features(encoder, mode),
         f"{what}, {mode} features",
         stages,
         chosen=f"{mode}: best of {len(scores)} modes on test records 0-{sel - 1}",
@@ -419,9 +411,7 @@ def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, b
     if path.exists():
         blob = torch.load(path, weights_only=True)
         stages = [DPStage.model_validate_json(s) for s in blob["stages"]]
-        f = Features(
-            blob["train"], blob["test"], blob["public"], blob["what"], stages, blob["chosen"]
-        )
+        f = Features(blob["train"], blob["test"], blob["what"], stages, blob["chosen"])
         return f, float(blob["make_s"]), True
     start = time.perf_counter()
     f = make()
@@ -430,7 +420,6 @@ def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, b
     blob = {
         "train": f.train,
         "test": f.test,
-        "public": f.public,
         "what": f.what,
         "stages": [s.model_dump_json() for s in f.stages],
         "chosen": f.chosen,
@@ -476,13 +465,15 @@ def head_config(n: int, epochs: int, eps: float | None, lr: float = LR) -> Probe
 
 
 def dp_head(
-    f: Features, x: torch.Tensor, y: torch.Tensor, data: LabelledArrays, epochs: int, lr: float
+    b: Bench, f: Features, x: torch.Tensor, y: torch.Tensor, data: LabelledArrays, lr: float
 ) -> tuple[Any, DPStage]:
     """A DP head on features ``x`` of ``data``'s records, calibrated so that it composes with
-    the encoder's stages to EPSILON; and its ledger stage."""
-    _, q, steps = head_plan(len(y), epochs)
-    cfg = head_config(len(y), epochs, head_epsilon(f.stages, q, steps), lr)
-    head, dp = fit_probe(x, y, len(data.classes), cfg, public_x=f.public, desc="DP head")
+    the encoder's stages to EPSILON, its features centred on the selection records' mean; and
+    its ledger stage."""
+    _, q, steps = head_plan(len(y), b.epochs)
+    cfg = head_config(len(y), b.epochs, head_epsilon(f.stages, q, steps), lr)
+    centre = centred_statistics(f.test[: selection_size(b)])
+    head, dp = fit_probe(x, y, len(data.classes), cfg, public_x=centre, desc="DP head")
     if (dp["sample_rate"], dp["steps"]) != (q, steps):
         raise RuntimeError(
             f"the head ran (q, T) = {dp['sample_rate'], dp['steps']}, not {q, steps}"
@@ -524,7 +515,7 @@ def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
     y = torch.as_tensor(b.train.labels)
     scores = {}
     for lr in HEAD_LR_GRID:
-        head, _ = dp_head(f, f.train[fit_idx], y[fit_idx], part, b.epochs, lr)
+        head, _ = dp_head(b, f, f.train[fit_idx], y[fit_idx], part, lr)
         scores[lr] = 100 * accuracy(head, f.train[val_idx], y[val_idx])
     return max(scores, key=lambda lr: scores[lr]), scores
 
@@ -548,7 +539,7 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
             shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
             print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
         y, yt = torch.as_tensor(b.train.labels), torch.as_tensor(b.test.labels)
-        head, stage = dp_head(f, f.train, y, b.train, b.epochs, lr)
+        head, stage = dp_head(b, f, f.train, y, b.train, lr)
         head_s = time.perf_counter() - start
         ref, _ = fit_probe(
             f.train, y, len(b.train.classes), head_config(len(y), b.epochs, None), desc="reference"
@@ -677,6 +668,7 @@ def finetune_row(b: Bench, key: str) -> Result:
         delta=DELTA,
         batch_size=batch,
         steps=steps,
+        public=b.test.first(selection_size(b)),
         device=b.device,
         workers=b.workers,
         pooling=mode,

@@ -21,6 +21,7 @@ from live import WRITE_TOKEN, free_port
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
 from training.recipes.probe import ProbeConfig, run_probe
+from vip_hub.errors import DataError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
@@ -106,6 +107,66 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
         assert torch.allclose(on_second[0], x[20:40]) and torch.allclose(on_first[0], x[:20])
         assert scores[m] == pytest.approx(100 * (on_second[1] + on_first[1]) / 2)
     assert scores[mode] == max(scores.values())
+
+
+def test_dp_heads_are_centred_on_public_images_of_the_domain(
+    tiny_repo: Path, digits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--public-data``: a DP head's BatchNorm is fixed to the mean of the encoder's features of
+    those public images with variance 1 (features shifted by the shared component, scale kept);
+    mode selection centres its DP heads on its public images the same way; without public images
+    the head keeps the procedural images' statistics."""
+    import torch
+
+    import training.recipes.probe as probe
+    from vip_hub.loading import load_encoder
+
+    x = torch.randn(50, 6) * 3 + torch.arange(6.0) * 10  # a large component every example shares
+    head = probe.LinearProbe(6, 2)
+    probe.fix_normalisation(head, probe.centred_statistics(x))
+    assert torch.allclose(head.norm(x), x - x.mean(0), atol=1e-3)
+    with pytest.raises(DataError, match="at least one public image"):
+        probe.centred_statistics(x[:0])
+
+    train, test = digits
+    encoder = load_encoder(tiny_repo)
+    public = probe.load_public_images(test)
+    cfg = ProbeConfig(
+        encoder=str(tiny_repo),
+        data=str(train),
+        head="centred",
+        epochs=2,
+        epsilon=2.0,
+        optimizer="sgd",
+        dataset_name="test/digits-train",
+    )
+    for public_data, mean, var in (
+        (str(test), encoder.embed(public, "vip").mean(0), torch.ones(encoder.feature_dim("vip"))),
+        (None, *(f(probe.public_features(encoder, "vip"), 0) for f in (torch.mean, torch.var))),
+    ):
+        out = tmp_path / ("centred" if public_data else "procedural")
+        r = run_probe(cfg.model_copy(update={"public_data": public_data, "out": str(out)}))
+        norm = load_head(r.repo, "centred")[0].norm
+        assert torch.allclose(norm.running_mean, mean, atol=1e-5)
+        assert torch.allclose(norm.running_var, var, rtol=1e-2)
+        described = ledger_of(r.repo).stage("linear-probe-dp:centred").description
+        assert ("centred on public images" in described) == (public_data is not None)
+
+    seen = []
+    fit_probe = probe.fit_probe
+
+    def recording_fit(x, y, classes, cfg, public_x=None, **kwargs):
+        seen.append((x, public_x))
+        return fit_probe(x, y, classes, cfg, public_x, **kwargs)
+
+    monkeypatch.setattr(probe, "fit_probe", recording_fit)
+    labels = probe.load_labelled(test, "public/test").labels
+    probe.choose_pooling(encoder, public[:20], labels[:20], 10, cfg, 1000)
+    feats = encoder.embed(public[:20], encoder.poolings)
+    assert len(seen) == 2 * len(feats)
+    for i, x in enumerate(feats.values()):
+        for _, public_x in seen[2 * i : 2 * i + 2]:
+            assert torch.equal(public_x, probe.centred_statistics(x))
 
 
 def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ on Fashion-MNIST.
    membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
    n; of the public test split, the first ``select_size`` records choose the feature mode of
    each (Syn) encoder, read by the heads of every encoder trained from it
-   (``training.recipes.probe.choose_pooling``), and the next ``test_size`` measure top-1. Both
-   are written as PNG class folders (train captioned by the public template over the class
+   (``training.recipes.probe.choose_pooling``) and centre every DP head's features (their mean,
+   ``--public-data``), and the next ``test_size`` measure top-1. All are written as PNG class
+   folders (train captioned by the public template over the class
    names), with a public vocabulary and public captions over the class names;
 2. the (Syn) encoders: the committed priors (``training.priors``; procedural images only, no
    private data), a 4-block vip-nano and a 4-block dpcap-nano at 28 px and patch 4 whose last
@@ -55,7 +56,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vip_hub.errors import DataError, MissingInputError, SignatureError, VipHubError
@@ -96,7 +96,6 @@ from .data.labelled import (
     write_caption_folder,
     write_image_folder,
 )
-from .data.procedural import render
 
 __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
@@ -303,7 +302,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
     work.mkdir(parents=True, exist_ok=True)
     steps = _Steps(work)
     data = work / "fashion-mnist"
-    train, test = data / "train", data / "test"
+    train, test, select = data / "train", data / "test", data / "select"
     folder = {e: work / e.name for e in PUBLISHED}
     syn_cap = work / "dpcap-nano-syn"
     vocab, public_captions = data / VOCAB_FILE, data / "public-captions.txt"
@@ -316,11 +315,11 @@ def run_main_job(cfg: MainJobConfig) -> int:
     }
 
     steps.run(
-        "Fashion-MNIST: the private and the public test records as image folders; captions, "
-        "vocabulary and public captions over the class names",
+        "Fashion-MNIST: the private, the public test and the public selection records as image "
+        "folders; captions, vocabulary and public captions over the class names",
         sizes,
-        [train, test, vocab, public_captions],
-        lambda: _write_data(cfg, work, train, test, vocab, public_captions),
+        [train, test, select, vocab, public_captions],
+        lambda: _write_data(cfg, work, train, test, select, vocab, public_captions),
     )
 
     for prior, out, what in (
@@ -418,7 +417,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             "epsilon": cfg.epsilon,
         },
         [comparison, *(folder[e] / HEADS_DIR / HEAD for e in PUBLISHED)],
-        lambda: _compare(cfg, work, train, test, folder, origin, comparison),
+        lambda: _compare(cfg, work, train, test, select, folder, origin, comparison),
     )
 
     key = _signing_key(work)
@@ -503,14 +502,21 @@ def _splits(
 
 
 def _write_data(
-    cfg: MainJobConfig, work: Path, train: Path, test: Path, vocab: Path, captions: Path
+    cfg: MainJobConfig,
+    work: Path,
+    train: Path,
+    test: Path,
+    select: Path,
+    vocab: Path,
+    captions: Path,
 ) -> None:
     """The private records captioned over their class names (what every recipe and the probes
-    read), the public test records, and DP-Cap's public vocabulary and captions (from the class
-    names alone)."""
-    private, public, _ = _splits(cfg, work)
+    read), the public test and selection records (the latter centre every DP head), and DP-Cap's
+    public vocabulary and captions (from the class names alone)."""
+    private, public, selection = _splits(cfg, work)
     write_caption_folder(private, train, FASHION_MNIST_CLASSES)
     write_image_folder(public, test, FASHION_MNIST_CLASSES)
+    write_image_folder(selection, select, FASHION_MNIST_CLASSES)
     vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
     captions.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
     print(f"    {private.dataset.description}; {len(public)} public test records", flush=True)
@@ -521,6 +527,7 @@ def _compare(
     work: Path,
     train: Path,
     test: Path,
+    select: Path,
     folder: dict[_Encoder, Path],
     origin: dict[_Encoder, Path],
     out: Path,
@@ -530,7 +537,8 @@ def _compare(
     ``cfg.epsilon`` (the split rule), and on raw pixels; DP-Cap's zero-shot over the class names.
     Each head reads the feature mode chosen once per (Syn) encoder (``origin``: what the encoder
     was trained from) on the public selection records, by selection heads with the noise of the
-    noisiest head that reads it. Top-1 on the public test records; the rows go into every card
+    noisiest head that reads it; every head's features, raw pixels' too, are centred on the
+    selection records' mean. Top-1 on the public test records; the rows go into every card
     and ``out``. No model trained without DP on the private records is released or measured:
     its accuracy would be a figure with no guarantee."""
     from vip_hub.loading import load_captioner, load_encoder
@@ -540,6 +548,7 @@ def _compare(
         DP_HEAD_LR,
         ProbeConfig,
         accuracy,
+        centred_statistics,
         choose_pooling,
         dp_head_sampling,
         fit_probe,
@@ -570,6 +579,7 @@ def _compare(
             encoder=str(folder[e]),
             data=str(train),
             test_data=str(test),
+            public_data=str(select),
             head=HEAD,
             epsilon=own,
             **head,
@@ -617,13 +627,10 @@ def _compare(
 
     x = [_pixels(d.images) for d in (private, public)]
     y = [torch.as_tensor(d.labels) for d in (private, public)]
-    side = private.images.shape[1]
-    procedural = np.stack(
-        [np.asarray(Image.fromarray(render(1, i, side)).convert("L")) for i in range(256)]
-    )
     raw = ProbeConfig(encoder="", data="", epsilon=cfg.epsilon, **head)
     classes = len(FASHION_MNIST_CLASSES)
-    dp_head, dp = fit_probe(x[0], y[0], classes, raw, _pixels(procedural), desc="raw pixels")
+    centred = centred_statistics(_pixels(selection.images))
+    dp_head, dp = fit_probe(x[0], y[0], classes, raw, centred, desc="raw pixels")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
     # This head is in no repo, so no dataset page lists it: its row says so (its figure is a
     # release too).

@@ -76,9 +76,10 @@ from .probe import (
     dp_head_sampling,
     fit_probe,
     fix_normalisation,
+    head_statistics,
     load_labelled,
+    load_public_images,
     probe_stage,
-    public_features,
     top1_result,
 )
 
@@ -165,6 +166,7 @@ class FinetuneConfig(
             max_grad_norm=self.probe_max_grad_norm,
             accountant=self.accountant,
             allow_weak_delta=self.allow_weak_delta,
+            public_data=self.public_data,
         )
 
 
@@ -308,16 +310,23 @@ def augment_views(image: torch.Tensor, count: int, generator: torch.Generator) -
     return torch.stack([v.flip(-1) if f else v for v, f in zip(views, flips, strict=True)])
 
 
+def _domain(cfg: FinetuneConfig) -> list[Image.Image] | None:
+    """The run's PUBLIC images of the task's domain (``--public-data``), if any."""
+    return load_public_images(cfg.public_data) if cfg.public_data else None
+
+
 def classifier(
     init: Encoder,
     num_classes: int,
     pooling: str,
     trainable_blocks: int | Literal["all"],
     head: LinearProbe | None = None,
+    domain: Sequence[Image.Image] | None = None,
 ) -> Classifier | EncoderClassifier:
     """``init``'s encoder with its top ``trainable_blocks`` blocks (and its final norm, where
     ``pooling`` reads it) trainable, or (``"all"``) everything ``pooling`` reads; and ``head`` (a
-    DP probe's) or a fresh head normalised by public features."""
+    DP probe's) or a fresh head normalised by public features (``head_statistics``: centred on
+    the PUBLIC ``domain`` images' features when given)."""
     encoder, depth = init.model, len(init.model.blocks)
     init.check_pooling(pooling)
     spatial = SpatialMode.parse(pooling)
@@ -337,7 +346,7 @@ def classifier(
         raise ConfigError("--pooling dpcap: the whole-encoder model reads the encoder's own modes")
     if head is None:
         head = LinearProbe(init.feature_dim(pooling), num_classes)
-        fix_normalisation(head, public_features(init, pooling))
+        fix_normalisation(head, head_statistics(init, pooling, domain))
     encoder.requires_grad_(False)
     reads_norm = spatial is None and pooling != "vip"  # the spatial and vip modes skip it
     if trainable_blocks == "all":
@@ -454,7 +463,7 @@ def _probe(
         torch.as_tensor(train.labels),
         len(train.classes),
         probe,
-        public_features(init, cfg.pooling),
+        head_statistics(init, cfg.pooling, _domain(cfg)),
         desc="DP probe",
     )
     if (dp["sigma"], dp["sample_rate"], dp["steps"]) != _probe_plan(cfg, n):
@@ -491,6 +500,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         cfg.pooling,
         cfg.trainable_blocks,
         head=probe[0] if probe is not None else None,
+        domain=_domain(cfg),
     )
     model.to(dist.device)
     engine = run.engine(model)
@@ -616,19 +626,26 @@ def finetune_arrays(
     test: LabelledArrays,
     work: str | os.PathLike[str],
     *,
+    public: LabelledArrays | None = None,
     epsilon: float,
     delta: float,
     **settings: Any,
 ) -> ArraysRun:
     """Fine-tune ``init`` on ``train`` (private, under its dataset's declared name) at
     (``epsilon``, ``delta``) and measure top-1 on ``test`` (public): both written as class folders
-    under ``work``, the repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields
-    (a run starts over unless ``restart=False``)."""
+    under ``work`` (and ``public``, PUBLIC records that centre the heads, ``--public-data``), the
+    repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields (a run starts over
+    unless ``restart=False``)."""
     work = Path(work)
     cfg = FinetuneConfig(
         init=str(init),
         data=str(write_image_folder(train, work / "train", train.classes)),
         test_data=str(write_image_folder(test, work / "test", test.classes)),
+        public_data=(
+            None
+            if public is None
+            else str(write_image_folder(public, work / "public", public.classes))
+        ),
         out=str(work / "finetuned"),
         dataset_name=train.dataset.name,
         epsilon=epsilon,

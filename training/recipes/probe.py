@@ -10,9 +10,13 @@ its Poisson sampler and noise keyed by a 128-bit secret drawn for the run, and
 ``PerExampleClipper`` in exact mode (one linear layer on features: each example's clipped
 gradient summed across examples in fp64 and rounded once, the proved rounding allowance
 ``fp64-once`` recorded in the stage): the BatchNorm is then fixed to
-statistics of *public* features (the encoder's features of procedural images), so only the
-linear layer sees the labelled data, and the head's ledger stage is a DP stage naming that
-dataset.
+statistics of *public* features, so only the linear layer sees the labelled data, and the
+head's ledger stage is a DP stage naming that dataset. Those statistics (``head_statistics``) are
+the mean of the encoder's features of public images from the task's own domain (``--public-data``,
+e.g. public test images that score nothing) with variance 1, or without such images the mean and
+variance of its features of procedural images. The domain's mean matters: about half of a spatial
+mode's squared norm is a component every example shares, which procedural images do not remove
+(benchmarks/README.md, "the head's centring").
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
 
 What a DP head's guarantee rests on is secret and never written anywhere: its noise and its
@@ -88,11 +92,14 @@ __all__ = [
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
+    "centred_statistics",
     "choose_pooling",
     "dp_head_sampling",
     "fit_probe",
     "fix_normalisation",
+    "head_statistics",
     "load_labelled",
+    "load_public_images",
     "probe_stage",
     "public_features",
     "run_probe",
@@ -156,6 +163,12 @@ class HeadData(BaseModel):
         None,
         description="PUBLIC labelled test folder with the same classes; its top-1 goes on the "
         "card and in the head's metrics",
+    )
+    public_data: str | None = Field(
+        None,
+        description="PUBLIC images from the task's domain (a folder, labels not needed; never "
+        "the --test-data that scores the head): a DP head's features are centred on their mean "
+        "(without it: procedural images' statistics, a weaker head)",
     )
 
 
@@ -389,7 +402,9 @@ def choose_pooling(
     (every image scores a head, each head's noise drawn afresh). A DP ``cfg``'s selection
     heads keep its sample rate and steps, and their noise multiplier is scaled by the ratio of
     the expected batches, so that the noise on their averaged gradient is the private head's
-    (their epsilon on the public images means nothing). Returns the best mode and every score."""
+    (their epsilon on the public images means nothing), and their features are centred on all
+    the images' mean (``centred_statistics``: the rule of a head given these images as
+    ``--public-data``). Returns the best mode and every score."""
     half = len(images) // 2
     if half < 2:
         raise DataError(
@@ -407,18 +422,44 @@ def choose_pooling(
         matched = sigma * (half * q_fit) / (private_n * q)
         eps = epsilon(matched, q_fit, steps_fit, delta, cfg.accountant)
         fit = fit.model_copy(update={"epsilon": eps, "delta": delta})
-    public = public_features(encoder, encoder.poolings) if cfg.epsilon is not None else {}
     halves = (slice(0, half), slice(half, 2 * half))
     scores = {}
     for mode, x in feats.items():
         top1 = []
+        public = centred_statistics(x) if cfg.epsilon is not None else None
         for fit_on, score_on in (halves, halves[::-1]):
             head, _ = fit_probe(
-                x[fit_on], y[fit_on], num_classes, fit, public.get(mode), desc=f"choose {mode}"
+                x[fit_on], y[fit_on], num_classes, fit, public, desc=f"choose {mode}"
             )
             top1.append(accuracy(head, x[score_on], y[score_on]))
         scores[mode] = 100 * sum(top1) / len(top1)
     return max(scores, key=lambda m: scores[m]), scores
+
+
+def centred_statistics(domain_x: torch.Tensor) -> torch.Tensor:
+    """Two rows whose mean is that of ``domain_x`` (features of PUBLIC images from the task's
+    domain) and whose variance is 1: fixing a DP head's BatchNorm to them centres its features
+    (removing the component all examples share) and keeps each example's own normalisation."""
+    if not len(domain_x):
+        raise DataError("centring a DP head needs at least one public image of the domain")
+    mean = domain_x.mean(0, keepdim=True)
+    return torch.cat([mean + 1, mean - 1])
+
+
+def head_statistics(
+    encoder: Encoder, pooling: Pooling, domain: Sequence[Image.Image] | None = None
+) -> torch.Tensor:
+    """What fixes a DP head's BatchNorm on ``encoder``'s ``pooling`` features: centred on its
+    features of the PUBLIC ``domain`` images when given, else its procedural features' own."""
+    if domain:
+        return centred_statistics(encoder.embed(list(domain), pooling))
+    return public_features(encoder, pooling)
+
+
+def load_public_images(path: str | os.PathLike[str]) -> list[Image.Image]:
+    """Every image under the folder ``path`` (recursively: labelled or not), for PUBLIC use."""
+    folder = ImageFolder(path)
+    return [folder.load(i) for i in range(len(folder))]
 
 
 def fix_normalisation(head: LinearProbe, public_x: torch.Tensor) -> None:
@@ -468,7 +509,8 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     train_x = encoder.embed([train.images[i] for i in tr_idx], pooling)
     test_x = encoder.embed(test_images, pooling)
     train_y, test_t = torch.as_tensor(train.labels[tr_idx]), torch.as_tensor(test_y)
-    public_x = public_features(encoder, pooling) if cfg.epsilon is not None else None
+    domain = load_public_images(cfg.public_data) if cfg.public_data else None
+    public_x = head_statistics(encoder, pooling, domain) if cfg.epsilon is not None else None
     head, dp = fit_probe(
         train_x, train_y, len(train.classes), cfg, public_x, desc=f"probe {cfg.head}"
     )
@@ -538,8 +580,9 @@ def probe_stage(
         accountant=dp["accountant"],
         run_id=new_run_id(),
         description=f"linear probe ({protocol}) trained with DP-SGD (per-example clipping, its "
-        "sum formed in fp64 and rounded once); normalisation fixed to public procedural-image "
-        f"features{start}",
+        "sum formed in fp64 and rounded once); normalisation fixed to public features ("
+        + ("centred on public images of the domain" if cfg.public_data else "procedural images")
+        + f"){start}",
         hyperparameters={
             "lr": cfg.lr,
             "epochs": cfg.epochs,
