@@ -13,15 +13,18 @@ import threading
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
 import yaml
 from helpers import write_digits, write_fashion
 from live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
-from training.recipes.probe import ProbeConfig, run_probe
+from training.recipes.probe import ProbeConfig, load_labelled, run_probe
 from vip_hub.errors import DataError
+from vip_hub.loading import load_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
@@ -75,10 +78,8 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
     """``choose_pooling`` is two-fold: per mode, a head fit on the first half of the public images
     scored on the second, one fit on the second scored on the first, and the mode's score the
     mean of the two (an odd last image is in neither half)."""
-    import torch
 
     import training.recipes.probe as probe
-    from vip_hub.loading import load_encoder
 
     data = probe.load_labelled(digits[0], "test/digits-train")
     images = data.images[:41]
@@ -116,10 +117,8 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
     those public images with variance 1 (features shifted by the shared component, scale kept);
     mode selection centres its DP heads on its public images the same way; without public images
     the head keeps the procedural images' statistics."""
-    import torch
 
     import training.recipes.probe as probe
-    from vip_hub.loading import load_encoder
 
     x = torch.randn(50, 6) * 3 + torch.arange(6.0) * 10  # a large component every example shares
     head = probe.LinearProbe(6, 2)
@@ -220,7 +219,6 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     example's backward gives them, and with the noise zeroed the step is SGD on the sum of those
     gradients, each clipped to the head's norm, over the expected batch; the noise asked for is
     sigma times the recorded sensitivity, C times the proved rounding allowance of b terms."""
-    import torch
 
     import training.dp.engine
     from training.dp.clipping import PerExampleClipper
@@ -451,7 +449,16 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert sorted(im.tobytes() for im in fashion_mnist("test", data).images) == sorted(
         im.tobytes() for im in measured
     )
+    select = load_labelled(data / "select", "public/select")  # choose modes, centre every head
+    assert sorted(np.asarray(im.convert("L")).tobytes() for im in select.images) == sorted(
+        im.tobytes() for im in fashion_mnist("test", idx).images[:20]
+    )
     repos = {e.name: run / e.name for e in PUBLISHED}
+    for repo in repos.values():
+        head, info = load_head(repo, HEAD)
+        shared = load_encoder(repo).embed(select.images, info.pooling)
+        assert torch.allclose(head.norm.running_mean, shared.mean(0), atol=1e-4)
+        assert torch.allclose(head.norm.running_var, torch.ones_like(head.norm.running_var))
     assert list(repos) == [
         "vip-nano-syn",
         "vip-nano-fashion-dp",
