@@ -151,6 +151,9 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
         described = ledger_of(r.repo).stage("linear-probe-dp:centred").description
         assert ("centred on public images" in described) == (public_data is not None)
 
+    with pytest.raises(ValueError, match="must not score it"):
+        ProbeConfig(**{**cfg.model_dump(), "test_data": str(test), "public_data": f"{test}/."})
+
     seen = []
     fit_probe = probe.fit_probe
 

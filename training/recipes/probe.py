@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from huggingface_hub import EvalResult
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -170,6 +170,16 @@ class HeadData(BaseModel):
         "the --test-data that scores the head): a DP head's features are centred on their mean "
         "(without it: procedural images' statistics, a weaker head)",
     )
+
+    @model_validator(mode="after")
+    def _public_data_scores_nothing(self) -> HeadData:
+        if self.public_data and self.test_data:
+            if Path(self.public_data).resolve() == Path(self.test_data).resolve():
+                raise ValueError(
+                    "--public-data is --test-data: the images that centre a head must not "
+                    "score it (give other public images of the domain)"
+                )
+        return self
 
 
 class ProbeConfig(HeadData, WeakDeltaOption):
