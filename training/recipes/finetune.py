@@ -3,9 +3,10 @@ encoder's top K blocks, or the whole encoder, and a linear head, trained togethe
 private images with DP-AdamW.
 
 The recipe is a model (the encoder's features in one feature mode, then the linear-probe head
-``LinearProbe``, whose normalisation is fixed to the init encoder's features of public procedural
-images), a per-example loss (cross-entropy over the labels) and ``PerExampleClipper``; everything
-private about a step is the DP engine's (``training/dp/engine.py``). Two models:
+``LinearProbe``, whose normalisation is fixed to public statistics of the init encoder's
+features: centred on ``--public-data``, else its procedural images' own, ``head_statistics``), a
+per-example loss (cross-entropy over the labels) and ``PerExampleClipper``; everything private
+about a step is the DP engine's (``training/dp/engine.py``). Two models:
 
 - ``Classifier`` (``--trainable-blocks K``): the top K blocks, the final norm where the feature
   mode reads it (``avg``, ``cls``), and the head's linear layer; the rest stays the init repo's.
