@@ -7,9 +7,9 @@ on Fashion-MNIST.
    membership depends on another), declared ``public-benchmarks/fashion-mnist-train`` with that
    n; of the public test split, the first ``select_size`` records choose the feature mode of
    each (Syn) encoder, read by the heads of every encoder trained from it
-   (``training.recipes.probe.choose_pooling``) and centre every DP head's features (their mean,
-   ``--public-data``), and the next ``test_size`` measure top-1. All are written as PNG class
-   folders (train captioned by the public template over the class
+   (``training.recipes.probe.choose_pooling``), the first ``CENTRE_SIZE`` of them centre every DP
+   head's features (their mean, ``--public-data``), and the next ``test_size`` measure top-1.
+   All are written as PNG class folders (train captioned by the public template over the class
    names), with a public vocabulary and public captions over the class names;
 2. the (Syn) encoders: the committed priors (``training.priors``; procedural images only, no
    private data), a 4-block vip-nano and a 4-block dpcap-nano at 28 px and patch 4 whose last
@@ -113,6 +113,10 @@ split (a head fit on each half, scored on the other; two-fold since 2026-11-28).
 500 scoring records' standard error (about 2 points) exceeded the modes' differences, and the job
 chose a mode 2 points below the one 5,000 public records choose (benchmarks/utility.py's
 ``SELECTION``)."""
+CENTRE_SIZE = 1_000
+"""The first selection records whose features' mean centres every DP head (``--public-data``):
+the mean of 500 such records leaves 0.4 % of the (Syn) prior's squared feature norm shared
+(51 % uncentred; benchmarks/README.md, the head's centring), and each probe embeds them once."""
 
 
 class MainJobConfig(BaseModel):
@@ -511,12 +515,13 @@ def _write_data(
     captions: Path,
 ) -> None:
     """The private records captioned over their class names (what every recipe and the probes
-    read), the public test and selection records (the latter centre every DP head), and DP-Cap's
+    read), the public test records and the first ``CENTRE_SIZE`` selection records (they centre
+    every DP head), and DP-Cap's
     public vocabulary and captions (from the class names alone)."""
     private, public, selection = _splits(cfg, work)
     write_caption_folder(private, train, FASHION_MNIST_CLASSES)
     write_image_folder(public, test, FASHION_MNIST_CLASSES)
-    write_image_folder(selection, select, FASHION_MNIST_CLASSES)
+    write_image_folder(selection.first(CENTRE_SIZE), select, FASHION_MNIST_CLASSES)
     vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
     captions.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
     print(f"    {private.dataset.description}; {len(public)} public test records", flush=True)
@@ -537,10 +542,10 @@ def _compare(
     ``cfg.epsilon`` (the split rule), and on raw pixels; DP-Cap's zero-shot over the class names.
     Each head reads the feature mode chosen once per (Syn) encoder (``origin``: what the encoder
     was trained from) on the public selection records, by selection heads with the noise of the
-    noisiest head that reads it; every head's features, raw pixels' too, are centred on the
-    selection records' mean. Top-1 on the public test records; the rows go into every card
-    and ``out``. No model trained without DP on the private records is released or measured:
-    its accuracy would be a figure with no guarantee."""
+    noisiest head that reads it; every head's features, raw pixels' too, are centred on the mean
+    of the first ``CENTRE_SIZE`` selection records'. Top-1 on the public test records; the rows
+    go into every card and ``out``. No model trained without DP on the private records is
+    released or measured: its accuracy would be a figure with no guarantee."""
     from vip_hub.loading import load_captioner, load_encoder
     from vip_hub.privacy.accounting import epsilon as accounted
 
@@ -629,7 +634,7 @@ def _compare(
     y = [torch.as_tensor(d.labels) for d in (private, public)]
     raw = ProbeConfig(encoder="", data="", epsilon=cfg.epsilon, **head)
     classes = len(FASHION_MNIST_CLASSES)
-    centred = centred_statistics(_pixels(selection.images))
+    centred = centred_statistics(_pixels(selection.first(CENTRE_SIZE).images))
     dp_head, dp = fit_probe(x[0], y[0], classes, raw, centred, desc="raw pixels")
     eps = accounted(dp["sigma"], dp["sample_rate"], dp["steps"], dp["delta"], dp["accountant"])
     # This head is in no repo, so no dataset page lists it: its row says so (its figure is a
