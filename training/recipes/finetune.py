@@ -311,11 +311,6 @@ def augment_views(image: torch.Tensor, count: int, generator: torch.Generator) -
     return torch.stack([v.flip(-1) if f else v for v, f in zip(views, flips, strict=True)])
 
 
-def _domain(cfg: FinetuneConfig) -> list[Image.Image] | None:
-    """The run's PUBLIC images of the task's domain (``--public-data``), if any."""
-    return load_public_images(cfg.public_data) if cfg.public_data else None
-
-
 def classifier(
     init: Encoder,
     num_classes: int,
@@ -444,10 +439,15 @@ def _with_probe(cfg: FinetuneConfig, n: int) -> FinetuneConfig:
 
 
 def _probe(
-    cfg: FinetuneConfig, init: Encoder, train: LabelledImages, run: DPRun
+    cfg: FinetuneConfig,
+    init: Encoder,
+    train: LabelledImages,
+    run: DPRun,
+    domain: Sequence[Image.Image] | None,
 ) -> tuple[LinearProbe, DPStage] | None:
     """The DP probe's head and its ledger stage: fitted on ``init``'s frozen ``cfg.pooling``
-    features (noise and sampling from a fresh secret, ``fit_probe``), or read back from the run
+    features (noise and sampling from a fresh secret, ``fit_probe``; centred on the PUBLIC
+    ``domain`` images when given), or read back from the run
     folder when the run resumes (the released model depends on the one probe that ran)."""
     if cfg.probe_epsilon is None:
         return None
@@ -464,7 +464,7 @@ def _probe(
         torch.as_tensor(train.labels),
         len(train.classes),
         probe,
-        head_statistics(init, cfg.pooling, _domain(cfg)),
+        head_statistics(init, cfg.pooling, domain),
         desc="DP probe",
     )
     if (dp["sigma"], dp["sample_rate"], dp["steps"]) != _probe_plan(cfg, n):
@@ -493,7 +493,8 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     init = load_encoder(cfg.init)
     spec, transform = init.spec, init.transform
     init.check_pooling(cfg.pooling)
-    probe = _probe(cfg, init, train, run)
+    domain = load_public_images(cfg.public_data) if cfg.public_data else None  # read once
+    probe = _probe(cfg, init, train, run, domain)
     torch.manual_seed(init_seed(run.seed))  # the fresh head, the same on every rank
     model = classifier(
         init,
@@ -501,7 +502,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         cfg.pooling,
         cfg.trainable_blocks,
         head=probe[0] if probe is not None else None,
-        domain=_domain(cfg),
+        domain=domain,
     )
     model.to(dist.device)
     engine = run.engine(model)
