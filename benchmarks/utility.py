@@ -78,6 +78,8 @@ from training.data.labelled import (
     fashion_mnist,
     keyed_uniforms,
 )
+from training.main_job import MainJobConfig, dp_adamw_lr
+from training.recipes.dpcap import DPCapConfig
 from training.recipes.probe import (
     ProbeConfig,
     accuracy,
@@ -85,6 +87,7 @@ from training.recipes.probe import (
     choose_pooling,
     fit_probe,
 )
+from training.recipes.vip import VipConfig
 from training.skeleton.memory import reuse_freed_memory
 from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
@@ -96,6 +99,8 @@ EPSILON, DELTA = FASHION_MNIST_EPSILON, FASHION_MNIST_DELTA
 ENCODER_EPSILON = FASHION_MNIST_ENCODER_EPSILON
 """The split rule (``--encoder-epsilon`` overrides it): a DP encoder's epsilon; its head gets the
 rest of EPSILON (``head_epsilon``), a row with no private encoder all of it."""
+JOB = MainJobConfig()
+"""The main job's defaults, whose DP encoder schedule every run here trains on (``Schedule``)."""
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}
 """Tramer & Boneh 2021, Fashion-MNIST at (3, 1e-5), test top-1 in %."""
 STEPS_PER_EPOCH = 8  # the paper's batch 8192 of 60,000: q = 1/8 at any n
@@ -112,27 +117,38 @@ SELECTION = 5_000
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every training run's size, fixed in code (public choices, not tuned): the committed (Syn)
-    prior of each architecture (``training.priors``) and each DP recipe's config fields."""
+    """Every training run's size, fixed in code (public choices, not tuned): the main job's
+    (``JOB``): its committed (Syn) prior of each architecture (``training.priors``) and each DP
+    recipe's config fields."""
 
     syn: dict[str, str] = field(
-        default_factory=lambda: {"vip-nano": "vip-nano-scatter", "dpcap-nano": "dpcap-nano-scatter"}
+        default_factory=lambda: {"vip-nano": JOB.syn_prior, "dpcap-nano": JOB.dpcap_prior}
     )
     vip: dict[str, Any] = field(
         default_factory=lambda: {
-            "batch_size": 256,
-            "steps": 70,
+            "batch_size": JOB.dp_batch_size,
+            "steps": JOB.dp_steps,
+            "lr": dp_adamw_lr(VipConfig, JOB.dp_lr_scale),
             "micro_batch_size": 128,
-            "decoder_dim": 256,  # the fresh MAE decoder (the prior has none): the main job's
-            "decoder_depth": 2,
-            "decoder_heads": 8,
+            "decoder_dim": JOB.decoder_dim,  # the fresh MAE decoder (the prior has none)
+            "decoder_depth": JOB.decoder_depth,
+            "decoder_heads": JOB.decoder_heads,
         }
     )
     dpcap: dict[str, Any] = field(
-        default_factory=lambda: {"batch_size": 256, "steps": 30, "micro_batch_size": 128}
+        default_factory=lambda: {
+            "batch_size": JOB.dp_batch_size,
+            "steps": JOB.dpcap_steps,
+            "lr": dp_adamw_lr(DPCapConfig, JOB.dp_lr_scale),
+            "micro_batch_size": 128,
+        }
     )
     contrastive: dict[str, Any] = field(
-        default_factory=lambda: {"batch_size": 32, "steps": 30, "temperature": 1.0}
+        default_factory=lambda: {
+            "batch_size": JOB.contrastive_batch_size,
+            "steps": JOB.contrastive_steps,
+            "temperature": JOB.temperature,
+        }
     )
 
     def recipes(self) -> dict[str, dict[str, Any]]:
@@ -339,7 +355,7 @@ def syn_features(b: Bench) -> Features:
 
 def vip_features(b: Bench) -> Features:
     """ViP: the (Syn)-ViP MAE trained on the private images with DP-AdamW."""
-    from training.recipes.vip import VipConfig, train_vip
+    from training.recipes.vip import train_vip
 
     s = b.schedule.vip
     init = syn_repo(b, "vip-nano")
@@ -355,7 +371,7 @@ def dpcap_features(b: Bench) -> Features:
     """DP-Cap: a (Syn) DP-Cap encoder trained to caption the private images (the public
     template over their class names) with DP-AdamW."""
     from training.data.labelled import class_public_captions, class_vocabulary
-    from training.recipes.dpcap import DPCapConfig, train_dpcap
+    from training.recipes.dpcap import train_dpcap
 
     s = b.schedule.dpcap
     text = b.work / "data" / "text"

@@ -495,16 +495,18 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         # the split rule: the encoder's stages and the head's compose to the total epsilon
         head = ledger_of(repo).summary(f"heads/{HEAD}")
         assert 3.0 - 0.02 < head.epsilon <= 3.0 and head.delta == pytest.approx(1e-5)
-    mechanisms = {
-        "vip-nano-fashion-dp": ("dp-pretrain", "DP-AdamW"),
-        "dpcap-nano-fashion-dp": ("dp-captioning", "DP-AdamW"),
-        "vip-nano-fashion-logit-dp": ("dp-contrastive", "Logit-DP"),
-        "vip-nano-fashion-naive-dp": ("dp-contrastive", "Naive-DP"),
+    mechanisms = {  # and the DP-AdamW peak lr: a quarter of the recipe's 3.84e-4 and 5.12e-4
+        "vip-nano-fashion-dp": ("dp-pretrain", "DP-AdamW", 9.6e-5),
+        "dpcap-nano-fashion-dp": ("dp-captioning", "DP-AdamW", 1.28e-4),
+        "vip-nano-fashion-logit-dp": ("dp-contrastive", "Logit-DP", None),
+        "vip-nano-fashion-naive-dp": ("dp-contrastive", "Naive-DP", None),
     }
-    for name, (stage_name, mechanism) in mechanisms.items():
+    for name, (stage_name, mechanism, lr) in mechanisms.items():
         ledger = ledger_of(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
+        if lr is not None:
+            assert enc.hyperparameters["lr"] == pytest.approx(lr)
         assert enc.dataset.name == FASHION_MNIST_TRAIN and enc.dataset.size == 240
         assert enc.epsilon <= cfg.encoder_epsilon and enc.delta == pytest.approx(1e-5)
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")

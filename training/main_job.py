@@ -117,6 +117,17 @@ CENTRE_SIZE = 1_000
 """The first selection records whose features' mean centres every DP head (``--public-data``):
 the mean of 500 such records leaves 0.4 % of the (Syn) prior's squared feature norm shared
 (51 % uncentred; benchmarks/README.md, the head's centring), and each probe embeds them once."""
+DP_ADAMW_LR_SCALE = 0.25
+"""The share of its recipe's peak learning rate that each DP-AdamW encoder (ViP, DP-Cap) trains
+at here. The recipes keep their papers' rates, set for batches of 98,304 and 1.3 M; at the job's
+expected batch of 256 the noise dominates every step, so Adam's normalised step is mostly a
+random walk that grows with the rate and moves the prior's features (benchmarks/README.md, "the
+DP stages' learning rate")."""
+
+
+def dp_adamw_lr(recipe: type[BaseModel], scale: float = DP_ADAMW_LR_SCALE) -> float:
+    """The peak learning rate of the DP-AdamW ``recipe`` config at ``scale`` of its default."""
+    return float(recipe.model_fields["lr"].default) * scale
 
 
 class MainJobConfig(BaseModel):
@@ -174,6 +185,12 @@ class MainJobConfig(BaseModel):
     )
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
+    dp_lr_scale: float = Field(
+        DP_ADAMW_LR_SCALE,
+        gt=0,
+        le=1,
+        description="share of its recipe's peak learning rate ViP and DP-Cap train at",
+    )
     dpcap_steps: int = Field(30, gt=0, description="DP-Cap captioning steps")
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
@@ -358,6 +375,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 init=str(folder[SYN_VIP]),
                 batch_size=cfg.dp_batch_size,
                 steps=cfg.dp_steps,
+                lr=dp_adamw_lr(VipConfig, cfg.dp_lr_scale),
                 micro_batch_size=128,
                 **cfg.model_dump(include={"decoder_dim", "decoder_depth", "decoder_heads"}),
                 **private,
@@ -374,6 +392,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 public_captions=str(public_captions),
                 batch_size=cfg.dp_batch_size,
                 steps=cfg.dpcap_steps,
+                lr=dp_adamw_lr(DPCapConfig, cfg.dp_lr_scale),
                 micro_batch_size=128,
                 **private,
                 **_names(DPCAP, folder),
