@@ -73,6 +73,10 @@ class ThreadedServer:
                 host="127.0.0.1",
                 port=self.port,
                 log_level="warning",
+                # uvicorn's own dictConfig would close every logging handler alive, absl's among
+                # them (dp_accounting imports it), whose stream may be pytest's capture of an
+                # earlier phase: closed, it fails the run in one process (`make test XDIST=`)
+                log_config=None,
                 timeout_graceful_shutdown=30,
             )
         )
