@@ -110,6 +110,28 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
     assert scores[mode] == max(scores.values())
 
 
+def test_a_dp_head_without_public_data_says_its_normalisation_is_procedural(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vip-hub probe` and `train-finetune` say on stderr when a DP head has no --public-data
+    to centre it (and say nothing when it has, or when the head is not DP)."""
+    from training.commands import note_head_statistics
+    from training.recipes.finetune import FinetuneConfig
+
+    dp = {"encoder": "", "data": "", "epsilon": 3.0, "delta": 1e-5, "dataset_name": "org/labels"}
+    tune = {"out": "o", "data": "d", "dataset_name": "org/labels", "init": "i"}
+    for cfg in (ProbeConfig(**dp), FinetuneConfig(**tune)):
+        note_head_statistics(cfg)
+        assert "no --public-data" in capsys.readouterr().err
+    for cfg in (
+        ProbeConfig(**dp, public_data=str(tmp_path)),
+        FinetuneConfig(**tune, public_data=str(tmp_path)),
+        ProbeConfig(encoder="", data="", dataset_name="org/labels"),
+    ):
+        note_head_statistics(cfg)
+    assert capsys.readouterr().err == ""
+
+
 def test_dp_heads_are_centred_on_public_images_of_the_domain(
     tiny_repo: Path, digits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

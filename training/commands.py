@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from typing import Any
 
 from vip_hub.cli.main import CommandError, add_command, require_extra
@@ -61,11 +62,27 @@ def register(sub: Any) -> None:
     p.add_argument("--columns", type=int, default=8)
 
 
+def note_head_statistics(cfg: Any) -> None:
+    """Say on stderr when ``cfg``'s DP head will be normalised by procedural images' features
+    because no ``--public-data`` was given."""
+    from .recipes.probe import HeadData
+
+    if isinstance(cfg, HeadData) and getattr(cfg, "epsilon", None) is not None:
+        if not cfg.public_data:
+            print(
+                "note: no --public-data, so the DP head's normalisation comes from procedural "
+                "images' features; public images of the task's domain (--public-data FOLDER) "
+                "centre it and make a stronger head",
+                file=sys.stderr,
+            )
+
+
 def _train(args: argparse.Namespace) -> int:
     from .skeleton.distributed import Dist
 
     r = recipe(args.recipe)
     cfg = config_from_args(r.config, args)
+    note_head_statistics(cfg)
     reuse_freed_memory()
     dist = Dist.from_env(cfg.device)
     try:
@@ -91,6 +108,7 @@ def _probe(args: argparse.Namespace) -> int:
     from .recipes.probe import ProbeConfig, run_probe
 
     cfg = config_from_args(ProbeConfig, args)
+    note_head_statistics(cfg)
     reuse_freed_memory()
     r = run_probe(cfg)
     kind = f"DP, epsilon {r.stage.epsilon:.3g}" if r.stage.type == "dp" else "no DP"
