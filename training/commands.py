@@ -17,7 +17,7 @@ from vip_hub.cli.main import CommandError, add_command, require_extra
 from .skeleton.config import Recipe, add_config_args, config_from_args
 from .skeleton.memory import reuse_freed_memory
 
-__all__ = ["RECIPES", "recipe", "register"]
+__all__ = ["RECIPES", "note_head_statistics", "recipe", "register"]
 
 RECIPES = ("syn", "vip", "dpcap", "logit_dp", "finetune")
 """Modules of ``training.recipes`` that each declare a ``RECIPE``."""
@@ -67,14 +67,14 @@ def note_head_statistics(cfg: Any) -> None:
     because no ``--public-data`` was given."""
     from .recipes.probe import HeadData
 
-    if isinstance(cfg, HeadData) and getattr(cfg, "epsilon", None) is not None:
-        if not cfg.public_data:
-            print(
-                "note: no --public-data, so the DP head's normalisation comes from procedural "
-                "images' features; public images of the task's domain (--public-data FOLDER) "
-                "centre it and make a stronger head",
-                file=sys.stderr,
-            )
+    dp = getattr(cfg, "epsilon", None) is not None
+    if isinstance(cfg, HeadData) and dp and not cfg.public_data:
+        print(
+            "note: no --public-data, so the DP head's normalisation comes from procedural "
+            "images' features; public images of the task's domain (--public-data FOLDER) "
+            "centre it and make a stronger head",
+            file=sys.stderr,
+        )
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -97,7 +97,7 @@ from .data.labelled import (
     write_image_folder,
 )
 
-__all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
+__all__ = ["DP_ADAMW_LR_SCALE", "PUBLISHED", "MainJobConfig", "dp_adamw_lr", "run_main_job"]
 
 ORG = "vip"
 HEAD = "fashion-mnist"
