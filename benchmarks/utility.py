@@ -32,7 +32,7 @@ the first ``SELECTION`` (public) test records with variance 1 (``centred_statist
 
 A learned row's feature mode is chosen on public data only
 (``training.recipes.probe.choose_pooling``): every mode its repo offers (the family's and the
-spatial modes its config.json declares) gets two DP heads with the row's settings, one fit on each
+spatial modes its repo declares) gets two DP heads with the row's settings, one fit on each
 half of the first ``SELECTION`` test records and scored on the other (their noise matched to the
 row's private head: the same noise on the averaged gradient); the best mean is the row's mode.
 The table reports each row's top-1 on the other test records (those no choice saw) and on all of

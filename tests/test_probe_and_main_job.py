@@ -30,7 +30,7 @@ from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import load_keys, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, VOCAB_FILE
+from vip_hub.repo_format import CARD_FILE, HEADS_DIR, LEDGER_FILE, VOCAB_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,7 +220,7 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
         )
     )
     assert r.top1 > 0.2, r.top1
-    assert verify_repo(out).ok and not (tiny_repo / "heads").exists()  # written to --out only
+    assert verify_repo(out).ok and not (tiny_repo / HEADS_DIR).exists()  # written to --out only
     ledger = ledger_of(out)
     stage = ledger.stage("linear-probe-dp:digits-dp")
     assert (

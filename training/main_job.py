@@ -80,6 +80,8 @@ from vip_hub.repo_format import (
     SIGNATURE_FILE,
     VOCAB_FILE,
     head_component,
+    head_name_of,
+    is_weights_file,
 )
 
 from .data.labelled import (
@@ -125,7 +127,7 @@ random walk that grows with the rate and moves the prior's features (benchmarks/
 DP stages' learning rate")."""
 
 
-def dp_adamw_lr(recipe: type[BaseModel], scale: float = DP_ADAMW_LR_SCALE) -> float:
+def dp_adamw_lr(recipe: type[BaseModel], scale: float) -> float:
     """The peak learning rate of the DP-AdamW ``recipe`` config at ``scale`` of its default."""
     return float(recipe.model_fields["lr"].default) * scale
 
@@ -236,7 +238,7 @@ def _weights_digest(repo: Path) -> str:
     """The encoder's and decoder's tensor digests (unchanged when heads or cards change)."""
     artifacts = json.loads((repo / LEDGER_FILE).read_text())["artifacts"]
     return _stamp(
-        {k: v for k, v in artifacts.items() if k.endswith(".safetensors") and "/" not in k}
+        {k: v for k, v in artifacts.items() if is_weights_file(k) and head_name_of(k) is None}
     )
 
 
