@@ -129,7 +129,7 @@ class Schedule:
             "batch_size": JOB.dp_batch_size,
             "steps": JOB.dp_steps,
             "lr": dp_adamw_lr(VipConfig, JOB.dp_lr_scale),
-            "micro_batch_size": 128,
+            "micro_batch_size": JOB.dp_micro_batch_size,
             "decoder_dim": JOB.decoder_dim,  # the fresh MAE decoder (the prior has none)
             "decoder_depth": JOB.decoder_depth,
             "decoder_heads": JOB.decoder_heads,
@@ -140,7 +140,7 @@ class Schedule:
             "batch_size": JOB.dp_batch_size,
             "steps": JOB.dpcap_steps,
             "lr": dp_adamw_lr(DPCapConfig, JOB.dp_lr_scale),
-            "micro_batch_size": 128,
+            "micro_batch_size": JOB.dp_micro_batch_size,
         }
     )
     contrastive: dict[str, Any] = field(

@@ -187,6 +187,9 @@ class MainJobConfig(BaseModel):
     )
     dp_batch_size: int = Field(256, gt=0, description="expected batch of the DP encoders")
     dp_steps: int = Field(70, gt=0, description="steps of the DP encoders")
+    dp_micro_batch_size: int = Field(
+        128, gt=0, description="physical batch of ViP and DP-Cap (memory only, not the result)"
+    )
     dp_lr_scale: float = Field(
         DP_ADAMW_LR_SCALE,
         gt=0,
@@ -378,7 +381,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 batch_size=cfg.dp_batch_size,
                 steps=cfg.dp_steps,
                 lr=dp_adamw_lr(VipConfig, cfg.dp_lr_scale),
-                micro_batch_size=128,
+                micro_batch_size=cfg.dp_micro_batch_size,
                 **cfg.model_dump(include={"decoder_dim", "decoder_depth", "decoder_heads"}),
                 **private,
                 **_names(VIP, folder),
@@ -395,7 +398,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
                 batch_size=cfg.dp_batch_size,
                 steps=cfg.dpcap_steps,
                 lr=dp_adamw_lr(DPCapConfig, cfg.dp_lr_scale),
-                micro_batch_size=128,
+                micro_batch_size=cfg.dp_micro_batch_size,
                 **private,
                 **_names(DPCAP, folder),
             ),
