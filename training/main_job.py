@@ -109,12 +109,14 @@ TRAIN_SIZE = 10_000
 encoder, which sets its length on 2 cores)."""
 TEST_SIZE = 2_000
 """Public test records that measure top-1: the M after the selection records of the test split."""
-SELECT_SIZE = 4_000
+SELECT_SIZE = 8_000
 """Public test records that choose each (Syn) encoder's feature mode: the first K of the test
 split (a head fit on each half, scored on the other; two-fold since 2026-11-28). At 1,000 the
 500 scoring records' standard error (about 2 points) exceeded the modes' differences, and the job
 chose a mode 2 points below the one 5,000 public records choose (benchmarks/utility.py's
-``SELECTION``)."""
+``SELECTION``). At 4,000 its heads fit 2,000 records (the private head 10,000), which hid most of
+the spatial mode's lead: it beat ``cls`` by 0.7 (once a tie), against 2.1 with heads fitting
+4,000 (benchmarks/README.md, "how often the job's selection picks cls")."""
 CENTRE_SIZE = 1_000
 """The first selection records whose features' mean centres every DP head (``--public-data``):
 the mean of 500 such records leaves 0.4 % of the (Syn) prior's squared feature norm shared
