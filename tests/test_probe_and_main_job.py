@@ -30,7 +30,14 @@ from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import load_keys, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, HEADS_DIR, LEDGER_FILE, VOCAB_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    ENCODER,
+    HEADS_DIR,
+    LEDGER_FILE,
+    VOCAB_FILE,
+    head_component,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +68,11 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     assert r.repo == tiny_repo and list_heads(tiny_repo) == ["digits"]
     assert verify_repo(tiny_repo).ok
     stage = ledger_of(tiny_repo).stage("linear-probe:digits")
-    assert stage.type == "non-private" and stage.private_data and stage.component == "heads/digits"
+    assert (
+        stage.type == "non-private"
+        and stage.private_data
+        and stage.component == head_component("digits")
+    )
     assert stage.dataset.name == "test/digits-train" and stage.dataset.size == 1437
     card = (tiny_repo / CARD_FILE).read_text()
     assert "No guarantee covers" in card and "linear-probe:digits" in card
@@ -224,7 +235,9 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
     ledger = ledger_of(out)
     stage = ledger.stage("linear-probe-dp:digits-dp")
     assert (
-        stage.type == "dp" and stage.mechanism == "DP-SGD" and stage.component == "heads/digits-dp"
+        stage.type == "dp"
+        and stage.mechanism == "DP-SGD"
+        and stage.component == head_component("digits-dp")
     )
     assert (
         stage.epsilon <= 2.0 and stage.dataset.size == 1437 and stage.delta == pytest.approx(1e-5)
@@ -384,7 +397,7 @@ def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -
 
     acc = RdpAccountant()
     for s in ledger.dp_stages():
-        if s.component in ("encoder", component):
+        if s.component in (ENCODER, component):
             acc.compose(
                 dp_event.PoissonSampledDpEvent(
                     s.sample_rate, dp_event.GaussianDpEvent(s.noise_multiplier)
@@ -414,16 +427,16 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
             )
             assert emb.status_code == cls.status_code == 200, (emb.text, cls.text)
             for privacy, component in (
-                (emb.json()["privacy"], "encoder"),
-                (cls.json()["privacy"]["encoder"], "encoder"),
-                (cls.json()["privacy"]["head"], f"heads/{HEAD}"),
+                (emb.json()["privacy"], ENCODER),
+                (cls.json()["privacy"]["encoder"], ENCODER),
+                (cls.json()["privacy"]["head"], head_component(HEAD)),
             ):
                 truth = dp_accounting_epsilon(ledger, component, privacy["delta"] or 1e-5)
                 assert privacy["epsilon"] >= truth * (1 - 1e-3), (name, component, privacy, truth)
-            head = ledger.summary(f"heads/{HEAD}")
-            assert head.epsilon >= dp_accounting_epsilon(ledger, f"heads/{HEAD}", head.delta) * (
-                1 - 1e-3
-            )
+            head = ledger.summary(head_component(HEAD))
+            assert head.epsilon >= dp_accounting_epsilon(
+                ledger, head_component(HEAD), head.delta
+            ) * (1 - 1e-3)
             assert (
                 head.epsilon > ledger.stage(f"linear-probe-dp:{HEAD}").epsilon
                 or name == "vip-nano-syn"
@@ -515,7 +528,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
             verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
         )
         # the split rule: the encoder's stages and the head's compose to the total epsilon
-        head = ledger_of(repo).summary(f"heads/{HEAD}")
+        head = ledger_of(repo).summary(head_component(HEAD))
         assert 3.0 - 0.02 < head.epsilon <= 3.0 and head.delta == pytest.approx(1e-5)
     mechanisms = {  # and the DP-AdamW peak lr: a quarter of the recipe's 3.84e-4 and 5.12e-4
         "vip-nano-fashion-dp": ("dp-pretrain", "DP-AdamW", 9.6e-5),

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from vip_hub.cli.main import CommandError, add_command, require_extra
+from vip_hub.repo_format import head_component
 
 from .skeleton.config import Recipe, add_config_args, config_from_args
 from .skeleton.memory import reuse_freed_memory
@@ -123,7 +124,7 @@ def _probe(args: argparse.Namespace) -> int:
         f"{r.test_size} {where}; {r.train_size} training images"
     )
     if r.repo:
-        print(f"saved to {r.repo}/heads/{cfg.head}/")
+        print(f"saved to {r.repo}/{head_component(cfg.head)}/")
     return 0
 
 

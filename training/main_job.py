@@ -103,7 +103,7 @@ __all__ = ["DP_ADAMW_LR_SCALE", "PUBLISHED", "MainJobConfig", "dp_adamw_lr", "ru
 
 ORG = "vip"
 HEAD = "fashion-mnist"
-"""The DP probe head every published encoder gets (``heads/fashion-mnist``)."""
+"""The name of the DP probe head every published encoder gets (its folder: ``head_component``)."""
 TRAIN_SIZE = 10_000
 """Private records: the first N of Fashion-MNIST's train split (the job embeds them once per
 encoder, which sets its length on 2 cores)."""

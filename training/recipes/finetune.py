@@ -571,7 +571,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         summary=(
             f"A {spec.arch} encoder fine-tuned end to end with DP-AdamW on {cfg.dataset_name} "
             f"({n} labelled images), starting from {cfg.init} and {start}: {what} and the "
-            f"linear head heads/{cfg.head} ({cfg.pooling} features), trained together by one DP "
+            f"linear head {component} ({cfg.pooling} features), trained together by one DP "
             "stage whose guarantee covers both."
         ),
         name=STAGE,
