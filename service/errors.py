@@ -134,6 +134,7 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
     (store.Conflict, Conflicting),
     (store.SignatureRefused, Forbidden),
     (store.TooLarge, PayloadTooLarge),
+    (store.TooMuchStaged, QueueFull),
     (store.StoreUnavailable, StorageUnavailable),
     (store.StoreError, BadRequest),
 )

@@ -149,6 +149,13 @@ class ObjectStoreSettings(BaseModel):
         le=7 * 24 * 3600,
         description="lifetime of a presigned upload or download URL",
     )
+    max_staged_bytes: int = Field(
+        32 * GIB,
+        gt=0,
+        description="bytes of presigned uploads one user may hold unverified at once (each "
+        "counted from its LFS batch reply until its verify, or until the uploads' "
+        "collection after hub.upload_ttl_s); an object past it is answered 429 in the batch",
+    )
     multipart_chunk_bytes: int = Field(
         64 * MIB,
         ge=5 * MIB,

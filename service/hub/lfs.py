@@ -13,11 +13,14 @@ serves any size.
 
 With an object store (``object_store.endpoint``) the ``upload`` action is instead a presigned
 PUT straight to the store, to a staging key of this upload alone (never a content key), and
-the ``verify`` action (granted like the PUT above) is where the hub hashes the staged object
-itself and keeps it only if it is the object announced (``BlobStore.receive_staged``): nothing
-a client sent is named by a commit before that. An object over
-``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part, then the
-client's completion POST to this hub (granted, as it carries no token), which joins them.
+the ``verify`` action (granted like the PUT above) is where the store copies the staged object
+to a key no client can write, and the hub hashes that copy and keeps it only if it is the object
+announced (``BlobStore.receive_staged``): nothing a client sent is named by a commit before
+that, and what the client writes through its URL afterwards (it stays valid for its lifetime)
+changes nothing. An object over ``object_store.multipart_chunk_bytes`` goes in parts: a
+presigned PUT per part (its length signed), then the client's completion POST to this hub
+(granted, as it carries no token), which joins them. The bytes of a user's presigned uploads
+not yet verified are capped (``object_store.max_staged_bytes``: 429 in the batch reply).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ..auth import Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store import HubStore
 from ..store.blobs import check_sha256
+from ..store.errors import TooMuchStaged
 from ..store.naming import validate_repo_id
 from ..store.s3 import staging_key
 from .common import Writable, base_url, store_of, writable
@@ -69,6 +73,7 @@ def batch(
         raise BadRequest("the LFS batch API here speaks the basic transfer with sha256 object ids")
     store, repo_id, who = opened.store, opened.repo_id, opened.who
     limit = request.app.state.settings.hub.max_upload_bytes
+    quota = request.app.state.settings.object_store.max_staged_bytes
     base = f"{base_url(request)}/{repo_id}.git/info/lfs"
     objects: list[dict[str, Any]] = []
     for obj in payload.objects:
@@ -81,7 +86,10 @@ def batch(
                 "message": f"{obj.size} bytes is over the upload limit of {limit}",
             }
         elif held is None:
-            entry["actions"] = _upload_actions(store, base, repo_id, oid, obj.size, who)
+            try:
+                entry["actions"] = _upload_actions(store, base, repo_id, oid, obj.size, who, quota)
+            except TooMuchStaged as e:
+                entry["error"] = {"code": 429, "message": str(e)}
         elif held != obj.size:
             entry["error"] = {
                 "code": 422,
@@ -95,10 +103,11 @@ def batch(
 
 
 def _upload_actions(
-    store: HubStore, base: str, repo_id: str, oid: str, size: int, who: Identity
+    store: HubStore, base: str, repo_id: str, oid: str, size: int, who: Identity, quota: int
 ) -> dict[str, Any]:
     """The ``upload`` and ``verify`` actions of one object: a granted PUT to this hub, or a
-    presigned PUT to a fresh staging key of the object store and a granted verify."""
+    presigned PUT to a fresh staging key of the object store (counted against ``who``'s
+    ``quota`` of unverified staged bytes: TooMuchStaged) and a granted verify."""
     remote = store.blobs.remote
     if remote is None:
         grant = sign_grant(
@@ -112,6 +121,7 @@ def _upload_actions(
             "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
         }
     staged = uuid.uuid4().hex
+    store.reserve_staging(who.name, staged, size, quota)
     grant = sign_grant(
         store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", GRANT_TTL_S, who
     )
@@ -216,7 +226,10 @@ def verify(
     if staged is not None and store.blobs.remote is not None:  # a presigned PUT: check it
         subject = f"{repo_id}:{oid}:{payload.size}:{staged}"
         check_grant(request, store.secret(), "lfs-staged", subject, grant, opened.repo.org)
-        store.blobs.receive_staged(staged, oid, payload.size)
+        try:
+            store.blobs.receive_staged(staged, oid, payload.size)
+        finally:  # verified, refused, or left for a retry within its upload time-to-live
+            store.release_staging(staged)
         store.blobs.note_upload(repo_id, oid)
     held = store.held_for(repo_id, oid)
     if held != payload.size:

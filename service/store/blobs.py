@@ -11,8 +11,14 @@ blobs 0400): private repos' bytes are not for the machine's other users.
 With an object store (:mod:`service.store.s3`) the bucket is where blobs, checked uploads and
 upload records live, under the same names, each written there before any commit may name it;
 the folder is this process's cache of what it read or wrote (fetched on first use, checked
-against its SHA-256). Clients upload to per-upload staging keys that
-:meth:`BlobStore.receive_staged` hashes before anything may name them.
+against its SHA-256). Clients upload to per-upload staging keys, which
+:meth:`BlobStore.receive_staged` copies to a key no client can write before hashing the copy.
+
+The rule every path keeps: an object under a content key (``uploads/sha256/X``,
+``blobs/sha256/X``) is bytes this hub hashed as X, written there by the hub after the hash.
+Nothing is skipped because the bucket already holds an object of that name: what a name holds
+is never trusted, so each upload writes its checked bytes over it (which also makes an upload of
+bytes another repo holds cost exactly what one of new bytes does: no existence oracle).
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from .errors import InvalidRequest, StoreUnavailable, UploadMismatch, UploadMiss
 from .faults import crash_point
 from .s3 import (
     BLOBS,
+    CHECKING,
     RECORDS,
     STAGING,
     UPLOADS,
     Listed,
     S3Objects,
     blob_key,
+    checking_key,
     staging_key,
     upload_key,
 )
@@ -174,10 +182,11 @@ class BlobStore:
 
     def object_size(self, sha256: str) -> int | None:
         """The size of a held object, None when it is not held (with an object store: in its
-        bucket, whatever this cache holds)."""
+        bucket, whatever this cache holds; the uploads first, so that right after an upload the
+        answer costs the same whether or not a commit already named the object)."""
         if self.remote is not None:
-            size = self.remote.size(blob_key(check_sha256(sha256)))
-            return self.remote.size(upload_key(sha256)) if size is None else size
+            size = self.remote.size(upload_key(check_sha256(sha256)))
+            return self.remote.size(blob_key(sha256)) if size is None else size
         path = self.object_path(sha256)
         try:
             return path.stat().st_size if path else None
@@ -185,13 +194,10 @@ class BlobStore:
             return None
 
     def stage_upload(self, tmp: Path, sha256: str) -> Path:
-        """Move a fully written and checked temp file into the uploads area (durably; with an
-        object store, into its bucket first, unless the bucket holds it)."""
-        if self.remote is not None and self.object_size(sha256) is None:
+        """Move a fully written and checked temp file into the uploads area, durably (with an
+        object store: into its bucket first, over whatever the bucket held under that name)."""
+        if self.remote is not None:
             self.remote.put_file(tmp, upload_key(sha256))
-        if self.object_path(sha256) is not None:
-            tmp.unlink(missing_ok=True)
-            return self.object_path(sha256) or self.upload_path(sha256)
         return self._stage_local(tmp, sha256)
 
     def _stage_local(self, tmp: Path, sha256: str) -> Path:
@@ -202,22 +208,30 @@ class BlobStore:
         return target
 
     def receive_staged(self, upload_id: str, sha256: str, size: int) -> None:
-        """Check what a client PUT to the staging key ``upload_id`` through a presigned URL:
-        the hub hashes it itself, then copies it to its upload key (and its cache); bytes that
-        are not object ``sha256`` of ``size`` bytes are UploadMismatch. The staged object is
-        removed either way, unless the store stopped answering (then it stays for a retry, and
-        goes with the uploads' collection if none comes)."""
+        """Check what a client PUT to the staging key ``upload_id`` through a presigned URL: the
+        store copies it to a key no client can write, the hub hashes that copy, then copies it
+        to its upload key (over whatever that key held) and keeps it in its cache; bytes that
+        are not object ``sha256`` of ``size`` bytes are UploadMismatch. The store calls are the
+        same whether or not the bucket holds the object. The staged object is removed either
+        way, unless the store stopped answering (then it stays for a retry, and goes with the
+        uploads' collection if none comes)."""
         assert self.remote is not None
-        staged = staging_key(upload_id)
+        staged, checking = staging_key(upload_id), checking_key(uuid.uuid4().hex)
         try:
-            if self.remote.size(staged) != size:
+            try:  # from this copy on, nothing the client writes changes what is hashed
+                if self.remote.size(staged) != size:
+                    raise FileNotFoundError(staged)
+                self.remote.copy(staged, checking)
+            except FileNotFoundError:
                 raise UploadMismatch(
                     f"the staged upload is not object {sha256} of {size} bytes "
                     "(missing, or another size): upload it again"
-                )
-            tmp = self._fetch(staged, sha256, size)
-            if self.object_size(sha256) is None:
-                self.remote.copy(staged, upload_key(sha256))
+                ) from None
+            try:
+                tmp = self._fetch(checking, sha256, size)
+                self.remote.copy(checking, upload_key(sha256))
+            finally:
+                self.remote.delete(checking)
             self._stage_local(tmp, sha256)
         except StoreUnavailable:
             raise
@@ -290,13 +304,18 @@ class BlobStore:
     # ------------------------------------------------------------------ ingest
     def ingest(self, source: Path, digest: FileDigest) -> Path:
         """Move a verified temp or upload file into place, durably (with an object store: into
-        its bucket first, then the cache); a blob already there wins."""
-        if self.remote is not None and self.remote.size(blob_key(digest.sha256)) is None:
-            if self.remote.size(upload_key(digest.sha256)) is not None:
-                self.remote.copy(upload_key(digest.sha256), blob_key(digest.sha256))
-                self.remote.delete(upload_key(digest.sha256))
-            else:
-                self.remote.put_file(source, blob_key(digest.sha256))
+        its bucket first, over whatever the bucket held under that name: copied from the
+        bucket's upload when ``source`` is this cache's copy of that upload, else sent from
+        ``source``; then the cache)."""
+        if self.remote is not None:
+            sha256, key = digest.sha256, blob_key(digest.sha256)
+            try:
+                if source != self.upload_path(sha256):
+                    raise FileNotFoundError(source)
+                self.remote.copy(upload_key(sha256), key)
+                self.remote.delete(upload_key(sha256))
+            except FileNotFoundError:  # committed inline, or its upload moved by another commit
+                self.remote.put_file(source, key)
         return self._place(source, self.path(digest.sha256))
 
     def _place(self, source: Path, target: Path) -> Path:
@@ -334,6 +353,7 @@ class BlobStore:
                     UPLOADS + "sha256/", upload_age, keep=lambda key: sharded_name(key) in named
                 )
                 removed += self.remote.remove_older_than(STAGING, upload_age)
+                removed += self.remote.remove_older_than(CHECKING, upload_age)
                 removed += self.remote.abort_older_than(STAGING, upload_age)
             except StoreUnavailable:  # collected at a later call
                 return removed
@@ -350,17 +370,37 @@ class BlobStore:
         else:
             yield from listed_files(self.dir, sharded_name)
 
-    def stored_sha256(self, sha256: str) -> str | None:
-        """The SHA-256 of the bytes held as blob ``sha256`` (with an object store: in its
-        bucket), None when none are."""
+    def listed_uploads(self) -> Iterator[Listed]:
+        """Every upload awaiting its commit (with an object store: in its bucket), keyed by
+        SHA-256."""
+        if self.remote is not None:
+            for o in self.remote.listed(UPLOADS + "sha256/"):
+                yield Listed(sharded_name(o.key), o.size, o.mtime)
+        else:
+            yield from listed_files(self.uploads, sharded_name)
+
+    def stored_sha256(self, sha256: str, upload: bool = False) -> str | None:
+        """The SHA-256 of the bytes held as blob ``sha256`` (``upload``: as the upload of that
+        name; with an object store: in its bucket), None when none are."""
         if self.remote is None:
-            path = self.path(check_sha256(sha256))
-            return hash_file(path).sha256 if path.is_file() else None
-        if self.remote.size(blob_key(sha256)) is None:
+            path = (self.upload_path if upload else self.path)(check_sha256(sha256))
+            try:
+                return hash_file(path).sha256
+            except FileNotFoundError:
+                return None
+        key = (upload_key if upload else blob_key)(sha256)
+        if self.remote.size(key) is None:
             return None
         digest = hashlib.sha256()
-        self.remote.read_into(blob_key(sha256), digest.update, None)
+        self.remote.read_into(key, digest.update, None)
         return digest.hexdigest()
+
+    def remove_upload(self, sha256: str) -> None:
+        """Delete the upload ``sha256`` (with an object store: from its bucket, then this
+        cache); for one whose bytes are not its name (no commit names an upload)."""
+        if self.remote is not None:
+            self.remote.delete(upload_key(sha256))
+        self.upload_path(check_sha256(sha256)).unlink(missing_ok=True)
 
     def good_copy(self, sha256: str) -> Path | None:
         """A local file holding object ``sha256``'s bytes, checked, from anywhere but the blob

@@ -14,6 +14,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TooLarge",
+    "TooMuchStaged",
     "UploadMismatch",
     "UploadMissing",
 ]
@@ -68,6 +69,11 @@ class Conflict(StoreError):
 
 class TooLarge(StoreError):
     """An upload over the configured size limit."""
+
+
+class TooMuchStaged(StoreError):
+    """A user's presigned uploads not yet verified would hold more bytes than their quota
+    (``object_store.max_staged_bytes``): verify or wait for some, then ask again."""
 
 
 class StoreUnavailable(StoreError):

@@ -95,6 +95,13 @@ CREATE TABLE IF NOT EXISTS refs (
     commit_sha TEXT NOT NULL REFERENCES commits(sha),
     PRIMARY KEY (repo, kind, name)
 );
+CREATE TABLE IF NOT EXISTS staged_uploads (
+    id TEXT PRIMARY KEY,
+    account TEXT NOT NULL,
+    size BIGINT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS staged_uploads_by_account ON staged_uploads (account);
 CREATE TABLE IF NOT EXISTS hub_state (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL,

@@ -5,9 +5,11 @@ names), ``uploads/sha256/ab/...`` (objects whose bytes the hub checked, awaiting
 ``uploads/for/<repo hash>/<sha256>`` (upload records: which repo each was received for),
 ``xet/xorbs/<hash>`` and ``xet/owners/<user hash>/<hash>`` (Xet xorbs and who sent each), and
 ``staging/<upload id>`` (what a client PUT through a presigned URL, unchecked: a SigV4
-presigned PUT does not sign the body, so nothing staged is trusted before the hub hashed it).
-Clients only ever get presigned URLs for a staging key (PUT) or a blob key (GET). Any failure
-to reach the store is :class:`StoreUnavailable`.
+presigned PUT does not sign the body, and stays valid for its lifetime, so the client may write
+that key again at any time until then), and ``checking/<id>`` (the store's own copy of a staged
+object, which the hub hashes: no URL names it, so nothing a client does changes what is hashed).
+Clients only ever get presigned URLs for a staging key (PUT, its length signed, for each part
+too) or a blob key (GET). Any failure to reach the store is :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .errors import InvalidRequest, StoreUnavailable, TooLarge
 
 __all__ = [
     "BLOBS",
+    "CHECKING",
     "RECORDS",
     "STAGING",
     "UPLOADS",
@@ -36,6 +39,7 @@ __all__ = [
     "Listed",
     "S3Objects",
     "blob_key",
+    "checking_key",
     "staging_key",
     "upload_key",
 ]
@@ -54,6 +58,8 @@ UPLOADS = "uploads/"
 RECORDS = "uploads/for/"
 """Upload records: ``uploads/for/<repo hash>/<sha256>``, empty, one per object and repo."""
 STAGING = "staging/"
+CHECKING = "checking/"
+"""The store's copies of staged objects while the hub hashes them: keys no client can write."""
 XORBS = "xet/xorbs/"
 XORB_OWNERS = "xet/owners/"
 """Who sent each xorb: ``xet/owners/<user hash>/<xorb>``, empty, rewritten at each use."""
@@ -78,6 +84,10 @@ def upload_key(sha256: str) -> str:
 
 def staging_key(upload_id: str) -> str:
     return f"{STAGING}{upload_id}"
+
+
+def checking_key(name: str) -> str:
+    return f"{CHECKING}{name}"
 
 
 @contextlib.contextmanager
@@ -130,7 +140,8 @@ class S3Objects:
 
     def presign_parts(self, key: str, size: int) -> tuple[str, list[str]]:
         """A multipart upload to ``key`` begun for ``size`` bytes: its id, and a short-lived URL
-        that PUTs each part of ``self.chunk`` bytes (the last one shorter), in order."""
+        that PUTs each part of ``self.chunk`` bytes (the last one shorter), in order, its length
+        signed."""
         with _reachable():
             upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)[
                 "UploadId"
@@ -143,6 +154,7 @@ class S3Objects:
                     "Key": key,
                     "UploadId": upload_id,
                     "PartNumber": number,
+                    "ContentLength": min(self.chunk, size - (number - 1) * self.chunk),
                 },
                 ExpiresIn=self.ttl,
             )
@@ -206,11 +218,17 @@ class S3Objects:
             self._client.upload_file(str(path), self.bucket, key, Config=_TRANSFER)
 
     def copy(self, source: str, key: str) -> None:
-        """Copy ``source`` to ``key`` inside the store (multipart when large)."""
+        """Copy ``source`` to ``key`` inside the store (multipart when large), replacing what
+        ``key`` held; FileNotFoundError when the bucket does not hold ``source``."""
         with _reachable():
-            self._client.copy(
-                {"Bucket": self.bucket, "Key": source}, self.bucket, key, Config=_TRANSFER
-            )
+            try:
+                self._client.copy(
+                    {"Bucket": self.bucket, "Key": source}, self.bucket, key, Config=_TRANSFER
+                )
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in _NOT_FOUND:
+                    raise FileNotFoundError(source) from None
+                raise
 
     def delete(self, key: str) -> None:
         with _reachable():

@@ -59,6 +59,7 @@ from .errors import (
     PublishRefused,
     SignatureRefused,
     TooLarge,
+    TooMuchStaged,
     UploadMissing,
 )
 from .faults import crash_point
@@ -276,11 +277,42 @@ class HubStore:
             )
 
     def collect_uploads(self) -> int:
-        """Remove uploads never committed older than the upload time-to-live, xorbs unused for
-        the Xet time-to-live, and temp files left by crashed requests; returns how many went."""
+        """Remove uploads never committed older than the upload time-to-live (staged ones with
+        their share of their user's staging quota), xorbs unused for the Xet time-to-live, and
+        temp files left by crashed requests; returns how many went."""
+        self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (time.time(),))
         return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(
             self.xet_ttl
         )
+
+    def reserve_staging(self, account: str, upload_id: str, size: int, limit: int) -> None:
+        """Count a presigned upload of ``size`` bytes against ``account``'s staging quota until
+        ``release_staging`` (its verify) or its collection after the upload time-to-live;
+        TooMuchStaged when the account's unverified uploads would then pass ``limit`` bytes."""
+        now = time.time()
+        with self.index.repo_lock(f"staging:{account}"), self.index.transaction() as tx:
+            tx.execute(
+                "DELETE FROM staged_uploads WHERE account = ? AND expires_at < ?", (account, now)
+            )
+            row = tx.row(
+                "SELECT COALESCE(SUM(size), 0) AS held FROM staged_uploads WHERE account = ?",
+                (account,),
+            )
+            held = int(row["held"]) if row else 0
+            if held + size > limit:
+                raise TooMuchStaged(
+                    f"{account} holds {held} bytes of presigned uploads not yet verified; "
+                    f"{size} more would pass the limit of {limit} (object_store.max_staged_bytes): "
+                    "verify those first, or wait for them to expire"
+                )
+            tx.execute(
+                "INSERT INTO staged_uploads (id, account, size, expires_at) VALUES (?, ?, ?, ?)",
+                (upload_id, account, size, now + self.upload_ttl),
+            )
+
+    def release_staging(self, upload_id: str) -> None:
+        """Give a staged upload's share of its user's quota back (it was verified or refused)."""
+        self.index.execute("DELETE FROM staged_uploads WHERE id = ?", (upload_id,))
 
     def maybe_collect_uploads(self) -> None:
         """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .blobs import BlobStore, hash_file, listed_files, sharded_name
 from .errors import InvalidRequest, TooLarge
-from .s3 import STAGING, Listed
+from .s3 import CHECKING, STAGING, Listed
 from .store import HubStore
 
 __all__ = ["Collected", "Finding", "check_store", "collect_garbage"]
@@ -92,11 +92,12 @@ class Finding:
 
 
 def check_store(store: HubStore, repair: bool, grace: float) -> list[Finding]:
-    """Compare every object the index names with the bytes the store holds (each hashed), and
-    report staged uploads, uploads awaiting their commit, orphaned blobs and xorbs. With
-    ``repair``: restore a missing or corrupt blob from a checked copy (this process's cache, an
-    upload of the same bytes), remove corrupt copies no commit names (uploads, caches, xorbs),
-    collect what ``collect_garbage`` would; never remove what a commit names."""
+    """Compare every object the index names with the bytes the store holds (each hashed), hash
+    every upload awaiting its commit, orphaned blob and xorb too, and report staged uploads.
+    With ``repair``: restore a missing or corrupt blob from a checked copy (this process's
+    cache, an upload of the same bytes), remove corrupt copies no commit names (uploads,
+    orphaned blobs, caches, xorbs), collect what ``collect_garbage`` would; never remove what a
+    commit names."""
     blobs = store.blobs
     rows = store.index.rows(
         "SELECT f.sha256, f.size, f.path, f.commit_sha, r.org, r.name FROM files f "
@@ -118,9 +119,11 @@ def check_store(store: HubStore, repair: bool, grace: float) -> list[Finding]:
     found += _check_uploads(store, repair)
     found += _check_xorbs(store, repair)
     orphans = sorted(set(held) - set(named))
+    wrong = {s: actual for s in orphans if (actual := blobs.stored_sha256(s)) not in (s, None)}
+    found += _wrong_orphans(store, wrong, repair)
     gone = set(_collect_blobs(store, grace)[0]) if repair else set()
     now = time.time()
-    for sha in orphans:
+    for sha in (o for o in orphans if o not in wrong):
         old = now - held[sha].mtime > grace
         found.append(
             Finding(
@@ -170,37 +173,63 @@ def _check_named(
     )
 
 
+def _wrong_orphans(store: HubStore, wrong: dict[str, str], repair: bool) -> list[Finding]:
+    """Blobs no commit names whose bytes are not their name (``wrong``: what they hash to); with
+    ``repair`` removed, under the collection lock once no commit names them still."""
+    removed: set[str] = set()
+    if repair and wrong:
+        with store.index.collection_lock(exclusive=True):
+            named = _named(store)
+            for sha in wrong:
+                if sha not in named and store.blobs.stored_sha256(sha) != sha:
+                    store.blobs.remove_blob(sha)
+                    removed.add(sha)
+    return [
+        Finding(
+            "corrupt",
+            f"orphan:{sha}",
+            f"no commit names it, and it holds SHA-256 {actual}",
+            "removed" if sha in removed else "--repair removes it",
+            repaired=sha in removed,
+        )
+        for sha, actual in sorted(wrong.items())
+    ]
+
+
 def _check_cache(blobs: BlobStore, repair: bool) -> list[Finding]:
-    """With an object store: copies in this process's cache whose bytes are not their name."""
+    """With an object store: copies of blobs and uploads in this process's cache whose bytes
+    are not their name."""
     found = []
-    for b in listed_files(blobs.dir, sharded_name):
-        actual = hash_file(blobs.path(b.key)).sha256
-        if actual != b.key:
-            if repair:
-                blobs.path(b.key).unlink(missing_ok=True)
-            found.append(
-                Finding(
-                    "corrupt",
-                    f"cache:{b.key}",
-                    f"the cached copy holds SHA-256 {actual}",
-                    "removed (the bucket's copy is read again)"
-                    if repair
-                    else "--repair removes it",
-                    repaired=repair,
+    for folder, path_of in ((blobs.dir, blobs.path), (blobs.uploads, blobs.upload_path)):
+        for b in listed_files(folder, sharded_name):
+            actual = hash_file(path_of(b.key)).sha256
+            if actual != b.key:
+                if repair:
+                    path_of(b.key).unlink(missing_ok=True)
+                found.append(
+                    Finding(
+                        "corrupt",
+                        f"cache:{b.key}",
+                        f"the cached copy holds SHA-256 {actual}",
+                        "removed (the bucket's copy is read again)"
+                        if repair
+                        else "--repair removes it",
+                        repaired=repair,
+                    )
                 )
-            )
     return found
 
 
 def _check_uploads(store: HubStore, repair: bool) -> list[Finding]:
-    """Uploads awaiting their commit whose bytes are not their name (removed with ``repair``:
-    no commit names an upload), and staged uploads (clients' presigned PUTs, unchecked)."""
+    """Uploads awaiting their commit whose bytes are not their name (with an object store: in
+    its bucket; removed with ``repair``: no commit names an upload), and objects staged by
+    clients' presigned PUTs (unchecked) or left by a check of one that stopped midway."""
     blobs, found, now = store.blobs, [], time.time()
-    for u in listed_files(blobs.uploads, sharded_name):
-        actual = hash_file(blobs.upload_path(u.key)).sha256
-        if actual != u.key:
+    for u in list(blobs.listed_uploads()):
+        actual = blobs.stored_sha256(u.key, upload=True)
+        if actual not in (u.key, None):  # None: committed or collected since it was listed
             if repair:
-                blobs.upload_path(u.key).unlink(missing_ok=True)
+                blobs.remove_upload(u.key)
             found.append(
                 Finding(
                     "corrupt",
@@ -211,7 +240,8 @@ def _check_uploads(store: HubStore, repair: bool) -> list[Finding]:
                 )
             )
     if blobs.remote is not None:
-        for o in blobs.remote.listed(STAGING):
+        listed = [*blobs.remote.listed(STAGING), *blobs.remote.listed(CHECKING)]
+        for o in listed:
             age, stale = now - o.mtime, now - o.mtime > store.upload_ttl
             note = "an upload in flight (younger than hub.upload_ttl_s)"
             if stale:
