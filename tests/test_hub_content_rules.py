@@ -7,13 +7,19 @@ hub at push, with the real huggingface_hub and timm clients; the hub's downloads
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
+import logging
 import os
 import pickle
+import pickletools
+import random
+import re
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +36,7 @@ from live import WRITE_TOKEN, raw_commit
 from PIL import Image
 
 from vip_hub import verify_repo
+from vip_hub.models.tokenizer import public_vocab
 from vip_hub.paths import tree_path_problems, validate_relpath
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.artifacts import (
@@ -38,6 +45,7 @@ from vip_hub.repo.artifacts import (
     rewrite_safetensors_metadata,
 )
 from vip_hub.repo.content import WEIGHT_SOURCE_KEYS
+from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
 
 
@@ -147,6 +155,25 @@ def _image(fmt: str, **options: object) -> bytes:
 _PICKLE_AS_TEXT = b"cos\nsystem\n(S'echo owned'\ntR."  # protocol 0: plain ASCII
 
 
+def _call(marker: str) -> bytes:
+    """Protocol-0 opcodes that call ``logging.getLogger(marker)``: harmless, and seen after."""
+    return b"clogging\ngetLogger\n(S'" + marker.encode() + b"'\ntR"
+
+
+_C_UNPICKLER_ONLY: dict[str, Callable[[str], bytes]] = {
+    "hex INT (the review's I0x1)": lambda m: b"I0x1\n0" + _call(m) + b".",
+    "octal INT": lambda m: b"I0o7\n0" + _call(m) + b".",
+    "binary INT": lambda m: b"I0b1\n0" + _call(m) + b".",
+    "hex LONG": lambda m: b"L0x1L\n0" + _call(m) + b".",
+    "octal LONG without its L": lambda m: b"L0o7\n0" + _call(m) + b".",
+    "non-ASCII STRING": lambda m: "S'\u00e9t\u00e9'\n0".encode() + _call(m) + b".",
+    "no STOP": _call,
+    "prose after the call": lambda m: _call(m) + b" and some prose after it\n",
+}
+"""Text the C unpickler runs up to the call and pickletools does not read (base-0 numbers, a
+STRING for ``encoding='latin1'`` as numpy and torch load, the end after the call has run)."""
+
+
 def _what_runs(tmp_path: Path) -> dict[str, bytes]:
     """The review's files: each runs code when a client loads it (or hides what does)."""
     return {
@@ -157,6 +184,8 @@ def _what_runs(tmp_path: Path) -> dict[str, bytes]:
         "photo.jpg": _image("JPEG") + _zip(),
         "modeling_vip.py": b"import os\nos.system('touch /tmp/owned-by-a-repo')\n",
         "notes.txt": _PICKLE_AS_TEXT,
+        "vocab.txt": _C_UNPICKLER_ONLY["hex INT (the review's I0x1)"]("vip-hub-test-review"),
+        "extra.yaml": _C_UNPICKLER_ONLY["no STOP"]("vip-hub-test-review"),
     }
 
 
@@ -174,6 +203,8 @@ def test_files_that_run_code_are_refused_naming_the_file(good, tmp_path):
     assert "bytes after its EOI marker" in messages["photo.jpg"]
     assert "is not UTF-8 text" in messages["archive.txt"]
     assert "holds a pickle" in messages["notes.txt"]
+    for name in ("vocab.txt", "extra.yaml"):
+        assert "holds a pickle: unpickling it would import the module 'logging'" in messages[name]
 
 
 @pytest.mark.parametrize(
@@ -247,13 +278,121 @@ def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
     assert "not fully covered" in problems[0].message
 
 
-def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
+@pytest.mark.parametrize("case", sorted(_C_UNPICKLER_ONLY))
+def test_a_pickle_the_c_unpickler_runs_is_refused_in_any_text(good, tmp_path, case):
+    """pickle.loads of each runs its call (pickletools stops before it, so these counted as
+    text); as vocab.txt or an extra YAML file, each is refused naming the import."""
+    marker = f"vip-hub-test {case}"
+    payload = _C_UNPICKLER_ONLY[case](marker)
+    with pytest.raises(ValueError):
+        list(pickletools.genops(payload))
+    assert marker not in logging.Logger.manager.loggerDict
+    with contextlib.suppress(pickle.UnpicklingError, EOFError):
+        pickle.loads(payload, encoding="latin1")
+    assert marker in logging.Logger.manager.loggerDict  # the call ran
     folder = _copy(good, tmp_path)
-    for i, text in enumerate(
-        ["The model card.\n" * 50, "N.B. short", "S'quoted'\n", "(\n)\n", "I1\nI2\n"]
-    ):
-        (folder / f"note{i}.txt").write_text(text)
-    assert verify_repo(folder).ok
+    for name in ("vocab.txt", "notes/extra.yaml"):
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_bytes(payload)
+    problems = verify_repo(folder).problems
+    assert sorted(p.where for p in problems) == ["notes/extra.yaml", "vocab.txt"]
+    for p in problems:
+        assert p.message.startswith(
+            "holds a pickle: unpickling it would import the module 'logging' (GLOBAL at byte "
+        ), p.message
+
+
+class _Imported(Exception):
+    pass
+
+
+class _Recorder(pickle.Unpickler):
+    """The C unpickler, stopped at its first import; an application's persistent ids load."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise _Imported(module)
+
+    def persistent_load(self, pid: object) -> object:
+        return pid
+
+
+def _imports(data: bytes) -> str | None:
+    """The module the C unpickler imports first, reading pickles from ``data`` in a loop (as
+    repeated ``pickle.load`` calls do), or None when it raises or ends before any import."""
+    unpickler = _Recorder(io.BytesIO(data), encoding="latin1")
+    try:
+        for _ in range(len(data)):
+            unpickler.load()
+    except _Imported as e:
+        return e.args[0]
+    except Exception:  # whatever the C unpickler raises ends it
+        return None
+    return None
+
+
+def _importable(module: str | None) -> bool:
+    """Whether a file on ``sys.path`` could be the module (``cno such module`` could not)."""
+    return module is not None and all(re.fullmatch(r"[\w-]+", p) for p in module.split("."))
+
+
+_FRAGMENTS = [
+    *(bytes([c]) for c in b"(.0123NRtd}]lasuebo)Q\x85\x86\x87\x88\x8f\x90\x91\x94\x97\x98\n#"),
+    *(
+        line + b"\n"
+        for line in (b"I0x1", b"I0o7", b"I 010", b"I08", b"I", b"L0x1L", b"L0b1", b"L", b"F1.5")
+    ),
+    *(line + b"\n" for line in (b"F 1", b"Finf", b"S'a'", b"S'", b"S\"x'", b"Pid", b"Vx")),
+    *(line + b"\n" for line in (b"p0", b"p 1", b"p-1", b"g0", b"g1")),
+    *(b"q\x00", b"h\x00", b"r\x01\x00\x00\x00", b"j\x01\x00\x00\x00"),  # memo keys
+    *(b"K ", b"J    ", b"U\x01x", b"T\x01\x00\x00\x00x"),  # binary arguments
+    *(b"\x82\x01", b"\x80\x02", b"\x81", b"\x92"),  # EXT1, PROTO, NEWOBJ, NEWOBJ_EX
+    b"\x95\x01\x00\x00\x00\x00\x00\x00\x00N",  # FRAME
+    b"clogging\nLogger\n",
+    b"cno such module\nx\n",
+    b"ilogging\nLogger\n",
+    b"\x8c\x07logging\x8c\x06Logger\x93",  # STACK_GLOBAL
+]
+"""Pieces of pickles and of text the differential test strings together."""
+
+
+def test_the_scan_refuses_whatever_the_c_unpickler_would_import():
+    """20,000 random strings of opcodes, numbers in every base, truncated arguments, marks and
+    memo keys: whenever the C unpickler gets as far as importing a module a file could hold, the
+    scan says so; whatever it says of the rest only errs towards refusing."""
+    rng, imports = random.Random(53), 0
+    for _ in range(20_000):
+        data = b"".join(rng.choice(_FRAGMENTS) for _ in range(rng.randint(1, 12)))
+        if not _importable(_imports(data)):
+            continue
+        imports += 1
+        assert pickle_problem(data), data
+    assert imports > 500  # the strings reach an import often enough to test the scan
+
+
+def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
+    """Text that starts with opcodes but does not run as a pickle: vocabularies (a line ``I``,
+    ``L`` or ``0x1`` stops the C unpickler), YAML, Markdown, release notes ('Git 1.7.12.2' is
+    BINFLOAT, DUP, STOP: a pickle of data, importing nothing)."""
+    folder = _copy(good, tmp_path)
+    texts = {
+        "vocab.txt": public_vocab(["I saw the cat", "0x1 L ##s"]).decode(),
+        "vocab2.txt": "I\nL\n0x1\n##s\nthe\ncat\n",
+        "vocab3.txt": "L\nI\n[PAD]\n",
+        "vocab4.txt": "0x1\nI0x1\n",
+        "notes.yaml": "classes:\n  - cat\n  - dog\nconfig: {lr: 0.1}\n",
+        "notes.md": "# Notes\n\nI0x1 is hex.\n",
+        "release.txt": "Git 1.7.12.2 Release Notes\n==========\n",
+        **{
+            f"note{i}.txt": text
+            for i, text in enumerate(
+                ["The model card.\n" * 50, "N.B. short", "S'quoted'\n", "(\n)\n", "I1\nI2\n"]
+            )
+        },
+    }
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+        assert not _importable(_imports(text.encode())), name
+    assert verify_repo(folder).ok, verify_repo(folder).problems
 
 
 def test_weights_files_are_recognised_in_any_case(good, tmp_path):

@@ -9,8 +9,9 @@ appended, a zip behind one junk byte):
 - JSON (``*.json``, and ``model.sig``: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
   Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
   vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and
-  carriage return, then the kind's parser; every text file is also scanned for pickle opcodes
-  (a protocol-0 pickle is plain ASCII);
+  carriage return, then the kind's parser; every text file is also walked as the C unpickler
+  would run it, and refused if that would import a module (``vip_hub.repo.pickles``: a
+  protocol-0 pickle is plain ASCII);
 - PNG, JPEG (``*.jpg``, ``*.jpeg``) and WebP: their chunk or segment structure, from the
   signature to the end marker on the file's last byte.
 
@@ -26,17 +27,15 @@ would send timm elsewhere for the weights (a repo's verified ``model.safetensors
 from __future__ import annotations
 
 import codecs
-import io
 import json
 import mmap
 import os
-import pickletools
 import re
 import struct
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 import yaml
 from safetensors import SafetensorError, safe_open
@@ -44,6 +43,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import RepoFormatError
 from ..repo_format import CONFIG_FILE, SIGNATURE_FILE
 from .card import load_card
+from .pickles import pickle_problem
 
 __all__ = ["ALLOWED_KINDS", "WEIGHT_SOURCE_KEYS", "content_problem", "weight_sources"]
 
@@ -61,53 +61,12 @@ WEIGHT_SOURCE_KEYS = frozenset(
 """pretrained_cfg keys timm (1.0: ``models/_builder.py``) reads to find where weights come from."""
 
 _CHUNK = 1 << 20
-_MAX_OPCODES = 64  # this many valid pickle opcodes in a row is a pickle, not text
-_MAX_ARGUMENT = 1 << 20  # an opcode argument longer than this is a padded pickle
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 """Control characters plain text does not hold (tab, line feed and carriage return it may)."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ------------------------------------------------------------------------------ text kinds
-
-
-class _TooLong(Exception):
-    """A pickle opcode argument longer than the scan reads."""
-
-
-class _Capped:
-    """A file as pickletools reads it, with each read bounded."""
-
-    def __init__(self, f: BinaryIO):
-        self._f, self._size = f, os.fstat(f.fileno()).st_size
-
-    def read(self, n: int = -1) -> bytes:
-        if n < 0 or n > self._size - self._f.tell():
-            raise ValueError("a length past the end of the file: not a pickle")
-        if n > _MAX_ARGUMENT:
-            raise _TooLong
-        return self._f.read(n)
-
-    def readline(self) -> bytes:
-        line = self._f.readline(_MAX_ARGUMENT + 1)
-        if len(line) > _MAX_ARGUMENT:
-            raise _TooLong
-        return line
-
-
-def _is_pickle(f: BinaryIO) -> bool:
-    """Whether the stream parses as pickle opcodes up to STOP, or for long enough (nothing runs)."""
-    count = 0
-    try:
-        for opcode, _arg, _pos in pickletools.genops(_Capped(f)):  # type: ignore[arg-type]
-            count += 1
-            if opcode.name == "PROTO" or count >= _MAX_OPCODES:
-                return True
-        return count >= 3  # the shortest call of a global: GLOBAL, EMPTY_TUPLE, REDUCE, STOP
-    except _TooLong:  # a valid opcode whose argument is padding
-        return True
-    except (ValueError, struct.error, OverflowError, io.UnsupportedOperation):
-        return False
 
 
 def _plain_text(path: Path) -> str | None:
@@ -126,9 +85,9 @@ def _plain_text(path: Path) -> str | None:
             if not chunk:
                 break
             offset += len(chunk)
-        f.seek(0)
-        if _is_pickle(f):
-            return "holds a pickle (plain ASCII opcodes that run code when unpickled)"
+        if offset:  # a text is walked as the C unpickler would run it
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return pickle_problem(m)
     return None
 
 
