@@ -1,20 +1,21 @@
-# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+# Two commands on a fresh machine: `make run` and `make test` (see README.md and
+# docs/get-started/install.md).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast quality venv bench clean
+.PHONY: run test test-fast quality docs venv bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[all,dev,docs]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
-## The main job: train, publish and serve private encoders (see README).
+## The main job: train, publish and serve private encoders (docs/get-started/main-job.md).
 run: venv
 	$(BIN)/vip-hub run
 
@@ -23,9 +24,9 @@ run: venv
 ## (loadgroup). `make test XDIST=` runs them in one process (about 18 minutes against 14 here).
 XDIST ?= -n 2 --dist loadgroup
 
-## Lint, format and layer contracts (ruff, import-linter), then every test, the slow end-to-end
-## ones included (what CI runs).
-test: quality
+## Lint, format and layer contracts (ruff, import-linter), the documentation site built strictly,
+## then every test, the slow end-to-end ones included (what CI runs).
+test: quality docs
 	$(BIN)/python -m pytest $(XDIST)
 
 ## Lint (ruff check), formatting (ruff format --check) and the layer contracts (lint-imports).
@@ -33,6 +34,11 @@ quality: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+## The documentation site (mkdocs.yml, docs/), built strictly into build/site/: any warning fails
+## (a dead link or anchor, a page missing from the nav, a docstring griffe cannot parse).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## Skip the slow end-to-end tests.
 test-fast: venv

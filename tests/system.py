@@ -20,6 +20,19 @@ import psycopg
 import pytest
 from live import free_port, listens_on
 
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
+"""Debian's Chromium in the browser tests: headless, as root, no traffic of its own."""
+
 APT_LOCK_WAIT_S = 900
 """How long an install waits for dpkg's lock (held by another worker's install on a fresh machine:
 two workers' apt-get at once failed with exit 100)."""

@@ -9,22 +9,10 @@ import httpx
 import pytest
 from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from live import WRITE_TOKEN
-from system import debian_program
+from system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
-
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-]
 
 
 def _rows(html: str) -> list[str]:

@@ -1,0 +1,256 @@
+"""The documentation site: built strictly (``mkdocs build --strict``), served by a real HTTP
+server on loopback and opened page by page in Debian's Chromium through chromedriver, finding no
+broken internal link (pages and anchors) and no empty page; and the quick start's code blocks,
+run as they stand against a hub of the test's own."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urldefrag, urlsplit
+
+import httpx
+import pytest
+import torch
+from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from live import WRITE_TOKEN, free_port
+from system import CHROMIUM_FLAGS, debian_program
+
+from vip_hub import Dataset, NonPrivateStage, export_encoder
+from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo.push import push_repo
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "docs" / "get-started" / "quickstart.md"
+MAKE_RUN_HUB = "http://127.0.0.1:8000"
+"""Where the quick start expects the hub that `make run` serves; the test points it at its own."""
+MIN_TEXT = 200
+"""Characters of text a page's article must hold: a stub, or a reference page whose generator
+produced nothing, has a title and little else."""
+PAGE_FACTS = """() => {
+  const article = document.querySelector("article") || document.body;
+  return {
+    h1: (article.querySelector("h1") || {textContent: ""}).textContent.trim(),
+    text: article.innerText.trim().length,
+    ids: Array.from(document.querySelectorAll("[id]"), (e) => e.id),
+    links: Array.from(document.querySelectorAll("a[href]"), (a) => a.href),
+  };
+}"""
+
+
+def build_site(out: Path) -> None:
+    """``mkdocs build --strict`` (what ``make docs`` runs) into ``out``."""
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve(folder: Path) -> Iterator[str]:
+    """The folder over HTTP on 127.0.0.1 (Python's own server, in a thread); yields its URL."""
+    handler = functools.partial(_Quiet, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class Browser:
+    """Chromium driven by chromedriver over the W3C WebDriver protocol (plain HTTP)."""
+
+    def __init__(self, chromium: str, chromedriver: str, profile: Path):
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [chromedriver, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/status", timeout=1).json()["value"]["ready"]:
+                    break
+            time.sleep(0.05)
+        options = {"binary": chromium, "args": [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]}
+        caps = {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}
+        reply = httpx.post(self.url + "/session", json={"capabilities": caps}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        self.session = f"{self.url}/session/{reply.json()['value']['sessionId']}"
+
+    def open(self, url: str) -> None:
+        reply = httpx.post(self.session + "/url", json={"url": url}, timeout=120)
+        assert reply.status_code == 200, reply.text
+
+    def run(self, function: str) -> Any:
+        body = {"script": f"return ({function})();", "args": []}
+        reply = httpx.post(self.session + "/execute/sync", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["value"]
+
+    def close(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.delete(self.session, timeout=30)
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def page_paths(site: Path) -> list[str]:
+    """The URL path of every page the build wrote (``x/index.html`` is ``/x/``)."""
+    pages = []
+    for html in sorted(site.rglob("index.html")):
+        rel = html.parent.relative_to(site).as_posix()
+        pages.append("/" if rel == "." else f"/{rel}/")
+    return pages
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("docs") / "site"
+    build_site(out)
+    return out
+
+
+@pytest.mark.slow
+def test_every_page_opens_in_a_browser_without_a_broken_link(site, tmp_path):
+    pages = page_paths(site)
+    assert len(pages) >= 35, pages
+    chromium = debian_program("chromium", "chromium", "/usr/bin/chromium")
+    chromedriver = debian_program("chromedriver", "chromium-driver", "/usr/bin/chromedriver")
+    facts: dict[str, dict[str, Any]] = {}
+    with serve(site) as base:
+        browser = Browser(chromium, chromedriver, tmp_path / "profile")
+        try:
+            for page in pages:
+                browser.open(base + page)
+                facts[page] = browser.run(PAGE_FACTS)
+        finally:
+            browser.close()
+        empty = {p: f["text"] for p, f in facts.items() if not f["h1"] or f["text"] < MIN_TEXT}
+        assert not empty, f"pages without a title or text: {empty}"
+        broken, linked = [], set()
+        for page, f in facts.items():
+            for link in f["links"]:
+                target, anchor = urldefrag(link)
+                if not target.startswith(base):
+                    continue  # another site: never fetched by this test
+                path = urlsplit(target).path
+                linked.add(path)
+                if path in facts:
+                    if anchor and anchor not in facts[path]["ids"]:
+                        broken.append(f"{page} -> {path}#{anchor} (no such anchor)")
+                elif httpx.get(base + path, timeout=30).status_code != 200:
+                    broken.append(f"{page} -> {path}")
+        assert not broken, "broken internal links:\n" + "\n".join(sorted(set(broken)))
+    # every page is reachable from another one (the navigation), none is an orphan
+    assert set(pages) - linked <= {"/"}, set(pages) - linked
+
+
+def test_the_generated_reference_says_what_the_code_declares(site):
+    """The reference pages come from the code: each holds what its source declares."""
+
+    def text(page: str) -> str:
+        return re.sub(r"<[^>]+>", " ", (site / page / "index.html").read_text())
+
+    cli = text("reference/cli")
+    for command in ("vip-hub serve", "vip-hub verify", "vip-hub train-vip", "{create,list,revoke}"):
+        assert command in cli, command
+    settings = text("reference/settings")
+    for name in ("VIP_HUB_HUB__DELTA", "VIP_HUB_INFERENCE__MAX_BATCH_SIZE", "object_store.bucket"):
+        assert name in settings, name
+    assert "/v1/classify" in text("reference/rest") and (site / "reference/openapi.json").is_file()
+    assert "vip-hub/privacy-ledger/v4" in text("reference/ledger-schema")
+    assert "load_encoder" in text("reference/api/loading")
+    assert "Benchmarks" in text("results/benchmarks")
+
+
+# ---- the quick start ------------------------------------------------------------------------
+
+
+def code_blocks(markdown: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", markdown, re.S | re.M)
+
+
+def fashion_repo(folder: Path) -> Path:
+    """A tiny vip-nano repo shaped like the one `make run` publishes: a DP stage, and a 10-class
+    head ``fashion-mnist`` on its ``avg`` features."""
+    repo = export_encoder(
+        folder, tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name=folder.name
+    )
+    torch.manual_seed(0)
+    classes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat"]
+    save_head(
+        repo,
+        LinearProbe(192, len(classes)).eval(),
+        HeadInfo("fashion-mnist", "avg", classes, {"top1": 0.5}),
+        NonPrivateStage(
+            name="linear-probe:fashion-mnist",
+            component="heads/fashion-mnist",
+            dataset=Dataset(name="test-labels", size=30),
+            private_data=True,
+        ),
+    )
+    return repo
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_against_a_hub(hub, tmp_path):
+    push_repo(
+        fashion_repo(tmp_path / "vip-nano-fashion-dp"), "vip/vip-nano-fashion-dp", token=WRITE_TOKEN
+    )
+    page = QUICKSTART.read_text()
+    python = "\n".join(code_blocks(page, "python")).replace(MAKE_RUN_HUB, hub.url)
+    shell = "\n".join(code_blocks(page, "bash")).replace(MAKE_RUN_HUB, hub.url)
+    assert "hf-hub:vip/vip-nano-fashion-dp" in python and "/v1/classify" in python
+    assert "verify" in python and "vip-hub verify" in shell
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf"),  # a user's fresh cache
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    env.pop("HF_ENDPOINT", None)  # the quick start sets it itself
+    (tmp_path / "quickstart.py").write_text(python)
+    ran = subprocess.run(
+        [sys.executable, "quickstart.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
+    out = ran.stdout
+    assert "torch.Size([1, 192])" in out  # timm's forward
+    assert "-DP on " in out and "True" in out  # the guarantee, and verify's report
+    assert "T-shirt/top" in out or "Trouser" in out  # the head's labels
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
