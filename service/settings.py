@@ -96,14 +96,14 @@ class HubSettings(BaseModel):
     max_front_matter_bytes: int = Field(
         FrontMatterLimits.max_bytes,
         gt=0,
-        description=f"largest YAML front matter of a model card ({CARD_FILE}) that a commit or "
-        "/api/validate-yaml accepts (400 naming the limit)",
+        description=f"largest YAML front matter of a model card ({CARD_FILE}), and largest YAML "
+        "file (.yaml, .yml), that a commit or /api/validate-yaml accepts (400 naming the limit)",
     )
     max_front_matter_depth: int = Field(
         FrontMatterLimits.max_depth,
         gt=0,
-        description="deepest nesting of lists and mappings in a card's front matter (400 naming "
-        "the limit)",
+        description="deepest nesting of lists and mappings in a card's front matter or a YAML "
+        "file (400 naming the limit)",
     )
     page_cache_entries: int = Field(
         256, gt=0, description="model pages kept rendered (each commit's is rendered once)"

@@ -1,6 +1,8 @@
 """Untrusted text and bodies (issue 24, Medium 8 and 10, Low 12): YAML aliases in a card's front
-matter are refused wherever a card is parsed; every route bounds its body; ledger strings stay
-literal text in the card and on the pages, which send a Content-Security-Policy and nosniff."""
+matter are refused wherever a card is parsed, and every YAML file a repo carries is held to the
+card's limits (issue 53, Low: alias bombs in extra YAML files); every route bounds its body;
+ledger strings stay literal text in the card and on the pages, which send a
+Content-Security-Policy and nosniff."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import httpx
 import pytest
 from helpers import TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, raw_commit
+from live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 
 from service.pages.render import card_body, markdown_html
 from vip_hub import Dataset, DPStage, export_encoder, verify_repo
@@ -147,6 +149,77 @@ def test_validate_yaml_refuses_aliases(hub):
         hub.url + "/api/validate-yaml", json={"content": "---\nlicense: mit\n---\n# card\n"}
     )
     assert ok.status_code == 200 and ok.json() == {"errors": [], "warnings": []}
+
+
+def _yaml_files(folder: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    return folder
+
+
+def test_every_yaml_file_is_held_to_the_cards_limits(tmp_path):
+    """The review's bomb.yaml (10^9 nodes: 9 levels of 10 aliases each), and the same bomb as a
+    .yml file and as an extra Markdown file's front matter, are refused as a card's would be,
+    before anything expands them; so are YAML files nested too deep or too large."""
+    from helpers import tiny_repo_with_head
+
+    folder = _yaml_files(
+        tiny_repo_with_head(tmp_path / "bombs"),
+        {
+            "bomb.yaml": _alias_bomb(9, 10),
+            "notes/bomb.yml": _alias_bomb(9, 10),
+            "notes/extra.md": "---\n" + _alias_bomb(9, 10) + "---\n# Notes\n",
+            "notes/deep.yaml": "x: " + "[" * 20 + "]" * 20 + "\n",  # 21 levels with the mapping
+            "notes/big.yaml": "k: v\n" * 14_000,
+            "notes/fine.yaml": "x: " + "[" * 19 + "]" * 19 + "\n" + "k: v\n" * 1000,
+        },
+    )
+    problems = {p.where: p.message for p in verify_repo(folder).problems}
+    assert problems == {
+        "bomb.yaml": "uses YAML aliases ('*name'), which are refused",
+        "notes/bomb.yml": "uses YAML aliases ('*name'), which are refused",
+        "notes/extra.md": "its front matter uses YAML aliases ('*name'), which are refused",
+        "notes/deep.yaml": "nests lists and mappings deeper than the limit of 20 levels",
+        "notes/big.yaml": "is 70000 bytes, over the limit of 65536 bytes",
+    }
+
+
+def test_the_hub_refuses_an_alias_bomb_in_any_yaml_file(hub, tmp_path):
+    """The review's commit (bomb.yaml beside a good repo, 200 before): a 400 naming the file."""
+    from helpers import tiny_repo_with_head
+
+    folder = tiny_repo_with_head(tmp_path / "bomb")
+    push_repo(folder, "writer/yaml-bomb", token=WRITE_TOKEN)
+    api = HfApi(token=WRITE_TOKEN)
+    before = api.model_info("writer/yaml-bomb").sha
+    r = raw_commit(hub.url, "writer/yaml-bomb", {"bomb.yaml": _alias_bomb(9, 10).encode()})
+    assert r.status_code == 400, r.text
+    assert "bomb.yaml: uses YAML aliases ('*name'), which are refused" in r.json()["error"]
+    assert api.model_info("writer/yaml-bomb").sha == before
+
+
+def test_the_hub_holds_yaml_files_to_its_own_limits(tmp_path):
+    """A hub configured below the defaults (the card fits: 5 levels, about 2 KB) refuses YAML
+    files the defaults allow, naming its limits."""
+    from helpers import tiny_repo_with_head
+
+    folder = tiny_repo_with_head(tmp_path / "repo")
+    files = {"deep.yaml": "x: " + "[" * 6 + "]" * 6 + "\n", "big.yaml": "k: v\n" * 1000}
+    assert verify_repo(_yaml_files(Path(shutil.copytree(folder, tmp_path / "copy")), files)).ok
+    settings = settings_for(
+        tmp_path / "store",
+        hub={"max_front_matter_depth": 6, "max_front_matter_bytes": 4096},
+        inference={"enabled": False},
+    )
+    with ThreadedServer(settings) as server:
+        push_repo(folder, "writer/small-yaml", endpoint=server.url, token=WRITE_TOKEN)
+        for name, message in (
+            ("deep.yaml", "deep.yaml: nests lists and mappings deeper than the limit of 6 levels"),
+            ("big.yaml", "big.yaml: is 5000 bytes, over the limit of 4096 bytes"),
+        ):
+            r = raw_commit(server.url, "writer/small-yaml", {name: files[name].encode()})
+            assert r.status_code == 400 and message in r.json()["error"], r.text
 
 
 # ------------------------------------------------------------------------------- body limits

@@ -75,8 +75,9 @@ them)."""
 
 @dataclass(frozen=True)
 class FrontMatterLimits:
-    """How much YAML a card's front matter may hold: ``max_bytes`` of text, lists and mappings
-    nested at most ``max_depth`` deep (a YAML loader recurses once per level)."""
+    """How much YAML a card's front matter, and each YAML file of a repo, may hold: ``max_bytes``
+    of text, lists and mappings nested at most ``max_depth`` deep (a YAML loader recurses once per
+    level), and no alias (``vip_hub.repo.card.yaml_problem``)."""
 
     max_bytes: int = 64 * 1024
     max_depth: int = 20

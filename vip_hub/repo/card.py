@@ -35,10 +35,12 @@ __all__ = [
     "card_ledger",
     "component_headlines",
     "format_params",
+    "front_matter_problem",
     "guarantee_paragraphs",
     "ledger_rows",
     "load_card",
     "render_card",
+    "yaml_problem",
 ]
 
 LEDGER_COLUMNS = (
@@ -158,42 +160,44 @@ def load_card(
     readme: str, *, strict: bool = False, limits: FrontMatterLimits | None = None
 ) -> ModelCard:
     """huggingface_hub's ModelCard of ``readme``, once its front matter is known to be within
-    ``limits`` (default: ``FrontMatterLimits()``) and to hold no YAML alias (a few KB of nested
-    aliases expand to gigabytes); ``strict`` refuses bad metadata."""
-    match = REGEX_YAML_BLOCK.search(readme)
-    if match:
-        _check_front_matter(match.group(2), limits or FrontMatterLimits())
+    ``limits`` (default: ``FrontMatterLimits()``; ``yaml_problem``); ``strict`` refuses bad
+    metadata."""
+    if problem := front_matter_problem(readme, limits or FrontMatterLimits()):
+        raise RepoFormatError(f"{CARD_FILE}: {problem}")
     return ModelCard(readme, ignore_metadata_errors=not strict)
 
 
-def _check_front_matter(text: str, limits: FrontMatterLimits) -> None:
-    """RepoFormatError for front matter over ``limits`` or with an alias, from its size and then
-    one pass over its YAML events, stopped at the first excess (parsing events does not recurse;
-    loading them does)."""
+def front_matter_problem(markdown: str, limits: FrontMatterLimits) -> str | None:
+    """Why the YAML front matter of ``markdown`` may not be loaded (``yaml_problem``), else None."""
+    match = REGEX_YAML_BLOCK.search(markdown)
+    problem = match and yaml_problem(match.group(2), limits)
+    return f"its front matter {problem}" if problem else None
+
+
+def yaml_problem(text: str, limits: FrontMatterLimits) -> str | None:
+    """Why YAML ``text`` may not be loaded (over ``limits`` in size or nesting, or with an alias:
+    a few KB of nested aliases expand to gigabytes), else None; from its size, then one pass over
+    its YAML events stopped at the first excess (parsing events does not recurse; loading does)."""
     size = len(text.encode("utf-8"))
     if size > limits.max_bytes:
-        raise RepoFormatError(
-            f"{CARD_FILE}: its front matter is {size} bytes, over the limit of "
-            f"{limits.max_bytes} bytes"
-        )
+        return f"is {size} bytes, over the limit of {limits.max_bytes} bytes"
     depth = 0
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.AliasEvent):
-                raise RepoFormatError(
-                    f"{CARD_FILE}: its front matter uses YAML aliases ('*name'), which are refused"
-                )
+                return "uses YAML aliases ('*name'), which are refused"
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
                 if depth > limits.max_depth:
-                    raise RepoFormatError(
-                        f"{CARD_FILE}: its front matter nests lists and mappings deeper than the "
-                        f"limit of {limits.max_depth} levels"
+                    return (
+                        "nests lists and mappings deeper than the limit of "
+                        f"{limits.max_depth} levels"
                     )
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
     except yaml.YAMLError:
-        return  # not YAML: ModelCard says where, having nested no deeper than the limit
+        return None  # not YAML: its parser says where, having nested no deeper than the limit
+    return None
 
 
 def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:

@@ -9,8 +9,10 @@ appended, a zip behind one junk byte):
 - JSON (``*.json``, and ``model.sig``: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
   Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
   vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and
-  carriage return, then the kind's parser; every text file is also walked as the C unpickler
-  would run it, and refused if that would import a module (``vip_hub.repo.pickles``: a
+  carriage return, then the kind's parser; every YAML (a file, a front matter) first within the
+  card's limits, with no alias (``vip_hub.repo.card.yaml_problem``; the hub's
+  ``hub.max_front_matter_*``); every text file is also walked as the C unpickler would run it,
+  and refused if that would import a module (``vip_hub.repo.pickles``: a
   protocol-0 pickle is plain ASCII);
 - PNG, JPEG (``*.jpg``, ``*.jpeg``) and WebP: their chunk or segment structure, from the
   signature to the end marker on the file's last byte.
@@ -41,8 +43,8 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from ..errors import RepoFormatError
-from ..repo_format import CONFIG_FILE, SIGNATURE_FILE
-from .card import load_card
+from ..repo_format import CONFIG_FILE, SIGNATURE_FILE, FrontMatterLimits
+from .card import front_matter_problem, load_card, yaml_problem
 from .pickles import pickle_problem
 
 __all__ = ["ALLOWED_KINDS", "WEIGHT_SOURCE_KEYS", "content_problem", "weight_sources"]
@@ -64,6 +66,8 @@ _CHUNK = 1 << 20
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 """Control characters plain text does not hold (tab, line feed and carriage return it may)."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+Check = Callable[[Path, FrontMatterLimits], str | None]
+"""A kind's check of a file's content: why it is not that kind, or None."""
 
 
 # ------------------------------------------------------------------------------ text kinds
@@ -91,19 +95,32 @@ def _plain_text(path: Path) -> str | None:
     return None
 
 
-def _parsed(parse: Callable[[str], object], what: str) -> Callable[[Path], str | None]:
-    """A text kind: plain text that ``parse`` accepts whole."""
+def _parsed(
+    parse: Callable[[str, FrontMatterLimits], object],
+    what: str,
+    within: Callable[[str, FrontMatterLimits], str | None] = lambda text, limits: None,
+) -> Check:
+    """A text kind: plain text, ``within`` the YAML limits where it holds YAML, that ``parse``
+    accepts whole."""
 
-    def check(path: Path) -> str | None:
+    def check(path: Path, limits: FrontMatterLimits) -> str | None:
         if problem := _plain_text(path):
             return problem
+        text = path.read_text(encoding="utf-8")
+        if problem := within(text, limits):
+            return problem
         try:
-            parse(path.read_text(encoding="utf-8"))
+            parse(text, limits)
         except (ValueError, yaml.YAMLError, RepoFormatError, RecursionError) as e:
             return f"is not valid {what}: {' '.join(str(e).split())[:300]}"
         return None
 
     return check
+
+
+def _bytes(check: Callable[[Path], str | None]) -> Check:
+    """A kind that holds no YAML: its check, whatever the YAML limits."""
+    return lambda path, limits: check(path)
 
 
 # ---------------------------------------------------------------------------- binary kinds
@@ -211,26 +228,35 @@ def _webp(path: Path) -> str | None:
 
 # ------------------------------------------------------------------------------ the rules
 
-ALLOWED_KINDS: dict[str, Callable[[Path], str | None]] = {
-    ".safetensors": _safetensors,
-    ".json": _parsed(json.loads, "JSON"),
-    ".yaml": _parsed(yaml.safe_load, "YAML"),
-    ".yml": _parsed(yaml.safe_load, "YAML"),
-    ".md": _parsed(load_card, "Markdown with YAML front matter"),
-    ".txt": _plain_text,
-    ".png": _png,
-    ".jpg": _jpeg,
-    ".jpeg": _jpeg,
-    ".webp": _webp,
+_YAML = _parsed(lambda text, limits: yaml.safe_load(text), "YAML", yaml_problem)
+ALLOWED_KINDS: dict[str, Check] = {
+    ".safetensors": _bytes(_safetensors),
+    ".json": _parsed(lambda text, limits: json.loads(text), "JSON"),
+    ".yaml": _YAML,
+    ".yml": _YAML,
+    ".md": _parsed(
+        lambda text, limits: load_card(text, limits=limits),
+        "Markdown with YAML front matter",
+        front_matter_problem,
+    ),
+    ".txt": _bytes(_plain_text),
+    ".png": _bytes(_png),
+    ".jpg": _bytes(_jpeg),
+    ".jpeg": _bytes(_jpeg),
+    ".webp": _bytes(_webp),
 }
-"""Each allowed suffix (any case) and the check of its content: why the file is not one, or None."""
-_BY_NAME = {SIGNATURE_FILE: ALLOWED_KINDS[".json"], ".gitattributes": _plain_text}
+"""Each allowed suffix (any case) and the check of its content within the YAML limits: why the
+file is not one, or None."""
+_BY_NAME = {SIGNATURE_FILE: ALLOWED_KINDS[".json"], ".gitattributes": _bytes(_plain_text)}
 """Repo paths allowed by their whole name: the signature (a Sigstore bundle), git's attributes."""
 
 
-def content_problem(rel: str, path: str | os.PathLike[str]) -> str | None:
+def content_problem(
+    rel: str, path: str | os.PathLike[str], yaml_limits: FrontMatterLimits | None = None
+) -> str | None:
     """Why repo path ``rel`` (its content in the local file ``path``) may not be published, or
-    None: its name is not an allowed kind, or its bytes are not wholly that kind."""
+    None: its name is not an allowed kind, or its bytes are not wholly that kind (its YAML, if
+    any, within ``yaml_limits``, default ``FrontMatterLimits()``)."""
     suffix = PurePosixPath(rel).suffix.lower()
     check = _BY_NAME.get(rel) or ALLOWED_KINDS.get(suffix)
     if check is None:
@@ -239,7 +265,7 @@ def content_problem(rel: str, path: str | os.PathLike[str]) -> str | None:
             f"a {f'{suffix!r} file' if suffix else 'file without a suffix'} is refused by name "
             f"(code, pickles and archives run when loaded); a repo carries only {allowed}"
         )
-    return check(Path(path))
+    return check(Path(path), yaml_limits or FrontMatterLimits())
 
 
 def weight_sources(config: Mapping[str, Any]) -> list[str]:

@@ -145,10 +145,11 @@ def verify_repo(
     front_matter: FrontMatterLimits | None = None,
 ) -> VerificationReport:
     """Verify a repo folder, or a mapping of repo paths to local files (e.g. a hub commit); the
-    card's front matter is read within ``front_matter`` (default: ``FrontMatterLimits()``)."""
+    card's front matter and every YAML file are read within ``front_matter`` (default:
+    ``FrontMatterLimits()``)."""
     files = dict(repo) if isinstance(repo, Mapping) else repo_files(repo)
     report = VerificationReport()
-    _check_paths(files, report)
+    _check_paths(files, report, front_matter)
     for name in REQUIRED_FILES:
         if name not in files:
             report.fail(name, "missing: every released repo carries it")
@@ -166,14 +167,16 @@ def verify_repo(
     return report
 
 
-def _check_paths(files: Mapping[str, Path], report: VerificationReport) -> None:
+def _check_paths(
+    files: Mapping[str, Path], report: VerificationReport, yaml_limits: FrontMatterLimits | None
+) -> None:
     for rel, path in files.items():
         try:
             validate_relpath(rel)
         except RepoFormatError as e:
             report.fail(rel, str(e))
             continue
-        if problem := content_problem(rel, path):
+        if problem := content_problem(rel, path, yaml_limits):
             report.fail(rel, problem, TamperedFileError)
     for problem in tree_path_problems(files):
         report.fail("paths", problem)
