@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import json
 import os
 import re
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 import torch
 from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from live import WRITE_TOKEN, free_port
+from PIL import Image
 from system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import Dataset, NonPrivateStage, export_encoder
@@ -215,42 +217,68 @@ def fashion_repo(folder: Path) -> Path:
     return repo
 
 
-@pytest.mark.slow
-def test_the_quickstart_runs_against_a_hub(hub, tmp_path):
-    push_repo(
-        fashion_repo(tmp_path / "vip-nano-fashion-dp"), "vip/vip-nano-fashion-dp", token=WRITE_TOKEN
-    )
-    page = QUICKSTART.read_text()
-    python = "\n".join(code_blocks(page, "python")).replace(MAKE_RUN_HUB, hub.url)
-    shell = "\n".join(code_blocks(page, "bash")).replace(MAKE_RUN_HUB, hub.url)
-    assert "hf-hub:vip/vip-nano-fashion-dp" in python and "/v1/classify" in python
-    assert "verify" in python and "vip-hub verify" in shell
+@pytest.fixture(scope="module")
+def fashion_hub(hub, tmp_path_factory: pytest.TempPathFactory):
+    """The module's hub, serving a repo named and shaped like the one `make run` publishes."""
+    folder = tmp_path_factory.mktemp("published") / "vip-nano-fashion-dp"
+    push_repo(fashion_repo(folder), "vip/vip-nano-fashion-dp", token=WRITE_TOKEN)
+    return hub
+
+
+def run_snippets(page: str, hub_url: str, cwd: Path) -> tuple[str, str]:
+    """Run the ```python blocks of a page's Markdown as one script, then its ```bash blocks as one
+    script (with the venv's programs on PATH), each against ``hub_url``; their outputs."""
+    python = "\n".join(code_blocks(page, "python")).replace(MAKE_RUN_HUB, hub_url)
+    shell = "\n".join(code_blocks(page, "bash")).replace(MAKE_RUN_HUB, hub_url)
     env = {
         **os.environ,
-        "HF_HOME": str(tmp_path / "hf"),  # a user's fresh cache
+        "HF_HOME": str(cwd / "hf"),  # a user's fresh cache
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
-    env.pop("HF_ENDPOINT", None)  # the quick start sets it itself
-    (tmp_path / "quickstart.py").write_text(python)
-    ran = subprocess.run(
-        [sys.executable, "quickstart.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
-    out = ran.stdout
-    assert "torch.Size([1, 192])" in out  # timm's forward
-    assert "-DP on " in out and "True" in out  # the guarantee, and verify's report
-    assert "T-shirt/top" in out or "Trouser" in out  # the head's labels
-    ran = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", shell],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    env.pop("HF_ENDPOINT", None)  # the snippets set it themselves
+    (cwd / "snippets.py").write_text(python)
+    outputs = []
+    for cmd in ([sys.executable, "snippets.py"], ["bash", "-euo", "pipefail", "-c", shell]):
+        ran = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
+        outputs.append(ran.stdout)
+    return outputs[0], outputs[1]
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_against_a_hub(fashion_hub, tmp_path):
+    page = QUICKSTART.read_text()
+    assert "hf-hub:vip/vip-nano-fashion-dp" in page and "/v1/classify" in page
+    assert "verify_repo" in page and "vip-hub verify" in page
+    python, _ = run_snippets(page, fashion_hub.url, tmp_path)
+    assert "torch.Size([1, 192])" in python  # timm's forward
+    assert "-DP on " in python  # the guarantee's headline
+    assert "T-shirt/top" in python or "Trouser" in python  # the head's labels
+    assert "True []" in python  # verify's report: ok, no warning
+
+
+@pytest.mark.slow
+def test_the_readme_snippets_run_after_make_run(fashion_hub, tmp_path):
+    """The README's snippets, where `make run` leaves its venv and its test images."""
+    debian_program("curl", "curl")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    coats = tmp_path / "var/run/fashion-mnist/test/Coat"
+    coats.mkdir(parents=True)
+    Image.new("L", (28, 28), 200).save(coats / "0.png")
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## After `make run`", 1)[1].split("\n## ", 1)[0]
+    python, shell = run_snippets(section, fashion_hub.url, tmp_path)
+    assert "torch.Size([1, 192])" in python
+    answer, _ = json.JSONDecoder().raw_decode(shell)  # curl's answer, then verify's lines
+    assert answer["head"] == "fashion-mnist" and len(answer["data"][0]["labels"]) == 3
+    assert "-DP on " in shell  # verify's headline
+
+
+def test_the_readme_is_two_screens_whose_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "make run" in readme and "make test" in readme
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert len(local) >= 20, local  # the site's pages, by their Markdown files
+    assert [t for t in local if not (ROOT / t).exists()] == []

@@ -68,7 +68,8 @@ class ContrastiveMechanism(enum.StrEnum):
 
 DEFAULT_CLIP = {ContrastiveMechanism.LOGIT_DP: 1e-3, ContrastiveMechanism.NAIVE: 1e-2}
 """Default B (per pair) and C (whole batch): below the norms met at the start of training, so
-every pair (every batch) is clipped and AdamW sees normalised directions (see the README)."""
+every pair (every batch) is clipped and AdamW sees normalised directions
+(docs/guides/train-logit-dp.md)."""
 
 
 class LogitDPConfig(with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)):
