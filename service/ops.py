@@ -6,7 +6,9 @@ every request.
 The access log is written by that middleware once the response has gone out, with its
 duration, instead of by uvicorn as the response starts (which holds every response back by
 the time it takes to format and write the line): ``log_config()`` is what ``vip-hub serve``
-gives uvicorn, with uvicorn's own access log off."""
+gives uvicorn, with uvicorn's own access log off. It writes each request's path and query with
+the values of ``CREDENTIAL_PARAMETERS`` replaced by ``REDACTED``: an upload grant in a URL is a
+bearer credential for an hour."""
 
 from __future__ import annotations
 
@@ -14,22 +16,35 @@ import copy
 import logging
 import time
 from typing import Any
+from urllib.parse import quote, unquote_plus
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
-from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+from uvicorn.protocols.utils import get_client_addr
 
 from .auth import identity_or_anonymous
 from .metrics import Metrics
 from .store.errors import StoreError
 
-__all__ = ["ACCESS_LOGGER", "InFlightMiddleware", "install", "log_config"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "CREDENTIAL_PARAMETERS",
+    "InFlightMiddleware",
+    "install",
+    "log_config",
+    "logged_target",
+]
 
 ACCESS_LOGGER = "vip_hub.access"
 _access = logging.getLogger(ACCESS_LOGGER)
+CREDENTIAL_PARAMETERS = frozenset(
+    {"grant", "x-amz-signature", "x-amz-credential", "x-amz-security-token"}
+)
+"""Query parameters (any case) whose values are credentials: the hub's upload grants, and a
+presigned S3 URL's signature, access key and session token (should a client send one here)."""
 
 
 def log_config(level: str = "info") -> dict[str, Any]:
@@ -53,6 +68,21 @@ def log_config(level: str = "info") -> dict[str, Any]:
         "propagate": False,
     }
     return config
+
+
+def logged_target(scope: Scope) -> str:
+    """The request's path and query as the access log writes them: the value of every
+    ``CREDENTIAL_PARAMETERS`` parameter (its name percent-decoded, as the routes read it) is
+    ``REDACTED``."""
+    path, query = quote(scope["path"]), scope["query_string"].decode("latin-1")
+    if not query:
+        return path
+    parts = [
+        f"{name}=REDACTED" if unquote_plus(name).lower() in CREDENTIAL_PARAMETERS else part
+        for part in query.split("&")
+        for name in [part.partition("=")[0]]
+    ]
+    return f"{path}?{'&'.join(parts)}"
 
 
 class RequestMetricsMiddleware:
@@ -88,7 +118,7 @@ class RequestMetricsMiddleware:
                     '%s - "%s %s HTTP/%s" %d',
                     get_client_addr(scope),
                     scope["method"],
-                    get_path_with_query_string(scope),
+                    logged_target(scope),
                     scope["http_version"],
                     status,
                     extra={"duration_ms": seconds * 1e3},

@@ -128,11 +128,16 @@ NGINX_CONF = Path(__file__).resolve().parents[1] / "docker" / "nginx.conf"
 class Nginx:
     """nginx on 127.0.0.1:``port`` running the shipped ``docker/nginx.conf``, its ``hub`` and
     ``inference`` upstreams pointed at the given ``host:port`` replicas; one worker, so
-    requests go round the replicas in turn."""
+    requests go round the replicas in turn. Its access log goes to ``access_log``: where the
+    site names none, in nginx's default format, as the image's own nginx.conf writes it."""
+
+    SHIPPED_ACCESS_LOG = "/var/log/nginx/access.log"
+    """Where ``docker/nginx.conf`` writes its access log (the image links it to stdout)."""
 
     def __init__(self, folder: Path, port: int, hub: list[str], inference: list[str]):
         self.folder, self.port = folder, port
         self.hub, self.inference = hub, inference
+        self.access_log = folder / "access.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -141,6 +146,7 @@ class Nginx:
 
     def _site(self) -> str:
         site = NGINX_CONF.read_text().replace("listen 8000;", f"listen 127.0.0.1:{self.port};")
+        site = site.replace(self.SHIPPED_ACCESS_LOG, str(self.access_log))
         for name, replicas in (("hub", self.hub), ("inference", self.inference)):
             site = re.sub(
                 rf"server {name}:8000([^;]*);",
@@ -162,7 +168,7 @@ class Nginx:
             + f"worker_processes 1;\npid {self.folder / 'nginx.pid'};\n"
             + f"error_log {self.folder / 'error.log'} warn;\n"
             + "events { worker_connections 512; }\n"
-            + f"http {{\naccess_log off;\n{temp}\n{self._site()}\n}}\n"
+            + f"http {{\naccess_log {self.access_log};\n{temp}\n{self._site()}\n}}\n"
         )
         self.proc = subprocess.Popen(
             [nginx, "-p", str(self.folder), "-e", str(self.folder / "error.log"), "-c", str(conf)]
