@@ -180,7 +180,7 @@ def test_the_generated_reference_says_what_the_code_declares(site):
     for command in ("vip-hub serve", "vip-hub verify", "vip-hub train-vip", "{create,list,revoke}"):
         assert command in cli, command
     settings = text("reference/settings")
-    for name in ("VIP_HUB_HUB__DELTA", "VIP_HUB_INFERENCE__MAX_BATCH_SIZE", "object_store.bucket"):
+    for name in ("hub.delta", "inference.max_batch_size", "object_store.bucket", "VIP_HUB_HUB__"):
         assert name in settings, name
     assert "/v1/classify" in text("reference/rest") and (site / "reference/openapi.json").is_file()
     assert "vip-hub/privacy-ledger/v4" in text("reference/ledger-schema")

@@ -211,6 +211,9 @@ def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
 
 
 def _type_name(annotation: Any) -> str:
+    """``int``, ``Path | None``, ``'path' | 'virtual'`` (a Literal's values)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(annotation))
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
     return str(annotation).replace("typing.", "").replace("pathlib.", "")
@@ -245,34 +248,43 @@ def _settings_rows(model: type[BaseModel], prefix: str) -> Iterator[str]:
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             continue  # a section: tabulated on its own
-        dotted = f"{prefix}{name}"
-        env = "VIP_HUB_" + dotted.replace(".", "__").upper()
+        kind = f"`{_type_name(annotation)}`"  # a pipe in a code span does not split the cell
+        bounds = _bounds(field.metadata)
         default = field.get_default(call_default_factory=True)
         yield (
-            f"| `{dotted}` | `{env}` | `{_cell(_type_name(annotation))}` | "
-            f"`{_cell(_number(default))}` | {_cell(_bounds(field.metadata))} | "
-            f"{_cell(field.description or '')} |"
+            f"| `{prefix}{name}` | {kind}{', ' + bounds if bounds else ''} | "
+            f"`{_number(default)}` | {_cell(field.description or '')} |"
         )
+
+
+def _env_of(prefix: str) -> str:
+    return "VIP_HUB_" + prefix.replace(".", "__").upper()
 
 
 def settings_page() -> str:
     from service import settings
 
-    head = "| setting | environment variable | type | default | bounds | what it sets |\n"
-    head += "| --- | --- | --- | --- | --- | --- |\n"
+    head = "| setting | type | default | what it sets |\n| --- | --- | --- | --- |\n"
+    top = settings.Settings
+    example = next(iter(n for n in top.model_fields if n != "store"), "port")
     out = [
         f"{GENERATED}\n\n# Settings\n\n{settings.__doc__.strip()}\n\n"
-        "A TOML file holds the same names, sections as tables (`[hub]`, `[inference]`); "
-        "`vip-hub serve --config FILE` names one too. Sizes are in bytes, times in seconds "
-        "(`_s`) or milliseconds (`_ms`).\n\n## Top level\n\n"
-        f"{settings.Settings.__doc__}\n\n{head}" + "\n".join(_settings_rows(settings.Settings, ""))
+        "A setting's environment variable is its name in capitals after `VIP_HUB_`, with `__` "
+        f"between a section and its field: `{example}` is `{_env_of(example)}`, "
+        "`inference.max_batch_size` is `VIP_HUB_INFERENCE__MAX_BATCH_SIZE`. A TOML file holds "
+        "the same names, sections as tables (`[hub]`, `[inference]`); `vip-hub serve --config "
+        "FILE` names one too. Sizes are in bytes, times in seconds (`_s`) or milliseconds "
+        "(`_ms`).\n\n## Top level\n\n"
+        f"{top.__doc__} Environment variables `{_env_of('')}<NAME>`.\n\n{head}"
+        + "\n".join(_settings_rows(top, ""))
     ]
-    for name, field in settings.Settings.model_fields.items():
+    for name, field in top.model_fields.items():
         section = field.annotation
         if isinstance(section, type) and issubclass(section, BaseModel):
             doc = " ".join((section.__doc__ or "").split())
             rows = "\n".join(_settings_rows(section, f"{name}."))
-            out.append(f"## `{name}`\n\n{doc}\n\n{head}{rows}")
+            env = f"Environment variables `{_env_of(name)}__<NAME>`."
+            out.append(f"## `{name}`\n\n{doc} {env}\n\n{head}{rows}")
     return "\n\n".join(out) + "\n"
 
 
@@ -293,8 +305,9 @@ def _schema_type(prop: dict[str, Any]) -> str:
     if "$ref" in prop:
         name = prop["$ref"].rsplit("/", 1)[-1]
         return f"[{name}](#{name.lower()})"
-    if "anyOf" in prop:
-        return " or ".join(_schema_type(p) for p in prop["anyOf"])
+    for key in ("anyOf", "oneOf"):
+        if key in prop:
+            return " or ".join(_schema_type(p) for p in prop[key])
     if "const" in prop:
         return f"`{json.dumps(prop['const'])}`"
     if "enum" in prop:
