@@ -19,7 +19,7 @@ from training.dp.engine import EMPTY, Budget, DPEngine
 from training.skeleton.distributed import Dist
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
-from vip_hub.privacy.accounting import epsilon
+from vip_hub.privacy.accounting import NOISE_SAMPLER, epsilon
 from vip_hub.privacy.audit import ceiling
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
@@ -292,6 +292,28 @@ def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> 
         other.load_state_dict(state)
     with pytest.raises(RuntimeError, match="out of order"):
         resumed.step(2, [])
+
+
+@pytest.mark.parametrize("sampler", [None, "numpy float64 ziggurat", "a later sampler"])
+def test_a_checkpoint_of_another_noise_sampler_is_refused(sampler: str | None) -> None:
+    """Issue 52: a checkpoint written before the noise moved to Philox on the device (its engine
+    state names no sampler: numpy's ziggurat drew its steps) cannot continue under the new
+    streams, since one stage records one sampler's support: refused, naming --restart."""
+    engine = engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, steps=6)
+    _train(engine, torch.randn(40, 4), 0, 2)
+    state = engine.state_dict()
+    assert state["noise_sampler"] == NOISE_SAMPLER
+    if sampler is None:
+        del state["noise_sampler"]
+    else:
+        state["noise_sampler"] = sampler
+    resumed = engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, steps=6)
+    with pytest.raises(CheckpointError, match="--restart") as refused:
+        resumed.load_state_dict(state)
+    assert f"its 2 steps drew their noise from the {sampler or 'numpy float64 ziggurat'}" in str(
+        refused.value
+    )
+    assert resumed.steps_done == 0
 
 
 # ------------------------------------------------------------------ the audit must be able to fail

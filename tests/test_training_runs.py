@@ -29,8 +29,15 @@ from training.dp.clipping import UnsupportedLayerError
 from training.main_job import StepFailed
 from training.recipes.syn import SynConfig, train_syn
 from training.recipes.vip import VipConfig, train_vip
-from vip_hub.errors import ConfigError, DataError, MissingInputError, VipHubError
-from vip_hub.privacy.accounting import Accountant, max_steps_within
+from training.skeleton.checkpoint import save_checkpoint
+from vip_hub.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    MissingInputError,
+    VipHubError,
+)
+from vip_hub.privacy.accounting import NOISE_SAMPLER, Accountant, max_steps_within
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance, sample_bound
@@ -390,6 +397,25 @@ def test_resume_with_other_settings_is_one_line_naming_restart(
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "other settings (steps)" in r.stderr and "pass --restart" in r.stderr
+
+
+def test_a_run_checkpointed_by_the_ziggurat_sampler_is_refused_then_restarts(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """Issue 52: a DP run whose checkpoint was written before the noise moved to Philox on the
+    device (its engine state names no sampler) is refused with a message naming --restart,
+    before any step; with --restart it trains afresh and exports a repo that verifies."""
+    settings = dict(epsilon=8.0, batch_size=8, steps=2, checkpoint_every=1, seed=0)
+    out = train_vip(vip_config(syn_repo, images, tmp_path / "dp", **settings))
+    path = tmp_path / "dp.run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    del state["engine"]["noise_sampler"]  # as the ziggurat's checkpoints were written
+    save_checkpoint(path, {k: v for k, v in state.items() if k != "format"})
+    with pytest.raises(CheckpointError, match="numpy float64 ziggurat.*pass --restart"):
+        train_vip(vip_config(syn_repo, images, tmp_path / "dp", **settings))
+    out = train_vip(vip_config(syn_repo, images, tmp_path / "dp", restart=True, **settings))
+    assert verify_repo(out).ok
+    assert torch.load(path, weights_only=True)["engine"]["noise_sampler"] == NOISE_SAMPLER
 
 
 def test_training_errors_join_the_library_tree() -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import (
+    NOISE_SAMPLER,
     Accountant,
     calibrate,
     check_delta,
@@ -62,11 +63,11 @@ from .canaries import DiracCanaries
 from .clipping import ClipResult
 from .sampling import (
     NOISE,
+    NOISE_CHUNK,
     micro_batches,
     poisson_sample,
     rank_share,
     standard_normal,
-    step_generator,
 )
 
 __all__ = ["EMPTY", "Budget", "Clipper", "DPEngine", "StepBatch", "StepStats", "add_gaussian_noise"]
@@ -203,38 +204,42 @@ class StepStats:
     loss: float
 
 
-# Coordinates per independently keyed noise stream, and per draw within one (a float64 draw this
-# size stays in cache while it is added; on CUDA a chunk is drawn on the CPU and copied at once).
-NOISE_CHUNK, _CPU_NOISE_DRAW = 1 << 22, 1 << 18
+_CPU_NOISE_DRAW = 1 << 18
+"""Coordinates per draw on the CPU (its float64 draw stays in cache while it is added); on a
+device a whole chunk at once."""
 
 
 def add_gaussian_noise(flat: torch.Tensor, std: float, seed: int, step: int) -> None:
     """``flat += N(0, std^2)`` per coordinate: chunk k of ``NOISE_CHUNK`` coordinates from its own
-    stream ``(seed, NOISE, step, k)`` (Philox keyed by the whole secret), drawn in float64 on the
-    CPU (``standard_normal``: support 12.2 sigma) and added in float64, rounded once to
-    ``flat``'s dtype; the noise a seed gives does not depend on the device or the number of
-    threads, over which the chunks are drawn in parallel (numpy releases the GIL)."""
+    stream ``(seed, NOISE, step, k)`` (``standard_normal``: Philox4x64-10 keyed by the whole secret,
+    Box-Muller, support 8.57 sigma), drawn in float64 on ``flat``'s device, added in float64 and
+    rounded once to ``flat``'s dtype; the chunks are drawn in parallel on the CPU's threads, and
+    the noise does not depend on their number."""
     cpu = flat.device.type == "cpu"
     size = _CPU_NOISE_DRAW if cpu else NOISE_CHUNK
     chunks = flat.split(NOISE_CHUNK)
     in_numpy = cpu and flat.dtype in (torch.float32, torch.float64)
 
     def chunk(k: int) -> None:
-        generator = step_generator(seed, NOISE, step, k)
-        draw = np.empty(min(size, len(chunks[k])))
-        for piece in chunks[k].split(size):
-            z = standard_normal(generator, draw[: len(piece)])
+        for start in range(0, len(chunks[k]), size):
+            piece = chunks[k][start : start + size]
+            z = standard_normal(seed, NOISE, step, k, start, len(piece), flat.device)
             z *= std
             if in_numpy:  # numpy's buffered cast: 9x faster than torch's mixed-dtype add_
                 out = piece.numpy()
-                np.add(out, z, out=out, casting="unsafe")
+                np.add(out, z.numpy(), out=out, casting="unsafe")
             else:
-                piece.add_(torch.from_numpy(z).to(piece.device))
+                piece.add_(z)
 
-    workers = min(torch.get_num_threads(), len(chunks))
+    threads = torch.get_num_threads()
+    workers = min(threads, len(chunks)) if cpu else 1
     if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(chunk, range(len(chunks))))
+        torch.set_num_threads(1)  # each worker's ops on its own thread, not a team of its own
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(chunk, range(len(chunks))))
+        finally:
+            torch.set_num_threads(threads)
     else:
         for k in range(len(chunks)):
             chunk(k)
@@ -558,12 +563,26 @@ class DPEngine:
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"steps_done": self.steps_done, "history": self.history}
+        state: dict[str, Any] = {
+            "steps_done": self.steps_done,
+            "history": self.history,
+            "noise_sampler": NOISE_SAMPLER,
+        }
         if self.canaries is not None:
             state["canaries"] = self.canaries.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state``; a checkpoint whose steps drew another noise sampler is refused
+        (one stage records one sampler's support)."""
+        sampler = state.get("noise_sampler", "numpy float64 ziggurat")  # unrecorded before it
+        if sampler != NOISE_SAMPLER:
+            raise CheckpointError(
+                f"the checkpoint was written by another vip-hub: its {state['steps_done']} steps "
+                f"drew their noise from the {sampler} sampler, this one draws from "
+                f"{NOISE_SAMPLER}, and a run's stage records one sampler: pass --restart to "
+                "start over"
+            )
         self.steps_done = int(state["steps_done"])
         if [tuple(h) for h in state["history"]] != self.history:
             raise CheckpointError(

@@ -27,7 +27,12 @@ __all__ = [
     "DEFAULT_DELTA_CAP",
     "DEFAULT_DELTA_RULE",
     "GaussianRun",
+    "BOX_MULLER_SUPPORT",
+    "CURAND_FLOAT32_SUPPORT",
+    "NOISE_SAMPLER",
+    "NOISE_SAMPLERS",
     "NOISE_SUPPORT",
+    "ZIGGURAT_SUPPORT",
     "calibrate",
     "check_delta",
     "composed_epsilon",
@@ -36,6 +41,7 @@ __all__ = [
     "epsilon",
     "epsilons",
     "max_steps_within",
+    "noise_sampler",
     "paper_delta",
     "remaining_epsilon",
     "truncation_delta",
@@ -74,10 +80,36 @@ GaussianRun = tuple[float, float, int]
 
 ZIGGURAT_R = 3.6541528853610088
 """Where numpy's float64 ziggurat (``random_standard_normal``) starts its tail."""
-NOISE_SUPPORT = ZIGGURAT_R + math.sqrt(106 * math.log(2))
-"""c = 12.226: no draw of the noise sampler vip-hub ships (numpy's float64 ziggurat) exceeds it
-in absolute value. Its tail returns r + x with x = -log(1 - u1) / r accepted only when
--2 log(1 - u2) > x^2; u2 is a multiple of 2^-53 below 1, so x^2 < 2 * 53 ln 2."""
+BOX_MULLER_SUPPORT = math.sqrt(106 * math.log(2)) * (1 + 2**-40)
+"""c = 8.5717 of vip-hub's noise sampler (``training.dp.sampling.standard_normal``): Box-Muller
+r cos(2 pi v), r sin(2 pi v) with r = sqrt(-2 ln u) and u = (k + 1) 2^-53 >= 2^-53 (k a 53-bit
+integer), so |z| <= sqrt(106 ln 2), reached at u = 2^-53 with v = 0 (cosine) or 1/4 (sine); the
+factor 1 + 2^-40 covers the rounding of log, sqrt, cos or sin and the product (a few ulp)."""
+ZIGGURAT_SUPPORT = ZIGGURAT_R + math.sqrt(106 * math.log(2))
+"""c = 12.226 of numpy's float64 ziggurat, vip-hub's sampler before Philox on the device (issue
+52): its tail returns r + x with x = -log(1 - u1) / r accepted only when -2 log(1 - u2) > x^2,
+and u2 is a multiple of 2^-53 below 1, so x^2 < 2 * 53 ln 2."""
+CURAND_FLOAT32_SUPPORT = math.sqrt(66 * math.log(2))
+"""c = 6.76 of torch's CUDA float32 ``normal`` (curand's Box-Muller on 32-bit uniforms offset by
+2^-33), the reference code's sampler, with which imported releases are recorded."""
+NOISE_SAMPLER = "philox4x64-10 box-muller-53"
+"""The noise sampler vip-hub ships: Philox4x64-10 keyed by the run's secret, Box-Muller."""
+NOISE_SAMPLERS: dict[str, float] = {
+    NOISE_SAMPLER: BOX_MULLER_SUPPORT,
+    "numpy float64 ziggurat": ZIGGURAT_SUPPORT,
+    "curand float32 box-muller": CURAND_FLOAT32_SUPPORT,
+}
+"""Every noise sampler a ledger may name by its support c: ``verify`` refuses any other c."""
+NOISE_SUPPORT = NOISE_SAMPLERS[NOISE_SAMPLER]
+"""c: no draw of the noise sampler vip-hub ships exceeds it in absolute value."""
+
+
+def noise_sampler(support: float) -> str | None:
+    """The known sampler (``NOISE_SAMPLERS``) whose support is ``support``, else None."""
+    return next(
+        (name for name, c in NOISE_SAMPLERS.items() if math.isclose(support, c, rel_tol=1e-12)),
+        None,
+    )
 
 
 def truncation_delta(

@@ -17,7 +17,6 @@ This is the only place that unpickles, with ``torch.load(weights_only=True)`` an
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pickle
 import re
@@ -32,7 +31,7 @@ from ..errors import CheckpointError, ConfigError
 from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder
 from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
-from ..privacy.accounting import paper_delta
+from ..privacy.accounting import CURAND_FLOAT32_SUPPORT, paper_delta
 from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
 from .card import DEFAULT_LICENSE
 from .files import Release, export_encoder
@@ -59,7 +58,7 @@ _DECODER = re.compile(r"^(decoder_|mask_token$)")
 _IGNORED = re.compile(r"^head\.")  # a fine-tuned classifier: not part of a released encoder
 
 
-REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION = math.sqrt(66 * math.log(2)), 10**9
+REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION = CURAND_FLOAT32_SUPPORT, 10**9
 """The noise sampler an imported DP stage is recorded with: the reference code drew its noise with
 torch on CUDA in float32 (curand's Box-Muller on 32-bit uniforms, |z| <= sqrt(66 ln 2) = 6.76:
 unverified for each release), on at most 10^9 trained coordinates; its stage's delta counts
