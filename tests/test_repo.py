@@ -14,6 +14,7 @@ from huggingface_hub import EvalResult, ModelCard
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import RepoFormatError
+from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
@@ -354,6 +355,51 @@ def test_verify_recomputes_the_truncation_delta(tiny_repo):
 
     _rewrite_all_copies(tiny_repo, truncated_early)
     _fails(tiny_repo, "records a truncation delta of", "noise truncated at 5.768 sigma")
+
+
+@pytest.mark.parametrize("support", [1000.0, 9.0, 12.0, 5.768])
+def test_verify_refuses_a_noise_support_no_known_sampler_has(tiny_repo, support):
+    """Issue 54, point 4: a stage that claims c = 1000 (its truncation delta recomputed, so every
+    other check passes) names no sampler vip-hub knows, nor does a c between or near the known
+    ones (torch's CPU float32 Box-Muller, 5.768, was never recorded in a v4 ledger)."""
+
+    def forged(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        stage["noise_support"] = support
+        stage["truncation_delta"] = truncation_delta(
+            stage["noise_multiplier"],
+            stage["sample_rate"],
+            stage["steps"],
+            support,
+            stage["noised_dimension"],
+        )
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, forged)
+    text = _fails(tiny_repo, f"records noise support c = {support:g} sigma", "no noise sampler")
+    assert "records a truncation delta" not in text  # the forgery's only flaw
+
+
+@pytest.mark.parametrize("sampler", sorted(NOISE_SAMPLERS))
+def test_verify_accepts_every_known_noise_sampler(tiny_repo, sampler):
+    """The shipped sampler, the ziggurat of releases before it and the imports' curand sampler."""
+
+    def recorded(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        stage["noise_support"] = NOISE_SAMPLERS[sampler]
+        stage["truncation_delta"] = truncation_delta(
+            stage["noise_multiplier"],
+            stage["sample_rate"],
+            stage["steps"],
+            NOISE_SAMPLERS[sampler],
+            stage["noised_dimension"],
+        )
+        ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, recorded)
+    report = verify_repo(tiny_repo)
+    assert report.ok, report.problems
 
 
 @pytest.mark.parametrize("field", ["truncation_delta", "noise_support", "noised_dimension"])

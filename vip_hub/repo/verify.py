@@ -9,6 +9,8 @@ A repo verifies when
 - config.json and the weights agree on the architecture, and config.json names no other
   source for the weights;
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
+- every DP stage's noise support c is a sampler vip-hub knows, and its truncation delta what
+  (sigma, q, T, c, d) give;
 - no DP stage claims less epsilon than its accountant gives for its parameters, its two
   reference figures are what the other accountants give, and no guarantee claims less than
   the composition of its stages (all within ``RELATIVE_TOLERANCE``);
@@ -37,7 +39,13 @@ from ..errors import (
     VerificationError,
 )
 from ..paths import tree_path_problems, validate_relpath
-from ..privacy.accounting import Accountant, composed_epsilon, truncation_delta
+from ..privacy.accounting import (
+    NOISE_SAMPLERS,
+    Accountant,
+    composed_epsilon,
+    noise_sampler,
+    truncation_delta,
+)
 from ..privacy.audit import bound_over_grid, ceiling
 from ..privacy.ledger import EPSILON_DECIMALS, DPStage, PrivacyLedger, truncated
 from ..privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
@@ -351,7 +359,15 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
 
 
 def _check_truncation(stage: DPStage, report: VerificationReport) -> None:
-    """The delta the stage's truncated sampler adds, recomputed from (sigma, q, T, c, d)."""
+    """The stage's sampler is one vip-hub knows, and the delta its truncation adds, recomputed
+    from (sigma, q, T, c, d)."""
+    if noise_sampler(stage.noise_support) is None:
+        known = ", ".join(f"{name} {c:.6g}" for name, c in NOISE_SAMPLERS.items())
+        report.overclaims(
+            f"stage {stage.name!r}",
+            f"records noise support c = {stage.noise_support:.6g} sigma, which is no noise "
+            f"sampler vip-hub knows ({known})",
+        )
     actual = truncation_delta(
         stage.noise_multiplier,
         stage.sample_rate,
