@@ -20,7 +20,7 @@ from training.dp.engine import NOISE_CHUNK, add_gaussian_noise
 from training.dp.sampling import (
     NOISE,
     SAMPLING,
-    box_muller,
+    box_muller_,
     noise_uniforms,
     philox4x64,
     standard_normal,
@@ -243,16 +243,16 @@ def test_the_gaussians_most_extreme_inputs_reach_8_57_sigma_and_the_support_is_t
     reach = math.sqrt(106 * math.log(2))
     angles = torch.tensor([0.0, 0.25, 0.5, 0.75, 0.125, 0.3], dtype=torch.float64)
     u = torch.stack([torch.zeros_like(angles), angles])
-    cos, sin = box_muller(u)
+    cos, sin = box_muller_(u)
     assert [abs(float(x)) for x in (cos[0], sin[1], cos[2], sin[3])] == pytest.approx(
         [reach] * 4, rel=1e-15
     )
     top = float(torch.stack([cos, sin]).abs().max())
     assert 8.57 < top <= NOISE_SUPPORT == BOX_MULLER_SUPPORT and NOISE_SUPPORT - top < 1e-10
     tiny = torch.tensor([[2.0**-53 * k for k in range(64)], [0.0] * 64], dtype=torch.float64)
-    assert float(box_muller(tiny).abs().max()) <= NOISE_SUPPORT  # the next few radii stay below
+    assert float(box_muller_(tiny).abs().max()) <= NOISE_SUPPORT  # the next few radii stay below
     one = torch.tensor([[1 - 2.0**-53], [0.3]], dtype=torch.float64)
-    assert torch.equal(box_muller(one), torch.zeros(2, 1, dtype=torch.float64))
+    assert torch.equal(box_muller_(one), torch.zeros(2, 1, dtype=torch.float64))
 
 
 def test_the_noise_is_standard_normal_in_both_halves_of_its_spans() -> None:
@@ -345,7 +345,7 @@ def test_cuda_draws_the_cpus_words_and_uniforms_and_its_gaussians_to_a_few_ulp()
     cuda = standard_normal(SECRET, NOISE, 3, 2, 0, 1 << 20, "cuda").cpu()
     assert _ulps(cpu, cuda) <= 8
     extreme = torch.tensor([[0.0, 0.0], [0.0, 0.25]], dtype=torch.float64)
-    assert float(box_muller(extreme.cuda()).abs().max()) <= NOISE_SUPPORT
+    assert float(box_muller_(extreme.cuda()).abs().max()) <= NOISE_SUPPORT
     flat = torch.zeros(NOISE_CHUNK + 5000)
     on_cuda = flat.cuda()
     add_gaussian_noise(flat, 1.0, SECRET, 4)
