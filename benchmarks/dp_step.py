@@ -14,6 +14,8 @@ Contenders (``VARIANTS``: add a row to add one):
 (e) (b) with every clipped sum formed in fp64 and rounded once into ``.grad`` (issue 32): what
     fp64 sums would cost on this path. Not shipped: the ViT's clipped sums run over tokens in
     one product, where fp64 proves nothing (``PerExampleClipper``'s exact mode refuses them).
+The DP steps' noise is also timed alone, once a round (``add_gaussian_noise`` on a buffer of the
+model's trainable size, on the step's device: issue 52's device draw on CUDA).
 
 Batches: the non-private step takes B inputs; each DP step takes the engine's own Poisson
 sample of expected size B (from 10^6 records), as a shipped run does, so its batch varies from
@@ -58,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 from own_process import in_own_process, peak, reset_peak  # noqa: E402
 
 from training.dp.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
-from training.dp.engine import Budget, Clipper, DPEngine  # noqa: E402
+from training.dp.engine import Budget, Clipper, DPEngine, add_gaussian_noise  # noqa: E402
 from training.recipes.mae import DecoderConfig, new_mae  # noqa: E402
 from training.skeleton.distributed import Dist  # noqa: E402
 from training.skeleton.optim import make_adamw  # noqa: E402
@@ -283,12 +285,16 @@ def interleaved_times(
     bench.sync()
     bench.inner.clear()
     times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(args.rounds):
+    size = sum(p.numel() for p in bench.mae.parameters() if p.requires_grad)
+    flat = torch.zeros(size, device=bench.device)
+    noise = bench.timed("noise", add_gaussian_noise)
+    for r in range(args.rounds):
         for v, step in steps.items():
             start = time.perf_counter()
             step()
             bench.sync()
             times[v].append(time.perf_counter() - start)
+        noise(flat, SIGMA * CLIP, 0, r)  # the DP steps' noise alone, on the same buffer size
     return times, bench.inner
 
 
@@ -339,6 +345,11 @@ def report(args: argparse.Namespace, batch: int) -> None:
             f"memory {mem:.2f}"
         )
 
+    noise = statistics.median(inner["noise"])
+    print(
+        f"noise alone (add_gaussian_noise on the trainable parameters' size, {args.device}): "
+        f"{noise * 1e3:.1f} ms" + (f" = {noise / med['b']:.1%} of (b)" if "b" in med else "")
+    )
     if "a" in med and "b" in med:
         print(
             ratio("b", "a")

@@ -7,8 +7,11 @@
 #      DP engine's rounding and noise tests, which check CUDA where it is present);
 #   2. benchmarks/dp_step.py: vip-base, 224 px, bf16 autocast, (a) non-private, (b) DP, (d) DP
 #      with the audit, as shipped, at the batch sizes in GPU_BATCHES;
-#   3. benchmarks/serve.py --device cuda: vip-base at 224 px, concurrency 64.
-#       bash benchmarks/gpu_checks.sh [tests|dp_step|serve ...]   (default: all three)
+#   3. benchmarks/serve.py --device cuda: vip-base at 224 px, concurrency 64;
+#   4. benchmarks/noise.py --device cuda: issue 52's noise drawn on the device (Philox4x64-10,
+#      Box-Muller) against the CPU ziggurat copied over, on vip-base's 86 M coordinates (the
+#      CUDA tests of stage 1 check its words, uniforms and Gaussians against the CPU's).
+#       bash benchmarks/gpu_checks.sh [tests|noise|dp_step|serve ...]   (default: all four)
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
@@ -21,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD
 { date -u; git log -1 --format='%H %s' 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c 'import torch, timm; print("torch", torch.__version__, "timm", timm.__version__)'; } \
     | tee "$OUT/machine.txt"
-stages=${*:-tests dp_step serve}
+stages=${*:-tests noise dp_step serve}
 for stage in $stages; do
   case $stage in
     tests)
@@ -34,6 +37,10 @@ for stage in $stages; do
       timeout "${GPU_DP_STEP_S:-260}" python3 benchmarks/dp_step.py --arch vip-base \
           --img-size 224 --batch "${GPU_BATCHES:-32,128}" --rounds "${GPU_ROUNDS:-5}" \
           --variants abd 2>&1 | tee "$OUT/dp_step.txt" ;;
+    noise)
+      timeout "${GPU_NOISE_S:-150}" python3 benchmarks/noise.py --device cuda \
+          --numel "${GPU_NOISE_NUMEL:-86000000}" --rounds "${GPU_ROUNDS:-5}" 2>&1 \
+          | tee "$OUT/noise.txt" ;;
     serve)
       timeout "${GPU_SERVE_S:-150}" python3 benchmarks/serve.py --device cuda --arch vip-base \
           --img-size 224 --concurrency 64 --seconds 8 2>&1 | tee "$OUT/serve.txt" ;;

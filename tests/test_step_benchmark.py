@@ -63,5 +63,6 @@ def test_a_run_over_two_batch_sizes_prints_each_variants_figures() -> None:
         for label in ("(a) non-private AdamW", "(b) DP-AdamW", "(d) (b) + audit"):
             assert label in section and "peak +" in section, out
         assert "b/a: time" in section and "d/b: time" in section, out
+        assert "noise alone (add_gaussian_noise" in section and "% of (b)" in section, out
     with pytest.raises(SystemExit, match="needs a GPU"):  # what --batch max does on the CPU
         dp_step.largest_batch(TINY, 8)
