@@ -84,25 +84,41 @@ def serve(folder: Path) -> Iterator[str]:
         server.server_close()
 
 
-class Browser:
-    """Chromium driven by chromedriver over the W3C WebDriver protocol (plain HTTP)."""
-
-    def __init__(self, chromium: str, chromedriver: str, profile: Path):
-        port = free_port()
-        self.proc = subprocess.Popen(
-            [chromedriver, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        self.url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
+@contextlib.contextmanager
+def browser(chromium: str, chromedriver: str, profile: Path) -> Iterator[Browser]:
+    """A Chromium session through chromedriver, both stopped on the way out."""
+    port = free_port()
+    driver = subprocess.Popen(
+        [chromedriver, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    session = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/status", timeout=1).json()["value"]["ready"]:
+                if httpx.get(url + "/status", timeout=1).json()["value"]["ready"]:
                     break
             time.sleep(0.05)
         options = {"binary": chromium, "args": [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]}
         caps = {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}
-        reply = httpx.post(self.url + "/session", json={"capabilities": caps}, timeout=120)
+        reply = httpx.post(url + "/session", json={"capabilities": caps}, timeout=120)
         assert reply.status_code == 200, reply.text
-        self.session = f"{self.url}/session/{reply.json()['value']['sessionId']}"
+        session = f"{url}/session/{reply.json()['value']['sessionId']}"
+        yield Browser(session)
+    finally:
+        if session:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.delete(session, timeout=30)
+        driver.terminate()
+        driver.wait(30)
+
+
+class Browser:
+    """A Chromium session driven over the W3C WebDriver protocol (plain HTTP)."""
+
+    def __init__(self, session: str):
+        self.session = session
 
     def open(self, url: str) -> None:
         reply = httpx.post(self.session + "/url", json={"url": url}, timeout=120)
@@ -113,12 +129,6 @@ class Browser:
         reply = httpx.post(self.session + "/execute/sync", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         return reply.json()["value"]
-
-    def close(self) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.delete(self.session, timeout=30)
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def page_paths(site: Path) -> list[str]:
@@ -140,13 +150,10 @@ def test_every_page_opens_in_a_browser_without_a_broken_link(tmp_path):
     chromedriver = debian_program("chromedriver", "chromium-driver", "/usr/bin/chromedriver")
     facts: dict[str, dict[str, Any]] = {}
     with serve(site) as base:
-        browser = Browser(chromium, chromedriver, tmp_path / "profile")
-        try:
+        with browser(chromium, chromedriver, tmp_path / "profile") as chrome:
             for page in pages:
-                browser.open(base + page)
-                facts[page] = browser.run(PAGE_FACTS)
-        finally:
-            browser.close()
+                chrome.open(base + page)
+                facts[page] = chrome.run(PAGE_FACTS)
         empty = {p: f["text"] for p, f in facts.items() if not f["h1"] or f["text"] < MIN_TEXT}
         assert not empty, f"pages without a title or text: {empty}"
         broken, linked = [], set()
