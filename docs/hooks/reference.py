@@ -164,10 +164,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return {}
 
 
-def _command_sections(
-    name: str, parser: argparse.ArgumentParser, level: int
-) -> Iterator[tuple[str, str]]:
-    yield name, f"{'#' * level} `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n"
+def _command_sections(name: str, parser: argparse.ArgumentParser, level: int) -> Iterator[str]:
+    """A command's help under a heading, then its sub-commands' (if it has any), one level down."""
+    yield f"{'#' * level} `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n"
     for sub, child in sorted(_subcommands(parser).items()):
         yield from _command_sections(f"{name} {sub}", child, level + 1)
 
@@ -181,12 +180,10 @@ def cli_page() -> str:
             log.warning("the CLI reference lacks commands: %s", parser.epilog)
         top = parser.format_help().rstrip()
         commands = sorted(_subcommands(parser).items())
-        sections = [
-            s for name, p in commands for _, s in _command_sections(f"vip-hub {name}", p, 2)
-        ]
-    index = "\n".join(
-        f"| [`vip-hub {name}`](#vip-hub-{name}) | {_help_of(parser, name)} |"
-        for name, _ in commands
+        sections = [s for name, p in commands for s in _command_sections(f"vip-hub {name}", p, 2)]
+    index = "\n".join(  # a command's description is its help (vip_hub.cli.main.add_command)
+        f"| [`vip-hub {name}`](#vip-hub-{name}) | {_cell(p.description or '')} |"
+        for name, p in commands
     )
     return (
         f"{GENERATED}\n\n# Command line\n\n"
@@ -196,15 +193,6 @@ def cli_page() -> str:
         f"```text\n{top}\n```\n\n| command | what it does |\n| --- | --- |\n{index}\n\n"
         + "\n".join(sections)
     )
-
-
-def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for choice in action._choices_actions:
-                if choice.dest == name:
-                    return (choice.help or "").replace("|", "\\|")
-    return ""
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -382,7 +370,7 @@ def rest_page() -> str:
     groups: dict[str, list[str]] = {}
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            tag = (op.get("tags") or [_group_of(path)])[0]
+            tag = (op.get("tags") or ["other"])[0]
             summary = _cell(op.get("summary", "") or "")
             description = _cell(" ".join((op.get("description") or "").split()))
             groups.setdefault(tag, []).append(
@@ -394,22 +382,13 @@ def rest_page() -> str:
         "from the app's own OpenAPI document, which a running server also serves at "
         "`/openapi.json`; the same document as a file: [openapi.json](openapi.json). How to "
         "call the inference routes: [the inference API](../guides/inference.md); the hub "
-        "routes are what `huggingface_hub` and `timm` clients call.\n"
+        "routes are what `huggingface_hub` and `timm` clients call. Routes the app leaves out "
+        "of its schema (file downloads, Xet, the web pages) are not listed.\n"
     ]
     head = "| method | path | summary | description |\n| --- | --- | --- | --- |\n"
     for tag in sorted(groups):
         out.append(f"## {tag}\n\n{head}" + "\n".join(groups[tag]))
     return "\n\n".join(out) + "\n"
-
-
-def _group_of(path: str) -> str:
-    if path.startswith("/v1/"):
-        return "inference"
-    if path.startswith("/api/") or ".git/" in path or "/resolve/" in path or "xet" in path:
-        return "hub protocol"
-    if path in ("/healthz", "/readyz", "/metrics"):
-        return "operations"
-    return "pages"
 
 
 # ---- results -------------------------------------------------------------------------------
