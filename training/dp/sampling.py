@@ -128,7 +128,7 @@ _SPAN = 1 << 12
 """Box-Muller's layout: in each span of 4,096 coordinates of a chunk, coordinate i < 2,048 is
 r_i cos(theta_i) and coordinate 2,048 + i is r_i sin(theta_i), r_i from the span's word i and
 theta_i from its word 2,048 + i (contiguous halves: 11 against 13 ns a draw alternating)."""
-_LIMB, _M32, _M53 = 1 << 64, (1 << 32) - 1, (1 << 53) - 1
+_LIMB, _M32 = 1 << 64, (1 << 32) - 1
 _PHILOX_M = (0xD2E7470EE14C6C93, 0xCA5A826395121157)
 _PHILOX_W = (0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B)
 _PHILOX_ROUNDS = 10
