@@ -18,7 +18,9 @@ import pickletools
 import random
 import re
 import shutil
+import struct
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import httpx
 import joblib
 import numpy as np
 import pytest
+import safetensors.numpy
 import timm
 import torch
 import yaml
@@ -33,7 +36,8 @@ from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
 from live import WRITE_TOKEN, raw_commit
-from PIL import Image
+from matplotlib.figure import Figure
+from PIL import Image, ImageCms, PngImagePlugin
 
 from vip_hub import verify_repo
 from vip_hub.models.tokenizer import public_vocab
@@ -44,7 +48,7 @@ from vip_hub.repo.artifacts import (
     read_safetensors_header,
     rewrite_safetensors_metadata,
 )
-from vip_hub.repo.content import WEIGHT_SOURCE_KEYS
+from vip_hub.repo.content import WEIGHT_SOURCE_KEYS, content_problem
 from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
 
@@ -152,6 +156,69 @@ def _image(fmt: str, **options: object) -> bytes:
     return buf.getvalue()
 
 
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_with(chunk: bytes) -> bytes:
+    """A PNG with ``chunk`` after its IHDR (at byte 33)."""
+    png = _image("PNG")
+    return png[:33] + chunk + png[33:]
+
+
+def _jpeg_with(marker: int, data: bytes) -> bytes:
+    """A JPEG with a segment of ``marker`` after its SOI (at byte 2)."""
+    jpeg = _image("JPEG")
+    return jpeg[:2] + bytes([0xFF, marker]) + struct.pack(">H", len(data) + 2) + data + jpeg[2:]
+
+
+def _webp_with(kind: bytes, data: bytes) -> bytes:
+    """A WebP with a chunk of ``kind`` after its image, the RIFF size counting it."""
+    webp = _image("WEBP") + kind + struct.pack("<I", len(data)) + data + b"\0" * (len(data) & 1)
+    return webp[:4] + struct.pack("<I", len(webp) - 8) + webp[8:]
+
+
+_TIFF = b"II*\0\x08\0\0\0\0\0\0\0\0\0"
+"""A TIFF header and an empty IFD: what EXIF data starts with."""
+
+
+def _polyglots() -> dict[str, tuple[bytes, str]]:
+    """Images that are also zip archives, each with the review's payload in a chunk or segment
+    its format allows or not, and the refusal's message: the chunk or segment named, else the
+    archive."""
+    payload = _zip(b"import os\nos.system('touch /tmp/owned-by-a-repo')\n")
+    archive = "opens as a zip archive (1 members, 'archive/data.pkl')"
+    return {
+        "text.png": (
+            _png_with(_png_chunk(b"tEXt", b"Comment\0" + payload)),
+            "its chunk 'tEXt' at byte 33 holds the control character '\\x03': it is not text",
+        ),
+        "private.png": (
+            _png_with(_png_chunk(b"prVt", payload)),
+            "its chunk 'prVt' at byte 33 is no kind the allow list names (IHDR, PLTE, IDAT,",
+        ),
+        "compressed.png": (_png_with(_png_chunk(b"zTXt", b"Comment\0\0" + payload)), archive),
+        "exif.png": (_png_with(_png_chunk(b"eXIf", _TIFF + payload)), archive),
+        "big-text.png": (
+            _png_with(_png_chunk(b"tEXt", b"Comment\0" + b"words " * 1500 + payload)),
+            "its chunk 'tEXt' at byte 33 brings the image's metadata (text, EXIF, ICC profile, "
+            f"XMP, comments) to {9008 + len(payload)} bytes, over the limit of 8192",
+        ),
+        "comment.jpg": (
+            _jpeg_with(0xFE, payload),
+            "its COM segment at byte 2 holds the control character '\\x03': it is not text",
+        ),
+        "app1.jpg": (_jpeg_with(0xE1, payload), "its APP1 segment at byte 2 holds neither EXIF"),
+        "exif.jpg": (_jpeg_with(0xE1, b"Exif\0\0" + _TIFF + payload), archive),
+        "app5.jpg": (_jpeg_with(0xE5, payload), "its APP5 segment at byte 2 is no kind the allow"),
+        "unknown.webp": (
+            _webp_with(b"ZIP ", payload),
+            f"its chunk 'ZIP ' at byte {len(_image('WEBP'))} is no kind the allow list names",
+        ),
+        "exif.webp": (_webp_with(b"EXIF", _TIFF + payload), archive),
+    }
+
+
 _PICKLE_AS_TEXT = b"cos\nsystem\n(S'echo owned'\ntR."  # protocol 0: plain ASCII
 
 
@@ -182,6 +249,8 @@ def _what_runs(tmp_path: Path) -> dict[str, bytes]:
         "archive.txt": b"x" + _zip(),
         "plot.png": _image("PNG") + _zip(),  # a PNG and a zip in one file
         "photo.jpg": _image("JPEG") + _zip(),
+        "chart.png": _polyglots()["text.png"][0],  # a zip in a PNG's text chunk
+        "picture.jpg": _polyglots()["comment.jpg"][0],  # ...and in a JPEG's comment
         "modeling_vip.py": b"import os\nos.system('touch /tmp/owned-by-a-repo')\n",
         "notes.txt": _PICKLE_AS_TEXT,
         "vocab.txt": _C_UNPICKLER_ONLY["hex INT (the review's I0x1)"]("vip-hub-test-review"),
@@ -201,6 +270,8 @@ def test_files_that_run_code_are_refused_naming_the_file(good, tmp_path):
     assert "'.joblib' file is refused by name" in messages["model.joblib"]
     assert "bytes after its IEND chunk" in messages["plot.png"]
     assert "bytes after its EOI marker" in messages["photo.jpg"]
+    assert messages["chart.png"].startswith("its chunk 'tEXt' at byte 33 holds the control")
+    assert messages["picture.jpg"].startswith("its COM segment at byte 2 holds the control")
     assert "is not UTF-8 text" in messages["archive.txt"]
     assert "holds a pickle" in messages["notes.txt"]
     for name in ("vocab.txt", "extra.yaml"):
@@ -245,6 +316,78 @@ def test_every_allowed_kind_is_accepted_when_it_is_wholly_that_kind(good, tmp_pa
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
+    assert verify_repo(folder).ok, verify_repo(folder).problems
+
+
+@pytest.mark.parametrize("name", sorted(_polyglots()))
+def test_an_image_that_hides_a_zip_is_refused_naming_where(good, tmp_path, name):
+    """The review's zip in an ancillary chunk or segment, and every other place an image's
+    format offers: refused naming the chunk or segment where a rule of the format says what it
+    may hold (an allow list, text, sizes), else because the file opens as a zip archive."""
+    content, why = _polyglots()[name]
+    assert zipfile.ZipFile(io.BytesIO(content)).namelist() == ["archive/data.pkl"]
+    assert Image.open(io.BytesIO(content)).size == (32, 48)  # and an image all the same
+    folder = _copy(good, tmp_path)
+    (folder / name).write_bytes(content)
+    problems = verify_repo(folder).problems
+    assert [p.where for p in problems] == [name]
+    assert problems[0].message.startswith(why), problems[0].message
+
+
+def test_weights_that_hide_a_zip_are_refused(tmp_path):
+    """Tensors are any bytes: a zip in them is found as a zip reader finds it, by its end."""
+    path = tmp_path / "extra.safetensors"
+    payload = np.frombuffer(_zip(), dtype=np.uint8)
+    safetensors.numpy.save_file({"w": np.zeros(4, np.float32), "z": payload}, path)
+    assert content_problem("extra.safetensors", path) == (
+        "opens as a zip archive (1 members, 'archive/data.pkl'): one file may not hide another"
+    )
+    safetensors.numpy.save_file({"w": np.zeros(4, np.float32)}, path)
+    assert content_problem("extra.safetensors", path) is None
+
+
+def _ordinary_images() -> dict[str, bytes]:
+    """What Pillow and matplotlib write: metadata of each kind, palettes, 16 bits, animations."""
+    exif = Image.Exif()
+    exif.update({0x0131: "Pillow", 0x0112: 1, 0x010E: "a test image"})
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    text = PngImagePlugin.PngInfo()
+    text.add_text("Title", "\u00e9t\u00e9")
+    text.add_itxt("Comment", "\u00fcnicode", lang="en")
+    text.add_text("Notes", "compressed", zip=True)
+    image = Image.fromarray(np.arange(48 * 32 * 3, dtype=np.uint8).reshape(48, 32, 3))
+    frames = {"save_all": True, "append_images": [image.rotate(90)], "duration": 100}
+    images = {}
+    for name, img, fmt, options in [
+        ("text.png", image, "PNG", {"pnginfo": text, "dpi": (72, 72)}),
+        ("exif.png", image, "PNG", {"exif": exif, "icc_profile": srgb}),
+        ("palette.png", image.convert("P"), "PNG", {"transparency": 0}),
+        ("sixteen.png", image.convert("I;16"), "PNG", {}),
+        ("animated.png", image, "PNG", frames),
+        ("exif.jpg", image, "JPEG", {"exif": exif, "icc_profile": srgb, "comment": "a note"}),
+        ("progressive.jpg", image, "JPEG", {"progressive": True, "optimize": True}),
+        ("cmyk.jpg", image.convert("CMYK"), "JPEG", {}),
+        ("exif.webp", image, "WEBP", {"exif": exif, "icc_profile": srgb}),
+        ("alpha.webp", image.convert("RGBA"), "WEBP", {}),
+        ("animated.webp", image, "WEBP", frames),
+    ]:
+        buf = io.BytesIO()
+        img.save(buf, fmt, **options)
+        images[name] = buf.getvalue()
+    figure = Figure(figsize=(2, 2))  # as the training curves are drawn (runlog.py)
+    figure.gca().plot([1, 3, 2])
+    for fmt in ("png", "jpg", "webp"):
+        buf = io.BytesIO()
+        figure.savefig(buf, format=fmt)
+        images[f"matplotlib.{fmt}"] = buf.getvalue()
+    return images
+
+
+def test_ordinary_images_are_accepted(good, tmp_path):
+    folder = _copy(good, tmp_path)
+    for name, data in _ordinary_images().items():
+        (folder / "images").mkdir(exist_ok=True)
+        (folder / "images" / name).write_bytes(data)
     assert verify_repo(folder).ok, verify_repo(folder).problems
 
 
