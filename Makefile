@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast quality docs venv bench clean
+.PHONY: run test test-fast test-images quality docs venv bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,16 @@ run: venv
 XDIST ?= -n 2 --dist loadgroup
 
 ## Lint, format and layer contracts (ruff, import-linter), the documentation site built strictly,
-## then every test, the slow end-to-end ones included (what CI runs).
+## then every test, the slow end-to-end ones included, but for the images (`make test-images`,
+## which CI runs next).
 test: quality docs
-	$(BIN)/python -m pytest $(XDIST)
+	$(BIN)/python -m pytest $(XDIST) -m "not images"
+
+## The Docker images and compose files, built and brought up (tests/test_images.py, one process:
+## the builds take the cores): starts dockerd if none runs and installs docker.io, docker-compose
+## and debootstrap when missing (root). About 10 minutes from scratch; CI runs it after `test`.
+test-images: venv
+	$(BIN)/python -m pytest -m images tests/test_images.py
 
 ## Lint (ruff check), formatting (ruff format --check) and the layer contracts (lint-imports).
 quality: venv
