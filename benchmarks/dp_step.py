@@ -3,7 +3,8 @@
 Contenders (``VARIANTS``: add a row to add one):
 (a) non-private AdamW: the mean loss, one backward, AdamW;
 (b) DP-AdamW: one logical step of the DP engine (``training.dp.engine``) with book-keeping
-    ghost clipping (``training.dp.clipping``): the clipped sum, Gaussian noise, AdamW;
+    ghost clipping (``training.dp.clipping``): the proved clipped sum (fp64 ghost bounds and
+    products, issue 52), Gaussian noise, AdamW;
 (c) the reference approach: per-example gradients materialised with ``torch.func.vmap``,
     clipped and summed, then the same engine's noise and AdamW;
 (d) (b) with the one-run privacy audit on: the engine's Dirac canaries (the recipes' default
@@ -11,9 +12,6 @@ Contenders (``VARIANTS``: add a row to add one):
     buffer, noised with it and scored. Issue 14's target: d/b <= 1.03 in time and in memory. The
     canaries' own time (sampling, clipping, scoring) is also timed apart, since a 3% difference is
     within a shared machine's drift between rounds;
-(e) (b) with every clipped sum formed in fp64 and rounded once into ``.grad`` (issue 32): what
-    fp64 sums would cost on this path. Not shipped: the ViT's clipped sums run over tokens in
-    one product, where fp64 proves nothing (``PerExampleClipper``'s exact mode refuses them).
 The DP steps' noise is also timed alone, once a round (``add_gaussian_noise`` on a buffer of the
 model's trainable size, on the step's device: issue 52's device draw on CUDA).
 
@@ -59,7 +57,12 @@ sys.path.insert(0, str(ROOT))
 
 from own_process import in_own_process, peak, reset_peak  # noqa: E402
 
-from training.dp.clipping import ClipResult, PerExampleClipper, clip_factors  # noqa: E402
+from training.dp.clipping import (  # noqa: E402
+    ClippedSum,
+    ClipResult,
+    PerExampleClipper,
+    clip_factors,
+)
 from training.dp.engine import Budget, Clipper, DPEngine, add_gaussian_noise  # noqa: E402
 from training.recipes.mae import DecoderConfig, new_mae  # noqa: E402
 from training.skeleton.distributed import Dist  # noqa: E402
@@ -119,6 +122,7 @@ class TimedClipper:
     def __init__(self, clipper: Clipper, bench: Bench, variant: str):
         self.params, self.max_norm = clipper.params, clipper.max_norm
         self.accumulate = bench.timed(variant, clipper.accumulate)
+        self.take_sum = clipper.take_sum
 
 
 class VmapClipper:
@@ -129,6 +133,8 @@ class VmapClipper:
         self.model, self.max_norm = model, max_norm
         self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = list(self.named.values())
+        self.sum = ClippedSum(self.params)
+        self.take_sum = self.sum.take
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
         from torch.func import functional_call, grad_and_value, vmap
@@ -146,21 +152,8 @@ class VmapClipper:
         norms = torch.sqrt(sum(g.float().reshape(b, -1).square().sum(1) for g in per.values()))
         factors = clip_factors(norms, self.max_norm)
         for n, p in self.named.items():
-            total = torch.einsum("b,b...->...", factors, per[n].float()).to(p.dtype)
-            p.grad = total if p.grad is None else p.grad + total
+            self.sum.add(p, torch.einsum("b,b...->...", factors, per[n].float()).double())
         return ClipResult(losses.detach(), norms, factors)
-
-
-class Fp64SumClipper(PerExampleClipper):
-    """(e): ``PerExampleClipper`` with each layer's kept operands and factors in fp64 when its
-    clipped sum is formed (the per-example norms and factors as in (b))."""
-
-    @staticmethod
-    def _add_clipped(part: Any, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
-        part.materialised = [(p, pe.double()) for p, pe in part.materialised]
-        part.a = part.a.double() if part.a is not None and part.a.is_floating_point() else part.a
-        part.g = part.g.double() if part.g is not None else None
-        PerExampleClipper._add_clipped(part, factors.double(), dropped)
 
 
 def non_private(bench: Bench) -> Step:
@@ -241,7 +234,6 @@ VARIANTS = {
         "clipping",
         engine_step("d", PerExampleClipper, DEFAULT_CANARIES),
     ),
-    "e": Variant("(b), clipped sums in fp64", "clipping", engine_step("e", Fp64SumClipper)),
 }
 
 

@@ -2,22 +2,21 @@
 
 (a) a non-private step: the summed symmetric InfoNCE, one backward;
 (b) Logit-DP with ``training.dp.pair_clipping.PairClipper``: pair norms from per-view Jacobians
-    (d cotangents in one batched backward, each layer's reduced as it arrives), then the clipped
-    sum from one backward; ``--passes 1x1,2x2`` runs it once per ``passes`` setting (rows x
-    columns of Jacobian passes: less memory, more time), labelled b1x1, b2x2, ...;
+    (d cotangents in one batched backward, each layer's bounded as it arrives and kept), then
+    the clipped sum from them in fp64 (the proved rule, issue 52);
 (c) Logit-DP the naive way: every pair gradient grad Z_ij materialised (``torch.func.vmap``
     over pairs, in chunks), clipped, weighted and summed;
 (d) Naive-DP with ``BatchClipper``: the whole-batch gradient clipped.
 
-Each variant's step adds its clipped sum into ``.grad`` (noise and the optimiser cost the same
-for all and are left out). Time: the variants run interleaved round by round in one process;
+Each variant's step forms its clipped sum (noise and the optimiser cost the same for all and are
+left out). Time: the variants run interleaved round by round in one process;
 the ratios use each variant's fastest round (on a shared machine the least disturbed one), with
 the median of the per-round ratios beside them; the load average is printed before and after.
 Memory: each (variant, n) runs once more in its own process (``benchmarks/own_process.py``);
 the peak resident set size (VmHWM, reset after set-up) minus the set-up's.
 
     python benchmarks/logit_dp.py [--ns 16,32,64,128] [--rounds 5] [--dim 16] [--variants abcd]
-        [--passes 1x1] [--threads N]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -42,12 +41,6 @@ LABELS = {
     "d": "Naive-DP, BatchClipper",
 }
 TAU, BOUND = 0.2, 1e-3
-
-
-def _passes(variant: str) -> tuple[int, int]:
-    """The ``passes`` of a (b) variant named b<rows>x<columns>."""
-    rows, cols = variant[1:].split("x")
-    return int(rows), int(cols)
 
 
 def make_steps(
@@ -82,7 +75,7 @@ def make_steps(
     model = ContrastiveEmbedder(encoder, dim=args.dim)
     x1, x2 = (torch.randn(n, 3, args.img_size, args.img_size) for _ in range(2))
     params = [p for p in model.parameters() if p.requires_grad]
-    batch = BatchClipper(model, BOUND, TAU)
+    batch, pair = BatchClipper(model, BOUND, TAU), PairClipper(model, BOUND, TAU)
 
     def a() -> None:
         e = embed(model, x1, x2)
@@ -118,10 +111,10 @@ def make_steps(
             v.grad = total[k]
 
     def body(variant: str) -> Callable[[], object]:
-        if variant[0] == "b":
-            pair = PairClipper(model, BOUND, TAU, passes=_passes(variant))
-            return lambda: pair.accumulate(x1, x2)
-        return {"a": a, "c": c, "d": lambda: batch.accumulate(x1, x2)}[variant]
+        clipped = {"b": pair, "d": batch}.get(variant)
+        if clipped is not None:
+            return lambda: (clipped.accumulate(x1, x2), clipped.take_sum())
+        return {"a": a, "c": c}[variant]
 
     def wrap(body: Callable[[], object]) -> Callable[[], None]:
         def step() -> None:
@@ -172,7 +165,6 @@ def main() -> None:
     ap.add_argument("--img-size", type=int, default=32)
     ap.add_argument("--patch", type=int, default=8)
     ap.add_argument("--variants", default="abcd")
-    ap.add_argument("--passes", default="1x1", help="(b)'s PairClipper passes, rows x columns")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--naive-up-to", type=int, default=128, help="largest n at which (c) runs")
     args = ap.parse_args()
@@ -188,12 +180,7 @@ def main() -> None:
     )
     for n in (int(s) for s in args.ns.split(",")):
         print(f"n={n:4d} load average before {_load()}")
-        variants = [
-            f"b{p}" if v == "b" else v
-            for v in args.variants
-            if v != "c" or n <= args.naive_up_to
-            for p in (args.passes.split(",") if v == "b" else [""])
-        ]
+        variants = [v for v in args.variants if v != "c" or n <= args.naive_up_to]
         memory = {}
         for v in variants:
             got = in_own_process(peak_memory, args, n, v)
@@ -205,7 +192,7 @@ def main() -> None:
         fastest = {v: min(ts) for v, ts in times.items()}
         for v in memory:
             median = statistics.median(times[v])
-            label = LABELS[v[0]] + (f", passes {v[1:]}" if v[0] == "b" else "")
+            label = LABELS[v]
             print(
                 f"n={n:4d} ({v}) {label:42s} {fastest[v]:9.3f} s (median {median:8.3f})   "
                 f"peak +{memory[v]:8.1f} MiB"
@@ -222,8 +209,7 @@ def main() -> None:
             rounds = statistics.median(x / y for x, y in zip(times[p], times[q], strict=True))
             return f"{p}/{q} time {time_ratio:6.2f} ({rounds:6.2f}) memory {memory_ratio:6.2f}"
 
-        pairs = [*((v, "a") for v in memory if v[0] == "b"), ("d", "a")]
-        pairs += [("c", v) for v in memory if v[0] == "b"]
+        pairs = [("b", "a"), ("d", "a"), ("c", "b")]
         print(
             f"n={n:4d} "
             + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest)

@@ -21,6 +21,7 @@ from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.privacy.accounting import NOISE_SAMPLER, epsilon
 from vip_hub.privacy.audit import ceiling
+from vip_hub.privacy.sensitivity import FP64_CAPPED, ROUNDING_SUM
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
 
@@ -313,6 +314,26 @@ def test_a_checkpoint_of_another_noise_sampler_is_refused(sampler: str | None) -
     assert f"its 2 steps drew their noise from the {sampler or 'numpy float64 ziggurat'}" in str(
         refused.value
     )
+    assert resumed.steps_done == 0
+
+
+@pytest.mark.parametrize("summation", [None, "fp32-blocked"])
+def test_a_checkpoint_of_another_summation_rule_is_refused(summation: str | None) -> None:
+    """Issue 52: a checkpoint whose steps formed their clipped sums in fp32 (no rule recorded:
+    ``fp32-blocked``, a model) cannot continue under the proved ``fp64-capped``, since one stage
+    records one rule: refused, naming --restart."""
+    engine = engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, steps=6)
+    _train(engine, torch.randn(40, 4), 0, 2)
+    state = engine.state_dict()
+    assert state[ROUNDING_SUM] == FP64_CAPPED
+    if summation is None:
+        del state[ROUNDING_SUM]
+    else:
+        state[ROUNDING_SUM] = summation
+    resumed = engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, steps=6)
+    with pytest.raises(CheckpointError, match="--restart") as refused:
+        resumed.load_state_dict(state)
+    assert "its 2 steps formed their clipped sums by the rule fp32-blocked" in str(refused.value)
     assert resumed.steps_done == 0
 
 

@@ -40,6 +40,8 @@ from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import (
     CONTRASTIVE_LOSS,
+    FP64_CAPPED,
+    ROUNDING_SUM,
     ROUNDING_TERMS,
     logit_dp_sensitivity,
     rounding_allowance,
@@ -129,10 +131,11 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
     assert dp.mechanism_params == {
         "loss": CONTRASTIVE_LOSS,
         "temperature": 1.0,
+        ROUNDING_SUM: FP64_CAPPED,
     }  # no cap: it would not lower Delta
     assert dp.clipping_norm == 1e-3
     assert dp.sensitivity == pytest.approx(
-        2e-3 * (1 + math.exp(2)) * rounding_allowance(terms)
+        2e-3 * (1 + math.exp(2)) * rounding_allowance(terms, FP64_CAPPED)
     )  # with the 1/tau factor (tau = 1 here)
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     assert (
@@ -181,7 +184,8 @@ def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(
     assert verify_repo(out).ok
     naive, logit = ledger_of(out).stages[1], ledger_of(trained).stages[1]
     assert (naive.mechanism, naive.clipping_norm) == ("Naive-DP", 0.05)
-    assert naive.sensitivity == 0.1 * rounding_allowance(naive.mechanism_params[ROUNDING_TERMS])
+    terms = naive.mechanism_params[ROUNDING_TERMS]
+    assert naive.sensitivity == 0.1 * rounding_allowance(terms, FP64_CAPPED)
     assert naive.noise_std == pytest.approx(naive.noise_multiplier * naive.sensitivity)
     assert (
         naive.epsilon == logit.epsilon
@@ -216,9 +220,14 @@ def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(
     )
     dp = ledger_of(out).stages[1]
     terms = dp.mechanism_params.pop(ROUNDING_TERMS)
-    assert dp.mechanism_params == {"loss": CONTRASTIVE_LOSS, "temperature": 0.1, "max_batch": 12}
+    assert dp.mechanism_params == {
+        "loss": CONTRASTIVE_LOSS,
+        "temperature": 0.1,
+        "max_batch": 12,
+        ROUNDING_SUM: FP64_CAPPED,
+    }
     assert dp.sensitivity == pytest.approx(
-        logit_dp_sensitivity(1e-3, 0.1, 12) * rounding_allowance(terms)
+        logit_dp_sensitivity(1e-3, 0.1, 12) * rounding_allowance(terms, FP64_CAPPED)
     )
     assert dp.audit is None
     assert verify_repo(out).ok

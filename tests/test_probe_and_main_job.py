@@ -206,7 +206,7 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
 
 def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_path: Path) -> None:
     from vip_hub.privacy.sensitivity import (
-        FP64_ONCE,
+        FP64_CAPPED,
         ROUNDING_SUM,
         ROUNDING_TERMS,
         rounding_allowance,
@@ -244,8 +244,8 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
     )
     assert stage.steps == 10 * 6 and stage.sample_rate == pytest.approx(1 / 6)
     terms = sample_bound(1437, stage.sample_rate)  # the proved allowance, recorded and applied
-    assert stage.mechanism_params == {ROUNDING_TERMS: terms, ROUNDING_SUM: FP64_ONCE}
-    assert stage.sensitivity == stage.clipping_norm * rounding_allowance(terms, FP64_ONCE) > 1.0
+    assert stage.mechanism_params == {ROUNDING_TERMS: terms, ROUNDING_SUM: FP64_CAPPED}
+    assert stage.sensitivity == stage.clipping_norm * rounding_allowance(terms, FP64_CAPPED) > 1.0
     guarantee = next(g for g in ledger.guarantees if g.dataset == stage.dataset.name)
     assert guarantee.epsilon == pytest.approx(
         stage.epsilon
@@ -262,7 +262,7 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
     from training.dp.clipping import PerExampleClipper
     from training.recipes.probe import fit_probe
     from vip_hub.privacy.sensitivity import (
-        FP64_ONCE,
+        FP64_CAPPED,
         ROUNDING_SUM,
         ROUNDING_TERMS,
         rounding_allowance,
@@ -300,8 +300,8 @@ def test_dp_head_clips_each_examples_own_gradient(monkeypatch: pytest.MonkeyPatc
         seed=3,
     )
     trained, dp = fit_probe(x, y, 3, cfg, public_x=public)  # batch = n: q = 1, one step, all of x
-    allowance = rounding_allowance(sample_bound(len(x), 1.0), FP64_ONCE)
-    assert dp["mechanism_params"] == {ROUNDING_TERMS: 12, ROUNDING_SUM: FP64_ONCE}
+    allowance = rounding_allowance(sample_bound(len(x), 1.0), FP64_CAPPED)
+    assert dp["mechanism_params"] == {ROUNDING_TERMS: 12, ROUNDING_SUM: FP64_CAPPED}
     assert dp["sensitivity"] == cfg.max_grad_norm * allowance
     assert stds == [dp["sigma"] * dp["sensitivity"]]  # weight and bias: sigma C (1 + ...)
     torch.manual_seed(cfg.seed)

@@ -40,7 +40,13 @@ from vip_hub.errors import (
 from vip_hub.privacy.accounting import NOISE_SAMPLER, Accountant, max_steps_within
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.privacy.sensitivity import ROUNDING_TERMS, rounding_allowance, sample_bound
+from vip_hub.privacy.sensitivity import (
+    FP64_CAPPED,
+    ROUNDING_SUM,
+    ROUNDING_TERMS,
+    rounding_allowance,
+    sample_bound,
+)
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -232,8 +238,8 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     assert dp.delta == pytest.approx(1e-5) and dp.clipping_norm == 0.1
     assert dp.epsilon <= 8.0 and set(dp.reference_epsilon) == {Accountant.PRV, Accountant.PLD}
     terms = sample_bound(40, 8 / 40)
-    assert dp.mechanism_params == {ROUNDING_TERMS: terms}
-    assert dp.sensitivity == 0.1 * rounding_allowance(terms)
+    assert dp.mechanism_params == {ROUNDING_TERMS: terms, ROUNDING_SUM: FP64_CAPPED}
+    assert dp.sensitivity == 0.1 * rounding_allowance(terms, FP64_CAPPED)
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     audit = dp.audit  # on by default: 1000 canaries, bound below the accounted epsilon at its delta
     assert audit is not None and audit.canaries == DEFAULT_CANARIES and audit.delta == 1e-5

@@ -72,14 +72,15 @@ class DiracCanaries:
         self.scores = np.zeros(count, dtype=np.float64)
 
     def clipped_sum(self, sampled: np.ndarray, device: torch.device) -> torch.Tensor:
-        """This rank's canary block at a step: the clipped gradient of each canary in ``sampled``
-        (the ids the engine's Poisson sample drew, members only), zeros elsewhere."""
-        block = torch.zeros(self.count, device=device, dtype=torch.float32)
+        """This rank's canary block at a step, in fp64 as the clipped sum it joins: the clipped
+        gradient of each canary in ``sampled`` (the ids the engine's Poisson sample drew, members
+        only), zeros elsewhere."""
+        block = torch.zeros(self.count, device=device, dtype=torch.float64)
         raw = torch.full(
             (len(sampled),), CANARY_NORM * self.sensitivity, device=device, dtype=torch.float64
         )
         ids = torch.as_tensor(sampled, device=device, dtype=torch.long)
-        block[ids] = (clip_factors(raw, self.bound) * raw).float()
+        block[ids] = clip_factors(raw, self.bound) * raw
         return block
 
     def observe(self, noisy_block: torch.Tensor, noise_multiplier: float) -> None:

@@ -1,57 +1,49 @@
-"""Per-example gradient clipping without per-example gradients.
+"""Per-example gradient clipping without per-example gradients, with a proof (issue 52).
 
-``PerExampleClipper.accumulate(*inputs)`` adds ``sum_i clip(g_i, C)`` to every trainable
-parameter's ``.grad``, where ``g_i`` is example i's gradient and
-``clip(g, C) = g * min(1, C / ||g||)``. It never holds one full gradient per example:
+``PerExampleClipper.accumulate(*inputs)`` adds ``sum_i clip(g_i, C)`` to the clipper's
+``ClippedSum`` (fp64, one flat buffer over the trainable parameters, taken by the DP engine with
+``take_sum``), where ``g_i`` is example i's gradient and ``clip(g, C) = g * c`` with
+``c <= min(1, C / ||g||)``. It never holds one full gradient per example:
 
 1. one forward pass hooks every layer: its input ``a`` and a gradient hook on its output;
 2. one backward pass (``torch.autograd.grad`` down to the entry layers' outputs only, so
    autograd skips the weight-gradient products) hands each layer its output gradient ``g``;
-3. there and then, each layer's contribution to ``||g_i||^2`` comes from ``(a, g)`` alone and
-   only what step 4 needs is kept. A linear map's per-example weight gradient is
+3. there and then, each layer's share of ``||g_i||^2`` is bounded from ``(a, g)`` alone, in fp64
+   from the operands' own values (fp32, or bf16 under autocast: both exact in fp64), and only
+   what step 4 needs is kept. A linear map's per-example weight gradient is
    ``G_i = g_i^T a_i`` over the example's T tokens; its squared norm is the "ghost norm"
-   ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` (O(T^2 (in + out)); both Gram matrices are symmetric,
-   so for many tokens only their block upper triangle is formed), unless materialising
-   ``G_i`` is both cheaper and no larger than the ``a`` and ``g`` the ghost route keeps (see
-   ``_materialise``). An embedding's ``G_i`` scatters the rows of ``g`` by token id: its rows
-   are summed per (example, id), O(T d), never a table per example;
-4. once the clip factors ``c`` are known, each weight's clipped sum is formed once:
-   ``sum_i c_i G_i = (c * g)^T a``, the same product a plain backward computes (for an
-   embedding, one scatter-add of the scaled rows). Small per-example gradients (biases,
-   LayerNorm, tokens, materialised products) are summed with the factors.
+   ``sum_{t,s} (a_t . a_s)(g_t . g_s)``, computed in fp64 and raised by a proven bound on that
+   computation's error, ``eta X_i^2`` with ``X_i = sum_t ||a_t|| ||g_t||``, the "cross term"
+   (``ghost_bounds``); where materialising ``G_i`` is both cheaper and no larger than the kept
+   ``a`` and ``g`` (``_materialise``), it is formed in fp64 and its norm taken from it. An
+   embedding's ``G_i`` scatters the rows of ``g`` by token id: its rows are summed per
+   (example, id) in fp64, never a table per example. Biases, LayerNorm and broadcast tokens are
+   per-example tensors of their own, formed in fp64;
+4. the clip factors (``capped_factors``) come from those upper bounds, raised by 2^-30, and are
+   capped so that ``c_i X_i <= C / kappa`` (``vip_hub.privacy.sensitivity.CROSS_CAP``); then
+   each weight's clipped sum ``sum_i c_i G_i = (c * g)^T a`` is formed in fp64 as products of at
+   most ``PRODUCT_ROWS`` token rows each (``product_sum``), and every sum across examples,
+   micro-batches and (in the engine) ranks stays in fp64, to which the engine adds its fp64
+   noise before the one rounding to the parameters' dtype.
 
-This is book-keeping ghost clipping (Bu et al. 2023) written for our modules. Supported
+Why this is proved where the fp32 sums of before were modelled: a product over tokens errs by
+up to ``gamma_K`` times the sum of its terms' magnitudes, ``sum_i c_i X_i``, which no clip of
+the norm bounds (an example's token terms may cancel: the review's witness put 100 C into one
+example's share). In fp64 with the cap, that error is at most ``gamma_{R+1} b C / kappa``, and
+the norm behind each factor is an upper bound of the exact per-example gradient's; the
+allowance on the sensitivity (``FP64_CAPPED``, ``rounding_allowance``) follows, proof in
+``docs/architecture.md``, "Rounding of the clipped sum".
+
+This is book-keeping ghost clipping (Bu et al. 2023) written for our modules, in fp64. Supported
 layers: ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, patchifying ``nn.Conv2d`` (kernel
 == stride), and parameters a model broadcasts over the batch itself (the class and mask
 tokens), which it announces through ``broadcast_parameters()`` and ``broadcast_hooks``. Any
 other trainable parameter is an error at construction: there is no silent fallback.
-
-Under bf16/fp16 autocast the layers' inputs ``a`` and output gradients ``g`` come in that
-precision, but every clipped product and every sum over the micro-batch is formed in fp32 (fp64
-for an fp64 model) from those values, never rounded to bf16: a sum rounded to 8 bits once moves
-by a rounding that depends on every example in it (up to 1.9 C between neighbours, issue 32).
-What remains is fp32 rounding: per example, the scaled operand and the accumulation over the
-tokens, bounded by ``rounding_bound`` (the factors of a layer whose ``a`` or ``g`` came in bf16/fp16
-come from that bound, see ``factor_norms``, which ``training.dp.pair_clipping.PairClipper`` shares;
-in fp32 and fp64 from the norm, as the equivalence tests check); between neighbours, the sum's
-own rounding, which the stated sensitivity covers (``vip_hub.privacy.sensitivity``,
-``rounding_terms``). Parameters must be fp32 or fp64: a bf16/fp16 ``.grad`` would round the sum
-to its precision again.
-
-``PerExampleClipper(..., exact=True)`` makes that last rounding provable instead (rule
-``FP64_ONCE`` of ``vip_hub.privacy.sensitivity``, proof in ``docs/architecture.md``): every
-per-example quantity and every sum across examples in fp64 from the operands' own values, the
-factors from the fp64 norms raised by ``_FP64_NORM_MARGIN``, and each ``.grad`` rounded once,
-so one call must form the step's whole sum. A sum over the tokens of several examples in one
-product (a linear layer with more than one token per example, a patchifying convolution, an
-embedding) is refused there: its error scales with each example's sum of token magnitudes,
-which the clip does not bound.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -60,38 +52,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from vip_hub.errors import ConfigError
+from vip_hub.privacy.sensitivity import CROSS_CAP, PRODUCT_ROWS, gamma64
 
 __all__ = [
     "ClipResult",
+    "ClippedSum",
     "LayerClipper",
     "PerExampleClipper",
     "UnsupportedLayerError",
-    "add_to_grad",
+    "capped_factors",
     "check_max_norm",
     "clip_factors",
-    "exact_fp32",
-    "factor_norms",
-    "norm_dtype",
-    "rounding_bound",
+    "ghost_bounds",
+    "product_sum",
     "rule_layers",
     "trainable",
+    "upper_sq",
 ]
 
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
 _PRODUCT_ELEMENT_COST = 100
-# Allowance for what is evaluated in fp32 under reduced precision besides the clipped products:
-# the norms, and PairClipper's contraction of each view's Jacobian with its pair weights (n + d
-# terms; rounding ~1e-6).
-_FP32_ALLOWANCE = 2.0**-12
-_SUM_DTYPES = (torch.float32, torch.float64)
-"""What clipped products, their sums and ``.grad`` are held in (issue 32)."""
-_FP64_NORM_MARGIN = 2.0**-30
-"""Exact mode: the factors come from the fp64 norms times 1 + this, above the relative error of
-an fp64 norm over up to 2^22 terms and of the factor's division (``docs/architecture.md``)."""
-_EXACT_MIN_CLIP = 2.0**-64
-"""Exact mode: the smallest clip bound, so that subnormal roundings stay within the proof's
-slack."""
+_NORM_MARGIN = 2.0**-30
+"""The factors come from the fp64 upper bounds on the norms times 1 + this, above the relative
+error of the square root and of the factor's division (``docs/architecture.md``)."""
+_MIN_CLIP = 2.0**-64
+"""The smallest clip bound, so that subnormal roundings stay within the proof's slack."""
+_PARAM_DTYPES = (torch.float32, torch.float64)
 
 
 class UnsupportedLayerError(ConfigError, TypeError):
@@ -103,29 +90,51 @@ class ClipResult:
     """What one micro-batch contributed."""
 
     losses: torch.Tensor  # (b,) per-example losses, detached
-    norms: torch.Tensor  # (b,) per-example gradient norms before clipping (fp32)
-    factors: torch.Tensor  # (b,) clip factors applied (0 for a non-finite norm)
+    norms: torch.Tensor  # (b,) upper bounds on the per-example gradient norms (fp64)
+    factors: torch.Tensor  # (b,) clip factors applied (0 for a non-finite norm; fp64)
 
 
-@dataclass
-class _Part:
-    """One layer's per-example gradient in the cheapest form, computed once per micro-batch.
+class ClippedSum:
+    """A step's clipped sum in fp64: one flat buffer over ``params`` (in their order), a view per
+    parameter; ``take`` hands it over and starts a new one."""
 
-    Small per-example gradients (LayerNorm affine, biases, broadcast tokens, and weights whose
-    per-example product is materialised) are held as (b, *shape). A large weight keeps the
-    tokens ``a`` (b, T, in) and ``g`` (b, T, out) instead (a patch embedding keeps its input
-    images as ``a``; an embedding keeps ``g`` as its rows summed per (example, id), with
-    ``a`` holding those keys), and its clipped sum is formed once the factors are known.
-    """
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._offsets = [0]
+        for p in params:
+            self._offsets.append(self._offsets[-1] + p.numel())
+        self._flat: torch.Tensor | None = None
 
-    materialised: list[tuple[nn.Parameter, torch.Tensor]]
-    sq_norms: torch.Tensor  # (b,) this layer's share of the squared per-example norms
-    layer: nn.Module | None = None  # the layer whose weight's clipped sum is deferred
-    a: torch.Tensor | None = None
-    g: torch.Tensor | None = None
-    # (b,) bound on the norm of this layer's clipped contribution per unit factor, when its
-    # clipped product runs in bf16/fp16 (``rounding_bound``); None in fp32 and fp64
-    bound: torch.Tensor | None = None
+    def add(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Add the fp64 ``value`` (``param``'s shape, or its elements) to ``param``'s share."""
+        if self._flat is None:
+            self._flat = torch.zeros(
+                self._offsets[-1], dtype=torch.float64, device=self.params[0].device
+            )
+        i = self._index[id(param)]
+        view = self._flat[self._offsets[i] : self._offsets[i + 1]]
+        view += value.reshape(-1)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (a taken sum) as one view per parameter, in each one's shape."""
+        return [
+            flat[lo:hi].view(p.shape)
+            for p, (lo, hi) in zip(self.params, pairwise(self._offsets), strict=True)
+        ]
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was added since the last ``take``."""
+        return self._flat is None
+
+    def take(self) -> torch.Tensor:
+        """The flat fp64 sum (zeros when nothing was added); the next ``add`` starts anew."""
+        flat = self._flat
+        self._flat = None
+        if flat is None:
+            flat = torch.zeros(self._offsets[-1], dtype=torch.float64, device=self.params[0].device)
+        return flat
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -136,23 +145,103 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
+def capped_factors(sq: torch.Tensor, cross: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clip_factors`` of ``max(sqrt(sq) (1 + 2^-30), kappa cross)``: from fp64 upper bounds on
+    each example's (pair's) squared norm ``sq`` and token cross term ``cross``, factors c with
+    c ||g|| <= C and c X <= C / kappa (``FP64_CAPPED``)."""
+    bounded = torch.maximum(sq.sqrt() * (1 + _NORM_MARGIN), CROSS_CAP * cross)
+    return clip_factors(bounded, max_norm)
+
+
+def upper_sq(sq: torch.Tensor, terms: int) -> torch.Tensor:
+    """An upper bound on a sum of ``terms`` non-negative reals from its fp64 evaluation ``sq``
+    (each term one rounding, then the additions in any order): ``sq (1 + 2 gamma_{terms+2})``."""
+    return sq * (1 + 2 * gamma64(terms + 2))
+
+
+def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upper bounds on ``||g_i^T a_i||_F^2`` and on the cross term ``X_i = sum_t ||a_t|| ||g_t||``
+    per example, (b,) each, from tokens ``a`` (b, T, in) and ``g`` (b, T, out) in fp64.
+
+    The ghost norm ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` is formed from the two Gram matrices;
+    each entry errs by at most gamma_in (gamma_out) times the product of the tokens' norms, and
+    the T^2 products and their sum by gamma_{T^2 + 2}: its error is at most
+    ``eta X^2`` with eta = 3 gamma_{in + out + T^2 + 4}, which is added.
+
+    Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
+    rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
+    twice. Each strip's elementwise product is summed by one batched dot product."""
+    b, t, i = a.shape
+    o = g.shape[2]
+    blocks = max(1, min(3, t // 48))
+    edges = [t * j // blocks for j in range(blocks + 1)]
+    sq = torch.zeros(b, device=a.device, dtype=torch.float64)
+    cross = torch.zeros_like(sq)
+    for lo, hi in pairwise(edges):
+        ga, gg = torch.bmm(a[:, lo:hi], a[:, lo:].mT), torch.bmm(g[:, lo:hi], g[:, lo:].mT)
+        whole = _dot(ga, gg)
+        if hi < t:  # the diagonal block once, the rest twice
+            diagonal = (ga[:, :, : hi - lo] * gg[:, :, : hi - lo]).sum((1, 2))
+            sq += whole.mul_(2).sub_(diagonal)
+        else:
+            sq += whole
+        cross += (ga.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+    # the computed cross term is within gamma_{in+out+t+4} of X (each factor a sum of squares)
+    cross = cross * (1 + 2 * gamma64(i + o + t + 4))
+    eta = 3 * gamma64(i + o + t * t + 4)
+    return (sq.clamp(min=0) + eta * cross.square()) * (1 + 2 * gamma64(4)), cross
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-example dot products of two contiguous (b, ...) tensors, (b,)."""
+    b = x.shape[0]
+    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
+
+
+def product_sum(
+    g: torch.Tensor, a: torch.Tensor, scale: torch.Tensor, rows: int = PRODUCT_ROWS
+) -> torch.Tensor:
+    """``sum_i scale_i g_i^T a_i`` (out, in) in fp64 from ``g`` (b, T, out) and ``a`` (b, T, in):
+    the scale applied to the smaller side, then products over at most ``rows`` token rows each
+    (whole examples; one example's T tokens at most), added up in fp64. Its error is at most
+    gamma_{rows+1} sum_i |scale_i| sum_t ||a_t|| ||g_t|| in norm (``docs/architecture.md``)."""
+    b, t = a.shape[:2]
+    if t > rows:
+        raise UnsupportedLayerError(
+            f"one example holds {t} tokens in one product, more than the {rows} the clipped "
+            "sum's proof covers"
+        )
+    per = max(1, rows // t)
+    total = torch.zeros(g.shape[2], a.shape[2], dtype=torch.float64, device=a.device)
+    for lo in range(0, b, per):
+        a64, g64 = a[lo : lo + per].double(), g[lo : lo + per].double()
+        s = scale[lo : lo + per].to(torch.float64)[:, None, None]
+        if a64.shape[2] <= g64.shape[2]:
+            a64 = a64 * s
+        else:
+            g64 = g64 * s
+        total += g64.reshape(-1, g64.shape[2]).T @ a64.reshape(-1, a64.shape[2])
+    return total
+
+
 def check_max_norm(max_norm: float) -> None:
-    """``ValueError`` unless the clipping norm is positive: every clipper's first check."""
-    if not max_norm > 0:
-        raise ValueError(f"clipping norm must be positive, got {max_norm}")
+    """``ValueError`` unless the clipping norm is at least 2^-64 (every clipper's first check:
+    the proof of the fp64 sums needs it, ``docs/architecture.md``)."""
+    if not max_norm >= _MIN_CLIP:
+        raise ValueError(f"clipping norm must be positive, at least 2^-64, got {max_norm}")
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """``model``'s trainable parameters; ``ConfigError`` when it has none or one is not fp32/fp64
-    (its ``.grad`` would round the clipped sum to its precision: train under autocast instead)."""
+    (AdamW's state and its update would lose the step in bf16: train under autocast instead)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters: nothing to train")
-    reduced = sorted({str(p.dtype) for p in params if p.dtype not in _SUM_DTYPES})
+    reduced = sorted({str(p.dtype) for p in params if p.dtype not in _PARAM_DTYPES})
     if reduced:
         raise ConfigError(
-            f"DP training needs fp32 or fp64 trainable parameters, got {', '.join(reduced)}: their "
-            ".grad would round each clipped sum to that precision (use bf16 autocast instead)"
+            f"DP training needs fp32 or fp64 trainable parameters, got {', '.join(reduced)}: "
+            "AdamW would update them in that precision (use bf16 autocast instead)"
         )
     return params
 
@@ -181,52 +270,9 @@ def rule_layers(model: nn.Module, check: Callable[[nn.Module], None]) -> list[nn
     return layers
 
 
-def norm_dtype(params: list[nn.Parameter]) -> torch.dtype:
-    """The dtype norms are accumulated in: fp64 where any parameter is fp64, else fp32."""
-    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-
-
-def factor_norms(
-    norms: torch.Tensor, shares: list[tuple[torch.Tensor, torch.Tensor | None]]
-) -> torch.Tensor:
-    """The norms clip factors come from: ``norms`` themselves, or, when some share's operands came
-    in bf16/fp16, an upper bound on the norm of each contribution as it is computed in fp32.
-    ``shares``: each part's squared norms and its rounding bound (``rounding_bound``; None where
-    its operands are fp32 or fp64)."""
-    if all(bound is None for _, bound in shares):
-        return norms
-    sq = torch.zeros_like(norms)
-    for part_sq, bound in shares:
-        sq += part_sq if bound is None else bound.square()
-    return sq.sqrt() * (1 + _FP32_ALLOWANCE)
-
-
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
-    """Norms and sums run in the tensors' own precision (at least fp32), not autocast's."""
+    """Norms and sums run in fp64, not autocast's precision."""
     return torch.autocast(x.device.type, enabled=False)
-
-
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (norms and clipped sums under bf16/fp16 autocast are computed in fp32)."""
-    return x if x.dtype in _SUM_DTYPES else x.float()
-
-
-@contextlib.contextmanager
-def exact_fp32() -> Iterator[None]:
-    """fp32 products in fp32 on CUDA: no TF32 (whose 10-bit operands cuBLAS and cuDNN may
-    otherwise use for an fp32 matmul or convolution) while a clipped sum is formed."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
-
-
-def _reduced(*tensors: torch.Tensor) -> bool:
-    """Whether a layer ran in bf16/fp16: its fp32 product's rounding is then bounded."""
-    return any(x.dtype.itemsize < 4 for x in tensors)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -235,56 +281,9 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sq(per_example: torch.Tensor) -> torch.Tensor:
-    """Squared norms of (b, ...) per-example gradients, (b,)."""
-    return per_example.reshape(per_example.shape[0], -1).square().sum(1)
-
-
-def _ghost(
-    a: torch.Tensor, g: torch.Tensor, cross: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``||g_i^T a_i||_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, and (when ``cross``)
-    ``sum_t ||a_t|| ||g_t||`` (which bounds the effect of rounding either operand), both (b,).
-
-    Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
-    rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
-    twice (83% of the full products' time at 197 tokens on the CPU; one product below 96).
-    Each strip's elementwise product is summed by one batched dot product (no product tensor)."""
-    b, t = a.shape[:2]
-    blocks = max(1, min(3, t // 48))
-    edges = [t * j // blocks for j in range(blocks + 1)]
-    sq = torch.zeros(b, device=a.device, dtype=a.dtype)
-    norms = torch.zeros_like(sq) if cross else None
-    for lo, hi in pairwise(edges):
-        ga, gg = torch.bmm(a[:, lo:hi], a[:, lo:].mT), torch.bmm(g[:, lo:hi], g[:, lo:].mT)
-        whole = _dot(ga, gg)
-        if hi < t:  # the diagonal block once, the rest twice
-            diagonal = (ga[:, :, : hi - lo] * gg[:, :, : hi - lo]).sum((1, 2))
-            sq += whole.mul_(2).sub_(diagonal)
-        else:
-            sq += whole
-        if norms is not None:
-            norms += (ga.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
-    return sq, norms
-
-
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-example dot products of two contiguous (b, ...) tensors, (b,)."""
-    b = x.shape[0]
-    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
-
-
-def rounding_bound(sq: torch.Tensor, cross: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Bound on ``||(c g)^T a|| / c`` for one example (one pair in ``PairClipper``) when that
-    product of bf16/fp16-valued operands is formed in fp32 over ``tokens`` tokens of the batch.
-
-    With fp32's unit roundoff u: the scaled operand rounds elementwise (at most
-    ``u sum_t ||a_t|| ||g_t||`` in norm: an elementwise relative error need not stay relative to
-    ``||g^T a||``), the accumulation over ``tokens`` products adds at most
-    ``gamma sum_t ||a_t|| ||g_t||`` (worst case, any order), the output rounds (relative u):
-    ``||.|| <= (1 + u) (||G|| + (u + (1 + u) gamma) sum_t ||a_t|| ||g_t||)``."""
-    u = torch.finfo(torch.float32).eps / 2
-    gamma = tokens * u / (1 - tokens * u)
-    return (1 + u) * (sq.sqrt() + (u + (1 + u) * gamma) * cross)
+    """Upper bounds on the squared norms of (b, ...) fp64 per-example tensors, (b,)."""
+    flat = per_example.reshape(per_example.shape[0], -1)
+    return upper_sq(flat.square().sum(1), flat.shape[1])
 
 
 def _materialise(b: int, t: int, i: int, o: int) -> bool:
@@ -294,17 +293,40 @@ def _materialise(b: int, t: int, i: int, o: int) -> bool:
     return i * o <= t * (i + o) and _PRODUCT_ELEMENT_COST * i * o < t * t * (i + o)
 
 
+@dataclass
+class _Part:
+    """One layer's per-example gradient in the cheapest form, computed once per micro-batch.
+
+    Small per-example gradients (LayerNorm affine, biases, broadcast tokens, and weights whose
+    per-example product is materialised) are held as fp64 (b, *shape). A large weight keeps the
+    tokens ``a`` (b, T, in) and ``g`` (b, T, out) in their own dtype instead (a patch embedding
+    keeps its input images as ``a``; an embedding keeps ``g`` as its fp64 rows summed per
+    (example, id), with ``a`` holding those keys), and its clipped sum is formed once the
+    factors are known."""
+
+    materialised: list[tuple[nn.Parameter, torch.Tensor]]
+    sq_norms: torch.Tensor  # (b,) upper bounds on this layer's share of the squared norms
+    cross: torch.Tensor | None = None  # (b,) its token cross term, where a product is deferred
+    layer: nn.Module | None = None  # the layer whose weight's clipped sum is deferred
+    a: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+
+
 class LayerClipper:
     """What every layer-wise clipper holds: the model, its clip bound and trainable parameters,
-    the layers its rules cover (``_check_supported`` refuses the others), and the precision its
-    norms are formed in."""
+    the layers its rules cover (``_check_supported`` refuses the others), and the step's
+    ``ClippedSum``, which ``take_sum`` hands to the engine."""
 
     def __init__(self, model: nn.Module, max_norm: float):
         check_max_norm(max_norm)
         self.model, self.max_norm = model, float(max_norm)
         self.params = trainable(model)
         self.layers = rule_layers(model, self._check_supported)
-        self.norm_dtype = norm_dtype(self.params)
+        self.sum = ClippedSum(self.params)
+
+    def take_sum(self) -> torch.Tensor:
+        """The clipped sum added since the last call: flat, fp64, over ``params`` in order."""
+        return self.sum.take()
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -312,22 +334,11 @@ class LayerClipper:
 
 
 class PerExampleClipper(LayerClipper):
-    """Adds the sum of per-example clipped gradients of ``model`` into ``.grad``.
+    """Adds the sum of per-example clipped gradients of ``model`` into its ``ClippedSum``.
 
     ``model(*inputs)`` must return per-example losses of shape (b,) where example i's loss
-    depends on example i only (no batch statistics). ``exact``: the sum across examples in fp64,
-    rounded once into an empty ``.grad`` (see the module docstring).
+    depends on example i only (no batch statistics). Calls add up: one per micro-batch.
     """
-
-    def __init__(self, model: nn.Module, max_norm: float, *, exact: bool = False):
-        super().__init__(model, max_norm)
-        self.exact = exact
-        if exact:
-            if self.max_norm < _EXACT_MIN_CLIP:
-                raise ConfigError(
-                    f"exact clipped sums need a clipping norm of at least 2^-64, got {max_norm}"
-                )
-            self.norm_dtype = torch.float64
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -358,17 +369,12 @@ class PerExampleClipper(LayerClipper):
         )
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult:
-        """Run ``model(*inputs)`` and add the clipped per-example gradient sum into ``.grad``.
+        """Run ``model(*inputs)`` and add the clipped per-example gradient sum into the sum.
 
         The model may run its layers on K rows per example (augmentation multiplicity: K views of
         each example, example i's rows ``i*K .. i*K+K-1``) as long as it returns one loss per
         example: each layer's per-example gradient is then summed over the example's K rows
         before the norm (``_grouped``), so what is clipped is the example's whole gradient."""
-        if self.exact and any(p.grad is not None for p in self.params):
-            raise ConfigError(
-                "exact clipped sums are rounded once into an empty .grad: one call per step "
-                "(no micro-batches), .grad set to None between steps"
-            )
         parts: list[_Part] = []
         targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -383,10 +389,7 @@ class PerExampleClipper(LayerClipper):
             def hook(g: torch.Tensor) -> None:
                 with torch.no_grad(), _no_autocast(g):
                     a_in, g_in = _grouped(module, held.pop(), g, examples[0])
-                    if self.exact:
-                        parts.append(_exact_part(module, _fp64(a_in), g_in.double()))
-                    else:
-                        parts.append(self._part(module, a_in, g_in))
+                    parts.append(_part(module, a_in, g_in))
 
             return hook
 
@@ -434,118 +437,83 @@ class PerExampleClipper(LayerClipper):
             for h in grad_hooks:  # the hooks hold activations: drop them with the graph
                 h.remove()
         with torch.no_grad(), _no_autocast(losses):
-            sq = torch.zeros(losses.shape[0], device=losses.device, dtype=self.norm_dtype)
+            sq = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float64)
+            cross = torch.zeros_like(sq)
             for part in parts:
                 sq += part.sq_norms
-            norms = sq.sqrt()
-            bounded = factor_norms(norms, [(p.sq_norms, p.bound) for p in parts])
-            if self.exact:
-                bounded = bounded * (1 + _FP64_NORM_MARGIN)
-            factors = clip_factors(bounded, self.max_norm)
+                if part.cross is not None:
+                    cross += part.cross
+            factors = capped_factors(sq, cross, self.max_norm)
             dropped = factors == 0
             dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
-            with exact_fp32():
-                while parts:  # each layer's kept tensors go as soon as its sum is added
-                    self._add_clipped(parts.pop(), factors, dropped)
-        return ClipResult(losses.detach(), norms, factors)
+            while parts:  # each layer's kept tensors go as soon as its sum is added
+                self._add_clipped(parts.pop(), factors, dropped)
+        return ClipResult(losses.detach(), sq.sqrt(), factors)
 
-    # ---------------------------------------------------------------- per-layer rules
-    @staticmethod
-    def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
-        """Layer ``m``'s per-example gradient (see ``_Part``) and squared norms, from its
-        input ``a_in`` and its output's gradient ``g``."""
-        if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
-            pe = _fp32(_tokens(g)).sum(1)
-            return _Part([(m, pe)], _sq(pe))
-        if isinstance(m, nn.Embedding):
-            return _embedding_part(m, a_in, g)
-        # Tokens (b, T, features) in the tensors' own dtype; all arithmetic in at least fp32.
-        g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
-        gt = _fp32(g_tok)
-        small = [(m.bias, gt.sum(1))] if m.bias is not None else []
-        if isinstance(m, nn.LayerNorm):
-            xhat = _tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps))
-            small.append((m.weight, xhat.mul_(gt).sum(1)))
-            return _Part(small, sum(_sq(pe) for _, pe in small))
-        sq = sum(
-            (_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype)
-        )
-        if isinstance(m, nn.Conv2d):
-            return _conv_part(m, a_in, g, g_tok, small, sq)
-        a_tok = _tokens(a_in)
-        a = _fp32(a_tok)
-        b, t, i, o = *a.shape, gt.shape[2]
-        if _materialise(b, t, i, o):
-            pe = torch.bmm(gt.mT, a)
-            small.append((m.weight, pe))
-            return _Part(small, sq + _sq(pe))
-        ghost, cross = _ghost(a, gt, _reduced(a_tok, g_tok))
-        bound = rounding_bound(sq + ghost, cross, b * t) if cross is not None else None
-        return _Part(small, sq + ghost, m, a_tok, g_tok, bound)
-
-    @staticmethod
-    def _add_clipped(part: _Part, factors: torch.Tensor, dropped: torch.Tensor | None) -> None:
-        """Add sum_i factors_i * g_i for each of the layer's parameters into ``.grad``."""
+    def _add_clipped(
+        self, part: _Part, factors: torch.Tensor, dropped: torch.Tensor | None
+    ) -> None:
+        """Add sum_i factors_i * g_i for each of the layer's parameters into the sum, in fp64."""
         # ``dropped`` marks non-finite examples: 0 * nan is nan, so zero their values outright.
         for param, pe in part.materialised:
             if dropped is not None:
                 pe = torch.where(dropped.view(-1, *[1] * (pe.ndim - 1)), 0.0, pe)
-            add_to_grad(param, torch.einsum("b,b...->...", factors.to(pe.dtype), pe))
+            self.sum.add(param, torch.einsum("b,b...->...", factors, pe))
         m = part.layer
         if m is None:
             return
-        if isinstance(
-            m, nn.Embedding
-        ):  # rows summed per (example, id); keys = example * vocab + id
+        assert part.a is not None and part.g is not None
+        if isinstance(m, nn.Embedding):  # rows summed per (example, id); keys = example*vocab+id
             keys, rows = part.a, part.g
             example = keys // m.num_embeddings
-            rows = rows * factors.to(rows.dtype)[example, None]
+            rows = rows * factors[example, None]
             if dropped is not None:
                 rows = torch.where(dropped[example, None], 0.0, rows)
-            table = torch.zeros(m.weight.shape, device=rows.device, dtype=rows.dtype)
-            add_to_grad(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
+            table = torch.zeros(m.weight.shape, device=rows.device, dtype=torch.float64)
+            self.sum.add(m.weight, table.index_add_(0, keys % m.num_embeddings, rows))
             return
-        # The product and its sum in at least fp32 from the values the norms came from (bf16 ones
-        # under autocast, converted exactly), never rounded to bf16 (see the module docstring).
-        a, g = _fp32(part.a), _fp32(part.g)
-        dtype = torch.promote_types(a.dtype, g.dtype)
-        a, g = a.to(dtype), g.to(dtype)
+        a, g = part.a, part.g
         if dropped is not None:
             a = torch.where(dropped.view(-1, *[1] * (a.ndim - 1)), 0.0, a)
             g = torch.where(dropped.view(-1, *[1] * (g.ndim - 1)), 0.0, g)
-        c = factors.to(dtype)
-        if isinstance(m, nn.Conv2d):  # the convolution's own weight-gradient kernel, on c * g
-            grad = torch.nn.grad.conv2d_weight(
-                a, m.weight.shape, g * c.view(-1, 1, 1, 1), stride=m.stride
-            )
-            add_to_grad(m.weight, grad)
+        if isinstance(m, nn.Conv2d):  # the convolution's weight gradient as a product over patches
+            patches = F.unfold(a, m.kernel_size, stride=m.kernel_size).transpose(1, 2)
+            total = product_sum(g.flatten(2).transpose(1, 2), patches, factors)
+            self.sum.add(m.weight, total)
             return
-        # sum_i c_i g_i^T a_i: scale the smaller side, then one product over all tokens.
-        if a.shape[2] <= g.shape[2]:
-            a = a * c[:, None, None]
-        else:
-            g = g * c[:, None, None]
-        add_to_grad(m.weight, g.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2]))
+        self.sum.add(m.weight, product_sum(g, a, factors))
 
 
-def _fp64(x: torch.Tensor | None) -> torch.Tensor | None:
-    """A floating-point input in fp64 (exactly: fp32, bf16 and fp16 values are fp64 values)."""
-    return x.double() if x is not None and x.is_floating_point() else x
-
-
-def _exact_part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
-    """``PerExampleClipper._part`` on fp64 operands, for exact mode: refused where the clipped sum
-    would be one product over the tokens of several examples."""
-    part = PerExampleClipper._part(m, a_in, g)
-    layer = part.layer
-    if layer is not None and not (isinstance(layer, nn.Linear) and part.a.shape[1] == 1):
-        tokens = part.a.shape[1] if isinstance(layer, nn.Linear) else "its"
-        raise UnsupportedLayerError(
-            f"exact clipped sums: {type(layer).__name__} sums {tokens} tokens per example in one "
-            "product across examples, whose rounding the clip does not bound; exact mode takes "
-            "per-example contributions summed across examples only"
-        )
-    return part
+def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
+    """Layer ``m``'s per-example gradient (see ``_Part``) and the upper bounds on its squared
+    norms, from its input ``a_in`` and its output's gradient ``g``, in fp64."""
+    if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
+        pe = _tokens(g).double().sum(1)
+        return _Part([(m, pe)], _sq(pe))
+    if isinstance(m, nn.Embedding):
+        return _embedding_part(m, a_in, g)
+    # Tokens (b, T, features) in the tensors' own dtype; all arithmetic in fp64.
+    g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
+    gt = g_tok.double()
+    small = [(m.bias, gt.sum(1))] if m.bias is not None and m.bias.requires_grad else []
+    if isinstance(m, nn.LayerNorm):
+        if m.weight.requires_grad:
+            xhat = _tokens(F.layer_norm(a_in.double(), m.normalized_shape, eps=m.eps))
+            small.append((m.weight, xhat.mul_(gt).sum(1)))
+        return _Part(small, sum(_sq(pe) for _, pe in small))
+    sq = sum((_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype))
+    if not m.weight.requires_grad:  # a frozen weight: only its bias is trained
+        return _Part(small, sq)
+    if isinstance(m, nn.Conv2d):
+        return _conv_part(m, a_in, g, g_tok, small, sq)
+    a_tok = _tokens(a_in)
+    b, t, i, o = *a_tok.shape, gt.shape[2]
+    if _materialise(b, t, i, o):
+        pe = torch.bmm(gt.mT, a_tok.double())
+        small.append((m.weight, pe))
+        return _Part(small, sq + _sq(pe))
+    ghost, cross = ghost_bounds(a_tok.double(), gt)
+    return _Part(small, sq + ghost, cross, m, a_tok, g_tok)
 
 
 def _grouped(
@@ -584,32 +552,25 @@ def _conv_part(
     small: list[tuple[nn.Parameter, torch.Tensor]],
     sq: torch.Tensor,
 ) -> _Part:
-    """A patchifying convolution: the ghost norm over its patches, unfolded a few examples at a
-    time (this runs last in the backward pass, at its memory peak); it keeps its input images,
-    not their patches, and its clipped sum is the convolution's own weight gradient."""
-    reduced = _reduced(images, g)
+    """A patchifying convolution: the ghost bounds over its patches, unfolded a few examples at
+    a time (this runs last in the backward pass, at its memory peak); it keeps its input images,
+    not their patches, and its clipped sum is a product over the patches (``product_sum``)."""
     ghost, cross = [], []
     for chunk in range(0, images.shape[0], 8):
         rows = slice(chunk, chunk + 8)
         patches = F.unfold(images[rows], m.kernel_size, stride=m.kernel_size).transpose(1, 2)
-        s, x = _ghost(_fp32(patches).contiguous(), _fp32(g_tok[rows]).contiguous(), reduced)
+        s, x = ghost_bounds(patches.double().contiguous(), g_tok[rows].double().contiguous())
         ghost.append(s)
         cross.append(x)
-    ghost_sq = torch.cat(ghost)
-    bound = (
-        rounding_bound(sq + ghost_sq, torch.cat(cross), g_tok.shape[0] * g_tok.shape[1])
-        if reduced
-        else None
-    )
-    return _Part(small, sq + ghost_sq, m, images, g, bound)
+    return _Part(small, sq + torch.cat(ghost), torch.cat(cross), m, images, g)
 
 
 def _embedding_part(m: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> _Part:
     """An embedding: example i's gradient adds its output-gradient rows into the rows of its ids,
-    so its nonzero rows are the sums of ``g`` over equal ids within the example (the ghost form
-    ``sum_{t,s} [id_t = id_s] g_t . g_s``, in O(T d) instead of O(T^2 d)). Kept: those summed
-    rows and their keys ``example * vocab + id``; the clipped sum scatter-adds the scaled rows."""
-    gt = _fp32(_tokens(g))
+    so its nonzero rows are the sums of ``g`` over equal ids within the example, formed in fp64
+    (a materialised per-example tensor, O(T d), never a table per example). Kept: those rows and
+    their keys ``example * vocab + id``; the clipped sum scatter-adds the scaled rows in fp64."""
+    gt = _tokens(g).double()
     b, d = gt.shape[0], gt.shape[2]
     ids = ids.reshape(b, -1)
     if m.padding_idx is not None:  # no gradient reaches the padding row
@@ -618,13 +579,4 @@ def _embedding_part(m: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> _Par
     keys, where = torch.unique(example * m.num_embeddings + ids, return_inverse=True)
     rows = gt.new_zeros(len(keys), d).index_add_(0, where.flatten(), gt.reshape(-1, d))
     sq = gt.new_zeros(b).index_add_(0, keys // m.num_embeddings, rows.square().sum(1))
-    return _Part([], sq, m, keys, rows)
-
-
-def add_to_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` (``grad`` is a fresh tensor: it may become ``.grad`` itself)."""
-    grad = grad.reshape(param.shape).to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
+    return _Part([], upper_sq(sq, ids.shape[1] * d), None, m, keys, rows)

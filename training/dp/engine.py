@@ -8,16 +8,18 @@ the per-pair clipper for Logit-DP); everything private about a step lives here, 
    it does not depend on the number of ranks; each rank keeps its share of the examples (rank 0
    the canaries too); each step's plan is computed once and cut into physical micro-batches, an
    empty sample included (it is still a step);
-2. the clipper **adds the clipped sums** of each micro-batch into ``.grad``, formed in fp32 (or
-   fp64) under autocast too; a step whose sample holds more than ``sample_bound(n, q)`` examples
-   (probability below 2^-64), beyond what the sensitivity's rounding allowance covers, stops the
-   run before its update is applied;
+2. the clipper **adds the clipped sums** of each micro-batch into its fp64 sum (``take_sum``),
+   under autocast too (``FP64_CAPPED``); a step whose sample holds more than
+   ``sample_bound(n, q)`` examples (probability below 2^-64), beyond what the sensitivity's
+   rounding allowance covers, stops the run before its update is applied;
 3. the canaries of the step's sample add their clipped gradients to their own block
    (``DiracCanaries``), clipped to the sensitivity the clipper's own bound gives;
-4. **one all-reduce** of one flat buffer, then Gaussian **noise N(0, (sigma * sensitivity)^2)
-   added once** to the sum (every rank draws the same keyed noise, so the ranks stay alike);
-5. division by the **expected** batch size B (never the sampled count), then the optimiser
-   and scheduler step (post-processing: no privacy cost);
+4. **one all-reduce** of one flat fp64 buffer, then Gaussian **noise N(0, (sigma *
+   sensitivity)^2) added once** to the sum in fp64 (every rank draws the same keyed noise, so the
+   ranks stay alike);
+5. division by the **expected** batch size B (never the sampled count) and the one rounding to
+   the parameters' dtype, then the optimiser and scheduler step (post-processing: no privacy
+   cost);
 6. the accountant's history advances one step; the ``Budget`` fixed before training stops the
    run before the target epsilon would be exceeded.
 
@@ -53,7 +55,7 @@ from vip_hub.privacy.accounting import (
     max_steps_within,
 )
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
-from vip_hub.privacy.sensitivity import sample_bound
+from vip_hub.privacy.sensitivity import FP32_BLOCKED, FP64_CAPPED, ROUNDING_SUM, sample_bound
 from vip_hub.repo_format import ENCODER
 
 from ..skeleton.config import DPRunConfig
@@ -77,13 +79,15 @@ EMPTY = -1
 
 
 class Clipper(Protocol):
-    """What the engine needs of a clipper: the parameters it writes, its clip bound, and one
-    micro-batch's clipped sum added into their ``.grad``."""
+    """What the engine needs of a clipper: the parameters it trains, its clip bound, one
+    micro-batch's clipped sum added into its fp64 sum, and that sum taken once per step."""
 
     params: list[nn.Parameter]
     max_norm: float
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult: ...
+
+    def take_sum(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -446,21 +450,20 @@ class DPEngine:
         return StepStats(count, totals[1].item() / max(count, 1))
 
     def _privatise(self, step: int, stats: torch.Tensor) -> torch.Tensor:
-        """One all-reduce, noise once, division by B; returns the summed ``stats``.
+        """One all-reduce, noise once, division by B, one rounding; returns the summed ``stats``.
 
-        One flat fp32 buffer holds the clipped sums, the canary block and ``stats`` (copied in
-        once); noise goes on all but ``stats``; the fp32 gradients handed to the optimiser are
-        views of it, divided in place."""
+        One flat fp64 buffer holds the clipped sum, the canary block and ``stats`` (copied in
+        once); noise goes on all but ``stats``, in fp64; the gradients handed to the optimiser
+        are that sum divided by B, each rounded once to its parameter's dtype."""
         device = self.params[0].device
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        blocks = [g.reshape(-1).float() for g in grads]
+        blocks = [self.clipper.take_sum()]
         if self.canaries is not None:
             blocks.append(
                 self.canaries.clipped_sum(self._draw(step)[1], device)
             )  # the sampler's draw, again
-        blocks.append(stats.to(device=device, dtype=torch.float32))
+        blocks.append(stats.to(device=device, dtype=torch.float64))
         buffer = torch.cat(blocks)
-        del blocks, grads
+        del blocks
         flat = buffer[: -len(stats)]
         self.dist.all_reduce_sum(buffer)
         # After the all-reduce, every rank adds the same keyed noise to the same sum: the noisy
@@ -476,7 +479,7 @@ class DPEngine:
         for p in self.params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        return buffer[-len(stats) :].double().cpu()
+        return buffer[-len(stats) :].cpu()
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -567,22 +570,28 @@ class DPEngine:
             "steps_done": self.steps_done,
             "history": self.history,
             "noise_sampler": NOISE_SAMPLER,
+            ROUNDING_SUM: FP64_CAPPED,
         }
         if self.canaries is not None:
             state["canaries"] = self.canaries.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state``; a checkpoint whose steps drew another noise sampler is refused
-        (one stage records one sampler's support)."""
+        """Resume from ``state``; a checkpoint whose steps drew another noise sampler, or formed
+        their clipped sums by another rule, is refused (one stage records one sampler's support
+        and one rounding rule)."""
         sampler = state.get("noise_sampler", "numpy float64 ziggurat")  # unrecorded before it
-        if sampler != NOISE_SAMPLER:
-            raise CheckpointError(
-                f"the checkpoint was written by another vip-hub: its {state['steps_done']} steps "
-                f"drew their noise from the {sampler} sampler, this one draws from "
-                f"{NOISE_SAMPLER}, and a run's stage records one sampler: pass --restart to "
-                "start over"
-            )
+        summation = state.get(ROUNDING_SUM, FP32_BLOCKED)  # unrecorded before issue 52
+        for what, theirs, ours in (
+            ("drew their noise from the {} sampler", sampler, NOISE_SAMPLER),
+            ("formed their clipped sums by the rule {}", summation, FP64_CAPPED),
+        ):
+            if theirs != ours:
+                raise CheckpointError(
+                    f"the checkpoint was written by another vip-hub: its {state['steps_done']} "
+                    f"steps {what.format(theirs)}, this one's {ours}, and a run's stage "
+                    "records one: pass --restart to start over"
+                )
         self.steps_done = int(state["steps_done"])
         if [tuple(h) for h in state["history"]] != self.history:
             raise CheckpointError(

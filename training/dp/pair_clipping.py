@@ -5,33 +5,33 @@ L2-normalised embeddings phi_i = e(x_i), psi_j = e(x'_j) (``embed``), cosine sim
 Z = phi psi^T and the symmetric InfoNCE ``symmetric_infonce(Z, tau)``.
 
 ``PairClipper`` (Logit-DP, Algorithm 1 of Kong et al.) adds sum_ij lambda_ij Clip_B(grad Z_ij)
-into ``.grad``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
+into its fp64 ``ClippedSum``, lambda = dL/dZ, without ever forming the n^2 pair gradients:
 
 1. one forward pass over the 2n views records every layer's input ``a`` and output;
 2. one batched backward (``torch.func.vmap`` over d cotangents, one per embedding coordinate)
    hands each layer its output Jacobian ``Gamma`` (d, 2n, tokens, out) w.r.t. the normalised
-   embeddings as it arrives (``_Tap``); the layer's share of the pair norms is computed there and
-   then and ``Gamma`` let go, so at most a few layers' Jacobians are alive at once;
+   embeddings as it arrives (``_Tap``); the layer's share of the pair norms is bounded there
+   and then in fp64, and ``Gamma`` kept for step 4;
 3. grad Z_ij = J_i^T psi_j + J'_j^T phi_i, so a linear layer's share of it is
    sum_t (Gamma_it psi_j) a_it^T + sum_s (Gamma'_js phi_i) a'_js^T, a "2T-token example" whose
    squared norm comes from per-view d x d Grams and one cross term per pair (``_pair_sq``), or,
    when the layer has no more inputs than tokens, from each view's (out, in) products; small
    parameters (biases, LayerNorm, broadcast tokens) are the same sum with one token of input 1;
-   pairs are taken in row blocks of about ``pair_block`` elements (memory against time);
-4. clip factors c_ij = ``clip_factors(||grad Z_ij||, B)``; the clipped sum sum_ij w_ij grad Z_ij
-   (w = lambda c) is the gradient of sum_ij w_ij Z_ij: one ordinary backward of the embeddings
-   with cotangent k (k_i = sum_j w_ij psi_j, k'_j = sum_i w_ij phi_i) through the graph kept
-   from step 1, weight gradients in each layer's own precision.
+   pairs are taken in row blocks of about ``pair_block`` elements (memory against time). Each
+   view also gets its cross term F_v = sum_t ||Gamma_vt||_F ||a_vt||, and pair (i, j) the bound
+   X_ij = F_i + F'_j on what the rounding of its share of step 4's fp64 arithmetic scales with;
+4. clip factors c_ij = ``capped_factors`` of the pair norms' upper bounds and X (so that
+   c_ij X_ij <= B / kappa); the clipped sum sum_ij w_ij grad Z_ij (w = lambda c) is formed in
+   fp64 from the kept Jacobians: each view's cotangent k (k_i = sum_j w_ij psi_j,
+   k'_j = sum_i w_ij phi_i), each view's output gradient ``Gamma_v k_v``, then products over at
+   most ``PRODUCT_ROWS`` less the depth of those two sums (``product_sum``), never a backward in
+   a layer's own precision, whose rounding no pair's clip bounds.
 
-Under bf16/fp16 autocast a backward's rounding differs from the Jacobians' the norms came from,
-so there step 2 keeps every ``Gamma`` and step 4 forms each view's output gradient ``Gamma k_v``
-from them in fp32, then one fp32 product per weight over all tokens (never rounded to bf16: a
-sum rounded to 8 bits moves by a rounding that depends on every pair, issue 32); the factors come
-from an upper bound on each pair's norm as it is computed (``rounding_bound``, ``factor_norms``,
-as in ``training.dp.clipping``), and every pair's share of the realised sum stays within B.
-
-Neither clipped sum is additive over micro-batches: ``accumulate`` takes a step's whole
-Poisson sample (on this rank) and refuses to run while ``.grad`` holds anything.
+The realised sum then differs from the exact one by at most gamma_{R+1} sum_ij |w_ij| c_ij X_ij
+<= gamma_{R+1} (2n / tau) B / kappa, which the ``FP64_CAPPED`` allowance covers (the argument in
+``docs/logit_dp_sensitivity.md``). Neither clipped sum is additive over micro-batches:
+``accumulate`` takes a step's whole Poisson sample (on this rank) and refuses to run while its
+sum holds anything.
 """
 
 from __future__ import annotations
@@ -47,18 +47,18 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vip_hub.privacy.sensitivity import PRODUCT_ROWS, gamma64
+
 from .clipping import (
+    ClippedSum,
     ClipResult,
     LayerClipper,
     UnsupportedLayerError,
-    add_to_grad,
+    capped_factors,
     check_max_norm,
-    clip_factors,
-    exact_fp32,
-    factor_norms,
-    norm_dtype,
-    rounding_bound,
+    product_sum,
     trainable,
+    upper_sq,
 )
 
 __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symmetric_infonce"]
@@ -110,12 +110,12 @@ def _loss_weights(e: torch.Tensor, temperature: float) -> tuple[torch.Tensor, to
     return weights, losses.detach()
 
 
-def _require_empty_grads(params: list[nn.Parameter]) -> None:
-    if any(p.grad is not None for p in params):
+def _require_empty(clipped: ClippedSum) -> None:
+    if not clipped.empty:
         raise RuntimeError(
             "a contrastive clipped sum is not additive over micro-batches: give accumulate the "
-            "step's whole sample in one call (micro_batch_size=None) and clear .grad "
-            "(set_to_none) between steps"
+            "step's whole sample in one call (micro_batch_size=None) and take the sum "
+            "(take_sum) between steps"
         )
 
 
@@ -262,13 +262,15 @@ class ContrastiveEmbedder(nn.Module):
 
 @dataclass
 class _Record:
-    """One layer (or broadcast parameter) met in the forward pass: its input and output, and
-    whether the backward stops there (its input needs no gradient)."""
+    """One layer (or broadcast parameter) met in the forward pass: its input and output,
+    whether the backward stops there (its input needs no gradient), and a LayerNorm's
+    normalised input once computed."""
 
     owner: nn.Module | nn.Parameter
     a: torch.Tensor | None
     out: torch.Tensor
     entry: bool
+    xhat: torch.Tensor | None = None
 
 
 class _Tap(torch.autograd.Function):
@@ -293,7 +295,7 @@ class _Tap(torch.autograd.Function):
 
 
 class PairClipper(LayerClipper):
-    """Logit-DP: adds sum_ij lambda_ij Clip_B(grad Z_ij) of ``model`` into ``.grad``.
+    """Logit-DP: adds sum_ij lambda_ij Clip_B(grad Z_ij) of ``model`` into its fp64 sum.
 
     ``model(images)`` returns (b, d) embeddings, each depending on its own image only (no batch
     statistics). With ``max_batch`` m, a batch of more than m examples adds nothing (the
@@ -301,12 +303,6 @@ class PairClipper(LayerClipper):
     layers: ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding), ``nn.LayerNorm`` over the last
     dimension, and parameters the model broadcasts itself (``broadcast_parameters``).
     ``pair_block``: elements per block of per-pair tensors (smaller: less memory, more time).
-    ``passes`` (rows, columns): in fp32 and fp64 the pair norms may come from rows x columns
-    batched backwards, each over the views of one block of the pair matrix (its rows' first views
-    and its columns' second views) and the forward pass it needs, instead of one over all 2n
-    views, and the clipped sum from a forward pass of its own: peak memory falls to about
-    (1/rows + 1/columns) / 2 of the Jacobian pass's, whose time grows (rows + columns) / 2 fold,
-    plus two forward passes (see benchmarks/README.md).
     """
 
     def __init__(
@@ -316,18 +312,15 @@ class PairClipper(LayerClipper):
         temperature: float,
         max_batch: int | None = None,
         pair_block: int = PAIR_BLOCK,
-        passes: tuple[int, int] = (1, 1),
     ):
         _check_temperature(temperature)  # the clipping norm: LayerClipper's
         if max_batch is not None and max_batch < 2:
             raise ValueError(f"max_batch must be at least 2, got {max_batch}")
         if pair_block < 1:
             raise ValueError(f"pair_block must be positive, got {pair_block}")
-        if len(passes) != 2 or min(passes) < 1:
-            raise ValueError(f"passes must be two positive counts (rows, columns), got {passes}")
         super().__init__(model, max_norm)
         self.temperature, self.max_batch = float(temperature), max_batch
-        self.pair_block, self.passes = pair_block, (int(passes[0]), int(passes[1]))
+        self.pair_block = pair_block
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -349,52 +342,43 @@ class PairClipper(LayerClipper):
         )
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
-        """Add the Logit-DP clipped sum of this batch into ``.grad``. Returns the per-example
-        losses (n,), the pair norms ||grad Z_ij|| (n, n) and the factors applied (n, n)."""
-        _require_empty_grads(self.params)
+        """Add the Logit-DP clipped sum of this batch into the sum. Returns the per-example
+        losses (n,), upper bounds on the pair norms ||grad Z_ij|| (n, n) and the factors applied
+        (n, n)."""
+        _require_empty(self.sum)
         n = views1.shape[0]
         if self.max_batch is not None and n > self.max_batch:  # the capped mechanism adds nothing
             with torch.no_grad():
                 _, losses = _loss_weights(embed(self.model, views1, views2), self.temperature)
-            full = torch.full((n, n), float("nan"), device=losses.device, dtype=self.norm_dtype)
+            full = torch.full((n, n), float("nan"), device=losses.device, dtype=torch.float64)
             return ClipResult(losses, full, torch.zeros_like(full))
-        images, single = _both_views(views1, views2), self.passes == (1, 1)
-        with torch.set_grad_enabled(single):  # blocks: the embeddings only, no graph held
-            records, e = self._forward(images)
-        keep = any(r.out.dtype.itemsize < 4 for r in records)  # bf16/fp16: see the module docstring
-        if keep and not single:  # its Jacobians are kept: one pass
-            records, e = self._forward(images)
+        records, e = self._forward(_both_views(views1, views2))
         with torch.no_grad():
-            phi, psi = e[:n].detach().to(self.norm_dtype), e[n:].detach().to(self.norm_dtype)
-        if keep or single:
-            shares, kept, finite = self._jacobian_pass(e, records, phi, psi, keep, not keep)
-        else:
-            kept, (shares, finite) = [], self._block_passes(views1, views2, phi, psi)
+            phi, psi = e[:n].detach().double(), e[n:].detach().double()
+        shares, kept, finite = self._jacobian_pass(e, records, phi, psi)
         del records
         bad = ~(finite[:n] & finite[n:])
         if bool(bad.any()):  # decided per example: the others' clipped sum is the batch without it
-            del kept, e
+            del kept, e, shares
             return self._without(bad, views1, views2)
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
-            norms = sum(
-                (sq for sq, _ in shares), torch.zeros(n, n, device=e.device, dtype=self.norm_dtype)
-            ).sqrt()
-            factors = clip_factors(factor_norms(norms, shares), self.max_norm)
+            zeros = torch.zeros(n, n, device=e.device, dtype=torch.float64)
+            sq = sum((share for share, _, _ in shares), zeros)
+            views = sum((f for _, f, _ in shares), torch.zeros(2 * n, device=e.device))
+            cross = views[:n, None] + views[None, n:]  # X_ij = F_i + F'_j
+            depth = max(d for _, _, d in shares) + len(shares) + n  # the layers' shares, summed
+            sq = sq.clamp(min=0) + 4 * gamma64(depth) * cross.square()
+            factors = capped_factors(sq, cross, self.max_norm)
             del shares
             weights, losses = _loss_weights(e, self.temperature)
-            w = weights.to(self.norm_dtype) * factors
+            w = weights.double() * factors
             k = torch.cat([w @ psi, w.T @ phi])  # each view's cotangent: d(sum_ij w_ij Z_ij)/de
-            with exact_fp32():
-                while kept:  # each record's Jacobian goes as soon as its sum is added
-                    record, jac = kept.pop()
-                    self._add_clipped(
-                        record, torch.einsum("av...,va->v...", jac.to(self.norm_dtype), k)
-                    )
-        if not keep:
-            if not single:  # the graph for the clipped sum, after the blocks' passes
-                e = _embeddings(self.model, images)
-            e.backward(k.to(e.dtype))
-        return ClipResult(losses, norms, factors)
+            rows = PRODUCT_ROWS - n - e.shape[1] - 2  # the depth of k and of Gamma k, then rows
+            while kept:  # each record's Jacobian goes as soon as its sum is added
+                record, jac = kept.pop()
+                grad_out = torch.einsum("av...,va->v...", jac.double(), k)
+                self._add_clipped(record, grad_out, rows)
+        return ClipResult(losses, sq.sqrt(), factors)
 
     def _forward(self, images: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
         """The normalised embeddings of ``images`` and the records of the layers that made them."""
@@ -426,27 +410,20 @@ class PairClipper(LayerClipper):
         return records, e
 
     def _jacobian_pass(
-        self,
-        e: torch.Tensor,
-        records: list[_Record],
-        phi: torch.Tensor,
-        psi: torch.Tensor,
-        keep: bool,
-        retain: bool,
+        self, e: torch.Tensor, records: list[_Record], phi: torch.Tensor, psi: torch.Tensor
     ) -> tuple[
-        list[tuple[torch.Tensor, torch.Tensor | None]],
+        list[tuple[torch.Tensor, torch.Tensor, int]],
         list[tuple[_Record, torch.Tensor]],
         torch.Tensor,
     ]:
         """One batched backward of the d cotangents (one per embedding coordinate) from ``e``, the
-        embeddings of views whose first ``len(phi)`` are first views and the rest second views,
-        down to the records: each record's Jacobian (d, views, *out.shape[1:]) is reduced to its
-        share of the norms of the pairs (first view, second view) (``_pair_share``) as it arrives,
-        then let go, or kept when ``keep``; ``retain``: the graph stays, for the clipped sum's
-        backward. Returns the shares, the kept (record, Jacobian) and (views,) whether each view's
-        embedding, activations and Jacobians sum to a finite number (a function of the example
-        alone, like everything that decides its pairs)."""
-        shares: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        embeddings of the first views (``phi``) then the second (``psi``), down to the records:
+        each record's Jacobian (d, views, *out.shape[1:]) is reduced to its share of the pair
+        norms and its views' cross terms (``_pair_share``) as it arrives, and kept. Returns the
+        shares, the kept (record, Jacobian) and (views,) whether each view's embedding,
+        activations and Jacobians sum to a finite number (a function of the example alone, like
+        everything that decides its pairs)."""
+        shares: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         kept: list[tuple[_Record, torch.Tensor]] = []
         sums = [e.detach().sum(1)]
 
@@ -456,9 +433,8 @@ class PairClipper(LayerClipper):
                     sums.append(jac.sum([k for k in range(jac.ndim) if k != 1]))
                     if record.a is not None:
                         sums.append(record.a.flatten(1).sum(1))
-                    shares.append(self._pair_share(record, jac.to(self.norm_dtype), phi, psi))
-                    if keep:
-                        kept.append((record, jac))
+                    shares.append(self._pair_share(record, jac.double(), phi, psi))
+                    kept.append((record, jac))
 
             return lambda g: _Tap.apply(g, fn)
 
@@ -468,9 +444,7 @@ class PairClipper(LayerClipper):
         basis = torch.eye(d, device=e.device, dtype=e.dtype)[:, None, :].expand(d, *e.shape)
 
         def backward(cotangent: torch.Tensor) -> list[torch.Tensor]:
-            grads = torch.autograd.grad(
-                e, targets, cotangent, retain_graph=retain, allow_unused=True
-            )
+            grads = torch.autograd.grad(e, targets, cotangent, allow_unused=True)
             return [g for g in grads if g is not None]
 
         reuse = _REUSE_GRADIENTS.set(True)
@@ -485,32 +459,11 @@ class PairClipper(LayerClipper):
                 f"{len(records) - len(shares)} recorded layer outputs got no gradient from the "
                 "embeddings: every layer with trainable parameters must feed them"
             )
-        return shares, kept, torch.isfinite(sum(x.to(self.norm_dtype) for x in sums))
-
-    def _block_passes(
-        self, views1: torch.Tensor, views2: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
-    ) -> tuple[list[tuple[torch.Tensor, None]], torch.Tensor]:
-        """The pair norms' squares (n, n) in ``passes`` blocks, each from a forward pass and a
-        Jacobian pass over its rows' first views and its columns' second views (``phi`` and
-        ``psi`` stay the whole batch's), as one share; and (2n,) each view's finiteness."""
-        n = len(views1)
-        sq = torch.empty(n, n, device=phi.device, dtype=self.norm_dtype)
-        finite = torch.ones(2 * n, device=phi.device, dtype=torch.bool)
-        for rows in _blocks(n, 1, -(-n // self.passes[0])):
-            for cols in _blocks(n, 1, -(-n // self.passes[1])):
-                records, e = self._forward(torch.cat([views1[rows], views2[cols]]))
-                shares, _, ok = self._jacobian_pass(
-                    e, records, phi[rows], psi[cols], keep=False, retain=False
-                )
-                sq[rows, cols] = sum(share for share, _ in shares)
-                split = rows.stop - rows.start
-                finite[rows] &= ok[:split]
-                finite[n + cols.start : n + cols.stop] &= ok[split:]
-        return [(sq, None)], finite
+        return shares, kept, torch.isfinite(sum(x.double() for x in sums))
 
     def _without(self, bad: torch.Tensor, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         n, keep = bad.shape[0], (~bad).nonzero().squeeze(1)
-        nan = torch.full((n, n), float("nan"), device=bad.device, dtype=self.norm_dtype)
+        nan = torch.full((n, n), float("nan"), device=bad.device, dtype=torch.float64)
         losses, norms, factors = nan[0].clone(), nan.clone(), torch.zeros_like(nan)
         if keep.numel():
             sub = self.accumulate(views1[keep], views2[keep])
@@ -522,59 +475,74 @@ class PairClipper(LayerClipper):
     # ------------------------------------------------------------------ per-layer rules
     def _pair_share(
         self, record: _Record, jac: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This record's share of ||grad Z_ij||^2 (n, n) from its input and output Jacobian, and,
-        when the layer ran in bf16/fp16, the bound on its norm as its fp32 product forms it
-        (``rounding_bound``)."""
-        m, block = record.owner, self.pair_block
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This record's share of ||grad Z_ij||^2 (n, n) from its input and fp64 output Jacobian,
+        its views' cross terms F_v = sum_t ||Gamma_vt||_F ||a_vt|| (views,), raised by the
+        rounding of their own evaluation, and the most roundings a term of that share passed
+        through (``_pair_sq``)."""
+        m, block, d = record.owner, self.pair_block, jac.shape[0]
         if isinstance(m, nn.Parameter):
-            return _pair_sq(
-                None, _broadcast_jacobian(m, record.out, jac)[:, :, None], phi, psi, block
-            ), None
+            g = _broadcast_jacobian(m, record.out, jac)[:, :, None]
+            depth = _sq_depth(1, 1, g.shape[3], d)
+            return _pair_sq(None, g, phi, psi, block), _view_cross(None, g), depth
         g = _tokens(m, jac, 2)
+        t, o = g.shape[2], g.shape[3]
         small = []  # per-view Jacobians (d, 2n, numel) of the bias and a LayerNorm's weight
+        cross = torch.zeros(g.shape[1], device=g.device, dtype=torch.float64)
         if m.bias is not None and m.bias.requires_grad:
             small.append(g.sum(2))
+            cross += _view_cross(None, g)
         if isinstance(m, nn.LayerNorm):
             if m.weight is not None and m.weight.requires_grad:
-                small.append((g * self._normalised(record).reshape(g.shape[1:])).sum(2))
-            return _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block), None
+                xhat = self._normalised(record).reshape(g.shape[1:])
+                small.append((g * xhat).sum(2))
+                cross += _view_cross(xhat, g)
+            sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block)
+            return sq, cross, t + _sq_depth(1, 1, 2 * o, d)
         sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block) if small else 0
+        depth = t + _sq_depth(1, 1, o, d)
         if not m.weight.requires_grad:
-            return sq, None
-        a = self._inputs(record).to(self.norm_dtype)
-        if a.shape[2] <= a.shape[1]:  # no more inputs than tokens: each view's (out, in) products
+            return sq, cross, depth
+        a = self._inputs(record).double()
+        i = a.shape[2]
+        if i <= t:  # no more inputs than tokens: each view's (out, in) products
             sq = sq + _pair_sq(
                 None, (g.transpose(2, 3) @ a).flatten(2)[:, :, None], phi, psi, block
             )
+            depth = max(depth, t + _sq_depth(1, 1, o * i, d))
         else:
             sq = sq + _pair_sq(a, g, phi, psi, block)
-        if record.out.dtype.itemsize >= 4:
-            return sq, None
-        cross = _rounding_sums(a, g, phi, psi, block)
-        return sq, rounding_bound(sq, cross, a.shape[0] * a.shape[1])
+            depth = max(depth, _sq_depth(i, t, o, d))
+        return sq, cross + _view_cross(a, g), depth
 
-    def _add_clipped(self, record: _Record, grad_out: torch.Tensor) -> None:
-        """Add the record's parameters' clipped sums into ``.grad`` from its output gradient
-        ``grad_out`` (2n, *out.shape[1:]), what a backward of sum_ij w_ij Z_ij would hand it."""
+    def _add_clipped(self, record: _Record, grad_out: torch.Tensor, rows: int) -> None:
+        """Add the record's parameters' clipped sums into the sum from its fp64 output gradient
+        ``grad_out`` (2n, *out.shape[1:]), what a backward of sum_ij w_ij Z_ij would hand it, in
+        fp64 products of at most ``rows`` rows."""
         m = record.owner
         if isinstance(m, nn.Parameter):
-            add_to_grad(m, grad_out.sum([0, *_expanded_dims(m, record.out)], keepdim=True))
+            self.sum.add(m, grad_out.sum([0, *_expanded_dims(m, record.out)], keepdim=True))
             return
-        g = _tokens(m, grad_out, 1).flatten(0, 1)
+        g = _tokens(m, grad_out, 1)
+        ones = torch.ones(g.shape[0], device=g.device, dtype=torch.float64)
         if m.bias is not None and m.bias.requires_grad:
-            add_to_grad(m.bias, g.sum(0))
+            self.sum.add(m.bias, g.flatten(0, 1).sum(0))
         if isinstance(m, nn.LayerNorm):
             if m.weight is not None and m.weight.requires_grad:
-                add_to_grad(m.weight, (g * self._normalised(record).reshape(g.shape)).sum(0))
+                xhat = self._normalised(record).reshape(g.shape)
+                self.sum.add(m.weight, (g * xhat).flatten(0, 1).sum(0))
             return
-        if m.weight.requires_grad:  # one product over all tokens, in g's fp32 (fp64)
-            add_to_grad(m.weight, g.T @ self._inputs(record).flatten(0, 1).to(g.dtype))
+        if m.weight.requires_grad:  # products over the views' tokens, in fp64
+            total = product_sum(g, self._inputs(record), ones, rows)
+            self.sum.add(m.weight, total)
 
     def _normalised(self, record: _Record) -> torch.Tensor:
-        """A LayerNorm's normalised input, in the norms' precision."""
-        m = record.owner
-        return F.layer_norm(record.a.to(self.norm_dtype), m.normalized_shape, eps=m.eps)
+        """A LayerNorm's normalised input in fp64, computed once per record (the norms and the
+        sum read the same values)."""
+        if record.xhat is None:
+            m = record.owner
+            record.xhat = F.layer_norm(record.a.double(), m.normalized_shape, eps=m.eps)
+        return record.xhat
 
     @staticmethod
     def _inputs(record: _Record) -> torch.Tensor:
@@ -584,6 +552,24 @@ class PairClipper(LayerClipper):
         if isinstance(m, nn.Conv2d):
             return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
         return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+def _sq_depth(inputs: int, tokens: int, out: int, d: int) -> int:
+    """The most roundings a term of ``_pair_sq``'s evaluation passes through for views of
+    ``tokens`` tokens of ``inputs`` inputs and ``out`` outputs, d embedding coordinates: the
+    Grams (in + T + T out), their contraction with psi and phi, the cross term's (2 d + 8)."""
+    return inputs + tokens + tokens * out + 2 * d + 8
+
+
+def _view_cross(a: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """F_v = sum_t ||Gamma_vt||_F ||a_vt|| (views,) in fp64 from inputs ``a`` (views, T, in)
+    (None: one of input 1 each) and Jacobians ``g`` (d, views, T, out), raised by the rounding
+    of its own evaluation."""
+    gamma = g.double().square().sum((0, 3)).sqrt()  # (views, T)
+    if a is not None:
+        gamma = gamma * a.double().norm(dim=2)
+    terms = g.shape[0] * g.shape[3] + (0 if a is None else a.shape[2]) + g.shape[2] + 8
+    return gamma.sum(1) * (1 + 2 * gamma64(terms))
 
 
 def _tokens(m: nn.Module, x: torch.Tensor, lead: int) -> torch.Tensor:
@@ -653,27 +639,13 @@ def _pair_sq(
     return sq
 
 
-def _rounding_sums(
-    a: torch.Tensor, g: torch.Tensor, phi: torch.Tensor, psi: torch.Tensor, block: int
-) -> torch.Tensor:
-    """sum_t ||a_it|| ||u_ijt|| + sum_s ||a'_js|| ||v_ijs|| (n1, n2), which bounds the effect of
-    rounding the operands of a weight's product (``rounding_bound``); ``_pair_sq``'s notation."""
-    d, _, t, o = g.shape
-    n, m = len(phi), len(psi)
-    norms = a.norm(dim=2)  # (views, T)
-    other = g[:, n:].reshape(d, m * t * o)
-    sums = torch.empty(n, m, device=g.device, dtype=g.dtype)
-    for rows in _blocks(n, m * t * o, block):
-        u = (psi @ g[:, rows].reshape(d, -1)).view(m, -1, t, o)  # u_ij, indexed [j, i]
-        v = (phi[rows] @ other).view(-1, m, t, o)
-        sums[rows] = (u.norm(dim=3) * norms[rows]).sum(2).T + (v.norm(dim=3) * norms[n:]).sum(2)
-    return sums
-
-
 class BatchClipper:
-    """Naive-DP: adds Clip_C(grad of the batch's summed ``symmetric_infonce``) into ``.grad``.
+    """Naive-DP: adds Clip_C(grad of the batch's summed ``symmetric_infonce``) into its fp64 sum.
 
-    ``model(images)`` returns (b, d) embeddings. Returns the per-example losses (n,), the
+    ``model(images)`` returns (b, d) embeddings. The whole-batch gradient is what autograd forms
+    (in each layer's precision); its norm is bounded in fp64 from exactly those values, so the
+    clipped vector, formed in fp64, is within C whatever that gradient's rounding (proof:
+    ``docs/logit_dp_sensitivity.md``). Returns the per-example losses (n,), the bound on the
     whole-batch gradient norm (1,) and the factor applied (1,); 0 (nothing added) when the norm
     is not finite.
     """
@@ -683,11 +655,15 @@ class BatchClipper:
         _check_temperature(temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
         self.params = trainable(model)
-        self.norm_dtype = norm_dtype(self.params)
+        self.sum = ClippedSum(self.params)
+
+    def take_sum(self) -> torch.Tensor:
+        """The clipped sum of the last call: flat, fp64, over ``params`` in order."""
+        return self.sum.take()
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
-        """Add the clipped whole-batch gradient of this batch into ``.grad``."""
-        _require_empty_grads(self.params)
+        """Add the clipped whole-batch gradient of this batch into the sum."""
+        _require_empty(self.sum)
         e = embed(self.model, views1, views2)
         n = views1.shape[0]
         losses = symmetric_infonce(e[:n] @ e[n:].T, self.temperature)
@@ -696,9 +672,11 @@ class BatchClipper:
             torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)
         ]
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
-            norm = torch.sqrt(sum(g.to(self.norm_dtype).square().sum() for g in grads)).reshape(1)
-            factor = clip_factors(norm, self.max_norm)
+            terms = sum(g.numel() for g in grads)
+            sq = upper_sq(sum(g.double().square().sum() for g in grads), terms)
+            norm = sq.sqrt().reshape(1)
+            factor = capped_factors(sq.reshape(1), torch.zeros(1, dtype=sq.dtype), self.max_norm)
             # a non-finite gradient adds zeros, not nan * 0
             for p, g in zip(self.params, grads, strict=True):
-                p.grad = torch.where(factor > 0, g.to(self.norm_dtype) * factor, 0.0).to(p.dtype)
+                self.sum.add(p, torch.where(factor > 0, g.double() * factor, 0.0))
         return ClipResult(losses.detach(), norm, factor)

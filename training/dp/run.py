@@ -13,7 +13,7 @@ from torch import nn
 
 from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
-from vip_hub.privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
+from vip_hub.privacy.sensitivity import rounding_params, sensitivity
 from vip_hub.repo.files import declared_spatial
 
 from ..skeleton.config import DPRunConfig
@@ -31,8 +31,8 @@ DP_ADAMW = "DP-AdamW"
 class DPRun(Run):
     """One DP recipe's run of ``cfg`` on ``dist`` over ``dataset_size`` private examples, clipped
     by ``mechanism`` (its ledger name, with ``params``) to ``clipping_norm`` (default
-    ``--max-grad-norm``); its sensitivity covers the fp32 rounding of sums of up to
-    ``sample_bound`` examples (recorded as ``rounding_terms``), the most the engine sums."""
+    ``--max-grad-norm``); its sensitivity covers the rounding of the fp64 sums of up to
+    ``sample_bound`` examples (``rounding_params``: the most the engine sums, and the rule)."""
 
     cfg: DPRunConfig
 
@@ -46,8 +46,8 @@ class DPRun(Run):
         clipping_norm: float | None = None,
     ):
         self.budget = Budget.for_config(cfg, dataset_size)
-        terms = sample_bound(dataset_size, self.budget.sample_rate)
-        self.mechanism, self.params = mechanism, {**(params or {}), ROUNDING_TERMS: terms}
+        rounding = rounding_params(dataset_size, self.budget.sample_rate)
+        self.mechanism, self.params = mechanism, {**(params or {}), **rounding}
         self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm
         self.sensitivity = sensitivity(mechanism, self.clipping_norm, self.params)
         super().__init__(cfg, dist)

@@ -7,9 +7,8 @@ training record with a given probability.
 
 With ``epsilon`` the head is trained with DP-SGD by the DP engine (``training/dp/engine.py``):
 its Poisson sampler and noise keyed by a 128-bit secret drawn for the run, and
-``PerExampleClipper`` in exact mode (one linear layer on features: each example's clipped
-gradient summed across examples in fp64 and rounded once, the proved rounding allowance
-``fp64-once`` recorded in the stage): the BatchNorm is then fixed to
+``PerExampleClipper`` (the clipped sum in fp64, the proved rounding allowance ``fp64-capped``
+recorded in the stage, as for every DP stage): the BatchNorm is then fixed to
 statistics of *public* features, so only the linear layer sees the labelled data, and the
 head's ledger stage is a DP stage naming that dataset. Those statistics (``head_statistics``) are
 the mean of the encoder's features of public images from the task's own domain (``--public-data``,
@@ -65,13 +64,7 @@ from vip_hub.privacy.ledger import (
     NonPrivateStage,
     new_run_id,
 )
-from vip_hub.privacy.sensitivity import (
-    FP64_ONCE,
-    ROUNDING_SUM,
-    ROUNDING_TERMS,
-    sample_bound,
-    sensitivity,
-)
+from vip_hub.privacy.sensitivity import rounding_params, sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import ENCODER, head_component
 
@@ -350,11 +343,9 @@ def _fit_dp(
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
-    # One Linear on features: each example one token, so the clipped sum is formed exactly
-    # (fp64, rounded once) and its allowance is the proved one; the engine refuses a step whose
-    # sample holds more than the b it covers.
-    clipper = PerExampleClipper(DPHeadLoss(head.linear), cfg.max_grad_norm, exact=True)
-    params = {ROUNDING_TERMS: sample_bound(n, q), ROUNDING_SUM: FP64_ONCE}
+    # The engine refuses a step whose sample holds more than the b the allowance covers.
+    clipper = PerExampleClipper(DPHeadLoss(head.linear), cfg.max_grad_norm)
+    params = rounding_params(n, q)
     budget = Budget(n, n * q, sigma, delta, kind, steps, steps, cfg.epsilon)
     # The mechanism's randomness: a 128-bit secret per run, never stored (a public seed would
     # let anyone who knows all but one record replay the head's training in both worlds); it

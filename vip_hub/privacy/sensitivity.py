@@ -11,13 +11,16 @@ The contrastive mechanisms (``Logit-DP``, ``Naive-DP``) are derived step by step
 
 Every mechanism's ``mechanism_params`` may also hold ``rounding_terms`` b, the most examples
 one step's clipped sum holds, and ``rounding_sum``, how that sum was formed
-(``rounding_allowance``; both rules and what they leave open are in ``docs/architecture.md``,
-"Rounding of the clipped sum"): ``fp32-blocked`` (the default) sums in fp32 over threads,
-micro-batches, ranks and tokens, and moves the neighbours' difference by at most
-``b ceil(log2 b) 2^-23`` times the exact sensitivity under a model of blocked summation;
-``fp64-once`` sums each example's fp32-valued contribution in fp64 and rounds once to fp32, and
-moves it by at most ``b 2^-23 + (b + 1)^2 2^-52``, proved. The DP engine records
-b = ``sample_bound(n, q)`` and refuses a step whose sample is larger.
+(``rounding_allowance``; the rules and their proofs are in ``docs/architecture.md``, "Rounding
+of the clipped sum"). What every clipper forms since issue 52 is ``fp64-capped``: every clipped
+sum in fp64 from the operands' own values, each product over tokens at most ``PRODUCT_ROWS``
+rows, each example's (pair's) clip factor also capped by ``CROSS_CAP`` times its token cross
+term, the noise added in fp64 before the one rounding; it moves the neighbours' difference by at
+most ``2 b (gamma(R + 1) / kappa + gamma(b + 1))`` times the exact sensitivity, proved. Two
+older rules stay readable for releases made before it: ``fp32-blocked`` (the default when
+``rounding_sum`` is absent) summed in fp32 and holds only under a model of blocked summation;
+``fp64-once`` (the DP heads) summed per-example contributions in fp64 and rounded once, proved.
+The DP engine records b = ``sample_bound(n, q)`` and refuses a step whose sample is larger.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from ..errors import AccountingError
 
 __all__ = [
     "CONTRASTIVE_LOSS",
+    "CROSS_CAP",
     "FP32_BLOCKED",
+    "FP64_CAPPED",
     "FP64_ONCE",
+    "PRODUCT_ROWS",
     "ROUNDING_SUM",
     "ROUNDING_TERMS",
     "PER_EXAMPLE_MECHANISMS",
@@ -40,7 +46,9 @@ __all__ = [
     "logit_dp_sensitivity",
     "logit_dp_sensitivity_at",
     "naive_dp_sensitivity",
+    "gamma64",
     "rounding_allowance",
+    "rounding_params",
     "sample_bound",
     "sensitivity",
 ]
@@ -60,9 +68,26 @@ ROUNDING_SUM = "rounding_sum"
 FP32_BLOCKED = "fp32-blocked"
 """Summed in fp32 in up to ceil(log2 b) levels of blocks: the allowance is a model."""
 FP64_ONCE = "fp64-once"
-"""Each example's contribution summed in fp64, rounded once to fp32: the allowance is proved."""
+"""Each example's contribution summed in fp64, rounded once to fp32: the allowance is proved
+(the DP heads before issue 52; read for their releases)."""
+FP64_CAPPED = "fp64-capped"
+"""Every clipped sum in fp64 from the operands' values, products over tokens of at most
+``PRODUCT_ROWS`` rows, clip factors capped by ``CROSS_CAP`` times the token cross term, noise
+added in fp64 before the one rounding: the allowance is proved, for every clipper."""
+PRODUCT_ROWS = 1 << 16
+"""``FP64_CAPPED``: the most rows (tokens of one or more examples, or views of pairs) one fp64
+product of a clipped sum adds up; a clipper splits a larger product."""
+CROSS_CAP = 2.0**-12
+"""``FP64_CAPPED``'s kappa: an example's clip factor c also keeps c X <= C / kappa, X the sum over
+its token products of sum_t ||a_t|| ||g_t|| (what a product's rounding scales with), so the
+rounding of every product stays proportional to C; only an example whose token terms cancel to
+under kappa of their magnitude is clipped harder than its norm asks."""
 _FP64_ONCE_MAX_TERMS = 1 << 22
 """The proof of ``FP64_ONCE``'s allowance needs b at most 2^22 (``docs/architecture.md``)."""
+_FP64_CAPPED_MAX_TERMS = 1 << 32
+"""The proof of ``FP64_CAPPED``'s allowance needs (b + 1) 2^-53 far below 1."""
+_FP64_UNIT = 2.0**-53
+"""fp64's unit roundoff w."""
 _FP32_ROUNDING = 2.0**-23
 """Twice fp32's unit roundoff 2^-24: each neighbour's sum, per example in it and level of the
 summation."""
@@ -94,13 +119,30 @@ def sensitivity(
     return exact * rounding_allowance(terms, FP32_BLOCKED if summation is None else summation)
 
 
+def gamma64(k: int) -> float:
+    """Higham's gamma_k = k w / (1 - k w) for fp64 (w = 2^-53), rounded up: the relative error
+    bound of k chained fp64 roundings."""
+    kw = k * _FP64_UNIT
+    return kw / (1.0 - kw) * (1.0 + 2.0**-50)
+
+
 def rounding_allowance(terms: int, summation: str = FP32_BLOCKED) -> float:
     """The factor on the exact sensitivity that covers the rounding of a clipped sum of at most
-    ``terms`` = b examples formed as ``summation`` says: ``1 + b ceil(log2 b) 2^-23`` (at least
-    one level) for ``FP32_BLOCKED``, ``1 + b 2^-23 + (b + 1)^2 2^-52`` for ``FP64_ONCE`` (b at
-    most 2^22); see ``docs/architecture.md``."""
+    ``terms`` = b examples formed as ``summation`` says: for ``FP64_CAPPED``
+    ``1 + 2 b (gamma(R + 1) / kappa + gamma(b + 1)) (1 + 2^-20)`` (R = ``PRODUCT_ROWS``, kappa =
+    ``CROSS_CAP``, b at most 2^32); ``1 + b 2^-23 + (b + 1)^2 2^-52`` for ``FP64_ONCE`` (b at
+    most 2^22); ``1 + b ceil(log2 b) 2^-23`` (at least one level) for ``FP32_BLOCKED``; see
+    ``docs/architecture.md``."""
     if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
         raise AccountingError(f"{ROUNDING_TERMS} must be a positive integer, got {terms!r}")
+    if summation == FP64_CAPPED:
+        if terms > _FP64_CAPPED_MAX_TERMS:
+            raise AccountingError(
+                f"{FP64_CAPPED}: the allowance is proved for at most {_FP64_CAPPED_MAX_TERMS} "
+                f"terms, got {terms}"
+            )
+        per_term = gamma64(PRODUCT_ROWS + 1) / CROSS_CAP + gamma64(terms + 1)
+        return 1.0 + 2.0 * terms * per_term * (1.0 + 2.0**-20)
     if summation == FP32_BLOCKED:
         return 1.0 + terms * max(1, math.ceil(math.log2(terms))) * _FP32_ROUNDING
     if summation == FP64_ONCE:
@@ -111,8 +153,15 @@ def rounding_allowance(terms: int, summation: str = FP32_BLOCKED) -> float:
             )
         return 1.0 + terms * _FP32_ROUNDING + (terms + 1) ** 2 * _FP64_ROUNDING
     raise AccountingError(
-        f"{ROUNDING_SUM} must be {FP32_BLOCKED!r} or {FP64_ONCE!r}, got {summation!r}"
+        f"{ROUNDING_SUM} must be {FP64_CAPPED!r}, {FP64_ONCE!r} or {FP32_BLOCKED!r}, "
+        f"got {summation!r}"
     )
+
+
+def rounding_params(dataset_size: int, sample_rate: float) -> dict[str, Any]:
+    """The ``mechanism_params`` a stage trained by the DP engine records for its rounding: b =
+    ``sample_bound(n, q)`` and the rule every clipper forms its sums by, ``FP64_CAPPED``."""
+    return {ROUNDING_TERMS: sample_bound(dataset_size, sample_rate), ROUNDING_SUM: FP64_CAPPED}
 
 
 def sample_bound(dataset_size: int, sample_rate: float) -> int:
