@@ -32,7 +32,8 @@ test: quality docs
 
 ## The Docker images and compose files, built and brought up (tests/test_images.py, one process:
 ## the builds take the cores): starts dockerd if none runs and installs docker.io, docker-compose
-## and debootstrap when missing (root). About 10 minutes from scratch; CI runs it after `test`.
+## and debootstrap when missing (root). 6-10 minutes from scratch, 5 with the images cached (see
+## docs/deploy.md); CI runs it after `test`.
 test-images: venv
 	$(BIN)/python -m pytest -m images tests/test_images.py
 
