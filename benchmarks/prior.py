@@ -4,7 +4,7 @@ one run (issue 36).
 
 Only the public test split is read, never the private training split: every row is a
 non-private softmax-regression head (``training.recipes.probe.fit_probe`` with
-``benchmarks.utility.head_config``'s non-private settings: SGD 0.1, momentum 0.9, batch n / 8,
+``training.study.heads.head_config``'s non-private settings: SGD 0.1, momentum 0.9, batch n / 8,
 warm-up and cosine, the ``LinearProbe``'s BatchNorm) trained on public test records
 0..``--fit-size``-1 (4,000), its mode **chosen on the rest of records 0-4,999** and the row
 **reported on records 5,000-9,999**, which neither saw (a smaller test split keeps these
@@ -12,11 +12,12 @@ proportions of its first half). An encoder's candidate modes are spatial modes
 (``spatial-b<block>-g<grid>``: one block's patch tokens average-pooled to a grid, a LayerNorm
 without parameters per example) for every ``--block-step``-th block and every grid in ``GRIDS``
 that its patch grid allows, read through the encoder's own transform (what the hub serves); the
-per-mode scores on the choosing records are printed too. Raw pixels are scaled to [-1, 1] and
-normalised per example (a LayerNorm without parameters), like the spatial maps. A random-weights
-reference (``create_encoder(mae_init=True)`` under ``--seed``) is added for every distinct
-(architecture, image size, patch size) among the candidates, so each prior is compared with its
-own shapes' random weights.
+per-mode scores on the choosing records are printed too. Raw pixels (the study's,
+``training.study.features.pixels``) are normalised per example (a LayerNorm without
+parameters), like the spatial maps. A random-weights reference
+(``create_encoder(mae_init=True)`` under ``--seed``) is added for every distinct (architecture,
+image size, patch size) among the candidates, so each prior is compared with its own shapes'
+random weights.
 
 Nothing here is private (no DP, no ledger, no private record): it ranks priors, it releases
 nothing.
@@ -39,10 +40,12 @@ import torch
 import torch.nn.functional as F
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
-from utility import head_config
 
-from training.data.labelled import LabelledArrays, fashion_mnist
+from training.data.labelled import FASHION_MNIST_TEST, LabelledArrays, fashion_mnist
 from training.recipes.probe import accuracy, fit_probe
+from training.study.config import BENCHMARK
+from training.study.features import pixels as raw_pixels
+from training.study.heads import head_config
 from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.features import LN_EPS, SpatialMode, extract_features
@@ -97,8 +100,8 @@ def embed(
 
 
 def pixels(data: LabelledArrays) -> torch.Tensor:
-    """Raw pixels in [-1, 1], normalised per example (a LayerNorm without parameters)."""
-    x = torch.as_tensor(data.images, dtype=torch.float32).flatten(1) / 127.5 - 1
+    """Raw pixels normalised per example (a LayerNorm without parameters)."""
+    x = raw_pixels(data)
     return F.layer_norm(x, x.shape[-1:], eps=LN_EPS)
 
 
@@ -118,7 +121,8 @@ def probe_row(
     began = time.process_time()
     train, sel, rep = splits(len(labels), fit)
     y = labels[train]
-    cfg = head_config(len(y), epochs, None)
+    study = BENCHMARK.model_copy(update={"probe_epochs": epochs})
+    cfg = head_config(study, len(y), None, dataset=FASHION_MNIST_TEST)
     classes = int(labels.max()) + 1
     heads, scores = {}, {}
     for mode, x in features.items():

@@ -15,7 +15,6 @@ from helpers import write_idx
 from training.recipes.syn import SynConfig, train_syn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # prior.py imports utility.py as a script does
 SPEC = importlib.util.spec_from_file_location("prior", ROOT / "benchmarks" / "prior.py")
 assert SPEC is not None and SPEC.loader is not None
 prior = importlib.util.module_from_spec(SPEC)

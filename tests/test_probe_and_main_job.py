@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -22,10 +21,11 @@ from live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
-from training.recipes.probe import ProbeConfig, load_labelled, run_probe
+from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.card import card_info
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import load_keys, verify_signature
@@ -407,6 +407,27 @@ def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -
     return acc.get_epsilon(delta)
 
 
+def cards_are_composed_on_the_dataset_page(store: Path, repos: dict[str, Path]) -> None:
+    """Every figure a card releases is a published repo's, and the dataset's page composes every
+    DP stage of those repos: what the cards show, the page accounts for."""
+    from live import ThreadedServer, settings_for
+
+    from vip_hub.privacy.accounting import Accountant
+    from vip_hub.privacy.ledger import compose_releases
+
+    stages = [s for repo in repos.values() for s in ledger_of(repo).dp_stages()]
+    rows = [card_info((repo / CARD_FILE).read_text()).comparison for repo in repos.values()]
+    assert all(r == rows[0] for r in rows) and rows[0]
+    assert {r["repo"] for r in rows[0]} <= {f"vip/{name}" for name in repos}, rows[0]
+    with ThreadedServer(settings_for(store)) as server:
+        page = httpx.get(f"{server.url}/datasets/{FASHION_MNIST_TRAIN}", timeout=60).text
+        delta = server.settings.hub.delta
+    for name in repos:
+        assert f'href="/vip/{name}"' in page
+    composed = compose_releases(stages, delta)[Accountant.RDP]
+    assert f"ε = {composed:.2f} (RDP)" in page, page
+
+
 def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) -> None:
     """Each component's served guarantee (the privacy blocks of /v1/embeddings and /v1/classify,
     the card's headline) is at least the composition of its DP stages."""
@@ -452,10 +473,11 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The job on generated Fashion-MNIST IDX files (300 train, 100 test records): the first 240
-    train records are the private dataset, test records 0-19 choose the feature modes and 20-99
-    measure top-1, every DP stage declares them, each released
-    classifier (encoder and head) composes to the total epsilon by the split rule, the cards
-    and the summary carry DP rows only, and everything is signed, published and served."""
+    train records are the private dataset, test records 0-19 choose the feature modes and centre
+    the heads and 20-99 measure top-1, every DP stage declares them, each released classifier
+    (encoder and head) composes to the total epsilon by the split rule, the cards and the summary
+    carry the published repos' DP heads only (zero-shot when above chance), the dataset page
+    composes them all, and everything is signed, published and served."""
     idx = write_fashion(tmp_path / "idx", {"train": 300, "test": 100})
     cfg = MainJobConfig(
         work_dir=str(tmp_path / "run"),
@@ -476,6 +498,9 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     )
     assert run_main_job(cfg) == 0
     out = capsys.readouterr().out
+    (verdict,) = [line for line in out.splitlines() if "dpcap-nano-fashion-dp zero-shot:" in line]
+    assert "interval" in verdict and "on 80 records; chance, the largest class's share" in verdict
+    zero_shot_above = verdict.endswith(": above chance")
     run = tmp_path / "run"
     data = run / "fashion-mnist"
     private = fashion_mnist("train", data)  # the job's image folders, read back
@@ -487,14 +512,11 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert sorted(im.tobytes() for im in fashion_mnist("test", data).images) == sorted(
         im.tobytes() for im in measured
     )
-    select = load_labelled(data / "select", "public/select")  # choose modes, centre every head
-    assert sorted(np.asarray(im.convert("L")).tobytes() for im in select.images) == sorted(
-        im.tobytes() for im in fashion_mnist("test", idx).images[:20]
-    )
+    select = fashion_mnist("test", idx).first(20)  # choose modes, centre every head
     repos = {e.name: run / e.name for e in PUBLISHED}
     for repo in repos.values():
         head, info = load_head(repo, HEAD)
-        shared = load_encoder(repo).embed(select.images, info.pooling)
+        shared = load_encoder(repo).embed([select.pil(i) for i in range(20)], info.pooling)
         assert torch.allclose(head.norm.running_mean, shared.mean(0), atol=1e-4)
         assert torch.allclose(head.norm.running_var, torch.ones_like(head.norm.running_var))
     assert list(repos) == [
@@ -507,7 +529,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     for repo in repos.values():
         assert verify_repo(repo).ok
         card = (repo / CARD_FILE).read_text()
-        assert "Linear-probe comparison" in card and "raw pixels (no encoder)" in card
+        assert "Linear-probe comparison" in card and "raw pixels" not in card  # in no ledger
         # the comparison is in the card's front matter (YAML folds its long lines) and in its
         # table: every encoder's row says its feature mode was chosen on the 20 selection
         # records, scored on its (Syn) encoder's features (vip-nano-syn for the ViP family,
@@ -517,7 +539,8 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert words.count("modes on public test records 0-19, scored on dpcap-nano-syn)") == 2
         for e in PUBLISHED:
             assert f"{e.label}: {e.name}" in card
-        assert "DP-Cap zero-shot: dpcap-nano-fashion-dp" in card
+        # zero-shot beside the heads only when its binomial test puts it above chance
+        assert ("DP-Cap zero-shot: dpcap-nano-fashion-dp" in card) == zero_shot_above, out
         assert f"-DP on {FASHION_MNIST_TRAIN} [RDP]" in card
         assert (
             "non-private head" not in card and "top1_nonprivate" not in card
@@ -562,6 +585,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert 'timm.create_model("hf-hub:vip/vip-nano-fashion-dp"' in out
 
     served_guarantees_hold(tmp_path / "hub", repos, data / "test")
+    cards_are_composed_on_the_dataset_page(tmp_path / "hub", repos)
 
     cfg.port = free_port()
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published

@@ -92,11 +92,20 @@ API_PAGES: dict[str, tuple[str, str, list[str]]] = {
         ],
     ),
     "reference/api/training.md": (
-        "Training: the main job, the recipes, the DP engine",
-        "The entry points of `training/`: the main job (`vip-hub run`), each recipe's settings "
-        "and training function, the DP engine and the run skeleton every recipe shares.",
+        "Training: the main job, the study, the recipes, the DP engine",
+        "The entry points of `training/`: the main job (`vip-hub run`), the Fashion-MNIST study "
+        "it and `benchmarks/utility.py` run, each recipe's settings and training function, the "
+        "DP engine and the run skeleton every recipe shares.",
         [
             "training.main_job",
+            "training.study",
+            "training.study.config",
+            "training.study.splits",
+            "training.study.features",
+            "training.study.budget",
+            "training.study.heads",
+            "training.study.selection",
+            "training.study.table",
             "training.recipes.syn",
             "training.recipes.vip",
             "training.recipes.dpcap",

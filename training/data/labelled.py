@@ -6,7 +6,8 @@ folder of the four IDX files, gzipped or not, or an image folder with ``train/``
 class subfolders), else from the package, installing it when missing (``apt-get install`` as
 root, otherwise ``apt-get download`` and ``dpkg -x`` into the work folder); where none of these
 works a DataError names the package and ``--data``. The train split is private (declared as
-``FASHION_MNIST_TRAIN``, delta passed explicitly), the standard test split public.
+``FASHION_MNIST_TRAIN``), the standard test split public; the budget on it and its split rule
+are the study's (``training/study``).
 
 Subsets of private data are chosen by a public rule (``LabelledArrays.first``: the first n
 records, n declared) or per record by a keyed hash (``keyed_uniforms``): either way a record's
@@ -47,8 +48,6 @@ from vip_hub.privacy.ledger import Dataset
 __all__ = [
     "CAPTION_TEMPLATE",
     "FASHION_MNIST_CLASSES",
-    "FASHION_MNIST_DELTA",
-    "FASHION_MNIST_EPSILON",
     "FASHION_MNIST_PACKAGE",
     "FASHION_MNIST_TEST",
     "FASHION_MNIST_TRAIN",
@@ -81,15 +80,6 @@ FASHION_MNIST_CLASSES = (
 FASHION_MNIST_TRAIN = "public-benchmarks/fashion-mnist-train"
 """The private split's declared name: every DP stage on it names it, so they compose."""
 FASHION_MNIST_TEST = "public-benchmarks/fashion-mnist-test"
-FASHION_MNIST_EPSILON = 3.0
-FASHION_MNIST_DELTA = 1e-5
-"""The literature's budget on Fashion-MNIST's train split (Tramèr & Boneh, ICLR 2021), for the
-whole released classifier: delta below 1/n, passed explicitly."""
-FASHION_MNIST_ENCODER_EPSILON = 1.0
-"""The split rule of that budget: an encoder trained on the private split spends this epsilon
-(RDP, at FASHION_MNIST_DELTA) and its DP head is calibrated so that the two compose to
-FASHION_MNIST_EPSILON (``remaining_epsilon``); a head on an encoder that saw no private record
-gets all of it."""
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),

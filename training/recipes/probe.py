@@ -79,7 +79,6 @@ from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
 __all__ = [
-    "DP_HEAD_LR",
     "DP_SGD",
     "DPHeadLoss",
     "LabelledImages",
@@ -101,9 +100,6 @@ __all__ = [
 
 DP_SGD = "DP-SGD"
 """A DP head's mechanism in the ledger (per-example clipping, SGD with momentum)."""
-DP_HEAD_LR = 0.25
-"""SGD learning rate of a DP head at clipping norm 1 (the main job's): with per-example gradients
-right, 0.25 beat 1, 4 and 16 on the digits' raw pixels at epsilon 2 (2026-11-24, one run each)."""
 
 
 @dataclass

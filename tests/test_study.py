@@ -1,0 +1,54 @@
+"""The Fashion-MNIST study as one package (``training/study``): the job's and the benchmark's
+settings differ only where their presets say, the splits follow their public rules, and
+zero-shot is shown only above chance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import write_idx
+
+from training.data.labelled import fashion_mnist
+from training.main_job import MainJobConfig
+from training.study.config import BENCHMARK, JOB, StudyConfig
+from training.study.splits import study_splits
+from training.study.table import chance_test
+from vip_hub.errors import DataError
+
+
+def test_the_job_and_the_benchmark_differ_only_in_their_sizes() -> None:
+    differ = {k for k in StudyConfig.model_fields if getattr(JOB, k) != getattr(BENCHMARK, k)}
+    assert differ == {"train_size", "select_size", "test_size"}
+    assert MainJobConfig().study() == JOB  # `vip-hub run` runs the job's preset
+    with pytest.raises(ValueError, match="leaves nothing of epsilon 3"):
+        StudyConfig(encoder_epsilon=3.0)
+
+
+def test_the_splits_follow_their_public_rules(tmp_path: Path) -> None:
+    write_idx(tmp_path, "train", 30, seed=0)
+    write_idx(tmp_path, "t10k", 20, seed=1)
+    cfg = StudyConfig(train_size=25, select_size=8, test_size=10, centre_size=3)
+    s = study_splits(cfg, tmp_path)
+    train, test = fashion_mnist("train", tmp_path), fashion_mnist("test", tmp_path)
+    assert (s.private.images == train.images[:25]).all() and s.private.dataset.size == 25
+    assert (s.selection.images == test.images[:8]).all()
+    assert (s.centre.images == test.images[:3]).all()
+    assert (s.test.images == test.images[8:18]).all()
+    with pytest.raises(DataError, match="select_size 8 \\+ test_size 13 > the 20 test records"):
+        study_splits(cfg.model_copy(update={"test_size": 13}), tmp_path)
+
+
+def test_zero_shot_is_above_chance_only_when_its_whole_interval_is() -> None:
+    labels = np.arange(2000) % 10  # balanced: chance is 0.1
+    predicted = np.where(np.arange(2000) < 217, labels, (labels + 1) % 10)  # 217 right: 0.1085
+    near = chance_test(predicted, labels)
+    assert near.top1 == 0.1085 and near.chance == 0.1 and near.low < 0.1 < near.high
+    assert not near.above_chance and near.describe().endswith(": not above chance")
+    better = chance_test(np.where(np.arange(2000) < 300, labels, (labels + 1) % 10), labels)
+    assert better.above_chance and better.low > 0.1
+    # chance is the best a classifier blind to the images scores: the largest class's share
+    skewed = np.array([0] * 400 + [1] * 1600)
+    blind = chance_test(np.ones(2000, dtype=int), skewed)
+    assert blind.top1 == 0.8 and blind.chance == 0.8 and not blind.above_chance

@@ -1,0 +1,100 @@
+"""A row's DP linear head: the same protocol on every row (the paper's: expected batch n /
+``head_batches``, clipping ``head_clip``, SGD at ``head_lr`` with momentum 0.9, warm-up and
+cosine over ``probe_epochs``), its BatchNorm fixed to the mean of the row's features of the
+centring records with variance 1, its epsilon what the split rule leaves after the encoder's DP
+stages, and its ledger stage."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vip_hub.privacy.ledger import Dataset, DPStage
+from vip_hub.repo.heads import LinearProbe
+
+from ..recipes.probe import (
+    ProbeConfig,
+    centred_statistics,
+    dp_head_sampling,
+    fit_probe,
+    probe_stage,
+)
+from .budget import head_epsilon
+from .config import StudyConfig
+
+__all__ = ["DPHead", "dp_head", "head_config", "head_sampling"]
+
+
+@dataclass(frozen=True)
+class DPHead:
+    """A fitted DP head, its settings and its ledger stage."""
+
+    head: LinearProbe
+    config: ProbeConfig
+    stage: DPStage
+
+
+def head_config(
+    cfg: StudyConfig,
+    n: int,
+    epsilon: float | None,
+    *,
+    dataset: str,
+    name: str = "probe",
+    pooling: str = "vip",
+    lr: float | None = None,
+) -> ProbeConfig:
+    """The study's head on ``n`` records of ``dataset`` at ``epsilon`` (``lr`` replaces
+    ``cfg.head_lr``); with ``epsilon`` None the same schedule without DP at SGD 0.1, a
+    non-private reference that is printed by research scripts and never released."""
+    dp = epsilon is not None
+    return ProbeConfig(
+        encoder="",
+        data="",
+        public_data=f"the first {cfg.centre_size} public selection records" if dp else None,
+        dataset_name=dataset,
+        head=name,
+        pooling=pooling,
+        epsilon=epsilon,
+        delta=cfg.delta if dp else None,
+        batch_size=math.ceil(n / cfg.head_batches),
+        epochs=cfg.probe_epochs,
+        warmup_epochs=max(1, cfg.probe_epochs // 10),
+        optimizer="sgd",
+        lr=(lr or cfg.head_lr) if dp else 0.1,
+        max_grad_norm=cfg.head_clip,
+        seed=0,
+    )
+
+
+def head_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
+    """A study head's sample rate and steps on ``n`` records of ``dataset``, known before
+    training (so the split rule can calibrate it)."""
+    return dp_head_sampling(n, head_config(cfg, n, None, dataset=dataset))
+
+
+def dp_head(
+    cfg: StudyConfig,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    centre_x: torch.Tensor,
+    data: Dataset,
+    classes: int,
+    prior: Sequence[DPStage] = (),
+    *,
+    name: str = "probe",
+    pooling: str = "vip",
+    lr: float | None = None,
+) -> DPHead:
+    """A DP head on the private features ``x`` (labels ``y``, ``classes`` of them) of ``data``,
+    centred on the centring records' features ``centre_x``, at the epsilon the split rule
+    leaves after the encoder's DP stages ``prior`` (``pooling`` names the features in its
+    stage)."""
+    q, steps = head_sampling(cfg, len(y), data.name)
+    eps = head_epsilon(cfg, prior, q, steps)
+    config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
+    head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), desc=f"head {name}")
+    return DPHead(head, config, probe_stage(config, data, dp))
