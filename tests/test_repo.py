@@ -410,3 +410,23 @@ def test_verify_refuses_a_ledger_without_the_truncation_bound(tiny_repo, field):
 
     _rewrite_all_copies(tiny_repo, omitted)
     _fails(tiny_repo, field)
+
+
+def _card_of(repo: Path) -> tuple[dict, str]:
+    """A repo card's front matter and its text, one space between words."""
+    card = ModelCard.load(repo / "README.md")
+    return card.data.to_dict(), " ".join(card.text.split())
+
+
+def test_a_cards_comparison_says_whether_the_dataset_page_composes_it(tiny_repo):
+    """Rows released in a repo of the hub are composed on the dataset's page, and the card says
+    so; a row that names no repo (a figure in no ledger) is called out, never said composed."""
+    row = {"model": "m", "privacy": "p", "features": "f", "top1": 0.5}
+    update_repo(tiny_repo, comparison=[{**row, "repo": "vip/a"}])
+    _, text = _card_of(tiny_repo)
+    assert "the hub's page for that dataset composes them all" in text
+    assert "in no ledger" not in text and "| vip/a |" in text
+    update_repo(tiny_repo, comparison=[{**row, "repo": "vip/a"}, row])
+    _, text = _card_of(tiny_repo)
+    assert "Rows that name no repo are in no ledger of this hub" in text
+    assert "composes them all" not in text and "| no repo: in no ledger |" in text

@@ -72,9 +72,10 @@ class CardInfo:
     summary: str = ""
     license: str = DEFAULT_LICENSE
     eval_results: list[EvalResult] = field(default_factory=list)
-    # Rows of a side-by-side probe comparison (this model, other models, baselines):
-    # {"model", "privacy", "features", "top1"}: DP heads only, top-1 on public test data, each row's
-    # guarantee (head and encoder composed); kept in the front matter as ``probe_comparison``.
+    # Rows of a side-by-side probe comparison (this model, other models): {"model", "repo",
+    # "privacy", "features", "top1"}: DP heads (or zero-shot above chance) released in the repo
+    # named, top-1 on public test data, each row's guarantee (head and encoder composed); kept in
+    # the front matter as ``probe_comparison``; the card says when a row names no repo.
     comparison: list[dict[str, Any]] = field(default_factory=list)
 
 
