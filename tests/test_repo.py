@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import TINY, tiny_encoder
+from helpers import TINY, dp_stage, tiny_encoder
 from huggingface_hub import EvalResult, ModelCard
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
@@ -16,6 +16,7 @@ from vip_hub.cli.main import main
 from vip_hub.errors import RepoFormatError
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
+from vip_hub.privacy.sensitivity import rounding_params
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
 
@@ -416,6 +417,59 @@ def _card_of(repo: Path) -> tuple[dict, str]:
     """A repo card's front matter and its text, one space between words."""
     card = ModelCard.load(repo / "README.md")
     return card.data.to_dict(), " ".join(card.text.split())
+
+
+def test_a_cards_recipe_line_and_tags_follow_its_stages_not_its_family(tmp_path, tiny_repo):
+    """A ViP-family encoder distilled without DP (what the committed priors are) is not carded as
+    MAE with DP-AdamW; a DP stage's card names its mechanism, and what its guarantee assumes."""
+    distilled = NonPrivateStage(
+        name="syn-scatter",
+        dataset=Dataset(name="vip-hub-procedural-v1"),
+        private_data=False,
+        description="ScatterNet distillation on procedural images",
+    )
+    prior = export_encoder(tmp_path / "prior", tiny_encoder(), TINY, [distilled], model_name="p")
+    data, text = _card_of(prior)
+    recipe = text.split("| Recipe |")[1].split("|")[0]
+    assert "syn-scatter (no DP, on vip-hub-procedural-v1: no private data)" in recipe, recipe
+    assert "MAE" not in recipe and "DP-AdamW" not in recipe
+    assert "mae" not in data["tags"] and "differential-privacy" not in data["tags"]
+    assert "no-private-data" in data["tags"]
+    assert "| Guarantee assumes | nothing of the arithmetic: no DP stage" in text
+
+    data, text = _card_of(tiny_repo)  # a synthetic stage, then a DP-AdamW stage
+    recipe = text.split("| Recipe |")[1].split("|")[0]
+    assert recipe.strip() == (
+        "synthetic-pretraining (no DP, on procedural-images: no private data), then "
+        "dp-pretraining (DP-AdamW on test-images)"
+    )
+    assert {"differential-privacy", "dp-adamw"} <= set(data["tags"])
+    assert "no-private-data" not in data["tags"]
+
+
+def test_every_dp_card_says_what_its_guarantee_assumes_of_floating_point(tmp_path):
+    """One line: the noise's float64 draw rounded once is a mitigation, not a proof; a stage
+    whose clipped sum records a proved rule rests on per-example gradients independent of their
+    batch, one that records none (or fp32-blocked) on a model of blocked fp32 summation."""
+    proved = dp_stage().model_copy(
+        update={"name": "dp-proved", "mechanism_params": rounding_params(1000, 0.05)}
+    )
+    repo = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [dp_stage(), proved], model_name="r"
+    )
+    _, text = _card_of(repo)
+    (line,) = [x.split("|")[0] for x in text.split("| Guarantee assumes |")[1:]]
+    assert (
+        "drawn in float64 and rounded once (a mitigation of floating-point leakage, not a proof)"
+    ) in line
+    assert (
+        "dp-proved: each clipped sum within its rounding allowance, proved given that an "
+        "example's gradient does not depend on the rest of its batch"
+    ) in line
+    assert (
+        "dp-pretraining: each clipped sum within its rounding allowance under a model of "
+        "blocked fp32 summation, not a proof"
+    ) in line
 
 
 def test_a_cards_comparison_says_whether_the_dataset_page_composes_it(tiny_repo):

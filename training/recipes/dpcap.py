@@ -31,6 +31,7 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
+from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import VOCAB_FILE
 
 from ..data.images import CAPTIONS_FILE, Augmented, mae_transform, open_captions
@@ -159,10 +160,10 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         curve_label="caption loss on public procedural images",
         dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",
         summary=(
-            f"A {spec.arch} image captioner trained with the DP-Cap recipe: MAE pretraining "
-            f"on procedural images, then DP-AdamW captioning on {cfg.dataset_name} ({n} "
-            "image-caption pairs). The loss curve is measured on public procedural images "
-            "with public captions, so publishing it costs no privacy."
+            f"A {spec.arch} image captioner trained with the DP-Cap recipe: from {cfg.init}, "
+            f"made by {recipe_line(init.ledger)}, then DP-AdamW captioning on "
+            f"{cfg.dataset_name} ({n} image-caption pairs). The loss curve is measured on public "
+            "procedural images with public captions, so publishing it costs no privacy."
         ),
         files={"text_decoder": model.decoder, "vocab": vocab},
         name="dp-captioning",

@@ -554,6 +554,11 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             f"the top {k} of {depth} blocks{norm}",
             "none (the encoder's own transform)",
         )
+    normalised = (
+        "public images of the task's domain (--public-data), centred on their mean"
+        if cfg.public_data
+        else "public procedural images"
+    )
     start = (
         f"the head {cfg.head} of a DP linear probe ({probe[1].name}, in this ledger)"
         if probe is not None
@@ -580,11 +585,11 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
             f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
-            "sensitivity (C times its fp32 rounding allowance) once per logical step, "
+            "sensitivity (C times its rounding allowance) once per logical step, "
             f"Poisson sampling. Trained together from {start}: {what} and the "
             f"head {component}'s linear layer ({trained:,} parameters); the rest of the encoder "
             "is the init repo's, unchanged. The head's normalisation is fixed to the init "
-            f"encoder's features of public procedural images. Augmentation: {augmentation}"
+            f"encoder's features of {normalised}. Augmentation: {augmentation}"
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(),

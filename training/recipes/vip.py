@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import MAE_DECODER_FILE
 
 from ..data.images import Augmented, mae_transform, open_images
@@ -88,10 +89,10 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         curve_label="MAE loss on public procedural images",
         dataset_description=f"{n} images; MAE pretraining with DP-AdamW",
         summary=(
-            f"A {spec.arch} encoder trained with the ViP recipe: MAE pretraining on "
-            f"procedural images, then DP-AdamW on {cfg.dataset_name} ({n} images). The "
-            "loss curve is measured on public procedural images, so publishing it costs no "
-            "privacy."
+            f"A {spec.arch} encoder trained with the ViP recipe: from {cfg.init}, made by "
+            f"{recipe_line(init.ledger)}, then MAE training with DP-AdamW on "
+            f"{cfg.dataset_name} ({n} images). The loss curve is measured on public procedural "
+            "images, so publishing it costs no privacy."
         ),
         files={"decoder": mae.decoder_state_dict(), "decoder_config": mae.config.to_dict()},
         name="dp-pretrain",

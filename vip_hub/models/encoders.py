@@ -71,7 +71,6 @@ class Family:
 
     name: str  # prefix of its architecture names, and config.json's vip_hub.family
     title: str
-    paper: str  # one line for the card
     heads: dict[str, int]  # attention heads per size
     decoder: dict[
         str, tuple[int, int, int]
@@ -87,7 +86,6 @@ class Family:
     unit: str  # one training example of its recipe, as the card names the unit of privacy
     crop_pct: float
     crop_mode: str
-    tags: tuple[str, ...]
 
     def offered_poolings(self, text_decoder: bool) -> tuple[str, ...]:
         """The feature modes a repo of this family offers: ``dpcap`` needs its text decoder's
@@ -101,10 +99,6 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="vip",
             title="ViP",
-            paper=(
-                "ViP (Yu et al., 2023): MAE pretraining with DP-AdamW after synthetic-image "
-                "pretraining"
-            ),
             heads={s: (16 if s == "large" else 12) for s in SIZES},
             decoder={s: (512, 4, 16) for s in SIZES},
             decoder_kind="MAE decoder",
@@ -116,15 +110,10 @@ FAMILIES: dict[str, Family] = {
             unit="image",
             crop_pct=0.875,
             crop_mode="center",
-            tags=("vip", "mae"),
         ),
         Family(
             name="dpcap",
             title="DP-Cap",
-            paper=(
-                "DP-Cap (Sander et al., 2024): image captioning trained with DP-AdamW after "
-                "synthetic-image pretraining"
-            ),
             heads={"nano": 6, "tiny": 6, "small": 12, "base": 12, "large": 16},
             decoder={
                 "nano": (192, 6, 6),
@@ -142,7 +131,6 @@ FAMILIES: dict[str, Family] = {
             unit="image-caption pair",
             crop_pct=1.0,
             crop_mode="squash",
-            tags=("dp-cap", "image-captioning"),
         ),
     )
 }

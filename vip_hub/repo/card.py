@@ -3,8 +3,11 @@
 The card is a pure function of the repo's config (architecture, family, feature modes), its
 ledger, whether it carries a text decoder with its vocabulary, and a small ``CardInfo`` (name,
 summary, licence, evaluation results), so it can be rendered again whenever the ledger grows
-(e.g. when a probe head is added). One template serves every family: what differs (heads,
-layout, feature modes, captioning) comes from ``vip_hub.models.encoders.Family``.
+(e.g. when a probe head is added). One template serves every family: what differs in the
+architecture (heads, layout, feature modes, captioning) comes from
+``vip_hub.models.encoders.Family``; what was done (the recipe line, the tags, what the guarantee
+assumes) comes from the ledger's stages alone (``recipe_line``, ``card_tags``,
+``guarantee_assumes``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
 from ..models.features import SpatialMode, describe
+from ..privacy.accounting import CURAND_FLOAT32_SUPPORT
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
+from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
 from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
 
 __all__ = [
@@ -33,12 +38,15 @@ __all__ = [
     "audit_paragraphs",
     "card_info",
     "card_ledger",
+    "card_tags",
     "component_headlines",
     "format_params",
     "front_matter_problem",
+    "guarantee_assumes",
     "guarantee_paragraphs",
     "ledger_rows",
     "load_card",
+    "recipe_line",
     "render_card",
     "yaml_problem",
 ]
@@ -59,7 +67,8 @@ LEDGER_COLUMNS = (
 
 DEFAULT_LICENSE = "apache-2.0"
 """The card's licence when the writer names none."""
-TAGS = ["differential-privacy", "dp-sgd", "vision-transformer", "image-feature-extraction", "timm"]
+TAGS = ["vision-transformer", "image-feature-extraction", "timm"]
+"""Every card's tags; ``card_tags`` adds what the ledger's stages did."""
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
 
@@ -98,7 +107,7 @@ def render_card(
         library_name="timm",
         license=info.license,
         pipeline_tag="image-feature-extraction",
-        tags=[*TAGS, *family.tags],
+        tags=card_tags(ledger, captions),
         datasets=list(dict.fromkeys(s.dataset.name for s in ledger.stages)),
         eval_results=info.eval_results or None,
         summary=info.summary,
@@ -124,6 +133,8 @@ def render_card(
         avg_dim=feature_dims["avg"],
         captions=captions,
         caption_family=family.captions,
+        recipe=_md(recipe_line(ledger)),
+        assumes=_md(guarantee_assumes(ledger)),
         headline=_md(privacy_headline(ledger.summary())),
         head_headlines=[(name, _md(line)) for name, line in component_headlines(ledger)[1:]],
         guarantee_paragraphs=guarantee_paragraphs(ledger, spec.family.unit),
@@ -155,6 +166,70 @@ def render_card(
         ],
     )
     return str(card)
+
+
+def recipe_line(ledger: PrivacyLedger) -> str:
+    """The stages that trained the encoder, in order, each named with its mechanism (or no DP)
+    and its data: what the card's Recipe row says, from the ledger alone."""
+    parts = []
+    for s in ledger.stages:
+        if ENCODER not in s.trained_components:
+            continue
+        if isinstance(s, DPStage):
+            parts.append(f"{s.name} ({s.mechanism} on {s.dataset.name})")
+        else:
+            data = "private data, no guarantee" if s.private_data else "no private data"
+            parts.append(f"{s.name} (no DP, on {s.dataset.name}: {data})")
+    return ", then ".join(parts)
+
+
+def card_tags(ledger: PrivacyLedger, captions: bool = False) -> list[str]:
+    """The card's tags: ``TAGS``, then what the stages did (``differential-privacy`` and each DP
+    mechanism, or ``no-private-data``) and ``image-captioning`` when the repo captions."""
+    mechanisms = [s.mechanism.lower() for s in ledger.dp_stages()]
+    done = ["differential-privacy", *dict.fromkeys(mechanisms)] if mechanisms else []
+    if not ledger.summary().private_data:
+        done.append("no-private-data")
+    return [*TAGS, *done, *(["image-captioning"] if captions else [])]
+
+
+def guarantee_assumes(ledger: PrivacyLedger) -> str:
+    """What the repo's guarantees assume of floating point, in one line: the noise's precision
+    (float64 rounded once mitigates, it does not prove) and the rule each clipped sum's rounding
+    rests on (a proof given per-example gradients independent of their batch, or a model)."""
+    stages = ledger.dp_stages()
+    if not stages:
+        return "nothing of the arithmetic: no DP stage, no private data"
+    names = ", ".join
+    float32 = [
+        s.name
+        for s in stages
+        if math.isclose(s.noise_support, CURAND_FLOAT32_SUPPORT, rel_tol=1e-12)
+    ]
+    modelled = [
+        s.name for s in stages if s.mechanism_params.get(ROUNDING_SUM, FP32_BLOCKED) == FP32_BLOCKED
+    ]
+    noise = (
+        "Gaussian noise drawn in float64 and rounded once (a mitigation of floating-point "
+        "leakage, not a proof)"
+        if len(float32) < len(stages)
+        else "Gaussian noise"
+    )
+    if float32:
+        noise += f"; {names(float32)} drew and added it in float32 (torch's CUDA generator)"
+    proved = [s.name for s in stages if s.name not in modelled]
+    rounding = []
+    if proved:
+        rounding.append(
+            f"{names(proved)}: each clipped sum within its rounding allowance, proved given that "
+            "an example's gradient does not depend on the rest of its batch"
+        )
+    if modelled:
+        rounding.append(
+            f"{names(modelled)}: each clipped sum within its rounding allowance under a model of "
+            "blocked fp32 summation, not a proof"
+        )
+    return f"{noise}; {'; '.join(rounding)}"
 
 
 def load_card(
