@@ -142,8 +142,11 @@ def clipping_case(
     )
 
 
-def naive_clipped_sum(model: nn.Module, c: float, *inputs: torch.Tensor):
-    """Example by example: each gradient from its own backward pass, clipped, summed."""
+def naive_clipped_sum(
+    model: nn.Module, c: float, *inputs: torch.Tensor, factors: torch.Tensor | None = None
+):
+    """Example by example: each gradient from its own backward pass, clipped (by ``factors``
+    when given), summed."""
     total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
     norms = []
     for i in range(len(inputs[0])):
@@ -156,8 +159,9 @@ def naive_clipped_sum(model: nn.Module, c: float, *inputs: torch.Tensor):
         }
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
         norms.append(norm)
+        factor = min(1.0, c / (float(norm) + 1e-6)) if factors is None else float(factors[i])
         for n in total:
-            total[n] += grads[n] * min(1.0, c / (float(norm) + 1e-6))
+            total[n] += grads[n] * factor
     model.zero_grad(set_to_none=True)
     return total, torch.stack(norms)
 
@@ -190,20 +194,27 @@ def test_token_model_exercises_every_linear_route() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-# fp64: the factors carry the proof's margin 2^-30 (9.3e-10 relative)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-8)])
+@pytest.mark.parametrize(
+    "dtype,tol,margin",
+    # the norm bounds' margin: 2^-30 in fp64; in fp32 the ghost norms' fp32 Grams add eta X^2
+    # (issue 52; measured up to 0.2 % of the norm on the token model's random tokens)
+    [(torch.float32, 1e-5, 5e-3), (torch.float64, 1e-12, 1e-8)],
+)
 @pytest.mark.parametrize("model", ["mae", "tokens100", "tokens150"])
 def test_clipped_sum_equals_the_naive_per_example_computation(
-    model: str, dtype: torch.dtype, tol: float, device: str, exact_cuda_matmuls: None
+    model: str, dtype: torch.dtype, tol: float, margin: float, device: str, exact_cuda_matmuls: None
 ) -> None:
+    """Each example's norm bound sits at or above its own backward's norm, within the proof's
+    margin, and the clipped sum is each example's own gradient times the factor applied."""
     net, inputs = clipping_case(model, dtype, device)
-    expected, norms = naive_clipped_sum(net, 1.0, *inputs)
+    _, norms = naive_clipped_sum(net, 1.0, *inputs)
     c = float(norms.median())  # some examples are clipped, some are not
-    expected, _ = naive_clipped_sum(net, c, *inputs)
     clipper = PerExampleClipper(net, c)
     result = clipper.accumulate(*inputs)
-    assert torch.allclose(result.norms.double(), norms, rtol=tol * 10)
+    ratio = result.norms.double() / norms
+    assert bool((ratio >= 1 - tol * 10).all() and (ratio <= 1 + margin).all()), ratio
     assert (result.factors < 1).any() and (result.factors == 1).any()
+    expected, _ = naive_clipped_sum(net, c, *inputs, factors=result.factors)
     got = clipped_grads(net, clipper)
     assert set(got) == set(expected)  # cls_token and mask_token included, nothing skipped
     assert relative_error(got, expected) < tol

@@ -95,46 +95,47 @@ class ClipResult:
 
 
 class ClippedSum:
-    """A step's clipped sum in fp64: one flat buffer over ``params`` (in their order), a view per
-    parameter; ``take`` hands it over and starts a new one."""
+    """A step's clipped sum in fp64 over ``params`` (in their order): each parameter's share
+    allocated at its first ``add`` (a clipper adds layer by layer as it lets go of what the layer
+    kept, so the whole fp64 sum is never held beside everything kept), handed over flat by
+    ``take``."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._offsets = [0]
-        for p in params:
-            self._offsets.append(self._offsets[-1] + p.numel())
-        self._flat: torch.Tensor | None = None
+        self._shares: dict[int, torch.Tensor] = {}
 
     def add(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Add the fp64 ``value`` (``param``'s shape, or its elements) to ``param``'s share."""
-        if self._flat is None:
-            self._flat = torch.zeros(
-                self._offsets[-1], dtype=torch.float64, device=self.params[0].device
-            )
         i = self._index[id(param)]
-        view = self._flat[self._offsets[i] : self._offsets[i + 1]]
-        view += value.reshape(-1)
+        share = self._shares.get(i)
+        if share is None:
+            self._shares[i] = value.reshape(-1).to(torch.float64, copy=True)
+        else:
+            share += value.reshape(-1)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (a taken sum) as one view per parameter, in each one's shape."""
-        return [
-            flat[lo:hi].view(p.shape)
-            for p, (lo, hi) in zip(self.params, pairwise(self._offsets), strict=True)
-        ]
+        sizes = [p.numel() for p in self.params]
+        return [v.view(p.shape) for v, p in zip(flat.split(sizes), self.params, strict=True)]
 
     @property
     def empty(self) -> bool:
         """Whether nothing was added since the last ``take``."""
-        return self._flat is None
+        return not self._shares
 
     def take(self) -> torch.Tensor:
-        """The flat fp64 sum (zeros when nothing was added); the next ``add`` starts anew."""
-        flat = self._flat
-        self._flat = None
-        if flat is None:
-            flat = torch.zeros(self._offsets[-1], dtype=torch.float64, device=self.params[0].device)
-        return flat
+        """The flat fp64 sum (zeros where nothing was added); the next ``add`` starts anew."""
+        shares, self._shares = self._shares, {}
+        device = self.params[0].device
+        return torch.cat(
+            [
+                shares[i]
+                if i in shares
+                else torch.zeros(p.numel(), dtype=torch.float64, device=device)
+                for i, p in enumerate(self.params)
+            ]
+        )
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -160,25 +161,34 @@ def upper_sq(sq: torch.Tensor, terms: int) -> torch.Tensor:
 
 
 def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upper bounds on ``||g_i^T a_i||_F^2`` and on the cross term ``X_i = sum_t ||a_t|| ||g_t||``
-    per example, (b,) each, from tokens ``a`` (b, T, in) and ``g`` (b, T, out) in fp64.
+    """Upper bounds (fp64) on ``||g_i^T a_i||_F^2`` and on the cross term
+    ``X_i = sum_t ||a_t|| ||g_t||`` per example, (b,) each, from tokens ``a`` (b, T, in) and
+    ``g`` (b, T, out).
 
-    The ghost norm ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` is formed from the two Gram matrices;
-    each entry errs by at most gamma_in (gamma_out) times the product of the tokens' norms, and
-    the T^2 products and their sum by gamma_{T^2 + 2}: its error is at most
-    ``eta X^2`` with eta = 3 gamma_{in + out + T^2 + 4}, which is added.
+    The ghost norm ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` is formed from the two Gram matrices,
+    computed in fp32 from fp32 (or bf16/fp16) values and in fp64 from fp64 ones (unit u), their
+    elementwise products and sums in fp64: a Gram entry errs by at most gamma_in (gamma_out) times
+    the product of the tokens' norms, the products and the sum of the T^2 terms by
+    gamma64_{T^2+4} times their magnitudes, each term counted at most three times (the strips
+    below): the error is at most ``eta X^2`` with
+    eta = 3 (gamma_in + gamma_out + gamma_in gamma_out + 2 gamma64_{T^2+4}), which is added.
 
     Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
     rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
-    twice. Each strip's elementwise product is summed by one batched dot product."""
+    twice."""
     b, t, i = a.shape
     o = g.shape[2]
+    gram = torch.float64 if torch.float64 in (a.dtype, g.dtype) else torch.float32
+    a, g = a.to(gram), g.to(gram)
+    unit = torch.finfo(gram).eps / 2
+    gamma_in, gamma_out = _gamma(i, unit), _gamma(o, unit)
     blocks = max(1, min(3, t // 48))
     edges = [t * j // blocks for j in range(blocks + 1)]
     sq = torch.zeros(b, device=a.device, dtype=torch.float64)
     cross = torch.zeros_like(sq)
     for lo, hi in pairwise(edges):
-        ga, gg = torch.bmm(a[:, lo:hi], a[:, lo:].mT), torch.bmm(g[:, lo:hi], g[:, lo:].mT)
+        ga = torch.bmm(a[:, lo:hi], a[:, lo:].mT).double()
+        gg = torch.bmm(g[:, lo:hi], g[:, lo:].mT).double()
         whole = _dot(ga, gg)
         if hi < t:  # the diagonal block once, the rest twice
             diagonal = (ga[:, :, : hi - lo] * gg[:, :, : hi - lo]).sum((1, 2))
@@ -186,10 +196,15 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
         else:
             sq += whole
         cross += (ga.diagonal(dim1=1, dim2=2) * gg.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
-    # the computed cross term is within gamma_{in+out+t+4} of X (each factor a sum of squares)
-    cross = cross * (1 + 2 * gamma64(i + o + t + 4))
-    eta = 3 * gamma64(i + o + t * t + 4)
+    # each squared token norm is within gamma_in (gamma_out) of its value: raise X past it
+    cross = cross * (1 + 2 * (gamma_in + gamma_out) + 2 * gamma64(t + 4))
+    eta = 3 * (gamma_in + gamma_out + gamma_in * gamma_out + 2 * gamma64(t * t + 4))
     return (sq.clamp(min=0) + eta * cross.square()) * (1 + 2 * gamma64(4)), cross
+
+
+def _gamma(k: int, unit: float) -> float:
+    """Higham's gamma_k = k u / (1 - k u) for unit roundoff ``unit``, rounded up."""
+    return k * unit / (1 - k * unit) * (1 + 2.0**-40)
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -512,7 +527,7 @@ def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tenso
         pe = torch.bmm(gt.mT, a_tok.double())
         small.append((m.weight, pe))
         return _Part(small, sq + _sq(pe))
-    ghost, cross = ghost_bounds(a_tok.double(), gt)
+    ghost, cross = ghost_bounds(a_tok, g_tok)
     return _Part(small, sq + ghost, cross, m, a_tok, g_tok)
 
 
@@ -559,7 +574,7 @@ def _conv_part(
     for chunk in range(0, images.shape[0], 8):
         rows = slice(chunk, chunk + 8)
         patches = F.unfold(images[rows], m.kernel_size, stride=m.kernel_size).transpose(1, 2)
-        s, x = ghost_bounds(patches.double().contiguous(), g_tok[rows].double().contiguous())
+        s, x = ghost_bounds(patches.contiguous(), g_tok[rows].contiguous())
         ghost.append(s)
         cross.append(x)
     return _Part(small, sq + torch.cat(ghost), torch.cat(cross), m, images, g)
