@@ -1,7 +1,8 @@
 """Serving throughput and latency, side by side in one run (ratios, never a pass/fail).
 
-(a) the raw in-process pipeline: decode, preprocess and batched forward in a loop, measured
-    again right before each concurrency point (a shared machine drifts over minutes);
+(a) the raw in-process pipeline: decode and preprocess in ``--preprocess-threads`` threads, one
+    batch ahead of the batched forward (the service's parallelism and pipelining), in a loop,
+    measured again right before each concurrency point (a shared machine drifts over minutes);
 (b) our service over HTTP (dynamic batching) at several concurrencies;
 (c) a naive FastAPI endpoint that decodes and runs the model per request, no batching.
 
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -88,18 +90,30 @@ def _forward(enc, x: torch.Tensor) -> None:
         extract_features(enc.model, x.to(device, non_blocking=True), "avg").cpu()
 
 
-def raw_throughput(enc, images: list[bytes], batch: int, seconds: float) -> float:
-    """Images/s of the in-process pipeline (decode, preprocess, forward) at ``batch``."""
+def raw_throughput(enc, images: list[bytes], batch: int, seconds: float, threads: int = 1) -> float:
+    """Images/s of the in-process pipeline at ``batch``: decode and preprocess split over
+    ``threads`` threads, the next batch's while this one's forward runs (as the service does)."""
 
-    def run(chunk: list[bytes]) -> None:
-        _forward(enc, enc.preprocess([_decode(b) for b in chunk]))
+    def prepare(chunk: list[bytes]) -> torch.Tensor:
+        shares = [chunk[k::threads] for k in range(threads) if chunk[k::threads]]
+        return torch.cat(
+            list(workers.map(lambda s: enc.preprocess([_decode(b) for b in s]), shares))
+        )
 
-    run(images[:batch])
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        run(images[done % len(images) :][:batch] or images[:batch])
-        done += batch
-    return done / (time.perf_counter() - start)
+    def chunk(done: int) -> list[bytes]:
+        return images[done % len(images) :][:batch] or images[:batch]
+
+    with ThreadPoolExecutor(threads) as workers, ThreadPoolExecutor(1) as ahead:
+        _forward(enc, prepare(images[:batch]))
+        done, start = 0, time.perf_counter()
+        pending = ahead.submit(prepare, chunk(done))
+        while time.perf_counter() - start < seconds:
+            x = pending.result()
+            done += batch
+            pending = ahead.submit(prepare, chunk(done))
+            _forward(enc, x)
+        pending.result()
+        return done / (time.perf_counter() - start)
 
 
 def one_image(enc, images: list[bytes]) -> tuple[float, float]:
@@ -363,7 +377,9 @@ def main() -> None:
         naive_bodies = [json.dumps({"input": [e]}).encode() for e in encoded]
         rows = []
         for c in args.concurrency:
-            raw = raw_throughput(enc, images, args.max_batch_size, args.seconds)
+            raw = raw_throughput(
+                enc, images, args.max_batch_size, args.seconds, args.preprocess_threads
+            )
             b = asyncio.run(load(port_b, "/v1/embeddings", ours_bodies, c, args.seconds))
             n = asyncio.run(load(port_c, "/embed", naive_bodies, c, args.seconds))
             rows.append((c, raw, b, n))
