@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import timm
 import torch
@@ -101,7 +101,7 @@ class Encoder:
         pass."""
         for mode in poolings:
             self.check_pooling(mode)
-        return extract_features(self.model, images, poolings, self.memory)  # type: ignore[return-value]
+        return extract_features(self.model, images, poolings, self.memory)
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """Apply the model's pretrained_cfg transform to PIL images, as a batch."""
@@ -169,11 +169,15 @@ def load_encoder(
     path = resolve_source(source, revision)
     if verify:
         ledger = verify_repo(path).raise_for_problems().ledger
+        assert ledger is not None  # a report without problems has read the ledger
     else:
         ledger = PrivacyLedger.parse((path / LEDGER_FILE).read_bytes())
     config = read_config(path)
     spec = EncoderSpec.from_config(config)
-    model = timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
+    # a released repo's config.json names a VisionTransformer (timm types it as a Module)
+    model = cast(
+        VisionTransformer, timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
+    )
     check_feature_dims(config, model)
     transform = create_transform(**resolve_data_config({}, model=model))
     memory = None

@@ -12,7 +12,7 @@ import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from .errors import UnsafePathError
 
@@ -66,7 +66,8 @@ def validate_relpath(path: str) -> str:
 def tree_path_problems(paths: Iterable[str]) -> list[str]:
     """Paths of one tree that no filesystem can hold together: a file that is also a folder of
     another path (``README.md`` beside ``README.md/x``), or two paths equal but for case."""
-    problems, seen = [], {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}  # casefolded path: the first path folded so
     files = set(paths)
     for path in sorted(files):
         parts = path.split("/")
@@ -93,7 +94,7 @@ def make_private_dir(path: Path) -> None:
             pass
 
 
-def open_private(path: Path, mode: str = "wb") -> BinaryIO:
+def open_private(path: Path, mode: Literal["wb", "ab"] = "wb") -> BinaryIO:
     """Open a file for writing, created owner-only (0600)."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
     return open(os.open(path, flags, 0o600), mode)

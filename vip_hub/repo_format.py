@@ -22,6 +22,7 @@ pages) reads these names from here; see ``docs/architecture.md``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -137,7 +138,7 @@ def head_name_of(path: str) -> str | None:
     return None
 
 
-def head_folders(paths: object) -> list[str]:
+def head_folders(paths: Iterable[object]) -> list[str]:
     """The ``heads/<name>/`` folders (as components) holding any of the repo paths, sorted."""
     return sorted(
         {
@@ -148,7 +149,7 @@ def head_folders(paths: object) -> list[str]:
     )
 
 
-def heads_in(paths: object) -> list[str]:
+def heads_in(paths: Iterable[object]) -> list[str]:
     """Names of the heads among repo paths (a tree's keys, a folder's files), sorted."""
     return sorted(name for p in paths if (name := head_name_of(str(p))) is not None)
 

@@ -25,7 +25,7 @@ cards without them); the functions that build tensors or models import them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ConfigError, RepoFormatError
 from ..repo_format import CONFIG_BLOCK, CONFIG_FILE
@@ -200,6 +200,7 @@ class EncoderSpec:
             object.__setattr__(self, "crop_pct", arch.family.crop_pct)
         if self.depth is None:
             object.__setattr__(self, "depth", arch.depth)
+        assert self.depth is not None and self.crop_pct is not None  # both set just above
         if not 1 <= self.depth <= arch.depth:
             raise ConfigError(f"depth {self.depth}: a {self.arch} has 1 to {arch.depth} blocks")
         if self.patch_size <= 0 or self.img_size <= 0:
@@ -327,12 +328,16 @@ def create_encoder(spec: EncoderSpec, *, mae_init: bool = False) -> VisionTransf
     """
     import timm
 
-    model = timm.create_model(
-        spec.architecture.timm_architecture,
-        pretrained=False,
-        num_classes=0,
-        pretrained_cfg_overlay=spec.pretrained_cfg(),
-        **spec.model_args(),
+    # every architecture's timm name is a VisionTransformer (timm types the result as a Module)
+    model = cast(
+        "VisionTransformer",
+        timm.create_model(
+            spec.architecture.timm_architecture,
+            pretrained=False,
+            num_classes=0,
+            pretrained_cfg_overlay=spec.pretrained_cfg(),
+            **spec.model_args(),
+        ),
     )
     if mae_init:
         _init_mae(model, spec)
@@ -342,6 +347,8 @@ def create_encoder(spec: EncoderSpec, *, mae_init: bool = False) -> VisionTransf
 def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
     import torch
 
+    # optional in timm (a ViT may have neither); every family here has both
+    assert model.pos_embed is not None and model.cls_token is not None
     with torch.no_grad():
         model.pos_embed.copy_(sincos_pos_embed_2d(model.embed_dim, spec.grid_size)[None])
         model.pos_embed.requires_grad_(False)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal, cast, get_args, overload
 
 from ..errors import ConfigError
 from ..repo_format import TEXT_DECODER_FILE
@@ -181,6 +181,24 @@ def feature_dim(
     return model.embed_dim * (vip_layers(model) if pooling == "vip" else 1)
 
 
+@overload
+def extract_features(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    pooling: Pooling,
+    memory: ImageMemory | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def extract_features(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    pooling: tuple[Pooling, ...],
+    memory: ImageMemory | None = None,
+) -> dict[Pooling, torch.Tensor]: ...
+
+
 def extract_features(
     model: VisionTransformer,
     images: torch.Tensor,
@@ -204,6 +222,7 @@ def extract_features(
     if "vip" in modes:
         blocks.update(range(depth - vip_layers(model), depth))
     indices = sorted(blocks)
+    # intermediates_only with return_prefix_tokens: a list of (patch tokens, prefix tokens)
     outputs = model.forward_intermediates(
         images,
         indices=indices,
@@ -213,7 +232,8 @@ def extract_features(
         intermediates_only=True,
         stop_early=True,
     )
-    result = pool_features(model, outputs, modes, memory, blocks=indices)
+    pairs = cast("list[tuple[torch.Tensor, torch.Tensor]]", outputs)
+    result = pool_features(model, pairs, modes, memory, blocks=indices)
     return result[modes[0]] if isinstance(pooling, str) else result
 
 
@@ -254,7 +274,8 @@ def pool_features(
         elif mode == "avg":
             result[mode] = model.fc_norm(tokens[:, p:].mean(dim=1))
         elif mode == "dpcap":
-            result[mode] = memory.pooled(tokens)  # type: ignore[union-attr]
+            assert memory is not None  # extract_features checked it; fine-tuning refuses dpcap
+            result[mode] = memory.pooled(tokens)
         elif mode == "vip":
             stacked = torch.cat([s.mean(dim=1) for s, _ in outputs[-vip_layers(model) :]], dim=1)
             result[mode] = F.layer_norm(stacked, stacked.shape[-1:], eps=LN_EPS)

@@ -26,7 +26,7 @@ metadata) and the tokenizer's vocabulary in ``vocab.txt``; that file I/O is in
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,9 @@ class TextDecoderConfig:
 class ImageMemory(nn.Module):
     """What the decoder attends to: ``embed(tokens) + pos_embed + type_embed`` per image token."""
 
+    pos_embed: torch.Tensor  # buffers (register_buffer)
+    type_embed: torch.Tensor
+
     def __init__(self, image_dim: int, width: int, num_tokens: int):
         super().__init__()
         self.embed = nn.Linear(image_dim, width)
@@ -240,6 +243,9 @@ class TextDecoder(nn.Module):
     """The caption decoder; a fresh one is initialised as the reference does (xavier-uniform
     linears, N(0, 1) token embeddings, fixed sin-cos positions, N(0, 0.02) type embeddings)."""
 
+    text_pos_embed: torch.Tensor  # buffers (register_buffer)
+    text_type_embed: torch.Tensor
+
     def __init__(self, config: TextDecoderConfig):
         super().__init__()
         c = self.config = config
@@ -273,7 +279,8 @@ class TextDecoder(nn.Module):
 
     def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
         """Each block's cross-attention keys and values of the image ``memory`` (B, N, width)."""
-        return [block.cross_attn.kv(memory) for block in self.blocks]
+        # a ModuleList yields its items as Modules
+        return [cast(DecoderBlock, block).cross_attn.kv(memory) for block in self.blocks]
 
     def decode(self, text: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
         """Next-token logits (B, T, vocab) for token ids ``text`` (B, T) given ``cross_kv``."""

@@ -16,10 +16,15 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import AccountingError
+
+if TYPE_CHECKING:  # for the annotations: at run time the functions import dp_accounting
+    from dp_accounting.dp_event import ComposedDpEvent
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
 __all__ = [
     "Accountant",
@@ -211,8 +216,8 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
             from opacus.accountants.analysis.rdp import get_privacy_spent
 
             # what opacus' RDPAccountant sums (compute_rdp at T steps is T times one step's)
-            rdp = sum([_rdp_per_step(sigma, q) * steps for sigma, q, steps in history])
-            return float(get_privacy_spent(orders=rdp_alphas(), rdp=rdp, delta=delta)[0])
+            curve = sum([_rdp_per_step(sigma, q) * steps for sigma, q, steps in history])
+            return float(get_privacy_spent(orders=rdp_alphas(), rdp=curve, delta=delta)[0])
         from opacus.accountants import PRVAccountant
 
         rdp = _epsilon(history, delta, Accountant.RDP)
@@ -392,7 +397,7 @@ def rdp_alphas() -> list[float]:
     return list(RDPAccountant.DEFAULT_ALPHAS) + [float(a) for a in range(64, 257, 4)]
 
 
-def _pld_accountant():  # type: ignore[no-untyped-def]
+def _pld_accountant() -> PLDAccountant:
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
     from dp_accounting.privacy_accountant import NeighboringRelation
 
@@ -401,7 +406,7 @@ def _pld_accountant():  # type: ignore[no-untyped-def]
     )
 
 
-def _pld_event(history: Sequence[GaussianRun]):  # type: ignore[no-untyped-def]
+def _pld_event(history: Sequence[GaussianRun]) -> ComposedDpEvent:
     from dp_accounting import dp_event
 
     return dp_event.ComposedDpEvent(

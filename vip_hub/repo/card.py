@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import yaml
@@ -96,7 +97,7 @@ def render_card(
     num_params: int,
     feature_dims: dict[str, int],
     captions: bool = False,
-    plots: list[str] = (),
+    plots: Sequence[str] = (),
 ) -> str:
     """The README.md text (front matter + Markdown) for a repo whose feature modes have the
     widths ``feature_dims`` (config.json's); ``captions`` when it carries a text decoder and
@@ -309,7 +310,8 @@ def format_params(n: int | None) -> str:
 
 def card_info(readme: str) -> CardInfo:
     """Recover the CardInfo a card was rendered from."""
-    data = load_card(readme).data
+    # a ModelCard's data is its card_data_class, ModelCardData (typed as the base CardData)
+    data = cast(ModelCardData, load_card(readme).data)
     return CardInfo(
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",

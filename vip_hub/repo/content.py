@@ -236,7 +236,9 @@ class _Walk:
         return self.kinds[name].check is not None
 
     def check(self, name: str, data: bytes) -> str | None:
-        return self.kinds[name].check(data)  # type: ignore[misc]
+        check = self.kinds[name].check
+        assert check is not None  # called only for the names ``reads`` says are checked
+        return check(data)
 
 
 def _text(data: bytes, encoding: str = "utf-8") -> str | None:

@@ -323,7 +323,7 @@ def _config(
             "arch": spec.arch,
             "family": spec.family.name,
             "num_params": count_parameters(model),
-            "feature_dims": {p: feature_dim(model, p, memory) for p in modes},  # type: ignore[arg-type]
+            "feature_dims": {p: feature_dim(model, p, memory) for p in modes},
         },
     }
 

@@ -94,7 +94,7 @@ class _Run:
     def line(self, pos: int, shortest: int = 2) -> int:
         """Where the line at ``pos`` ends (its newline): the C unpickler needs the newline and
         ``shortest`` bytes with it."""
-        newline = self.data.find(b"\n", pos)  # type: ignore[union-attr]
+        newline = self.data.find(b"\n", pos)
         if newline < 0 or newline + 1 - pos < shortest:
             raise _Stop  # "pickle data was truncated", "bad readline"
         return newline
@@ -102,8 +102,8 @@ class _Run:
     def matches(self, pattern: re.Pattern[bytes], start: int, end: int) -> bool:
         """Whether ``pattern`` takes the bytes from ``start`` to ``end`` or to a NUL before it
         (where C's string functions stop)."""
-        nul = self.data.find(b"\0", start, end)  # type: ignore[union-attr]
-        return pattern.fullmatch(self.data, start, end if nul < 0 else nul) is not None  # type: ignore[arg-type]
+        nul = self.data.find(b"\0", start, end)
+        return pattern.fullmatch(self.data, start, end if nul < 0 else nul) is not None
 
     def memo_key(self, pos: int) -> tuple[int | None, int]:
         """A decimal memo key (None: too long for this walk to read) and the position after."""
@@ -199,7 +199,7 @@ def _import(r: _Run, pos: int, opcode: str, at: int) -> int:
     """GLOBAL and INST: a module line and a name line, then the module is imported."""
     end = r.line(pos)
     r.line(end + 1)
-    if not _MODULE.fullmatch(r.data, pos, end):  # type: ignore[arg-type]
+    if not _MODULE.fullmatch(r.data, pos, end):
         raise _Stop  # no file is named so: the import fails
     module = bytes(r.data[pos : min(end, pos + 100)]).decode("utf-8", "replace")
     raise _Refused(f"unpickling it would import the module {module!r} ({opcode} at byte {at})")

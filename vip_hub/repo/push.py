@@ -63,7 +63,10 @@ def push_repo(
         if rel not in remote or not _same_content(path, remote[rel])
     ]
     if not operations:  # the remote revision already holds this folder
-        return api.model_info(repo_id, revision=revision).sha
+        sha = api.model_info(repo_id, revision=revision).sha
+        assert sha is not None  # a hub names the commit a revision resolves to
+        return sha
+    assert report.ledger is not None  # a report without problems has read the ledger
     default = f"Publish {folder.name}: {privacy_headline(report.ledger.summary())}"
     info = api.create_commit(
         repo_id, operations, commit_message=message or default, revision=revision
