@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from fastapi import Request
 
@@ -211,7 +211,7 @@ def _settings_auth(settings: Settings) -> _Auth:
         except ValueError:
             raise ValueError("auth.tokens entries must look like name:scope:secret") from None
         _check_scope(scope, f"auth.tokens entry {name!r}")
-        fixed.tokens.append(_Entry(_hash(secret), name, scope))  # type: ignore[arg-type]
+        fixed.tokens.append(_Entry(_hash(secret), name, cast(Scope, scope)))  # checked: a Scope
     for org in fixed.orgs:
         _check_org_name(org, "auth.orgs")
         others = _Auth(fixed.tokens, {o: m for o, m in fixed.orgs.items() if o != org})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote, unquote_plus
 
 from fastapi import FastAPI, Request, Response
@@ -28,6 +28,9 @@ from uvicorn.protocols.utils import get_client_addr
 from .auth import identity_or_anonymous
 from .metrics import Metrics
 from .store.errors import StoreError
+
+if TYPE_CHECKING:
+    from uvicorn._types import WWWScope  # starlette types a scope as a plain mapping
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -116,7 +119,7 @@ class RequestMetricsMiddleware:
             if _access.isEnabledFor(logging.INFO):
                 _access.info(
                     '%s - "%s %s HTTP/%s" %d',
-                    get_client_addr(scope),
+                    get_client_addr(cast("WWWScope", scope)),  # an HTTP scope (checked above)
                     scope["method"],
                     logged_target(scope),
                     scope["http_version"],

@@ -301,7 +301,8 @@ async def _wait_or_disconnect(
     pending = asyncio.gather(*futures)
     gone = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({pending, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waited: set[asyncio.Future[Any]] = {pending, gone}
+        await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if pending.done():

@@ -318,7 +318,7 @@ def _unit(arch: str | None) -> str:
     return ARCHS[arch].family.unit if arch in ARCHS else "training example"
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -115,7 +115,7 @@ class DigestWriter:
         self._sha256 = hashlib.sha256()
         self.size = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:  # a request body comes in bytearrays
         self._file.write(data)
         self._sha256.update(data)
         self.size += len(data)

@@ -440,7 +440,7 @@ class HubStore:
     ) -> list[CommitRecord]:
         """Commits reachable from ``revision``, newest first."""
         sha: str | None = self.resolve(repo_id, revision)
-        out = []
+        out: list[CommitRecord] = []
         while sha and len(out) < limit:
             record = self.commit_record(repo_id, sha)
             out.append(record)
@@ -527,7 +527,8 @@ class HubStore:
         }
         if sort not in columns:
             raise InvalidRequest(f"cannot sort by {sort!r}; choose one of {', '.join(columns)}")
-        where, args = ["f.kind = 'branch'", "f.name = ?"], [DEFAULT_BRANCH]
+        where = ["f.kind = 'branch'", "f.name = ?"]
+        args: list[str | float] = [DEFAULT_BRANCH]  # the SQL's parameters
         if include_private is not True:
             namespaces = sorted(include_private or ())
             where.append(
@@ -615,15 +616,17 @@ class HubStore:
         self._check_limits(local)
         report, signer = self._verified(repo_id, local)
         crash_point("commit-verified")
+        ledger = report.ledger
+        assert ledger is not None  # a report without problems has read the ledger
         # the encoder's, at the hub's one delta: what the index shows, ranks and filters
-        summary = report.ledger.summary(delta=self.limits.delta)  # type: ignore[union-attr]
+        summary = ledger.summary(delta=self.limits.delta)
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = load_card(
             local[CARD_FILE].read_text(encoding="utf-8"), limits=self.limits.front_matter()
         ).data.to_dict()
         files = self._store_blobs(tree, local, new)
         crash_point("commit-blobs-stored")
-        claim = privacy_headline(report.ledger.summary())  # type: ignore[union-attr]  # as stated
+        claim = privacy_headline(ledger.summary())  # as stated
         message = "\n\n".join(filter(None, [message, f"Privacy: {claim}"]))
         created = _now()
         commit = _NewCommit(
@@ -638,7 +641,7 @@ class HubStore:
             card_data=card_data,
             files=files,
             signer=signer,
-            dp_datasets=sorted({s.dataset.name for s in report.ledger.dp_stages()}),  # type: ignore[union-attr]
+            dp_datasets=sorted({s.dataset.name for s in ledger.dp_stages()}),
         )
         self._write_index(repo_id, branch, commit)
         crash_point("commit-indexed")

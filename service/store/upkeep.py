@@ -109,11 +109,11 @@ def check_store(store: HubStore, repair: bool, grace: float) -> list[Finding]:
             r["sha256"], (r["size"], f"{r['org']}/{r['name']}@{r['commit_sha'][:12]}:{r['path']}")
         )
     held = {b.key: b for b in blobs.listed_blobs()}
-    found = [
+    checked = [
         _check_named(blobs, sha, size, where, held.get(sha), repair)
         for sha, (size, where) in sorted(named.items())
     ]
-    found = [f for f in found if f is not None]
+    found = [f for f in checked if f is not None]
     if blobs.remote is not None:
         found += _check_cache(blobs, repair)
     found += _check_uploads(store, repair)
