@@ -50,7 +50,7 @@ def dp_stage(n: int = 1000, batch: int = 50, sigma: float = 1.0, steps: int = 10
         noise_multiplier=sigma,
         steps=steps,
         clipping_norm=0.1,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
     )
 
 

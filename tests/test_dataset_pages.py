@@ -33,7 +33,7 @@ def stage(dataset: str, run_id: str | None, delta: float | None = None) -> DPSta
         noise_multiplier=SIGMA,
         steps=STEPS,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         delta=delta,
         run_id=run_id,
     )

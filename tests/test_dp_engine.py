@@ -246,7 +246,7 @@ def test_a_delta_above_one_over_n_is_refused_unless_asked_for(tmp_path: Path) ->
             noise_multiplier=1.0,
             steps=10,
             clipping_norm=1.0,
-            noised_dimension=1_000,
+            noised_tensors={"unreleased:test": 1_000},
             delta=delta,
         )
         repo = export_encoder(
@@ -361,10 +361,12 @@ def audited_stage(
             training.dp.canaries, "clip_factors", lambda norms, c: torch.ones_like(norms)
         )
     torch.manual_seed(0)
-    engine = engine_for(BiasSum(8), **AUDITED)
+    model = BiasSum(8)
+    engine = engine_for(model, **AUDITED)
     _train(engine, torch.randn(1000, 4), 0, engine.budget.steps)
     return engine.stage(
         audit_delta=1e-5,
+        released={"unreleased": model},
         name="dp-audited",
         dataset=Dataset(name="audit-data", size=1000),
         mechanism="DP-SGD",
@@ -379,6 +381,13 @@ def honest():  # type: ignore[no-untyped-def]
 def test_an_honest_run_proves_less_than_it_claims(honest) -> None:  # type: ignore[no-untyped-def]
     a = honest.audit
     assert honest.epsilon <= 2.0 and a.delta == 1e-5 and a.canaries == 1000
+    # d counts the noised tensors, named where they are released, and the canaries
+    assert honest.noised_tensors == {
+        "unreleased:layer.weight": 32,
+        "unreleased:layer.bias": 8,
+        "canaries": 1000,
+    }
+    assert honest.noised_dimension == 1040
     assert [r.guesses for r in a.results] == [20, 50, 100, 200, 500, 1000]
     assert 0 < a.epsilon_lower_bound < 2.0 and a.epsilon_lower_bound < min(
         a.accountant_epsilon.values()

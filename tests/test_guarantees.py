@@ -222,7 +222,7 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
         noise_multiplier=1.0,
         steps=40,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         sampling="shuffle",
     )
     repo = export_encoder(
@@ -256,7 +256,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
             noise_multiplier=s,
             steps=t,
             clipping_norm=1.0,
-            noised_dimension=1_000,
+            noised_tensors={"unreleased:test": 1_000},
         )
         for s, t in ((1.0, 200), (1.5, 300))
     ]
@@ -310,7 +310,7 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(
         noise_multiplier=1.0,
         steps=40,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         sampling="shuffle",
     )
     repo = export_encoder(

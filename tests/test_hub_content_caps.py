@@ -92,7 +92,7 @@ def _release(server: ThreadedServer, folder, i: int) -> None:
         noise_multiplier=1.0 + i / 2,
         steps=100,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
     )
     repo = export_encoder(
         folder / f"r{i}", tiny_encoder(i), TINY, [synthetic_stage(), stage], model_name=f"r{i}"

@@ -133,7 +133,7 @@ def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
         noise_multiplier=plain.noise_multiplier,
         steps=plain.steps,
         clipping_norm=plain.clipping_norm,
-        noised_dimension=plain.noised_dimension,
+        noised_tensors={**plain.noised_tensors, "canaries": audit.canaries},
         audit=audit,
     )
     folder = export_encoder(

@@ -51,7 +51,7 @@ def evil_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         noise_multiplier=1.0,
         steps=100,
         clipping_norm=0.1,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
     )
     folder = export_encoder(
         tmp_path_factory.mktemp("evil") / "repo",

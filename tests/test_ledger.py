@@ -38,7 +38,7 @@ def test_dp_stage_defaults_and_all_three_accountants():
         noise_multiplier=1.0,
         steps=100,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         accountant="pld",
     )
     assert named.epsilon == s.reference_epsilon["pld"] and set(named.reference_epsilon) == {
@@ -85,7 +85,7 @@ def test_two_private_datasets_get_two_guarantees():
         noise_multiplier=2.0,
         steps=50,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
     )
     ledger = PrivacyLedger.build([synthetic_stage(), a, b])
     assert {g.dataset for g in ledger.guarantees} == {"test-images", "imagenet"}
@@ -173,7 +173,7 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
         noise_multiplier=2.0,
         steps=50,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
     )
     ledger = PrivacyLedger.build([synthetic_stage(), enc_stage, head])
     enc, h = ledger.summary(), ledger.summary("heads/digits")
@@ -195,7 +195,7 @@ def _stage_on(
         noise_multiplier=kw.pop("sigma", 1.0),
         steps=kw.pop("steps", 100),
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         **kw,
     )
 
@@ -308,7 +308,7 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
         noise_multiplier=plain.noise_multiplier,
         steps=plain.steps,
         clipping_norm=plain.clipping_norm,
-        noised_dimension=plain.noised_dimension,
+        noised_tensors=plain.noised_tensors,
         also_trains=["heads/clf"],
     )
     ledger = PrivacyLedger.parse(PrivacyLedger.build([synthetic_stage(), joint]).to_json())
@@ -337,7 +337,7 @@ def _truncated_stage(support: float, dimension: int = 7_060_000) -> DPStage:
         steps=1000,
         clipping_norm=1.0,
         noise_support=support,
-        noised_dimension=dimension,
+        noised_tensors={"unreleased:test": dimension},
         delta=1e-5,
     )
 

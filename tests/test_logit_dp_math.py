@@ -424,7 +424,7 @@ def test_verify_accepts_the_right_delta_and_rejects_the_one_without_one_over_tau
             noise_multiplier=1.0,
             steps=10,
             clipping_norm=b,
-            noised_dimension=1_000,
+            noised_tensors={"unreleased:test": 1_000},
             mechanism=mechanism,
             sensitivity=claimed,
             mechanism_params=params,

@@ -563,6 +563,10 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         ledger = ledger_of(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
+        # d counts tensors named where they are released (verify checked them) and the canaries
+        files = {k.partition(":")[0] for k in enc.noised_tensors or {}}
+        assert "model.safetensors" in files and "canaries" in files, enc.noised_tensors
+        assert ("unreleased" in files) == (stage_name == "dp-contrastive")  # projection head
         if lr is not None:
             assert enc.hyperparameters["lr"] == pytest.approx(lr)
         assert enc.dataset.name == FASHION_MNIST_TRAIN and enc.dataset.size == 240

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, ve
 from vip_hub.cli.main import main
 from vip_hub.errors import RepoFormatError
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
-from vip_hub.privacy.ledger import Dataset, NonPrivateStage
+from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
 from vip_hub.privacy.sensitivity import rounding_params
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
+from vip_hub.repo_format import WEIGHTS_FILE
 
 PLAIN_TIMM = r"""
 import sys, timm, torch
@@ -484,3 +486,91 @@ def test_a_cards_comparison_says_whether_the_dataset_page_composes_it(tiny_repo)
     _, text = _card_of(tiny_repo)
     assert "Rows that name no repo are in no ledger of this hub" in text
     assert "composes them all" not in text and "| no repo: in no ledger |" in text
+
+
+def _named_repo(folder: Path) -> Path:
+    """A tiny repo whose DP stage names what its noise went to: block 11 of the released encoder
+    (in model.safetensors) and a projection head it does not release."""
+    encoder = tiny_encoder()
+    trained = {
+        noised_key(WEIGHTS_FILE, name): p.numel()
+        for name, p in encoder.named_parameters()
+        if name.startswith("blocks.11.")
+    }
+    plain = dp_stage()
+    stage = DPStage.from_parameters(
+        name=plain.name,
+        dataset=plain.dataset,
+        sample_rate=plain.sample_rate,
+        noise_multiplier=plain.noise_multiplier,
+        steps=plain.steps,
+        clipping_norm=plain.clipping_norm,
+        noised_tensors={**trained, noised_key(NOT_RELEASED, "projection.weight"): 4096},
+    )
+    return export_encoder(folder, encoder, TINY, [stage], model_name=folder.name)
+
+
+def _d_forged(change: Callable[[dict], None]) -> Callable[[dict], dict]:
+    """A ledger rewrite: ``change`` on the DP stage, its truncation delta (and the guarantee's
+    delta) recomputed from the new d, so that d is the forgery's only flaw."""
+
+    def forged(ledger: dict) -> dict:
+        stage = ledger["stages"][0]
+        change(stage)
+        stage["truncation_delta"] = truncation_delta(
+            stage["noise_multiplier"],
+            stage["sample_rate"],
+            stage["steps"],
+            stage["noise_support"],
+            stage["noised_dimension"],
+        )
+        ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+        return ledger
+
+    return forged
+
+
+def _d_is_one(stage: dict) -> None:
+    stage["noised_dimension"] = 1
+
+
+def _d_without_its_tensors(stage: dict) -> None:
+    del stage["noised_tensors"]
+    stage["noised_dimension"] = 1
+
+
+def _a_released_tensor_shrunk(stage: dict) -> None:
+    stage["noised_tensors"]["model.safetensors:blocks.11.mlp.fc1.weight"] = 1
+    stage["noised_dimension"] = sum(stage["noised_tensors"].values())
+
+
+def _a_released_tensor_renamed(stage: dict) -> None:
+    count = stage["noised_tensors"].pop("model.safetensors:blocks.11.mlp.fc1.weight")
+    stage["noised_tensors"]["model.safetensors:blocks.11.mlp.fc9.weight"] = count
+
+
+@pytest.mark.parametrize(
+    ("forgery", "message"),
+    [
+        (_d_is_one, "noised_dimension 1 is not the"),
+        (_d_without_its_tensors, "records a noised dimension of 1 without the tensors it counts"),
+        (_a_released_tensor_shrunk, "counts 1 noised elements in model.safetensors:blocks.11."),
+        (_a_released_tensor_renamed, "blocks.11.mlp.fc9.weight, which model.safetensors lacks"),
+    ],
+)
+def test_verify_checks_the_noised_dimension_against_the_released_tensors(
+    tmp_path, forgery, message
+):
+    """Issue 54, point 4: d is what the stage's named tensors and canaries count, each tensor a
+    weights file of the repo holds has that many elements; a re-exported repo whose stage claims
+    d = 1 (its truncation delta recomputed, every copy consistent) does not verify."""
+    repo = _named_repo(tmp_path / "named")
+    report = verify_repo(repo)
+    assert report.ok, report.problems
+    (stage,) = report.ledger.dp_stages()
+    assert stage.noised_dimension == 4096 + sum(
+        p.numel() for n, p in tiny_encoder().named_parameters() if n.startswith("blocks.11.")
+    )
+    _rewrite_all_copies(repo, _d_forged(forgery))
+    text = _fails(repo, message)
+    assert "records a truncation delta of" not in text  # the forgery's only flaw is d

@@ -155,7 +155,7 @@ def test_a_head_after_an_encoder_gets_only_the_rest_of_the_budget() -> None:
         noise_multiplier=calibrate(study.encoder_epsilon, study.delta, 0.01, 500),
         steps=500,
         clipping_norm=1.0,
-        noised_dimension=1_000,
+        noised_tensors={"unreleased:test": 1_000},
         delta=study.delta,
     )
     eps_alone = head_epsilon(study, [], 0.125, 80)

@@ -495,17 +495,31 @@ class DPEngine:
         """Epsilon spent so far under the run's accountant, at its delta."""
         return composed_epsilon(self.history, self.budget.delta, self.budget.accountant)
 
-    def stage(self, *, audit_delta: float, **fields: Any) -> DPStage:
+    def stage(
+        self, *, audit_delta: float, released: dict[str, nn.Module], **fields: Any
+    ) -> DPStage:
         """The finished run's ledger stage (``fields``: name, dataset, mechanism, descriptions...),
-        with its audit when it ran canaries."""
+        with its audit when it ran canaries. ``released``: each repo weights file (or
+        ``NOT_RELEASED``) and the module whose parameters it holds under their names there, in
+        order; each noised parameter is recorded under the first that holds it, the canaries
+        beside them (``noised_tensors``: what the noised dimension counts)."""
+        from vip_hub.privacy.ledger import NOISED_CANARIES, noised_key
+
         if self.steps_done != self.budget.steps:
             raise RuntimeError(
                 f"{self.steps_done} steps done, the budget planned {self.budget.steps}"
             )
         b = self.budget
-        noised = sum(p.numel() for p in self.params) + (
-            self.canaries.count if self.canaries is not None else 0
-        )
+        names: dict[int, str] = {}
+        for file, module in released.items():
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), noised_key(file, name))
+        unnamed = [tuple(p.shape) for p in self.params if id(p) not in names]
+        if unnamed:
+            raise RuntimeError(f"noised parameters of shapes {unnamed} are in no released module")
+        noised = {names[id(p)]: p.numel() for p in self.params}
+        if self.canaries is not None:
+            noised[NOISED_CANARIES] = self.canaries.count
         audit = (
             self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
         )
@@ -515,7 +529,7 @@ class DPEngine:
             steps=b.steps,
             sensitivity=self.sensitivity,
             clipping_norm=self.clipping_norm,
-            noised_dimension=noised,
+            noised_tensors=noised,
             delta=b.delta,
             accountant=b.accountant,
             audit=audit,

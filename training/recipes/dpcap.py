@@ -32,7 +32,7 @@ from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
 from vip_hub.repo.card import recipe_line
-from vip_hub.repo_format import VOCAB_FILE
+from vip_hub.repo_format import TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 from ..data.images import CAPTIONS_FILE, Augmented, mae_transform, open_captions
 from ..dp.run import DPRun
@@ -156,6 +156,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         model.encoder,
         spec,
         init,
+        released={WEIGHTS_FILE: model.encoder, TEXT_DECODER_FILE: model.decoder},
         records=records,
         curve_label="caption loss on public procedural images",
         dataset_description=f"{n} image-caption pairs; image captioning with DP-AdamW",

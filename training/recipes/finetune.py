@@ -63,7 +63,7 @@ from vip_hub.models.features import (
 from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
-from vip_hub.repo_format import LEDGER_FILE, head_component
+from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE, head_component, head_file
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.run import DPRun
@@ -568,6 +568,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         model.encoder,
         spec,
         init,
+        released={WEIGHTS_FILE: model.encoder, head_file(cfg.head): model.head},
         records=records,
         curve_label="cross-entropy on public test images"
         if test is not None

@@ -29,7 +29,9 @@ from vip_hub.errors import ConfigError
 from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.models.features import final_norm
+from vip_hub.privacy.ledger import NOT_RELEASED
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
+from vip_hub.repo_format import WEIGHTS_FILE
 
 from ..data.images import Augmented, mae_transform, open_images
 from ..dp.pair_clipping import (
@@ -243,6 +245,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         model.encoder,
         spec,
         init,
+        released={WEIGHTS_FILE: model.encoder, NOT_RELEASED: model},  # the projection head's
         records=records,
         curve_label="contrastive loss on public procedural images",
         dataset_description=f"{n} images; contrastive training with {name}",

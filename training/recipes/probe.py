@@ -63,10 +63,11 @@ from vip_hub.privacy.ledger import (
     DPStage,
     NonPrivateStage,
     new_run_id,
+    noised_key,
 )
 from vip_hub.privacy.sensitivity import rounding_params, sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import ENCODER, head_component
+from vip_hub.repo_format import ENCODER, head_component, head_file
 
 from ..data.images import ImageFolder
 from ..data.labelled import keyed_uniforms
@@ -370,7 +371,10 @@ def _fit_dp(
         "steps": steps,
         "delta": delta,
         "accountant": kind,
-        "noised": sum(p.numel() for p in head.linear.parameters()),
+        "noised": {
+            noised_key(head_file(cfg.head), f"linear.{name}"): p.numel()
+            for name, p in head.linear.named_parameters()
+        },
         "sensitivity": engine.sensitivity,
         "mechanism_params": params,
     }
@@ -572,7 +576,7 @@ def probe_stage(
         noise_multiplier=dp["sigma"],
         steps=dp["steps"],
         clipping_norm=cfg.max_grad_norm,
-        noised_dimension=dp["noised"],
+        noised_tensors=dp["noised"],
         delta=dp["delta"],
         accountant=dp["accountant"],
         run_id=new_run_id(),

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from vip_hub.repo.card import recipe_line
-from vip_hub.repo_format import MAE_DECODER_FILE
+from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
 
 from ..data.images import Augmented, mae_transform, open_images
 from ..dp.run import DPRun
@@ -85,6 +85,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         mae.encoder,
         spec,
         init,
+        released={WEIGHTS_FILE: mae.encoder, MAE_DECODER_FILE: mae},
         records=records,
         curve_label="MAE loss on public procedural images",
         dataset_description=f"{n} images; MAE pretraining with DP-AdamW",

@@ -274,7 +274,7 @@ def _stages_from_args(
     args: argparse.Namespace, delta: Callable[[int], float]
 ) -> list[NonPrivateStage | DPStage]:
     from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
-    from ..repo.importer import REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION
+    from ..repo.importer import REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_TENSORS
 
     stages: list[NonPrivateStage | DPStage] = []
     if args.synthetic_dataset:
@@ -308,7 +308,7 @@ def _stages_from_args(
                 steps=args.steps,
                 clipping_norm=args.clip,
                 noise_support=REFERENCE_NOISE_SUPPORT,
-                noised_dimension=REFERENCE_NOISED_DIMENSION,
+                noised_tensors=REFERENCE_NOISED_TENSORS,
                 mechanism=args.mechanism,
                 sampling=args.sampling,
                 delta=args.delta or delta(args.dataset_size),

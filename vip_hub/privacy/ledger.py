@@ -16,7 +16,9 @@ recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy led
 
 A DP stage written by a training run carries the run's random ``run_id`` (an optional field:
 ledgers written before it, and imports, have none and are still v3); it identifies the stage
-across repos (``DPStage.identity``), so a release copied or trained further counts once.
+across repos (``DPStage.identity``), so a release copied or trained further counts once. It also
+names the tensors its noise went to (``noised_tensors``, summing to its noised dimension d): an
+optional field of v4, whose absence ``verify`` refuses (d could not be checked).
 
 Every epsilon is stored rounded *up* to ``EPSILON_DECIMALS`` decimals (an audit's lower
 bound rounded *down*), so the document does not depend on floating-point noise (the number
@@ -30,7 +32,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Annotated, Any, Literal
@@ -82,9 +84,17 @@ DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_
 
 Sampling = Literal["poisson", "shuffle"]
 
+NOT_RELEASED = "unreleased"
+"""The file part of a noised tensor's key (``noised_key``) that no repo carries: trained and
+noised, but not released (Logit-DP's projection head)."""
+NOISED_CANARIES = "canaries"
+"""The key of ``DPStage.noised_tensors`` that counts the audit's canary coordinates."""
+
 __all__ = [
     "DATASET_NAME_PATTERN",
     "ENCODER",
+    "NOISED_CANARIES",
+    "NOT_RELEASED",
     "EPSILON_DECIMALS",
     "SCHEMA",
     "Audit",
@@ -99,6 +109,7 @@ __all__ = [
     "Stage",
     "compose_releases",
     "new_run_id",
+    "noised_key",
     "privacy_headline",
     "round_down",
     "round_up",
@@ -166,12 +177,14 @@ class _Stage(_Model):
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without joint heads (or a run id) a stage is written as before the field existed."""
+        """Without joint heads (or a run id, or noised tensors) a stage is written as before the
+        field existed."""
         data = handler(self)
         if not self.also_trains:
             data.pop("also_trains", None)
-        if data.get("run_id", "") is None:
-            data.pop("run_id")
+        for optional in ("run_id", "noised_tensors"):
+            if data.get(optional, "") is None:
+                data.pop(optional)
         return data
 
     @property
@@ -254,9 +267,9 @@ class DPStage(_Stage):
     with noise of standard deviation ``noise_std`` = sigma * sensitivity, on batches sampled
     as ``sampling`` says (the accountants assume Poisson sampling at rate q). ``run_id``: drawn at
     random by the training run (a copy of a release carries its stages' ids; see ``identity``).
-    The noise sampler draws |z| <= ``noise_support`` on ``noised_dimension`` coordinates; the
-    delta that truncation adds (``truncation_delta``) is part of the stage's guarantee:
-    (epsilon, delta + truncation_delta)."""
+    The noise sampler draws |z| <= ``noise_support`` on ``noised_dimension`` coordinates, the
+    elements of ``noised_tensors``; the delta that truncation adds (``truncation_delta``) is part
+    of the stage's guarantee: (epsilon, delta + truncation_delta)."""
 
     type: Literal["dp"] = "dp"
     run_id: str | None = Field(
@@ -287,6 +300,13 @@ class DPStage(_Stage):
         gt=0, description="c: every draw of the noise sampler has |z| <= c (units of noise_std)"
     )
     noised_dimension: int = Field(gt=0, description="d: the coordinates the noise is added to")
+    noised_tensors: dict[str, Annotated[int, Field(gt=0)]] | None = Field(
+        default=None,
+        description="what d counts, each with its number of elements: '<repo file>:<tensor>' for "
+        "a tensor a repo file holds (verify checks it against the file), 'unreleased:<name>' for "
+        "one no repo file holds, 'canaries' for the audit's canary coordinates; absent in stages "
+        "written before it, which verify refuses",
+    )
     truncation_delta: float = Field(
         ge=0,
         le=1,
@@ -316,6 +336,22 @@ class DPStage(_Stage):
                 f"reference_epsilon must give exactly the other accountants' figures "
                 f"({', '.join(a.value for a in self.accountant.others)})"
             )
+        if self.noised_tensors is not None:
+            counted = sum(self.noised_tensors.values())
+            if counted != self.noised_dimension:
+                raise ValueError(
+                    f"noised_dimension {self.noised_dimension} is not the {counted} elements its "
+                    "noised_tensors count"
+                )
+            canaries = self.audit.canaries if self.audit is not None else None
+            if self.noised_tensors.get(NOISED_CANARIES) != canaries:
+                raise ValueError(
+                    f"noised_tensors count {self.noised_tensors.get(NOISED_CANARIES)} "
+                    f"canaries, the audit {canaries}"
+                )
+            unnamed = [k for k in self.noised_tensors if k != NOISED_CANARIES and ":" not in k]
+            if unnamed:
+                raise ValueError(f"noised tensors {unnamed} name no file ('<file>:<tensor>')")
         return self
 
     @property
@@ -360,7 +396,7 @@ class DPStage(_Stage):
         noise_multiplier: float,
         steps: int,
         clipping_norm: float,
-        noised_dimension: int,
+        noised_tensors: Mapping[str, int],
         noise_support: float = NOISE_SUPPORT,
         mechanism: str = "DP-AdamW",
         sensitivity: float | None = None,
@@ -377,9 +413,10 @@ class DPStage(_Stage):
     ) -> DPStage:
         """Build a DP stage, computing its epsilon under every accountant (the named one is the
         claim) and the delta its sampler's truncation adds (``noise_support``: vip-hub's own
-        sampler's by default). ``sensitivity`` defaults to ``clipping_norm`` (per-example
-        clipping); ``also_trains``: heads trained jointly with ``component``; ``run_id``: the
-        training run's random id (``new_run_id``)."""
+        sampler's by default) on the elements of ``noised_tensors`` (keys: ``noised_key``, and
+        ``NOISED_CANARIES`` for the audit's canaries). ``sensitivity`` defaults to
+        ``clipping_norm`` (per-example clipping); ``also_trains``: heads trained jointly with
+        ``component``; ``run_id``: the training run's random id (``new_run_id``)."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
         delta = default_delta(dataset.size) if delta is None else delta
@@ -388,6 +425,7 @@ class DPStage(_Stage):
             a: round_up(e) for a, e in epsilons(noise_multiplier, sample_rate, steps, delta).items()
         }
         sensitivity = clipping_norm if sensitivity is None else sensitivity
+        noised_dimension = sum(noised_tensors.values())
         return _validated(
             cls,
             name=name,
@@ -408,6 +446,7 @@ class DPStage(_Stage):
             delta=delta,
             noise_support=noise_support,
             noised_dimension=noised_dimension,
+            noised_tensors=dict(noised_tensors),
             truncation_delta=truncation_delta(
                 noise_multiplier, sample_rate, steps, noise_support, noised_dimension
             ),
@@ -721,6 +760,12 @@ def compose_releases(
         raise LedgerError(["compose_releases: no DP stage to compose"])
     history = [s.mechanism_tuple for s in distinct.values()]
     return {a: round_up(composed_epsilon(history, delta, a)) for a in accountants}
+
+
+def noised_key(file: str, tensor: str) -> str:
+    """A noised tensor's key in ``DPStage.noised_tensors``: the repo file that holds it (a weights
+    file, or ``NOT_RELEASED``) and its name there."""
+    return f"{file}:{tensor}"
 
 
 def new_run_id() -> str:

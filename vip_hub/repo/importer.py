@@ -32,13 +32,13 @@ from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder
 from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT, paper_delta
-from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
+from ..privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
 from .card import DEFAULT_LICENSE
 from .files import Release, export_encoder
 
 __all__ = [
     "PRESETS",
-    "REFERENCE_NOISED_DIMENSION",
+    "REFERENCE_NOISED_TENSORS",
     "REFERENCE_NOISE_SUPPORT",
     "CheckpointError",
     "DPCAP_DECODER_KEYS",
@@ -58,11 +58,13 @@ _DECODER = re.compile(r"^(decoder_|mask_token$)")
 _IGNORED = re.compile(r"^head\.")  # a fine-tuned classifier: not part of a released encoder
 
 
-REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_DIMENSION = CURAND_FLOAT32_SUPPORT, 10**9
+REFERENCE_NOISE_SUPPORT = CURAND_FLOAT32_SUPPORT
+REFERENCE_NOISED_TENSORS = {noised_key(NOT_RELEASED, "the reference model (at most)"): 10**9}
 """The noise sampler an imported DP stage is recorded with: the reference code drew its noise with
 torch on CUDA in float32 (curand's Box-Muller on 32-bit uniforms, |z| <= sqrt(66 ln 2) = 6.76:
-unverified for each release), on at most 10^9 trained coordinates; its stage's delta counts
-that truncation."""
+unverified for each release), on at most 10^9 trained coordinates, declared rather than named
+(the reference code's tensors are not all released); its stage's delta counts that
+truncation."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ def _vip_base() -> ImportPreset:
         steps=10_000,
         clipping_norm=0.1,
         noise_support=REFERENCE_NOISE_SUPPORT,
-        noised_dimension=REFERENCE_NOISED_DIMENSION,
+        noised_tensors=REFERENCE_NOISED_TENSORS,
         delta=paper_delta(n),
         mechanism="DP-AdamW",
         description=(
@@ -168,7 +170,7 @@ def _dpcap_base_eps7() -> ImportPreset:
         steps=5_000,
         clipping_norm=1.0,
         noise_support=REFERENCE_NOISE_SUPPORT,
-        noised_dimension=REFERENCE_NOISED_DIMENSION,
+        noised_tensors=REFERENCE_NOISED_TENSORS,
         mechanism="DP-AdamW",
         sampling="shuffle",
         delta=1.0 / DPCAP_N,

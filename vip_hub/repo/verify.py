@@ -11,6 +11,10 @@ A repo verifies when
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
 - every DP stage's noise support c is a sampler vip-hub knows, and its truncation delta what
   (sigma, q, T, c, d) give;
+- every DP stage names the tensors its noise went to (d is their elements and the canaries'),
+  and each named in a weights file this repo carries is in that file with that many elements
+  (tensors declared unreleased, or released in a file this repo does not carry, are taken as
+  declared);
 - no DP stage claims less epsilon than its accountant gives for its parameters, its two
   reference figures are what the other accountants give, and no guarantee claims less than
   the composition of its stages (all within ``RELATIVE_TOLERANCE``);
@@ -22,6 +26,7 @@ A repo verifies when
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,6 +174,7 @@ def verify_repo(
     _check_components(files, ledger, report)
     _check_config(files, report)
     _check_mechanisms(ledger, report)
+    _check_noised(files, ledger, report)
     if check_accounting:
         _check_accounting(ledger, report)
         _check_audits(ledger, report)
@@ -356,6 +362,45 @@ def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None
                 f"{stage.noise_multiplier * stage.sensitivity:.6g}",
             )
     report.checks.append("sensitivity and noise")
+
+
+def _check_noised(
+    files: Mapping[str, Path], ledger: PrivacyLedger, report: VerificationReport
+) -> None:
+    """Each DP stage's noised dimension d against the tensors it names: recorded (the ledger's
+    model checks that they and the canaries sum to d), and each in a weights file of this repo
+    with the elements the stage counts."""
+    headers: dict[str, dict[str, Any]] = {}
+    for stage in ledger.dp_stages():
+        where = f"stage {stage.name!r}"
+        if stage.noised_tensors is None:
+            report.overclaims(
+                where,
+                f"records a noised dimension of {stage.noised_dimension} without the tensors it "
+                "counts (noised_tensors), so d and its truncation delta cannot be checked: export "
+                "the repo again with this vip-hub",
+            )
+            continue
+        for key, count in stage.noised_tensors.items():
+            file, _, tensor = key.partition(":")
+            if not is_weights_file(file) or file not in files:
+                continue  # declared: not released, or released in a file this repo lacks
+            if file not in headers:
+                try:
+                    headers[file] = read_safetensors_header(files[file])[0]
+                except (RepoFormatError, OSError) as e:
+                    report.fail(file, f"unreadable: {e}", TamperedFileError)
+                    headers[file] = {}
+            shape = (headers[file].get(tensor) or {}).get("shape")
+            if shape is None:
+                report.overclaims(where, f"counts the noised tensor {key}, which {file} lacks")
+            elif math.prod(shape) != count:
+                report.overclaims(
+                    where,
+                    f"counts {count} noised elements in {key}, which has {math.prod(shape)} "
+                    f"(shape {shape})",
+                )
+    report.checks.append("noised tensors")
 
 
 def _check_truncation(stage: DPStage, report: VerificationReport) -> None:
