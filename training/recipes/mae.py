@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -78,12 +78,16 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
 class MAE(nn.Module):
     """Encoder + lightweight decoder; ``forward(images, noise)`` returns per-example losses."""
 
+    decoder_pos_embed: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, encoder: VisionTransformer, config: DecoderConfig = DecoderConfig()):
         super().__init__()
         if not 0.0 <= config.mask_ratio < 1.0:
             raise ConfigError(f"mask_ratio must be in [0, 1), got {config.mask_ratio}")
         self.encoder = encoder
         self.config = config
+        # optional in timm (a ViT may have neither); every family here has both
+        assert encoder.pos_embed is not None and encoder.cls_token is not None
         encoder.pos_embed.requires_grad_(False)  # fixed sin-cos, as in the reference
         grid = encoder.patch_embed.grid_size[0]
         self.patch = encoder.patch_embed.patch_size[0]
@@ -94,7 +98,14 @@ class MAE(nn.Module):
         self.register_buffer("decoder_pos_embed", sincos_pos_embed_2d(dim, grid)[None])
         norm = partial(nn.LayerNorm, eps=1e-6)
         self.decoder_blocks = nn.ModuleList(
-            Block(dim, config.num_heads, mlp_ratio=4.0, qkv_bias=True, norm_layer=norm)
+            Block(
+                dim,
+                config.num_heads,
+                mlp_ratio=4.0,
+                qkv_bias=True,
+                # timm annotates norm_layer as a class; it only calls it, as it does a partial
+                norm_layer=cast(type[nn.Module], norm),
+            )
             for _ in range(config.depth)
         )
         self.decoder_norm = norm(dim)
@@ -123,6 +134,7 @@ class MAE(nn.Module):
 
     def broadcast_parameters(self) -> list[nn.Parameter]:
         """Parameters this module broadcasts over the batch itself (see ``broadcast_hooks``)."""
+        assert self.encoder.cls_token is not None  # see __init__
         return [p for p in (self.encoder.cls_token, self.mask_token) if p.requires_grad]
 
     def _broadcast(self, param: nn.Parameter, batch: int, tokens: int) -> torch.Tensor:
@@ -135,6 +147,7 @@ class MAE(nn.Module):
         """Per-example reconstruction loss (B,). ``noise`` (B, L) in [0, 1) picks the mask:
         the patches with the smallest noise are kept."""
         enc = self.encoder
+        assert enc.pos_embed is not None and enc.cls_token is not None  # see __init__
         b = images.shape[0]
         x = enc.patch_embed(images) + enc.pos_embed[:, 1:]
         keep = self.num_patches - self.num_masked()
@@ -171,6 +184,7 @@ def freeze_fixed_tokens(encoder: VisionTransformer, spec: EncoderSpec) -> Vision
     """Freeze what the family's reference never trains, as ``create_encoder(mae_init=True)`` does:
     ``pos_embed`` (sin-cos, plus DP-Cap's type embedding) and, in DP-Cap, the random class token.
     A loaded encoder needs it: loading makes every tensor trainable."""
+    assert encoder.pos_embed is not None and encoder.cls_token is not None  # as in MAE
     encoder.pos_embed.requires_grad_(False)
     if spec.family.frozen_tokens:
         encoder.cls_token.requires_grad_(False)

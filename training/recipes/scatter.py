@@ -57,6 +57,9 @@ class ScatterDistiller(nn.Module):
     """An encoder and a linear map from each of its last block's patch tokens to the teacher's
     coefficients at that patch: ``forward(grey)`` returns each example's mean squared error."""
 
+    mean: torch.Tensor  # buffers (register_buffer)
+    std: torch.Tensor
+
     def __init__(self, encoder: VisionTransformer, mean: torch.Tensor, std: torch.Tensor):
         super().__init__()
         self.encoder = encoder

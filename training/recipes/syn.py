@@ -11,12 +11,14 @@ encoder, the MAE decoder (MAE only) and a ledger saying that no private data was
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import (
@@ -35,10 +37,11 @@ from ..dp.pair_clipping import ContrastiveEmbedder, embed, symmetric_infonce
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
 from ..skeleton.distributed import Dist
-from ..skeleton.run import Run
+from ..skeleton.run import Run, Stateful
 from .mae import (
     EVAL_IMAGES,
     EVAL_SEED,
+    MAE,
     DecoderConfig,
     eval_loss,
     freeze_fixed_tokens,
@@ -53,7 +56,7 @@ SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 
 
 class SynConfig(
-    with_adamw(
+    with_adamw(  # type: ignore[misc]  # a base made at run time (with_adamw's AdamW fields)
         RunConfig,
         lr=1.5e-4 * 64 / 256,
         lr_note="MAE's 1.5e-4 per 256 images",
@@ -205,9 +208,10 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     )  # initialisation only; batches, masks and views use their own streams
     pictures = ProceduralPictures(cfg.img_size, seed=run.seed, families=cfg.family_names)
     if cfg.objective == "contrastive":
-        model: torch.nn.Module = ContrastiveEmbedder(
+        embedder = ContrastiveEmbedder(
             freeze_fixed_tokens(create_encoder(spec, mae_init=True), spec), cfg.projection_dim
         )
+        model: torch.nn.Module = embedder
         transform = contrastive_transform(
             cfg.img_size, tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
         )
@@ -216,11 +220,13 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         )
         views = public_views(spec, transform)
         evaluate = lambda: {  # noqa: E731
-            "public_loss": public_loss(model, views, cfg.temperature, dist.device)  # type: ignore[arg-type]
+            "public_loss": public_loss(embedder, views, cfg.temperature, dist.device)
         }
     elif cfg.objective == "scatter":
         encoder = create_encoder(spec, mae_init=True)
-        cfg_mean, cfg_std = encoder.pretrained_cfg["mean"], encoder.pretrained_cfg["std"]
+        # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
+        pretrained_cfg = cast(dict[str, Any], encoder.pretrained_cfg)
+        cfg_mean, cfg_std = pretrained_cfg["mean"], pretrained_cfg["std"]
         model = ScatterDistiller(encoder, torch.tensor(cfg_mean), torch.tensor(cfg_std))
         data = _Views(Augmented(pictures, greyscale_transform(), run.seed), cfg.batch_size, 1)
         greys = public_greys(cfg.img_size)
@@ -232,12 +238,16 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         evaluate = lambda: {"public_loss": eval_loss(model, public, dist.device)}  # noqa: E731
     model.to(dist.device)
     optimizer, scheduler = run.adamw(model)
-    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    objects: dict[str, Stateful] = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     start = run.resume(objects)
 
     batches = (range(s * cfg.batch_size, (s + 1) * cfg.batch_size) for s in range(start, cfg.steps))
     loader = torch.utils.data.DataLoader(
-        data, batch_sampler=batches, num_workers=cfg.workers, pin_memory=dist.device.type == "cuda"
+        data,
+        # typed as lists of indices; any sequence of them works (each indexes the dataset)
+        batch_sampler=batches,  # type: ignore[arg-type]
+        num_workers=cfg.workers,
+        pin_memory=dist.device.type == "cuda",
     )
 
     def loss_of(step: int, images: torch.Tensor) -> torch.Tensor:
@@ -249,11 +259,13 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
         if cfg.objective == "scatter":  # (B, 1, 1, H, W): one greyscale view each
             return model(images[:, 0, 0])
         noise = torch.rand(
-            len(images), model.num_patches, generator=torch_generator(run.seed, MASKING, step)
+            len(images),
+            cast(MAE, model).num_patches,  # the MAE objective's model
+            generator=torch_generator(run.seed, MASKING, step),
         )
         return model(images, noise.to(dist.device))
 
-    def steps():  # type: ignore[no-untyped-def]
+    def steps() -> Iterator[tuple[int, Callable[[], tuple[dict[str, Any], int]]]]:
         for step, images in enumerate(loader, start):
 
             def do(step: int = step, images: torch.Tensor = images) -> tuple[dict, int]:
@@ -286,7 +298,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             "of kymatio's Scattering2D(J=2, L=8) of greyscale images, half of them inverted)"
         )
         curve = "distillation loss (procedural images)"
-        side = min(model.encoder.patch_embed.grid_size)
+        side = min(encoder.patch_embed.grid_size)  # the distiller's encoder
+        assert spec.depth is not None  # EncoderSpec fills it in
         files = {
             "spatial": tuple(
                 dict.fromkeys(SpatialMode((spec.depth,), g).name for g in (side, min(4, side)))
@@ -295,7 +308,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     else:
         what = f"MAE pretraining, mask ratio {cfg.mask_ratio}"
         curve = "MAE training loss (procedural images)"
-        files = {"decoder": model.decoder_state_dict(), "decoder_config": decoder.to_dict()}
+        mae = cast(MAE, model)  # the MAE objective's model
+        files = {"decoder": mae.decoder_state_dict(), "decoder_config": decoder.to_dict()}
     stage = NonPrivateStage(
         name={"mae": "syn-pretrain"}.get(cfg.objective, f"syn-{cfg.objective}"),
         dataset=Dataset(
@@ -312,7 +326,8 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             "; no private data"
         ),
     )
-    encoder = model.encoder
+    # the encoder create_encoder built, whichever objective's model holds it
+    encoder = cast(VisionTransformer, model.encoder)
     return run.export_encoder(
         encoder,
         spec,

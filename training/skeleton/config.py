@@ -197,7 +197,7 @@ def with_adamw(
     ``weight_decay``, betas (0.9, 0.95) as in MAE): the one declaration of its defaults."""
     rule, peak, decay = warmup, lr, weight_decay  # the class body's own names hide the arguments
 
-    class AdamWConfig(base):
+    class AdamWConfig(base):  # type: ignore[misc, valid-type]  # a base given at run time
         lr: float = _lr_field(peak, lr_note)
         warmup_steps: int | None = _warmup_field(rule)
         weight_decay: float = _weight_decay_field(decay)

@@ -16,7 +16,8 @@ def make_adamw(
     """AdamW over the trainable parameters; biases and norm scales (ndim < 2) get no decay,
     as in the reference (timm's ``param_groups_weight_decay``). Fused: one kernel over all
     parameters (on the CPU 21 ms a step for vip-tiny's MAE against 95 ms for the default)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
