@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..models.names import family_archs
@@ -202,6 +202,7 @@ def _import_kwargs(args: argparse.Namespace, delta: Callable[[int], float]) -> d
 
     from ..repo.importer import PRESETS
 
+    stages: Sequence[NonPrivateStage | DPStage]
     if args.preset:
         preset = PRESETS[args.preset]()
         arch, stages, name = preset.arch, preset.stages, preset.model_name

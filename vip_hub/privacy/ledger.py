@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -62,7 +62,7 @@ from .accounting import (
 )
 from .sensitivity import MechanismName
 
-SCHEMA = "vip-hub/privacy-ledger/v4"
+SCHEMA: Final = "vip-hub/privacy-ledger/v4"  # Final: typed as its literal, as schema_ is
 EPSILON_DECIMALS = 6
 _DIGEST = r"^(sha256|tensors-sha256):[0-9a-f]{64}$"
 

@@ -266,7 +266,9 @@ def split_mae_state_dict(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split into (encoder state dict in timm layout, decoder state dict); check every key/shape."""
     expected = {k: v.shape for k, v in _shapes_of(create_encoder, spec).items()}
-    encoder, decoder, unexpected = {}, {}, []
+    encoder: dict[str, torch.Tensor] = {}
+    decoder: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
     for key, value in state.items():
         if _DECODER.match(key):
             decoder[key] = value
@@ -315,14 +317,14 @@ def import_mae_checkpoint(
     model = _loaded(create_encoder, spec, encoder_sd)
     decoder_config = None
     if decoder_sd:
-        arch = spec.architecture
+        architecture = spec.architecture
         depth = len({k.split(".")[1] for k in decoder_sd if k.startswith("decoder_blocks.")})
         embed = decoder_sd.get("decoder_embed.weight")
-        width = embed.shape[0] if embed is not None else arch.decoder_embed_dim
+        width = embed.shape[0] if embed is not None else architecture.decoder_embed_dim
         decoder_config = {
             "embed_dim": int(width),
             "depth": depth,
-            "num_heads": arch.decoder_num_heads,
+            "num_heads": architecture.decoder_num_heads,
             "patch_size": spec.patch_size,
             "in_chans": 3,
         }

@@ -337,6 +337,7 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
 def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None:
     for stage in ledger.dp_stages():
         where = f"stage {stage.name!r}"
+        assert stage.dataset.size is not None  # DPStage's validator requires it
         try:
             expected = sensitivity(stage.mechanism, stage.clipping_norm, stage.mechanism_params)
             terms = stage.mechanism_params.get(ROUNDING_TERMS)
