@@ -55,7 +55,7 @@ from pydantic import ConfigDict, Field
 from vip_hub.errors import MissingInputError, SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.audit import DEFAULT_CANARIES
-from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import is_published, push_repo
 from vip_hub.repo.signing import (
@@ -436,7 +436,7 @@ def _compare(
         ]
         for e in PUBLISHED
     }
-    readers: dict[Path, list[list[Any]]] = {}
+    readers: dict[Path, list[list[DPStage]]] = {}
     for e in PUBLISHED:
         readers.setdefault(origin[e], []).append(stages[e])
     chosen = choose_modes(cfg, readers, splits.selection, private)

@@ -48,8 +48,9 @@ def head_config(
     lr: float | None = None,
 ) -> ProbeConfig:
     """The study's head on ``n`` records of ``dataset`` at ``epsilon`` (``lr`` replaces
-    ``cfg.head_lr``); with ``epsilon`` None the same schedule without DP at SGD 0.1, a
-    non-private reference that is printed by research scripts and never released."""
+    ``cfg.head_lr``; ``public_data`` names the centring records, for its stage's description);
+    with ``epsilon`` None the same schedule without DP at SGD 0.1, a non-private reference that
+    research scripts print and nothing releases."""
     dp = epsilon is not None
     return ProbeConfig(
         encoder="",

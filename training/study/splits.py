@@ -31,6 +31,7 @@ class Splits:
 
     @property
     def classes(self) -> tuple[str, ...]:
+        """The class names, in label order."""
         return self.private.classes
 
 

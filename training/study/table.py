@@ -53,6 +53,7 @@ class ChanceTest:
 
     @property
     def top1(self) -> float:
+        """The share of the records answered right."""
         return self.correct / self.records
 
     @property
