@@ -1,0 +1,337 @@
+"""The study's DP settings tried on a public stand-in (issue 54): the main job's DP stages, or the
+benchmark's DP fine-tuning, run on public test records with the real run's noise, so that a
+setting a release depends on is chosen without any private record.
+
+Only the public test split is read (``fashion_mnist("test")``; the tool never asks for the train
+split, and ``tests/test_standin.py`` runs it with no train split on disk). Its first ``--private``
+records (0-3,999) stand in for the private records, the next ones up to ``--end`` (4,000-4,999)
+score, and the first ``centre_size`` (0-999) centre every DP head, as the study's first selection
+records do: all inside test records 0-4,999, which serve for selection in both presets; the
+scoring records of either preset (5,000-9,999 and 8,000-9,999) are never read.
+
+The real run's noise, reproduced:
+
+- a DP encoder stage (ViP, DP-Cap) keeps the job's expected batch B, steps T and noise multiplier
+  sigma, calibrated at the job's n (q = B / n) to ``--encoder-epsilon``: the same noise on the
+  same averaged gradient, as many steps; on the stand-in q = B / P;
+- a DP head (and the fine-tuning row's probe and fine-tuning) keeps the real q and T and scales
+  sigma by the ratio of the expected batches (``choose_pooling``'s rule), so the noise on its
+  averaged gradient is the real head's, whose epsilon is what the split rule leaves after the
+  encoder's stage at the real n.
+
+The epsilons of the stand-in's stages mean nothing (its records are public); the figures printed
+are top-1 on the stand-in's scoring records, for choosing. The feature mode is fixed
+(``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both priors in
+every run since 2026-11-28); the non-private reference is printed beside (public records).
+
+    python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 1] [--lr-scale 0.25]
+        [--heads 3]
+    python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 3e-5] [--probe-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from utility import FINETUNE
+
+from training.data.labelled import (
+    FASHION_MNIST_TEST,
+    LabelledArrays,
+    class_public_captions,
+    class_vocabulary,
+    fashion_mnist,
+    write_caption_folder,
+    write_image_folder,
+)
+from training.priors import prior_path
+from training.recipes.probe import accuracy, centred_statistics, fit_probe
+from training.study.config import BENCHMARK, JOB, StudyConfig
+from training.study.features import embed
+from training.study.heads import head_config, head_sampling
+from vip_hub.loading import load_encoder
+from vip_hub.privacy.accounting import (
+    Accountant,
+    calibrate,
+    composed_epsilon,
+    epsilon,
+    remaining_epsilon,
+)
+from vip_hub.repo_format import VOCAB_FILE
+
+PRIVATE, END = 4_000, 5_000
+"""Test records 0..PRIVATE-1 stand in for the private records, PRIVATE..END-1 score."""
+MODE = "spatial-b4-g4"
+GaussianRun = tuple[float, float, int]
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """The stand-in's records, all from the public test split."""
+
+    private: LabelledArrays
+    score: LabelledArrays
+    centre: LabelledArrays
+
+
+def standin_records(
+    study: StudyConfig,
+    data: str | None,
+    work: str | os.PathLike[str],
+    private: int = PRIVATE,
+    end: int = END,
+) -> StandIn:
+    """Test records 0..``private``-1 (the stand-in's private records), ``private``..``end``-1
+    (scoring) and the first ``study.centre_size`` (centring): the public test split only."""
+    if not 0 < private < end or study.centre_size > end:
+        raise ValueError(f"records 0-{private - 1} and {private}-{end - 1}: give 0 < P < END")
+    test = fashion_mnist("test", data, work)
+    if end > len(test):
+        raise ValueError(f"--end {end} > the {len(test)} test records")
+    return StandIn(
+        private=test.first(private),
+        score=test.subset(np.arange(private, end), f"test records {private}-{end - 1}"),
+        centre=test.first(study.centre_size),
+    )
+
+
+@dataclass
+class Trial:
+    """One trial's settings, the real run's and the stand-in's (sigma, q, T), and its figures."""
+
+    row: str
+    settings: dict[str, Any]
+    real: dict[str, GaussianRun] = field(default_factory=dict)
+    standin: dict[str, GaussianRun] = field(default_factory=dict)
+    dp_top1: list[float] = field(default_factory=list)
+    reference_top1: float | None = None
+    cpu_s: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return sum(self.dp_top1) / len(self.dp_top1)
+
+
+def encoder_stage(study: StudyConfig, family: str) -> GaussianRun:
+    """The job's DP encoder stage of ``family`` (``vip`` or ``dpcap``) at the real n: (sigma, q,
+    T) at ``study.encoder_epsilon``."""
+    s = study.recipe_settings()[family]
+    q = s["batch_size"] / study.train_size
+    return calibrate(study.encoder_epsilon, study.delta, q, s["steps"]), q, s["steps"]
+
+
+def train_encoder(
+    study: StudyConfig,
+    family: str,
+    sigma: float,
+    records: LabelledArrays,
+    out: Path,
+    steps: int | None = None,
+) -> Path:
+    """``family``'s recipe, on the study's schedule, trained from its committed prior on
+    ``records`` at noise multiplier ``sigma`` (a secret seed, as every DP run)."""
+    from training.recipes.dpcap import DPCapConfig, train_dpcap
+    from training.recipes.vip import VipConfig, train_vip
+
+    s = dict(study.recipe_settings()[family])
+    if steps:
+        s["steps"] = steps
+    common = {
+        "out": str(out),
+        "model_name": out.name,
+        "init": str(prior_path(study.prior(family))),
+        "epsilon": None,
+        "sigma": sigma,
+        "delta": study.delta,
+        "dataset_name": records.dataset.name,
+        "dataset_size": len(records),
+        "device": "cpu",
+        "workers": 0,
+        "seed": None,
+        "restart": True,
+        **s,
+    }
+    root = out.parent / "data"
+    if family == "vip":
+        images = root / f"images-{len(records)}"
+        if not images.exists():
+            write_image_folder(records, images, records.classes)
+        return train_vip(VipConfig(data=str(images), **common))
+    captions = root / f"captions-{len(records)}"
+    if not captions.exists():
+        write_caption_folder(records, captions, records.classes)
+    vocab, public = root / VOCAB_FILE, root / "public-captions.txt"
+    vocab.write_bytes(class_vocabulary(records.classes))
+    public.write_text("\n".join(class_public_captions(records.classes)) + "\n", "utf-8")
+    return train_dpcap(
+        DPCapConfig(data=str(captions), vocab=str(vocab), public_captions=str(public), **common)
+    )
+
+
+def batch_ratio(study: StudyConfig, n: int, real_n: int) -> float:
+    """A study head's expected batch on ``n`` records over its expected batch on ``real_n``."""
+
+    def batch(m: int) -> int:
+        return head_config(study, m, None, dataset=FASHION_MNIST_TEST).batch_size
+
+    return batch(n) / batch(real_n)
+
+
+def matched_head(
+    study: StudyConfig, real_n: int, prior: Sequence[GaussianRun], n: int
+) -> tuple[GaussianRun, GaussianRun]:
+    """A study head's (sigma, q, T) at the real ``real_n`` after the stages ``prior``, and on a
+    stand-in of ``n`` records: the same q and T, sigma scaled by the ratio of expected batches."""
+    q, steps = head_sampling(study, real_n, FASHION_MNIST_TEST)
+    own = remaining_epsilon(study.epsilon, study.delta, list(prior), q, steps, Accountant.RDP)
+    sigma = calibrate(own, study.delta, q, steps)
+    return (sigma, q, steps), (sigma * batch_ratio(study, n, real_n), q, steps)
+
+
+def heads_trial(
+    study: StudyConfig,
+    row: str,
+    settings: dict[str, Any],
+    recs: StandIn,
+    work: Path,
+    heads: int = 3,
+    mode: str = MODE,
+    steps: int | None = None,
+) -> Trial:
+    """``row`` (``syn``: the committed prior; ``vip``, ``dpcap``: its DP stage on the stand-in at
+    the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise, and a
+    non-private reference; top-1 on the stand-in's scoring records."""
+    began = time.process_time()
+    t = Trial(row, settings)
+    prior: list[GaussianRun] = []
+    if row == "syn":
+        repo = prior_path(study.syn_prior)
+    else:
+        sigma, q, steps_real = encoder_stage(study, row)
+        prior = [(sigma, q, steps_real)]
+        t.real["encoder"] = prior[0]
+        t.standin["encoder"] = (sigma, study.dp_batch_size / len(recs.private), steps_real)
+        tag = "-".join(f"{k}{v:g}" for k, v in settings.items())
+        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}", steps)
+    encoder = load_encoder(repo)
+    x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
+    y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
+    t.real["head"], t.standin["head"] = matched_head(study, study.train_size, prior, len(y))
+    sigma_h, q_h, steps_h = t.standin["head"]
+    eps = epsilon(sigma_h, q_h, steps_h, study.delta)
+    cfg = head_config(study, len(y), eps, dataset=recs.private.dataset.name)
+    for _ in range(heads):
+        head, _ = fit_probe(x, y, len(recs.private.classes), cfg, centred_statistics(xc))
+        t.dp_top1.append(100 * accuracy(head, xs, ys))
+    ref_cfg = head_config(study, len(y), None, dataset=recs.private.dataset.name)
+    ref, _ = fit_probe(x, y, len(recs.private.classes), ref_cfg, desc="reference")
+    t.reference_top1 = 100 * accuracy(ref, xs, ys)
+    t.cpu_s = time.process_time() - began
+    return t
+
+
+def finetune_trial(
+    study: StudyConfig,
+    settings: dict[str, Any],
+    recs: StandIn,
+    work: Path,
+    probe_only: bool = False,
+) -> Trial:
+    """The benchmark's DP fine-tuning row (``FINETUNE`` with ``settings`` replacing its fields)
+    on the stand-in: the DP probe at ``probe_epsilon`` alone and the fine-tuning the split leaves
+    at the benchmark's n, every sigma scaled by the ratio of expected batches; or
+    (``probe_only``) a DP probe alone at the whole epsilon."""
+    from training.recipes.finetune import finetune_arrays
+
+    began = time.process_time()
+    s = {**FINETUNE, **settings}
+    n, real_n = len(recs.private), study.train_size
+    init = prior_path(study.syn_prior)
+    if probe_only:
+        t = heads_trial(study, "syn", {"probe_only": 1}, recs, work, heads=3)
+        t.row = "finetune"
+        return t
+    t = Trial("finetune", settings)
+    probe_epsilon, steps = s.pop("probe_epsilon"), s["steps"]
+    q, t_p = head_sampling(study, real_n, FASHION_MNIST_TEST)
+    s_p = calibrate(probe_epsilon, study.delta, q, t_p)
+    own = remaining_epsilon(study.epsilon, study.delta, [(s_p, q, t_p)], q, steps)
+    s_f = calibrate(own, study.delta, q, steps)
+    r = batch_ratio(study, n, real_n)
+    t.real = {"probe": (s_p, q, t_p), "finetune": (s_f, q, steps)}
+    t.standin = {"probe": (s_p * r, q, t_p), "finetune": (s_f * r, q, steps)}
+    batch = head_config(study, n, None, dataset=recs.private.dataset.name).batch_size
+    tag = "-".join(f"{k}{v:g}" for k, v in settings.items())
+    run = finetune_arrays(
+        init,
+        recs.private,
+        recs.score,
+        work / f"finetune-{tag}",
+        public=recs.centre,
+        epsilon=composed_epsilon(list(t.standin.values()), study.delta),
+        delta=study.delta,
+        batch_size=batch,
+        pooling=MODE,
+        probe_epsilon=epsilon(*t.standin["probe"], study.delta),
+        probe_epochs=study.probe_epochs,
+        probe_batch_size=batch,
+        probe_lr=study.head_lr,
+        probe_max_grad_norm=study.head_clip,
+        device="cpu",
+        workers=0,
+        **s,
+    )
+    t.dp_top1 = [100 * run.top1]
+    t.cpu_s = time.process_time() - began
+    return t
+
+
+def main(argv: Sequence[str] | None = None) -> Trial:
+    """Command line: run one trial, print it (and append it to ``--json``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("row", choices=("syn", "vip", "dpcap", "finetune"))
+    p.add_argument("--encoder-epsilon", type=float, default=JOB.encoder_epsilon)
+    p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
+    p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
+    p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
+    p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
+    p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
+    p.add_argument("--private", type=int, default=PRIVATE, help="stand-in private records")
+    p.add_argument("--end", type=int, default=END, help="scoring records end here")
+    p.add_argument("--mode", default=MODE, help="the feature mode the heads read")
+    p.add_argument("--steps", type=int, default=None, help="encoder steps (tests only)")
+    p.add_argument("--data", default=None, help="Fashion-MNIST folder (default: the package)")
+    p.add_argument("--work", default="var/standin")
+    p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
+    a = p.parse_args(argv)
+    work = Path(a.work)
+    if a.row == "finetune":
+        study = BENCHMARK
+        recs = standin_records(study, a.data, work, a.private, a.end)
+        settings = {"probe_epsilon": a.probe_epsilon, "lr": a.lr}
+        t = finetune_trial(study, settings, recs, work, a.probe_only)
+    else:
+        study = JOB.model_copy(
+            update={"encoder_epsilon": a.encoder_epsilon, "dp_lr_scale": a.lr_scale}
+        )
+        recs = standin_records(study, a.data, work, a.private, a.end)
+        settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
+        t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, a.steps)
+    print(json.dumps({**asdict(t), "mean": t.mean}))
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps({**asdict(t), "mean": t.mean}) + "\n")
+    return t
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Settings chosen on public data only (issue 54, point 1), structurally:
+
+- ``benchmarks/standin.py``, the tool that tries the study's DP settings on a public stand-in,
+  reads the public test split alone (a spy on its data loader, and no training split on disk), and
+  reproduces the real run's noise: the DP encoder stage at the real run's noise multiplier, the
+  heads with the real head's noise on their averaged gradient;
+- the study's feature-mode choice (``training.study.selection.choose_modes``) is given the
+  private records but reads nothing of them but their number and declared name: a spy that
+  refuses every other attribute stands in for them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import write_idx
+
+from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
+from training.priors import prior_path
+from training.study.config import JOB, StudyConfig
+from training.study.selection import choose_modes
+from vip_hub.privacy.accounting import composed_epsilon
+from vip_hub.privacy.ledger import Dataset, PrivacyLedger
+from vip_hub.repo_format import LEDGER_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_load("utility")  # standin reads the fine-tuning row's settings from it
+standin = _load("standin")
+
+PRIVATE, END = 40, 60
+"""The tiny stand-in: test records 0-39 play the private records, 40-59 score."""
+TINY = StudyConfig(
+    **{
+        **JOB.model_dump(),
+        "train_size": 200,
+        "centre_size": 10,
+        "select_size": 20,
+        "test_size": 20,
+        "probe_epochs": 2,
+        "dp_batch_size": 8,
+        "dp_steps": 2,
+        "dp_micro_batch_size": 8,
+        "decoder_dim": 32,
+        "decoder_depth": 1,
+        "decoder_heads": 2,
+    }
+)
+"""The job's study at a tiny scale: its real run has 200 private records, 2-step encoders and
+2-epoch heads."""
+
+
+@pytest.fixture(scope="module")
+def public_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Fashion-MNIST folder with the test split only: reading the train split fails."""
+    folder = tmp_path_factory.mktemp("fmnist-test-only")
+    write_idx(folder, "t10k", END + 20, 3)
+    return folder
+
+
+def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    def spy(split: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append(split)
+        return fashion_mnist(split, *args, **kwargs)
+
+    monkeypatch.setattr(standin, "fashion_mnist", spy)
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    assert asked == ["test"]
+    assert recs.private.dataset.name == recs.score.dataset.name == FASHION_MNIST_TEST
+    assert (len(recs.private), len(recs.score), len(recs.centre)) == (40, 20, 10)
+    with pytest.raises(Exception, match="t10k|train"):
+        fashion_mnist("train", public_only)  # nothing private on disk to read
+
+    t = standin.heads_trial(TINY, "vip", {"E": 1.0}, recs, tmp_path / "work", heads=1)
+    assert asked == ["test"]
+    # the stand-in's DP stage: the real run's sigma and steps at the real batch, on public data
+    sigma, q, steps = standin.encoder_stage(TINY, "vip")
+    assert q == TINY.dp_batch_size / TINY.train_size and steps == TINY.dp_steps
+    assert t.real["encoder"] == (sigma, q, steps)
+    repo = next((tmp_path / "work").glob("vip-*/" + LEDGER_FILE)).parent
+    stages = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
+    assert [(s.dataset.name, s.dataset.size) for s in stages] == [(FASHION_MNIST_TEST, PRIVATE)]
+    assert stages[0].noise_multiplier == pytest.approx(sigma)
+    assert stages[0].sample_rate == pytest.approx(TINY.dp_batch_size / PRIVATE)
+    assert stages[0].steps == steps
+    # the heads: the real head composes with the encoder to the budget; the stand-in's keeps q
+    # and T, its sigma scaled by the ratio of expected batches (the same noise on the average)
+    real_head, standin_head = t.real["head"], t.standin["head"]
+    assert composed_epsilon([t.real["encoder"], real_head], TINY.delta) == pytest.approx(
+        TINY.epsilon, abs=0.01
+    )
+    assert standin_head[1:] == real_head[1:]
+    ratio = -(-PRIVATE // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
+    assert standin_head[0] == pytest.approx(real_head[0] * ratio)
+    assert len(t.dp_top1) == 1 and 0 <= t.dp_top1[0] <= 100
+
+
+class PrivateSpy:
+    """Private records that give their number, declared name and class names (public), and
+    refuse anything else: their images and labels."""
+
+    def __init__(self, n: int, classes: tuple[str, ...]):
+        self.n, self.classes = n, classes
+        self.dataset = Dataset(name=FASHION_MNIST_TRAIN, size=n, description="private")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the choice read the private records' {name}")
+
+
+def test_the_feature_mode_choice_reads_no_private_record(public_only: Path) -> None:
+    selection = fashion_mnist("test", public_only).first(20)
+    prior = prior_path(TINY.syn_prior)
+    private = PrivateSpy(TINY.train_size, selection.classes)
+    chosen = choose_modes(TINY, {prior: [[]]}, selection, private)  # type: ignore[arg-type]
+    assert chosen[prior].mode in chosen[prior].scores
+    with pytest.raises(AssertionError, match="images"):
+        private.images  # noqa: B018 (the spy refuses what the choice must not read)
