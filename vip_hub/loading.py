@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import timm
 import torch
@@ -106,6 +106,22 @@ class Encoder:
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """Apply the model's pretrained_cfg transform to PIL images, as a batch."""
         return torch.stack([self.transform(img.convert("RGB")) for img in images])
+
+    @overload
+    def embed(
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        pooling: Pooling = "avg",
+        batch_size: int = 64,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def embed(
+        self,
+        images: Sequence[Image.Image] | torch.Tensor,
+        pooling: tuple[Pooling, ...],
+        batch_size: int = 64,
+    ) -> dict[Pooling, torch.Tensor]: ...
 
     @torch.inference_mode()
     def embed(

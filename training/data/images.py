@@ -64,6 +64,9 @@ class PrivateImages(torch.utils.data.Dataset):
 
     name: str
 
+    def __len__(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
     def load(self, index: int) -> Image.Image:  # pragma: no cover - interface
         raise NotImplementedError
 

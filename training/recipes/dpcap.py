@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,8 @@ PUBLIC_CAPTIONS = (
 
 
 class DPCapConfig(
-    with_adamw(DPRunConfig, lr=5.12e-4, warmup=two_fifths_of_steps, weight_decay=0.05)
+    # a base made at run time (with_adamw's AdamW fields), which mypy takes as Any
+    with_adamw(DPRunConfig, lr=5.12e-4, warmup=two_fifths_of_steps, weight_decay=0.05)  # type: ignore[misc]
 ):
     """A DP-Cap run: DP-AdamW on the caption loss. Defaults follow the DP-Cap paper (C = 1, AdamW
     (0.9, 0.95), weight decay 0.05, lr 5.12e-4, 40 % warm-up, cosine over twice the run), with a
@@ -132,7 +134,9 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     horizon = cfg.decay_steps or 2 * cfg.steps
     engine = run.engine(model, horizon=horizon)
 
-    mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
+    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
+    pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
+    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
     augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +231,7 @@ def _public_captions(path: str | None) -> Sequence[str]:
 
 
 def _trimmed(
-    micro: Iterable[tuple[torch.Tensor, torch.Tensor]], pad_id: int
+    micro: Iterable[tuple[torch.Tensor, ...]], pad_id: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batches with the trailing text columns that are padding in every row cut off: the
     loss and the gradients are those of the full width (padding is ignored, attention is

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,9 @@ FinetunePooling = Literal["avg", "cls", "vip"]
 
 
 class FinetuneConfig(
-    HeadData, with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)
+    HeadData,
+    # a base made at run time (with_adamw's AdamW fields), which mypy takes as Any
+    with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05),  # type: ignore[misc]
 ):
     """A DP fine-tuning run: cross-entropy on labels, DP-AdamW on the top blocks and a head; the
     test folder's loss is also the card's curve."""
@@ -200,14 +202,18 @@ class Classifier(nn.Module):
         """What the frozen blocks give for a preprocessed batch: the tokens entering the first
         trained block (b, tokens, width), and the patch-token means of the frozen blocks the
         feature mode reads (b, m, width; m = 0 but for ``vip`` with fewer than 6 trained)."""
-        outputs = self.encoder.forward_intermediates(
-            images,
-            indices=self.indices,
-            norm=False,
-            output_fmt="NLC",
-            return_prefix_tokens=True,
-            intermediates_only=True,
-            stop_early=True,
+        # intermediates_only with return_prefix_tokens: a list of (patch tokens, prefix tokens)
+        outputs = cast(
+            list[tuple[torch.Tensor, torch.Tensor]],
+            self.encoder.forward_intermediates(
+                images,
+                indices=self.indices,
+                norm=False,
+                output_fmt="NLC",
+                return_prefix_tokens=True,
+                intermediates_only=True,
+                stop_early=True,
+            ),
         )
         spatial, prefix = outputs[-1]
         means = [s.mean(dim=1) for s, _ in outputs[: len(self.read)]]
@@ -352,7 +358,8 @@ def classifier(
         if token is not None and not init.spec.family.frozen_tokens:
             token.requires_grad_(True)
     else:
-        model = Classifier(encoder, head, pooling, trainable_blocks)  # type: ignore[arg-type]
+        # pooling: avg, cls or vip (checked above)
+        model = Classifier(encoder, head, cast(FinetunePooling, pooling), trainable_blocks)
         trained = list(encoder.blocks[depth - trainable_blocks :])
     if reads_norm:
         trained.append(final_norm(encoder))
@@ -423,6 +430,7 @@ def _probe_plan(cfg: FinetuneConfig, n: int) -> tuple[float, float, int] | None:
         return None
     probe = cfg.probe_config(n)
     q, steps = dp_head_sampling(n, probe)
+    assert probe.epsilon is not None and probe.delta is not None  # probe_config sets both
     return calibrate(probe.epsilon, probe.delta, q, steps, probe.accountant), q, steps
 
 
@@ -470,6 +478,7 @@ def _probe(
     if (dp["sigma"], dp["sample_rate"], dp["steps"]) != _probe_plan(cfg, n):
         raise RuntimeError(f"the probe ran {dp}, not the plan the fine-tuning was calibrated to")
     stage = probe_stage(probe, train.dataset, dp, fine_tuned=True)
+    assert isinstance(stage, DPStage)  # the probe ran with DP (dp is not empty)
     shape = (head.linear.in_features, head.linear.out_features)
     torch.save({"head": head.state_dict(), "shape": shape, "stage": stage.model_dump_json()}, saved)
     return head, stage
@@ -645,7 +654,8 @@ def finetune_arrays(
     repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields (a run starts over
     unless ``restart=False``)."""
     work = Path(work)
-    cfg = FinetuneConfig(
+    # the run's fields (out, epsilon, ...) come from with_adamw's base, which mypy does not see
+    cfg = FinetuneConfig(  # type: ignore[call-arg]
         init=str(init),
         data=str(write_image_folder(train, work / "train", train.classes)),
         test_data=str(write_image_folder(test, work / "test", test.classes)),

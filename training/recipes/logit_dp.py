@@ -21,9 +21,11 @@ from __future__ import annotations
 import enum
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from pydantic import Field, field_validator
+from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub.errors import ConfigError
 from vip_hub.loading import load_encoder
@@ -74,7 +76,10 @@ every pair (every batch) is clipped and AdamW sees normalised directions
 (docs/guides/train-logit-dp.md)."""
 
 
-class LogitDPConfig(with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05)):
+class LogitDPConfig(
+    # a base made at run time (with_adamw's AdamW fields), which mypy takes as Any
+    with_adamw(DPRunConfig, lr=1e-3, warmup=tenth_of_steps, weight_decay=0.05),  # type: ignore[misc]
+):
     """A Logit-DP (or Naive-DP) run: symmetric InfoNCE on two views per image, DP-AdamW."""
 
     init: str = Field(
@@ -159,7 +164,7 @@ def skip_cap(clip: float, temperature: float, batch_size: int, max_batch: int | 
 
 
 def contrastive_model(
-    encoder: torch.nn.Module,
+    encoder: VisionTransformer,
     spec: EncoderSpec,
     trainable_blocks: int,
     dim: int,
@@ -204,14 +209,17 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         init.model.train(), spec, cfg.trainable_blocks, cfg.projection_dim, cfg.projection_hidden
     ).to(dist.device)
     clipper = (
-        PairClipper(model, clip, cfg.temperature, params.get("max_batch"))  # type: ignore[arg-type]
+        # params holds skip_cap's int under max_batch, when it caps the batch
+        PairClipper(model, clip, cfg.temperature, cast("int | None", params.get("max_batch")))
         if mechanism is ContrastiveMechanism.LOGIT_DP
         else BatchClipper(model, clip, cfg.temperature)
     )
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
     engine = run.engine(model, clipper)
 
-    mean, std = init.model.pretrained_cfg["mean"], init.model.pretrained_cfg["std"]
+    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
+    pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
+    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
     augmented = Augmented(images, transform, run.seed)
 
@@ -227,7 +235,8 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         evaluate=lambda: {"public_loss": public_loss(model, public, cfg.temperature, dist.device)},
     )
 
-    name, depth, k = mechanism.ledger_name, len(model.encoder.blocks), cfg.trainable_blocks
+    encoder = cast(VisionTransformer, model.encoder)  # contrastive_model's: init's ViT
+    name, depth, k = mechanism.ledger_name, len(encoder.blocks), cfg.trainable_blocks
     trained = sum(p.numel() for p in clipper.params)
     frozen = (
         "nothing (the fixed position embedding aside)"
@@ -240,12 +249,12 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
         if mechanism is ContrastiveMechanism.LOGIT_DP
         else f"the whole-batch gradient clipped to C = {clip:g}"
     )
-    hidden = cfg.projection_hidden or model.encoder.num_features
+    hidden = cfg.projection_hidden or encoder.num_features
     return run.export_dp(
-        model.encoder,
+        encoder,
         spec,
         init,
-        released={WEIGHTS_FILE: model.encoder, NOT_RELEASED: model},  # the projection head's
+        released={WEIGHTS_FILE: encoder, NOT_RELEASED: model},  # the projection head's
         records=records,
         curve_label="contrastive loss on public procedural images",
         dataset_description=f"{n} images; contrastive training with {name}",

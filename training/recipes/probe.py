@@ -36,7 +36,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -339,6 +339,7 @@ def _fit_dp(
     delta = cfg.delta if cfg.delta is not None else default_delta(n)
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
+    assert cfg.epsilon is not None  # fit_probe calls this for a DP head only
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
     # The engine refuses a step whose sample holds more than the b the allowance covers.
     clipper = PerExampleClipper(DPHeadLoss(head.linear), cfg.max_grad_norm)
@@ -378,6 +379,16 @@ def _fit_dp(
         "sensitivity": engine.sensitivity,
         "mechanism_params": params,
     }
+
+
+@overload
+def public_features(encoder: Encoder, pooling: Pooling) -> torch.Tensor: ...
+
+
+@overload
+def public_features(
+    encoder: Encoder, pooling: tuple[Pooling, ...]
+) -> dict[Pooling, torch.Tensor]: ...
 
 
 def public_features(
@@ -466,6 +477,8 @@ def load_public_images(path: str | os.PathLike[str]) -> list[Image.Image]:
 def fix_normalisation(head: LinearProbe, public_x: torch.Tensor) -> None:
     """Fix ``head``'s BatchNorm to the statistics of ``public_x`` (eval mode: it then reads no
     statistic across examples, and its input's privacy rests on the features alone)."""
+    # optional in BatchNorm (without running statistics); a LinearProbe's norm keeps them
+    assert head.norm.running_mean is not None and head.norm.running_var is not None
     with torch.no_grad():
         head.norm.running_mean.copy_(public_x.mean(0))
         head.norm.running_var.copy_(public_x.var(0, unbiased=False))
@@ -644,5 +657,5 @@ def _export(
             public_top1,
             f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
         )
-    save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)  # type: ignore[arg-type]
+    save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)
     return out

@@ -56,7 +56,8 @@ SYNTHETIC_DATASET = "vip-hub-procedural-v1"
 
 
 class SynConfig(
-    with_adamw(  # type: ignore[misc]  # a base made at run time (with_adamw's AdamW fields)
+    # a base made at run time (with_adamw's AdamW fields), which mypy takes as Any
+    with_adamw(  # type: ignore[misc]
         RunConfig,
         lr=1.5e-4 * 64 / 256,
         lr_note="MAE's 1.5e-4 per 256 images",

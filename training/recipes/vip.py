@@ -12,6 +12,7 @@ Run it with ``vip-hub train-vip ...`` or, on several processes or GPUs,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from pydantic import Field
@@ -30,7 +31,8 @@ __all__ = ["RECIPE", "VipConfig", "train_vip"]
 
 
 class VipConfig(
-    with_adamw(DPRunConfig, lr=3.84e-4, warmup=tenth_of_steps_to_1000, weight_decay=0.005)
+    # a base made at run time (with_adamw's AdamW fields), which mypy takes as Any
+    with_adamw(DPRunConfig, lr=3.84e-4, warmup=tenth_of_steps_to_1000, weight_decay=0.005)  # type: ignore[misc]
 ):
     """A ViP run: DP-AdamW on the MAE loss. Defaults follow the ViP paper, App. A.2."""
 
@@ -63,7 +65,9 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     spec = init.spec
     mae.to(dist.device)
     engine = run.engine(mae)
-    mean, std = mae.encoder.pretrained_cfg["mean"], mae.encoder.pretrained_cfg["std"]
+    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
+    pretrained_cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
+    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
     augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
