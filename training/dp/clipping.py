@@ -124,17 +124,17 @@ class ClippedSum:
         """Whether nothing was added since the last ``take``."""
         return not self._shares
 
-    def take(self) -> torch.Tensor:
-        """The flat fp64 sum (zeros where nothing was added); the next ``add`` starts anew."""
+    def take(self, *tail: torch.Tensor) -> torch.Tensor:
+        """The flat fp64 sum (zeros where nothing was added), followed by ``tail``'s fp64
+        tensors (the engine's canary block and statistics: one buffer, one copy); the next
+        ``add`` starts anew."""
         shares, self._shares = self._shares, {}
-        device = self.params[0].device
         return torch.cat(
             [
-                shares[i]
-                if i in shares
-                else torch.zeros(p.numel(), dtype=torch.float64, device=device)
+                shares[i] if i in shares else p.new_zeros(p.numel(), dtype=torch.float64)
                 for i, p in enumerate(self.params)
             ]
+            + [t.reshape(-1) for t in tail]
         )
 
 
@@ -227,7 +227,7 @@ def product_sum(
             "sum's proof covers"
         )
     per = max(1, rows // t)
-    total = torch.zeros(g.shape[2], a.shape[2], dtype=torch.float64, device=a.device)
+    total: torch.Tensor | None = None
     for lo in range(0, b, per):
         a64, g64 = a[lo : lo + per].double(), g[lo : lo + per].double()
         s = scale[lo : lo + per].to(torch.float64)[:, None, None]
@@ -235,7 +235,9 @@ def product_sum(
             a64 = a64 * s
         else:
             g64 = g64 * s
-        total += g64.reshape(-1, g64.shape[2]).T @ a64.reshape(-1, a64.shape[2])
+        product = g64.reshape(-1, g64.shape[2]).T @ a64.reshape(-1, a64.shape[2])
+        total = product if total is None else total.add_(product)
+    assert total is not None  # b >= 1
     return total
 
 
@@ -283,6 +285,11 @@ def rule_layers(model: nn.Module, check: Callable[[nn.Module], None]) -> list[nn
     if missing:
         raise UnsupportedLayerError(f"no clipping rule covers parameters {', '.join(missing)}")
     return layers
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16/fp16 values converted exactly)."""
+    return x if x.dtype in _PARAM_DTYPES else x.float()
 
 
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
@@ -339,9 +346,10 @@ class LayerClipper:
         self.layers = rule_layers(model, self._check_supported)
         self.sum = ClippedSum(self.params)
 
-    def take_sum(self) -> torch.Tensor:
-        """The clipped sum added since the last call: flat, fp64, over ``params`` in order."""
-        return self.sum.take()
+    def take_sum(self, *tail: torch.Tensor) -> torch.Tensor:
+        """The clipped sum added since the last call: flat, fp64, over ``params`` in order, then
+        ``tail`` (``ClippedSum.take``)."""
+        return self.sum.take(*tail)
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
@@ -501,22 +509,25 @@ class PerExampleClipper(LayerClipper):
 
 def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tensor) -> _Part:
     """Layer ``m``'s per-example gradient (see ``_Part``) and the upper bounds on its squared
-    norms, from its input ``a_in`` and its output's gradient ``g``, in fp64."""
+    norms, from its input ``a_in`` and its output's gradient ``g``. A per-example tensor is
+    formed in at least fp32 from the operands (its own rounding is part of it: the norm is taken
+    from exactly its values), then held in fp64."""
     if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
-        pe = _tokens(g).double().sum(1)
+        pe = _fp32(_tokens(g)).sum(1).double()
         return _Part([(m, pe)], _sq(pe))
     if isinstance(m, nn.Embedding):
         return _embedding_part(m, a_in, g)
-    # Tokens (b, T, features) in the tensors' own dtype; all arithmetic in fp64.
+    # Tokens (b, T, features) in the tensors' own dtype.
     g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
-    gt = g_tok.double()
-    small = [(m.bias, gt.sum(1))] if m.bias is not None and m.bias.requires_grad else []
+    gt = _fp32(g_tok)
+    bias = m.bias is not None and m.bias.requires_grad
+    small = [(m.bias, gt.sum(1).double())] if bias else []
     if isinstance(m, nn.LayerNorm):
         if m.weight.requires_grad:
-            xhat = _tokens(F.layer_norm(a_in.double(), m.normalized_shape, eps=m.eps))
-            small.append((m.weight, xhat.mul_(gt).sum(1)))
+            xhat = _tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps))
+            small.append((m.weight, xhat.mul_(gt).sum(1).double()))
         return _Part(small, sum(_sq(pe) for _, pe in small))
-    sq = sum((_sq(pe) for _, pe in small), torch.zeros(g.shape[0], device=g.device, dtype=gt.dtype))
+    sq = sum((_sq(pe) for _, pe in small), g.new_zeros(g.shape[0], dtype=torch.float64))
     if not m.weight.requires_grad:  # a frozen weight: only its bias is trained
         return _Part(small, sq)
     if isinstance(m, nn.Conv2d):
@@ -524,7 +535,7 @@ def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tenso
     a_tok = _tokens(a_in)
     b, t, i, o = *a_tok.shape, gt.shape[2]
     if _materialise(b, t, i, o):
-        pe = torch.bmm(gt.mT, a_tok.double())
+        pe = torch.bmm(gt.mT, _fp32(a_tok).to(gt.dtype)).double()
         small.append((m.weight, pe))
         return _Part(small, sq + _sq(pe))
     ghost, cross = ghost_bounds(a_tok, g_tok)
@@ -585,13 +596,13 @@ def _embedding_part(m: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> _Par
     so its nonzero rows are the sums of ``g`` over equal ids within the example, formed in fp64
     (a materialised per-example tensor, O(T d), never a table per example). Kept: those rows and
     their keys ``example * vocab + id``; the clipped sum scatter-adds the scaled rows in fp64."""
-    gt = _tokens(g).double()
+    gt = _fp32(_tokens(g))
     b, d = gt.shape[0], gt.shape[2]
     ids = ids.reshape(b, -1)
     if m.padding_idx is not None:  # no gradient reaches the padding row
         gt = gt * (ids != m.padding_idx)[..., None]
     example = torch.arange(b, device=ids.device)[:, None]
     keys, where = torch.unique(example * m.num_embeddings + ids, return_inverse=True)
-    rows = gt.new_zeros(len(keys), d).index_add_(0, where.flatten(), gt.reshape(-1, d))
-    sq = gt.new_zeros(b).index_add_(0, keys // m.num_embeddings, rows.square().sum(1))
+    rows = gt.new_zeros(len(keys), d).index_add_(0, where.flatten(), gt.reshape(-1, d)).double()
+    sq = rows.new_zeros(b).index_add_(0, keys // m.num_embeddings, rows.square().sum(1))
     return _Part([], upper_sq(sq, ids.shape[1] * d), None, m, keys, rows)

@@ -87,7 +87,7 @@ class Clipper(Protocol):
 
     def accumulate(self, *inputs: torch.Tensor) -> ClipResult: ...
 
-    def take_sum(self) -> torch.Tensor: ...
+    def take_sum(self, *tail: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -456,14 +456,11 @@ class DPEngine:
         once); noise goes on all but ``stats``, in fp64; the gradients handed to the optimiser
         are that sum divided by B, each rounded once to its parameter's dtype."""
         device = self.params[0].device
-        blocks = [self.clipper.take_sum()]
-        if self.canaries is not None:
-            blocks.append(
-                self.canaries.clipped_sum(self._draw(step)[1], device)
-            )  # the sampler's draw, again
-        blocks.append(stats.to(device=device, dtype=torch.float64))
-        buffer = torch.cat(blocks)
-        del blocks
+        tail = [stats.to(device=device, dtype=torch.float64)]
+        if self.canaries is not None:  # the sampler's draw, again
+            tail.insert(0, self.canaries.clipped_sum(self._draw(step)[1], device))
+        buffer = self.clipper.take_sum(*tail)
+        del tail
         flat = buffer[: -len(stats)]
         self.dist.all_reduce_sum(buffer)
         # After the all-reduce, every rank adds the same keyed noise to the same sum: the noisy

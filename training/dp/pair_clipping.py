@@ -657,9 +657,10 @@ class BatchClipper:
         self.params = trainable(model)
         self.sum = ClippedSum(self.params)
 
-    def take_sum(self) -> torch.Tensor:
-        """The clipped sum of the last call: flat, fp64, over ``params`` in order."""
-        return self.sum.take()
+    def take_sum(self, *tail: torch.Tensor) -> torch.Tensor:
+        """The clipped sum of the last call: flat, fp64, over ``params`` in order, then
+        ``tail`` (``ClippedSum.take``)."""
+        return self.sum.take(*tail)
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         """Add the clipped whole-batch gradient of this batch into the sum."""
