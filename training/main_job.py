@@ -46,8 +46,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ConfigDict, Field
@@ -88,6 +89,9 @@ from .data.labelled import (
 from .study.config import StudyConfig, stamp
 from .study.splits import study_splits
 from .study.table import Row
+
+if TYPE_CHECKING:
+    from .skeleton.config import RunConfig
 
 __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
@@ -249,7 +253,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             f"{what}: the prior {prior} (procedural images only, no private data)",
             {"prior": _weights_digest(source)},
             [out],
-            lambda s=source, o=out: _copy_repo(s, o),
+            partial(_copy_repo, source, out),
         )
 
     # The DP runs draw a secret seed (kept in their run folders for resume): with a published
@@ -264,7 +268,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
         "seed": None,
     }
     schedule = cfg.recipe_settings()
-    runs = [
+    runs: list[tuple[_Encoder, Path, Callable[[Any], Path], RunConfig]] = [
         (
             VIP,
             folder[SYN_VIP],
@@ -310,7 +314,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             f"{encoder.label} on {FASHION_MNIST_TRAIN} at epsilon {cfg.encoder_epsilon:g}",
             {**config.model_dump(mode="json"), "init": _weights_digest(init)},
             [folder[encoder]],
-            lambda f=fn, c=config: f(c),
+            partial(fn, config),
         )
 
     # Each published encoder's (Syn) encoder: the one it was trained from (itself for (Syn)-ViP),
@@ -337,6 +341,13 @@ def run_main_job(cfg: MainJobConfig) -> int:
         endpoint = f"http://{cfg.host}:{cfg.port}"
         for e in PUBLISHED:
             repo = folder[e]
+
+            def publish(r: Path = repo, i: str = e.repo_id) -> None:
+                print("    commit", push_repo(r, i, endpoint=endpoint, token=token))
+
+            def fresh(r: Path = repo, i: str = e.repo_id) -> bool:
+                return is_published(r, i, endpoint=endpoint, token=token)
+
             steps.run(
                 f"publish {e.repo_id}",
                 {
@@ -345,12 +356,8 @@ def run_main_job(cfg: MainJobConfig) -> int:
                     "signature": _file_digest(repo / SIGNATURE_FILE),
                 },
                 [],
-                lambda r=repo, i=e.repo_id: print(
-                    "    commit", push_repo(r, i, endpoint=endpoint, token=token)
-                ),
-                fresh=lambda r=repo, i=e.repo_id: is_published(
-                    r, i, endpoint=endpoint, token=token
-                ),
+                publish,
+                fresh=fresh,
             )
         _print_summary(cfg, json.loads(comparison.read_text()), time.monotonic() - began)
         _print_usage(endpoint, test)

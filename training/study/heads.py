@@ -98,4 +98,6 @@ def dp_head(
     eps = head_epsilon(cfg, prior, q, steps)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
     head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), desc=f"head {name}")
-    return DPHead(head, config, probe_stage(config, data, dp))
+    stage = probe_stage(config, data, dp)
+    assert isinstance(stage, DPStage)  # the head ran with DP: its config has an epsilon
+    return DPHead(head, config, stage)
