@@ -131,6 +131,76 @@ def raw_commit(
     )
 
 
+def lfs_lines(path: str, data: bytes, summary: str = "lfs") -> bytes:
+    """A commit body (NDJSON) that adds ``path`` as the LFS object of content ``data``."""
+    lines = [
+        {"key": "header", "value": {"summary": summary, "description": ""}},
+        {
+            "key": "lfsFile",
+            "value": {
+                "path": path,
+                "algo": "sha256",
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+            },
+        },
+    ]
+    return "\n".join(map(json.dumps, lines)).encode()
+
+
+def lfs_commit(
+    url: str, repo: str, path: str, data: bytes, token: str = WRITE_TOKEN
+) -> httpx.Response:
+    """Commit ``path`` to ``repo``'s main as the uploaded LFS object of content ``data``."""
+    return httpx.post(
+        f"{url}/api/models/{repo}/commit/main",
+        content=lfs_lines(path, data, f"add {path}"),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-ndjson"},
+        timeout=60,
+    )
+
+
+def lfs_batch(url: str, repo: str, data: bytes, token: str = WRITE_TOKEN) -> dict:
+    """The LFS batch reply's entry for one object of content ``data``."""
+    reply = httpx.post(
+        f"{url}/{repo}.git/info/lfs/objects/batch",
+        json={
+            "operation": "upload",
+            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
+        },
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["objects"][0]
+
+
+def lfs_part_urls(upload: dict) -> list[str]:
+    """An ``upload`` action's presigned part URLs, in order (none for a single PUT)."""
+    header = upload.get("header") or {}
+    return [header[str(n)] for n in range(1, len(header))]
+
+
+def lfs_complete(upload: dict, oid: str, etags: list[str]) -> httpx.Response:
+    """The completion POST of a multipart upload (part n's ETag ``etags[n - 1]``)."""
+    parts = [{"partNumber": n, "etag": e} for n, e in enumerate(etags, 1)]
+    return httpx.post(upload["href"], json={"oid": oid, "parts": parts}, timeout=60)
+
+
+def lfs_send(upload: dict, oid: str, data: bytes) -> None:
+    """Send ``data`` as an LFS ``upload`` action says: one presigned PUT, or a presigned PUT
+    per part then the completion POST (as huggingface_hub does)."""
+    if "chunk_size" not in (upload.get("header") or {}):
+        assert httpx.put(upload["href"], content=data, timeout=60).status_code == 200
+        return
+    chunk = int(upload["header"]["chunk_size"])
+    etags = [
+        httpx.put(url, content=data[i * chunk : (i + 1) * chunk], timeout=60).headers["etag"]
+        for i, url in enumerate(lfs_part_urls(upload))
+    ]
+    assert lfs_complete(upload, oid, etags).is_success
+
+
 def listens_on(pid: int, port: int) -> bool:
     """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux's
     /proc): so a test never mistakes another process that took a freed port for its server."""

@@ -20,7 +20,16 @@ import torch
 from conftest import HUB_PORT
 from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
-from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
+from live import (
+    READ_TOKEN,
+    WRITE_TOKEN,
+    ThreadedServer,
+    lfs_batch,
+    lfs_commit,
+    lfs_send,
+    raw_commit,
+    settings_for,
+)
 from safetensors.torch import load_file
 from seaweed import BUCKET
 
@@ -59,54 +68,6 @@ def published(hub, tmp_path_factory) -> Path:
 def _keys(seaweed, prefix: str) -> set[str]:
     listed = seaweed.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     return {o["Key"] for o in listed.get("Contents", [])}
-
-
-def _batch(hub, repo: str, data: bytes) -> dict:
-    """The LFS batch reply for one object of content ``data``."""
-    oid = hashlib.sha256(data).hexdigest()
-    reply = HTTP.post(
-        f"{hub.url}/{repo}.git/info/lfs/objects/batch",
-        json={"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]},
-        headers=AUTH,
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()["objects"][0]
-
-
-def _send(upload: dict, oid: str, data: bytes) -> None:
-    """Send ``data`` as an LFS ``upload`` action says: one presigned PUT, or a presigned PUT
-    per part then the completion POST (as huggingface_hub does)."""
-    header = upload.get("header") or {}
-    if "chunk_size" not in header:
-        assert HTTP.put(upload["href"], content=data).status_code == 200
-        return
-    chunk, urls = int(header["chunk_size"]), [header[str(n)] for n in range(1, len(header))]
-    etags = [
-        HTTP.put(url, content=data[i * chunk : (i + 1) * chunk]).headers["etag"]
-        for i, url in enumerate(urls)
-    ]
-    parts = [{"partNumber": n, "etag": e} for n, e in enumerate(etags, 1)]
-    assert HTTP.post(upload["href"], json={"oid": oid, "parts": parts}).is_success
-
-
-def _lfs_commit(hub, repo: str, path: str, data: bytes) -> httpx.Response:
-    lines = [
-        {"key": "header", "value": {"summary": "lfs", "description": ""}},
-        {
-            "key": "lfsFile",
-            "value": {
-                "path": path,
-                "algo": "sha256",
-                "oid": hashlib.sha256(data).hexdigest(),
-                "size": len(data),
-            },
-        },
-    ]
-    return HTTP.post(
-        f"{hub.url}/api/models/{repo}/commit/main",
-        content="\n".join(map(json.dumps, lines)).encode(),
-        headers={**AUTH, "Content-Type": "application/x-ndjson"},
-    )
 
 
 def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_path, monkeypatch):
@@ -150,8 +111,8 @@ def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_
 def test_private_files_are_presigned_for_readers_only(hub, published):
     HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("secret/s3", private=True)
     data = (published / "model.safetensors").read_bytes()
-    entry = _batch(hub, "secret/s3", data)
-    _send(entry["actions"]["upload"], entry["oid"], data)
+    entry = lfs_batch(hub.url, "secret/s3", data)
+    lfs_send(entry["actions"]["upload"], entry["oid"], data)
     verify = entry["actions"]["verify"]["href"]
     assert HTTP.post(verify, json={"oid": entry["oid"], "size": len(data)}, headers=AUTH).is_success
     files = {rel: p.read_bytes() for rel, p in repo_files(published).items()}
@@ -193,7 +154,7 @@ def test_private_files_are_presigned_for_readers_only(hub, published):
 def test_presigned_urls_are_refused_for_another_key_or_once_expired(hub, seaweed, published):
     # an upload URL names its staging key alone: the store refuses it for any other key
     data = b"another object " * 1000
-    href = _batch(hub, "lfs/s3", data)["actions"]["upload"]["href"]
+    href = lfs_batch(hub.url, "lfs/s3", data)["actions"]["upload"]["href"]
     assert "/staging/" in href
     sha = hashlib.sha256((published / "model.safetensors").read_bytes()).hexdigest()
     elsewhere = href.split("?")[0].rsplit("/staging/", 1)[0] + "/" + blob_key(sha)
@@ -211,7 +172,7 @@ def test_presigned_urls_are_refused_for_another_key_or_once_expired(hub, seaweed
 
 def test_bytes_other_than_announced_are_never_committed(hub, seaweed, published):
     announced, sent = b"A" * 4096, b"B" * 4096  # same size: the store accepts the PUT
-    entry = _batch(hub, "lfs/s3", announced)
+    entry = lfs_batch(hub.url, "lfs/s3", announced)
     href, verify = entry["actions"]["upload"]["href"], entry["actions"]["verify"]["href"]
     assert HTTP.put(href, content=sent).status_code == 200
     staged = href.split("?")[0].split(f"/{BUCKET}/", 1)[1]
@@ -220,14 +181,14 @@ def test_bytes_other_than_announced_are_never_committed(hub, seaweed, published)
     assert refused.status_code == 400 and "SHA-256" in refused.text
     assert staged not in _keys(seaweed, "staging/")  # deleted
     head = HfApi(endpoint=hub.url).model_info("lfs/s3").sha
-    commit = _lfs_commit(hub, "lfs/s3", "extra.bin", announced)
+    commit = lfs_commit(hub.url, "lfs/s3", "extra.bin", announced)
     assert commit.status_code == 400 and "never uploaded" in commit.text
     assert HfApi(endpoint=hub.url).model_info("lfs/s3").sha == head
     assert blob_key(entry["oid"]) not in _keys(seaweed, "blobs/")
     # skipping verify does not help either: nothing staged is named before the hub hashed it
-    skipped = _batch(hub, "lfs/s3", announced)
+    skipped = lfs_batch(hub.url, "lfs/s3", announced)
     assert HTTP.put(skipped["actions"]["upload"]["href"], content=announced).status_code == 200
-    assert _lfs_commit(hub, "lfs/s3", "extra.bin", announced).status_code == 400
+    assert lfs_commit(hub.url, "lfs/s3", "extra.bin", announced).status_code == 400
 
 
 def test_store_down_answers_503_and_resumes(hub, seaweed, published):
@@ -235,7 +196,7 @@ def test_store_down_answers_503_and_resumes(hub, seaweed, published):
     head = api.model_info("lfs/s3").sha
     card = (published / "README.md").read_bytes() + b"\nA note on the card.\n"
     data = b"staged before the outage"
-    entry = _batch(hub, "lfs/s3", data)
+    entry = lfs_batch(hub.url, "lfs/s3", data)
     assert HTTP.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
     seaweed.stop()
     try:
@@ -305,12 +266,12 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
 
 def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
     data = bytes(range(256)) * (CHUNK // 256) + b"tail"  # just over one part
-    entry = _batch(hub, "lfs/s3", data)
+    entry = lfs_batch(hub.url, "lfs/s3", data)
     upload = entry["actions"]["upload"]
     assert upload["header"]["chunk_size"] == str(CHUNK)
     assert len(upload["header"]) == 3  # chunk_size and two parts
     assert all(upload["header"][n].startswith(f"{seaweed.url}/{BUCKET}/staging/") for n in "12")
-    _send(upload, entry["oid"], data)
+    lfs_send(upload, entry["oid"], data)
     verify = HTTP.post(
         entry["actions"]["verify"]["href"],
         json={"oid": entry["oid"], "size": len(data)},
@@ -318,4 +279,4 @@ def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
     )
     assert verify.status_code == 200, verify.text
     assert _record("lfs/s3", entry["oid"]) in _keys(seaweed, "uploads/for/")  # any replica sees it
-    assert _batch(hub, "lfs/s3", data).get("actions") is None  # held for the repo now
+    assert lfs_batch(hub.url, "lfs/s3", data).get("actions") is None  # held for the repo now

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 import re
 import threading
 import time
@@ -28,7 +27,7 @@ import torch
 from conftest import HUB_PORT
 from helpers import base_size_repo, random_text, tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer, free_port
+from live import WRITE_TOKEN, ProcessServer, free_port, lfs_lines
 from PIL import Image
 from safetensors.torch import load_file
 from system import Nginx
@@ -169,22 +168,6 @@ def _cli(capsys, *args: str) -> str:
     return capsys.readouterr().out.strip()
 
 
-def _lfs_lines(path: str, data: bytes) -> bytes:
-    lines = [
-        {"key": "header", "value": {"summary": f"add {path}", "description": ""}},
-        {
-            "key": "lfsFile",
-            "value": {
-                "path": path,
-                "algo": "sha256",
-                "oid": hashlib.sha256(data).hexdigest(),
-                "size": len(data),
-            },
-        },
-    ]
-    return "\n".join(map(json.dumps, lines)).encode()
-
-
 def _commit(url: str, repo: str, body: bytes, auth: dict[str, str] = AUTH) -> httpx.Response:
     return HTTP.post(
         f"{url}/api/models/{repo}/commit/main",
@@ -309,7 +292,7 @@ def test_upload_killed_midway_completes_on_the_other_replica(
         assert armed.proc is not None and armed.proc.wait(30) == CRASH_STATUS
         # the client sends it again through nginx; the other replica checks it and completes
         assert _verify(verify, data).status_code == 200
-        assert _commit(lb.url, "crash/replicas", _lfs_lines("extra/upload.txt", data)).is_success
+        assert _commit(lb.url, "crash/replicas", lfs_lines("extra/upload.txt", data)).is_success
     finally:
         armed.stop()
     _head_names(lb, "extra/upload.txt", data)
@@ -323,7 +306,7 @@ def test_commit_killed_midway_completes_on_the_other_replica(
     lb, port = faulty
     data = random_text(1024 * 1024)
     assert _verify(_batch(lb.url, "crash/replicas", data), data).status_code == 200
-    body = _lfs_lines(f"extra/{step}.txt", data)
+    body = lfs_lines(f"extra/{step}.txt", data)
     before = HfApi(endpoint=lb.url).model_info("crash/replicas").sha
     armed = _armed(shared, tmp_path / "armed", port, step)
     try:
