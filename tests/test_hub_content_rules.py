@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import struct
+import sys
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -512,6 +513,26 @@ def test_the_scan_refuses_whatever_the_c_unpickler_would_import():
     assert imports > 500  # the strings reach an import often enough to test the scan
 
 
+def test_an_import_is_refused_when_standard_or_followed_by_a_call() -> None:
+    """Any standard-library import is refused (the module is on every client, and some act on
+    import), and any call after an import; an import alone of no standard module is not (a
+    word list), since it calls nothing and no repo file can be that module."""
+    refused = {
+        b"cos\nsystem\n": "'os'",  # a standard module: refused at the import
+        b"cantigravity\nx\n": "'antigravity'",
+        b"cmymodule\nrun\n(S'x'\ntR.": "call what it imported",  # REDUCE
+        b"cmymodule\nThing\n)\x81.": "call what it imported",  # NEWOBJ
+        b"(cmymodule\nThing\no.": "call what it imported",  # OBJ: MARK, class, args
+        b"cmymodule\nThing\n}b.": "call what it imported",  # BUILD
+        b"(imymodule\nThing\n.": "INST",  # INST imports and calls
+    }
+    for data, said in refused.items():
+        problem = pickle_problem(data)
+        assert problem is not None and said in problem, (data, problem)
+    for text in (b"coat\nshirt\nbag\n", b"cmymodule\nname\n.", b"cat\ndog\nemu\n"):
+        assert pickle_problem(text) is None, text
+
+
 def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
     """Text that starts with opcodes but does not run as a pickle: vocabularies (a line ``I``,
     ``L`` or ``0x1`` stops the C unpickler), YAML, Markdown, release notes ('Git 1.7.12.2' is
@@ -522,6 +543,10 @@ def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
         "vocab2.txt": "I\nL\n0x1\n##s\nthe\ncat\n",
         "vocab3.txt": "L\nI\n[PAD]\n",
         "vocab4.txt": "0x1\nI0x1\n",
+        # a lower-case word list whose first word opens with c: GLOBAL oat.shirt, then BUILD
+        # with one object on the stack, where the C unpickler stops: nothing is called
+        "classes.txt": "coat\nshirt\nbag\nsneaker\n",
+        "words.txt": "cat\ndog\nemu\n",
         "notes.yaml": "classes:\n  - cat\n  - dog\nconfig: {lr: 0.1}\n",
         "notes.md": "# Notes\n\nI0x1 is hex.\n",
         "release.txt": "Git 1.7.12.2 Release Notes\n==========\n",
@@ -534,7 +559,8 @@ def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
     }
     for name, text in texts.items():
         (folder / name).write_text(text)
-        assert not _importable(_imports(text.encode())), name
+        module = _imports(text.encode())  # what the C unpickler would import: no standard module
+        assert not _importable(module) or module.split(".")[0] not in sys.stdlib_module_names
     assert verify_repo(folder).ok, verify_repo(folder).problems
 
 

@@ -19,10 +19,14 @@ CPython's C unpickler (``Modules/_pickle.c``) would run it, from its first byte:
 and strings as ASCII with escapes, and raises at the first byte past a call that has already
 run (``…tR`` then junk, or no STOP), so each of those files counted as text.
 
-Refused: a walk that reaches an import (``GLOBAL`` or ``INST`` naming a module a file could
-hold, ``STACK_GLOBAL``, an ``EXT`` code: nothing is called that was not imported first, and an
-import alone runs the module's code), or ``_MAX_OPCODES`` opcodes in a row (a pickle, not text:
-the walk goes no further). A pickle that only builds data (``N.``, ``I1\n.``) runs nothing and is
+Refused: a walk that reaches an import of a standard-library module (``GLOBAL`` naming one:
+``sys.stdlib_module_names``, present wherever a client runs, some of whose imports act), an
+import that calls (``INST``), an import by name from the stack or a registry (``STACK_GLOBAL``,
+``EXT``), a call (``REDUCE``, ``BUILD``, ``OBJ``, ``NEWOBJ``, ``NEWOBJ_EX``) after any import,
+or ``_MAX_OPCODES`` opcodes in a row (a pickle, not text: the walk goes no further). An import
+alone of a name no standard module has (a word list ``coat``, ``shirt``, ... reads as GLOBAL
+``oat.shirt``) is not refused: it calls nothing, and a module of that name is not where a
+repo's file can put one. A pickle that only builds data (``N.``, ``I1\n.``) runs nothing and is
 text to this rule. Ordinary text stops at its first bytes: a line ``I`` has no digits, ``0x1``
 pops an empty stack, ``#`` and ``[`` are no opcodes.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+import sys
 from collections.abc import Callable
 
 __all__ = ["pickle_problem"]
@@ -54,6 +59,8 @@ _FLOAT = re.compile(
 _MODULE = re.compile(rb"(?:[\w-]|[\x80-\xff])+(?:\.(?:[\w-]|[\x80-\xff])+)*")
 """A dotted module name a file on ``sys.path`` could have (``__import__`` runs its code)."""
 _QUOTES = (ord("'"), ord('"'))
+_STDLIB = frozenset(sys.stdlib_module_names)
+"""The standard library's top-level modules: importable wherever a client unpickles."""
 
 
 class _Stop(Exception):
@@ -72,6 +79,7 @@ class _Run:
         self.depth = 0
         self.marks: list[int] = []
         self.memo: set[int | None] = set()
+        self.imported: str | None = None  # the first import this run made, said as such
 
     # ---------------------------------------------------------------- reading arguments
 
@@ -196,22 +204,44 @@ def _string(r: _Run, pos: int, at: int) -> int:
 
 
 def _import(r: _Run, pos: int, opcode: str, at: int) -> int:
-    """GLOBAL and INST: a module line and a name line, then the module is imported."""
+    """GLOBAL and INST: a module line and a name line, then the module is imported (INST then
+    calls the name); the position after the name's line."""
     end = r.line(pos)
-    r.line(end + 1)
+    after = r.line(end + 1) + 1
     if not _MODULE.fullmatch(r.data, pos, end):
         raise _Stop  # no file is named so: the import fails
     module = bytes(r.data[pos : min(end, pos + 100)]).decode("utf-8", "replace")
-    raise _Refused(f"unpickling it would import the module {module!r} ({opcode} at byte {at})")
+    said = f"the module {module!r} ({opcode} at byte {at})"
+    if opcode == "INST" or module.split(".")[0] in _STDLIB:
+        raise _Refused(f"unpickling it would import {said}")
+    r.imported = r.imported or said
+    return after
 
 
 def _global(r: _Run, pos: int, at: int) -> int:
-    return _import(r, pos, "GLOBAL", at)
+    pos = _import(r, pos, "GLOBAL", at)
+    r.depth += 1
+    return pos
 
 
 def _inst(r: _Run, pos: int, at: int) -> int:
     r.pop_mark()  # the C unpickler finds the mark before it reads the names
     return _import(r, pos, "INST", at)
+
+
+def _call(need: int) -> _Op:
+    """REDUCE, BUILD, NEWOBJ, NEWOBJ_EX: ``need`` objects in, one out (BUILD keeps its object),
+    a call: refused once this run has imported anything."""
+    plain = _push(need=need, pops=need)
+
+    def op(r: _Run, pos: int, at: int) -> int:
+        pos = plain(r, pos, at)
+        if r.imported is not None:
+            raise _Refused(f"unpickling it would import {r.imported} and call what it imported")
+        r.depth += 1
+        return pos
+
+    return op
 
 
 def _stack_global(r: _Run, pos: int, at: int) -> int:
@@ -284,6 +314,8 @@ def _obj(r: _Run, pos: int, at: int) -> int:
     mark = r.pop_mark()
     if r.depth - mark < 1:
         raise _Stop
+    if r.imported is not None:  # OBJ calls the class below its arguments
+        raise _Refused(f"unpickling it would import {r.imported} and call what it imported")
     r.depth = mark + 1
     return pos
 
@@ -343,14 +375,14 @@ _OPCODES: dict[int, _Op] = {
         b"N": _push(),  # NONE
         b"P": _text(None, shortest=1),  # PERSID: an application's persistent_load
         b"Q": _push(need=1, pops=1),  # BINPERSID
-        b"R": _push(need=2, pops=2),  # REDUCE
+        b"R": _call(2),  # REDUCE
         b"S": _string,  # STRING
         b"T": _counted(4, "<i"),  # BINSTRING
         b"U": _counted(1, "<B"),  # SHORT_BINSTRING
         b"V": _text(None, shortest=1),  # UNICODE
         b"X": _counted(4, "<I"),  # BINUNICODE
         b"a": _push(0, need=2, pops=1),  # APPEND
-        b"b": _push(0, need=2, pops=1),  # BUILD
+        b"b": _call(2),  # BUILD (may call __setstate__)
         b"c": _global,  # GLOBAL
         b"d": _collect(even=True),  # DICT
         b"}": _push(),  # EMPTY_DICT
@@ -372,7 +404,7 @@ _OPCODES: dict[int, _Op] = {
         b"B": _counted(4, "<I"),  # BINBYTES
         b"C": _counted(1, "<B"),  # SHORT_BINBYTES
         b"\x80": _push(0, size=1),  # PROTO
-        b"\x81": _push(need=2, pops=2),  # NEWOBJ
+        b"\x81": _call(2),  # NEWOBJ
         b"\x82": _ext(1, "<B"),  # EXT1
         b"\x83": _ext(2, "<H"),  # EXT2
         b"\x84": _ext(4, "<i"),  # EXT4
@@ -389,7 +421,7 @@ _OPCODES: dict[int, _Op] = {
         b"\x8f": _push(),  # EMPTY_SET
         b"\x90": _extend(),  # ADDITEMS
         b"\x91": _collect(),  # FROZENSET
-        b"\x92": _push(need=3, pops=3),  # NEWOBJ_EX
+        b"\x92": _call(3),  # NEWOBJ_EX
         b"\x93": _stack_global,  # STACK_GLOBAL
         b"\x94": _memoize,  # MEMOIZE
         b"\x95": _frame,  # FRAME
