@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ class ClippedSum:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._shares: dict[int, torch.Tensor] = {}
 
-    def add(self, param: nn.Parameter, value: torch.Tensor) -> None:
+    def add(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Add the fp64 ``value`` (``param``'s shape, or its elements) to ``param``'s share."""
         i = self._index[id(param)]
         share = self._shares.get(i)
@@ -326,10 +327,11 @@ class _Part:
     (example, id), with ``a`` holding those keys), and its clipped sum is formed once the
     factors are known."""
 
-    materialised: list[tuple[nn.Parameter, torch.Tensor]]
+    materialised: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, per-example tensor)
     sq_norms: torch.Tensor  # (b,) upper bounds on this layer's share of the squared norms
     cross: torch.Tensor | None = None  # (b,) its token cross term, where a product is deferred
-    layer: nn.Module | None = None  # the layer whose weight's clipped sum is deferred
+    # the layer whose weight's clipped sum is deferred
+    layer: nn.Linear | nn.Conv2d | nn.Embedding | None = None
     a: torch.Tensor | None = None
     g: torch.Tensor | None = None
 
@@ -467,8 +469,8 @@ class PerExampleClipper(LayerClipper):
                 if part.cross is not None:
                     cross += part.cross
             factors = capped_factors(sq, cross, self.max_norm)
-            dropped = factors == 0
-            dropped = dropped if bool(dropped.any()) else None  # one device sync per micro-batch
+            zeroed = factors == 0
+            dropped = zeroed if bool(zeroed.any()) else None  # one device sync per micro-batch
             while parts:  # each layer's kept tensors go as soon as its sum is added
                 self._add_clipped(parts.pop(), factors, dropped)
         return ClipResult(losses.detach(), sq.sqrt(), factors)
@@ -515,18 +517,22 @@ def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tenso
     if isinstance(m, nn.Parameter):  # broadcast over the batch: the gradient sums over tokens
         pe = _fp32(_tokens(g)).sum(1).double()
         return _Part([(m, pe)], _sq(pe))
+    assert a_in is not None  # a layer's input (None only for a broadcast parameter)
     if isinstance(m, nn.Embedding):
         return _embedding_part(m, a_in, g)
+    m = cast("nn.Linear | nn.LayerNorm | nn.Conv2d", m)  # the rest _check_supported admits
     # Tokens (b, T, features) in the tensors' own dtype.
     g_tok = g.flatten(2).transpose(1, 2) if isinstance(m, nn.Conv2d) else _tokens(g)
     gt = _fp32(g_tok)
-    bias = m.bias is not None and m.bias.requires_grad
-    small = [(m.bias, gt.sum(1).double())] if bias else []
+    small: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if m.bias is not None and m.bias.requires_grad:
+        small.append((m.bias, gt.sum(1).double()))
     if isinstance(m, nn.LayerNorm):
         if m.weight.requires_grad:
             xhat = _tokens(F.layer_norm(_fp32(a_in), m.normalized_shape, eps=m.eps))
             small.append((m.weight, xhat.mul_(gt).sum(1).double()))
-        return _Part(small, sum(_sq(pe) for _, pe in small))
+        # a tensor: small holds what the layer trains (its weight, its bias or both)
+        return _Part(small, cast(torch.Tensor, sum(_sq(pe) for _, pe in small)))
     sq = sum((_sq(pe) for _, pe in small), g.new_zeros(g.shape[0], dtype=torch.float64))
     if not m.weight.requires_grad:  # a frozen weight: only its bias is trained
         return _Part(small, sq)
@@ -556,9 +562,11 @@ def _grouped(
     if examples == 0 or rows % examples:
         raise ValueError(f"{rows} rows for {examples} per-example losses: not K rows per example")
     if isinstance(m, nn.Conv2d):
-        return _stack_views(a, examples), _stack_views(g, examples)  # type: ignore[arg-type]
+        assert a is not None  # a layer's input (None only for a broadcast parameter)
+        return _stack_views(a, examples), _stack_views(g, examples)
     if isinstance(m, nn.Embedding):
-        return a.reshape(examples, -1), g.reshape(examples, -1, g.shape[-1])  # type: ignore[union-attr]
+        assert a is not None  # a layer's input
+        return a.reshape(examples, -1), g.reshape(examples, -1, g.shape[-1])
     a_out = None if a is None else a.reshape(examples, -1, a.shape[-1])
     return a_out, g.reshape(examples, -1, g.shape[-1])
 
@@ -575,7 +583,7 @@ def _conv_part(
     images: torch.Tensor,
     g: torch.Tensor,
     g_tok: torch.Tensor,
-    small: list[tuple[nn.Parameter, torch.Tensor]],
+    small: list[tuple[torch.Tensor, torch.Tensor]],
     sq: torch.Tensor,
 ) -> _Part:
     """A patchifying convolution: the ghost bounds over its patches, unfolded a few examples at

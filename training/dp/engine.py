@@ -85,7 +85,10 @@ class Clipper(Protocol):
     params: list[nn.Parameter]
     max_norm: float
 
-    def accumulate(self, *inputs: torch.Tensor) -> ClipResult: ...
+    @property
+    def accumulate(self) -> Callable[..., ClipResult]:
+        """Its method on a micro-batch's tensors, as many as it takes (PairClipper: two views)."""
+        ...
 
     def take_sum(self, *tail: torch.Tensor) -> torch.Tensor: ...
 
@@ -132,7 +135,9 @@ class Budget:
         q = batch_size / n
         delta = default_delta(n) if delta is None else delta
         check_delta(delta, n, allow_weak_delta)
-        sigma = calibrate(epsilon, delta, q, steps, kind) if sigma is None else sigma
+        if sigma is None:
+            assert epsilon is not None  # checked above: one of them is given
+            sigma = calibrate(epsilon, delta, q, steps, kind)
         within = (
             steps if epsilon is None else max_steps_within(epsilon, sigma, q, delta, steps, kind)
         )

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +209,7 @@ class ContrastiveEmbedder(nn.Module):
 
     def __init__(self, encoder: nn.Module, dim: int = 128, hidden: int | None = None):
         super().__init__()
-        features = int(encoder.num_features)
+        features = int(cast(int, encoder.num_features))  # a timm backbone's width
         hidden = hidden or features
         self.encoder = encoder
         self.head = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, dim))
@@ -227,7 +227,8 @@ class ContrastiveEmbedder(nn.Module):
             )
         for module in self.modules():
             if hasattr(module, "fused_attn"):
-                module.fused_attn = False
+                # timm attention's bool flag (nn.Module types an unknown attribute as a module)
+                module.fused_attn = False  # type: ignore[assignment]
             if not (isinstance(module, Mlp) or module is self.head):
                 continue  # only where a GELU's output feeds one linear layer (_GeluGrad.vmap)
             for name, child in module.named_children():
@@ -255,6 +256,7 @@ class ContrastiveEmbedder(nn.Module):
         x = enc.patch_embed(images)
         if enc.cls_token is not None:
             x = torch.cat([self._broadcast(enc.cls_token, (x.shape[0], 1, x.shape[-1])), x], dim=1)
+        assert enc.pos_embed is not None  # __init__ refuses a ViT without one
         x = enc.pos_drop(x + self._broadcast(enc.pos_embed, x.shape))
         x = enc.norm(enc.blocks(enc.norm_pre(enc.patch_drop(x))))
         return self.head(enc.forward_head(x, pre_logits=True))
@@ -459,7 +461,8 @@ class PairClipper(LayerClipper):
                 f"{len(records) - len(shares)} recorded layer outputs got no gradient from the "
                 "embeddings: every layer with trainable parameters must feed them"
             )
-        return shares, kept, torch.isfinite(sum(x.double() for x in sums))
+        total = cast(torch.Tensor, sum(x.double() for x in sums))  # sums is never empty
+        return shares, kept, torch.isfinite(total)
 
     def _without(self, bad: torch.Tensor, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         n, keep = bad.shape[0], (~bad).nonzero().squeeze(1)
@@ -485,6 +488,7 @@ class PairClipper(LayerClipper):
             g = _broadcast_jacobian(m, record.out, jac)[:, :, None]
             depth = _sq_depth(1, 1, g.shape[3], d)
             return _pair_sq(None, g, phi, psi, block), _view_cross(None, g), depth
+        m = cast("nn.Linear | nn.LayerNorm | nn.Conv2d", m)  # what _check_supported admits
         g = _tokens(m, jac, 2)
         t, o = g.shape[2], g.shape[3]
         small = []  # per-view Jacobians (d, 2n, numel) of the bias and a LayerNorm's weight
@@ -499,7 +503,9 @@ class PairClipper(LayerClipper):
                 cross += _view_cross(xhat, g)
             sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block)
             return sq, cross, t + _sq_depth(1, 1, 2 * o, d)
-        sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block) if small else 0
+        # 0 (an int) only until the weight's products are added: without a trained bias or
+        # LayerNorm weight, the layer trains its weight
+        sq = _pair_sq(None, torch.cat(small, 2)[:, :, None], phi, psi, block) if small else 0  # type: ignore[assignment]
         depth = t + _sq_depth(1, 1, o, d)
         if not m.weight.requires_grad:
             return sq, cross, depth
@@ -523,6 +529,7 @@ class PairClipper(LayerClipper):
         if isinstance(m, nn.Parameter):
             self.sum.add(m, grad_out.sum([0, *_expanded_dims(m, record.out)], keepdim=True))
             return
+        m = cast("nn.Linear | nn.LayerNorm | nn.Conv2d", m)  # what _check_supported admits
         g = _tokens(m, grad_out, 1)
         ones = torch.ones(g.shape[0], device=g.device, dtype=torch.float64)
         if m.bias is not None and m.bias.requires_grad:
@@ -540,7 +547,8 @@ class PairClipper(LayerClipper):
         """A LayerNorm's normalised input in fp64, computed once per record (the norms and the
         sum read the same values)."""
         if record.xhat is None:
-            m = record.owner
+            m = cast(nn.LayerNorm, record.owner)  # called for a LayerNorm's record
+            assert record.a is not None  # a layer's input (None only for a broadcast parameter)
             record.xhat = F.layer_norm(record.a.double(), m.normalized_shape, eps=m.eps)
         return record.xhat
 
@@ -548,9 +556,11 @@ class PairClipper(LayerClipper):
     def _inputs(record: _Record) -> torch.Tensor:
         """A linear layer's input tokens, or a convolution's patches, (2n, T, in), as the layer
         multiplied them: in its output's precision (autocast's)."""
+        assert record.a is not None  # a layer's input (None only for a broadcast parameter)
         m, a = record.owner, record.a.to(record.out.dtype)
         if isinstance(m, nn.Conv2d):
-            return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+            padding = cast(tuple[int, ...], m.padding)  # a tuple: _check_supported refuses "same"
+            return F.unfold(a, m.kernel_size, m.dilation, padding, m.stride).transpose(1, 2)
         return a.reshape(a.shape[0], -1, a.shape[-1])
 
 
@@ -632,6 +642,7 @@ def _pair_sq(
     for rows in _blocks(n, m * t * max(o, t), block):
         y = (phi[rows] @ other).view(-1, m, t, o)  # v_ij
         if a is not None:
+            assert tokens is not None  # set with a
             cross = (a[rows].flatten(0, 1) @ tokens.T).view(-1, t, m, t).transpose(1, 2)
             y = cross @ y
         z = per_view[rows] @ y.flatten(2).mT  # (rows, d, n): Gamma_i^a . Y_ij
@@ -668,13 +679,17 @@ class BatchClipper:
         e = embed(self.model, views1, views2)
         n = views1.shape[0]
         losses = symmetric_infonce(e[:n] @ e[n:].T, self.temperature)
-        grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+        # None for a parameter the losses do not reach (allow_unused)
+        reached = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
         grads = [
-            torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(self.params, reached, strict=True)
         ]
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
             terms = sum(g.numel() for g in grads)
-            sq = upper_sq(sum(g.double().square().sum() for g in grads), terms)
+            # a tensor: grads holds one per parameter, and a clipper has some
+            total = cast(torch.Tensor, sum(g.double().square().sum() for g in grads))
+            sq = upper_sq(total, terms)
             norm = sq.sqrt().reshape(1)
             factor = capped_factors(sq.reshape(1), torch.zeros(1, dtype=sq.dtype), self.max_norm)
             # a non-finite gradient adds zeros, not nan * 0

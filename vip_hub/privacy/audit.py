@@ -80,7 +80,9 @@ def guess_grid(m: int) -> list[int]:
     return sorted({max(2, 2 * round(m * f / 2)) for f in GRID_FRACTIONS if m * f >= 2})
 
 
-def correct_guesses(scores: Sequence[float], secrets: Sequence[bool], r: int) -> int:
+def correct_guesses(
+    scores: Sequence[float] | np.ndarray, secrets: Sequence[bool] | np.ndarray, r: int
+) -> int:
     """Correct guesses when the r/2 highest scores are called "in" and the r/2 lowest "out"."""
     order = np.argsort(np.asarray(scores, dtype=np.float64), kind="stable")
     bits = np.asarray(secrets, dtype=bool)
