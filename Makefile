@@ -24,9 +24,9 @@ run: venv
 ## (loadgroup). `make test XDIST=` runs them in one process (about 18 minutes against 14 here).
 XDIST ?= -n 2 --dist loadgroup
 
-## Lint, format and layer contracts (ruff, import-linter), the documentation site built strictly,
-## then every test, the slow end-to-end ones included, but for the images (`make test-images`,
-## which CI runs next).
+## Lint, format, layer contracts and types (ruff, import-linter, mypy), the documentation site
+## built strictly, then every test, the slow end-to-end ones included, but for the images
+## (`make test-images`, which CI runs next).
 test: quality docs
 	$(BIN)/python -m pytest $(XDIST) -m "not images"
 
@@ -37,11 +37,14 @@ test: quality docs
 test-images: venv
 	$(BIN)/python -m pytest -m images tests/test_images.py
 
-## Lint (ruff check), formatting (ruff format --check) and the layer contracts (lint-imports).
+## Lint (ruff check), formatting (ruff format --check), the layer contracts (lint-imports) and the
+## types of vip_hub, training and service (mypy, [tool.mypy] in pyproject.toml; its cache in
+## .mypy_cache/ makes a re-run take seconds).
 quality: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 ## The documentation site (mkdocs.yml, docs/), built strictly into build/site/: any warning fails
 ## (a dead link or anchor, a page missing from the nav, a docstring griffe cannot parse).
