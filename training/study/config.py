@@ -73,8 +73,9 @@ class StudyConfig(BaseModel):
     probe_epochs: int = Field(
         100,
         gt=0,
-        description="epochs of every DP head, the selection heads' too (the paper's linear "
-        "head, as the head's batch, clip and rate below)",
+        description="epochs of every DP head, the selection heads' too: Tramer & Boneh's "
+        "published linear head, as the head's batch, clip and rate below (chosen by them on "
+        "this dataset's training split: an external choice, disclosed, not re-made here)",
     )
     head_batches: int = Field(
         8,
