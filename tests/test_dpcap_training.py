@@ -83,10 +83,6 @@ def cli_args(settings: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
 
 
-def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
-
-
 def make_pairs(root: Path, per_class: int = 8, classes: int = 3) -> Path:
     """Small random grey images of the first ``classes`` Fashion-MNIST classes, captioned by the
     data module's public template over the class names (the main job's rule)."""
@@ -205,9 +201,9 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     trained: Path, syn_repo: Path, pairs: Path, vocab: Path
 ) -> None:
     assert verify_repo(trained).ok
-    ledger = ledger_of(trained)
+    ledger = PrivacyLedger.read(trained)
     syn, dp = ledger.stages
-    assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == ledger_of(
+    assert (syn.type, syn.name) == ("non-private", "syn-pretrain") and syn == PrivacyLedger.read(
         syn_repo
     ).stages[0]
     assert (dp.type, dp.mechanism, dp.sampling, dp.clipping_norm, dp.steps) == (
@@ -419,7 +415,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
     train_dpcap(
         DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
     )
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(trained))
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
     for name in ("model.safetensors", "text_decoder.safetensors"):
         a, b = load_file(out / name), load_file(trained / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
@@ -445,7 +441,7 @@ def test_two_processes_give_the_same_ledger(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_repo(out).ok
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(trained))
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
     assert load_captioner(out).caption([Image.new("RGB", (IMG, IMG))], max_tokens=4)
 
 

@@ -131,10 +131,6 @@ def finetuned(
     return tuple(finetune(syn_repo, data, base / f"run{i}") for i in range(2))  # type: ignore[return-value]
 
 
-def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
-
-
 # ---------------------------------------------------------------- the mechanism on this model
 @pytest.mark.parametrize("pooling", ["avg", "vip"])
 def test_the_clipped_sum_is_each_examples_own_clipped_gradient_over_the_fine_tuned_parameters(
@@ -328,7 +324,7 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
 ) -> None:
     repo = finetuned[0]
     assert verify_repo(repo).ok
-    ledger = ledger_of(repo)
+    ledger = PrivacyLedger.read(repo)
     syn, dp = ledger.stages
     assert isinstance(syn, NonPrivateStage) and not syn.private_data
     assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
@@ -387,7 +383,7 @@ def whole(
 
 def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: Path) -> None:
     assert verify_repo(whole).ok
-    ledger = ledger_of(whole)
+    ledger = PrivacyLedger.read(whole)
     syn, probe, dp = ledger.stages
     assert isinstance(syn, NonPrivateStage) and not syn.private_data
     assert isinstance(probe, DPStage) and probe.name == "linear-probe-dp:clf"
@@ -511,7 +507,7 @@ def test_the_cli_run_on_a_generated_subsample_verifies_and_classifies_through_th
     assert [row["labels"][0]["label"] for row in body["data"]] == [
         sorted(CLASSES)[i] for i in local
     ]
-    stage = ledger_of(out).stage("dp-finetune")
+    stage = PrivacyLedger.read(out).stage("dp-finetune")
     assert (
         body["privacy"]["head"]["epsilon"] == body["privacy"]["encoder"]["epsilon"] == stage.epsilon
     )

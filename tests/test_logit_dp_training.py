@@ -79,10 +79,6 @@ def cli_args(settings: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
 
 
-def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / "privacy_ledger.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_syn(
@@ -118,8 +114,8 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
 ) -> None:
     report = verify_repo(trained)
     assert report.ok, report.to_dict()
-    syn, dp = ledger_of(trained).stages
-    assert syn == ledger_of(syn_repo).stages[0]
+    syn, dp = PrivacyLedger.read(trained).stages
+    assert syn == PrivacyLedger.read(syn_repo).stages[0]
     assert (dp.type, dp.name, dp.mechanism, dp.sampling, dp.steps) == (
         "dp",
         "dp-contrastive",
@@ -182,7 +178,7 @@ def test_naive_dp_has_the_sensitivity_2c_at_the_same_budget(
         )
     )
     assert verify_repo(out).ok
-    naive, logit = ledger_of(out).stages[1], ledger_of(trained).stages[1]
+    naive, logit = PrivacyLedger.read(out).stages[1], PrivacyLedger.read(trained).stages[1]
     assert (naive.mechanism, naive.clipping_norm) == ("Naive-DP", 0.05)
     terms = naive.mechanism_params[ROUNDING_TERMS]
     assert naive.sensitivity == 0.1 * rounding_allowance(terms, FP64_CAPPED)
@@ -218,7 +214,7 @@ def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(
             **settings,
         )
     )
-    dp = ledger_of(out).stages[1]
+    dp = PrivacyLedger.read(out).stages[1]
     terms = dp.mechanism_params.pop(ROUNDING_TERMS)
     assert dp.mechanism_params == {
         "loss": CONTRASTIVE_LOSS,
@@ -324,7 +320,7 @@ def test_the_budget_stops_a_run_before_it_exceeds_epsilon(
             init=str(syn_repo), data=str(images), out=str(tmp_path / "stopped"), **settings
         )
     )
-    dp = ledger_of(out).stages[1]
+    dp = PrivacyLedger.read(out).stages[1]
     assert dp.steps < 6 and dp.epsilon <= 1.0
     assert (
         epsilon(1.0, 6 / 24, dp.steps + 1, dp.delta, "rdp") > 1.0
@@ -344,7 +340,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         [str(BIN / "vip-hub"), "train-logit-dp", *dp_command(syn_repo, images, out)], out, step=3
     )
     train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS))
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(trained))
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
     a, b = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(7))
@@ -371,7 +367,7 @@ def test_two_processes_give_the_same_ledger_stage(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_repo(out).ok
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(trained))
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
 
 
 @pytest.mark.parametrize("broken", BROKEN)

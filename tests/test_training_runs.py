@@ -52,7 +52,6 @@ from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
     CURVES_FILE,
-    LEDGER_FILE,
     MAE_DECODER_FILE,
     WEIGHTS_FILE,
 )
@@ -119,14 +118,10 @@ def make_repo_without_decoder(tmp_path: Path) -> Path:
     )
 
 
-def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
-
-
 def test_syn_export_says_no_private_data(syn_repo: Path) -> None:
     report = verify_repo(syn_repo)
     assert report.ok, report.problems
-    ledger = ledger_of(syn_repo)
+    ledger = PrivacyLedger.read(syn_repo)
     assert [s.type for s in ledger.stages] == ["non-private"]
     assert ledger.stages[0].private_data is False and ledger.guarantees == []
     assert (syn_repo / MAE_DECODER_FILE).is_file()
@@ -146,7 +141,7 @@ def test_contrastive_syn_exports_a_verified_repo_without_private_data(tmp_path: 
     out = train_syn(SynConfig(out=str(tmp_path / "con"), **cfg))
     report = verify_repo(out)
     assert report.ok, report.problems
-    (stage,) = ledger_of(out).stages
+    (stage,) = PrivacyLedger.read(out).stages
     assert stage.type == "non-private" and stage.name == "syn-contrastive"
     assert stage.private_data is False and "no private data" in stage.description
     assert "dead_leaves, cellular" in stage.dataset.description
@@ -196,7 +191,7 @@ def test_scatter_syn_distils_the_scatternet_into_a_shallow_encoder(tmp_path: Pat
     out = train_syn(SynConfig(out=str(tmp_path / "scatter"), **cfg))
     report = verify_repo(out)
     assert report.ok, report.problems
-    (stage,) = ledger_of(out).stages
+    (stage,) = PrivacyLedger.read(out).stages
     assert stage.name == "syn-scatter" and stage.private_data is False
     assert "last of 2 blocks" in stage.description
     assert not (out / MAE_DECODER_FILE).exists()
@@ -230,7 +225,7 @@ def test_dp_end_to_end_exports_a_verified_repo_that_timm_loads(
     )
     report = verify_repo(out)
     assert report.ok, report.problems
-    ledger = ledger_of(out)
+    ledger = PrivacyLedger.read(out)
     syn, dp = ledger.stages
     assert syn.name == "syn-pretrain" and syn.private_data is False
     assert dp.type == "dp" and dp.mechanism == "DP-AdamW" and dp.steps == 3
@@ -291,7 +286,7 @@ def test_a_dp_run_folder_is_private_from_its_creation(
     seed = (run / "seed").read_text()
     assert seed not in (run / "settings.json").read_text()
     assert "seed" not in json.loads((run / "settings.json").read_text())
-    assert ledger_of(out).stages[-1].run_id == (run / "run_id").read_text()
+    assert PrivacyLedger.read(out).stages[-1].run_id == (run / "run_id").read_text()
 
 
 def test_training_stops_before_the_budget_is_exceeded(
@@ -317,7 +312,7 @@ def test_training_stops_before_the_budget_is_exceeded(
         )
     )
     assert f"stopping after step {expected} of 50" in capsys.readouterr().err
-    dp = ledger_of(out).stages[-1]
+    dp = PrivacyLedger.read(out).stages[-1]
     assert dp.steps == expected and dp.epsilon <= 3.0
 
 
@@ -509,8 +504,11 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         dp_command(syn_repo, images, out), capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(reference_run))
-    assert ledger_of(out).stages[-1].run_id != ledger_of(reference_run).stages[-1].run_id
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(reference_run))
+    assert (
+        PrivacyLedger.read(out).stages[-1].run_id
+        != PrivacyLedger.read(reference_run).stages[-1].run_id
+    )
     a, b = load_file(out / WEIGHTS_FILE), load_file(reference_run / WEIGHTS_FILE)
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
@@ -565,8 +563,8 @@ def test_two_processes_give_the_same_ledger_noise_and_weights(
     code, stderr = torchrun([*args, "--out", str(out), *DP_ARGS], layout)
     assert code == 0, stderr
     assert verify_repo(out).ok
-    assert run_stages(ledger_of(out)) == run_stages(ledger_of(reference_run))
-    assert ledger_of(out).guarantees == ledger_of(reference_run).guarantees
+    assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(reference_run))
+    assert PrivacyLedger.read(out).guarantees == PrivacyLedger.read(reference_run).guarantees
     a, b = load_file(out / WEIGHTS_FILE), load_file(reference_run / WEIGHTS_FILE)
     for k in a:  # the same samples and noise; only the all-reduce's order of sums differs
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -63,7 +63,7 @@ from vip_hub.models.features import (
 from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
-from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE, head_component, head_file
+from vip_hub.repo_format import WEIGHTS_FILE, head_component, head_file
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.run import DPRun
@@ -673,7 +673,7 @@ def finetune_arrays(
     start = time.perf_counter()
     repo = train_finetune(cfg)
     seconds = time.perf_counter() - start
-    stages = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
+    stages = PrivacyLedger.read(repo).dp_stages()
     stage = next(s for s in stages if s.name == STAGE)
     top1 = float(load_head(repo, cfg.head)[1].metrics["top1"])
     return ArraysRun(repo, stage, stages, top1, seconds)

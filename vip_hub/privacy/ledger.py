@@ -30,11 +30,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
@@ -50,7 +52,7 @@ from pydantic import (
 
 from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
-from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, NAME_PATTERN
+from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, LEDGER_FILE, NAME_PATTERN
 from .accounting import (
     NOISE_SUPPORT,
     Accountant,
@@ -653,6 +655,17 @@ class PrivacyLedger(_Model):
                 ]
             )
         return _validated(cls, **data)
+
+    @classmethod
+    def read(cls, repo: str | os.PathLike[str]) -> PrivacyLedger:
+        """The ledger of the repo folder ``repo`` (its ``privacy_ledger.json``, parsed; a missing
+        file is LedgerError naming it)."""
+        path = Path(repo) / LEDGER_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise LedgerError([f"{path}: no such file (not a vip-hub repo?)"]) from None
+        return cls.parse(text)
 
     # ---------------------------------------------------------------- reading
     def dp_stages(self) -> list[DPStage]:

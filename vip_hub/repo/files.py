@@ -188,7 +188,7 @@ def update_repo(
     """
     repo = Path(repo_dir)
     verify_repo(repo).raise_for_problems()
-    old = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
+    old = PrivacyLedger.read(repo)
     files = dict(add_files or {})
     for rel in files:
         validate_relpath(rel)

@@ -31,7 +31,6 @@ from ..repo_format import (
     HEAD_METRICS,
     HEAD_WEIGHTS,
     HEADS_DIR,
-    LEDGER_FILE,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
@@ -85,7 +84,7 @@ def save_head(
 
     component = head_component(info.name)
     if stage is None:
-        ledger = PrivacyLedger.parse((Path(repo_dir) / LEDGER_FILE).read_text())
+        ledger = PrivacyLedger.read(repo_dir)
         if not any(component in s.also_trains for s in ledger.stages):
             raise ConfigError(
                 f"no stage of {repo_dir}'s ledger trained {component} jointly: give its own stage"
