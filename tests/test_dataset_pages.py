@@ -98,7 +98,7 @@ def test_a_copy_at_a_large_delta_neither_bends_the_page_nor_passes_max_epsilon(
     }
     for repo in ("pages/faces-encoder", "pages/faces-copy", "other/faces-copy"):
         assert listed[repo]["vip_hub"]["epsilon"] == pytest.approx(real.epsilon, abs=1e-6), repo
-        assert listed[repo]["vip_hub"]["delta"] == 1e-5, repo
+        assert listed[repo]["vip_hub"]["delta"] == 1e-5 + real.truncation_delta, repo
     index = httpx.get(hub.url + "/", params={"max_epsilon": "0.5"}).text
     assert "faces-copy" not in index
 
@@ -172,8 +172,14 @@ def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_pat
         ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
         tmp.write_bytes(path.read_bytes())
     at_1e3 = store.commit("pages/r", ops)
-    assert at_1e3.delta == 1e-3
+    assert at_1e3.delta == 1e-3 + dp.truncation_delta  # the sampler's truncation included
     assert at_1e3.epsilon == pytest.approx(epsilon(SIGMA, Q, STEPS, 1e-3), abs=1e-5)
     (store.root / "blobs").rename(store.root / "blobs-away")
     _, record = HubStore(tmp_path / "store").list_models()[0]  # the default delta, 1e-5
-    assert (record.epsilon, record.delta) == (dp.epsilon, 1e-5)
+    assert (record.epsilon, record.delta) == (dp.epsilon, 1e-5 + dp.truncation_delta)
+    reopened = HubStore(tmp_path / "store")  # at the delta it is stated at: nothing recomputed
+    reopened.index.execute("UPDATE commits SET epsilon = 99.0")
+    assert HubStore(tmp_path / "store").list_models()[0][1].epsilon == 99.0
+    assert HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3)).list_models()[0][
+        1
+    ].epsilon == pytest.approx(at_1e3.epsilon)

@@ -320,3 +320,23 @@ def test_concurrent_verifies_of_one_object_keep_its_bytes(hub, seaweed, tmp_path
         t.join()
     assert answers == {"good": 200, "evil": 400}
     _assert_content_keys_hold(seaweed, good["oid"])
+
+
+def test_an_upload_of_a_stored_object_is_consumed_by_its_commit(hub, seaweed, tmp_path):
+    """An object sent again (a second repo's copy of stored bytes) is written and checked like a
+    new one, and its commit consumes the upload: neither the bucket's upload key nor the hub's
+    cache keeps it until the uploads' collection."""
+    data = _text(1 << 20)
+    sha = hashlib.sha256(data).hexdigest()
+    api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+    api.create_repo("lfs/trust-again")
+    folder = tiny_repo_with_head(tmp_path / "vip-nano-again")
+    api.upload_folder(repo_id="lfs/trust-again", folder_path=folder, commit_message="v1")
+    for repo in (REPO, "lfs/trust-again"):
+        entry = lfs_batch(hub.url, repo, data)
+        lfs_send(entry["actions"]["upload"], sha, data)
+        assert _verify(entry, len(data)).status_code == 200
+        assert lfs_commit(hub.url, repo, "copied.txt", data).status_code == 200
+        assert _held(seaweed, upload_key(sha)) is None, repo
+        assert _held(seaweed, blob_key(sha)) == sha
+        assert not list((hub.settings.store / "uploads" / "sha256").rglob(sha[2:])), repo

@@ -306,17 +306,21 @@ class BlobStore:
         """Move a verified temp or upload file into place, durably (with an object store: into
         its bucket first, over whatever the bucket held under that name: copied from the
         bucket's upload when ``source`` is this cache's copy of that upload, else sent from
-        ``source``; then the cache)."""
+        ``source``; then the cache). An upload of the object is consumed either way: one sent
+        again for an object already stored does not wait for the uploads' collection."""
+        sha256, upload = digest.sha256, self.upload_path(digest.sha256)
         if self.remote is not None:
-            sha256, key = digest.sha256, blob_key(digest.sha256)
+            key = blob_key(sha256)
             try:
-                if source != self.upload_path(sha256):
+                if source != upload:
                     raise FileNotFoundError(source)
                 self.remote.copy(upload_key(sha256), key)
-                self.remote.delete(upload_key(sha256))
             except FileNotFoundError:  # committed inline, or its upload moved by another commit
                 self.remote.put_file(source, key)
-        return self._place(source, self.path(digest.sha256))
+            self.remote.delete(upload_key(sha256))
+        placed = self._place(source, self.path(sha256))
+        upload.unlink(missing_ok=True)
+        return placed
 
     def _place(self, source: Path, target: Path) -> Path:
         """Move a checked file to its blob path ``target``, durably, read-only; one already

@@ -87,6 +87,9 @@ __all__ = [
     "SignatureRecord",
 ]
 
+_INDEX_DELTA_KEY = "index_delta"
+"""hub_state's key for the delta the index's epsilons are stated at (the hub's ``delta``)."""
+
 
 @dataclass(frozen=True)
 class RepoRecord:
@@ -263,18 +266,20 @@ class HubStore:
         )
 
     def _restate_epsilons(self) -> None:
-        """Recompute the index's epsilon of every commit stated at another delta than the hub's
-        (a store indexed before the hub fixed one delta, or under another ``delta`` setting)."""
-        rows = self.index.rows(
-            "SELECT sha, card_data FROM commits WHERE delta > 0 AND delta <> ?", [self.limits.delta]
-        )
-        for row in rows:
+        """Recompute every indexed commit's epsilon and delta at the hub's delta when the index
+        was stated at another one (a store indexed before the hub fixed one delta, or under
+        another ``delta`` setting); the delta the index is stated at is kept in ``hub_state``."""
+        stated_at = repr(self.limits.delta)
+        if self.index.state(_INDEX_DELTA_KEY)[0] == stated_at:
+            return
+        for row in self.index.rows("SELECT sha, card_data FROM commits WHERE delta > 0"):
             ledger = json.loads(row["card_data"]).get("differential_privacy")
             summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
             self.index.execute(
                 "UPDATE commits SET epsilon = ?, delta = ? WHERE sha = ?",
                 [summary.epsilon, summary.delta, row["sha"]],
             )
+        self.index.update_state(_INDEX_DELTA_KEY, lambda _: stated_at)
 
     def collect_uploads(self) -> int:
         """Remove uploads never committed older than the upload time-to-live (staged ones with
