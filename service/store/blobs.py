@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
+from . import clock
 from .errors import InvalidRequest, StoreUnavailable, UploadMismatch, UploadMissing
 from .faults import crash_point
 from .s3 import (
@@ -463,7 +463,7 @@ def remove_older_than(
 ) -> int:
     """Remove the files below ``folder`` last modified more than ``max_age`` seconds ago, but
     those ``keep`` says to keep (one that vanishes meanwhile is skipped); returns how many went."""
-    now, removed = time.time(), 0
+    now, removed = clock.now(), 0
     for p in folder.rglob("*"):
         try:
             if p.is_file() and now - p.stat().st_mtime > max_age and not keep(p):

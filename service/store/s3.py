@@ -15,7 +15,6 @@ too) or a blob key (GET). Any failure to reach the store is :class:`StoreUnavail
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..settings import ObjectStoreSettings
+from . import clock
 from .errors import InvalidRequest, StoreUnavailable, TooLarge
 
 __all__ = [
@@ -262,7 +262,7 @@ class S3Objects:
     ) -> int:
         """Remove the objects under ``prefix`` last modified more than ``max_age`` seconds
         ago, but those ``keep`` says to keep; returns how many went."""
-        now = time.time()
+        now = clock.now()
         old = [o.key for o in self.listed(prefix) if now - o.mtime > max_age and not keep(o.key)]
         self.delete_many(old)
         return len(old)
@@ -270,7 +270,7 @@ class S3Objects:
     def abort_older_than(self, prefix: str, max_age: float) -> int:
         """Abort the multipart uploads to keys under ``prefix`` begun more than ``max_age``
         seconds ago (their parts go with them); returns how many."""
-        aborted, now = 0, time.time()
+        aborted, now = 0, clock.now()
         with _reachable():
             pages = self._client.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.bucket, Prefix=prefix

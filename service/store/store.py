@@ -43,6 +43,7 @@ from vip_hub.repo_format import (
 )
 
 from ..settings import HubSettings, ObjectStoreSettings, Settings
+from . import clock
 from .blobs import (
     BlobStore,
     FileDigest,
@@ -285,7 +286,7 @@ class HubStore:
         """Remove uploads never committed older than the upload time-to-live (staged ones with
         their share of their user's staging quota), xorbs unused for the Xet time-to-live, and
         temp files left by crashed requests; returns how many went."""
-        self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (time.time(),))
+        self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (clock.now(),))
         return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(
             self.xet_ttl
         )
@@ -294,7 +295,7 @@ class HubStore:
         """Count a presigned upload of ``size`` bytes against ``account``'s staging quota until
         ``release_staging`` (its verify) or its collection after the upload time-to-live;
         TooMuchStaged when the account's unverified uploads would then pass ``limit`` bytes."""
-        now = time.time()
+        now = clock.now()
         with self.index.repo_lock(f"staging:{account}"), self.index.transaction() as tx:
             tx.execute(
                 "DELETE FROM staged_uploads WHERE account = ? AND expires_at < ?", (account, now)

@@ -12,10 +12,10 @@ upload that an upload record still names stays, whatever its age.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from . import clock
 from .blobs import BlobStore, hash_file, listed_files, sharded_name
 from .errors import InvalidRequest, TooLarge
 from .s3 import CHECKING, STAGING, Listed
@@ -47,7 +47,7 @@ def collect_garbage(store: HubStore, grace: float) -> Collected:
 def _collect_blobs(store: HubStore, grace: float) -> tuple[list[str], int]:
     """Remove the blobs no commit names older than ``grace`` seconds (with an object store, in
     its bucket and this process's cache); returns them, and how many younger ones stay."""
-    listed, now = list(_every_blob(store.blobs)), time.time()
+    listed, now = list(_every_blob(store.blobs)), clock.now()
     with store.index.collection_lock(exclusive=True):
         named = _named(store)
         orphans = {b.key: b.mtime for b in listed if b.key not in named}
@@ -122,7 +122,7 @@ def check_store(store: HubStore, repair: bool, grace: float) -> list[Finding]:
     wrong = {s: actual for s in orphans if (actual := blobs.stored_sha256(s)) not in (s, None)}
     found += _wrong_orphans(store, wrong, repair)
     gone = set(_collect_blobs(store, grace)[0]) if repair else set()
-    now = time.time()
+    now = clock.now()
     for sha in (o for o in orphans if o not in wrong):
         old = now - held[sha].mtime > grace
         found.append(
@@ -224,7 +224,7 @@ def _check_uploads(store: HubStore, repair: bool) -> list[Finding]:
     """Uploads awaiting their commit whose bytes are not their name (with an object store: in
     its bucket; removed with ``repair``: no commit names an upload), and objects staged by
     clients' presigned PUTs (unchecked) or left by a check of one that stopped midway."""
-    blobs, found, now = store.blobs, [], time.time()
+    blobs, found, now = store.blobs, [], clock.now()
     for u in list(blobs.listed_uploads()):
         actual = blobs.stored_sha256(u.key, upload=True)
         if actual not in (u.key, None):  # None: committed or collected since it was listed
