@@ -30,12 +30,12 @@ XDIST ?= -n 2 --dist loadgroup
 test: quality docs
 	$(BIN)/python -m pytest $(XDIST) -m "not images"
 
-## The Docker images and compose files, built and brought up (tests/test_images.py, one process:
-## the builds take the cores): starts dockerd if none runs and installs docker.io, docker-compose
-## and debootstrap when missing (root). 6-10 minutes from scratch, 5 with the images cached (see
+## The Docker images and compose files, built and brought up (tests/project/test_images.py, one
+## process: the builds take the cores): starts dockerd if none runs and installs docker.io,
+## docker-compose and debootstrap when missing (root). 6-10 minutes from scratch, 5 with the images cached (see
 ## docs/deploy.md); CI runs it after `test`.
 test-images: venv
-	$(BIN)/python -m pytest -m images tests/test_images.py
+	$(BIN)/python -m pytest -m images tests/project/test_images.py
 
 ## Lint (ruff check), formatting (ruff format --check), the layer contracts (lint-imports) and the
 ## types of vip_hub, training and service (mypy, [tool.mypy] in pyproject.toml; its cache in

@@ -29,7 +29,7 @@ export PYTHONPATH=/tmp/site:$PWD
     | tee "$OUT/machine.txt"
 stages=${*:-tests noise dp_step dp_order serve}
 # the test files whose CUDA cases need the device (issue 52: the clipped sums' rounding, the noise)
-GPU_TESTS=${GPU_TESTS-tests/test_rounded_sums.py tests/test_noise_streams.py tests/test_training_units.py}
+GPU_TESTS=${GPU_TESTS-tests/training/dp/test_rounded_sums.py tests/training/dp/test_noise_streams.py tests/training/recipes/test_training_units.py}
 for stage in $stages; do
   case $stage in
     tests)

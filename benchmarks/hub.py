@@ -66,9 +66,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from helpers import TINY, random_text, synthetic_stage, tiny_encoder
     from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-    from live import WRITE_TOKEN, ProcessServer
+    from support.helpers import TINY, random_text, synthetic_stage, tiny_encoder
+    from support.live import WRITE_TOKEN, ProcessServer
 
     from vip_hub import export_encoder
     from vip_hub.repo.push import push_repo

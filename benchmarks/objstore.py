@@ -1,10 +1,10 @@
 """Transfers through a hub whose blobs live in an object store, against the same bytes moved
 straight to and from that store, side by side in one run (ratios, never a pass/fail).
 
-A real SeaweedFS (``tests/seaweed.py``) on loopback, ``vip-hub serve`` in its own process with
-its blobs in that bucket, and a repo at real size each round (``tests/helpers.base_size_repo``,
-a fresh seed each round so that nothing is deduplicated: a ViP-Base encoder of 344 MB, a 52 MB
-MAE decoder, small files):
+A real SeaweedFS (``tests/support/seaweed.py``) on loopback, ``vip-hub serve`` in its own
+process with its blobs in that bucket, and a repo at real size each round
+(``tests/support/helpers.base_size_repo``, a fresh seed each round so that nothing is
+deduplicated: a ViP-Base encoder of 344 MB, a 52 MB MAE decoder, small files):
 
 (a) upload straight: each file of the repo sent to the store with boto3 (multipart in parts of
     ``object_store.multipart_chunk_bytes``, one part at a time, as huggingface_hub sends them);
@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ["HF_HUB_DISABLE_XET"] = "1"  # the Git LFS batch API: presigned URLs
 
 if TYPE_CHECKING:
-    from seaweed import SeaweedFS
+    from support.seaweed import SeaweedFS
 
 
 @dataclass
@@ -61,10 +61,10 @@ def transfer_rounds(url: str, weed: SeaweedFS, work: Path, rounds: int) -> Trans
     balancer in front of it), its blobs in ``weed``'s bucket."""
     import httpx
     from boto3.s3.transfer import TransferConfig
-    from helpers import base_size_repo
     from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
-    from live import WRITE_TOKEN
-    from seaweed import BUCKET
+    from support.helpers import base_size_repo
+    from support.live import WRITE_TOKEN
+    from support.seaweed import BUCKET
 
     from service.settings import ObjectStoreSettings
     from service.store import hash_file
@@ -146,7 +146,7 @@ def print_transfers(out: Transfers, through: str) -> None:
 def start_store(work: Path) -> tuple[SeaweedFS, dict[str, str]]:
     """A SeaweedFS in ``work`` with its credentials in this process's environment (which hub
     processes inherit), client caches in ``work``; the settings that put a hub's blobs there."""
-    from seaweed import BUCKET, SeaweedFS
+    from support.seaweed import BUCKET, SeaweedFS
 
     os.environ["HF_HOME"] = str(work / "hf")
     weed = SeaweedFS(work / "seaweed").start()
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from live import ProcessServer
+    from support.live import ProcessServer
 
     work = Path(tempfile.mkdtemp(prefix="vip-hub-objstore-bench-"))
     weed, env = start_store(work)

@@ -1,9 +1,10 @@
 """Hub replicas behind nginx, side by side in one run (ratios, never a pass/fail; issue 37).
 
-A throwaway PostgreSQL (``tests/system.Postgres``), a SeaweedFS (``tests/seaweed.py``), two
-``vip-hub serve`` replicas (hub and inference, default settings: torch threads = all cores)
-sharing them, nginx running the shipped ``docker/nginx.conf`` (``tests/system.Nginx``) in front
-of both, and a second nginx in front of the first replica alone:
+A throwaway PostgreSQL (``tests/support/system.Postgres``), a SeaweedFS
+(``tests/support/seaweed.py``), two ``vip-hub serve`` replicas (hub and inference, default settings:
+torch threads = all cores) sharing them, nginx running the shipped ``docker/nginx.conf``
+(``tests/support/system.Nginx``) in front of both, and a second nginx in front of the first replica
+alone:
 
 transfers: ``objstore.py``'s rounds (a repo at real size, 395 MB, a fresh seed each round) with
     the clients going through nginx to both replicas: upload with ``upload_folder``'s steps over
@@ -97,8 +98,8 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     args = parser.parse_args()
 
-    from live import WRITE_TOKEN, ProcessServer, free_port
-    from system import Nginx, Postgres
+    from support.live import WRITE_TOKEN, ProcessServer, free_port
+    from support.system import Nginx, Postgres
 
     from vip_hub.repo.push import push_repo
 

@@ -3,11 +3,11 @@ benchmark's DP fine-tuning, run on public test records with the real run's noise
 setting a release depends on is chosen without any private record.
 
 Only the public test split is read (``fashion_mnist("test")``; the tool never asks for the train
-split, and ``tests/test_standin.py`` runs it with no train split on disk). Its first ``--private``
-records (0-3,999) stand in for the private records, the next ones up to ``--end`` (4,000-4,999)
-score, and the first ``centre_size`` (0-999) centre every DP head, as the study's first selection
-records do: all inside test records 0-4,999, which serve for selection in both presets; the
-scoring records of either preset (5,000-9,999 and 8,000-9,999) are never read.
+split, and ``tests/benchmarks/test_standin.py`` runs it with no train split on disk). Its first
+``--private`` records (0-3,999) stand in for the private records, the next ones up to ``--end``
+(4,000-4,999) score, and the first ``centre_size`` (0-999) centre every DP head, as the study's
+first selection records do: all inside test records 0-4,999, which serve for selection in both
+presets; the scoring records of either preset (5,000-9,999 and 8,000-9,999) are never read.
 
 The real run's noise, reproduced:
 

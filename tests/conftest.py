@@ -27,7 +27,7 @@ if _WORKERS > 1:
 
 import pytest  # noqa: E402 - after the environment above
 import torch  # noqa: E402 - after the environment above
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head  # noqa: E402 - idem
+from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head  # noqa: E402 - idem
 
 from vip_hub import DPStage, export_encoder  # noqa: E402 - after the environment above
 
@@ -62,7 +62,7 @@ def tiny_repo(tmp_path: Path, dp_stage_session: DPStage) -> Path:
 def hub(tmp_path_factory: pytest.TempPathFactory):
     """A live server (hub + inference) on HF_ENDPOINT's port, with a store of this test module's
     own: what one module publishes never shows up in another's listings."""
-    from live import ThreadedServer, settings_for
+    from support.live import ThreadedServer, settings_for
 
     store = tmp_path_factory.mktemp("hub-store")
     with ThreadedServer(settings_for(store), port=HUB_PORT) as server:
@@ -72,7 +72,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Repos published to the module's hub through `vip-hub push`: repo id -> local folder."""
-    from live import WRITE_TOKEN
+    from support.live import WRITE_TOKEN
 
     from vip_hub.repo.push import push_repo
 
@@ -88,7 +88,7 @@ def published(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def seaweed(tmp_path_factory: pytest.TempPathFactory):
     """One real SeaweedFS per test session, answering S3 on loopback; its credentials in
     boto3's environment variables, where a hub with an object store finds them."""
-    from seaweed import SeaweedFS
+    from support.seaweed import SeaweedFS
 
     store = SeaweedFS(tmp_path_factory.mktemp("seaweed")).start()
     with pytest.MonkeyPatch.context() as env:
@@ -103,7 +103,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def postgres_server():
     """One throwaway PostgreSQL server per test session (``system.Postgres``)."""
-    from system import Postgres
+    from support.system import Postgres
 
     server = Postgres().start()
     try:

@@ -140,7 +140,7 @@ def _ledger_digest(repo: Path) -> str:
 
 def _weights_digest(repo: Path) -> str:
     """The encoder's and decoder's tensor digests (unchanged when heads or cards change)."""
-    artifacts = json.loads((repo / LEDGER_FILE).read_text())["artifacts"]
+    artifacts = PrivacyLedger.read(repo).artifacts
     return stamp(
         {k: v for k, v in artifacts.items() if is_weights_file(k) and head_name_of(k) is None}
     )
@@ -438,7 +438,7 @@ def _compare(
     stages = {
         e: [
             s
-            for s in PrivacyLedger.parse((folder[e] / LEDGER_FILE).read_text()).dp_stages()
+            for s in PrivacyLedger.read(folder[e]).dp_stages()
             if s.dataset.name == private.dataset.name
         ]
         for e in PUBLISHED

@@ -57,7 +57,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    # The same names as _EXPORTS (tests/test_public_api.py checks), re-exported for type checkers.
+    # The same names as _EXPORTS (tests/project/test_public_api.py checks), re-exported for type
+    # checkers.
     from .loading import Encoder as Encoder
     from .loading import load_encoder as load_encoder
     from .models.encoders import ARCHS as ARCHS

@@ -37,7 +37,7 @@ from .repo.files import (
     read_config,
 )
 from .repo.verify import verify_repo
-from .repo_format import CONFIG_FILE, LEDGER_FILE, TEXT_DECODER_FILE, VOCAB_FILE
+from .repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
 
@@ -187,7 +187,7 @@ def load_encoder(
         ledger = verify_repo(path).raise_for_problems().ledger
         assert ledger is not None  # a report without problems has read the ledger
     else:
-        ledger = PrivacyLedger.parse((path / LEDGER_FILE).read_bytes())
+        ledger = PrivacyLedger.read(path)
     config = read_config(path)
     spec = EncoderSpec.from_config(config)
     # a released repo's config.json names a VisionTransformer (timm types it as a Module)

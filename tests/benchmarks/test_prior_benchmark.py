@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_idx
+from support.helpers import ROOT, write_idx
 
 from training.recipes.syn import SynConfig, train_syn
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("prior", ROOT / "benchmarks" / "prior.py")
 assert SPEC is not None and SPEC.loader is not None
 prior = importlib.util.module_from_spec(SPEC)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import write_idx
+from support.helpers import ROOT, write_idx
 
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
 from training.priors import prior_path
@@ -25,8 +25,6 @@ from training.study.selection import choose_modes
 from vip_hub.privacy.accounting import composed_epsilon
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 from vip_hub.repo_format import LEDGER_FILE
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str) -> Any:

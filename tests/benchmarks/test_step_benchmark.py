@@ -7,13 +7,12 @@ import argparse
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support.helpers import ROOT
 
 from training.dp.clipping import PerExampleClipper
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "dp_step.py"
 sys.path.insert(0, str(SCRIPT.parent))  # dp_step.py imports own_process.py as a script does
 SPEC = importlib.util.spec_from_file_location("dp_step", SCRIPT)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-from helpers import write_idx
+from support.helpers import ROOT, write_idx
 
 from training.data.labelled import FASHION_MNIST_TRAIN
 from training.study.budget import head_epsilon
@@ -22,7 +22,6 @@ from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage
 from vip_hub.repo.heads import load_head
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("utility", ROOT / "benchmarks" / "utility.py")
 assert SPEC is not None and SPEC.loader is not None
 utility = importlib.util.module_from_spec(SPEC)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import TINY, tiny_encoder
+from support.helpers import TINY, tiny_encoder
 from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub import ARCHS, EncoderSpec, create_encoder, extract_features, feature_dim

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import published_hashes_of, write_digits
+from support.helpers import published_hashes_of, write_digits
 
 from training.data.labelled import keyed_uniforms
 from training.recipes.probe import ProbeConfig, fit_probe, run_probe
@@ -211,7 +211,7 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
 
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:
-    from helpers import TINY, synthetic_stage, tiny_encoder
+    from support.helpers import TINY, synthetic_stage, tiny_encoder
 
     from vip_hub import Dataset, DPStage, export_encoder
 
@@ -241,8 +241,8 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     import httpx
     from dp_accounting import dp_event
     from dp_accounting.rdp import RdpAccountant
-    from helpers import TINY, synthetic_stage, tiny_encoder
-    from live import WRITE_TOKEN
+    from support.helpers import TINY, synthetic_stage, tiny_encoder
+    from support.live import WRITE_TOKEN
 
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.repo.push import push_repo
@@ -296,9 +296,9 @@ def test_a_shuffled_release_is_qualified_in_responses_pages_and_the_index(
     import io
 
     import httpx
-    from helpers import TINY, synthetic_stage, tiny_encoder
-    from live import WRITE_TOKEN
     from PIL import Image
+    from support.helpers import TINY, synthetic_stage, tiny_encoder
+    from support.live import WRITE_TOKEN
 
     from vip_hub import Dataset, DPStage, export_encoder
     from vip_hub.repo.push import push_repo
@@ -343,8 +343,8 @@ def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(
     hub, tmp_path: Path
 ) -> None:
     import httpx
-    from helpers import tiny_repo_with_head
-    from live import WRITE_TOKEN
+    from support.helpers import tiny_repo_with_head
+    from support.live import WRITE_TOKEN
 
     from vip_hub.repo.push import push_repo
 

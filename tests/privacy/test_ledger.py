@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import dp_stage, synthetic_stage
+from support.helpers import dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
 from vip_hub.privacy.accounting import NOISE_SUPPORT, ZIGGURAT_SUPPORT, truncation_delta

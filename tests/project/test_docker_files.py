@@ -1,7 +1,7 @@
-"""The shipped Docker files read without Docker (in ``make test``; ``tests/test_images.py`` builds
-and runs them): the GPU Dockerfile is the CPU one but for the lines that must differ, both take
-their base, torch source and CA from outside, run as a user, and pin the torch the project pins;
-the compose files keep every public image, address and secret overridable, and the balancer's
+"""The shipped Docker files read without Docker (in ``make test``; ``tests/project/test_images.py``
+builds and runs them): the GPU Dockerfile is the CPU one but for the lines that must differ, both
+take their base, torch source and CA from outside, run as a user, and pin the torch the project
+pins; the compose files keep every public image, address and secret overridable, and the balancer's
 upstreams name their services."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 import yaml
+from support.helpers import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-DOCKER = REPO / "docker"
+DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.gpu"]
 
 GPU_DIFFERENCE = [
@@ -71,7 +71,7 @@ def test_the_dockerfiles_take_base_torch_and_ca_from_outside_and_run_as_a_user()
 
 
 def test_the_images_pin_the_torch_the_project_pins():
-    pyproject = (REPO / "pyproject.toml").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
     pins = set(re.findall(r'"(torch(?:vision)?==[\w.]+)"', pyproject))
     assert len(pins) == 2, pins
     for path in DOCKERFILES:
@@ -79,7 +79,7 @@ def test_the_images_pin_the_torch_the_project_pins():
 
 
 def test_the_build_context_holds_what_the_dockerfiles_copy():
-    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
     kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     for path in DOCKERFILES:
         for line in _joined(path):

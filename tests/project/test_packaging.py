@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from support.helpers import ROOT
 
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.repo_format import LEDGER_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
 
 
@@ -161,7 +160,7 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     import json
 
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    claim = PrivacyLedger.parse((tiny_repo / LEDGER_FILE).read_text()).summary().epsilon
+    claim = PrivacyLedger.read(tiny_repo).summary().epsilon
     assert claim is not None and claim > 0  # the repo's DP stage
     assert result == {
         "ok": True,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import synthetic_stage
+from support.helpers import synthetic_stage
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import TINY, dp_stage, tiny_encoder
 from huggingface_hub import EvalResult, ModelCard
+from support.helpers import TINY, dp_stage, tiny_encoder
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main

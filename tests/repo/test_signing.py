@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
-from live import WRITE_TOKEN, ThreadedServer, settings_for
+from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 
 from service.store.shared import trust_key
 from vip_hub import export_encoder

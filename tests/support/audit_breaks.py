@@ -12,13 +12,14 @@ from types import ModuleType
 import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
-from live import WRITE_TOKEN
 
 import training.dp.engine
 from vip_hub.errors import AuditError
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
+
+from .live import WRITE_TOKEN
 
 CLAIM = 2.5
 BROKEN = ("noise zeroed", "clip bound x10")

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from live import free_port
-from system import debian_program
 
-REPO = Path(__file__).resolve().parents[1]
+from .live import free_port
+from .system import debian_program
+
 STAND_INS = Path(__file__).resolve().parent / "images"
 CACHE = Path(os.environ.get("VIP_HUB_TEST_CACHE", "/var/cache/vip-hub-tests"))
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
@@ -234,8 +234,8 @@ def debian_base(engine: Engine) -> tuple[str, float]:
 
 
 def stand_in(engine: Engine, name: str, base: str, extra: dict[str, Path] | None = None) -> str:
-    """Build the stand-in ``tests/images/NAME`` on ``base`` (files in ``extra`` join its build
-    context); its tag."""
+    """Build the stand-in ``tests/support/images/NAME`` on ``base`` (files in ``extra`` join its
+    build context); its tag."""
     tag = f"vip-hub-test/{name}:latest"
     with tempfile.TemporaryDirectory(prefix=f"{name}-context-") as tmp:
         context = Path(tmp) / name

@@ -20,6 +20,8 @@ from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encod
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root folder."""
 TINY = EncoderSpec("vip-nano", img_size=32)
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -68,6 +70,34 @@ def random_text(size: int) -> bytes:
     is): a large file of a kind a repo may carry, which neither deduplicates nor compresses
     much."""
     return b"#" + os.urandom(size // 2).hex().encode()[: size - 1]
+
+
+TINY_SYN: dict[str, object] = dict(
+    arch="vip-nano",
+    img_size=32,
+    patch_size=8,
+    steps=2,
+    batch_size=4,
+    decoder_dim=32,
+    decoder_depth=1,
+    decoder_heads=2,
+    workers=0,
+    seed=0,
+)
+"""A (Syn) run at a test's size: two steps of batch 4 on procedural images, a one-block decoder."""
+
+
+def tiny_syn(out: Path, **settings: object) -> Path:
+    """A (Syn) repo trained into ``out`` (``TINY_SYN``, with ``settings`` over it)."""
+    from training.recipes.syn import SynConfig, train_syn
+
+    return train_syn(SynConfig(out=str(out), **{**TINY_SYN, **settings}))  # type: ignore[arg-type]
+
+
+def with_front_matter(readme: str, extra: str) -> str:
+    """A model card ``readme`` with the YAML lines ``extra`` added to its front matter."""
+    _, front, body = readme.split("---\n", 2)
+    return "---\n" + front + extra + "---\n" + body
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from live import free_port, listens_on
+
+from .helpers import ROOT
+from .live import free_port, listens_on
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -122,7 +124,7 @@ class Postgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-NGINX_CONF = Path(__file__).resolve().parents[1] / "docker" / "nginx.conf"
+NGINX_CONF = ROOT / "docker" / "nginx.conf"
 
 
 class Nginx:

@@ -4,9 +4,9 @@ the main job and of ``benchmarks/utility.py`` starts from, instead of training i
 
 Each is reproduced by one command, ``prior_command(name)`` (``vip-hub train-syn`` with
 ``PRIORS[name]``'s settings, seed 0), whose per-step training losses are committed beside the repo
-(``<name>.losses.json``): a rerun reproduces that curve, which tests/test_priors.py checks on its
-first steps. They train in fp32 on any device (``bf16`` off), so a GPU run reproduces the CPU's
-curve to rounding. The weights are stored in float16 (a committed prior is at most 5 MB).
+(``<name>.losses.json``): a rerun reproduces that curve, which tests/training/recipes/test_priors.py
+checks on its first steps. They train in fp32 on any device (``bf16`` off), so a GPU run reproduces
+the CPU's curve to rounding. The weights are stored in float16 (a committed prior is at most 5 MB).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-from live import ThreadedServer
 from PIL import Image
+from support.helpers import tiny_repo_with_head
+from support.live import ThreadedServer
 
 from service.auth import create_token, revoke_token
 from service.settings import Settings

@@ -15,8 +15,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import httpx
 import pytest
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, free_port
-from system import Nginx
+from support.live import WRITE_TOKEN, free_port
+from support.system import Nginx
 
 from service.ops import ACCESS_LOGGER, CREDENTIAL_PARAMETERS, log_config
 

@@ -10,10 +10,10 @@ import re
 
 import httpx
 import pytest
-from helpers import TINY, synthetic_stage, tiny_encoder, tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError
-from live import WRITE_TOKEN, ThreadedServer, settings_for
+from support.helpers import TINY, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.repo.push import push_repo

@@ -33,12 +33,12 @@ import safetensors.numpy
 import timm
 import torch
 import yaml
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
-from live import WRITE_TOKEN, raw_commit
 from matplotlib.figure import Figure
 from PIL import Image, ImageCms, PngImagePlugin
+from support.helpers import tiny_repo_with_head
+from support.live import WRITE_TOKEN, raw_commit
 
 from vip_hub import verify_repo
 from vip_hub.models.tokenizer import public_vocab

@@ -16,8 +16,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from helpers import random_text, tiny_repo_with_head
-from live import (
+from PIL import Image
+from support.helpers import random_text, tiny_repo_with_head
+from support.live import (
     WRITE_TOKEN,
     ProcessServer,
     commit_body,
@@ -26,7 +27,6 @@ from live import (
     start_lfs_put,
     start_request,
 )
-from PIL import Image
 
 from service.store import HubStore
 from vip_hub.repo.push import push_repo

@@ -17,10 +17,10 @@ import huggingface_hub
 import pytest
 import timm
 import torch
-from helpers import base_size_repo, tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer
 from safetensors.torch import load_file
+from support.helpers import base_size_repo, tiny_repo_with_head
+from support.live import WRITE_TOKEN, ProcessServer
 
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo

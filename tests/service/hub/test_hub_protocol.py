@@ -12,7 +12,6 @@ import httpx
 import pytest
 import timm
 import torch
-from helpers import TINY, dp_stage, random_text, synthetic_stage, tiny_encoder, tiny_repo_with_head
 from huggingface_hub import HfApi, ModelCard, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     BadRequestError,
@@ -21,7 +20,15 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from live import READ_TOKEN, WRITE_TOKEN
+from support.helpers import (
+    TINY,
+    dp_stage,
+    random_text,
+    synthetic_stage,
+    tiny_encoder,
+    tiny_repo_with_head,
+)
+from support.live import READ_TOKEN, WRITE_TOKEN
 
 import vip_hub
 from vip_hub import export_encoder

@@ -25,12 +25,12 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import base_size_repo, random_text, tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer, free_port, lfs_lines
 from PIL import Image
 from safetensors.torch import load_file
-from system import Nginx
+from support.helpers import base_size_repo, random_text, tiny_repo_with_head
+from support.live import WRITE_TOKEN, ProcessServer, free_port, lfs_lines
+from support.system import Nginx
 
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key

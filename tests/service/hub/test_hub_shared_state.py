@@ -11,7 +11,7 @@ import os
 
 import httpx
 from huggingface_hub import HfApi
-from live import ThreadedServer, settings_for
+from support.live import ThreadedServer, settings_for
 
 from service.auth import TokenRegistry, create_token, revoke_token
 from service.store import HubStore

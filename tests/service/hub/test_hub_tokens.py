@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import httpx
-from live import ThreadedServer, settings_for
+from support.live import ThreadedServer, settings_for
 
 from vip_hub.cli.main import main
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
+from support.helpers import TINY, synthetic_stage, tiny_encoder, with_front_matter
+from support.live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 
 from service.pages.render import card_body, markdown_html
 from vip_hub import Dataset, DPStage, export_encoder, verify_repo
@@ -31,11 +31,6 @@ def _alias_bomb(levels: int, width: int = 4) -> str:
     lines = [f"l0: &a0 [{', '.join(['x'] * width)}]"]
     lines += [f"l{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
     return "\n".join(lines) + "\n"
-
-
-def _with_front_matter(readme: str, extra: str) -> str:
-    _, front, body = readme.split("---\n", 2)
-    return "---\n" + front + extra + "---\n" + body
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +107,11 @@ def test_load_card_refuses_aliases():
 
 
 def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
-    from helpers import tiny_repo_with_head
+    from support.helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "aliases")
     readme = folder / "README.md"
-    readme.write_text(_with_front_matter(readme.read_text(), _alias_bomb(22, 2)))
+    readme.write_text(with_front_matter(readme.read_text(), _alias_bomb(22, 2)))
     assert any("YAML aliases" in str(p) for p in verify_repo(folder).problems)
     api = HfApi(token=WRITE_TOKEN)
     api.create_repo("writer/aliases")
@@ -162,7 +157,7 @@ def test_every_yaml_file_is_held_to_the_cards_limits(tmp_path):
     """The review's bomb.yaml (10^9 nodes: 9 levels of 10 aliases each), and the same bomb as a
     .yml file and as an extra Markdown file's front matter, are refused as a card's would be,
     before anything expands them; so are YAML files nested too deep or too large."""
-    from helpers import tiny_repo_with_head
+    from support.helpers import tiny_repo_with_head
 
     folder = _yaml_files(
         tiny_repo_with_head(tmp_path / "bombs"),
@@ -187,7 +182,7 @@ def test_every_yaml_file_is_held_to_the_cards_limits(tmp_path):
 
 def test_the_hub_refuses_an_alias_bomb_in_any_yaml_file(hub, tmp_path):
     """The review's commit (bomb.yaml beside a good repo, 200 before): a 400 naming the file."""
-    from helpers import tiny_repo_with_head
+    from support.helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "bomb")
     push_repo(folder, "writer/yaml-bomb", token=WRITE_TOKEN)
@@ -202,7 +197,7 @@ def test_the_hub_refuses_an_alias_bomb_in_any_yaml_file(hub, tmp_path):
 def test_the_hub_holds_yaml_files_to_its_own_limits(tmp_path):
     """A hub configured below the defaults (the card fits: 5 levels, about 2 KB) refuses YAML
     files the defaults allow, naming its limits."""
-    from helpers import tiny_repo_with_head
+    from support.helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "repo")
     files = {"deep.yaml": "x: " + "[" * 6 + "]" * 6 + "\n", "big.yaml": "k: v\n" * 1000}
@@ -250,7 +245,7 @@ def test_every_route_bounds_its_body(hub):
 
 def test_uploads_stream_past_the_default_limit(hub, tmp_path):
     """A commit with a 3 MiB inline file is not held to the 1 MiB default: it streams."""
-    from helpers import tiny_repo_with_head
+    from support.helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "big")
     api = HfApi(token=WRITE_TOKEN)

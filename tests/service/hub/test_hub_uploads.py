@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
-from live import WRITE_TOKEN
+from support.helpers import tiny_repo_with_head
+from support.live import WRITE_TOKEN
 
 from service.errors import BadRequest
 from service.hub.uploads import CommitParser

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
-from test_hub_untrusted_input import _with_front_matter
+from support.helpers import tiny_repo_with_head, with_front_matter
+from support.live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 
 from service.pages.render import markdown_html
 from vip_hub import verify_repo
@@ -131,7 +130,7 @@ def test_a_card_nested_too_deep_is_refused_at_commit(server, exported, tmp_path)
     folder = _copy(exported, tmp_path / "deep")
     readme = folder / "README.md"
     readme.write_text(
-        _with_front_matter(readme.read_text(), "deep: " + "[" * 300 + "]" * 300 + "\n")
+        with_front_matter(readme.read_text(), "deep: " + "[" * 300 + "]" * 300 + "\n")
     )
     report = verify_repo(folder, check_accounting=False)
     assert any("limit of 20 levels" in str(p) for p in report.problems)

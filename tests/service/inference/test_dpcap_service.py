@@ -13,37 +13,14 @@ import numpy as np
 import pytest
 import timm
 import torch
-from helpers import synthetic_stage
-from live import WRITE_TOKEN, ThreadedServer, settings_for
 from PIL import Image
-from test_dpcap import ARCH, IMG, ReferenceDPCap, save_reference, write_vocab
+from support.dpcap import DPCAP, publish_dpcap
+from support.live import ThreadedServer, settings_for
 
 from vip_hub import load_encoder
 from vip_hub.loading import load_captioner
-from vip_hub.repo.importer import import_dpcap_checkpoint
-from vip_hub.repo.push import push_repo
 
-DPCAP = "vip/dpcap-nano-test"
 VIP = "vip/vip-nano-test"
-
-
-def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
-    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session
-    hub."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    ckpt = save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth")
-    repo = import_dpcap_checkpoint(
-        ckpt,
-        folder / "repo",
-        arch=ARCH,
-        img_size=IMG,
-        stages=[synthetic_stage()],
-        model_name="dpcap-nano-test",
-        vocab=write_vocab(folder / "vocab.txt"),
-    )
-    push_repo(repo, repo_id, token=WRITE_TOKEN)
-    return repo
 
 
 @pytest.fixture(scope="module")

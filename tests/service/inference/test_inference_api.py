@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import timm
 import torch
-from helpers import NEEDS_CUDA, tiny_repo_with_head
-from live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 from PIL import Image
+from support.helpers import NEEDS_CUDA, tiny_repo_with_head
+from support.live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 
 import vip_hub
 from service.app import create_app

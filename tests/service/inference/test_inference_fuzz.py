@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_openapi_fuzz_has_no_server_errors(hub, published, tmp_path):
-    from test_dpcap_service import DPCAP, publish_dpcap
+    from support.dpcap import DPCAP, publish_dpcap
 
     publish_dpcap(
         tmp_path / "dpcap"

@@ -14,9 +14,9 @@ import zlib
 
 import httpx
 import pytest
-from helpers import tiny_repo_with_head
-from live import WRITE_TOKEN, ProcessServer
 from PIL import Image
+from support.helpers import tiny_repo_with_head
+from support.live import WRITE_TOKEN, ProcessServer
 
 from service.errors import BadRequest
 from service.inference.images import ImageLimits, open_image

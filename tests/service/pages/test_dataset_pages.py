@@ -11,8 +11,8 @@ import httpx
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
-from helpers import TINY, synthetic_stage, tiny_encoder
-from live import WRITE_TOKEN
+from support.helpers import TINY, synthetic_stage, tiny_encoder
+from support.live import WRITE_TOKEN
 
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.privacy.ledger import new_run_id

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
-from live import WRITE_TOKEN
-from system import CHROMIUM_FLAGS, debian_program
+from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from support.live import WRITE_TOKEN
+from support.system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import TINY, random_text, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi, snapshot_download
-from live import WRITE_TOKEN, ProcessServer, commit_body, start_commit, start_lfs_put
+from support.helpers import TINY, random_text, synthetic_stage, tiny_encoder
+from support.live import WRITE_TOKEN, ProcessServer, commit_body, start_commit, start_lfs_put
 
 from service.hub.common import LFS_THRESHOLD
 from service.store.faults import CRASH_ENV, CRASH_STATUS

@@ -18,9 +18,10 @@ import pytest
 import timm
 import torch
 from conftest import HUB_PORT
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi, snapshot_download
-from live import (
+from safetensors.torch import load_file
+from support.helpers import tiny_repo_with_head
+from support.live import (
     READ_TOKEN,
     WRITE_TOKEN,
     ThreadedServer,
@@ -30,8 +31,7 @@ from live import (
     raw_commit,
     settings_for,
 )
-from safetensors.torch import load_file
-from seaweed import BUCKET
+from support.seaweed import BUCKET
 
 from service.settings import ObjectStoreSettings
 from service.store.s3 import S3Objects, blob_key

@@ -12,9 +12,9 @@ import threading
 import httpx
 import huggingface_hub
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi, hf_hub_download
-from live import (
+from support.helpers import tiny_repo_with_head
+from support.live import (
     ADMIN_TOKEN,
     WRITE_TOKEN,
     ThreadedServer,
@@ -25,7 +25,7 @@ from live import (
     lfs_send,
     settings_for,
 )
-from seaweed import BUCKET
+from support.seaweed import BUCKET
 
 from service.store.s3 import S3Objects, blob_key, upload_key
 from service.store.upkeep import check_store

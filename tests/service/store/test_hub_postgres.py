@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ProcessServer
+from support.helpers import tiny_repo_with_head
+from support.live import WRITE_TOKEN, ProcessServer
 
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict

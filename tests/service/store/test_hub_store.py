@@ -5,7 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
 from service.store import AddFile, DeleteFile, HubStore
 from service.store.errors import (

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import huggingface_hub
 import pytest
-from helpers import tiny_repo_with_head
 from huggingface_hub import HfApi
-from live import WRITE_TOKEN, ProcessServer, ThreadedServer, raw_commit, settings_for
+from support.helpers import tiny_repo_with_head
+from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, raw_commit, settings_for
 
 from service.settings import ObjectStoreSettings
-from service.store import AddFile, AddObject, HubStore, hash_file
+from service.store import AddFile, AddObject, HubStore, clock, hash_file
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key, upload_key
 from service.store.upkeep import collect_garbage
@@ -50,6 +50,12 @@ def _published(
         ops.append(AddFile(rel, tmp))
     commit = store.commit(repo, ops)
     return store, {p: e.sha256 for p, e in store.tree(repo, commit.sha).items()}
+
+
+def _later(monkeypatch, seconds: float) -> None:
+    """Move the store's clock ``seconds`` forward (every age it compares grows by as much)."""
+    ahead = clock.now() + seconds - time.time()
+    monkeypatch.setattr(clock, "now", lambda: time.time() + ahead)
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -250,7 +256,9 @@ def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
     oid = hashlib.sha256(twice).hexdigest()
     _lfs_upload(s3_hub, "lfs/upkeep", twice)
     abandoned = _lfs_upload(s3_hub, "lfs/upkeep", b"PUT, never verified", verify=False)
-    time.sleep(5.5)  # past the TTL and grace below; the fresh record then has 5 s of them
+    # past the TTL and grace below, the fresh record then within them: the bucket dates its
+    # objects by its own clock, so here (alone) real time passes rather than the store's clock
+    time.sleep(5.5)
     _lfs_upload(s3_hub, "lfs/upkeep-other", twice)  # a fresh record names the old upload
     cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "5")
     cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "5")
@@ -280,7 +288,7 @@ def test_a_replicas_cache_does_not_stand_for_the_bucket(s3_hub, seaweed):
     assert upload_key(oid) in _keys(seaweed, "uploads/")
 
 
-def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys):
+def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, monkeypatch):
     s3, store = seaweed.client(), s3_hub.app.state.store
     files = {rel: p.read_bytes() for rel, p in repo_files(repo_dir).items()}
     weights = hashlib.sha256(files["model.safetensors"]).hexdigest()
@@ -303,7 +311,7 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys):
 
     # the hub's cache holds checked copies: --repair puts them back in the bucket
     cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
-    time.sleep(1.5)
+    _later(monkeypatch, 2)  # the orphan past its grace
     code, out = _cli(capsys, "check", "--repair")
     assert "repaired" in _lines(out, "corrupt", weights)[0]
     assert "repaired" in _lines(out, "missing", config)[0]
@@ -361,7 +369,7 @@ def test_a_commit_killed_after_storing_its_blobs_is_cleared_by_gc(
     code, out = _cli(capsys, "check")
     assert code == 0 and "kept within hub.gc_grace_s" in _lines(out, "orphan", orphan)[0], out
     monkeypatch.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
-    time.sleep(1.5)
+    _later(monkeypatch, 2)  # the orphan past its grace
     code, out = _cli(capsys, "gc")
     assert code == 0 and f"removed blob {orphan}" in out and "removed 1 blobs" in out, out
     listed = seaweed.client().list_objects_v2(Bucket=bucket, Prefix="blobs/")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import idx_bytes, write_fashion
 from PIL import Image
+from support.helpers import idx_bytes, write_fashion
 
 from training.data.images import CaptionFolder, open_captions, open_images
 from training.data.labelled import (

@@ -12,8 +12,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_logit_dp_math import BOUND, _adversary, _clipped_sum
-from test_training_units import TokenModel
+from support.clipping import ADVERSARY_BOUND, TokenModel, clipped_sum, logit_dp_adversary
 from torch import nn
 
 import training.dp.clipping
@@ -147,12 +146,12 @@ def _per_example_inputs(family: str, kind: str, dtype: torch.dtype) -> Inputs:
 
 def _worst_ratio(clipper: object, inputs: Inputs, delta: float) -> float:
     """max over i of ||S(B) - S(B without i)|| / ``delta``, S the clipper's realised clipped sum."""
-    full = _clipped_sum(clipper, *inputs)
+    full = clipped_sum(clipper, *inputs)
     moved = 0.0
     for i in range(N):
         keep = [j for j in range(N) if j != i]
         moved = max(
-            moved, float((full - _clipped_sum(clipper, *(x[keep] for x in inputs))).double().norm())
+            moved, float((full - clipped_sum(clipper, *(x[keep] for x in inputs))).double().norm())
         )
     return moved / delta
 
@@ -161,7 +160,7 @@ def _alone(clipper: PerExampleClipper, inputs: Inputs) -> float:
     """The largest norm of one example's clipped sum, computed as a batch of its own, over C."""
     return (
         max(
-            float(_clipped_sum(clipper, *(x[i : i + 1] for x in inputs)).double().norm())
+            float(clipped_sum(clipper, *(x[i : i + 1] for x in inputs)).double().norm())
             for i in range(N)
         )
         / CLIP
@@ -239,7 +238,7 @@ def test_no_pair_contributes_more_than_b_under_bf16(
 
         monkeypatch.setattr(training.dp.pair_clipping, "_loss_weights", one_pair)
         with _autocast("bf16"):
-            shares.append(float(_clipped_sum(clipper, *views).double().norm()) / CLIP)
+            shares.append(float(clipped_sum(clipper, *views).double().norm()) / CLIP)
     print(f"pairs {kind}: {min(shares):.5f} to {max(shares):.5f} of B")
     assert 0.95 < min(shares) and max(shares) <= 1
 
@@ -248,18 +247,18 @@ def test_no_pair_contributes_more_than_b_under_bf16(
 def test_logit_dp_at_its_bound_stays_within_delta_under_bf16(tau: float, n: int) -> None:
     """Neighbours chosen by gradient ascent to reach Delta(n) in fp64 (e(x) = Wx / |Wx|) stay
     within it under bf16 autocast (the pair clipper's bf16 rounding once took them to 1.005)."""
-    model, x1, x2 = _adversary(n, tau, BOUND, remove=True, seed=n, steps=200)
-    delta = logit_dp_sensitivity_at(BOUND, tau, n)
+    model, x1, x2 = logit_dp_adversary(n, tau, ADVERSARY_BOUND, remove=True, seed=n, steps=200)
+    delta = logit_dp_sensitivity_at(ADVERSARY_BOUND, tau, n)
     ratios = []
     for precision in PRECISIONS:
         clipper = PairClipper(
-            model.to(torch.float64 if precision == "fp64" else torch.float32), BOUND, tau
+            model.to(torch.float64 if precision == "fp64" else torch.float32), ADVERSARY_BOUND, tau
         )
         views = [x.to(clipper.params[0].dtype) for x in (x1, x2)]
         with _autocast(precision):
             moved = (
-                _clipped_sum(clipper, *views).double()
-                - _clipped_sum(clipper, *(x[:-1] for x in views)).double()
+                clipped_sum(clipper, *views).double()
+                - clipped_sum(clipper, *(x[:-1] for x in views)).double()
             )
         ratios.append(float(moved.norm()) / delta)
     print(

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
+from support.helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
 
 import training.dp.canaries
 import training.dp.engine
@@ -428,7 +428,7 @@ def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(
 def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from live import WRITE_TOKEN, ThreadedServer, settings_for
+    from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 
     stage = audited_stage(monkeypatch, noise_scale=0.1)
     assert stage.epsilon <= 2.0 < stage.audit.epsilon_lower_bound  # the claim is what it was told

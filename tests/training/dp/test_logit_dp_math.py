@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support.clipping import ADVERSARY_BOUND, clipped_sum, logit_dp_adversary
 from torch import nn
 
 from training.dp.clipping import clip_factors
@@ -32,14 +33,6 @@ from vip_hub.privacy.sensitivity import (
 )
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import LEDGER_FILE
-
-
-def _clipped_sum(clipper: object, *inputs: torch.Tensor) -> torch.Tensor:
-    """The clipper's fp64 clipped sum of one call on ``inputs`` (taken: the next starts anew)."""
-    if inputs[0].shape[0] == 0:  # the engine never calls a clipper on an empty sample
-        return clipper.take_sum()
-    clipper.accumulate(*inputs)
-    return clipper.take_sum()
 
 
 # ------------------------------------------------------------------------------- the loss
@@ -202,90 +195,40 @@ def test_only_gelus_feeding_one_linear_layer_get_the_overwriting_backward() -> N
 
 
 # --------------------------------------------------------------------------- sensitivity
-def _linear_clipped_sum(
-    w: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, bound: float, tau: float
-) -> torch.Tensor:
-    """The Logit-DP sum for the model e(x) = Wx / |Wx|, differentiably and in closed form:
-    grad_W Z_ij = ((psi_j - Z_ij phi_i) / |W x_i|) x_i^T + ((phi_i - Z_ij psi_j) / |W x'_j|)
-    x'_j^T."""
-    n = x1.shape[0]
-    if n == 0:
-        return torch.zeros(w.numel(), dtype=w.dtype)
-    h1, h2 = x1 @ w.T, x2 @ w.T
-    r1, r2 = h1.norm(dim=1, keepdim=True), h2.norm(dim=1, keepdim=True)
-    phi, psi = h1 / r1, h2 / r2
-    z = phi @ psi.T
-    eye = torch.eye(n, dtype=w.dtype)
-    weights = ((z / tau).softmax(1) - eye + (z / tau).softmax(0) - eye) / (2 * tau)
-    u = (psi[None] - phi[:, None] * z[..., None]) / r1[:, None]
-    v = (phi[:, None] - psi[None] * z[..., None]) / r2[None]
-    g = u[..., None] * x1[:, None, None, :] + v[..., None] * x2[None, :, None, :]
-    clipped = g * torch.clamp(bound / g.flatten(2).norm(dim=2), max=1.0)[..., None, None]
-    return (weights[..., None, None] * clipped).sum((0, 1)).reshape(-1)
-
-
-def _adversary(
-    n: int, tau: float, bound: float, *, remove: bool, seed: int, steps: int = 60
-) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
-    """Weights and a batch of n examples chosen by gradient ascent to maximise the norm of the
-    difference of the clipped sums with and without the last example (``remove``), or of the
-    batch's own clipped sum (the capped mechanism's boundary: the batch with one more is
-    skipped)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_(True)
-    x1 = torch.randn(n, 6, generator=g, dtype=torch.float64).requires_grad_(True)
-    x2 = torch.randn(n, 6, generator=g, dtype=torch.float64).requires_grad_(True)
-    opt = torch.optim.Adam([w, x1, x2], lr=0.1)
-    for _ in range(steps):
-        diff = _linear_clipped_sum(w, x1, x2, bound, tau)
-        if remove:
-            diff = diff - _linear_clipped_sum(w, x1[:-1], x2[:-1], bound, tau)
-        opt.zero_grad()
-        (-diff.norm()).backward()
-        opt.step()
-    model = nn.Linear(6, 3, bias=False).double()
-    with torch.no_grad():
-        model.weight.copy_(w)
-    return model, x1.detach(), x2.detach()
-
-
-BOUND = 1e-3  # small: every pair is clipped, the adversary's best case
-
-
 @pytest.mark.parametrize(("tau", "n"), [(0.1, 3), (0.5, 3), (1.0, 4)])
 def test_adversarial_neighbours_stay_within_delta_and_exceed_it_without_one_over_tau(
     tau: float, n: int
 ) -> None:
-    model, x1, x2 = _adversary(n, tau, BOUND, remove=True, seed=n)
-    clipper = PairClipper(model, BOUND, tau)
-    moved = float((_clipped_sum(clipper, x1, x2) - _clipped_sum(clipper, x1[:-1], x2[:-1])).norm())
-    delta_n = logit_dp_sensitivity_at(BOUND, tau, n)
+    model, x1, x2 = logit_dp_adversary(n, tau, ADVERSARY_BOUND, remove=True, seed=n)
+    clipper = PairClipper(model, ADVERSARY_BOUND, tau)
+    moved = float((clipped_sum(clipper, x1, x2) - clipped_sum(clipper, x1[:-1], x2[:-1])).norm())
+    delta_n = logit_dp_sensitivity_at(ADVERSARY_BOUND, tau, n)
     assert moved <= delta_n * (1 + 1e-9)
-    assert delta_n <= logit_dp_sensitivity(BOUND, tau) and delta_n <= logit_dp_sensitivity(
-        BOUND, tau, max_batch=n
-    )
+    assert delta_n <= logit_dp_sensitivity(
+        ADVERSARY_BOUND, tau
+    ) and delta_n <= logit_dp_sensitivity(ADVERSARY_BOUND, tau, max_batch=n)
     assert moved >= 0.75 * delta_n  # the bound is nearly attained: the adversary is a real one
     if tau < 1:  # the public implementation's omission: the same bound without 1/tau is exceeded
-        assert moved > tau * logit_dp_sensitivity(BOUND, tau, max_batch=n)
+        assert moved > tau * logit_dp_sensitivity(ADVERSARY_BOUND, tau, max_batch=n)
     else:
         # and the paper's Lemma 4.5 constant (tau = 1) is too small: it conflates two probabilities
-        assert moved > 2 * BOUND * (1 + (n - 2) * math.e**2 / (math.e**2 + n - 1))
+        assert moved > 2 * ADVERSARY_BOUND * (1 + (n - 2) * math.e**2 / (math.e**2 + n - 1))
 
 
 @pytest.mark.parametrize("tau", [0.2, 1.0])
 def test_a_capped_run_is_charged_the_norm_of_a_full_batch(tau: float) -> None:
     m = 4
-    model, x1, x2 = _adversary(m, tau, BOUND, remove=False, seed=1)
-    clipper = PairClipper(model, BOUND, tau, max_batch=m)
-    full = float(_clipped_sum(clipper, x1, x2).norm())
+    model, x1, x2 = logit_dp_adversary(m, tau, ADVERSARY_BOUND, remove=False, seed=1)
+    clipper = PairClipper(model, ADVERSARY_BOUND, tau, max_batch=m)
+    full = float(clipped_sum(clipper, x1, x2).norm())
     extra = torch.randn(1, 6, dtype=torch.float64)
     skipped = clipper.accumulate(
         torch.cat([x1, extra]), torch.cat([x2, extra])
     )  # m + 1: nothing added
     assert not clipper.take_sum().any() and not skipped.factors.any()
-    assert full <= logit_dp_sensitivity(BOUND, tau, max_batch=m) * (1 + 1e-9)
+    assert full <= logit_dp_sensitivity(ADVERSARY_BOUND, tau, max_batch=m) * (1 + 1e-9)
     if tau == 1.0:  # at the boundary a cap costs more than Delta(m): the rule must charge it
-        assert full > logit_dp_sensitivity_at(BOUND, tau, m)
+        assert full > logit_dp_sensitivity_at(ADVERSARY_BOUND, tau, m)
 
 
 @pytest.mark.parametrize("build", [_mlp, _convnet], ids=["mlp-layernorm", "convnet"])
@@ -300,7 +243,7 @@ def test_random_neighbours_stay_within_delta(build) -> None:
         drop = trial % n  # remove any one example, not only the last
         keep = [i for i in range(n) if i != drop]
         moved = float(
-            (_clipped_sum(clipper, x1, x2) - _clipped_sum(clipper, x1[keep], x2[keep])).norm()
+            (clipped_sum(clipper, x1, x2) - clipped_sum(clipper, x1[keep], x2[keep])).norm()
         )
         assert moved <= logit_dp_sensitivity_at(0.05, tau, n) * (1 + 1e-6)
 
@@ -315,7 +258,7 @@ def test_a_non_finite_example_is_left_out() -> None:
     with_bad = clipper.accumulate(bad1, x2)
     got = clipper.take_sum()
     keep = [0, 1, 3]
-    assert torch.equal(got, _clipped_sum(clipper, x1[keep], x2[keep]))
+    assert torch.equal(got, clipped_sum(clipper, x1[keep], x2[keep]))
     assert not with_bad.factors[2].any() and not with_bad.factors[:, 2].any()
 
 
@@ -357,7 +300,7 @@ def test_naive_dp_clips_the_batch_gradient_and_stays_within_two_c() -> None:
     full = clipper.take_sum()
     assert torch.allclose(full, clipped(w, x1, x2).detach().reshape(-1), rtol=1e-4)
     assert float(full.norm()) <= c * (1 + 1e-9) and result.factors.shape == (1,)
-    moved = float((full - _clipped_sum(clipper, x1[:-1], x2[:-1])).norm())
+    moved = float((full - clipped_sum(clipper, x1[:-1], x2[:-1])).norm())
     assert c < moved <= naive_dp_sensitivity(c)  # more than C: a rule of C would be wrong
 
 

@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import NEEDS_CUDA
 from scipy import stats
+from support.helpers import NEEDS_CUDA
 
 import training.dp.sampling
 from training.dp.engine import NOISE_CHUNK, add_gaussian_noise

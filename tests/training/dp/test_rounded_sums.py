@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from test_logit_dp_math import _clipped_sum
+from support.clipping import clipped_sum
 from torch import nn
 
 import training.dp.pair_clipping
@@ -130,11 +130,11 @@ def _crafted(kind: str, layer: str, seed: int) -> tuple[nn.Module, torch.Tensor,
 
 def _worst_share(clipper: PerExampleClipper, inputs: tuple[torch.Tensor, ...]) -> float:
     """max over i of ||S(D) - S(D without i)||, S the clipper's realised clipped sum."""
-    full = _clipped_sum(clipper, *inputs)
+    full = clipped_sum(clipper, *inputs)
     return max(
         float(
             (
-                full - _clipped_sum(clipper, *(x[[j for j in range(B) if j != i]] for x in inputs))
+                full - clipped_sum(clipper, *(x[[j for j in range(B) if j != i]] for x in inputs))
             ).norm()
         )
         for i in range(B)
@@ -224,7 +224,7 @@ def _scan(
         sums = []
         for batch in (x, x[1:]):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                sums.append(_clipped_sum(clipper(clip), batch, *extra(batch)))
+                sums.append(clipped_sum(clipper(clip), batch, *extra(batch)))
         worst = max(worst, float((sums[0] - sums[1]).norm()) / clip)
     return worst
 

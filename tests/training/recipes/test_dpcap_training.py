@@ -15,17 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import (
+from PIL import Image
+from safetensors.torch import load_file
+from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from support.helpers import (
     TINY,
     kill_mid_run,
     published_hashes_of,
     run_stages,
     synthetic_stage,
     tiny_encoder,
+    tiny_syn,
 )
-from PIL import Image
-from safetensors.torch import load_file
 
 import training.dp.run
 from training.data.images import CaptionFolder, TarShards, open_captions
@@ -38,7 +39,6 @@ from training.data.labelled import (
 from training.dp.clipping import PerExampleClipper
 from training.recipes.dpcap import DPCapConfig, train_dpcap
 from training.recipes.mae import load_mae
-from training.recipes.syn import SynConfig, train_syn
 from vip_hub import export_encoder, verify_repo
 from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_captioner
@@ -49,18 +49,6 @@ from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
-SYN_ARGS = dict(
-    arch="dpcap-nano",
-    img_size=IMG,
-    patch_size=PATCH,
-    steps=2,
-    batch_size=4,
-    decoder_dim=32,
-    decoder_depth=1,
-    decoder_heads=2,
-    workers=0,
-    seed=0,
-)
 DP_ARGS = dict(
     steps=6,
     batch_size=6,
@@ -95,8 +83,11 @@ def make_pairs(root: Path, per_class: int = 8, classes: int = 3) -> Path:
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(
-        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "dpcap-nano-syn"), **SYN_ARGS)
+    return tiny_syn(
+        tmp_path_factory.mktemp("syn") / "dpcap-nano-syn",
+        arch="dpcap-nano",
+        img_size=IMG,
+        patch_size=PATCH,
     )
 
 

@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from live import WRITE_TOKEN
 from safetensors.torch import load_file
+from support.helpers import tiny_syn
+from support.live import WRITE_TOKEN
 
 from training.data.labelled import LabelledArrays, write_image_folder
 from training.dp.clipping import PerExampleClipper, clip_factors
@@ -30,7 +31,6 @@ from training.recipes.finetune import (
     classifier,
     train_finetune,
 )
-from training.recipes.syn import SynConfig, train_syn
 from training.skeleton.distributed import Dist
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
@@ -49,18 +49,6 @@ from vip_hub.repo.verify import verify_repo
 
 BIN = Path(sys.executable).parent
 CLASSES = ("circle", "square", "stripe")
-SYN_ARGS = dict(
-    arch="vip-nano",
-    img_size=32,
-    patch_size=8,
-    steps=2,
-    batch_size=4,
-    decoder_dim=32,
-    decoder_depth=1,
-    decoder_heads=2,
-    workers=0,
-    seed=0,
-)
 RUN_ARGS = dict(
     steps=3,
     batch_size=8,
@@ -88,9 +76,7 @@ WHOLE_ARGS = dict(
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(
-        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
-    )
+    return tiny_syn(tmp_path_factory.mktemp("syn") / "vip-nano-syn")
 
 
 def shapes(n: int, seed: int) -> LabelledArrays:

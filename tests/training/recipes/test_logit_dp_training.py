@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import TINY, kill_mid_run, run_stages, tiny_encoder
 from PIL import Image
 from safetensors.torch import load_file
+from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from support.helpers import TINY, kill_mid_run, run_stages, tiny_encoder, tiny_syn
 
 import training.recipes.logit_dp
 from training.data.images import Augmented, ImageFolder, mae_transform
@@ -31,7 +31,6 @@ from training.recipes.logit_dp import (
     skip_cap,
     train_logit_dp,
 )
-from training.recipes.syn import SynConfig, train_syn
 from training.skeleton.distributed import Dist
 from vip_hub import verify_repo
 from vip_hub.errors import ConfigError
@@ -48,18 +47,6 @@ from vip_hub.privacy.sensitivity import (
 )
 
 BIN = Path(sys.executable).parent
-SYN_ARGS = dict(
-    arch="vip-nano",
-    img_size=16,
-    patch_size=8,
-    steps=2,
-    batch_size=4,
-    decoder_dim=32,
-    decoder_depth=1,
-    decoder_heads=2,
-    workers=0,
-    seed=0,
-)
 DP_ARGS = dict(
     steps=6,
     batch_size=6,
@@ -81,9 +68,7 @@ def cli_args(settings: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(
-        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
-    )
+    return tiny_syn(tmp_path_factory.mktemp("syn") / "vip-nano-syn", img_size=16)
 
 
 @pytest.fixture(scope="module")

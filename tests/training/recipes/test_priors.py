@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import timm
-from helpers import kill_mid_run
 from safetensors import safe_open
+from support.helpers import ROOT, kill_mid_run
 
 from training.priors import PRIORS, losses_path, prior_command, prior_path, read_losses
 from vip_hub.errors import MissingInputError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
 
-BIN = Path(__file__).resolve().parents[1] / ".venv" / "bin"
+BIN = ROOT / ".venv" / "bin"
 MAX_BYTES = 5 * 1024 * 1024
 CHECKED_STEPS = 5
 
@@ -28,7 +28,7 @@ def test_a_committed_prior_is_a_small_verified_repo_without_private_data(name: s
     repo = prior_path(name)
     report = verify_repo(repo)
     assert report.ok, report.problems
-    (stage,) = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).stages
+    (stage,) = PrivacyLedger.read(repo).stages
     assert stage.name == "syn-scatter" and stage.private_data is False
     weights = repo / WEIGHTS_FILE
     total = sum(f.stat().st_size for f in repo.iterdir())

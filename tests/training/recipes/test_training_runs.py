@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import timm
 import torch
-from audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from helpers import kill_mid_run, published_hashes_of, run_stages
-from live import free_port
 from PIL import Image
 from safetensors.torch import load_file
+from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from support.helpers import ROOT, TINY_SYN, kill_mid_run, published_hashes_of, run_stages, tiny_syn
+from support.live import free_port
 
 import training.dp.run
 from training.data.images import TarShards, open_images
@@ -57,17 +57,6 @@ from vip_hub.repo_format import (
 )
 
 BIN = Path(sys.executable).parent
-SYN_ARGS = dict(
-    arch="vip-nano",
-    img_size=32,
-    patch_size=8,
-    steps=4,
-    batch_size=8,
-    decoder_dim=64,
-    decoder_depth=1,
-    decoder_heads=4,
-    workers=0,
-)
 
 
 def make_images(root: Path, per_class: int = 20, classes: int = 2, seed: int = 0) -> Path:
@@ -84,9 +73,7 @@ def make_images(root: Path, per_class: int = 20, classes: int = 2, seed: int = 0
 
 @pytest.fixture(scope="module")
 def syn_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_syn(
-        SynConfig(out=str(tmp_path_factory.mktemp("syn") / "vip-nano-syn"), **SYN_ARGS)
-    )
+    return tiny_syn(tmp_path_factory.mktemp("syn") / "vip-nano-syn", steps=4)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +96,7 @@ def vip_config(syn_repo: Path, images: Path, out: Path, **settings: Any) -> VipC
 
 
 def make_repo_without_decoder(tmp_path: Path) -> Path:
-    from helpers import TINY, synthetic_stage, tiny_encoder
+    from support.helpers import TINY, synthetic_stage, tiny_encoder
 
     from vip_hub import export_encoder
 
@@ -136,7 +123,7 @@ def test_contrastive_syn_exports_a_verified_repo_without_private_data(tmp_path: 
     """The (Syn) contrastive objective: its own ledger stage saying no private data, no MAE
     decoder (ViP would start a fresh one), plain timm loads it, and a rerun of the same
     settings reproduces its loss curve (its views come from their own streams)."""
-    cfg = dict(SYN_ARGS, img_size=16, patch_size=4, crop_pct=1.0, objective="contrastive", steps=3)
+    cfg = dict(TINY_SYN, img_size=16, patch_size=4, crop_pct=1.0, objective="contrastive", steps=3)
     cfg["families"] = "dead_leaves,cellular"
     out = train_syn(SynConfig(out=str(tmp_path / "con"), **cfg))
     report = verify_repo(out)
@@ -186,7 +173,7 @@ def test_scatter_syn_distils_the_scatternet_into_a_shallow_encoder(tmp_path: Pat
     with torch.no_grad():
         assert coarse(torch.rand(2, 32, 32)).shape == (2,)
 
-    cfg = dict(SYN_ARGS, img_size=16, patch_size=4, crop_pct=1.0, objective="scatter", lr=1e-3)
+    cfg = dict(TINY_SYN, img_size=16, patch_size=4, crop_pct=1.0, objective="scatter", lr=1e-3)
     cfg.update(steps=40, batch_size=16, depth=2, seed=3)
     out = train_syn(SynConfig(out=str(tmp_path / "scatter"), **cfg))
     report = verify_repo(out)
@@ -387,7 +374,7 @@ def test_resume_with_other_settings_is_one_line_naming_restart(
 ) -> None:
     run_dir = syn_repo.with_name(syn_repo.name + ".run")
     shutil.copytree(run_dir, tmp_path / run_dir.name)  # its checkpoint, written with --steps 4
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in {**SYN_ARGS, "steps": 5}.items()]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY_SYN, "steps": 5}.items()]
     r = subprocess.run(
         [str(BIN / "vip-hub"), "train-syn", "--out", str(tmp_path / syn_repo.name), *args],
         check=False,
@@ -577,7 +564,7 @@ def test_two_ranks_add_the_noise_once_and_agree_on_the_sample_and_the_audit(
     """One DP-engine step (``dist_noise_probe.py``) in one process and on two nodes of one rank
     each (the layout with a rendezvous; the engine's code is the same in both): the update's
     noise is sigma C / B once, not once per rank, and the ranks agree with the single process."""
-    probe = Path(__file__).with_name("dist_noise_probe.py")
+    probe = ROOT / "tests" / "support" / "dist_noise_probe.py"
     single = subprocess.run(
         [sys.executable, str(probe), str(tmp_path / "one.json")],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICES
+from support.clipping import TokenModel
+from support.helpers import DEVICES
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -105,22 +106,6 @@ def test_mae_decoder_keys_follow_the_reference() -> None:
 
 
 # ---------------------------------------------------------------- clipping
-class TokenModel(nn.Module):
-    """A captioning-like model on token ids: an embedding (repeated ids and padding), a wide layer
-    (ghost norm over 100-150 tokens, in strips) and a narrow head (per-example products)."""
-
-    def __init__(self, vocab: int = 13, dim: int = 320):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
-        self.norm = nn.LayerNorm(dim)
-        self.hidden = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, 4)
-
-    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        y = self.head(nn.functional.gelu(self.hidden(self.norm(self.embed(ids)))))
-        return (y - target).square().mean((1, 2))
-
-
 def clipping_case(
     model: str, dtype: torch.dtype, device: str, b: int = 6, seed: int = 1
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

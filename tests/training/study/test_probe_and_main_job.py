@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 import yaml
-from helpers import write_digits, write_fashion
-from live import WRITE_TOKEN, free_port
+from support.helpers import ROOT, write_digits, write_fashion
+from support.live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
@@ -34,21 +34,14 @@ from vip_hub.repo_format import (
     CARD_FILE,
     ENCODER,
     HEADS_DIR,
-    LEDGER_FILE,
     VOCAB_FILE,
     head_component,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_digits(tmp_path_factory.mktemp("digits"), test_fraction=0.2, seed=0)
-
-
-def ledger_of(repo: Path) -> PrivacyLedger:
-    return PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
 
 
 def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Path, digits) -> None:
@@ -67,7 +60,7 @@ def test_probe_beats_chance_and_says_its_labels_have_no_guarantee(tiny_repo: Pat
     assert r.top1 > 0.3, r.top1  # chance is 0.1
     assert r.repo == tiny_repo and list_heads(tiny_repo) == ["digits"]
     assert verify_repo(tiny_repo).ok
-    stage = ledger_of(tiny_repo).stage("linear-probe:digits")
+    stage = PrivacyLedger.read(tiny_repo).stage("linear-probe:digits")
     assert (
         stage.type == "non-private"
         and stage.private_data
@@ -181,7 +174,7 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
         norm = load_head(r.repo, "centred")[0].norm
         assert torch.allclose(norm.running_mean, mean, atol=1e-5)
         assert torch.allclose(norm.running_var, var, rtol=1e-2)
-        described = ledger_of(r.repo).stage("linear-probe-dp:centred").description
+        described = PrivacyLedger.read(r.repo).stage("linear-probe-dp:centred").description
         assert ("centred on public images" in described) == (public_data is not None)
 
     with pytest.raises(ValueError, match="must not score it"):
@@ -232,7 +225,7 @@ def test_dp_probe_has_a_dp_stage_within_its_budget(tiny_repo: Path, digits, tmp_
     )
     assert r.top1 > 0.2, r.top1
     assert verify_repo(out).ok and not (tiny_repo / HEADS_DIR).exists()  # written to --out only
-    ledger = ledger_of(out)
+    ledger = PrivacyLedger.read(out)
     stage = ledger.stage("linear-probe-dp:digits-dp")
     assert (
         stage.type == "dp"
@@ -410,12 +403,12 @@ def dp_accounting_epsilon(ledger: PrivacyLedger, component: str, delta: float) -
 def cards_are_composed_on_the_dataset_page(store: Path, repos: dict[str, Path]) -> None:
     """Every figure a card releases is a published repo's, and the dataset's page composes every
     DP stage of those repos: what the cards show, the page accounts for."""
-    from live import ThreadedServer, settings_for
+    from support.live import ThreadedServer, settings_for
 
     from vip_hub.privacy.accounting import Accountant
     from vip_hub.privacy.ledger import compose_releases
 
-    stages = [s for repo in repos.values() for s in ledger_of(repo).dp_stages()]
+    stages = [s for repo in repos.values() for s in PrivacyLedger.read(repo).dp_stages()]
     rows = [card_info((repo / CARD_FILE).read_text()).comparison for repo in repos.values()]
     assert all(r == rows[0] for r in rows) and rows[0]
     assert {r["repo"] for r in rows[0]} <= {f"vip/{name}" for name in repos}, rows[0]
@@ -431,12 +424,12 @@ def cards_are_composed_on_the_dataset_page(store: Path, repos: dict[str, Path]) 
 def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) -> None:
     """Each component's served guarantee (the privacy blocks of /v1/embeddings and /v1/classify,
     the card's headline) is at least the composition of its DP stages."""
-    from live import ThreadedServer, settings_for
+    from support.live import ThreadedServer, settings_for
 
     image = base64.b64encode(min(images.glob("*/*.png")).read_bytes()).decode()
     with ThreadedServer(settings_for(store)) as server:
         for name, repo in repos.items():
-            ledger = ledger_of(repo)
+            ledger = PrivacyLedger.read(repo)
             model = f"vip/{name}"
             emb = httpx.post(
                 f"{server.url}/v1/embeddings", json={"model": model, "input": [image]}, timeout=60
@@ -551,7 +544,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
             verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
         )
         # the split rule: the encoder's stages and the head's compose to the total epsilon
-        head = ledger_of(repo).summary(head_component(HEAD))
+        head = PrivacyLedger.read(repo).summary(head_component(HEAD))
         assert 3.0 - 0.02 < head.epsilon <= 3.0 and head.delta == pytest.approx(1e-5)
     mechanisms = {  # and the DP-AdamW peak lr: a quarter of the recipe's 3.84e-4 and 5.12e-4
         "vip-nano-fashion-dp": ("dp-pretrain", "DP-AdamW", 9.6e-5),
@@ -560,7 +553,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         "vip-nano-fashion-naive-dp": ("dp-contrastive", "Naive-DP", None),
     }
     for name, (stage_name, mechanism, lr) in mechanisms.items():
-        ledger = ledger_of(repos[name])
+        ledger = PrivacyLedger.read(repos[name])
         enc = ledger.stage(stage_name)
         assert enc.mechanism == mechanism and enc.audit is not None
         # d counts tensors named where they are released (verify checked them) and the canaries

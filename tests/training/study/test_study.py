@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import write_idx
+from support.helpers import write_idx
 
 from training.data.labelled import fashion_mnist
 from training.main_job import MainJobConfig
