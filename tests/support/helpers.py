@@ -1,4 +1,4 @@
-"""Helpers the tests share (``from helpers import ...``); the fixtures stay in conftest.py."""
+"""Helpers the tests share (``from support.helpers import ...``); fixtures: conftest.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def random_text(size: int) -> bytes:
     return b"#" + os.urandom(size // 2).hex().encode()[: size - 1]
 
 
-TINY_SYN: dict[str, object] = dict(
+TINY_SYN: dict[str, Any] = dict(
     arch="vip-nano",
     img_size=32,
     patch_size=8,
@@ -87,11 +88,11 @@ TINY_SYN: dict[str, object] = dict(
 """A (Syn) run at a test's size: two steps of batch 4 on procedural images, a one-block decoder."""
 
 
-def tiny_syn(out: Path, **settings: object) -> Path:
+def tiny_syn(out: Path, **settings: Any) -> Path:
     """A (Syn) repo trained into ``out`` (``TINY_SYN``, with ``settings`` over it)."""
     from training.recipes.syn import SynConfig, train_syn
 
-    return train_syn(SynConfig(out=str(out), **{**TINY_SYN, **settings}))  # type: ignore[arg-type]
+    return train_syn(SynConfig(out=str(out), **{**TINY_SYN, **settings}))
 
 
 def with_front_matter(readme: str, extra: str) -> str:
