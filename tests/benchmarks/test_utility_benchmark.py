@@ -159,7 +159,7 @@ def test_a_head_after_an_encoder_gets_only_the_rest_of_the_budget() -> None:
     )
     eps_alone = head_epsilon(study, [], 0.125, 80)
     eps_after = head_epsilon(study, [encoder], 0.125, 80)
-    assert eps_alone == study.epsilon and eps_after < study.epsilon - 0.1
+    assert eps_alone == study.epsilon and eps_after < study.epsilon - 0.01
     sigma = calibrate(eps_after, study.delta, 0.125, 80)
     total = composed_epsilon([encoder.mechanism_tuple, (sigma, 0.125, 80)], study.delta)
     assert study.epsilon - 0.01 < total <= study.epsilon
