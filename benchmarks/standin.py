@@ -24,8 +24,8 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 (``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both priors in
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
-    python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 1] [--lr-scale 0.25]
-        [--heads 3]
+    python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
+        [--heads 3] [--uncentred]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 3e-5] [--probe-only]
 """
 
@@ -206,9 +206,11 @@ def heads_trial(
     heads: int = 3,
     mode: str = MODE,
     steps: int | None = None,
+    centred: bool = True,
 ) -> Trial:
     """``row`` (``syn``: the committed prior; ``vip``, ``dpcap``: its DP stage on the stand-in at
-    the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise, and a
+    the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise (centred on
+    the centring records' mean, or with ``centred`` off their BatchNorm the identity), and a
     non-private reference; top-1 on the stand-in's scoring records."""
     began = time.process_time()
     t = Trial(row, settings)
@@ -229,8 +231,9 @@ def heads_trial(
     sigma_h, q_h, steps_h = t.standin["head"]
     eps = epsilon(sigma_h, q_h, steps_h, study.delta)
     cfg = head_config(study, len(y), eps, dataset=recs.private.dataset.name)
+    statistics = centred_statistics(xc if centred else torch.zeros_like(xc[:1]))
     for _ in range(heads):
-        head, _ = fit_probe(x, y, len(recs.private.classes), cfg, centred_statistics(xc))
+        head, _ = fit_probe(x, y, len(recs.private.classes), cfg, statistics)
         t.dp_top1.append(100 * accuracy(head, xs, ys))
     ref_cfg = head_config(study, len(y), None, dataset=recs.private.dataset.name)
     ref, _ = fit_probe(x, y, len(recs.private.classes), ref_cfg, desc="reference")
@@ -305,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
     p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
+    p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument("--private", type=int, default=PRIVATE, help="stand-in private records")
     p.add_argument("--end", type=int, default=END, help="scoring records end here")
     p.add_argument("--mode", default=MODE, help="the feature mode the heads read")
@@ -325,7 +329,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
-        t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, a.steps)
+        if a.uncentred:
+            settings["centred"] = 0
+        t = heads_trial(
+            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred
+        )
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:

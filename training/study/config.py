@@ -48,8 +48,9 @@ class StudyConfig(BaseModel):
         description="the first selection records (all, when fewer), whose features' mean "
         "centres every DP head (BatchNorm fixed to that mean, variance 1): 1,000 leave under a "
         "hundredth of a spatial mode's squared norm shared (benchmarks/README.md, 'the head's "
-        "centring'), embedded once a head; centring itself was adopted by comparing DP heads on "
-        "the training records, before the public-data rule (disclosed there, not re-made)",
+        "centring'), embedded once a head; centring itself chosen on public data, DP heads on "
+        "the public stand-in with and without it (benchmarks/README.md, 'Settings chosen on "
+        "public data')",
     )
     epsilon: float = Field(
         3.0,
