@@ -20,7 +20,16 @@ from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateSta
 from vip_hub.privacy.sensitivity import rounding_params
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
-from vip_hub.repo_format import WEIGHTS_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    HEAD_LABELS,
+    LEDGER_FILE,
+    MAE_DECODER_FILE,
+    WEIGHTS_FILE,
+    head_component,
+    head_file,
+)
 
 PLAIN_TIMM = r"""
 import sys, timm, torch
@@ -36,14 +45,8 @@ print(cfg["input_size"], cfg["interpolation"], cfg["crop_pct"])
 
 def test_export_layout(tiny_repo):
     names = {p.name for p in tiny_repo.iterdir()}
-    assert names == {
-        "model.safetensors",
-        "config.json",
-        "privacy_ledger.json",
-        "README.md",
-        "mae_decoder.safetensors",
-    }
-    config = json.loads((tiny_repo / "config.json").read_text())
+    assert names == {WEIGHTS_FILE, CONFIG_FILE, LEDGER_FILE, CARD_FILE, MAE_DECODER_FILE}
+    config = json.loads((tiny_repo / CONFIG_FILE).read_text())
     assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 0
     assert config["num_features"] == 192 and config["global_pool"] == "avg"
     assert config["model_args"]["num_heads"] == 12 and config["model_args"]["img_size"] == 32
@@ -55,10 +58,10 @@ def test_export_layout(tiny_repo):
         "spatial-b4-g2": 768,  # the default spatial modes: a 2 x 2 patch grid at 32 px
         "spatial-b8-g2": 768,
     }
-    meta = read_safetensors_header(tiny_repo / "model.safetensors")[0]["__metadata__"]
+    meta = read_safetensors_header(tiny_repo / WEIGHTS_FILE)[0]["__metadata__"]
     assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
     assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse(
-        (tiny_repo / "privacy_ledger.json").read_text()
+        (tiny_repo / LEDGER_FILE).read_text()
     )
 
 
@@ -109,7 +112,7 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
     for undeclared in ("spatial-b4.8-g2", "spatial-b5-g1", "max"):
         with pytest.raises(ValueError, match=r"this repo offers vip, avg, cls, spatial-b4-g2, "):
             enc.embed(x, pooling=undeclared)
-    card = (tiny_repo / "README.md").read_text()
+    card = (tiny_repo / CARD_FILE).read_text()
     assert "`spatial-b8-g2` (768): patch tokens of block 8 average-pooled to a 2 x 2 grid" in card
     assert "small images and classes that live in the layout" in card
     chosen = export_encoder(
@@ -126,15 +129,15 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
             tmp_path / "bad", tiny_encoder(), TINY, [dp_stage_session], model_name="bad",
             spatial=["spatial-b13-g1"],
         )  # fmt: skip
-    config = json.loads((chosen / "config.json").read_text())
+    config = json.loads((chosen / CONFIG_FILE).read_text())
     config["vip_hub"]["feature_dims"]["spatial-b1.2-g1"] = 192
-    (chosen / "config.json").write_text(json.dumps(config))
+    (chosen / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(RepoFormatError, match="spatial-b1.2-g1 is 384 wide, not 192"):
         load_encoder(chosen, verify=False)
 
 
 def test_card_parses_with_huggingface_hub(tiny_repo):
-    card = ModelCard.load(tiny_repo / "README.md")
+    card = ModelCard.load(tiny_repo / CARD_FILE)
     data = card.data.to_dict()
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
@@ -183,41 +186,39 @@ def _lower_epsilon(ledger: dict) -> dict:
 
 
 def test_tampered_json_copy(tiny_repo):
-    path = tiny_repo / "privacy_ledger.json"
+    path = tiny_repo / LEDGER_FILE
     path.write_text(json.dumps(_lower_epsilon(json.loads(path.read_text()))))
     _fails(tiny_repo, "disagrees with privacy_ledger.json at stages.1.epsilon")
 
 
 def test_tampered_weights_metadata_copy(tiny_repo):
-    path = tiny_repo / "model.safetensors"
+    path = tiny_repo / WEIGHTS_FILE
     meta = read_safetensors_header(path)[0]["__metadata__"]
     meta[META_LEDGER] = json.dumps(_lower_epsilon(json.loads(meta[META_LEDGER])))
     rewrite_safetensors_metadata(path, meta)
-    _fails(tiny_repo, "model.safetensors: its ledger copy disagrees", "stages.1.epsilon")
+    _fails(tiny_repo, f"{WEIGHTS_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
 
 def test_tampered_card_copy(tiny_repo):
-    path = tiny_repo / "README.md"
+    path = tiny_repo / CARD_FILE
     _, front, body = path.read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = _lower_epsilon(data["differential_privacy"])
     path.write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
-    _fails(tiny_repo, "README.md: its ledger copy disagrees", "stages.1.epsilon")
+    _fails(tiny_repo, f"{CARD_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
 
 def _rewrite_all_copies(repo, change) -> None:
     """Apply ``change`` to the ledger and write it consistently into its three copies."""
-    ledger = change(json.loads((repo / "privacy_ledger.json").read_text()))
+    ledger = change(json.loads((repo / LEDGER_FILE).read_text()))
     text = json.dumps(ledger)
-    (repo / "privacy_ledger.json").write_text(text)
-    meta = read_safetensors_header(repo / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(repo / "model.safetensors", {**meta, META_LEDGER: text})
-    _, front, body = (repo / "README.md").read_text().split("---\n", 2)
+    (repo / LEDGER_FILE).write_text(text)
+    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
+    rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
+    _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = ledger
-    (repo / "README.md").write_text(
-        "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
-    )
+    (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
 
 
 def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
@@ -240,44 +241,40 @@ def test_a_reference_epsilon_off_its_accountant_fails(tiny_repo):
 
 
 def test_tampered_weights(tiny_repo):
-    path = tiny_repo / "model.safetensors"
+    path = tiny_repo / WEIGHTS_FILE
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))
-    _fails(tiny_repo, "model.safetensors: content changed since export")
+    _fails(tiny_repo, f"{WEIGHTS_FILE}: content changed since export")
 
 
 def test_tampered_config_and_extra_weights(tiny_repo):
-    (tiny_repo / "config.json").write_text(
-        (tiny_repo / "config.json").read_text().replace('"depth": 12', '"depth": 11')
+    (tiny_repo / CONFIG_FILE).write_text(
+        (tiny_repo / CONFIG_FILE).read_text().replace('"depth": 12', '"depth": 11')
     )
-    (tiny_repo / "extra.safetensors").write_bytes(
-        (tiny_repo / "mae_decoder.safetensors").read_bytes()
-    )
-    _fails(tiny_repo, "config.json: content changed", "extra.safetensors: not listed")
+    (tiny_repo / "extra.safetensors").write_bytes((tiny_repo / MAE_DECODER_FILE).read_bytes())
+    _fails(tiny_repo, f"{CONFIG_FILE}: content changed", "extra.safetensors: not listed")
 
 
 def test_missing_files(tiny_repo):
-    (tiny_repo / "privacy_ledger.json").unlink()
-    (tiny_repo / "mae_decoder.safetensors").unlink()
-    _fails(
-        tiny_repo, "privacy_ledger.json: missing", "mae_decoder.safetensors: listed in the ledger"
-    )
+    (tiny_repo / LEDGER_FILE).unlink()
+    (tiny_repo / MAE_DECODER_FILE).unlink()
+    _fails(tiny_repo, f"{LEDGER_FILE}: missing", f"{MAE_DECODER_FILE}: listed in the ledger")
 
 
 def test_load_encoder_refuses_unverified(tiny_repo):
-    (tiny_repo / "privacy_ledger.json").write_text("{}")
+    (tiny_repo / LEDGER_FILE).write_text("{}")
     from vip_hub import VerificationError
 
-    with pytest.raises(VerificationError, match="privacy_ledger.json"):
+    with pytest.raises(VerificationError, match=LEDGER_FILE):
         load_encoder(tiny_repo)
 
 
 def test_update_repo_adds_stage_file_and_result(tiny_repo):
-    before = (tiny_repo / "model.safetensors").read_bytes()
+    before = (tiny_repo / WEIGHTS_FILE).read_bytes()
     stage = NonPrivateStage(
         name="linear-probe",
-        component="heads/probe",
+        component=head_component("probe"),
         dataset=Dataset(name="labels", size=10),
         private_data=True,
     )
@@ -292,22 +289,22 @@ def test_update_repo_adds_stage_file_and_result(tiny_repo):
     ledger = update_repo(
         tiny_repo,
         add_stages=[stage],
-        add_files={"heads/probe/labels.json": b"[]"},
+        add_files={head_file("probe", HEAD_LABELS): b"[]"},
         add_eval_results=[result],
     )
-    assert ledger.stage("linear-probe").component == "heads/probe"
-    assert "heads/probe/labels.json" in ledger.artifacts
+    assert ledger.stage("linear-probe").component == head_component("probe")
+    assert head_file("probe", HEAD_LABELS) in ledger.artifacts
     assert verify_repo(tiny_repo).ok
-    card = ModelCard.load(tiny_repo / "README.md")
+    card = ModelCard.load(tiny_repo / CARD_FILE)
     assert card.data.eval_results[0].metric_value == 0.5
     assert "No guarantee covers" in card.text
-    assert (tiny_repo / "model.safetensors").read_bytes() != before  # metadata rewritten
+    assert (tiny_repo / WEIGHTS_FILE).read_bytes() != before  # metadata rewritten
     with pytest.raises(ValueError, match="managed by vip_hub"):
-        update_repo(tiny_repo, add_files={"config.json": b"{}"})
+        update_repo(tiny_repo, add_files={CONFIG_FILE: b"{}"})
 
 
 def test_update_refuses_broken_repo_and_leaves_it_alone(tiny_repo):
-    (tiny_repo / "config.json").write_text("{}")
+    (tiny_repo / CONFIG_FILE).write_text("{}")
     snapshot = {p.name: p.read_bytes() for p in tiny_repo.iterdir()}
     from vip_hub import VerificationError
 
@@ -324,7 +321,7 @@ def test_heads_round_trip_and_replace(tiny_repo):
     head.norm.running_mean.normal_()
     stage = NonPrivateStage(
         name="linear-probe:toy",
-        component="heads/toy",
+        component=head_component("toy"),
         dataset=Dataset(name="toy-labels", size=30),
         private_data=True,
     )
@@ -417,7 +414,7 @@ def test_verify_refuses_a_ledger_without_the_truncation_bound(tiny_repo, field):
 
 def _card_of(repo: Path) -> tuple[dict, str]:
     """A repo card's front matter and its text, one space between words."""
-    card = ModelCard.load(repo / "README.md")
+    card = ModelCard.load(repo / CARD_FILE)
     return card.data.to_dict(), " ".join(card.text.split())
 
 
@@ -539,14 +536,17 @@ def _d_without_its_tensors(stage: dict) -> None:
     stage["noised_dimension"] = 1
 
 
+FC1 = "blocks.11.mlp.fc1.weight"
+
+
 def _a_released_tensor_shrunk(stage: dict) -> None:
-    stage["noised_tensors"]["model.safetensors:blocks.11.mlp.fc1.weight"] = 1
+    stage["noised_tensors"][noised_key(WEIGHTS_FILE, FC1)] = 1
     stage["noised_dimension"] = sum(stage["noised_tensors"].values())
 
 
 def _a_released_tensor_renamed(stage: dict) -> None:
-    count = stage["noised_tensors"].pop("model.safetensors:blocks.11.mlp.fc1.weight")
-    stage["noised_tensors"]["model.safetensors:blocks.11.mlp.fc9.weight"] = count
+    count = stage["noised_tensors"].pop(noised_key(WEIGHTS_FILE, FC1))
+    stage["noised_tensors"][noised_key(WEIGHTS_FILE, "blocks.11.mlp.fc9.weight")] = count
 
 
 @pytest.mark.parametrize(
@@ -554,8 +554,8 @@ def _a_released_tensor_renamed(stage: dict) -> None:
     [
         (_d_is_one, "noised_dimension 1 is not the"),
         (_d_without_its_tensors, "records a noised dimension of 1 without the tensors it counts"),
-        (_a_released_tensor_shrunk, "counts 1 noised elements in model.safetensors:blocks.11."),
-        (_a_released_tensor_renamed, "blocks.11.mlp.fc9.weight, which model.safetensors lacks"),
+        (_a_released_tensor_shrunk, f"counts 1 noised elements in {noised_key(WEIGHTS_FILE, FC1)}"),
+        (_a_released_tensor_renamed, f"blocks.11.mlp.fc9.weight, which {WEIGHTS_FILE} lacks"),
     ],
 )
 def test_verify_checks_the_noised_dimension_against_the_released_tensors(

@@ -1,11 +1,16 @@
 """Clipping cases the DP tests share: a clipper's sum of one call, the Logit-DP sum of a linear
 embedder in closed form and the adversary that maximises a neighbour's move of it, and a
-token model for the ghost-norm and embedding paths."""
+token model for the ghost-norm and embedding paths; the update of a DP step that sampled nothing."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from training.dp.engine import Budget, DPEngine
+from training.skeleton.distributed import Dist
 
 
 def clipped_sum(clipper: object, *inputs: torch.Tensor) -> torch.Tensor:
@@ -80,3 +85,36 @@ class TokenModel(nn.Module):
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         y = self.head(nn.functional.gelu(self.hidden(self.norm(self.embed(ids)))))
         return (y - target).square().mean((1, 2))
+
+
+def empty_step_update(
+    clipper: Any, *, clip: float, sensitivity: float, sigma: float, batch: int, **engine: Any
+) -> tuple[DPEngine, torch.Tensor]:
+    """A DP step of ``clipper`` on an empty sample (n = 1,000, expected ``batch``, RDP) at learning
+    rate 0: the engine and the flat update its optimiser received, the noise alone."""
+    budget = Budget.plan(
+        dataset_size=1000,
+        batch_size=batch,
+        steps=10,
+        epsilon=None,
+        sigma=sigma,
+        delta=1e-5,
+        accountant="rdp",
+    )
+    dp = DPEngine(
+        clipper,
+        torch.optim.SGD(clipper.params, lr=0.0),
+        None,
+        budget,
+        sensitivity=sensitivity,
+        clipping_norm=clip,
+        seed=0,
+        dist=Dist(device=torch.device("cpu")),
+        **engine,
+    )
+    seen: dict[str, torch.Tensor] = {}
+    dp.optimizer.step = lambda: seen.setdefault(  # type: ignore[method-assign]
+        "update", torch.cat([p.grad.flatten() for p in clipper.params])
+    )
+    dp.step(0, [])  # nothing sampled: still a noisy step
+    return dp, seen["update"]

@@ -20,6 +20,7 @@ from torch import nn
 from vip_hub.models.encoders import ARCHS
 from vip_hub.repo.importer import import_dpcap_checkpoint
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import VOCAB_FILE
 
 from .helpers import synthetic_stage
 from .live import WRITE_TOKEN
@@ -233,7 +234,7 @@ def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
         img_size=IMG,
         stages=[synthetic_stage()],
         model_name="dpcap-nano-test",
-        vocab=write_vocab(folder / "vocab.txt"),
+        vocab=write_vocab(folder / VOCAB_FILE),
     )
     push_repo(repo, repo_id, token=WRITE_TOKEN)
     return repo

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.clipping import empty_step_update
 from support.helpers import tiny_syn
 from support.live import WRITE_TOKEN
 
 from training.data.labelled import LabelledArrays, write_image_folder
 from training.dp.clipping import PerExampleClipper, clip_factors
-from training.dp.engine import Budget, DPEngine
 from training.recipes.finetune import (
     EncoderClassifier,
     FinetuneConfig,
@@ -31,7 +31,6 @@ from training.recipes.finetune import (
     classifier,
     train_finetune,
 )
-from training.skeleton.distributed import Dist
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
@@ -272,32 +271,9 @@ def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(
     model = classifier(load_encoder(syn_repo), len(CLASSES), pooling, trained)  # type: ignore[arg-type]
     clip, sigma, batch = 0.1, 1.3, 32
     clipper = PerExampleClipper(model, clip)
-    budget = Budget.plan(
-        dataset_size=1000,
-        batch_size=batch,
-        steps=10,
-        epsilon=None,
-        sigma=sigma,
-        delta=1e-5,
-        accountant="rdp",
+    _, update = empty_step_update(
+        clipper, clip=clip, sensitivity=clip, sigma=sigma, batch=batch, micro_batch_size=8
     )
-    engine = DPEngine(
-        clipper,
-        torch.optim.SGD(clipper.params, lr=0.0),
-        None,
-        budget,
-        sensitivity=clip,
-        clipping_norm=clip,
-        seed=0,
-        dist=Dist(device=torch.device("cpu")),
-        micro_batch_size=8,
-    )
-    seen = {}
-    engine.optimizer.step = lambda: seen.setdefault(  # type: ignore[method-assign]
-        "update", torch.cat([p.grad.flatten() for p in clipper.params])
-    )
-    engine.step(0, [])  # nothing sampled: still a noisy step
-    update = seen["update"]
     assert update.numel() == sum(p.numel() for p in clipper.params) > 100_000
     assert update.std().item() == pytest.approx(sigma * clip / batch, rel=0.01)
     assert abs(update.mean().item()) < 4 * sigma * clip / batch / update.numel() ** 0.5

@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
+from support.clipping import empty_step_update
 from support.helpers import TINY, kill_mid_run, run_stages, tiny_encoder, tiny_syn
 
 import training.recipes.logit_dp
 from training.data.images import Augmented, ImageFolder, mae_transform
-from training.dp.engine import Budget, DPEngine
 from training.dp.pair_clipping import BatchClipper, PairClipper
 from training.recipes.logit_dp import (
     ContrastiveMechanism,
@@ -31,7 +31,6 @@ from training.recipes.logit_dp import (
     skip_cap,
     train_logit_dp,
 )
-from training.skeleton.distributed import Dist
 from vip_hub import verify_repo
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import epsilon
@@ -258,33 +257,15 @@ def test_the_update_noise_is_sigma_delta_over_b_even_for_an_empty_sample(
         clipper, delta = PairClipper(model, clip, tau), logit_dp_sensitivity(clip, tau)
     else:
         clipper, delta = BatchClipper(model, clip, tau), 2 * clip
-    budget = Budget.plan(
-        dataset_size=1000,
-        batch_size=batch,
-        steps=10,
-        epsilon=None,
-        sigma=sigma,
-        delta=1e-5,
-        accountant="rdp",
-    )
-    engine = DPEngine(
+    engine, update = empty_step_update(
         clipper,
-        torch.optim.SGD(clipper.params, lr=0.0),
-        None,
-        budget,
+        clip=clip,
         sensitivity=delta,
-        clipping_norm=clip,
-        seed=0,
-        dist=Dist(device=torch.device("cpu")),
+        sigma=sigma,
+        batch=batch,
         micro_batch_size=None,
         audit_canaries=0,
     )
-    seen = {}
-    engine.optimizer.step = lambda: seen.setdefault(
-        "update", torch.cat([p.grad.flatten() for p in clipper.params])
-    )
-    engine.step(0, [])  # nothing sampled: still a noisy step
-    update = seen["update"]
     assert update.numel() > 100_000
     assert update.std().item() == pytest.approx(sigma * delta / batch, rel=0.01)
     assert engine.history == [(sigma, batch / 1000, 1)]

@@ -35,6 +35,7 @@ from vip_hub.repo_format import (
     ENCODER,
     HEADS_DIR,
     VOCAB_FILE,
+    WEIGHTS_FILE,
     head_component,
 )
 
@@ -558,7 +559,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert enc.mechanism == mechanism and enc.audit is not None
         # d counts tensors named where they are released (verify checked them) and the canaries
         files = {k.partition(":")[0] for k in enc.noised_tensors or {}}
-        assert "model.safetensors" in files and "canaries" in files, enc.noised_tensors
+        assert WEIGHTS_FILE in files and "canaries" in files, enc.noised_tensors
         assert ("unreleased" in files) == (stage_name == "dp-contrastive")  # projection head
         if lr is not None:
             assert enc.hyperparameters["lr"] == pytest.approx(lr)
