@@ -253,7 +253,7 @@ def finetune_trial(
     on the stand-in: the DP probe at ``probe_epsilon`` alone and the fine-tuning the split leaves
     at the benchmark's n, every sigma scaled by the ratio of expected batches; or
     (``probe_only``) a DP probe alone at the whole epsilon."""
-    from training.recipes.finetune import finetune_arrays
+    from training.recipes.finetune import arrays_config, trial_finetune
 
     began = time.process_time()
     s = {**FINETUNE, **settings}
@@ -274,26 +274,29 @@ def finetune_trial(
     t.standin = {"probe": (s_p * r, q, t_p), "finetune": (s_f * r, q, steps)}
     batch = head_config(study, n, None, dataset=recs.private.dataset.name).batch_size
     tag = "-".join(f"{k}{v:g}" for k, v in settings.items())
-    run = finetune_arrays(
+    run_settings = {
+        "batch_size": batch,
+        "pooling": MODE,
+        "probe_epsilon": epsilon(*t.standin["probe"], study.delta),
+        "probe_epochs": study.probe_epochs,
+        "probe_batch_size": batch,
+        "probe_lr": study.head_lr,
+        "probe_max_grad_norm": study.head_clip,
+        "device": "cpu",
+        "workers": 0,
+        **s,
+    }
+    cfg = arrays_config(
         init,
         recs.private,
         recs.score,
         work / f"finetune-{tag}",
-        public=recs.centre,
-        epsilon=composed_epsilon(list(t.standin.values()), study.delta),
-        delta=study.delta,
-        batch_size=batch,
-        pooling=MODE,
-        probe_epsilon=epsilon(*t.standin["probe"], study.delta),
-        probe_epochs=study.probe_epochs,
-        probe_batch_size=batch,
-        probe_lr=study.head_lr,
-        probe_max_grad_norm=study.head_clip,
-        device="cpu",
-        workers=0,
-        **s,
+        recs.centre,
+        composed_epsilon(list(t.standin.values()), study.delta),
+        study.delta,
+        run_settings,
     )
-    t.dp_top1 = [100 * run.top1]
+    t.dp_top1 = [100 * trial_finetune(cfg)]
     t.cpu_s = time.process_time() - began
     return t
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support.helpers import ROOT, write_idx
 
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
@@ -133,3 +134,37 @@ def test_the_feature_mode_choice_reads_no_private_record(public_only: Path) -> N
     assert chosen[prior].mode in chosen[prior].scores
     with pytest.raises(AssertionError, match="images"):
         private.images  # noqa: B018 (the spy refuses what the choice must not read)
+
+
+def test_the_fine_tuning_trial_matches_the_real_noise_and_exports_nothing(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in's fine-tuning: its sigmas are the real run's scaled by the ratio of expected
+    batches (at the real scale so small that the truncation term of delta reaches 1, which no
+    ledger may state): the trial trains and scores, and writes no repo."""
+    import training.recipes.finetune as finetune
+
+    budgets: list[Any] = []
+
+    class Spy(finetune.DPRun):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            budgets.append(self.budget)
+
+    monkeypatch.setattr(finetune, "DPRun", Spy)
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    t = standin.finetune_trial(TINY, {"steps": 2}, recs, tmp_path / "work")
+    assert [b.noise_multiplier for b in budgets] == [
+        pytest.approx(t.standin["finetune"][0], rel=1e-3)
+    ]
+    ratio = -(-PRIVATE // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
+    for part in ("probe", "finetune"):
+        assert t.standin[part][0] == pytest.approx(t.real[part][0] * ratio)
+        assert t.standin[part][1:] == t.real[part][1:]
+    run = next((tmp_path / "work").glob("finetune-*"))
+    probe = finetune.DPStage.model_validate_json(
+        torch.load(run / "finetuned.run" / "probe.pt")["stage"]
+    )
+    assert probe.noise_multiplier == pytest.approx(t.standin["probe"][0], rel=1e-3)
+    assert not (run / "finetuned").exists() and len(t.dp_top1) == 1
+    assert 0 <= t.dp_top1[0] <= 100

@@ -91,12 +91,14 @@ __all__ = [
     "Classifier",
     "EncoderClassifier",
     "FinetuneConfig",
+    "arrays_config",
     "augment_views",
     "classifier",
     "evaluate",
     "finetune_arrays",
     "frozen_outputs",
     "train_finetune",
+    "trial_finetune",
 ]
 
 STAGE = "dp-finetune"
@@ -484,11 +486,39 @@ def _probe(
     return head, stage
 
 
-def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
-    """Run (or resume) DP fine-tuning (after a DP probe, with ``--probe-epsilon``) and export the
-    released encoder with its head; returns the repo's path."""
+@dataclass
+class _Fitted:
+    """A fine-tuning run after its training, before anything is exported."""
+
+    cfg: FinetuneConfig
+    run: DPRun
+    init: Encoder
+    model: Classifier | EncoderClassifier
+    train: LabelledImages
+    test: LabelledImages | None
+    probe: tuple[LinearProbe, DPStage] | None
+    records: Any
+    trained: int
+    device: torch.device
+
+    def top1(self) -> float | None:
+        """Top-1 on the public test folder (all of it), or None without one."""
+        if self.test is None:
+            return None
+        _, top1 = evaluate(
+            self.model,
+            self.init.transform,
+            self.test.images,
+            self.test.labels.tolist(),
+            self.device,
+        )
+        return top1
+
+
+def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
+    """Run (or resume) the DP probe (with ``--probe-epsilon``) and the DP fine-tuning."""
     dist = dist or Dist.from_env(cfg.device)
-    component = head_component(cfg.head)  # the name is checked before any work
+    head_component(cfg.head)  # the name is checked before any work
     whole = cfg.trainable_blocks == "all"
     if cfg.augmult != 1 and not whole:
         raise ConfigError(
@@ -500,7 +530,6 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     n = len(train.labels)
     run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)
-    spec, transform = init.spec, init.transform
     init.check_pooling(cfg.pooling)
     domain = load_public_images(cfg.public_data) if cfg.public_data else None  # read once
     probe = _probe(cfg, init, train, run, domain)
@@ -518,7 +547,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     labels = torch.as_tensor(train.labels)
 
     if isinstance(model, EncoderClassifier):
-        pixels = torch.cat(list(_preprocessed(transform, train.images)))
+        pixels = torch.cat(list(_preprocessed(init.transform, train.images)))
 
         def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
             views = augment_views(
@@ -527,7 +556,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             return views, labels[index]
 
     else:
-        tokens, means = frozen_outputs(model, transform, train.images, dist.device)
+        tokens, means = frozen_outputs(model, init.transform, train.images, dist.device)
 
         def load(index: int, step: int) -> tuple[torch.Tensor, ...]:
             return tokens[index], means[index], labels[index]
@@ -537,14 +566,26 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             return {}
         every = -(-len(test.labels) // CURVE_IMAGES)  # evenly spread: the folder is by class
         loss, top1 = evaluate(
-            model, transform, test.images[::every], test.labels[::every].tolist(), dist.device
+            model,
+            init.transform,
+            test.images[::every],
+            test.labels[::every].tolist(),
+            dist.device,
         )
         return {"public_loss": loss, "public_top1": top1}
 
     records = engine.train(run, model, load, desc="train-finetune", evaluate=curve)
-
-    depth, k = len(model.encoder.blocks), cfg.trainable_blocks
     trained = sum(p.numel() for p in engine.params)
+    return _Fitted(cfg, run, init, model, train, test, probe, records, trained, dist.device)
+
+
+def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
+    """Run (or resume) DP fine-tuning (after a DP probe, with ``--probe-epsilon``) and export the
+    released encoder with its head; returns the repo's path."""
+    f = _fit(cfg, dist)
+    model, run, init, probe, train = f.model, f.run, f.init, f.probe, f.train
+    n, spec, component = len(train.labels), init.spec, head_component(cfg.head)
+    depth, k, trained = len(model.encoder.blocks), cfg.trainable_blocks, f.trained
     reads_norm = cfg.pooling in ("avg", "cls")
     norm = " and the final norm" if reads_norm else ""
     if isinstance(model, EncoderClassifier):
@@ -568,9 +609,10 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         if cfg.public_data
         else "public procedural images"
     )
+    stage = probe[1] if probe is not None else None
     start = (
-        f"the head {cfg.head} of a DP linear probe ({probe[1].name}, in this ledger)"
-        if probe is not None
+        f"the head {cfg.head} of a DP linear probe ({stage.name}, in this ledger)"
+        if stage is not None
         else "a fresh head"
     )
     out = run.export_dp(
@@ -578,9 +620,9 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         spec,
         init,
         released={WEIGHTS_FILE: model.encoder, head_file(cfg.head): model.head},
-        records=records,
+        records=f.records,
         curve_label="cross-entropy on public test images"
-        if test is not None
+        if f.test is not None
         else "no public labelled data: no loss curve",
         dataset_description=f"{n} labelled images, {len(train.classes)} classes; DP fine-tuning",
         summary=(
@@ -591,7 +633,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         ),
         name=STAGE,
         also_trains=[component],
-        earlier=[probe[1]] if probe is not None else [],
+        earlier=[stage] if stage is not None else [],
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
             f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
@@ -607,16 +649,15 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "pooling": cfg.pooling,
             "trainable_blocks": k,
             "trainable_parameters": trained,
-            "augmult": cfg.augmult if whole else None,
+            "augmult": cfg.augmult if isinstance(model, EncoderClassifier) else None,
             "augmentation": augmentation,
             "probe_epsilon": cfg.probe_epsilon,
         },
     )
     metrics: dict[str, object] = {"train_size": n, "pooling": cfg.pooling, "fine_tuned_blocks": k}
-    result = None
-    if test is not None:
-        _, top1 = evaluate(model, transform, test.images, test.labels.tolist(), dist.device)
-        metrics |= {"top1": top1, "test_data": "public", "test_size": len(test.labels)}
+    result, top1 = None, f.top1()
+    if f.test is not None and top1 is not None:
+        metrics |= {"top1": top1, "test_data": "public", "test_size": len(f.test.labels)}
         result = top1_result(
             cfg.test_data, top1, f"top-1, DP fine-tuned head '{cfg.head}' ({cfg.pooling} features)"
         )
@@ -637,6 +678,48 @@ class ArraysRun:
     seconds: float
 
 
+def trial_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> float:
+    """Train as ``train_finetune`` does and return top-1 on ``--test-data``, exporting nothing:
+    a setting's trial on public records standing in for private ones (``benchmarks/standin.py``),
+    whose epsilon means nothing and whose guarantee may be none (delta up to 1)."""
+    if cfg.test_data is None:
+        raise ConfigError("a trial scores on --test-data: give it")
+    top1 = _fit(cfg, dist).top1()
+    assert top1 is not None  # test_data is set
+    return top1
+
+
+def arrays_config(
+    init: str | os.PathLike[str],
+    train: LabelledArrays,
+    test: LabelledArrays,
+    work: Path,
+    public: LabelledArrays | None,
+    epsilon: float,
+    delta: float,
+    settings: dict[str, Any],
+) -> FinetuneConfig:
+    """A run on arrays (``finetune_arrays``'s, or one for ``trial_finetune``): ``train`` and
+    ``test`` (and ``public``) written as class folders under ``work``, the repo to
+    ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields."""
+    # the run's fields (out, epsilon, ...) come from with_adamw's base, which mypy does not see
+    return FinetuneConfig(  # type: ignore[call-arg]
+        init=str(init),
+        data=str(write_image_folder(train, work / "train", train.classes)),
+        test_data=str(write_image_folder(test, work / "test", test.classes)),
+        public_data=(
+            None
+            if public is None
+            else str(write_image_folder(public, work / "public", public.classes))
+        ),
+        out=str(work / "finetuned"),
+        dataset_name=train.dataset.name,
+        epsilon=epsilon,
+        delta=delta,
+        **{"restart": True, **settings},
+    )
+
+
 def finetune_arrays(
     init: str | os.PathLike[str],
     train: LabelledArrays,
@@ -653,23 +736,7 @@ def finetune_arrays(
     under ``work`` (and ``public``, PUBLIC records that centre the heads, ``--public-data``), the
     repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields (a run starts over
     unless ``restart=False``)."""
-    work = Path(work)
-    # the run's fields (out, epsilon, ...) come from with_adamw's base, which mypy does not see
-    cfg = FinetuneConfig(  # type: ignore[call-arg]
-        init=str(init),
-        data=str(write_image_folder(train, work / "train", train.classes)),
-        test_data=str(write_image_folder(test, work / "test", test.classes)),
-        public_data=(
-            None
-            if public is None
-            else str(write_image_folder(public, work / "public", public.classes))
-        ),
-        out=str(work / "finetuned"),
-        dataset_name=train.dataset.name,
-        epsilon=epsilon,
-        delta=delta,
-        **{"restart": True, **settings},
-    )
+    cfg = arrays_config(init, train, test, Path(work), public, epsilon, delta, settings)
     start = time.perf_counter()
     repo = train_finetune(cfg)
     seconds = time.perf_counter() - start
