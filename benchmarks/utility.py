@@ -16,8 +16,9 @@ feature modes, the ``test_size`` after them score every row.
 - raw pixels (``training.study.features.pixels``);
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of
   channels per example (no statistics across examples), as in the paper;
-- (Syn)-ViP: the committed prior ``vip-nano-scatter`` (procedural images only: no private data,
-  so the whole budget goes to the head);
+- (Syn)-ViP and (Syn)-DP-Cap: the committed priors ``vip-nano-scatter`` and
+  ``dpcap-nano-scatter`` (procedural images only: no private data, so the whole budget goes to
+  the head);
 - ViP, DP-Cap, Logit-DP and Naive-DP: an encoder trained on the private split by its recipe on
   the study's schedule (``StudyConfig.recipe_settings``), from its (Syn) prior, at
   ``encoder_epsilon``; the head gets the rest;
@@ -25,8 +26,13 @@ feature modes, the ``test_size`` after them score every row.
   encoder its mode reads and the probe's head trained together on the private split
   (``training.recipes.finetune``), the two DP stages composed to the whole epsilon.
 
-An encoder row reads the feature mode chosen for its (Syn) prior (``training.study.selection``,
-as the job: on the selection records, for the noisiest head among the rows run that read it).
+Each row's DP head is drawn ``--draws`` times (the fine-tuning row ``--finetune-draws``), each
+from a fresh secret: the table gives their mean and range, and every DP-trained row is compared
+with its own prior's row and with ScatterNet's, paired on the scoring records
+(``training.study.table.paired``: the difference, its standard error from the records and from
+the draws). An encoder row reads the feature mode chosen for its (Syn) prior
+(``training.study.selection``, as the job: on the selection records, for the noisiest head among
+the rows run that read it).
 
 Settings are the study's (``BENCHMARK``, command-line options override some). ``--tune ROWS``
 picks those rows' head learning rate from ``HEAD_LR_GRID`` on a validation split carved from
@@ -36,8 +42,9 @@ features, a head without DP) is printed here only. Features, choices and trained
 cached under ``--work``.
 
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
-        [--epochs 100] [--rows pixels,scatter,syn,vip,dpcap,logit-dp,naive-dp,finetune] \
-        [--tune ROWS] [--encoder-epsilon 1] [--device cpu|cuda] [--data FOLDER] [--work var/utility]
+        [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
+        [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--finetune-draws 1] [--device cpu|cuda] \
+        [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import torch
 from tqdm.auto import tqdm
 
 from training.data.labelled import LabelledArrays, keyed_uniforms
-from training.recipes.probe import accuracy, choose_pooling, fit_probe
+from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed, head_epsilon
 from training.study.config import BENCHMARK, StudyConfig, stamp
@@ -66,6 +73,7 @@ from training.study.features import CHUNK, embed, pixels
 from training.study.heads import dp_head, head_config, head_sampling
 from training.study.selection import Choice, choose_modes
 from training.study.splits import Splits, study_splits
+from training.study.table import Paired, paired
 from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant
@@ -93,6 +101,8 @@ class Bench:
     device: str = "cpu"
     tune: frozenset[str] = frozenset()
     workers: int = 0
+    draws: int = 3
+    finetune_draws: int = 1
     modes: dict[str, Choice] = field(default_factory=dict)
 
     @property
@@ -132,13 +142,28 @@ class Result:
 
     row: str
     what: str
-    dp: float
+    correct: np.ndarray  # (draws, scoring records): each draw's right answers, fresh secrets
     ref: float | None
     stages: list[DPStage]
     tried: int  # head configurations tried on the validation split (0: fixed in code)
     lr: float
     timing: Timing
     chosen: str = "fixed"
+
+    @property
+    def draws(self) -> list[float]:
+        """Each draw's top-1 (%)."""
+        return [100 * float(c.mean()) for c in self.correct]
+
+    @property
+    def dp(self) -> float:
+        """The mean top-1 (%) over the draws."""
+        return float(np.mean(self.draws))
+
+    def spread(self) -> str:
+        """The draws' range and count, or one draw."""
+        d = self.draws
+        return f"{min(d):.1f}-{max(d):.1f}, {len(d)} draws" if len(d) > 1 else "1 draw"
 
 
 def pixel_features(b: Bench) -> Features:
@@ -298,6 +323,7 @@ class EncoderRow:
 
 ENCODERS = {
     "syn": EncoderRow("vip", None, "(Syn)-ViP (the committed prior)"),
+    "syn-dpcap": EncoderRow("dpcap", None, "(Syn)-DP-Cap (the committed prior)"),
     "vip": EncoderRow("vip", vip_repo, "ViP vip-nano (DP-AdamW MAE)"),
     "dpcap": EncoderRow("dpcap", dpcap_repo, "DP-Cap dpcap-nano (DP-AdamW captions)"),
     "logit-dp": EncoderRow("vip", contrastive_repo("logit-dp"), "Logit-DP vip-nano"),
@@ -430,19 +456,30 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
             shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
             print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
         y, yt = torch.as_tensor(b.private.labels), torch.as_tensor(b.splits.test.labels)
-        fit = dp_head(
-            b.study, f.train, y, f.centre, b.private.dataset, classes, f.stages, name=HEAD,
-            pooling=f.mode, lr=lr,
-        )  # fmt: skip
-        head_s = time.perf_counter() - start
+        fits = [
+            dp_head(
+                b.study,
+                f.train,
+                y,
+                f.centre,
+                b.private.dataset,
+                classes,
+                f.stages,
+                name=HEAD,
+                pooling=f.mode,
+                lr=lr,
+            )  # fmt: skip
+            for _ in range(b.draws)
+        ]
+        head_s = (time.perf_counter() - start) / b.draws
         reference = head_config(b.study, n, None, dataset=b.private.dataset.name)
         ref, _ = fit_probe(f.train, y, classes, reference, desc="reference")
         return Result(
             row=label,
             what=f.what,
-            dp=100 * accuracy(fit.head, f.test, yt),
+            correct=np.stack([right_answers(fit.head, f.test, yt) for fit in fits]),
             ref=100 * accuracy(ref, f.test, yt),
-            stages=[*f.stages, fit.stage],
+            stages=[*f.stages, fits[0].stage],
             tried=tried,
             lr=lr,
             timing=Timing(make_s, hit, head_s, load),
@@ -458,6 +495,7 @@ ROWS: dict[str, tuple[str, Callable[[Bench, str], Result]]] = {
         ("pixels", "raw pixels + DP linear", pixel_features),
         ("scatter", "ScatterNet + DP linear (GroupNorm)", scatter_features),
         ("syn", "(Syn)-ViP + DP linear", encoder_features("syn")),
+        ("syn-dpcap", "(Syn)-DP-Cap + DP linear", encoder_features("syn-dpcap")),
         ("vip", "ViP (DP encoder) + DP linear", encoder_features("vip")),
         ("dpcap", "DP-Cap (DP encoder) + DP linear", encoder_features("dpcap")),
         ("logit-dp", "Logit-DP (DP encoder) + DP linear", encoder_features("logit-dp")),
@@ -488,10 +526,10 @@ the lr were chosen on 6,000 training records by top-1 on test records 0-4,999; `
 (benchmarks/README.md, "DP fine-tuning")."""
 
 
-def released_top1(repo: Path, head: str, data: LabelledArrays, device: str) -> float:
-    """Top-1 (%) of a released repo's head on ``data``: the encoder's features in the head's
-    mode, then the head (what ``/v1/classify`` computes); the head's labels are class folder
-    names (``write_image_folder``), mapped back to ``data``'s labels."""
+def released_correct(repo: Path, head: str, data: LabelledArrays, device: str) -> np.ndarray:
+    """Whether a released repo's head answers each record of ``data`` right, (n,) booleans: the
+    encoder's features in the head's mode, then the head (what ``/v1/classify`` computes); the
+    head's labels are class folder names (``write_image_folder``), mapped back to ``data``'s."""
     from training.data.labelled import class_folder
     from vip_hub.repo.heads import load_head
 
@@ -501,7 +539,7 @@ def released_top1(repo: Path, head: str, data: LabelledArrays, device: str) -> f
     order = torch.tensor([label[name] for name in info.labels])
     with torch.no_grad():
         guess = order[probe(embed(encoder, data, info.pooling)).argmax(1)]
-    return 100 * float((guess == torch.as_tensor(data.labels)).float().mean())
+    return (guess == torch.as_tensor(data.labels)).numpy()
 
 
 def finetune_mode(b: Bench, init: Path) -> tuple[str, str]:
@@ -536,36 +574,40 @@ def finetune_row(b: Bench, key: str) -> Result:
     choose_s = time.perf_counter() - start
     digest = stamp({**FINETUNE, "m": mode, "study": b.study.model_dump()})[:10]
     work = b.work / "finetune" / f"{len(b.private)}-{len(b.splits.test)}-{digest}"
-    run = finetune_arrays(
-        init,
-        b.private,
-        b.splits.test,
-        work,
-        epsilon=b.study.epsilon,
-        delta=b.study.delta,
-        batch_size=batch,
-        steps=steps,
-        public=b.splits.centre,
-        device=b.device,
-        workers=b.workers,
-        pooling=mode,
-        probe_epochs=b.study.probe_epochs,
-        probe_batch_size=batch,
-        probe_lr=b.study.head_lr,
-        probe_max_grad_norm=b.study.head_clip,
-        **settings,
-    )
+    correct, seconds = [], 0.0
+    for _ in range(b.finetune_draws):  # each draw starts over from a fresh secret
+        run = finetune_arrays(
+            init,
+            b.private,
+            b.splits.test,
+            work,
+            epsilon=b.study.epsilon,
+            delta=b.study.delta,
+            batch_size=batch,
+            steps=steps,
+            public=b.splits.centre,
+            device=b.device,
+            workers=b.workers,
+            pooling=mode,
+            probe_epochs=b.study.probe_epochs,
+            probe_batch_size=batch,
+            probe_lr=b.study.head_lr,
+            probe_max_grad_norm=b.study.head_clip,
+            **settings,
+        )
+        correct.append(released_correct(run.repo, "classifier", b.splits.test, b.device))
+        seconds += run.seconds / b.finetune_draws
     return Result(
         row=ROWS[key][0],
         what=f"(Syn)-ViP vip-nano: DP probe (epsilon {settings['probe_epsilon']:g} alone), then "
         f"the whole encoder its {mode} features read and the head, DP-AdamW {steps} x {batch}, "
         + (f"{views} views per example" if (views := settings["augmult"]) else "unaugmented"),
-        dp=released_top1(run.repo, "classifier", b.splits.test, b.device),
+        correct=np.stack(correct),
         ref=100 * finetune_reference(b.study, init, work, run.stage, batch, b.device),
         stages=run.stages,
         tried=0,
         lr=settings["lr"],
-        timing=Timing(choose_s, False, run.seconds, load),
+        timing=Timing(choose_s, False, seconds, load),
         chosen=chosen,
     )
 
@@ -626,6 +668,30 @@ def finetune_reference(
 ROWS["finetune"] = ("DP fine-tuning: DP probe, then the whole (Syn)-ViP encoder", finetune_row)
 
 
+PRIOR_ROWS = {
+    "vip": "syn",
+    "logit-dp": "syn",
+    "naive-dp": "syn",
+    "finetune": "syn",
+    "dpcap": "syn-dpcap",
+}
+"""Each DP-trained row's own prior's row: the encoder its DP stages started from, read by the
+same DP head (issue 56: a private stage is worth its budget when its row beats this one)."""
+
+
+def comparisons(rows: Sequence[str], results: Sequence[Result]) -> list[tuple[str, str, Paired]]:
+    """Each DP-trained row of ``rows`` against its own prior's row and against ScatterNet's,
+    where those ran: (row, the row compared with, the paired comparison on the scoring
+    records)."""
+    by_key = dict(zip(rows, results, strict=True))
+    out = []
+    for key, r in by_key.items():
+        for other in (PRIOR_ROWS.get(key), "scatter"):
+            if other in by_key and other != key:
+                out.append((r.row, by_key[other].row, paired(r.correct, by_key[other].correct)))
+    return out
+
+
 def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Accountant, float]]]:
     """Every row of ``rows`` in turn (the (Syn) priors' modes chosen first), each with its
     composed epsilon under the three accountants."""
@@ -640,9 +706,11 @@ def run_benchmark(b: Bench, rows: Sequence[str]) -> list[tuple[Result, dict[Acco
             raise RuntimeError(f"{r.row}: {e}") from None
         out.append((r, eps))
         ref, t = (f"{r.ref:.2f} %" if r.ref is not None else "-"), r.timing
+        draws = ", ".join(f"{d:.2f}" for d in r.draws)
         print(
-            f"  {label}: DP {r.dp:.2f} %, non-private {ref} (make {t.make_s:.0f} s"
-            f"{' cached' if t.cached else ''}, DP head {t.fit_s:.0f} s, load {t.load:.1f})",
+            f"  {label}: DP {r.dp:.2f} % (draws {draws}), non-private {ref} (make "
+            f"{t.make_s:.0f} s{' cached' if t.cached else ''}, DP head {t.fit_s:.0f} s a draw, "
+            f"load {t.load:.1f})",
             flush=True,
         )
     return out
@@ -652,7 +720,8 @@ def table(
     study: StudyConfig, results: Sequence[tuple[Result, dict[Accountant, float]]]
 ) -> list[str]:
     """The Markdown table: every row beside the paper's three figures; top-1 on the scoring
-    records (after the selection records that choose feature modes)."""
+    records (after the selection records that choose feature modes): the mean of the row's
+    draws, their range and count."""
     scored = f"{study.select_size}-{study.select_size + study.test_size - 1}"
     lines = [
         f"| features + head | top-1 at (3, 1e-5), test records {scored} | non-private reference "
@@ -667,7 +736,7 @@ def table(
         tuned = f"yes, {r.tried} configs (lr {r.lr:g})" if r.tried else "no"
         ref, t = (f"{r.ref:.1f}" if r.ref is not None else "-"), r.timing
         lines.append(
-            f"| {r.row} | **{r.dp:.1f}** | {ref} | {r.chosen} | "
+            f"| {r.row} | **{r.dp:.1f}** ({r.spread()}) | {ref} | {r.chosen} | "
             f"{eps[Accountant.RDP]:.3f} / {eps[Accountant.PRV]:.3f} / {eps[Accountant.PLD]:.3f} | "
             f"{stages} | {tuned} | "
             f"{t.make_s:.0f}{' (cached)' if t.cached else ''} | {t.fit_s:.0f} | {t.load:.1f} |"
@@ -717,12 +786,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=StudyConfig.model_fields["encoder_epsilon"].description,
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--draws", type=int, default=3, help="DP heads per row, each from a fresh secret"
+    )
+    p.add_argument(
+        "--finetune-draws",
+        type=int,
+        default=1,
+        help="DP fine-tunings of the finetune row, each from a fresh secret (about 10 min each)",
+    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
     unknown = sorted((set(rows) | tune) - set(ROWS))
     if unknown:
         p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    if min(args.draws, args.finetune_draws) < 1:
+        p.error("--draws and --finetune-draws are at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     reuse_freed_memory()
@@ -749,6 +829,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         study=study,
         device=args.device,
         tune=frozenset(tune),
+        draws=args.draws,
+        finetune_draws=args.finetune_draws,
     )
     start = time.perf_counter()
     print(
@@ -766,6 +848,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     results = run_benchmark(b, rows)
     print("\n" + "\n".join(table(study, results)))
+    pairs = comparisons(rows, [r for r, _ in results])
+    if pairs:
+        print("\npaired on the scoring records (A - B, mean over draws):")
+        for a, other, p_ in pairs:
+            print(f"  {a} - {other}: {p_.describe()}")
     print(
         f"\nwall time {time.perf_counter() - start:.0f} s, load average at the end "
         f"{os.getloadavg()}"

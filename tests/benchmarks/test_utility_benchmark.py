@@ -85,12 +85,13 @@ def tiny_bench(data: Path, work: Path, study: StudyConfig = TINY, **fields) -> u
     return utility.Bench(splits=study_splits(study, data), work=work, study=study, **fields)
 
 
-def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
+def run_rows(data: Path, work: Path, rows: list[str], tune: set[str], draws: int = 1) -> list:
     """``rows`` through the benchmark's pipeline on the tiny data, each checked: its stages are
     on the private split only, the last is the head, and the composition is at most the study's
     epsilon under RDP, at least dp_accounting's PLD composition of the same stages, and within 0.01
     of it (the head takes what the encoder left); an encoder spends at most its share."""
-    results = utility.run_benchmark(tiny_bench(data, work, tune=frozenset(tune)), rows)
+    bench = tiny_bench(data, work, tune=frozenset(tune), draws=draws)
+    results = utility.run_benchmark(bench, rows)
     assert [r.row for r, _ in results] == [utility.ROWS[k][0] for k in rows]
     for key, (r, eps) in zip(rows, results, strict=True):
         assert {s.dataset.name for s in r.stages} == {FASHION_MNIST_TRAIN}
@@ -100,7 +101,8 @@ def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
         assert eps[Accountant.PLD] <= eps[Accountant.RDP]
         encoder = [s.mechanism_tuple for s in r.stages[:-1]]
         assert not encoder or composed_epsilon(encoder, TINY.delta) <= TINY.encoder_epsilon
-        assert 0 <= r.dp <= 100 and r.ref is not None
+        assert r.correct.shape == (draws, TINY.test_size) and r.ref is not None
+        assert r.dp == pytest.approx(sum(r.draws) / draws) and 0 <= r.dp <= 100
         learned = key not in ("pixels", "scatter")
         chosen = "modes on public test records 0-9, scored on "  # the first 10 of 20
         assert (chosen in r.chosen) == learned, r.chosen
@@ -116,8 +118,11 @@ def run_rows(data: Path, work: Path, rows: list[str], tune: set[str]) -> list:
 
 
 def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path: Path) -> None:
-    results = run_rows(data, tmp_path, ["pixels", "syn", "vip"], {"pixels"})
+    results = run_rows(data, tmp_path, ["pixels", "syn", "vip"], {"pixels"}, draws=2)
     (_, _), (syn, _), (vip, _) = results
+    ((row, other, p),) = utility.comparisons(["pixels", "syn", "vip"], [r for r, _ in results])
+    assert (row, other) == (vip.row, syn.row)  # ViP against its own prior
+    assert p.difference == pytest.approx((vip.dp - syn.dp) / 100)
     assert len(syn.stages) == 1  # (Syn)-ViP saw no private data: the whole budget on its head
     assert [s.mechanism for s in vip.stages] == ["DP-AdamW", "DP-SGD"]
     assert syn.chosen == vip.chosen  # one choice for the prior, read by both rows

@@ -85,6 +85,7 @@ __all__ = [
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
+    "accuracy",
     "centred_statistics",
     "choose_pooling",
     "dp_head_sampling",
@@ -95,6 +96,7 @@ __all__ = [
     "load_public_images",
     "probe_stage",
     "public_features",
+    "right_answers",
     "run_probe",
     "top1_result",
 ]
@@ -486,8 +488,15 @@ def fix_normalisation(head: LinearProbe, public_x: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def right_answers(head: LinearProbe, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    """Whether ``head`` answers each of the features ``x`` with its label ``y``, (n,) booleans."""
+    with torch.no_grad():
+        return (head.eval()(x).argmax(1) == y).numpy()
+
+
 def accuracy(head: LinearProbe, x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((head.eval()(x).argmax(1) == y).float().mean()) if len(y) else float("nan")
+    """Top-1 of ``head`` on ``x`` (nan without records)."""
+    return float(right_answers(head, x, y).mean()) if len(y) else float("nan")
 
 
 def run_probe(cfg: ProbeConfig) -> ProbeResult:

@@ -1,7 +1,7 @@
 """The comparison the study releases: one row per classifier at the study's budget, each a DP
 head in a released repo (so the dataset page composes every row's stages), and zero-shot
 classification beside them only when a binomial test on its scoring records puts it above
-chance."""
+chance; and the paired comparison of two rows' head draws on the same records."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import binomtest
 
-__all__ = ["CONFIDENCE", "ChanceTest", "Row", "chance_test"]
+__all__ = ["CONFIDENCE", "ChanceTest", "Paired", "Row", "chance_test", "paired"]
 
 CONFIDENCE = 0.95
 """Coverage of a zero-shot top-1's two-sided Clopper-Pearson interval (the usual 95 %)."""
@@ -77,3 +77,48 @@ def chance_test(predicted: np.ndarray, labels: np.ndarray) -> ChanceTest:
     chance = float(np.bincount(labels).max()) / records
     interval = binomtest(correct, records, chance).proportion_ci(CONFIDENCE, "exact")
     return ChanceTest(correct, records, chance, interval.low, interval.high)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Row A against row B on the same scoring records, each drawn k times (fresh secrets):
+    the difference of their mean top-1 and its standard error from two independent sources, the
+    records (paired: per record, A's share of right draws less B's) and the draws (each row's
+    spread of top-1 over its draws, which the records cannot show)."""
+
+    difference: float
+    se_records: float
+    se_draws: float
+
+    @property
+    def se(self) -> float:
+        """The difference's standard error: both sources' variances added."""
+        return float(np.hypot(self.se_records, self.se_draws))
+
+    @property
+    def z(self) -> float:
+        """The difference in standard errors (inf when both are 0 and A differs from B)."""
+        if self.se == 0:
+            return 0.0 if self.difference == 0 else float(np.copysign(np.inf, self.difference))
+        return self.difference / self.se
+
+    def describe(self) -> str:
+        """The difference in points, its standard error and z, in one line."""
+        return (
+            f"{100 * self.difference:+.2f} points (SE {100 * self.se:.2f}: records "
+            f"{100 * self.se_records:.2f}, draws {100 * self.se_draws:.2f}; z {self.z:+.1f})"
+        )
+
+
+def paired(a: np.ndarray, b: np.ndarray) -> Paired:
+    """Row A against row B from their draws' right answers, ``a`` (k_a, n) and ``b`` (k_b, n)
+    booleans on the same n records in the same order (one draw: no draw term)."""
+    a, b = np.atleast_2d(a).astype(np.float64), np.atleast_2d(b).astype(np.float64)
+    if a.shape[1] != b.shape[1] or a.shape[1] < 2:
+        raise ValueError(f"two rows on the same records (at least 2), got {a.shape}, {b.shape}")
+    per_record = a.mean(0) - b.mean(0)
+    n = len(per_record)
+    draws = sum(x.mean(1).var(ddof=1) / len(x) for x in (a, b) if len(x) > 1)
+    return Paired(
+        float(per_record.mean()), float(per_record.std(ddof=1) / np.sqrt(n)), float(np.sqrt(draws))
+    )

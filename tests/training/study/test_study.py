@@ -14,7 +14,7 @@ from training.data.labelled import fashion_mnist
 from training.main_job import MainJobConfig
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.splits import study_splits
-from training.study.table import chance_test
+from training.study.table import chance_test, paired
 from vip_hub.errors import DataError
 
 
@@ -52,3 +52,30 @@ def test_zero_shot_is_above_chance_only_when_its_whole_interval_is() -> None:
     skewed = np.array([0] * 400 + [1] * 1600)
     blind = chance_test(np.ones(2000, dtype=int), skewed)
     assert blind.top1 == 0.8 and blind.chance == 0.8 and not blind.above_chance
+
+
+def test_the_paired_comparison_adds_the_records_and_the_draws_terms() -> None:
+    a = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)  # two draws: 2 and 1 of 4 right
+    b = np.array([[1, 0, 0, 0]], dtype=bool)  # one draw
+    p = paired(a, b)
+    # per record A's share less B's: (0, 0.5, 0, 0); the draws: A's top-1 0.5 and 0.25
+    assert p.difference == pytest.approx(0.125)
+    assert p.se_records == pytest.approx(0.25 / 2)  # their sample SD 0.25 over sqrt(4)
+    assert p.se_draws == pytest.approx(np.sqrt(0.03125 / 2))  # variance 0.03125 over 2 draws
+    assert p.z == pytest.approx(0.125 / np.hypot(0.125, np.sqrt(0.015625)))
+    assert "+12.50 points" in p.describe()
+    with pytest.raises(ValueError, match="same records"):
+        paired(a, b[:, :3])
+
+
+def test_the_paired_comparison_is_calibrated_under_the_null() -> None:
+    """Two rows of one accuracy (each record's chance of a right answer shared, each draw its
+    own): z spreads like N(0, 1), neither narrower (overclaiming) nor much wider."""
+    rng = np.random.default_rng(0)
+    zs = []
+    for _ in range(400):
+        easy = rng.random(500)  # each record's chance of being answered right
+        draw_skill = rng.normal(0, 0.03, (2, 3))  # each head draw's own luck, per row
+        right = rng.random((2, 3, 500)) < np.clip(easy + draw_skill[..., None], 0, 1)
+        zs.append(paired(right[0], right[1]).z)
+    assert 0.8 < np.std(zs) < 1.25 and abs(np.mean(zs)) < 0.2
