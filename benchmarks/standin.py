@@ -26,7 +26,8 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--heads 3] [--uncentred]
-    python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 3e-5] [--probe-only]
+    python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
+        [--augmult 0] [--probe-only]
 """
 
 from __future__ import annotations
@@ -309,6 +310,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
+    p.add_argument(
+        "--finetune-steps", type=int, default=FINETUNE["steps"], help="fine-tuning's steps"
+    )
+    p.add_argument(
+        "--augmult", type=int, default=FINETUNE["augmult"], help="fine-tuning's views per example"
+    )
     p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
@@ -325,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         study = BENCHMARK
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {"probe_epsilon": a.probe_epsilon, "lr": a.lr}
+        for key, value in (("steps", a.finetune_steps), ("augmult", a.augmult)):
+            if value != FINETUNE[key]:
+                settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
         study = JOB.model_copy(
