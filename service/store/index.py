@@ -270,7 +270,8 @@ class PostgresIndex(Index):
             min_size=1,
             max_size=max_connections,
             open=True,
-            kwargs={"autocommit": True, "row_factory": dict_row},
+            # UTF-8 text whatever the database's encoding (SQL_ASCII would hand over bytes)
+            kwargs={"autocommit": True, "row_factory": dict_row, "client_encoding": "utf8"},
         )
         self._local = threading.local()
         with self.pool.connection() as conn, conn.transaction():

@@ -108,12 +108,13 @@ class Postgres:
         )
         return self
 
-    def new_database(self) -> str:
-        """The URL of a new empty database."""
+    def new_database(self, encoding: str | None = None) -> str:
+        """The URL of a new empty database (in ``encoding``, else the cluster's)."""
         name = f"hub{next(self._names)}"
         url = f"postgresql://vip@127.0.0.1:{self.port}"
+        how = f" ENCODING '{encoding}' LOCALE 'C' TEMPLATE template0" if encoding else ""
         with psycopg.connect(f"{url}/postgres", autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
+            conn.execute(f"CREATE DATABASE {name}{how}")
         return f"{url}/{name}"
 
     def stop(self) -> None:

@@ -52,6 +52,16 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
     assert store.resolve("pg/m", "v1") == first.sha
 
 
+def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
+    """A database created SQL_ASCII (an initdb under the C locale makes them) hands psycopg
+    bytes unless the connection says its text is UTF-8: the index asks for it."""
+    store = HubStore(tmp_path / "store", index=postgres_server.new_database("SQL_ASCII"))
+    store.create_repo("pg/m")
+    assert store.repos_in("pg") == ["pg/m"]
+    with pytest.raises(Conflict, match="from the existing 'pg'"):
+        store.create_repo("PG/other")
+
+
 def test_two_hub_processes_share_one_store(postgres, tmp_path):
     store = tmp_path / "shared-store"
     env = {"VIP_HUB_INDEX": postgres}
