@@ -490,14 +490,13 @@ def _probe(
 class _Fitted:
     """A fine-tuning run after its training, before anything is exported."""
 
-    cfg: FinetuneConfig
     run: DPRun
     init: Encoder
     model: Classifier | EncoderClassifier
     train: LabelledImages
     test: LabelledImages | None
     probe: tuple[LinearProbe, DPStage] | None
-    records: Any
+    records: list[dict[str, Any]]
     trained: int
     device: torch.device
 
@@ -576,7 +575,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
 
     records = engine.train(run, model, load, desc="train-finetune", evaluate=curve)
     trained = sum(p.numel() for p in engine.params)
-    return _Fitted(cfg, run, init, model, train, test, probe, records, trained, dist.device)
+    return _Fitted(run, init, model, train, test, probe, records, trained, dist.device)
 
 
 def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
