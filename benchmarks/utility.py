@@ -77,7 +77,7 @@ from training.study.table import Paired, paired
 from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant
-from vip_hub.privacy.ledger import DPStage, PrivacyLedger
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
 from vip_hub.repo_format import LEDGER_FILE, VOCAB_FILE
 
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}
@@ -144,7 +144,8 @@ class Result:
     what: str
     correct: np.ndarray  # (draws, scoring records): each draw's right answers, fresh secrets
     ref: float | None
-    stages: list[DPStage]
+    stages: list[DPStage]  # one classifier's (the first draw's)
+    drawn: list[DPStage]  # every draw's, the encoder's once: what the row's figures rest on
     tried: int  # head configurations tried on the validation split (0: fixed in code)
     lr: float
     timing: Timing
@@ -480,6 +481,7 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
             correct=np.stack([right_answers(fit.head, f.test, yt) for fit in fits]),
             ref=100 * accuracy(ref, f.test, yt),
             stages=[*f.stages, fits[0].stage],
+            drawn=[*f.stages, *(fit.stage for fit in fits)],
             tried=tried,
             lr=lr,
             timing=Timing(make_s, hit, head_s, load),
@@ -576,7 +578,7 @@ def finetune_row(b: Bench, key: str) -> Result:
     choose_s = time.perf_counter() - start
     digest = stamp({**FINETUNE, "m": mode, "study": b.study.model_dump()})[:10]
     work = b.work / "finetune" / f"{len(b.private)}-{len(b.splits.test)}-{digest}"
-    correct, seconds = [], 0.0
+    correct, drawn, seconds = [], [], 0.0
     for _ in range(b.finetune_draws):  # each draw starts over from a fresh secret
         run = finetune_arrays(
             init,
@@ -598,6 +600,7 @@ def finetune_row(b: Bench, key: str) -> Result:
             **settings,
         )
         correct.append(released_correct(run.repo, "classifier", b.splits.test, b.device))
+        drawn += run.stages
         seconds += run.seconds / b.finetune_draws
     return Result(
         row=ROWS[key][0],
@@ -607,6 +610,7 @@ def finetune_row(b: Bench, key: str) -> Result:
         correct=np.stack(correct),
         ref=100 * finetune_reference(b.study, init, work, run.stage, batch, b.device),
         stages=run.stages,
+        drawn=drawn,
         tried=0,
         lr=settings["lr"],
         timing=Timing(choose_s, False, seconds, load),
@@ -850,6 +854,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     results = run_benchmark(b, rows)
     print("\n" + "\n".join(table(study, results)))
+    together = ", ".join(
+        f"{r.row} {compose_releases(r.drawn, study.delta)[Accountant.RDP]:.2f}"
+        for r, _ in results
+        if len(r.correct) > 1
+    )
+    if together:
+        print(
+            f"\neach draw is a classifier at the budget; a row's draws together (its mean and "
+            f"range rest on them all) compose to epsilon (RDP, delta {study.delta:g}): {together}"
+        )
     pairs = comparisons(rows, [r for r, _ in results])
     if pairs:
         print("\npaired on the scoring records (A - B, mean over draws):")

@@ -19,7 +19,7 @@ from training.study.budget import head_epsilon
 from training.study.config import StudyConfig
 from training.study.splits import study_splits
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
-from vip_hub.privacy.ledger import Dataset, DPStage
+from vip_hub.privacy.ledger import Dataset, DPStage, compose_releases
 from vip_hub.repo.heads import load_head
 
 SPEC = importlib.util.spec_from_file_location("utility", ROOT / "benchmarks" / "utility.py")
@@ -123,6 +123,9 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     ((row, other, p),) = utility.comparisons(["pixels", "syn", "vip"], [r for r, _ in results])
     assert (row, other) == (vip.row, syn.row)  # ViP against its own prior
     assert p.difference == pytest.approx((vip.dp - syn.dp) / 100)
+    # the figures of 2 draws rest on both heads: more than one classifier's budget
+    assert len(vip.drawn) == 3 and vip.drawn[0] == vip.stages[0]
+    assert compose_releases(vip.drawn, TINY.delta)[Accountant.RDP] > TINY.epsilon + 0.5
     assert len(syn.stages) == 1  # (Syn)-ViP saw no private data: the whole budget on its head
     assert [s.mechanism for s in vip.stages] == ["DP-AdamW", "DP-SGD"]
     assert syn.chosen == vip.chosen  # one choice for the prior, read by both rows
