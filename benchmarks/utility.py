@@ -170,8 +170,9 @@ class Result:
 def pixel_features(b: Bench) -> Features:
     """Raw pixels."""
     s = b.splits
-    x = [pixels(d) for d in (s.private, s.test, s.centre)]
-    return Features(*x, "784 pixels in [-1, 1]", "pixels")
+    return Features(
+        pixels(s.private), pixels(s.test), pixels(s.centre), "784 pixels in [-1, 1]", "pixels"
+    )
 
 
 def scatter_features(b: Bench) -> Features:
@@ -350,8 +351,8 @@ def choose(b: Bench, rows: Sequence[str]) -> None:
     q, steps = head_sampling(b.study, len(b.private), b.private.dataset.name)
     for prior, stages in readers.items():
         noisiest = min(head_epsilon(b.study, s, q, steps) for s in stages)
-        key = {"prior": str(prior.resolve()), "head": noisiest, "study": b.study.model_dump()}
-        path = b.work / "choices" / f"{prior.name}-{stamp(key)[:10]}.json"
+        made = {"prior": str(prior.resolve()), "head": noisiest, "study": b.study.model_dump()}
+        path = b.work / "choices" / f"{prior.name}-{stamp(made)[:10]}.json"
         if path.exists():
             choice = Choice(**json.loads(path.read_text()))
         else:
@@ -372,13 +373,13 @@ def encoder_features(key: str) -> Callable[[Bench], Features]:
         choice = b.modes[syn_repo(b, row.family).name]
         encoder = load_encoder(repo, device=b.device)
         s = b.splits
-        x = [
+        train, test, centre = (
             embed(encoder, d, choice.mode, f"{repo.name} {what}")
             for d, what in ((s.private, "train"), (s.test, "test"), (s.centre, "centre"))
-        ]
+        )
         return Features(
-            *x, f"{row.what}, {choice.mode} features", choice.mode, stages_of(repo),
-            choice.describe(),
+            train, test, centre, f"{row.what}, {choice.mode} features", choice.mode,
+            stages_of(repo), choice.describe(),
         )  # fmt: skip
 
     return make
