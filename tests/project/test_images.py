@@ -54,6 +54,7 @@ from support.seaweed import weed_binary
 
 from service.store.s3 import blob_key
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import WEIGHTS_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
 
@@ -240,7 +241,7 @@ def test_compose_single_host(engine, hub_image, tmp_path, monkeypatch):
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
         model = timm.create_model(f"hf-hub:{repo_id}", pretrained=True)  # through HF_ENDPOINT
         state = model.state_dict()
-        weights = load_file(folder / "model.safetensors")
+        weights = load_file(folder / WEIGHTS_FILE)
         assert all(torch.equal(state[k], t) for k, t in weights.items())
         assert len(_embed(URL, repo_id)) > 0
 

@@ -19,6 +19,7 @@ from vip_hub.repo.importer import (
     import_mae_checkpoint,
     load_reference_checkpoint,
 )
+from vip_hub.repo_format import MAE_DECODER_FILE
 
 
 class ReferenceMAE(torch.nn.Module):
@@ -99,7 +100,7 @@ def test_converted_encoder_matches_source(reference, tmp_path):
     torch.testing.assert_close(ours[1], ref_avg, atol=1e-5, rtol=1e-5)
     from safetensors.torch import load_file
 
-    decoder = load_file(out / "mae_decoder.safetensors")
+    decoder = load_file(out / MAE_DECODER_FILE)
     assert set(decoder) == {
         k for k in mae.state_dict() if k.startswith("decoder_") or k == "mask_token"
     }
@@ -121,7 +122,7 @@ def test_encoder_only_checkpoint(tmp_path):
         stages=[synthetic_stage()],
         model_name="enc",
     )
-    assert not (out / "mae_decoder.safetensors").exists()
+    assert not (out / MAE_DECODER_FILE).exists()
 
 
 def test_mismatches_list_the_keys(reference, tmp_path):

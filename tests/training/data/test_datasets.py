@@ -37,6 +37,7 @@ from training.recipes.probe import load_labelled
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 from vip_hub.models.tokenizer import BERT_SPECIAL_IDS, CaptionTokenizer
+from vip_hub.repo_format import VOCAB_FILE
 
 
 def test_idx_reader_reads_what_was_written(tmp_path: Path) -> None:
@@ -254,7 +255,7 @@ def test_captions_are_the_public_template_over_each_class_name(tmp_path: Path) -
     assert public == [f"{DEFAULT_PROMPT} {c}" for c in FASHION_MNIST_CLASSES]
     assert class_public_captions(["cat"], "{name} on a mat") == ["cat on a mat"]
 
-    vocab = tmp_path / "vocab.txt"
+    vocab = tmp_path / VOCAB_FILE
     vocab.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
     tokens = vocab.read_text().splitlines()
     assert {t: tokens.index(t) for t in BERT_SPECIAL_IDS} == BERT_SPECIAL_IDS

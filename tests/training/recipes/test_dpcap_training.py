@@ -46,6 +46,7 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
+from vip_hub.repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
@@ -98,7 +99,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    path = tmp_path_factory.mktemp("vocab") / VOCAB_FILE
     path.write_bytes(class_vocabulary(FASHION_MNIST_CLASSES))
     return path
 
@@ -209,17 +210,17 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     assert not published_hashes_of(pairs, trained)  # no plain hash of the private pairs
     assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
 
-    config = json.loads((trained / "config.json").read_text())
+    config = json.loads((trained / CONFIG_FILE).read_text())
     assert (
         config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
     )
-    assert (trained / "vocab.txt").read_bytes() == vocab.read_bytes()
+    assert (trained / VOCAB_FILE).read_bytes() == vocab.read_bytes()
     card = (trained / "README.md").read_text()
     assert "](training_curves.png)" in card and "dp-captioning" in card
 
     before, after = (
-        load_file(syn_repo / "model.safetensors"),
-        load_file(trained / "model.safetensors"),
+        load_file(syn_repo / WEIGHTS_FILE),
+        load_file(trained / WEIGHTS_FILE),
     )
     assert torch.equal(before["cls_token"], after["cls_token"]) and torch.equal(
         before["pos_embed"], after["pos_embed"]
@@ -407,7 +408,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
     )
     assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
-    for name in ("model.safetensors", "text_decoder.safetensors"):
+    for name in (WEIGHTS_FILE, TEXT_DECODER_FILE):
         a, b = load_file(out / name), load_file(trained / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(7))

@@ -45,6 +45,7 @@ from vip_hub.privacy.sensitivity import (
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 CLASSES = ("circle", "square", "stripe")
@@ -311,8 +312,8 @@ def test_frozen_blocks_are_the_init_repos_and_the_top_blocks_moved(
     syn_repo: Path, finetuned: tuple[Path, Path]
 ) -> None:
     before, after = (
-        load_file(syn_repo / "model.safetensors"),
-        load_file(finetuned[0] / "model.safetensors"),
+        load_file(syn_repo / WEIGHTS_FILE),
+        load_file(finetuned[0] / WEIGHTS_FILE),
     )
     assert before.keys() == after.keys()
     top = tuple(f"blocks.{i}." for i in range(DEPTH - TRAINED, DEPTH)) + ("fc_norm.",)
@@ -327,7 +328,7 @@ def test_two_runs_with_the_same_settings_draw_their_own_secret(
     first, second = finetuned
     seeds = [(Path(f"{r}.run") / "seed").read_text() for r in finetuned]
     assert seeds[0] != seeds[1]
-    w1, w2 = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    w1, w2 = load_file(first / WEIGHTS_FILE), load_file(second / WEIGHTS_FILE)
     assert not torch.equal(w1["blocks.11.mlp.fc1.weight"], w2["blocks.11.mlp.fc1.weight"])
     h1, h2 = load_head(first, "clf")[0], load_head(second, "clf")[0]
     assert not torch.equal(h1.linear.weight, h2.linear.weight)
@@ -368,8 +369,8 @@ def test_the_whole_encoder_moved_where_its_feature_mode_reads_and_nowhere_else(
     syn_repo: Path, whole: Path
 ) -> None:
     before, after = (
-        load_file(syn_repo / "model.safetensors"),
-        load_file(whole / "model.safetensors"),
+        load_file(syn_repo / WEIGHTS_FILE),
+        load_file(whole / WEIGHTS_FILE),
     )
     read = ("patch_embed.", "cls_token", *(f"blocks.{i}." for i in range(4)))  # blocks 1-4
     for key in before:
@@ -445,7 +446,7 @@ def test_the_cli_run_on_a_generated_subsample_verifies_and_classifies_through_th
     assert (
         subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True).returncode == 0
     )
-    before, after = load_file(syn_repo / "model.safetensors"), load_file(out / "model.safetensors")
+    before, after = load_file(syn_repo / WEIGHTS_FILE), load_file(out / WEIGHTS_FILE)
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("fc_norm."))
 
     push_repo(out, "vip/ft-test", token=WRITE_TOKEN)

@@ -44,6 +44,7 @@ from vip_hub.privacy.sensitivity import (
     logit_dp_sensitivity,
     rounding_allowance,
 )
+from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 DP_ARGS = dict(
@@ -126,8 +127,8 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
     assert dp.dataset.size == 24 and dp.hyperparameters["trainable_blocks"] == 2
 
     before, after = (
-        load_file(syn_repo / "model.safetensors"),
-        load_file(trained / "model.safetensors"),
+        load_file(syn_repo / WEIGHTS_FILE),
+        load_file(trained / WEIGHTS_FILE),
     )
     assert set(before) == set(after)  # the projection head is not released
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -211,11 +212,11 @@ def test_a_capped_run_records_the_cap_and_verify_recomputes_delta(
     )
     assert dp.audit is None
     assert verify_repo(out).ok
-    ledger = json.loads((out / "privacy_ledger.json").read_text())
+    ledger = json.loads((out / LEDGER_FILE).read_text())
     ledger["stages"][1]["mechanism_params"]["max_batch"] = (
         6  # a smaller cap than the run used: Delta too low
     )
-    (out / "privacy_ledger.json").write_text(json.dumps(ledger))
+    (out / LEDGER_FILE).write_text(json.dumps(ledger))
     assert not verify_repo(out).ok
 
 
@@ -307,7 +308,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
     )
     train_logit_dp(LogitDPConfig(init=str(syn_repo), data=str(images), out=str(out), **DP_ARGS))
     assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
-    a, b = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")
+    a, b = load_file(out / WEIGHTS_FILE), load_file(trained / WEIGHTS_FILE)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(7))
 
