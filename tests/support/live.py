@@ -99,6 +99,27 @@ class ThreadedServer:
         self.server.should_exit = True
         self.thread.join(60)
 
+    def hold_first_batch(self, repo_id: str, images: int) -> None:
+        """Hold the next batch of loaded model ``repo_id`` until ``images`` images are in it or
+        queued behind it, so that a test's concurrent requests batch together however they
+        happen to arrive."""
+        (model,) = [m for m in self.app.state.engine.loaded() if m.repo_id == repo_id]
+        batcher = model.batcher
+        run_batch = batcher._run_batch
+        held = threading.Event()
+
+        def run_after_the_rest_queue(items: list) -> None:
+            if not held.is_set():
+                held.set()
+                deadline = time.monotonic() + 60
+                while batcher.depth + sum(i.size for i in items) < images:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{images} images never queued")
+                    time.sleep(0.01)
+            run_batch(items)
+
+        batcher._run_batch = run_after_the_rest_queue
+
 
 def settings_for(store: Path, **overrides: object) -> Settings:
     """Test settings: the given store, the test tokens, overrides merged per section."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -153,23 +152,7 @@ def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap)
             == 200
         )
         results: dict[int, list[str]] = {}
-        # The first batch of the six is held until every other request is queued: however the
-        # requests happen to arrive, the rest must then run as one batch (three batches in all).
-        (model,) = [m for m in server.app.state.engine.loaded() if m.repo_id == DPCAP]
-        batcher = model.batcher
-        run_batch = batcher._run_batch
-        held = threading.Event()
-
-        def run_after_the_rest_queue(items):
-            if not held.is_set():
-                held.set()
-                deadline = time.monotonic() + 60
-                while batcher.depth + sum(i.size for i in items) < 6:
-                    assert time.monotonic() < deadline, "the other requests never queued"
-                    time.sleep(0.01)
-            run_batch(items)
-
-        batcher._run_batch = run_after_the_rest_queue
+        server.hold_first_batch(DPCAP, 6)  # however the six arrive: at most two batches
 
         def call(i: int) -> None:
             r = post(
