@@ -32,7 +32,10 @@ with its own prior's row and with ScatterNet's, paired on the scoring records
 (``training.study.table.paired``: the difference, its standard error from the records and from
 the draws). An encoder row reads the feature mode chosen for its (Syn) prior
 (``training.study.selection``, as the job: on the selection records, for the noisiest head among
-the rows run that read it).
+the rows run that read it). With ``--head-components K`` every feature row's heads and its
+reference read the top K principal components of its features of the centring records (public:
+``training.study.features.public_components``), fewer coordinates for the heads' noise; the mode
+choice is unchanged.
 
 Settings are the study's (``BENCHMARK``, command-line options override some). ``--tune ROWS``
 picks those rows' head learning rate from ``HEAD_LR_GRID`` on a validation split carved from
@@ -44,7 +47,7 @@ cached under ``--work``.
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--finetune-draws 1] [--device cpu|cuda] \
-        [--data FOLDER] [--work var/utility]
+        [--head-components K] [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import platform
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +72,7 @@ from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_an
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed, head_epsilon
 from training.study.config import BENCHMARK, StudyConfig, stamp
-from training.study.features import CHUNK, embed, pixels
+from training.study.features import CHUNK, embed, pixels, public_components
 from training.study.heads import dp_head, head_config, head_sampling
 from training.study.selection import Choice, choose_modes
 from training.study.splits import Splits, study_splits
@@ -103,6 +106,7 @@ class Bench:
     workers: int = 0
     draws: int = 3
     finetune_draws: int = 1
+    head_components: int = 0  # > 0: heads read the top principal components of public features
     modes: dict[str, Choice] = field(default_factory=dict)
 
     @property
@@ -438,6 +442,19 @@ def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
     return max(scores, key=lambda lr: scores[lr]), scores
 
 
+def on_public_components(f: Features, k: int) -> Features:
+    """``f`` on the top ``k`` principal components of its centring records' features (public
+    records, so the map costs no privacy): what the heads read with ``--head-components``."""
+    project = public_components(f.centre, k)
+    return replace(
+        f,
+        train=project(f.train),
+        test=project(f.test),
+        centre=project(f.centre),
+        what=f"{f.what}, top {k} principal components of the centring records'",
+    )
+
+
 def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Bench, str], Result]:
     """A row that is the study's DP head on fixed features (``make``, cached), with the head's
     learning rate tuned on validation when the row is in ``--tune``, and its non-private
@@ -449,6 +466,8 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
         settings = {"study": b.study.model_dump(), "mode": mode}
         path = b.work / "features" / f"{key}-{n}-{stamp(settings)[:10]}.pt"
         f, make_s, hit = cached(path, lambda: make(b))
+        if b.head_components:
+            f = on_public_components(f, b.head_components)
         load = os.getloadavg()[0]
         start = time.perf_counter()
         lr, tried = b.study.head_lr, 0
@@ -802,6 +821,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=1,
         help="DP fine-tunings of the finetune row, each from a fresh secret (about 10 min each)",
     )
+    p.add_argument(
+        "--head-components",
+        type=int,
+        default=0,
+        help="K > 0: every feature row's heads (and its reference) read the top K principal "
+        "components of its features of the centring records (public; default: the features)",
+    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
@@ -838,6 +864,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tune=frozenset(tune),
         draws=args.draws,
         finetune_draws=args.finetune_draws,
+        head_components=args.head_components,
     )
     start = time.perf_counter()
     print(

@@ -140,6 +140,15 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     assert TINY.encoder_epsilon < spent <= wider
 
 
+def test_heads_on_public_components_read_k_coordinates(data: Path, tmp_path: Path) -> None:
+    bench = tiny_bench(data, tmp_path, head_components=4)
+    ((r, eps),) = utility.run_benchmark(bench, ["pixels"])
+    assert "top 4 principal components" in r.what
+    classes = len(bench.private.classes)
+    assert sum(r.stages[-1].noised_tensors.values()) == (4 + 1) * classes  # weight and bias
+    assert TINY.epsilon - 0.01 < eps[Accountant.RDP] <= TINY.epsilon
+
+
 @pytest.mark.slow
 def test_scatter_dpcap_and_contrastive_rows_compose_within_the_budget(
     data: Path, tmp_path: Path

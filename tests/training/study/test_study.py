@@ -8,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from support.helpers import write_idx
 
 from training.data.labelled import fashion_mnist
 from training.main_job import MainJobConfig
 from training.study.config import BENCHMARK, JOB, StudyConfig
+from training.study.features import public_components
 from training.study.splits import study_splits
 from training.study.table import chance_test, paired
 from vip_hub.errors import DataError
@@ -79,3 +81,27 @@ def test_the_paired_comparison_is_calibrated_under_the_null() -> None:
         right = rng.random((2, 3, 500)) < np.clip(easy + draw_skill[..., None], 0, 1)
         zs.append(paired(right[0], right[1]).z)
     assert 0.8 < np.std(zs) < 1.25 and abs(np.mean(zs)) < 0.2
+
+
+def test_public_components_keep_the_public_records_top_directions_and_their_mean_norm():
+    # public features with variance along e0 (largest), e1, e2 only, around an offset
+    g = torch.Generator().manual_seed(0)
+    offset = torch.arange(10.0)
+    centre = (
+        offset
+        + torch.randn(500, 3, generator=g) * torch.tensor([5.0, 2.0, 1.0]) @ torch.eye(10)[:3]
+    )
+    project = public_components(centre, 2)
+    z = project(centre)
+    assert z.shape == (500, 2)
+    assert z.mean(0).abs().max() < 1e-4  # centred on the public records' mean
+    torch.testing.assert_close(
+        z.norm(dim=1).mean(), (centre - offset).norm(dim=1).mean(), rtol=0.05, atol=0
+    )
+    e = torch.eye(10)
+    at = {i: project(centre.mean(0) + e[i]).norm().item() for i in range(10)}
+    assert at[0] > 0.9 * at[1] > 0  # the two directions of most variance, scaled alike
+    assert at[2] < 0.1 * at[0]  # the third: left out (up to the sample's correlations)
+    assert max(at[i] for i in range(3, 10)) < 1e-4 * at[0]  # no public variance there: gone
+    with pytest.raises(ValueError, match="11 components"):
+        public_components(centre, 11)
