@@ -25,7 +25,7 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
-        [--heads 3] [--uncentred]
+        [--heads 3] [--uncentred] [--head-components K] [--study job|benchmark]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
 """
@@ -57,7 +57,7 @@ from training.data.labelled import (
 from training.priors import prior_path
 from training.recipes.probe import accuracy, centred_statistics, fit_probe
 from training.study.config import BENCHMARK, JOB, StudyConfig
-from training.study.features import embed
+from training.study.features import embed, public_components
 from training.study.heads import head_config, head_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
@@ -208,11 +208,14 @@ def heads_trial(
     mode: str = MODE,
     steps: int | None = None,
     centred: bool = True,
+    components: int = 0,
 ) -> Trial:
     """``row`` (``syn``: the committed prior; ``vip``, ``dpcap``: its DP stage on the stand-in at
     the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise (centred on
     the centring records' mean, or with ``centred`` off their BatchNorm the identity), and a
-    non-private reference; top-1 on the stand-in's scoring records."""
+    non-private reference; top-1 on the stand-in's scoring records. With ``components`` > 0 the
+    heads and the reference read the top ``components`` principal components of the centring
+    records' features (``utility.py --head-components``)."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -223,10 +226,13 @@ def heads_trial(
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
         t.standin["encoder"] = (sigma, study.dp_batch_size / len(recs.private), steps_real)
-        tag = "-".join(f"{k}{v:g}" for k, v in settings.items())
+        tag = "-".join(f"{k}{v}" for k, v in settings.items() if k in ("E", "lr", "study"))
         repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}", steps)
     encoder = load_encoder(repo)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
+    if components:
+        project = public_components(xc, components)
+        x, xs, xc = project(x), project(xs), project(xc)
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
     t.real["head"], t.standin["head"] = matched_head(study, study.train_size, prior, len(y))
     sigma_h, q_h, steps_h = t.standin["head"]
@@ -319,6 +325,15 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
+    p.add_argument(
+        "--head-components", type=int, default=0, help="heads on the top K public components"
+    )
+    p.add_argument(
+        "--study",
+        choices=("job", "benchmark"),
+        default="job",
+        help="syn, vip, dpcap: whose real run's noise (the job's n = 10,000 or the benchmark's)",
+    )
     p.add_argument("--private", type=int, default=PRIVATE, help="stand-in private records")
     p.add_argument("--end", type=int, default=END, help="scoring records end here")
     p.add_argument("--mode", default=MODE, help="the feature mode the heads read")
@@ -337,16 +352,21 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
-        study = JOB.model_copy(
+        study = (JOB if a.study == "job" else BENCHMARK).model_copy(
             update={"encoder_epsilon": a.encoder_epsilon, "dp_lr_scale": a.lr_scale}
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.uncentred:
             settings["centred"] = 0
+        if a.head_components:
+            settings["components"] = a.head_components
+        if a.study != "job":
+            settings["study"] = a.study
         t = heads_trial(
-            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred
-        )
+            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred,
+            a.head_components,
+        )  # fmt: skip
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:

@@ -21,6 +21,7 @@ from support.helpers import ROOT, write_idx
 
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
 from training.priors import prior_path
+from training.recipes.probe import fit_probe
 from training.study.config import JOB, StudyConfig
 from training.study.selection import choose_modes
 from vip_hub.privacy.accounting import composed_epsilon
@@ -109,6 +110,16 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     ratio = -(-PRIVATE // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
     assert standin_head[0] == pytest.approx(real_head[0] * ratio)
     assert len(t.dp_top1) == 1 and 0 <= t.dp_top1[0] <= 100
+    # heads on public components: the heads and the reference read that many coordinates
+    widths: list[int] = []
+
+    def fit_spy(x: Any, *args: Any, **kwargs: Any) -> Any:
+        widths.append(x.shape[1])
+        return fit_probe(x, *args, **kwargs)
+
+    monkeypatch.setattr(standin, "fit_probe", fit_spy)
+    t = standin.heads_trial(TINY, "syn", {}, recs, tmp_path / "work", heads=1, components=4)
+    assert widths == [4, 4] and len(t.dp_top1) == 1
 
 
 class PrivateSpy:
