@@ -55,10 +55,10 @@ from training.data.labelled import (
     write_image_folder,
 )
 from training.priors import prior_path
-from training.recipes.probe import accuracy, centred_statistics, fit_probe
+from training.recipes.probe import accuracy, centred_statistics, fit_probe, public_components
 from training.study.config import BENCHMARK, JOB, StudyConfig
-from training.study.features import embed, public_components
-from training.study.heads import head_config, head_sampling
+from training.study.features import embed
+from training.study.heads import head_components, head_config, head_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
     Accountant,
@@ -208,14 +208,13 @@ def heads_trial(
     mode: str = MODE,
     steps: int | None = None,
     centred: bool = True,
-    components: int = 0,
 ) -> Trial:
     """``row`` (``syn``: the committed prior; ``vip``, ``dpcap``: its DP stage on the stand-in at
     the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise (centred on
     the centring records' mean, or with ``centred`` off their BatchNorm the identity), and a
-    non-private reference; top-1 on the stand-in's scoring records. With ``components`` > 0 the
-    heads and the reference read the top ``components`` principal components of the centring
-    records' features (``utility.py --head-components``)."""
+    non-private reference; top-1 on the stand-in's scoring records. The DP heads read the study's
+    ``head_components`` principal components of the centring records' features, as the study's
+    heads do; the reference reads the features."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -230,18 +229,18 @@ def heads_trial(
         repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}", steps)
     encoder = load_encoder(repo)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
-    if components:
-        project = public_components(xc, components)
-        x, xs, xc = project(x), project(xs), project(xc)
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
     t.real["head"], t.standin["head"] = matched_head(study, study.train_size, prior, len(y))
     sigma_h, q_h, steps_h = t.standin["head"]
     eps = epsilon(sigma_h, q_h, steps_h, study.delta)
     cfg = head_config(study, len(y), eps, dataset=recs.private.dataset.name)
-    statistics = centred_statistics(xc if centred else torch.zeros_like(xc[:1]))
+    k = head_components(study, xc)
+    project = public_components(xc, k) if k else (lambda features: features)
+    px, pxs, pxc = project(x), project(xs), project(xc)
+    statistics = centred_statistics(pxc if centred else torch.zeros_like(pxc[:1]))
     for _ in range(heads):
-        head, _ = fit_probe(x, y, len(recs.private.classes), cfg, statistics)
-        t.dp_top1.append(100 * accuracy(head, xs, ys))
+        head, _ = fit_probe(px, y, len(recs.private.classes), cfg, statistics)
+        t.dp_top1.append(100 * accuracy(head, pxs, ys))
     ref_cfg = head_config(study, len(y), None, dataset=recs.private.dataset.name)
     ref, _ = fit_probe(x, y, len(recs.private.classes), ref_cfg, desc="reference")
     t.reference_top1 = 100 * accuracy(ref, xs, ys)
@@ -326,7 +325,10 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
-        "--head-components", type=int, default=0, help="heads on the top K public components"
+        "--head-components",
+        type=int,
+        default=JOB.head_components,
+        help="the DP heads' public principal components (0: the features)",
     )
     p.add_argument(
         "--study",
@@ -353,20 +355,22 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
         study = (JOB if a.study == "job" else BENCHMARK).model_copy(
-            update={"encoder_epsilon": a.encoder_epsilon, "dp_lr_scale": a.lr_scale}
+            update={
+                "encoder_epsilon": a.encoder_epsilon,
+                "dp_lr_scale": a.lr_scale,
+                "head_components": a.head_components,
+            }
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.uncentred:
             settings["centred"] = 0
-        if a.head_components:
-            settings["components"] = a.head_components
+        settings["components"] = a.head_components
         if a.study != "job":
             settings["study"] = a.study
         t = heads_trial(
-            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred,
-            a.head_components,
-        )  # fmt: skip
+            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred
+        )
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:

@@ -32,10 +32,10 @@ with its own prior's row and with ScatterNet's, paired on the scoring records
 (``training.study.table.paired``: the difference, its standard error from the records and from
 the draws). An encoder row reads the feature mode chosen for its (Syn) prior
 (``training.study.selection``, as the job: on the selection records, for the noisiest head among
-the rows run that read it). With ``--head-components K`` every feature row's heads and its
-reference read the top K principal components of its features of the centring records (public:
-``training.study.features.public_components``), fewer coordinates for the heads' noise; the mode
-choice is unchanged.
+the rows run that read it). Every DP head, the selection heads' too, reads the top
+``--head-components`` principal components of its row's features of the centring records (public;
+``StudyConfig.head_components``, 0: the features themselves); the non-private reference reads the
+features.
 
 Settings are the study's (``BENCHMARK``, command-line options override some). ``--tune ROWS``
 picks those rows' head learning rate from ``HEAD_LR_GRID`` on a validation split carved from
@@ -59,7 +59,7 @@ import platform
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_an
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed, head_epsilon
 from training.study.config import BENCHMARK, StudyConfig, stamp
-from training.study.features import CHUNK, embed, pixels, public_components
+from training.study.features import CHUNK, embed, pixels
 from training.study.heads import dp_head, head_config, head_sampling
 from training.study.selection import Choice, choose_modes
 from training.study.splits import Splits, study_splits
@@ -106,7 +106,6 @@ class Bench:
     workers: int = 0
     draws: int = 3
     finetune_draws: int = 1
-    head_components: int = 0  # > 0: heads read the top principal components of public features
     modes: dict[str, Choice] = field(default_factory=dict)
 
     @property
@@ -442,19 +441,6 @@ def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
     return max(scores, key=lambda lr: scores[lr]), scores
 
 
-def on_public_components(f: Features, k: int) -> Features:
-    """``f`` on the top ``k`` principal components of its centring records' features (public
-    records, so the map costs no privacy): what the heads read with ``--head-components``."""
-    project = public_components(f.centre, k)
-    return replace(
-        f,
-        train=project(f.train),
-        test=project(f.test),
-        centre=project(f.centre),
-        what=f"{f.what}, top {k} principal components of the centring records'",
-    )
-
-
 def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Bench, str], Result]:
     """A row that is the study's DP head on fixed features (``make``, cached), with the head's
     learning rate tuned on validation when the row is in ``--tune``, and its non-private
@@ -466,8 +452,6 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
         settings = {"study": b.study.model_dump(), "mode": mode}
         path = b.work / "features" / f"{key}-{n}-{stamp(settings)[:10]}.pt"
         f, make_s, hit = cached(path, lambda: make(b))
-        if b.head_components:
-            f = on_public_components(f, b.head_components)
         load = os.getloadavg()[0]
         start = time.perf_counter()
         lr, tried = b.study.head_lr, 0
@@ -824,9 +808,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--head-components",
         type=int,
-        default=0,
-        help="K > 0: every feature row's heads (and its reference) read the top K principal "
-        "components of its features of the centring records (public; default: the features)",
+        default=BENCHMARK.head_components,
+        help=StudyConfig.model_fields["head_components"].description,
     )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -848,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "test_size": args.test_size,
             "probe_epochs": args.epochs,
             "encoder_epsilon": args.encoder_epsilon,
+            "head_components": args.head_components,
             **(
                 {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
                 if steps
@@ -864,7 +848,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         tune=frozenset(tune),
         draws=args.draws,
         finetune_draws=args.finetune_draws,
-        head_components=args.head_components,
     )
     start = time.perf_counter()
     print(

@@ -110,7 +110,7 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     ratio = -(-PRIVATE // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
     assert standin_head[0] == pytest.approx(real_head[0] * ratio)
     assert len(t.dp_top1) == 1 and 0 <= t.dp_top1[0] <= 100
-    # heads on public components: the heads and the reference read that many coordinates
+    # the DP heads read the study's public components, the reference the features
     widths: list[int] = []
 
     def fit_spy(x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -118,8 +118,9 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
         return fit_probe(x, *args, **kwargs)
 
     monkeypatch.setattr(standin, "fit_probe", fit_spy)
-    t = standin.heads_trial(TINY, "syn", {}, recs, tmp_path / "work", heads=1, components=4)
-    assert widths == [4, 4] and len(t.dp_top1) == 1
+    study = TINY.model_copy(update={"head_components": 4})
+    t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=1)
+    assert widths[0] == 4 and widths[1] > 4 and len(t.dp_top1) == 1  # the DP head, the reference
 
 
 class PrivateSpy:

@@ -19,7 +19,7 @@ from training.study.budget import head_epsilon
 from training.study.config import StudyConfig
 from training.study.splits import study_splits
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
-from vip_hub.privacy.ledger import Dataset, DPStage, compose_releases
+from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, compose_releases
 from vip_hub.repo.heads import load_head
 
 SPEC = importlib.util.spec_from_file_location("utility", ROOT / "benchmarks" / "utility.py")
@@ -140,13 +140,18 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     assert TINY.encoder_epsilon < spent <= wider
 
 
-def test_heads_on_public_components_read_k_coordinates(data: Path, tmp_path: Path) -> None:
-    bench = tiny_bench(data, tmp_path, head_components=4)
+def test_heads_read_k_public_components_and_release_the_head_on_the_features(
+    data: Path, tmp_path: Path
+) -> None:
+    study = TINY.model_copy(update={"head_components": 4})
+    bench = tiny_bench(data, tmp_path, study)
     ((r, eps),) = utility.run_benchmark(bench, ["pixels"])
-    assert "top 4 principal components" in r.what
-    classes = len(bench.private.classes)
-    assert sum(r.stages[-1].noised_tensors.values()) == (4 + 1) * classes  # weight and bias
-    assert TINY.epsilon - 0.01 < eps[Accountant.RDP] <= TINY.epsilon
+    head = r.stages[-1]
+    # the noise went to 4 coordinates (and the bias) of a head no file holds
+    assert sum(head.noised_tensors.values()) == (4 + 1) * len(bench.private.classes)
+    assert all(key.startswith(f"{NOT_RELEASED}:") for key in head.noised_tensors)
+    assert "top 4 principal components" in head.description
+    assert study.epsilon - 0.01 < eps[Accountant.RDP] <= study.epsilon
 
 
 @pytest.mark.slow

@@ -85,6 +85,7 @@ __all__ = [
     "LabelledImages",
     "ProbeConfig",
     "ProbeResult",
+    "PublicComponents",
     "accuracy",
     "centred_statistics",
     "choose_pooling",
@@ -95,9 +96,11 @@ __all__ = [
     "load_labelled",
     "load_public_images",
     "probe_stage",
+    "public_components",
     "public_features",
     "right_answers",
     "run_probe",
+    "unproject",
     "top1_result",
 ]
 
@@ -409,6 +412,7 @@ def choose_pooling(
     num_classes: int,
     cfg: ProbeConfig,
     private_n: int,
+    components: int = 0,
 ) -> tuple[Pooling, dict[Pooling, float]]:
     """The feature mode of ``encoder`` that a head trained by ``cfg`` on ``private_n`` private
     records should read, chosen on PUBLIC labelled ``images`` only: for every mode the repo offers,
@@ -418,7 +422,9 @@ def choose_pooling(
     the expected batches, so that the noise on their averaged gradient is the private head's
     (their epsilon on the public images means nothing), and their features are centred on all
     the images' mean (``centred_statistics``: the rule of a head given these images as
-    ``--public-data``). Returns the best mode and every score."""
+    ``--public-data``); with ``components`` > 0 every head reads the top principal components of
+    the images' features (at most one fewer than the images). Returns the best mode and every
+    score."""
     half = len(images) // 2
     if half < 2:
         raise DataError(
@@ -439,6 +445,8 @@ def choose_pooling(
     halves = (slice(0, half), slice(half, 2 * half))
     scores = {}
     for mode, x in feats.items():
+        if components:
+            x = public_components(x, min(components, len(x) - 1, x.shape[1]))(x)
         top1 = []
         public = centred_statistics(x) if cfg.epsilon is not None else None
         for fit_on, score_on in (halves, halves[::-1]):
@@ -458,6 +466,54 @@ def centred_statistics(domain_x: torch.Tensor) -> torch.Tensor:
         raise DataError("centring a DP head needs at least one public image of the domain")
     mean = domain_x.mean(0, keepdim=True)
     return torch.cat([mean + 1, mean - 1])
+
+
+@dataclass(frozen=True)
+class PublicComponents:
+    """The top principal directions of features of PUBLIC records (``public_components``): the
+    records' mean (1, D) and the directions (D, k), scaled so that their centred features keep
+    their mean norm. Called on features (N, D), it gives their components (N, k)."""
+
+    mean: torch.Tensor
+    directions: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x.double() - self.mean) @ self.directions).to(x.dtype)
+
+
+def public_components(public_x: torch.Tensor, k: int) -> PublicComponents:
+    """The map of features onto the top ``k`` principal directions of ``public_x``, features of
+    PUBLIC records: fixed by public data, so a DP head may read it in place of the features (fewer
+    coordinates for its noise) at no privacy cost."""
+    if not 0 < k <= min(public_x.shape):
+        raise DataError(f"{k} principal components of {tuple(public_x.shape)} public features")
+    mean = public_x.double().mean(0, keepdim=True)
+    centred = public_x.double() - mean
+    directions = torch.linalg.svd(centred, full_matrices=False)[2][:k].T
+    scale = centred.norm(dim=1).mean() / (centred @ directions).norm(dim=1).mean()
+    return PublicComponents(mean, directions * scale)
+
+
+@torch.no_grad()
+def unproject(
+    head: LinearProbe, components: PublicComponents, public_x: torch.Tensor
+) -> LinearProbe:
+    """The head on the features themselves that answers as ``head`` does on their
+    ``components``, its BatchNorm fixed to ``public_x``'s statistics: its linear layer is
+    ``head``'s folded through the map (post-processing of ``head``: no privacy cost)."""
+    full = LinearProbe(components.directions.shape[0], head.linear.out_features)
+    fix_normalisation(full, public_x)
+    norm, into = head.norm, full.norm
+    assert norm.running_mean is not None and norm.running_var is not None
+    assert into.running_mean is not None and into.running_var is not None
+    a = head.linear.weight.double() / (norm.running_var.double() + norm.eps).sqrt()  # (C, k)
+    folded = a @ components.directions.T  # (C, D): the map's directions, read from the features
+    shift = into.running_mean.double() - components.mean[0]
+    full.linear.weight.copy_(folded * (into.running_var.double() + into.eps).sqrt())
+    full.linear.bias.copy_(
+        head.linear.bias.double() - a @ norm.running_mean.double() + folded @ shift
+    )
+    return full.eval()
 
 
 def head_statistics(

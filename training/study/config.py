@@ -89,6 +89,17 @@ class StudyConfig(BaseModel):
     head_lr: float = Field(
         16.0, gt=0, description="peak SGD learning rate of a DP head, momentum 0.9 (the paper's)"
     )
+    head_components: int = Field(
+        0,
+        ge=0,
+        description="K > 0: a DP head (the selection heads too) reads the top K principal "
+        "components of its features of the centring records (public; at most one fewer than "
+        "those records and the features' dimension), and the released head is its map back to "
+        "the features (post-processing); 0, kept: the features themselves. K 128 led on the "
+        "public stand-in at the job's noise (+2.4 points) but 256 lost 0.5-1.3 points on every "
+        "row of the benchmark's 60,000 records (benchmarks/README.md, 'Heads on public principal "
+        "components'): the stand-in's 4,000 records cannot show what the projection drops",
+    )
     syn_prior: str = Field(
         "vip-nano-scatter",
         description="the (Syn)-ViP encoder: a committed prior's name (training.priors) or a "

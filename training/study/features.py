@@ -1,9 +1,6 @@
-"""What a row's head reads: raw pixels, or an encoder's features in one mode, optionally on the
-top principal components of the public centring records' features."""
+"""What a row's head reads: raw pixels, or an encoder's features in one mode."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -13,7 +10,7 @@ from vip_hub.loading import Encoder
 
 from ..data.labelled import LabelledArrays
 
-__all__ = ["CHUNK", "embed", "pixels", "public_components"]
+__all__ = ["CHUNK", "embed", "pixels"]
 
 CHUNK = 1000
 """Records embedded at once (memory only)."""
@@ -32,21 +29,3 @@ def embed(encoder: Encoder, data: LabelledArrays, mode: str, desc: str = "embed"
         images = [data.pil(i) for i in range(start, min(start + CHUNK, len(data)))]
         parts.append(encoder.embed(images, mode).cpu())
     return torch.cat(parts)
-
-
-def public_components(centre: torch.Tensor, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The map of features onto the top ``k`` principal directions of ``centre``, features of
-    PUBLIC records (centred on their mean, scaled so that their mean norm is kept): fixed by public
-    data, so a DP head may read it in place of the features, with fewer coordinates for its noise,
-    at no privacy cost."""
-    if not 0 < k <= min(centre.shape):
-        raise ValueError(f"{k} components of {tuple(centre.shape)} public features")
-    mean = centre.double().mean(0, keepdim=True)
-    centred = centre.double() - mean
-    directions = torch.linalg.svd(centred, full_matrices=False)[2][:k].T
-    p = directions * centred.norm(dim=1).mean() / (centred @ directions).norm(dim=1).mean()
-
-    def project(x: torch.Tensor) -> torch.Tensor:
-        return ((x.double() - mean) @ p).to(x.dtype)
-
-    return project

@@ -1,8 +1,9 @@
 """A row's DP linear head: the same protocol on every row (the paper's: expected batch n /
 ``head_batches``, clipping ``head_clip``, SGD at ``head_lr`` with momentum 0.9, warm-up and
-cosine over ``probe_epochs``), its BatchNorm fixed to the mean of the row's features of the
-centring records with variance 1, its epsilon what the split rule leaves after the encoder's DP
-stages, and its ledger stage."""
+cosine over ``probe_epochs``), on the top ``head_components`` principal components of the row's
+features of the centring records, its BatchNorm fixed to their mean with variance 1, its epsilon
+what the split rule leaves after the encoder's DP stages, and its ledger stage; the head
+released reads the features themselves (``unproject``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vip_hub.privacy.ledger import Dataset, DPStage
+from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, noised_key
 from vip_hub.repo.heads import LinearProbe
 
 from ..recipes.probe import (
@@ -21,11 +22,13 @@ from ..recipes.probe import (
     dp_head_sampling,
     fit_probe,
     probe_stage,
+    public_components,
+    unproject,
 )
 from .budget import head_epsilon
 from .config import StudyConfig
 
-__all__ = ["DPHead", "dp_head", "head_config", "head_sampling"]
+__all__ = ["DPHead", "dp_head", "head_components", "head_config", "head_sampling"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,13 @@ def head_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
     return dp_head_sampling(n, head_config(cfg, n, None, dataset=dataset))
 
 
+def head_components(cfg: StudyConfig, public_x: torch.Tensor) -> int:
+    """The principal components a study head reads of features whose centring records' are
+    ``public_x``: ``cfg.head_components``, at most one fewer than those records and their
+    dimension (0: the features themselves)."""
+    return max(0, min(cfg.head_components, len(public_x) - 1, public_x.shape[1]))
+
+
 def dp_head(
     cfg: StudyConfig,
     x: torch.Tensor,
@@ -97,7 +107,28 @@ def dp_head(
     q, steps = head_sampling(cfg, len(y), data.name)
     eps = head_epsilon(cfg, prior, q, steps)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
-    head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), desc=f"head {name}")
+    k = head_components(cfg, centre_x)
+    if not k:
+        head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), f"head {name}")
+    else:
+        components = public_components(centre_x, k)
+        fit, dp = fit_probe(
+            components(x), y, classes, config, centred_statistics(components(centre_x)),
+            f"head {name}",
+        )  # fmt: skip
+        head = unproject(fit, components, centred_statistics(centre_x))
+        # the noise went to the k-coordinate head, which no file holds; the released one is its map
+        on = f"on {k} public principal components"
+        noised = dp["noised"].items()
+        dp["noised"] = {noised_key(NOT_RELEASED, f"{key} {on}"): n for key, n in noised}
     stage = probe_stage(config, data, dp)
     assert isinstance(stage, DPStage)  # the head ran with DP: its config has an epsilon
+    if k:
+        stage = stage.model_copy(
+            update={
+                "description": f"{stage.description}; it read the top {k} principal components "
+                f"of its features of {config.public_data} (public), and the head released is "
+                "its map back to the features (post-processing)"
+            }
+        )
     return DPHead(head, config, stage)

@@ -60,7 +60,7 @@ def choose_modes(
         head = head_config(cfg, len(private), noisiest, dataset=private.dataset.name)
         mode, scores = choose_pooling(
             load_encoder(prior, device=device), images, selection.labels,
-            len(private.classes), head, len(private),
+            len(private.classes), head, len(private), cfg.head_components,
         )  # fmt: skip
         out[prior] = Choice(mode, scores, prior.name, len(selection))
         shown = ", ".join(f"{m} {v:.1f}" for m, v in sorted(scores.items(), key=lambda kv: -kv[1]))

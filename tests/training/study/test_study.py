@@ -13,8 +13,9 @@ from support.helpers import write_idx
 
 from training.data.labelled import fashion_mnist
 from training.main_job import MainJobConfig
+from training.recipes.probe import centred_statistics, fit_probe, public_components, unproject
 from training.study.config import BENCHMARK, JOB, StudyConfig
-from training.study.features import public_components
+from training.study.heads import head_config
 from training.study.splits import study_splits
 from training.study.table import chance_test, paired
 from vip_hub.errors import DataError
@@ -87,10 +88,8 @@ def test_public_components_keep_the_public_records_top_directions_and_their_mean
     # public features with variance along e0 (largest), e1, e2 only, around an offset
     g = torch.Generator().manual_seed(0)
     offset = torch.arange(10.0)
-    centre = (
-        offset
-        + torch.randn(500, 3, generator=g) * torch.tensor([5.0, 2.0, 1.0]) @ torch.eye(10)[:3]
-    )
+    spread = torch.randn(500, 3, generator=g) * torch.tensor([5.0, 2.0, 1.0])
+    centre = offset + spread @ torch.eye(10)[:3]
     project = public_components(centre, 2)
     z = project(centre)
     assert z.shape == (500, 2)
@@ -103,5 +102,19 @@ def test_public_components_keep_the_public_records_top_directions_and_their_mean
     assert at[0] > 0.9 * at[1] > 0  # the two directions of most variance, scaled alike
     assert at[2] < 0.1 * at[0]  # the third: left out (up to the sample's correlations)
     assert max(at[i] for i in range(3, 10)) < 1e-4 * at[0]  # no public variance there: gone
-    with pytest.raises(ValueError, match="11 components"):
+    with pytest.raises(DataError, match="11 principal components"):
         public_components(centre, 11)
+
+
+def test_a_head_on_public_components_is_released_as_the_same_head_on_the_features():
+    g = torch.Generator().manual_seed(1)
+    x, centre = torch.randn(300, 20, generator=g) + 3, torch.randn(40, 20, generator=g) + 3
+    y = torch.randint(0, 4, (300,), generator=g)
+    components = public_components(centre, 5)
+    cfg = head_config(JOB.model_copy(update={"probe_epochs": 3}), 300, 2.0, dataset="org/data")
+    head, _ = fit_probe(components(x), y, 4, cfg, centred_statistics(components(centre)))
+    full = unproject(head, components, centred_statistics(centre))
+    assert full.linear.weight.shape == (4, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(full(x), head(components(x)), rtol=1e-4, atol=1e-4)
+        assert full(x).std() > 0.01  # a head that answers something
