@@ -225,7 +225,9 @@ def heads_trial(
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
         t.standin["encoder"] = (sigma, study.dp_batch_size / len(recs.private), steps_real)
-        tag = "-".join(f"{k}{v}" for k, v in settings.items() if k in ("E", "lr", "study"))
+        tag = "-".join(
+            f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
+        )  # every setting: trials run side by side never share (and restart) one encoder
         repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}", steps)
     encoder = load_encoder(repo)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
@@ -344,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
     a = p.parse_args(argv)
+    if a.uncentred and a.head_components:
+        p.error("--uncentred reads the features as they are: give --head-components 0 with it")
     work = Path(a.work)
     if a.row == "finetune":
         study = BENCHMARK

@@ -490,8 +490,10 @@ def public_components(public_x: torch.Tensor, k: int) -> PublicComponents:
     mean = public_x.double().mean(0, keepdim=True)
     centred = public_x.double() - mean
     directions = torch.linalg.svd(centred, full_matrices=False)[2][:k].T
-    scale = centred.norm(dim=1).mean() / (centred @ directions).norm(dim=1).mean()
-    return PublicComponents(mean, directions * scale)
+    kept = (centred @ directions).norm(dim=1).mean()
+    if not kept > 0:
+        raise DataError(f"the {len(public_x)} public features do not vary: no components to read")
+    return PublicComponents(mean, directions * centred.norm(dim=1).mean() / kept)
 
 
 @torch.no_grad()

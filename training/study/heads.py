@@ -128,7 +128,8 @@ def dp_head(
             update={
                 "description": f"{stage.description}; it read the top {k} principal components "
                 f"of its features of {config.public_data} (public), and the head released is "
-                "its map back to the features (post-processing)"
+                "its map back to the features (post-processing)",
+                "hyperparameters": {**stage.hyperparameters, "components": k},
             }
         )
     return DPHead(head, config, stage)

@@ -114,6 +114,11 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
         assert scores[m] == pytest.approx(100 * (on_second[1] + on_first[1]) / 2)
     assert scores[mode] == max(scores.values())
 
+    # on public components: every mode's heads read 3 of them, fit on its own images' map
+    fits.clear()
+    probe.choose_pooling(encoder, images, data.labels[:41], 10, cfg, 1000, components=3)
+    assert [f.shape[1] for f in fits] == [3] * 2 * len(feats)
+
 
 def test_a_dp_head_without_public_data_says_its_normalisation_is_procedural(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

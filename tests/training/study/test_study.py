@@ -13,7 +13,13 @@ from support.helpers import write_idx
 
 from training.data.labelled import fashion_mnist
 from training.main_job import MainJobConfig
-from training.recipes.probe import centred_statistics, fit_probe, public_components, unproject
+from training.recipes.probe import (
+    centred_statistics,
+    fit_probe,
+    fix_normalisation,
+    public_components,
+    unproject,
+)
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.heads import head_config
 from training.study.splits import study_splits
@@ -104,6 +110,8 @@ def test_public_components_keep_the_public_records_top_directions_and_their_mean
     assert max(at[i] for i in range(3, 10)) < 1e-4 * at[0]  # no public variance there: gone
     with pytest.raises(DataError, match="11 principal components"):
         public_components(centre, 11)
+    with pytest.raises(DataError, match="do not vary"):
+        public_components(torch.ones(5, 10), 2)
 
 
 def test_a_head_on_public_components_is_released_as_the_same_head_on_the_features():
@@ -113,7 +121,9 @@ def test_a_head_on_public_components_is_released_as_the_same_head_on_the_feature
     components = public_components(centre, 5)
     cfg = head_config(JOB.model_copy(update={"probe_epochs": 3}), 300, 2.0, dataset="org/data")
     head, _ = fit_probe(components(x), y, 4, cfg, centred_statistics(components(centre)))
-    full = unproject(head, components, centred_statistics(centre))
+    # any statistics either BatchNorm is fixed to: means and variances of their own
+    fix_normalisation(head, torch.randn(7, 5, generator=g) * 3 + 1)
+    full = unproject(head, components, torch.randn(9, 20, generator=g) * 2 - 4)
     assert full.linear.weight.shape == (4, 20)
     with torch.no_grad():
         torch.testing.assert_close(full(x), head(components(x)), rtol=1e-4, atol=1e-4)
