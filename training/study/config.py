@@ -96,7 +96,7 @@ class StudyConfig(BaseModel):
         "components of its features of the centring records (public; at most one fewer than "
         "those records and the features' dimension), and the released head is its map back to "
         "the features (post-processing); 0, kept: the features themselves. K 128 led on the "
-        "public stand-in at the job's noise (+2.4 points) but 256 lost 0.5-1.3 points on every "
+        "public stand-in at the job's noise (+2.3 points) but 256 lost 0.5-0.6 points on every "
         "row of the benchmark's 60,000 records (benchmarks/README.md, 'Heads on public principal "
         "components'): the stand-in's 4,000 records cannot show what the projection drops",
     )
