@@ -36,6 +36,13 @@ from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfi
 from vip_hub.models.tokenizer import CaptionTokenizer
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
+from vip_hub.repo_format import (
+    CONFIG_FILE,
+    LEDGER_FILE,
+    TEXT_DECODER_FILE,
+    VOCAB_FILE,
+    WEIGHTS_FILE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +62,7 @@ def repo(reference, tmp_path_factory):
         img_size=IMG,
         stages=[synthetic_stage()],
         model_name="dpcap-nano-test",
-        vocab=write_vocab(folder / "vocab.txt"),
+        vocab=write_vocab(folder / VOCAB_FILE),
     )
 
 
@@ -67,7 +74,7 @@ def images(n=3, seed=1):
 def test_encoder_tokens_match_the_reference_with_plain_timm(reference, repo):
     ref, _ = reference
     model = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
-    cfg = json.loads((repo / "config.json").read_text())
+    cfg = json.loads((repo / CONFIG_FILE).read_text())
     assert cfg["model_args"]["qkv_bias"] is False and cfg["model_args"]["num_heads"] == 6
     modes = list(cfg["vip_hub"]["feature_dims"])
     assert cfg["vip_hub"]["family"] == "dpcap" and modes[:3] == ["dpcap", "avg", "cls"]
@@ -113,7 +120,7 @@ def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
         ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"
     ):
         enc.embed(torch.zeros(1, 3, 32, 32), "dpcap")
-    assert list(json.loads((tiny_repo / "config.json").read_text())["vip_hub"]["feature_dims"]) == [
+    assert list(json.loads((tiny_repo / CONFIG_FILE).read_text())["vip_hub"]["feature_dims"]) == [
         "vip",
         "avg",
         "cls",
@@ -271,7 +278,7 @@ def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
 
 # ------------------------------------------------------------------------ tokenizer, model
 def test_tokenizer_follows_the_reference_conventions(tmp_path):
-    tok = CaptionTokenizer(write_vocab(tmp_path / "vocab.txt"))
+    tok = CaptionTokenizer(write_vocab(tmp_path / VOCAB_FILE))
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.max_length) == (101, 102, 0, 40)
     ids = tok.encode(["Two DOGS playing.", "a"])
     word = VOCAB.index
@@ -395,17 +402,17 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
         preset.stages,
         model_name="dpcap-eps7-small",
         text_decoder=cap.captioner.decoder,
-        vocab=(repo / "vocab.txt").read_bytes(),
+        vocab=(repo / VOCAB_FILE).read_bytes(),
         license=preset.license,
     )
     report = verify_repo(out)
     assert report.ok, report.problems
     assert report.recomputed["dp-pretraining/rdp"] == pytest.approx(dp.epsilon, rel=1e-4)
-    assert set(json.loads((out / "privacy_ledger.json").read_text())["artifacts"]) == {
-        "model.safetensors",
-        "config.json",
-        "text_decoder.safetensors",
-        "vocab.txt",
+    assert set(json.loads((out / LEDGER_FILE).read_text())["artifacts"]) == {
+        WEIGHTS_FILE,
+        CONFIG_FILE,
+        TEXT_DECODER_FILE,
+        VOCAB_FILE,
     }
     card = (out / "README.md").read_text()
     assert "Sampling caveat for `dp-pretraining`" in card and "assumes Poisson sampling" in card
@@ -425,7 +432,7 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
         and "license: cc-by-nc-4.0" in card
         and "shuffle (accounted as Poisson)" in card
     )
-    (out / "vocab.txt").write_text("tampered\n")
+    (out / VOCAB_FILE).write_text("tampered\n")
     assert not verify_repo(out).ok
 
 
@@ -439,7 +446,7 @@ def test_vip_cards_stay_vip(tiny_repo):
 def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     _, path = reference
     out = tmp_path / "cli-repo"
-    vocab = write_vocab(tmp_path / "vocab.txt")
+    vocab = write_vocab(tmp_path / VOCAB_FILE)
     assert (
         main(
             [
@@ -471,7 +478,7 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
         )
         == 0
     )
-    dp = json.loads((out / "privacy_ledger.json").read_text())["stages"][1]
+    dp = json.loads((out / LEDGER_FILE).read_text())["stages"][1]
     assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(
         1e-4
     )  # the reference's defaults

@@ -16,6 +16,7 @@ from support.helpers import published_hashes_of, write_digits
 from training.data.labelled import keyed_uniforms
 from training.recipes.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import HEAD_LABELS, HEAD_WEIGHTS, HEADS_DIR
 
 N, DIM = 64, 6
 
@@ -202,12 +203,12 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
     update_repo(
         tiny_repo,
         add_files={
-            "heads/evil/head.safetensors": save({"w": torch.zeros(2)}),
-            "heads/evil/labels.json": b"[]",
+            f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}": save({"w": torch.zeros(2)}),
+            f"{HEADS_DIR}/evil/{HEAD_LABELS}": b"[]",
         },
     )
     report = verify_repo(tiny_repo)
-    assert not report.ok and [p.where for p in report.problems] == ["heads/evil/"]
+    assert not report.ok and [p.where for p in report.problems] == [f"{HEADS_DIR}/evil/"]
 
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE, WEIGHTS_FILE
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_a_consistent_ledger_rewrite_verifies_but_its_signature_fails(tmp_path, 
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 1
     assert "FAIL  model.sig: the files differ from what alice" in out.stdout
-    for name in (LEDGER_FILE, CARD_FILE, "model.safetensors"):
+    for name in (LEDGER_FILE, CARD_FILE, WEIGHTS_FILE):
         assert name in out.stdout
 
 
@@ -245,7 +245,7 @@ def test_hub_refuses_untrusted_and_invalid_signatures(hub, trusted, tmp_path):
     with pytest.raises(HfHubHTTPError) as refused:
         push_repo(forged, "writer/forged", token=WRITE_TOKEN)
     assert refused.value.response.status_code == 403
-    assert "model.sig: not a valid signature by alice" in refused.value.response.text
+    assert f"{SIGNATURE_FILE}: not a valid signature by alice" in refused.value.response.text
 
 
 def test_hub_refuses_files_changed_after_signing(hub, trusted, tmp_path):

@@ -18,6 +18,7 @@ from vip_hub.errors import AuditError
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
+from vip_hub.repo_format import LEDGER_FILE
 
 from .live import WRITE_TOKEN
 
@@ -49,7 +50,7 @@ def assert_refused(repo: Path, hub, name: str) -> DPStage:  # type: ignore[no-un
     """The repo's audit bound exceeds its claim, and verify, push and the hub refuse it."""
     dp = next(
         s
-        for s in PrivacyLedger.parse((repo / "privacy_ledger.json").read_text()).stages
+        for s in PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).stages
         if isinstance(s, DPStage)
     )
     audit = dp.audit
