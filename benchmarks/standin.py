@@ -55,10 +55,16 @@ from training.data.labelled import (
     write_image_folder,
 )
 from training.priors import prior_path
-from training.recipes.probe import accuracy, centred_statistics, fit_probe, public_components
+from training.recipes.probe import (
+    accuracy,
+    centred_statistics,
+    component_count,
+    fit_probe,
+    public_components,
+)
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.features import embed
-from training.study.heads import head_components, head_config, head_sampling
+from training.study.heads import head_config, head_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
     Accountant,
@@ -236,7 +242,7 @@ def heads_trial(
     sigma_h, q_h, steps_h = t.standin["head"]
     eps = epsilon(sigma_h, q_h, steps_h, study.delta)
     cfg = head_config(study, len(y), eps, dataset=recs.private.dataset.name)
-    k = head_components(study, xc)
+    k = component_count(xc, study.head_components)
     project = public_components(xc, k) if k else (lambda features: features)
     px, pxs, pxc = project(x), project(xs), project(xc)
     statistics = centred_statistics(pxc if centred else torch.zeros_like(pxc[:1]))

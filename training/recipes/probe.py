@@ -89,6 +89,7 @@ __all__ = [
     "accuracy",
     "centred_statistics",
     "choose_pooling",
+    "component_count",
     "dp_head_sampling",
     "fit_probe",
     "fix_normalisation",
@@ -423,7 +424,7 @@ def choose_pooling(
     (their epsilon on the public images means nothing), and their features are centred on all
     the images' mean (``centred_statistics``: the rule of a head given these images as
     ``--public-data``); with ``components`` > 0 every head reads the top principal components of
-    the images' features (at most one fewer than the images). Returns the best mode and every
+    the images' features (``component_count``). Returns the best mode and every
     score."""
     half = len(images) // 2
     if half < 2:
@@ -445,8 +446,8 @@ def choose_pooling(
     halves = (slice(0, half), slice(half, 2 * half))
     scores = {}
     for mode, x in feats.items():
-        if components:
-            x = public_components(x, min(components, len(x) - 1, x.shape[1]))(x)
+        if k := component_count(x, components):
+            x = public_components(x, k)(x)
         top1 = []
         public = centred_statistics(x) if cfg.epsilon is not None else None
         for fit_on, score_on in (halves, halves[::-1]):
@@ -479,6 +480,12 @@ class PublicComponents:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.double() - self.mean) @ self.directions).to(x.dtype)
+
+
+def component_count(public_x: torch.Tensor, k: int) -> int:
+    """The principal components of the public features ``public_x`` a head asked for ``k`` reads:
+    at most one fewer than the records and their dimension (0: the features themselves)."""
+    return max(0, min(k, len(public_x) - 1, public_x.shape[1]))
 
 
 def public_components(public_x: torch.Tensor, k: int) -> PublicComponents:

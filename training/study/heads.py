@@ -19,6 +19,7 @@ from vip_hub.repo.heads import LinearProbe
 from ..recipes.probe import (
     ProbeConfig,
     centred_statistics,
+    component_count,
     dp_head_sampling,
     fit_probe,
     probe_stage,
@@ -28,7 +29,7 @@ from ..recipes.probe import (
 from .budget import head_epsilon
 from .config import StudyConfig
 
-__all__ = ["DPHead", "dp_head", "head_components", "head_config", "head_sampling"]
+__all__ = ["DPHead", "dp_head", "head_config", "head_sampling"]
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,6 @@ def head_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
     return dp_head_sampling(n, head_config(cfg, n, None, dataset=dataset))
 
 
-def head_components(cfg: StudyConfig, public_x: torch.Tensor) -> int:
-    """The principal components a study head reads of features whose centring records' are
-    ``public_x``: ``cfg.head_components``, at most one fewer than those records and their
-    dimension (0: the features themselves)."""
-    return max(0, min(cfg.head_components, len(public_x) - 1, public_x.shape[1]))
-
-
 def dp_head(
     cfg: StudyConfig,
     x: torch.Tensor,
@@ -107,7 +101,7 @@ def dp_head(
     q, steps = head_sampling(cfg, len(y), data.name)
     eps = head_epsilon(cfg, prior, q, steps)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
-    k = head_components(cfg, centre_x)
+    k = component_count(centre_x, cfg.head_components)
     if not k:
         head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), f"head {name}")
     else:
