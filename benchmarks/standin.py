@@ -25,7 +25,7 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
-        [--heads 3] [--uncentred] [--head-components K] [--study job|benchmark]
+        [--ema-decay D] [--heads 3] [--uncentred] [--head-components K] [--study job|benchmark]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
 """
@@ -321,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("row", choices=("syn", "vip", "dpcap", "finetune"))
     p.add_argument("--encoder-epsilon", type=float, default=JOB.encoder_epsilon)
     p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
+    p.add_argument(
+        "--ema-decay",
+        type=float,
+        default=JOB.dp_ema_decay,
+        help="vip, dpcap: the released average's decay (0: the last iterate)",
+    )
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
     p.add_argument(
@@ -368,11 +374,14 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             update={
                 "encoder_epsilon": a.encoder_epsilon,
                 "dp_lr_scale": a.lr_scale,
+                "dp_ema_decay": a.ema_decay,
                 "head_components": a.head_components,
             }
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
+        if a.row != "syn" and a.ema_decay:
+            settings["ema"] = a.ema_decay
         if a.uncentred:
             settings["centred"] = 0
         settings["components"] = a.head_components

@@ -47,7 +47,7 @@ cached under ``--work``.
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--finetune-draws 1] [--device cpu|cuda] \
-        [--head-components K] [--data FOLDER] [--work var/utility]
+        [--head-components K] [--ema-decay D] [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
@@ -811,6 +811,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=BENCHMARK.head_components,
         help=StudyConfig.model_fields["head_components"].description,
     )
+    p.add_argument(
+        "--ema-decay",
+        type=float,
+        default=BENCHMARK.dp_ema_decay,
+        help=StudyConfig.model_fields["dp_ema_decay"].description,
+    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
@@ -832,6 +838,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "probe_epochs": args.epochs,
             "encoder_epsilon": args.encoder_epsilon,
             "head_components": args.head_components,
+            "dp_ema_decay": args.ema_decay,
             **(
                 {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
                 if steps

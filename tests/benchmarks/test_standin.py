@@ -54,13 +54,14 @@ TINY = StudyConfig(
         "dp_batch_size": 8,
         "dp_steps": 2,
         "dp_micro_batch_size": 8,
+        "dp_ema_decay": 0.5,
         "decoder_dim": 32,
         "decoder_depth": 1,
         "decoder_heads": 2,
     }
 )
-"""The job's study at a tiny scale: its real run has 200 private records, 2-step encoders and
-2-epoch heads."""
+"""The job's study at a tiny scale: its real run has 200 private records, 2-step encoders (which
+release their iterates' average) and 2-epoch heads."""
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,7 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     assert stages[0].noise_multiplier == pytest.approx(sigma)
     assert stages[0].sample_rate == pytest.approx(TINY.dp_batch_size / PRIVATE)
     assert stages[0].steps == steps
+    assert stages[0].hyperparameters["ema_decay"] == TINY.dp_ema_decay  # the study's, released
     # the heads: the real head composes with the encoder to the budget; the stand-in's keeps q
     # and T, its sigma scaled by the ratio of expected batches (the same noise on the average)
     real_head, standin_head = t.real["head"], t.standin["head"]

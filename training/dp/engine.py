@@ -18,14 +18,16 @@ the per-pair clipper for Logit-DP); everything private about a step lives here, 
    sensitivity)^2) added once** to the sum in fp64 (every rank draws the same keyed noise, so the
    ranks stay alike);
 5. division by the **expected** batch size B (never the sampled count) and the one rounding to
-   the parameters' dtype, then the optimiser and scheduler step (post-processing: no privacy
-   cost);
+   the parameters' dtype, then the optimiser and scheduler step, and (``ema_decay`` d > 0) the
+   exponential moving average of the iterates, ``a <- d a + (1 - d) w`` from the initial weights
+   (De et al. 2022), which ``train`` leaves in the model at its end: all post-processing, no
+   privacy cost;
 6. the accountant's history advances one step; the ``Budget`` fixed before training stops the
    run before the target epsilon would be exceeded.
 
-Its state (history, canary scores) goes into checkpoints, so a resumed run ends with the same
-ledger as an uninterrupted one; ``stage()`` turns the finished run into its ledger stage, audit
-included.
+Its state (history, canary scores, the average) goes into checkpoints, so a resumed run ends with
+the same ledger and weights as an uninterrupted one; ``stage()`` turns the finished run into its
+ledger stage, audit included (and the average's decay among its hyper-parameters).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataError
 from vip_hub.models.encoders import EncoderSpec
@@ -271,11 +274,15 @@ class DPEngine:
         micro_batch_size: int | None,
         audit_canaries: int = 0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        ema_decay: float = 0.0,
     ):
         """``sensitivity``: the stated sensitivity (the noise is sigma times it) of the mechanism
-        with clip bound ``clipping_norm`` (as the ledger records it; linear in it)."""
+        with clip bound ``clipping_norm`` (as the ledger records it; linear in it);
+        ``ema_decay``: the iterates' moving average's decay (0: none, the last iterate)."""
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ConfigError(f"micro-batch size must be positive, got {micro_batch_size}")
+        if not 0 <= ema_decay < 1:
+            raise ConfigError(f"--ema-decay must be in [0, 1), got {ema_decay}")
         self.clipper, self.optimizer, self.scheduler, self.budget = (
             clipper,
             optimizer,
@@ -301,6 +308,8 @@ class DPEngine:
             else None
         )
         self.steps_done = 0
+        self.ema_decay = float(ema_decay)
+        self.average = [p.detach().clone() for p in self.params] if ema_decay else None
 
     @classmethod
     def for_run(
@@ -331,6 +340,7 @@ class DPEngine:
             micro_batch_size=cfg.micro_batch_size if micro_batch_size is None else micro_batch_size,
             audit_canaries=cfg.audit_canaries,
             autocast=run.autocast,
+            ema_decay=cfg.ema_decay,
         )
 
     def checkpointed(self, model: nn.Module) -> dict[str, Any]:
@@ -355,7 +365,9 @@ class DPEngine:
     ) -> list[dict[str, Any]]:
         """Resume ``run`` and train to the budget's last step: examples from ``load(index, step)``,
         each step's micro-batches through ``prepare``, ``evaluate()`` (public data only) and ε at
-        the evaluation cadence. Returns the run's log records."""
+        the evaluation cadence (with ``ema_decay``, ``evaluate()`` of the average too, its keys
+        ending ``_average``), and the average in the model at the end. Returns the run's log
+        records."""
         objects = self.checkpointed(model)
         start = run.resume(objects)
 
@@ -375,15 +387,52 @@ class DPEngine:
 
                 yield step, do
 
-        return run.loop(
+        def evaluated() -> dict[str, Any]:
+            record = evaluate()
+            if self.average is not None:
+                with self.averaged():
+                    record.update({f"{k}_average": v for k, v in evaluate().items()})
+            return {**record, "epsilon": self.epsilon()}
+
+        records = run.loop(
             start,
             self.budget.steps,
             steps(),
             desc=desc,
             objects=objects,
-            evaluate=lambda: {**evaluate(), "epsilon": self.epsilon()},
+            evaluate=evaluated,
             stop_message=self.budget.stop_message(),
         )
+        if self.average is not None:
+            self.use_average()
+        return records
+
+    # ------------------------------------------------------------ the average
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """The trained parameters hold the iterates' average inside the block (an evaluation of
+        it), the iterate again after."""
+        self._swap_average()
+        try:
+            yield
+        finally:
+            self._swap_average()
+
+    @torch.no_grad()
+    def use_average(self) -> None:
+        """Leave the iterates' average in the trained parameters: the weights the run releases."""
+        assert self.average is not None
+        for p, a in zip(self.params, self.average, strict=True):
+            p.copy_(a)
+
+    @torch.no_grad()
+    def _swap_average(self) -> None:
+        """Exchange the trained parameters' values with the average's."""
+        assert self.average is not None
+        for p, a in zip(self.params, self.average, strict=True):
+            iterate = p.detach().clone()
+            p.copy_(a)
+            a.copy_(iterate)
 
     # ---------------------------------------------------------------- sampling
     def plan(self, step: int) -> np.ndarray:
@@ -451,6 +500,10 @@ class DPEngine:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.average is not None:
+            get_ema_multi_avg_fn(self.ema_decay)(
+                self.average, [p.detach() for p in self.params], self.steps_done
+            )
         self.steps_done += 1
         return StepStats(count, totals[1].item() / max(count, 1))
 
@@ -525,6 +578,9 @@ class DPEngine:
         audit = (
             self.canaries.audit(self.history[0], audit_delta) if self.canaries is not None else None
         )
+        if self.average is not None:
+            averaged = {"ema_decay": self.ema_decay}
+            fields["hyperparameters"] = {**fields.get("hyperparameters", {}), **averaged}
         return DPStage.from_parameters(
             sample_rate=b.sample_rate,
             noise_multiplier=b.noise_multiplier,
@@ -590,6 +646,8 @@ class DPEngine:
         }
         if self.canaries is not None:
             state["canaries"] = self.canaries.state_dict()
+        if self.average is not None:
+            state["average"] = [a.cpu() for a in self.average]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -617,3 +675,6 @@ class DPEngine:
             )
         if self.canaries is not None:
             self.canaries.load_state_dict(state["canaries"])
+        if self.average is not None:
+            for a, saved in zip(self.average, state["average"], strict=True):
+                a.copy_(saved)

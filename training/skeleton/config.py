@@ -131,6 +131,13 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         32, gt=0, description="physical batch that fits memory (does not change the result)"
     )
     max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="release the iterates' exponential moving average, decay d a step from the "
+        "initial weights (post-processing: no privacy cost; De et al. 2022); 0: the last iterate",
+    )
     accountant: Accountant = Field(
         Accountant.RDP, description="the accountant whose epsilon is the claim"
     )

@@ -127,6 +127,13 @@ class StudyConfig(BaseModel):
         "public data, ViP's stage on a public stand-in (benchmarks/standin.py; "
         "benchmarks/README.md, 'Settings chosen on public data')",
     )
+    dp_ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="ViP's and DP-Cap's released weights: the iterates' moving average at this "
+        "decay (the DP engine's ``ema_decay``, post-processing), 0 the last iterate",
+    )
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
     )
@@ -153,7 +160,11 @@ class StudyConfig(BaseModel):
         def peak(recipe: type[BaseModel]) -> float:
             return float(recipe.model_fields["lr"].default) * self.dp_lr_scale
 
-        adamw = {"batch_size": self.dp_batch_size, "micro_batch_size": self.dp_micro_batch_size}
+        adamw = {
+            "batch_size": self.dp_batch_size,
+            "micro_batch_size": self.dp_micro_batch_size,
+            "ema_decay": self.dp_ema_decay,
+        }
         return {
             "vip": {
                 **adamw,

@@ -50,6 +50,7 @@ def engine_for(
     micro: int | None = 8,
     seed: int = 0,
     lr: float = 0.0,
+    ema_decay: float = 0.0,
 ) -> DPEngine:
     budget = Budget.plan(
         dataset_size=n,
@@ -72,6 +73,7 @@ def engine_for(
         dist=Dist(device=next(model.parameters()).device),
         micro_batch_size=micro,
         audit_canaries=canaries,
+        ema_decay=ema_decay,
     )
 
 
@@ -293,6 +295,69 @@ def test_resume_from_state_gives_the_same_weights_history_and_audit_scores() -> 
         other.load_state_dict(state)
     with pytest.raises(RuntimeError, match="out of order"):
         resumed.step(2, [])
+
+
+def test_the_average_is_the_iterates_moving_average_and_leaves_the_training_alone() -> None:
+    """``ema_decay`` d: a <- d a + (1 - d) w after each step, from the initial weights; the
+    iterates (the noise, the sample) are those of a run without it; its decay is recorded."""
+    x, d = torch.randn(40, 4), 0.7
+    models, engines = [], []
+    for decay in (0.0, d):
+        torch.manual_seed(1)
+        models.append(BiasSum(6))
+        engines.append(
+            engine_for(models[-1], n=40, batch=8, sigma=0.8, steps=6, lr=0.1, ema_decay=decay)
+        )
+    plain, averaging = engines
+    expected = [p.detach().clone() for p in models[1].parameters()]
+    for step in range(6):
+        _train(plain, x, step, step + 1)
+        _train(averaging, x, step, step + 1)
+        for e, p, q in zip(expected, models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(p, q)  # averaging is post-processing: the same iterates
+            e.mul_(d).add_(p.detach(), alpha=1 - d)
+    last = [p.detach().clone() for p in models[1].parameters()]
+    with averaging.averaged():
+        for e, p, w in zip(expected, models[1].parameters(), last, strict=True):
+            torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(p.detach(), w)
+    assert all(torch.equal(p, w) for p, w in zip(models[1].parameters(), last, strict=True))
+    averaging.use_average()
+    assert all(
+        torch.equal(p.detach(), a)
+        for p, a in zip(models[1].parameters(), averaging.average or [], strict=True)
+    )
+    stage = averaging.stage(
+        audit_delta=1e-5,
+        released={"unreleased": models[1]},
+        name="dp-averaged",
+        dataset=Dataset(name="audit-data", size=40),
+        mechanism="DP-SGD",
+        hyperparameters={"lr": 0.1},
+    )
+    assert stage.hyperparameters == {"lr": 0.1, "ema_decay": d}
+    assert plain.average is None and "average" not in plain.state_dict()
+    with pytest.raises(ConfigError, match="ema-decay must be in"):
+        engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, ema_decay=1.0)
+
+
+def test_a_resumed_run_ends_with_the_same_average() -> None:
+    x = torch.randn(40, 4)
+    torch.manual_seed(1)
+    whole = engine_for(BiasSum(6), n=40, batch=8, sigma=0.8, steps=6, lr=0.1, ema_decay=0.6)
+    _train(whole, x, 0, 6)
+    torch.manual_seed(1)
+    halves = BiasSum(6)
+    first = engine_for(halves, n=40, batch=8, sigma=0.8, steps=6, lr=0.1, ema_decay=0.6)
+    _train(first, x, 0, 3)
+    state, weights = first.state_dict(), {k: v.clone() for k, v in halves.state_dict().items()}
+    resumed_model = BiasSum(6)
+    resumed_model.load_state_dict(weights)
+    resumed = engine_for(resumed_model, n=40, batch=8, sigma=0.8, steps=6, lr=0.1, ema_decay=0.6)
+    resumed.load_state_dict(state)
+    _train(resumed, x, 3, 6)
+    assert whole.average is not None and resumed.average is not None
+    assert all(torch.equal(a, b) for a, b in zip(whole.average, resumed.average, strict=True))
 
 
 @pytest.mark.parametrize("sampler", [None, "numpy float64 ziggurat", "a later sampler"])

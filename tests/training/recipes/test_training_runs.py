@@ -457,6 +457,8 @@ DP_ARGS = [
     "5",
     "--dataset-name",
     "test/images",
+    "--ema-decay",
+    "0.8",  # the resumed, the two-process and the reference runs release the iterates' average
 ]
 
 
@@ -500,6 +502,23 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert steps == list(range(11))  # the log was cut back to the checkpoint, then continued
+
+
+@pytest.mark.slow
+def test_an_averaging_run_releases_the_average_and_records_its_decay(reference_run: Path) -> None:
+    """``--ema-decay``: the exported encoder is the average the last checkpoint holds, not the
+    last iterate; the stage records the decay, the log the average's public loss."""
+    state = torch.load(
+        reference_run.with_name(reference_run.name + ".run") / "checkpoint.pt", weights_only=True
+    )
+    average, iterate = state["engine"]["average"], state["model"]
+    released = load_file(reference_run / WEIGHTS_FILE)
+    moved = [k for k in released if not torch.equal(released[k], iterate[f"encoder.{k}"])]
+    assert moved  # the released tensors that are not the last iterate are the average's
+    assert all(any(torch.equal(released[k], a) for a in average) for k in moved)
+    assert PrivacyLedger.read(reference_run).stages[-1].hyperparameters["ema_decay"] == 0.8
+    log = reference_run.with_name(reference_run.name + ".run") / "log.jsonl"
+    assert "public_loss_average" in json.loads(log.read_text().splitlines()[-1])
 
 
 LAYOUTS = ["one node", "two nodes"]
