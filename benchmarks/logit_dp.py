@@ -111,7 +111,8 @@ def make_steps(
             v.grad = total[k]
 
     def body(variant: str) -> Callable[[], object]:
-        clipped = {"b": pair, "d": batch}.get(variant)
+        clippers: dict[str, BatchClipper | PairClipper] = {"b": pair, "d": batch}
+        clipped = clippers.get(variant)
         if clipped is not None:
             return lambda: (clipped.accumulate(x1, x2), clipped.take_sum())
         return {"a": a, "c": c}[variant]

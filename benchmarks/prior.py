@@ -29,6 +29,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -94,7 +95,7 @@ def embed(
         batch = torch.stack(
             [transform(data.pil(i).convert("RGB")) for i in range(s, min(s + CHUNK, len(data)))]
         )
-        for m, f in extract_features(model.eval(), batch, modes).items():  # type: ignore[union-attr]
+        for m, f in extract_features(model.eval(), batch, modes).items():
             out[m].append(f.half())  # halves the memory: 20,000 x 9,408 values at grid 7
     return {m: torch.cat(v) for m, v in out.items()}
 
@@ -187,7 +188,7 @@ def run(
     for enc in loaded.values():
         s = enc.spec
         key = (s.arch, s.img_size, s.patch_size, s.depth)
-        shapes.setdefault(key, lambda s=s: random_encoder(s, seed))
+        shapes.setdefault(key, functools.partial(random_encoder, s, seed))
     for (arch, size, patch, depth), make in shapes.items() if refs else ():
         name = f"random {arch} ({depth} blocks) {size} px patch {patch}"
         rows.append(encoder_row(name, make(), test, epochs, fit, block_step))

@@ -84,7 +84,7 @@ def embeddings_point(
     for name, pids in servers.items():
         point[name] = (_cpu_seconds(pids) - before[name]) / elapsed
     busy2, total2 = _machine_busy()
-    point["machine"] = (busy2 - busy) / (total2 - total) * os.cpu_count()
+    point["machine"] = (busy2 - busy) / (total2 - total) * (os.cpu_count() or 1)
     return point
 
 
@@ -143,8 +143,8 @@ def main() -> None:
         for _ in range(args.points):
             for n, lb in ((1, one), (2, two)):
                 servers = {
-                    "replicas": [r.proc.pid for r in replicas[:n]],  # type: ignore[union-attr]
-                    "nginx": [lb.proc.pid],  # type: ignore[union-attr]
+                    "replicas": [r.proc.pid for r in replicas[:n]],
+                    "nginx": [lb.proc.pid],
                 }
                 p = embeddings_point(lb.port, bodies, args.concurrency, args.seconds, servers)
                 points[n].append(p)

@@ -39,11 +39,15 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    from vip_hub.loading import Encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-write-token"
@@ -80,7 +84,7 @@ def export_model(folder: Path, arch: str, img_size: int) -> Path:
     )
 
 
-def _forward(enc, x: torch.Tensor) -> None:
+def _forward(enc: Encoder, x: torch.Tensor) -> None:
     """One forward pass on the encoder's device, the features copied back as the service does
     (no copies on the CPU; on a GPU the copy back waits for the forward)."""
     from vip_hub import extract_features
@@ -90,7 +94,9 @@ def _forward(enc, x: torch.Tensor) -> None:
         extract_features(enc.model, x.to(device, non_blocking=True), "avg").cpu()
 
 
-def raw_throughput(enc, images: list[bytes], batch: int, seconds: float, threads: int = 1) -> float:
+def raw_throughput(
+    enc: Encoder, images: list[bytes], batch: int, seconds: float, threads: int = 1
+) -> float:
     """Images/s of the in-process pipeline at ``batch``: decode and preprocess split over
     ``threads`` threads, the next batch's while this one's forward runs (as the service does)."""
 
@@ -116,7 +122,7 @@ def raw_throughput(enc, images: list[bytes], batch: int, seconds: float, threads
         return done / (time.perf_counter() - start)
 
 
-def one_image(enc, images: list[bytes]) -> tuple[float, float]:
+def one_image(enc: Encoder, images: list[bytes]) -> tuple[float, float]:
     """Median ms of one image in process: end to end (decode, preprocess, forward), forward
     alone."""
     singles, forwards = [], []
@@ -132,7 +138,7 @@ def one_image(enc, images: list[bytes]) -> tuple[float, float]:
 
 
 def paired_overhead(
-    port: int, enc, images: list[bytes], encoded: list[str], rounds: int = 100
+    port: int, enc: Encoder, images: list[bytes], encoded: list[str], rounds: int = 100
 ) -> dict[str, float]:
     """The latency one request at concurrency 1 adds to one in-process forward of the same image,
     taken pairwise (request, then forward, alternating) so a slow spell of the machine hits both
@@ -166,7 +172,7 @@ def paired_overhead(
             rows["stdlib"].append(request_ms - forward_ms)
             rows["forward"].append(forward_ms)
             # inside the same request: what the server spent around its own forward pass
-            rows["server"].append(request_ms - float(r.getheader("X-Inference-Ms")))
+            rows["server"].append(request_ms - float(r.getheader("X-Inference-Ms", "nan")))
             t = time.perf_counter()
             r2 = client.post(
                 f"http://127.0.0.1:{port}/v1/embeddings",
