@@ -27,15 +27,16 @@ feature modes, the ``test_size`` after them score every row.
   (``training.recipes.finetune``), the two DP stages composed to the whole epsilon.
 
 Each row's DP head is drawn ``--draws`` times (the fine-tuning row ``--finetune-draws``), each
-from a fresh secret: the table gives their mean and range, and every DP-trained row is compared
+from a fresh secret, on each of ``--encoder-draws`` encoders of a DP encoder row (each trained
+from a fresh secret): the table gives their mean and range, and every DP-trained row is compared
 with its own prior's row and with ScatterNet's, paired on the scoring records
 (``training.study.table.paired``: the difference, its standard error from the records and from
-the draws). An encoder row reads the feature mode chosen for its (Syn) prior
-(``training.study.selection``, as the job: on the selection records, for the noisiest head among
-the rows run that read it). Every DP head, the selection heads' too, reads the top
-``--head-components`` principal components of its row's features of the centring records (public;
-``StudyConfig.head_components``, 0: the features themselves); the non-private reference reads the
-features.
+the draws, counted as encoders where a row drew several: each encoder's mean over its heads).
+An encoder row reads the feature mode chosen for its (Syn) prior (``training.study.selection``, as
+the job: on the selection records, for the noisiest head among the rows run that read it). Every DP
+head, the selection heads' too, reads the top ``--head-components`` principal components of its
+row's features of the centring records (public; ``StudyConfig.head_components``, 0: the features
+themselves); the non-private reference reads the features.
 
 Settings are the study's (``BENCHMARK``, command-line options override some). ``--tune ROWS``
 picks those rows' head learning rate from ``HEAD_LR_GRID`` on a validation split carved from
@@ -46,13 +47,15 @@ cached under ``--work``.
 
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
-        [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--finetune-draws 1] [--device cpu|cuda] \
+        [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--encoder-draws 1] [--finetune-draws 1] \
+        [--device cpu|cuda] \
         [--head-components K] [--ema-decay D] [--data FOLDER] [--work var/utility]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -106,6 +109,7 @@ class Bench:
     workers: int = 0
     draws: int = 3
     finetune_draws: int = 1
+    encoder_draws: int = 1
     modes: dict[str, Choice] = field(default_factory=dict)
 
     @property
@@ -153,6 +157,7 @@ class Result:
     lr: float
     timing: Timing
     chosen: str = "fixed"
+    encoders: int = 1  # encoder draws, each read by len(correct) // encoders heads in turn
 
     @property
     def draws(self) -> list[float]:
@@ -165,9 +170,17 @@ class Result:
         return float(np.mean(self.draws))
 
     def spread(self) -> str:
-        """The draws' range and count, or one draw."""
+        """The draws' range and count (encoders x heads where it drew encoders), or one draw."""
         d = self.draws
+        if self.encoders > 1:
+            heads = len(d) // self.encoders
+            return f"{min(d):.1f}-{max(d):.1f}, {self.encoders} encoders x {heads} heads"
         return f"{min(d):.1f}-{max(d):.1f}, {len(d)} draws" if len(d) > 1 else "1 draw"
+
+    def encoder_means(self) -> np.ndarray:
+        """Each draw's right answers, (draws, records); with encoder draws, each encoder's mean
+        over its heads, (encoders, records): the units a paired comparison's draw term counts."""
+        return self.correct.reshape(self.encoders, -1, self.correct.shape[1]).mean(1)
 
 
 def pixel_features(b: Bench) -> Features:
@@ -212,11 +225,11 @@ def syn_repo(b: Bench, family: str) -> Path:
 
 
 def private_repo(
-    b: Bench, name: str, train: Callable[..., Path], config: Any, **fields: Any
+    b: Bench, name: str, train: Callable[..., Path], config: Any, draw: int, **fields: Any
 ) -> Path:
-    """An encoder trained on the private split by a DP recipe (``train(config(...))``) at the
-    study's encoder epsilon, trained once into the work folder (a secret seed, kept in its run
-    folder, draws its noise and sampling)."""
+    """Encoder draw ``draw`` trained on the private split by a DP recipe (``train(config(...))``)
+    at the study's encoder epsilon, trained once into the work folder (a secret seed of its own,
+    kept in its run folder, draws its noise and sampling)."""
     settings = {
         "epsilon": b.study.encoder_epsilon,
         "delta": b.study.delta,
@@ -225,6 +238,7 @@ def private_repo(
         **fields,
     }
     repo = b.work / "encoders" / f"{name}-{len(b.private)}-{stamp(settings)[:10]}"
+    repo = repo.with_name(f"{repo.name}-draw{draw}") if draw else repo
     if not (repo / LEDGER_FILE).exists():
         train(
             config(
@@ -252,7 +266,7 @@ def private_images(b: Bench, captions: bool = False) -> Path:
     return root
 
 
-def vip_repo(b: Bench) -> Path:
+def vip_repo(b: Bench, draw: int) -> Path:
     """ViP: the (Syn)-ViP MAE trained on the private images with DP-AdamW."""
     from training.recipes.vip import VipConfig, train_vip
 
@@ -261,13 +275,14 @@ def vip_repo(b: Bench) -> Path:
         "vip-nano-vip",
         train_vip,
         VipConfig,
+        draw,
         init=str(syn_repo(b, "vip")),
         data=str(private_images(b)),
         **b.study.recipe_settings()["vip"],
     )
 
 
-def dpcap_repo(b: Bench) -> Path:
+def dpcap_repo(b: Bench, draw: int) -> Path:
     """DP-Cap: the (Syn) DP-Cap encoder trained to caption the private images (the public
     template over their class names) with DP-AdamW."""
     from training.data.labelled import class_public_captions, class_vocabulary
@@ -283,6 +298,7 @@ def dpcap_repo(b: Bench) -> Path:
         "dpcap-nano-dpcap",
         train_dpcap,
         DPCapConfig,
+        draw,
         init=str(syn_repo(b, "dpcap")),
         data=str(private_images(b, captions=True)),
         vocab=str(vocab),
@@ -291,11 +307,11 @@ def dpcap_repo(b: Bench) -> Path:
     )
 
 
-def contrastive_repo(mechanism: str) -> Callable[[Bench], Path]:
+def contrastive_repo(mechanism: str) -> Callable[[Bench, int], Path]:
     """Logit-DP (per-pair clipping) or Naive-DP (the whole batch clipped): the top blocks of the
     (Syn)-ViP encoder trained contrastively on the private images."""
 
-    def make(b: Bench) -> Path:
+    def make(b: Bench, draw: int) -> Path:
         from training.recipes.logit_dp import LogitDPConfig, train_logit_dp
 
         return private_repo(
@@ -303,6 +319,7 @@ def contrastive_repo(mechanism: str) -> Callable[[Bench], Path]:
             f"vip-nano-{mechanism}",
             train_logit_dp,
             LogitDPConfig,
+            draw,
             init=str(syn_repo(b, "vip")),
             data=str(private_images(b)),
             mechanism=mechanism,
@@ -318,12 +335,17 @@ class EncoderRow:
     how its encoder is made (None: the prior itself)."""
 
     family: str
-    make: Callable[[Bench], Path] | None
+    make: Callable[[Bench, int], Path] | None
     what: str
 
-    def repo(self, b: Bench) -> Path:
-        """The row's encoder repo (trained once into the work folder)."""
-        return self.make(b) if self.make is not None else syn_repo(b, self.family)
+    def repo(self, b: Bench, draw: int = 0) -> Path:
+        """The row's encoder repo, draw ``draw`` (trained once into the work folder; the prior
+        has one)."""
+        return self.make(b, draw) if self.make is not None else syn_repo(b, self.family)
+
+    def draws(self, b: Bench) -> int:
+        """How many encoders the row draws: ``--encoder-draws`` for a DP encoder, else one."""
+        return b.encoder_draws if self.make is not None else 1
 
 
 ENCODERS = {
@@ -367,12 +389,13 @@ def choose(b: Bench, rows: Sequence[str]) -> None:
         b.modes[prior.name] = choice
 
 
-def encoder_features(key: str) -> Callable[[Bench], Features]:
-    """Encoder row ``key``'s features in the mode chosen for its prior (``choose``)."""
+def encoder_features(key: str) -> Callable[[Bench, int], Features]:
+    """Encoder row ``key``'s features, of its encoder draw ``draw``, in the mode chosen for its
+    prior (``choose``)."""
 
-    def make(b: Bench) -> Features:
+    def make(b: Bench, draw: int) -> Features:
         row = ENCODERS[key]
-        repo = row.repo(b)
+        repo = row.repo(b, draw)
         choice = b.modes[syn_repo(b, row.family).name]
         encoder = load_encoder(repo, device=b.device)
         s = b.splits
@@ -441,55 +464,71 @@ def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
     return max(scores, key=lambda lr: scores[lr]), scores
 
 
-def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Bench, str], Result]:
-    """A row that is the study's DP head on fixed features (``make``, cached), with the head's
-    learning rate tuned on validation when the row is in ``--tune``, and its non-private
-    reference."""
+def feature_row(
+    label: str, make: Callable[[Bench, int], Features]
+) -> Callable[[Bench, str], Result]:
+    """A row that is the study's DP head on fixed features (``make(b, draw)``, cached), drawn
+    ``--draws`` times on each of the row's encoder draws (``EncoderRow.draws``), with the head's
+    learning rate tuned on validation (the first encoder's features) when the row is in
+    ``--tune``, and its non-private reference (the mean over its encoders)."""
 
     def run(b: Bench, key: str) -> Result:
         n, classes = len(b.private), len(b.private.classes)
         mode = b.modes[syn_repo(b, ENCODERS[key].family).name].mode if key in ENCODERS else key
         settings = {"study": b.study.model_dump(), "mode": mode}
-        path = b.work / "features" / f"{key}-{n}-{stamp(settings)[:10]}.pt"
-        f, make_s, hit = cached(path, lambda: make(b))
-        load = os.getloadavg()[0]
-        start = time.perf_counter()
-        lr, tried = b.study.head_lr, 0
-        if key in b.tune:
-            lr, scores = tune_lr(b, f)
-            tried = len(scores)
-            shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
-            print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
+        encoders = ENCODERS[key].draws(b) if key in ENCODERS else 1
         y, yt = torch.as_tensor(b.private.labels), torch.as_tensor(b.splits.test.labels)
-        fits = [
-            dp_head(
-                b.study,
-                f.train,
-                y,
-                f.centre,
-                b.private.dataset,
-                classes,
-                f.stages,
-                name=HEAD,
-                pooling=f.mode,
-                lr=lr,
-            )  # fmt: skip
-            for _ in range(b.draws)
-        ]
-        head_s = (time.perf_counter() - start) / b.draws
         reference = head_config(b.study, n, None, dataset=b.private.dataset.name)
-        ref, _ = fit_probe(f.train, y, classes, reference, desc="reference")
+        lr, tried, load = b.study.head_lr, 0, os.getloadavg()[0]
+        correct, drawn, refs, first = [], [], [], None
+        make_s, hits, head_s = 0.0, 0, 0.0
+        for draw in range(encoders):
+            path = b.work / "features" / f"{key}-{n}-{stamp(settings)[:10]}.pt"
+            path = path.with_stem(f"{path.stem}-draw{draw}") if draw else path
+            f, seconds, hit = cached(path, functools.partial(make, b, draw))
+            make_s, hits = make_s + seconds, hits + hit
+            start = time.perf_counter()
+            if key in b.tune and first is None:
+                lr, scores = tune_lr(b, f)
+                tried = len(scores)
+                shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
+                print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
+            fits = [
+                dp_head(
+                    b.study,
+                    f.train,
+                    y,
+                    f.centre,
+                    b.private.dataset,
+                    classes,
+                    f.stages,
+                    name=HEAD,
+                    pooling=f.mode,
+                    lr=lr,
+                )  # fmt: skip
+                for _ in range(b.draws)
+            ]
+            head_s += (time.perf_counter() - start) / (b.draws * encoders)
+            ref, _ = fit_probe(f.train, y, classes, reference, desc="reference")
+            refs.append(100 * accuracy(ref, f.test, yt))
+            correct += [right_answers(fit.head, f.test, yt) for fit in fits]
+            drawn += [*f.stages, *(fit.stage for fit in fits)]
+            if first is None:
+                first = (f, fits[0].stage)
+        assert first is not None  # at least one encoder
+        f, stage = first
         return Result(
             row=label,
             what=f.what,
-            correct=np.stack([right_answers(fit.head, f.test, yt) for fit in fits]),
-            ref=100 * accuracy(ref, f.test, yt),
-            stages=[*f.stages, fits[0].stage],
-            drawn=[*f.stages, *(fit.stage for fit in fits)],
+            correct=np.stack(correct),
+            ref=float(np.mean(refs)),
+            stages=[*f.stages, stage],
+            drawn=drawn,
             tried=tried,
             lr=lr,
-            timing=Timing(make_s, hit, head_s, load),
+            timing=Timing(make_s, hits == encoders, head_s, load),
             chosen=f.chosen,
+            encoders=encoders,
         )
 
     return run
@@ -498,8 +537,8 @@ def feature_row(label: str, make: Callable[[Bench], Features]) -> Callable[[Benc
 ROWS: dict[str, tuple[str, Callable[[Bench, str], Result]]] = {
     key: (label, feature_row(label, make))
     for key, label, make in (
-        ("pixels", "raw pixels + DP linear", pixel_features),
-        ("scatter", "ScatterNet + DP linear (GroupNorm)", scatter_features),
+        ("pixels", "raw pixels + DP linear", lambda b, _: pixel_features(b)),
+        ("scatter", "ScatterNet + DP linear (GroupNorm)", lambda b, _: scatter_features(b)),
         ("syn", "(Syn)-ViP + DP linear", encoder_features("syn")),
         ("syn-dpcap", "(Syn)-DP-Cap + DP linear", encoder_features("syn-dpcap")),
         ("vip", "ViP (DP encoder) + DP linear", encoder_features("vip")),
@@ -698,7 +737,8 @@ def comparisons(rows: Sequence[str], results: Sequence[Result]) -> list[tuple[st
     for key, r in by_key.items():
         for other in (PRIOR_ROWS.get(key), "scatter"):
             if other in by_key and other != key:
-                out.append((r.row, by_key[other].row, paired(r.correct, by_key[other].correct)))
+                theirs = by_key[other].encoder_means()
+                out.append((r.row, by_key[other].row, paired(r.encoder_means(), theirs)))
     return out
 
 
@@ -800,6 +840,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--draws", type=int, default=3, help="DP heads per row, each from a fresh secret"
     )
     p.add_argument(
+        "--encoder-draws",
+        type=int,
+        default=1,
+        help="encoders of each DP encoder row, each trained from a fresh secret and read by "
+        "--draws heads (the paired comparison's draw term then counts encoders)",
+    )
+    p.add_argument(
         "--finetune-draws",
         type=int,
         default=1,
@@ -823,8 +870,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = sorted((set(rows) | tune) - set(ROWS))
     if unknown:
         p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    if min(args.draws, args.finetune_draws) < 1:
-        p.error("--draws and --finetune-draws are at least 1")
+    if min(args.draws, args.finetune_draws, args.encoder_draws) < 1:
+        p.error("--draws, --encoder-draws and --finetune-draws are at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     reuse_freed_memory()
@@ -855,6 +902,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tune=frozenset(tune),
         draws=args.draws,
         finetune_draws=args.finetune_draws,
+        encoder_draws=args.encoder_draws,
     )
     start = time.perf_counter()
     print(

@@ -9,6 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
@@ -138,6 +139,30 @@ def test_pixels_syn_and_vip_rows_compose_within_the_budget(data: Path, tmp_path:
     assert not other.timing.cached
     spent = composed_epsilon([other.stages[0].mechanism_tuple], TINY.delta)
     assert TINY.encoder_epsilon < spent <= wider
+
+
+def test_encoder_draws_train_an_encoder_each_and_the_comparison_counts_encoders(
+    data: Path, tmp_path: Path
+) -> None:
+    """``--encoder-draws 2``: the ViP row trains two encoders (fresh secrets), each read by its
+    own heads; its figures rest on both; the paired draw term is over the encoders' means."""
+    bench = tiny_bench(data, tmp_path, draws=2, encoder_draws=2)
+    (syn, _), (vip, _) = utility.run_benchmark(bench, ["syn", "vip"])
+    assert syn.encoders == 1 and syn.correct.shape == (2, TINY.test_size)  # the prior: one
+    assert vip.encoders == 2 and vip.correct.shape == (4, TINY.test_size)
+    assert "2 encoders x 2 heads" in vip.spread()
+    encoders = [s for s in vip.drawn if s.mechanism == "DP-AdamW"]
+    assert len(encoders) == 2 and encoders[0].run_id != encoders[1].run_id
+    repos = sorted(p for p in (tmp_path / "encoders").iterdir() if p.suffix != ".run")
+    assert len(vip.drawn) == 6 and repos == [utility.vip_repo(bench, d) for d in (0, 1)]
+    means = vip.encoder_means()
+    assert means.shape == (2, TINY.test_size)
+    np.testing.assert_allclose(means[1], vip.correct[2:].mean(0))
+    ((_, _, p),) = utility.comparisons(["syn", "vip"], [syn, vip])
+    by_encoder = means.mean(1)
+    expected = np.sqrt(by_encoder.var(ddof=1) / 2 + np.var(syn.correct.mean(1), ddof=1) / 2)
+    assert p.se_draws == pytest.approx(expected)
+    assert p.difference == pytest.approx((vip.dp - syn.dp) / 100)
 
 
 def test_heads_read_k_public_components_and_release_the_head_on_the_features(
