@@ -128,11 +128,13 @@ class StudyConfig(BaseModel):
         "benchmarks/README.md, 'Settings chosen on public data')",
     )
     dp_ema_decay: float = Field(
-        0.0,
+        0.9,
         ge=0,
         lt=1,
         description="ViP's and DP-Cap's released weights: the iterates' moving average at this "
-        "decay (the DP engine's ``ema_decay``, post-processing), 0 the last iterate",
+        "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); 0.9 chosen "
+        "on public data, ViP's stage on the public stand-in at both presets' noise, against the "
+        "last iterate (benchmarks/README.md, 'Weight averaging'); DP-Cap takes it untried",
     )
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
