@@ -18,7 +18,8 @@ on Fashion-MNIST: the study of ``training/study`` at its job preset (``MainJobCo
    (``training.study.selection``); DP-Cap also classifies zero-shot over the class names, shown
    beside the heads only when it is above chance (``training.study.table``). Every row is a
    released repo's head, so the dataset page composes them all; the rows go into every card and
-   the printed summary;
+   the printed summary, with each DP-trained encoder's row paired against its prior's row where
+   that prior is published (``training.study.table.paired``, one head each);
 5. sign every repo with the job's key (``WORK/signing/main-job.key``, made once), start
    ``vip-hub serve`` on the embedded store trusting that key, and publish the repos through
    ``vip_hub.repo.push`` (the verified path ``vip-hub push`` takes);
@@ -327,6 +328,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             "study": cfg.study().model_dump(),
             "encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED},
             "chosen on": {e.name: _weights_digest(origin[e]) for e in PUBLISHED},
+            "comparison": "rows and against_prior",  # its file's layout (a list until 2026-11-29)
         },
         [comparison, *(folder[e] / HEADS_DIR / HEAD for e in PUBLISHED)],
         lambda: _compare(cfg, work, test, folder, origin, comparison),
@@ -427,11 +429,11 @@ def _compare(
     from vip_hub.loading import load_captioner, load_encoder
     from vip_hub.repo.heads import HeadInfo, save_head
 
-    from .recipes.probe import accuracy, top1_result
+    from .recipes.probe import right_answers, top1_result
     from .study.features import embed
     from .study.heads import dp_head
     from .study.selection import choose_modes
-    from .study.table import chance_test
+    from .study.table import chance_test, paired
 
     splits = study_splits(cfg, cfg.data, work / "data")
     private = splits.private
@@ -448,7 +450,7 @@ def _compare(
         readers.setdefault(origin[e], []).append(stages[e])
     chosen = choose_modes(cfg, readers, splits.selection, private)
     y, y_test = torch.as_tensor(private.labels), torch.as_tensor(splits.test.labels)
-    rows = []
+    rows, answers = [], {}
     for e in PUBLISHED:
         choice = chosen[origin[e]]
         encoder = load_encoder(folder[e])
@@ -460,7 +462,8 @@ def _compare(
             cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
             name=HEAD, pooling=choice.mode,
         )  # fmt: skip
-        top1 = accuracy(fit.head, x_test, y_test)
+        answers[e] = right_answers(fit.head, x_test, y_test)
+        top1 = float(answers[e].mean())
         metrics = {
             "train_size": len(private),
             "pooling": choice.mode,
@@ -506,20 +509,29 @@ def _compare(
                 zero_shot.top1,
             )
         )
+    against = [  # each DP-trained encoder against the published encoder it was trained from
+        f"{e.name} - {prior.name}: {paired(answers[e], answers[prior]).describe()}"
+        for e in PUBLISHED
+        for prior in PUBLISHED
+        if prior != e and folder[prior] == origin[e]
+    ]
     cards = [r.card() for r in rows]
     for e in PUBLISHED:
         update_repo(folder[e], comparison=cards)
         verify_repo(folder[e]).raise_for_problems()
-    out.write_text(json.dumps(cards, indent=1, ensure_ascii=False))
+    out.write_text(
+        json.dumps({"rows": cards, "against_prior": against}, indent=1, ensure_ascii=False)
+    )
 
 
 def _duration(seconds: float) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
 
 
-def _print_summary(cfg: MainJobConfig, rows: list[dict[str, Any]], seconds: float) -> None:
-    """The comparison (every row a released repo's DP head, or zero-shot above chance) and the
-    job's wall time with the load average."""
+def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: float) -> None:
+    """The comparison (every row a released repo's DP head, or zero-shot above chance), each
+    DP-trained encoder's row against its prior's, and the job's wall time with the load
+    average."""
     print(
         f"\nTop-1 on public Fashion-MNIST test records {cfg.select_size} to "
         f"{cfg.select_size + cfg.test_size - 1} (the first {cfg.select_size} chose feature modes); "
@@ -527,8 +539,14 @@ def _print_summary(cfg: MainJobConfig, rows: list[dict[str, Any]], seconds: floa
         f"the first {cfg.train_size} train records ({FASHION_MNIST_TRAIN}), composed on the "
         f"hub's page /datasets/{FASHION_MNIST_TRAIN}:"
     )
-    for r in rows:
+    for r in comparison["rows"]:
         print(f"  {r['top1']:.4f}  {r['model']}\n          {r['privacy']}")
+    print(
+        "Each DP-trained encoder against its published prior, paired on the same records (one "
+        "head each, so a head's own spread is not in the SE; DP-Cap's prior is not published):"
+    )
+    for line in comparison["against_prior"]:
+        print(f"  {line}")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"Job wall time {_duration(seconds)} (load average {load}).", flush=True)
 

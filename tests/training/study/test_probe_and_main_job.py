@@ -578,7 +578,14 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert out.count("modes on public records:") == 2
     assert "vip-nano-syn: modes on public records" in out
     assert "dpcap-nano-syn: modes on public records" in out
-    rows = json.loads((run / "comparison.json").read_text())
+    comparison = json.loads((run / "comparison.json").read_text())
+    rows = comparison["rows"]
+    # each DP-trained encoder paired against the published prior it was trained from
+    pairs = [line.split(":")[0] for line in comparison["against_prior"]]
+    assert pairs == [
+        f"vip-nano-fashion-{name} - vip-nano-syn" for name in ("dp", "logit-dp", "naive-dp")
+    ]
+    assert all(line in out and "; z " in line for line in comparison["against_prior"])
     vip_family = {r["features"].split()[0] for r in rows if "vip-nano" in r["model"]}
     assert len(vip_family) == 1, rows  # (Syn)-ViP, ViP, Logit-DP and Naive-DP read one mode
     assert "Job wall time" in out and "load average" in out
