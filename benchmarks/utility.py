@@ -178,8 +178,11 @@ class Result:
         return f"{min(d):.1f}-{max(d):.1f}, {len(d)} draws" if len(d) > 1 else "1 draw"
 
     def encoder_means(self) -> np.ndarray:
-        """Each draw's right answers, (draws, records); with encoder draws, each encoder's mean
-        over its heads, (encoders, records): the units a paired comparison's draw term counts."""
+        """The units a paired comparison's draw term counts: each head draw's right answers,
+        (draws, records); with encoder draws, each encoder's mean over its heads, (encoders,
+        records)."""
+        if self.encoders == 1:
+            return self.correct
         return self.correct.reshape(self.encoders, -1, self.correct.shape[1]).mean(1)
 
 

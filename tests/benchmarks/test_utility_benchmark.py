@@ -158,6 +158,7 @@ def test_encoder_draws_train_an_encoder_each_and_the_comparison_counts_encoders(
     means = vip.encoder_means()
     assert means.shape == (2, TINY.test_size)
     np.testing.assert_allclose(means[1], vip.correct[2:].mean(0))
+    assert syn.encoder_means() is syn.correct  # one encoder: its head draws are the units
     ((_, _, p),) = utility.comparisons(["syn", "vip"], [syn, vip])
     by_encoder = means.mean(1)
     expected = np.sqrt(by_encoder.var(ddof=1) / 2 + np.var(syn.correct.mean(1), ddof=1) / 2)
