@@ -133,8 +133,8 @@ class StudyConfig(BaseModel):
         lt=1,
         description="ViP's and DP-Cap's released weights: the iterates' moving average at this "
         "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); 0.9 chosen "
-        "on public data, ViP's stage on the public stand-in at both presets' noise, against the "
-        "last iterate (benchmarks/README.md, 'Weight averaging'); DP-Cap takes it untried",
+        "on public data, ViP's and DP-Cap's stages on the public stand-in at both presets' "
+        "noise, against the last iterate (benchmarks/README.md, 'Weight averaging')",
     )
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
