@@ -52,19 +52,18 @@ from vip_hub.repo.artifacts import (
 from vip_hub.repo.content import WEIGHT_SOURCE_KEYS, content_problem
 from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CONFIG_FILE, HEAD_WEIGHTS, LEDGER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 
 def _rebind(folder: Path) -> None:
     """What an attacker who owns a repo can do: re-digest every listed file and write the three
     ledger copies again, so the tampering is not what gets the repo refused."""
-    data = json.loads((folder / "privacy_ledger.json").read_text())
+    data = json.loads((folder / LEDGER_FILE).read_text())
     data["artifacts"] = {rel: digest_file(folder / rel, rel) for rel in data["artifacts"]}
     text = PrivacyLedger.parse(json.dumps(data)).to_json()
-    (folder / "privacy_ledger.json").write_text(text)
-    meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(
-        folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text}
-    )
+    (folder / LEDGER_FILE).write_text(text)
+    meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
+    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
     _, front, body = (folder / "README.md").read_text().split("---\n", 2)
     card = yaml.safe_load(front)
     card["differential_privacy"] = json.loads(text)
@@ -74,9 +73,9 @@ def _rebind(folder: Path) -> None:
 
 
 def _redirect(folder: Path, key: str, value: object) -> Path:
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / CONFIG_FILE).read_text())
     config["pretrained_cfg"][key] = value
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / CONFIG_FILE).write_text(json.dumps(config))
     _rebind(folder)
     return folder
 
@@ -121,8 +120,8 @@ def test_every_timm_weight_source_key_is_refused(good, tmp_path, key):
 def test_a_weight_source_at_the_top_level_is_refused(good, tmp_path):
     """timm's legacy config layout reads the source keys at the top level."""
     folder = _copy(good, tmp_path)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "url": "https://example.com/w.pth"}))
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "url": "https://example.com/w.pth"}))
     _rebind(folder)
     assert [p.where for p in verify_repo(folder).problems] == ["config.json:url"]
 
@@ -254,7 +253,7 @@ def _what_runs(tmp_path: Path) -> dict[str, bytes]:
         "picture.jpg": _polyglots()["comment.jpg"][0],  # ...and in a JPEG's comment
         "modeling_vip.py": b"import os\nos.system('touch /tmp/owned-by-a-repo')\n",
         "notes.txt": _PICKLE_AS_TEXT,
-        "vocab.txt": _C_UNPICKLER_ONLY["hex INT (the review's I0x1)"]("vip-hub-test-review"),
+        VOCAB_FILE: _C_UNPICKLER_ONLY["hex INT (the review's I0x1)"]("vip-hub-test-review"),
         "extra.yaml": _C_UNPICKLER_ONLY["no STOP"]("vip-hub-test-review"),
     }
 
@@ -275,7 +274,7 @@ def test_files_that_run_code_are_refused_naming_the_file(good, tmp_path):
     assert messages["picture.jpg"].startswith("its COM segment at byte 2 holds the control")
     assert "is not UTF-8 text" in messages["archive.txt"]
     assert "holds a pickle" in messages["notes.txt"]
-    for name in ("vocab.txt", "extra.yaml"):
+    for name in (VOCAB_FILE, "extra.yaml"):
         assert "holds a pickle: unpickling it would import the module 'logging'" in messages[name]
 
 
@@ -397,7 +396,7 @@ def test_ordinary_images_are_accepted(good, tmp_path):
     [
         ("data.json", b'{"a": 1}\n{"b": 2}', "is not valid JSON"),
         ("data.json", b'{"a": 1}\x00', "control character"),
-        ("vocab.txt", b"the\n\xff\xfe", "is not UTF-8 text"),
+        (VOCAB_FILE, b"the\n\xff\xfe", "is not UTF-8 text"),
         ("settings.yaml", b"a: [1\n", "is not valid YAML"),
         ("extra.md", b"---\n- a list\n---\ntext", "is not valid Markdown"),
         ("curve.png", _image("PNG")[:-1], "ends before its IEND chunk"),
@@ -415,7 +414,7 @@ def test_an_allowed_name_with_other_content_is_refused(good, tmp_path, name, con
 
 def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
     folder = _copy(good, tmp_path)
-    head = folder / "heads" / "toy" / "head.safetensors"
+    head = folder / "heads" / "toy" / HEAD_WEIGHTS
     head.write_bytes(head.read_bytes() + _zip())  # the tensors digest does not see these bytes
     problems = verify_repo(folder).problems
     assert [p.where for p in problems] == ["heads/toy/head.safetensors"]
@@ -435,11 +434,11 @@ def test_a_pickle_the_c_unpickler_runs_is_refused_in_any_text(good, tmp_path, ca
         pickle.loads(payload, encoding="latin1")
     assert marker in logging.Logger.manager.loggerDict  # the call ran
     folder = _copy(good, tmp_path)
-    for name in ("vocab.txt", "notes/extra.yaml"):
+    for name in (VOCAB_FILE, "notes/extra.yaml"):
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_bytes(payload)
     problems = verify_repo(folder).problems
-    assert sorted(p.where for p in problems) == ["notes/extra.yaml", "vocab.txt"]
+    assert sorted(p.where for p in problems) == ["notes/extra.yaml", VOCAB_FILE]
     for p in problems:
         assert p.message.startswith(
             "holds a pickle: unpickling it would import the module 'logging' (GLOBAL at byte "
@@ -539,7 +538,7 @@ def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
     BINFLOAT, DUP, STOP: a pickle of data, importing nothing)."""
     folder = _copy(good, tmp_path)
     texts = {
-        "vocab.txt": public_vocab(["I saw the cat", "0x1 L ##s"]).decode(),
+        VOCAB_FILE: public_vocab(["I saw the cat", "0x1 L ##s"]).decode(),
         "vocab2.txt": "I\nL\n0x1\n##s\nthe\ncat\n",
         "vocab3.txt": "L\nI\n[PAD]\n",
         "vocab4.txt": "0x1\nI0x1\n",
@@ -566,7 +565,7 @@ def test_ordinary_text_is_not_taken_for_a_pickle(good, tmp_path):
 
 def test_weights_files_are_recognised_in_any_case(good, tmp_path):
     folder = _copy(good, tmp_path)
-    shutil.copy(folder / "model.safetensors", folder / "extra.SAFETENSORS")
+    shutil.copy(folder / WEIGHTS_FILE, folder / "extra.SAFETENSORS")
     assert [(p.where, "not listed" in p.message) for p in verify_repo(folder).problems] == [
         ("extra.SAFETENSORS", True)
     ]
@@ -634,7 +633,7 @@ def test_hub_refuses_pickles_under_any_name(hub, good, tmp_path, name):
         api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
     with pytest.raises(BadRequestError, match="MODEL.SAFETENSORS: not listed in the ledger"):
         api.upload_file(
-            path_or_fileobj=(good / "model.safetensors").read_bytes(),
+            path_or_fileobj=(good / WEIGHTS_FILE).read_bytes(),
             path_in_repo="MODEL.SAFETENSORS",
             repo_id=repo,
         )

@@ -25,6 +25,7 @@ from support.live import WRITE_TOKEN, ProcessServer
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def _held(store: Path) -> set[str]:
 
 
 def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypatch):
-    assert (base_repo / "model.safetensors").stat().st_size > 340e6
+    assert (base_repo / WEIGHTS_FILE).stat().st_size > 340e6
     api = HfApi(endpoint=server.url, token=WRITE_TOKEN)
 
     api.create_repo("big/folder")
@@ -82,8 +83,8 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
         path_or_fileobj=base_repo / "README.md", path_in_repo="README.md", repo_id="big/folder"
     )
     api.upload_file(
-        path_or_fileobj=base_repo / "mae_decoder.safetensors",
-        path_in_repo="mae_decoder.safetensors",
+        path_or_fileobj=base_repo / MAE_DECODER_FILE,
+        path_in_repo=MAE_DECODER_FILE,
         repo_id="big/folder",
     )
     # the card made a commit; the decoder did not: preupload gave its SHA-256, the client saw it
@@ -92,7 +93,7 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
 
     snap = Path(snapshot_download("big/push", endpoint=server.url, cache_dir=tmp_path / "cache"))
     assert sorted(repo_files(snap)) == sorted(repo_files(base_repo))
-    for rel in ("model.safetensors", "mae_decoder.safetensors", "README.md"):
+    for rel in (WEIGHTS_FILE, MAE_DECODER_FILE, "README.md"):
         assert (snap / rel).read_bytes() == (base_repo / rel).read_bytes(), rel
     assert verify_repo(snap).ok
 
@@ -104,7 +105,7 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
     )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "timm-cache"))
     model = timm.create_model("hf-hub:big/folder", pretrained=True)
-    expected = load_file(base_repo / "model.safetensors")
+    expected = load_file(base_repo / WEIGHTS_FILE)
     got = model.state_dict()
     assert set(expected) == set(got)
     for key, tensor in expected.items():

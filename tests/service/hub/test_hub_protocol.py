@@ -33,6 +33,7 @@ from support.live import READ_TOKEN, WRITE_TOKEN
 import vip_hub
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE
 
 MODEL = "vip/vip-nano-test"
 
@@ -44,13 +45,13 @@ def test_downloads_and_metadata(hub, published):
     assert "differential-privacy" in info.tags
     sizes = {s.rfilename: s.size for s in info.siblings}
     local = published[MODEL]
-    assert sizes["model.safetensors"] == (local / "model.safetensors").stat().st_size
-    assert next(s for s in info.siblings if s.rfilename == "model.safetensors").lfs is not None
+    assert sizes[WEIGHTS_FILE] == (local / WEIGHTS_FILE).stat().st_size
+    assert next(s for s in info.siblings if s.rfilename == WEIGHTS_FILE).lfs is not None
     assert sorted(api.list_repo_files(MODEL)) == sorted(
         p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()
     )
-    path = hf_hub_download(MODEL, "privacy_ledger.json")
-    assert Path(path).read_bytes() == (local / "privacy_ledger.json").read_bytes()
+    path = hf_hub_download(MODEL, LEDGER_FILE)
+    assert Path(path).read_bytes() == (local / LEDGER_FILE).read_bytes()
     snap = Path(snapshot_download(MODEL))
     assert (snap / "heads/toy/head.safetensors").read_bytes() == (
         local / "heads/toy/head.safetensors"
@@ -106,7 +107,7 @@ def test_revision_pinning(hub, tmp_path):
 
 def test_range_resume_and_headers(hub, published):
     url = f"{hub.url}/{MODEL}/resolve/main/model.safetensors"
-    full = (published[MODEL] / "model.safetensors").read_bytes()
+    full = (published[MODEL] / WEIGHTS_FILE).read_bytes()
     head = httpx.head(url)
     assert head.status_code == 200 and head.headers["accept-ranges"] == "bytes"
     assert len(head.headers["x-repo-commit"]) == 40 and head.headers["etag"].strip('"').isalnum()
@@ -121,15 +122,15 @@ def test_range_resume_and_headers(hub, published):
     blob_dir.mkdir(parents=True)
     etag = head.headers["etag"].strip('"')
     (blob_dir / f"{etag}.incomplete").write_bytes(full[:5000])
-    path = hf_hub_download(MODEL, "model.safetensors", cache_dir=cache)
+    path = hf_hub_download(MODEL, WEIGHTS_FILE, cache_dir=cache)
     assert Path(path).read_bytes() == full
 
 
 def test_error_codes(hub, published):
     with pytest.raises(RepositoryNotFoundError):
-        hf_hub_download("vip/absent", "config.json")
+        hf_hub_download("vip/absent", CONFIG_FILE)
     with pytest.raises(RevisionNotFoundError):
-        hf_hub_download(MODEL, "config.json", revision="nope")
+        hf_hub_download(MODEL, CONFIG_FILE, revision="nope")
     with pytest.raises(EntryNotFoundError):
         hf_hub_download(MODEL, "pytorch_model.bin")
     r = httpx.head(f"{hub.url}/{MODEL}/resolve/main/missing.txt")
@@ -167,26 +168,24 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     folder = export_encoder(
         tmp_path / "bad", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="bad"
     )
-    for name in ("privacy_ledger.json",):
+    for name in (LEDGER_FILE,):
         data = json.loads((folder / name).read_text())
         data["stages"][1]["epsilon"] = 0.5
         data["guarantees"][0]["epsilon"] = 0.5
         (folder / name).write_text(json.dumps(data))
     api = HfApi(token=WRITE_TOKEN)
     api.create_repo("bad/ledger", exist_ok=True)
-    with pytest.raises(BadRequestError, match="privacy_ledger.json") as err:
+    with pytest.raises(BadRequestError, match=LEDGER_FILE) as err:
         api.upload_folder(repo_id="bad/ledger", folder_path=folder)
     assert "nothing was stored" in str(err.value)
     # consistent but understated copies: the accountant check names the stage
-    text = (folder / "privacy_ledger.json").read_text()
+    text = (folder / LEDGER_FILE).read_text()
     import yaml
 
     from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 
-    meta = read_safetensors_header(folder / "model.safetensors")[0]["__metadata__"]
-    rewrite_safetensors_metadata(
-        folder / "model.safetensors", {**meta, "vip_hub.privacy_ledger": text}
-    )
+    meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
+    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
     _, front, body = (folder / "README.md").read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = json.loads(text)
@@ -221,7 +220,7 @@ def test_timm_push_updates_a_verified_repo_only_with_a_ledger(hub, tmp_path):
     api = HfApi(token=WRITE_TOKEN)
     push_repo(tiny_repo_with_head(tmp_path / "t"), "timm/verified", token=WRITE_TOKEN)
     before = api.model_info("timm/verified").sha
-    with pytest.raises(BadRequestError, match="model.safetensors"):
+    with pytest.raises(BadRequestError, match=WEIGHTS_FILE):
         timm.models.push_to_hf_hub(
             tiny_encoder(0), "timm/verified", token=WRITE_TOKEN, safe_serialization=True
         )
@@ -243,10 +242,10 @@ def test_auth(hub, tmp_path):
     with pytest.raises(RepositoryNotFoundError):
         HfApi().model_info("auth/private")
     with pytest.raises(RepositoryNotFoundError):
-        hf_hub_download("auth/private", "config.json")
+        hf_hub_download("auth/private", CONFIG_FILE)
     assert "auth/private" not in {m.id for m in HfApi().list_models()}
     assert HfApi(token=READ_TOKEN).model_info("auth/private").private
-    assert hf_hub_download("auth/private", "config.json", token=READ_TOKEN)
+    assert hf_hub_download("auth/private", CONFIG_FILE, token=READ_TOKEN)
     assert "auth/private" in {m.id for m in HfApi(token=READ_TOKEN).list_models()}
 
 
@@ -269,7 +268,7 @@ def test_push_cli(hub, tmp_path, capsys):
     )
     assert r.returncode == 0, r.stderr
     assert "pushed" in r.stdout and HfApi().model_info("cli/model").sha in r.stdout
-    (folder / "config.json").write_text("{}")
+    (folder / CONFIG_FILE).write_text("{}")
     from vip_hub.cli.main import main
 
     assert (

@@ -36,6 +36,7 @@ from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key
 from vip_hub.cli.main import main
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import WEIGHTS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +143,7 @@ def test_clients_through_the_balancer(balancer, replicas, tmp_path, monkeypatch)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "timm-cache"))
     model = timm.create_model("hf-hub:lfs/replicas", pretrained=True)
     state = model.state_dict()
-    assert all(torch.equal(state[k], t) for k, t in load_file(folder / "model.safetensors").items())
+    assert all(torch.equal(state[k], t) for k, t in load_file(folder / WEIGHTS_FILE).items())
 
     # Xet: the user's session sticks to one replica; the commit may land on either
     xet_folder = tiny_repo_with_head(tmp_path / "vip-nano-replicas-xet", seed=3)
@@ -150,8 +151,8 @@ def test_clients_through_the_balancer(balancer, replicas, tmp_path, monkeypatch)
     api.upload_folder(repo_id="lfs/replicas-xet", folder_path=xet_folder, commit_message="v1")
     assert any(_served(r, "/v1/shards") for r in replicas)  # it went the Xet way
     snap = Path(snapshot_download("lfs/replicas-xet", cache_dir=tmp_path / "cache"))
-    weights = (xet_folder / "model.safetensors").read_bytes()
-    assert (snap / "model.safetensors").read_bytes() == weights
+    weights = (xet_folder / WEIGHTS_FILE).read_bytes()
+    assert (snap / WEIGHTS_FILE).read_bytes() == weights
 
     client = openai.OpenAI(base_url=f"{balancer.url}/v1", api_key="EMPTY", timeout=120)
     for _ in range(4):
@@ -333,7 +334,7 @@ def _staged(seaweed) -> set[str]:
 def test_real_size_repo_through_the_balancer(balancer, seaweed, tmp_path, monkeypatch):
     # last in the module: the fault tests above read back every object the index names
     folder = base_size_repo(tmp_path / "vip-base-replicas")
-    assert (folder / "model.safetensors").stat().st_size > 340e6
+    assert (folder / WEIGHTS_FILE).stat().st_size > 340e6
     staged = _staged(seaweed)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
     api = HfApi(endpoint=balancer.url, token=WRITE_TOKEN)

@@ -20,6 +20,7 @@ from service.hub.uploads import CommitParser
 from service.store import AddFile, AddObject, DeleteFile, HubStore
 from service.store.errors import UploadMissing
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import WEIGHTS_FILE
 
 
 @pytest.fixture
@@ -160,11 +161,11 @@ def test_git_lfs_batch_api(hub, tmp_path):
     finally:
         for f in handles.values():
             f.close()
-    weights = (folder / "model.safetensors").read_bytes()
+    weights = (folder / WEIGHTS_FILE).read_bytes()
     oid = hashlib.sha256(weights).hexdigest()
     assert hub.app.state.store.blobs.exists(oid)
     snap = Path(snapshot_download("lfs/basic", revision=info.oid, cache_dir=tmp_path / "cache"))
-    assert (snap / "model.safetensors").read_bytes() == weights
+    assert (snap / WEIGHTS_FILE).read_bytes() == weights
 
     batch = httpx.post(
         f"{hub.url}/lfs/basic.git/info/lfs/objects/batch",
@@ -202,4 +203,4 @@ def test_uploads_never_committed_are_collected(store, tmp_path):
     assert store.collect_uploads() == 1 and store.blobs.object_path(oid) is None
     store.create_repo("vip/m")
     with pytest.raises(UploadMissing, match="never uploaded"):
-        store.commit("vip/m", [AddObject("model.safetensors", oid)])
+        store.commit("vip/m", [AddObject(WEIGHTS_FILE, oid)])

@@ -36,6 +36,7 @@ from support.seaweed import BUCKET
 from service.settings import ObjectStoreSettings
 from service.store.s3 import S3Objects, blob_key
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import WEIGHTS_FILE
 
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
 CHUNK = 8 * 1024 * 1024  # the tiny repo's 22 MB weights go in 3 parts, its head in one PUT
@@ -71,7 +72,7 @@ def _keys(seaweed, prefix: str) -> set[str]:
 
 
 def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_path, monkeypatch):
-    weights = (published / "model.safetensors").read_bytes()
+    weights = (published / WEIGHTS_FILE).read_bytes()
     sha = hashlib.sha256(weights).hexdigest()
     # upload_folder's weights went to the bucket under their SHA-256, nothing left staged
     assert blob_key(sha) in _keys(seaweed, "blobs/")
@@ -102,7 +103,7 @@ def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_
     )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "timm-cache"))
     model = timm.create_model("hf-hub:lfs/s3", pretrained=True)
-    expected = load_file(published / "model.safetensors")
+    expected = load_file(published / WEIGHTS_FILE)
     state = model.state_dict()
     assert set(expected) <= set(state)
     assert all(torch.equal(state[k], t) for k, t in expected.items())
@@ -110,13 +111,13 @@ def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_
 
 def test_private_files_are_presigned_for_readers_only(hub, published):
     HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("secret/s3", private=True)
-    data = (published / "model.safetensors").read_bytes()
+    data = (published / WEIGHTS_FILE).read_bytes()
     entry = lfs_batch(hub.url, "secret/s3", data)
     lfs_send(entry["actions"]["upload"], entry["oid"], data)
     verify = entry["actions"]["verify"]["href"]
     assert HTTP.post(verify, json={"oid": entry["oid"], "size": len(data)}, headers=AUTH).is_success
     files = {rel: p.read_bytes() for rel, p in repo_files(published).items()}
-    files.pop("model.safetensors")
+    files.pop(WEIGHTS_FILE)
     lines = [{"key": "header", "value": {"summary": "v1", "description": ""}}]
     lines += [
         {
@@ -129,7 +130,7 @@ def test_private_files_are_presigned_for_readers_only(hub, published):
         {
             "key": "lfsFile",
             "value": {
-                "path": "model.safetensors",
+                "path": WEIGHTS_FILE,
                 "algo": "sha256",
                 "oid": entry["oid"],
                 "size": len(data),
@@ -156,7 +157,7 @@ def test_presigned_urls_are_refused_for_another_key_or_once_expired(hub, seaweed
     data = b"another object " * 1000
     href = lfs_batch(hub.url, "lfs/s3", data)["actions"]["upload"]["href"]
     assert "/staging/" in href
-    sha = hashlib.sha256((published / "model.safetensors").read_bytes()).hexdigest()
+    sha = hashlib.sha256((published / WEIGHTS_FILE).read_bytes()).hexdigest()
     elsewhere = href.split("?")[0].rsplit("/staging/", 1)[0] + "/" + blob_key(sha)
     moved = HTTP.put(elsewhere + "?" + href.split("?", 1)[1], content=data)
     assert moved.status_code == 403 and "SignatureDoesNotMatch" in moved.text
@@ -246,7 +247,7 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
         k.rsplit("/", 1)[1] for k in xorbs
     }
     assert not _keys(seaweed, _record("lfs/s3-xet"))  # the commit took its upload records
-    weights = (folder / "model.safetensors").read_bytes()
+    weights = (folder / WEIGHTS_FILE).read_bytes()
     assert blob_key(hashlib.sha256(weights).hexdigest()) in _keys(seaweed, "blobs/")
 
     # a replica that never saw these xorbs (its cache wiped) rebuilds the same files from the
@@ -261,7 +262,7 @@ def test_xet_uploads_land_in_the_object_store(hub, seaweed, tmp_path):
     assert read_back and {f"xet/xorbs/{x}" for x in read_back} <= xorbs
     for repo in ("lfs/s3-xet", "lfs/s3-xet2"):
         snap = Path(snapshot_download(repo, endpoint=hub.url, cache_dir=tmp_path / repo))
-        assert (snap / "model.safetensors").read_bytes() == weights
+        assert (snap / WEIGHTS_FILE).read_bytes() == weights
 
 
 def test_large_objects_go_in_presigned_parts(hub, seaweed, published):

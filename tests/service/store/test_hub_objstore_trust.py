@@ -29,6 +29,7 @@ from support.seaweed import BUCKET
 
 from service.store.s3 import S3Objects, blob_key, upload_key
 from service.store.upkeep import check_store
+from vip_hub.repo_format import WEIGHTS_FILE
 
 CHUNK = 12 * 1024 * 1024  # parts of 12 MiB: an 11 MiB file goes in one PUT and is served by
 # redirect to its blob key (over LFS_THRESHOLD), as is a file of two parts
@@ -156,7 +157,7 @@ def test_planted_bytes_are_never_served_after_an_lfs_push(hub, seaweed, tmp_path
 
 def test_planted_bytes_are_never_served_after_a_xet_push(hub, seaweed, tmp_path):
     folder = tiny_repo_with_head(tmp_path / "vip-nano-xet", seed=7)
-    weights = (folder / "model.safetensors").read_bytes()
+    weights = (folder / WEIGHTS_FILE).read_bytes()
     sha = hashlib.sha256(weights).hexdigest()
     _plant(seaweed, sha, len(weights))
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
@@ -167,7 +168,7 @@ def test_planted_bytes_are_never_served_after_a_xet_push(hub, seaweed, tmp_path)
     assert any(k.startswith("xet/xorbs/") for k in after - xorbs)  # it went the Xet way
     local = hf_hub_download(
         "lfs/trust-xet",
-        "model.safetensors",
+        WEIGHTS_FILE,
         endpoint=hub.url,
         token=WRITE_TOKEN,
         cache_dir=tmp_path / "dl",

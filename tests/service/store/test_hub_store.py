@@ -18,6 +18,7 @@ from service.store.errors import (
 )
 from vip_hub import export_encoder
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:
@@ -64,7 +65,7 @@ def test_refused_commit_stores_nothing(store, repo_dir):
     store.create_repo("vip/m")
     good = store.commit("vip/m", _ops(store, repo_dir))
     ops = _ops(store, repo_dir)
-    ledger = next(op for op in ops if op.path == "privacy_ledger.json")
+    ledger = next(op for op in ops if op.path == LEDGER_FILE)
     data = json.loads(ledger.source.read_text())
     data["stages"][1]["epsilon"] = 0.01
     ledger.source.write_text(json.dumps(data))
@@ -84,7 +85,7 @@ def test_deleting_a_ledger_file_is_refused(store, repo_dir):
     store.create_repo("vip/m")
     store.commit("vip/m", _ops(store, repo_dir))
     with pytest.raises(PublishRefused, match="privacy_ledger.json: missing"):
-        store.commit("vip/m", [DeleteFile("privacy_ledger.json")])
+        store.commit("vip/m", [DeleteFile(LEDGER_FILE)])
     with pytest.raises(NoSuchEntry):
         store.commit("vip/m", [DeleteFile("nope.txt")])
 
@@ -177,9 +178,7 @@ def test_snapshot_dir(store, repo_dir):
     snap = store.snapshot_dir("vip/m", c.sha)
     assert snap == store.snapshot_dir("vip/m", c.sha)
     assert sorted(repo_files(snap)) == sorted(repo_files(repo_dir))
-    assert (snap / "model.safetensors").read_bytes() == (
-        repo_dir / "model.safetensors"
-    ).read_bytes()
+    assert (snap / WEIGHTS_FILE).read_bytes() == (repo_dir / WEIGHTS_FILE).read_bytes()
 
 
 @pytest.mark.parametrize(

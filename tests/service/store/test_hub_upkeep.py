@@ -25,6 +25,7 @@ from service.store.s3 import blob_key, upload_key
 from service.store.upkeep import collect_garbage
 from vip_hub.cli.main import main
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
 
 DAY = 24 * 3600
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
@@ -135,7 +136,7 @@ def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
 
 def test_check_reports_and_repairs_only_what_is_safe(tmp_path, repo_dir, capsys):
     store, named = _published(tmp_path / "store", repo_dir)
-    weights, config, card = (named[p] for p in ("model.safetensors", "config.json", "README.md"))
+    weights, config, card = (named[p] for p in (WEIGHTS_FILE, CONFIG_FILE, "README.md"))
     data = {sha: store.blobs.path(sha).read_bytes() for sha in named.values()}
     # missing, with a checked copy in the uploads area (received again since)
     store.blobs.path(weights).unlink()
@@ -291,8 +292,8 @@ def test_a_replicas_cache_does_not_stand_for_the_bucket(s3_hub, seaweed):
 def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, monkeypatch):
     s3, store = seaweed.client(), s3_hub.app.state.store
     files = {rel: p.read_bytes() for rel, p in repo_files(repo_dir).items()}
-    weights = hashlib.sha256(files["model.safetensors"]).hexdigest()
-    config = hashlib.sha256(files["config.json"]).hexdigest()
+    weights = hashlib.sha256(files[WEIGHTS_FILE]).hexdigest()
+    config = hashlib.sha256(files[CONFIG_FILE]).hexdigest()
     s3.put_object(Bucket=BUCKET, Key=blob_key(weights), Body=b"x" * 100)  # corrupt in the bucket
     s3.delete_object(Bucket=BUCKET, Key=blob_key(config))  # missing from the bucket
     staged = _lfs_upload(s3_hub, "lfs/upkeep", b"in flight", verify=False)
@@ -318,7 +319,7 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, m
     assert "repaired" in _lines(out, "orphan", orphan_sha)[0]
     assert code == 0, out
     body = s3.get_object(Bucket=BUCKET, Key=blob_key(weights))["Body"].read()
-    assert body == files["model.safetensors"]
+    assert body == files[WEIGHTS_FILE]
     assert blob_key(config) in _keys(seaweed, "blobs/")
     assert blob_key(orphan_sha) not in _keys(seaweed, "blobs/")
     assert f"xet/xorbs/{xorb}" not in _keys(seaweed, "xet/")
@@ -333,11 +334,11 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, m
     s3.put_object(Bucket=BUCKET, Key=upload_key(weights), Body=b"z" * 100)  # not its bytes
     code, out = _cli(capsys, "check", "--repair")
     assert code == 1 and "cannot repair" in _lines(out, "corrupt", weights)[0]
-    s3.put_object(Bucket=BUCKET, Key=upload_key(weights), Body=files["model.safetensors"])
+    s3.put_object(Bucket=BUCKET, Key=upload_key(weights), Body=files[WEIGHTS_FILE])
     code, out = _cli(capsys, "check", "--repair")
     assert code == 0 and "repaired" in _lines(out, "corrupt", weights)[0], out
     body = s3.get_object(Bucket=BUCKET, Key=blob_key(weights))["Body"].read()
-    assert body == files["model.safetensors"]
+    assert body == files[WEIGHTS_FILE]
 
 
 @pytest.mark.slow  # two processes, as the other crash tests
