@@ -25,7 +25,8 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
-        [--ema-decay D] [--heads 3] [--uncentred] [--head-components K] [--study job|benchmark]
+        [--ema-decay D] [--decoder-warmup N] [--heads 3] [--uncentred] [--head-components K]
+        [--study job|benchmark]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
 """
@@ -327,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         default=JOB.dp_ema_decay,
         help="vip, dpcap: the released average's decay (0: the last iterate)",
     )
+    p.add_argument(
+        "--decoder-warmup",
+        type=int,
+        default=JOB.vip_decoder_warmup,
+        help="vip: " + str(StudyConfig.model_fields["vip_decoder_warmup"].description),
+    )
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
     p.add_argument(
@@ -375,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 "encoder_epsilon": a.encoder_epsilon,
                 "dp_lr_scale": a.lr_scale,
                 "dp_ema_decay": a.ema_decay,
+                "vip_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
             }
         )
@@ -382,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.row != "syn" and a.ema_decay:
             settings["ema"] = a.ema_decay
+        if a.row == "vip" and a.decoder_warmup:
+            settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0
         settings["components"] = a.head_components

@@ -33,7 +33,7 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder, sincos_pos_embe
 from vip_hub.models.features import final_norm
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
-from ..data.procedural import SyntheticImages
+from ..data.procedural import ProceduralPictures, SyntheticImages
 from ..dp.sampling import MASKING, torch_generator
 
 __all__ = [
@@ -46,10 +46,12 @@ __all__ = [
     "patchify",
     "public_eval_batch",
     "public_images",
+    "warm_decoder",
 ]
 
 EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
 EVAL_IMAGES = 64
+WARMUP_SEED = 2**31 - 11  # a fresh decoder's public warm-up images: a stream no other step draws
 
 
 @dataclass(frozen=True)
@@ -244,3 +246,48 @@ def eval_loss(model: nn.Module, batch: Sequence[torch.Tensor], device: torch.dev
     loss = model(*(t.to(device) for t in batch)).mean().item()
     model.train(was)
     return loss
+
+
+def warm_decoder(
+    mae: MAE,
+    transform: Callable[[Any], torch.Tensor],
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+) -> list[float]:
+    """Train ``mae``'s decoder alone (the encoder frozen) for ``steps`` AdamW steps on public
+    greyscale procedural images through ``transform``, seeded by ``WARMUP_SEED``: no private
+    data. A fresh decoder's gradients otherwise take most of a DP stage's clipping norm (about 93 %
+    of the squared norm on public images), so the encoder's share of the signal grows with it
+    (benchmarks/README.md, "The MAE decoder's public warm-up"). Returns the losses."""
+    trainable = {p: p.requires_grad for p in mae.parameters()}
+    for p in mae.encoder.parameters():
+        p.requires_grad_(False)
+    decoder = [p for p in mae.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(decoder, lr=lr, weight_decay=0.0)
+    source = ProceduralPictures(mae.encoder.patch_embed.img_size[0], seed=WARMUP_SEED)
+    device = mae.decoder_pred.weight.device
+    losses = []
+    was = mae.training
+    mae.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(WARMUP_SEED)
+        for step in range(steps):
+            first = step * batch_size
+            images = torch.stack(
+                [
+                    transform(source.load(first + i).convert("L").convert("RGB"))
+                    for i in range(batch_size)
+                ]
+            )
+            noise = torch.rand(batch_size, mae.num_patches)
+            loss = mae(images.to(device), noise.to(device)).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    for p, flag in trainable.items():
+        p.requires_grad_(flag)
+        p.grad = None
+    mae.train(was)
+    return losses

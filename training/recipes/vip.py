@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 from pydantic import Field
 
+from vip_hub.errors import ConfigError
 from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
 
@@ -25,7 +26,7 @@ from ..dp.run import DPRun
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import eval_loss, load_mae, public_eval_batch
+from .mae import eval_loss, load_mae, public_eval_batch, warm_decoder
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
 
@@ -50,6 +51,13 @@ class VipConfig(
     )
     decoder_depth: int | None = Field(None, gt=0, description="a fresh MAE decoder's blocks")
     decoder_heads: int | None = Field(None, gt=0, description="a fresh MAE decoder's heads")
+    decoder_warmup: int = Field(
+        0,
+        ge=0,
+        description="steps (batch 32, AdamW at 1e-3) of a fresh decoder's training on public "
+        "greyscale procedural images, the encoder frozen, before the DP stage (no private data: "
+        "the decoder otherwise takes most of the clipping norm); 0: none",
+    )
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -64,11 +72,19 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     mae, init = load_mae(cfg.init, {k: v for k, v in shape.items() if v is not None})
     spec = init.spec
     mae.to(dist.device)
-    engine = run.engine(mae)
     # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
     pretrained_cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
-    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
-    augmented = Augmented(images, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
+    transform = mae_transform(spec.img_size, *(tuple(pretrained_cfg[k]) for k in ("mean", "std")))
+    if cfg.decoder_warmup:
+        if (Path(init.path) / MAE_DECODER_FILE).is_file():
+            raise ConfigError(
+                f"--decoder-warmup trains a fresh decoder, and {cfg.init} has one "
+                f"({MAE_DECODER_FILE})"
+            )
+        losses = warm_decoder(mae, transform, cfg.decoder_warmup)  # a resume loads over it
+        print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    engine = run.engine(mae)
+    augmented = Augmented(images, transform, run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.rand(
@@ -104,12 +120,19 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         description=(
             "ViP step 2: masked-autoencoder training with DP-AdamW (per-example clipping, "
             "Gaussian noise once per logical step, Poisson sampling)"
+            + (
+                f"; its fresh decoder first trained {cfg.decoder_warmup} steps on public "
+                "procedural images, the encoder frozen (no private data)"
+                if cfg.decoder_warmup
+                else ""
+            )
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(),
             "mask_ratio": mae.config.mask_ratio,
             "img_size": spec.img_size,
             "augmentation": "random resized crop (0.2-1), flip",
+            "decoder_warmup": cfg.decoder_warmup,
         },
     )
 

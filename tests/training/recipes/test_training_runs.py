@@ -325,6 +325,37 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
         )
     )
     assert (fresh / MAE_DECODER_FILE).is_file()
+    # its decoder warmed up on public images first: the stage says so; a repo's own decoder is
+    # never replaced by a warm-up
+    warmed = train_vip(
+        vip_config(
+            make_repo_without_decoder(tmp_path / "w"),
+            images,
+            tmp_path / "warmed",
+            seed=0,
+            batch_size=8,
+            steps=2,
+            eval_every=100,
+            delta=1 / 80,
+            decoder_warmup=2,
+        )
+    )
+    stage = PrivacyLedger.read(warmed).stage("dp-pretrain")
+    assert stage.hyperparameters["decoder_warmup"] == 2
+    assert "first trained 2 steps on public procedural images" in stage.description
+    assert PrivacyLedger.read(fresh).stage("dp-pretrain").hyperparameters["decoder_warmup"] == 0
+    with pytest.raises(ConfigError, match=f"trains a fresh decoder.*{MAE_DECODER_FILE}"):
+        train_vip(
+            vip_config(
+                syn_repo,
+                images,
+                tmp_path / "z",
+                seed=0,
+                batch_size=8,
+                delta=1 / 80,
+                decoder_warmup=2,
+            )  # fmt: skip
+        )
     r = subprocess.run(
         [
             str(BIN / "vip-hub"),

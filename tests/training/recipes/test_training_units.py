@@ -15,10 +15,11 @@ from support.helpers import DEVICES
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from training.data.images import mae_transform
 from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, render
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
-from training.recipes.mae import MAE, DecoderConfig, patchify
+from training.recipes.mae import MAE, DecoderConfig, patchify, warm_decoder
 from training.skeleton.config import RunConfig
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
@@ -103,6 +104,29 @@ def test_mae_decoder_keys_follow_the_reference() -> None:
     ):
         assert k in keys
     assert not any(k.startswith("encoder.") for k in keys)
+
+
+def test_the_decoder_warm_up_trains_the_decoder_alone_on_public_images_and_repeats() -> None:
+    """``warm_decoder`` (the ViP stage's public warm-up) moves the decoder, leaves every encoder
+    tensor bitwise as it was and every parameter's trainable flag as it found it, and is a
+    function of its seed alone: two warm-ups of one MAE give the same decoder, whatever torch's
+    global generator held."""
+    transform = mae_transform(SPEC.img_size, (0.5,) * 3, (0.5,) * 3)
+    runs = []
+    for seed in (1, 2):
+        mae = small_mae()
+        flags = [p.requires_grad for p in mae.parameters()]
+        encoder = {k: v.clone() for k, v in mae.encoder.state_dict().items()}
+        decoder = {k: v.clone() for k, v in mae.decoder_state_dict().items()}
+        torch.manual_seed(seed)  # the caller's generator: not what the warm-up draws from
+        losses = warm_decoder(mae, transform, 3, batch_size=4)
+        assert len(losses) == 3 and all(np.isfinite(losses))
+        assert all(torch.equal(encoder[k], v) for k, v in mae.encoder.state_dict().items())
+        assert not torch.equal(decoder["decoder_pred.weight"], mae.decoder_pred.weight)
+        assert [p.requires_grad for p in mae.parameters()] == flags
+        assert all(p.grad is None for p in mae.parameters())
+        runs.append(mae.decoder_state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
 # ---------------------------------------------------------------- clipping
