@@ -4,21 +4,15 @@ run, each row's head trained and its mode chosen on the first half of the test r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import ROOT, write_idx
+from support.helpers import load_benchmark, write_idx
 
 from training.recipes.syn import SynConfig, train_syn
 
-SPEC = importlib.util.spec_from_file_location("prior", ROOT / "benchmarks" / "prior.py")
-assert SPEC is not None and SPEC.loader is not None
-prior = importlib.util.module_from_spec(SPEC)
-sys.modules["prior"] = prior  # dataclasses look their module up there
-SPEC.loader.exec_module(prior)
+prior = load_benchmark("prior")
 
 
 @pytest.fixture(scope="module")

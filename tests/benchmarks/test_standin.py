@@ -10,14 +10,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support.helpers import ROOT, write_idx
+from support.helpers import load_benchmark, write_idx
 
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
 from training.priors import prior_path
@@ -28,18 +26,8 @@ from vip_hub.privacy.accounting import composed_epsilon
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 from vip_hub.repo_format import LEDGER_FILE
 
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-_load("utility")  # standin reads the fine-tuning row's settings from it
-standin = _load("standin")
+load_benchmark("utility")  # standin reads the fine-tuning row's settings from it
+standin = load_benchmark("standin")
 
 PRIVATE, END = 40, 60
 """The tiny stand-in: test records 0-39 play the private records, 40-59 score."""

@@ -4,22 +4,17 @@ own Poisson samples, and a run over two batch sizes prints every variant's figur
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 
 import pytest
-from support.helpers import ROOT
+from support.helpers import ROOT, load_benchmark
 
 from training.dp.clipping import PerExampleClipper
 
 SCRIPT = ROOT / "benchmarks" / "dp_step.py"
 sys.path.insert(0, str(SCRIPT.parent))  # dp_step.py imports own_process.py as a script does
-SPEC = importlib.util.spec_from_file_location("dp_step", SCRIPT)
-assert SPEC is not None and SPEC.loader is not None
-dp_step = importlib.util.module_from_spec(SPEC)
-sys.modules["dp_step"] = dp_step  # dataclasses look their module up there
-SPEC.loader.exec_module(dp_step)
+dp_step = load_benchmark("dp_step")
 
 TINY = argparse.Namespace(arch="vip-nano", img_size=32, device="cpu")
 

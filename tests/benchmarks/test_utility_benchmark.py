@@ -5,15 +5,13 @@ with its encoder's stages counted."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-from support.helpers import ROOT, write_idx
+from support.helpers import load_benchmark, write_idx
 
 from training.data.labelled import FASHION_MNIST_TRAIN
 from training.study.budget import head_epsilon
@@ -23,11 +21,7 @@ from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
 from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, compose_releases
 from vip_hub.repo.heads import load_head
 
-SPEC = importlib.util.spec_from_file_location("utility", ROOT / "benchmarks" / "utility.py")
-assert SPEC is not None and SPEC.loader is not None
-utility = importlib.util.module_from_spec(SPEC)
-sys.modules["utility"] = utility  # dataclasses look their module up there
-SPEC.loader.exec_module(utility)
+utility = load_benchmark("utility")
 
 TRAIN_RECORDS = 200
 """Enough that ``--tune``'s keyed 10 % validation split is never empty (0.9^200 = 7e-10; at 40

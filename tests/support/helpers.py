@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import json
 import os
 import signal
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,19 @@ from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository's root folder."""
+
+
+def load_benchmark(name: str) -> Any:
+    """The script ``benchmarks/NAME.py`` imported as module ``name`` (registered in
+    ``sys.modules``, where dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 TINY = EncoderSpec("vip-nano", img_size=32)
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
