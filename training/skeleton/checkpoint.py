@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,14 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
         torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
 
 
-def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint (tensors and plain data only) and check it belongs to ``config``."""
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    config: dict[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint (tensors and plain data only) and check it belongs to ``config``. A
+    setting the checkpoint does not name (one added since it was written) matches when ``config``
+    holds its value in ``defaults``: a new setting's default is what runs did before it."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
@@ -36,6 +43,9 @@ def load_checkpoint(path: str | os.PathLike[str], config: dict[str, Any]) -> dic
             f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"
         )
     saved = state.get("config")
+    if isinstance(saved, dict):
+        added = {k: v for k, v in (defaults or {}).items() if k in config and k not in saved}
+        saved = added | saved
     if saved != config:
         diff = sorted(
             k for k in set(saved or {}) | set(config) if (saved or {}).get(k) != config.get(k)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import to_jsonable_python
 
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
@@ -91,6 +92,16 @@ class RunConfig(BaseModel):
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""
         return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))
+
+    @classmethod
+    def run_defaults(cls) -> dict[str, Any]:
+        """The run settings' defaults, as ``run_settings`` writes them (a checkpoint written
+        before a setting existed ran at its default)."""
+        return {
+            name: to_jsonable_python(field.get_default(call_default_factory=True))
+            for name, field in cls.model_fields.items()
+            if name not in cls.NOT_RUN_SETTINGS and not field.is_required()
+        }
 
 
 class WeakDeltaOption(BaseModel):

@@ -102,7 +102,7 @@ class Run:
         start from (0 without a checkpoint)."""
         if not self.checkpoint_path.exists():
             return 0
-        state = load_checkpoint(self.checkpoint_path, self.settings)
+        state = load_checkpoint(self.checkpoint_path, self.settings, self.cfg.run_defaults())
         for key, obj in objects.items():
             obj.load_state_dict(state[key])
         return int(state["step"])

@@ -662,3 +662,29 @@ def test_the_audit_catches_a_broken_engine(
         )
     )
     assert_refused(out, hub, "vip-" + broken.replace(" ", "-"))
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint written before a run setting was added (here ``ema_decay`` and
+    ``decoder_warmup``) resumes when the run keeps that setting's default, what runs did then,
+    and is refused, naming it, when the run sets another value."""
+    from training.skeleton.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = VipConfig(init="x", data="y", out=str(tmp_path / "repo"), dataset_name="test/images")
+    now = cfg.run_settings()
+    before = {k: v for k, v in now.items() if k not in ("ema_decay", "decoder_warmup")}
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"config": before, "step": 7})
+    defaults = VipConfig.run_defaults()
+    assert defaults["ema_decay"] == 0 and defaults["decoder_warmup"] == 0
+    assert load_checkpoint(path, now, defaults)["step"] == 7
+    with pytest.raises(CheckpointError, match=r"other settings \(ema_decay\)"):
+        load_checkpoint(path, {**now, "ema_decay": 0.9}, defaults)
+    with pytest.raises(CheckpointError, match=r"other settings \(decoder_warmup, ema_decay\)"):
+        load_checkpoint(path, now)  # without the defaults, as before
+    # a setting the checkpoint holds is never defaulted over
+    save_checkpoint(path, {"config": {**now, "ema_decay": 0.5}, "step": 7})
+    with pytest.raises(CheckpointError, match=r"other settings \(ema_decay\)"):
+        load_checkpoint(path, now, defaults)
