@@ -24,7 +24,7 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 (``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both priors in
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
-    python benchmarks/standin.py {syn,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
+    python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--ema-decay D] [--decoder-warmup N] [--heads 3] [--uncentred] [--head-components K]
         [--study job|benchmark]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
@@ -78,6 +78,8 @@ from vip_hub.repo_format import VOCAB_FILE
 
 PRIVATE, END = 4_000, 5_000
 """Test records 0..PRIVATE-1 stand in for the private records, PRIVATE..END-1 score."""
+PRIORS = {"syn": "vip", "syn-dpcap": "dpcap"}
+"""The prior rows: each family's committed prior, no DP stage."""
 MODE = "spatial-b4-g4"
 GaussianRun = tuple[float, float, int]
 
@@ -216,17 +218,17 @@ def heads_trial(
     steps: int | None = None,
     centred: bool = True,
 ) -> Trial:
-    """``row`` (``syn``: the committed prior; ``vip``, ``dpcap``: its DP stage on the stand-in at
-    the job's noise) read in ``mode`` by ``heads`` DP heads with the job's head noise (centred on
-    the centring records' mean, or with ``centred`` off their BatchNorm the identity), and a
-    non-private reference; top-1 on the stand-in's scoring records. The DP heads read the study's
-    ``head_components`` principal components of the centring records' features, as the study's
-    heads do; the reference reads the features."""
+    """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; ``vip``, ``dpcap``:
+    its DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP heads with
+    the job's head noise (centred on the centring records' mean, or with ``centred`` off their
+    BatchNorm the identity), and a non-private reference; top-1 on the stand-in's scoring
+    records. The DP heads read the study's ``head_components`` principal components of the
+    centring records' features, as the study's heads do; the reference reads the features."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
-    if row == "syn":
-        repo = prior_path(study.syn_prior)
+    if row in PRIORS:
+        repo = prior_path(study.prior(PRIORS[row]))
     else:
         sigma, q, steps_real = encoder_stage(study, row)
         prior = [(sigma, q, steps_real)]
@@ -319,7 +321,7 @@ def finetune_trial(
 def main(argv: Sequence[str] | None = None) -> Trial:
     """Command line: run one trial, print it (and append it to ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("row", choices=("syn", "vip", "dpcap", "finetune"))
+    p.add_argument("row", choices=(*PRIORS, "vip", "dpcap", "finetune"))
     p.add_argument("--encoder-epsilon", type=float, default=JOB.encoder_epsilon)
     p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
     p.add_argument(
@@ -387,8 +389,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             }
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
-        settings = {} if a.row == "syn" else {"E": a.encoder_epsilon, "lr": a.lr_scale}
-        if a.row != "syn" and a.ema_decay:
+        settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}
+        if a.row not in PRIORS and a.ema_decay:
             settings["ema"] = a.ema_decay
         if a.row == "vip" and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup

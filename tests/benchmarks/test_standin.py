@@ -22,6 +22,7 @@ from training.priors import prior_path
 from training.recipes.probe import fit_probe
 from training.study.config import JOB, StudyConfig
 from training.study.selection import choose_modes
+from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import composed_epsilon
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 from vip_hub.repo_format import LEDGER_FILE
@@ -111,6 +112,17 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     study = TINY.model_copy(update={"head_components": 4})
     t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=1)
     assert widths[0] == 4 and widths[1] > 4 and len(t.dp_top1) == 1  # the DP head, the reference
+    # each prior row reads its family's committed prior
+    loaded: list[Path] = []
+
+    def load_spy(repo: Path, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(Path(repo))
+        return load_encoder(repo, *args, **kwargs)
+
+    monkeypatch.setattr(standin, "load_encoder", load_spy)
+    for row in ("syn", "syn-dpcap"):
+        standin.heads_trial(TINY, row, {}, recs, tmp_path / "work", heads=1)
+    assert loaded == [prior_path(TINY.syn_prior), prior_path(TINY.dpcap_prior)]
 
 
 class PrivateSpy:
