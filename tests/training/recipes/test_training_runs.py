@@ -311,35 +311,27 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
         train_vip(vip_config(syn_repo, images, out, seed=0, batch_size=100))
     with pytest.raises(MissingInputError, match="not a directory"):
         train_vip(vip_config(syn_repo, tmp_path / "missing", out, seed=0))
-    # a (Syn) prior without an MAE decoder (contrastive, distilled) starts a fresh one
-    fresh = train_vip(
-        vip_config(
-            make_repo_without_decoder(tmp_path),
-            images,
-            tmp_path / "fresh",
-            seed=0,
-            batch_size=8,
-            steps=2,
-            eval_every=100,
-            delta=1 / 80,
+    # a (Syn) prior without an MAE decoder (contrastive, distilled) starts a fresh one, warmed
+    # up on public images first when asked (the stage says so); a repo's own decoder is never
+    # replaced by a warm-up
+    no_decoder = make_repo_without_decoder(tmp_path)
+    fresh, warmed = (
+        train_vip(
+            vip_config(
+                no_decoder,
+                images,
+                tmp_path / f"fresh{warmup}",
+                seed=0,
+                batch_size=8,
+                steps=2,
+                eval_every=100,
+                delta=1 / 80,
+                decoder_warmup=warmup,
+            )  # fmt: skip
         )
+        for warmup in (0, 2)
     )
     assert (fresh / MAE_DECODER_FILE).is_file()
-    # its decoder warmed up on public images first: the stage says so; a repo's own decoder is
-    # never replaced by a warm-up
-    warmed = train_vip(
-        vip_config(
-            make_repo_without_decoder(tmp_path / "w"),
-            images,
-            tmp_path / "warmed",
-            seed=0,
-            batch_size=8,
-            steps=2,
-            eval_every=100,
-            delta=1 / 80,
-            decoder_warmup=2,
-        )
-    )
     stage = PrivacyLedger.read(warmed).stage("dp-pretrain")
     assert stage.hyperparameters["decoder_warmup"] == 2
     assert "first trained 2 steps on public procedural images" in stage.description
