@@ -310,3 +310,22 @@ def test_the_cases_cover_every_layer_kind() -> None:
     embedder = _embedder()
     assert kinds(PairClipper(embedder, CLIP, TAU).layers) == {nn.Linear, nn.Conv2d, nn.LayerNorm}
     assert embedder.broadcast_parameters()
+
+
+@pytest.mark.parametrize("out, width", [(10, 2500), (2100, 7), (6, 1024)])
+def test_the_clipped_product_sliced_by_columns_is_the_whole_fp64_product(
+    out: int, width: int
+) -> None:
+    """``product_sum`` converts the wider side to fp64 a slice of ``PRODUCT_COLUMNS`` at a time:
+    every entry is still one fp64 product over the same rows, so it agrees with an fp64 einsum
+    of the same products to well within the proof's allowance (about 2^-53 per row of the
+    magnitudes sum_i |scale_i| sum_t ||a_t|| ||g_t||)."""
+    torch.manual_seed(out + width)
+    g, a, scale = torch.randn(40, 2, out), torch.randn(40, 2, width), torch.rand(40)
+    got = training.dp.clipping.product_sum(g, a, scale)
+    exact = torch.einsum("btj,bti,b->ji", g.double(), a.double(), scale.double())
+    bound = (
+        (a.double().norm(dim=2) * g.double().norm(dim=2)).sum(1) * scale.double()
+    ).sum() * 1e-13
+    assert got.shape == (out, width) and got.dtype == torch.float64
+    assert (got - exact).abs().max() <= bound
