@@ -141,9 +141,9 @@ class StudyConfig(BaseModel):
         ge=0,
         description="steps of ViP's fresh MAE decoder on public procedural images, the encoder "
         "frozen, before its DP stage (the recipe's ``decoder_warmup``; no private data); 0, "
-        "kept: 150 steps raised the encoder's share of the clipped norm from 7 % to 76 % on "
-        "public images but did not pass the rule on the public stand-in (3 heads' mean 81.03 "
-        "against 81.30 at the job's noise, 86.60 against 86.73 at the benchmark's; "
+        "kept: 150 steps raised the encoder's share of the squared clipped norm from 0.07 to "
+        "0.76 on public images but did not pass the rule on the public stand-in (3 heads' mean "
+        "81.00 against 81.30 at the job's noise, 86.60 against 86.73 at the benchmark's; "
         "benchmarks/README.md, 'The MAE decoder's public warm-up')",
     )
     contrastive_batch_size: int = Field(
