@@ -52,7 +52,15 @@ from vip_hub.repo.artifacts import (
 from vip_hub.repo.content import WEIGHT_SOURCE_KEYS, content_problem
 from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
-from vip_hub.repo_format import CONFIG_FILE, HEAD_WEIGHTS, LEDGER_FILE, VOCAB_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    HEAD_WEIGHTS,
+    LEDGER_FILE,
+    VOCAB_FILE,
+    WEIGHTS_FILE,
+    head_file,
+)
 
 
 def _rebind(folder: Path) -> None:
@@ -64,10 +72,10 @@ def _rebind(folder: Path) -> None:
     (folder / LEDGER_FILE).write_text(text)
     meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
     rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
-    _, front, body = (folder / "README.md").read_text().split("---\n", 2)
+    _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     card = yaml.safe_load(front)
     card["differential_privacy"] = json.loads(text)
-    (folder / "README.md").write_text(
+    (folder / CARD_FILE).write_text(
         "---\n" + yaml.safe_dump(card, sort_keys=False) + "---\n" + body
     )
 
@@ -310,7 +318,7 @@ def test_every_allowed_kind_is_accepted_when_it_is_wholly_that_kind(good, tmp_pa
         "notes/settings.yaml": b"lr: 0.001\nsteps: [1, 2]\n",
         "notes/more.yml": b"a: b\n",
         "notes/extra.md": "---\nlicense: mit\n---\n# Notes\n\u00e9t\u00e9\n".encode(),
-        "notes/vocab.txt": "[PAD]\n[UNK]\nthe\n\u00e9t\u00e9\t\r\n".encode(),
+        f"notes/{VOCAB_FILE}": "[PAD]\n[UNK]\nthe\n\u00e9t\u00e9\t\r\n".encode(),
         "notes/data.json": b'{"a": [1, 2.5, null]}',
     }
     for rel, data in files.items():
@@ -417,7 +425,7 @@ def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
     head = folder / "heads" / "toy" / HEAD_WEIGHTS
     head.write_bytes(head.read_bytes() + _zip())  # the tensors digest does not see these bytes
     problems = verify_repo(folder).problems
-    assert [p.where for p in problems] == ["heads/toy/head.safetensors"]
+    assert [p.where for p in problems] == [head_file("toy")]
     assert "not fully covered" in problems[0].message
 
 
@@ -682,11 +690,11 @@ def test_resolve_says_nosniff_on_every_answer(hub, good):
     push_repo(good, "writer/nosniff", token=WRITE_TOKEN)
     base = f"{hub.url}/writer/nosniff/resolve/main"
     answers = [
-        httpx.get(f"{base}/README.md"),
-        httpx.get(f"{base}/config.json", headers={"Range": "bytes=0-9"}),
-        httpx.head(f"{base}/model.safetensors"),
+        httpx.get(f"{base}/{CARD_FILE}"),
+        httpx.get(f"{base}/{CONFIG_FILE}", headers={"Range": "bytes=0-9"}),
+        httpx.head(f"{base}/{WEIGHTS_FILE}"),
         httpx.get(f"{base}/missing.txt"),
-        httpx.get(f"{hub.url}/writer/no-such-repo/resolve/main/README.md"),
+        httpx.get(f"{hub.url}/writer/no-such-repo/resolve/main/{CARD_FILE}"),
         httpx.get(f"{base}/..%2Fsecret"),
     ]
     assert [r.status_code for r in answers] == [200, 206, 200, 404, 404, 400]

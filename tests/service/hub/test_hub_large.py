@@ -25,7 +25,7 @@ from support.live import WRITE_TOKEN, ProcessServer
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, MAE_DECODER_FILE, WEIGHTS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,8 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
 
     first = push_repo(base_repo, "big/push", endpoint=server.url, token=WRITE_TOKEN)
     held = _held(server.store)
-    (base_repo / "README.md").write_text(
-        (base_repo / "README.md").read_text() + "\nA note on the card.\n"
+    (base_repo / CARD_FILE).write_text(
+        (base_repo / CARD_FILE).read_text() + "\nA note on the card.\n"
     )
     assert verify_repo(base_repo).ok
     second = push_repo(base_repo, "big/push", endpoint=server.url, token=WRITE_TOKEN)
@@ -80,7 +80,7 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
 
     # upload_file and create_commit of single files at real size (the tree still verifies)
     api.upload_file(
-        path_or_fileobj=base_repo / "README.md", path_in_repo="README.md", repo_id="big/folder"
+        path_or_fileobj=base_repo / CARD_FILE, path_in_repo=CARD_FILE, repo_id="big/folder"
     )
     api.upload_file(
         path_or_fileobj=base_repo / MAE_DECODER_FILE,
@@ -93,7 +93,7 @@ def test_publish_and_download_at_real_size(server, base_repo, tmp_path, monkeypa
 
     snap = Path(snapshot_download("big/push", endpoint=server.url, cache_dir=tmp_path / "cache"))
     assert sorted(repo_files(snap)) == sorted(repo_files(base_repo))
-    for rel in (WEIGHTS_FILE, MAE_DECODER_FILE, "README.md"):
+    for rel in (WEIGHTS_FILE, MAE_DECODER_FILE, CARD_FILE):
         assert (snap / rel).read_bytes() == (base_repo / rel).read_bytes(), rel
     assert verify_repo(snap).ok
 

@@ -33,7 +33,7 @@ from support.live import READ_TOKEN, WRITE_TOKEN
 import vip_hub
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
-from vip_hub.repo_format import CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE, head_file
 
 MODEL = "vip/vip-nano-test"
 
@@ -53,9 +53,7 @@ def test_downloads_and_metadata(hub, published):
     path = hf_hub_download(MODEL, LEDGER_FILE)
     assert Path(path).read_bytes() == (local / LEDGER_FILE).read_bytes()
     snap = Path(snapshot_download(MODEL))
-    assert (snap / "heads/toy/head.safetensors").read_bytes() == (
-        local / "heads/toy/head.safetensors"
-    ).read_bytes()
+    assert (snap / head_file("toy")).read_bytes() == (local / head_file("toy")).read_bytes()
     assert vip_hub.verify_repo(snap).ok
     card = ModelCard.load(MODEL)
     assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v4"
@@ -101,12 +99,12 @@ def test_revision_pinning(hub, tmp_path):
     refs = api.list_repo_refs(repo_id)
     assert {t.name: t.target_commit for t in refs.tags} == {"v1": first}
     assert [c.commit_id for c in api.list_repo_commits(repo_id)][:2] == [second, first]
-    head = httpx.head(f"{hub.url}/{repo_id}/resolve/v1/config.json")
+    head = httpx.head(f"{hub.url}/{repo_id}/resolve/v1/{CONFIG_FILE}")
     assert head.headers["x-repo-commit"] == first
 
 
 def test_range_resume_and_headers(hub, published):
-    url = f"{hub.url}/{MODEL}/resolve/main/model.safetensors"
+    url = f"{hub.url}/{MODEL}/resolve/main/{WEIGHTS_FILE}"
     full = (published[MODEL] / WEIGHTS_FILE).read_bytes()
     head = httpx.head(url)
     assert head.status_code == 200 and head.headers["accept-ranges"] == "bytes"
@@ -186,10 +184,10 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
 
     meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
     rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
-    _, front, body = (folder / "README.md").read_text().split("---\n", 2)
+    _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = json.loads(text)
-    (folder / "README.md").write_text(
+    (folder / CARD_FILE).write_text(
         "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
     )
     with pytest.raises(BadRequestError, match="stage 'dp-pretraining': claims epsilon 0.5"):

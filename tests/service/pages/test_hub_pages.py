@@ -13,6 +13,7 @@ from support.system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import head_file
 
 
 def _rows(html: str) -> list[str]:
@@ -45,7 +46,7 @@ def test_model_page(hub, published):
         "Privacy ledger",
         "dp-pretraining",
         "synthetic-pretraining",
-        "heads/toy/head.safetensors",
+        head_file("toy"),
         "History",
         "No guarantee covers",
     ):

@@ -19,6 +19,7 @@ from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import export_encoder, verify_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import CONFIG_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,7 @@ def test_sigkill_mid_publish(tmp_path, send, step, committed):
             assert not [
                 p for p in (store / "uploads").rglob("*") if p.is_file()
             ]  # no partial object kept
-        assert httpx.get(f"{restarted.url}/crash/m/resolve/{v1}/config.json").status_code == 200
+        assert httpx.get(f"{restarted.url}/crash/m/resolve/{v1}/{CONFIG_FILE}").status_code == 200
         # and the store still takes new publishes
         v3 = push_repo(
             export_encoder(

@@ -36,7 +36,7 @@ from support.seaweed import BUCKET
 from service.settings import ObjectStoreSettings
 from service.store.s3 import S3Objects, blob_key
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE
 
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
 CHUNK = 8 * 1024 * 1024  # the tiny repo's 22 MB weights go in 3 parts, its head in one PUT
@@ -79,7 +79,7 @@ def test_clients_move_bytes_through_presigned_urls(hub, seaweed, published, tmp_
     assert not _keys(seaweed, "staging/")
 
     # /resolve/ of an LFS file: a redirect to a presigned GET, with what the client checks
-    url = f"{hub.url}/lfs/s3/resolve/main/model.safetensors"
+    url = f"{hub.url}/lfs/s3/resolve/main/{WEIGHTS_FILE}"
     head = HTTP.head(url)
     assert head.status_code == 302
     assert head.headers["location"].startswith(f"{seaweed.url}/{BUCKET}/{blob_key(sha)}?")
@@ -144,7 +144,7 @@ def test_private_files_are_presigned_for_readers_only(hub, published):
         timeout=60,
     )
     assert commit.status_code == 200, commit.text
-    url = f"{hub.url}/secret/s3/resolve/main/model.safetensors"
+    url = f"{hub.url}/secret/s3/resolve/main/{WEIGHTS_FILE}"
     anonymous = HTTP.head(url)
     assert anonymous.status_code == 404 and "location" not in anonymous.headers
     reader = HTTP.head(url, headers={"Authorization": f"Bearer {READ_TOKEN}"})
@@ -195,7 +195,7 @@ def test_bytes_other_than_announced_are_never_committed(hub, seaweed, published)
 def test_store_down_answers_503_and_resumes(hub, seaweed, published):
     api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
     head = api.model_info("lfs/s3").sha
-    card = (published / "README.md").read_bytes() + b"\nA note on the card.\n"
+    card = (published / CARD_FILE).read_bytes() + b"\nA note on the card.\n"
     data = b"staged before the outage"
     entry = lfs_batch(hub.url, "lfs/s3", data)
     assert HTTP.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
@@ -207,7 +207,7 @@ def test_store_down_answers_503_and_resumes(hub, seaweed, published):
             headers=AUTH,
         )
         assert verify.status_code == 503 and int(verify.headers["retry-after"]) > 0
-        down = raw_commit(hub.url, "lfs/s3", {"README.md": card})
+        down = raw_commit(hub.url, "lfs/s3", {CARD_FILE: card})
         assert down.status_code == 503 and int(down.headers["retry-after"]) > 0
         assert api.model_info("lfs/s3").sha == head
     finally:
@@ -225,7 +225,7 @@ def test_store_down_answers_503_and_resumes(hub, seaweed, published):
         headers=AUTH,
     )
     assert verify.status_code == 200, verify.text
-    up = raw_commit(hub.url, "lfs/s3", {"README.md": card})
+    up = raw_commit(hub.url, "lfs/s3", {CARD_FILE: card})
     assert up.status_code == 200, up.text
     assert api.model_info("lfs/s3").sha != head
 

@@ -18,7 +18,7 @@ from service.store.errors import (
 )
 from vip_hub import export_encoder
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE, head_file
 
 
 def _ops(store: HubStore, folder: Path) -> list[AddFile]:
@@ -50,7 +50,7 @@ def test_commit_resolve_tree_and_dedup(store, repo_dir):
     )
     assert store.resolve("vip/m") == store.resolve("vip/m", c1.sha) == c1.sha
     tree = store.tree("vip/m", c1.sha)
-    assert "heads/toy/head.safetensors" in tree
+    assert head_file("toy") in tree
     blobs_before = sorted(p for p in (store.root / "blobs").rglob("*") if p.is_file())
     c2 = store.commit("vip/m", _ops(store, repo_dir), title="same again", author="t")
     assert c2.parent == c1.sha

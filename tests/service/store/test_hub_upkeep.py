@@ -25,7 +25,7 @@ from service.store.s3 import blob_key, upload_key
 from service.store.upkeep import collect_garbage
 from vip_hub.cli.main import main
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 
 DAY = 24 * 3600
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
@@ -136,7 +136,7 @@ def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
 
 def test_check_reports_and_repairs_only_what_is_safe(tmp_path, repo_dir, capsys):
     store, named = _published(tmp_path / "store", repo_dir)
-    weights, config, card = (named[p] for p in (WEIGHTS_FILE, CONFIG_FILE, "README.md"))
+    weights, config, card = (named[p] for p in (WEIGHTS_FILE, CONFIG_FILE, CARD_FILE))
     data = {sha: store.blobs.path(sha).read_bytes() for sha in named.values()}
     # missing, with a checked copy in the uploads area (received again since)
     store.blobs.path(weights).unlink()
