@@ -78,12 +78,12 @@ _NORM_MARGIN = 2.0**-30
 """The factors come from the fp64 upper bounds on the norms times 1 + this, above the relative
 error of the square root and of the factor's division (``docs/architecture.md``)."""
 _MIN_CLIP = 2.0**-64
+"""The smallest clip bound, so that subnormal roundings stay within the proof's slack."""
 PRODUCT_COLUMNS = 1024
 """Columns of the larger side converted to fp64 at once in ``product_sum`` (memory traffic only:
 every entry of the sum is still one fp64 product over the same rows). Measured on the 2-core CPU
 (benchmarks/README.md, "The clipped product's column slices"): a wide product 3.7x faster, a
 3,072-wide one the same."""
-"""The smallest clip bound, so that subnormal roundings stay within the proof's slack."""
 _PARAM_DTYPES = (torch.float32, torch.float64)
 
 

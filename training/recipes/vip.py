@@ -81,8 +81,9 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
                 f"--decoder-warmup trains a fresh decoder, and {cfg.init} has one "
                 f"({MAE_DECODER_FILE})"
             )
-        losses = warm_decoder(mae, transform, cfg.decoder_warmup)  # a resume loads over it
-        print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if not run.checkpoint_path.exists():  # a resumed run's checkpoint holds the decoder
+            losses = warm_decoder(mae, transform, cfg.decoder_warmup)
+            print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     engine = run.engine(mae)
     augmented = Augmented(images, transform, run.seed)
 

@@ -327,7 +327,7 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
                 eval_every=100,
                 delta=1 / 80,
                 decoder_warmup=warmup,
-            )  # fmt: skip
+            )
         )
         for warmup in (0, 2)
     )
@@ -346,7 +346,7 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
                 batch_size=8,
                 delta=1 / 80,
                 decoder_warmup=2,
-            )  # fmt: skip
+            )
         )
     r = subprocess.run(
         [
