@@ -145,16 +145,13 @@ def train_encoder(
     sigma: float,
     records: LabelledArrays,
     out: Path,
-    steps: int | None = None,
 ) -> Path:
     """``family``'s recipe, on the study's schedule, trained from its committed prior on
     ``records`` at noise multiplier ``sigma`` (a secret seed, as every DP run)."""
     from training.recipes.dpcap import DPCapConfig, train_dpcap
     from training.recipes.vip import VipConfig, train_vip
 
-    s = dict(study.recipe_settings()[family])
-    if steps:
-        s["steps"] = steps
+    s = study.recipe_settings()[family]
     common = {
         "out": str(out),
         "model_name": out.name,
@@ -215,7 +212,6 @@ def heads_trial(
     work: Path,
     heads: int = 3,
     mode: str = MODE,
-    steps: int | None = None,
     centred: bool = True,
 ) -> Trial:
     """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; ``vip``, ``dpcap``:
@@ -237,7 +233,7 @@ def heads_trial(
         tag = "-".join(
             f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
         )  # every setting: trials run side by side never share (and restart) one encoder
-        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}", steps)
+        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}")
     encoder = load_encoder(repo)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
@@ -362,7 +358,20 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--private", type=int, default=PRIVATE, help="stand-in private records")
     p.add_argument("--end", type=int, default=END, help="scoring records end here")
     p.add_argument("--mode", default=MODE, help="the feature mode the heads read")
-    p.add_argument("--steps", type=int, default=None, help="encoder steps (tests only)")
+    p.add_argument(
+        "--encoder-steps",
+        type=int,
+        default=None,
+        help="vip, dpcap: the real stage's steps T (default: the study's), its noise "
+        "calibrated at T",
+    )
+    p.add_argument(
+        "--dp-batch-size",
+        type=int,
+        default=None,
+        help="vip, dpcap: the real stage's expected batch B (default: the study's), its noise "
+        "calibrated at B",
+    )
     p.add_argument("--data", default=None, help="Fashion-MNIST folder (default: the package)")
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
@@ -386,12 +395,22 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 "dp_ema_decay": a.ema_decay,
                 "vip_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
+                **(
+                    {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
+                    if a.encoder_steps
+                    else {}
+                ),
+                **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
             }
         )
         recs = standin_records(study, a.data, work, a.private, a.end)
         settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.row not in PRIORS and a.ema_decay:
             settings["ema"] = a.ema_decay
+        if a.row not in PRIORS and a.encoder_steps:
+            settings["steps"] = a.encoder_steps
+        if a.row not in PRIORS and a.dp_batch_size:
+            settings["batch"] = a.dp_batch_size
         if a.row == "vip" and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
@@ -399,9 +418,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         settings["components"] = a.head_components
         if a.study != "job":
             settings["study"] = a.study
-        t = heads_trial(
-            study, a.row, settings, recs, work, a.heads, a.mode, a.steps, not a.uncentred
-        )
+        t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred)
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:

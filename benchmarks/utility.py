@@ -815,6 +815,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("--select-size", "select_size"),
         ("--test-size", "test_size"),
         ("--epochs", "probe_epochs"),
+        ("--dp-batch-size", "dp_batch_size"),
     ):
         p.add_argument(
             flag,
@@ -892,6 +893,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "train_size": args.train_size,
             "select_size": args.select_size,
             "test_size": args.test_size,
+            "dp_batch_size": args.dp_batch_size,
             "probe_epochs": args.epochs,
             "encoder_epsilon": args.encoder_epsilon,
             "head_components": args.head_components,
