@@ -11,9 +11,10 @@ presets; the scoring records of either preset (5,000-9,999 and 8,000-9,999) are 
 
 The real run's noise, reproduced:
 
-- a DP encoder stage (ViP, DP-Cap) keeps the job's expected batch B, steps T and noise multiplier
-  sigma, calibrated at the job's n (q = B / n) to ``--encoder-epsilon``: the same noise on the
-  same averaged gradient, as many steps; on the stand-in q = B / P;
+- a DP encoder stage (ViP, DP-Cap) keeps the real run's expected batch B, steps T (the study's,
+  or ``--dp-batch-size`` and ``--encoder-steps``) and noise multiplier sigma, calibrated at the
+  real n (q = B / n) to ``--encoder-epsilon``: the same noise on the same averaged gradient, as
+  many steps; on the stand-in q = B / P;
 - a DP head (and the fine-tuning row's probe and fine-tuning) keeps the real q and T and scales
   sigma by the ratio of the expected batches (``choose_pooling``'s rule), so the noise on its
   averaged gradient is the real head's, whose epsilon is what the split rule leaves after the
@@ -26,7 +27,7 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--ema-decay D] [--decoder-warmup N] [--heads 3] [--uncentred] [--head-components K]
-        [--study job|benchmark]
+        [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
 """
