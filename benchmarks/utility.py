@@ -228,6 +228,12 @@ def syn_repo(b: Bench, family: str) -> Path:
     return prior_path(prior) if prior in PRIORS else Path(prior)
 
 
+def draw_path(path: Path, draw: int) -> Path:
+    """Encoder draw ``draw``'s copy of ``path``, ``-drawK`` before its suffix (draw 0's is
+    ``path``)."""
+    return path.with_name(f"{path.stem}-draw{draw}{path.suffix}") if draw else path
+
+
 def private_repo(
     b: Bench, name: str, train: Callable[..., Path], config: Any, draw: int, **fields: Any
 ) -> Path:
@@ -242,7 +248,7 @@ def private_repo(
         **fields,
     }
     repo = b.work / "encoders" / f"{name}-{len(b.private)}-{stamp(settings)[:10]}"
-    repo = repo.with_name(f"{repo.name}-draw{draw}") if draw else repo
+    repo = draw_path(repo, draw)
     if not (repo / LEDGER_FILE).exists():
         train(
             config(
@@ -488,7 +494,7 @@ def feature_row(
         make_s, hits, head_s = 0.0, 0, 0.0
         for draw in range(encoders):
             path = b.work / "features" / f"{key}-{n}-{stamp(settings)[:10]}.pt"
-            path = path.with_stem(f"{path.stem}-draw{draw}") if draw else path
+            path = draw_path(path, draw)
             f, seconds, hit = cached(path, functools.partial(make, b, draw))
             make_s, hits = make_s + seconds, hits + hit
             start = time.perf_counter()
