@@ -331,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         "--decoder-warmup",
         type=int,
         default=JOB.vip_decoder_warmup,
-        help="vip: " + str(StudyConfig.model_fields["vip_decoder_warmup"].description),
+        help="vip, dpcap: steps of the stage's fresh decoder (ViP's MAE decoder, DP-Cap's text "
+        "decoder) on public procedural images before its DP stage (the study's "
+        "vip_decoder_warmup or dpcap_decoder_warmup)",
     )
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
@@ -395,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 "dp_lr_scale": a.lr_scale,
                 "dp_ema_decay": a.ema_decay,
                 "vip_decoder_warmup": a.decoder_warmup,
+                "dpcap_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
                 **(
                     {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
@@ -412,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["steps"] = a.encoder_steps
         if a.row not in PRIORS and a.dp_batch_size:
             settings["batch"] = a.dp_batch_size
-        if a.row == "vip" and a.decoder_warmup:
+        if a.row not in PRIORS and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0

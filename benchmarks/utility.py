@@ -49,7 +49,8 @@ cached under ``--work``.
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--encoder-draws 1] [--finetune-draws 1] \
         [--device cpu|cuda] \
-        [--head-components K] [--ema-decay D] [--decoder-warmup N] [--data FOLDER] \
+        [--head-components K] [--ema-decay D] [--decoder-warmup N] \
+        [--dpcap-decoder-warmup N] [--data FOLDER] \
         [--work var/utility]
 """
 
@@ -881,6 +882,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=BENCHMARK.vip_decoder_warmup,
         help=StudyConfig.model_fields["vip_decoder_warmup"].description,
     )
+    p.add_argument(
+        "--dpcap-decoder-warmup",
+        type=int,
+        default=BENCHMARK.dpcap_decoder_warmup,
+        help=StudyConfig.model_fields["dpcap_decoder_warmup"].description,
+    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
@@ -905,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "head_components": args.head_components,
             "dp_ema_decay": args.ema_decay,
             "vip_decoder_warmup": args.decoder_warmup,
+            "dpcap_decoder_warmup": args.dpcap_decoder_warmup,
             **(
                 {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
                 if steps

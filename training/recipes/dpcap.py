@@ -40,7 +40,7 @@ from ..dp.run import DPRun
 from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import eval_loss, freeze_fixed_tokens, public_images
+from .mae import decoder_warmup_field, eval_loss, freeze_fixed_tokens, public_images, warm_decoder
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
 
@@ -98,6 +98,7 @@ class DPCapConfig(
         "procedural images for the card's curve (default: "
         "built-in descriptions of such images)",
     )
+    decoder_warmup: int = decoder_warmup_field("text decoder")
 
 
 def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
@@ -131,13 +132,23 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         )
     )
     model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
-    horizon = cfg.decay_steps or 2 * cfg.steps
-    engine = run.engine(model, horizon=horizon)
-
     # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
     pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
     mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
-    augmented = Augmented(pairs, mae_transform(spec.img_size, tuple(mean), tuple(std)), run.seed)
+    transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
+    if cfg.decoder_warmup and not run.checkpoint_path.exists():  # a checkpoint holds the decoder
+
+        def public_caption_loss(images: torch.Tensor, first: int) -> torch.Tensor:
+            texts = [public[(first + i) % len(public)] for i in range(len(images))]
+            return model(images, tokenizer.encode(texts).to(images.device)).mean()
+
+        losses = warm_decoder(
+            model, model.encoder, transform, public_caption_loss, cfg.decoder_warmup
+        )
+        print(f"text decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    horizon = cfg.decay_steps or 2 * cfg.steps
+    engine = run.engine(model, horizon=horizon)  # after the warm-up: its average starts there
+    augmented = Augmented(pairs, transform, run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = tokenizer.encode([pairs.caption(index)])[0]
@@ -176,6 +187,12 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "DP-Cap: image captioning with DP-AdamW (per-example clipping of every "
             "parameter, token embedding included; Gaussian noise once per logical step, "
             "Poisson sampling); the text decoder is trained from scratch in this stage"
+            + (
+                f", its first {cfg.decoder_warmup} steps on public procedural images with the "
+                "public captions, the encoder frozen (no private data)"
+                if cfg.decoder_warmup
+                else ""
+            )
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(
@@ -194,6 +211,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
                 f"public file fixed before training ({VOCAB_FILE}), not fitted on the captions"
             ),
             "augmentation": "random resized crop (0.2-1), flip",
+            "decoder_warmup": cfg.decoder_warmup,
         },
     )
 

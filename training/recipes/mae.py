@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from pydantic import Field
 from safetensors import safe_open
 from safetensors.torch import load_file
 from timm.models.vision_transformer import Block, VisionTransformer
@@ -46,6 +47,8 @@ __all__ = [
     "patchify",
     "public_eval_batch",
     "public_images",
+    "decoder_warmup_field",
+    "masked_loss",
     "warm_decoder",
 ]
 
@@ -249,27 +252,30 @@ def eval_loss(model: nn.Module, batch: Sequence[torch.Tensor], device: torch.dev
 
 
 def warm_decoder(
-    mae: MAE,
+    model: nn.Module,
+    encoder: nn.Module,
     transform: Callable[[Any], torch.Tensor],
+    loss: Callable[[torch.Tensor, int], torch.Tensor],
     steps: int,
     batch_size: int = 32,
     lr: float = 1e-3,
 ) -> list[float]:
-    """Train ``mae``'s decoder alone (the encoder frozen) for ``steps`` AdamW steps on public
-    greyscale procedural images through ``transform``, seeded by ``WARMUP_SEED``: no private
-    data. A fresh decoder's gradients otherwise take most of a DP stage's clipping norm (about 93 %
-    of the squared norm on public images), so the encoder's share of the signal grows with it
-    (benchmarks/README.md, "The MAE decoder's public warm-up"). Returns the losses."""
-    trainable = {p: p.requires_grad for p in mae.parameters()}
-    for p in mae.encoder.parameters():
+    """Train ``model``'s fresh decoder (every trainable parameter outside ``encoder``, which stays
+    frozen) for ``steps`` AdamW steps of ``loss(images, first)`` on public greyscale procedural
+    images through ``transform`` (``first``: the batch's first image index), seeded by
+    ``WARMUP_SEED``: no private data. A fresh decoder's gradients otherwise take a DP stage's
+    clipping norm and steps for what public data teaches (benchmarks/README.md, "The MAE decoder's
+    public warm-up", "DP-Cap's text decoder's public warm-up"). Returns the losses."""
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    for p in encoder.parameters():
         p.requires_grad_(False)
-    decoder = [p for p in mae.parameters() if p.requires_grad]
+    decoder = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(decoder, lr=lr, weight_decay=0.0)
-    source = ProceduralPictures(mae.encoder.patch_embed.img_size[0], seed=WARMUP_SEED)
-    device = mae.decoder_pred.weight.device
+    source = ProceduralPictures(encoder.patch_embed.img_size[0], seed=WARMUP_SEED)
+    device = decoder[0].device
     losses = []
-    was = mae.training
-    mae.train()
+    was = model.training
+    model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WARMUP_SEED)
         for step in range(steps):
@@ -280,14 +286,31 @@ def warm_decoder(
                     for i in range(batch_size)
                 ]
             )
-            noise = torch.rand(batch_size, mae.num_patches)
-            loss = mae(images.to(device), noise.to(device)).mean()
+            value = loss(images.to(device), first)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             optimizer.step()
-            losses.append(loss.item())
+            losses.append(value.item())
     for p, flag in trainable.items():
         p.requires_grad_(flag)
         p.grad = None
-    mae.train(was)
+    model.train(was)
     return losses
+
+
+def decoder_warmup_field(decoder: str) -> Any:
+    """The ``decoder_warmup`` config field of a recipe whose DP stage starts ``decoder`` fresh."""
+    return Field(
+        0,
+        ge=0,
+        description=f"steps (batch 32, AdamW at 1e-3) of the fresh {decoder}'s training on public "
+        "greyscale procedural images, the encoder frozen, before the DP stage (no private data: "
+        "the DP stage's clipping norm and steps then go to what the private data adds); 0: none",
+    )
+
+
+def masked_loss(mae: MAE) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``warm_decoder``'s loss for ``mae``: its mean loss under fresh random masks."""
+    return lambda images, first: mae(
+        images, torch.rand(len(images), mae.num_patches).to(images.device)
+    ).mean()

@@ -26,7 +26,14 @@ from ..dp.run import DPRun
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import eval_loss, load_mae, public_eval_batch, warm_decoder
+from .mae import (
+    decoder_warmup_field,
+    eval_loss,
+    load_mae,
+    masked_loss,
+    public_eval_batch,
+    warm_decoder,
+)
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]
 
@@ -51,13 +58,7 @@ class VipConfig(
     )
     decoder_depth: int | None = Field(None, gt=0, description="a fresh MAE decoder's blocks")
     decoder_heads: int | None = Field(None, gt=0, description="a fresh MAE decoder's heads")
-    decoder_warmup: int = Field(
-        0,
-        ge=0,
-        description="steps (batch 32, AdamW at 1e-3) of a fresh decoder's training on public "
-        "greyscale procedural images, the encoder frozen, before the DP stage (no private data: "
-        "the decoder otherwise takes most of the clipping norm); 0: none",
-    )
+    decoder_warmup: int = decoder_warmup_field("MAE decoder")
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -82,7 +83,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
                 f"({MAE_DECODER_FILE})"
             )
         if not run.checkpoint_path.exists():  # a resumed run's checkpoint holds the decoder
-            losses = warm_decoder(mae, transform, cfg.decoder_warmup)
+            losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), cfg.decoder_warmup)
             print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     engine = run.engine(mae)
     augmented = Augmented(images, transform, run.seed)

@@ -146,6 +146,13 @@ class StudyConfig(BaseModel):
         "81.00 against 81.30 at the job's noise, 86.60 against 86.73 at the benchmark's; "
         "benchmarks/README.md, 'The MAE decoder's public warm-up')",
     )
+    dpcap_decoder_warmup: int = Field(
+        0,
+        ge=0,
+        description="steps of DP-Cap's fresh text decoder on public procedural images with the "
+        "public captions, the encoder frozen, before its DP stage (the recipe's "
+        "``decoder_warmup``; no private data)",
+    )
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
     )
@@ -187,7 +194,12 @@ class StudyConfig(BaseModel):
                 "decoder_heads": self.decoder_heads,
                 "decoder_warmup": self.vip_decoder_warmup,
             },
-            "dpcap": {**adamw, "steps": self.dpcap_steps, "lr": peak(DPCapConfig)},
+            "dpcap": {
+                **adamw,
+                "steps": self.dpcap_steps,
+                "lr": peak(DPCapConfig),
+                "decoder_warmup": self.dpcap_decoder_warmup,
+            },
             "contrastive": {
                 "batch_size": self.contrastive_batch_size,
                 "steps": self.contrastive_steps,
