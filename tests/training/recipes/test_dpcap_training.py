@@ -33,6 +33,7 @@ from training.data.images import CaptionFolder, TarShards, open_captions
 from training.data.labelled import (
     FASHION_MNIST_CLASSES,
     LabelledArrays,
+    class_public_captions,
     class_vocabulary,
     write_caption_folder,
 )
@@ -241,6 +242,42 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     captions = model.caption(images, max_tokens=6)
     assert len(captions) == 2 and all(isinstance(c, str) for c in captions)
     assert model.zero_shot(images, list(FASHION_MNIST_CLASSES)).shape == (2, 10)
+
+
+def test_the_text_decoder_warm_up_runs_on_public_captions_before_the_dp_stage(
+    syn_repo: Path, pairs: Path, vocab: Path, tmp_path: Path
+) -> None:
+    """``decoder_warmup``: the fresh text decoder first learns the public captions (the template
+    over the class names) on public images, before the engine, so the stage's first public loss,
+    and its average's, start below a fresh decoder's; the stage records the warm-up."""
+    public = tmp_path / "public-captions.txt"
+    public.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
+    runs = {
+        warmup: train_dpcap(
+            DPCapConfig(
+                init=str(syn_repo),
+                data=str(pairs),
+                vocab=str(vocab),
+                public_captions=str(public),
+                out=str(tmp_path / f"warm{warmup}"),
+                **{**DP_ARGS, "steps": 1, "ema_decay": 0.9},
+                decoder_warmup=warmup,
+            )
+        )
+        for warmup in (0, 30)
+    }
+
+    def first(repo: Path) -> dict:
+        log = (repo.parent / f"{repo.name}.run" / "log.jsonl").read_text().splitlines()
+        return next(r for r in map(json.loads, log) if r["step"] == 0)
+
+    fresh, warmed = first(runs[0]), first(runs[30])
+    for key in ("public_loss", "public_loss_average"):
+        assert warmed[key] < fresh[key] - 1.0
+    stage = PrivacyLedger.read(runs[30]).stage("dp-captioning")
+    assert stage.hyperparameters["decoder_warmup"] == 30
+    assert "its first 30 steps on public procedural images" in stage.description
+    assert PrivacyLedger.read(runs[0]).stage("dp-captioning").hyperparameters["decoder_warmup"] == 0
 
 
 def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(

@@ -19,7 +19,7 @@ from training.data.images import mae_transform
 from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, render
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
-from training.recipes.mae import MAE, DecoderConfig, patchify, warm_decoder
+from training.recipes.mae import MAE, DecoderConfig, masked_loss, patchify, warm_decoder
 from training.skeleton.config import RunConfig
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
@@ -119,7 +119,7 @@ def test_the_decoder_warm_up_trains_the_decoder_alone_on_public_images_and_repea
         encoder = {k: v.clone() for k, v in mae.encoder.state_dict().items()}
         decoder = {k: v.clone() for k, v in mae.decoder_state_dict().items()}
         torch.manual_seed(seed)  # the caller's generator: not what the warm-up draws from
-        losses = warm_decoder(mae, transform, 3, batch_size=4)
+        losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), 3, batch_size=4)
         assert len(losses) == 3 and all(np.isfinite(losses))
         assert all(torch.equal(encoder[k], v) for k, v in mae.encoder.state_dict().items())
         assert not torch.equal(decoder["decoder_pred.weight"], mae.decoder_pred.weight)
