@@ -1,6 +1,6 @@
 """The encoder's share of a DP encoder stage's per-example gradient (issue 56): how much of the
-clipping norm reaches the encoder when the stage starts a fresh decoder: ViP's MAE decoder, fresh
-and after ``warm_decoder``'s public warm-up, or DP-Cap's text decoder (``--family dpcap``).
+clipping norm reaches the encoder when the stage starts a fresh decoder (ViP's MAE decoder, or
+DP-Cap's text decoder with ``--family dpcap``), fresh and after ``warm_decoder``'s public warm-up.
 Public data only: the committed prior, the public procedural images the curves use and, for
 DP-Cap, the public captions over Fashion-MNIST's class names.
 
@@ -23,10 +23,11 @@ from torch import nn
 from training.data.images import mae_transform
 from training.data.labelled import FASHION_MNIST_CLASSES, class_public_captions, class_vocabulary
 from training.priors import prior_path
-from training.recipes.dpcap import DPCapConfig
+from training.recipes.dpcap import DPCapConfig, public_caption_loss
 from training.recipes.mae import (
     freeze_fixed_tokens,
     load_mae,
+    masked_loss,
     public_eval_batch,
     public_images,
     warm_decoder,
@@ -68,7 +69,7 @@ def vip_shares(warmup: int, count: int) -> dict[str, Any]:
     fresh = encoder_share(mae, images, noise)
     cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
     transform = mae_transform(enc.spec.img_size, tuple(cfg["mean"]), tuple(cfg["std"]))
-    losses = warm_decoder(mae, transform, warmup)
+    losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), warmup)
     return {
         "fresh": fresh,
         "warmup_steps": warmup,
@@ -77,9 +78,11 @@ def vip_shares(warmup: int, count: int) -> dict[str, Any]:
     }
 
 
-def dpcap_shares(count: int) -> dict[str, Any]:
+def dpcap_shares(warmup: int, count: int) -> dict[str, Any]:
     """The share with DP-Cap's fresh text decoder (the recipe's default shape) on its prior,
-    captioning the public images with the public captions over the class names."""
+    captioning the public images with the public captions over the class names, then after
+    ``warmup`` public warm-up steps (the recipe's ``decoder_warmup``); the warm-up's first and
+    last loss."""
     torch.manual_seed(SEED)
     tokenizer = CaptionTokenizer(class_vocabulary(FASHION_MNIST_CLASSES))
     init = load_encoder(prior_path(JOB.dpcap_prior))
@@ -92,12 +95,22 @@ def dpcap_shares(count: int) -> dict[str, Any]:
     images = public_images(init.spec)[:count]
     captions = class_public_captions(FASHION_MNIST_CLASSES)
     texts = tokenizer.encode([captions[i % len(captions)] for i in range(len(images))])
-    return {"fresh": encoder_share(model, images, texts)}
+    fresh = encoder_share(model, images, texts)
+    cfg = cast(dict[str, Any], init.model.pretrained_cfg)
+    transform = mae_transform(init.spec.img_size, tuple(cfg["mean"]), tuple(cfg["std"]))
+    loss = public_caption_loss(model, tokenizer, captions)
+    losses = warm_decoder(model, model.encoder, transform, loss, warmup)
+    return {
+        "fresh": fresh,
+        "warmup_steps": warmup,
+        "warmed": encoder_share(model, images, texts),
+        "warmup_loss": [losses[0], losses[-1]],
+    }
 
 
 def measure(family: str, warmup: int, count: int) -> dict[str, Any]:
-    """``family``'s shares on ``count`` public images (ViP's after a ``warmup`` too)."""
-    shares = vip_shares(warmup, count) if family == "vip" else dpcap_shares(count)
+    """``family``'s shares on ``count`` public images, fresh and after a ``warmup``."""
+    shares = (vip_shares if family == "vip" else dpcap_shares)(warmup, count)
     return {"family": family, "prior": JOB.prior(family), "images": count, **shares}
 
 

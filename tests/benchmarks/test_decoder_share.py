@@ -30,11 +30,12 @@ def test_the_share_is_the_encoders_part_of_each_examples_squared_norm() -> None:
     assert decoder_share.encoder_share(mae, images, noise) == 0.0
 
 
-def test_the_tool_measures_both_priors_with_a_fresh_decoder_and_vip_after_a_warm_up() -> None:
+def test_the_tool_measures_both_priors_with_a_fresh_and_a_warmed_decoder() -> None:
     out = decoder_share.main(["--warmup", "2", "--images", "2"])
     assert out["prior"] == "vip-nano-scatter" and out["warmup_steps"] == 2
     assert 0 < out["fresh"] < 1 and 0 < out["warmed"] < 1
-    out = decoder_share.main(["--family", "dpcap", "--images", "2"])
-    assert out["prior"] == "dpcap-nano-scatter" and 0 < out["fresh"] < 1
+    out = decoder_share.main(["--family", "dpcap", "--warmup", "2", "--images", "2"])
+    assert out["prior"] == "dpcap-nano-scatter" and out["warmup_steps"] == 2
+    assert 0 < out["fresh"] < 1 and 0 < out["warmed"] < 1
     with pytest.raises(SystemExit):
         decoder_share.main(["--warmup", "0"])

@@ -20,7 +20,7 @@ Captions over class names, their vocabulary and public captions are data prepara
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,7 +42,7 @@ from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_st
 from ..skeleton.distributed import Dist
 from .mae import decoder_warmup_field, eval_loss, freeze_fixed_tokens, public_images, warm_decoder
 
-__all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "train_dpcap"]
+__all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "public_caption_loss", "train_dpcap"]
 
 PUBLIC_CAPTIONS = (
     "an abstract pattern of colours",
@@ -137,13 +137,12 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
     if cfg.decoder_warmup and not run.checkpoint_path.exists():  # a checkpoint holds the decoder
-
-        def public_caption_loss(images: torch.Tensor, first: int) -> torch.Tensor:
-            texts = [public[(first + i) % len(public)] for i in range(len(images))]
-            return model(images, tokenizer.encode(texts).to(images.device)).mean()
-
         losses = warm_decoder(
-            model, model.encoder, transform, public_caption_loss, cfg.decoder_warmup
+            model,
+            model.encoder,
+            transform,
+            public_caption_loss(model, tokenizer, public),
+            cfg.decoder_warmup,
         )
         print(f"text decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     horizon = cfg.decay_steps or 2 * cfg.steps
@@ -214,6 +213,19 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "decoder_warmup": cfg.decoder_warmup,
         },
     )
+
+
+def public_caption_loss(
+    model: Captioner, tokenizer: CaptionTokenizer, captions: Sequence[str]
+) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``warm_decoder``'s loss for ``model``: its mean caption loss, public image ``first + i``
+    captioned by ``captions[(first + i) % len(captions)]``."""
+
+    def loss(images: torch.Tensor, first: int) -> torch.Tensor:
+        texts = [captions[(first + i) % len(captions)] for i in range(len(images))]
+        return model(images, tokenizer.encode(texts).to(images.device)).mean()
+
+    return loss
 
 
 def _vocabulary(cfg: DPCapConfig) -> tuple[bytes, CaptionTokenizer]:

@@ -253,7 +253,7 @@ def eval_loss(model: nn.Module, batch: Sequence[torch.Tensor], device: torch.dev
 
 def warm_decoder(
     model: nn.Module,
-    encoder: nn.Module,
+    encoder: VisionTransformer,
     transform: Callable[[Any], torch.Tensor],
     loss: Callable[[torch.Tensor, int], torch.Tensor],
     steps: int,
