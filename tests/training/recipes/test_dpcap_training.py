@@ -47,7 +47,7 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
-from vip_hub.repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
@@ -216,7 +216,7 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
         config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
     )
     assert (trained / VOCAB_FILE).read_bytes() == vocab.read_bytes()
-    card = (trained / "README.md").read_text()
+    card = (trained / CARD_FILE).read_text()
     assert "](training_curves.png)" in card and "dp-captioning" in card
 
     before, after = (

@@ -45,7 +45,7 @@ from vip_hub.privacy.sensitivity import (
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 CLASSES = ("circle", "square", "stripe")
@@ -305,7 +305,7 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
     head, info = load_head(repo, "clf")
     assert info.labels == sorted(CLASSES) and info.pooling == "avg"
     assert info.metrics["test_data"] == "public" and 0 <= info.metrics["top1"] <= 1
-    assert "encoder + heads/clf" in (repo / "README.md").read_text()
+    assert "encoder + heads/clf" in (repo / CARD_FILE).read_text()
 
 
 def test_frozen_blocks_are_the_init_repos_and_the_top_blocks_moved(

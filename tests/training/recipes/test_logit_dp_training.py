@@ -44,7 +44,7 @@ from vip_hub.privacy.sensitivity import (
     logit_dp_sensitivity,
     rounding_allowance,
 )
-from vip_hub.repo_format import LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 DP_ARGS = dict(
@@ -137,7 +137,7 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
         k.startswith("blocks.11.") for k in changed
     )
 
-    card = (trained / "README.md").read_text()
+    card = (trained / CARD_FILE).read_text()
     assert "Logit-DP" in card and "](training_curves.png)" in card
     log = [
         json.loads(line)
