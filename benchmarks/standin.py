@@ -27,6 +27,7 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--ema-decay D] [--decoder-warmup N] [--heads 3] [--uncentred] [--head-components K]
+        [--head-kind sgd|class-means]
         [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
@@ -57,6 +58,7 @@ from training.data.labelled import (
     write_image_folder,
 )
 from training.priors import prior_path
+from training.recipes.class_means import fit_class_means
 from training.recipes.probe import (
     accuracy,
     centred_statistics,
@@ -66,7 +68,7 @@ from training.recipes.probe import (
 )
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.features import embed
-from training.study.heads import head_config, head_sampling
+from training.study.heads import head_config, head_sampling, released_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
     Accountant,
@@ -100,18 +102,28 @@ def standin_records(
     work: str | os.PathLike[str],
     private: int = PRIVATE,
     end: int = END,
+    disjoint_centre: bool = False,
 ) -> StandIn:
     """Test records 0..``private``-1 (the stand-in's private records), ``private``..``end``-1
-    (scoring) and the first ``study.centre_size`` (centring): the public test split only."""
+    (scoring) and the first ``study.centre_size`` (centring): the public test split only. With
+    ``disjoint_centre`` the centring records are the last ``centre_size`` of the first
+    ``private`` instead, and the private records the ones before them, as in the real run, whose
+    centring records are not private (a head that reads more of them than their mean, the
+    class-means head's covariance, fits them better when they are its private records too)."""
     if not 0 < private < end or study.centre_size > end:
         raise ValueError(f"records 0-{private - 1} and {private}-{end - 1}: give 0 < P < END")
+    if disjoint_centre and study.centre_size >= private:
+        raise ValueError(f"a disjoint centre of {study.centre_size} leaves no private record")
     test = fashion_mnist("test", data, work)
     if end > len(test):
         raise ValueError(f"--end {end} > the {len(test)} test records")
+    cut = private - study.centre_size if disjoint_centre else private
     return StandIn(
-        private=test.first(private),
+        private=test.first(cut),
         score=test.subset(np.arange(private, end), f"test records {private}-{end - 1}"),
-        centre=test.first(study.centre_size),
+        centre=test.subset(np.arange(cut, private), f"test records {cut}-{private - 1}")
+        if disjoint_centre
+        else test.first(study.centre_size),
     )
 
 
@@ -199,7 +211,7 @@ def matched_head(
 ) -> tuple[GaussianRun, GaussianRun]:
     """A study head's (sigma, q, T) at the real ``real_n`` after the stages ``prior``, and on a
     stand-in of ``n`` records: the same q and T, sigma scaled by the ratio of expected batches."""
-    q, steps = head_sampling(study, real_n, FASHION_MNIST_TEST)
+    q, steps = released_sampling(study, real_n, FASHION_MNIST_TEST)
     own = remaining_epsilon(study.epsilon, study.delta, list(prior), q, steps, Accountant.RDP)
     sigma = calibrate(own, study.delta, q, steps)
     return (sigma, q, steps), (sigma * batch_ratio(study, n, real_n), q, steps)
@@ -247,7 +259,10 @@ def heads_trial(
     px, pxs, pxc = project(x), project(xs), project(xc)
     statistics = centred_statistics(pxc if centred else torch.zeros_like(pxc[:1]))
     for _ in range(heads):
-        head, _ = fit_probe(px, y, len(recs.private.classes), cfg, statistics)
+        if study.head_kind == "class-means":
+            head, _ = fit_class_means(px, y, len(recs.private.classes), cfg, pxc)
+        else:
+            head, _ = fit_probe(px, y, len(recs.private.classes), cfg, statistics)
         t.dp_top1.append(100 * accuracy(head, pxs, ys))
     ref_cfg = head_config(study, len(y), None, dataset=recs.private.dataset.name)
     ref, _ = fit_probe(x, y, len(recs.private.classes), ref_cfg, desc="reference")
@@ -347,10 +362,21 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
+        "--disjoint-centre",
+        action="store_true",
+        help="centre on the last centring-size records of --private, the private ones before them",
+    )
+    p.add_argument(
         "--head-components",
         type=int,
         default=JOB.head_components,
         help="the DP heads' public principal components (0: the features)",
+    )
+    p.add_argument(
+        "--head-kind",
+        choices=("sgd", "class-means"),
+        default=JOB.head_kind,
+        help="the DP heads: the study's DP-SGD head or the class-means head",
     )
     p.add_argument(
         "--study",
@@ -379,6 +405,10 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
     a = p.parse_args(argv)
+    if a.head_kind == "class-means" and not a.head_components:
+        p.error("a class-means head reads public principal components: give --head-components K")
+    if a.uncentred and a.head_kind != "sgd":
+        p.error("--uncentred is a DP-SGD head's option: a class-means head centres its features")
     if a.uncentred and a.head_components:
         p.error("--uncentred reads the features as they are: give --head-components 0 with it")
     work = Path(a.work)
@@ -399,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 "vip_decoder_warmup": a.decoder_warmup,
                 "dpcap_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
+                "head_kind": a.head_kind,
                 **(
                     {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
                     if a.encoder_steps
@@ -407,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
             }
         )
-        recs = standin_records(study, a.data, work, a.private, a.end)
+        recs = standin_records(study, a.data, work, a.private, a.end, a.disjoint_centre)
         settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.row not in PRIORS and a.ema_decay:
             settings["ema"] = a.ema_decay
@@ -419,7 +450,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0
+        if a.disjoint_centre:
+            settings["centre"] = "disjoint"
         settings["components"] = a.head_components
+        if a.head_kind != "sgd":
+            settings["head"] = a.head_kind
         if a.study != "job":
             settings["study"] = a.study
         t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred)

@@ -49,7 +49,7 @@ cached under ``--work``.
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--encoder-draws 1] [--finetune-draws 1] \
         [--device cpu|cuda] \
-        [--head-components K] [--ema-decay D] [--decoder-warmup N] \
+        [--head-components K] [--head-kind sgd|class-means] [--ema-decay D] [--decoder-warmup N] \
         [--dpcap-decoder-warmup N] [--data FOLDER] \
         [--work var/utility]
 """
@@ -871,6 +871,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=StudyConfig.model_fields["head_components"].description,
     )
     p.add_argument(
+        "--head-kind",
+        choices=["sgd", "class-means"],
+        default=BENCHMARK.head_kind,
+        help=StudyConfig.model_fields["head_kind"].description,
+    )
+    p.add_argument(
         "--ema-decay",
         type=float,
         default=BENCHMARK.dp_ema_decay,
@@ -910,6 +916,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "probe_epochs": args.epochs,
             "encoder_epsilon": args.encoder_epsilon,
             "head_components": args.head_components,
+            "head_kind": args.head_kind,
             "dp_ema_decay": args.ema_decay,
             "vip_decoder_warmup": args.decoder_warmup,
             "dpcap_decoder_warmup": args.dpcap_decoder_warmup,

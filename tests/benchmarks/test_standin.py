@@ -125,6 +125,36 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     assert loaded == [prior_path(TINY.syn_prior), prior_path(TINY.dpcap_prior)]
 
 
+def test_a_class_means_trial_centres_apart_and_matches_the_real_one_step_noise(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--disjoint-centre``: the centring records are the last ``centre_size`` of the first
+    ``private``, none of them private; a class-means head's real stage is one step on every
+    record (q = 1) composing to the budget, and the stand-in's sigma is scaled by the ratio of
+    the records (the same noise on each class mean)."""
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END, True)
+    assert (len(recs.private), len(recs.score), len(recs.centre)) == (30, 20, 10)
+    assert (
+        recs.centre.images.tobytes() == fashion_mnist("test", public_only).images[30:40].tobytes()
+    )
+    fitted: list[tuple[int, int]] = []
+    fit = standin.fit_class_means
+
+    def fit_spy(x: Any, y: Any, classes: int, cfg: Any, public: Any) -> Any:
+        fitted.append((len(x), len(public)))
+        return fit(x, y, classes, cfg, public)
+
+    monkeypatch.setattr(standin, "fit_class_means", fit_spy)
+    study = TINY.model_copy(update={"head_kind": "class-means", "head_components": 4})
+    t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=2)
+    assert fitted == [(30, 10), (30, 10)] and len(t.dp_top1) == 2
+    (sigma, q, steps), standin_head = t.real["head"], t.standin["head"]
+    assert (q, steps) == (1.0, 1) and standin_head[1:] == (1.0, 1)
+    assert composed_epsilon([(sigma, q, steps)], TINY.delta) == pytest.approx(TINY.epsilon)
+    ratio = -(-30 // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
+    assert standin_head[0] == pytest.approx(sigma * ratio)
+
+
 class PrivateSpy:
     """Private records that give their number, declared name and class names (public), and
     refuse anything else: their images and labels."""

@@ -93,6 +93,7 @@ __all__ = [
     "dp_head_sampling",
     "fit_probe",
     "fix_normalisation",
+    "head_engine",
     "head_statistics",
     "load_labelled",
     "load_public_images",
@@ -340,23 +341,49 @@ def _fit_dp(
         raise ConfigError("a DP head needs public features to fix its normalisation")
     fix_normalisation(head, public_x)
     normed = head.norm(x).detach()
-    n = len(x)
-    q, steps = dp_head_sampling(n, cfg)
+    q, steps = dp_head_sampling(len(x), cfg)
+    optimizer = torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9)
+    engine, dp = head_engine(DPHeadLoss(head.linear), optimizer, len(x), q, steps, cfg)
+    warmup = cfg.warmup_epochs * steps_per_epoch
+    for step in range(steps):
+        batch = torch.as_tensor(engine.plan(step))
+        for group in engine.optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
+        engine.step(step, [(normed[batch], y[batch])] if len(batch) else [])
+        bar.update(1)
+    dp["noised"] = {
+        noised_key(head_file(cfg.head), f"linear.{name}"): p.numel()
+        for name, p in head.linear.named_parameters()
+    }
+    return dp
+
+
+def head_engine(
+    loss: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    n: int,
+    q: float,
+    steps: int,
+    cfg: ProbeConfig,
+) -> tuple[DPEngine, dict[str, Any]]:
+    """The DP engine of a head on ``n`` records whose per-example ``loss`` (a module of
+    (features, labels)) the engine clips to ``cfg.max_grad_norm`` for ``steps`` Poisson samples at
+    rate ``q``, calibrated to ``cfg.epsilon``; and the head's DP parameters (``noised`` to add)."""
     delta = cfg.delta if cfg.delta is not None else default_delta(n)
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
-    assert cfg.epsilon is not None  # fit_probe calls this for a DP head only
+    if cfg.epsilon is None:
+        raise ConfigError("a DP head needs an epsilon")
     sigma = calibrate(cfg.epsilon, delta, q, steps, kind)
     # The engine refuses a step whose sample holds more than the b the allowance covers.
-    clipper = PerExampleClipper(DPHeadLoss(head.linear), cfg.max_grad_norm)
     params = rounding_params(n, q)
     budget = Budget(n, n * q, sigma, delta, kind, steps, steps, cfg.epsilon)
     # The mechanism's randomness: a 128-bit secret per run, never stored (a public seed would
     # let anyone who knows all but one record replay the head's training in both worlds); it
     # keys the Poisson sample and the noise of every step.
     engine = DPEngine(
-        clipper,
-        torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9),
+        PerExampleClipper(loss, cfg.max_grad_norm),
+        optimizer,
         None,
         budget,
         sensitivity=sensitivity(DP_SGD, cfg.max_grad_norm, params),
@@ -365,23 +392,12 @@ def _fit_dp(
         dist=Dist(),
         micro_batch_size=None,
     )
-    warmup = cfg.warmup_epochs * steps_per_epoch
-    for step in range(steps):
-        batch = torch.as_tensor(engine.plan(step))
-        for group in engine.optimizer.param_groups:
-            group["lr"] = cfg.lr * lr_factor(step, warmup, steps)
-        engine.step(step, [(normed[batch], y[batch])] if len(batch) else [])
-        bar.update(1)
-    return {
+    return engine, {
         "sigma": sigma,
         "sample_rate": q,
         "steps": steps,
         "delta": delta,
         "accountant": kind,
-        "noised": {
-            noised_key(head_file(cfg.head), f"linear.{name}"): p.numel()
-            for name, p in head.linear.named_parameters()
-        },
         "sensitivity": engine.sensitivity,
         "mechanism_params": params,
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -88,6 +88,15 @@ class StudyConfig(BaseModel):
     head_clip: float = Field(0.1, gt=0, description="clipping norm C of a DP head (the paper's)")
     head_lr: float = Field(
         16.0, gt=0, description="peak SGD learning rate of a DP head, momentum 0.9 (the paper's)"
+    )
+    head_kind: Literal["sgd", "class-means"] = Field(
+        "sgd",
+        description="a row's released DP head: 'sgd', the paper's DP-SGD linear head, kept; "
+        "'class-means', LDA on private class means released once by the Gaussian mechanism "
+        "with a public covariance, on head_components components (training/recipes/"
+        "class_means.py; the mode choice keeps its DP-SGD heads). On the public stand-in, at "
+        "K 128, it led at the job's noise by 2.0-2.1 points and lost 2.3-3.4 at the "
+        "benchmark's (benchmarks/README.md, 'A class-means head')",
     )
     head_components: int = Field(
         0,
@@ -170,6 +179,11 @@ class StudyConfig(BaseModel):
             raise ValueError(
                 f"encoder_epsilon {self.encoder_epsilon:g} leaves nothing of epsilon "
                 f"{self.epsilon:g} for the heads"
+            )
+        if self.head_kind == "class-means" and not self.head_components:
+            raise ValueError(
+                "a class-means head reads public principal components: give head_components "
+                "K > 0 (its noise and its public covariance's error grow with the dimension)"
             )
         return self
 

@@ -16,6 +16,7 @@ import torch
 from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, noised_key
 from vip_hub.repo.heads import LinearProbe
 
+from ..recipes.class_means import fit_class_means
 from ..recipes.probe import (
     ProbeConfig,
     centred_statistics,
@@ -29,7 +30,7 @@ from ..recipes.probe import (
 from .budget import head_epsilon
 from .config import StudyConfig
 
-__all__ = ["DPHead", "dp_head", "head_config", "head_sampling"]
+__all__ = ["DPHead", "dp_head", "head_config", "head_sampling", "released_sampling"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,12 @@ def head_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
     return dp_head_sampling(n, head_config(cfg, n, None, dataset=dataset))
 
 
+def released_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
+    """The released head's sample rate and steps on ``n`` records: the DP-SGD head's
+    (``head_sampling``), or one step on every record for a class-means head."""
+    return (1.0, 1) if cfg.head_kind == "class-means" else head_sampling(cfg, n, dataset)
+
+
 def dp_head(
     cfg: StudyConfig,
     x: torch.Tensor,
@@ -98,25 +105,37 @@ def dp_head(
     centred on the centring records' features ``centre_x``, at the epsilon the split rule
     leaves after the encoder's DP stages ``prior`` (``pooling`` names the features in its
     stage)."""
-    q, steps = head_sampling(cfg, len(y), data.name)
+    q, steps = released_sampling(cfg, len(y), data.name)
     eps = head_epsilon(cfg, prior, q, steps)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
     k = component_count(centre_x, cfg.head_components)
-    if not k:
-        head, dp = fit_probe(x, y, classes, config, centred_statistics(centre_x), f"head {name}")
+    components = public_components(centre_x, k) if k else None
+    px, pc = (components(x), components(centre_x)) if components else (x, centre_x)
+    if cfg.head_kind == "class-means":
+        fit, dp = fit_class_means(px, y, classes, config, pc)
     else:
-        components = public_components(centre_x, k)
-        fit, dp = fit_probe(
-            components(x), y, classes, config, centred_statistics(components(centre_x)),
-            f"head {name}",
-        )  # fmt: skip
-        head = unproject(fit, components, centred_statistics(centre_x))
+        fit, dp = fit_probe(px, y, classes, config, centred_statistics(pc), f"head {name}")
+    head = unproject(fit, components, centred_statistics(centre_x)) if components else fit
+    if components:
         # the noise went to the k-coordinate head, which no file holds; the released one is its map
         on = f"on {k} public principal components"
         noised = dp["noised"].items()
         dp["noised"] = {noised_key(NOT_RELEASED, f"{key} {on}"): n for key, n in noised}
     stage = probe_stage(config, data, dp)
     assert isinstance(stage, DPStage)  # the head ran with DP: its config has an epsilon
+    if cfg.head_kind == "class-means":
+        stage = stage.model_copy(
+            update={
+                "name": f"class-means-dp:{name}",
+                "description": f"class-means head ({pooling} features): each class's sum of "
+                "per-example clipped [centred features, a constant] released once by the "
+                "Gaussian mechanism (one DP-SGD step on every record, q = 1, its sum formed in "
+                "fp64 and rounded once); the head is LDA on those noised means with the "
+                f"Ledoit-Wolf covariance of {config.public_data}'s features (public), "
+                "post-processing; normalisation fixed to the same public features",
+                "hyperparameters": {"pooling": pooling, "rule": "lda-ledoit-wolf"},
+            }
+        )
     if k:
         stage = stage.model_copy(
             update={

@@ -1,0 +1,136 @@
+"""The DP class-means head (``training/recipes/class_means.py``): its one release is the class
+sums of clipped ``[features, a]`` with noise sigma * C, every record sampled, from a fresh
+secret; the head is LDA's rule on those means; the study's stage says q = 1, T = 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from training.dp.clipping import PerExampleClipper
+from training.recipes.class_means import ClassSumLoss, fit_class_means, lda_rule
+from training.recipes.probe import head_engine
+from training.study.config import JOB, StudyConfig
+from training.study.heads import dp_head, head_config
+from vip_hub.privacy.accounting import calibrate, composed_epsilon
+from vip_hub.privacy.ledger import Dataset, DPStage
+
+DATA = "test/class-means"
+C = 0.1
+
+
+def _features(n: int = 600, d: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three Gaussian classes in ``d`` dimensions, a few points far out (clipped harder)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    centres = 3.0 * torch.randn(3, d, generator=g)
+    x = centres[y] + torch.randn(n, d, generator=g)
+    x[:5] *= 40.0
+    return x, y
+
+
+def _clipped_sums(z: torch.Tensor, y: torch.Tensor, a: float) -> torch.Tensor:
+    """Each class's sum of ``[z, a]`` clipped to C, computed directly (K, D + 1)."""
+    v = torch.cat([z, torch.full((len(z), 1), a)], 1).double()
+    v = v * (C / v.norm(dim=1, keepdim=True)).clamp(max=1.0)
+    return torch.stack([v[y == k].sum(0) for k in range(3)])
+
+
+def _engine_sums(z: torch.Tensor, y: torch.Tensor, a: float, epsilon: float) -> torch.Tensor:
+    """The mechanism's release as the head sees it: n times the weights after one step."""
+    sums = nn.Linear(z.shape[1] + 1, 3, bias=False)
+    nn.init.zeros_(sums.weight)
+    cfg = head_config(JOB, len(z), epsilon, dataset=DATA)
+    engine, dp = head_engine(
+        ClassSumLoss(sums, a), torch.optim.SGD(sums.parameters(), lr=1.0), len(z), 1.0, 1, cfg
+    )
+    batch = torch.as_tensor(engine.plan(0))
+    assert len(batch) == len(z)  # q = 1: every record is in the one sample
+    engine.step(0, [(z[batch], y[batch])])
+    assert dp["sample_rate"] == 1.0 and dp["steps"] == 1
+    return sums.weight.detach().double() * len(z)
+
+
+def test_the_noise_on_the_class_sums_is_sigma_times_the_clip() -> None:
+    """The release minus the exact clipped sums is Gaussian with std sigma * C on every
+    coordinate (3 x 2,001 draws: the std within 4 %), and two runs draw different noise."""
+    z, y = torch.randn(600, 2000), torch.arange(600) % 3
+    a = 30.0
+    epsilon = 2.0
+    sigma = calibrate(epsilon, JOB.delta, 1.0, 1)
+    first = _engine_sums(z, y, a, epsilon) - _clipped_sums(z, y, a)
+    second = _engine_sums(z, y, a, epsilon) - _clipped_sums(z, y, a)
+    for noise in (first, second):
+        assert noise.std().item() == pytest.approx(sigma * C, rel=0.04)
+        assert abs(noise.mean().item()) < 4 * sigma * C / math.sqrt(noise.numel())
+    assert not torch.allclose(first, second)  # a fresh secret each run
+
+
+def test_one_record_moves_the_clipped_sums_by_at_most_the_clip() -> None:
+    """The sensitivity C the stage claims: the clipper's sum over a set and over the set less one
+    record (the farthest one, clipped) differ by at most C; the sum is every record's clipped
+    ``[z, a]`` in its class's row (the clipped gradient is minus it)."""
+    z, y = _features()
+    a = 5.0
+
+    def clipped_sum(rows: slice) -> torch.Tensor:
+        sums = nn.Linear(z.shape[1] + 1, 3, bias=False)
+        nn.init.zeros_(sums.weight)
+        clipper = PerExampleClipper(ClassSumLoss(sums, a), C)
+        clipper.accumulate(z[rows], y[rows])
+        return -clipper.take_sum().view(3, -1)  # the loss is minus the score: its gradient too
+
+    whole, less = clipped_sum(slice(0, None)), clipped_sum(slice(1, None))
+    assert torch.allclose(whole, _clipped_sums(z, y, a), rtol=1e-5, atol=1e-7)
+    moved = (whole - less).norm().item()
+    assert C * (1 - 1e-5) < moved <= C  # clipped to C (the clipper's factor errs below it)
+    assert (whole - less)[1:].abs().max().item() == 0.0  # record 0 is class 0: one row moves
+
+
+def test_the_head_is_lda_on_the_released_means() -> None:
+    """With noise negligible (epsilon 1e4) the head is LDA's rule on the clip-weighted class
+    means and the public covariance, applied to the features as they come; it separates the
+    classes."""
+    x, y = _features()
+    public = x[100:400]  # not the five far points: they would swell the public covariance
+    cfg = head_config(JOB, len(x), 1e4, dataset=DATA)
+    head, dp = fit_class_means(x, y, 3, cfg, public)
+    z, pz = head.norm(x), head.norm(public)
+    a = float(pz.norm(dim=1).median())
+    exact = _clipped_sums(z, y, a)
+    weights, bias = lda_rule(exact[:, :-1] * a, exact[:, -1], pz)
+    assert torch.allclose(head.linear.weight.double(), weights, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(head.linear.bias.double(), bias, rtol=1e-2, atol=1e-2)
+    assert (head(x).argmax(1) == y).float().mean() > 0.95
+    assert list(dp["noised"].values()) == [3 * (x.shape[1] + 1)]
+
+
+def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
+    """``dp_head`` with ``head_kind`` class-means: a stage named for it at q = 1, T = 1 whose
+    composition with the encoder's stage is the study's epsilon; the study refuses the head
+    without public components."""
+    with pytest.raises(ValueError, match="class-means head reads public principal components"):
+        StudyConfig(**{**JOB.model_dump(), "head_kind": "class-means"})
+    study = StudyConfig(**{**JOB.model_dump(), "head_kind": "class-means", "head_components": 4})
+    x, y = _features()
+    encoder = [(1.3, 0.0256, 70)]
+    prior = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name=DATA, size=len(x)),
+        sample_rate=encoder[0][1],
+        noise_multiplier=encoder[0][0],
+        steps=encoder[0][2],
+        clipping_norm=1.0,
+        noised_tensors={"unreleased:test": 10},
+        delta=study.delta,
+    )
+    fit = dp_head(study, x, y, x[100:400], Dataset(name=DATA, size=len(x)), 3, [prior], name="h")
+    s = fit.stage
+    assert s.name == "class-means-dp:h" and (s.sample_rate, s.steps) == (1.0, 1)
+    assert "LDA" in s.description and s.hyperparameters["rule"] == "lda-ledoit-wolf"
+    assert "top 4 principal components" in s.description
+    both = composed_epsilon([*encoder, (s.noise_multiplier, 1.0, 1)], study.delta)
+    assert both == pytest.approx(study.epsilon, abs=0.01)
