@@ -68,7 +68,7 @@ from training.recipes.probe import (
 )
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.features import embed
-from training.study.heads import head_config, head_sampling, released_sampling
+from training.study.heads import head_config, head_kind, head_sampling, released_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
     Accountant,
@@ -211,7 +211,7 @@ def matched_head(
 ) -> tuple[GaussianRun, GaussianRun]:
     """A study head's (sigma, q, T) at the real ``real_n`` after the stages ``prior``, and on a
     stand-in of ``n`` records: the same q and T, sigma scaled by the ratio of expected batches."""
-    q, steps = released_sampling(study, real_n, FASHION_MNIST_TEST)
+    q, steps = released_sampling(head_kind(study, None), study, real_n, FASHION_MNIST_TEST)
     own = remaining_epsilon(study.epsilon, study.delta, list(prior), q, steps, Accountant.RDP)
     sigma = calibrate(own, study.delta, q, steps)
     return (sigma, q, steps), (sigma * batch_ratio(study, n, real_n), q, steps)
@@ -228,11 +228,13 @@ def heads_trial(
     centred: bool = True,
 ) -> Trial:
     """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; ``vip``, ``dpcap``:
-    its DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP heads with
-    the job's head noise (centred on the centring records' mean, or with ``centred`` off their
-    BatchNorm the identity), and a non-private reference; top-1 on the stand-in's scoring
-    records. The DP heads read the study's ``head_components`` principal components of the
-    centring records' features, as the study's heads do; the reference reads the features."""
+    its DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP heads of
+    the study's fixed ``head_kind`` with the job's head noise (centred on the centring records'
+    mean, or with ``centred`` off a DP-SGD head's BatchNorm the identity), and a non-private
+    reference; top-1 on the stand-in's scoring records. The DP heads read the study's principal
+    components of the centring records' features (``head_components`` for DP-SGD,
+    ``class_means_components`` for class means), as the study's heads do; the reference reads
+    the features."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -254,12 +256,13 @@ def heads_trial(
     sigma_h, q_h, steps_h = t.standin["head"]
     eps = epsilon(sigma_h, q_h, steps_h, study.delta)
     cfg = head_config(study, len(y), eps, dataset=recs.private.dataset.name)
-    k = component_count(xc, study.head_components)
+    means = head_kind(study, None) == "class-means"
+    k = component_count(xc, study.class_means_components if means else study.head_components)
     project = public_components(xc, k) if k else (lambda features: features)
     px, pxs, pxc = project(x), project(xs), project(xc)
     statistics = centred_statistics(pxc if centred else torch.zeros_like(pxc[:1]))
     for _ in range(heads):
-        if study.head_kind == "class-means":
+        if means:
             head, _ = fit_class_means(px, y, len(recs.private.classes), cfg, pxc)
         else:
             head, _ = fit_probe(px, y, len(recs.private.classes), cfg, statistics)
@@ -375,8 +378,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument(
         "--head-kind",
         choices=("sgd", "class-means"),
-        default=JOB.head_kind,
-        help="the DP heads: the study's DP-SGD head or the class-means head",
+        default="sgd",
+        help="the DP heads: DP-SGD (on --head-components) or class-means (on the study's "
+        "class_means_components)",
     )
     p.add_argument(
         "--study",
@@ -405,8 +409,6 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
     a = p.parse_args(argv)
-    if a.head_kind == "class-means" and not a.head_components:
-        p.error("a class-means head reads public principal components: give --head-components K")
     if a.uncentred and a.head_kind != "sgd":
         p.error("--uncentred is a DP-SGD head's option: a class-means head centres its features")
     if a.uncentred and a.head_components:
@@ -452,8 +454,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["centred"] = 0
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
-        settings["components"] = a.head_components
-        if a.head_kind != "sgd":
+        if a.head_kind == "sgd":
+            settings["components"] = a.head_components
+        else:
             settings["head"] = a.head_kind
         if a.study != "job":
             settings["study"] = a.study

@@ -48,9 +48,8 @@ cached under ``--work``.
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
         [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--encoder-draws 1] [--finetune-draws 1] \
-        [--device cpu|cuda] \
-        [--head-components K] [--head-kind sgd|class-means] [--ema-decay D] [--decoder-warmup N] \
-        [--dpcap-decoder-warmup N] [--data FOLDER] \
+        [--device cpu|cuda] [--head-components K] [--head-kind chosen|sgd|class-means] \
+        [--ema-decay D] [--decoder-warmup N] [--dpcap-decoder-warmup N] [--data FOLDER] \
         [--work var/utility]
 """
 
@@ -78,8 +77,8 @@ from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed, head_epsilon
 from training.study.config import BENCHMARK, StudyConfig, stamp
 from training.study.features import CHUNK, embed, pixels
-from training.study.heads import dp_head, head_config, head_sampling
-from training.study.selection import Choice, choose_modes
+from training.study.heads import HeadKind, dp_head, head_config, head_sampling
+from training.study.selection import Choice, choose_features, choose_modes
 from training.study.splits import Splits, study_splits
 from training.study.table import Paired, paired
 from vip_hub.errors import DataError
@@ -131,6 +130,7 @@ class Features:
     mode: str
     stages: list[DPStage] = field(default_factory=list)
     chosen: str = "fixed"
+    head: HeadKind = "sgd"
 
 
 @dataclass(frozen=True)
@@ -188,12 +188,26 @@ class Result:
         return self.correct.reshape(self.encoders, -1, self.correct.shape[1]).mean(1)
 
 
+def fixed_head(b: Bench, mode: str, selection: torch.Tensor) -> tuple[HeadKind, str]:
+    """A fixed-features row's head kind and how it was chosen: the study's, or under
+    ``chosen`` the one that scores higher on the selection records' features ``selection``, as
+    for a (Syn) prior's rows (``choose_features``)."""
+    if b.study.head_kind != "chosen":
+        return b.study.head_kind, "fixed"
+    choice = choose_features(b.study, {mode: selection}, b.splits.selection, b.private)
+    print(f"  {mode}: {choice.shown()}", flush=True)
+    heads = ", ".join(f"{k} {v:.1f} %" for k, v in choice.head_scores.items())
+    return choice.head, f"fixed; a {choice.head} head ({heads} on the selection records)"
+
+
 def pixel_features(b: Bench) -> Features:
     """Raw pixels."""
     s = b.splits
+    head, chosen = fixed_head(b, "pixels", pixels(s.selection))
     return Features(
-        pixels(s.private), pixels(s.test), pixels(s.centre), "784 pixels in [-1, 1]", "pixels"
-    )
+        pixels(s.private), pixels(s.test), pixels(s.centre), "784 pixels in [-1, 1]", "pixels",
+        chosen=chosen, head=head,
+    )  # fmt: skip
 
 
 def scatter_features(b: Bench) -> Features:
@@ -211,12 +225,15 @@ def scatter_features(b: Bench) -> Features:
         return torch.cat(out)
 
     s = b.splits
+    head, chosen = fixed_head(b, "scatter", run(s.selection, "scattering selection"))
     return Features(
         run(s.private, "scattering train"),
         run(s.test, "scattering test"),
         run(s.centre, "scattering centre"),
         f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example",
         "scatter",
+        chosen=chosen,
+        head=head,
     )
 
 
@@ -416,7 +433,7 @@ def encoder_features(key: str) -> Callable[[Bench, int], Features]:
         )
         return Features(
             train, test, centre, f"{row.what}, {choice.mode} features", choice.mode,
-            stages_of(repo), choice.describe(),
+            stages_of(repo), choice.describe(), choice.head,
         )  # fmt: skip
 
     return make
@@ -430,7 +447,7 @@ def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, b
         stages = [DPStage.model_validate_json(s) for s in blob["stages"]]
         f = Features(
             blob["train"], blob["test"], blob["centre"], blob["what"], blob["mode"], stages,
-            blob["chosen"],
+            blob["chosen"], blob["head"],
         )  # fmt: skip
         return f, float(blob["make_s"]), True
     start = time.perf_counter()
@@ -438,7 +455,7 @@ def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, b
     seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
-        **{k: getattr(f, k) for k in ("train", "test", "centre", "what", "mode", "chosen")},
+        **{k: getattr(f, k) for k in ("train", "test", "centre", "what", "mode", "chosen", "head")},
         "stages": [s.model_dump_json() for s in f.stages],
         "make_s": seconds,
     }
@@ -469,7 +486,7 @@ def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
     for lr in HEAD_LR_GRID:
         fit = dp_head(
             b.study, f.train[fit_idx], y[fit_idx], f.centre, part.dataset, len(b.private.classes),
-            f.stages, name=HEAD, pooling=f.mode, lr=lr,
+            f.stages, name=HEAD, pooling=f.mode, lr=lr, kind=f.head,
         )  # fmt: skip
         scores[lr] = 100 * accuracy(fit.head, f.train[val_idx], y[val_idx])
     return max(scores, key=lambda lr: scores[lr]), scores
@@ -516,6 +533,7 @@ def feature_row(
                     name=HEAD,
                     pooling=f.mode,
                     lr=lr,
+                    kind=f.head,
                 )  # fmt: skip
                 for _ in range(b.draws)
             ]
@@ -872,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument(
         "--head-kind",
-        choices=["sgd", "class-means"],
+        choices=["sgd", "class-means", "chosen"],
         default=BENCHMARK.head_kind,
         help=StudyConfig.model_fields["head_kind"].description,
     )

@@ -461,14 +461,15 @@ def _compare(
         )
         fit = dp_head(
             cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
-            name=HEAD, pooling=choice.mode,
+            name=HEAD, pooling=choice.mode, kind=choice.head,
         )  # fmt: skip
         answers[e] = right_answers(fit.head, x_test, y_test)
         top1 = float(answers[e].mean())
         metrics = {
             "train_size": len(private),
             "pooling": choice.mode,
-            "epochs": cfg.probe_epochs,
+            "head": choice.head,
+            "epochs": cfg.probe_epochs if choice.head == "sgd" else 1,
             "top1": top1,
             "test_data": "public",
             "test_size": len(splits.test),
@@ -481,14 +482,14 @@ def _compare(
             top1_result(
                 str(test),
                 top1,
-                f"top-1, DP linear head '{HEAD}' ({choice.mode} features, DP epsilon "
-                f"{fit.stage.epsilon:.3g})",
+                f"top-1, DP linear head '{HEAD}' ({choice.head}, {choice.mode} features, DP "
+                f"epsilon {fit.stage.epsilon:.3g})",
             ),
         )
         privacy = privacy_headline(ledger.summary(head_component(HEAD)))
         rows.append(Row(f"{e.label}: {e.name}", e.repo_id, privacy, choice.describe(), top1))
         print(
-            f"    {e.name}: top-1 {top1:.4f} ({choice.mode}; head at epsilon "
+            f"    {e.name}: top-1 {top1:.4f} ({choice.mode}; {choice.head} head at epsilon "
             f"{fit.config.epsilon:.3f}; {privacy})",
             flush=True,
         )

@@ -112,6 +112,7 @@ API_PAGES: dict[str, tuple[str, str, list[str]]] = {
             "training.recipes.logit_dp",
             "training.recipes.finetune",
             "training.recipes.probe",
+            "training.recipes.class_means",
             "training.dp.engine",
             "training.dp.run",
             "training.skeleton.run",

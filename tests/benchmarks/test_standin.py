@@ -47,6 +47,7 @@ TINY = StudyConfig(
         "decoder_dim": 32,
         "decoder_depth": 1,
         "decoder_heads": 2,
+        "head_kind": "sgd",
     }
 )
 """The job's study at a tiny scale: its real run has 200 private records, 2-step encoders (which
@@ -145,7 +146,7 @@ def test_a_class_means_trial_centres_apart_and_matches_the_real_one_step_noise(
         return fit(x, y, classes, cfg, public)
 
     monkeypatch.setattr(standin, "fit_class_means", fit_spy)
-    study = TINY.model_copy(update={"head_kind": "class-means", "head_components": 4})
+    study = TINY.model_copy(update={"head_kind": "class-means", "class_means_components": 4})
     t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=2)
     assert fitted == [(30, 10), (30, 10)] and len(t.dp_top1) == 2
     (sigma, q, steps), standin_head = t.real["head"], t.standin["head"]
@@ -171,11 +172,19 @@ class PrivateSpy:
 
 
 def test_the_feature_mode_choice_reads_no_private_record(public_only: Path) -> None:
-    selection = fashion_mnist("test", public_only).first(20)
+    """Nor does the head's choice (the study's ``chosen``): each kind scored, the higher kept."""
+    selection = fashion_mnist("test", public_only).first(40)
     prior = prior_path(TINY.syn_prior)
     private = PrivateSpy(TINY.train_size, selection.classes)
-    chosen = choose_modes(TINY, {prior: [[]]}, selection, private)  # type: ignore[arg-type]
+    study = TINY.model_copy(update={"head_kind": "chosen", "class_means_components": 4})
+    chosen = choose_modes(study, {prior: [[]]}, selection, private)  # type: ignore[arg-type]
     assert chosen[prior].mode in chosen[prior].scores
+    kinds = chosen[prior].head_scores
+    assert (
+        set(kinds) == {"sgd", "class-means"}
+        and kinds["sgd"] == chosen[prior].scores[chosen[prior].mode]
+    )
+    assert chosen[prior].head == max(kinds, key=lambda k: kinds[k])
     with pytest.raises(AssertionError, match="images"):
         private.images  # noqa: B018 (the spy refuses what the choice must not read)
 

@@ -101,6 +101,7 @@ __all__ = [
     "public_components",
     "public_features",
     "right_answers",
+    "selection_scores",
     "run_probe",
     "unproject",
     "top1_result",
@@ -432,22 +433,34 @@ def choose_pooling(
     components: int = 0,
 ) -> tuple[Pooling, dict[Pooling, float]]:
     """The feature mode of ``encoder`` that a head trained by ``cfg`` on ``private_n`` private
-    records should read, chosen on PUBLIC labelled ``images`` only: for every mode the repo offers,
-    the mean top-1 (%) of two heads, one fit on each half of the images and scored on the other
-    (every image scores a head, each head's noise drawn afresh). A DP ``cfg``'s selection
-    heads keep its sample rate and steps, and their noise multiplier is scaled by the ratio of
-    the expected batches, so that the noise on their averaged gradient is the private head's
-    (their epsilon on the public images means nothing), and their features are centred on all
-    the images' mean (``centred_statistics``: the rule of a head given these images as
-    ``--public-data``); with ``components`` > 0 every head reads the top principal components of
-    the images' features (``component_count``). Returns the best mode and every
-    score."""
-    half = len(images) // 2
+    records should read, chosen on PUBLIC labelled ``images`` only: every mode the repo offers
+    scored by ``selection_scores``. Returns the best mode and every score."""
+    scores = selection_scores(
+        encoder.embed(images, encoder.poolings), labels, num_classes, cfg, private_n, components
+    )
+    return max(scores, key=lambda m: scores[m]), scores
+
+
+def selection_scores(
+    feats: dict[str, torch.Tensor],
+    labels: np.ndarray,
+    num_classes: int,
+    cfg: ProbeConfig,
+    private_n: int,
+    components: int = 0,
+) -> dict[str, float]:
+    """Each of the PUBLIC features ``feats`` (name -> (N, D), labels ``labels``) scored for a
+    head trained by ``cfg`` on ``private_n`` private records: the mean top-1 (%) of two heads,
+    one fit on each half of the records and scored on the other (each head's noise drawn
+    afresh). A DP ``cfg``'s heads keep its sample rate and steps, and their noise multiplier is
+    scaled by the ratio of the expected batches, so that the noise on their averaged gradient is
+    the private head's (their epsilon on the public records means nothing), and their features
+    are centred on all the records' mean (``centred_statistics``: the rule of a head given these
+    records as ``--public-data``); with ``components`` > 0 every head reads the top principal
+    components of the records' features (``component_count``)."""
+    half = len(labels) // 2
     if half < 2:
-        raise DataError(
-            f"choosing a feature mode needs at least 4 public images, not {len(images)}"
-        )
-    feats = encoder.embed(images, encoder.poolings)
+        raise DataError(f"choosing on public records needs at least 4 of them, not {len(labels)}")
     y = torch.as_tensor(labels)
     fit = cfg
     if cfg.epsilon is not None:
@@ -472,7 +485,7 @@ def choose_pooling(
             )
             top1.append(accuracy(head, x[score_on], y[score_on]))
         scores[mode] = 100 * sum(top1) / len(top1)
-    return max(scores, key=lambda m: scores[m]), scores
+    return scores
 
 
 def centred_statistics(domain_x: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,22 @@
-"""A row's DP linear head: the same protocol on every row (the paper's: expected batch n /
-``head_batches``, clipping ``head_clip``, SGD at ``head_lr`` with momentum 0.9, warm-up and
-cosine over ``probe_epochs``), on the top ``head_components`` principal components of the row's
-features of the centring records, its BatchNorm fixed to their mean with variance 1, its epsilon
-what the split rule leaves after the encoder's DP stages, and its ledger stage; the head
-released reads the features themselves (``unproject``)."""
+"""A row's DP linear head: the same protocol on every row, of one of two kinds (``HeadKind``).
+The DP-SGD head is the paper's (expected batch n / ``head_batches``, clipping ``head_clip``, SGD
+at ``head_lr`` with momentum 0.9, warm-up and cosine over ``probe_epochs``) on the top
+``head_components`` principal components of the row's features of the centring records; the
+class-means head (``training/recipes/class_means.py``) releases the class means once and reads
+``class_means_components`` of them. Either has its BatchNorm fixed to the centring records' mean
+with variance 1, its epsilon what the split rule leaves after the encoder's DP stages, and its
+ledger stage; the head released reads the features themselves (``unproject``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from vip_hub.errors import ConfigError
 from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, noised_key
 from vip_hub.repo.heads import LinearProbe
 
@@ -30,7 +34,15 @@ from ..recipes.probe import (
 from .budget import head_epsilon
 from .config import StudyConfig
 
-__all__ = ["DPHead", "dp_head", "head_config", "head_sampling", "released_sampling"]
+__all__ = [
+    "DPHead",
+    "HeadKind",
+    "dp_head",
+    "head_config",
+    "head_kind",
+    "head_sampling",
+    "released_sampling",
+]
 
 
 @dataclass(frozen=True)
@@ -82,10 +94,22 @@ def head_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
     return dp_head_sampling(n, head_config(cfg, n, None, dataset=dataset))
 
 
-def released_sampling(cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
-    """The released head's sample rate and steps on ``n`` records: the DP-SGD head's
+HeadKind = Literal["sgd", "class-means"]
+"""A released head: the study's DP-SGD head, or the class-means head."""
+
+
+def released_sampling(kind: HeadKind, cfg: StudyConfig, n: int, dataset: str) -> tuple[float, int]:
+    """A released head's sample rate and steps on ``n`` records: the DP-SGD head's
     (``head_sampling``), or one step on every record for a class-means head."""
-    return (1.0, 1) if cfg.head_kind == "class-means" else head_sampling(cfg, n, dataset)
+    return (1.0, 1) if kind == "class-means" else head_sampling(cfg, n, dataset)
+
+
+def head_kind(cfg: StudyConfig, kind: HeadKind | None) -> HeadKind:
+    """The head a row releases: ``kind`` (a public choice's), else the study's fixed one."""
+    chosen = kind or cfg.head_kind
+    if chosen == "chosen":
+        raise ConfigError("the study chooses its head on public records: pass the choice's kind")
+    return chosen
 
 
 def dp_head(
@@ -100,18 +124,21 @@ def dp_head(
     name: str = "probe",
     pooling: str = "vip",
     lr: float | None = None,
+    kind: HeadKind | None = None,
 ) -> DPHead:
-    """A DP head on the private features ``x`` (labels ``y``, ``classes`` of them) of ``data``,
-    centred on the centring records' features ``centre_x``, at the epsilon the split rule
-    leaves after the encoder's DP stages ``prior`` (``pooling`` names the features in its
-    stage)."""
-    q, steps = released_sampling(cfg, len(y), data.name)
+    """A DP head of ``kind`` (default: the study's; ``head_kind``) on the private features ``x``
+    (labels ``y``, ``classes`` of them) of ``data``, centred on the centring records' features
+    ``centre_x``, at the epsilon the split rule leaves after the encoder's DP stages ``prior``
+    (``pooling`` names the features in its stage)."""
+    kind = head_kind(cfg, kind)
+    q, steps = released_sampling(kind, cfg, len(y), data.name)
     eps = head_epsilon(cfg, prior, q, steps)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
-    k = component_count(centre_x, cfg.head_components)
+    means = kind == "class-means"
+    k = component_count(centre_x, cfg.class_means_components if means else cfg.head_components)
     components = public_components(centre_x, k) if k else None
     px, pc = (components(x), components(centre_x)) if components else (x, centre_x)
-    if cfg.head_kind == "class-means":
+    if means:
         fit, dp = fit_class_means(px, y, classes, config, pc)
     else:
         fit, dp = fit_probe(px, y, classes, config, centred_statistics(pc), f"head {name}")
@@ -123,7 +150,7 @@ def dp_head(
         dp["noised"] = {noised_key(NOT_RELEASED, f"{key} {on}"): n for key, n in noised}
     stage = probe_stage(config, data, dp)
     assert isinstance(stage, DPStage)  # the head ran with DP: its config has an epsilon
-    if cfg.head_kind == "class-means":
+    if means:
         stage = stage.model_copy(
             update={
                 "name": f"class-means-dp:{name}",

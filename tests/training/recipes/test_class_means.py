@@ -5,6 +5,7 @@ secret; the head is LDA's rule on those means; the study's stage says q = 1, T =
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from training.recipes.class_means import ClassSumLoss, fit_class_means, lda_rule
 from training.recipes.probe import head_engine
 from training.study.config import JOB, StudyConfig
 from training.study.heads import dp_head, head_config
+from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import calibrate, composed_epsilon
 from vip_hub.privacy.ledger import Dataset, DPStage
 
@@ -109,12 +111,10 @@ def test_the_head_is_lda_on_the_released_means() -> None:
 
 
 def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
-    """``dp_head`` with ``head_kind`` class-means: a stage named for it at q = 1, T = 1 whose
-    composition with the encoder's stage is the study's epsilon; the study refuses the head
-    without public components."""
-    with pytest.raises(ValueError, match="class-means head reads public principal components"):
-        StudyConfig(**{**JOB.model_dump(), "head_kind": "class-means"})
-    study = StudyConfig(**{**JOB.model_dump(), "head_kind": "class-means", "head_components": 4})
+    """``dp_head`` of kind class-means: a stage named for it at q = 1, T = 1 whose composition
+    with the encoder's stage is the study's epsilon, on ``class_means_components`` components;
+    under ``chosen`` the caller must say which kind was chosen."""
+    study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 4})
     x, y = _features()
     encoder = [(1.3, 0.0256, 70)]
     prior = DPStage.from_parameters(
@@ -127,10 +127,56 @@ def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
         noised_tensors={"unreleased:test": 10},
         delta=study.delta,
     )
-    fit = dp_head(study, x, y, x[100:400], Dataset(name=DATA, size=len(x)), 3, [prior], name="h")
+    data = Dataset(name=DATA, size=len(x))
+    with pytest.raises(ConfigError, match="chooses its head on public records"):
+        dp_head(study, x, y, x[100:400], data, 3, [prior], name="h")
+    fit = dp_head(study, x, y, x[100:400], data, 3, [prior], name="h", kind="class-means")
     s = fit.stage
     assert s.name == "class-means-dp:h" and (s.sample_rate, s.steps) == (1.0, 1)
     assert "LDA" in s.description and s.hyperparameters["rule"] == "lda-ledoit-wolf"
     assert "top 4 principal components" in s.description
     both = composed_epsilon([*encoder, (s.noise_multiplier, 1.0, 1)], study.delta)
     assert both == pytest.approx(study.epsilon, abs=0.01)
+
+
+def test_the_choice_scores_class_means_heads_at_the_real_noise_on_public_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``choose_head`` under ``chosen``: two class-means heads, each fit on one half of the
+    records after the centring ones and scored on the other, their covariance from the centring
+    records, the noise on each class mean the real head's (sigma times half / n); the kind with
+    the higher score is taken; a fixed kind is returned unscored."""
+    from training.study import selection
+    from training.study.budget import head_epsilon
+
+    x, y = _features(n=135)
+    x, y = x[5:], y[5:]  # not the far points: the centring records' covariance is the head's
+    study = StudyConfig(**{**JOB.model_dump(), "centre_size": 30, "class_means_components": 4})
+    private = fashion_like(1_000)
+    fits: list[tuple[int, int, float]] = []
+    fit = selection.fit_class_means
+
+    def spy(z: torch.Tensor, labels: torch.Tensor, classes: int, cfg: Any, public: Any) -> Any:
+        fits.append((len(z), len(public), calibrate(cfg.epsilon, cfg.delta, 1.0, 1)))
+        return fit(z, labels, classes, cfg, public)
+
+    monkeypatch.setattr(selection, "fit_class_means", spy)
+    kind, scores = selection.choose_head(study, x, y.numpy(), private, [], sgd_score=0.0)
+    real = calibrate(head_epsilon(study, [], 1.0, 1), study.delta, 1.0, 1)
+    assert [f[:2] for f in fits] == [(50, 30), (50, 30)]
+    assert fits[0][2] == pytest.approx(real * 50 / 1_000, rel=1e-4)
+    assert kind == "class-means" and scores["class-means"] > 90 and scores["sgd"] == 0.0
+    assert selection.choose_head(study, x, y.numpy(), private, [], sgd_score=100.0)[0] == "sgd"
+    fixed = study.model_copy(update={"head_kind": "sgd"})
+    assert selection.choose_head(fixed, x, y.numpy(), private, [], 0.0) == ("sgd", {})
+
+
+def fashion_like(n: int) -> Any:
+    """Private records as the choice sees them: their number, classes and declared name."""
+    from types import SimpleNamespace
+
+    class Records(SimpleNamespace):
+        def __len__(self) -> int:
+            return n
+
+    return Records(classes=("a", "b", "c"), dataset=Dataset(name=DATA, size=n))

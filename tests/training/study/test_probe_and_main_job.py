@@ -652,3 +652,33 @@ def test_docker_files_name_what_exists() -> None:
         compose["services"]["hub"]["volumes"] == ["hub-data:/data"]
         and "hub-data" in compose["volumes"]
     )
+
+
+def test_a_class_means_head_is_released_with_a_stage_verify_recomputes(
+    tiny_repo: Path, digits
+) -> None:
+    """The study's class-means head on an encoder's features of the labelled digits, saved into
+    the repo: its one-step stage (q = 1) spends the study's epsilon on the digits (the encoder's
+    DP stage is on other data) and ``vip-hub verify`` recomputes and accepts the claim."""
+    from training.recipes.probe import load_labelled
+    from training.study.config import JOB, StudyConfig
+    from training.study.heads import dp_head
+    from vip_hub.repo.heads import HeadInfo, save_head
+
+    train, _ = digits
+    data = load_labelled(train, "test/digits-train")
+    encoder = load_encoder(tiny_repo)
+    x = encoder.embed(data.images, "vip")
+    y = torch.as_tensor(data.labels)
+    study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 16})
+    fit = dp_head(
+        study, x, y, x[:200], data.dataset, 10, name="means", pooling="vip", kind="class-means"
+    )
+    ledger = save_head(tiny_repo, fit.head, HeadInfo("means", "vip", data.classes), fit.stage)
+    stage = ledger.stage("class-means-dp:means")
+    assert (stage.sample_rate, stage.steps) == (1.0, 1)
+    report = verify_repo(tiny_repo)
+    assert report.ok, report.problems
+    guarantee = next(g for g in ledger.guarantees if g.dataset == data.dataset.name)
+    assert guarantee.epsilon == pytest.approx(study.epsilon, abs=0.01)
+    assert (fit.head(x).argmax(1) == y).float().mean() > 0.5
