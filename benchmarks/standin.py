@@ -210,11 +210,15 @@ def matched_head(
     study: StudyConfig, real_n: int, prior: Sequence[GaussianRun], n: int
 ) -> tuple[GaussianRun, GaussianRun]:
     """A study head's (sigma, q, T) at the real ``real_n`` after the stages ``prior``, and on a
-    stand-in of ``n`` records: the same q and T, sigma scaled by the ratio of expected batches."""
-    q, steps = released_sampling(head_kind(study, None), study, real_n, FASHION_MNIST_TEST)
+    stand-in of ``n`` records: the same q and T, sigma scaled by the ratio of expected batches
+    (a DP-SGD head's; a class-means head's batch is every record, so the ratio of the records):
+    the same noise on its averaged gradient, or on each class mean."""
+    kind = head_kind(study, None)
+    q, steps = released_sampling(kind, study, real_n, FASHION_MNIST_TEST)
     own = remaining_epsilon(study.epsilon, study.delta, list(prior), q, steps, Accountant.RDP)
     sigma = calibrate(own, study.delta, q, steps)
-    return (sigma, q, steps), (sigma * batch_ratio(study, n, real_n), q, steps)
+    ratio = n / real_n if kind == "class-means" else batch_ratio(study, n, real_n)
+    return (sigma, q, steps), (sigma * ratio, q, steps)
 
 
 def heads_trial(
@@ -291,8 +295,9 @@ def finetune_trial(
     s = {**FINETUNE, **settings}
     n, real_n = len(recs.private), study.train_size
     init = prior_path(study.syn_prior)
-    if probe_only:
-        t = heads_trial(study, "syn", {"probe_only": 1}, recs, work, heads=3)
+    if probe_only:  # the row's probe alone: a DP-SGD head
+        sgd = study.model_copy(update={"head_kind": "sgd"})
+        t = heads_trial(sgd, "syn", {"probe_only": 1}, recs, work, heads=3)
         t.row = "finetune"
         return t
     t = Trial("finetune", settings)

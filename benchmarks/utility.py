@@ -516,7 +516,9 @@ def feature_row(
             f, seconds, hit = cached(path, functools.partial(make, b, draw))
             make_s, hits = make_s + seconds, hits + hit
             start = time.perf_counter()
-            if key in b.tune and first is None:
+            if key in b.tune and first is None and f.head == "class-means":
+                print(f"  {label}: a class-means head has no learning rate to tune", flush=True)
+            elif key in b.tune and first is None:
                 lr, scores = tune_lr(b, f)
                 tried = len(scores)
                 shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())

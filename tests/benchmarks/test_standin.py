@@ -152,8 +152,19 @@ def test_a_class_means_trial_centres_apart_and_matches_the_real_one_step_noise(
     (sigma, q, steps), standin_head = t.real["head"], t.standin["head"]
     assert (q, steps) == (1.0, 1) and standin_head[1:] == (1.0, 1)
     assert composed_epsilon([(sigma, q, steps)], TINY.delta) == pytest.approx(TINY.epsilon)
-    ratio = -(-30 // TINY.head_batches) / -(-TINY.train_size // TINY.head_batches)
-    assert standin_head[0] == pytest.approx(sigma * ratio)
+    assert standin_head[0] == pytest.approx(sigma * 30 / TINY.train_size)
+
+
+def test_the_probe_only_trial_runs_the_dp_sgd_probe_under_the_studys_choice(
+    public_only: Path, tmp_path: Path
+) -> None:
+    """``finetune --probe-only`` on the study's own preset (``head_kind`` ``chosen``): the row's
+    probe is a DP-SGD head, so the trial fixes that kind rather than asking for a choice."""
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    study = TINY.model_copy(update={"head_kind": "chosen"})
+    t = standin.finetune_trial(study, {}, recs, tmp_path / "work", probe_only=True)
+    assert t.row == "finetune" and len(t.dp_top1) == 3
+    assert t.real["head"][1:] == standin.head_sampling(TINY, TINY.train_size, FASHION_MNIST_TEST)
 
 
 class PrivateSpy:

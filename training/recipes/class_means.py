@@ -4,17 +4,17 @@ covariance (issue 56).
 One step of the DP engine on the whole private set (Poisson sampling at q = 1, T = 1: the
 Gaussian mechanism) releases, for each class, the sum of its examples' clipped vectors
 ``[z, a]``: ``z`` the example's features standardised by the centring records' mean and
-variance (the head's BatchNorm, fixed to those public statistics), ``a`` a constant, the centring records' median norm of
-``z``, so that the sum's last coordinate counts the class (each example weighted by its clip
-factor, the same weight its features get). Everything after that one noisy release is
-post-processing with public data: each class's mean is its noised sum over its noised count; the
-head is LDA's linear rule with the Ledoit-Wolf covariance of the centring records' ``z``
-(``w_k = S^-1 m_k``, ``b_k = -w_k . m_k / 2 + log p_k``), written as the study's ``LinearProbe``
-(its BatchNorm fixed to the same statistics). A DP-SGD head spends its budget over 800 noisy
-steps on every coordinate; this head spends it once on K + 1 coordinates a class, where the
-noise on a mean falls as 1 / n (Mehta et al. 2023 release a head from noised sufficient
-statistics in the same way). Its noise grows with the dimension it reads, so the study gives it
-public principal components (``StudyConfig.class_means_components``).
+variance (the head's BatchNorm, fixed to those public statistics), ``a`` a constant, the
+centring records' median norm of ``z``, so that the sum's last coordinate counts the class (each
+example weighted by its clip factor, the same weight its features get). Everything after that
+one noisy release is post-processing with public data: each class's mean is its noised sum over
+its noised count; the head is LDA's linear rule with the Ledoit-Wolf covariance of the centring
+records' ``z`` (``w_k = S^-1 m_k``, ``b_k = -w_k . m_k / 2 + log p_k``), written as the
+study's ``LinearProbe`` (its BatchNorm fixed to the same statistics). A DP-SGD head spends its
+budget over 800 noisy steps on every coordinate; this head spends it once on K + 1 coordinates
+a class, where the noise on a mean falls as 1 / n (Mehta et al. 2023 release a head from noised
+sufficient statistics in the same way). Its noise grows with the dimension it reads, so the
+study gives it public principal components (``StudyConfig.class_means_components``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from sklearn.covariance import LedoitWolf
 from torch import nn
 
+from vip_hub.errors import DataError
 from vip_hub.privacy.ledger import NOT_RELEASED, noised_key
 from vip_hub.repo.heads import LinearProbe
 
@@ -78,6 +79,10 @@ def fit_class_means(
     (its clipping norm ``cfg.max_grad_norm``), its normalisation and covariance from the public
     centring features ``public_x``; the head (eval mode) and its DP parameters (``probe_stage``
     makes its ledger stage from them)."""
+    if len(public_x) < 2:
+        raise DataError(
+            f"a class-means head takes its covariance from public features: {len(public_x)} given"
+        )
     head = LinearProbe(x.shape[1], classes)
     fix_normalisation(head, public_x)
     with torch.no_grad():

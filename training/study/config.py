@@ -46,7 +46,8 @@ class StudyConfig(BaseModel):
         1_000,
         gt=0,
         description="the first selection records (all, when fewer), whose features' mean "
-        "centres every DP head (BatchNorm fixed to that mean, variance 1): 1,000 leave under a "
+        "centres every DP head (BatchNorm fixed to that mean; a DP-SGD head's variance 1, a "
+        "class-means head's their variance, their covariance its LDA's): 1,000 leave under a "
         "hundredth of a spatial mode's squared norm shared (benchmarks/README.md, 'the head's "
         "centring'), embedded once a head; centring itself chosen on public data, DP heads on "
         "the public stand-in with and without it (benchmarks/README.md, 'Settings chosen on "

@@ -3,9 +3,11 @@ The DP-SGD head is the paper's (expected batch n / ``head_batches``, clipping ``
 at ``head_lr`` with momentum 0.9, warm-up and cosine over ``probe_epochs``) on the top
 ``head_components`` principal components of the row's features of the centring records; the
 class-means head (``training/recipes/class_means.py``) releases the class means once and reads
-``class_means_components`` of them. Either has its BatchNorm fixed to the centring records' mean
-with variance 1, its epsilon what the split rule leaves after the encoder's DP stages, and its
-ledger stage; the head released reads the features themselves (``unproject``)."""
+``class_means_components`` of them. Either has its BatchNorm fixed to statistics of the centring
+records (the DP-SGD head: their mean with variance 1; the class-means head: their mean and
+variance, their covariance its LDA's), its epsilon what the split rule leaves after the encoder's
+DP stages, and its ledger stage; the head released reads the features themselves
+(``unproject``)."""
 
 from __future__ import annotations
 
@@ -146,8 +148,11 @@ def dp_head(
     if components:
         # the noise went to the k-coordinate head, which no file holds; the released one is its map
         on = f"on {k} public principal components"
-        noised = dp["noised"].items()
-        dp["noised"] = {noised_key(NOT_RELEASED, f"{key} {on}"): n for key, n in noised}
+        unreleased = f"{NOT_RELEASED}:"
+        dp["noised"] = {
+            noised_key(NOT_RELEASED, f"{key.removeprefix(unreleased)} {on}"): n
+            for key, n in dp["noised"].items()
+        }
     stage = probe_stage(config, data, dp)
     assert isinstance(stage, DPStage)  # the head ran with DP: its config has an epsilon
     if means:
@@ -155,7 +160,7 @@ def dp_head(
             update={
                 "name": f"class-means-dp:{name}",
                 "description": f"class-means head ({pooling} features): each class's sum of "
-                "per-example clipped [centred features, a constant] released once by the "
+                "per-example clipped [standardised features, a constant] released once by the "
                 "Gaussian mechanism (one DP-SGD step on every record, q = 1, its sum formed in "
                 "fp64 and rounded once); the head is LDA on those noised means with the "
                 f"Ledoit-Wolf covariance of {config.public_data}'s features (public), "

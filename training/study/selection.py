@@ -1,9 +1,12 @@
-"""Each (Syn) encoder's feature mode, chosen once on the public selection records and read by
-the heads of every encoder trained from it (a short DP run keeps its prior's geometry, and one
-choice per prior costs a fraction of one per encoder): ``choose_pooling`` scores every mode the
-(Syn) repo offers, spatial modes included, by two DP heads fit on each half of the records and
-scored on the other, their noise on the averaged gradient that of the noisiest private head
-reading the choice. No private record takes part."""
+"""Each (Syn) encoder's feature mode and head kind, chosen once on the public selection records
+and read by the heads of every encoder trained from it (a short DP run keeps its prior's
+geometry, and one choice per prior costs a fraction of one per encoder). ``selection_scores``
+scores every mode the (Syn) repo offers, spatial modes included, by two DP-SGD heads fit on each
+half of the records and scored on the other, their noise on the averaged gradient that of the
+noisiest private head reading the choice; under ``head_kind`` ``chosen``, ``choose_head`` then
+scores two class-means heads on the chosen mode at the same head's noise, and the higher kind is
+released. No private record takes part.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class Choice:
         head = (
             f"; a {self.head} head, "
             + ", ".join(f"{k} {v:.1f} %" for k, v in self.head_scores.items())
-            + " on the same records"
+            + " on the selection records"
             if len(self.head_scores) > 1
             else ""
         )
@@ -81,8 +84,9 @@ def choose_head(
     mean top-1 (%) of two class-means heads, each fit on one half of the records after the first
     ``centre_size`` and scored on the other, their covariance from those first records (the
     centring records the released head's comes from), the noise on each class mean the real
-    head's (its sigma scaled by the records' ratio); with fewer than 4 records past the
-    centring ones, the DP-SGD head. Each kind's score is returned beside it."""
+    head's (its sigma scaled by the records' ratio, at least the accountant's least sigma: where
+    that binds, the choice's class-means heads are the noisier); with fewer than 4 records past
+    the centring ones, the DP-SGD head. Each kind's score is returned beside it."""
     if cfg.head_kind != "chosen":
         return cfg.head_kind, {}
     centre = min(cfg.centre_size, len(labels))

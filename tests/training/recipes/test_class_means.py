@@ -7,8 +7,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import multivariate_normal
+from sklearn.covariance import LedoitWolf
 from torch import nn
 
 from training.dp.clipping import PerExampleClipper
@@ -18,7 +21,7 @@ from training.study.config import JOB, StudyConfig
 from training.study.heads import dp_head, head_config
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import calibrate, composed_epsilon
-from vip_hub.privacy.ledger import Dataset, DPStage
+from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage
 
 DATA = "test/class-means"
 C = 0.1
@@ -107,6 +110,20 @@ def test_the_head_is_lda_on_the_released_means() -> None:
     assert torch.allclose(head.linear.weight.double(), weights, rtol=1e-2, atol=1e-2)
     assert torch.allclose(head.linear.bias.double(), bias, rtol=1e-2, atol=1e-2)
     assert (head(x).argmax(1) == y).float().mean() > 0.95
+    # LDA's definition, computed apart: the class of highest prior times Gaussian likelihood,
+    # every class with the public covariance
+    covariance = LedoitWolf(assume_centered=True).fit(pz.double().numpy()).covariance_
+    means, prior = exact[:, :-1] * a / exact[:, -1:], exact[:, -1] / exact[:, -1].sum()
+    likelihood = np.stack(
+        [
+            multivariate_normal(means[k].numpy(), covariance).logpdf(z.double().numpy())
+            + math.log(prior[k])
+            for k in range(3)
+        ],
+        1,
+    )
+    agree = (head(x).argmax(1).numpy() == likelihood.argmax(1)).mean()
+    assert agree > 0.99, agree
     assert list(dp["noised"].values()) == [3 * (x.shape[1] + 1)]
 
 
@@ -135,6 +152,8 @@ def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
     assert s.name == "class-means-dp:h" and (s.sample_rate, s.steps) == (1.0, 1)
     assert "LDA" in s.description and s.hyperparameters["rule"] == "lda-ledoit-wolf"
     assert "top 4 principal components" in s.description
+    (noised,) = s.noised_tensors or {}  # one unreleased tensor, named once as such
+    assert noised.startswith(f"{NOT_RELEASED}:class sums") and noised.count(NOT_RELEASED) == 1
     both = composed_epsilon([*encoder, (s.noise_multiplier, 1.0, 1)], study.delta)
     assert both == pytest.approx(study.epsilon, abs=0.01)
 
