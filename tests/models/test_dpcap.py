@@ -37,6 +37,7 @@ from vip_hub.models.tokenizer import CaptionTokenizer
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 from vip_hub.repo_format import (
+    CARD_FILE,
     CONFIG_FILE,
     LEDGER_FILE,
     TEXT_DECODER_FILE,
@@ -273,7 +274,7 @@ def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
     assert enc.poolings[:3] == ("dpcap", "avg", "cls") and not enc.can_caption
     with pytest.raises(MissingInputError, match="has no vocab.txt: it cannot caption"):
         load_captioner(out)
-    assert "Captioning | not available" in (out / "README.md").read_text()
+    assert "Captioning | not available" in (out / CARD_FILE).read_text()
 
 
 # ------------------------------------------------------------------------ tokenizer, model
@@ -414,7 +415,7 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
         TEXT_DECODER_FILE,
         VOCAB_FILE,
     }
-    card = (out / "README.md").read_text()
+    card = (out / CARD_FILE).read_text()
     assert "Sampling caveat for `dp-pretraining`" in card and "assumes Poisson sampling" in card
     assert (
         "for any single image-caption pair of `MetaCLIP" in card
@@ -437,7 +438,7 @@ def test_preset_ledger_verifies_and_the_card_says_what_was_sampled(repo, tmp_pat
 
 
 def test_vip_cards_stay_vip(tiny_repo):
-    card = (tiny_repo / "README.md").read_text()
+    card = (tiny_repo / CARD_FILE).read_text()
     assert "`vip-nano` (ViP family)" in card and "`vip` 1152, `avg` 192, `cls` 192" in card
     assert "Captions" not in card and "Captioning" not in card and 'pooling="vip"' in card
 
@@ -482,7 +483,7 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     assert dp["sampling"] == "shuffle" and dp["delta"] == pytest.approx(
         1e-4
     )  # the reference's defaults
-    assert "license: cc-by-nc-4.0" in (out / "README.md").read_text()  # the DP-Cap authors'
+    assert "license: cc-by-nc-4.0" in (out / CARD_FILE).read_text()  # the DP-Cap authors'
     from PIL import Image
 
     files = []

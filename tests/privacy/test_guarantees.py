@@ -16,7 +16,7 @@ from support.helpers import published_hashes_of, write_digits
 from training.data.labelled import keyed_uniforms
 from training.recipes.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import HEAD_LABELS, HEAD_WEIGHTS, HEADS_DIR
+from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, HEAD_WEIGHTS, HEADS_DIR
 
 N, DIM = 64, 6
 
@@ -231,7 +231,7 @@ def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: P
     )
     report = verify_repo(repo)
     assert report.ok and any("assuming Poisson sampling" in w for w in report.warnings)
-    card = (repo / "README.md").read_text()
+    card = (repo / CARD_FILE).read_text()
     assert "as reported, assuming Poisson sampling" in card.split("| Privacy |")[1].split("\n")[0]
 
 
@@ -353,5 +353,5 @@ def test_pages_and_cards_say_which_epsilon_is_the_encoders_and_which_a_heads(
     push_repo(repo, "writer/labelled", token=WRITE_TOKEN)
     html = httpx.get(f"{hub.url}/writer/labelled", timeout=30).text
     assert "The encoder: <strong>(ε = " in html and "The encoder with head toy: <strong>" in html
-    card = (repo / "README.md").read_text()
+    card = (repo / CARD_FILE).read_text()
     assert "(the encoder) |" in card and "| Privacy with head `toy` | " in card

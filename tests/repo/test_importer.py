@@ -19,7 +19,7 @@ from vip_hub.repo.importer import (
     import_mae_checkpoint,
     load_reference_checkpoint,
 )
-from vip_hub.repo_format import MAE_DECODER_FILE
+from vip_hub.repo_format import CARD_FILE, MAE_DECODER_FILE
 
 
 class ReferenceMAE(torch.nn.Module):
@@ -266,4 +266,4 @@ def test_cli_preset_vip_base(tmp_path, capsys):
     report = verify_repo(out)
     assert report.ok
     assert report.ledger.summary().datasets == ("LAION-233M",)
-    assert "hf-hub:vip/vip-base" in (out / "README.md").read_text()
+    assert "hf-hub:vip/vip-base" in (out / CARD_FILE).read_text()

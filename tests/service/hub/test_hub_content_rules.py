@@ -594,7 +594,7 @@ def test_git_segments_and_file_folder_clashes_are_refused():
             validate_relpath(path)
     assert validate_relpath(".gitattributes") == ".gitattributes"
     assert validate_relpath("git~notes/x.txt") == "git~notes/x.txt"
-    assert tree_path_problems(["README.md", "README.md/x", "a/b", "A/b", "c"]) == [
+    assert tree_path_problems([CARD_FILE, f"{CARD_FILE}/x", "a/b", "A/b", "c"]) == [
         "'README.md' is a file and the folder of 'README.md/x'",
         "'A/b' and 'a/b' differ only by case",
     ]

@@ -21,6 +21,7 @@ from vip_hub import Dataset, DPStage, export_encoder, verify_repo
 from vip_hub.errors import RepoFormatError
 from vip_hub.repo.card import load_card
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CARD_FILE
 
 EVIL = (
     "digits` | [click](https://evil.example/a) ![x](https://evil.example/i.png) <b>bold</b>\n\n# `x"
@@ -68,7 +69,7 @@ def _no_markup_from_the_ledger(html: str) -> None:
 
 
 def test_ledger_strings_are_literal_in_the_card(evil_repo):
-    readme = (evil_repo / "README.md").read_text()
+    readme = (evil_repo / CARD_FILE).read_text()
     html = markdown_html(card_body(readme))
     _no_markup_from_the_ledger(html)
     assert "&lt;b&gt;bold&lt;/b&gt;" in html
@@ -110,7 +111,7 @@ def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
     from support.helpers import tiny_repo_with_head
 
     folder = tiny_repo_with_head(tmp_path / "aliases")
-    readme = folder / "README.md"
+    readme = folder / CARD_FILE
     readme.write_text(with_front_matter(readme.read_text(), _alias_bomb(22, 2)))
     assert any("YAML aliases" in str(p) for p in verify_repo(folder).problems)
     api = HfApi(token=WRITE_TOKEN)

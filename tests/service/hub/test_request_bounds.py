@@ -26,6 +26,7 @@ from support.live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 from service.pages.render import markdown_html
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CARD_FILE
 
 MIB = 1024 * 1024
 QUADRATIC = b"[" * 9 + b'"' + b'\\"' * (MIB // 2)
@@ -128,7 +129,7 @@ def test_validate_yaml_caps_front_matter_depth_and_size(server, tmp_path):
 
 def test_a_card_nested_too_deep_is_refused_at_commit(server, exported, tmp_path):
     folder = _copy(exported, tmp_path / "deep")
-    readme = folder / "README.md"
+    readme = folder / CARD_FILE
     readme.write_text(
         with_front_matter(readme.read_text(), "deep: " + "[" * 300 + "]" * 300 + "\n")
     )
@@ -283,7 +284,7 @@ def test_no_third_party_script_and_images_only_from_the_hub(server, exported, tm
     assert '<img src="/o/n/resolve/c/curve.png"' in html
     assert '<a href="https://elsewhere.example/p.png"' in html and '<img src="https' not in html
     folder = _copy(exported, tmp_path / "imgs")
-    readme = folder / "README.md"
+    readme = folder / CARD_FILE
     readme.write_text(readme.read_text() + "\n![plot](https://elsewhere.example/p.png)\n")
     push_repo(folder, "writer/imgs", endpoint=server.url, token=WRITE_TOKEN)
     page = httpx.get(server.url + "/writer/imgs", timeout=30)
