@@ -196,8 +196,7 @@ def fixed_head(b: Bench, mode: str, selection: torch.Tensor) -> tuple[HeadKind, 
         return b.study.head_kind, "fixed"
     choice = choose_features(b.study, {mode: selection}, b.splits.selection, b.private)
     print(f"  {mode}: {choice.shown()}", flush=True)
-    heads = ", ".join(f"{k} {v:.1f} %" for k, v in choice.head_scores.items())
-    return choice.head, f"fixed; a {choice.head} head ({heads} on the selection records)"
+    return choice.head, "; ".join(filter(None, ("fixed", choice.head_note())))
 
 
 def pixel_features(b: Bench) -> Features:

@@ -33,7 +33,7 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -442,7 +442,7 @@ def choose_pooling(
 
 
 def selection_scores(
-    feats: dict[str, torch.Tensor],
+    feats: Mapping[str, torch.Tensor],
     labels: np.ndarray,
     num_classes: int,
     cfg: ProbeConfig,

@@ -55,15 +55,16 @@ class Choice:
             + (f"; heads: {heads}; chosen {self.head}" if heads else "")
         )
 
+    def head_note(self) -> str:
+        """The head kind and each kind's score, when the study compared them ('' otherwise)."""
+        if len(self.head_scores) < 2:
+            return ""
+        scores = ", ".join(f"{k} {v:.1f} %" for k, v in self.head_scores.items())
+        return f"a {self.head} head ({scores} on the selection records)"
+
     def describe(self) -> str:
         """The mode and how it was chosen, as the comparison shows it."""
-        head = (
-            f"; a {self.head} head, "
-            + ", ".join(f"{k} {v:.1f} %" for k, v in self.head_scores.items())
-            + " on the selection records"
-            if len(self.head_scores) > 1
-            else ""
-        )
+        head = f"; {self.head_note()}" if self.head_note() else ""
         return (
             f"{self.mode} features (the best of {len(self.scores)} modes on public test records "
             f"0-{self.records - 1}, scored on {self.prior}{head})"
@@ -129,7 +130,7 @@ def choose_features(
         cfg, len(private), head_epsilon(cfg, prior, q, steps), dataset=private.dataset.name
     )
     scores = selection_scores(
-        dict(feats), selection.labels, len(private.classes), head, len(private),
+        feats, selection.labels, len(private.classes), head, len(private),
         cfg.head_components,
     )  # fmt: skip
     mode = max(scores, key=lambda m: scores[m])
