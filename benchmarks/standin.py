@@ -26,8 +26,8 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
-        [--ema-decay D] [--decoder-warmup N] [--heads 3] [--uncentred] [--head-components K]
-        [--head-kind sgd|class-means]
+        [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases] [--heads 3]
+        [--uncentred] [--head-components K] [--head-kind sgd|class-means]
         [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
         [--augmult 0] [--probe-only]
@@ -358,6 +358,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         "decoder) on public procedural images before its DP stage (the study's "
         "vip_decoder_warmup or dpcap_decoder_warmup)",
     )
+    p.add_argument(
+        "--encoder-parameters",
+        choices=("all", "biases"),
+        default=JOB.dp_encoder_parameters,
+        help="vip, dpcap: what of the encoder the stage trains (the study's dp_encoder_parameters)",
+    )
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
     p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
     p.add_argument(
@@ -433,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 "encoder_epsilon": a.encoder_epsilon,
                 "dp_lr_scale": a.lr_scale,
                 "dp_ema_decay": a.ema_decay,
+                "dp_encoder_parameters": a.encoder_parameters,
                 "vip_decoder_warmup": a.decoder_warmup,
                 "dpcap_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
@@ -453,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["steps"] = a.encoder_steps
         if a.row not in PRIORS and a.dp_batch_size:
             settings["batch"] = a.dp_batch_size
+        if a.row not in PRIORS and a.encoder_parameters != "all":
+            settings["trains"] = a.encoder_parameters
         if a.row not in PRIORS and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:

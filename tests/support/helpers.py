@@ -116,6 +116,29 @@ def with_front_matter(readme: str, extra: str) -> str:
     return "---\n" + front + extra + "---\n" + body
 
 
+def assert_biases_only_trained(init: Path, out: Path, stage: str) -> None:
+    """``out``, a DP stage ``stage`` run from ``init`` with ``encoder_parameters="biases"``,
+    releases every encoder tensor of two or more dimensions bit for bit as ``init``'s, moves its
+    one-dimensional ones (biases, normalisation scales), and its ledger stage records both."""
+    from safetensors.torch import load_file
+
+    from vip_hub.repo_format import WEIGHTS_FILE
+
+    before, after = load_file(init / WEIGHTS_FILE), load_file(out / WEIGHTS_FILE)
+    assert before.keys() == after.keys()
+    matrices = [k for k, v in before.items() if v.ndim > 1]
+    vectors = [k for k, v in before.items() if v.ndim == 1]
+    assert matrices and vectors
+    assert [k for k in matrices if not torch.equal(before[k], after[k])] == []
+    assert sum(not torch.equal(before[k], after[k]) for k in vectors) > len(vectors) // 2
+    dp = PrivacyLedger.read(out).stage(stage)
+    assert dp.hyperparameters["encoder_parameters"] == "biases"
+    assert dp.hyperparameters["encoder_trainable_parameters"] == sum(
+        before[k].numel() for k in vectors
+    )
+    assert "of the encoder, its biases and normalisation scales only" in dp.description
+
+
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return create_encoder(TINY, mae_init=True).eval()

@@ -40,7 +40,17 @@ from ..dp.run import DPRun
 from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
 from ..skeleton.distributed import Dist
-from .mae import decoder_warmup_field, eval_loss, freeze_fixed_tokens, public_images, warm_decoder
+from .mae import (
+    EncoderParameters,
+    decoder_warmup_field,
+    encoder_parameters_field,
+    encoder_parameters_note,
+    eval_loss,
+    freeze_fixed_tokens,
+    public_images,
+    restrict_encoder,
+    warm_decoder,
+)
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "public_caption_loss", "train_dpcap"]
 
@@ -99,6 +109,7 @@ class DPCapConfig(
         "built-in descriptions of such images)",
     )
     decoder_warmup: int = decoder_warmup_field("text decoder")
+    encoder_parameters: EncoderParameters = encoder_parameters_field()
 
 
 def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
@@ -146,6 +157,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         )
         print(f"text decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     horizon = cfg.decay_steps or 2 * cfg.steps
+    trained = restrict_encoder(model.encoder, cfg.encoder_parameters)
     engine = run.engine(model, horizon=horizon)  # after the warm-up: its average starts there
     augmented = Augmented(pairs, transform, run.seed)
 
@@ -192,6 +204,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
                 if cfg.decoder_warmup
                 else ""
             )
+            + encoder_parameters_note(cfg.encoder_parameters)
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(
@@ -211,6 +224,8 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             ),
             "augmentation": "random resized crop (0.2-1), flip",
             "decoder_warmup": cfg.decoder_warmup,
+            "encoder_parameters": cfg.encoder_parameters,
+            "encoder_trainable_parameters": trained,
         },
     )
 

@@ -27,11 +27,15 @@ from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from ..skeleton.distributed import Dist
 from .mae import (
+    EncoderParameters,
     decoder_warmup_field,
+    encoder_parameters_field,
+    encoder_parameters_note,
     eval_loss,
     load_mae,
     masked_loss,
     public_eval_batch,
+    restrict_encoder,
     warm_decoder,
 )
 
@@ -59,6 +63,7 @@ class VipConfig(
     decoder_depth: int | None = Field(None, gt=0, description="a fresh MAE decoder's blocks")
     decoder_heads: int | None = Field(None, gt=0, description="a fresh MAE decoder's heads")
     decoder_warmup: int = decoder_warmup_field("MAE decoder")
+    encoder_parameters: EncoderParameters = encoder_parameters_field()
 
 
 def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
@@ -85,6 +90,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
         if not run.checkpoint_path.exists():  # a resumed run's checkpoint holds the decoder
             losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), cfg.decoder_warmup)
             print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    trained = restrict_encoder(mae.encoder, cfg.encoder_parameters)
     engine = run.engine(mae)
     augmented = Augmented(images, transform, run.seed)
 
@@ -128,6 +134,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
                 if cfg.decoder_warmup
                 else ""
             )
+            + encoder_parameters_note(cfg.encoder_parameters)
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(),
@@ -135,6 +142,8 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
             "img_size": spec.img_size,
             "augmentation": "random resized crop (0.2-1), flip",
             "decoder_warmup": cfg.decoder_warmup,
+            "encoder_parameters": cfg.encoder_parameters,
+            "encoder_trainable_parameters": trained,
         },
     )
 

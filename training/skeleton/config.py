@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
@@ -32,6 +32,7 @@ from vip_hub.repo_format import SIGNATURE_FILE
 
 __all__ = [
     "DPRunConfig",
+    "EncoderParameters",
     "Recipe",
     "RunConfig",
     "WarmupRule",
@@ -168,6 +169,10 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
 
 
 C = TypeVar("C", bound=RunConfig)
+
+EncoderParameters = Literal["all", "biases"]
+"""What of the encoder a DP stage that also trains a decoder trains: every trainable parameter,
+or its one-dimensional ones only (biases and normalisation scales)."""
 
 WarmupRule = Callable[[int], int]
 """A recipe's default warm-up from its steps; its docstring is the ``--warmup-steps`` default."""

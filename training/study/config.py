@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..skeleton.config import EncoderParameters
+
 __all__ = ["BENCHMARK", "JOB", "StudyConfig", "stamp"]
 
 
@@ -138,7 +140,7 @@ class StudyConfig(BaseModel):
     dp_lr_scale: float = Field(
         0.25,
         gt=0,
-        le=1,
+        le=16,
         description="share of its recipe's peak learning rate ViP and DP-Cap train at: the "
         "recipes' rates are their papers', for batches of 98,304 and 1.3 M, where at 256 the "
         "noise makes Adam's step a random walk that moves the prior's features; chosen on "
@@ -153,6 +155,11 @@ class StudyConfig(BaseModel):
         "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); 0.9 chosen "
         "on public data, ViP's and DP-Cap's stages on the public stand-in at both presets' "
         "noise, against the last iterate (benchmarks/README.md, 'Weight averaging')",
+    )
+    dp_encoder_parameters: EncoderParameters = Field(
+        "all",
+        description="what of the encoder ViP's and DP-Cap's stages train (the recipes' "
+        "``encoder_parameters``): all, or its biases and normalisation scales",
     )
     vip_decoder_warmup: int = Field(
         0,
@@ -204,6 +211,7 @@ class StudyConfig(BaseModel):
             "batch_size": self.dp_batch_size,
             "micro_batch_size": self.dp_micro_batch_size,
             "ema_decay": self.dp_ema_decay,
+            "encoder_parameters": self.dp_encoder_parameters,
         }
         return {
             "vip": {

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
 from support.helpers import (
     TINY,
+    assert_biases_only_trained,
     kill_mid_run,
     published_hashes_of,
     run_stages,
@@ -278,6 +279,25 @@ def test_the_text_decoder_warm_up_runs_on_public_captions_before_the_dp_stage(
     assert stage.hyperparameters["decoder_warmup"] == 30
     assert "its first 30 steps on public procedural images" in stage.description
     assert PrivacyLedger.read(runs[0]).stage("dp-captioning").hyperparameters["decoder_warmup"] == 0
+
+
+def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_text_decoder(
+    syn_repo: Path, pairs: Path, vocab: Path, tmp_path: Path
+) -> None:
+    """``encoder_parameters="biases"`` (DP-BiTFiT): the encoder's matrices are released as the
+    init's, its biases and norm scales move, and the stage says so."""
+    out = train_dpcap(
+        DPCapConfig(
+            init=str(syn_repo),
+            data=str(pairs),
+            vocab=str(vocab),
+            out=str(tmp_path / "biases"),
+            **{**DP_ARGS, "steps": 2},
+            encoder_parameters="biases",
+        )
+    )
+    assert_biases_only_trained(syn_repo, out, "dp-captioning")
+    assert verify_repo(out).ok
 
 
 def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(

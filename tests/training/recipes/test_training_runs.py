@@ -20,7 +20,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 from support.audit_breaks import BROKEN, SETTINGS, assert_refused, break_engine
-from support.helpers import ROOT, TINY_SYN, kill_mid_run, published_hashes_of, run_stages, tiny_syn
+from support.helpers import (
+    ROOT,
+    TINY_SYN,
+    assert_biases_only_trained,
+    kill_mid_run,
+    published_hashes_of,
+    run_stages,
+    tiny_syn,
+)
 from support.live import free_port
 
 import training.dp.run
@@ -301,6 +309,28 @@ def test_training_stops_before_the_budget_is_exceeded(
     assert f"stopping after step {expected} of 50" in capsys.readouterr().err
     dp = PrivacyLedger.read(out).stages[-1]
     assert dp.steps == expected and dp.epsilon <= 3.0
+
+
+def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_decoder(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """``encoder_parameters="biases"`` (DP-BiTFiT): the encoder's matrices are released as the
+    init's, its biases and norm scales move, and the stage says so."""
+    out = train_vip(
+        vip_config(
+            syn_repo,
+            images,
+            tmp_path / "biases",
+            seed=0,
+            batch_size=8,
+            steps=2,
+            eval_every=100,
+            delta=1 / 80,
+            encoder_parameters="biases",
+        )
+    )
+    assert_biases_only_trained(syn_repo, out, "dp-pretrain")
+    assert verify_repo(out).ok
 
 
 def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
