@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,6 +71,12 @@ DP_ARGS = dict(
 )
 
 
+def dpcap_config(init: Path, pairs: Path, vocab: Path, out: Path, **settings: Any) -> DPCapConfig:
+    """A DP-Cap run from ``init`` on ``pairs`` with ``vocab`` into ``out``; ``settings`` its
+    own (``DP_ARGS`` for a small run)."""
+    return DPCapConfig(init=str(init), data=str(pairs), vocab=str(vocab), out=str(out), **settings)
+
+
 def cli_args(settings: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
 
@@ -111,9 +118,7 @@ def trained(
     syn_repo: Path, pairs: Path, vocab: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     out = tmp_path_factory.mktemp("dp") / "dpcap-nano-pairs"
-    return train_dpcap(
-        DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
-    )
+    return train_dpcap(dpcap_config(syn_repo, pairs, vocab, out, **DP_ARGS))
 
 
 # ---------------------------------------------------------------- clipping
@@ -255,12 +260,12 @@ def test_the_text_decoder_warm_up_runs_on_public_captions_before_the_dp_stage(
     public.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
     runs = {
         warmup: train_dpcap(
-            DPCapConfig(
-                init=str(syn_repo),
-                data=str(pairs),
-                vocab=str(vocab),
+            dpcap_config(
+                syn_repo,
+                pairs,
+                vocab,
+                tmp_path / f"warm{warmup}",
                 public_captions=str(public),
-                out=str(tmp_path / f"warm{warmup}"),
                 **{**DP_ARGS, "steps": 1, "ema_decay": 0.9},
                 decoder_warmup=warmup,
             )
@@ -287,11 +292,11 @@ def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_text_deco
     """``encoder_parameters="biases"`` (DP-BiTFiT): the encoder's matrices are released as the
     init's, its biases and norm scales move, and the stage says so."""
     out = train_dpcap(
-        DPCapConfig(
-            init=str(syn_repo),
-            data=str(pairs),
-            vocab=str(vocab),
-            out=str(tmp_path / "biases"),
+        dpcap_config(
+            syn_repo,
+            pairs,
+            vocab,
+            tmp_path / "biases",
             **{**DP_ARGS, "steps": 2},
             encoder_parameters="biases",
         )
@@ -310,13 +315,7 @@ def test_a_vip_init_is_refused_with_how_to_make_a_dpcap_one(
         ConfigError, match=r"ViP encoder \(vip-nano\).*vip-hub train-syn --arch dpcap-nano"
     ):
         train_dpcap(
-            DPCapConfig(
-                init=str(vip),
-                data=str(pairs),
-                vocab=str(vocab),
-                out=str(tmp_path / "o"),
-                dataset_name="test/digit-captions",
-            )
+            dpcap_config(vip, pairs, vocab, tmp_path / "o", dataset_name="test/digit-captions")
         )
 
 
@@ -461,9 +460,7 @@ def test_resume_after_sigkill_ends_with_the_same_ledger_and_weights(
         out,
         step=3,
     )
-    train_dpcap(
-        DPCapConfig(init=str(syn_repo), data=str(pairs), vocab=str(vocab), out=str(out), **DP_ARGS)
-    )
+    train_dpcap(dpcap_config(syn_repo, pairs, vocab, out, **DP_ARGS))
     assert run_stages(PrivacyLedger.read(out)) == run_stages(PrivacyLedger.read(trained))
     for name in (WEIGHTS_FILE, TEXT_DECODER_FILE):
         a, b = load_file(out / name), load_file(trained / name)
@@ -506,13 +503,5 @@ def test_the_audit_catches_a_broken_engine(
 ) -> None:
     break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
-    out = train_dpcap(
-        DPCapConfig(
-            init=str(syn_repo),
-            data=str(pairs),
-            vocab=str(vocab),
-            out=str(tmp_path / "broken"),
-            **settings,
-        )
-    )
+    out = train_dpcap(dpcap_config(syn_repo, pairs, vocab, tmp_path / "broken", **settings))
     assert_refused(out, hub, "dpcap-" + broken.replace(" ", "-"))
