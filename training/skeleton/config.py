@@ -272,7 +272,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         tp = _base(field.annotation)
-        text = field.description or ""
+        text = (field.description or "").replace("%", "%%")  # argparse %-formats help
         if tp is bool:
             parser.add_argument(
                 flag,

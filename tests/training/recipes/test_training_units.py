@@ -411,3 +411,25 @@ def test_reuse_freed_memory_stops_each_steps_tensors_from_faulting_their_pages_i
     per_step = 4_000 * 2_048 * (4 + 8 + 8) // resource.getpagesize()
     assert faults["default"] > 20 * per_step / 2
     assert faults["reuse"] < faults["default"] / 10
+
+
+def test_every_command_formats_its_help_and_a_percent_sign_stays_literal() -> None:
+    """argparse %-formats each option's help: a config field's description with a literal '%'
+    (a recipe's, once) must neither break ``--help`` nor vanish from it."""
+    import argparse
+
+    from pydantic import Field
+
+    from training.skeleton.config import add_config_args
+    from vip_hub.cli.main import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, command in commands.items():
+        assert command.format_help(), name
+
+    class Percent(RunConfig):
+        share: float = Field(0.5, description="about 1 % of the coordinates")
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, Percent)
+    assert "about 1 % of the coordinates" in parser.format_help()
