@@ -1,13 +1,15 @@
 """The shipped Docker files read without Docker (in ``make test``; ``tests/project/test_images.py``
 builds and runs them): the GPU Dockerfile is the CPU one but for the lines that must differ, both
 take their base, torch source and CA from outside, run as a user, and pin the torch the project
-pins; the compose files keep every public image, address and secret overridable, and the balancer's
+pins; the compose files keep every public image, address and secret overridable, their public
+images default to named releases (SeaweedFS's the tests' own), and the balancer's
 upstreams name their services."""
 
 from __future__ import annotations
 
 import difflib
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -105,6 +107,25 @@ def test_compose_files_keep_images_addresses_and_secrets_overridable():
             for key, value in (spec.get("environment") or {}).items():
                 if re.search(r"TOKEN|SECRET|PASSWORD|KEY", key):
                     assert str(value).startswith("${"), f"{name}: {service}.{key} is written in"
+
+
+def test_public_images_default_to_a_release_and_seaweedfs_to_the_one_the_tests_run():
+    """A compose file's public image defaults to a named release, never ``latest`` or no tag (a
+    later pull would run what nobody tested); SeaweedFS's to the ``weed`` of the tests."""
+    from support.seaweed import weed_binary
+
+    defaults = {}
+    for name in ("compose.yaml", "compose.replicas.yaml"):
+        for spec in _compose(name)["services"].values():
+            found = re.fullmatch(r"\$\{VIP_HUB_\w+:-([^:}]+):([^}]+)\}", spec["image"])
+            if found:
+                defaults[found[1]] = found[2]
+    assert {"postgres", "chrislusf/seaweedfs", "nginx"} <= defaults.keys(), defaults
+    assert all(re.fullmatch(r"\d+(\.\d+)*", tag) for tag in defaults.values()), defaults
+    version = subprocess.run(
+        [weed_binary(), "version"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert defaults["chrislusf/seaweedfs"] in version, (defaults, version)
 
 
 def test_the_balancer_routes_to_the_replicas_services():
