@@ -74,10 +74,10 @@ from tqdm.auto import tqdm
 from training.data.labelled import LabelledArrays, keyed_uniforms
 from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
 from training.skeleton.memory import reuse_freed_memory
-from training.study.budget import composed, head_epsilon
+from training.study.budget import composed
 from training.study.config import BENCHMARK, StudyConfig, stamp
 from training.study.features import CHUNK, embed, pixels
-from training.study.heads import HeadKind, dp_head, head_config, head_sampling
+from training.study.heads import HeadKind, dp_head, head_config, released_epsilon
 from training.study.selection import Choice, choose_features, choose_modes
 from training.study.splits import Splits, study_splits
 from training.study.table import Paired, paired
@@ -400,9 +400,9 @@ def choose(b: Bench, rows: Sequence[str]) -> None:
         if key in ENCODERS:
             row = ENCODERS[key]
             readers.setdefault(syn_repo(b, row.family), []).append(stages_of(row.repo(b)))
-    q, steps = head_sampling(b.study, len(b.private), b.private.dataset.name)
+    n, dataset = len(b.private), b.private.dataset.name
     for prior, stages in readers.items():
-        noisiest = min(head_epsilon(b.study, s, q, steps) for s in stages)
+        noisiest = min(released_epsilon(b.study, "sgd", n, dataset, s) for s in stages)
         made = {"prior": str(prior.resolve()), "head": noisiest, "study": b.study.model_dump()}
         path = b.work / "choices" / f"{prior.name}-{stamp(made)[:10]}.json"
         if path.exists():

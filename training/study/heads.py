@@ -43,6 +43,7 @@ __all__ = [
     "head_config",
     "head_kind",
     "head_sampling",
+    "released_epsilon",
     "released_sampling",
 ]
 
@@ -106,6 +107,14 @@ def released_sampling(kind: HeadKind, cfg: StudyConfig, n: int, dataset: str) ->
     return (1.0, 1) if kind == "class-means" else head_sampling(cfg, n, dataset)
 
 
+def released_epsilon(
+    cfg: StudyConfig, kind: HeadKind, n: int, dataset: str, prior: Sequence[DPStage]
+) -> float:
+    """A ``kind`` head's own epsilon on ``n`` records of ``dataset`` after the DP stages
+    ``prior``: what the split rule leaves at its sampling (``released_sampling``)."""
+    return head_epsilon(cfg, prior, *released_sampling(kind, cfg, n, dataset))
+
+
 def head_kind(cfg: StudyConfig, kind: HeadKind | None) -> HeadKind:
     """The head a row releases: ``kind`` (a public choice's), else the study's fixed one."""
     chosen = kind or cfg.head_kind
@@ -133,8 +142,7 @@ def dp_head(
     ``centre_x``, at the epsilon the split rule leaves after the encoder's DP stages ``prior``
     (``pooling`` names the features in its stage)."""
     kind = head_kind(cfg, kind)
-    q, steps = released_sampling(kind, cfg, len(y), data.name)
-    eps = head_epsilon(cfg, prior, q, steps)
+    eps = released_epsilon(cfg, kind, len(y), data.name, prior)
     config = head_config(cfg, len(y), eps, dataset=data.name, name=name, pooling=pooling, lr=lr)
     means = kind == "class-means"
     k = component_count(centre_x, cfg.class_means_components if means else cfg.head_components)

@@ -26,7 +26,7 @@ from ..recipes.class_means import fit_class_means
 from ..recipes.probe import accuracy, component_count, public_components, selection_scores
 from .budget import head_epsilon
 from .config import StudyConfig
-from .heads import HeadKind, head_config, head_sampling
+from .heads import HeadKind, head_config, released_epsilon, released_sampling
 
 __all__ = ["Choice", "choose_features", "choose_head", "choose_modes"]
 
@@ -99,8 +99,9 @@ def choose_head(
             flush=True,
         )
         return "sgd", {"sgd": sgd_score}
-    sigma = calibrate(head_epsilon(cfg, prior, 1.0, 1), cfg.delta, 1.0, 1)
-    matched = epsilon(sigma * half / len(private), 1.0, 1, cfg.delta)
+    q, steps = released_sampling("class-means", cfg, len(private), private.dataset.name)
+    sigma = calibrate(head_epsilon(cfg, prior, q, steps), cfg.delta, q, steps)
+    matched = epsilon(sigma * half / len(private), q, steps, cfg.delta)
     config = head_config(cfg, half, matched, dataset=private.dataset.name)
     k = component_count(x[:centre], cfg.class_means_components)
     project = public_components(x[:centre], k) if k else (lambda features: features)
@@ -125,10 +126,8 @@ def choose_features(
     """Of the PUBLIC ``selection`` records' features in each mode of ``feats``, the mode and the
     head kind (``choose_head``) for a head on ``private`` after the DP stages ``prior``, the
     mode by ``selection_scores`` with the DP-SGD head's noise; ``prior`` names the choice."""
-    q, steps = head_sampling(cfg, len(private), private.dataset.name)
-    head = head_config(
-        cfg, len(private), head_epsilon(cfg, prior, q, steps), dataset=private.dataset.name
-    )
+    n, dataset = len(private), private.dataset.name
+    head = head_config(cfg, n, released_epsilon(cfg, "sgd", n, dataset, prior), dataset=dataset)
     scores = selection_scores(
         feats, selection.labels, len(private.classes), head, len(private),
         cfg.head_components,
@@ -149,11 +148,11 @@ def choose_modes(
     encoder whose heads read its choice: none for the (Syn) encoder itself) with its mode and
     head kind (``choose_features``), chosen on the ``selection`` records for a head on
     ``private`` after the most spent of those stages."""
-    q, steps = head_sampling(cfg, len(private), private.dataset.name)
+    n, dataset = len(private), private.dataset.name
     images = [selection.pil(i) for i in range(len(selection))]
     out = {}
     for prior, stages in readers.items():
-        spent = min(stages, key=lambda s: head_epsilon(cfg, s, q, steps))
+        spent = min(stages, key=lambda s: released_epsilon(cfg, "sgd", n, dataset, s))
         encoder = load_encoder(prior, device=device)
         choice = choose_features(
             cfg, encoder.embed(images, encoder.poolings), selection, private, spent
