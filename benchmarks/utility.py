@@ -73,6 +73,7 @@ from tqdm.auto import tqdm
 
 from training.data.labelled import LabelledArrays, keyed_uniforms
 from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
+from training.skeleton.config import field_help
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed
 from training.study.config import BENCHMARK, StudyConfig, stamp
@@ -847,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             flag,
             type=int,
             default=getattr(BENCHMARK, field_name),
-            help=StudyConfig.model_fields[field_name].description,
+            help=field_help(StudyConfig, field_name),
         )
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--tune", default="", help="rows whose head lr is tuned on validation")
@@ -864,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--encoder-epsilon",
         type=float,
         default=BENCHMARK.encoder_epsilon,
-        help=StudyConfig.model_fields["encoder_epsilon"].description,
+        help=field_help(StudyConfig, "encoder_epsilon"),
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
@@ -887,31 +888,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--head-components",
         type=int,
         default=BENCHMARK.head_components,
-        help=StudyConfig.model_fields["head_components"].description,
+        help=field_help(StudyConfig, "head_components"),
     )
     p.add_argument(
         "--head-kind",
         choices=["sgd", "class-means", "chosen"],
         default=BENCHMARK.head_kind,
-        help=StudyConfig.model_fields["head_kind"].description,
+        help=field_help(StudyConfig, "head_kind"),
     )
     p.add_argument(
         "--ema-decay",
         type=float,
         default=BENCHMARK.dp_ema_decay,
-        help=StudyConfig.model_fields["dp_ema_decay"].description,
+        help=field_help(StudyConfig, "dp_ema_decay"),
     )
     p.add_argument(
         "--decoder-warmup",
         type=int,
         default=BENCHMARK.vip_decoder_warmup,
-        help=StudyConfig.model_fields["vip_decoder_warmup"].description,
+        help=field_help(StudyConfig, "vip_decoder_warmup"),
     )
     p.add_argument(
         "--dpcap-decoder-warmup",
         type=int,
         default=BENCHMARK.dpcap_decoder_warmup,
-        help=StudyConfig.model_fields["dpcap_decoder_warmup"].description,
+        help=field_help(StudyConfig, "dpcap_decoder_warmup"),
     )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]

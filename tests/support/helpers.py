@@ -116,10 +116,11 @@ def with_front_matter(readme: str, extra: str) -> str:
     return "---\n" + front + extra + "---\n" + body
 
 
-def assert_biases_only_trained(init: Path, out: Path, stage: str) -> None:
+def assert_biases_only_trained(init: Path, out: Path, stage: str, decoder_file: str) -> None:
     """``out``, a DP stage ``stage`` run from ``init`` with ``encoder_parameters="biases"``,
     releases every encoder tensor of two or more dimensions bit for bit as ``init``'s, moves its
-    one-dimensional ones (biases, normalisation scales), and its ledger stage records both."""
+    one-dimensional ones (biases, normalisation scales); its noise went to exactly those of the
+    encoder and to the decoder's (``decoder_file``) matrices too; its ledger stage says so."""
     from safetensors.torch import load_file
 
     from vip_hub.repo_format import WEIGHTS_FILE
@@ -137,6 +138,13 @@ def assert_biases_only_trained(init: Path, out: Path, stage: str) -> None:
         before[k].numel() for k in vectors
     )
     assert "of the encoder, its biases and normalisation scales only" in dp.description
+    noised = dp.noised_tensors or {}
+    assert {k.split(":", 1)[1] for k in noised if k.startswith(f"{WEIGHTS_FILE}:")} == set(vectors)
+    decoder = load_file(out / decoder_file)
+    assert any(
+        v.ndim > 1 and any(k.startswith(f"{decoder_file}:") and k.endswith(name) for k in noised)
+        for name, v in decoder.items()
+    ), sorted(noised)
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

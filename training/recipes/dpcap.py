@@ -195,7 +195,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         files={"text_decoder": model.decoder, "vocab": vocab},
         name="dp-captioning",
         description=(
-            "DP-Cap: image captioning with DP-AdamW (per-example clipping of every "
+            "DP-Cap: image captioning with DP-AdamW (per-example clipping of every trained "
             "parameter, token embedding included; Gaussian noise once per logical step, "
             "Poisson sampling); the text decoder is trained from scratch in this stage"
             + (

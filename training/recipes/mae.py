@@ -322,7 +322,7 @@ def encoder_parameters_field() -> Any:
         "all",
         description="what of the encoder the DP stage trains: all, or biases (its biases and "
         "normalisation scales only, after Bu et al. 2022's DP-BiTFiT: the stage's noise falls on "
-        "about one in 200 of the encoder's coordinates); the decoder trains whole",
+        "about one in 170 of the encoder's coordinates); the decoder trains whole",
     )
 
 

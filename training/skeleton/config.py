@@ -39,6 +39,7 @@ __all__ = [
     "WeakDeltaOption",
     "add_config_args",
     "config_from_args",
+    "field_help",
     "recipe_main",
     "tenth_of_steps",
     "tenth_of_steps_to_1000",
@@ -264,6 +265,12 @@ def _base(tp: Any) -> Any:
     return tp
 
 
+def field_help(model: type[BaseModel], name: str) -> str:
+    """``model``'s field ``name``'s description as argparse help: its '%' escaped (argparse
+    %-formats help, so a literal one would break ``--help``)."""
+    return (model.model_fields[name].description or "").replace("%", "%%")
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
     """One option per field of ``cls`` (defaults and help from the declaration) and ``--config``."""
     parser.add_argument(
@@ -272,7 +279,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         tp = _base(field.annotation)
-        text = (field.description or "").replace("%", "%%")  # argparse %-formats help
+        text = field_help(cls, name)
         if tp is bool:
             parser.add_argument(
                 flag,

@@ -301,7 +301,7 @@ def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_text_deco
             encoder_parameters="biases",
         )
     )
-    assert_biases_only_trained(syn_repo, out, "dp-captioning")
+    assert_biases_only_trained(syn_repo, out, "dp-captioning", TEXT_DECODER_FILE)
     assert verify_repo(out).ok
 
 

@@ -329,7 +329,7 @@ def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_decoder(
             encoder_parameters="biases",
         )
     )
-    assert_biases_only_trained(syn_repo, out, "dp-pretrain")
+    assert_biases_only_trained(syn_repo, out, "dp-pretrain", MAE_DECODER_FILE)
     assert verify_repo(out).ok
 
 

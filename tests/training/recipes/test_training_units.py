@@ -415,7 +415,8 @@ def test_reuse_freed_memory_stops_each_steps_tensors_from_faulting_their_pages_i
 
 def test_every_command_formats_its_help_and_a_percent_sign_stays_literal() -> None:
     """argparse %-formats each option's help: a config field's description with a literal '%'
-    (a recipe's, once) must neither break ``--help`` nor vanish from it."""
+    (a recipe's, once) must neither break ``--help`` nor vanish from it; ``benchmarks/utility.py``
+    takes the study's descriptions through the same ``field_help``."""
     import argparse
 
     from pydantic import Field
@@ -423,13 +424,16 @@ def test_every_command_formats_its_help_and_a_percent_sign_stays_literal() -> No
     from training.skeleton.config import add_config_args
     from vip_hub.cli.main import build_parser
 
-    commands = build_parser()._subparsers._group_actions[0].choices
+    parser = build_parser()
+    assert parser.epilog is None  # no plugin failed to load (it would be named there instead)
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"train-vip", "train-dpcap", "train-logit-dp", "train-finetune"} <= commands.keys()
     for name, command in commands.items():
         assert command.format_help(), name
 
     class Percent(RunConfig):
         share: float = Field(0.5, description="about 1 % of the coordinates")
 
-    parser = argparse.ArgumentParser()
-    add_config_args(parser, Percent)
-    assert "about 1 % of the coordinates" in parser.format_help()
+    percent = argparse.ArgumentParser()
+    add_config_args(percent, Percent)
+    assert "about 1 % of the coordinates" in percent.format_help()
