@@ -903,6 +903,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=field_help(StudyConfig, "dp_ema_decay"),
     )
     p.add_argument(
+        "--lr-scale",
+        type=float,
+        default=BENCHMARK.dp_lr_scale,
+        help=field_help(StudyConfig, "dp_lr_scale"),
+    )
+    p.add_argument(
+        "--encoder-parameters",
+        choices=["all", "biases"],
+        default=BENCHMARK.dp_encoder_parameters,
+        help=field_help(StudyConfig, "dp_encoder_parameters"),
+    )
+    p.add_argument(
         "--decoder-warmup",
         type=int,
         default=BENCHMARK.vip_decoder_warmup,
@@ -938,6 +950,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "head_components": args.head_components,
             "head_kind": args.head_kind,
             "dp_ema_decay": args.ema_decay,
+            "dp_lr_scale": args.lr_scale,
+            "dp_encoder_parameters": args.encoder_parameters,
             "vip_decoder_warmup": args.decoder_warmup,
             "dpcap_decoder_warmup": args.dpcap_decoder_warmup,
             **(
