@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import numpy as np
 import torch
@@ -830,6 +830,25 @@ def table(
     return lines
 
 
+STUDY_OPTIONS = (
+    ("--train-size", "train_size"),
+    ("--select-size", "select_size"),
+    ("--test-size", "test_size"),
+    ("--epochs", "probe_epochs"),
+    ("--dp-batch-size", "dp_batch_size"),
+    ("--encoder-epsilon", "encoder_epsilon"),
+    ("--head-components", "head_components"),
+    ("--head-kind", "head_kind"),
+    ("--ema-decay", "dp_ema_decay"),
+    ("--lr-scale", "dp_lr_scale"),
+    ("--encoder-parameters", "dp_encoder_parameters"),
+    ("--decoder-warmup", "vip_decoder_warmup"),
+    ("--dpcap-decoder-warmup", "dpcap_decoder_warmup"),
+)
+"""The options that set a ``StudyConfig`` field (its default the benchmark's, its help the
+field's description)."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the options, run the rows, print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -837,17 +856,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--data", help="the four IDX files' folder or an image folder (default: the Debian package)"
     )
     p.add_argument("--work", default="var/utility", help="cache of features and encoders")
-    for flag, field_name in (
-        ("--train-size", "train_size"),
-        ("--select-size", "select_size"),
-        ("--test-size", "test_size"),
-        ("--epochs", "probe_epochs"),
-        ("--dp-batch-size", "dp_batch_size"),
-    ):
+    for flag, field_name in STUDY_OPTIONS:
+        default = getattr(BENCHMARK, field_name)
+        annotation = StudyConfig.model_fields[field_name].annotation
         p.add_argument(
             flag,
-            type=int,
-            default=getattr(BENCHMARK, field_name),
+            type=type(default),
+            choices=get_args(annotation) if get_origin(annotation) is Literal else None,
+            default=default,
             help=field_help(StudyConfig, field_name),
         )
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
@@ -860,12 +876,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="steps of every DP encoder recipe (default: the study's, ViP "
         f"{BENCHMARK.dp_steps}, DP-Cap {BENCHMARK.dpcap_steps}, Logit-DP and Naive-DP "
         f"{BENCHMARK.contrastive_steps})",
-    )
-    p.add_argument(
-        "--encoder-epsilon",
-        type=float,
-        default=BENCHMARK.encoder_epsilon,
-        help=field_help(StudyConfig, "encoder_epsilon"),
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
@@ -884,48 +894,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=1,
         help="DP fine-tunings of the finetune row, each from a fresh secret (about 10 min each)",
     )
-    p.add_argument(
-        "--head-components",
-        type=int,
-        default=BENCHMARK.head_components,
-        help=field_help(StudyConfig, "head_components"),
-    )
-    p.add_argument(
-        "--head-kind",
-        choices=["sgd", "class-means", "chosen"],
-        default=BENCHMARK.head_kind,
-        help=field_help(StudyConfig, "head_kind"),
-    )
-    p.add_argument(
-        "--ema-decay",
-        type=float,
-        default=BENCHMARK.dp_ema_decay,
-        help=field_help(StudyConfig, "dp_ema_decay"),
-    )
-    p.add_argument(
-        "--lr-scale",
-        type=float,
-        default=BENCHMARK.dp_lr_scale,
-        help=field_help(StudyConfig, "dp_lr_scale"),
-    )
-    p.add_argument(
-        "--encoder-parameters",
-        choices=["all", "biases"],
-        default=BENCHMARK.dp_encoder_parameters,
-        help=field_help(StudyConfig, "dp_encoder_parameters"),
-    )
-    p.add_argument(
-        "--decoder-warmup",
-        type=int,
-        default=BENCHMARK.vip_decoder_warmup,
-        help=field_help(StudyConfig, "vip_decoder_warmup"),
-    )
-    p.add_argument(
-        "--dpcap-decoder-warmup",
-        type=int,
-        default=BENCHMARK.dpcap_decoder_warmup,
-        help=field_help(StudyConfig, "dpcap_decoder_warmup"),
-    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
@@ -941,19 +909,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     study = StudyConfig(
         **{
             **BENCHMARK.model_dump(),
-            "train_size": args.train_size,
-            "select_size": args.select_size,
-            "test_size": args.test_size,
-            "dp_batch_size": args.dp_batch_size,
-            "probe_epochs": args.epochs,
-            "encoder_epsilon": args.encoder_epsilon,
-            "head_components": args.head_components,
-            "head_kind": args.head_kind,
-            "dp_ema_decay": args.ema_decay,
-            "dp_lr_scale": args.lr_scale,
-            "dp_encoder_parameters": args.encoder_parameters,
-            "vip_decoder_warmup": args.decoder_warmup,
-            "dpcap_decoder_warmup": args.dpcap_decoder_warmup,
+            **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name in STUDY_OPTIONS},
             **(
                 {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
                 if steps
