@@ -188,7 +188,7 @@ def _lower_epsilon(ledger: dict) -> dict:
 def test_tampered_json_copy(tiny_repo):
     path = tiny_repo / LEDGER_FILE
     path.write_text(json.dumps(_lower_epsilon(json.loads(path.read_text()))))
-    _fails(tiny_repo, "disagrees with privacy_ledger.json at stages.1.epsilon")
+    _fails(tiny_repo, f"disagrees with {LEDGER_FILE} at stages.1.epsilon")
 
 
 def test_tampered_weights_metadata_copy(tiny_repo):

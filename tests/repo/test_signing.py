@@ -84,7 +84,8 @@ def test_sign_and_verify_roundtrip(tmp_path, alice, cli):
     missing = cli("verify", repo, "--key", tmp_path / "nope")
     assert missing.returncode == 1 and "no such public key file or folder" in missing.stderr
     unchecked = cli("verify", repo)
-    assert unchecked.returncode == 0 and "signed (model.sig) but not checked" in unchecked.stdout
+    assert unchecked.returncode == 0
+    assert f"signed ({SIGNATURE_FILE}) but not checked" in unchecked.stdout
 
 
 def test_a_key_inside_the_repo_is_refused(tmp_path):
@@ -100,7 +101,7 @@ def test_unsigned_repo_verifies_with_a_warning(tmp_path, alice, cli):
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 0
     assert (
-        "WARN  unsigned: no model.sig, so nothing says who trained or published these files"
+        f"WARN  unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these files"
         in out.stdout
     )
     report = json.loads(cli("verify", repo, "--key", alice[1], "--json").stdout)
@@ -117,7 +118,7 @@ def test_one_byte_changed_after_signing_fails(tmp_path, alice, cli):
         verify_signature(repo, load_keys([alice[1]]))
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 1
-    assert "FAIL  model.sig: the files differ from what alice" in out.stdout
+    assert f"FAIL  {SIGNATURE_FILE}: the files differ from what alice" in out.stdout
 
 
 def test_a_consistent_ledger_rewrite_verifies_but_its_signature_fails(tmp_path, alice, cli):
@@ -139,7 +140,7 @@ def test_a_consistent_ledger_rewrite_verifies_but_its_signature_fails(tmp_path, 
     (repo / SIGNATURE_FILE).write_bytes(signature)  # the forger keeps the trainer's signature
     out = cli("verify", repo, "--key", alice[1])
     assert out.returncode == 1
-    assert "FAIL  model.sig: the files differ from what alice" in out.stdout
+    assert f"FAIL  {SIGNATURE_FILE}: the files differ from what alice" in out.stdout
     for name in (LEDGER_FILE, CARD_FILE, WEIGHTS_FILE):
         assert name in out.stdout
 

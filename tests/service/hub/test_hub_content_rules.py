@@ -119,8 +119,8 @@ def test_every_timm_weight_source_key_is_refused(good, tmp_path, key):
     problems = [str(p) for p in verify_repo(folder).problems]
     assert problems == [
         (
-            f"config.json:pretrained_cfg.{key}: would make timm load weights from elsewhere "
-            "than the verified model.safetensors"
+            f"{CONFIG_FILE}:pretrained_cfg.{key}: would make timm load weights from elsewhere "
+            f"than the verified {WEIGHTS_FILE}"
         )
     ]
 
@@ -131,7 +131,7 @@ def test_a_weight_source_at_the_top_level_is_refused(good, tmp_path):
     config = json.loads((folder / CONFIG_FILE).read_text())
     (folder / CONFIG_FILE).write_text(json.dumps({**config, "url": "https://example.com/w.pth"}))
     _rebind(folder)
-    assert [p.where for p in verify_repo(folder).problems] == ["config.json:url"]
+    assert [p.where for p in verify_repo(folder).problems] == [f"{CONFIG_FILE}:url"]
 
 
 class _RunsOnLoad:
@@ -296,7 +296,7 @@ def test_files_that_run_code_are_refused_naming_the_file(good, tmp_path):
         ("pytorch_model.bin", _torch_pickle()),
         ("model.npy", pickle.dumps({"w": 1}, protocol=2)),
         ("LICENSE", b"MIT\n"),
-        ("config.json.py", b"{}"),
+        (f"{CONFIG_FILE}.py", b"{}"),
     ],
 )
 def test_every_kind_outside_the_allow_list_is_refused_by_name(good, tmp_path, name, content):
@@ -595,7 +595,7 @@ def test_git_segments_and_file_folder_clashes_are_refused():
     assert validate_relpath(".gitattributes") == ".gitattributes"
     assert validate_relpath("git~notes/x.txt") == "git~notes/x.txt"
     assert tree_path_problems([CARD_FILE, f"{CARD_FILE}/x", "a/b", "A/b", "c"]) == [
-        "'README.md' is a file and the folder of 'README.md/x'",
+        f"'{CARD_FILE}' is a file and the folder of '{CARD_FILE}/x'",
         "'A/b' and 'a/b' differ only by case",
     ]
 
@@ -657,10 +657,10 @@ def test_hub_refuses_git_paths_and_a_file_that_is_a_folder(hub, good):
     for path in (".git/config", "sub/.git/config", ".Git/config", "GIT~1/config", "a/git~12/HEAD"):
         r = raw_commit(hub.url, "writer/paths", {path: hook})
         assert r.status_code == 400 and "'.git' segment" in r.json()["error"], (path, r.text)
-    r = raw_commit(hub.url, "writer/paths", {"README.md/x": b"shadow"})
+    r = raw_commit(hub.url, "writer/paths", {f"{CARD_FILE}/x": b"shadow"})
     assert (
         r.status_code == 400
-        and "'README.md' is a file and the folder of 'README.md/x'" in r.json()["error"]
+        and f"'{CARD_FILE}' is a file and the folder of '{CARD_FILE}/x'" in r.json()["error"]
     )
     assert api.model_info("writer/paths").sha == before
 

@@ -206,7 +206,7 @@ def test_no_ledger_and_pickles_are_refused(hub, tmp_path):
         match="pytorch_model.bin: a '.bin' file is refused by name",
     ):
         timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN)  # safetensors and a .bin
-    with pytest.raises(BadRequestError, match="privacy_ledger.json: missing"):
+    with pytest.raises(BadRequestError, match=f"{LEDGER_FILE}: missing"):
         timm.models.push_to_hf_hub(model, "plain/timm", token=WRITE_TOKEN, safe_serialization=True)
     with pytest.raises(RevisionNotFoundError):
         api.model_info("plain/timm", revision="main")
@@ -280,14 +280,14 @@ def test_push_cli(hub, tmp_path, capsys):
     [
         "/vip/vip-nano-test/resolve/main/../../../etc/passwd",
         "/vip/vip-nano-test/resolve/main/%2e%2e/%2e%2e/etc/passwd",
-        "/vip/vip-nano-test/resolve/main/%252e%252e/config.json",
+        f"/vip/vip-nano-test/resolve/main/%252e%252e/{CONFIG_FILE}",
         "/vip/vip-nano-test/resolve/main/heads%5Ctoy%5Clabels.json",
         "/vip/vip-nano-test/resolve/main/%2Fetc%2Fpasswd",
         "/vip/vip-nano-test/resolve/main/conf%00ig.json",
         "/vip/vip-nano-test/resolve/main/" + "a" * 300 + "/x",
-        "/vip/vip-nano-test/resolve/..%2f..%2fmain/config.json",
-        "/vip/vip-nano-test/resolve/refs%2Fpr%2F1/config.json",
-        "/vip/" + "n" * 200 + "/resolve/main/config.json",
+        f"/vip/vip-nano-test/resolve/..%2f..%2fmain/{CONFIG_FILE}",
+        f"/vip/vip-nano-test/resolve/refs%2Fpr%2F1/{CONFIG_FILE}",
+        "/vip/" + "n" * 200 + f"/resolve/main/{CONFIG_FILE}",
         "/api/models/vip/vip-nano-test/tree/main/..%2F..",
     ],
 )

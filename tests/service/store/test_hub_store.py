@@ -84,7 +84,7 @@ def test_refused_commit_stores_nothing(store, repo_dir):
 def test_deleting_a_ledger_file_is_refused(store, repo_dir):
     store.create_repo("vip/m")
     store.commit("vip/m", _ops(store, repo_dir))
-    with pytest.raises(PublishRefused, match="privacy_ledger.json: missing"):
+    with pytest.raises(PublishRefused, match=f"{LEDGER_FILE}: missing"):
         store.commit("vip/m", [DeleteFile(LEDGER_FILE)])
     with pytest.raises(NoSuchEntry):
         store.commit("vip/m", [DeleteFile("nope.txt")])

@@ -49,7 +49,14 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
-from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    CURVES_FILE,
+    TEXT_DECODER_FILE,
+    VOCAB_FILE,
+    WEIGHTS_FILE,
+)
 
 BIN = Path(sys.executable).parent
 IMG, PATCH = 16, 8
@@ -223,7 +230,7 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     )
     assert (trained / VOCAB_FILE).read_bytes() == vocab.read_bytes()
     card = (trained / CARD_FILE).read_text()
-    assert "](training_curves.png)" in card and "dp-captioning" in card
+    assert f"]({CURVES_FILE})" in card and "dp-captioning" in card
 
     before, after = (
         load_file(syn_repo / WEIGHTS_FILE),

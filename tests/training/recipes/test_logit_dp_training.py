@@ -44,7 +44,7 @@ from vip_hub.privacy.sensitivity import (
     logit_dp_sensitivity,
     rounding_allowance,
 )
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, CURVES_FILE, LEDGER_FILE, WEIGHTS_FILE
 
 BIN = Path(sys.executable).parent
 DP_ARGS = dict(
@@ -138,7 +138,7 @@ def test_train_logit_dp_exports_a_verified_repo_that_names_its_sensitivity(
     )
 
     card = (trained / CARD_FILE).read_text()
-    assert "Logit-DP" in card and "](training_curves.png)" in card
+    assert "Logit-DP" in card and f"]({CURVES_FILE})" in card
     log = [
         json.loads(line)
         for line in (trained.parent / f"{trained.name}.run" / "log.jsonl").read_text().splitlines()
