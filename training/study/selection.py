@@ -64,7 +64,8 @@ class Choice:
 
     def describe(self) -> str:
         """The mode and how it was chosen, as the comparison shows it."""
-        head = f"; {self.head_note()}" if self.head_note() else ""
+        note = self.head_note()
+        head = f"; {note}" if note else ""
         return (
             f"{self.mode} features (the best of {len(self.scores)} modes on public test records "
             f"0-{self.records - 1}, scored on {self.prior}{head})"
