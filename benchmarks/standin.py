@@ -29,8 +29,8 @@ every run since 2026-11-28); the non-private reference is printed beside (public
         [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases] [--heads 3]
         [--uncentred] [--head-components K] [--head-kind sgd|class-means]
         [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
-    python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr 1e-5] [--finetune-steps 10]
-        [--augmult 0] [--probe-only]
+    python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
+        [--augmult 0] [--encoder-parameters all|biases] [--probe-only]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from utility import FINETUNE
+from utility import FINETUNE, FINETUNE_LR
 
 from training.data.labelled import (
     FASHION_MNIST_TEST,
@@ -310,7 +310,7 @@ def finetune_trial(
     t.real = {"probe": (s_p, q, t_p), "finetune": (s_f, q, steps)}
     t.standin = {"probe": (s_p * r, q, t_p), "finetune": (s_f * r, q, steps)}
     batch = head_config(study, n, None, dataset=recs.private.dataset.name).batch_size
-    tag = "-".join(f"{k}{v:g}" for k, v in settings.items())
+    tag = "-".join(f"{k}{v if isinstance(v, str) else format(v, 'g')}" for k, v in settings.items())
     run_settings = {
         "batch_size": batch,
         "pooling": MODE,
@@ -361,11 +361,17 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument(
         "--encoder-parameters",
         choices=("all", "biases"),
-        default=JOB.dp_encoder_parameters,
-        help="vip, dpcap: what of the encoder the stage trains (the study's dp_encoder_parameters)",
+        default=None,
+        help="what of the encoder the stage trains (default: vip, dpcap: the study's "
+        "dp_encoder_parameters; finetune: the benchmark row's, FINETUNE)",
     )
     p.add_argument("--probe-epsilon", type=float, default=FINETUNE["probe_epsilon"])
-    p.add_argument("--lr", type=float, default=FINETUNE["lr"], help="fine-tuning's lr")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="fine-tuning's lr (default: the benchmark's for --encoder-parameters, FINETUNE_LR)",
+    )
     p.add_argument(
         "--finetune-steps", type=int, default=FINETUNE["steps"], help="fine-tuning's steps"
     )
@@ -428,18 +434,25 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     if a.row == "finetune":
         study = BENCHMARK
         recs = standin_records(study, a.data, work, a.private, a.end)
-        settings = {"probe_epsilon": a.probe_epsilon, "lr": a.lr}
-        for key, value in (("steps", a.finetune_steps), ("augmult", a.augmult)):
+        trains = a.encoder_parameters or FINETUNE["encoder_parameters"]
+        lr = FINETUNE_LR[trains] if a.lr is None else a.lr
+        settings = {"probe_epsilon": a.probe_epsilon, "lr": lr}
+        for key, value in (
+            ("steps", a.finetune_steps),
+            ("augmult", a.augmult),
+            ("encoder_parameters", trains),
+        ):
             if value != FINETUNE[key]:
                 settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
+        trains = a.encoder_parameters or JOB.dp_encoder_parameters
         study = (JOB if a.study == "job" else BENCHMARK).model_copy(
             update={
                 "encoder_epsilon": a.encoder_epsilon,
                 "dp_lr_scale": a.lr_scale,
                 "dp_ema_decay": a.ema_decay,
-                "dp_encoder_parameters": a.encoder_parameters,
+                "dp_encoder_parameters": trains,
                 "vip_decoder_warmup": a.decoder_warmup,
                 "dpcap_decoder_warmup": a.decoder_warmup,
                 "head_components": a.head_components,
@@ -460,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["steps"] = a.encoder_steps
         if a.row not in PRIORS and a.dp_batch_size:
             settings["batch"] = a.dp_batch_size
-        if a.row not in PRIORS and a.encoder_parameters != "all":
-            settings["trains"] = a.encoder_parameters
+        if a.row not in PRIORS and trains != "all":
+            settings["trains"] = trains
         if a.row not in PRIORS and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:

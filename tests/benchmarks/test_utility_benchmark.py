@@ -230,6 +230,9 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     assert stage.dataset.name == FASHION_MNIST_TRAIN
     assert stage.sample_rate == (TRAIN_RECORDS // 8) / TRAIN_RECORDS  # expected batch n / 8
     assert stage.hyperparameters["trainable_blocks"] == "all"
+    trains = utility.FINETUNE["encoder_parameters"]
+    assert stage.hyperparameters["encoder_parameters"] == trains
+    assert stage.hyperparameters["lr"] == utility.FINETUNE_LR[trains]
     assert stage.hyperparameters["pooling"] in r.chosen
     assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= TINY.epsilon
     assert eps[Accountant.RDP] > TINY.epsilon - 0.01

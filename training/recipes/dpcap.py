@@ -41,15 +41,17 @@ from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
 from ..skeleton.distributed import Dist
 from .mae import (
-    EncoderParameters,
     decoder_warmup_field,
-    encoder_parameters_field,
-    encoder_parameters_note,
     eval_loss,
     freeze_fixed_tokens,
     public_images,
-    restrict_encoder,
     warm_decoder,
+)
+from .trainable import (
+    EncoderParameters,
+    encoder_parameters_field,
+    encoder_parameters_note,
+    restrict_encoder,
 )
 
 __all__ = ["PUBLIC_CAPTIONS", "RECIPE", "DPCapConfig", "public_caption_loss", "train_dpcap"]

@@ -68,7 +68,14 @@ from vip_hub.repo_format import WEIGHTS_FILE, head_component, head_file
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.run import DPRun
 from ..dp.sampling import AUGMENT, init_seed, torch_generator
-from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps, with_adamw
+from ..skeleton.config import (
+    DPRunConfig,
+    EncoderParameters,
+    Recipe,
+    recipe_main,
+    tenth_of_steps,
+    with_adamw,
+)
 from ..skeleton.distributed import Dist
 from .probe import (
     HeadData,
@@ -83,6 +90,7 @@ from .probe import (
     probe_stage,
     top1_result,
 )
+from .trainable import encoder_parameters_field, encoder_parameters_note, restrict_encoder
 
 __all__ = [
     "RECIPE",
@@ -139,6 +147,7 @@ class FinetuneConfig(
         "reflection padding, flip), their losses averaged inside the example's gradient before "
         "clipping; 0: the image itself, unaugmented",
     )
+    encoder_parameters: EncoderParameters = encoder_parameters_field("the head")
     probe_epsilon: float | None = Field(
         None,
         gt=0,
@@ -282,8 +291,9 @@ class EncoderClassifier(nn.Module):
         x = enc.patch_embed(images)
         if enc.cls_token is not None:
             token = enc.cls_token.expand(len(x), -1, -1)
-            for hook in self.broadcast_hooks:
-                hook(enc.cls_token, token)
+            if enc.cls_token.requires_grad:  # a frozen one (a biases-only stage's) has no hook
+                for hook in self.broadcast_hooks:
+                    hook(enc.cls_token, token)
             x = torch.cat([token, x], dim=1)
         x = enc.norm_pre(enc.patch_drop(enc.pos_drop(x + enc.pos_embed)))
         p, outputs = enc.num_prefix_tokens, []
@@ -326,11 +336,13 @@ def classifier(
     trainable_blocks: int | Literal["all"],
     head: LinearProbe | None = None,
     domain: Sequence[Image.Image] | None = None,
+    parameters: EncoderParameters = "all",
 ) -> Classifier | EncoderClassifier:
     """``init``'s encoder with its top ``trainable_blocks`` blocks (and its final norm, where
-    ``pooling`` reads it) trainable, or (``"all"``) everything ``pooling`` reads; and ``head`` (a
-    DP probe's) or a fresh head normalised by public features (``head_statistics``: centred on
-    the PUBLIC ``domain`` images' features when given)."""
+    ``pooling`` reads it) trainable, or (``"all"``) everything ``pooling`` reads, of them their
+    one-dimensional parameters alone with ``parameters`` ``biases``; and ``head`` (a DP probe's)
+    or a fresh head normalised by public features (``head_statistics``: centred on the PUBLIC
+    ``domain`` images' features when given)."""
     encoder, depth = init.model, len(init.model.blocks)
     init.check_pooling(pooling)
     spatial = SpatialMode.parse(pooling)
@@ -367,6 +379,7 @@ def classifier(
         trained.append(final_norm(encoder))
     for module in trained:
         module.requires_grad_(True)
+    restrict_encoder(encoder, parameters)
     head.linear.requires_grad_(True)
     return model.train()
 
@@ -540,6 +553,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
         cfg.trainable_blocks,
         head=probe[0] if probe is not None else None,
         domain=domain,
+        parameters=cfg.encoder_parameters,
     )
     model.to(dist.device)
     engine = run.engine(model)
@@ -591,6 +605,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         what = (
             f"the whole encoder the {cfg.pooling} features read (the patch embedding, the class "
             f"token, blocks 1-{model.indices[-1] + 1} of {depth}{norm})"
+            + encoder_parameters_note(cfg.encoder_parameters)
         )
         augmentation = (
             f"{cfg.augmult} views per example (shift by up to 1/8 of the side, reflection "
@@ -600,7 +615,8 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         )
     else:
         what, augmentation = (
-            f"the top {k} of {depth} blocks{norm}",
+            f"the top {k} of {depth} blocks{norm}"
+            + encoder_parameters_note(cfg.encoder_parameters),
             "none (the encoder's own transform)",
         )
     normalised = (
@@ -647,6 +663,10 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "img_size": spec.img_size,
             "pooling": cfg.pooling,
             "trainable_blocks": k,
+            "encoder_parameters": cfg.encoder_parameters,
+            "encoder_trainable_parameters": sum(
+                p.numel() for p in model.encoder.parameters() if p.requires_grad
+            ),
             "trainable_parameters": trained,
             "augmult": cfg.augmult if isinstance(model, EncoderClassifier) else None,
             "augmentation": augmentation,

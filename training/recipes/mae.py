@@ -36,7 +36,6 @@ from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import ProceduralPictures, SyntheticImages
 from ..dp.sampling import MASKING, torch_generator
-from ..skeleton.config import EncoderParameters
 
 __all__ = [
     "DecoderConfig",
@@ -49,11 +48,7 @@ __all__ = [
     "public_eval_batch",
     "public_images",
     "decoder_warmup_field",
-    "EncoderParameters",
-    "encoder_parameters_field",
-    "encoder_parameters_note",
     "masked_loss",
-    "restrict_encoder",
     "warm_decoder",
 ]
 
@@ -313,34 +308,6 @@ def decoder_warmup_field(decoder: str) -> Any:
         "greyscale procedural images, the encoder frozen, before the DP stage (no private data: "
         "the DP stage's clipping norm and steps then go to what the private data adds); 0: none",
     )
-
-
-def encoder_parameters_field() -> Any:
-    """The ``encoder_parameters`` config field of a recipe whose DP stage trains an encoder and
-    a decoder."""
-    return Field(
-        "all",
-        description="what of the encoder the DP stage trains: all, or biases (its biases and "
-        "normalisation scales only, after Bu et al. 2022's DP-BiTFiT: the stage's noise falls on "
-        "about one in 170 of the encoder's coordinates); the decoder trains whole",
-    )
-
-
-def restrict_encoder(encoder: nn.Module, parameters: EncoderParameters) -> int:
-    """Freeze ``encoder``'s parameters of two or more dimensions when ``parameters`` is
-    ``biases``; returns the number of its coordinates left trainable."""
-    if parameters == "biases":
-        for p in encoder.parameters():
-            if p.ndim > 1:
-                p.requires_grad_(False)
-    return sum(p.numel() for p in encoder.parameters() if p.requires_grad)
-
-
-def encoder_parameters_note(parameters: EncoderParameters) -> str:
-    """What a DP stage's description adds for ``parameters`` (nothing for ``all``)."""
-    if parameters == "biases":
-        return "; of the encoder, its biases and normalisation scales only"
-    return ""
 
 
 def masked_loss(mae: MAE) -> Callable[[torch.Tensor, int], torch.Tensor]:

@@ -27,16 +27,18 @@ from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
 from ..skeleton.distributed import Dist
 from .mae import (
-    EncoderParameters,
     decoder_warmup_field,
-    encoder_parameters_field,
-    encoder_parameters_note,
     eval_loss,
     load_mae,
     masked_loss,
     public_eval_batch,
-    restrict_encoder,
     warm_decoder,
+)
+from .trainable import (
+    EncoderParameters,
+    encoder_parameters_field,
+    encoder_parameters_note,
+    restrict_encoder,
 )
 
 __all__ = ["RECIPE", "VipConfig", "train_vip"]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.clipping import empty_step_update
-from support.helpers import tiny_syn
+from support.helpers import assert_biases_only_trained, tiny_syn
 from support.live import WRITE_TOKEN
 
 from training.data.labelled import LabelledArrays, write_image_folder
@@ -45,7 +45,7 @@ from vip_hub.privacy.sensitivity import (
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE, head_file
 
 BIN = Path(sys.executable).parent
 CLASSES = ("circle", "square", "stripe")
@@ -72,6 +72,8 @@ WHOLE_ARGS = dict(
     probe_epochs=2,
 )
 """The whole encoder after a DP probe: (3, 1e-5) in all, the probe's epsilon 1 alone."""
+READ = ("patch_embed.", "cls_token", *(f"blocks.{i}." for i in range(4)))
+"""What of the encoder SPATIAL reads: the patch embedding, the class token, blocks 1-4."""
 
 
 @pytest.fixture(scope="module")
@@ -372,10 +374,17 @@ def test_the_whole_encoder_moved_where_its_feature_mode_reads_and_nowhere_else(
         load_file(syn_repo / WEIGHTS_FILE),
         load_file(whole / WEIGHTS_FILE),
     )
-    read = ("patch_embed.", "cls_token", *(f"blocks.{i}." for i in range(4)))  # blocks 1-4
     for key in before:
         moved = not torch.equal(before[key], after[key])
-        assert moved == key.startswith(read), key
+        assert moved == key.startswith(READ), key
+
+
+def test_a_biases_only_fine_tuning_trains_the_vectors_its_feature_mode_reads(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = finetune(syn_repo, data, tmp_path / "run", **WHOLE_ARGS, encoder_parameters="biases")
+    assert verify_repo(out).ok
+    assert_biases_only_trained(syn_repo, out, "dp-finetune", head_file("clf"), READ)
 
 
 def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_path: Path) -> None:
