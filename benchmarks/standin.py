@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from utility import FINETUNE, FINETUNE_LR
 
 from training.data.labelled import (
@@ -338,6 +339,17 @@ def finetune_trial(
     return t
 
 
+def validated(
+    parser: argparse.ArgumentParser, base: StudyConfig, update: dict[str, Any]
+) -> StudyConfig:
+    """``base`` with ``update``'s fields, each checked against its bounds (a bad option is named
+    through ``parser``)."""
+    try:
+        return StudyConfig.model_validate({**base.model_dump(), **update})
+    except ValidationError as e:
+        parser.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> Trial:
     """Command line: run one trial, print it (and append it to ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -447,8 +459,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
         trains = a.encoder_parameters or JOB.dp_encoder_parameters
-        study = (JOB if a.study == "job" else BENCHMARK).model_copy(
-            update={
+        base = JOB if a.study == "job" else BENCHMARK
+        study = validated(
+            p,
+            base,
+            {
                 "encoder_epsilon": a.encoder_epsilon,
                 "dp_lr_scale": a.lr_scale,
                 "dp_ema_decay": a.ema_decay,
@@ -463,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                     else {}
                 ),
                 **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
-            }
+            },
         )
         recs = standin_records(study, a.data, work, a.private, a.end, a.disjoint_centre)
         settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}

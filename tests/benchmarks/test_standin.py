@@ -232,3 +232,11 @@ def test_the_fine_tuning_trial_matches_the_real_noise_and_exports_nothing(
     assert probe.noise_multiplier == pytest.approx(t.standin["probe"][0], rel=1e-3)
     assert not (run / "finetuned").exists() and len(t.dp_top1) == 1
     assert 0 <= t.dp_top1[0] <= 100
+
+
+def test_an_option_past_its_study_fields_bound_is_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        standin.main(["vip", "--lr-scale", "100"])
+    assert "dp_lr_scale" in capsys.readouterr().err
