@@ -45,7 +45,7 @@ from .mae import (
     eval_loss,
     freeze_fixed_tokens,
     public_images,
-    warm_decoder,
+    warm_fresh_decoder,
 )
 from .trainable import (
     EncoderParameters,
@@ -149,15 +149,15 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
     mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
     transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
-    if cfg.decoder_warmup and not run.checkpoint_path.exists():  # a checkpoint holds the decoder
-        losses = warm_decoder(
-            model,
-            model.encoder,
-            transform,
-            public_caption_loss(model, tokenizer, public),
-            cfg.decoder_warmup,
-        )
-        print(f"text decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    warm_fresh_decoder(
+        run,
+        model,
+        model.encoder,
+        transform,
+        public_caption_loss(model, tokenizer, public),
+        cfg.decoder_warmup,
+        "text decoder",
+    )
     horizon = cfg.decay_steps or 2 * cfg.steps
     trained = restrict_encoder(model.encoder, cfg.encoder_parameters)
     engine = run.engine(model, horizon=horizon)  # after the warm-up: its average starts there

@@ -35,6 +35,7 @@ from vip_hub.models.features import final_norm
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import ProceduralPictures, SyntheticImages
+from ..dp.run import DPRun
 from ..dp.sampling import MASKING, torch_generator
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "decoder_warmup_field",
     "masked_loss",
     "warm_decoder",
+    "warm_fresh_decoder",
 ]
 
 EVAL_SEED = 2**31 - 7  # the public evaluation images: a stream training never draws from
@@ -297,6 +299,22 @@ def warm_decoder(
         p.grad = None
     model.train(was)
     return losses
+
+
+def warm_fresh_decoder(
+    run: DPRun,
+    model: nn.Module,
+    encoder: VisionTransformer,
+    transform: Callable[[Any], torch.Tensor],
+    loss: Callable[[torch.Tensor, int], torch.Tensor],
+    steps: int,
+    name: str,
+) -> None:
+    """``warm_decoder`` for ``steps`` before a DP ``run``'s first step, unless it resumes (its
+    checkpoint holds the warmed decoder), printing the loss of the fresh ``name``."""
+    if steps and not run.checkpoint_path.exists():
+        losses = warm_decoder(model, encoder, transform, loss, steps)
+        print(f"{name} warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
 def decoder_warmup_field(decoder: str) -> Any:

@@ -32,7 +32,7 @@ from .mae import (
     load_mae,
     masked_loss,
     public_eval_batch,
-    warm_decoder,
+    warm_fresh_decoder,
 )
 from .trainable import (
     EncoderParameters,
@@ -83,15 +83,13 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
     pretrained_cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
     transform = mae_transform(spec.img_size, *(tuple(pretrained_cfg[k]) for k in ("mean", "std")))
-    if cfg.decoder_warmup:
-        if (Path(init.path) / MAE_DECODER_FILE).is_file():
-            raise ConfigError(
-                f"--decoder-warmup trains a fresh decoder, and {cfg.init} has one "
-                f"({MAE_DECODER_FILE})"
-            )
-        if not run.checkpoint_path.exists():  # a resumed run's checkpoint holds the decoder
-            losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), cfg.decoder_warmup)
-            print(f"decoder warm-up on public images: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if cfg.decoder_warmup and (Path(init.path) / MAE_DECODER_FILE).is_file():
+        raise ConfigError(
+            f"--decoder-warmup trains a fresh decoder, and {cfg.init} has one ({MAE_DECODER_FILE})"
+        )
+    warm_fresh_decoder(
+        run, mae, mae.encoder, transform, masked_loss(mae), cfg.decoder_warmup, "decoder"
+    )
     trained = restrict_encoder(mae.encoder, cfg.encoder_parameters)
     engine = run.engine(mae)
     augmented = Augmented(images, transform, run.seed)
