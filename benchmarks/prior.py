@@ -44,7 +44,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from training.data.labelled import FASHION_MNIST_TEST, LabelledArrays, fashion_mnist
 from training.recipes.probe import accuracy, fit_probe
-from training.study.config import BENCHMARK, StudyConfig
+from training.study.config import BENCHMARK
 from training.study.features import pixels as raw_pixels
 from training.study.heads import head_config
 from vip_hub.loading import load_encoder
@@ -122,7 +122,7 @@ def probe_row(
     began = time.process_time()
     train, sel, rep = splits(len(labels), fit)
     y = labels[train]
-    study = StudyConfig.model_validate({**BENCHMARK.model_dump(), "probe_epochs": epochs})
+    study = BENCHMARK.updated({"probe_epochs": epochs})
     cfg = head_config(study, len(y), None, dataset=FASHION_MNIST_TEST)
     classes = int(labels.max()) + 1
     heads, scores = {}, {}

@@ -339,17 +339,6 @@ def finetune_trial(
     return t
 
 
-def validated(
-    parser: argparse.ArgumentParser, base: StudyConfig, update: dict[str, Any]
-) -> StudyConfig:
-    """``base`` with ``update``'s fields, each checked against its bounds (a bad option is named
-    through ``parser``)."""
-    try:
-        return StudyConfig.model_validate({**base.model_dump(), **update})
-    except ValidationError as e:
-        parser.error(str(e))
-
-
 def main(argv: Sequence[str] | None = None) -> Trial:
     """Command line: run one trial, print it (and append it to ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -448,38 +437,36 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         recs = standin_records(study, a.data, work, a.private, a.end)
         trains = a.encoder_parameters or FINETUNE["encoder_parameters"]
         lr = FINETUNE_LR[trains] if a.lr is None else a.lr
-        settings = {"probe_epsilon": a.probe_epsilon, "lr": lr}
-        for key, value in (
-            ("steps", a.finetune_steps),
-            ("augmult", a.augmult),
-            ("encoder_parameters", trains),
-        ):
+        # encoder_parameters recorded always: its default changed on 2026-11-30
+        settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
+        for key, value in (("steps", a.finetune_steps), ("augmult", a.augmult)):
             if value != FINETUNE[key]:
                 settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
-        trains = a.encoder_parameters or JOB.dp_encoder_parameters
         base = JOB if a.study == "job" else BENCHMARK
-        study = validated(
-            p,
-            base,
-            {
-                "encoder_epsilon": a.encoder_epsilon,
-                "dp_lr_scale": a.lr_scale,
-                "dp_ema_decay": a.ema_decay,
-                "dp_encoder_parameters": trains,
-                "vip_decoder_warmup": a.decoder_warmup,
-                "dpcap_decoder_warmup": a.decoder_warmup,
-                "head_components": a.head_components,
-                "head_kind": a.head_kind,
-                **(
-                    {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
-                    if a.encoder_steps
-                    else {}
-                ),
-                **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
-            },
-        )
+        trains = a.encoder_parameters or base.dp_encoder_parameters
+        try:
+            study = base.updated(
+                {
+                    "encoder_epsilon": a.encoder_epsilon,
+                    "dp_lr_scale": a.lr_scale,
+                    "dp_ema_decay": a.ema_decay,
+                    "dp_encoder_parameters": trains,
+                    "vip_decoder_warmup": a.decoder_warmup,
+                    "dpcap_decoder_warmup": a.decoder_warmup,
+                    "head_components": a.head_components,
+                    "head_kind": a.head_kind,
+                    **(
+                        {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
+                        if a.encoder_steps
+                        else {}
+                    ),
+                    **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
+                }
+            )
+        except ValidationError as e:
+            p.error(str(e))
         recs = standin_records(study, a.data, work, a.private, a.end, a.disjoint_centre)
         settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}
         if a.row not in PRIORS and a.ema_decay:

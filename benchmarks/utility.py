@@ -69,10 +69,12 @@ from typing import Any, Literal, get_args, get_origin
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from training.data.labelled import LabelledArrays, keyed_uniforms
 from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
+from training.recipes.trainable import encoder_parameters_note
 from training.skeleton.config import EncoderParameters, field_help
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed
@@ -596,25 +598,25 @@ FINETUNE: dict[str, Any] = {
 }
 """The DP fine-tuning row (``training.recipes.finetune``), fixed in code, after DP-RandP and De et
 al. 2022: a DP linear probe at ``probe_epsilon`` (the study's head) on the (Syn)-ViP encoder's
-feature mode that such a probe scores best on the selection records (``finetune_mode``), then the
-whole encoder that mode reads and the probe's head fine-tuned together by DP-AdamW (expected
-batch n / ``head_batches``, ``steps`` steps, each image itself: ``augmult`` 0), its noise
-calibrated so that probe and fine-tuning compose to the study's epsilon. The probe's epsilon and
-the lr are chosen on public data: on the public stand-in (``benchmarks/standin.py finetune``,
-test records 0-3,999 at the real run's noise, scored on 4,000-4,999), the highest mean of 2-3
-trials among probe epsilon 1, 2 x lr 1e-5, 3e-5, 1e-4 (benchmarks/README.md, "Settings chosen
-on public data"; before, 3e-5, chosen on 6,000 training records); ``steps`` and ``augmult`` were
-cut to fit the benchmark's time bound, not by any score. What of the encoder it trains
-(``encoder_parameters``: its biases and normalisation scales alone, after Bu et al. 2022's
-DP-BiTFiT, since 2026-11-30; before, all of it) and its learning rate (``FINETUNE_LR``'s for
-that) were chosen on the stand-in too, by the same rule (benchmarks/README.md, "The DP
-fine-tuning row's biases alone"); ``--finetune-parameters`` runs the other."""
+feature mode that such a probe scores best on the selection records (``finetune_mode``), then of
+the whole encoder that mode reads its biases and normalisation scales (``encoder_parameters``,
+after Bu et al. 2022's DP-BiTFiT, since 2026-11-30; before, all of it) and the probe's head
+fine-tuned together by DP-AdamW (expected batch n / ``head_batches``, ``steps`` steps, each image
+itself: ``augmult`` 0) at ``FINETUNE_LR``'s rate for what it trains, its noise calibrated so that
+probe and fine-tuning compose to the study's epsilon. The probe's epsilon, what the fine-tuning
+trains and its rate are chosen on public data: on the public stand-in (``benchmarks/standin.py
+finetune``, test records 0-3,999 at the real run's noise, scored on 4,000-4,999), the highest
+mean of a setting's trials (benchmarks/README.md, "Settings chosen on public data", "The DP
+fine-tuning row's biases alone"); ``steps`` and ``augmult`` were cut to fit the benchmark's
+time bound, not by any score; ``--finetune-parameters all`` runs the whole encoder."""
 
 FINETUNE_LR: dict[EncoderParameters, float] = {"all": 1e-5, "biases": 1e-3}
 """The DP fine-tuning row's learning rate by what of the encoder it trains, each chosen on the
-public stand-in (``standin.py finetune [--encoder-parameters biases] --lr L``), the highest mean
-of 2-3 trials: the whole encoder among 1e-5, 3e-5 and 1e-4 (2026-11-29); its biases and
-normalisation scales alone among 1e-4, 1e-3, 3e-3 and 1e-2 (2026-11-30)."""
+public stand-in (``standin.py finetune [--encoder-parameters all|biases] --lr L``), the highest
+mean of a setting's trials: the whole encoder's among 1e-5, 3e-5 and 1e-4, 2-3 trials each,
+after a probe at epsilon 1 or 2 (2026-11-29; before, 3e-5, chosen on 6,000 training records); its
+biases and normalisation scales' among 1e-4, 1e-3 and 3e-3, 2 trials each, and 1e-2, one trial
+far under (2026-11-30)."""
 
 
 def released_correct(repo: Path, head: str, data: LabelledArrays, device: str) -> np.ndarray:
@@ -648,13 +650,16 @@ def finetune_mode(b: Bench, init: Path) -> tuple[str, str]:
 
 
 def finetune_row(b: Bench, key: str) -> Result:
-    """DP fine-tuning: a DP probe, then the whole (Syn)-ViP encoder its mode reads and the head
-    trained together on the private split (``training.recipes.finetune.finetune_arrays``), the
-    two DP stages composed to the study's epsilon; top-1 of the released classifier."""
+    """DP fine-tuning: a DP probe, then the (Syn)-ViP encoder its mode reads (its biases alone, by
+    default: ``--finetune-parameters``) and the head trained together on the private split
+    (``training.recipes.finetune.finetune_arrays``), the two DP stages composed to the study's
+    epsilon; top-1 of the released classifier."""
     from training.recipes.finetune import finetune_arrays
 
     if key in b.tune:
-        raise ValueError(f"--tune {key}: the DP fine-tuning row's settings are fixed in FINETUNE")
+        raise ValueError(
+            f"--tune {key}: the DP fine-tuning row's settings are fixed in FINETUNE and FINETUNE_LR"
+        )
     trains = b.finetune_parameters
     settings = {**FINETUNE, "encoder_parameters": trains, "lr": FINETUNE_LR[trains]}
     steps = settings.pop("steps")
@@ -693,9 +698,9 @@ def finetune_row(b: Bench, key: str) -> Result:
     return Result(
         row=ROWS[key][0],
         what=f"(Syn)-ViP vip-nano: DP probe (epsilon {settings['probe_epsilon']:g} alone), then "
-        f"the whole encoder its {mode} features read"
-        + (" (its biases and normalisation scales alone)" if trains == "biases" else "")
-        + f" and the head, DP-AdamW {steps} x {batch}, "
+        f"the whole encoder its {mode} features read and the head"
+        + encoder_parameters_note(trains)
+        + f", DP-AdamW {steps} x {batch}, "
         + (f"{views} views per example" if (views := settings["augmult"]) else "unaugmented"),
         correct=np.stack(correct),
         ref=100 * finetune_reference(b.study, init, work, run.stage, batch, b.device),
@@ -768,7 +773,7 @@ def finetune_reference(
     return evaluate(model, encoder.transform, test.images, test.labels.tolist(), dev)[1]
 
 
-ROWS["finetune"] = ("DP fine-tuning: DP probe, then the whole (Syn)-ViP encoder", finetune_row)
+ROWS["finetune"] = ("DP fine-tuning: DP probe, then the (Syn)-ViP encoder", finetune_row)
 
 
 PRIOR_ROWS = {
@@ -935,17 +940,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     reuse_freed_memory()
     steps = args.encoder_steps
-    study = StudyConfig(
-        **{
-            **BENCHMARK.model_dump(),
-            **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name in STUDY_OPTIONS},
-            **(
-                {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
-                if steps
-                else {}
-            ),
-        }
-    )
+    try:
+        study = BENCHMARK.updated(
+            {
+                **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name in STUDY_OPTIONS},
+                **(
+                    {"dp_steps": steps, "dpcap_steps": steps, "contrastive_steps": steps}
+                    if steps
+                    else {}
+                ),
+            }
+        )
+    except ValidationError as e:
+        p.error(str(e))
+
     work = Path(args.work)
     b = Bench(
         splits=study_splits(study, args.data, work),

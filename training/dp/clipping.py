@@ -60,7 +60,9 @@ __all__ = [
     "ClippedSum",
     "LayerClipper",
     "PerExampleClipper",
+    "BroadcastHook",
     "UnsupportedLayerError",
+    "broadcast",
     "capped_factors",
     "check_max_norm",
     "clip_factors",
@@ -70,6 +72,24 @@ __all__ = [
     "trainable",
     "upper_sq",
 ]
+
+BroadcastHook = Callable[[nn.Parameter, torch.Tensor], None]
+"""What a clipper puts on a model's ``broadcast_hooks``: called with a parameter the model
+broadcasts over the batch itself and the broadcast tensor."""
+
+
+def broadcast(
+    param: nn.Parameter, shape: tuple[int, ...], hooks: list[BroadcastHook]
+) -> torch.Tensor:
+    """``param`` expanded to ``shape`` (``-1`` keeps a dimension), announced to a clipper's
+    ``hooks`` when it trains (a frozen one, such as a biases-only stage's class token, has no
+    gradient to hook)."""
+    out = param.expand(*shape)
+    if param.requires_grad:
+        for hook in hooks:
+            hook(param, out)
+    return out
+
 
 # Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.

@@ -50,10 +50,12 @@ from torch import nn
 from vip_hub.privacy.sensitivity import PRODUCT_ROWS, gamma64
 
 from .clipping import (
+    BroadcastHook,
     ClippedSum,
     ClipResult,
     LayerClipper,
     UnsupportedLayerError,
+    broadcast,
     capped_factors,
     check_max_norm,
     product_sum,
@@ -213,7 +215,7 @@ class ContrastiveEmbedder(nn.Module):
         hidden = hidden or features
         self.encoder = encoder
         self.head = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, dim))
-        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+        self.broadcast_hooks: list[BroadcastHook] = []
         if isinstance(encoder, VisionTransformer) and (
             encoder.reg_token is not None
             or encoder.no_embed_class
@@ -242,22 +244,16 @@ class ContrastiveEmbedder(nn.Module):
             return []
         return [p for p in (enc.cls_token, enc.pos_embed) if p is not None and p.requires_grad]
 
-    def _broadcast(self, param: nn.Parameter, shape: tuple[int, ...]) -> torch.Tensor:
-        out = param.expand(shape)
-        if param.requires_grad:
-            for hook in self.broadcast_hooks:
-                hook(param, out)
-        return out
-
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         enc = self.encoder
         if not isinstance(enc, VisionTransformer):
             return self.head(enc(images))
         x = enc.patch_embed(images)
         if enc.cls_token is not None:
-            x = torch.cat([self._broadcast(enc.cls_token, (x.shape[0], 1, x.shape[-1])), x], dim=1)
+            token = broadcast(enc.cls_token, (len(x), 1, -1), self.broadcast_hooks)
+            x = torch.cat([token, x], dim=1)
         assert enc.pos_embed is not None  # __init__ refuses a ViT without one
-        x = enc.pos_drop(x + self._broadcast(enc.pos_embed, x.shape))
+        x = enc.pos_drop(x + broadcast(enc.pos_embed, tuple(x.shape), self.broadcast_hooks))
         x = enc.norm(enc.blocks(enc.norm_pre(enc.patch_drop(x))))
         return self.head(enc.forward_head(x, pre_logits=True))
 

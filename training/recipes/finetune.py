@@ -21,6 +21,10 @@ about a step is the DP engine's (``training/dp/engine.py``). Two models:
   example); the example's loss is the mean over its views, so its one gradient, the views'
   average, is what is clipped: the sensitivity is the engine's, unchanged).
 
+Either model trains, with ``--encoder-parameters biases``, only the one-dimensional parameters
+(biases, normalisation scales) of the encoder part it would train, and the head whole (after Bu et
+al. 2022's DP-BiTFiT: the noise then falls on far fewer coordinates).
+
 ``--probe-epsilon`` first fits the head as a DP linear probe on the init encoder's frozen
 features (``training.recipes.probe.fit_probe``) and starts the fine-tuning from it; the probe's
 stage goes into the same ledger (it trained what the fine-tuning started from: component
@@ -66,6 +70,7 @@ from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo_format import WEIGHTS_FILE, head_component, head_file
 
 from ..data.labelled import LabelledArrays, write_image_folder
+from ..dp.clipping import BroadcastHook, broadcast
 from ..dp.run import DPRun
 from ..dp.sampling import AUGMENT, init_seed, torch_generator
 from ..skeleton.config import (
@@ -271,7 +276,7 @@ class EncoderClassifier(nn.Module):
             self.indices = list(range(depth - vip_layers(encoder), depth))
         else:
             self.indices = [depth - 1]
-        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+        self.broadcast_hooks: list[BroadcastHook] = []
 
     def train(self, mode: bool = True) -> EncoderClassifier:
         """Set the encoder's mode; the head's normalisation stays fixed."""
@@ -290,10 +295,7 @@ class EncoderClassifier(nn.Module):
         enc = self.encoder
         x = enc.patch_embed(images)
         if enc.cls_token is not None:
-            token = enc.cls_token.expand(len(x), -1, -1)
-            if enc.cls_token.requires_grad:  # a frozen one (a biases-only stage's) has no hook
-                for hook in self.broadcast_hooks:
-                    hook(enc.cls_token, token)
+            token = broadcast(enc.cls_token, (len(x), -1, -1), self.broadcast_hooks)
             x = torch.cat([token, x], dim=1)
         x = enc.norm_pre(enc.patch_drop(enc.pos_drop(x + enc.pos_embed)))
         p, outputs = enc.num_prefix_tokens, []
@@ -601,11 +603,12 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
     depth, k, trained = len(model.encoder.blocks), cfg.trainable_blocks, f.trained
     reads_norm = cfg.pooling in ("avg", "cls")
     norm = " and the final norm" if reads_norm else ""
+    only = encoder_parameters_note(cfg.encoder_parameters)
     if isinstance(model, EncoderClassifier):
+        token = ", the class token" if model.broadcast_parameters() else ""
         what = (
-            f"the whole encoder the {cfg.pooling} features read (the patch embedding, the class "
-            f"token, blocks 1-{model.indices[-1] + 1} of {depth}{norm})"
-            + encoder_parameters_note(cfg.encoder_parameters)
+            f"the whole encoder the {cfg.pooling} features read (the patch embedding{token}, "
+            f"blocks 1-{model.indices[-1] + 1} of {depth}{norm}{only})"
         )
         augmentation = (
             f"{cfg.augmult} views per example (shift by up to 1/8 of the side, reflection "
@@ -615,8 +618,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         )
     else:
         what, augmentation = (
-            f"the top {k} of {depth} blocks{norm}"
-            + encoder_parameters_note(cfg.encoder_parameters),
+            f"the top {k} of {depth} blocks{norm}" + (f" ({only.lstrip('; ')})" if only else ""),
             "none (the encoder's own transform)",
         )
     normalised = (

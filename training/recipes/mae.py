@@ -35,6 +35,7 @@ from vip_hub.models.features import final_norm
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import ProceduralPictures, SyntheticImages
+from ..dp.clipping import BroadcastHook, broadcast
 from ..dp.run import DPRun
 from ..dp.sampling import MASKING, torch_generator
 
@@ -119,7 +120,7 @@ class MAE(nn.Module):
         self.decoder_pred = nn.Linear(dim, self.patch**2 * 3)
         # Called with (parameter, broadcast tensor) wherever a parameter held directly by a
         # module is broadcast over the batch, so per-example gradients can be read off it.
-        self.broadcast_hooks: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
+        self.broadcast_hooks: list[BroadcastHook] = []
         self._init_decoder()
 
     def _init_decoder(self) -> None:
@@ -144,13 +145,6 @@ class MAE(nn.Module):
         assert self.encoder.cls_token is not None  # see __init__
         return [p for p in (self.encoder.cls_token, self.mask_token) if p.requires_grad]
 
-    def _broadcast(self, param: nn.Parameter, batch: int, tokens: int) -> torch.Tensor:
-        out = param.expand(batch, tokens, param.shape[-1])
-        if param.requires_grad:  # a frozen one (ViP's class token in a biases-only stage) has none
-            for hook in self.broadcast_hooks:
-                hook(param, out)
-        return out
-
     def forward(self, images: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Per-example reconstruction loss (B,). ``noise`` (B, L) in [0, 1) picks the mask:
         the patches with the smallest noise are kept."""
@@ -163,12 +157,12 @@ class MAE(nn.Module):
         ids_restore = torch.argsort(ids_shuffle, dim=1)
         ids_keep = ids_shuffle[:, :keep]
         x = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, x.shape[-1]))
-        cls = self._broadcast(enc.cls_token, b, 1) + enc.pos_embed[:, :1]
+        cls = broadcast(enc.cls_token, (b, 1, -1), self.broadcast_hooks) + enc.pos_embed[:, :1]
         x = enc.blocks(enc.norm_pre(torch.cat([cls, x], dim=1)))
         x = final_norm(enc)(x)
 
         x = self.decoder_embed(x)
-        masked = self._broadcast(self.mask_token, b, self.num_patches - keep)
+        masked = broadcast(self.mask_token, (b, self.num_patches - keep, -1), self.broadcast_hooks)
         patches = torch.cat([x[:, 1:], masked], dim=1)
         patches = torch.gather(patches, 1, ids_restore[..., None].expand(-1, -1, x.shape[-1]))
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos_embed

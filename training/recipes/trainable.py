@@ -25,8 +25,8 @@ def encoder_parameters_field(other: str = "the decoder") -> Any:
     return Field(
         "all",
         description="what of the encoder the DP stage trains: all, or biases (its biases and "
-        "normalisation scales only, after Bu et al. 2022's DP-BiTFiT: the stage's noise falls on "
-        f"about one in 170 of the encoder's coordinates); {other} trains whole",
+        "normalisation scales only, after Bu et al. 2022's DP-BiTFiT: of the encoder, the "
+        f"stage's noise falls on those alone, under 1 % of its coordinates); {other} trains whole",
     )
 
 

@@ -172,8 +172,8 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
 C = TypeVar("C", bound=RunConfig)
 
 EncoderParameters = Literal["all", "biases"]
-"""What of the encoder a DP stage that also trains a decoder trains: every trainable parameter,
-or its one-dimensional ones only (biases and normalisation scales)."""
+"""What of the encoder a DP stage trains beside a decoder or a head: every parameter it would
+train, or its one-dimensional ones only (biases and normalisation scales)."""
 
 WarmupRule = Callable[[int], int]
 """A recipe's default warm-up from its steps; its docstring is the ``--warmup-steps`` default."""

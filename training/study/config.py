@@ -239,6 +239,11 @@ class StudyConfig(BaseModel):
             },
         }
 
+    def updated(self, fields: dict[str, Any]) -> StudyConfig:
+        """This study with ``fields`` replaced, each checked against its bounds and the study's
+        rules (``model_copy`` checks none)."""
+        return StudyConfig.model_validate({**self.model_dump(), **fields})
+
     def prior(self, family: str) -> str:
         """The (Syn) encoder ``family`` (``vip`` or ``dpcap``) starts from: a committed prior's
         name or a repo folder."""

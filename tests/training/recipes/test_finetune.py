@@ -267,6 +267,36 @@ def test_the_whole_encoder_model_computes_what_the_service_does(
         torch.testing.assert_close(model.logits(images), served, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("pooling", "blocks", "read"),
+    [
+        (
+            "avg",
+            TRAINED,
+            tuple(f"blocks.{i}." for i in range(DEPTH - TRAINED, DEPTH)) + ("fc_norm.",),
+        ),
+        (SPATIAL, "all", READ),
+    ],
+)
+def test_biases_alone_leave_the_encoders_matrices_and_class_token_frozen_and_the_head_whole(
+    syn_repo: Path, pooling: str, blocks: int | str, read: tuple[str, ...]
+) -> None:
+    model = classifier(
+        load_encoder(syn_repo),
+        len(CLASSES),
+        pooling,
+        blocks,  # type: ignore[arg-type]
+        parameters="biases",
+    )
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    encoder = {
+        f"encoder.{name}"
+        for name, p in model.encoder.named_parameters()
+        if p.ndim == 1 and name.startswith(read)
+    }
+    assert encoder and trained == encoder | {"head.linear.weight", "head.linear.bias"}
+
+
 @pytest.mark.parametrize(("pooling", "trained"), [("avg", TRAINED), (SPATIAL, "all")])
 def test_the_update_noise_is_sigma_c_over_b_on_the_fine_tuned_parameters_only(
     syn_repo: Path, pooling: str, trained: int | str
