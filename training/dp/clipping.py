@@ -466,7 +466,7 @@ class PerExampleClipper(LayerClipper):
             grad_hooks.append(out.register_hook(when_grad(param, None)))
 
         handles = [m.register_forward_hook(on_forward) for m in self.layers]
-        hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
+        hooks: list[BroadcastHook] = getattr(self.model, "broadcast_hooks", [])
         hooks.append(on_broadcast)
         try:
             losses = self.model(*inputs)

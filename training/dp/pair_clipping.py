@@ -397,7 +397,7 @@ class PairClipper(LayerClipper):
             records.append(_Record(param, None, out, True))
 
         handles = [m.register_forward_hook(on_forward) for m in self.layers]
-        hooks: list[Callable[..., None]] = getattr(self.model, "broadcast_hooks", [])
+        hooks: list[BroadcastHook] = getattr(self.model, "broadcast_hooks", [])
         hooks.append(on_broadcast)
         try:
             e = _embeddings(self.model, images)
