@@ -331,11 +331,12 @@ def _schema_table(model: dict[str, Any]) -> str:
 
 def ledger_page() -> str:
     from vip_hub.privacy.ledger import SCHEMA
+    from vip_hub.repo_format import LEDGER_FILE
 
     doc = _schema()
     parts = [
         f"{GENERATED}\n\n# Privacy ledger schema\n\n"
-        f"The JSON schema of `privacy_ledger.json` (schema `{SCHEMA}`), generated from its "
+        f"The JSON schema of `{LEDGER_FILE}` (schema `{SCHEMA}`), generated from its "
         "pydantic model `vip_hub.privacy.ledger.PrivacyLedger` (what the fields mean: "
         "[the privacy ledger](../concepts/ledger.md)). The whole schema as a file: "
         "[privacy-ledger.schema.json](privacy-ledger.schema.json).\n\n"

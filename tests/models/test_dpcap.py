@@ -272,7 +272,7 @@ def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
     )
     enc = load_encoder(out)
     assert enc.poolings[:3] == ("dpcap", "avg", "cls") and not enc.can_caption
-    with pytest.raises(MissingInputError, match="has no vocab.txt: it cannot caption"):
+    with pytest.raises(MissingInputError, match=f"has no {VOCAB_FILE}: it cannot caption"):
         load_captioner(out)
     assert "Captioning | not available" in (out / CARD_FILE).read_text()
 

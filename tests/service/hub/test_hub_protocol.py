@@ -33,7 +33,14 @@ from support.live import READ_TOKEN, WRITE_TOKEN
 import vip_hub
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
-from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, LEDGER_FILE, WEIGHTS_FILE, head_file
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    HEAD_LABELS,
+    LEDGER_FILE,
+    WEIGHTS_FILE,
+    head_file,
+)
 
 MODEL = "vip/vip-nano-test"
 
@@ -281,7 +288,7 @@ def test_push_cli(hub, tmp_path, capsys):
         "/vip/vip-nano-test/resolve/main/../../../etc/passwd",
         "/vip/vip-nano-test/resolve/main/%2e%2e/%2e%2e/etc/passwd",
         f"/vip/vip-nano-test/resolve/main/%252e%252e/{CONFIG_FILE}",
-        "/vip/vip-nano-test/resolve/main/heads%5Ctoy%5Clabels.json",
+        f"/vip/vip-nano-test/resolve/main/heads%5Ctoy%5C{HEAD_LABELS}",
         "/vip/vip-nano-test/resolve/main/%2Fetc%2Fpasswd",
         "/vip/vip-nano-test/resolve/main/conf%00ig.json",
         "/vip/vip-nano-test/resolve/main/" + "a" * 300 + "/x",

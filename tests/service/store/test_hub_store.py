@@ -69,9 +69,7 @@ def test_refused_commit_stores_nothing(store, repo_dir):
     data = json.loads(ledger.source.read_text())
     data["stages"][1]["epsilon"] = 0.01
     ledger.source.write_text(json.dumps(data))
-    with pytest.raises(
-        PublishRefused, match="does not verify, nothing was stored.*privacy_ledger.json"
-    ):
+    with pytest.raises(PublishRefused, match=f"does not verify, nothing was stored.*{LEDGER_FILE}"):
         store.commit("vip/m", ops)
     assert store.resolve("vip/m") == good.sha
     assert not list((store.root / "tmp").iterdir())
