@@ -222,6 +222,13 @@ def matched_head(
     return (sigma, q, steps), (sigma * ratio, q, steps)
 
 
+def tag(settings: dict[str, Any]) -> str:
+    """A trial's settings as a folder name's part (numbers in ``g`` form)."""
+    return "-".join(
+        f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
+    )
+
+
 def heads_trial(
     study: StudyConfig,
     row: str,
@@ -250,10 +257,8 @@ def heads_trial(
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
         t.standin["encoder"] = (sigma, study.dp_batch_size / len(recs.private), steps_real)
-        tag = "-".join(
-            f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
-        )  # every setting: trials run side by side never share (and restart) one encoder
-        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag}")
+        # every setting in the folder: trials run side by side never share (and restart) one encoder
+        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag(settings)}")
     encoder = load_encoder(repo)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
@@ -311,7 +316,6 @@ def finetune_trial(
     t.real = {"probe": (s_p, q, t_p), "finetune": (s_f, q, steps)}
     t.standin = {"probe": (s_p * r, q, t_p), "finetune": (s_f * r, q, steps)}
     batch = head_config(study, n, None, dataset=recs.private.dataset.name).batch_size
-    tag = "-".join(f"{k}{v if isinstance(v, str) else format(v, 'g')}" for k, v in settings.items())
     run_settings = {
         "batch_size": batch,
         "pooling": MODE,
@@ -328,7 +332,7 @@ def finetune_trial(
         init,
         recs.private,
         recs.score,
-        work / f"finetune-{tag}",
+        work / f"finetune-{tag(settings)}",
         recs.centre,
         composed_epsilon(list(t.standin.values()), study.delta),
         study.delta,

@@ -618,7 +618,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         )
     else:
         what, augmentation = (
-            f"the top {k} of {depth} blocks{norm}" + (f" ({only.lstrip('; ')})" if only else ""),
+            f"the top {k} of {depth} blocks{norm}{only}",
             "none (the encoder's own transform)",
         )
     normalised = (
