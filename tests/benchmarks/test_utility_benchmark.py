@@ -213,18 +213,26 @@ def test_unknown_rows_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown rows ['cnn', 'nope']" in capsys.readouterr().err
 
 
+def test_a_schedule_without_steps_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        utility.main(["--rows", "finetune", "--finetune-steps", "0"])
+    assert "--finetune-steps are at least 1" in capsys.readouterr().err
+
+
 def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_whole_budget(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The end-to-end row: a DP probe on the mode chosen on public records, then the whole encoder
     that mode reads and the head trained together by one DP stage on the private split, the two
     composed to (3, 1e-5), the released classifier's top-1 on the scoring records (a 2-epoch
-    probe, 2 fine-tuning steps and 64 canaries here: the row's schedule is the benchmark's)."""
-    monkeypatch.setitem(utility.FINETUNE, "steps", 2)
+    probe, 2 fine-tuning steps (``--finetune-steps``) and 64 canaries here: the row's schedule is
+    the benchmark's)."""
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
-    ((r, eps),) = utility.run_benchmark(tiny_bench(data, tmp_path), ["finetune"])
+    bench = tiny_bench(data, tmp_path, finetune_steps=2)
+    ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
     probe, stage = r.stages
+    assert stage.steps == 2
     assert probe.trained_components == stage.trained_components == ("encoder", "heads/classifier")
     assert probe.epsilon == pytest.approx(utility.FINETUNE["probe_epsilon"], abs=0.01)
     assert stage.dataset.name == FASHION_MNIST_TRAIN
