@@ -383,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument(
         "--augmult", type=int, default=FINETUNE["augmult"], help="fine-tuning's views per example"
     )
+    p.add_argument(
+        "--fixed-head",
+        action="store_true",
+        help="finetune: the fine-tuning keeps the DP probe's head, training the encoder alone",
+    )
     p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
@@ -443,7 +448,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         lr = FINETUNE_LR[trains] if a.lr is None else a.lr
         # encoder_parameters recorded always: its default changed on 2026-11-30
         settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
-        for key, value in (("steps", a.finetune_steps), ("augmult", a.augmult)):
+        for key, value in (
+            ("steps", a.finetune_steps),
+            ("augmult", a.augmult),
+            ("fixed_head", a.fixed_head),
+        ):
             if value != FINETUNE[key]:
                 settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)

@@ -593,6 +593,7 @@ FINETUNE: dict[str, Any] = {
     "augmult": 0,
     "probe_epsilon": 2.0,
     "encoder_parameters": "biases",
+    "fixed_head": False,
     "steps": 10,
     "warmup_steps": 2,
     "micro_batch_size": 64,

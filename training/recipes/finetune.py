@@ -51,7 +51,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from pydantic import Field
+from pydantic import Field, model_validator
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -153,6 +153,12 @@ class FinetuneConfig(
         "clipping; 0: the image itself, unaugmented",
     )
     encoder_parameters: EncoderParameters = encoder_parameters_field("the head")
+    fixed_head: bool = Field(
+        False,
+        description="with --probe-epsilon: keep the DP probe's head as it is, the fine-tuning "
+        "trains the encoder alone (its noise and its clipping norm then fall on the encoder's "
+        "coordinates only)",
+    )
     probe_epsilon: float | None = Field(
         None,
         gt=0,
@@ -166,6 +172,12 @@ class FinetuneConfig(
     )
     probe_lr: float = Field(16.0, gt=0, description="SGD learning rate of the DP probe")
     probe_max_grad_norm: float = Field(0.1, gt=0, description="clipping norm of the DP probe")
+
+    @model_validator(mode="after")
+    def _fixed_head_has_a_probe(self) -> FinetuneConfig:
+        if self.fixed_head and self.probe_epsilon is None:
+            raise ValueError("--fixed-head keeps the DP probe's head: give --probe-epsilon")
+        return self
 
     def probe_config(self, n: int) -> ProbeConfig:
         """The DP probe's settings on ``n`` records (SGD, momentum 0.9, warm-up + cosine)."""
@@ -339,12 +351,13 @@ def classifier(
     head: LinearProbe | None = None,
     domain: Sequence[Image.Image] | None = None,
     parameters: EncoderParameters = "all",
+    train_head: bool = True,
 ) -> Classifier | EncoderClassifier:
     """``init``'s encoder with its top ``trainable_blocks`` blocks (and its final norm, where
     ``pooling`` reads it) trainable, or (``"all"``) everything ``pooling`` reads, of them their
-    one-dimensional parameters alone with ``parameters`` ``biases``; and ``head`` (a DP probe's)
-    or a fresh head normalised by public features (``head_statistics``: centred on the PUBLIC
-    ``domain`` images' features when given)."""
+    one-dimensional parameters alone with ``parameters`` ``biases``; and ``head`` (a DP probe's;
+    trained unless ``train_head`` is False) or a fresh head normalised by public features
+    (``head_statistics``: centred on the PUBLIC ``domain`` images' features when given)."""
     encoder, depth = init.model, len(init.model.blocks)
     init.check_pooling(pooling)
     spatial = SpatialMode.parse(pooling)
@@ -382,7 +395,7 @@ def classifier(
     for module in trained:
         module.requires_grad_(True)
     restrict_encoder(encoder, parameters)
-    head.linear.requires_grad_(True)
+    head.linear.requires_grad_(train_head)
     return model.train()
 
 
@@ -556,6 +569,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
         head=probe[0] if probe is not None else None,
         domain=domain,
         parameters=cfg.encoder_parameters,
+        train_head=not cfg.fixed_head,
     )
     model.to(dist.device)
     engine = run.engine(model)
@@ -632,6 +646,12 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         if stage is not None
         else "a fresh head"
     )
+    if cfg.fixed_head:  # the head is the probe's, released as the probe left it
+        together = f"{what}, under the probe's head {component}, fixed (--fixed-head)"
+        trains = f"{what}, trained by one DP stage under the probe's linear head {component}, fixed"
+    else:
+        together = f"{what} and the head {component}'s linear layer"
+        trains = f"{what} and the linear head {component}, trained together by one DP stage"
     out = run.export_dp(
         model.encoder,
         spec,
@@ -644,19 +664,18 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         dataset_description=f"{n} labelled images, {len(train.classes)} classes; DP fine-tuning",
         summary=(
             f"A {spec.arch} encoder fine-tuned end to end with DP-AdamW on {cfg.dataset_name} "
-            f"({n} labelled images), starting from {cfg.init} and {start}: {what} and the "
-            f"linear head {component} ({cfg.pooling} features), trained together by one DP "
-            "stage whose guarantee covers both."
+            f"({n} labelled images), starting from {cfg.init} and {start}: {trains} "
+            f"({cfg.pooling} features); the guarantee covers both."
         ),
         name=STAGE,
-        also_trains=[component],
+        also_trains=[] if cfg.fixed_head else [component],
         earlier=[stage] if stage is not None else [],
         description=(
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
             f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
             "sensitivity (C times its rounding allowance) once per logical step, "
-            f"Poisson sampling. Trained together from {start}: {what} and the "
-            f"head {component}'s linear layer ({trained:,} parameters); the rest of the encoder "
+            f"Poisson sampling. Trained from {start}: {together} ({trained:,} parameters); "
+            "the rest of the encoder "
             "is the init repo's, unchanged. The head's normalisation is fixed to the init "
             f"encoder's features of {normalised}. Augmentation: {augmentation}"
         ),
@@ -673,6 +692,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "augmult": cfg.augmult if isinstance(model, EncoderClassifier) else None,
             "augmentation": augmentation,
             "probe_epsilon": cfg.probe_epsilon,
+            "fixed_head": cfg.fixed_head,
         },
     )
     metrics: dict[str, object] = {"train_size": n, "pooling": cfg.pooling, "fine_tuned_blocks": k}

@@ -35,7 +35,13 @@ from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
 from vip_hub.privacy.accounting import composed_epsilon, epsilon
-from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
+from vip_hub.privacy.ledger import (
+    NOISED_CANARIES,
+    Dataset,
+    DPStage,
+    NonPrivateStage,
+    PrivacyLedger,
+)
 from vip_hub.privacy.sensitivity import (
     FP64_CAPPED,
     ROUNDING_SUM,
@@ -417,9 +423,38 @@ def test_a_biases_only_fine_tuning_trains_the_vectors_its_feature_mode_reads(
     assert_biases_only_trained(syn_repo, out, "dp-finetune", head_file("clf"), READ)
 
 
+def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encoder_alone(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``fixed_head``: the head released is the DP probe's, bit for bit; the fine-tuning's stage
+    trains the encoder alone (its noise on the encoder's vectors, nothing of the head's), the
+    probe's stage names the head, and the repo verifies."""
+    out = finetune(
+        syn_repo, data, tmp_path / "run", **WHOLE_ARGS, encoder_parameters="biases", fixed_head=True
+    )
+    assert verify_repo(out).ok
+    (saved,) = tmp_path.rglob("probe.pt")
+    probe = torch.load(saved, weights_only=True)["head"]
+    released = load_file(out / head_file("clf"))
+    assert released.keys() >= {"linear.weight", "linear.bias"}
+    assert all(torch.equal(released[k], probe[k]) for k in ("linear.weight", "linear.bias"))
+    ledger = PrivacyLedger.read(out)
+    probe_stage, dp = ledger.stages[-2:]
+    assert dp.also_trains == [] and dp.trained_components == ("encoder",)
+    assert probe_stage.also_trains == ["heads/clf"]
+    assert dp.hyperparameters["fixed_head"] is True
+    noised = set(dp.noised_tensors or {}) - {NOISED_CANARIES}
+    assert noised and all(k.startswith(f"{WEIGHTS_FILE}:") for k in noised), sorted(noised)
+    before, after = load_file(syn_repo / WEIGHTS_FILE), load_file(out / WEIGHTS_FILE)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert "fixed (--fixed-head)" in dp.description
+
+
 def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--trainable-blocks 13"):
         finetune(syn_repo, data, tmp_path / "a", trainable_blocks=13)
+    with pytest.raises(ValueError, match="--fixed-head keeps the DP probe's head"):
+        finetune(syn_repo, data, tmp_path / "d", fixed_head=True)
     with pytest.raises(ConfigError, match="head name"):
         finetune(syn_repo, data, tmp_path / "b", head="no/slash")
     odd = write_image_folder(shapes(6, 2), tmp_path / "odd", ("a", "b", "c"))
