@@ -117,6 +117,7 @@ class Bench:
         default_factory=lambda: FINETUNE["encoder_parameters"]
     )
     finetune_steps: int = field(default_factory=lambda: FINETUNE["steps"])
+    finetune_fixed_head: bool = field(default_factory=lambda: FINETUNE["fixed_head"])
     encoder_draws: int = 1
     modes: dict[str, Choice] = field(default_factory=dict)
 
@@ -663,7 +664,12 @@ def finetune_row(b: Bench, key: str) -> Result:
             f"--tune {key}: the DP fine-tuning row's settings are fixed in FINETUNE and FINETUNE_LR"
         )
     trains = b.finetune_parameters
-    settings = {**FINETUNE, "encoder_parameters": trains, "lr": FINETUNE_LR[trains]}
+    settings = {
+        **FINETUNE,
+        "encoder_parameters": trains,
+        "lr": FINETUNE_LR[trains],
+        "fixed_head": b.finetune_fixed_head,
+    }
     settings.pop("steps")
     steps = b.finetune_steps
     batch = head_config(b.study, len(b.private), None, dataset=b.private.dataset.name).batch_size
@@ -701,7 +707,8 @@ def finetune_row(b: Bench, key: str) -> Result:
     return Result(
         row=ROWS[key][0],
         what=f"(Syn)-ViP vip-nano: DP probe (epsilon {settings['probe_epsilon']:g} alone), then "
-        f"the whole encoder its {mode} features read and the head"
+        f"the whole encoder its {mode} features read"
+        + (" under the probe's head, fixed" if b.finetune_fixed_head else " and the head")
         + encoder_parameters_note(trains)
         + f", DP-AdamW {steps} x {batch}, "
         + (f"{views} views per example" if (views := settings["augmult"]) else "unaugmented"),
@@ -748,6 +755,7 @@ def finetune_reference(
         hp["trainable_blocks"],
         head,
         parameters=hp["encoder_parameters"],
+        train_head=not hp["fixed_head"],
     )
     model.to(dev)
     order = torch.Generator().manual_seed(0)
@@ -938,6 +946,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="the finetune row's DP fine-tuning steps (a longer schedule than the default's, "
         "its noise recalibrated to the same epsilon; about 25 CPU-s a step at 60,000 records)",
     )
+    p.add_argument(
+        "--finetune-fixed-head",
+        action="store_true",
+        default=FINETUNE["fixed_head"],
+        help="the finetune row keeps its DP probe's head, fine-tuning the encoder alone",
+    )
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     tune = {r.strip() for r in args.tune.split(",") if r.strip()}
@@ -975,6 +989,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         finetune_draws=args.finetune_draws,
         finetune_parameters=args.finetune_parameters,
         finetune_steps=args.finetune_steps,
+        finetune_fixed_head=args.finetune_fixed_head,
         encoder_draws=args.encoder_draws,
     )
     start = time.perf_counter()

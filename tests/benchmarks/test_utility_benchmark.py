@@ -18,10 +18,17 @@ from training.study.budget import head_epsilon
 from training.study.config import StudyConfig
 from training.study.splits import study_splits
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
-from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, compose_releases
+from vip_hub.privacy.ledger import (
+    NOISED_CANARIES,
+    NOT_RELEASED,
+    Dataset,
+    DPStage,
+    compose_releases,
+)
 from vip_hub.repo.heads import load_head
 
 utility = load_benchmark("utility")
+step_signal = load_benchmark("step_signal")
 
 TRAIN_RECORDS = 200
 """Enough that ``--tune``'s keyed 10 % validation split is never empty (0.9^200 = 7e-10; at 40
@@ -247,4 +254,18 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.ref <= 100 and r.tried == 0
     (repo,) = (tmp_path / "finetune").glob("*/finetuned")  # the released head, read back
     assert r.dp == pytest.approx(100 * load_head(repo, "classifier")[1].metrics["top1"])
+    # benchmarks/step_signal.py on the released row: the stage's coordinates, its noise's norm
+    noised = sum(v for k, v in (stage.noised_tensors or {}).items() if k != NOISED_CANARIES)
+    test = bench.splits.test
+    for fixed in (None, True):
+        out = step_signal.step_signal(repo, test, fixed_head=fixed)
+        parts, mean = out["coordinates"], out["mean_norm"]
+        assert parts["encoder"] == stage.hyperparameters["encoder_trainable_parameters"]
+        assert parts["head"] == (0 if fixed else noised - parts["encoder"])
+        assert mean["all"] ** 2 == pytest.approx(mean["encoder"] ** 2 + mean["head"] ** 2)
+        assert 0 < mean["all"] <= stage.clipping_norm
+        size = parts["encoder"] + parts["head"]
+        assert out["noise_norm"] == pytest.approx(
+            stage.noise_multiplier * stage.clipping_norm * size**0.5 / stage.expected_batch_size
+        )
     assert len(utility.table(TINY, [(r, eps)])) == 3 + len(utility.PAPER)

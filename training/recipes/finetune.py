@@ -23,7 +23,9 @@ about a step is the DP engine's (``training/dp/engine.py``). Two models:
 
 Either model trains, with ``--encoder-parameters biases``, only the one-dimensional parameters
 (biases, normalisation scales) of the encoder part it would train, and the head whole (after Bu et
-al. 2022's DP-BiTFiT: the noise then falls on far fewer coordinates).
+al. 2022's DP-BiTFiT: the noise then falls on far fewer coordinates). With ``--fixed-head`` (and
+``--probe-epsilon``) the DP probe's head is kept as it is and the fine-tuning trains the encoder
+part alone.
 
 ``--probe-epsilon`` first fits the head as a DP linear probe on the init encoder's frozen
 features (``training.recipes.probe.fit_probe``) and starts the fine-tuning from it; the probe's
@@ -33,7 +35,8 @@ within ``--epsilon`` (``remaining_epsilon``).
 
 The export is the fine-tuned encoder with the head in ``heads/<name>/``. Its ledger holds the
 init repo's encoder stages, the probe's stage if any, and one DP stage on the dataset whose
-``also_trains`` names the head: the encoder's and the head's guarantees are those stages composed.
+``also_trains`` names the head (with ``--fixed-head``, the probe's stage alone does): the
+encoder's and the head's guarantees are those stages composed.
 
 Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
 ``torchrun --nproc_per_node N -m training.recipes.finetune ...`` (same arguments).
