@@ -606,12 +606,15 @@ the whole encoder that mode reads its biases and normalisation scales (``encoder
 after Bu et al. 2022's DP-BiTFiT, since 2026-11-30; before, all of it) and the probe's head
 fine-tuned together by DP-AdamW (expected batch n / ``head_batches``, ``steps`` steps, each image
 itself: ``augmult`` 0) at ``FINETUNE_LR``'s rate for what it trains, its noise calibrated so that
-probe and fine-tuning compose to the study's epsilon. The probe's epsilon, what the fine-tuning
-trains and its rate are chosen on public data: on the public stand-in (``benchmarks/standin.py
-finetune``, test records 0-3,999 at the real run's noise, scored on 4,000-4,999), the highest
-mean of a setting's trials (benchmarks/README.md, "Settings chosen on public data", "The DP
-fine-tuning row's biases alone"); ``steps`` and ``augmult`` were cut to fit the benchmark's
-time bound, not by any score; ``--finetune-parameters all`` runs the whole encoder."""
+probe and fine-tuning compose to the study's epsilon, the head trained with the encoder
+(``fixed_head`` False; ``--finetune-fixed-head`` keeps the probe's). The probe's epsilon, what
+the fine-tuning trains, its rate and whether the head trains are chosen on public data: on the
+public stand-in (``benchmarks/standin.py finetune``, test records 0-3,999 at the real run's
+noise, scored on 4,000-4,999), the highest mean of a setting's trials (benchmarks/README.md,
+"Settings chosen on public data", "The DP fine-tuning row's biases alone", "Where the DP
+fine-tuning's step goes"); ``steps`` and
+``augmult`` were cut to fit the benchmark's time bound, not by any score (``--finetune-steps``
+runs a longer schedule); ``--finetune-parameters all`` runs the whole encoder."""
 
 FINETUNE_LR: dict[EncoderParameters, float] = {"all": 1e-5, "biases": 1e-3}
 """The DP fine-tuning row's learning rate by what of the encoder it trains, each chosen on the
