@@ -64,8 +64,11 @@ test-fast: venv
 	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 ## Speed ratios (never fail on speed).
+## The speed benchmarks (ratios side by side); the studies (utility, standin, prior, decoder_share,
+## step_signal) take their own arguments: benchmarks/README.md.
+SPEED := clip_margins dp_step hub logit_dp noise objstore own_process replicas serve
 bench: venv
-	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in $(SPEED); do echo "== benchmarks/$$b.py"; $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
