@@ -64,8 +64,7 @@ test-fast: venv
 	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 ## Speed ratios (never fail on speed): the speed benchmarks, side by side (own_process.py is their
-## helper); the studies (utility, standin, prior, decoder_share, step_signal) take their own
-## arguments: benchmarks/README.md.
+## helper); the other scripts are studies with their own arguments (benchmarks/README.md).
 SPEED := clip_margins dp_step hub logit_dp noise objstore replicas serve
 bench: venv
 	@for b in $(SPEED); do echo "== benchmarks/$$b.py"; $(BIN)/python benchmarks/$$b.py || exit 1; done

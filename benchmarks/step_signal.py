@@ -2,14 +2,17 @@
 the per-example gradients of a released DP fine-tuning (``vip-hub train-finetune``, the
 benchmark's finetune row) clipped as its stage clipped them (``PerExampleClipper``), their mean's
 norm, split between the encoder's coordinates and the head's, against the norm of the Gaussian
-noise its stage added to that mean (sigma C sqrt(d) / B, each from the repo's ledger).
+noise its stage added to that mean (the stage's noise_std sqrt(d) / B, from the repo's ledger; d
+the coordinates measured, which for the stage's own head rule are its noised ones less the
+audit's canaries).
 
     python benchmarks/step_signal.py REPO [--records 2000] [--fixed-head | --trained-head]
 
 The model is the released one, its trainable coordinates the stage's (``encoder_parameters``,
 ``fixed_head``) unless ``--fixed-head`` or ``--trained-head`` says otherwise; the records are the
-public Fashion-MNIST test records 0..N-1. Nothing private is read: it measures, it releases
-nothing.
+public Fashion-MNIST test records 0..N-1. A fine-tuning of the whole encoder on unaugmented images
+only (``trainable_blocks`` all, ``augmult`` 0: the benchmark's row), whose clipped gradient is
+each record's own. Nothing private is read: it measures, it releases nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import Any
 
 import torch
 
-from training.data.labelled import LabelledArrays, class_folder, fashion_mnist
+from training.data.labelled import LabelledArrays, fashion_mnist, head_class_order
 from training.dp.clipping import PerExampleClipper
 from training.recipes.finetune import STAGE, classifier
+from vip_hub.errors import ConfigError
 from vip_hub.loading import load_encoder
-from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.ledger import NOISED_CANARIES, DPStage, PrivacyLedger
 from vip_hub.repo.heads import load_head
 
 CHUNK = 250
@@ -41,13 +45,21 @@ def step_signal(
     clipping norm, trainable coordinates and, unless ``fixed_head`` is given, head rule), its
     norm on the encoder's and on the head's coordinates, and the stage's noise on that mean."""
     stage = PrivacyLedger.read(repo).stage(STAGE)
+    if not isinstance(stage, DPStage):
+        raise ConfigError(f"{repo}: its {STAGE} stage is not a DP stage")
     hp = stage.hyperparameters
-    fixed = hp.get("fixed_head", False) if fixed_head is None else fixed_head
+    if hp["trainable_blocks"] != "all" or hp["augmult"]:
+        raise ConfigError(
+            f"{repo}: a fine-tuning of the top {hp['trainable_blocks']} blocks or with "
+            f"{hp['augmult']} views per example; give one of the whole encoder on unaugmented "
+            "images (--trainable-blocks all --augmult 0)"
+        )
+    staged = hp.get("fixed_head", False)  # repos before 2026-11-30 trained their head
+    fixed = staged if fixed_head is None else fixed_head
     encoder = load_encoder(repo)
     probe, info = load_head(repo, head)
-    label = {class_folder(name): i for i, name in enumerate(data.classes)}
     target = torch.empty(len(info.labels), dtype=torch.long)  # data's class -> head output
-    target[[label[name] for name in info.labels]] = torch.arange(len(info.labels))
+    target[head_class_order(data.classes, info.labels)] = torch.arange(len(info.labels))
     model = classifier(
         encoder,
         len(info.labels),
@@ -73,8 +85,11 @@ def step_signal(
         ]
     )
     norm = torch.cat(norms)
+    noised = stage.noised_dimension - (stage.noised_tensors or {}).get(NOISED_CANARIES, 0)
+    if fixed == staged and mean.numel() != noised:
+        raise RuntimeError(f"measured {mean.numel()} coordinates, the stage noised {noised}")
     batch = stage.expected_batch_size
-    noise = stage.noise_multiplier * clip * math.sqrt(mean.numel()) / batch
+    noise = stage.noise_std * math.sqrt(mean.numel()) / batch
     return {
         "records": len(data),
         "fixed_head": fixed,
@@ -87,7 +102,7 @@ def step_signal(
             "encoder": float(mean[~in_head].norm()),
             "head": float(mean[in_head].norm()),
         },
-        "noise_multiplier": stage.noise_multiplier,
+        "noise_std": stage.noise_std,
         "expected_batch": batch,
         "noise_norm": noise,
         "signal_to_noise": float(mean.norm()) / noise,
@@ -109,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     test = fashion_mnist("test", a.data, a.work)
     if not 0 < a.records <= len(test):
         p.error(f"--records {a.records}: give 1 to {len(test)}")
-    out = step_signal(a.repo, test.first(a.records), a.head, a.fixed)
+    try:
+        out = step_signal(a.repo, test.first(a.records), a.head, a.fixed)
+    except ConfigError as e:
+        p.error(str(e))
     print(json.dumps(out))
     return out
 

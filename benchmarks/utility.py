@@ -629,13 +629,12 @@ def released_correct(repo: Path, head: str, data: LabelledArrays, device: str) -
     """Whether a released repo's head answers each record of ``data`` right, (n,) booleans: the
     encoder's features in the head's mode, then the head (what ``/v1/classify`` computes); the
     head's labels are class folder names (``write_image_folder``), mapped back to ``data``'s."""
-    from training.data.labelled import class_folder
+    from training.data.labelled import head_class_order
     from vip_hub.repo.heads import load_head
 
     encoder = load_encoder(repo, device=device)
     probe, info = load_head(repo, head)
-    label = {class_folder(name): i for i, name in enumerate(data.classes)}
-    order = torch.tensor([label[name] for name in info.labels])
+    order = torch.tensor(head_class_order(data.classes, info.labels))
     with torch.no_grad():
         guess = order[probe(embed(encoder, data, info.pooling)).argmax(1)]
     return (guess == torch.as_tensor(data.labels)).numpy()
@@ -657,8 +656,9 @@ def finetune_mode(b: Bench, init: Path) -> tuple[str, str]:
 
 def finetune_row(b: Bench, key: str) -> Result:
     """DP fine-tuning: a DP probe, then the (Syn)-ViP encoder its mode reads (its biases alone, by
-    default: ``--finetune-parameters``) and the head trained together on the private split
-    (``training.recipes.finetune.finetune_arrays``), the two DP stages composed to the study's
+    default: ``--finetune-parameters``) and the head trained together on the private split, or
+    the encoder under the probe's head kept fixed (``--finetune-fixed-head``;
+    ``training.recipes.finetune.finetune_arrays``), the two DP stages composed to the study's
     epsilon; top-1 of the released classifier."""
     from training.recipes.finetune import finetune_arrays
 
@@ -947,7 +947,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=int,
         default=FINETUNE["steps"],
         help="the finetune row's DP fine-tuning steps (a longer schedule than the default's, "
-        "its noise recalibrated to the same epsilon; about 25 CPU-s a step at 60,000 records)",
+        "its noise recalibrated to the same epsilon; about 24 s a step at 60,000 records on two "
+        "threads)",
     )
     p.add_argument(
         "--finetune-fixed-head",

@@ -226,21 +226,25 @@ def test_a_schedule_without_steps_is_refused(capsys: pytest.CaptureFixture[str])
     assert "--finetune-steps are at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fixed_head", [False, True])
 def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_whole_budget(
-    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed_head: bool
 ) -> None:
     """The end-to-end row: a DP probe on the mode chosen on public records, then the whole encoder
-    that mode reads and the head trained together by one DP stage on the private split, the two
-    composed to (3, 1e-5), the released classifier's top-1 on the scoring records (a 2-epoch
-    probe, 2 fine-tuning steps (``--finetune-steps``) and 64 canaries here: the row's schedule is
-    the benchmark's)."""
+    that mode reads and the head trained together by one DP stage on the private split (or, with
+    ``--finetune-fixed-head``, under the probe's head), the two composed to (3, 1e-5), the
+    released classifier's top-1 on the scoring records (a 2-epoch probe, 2 fine-tuning steps
+    (``--finetune-steps``) and 64 canaries here: the row's schedule is the benchmark's); then
+    benchmarks/step_signal.py on the released repo, its noise from the ledger."""
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
-    bench = tiny_bench(data, tmp_path, finetune_steps=2)
+    bench = tiny_bench(data, tmp_path, finetune_steps=2, finetune_fixed_head=fixed_head)
     ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
     probe, stage = r.stages
-    assert stage.steps == 2
-    assert probe.trained_components == stage.trained_components == ("encoder", "heads/classifier")
+    assert stage.steps == 2 and stage.hyperparameters["fixed_head"] is fixed_head
+    assert probe.trained_components == ("encoder", "heads/classifier")
+    assert stage.trained_components == probe.trained_components[: 1 if fixed_head else 2]
+    assert ("under the probe's head, fixed" in r.what) is fixed_head
     assert probe.epsilon == pytest.approx(utility.FINETUNE["probe_epsilon"], abs=0.01)
     assert stage.dataset.name == FASHION_MNIST_TRAIN
     assert stage.sample_rate == (TRAIN_RECORDS // 8) / TRAIN_RECORDS  # expected batch n / 8
@@ -253,19 +257,24 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     assert eps[Accountant.RDP] > TINY.epsilon - 0.01
     assert 0 <= r.dp <= 100 and r.ref is not None and 0 <= r.ref <= 100 and r.tried == 0
     (repo,) = (tmp_path / "finetune").glob("*/finetuned")  # the released head, read back
-    assert r.dp == pytest.approx(100 * load_head(repo, "classifier")[1].metrics["top1"])
-    # benchmarks/step_signal.py on the released row: the stage's coordinates, its noise's norm
+    head, info = load_head(repo, "classifier")
+    assert r.dp == pytest.approx(100 * info.metrics["top1"])
+    # the stage's own rule: its noised coordinates (canaries aside) and its noise on the mean
     noised = sum(v for k, v in (stage.noised_tensors or {}).items() if k != NOISED_CANARIES)
-    test = bench.splits.test
-    for fixed in (None, True):
-        out = step_signal.step_signal(repo, test, fixed_head=fixed)
-        parts, mean = out["coordinates"], out["mean_norm"]
-        assert parts["encoder"] == stage.hyperparameters["encoder_trainable_parameters"]
-        assert parts["head"] == (0 if fixed else noised - parts["encoder"])
+    on_mean = stage.noise_multiplier * stage.sensitivity * noised**0.5 / stage.expected_batch_size
+    out = step_signal.step_signal(repo, bench.splits.test)
+    assert sum(out["coordinates"].values()) == noised
+    assert out["noise_norm"] == pytest.approx(on_mean)
+    # the other rule: the head's linear layer in or out
+    other = step_signal.step_signal(repo, bench.splits.test, fixed_head=not fixed_head)
+    linear = head.linear.weight.numel() + head.linear.bias.numel()
+    heads = {True: 0, False: linear}
+    for o, fixed in ((out, fixed_head), (other, not fixed_head)):
+        parts, mean = o["coordinates"], o["mean_norm"]
+        assert parts == {
+            "encoder": stage.hyperparameters["encoder_trainable_parameters"],
+            "head": heads[fixed],
+        }
         assert mean["all"] ** 2 == pytest.approx(mean["encoder"] ** 2 + mean["head"] ** 2)
-        assert 0 < mean["all"] <= stage.clipping_norm
-        size = parts["encoder"] + parts["head"]
-        assert out["noise_norm"] == pytest.approx(
-            stage.noise_multiplier * stage.clipping_norm * size**0.5 / stage.expected_batch_size
-        )
+        assert 0 < mean["all"] <= stage.clipping_norm and 0 <= o["clipped"] <= 1
     assert len(utility.table(TINY, [(r, eps)])) == 3 + len(utility.PAPER)

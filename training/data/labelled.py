@@ -53,6 +53,7 @@ __all__ = [
     "FASHION_MNIST_TRAIN",
     "LabelledArrays",
     "class_folder",
+    "head_class_order",
     "class_public_captions",
     "class_vocabulary",
     "fashion_mnist",
@@ -355,6 +356,13 @@ def class_folder(name: str) -> str:
     if not folder.strip() or folder in (".", "..") or "\0" in folder:
         raise DataError(f"class name {name!r} cannot name a folder")
     return folder
+
+
+def head_class_order(classes: Sequence[str], head_labels: Sequence[str]) -> list[int]:
+    """For each output of a head whose labels are class folder names (``class_folder``), the index
+    of its class in ``classes``: ``order[logits.argmax(1)]`` answers in ``classes``' indices."""
+    index = {class_folder(name): i for i, name in enumerate(classes)}
+    return [index[label] for label in head_labels]
 
 
 def class_public_captions(

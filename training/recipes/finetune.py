@@ -379,6 +379,8 @@ def classifier(
     elif pooling == "dpcap":
         raise ConfigError("--pooling dpcap: the whole-encoder model reads the encoder's own modes")
     if head is None:
+        if not train_head:
+            raise ConfigError("a fixed head is a DP probe's: give the probe's head")
         head = LinearProbe(init.feature_dim(pooling), num_classes)
         fix_normalisation(head, head_statistics(init, pooling, domain))
     encoder.requires_grad_(False)
@@ -666,9 +668,10 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         else "no public labelled data: no loss curve",
         dataset_description=f"{n} labelled images, {len(train.classes)} classes; DP fine-tuning",
         summary=(
-            f"A {spec.arch} encoder fine-tuned end to end with DP-AdamW on {cfg.dataset_name} "
+            f"A {spec.arch} encoder fine-tuned with DP-AdamW on {cfg.dataset_name} "
             f"({n} labelled images), starting from {cfg.init} and {start}: {trains} "
-            f"({cfg.pooling} features); the guarantee covers both."
+            f"({cfg.pooling} features); the guarantee of both composes the probe's stage (where "
+            "there is one) and this one."
         ),
         name=STAGE,
         also_trains=[] if cfg.fixed_head else [component],
