@@ -26,6 +26,7 @@ from vip_hub.privacy.ledger import (
     compose_releases,
 )
 from vip_hub.repo.heads import load_head
+from vip_hub.repo_format import ENCODER, head_component
 
 utility = load_benchmark("utility")
 step_signal = load_benchmark("step_signal")
@@ -242,7 +243,7 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
     probe, stage = r.stages
     assert stage.steps == 2 and stage.hyperparameters["fixed_head"] is fixed_head
-    assert probe.trained_components == ("encoder", "heads/classifier")
+    assert probe.trained_components == (ENCODER, head_component("classifier"))
     assert stage.trained_components == probe.trained_components[: 1 if fixed_head else 2]
     assert ("under the probe's head, fixed" in r.what) is fixed_head
     assert probe.epsilon == pytest.approx(utility.FINETUNE["probe_epsilon"], abs=0.01)

@@ -51,7 +51,7 @@ from vip_hub.privacy.sensitivity import (
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE, head_file
+from vip_hub.repo_format import CARD_FILE, ENCODER, WEIGHTS_FILE, head_component, head_file
 
 BIN = Path(sys.executable).parent
 CLASSES = ("circle", "square", "stripe")
@@ -440,8 +440,8 @@ def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encode
     assert all(torch.equal(released[k], probe[k]) for k in ("linear.weight", "linear.bias"))
     ledger = PrivacyLedger.read(out)
     probe_stage, dp = ledger.stages[-2:]
-    assert dp.also_trains == [] and dp.trained_components == ("encoder",)
-    assert probe_stage.also_trains == ["heads/clf"]
+    assert dp.also_trains == [] and dp.trained_components == (ENCODER,)
+    assert probe_stage.also_trains == [head_component("clf")]
     assert dp.hyperparameters["fixed_head"] is True
     noised = set(dp.noised_tensors or {}) - {NOISED_CANARIES}
     assert noised and all(k.startswith(f"{WEIGHTS_FILE}:") for k in noised), sorted(noised)
