@@ -78,12 +78,8 @@ def step_signal(
         labels = target[torch.as_tensor(data.labels[list(index)], dtype=torch.long)]
         norms.append(clipper.accumulate(views, labels).norms)
     mean = clipper.take_sum() / len(data)
-    in_head = torch.cat(
-        [
-            torch.full((p.numel(),), any(p is q for q in model.head.parameters()))
-            for p in clipper.params
-        ]
-    )
+    head_ids = {id(q) for q in model.head.parameters()}
+    in_head = torch.cat([torch.full((p.numel(),), id(p) in head_ids) for p in clipper.params])
     norm = torch.cat(norms)
     noised = stage.noised_dimension - (stage.noised_tensors or {}).get(NOISED_CANARIES, 0)
     if fixed == staged and mean.numel() != noised:

@@ -612,9 +612,9 @@ the fine-tuning trains, its rate and whether the head trains are chosen on publi
 public stand-in (``benchmarks/standin.py finetune``, test records 0-3,999 at the real run's
 noise, scored on 4,000-4,999), the highest mean of a setting's trials (benchmarks/README.md,
 "Settings chosen on public data", "The DP fine-tuning row's biases alone", "Where the DP
-fine-tuning's step goes"); ``steps`` and
-``augmult`` were cut to fit the benchmark's time bound, not by any score (``--finetune-steps``
-runs a longer schedule); ``--finetune-parameters all`` runs the whole encoder."""
+fine-tuning's step goes"); ``steps`` and ``augmult`` were cut to fit the benchmark's time bound,
+not by any score (``--finetune-steps`` runs a longer schedule); ``--finetune-parameters all`` runs
+the whole encoder."""
 
 FINETUNE_LR: dict[EncoderParameters, float] = {"all": 1e-5, "biases": 1e-3}
 """The DP fine-tuning row's learning rate by what of the encoder it trains, each chosen on the

@@ -651,12 +651,11 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         if stage is not None
         else "a fresh head"
     )
-    if cfg.fixed_head:  # the head is the probe's, released as the probe left it
-        together = f"{what}, under the probe's head {component}, fixed (--fixed-head)"
-        trains = f"{what}, trained by one DP stage under the probe's linear head {component}, fixed"
-    else:
-        together = f"{what} and the head {component}'s linear layer"
-        trains = f"{what} and the linear head {component}, trained together by one DP stage"
+    trains = what + (  # a fixed head is the probe's, released as the probe left it
+        f", under the probe's linear head {component}, fixed (--fixed-head)"
+        if cfg.fixed_head
+        else f" and the linear head {component}"
+    )
     out = run.export_dp(
         model.encoder,
         spec,
@@ -670,8 +669,8 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
         summary=(
             f"A {spec.arch} encoder fine-tuned with DP-AdamW on {cfg.dataset_name} "
             f"({n} labelled images), starting from {cfg.init} and {start}: {trains} "
-            f"({cfg.pooling} features); the guarantee of both composes the probe's stage (where "
-            "there is one) and this one."
+            f"({cfg.pooling} features), trained by one DP stage; the guarantee of both composes "
+            "the probe's stage (where there is one) and this one."
         ),
         name=STAGE,
         also_trains=[] if cfg.fixed_head else [component],
@@ -680,10 +679,9 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             f"DP fine-tuning: cross-entropy over {len(train.classes)} classes; DP-AdamW with "
             f"per-example clipping to C = {cfg.max_grad_norm:g}, Gaussian noise sigma x the "
             "sensitivity (C times its rounding allowance) once per logical step, "
-            f"Poisson sampling. Trained from {start}: {together} ({trained:,} parameters); "
-            "the rest of the encoder "
-            "is the init repo's, unchanged. The head's normalisation is fixed to the init "
-            f"encoder's features of {normalised}. Augmentation: {augmentation}"
+            f"Poisson sampling. Trained from {start}: {trains} ({trained:,} parameters); the "
+            "rest of the encoder is the init repo's, unchanged. The head's normalisation is "
+            f"fixed to the init encoder's features of {normalised}. Augmentation: {augmentation}"
         ),
         hyperparameters={
             **cfg.adamw_hyperparameters(),
