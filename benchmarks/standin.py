@@ -27,7 +27,7 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases] [--heads 3]
-        [--uncentred] [--head-components K] [--head-kind sgd|class-means]
+        [--head-epochs E] [--uncentred] [--head-components K] [--head-kind sgd|class-means]
         [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
         [--augmult 0] [--encoder-parameters all|biases] [--probe-only]
@@ -390,6 +390,13 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     )
     p.add_argument("--probe-only", action="store_true", help="finetune: the DP probe alone")
     p.add_argument("--heads", type=int, default=3, help="DP heads per trial (their mean)")
+    p.add_argument(
+        "--head-epochs",
+        type=int,
+        default=None,
+        help="the DP heads' epochs (default: the study's probe_epochs), their noise calibrated "
+        "at the real run's steps",
+    )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
         "--disjoint-centre",
@@ -476,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                         else {}
                     ),
                     **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
+                    **({"probe_epochs": a.head_epochs} if a.head_epochs else {}),
                 }
             )
         except ValidationError as e:
@@ -494,6 +502,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0
+        # recorded always: the presets' head epochs changed on 2026-11-30
+        settings["head_epochs"] = study.probe_epochs
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
         if a.head_kind == "sgd":

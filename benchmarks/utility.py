@@ -6,7 +6,7 @@ The study of ``training/study`` at its benchmark preset (``BENCHMARK``: the whol
 every difference from ``vip-hub run``'s is a field of ``StudyConfig``, named there), with more
 rows than the job releases. A row is a classifier at the study's budget: features, then the
 study's DP linear head (``training.study.heads``: the paper's q = 1/8, clipping 0.1, learning rate
-16, 100 epochs; centred on the first selection records' features; calibrated by the split rule
+16; the preset's 50 epochs; centred on the first selection records' features; calibrated by the split rule
 so that it composes with the encoder's DP stages to epsilon). Its guarantee is with respect to
 the private train split (``public-benchmarks/fashion-mnist-train``) and composes every DP stage
 the classifier depends on (``training.study.budget.composed``; RDP is the claim, PRV and PLD

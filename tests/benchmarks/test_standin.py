@@ -240,3 +240,24 @@ def test_an_option_past_its_study_fields_bound_is_named(
     with pytest.raises(SystemExit):
         standin.main(["vip", "--lr-scale", "100"])
     assert "dp_lr_scale" in capsys.readouterr().err
+
+
+def test_head_epochs_set_the_heads_real_steps_and_are_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[StudyConfig, dict[str, Any]]] = []
+
+    def trial_spy(study: StudyConfig, row: str, settings: dict[str, Any], *args: Any) -> Any:
+        seen.append((study, settings))
+        return standin.Trial(row, settings, dp_top1=[50.0])
+
+    monkeypatch.setattr(standin, "standin_records", lambda *args, **kwargs: None)
+    monkeypatch.setattr(standin, "heads_trial", trial_spy)
+    standin.main(["syn", "--study", "benchmark", "--head-epochs", "25", "--work", str(tmp_path)])
+    standin.main(["syn", "--work", str(tmp_path)])
+    (given, settings), (default, default_settings) = seen
+    assert given.probe_epochs == settings["head_epochs"] == 25
+    assert default.probe_epochs == default_settings["head_epochs"] == JOB.probe_epochs
+    # the real head's steps follow the epochs (its noise is calibrated at them)
+    q, steps = standin.head_sampling(given, given.train_size, FASHION_MNIST_TEST)
+    assert (q, steps) == (1 / given.head_batches, 25 * given.head_batches)
