@@ -5,13 +5,13 @@ ScatterNet + CNN 89.0 (test top-1, %).
 The study of ``training/study`` at its benchmark preset (``BENCHMARK``: the whole train split;
 every difference from ``vip-hub run``'s is a field of ``StudyConfig``, named there), with more
 rows than the job releases. A row is a classifier at the study's budget: features, then the
-study's DP linear head (``training.study.heads``: the paper's q = 1/8, clipping 0.1, learning rate
-16; the preset's 50 epochs; centred on the first selection records' features; calibrated by the split rule
-so that it composes with the encoder's DP stages to epsilon). Its guarantee is with respect to
-the private train split (``public-benchmarks/fashion-mnist-train``) and composes every DP stage
-the classifier depends on (``training.study.budget.composed``; RDP is the claim, PRV and PLD
-printed beside it). The standard test split is public: its first ``select_size`` records choose
-feature modes, the ``test_size`` after them score every row.
+study's DP linear head (``training.study.heads``: the paper's q = 1/8, clipping 0.1, learning
+rate 16; the preset's 50 epochs; centred on the first selection records' features; calibrated
+by the split rule so that it composes with the encoder's DP stages to epsilon). Its guarantee is
+with respect to the private train split (``public-benchmarks/fashion-mnist-train``) and composes
+every DP stage the classifier depends on (``training.study.budget.composed``; RDP is the claim,
+PRV and PLD printed beside it). The standard test split is public: its first ``select_size``
+records choose feature modes, the ``test_size`` after them score every row.
 
 - raw pixels (``training.study.features.pixels``);
 - ScatterNet: kymatio's ``Scattering2D(J=2)`` (81 x 7 x 7), GroupNorm over 27 groups of

@@ -1,7 +1,7 @@
 """A row's DP linear head: the same protocol on every row, of one of two kinds (``HeadKind``).
 The DP-SGD head is the paper's (expected batch n / ``head_batches``, clipping ``head_clip``, SGD
-at ``head_lr`` with momentum 0.9, warm-up and cosine) over the preset's ``probe_epochs`` on the top
-``head_components`` principal components of the row's features of the centring records; the
+at ``head_lr`` with momentum 0.9, warm-up and cosine) over the preset's ``probe_epochs``, on the
+top ``head_components`` principal components of the row's features of the centring records; the
 class-means head (``training/recipes/class_means.py``) releases the class means once and reads
 ``class_means_components`` of them. Either has its BatchNorm fixed to statistics of the centring
 records (the DP-SGD head: their mean with variance 1; the class-means head: their mean and
