@@ -394,8 +394,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         "--head-epochs",
         type=int,
         default=None,
-        help="the DP heads' epochs (default: the study's probe_epochs), their noise calibrated "
-        "at the real run's steps",
+        help="the DP heads' epochs, the fine-tuning's probe's too (default: the study's "
+        "probe_epochs), their noise calibrated at the real run's steps",
     )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
@@ -448,13 +448,19 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     if a.uncentred and a.head_components:
         p.error("--uncentred reads the features as they are: give --head-components 0 with it")
     work = Path(a.work)
+    epochs = {} if a.head_epochs is None else {"probe_epochs": a.head_epochs}
     if a.row == "finetune":
-        study = BENCHMARK
+        try:
+            study = BENCHMARK.updated(epochs)
+        except ValidationError as e:
+            p.error(str(e))
         recs = standin_records(study, a.data, work, a.private, a.end)
         trains = a.encoder_parameters or FINETUNE["encoder_parameters"]
         lr = FINETUNE_LR[trains] if a.lr is None else a.lr
         # encoder_parameters recorded always: its default changed on 2026-11-30
         settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
+        # recorded always: the presets' head epochs changed on 2026-11-30
+        settings["head_epochs"] = study.probe_epochs
         for key, value in (
             ("steps", a.finetune_steps),
             ("augmult", a.augmult),
@@ -483,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                         else {}
                     ),
                     **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
-                    **({"probe_epochs": a.head_epochs} if a.head_epochs else {}),
+                    **epochs,
                 }
             )
         except ValidationError as e:

@@ -46,7 +46,7 @@ features, a head without DP) is printed here only. Features, choices and trained
 cached under ``--work``.
 
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
-        [--epochs 100] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
+        [--epochs 50] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
         [--tune ROWS] [--encoder-epsilon 1] [--draws 3] [--encoder-draws 1] [--finetune-draws 1] \
         [--device cpu|cuda] [--head-components K] [--head-kind chosen|sgd|class-means] \
         [--ema-decay D] [--decoder-warmup N] [--dpcap-decoder-warmup N] [--data FOLDER] \

@@ -261,3 +261,7 @@ def test_head_epochs_set_the_heads_real_steps_and_are_recorded(
     # the real head's steps follow the epochs (its noise is calibrated at them)
     q, steps = standin.head_sampling(given, given.train_size, FASHION_MNIST_TEST)
     assert (q, steps) == (1 / given.head_batches, 25 * given.head_batches)
+    real, on_standin = standin.matched_head(given, given.train_size, [], 3_000)
+    assert real[1:] == on_standin[1:] == (q, steps)
+    with pytest.raises(SystemExit):  # a bound of the study's field, named
+        standin.main(["syn", "--head-epochs", "0", "--work", str(tmp_path)])
