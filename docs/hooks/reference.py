@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+import tomllib
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,12 +130,14 @@ API_PAGES: dict[str, tuple[str, str, list[str]]] = {
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     root = Path(config.config_file_path).parent
+    # the benchmarks' README, named as pyproject.toml names the project's
+    readme = tomllib.loads((root / "pyproject.toml").read_text())["project"]["readme"]
     pages = {
         "reference/cli.md": cli_page(),
         "reference/settings.md": settings_page(),
         "reference/rest.md": rest_page(),
         "reference/ledger-schema.md": ledger_page(),
-        "results/benchmarks.md": benchmarks_page(root / "benchmarks" / "README.md"),
+        "results/benchmarks.md": benchmarks_page(root / "benchmarks" / readme),
     }
     for path, (title, intro, modules) in API_PAGES.items():
         pages[path] = api_page(title, intro, modules)

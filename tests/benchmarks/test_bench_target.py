@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from support.helpers import ROOT
+from support.helpers import BENCHMARKS_README, ROOT
 
 
 def test_every_runnable_script_is_a_speed_benchmark_or_a_named_study() -> None:
@@ -17,6 +17,6 @@ def test_every_runnable_script_is_a_speed_benchmark_or_a_named_study() -> None:
         if 'if __name__ == "__main__":' in p.read_text()
     }
     assert speed <= runnable, sorted(speed - runnable)
-    (studies,) = re.findall(r"The studies \(([^)]+)\)", (ROOT / "benchmarks/README.md").read_text())
+    (studies,) = re.findall(r"The studies \(([^)]+)\)", BENCHMARKS_README.read_text())
     named = set(re.findall(r"`(\w+)\.py`", studies))
     assert runnable - speed == named, sorted(runnable - speed ^ named)

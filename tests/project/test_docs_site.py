@@ -25,7 +25,15 @@ import httpx
 import pytest
 import torch
 from PIL import Image
-from support.helpers import ROOT, TINY, dp_stage, synthetic_stage, tiny_encoder
+from support.helpers import (
+    BENCHMARKS_README,
+    PROJECT_README,
+    ROOT,
+    TINY,
+    dp_stage,
+    synthetic_stage,
+    tiny_encoder,
+)
 from support.live import WRITE_TOKEN, free_port
 from support.system import CHROMIUM_FLAGS, debian_program
 
@@ -197,7 +205,7 @@ def test_the_generated_reference_says_what_the_code_declares():
     for page, (_, _, modules) in hook.API_PAGES.items():
         for module in modules:
             assert importlib.util.find_spec(module), (page, module)
-    assert hook.benchmarks_page(ROOT / "benchmarks" / "README.md").count("\n") > 100
+    assert hook.benchmarks_page(BENCHMARKS_README).count("\n") > 100
 
 
 # ---- the quick start ------------------------------------------------------------------------
@@ -277,7 +285,7 @@ def test_the_readme_snippets_run_after_make_run(fashion_hub, tmp_path):
     coats = tmp_path / "var/run/fashion-mnist/test/Coat"
     coats.mkdir(parents=True)
     Image.new("L", (28, 28), 200).save(coats / "0.png")
-    readme = (ROOT / "README.md").read_text()
+    readme = PROJECT_README.read_text()
     section = readme.split("## After `make run`", 1)[1].split("\n## ", 1)[0]
     python, shell = run_snippets(section, fashion_hub.url, tmp_path)
     assert "torch.Size([1, 192])" in python
@@ -287,7 +295,7 @@ def test_the_readme_snippets_run_after_make_run(fashion_hub, tmp_path):
 
 
 def test_the_readme_is_two_screens_whose_links_resolve():
-    readme = (ROOT / "README.md").read_text()
+    readme = PROJECT_README.read_text()
     assert len(readme.splitlines()) <= 150
     assert "make run" in readme and "make test" in readme
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository's root folder."""
+PROJECT_README = ROOT / tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+"""The project's README, as pyproject.toml names it (not a model repo's card)."""
+BENCHMARKS_README = ROOT / "benchmarks" / PROJECT_README.name
+"""The benchmarks' README, named as the project's is (the site's results/benchmarks.md)."""
 
 
 def load_benchmark(name: str) -> Any:
