@@ -27,10 +27,12 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
         [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases] [--heads 3]
-        [--head-epochs E] [--uncentred] [--head-components K] [--head-kind sgd|class-means]
-        [--study job|benchmark] [--dp-batch-size B] [--encoder-steps T]
+        [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
+        [--head-kind sgd|class-means] [--study job|benchmark] [--dp-batch-size B]
+        [--encoder-steps T]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
-        [--augmult 0] [--encoder-parameters all|biases] [--probe-only]
+        [--augmult 0] [--encoder-parameters all|biases] [--probe-only] [--head-epochs E]
+        [--head-batches K]
 """
 
 from __future__ import annotations
@@ -397,6 +399,14 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         help="the DP heads' epochs, the fine-tuning's probe's too (default: the study's "
         "probe_epochs), their noise calibrated at the real run's steps",
     )
+    p.add_argument(
+        "--head-batches",
+        type=int,
+        default=None,
+        help="the DP heads' Poisson batches an epoch, the fine-tuning row's probe's and stage's "
+        "too (default: the study's head_batches, q = 1/8), their noise calibrated at the real "
+        "run's q and steps",
+    )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
         "--disjoint-centre",
@@ -448,10 +458,14 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     if a.uncentred and a.head_components:
         p.error("--uncentred reads the features as they are: give --head-components 0 with it")
     work = Path(a.work)
-    epochs = {} if a.head_epochs is None else {"probe_epochs": a.head_epochs}
+    head = {
+        key: value
+        for key, value in (("probe_epochs", a.head_epochs), ("head_batches", a.head_batches))
+        if value is not None
+    }
     if a.row == "finetune":
         try:
-            study = BENCHMARK.updated(epochs)
+            study = BENCHMARK.updated(head)
         except ValidationError as e:
             p.error(str(e))
         recs = standin_records(study, a.data, work, a.private, a.end)
@@ -461,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
         # recorded always: the presets' head epochs changed on 2026-11-30
         settings["head_epochs"] = study.probe_epochs
+        if a.head_batches is not None:
+            settings["head_batches"] = a.head_batches
         for key, value in (
             ("steps", a.finetune_steps),
             ("augmult", a.augmult),
@@ -489,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                         else {}
                     ),
                     **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
-                    **epochs,
+                    **head,
                 }
             )
         except ValidationError as e:
@@ -510,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["centred"] = 0
         # recorded always: the presets' head epochs changed on 2026-11-30
         settings["head_epochs"] = study.probe_epochs
+        if a.head_batches is not None:
+            settings["head_batches"] = a.head_batches
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
         if a.head_kind == "sgd":

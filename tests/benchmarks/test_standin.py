@@ -242,7 +242,7 @@ def test_an_option_past_its_study_fields_bound_is_named(
     assert "dp_lr_scale" in capsys.readouterr().err
 
 
-def test_head_epochs_set_the_heads_real_steps_and_are_recorded(
+def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[StudyConfig, dict[str, Any]]] = []
@@ -255,13 +255,18 @@ def test_head_epochs_set_the_heads_real_steps_and_are_recorded(
     monkeypatch.setattr(standin, "heads_trial", trial_spy)
     standin.main(["syn", "--study", "benchmark", "--head-epochs", "25", "--work", str(tmp_path)])
     standin.main(["syn", "--work", str(tmp_path)])
-    (given, settings), (default, default_settings) = seen
+    standin.main(["syn", "--head-batches", "2", "--work", str(tmp_path)])
+    (given, settings), (default, default_settings), (halves, halves_settings) = seen
     assert given.probe_epochs == settings["head_epochs"] == 25
     assert default.probe_epochs == default_settings["head_epochs"] == JOB.probe_epochs
-    # the real head's steps follow the epochs (its noise is calibrated at them)
-    q, steps = standin.head_sampling(given, given.train_size, FASHION_MNIST_TEST)
-    assert (q, steps) == (1 / given.head_batches, 25 * given.head_batches)
-    real, on_standin = standin.matched_head(given, given.train_size, [], 3_000)
-    assert real[1:] == on_standin[1:] == (q, steps)
-    with pytest.raises(SystemExit):  # a bound of the study's field, named
-        standin.main(["syn", "--head-epochs", "0", "--work", str(tmp_path)])
+    assert "head_batches" not in default_settings  # recorded where given
+    assert halves.head_batches == halves_settings["head_batches"] == 2
+    # the real head's q and steps follow the epochs and batches (its noise is calibrated at them)
+    for study, epochs, batches in ((given, 25, JOB.head_batches), (halves, JOB.probe_epochs, 2)):
+        q, steps = standin.head_sampling(study, study.train_size, FASHION_MNIST_TEST)
+        assert (q, steps) == (1 / batches, epochs * batches)
+        real, on_standin = standin.matched_head(study, study.train_size, [], 3_000)
+        assert real[1:] == on_standin[1:] == (q, steps)
+    for bad in (["--head-epochs", "0"], ["--head-batches", "0"]):
+        with pytest.raises(SystemExit):  # a bound of the study's field, named
+            standin.main(["syn", *bad, "--work", str(tmp_path)])
