@@ -20,7 +20,7 @@ from support.helpers import load_benchmark, write_idx
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
 from training.priors import prior_path
 from training.recipes.probe import fit_probe
-from training.study.config import JOB, StudyConfig
+from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.selection import choose_modes
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import composed_epsilon
@@ -255,14 +255,17 @@ def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
     monkeypatch.setattr(standin, "heads_trial", trial_spy)
     standin.main(["syn", "--study", "benchmark", "--head-epochs", "25", "--work", str(tmp_path)])
     standin.main(["syn", "--work", str(tmp_path)])
-    standin.main(["syn", "--head-batches", "2", "--work", str(tmp_path)])
-    (given, settings), (default, default_settings), (halves, halves_settings) = seen
+    standin.main(["syn", "--head-batches", "4", "--work", str(tmp_path)])
+    (given, settings), (default, default_settings), (quarters, quarters_settings) = seen
     assert given.probe_epochs == settings["head_epochs"] == 25
     assert default.probe_epochs == default_settings["head_epochs"] == JOB.probe_epochs
     assert "head_batches" not in default_settings  # recorded where given
-    assert halves.head_batches == halves_settings["head_batches"] == 2
+    assert quarters.head_batches == quarters_settings["head_batches"] == 4 != JOB.head_batches
     # the real head's q and steps follow the epochs and batches (its noise is calibrated at them)
-    for study, epochs, batches in ((given, 25, JOB.head_batches), (halves, JOB.probe_epochs, 2)):
+    for study, epochs, batches in (
+        (given, 25, BENCHMARK.head_batches),
+        (quarters, JOB.probe_epochs, 4),
+    ):
         q, steps = standin.head_sampling(study, study.train_size, FASHION_MNIST_TEST)
         assert (q, steps) == (1 / batches, epochs * batches)
         real, on_standin = standin.matched_head(study, study.train_size, [], 3_000)

@@ -11,10 +11,11 @@ one noisy release is post-processing with public data: each class's mean is its 
 its noised count; the head is LDA's linear rule with the Ledoit-Wolf covariance of the centring
 records' ``z`` (``w_k = S^-1 m_k``, ``b_k = -w_k . m_k / 2 + log p_k``), written as the
 study's ``LinearProbe`` (its BatchNorm fixed to the same statistics). A DP-SGD head spends its
-budget over its noisy steps (8 an epoch) on every coordinate; this head spends it once on K + 1
-coordinates a class, where the noise on a mean falls as 1 / n (Mehta et al. 2023 release a head
-from noised sufficient statistics in the same way). Its noise grows with the dimension it reads,
-so the study gives it public principal components (``StudyConfig.class_means_components``).
+budget over its noisy steps (``head_batches`` an epoch) on every coordinate; this head spends it
+once on K + 1 coordinates a class, where the noise on a mean falls as 1 / n (Mehta et al. 2023
+release a head from noised sufficient statistics in the same way). Its noise grows with the
+dimension it reads, so the study gives it public principal components
+(``StudyConfig.class_means_components``).
 """
 
 from __future__ import annotations
