@@ -224,6 +224,12 @@ def matched_head(
     return (sigma, q, steps), (sigma * ratio, q, steps)
 
 
+def head_schedule(study: StudyConfig) -> dict[str, int]:
+    """The DP heads' epochs and batches an epoch, recorded in every trial: the presets' defaults
+    of both changed on 2026-11-30."""
+    return {"head_epochs": study.probe_epochs, "head_batches": study.head_batches}
+
+
 def tag(settings: dict[str, Any]) -> str:
     """A trial's settings as a folder name's part (numbers in ``g`` form)."""
     return "-".join(
@@ -404,8 +410,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         type=int,
         default=None,
         help="the DP heads' Poisson batches an epoch, the fine-tuning row's probe's and stage's "
-        "too (default: the study's head_batches, q = 1/8), their noise calibrated at the real "
-        "run's q and steps",
+        "too (default: the study's head_batches), their noise calibrated at the real run's q "
+        "and steps",
     )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
@@ -473,10 +479,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         lr = FINETUNE_LR[trains] if a.lr is None else a.lr
         # encoder_parameters recorded always: its default changed on 2026-11-30
         settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
-        # recorded always: the presets' head epochs changed on 2026-11-30
-        settings["head_epochs"] = study.probe_epochs
-        if a.head_batches is not None:
-            settings["head_batches"] = a.head_batches
+        settings |= head_schedule(study)
         for key, value in (
             ("steps", a.finetune_steps),
             ("augmult", a.augmult),
@@ -524,10 +527,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0
-        # recorded always: the presets' head epochs changed on 2026-11-30
-        settings["head_epochs"] = study.probe_epochs
-        if a.head_batches is not None:
-            settings["head_batches"] = a.head_batches
+        settings |= head_schedule(study)
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
         if a.head_kind == "sgd":

@@ -251,15 +251,25 @@ def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
         seen.append((study, settings))
         return standin.Trial(row, settings, dp_top1=[50.0])
 
+    def finetune_spy(study: StudyConfig, settings: dict[str, Any], *args: Any) -> Any:
+        seen.append((study, settings))
+        return standin.Trial("finetune", settings, dp_top1=[50.0])
+
     monkeypatch.setattr(standin, "standin_records", lambda *args, **kwargs: None)
     monkeypatch.setattr(standin, "heads_trial", trial_spy)
+    monkeypatch.setattr(standin, "finetune_trial", finetune_spy)
     standin.main(["syn", "--study", "benchmark", "--head-epochs", "25", "--work", str(tmp_path)])
     standin.main(["syn", "--work", str(tmp_path)])
     standin.main(["syn", "--head-batches", "4", "--work", str(tmp_path)])
-    (given, settings), (default, default_settings), (quarters, quarters_settings) = seen
+    argv = ["finetune", "--head-batches", "4", "--head-epochs", "25", "--work", str(tmp_path)]
+    standin.main(argv)
+    (given, settings), (default, default_settings), (quarters, quarters_settings), tuned = seen
+    # the fine-tuning row's probe and stage: the benchmark's study with both replaced, recorded
+    assert tuned[0] == BENCHMARK.updated({"head_batches": 4, "probe_epochs": 25})
+    assert (tuned[1]["head_batches"], tuned[1]["head_epochs"]) == (4, 25)
     assert given.probe_epochs == settings["head_epochs"] == 25
     assert default.probe_epochs == default_settings["head_epochs"] == JOB.probe_epochs
-    assert "head_batches" not in default_settings  # recorded where given
+    assert default.head_batches == default_settings["head_batches"] == JOB.head_batches
     assert quarters.head_batches == quarters_settings["head_batches"] == 4 != JOB.head_batches
     # the real head's q and steps follow the epochs and batches (its noise is calibrated at them)
     for study, epochs, batches in (

@@ -88,9 +88,9 @@ class StudyConfig(BaseModel):
         2,
         gt=0,
         description="Poisson batches per epoch of a DP head (q = 1 / head_batches): the job's 2, "
-        "the benchmark's 8 (the paper's 8,192 of 60,000), each the best of 16, 8, 4, 2 and 1 "
-        "(with the epochs) for both priors' DP heads on the public stand-in at that preset's "
-        "head noise (benchmarks/README.md, 'The DP heads' batch')",
+        "the best of 8, 4, 2 and 1, and the benchmark's 8 (the paper's 8,192 of 60,000), the "
+        "best of 16, 8, 4 and 2, each with the epochs for both priors' DP heads on the public "
+        "stand-in at that preset's head noise (benchmarks/README.md, 'The DP heads' batch')",
     )
     head_clip: float = Field(0.1, gt=0, description="clipping norm C of a DP head (the paper's)")
     head_lr: float = Field(
