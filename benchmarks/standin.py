@@ -536,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["head"] = a.head_kind
         if a.study != "job":
             settings["study"] = a.study
+        if a.mode != MODE:  # in the folder's name too: trials of two modes never share an encoder
+            settings["mode"] = a.mode
         t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred)
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:

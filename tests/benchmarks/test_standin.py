@@ -260,7 +260,7 @@ def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
     monkeypatch.setattr(standin, "finetune_trial", finetune_spy)
     standin.main(["syn", "--study", "benchmark", "--head-epochs", "25", "--work", str(tmp_path)])
     standin.main(["syn", "--work", str(tmp_path)])
-    standin.main(["syn", "--head-batches", "4", "--work", str(tmp_path)])
+    standin.main(["syn", "--head-batches", "4", "--mode", "avg", "--work", str(tmp_path)])
     argv = ["finetune", "--head-batches", "4", "--head-epochs", "25", "--work", str(tmp_path)]
     standin.main(argv)
     (given, settings), (default, default_settings), (quarters, quarters_settings), tuned = seen
@@ -270,6 +270,8 @@ def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
     assert given.probe_epochs == settings["head_epochs"] == 25
     assert default.probe_epochs == default_settings["head_epochs"] == JOB.probe_epochs
     assert default.head_batches == default_settings["head_batches"] == JOB.head_batches
+    # a mode other than the default is recorded (and so names the trial's encoder folder)
+    assert "mode" not in default_settings and quarters_settings["mode"] == "avg"
     assert quarters.head_batches == quarters_settings["head_batches"] == 4 != JOB.head_batches
     # the real head's q and steps follow the epochs and batches (its noise is calibrated at them)
     for study, epochs, batches in (
