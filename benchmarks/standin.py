@@ -183,7 +183,9 @@ def train_encoder(
         "restart": True,
         **s,
     }
-    root = out.parent / "data"
+    # the trial's own copy: a folder shared by trials started side by side was written over
+    # (removed, then renamed into place) by one while another read it
+    root = out.parent / f"{out.name}.data"
     if family == "vip":
         images = root / f"images-{len(records)}"
         if not images.exists():
