@@ -610,7 +610,7 @@ probe and fine-tuning compose to the study's epsilon, the head trained with the 
 (``fixed_head`` False; ``--finetune-fixed-head`` keeps the probe's). The probe's epsilon, what
 the fine-tuning trains, its rate and whether the head trains are chosen on public data: on the
 public stand-in (``benchmarks/standin.py finetune``, test records 0-3,999 at the real run's
-noise, scored on 4,000-4,999), the highest mean of a setting's trials (benchmarks/README.md,
+noise, scored on 4,000-4,999), the highest mean of a setting's trials (the benchmarks' README,
 "Settings chosen on public data", "The DP fine-tuning row's biases alone", "Where the DP
 fine-tuning's step goes"); ``steps`` and ``augmult`` were cut to fit the benchmark's time bound,
 not by any score (``--finetune-steps`` runs a longer schedule); ``--finetune-parameters all`` runs

@@ -2,7 +2,7 @@
 hand, so they cannot drift): the CLI from the ``vip-hub`` parsers (every installed plugin), the
 service's settings from their pydantic fields, the ledger's JSON schema from its model, the
 REST API from the app's OpenAPI document, the Python API pages (mkdocstrings directives), and
-the benchmarks' figures page from ``benchmarks/README.md`` as committed.
+the benchmarks' figures page from the benchmarks' README as committed.
 
 Nothing is written into ``docs/``: the pages exist only in the build (``File.generated``).
 """
@@ -409,11 +409,11 @@ def rest_page() -> str:
 
 
 def benchmarks_page(readme: Path) -> str:
-    """``benchmarks/README.md`` as committed, under a note saying where it comes from."""
+    """The benchmarks' README ``readme`` as committed, under a note saying where it comes from."""
     text = readme.read_text(encoding="utf-8")
     title, _, rest = text.partition("\n")
     note = (
-        "\n\n> This page is `benchmarks/README.md` as committed, shown here whole: what each "
+        f"\n\n> This page is `benchmarks/{readme.name}` as committed, shown here whole: what each "
         "benchmark measures, how to run it, its targets and every figure with its history.\n"
     )
     return f"{GENERATED}\n\n{title}{note}{rest}"

@@ -50,9 +50,9 @@ class StudyConfig(BaseModel):
         description="the first selection records (all, when fewer), whose features' mean "
         "centres every DP head (BatchNorm fixed to that mean; a DP-SGD head's variance 1, a "
         "class-means head's their variance, their covariance its LDA's): 1,000 leave under a "
-        "hundredth of a spatial mode's squared norm shared (benchmarks/README.md, 'the head's "
+        "hundredth of a spatial mode's squared norm shared (the benchmarks' README, 'the head's "
         "centring'), embedded once a head; centring itself chosen on public data, DP heads on "
-        "the public stand-in with and without it (benchmarks/README.md, 'Settings chosen on "
+        "the public stand-in with and without it (the benchmarks' README, 'Settings chosen on "
         "public data')",
     )
     epsilon: float = Field(
@@ -73,14 +73,14 @@ class StudyConfig(BaseModel):
         description="the split rule: epsilon of every DP encoder, its head calibrated to the "
         "rest (a head on an encoder that saw no private record gets all of it); chosen on "
         "public data, ViP's stage and heads on a public stand-in (benchmarks/standin.py; "
-        "benchmarks/README.md, 'Settings chosen on public data')",
+        "the benchmarks' README, 'Settings chosen on public data')",
     )
     probe_epochs: int = Field(
         48,
         gt=0,
         description="epochs of every DP head, the selection heads' too: the job's 48 (with "
         "head_batches 2) and the benchmark's 50 (with 8), each chosen for both priors' DP heads "
-        "on the public stand-in at that preset's head noise (benchmarks/README.md, 'The DP "
+        "on the public stand-in at that preset's head noise (the benchmarks' README, 'The DP "
         "heads' epochs' and 'The DP heads' batch'); fewer steps at one epsilon carry less "
         "noise each",
     )
@@ -90,7 +90,7 @@ class StudyConfig(BaseModel):
         description="Poisson batches per epoch of a DP head (q = 1 / head_batches): the job's 2, "
         "the best of 8, 4, 2 and 1, and the benchmark's 8 (the paper's 8,192 of 60,000), the "
         "best of 16, 8, 4 and 2, each with the epochs for both priors' DP heads on the public "
-        "stand-in at that preset's head noise (benchmarks/README.md, 'The DP heads' batch')",
+        "stand-in at that preset's head noise (the benchmarks' README, 'The DP heads' batch')",
     )
     head_clip: float = Field(0.1, gt=0, description="clipping norm C of a DP head (the paper's)")
     head_lr: float = Field(
@@ -104,7 +104,7 @@ class StudyConfig(BaseModel):
         "that scores higher on the public selection records at the real head's noise, with "
         "the feature mode (training/study/selection.py). Chosen on the public stand-in: "
         "class-means led DP-SGD by 2.0-2.1 points at the job's noise and lost by 2.3-3.4 at the "
-        "benchmark's (benchmarks/README.md, 'A class-means head')",
+        "benchmark's (the benchmarks' README, 'A class-means head')",
     )
     class_means_components: int = Field(
         128,
@@ -121,7 +121,7 @@ class StudyConfig(BaseModel):
         "those records and the features' dimension), and the released head is its map back to "
         "the features (post-processing); 0, kept: the features themselves. K 128 led on the "
         "public stand-in at the job's noise (+2.3 points) but 256 lost 0.5-0.6 points on every "
-        "row of the benchmark's 60,000 records (benchmarks/README.md, 'Heads on public principal "
+        "row of the benchmark's 60,000 records (the benchmarks' README, 'Heads on public principal "
         "components'): the stand-in's 4,000 records cannot show what the projection drops",
     )
     syn_prior: str = Field(
@@ -149,7 +149,7 @@ class StudyConfig(BaseModel):
         "recipes' rates are their papers', for batches of 98,304 and 1.3 M, where at 256 the "
         "noise makes Adam's step a random walk that moves the prior's features; chosen on "
         "public data, ViP's stage on a public stand-in (benchmarks/standin.py; "
-        "benchmarks/README.md, 'Settings chosen on public data')",
+        "the benchmarks' README, 'Settings chosen on public data')",
     )
     dp_ema_decay: float = Field(
         0.9,
@@ -158,7 +158,7 @@ class StudyConfig(BaseModel):
         description="ViP's and DP-Cap's released weights: the iterates' moving average at this "
         "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); 0.9 chosen "
         "on public data, ViP's and DP-Cap's stages on the public stand-in at both presets' "
-        "noise, against the last iterate (benchmarks/README.md, 'Weight averaging')",
+        "noise, against the last iterate (the benchmarks' README, 'Weight averaging')",
     )
     dp_encoder_parameters: EncoderParameters = Field(
         "all",
@@ -166,7 +166,7 @@ class StudyConfig(BaseModel):
         "``encoder_parameters``): all, kept: biases alone (and norm scales, at up to 16 times "
         "the learning rate) did not pass the rule on the public stand-in (DP-Cap's 3 heads' mean "
         "83.10 against 82.63 at the job's noise, 87.00 against 87.57 at the benchmark's; "
-        "benchmarks/README.md, 'The encoder's biases alone')",
+        "the benchmarks' README, 'The encoder's biases alone')",
     )
     vip_decoder_warmup: int = Field(
         0,
@@ -176,7 +176,7 @@ class StudyConfig(BaseModel):
         "kept: 150 steps raised the encoder's share of the squared clipped norm from 0.07 to "
         "0.76 on public images but did not pass the rule on the public stand-in (3 heads' mean "
         "81.00 against 81.30 at the job's noise, 86.60 against 86.73 at the benchmark's; "
-        "benchmarks/README.md, 'The MAE decoder's public warm-up')",
+        "the benchmarks' README, 'The MAE decoder's public warm-up')",
     )
     dpcap_decoder_warmup: int = Field(
         0,
@@ -186,7 +186,7 @@ class StudyConfig(BaseModel):
         "``decoder_warmup``; no private data); 0, kept: 150 steps took the public template's "
         "tokens to a cross-entropy of 0.00 but did not pass the rule on the public stand-in (3 "
         "heads' mean 82.10 against 82.13 at the job's noise, 87.10 against 87.57 at the "
-        "benchmark's; benchmarks/README.md, 'DP-Cap's text decoder's public warm-up')",
+        "benchmark's; the benchmarks' README, 'DP-Cap's text decoder's public warm-up')",
     )
     contrastive_batch_size: int = Field(
         32, gt=0, description="expected batch of Logit-DP and Naive-DP"
