@@ -183,9 +183,7 @@ def train_encoder(
         "restart": True,
         **s,
     }
-    # the trial's own copy: a folder shared by trials started side by side was written over
-    # (removed, then renamed into place) by one while another read it
-    root = out.parent / f"{out.name}.data"
+    root = out.parent / "data"
     if family == "vip":
         images = root / f"images-{len(records)}"
         if not images.exists():

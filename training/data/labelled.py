@@ -445,9 +445,13 @@ def _write_folder(
         for i, f in enumerate(files):
             data.pil(i).save(tmp / f)
         finish(tmp, files)
-        if root.exists():
-            shutil.rmtree(root)
-        tmp.rename(root)
+        if root.exists():  # swapped out before it is removed: a reader of root never finds it gone
+            old = root.with_name(f".{root.name}.{os.getpid()}.old")
+            root.rename(old)
+            tmp.rename(root)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
