@@ -1,5 +1,5 @@
 """`make bench`'s list: every runnable benchmarks/*.py is a speed benchmark on the Makefile's
-``SPEED`` (run with its defaults) or a study named in benchmarks/README.md (its own arguments)."""
+``SPEED`` (run with its defaults) or a study named in the benchmarks' README (its own arguments)."""
 
 from __future__ import annotations
 
