@@ -11,10 +11,10 @@ presets; the scoring records of either preset (5,000-9,999 and 8,000-9,999) are 
 
 The real run's noise, reproduced:
 
-- a DP encoder stage (ViP, DP-Cap) keeps the real run's expected batch B, steps T (the study's,
-  or ``--dp-batch-size`` and ``--encoder-steps``) and noise multiplier sigma, calibrated at the
-  real n (q = B / n) to ``--encoder-epsilon``: the same noise on the same averaged gradient, as
-  many steps; on the stand-in q = B / P;
+- a DP encoder stage (ViP, DP-Cap, Logit-DP, Naive-DP) keeps the real run's expected batch B,
+  steps T (the study's, or ``--dp-batch-size`` and ``--encoder-steps``) and noise multiplier
+  sigma, calibrated at the real n (q = B / n) to ``--encoder-epsilon``: the same noise on the
+  same averaged gradient, as many steps; on the stand-in q = B / P;
 - a DP head (and the fine-tuning row's probe and fine-tuning) keeps the real q and T and scales
   sigma by the ratio of the expected batches (``choose_pooling``'s rule), so the noise on its
   averaged gradient is the real head's, whose epsilon is what the split rule leaves after the
@@ -25,8 +25,9 @@ are top-1 on the stand-in's scoring records, for choosing. The feature mode is f
 (``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both priors in
 every run since 2026-11-28); the non-private reference is printed beside (public records).
 
-    python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap} [--encoder-epsilon 0.5] [--lr-scale 0.25]
-        [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases] [--heads 3]
+    python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp} [--encoder-epsilon 0.5]
+        [--lr-scale 0.25] [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases]
+        [--heads 3]
         [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
         [--head-kind sgd|class-means] [--study job|benchmark] [--dp-batch-size B]
         [--encoder-steps T]
@@ -86,6 +87,9 @@ PRIVATE, END = 4_000, 5_000
 """Test records 0..PRIVATE-1 stand in for the private records, PRIVATE..END-1 score."""
 PRIORS = {"syn": "vip", "syn-dpcap": "dpcap"}
 """The prior rows: each family's committed prior, no DP stage."""
+STAGES = {"vip": "vip", "dpcap": "dpcap", "logit-dp": "contrastive", "naive-dp": "contrastive"}
+"""The DP stage rows: each one's schedule in ``StudyConfig.recipe_settings`` (Logit-DP and
+Naive-DP start from the (Syn)-ViP prior, as in the job)."""
 MODE = "spatial-b4-g4"
 GaussianRun = tuple[float, float, int]
 
@@ -147,31 +151,32 @@ class Trial:
         return sum(self.dp_top1) / len(self.dp_top1)
 
 
-def encoder_stage(study: StudyConfig, family: str) -> GaussianRun:
-    """The job's DP encoder stage of ``family`` (``vip`` or ``dpcap``) at the real n: (sigma, q,
-    T) at ``study.encoder_epsilon``."""
-    s = study.recipe_settings()[family]
+def encoder_stage(study: StudyConfig, row: str) -> GaussianRun:
+    """The job's DP encoder stage of ``row`` (one of ``STAGES``) at the real n: (sigma, q, T)
+    at ``study.encoder_epsilon``."""
+    s = study.recipe_settings()[STAGES[row]]
     q = s["batch_size"] / study.train_size
     return calibrate(study.encoder_epsilon, study.delta, q, s["steps"]), q, s["steps"]
 
 
 def train_encoder(
     study: StudyConfig,
-    family: str,
+    row: str,
     sigma: float,
     records: LabelledArrays,
     out: Path,
 ) -> Path:
-    """``family``'s recipe, on the study's schedule, trained from its committed prior on
-    ``records`` at noise multiplier ``sigma`` (a secret seed, as every DP run)."""
+    """``row``'s recipe (one of ``STAGES``), on the study's schedule, trained from its committed
+    prior on ``records`` at noise multiplier ``sigma`` (a secret seed, as every DP run)."""
     from training.recipes.dpcap import DPCapConfig, train_dpcap
+    from training.recipes.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
     from training.recipes.vip import VipConfig, train_vip
 
-    s = study.recipe_settings()[family]
+    s = study.recipe_settings()[STAGES[row]]
     common = {
         "out": str(out),
         "model_name": out.name,
-        "init": str(prior_path(study.prior(family))),
+        "init": str(prior_path(study.prior(row))),
         "epsilon": None,
         "sigma": sigma,
         "delta": study.delta,
@@ -184,11 +189,15 @@ def train_encoder(
         **s,
     }
     root = out.parent / "data"
-    if family == "vip":
+    if row != "dpcap":
         images = root / f"images-{len(records)}"
         if not images.exists():
             write_image_folder(records, images, records.classes)
-        return train_vip(VipConfig(data=str(images), **common))
+        if row == "vip":
+            return train_vip(VipConfig(data=str(images), **common))
+        naive = row == "naive-dp"
+        mechanism = ContrastiveMechanism.NAIVE if naive else ContrastiveMechanism.LOGIT_DP
+        return train_logit_dp(LogitDPConfig(data=str(images), mechanism=mechanism, **common))
     captions = root / f"captions-{len(records)}"
     if not captions.exists():
         write_caption_folder(records, captions, records.classes)
@@ -247,14 +256,14 @@ def heads_trial(
     mode: str = MODE,
     centred: bool = True,
 ) -> Trial:
-    """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; ``vip``, ``dpcap``:
-    its DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP heads of
-    the study's fixed ``head_kind`` with the job's head noise (centred on the centring records'
-    mean, or with ``centred`` off a DP-SGD head's BatchNorm the identity), and a non-private
-    reference; top-1 on the stand-in's scoring records. The DP heads read the study's principal
-    components of the centring records' features (``head_components`` for DP-SGD,
-    ``class_means_components`` for class means), as the study's heads do; the reference reads
-    the features."""
+    """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; one of ``STAGES``:
+    its family's DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP
+    heads of the study's fixed ``head_kind`` with the job's head noise (centred on the centring
+    records' mean, or with ``centred`` off a DP-SGD head's BatchNorm the identity), and a
+    non-private reference; top-1 on the stand-in's scoring records. The DP heads read the
+    study's principal components of the centring records' features (``head_components`` for
+    DP-SGD, ``class_means_components`` for class means), as the study's heads do; the
+    reference reads the features."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -264,7 +273,7 @@ def heads_trial(
         sigma, q, steps_real = encoder_stage(study, row)
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
-        t.standin["encoder"] = (sigma, study.dp_batch_size / len(recs.private), steps_real)
+        t.standin["encoder"] = (sigma, q * study.train_size / len(recs.private), steps_real)
         # every setting in the folder: trials run side by side never share (and restart) one encoder
         repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag(settings)}")
     encoder = load_encoder(repo)
@@ -354,7 +363,7 @@ def finetune_trial(
 def main(argv: Sequence[str] | None = None) -> Trial:
     """Command line: run one trial, print it (and append it to ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("row", choices=(*PRIORS, "vip", "dpcap", "finetune"))
+    p.add_argument("row", choices=(*PRIORS, *STAGES, "finetune"))
     p.add_argument("--encoder-epsilon", type=float, default=JOB.encoder_epsilon)
     p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
     p.add_argument(
@@ -445,20 +454,31 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         "--encoder-steps",
         type=int,
         default=None,
-        help="vip, dpcap: the real stage's steps T (default: the study's), its noise "
+        help="a stage row: the real stage's steps T (default: the study's), its noise "
         "calibrated at T",
     )
     p.add_argument(
         "--dp-batch-size",
         type=int,
         default=None,
-        help="vip, dpcap: the real stage's expected batch B (default: the study's), its noise "
+        help="a stage row: the real stage's expected batch B (default: the study's), its noise "
         "calibrated at B",
     )
     p.add_argument("--data", default=None, help="Fashion-MNIST folder (default: the package)")
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
     a = p.parse_args(argv)
+    adamw_only = (
+        a.lr_scale != JOB.dp_lr_scale
+        or a.ema_decay != JOB.dp_ema_decay
+        or a.decoder_warmup
+        or a.encoder_parameters
+    )
+    if a.row in ("logit-dp", "naive-dp") and adamw_only:
+        p.error(
+            "--lr-scale, --ema-decay, --decoder-warmup and --encoder-parameters are ViP's and "
+            "DP-Cap's: the contrastive stages train at their recipe's rate, the last iterate"
+        )
     if a.uncentred and a.head_kind != "sgd":
         p.error("--uncentred is a DP-SGD head's option: a class-means head centres its features")
     if a.uncentred and a.head_components:
@@ -503,19 +523,33 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                     "head_components": a.head_components,
                     "head_kind": a.head_kind,
                     **(
-                        {"dp_steps": a.encoder_steps, "dpcap_steps": a.encoder_steps}
+                        {
+                            "dp_steps": a.encoder_steps,
+                            "dpcap_steps": a.encoder_steps,
+                            "contrastive_steps": a.encoder_steps,
+                        }
                         if a.encoder_steps
                         else {}
                     ),
-                    **({"dp_batch_size": a.dp_batch_size} if a.dp_batch_size else {}),
+                    **(
+                        {
+                            "dp_batch_size": a.dp_batch_size,
+                            "contrastive_batch_size": a.dp_batch_size,
+                        }
+                        if a.dp_batch_size
+                        else {}
+                    ),
                     **head,
                 }
             )
         except ValidationError as e:
             p.error(str(e))
         recs = standin_records(study, a.data, work, a.private, a.end, a.disjoint_centre)
-        settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon, "lr": a.lr_scale}
-        if a.row not in PRIORS and a.ema_decay:
+        adamw = a.row in ("vip", "dpcap")
+        settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon}
+        if adamw:  # the contrastive stages take none of these (their recipe's lr, no average)
+            settings["lr"] = a.lr_scale
+        if adamw and a.ema_decay:
             settings["ema"] = a.ema_decay
         if a.row not in PRIORS and a.encoder_steps:
             settings["steps"] = a.encoder_steps

@@ -285,3 +285,32 @@ def test_head_epochs_and_batches_set_the_heads_real_sampling_and_are_recorded(
     for bad in (["--head-epochs", "0"], ["--head-batches", "0"]):
         with pytest.raises(SystemExit):  # a bound of the study's field, named
             standin.main(["syn", *bad, "--work", str(tmp_path)])
+
+
+@pytest.mark.parametrize("row, mechanism", [("naive-dp", "Naive-DP"), ("logit-dp", "Logit-DP")])
+def test_a_contrastive_stage_runs_at_the_jobs_contrastive_noise(
+    public_only: Path, tmp_path: Path, row: str, mechanism: str
+) -> None:
+    study = TINY.model_copy(update={"contrastive_batch_size": 4, "contrastive_steps": 2})
+    recs = standin.standin_records(study, str(public_only), tmp_path, PRIVATE, END)
+    t = standin.heads_trial(study, row, {"E": 0.5}, recs, tmp_path / "work", heads=1)
+    sigma, q, steps = standin.encoder_stage(study, row)
+    assert (q, steps) == (4 / study.train_size, 2) and t.real["encoder"] == (sigma, q, steps)
+    assert t.standin["encoder"] == pytest.approx((sigma, 4 / PRIVATE, 2))
+    # the stand-in's stage: the family's mechanism at the real sigma, from the (Syn)-ViP prior
+    repo = next((tmp_path / "work").glob(f"{row}-*/" + LEDGER_FILE)).parent
+    ledger = PrivacyLedger.parse((repo / LEDGER_FILE).read_text())
+    (stage,) = ledger.dp_stages()
+    assert (stage.mechanism, stage.steps) == (mechanism, 2)
+    assert stage.noise_multiplier == pytest.approx(sigma)
+    assert stage.sample_rate == pytest.approx(4 / PRIVATE)
+    assert stage.dataset.name == FASHION_MNIST_TEST and len(t.dp_top1) == 1
+
+
+def test_the_adamw_stages_options_are_refused_for_a_contrastive_row(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for option in (["--lr-scale", "1"], ["--ema-decay", "0"], ["--encoder-parameters", "all"]):
+        with pytest.raises(SystemExit):
+            standin.main(["logit-dp", *option])
+        assert "contrastive stages" in capsys.readouterr().err
