@@ -1,13 +1,17 @@
 """Validation of the relative file paths a repo may contain (no traversal, no tricks): each
 path alone (:func:`validate_relpath`) and a tree's paths together (:func:`tree_path_problems`);
 and owner-only folders and files, private from their creation (never chmod-ed afterwards, so
-no other user can open them in between): the hub's store and the training run folders."""
+no other user can open them in between): the hub's store and the training run folders; and a
+folder replaced whole (:func:`replace_dir`)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import re
+import shutil
 import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
@@ -27,6 +31,7 @@ __all__ = [
     "make_private_dir",
     "open_private",
     "private_writer",
+    "replace_dir",
     "tree_path_problems",
     "validate_relpath",
     "write_private",
@@ -131,3 +136,42 @@ def write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` as :func:`private_writer` does."""
     with private_writer(path) as f:
         f.write(data)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+"""Linux's renameat2(2): a path relative to the working directory; swap the two paths."""
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the existing ``a`` and ``b`` in one step (Linux's renameat2 with RENAME_EXCHANGE);
+    False where the C library or the file system has no such call."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def replace_dir(new: Path, root: Path) -> None:
+    """Put the folder ``new`` (a sibling of ``root``) at ``root`` and remove the folder it
+    replaces, if any: a reader of ``root`` finds the old folder or the new one, never neither
+    (an atomic exchange on Linux; elsewhere the old folder is renamed aside first)."""
+    try:
+        new.rename(root)
+        return
+    except OSError as e:  # root is a folder with files (written meanwhile by another writer)
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if _exchange(new, root):
+        shutil.rmtree(new)
+        return
+    old = root.with_name(f".{root.name}.{uuid.uuid4().hex}.old")
+    root.rename(old)
+    new.rename(root)
+    shutil.rmtree(old)

@@ -43,6 +43,7 @@ from PIL import Image
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.models.text_decoder import DEFAULT_PROMPT
 from vip_hub.models.tokenizer import public_vocab
+from vip_hub.paths import replace_dir
 from vip_hub.privacy.ledger import Dataset
 
 __all__ = [
@@ -389,8 +390,9 @@ def class_vocabulary(class_names: Sequence[str], template: str = CAPTION_TEMPLAT
 
 def write_image_folder(data: LabelledArrays, root: Path, class_names: Sequence[str]) -> Path:
     """``data`` as PNG class folders ``root/<class folder>/<index>.png`` (indices zero-padded, so
-    sorted paths keep the records' order); written into a temporary sibling and renamed into
-    place, so ``root`` is whole or absent. Returns ``root``."""
+    sorted paths keep the records' order); written into a temporary sibling and put in place
+    (``vip_hub.paths.replace_dir``), so ``root`` is whole (the old or the new) or absent. Returns
+    ``root``."""
     return _write_folder(data, Path(root), class_names, lambda tmp, files: None)
 
 
@@ -424,7 +426,7 @@ def _write_folder(
     finish: Callable[[Path, list[str]], None],
 ) -> Path:
     """The images of ``data`` in class folders under a temporary sibling of ``root``, then
-    ``finish(tmp, relative paths in record order)``, then the sibling renamed to ``root``."""
+    ``finish(tmp, relative paths in record order)``, then the sibling put in place of ``root``."""
     folders = [class_folder(name) for name in class_names]
     if len(set(folders)) != len(folders):
         raise DataError(f"class names {list(class_names)} name the same folder twice")
@@ -445,13 +447,7 @@ def _write_folder(
         for i, f in enumerate(files):
             data.pil(i).save(tmp / f)
         finish(tmp, files)
-        if root.exists():  # swapped out before it is removed: a reader of root never finds it gone
-            old = root.with_name(f".{root.name}.{os.getpid()}.old")
-            root.rename(old)
-            tmp.rename(root)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(root)
+        replace_dir(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,58 @@
+"""``vip_hub.paths.replace_dir``: a folder replaced whole, never absent to a reader."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from vip_hub import paths
+
+
+def _folder(path: Path, text: str) -> Path:
+    path.mkdir()
+    (path / "f.txt").write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "renamed-aside"])
+def test_a_folder_is_replaced_whole_and_nothing_is_left_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    if not exchange:  # the way without renameat2 (another OS, a file system without it)
+        monkeypatch.setattr(paths, "_exchange", lambda a, b: False)
+    root = tmp_path / "root"
+    paths.replace_dir(_folder(tmp_path / "new1", "one"), root)  # root absent: a rename
+    assert (root / "f.txt").read_text() == "one"
+    paths.replace_dir(_folder(tmp_path / "new2", "two"), root)
+    assert (root / "f.txt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def test_a_reader_never_finds_the_folder_gone_while_it_is_replaced(tmp_path: Path) -> None:
+    if not paths._exchange(_folder(tmp_path / "a", "a"), _folder(tmp_path / "b", "b")):
+        pytest.skip("no renameat2 exchange here: the folder is renamed aside, with a gap")
+    root = _folder(tmp_path / "root", "0")
+    done, missing = threading.Event(), []
+
+    def read() -> None:
+        while not done.is_set():
+            if not (root / "f.txt").is_file():
+                missing.append(1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(1, 200):
+            paths.replace_dir(_folder(tmp_path / f"new{i}", str(i)), root)
+    finally:
+        done.set()
+        reader.join()
+    assert (root / "f.txt").read_text() == "199" and missing == []
+
+
+def test_a_failed_exchange_is_named(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as e:
+        paths._exchange(tmp_path / "absent", _folder(tmp_path / "b", "b"))
+    assert "absent" in str(e.value)
