@@ -489,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         for key, value in (("probe_epochs", a.head_epochs), ("head_batches", a.head_batches))
         if value is not None
     }
+    # a split other than the default is recorded (and so names the trial's folder)
+    given = (("private", a.private, PRIVATE), ("end", a.end, END))
+    split = {key: value for key, value, default in given if value != default}
     if a.row == "finetune":
         try:
             study = BENCHMARK.updated(head)
@@ -499,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         lr = FINETUNE_LR[trains] if a.lr is None else a.lr
         # encoder_parameters recorded always: its default changed on 2026-11-30
         settings = {"probe_epsilon": a.probe_epsilon, "lr": lr, "encoder_parameters": trains}
-        settings |= head_schedule(study)
+        settings |= head_schedule(study) | split
         for key, value in (
             ("steps", a.finetune_steps),
             ("augmult", a.augmult),
@@ -561,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["decoder_warmup"] = a.decoder_warmup
         if a.uncentred:
             settings["centred"] = 0
-        settings |= head_schedule(study)
+        settings |= head_schedule(study) | split
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
         if a.head_kind == "sgd":

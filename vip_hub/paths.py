@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from .errors import UnsafePathError
 
@@ -142,14 +143,23 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 """Linux's renameat2(2): a path relative to the working directory; swap the two paths."""
 
 
+@functools.cache
+def _renameat2() -> Any:
+    """The C library's renameat2, typed; None where there is none (not Linux, an old libc)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, TypeError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the existing ``a`` and ``b`` in one step (Linux's renameat2 with RENAME_EXCHANGE);
     False where the C library or the file system has no such call."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    renameat2 = _renameat2()
     if renameat2 is None:
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
-    renameat2.argtypes += [ctypes.c_uint]
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     code = ctypes.get_errno()
@@ -160,8 +170,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def replace_dir(new: Path, root: Path) -> None:
     """Put the folder ``new`` (a sibling of ``root``) at ``root`` and remove the folder it
-    replaces, if any: a reader of ``root`` finds the old folder or the new one, never neither
-    (an atomic exchange on Linux; elsewhere the old folder is renamed aside first)."""
+    replaces, if any. Where renameat2 exchanges the two (Linux) a reader of ``root`` finds the old
+    folder or the new one, never neither; elsewhere the old one is renamed aside first, which
+    leaves a moment without ``root``."""
     try:
         new.rename(root)
         return
@@ -169,9 +180,16 @@ def replace_dir(new: Path, root: Path) -> None:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
     if _exchange(new, root):
-        shutil.rmtree(new)
+        shutil.rmtree(new, ignore_errors=True)  # root is replaced; what is left is the old copy
         return
     old = root.with_name(f".{root.name}.{uuid.uuid4().hex}.old")
     root.rename(old)
-    new.rename(root)
-    shutil.rmtree(old)
+    try:
+        new.rename(root)
+    except OSError:  # another writer's folder took root meanwhile, or none did: then the old back
+        if root.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.rename(root)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -23,7 +23,7 @@ from training.recipes.probe import fit_probe
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.selection import choose_modes
 from vip_hub.loading import load_encoder
-from vip_hub.privacy.accounting import composed_epsilon
+from vip_hub.privacy.accounting import calibrate, composed_epsilon
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 from vip_hub.repo_format import LEDGER_FILE
 
@@ -296,6 +296,7 @@ def test_a_contrastive_stage_runs_at_the_jobs_contrastive_noise(
     t = standin.heads_trial(study, row, {"E": 0.5}, recs, tmp_path / "work", heads=1)
     sigma, q, steps = standin.encoder_stage(study, row)
     assert (q, steps) == (4 / study.train_size, 2) and t.real["encoder"] == (sigma, q, steps)
+    assert sigma == pytest.approx(calibrate(study.encoder_epsilon, study.delta, q, steps))
     assert t.standin["encoder"] == pytest.approx((sigma, 4 / PRIVATE, 2))
     # the stand-in's stage: the family's mechanism at the real sigma, from the (Syn)-ViP prior
     repo = next((tmp_path / "work").glob(f"{row}-*/" + LEDGER_FILE)).parent
@@ -306,11 +307,38 @@ def test_a_contrastive_stage_runs_at_the_jobs_contrastive_noise(
     assert stage.sample_rate == pytest.approx(4 / PRIVATE)
     assert stage.dataset.name == FASHION_MNIST_TEST and len(t.dp_top1) == 1
 
+    # its frozen patch embedding is the (Syn)-ViP prior's, as in the job
+    def embedding(source: Path) -> torch.Tensor:
+        return load_encoder(source).model.patch_embed.proj.weight
+
+    assert torch.equal(embedding(repo), embedding(prior_path(study.syn_prior)))
+    assert not torch.equal(embedding(repo), embedding(prior_path(study.dpcap_prior)))
+
 
 def test_the_adamw_stages_options_are_refused_for_a_contrastive_row(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for option in (["--lr-scale", "1"], ["--ema-decay", "0"], ["--encoder-parameters", "all"]):
+    adamw = (["--lr-scale", "1"], ["--ema-decay", "0"], ["--encoder-parameters", "all"])
+    for option in (*adamw, ["--decoder-warmup", "5"]):
         with pytest.raises(SystemExit):
             standin.main(["logit-dp", *option])
         assert "contrastive stages" in capsys.readouterr().err
+
+
+def test_a_split_other_than_the_default_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def trial_spy(study: StudyConfig, row: str, settings: dict[str, Any], *args: Any) -> Any:
+        seen.append(settings)
+        return standin.Trial(row, settings, dp_top1=[50.0])
+
+    monkeypatch.setattr(standin, "standin_records", lambda *args, **kwargs: None)
+    monkeypatch.setattr(standin, "heads_trial", trial_spy)
+    standin.main(["syn", "--work", str(tmp_path)])
+    standin.main(["syn", "--private", "3000", "--end", "4000", "--work", str(tmp_path)])
+    default, given = seen
+    assert "private" not in default and "end" not in default
+    assert (given["private"], given["end"]) == (3000, 4000)
+    assert standin.tag(default) != standin.tag(given)  # two folders

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -30,8 +32,26 @@ def test_a_folder_is_replaced_whole_and_nothing_is_left_beside_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 
+def test_the_fallback_puts_the_old_folder_back_when_the_new_cannot_take_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_exchange_and_new_gone(a: Path, b: Path) -> bool:
+        shutil.rmtree(a)  # the new folder vanishes before its rename
+        return False
+
+    monkeypatch.setattr(paths, "_exchange", no_exchange_and_new_gone)
+    root = _folder(tmp_path / "root", "old")
+    with pytest.raises(FileNotFoundError):
+        paths.replace_dir(_folder(tmp_path / "new", "new"), root)
+    assert (root / "f.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
 def test_a_reader_never_finds_the_folder_gone_while_it_is_replaced(tmp_path: Path) -> None:
-    if not paths._exchange(_folder(tmp_path / "a", "a"), _folder(tmp_path / "b", "b")):
+    swapped = paths._exchange(_folder(tmp_path / "a", "a"), _folder(tmp_path / "b", "b"))
+    if sys.platform == "linux":  # glibc and every local file system the tests run on have it
+        assert swapped and (tmp_path / "a" / "f.txt").read_text() == "b"
+    elif not swapped:
         pytest.skip("no renameat2 exchange here: the folder is renamed aside, with a gap")
     root = _folder(tmp_path / "root", "0")
     done, missing = threading.Event(), []
@@ -52,6 +72,7 @@ def test_a_reader_never_finds_the_folder_gone_while_it_is_replaced(tmp_path: Pat
     assert (root / "f.txt").read_text() == "199" and missing == []
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="renameat2 is Linux's")
 def test_a_failed_exchange_is_named(tmp_path: Path) -> None:
     with pytest.raises(OSError) as e:
         paths._exchange(tmp_path / "absent", _folder(tmp_path / "b", "b"))

@@ -137,7 +137,10 @@ class StudyConfig(BaseModel):
     decoder_heads: int = Field(8, gt=0, description="ViP's fresh MAE decoder heads")
     dp_batch_size: int = Field(256, gt=0, description="expected batch of ViP and DP-Cap")
     dp_steps: int = Field(
-        70, gt=0, description="steps of ViP: cut to fit the job's 15 minutes (commit dcc2d7e)"
+        70,
+        gt=0,
+        description="steps of ViP: cut to fit the job's 15 minutes (commit dcc2d7e, then a job "
+        "on the digits), no data seen",
     )
     dpcap_steps: int = Field(
         30, gt=0, description="steps of DP-Cap: cut to fit the job's 15 minutes (likewise)"
@@ -195,13 +198,15 @@ class StudyConfig(BaseModel):
     contrastive_batch_size: int = Field(
         32,
         gt=0,
-        description="expected batch of Logit-DP and Naive-DP: with the steps, cut to fit the "
-        "job's 15 minutes (commit dcc2d7e; Logit-DP's pair clipper takes about 5 s a step at "
-        "32 on 2 cores), no data seen; Naive-DP at ViP's 256 and 70 steps did "
-        "no better on the public stand-in (the benchmarks' README, 'The contrastive stages on "
-        "the stand-in')",
+        description="expected batch of Logit-DP and Naive-DP: cut from 64 to fit the job's 15 "
+        "minutes (commit 729b885, then a job on the digits; Logit-DP's pair clipper takes "
+        "2-2.5 minutes for its 30 steps in make run), no data seen; Naive-DP at ViP's 256 and 70 "
+        "steps did no better on the public stand-in (the benchmarks' README, 'The contrastive "
+        "stages on the stand-in')",
     )
-    contrastive_steps: int = Field(30, gt=0, description="steps of Logit-DP and Naive-DP")
+    contrastive_steps: int = Field(
+        30, gt=0, description="steps of Logit-DP and Naive-DP: cut likewise (commit dcc2d7e)"
+    )
     temperature: float = Field(
         1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP"
     )
