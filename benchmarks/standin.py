@@ -27,10 +27,9 @@ every run since 2026-11-28); the non-private reference is printed beside (public
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp} [--encoder-epsilon 0.5]
         [--lr-scale 0.25] [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases]
-        [--heads 3]
-        [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
+        [--heads 3] [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
         [--head-kind sgd|class-means] [--study job|benchmark] [--dp-batch-size B]
-        [--encoder-steps T]
+        [--encoder-steps T] [--private P] [--end END]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
         [--augmult 0] [--encoder-parameters all|biases] [--probe-only] [--head-epochs E]
         [--head-batches K]
