@@ -91,7 +91,7 @@ def broadcast(
     return out
 
 
-# Measured on the 2-core CPU (benchmarks/README.md): forming and keeping one element of a
+# Measured on the 2-core CPU (the benchmarks' README): forming and keeping one element of a
 # per-example product costs about as much as 100 multiply-adds of a ghost norm's Gram matrices.
 _PRODUCT_ELEMENT_COST = 100
 _NORM_MARGIN = 2.0**-30
@@ -102,7 +102,7 @@ _MIN_CLIP = 2.0**-64
 PRODUCT_COLUMNS = 1024
 """Columns of the larger side converted to fp64 at once in ``product_sum`` (memory traffic only:
 every entry of the sum is still one fp64 product over the same rows). Measured on the 2-core CPU
-(benchmarks/README.md, "The clipped product's column slices"): a wide product 3.7x faster, a
+(the benchmarks' README, "The clipped product's column slices"): a wide product 3.7x faster, a
 3,072-wide one the same."""
 _PARAM_DTYPES = (torch.float32, torch.float64)
 

@@ -67,7 +67,7 @@ __all__ = ["BatchClipper", "ContrastiveEmbedder", "PairClipper", "embed", "symme
 
 PAIR_BLOCK = 1 << 19
 """``PairClipper``'s default ``pair_block``: per-pair tensors are formed for as many rows i at a
-time as keep each under this many elements (2 MiB in fp32; see benchmarks/README.md)."""
+time as keep each under this many elements (2 MiB in fp32; see the benchmarks' README)."""
 
 
 def symmetric_infonce(z: torch.Tensor, temperature: float) -> torch.Tensor:

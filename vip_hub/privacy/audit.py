@@ -45,7 +45,7 @@ DEFAULT_BETA = 0.05
 DEFAULT_DELTA = 1e-5
 DEFAULT_CANARIES = 6000
 """m with the highest ceiling at beta 0.05 and delta 1e-5 (6.43; 5.27 at m = 1,000, falling again
-beyond m ~ 6,000 through the 2 m delta term); its cost per step: benchmarks/README.md."""
+beyond m ~ 6,000 through the 2 m delta term); its cost per step: the benchmarks' README."""
 GRID_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 MAX_EPSILON = 50.0
 
