@@ -473,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         or a.decoder_warmup
         or a.encoder_parameters
     )
-    if a.row in ("logit-dp", "naive-dp") and adamw_only:
+    contrastive = STAGES.get(a.row) == "contrastive"
+    if contrastive and adamw_only:
         p.error(
             "--lr-scale, --ema-decay, --decoder-warmup and --encoder-parameters are ViP's and "
             "DP-Cap's: the contrastive stages train at their recipe's rate, the last iterate"
@@ -547,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         except ValidationError as e:
             p.error(str(e))
         recs = standin_records(study, a.data, work, a.private, a.end, a.disjoint_centre)
-        adamw = a.row in ("vip", "dpcap")
+        adamw = a.row in STAGES and not contrastive
         settings = {} if a.row in PRIORS else {"E": a.encoder_epsilon}
         if adamw:  # the contrastive stages take none of these (their recipe's lr, no average)
             settings["lr"] = a.lr_scale

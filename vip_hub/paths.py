@@ -176,7 +176,7 @@ def replace_dir(new: Path, root: Path) -> None:
     try:
         new.rename(root)
         return
-    except OSError as e:  # root is a folder with files (written meanwhile by another writer)
+    except OSError as e:  # root is a folder with files: the one to replace
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
     if _exchange(new, root):
