@@ -29,7 +29,7 @@ variant runs once more in its own process (``benchmarks/own_process.py``: forked
 imported torch and timm once, glibc told to give every tensor of 64 KiB or more back on free),
 so the peak is its own: on CUDA from the allocator, on CPU the peak resident set size (VmHWM,
 reset after set-up) minus the set-up's, which counts live tensors, not the allocator's cache;
-the memory runs take exactly B inputs, so their peaks compare. See benchmarks/README.md.
+the memory runs take exactly B inputs, so their peaks compare. See the benchmarks' README.
 
     python benchmarks/dp_step.py [--arch vip-tiny] [--img-size 224] [--batch 32[,128,512,max]] \
         [--rounds 5] [--variants abcd]

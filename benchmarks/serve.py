@@ -15,7 +15,7 @@ preprocessing stay on the CPU: issue 17's GPU target is b/a at concurrency 64. T
 added at concurrency 1 is also measured pairwise: one request, then one in-process forward of
 the same image, in alternation, so a slow spell of a shared machine lands on both sides of
 each pair; with the standard library's HTTP client (the service's own cost) and with httpx
-(about 1 ms more, spent in the client). See benchmarks/README.md.
+(about 1 ms more, spent in the client). See the benchmarks' README.
 
     python benchmarks/serve.py [--arch vip-nano] [--img-size 224] \
         [--concurrency 1 8 32 64] [--device cpu|cuda]

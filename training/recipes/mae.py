@@ -261,7 +261,7 @@ def warm_decoder(
     frozen) for ``steps`` AdamW steps of ``loss(images, first)`` on public greyscale procedural
     images through ``transform`` (``first``: the batch's first image index), seeded by
     ``WARMUP_SEED``: no private data. A fresh decoder's gradients otherwise take a DP stage's
-    clipping norm and steps for what public data teaches (benchmarks/README.md, "The MAE decoder's
+    clipping norm and steps for what public data teaches (the benchmarks' README, "The MAE decoder's
     public warm-up", "DP-Cap's text decoder's public warm-up"). Returns the losses."""
     trainable = {p: p.requires_grad for p in model.parameters()}
     for p in encoder.parameters():

@@ -15,7 +15,7 @@ the mean of the encoder's features of public images from the task's own domain (
 e.g. public test images that score nothing) with variance 1, or without such images the mean and
 variance of its features of procedural images. The domain's mean matters: about half of a spatial
 mode's squared norm is a component every example shares, which procedural images do not remove
-(benchmarks/README.md, "the head's centring").
+(the benchmarks' README, "the head's centring").
 Without ``epsilon`` the stage says plainly that the labelled data has no guarantee.
 
 What a DP head's guarantee rests on is secret and never written anywhere: its noise and its
