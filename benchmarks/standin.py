@@ -29,7 +29,7 @@ every run since 2026-11-28); the non-private reference is printed beside (public
         [--lr-scale 0.25] [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases]
         [--heads 3] [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
         [--head-kind sgd|class-means] [--study job|benchmark] [--dp-batch-size B]
-        [--encoder-steps T] [--private P] [--end END]
+        [--encoder-steps T] [--private P] [--end END] [--no-noise]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
         [--augmult 0] [--encoder-parameters all|biases] [--probe-only] [--head-epochs E]
         [--head-batches K]
@@ -60,6 +60,7 @@ from training.data.labelled import (
     write_caption_folder,
     write_image_folder,
 )
+from training.dp.run import trial_weights
 from training.priors import prior_path
 from training.recipes.class_means import fit_class_means
 from training.recipes.probe import (
@@ -90,6 +91,9 @@ STAGES = {"vip": "vip", "dpcap": "dpcap", "logit-dp": "contrastive", "naive-dp":
 """The DP stage rows: each one's schedule in ``StudyConfig.recipe_settings`` (Logit-DP and
 Naive-DP start from the (Syn)-ViP prior, as in the job)."""
 MODE = "spatial-b4-g4"
+NO_NOISE = 1e-3
+"""``--no-noise``: a stage row's noise multiplier (the engine takes sigma > 0): the objective's
+ceiling at its schedule, the weights kept and nothing exported, as no ledger may state it."""
 GaussianRun = tuple[float, float, int]
 
 
@@ -254,6 +258,7 @@ def heads_trial(
     heads: int = 3,
     mode: str = MODE,
     centred: bool = True,
+    noise: bool = True,
 ) -> Trial:
     """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; one of ``STAGES``:
     its family's DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP
@@ -262,7 +267,8 @@ def heads_trial(
     non-private reference; top-1 on the stand-in's scoring records. The DP heads read the
     study's principal components of the centring records' features (``head_components`` for
     DP-SGD, ``class_means_components`` for class means), as the study's heads do; the
-    reference reads the features."""
+    reference reads the features. Without ``noise`` a stage row trains at ``NO_NOISE`` inside
+    ``trial_weights`` and its heads are charged as the job's stage."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -272,10 +278,19 @@ def heads_trial(
         sigma, q, steps_real = encoder_stage(study, row)
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
-        t.standin["encoder"] = (sigma, q * study.train_size / len(recs.private), steps_real)
+        q_standin = q * study.train_size / len(recs.private)
+        t.standin["encoder"] = (sigma if noise else NO_NOISE, q_standin, steps_real)
         # every setting in the folder: trials run side by side never share (and restart) one encoder
-        repo = train_encoder(study, row, sigma, recs.private, work / f"{row}-{tag(settings)}")
+        out = work / f"{row}-{tag(settings)}"
+        if noise:
+            repo = train_encoder(study, row, sigma, recs.private, out)
+        else:
+            with trial_weights() as kept:
+                train_encoder(study, row, NO_NOISE, recs.private, out)
+            repo = prior_path(study.prior(row))
     encoder = load_encoder(repo)
+    if row in STAGES and not noise:
+        encoder.model.load_state_dict(kept)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
     t.real["head"], t.standin["head"] = matched_head(study, study.train_size, prior, len(y))
@@ -423,6 +438,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
+        "--no-noise",
+        action="store_true",
+        help="a stage row: the stage at sigma NO_NOISE (its objective's ceiling), its weights "
+        "kept and nothing exported; the heads charged as the job's stage",
+    )
+    p.add_argument(
         "--disjoint-centre",
         action="store_true",
         help="centre on the last centring-size records of --private, the private ones before them",
@@ -474,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         or a.encoder_parameters
     )
     contrastive = STAGES.get(a.row) == "contrastive"
+    if a.no_noise and a.row not in STAGES:
+        p.error(f"--no-noise is a stage row's option ({', '.join(STAGES)})")
     if contrastive and adamw_only:
         p.error(
             "--lr-scale, --ema-decay, --decoder-warmup and --encoder-parameters are ViP's and "
@@ -562,6 +585,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["trains"] = trains
         if a.row not in PRIORS and a.decoder_warmup:
             settings["decoder_warmup"] = a.decoder_warmup
+        if a.no_noise:
+            settings["noise"] = "none"
         if a.uncentred:
             settings["centred"] = 0
         settings |= head_schedule(study) | split
@@ -575,7 +600,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["study"] = a.study
         if a.mode != MODE:  # in the folder's name too: trials of two modes never share an encoder
             settings["mode"] = a.mode
-        t = heads_trial(study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred)
+        t = heads_trial(
+            study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred, not a.no_noise
+        )
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:

@@ -342,3 +342,33 @@ def test_a_split_other_than_the_default_is_recorded(
     assert "private" not in default and "end" not in default
     assert (given["private"], given["end"]) == (3000, 4000)
     assert standin.tag(default) != standin.tag(given)  # two folders
+
+
+def test_a_stage_without_noise_exports_nothing_and_its_heads_read_its_weights(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--no-noise``: the stage at sigma ``NO_NOISE``, its weights read by the heads (not the
+    prior's), no repo or ledger written; the heads charged as the job's stage."""
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    read: list[dict[str, torch.Tensor]] = []
+    embed = standin.embed
+
+    def embed_spy(encoder: Any, *args: Any) -> Any:
+        read.append({k: v.clone() for k, v in encoder.model.state_dict().items()})
+        return embed(encoder, *args)
+
+    monkeypatch.setattr(standin, "embed", embed_spy)
+    work = tmp_path / "work"
+    t = standin.heads_trial(TINY, "vip", {"noise": "none"}, recs, work, heads=1, noise=False)
+    assert not list(work.glob("**/" + LEDGER_FILE))
+    sigma, q, steps = standin.encoder_stage(TINY, "vip")
+    assert t.real["encoder"] == (sigma, q, steps)
+    assert t.standin["encoder"] == pytest.approx((standin.NO_NOISE, 8 / PRIVATE, steps))
+    noisy = standin.heads_trial(TINY, "vip", {}, recs, work, heads=1)
+    assert noisy.real["head"] == t.real["head"]  # the same head noise, as if the stage cost it
+    prior = load_encoder(prior_path(TINY.syn_prior)).model.state_dict()
+    assert len(read) == 6 and all(a.keys() == prior.keys() for a in read)
+    assert any(not torch.equal(read[0][k], prior[k]) for k in prior)
+    with pytest.raises(SystemExit):
+        standin.main(["syn", "--no-noise", "--work", str(tmp_path)])
+    assert "stage row" in capsys.readouterr().err

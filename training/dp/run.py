@@ -5,9 +5,13 @@ from the recipe's fields, and the export of the encoder with that mechanism's le
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
+import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -22,10 +26,26 @@ from ..skeleton.run import Run
 from .clipping import PerExampleClipper
 from .engine import Budget, Clipper, DPEngine
 
-__all__ = ["DP_ADAMW", "DPRun"]
+__all__ = ["DP_ADAMW", "DPRun", "trial_weights"]
 
 DP_ADAMW = "DP-AdamW"
 """Per-example clipping's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
+
+_TRIAL: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("trial_weights", default=None)
+
+
+@contextmanager
+def trial_weights() -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block a DP recipe's run exports nothing (no repo, no ledger, no signature): the
+    encoder weights it would release land in the dict yielded instead. For trials on public
+    records standing in for private ones (``benchmarks/standin.py``), whose noise may be too
+    small for any ledger to state."""
+    kept: dict[str, torch.Tensor] = {}
+    token = _TRIAL.set(kept)
+    try:
+        yield kept
+    finally:
+        _TRIAL.reset(token)
 
 
 class DPRun(Run):
@@ -76,7 +96,12 @@ class DPRun(Run):
         """``DPEngine.export`` of the encoder the engine trained from the repo ``init``: its
         encoder stages, then the stage of this run's mechanism (``fields``: the records, the
         card's texts, the stage's name, description and hyper-parameters, files); the repo
-        declares the spatial modes ``init`` declares (the modes chosen for its lineage)."""
+        declares the spatial modes ``init`` declares (the modes chosen for its lineage). Inside
+        ``trial_weights`` it keeps the encoder's weights there and writes nothing."""
+        kept = _TRIAL.get()
+        if kept is not None:
+            kept.update({k: v.detach().cpu().clone() for k, v in encoder.state_dict().items()})
+            return Path(self.cfg.out)
         files = {"spatial": declared_spatial(init.config), **fields.pop("files", {})}
         return self.dp.export(
             self,

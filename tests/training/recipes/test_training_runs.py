@@ -333,6 +333,27 @@ def test_a_biases_only_stage_trains_the_encoders_vectors_and_the_whole_decoder(
     assert verify_repo(out).ok
 
 
+def test_a_trial_keeps_the_weights_the_run_would_release_and_writes_nothing(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """``trial_weights``: the same seeded run, once exported and once inside the block, which
+    holds the released weights (the iterates' average) and leaves no repo behind."""
+    settings = {"seed": 3, "batch_size": 8, "steps": 2, "eval_every": 100, "ema_decay": 0.5}
+    out = train_vip(vip_config(syn_repo, images, tmp_path / "a", **settings))
+    released = load_file(out / WEIGHTS_FILE)
+    with training.dp.run.trial_weights() as kept:
+        train_vip(vip_config(syn_repo, images, tmp_path / "b", **settings))
+    assert not (tmp_path / "b").exists()
+    assert kept.keys() == released.keys()
+    assert all(torch.equal(kept[k], released[k]) for k in kept)
+    prior = load_file(syn_repo / WEIGHTS_FILE)
+    assert any(not torch.equal(kept[k], prior[k]) for k in kept)  # trained
+    with training.dp.run.trial_weights() as outside:
+        pass
+    train_vip(vip_config(syn_repo, images, tmp_path / "c", **settings))
+    assert not outside and (tmp_path / "c" / WEIGHTS_FILE).is_file()  # the block ended
+
+
 def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
     out = tmp_path / "x"
     with pytest.raises(DataError, match="dataset-size 41"):
