@@ -47,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if engine is not None:
                 await engine.stop()
+            app.state.store.close()
 
     app = FastAPI(
         title="vip-hub",

@@ -126,12 +126,12 @@ def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
     from .store.errors import StoreError
 
     settings = Settings(**_overrides(args))
-    store = HubStore.from_settings(settings)
-    adopt_tokens_file(store.index, settings.tokens_path())
-    try:
-        yield settings, store
-    except (ValueError, StoreError) as e:
-        raise ConfigError(str(e)) from None
+    with HubStore.from_settings(settings) as store:
+        adopt_tokens_file(store.index, settings.tokens_path())
+        try:
+            yield settings, store
+        except (ValueError, StoreError) as e:
+            raise ConfigError(str(e)) from None
 
 
 def register_token(sub: Any) -> None:
@@ -249,12 +249,17 @@ def register_store(sub: Any) -> None:
 def _store(args: argparse.Namespace) -> int:
     from .settings import Settings
     from .store import HubStore
-    from .store.upkeep import check_store, collect_garbage
 
     settings = Settings(**_overrides(args))
-    store = HubStore.from_settings(settings)
-    grace = settings.hub.gc_grace_s
-    if args.action == "gc":
+    with HubStore.from_settings(settings) as store:
+        return _upkeep(store, args.action, args.repair, settings.hub.gc_grace_s)
+
+
+def _upkeep(store: HubStore, action: str, repair: bool, grace: float) -> int:
+    """``vip-hub store gc|check`` on ``store``: print what was done or found; the exit status."""
+    from .store.upkeep import check_store, collect_garbage
+
+    if action == "gc":
         done = collect_garbage(store, grace)
         for sha256 in done.blobs:
             print(f"removed blob {sha256}")
@@ -264,7 +269,7 @@ def _store(args: argparse.Namespace) -> int:
             f"within hub.gc_grace_s ({grace:.0f} s)"
         )
         return 0
-    findings = check_store(store, args.repair, grace)
+    findings = check_store(store, repair, grace)
     for finding in findings:
         print(finding.line())
     left = sum(f.problem and not f.repaired for f in findings)

@@ -179,6 +179,10 @@ class Index:
         may be about to name it."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release the index's shared connections (SQLite's, one per thread, close with their
+        threads)."""
+
 
 class Transaction:
     """Statements inside one transaction."""
@@ -325,6 +329,7 @@ class PostgresIndex(Index):
                 conn.execute(f"SELECT pg_advisory_unlock{kind}(%s)", (_COLLECTION_KEY,))
 
     def close(self) -> None:
+        """Close the pool: its connections and its worker threads."""
         self.pool.close()
 
 

@@ -282,6 +282,16 @@ class HubStore:
             )
         self.index.update_state(_INDEX_DELTA_KEY, lambda _: stated_at)
 
+    def close(self) -> None:
+        """Release the index's connections (a PostgreSQL pool's threads): the store's last use."""
+        self.index.close()
+
+    def __enter__(self) -> HubStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def collect_uploads(self) -> int:
         """Remove uploads never committed older than the upload time-to-live (staged ones with
         their share of their user's staging quota), xorbs unused for the Xet time-to-live, and

@@ -62,16 +62,18 @@ def test_a_single_host_store_is_adopted_into_the_index(tmp_path):
 
 def test_stores_on_one_index_share_tokens_grant_key_and_trust(postgres, tmp_path):
     """Two replicas' folders on one PostgreSQL index: what one was told, the other honours."""
-    first = HubStore(tmp_path / "replica-a", index=postgres)
-    second = HubStore(tmp_path / "replica-b", index=postgres)
-    assert first.secret() == second.secret()
-    registry = TokenRegistry.from_settings(
-        settings_for(tmp_path / "replica-b", auth={"tokens": None}), second.index
-    )
-    secret = create_token(first.index, "rita", "write")
-    assert registry.lookup(secret).name == "rita"  # seen on the next lookup
-    revoke_token(first.index, "rita")
-    assert registry.lookup(secret) is None
-    _, public = create_key(tmp_path / "keys", "bob")
-    trust_key(first.index, "bob", public.path)
-    assert list(trusted_keys(second.index)) == ["bob"]
+    with (
+        HubStore(tmp_path / "replica-a", index=postgres) as first,
+        HubStore(tmp_path / "replica-b", index=postgres) as second,
+    ):
+        assert first.secret() == second.secret()
+        registry = TokenRegistry.from_settings(
+            settings_for(tmp_path / "replica-b", auth={"tokens": None}), second.index
+        )
+        secret = create_token(first.index, "rita", "write")
+        assert registry.lookup(secret).name == "rita"  # seen on the next lookup
+        revoke_token(first.index, "rita")
+        assert registry.lookup(secret) is None
+        _, public = create_key(tmp_path / "keys", "bob")
+        trust_key(first.index, "bob", public.path)
+        assert list(trusted_keys(second.index)) == ["bob"]

@@ -14,6 +14,8 @@ from support.live import WRITE_TOKEN, ProcessServer
 
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict
+from service.store.index import PostgresIndex
+from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
 
@@ -30,36 +32,38 @@ def _ops(store: HubStore, folder: Path) -> list[AddFile]:
 
 
 def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
-    store = HubStore(tmp_path / "store", index=postgres)
-    folder = tiny_repo_with_head(tmp_path / "m")
-    store.create_repo("pg/m")
-    assert store.create_repo("pg/m")[1] is False
-    with pytest.raises(Conflict, match="'PG' differs only by case from the existing 'pg'"):
-        store.create_repo("PG/other")  # namespaces are unique by lower(name) here too
-    with pytest.raises(Conflict, match="'M' differs only by case from the existing pg/m"):
-        store.create_repo("pg/M")  # and names in a namespace
-    assert store.repos_in("Pg") == ["pg/m"]
-    first = store.commit("pg/m", _ops(store, folder))
-    second = store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
-    with pytest.raises(Conflict, match="stale"):
-        store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
-    assert [c.sha for c in store.history("pg/m")] == [second.sha, first.sha]
-    assert second.epsilon == first.epsilon > 0 and second.datasets == ["test-images"]
-    assert [r.repo_id for r, _ in store.list_models(search="pg/")] == ["pg/m"]
-    store.create_tag("pg/m", "v1", first.sha)
-    with pytest.raises(Conflict):
-        store.create_tag("pg/m", "v1")
-    assert store.resolve("pg/m", "v1") == first.sha
+    with HubStore(tmp_path / "store", index=postgres) as store:
+        folder = tiny_repo_with_head(tmp_path / "m")
+        store.create_repo("pg/m")
+        assert store.create_repo("pg/m")[1] is False
+        with pytest.raises(Conflict, match="'PG' differs only by case from the existing 'pg'"):
+            store.create_repo("PG/other")  # namespaces are unique by lower(name) here too
+        with pytest.raises(Conflict, match="'M' differs only by case from the existing pg/m"):
+            store.create_repo("pg/M")  # and names in a namespace
+        assert store.repos_in("Pg") == ["pg/m"]
+        first = store.commit("pg/m", _ops(store, folder))
+        second = store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
+        with pytest.raises(Conflict, match="stale"):
+            store.commit("pg/m", _ops(store, folder), parent_commit=first.sha)
+        assert [c.sha for c in store.history("pg/m")] == [second.sha, first.sha]
+        assert second.epsilon == first.epsilon > 0 and second.datasets == ["test-images"]
+        assert [r.repo_id for r, _ in store.list_models(search="pg/")] == ["pg/m"]
+        store.create_tag("pg/m", "v1", first.sha)
+        with pytest.raises(Conflict):
+            store.create_tag("pg/m", "v1")
+        assert store.resolve("pg/m", "v1") == first.sha
+    assert store.index.pool.closed  # the pool and its threads gone with the block
 
 
 def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
     """A database created SQL_ASCII (an initdb under the C locale makes them) hands psycopg
     bytes unless the connection says its text is UTF-8: the index asks for it."""
-    store = HubStore(tmp_path / "store", index=postgres_server.new_database("SQL_ASCII"))
-    store.create_repo("pg/m")
-    assert store.repos_in("pg") == ["pg/m"]
-    with pytest.raises(Conflict, match="from the existing 'pg'"):
-        store.create_repo("PG/other")
+    url = postgres_server.new_database("SQL_ASCII")
+    with HubStore(tmp_path / "store", index=url) as store:
+        store.create_repo("pg/m")
+        assert store.repos_in("pg") == ["pg/m"]
+        with pytest.raises(Conflict, match="from the existing 'pg'"):
+            store.create_repo("PG/other")
 
 
 def test_two_hub_processes_share_one_store(postgres, tmp_path):
@@ -95,8 +99,8 @@ def test_two_hub_processes_share_one_store(postgres, tmp_path):
             assert sorted(c.commit_id for c in history) == sorted(results.values())
         heads = {HfApi(endpoint=s.url).model_info("multi/m").sha for s in servers}
         assert len(heads) == 1
-        index = HubStore(store, index=postgres)
-        chain = index.history("multi/m")
+        with HubStore(store, index=postgres) as index:
+            chain = index.history("multi/m")
         assert [c.parent for c in chain] == [c.sha for c in chain[1:]] + [None]
     finally:
         for server in servers:
@@ -108,12 +112,30 @@ def test_collection_waits_for_commits_on_other_hosts(postgres, tmp_path):
     a commit on the other holds the collection lock shared (an advisory lock)."""
     from service.store.upkeep import collect_garbage
 
-    here = HubStore(tmp_path / "here", index=postgres)
-    there = HubStore(tmp_path / "there", index=postgres)
     done = threading.Event()
-    with here.index.collection_lock(exclusive=False):  # as a commit holds it
-        worker = threading.Thread(target=lambda: (collect_garbage(there, 3600), done.set()))
-        worker.start()
-        assert not done.wait(1.0)
-    worker.join(30)
+    with HubStore(tmp_path / "here", index=postgres) as here:
+        with HubStore(tmp_path / "there", index=postgres) as there:
+            with here.index.collection_lock(exclusive=False):  # as a commit holds it
+                worker = threading.Thread(target=lambda: (collect_garbage(there, 3600), done.set()))
+                worker.start()
+                assert not done.wait(1.0)
+            worker.join(30)
     assert done.is_set()
+
+
+def test_the_admin_commands_close_their_index(postgres_server, tmp_path, monkeypatch, capsys):
+    """``vip-hub token`` and ``vip-hub store`` close the PostgreSQL pool they opened (left to
+    the collector, a pool's threads were joined from one of their own)."""
+    closed: list[PostgresIndex] = []
+    close = PostgresIndex.close
+
+    def spy(index: PostgresIndex) -> None:
+        closed.append(index)
+        close(index)
+
+    monkeypatch.setattr(PostgresIndex, "close", spy)
+    monkeypatch.setenv("VIP_HUB_INDEX", postgres_server.new_database())  # no other store's rows
+    store = str(tmp_path / "store")
+    assert main(["token", "create", "--name", "ann", "--scope", "read", "--store", store]) == 0
+    assert main(["store", "check", "--store", store]) == 0, capsys.readouterr()
+    assert len(closed) == 2 and all(index.pool.closed for index in closed)
