@@ -272,6 +272,7 @@ def heads_trial(
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
+    kept: dict[str, torch.Tensor] | None = None
     if row in PRIORS:
         repo = prior_path(study.prior(PRIORS[row]))
     else:
@@ -285,11 +286,11 @@ def heads_trial(
         if noise:
             repo = train_encoder(study, row, sigma, recs.private, out)
         else:
-            with trial_weights() as kept:
+            with trial_weights() as weights:
                 train_encoder(study, row, NO_NOISE, recs.private, out)
-            repo = prior_path(study.prior(row))
+            repo, kept = prior_path(study.prior(row)), weights
     encoder = load_encoder(repo)
-    if row in STAGES and not noise:
+    if kept is not None:  # the noise-free stage's weights in its prior's model
         encoder.model.load_state_dict(kept)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
@@ -440,8 +441,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument(
         "--no-noise",
         action="store_true",
-        help="a stage row: the stage at sigma NO_NOISE (its objective's ceiling), its weights "
-        "kept and nothing exported; the heads charged as the job's stage",
+        help=f"a stage row: the stage at sigma {NO_NOISE:g} (its objective's ceiling), its "
+        "weights kept and nothing exported; the heads charged as the job's stage",
     )
     p.add_argument(
         "--disjoint-centre",

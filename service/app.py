@@ -45,9 +45,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            if engine is not None:
-                await engine.stop()
-            app.state.store.close()
+            try:
+                if engine is not None:
+                    await engine.stop()
+            finally:
+                app.state.store.close()
 
     app = FastAPI(
         title="vip-hub",

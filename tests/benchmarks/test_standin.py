@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,16 @@ def test_a_stage_without_noise_exports_nothing_and_its_heads_read_its_weights(
         return embed(encoder, *args)
 
     monkeypatch.setattr(standin, "embed", embed_spy)
+    kept: list[dict[str, torch.Tensor]] = []
+    trial_weights = standin.trial_weights
+
+    @contextlib.contextmanager
+    def trial_spy() -> Any:
+        with trial_weights() as weights:
+            kept.append(weights)
+            yield weights
+
+    monkeypatch.setattr(standin, "trial_weights", trial_spy)
     work = tmp_path / "work"
     t = standin.heads_trial(TINY, "vip", {"noise": "none"}, recs, work, heads=1, noise=False)
     assert not list(work.glob("**/" + LEDGER_FILE))
@@ -369,6 +380,7 @@ def test_a_stage_without_noise_exports_nothing_and_its_heads_read_its_weights(
     prior = load_encoder(prior_path(TINY.syn_prior)).model.state_dict()
     assert len(read) == 6 and all(a.keys() == prior.keys() for a in read)
     assert any(not torch.equal(read[0][k], prior[k]) for k in prior)
+    assert all(torch.equal(read[0][k], kept[0][k]) for k in prior)  # the stage's, as released
     with pytest.raises(SystemExit):
         standin.main(["syn", "--no-noise", "--work", str(tmp_path)])
     assert "stage row" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from the recipe's fields, and the export of the encoder with that mechanism's le
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -36,10 +36,10 @@ _TRIAL: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("trial_weights",
 
 @contextmanager
 def trial_weights() -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block a DP recipe's run exports nothing (no repo, no ledger, no signature): the
-    encoder weights it would release land in the dict yielded instead. For trials on public
-    records standing in for private ones (``benchmarks/standin.py``), whose noise may be too
-    small for any ledger to state."""
+    """Inside the block a ``DPRun`` (ViP, DP-Cap, Logit-DP, Naive-DP, DP fine-tuning) writes and
+    signs nothing; the encoder weights its ``export_dp`` would release land in the dict yielded.
+    For trials on public records standing in for private ones (``benchmarks/standin.py``),
+    whose noise may be too small for any ledger to state."""
     kept: dict[str, torch.Tensor] = {}
     token = _TRIAL.set(kept)
     try:
@@ -90,6 +90,13 @@ class DPRun(Run):
         )
         return self.dp
 
+    def export(self, write: Callable[[], Any]) -> Path:
+        """``Run.export``, except inside ``trial_weights``: nothing written, nothing signed."""
+        if _TRIAL.get() is None:
+            return super().export(write)
+        self.dist.barrier()  # as an export's: every rank leaves the run together
+        return Path(self.cfg.out)
+
     def export_dp(
         self, encoder: VisionTransformer, spec: EncoderSpec, init: Encoder, **fields: Any
     ) -> Path:
@@ -101,7 +108,6 @@ class DPRun(Run):
         kept = _TRIAL.get()
         if kept is not None:
             kept.update({k: v.detach().cpu().clone() for k, v in encoder.state_dict().items()})
-            return Path(self.cfg.out)
         files = {"spatial": declared_spatial(init.config), **fields.pop("files", {})}
         return self.dp.export(
             self,

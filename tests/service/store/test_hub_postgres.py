@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 from support.helpers import tiny_repo_with_head
-from support.live import WRITE_TOKEN, ProcessServer
+from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_for
 
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict
@@ -121,6 +121,13 @@ def test_collection_waits_for_commits_on_other_hosts(postgres, tmp_path):
                 assert not done.wait(1.0)
             worker.join(30)
     assert done.is_set()
+
+
+def test_the_service_closes_its_index_when_it_stops(postgres, tmp_path):
+    with ThreadedServer(settings_for(tmp_path / "store", index=postgres)) as server:
+        pool = server.app.state.store.index.pool
+        assert not pool.closed
+    assert pool.closed
 
 
 def test_the_admin_commands_close_their_index(postgres_server, tmp_path, monkeypatch, capsys):
