@@ -527,7 +527,9 @@ def _compare(
 
 
 def _duration(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+    """``seconds`` as minutes:seconds to a tenth (59.96 s is 1:00.0, not 0:60.0)."""
+    minutes, tenths = divmod(round(seconds * 10), 600)
+    return f"{minutes}:{tenths / 10:04.1f}"
 
 
 def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: float) -> None:

@@ -20,7 +20,7 @@ from support.helpers import ROOT, write_digits, write_fashion
 from support.live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
-from training.main_job import HEAD, PUBLISHED, MainJobConfig, run_main_job
+from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, run_main_job
 from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
@@ -682,3 +682,13 @@ def test_a_class_means_head_is_released_with_a_stage_verify_recomputes(
     guarantee = next(g for g in ledger.guarantees if g.dataset == data.dataset.name)
     assert guarantee.epsilon == pytest.approx(study.epsilon, abs=0.01)
     assert (fit.head(x).argmax(1) == y).float().mean() > 0.5
+
+
+def test_a_steps_duration_carries_its_rounded_seconds_into_the_minutes() -> None:
+    assert _duration(59.96) == "1:00.0"  # was printed "0:60.0"
+    assert [_duration(s) for s in (0.04, 12.54, 125.0, 3599.95)] == [
+        "0:00.0",
+        "0:12.5",
+        "2:05.0",
+        "60:00.0",
+    ]
