@@ -91,9 +91,11 @@ STAGES = {"vip": "vip", "dpcap": "dpcap", "logit-dp": "contrastive", "naive-dp":
 """The DP stage rows: each one's schedule in ``StudyConfig.recipe_settings`` (Logit-DP and
 Naive-DP start from the (Syn)-ViP prior, as in the job)."""
 MODE = "spatial-b4-g4"
-NO_NOISE = 1e-3
+NO_NOISE = 1e-5
 """``--no-noise``: a stage row's noise multiplier (the engine takes sigma > 0): the objective's
-ceiling at its schedule, the weights kept and nothing exported, as no ledger may state it."""
+ceiling at its schedule, the weights kept and nothing exported, as no ledger may state it. Small
+enough for Naive-DP, whose noise is sigma x 2C in each of its ~10^6 coordinates against a
+clipped whole-batch gradient of at most C (at 1e-3 the noise's norm was still twice C)."""
 GaussianRun = tuple[float, float, int]
 
 
