@@ -79,6 +79,7 @@ class InferenceEngine:
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
         self._preload: dict[str, str] = {ref: "pending" for ref in settings.preload}
+        self._preload_task: asyncio.Task[None] | None = None
         self._closing = False
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
@@ -90,8 +91,16 @@ class InferenceEngine:
         self._preload_task = asyncio.create_task(self._preload_all()) if self._preload else None
 
     async def stop(self) -> None:
-        """Refuse new work, then drain every batcher (in-flight batches finish)."""
+        """Refuse new work, end the preloading, wait for the loads under way (each closes what it
+        loaded) and drain every batcher (in-flight batches finish): nothing reads the store after
+        it returns."""
         self._closing = True
+        if self._preload_task is not None:
+            self._preload_task.cancel()  # a load it awaits is shielded, and waited for below
+        await asyncio.gather(
+            *(t for t in (self._preload_task, *self._loading.values()) if t is not None),
+            return_exceptions=True,
+        )
         await asyncio.gather(*(asyncio.to_thread(m.close) for m in self._models.values()))
         self.preprocess_pool.shutdown()
 

@@ -473,6 +473,47 @@ def test_concurrent_first_requests_load_a_model_once(hub, tmp_path):
     assert len(threads) == 1 and not threads[0].is_alive()
 
 
+def test_stop_waits_for_a_load_under_way_and_ends_the_preloading(hub, tmp_path, monkeypatch):
+    """A load still reading the store when the engine stops is waited for (the app closes the
+    store after the stop), and what it loaded is closed; a preload waiting for its repo ends."""
+    import asyncio
+
+    from service.errors import ShuttingDown
+    from service.inference.engine import InferenceEngine
+    from service.metrics import Metrics
+
+    repo_id = "load/late"
+    commit = push_repo(tiny_repo_with_head(tmp_path / "late", seed=6), repo_id, token=WRITE_TOKEN)
+    store = hub.app.state.store
+    entered, gate = threading.Event(), threading.Event()
+    snapshot = store.snapshot_dir
+
+    def slow_snapshot(*args):
+        entered.set()
+        gate.wait(30)
+        return snapshot(*args)
+
+    monkeypatch.setattr(store, "snapshot_dir", slow_snapshot)
+    preloading = hub.settings.inference.model_copy(update={"preload": ["not/yet"]})
+    engine = InferenceEngine(preloading, Metrics())
+
+    async def scenario() -> None:
+        await engine.start(store)
+        load = asyncio.create_task(engine.model(repo_id, commit))
+        await asyncio.to_thread(entered.wait, 30)
+        stopping = asyncio.create_task(engine.stop())
+        await asyncio.sleep(0.3)
+        assert not stopping.done()  # the load still reads the store
+        gate.set()
+        await stopping
+        with pytest.raises(ShuttingDown):
+            await load
+        assert engine._preload_task is not None and engine._preload_task.done()
+
+    asyncio.run(scenario())
+    assert engine.loaded() == []
+
+
 def test_readiness_waits_for_preloaded_models(hub, tmp_path):
     settings = settings_for(hub.settings.store, inference={"preload": ["ready/later"]})
     with ThreadedServer(settings) as server:
