@@ -190,7 +190,7 @@ def load_encoder(
         ledger = PrivacyLedger.read(path)
     config = read_config(path)
     spec = EncoderSpec.from_config(config)
-    # a released repo's config.json names a VisionTransformer (timm types it as a Module)
+    # a released repo's configuration names a VisionTransformer (timm types it as a Module)
     model = cast(
         VisionTransformer, timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
     )

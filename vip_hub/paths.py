@@ -71,7 +71,7 @@ def validate_relpath(path: str) -> str:
 
 def tree_path_problems(paths: Iterable[str]) -> list[str]:
     """Paths of one tree that no filesystem can hold together: a file that is also a folder of
-    another path (``README.md`` beside ``README.md/x``), or two paths equal but for case."""
+    another path (``notes.txt`` beside ``notes.txt/x``), or two paths equal but for case."""
     problems: list[str] = []
     seen: dict[str, str] = {}  # casefolded path: the first path folded so
     files = set(paths)

@@ -69,7 +69,7 @@ _TIMM_ARCH = {
 class Family:
     """What a family's reference code fixes beyond the sizes (see the module docstring)."""
 
-    name: str  # prefix of its architecture names, and config.json's vip_hub.family
+    name: str  # prefix of its architecture names, and its repos' configured vip_hub.family
     title: str
     heads: dict[str, int]  # attention heads per size
     decoder: dict[

@@ -30,7 +30,7 @@ MAX_LENGTH = 40
 """Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BERT_SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
-"""Where ``bert-base-uncased``'s vocab.txt keeps the special tokens (ids 1-99 are
+"""Where ``bert-base-uncased``'s vocabulary file keeps the special tokens (ids 1-99 are
 ``[unused0]``...)."""
 
 

@@ -99,7 +99,7 @@ def render_card(
     captions: bool = False,
     plots: Sequence[str] = (),
 ) -> str:
-    """The README.md text (front matter + Markdown) for a repo whose feature modes have the
+    """The model card's text (front matter + Markdown) for a repo whose feature modes have the
     widths ``feature_dims`` (config.json's); ``captions`` when it carries a text decoder and
     its vocabulary."""
     arch, family = spec.architecture, spec.family
