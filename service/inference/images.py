@@ -48,6 +48,7 @@ _WIDE_GREY = {
     "I": 65535.0,
     "F": 1.0,
 }
+_UNREDUCIBLE = ("1", "P", "PA", "I;16", "I;16L", "I;16B", "I;16N")  # Image.reduce refuses them
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:
             factor = 1
         img.load()
         if factor > 1:
-            img = img.reduce(factor)
+            img = (to_rgb(img) if img.mode in _UNREDUCIBLE else img).reduce(factor)
     return to_rgb(img)
 
 

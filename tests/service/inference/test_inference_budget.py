@@ -71,6 +71,28 @@ def test_a_large_image_is_decoded_at_a_reduced_scale(fmt):
     )  # needed as is
 
 
+def _encoded(img: Image.Image, fmt: str) -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_large_images_of_every_mode_are_decoded_at_a_reduced_scale(hub, published):
+    """Palette (every GIF), 1-bit and 16-bit images large enough to be reduced are embedded,
+    not refused as corrupt (``Image.reduce`` takes none of those modes)."""
+    rgb = Image.new("RGB", (1200, 900), (10, 120, 240))
+    wide = Image.new("I;16", (1200, 900), 40000)
+    inputs = [
+        _encoded(rgb, "GIF"),
+        _encoded(rgb.convert("P"), "PNG"),
+        _encoded(rgb.convert("1"), "PNG"),
+        _encoded(wide, "PNG"),
+    ]
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": inputs}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == len(inputs)
+
+
 def test_preprocessing_serves_requests_in_turn_not_first_come_first_served():
     """A one-image request queued behind a many-image request is preprocessed after one of the
     large request's images, not after all of them (a FIFO pool finished the large one first)."""
