@@ -21,6 +21,8 @@ from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_rep
 router = APIRouter(prefix="/api")
 
 TREE_PAGE = 1000
+MAX_OFFSET = 2**63 - 1
+"""The largest listing offset: the index's integers (SQLite's, PostgreSQL's BIGINT) hold no more."""
 
 
 @router.get("/models", summary="List and search models")
@@ -36,7 +38,7 @@ def list_models(
     sort: str = Query("updated", description="updated, epsilon, delta, params, arch or name"),
     direction: int = Query(-1, description="-1 descending, 1 ascending"),
     limit: int | None = Query(None, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
     full: bool = False,
     who: Identity | None = Depends(identity),
 ) -> JSONResponse:

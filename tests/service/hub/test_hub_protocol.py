@@ -90,6 +90,16 @@ def test_list_models_and_search(hub, published):
     assert len(list(api.list_models(limit=1))) == 1
 
 
+def test_a_listing_offset_past_the_index_range_is_refused_naming_it(hub, published):
+    """An offset past what the index's integers hold (2**63 - 1) was a 500 (SQLite's
+    OverflowError); it is a 422 naming ``offset``, and the largest one lists nothing."""
+    r = httpx.get(f"{hub.url}/api/models", params={"offset": 2**63})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["query", "offset"]
+    r = httpx.get(f"{hub.url}/api/models", params={"offset": 2**63 - 1})
+    assert r.status_code == 200 and r.json() == []
+
+
 def test_revision_pinning(hub, tmp_path):
     api = HfApi(token=WRITE_TOKEN)
     repo_id = "pin/model"
