@@ -504,7 +504,8 @@ def check_grant(
         or int(expires) < time.time()
     ):
         raise Unauthorized(f"{purpose}: missing or expired grant; ask the hub for a new one")
-    if not hmac.compare_digest(_grant_mac(key, purpose, subject, expires, token_id), mac):
+    expected = _grant_mac(key, purpose, subject, expires, token_id)
+    if not hmac.compare_digest(expected.encode(), mac.encode()):  # str: ASCII only
         raise Unauthorized(f"{purpose}: invalid grant")
     who = request.app.state.tokens.by_id(token_id)
     if who is None or not who.allows("write") or not who.owns(namespace):

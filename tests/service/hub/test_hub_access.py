@@ -543,3 +543,25 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     assert answers[0].text.replace(random_xorb, absent) == answers[1].text
     # a grant is good on its own user's CAS URL only
     assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404
+
+
+def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server):
+    """A forged upload grant whose MAC holds a non-ASCII character is a 401, as any other bad
+    grant (``hmac.compare_digest`` refuses to compare such strings: it was a 500)."""
+    _api(server, CAROL).create_repo("carol/grants")
+    data = b"an object behind a grant\n"
+    lfs = httpx.post(
+        f"{server.url}/carol/grants.git/info/lfs/objects/batch",
+        headers=_bearer(CAROL),
+        json={
+            "operation": "upload",
+            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
+        },
+    )
+    href = lfs.json()["objects"][0]["actions"]["upload"]["href"]
+    r = httpx.put(href[:-1] + "%C3%A9", content=data)  # the MAC's last digit made an é
+    assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
+    cas, grant = _xet_grant(server, "carol/grants", CAROL)
+    forged = {"Authorization": grant["Authorization"][:-1].encode() + b"\xe9"}  # latin-1 é
+    r = httpx.post(f"{cas}/v1/shards", content=b"", headers=forged)
+    assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
