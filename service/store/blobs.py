@@ -62,6 +62,7 @@ __all__ = [
 
 _CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
+UPLOAD_LINK = ".upload"  # the suffix of a commit's link to an upload in ``tmp/``
 SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -287,7 +288,10 @@ class BlobStore:
 
     def committed_source(self, sha256: str) -> Path:
         """The file a commit's ``lfsFile`` line names (with an object store: fetched into the
-        cache), or UploadMissing."""
+        cache), or UploadMissing. An upload is shared by every repo it was uploaded for, and the
+        first commit to store it moves it into the blobs: a commit gets its own hard link to it
+        in ``tmp/`` instead (which ``ingest`` consumes; the caller removes it otherwise), so
+        that another repo's commit takes nothing from under it."""
         path = self.object_path(sha256)
         if path is None and self.remote is not None:
             for key in (blob_key(sha256), upload_key(sha256)):
@@ -299,20 +303,28 @@ class BlobStore:
                 f"object {sha256} was never uploaded for this repo (or its upload expired): upload "
                 "it first (preupload, then the LFS batch API or Xet), then commit"
             )
-        return path
+        if path != self.upload_path(sha256):
+            return path  # a blob: never moved, nor collected while a commit may name it
+        link = self.new_temp(UPLOAD_LINK)
+        try:
+            os.link(path, link)
+        except FileNotFoundError:  # moved into the blobs (or collected) meanwhile: look again
+            return self.committed_source(sha256)
+        return link
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, source: Path, digest: FileDigest) -> Path:
         """Move a verified temp or upload file into place, durably (with an object store: into
         its bucket first, over whatever the bucket held under that name: copied from the
         bucket's upload when ``source`` is this cache's copy of that upload, else sent from
-        ``source``; then the cache). An upload of the object is consumed either way: one sent
+        ``source``; then the cache; ``source`` is such a copy when it is the upload or a commit's
+        link to it, ``committed_source``). An upload of the object is consumed either way: one sent
         again for an object already stored does not wait for the uploads' collection."""
         sha256, upload = digest.sha256, self.upload_path(digest.sha256)
         if self.remote is not None:
             key = blob_key(sha256)
             try:
-                if source != upload:
+                if source != upload and source.suffix != UPLOAD_LINK:
                     raise FileNotFoundError(source)
                 self.remote.copy(upload_key(sha256), key)
             except FileNotFoundError:  # committed inline, or its upload moved by another commit

@@ -605,15 +605,18 @@ class HubStore:
         the commit is made. Raises PublishRefused when the resulting tree does not verify,
         Conflict when ``parent_commit`` is not the branch head.
         """
+        links: list[Path] = []  # this commit's own links to the uploads it names (``_added``)
         try:
             with self.index.repo_lock(repo_id), self.index.collection_lock(exclusive=False):
                 return self._commit_locked(
-                    repo_id, operations, branch, parent_commit, title, message, author
+                    repo_id, operations, branch, parent_commit, title, message, author, links
                 )
         finally:
             for op in operations:
                 if isinstance(op, AddFile):
                     op.source.unlink(missing_ok=True)
+            for link in links:  # consumed by the blob store when the commit is made
+                link.unlink(missing_ok=True)
 
     def _commit_locked(
         self,
@@ -624,11 +627,12 @@ class HubStore:
         title: str,
         message: str,
         author: str,
+        links: list[Path],
     ) -> CommitRecord:
         """``commit`` under the repo's lock, in the steps and order of the module docstring."""
         head = self._branch_head(repo_id, branch, parent_commit)
         tree = self.tree(repo_id, head) if head else {}
-        local, new = self._staged(repo_id, tree, operations)
+        local, new = self._staged(repo_id, tree, operations, links)
         self._check_limits(local)
         report, signer = self._verified(repo_id, local)
         crash_point("commit-verified")
@@ -646,7 +650,7 @@ class HubStore:
         message = "\n\n".join(filter(None, [message, f"Privacy: {claim}"]))
         created = _now()
         commit = _NewCommit(
-            sha=_commit_id(head, files, title, message, author, created),
+            sha=_commit_id(repo_id, head, files, title, message, author, created),
             parent=head,
             title=title,
             message=message,
@@ -683,15 +687,20 @@ class HubStore:
         return head
 
     def _staged(
-        self, repo_id: str, tree: dict[str, FileEntry], operations: Sequence[Operation]
+        self,
+        repo_id: str,
+        tree: dict[str, FileEntry],
+        operations: Sequence[Operation],
+        links: list[Path],
     ) -> tuple[dict[str, Path], dict[str, tuple[Path, FileDigest]]]:
-        """The would-be tree (path -> local file) of ``operations`` on ``tree``; its new files."""
+        """The would-be tree (path -> local file) of ``operations`` on ``tree``; its new files
+        (the links to uploads among them noted in ``links``)."""
         local: dict[str, Path] = {p: self.blob_path(e) for p, e in tree.items()}
         new: dict[str, tuple[Path, FileDigest]] = {}
         for op in operations:
             path = validate_path(op.path.rstrip("/") if isinstance(op, DeleteFolder) else op.path)
             if isinstance(op, AddFile | AddObject):  # what a file may hold is verify_repo's rule
-                new[path] = self._added(repo_id, op)
+                new[path] = self._added(repo_id, op, links)
                 local[path] = new[path][0]
             elif isinstance(op, DeleteFile):
                 if path not in local:
@@ -721,12 +730,16 @@ class HubStore:
                     f"limit of {self.limits.max_labels_bytes} (hub.max_labels_bytes)"
                 )
 
-    def _added(self, repo_id: str, op: AddFile | AddObject) -> tuple[Path, FileDigest]:
+    def _added(
+        self, repo_id: str, op: AddFile | AddObject, links: list[Path]
+    ) -> tuple[Path, FileDigest]:
         """The local file an added file's content is in, and its digest."""
         if isinstance(op, AddFile):
             return op.source, hash_file(op.source)
         # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
         source = self._uploaded_source(repo_id, op.sha256)
+        if source != self.blobs.path(op.sha256):  # this commit's link to the upload
+            links.append(source)
         return source, lfs_digest(op.sha256, source.stat().st_size)
 
     def _verified(
@@ -927,6 +940,7 @@ def _commit_record(repo_id: str, row: Row) -> CommitRecord:
 
 
 def _commit_id(
+    repo_id: str,
     parent: str | None,
     files: dict[str, FileEntry],
     title: str,
@@ -934,8 +948,11 @@ def _commit_id(
     author: str,
     created: str,
 ) -> str:
+    # the repo too: commit ids are unique across the hub (``commits.sha``), and two repos' first
+    # commits of one tree, by one author, in one millisecond are otherwise the same content
     content = json.dumps(
         {
+            "repo": repo_id,
             "parent": parent,
             "tree": sorted((p, e.sha256) for p, e in files.items()),
             "title": title,

@@ -1,5 +1,6 @@
 """The store on its own: commits, refs, verification on commit, atomicity, listing."""
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
-from service.store import AddFile, DeleteFile, HubStore
+from service.store import AddFile, AddObject, DeleteFile, HubStore
+from service.store import store as store_module
 from service.store.errors import (
     Conflict,
     InvalidRequest,
@@ -115,6 +117,73 @@ def test_concurrent_commits_make_a_linear_history(store, repo_dir):
     history = store.history("vip/m")
     assert len(history) == 3
     assert [c.parent for c in history] == [history[1].sha, history[2].sha, None]
+
+
+def test_another_repos_commit_of_a_shared_upload_takes_nothing_from_under_a_commit(
+    store, repo_dir, monkeypatch
+):
+    """Two repos (of two owners) commit the same uploaded object: the first to finish moves the
+    one upload of it into the blobs while the other still has its tree to verify."""
+    weights = (repo_dir / WEIGHTS_FILE).read_bytes()
+    oid = hashlib.sha256(weights).hexdigest()
+    tmp = store.blobs.new_temp()
+    tmp.write_bytes(weights)
+    store.blobs.stage_upload(tmp, oid)
+    ops = {}
+    for repo in ("alice/m", "bob/m"):
+        store.create_repo(repo)
+        store.blobs.note_upload(repo, oid)
+        ops[repo] = [op for op in _ops(store, repo_dir) if op.path != WEIGHTS_FILE]
+        ops[repo].append(AddObject(WEIGHTS_FILE, oid))
+    for leftover in set((store.root / "tmp").iterdir()) - {
+        op.source for repo_ops in ops.values() for op in repo_ops if isinstance(op, AddFile)
+    }:
+        leftover.unlink()  # the inline copies of the weights _ops made
+    verified, staged, done = store._verified, threading.Event(), threading.Event()
+
+    def paused(repo_id, local):  # bob's commit holds its would-be tree, then waits for alice's
+        if repo_id == "bob/m":
+            staged.set()
+            assert done.wait(60)
+        return verified(repo_id, local)
+
+    monkeypatch.setattr(store, "_verified", paused)
+    results, errors = {}, []
+
+    def bob() -> None:
+        try:
+            results["bob/m"] = store.commit("bob/m", ops["bob/m"])
+        except Exception as e:  # reported below
+            errors.append(e)
+        finally:
+            staged.set()
+
+    worker = threading.Thread(target=bob)
+    worker.start()
+    try:
+        assert staged.wait(60)
+        results["alice/m"] = store.commit("alice/m", ops["alice/m"])
+    finally:
+        done.set()
+        worker.join()
+    assert not errors
+    for repo, commit in results.items():
+        assert store.tree(repo, commit.sha)[WEIGHTS_FILE].sha256 == oid
+    assert store.blobs.path(oid).read_bytes() == weights
+    assert not store.blobs.upload_path(oid).exists()
+    assert not list((store.root / "tmp").iterdir())
+
+
+def test_identical_first_commits_to_two_repos_are_two_commits(store, repo_dir, monkeypatch):
+    """The same tree, title, message and author in the same millisecond, to two repos."""
+    monkeypatch.setattr(store_module, "_now", lambda: "2025-01-01T00:00:00.000Z")
+    commits = []
+    for repo in ("alice/m", "org/m"):
+        store.create_repo(repo)
+        commits.append(store.commit(repo, _ops(store, repo_dir), title="first", author="alice"))
+    assert commits[0].sha != commits[1].sha
+    assert [store.resolve(r) for r in ("alice/m", "org/m")] == [c.sha for c in commits]
+    assert store.tree("alice/m", commits[0].sha) == store.tree("org/m", commits[1].sha)
 
 
 def test_tags_and_errors(store, repo_dir):
