@@ -165,6 +165,26 @@ def test_wrong_key_or_a_forged_signature_fails(tmp_path, alice):
         verify_signature(repo, [bob])
 
 
+@pytest.mark.parametrize(
+    "bundle",
+    [
+        {"verificationMaterial": {"publicKey": {"hint": ["a"]}}},
+        {"verificationMaterial": "x"},
+        {"verificationMaterial": {"publicKey": [1]}},
+        "[" * 100_000 + "]" * 100_000,
+    ],
+)
+def test_a_malformed_signature_is_a_named_problem(tmp_path, alice, cli, bundle):
+    repo = _repo(tmp_path / "repo")
+    text = bundle if isinstance(bundle, str) else json.dumps(bundle)
+    (repo / SIGNATURE_FILE).write_text(text)
+    with pytest.raises(SignatureError, match="not a signature bundle"):
+        verify_signature(repo, load_keys([alice[1]]))
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 1
+    assert f"FAIL  {SIGNATURE_FILE}: not a signature bundle" in out.stdout
+
+
 def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
     from training.skeleton.config import RunConfig
     from training.skeleton.distributed import Dist

@@ -198,7 +198,7 @@ def verify_signature(
     if signature is None:
         return None
     bundle = _read_bundle(signature)
-    hint = ((bundle.get("verificationMaterial") or {}).get("publicKey") or {}).get("hint")
+    hint = _key_hint(bundle)
     by_fingerprint = {k.fingerprint: k for k in keys}
     signer = by_fingerprint.get(hint or "")
     if signer is None:
@@ -275,11 +275,22 @@ def _read_bundle(path: Path) -> dict[str, Any]:
     """The signature file's JSON (a Sigstore bundle), or SignatureError."""
     try:
         bundle = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise _refusal(f"not a signature bundle ({e})") from None
     if not isinstance(bundle, dict):
         raise _refusal("not a signature bundle (not a JSON object)")
     return bundle
+
+
+def _key_hint(bundle: Mapping[str, Any]) -> str | None:
+    """The fingerprint the bundle names its key by (``verificationMaterial.publicKey.hint``), None
+    when it names none, or SignatureError when that part of the bundle is malformed."""
+    material = bundle.get("verificationMaterial") or {}
+    key = (material.get("publicKey") or {}) if isinstance(material, dict) else None
+    hint = key.get("hint") if isinstance(key, dict) else None
+    if not isinstance(key, dict) or not isinstance(hint, (str, type(None))):
+        raise _refusal("not a signature bundle (verificationMaterial.publicKey.hint is malformed)")
+    return hint
 
 
 def _signed(bundle: Mapping[str, Any]) -> dict[str, str]:
