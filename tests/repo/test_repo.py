@@ -14,7 +14,7 @@ from support.helpers import TINY, dp_stage, tiny_encoder
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
-from vip_hub.errors import RepoFormatError
+from vip_hub.errors import LedgerError, RepoFormatError
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
 from vip_hub.privacy.sensitivity import rounding_params
@@ -238,6 +238,74 @@ def test_a_reference_epsilon_off_its_accountant_fails(tiny_repo):
     _rewrite_all_copies(tiny_repo, doubled_prv)
     text = _fails(tiny_repo, "(prv) is not what that accountant gives")
     assert "claims epsilon" not in text  # the claim (rdp) itself still holds
+
+
+@pytest.mark.parametrize("sigma", [1e-3, 1e-300])
+def test_a_noise_multiplier_too_small_to_account_fails_by_name(tiny_repo, sigma):
+    """sigma 1e-3 at q = 1: the PLD grid would take gigabytes (a MemoryError, or minutes on a large
+    machine); 1e-300: sigma squared underflows (a ZeroDivisionError). Each is a named problem."""
+
+    def tiny_sigma(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        stage.update(sample_rate=1.0, expected_batch_size=1000.0, noise_multiplier=sigma)
+        stage.update(noise_std=sigma * stage["sensitivity"], steps=1000)
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, tiny_sigma)
+    _fails(tiny_repo, "stage 'dp-pretraining'", "for a DP release")
+
+
+@pytest.mark.parametrize("steps", [10**9, 10**400])
+def test_steps_beyond_any_run_are_refused_by_name(tiny_repo, steps):
+    """10^9 steps keep the PLD accountant busy for many minutes; 10^400 overflows a float."""
+
+    def many_steps(ledger: dict) -> dict:
+        ledger["stages"][1]["steps"] = steps
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, many_steps)
+    _fails(tiny_repo, "stages.1.dp.steps: Input should be less than or equal to 10000000")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda s: s["dataset"].update(size=10**400),
+            "stages.1.dp.dataset.size: Input should be less than or equal to",
+        ),
+        (
+            lambda s: s.update(noised_dimension=10**400, noised_tensors={"unreleased:t": 10**400}),
+            "stages.1.dp.noised_dimension: Input should be less than or equal to",
+        ),
+    ],
+)
+def test_a_ledger_beyond_what_parses_is_refused_by_name(tiny_repo, change, message):
+    """A count past a float's range, or lists nested past Python's recursion limit: each a
+    named problem, never an OverflowError or a RecursionError."""
+
+    def changed(ledger: dict) -> dict:
+        change(ledger["stages"][1])
+        return ledger
+
+    _rewrite_all_copies(tiny_repo, changed)
+    _fails(tiny_repo, message)
+
+
+def test_a_ledger_nested_past_the_recursion_limit_is_refused_by_name(tiny_repo):
+    """Past Python's recursion limit json.loads raises RecursionError; at 300 levels pydantic
+    parses a ledger it cannot serialise (comparing the copies raised). Each is a named problem."""
+    ledger = json.loads((tiny_repo / LEDGER_FILE).read_text())
+    ledger["stages"][1]["hyperparameters"]["x"] = json.loads("[" * 300 + "]" * 300)
+    for text, message in (
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+        ('{"a":' * 100_000 + "1" + "}" * 100_000, "not valid JSON"),
+        (json.dumps(ledger), "nests lists and objects deeper than 20 levels"),
+    ):
+        (tiny_repo / LEDGER_FILE).write_text(text)
+        with pytest.raises(LedgerError, match=message):
+            PrivacyLedger.parse(text)
+        _fails(tiny_repo, f"{LEDGER_FILE}: ledger copy unreadable", message)
 
 
 def test_tampered_weights(tiny_repo):

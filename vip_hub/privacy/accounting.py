@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_DELTA_CAP",
     "DEFAULT_DELTA_RULE",
     "GaussianRun",
+    "MAX_STEPS",
     "BOX_MULLER_SUPPORT",
     "CURAND_FLOAT32_SUPPORT",
     "NOISE_SAMPLER",
@@ -59,6 +60,12 @@ DEFAULT_DELTA_RULE = f"min({DEFAULT_DELTA_CAP:g}, 1/(10n))"
 PRV_EPS_ERROR = 0.01
 PRV_MAX_EPSILON = 1000.0
 """Past this epsilon (under RDP) the PRV accountant's grid outgrows memory: refused by name."""
+PLD_MAX_EPSILON = 1e5
+"""Past this epsilon (under RDP) the PLD accountant's grid outgrows memory (gigabytes at 10^6,
+tens at 10^8): refused by name."""
+MAX_STEPS = 10**7
+"""The most steps of one run the accountants are asked about (the PLD accountant takes seconds
+and gigabytes at 10^7, minutes at 10^8): far beyond any training run."""
 PLD_INTERVAL = 1e-3
 MIN_SIGMA, MAX_SIGMA = 1e-2, 1e4
 """The noise multipliers a calibration searches between."""
@@ -202,7 +209,15 @@ def composed_epsilon(
         return 0.0
     for sigma, q, steps in history:
         _check_mechanism(sigma, q, steps)
-    return _epsilon(tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), kind)
+    try:
+        return _epsilon(
+            tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), kind
+        )
+    except ArithmeticError as e:  # a noise multiplier whose square underflows, say
+        raise AccountingError(
+            f"the {kind.value} accountant cannot compute epsilon for {list(history)} ({e}): "
+            "the noise multiplier is far too small for a DP release"
+        ) from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -210,6 +225,8 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
     """The accountants are deterministic: each (history, delta) is computed once per process."""
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         warnings.simplefilter("ignore")
+        if kind is not Accountant.RDP:
+            _check_grid(history, delta, kind)
         if kind is Accountant.PLD:
             return _pld_epsilon(history, delta)
         if kind is Accountant.RDP:
@@ -220,15 +237,20 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
             return float(get_privacy_spent(orders=rdp_alphas(), rdp=curve, delta=delta)[0])
         from opacus.accountants import PRVAccountant
 
-        rdp = _epsilon(history, delta, Accountant.RDP)
-        if rdp > PRV_MAX_EPSILON:
-            raise AccountingError(
-                f"epsilon {rdp:.3g} (RDP) is beyond what the PRV accountant can compute (up to "
-                f"{PRV_MAX_EPSILON:g}): the noise multiplier is far too small for a DP release"
-            )
         acc = PRVAccountant()
         acc.history = list(history)
         return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+
+
+def _check_grid(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -> None:
+    """Refuse by name a history whose epsilon (under RDP) the PRV or PLD grid cannot hold."""
+    rdp = _epsilon(history, delta, Accountant.RDP)
+    most = PLD_MAX_EPSILON if kind is Accountant.PLD else PRV_MAX_EPSILON
+    if rdp > most:
+        raise AccountingError(
+            f"epsilon {rdp:.3g} (RDP) is beyond what the {kind.value.upper()} accountant can "
+            f"compute (up to {most:g}): the noise multiplier is far too small for a DP release"
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -447,3 +469,5 @@ def _check_mechanism(sigma: float, sample_rate: float, steps: int) -> None:
         raise AccountingError(f"noise multiplier sigma must be positive, got {sigma}")
     if int(steps) != steps or steps <= 0:
         raise AccountingError(f"steps must be a positive integer, got {steps}")
+    if steps > MAX_STEPS:
+        raise AccountingError(f"steps must be at most {MAX_STEPS:,}, got {steps}")

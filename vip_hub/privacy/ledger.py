@@ -52,8 +52,16 @@ from pydantic import (
 
 from ..errors import LedgerError, UnsafePathError
 from ..paths import validate_relpath
-from ..repo_format import COMPONENT_PATTERN, ENCODER, HEADS_DIR, LEDGER_FILE, NAME_PATTERN
+from ..repo_format import (
+    COMPONENT_PATTERN,
+    ENCODER,
+    HEADS_DIR,
+    LEDGER_FILE,
+    NAME_PATTERN,
+    FrontMatterLimits,
+)
 from .accounting import (
+    MAX_STEPS,
     NOISE_SUPPORT,
     Accountant,
     composed_epsilon,
@@ -80,6 +88,12 @@ _OLD_SCHEMAS = {
         "keyed by 32 bits: retrain with this version, and withdraw the old release)"
     ),
 }
+
+MAX_COUNT = 2**53
+"""The largest dataset size, noised dimension or tensor count a ledger may state: every integer
+up to it is a float exactly (the accounting computes in floats; 10^400 would overflow)."""
+MAX_DEPTH = FrontMatterLimits.max_depth
+"""How deep a ledger may nest lists and mappings: its card copy may not nest deeper."""
 
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
 """A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
@@ -149,7 +163,10 @@ class Dataset(_Model):
 
     name: str = Field(min_length=1, max_length=200)
     size: int | None = Field(
-        default=None, gt=0, description="number of training examples n (treated as public)"
+        default=None,
+        gt=0,
+        le=MAX_COUNT,
+        description="number of training examples n (treated as public)",
     )
     description: str = ""
 
@@ -288,7 +305,7 @@ class DPStage(_Stage):
     sampling: Sampling = "poisson"
     sample_rate: float = Field(gt=0, le=1)
     noise_multiplier: float = Field(gt=0)
-    steps: int = Field(gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
     clipping_norm: float = Field(gt=0)
     sensitivity: float = Field(
         gt=0, description="L2 sensitivity of the clipped sum (add/remove one example)"
@@ -301,8 +318,10 @@ class DPStage(_Stage):
     noise_support: float = Field(
         gt=0, description="c: every draw of the noise sampler has |z| <= c (units of noise_std)"
     )
-    noised_dimension: int = Field(gt=0, description="d: the coordinates the noise is added to")
-    noised_tensors: dict[str, Annotated[int, Field(gt=0)]] | None = Field(
+    noised_dimension: int = Field(
+        gt=0, le=MAX_COUNT, description="d: the coordinates the noise is added to"
+    )
+    noised_tensors: dict[str, Annotated[int, Field(gt=0, le=MAX_COUNT)]] | None = Field(
         default=None,
         description="what d counts, each with its number of elements: '<repo file>:<tensor>' for "
         "a tensor a repo file holds (verify checks it against the file), 'unreleased:<name>' for "
@@ -643,10 +662,12 @@ class PrivacyLedger(_Model):
         if isinstance(data, (str, bytes)):
             try:
                 data = json.loads(data)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise LedgerError([f"ledger: not valid JSON ({e})"]) from None
         if not isinstance(data, dict):
             raise LedgerError(["ledger: must be a JSON object"])
+        if _deeper_than(data, MAX_DEPTH):
+            raise LedgerError([f"ledger: nests lists and objects deeper than {MAX_DEPTH} levels"])
         if data.get("schema") != SCHEMA:
             raise LedgerError(
                 [
@@ -702,6 +723,19 @@ class PrivacyLedger(_Model):
             if assumed
             else None,
         )
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether ``data`` nests lists and dicts more than ``limit`` deep (walked, not recursed)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _spellings(stages: Iterable[Any]) -> list[str]:
