@@ -237,15 +237,9 @@ def test_objects_do_not_cross_repos(server, repos):
     )
     assert r.status_code == 400 and "never uploaded for carol/mine" in r.json()["error"]
     absent = "ab" * 32
-    batch = httpx.post(
-        f"{server.url}/carol/mine.git/info/lfs/objects/batch",
-        headers=_bearer(CAROL),
-        json={
-            "operation": "upload",
-            "objects": [{"oid": oid, "size": len(weights)}, {"oid": absent, "size": len(weights)}],
-        },
+    held_elsewhere, nowhere = _lfs_upload_batch(
+        server, "carol/mine", CAROL, [(oid, len(weights)), (absent, len(weights))]
     )
-    held_elsewhere, nowhere = batch.json()["objects"]
     assert held_elsewhere.keys() == nowhere.keys() and "upload" in held_elsewhere["actions"]
     verify = httpx.post(
         held_elsewhere["actions"]["verify"]["href"],
@@ -254,11 +248,7 @@ def test_objects_do_not_cross_repos(server, repos):
     )
     assert verify.status_code == 404
     # alice's own repo holds them: nothing to send
-    mine = httpx.post(
-        f"{server.url}/alice/secret.git/info/lfs/objects/batch",
-        headers=_bearer(ALICE),
-        json={"operation": "upload", "objects": [{"oid": oid, "size": len(weights)}]},
-    ).json()["objects"][0]
+    mine = _lfs_upload_batch(server, "alice/secret", ALICE, [(oid, len(weights))])[0]
     assert "actions" not in mine
     # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real
     # hash
@@ -297,6 +287,17 @@ def test_private_files_are_not_for_shared_caches(server, repos):
     )
     public = httpx.get(f"{server.url}/alice/public/resolve/main/{CONFIG_FILE}")
     assert public.headers["cache-control"].startswith("public")
+
+
+def _lfs_upload_batch(
+    server: ThreadedServer, repo_id: str, token: str, objects: list[tuple[str, int]]
+) -> list[dict]:
+    """The LFS batch API's answer to uploading ``objects`` ((oid, size) each) to ``repo_id``."""
+    return httpx.post(
+        f"{server.url}/{repo_id}.git/info/lfs/objects/batch",
+        headers=_bearer(token),
+        json={"operation": "upload", "objects": [{"oid": o, "size": n} for o, n in objects]},
+    ).json()["objects"]
 
 
 def _png() -> str:
@@ -455,15 +456,10 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
     assert main(["org", "add", "erins", "--member", "erin", "--store", store]) == 0
     _api(server, secret).create_repo("erins/model")
     cas, erin = _xet_grant(server, "erins/model", secret)
-    lfs = httpx.post(
-        f"{server.url}/erins/model.git/info/lfs/objects/batch",
-        headers=_bearer(secret),
-        json={
-            "operation": "upload",
-            "objects": [{"oid": hashlib.sha256(chunk).hexdigest(), "size": len(chunk)}],
-        },
-    )
-    put = lfs.json()["objects"][0]["actions"]["upload"]["href"]
+    chunk_oid = hashlib.sha256(chunk).hexdigest()
+    put = _lfs_upload_batch(server, "erins/model", secret, [(chunk_oid, len(chunk))])[0]["actions"][
+        "upload"
+    ]["href"]
     revoke_token(tokens, "erin")
     assert (
         httpx.post(
@@ -550,15 +546,10 @@ def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server)
     grant (``hmac.compare_digest`` refuses to compare such strings: it was a 500)."""
     _api(server, CAROL).create_repo("carol/grants")
     data = b"an object behind a grant\n"
-    lfs = httpx.post(
-        f"{server.url}/carol/grants.git/info/lfs/objects/batch",
-        headers=_bearer(CAROL),
-        json={
-            "operation": "upload",
-            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
-        },
-    )
-    href = lfs.json()["objects"][0]["actions"]["upload"]["href"]
+    oid = hashlib.sha256(data).hexdigest()
+    href = _lfs_upload_batch(server, "carol/grants", CAROL, [(oid, len(data))])[0]["actions"][
+        "upload"
+    ]["href"]
     r = httpx.put(href[:-1] + "%C3%A9", content=data)  # the MAC's last digit made an é
     assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
     cas, grant = _xet_grant(server, "carol/grants", CAROL)
