@@ -21,6 +21,7 @@ from support.dpcap import (
     VOCAB,
     WIDTH,
     ReferenceDPCap,
+    import_reference,
     save_reference,
     write_vocab,
 )
@@ -55,16 +56,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def repo(reference, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpcap")
-    return import_dpcap_checkpoint(
-        reference[1],
-        folder / "repo",
-        arch=ARCH,
-        img_size=IMG,
-        stages=[synthetic_stage()],
-        model_name="dpcap-nano-test",
-        vocab=write_vocab(folder / VOCAB_FILE),
-    )
+    return import_reference(reference[1], tmp_path_factory.mktemp("dpcap"))
 
 
 def images(n=3, seed=1):

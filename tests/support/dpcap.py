@@ -221,20 +221,26 @@ def save_reference(model: nn.Module, path: Path, **extra) -> Path:
 DPCAP = "vip/dpcap-nano-test"
 
 
-def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
-    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session
-    hub."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    ckpt = save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth")
-    repo = import_dpcap_checkpoint(
-        ckpt,
+def import_reference(checkpoint: Path, folder: Path) -> Path:
+    """A reference-layout DP-Cap ``checkpoint`` imported (with a vocabulary) as ``folder``/repo."""
+    return import_dpcap_checkpoint(
+        checkpoint,
         folder / "repo",
         arch=ARCH,
         img_size=IMG,
         stages=[synthetic_stage()],
         model_name="dpcap-nano-test",
         vocab=write_vocab(folder / VOCAB_FILE),
+    )
+
+
+def publish_dpcap(folder: Path, repo_id: str = DPCAP) -> Path:
+    """Import a reference-layout DP-Cap checkpoint (with a vocabulary) and push it to the session
+    hub."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    repo = import_reference(
+        save_reference(ReferenceDPCap().eval(), folder / "checkpoint.pth"), folder
     )
     push_repo(repo, repo_id, token=WRITE_TOKEN)
     return repo

@@ -54,6 +54,8 @@ DEFAULT_IMG_SIZE = 224
 """Input resolution in pixels of an encoder that names none (the released checkpoints')."""
 DEFAULT_PATCH_SIZE = 16
 DEFAULT_INTERPOLATION = "bicubic"
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
+"""The resize modes timm's transforms know by name."""
 _WIDTH = {"nano": 192, "tiny": 384, "small": 576, "base": 768, "large": 1024}
 _DEPTH = {"nano": 12, "tiny": 12, "small": 12, "base": 12, "large": 24}
 _TIMM_ARCH = {
@@ -211,6 +213,10 @@ class EncoderSpec:
             )
         if not 0.0 < self.crop_pct <= 1.0:
             raise ConfigError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ConfigError(
+                f"interpolation {self.interpolation!r} is not one of {', '.join(INTERPOLATIONS)}"
+            )
 
     @property
     def architecture(self) -> Arch:
@@ -260,26 +266,66 @@ class EncoderSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderSpec:
-        """Rebuild the spec from an exported config.json."""
-        meta = config.get(CONFIG_BLOCK) or {}
-        args = config.get("model_args") or {}
-        cfg = config.get("pretrained_cfg") or {}
+        """Rebuild the spec from an exported config.json. A value of the wrong type, or a model
+        timm would build otherwise than the spec (``architecture``, ``num_classes``,
+        ``model_args``), is a RepoFormatError naming it."""
+        if not isinstance(config, dict):
+            raise RepoFormatError(f"{CONFIG_FILE} is not a JSON object")
+        meta, args, cfg = (
+            _section(config, k) for k in (CONFIG_BLOCK, "model_args", "pretrained_cfg")
+        )
         if "arch" not in meta:
             raise RepoFormatError(f"{CONFIG_FILE} has no vip_hub.arch entry: not a vip-hub export")
+        crop_pct = _typed(cfg, "pretrained_cfg.crop_pct", (int, float), None)
         spec = cls(
-            arch=meta["arch"],
-            img_size=int(args.get("img_size", DEFAULT_IMG_SIZE)),
-            patch_size=int(args.get("patch_size", DEFAULT_PATCH_SIZE)),
-            crop_pct=float(cfg["crop_pct"]) if "crop_pct" in cfg else None,
-            interpolation=str(cfg.get("interpolation", DEFAULT_INTERPOLATION)),
-            depth=int(args["depth"]) if "depth" in args else None,
+            arch=_typed(meta, f"{CONFIG_BLOCK}.arch", str, None),
+            img_size=_typed(args, "model_args.img_size", int, DEFAULT_IMG_SIZE),
+            patch_size=_typed(args, "model_args.patch_size", int, DEFAULT_PATCH_SIZE),
+            crop_pct=None if crop_pct is None else float(crop_pct),
+            interpolation=_typed(cfg, "pretrained_cfg.interpolation", str, DEFAULT_INTERPOLATION),
+            depth=_typed(args, "model_args.depth", int, None),
         )
         if meta.get("family", spec.family.name) != spec.family.name:
             raise RepoFormatError(
                 f"{CONFIG_FILE}: vip_hub.family {meta['family']!r} disagrees with arch "
                 f"{spec.arch!r}"
             )
+        built = {
+            "architecture": config.get("architecture"),
+            "num_classes": config.get("num_classes", 0),
+            **{f"model_args.{k}": args.get(k) for k in args},
+        }
+        want = {
+            "architecture": spec.architecture.timm_architecture,
+            "num_classes": 0,
+            **{f"model_args.{k}": v for k, v in spec.model_args().items()},
+        }
+        wrong = [k for k in dict.fromkeys([*want, *built]) if built.get(k) != want.get(k)]
+        if wrong:
+            raise RepoFormatError(
+                f"{CONFIG_FILE}: timm would build another model than a {spec.arch}: "
+                + ", ".join(f"{k} is {built.get(k)!r}, not {want.get(k)!r}" for k in wrong)
+            )
         return spec
+
+
+def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise RepoFormatError(f"{CONFIG_FILE}: {key} is not an object")
+    return value
+
+
+def _typed(section: dict[str, Any], where: str, kind: Any, default: Any) -> Any:
+    """``section``'s value at the last key of ``where``, or ``default``; RepoFormatError unless
+    it is of type ``kind`` (a bool is not a number)."""
+    key = where.rsplit(".", 1)[-1]
+    if key not in section:
+        return default
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RepoFormatError(f"{CONFIG_FILE}: {where} is {value!r}, of the wrong type")
+    return value
 
 
 def sincos_pos_embed_1d(dim: int, positions: torch.Tensor | int) -> torch.Tensor:

@@ -25,6 +25,7 @@ metadata) and the tokenizer's vocabulary in ``vocab.txt``; that file I/O is in
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, cast
 
@@ -69,6 +70,17 @@ class TextDecoderConfig:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind, what = (
+                ((int, float), "a number") if f.name == "mlp_ratio" else (int, "an integer")
+            )
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ConfigError(f"text decoder: {f.name} must be {what}, got {value!r}")
+        if not 0 < self.mlp_ratio < math.inf:
+            raise ConfigError(
+                f"text decoder: mlp_ratio must be positive and finite, got {self.mlp_ratio}"
+            )
         for name in ("image_dim", "grid_size", "width", "depth", "num_heads", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(
@@ -110,6 +122,8 @@ class TextDecoderConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TextDecoderConfig:
         """Rebuild from ``to_dict``'s output; unknown keys are an error."""
+        if not isinstance(data, dict):
+            raise RepoFormatError(f"text decoder config: not an object ({data!r:.60})")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

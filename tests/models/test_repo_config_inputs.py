@@ -1,0 +1,125 @@
+"""A repo whose config.json, or whose text decoder's configuration, its author wrote wrong (and
+bound into its ledger, so it verifies): each is refused by name before timm or torch builds
+anything, never loaded as another model nor a TypeError / RuntimeError traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from support.dpcap import ReferenceDPCap, import_reference, save_reference
+
+from vip_hub import load_encoder
+from vip_hub.errors import ConfigError, RepoFormatError
+from vip_hub.loading import load_captioner
+from vip_hub.repo.artifacts import (
+    digest_file,
+    read_safetensors_header,
+    rewrite_safetensors_metadata,
+)
+from vip_hub.repo.files import META_LEDGER
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CONFIG_FILE,
+    LEDGER_FILE,
+    TEXT_DECODER_FILE,
+    WEIGHTS_FILE,
+)
+
+
+def _rebind(repo: Path) -> None:
+    """Record every file's digest as it is now in the ledger's three copies, as an author
+    re-exporting the changed repo would: it verifies."""
+    ledger = json.loads((repo / LEDGER_FILE).read_text())
+    ledger["artifacts"] = {rel: digest_file(repo / rel, rel) for rel in ledger["artifacts"]}
+    text = json.dumps(ledger)
+    (repo / LEDGER_FILE).write_text(text)
+    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
+    rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
+    _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
+    data = yaml.safe_load(front)
+    data["differential_privacy"] = ledger
+    (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+
+
+def _set(section: str | None, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda c: (c[section] if section else c).__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # 6 heads divide the width as 12 do: timm built it and it embedded otherwise, silently
+        (_set("model_args", "num_heads", 6), "model_args.num_heads is 6, not 12"),
+        (_set("model_args", "fc_norm", False), "model_args.fc_norm is False, not True"),
+        (_set(None, "architecture", "no_such_vit"), "architecture is 'no_such_vit', not"),
+        (_set(None, "num_classes", 10), "num_classes is 10, not 0"),
+    ],
+)
+def test_a_config_timm_would_build_as_another_model_is_refused_by_name(tiny_repo, change, message):
+    config = json.loads((tiny_repo / CONFIG_FILE).read_text())
+    change(config)
+    (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
+    _rebind(tiny_repo)
+    with pytest.raises(RepoFormatError, match=f"timm would build another model .*{message}"):
+        load_encoder(tiny_repo)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (_set("model_args", "img_size", "32"), RepoFormatError, "model_args.img_size is '32'"),
+        (_set("model_args", "img_size", 32.5), RepoFormatError, "model_args.img_size is 32.5"),
+        (_set("model_args", "depth", [12]), RepoFormatError, r"model_args.depth is \[12\]"),
+        (_set(None, "model_args", [1]), RepoFormatError, "model_args is not an object"),
+        (_set("pretrained_cfg", "crop_pct", "x"), RepoFormatError, "pretrained_cfg.crop_pct is"),
+        (_set("pretrained_cfg", "interpolation", "cubic"), ConfigError, "interpolation 'cubic'"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_is_refused_by_name(tiny_repo, change, error, message):
+    config = json.loads((tiny_repo / CONFIG_FILE).read_text())
+    change(config)
+    (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
+    _rebind(tiny_repo)
+    with pytest.raises(error, match=message):
+        load_encoder(tiny_repo)
+
+
+@pytest.fixture(scope="module")
+def dpcap_repo(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dpcap")
+    torch.manual_seed(0)
+    return import_reference(
+        save_reference(ReferenceDPCap().eval(), folder / "checkpoint-4.pth"), folder
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("mlp_ratio", -1.0, "mlp_ratio must be positive and finite, got -1.0"),
+        ("mlp_ratio", float("nan"), "mlp_ratio must be positive and finite, got nan"),
+        ("width", 96.0, "width must be an integer, got 96.0"),
+        ("grid_size", 2.0, "grid_size must be an integer, got 2.0"),
+    ],
+)
+def test_a_text_decoder_configuration_of_the_wrong_type_is_refused_by_name(
+    dpcap_repo, tmp_path, key, value, message
+):
+    """The configuration sits in the decoder file's metadata, outside its tensors digest: the
+    repo still verifies, and both loaders must name the value."""
+    repo = Path(shutil.copytree(dpcap_repo, tmp_path / "repo"))
+    meta = read_safetensors_header(repo / TEXT_DECODER_FILE)[0]["__metadata__"]
+    (name,) = [k for k, v in meta.items() if k != "format" and '"mlp_ratio"' in v]
+    config = json.loads(meta[name])
+    config[key] = value
+    rewrite_safetensors_metadata(repo / TEXT_DECODER_FILE, {**meta, name: json.dumps(config)})
+    for load in (load_encoder, load_captioner):
+        with pytest.raises(RepoFormatError, match=f"text decoder: {message}"):
+            load(repo)
