@@ -56,7 +56,7 @@ from pydantic import ConfigDict, Field
 
 from vip_hub.errors import MissingInputError, SignatureError, VipHubError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
-from vip_hub.privacy.audit import DEFAULT_CANARIES
+from vip_hub.privacy.audit import DEFAULT_CANARIES, MAX_CANARIES
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import is_published, push_repo
@@ -118,7 +118,10 @@ class MainJobConfig(StudyConfig):
     host: str = Field(DEFAULT_HOST, description="interface the server binds")
     port: Port = Field(DEFAULT_PORT, description="port the server binds")
     audit_canaries: int = Field(
-        DEFAULT_CANARIES, ge=0, description="canaries of each DP run's one-run audit"
+        DEFAULT_CANARIES,
+        ge=0,
+        le=MAX_CANARIES,
+        description="canaries of each DP run's one-run audit",
     )
     workers: int = Field(1, ge=0, description="data-loading processes")
     serve: bool = Field(

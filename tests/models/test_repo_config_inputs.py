@@ -1,10 +1,11 @@
 """A repo whose config.json, or whose text decoder's configuration, its author wrote wrong (and
-bound into its ledger, so it verifies): each is refused by name before timm or torch builds
-anything, never loaded as another model nor a TypeError / RuntimeError traceback."""
+bound into its ledger): each is refused by name before timm or torch builds anything (a config
+by ``verify`` too), never loaded as another model nor a TypeError / RuntimeError traceback."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,40 +13,33 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from support.dpcap import ReferenceDPCap, import_reference, save_reference
+from support.helpers import rewrite_ledger_copies
 
-from vip_hub import load_encoder
-from vip_hub.errors import ConfigError, RepoFormatError
+from vip_hub import load_encoder, verify_repo
+from vip_hub.errors import ConfigError, RepoFormatError, VerificationError
 from vip_hub.loading import load_captioner
 from vip_hub.repo.artifacts import (
     digest_file,
     read_safetensors_header,
     rewrite_safetensors_metadata,
 )
-from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
-    CARD_FILE,
     CONFIG_FILE,
-    LEDGER_FILE,
     TEXT_DECODER_FILE,
-    WEIGHTS_FILE,
 )
 
 
 def _rebind(repo: Path) -> None:
     """Record every file's digest as it is now in the ledger's three copies, as an author
-    re-exporting the changed repo would: it verifies."""
-    ledger = json.loads((repo / LEDGER_FILE).read_text())
-    ledger["artifacts"] = {rel: digest_file(repo / rel, rel) for rel in ledger["artifacts"]}
-    text = json.dumps(ledger)
-    (repo / LEDGER_FILE).write_text(text)
-    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
-    rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
-    _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
-    data = yaml.safe_load(front)
-    data["differential_privacy"] = ledger
-    (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+    re-exporting the changed repo would."""
+    rewrite_ledger_copies(
+        repo,
+        lambda ledger: {
+            **ledger,
+            "artifacts": {rel: digest_file(repo / rel, rel) for rel in ledger["artifacts"]},
+        },
+    )
 
 
 def _set(section: str | None, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
@@ -67,8 +61,7 @@ def test_a_config_timm_would_build_as_another_model_is_refused_by_name(tiny_repo
     change(config)
     (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
     _rebind(tiny_repo)
-    with pytest.raises(RepoFormatError, match=f"timm would build another model .*{message}"):
-        load_encoder(tiny_repo)
+    _refused(tiny_repo, RepoFormatError, f"timm would build another model .*{message}")
 
 
 @pytest.mark.parametrize(
@@ -87,8 +80,17 @@ def test_a_config_value_of_the_wrong_type_is_refused_by_name(tiny_repo, change, 
     change(config)
     (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
     _rebind(tiny_repo)
+    _refused(tiny_repo, error, message)
+
+
+def _refused(repo: Path, error: type[Exception], message: str) -> None:
+    """``verify`` fails naming ``message``, and so does loading without it, as ``error``."""
+    report = verify_repo(repo)
+    assert not report.ok and re.search(message, str(report.problems)), report.problems
+    with pytest.raises(VerificationError, match=message):
+        load_encoder(repo)
     with pytest.raises(error, match=message):
-        load_encoder(tiny_repo)
+        load_encoder(repo, verify=False)
 
 
 @pytest.fixture(scope="module")

@@ -365,6 +365,30 @@ def test_a_truncated_sampler_adds_its_delta_to_the_guarantee():
     assert new.epsilons == ziggurat.epsilons == old.epsilons  # the same (sigma, q, T): the same
 
 
+def test_a_guarantee_whose_delta_reaches_one_is_refused_by_name():
+    """Its stages' delta plus their truncation deltas at 1 or more: the ledger is refused, and a
+    summary at another delta (the hub's) raises LedgerError, not pydantic's ValidationError."""
+    refused = _bad(lambda d: d["stages"][1].update(truncation_delta=1.0))
+    assert "plus its stages' truncation deltas 1 is not below 1: no guarantee" in refused
+    ledger = PrivacyLedger.build([_truncated_stage(math.sqrt(48 * math.log(2)))])
+    truncation = ledger.dp_stages()[0].truncation_delta
+    assert ledger.summary(delta=1 - 2 * truncation).delta == pytest.approx(1 - truncation)
+    with pytest.raises(LedgerError, match="is not below 1: no guarantee"):
+        ledger.summary(delta=1 - truncation / 2)
+
+
+def test_a_composition_below_zero_at_a_large_delta_is_a_guarantee_of_zero():
+    """At delta 0.9 the accountants' epsilon is below 0 (RDP -1.87 for two stages): the summary
+    states (0, delta), which it implies, instead of raising pydantic's ValidationError."""
+    data = json.loads(
+        PrivacyLedger.build([dp_stage(), _stage_on("test-images", 1000, "dp-more")]).to_json()
+    )
+    for stage in data["stages"]:
+        stage["delta"] = 0.9
+    (g,) = PrivacyLedger.parse(data).summary().guarantees
+    assert g.epsilon == 0.0 and g.delta == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("support", [4.0, math.sqrt(48 * math.log(2)), 8.0])
 def test_the_truncation_bound_covers_every_way_a_neighbour_can_spread_its_shift(support):
     """The mass a shifted coordinate puts past c, P(c - a < z <= c), summed over k coordinates

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard
-from support.helpers import TINY, dp_stage, tiny_encoder
+from support.helpers import TINY, dp_stage, rewrite_ledger_copies, synthetic_stage, tiny_encoder
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
@@ -208,21 +208,8 @@ def test_tampered_card_copy(tiny_repo):
     _fails(tiny_repo, f"{CARD_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
 
-def _rewrite_all_copies(repo, change) -> None:
-    """Apply ``change`` to the ledger and write it consistently into its three copies."""
-    ledger = change(json.loads((repo / LEDGER_FILE).read_text()))
-    text = json.dumps(ledger)
-    (repo / LEDGER_FILE).write_text(text)
-    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
-    rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
-    _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
-    data = yaml.safe_load(front)
-    data["differential_privacy"] = ledger
-    (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
-
-
 def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
-    _rewrite_all_copies(tiny_repo, _lower_epsilon)
+    rewrite_ledger_copies(tiny_repo, _lower_epsilon)
     _fails(
         tiny_repo,
         "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
@@ -235,7 +222,7 @@ def test_a_reference_epsilon_off_its_accountant_fails(tiny_repo):
         ledger["stages"][1]["reference_epsilon"]["prv"] *= 2
         return ledger
 
-    _rewrite_all_copies(tiny_repo, doubled_prv)
+    rewrite_ledger_copies(tiny_repo, doubled_prv)
     text = _fails(tiny_repo, "(prv) is not what that accountant gives")
     assert "claims epsilon" not in text  # the claim (rdp) itself still holds
 
@@ -251,7 +238,7 @@ def test_a_noise_multiplier_too_small_to_account_fails_by_name(tiny_repo, sigma)
         stage.update(noise_std=sigma * stage["sensitivity"], steps=1000)
         return ledger
 
-    _rewrite_all_copies(tiny_repo, tiny_sigma)
+    rewrite_ledger_copies(tiny_repo, tiny_sigma)
     _fails(tiny_repo, "stage 'dp-pretraining'", "for a DP release")
 
 
@@ -263,7 +250,7 @@ def test_steps_beyond_any_run_are_refused_by_name(tiny_repo, steps):
         ledger["stages"][1]["steps"] = steps
         return ledger
 
-    _rewrite_all_copies(tiny_repo, many_steps)
+    rewrite_ledger_copies(tiny_repo, many_steps)
     _fails(tiny_repo, "stages.1.dp.steps: Input should be less than or equal to 10000000")
 
 
@@ -288,7 +275,7 @@ def test_a_ledger_beyond_what_parses_is_refused_by_name(tiny_repo, change, messa
         change(ledger["stages"][1])
         return ledger
 
-    _rewrite_all_copies(tiny_repo, changed)
+    rewrite_ledger_copies(tiny_repo, changed)
     _fails(tiny_repo, message)
 
 
@@ -306,6 +293,123 @@ def test_a_ledger_nested_past_the_recursion_limit_is_refused_by_name(tiny_repo):
         with pytest.raises(LedgerError, match=message):
             PrivacyLedger.parse(text)
         _fails(tiny_repo, f"{LEDGER_FILE}: ledger copy unreadable", message)
+
+
+def _audited(canaries: int, counts: int) -> Callable[[dict], dict]:
+    """An audit of ``canaries`` canaries recording ``counts`` guess counts (every guess right),
+    its canaries counted in the stage's noised tensors and truncation delta."""
+
+    def change(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        stage["noised_tensors"]["canaries"] = canaries
+        stage["noised_dimension"] += canaries
+        stage["truncation_delta"] = truncation_delta(
+            stage["noise_multiplier"],
+            stage["sample_rate"],
+            stage["steps"],
+            stage["noise_support"],
+            stage["noised_dimension"],
+        )
+        ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+        stage["audit"] = {
+            "canaries": canaries,
+            "canary_norm": 100.0,
+            "results": [{"guesses": canaries, "correct": canaries} for _ in range(counts)],
+            "beta": 0.05,
+            "delta": 1e-5,
+            "epsilon_lower_bound": 1.0,
+            "ceiling": 6.0,
+            "accountant_epsilon": {"rdp": 1.0, "prv": 1.0, "pld": 1.0},
+        }
+        return ledger
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("canaries", "counts", "message"),
+    [
+        (10**12, 1, "stages.1.dp.audit.canaries: Input should be less than or equal to 1000000"),
+        (1000, 7, "stages.1.dp.audit.results: List should have at most 6 items"),
+    ],
+)
+def test_an_audit_beyond_any_run_is_refused_by_name(tiny_repo, canaries, counts, message):
+    """Its ceiling and bound take memory and time in m and in the guess counts: 10^12 canaries
+    were a MemoryError (terabytes), a long list of counts hours. Each is a named problem."""
+    rewrite_ledger_copies(tiny_repo, _audited(canaries, counts))
+    _fails(tiny_repo, f"{LEDGER_FILE}: ledger copy unreadable", message)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"a":' * 100_000 + "1" + "}" * 100_000, "unreadable: maximum recursion depth exceeded"),
+        ('{"architecture": "vip-nano", "vip_hub": [1]}', "vip_hub.arch disagrees with"),
+    ],
+)
+def test_a_malformed_config_is_refused_by_name(tiny_repo, text, message):
+    """A RecursionError, and an AttributeError (its vip_hub block a list), were tracebacks."""
+    (tiny_repo / CONFIG_FILE).write_text(text)
+    _fails(tiny_repo, f"{CONFIG_FILE}: {message}")
+
+
+def test_a_guarantee_whose_delta_reaches_one_is_refused_by_name(tmp_path):
+    """The stored guarantee's delta (0.99) covers the truncation, but the stage's delta plus its
+    truncation delta is 1.05: the summary verify prints could not be stated (a ValidationError
+    after the checks passed)."""
+    stage = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="test-images", size=1000),
+        sample_rate=0.05,
+        noise_multiplier=1.0,
+        steps=100,
+        clipping_norm=0.1,
+        noised_tensors={"unreleased:test": 1_000},
+        delta=0.3,
+    )
+    repo = export_encoder(
+        tmp_path / "repo", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="weak"
+    )
+
+    def truncation_near_one(ledger: dict) -> dict:
+        ledger["stages"][1]["truncation_delta"] = 0.75
+        ledger["guarantees"][0].update(delta=0.99, epsilon=1.0)
+        return ledger
+
+    rewrite_ledger_copies(repo, truncation_near_one)
+    _fails(
+        repo,
+        f"{LEDGER_FILE}: ledger copy unreadable",
+        "delta 0.3 on 'test-images' plus its stages' truncation deltas 0.75 is not below 1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("hyperparameters", float("nan")), ("noise_multiplier", float("inf"))],
+)
+def test_a_ledger_holding_nan_or_infinity_is_refused_naming_the_field(tiny_repo, where, value):
+    """JSON and YAML read NaN and Infinity; NaN made the copies disagree "at top level"."""
+
+    def non_finite(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        if where == "hyperparameters":
+            stage["hyperparameters"]["lr"] = value
+        else:
+            stage[where] = value
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, non_finite)
+    field = "lr" if where == "hyperparameters" else ""
+    name = f"stages.1.{where}.{field}".rstrip(".")
+    text = _fails(
+        tiny_repo,
+        *[
+            f"{copy}: ledger copy unreadable: invalid privacy ledger: {name}: {value} is not"
+            for copy in (LEDGER_FILE, WEIGHTS_FILE, CARD_FILE)
+        ],
+    )
+    assert "disagrees" not in text
 
 
 def test_tampered_weights(tiny_repo):
@@ -421,7 +525,7 @@ def test_verify_recomputes_the_truncation_delta(tiny_repo):
         ledger["stages"][1]["noise_support"] = 5.768
         return ledger
 
-    _rewrite_all_copies(tiny_repo, truncated_early)
+    rewrite_ledger_copies(tiny_repo, truncated_early)
     _fails(tiny_repo, "records a truncation delta of", "noise truncated at 5.768 sigma")
 
 
@@ -443,7 +547,7 @@ def test_verify_refuses_a_noise_support_no_known_sampler_has(tiny_repo, support)
         )
         return ledger
 
-    _rewrite_all_copies(tiny_repo, forged)
+    rewrite_ledger_copies(tiny_repo, forged)
     text = _fails(tiny_repo, f"records noise support c = {support:g} sigma", "no noise sampler")
     assert "records a truncation delta" not in text  # the forgery's only flaw
 
@@ -465,7 +569,7 @@ def test_verify_accepts_every_known_noise_sampler(tiny_repo, sampler):
         ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
         return ledger
 
-    _rewrite_all_copies(tiny_repo, recorded)
+    rewrite_ledger_copies(tiny_repo, recorded)
     report = verify_repo(tiny_repo)
     assert report.ok, report.problems
 
@@ -476,7 +580,7 @@ def test_verify_refuses_a_ledger_without_the_truncation_bound(tiny_repo, field):
         del ledger["stages"][1][field]
         return ledger
 
-    _rewrite_all_copies(tiny_repo, omitted)
+    rewrite_ledger_copies(tiny_repo, omitted)
     _fails(tiny_repo, field)
 
 
@@ -639,6 +743,6 @@ def test_verify_checks_the_noised_dimension_against_the_released_tensors(
     assert stage.noised_dimension == 4096 + sum(
         p.numel() for n, p in tiny_encoder().named_parameters() if n.startswith("blocks.11.")
     )
-    _rewrite_all_copies(repo, _d_forged(forgery))
+    rewrite_ledger_copies(repo, _d_forged(forgery))
     text = _fails(repo, message)
     assert "records a truncation delta of" not in text  # the forgery's only flaw is d

@@ -13,16 +13,21 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository's root folder."""
@@ -132,8 +137,6 @@ def assert_biases_only_trained(
     stage says so."""
     from safetensors.torch import load_file
 
-    from vip_hub.repo_format import WEIGHTS_FILE
-
     before, after = load_file(init / WEIGHTS_FILE), load_file(out / WEIGHTS_FILE)
     assert before.keys() == after.keys()
     matrices = [k for k, v in before.items() if v.ndim > 1]
@@ -154,6 +157,20 @@ def assert_biases_only_trained(
         v.ndim > 1 and any(k.startswith(f"{other_file}:") and k.endswith(name) for k in noised)
         for name, v in other.items()
     ), sorted(noised)
+
+
+def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
+    """Apply ``change`` to ``repo``'s ledger and write it consistently into its three copies (the
+    ledger file, the weights' metadata, the card's front matter)."""
+    ledger = change(json.loads((repo / LEDGER_FILE).read_text()))
+    text = json.dumps(ledger)
+    (repo / LEDGER_FILE).write_text(text)
+    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
+    rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
+    _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
+    data = yaml.safe_load(front)
+    data["differential_privacy"] = ledger
+    (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

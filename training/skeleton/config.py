@@ -26,7 +26,7 @@ from pydantic_core import to_jsonable_python
 
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
-from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA
+from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA, MAX_CANARIES
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
 from vip_hub.repo_format import SIGNATURE_FILE
 
@@ -155,7 +155,10 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         Accountant.RDP, description="the accountant whose epsilon is the claim"
     )
     audit_canaries: int = Field(
-        DEFAULT_CANARIES, ge=0, description="canaries of the one-run audit (0 turns it off)"
+        DEFAULT_CANARIES,
+        ge=0,
+        le=MAX_CANARIES,
+        description="canaries of the one-run audit (0 turns it off)",
     )
     audit_delta: float = Field(
         DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon"

@@ -32,6 +32,8 @@ __all__ = [
     "DEFAULT_BETA",
     "DEFAULT_CANARIES",
     "DEFAULT_DELTA",
+    "MAX_CANARIES",
+    "MAX_GUESS_COUNTS",
     "bound_over_grid",
     "ceiling",
     "correct_guesses",
@@ -47,6 +49,15 @@ DEFAULT_CANARIES = 6000
 """m with the highest ceiling at beta 0.05 and delta 1e-5 (6.43; 5.27 at m = 1,000, falling again
 beyond m ~ 6,000 through the 2 m delta term); its cost per step: the benchmarks' README."""
 GRID_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+MAX_GUESS_COUNTS = len(GRID_FRACTIONS)
+"""The most guess counts an audit records: its grid's (``guess_grid``)."""
+MAX_CANARIES = 10**6
+"""The most canaries an audit may record (every release so far: 6,000). More buy no audit a real
+run wants: at beta 0.05 and delta 1e-5 the ceiling peaks at the default and falls beyond it (6.09
+at 10^6), and even at delta 1e-12 it is 12.2 at 10^6, above any claim worth auditing, growing
+only as log m. The ceiling and the bound take O(m) memory and time, in the run's export
+(``training/dp/canaries.py``) as in ``verify``: under a second at the default, tens of seconds at
+10^6, terabytes at 10^12."""
 MAX_EPSILON = 50.0
 
 

@@ -70,6 +70,7 @@ from .accounting import (
     is_weak_delta,
     truncation_delta,
 )
+from .audit import MAX_CANARIES, MAX_GUESS_COUNTS
 from .sensitivity import MechanismName
 
 SCHEMA: Final = "vip-hub/privacy-ledger/v4"  # Final: typed as its literal, as schema_ is
@@ -239,12 +240,18 @@ class Audit(_Model):
     upper bounds at the same delta."""
 
     method: Literal["one-run-dirac-canaries"] = "one-run-dirac-canaries"
-    canaries: int = Field(gt=0, description="m: canaries, each in the data with probability 1/2")
+    canaries: int = Field(
+        gt=0,
+        le=MAX_CANARIES,
+        description="m: canaries, each in the data with probability 1/2",
+    )
     canary_norm: float = Field(
         gt=0, description="a canary's gradient norm before clipping, in units of the sensitivity"
     )
     results: list[AuditResult] = Field(
-        min_length=1, description="one per guess count of the grid, fixed in advance"
+        min_length=1,
+        max_length=MAX_GUESS_COUNTS,
+        description="one per guess count of the grid, fixed in advance",
     )
     beta: float = Field(gt=0, lt=1, description="1 - confidence, split evenly over the grid")
     delta: float = Field(gt=0, lt=1)
@@ -617,9 +624,11 @@ class PrivacyLedger(_Model):
                     f"guarantees.{i}.dataset: {g.dataset!r} was also used by a non-private "
                     "stage, so no DP guarantee can be claimed for it"
                 )
-        for key in expected:
+        for key, group in expected.items():
             if key not in claimed:
                 problems.append(f"guarantees: missing a guarantee for dataset {key!r}")
+            if problem := _delta_problem(key, max(s.delta for s in group), group):
+                problems.append(problem)
         problems += _spellings(self.stages)
         for path, digest in self.artifacts.items():
             try:
@@ -668,6 +677,13 @@ class PrivacyLedger(_Model):
             raise LedgerError(["ledger: must be a JSON object"])
         if _deeper_than(data, MAX_DEPTH):
             raise LedgerError([f"ledger: nests lists and objects deeper than {MAX_DEPTH} levels"])
+        if non_finite := _non_finite(data):
+            raise LedgerError(
+                [
+                    f"{where}: {value} is not a number a ledger may hold"
+                    for where, value in non_finite
+                ]
+            )
         if data.get("schema") != SCHEMA:
             raise LedgerError(
                 [
@@ -738,6 +754,21 @@ def _deeper_than(data: Any, limit: int) -> bool:
     return False
 
 
+def _non_finite(data: Any) -> list[tuple[str, float]]:
+    """Where ``data`` holds NaN or an infinity (JSON and YAML read them; no copy written by
+    ``to_json`` holds one, and NaN equals no copy of itself), by path (walked, not recursed)."""
+    found = []
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append((where or "ledger", value))
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((child, f"{where}.{key}".lstrip(".")) for key, child in items)
+    return sorted(found)
+
+
 def _spellings(stages: Iterable[Any]) -> list[str]:
     """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``)
     would escape composition: refused."""
@@ -773,10 +804,14 @@ def compute_guarantees(
     for name, group in _dp_stages_by_dataset(stages).items():
         accountant = group[0].accountant
         delta = max(s.delta for s in group) if at_delta is None else at_delta
+        if problem := _delta_problem(name, delta, group):
+            raise LedgerError([problem])
         eps = (
             group[0].epsilon
             if len(group) == 1 and delta == group[0].delta
-            else round_up(composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
+            else round_up(  # below 0 at a large delta: (0, delta) holds then too
+                max(0.0, composed_epsilon([s.mechanism_tuple for s in group], delta, accountant))
+            )
         )
         out.append(
             Guarantee(
@@ -788,6 +823,16 @@ def compute_guarantees(
             )
         )
     return out
+
+
+def _delta_problem(dataset: str, delta: float, stages: list[DPStage]) -> str | None:
+    """A guarantee's delta (``delta`` and its stages' truncation deltas) must stay below 1."""
+    if delta + truncated(stages) < 1:
+        return None
+    return (
+        f"guarantees: delta {delta:.6g} on {dataset!r} plus its stages' truncation deltas "
+        f"{truncated(stages):.6g} is not below 1: no guarantee"
+    )
 
 
 def truncated(stages: Iterable[DPStage]) -> float:

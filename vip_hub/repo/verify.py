@@ -37,12 +37,14 @@ from ..errors import (
     AccountingError,
     AuditError,
     ClaimTooLowError,
+    ConfigError,
     LedgerError,
     MissingInputError,
     RepoFormatError,
     TamperedFileError,
     VerificationError,
 )
+from ..models.encoders import EncoderSpec
 from ..paths import tree_path_problems, validate_relpath
 from ..privacy.accounting import (
     NOISE_SAMPLERS,
@@ -315,7 +317,7 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
         header, _ = read_safetensors_header(files[WEIGHTS_FILE])
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RecursionError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
         return
     arch = (header.get("__metadata__") or {}).get(META_ARCH)
@@ -327,10 +329,15 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
         )
     if not isinstance(config, dict) or "architecture" not in config:
         report.fail(CONFIG_FILE, "has no 'architecture' entry (timm needs one)")
-    elif (config.get(CONFIG_BLOCK) or {}).get("arch") != arch:
+    elif not isinstance(block := config.get(CONFIG_BLOCK), dict) or block.get("arch") != arch:
         report.fail(
             CONFIG_FILE, f"{CONFIG_BLOCK}.arch disagrees with {WEIGHTS_FILE} metadata ({arch!r})"
         )
+    else:
+        try:  # what timm builds from it (plain timm reads model_args): the arch's model
+            EncoderSpec.from_config(config)
+        except (ConfigError, RepoFormatError) as e:
+            report.fail(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: "))
     report.checks.append("config matches weights")
 
 

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 from support.clipping import TokenModel
 from support.helpers import DEVICES
 from timm.models.vision_transformer import VisionTransformer
@@ -19,12 +20,14 @@ from training.data.images import mae_transform
 from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, render
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
+from training.main_job import MainJobConfig
 from training.recipes.mae import MAE, DecoderConfig, masked_loss, patchify, warm_decoder
-from training.skeleton.config import RunConfig
+from training.skeleton.config import DPRunConfig, RunConfig
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
 from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub.privacy.audit import MAX_CANARIES
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
@@ -437,3 +440,12 @@ def test_every_command_formats_its_help_and_a_percent_sign_stays_literal() -> No
     percent = argparse.ArgumentParser()
     add_config_args(percent, Percent)
     assert "about 1 % of the coordinates" in percent.format_help()
+
+
+@pytest.mark.parametrize("config", [DPRunConfig, MainJobConfig])
+def test_more_canaries_than_a_ledger_may_record_are_refused_before_training(config):
+    """A run asking for more canaries than ``Audit`` records would fail at its export, after
+    training: the option refuses them up front."""
+    with pytest.raises(ValidationError) as e:
+        config(audit_canaries=MAX_CANARIES + 1)
+    assert ("audit_canaries",) in [err["loc"] for err in e.value.errors()]
