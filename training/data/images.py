@@ -254,7 +254,7 @@ class CaptionFolder(PrivateCaptions):
         """One line's (image path, caption), checked."""
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise DataError(f"{where}: not JSON ({e})") from None
         if not (
             isinstance(entry, dict)
@@ -273,7 +273,11 @@ class CaptionFolder(PrivateCaptions):
             )
         if not (self.root / rel).is_file():
             raise DataError(f"{where}: image {rel!r} not found under {self.root}")
-        return rel, self._text(entry["caption"].encode(), where)
+        try:
+            data = entry["caption"].encode()
+        except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON (\ud83d)
+            raise DataError(f"caption {where} is not UTF-8 text ({e})") from None
+        return rel, self._text(data, where)
 
     def __len__(self) -> int:
         return len(self.files)

@@ -322,8 +322,8 @@ def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     path = getattr(args, "config", None)
     if path is not None:
         try:
-            values = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            values = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"--config {path}: {e}") from None
     values.update({k: v for k, v in vars(args).items() if k in cls.model_fields})
     try:

@@ -21,13 +21,13 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from tqdm.auto import tqdm
 
-from vip_hub.errors import CheckpointError
+from vip_hub.errors import CheckpointError, ConfigError
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
-from vip_hub.repo_format import CURVES_FILE
+from vip_hub.repo_format import CURVES_FILE, LEDGER_FILE
 
 from ..dp.sampling import SECRET_BITS, new_secret
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -47,6 +47,19 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+def _check_out(out: Path) -> None:
+    """``out`` may be absent, an empty folder or an earlier export (its ledger): the export
+    replaces it whole, so a folder of anything else would be deleted after training."""
+    if not out.exists() or (
+        out.is_dir() and ((out / LEDGER_FILE).is_file() or not any(out.iterdir()))
+    ):
+        return
+    raise ConfigError(
+        f"--out {out} exists and is not a released repo (no {LEDGER_FILE}) nor an empty folder: "
+        "the export replaces it whole; give a new or empty folder"
+    )
+
+
 class Run:
     """One training run of ``cfg`` on the process group ``dist``."""
 
@@ -55,6 +68,7 @@ class Run:
         out = Path(cfg.out)
         self.dir = out.with_name(out.name + ".run")
         if dist.main:
+            _check_out(out)
             if cfg.restart and self.dir.exists():
                 shutil.rmtree(self.dir)
             make_private_dir(self.dir)

@@ -381,6 +381,9 @@ JSONL_ERRORS = [
         r"captions.jsonl:1: 'notes.txt' is not an image file",
     ),
     ("\n", r"captions.jsonl lists no image-caption pairs"),
+    # a lone UTF-16 surrogate escaped in the JSON (a string cut mid-emoji) is no text
+    ('{"image": "a.png", "caption": "smile \\ud83d"}', r"captions.jsonl:1 is not UTF-8 text"),
+    ("[" * 100_000 + "]" * 100_000, r"captions.jsonl:1: not JSON"),
 ]
 
 

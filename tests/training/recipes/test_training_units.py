@@ -28,6 +28,7 @@ from training.skeleton.run import Run
 from vip_hub.errors import ConfigError
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.privacy.audit import MAX_CANARIES
+from vip_hub.repo_format import LEDGER_FILE
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
@@ -449,3 +450,38 @@ def test_more_canaries_than_a_ledger_may_record_are_refused_before_training(conf
     with pytest.raises(ValidationError) as e:
         config(audit_canaries=MAX_CANARIES + 1)
     assert ("audit_canaries",) in [err["loc"] for err in e.value.errors()]
+
+
+def test_a_run_refuses_an_out_folder_that_holds_something_other_than_a_released_repo(
+    tmp_path,
+) -> None:
+    """The export replaces ``--out`` whole: a folder of other files (the private data itself,
+    say) would be deleted after training, so it is refused before the run starts; an empty folder
+    or an earlier export (its ledger) is written over as before."""
+    other = tmp_path / "photos"
+    (other / "cats").mkdir(parents=True)
+    (other / "cats" / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match="photos.*not a released repo"):
+        Run(RunConfig(out=str(other)), Dist())
+    assert (other / "cats" / "notes.txt").read_text() == "precious"
+    assert not (tmp_path / "photos.run").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a released repo"):
+        Run(RunConfig(out=str(tmp_path / "file")), Dist())
+    (tmp_path / "empty").mkdir()
+    Run(RunConfig(out=str(tmp_path / "empty")), Dist())
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / LEDGER_FILE).write_text("{}")
+    Run(RunConfig(out=str(tmp_path / "earlier")), Dist())
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
+    """``--config`` names a TOML file; one in another encoding is named, not a traceback."""
+    import argparse
+
+    from training.skeleton.config import config_from_args
+
+    path = tmp_path / "run.toml"
+    path.write_bytes(b'out = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="run.toml"):
+        config_from_args(RunConfig, argparse.Namespace(config=path))
