@@ -12,10 +12,14 @@ huggingface_hub clients turn into their own exceptions (``RepoNotFound``, ``Revi
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from vip_hub.errors import MissingInputError, VipHubError
@@ -169,10 +173,38 @@ async def _handle(_request: Request, err: Exception) -> JSONResponse:
     return error_response(err)
 
 
+class _EchoJSON(JSONResponse):
+    """JSON of what a client sent, as a 422 echoes it: Python's parser reads NaN, infinities and
+    lone UTF-16 surrogates, which the plain response cannot write (a 500); they are written as
+    text and as ASCII escapes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+async def _invalid(_request: Request, err: Exception) -> JSONResponse:
+    """FastAPI's 422 (``{"detail": [...]}``, each error's ``loc`` naming the field), writable
+    whatever the body held."""
+    assert isinstance(err, RequestValidationError)
+    return _EchoJSON({"detail": jsonable_encoder(err.errors())}, status_code=422)
+
+
 def install(app: FastAPI) -> None:
-    """Route the three error families to :func:`error_response`."""
+    """Route the three error families to :func:`error_response`, and request validation errors
+    to a 422 that any parsed body can be echoed in."""
     for family in (ServiceError, store.StoreError, VipHubError):
         app.add_exception_handler(family, _handle)
+    app.add_exception_handler(RequestValidationError, _invalid)
 
 
 def _header_safe(text: str) -> str:

@@ -69,6 +69,7 @@ class Batcher:
         self._queued = 0
         self._busy = False
         self._closing = False
+        self._stopped = False  # the worker has returned: nothing queued from now on would run
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"batcher:{name}", daemon=True)
         self._thread.start()
@@ -91,12 +92,13 @@ class Batcher:
             self._cond.notify()
 
     def submit(self, items: list[WorkItem], announced: int = 0) -> None:
-        """Queue a request's items, all or none; 429 when the queue is full, 503 when closing.
-        Accepted, they settle ``announced`` images of ``expect``; refused, the caller withdraws
-        them."""
+        """Queue a request's items, all or none; 429 when the queue is full, 503 when closing
+        (except images announced before: a model evicted while they were decoded still runs
+        them). Accepted, they settle ``announced`` images of ``expect``; refused, the caller
+        withdraws them."""
         size = sum(i.size for i in items)
         with self._cond:
-            if self._closing:
+            if self._stopped or (self._closing and not announced):
                 raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
             if self._queued + size > self.max_queue_images:
                 raise QueueFull(
@@ -114,7 +116,8 @@ class Batcher:
             self._cond.notify()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop accepting work, finish what is queued or running, then stop the thread."""
+        """Stop accepting work, finish what is queued, running or announced (being decoded),
+        then stop the thread."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -123,7 +126,8 @@ class Batcher:
     def _next_batch(self) -> list[WorkItem] | None:
         with self._cond:
             while not self._items:
-                if self._closing:
+                if self._closing and self._incoming <= 0:
+                    self._stopped = True
                     return None
                 self._cond.wait()
             # Wait for more work only while some is known to be on its way (being decoded and

@@ -315,6 +315,35 @@ def test_malformed_requests(hub, published):
     assert r.status_code == 422
 
 
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("embeddings", f'{{"model": "{MODEL}", "input": "QUFB", "dimensions": NaN}}', "dimensions"),
+        (
+            "embeddings",
+            f'{{"model": "{MODEL}", "input": "QUFB", "dimensions": 1e400}}',
+            "dimensions",
+        ),
+        (
+            "classify",
+            f'{{"model": "{MODEL}", "head": "toy", "input": "QUFB", "top_k": -Infinity}}',
+            "top_k",
+        ),
+        ("embeddings", f'{{"model": "{MODEL}", "input": "\\ud800"}}', "input"),
+        ("embeddings", '{"model": "vip/\\udfff", "input": "QUFB"}', "model"),
+        ("zero-shot", f'{{"model": "{MODEL}", "input": "QUFB", "labels": ["\\ud800"]}}', "labels"),
+    ],
+)
+def test_non_finite_numbers_and_lone_surrogates_are_named(hub, published, path, body, field):
+    """JSON that Python's parser reads but no JSON can echo (NaN, an infinity, a lone UTF-16
+    surrogate) is a 422 naming the field, not a 500 while the error is written."""
+    r = httpx.post(
+        f"{hub.url}/v1/{path}", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 422, r.text
+    assert field in [part for error in r.json()["detail"] for part in error["loc"]]
+
+
 @pytest.fixture(scope="module")
 def limited(hub):
     settings = settings_for(
@@ -471,6 +500,48 @@ def test_concurrent_first_requests_load_a_model_once(hub, tmp_path):
     models, threads = asyncio.run(scenario())
     assert all(m is models[0] for m in models) and len(engine.loaded()) == 1
     assert len(threads) == 1 and not threads[0].is_alive()
+
+
+def test_a_model_evicted_while_its_request_is_decoded_still_answers_it(hub, published, monkeypatch):
+    """With one model in memory, loading another evicts the first while one of its requests is
+    still being decoded: that request is answered (not 503 "shutting down"), and so is the
+    other model's."""
+    from service.inference import engine as engine_module
+
+    entered, gate = threading.Event(), threading.Event()
+    load_rgb = engine_module.load_rgb
+
+    def held_load_rgb(img, *args):
+        if img.width == 41:  # the held request's image
+            entered.set()
+            gate.wait(30)
+        return load_rgb(img, *args)
+
+    settings = settings_for(hub.settings.store, inference={"max_loaded_models": 1})
+    with ThreadedServer(settings) as server:
+        post = lambda model, data: httpx.post(  # noqa: E731
+            f"{server.url}/v1/embeddings", json={"model": model, "input": [b64(data)]}, timeout=60
+        )
+        assert post(MODEL, IMAGES[0]).status_code == 200  # loaded
+        monkeypatch.setattr(engine_module, "load_rgb", held_load_rgb)
+        statuses: dict[str, httpx.Response] = {}
+        held = threading.Thread(target=lambda: statuses.update(held=post(MODEL, image(41, 30))))
+        held.start()
+        assert entered.wait(30)  # announced to MODEL's batcher, being decoded
+        other = threading.Thread(
+            target=lambda: statuses.update(other=post("vip/vip-nano-syn", IMAGES[0]))
+        )
+        other.start()  # loads the other model, which evicts MODEL
+        deadline = time.monotonic() + 30
+        while [m.repo_id for m in server.app.state.engine.loaded()] != ["vip/vip-nano-syn"]:
+            assert time.monotonic() < deadline, "the other model never loaded"
+            time.sleep(0.01)
+        gate.set()
+        held.join(60)
+        other.join(60)
+        assert statuses["held"].status_code == 200, statuses["held"].text
+        assert statuses["other"].status_code == 200, statuses["other"].text
+        assert post(MODEL, IMAGES[0]).status_code == 200  # loaded again
 
 
 def test_stop_waits_for_a_load_under_way_and_ends_the_preloading(hub, tmp_path, monkeypatch):
