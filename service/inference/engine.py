@@ -215,8 +215,8 @@ class InferenceEngine:
         turn with other requests), which hand its work items to the batcher; the loop wakes
         once, when the batcher has set their futures (or when preprocessing has failed them)."""
         key = (model.repo_id, model.commit)
-        while not self._closing and self._models.get(key) is not model:
-            model = await self.model(*key)  # evicted since the route got it: loaded again
+        if not self._closing and self._models.get(key) is not model:
+            model = await self.model(*key)  # evicted since the route got it: loaded again, once
         if self._closing:
             raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
         batcher = model.batcher

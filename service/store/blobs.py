@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -308,8 +309,18 @@ class BlobStore:
         link = self.new_temp(UPLOAD_LINK)
         try:
             os.link(path, link)
-        except FileNotFoundError:  # moved into the blobs (or collected) meanwhile: look again
-            return self.committed_source(sha256)
+        except FileNotFoundError:
+            if path.exists():
+                raise
+            # moved into the blobs (or collected) meanwhile: look again, once
+            blob = self.object_path(sha256)
+            if blob is None or blob == path:
+                raise UploadMissing(
+                    f"object {sha256}: its upload went while it was committed"
+                ) from None
+            return blob
+        except OSError:  # a filesystem without hard links: a copy the commit owns
+            shutil.copyfile(path, link)
         return link
 
     # ------------------------------------------------------------------ ingest
@@ -357,7 +368,8 @@ class BlobStore:
         ``upload_age``, then uploads and staged objects older than it that no remaining record
         names (so nothing an upload in flight may still name is touched), in the object store
         too. Returns how many went."""
-        removed = remove_older_than(self.tmp, temp_age)
+        # a commit's link to an upload has the upload's age: it is as old as its link(2) (ctime)
+        removed = remove_older_than(self.tmp, temp_age, keep=lambda p: _fresh_link(p, temp_age))
         if self.remote is None:
             removed += remove_older_than(self.uploaded_for, upload_age)
             named = {p.name for p in self.uploaded_for.rglob("*") if p.is_file()}
@@ -468,6 +480,12 @@ def listed_files(folder: Path, name: Callable[[Path], str]) -> Iterator[Listed]:
             continue
         if p.is_file():
             yield Listed(name(p), st.st_size, st.st_mtime)
+
+
+def _fresh_link(path: Path, max_age: float) -> bool:
+    """Whether ``path`` is a commit's link to an upload (``committed_source``) made within
+    ``max_age`` seconds."""
+    return path.suffix == UPLOAD_LINK and clock.now() - path.stat().st_ctime <= max_age
 
 
 def remove_older_than(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -24,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vip_hub.errors import SignatureError
+from vip_hub.errors import LedgerError, SignatureError
 from vip_hub.paths import fsync_dir, make_private_dir
 from vip_hub.privacy.accounting import is_weak_delta
 from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headline
@@ -88,6 +89,8 @@ __all__ = [
     "SignatureRecord",
 ]
 
+_log = logging.getLogger(__name__)
+
 _INDEX_DELTA_KEY = "index_delta"
 """hub_state's key for the delta the index's epsilons are stated at (the hub's ``delta``)."""
 
@@ -142,7 +145,10 @@ class CommitRecord:
         ledger = self.card_data.get("differential_privacy") or {}
         if all(s.get("sampling", "poisson") == "poisson" for s in ledger.get("stages", [])):
             return None  # the common case, without parsing the ledger on every listed row
-        return PrivacyLedger.parse(ledger).summary().caveat
+        try:
+            return PrivacyLedger.parse(ledger).summary().caveat
+        except LedgerError as e:  # committed before a rule this hub's version added
+            return f"its ledger fails this hub's checks ({e})"
 
     @property
     def weak_delta(self) -> bool:
@@ -275,7 +281,11 @@ class HubStore:
             return
         for row in self.index.rows("SELECT sha, card_data FROM commits WHERE delta > 0"):
             ledger = json.loads(row["card_data"]).get("differential_privacy")
-            summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
+            try:
+                summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
+            except LedgerError as e:  # committed before a rule this hub's version added
+                _log.warning("commit %s keeps its indexed epsilon: %s", row["sha"], e)
+                continue
             self.index.execute(
                 "UPDATE commits SET epsilon = ?, delta = ? WHERE sha = ?",
                 [summary.epsilon, summary.delta, row["sha"]],

@@ -67,8 +67,8 @@ class Run:
         self.cfg, self.dist = cfg, dist
         out = Path(cfg.out)
         self.dir = out.with_name(out.name + ".run")
+        _check_out(out)  # on every rank: one refusing alone would leave the others at the barrier
         if dist.main:
-            _check_out(out)
             if cfg.restart and self.dir.exists():
                 shutil.rmtree(self.dir)
             make_private_dir(self.dir)

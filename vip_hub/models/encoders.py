@@ -292,7 +292,8 @@ class EncoderSpec:
             )
         built = {
             "architecture": config.get("architecture"),
-            "num_classes": config.get("num_classes", 0),
+            # timm's order: the top level's, else pretrained_cfg's, else the model's 1000
+            "num_classes": config.get("num_classes", cfg.get("num_classes", 1000)),
             **{f"model_args.{k}": args.get(k) for k in args},
         }
         want = {

@@ -5,6 +5,7 @@ a live server, with releases published through `vip-hub push`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -150,6 +151,40 @@ def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:
     assert stage(name, None).model_copy(update={"steps": STEPS + 1}).identity != imported.identity
     assert stage(name, new_run_id()).identity != stage(name, new_run_id()).identity
     assert "run_id" not in imported.model_dump(mode="json")  # written as before the field
+
+
+def test_a_commit_whose_ledger_a_later_rule_refuses_keeps_its_figures(
+    tmp_path: Path, caplog
+) -> None:
+    """A commit indexed before a rule this hub's version added (here: NaN in a ledger, refused
+    since 2026-11-30) neither stops the store from opening at another delta nor breaks a listing:
+    its indexed figures stay, the log and its caveat say why."""
+    from service.settings import HubSettings
+    from service.store import AddFile, HubStore
+    from vip_hub.repo.verify import repo_files
+
+    dp = stage("pages/older", new_run_id()).model_copy(update={"sampling": "shuffle"})
+    folder = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
+    )
+    with HubStore(tmp_path / "store") as store:
+        store.create_repo("pages/r")
+        ops = []
+        for rel, path in repo_files(folder).items():
+            ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
+            tmp.write_bytes(path.read_bytes())
+        committed = store.commit("pages/r", ops)
+        (row,) = store.index.rows("SELECT card_data FROM commits")
+        card = json.loads(row["card_data"])
+        card["differential_privacy"]["stages"][1].setdefault("hyperparameters", {})["lr"] = float(
+            "nan"
+        )
+        store.index.execute("UPDATE commits SET card_data = ?", [json.dumps(card)])
+    with HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3)) as store:
+        (_, record), *_ = store.list_models()
+        assert (record.epsilon, record.delta) == (committed.epsilon, committed.delta)
+        assert "fails this hub's checks" in (record.caveat or "")
+    assert f"commit {committed.sha} keeps its indexed epsilon" in caplog.text
 
 
 def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_path: Path) -> None:

@@ -120,6 +120,31 @@ def test_gc_removes_only_what_no_commit_or_upload_names(tmp_path, repo_dir, caps
     assert store.blobs.path(in_flight).read_bytes() == b"uploaded twice"
 
 
+def test_the_temp_sweep_keeps_a_commits_link_to_an_old_upload(tmp_path, monkeypatch):
+    """A commit's hard link to an upload has the upload's modification time: one received two
+    days ago (its record refreshed since) is linked by a commit under way, and the sweep of
+    stale temp files leaves the link to it; a link a day old goes. Where the filesystem makes no
+    hard links, the commit reads its own copy."""
+    with HubStore(tmp_path / "store") as store:
+        oid = _upload(store, b"noted again today", "vip/m")
+        _age(store.blobs.upload_path(oid), 2 * DAY)
+        link = store.blobs.committed_source(oid)
+        assert link != store.blobs.upload_path(oid) and link.read_bytes() == b"noted again today"
+        assert store.blobs.clean_stale(upload_age=7 * DAY) == 0 and link.is_file()
+        _later(monkeypatch, DAY + 60)
+        assert store.blobs.clean_stale(upload_age=7 * DAY) == 1 and not link.exists()
+
+        def no_links(src, dst):
+            raise OSError(95, "Operation not supported")
+
+        monkeypatch.setattr(os, "link", no_links)
+        copy = store.blobs.committed_source(oid)
+        assert (
+            copy.read_bytes() == b"noted again today"
+            and copy.stat().st_ino != os.stat(store.blobs.upload_path(oid)).st_ino
+        )
+
+
 def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
     store, _ = _published(tmp_path / "store", repo_dir)
     sha = _orphan(store, b"stored by a commit not yet indexed")
