@@ -82,16 +82,29 @@ class PrivateImages(torch.utils.data.Dataset):
 
 
 class ImageFolder(PrivateImages):
-    """Every image file under ``root`` (recursively), in sorted path order."""
+    """Every image file under ``root`` (recursively), in sorted path order; hidden files (macOS's
+    ``._name.jpg``) are not images. A file may be counted once: the guarantee is per example, so
+    one file under two names (a link) is refused."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self.name = self.root.name
         self.files = sorted(
-            p for p in self.root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+            p
+            for p in self.root.rglob("*")
+            if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
         )
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
+        seen: dict[tuple[int, int], Path] = {}
+        for path in self.files:
+            st = path.stat()
+            first = seen.setdefault((st.st_dev, st.st_ino), path)
+            if first != path:
+                raise DataError(
+                    f"{first} and {path} are one file (a link): an image may be counted once, "
+                    "the guarantee is per example"
+                )
 
     def __len__(self) -> int:
         return len(self.files)
@@ -146,11 +159,18 @@ class TarShards(PrivateCaptions):
             images: dict[str, tarfile.TarInfo] = {}
             texts: dict[str, tarfile.TarInfo] = {}
             try:
-                with tarfile.open(shard) as tar:
+                with tarfile.open(shard, "r:") as tar:  # members are read in place: no compression
+                    stored: set[str] = set()
                     for m in tar:
                         if not m.isfile():
                             continue
                         key, ext = _sample_key(m.name)
+                        if "." + ext in IMAGE_EXTENSIONS and m.name in stored:
+                            raise DataError(
+                                f"{shard}: member {m.name!r} is stored twice: an image may be "
+                                "counted once, the guarantee is per example"
+                            )
+                        stored.add(m.name)
                         if "." + ext in IMAGE_EXTENSIONS and not captions:
                             self._add(s, m)
                         elif "." + ext in IMAGE_EXTENSIONS:
@@ -163,7 +183,9 @@ class TarShards(PrivateCaptions):
                         elif ext == "txt" and captions:
                             texts[key] = m
             except (tarfile.TarError, OSError) as e:
-                raise DataError(f"{shard}: not a readable tar file ({e})") from None
+                raise DataError(
+                    f"{shard}: not a readable uncompressed tar file ({e}); shards are plain tar"
+                ) from None
             if captions:
                 self._pair(s, shard, images, texts)
         if not self.members:

@@ -38,6 +38,10 @@ def load_checkpoint(
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds a {type(state).__name__}, not a checkpoint's entries"
+        )
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"

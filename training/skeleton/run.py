@@ -117,6 +117,9 @@ class Run:
         if not self.checkpoint_path.exists():
             return 0
         state = load_checkpoint(self.checkpoint_path, self.settings, self.cfg.run_defaults())
+        missing = [key for key in (*objects, "step") if key not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.checkpoint_path} has no {', '.join(missing)}")
         for key, obj in objects.items():
             obj.load_state_dict(state[key])
         return int(state["step"])

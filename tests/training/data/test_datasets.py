@@ -10,6 +10,7 @@ import gzip
 import os
 import secrets
 import stat
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -264,3 +265,63 @@ def test_captions_are_the_public_template_over_each_class_name(tmp_path: Path) -
     unk = BERT_SPECIAL_IDS["[UNK]"]
     assert not (CaptionTokenizer(vocab).encode(texts) == unk).any()
     assert (CaptionTokenizer(vocab).encode(["a photo of a dog"]) == unk).any()  # no other words
+
+
+# ---------------------------------------------------------------- private image folders and shards
+def test_an_image_linked_twice_is_refused_up_front_naming_both_files(tmp_path: Path) -> None:
+    """The guarantee is per example: one file under two names (a symlink, a hard link) would be
+    sampled as two records, so it is refused at open, as captions.jsonl refuses an image listed
+    twice. Copies are two files (no content is hashed), as in a captions.jsonl."""
+    (tmp_path / "cats").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "cats" / "a.png")
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "b.png")
+    assert len(open_images(tmp_path)) == 2
+    (tmp_path / "c.png").symlink_to(tmp_path / "cats" / "a.png")
+    with pytest.raises(DataError, match=r"c.png and .*cats/a.png are one file"):
+        open_images(tmp_path)
+    (tmp_path / "c.png").unlink()
+    os.link(tmp_path / "b.png", tmp_path / "cats" / "d.png")
+    with pytest.raises(DataError, match=r"b.png and .*cats/d.png are one file"):
+        open_images(tmp_path)
+
+
+def test_a_tar_member_stored_twice_is_refused_up_front(tmp_path: Path) -> None:
+    """``tar cf shard.tar images images/a.png`` stores a.png twice: one example, counted once."""
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        tar.add(tmp_path / "images", arcname="images")
+        tar.add(tmp_path / "images" / "a.png", arcname="images/a.png")
+    with pytest.raises(DataError, match=r"00000.tar: member 'images/a.png' is stored twice"):
+        open_images(tmp_path / "shards")
+
+
+def test_hidden_files_are_not_examples_in_folders_as_in_shards(tmp_path: Path) -> None:
+    """macOS's AppleDouble files (``._a.png``, also in ``__MACOSX/``) and other hidden files are
+    not examples: skipped when counting n, in a folder as in a tar shard (webdataset's key split
+    already leaves them out), so none fails to decode after noise has been spent."""
+    folder = tmp_path / "folder"
+    (folder / "__MACOSX").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    for hidden in ("._a.png", "__MACOSX/._a.png", ".b.png"):
+        (folder / hidden).write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    images = open_images(folder)
+    assert len(images) == 1 and images.load(0).size == (8, 8)
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        for name in ("a.png", "._a.png", "__MACOSX/._a.png"):
+            tar.add(folder / name, arcname=name)
+    shards = open_images(tmp_path / "shards")
+    assert len(shards) == 1 and shards.load(0).size == (8, 8)
+
+
+def test_a_compressed_shard_named_tar_is_refused_up_front(tmp_path: Path) -> None:
+    """Members are read in place at their offsets, so a shard must be a plain tar: a gzipped one
+    named ``*.tar`` (which tarfile would open) is refused at open, not at the first step."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w:gz") as tar:
+        tar.add(tmp_path / "a.png", arcname="a.png")
+    with pytest.raises(DataError, match=r"00000.tar: not a readable uncompressed tar file"):
+        open_images(tmp_path / "shards")

@@ -731,3 +731,32 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(
     save_checkpoint(path, {"config": {**now, "ema_decay": 0.5}, "step": 7})
     with pytest.raises(CheckpointError, match=r"other settings \(ema_decay\)"):
         load_checkpoint(path, now, defaults)
+
+
+def test_a_checkpoint_that_is_not_one_is_refused_naming_the_file_and_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    """A file holding a list or a bare tensor, or a checkpoint without an entry the run loads
+    (a model, the step), is a CheckpointError naming the file, not an AttributeError or KeyError."""
+    from training.skeleton.checkpoint import load_checkpoint
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    path = tmp_path / "checkpoint.pt"
+    for content in ([1, 2], torch.zeros(2)):
+        torch.save(content, path)
+        with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt holds a"):
+            load_checkpoint(path, {})
+    run = Run(RunConfig(out=str(tmp_path / "repo"), seed=3), Dist())
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(run.checkpoint_path, {"config": run.settings})
+    with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt has no model, step"):
+        run.resume({"model": model})
+    save_checkpoint(run.checkpoint_path, {"config": run.settings, "model": model.state_dict()})
+    with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt has no step"):
+        run.resume({"model": model})
+    save_checkpoint(
+        run.checkpoint_path, {"config": run.settings, "model": model.state_dict(), "step": 4}
+    )
+    assert run.resume({"model": model}) == 4
