@@ -60,9 +60,9 @@ def _serve(args: argparse.Namespace) -> None:
 
     from .app import create_app
     from .ops import log_config
-    from .settings import Settings
+    from .settings import load_settings
 
-    settings = Settings(**_overrides(args))
+    settings = load_settings(**_overrides(args))
     if args.no_hub:
         settings.hub.enabled = False
     if args.no_inference:
@@ -121,11 +121,11 @@ def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
     from vip_hub.errors import ConfigError
 
     from .auth import adopt_tokens_file
-    from .settings import Settings
+    from .settings import load_settings
     from .store import HubStore
     from .store.errors import StoreError
 
-    settings = Settings(**_overrides(args))
+    settings = load_settings(**_overrides(args))
     with HubStore.from_settings(settings) as store:
         adopt_tokens_file(store.index, settings.tokens_path())
         try:
@@ -152,9 +152,16 @@ def _token(args: argparse.Namespace) -> None:
     from vip_hub.errors import ConfigError
 
     from .auth import create_token, list_tokens, revoke_token
+    from .store.errors import InvalidRequest
+    from .store.naming import validate_namespace
 
     if args.action != "list" and not args.name:
         raise ConfigError(f"vip-hub token {args.action} needs --name")
+    if args.action == "create":
+        try:  # the user owns the namespace of its name
+            validate_namespace(args.name, "user")
+        except InvalidRequest as e:
+            raise ConfigError(str(e)) from None
     with _hub_store(args) as (settings, store):
         if args.action == "create":
             repos = store.repos_in(args.name)
@@ -247,10 +254,10 @@ def register_store(sub: Any) -> None:
 
 
 def _store(args: argparse.Namespace) -> int:
-    from .settings import Settings
+    from .settings import load_settings
     from .store import HubStore
 
-    settings = Settings(**_overrides(args))
+    settings = load_settings(**_overrides(args))
     with HubStore.from_settings(settings) as store:
         return _upkeep(store, args.action, args.repair, settings.hub.gc_grace_s)
 

@@ -9,10 +9,11 @@ defaults below.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,11 +22,19 @@ from pydantic_settings import (
 )
 
 from vip_hub.device import check_device_name
+from vip_hub.errors import ConfigError
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
 from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, SIGNATURE_FILE, FrontMatterLimits
 
-__all__ = ["AuthSettings", "HubSettings", "InferenceSettings", "ObjectStoreSettings", "Settings"]
+__all__ = [
+    "AuthSettings",
+    "HubSettings",
+    "InferenceSettings",
+    "ObjectStoreSettings",
+    "Settings",
+    "load_settings",
+]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -33,7 +42,13 @@ MAX_CAPTION_TOKENS = 127
 """The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
 
 
-class HubSettings(BaseModel):
+class _Section(BaseModel):
+    """A section of the settings: an unknown (e.g. misspelt) key is refused, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class HubSettings(_Section):
     """The model hub: store protocol, uploads and web pages."""
 
     enabled: bool = True
@@ -122,7 +137,7 @@ class HubSettings(BaseModel):
         return FrontMatterLimits(self.max_front_matter_bytes, self.max_front_matter_depth)
 
 
-class ObjectStoreSettings(BaseModel):
+class ObjectStoreSettings(_Section):
     """Blobs in an S3-compatible object store (AWS S3, Ceph RGW, SeaweedFS, Garage) instead of
     the store folder, moved by clients through presigned URLs. Credentials come from boto3's
     usual sources (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
@@ -164,7 +179,7 @@ class ObjectStoreSettings(BaseModel):
     )
 
 
-class AuthSettings(BaseModel):
+class AuthSettings(_Section):
     """Tokens and organisations. The server keeps only the tokens' SHA-256 hashes."""
 
     tokens_file: Path | None = Field(
@@ -187,7 +202,7 @@ class AuthSettings(BaseModel):
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 
 
-class InferenceSettings(BaseModel):
+class InferenceSettings(_Section):
     """Batched embeddings and classification."""
 
     enabled: bool = True
@@ -262,6 +277,22 @@ class InferenceSettings(BaseModel):
         start-up, not at the first request), so that the hub's processes need no torch."""
         return check_device_name(value)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        """A request within the per-request limits must fit the shared ones, else it is answered
+        429 (retry later) forever."""
+        for shared, single in (
+            ("max_queue_images", "max_images_per_request"),
+            ("max_pending_bytes", "max_request_bytes"),
+        ):
+            if getattr(self, shared) < getattr(self, single):
+                raise ValueError(
+                    f"inference.{shared} ({getattr(self, shared)}) is below inference.{single} "
+                    f"({getattr(self, single)}): a request within the one would be refused (429) "
+                    "by the other forever"
+                )
+        return self
+
 
 class Settings(BaseSettings):
     """Everything `vip-hub serve` reads."""
@@ -330,6 +361,34 @@ class Settings(BaseSettings):
         config = os.environ.get("VIP_HUB_CONFIG")
         if config:
             if not Path(config).is_file():
-                raise ValueError(f"VIP_HUB_CONFIG names {config}, which is not a file")
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
+                raise ConfigError(f"VIP_HUB_CONFIG names {config}, which is not a file")
+            try:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{config}: not UTF-8 ({e})") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{config}: not valid TOML: {e}") from None
+            except OSError as e:
+                raise ConfigError(f"{config}: cannot be read: {e.strerror or e}") from None
         return tuple(sources)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The settings (``overrides``: the command's options); ConfigError, one line naming the
+    settings file (``VIP_HUB_CONFIG``) and each bad setting with its value (a secret's
+    never), for invalid ones."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        where = os.environ.get("VIP_HUB_CONFIG") or "settings"
+        problems = []
+        for err in e.errors(include_url=False):
+            name = ".".join(str(part) for part in err["loc"])
+            message = err["msg"].removeprefix("Value error, ")
+            if name and not message.startswith(name):
+                message = f"{name}: {message}"
+            secret = err["loc"][:1] in (("auth",), ("index",))  # tokens, a database password
+            if err["type"] not in ("value_error", "extra_forbidden") and not secret:
+                message += f" (got {err['input']!r})"
+            problems.append(message)
+        raise ConfigError(f"{where}: " + "; ".join(problems)) from None
