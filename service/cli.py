@@ -254,10 +254,18 @@ def register_store(sub: Any) -> None:
 
 
 def _store(args: argparse.Namespace) -> int:
+    from vip_hub.errors import ConfigError
+
     from .settings import load_settings
     from .store import HubStore
+    from .store.index import SQLITE_FILE
 
     settings = load_settings(**_overrides(args))
+    if settings.index is None and not (settings.store / SQLITE_FILE).is_file():
+        raise ConfigError(  # a mistyped --store would otherwise be a new, healthy, empty store
+            f"{settings.store} is not a hub store (no {SQLITE_FILE}): gc and check keep an "
+            "existing one"
+        )
     with HubStore.from_settings(settings) as store:
         return _upkeep(store, args.action, args.repair, settings.hub.gc_grace_s)
 

@@ -208,12 +208,16 @@ class Transaction:
             self._conn.cursor().executemany(self._sql(sql), [tuple(a) for a in args])
 
 
+SQLITE_FILE = "index.sqlite"
+"""The embedded index's file in the store folder."""
+
+
 class SQLiteIndex(Index):
     """``root/index.sqlite`` (owner-only, as its WAL files then are); a connection per thread
     (opened on its first use)."""
 
     def __init__(self, root: Path):
-        self.path = root / "index.sqlite"
+        self.path = root / SQLITE_FILE
         self.locks = root / "locks"
         make_private_dir(self.locks)
         os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))

@@ -145,6 +145,17 @@ def test_the_temp_sweep_keeps_a_commits_link_to_an_old_upload(tmp_path, monkeypa
         )
 
 
+@pytest.mark.parametrize("action", ["gc", "check"])
+def test_upkeep_of_a_folder_that_is_not_a_store_is_refused(tmp_path, capsys, action):
+    """A mistyped --store was made a new, empty store that checked healthy ("0 findings")."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "holiday.jpg").write_bytes(b"not a store")
+    assert main(["store", action, "--store", str(folder)]) != 0
+    assert "is not a hub store" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["holiday.jpg"]
+
+
 def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
     store, _ = _published(tmp_path / "store", repo_dir)
     sha = _orphan(store, b"stored by a commit not yet indexed")
