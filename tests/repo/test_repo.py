@@ -208,6 +208,18 @@ def test_tampered_card_copy(tiny_repo):
     _fails(tiny_repo, f"{CARD_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
 
+def _restate_truncation(ledger: dict, stage: dict) -> None:
+    """Recompute ``stage``'s truncation delta from its fields, and the guarantee's delta with it."""
+    stage["truncation_delta"] = truncation_delta(
+        stage["noise_multiplier"],
+        stage["sample_rate"],
+        stage["steps"],
+        stage["noise_support"],
+        stage["noised_dimension"],
+    )
+    ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+
+
 def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
     rewrite_ledger_copies(tiny_repo, _lower_epsilon)
     _fails(
@@ -303,14 +315,7 @@ def _audited(canaries: int, counts: int) -> Callable[[dict], dict]:
         stage = ledger["stages"][1]
         stage["noised_tensors"]["canaries"] = canaries
         stage["noised_dimension"] += canaries
-        stage["truncation_delta"] = truncation_delta(
-            stage["noise_multiplier"],
-            stage["sample_rate"],
-            stage["steps"],
-            stage["noise_support"],
-            stage["noised_dimension"],
-        )
-        ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+        _restate_truncation(ledger, stage)
         stage["audit"] = {
             "canaries": canaries,
             "canary_norm": 100.0,
@@ -686,14 +691,7 @@ def _d_forged(change: Callable[[dict], None]) -> Callable[[dict], dict]:
     def forged(ledger: dict) -> dict:
         stage = ledger["stages"][0]
         change(stage)
-        stage["truncation_delta"] = truncation_delta(
-            stage["noise_multiplier"],
-            stage["sample_rate"],
-            stage["steps"],
-            stage["noise_support"],
-            stage["noised_dimension"],
-        )
-        ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+        _restate_truncation(ledger, stage)
         return ledger
 
     return forged

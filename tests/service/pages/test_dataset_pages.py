@@ -15,9 +15,11 @@ from dp_accounting.rdp import RdpAccountant
 from support.helpers import TINY, synthetic_stage, tiny_encoder
 from support.live import WRITE_TOKEN
 
+from service.store import AddFile, CommitRecord, HubStore
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.privacy.ledger import new_run_id
 from vip_hub.repo.push import push_repo
+from vip_hub.repo.verify import repo_files
 
 N = 10_000
 SIGMA, Q, STEPS = 1.0, 0.01, 500
@@ -153,6 +155,19 @@ def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:
     assert "run_id" not in imported.model_dump(mode="json")  # written as before the field
 
 
+def _committed(store: HubStore, tmp_path: Path, dp: DPStage) -> CommitRecord:
+    """A tiny encoder trained by ``dp`` committed to ``pages/r`` of ``store``, as a push would."""
+    folder = export_encoder(
+        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
+    )
+    store.create_repo("pages/r")
+    ops = []
+    for rel, path in repo_files(folder).items():
+        ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
+        tmp.write_bytes(path.read_bytes())
+    return store.commit("pages/r", ops)
+
+
 def test_a_commit_whose_ledger_a_later_rule_refuses_keeps_its_figures(
     tmp_path: Path, caplog
 ) -> None:
@@ -160,20 +175,10 @@ def test_a_commit_whose_ledger_a_later_rule_refuses_keeps_its_figures(
     since 2026-11-30) neither stops the store from opening at another delta nor breaks a listing:
     its indexed figures stay, the log and its caveat say why."""
     from service.settings import HubSettings
-    from service.store import AddFile, HubStore
-    from vip_hub.repo.verify import repo_files
 
     dp = stage("pages/older", new_run_id()).model_copy(update={"sampling": "shuffle"})
-    folder = export_encoder(
-        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
-    )
     with HubStore(tmp_path / "store") as store:
-        store.create_repo("pages/r")
-        ops = []
-        for rel, path in repo_files(folder).items():
-            ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
-            tmp.write_bytes(path.read_bytes())
-        committed = store.commit("pages/r", ops)
+        committed = _committed(store, tmp_path, dp)
         (row,) = store.index.rows("SELECT card_data FROM commits")
         card = json.loads(row["card_data"])
         card["differential_privacy"]["stages"][1].setdefault("hyperparameters", {})["lr"] = float(
@@ -192,21 +197,11 @@ def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_pat
     setting (or before the hub fixed one) are recomputed when the store opens, from the ledger
     the index keeps (no blob read)."""
     from service.settings import HubSettings
-    from service.store import AddFile, HubStore
     from vip_hub.privacy.accounting import epsilon
-    from vip_hub.repo.verify import repo_files
 
     dp = stage("pages/restated", new_run_id())
-    folder = export_encoder(
-        tmp_path / "r", tiny_encoder(), TINY, [synthetic_stage(), dp], model_name="r"
-    )
     store = HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3))
-    store.create_repo("pages/r")
-    ops = []
-    for rel, path in repo_files(folder).items():
-        ops.append(AddFile(rel, tmp := store.blobs.new_temp()))
-        tmp.write_bytes(path.read_bytes())
-    at_1e3 = store.commit("pages/r", ops)
+    at_1e3 = _committed(store, tmp_path, dp)
     assert at_1e3.delta == 1e-3 + dp.truncation_delta  # the sampler's truncation included
     assert at_1e3.epsilon == pytest.approx(epsilon(SIGMA, Q, STEPS, 1e-3), abs=1e-5)
     (store.root / "blobs").rename(store.root / "blobs-away")
