@@ -266,8 +266,8 @@ class EncoderSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EncoderSpec:
-        """Rebuild the spec from an exported config.json. A value of the wrong type, or a model
-        timm would build otherwise than the spec (``architecture``, ``num_classes``,
+        """Rebuild the spec from an exported timm configuration. A value of the wrong type, or a
+        model timm would build otherwise than the spec (``architecture``, ``num_classes``,
         ``model_args``), is a RepoFormatError naming it."""
         if not isinstance(config, dict):
             raise RepoFormatError(f"{CONFIG_FILE} is not a JSON object")
