@@ -18,6 +18,7 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -81,10 +82,23 @@ class PrivateImages(torch.utils.data.Dataset):
             raise DataError(f"cannot decode image {where}: {e}") from e
 
 
+def _one_name_each(files: Sequence[Path]) -> None:
+    """DataError unless every path of ``files`` is a file of its own: one file under two names (a
+    link) would be two examples, and the guarantee is per example."""
+    seen: dict[tuple[int, int], Path] = {}
+    for path in files:
+        st = path.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first != path:
+            raise DataError(
+                f"{first} and {path} are one file (a link): an image may be counted once, "
+                "the guarantee is per example"
+            )
+
+
 class ImageFolder(PrivateImages):
     """Every image file under ``root`` (recursively), in sorted path order; hidden files (macOS's
-    ``._name.jpg``) are not images. A file may be counted once: the guarantee is per example, so
-    one file under two names (a link) is refused."""
+    ``._name.jpg``) are not images; one file under two names is refused (``_one_name_each``)."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -96,15 +110,7 @@ class ImageFolder(PrivateImages):
         )
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
-        seen: dict[tuple[int, int], Path] = {}
-        for path in self.files:
-            st = path.stat()
-            first = seen.setdefault((st.st_dev, st.st_ino), path)
-            if first != path:
-                raise DataError(
-                    f"{first} and {path} are one file (a link): an image may be counted once, "
-                    "the guarantee is per example"
-                )
+        _one_name_each(self.files)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -271,6 +277,7 @@ class CaptionFolder(PrivateCaptions):
                 self.captions.append(caption)
         if not self.files:
             raise DataError(f"{self.file} lists no image-caption pairs")
+        _one_name_each(self.files)
 
     def _entry(self, line: str, where: str) -> tuple[str, str]:
         """One line's (image path, caption), checked."""

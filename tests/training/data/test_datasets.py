@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from support.helpers import idx_bytes, write_fashion
 
-from training.data.images import CaptionFolder, open_captions, open_images
+from training.data.images import CAPTIONS_FILE, CaptionFolder, open_captions, open_images
 from training.data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
@@ -283,6 +283,17 @@ def test_an_image_linked_twice_is_refused_up_front_naming_both_files(tmp_path: P
     os.link(tmp_path / "b.png", tmp_path / "cats" / "d.png")
     with pytest.raises(DataError, match=r"b.png and .*cats/d.png are one file"):
         open_images(tmp_path)
+
+
+def test_a_captioned_image_listed_under_two_names_is_refused_up_front(tmp_path: Path) -> None:
+    """captions.jsonl refused one path listed twice, not a link to it under another name: one
+    image, two examples. The folder of captions takes the image folder's rule."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "b.png").symlink_to(tmp_path / "a.png")
+    lines = [f'{{"image": "{name}", "caption": "a cat"}}' for name in ("a.png", "b.png")]
+    (tmp_path / CAPTIONS_FILE).write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"a.png and .*b.png are one file"):
+        open_captions(tmp_path)
 
 
 def test_a_tar_member_stored_twice_is_refused_up_front(tmp_path: Path) -> None:
