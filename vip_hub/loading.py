@@ -62,7 +62,7 @@ class Encoder:
     @property
     def poolings(self) -> tuple[Pooling, ...]:
         """The feature modes this repo offers: its family's (``dpcap`` only with the decoder
-        weights), then the spatial modes its config.json declares."""
+        weights), then the spatial modes its timm configuration declares."""
         return self.spec.family.offered_poolings(self.memory is not None) + declared_spatial(
             self.config
         )
@@ -180,7 +180,7 @@ def load_encoder(
 
     With ``verify`` (the default) the repo must pass ``vip-hub verify`` first; a failure
     raises a VerificationError subclass naming every problem. The model is built by timm alone from
-    config.json, exactly as ``timm.create_model("local-dir:...", pretrained=True)`` would.
+    its configuration, exactly as ``timm.create_model("local-dir:...", pretrained=True)`` would.
     """
     path = resolve_source(source, revision)
     if verify:

@@ -726,7 +726,7 @@ class HubStore:
 
     def _check_limits(self, local: dict[str, Path]) -> None:
         """TooLarge for a would-be tree over ``hub.max_commit_files`` files, or with a head's
-        labels.json over ``hub.max_labels_bytes`` (checked before the tree is verified)."""
+        the heads' labels over ``hub.max_labels_bytes`` (checked before the tree is verified)."""
         if len(local) > self.limits.max_commit_files:
             raise TooLarge(
                 f"the commit's tree would hold {len(local)} files, over the limit of "

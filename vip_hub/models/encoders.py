@@ -15,7 +15,7 @@ reference code fixes beside the shapes, all of which a ``Family`` records:
   ``avg``, ``cls``.
 
 Head count does not change weight shapes but does change outputs, so it must match. A repo's
-config.json names the architecture (``vip_hub.arch``) and its family (``vip_hub.family``), so
+timm configuration names the architecture (``vip_hub.arch``) and its family (``vip_hub.family``), so
 it loads with ``timm.create_model`` alone and its default forward returns the ``avg`` embedding.
 
 Importing this module imports neither torch nor timm (the hub's processes read specs and render
@@ -231,7 +231,7 @@ class EncoderSpec:
         return self.img_size // self.patch_size
 
     def model_args(self) -> dict[str, Any]:
-        """Constructor kwargs for timm's VisionTransformer (stored in config.json)."""
+        """Constructor kwargs for timm's VisionTransformer (stored in the timm configuration)."""
         a = self.architecture
         return {
             "img_size": self.img_size,

@@ -18,7 +18,7 @@
   (:data:`SPATIAL_NORM`, no statistics across examples, no parameters), concatenated block by
   block: ``len(blocks) * width * grid**2`` values. For small images and classes that live in
   the layout (a 28-pixel garment's shape), where the means over tokens throw the layout away.
-  A repo declares which spatial modes it offers (config.json's ``feature_dims``).
+  A repo declares which spatial modes it offers (its configuration's ``feature_dims``).
 
 Which modes a repo offers is its family's business (``vip_hub.models.encoders.Family.poolings``);
 this module computes any mode it is given the weights for. Importing it does not import torch

@@ -17,8 +17,8 @@ buffers, nothing is tied or broadcast as a parameter) and each of them runs once
 so ``training.dp.clipping.PerExampleClipper`` can clip it per example. ``Captioner`` (encoder +
 decoder) returns per-example losses, as a DP recipe needs.
 
-A repo stores the decoder in ``text_decoder.safetensors`` (its ``TextDecoderConfig`` in the
-metadata) and the tokenizer's vocabulary in ``vocab.txt``; that file I/O is in
+A repo stores the decoder in its own safetensors file (its ``TextDecoderConfig`` in the
+metadata) and the tokenizer's vocabulary in a file of its own; that file I/O is in
 ``vip_hub.repo.files`` (``text_decoder_file``, ``load_text_decoder``), and
 ``vip_hub.loading.load_captioner`` loads a captioning repo.
 """

@@ -1,4 +1,4 @@
-"""The caption tokenizer: BERT uncased WordPiece over a fixed vocabulary file (``vocab.txt``),
+"""The caption tokenizer: BERT uncased WordPiece over a fixed vocabulary file (BERT's layout),
 run by the ``tokenizers`` library, with the DP-Cap reference's conventions: a caption is
 ``[CLS] tokens [SEP]`` (BOS = ``[CLS]``, EOS = ``[SEP]``, 101 and 102 in BERT's vocabulary),
 padded with ``[PAD]`` (0) and cut at 40 tokens.
@@ -35,7 +35,7 @@ BERT_SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK
 
 
 class CaptionTokenizer:
-    """WordPiece tokenizer over ``vocab`` (the bytes or path of a BERT-style ``vocab.txt``)."""
+    """WordPiece tokenizer over ``vocab`` (the bytes or path of a BERT-style vocabulary file)."""
 
     def __init__(self, vocab: bytes | str | os.PathLike[str], max_length: int = MAX_LENGTH):
         data = vocab if isinstance(vocab, bytes) else Path(vocab).read_bytes()
@@ -86,7 +86,7 @@ class CaptionTokenizer:
 
 
 def public_vocab(texts: Iterable[str]) -> bytes:
-    """A vocab.txt in BERT's layout (the special tokens at ``BERT_SPECIAL_IDS``, ``[unused*]``
+    """A vocabulary file in BERT's layout (the special tokens at ``BERT_SPECIAL_IDS``, ``[unused*]``
     between them) followed by the words of ``texts``, lowercased as the tokenizer reads them,
     sorted. Only for public texts (templates, label names): it releases every word it holds."""
     normalizer, split = BertNormalizer(lowercase=True), BertPreTokenizer()

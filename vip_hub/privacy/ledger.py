@@ -1,7 +1,7 @@
 """The privacy ledger: what data each training stage saw and what it cost.
 
 A versioned JSON document (``"schema": "vip-hub/privacy-ledger/v4"``) stored three times in
-a released repo (safetensors metadata, ``privacy_ledger.json``, the model card) and
+a released repo (safetensors metadata, the ledger file ``LEDGER_FILE``, the model card) and
 recomputed by ``vip-hub verify`` (see ``docs/architecture.md``, "The privacy ledger").
 
 - ``stages``: in order; ``non-private`` stages (synthetic pretraining, a non-DP probe) and
@@ -695,7 +695,7 @@ class PrivacyLedger(_Model):
 
     @classmethod
     def read(cls, repo: str | os.PathLike[str]) -> PrivacyLedger:
-        """The ledger of the repo folder ``repo`` (its ``privacy_ledger.json``, parsed; a missing
+        """The ledger of the repo folder ``repo`` (its ledger file, parsed; a missing
         file is LedgerError naming it)."""
         path = Path(repo) / LEDGER_FILE
         try:

@@ -100,7 +100,7 @@ def render_card(
     plots: Sequence[str] = (),
 ) -> str:
     """The model card's text (front matter + Markdown) for a repo whose feature modes have the
-    widths ``feature_dims`` (config.json's); ``captions`` when it carries a text decoder and
+    widths ``feature_dims`` (the configuration's); ``captions`` when it carries a text decoder and
     its vocabulary."""
     arch, family = spec.architecture, spec.family
     data = ModelCardData(

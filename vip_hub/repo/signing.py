@@ -3,7 +3,7 @@ checked against public keys the reader trusts.
 
 ``verify`` proves that a repo is consistent (its ledger copies agree, its files have the
 digests the ledger binds, every epsilon follows from its parameters); it cannot tell a
-consistent rewrite from the original. A signature (``model.sig``, a Sigstore bundle over
+consistent rewrite from the original. A signature (``SIGNATURE_FILE``, a Sigstore bundle over
 the SHA-256 of every file but itself) says whose key produced exactly these files: the
 trainer's at export, and the hub records which trusted key that was when it accepts a
 commit. A key is named by its file (``NAME.pub``) and identified by its fingerprint, the
@@ -148,7 +148,7 @@ def load_keys(paths: Iterable[str | os.PathLike[str]]) -> list[PublicKey]:
 
 
 def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> str:
-    """Sign every file of repo ``folder`` but its signature into ``folder/model.sig``
+    """Sign every file of repo ``folder`` but its signature into ``folder``/``SIGNATURE_FILE``
     (replacing any earlier one); returns the signing key's fingerprint."""
     from model_signing import signing
 
@@ -185,7 +185,7 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
 def verify_signature(
     repo: str | os.PathLike[str] | Mapping[str, Path], keys: Iterable[PublicKey]
 ) -> PublicKey | None:
-    """Check a repo folder's (or a mapping of repo paths to files') ``model.sig`` against
+    """Check a repo folder's (or a mapping of repo paths to files') signature file against
     ``keys``; returns the key that signed it, or None for an unsigned repo.
 
     Raises UntrustedSignerError when the signature names no key of ``keys``, SignatureError

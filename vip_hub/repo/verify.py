@@ -1,12 +1,12 @@
 """``vip-hub verify``: check a released repo's privacy claims and its files.
 
 A repo verifies when
-- its three ledger copies (``privacy_ledger.json``, the weights' metadata, the card's front
+- its three ledger copies (the ledger file, the weights' metadata, the card's front
   matter) are valid and equal;
 - its paths are safe, alone and together (``vip_hub.paths``), and every file is of a kind the
   allow list names and wholly that kind, parsed (``vip_hub.repo.content``);
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
-- config.json and the weights agree on the architecture, and config.json names no other
+- the timm configuration and the weights agree on the architecture, and it names no other
   source for the weights;
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
 - every DP stage's noise support c is a sampler vip-hub knows, and its truncation delta what
@@ -230,7 +230,7 @@ def _weights_copy(path: Path) -> PrivacyLedger:
 def _compare_copies(
     copies: dict[str, PrivacyLedger], report: VerificationReport
 ) -> PrivacyLedger | None:
-    """Compare every copy with the first readable one (privacy_ledger.json first); return it."""
+    """Compare every copy with the first readable one (the ledger file first); return it."""
     if not copies:
         return None
     ref_name, reference = next(iter(copies.items()))
