@@ -675,15 +675,8 @@ class PrivacyLedger(_Model):
                 raise LedgerError([f"ledger: not valid JSON ({e})"]) from None
         if not isinstance(data, dict):
             raise LedgerError(["ledger: must be a JSON object"])
-        if _deeper_than(data, MAX_DEPTH):
-            raise LedgerError([f"ledger: nests lists and objects deeper than {MAX_DEPTH} levels"])
-        if non_finite := _non_finite(data):
-            raise LedgerError(
-                [
-                    f"{where}: {value} is not a number a ledger may hold"
-                    for where, value in non_finite
-                ]
-            )
+        if problems := _values_problems(data):
+            raise LedgerError(problems)
         if data.get("schema") != SCHEMA:
             raise LedgerError(
                 [
@@ -741,32 +734,22 @@ class PrivacyLedger(_Model):
         )
 
 
-def _deeper_than(data: Any, limit: int) -> bool:
-    """Whether ``data`` nests lists and dicts more than ``limit`` deep (walked, not recursed)."""
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > limit:
-                return True
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((child, depth + 1) for child in children)
-    return False
-
-
-def _non_finite(data: Any) -> list[tuple[str, float]]:
-    """Where ``data`` holds NaN or an infinity (JSON and YAML read them; no copy written by
-    ``to_json`` holds one, and NaN equals no copy of itself), by path (walked, not recursed)."""
+def _values_problems(data: Any) -> list[str]:
+    """Nesting deeper than ``MAX_DEPTH``, else where ``data`` holds NaN or an infinity (JSON and
+    YAML read them; no copy written by ``to_json`` holds one, and NaN equals no copy of itself),
+    by path: one walk, not recursed."""
     found = []
-    stack: list[tuple[Any, str]] = [(data, "")]
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
     while stack:
-        value, where = stack.pop()
+        value, where, depth = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
             found.append((where or "ledger", value))
         elif isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                return [f"ledger: nests lists and objects deeper than {MAX_DEPTH} levels"]
             items = value.items() if isinstance(value, dict) else enumerate(value)
-            stack.extend((child, f"{where}.{key}".lstrip(".")) for key, child in items)
-    return sorted(found)
+            stack.extend((child, f"{where}.{key}".lstrip("."), depth + 1) for key, child in items)
+    return [f"{where}: {value} is not a number a ledger may hold" for where, value in sorted(found)]
 
 
 def _spellings(stages: Iterable[Any]) -> list[str]:
