@@ -151,6 +151,13 @@ def test_prv_refuses_by_name_an_epsilon_its_grid_cannot_hold():
     assert epsilon(0.2, 1 / 8, 48, 1e-5, "prv") < epsilon(0.2, 1 / 8, 48, 1e-5, "rdp")
 
 
+@pytest.mark.parametrize("sigma,size", [(1e-300, "small"), (1e300, "large")])
+def test_sigma_past_the_arithmetic_is_named_by_its_side(sigma, size):
+    """A sigma whose square under- or overflows is refused by name, saying which way it is off."""
+    with pytest.raises(AccountingError, match=f"far too {size}"):
+        epsilon(sigma, 0.01, 10, 1e-5)
+
+
 def _cli(capsys, *args):
     code = main(list(args))
     out = capsys.readouterr()
@@ -178,6 +185,13 @@ def test_console_script():
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["epsilon"] == pytest.approx(epsilon(1, 0.01, 100, 1e-5))
+
+
+def test_cli_prints_delta_exactly(capsys):
+    """A delta just below 1 is printed as given, not rounded to 1 (which no guarantee may reach)."""
+    args = ("--sample-rate", "0.01", "--steps", "100", "--delta", "0.9999999")
+    r = _cli(capsys, "calibrate", "--epsilon", "3", *args)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("delta=0.9999999"), r.stdout
 
 
 def test_cli_epsilon_and_calibrate(capsys):

@@ -54,7 +54,7 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
     """Print the result: ``payload`` and the run's options as JSON (--json), else ``text``
     followed by the run's options."""
     run = {k: getattr(args, k) for k in ("sample_rate", "steps", "delta", "accountant")}
-    options = f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta:g}"
+    options = f"q={args.sample_rate:g}, steps={args.steps}, delta={args.delta!r}"
     print(json.dumps(payload | run) if args.json else f"{text} for {options}")
 
 

@@ -213,10 +213,11 @@ def composed_epsilon(
         return _epsilon(
             tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), kind
         )
-    except ArithmeticError as e:  # a noise multiplier whose square underflows, say
+    except ArithmeticError as e:  # a noise multiplier whose square under- or overflows
+        size = "large" if max(s for s, _, _ in history) > MAX_SIGMA else "small"
         raise AccountingError(
             f"the {kind.value} accountant cannot compute epsilon for {list(history)} ({e}): "
-            "the noise multiplier is far too small for a DP release"
+            f"the noise multiplier is far too {size} for its arithmetic"
         ) from None
 
 
