@@ -39,7 +39,9 @@ __all__ = [
 ]
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
+_DATA_URI = re.compile(  # a URI's scheme and RFC 2397's ";base64" are case-insensitive
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII | re.IGNORECASE
+)
 _WIDE_GREY = {
     "I;16": 65535.0,
     "I;16L": 65535.0,
@@ -63,12 +65,13 @@ class ImageLimits:
 
 def image_bytes_from_text(text: str, index: int, limits: ImageLimits) -> bytes:
     """Bytes of a base64 string or ``data:`` URI; URLs are refused (no server-side fetching)."""
-    if text.startswith(("http://", "https://", "ftp://", "file:")):
+    scheme = text[:8].lower()
+    if scheme.startswith(("http://", "https://", "ftp://", "file:")):
         raise BadRequest(
             f"input[{index}]: URLs are not fetched; send the image bytes as base64 or a data: URI"
         )
     payload = text
-    if text.startswith("data:"):
+    if scheme.startswith("data:"):
         match = _DATA_URI.match(text)
         if match is None:
             raise BadRequest(

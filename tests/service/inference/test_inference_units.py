@@ -94,8 +94,10 @@ def test_text_inputs():
     b64 = base64.b64encode(data).decode()
     assert image_bytes_from_text(b64, 0, LIMITS) == data
     assert image_bytes_from_text("data:image/png;base64," + b64, 0, LIMITS) == data
-    with pytest.raises(BadRequest, match="URLs are not fetched"):
-        image_bytes_from_text("http://169.254.169.254/latest", 0, LIMITS)
+    assert image_bytes_from_text("DATA:image/PNG;BASE64," + b64, 0, LIMITS) == data  # RFC 2397
+    for url in ("http://169.254.169.254/latest", "HTTPS://example.com/cat.jpg"):
+        with pytest.raises(BadRequest, match="URLs are not fetched"):
+            image_bytes_from_text(url, 0, LIMITS)
     with pytest.raises(BadRequest, match=r"input\[5\]: not valid base64"):
         image_bytes_from_text("***", 5, LIMITS)
     with pytest.raises(BadRequest, match="data: URI must be base64"):
