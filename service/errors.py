@@ -173,22 +173,27 @@ async def _handle(_request: Request, err: Exception) -> JSONResponse:
     return error_response(err)
 
 
+ECHO_CHARS = 200  # the longest text a 422 echoes back whole (an image's base64 is megabytes)
+
+
 class _EchoJSON(JSONResponse):
     """JSON of what a client sent, as a 422 echoes it: Python's parser reads NaN, infinities and
     lone UTF-16 surrogates, which the plain response cannot write (a 500); they are written as
-    text and as ASCII escapes."""
+    text and as ASCII escapes, and a text longer than ``ECHO_CHARS`` is cut, saying its length."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(_finite(content), allow_nan=False, separators=(",", ":")).encode()
+        return json.dumps(_echoable(content), allow_nan=False, separators=(",", ":")).encode()
 
 
-def _finite(value: Any) -> Any:
+def _echoable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return f"{value[:ECHO_CHARS]}... ({len(value):,} characters)"
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: _echoable(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [_echoable(v) for v in value]
     return value
 
 

@@ -4,6 +4,7 @@ import base64
 import io
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -342,6 +343,15 @@ def test_non_finite_numbers_and_lone_surrogates_are_named(hub, published, path, 
     )
     assert r.status_code == 422, r.text
     assert field in [part for error in r.json()["detail"] for part in error["loc"]]
+
+
+def test_a_422_does_not_echo_megabytes(hub, published):
+    """A request refused by its shape (no model) echoes its images cut to a prefix, not whole."""
+    image = base64.b64encode(os.urandom(300_000)).decode()
+    r = httpx.post(f"{hub.url}/v1/embeddings", json={"input": [image] * 8})
+    assert r.status_code == 422, r.text
+    assert "model" in [part for error in r.json()["detail"] for part in error["loc"]]
+    assert len(r.content) < 10_000 and "400,000 characters" in r.text
 
 
 @pytest.fixture(scope="module")
