@@ -16,7 +16,14 @@ from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, ve
 from vip_hub.cli.main import main
 from vip_hub.errors import LedgerError, RepoFormatError
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
-from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
+from vip_hub.privacy.ledger import (
+    MAX_STAGES,
+    NOT_RELEASED,
+    Dataset,
+    DPStage,
+    NonPrivateStage,
+    noised_key,
+)
 from vip_hub.privacy.sensitivity import rounding_params
 from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
@@ -305,6 +312,20 @@ def test_a_ledger_nested_past_the_recursion_limit_is_refused_by_name(tiny_repo):
         with pytest.raises(LedgerError, match=message):
             PrivacyLedger.parse(text)
         _fails(tiny_repo, f"{LEDGER_FILE}: ledger copy unreadable", message)
+
+
+def test_a_ledger_of_more_stages_than_verify_recomputes_is_refused_by_name(tiny_repo):
+    """Each stage's epsilon is recomputed under every accountant on every upload: past
+    MAX_STAGES stages the ledger is refused before any accounting (100 took PRV 40 s)."""
+
+    def many(ledger: dict) -> dict:
+        dp = ledger["stages"][1]
+        copies = [dp | {"name": f"dp-{i}"} for i in range(MAX_STAGES)]
+        ledger["stages"] = ledger["stages"][:1] + copies
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, many)
+    _fails(tiny_repo, f"stages: List should have at most {MAX_STAGES} items")
 
 
 def _audited(canaries: int, counts: int) -> Callable[[dict], dict]:

@@ -95,6 +95,9 @@ MAX_COUNT = 2**53
 up to it is a float exactly (the accounting computes in floats; 10^400 would overflow)."""
 MAX_DEPTH = FrontMatterLimits.max_depth
 """How deep a ledger may nest lists and mappings: its card copy may not nest deeper."""
+MAX_STAGES = 32
+"""The most stages a ledger may record: ``verify`` recomputes each one's epsilon under every
+accountant and each dataset's composition (PRV's grows faster than the stages), on every upload."""
 
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$"
 """A private dataset's declared name as recipes and probes take it: namespaced, ``org/name``."""
@@ -586,8 +589,8 @@ class PrivacyLedger(_Model):
     schema_: Literal["vip-hub/privacy-ledger/v4"] = Field(default=SCHEMA, alias="schema")
     privacy_unit: Literal["example"] = "example"
     adjacency: Literal["add-remove"] = "add-remove"
-    stages: list[Stage] = Field(min_length=1)
-    guarantees: list[Guarantee] = Field(default_factory=list)
+    stages: list[Stage] = Field(min_length=1, max_length=MAX_STAGES)
+    guarantees: list[Guarantee] = Field(default_factory=list, max_length=MAX_STAGES)
     artifacts: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("stages")

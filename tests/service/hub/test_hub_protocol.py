@@ -317,6 +317,25 @@ def test_path_tricks_are_refused(hub, published, path):
     assert b"root:" not in r.content
 
 
+def test_names_ending_in_a_newline_are_refused(hub, published):
+    """``$`` matches before a final newline: a repo, tag or revision name ending in one was taken
+    (a repo "vip/vip-nano-test\\n" beside vip/vip-nano-test, a tag "v1\\n")."""
+    auth = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+    created = httpx.post(
+        f"{hub.url}/api/repos/create",
+        json={"name": "vip-nano-test\n", "organization": "vip"},
+        headers=auth,
+    )
+    assert created.status_code == 400 and "invalid repo name" in created.json()["error"]
+    tagged = httpx.post(
+        f"{hub.url}/api/models/{MODEL}/tag/main", json={"tag": "v1\n"}, headers=auth
+    )
+    assert tagged.status_code == 400 and "invalid revision" in tagged.json()["error"]
+    assert HfApi().list_repo_refs(MODEL).tags == []
+    info = httpx.get(f"{hub.url}/api/models/{MODEL}/revision/main%0A")
+    assert info.status_code == 400 and "invalid revision" in info.json()["error"]
+
+
 def test_upload_path_tricks(hub, published, tmp_path):
     body = "\n".join(
         json.dumps(line)

@@ -145,6 +145,18 @@ def test_malformed_commit_is_a_400_naming_the_line(hub, published):
     assert r.status_code == 400 and r.json()["error"] == "commit line 2: content is not base64"
 
 
+def test_a_commit_line_nested_too_deeply_is_a_400_naming_the_line(hub, published):
+    """A line of 5000 nested arrays made ``json.loads`` raise RecursionError: a 500."""
+    body = b'{"key": "header", "value": {"summary": "x"}}\n' + b"[" * 5000 + b"]" * 5000 + b"\n"
+    r = httpx.post(
+        f"{hub.url}/api/models/vip/vip-nano-test/commit/main",
+        content=body,
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"},
+    )
+    assert r.status_code == 400 and r.json()["error"].startswith("commit line 2: not valid JSON")
+    assert not list(hub.app.state.store.blobs.tmp.iterdir())
+
+
 def test_git_lfs_batch_api(hub, tmp_path):
     """File objects make huggingface_hub use the Git LFS batch API (its path without Xet):
     the weights go through batch, PUT and verify, the commit names them by SHA-256."""
