@@ -259,7 +259,7 @@ class CommitParser:
     def _end_line(self) -> None:
         try:
             item = json.loads(self._skeleton)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
             raise ValueError(f"not valid JSON ({e})") from None
         finally:
             self._skeleton.clear()
@@ -283,10 +283,12 @@ class CommitParser:
             if self._header_seen:
                 raise ValueError("a second header")
             self._header_seen = True
-            self.commit.summary = str(value.get("summary") or "")
-            self.commit.description = str(value.get("description") or "")
+            self.commit.summary = _header_text(value, "summary")
+            self.commit.description = _header_text(value, "description")
             parent = value.get("parentCommit")
-            self.commit.parent_commit = parent if isinstance(parent, str) and parent else None
+            if not isinstance(parent, str | None):
+                raise ValueError(f"'parentCommit' must be a commit id, not {parent!r}")
+            self.commit.parent_commit = _header_text(value, "parentCommit") or None
         elif key == "file":
             self.commit.operations.append(AddFile(_path(value), self._file_content(value, content)))
         elif key == "lfsFile":
@@ -334,6 +336,17 @@ def _run_until(
     j = m.start() if m else len(data)
     take(data[i:j])
     return j, (data[j] if m else None)
+
+
+def _header_text(value: dict[str, Any], key: str) -> str:
+    """The header's ``key`` as text ('' when absent); one with a lone surrogate, which has no
+    UTF-8 form (the index cannot keep it), is refused."""
+    text = str(value.get(key) or "")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"the header's {key!r} is not UTF-8 text (a lone surrogate)") from None
+    return text
 
 
 def _path(value: dict[str, Any]) -> str:

@@ -33,9 +33,10 @@ RESERVED_NAMESPACES = frozenset({"datasets"})
 MAX_REVISION_LENGTH = 128
 REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 """A branch, a tag or a commit id, unanchored."""
-_PART = re.compile(rf"^{NAME_PATTERN}$")
-_REVISION = re.compile(rf"^{REVISION_PATTERN}$")
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+# \Z, not $: $ also matches before a final newline ("main\n")
+_PART = re.compile(rf"^{NAME_PATTERN}\Z")
+_REVISION = re.compile(rf"^{REVISION_PATTERN}\Z")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}\Z")
 _ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 
 

@@ -157,6 +157,34 @@ def test_a_commit_line_nested_too_deeply_is_a_400_naming_the_line(hub, published
     assert not list(hub.app.state.store.blobs.tmp.iterdir())
 
 
+@pytest.mark.parametrize(
+    "header,message",
+    [
+        ('{"summary": "a\\ud800b"}', "commit line 1: the header's 'summary' is not UTF-8 text"),
+        (
+            '{"summary": "s", "description": "\\udfff"}',
+            "commit line 1: the header's 'description' is not UTF-8 text",
+        ),
+        (
+            '{"parentCommit": "a\\ud800b"}',
+            "commit line 1: the header's 'parentCommit' is not UTF-8 text",
+        ),
+        ('{"parentCommit": 5}', "commit line 1: 'parentCommit' must be a commit id"),
+    ],
+)
+def test_a_header_the_store_cannot_keep_is_a_400_naming_it(hub, published, header, message):
+    """A lone surrogate in the header's texts was a 500 (SQLite, or the error naming it, cannot
+    encode it); a parentCommit that is no commit id was ignored (a commit made unchecked)."""
+    head = HfApi().model_info("vip/vip-nano-test").sha
+    r = httpx.post(
+        f"{hub.url}/api/models/vip/vip-nano-test/commit/main",
+        content=b'{"key": "header", "value": ' + header.encode() + b"}\n",
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"},
+    )
+    assert r.status_code == 400 and r.json()["error"].startswith(message), r.text
+    assert HfApi().model_info("vip/vip-nano-test").sha == head
+
+
 def test_git_lfs_batch_api(hub, tmp_path):
     """File objects make huggingface_hub use the Git LFS batch API (its path without Xet):
     the weights go through batch, PUT and verify, the commit names them by SHA-256."""
