@@ -109,7 +109,7 @@ HEAD_METRICS = "metrics.json"
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 """A head name (and a stage's component suffix)."""
-_NAME = re.compile(rf"^{NAME_PATTERN}$")
+_NAME = re.compile(rf"^{NAME_PATTERN}\Z")  # \Z: $ matches before a final newline too
 COMPONENT_PATTERN = rf"^({ENCODER}|{HEADS_DIR}/{NAME_PATTERN})$"
 
 

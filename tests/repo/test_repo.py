@@ -14,7 +14,7 @@ from support.helpers import TINY, dp_stage, rewrite_ledger_copies, synthetic_sta
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
-from vip_hub.errors import LedgerError, RepoFormatError
+from vip_hub.errors import ConfigError, LedgerError, RepoFormatError
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import (
     MAX_STAGES,
@@ -31,11 +31,13 @@ from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
     HEAD_LABELS,
+    HEAD_WEIGHTS,
     LEDGER_FILE,
     MAE_DECODER_FILE,
     WEIGHTS_FILE,
     head_component,
     head_file,
+    head_name_of,
 )
 
 PLAIN_TIMM = r"""
@@ -312,6 +314,14 @@ def test_a_ledger_nested_past_the_recursion_limit_is_refused_by_name(tiny_repo):
         with pytest.raises(LedgerError, match=message):
             PrivacyLedger.parse(text)
         _fails(tiny_repo, f"{LEDGER_FILE}: ledger copy unreadable", message)
+
+
+@pytest.mark.parametrize("name", ["clf\n", "", "../clf", "a" * 65])
+def test_a_head_name_that_is_no_folder_name_is_refused(name):
+    """A head's name is its folder's: a final newline ($ matched before it) is refused too."""
+    with pytest.raises(ConfigError, match="head name"):
+        head_component(name)
+    assert head_name_of(f"heads/{name}/{HEAD_WEIGHTS}") is None
 
 
 def test_a_ledger_of_more_stages_than_verify_recomputes_is_refused_by_name(tiny_repo):
