@@ -4,8 +4,9 @@ image from another site is a link to it (pages load images from the hub only).""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import nh3
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
@@ -80,12 +81,16 @@ def card_body(readme: str) -> str:
     return readme[match.end() :] if match else readme
 
 
+_LEADING_DOT_SLASHES = re.compile(r"^(?:\./)+")  # "./x" is "x"; ".gitattributes" stays
+
+
 def markdown_html(text: str, file_base: str | None = None) -> str:
-    """Sanitised HTML for ``text``; relative ``src``/``href`` are resolved under ``file_base``."""
+    """Sanitised HTML for ``text``; relative ``src``/``href`` are resolved under ``file_base``
+    (as markdown-it wrote them: already percent-encoded, a fragment or query kept)."""
 
     def rewrite(tag: str, attr: str, value: str) -> str | None:
         if attr in ("src", "href") and file_base and _relative(value):
-            return f"{file_base}/{quote(value.lstrip('./'))}"
+            return f"{file_base}/{_LEADING_DOT_SLASHES.sub('', value)}"
         return value
 
     return nh3.clean(

@@ -40,7 +40,7 @@ from ..auth import identity
 from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..metrics import Metrics
-from ..store import HubStore
+from ..store import FileEntry, HubStore
 from ..store.naming import MAX_REVISION_LENGTH, validate_revision
 from .cache import ComputedOnce
 from .render import card_body, markdown_html
@@ -56,6 +56,9 @@ PAGE_HEADERS = {
 """Sent with every page: no script runs, nothing loads from elsewhere (a card's images from
 other sites are links: ``markdown_html``), no framing (nosniff goes with every response:
 ``service/headers.py``)."""
+MAX_CARD_BYTES = 1024**2
+"""Largest model card a page renders (about a second per MiB, and each commit's page is kept:
+``commit_pages``); a larger one is linked to, not shown (a commit may carry gigabytes)."""
 SORTS = {
     "updated": "Last update",
     "epsilon": "ε",
@@ -176,14 +179,13 @@ def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str
     record = store.commit_record(repo_id, commit)
     tree = store.tree(repo_id, commit)
     file_base = f"/{repo_id}/resolve/{commit}"
-    readme = store.blob_path(tree[CARD_FILE]).read_text(encoding="utf-8")
     try:
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
     except LedgerError:  # cannot happen for a verified commit; shown rather than hidden
         ledger = None
     return {
         "commit": record,
-        "card_html": markdown_html(card_body(readme), file_base),
+        "card_html": _card_html(store, tree[CARD_FILE], file_base),
         "headlines": component_headlines(ledger) if ledger else [],
         "guarantee_html": [
             markdown_html(p) for p in guarantee_paragraphs(ledger, _unit(record.arch))
@@ -199,7 +201,7 @@ def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str
                 "path": e.path,
                 "size": _size(e.size),
                 "sha256": e.sha256,
-                "url": f"{file_base}/{e.path}",
+                "url": f"{file_base}/{quote(e.path)}",
             }
             for e in tree.values()
         ],
@@ -209,6 +211,17 @@ def _commit_content(store: HubStore, metrics: Metrics, repo_id: str, commit: str
         ],
         "params": format_params(record.num_params),
     }
+
+
+def _card_html(store: HubStore, card: FileEntry, file_base: str) -> str:
+    """The model card rendered; over ``MAX_CARD_BYTES``, unread: a link to its file."""
+    if card.size > MAX_CARD_BYTES:
+        return markdown_html(
+            f"This model card is {_size(card.size)}, over the {_size(MAX_CARD_BYTES)} a page "
+            f"shows: [read it as a file]({CARD_FILE}).",
+            file_base,
+        )
+    return markdown_html(card_body(store.blob_path(card).read_text(encoding="utf-8")), file_base)
 
 
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:

@@ -1,6 +1,7 @@
 """The web pages: content, sorting and filtering, sanitised cards, and a real browser."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -8,12 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
-from support.live import WRITE_TOKEN
+from support.live import WRITE_TOKEN, raw_commit
 from support.system import CHROMIUM_FLAGS, debian_program
 
+from service.pages.routes import MAX_CARD_BYTES
 from vip_hub import export_encoder
 from vip_hub.repo.push import push_repo
-from vip_hub.repo_format import head_file
+from vip_hub.repo_format import CARD_FILE, head_file
 
 
 def _rows(html: str) -> list[str]:
@@ -79,6 +81,71 @@ def test_card_html_is_sanitised(hub, tmp_path):
     assert (
         "<script>alert" not in html and 'href="javascript' not in html and "<img src=x" not in html
     )
+
+
+ODD_FILES = {
+    "docs/a.md": b"# a\n",
+    "docs/a#b.md": b"# a#b\n",
+    "docs/q?x.md": b"# q?x\n",
+    "docs/my notes.md": b"# my notes\n",
+    "docs/r\u00e9sum\u00e9.md": b"# resume\n",
+    "docs/%61.md": b"# not a.md\n",
+    ".notes.md": b"# dot\n",
+}
+"""Files whose names a URL must escape ('#', '?', ' ', non-ASCII, '%')."""
+
+
+@pytest.fixture(scope="module")
+def odd_names(hub, published) -> str:
+    """A repo carrying ``ODD_FILES``, its card linking some of them by relative links."""
+    push_repo(published["vip/vip-nano-test"], "pages/odd-names", token=WRITE_TOKEN)
+    card = (published["vip/vip-nano-test"] / CARD_FILE).read_text()
+    card += (
+        "\n[notes](<docs/my notes.md>) [resume](docs/r\u00e9sum\u00e9.md) [a](docs/a.md#intro)\n"
+        "[dot](.notes.md) [here](./docs/a.md)\n"
+    )
+    r = raw_commit(hub.url, "pages/odd-names", {CARD_FILE: card.encode(), **ODD_FILES})
+    assert r.status_code == 200, r.text
+    return "pages/odd-names"
+
+
+def _resolve_links(html: str, repo_id: str) -> dict[str, str]:
+    """Links to ``repo_id``'s files in ``html``: their text -> URL."""
+    found = re.findall(rf'<a href="(/{repo_id}/resolve/[^"]+)"[^>]*>([^<]+)</a>', html)
+    return {text: url.replace("&amp;", "&") for url, text in found}
+
+
+def test_file_list_links_download_the_file_they_name(hub, odd_names):
+    links = _resolve_links(httpx.get(f"{hub.url}/{odd_names}").text, odd_names)
+    for path, data in ODD_FILES.items():
+        r = httpx.get(hub.url + links[path])
+        if "%" in path:  # not servable by name: a clear 400, never another file's bytes
+            assert r.status_code == 400 and "percent-encoded" in r.text, (path, r.text)
+        else:
+            assert r.status_code == 200 and r.content == data, (path, links[path], r.text)
+
+
+def test_card_relative_links_reach_files_with_odd_names(hub, odd_names):
+    links = _resolve_links(httpx.get(f"{hub.url}/{odd_names}").text, odd_names)
+    for text, path in (("notes", "docs/my notes.md"), ("resume", "docs/r\u00e9sum\u00e9.md")):
+        r = httpx.get(hub.url + links[text])
+        assert r.status_code == 200 and r.content == ODD_FILES[path], (text, links[text], r.text)
+    for text, path in (("dot", ".notes.md"), ("here", "docs/a.md")):  # "./" dropped, "." kept
+        assert httpx.get(hub.url + links[text]).content == ODD_FILES[path], (text, links[text])
+    assert links["a"].endswith("/docs/a.md#intro")  # a fragment stays one
+    assert httpx.get(hub.url + links["a"]).content == ODD_FILES["docs/a.md"]
+
+
+def test_huge_card_is_linked_not_rendered(hub, published):
+    push_repo(published["vip/vip-nano-test"], "pages/huge-card", token=WRITE_TOKEN)
+    card = (published["vip/vip-nano-test"] / CARD_FILE).read_text()
+    card += "Lorem *ipsum* [dolor](x.md).\n\n" * (MAX_CARD_BYTES // 20)
+    assert raw_commit(hub.url, "pages/huge-card", {CARD_FILE: card.encode()}).status_code == 200
+    r = httpx.get(hub.url + "/pages/huge-card", timeout=60)
+    assert r.status_code == 200 and len(r.content) < MAX_CARD_BYTES // 4, len(r.content)
+    assert "Privacy guarantee" in r.text and "model card is" in r.text
+    readme = _resolve_links(r.text, "pages/huge-card")["read it as a file"]
+    assert httpx.get(hub.url + readme).content == card.encode()
 
 
 @pytest.fixture(scope="module")
