@@ -17,6 +17,7 @@ from torch import nn
 
 from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
+from vip_hub.privacy.accounting import epsilons
 from vip_hub.privacy.sensitivity import rounding_params, sensitivity
 from vip_hub.repo.files import declared_spatial
 
@@ -52,7 +53,9 @@ class DPRun(Run):
     """One DP recipe's run of ``cfg`` on ``dist`` over ``dataset_size`` private examples, clipped
     by ``mechanism`` (its ledger name, with ``params``) to ``clipping_norm`` (default
     ``--max-grad-norm``); its sensitivity covers the rounding of the fp64 sums of up to
-    ``sample_bound`` examples (``rounding_params``: the most the engine sums, and the rule)."""
+    ``sample_bound`` examples (``rounding_params``: the most the engine sums, and the rule).
+    Outside ``trial_weights`` a budget whose ledger epsilons cannot be computed (a noise
+    multiplier far too small) is refused before the run folder is touched."""
 
     cfg: DPRunConfig
 
@@ -66,6 +69,9 @@ class DPRun(Run):
         clipping_norm: float | None = None,
     ):
         self.budget = Budget.for_config(cfg, dataset_size)
+        if _TRIAL.get() is None:  # the ledger states every accountant's epsilon: checked now
+            b = self.budget
+            epsilons(b.noise_multiplier, b.sample_rate, b.steps, b.delta)
         rounding = rounding_params(dataset_size, self.budget.sample_rate)
         self.mechanism, self.params = mechanism, {**(params or {}), **rounding}
         self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm

@@ -51,7 +51,7 @@ __all__ = [
 class RunConfig(BaseModel):
     """What every training run has: where it writes, how long, cadences, device and seed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     NOT_RUN_SETTINGS: ClassVar[tuple[str, ...]] = (
         "out",
         "device",
@@ -109,7 +109,7 @@ class RunConfig(BaseModel):
 class WeakDeltaOption(BaseModel):
     """The option every DP recipe and DP head shares: train at a delta above 1/n only when asked."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     allow_weak_delta: bool = Field(
         False,

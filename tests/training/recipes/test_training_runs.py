@@ -39,6 +39,7 @@ from training.recipes.syn import SynConfig, train_syn
 from training.recipes.vip import VipConfig, train_vip
 from training.skeleton.checkpoint import save_checkpoint
 from vip_hub.errors import (
+    AccountingError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -459,6 +460,21 @@ def test_resume_with_other_settings_is_one_line_naming_restart(
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "other settings (steps)" in r.stderr and "pass --restart" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "budget", [dict(sigma=0.01, epsilon=None), dict(epsilon=1e300)], ids=["sigma", "epsilon"]
+)
+def test_a_budget_whose_ledger_cannot_be_computed_is_refused_before_training(
+    syn_repo: Path, images: Path, tmp_path: Path, budget: dict[str, Any]
+) -> None:
+    """``--sigma 0.01`` (or ``--epsilon 1e300``, calibrated to the smallest sigma) spends an
+    epsilon beyond what the ledger's PRV reference can compute: the run trained every step,
+    checkpointed, then failed at its export. It is refused before the run folder is made."""
+    out = tmp_path / "dp"
+    with pytest.raises(AccountingError, match="beyond what the PRV accountant can compute"):
+        train_vip(vip_config(syn_repo, images, out, batch_size=8, steps=2, seed=0, **budget))
+    assert not out.with_name("dp.run").exists()
 
 
 def test_a_run_checkpointed_by_the_ziggurat_sampler_is_refused_then_restarts(

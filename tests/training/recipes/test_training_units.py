@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import resource
 import subprocess
@@ -22,7 +23,8 @@ from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _mate
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
 from training.main_job import MainJobConfig
 from training.recipes.mae import MAE, DecoderConfig, masked_loss, patchify, warm_decoder
-from training.skeleton.config import DPRunConfig, RunConfig
+from training.recipes.vip import VipConfig
+from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
 from vip_hub.errors import ConfigError
@@ -477,11 +479,20 @@ def test_a_run_refuses_an_out_folder_that_holds_something_other_than_a_released_
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
     """``--config`` names a TOML file; one in another encoding is named, not a traceback."""
-    import argparse
-
-    from training.skeleton.config import config_from_args
-
     path = tmp_path / "run.toml"
     path.write_bytes(b'out = "caf\xe9"\n')
     with pytest.raises(ConfigError, match="run.toml"):
         config_from_args(RunConfig, argparse.Namespace(config=path))
+
+
+@pytest.mark.parametrize("option", ["max_grad_norm", "lr", "weight_decay", "sigma", "epsilon"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_dp_setting_that_is_not_a_finite_number_is_refused_naming_it(
+    option: str, value: float
+) -> None:
+    """``--max-grad-norm inf`` trained every step and then failed at the export (the ledger holds
+    no infinite clip bound); ``--lr inf`` or ``--weight-decay inf`` trained and released NaN
+    weights: every non-finite setting is a ConfigError naming its option before the run."""
+    args = dict(init="x", data="y", out="z", dataset_name="test/images", **{option: value})
+    with pytest.raises(ConfigError, match=f"--{option.replace('_', '-')}: "):
+        config_from_args(VipConfig, argparse.Namespace(**args))
