@@ -671,7 +671,8 @@ class DPEngine:
             raise CheckpointError(
                 f"checkpoint accountant history {state['history']} does not match "
                 f"{self.steps_done} steps at sigma {self.budget.noise_multiplier}, "
-                f"q {self.budget.sample_rate}"
+                f"q {self.budget.sample_rate} (q = B/n: were records added to or removed from "
+                "the data?): resume on the same data, or pass --restart to start over"
             )
         if self.canaries is not None:
             self.canaries.load_state_dict(state["canaries"])

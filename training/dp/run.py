@@ -5,6 +5,7 @@ from the recipe's fields, and the export of the encoder with that mechanism's le
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,6 +19,7 @@ from torch import nn
 from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import epsilons
+from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import rounding_params, sensitivity
 from vip_hub.repo.files import declared_spatial
 
@@ -27,10 +29,13 @@ from ..skeleton.run import Run
 from .clipping import PerExampleClipper
 from .engine import Budget, Clipper, DPEngine
 
-__all__ = ["DP_ADAMW", "DPRun", "trial_weights"]
+__all__ = ["DP_ADAMW", "INIT_LEDGER", "DPRun", "trial_weights"]
 
 DP_ADAMW = "DP-AdamW"
 """Per-example clipping's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
+
+INIT_LEDGER = "init_ledger_sha256"
+"""The run setting holding the SHA-256 of the ``--init`` repo's ledger (``DPRun.from_init``)."""
 
 _TRIAL: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("trial_weights", default=None)
 
@@ -103,6 +108,12 @@ class DPRun(Run):
         self.dist.barrier()  # as an export's: every rank leaves the run together
         return Path(self.cfg.out)
 
+    def from_init(self, init: Encoder) -> None:
+        """Make ``init``'s ledger a setting of this run, before anything resumes: a run resumed
+        with ``--init`` holding another repo is refused as for any changed setting (its export
+        would state that repo's stages for weights grown from the first)."""
+        self.settings[INIT_LEDGER] = _digest(init.ledger)
+
     def export_dp(
         self, encoder: VisionTransformer, spec: EncoderSpec, init: Encoder, **fields: Any
     ) -> Path:
@@ -111,6 +122,8 @@ class DPRun(Run):
         card's texts, the stage's name, description and hyper-parameters, files); the repo
         declares the spatial modes ``init`` declares (the modes chosen for its lineage). Inside
         ``trial_weights`` it keeps the encoder's weights there and writes nothing."""
+        if self.settings.get(INIT_LEDGER) != _digest(init.ledger):
+            raise RuntimeError("the recipe exports from an init it did not record (from_init)")
         kept = _TRIAL.get()
         if kept is not None:
             kept.update({k: v.detach().cpu().clone() for k, v in encoder.state_dict().items()})
@@ -126,3 +139,7 @@ class DPRun(Run):
             mechanism_params=self.params,
             **fields,
         )
+
+
+def _digest(ledger: PrivacyLedger) -> str:
+    return hashlib.sha256(ledger.to_json().encode()).hexdigest()

@@ -132,6 +132,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
     pairs = open_captions(cfg.data)
     n = len(pairs)
     run = DPRun(cfg, dist, n)
+    run.from_init(init)
     torch.manual_seed(
         init_seed(run.seed)
     )  # the fresh decoder's initialisation, the same on every rank

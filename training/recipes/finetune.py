@@ -76,6 +76,7 @@ from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.clipping import BroadcastHook, broadcast
 from ..dp.run import DPRun
 from ..dp.sampling import AUGMENT, init_seed, torch_generator
+from ..skeleton.checkpoint import load_checkpoint, save_checkpoint
 from ..skeleton.config import (
     DPRunConfig,
     EncoderParameters,
@@ -496,7 +497,7 @@ def _probe(
         return None
     saved = run.dir / "probe.pt"
     if saved.exists():
-        blob = torch.load(saved, weights_only=True)
+        blob = load_checkpoint(saved, run.settings, run.cfg.run_defaults())
         head = LinearProbe(*blob["shape"])
         head.load_state_dict(blob["head"])
         return head.eval(), DPStage.model_validate_json(blob["stage"])
@@ -515,7 +516,15 @@ def _probe(
     stage = probe_stage(probe, train.dataset, dp, fine_tuned=True)
     assert isinstance(stage, DPStage)  # the probe ran with DP (dp is not empty)
     shape = (head.linear.in_features, head.linear.out_features)
-    torch.save({"head": head.state_dict(), "shape": shape, "stage": stage.model_dump_json()}, saved)
+    save_checkpoint(
+        saved,
+        {
+            "config": run.settings,
+            "head": head.state_dict(),
+            "shape": shape,
+            "stage": stage.model_dump_json(),
+        },
+    )
     return head, stage
 
 
@@ -562,6 +571,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
     n = len(train.labels)
     run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)
+    run.from_init(init)
     init.check_pooling(cfg.pooling)
     domain = load_public_images(cfg.public_data) if cfg.public_data else None  # read once
     probe = _probe(cfg, init, train, run, domain)

@@ -203,6 +203,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
             params["max_batch"] = cap
     run = DPRun(cfg, dist, n, mechanism.ledger_name, params, clip)
     init = load_encoder(cfg.init)
+    run.from_init(init)
     spec = init.spec
     torch.manual_seed(init_seed(run.seed))  # the fresh projection head, the same on every rank
     model = contrastive_model(

@@ -78,6 +78,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     torch.manual_seed(init_seed(run.seed))  # a fresh decoder, if the init has none: every rank's
     shape = {"dim": cfg.decoder_dim, "depth": cfg.decoder_depth, "num_heads": cfg.decoder_heads}
     mae, init = load_mae(cfg.init, {k: v for k, v in shape.items() if v is not None})
+    run.from_init(init)
     spec = init.spec
     mae.to(dist.device)
     # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)

@@ -9,6 +9,7 @@ through the CLI on a generated subsample."""
 from __future__ import annotations
 
 import base64
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from support.live import WRITE_TOKEN
 
 from training.data.labelled import LabelledArrays, write_image_folder
 from training.dp.clipping import PerExampleClipper, clip_factors
+from training.dp.run import INIT_LEDGER
 from training.recipes.finetune import (
     EncoderClassifier,
     FinetuneConfig,
@@ -31,7 +33,7 @@ from training.recipes.finetune import (
     classifier,
     train_finetune,
 )
-from vip_hub.errors import ConfigError, DataError
+from vip_hub.errors import CheckpointError, ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
 from vip_hub.privacy.accounting import composed_epsilon, epsilon
@@ -421,6 +423,24 @@ def test_a_biases_only_fine_tuning_trains_the_vectors_its_feature_mode_reads(
     out = finetune(syn_repo, data, tmp_path / "run", **WHOLE_ARGS, encoder_parameters="biases")
     assert verify_repo(out).ok
     assert_biases_only_trained(syn_repo, out, "dp-finetune", head_file("clf"), READ)
+
+
+def test_a_probe_kept_for_another_init_is_refused(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The DP probe is kept in the run folder for a resume; stopped before its first checkpoint
+    and re-run with ``--init`` holding another repo, the kept probe (fitted on the first
+    repo's features) is refused by name, not released beside the other repo's ledger."""
+    init, run = tmp_path / "init", tmp_path / "run"
+    shutil.copytree(syn_repo, init)
+    first = finetune(init, data, run, **WHOLE_ARGS, encoder_parameters="biases")
+    (tmp_path / "run.run" / "checkpoint.pt").unlink()  # as if stopped right after its probe
+    shutil.rmtree(init)
+    shutil.copytree(first, init)
+    shutil.rmtree(first)
+    kept = rf"probe.pt was written with other settings \({INIT_LEDGER}\)"
+    with pytest.raises(CheckpointError, match=kept):
+        finetune(init, data, run, **WHOLE_ARGS, encoder_parameters="biases")
 
 
 def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encoder_alone(

@@ -462,6 +462,25 @@ def test_resume_with_other_settings_is_one_line_naming_restart(
     assert "other settings (steps)" in r.stderr and "pass --restart" in r.stderr
 
 
+def test_a_run_resumed_from_another_init_is_refused(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """A re-run resumes from the run folder's checkpoint; with ``--init`` now holding another
+    repo its export stated that repo's stages for weights grown from the first (a Logit-DP
+    init replaced by its (Syn) prior dropped a DP stage from the guarantee). The init's ledger
+    is a setting of the run: refused by name."""
+    init, out = tmp_path / "init", tmp_path / "dp"
+    shutil.copytree(syn_repo, init)
+    first = train_vip(vip_config(init, images, out, batch_size=8, steps=2, seed=0))
+    shutil.rmtree(init)
+    shutil.copytree(first, init)  # the init folder now holds another repo (a DP-trained one)
+    shutil.rmtree(out)
+    with pytest.raises(
+        CheckpointError, match=rf"other settings \({training.dp.run.INIT_LEDGER}\).*--restart"
+    ):
+        train_vip(vip_config(init, images, out, batch_size=8, steps=2, seed=0))
+
+
 @pytest.mark.parametrize(
     "budget", [dict(sigma=0.01, epsilon=None), dict(epsilon=1e300)], ids=["sigma", "epsilon"]
 )
