@@ -25,8 +25,12 @@ MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 _SHORT_GIT = re.compile(r"git~[0-9]+")
 """An 8.3 short name (``GIT~1``) by which Windows also opens a ``.git`` folder."""
+PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+"""A URL's percent escape: a file name holding one has no URL a hub serves it by (a decoded
+URL segment still holding one is refused as doubly encoded, a trick)."""
 
 __all__ = [
+    "PERCENT_ESCAPE",
     "UnsafePathError",
     "fsync_dir",
     "make_private_dir",
@@ -54,6 +58,8 @@ def validate_relpath(path: str) -> str:
         raise UnsafePathError(f"control or format character in path {path!r}")
     if path != unicodedata.normalize("NFC", path):
         raise UnsafePathError(f"path {path!r} is not NFC-normalised")
+    if PERCENT_ESCAPE.search(path):
+        raise UnsafePathError(f"path {path!r} holds a percent escape: no URL could download it")
     for segment in path.split("/"):
         if segment in ("", ".", ".."):
             raise UnsafePathError(f"path {path!r} has an empty, '.' or '..' segment")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-from vip_hub.paths import UnsafePathError, validate_relpath
+from vip_hub.paths import PERCENT_ESCAPE, UnsafePathError, validate_relpath
 
 from .errors import InvalidRequest
 
@@ -37,7 +37,6 @@ REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 _PART = re.compile(rf"^{NAME_PATTERN}\Z")
 _REVISION = re.compile(rf"^{REVISION_PATTERN}\Z")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}\Z")
-_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 
 
 def validate_namespace(part: str, what: str = "organisation") -> str:
@@ -79,6 +78,6 @@ def decode_segment(raw: str) -> str:
         text = unquote(raw, errors="strict") if "%" in raw else raw
     except UnicodeDecodeError:
         raise InvalidRequest(f"URL segment {raw!r} is not valid UTF-8 once decoded") from None
-    if _ESCAPE.search(text):
+    if PERCENT_ESCAPE.search(text):
         raise InvalidRequest(f"doubly percent-encoded URL segment {raw!r}")
     return text

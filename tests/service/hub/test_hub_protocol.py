@@ -336,15 +336,15 @@ def test_names_ending_in_a_newline_are_refused(hub, published):
     assert info.status_code == 400 and "invalid revision" in info.json()["error"]
 
 
-def test_upload_path_tricks(hub, published, tmp_path):
+@pytest.mark.parametrize("path", ["../escape.txt", "docs/%61.md"])
+def test_upload_path_tricks(hub, published, tmp_path, path):
+    """A path out of the repo, or one holding a percent escape (committed, its download URL
+    named another file's, '%61' being 'a', or was refused as doubly encoded)."""
     body = "\n".join(
         json.dumps(line)
         for line in [
             {"key": "header", "value": {"summary": "x"}},
-            {
-                "key": "file",
-                "value": {"path": "../escape.txt", "content": "aGk=", "encoding": "base64"},
-            },
+            {"key": "file", "value": {"path": path, "content": "aGk=", "encoding": "base64"}},
         ]
     )
     r = httpx.post(
