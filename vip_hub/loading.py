@@ -268,12 +268,15 @@ class CaptioningModel:
 
     def label_texts(self, labels: Sequence[str], prompt: str = DEFAULT_PROMPT) -> torch.Tensor:
         """Token ids (L, T) of ``prompt + " " + label`` for each label (the zero-shot candidates);
-        an empty label, or one too long for the decoder with the prompt, is a ConfigError."""
+        an empty label (no token: blank, control or zero-width characters, lone accents), or one
+        too long for the decoder with the prompt, is a ConfigError."""
         if not labels:
             raise ConfigError("zero-shot needs at least one label")
-        empty = [i for i, label in enumerate(labels) if not label.strip()]
+        empty = [i for i, n in enumerate(self.tokenizer.lengths(labels)) if n == 0]
         if empty:
-            raise ConfigError(f"labels[{empty[0]}] is empty")
+            raise ConfigError(
+                f"labels[{empty[0]}] is empty ({labels[empty[0]][:60]!r} has no token)"
+            )
         try:
             return self.tokenizer.encode(
                 [f"{prompt} {label}".strip() for label in labels], cut=False

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import BertWordPieceTokenizer, Tokenizer
 from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
@@ -61,7 +61,9 @@ class CaptionTokenizer:
         self.vocab_size = len(tokens)
         self.pad_id, self.bos_id, self.eos_id = index["[PAD]"], index["[CLS]"], index["[SEP]"]
         self.max_length = max_length
-        self._tok = BertWordPieceTokenizer(index, lowercase=True)
+        self._tok = Tokenizer.from_str(BertWordPieceTokenizer(index, lowercase=True).to_str())
+        # "[SEP]" or "[PAD]" in a text is text: special tokens come only from the template
+        self._tok.encode_special_tokens = True
         self._tok.enable_truncation(max_length)
         self._tok.enable_padding(pad_id=self.pad_id, pad_token="[PAD]")
 
@@ -79,6 +81,11 @@ class CaptionTokenizer:
                         f"text {i} ({texts[i][:60]!r}) is longer than {self.max_length} tokens"
                     )
         return torch.tensor([e.ids for e in encodings], dtype=torch.long)
+
+    def lengths(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text cut at ``max_length``, [CLS] and [SEP] left out (0: nothing the
+        normalizer keeps)."""
+        return [sum(e.attention_mask) - 2 for e in self._tok.encode_batch(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens dropped and word pieces joined."""

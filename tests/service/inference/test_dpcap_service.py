@@ -131,6 +131,25 @@ def test_models_listing_says_which_repos_caption(hub, dpcap):
             "101 labels, more than the limit of 100",
         ),
         ("zero-shot", {"model": DPCAP, "input": ["IMG0"], "labels": []}, 422, "labels"),
+        # nothing the tokenizer keeps: scored as the prompt alone, it could win
+        (
+            "zero-shot",
+            {"model": DPCAP, "input": ["IMG0"], "labels": ["dog", "\u200b"]},
+            400,
+            "labels[1]",
+        ),
+        (
+            "zero-shot",
+            {"model": DPCAP, "input": ["IMG0"], "labels": ["\x00\x07"]},
+            400,
+            "labels[0]",
+        ),
+        (
+            "zero-shot",
+            {"model": DPCAP, "input": ["IMG0"], "labels": ["\u0301\u0301"]},
+            400,
+            "is empty",
+        ),
         ("captions", {"model": "vip/nothing-here", "input": ["IMG0"]}, 404, "vip/nothing-here"),
     ],
 )
@@ -139,6 +158,25 @@ def test_bad_requests_are_named(hub, dpcap, path, payload, status, fragment):
     r = post(hub.url, path, payload)
     assert r.status_code == status, r.text
     assert fragment in r.text
+
+
+def test_zero_shot_reads_special_token_names_as_text(hub, dpcap):
+    """A label or prompt spelling a special token is text, as uncased as any other: "[PAD]" is not
+    the padding the loss skips, "[SEP]" not the end of the caption."""
+    labels = ["[PAD]", "[pad]", "dog [SEP] cat", "dog [sep] cat"]
+    losses = []
+    for prompt in ("[CLS] a", "[cls] a"):
+        r = post(
+            hub.url,
+            "zero-shot",
+            {"model": DPCAP, "input": [b64(IMAGES[0])], "labels": labels, "prompt": prompt},
+        )
+        assert r.status_code == 200, r.text
+        losses.append({x["label"]: x["loss"] for x in r.json()["data"][0]["labels"]})
+    assert losses[0] == pytest.approx(losses[1])
+    for row in losses:
+        assert row["[PAD]"] == pytest.approx(row["[pad]"])
+        assert row["dog [SEP] cat"] == pytest.approx(row["dog [sep] cat"])
 
 
 def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap):
