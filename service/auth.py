@@ -15,7 +15,8 @@ tokens file (``STORE/tokens.json``) is moved into the index at the first start.
 Users and organisations share one set of namespace names, unique whatever their case (no
 ``Alice`` beside ``alice``). A namespace that holds repos in the store is never handed to a new
 user or organisation (a token under a revoked user's name, a new organisation) unless the
-command says so (``--inherit``); an organisation keeps its name without members.
+command says so (``--inherit``), nor are a revoked user's memberships handed to a new user of
+its name; an organisation keeps its name without members.
 """
 
 from __future__ import annotations
@@ -326,6 +327,18 @@ def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -
         )
 
 
+def _check_no_memberships(name: str, data: dict[str, Any], inherit: bool) -> None:
+    """A new user ``name`` becomes a member of the organisations that list that name (a former
+    user's memberships, left by ``token revoke``) only when ``inherit`` says so."""
+    orgs = sorted(org for org, members in data.get("orgs", {}).items() if name in members)
+    if orgs and not inherit:
+        raise ValueError(
+            f"{name!r} is a member of {', '.join(map(repr, orgs))} (memberships of a former "
+            f"user): a new user named {name!r} would write there. Pass --inherit to hand them "
+            "over on purpose, or `vip-hub org remove` them first"
+        )
+
+
 def identity(request: Request) -> Identity | None:
     """FastAPI dependency: the caller's identity, None when anonymous; 401 for a bad token."""
     header = request.headers.get("authorization")
@@ -394,14 +407,15 @@ def create_token(
 ) -> str:
     """Add a new random token for user ``name`` to the index (hash only) and return the secret
     once. ``name`` may not be a user's or an organisation's in any case (the index's, or the
-    ``settings``'), nor a namespace holding ``repos`` (the store's repos in it) unless
-    ``inherit``."""
+    ``settings``'), nor a namespace holding ``repos`` (the store's repos in it), nor a member
+    of the index's organisations (a former user's memberships) unless ``inherit``."""
     _check_scope(scope, "token")
     secret = "vh_" + secrets.token_urlsafe(32)
 
     def add(data: dict[str, Any]) -> None:
         _check_free(name, _sources(data, settings), _WHERE)
         _check_unheld(name, "user", repos, inherit)
+        _check_no_memberships(name, data, inherit)
         data["tokens"].append(
             {
                 "name": name,

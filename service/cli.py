@@ -109,8 +109,8 @@ def _inherit_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--inherit",
         action="store_true",
-        help="a new user or organisation takes over the repos already in its namespace (a "
-        "namespace that holds repos is refused otherwise)",
+        help="a new user or organisation takes over the repos already in its namespace, and a "
+        "new user the memberships a former user of its name left (refused otherwise)",
     )
 
 

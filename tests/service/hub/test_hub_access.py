@@ -207,6 +207,25 @@ def test_a_namespace_with_repos_is_not_handed_to_a_new_holder(server, repos, cap
     assert again.create_repo("eve/e2").repo_id == "eve/e2"
 
 
+def test_a_revoked_users_memberships_are_not_handed_to_a_new_user(server, repos, capsys):
+    """After ``token revoke hank``, a new user named hank (no repos under ``hank``) would be a
+    member of hank's organisations, reading and writing their private repos: refused unless
+    ``--inherit`` says so."""
+    store = str(server.settings.store)
+    assert main(["token", "create", "--name", "hank", "--scope", "write", "--store", store]) == 0
+    hank = _api(server, capsys.readouterr().out.strip())
+    assert main(["org", "add", "hanks", "--member", "hank", "--store", store]) == 0
+    hank.create_repo("hanks/plans", private=True)
+    assert main(["token", "revoke", "--name", "hank", "--store", store]) == 0
+    capsys.readouterr()
+    new = ["token", "create", "--name", "hank", "--scope", "write", "--store", store]
+    assert main(new) == 1
+    err = capsys.readouterr().err
+    assert "'hank' is a member of 'hanks'" in err and "--inherit" in err
+    assert main([*new, "--inherit"]) == 0  # the explicit hand-over, as a rotation does
+    assert _api(server, capsys.readouterr().out.strip()).model_info("hanks/plans").private
+
+
 def test_objects_do_not_cross_repos(server, repos):
     """Carol names alice's private weights by SHA-256: the commit is refused, and neither the LFS
     batch answer nor the Xet one says whether the store holds them."""
