@@ -71,6 +71,27 @@ def test_key_create_keeps_the_private_key_private(tmp_path, cli):
     assert cli("key", "create", "--dir", tmp_path / "k", "--name", "../x").returncode == 1
 
 
+def test_key_create_never_writes_through_a_link(tmp_path, cli):
+    """A link placed where the key pair goes is replaced, never written through (it clobbered
+    the file it named, or created it), and a dangling one counts as an existing key."""
+    keys, precious = tmp_path / "k", tmp_path / "precious.txt"
+    keys.mkdir()
+    (keys / "bob.pub").symlink_to(tmp_path / "absent.txt")
+    made = cli("key", "create", "--dir", keys, "--name", "bob")
+    assert made.returncode == 1 and "exists" in made.stderr
+    assert not (tmp_path / "absent.txt").exists()
+    precious.write_text("mine")
+    for name in ("bob.key", "bob.pub"):
+        (keys / name).unlink(missing_ok=True)
+        (keys / name).symlink_to(precious)
+    assert cli("key", "create", "--dir", keys, "--name", "bob", "--overwrite").returncode == 0
+    assert precious.read_text() == "mine"
+    assert not (keys / "bob.pub").is_symlink() and not (keys / "bob.key").is_symlink()
+    assert stat.S_IMODE((keys / "bob.key").stat().st_mode) == 0o600
+    assert load_keys([keys / "bob.pub"])[0].name == "bob"
+    assert sorted(p.name for p in keys.iterdir()) == ["bob.key", "bob.pub"]  # no temp files
+
+
 def test_sign_and_verify_roundtrip(tmp_path, alice, cli):
     repo = _repo(tmp_path / "repo")
     fingerprint = sign_repo(repo, alice[0])
@@ -94,6 +115,21 @@ def test_a_key_inside_the_repo_is_refused(tmp_path):
     private, _ = create_key(repo / "keys", "oops")
     with pytest.raises(ConfigError, match="inside the repo"):
         sign_repo(repo, private)
+
+
+def test_a_folder_given_as_a_key_file_is_a_one_line_error(tmp_path, alice, cli):
+    """``--key`` or ``trust add`` naming the key folder instead of a key file: an error naming
+    it (was an IsADirectoryError traceback)."""
+    repo, keys = _repo(tmp_path / "repo"), alice[0].parent
+    signed = cli("sign", repo, "--key", keys)
+    assert signed.returncode == 1 and f"{keys}: cannot read the private key file" in signed.stderr
+    trusted = cli("trust", "add", "alice", keys, "--store", tmp_path / "store")
+    assert trusted.returncode == 1
+    assert f"{keys}: cannot read the public key file" in trusted.stderr
+    sign_repo(repo, alice[0])
+    (keys / "old.pub").mkdir()  # a folder of keys holding a folder named like one
+    checked = cli("verify", repo, "--key", keys)
+    assert checked.returncode == 1 and "old.pub: cannot read the public key file" in checked.stderr
 
 
 def test_unsigned_repo_verifies_with_a_warning(tmp_path, alice, cli):

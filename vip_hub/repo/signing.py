@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
+from ..paths import private_writer, write_private
 from ..repo_format import NAME_PATTERN, SIGNATURE_FILE
 from .artifacts import file_sha256
 from .verify import Problem, VerificationReport, repo_files
@@ -71,6 +72,8 @@ class PublicKey:
             key = serialization.load_pem_public_key(path.read_bytes())
         except FileNotFoundError:
             raise MissingInputError(f"{path}: no such public key file") from None
+        except OSError as e:  # a folder, an unreadable file
+            raise ConfigError(f"{path}: cannot read the public key file ({e.strerror})") from None
         except ValueError as e:
             raise ConfigError(f"{path}: not a PEM public key ({e})") from None
         if not isinstance(key, ec.EllipticCurvePublicKey):
@@ -116,22 +119,22 @@ def create_key(
     check_key_name(name)
     folder = Path(folder) if folder is not None else default_key_dir()
     private, public = folder / f"{name}{PRIVATE_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
-    if not overwrite and (private.exists() or public.exists()):
+    if not overwrite and (os.path.lexists(private) or os.path.lexists(public)):
         raise ConfigError(f"{private} or {public} exists; choose another name or pass overwrite")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = ec.generate_private_key(_CURVE)
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    private.unlink(missing_ok=True)
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    # each file is new and renamed into place: whole after a crash, never written through a link
+    write_private(private, pem)
+    with private_writer(public) as f:
+        os.fchmod(f.fileno(), 0o644)
+        f.write(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
         )
-    )
     return private, PublicKey.load(public)
 
 
@@ -161,6 +164,10 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
         key = serialization.load_pem_private_key(private_key.read_bytes(), None)
     except FileNotFoundError:
         raise MissingInputError(f"{private_key}: no such private key file") from None
+    except OSError as e:  # a folder, an unreadable file
+        raise ConfigError(
+            f"{private_key}: cannot read the private key file ({e.strerror})"
+        ) from None
     except (TypeError, ValueError) as e:  # not PEM, or protected by a password
         raise ConfigError(f"{private_key}: not an unencrypted PEM private key ({e})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
