@@ -81,9 +81,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             BodyLimit(
                 re.compile("/v1/"),
                 settings.inference.max_request_bytes,
-                settings.inference.max_json_depth,
-                settings.inference.max_pending_requests,
-                settings.inference.max_pending_bytes,
+                max_json_depth=settings.inference.max_json_depth,
+                max_json_commas=settings.inference.max_json_commas,
+                max_pending=settings.inference.max_pending_requests,
+                max_pending_bytes=settings.inference.max_pending_bytes,
             )
         )
     if settings.hub.enabled:

@@ -1,6 +1,7 @@
 """An ASGI middleware that bounds every request body before any parsing: total bytes (413),
-and, where a route family asks, JSON nesting depth (400, checked in linear work off the event
-loop) and the requests served at once (429 before the body is read), so no body reaches the JSON
+and, where a route family asks, JSON nesting depth (400) and values (413: a parsed value costs
+about 80 bytes of memory per byte-and-a-half of text), both checked in linear work off the event
+loop, and the requests served at once (429 before the body is read), so no body reaches the JSON
 or multipart parser unbounded and the bodies held in memory are bounded. Routes that stream
 their bodies to disk (commits, LFS and Xet uploads) enforce their own limits as they stream;
 their rule passes them through."""
@@ -18,17 +19,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, error_response
 
-__all__ = ["BodyLimit", "BodyLimitMiddleware", "JsonDepth", "json_depth"]
+__all__ = ["BodyLimit", "BodyLimitMiddleware", "JsonDepth", "json_problem"]
 
 RETRY_AFTER_S = "1"
 """What a request refused for the requests already being served is told to wait, in seconds."""
 _DELTA = np.zeros(256, np.int8)
 _DELTA[[0x5B, 0x7B]], _DELTA[[0x5D, 0x7D]] = 1, -1  # [ { open, ] } close
+_COMMA = 0x2C
 
 
 class JsonDepth:
-    """The nesting depth of a JSON text in one pass over it, block by block: quotes, and the
-    backslash runs that escape them, tracked across blocks; brackets inside strings ignored.
+    """The nesting depth of a JSON text in one pass over it, block by block, and its commas (a
+    list of n values holds n - 1): quotes, and the backslash runs that escape them, tracked
+    across blocks; brackets and commas inside strings ignored.
     ``blocks`` counts the steps taken, each a fixed number of vector operations on ``BLOCK``
     bytes, so the work grows linearly with the text (a regex over its strings grew
     quadratically)."""
@@ -37,7 +40,7 @@ class JsonDepth:
 
     def __init__(self, stop_above: int | None = None):
         self.stop_above = stop_above
-        self.depth = self.deepest = self.blocks = 0
+        self.depth = self.deepest = self.blocks = self.commas = 0
         self.in_string = 0  # 1 inside a string
         self.backslashes = 0  # the run of backslashes that ended the last block
 
@@ -65,6 +68,7 @@ class JsonDepth:
         inside = np.cumsum(quote, dtype=np.int32)
         inside += self.in_string
         inside &= 1
+        self.commas += int(np.count_nonzero((block == _COMMA) & (inside == 0)))
         delta = _DELTA[block]
         delta[inside == 1] = 0
         path = np.cumsum(delta, dtype=np.int32)
@@ -73,25 +77,35 @@ class JsonDepth:
         self.depth, self.in_string = int(path[-1]), int(inside[-1])
 
 
-def json_depth(body: bytes, stop_above: int | None = None) -> int:
-    """Deepest nesting of arrays/objects in a JSON text (strings ignored), in linear work; the
-    scan stops as soon as the depth passes ``stop_above``."""
-    if stop_above is not None and body.count(b"[") + body.count(b"{") <= stop_above:
-        return stop_above  # too few brackets, in strings or not, to nest that deep
-    return JsonDepth(stop_above).feed(body)
+def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError | None:
+    """400 for a JSON text nested deeper than ``max_depth``, 413 for one holding more than
+    ``max_commas`` commas outside its strings (values), else None; linear work."""
+    if body.count(b"[") + body.count(b"{") <= max_depth and body.count(b",") <= max_commas:
+        return None  # too few brackets and commas, in strings or not, to pass either bound
+    scan = JsonDepth(max_depth)
+    scan.feed(body)
+    if scan.deepest > max_depth:
+        return BadRequest(f"JSON nested deeper than {max_depth} levels")
+    if scan.commas > max_commas:
+        return PayloadTooLarge(
+            f"JSON body holds more than {max_commas + 1} values in its lists and objects"
+        )
+    return None
 
 
 @dataclass(frozen=True)
 class BodyLimit:
     """The body limit of the request paths ``pattern`` matches: ``max_bytes`` (None: the route
     streams the body under its own limit) and, when set, a JSON body's ``max_json_depth`` and
-    how many requests with a body (``max_pending``), holding how many bytes together
+    ``max_json_commas`` (its values, less one), and how many requests with a body
+    (``max_pending``), holding how many bytes together
     (``max_pending_bytes``), are served at once: more are answered 429 before their body is
     read."""
 
     pattern: re.Pattern[str]
     max_bytes: int | None
     max_json_depth: int | None = None
+    max_json_commas: int | None = None
     max_pending: int | None = None
     max_pending_bytes: int | None = None
 
@@ -174,13 +188,12 @@ class BodyLimitMiddleware:
                 break
         body = b"".join(chunks)
         chunks.clear()  # from here the body is held once
-        depth = rule.max_json_depth
-        if (
-            depth is not None
-            and b"json" in headers.get(b"content-type", b"")
-            and await run_in_threadpool(json_depth, body, depth) > depth
-        ):
-            raise BadRequest(f"JSON nested deeper than {depth} levels")
+        depth, commas = rule.max_json_depth, rule.max_json_commas
+        is_json = b"json" in headers.get(b"content-type", b"")
+        if is_json and depth is not None and commas is not None:
+            problem = await run_in_threadpool(json_problem, body, depth, commas)
+            if problem is not None:
+                raise problem
         return body
 
 

@@ -40,6 +40,8 @@ GIB = 1024**3
 MIB = 1024**2
 MAX_CAPTION_TOKENS = 127
 """The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
+REQUEST_FIELDS = 32
+"""Fields a /v1 JSON body may hold beside its images and labels (its values' bound)."""
 
 
 class _Section(BaseModel):
@@ -269,6 +271,12 @@ class InferenceSettings(_Section):
         "chunked body counts as max_request_bytes); one over it is answered 429 with "
         "Retry-After before it is read",
     )
+
+    @property
+    def max_json_commas(self) -> int:
+        """Commas a /v1 JSON body may hold outside its strings (checked before it is parsed,
+        413): its images and labels, and ``REQUEST_FIELDS`` fields beside them."""
+        return self.max_images_per_request + self.max_labels + REQUEST_FIELDS
 
     @field_validator("device")
     @classmethod

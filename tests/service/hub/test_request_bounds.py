@@ -23,6 +23,7 @@ from huggingface_hub import HfApi
 from support.helpers import tiny_repo_with_head, with_front_matter
 from support.live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 
+from service.body_limits import json_problem
 from service.pages.render import markdown_html
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
@@ -82,6 +83,23 @@ def test_json_depth_is_one_pass_over_strings_and_escapes():
     for text, depth in cases.items():
         assert json.loads(text) is not None
         assert JsonDepth().feed(text) == depth, text[-40:]
+
+
+def test_a_json_body_of_millions_of_values_is_refused_before_it_is_parsed(server):
+    """64 MB of two-letter strings parse into about a gigabyte of Python objects (then pydantic's
+    copy) before the image count is checked: refused first, 413 naming the values' bound."""
+    url = f"{server.url}/v1/embeddings"
+    values = b",".join([b'"ab"'] * (server.settings.inference.max_request_bytes // 5 - 8))
+    r = httpx.post(
+        url,
+        content=b'{"model": "vip/x", "input": [' + values + b"]}",
+        headers={"Content-Type": "application/json"},
+        timeout=120,
+    )
+    most = server.settings.inference.max_json_commas + 1
+    assert r.status_code == 413 and f"more than {most} values" in r.json()["error"], r.text
+    commas = b'{"model": "vip/x", "input": ["a,b", "[,]"], "labels": ["' + b"," * 10_000 + b'"]}'
+    assert json_problem(commas, 8, 3) is None  # commas inside strings are text
 
 
 def test_a_quadratic_json_body_is_refused_while_healthz_answers(server):
