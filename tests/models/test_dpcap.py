@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import pytest
 import timm
@@ -225,6 +226,28 @@ def test_import_names_wrong_shapes_missing_and_unexpected_keys(reference, tmp_pa
             img_size=IMG,
             stages=[synthetic_stage()],
             model_name="x",
+        )
+
+
+@pytest.mark.parametrize(
+    ("key", "shape"),
+    [
+        ("decoder_embed.weight", ()),
+        ("decoder_embed.weight", (0, 192)),
+        ("text_decoder_pos_embed", (40,)),
+        ("decoder.layers.0.linear1.weight", ()),
+    ],
+)
+def test_import_names_a_sizing_tensor_of_the_wrong_dimensions(reference, tmp_path, key, shape):
+    """The text decoder's sizes are read from four tensors: one of the wrong number of
+    dimensions, or empty, was an IndexError or a ZeroDivisionError; now named."""
+    ref, _ = reference
+    state = ref.state_dict() | {key: torch.zeros(shape)}
+    odd = tmp_path / "odd.pth"
+    torch.save({"model": state, "args": argparse.Namespace()}, odd)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)} has shape"):
+        import_dpcap_checkpoint(
+            odd, tmp_path / "b", arch=ARCH, img_size=IMG, stages=[synthetic_stage()], model_name="x"
         )
 
 

@@ -3,6 +3,7 @@
 import argparse
 import functools
 import os
+import zipfile
 
 import pytest
 import torch
@@ -171,6 +172,76 @@ def test_pickled_code_is_refused(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
         load_reference_checkpoint(tmp_path / "junk.pth")
+
+
+def test_compressed_checkpoint_is_refused(tmp_path):
+    # torch.save stores its records uncompressed; a deflated one turns a small file into as much
+    # memory as its header claims (here over 100 times the file)
+    torch.save({"model": {"w": torch.zeros(2**22)}}, tmp_path / "plain.pth")
+    bomb = tmp_path / "bomb.pth"
+    with (
+        zipfile.ZipFile(tmp_path / "plain.pth") as src,
+        zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for name in src.namelist():
+            dst.writestr(name, src.read(name))
+    assert bomb.stat().st_size < 2**22 // 100
+    with pytest.raises(
+        CheckpointError, match=r"bomb\.pth: refused, its record plain/data\.pkl is compressed"
+    ):
+        load_reference_checkpoint(bomb)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _shared(state: dict) -> None:
+    state["norm.bias"] = state["norm.weight"]
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda s: s.__setitem__(7, torch.zeros(1)), "the key 7 is not a string"),
+        (lambda s: s.__setitem__("cls_token", _meta(s["cls_token"])), "cls_token holds no data"),
+        (lambda s: s.__setitem__("norm.weight", s["norm.weight"].to_sparse()), "norm.weight is"),
+        (lambda s: s.__setitem__("cls_token", s["cls_token"].long()), "cls_token is torch.int64"),
+        (lambda s: s.__setitem__("cls_token", s["cls_token"].cfloat()), "cls_token is torch.comp"),
+        (  # 4 stored bytes that would be written out as 4 MB
+            lambda s: s.__setitem__("decoder_x", torch.zeros(1).expand(1000, 1000)),
+            "decoder_x has 1000000 elements but 1 stored",
+        ),
+        (_shared, "norm.bias and norm.weight share"),
+    ],
+    ids=["int-key", "meta", "sparse", "int64", "complex", "stride-0", "shared"],
+)
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")  # torch's, loading
+def test_unusable_tensors_are_refused(tmp_path, change, problem):
+    state = {k: v for k, v in ReferenceMAE().state_dict().items() if not k.startswith("decoder")}
+    change(state)
+    torch.save({"model": state}, tmp_path / "odd.pth")
+    with pytest.raises(CheckpointError, match=rf"odd\.pth: .*{problem}"):
+        import_mae_checkpoint(
+            tmp_path / "odd.pth",
+            tmp_path / "repo",
+            arch="vip-nano",
+            img_size=32,
+            stages=[synthetic_stage()],
+            model_name="x",
+        )
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "its folder"])
+def test_out_that_holds_the_checkpoint_is_refused(reference, tmp_path, capsys, where):
+    _, path = reference
+    before = path.read_bytes()
+    out = path if where == "the checkpoint" else path.parent
+    args = ["import-mae", str(path), "--arch", "vip-nano", "--img-size", "32", "--out", str(out)]
+    assert main([*args, "--overwrite", "--synthetic-dataset", "Shaders21k"]) == 1
+    assert "would replace the checkpoint" in capsys.readouterr().err
+    assert path.read_bytes() == before
 
 
 def test_presets():

@@ -20,6 +20,7 @@ import argparse
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,8 +235,48 @@ def _loaded(
     return module
 
 
+def _compressed_member(path: str | os.PathLike[str]) -> str | None:
+    """A compressed member of a zip checkpoint (torch.save stores every record as is, and a
+    deflated one makes a small file claim up to a thousand times its size in memory)."""
+    if not zipfile.is_zipfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            return next(
+                (i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED), None
+            )
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+
+
+def _state_problem(state: dict[Any, Any]) -> str | None:
+    """Why ``state`` is not a state dict the importer can write (None: it is): string keys, dense
+    floating-point tensors on the CPU, each with its own stored data holding all its elements."""
+    owners: dict[int, str] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            return f"the key {key!r} is not a string"
+        if not isinstance(value, torch.Tensor):
+            return f"{key} is a {type(value).__name__}, not a tensor"
+        if value.device.type != "cpu":
+            return f"{key} holds no data (a tensor on {value.device})"
+        if value.layout != torch.strided or not value.is_floating_point():
+            return f"{key} is {value.dtype} {value.layout}, not a dense floating-point tensor"
+        stored = value.untyped_storage().nbytes() // value.element_size()
+        if value.numel() > stored:
+            return f"{key} has {value.numel()} elements but {stored} stored"
+        if (
+            value.numel()
+            and (other := owners.setdefault(value.untyped_storage().data_ptr(), key)) != key
+        ):
+            return f"{' and '.join(sorted((key, other)))} share their stored data"
+    return None
+
+
 def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The state dict inside a reference checkpoint, loaded without executing pickled code."""
+    if (member := _compressed_member(path)) is not None:
+        raise CheckpointError(f"{path}: refused, its record {member} is compressed")
     try:
         # The reference saves its argparse.Namespace of hyper-parameters next to the weights:
         # a plain attribute bag, allow-listed; everything else stays refused.
@@ -254,11 +295,22 @@ def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.T
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
     state = obj.get("model", obj) if isinstance(obj, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict):
         raise CheckpointError(
             f"{path}: expected a state dict or a dict with a 'model' state dict of tensors"
         )
+    if (problem := _state_problem(state)) is not None:
+        raise CheckpointError(f"{path}: refused, {problem}")
     return state
+
+
+def _check_out(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
+    """Refuse an output folder that is, or holds, the checkpoint (writing it would delete it)."""
+    source, out = Path(checkpoint).resolve(), Path(out_dir).resolve()
+    if source == out or out in source.parents:
+        raise ConfigError(
+            f"{out_dir}: writing the repo there would replace the checkpoint {checkpoint}"
+        )
 
 
 def split_mae_state_dict(
@@ -313,6 +365,7 @@ def import_mae_checkpoint(
             f"{arch} is not a ViP architecture (vip-*); DP-Cap checkpoints use "
             "import_dpcap_checkpoint"
         )
+    _check_out(checkpoint, out_dir)
     encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
     model = _loaded(create_encoder, spec, encoder_sd)
     decoder_config = None
@@ -431,11 +484,24 @@ def split_dpcap_state_dict(
     return encoder, config, decoder
 
 
+_SIZED_BY = {
+    "decoder_embed.weight": 2,
+    "decoder.layers.0.linear1.weight": 2,
+    "text_embedding_layer_SimVLM.weight": 2,
+    "text_decoder_pos_embed": 3,
+}
+"""The reference tensors the text decoder's sizes are read from, and their dimensions."""
+
+
 def _dpcap_decoder_config(
     state: dict[str, torch.Tensor], spec: EncoderSpec, heads: int | None
 ) -> TextDecoderConfig:
     """The text decoder's sizes as the reference tensors show them (heads cannot be seen in
     shapes: ``heads``, else the family's default for the size)."""
+    for key, ndim in _SIZED_BY.items():
+        shape = tuple(state[key].shape) if key in state else None
+        if shape is not None and (len(shape) != ndim or 0 in shape):
+            raise CheckpointError(f"{key} has shape {list(shape)}, not {ndim} non-empty sizes")
     width = int(state["decoder_embed.weight"].shape[0])
     depth = len({m[1] for k in state if (m := _REF_BLOCK.match(k))})
     hidden = int(state["decoder.layers.0.linear1.weight"].shape[0]) if depth else 4 * width
@@ -466,6 +532,7 @@ def import_dpcap_checkpoint(
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "dpcap":
         raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
+    _check_out(checkpoint, out_dir)
     encoder_sd, config, decoder_sd = split_dpcap_state_dict(
         load_reference_checkpoint(checkpoint), spec, decoder_heads
     )
