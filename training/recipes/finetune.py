@@ -58,7 +58,7 @@ from pydantic import Field, model_validator
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from vip_hub.errors import ConfigError, DataError
+from vip_hub.errors import ConfigError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import (
     SpatialMode,
@@ -449,17 +449,6 @@ def evaluate(
     return loss / max(len(images), 1), right / max(len(images), 1)
 
 
-def _public_test(cfg: FinetuneConfig, train: LabelledImages) -> LabelledImages | None:
-    if cfg.test_data is None:
-        return None
-    test = load_labelled(cfg.test_data, "public/test")
-    if test.classes != train.classes:
-        raise DataError(
-            f"--test-data classes {test.classes} differ from --data classes {train.classes}"
-        )
-    return test
-
-
 def _probe_plan(cfg: FinetuneConfig, n: int) -> tuple[float, float, int] | None:
     """The DP probe's (sigma, q, steps) on ``n`` records (known before it runs), or None."""
     if cfg.probe_epsilon is None:
@@ -566,8 +555,9 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
             "--augmult needs --trainable-blocks all (the top-blocks model reads "
             "the frozen blocks' outputs of unaugmented images)"
         )
-    train = load_labelled(cfg.data, cfg.dataset_name)
-    test = _public_test(cfg, train)
+    # the labels the classifier releases: the public test data's classes, not those --data holds
+    test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
+    train = load_labelled(cfg.data, cfg.dataset_name, test.classes if test is not None else None)
     n = len(train.labels)
     run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)

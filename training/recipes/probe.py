@@ -123,15 +123,23 @@ class LabelledImages:
     files: list[Path]
 
 
-def load_labelled(path: str | os.PathLike[str], name: str) -> LabelledImages:
-    """An image folder with one subfolder per class, named ``name`` in ledgers."""
+def load_labelled(
+    path: str | os.PathLike[str], name: str, classes: Sequence[str] | None = None
+) -> LabelledImages:
+    """An image folder with one subfolder per class, named ``name`` in ledgers; its label space
+    ``classes`` (PUBLIC: a subfolder outside them is a DataError), else its subfolders' names."""
     folder = ImageFolder(path)
     members = [
         (i, p.relative_to(folder.root).parts[0])
         for i, p in enumerate(folder.files)
         if len(p.relative_to(folder.root).parts) > 1
     ]  # files in a class subfolder
-    classes = sorted({c for _, c in members})
+    present = sorted({c for _, c in members})
+    if classes is None:
+        classes = present
+    elif unknown := sorted(set(present) - set(classes)):
+        raise DataError(f"{path}: class folders {unknown} are not among the classes {classes}")
+    classes = list(classes)
     if len(classes) < 2:
         raise DataError(
             f"{path} needs one subfolder per class (found {len(classes)} class folders)"
@@ -597,15 +605,12 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     """Extract features, fit the head, evaluate, and (with ``cfg.export``) add it to the repo."""
     head_component(cfg.head)  # validate the name before any work
     encoder = load_encoder(cfg.encoder, device=cfg.device)
-    train = load_labelled(cfg.data, cfg.dataset_name)
+    # the labels a head releases: the public test data's classes, not those --data holds
+    test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
+    train = load_labelled(cfg.data, cfg.dataset_name, test.classes if test is not None else None)
     key = secrets.token_bytes(32)  # chooses subsets of the private data; never stored
     n, tr_idx = len(train.labels), np.arange(len(train.labels))
-    if cfg.test_data:
-        test = load_labelled(cfg.test_data, "public/test")
-        if test.classes != train.classes:
-            raise DataError(
-                f"test classes {test.classes} differ from training classes {train.classes}"
-            )
+    if test is not None:
         test_images, test_y = test.images, test.labels
     else:
         held_out = keyed_uniforms(key, "held-out", train.files, train.labels) < cfg.test_fraction

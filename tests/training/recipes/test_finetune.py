@@ -425,6 +425,18 @@ def test_a_biases_only_fine_tuning_trains_the_vectors_its_feature_mode_reads(
     assert_biases_only_trained(syn_repo, out, "dp-finetune", head_file("clf"), READ)
 
 
+def test_the_released_labels_are_the_public_test_datas(
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A class the private records lack is still a label of the released classifier (its label
+    space is --test-data's): which classes the private data holds is not released."""
+    train = Path(shutil.copytree(data[0], tmp_path / "train"))
+    shutil.rmtree(train / CLASSES[-1])
+    out = finetune(syn_repo, (train, data[1]), tmp_path / "run")
+    _, info = load_head(out, "clf")
+    assert tuple(info.labels) == CLASSES
+
+
 def test_a_probe_kept_for_another_init_is_refused(
     syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
 ) -> None:

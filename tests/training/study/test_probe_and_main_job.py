@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -345,6 +346,35 @@ def test_few_shot_keeps_records_at_its_rate_and_bad_input_is_named(
     (flat / "a.png").write_bytes((train / "0").iterdir().__next__().read_bytes())
     with pytest.raises(ValueError, match="one subfolder per class"):
         run_probe(ProbeConfig(data=str(flat), export=False, **named))
+
+
+def test_a_dp_heads_labels_are_the_public_test_datas_whatever_private_records_are_present(
+    tiny_repo: Path, digits, tmp_path: Path
+) -> None:
+    """The labels a DP head releases (their names, its outputs) are the PUBLIC --test-data's
+    classes: removing the one private record of a class changes neither (they were the classes
+    present in --data, so the head told whether that record was there); a private record of a
+    class the public data lacks is named."""
+    train, test = tmp_path / "train", digits[1]
+    shutil.copytree(digits[0], train)
+    lone = sorted((train / "9").glob("*.png"))
+    for png in lone[1:]:
+        png.unlink()
+    named = {"encoder": str(tiny_repo), "dataset_name": "test/digits-train", "head": "h"}
+    dp = {"epsilon": 2.0, "optimizer": "sgd", "epochs": 1, "warmup_epochs": 0}
+    released = []
+    for world in ("with", "without"):
+        if world == "without":
+            lone[0].unlink()
+        out = tmp_path / world
+        run_probe(ProbeConfig(data=str(train), test_data=str(test), out=str(out), **named, **dp))
+        head, info = load_head(out, "h")
+        released.append((info.labels, head.linear.out_features))
+    assert released == [([str(d) for d in range(10)], 10)] * 2
+    (train / "extra").mkdir()
+    shutil.copy(next((train / "0").glob("*.png")), train / "extra" / "x.png")
+    with pytest.raises(DataError, match="extra"):
+        run_probe(ProbeConfig(data=str(train), test_data=str(test), export=False, **named, **dp))
 
 
 def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digits) -> None:
