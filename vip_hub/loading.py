@@ -149,23 +149,30 @@ class Encoder:
 
 
 def resolve_source(source: str | os.PathLike[str], revision: str | None = None) -> Path:
-    """A local folder for ``source``: a path (optionally ``local-dir:``), or a hub repo id
-    (optionally ``hf-hub:``), downloaded with huggingface_hub (which honours ``HF_ENDPOINT``)."""
+    """A local folder for ``source``: a path (optionally ``local-dir:``; no revision), or a hub
+    repo id (optionally ``hf-hub:``, ``@revision``), downloaded with huggingface_hub (which honours
+    ``HF_ENDPOINT``)."""
     text = os.fspath(source)
     if text.startswith("local-dir:") or Path(text).exists():
         path = Path(text.removeprefix("local-dir:"))
+        if revision:
+            raise ConfigError(f"{path} is a folder: it has no revision {revision!r}")
         if not path.is_dir():
             raise MissingInputError(f"{path} is not a repo folder")
         return path
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-    repo_id, _, rev = text.removeprefix("hf-hub:").partition("@")
+    repo_id, at, rev = text.removeprefix("hf-hub:").partition("@")
+    if at and revision and revision != rev:
+        raise ConfigError(f"{text} pins revision {rev!r} but revision {revision!r} was given too")
+    revision = revision or rev or None
     try:
-        return Path(snapshot_download(repo_id, revision=revision or rev or None))
-    except (HfHubHTTPError, HFValidationError) as e:
+        return Path(snapshot_download(repo_id, revision=revision))
+    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError) as e:
+        where = f"{text} at revision {revision!r}" if revision and not at else text
         raise MissingInputError(
-            f"{text} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}"
+            f"{where} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}"
         ) from None
 
 

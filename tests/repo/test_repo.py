@@ -1,6 +1,7 @@
 """The released-encoder repo format, end to end: export, plain-timm load, verify, tamper."""
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,11 +11,24 @@ import pytest
 import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard
-from support.helpers import TINY, dp_stage, rewrite_ledger_copies, synthetic_stage, tiny_encoder
+from support.helpers import (
+    TINY,
+    dp_stage,
+    rewrite_ledger_copies,
+    synthetic_stage,
+    tiny_encoder,
+    tiny_repo_with_head,
+)
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
 from vip_hub.cli.main import main
-from vip_hub.errors import ConfigError, LedgerError, RepoFormatError
+from vip_hub.errors import (
+    ConfigError,
+    LedgerError,
+    RepoFormatError,
+    TamperedFileError,
+    VerificationError,
+)
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import (
     MAX_STAGES,
@@ -30,10 +44,14 @@ from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
+    HEAD_CLASSIFIER,
     HEAD_LABELS,
     HEAD_WEIGHTS,
     LEDGER_FILE,
     MAE_DECODER_FILE,
+    META_IN_FEATURES,
+    META_LABELS,
+    META_POOLING,
     WEIGHTS_FILE,
     head_component,
     head_file,
@@ -260,7 +278,7 @@ def test_a_noise_multiplier_too_small_to_account_fails_by_name(tiny_repo, sigma)
         return ledger
 
     rewrite_ledger_copies(tiny_repo, tiny_sigma)
-    _fails(tiny_repo, "stage 'dp-pretraining'", "for a DP release")
+    _fails(tiny_repo, "stage 'dp-pretraining'", "far too small")
 
 
 @pytest.mark.parametrize("steps", [10**9, 10**400])
@@ -456,6 +474,36 @@ def test_tampered_weights(tiny_repo):
     _fails(tiny_repo, f"{WEIGHTS_FILE}: content changed since export")
 
 
+def _without_a_shape(header: dict) -> bytes:
+    del header["mask_token"]["shape"]
+    return json.dumps(header).encode()
+
+
+def _nested_past_the_recursion_limit(header: dict) -> bytes:
+    return json.dumps(header).encode()[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "rewrite, message",
+    [
+        (_without_a_shape, "tensor entry 'mask_token' is malformed"),
+        (_nested_past_the_recursion_limit, "header is not JSON"),
+    ],
+)
+def test_a_malformed_weights_header_is_refused_naming_the_file(tiny_repo, rewrite, message):
+    """A tensor entry without a shape, or a header nested past Python's recursion limit, is a
+    named problem of verify and a VerificationError of load_encoder (a KeyError, a
+    RecursionError)."""
+    path = tiny_repo / MAE_DECODER_FILE
+    header, n = read_safetensors_header(path)
+    text = rewrite(header)
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + path.read_bytes()[8 + n :])
+    _fails(tiny_repo, f"{MAE_DECODER_FILE}: cannot be digested: {path}: {message}")
+    with pytest.raises(VerificationError, match=message):
+        load_encoder(tiny_repo)
+
+
 def test_tampered_config_and_extra_weights(tiny_repo):
     (tiny_repo / CONFIG_FILE).write_text(
         (tiny_repo / CONFIG_FILE).read_text().replace('"depth": 12', '"depth": 11')
@@ -543,7 +591,8 @@ def test_heads_round_trip_and_replace(tiny_repo):
     head.eval()
     torch.testing.assert_close(loaded(x), head(x))
     # saving again under the same name replaces the stage and files, not duplicates them
-    ledger = save_head(tiny_repo, head, HeadInfo("toy", "avg", ["a", "b", "c"]), stage)
+    avg = LinearProbe(192, 3).eval()  # the avg features' width
+    ledger = save_head(tiny_repo, avg, HeadInfo("toy", "avg", ["a", "b", "c"]), stage)
     assert [s.name for s in ledger.stages].count("linear-probe:toy") == 1
     assert load_head(tiny_repo, "toy")[1].pooling == "avg"
     assert verify_repo(tiny_repo).ok
@@ -551,6 +600,27 @@ def test_heads_round_trip_and_replace(tiny_repo):
         save_head(tiny_repo, head, HeadInfo("other", "vip", ["a", "b", "c"]), stage)
     with pytest.raises(ValueError, match="head name"):
         save_head(tiny_repo, head, HeadInfo("../x", "vip", ["a", "b", "c"]), stage)
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({META_LABELS: '["blue", "green", "red"]'}, "its metadata's labels are not"),
+        ({META_LABELS: '["red", "green"]'}, "its metadata's labels are not"),
+        ({META_IN_FEATURES: "192"}, f"{HEAD_CLASSIFIER} has shape [3, 1152], not 3 labels by 192"),
+        ({META_POOLING: "avg"}, "reads 1152 features of mode 'avg', which config.json's"),
+    ],
+)
+def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, meta, message):
+    """The tensors digest leaves a head's metadata out, and the loader reads the head from it:
+    swapped labels (classify answered 'blue' for what labels.json calls 'red'), a labels count or
+    width its weights do not have, a feature mode of another width verified and loaded."""
+    repo = tiny_repo_with_head(tmp_path / "repo")
+    path = repo / head_file("toy")
+    rewrite_safetensors_metadata(path, {**read_safetensors_header(path)[0]["__metadata__"], **meta})
+    _fails(repo, f"{head_file('toy')}: {message}")
+    with pytest.raises(TamperedFileError, match=re.escape(message)):
+        load_encoder(repo)
 
 
 def test_verify_recomputes_the_truncation_delta(tiny_repo):

@@ -76,7 +76,7 @@ def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any]
         )
     try:
         header = json.loads(f.read(n))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"{name}: header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{name}: header is not a JSON object")
@@ -88,7 +88,14 @@ def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any]
             continue
         try:
             start, end = entry["data_offsets"]
-            ok = entry["dtype"] in _ST_DTYPES and 0 <= start <= end <= data_size
+            shape = entry["shape"]
+            ok = (
+                entry["dtype"] in _ST_DTYPES
+                and type(start) is type(end) is int
+                and 0 <= start <= end <= data_size
+                and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+            )
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

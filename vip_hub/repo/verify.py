@@ -8,6 +8,8 @@ A repo verifies when
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
 - the timm configuration and the weights agree on the architecture, and it names no other
   source for the weights;
+- every head's weights metadata, which its loader reads and the digest leaves out, agrees with
+  its labels file, its tensor's shape and the width the configuration gives its feature mode;
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
 - every DP stage's noise support c is a sampler vip-hub knows, and its truncation delta what
   (sigma, q, T, c, d) give;
@@ -60,13 +62,20 @@ from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
+    HEAD_CLASSIFIER,
+    HEAD_LABELS,
     LEDGER_FILE,
     META_ARCH,
+    META_IN_FEATURES,
+    META_LABELS,
     META_LEDGER,
+    META_POOLING,
     REQUIRED_FILES,
     WEIGHTS_FILE,
     FrontMatterLimits,
+    head_file,
     head_folders,
+    heads_in,
     is_weights_file,
 )
 from .artifacts import digest_file, read_safetensors_header
@@ -175,6 +184,7 @@ def verify_repo(
     _check_artifacts(files, ledger, report)
     _check_components(files, ledger, report)
     _check_config(files, report)
+    _check_heads(files, report)
     _check_mechanisms(ledger, report)
     _check_noised(files, ledger, report)
     if check_accounting:
@@ -339,6 +349,42 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
         except (ConfigError, RepoFormatError) as e:
             report.fail(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: "))
     report.checks.append("config matches weights")
+
+
+def _check_heads(files: Mapping[str, Path], report: VerificationReport) -> None:
+    """Each head as its loader reads it, from its weights' metadata (which the digest leaves out):
+    its labels its labels file's, one per output, its inputs its feature mode's width."""
+    try:
+        dims = dict(json.loads(files[CONFIG_FILE].read_bytes())[CONFIG_BLOCK]["feature_dims"])
+    except (KeyError, TypeError, ValueError, OSError, RecursionError):
+        dims = {}  # _check_config names the problem
+    for name in heads_in(files):
+        where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
+        try:
+            header = read_safetensors_header(files[where])[0]
+            meta = header.get("__metadata__") or {}
+            labels, pooling = json.loads(meta[META_LABELS]), meta[META_POOLING]
+            inputs, shape = int(meta[META_IN_FEATURES]), header[HEAD_CLASSIFIER]["shape"]
+            listed = json.loads(files[labels_file].read_bytes()) if labels_file in files else None
+        except (KeyError, ValueError, OSError, RecursionError) as e:
+            report.fail(where, f"not a readable head ({type(e).__name__}: {e})", TamperedFileError)
+            continue
+        if labels != listed:
+            report.fail(where, f"its metadata's labels are not {labels_file}'s", TamperedFileError)
+        elif shape != [len(labels), inputs]:
+            report.fail(
+                where,
+                f"{HEAD_CLASSIFIER} has shape {shape}, not {len(labels)} labels by {inputs} inputs",
+                TamperedFileError,
+            )
+        elif dims.get(pooling) != inputs:
+            report.fail(
+                where,
+                f"reads {inputs} features of mode {pooling!r}, which {CONFIG_FILE}'s feature_dims "
+                f"makes {dims.get(pooling)}",
+                TamperedFileError,
+            )
+    report.checks.append("heads match their labels and features")
 
 
 def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None:

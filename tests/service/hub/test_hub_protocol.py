@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import pytest
 import timm
 import torch
@@ -32,6 +33,7 @@ from support.live import READ_TOKEN, WRITE_TOKEN
 
 import vip_hub
 from vip_hub import export_encoder
+from vip_hub.errors import ConfigError, MissingInputError
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -73,6 +75,24 @@ def test_timm_and_vip_hub_load_from_the_hub(hub, published):
         torch.testing.assert_close(model(x), tiny_encoder(0)(x), rtol=0, atol=0)
     encoder = vip_hub.load_encoder(MODEL)
     assert encoder.privacy.datasets == ("test-images",)
+
+
+def test_load_encoder_loads_the_revision_pinned_or_says_why_not(hub, published, monkeypatch):
+    """A revision the load cannot honour is refused, not dropped: given with a folder (which
+    loaded the folder) or besides another ``@revision`` (the argument won); offline without the
+    revision cached, or a revision the hub refuses, is a MissingInputError naming the repo (was
+    huggingface_hub's LocalEntryNotFoundError)."""
+    commit = HfApi().model_info(MODEL).sha
+    assert vip_hub.load_encoder(f"hf-hub:{MODEL}@{commit}").path.name == commit
+    with pytest.raises(ConfigError, match=f"{MODEL}@main pins revision 'main' but revision"):
+        vip_hub.load_encoder(f"{MODEL}@main", revision=commit)
+    with pytest.raises(ConfigError, match="is a folder: it has no revision 'v1'"):
+        vip_hub.load_encoder(published[MODEL], revision="v1")
+    with pytest.raises(MissingInputError, match=f"{MODEL} at revision '../x' is neither"):
+        vip_hub.load_encoder(MODEL, revision="../x")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(MissingInputError, match=f"{MODEL} at revision '{'0' * 40}' is neither"):
+        vip_hub.load_encoder(MODEL, revision="0" * 40)
 
 
 def test_list_models_and_search(hub, published):
