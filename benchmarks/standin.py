@@ -454,8 +454,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument(
         "--head-components",
         type=int,
-        default=JOB.head_components,
-        help="the DP heads' public principal components (0: the features)",
+        help="the DP heads' public principal components (0: the features; default: the study's)",
     )
     p.add_argument(
         "--head-kind",
@@ -507,7 +506,9 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         )
     if a.uncentred and a.head_kind != "sgd":
         p.error("--uncentred is a DP-SGD head's option: a class-means head centres its features")
-    if a.uncentred and a.head_components:
+    base = JOB if a.study == "job" else BENCHMARK
+    components = base.head_components if a.head_components is None else a.head_components
+    if a.uncentred and components:
         p.error("--uncentred reads the features as they are: give --head-components 0 with it")
     work = Path(a.work)
     head = {
@@ -538,7 +539,6 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                 settings[key] = value
         t = finetune_trial(study, settings, recs, work, a.probe_only)
     else:
-        base = JOB if a.study == "job" else BENCHMARK
         trains = a.encoder_parameters or base.dp_encoder_parameters
         try:
             study = base.updated(
@@ -549,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
                     "dp_encoder_parameters": trains,
                     "vip_decoder_warmup": a.decoder_warmup,
                     "dpcap_decoder_warmup": a.decoder_warmup,
-                    "head_components": a.head_components,
+                    "head_components": components,
                     "head_kind": a.head_kind,
                     **(
                         {
@@ -596,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         if a.disjoint_centre:
             settings["centre"] = "disjoint"
         if a.head_kind == "sgd":
-            settings["components"] = a.head_components
+            settings["components"] = components
         else:
             settings["head"] = a.head_kind
         if a.study != "job":

@@ -27,10 +27,11 @@ from training.study.table import chance_test, paired
 from vip_hub.errors import DataError
 
 
-def test_the_job_and_the_benchmark_differ_only_in_their_sizes_and_head_schedule() -> None:
+def test_the_job_and_the_benchmark_differ_only_in_their_sizes_and_heads() -> None:
     differ = {k for k in StudyConfig.model_fields if getattr(JOB, k) != getattr(BENCHMARK, k)}
-    # the heads' epochs and batch: each preset's best on the public stand-in at its own noise
-    assert differ == {"train_size", "select_size", "test_size", "probe_epochs", "head_batches"}
+    # the heads' epochs, batch and components: each preset's on the public stand-in at its noise
+    heads = {"probe_epochs", "head_batches", "head_components"}
+    assert differ == {"train_size", "select_size", "test_size", *heads}
     assert MainJobConfig().study() == JOB  # `vip-hub run` runs the job's preset
     with pytest.raises(ValueError, match="leaves nothing of epsilon 3"):
         StudyConfig(encoder_epsilon=3.0)
