@@ -441,11 +441,11 @@ def _compare(
 
     splits = study_splits(cfg, cfg.data, work / "data")
     private = splits.private
-    stages = {
+    stages = {  # what each head composes with: not an earlier run's head, which it replaces
         e: [
             s
             for s in PrivacyLedger.read(folder[e]).dp_stages()
-            if s.dataset.name == private.dataset.name
+            if s.dataset.name == private.dataset.name and s.component != head_component(HEAD)
         ]
         for e in PUBLISHED
     }

@@ -635,6 +635,13 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert run_main_job(cfg) == 0  # again: everything is up to date, including what is published
     again = capsys.readouterr().out
     assert again.count("up to date, skipped") == 14, again
+    # a head setting changed: the comparison runs again on repos holding the earlier heads,
+    # which the new ones replace (each composed with the encoder alone, not with the old head)
+    cfg.port, cfg.probe_epochs = free_port(), 2
+    assert run_main_job(cfg) == 0, capsys.readouterr().out
+    for repo in repos.values():
+        head = PrivacyLedger.read(repo).summary(head_component(HEAD))
+        assert 3.0 - 0.02 < head.epsilon <= 3.0 and list_heads(repo) == [HEAD]
 
     # `vip-hub run` serving, then SIGTERM (docker stop): its server child stops as on Ctrl-C
     cfg.port, cfg.serve = free_port(), True
