@@ -456,6 +456,7 @@ def selection_scores(
     cfg: ProbeConfig,
     private_n: int,
     components: int = 0,
+    basis: int | None = None,
 ) -> dict[str, float]:
     """Each of the PUBLIC features ``feats`` (name -> (N, D), labels ``labels``) scored for a
     head trained by ``cfg`` on ``private_n`` private records: the mean top-1 (%) of two heads,
@@ -465,7 +466,9 @@ def selection_scores(
     the private head's (their epsilon on the public records means nothing), and their features
     are centred on all the records' mean (``centred_statistics``: the rule of a head given these
     records as ``--public-data``); with ``components`` > 0 every head reads the top principal
-    components of the records' features (``component_count``)."""
+    components (``component_count``) of the features of the first ``basis`` records (default
+    all: the study's heads take theirs from the centring records, and 1,000 rows of 3,072
+    features decompose 20 times faster than 8,000)."""
     half = len(labels) // 2
     if half < 2:
         raise DataError(f"choosing on public records needs at least 4 of them, not {len(labels)}")
@@ -483,8 +486,8 @@ def selection_scores(
     halves = (slice(0, half), slice(half, 2 * half))
     scores = {}
     for mode, x in feats.items():
-        if k := component_count(x, components):
-            x = public_components(x, k)(x)
+        if k := component_count(x[:basis], components):
+            x = public_components(x[:basis], k)(x)
         top1 = []
         public = centred_statistics(x) if cfg.epsilon is not None else None
         for fit_on, score_on in (halves, halves[::-1]):

@@ -131,7 +131,7 @@ def choose_features(
     head = head_config(cfg, n, released_epsilon(cfg, "sgd", n, dataset, prior), dataset=dataset)
     scores = selection_scores(
         feats, selection.labels, len(private.classes), head, len(private),
-        cfg.head_components,
+        cfg.head_components, cfg.centre_size,
     )  # fmt: skip
     mode = max(scores, key=lambda m: scores[m])
     kind, kinds = choose_head(cfg, feats[mode], selection.labels, private, prior, scores[mode])

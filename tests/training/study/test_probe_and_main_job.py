@@ -119,6 +119,11 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
     fits.clear()
     probe.choose_pooling(encoder, images, data.labels[:41], 10, cfg, 1000, components=3)
     assert [f.shape[1] for f in fits] == [3] * 2 * len(feats)
+    # their directions from the first 12 records alone, as the study's from its centring ones
+    fits.clear()
+    probe.selection_scores(feats, data.labels[:41], 10, cfg, 1000, components=3, basis=12)
+    for i, x in enumerate(feats.values()):
+        assert torch.allclose(fits[2 * i], probe.public_components(x[:12], 3)(x)[:20])
 
 
 def test_a_dp_head_without_public_data_says_its_normalisation_is_procedural(
