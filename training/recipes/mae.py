@@ -137,7 +137,7 @@ class MAE(nn.Module):
         return int(self.num_patches * self.config.mask_ratio)
 
     def decoder_state_dict(self) -> dict[str, torch.Tensor]:
-        """The decoder's tensors, reference-named (what ``mae_decoder.safetensors`` holds)."""
+        """The decoder's tensors, reference-named (what the repo's MAE decoder file holds)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("encoder.")}
 
     def broadcast_parameters(self) -> list[nn.Parameter]:

@@ -6,7 +6,7 @@ appended, a zip behind one junk byte):
 
 - safetensors (``*.safetensors``): the safetensors library's header checks (its tensors cover
   the data section exactly);
-- JSON (``*.json``, and ``model.sig``: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
+- JSON (``*.json``, and the signature: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
   Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
   vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and
   carriage return, then the kind's parser; every YAML (a file, a front matter) first within the
@@ -33,8 +33,8 @@ naming the chunk), and the zip check refuses the polyglot wherever it lies, as t
 
 Every other kind is refused naming the file: code (``.py``), pickles and what hides them
 (``.pkl``, ``.joblib``, ``.pt``, ``.bin``, ``.npy``), archives and compressed streams
-(``.zip``, ``.tar``, ``.gz``), files without a suffix. Also here: the config.json keys that
-would send timm elsewhere for the weights (a repo's verified ``model.safetensors`` is what
+(``.zip``, ``.tar``, ``.gz``), files without a suffix. Also here: the timm configuration's keys that
+would send timm elsewhere for the weights (a repo's verified weights file is what
 ``timm.create_model("hf-hub:…", pretrained=True)`` loads).
 
 ``vip_hub.repo.verify`` applies both rules, so the hub (which verifies every commit) does too.
@@ -571,8 +571,8 @@ def content_problem(
 
 
 def weight_sources(config: Mapping[str, Any]) -> list[str]:
-    """config.json keys that would make timm load weights from elsewhere (top level, where
-    timm's legacy layout reads them, and ``pretrained_cfg``), as ``block.key``."""
+    """The timm configuration's keys that would make timm load weights from elsewhere (top
+    level, where timm's legacy layout reads them, and ``pretrained_cfg``), as ``block.key``."""
     found = [f"{CONFIG_FILE}:{k}" for k in sorted(WEIGHT_SOURCE_KEYS & set(config))]
     cfg = config.get("pretrained_cfg", {})
     if not isinstance(cfg, Mapping):

@@ -113,7 +113,7 @@ def export_encoder(
     ``stages`` are the ledger's stages in training order; guarantees and file digests are
     computed here. Optional: ``decoder`` (an MAE decoder state dict, ViP), ``text_decoder`` (a
     ``vip_hub.models.text_decoder.TextDecoder``, DP-Cap: it also gives the ``dpcap`` feature mode)
-    with ``vocab`` (the bytes of the tokenizer's vocab.txt), ``extra_files`` (e.g. a
+    with ``vocab`` (the bytes of the tokenizer's vocabulary file), ``extra_files`` (e.g. a
     training-curve PNG), and ``spatial``: the spatial feature modes the repo declares (default
     ``default_spatial_modes(model)``; ``()`` for none); ``weights_dtype`` stores the encoder's
     floating tensors in that dtype (float16 halves a prior committed to a project).
@@ -183,7 +183,7 @@ def update_repo(
     ``replace_component`` (e.g. ``"heads/digits"``) first drops that component's stages and
     the files under its folder. ``comparison`` replaces the card's probe-comparison table.
     The three ledger copies and the card are rewritten together; the update is atomic. A
-    signature (``model.sig``) no longer covers the new files and is removed: sign again
+    signature no longer covers the new files and is removed: sign again
     (``vip-hub sign``). Returns the new ledger.
     """
     repo = Path(repo_dir)
@@ -230,7 +230,7 @@ def update_repo(
 
 
 def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The repo's config.json as a dict."""
+    """The repo's timm configuration as a dict."""
     path = Path(repo_dir) / CONFIG_FILE
     try:
         return json.loads(path.read_text())
@@ -277,7 +277,8 @@ def _check_text_parts(
 
 
 def declared_spatial(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The spatial feature modes that config.json's ``feature_dims`` declares, in its order."""
+    """The spatial feature modes that the timm configuration's ``feature_dims`` declares, in
+    its order."""
     dims = (config.get(CONFIG_BLOCK) or {}).get("feature_dims") or {}
     try:
         return tuple(m for m in dims if SpatialMode.parse(m) is not None)
@@ -286,8 +287,8 @@ def declared_spatial(config: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def check_feature_dims(config: Mapping[str, Any], model: VisionTransformer) -> None:
-    """Raise RepoFormatError unless every spatial mode config.json declares fits ``model`` with
-    the declared width."""
+    """Raise RepoFormatError unless every spatial mode the timm configuration declares fits
+    ``model`` with the declared width."""
     dims = config[CONFIG_BLOCK]["feature_dims"]
     for mode in declared_spatial(config):
         try:
@@ -413,7 +414,7 @@ def can_caption(files: Container[str]) -> bool:
 
 
 def text_decoder_file(decoder: TextDecoder) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and safetensors metadata of ``text_decoder.safetensors`` for ``decoder``."""
+    """The tensors and safetensors metadata of the text decoder's weights file for ``decoder``."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in decoder.state_dict().items()}
     return tensors, {"format": "pt", META_DECODER: json.dumps(decoder.config.to_dict())}
 

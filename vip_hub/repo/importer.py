@@ -527,7 +527,7 @@ def import_dpcap_checkpoint(
     **release: Unpack[Release],
 ) -> Path:
     """Convert a DP-Cap reference checkpoint (encoder and text decoder) to a repo folder; with
-    ``vocab`` (the tokenizer's vocab.txt, e.g. bert-base-uncased's) the repo can caption
+    ``vocab`` (the tokenizer's vocabulary file, e.g. bert-base-uncased's) the repo can caption
     (``release``: as for ``import_mae_checkpoint``; licence by default the DP-Cap authors')."""
     spec = EncoderSpec(arch, img_size=img_size)
     if spec.family.name != "dpcap":
