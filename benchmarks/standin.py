@@ -261,6 +261,7 @@ def heads_trial(
     mode: str = MODE,
     centred: bool = True,
     noise: bool = True,
+    matched_rate: bool = False,
 ) -> Trial:
     """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; one of ``STAGES``:
     its family's DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP
@@ -270,7 +271,8 @@ def heads_trial(
     study's principal components of the centring records' features (``head_components`` for
     DP-SGD, ``class_means_components`` for class means), as the study's heads do; the
     reference reads the features. Without ``noise`` a stage row trains at ``NO_NOISE`` inside
-    ``trial_weights`` and its heads are charged as the job's stage."""
+    ``trial_weights`` and its heads are charged as the job's stage; with ``matched_rate`` its
+    stage samples the real q (a batch of P q) at sigma scaled as a head's (``matched_head``)."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -281,15 +283,20 @@ def heads_trial(
         sigma, q, steps_real = encoder_stage(study, row)
         prior = [(sigma, q, steps_real)]
         t.real["encoder"] = prior[0]
-        q_standin = q * study.train_size / len(recs.private)
-        t.standin["encoder"] = (sigma if noise else NO_NOISE, q_standin, steps_real)
+        q_standin, stage_sigma, stage_study = q * study.train_size / len(recs.private), sigma, study
+        if matched_rate:  # as many epochs as the real stage, the same noise on the averaged step
+            batch = max(1, round(q * len(recs.private)))
+            q_standin = batch / len(recs.private)
+            stage_sigma = sigma * batch / (q * study.train_size)
+            stage_study = study.updated({"dp_batch_size": batch, "contrastive_batch_size": batch})
+        t.standin["encoder"] = (stage_sigma if noise else NO_NOISE, q_standin, steps_real)
         # every setting in the folder: trials run side by side never share (and restart) one encoder
         out = work / f"{row}-{tag(settings)}"
         if noise:
-            repo = train_encoder(study, row, sigma, recs.private, out)
+            repo = train_encoder(stage_study, row, stage_sigma, recs.private, out)
         else:
             with trial_weights() as weights:
-                train_encoder(study, row, NO_NOISE, recs.private, out)
+                train_encoder(stage_study, row, NO_NOISE, recs.private, out)
             repo, kept = prior_path(study.prior(row)), weights
     encoder = load_encoder(repo)
     if kept is not None:  # the noise-free stage's weights in its prior's model
@@ -486,6 +493,13 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         help="a stage row: the real stage's expected batch B (default: the study's), its noise "
         "calibrated at B",
     )
+    p.add_argument(
+        "--matched-rate",
+        action="store_true",
+        help="a stage row: the stand-in's stage samples the real q (a batch of P q, as many "
+        "epochs) at sigma scaled by the ratio of the expected batches (the heads' rule), not the "
+        "real B at the real sigma",
+    )
     p.add_argument("--data", default=None, help="Fashion-MNIST folder (default: the package)")
     p.add_argument("--work", default="var/standin")
     p.add_argument("--json", default=None, help="append the trial here (JSON lines)")
@@ -603,9 +617,12 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["study"] = a.study
         if a.mode != MODE:  # in the folder's name too: trials of two modes never share an encoder
             settings["mode"] = a.mode
+        if a.matched_rate:
+            settings["rate"] = "matched"
         t = heads_trial(
-            study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred, not a.no_noise
-        )
+            study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred, not a.no_noise,
+            a.matched_rate,
+        )  # fmt: skip
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:
         with open(a.json, "a") as f:
