@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
@@ -215,7 +216,12 @@ class S3Objects:
     def put_file(self, path: Path, key: str) -> None:
         """Upload a local file to ``key`` (multipart when large)."""
         with _reachable():
-            self._client.upload_file(str(path), self.bucket, key, Config=_TRANSFER)
+            try:
+                self._client.upload_file(str(path), self.bucket, key, Config=_TRANSFER)
+            except S3UploadFailedError as e:  # boto3's wrapping of the store's error answer
+                if isinstance(e.__context__, ClientError):
+                    raise e.__context__ from None
+                raise
 
     def copy(self, source: str, key: str) -> None:
         """Copy ``source`` to ``key`` inside the store (multipart when large), replacing what

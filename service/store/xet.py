@@ -407,12 +407,15 @@ class XetStore:
                 with open(self._local(term.xorb), "rb") as f:
                     written = 0
                     for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
-                        writer.write(data)
                         written += len(data)
+                        if written > term.size:  # its stated size bounds what is written
+                            break
+                        writer.write(data)
                     if written != term.size:
+                        got = "more than" if written > term.size else f"{written} bytes, not"
                         raise InvalidRequest(
-                            f"shard term of xorb {term.xorb} unpacks to {written} bytes, "
-                            f"not the {term.size} it states"
+                            f"shard term of xorb {term.xorb} unpacks to {got} the {term.size} "
+                            "bytes it states"
                         )
             sha256 = writer.close()
         except BaseException:
@@ -505,9 +508,9 @@ def _read_chunks(f: BinaryIO, offset: int, count: int) -> Iterator[bytes]:
         scheme = header[4]
         try:
             if scheme == 1:
-                data = lz4.frame.decompress(data)
+                data = _lz4_frame(data, unpacked)
             elif scheme == 2:
-                data = _bg4_regroup(lz4.frame.decompress(data))
+                data = _bg4_regroup(_lz4_frame(data, unpacked))
         except RuntimeError as e:
             raise InvalidRequest(f"a xorb chunk does not decompress ({e})") from None
         if len(data) != unpacked:
@@ -515,6 +518,16 @@ def _read_chunks(f: BinaryIO, offset: int, count: int) -> Iterator[bytes]:
                 f"a xorb chunk unpacks to {len(data)} bytes, not the {unpacked} its header states"
             )
         yield data
+
+
+def _lz4_frame(data: bytes, unpacked: int) -> bytes:
+    """An LZ4 frame's bytes, at most ``unpacked`` + 1 of them whatever size the frame declares
+    (its header may state terabytes); RuntimeError for a frame that ends early."""
+    frame = lz4.frame.LZ4FrameDecompressor()
+    data = frame.decompress(data, max_length=unpacked + 1)
+    if not frame.eof and len(data) <= unpacked:
+        raise RuntimeError("the frame ends early")
+    return data
 
 
 def _bg4_regroup(grouped: bytes) -> bytes:

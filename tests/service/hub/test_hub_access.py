@@ -25,7 +25,8 @@ from support.live import ThreadedServer
 
 from service.auth import create_token, revoke_token
 from service.settings import Settings
-from service.store.xet import SHARD_TAG, xet_hex, xorb_hash
+from service.store.blobs import DigestWriter
+from service.store.xet import MAX_CHUNK, SHARD_TAG, xet_hex, xorb_hash
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
@@ -489,16 +490,22 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
     assert httpx.put(put, content=chunk).status_code == 401
 
 
+def _lz4_chunk(packed: bytes, unpacked: int) -> bytes:
+    """One chunk of LZ4-framed bytes ``packed`` (scheme 1) whose header states ``unpacked``."""
+    return (
+        bytes([0])
+        + len(packed).to_bytes(3, "little")
+        + bytes([1])
+        + unpacked.to_bytes(3, "little")
+        + packed
+    )
+
+
 def _lz4_xorb(chunks: list[bytes]) -> bytes:
     """LZ4-framed chunks (scheme 1), each after its 8-byte header."""
     import lz4.frame
 
-    out = b""
-    for c in chunks:
-        packed = lz4.frame.compress(c)
-        out += bytes([0]) + len(packed).to_bytes(3, "little") + bytes([1])
-        out += len(c).to_bytes(3, "little") + packed
-    return out
+    return b"".join(_lz4_chunk(lz4.frame.compress(c), len(c)) for c in chunks)
 
 
 def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(server, repos):
@@ -558,6 +565,54 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     assert answers[0].text.replace(random_xorb, absent) == answers[1].text
     # a grant is good on its own user's CAS URL only
     assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404
+
+
+def test_lz4_chunks_unpack_to_at_most_their_stated_size(server):
+    """An LZ4 chunk is unpacked to at most the size its header states, whatever its frame
+    declares: a 23-byte xorb whose frame header announces 4 EiB was a MemoryError (500), and a
+    frame of 56 MiB of zeros in a chunk stating 128 KiB was unpacked whole before it was refused."""
+    import lz4.frame
+
+    _api(server, CAROL).create_repo("carol/frames")
+    cas, grant = _xet_grant(server, "carol/frames", CAROL)
+    data = b"ten bytes!"
+    frame = lz4.frame.LZ4FrameCompressor()
+    packed = frame.begin(source_size=1 << 62) + frame.compress(data)  # never flushed
+    name = xorb_hash(_hashes([data]))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_lz4_chunk(packed, 10), headers=grant)
+    assert r.status_code == 400 and "does not decompress" in r.json()["error"], r.text
+    bomb = lz4.frame.compress(bytes(56 << 20))
+    r = httpx.post(
+        f"{cas}/v1/xorbs/default/{name}", content=_lz4_chunk(bomb, MAX_CHUNK), headers=grant
+    )
+    assert r.status_code == 400, r.text
+    assert f"unpacks to {MAX_CHUNK + 1} bytes, not the {MAX_CHUNK}" in r.json()["error"]
+
+
+def test_a_shard_term_writes_no_more_than_its_stated_size(server, monkeypatch):
+    """A shard term stating fewer bytes than its chunks unpack to is refused before it writes
+    more: a 145 KB xorb of 256 LZ4-packed zero chunks, named by a term stating 1 byte, wrote its
+    32 MiB (past hub.xet_max_expansion, whose check reads the stated sizes) before the 400."""
+    peak = 0
+    write = DigestWriter.write
+
+    def watched(self: DigestWriter, data: bytes | bytearray) -> None:
+        nonlocal peak
+        write(self, data)
+        peak = max(peak, self.size)
+
+    _api(server, CAROL).create_repo("carol/understated")
+    cas, grant = _xet_grant(server, "carol/understated", CAROL)
+    zeros = [bytes(MAX_CHUNK)] * 256
+    name = xorb_hash(_hashes(zeros))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_lz4_xorb(zeros), headers=grant)
+    assert r.status_code == 200, r.text
+    monkeypatch.setattr(DigestWriter, "write", watched)
+    shard = _shard(hashlib.sha256(b"\0").hexdigest(), [(name, 0, 256, 1)])
+    r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    assert r.status_code == 400, r.text
+    assert peak <= len(shard)  # the shard's own body; not one byte of the term
+    assert "unpacks to more than the 1 bytes it states" in r.json()["error"]
 
 
 def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server):

@@ -230,6 +230,35 @@ def test_store_down_answers_503_and_resumes(hub, seaweed, published):
     assert api.model_info("lfs/s3").sha != head
 
 
+def test_store_refusing_a_write_answers_503(seaweed, tmp_path, monkeypatch):
+    """The store answering a file upload with an error (here: credentials it refuses) is a 503
+    with Retry-After, as for every other call: boto3 wraps it in S3UploadFailedError, which was a
+    500 (a Xet xorb, a file rebuilt from a shard, a commit's new blobs)."""
+    import blake3
+
+    from service.store.xet import _DATA_KEY, xorb_hash
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "0" * 40)  # not the store's
+    settings = settings_for(tmp_path, object_store={"endpoint": seaweed.url, "bucket": BUCKET})
+    with ThreadedServer(settings, port=None) as refused:
+        HfApi(endpoint=refused.url, token=WRITE_TOKEN).create_repo("lfs/refused")
+        grant = HTTP.get(
+            f"{refused.url}/api/models/lfs/refused/xet-write-token/main", headers=AUTH
+        ).json()
+        chunk = b"a chunk the store will not take\n" * 64
+        name = xorb_hash([(blake3.blake3(chunk, key=_DATA_KEY).digest(), len(chunk))])
+        size = len(chunk).to_bytes(3, "little")
+        r = HTTP.post(
+            f"{grant['casUrl']}/v1/xorbs/default/{name}",
+            content=bytes([0]) + size + bytes([0]) + size + chunk,
+            headers={"Authorization": f"Bearer {grant['accessToken']}"},
+        )
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+        assert "403 SignatureDoesNotMatch" in r.json()["error"]
+        assert not [p for p in tmp_path.glob("xet/**/*") if p.is_file()]
+        assert not list((tmp_path / "tmp").iterdir())
+
+
 def _record(repo: str, oid: str = "") -> str:
     """The key of the upload record of ``oid`` for ``repo`` (the folder of them without)."""
     return f"uploads/for/{hashlib.sha256(repo.encode()).hexdigest()[:32]}/{oid}"
