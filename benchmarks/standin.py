@@ -272,7 +272,8 @@ def heads_trial(
     DP-SGD, ``class_means_components`` for class means), as the study's heads do; the
     reference reads the features. Without ``noise`` a stage row trains at ``NO_NOISE`` inside
     ``trial_weights`` and its heads are charged as the job's stage; with ``matched_rate`` its
-    stage samples the real q (a batch of P q) at sigma scaled as a head's (``matched_head``)."""
+    stage samples the real q (a batch of P q) at sigma scaled as a head's (``matched_head``),
+    inside ``trial_weights`` too (on P records that sigma spends an epsilon no ledger states)."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -289,17 +290,18 @@ def heads_trial(
             q_standin = batch / len(recs.private)
             stage_sigma = sigma * batch / (q * study.train_size)
             stage_study = study.updated({"dp_batch_size": batch, "contrastive_batch_size": batch})
-        t.standin["encoder"] = (stage_sigma if noise else NO_NOISE, q_standin, steps_real)
+        stage_sigma = stage_sigma if noise else NO_NOISE
+        t.standin["encoder"] = (stage_sigma, q_standin, steps_real)
         # every setting in the folder: trials run side by side never share (and restart) one encoder
         out = work / f"{row}-{tag(settings)}"
-        if noise:
+        if noise and not matched_rate:
             repo = train_encoder(stage_study, row, stage_sigma, recs.private, out)
-        else:
+        else:  # a noise no ledger may state (its epsilon on the stand-in is beyond the grids)
             with trial_weights() as weights:
-                train_encoder(stage_study, row, NO_NOISE, recs.private, out)
+                train_encoder(stage_study, row, stage_sigma, recs.private, out)
             repo, kept = prior_path(study.prior(row)), weights
     encoder = load_encoder(repo)
-    if kept is not None:  # the noise-free stage's weights in its prior's model
+    if kept is not None:  # the stage's weights (noise-free, or at a matched rate) in its prior's
         encoder.model.load_state_dict(kept)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)

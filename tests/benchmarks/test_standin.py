@@ -317,23 +317,28 @@ def test_a_contrastive_stage_runs_at_the_jobs_contrastive_noise(
 
 
 def test_a_matched_rate_stage_samples_the_real_q_at_the_real_noise_on_its_mean(
-    public_only: Path, tmp_path: Path
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``matched_rate``: the stand-in's stage samples the real q (a batch of P q: as many epochs
-    as the real stage) at sigma scaled by the ratio of the expected batches (sigma / B kept)."""
+    as the real stage) at sigma scaled by the ratio of the expected batches (sigma / B kept),
+    inside ``trial_weights``: nothing exported, the heads read the weights it trained."""
     study = TINY.model_copy(update={"contrastive_batch_size": 50, "contrastive_steps": 2})
     recs = standin.standin_records(study, str(public_only), tmp_path, PRIVATE, END)
+    ran, train_encoder = [], standin.train_encoder
+
+    def recorded(stage_study: StudyConfig, row: str, sigma: float, *args: Any) -> Path:
+        ran.append((stage_study.contrastive_batch_size, sigma))
+        return train_encoder(stage_study, row, sigma, *args)
+
+    monkeypatch.setattr(standin, "train_encoder", recorded)
     t = standin.heads_trial(
         study, "naive-dp", {"rate": "matched"}, recs, tmp_path / "work", 1, matched_rate=True
     )
     sigma, q, steps = t.real["encoder"]
     batch = round(q * PRIVATE)  # 50 of 200 real records: 10 of the stand-in's 40
-    assert (q, batch) == (50 / 200, 10)
+    assert (q, batch) == (50 / 200, 10) and ran == [(batch, pytest.approx(sigma * batch / 50))]
     assert t.standin["encoder"] == pytest.approx((sigma * batch / 50, q, steps))
-    repo = next((tmp_path / "work").glob("naive-dp-*/" + LEDGER_FILE)).parent
-    (stage,) = PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).dp_stages()
-    assert stage.sample_rate == pytest.approx(q) and stage.expected_batch_size == batch
-    assert stage.noise_multiplier == pytest.approx(sigma * batch / 50)
+    assert not list((tmp_path / "work").glob("naive-dp-*/" + LEDGER_FILE)) and t.dp_top1
 
 
 def test_the_adamw_stages_options_are_refused_for_a_contrastive_row(
