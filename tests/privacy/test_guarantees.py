@@ -208,7 +208,8 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path
         },
     )
     report = verify_repo(tiny_repo)
-    assert not report.ok and [p.where for p in report.problems] == [f"{HEADS_DIR}/evil/"]
+    where = [p.where for p in report.problems]  # no stage; and no head a loader could read
+    assert not report.ok and where == [f"{HEADS_DIR}/evil/", f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}"]
 
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:
