@@ -4,6 +4,7 @@ import argparse
 import functools
 import os
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,13 @@ def reference(tmp_path):
     return mae, path
 
 
+def _import_nano(checkpoint: Path, out: Path, arch: str = "vip-nano") -> Path:
+    """``import_mae_checkpoint`` of ``checkpoint`` as a 32 px ``arch`` with one synthetic stage."""
+    return import_mae_checkpoint(
+        checkpoint, out, arch=arch, img_size=32, stages=[synthetic_stage()], model_name="x"
+    )
+
+
 def test_converted_encoder_matches_source(reference, tmp_path):
     mae, path = reference
     out = import_mae_checkpoint(
@@ -132,14 +140,7 @@ def test_mismatches_list_the_keys(reference, tmp_path):
         CheckpointError,
         match=r"shape mismatches for vip-tiny.*cls_token \(1, 1, 192\) \(expected \(1, 1, 384\)\)",
     ):
-        import_mae_checkpoint(
-            path,
-            tmp_path / "r",
-            arch="vip-tiny",
-            img_size=32,
-            stages=[synthetic_stage()],
-            model_name="x",
-        )
+        _import_nano(path, tmp_path / "r", arch="vip-tiny")
     state = torch.load(path, weights_only=False)["model"]
     del state["blocks.3.mlp.fc1.weight"]
     state["extra.thing"] = torch.zeros(1)
@@ -148,14 +149,7 @@ def test_mismatches_list_the_keys(reference, tmp_path):
         CheckpointError,
         match=r"missing encoder keys: blocks\.3\.mlp\.fc1\.weight; unexpected keys: extra\.thing",
     ):
-        import_mae_checkpoint(
-            tmp_path / "broken.pth",
-            tmp_path / "r",
-            arch="vip-nano",
-            img_size=32,
-            stages=[synthetic_stage()],
-            model_name="x",
-        )
+        _import_nano(tmp_path / "broken.pth", tmp_path / "r")
     assert not (tmp_path / "r").exists()
 
 
@@ -222,14 +216,7 @@ def test_unusable_tensors_are_refused(tmp_path, change, problem):
     change(state)
     torch.save({"model": state}, tmp_path / "odd.pth")
     with pytest.raises(CheckpointError, match=rf"odd\.pth: .*{problem}"):
-        import_mae_checkpoint(
-            tmp_path / "odd.pth",
-            tmp_path / "repo",
-            arch="vip-nano",
-            img_size=32,
-            stages=[synthetic_stage()],
-            model_name="x",
-        )
+        _import_nano(tmp_path / "odd.pth", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
 
 
