@@ -36,7 +36,6 @@ __all__ = [
     "FORMAT_VERSION",
     "FrontMatterLimits",
     "HEADS_DIR",
-    "HEAD_CLASSIFIER",
     "HEAD_LABELS",
     "HEAD_METRICS",
     "HEAD_WEIGHTS",
@@ -107,8 +106,6 @@ HEADS_DIR = "heads"
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_LABELS = "labels.json"
 HEAD_METRICS = "metrics.json"
-HEAD_CLASSIFIER = "linear.weight"
-"""The head weights' tensor of shape (classes, input features)."""
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 """A head name (and a stage's component suffix)."""

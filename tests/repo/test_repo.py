@@ -44,7 +44,6 @@ from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
-    HEAD_CLASSIFIER,
     HEAD_LABELS,
     HEAD_WEIGHTS,
     LEDGER_FILE,
@@ -607,7 +606,7 @@ def test_heads_round_trip_and_replace(tiny_repo):
     [
         ({META_LABELS: '["blue", "green", "red"]'}, "its metadata's labels are not"),
         ({META_LABELS: '["red", "green"]'}, "its metadata's labels are not"),
-        ({META_IN_FEATURES: "192"}, f"{HEAD_CLASSIFIER} has shape [3, 1152], not 3 labels by 192"),
+        ({META_IN_FEATURES: "192"}, "linear.weight has shape [3, 1152], not 3 labels by 192"),
         ({META_POOLING: "avg"}, "reads 1152 features of mode 'avg', which config.json's"),
     ],
 )

@@ -94,7 +94,7 @@ from .probe import (
     fit_probe,
     fix_normalisation,
     head_statistics,
-    load_labelled,
+    load_head_data,
     load_public_images,
     probe_stage,
     top1_result,
@@ -555,9 +555,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
             "--augmult needs --trainable-blocks all (the top-blocks model reads "
             "the frozen blocks' outputs of unaugmented images)"
         )
-    # the labels the classifier releases: the public test data's classes, not those --data holds
-    test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
-    train = load_labelled(cfg.data, cfg.dataset_name, test.classes if test is not None else None)
+    train, test = load_head_data(cfg, cfg.dataset_name)
     n = len(train.labels)
     run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)

@@ -95,6 +95,7 @@ __all__ = [
     "fix_normalisation",
     "head_engine",
     "head_statistics",
+    "load_head_data",
     "load_labelled",
     "load_public_images",
     "probe_stage",
@@ -155,6 +156,16 @@ def load_labelled(
     return LabelledImages(images, labels, classes, dataset, [folder.files[i] for i, _ in members])
 
 
+def load_head_data(
+    cfg: HeadData, dataset_name: str
+) -> tuple[LabelledImages, LabelledImages | None]:
+    """``cfg.data`` (named ``dataset_name``) and the PUBLIC ``cfg.test_data``: a head's labels
+    are the test data's classes, whichever of them the private records hold."""
+    test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
+    train = load_labelled(cfg.data, dataset_name, test.classes if test is not None else None)
+    return train, test
+
+
 class HeadData(BaseModel):
     """The labelled folders a classifier head (a probe, a fine-tuned classifier) trains and is
     tested on: the settings every head recipe shares (first in a recipe's bases, so its ``data``
@@ -167,8 +178,9 @@ class HeadData(BaseModel):
     )
     test_data: str | None = Field(
         None,
-        description="PUBLIC labelled test folder with the same classes; its top-1 goes on the "
-        "card and in the head's metrics",
+        description="PUBLIC labelled test folder: its classes are the head's labels (a class "
+        "folder of --data outside them is refused), its top-1 goes on the card and in the head's "
+        "metrics",
     )
     public_data: str | None = Field(
         None,
@@ -608,9 +620,7 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     """Extract features, fit the head, evaluate, and (with ``cfg.export``) add it to the repo."""
     head_component(cfg.head)  # validate the name before any work
     encoder = load_encoder(cfg.encoder, device=cfg.device)
-    # the labels a head releases: the public test data's classes, not those --data holds
-    test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
-    train = load_labelled(cfg.data, cfg.dataset_name, test.classes if test is not None else None)
+    train, test = load_head_data(cfg, cfg.dataset_name)
     key = secrets.token_bytes(32)  # chooses subsets of the private data; never stored
     n, tr_idx = len(train.labels), np.arange(len(train.labels))
     if test is not None:

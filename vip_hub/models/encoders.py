@@ -15,8 +15,8 @@ reference code fixes beside the shapes, all of which a ``Family`` records:
   ``avg``, ``cls``.
 
 Head count does not change weight shapes but does change outputs, so it must match. A repo's
-timm configuration names the architecture (``vip_hub.arch``) and its family (``vip_hub.family``), so
-it loads with ``timm.create_model`` alone and its default forward returns the ``avg`` embedding.
+timm configuration names the architecture and its family in its ``CONFIG_BLOCK`` block, so it
+loads with ``timm.create_model`` alone and its default forward returns the ``avg`` embedding.
 
 Importing this module imports neither torch nor timm (the hub's processes read specs and render
 cards without them); the functions that build tensors or models import them.
@@ -275,7 +275,9 @@ class EncoderSpec:
             _section(config, k) for k in (CONFIG_BLOCK, "model_args", "pretrained_cfg")
         )
         if "arch" not in meta:
-            raise RepoFormatError(f"{CONFIG_FILE} has no vip_hub.arch entry: not a vip-hub export")
+            raise RepoFormatError(
+                f"{CONFIG_FILE} has no {CONFIG_BLOCK}.arch entry: not a vip-hub export"
+            )
         crop_pct = _typed(cfg, "pretrained_cfg.crop_pct", (int, float), None)
         spec = cls(
             arch=_typed(meta, f"{CONFIG_BLOCK}.arch", str, None),

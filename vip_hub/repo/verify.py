@@ -62,7 +62,6 @@ from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
     CONFIG_FILE,
-    HEAD_CLASSIFIER,
     HEAD_LABELS,
     LEDGER_FILE,
     META_ARCH,
@@ -183,8 +182,8 @@ def verify_repo(
     report.ledger = ledger
     _check_artifacts(files, ledger, report)
     _check_components(files, ledger, report)
-    _check_config(files, report)
-    _check_heads(files, report)
+    config = _check_config(files, report)
+    _check_heads(files, config, report)
     _check_mechanisms(ledger, report)
     _check_noised(files, ledger, report)
     if check_accounting:
@@ -321,15 +320,16 @@ def _check_components(
     report.checks.append("every component has its stages")
 
 
-def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None:
+def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict[str, Any]:
+    """The timm configuration checked against the weights; returned ({} if unreadable)."""
     if CONFIG_FILE not in files or WEIGHTS_FILE not in files:
-        return
+        return {}
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
         header, _ = read_safetensors_header(files[WEIGHTS_FILE])
     except (ValueError, OSError, RecursionError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
-        return
+        return {}
     arch = (header.get("__metadata__") or {}).get(META_ARCH)
     for key in weight_sources(config) if isinstance(config, dict) else []:
         report.fail(
@@ -349,22 +349,30 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> None
         except (ConfigError, RepoFormatError) as e:
             report.fail(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: "))
     report.checks.append("config matches weights")
+    return config if isinstance(config, dict) else {}
 
 
-def _check_heads(files: Mapping[str, Path], report: VerificationReport) -> None:
+def _check_heads(
+    files: Mapping[str, Path], config: Mapping[str, Any], report: VerificationReport
+) -> None:
     """Each head as its loader reads it, from its weights' metadata (which the digest leaves out):
-    its labels its labels file's, one per output, its inputs its feature mode's width."""
-    try:
-        dims = dict(json.loads(files[CONFIG_FILE].read_bytes())[CONFIG_BLOCK]["feature_dims"])
-    except (KeyError, TypeError, ValueError, OSError, RecursionError):
-        dims = {}  # _check_config names the problem
+    its labels its labels file's, one per row of its one matrix (the classifier), its inputs its
+    feature mode's width in ``config`` (the timm configuration)."""
+    block = config.get(CONFIG_BLOCK)
+    dims = block.get("feature_dims") if isinstance(block, dict) else None
+    dims = dims if isinstance(dims, dict) else {}  # _check_config names the problem
     for name in heads_in(files):
         where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
         try:
             header = read_safetensors_header(files[where])[0]
             meta = header.get("__metadata__") or {}
             labels, pooling = json.loads(meta[META_LABELS]), meta[META_POOLING]
-            inputs, shape = int(meta[META_IN_FEATURES]), header[HEAD_CLASSIFIER]["shape"]
+            inputs = int(meta[META_IN_FEATURES])
+            ((matrix, shape),) = [
+                (key, entry["shape"])
+                for key, entry in header.items()
+                if key != "__metadata__" and len(entry["shape"]) == 2
+            ]
             listed = json.loads(files[labels_file].read_bytes()) if labels_file in files else None
         except (KeyError, ValueError, OSError, RecursionError) as e:
             report.fail(where, f"not a readable head ({type(e).__name__}: {e})", TamperedFileError)
@@ -374,7 +382,7 @@ def _check_heads(files: Mapping[str, Path], report: VerificationReport) -> None:
         elif shape != [len(labels), inputs]:
             report.fail(
                 where,
-                f"{HEAD_CLASSIFIER} has shape {shape}, not {len(labels)} labels by {inputs} inputs",
+                f"{matrix} has shape {shape}, not {len(labels)} labels by {inputs} inputs",
                 TamperedFileError,
             )
         elif dims.get(pooling) != inputs:
