@@ -40,6 +40,7 @@ __all__ = [
     "RevisionNotFound",
     "ServiceError",
     "ShuttingDown",
+    "StorageCorrupt",
     "StorageUnavailable",
     "Unauthorized",
     "error_response",
@@ -117,6 +118,11 @@ class ClientGone(ServiceError, status=499):
     """The client disconnected before its inference finished (nginx's 499: nobody reads it)."""
 
 
+class StorageCorrupt(ServiceError, status=500):
+    """A stored object read back with bytes other than those the hub stored: the server's fault
+    (not the request's), and not one a retry mends: an operator runs ``vip-hub store check``."""
+
+
 class ShuttingDown(ServiceError, status=503):
     """The inference engine is stopping or not started."""
 
@@ -140,6 +146,7 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
     (store.TooLarge, PayloadTooLarge),
     (store.TooMuchStaged, QueueFull),
     (store.StoreUnavailable, StorageUnavailable),
+    (store.CorruptObject, StorageCorrupt),
     (store.StoreError, BadRequest),
 )
 

@@ -35,11 +35,18 @@ from pathlib import Path
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
 from . import clock
-from .errors import InvalidRequest, StoreUnavailable, UploadMismatch, UploadMissing
+from .errors import (
+    CorruptObject,
+    InvalidRequest,
+    StoreUnavailable,
+    UploadMismatch,
+    UploadMissing,
+)
 from .faults import crash_point
 from .s3 import (
     BLOBS,
     CHECKING,
+    MULTIPART,
     RECORDS,
     STAGING,
     UPLOADS,
@@ -230,7 +237,7 @@ class BlobStore:
                     "(missing, or another size): upload it again"
                 ) from None
             try:
-                tmp = self._fetch(checking, sha256, size)
+                tmp = self._fetch(checking, sha256, size, sent=True)
                 self.remote.copy(checking, upload_key(sha256))
             finally:
                 self.remote.delete(checking)
@@ -242,9 +249,11 @@ class BlobStore:
             raise
         self.remote.delete(staged)
 
-    def _fetch(self, key: str, sha256: str, limit: int | None = None) -> Path:
-        """``key`` of the object store downloaded to a temp file, if its SHA-256 is ``sha256``
-        (else UploadMismatch)."""
+    def _fetch(self, key: str, sha256: str, limit: int | None = None, sent: bool = False) -> Path:
+        """``key`` of the object store downloaded to a temp file, if its SHA-256 is ``sha256``;
+        else UploadMismatch for bytes a client ``sent`` (the copy of a staged upload), and
+        CorruptObject for a content key (the hub hashed what it wrote there: the store's
+        fault)."""
         assert self.remote is not None
         writer = self.writer()
         try:
@@ -255,7 +264,12 @@ class BlobStore:
         got = writer.close()
         if got != sha256:
             writer.path.unlink(missing_ok=True)
-            raise UploadMismatch(f"{key} holds bytes of SHA-256 {got}, not object {sha256}")
+            if sent:
+                raise UploadMismatch(f"{key} holds bytes of SHA-256 {got}, not object {sha256}")
+            raise CorruptObject(  # (its actual hash is not told: it could name another's bytes)
+                f"the object store's {key} does not hold object {sha256}: the hub's storage is "
+                "corrupt (its operator's `vip-hub store check --repair` reports and repairs it)"
+            )
         return writer.path
 
     def note_upload(self, repo_id: str, sha256: str) -> None:
@@ -382,7 +396,8 @@ class BlobStore:
                 )
                 removed += self.remote.remove_older_than(STAGING, upload_age)
                 removed += self.remote.remove_older_than(CHECKING, upload_age)
-                removed += self.remote.abort_older_than(STAGING, upload_age)
+                for prefix in MULTIPART:  # the hub's own too: one an outage cut stays
+                    removed += self.remote.abort_older_than(prefix, upload_age)
             except StoreUnavailable:  # collected at a later call
                 return removed
         return removed + remove_older_than(
@@ -442,7 +457,7 @@ class BlobStore:
                 if hash_file(path).sha256 == sha256:
                     return path
         if self.remote is not None and self.remote.size(upload_key(sha256)) is not None:
-            with contextlib.suppress(UploadMismatch):
+            with contextlib.suppress(CorruptObject):
                 return self._fetch(upload_key(sha256), sha256)
         return None
 

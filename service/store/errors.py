@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "Conflict",
+    "CorruptObject",
     "InvalidRequest",
     "NoSuchEntry",
     "NoSuchRepo",
@@ -74,6 +75,13 @@ class TooLarge(StoreError):
 class TooMuchStaged(StoreError):
     """A user's presigned uploads not yet verified would hold more bytes than their quota
     (``object_store.max_staged_bytes``): verify or wait for some, then ask again."""
+
+
+class CorruptObject(StoreError):
+    """An object the store holds (a blob, an upload awaiting its commit, a xorb; in the bucket or
+    the folder) read back with bytes other than those the hub checked when it wrote them: the
+    store's fault, not the request's. ``vip-hub store check`` reports it (``--repair`` repairs
+    what is safe)."""
 
 
 class StoreUnavailable(StoreError):

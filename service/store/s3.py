@@ -32,6 +32,7 @@ from .errors import InvalidRequest, StoreUnavailable, TooLarge
 __all__ = [
     "BLOBS",
     "CHECKING",
+    "MULTIPART",
     "RECORDS",
     "STAGING",
     "UPLOADS",
@@ -64,6 +65,11 @@ CHECKING = "checking/"
 XORBS = "xet/xorbs/"
 XORB_OWNERS = "xet/owners/"
 """Who sent each xorb: ``xet/owners/<user hash>/<xorb>``, empty, rewritten at each use."""
+MULTIPART = (STAGING, CHECKING, UPLOADS + "sha256/", BLOBS, XORBS)
+"""Where multipart uploads begin: clients' presigned parts (``staging/``), and the hub's own
+uploads and copies over ``_TRANSFER``'s threshold (checked copies, uploads, blobs, xorbs). One
+cut by the store's outage stays when boto3's own abort fails too: the uploads' collection aborts
+those begun more than ``hub.upload_ttl_s`` ago."""
 
 
 @dataclass(frozen=True)

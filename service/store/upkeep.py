@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import clock
 from .blobs import BlobStore, hash_file, listed_files, sharded_name
-from .errors import InvalidRequest, TooLarge
+from .errors import CorruptObject
 from .s3 import CHECKING, STAGING, Listed
 from .store import HubStore
 
@@ -270,7 +270,7 @@ def _check_xorbs(store: HubStore, repair: bool) -> list[Finding]:
             store.xet.check(xorb)
         except FileNotFoundError:  # collected since it was listed
             continue
-        except (InvalidRequest, TooLarge) as e:
+        except CorruptObject as e:
             if repair:
                 store.xet.remove(xorb)
             note = (

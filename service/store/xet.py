@@ -42,7 +42,7 @@ import numpy as np
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
 
 from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
-from .errors import InvalidRequest, StoreUnavailable, TooLarge
+from .errors import CorruptObject, InvalidRequest, StoreUnavailable, TooLarge
 from .s3 import XORB_OWNERS, XORBS
 
 __all__ = ["XetStore", "check_xorb", "xet_hex", "xorb_hash", "xorb_key"]
@@ -290,26 +290,28 @@ class XetStore:
         return path
 
     def _fetched(self, xorb: str) -> Path:
-        """The bucket's copy of ``xorb`` in a temp file, checked (InvalidRequest, TooLarge);
+        """The bucket's copy of ``xorb`` in a temp file, checked (CorruptObject);
         FileNotFoundError when the bucket does not hold it."""
         assert self.remote is not None
         if self.remote.size(xorb_key(xorb)) is None:
             raise FileNotFoundError(xorb_key(xorb))
         writer = self.blobs.writer()
         try:
-            self.remote.read_into(xorb_key(xorb), writer.write, MAX_XORB_BYTES)
-            writer.close()
-            check_xorb(writer.path, xorb)
+            with _held_xorb(xorb):
+                self.remote.read_into(xorb_key(xorb), writer.write, MAX_XORB_BYTES)
+                writer.close()
+                check_xorb(writer.path, xorb)
         except BaseException:
             writer.discard()
             raise
         return writer.path
 
     def check(self, xorb: str) -> None:
-        """InvalidRequest (or TooLarge) unless the xorb held (with an object store: in its
-        bucket) hashes to its name."""
+        """CorruptObject unless the xorb held (with an object store: in its bucket) hashes to
+        its name."""
         if self.remote is None:
-            check_xorb(self.xorb_path(xorb), xorb)
+            with _held_xorb(xorb):
+                check_xorb(self.xorb_path(xorb), xorb)
         else:
             self._fetched(xorb).unlink()
 
@@ -385,7 +387,7 @@ class XetStore:
                     f"the shard names xorb {term.xorb}, which this hub does not hold for this "
                     "user (never uploaded, or expired): upload again"
                 ) from None
-            with f:
+            with f, _held_xorb(term.xorb):
                 offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
             os.utime(path)
             self._note_owner(uploader, term.xorb)
@@ -406,11 +408,12 @@ class XetStore:
                 chunks = self._chunks(term, offsets, uploader)
                 with open(self._local(term.xorb), "rb") as f:
                     written = 0
-                    for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
-                        written += len(data)
-                        if written > term.size:  # its stated size bounds what is written
-                            break
-                        writer.write(data)
+                    with _held_xorb(term.xorb):  # its chunks were checked as it was kept
+                        for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
+                            written += len(data)
+                            if written > term.size:  # its stated size bounds what is written
+                                break
+                            writer.write(data)
                     if written != term.size:
                         got = "more than" if written > term.size else f"{written} bytes, not"
                         raise InvalidRequest(
@@ -429,7 +432,11 @@ class XetStore:
                 f"a file rebuilt from the shard does not have the SHA-256 {entry.sha256} the shard "
                 "states"
             )
-        self.blobs.stage_upload(writer.path, sha256)
+        try:
+            self.blobs.stage_upload(writer.path, sha256)
+        except BaseException:  # (the store down, say): nothing is left in tmp/
+            writer.path.unlink(missing_ok=True)
+            raise
 
     def clean_stale(self, max_age: float) -> int:
         """Remove xorbs, and notes of who sent them, no upload has referred to for ``max_age``
@@ -444,6 +451,19 @@ class XetStore:
                     XORBS, max_age, keep=lambda key: key.removeprefix(XORBS) in used
                 )
         return removed
+
+
+@contextlib.contextmanager
+def _held_xorb(xorb: str) -> Iterator[None]:
+    """Turn a held xorb failing its checks (InvalidRequest, TooLarge) into CorruptObject: each
+    was checked whole before it was kept, so it is the store's fault, not the request's."""
+    try:
+        yield
+    except (InvalidRequest, TooLarge) as e:
+        raise CorruptObject(
+            f"the hub's copy of xorb {xorb} is corrupt ({e}): its operator's "
+            "`vip-hub store check --repair` removes it, then the client uploads it again"
+        ) from None
 
 
 def xorb_key(xorb: str) -> str:

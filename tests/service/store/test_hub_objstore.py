@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -34,9 +35,11 @@ from support.live import (
 from support.seaweed import BUCKET
 
 from service.settings import ObjectStoreSettings
+from service.store import HubStore, clock
+from service.store.errors import StoreUnavailable
 from service.store.s3 import S3Objects, blob_key
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import CARD_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 
 AUTH = {"Authorization": f"Bearer {WRITE_TOKEN}"}
 CHUNK = 8 * 1024 * 1024  # the tiny repo's 22 MB weights go in 3 parts, its head in one PUT
@@ -310,3 +313,142 @@ def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
     assert verify.status_code == 200, verify.text
     assert _record("lfs/s3", entry["oid"]) in _keys(seaweed, "uploads/for/")  # any replica sees it
     assert lfs_batch(hub.url, "lfs/s3", data).get("actions") is None  # held for the repo now
+
+
+# ------------------------------------------------------- failures: nothing left, the apt status
+
+
+def _xet_chunks(chunks: list[bytes]) -> tuple[str, bytes]:
+    """A xorb of uncompressed chunks (scheme 0): its hash and its bytes."""
+    import blake3
+
+    from service.store.xet import _DATA_KEY, xorb_hash
+
+    name = xorb_hash([(blake3.blake3(c, key=_DATA_KEY).digest(), len(c)) for c in chunks])
+    headers = [bytes([0]) + len(c).to_bytes(3, "little") for c in chunks]
+    return name, b"".join(h + h + c for h, c in zip(headers, chunks, strict=True))
+
+
+def _xet_shard(sha256: str, xorb: str, chunks: int, size: int) -> bytes:
+    """A version-2 shard of one file (its SHA-256 in the metadata extension): ``chunks`` chunks
+    of ``xorb``, ``size`` bytes unpacked."""
+    import struct
+
+    from service.store.xet import SHARD_TAG
+
+    def raw(text: str) -> bytes:
+        return b"".join(bytes.fromhex(text[i : i + 16])[::-1] for i in range(0, 64, 16))
+
+    out = SHARD_TAG + struct.pack("<QQ", 2, 0) + b"\0" * 32 + struct.pack("<IIQ", 1 << 30, 1, 0)
+    out += raw(xorb) + struct.pack("<IIII", 0, size, 0, chunks)
+    return out + raw(sha256) + b"\0" * 16 + b"\xff" * 32 + b"\0" * 16
+
+
+def _cas(hub, repo: str) -> tuple[str, dict[str, str]]:
+    HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo(repo, exist_ok=True)
+    grant = HTTP.get(f"{hub.url}/api/models/{repo}/xet-write-token/main", headers=AUTH).json()
+    return grant["casUrl"], {"Authorization": f"Bearer {grant['accessToken']}"}
+
+
+def test_a_shard_cut_by_the_store_going_down_leaves_no_temp_file(hub, seaweed, monkeypatch):
+    """The store stopping while a file rebuilt from a shard goes to the bucket is a 503, and the
+    rebuilt file does not stay in the store's tmp/ until the day's sweep."""
+    cas, grant = _cas(hub, "lfs/s3-shard-down")
+    chunk = b"rebuilt, then the store goes down\n" * 100
+    name, xorb = _xet_chunks([chunk])
+    assert HTTP.post(f"{cas}/v1/xorbs/default/{name}", content=xorb, headers=grant).is_success
+    tmp = hub.app.state.store.blobs.tmp
+    before = set(tmp.iterdir())
+    put_file = S3Objects.put_file
+
+    def down_then_put(self, path, key):
+        if key.startswith("uploads/"):
+            seaweed.stop()
+        put_file(self, path, key)
+
+    monkeypatch.setattr(S3Objects, "put_file", down_then_put)
+    shard = _xet_shard(hashlib.sha256(chunk).hexdigest(), name, 1, len(chunk))
+    try:
+        r = HTTP.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    finally:
+        monkeypatch.undo()
+        seaweed.start()
+    assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+    assert set(tmp.iterdir()) == before  # neither the shard nor the rebuilt file stays
+    r = HTTP.post(f"{cas}/v1/shards", content=shard, headers=grant)  # the retry succeeds
+    assert r.status_code == 200, r.text
+
+
+def test_corrupt_stored_objects_are_the_servers_fault(hub, seaweed, published):
+    """Bytes read back from the bucket that are not what the hub stored under that key (a blob,
+    a xorb) are a 500 naming the store's corruption, not a 400 blaming the request; bytes a
+    client sent that are not the object announced stay a 400."""
+    store, s3 = hub.app.state.store, seaweed.client()
+    config = (published / CONFIG_FILE).read_bytes()
+    sha = hashlib.sha256(config).hexdigest()
+    s3.put_object(Bucket=BUCKET, Key=blob_key(sha), Body=b"{}" + b" " * (len(config) - 2))
+    store.blobs.path(sha).unlink(missing_ok=True)  # this replica reads the bucket's copy
+    try:
+        r = HTTP.get(f"{hub.url}/lfs/s3/resolve/main/{CONFIG_FILE}")
+        assert r.status_code == 500, r.text
+        assert "corrupt" in r.json()["error"] and "store check" in r.json()["error"]
+    finally:
+        s3.put_object(Bucket=BUCKET, Key=blob_key(sha), Body=config)
+    assert HTTP.get(f"{hub.url}/lfs/s3/resolve/main/{CONFIG_FILE}").content == config
+
+    cas, grant = _cas(hub, "lfs/s3-corrupt-xorb")
+    chunk = b"a xorb the bucket garbles\n" * 100
+    name, xorb = _xet_chunks([chunk])
+    assert HTTP.post(f"{cas}/v1/xorbs/default/{name}", content=xorb, headers=grant).is_success
+    s3.put_object(Bucket=BUCKET, Key=f"xet/xorbs/{name}", Body=b"\xee" * len(xorb))
+    store.xet.xorb_path(name).unlink()
+    shard = _xet_shard(hashlib.sha256(chunk).hexdigest(), name, 1, len(chunk))
+    r = HTTP.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    assert r.status_code == 500 and "corrupt" in r.json()["error"], r.text
+
+    # a client's own bytes that are not the object it announced: still its fault
+    entry = lfs_batch(hub.url, "lfs/s3", b"C" * 4096)
+    assert HTTP.put(entry["actions"]["upload"]["href"], content=b"D" * 4096).status_code == 200
+    verify = entry["actions"]["verify"]["href"]
+    r = HTTP.post(verify, json={"oid": entry["oid"], "size": 4096}, headers=AUTH)
+    assert r.status_code == 400 and "SHA-256" in r.text
+
+
+def test_multipart_uploads_cut_by_an_outage_are_aborted(seaweed, tmp_path, monkeypatch):
+    """A xorb over the multipart threshold whose upload the store's outage cuts (boto3's own
+    abort fails too: the store is down) leaves a multipart upload, with its parts, in the
+    bucket: the uploads' collection aborts it once older than hub.upload_ttl_s, as it does
+    under staging/."""
+    bucket = "multipart-outage"
+    seaweed.client().create_bucket(Bucket=bucket)
+    objects = ObjectStoreSettings(endpoint=seaweed.url, bucket=bucket)
+    chunks = [os.urandom(128 * 1024) for _ in range(8 * 66)]  # 66 MiB: two parts
+    name, xorb = _xet_chunks(chunks)
+    with HubStore(tmp_path / "store", objects=objects) as store:
+        sent = store.blobs.new_temp()
+        sent.write_bytes(xorb)
+        client, stopped = store.blobs.remote._client, []
+
+        def stop_store(**kwargs):
+            if not stopped:
+                stopped.append(True)
+                seaweed.stop()
+
+        client.meta.events.register("before-call.s3.UploadPart", stop_store)
+        try:
+            with pytest.raises(StoreUnavailable):
+                store.xet.put_xorb(name, sent, "alice")
+        finally:
+            client.meta.events.unregister("before-call.s3.UploadPart", stop_store)
+            seaweed.start()
+        assert stopped
+
+        def unfinished() -> list[str]:
+            listed = seaweed.client().list_multipart_uploads(Bucket=bucket)
+            return [u["Key"] for u in listed.get("Uploads", [])]
+
+        assert unfinished() == [f"xet/xorbs/{name}"]
+        ahead = clock.now() + store.upload_ttl + 60 - time.time()
+        monkeypatch.setattr(clock, "now", lambda: time.time() + ahead)
+        store.collect_uploads()
+        assert unfinished() == []
