@@ -25,7 +25,7 @@ from .models.features import (
     extract_features,
     feature_dim,
 )
-from .models.text_decoder import DEFAULT_PROMPT, Captioner, ImageMemory
+from .models.text_decoder import DEFAULT_PROMPT, Captioner, ImageMemory, TextDecoder
 from .models.tokenizer import CaptionTokenizer
 from .privacy.ledger import PrivacyLedger, PrivacySummary
 from .repo.files import (
@@ -36,8 +36,8 @@ from .repo.files import (
     load_text_decoder,
     read_config,
 )
-from .repo.verify import verify_repo
-from .repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE
+from .repo.verify import check_loaded_tensors, verify_repo
+from .repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
 
@@ -54,6 +54,8 @@ class Encoder:
     spec: EncoderSpec
     path: Path
     memory: ImageMemory | None = None
+    verified: bool = False
+    """Whether the repo verified and the weights loaded are the ones its ledger binds."""
 
     @property
     def privacy(self) -> PrivacySummary:
@@ -186,7 +188,9 @@ def load_encoder(
     """Load a released encoder from a folder or a hub repo id.
 
     With ``verify`` (the default) the repo must pass ``vip-hub verify`` first; a failure
-    raises a VerificationError subclass naming every problem. The model is built by timm alone from
+    raises a VerificationError subclass naming every problem, and the tensors loaded afterwards
+    (the model's, the text decoder's) must be the ones the verified ledger binds (else a
+    TamperedFileError: a file replaced after verification). The model is built by timm alone from
     its configuration, exactly as ``timm.create_model("local-dir:...", pretrained=True)`` would.
     """
     path = resolve_source(source, revision)
@@ -198,15 +202,31 @@ def load_encoder(
     config = read_config(path)
     spec = EncoderSpec.from_config(config)
     # a released repo's configuration names a VisionTransformer (timm types it as a Module)
-    model = cast(
-        VisionTransformer, timm.create_model(f"local-dir:{path}", pretrained=True).eval().to(device)
-    )
+    model = cast(VisionTransformer, timm.create_model(f"local-dir:{path}", pretrained=True).eval())
+    if verify:  # timm read the weights again: they must be the ones verified
+        check_loaded_tensors(ledger, WEIGHTS_FILE, path / WEIGHTS_FILE, model.state_dict())
+    model = model.to(device)
     check_feature_dims(config, model)
     transform = create_transform(**resolve_data_config({}, model=model))
     memory = None
     if spec.family.captions and (path / TEXT_DECODER_FILE).is_file():
-        memory = load_image_memory(path / TEXT_DECODER_FILE, device)
-    return Encoder(model, transform, ledger, config, spec, path, memory)
+        if verify:  # the memory is part of the file's digest: load all of it to check it
+            memory = _text_decoder(path, ledger, "cpu").memory.to(device)
+        else:
+            memory = load_image_memory(path / TEXT_DECODER_FILE, device)
+    return Encoder(model, transform, ledger, config, spec, path, memory, verified=verify)
+
+
+def _text_decoder(
+    path: Path, ledger: PrivacyLedger | None, device: str | torch.device
+) -> TextDecoder:
+    """The repo's text decoder, checked against ``ledger``'s digest of its file (when given)."""
+    decoder = load_text_decoder(path / TEXT_DECODER_FILE, "cpu")
+    if ledger is not None:
+        check_loaded_tensors(
+            ledger, TEXT_DECODER_FILE, path / TEXT_DECODER_FILE, decoder.state_dict()
+        )
+    return decoder.to(device)
 
 
 @dataclass
@@ -234,7 +254,7 @@ class CaptioningModel:
                 "(import it with --vocab, or export it with its text decoder and vocabulary)"
             )
         device = next(encoder.model.parameters()).device
-        decoder = load_text_decoder(path / TEXT_DECODER_FILE, device)
+        decoder = _text_decoder(path, encoder.ledger if encoder.verified else None, device)
         tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=decoder.config.max_length)
         decoder.config.check_tokenizer(tokenizer)
         return cls(encoder, Captioner(encoder.model, decoder).eval(), tokenizer)

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 
 import pytest
 import timm
@@ -26,13 +27,13 @@ from support.dpcap import (
     save_reference,
     write_vocab,
 )
-from support.helpers import synthetic_stage, tiny_encoder
+from support.helpers import swap_after_verify, synthetic_stage, tiny_encoder
 from torch import nn
 
 from vip_hub import load_encoder, verify_repo
 from vip_hub.cli.main import main
-from vip_hub.errors import CheckpointError, ConfigError, MissingInputError
-from vip_hub.loading import load_captioner
+from vip_hub.errors import CheckpointError, ConfigError, MissingInputError, TamperedFileError
+from vip_hub.loading import CaptioningModel, load_captioner
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig, caption_loss
 from vip_hub.models.tokenizer import CaptionTokenizer
@@ -273,6 +274,20 @@ def test_import_refuses_a_vocabulary_that_does_not_fit(reference, tmp_path):
     nosep.write_text("\n".join(v for v in VOCAB if v != "[SEP]") + "\n")
     with pytest.raises(ConfigError, match=r"lacks the special tokens \[SEP\]"):
         CaptionTokenizer(nosep)
+
+
+def test_a_text_decoder_replaced_after_verification_is_refused(repo, tmp_path, monkeypatch):
+    """The text decoder file read after verify (its image memory by load_encoder, all of it by
+    the captioner) must be the one the ledger binds; without verification it loads as before."""
+    copy = shutil.copytree(repo, tmp_path / "repo")
+    enc = load_encoder(copy)
+    with monkeypatch.context() as m:
+        swap_after_verify(m, copy / TEXT_DECODER_FILE)
+        with pytest.raises(TamperedFileError, match=f"{TEXT_DECODER_FILE}: changed after verif"):
+            load_encoder(copy)
+    with pytest.raises(TamperedFileError, match=f"{TEXT_DECODER_FILE}: changed after verif"):
+        CaptioningModel.from_encoder(enc)  # verified before the swap, its decoder read after
+    assert load_captioner(copy, verify=False).encoder.memory is not None
 
 
 def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):

@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import json
 import os
 import zipfile
 from pathlib import Path
@@ -15,13 +16,14 @@ from timm.models.vision_transformer import Block
 from vip_hub import load_encoder, verify_repo
 from vip_hub.cli.main import main
 from vip_hub.models.encoders import ARCHS, sincos_pos_embed_2d
+from vip_hub.repo.artifacts import read_safetensors_header
 from vip_hub.repo.importer import (
     PRESETS,
     CheckpointError,
     import_mae_checkpoint,
     load_reference_checkpoint,
 )
-from vip_hub.repo_format import CARD_FILE, MAE_DECODER_FILE
+from vip_hub.repo_format import CARD_FILE, MAE_DECODER_FILE, META_DECODER
 
 
 class ReferenceMAE(torch.nn.Module):
@@ -325,3 +327,44 @@ def test_cli_preset_vip_base(tmp_path, capsys):
     assert report.ok
     assert report.ledger.summary().datasets == ("LAION-233M",)
     assert "hf-hub:vip/vip-base" in (out / CARD_FILE).read_text()
+
+
+def test_non_finite_weights_are_refused_naming_the_tensors(tmp_path):
+    """A NaN in an encoder weight and an infinity in the MAE decoder refuse the import, naming
+    both tensors as the checkpoint does; nothing is written."""
+    torch.manual_seed(3)
+    state = ReferenceMAE().state_dict()
+    state["blocks.1.attn.qkv.weight"][3, 5] = float("nan")
+    state["decoder_pred.bias"][0] = float("-inf")
+    torch.save({"model": state}, tmp_path / "nan.pth")
+    with pytest.raises(
+        CheckpointError,
+        match=r"nan\.pth: refused, NaN or infinite values in blocks\.1\.attn\.qkv\.weight, "
+        r"decoder_pred\.bias",
+    ):
+        _import_nano(tmp_path / "nan.pth", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_decoder_that_is_not_an_mae_decoder_is_refused_naming_the_tensors(tmp_path):
+    """The decoder_* tensors are held to an MAE decoder of the width and depth they show: a
+    tensor of another shape and a missing one refuse the import (not only a later training
+    load); a whole decoder imports with the configuration the training load reads."""
+    torch.manual_seed(4)
+    state = ReferenceMAE().state_dict()
+    state["decoder_pred.weight"] = torch.zeros(16 * 16 * 3, 256)
+    del state["decoder_norm.bias"]
+    torch.save({"model": state}, tmp_path / "odd-decoder.pth")
+    with pytest.raises(
+        CheckpointError,
+        match=r"odd-decoder\.pth: refused, its decoder_\* tensors are not an MAE decoder 512 wide "
+        r"and 2 blocks deep for vip-nano at 32px: missing keys: decoder_norm\.bias; shape "
+        r"mismatches: decoder_pred\.weight \(768, 256\) \(expected \(768, 512\)\)",
+    ):
+        _import_nano(tmp_path / "odd-decoder.pth", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+    torch.save({"model": ReferenceMAE().state_dict()}, tmp_path / "whole.pth")
+    out = _import_nano(tmp_path / "whole.pth", tmp_path / "repo")
+    meta = read_safetensors_header(out / MAE_DECODER_FILE)[0]["__metadata__"]
+    assert json.loads(meta[META_DECODER]) == {"dim": 512, "depth": 2, "num_heads": 16}

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard
@@ -15,6 +16,7 @@ from support.helpers import (
     TINY,
     dp_stage,
     rewrite_ledger_copies,
+    swap_after_verify,
     synthetic_stage,
     tiny_encoder,
     tiny_repo_with_head,
@@ -523,6 +525,38 @@ def test_load_encoder_refuses_unverified(tiny_repo):
 
     with pytest.raises(VerificationError, match=LEDGER_FILE):
         load_encoder(tiny_repo)
+
+
+def test_weights_replaced_after_verification_are_refused(tiny_repo, monkeypatch):
+    """Weights swapped between verify and timm's read (same names, shapes and ledger, other
+    values) are refused naming the file; without verification they load as before."""
+    swap_after_verify(monkeypatch, tiny_repo / WEIGHTS_FILE)
+    with pytest.raises(TamperedFileError, match=f"{WEIGHTS_FILE}: changed after verification"):
+        load_encoder(tiny_repo)
+    assert load_encoder(tiny_repo, verify=False).spec.arch == "vip-nano"
+
+
+def test_float16_weights_load_verified_and_a_finer_swap_is_refused(
+    tmp_path, dp_stage_session, monkeypatch
+):
+    """float16 weights load into the float32 model and check against their digest; float32
+    weights that round to the same float16 values are not the verified ones."""
+    repo = export_encoder(
+        tmp_path / "half", tiny_encoder(), TINY, [dp_stage_session], model_name="half",
+        weights_dtype=torch.float16,
+    )  # fmt: skip
+    assert load_encoder(repo).model.pos_embed.dtype == torch.float32
+    swap_after_verify(monkeypatch, repo / WEIGHTS_FILE, lambda t: t.float() * (1 + 2**-14))
+    original, create = (repo / WEIGHTS_FILE).read_bytes(), timm.create_model
+
+    def create_then_swap_back(*args, **kwargs):  # the check reads the verified file's header
+        model = create(*args, **kwargs)
+        (repo / WEIGHTS_FILE).write_bytes(original)
+        return model
+
+    monkeypatch.setattr(timm, "create_model", create_then_swap_back)
+    with pytest.raises(TamperedFileError, match=f"{WEIGHTS_FILE}: changed after verification"):
+        load_encoder(repo)
 
 
 def test_update_repo_adds_stage_file_and_result(tiny_repo):

@@ -313,3 +313,27 @@ def write_idx(folder: Path, prefix: str, n: int, seed: int) -> None:
     images = (rng.integers(0, 60, (n, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
     (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(images)))
     (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
+
+
+def swap_after_verify(
+    monkeypatch: pytest.MonkeyPatch,
+    path: Path,
+    change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t + 1,
+) -> None:
+    """Let ``vip_hub.loading``'s verification pass on the repo as it is, then replace ``path`` by
+    a valid safetensors file of the same names, shapes and metadata whose floating tensors are
+    ``change``d (another repo's weights, swapped in between the check and the load)."""
+    from safetensors.torch import load_file, save_file
+
+    import vip_hub.loading as loading
+
+    real = loading.verify_repo
+
+    def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
+        report = real(*args, **kwargs)
+        meta = read_safetensors_header(path)[0]["__metadata__"]
+        tensors = {k: change(v) if v.is_floating_point() else v for k, v in load_file(path).items()}
+        save_file(tensors, path, metadata=meta)
+        return report
+
+    monkeypatch.setattr(loading, "verify_repo", verify_then_swap)

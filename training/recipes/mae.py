@@ -30,7 +30,12 @@ from torch import nn
 
 from vip_hub.errors import ConfigError, RepoFormatError
 from vip_hub.loading import Encoder, load_encoder
-from vip_hub.models.encoders import EncoderSpec, create_encoder, sincos_pos_embed_2d
+from vip_hub.models.encoders import (
+    EncoderSpec,
+    create_encoder,
+    mae_decoder_problems,
+    sincos_pos_embed_2d,
+)
 from vip_hub.models.features import final_norm
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
@@ -212,15 +217,19 @@ def load_mae(repo: str | Path, fresh: Mapping[str, Any] | None = None) -> tuple[
         return MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), decoder), enc
     with safe_open(path, "pt") as f:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
-    mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), DecoderConfig(**cfg))
-    missing, unexpected = mae.load_state_dict(
-        {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | load_file(path),
-        strict=False,
-    )
-    if missing or unexpected:
+    try:
+        config = DecoderConfig(**cfg)
+    except TypeError as e:
         raise RepoFormatError(
-            f"{path} does not match the decoder: missing {missing}, unexpected {unexpected}"
-        )
+            f"{path}: no MAE decoder configuration in its metadata ({e})"
+        ) from None
+    tensors = load_file(path)
+    if problems := mae_decoder_problems(tensors, enc.spec, config.dim, config.depth):
+        raise RepoFormatError(f"{path} does not match the decoder: {'; '.join(problems)}")
+    mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), config)
+    mae.load_state_dict(
+        {f"encoder.{k}": v for k, v in enc.model.state_dict().items()} | tensors, strict=True
+    )
     return mae, enc
 
 

@@ -24,6 +24,7 @@ cards without them); the functions that build tensors or models import them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,6 +47,8 @@ __all__ = [
     "count_parameters",
     "create_encoder",
     "get_arch",
+    "mae_decoder_problems",
+    "mae_decoder_shapes",
     "sincos_pos_embed_1d",
     "sincos_pos_embed_2d",
 ]
@@ -415,6 +418,62 @@ def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
             elif isinstance(m, torch.nn.LayerNorm):
                 torch.nn.init.ones_(m.weight)
                 torch.nn.init.zeros_(m.bias)
+
+
+def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of an MAE decoder ``dim`` wide and ``depth`` blocks deep behind ``spec``'s
+    encoder, by name: the reference ``models_mae.py``'s layout, which ``training.recipes.mae.MAE``
+    builds (its tests hold the two together)."""
+    d, hidden, pixels = dim, 4 * dim, 3 * spec.patch_size**2
+    block = {
+        "norm1.weight": (d,),
+        "norm1.bias": (d,),
+        "attn.qkv.weight": (3 * d, d),
+        "attn.qkv.bias": (3 * d,),
+        "attn.proj.weight": (d, d),
+        "attn.proj.bias": (d,),
+        "norm2.weight": (d,),
+        "norm2.bias": (d,),
+        "mlp.fc1.weight": (hidden, d),
+        "mlp.fc1.bias": (hidden,),
+        "mlp.fc2.weight": (d, hidden),
+        "mlp.fc2.bias": (d,),
+    }
+    return {
+        "decoder_embed.weight": (d, spec.architecture.embed_dim),
+        "decoder_embed.bias": (d,),
+        "mask_token": (1, 1, d),
+        "decoder_pos_embed": (1, spec.grid_size**2 + 1, d),
+        **{f"decoder_blocks.{i}.{k}": shape for i in range(depth) for k, shape in block.items()},
+        "decoder_norm.weight": (d,),
+        "decoder_norm.bias": (d,),
+        "decoder_pred.weight": (pixels, d),
+        "decoder_pred.bias": (pixels,),
+    }
+
+
+def mae_decoder_problems(
+    state: Mapping[str, torch.Tensor], spec: EncoderSpec, dim: int, depth: int
+) -> list[str]:
+    """How ``state`` differs from ``mae_decoder_shapes(spec, dim, depth)`` (empty: it does not):
+    the rule the importer and the training load (``load_mae``) hold an MAE decoder to."""
+    expected = mae_decoder_shapes(spec, dim, depth)
+    missing = sorted(k for k in expected if k not in state)
+    unexpected = sorted(k for k in state if k not in expected)
+    wrong = sorted(
+        f"{k} {tuple(v.shape)} (expected {expected[k]})"
+        for k, v in state.items()
+        if k in expected and tuple(v.shape) != expected[k]
+    )
+    return [
+        f"{what}: {', '.join(keys)}"
+        for what, keys in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches", wrong),
+        )
+        if keys
+    ]
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import SafetensorsError
 from ..repo_format import is_weights_file
 
@@ -26,6 +29,10 @@ __all__ = [
     "SafetensorsError",
     "digest_file",
     "file_sha256",
+    "loaded_tensors_digest",
+    "nonfinite_count",
+    "nonfinite_in_file",
+    "nonfinite_problem",
     "read_safetensors_header",
     "rewrite_safetensors_metadata",
     "tensors_digest",
@@ -125,15 +132,43 @@ def tensors_digest(path: str | os.PathLike[str]) -> str:
 
 def tensors_digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
     """The same digest as :func:`tensors_digest`, for tensors in memory (before saving)."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        dtype, data = _stored(tensors[key])
+        _update_entry(h, key, dtype, list(tensors[key].shape))
+        h.update(data.tobytes())
+    return "tensors-sha256:" + h.hexdigest()
+
+
+def loaded_tensors_digest(
+    tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]
+) -> str | None:
+    """:func:`tensors_digest_of` of the tensors ``header`` (a safetensors header) names, taken
+    from ``tensors`` (e.g. a model's state dict) cast back to its dtypes; None when one is missing
+    or the cast would change a value (it holds what no file of those dtypes stores)."""
+    import torch
+
+    stored = {}
+    for key in (k for k in header if k != "__metadata__"):
+        if key not in tensors or header[key].get("dtype") not in _ST_DTYPES:
+            return None
+        t = tensors[key].detach().cpu()
+        s = t.to(getattr(torch, _ST_DTYPES[header[key]["dtype"]]))
+        if s.dtype != t.dtype and not torch.equal(
+            s.to(t.dtype).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+        ):
+            return None
+        stored[key] = s
+    return tensors_digest_of(stored)
+
+
+def _stored(tensor: torch.Tensor) -> tuple[str, npt.NDArray[np.uint8]]:
+    """``tensor``'s safetensors dtype and the bytes a weights file stores for it."""
     import torch
 
     names = {getattr(torch, t): st for st, t in _ST_DTYPES.items()}
-    h = hashlib.sha256()
-    for key in sorted(tensors):
-        t = tensors[key].detach().cpu().contiguous()
-        _update_entry(h, key, names[t.dtype], list(t.shape))
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return "tensors-sha256:" + h.hexdigest()
+    t = tensor.detach().cpu().contiguous()
+    return names[t.dtype], t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _update_entry(h: Any, key: str, dtype: str, shape: list[int]) -> None:
@@ -166,3 +201,69 @@ def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[st
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_NONFINITE_BITS: dict[str, tuple[str, int]] = {
+    "F64": ("<u8", 0x7FF0_0000_0000_0000),
+    "F32": ("<u4", 0x7F80_0000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),  # e4m3fn has no infinity: S.1111.111 alone is NaN
+}
+"""Each floating safetensors dtype: its elements read as unsigned integers, and the bits that are
+all set in NaN and the infinities alone (the whole exponent; e4m3fn's NaN also its mantissa)."""
+_SHOWN = 8  # the tensors a problem names before it counts the rest
+
+
+def nonfinite_count(data: bytes | npt.NDArray[np.uint8], dtype: str) -> int:
+    """How many of the elements in ``data`` (little-endian, of the safetensors dtype ``dtype``)
+    are NaN or infinite; 0 for an integer or boolean dtype. The one rule: ``verify`` reads
+    weights files by it (``nonfinite_in_file``), the importer checkpoints
+    (``nonfinite_problem``)."""
+    if dtype not in _NONFINITE_BITS:
+        return 0
+    view, bits = _NONFINITE_BITS[dtype]
+    size = np.dtype(view).itemsize
+    values = np.frombuffer(data, dtype=view, count=len(data) // size)
+    return int(np.count_nonzero((values & bits) == bits))
+
+
+def _nonfinite_named(names: list[str]) -> str | None:
+    if not names:
+        return None
+    more = f" and {len(names) - _SHOWN} more tensors" if len(names) > _SHOWN else ""
+    return f"NaN or infinite values in {', '.join(names[:_SHOWN])}{more}"
+
+
+def nonfinite_problem(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Which of ``tensors`` hold NaN or an infinity, by ``nonfinite_count`` on the bytes a
+    weights file would store (None: none does)."""
+    names = []
+    for key in sorted(tensors):
+        if tensors[key].is_floating_point():
+            dtype, data = _stored(tensors[key])
+            if nonfinite_count(data, dtype):
+                names.append(key)
+    return _nonfinite_named(names)
+
+
+def nonfinite_in_file(path: Path) -> str | None:
+    """``nonfinite_problem`` of a safetensors file, read a chunk at a time."""
+    header, n = read_safetensors_header(path)
+    names = []
+    with open(path, "rb") as f:
+        for key in sorted(k for k in header if k != "__metadata__"):
+            entry = header[key]
+            start, end = entry["data_offsets"]
+            f.seek(8 + n + start)
+            remaining = end - start
+            while remaining:
+                chunk = f.read(min(1 << 20, remaining))  # whole elements: a power of two bytes
+                if not chunk:
+                    break  # truncated: the digest check names it
+                if nonfinite_count(chunk, entry["dtype"]):
+                    names.append(key)
+                    break
+                remaining -= len(chunk)
+    return _nonfinite_named(names)

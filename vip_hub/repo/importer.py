@@ -3,12 +3,17 @@
 - ViP (facebookresearch/ViP-MAE): ``{"model": state_dict, ...}`` where the state dict is either a
   whole MAE (encoder keys plus ``decoder_*`` and ``mask_token``) or an encoder-only ViT. Encoder
   keys already follow timm's layout, except that the final ``norm`` becomes ``fc_norm`` (ViP
-  repos pool like MAE's global pool).
+  repos pool like MAE's global pool). The ``decoder_*`` tensors must be an MAE decoder of the width
+  and depth they show (``vip_hub.models.encoders.mae_decoder_shapes``, the rule
+  ``training.recipes.mae.load_mae`` holds a repo's decoder to).
 - DP-Cap (facebookresearch/dpcap, ``MaskedAutoencoderViT_autoregressive``): ``{"model":
   state_dict, "args": Namespace, ...}``. Encoder keys follow timm's layout (the final ``norm``
   stays per token); the frozen ``encoder_image_type_embedding`` is folded into ``pos_embed``;
   the text decoder's keys are renamed to ``vip_hub.models.text_decoder.TextDecoder``'s
   (``DPCAP_DECODER_KEYS``).
+
+Weights holding NaN or an infinity are refused, naming the tensors (``artifacts.nonfinite_count``,
+the rule ``verify`` applies to a repo's weights files).
 
 This is the only place that unpickles, with ``torch.load(weights_only=True)`` and only
 ``argparse.Namespace`` allowed: anything but plain tensors and containers is refused.
@@ -29,11 +34,12 @@ from typing import Any, Unpack
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder
+from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder, mae_decoder_problems
 from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT, paper_delta
 from ..privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
+from .artifacts import nonfinite_problem
 from .card import DEFAULT_LICENSE
 from .files import Release, export_encoder
 
@@ -304,6 +310,16 @@ def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.T
     return state
 
 
+def _refuse_nonfinite(
+    checkpoint: str | os.PathLike[str], state: dict[str, torch.Tensor], dropped: re.Pattern[str]
+) -> None:
+    """Refuse a checkpoint whose released tensors (all but those ``dropped`` matches) hold NaN or
+    an infinity, naming them."""
+    released = {k: v for k, v in state.items() if not dropped.match(k)}
+    if (problem := nonfinite_problem(released)) is not None:
+        raise CheckpointError(f"{checkpoint}: refused, {problem}")
+
+
 def _check_out(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
     """Refuse an output folder that is, or holds, the checkpoint (writing it would delete it)."""
     source, out = Path(checkpoint).resolve(), Path(out_dir).resolve()
@@ -366,21 +382,25 @@ def import_mae_checkpoint(
             "import_dpcap_checkpoint"
         )
     _check_out(checkpoint, out_dir)
-    encoder_sd, decoder_sd = split_mae_state_dict(load_reference_checkpoint(checkpoint), spec)
-    model = _loaded(create_encoder, spec, encoder_sd)
+    state = load_reference_checkpoint(checkpoint)
+    encoder_sd, decoder_sd = split_mae_state_dict(state, spec)
     decoder_config = None
     if decoder_sd:
         architecture = spec.architecture
         depth = len({k.split(".")[1] for k in decoder_sd if k.startswith("decoder_blocks.")})
         embed = decoder_sd.get("decoder_embed.weight")
-        width = embed.shape[0] if embed is not None else architecture.decoder_embed_dim
-        decoder_config = {
-            "embed_dim": int(width),
-            "depth": depth,
-            "num_heads": architecture.decoder_num_heads,
-            "patch_size": spec.patch_size,
-            "in_chans": 3,
-        }
+        width = int(embed.shape[0]) if embed is not None and embed.ndim == 2 else None
+        width = width or architecture.decoder_embed_dim
+        if problems := mae_decoder_problems(decoder_sd, spec, width, depth):
+            raise CheckpointError(
+                f"{checkpoint}: refused, its decoder_* tensors are not an MAE decoder {width} wide "
+                f"and {depth} blocks deep for {spec.arch} at {spec.img_size}px: "
+                + "; ".join(problems)
+            )
+        # training.recipes.mae.DecoderConfig's fields, as load_mae reads them
+        decoder_config = {"dim": width, "depth": depth, "num_heads": architecture.decoder_num_heads}
+    _refuse_nonfinite(checkpoint, state, _IGNORED)
+    model = _loaded(create_encoder, spec, encoder_sd)
     return export_encoder(
         out_dir, model, spec, decoder=decoder_sd or None, decoder_config=decoder_config, **release
     )
@@ -533,9 +553,9 @@ def import_dpcap_checkpoint(
     if spec.family.name != "dpcap":
         raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
     _check_out(checkpoint, out_dir)
-    encoder_sd, config, decoder_sd = split_dpcap_state_dict(
-        load_reference_checkpoint(checkpoint), spec, decoder_heads
-    )
+    state = load_reference_checkpoint(checkpoint)
+    encoder_sd, config, decoder_sd = split_dpcap_state_dict(state, spec, decoder_heads)
+    _refuse_nonfinite(checkpoint, state, _DPCAP_UNUSED)
     vocab_bytes = None
     if vocab is not None:
         vocab_bytes = Path(vocab).read_bytes()

@@ -6,6 +6,8 @@ A repo verifies when
 - its paths are safe, alone and together (``vip_hub.paths``), and every file is of a kind the
   allow list names and wholly that kind, parsed (``vip_hub.repo.content``);
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
+- every weights file's tensors hold finite values alone (no NaN, no infinity: the importer
+  refuses them by the same rule, ``artifacts.nonfinite_count``);
 - the timm configuration and the weights agree on the architecture, and it names no other
   source for the weights;
 - every head's weights metadata, which its loader reads and the digest leaves out, agrees with
@@ -33,7 +35,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     AccountingError,
@@ -77,11 +79,26 @@ from ..repo_format import (
     heads_in,
     is_weights_file,
 )
-from .artifacts import digest_file, read_safetensors_header
+from .artifacts import (
+    digest_file,
+    loaded_tensors_digest,
+    nonfinite_in_file,
+    read_safetensors_header,
+)
 from .card import card_ledger
 from .content import content_problem, weight_sources
 
-__all__ = ["Problem", "RELATIVE_TOLERANCE", "VerificationReport", "repo_files", "verify_repo"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "Problem",
+    "RELATIVE_TOLERANCE",
+    "VerificationReport",
+    "check_loaded_tensors",
+    "repo_files",
+    "verify_repo",
+]
 
 RELATIVE_TOLERANCE = 1e-4
 """A figure may differ from its recomputation by this fraction (plus the stored rounding)."""
@@ -181,6 +198,7 @@ def verify_repo(
         return report
     report.ledger = ledger
     _check_artifacts(files, ledger, report)
+    _check_finite(files, report)
     _check_components(files, ledger, report)
     config = _check_config(files, report)
     _check_heads(files, config, report)
@@ -190,6 +208,30 @@ def verify_repo(
         _check_accounting(ledger, report)
         _check_audits(ledger, report)
     return report
+
+
+def check_loaded_tensors(
+    ledger: PrivacyLedger, rel: str, path: Path, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Raise TamperedFileError unless ``tensors``, loaded from the repo file ``rel`` at ``path``
+    after the repo verified, are the ones the verified ``ledger``'s digest of ``rel`` binds."""
+    claimed = ledger.artifacts.get(rel)
+    try:
+        actual = loaded_tensors_digest(tensors, read_safetensors_header(path)[0])
+    except (RepoFormatError, OSError):
+        actual = None
+    if claimed is None or actual != claimed:
+        raise TamperedFileError(
+            [
+                Problem(
+                    rel,
+                    "changed after verification: the loaded tensors are not those the ledger "
+                    f"binds (digest {actual or 'none: a tensor missing or not as stored'}, "
+                    f"ledger says {claimed})",
+                    TamperedFileError,
+                )
+            ]
+        )
 
 
 def _check_paths(
@@ -296,6 +338,21 @@ def _check_artifacts(
                 TamperedFileError,
             )
     report.checks.append("file digests")
+
+
+def _check_finite(files: Mapping[str, Path], report: VerificationReport) -> None:
+    """Every weights file holds finite values alone: NaN or an infinity in released weights
+    would be served as embeddings, labels and captions."""
+    for rel, path in files.items():
+        if not is_weights_file(rel):
+            continue
+        try:
+            problem = nonfinite_in_file(path)
+        except (RepoFormatError, OSError):
+            continue  # unreadable: the digest and content checks name it
+        if problem is not None:
+            report.fail(rel, f"{problem}: it would serve non-finite outputs")
+    report.checks.append("weights finite")
 
 
 def _check_components(

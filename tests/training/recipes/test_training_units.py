@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from support.clipping import TokenModel
-from support.helpers import DEVICES
+from support.helpers import DEVICES, synthetic_stage
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -22,14 +22,23 @@ from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, r
 from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
 from training.main_job import MainJobConfig
-from training.recipes.mae import MAE, DecoderConfig, masked_loss, patchify, warm_decoder
+from training.recipes.mae import (
+    MAE,
+    DecoderConfig,
+    load_mae,
+    masked_loss,
+    patchify,
+    warm_decoder,
+)
 from training.recipes.vip import VipConfig
 from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
-from vip_hub.errors import ConfigError
-from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub import export_encoder
+from vip_hub.errors import ConfigError, RepoFormatError
+from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
+from vip_hub.repo.importer import import_mae_checkpoint
 from vip_hub.repo_format import LEDGER_FILE
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
@@ -110,6 +119,51 @@ def test_mae_decoder_keys_follow_the_reference() -> None:
     ):
         assert k in keys
     assert not any(k.startswith("encoder.") for k in keys)
+
+
+def test_the_mae_decoder_rule_is_the_modules_shapes() -> None:
+    """``mae_decoder_shapes``, the rule the importer and ``load_mae`` hold a decoder to, names
+    every tensor of the MAE's decoder with its shape."""
+    shapes = {k: tuple(v.shape) for k, v in small_mae().decoder_state_dict().items()}
+    assert mae_decoder_shapes(SPEC, SMALL_DECODER.dim, SMALL_DECODER.depth) == shapes
+
+
+def test_load_mae_reads_an_imported_decoder_and_names_a_wrong_one(tmp_path) -> None:
+    """A ViP reference checkpoint (an MAE's tensors, its final norm named ``norm``) imports into a
+    repo whose MAE ``load_mae`` builds with the decoder as it was; a decoder file of another
+    shape is a RepoFormatError naming the tensor, not torch's size mismatch."""
+    spec = EncoderSpec("vip-nano", img_size=32)
+    torch.manual_seed(5)
+    mae = MAE(create_encoder(spec, mae_init=True), SMALL_DECODER)
+    encoder = {k.replace("fc_norm.", "norm."): v for k, v in mae.encoder.state_dict().items()}
+    torch.save({"model": encoder | mae.decoder_state_dict()}, tmp_path / "ref.pth")
+    repo = import_mae_checkpoint(
+        tmp_path / "ref.pth",
+        tmp_path / "repo",
+        arch="vip-nano",
+        img_size=32,
+        stages=[synthetic_stage()],
+        model_name="imported",
+    )
+    loaded, _ = load_mae(repo)
+    assert (loaded.config.dim, loaded.config.depth) == (64, 1)
+    for key, value in mae.decoder_state_dict().items():
+        assert torch.equal(loaded.decoder_state_dict()[key], value), key
+
+    wrong = mae.decoder_state_dict() | {"decoder_pred.weight": torch.zeros(768, 32)}
+    odd = export_encoder(
+        tmp_path / "odd",
+        mae.encoder,
+        spec,
+        [synthetic_stage()],
+        model_name="odd",
+        decoder=wrong,
+        decoder_config=SMALL_DECODER.to_dict(),
+    )
+    with pytest.raises(
+        RepoFormatError, match=r"decoder_pred\.weight \(768, 32\) \(expected \(768, 64\)\)"
+    ):
+        load_mae(odd)
 
 
 def test_the_decoder_warm_up_trains_the_decoder_alone_on_public_images_and_repeats() -> None:
