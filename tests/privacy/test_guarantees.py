@@ -124,6 +124,7 @@ def test_no_exported_file_holds_the_heads_secrets_or_a_hash_of_the_data(
             lr=1.0,
             out=str(out),
             dataset_name="test/digits",
+            classes=[str(d) for d in range(10)],  # public labels (no --test-data)
         )
     )
     assert len(drawn) >= 4  # the head's secret (noise, sampling) and the subset key were drawn

@@ -555,7 +555,7 @@ def _fit(cfg: FinetuneConfig, dist: Dist | None) -> _Fitted:
             "--augmult needs --trainable-blocks all (the top-blocks model reads "
             "the frozen blocks' outputs of unaugmented images)"
         )
-    train, test = load_head_data(cfg, cfg.dataset_name)
+    train, test = load_head_data(cfg, cfg.dataset_name, dp=True)  # always a DP head
     n = len(train.labels)
     run = DPRun(_with_probe(cfg, n), dist, n)
     init = load_encoder(cfg.init)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from huggingface_hub import EvalResult
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -157,12 +157,25 @@ def load_labelled(
 
 
 def load_head_data(
-    cfg: HeadData, dataset_name: str
+    cfg: HeadData, dataset_name: str, *, dp: bool
 ) -> tuple[LabelledImages, LabelledImages | None]:
     """``cfg.data`` (named ``dataset_name``) and the PUBLIC ``cfg.test_data``: a head's labels
-    are the test data's classes, whichever of them the private records hold."""
+    are PUBLIC, whichever of them the private records hold: the test data's classes, else the
+    declared ``cfg.classes``. A ``dp`` head with neither is refused (its labels would be the
+    private folders': a class whose records are all gone would vanish from the release); a
+    non-private head then takes ``cfg.data``'s class folders."""
+    declared = cfg.declared_classes
+    if dp and declared is None and not cfg.test_data:
+        raise ConfigError(
+            "a DP head's labels must be public: give --classes (e.g. --classes cat,dog) or "
+            "--test-data (public labelled images), not the private --data's class folders"
+        )
     test = load_labelled(cfg.test_data, "public/test") if cfg.test_data else None
-    train = load_labelled(cfg.data, dataset_name, test.classes if test is not None else None)
+    if test is not None and declared is not None and declared != test.classes:
+        raise ConfigError(
+            f"--classes {declared} must be the --test-data's classes {test.classes}, in that order"
+        )
+    train = load_labelled(cfg.data, dataset_name, test.classes if test is not None else declared)
     return train, test
 
 
@@ -182,12 +195,35 @@ class HeadData(BaseModel):
         "folder of --data outside them is refused), its top-1 goes on the card and in the head's "
         "metrics",
     )
+    classes: str | list[str] | None = Field(
+        None,
+        description="the head's labels, comma-separated (PUBLIC: a class folder of --data "
+        "outside them is refused); with --test-data they must be its classes; a DP head needs "
+        "them or --test-data",
+    )
     public_data: str | None = Field(
         None,
         description="PUBLIC images from the task's domain (a folder, labels not needed; never "
         "the --test-data that scores the head): a DP head's features are centred on their mean "
         "(without it: procedural images' statistics, a weaker head)",
     )
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _split_classes(cls, value: Any) -> Any:
+        names = [c.strip() for c in value.split(",")] if isinstance(value, str) else value
+        if isinstance(names, list):
+            if "" in names:
+                raise ValueError(f"an empty class name in {names}")
+            if twice := sorted({c for c in names if names.count(c) > 1}):
+                raise ValueError(f"classes named twice: {twice}")
+        return names
+
+    @property
+    def declared_classes(self) -> list[str] | None:
+        """``classes`` as a list (``_split_classes`` parsed a comma-separated string)."""
+        assert not isinstance(self.classes, str)
+        return self.classes
 
     @model_validator(mode="after")
     def _public_data_scores_nothing(self) -> HeadData:
@@ -620,7 +656,7 @@ def run_probe(cfg: ProbeConfig) -> ProbeResult:
     """Extract features, fit the head, evaluate, and (with ``cfg.export``) add it to the repo."""
     head_component(cfg.head)  # validate the name before any work
     encoder = load_encoder(cfg.encoder, device=cfg.device)
-    train, test = load_head_data(cfg, cfg.dataset_name)
+    train, test = load_head_data(cfg, cfg.dataset_name, dp=cfg.epsilon is not None)
     key = secrets.token_bytes(32)  # chooses subsets of the private data; never stored
     n, tr_idx = len(train.labels), np.arange(len(train.labels))
     if test is not None:

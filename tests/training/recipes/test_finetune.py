@@ -435,6 +435,13 @@ def test_the_released_labels_are_the_public_test_datas(
     out = finetune(syn_repo, (train, data[1]), tmp_path / "run")
     _, info = load_head(out, "clf")
     assert tuple(info.labels) == CLASSES
+    without = FinetuneConfig(
+        init=str(syn_repo), data=str(train), out=str(tmp_path / "x"), **RUN_ARGS
+    )
+    with pytest.raises(ConfigError, match=r"--classes.*--test-data"):
+        train_finetune(without)  # the labels would be the private folders: refused
+    with pytest.raises(ConfigError, match=r"--classes.*--test-data"):
+        finetune(syn_repo, (train, data[1]), tmp_path / "y", classes=list(CLASSES[:2]))
 
 
 def test_a_probe_kept_for_another_init_is_refused(

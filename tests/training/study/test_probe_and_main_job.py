@@ -23,7 +23,7 @@ from support.live import WRITE_TOKEN, free_port
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, run_main_job
 from training.recipes.probe import ProbeConfig, run_probe
-from vip_hub.errors import DataError
+from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.card import card_info
@@ -176,6 +176,7 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
         epsilon=2.0,
         optimizer="sgd",
         dataset_name="test/digits-train",
+        classes=[str(d) for d in range(10)],  # public labels (no --test-data)
     )
     for public_data, mean, var in (
         (str(test), encoder.embed(public, "vip").mean(0), torch.ones(encoder.feature_dim("vip"))),
@@ -380,6 +381,47 @@ def test_a_dp_heads_labels_are_the_public_test_datas_whatever_private_records_ar
     shutil.copy(next((train / "0").glob("*.png")), train / "extra" / "x.png")
     with pytest.raises(DataError, match="extra"):
         run_probe(ProbeConfig(data=str(train), test_data=str(test), export=False, **named, **dp))
+
+
+def test_a_dp_heads_labels_without_test_data_are_declared_never_the_private_folders(
+    tiny_repo: Path, digits, tmp_path: Path
+) -> None:
+    """Without --test-data a DP head's labels were --data's non-empty class folders: a class
+    whose only private records are gone released a head of 9 labels instead of 10, a
+    deterministic function of the private data. Such a head is refused unless --classes
+    declares its labels publicly (a private class folder outside them stays a DataError); with
+    --test-data, --classes must be its classes."""
+    train, test = tmp_path / "train", digits[1]
+    shutil.copytree(digits[0], train)
+    for png in (train / "9").glob("*.png"):
+        png.unlink()  # the class folder is empty: its private records are gone
+    named = {"encoder": str(tiny_repo), "dataset_name": "test/digits-train", "head": "h"}
+    dp = {"epsilon": 2.0, "optimizer": "sgd", "epochs": 1, "warmup_epochs": 0}
+    with pytest.raises(ConfigError, match=r"--classes.*--test-data"):
+        run_probe(ProbeConfig(data=str(train), export=False, **named, **dp))
+    declared = [str(d) for d in range(10)]
+    out = tmp_path / "declared"
+    run_probe(ProbeConfig(data=str(train), classes=",".join(declared), out=str(out), **named, **dp))
+    head, info = load_head(out, "h")
+    assert (info.labels, head.linear.out_features) == (declared, 10)
+    with pytest.raises(DataError, match="9"):
+        run_probe(
+            ProbeConfig(data=str(digits[0]), classes=declared[:9], export=False, **named, **dp)
+        )
+    with pytest.raises(ConfigError, match="--classes.*--test-data"):
+        run_probe(
+            ProbeConfig(data=str(train), test_data=str(test), classes="0,1", export=False, **named)
+        )
+    from training.skeleton.config import config_from_args
+    from vip_hub.cli.main import build_parser
+
+    def cli(classes: str) -> ProbeConfig:
+        argv = ["probe", "--encoder=e", "--data=d", "--dataset-name=test/d", f"--classes={classes}"]
+        return config_from_args(ProbeConfig, build_parser().parse_args(argv))
+
+    assert cli("cat, dog,bird").declared_classes == ["cat", "dog", "bird"]
+    with pytest.raises(ConfigError, match="--classes.*twice"):
+        cli("a,b,a")
 
 
 def test_a_probe_head_classifies_through_the_service(hub, tiny_repo: Path, digits) -> None:
