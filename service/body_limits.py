@@ -1,10 +1,10 @@
 """An ASGI middleware that bounds every request body before any parsing: total bytes (413),
-and, where a route family asks, JSON nesting depth (400) and values (413: a parsed value costs
-about 80 bytes of memory per byte-and-a-half of text), both checked in linear work off the event
-loop, and the requests served at once (429 before the body is read), so no body reaches the JSON
-or multipart parser unbounded and the bodies held in memory are bounded. Routes that stream
-their bodies to disk (commits, LFS and Xet uploads) enforce their own limits as they stream;
-their rule passes them through."""
+and, where a route family asks, JSON's encoding (UTF-8), nesting depth (400) and values (413: a
+parsed value costs about 80 bytes of memory per byte-and-a-half of text), checked in linear work
+off the event loop, and the requests served at once (429 before the body is read), so no body
+reaches the JSON or multipart parser unbounded and the bodies held in memory are bounded. Routes
+that stream their bodies to disk (commits, LFS and Xet uploads) enforce their own limits as
+they stream; their rule passes them through."""
 
 from __future__ import annotations
 
@@ -78,8 +78,10 @@ class JsonDepth:
 
 
 def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError | None:
-    """400 for a JSON text nested deeper than ``max_depth``, 413 for one holding more than
-    ``max_commas`` commas outside its strings (values), else None; linear work."""
+    """400 for a JSON text not in UTF-8 or nested deeper than ``max_depth``, 413 for one holding
+    more than ``max_commas`` commas outside its strings (values), else None; linear work."""
+    if b"\0" in body:  # UTF-8 JSON has none; in UTF-16 or -32 a character's bytes can be a quote
+        return BadRequest("JSON body is not UTF-8 (RFC 8259): it holds NUL bytes, as UTF-16 does")
     if body.count(b"[") + body.count(b"{") <= max_depth and body.count(b",") <= max_commas:
         return None  # too few brackets and commas, in strings or not, to pass either bound
     scan = JsonDepth(max_depth)
@@ -189,7 +191,7 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         chunks.clear()  # from here the body is held once
         depth, commas = rule.max_json_depth, rule.max_json_commas
-        is_json = b"json" in headers.get(b"content-type", b"")
+        is_json = b"json" in _lowered(headers, b"content-type")  # as FastAPI reads it
         if is_json and depth is not None and commas is not None:
             problem = await run_in_threadpool(json_problem, body, depth, commas)
             if problem is not None:
@@ -203,7 +205,13 @@ def _body_size(headers: dict[bytes, bytes], max_bytes: int) -> int:
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit():
         return min(int(declared), max_bytes)
-    return max_bytes if b"chunked" in headers.get(b"transfer-encoding", b"") else 0
+    return max_bytes if b"chunked" in _lowered(headers, b"transfer-encoding") else 0
+
+
+def _lowered(headers: dict[bytes, bytes], name: bytes) -> bytes:
+    """A header's value in lower case (media types and transfer codings are case-insensitive:
+    ``Chunked`` is chunked), empty when absent."""
+    return headers.get(name, b"").lower()
 
 
 def _admit(pending: _Pending, rule: BodyLimit, size: int, path: str) -> None:

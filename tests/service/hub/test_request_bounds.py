@@ -102,6 +102,35 @@ def test_a_json_body_of_millions_of_values_is_refused_before_it_is_parsed(server
     assert json_problem(commas, 8, 3) is None  # commas inside strings are text
 
 
+@pytest.mark.parametrize(
+    "content_type", ["application/JSON", "Application/Json; charset=utf-8", "application/ld+JSON"]
+)
+def test_json_bounds_hold_whatever_the_content_type_case(server, content_type):
+    """A media type is case-insensitive and FastAPI parses each of these as JSON: the depth and
+    values bounds are checked before, as for ``application/json``."""
+    url = f"{server.url}/v1/embeddings"
+    headers = {"Content-Type": content_type}
+    deep = b'{"model": "vip/x", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(url, content=deep, headers=headers, timeout=60)
+    assert r.status_code == 400 and "nested deeper than 8 levels" in r.json()["error"], r.text
+    wide = b'{"model": "vip/x", "input": "QUFB", "x": [' + b",".join([b"0"] * 100_000) + b"]}"
+    r = httpx.post(url, content=wide, headers=headers, timeout=60)
+    assert r.status_code == 413 and "values in its lists" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32-le"])
+def test_json_in_utf16_or_utf32_is_refused_before_it_is_parsed(server, encoding):
+    """Python's parser reads UTF-16 and UTF-32 too, where a character's bytes can be a quote
+    (U+0122: 22 01) and hide the brackets and commas after it from the byte scan: such a body is
+    refused (RFC 8259: JSON between systems is UTF-8), however small."""
+    url = f"{server.url}/v1/embeddings"
+    headers = {"Content-Type": "application/json"}
+    for tail in ("[" * 5000 + "]" * 5000, "[" + ",".join(["0"] * 100_000) + "]", "1"):
+        body = '{"model": "vip/x", "input": "\u0122", "x": ' + tail + "}"
+        r = httpx.post(url, content=body.encode(encoding), headers=headers, timeout=60)
+        assert r.status_code == 400 and "not UTF-8" in r.json()["error"], r.text[:300]
+
+
 def test_a_quadratic_json_body_is_refused_while_healthz_answers(server):
     """Four 1 MB bodies of the issue's shape, at once: each is refused with 400 naming the depth
     limit, and /healthz answers meanwhile (the check runs in worker threads, in linear work;
@@ -270,6 +299,28 @@ def _first_answers(socks: list[socket.socket], n: int) -> dict[socket.socket, tu
                 answered[key.fileobj] = _answer(key.fileobj)  # type: ignore[index]
                 sel.unregister(key.fileobj)
     return answered
+
+
+@pytest.mark.parametrize("coding", [b"chunked", b"Chunked", b"CHUNKED"])
+def test_chunked_bodies_count_whatever_the_coding_case(tmp_path, coding):
+    """A transfer coding's name is case-insensitive (RFC 9112): a chunked body, whose length is
+    not known, counts as a maximal one in every spelling; with room for one, a second such
+    request is answered 429 before its body is read."""
+    settings = settings_for(tmp_path, inference={"max_pending_requests": 1})
+    head = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + b"Transfer-Encoding: "
+        + coding
+        + b'\r\n\r\n10\r\n{"model": "a/b",\r\n'
+    )
+    with ThreadedServer(settings) as server:
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        for sock in socks:
+            sock.sendall(head)
+        ((status, headers, answer),) = _first_answers(socks, 1).values()
+        assert status == 429 and "1 requests" in answer["error"], answer
+        for sock in socks:
+            sock.close()
 
 
 # ------------------------------------------------------------------------------- 7. low
