@@ -4,16 +4,17 @@ refs and commit history, ``whoami-v2``."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import JSONResponse
 
 from vip_hub.repo_format import DEFAULT_BRANCH
 
 from ..auth import Identity, identity, private_namespaces, require_scope
 from ..errors import BadRequest
+from ..store import FileEntry
 from ..store.errors import NoSuchEntry, NoSuchRevision
 from ..store.naming import validate_path, validate_revision
 from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_repo, store_of
@@ -21,6 +22,7 @@ from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_rep
 router = APIRouter(prefix="/api")
 
 TREE_PAGE = 1000
+COMMITS_PAGE = 100
 MAX_OFFSET = 2**63 - 1
 """The largest listing offset: the index's integers (SQLite's, PostgreSQL's BIGINT) hold no more."""
 
@@ -146,15 +148,9 @@ def tree(
         for depth in range(1, len(parts)):  # folders on the way
             folder = base + "/".join(parts[:depth])
             if recursive or depth == 1:
-                entries.setdefault(
-                    folder,
-                    {"type": "directory", "path": folder, "oid": _folder_oid(folder, commit)},
-                )
+                entries.setdefault(folder, _folder_json(folder, commit))
         if recursive or len(parts) == 1:
-            item: dict[str, Any] = {"type": "file", "path": path, "size": e.size, "oid": e.git_oid}
-            if is_lfs(e.path, e.size):
-                item["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": POINTER_SIZE}
-            entries[path] = item
+            entries[path] = _file_json(e)
     ordered = sorted(entries.values(), key=lambda x: (x["type"] != "directory", x["path"]))
     page = ordered[cursor : cursor + TREE_PAGE]
     headers = {"X-Repo-Commit": commit}
@@ -180,16 +176,49 @@ def refs(
             {"name": n, "ref": f"refs/tags/{n}", "targetCommit": c} for n, c in refs["tag"].items()
         ],
         "converts": [],
+        "pullRequests": [],  # none on this hub; list_repo_refs(include_pull_requests=True) reads it
     }
+
+
+@router.post(
+    "/models/{org}/{name}/paths-info/{revision:path}", summary="Files and folders at given paths"
+)
+def paths_info(
+    org: str,
+    name: str,
+    revision: str,
+    request: Request,
+    paths: Annotated[list[str], Form()],
+    who: Identity | None = Depends(identity),
+) -> JSONResponse:
+    """The entries (as the tree lists them) of those ``paths`` that are a file or a folder at the
+    revision; the others are left out (``get_paths_info``, ``CommitOperationCopy``)."""
+    del revision  # the raw path keeps an encoded '/' from splitting it
+    store = store_of(request)
+    repo = readable_repo(store, org, name, who)
+    commit = store.resolve(repo.repo_id, _raw_revision(request, 5))
+    files = store.tree(repo.repo_id, commit)
+    folders = {p.rsplit("/", depth)[0] for p in files for depth in range(1, p.count("/") + 1)}
+    found: list[dict[str, Any]] = []
+    for path in dict.fromkeys(validate_path(p) for p in paths):
+        if path in files:
+            found.append(_file_json(files[path]))
+        elif path in folders:
+            found.append(_folder_json(path, commit))
+    return JSONResponse(found, headers={"X-Repo-Commit": commit})
 
 
 @router.get("/models/{org}/{name}/commits/{revision}", summary="Commit history")
 def commits(
     org: str, name: str, revision: str, request: Request, who: Identity | None = Depends(identity)
-) -> list[dict[str, Any]]:
+) -> JSONResponse:
+    """``COMMITS_PAGE`` commits from ``revision`` back, newest first; a Link header names the
+    next page (the history from the next older commit, by id, so pages stay put while the
+    branch moves)."""
     store = store_of(request)
     repo = readable_repo(store, org, name, who)
-    return [
+    history = store.history(repo.repo_id, validate_revision(revision), limit=COMMITS_PAGE + 1)
+    page = [
         {
             "id": c.sha,
             "title": c.title,
@@ -198,8 +227,13 @@ def commits(
             "date": c.created_at,
             "parents": [c.parent] if c.parent else [],
         }
-        for c in store.history(repo.repo_id, validate_revision(revision))
+        for c in history[:COMMITS_PAGE]
     ]
+    headers = {}
+    if len(history) > COMMITS_PAGE:
+        path = request.url.path.rsplit("/", 1)[0] + "/" + history[COMMITS_PAGE].sha
+        headers["Link"] = f'<{request.url.replace(path=path)}>; rel="next"'
+    return JSONResponse(page, headers=headers)
 
 
 @router.get("/whoami-v2", summary="Who the token belongs to")
@@ -223,5 +257,18 @@ def _raw_revision(request: Request, skip: int) -> str:
     return validate_revision(segments[0])
 
 
-def _folder_oid(folder: str, commit: str) -> str:
-    return hashlib.sha1(f"{commit}:{folder}".encode(), usedforsecurity=False).hexdigest()
+def _file_json(entry: FileEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": "file",
+        "path": entry.path,
+        "size": entry.size,
+        "oid": entry.git_oid,
+    }
+    if is_lfs(entry.path, entry.size):
+        out["lfs"] = {"oid": entry.sha256, "size": entry.size, "pointerSize": POINTER_SIZE}
+    return out
+
+
+def _folder_json(folder: str, commit: str) -> dict[str, Any]:
+    oid = hashlib.sha1(f"{commit}:{folder}".encode(), usedforsecurity=False).hexdigest()
+    return {"type": "directory", "path": folder, "oid": oid}
