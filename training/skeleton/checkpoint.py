@@ -12,7 +12,7 @@ import torch
 from vip_hub.errors import CheckpointError
 from vip_hub.paths import make_private_dir, private_writer
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["check_settings", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
 
@@ -46,7 +46,15 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {path} has format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"
         )
-    saved = state.get("config")
+    check_settings(f"checkpoint {path}", state.get("config"), config, defaults)
+    return state
+
+
+def check_settings(
+    what: str, saved: Any, config: dict[str, Any], defaults: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse ``saved`` settings (of ``what``) other than ``config``, naming them; a setting
+    ``saved`` does not name matches when ``config`` holds its value in ``defaults``."""
     if isinstance(saved, dict):
         added = {k: v for k, v in (defaults or {}).items() if k in config and k not in saved}
         saved = added | saved
@@ -55,7 +63,6 @@ def load_checkpoint(
             k for k in set(saved or {}) | set(config) if (saved or {}).get(k) != config.get(k)
         )
         raise CheckpointError(
-            f"checkpoint {path} was written with other settings ({', '.join(diff)}); "
+            f"{what} was written with other settings ({', '.join(diff)}); "
             "resume with the same settings, or pass --restart to start over"
         )
-    return state

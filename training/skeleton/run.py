@@ -7,6 +7,7 @@ recipe's fields, and the export at the end (rank 0, then every rank waits)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
 from vip_hub.repo_format import CURVES_FILE, LEDGER_FILE
 
 from ..dp.sampling import SECRET_BITS, new_secret
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import check_settings, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .distributed import Dist
 from .optim import make_adamw, warmup_cosine
@@ -45,6 +46,36 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+SETTINGS_FILE, RUN_ID_FILE, LOCK_FILE = "settings.json", "run_id", "lock"
+"""The run folder's settings but the seed, its run id and the file that the process running it
+holds locked (``flock``) until it exits."""
+
+_HELD: dict[Path, int] = {}
+"""This process's locked run folders: the descriptor of each one's ``LOCK_FILE``."""
+
+
+def _hold(folder: Path) -> None:
+    """Lock ``folder``'s ``LOCK_FILE`` for this process until it exits (a crash frees it), or
+    refuse while another process holds it."""
+    folder = folder.absolute()
+    held = _HELD.get(folder)
+    if held is not None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(held), os.stat(folder / LOCK_FILE)):
+                return  # this process's earlier run of the folder: still its own
+        os.close(_HELD.pop(folder))  # the folder was replaced (--restart) since
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"another process is running the run folder {folder}: two would interleave its "
+            "checkpoints and replace its seed under each other; wait for it to end"
+        ) from None
+    _HELD[folder] = fd
 
 
 def _check_out(out: Path) -> None:
@@ -68,10 +99,17 @@ class Run:
         out = Path(cfg.out)
         self.dir = out.with_name(out.name + ".run")
         _check_out(out)  # on every rank: one refusing alone would leave the others at the barrier
+        if self.dir.is_symlink():  # on every rank, as _check_out
+            raise ConfigError(
+                f"{self.dir} is a symbolic link: a run folder holds the run's secret seed, "
+                "written where it is; give an --out whose run folder is a plain folder"
+            )
         if dist.main:
             if cfg.restart and self.dir.exists():
+                _hold(self.dir)  # not under a process still running it
                 shutil.rmtree(self.dir)
             make_private_dir(self.dir)
+            _hold(self.dir)
             if self.dir.stat().st_mode & 0o077:  # a run folder made before it was owner-only
                 os.chmod(self.dir, 0o700)
         dist.barrier()
@@ -106,7 +144,7 @@ class Run:
     def run_id(self) -> str:
         """This run's random id for its ledger stage (``new_run_id``), drawn once and kept in the
         run folder so a resumed run records the same one (rank 0, which exports)."""
-        path = self.dir / "run_id"
+        path = self.dir / RUN_ID_FILE
         if not path.exists():
             write_private(path, new_run_id().encode())
         return path.read_text()
@@ -115,6 +153,7 @@ class Run:
         """Load the checkpoint (checked against this run's settings) into ``objects``; the step to
         start from (0 without a checkpoint)."""
         if not self.checkpoint_path.exists():
+            self._fresh_start()
             return 0
         state = load_checkpoint(self.checkpoint_path, self.settings, self.cfg.run_defaults())
         missing = [key for key in (*objects, "step") if key not in state]
@@ -123,6 +162,28 @@ class Run:
         for key, obj in objects.items():
             obj.load_state_dict(state[key])
         return int(state["step"])
+
+    def _unseeded(self) -> dict[str, Any]:
+        """The run's settings but its seed (kept in its own file): ``SETTINGS_FILE``'s."""
+        return {k: v for k, v in self.settings.items() if k != "seed"}
+
+    def _fresh_start(self) -> None:
+        """A start from step 0: the folder's settings, if a run started in it (its checkpoint
+        since removed), must be this run's, as a checkpoint's (its seed, drawn for them, would
+        key this run's noise and sampling too); and any earlier export's run id is dropped, so
+        this run's release is not counted as that one."""
+        path = self.dir / SETTINGS_FILE
+        if self.cfg.seed is None and path.exists():
+            saved = json.loads(path.read_text())
+            check_settings(
+                f"{path}, whose run drew its seed,",
+                saved,
+                self._unseeded(),
+                self.cfg.run_defaults(),
+            )
+        self.dist.barrier()  # every rank checked before rank 0 drops the run id
+        if self.dist.main:
+            (self.dir / RUN_ID_FILE).unlink(missing_ok=True)
 
     def adamw(
         self, model: torch.nn.Module, horizon: int | None = None
@@ -158,9 +219,8 @@ class Run:
         t0, images = time.perf_counter(), 0
         bar = None
         if self.dist.main:
-            unseeded = {k: v for k, v in self.settings.items() if k != "seed"}  # seed: its own file
             write_private(
-                self.dir / "settings.json", (json.dumps(unseeded, indent=2) + "\n").encode()
+                self.dir / SETTINGS_FILE, (json.dumps(self._unseeded(), indent=2) + "\n").encode()
             )
             self.log = RunLog(self.dir / "log.jsonl", start)
             if stop_message:

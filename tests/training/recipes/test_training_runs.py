@@ -38,6 +38,7 @@ from training.main_job import StepFailed
 from training.recipes.syn import SynConfig, train_syn
 from training.recipes.vip import VipConfig, train_vip
 from training.skeleton.checkpoint import save_checkpoint
+from training.skeleton.run import LOCK_FILE
 from vip_hub.errors import (
     AccountingError,
     CheckpointError,
@@ -277,6 +278,7 @@ def test_a_dp_run_folder_is_private_from_its_creation(
         "settings.json",
         "checkpoint.pt",
         "log.jsonl",
+        LOCK_FILE,
     }
     assert [f"{p} {p.stat().st_mode & 0o777:o}" for p in made if p.stat().st_mode & 0o077] == []
     seed = (run / "seed").read_text()
@@ -795,3 +797,84 @@ def test_a_checkpoint_that_is_not_one_is_refused_naming_the_file_and_what_is_mis
         run.checkpoint_path, {"config": run.settings, "model": model.state_dict(), "step": 4}
     )
     assert run.resume({"model": model}) == 4
+
+
+def test_a_run_folder_another_process_runs_is_refused(tmp_path: Path) -> None:
+    """Two processes on one run folder would interleave their checkpoints, and one started with
+    --restart would replace the seed and the run id under the other (two runs' releases then
+    share a run id, so compose as one): while a process runs the folder, another is refused,
+    --restart deleting nothing; once it ends, the folder is free again."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    out = tmp_path / "repo"
+    hold = (
+        "import sys; from training.skeleton.config import RunConfig; "
+        "from training.skeleton.distributed import Dist; from training.skeleton.run import Run; "
+        "run = Run(RunConfig(out=sys.argv[1], seed=None), Dist()); print('ready', flush=True); "
+        "sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        seed = (tmp_path / "repo.run" / "seed").read_text()
+        for restart in (False, True):
+            with pytest.raises(ConfigError, match="another process is running the run folder"):
+                Run(RunConfig(out=str(out), seed=None, restart=restart), Dist())
+        assert (tmp_path / "repo.run" / "seed").read_text() == seed
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0
+    assert Run(RunConfig(out=str(out), seed=None), Dist()).seed == int(seed, 16)
+
+
+def test_a_run_folder_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
+    """OUT.run/ a symbolic link: the secret seed and the checkpoints would be written wherever it
+    points (another run's folder, whose seed the run would then share, or a folder others may
+    read), and --restart would fail on it. Refused, naming it; nothing is written there."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "repo.run").symlink_to(elsewhere)
+    for restart in (False, True):
+        with pytest.raises(ConfigError, match=r"repo\.run is a symbolic link"):
+            Run(RunConfig(out=str(tmp_path / "repo"), seed=None, restart=restart), Dist())
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_fresh_start_in_a_run_folder_that_exported_neither_reuses_its_secret_nor_its_run_id(
+    syn_repo: Path, images: Path, tmp_path: Path
+) -> None:
+    """A run folder whose checkpoint is gone (deleted after the export, unreadable) starts over
+    from step 0 under the secret its first run drew: with another learning rate (no part of the
+    stage's identity) the second release reused the first one's noise and sampling, and its run
+    id, so ``compose_releases`` counted the two releases once. The settings the secret keyed
+    are checked as a checkpoint's are; and a fresh start draws a new run id (another --seed)."""
+    from vip_hub.privacy.ledger import compose_releases
+
+    out, run = tmp_path / "dp", tmp_path / "dp.run"
+    settings: dict[str, Any] = dict(batch_size=8, steps=2, eval_every=100, delta=1 / 80)
+    first = PrivacyLedger.read(train_vip(vip_config(syn_repo, images, out, **settings)))
+    (run / "checkpoint.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"other settings \(lr\).*--restart"):
+        train_vip(vip_config(syn_repo, images, out, lr=2e-3, **settings))
+    settings["seed"] = 1  # its own seed: the folder's secret unused, the settings alike
+    train_vip(vip_config(syn_repo, images, out, restart=True, **settings))
+    (run / "checkpoint.pt").unlink()
+    ours = PrivacyLedger.read(out).stages[-1]
+    second = PrivacyLedger.read(
+        train_vip(vip_config(syn_repo, images, out, **{**settings, "seed": 2}))
+    )
+    assert second.stages[-1].run_id != ours.run_id
+    one = compose_releases([first.stages[-1]], 1 / 80)
+    assert compose_releases([ours, second.stages[-1]], 1 / 80) != one
