@@ -294,11 +294,13 @@ def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
     _lfs_upload(s3_hub, "lfs/upkeep", twice)
     abandoned = _lfs_upload(s3_hub, "lfs/upkeep", b"PUT, never verified", verify=False)
     # past the TTL and grace below, the fresh record then within them: the bucket dates its
-    # objects by its own clock, so here (alone) real time passes rather than the store's clock
-    time.sleep(5.5)
+    # objects by its own clock, so here (alone) real time passes rather than the store's clock.
+    # The fresh record must still be within them when gc reads it: 12 s of margin for the upload
+    # and the CLI's start on a loaded machine (5 s failed once, the suite beside other work)
+    time.sleep(12.5)
     _lfs_upload(s3_hub, "lfs/upkeep-other", twice)  # a fresh record names the old upload
-    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "5")
-    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "5")
+    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "12")
+    cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "12")
     code, out = _cli(capsys, "gc")
     assert code == 0 and f"removed blob {orphan_sha}" in out, out
     blobs = {k.rsplit("/", 2)[1] + k.rsplit("/", 1)[1] for k in _keys(seaweed, "blobs/")}
