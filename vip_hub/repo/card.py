@@ -35,11 +35,13 @@ from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
 __all__ = [
     "DEFAULT_LICENSE",
     "LEDGER_COLUMNS",
+    "PRIVACY_TAGS",
     "CardInfo",
     "audit_paragraphs",
     "card_info",
     "card_ledger",
     "card_tags",
+    "card_tags_problem",
     "component_headlines",
     "format_params",
     "front_matter_problem",
@@ -70,6 +72,10 @@ DEFAULT_LICENSE = "apache-2.0"
 """The card's licence when the writer names none."""
 TAGS = ["vision-transformer", "image-feature-extraction", "timm"]
 """Every card's tags; ``card_tags`` adds what the ledger's stages did."""
+DP_TAG, NO_PRIVATE_DATA_TAG = "differential-privacy", "no-private-data"
+PRIVACY_TAGS = (DP_TAG, NO_PRIVATE_DATA_TAG)
+"""The tags that claim something of the training data: a card holds one exactly when its ledger
+gives it (``card_tags_problem``)."""
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
 
@@ -188,10 +194,31 @@ def card_tags(ledger: PrivacyLedger, captions: bool = False) -> list[str]:
     """The card's tags: ``TAGS``, then what the stages did (``differential-privacy`` and each DP
     mechanism, or ``no-private-data``) and ``image-captioning`` when the repo captions."""
     mechanisms = [s.mechanism.lower() for s in ledger.dp_stages()]
-    done = ["differential-privacy", *dict.fromkeys(mechanisms)] if mechanisms else []
+    done = [DP_TAG, *dict.fromkeys(mechanisms)] if mechanisms else []
     if not ledger.summary().private_data:
-        done.append("no-private-data")
+        done.append(NO_PRIVATE_DATA_TAG)
     return [*TAGS, *done, *(["image-captioning"] if captions else [])]
+
+
+def card_tags_problem(
+    readme: str, ledger: PrivacyLedger, limits: FrontMatterLimits | None = None
+) -> str | None:
+    """Why the card ``readme``'s tags claim of its data what ``ledger`` does not (a
+    ``PRIVACY_TAGS`` tag ``card_tags`` does not give, or one it gives left out), else None (also
+    for front matter that cannot be read: ``card_ledger`` names that)."""
+    try:
+        tags = load_card(readme, limits=limits).data.to_dict().get("tags")
+    except (yaml.YAMLError, RepoFormatError):
+        return None
+    held = {str(t) for t in tags} if isinstance(tags, list) else set()
+    given = set(card_tags(ledger))
+    claimed = [t for t in PRIVACY_TAGS if t in held and t not in given]
+    left_out = [t for t in PRIVACY_TAGS if t in given and t not in held]
+    if claimed:
+        return f"tags claim {', '.join(claimed)}, which its ledger does not give"
+    if left_out:
+        return f"tags leave out {', '.join(left_out)}, which its ledger gives"
+    return None
 
 
 def guarantee_assumes(ledger: PrivacyLedger) -> str:

@@ -10,6 +10,8 @@ A repo verifies when
   refuses them by the same rule, ``artifacts.nonfinite_count``);
 - the timm configuration and the weights agree on the architecture, and it names no other
   source for the weights;
+- the card's tags claim of the training data (``differential-privacy``, ``no-private-data``)
+  what the ledger gives;
 - every head's weights metadata, which its loader reads and the digest leaves out, agrees with
   its labels file, its tensor's shape and the width the configuration gives its feature mode;
 - every DP stage's sensitivity is its mechanism's and its noise is sigma times it;
@@ -46,6 +48,7 @@ from ..errors import (
     MissingInputError,
     RepoFormatError,
     TamperedFileError,
+    UnsafePathError,
     VerificationError,
 )
 from ..models.encoders import EncoderSpec
@@ -85,7 +88,7 @@ from .artifacts import (
     nonfinite_in_file,
     read_safetensors_header,
 )
-from .card import card_ledger
+from .card import card_ledger, card_tags_problem
 from .content import content_problem, weight_sources
 
 if TYPE_CHECKING:
@@ -164,13 +167,20 @@ class VerificationReport:
 
 
 def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
-    """Map every file under ``folder`` (hidden entries skipped) to its repo-relative path."""
+    """Map the repo path of every file under ``folder`` (hidden entries skipped) to the file;
+    UnsafePathError for a link to a folder, which would be read but neither verified nor signed."""
     root = Path(folder)
     if not root.is_dir():
         raise MissingInputError(f"{root} is not a directory")
     out = {}
     for dirpath, dirnames, names in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in dirnames:  # os.walk lists a folder link but does not enter it
+            if os.path.islink(p := Path(dirpath, name)):
+                raise UnsafePathError(
+                    f"{p.relative_to(root).as_posix()}: a link to a folder: loaders would read "
+                    "its files, which verify and signatures do not see; copy the files instead"
+                )
         for name in names:
             if not name.startswith("."):
                 p = Path(dirpath, name)
@@ -204,6 +214,7 @@ def verify_repo(
     _check_heads(files, config, report)
     _check_mechanisms(ledger, report)
     _check_noised(files, ledger, report)
+    _check_card(files, ledger, report, front_matter)
     if check_accounting:
         _check_accounting(ledger, report)
         _check_audits(ledger, report)
@@ -308,6 +319,25 @@ def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
             if x != y:
                 return _first_difference(x, y, f"{where}.{i}".lstrip("."))
     return where, a, b
+
+
+def _check_card(
+    files: Mapping[str, Path],
+    ledger: PrivacyLedger,
+    report: VerificationReport,
+    front_matter: FrontMatterLimits | None,
+) -> None:
+    """The card's tags claim of its training data what the ledger gives (the hub answers a
+    model's tags from them)."""
+    if CARD_FILE not in files:
+        return
+    try:
+        text = files[CARD_FILE].read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return  # its ledger copy's check names it
+    if problem := card_tags_problem(text, ledger, front_matter):
+        report.fail(CARD_FILE, problem, TamperedFileError)
+    report.checks.append("card tags follow the ledger")
 
 
 def _check_artifacts(
