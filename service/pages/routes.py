@@ -24,7 +24,7 @@ from vip_hub.privacy.ledger import (
     LedgerError,
     PrivacyLedger,
     compose_releases,
-    round_up,
+    shown_epsilon,
 )
 from vip_hub.repo.card import (
     LEDGER_COLUMNS,
@@ -49,6 +49,7 @@ __all__ = ["install"]
 
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters["epsilon"] = shown_epsilon  # a claim shown rounded up, never to the nearest
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
@@ -310,8 +311,8 @@ def _stage_row(repo_id: str, s: DPStage, delta: float) -> dict[str, Any]:
         "steps": f"{s.steps:,}",
         "delta": f"{s.delta:.3g}",
         "weak_delta": s.weak_delta,
-        "epsilon": f"{s.epsilon:.2f} ({s.accountant.value.upper()})",
-        "epsilon_at_hub": f"{round_up(at_hub):.2f}",
+        "epsilon": f"{shown_epsilon(s.epsilon)} ({s.accountant.value.upper()})",
+        "epsilon_at_hub": shown_epsilon(at_hub),
         "sampling": s.sampling,
     }
 

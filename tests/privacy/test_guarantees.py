@@ -285,7 +285,7 @@ def test_the_dataset_page_composes_every_public_release_on_it(hub, tmp_path: Pat
     composed = acc.get_epsilon(1e-5)
     assert composed > max(s.epsilon for s in stages)
     shown = float(page.text.split("ε = ")[1].split(" (RDP)")[0])
-    assert shown >= composed - 0.005 and shown == pytest.approx(composed, abs=0.02)
+    assert shown >= composed and shown == pytest.approx(composed, abs=0.02)  # rounded up
     assert "/writer/shared-0" in page.text and "/writer/shared-1" in page.text
     model = httpx.get(f"{hub.url}/writer/shared-0", timeout=30)
     assert 'href="/datasets/writer/shared-faces"' in model.text

@@ -260,7 +260,7 @@ def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
 
 
 def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
-    from vip_hub.privacy.ledger import privacy_headline
+    from vip_hub.privacy.ledger import privacy_headline, shown_epsilon
     from vip_hub.repo.card import audit_paragraphs
     from vip_hub.repo.importer import PRESETS
 
@@ -273,12 +273,43 @@ def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
     headline = privacy_headline(summary)
     assert (
         "as reported, assuming Poisson sampling" in headline
-        and f"{summary.epsilon_without_amplification:.2f}" in headline
+        and f"{shown_epsilon(summary.epsilon_without_amplification)}" in headline
     )
     assert summary.to_dict()["caveat"] == summary.caveat
     assert any("without amplification" in p for p in audit_paragraphs(ledger))
     poisson = PrivacyLedger.build(PRESETS["vip-base"]().stages).summary()
     assert poisson.caveat is None and "assuming" not in privacy_headline(poisson)
+
+
+def test_an_epsilon_is_shown_rounded_up_wherever_a_reader_sees_it():
+    """The headline, the card and the pages show ε at two or three decimals: rounded to the
+    nearest, a ledger's 1.0049 read "ε = 1.00", a claim under the ledger's own; shown, a claim
+    is rounded up and an audit's lower bound down."""
+    import re
+
+    from vip_hub.privacy.ledger import privacy_headline, shown_epsilon
+    from vip_hub.repo.card import guarantee_paragraphs, ledger_rows
+
+    assert [shown_epsilon(e) for e in (1.0049, 1.0, 2.9999999, 0.001)] == [
+        "1.01",
+        "1.00",
+        "3.00",
+        "0.01",
+    ]
+    assert shown_epsilon(1.0049, 3) == "1.005"
+    assert shown_epsilon(1.0049, lower_bound=True) == "1.00"
+    below = 0
+    for sigma in (1.0, 1.1, 1.3, 1.7, 2.3):  # figures whose third decimal varies
+        ledger = PrivacyLedger.build([dp_stage(sigma=sigma)])
+        eps = ledger.summary().epsilon
+        below += f"{eps:.2f}" != shown_epsilon(eps)  # what rounding to the nearest showed
+        for text in [privacy_headline(ledger.summary()), *guarantee_paragraphs(ledger)]:
+            claim = re.search(r"ε = (\d+\.\d+)", text)  # the first: the claim's accountant's
+            assert claim and float(claim[1]) >= eps, (sigma, eps, text)
+        row = " ".join(" ".join(r) for r in ledger_rows(ledger))
+        claim = re.search(r"(\d+\.\d{3}) \(RDP\)", row)
+        assert claim and float(claim[1]) >= eps, row
+    assert below  # the sigmas hold a figure the nearest rounding understated
 
 
 def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():

@@ -133,6 +133,7 @@ __all__ = [
     "privacy_headline",
     "round_down",
     "round_up",
+    "shown_epsilon",
     "truncated",
 ]
 
@@ -142,6 +143,13 @@ def round_up(eps: float) -> float:
     return float(
         Decimal(eps).quantize(Decimal(1).scaleb(-EPSILON_DECIMALS), rounding=ROUND_CEILING)
     )
+
+
+def shown_epsilon(eps: float, decimals: int = 2, *, lower_bound: bool = False) -> str:
+    """``eps`` for reading at ``decimals`` decimals, rounded up (a claim shown stays an upper
+    bound), or down for a ``lower_bound``."""
+    rounding = ROUND_FLOOR if lower_bound else ROUND_CEILING
+    return f"{Decimal(eps).quantize(Decimal(1).scaleb(-decimals), rounding=rounding):.{decimals}f}"
 
 
 def round_down(eps: float) -> float:
@@ -552,10 +560,11 @@ class PrivacySummary:
         """What a reader must be told wherever the epsilon is shown, if anything."""
         if not self.assumed_poisson:
             return None
+        assert self.epsilon_without_amplification is not None  # summary() computes it always
         return (
             f"as reported, assuming Poisson sampling ({', '.join(self.assumed_poisson)} did not "
             "sample so; without amplification by sampling: ε = "
-            f"{self.epsilon_without_amplification:.2f} under PLD)"
+            f"{shown_epsilon(self.epsilon_without_amplification)} under PLD)"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -575,7 +584,8 @@ class PrivacySummary:
 def privacy_headline(summary: PrivacySummary) -> str:
     """One line stating a component's guarantee, as the card, pages and CLI show it."""
     parts = [
-        f"(ε = {g.epsilon:.2f}, δ = {g.delta:.2g})-DP on {g.dataset} [{g.accountant.value.upper()}]"
+        f"(ε = {shown_epsilon(g.epsilon)}, δ = {g.delta:.2g})-DP on {g.dataset} "
+        f"[{g.accountant.value.upper()}]"
         for g in summary.guarantees
     ]
     parts += [f"NO guarantee for {d} (used without DP)" for d in summary.unprotected_datasets]

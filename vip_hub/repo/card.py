@@ -28,7 +28,13 @@ from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
 from ..models.features import SpatialMode, describe
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT
-from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger, privacy_headline
+from ..privacy.ledger import (
+    DPStage,
+    NonPrivateStage,
+    PrivacyLedger,
+    privacy_headline,
+    shown_epsilon,
+)
 from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
 from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
 
@@ -370,6 +376,8 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
     out = []
     for s in ledger.dp_stages():
         if s.sampling != "poisson":
+            without = ledger.summary(s.component).epsilon_without_amplification
+            assert without is not None  # summary() computes it always
             out.append(
                 f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson "
                 "sampling (each example in each step independently with probability q), but this "
@@ -377,20 +385,22 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
                 "what the recipe would give with Poisson sampling, not a formal guarantee for "
                 "these weights as they were trained. What holds without amplification by sampling "
                 "(each example in each of its epochs, the same σ, PLD): **ε = "
-                f"{ledger.summary(s.component).epsilon_without_amplification:.2f}**."
+                f"{shown_epsilon(without)}**."
             )
         a = s.audit
         if a is None:
             continue
         accounted = ", ".join(
-            f"{eps:.2f} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items()
+            f"{shown_epsilon(eps)} ({acc.value.upper()})"
+            for acc, eps in a.accountant_epsilon.items()
         )
         best = max(a.results, key=lambda r: r.correct / r.guesses)
         out.append(
             f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each "
             "secretly put in the training data with probability 1/2 and read off every noisy "
             "update. An attack that knew everything but those secret bits could prove at most **ε "
-            f"≥ {a.epsilon_lower_bound:.2f}** with {1 - a.beta:.0%} confidence (its best guess "
+            f"≥ {shown_epsilon(a.epsilon_lower_bound, lower_bound=True)}** with {1 - a.beta:.0%} "
+            "confidence (its best guess "
             f"count: {best.correct} of {best.guesses} correct); the accounted ε at the same δ = "
             f"{a.delta:g} is {accounted}. The audit is a lower bound and the accountants an upper "
             "bound: a lower bound above the accounted ε would mean the training leaks more than it "
@@ -398,9 +408,10 @@ def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
             f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at "
             "this δ); "
             + (
-                f"it could detect a violation of the accounted ε = {a.accounted:.2f}."
+                f"it could detect a violation of the accounted ε = {shown_epsilon(a.accounted)}."
                 if a.can_fail
-                else f"that is not above the accounted ε = {a.accounted:.2f}, so **this audit "
+                else f"that is not above the accounted ε = {shown_epsilon(a.accounted)}, so **this "
+                "audit "
                 "could not detect a violation of the claimed ε; it catches only gross bugs**."
             )
         )
@@ -413,7 +424,8 @@ def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
     bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
     components = sorted({c for s in stages for c in s.trained_components})
     return (
-        f"**(ε = {g.epsilon:.2f}, δ = {g.delta:.3g})-differential privacy for the dataset "
+        f"**(ε = {shown_epsilon(g.epsilon)}, δ = {g.delta:.3g})-differential privacy for the "
+        "dataset "
         f"{_code(g.dataset)}** ({n:,} examples), composed over stage(s) "
         f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} "
         f"accountant{_reference_note(stages)}. In plain words: for any single {unit} of "
@@ -427,7 +439,7 @@ def _reference_note(stages: list[Any]) -> str:
     if len(stages) != 1 or not isinstance(stages[0], DPStage) or not stages[0].reference_epsilon:
         return ""
     others = ", ".join(
-        f"ε = {eps:.2f} under {acc.value.upper()}"
+        f"ε = {shown_epsilon(eps)} under {acc.value.upper()}"
         for acc, eps in stages[0].reference_epsilon.items()
     )
     return f" (for reference: {others}, a tighter analysis of the same run)"
@@ -455,8 +467,8 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
             "",
             "0" if not s.private_data else "∞",
         ]
-    eps = f"{s.epsilon:.3f} ({s.accountant.value.upper()})" + "".join(
-        f"; {v:.3f} ({a.value.upper()})" for a, v in s.reference_epsilon.items()
+    eps = f"{shown_epsilon(s.epsilon, 3)} ({s.accountant.value.upper()})" + "".join(
+        f"; {shown_epsilon(v, 3)} ({a.value.upper()})" for a, v in s.reference_epsilon.items()
     )
     sampling = "Poisson" if s.sampling == "poisson" else f"{s.sampling} (accounted as Poisson)"
     return [

@@ -26,6 +26,11 @@ SIGMA, Q, STEPS = 1.0, 0.01, 500
 """At delta 1e-5 about epsilon 1.65 (RDP); at delta 0.1 about 0.18."""
 
 
+def shown_up(shown: float, eps: float) -> bool:
+    """The page shows ``eps`` with 2 decimals, rounded up (a claim shown stays an upper bound)."""
+    return eps - 1e-9 <= shown <= eps + 0.01 + 1e-9
+
+
 def stage(dataset: str, run_id: str | None, delta: float | None = None) -> DPStage:
     """The mechanism on ``dataset`` (each test its own, in the namespace ``pages``, an
     organisation the test writer belongs to)."""
@@ -86,7 +91,7 @@ def test_a_copy_at_a_large_delta_neither_bends_the_page_nor_passes_max_epsilon(
     publish(tmp_path, "pages/faces-encoder", real)
     before, delta = owner_figure(hub.url, name)
     assert delta == "1e-05"
-    assert before == pytest.approx(rdp_epsilon(1), abs=0.006)  # shown with 2 decimals
+    assert shown_up(before, rdp_epsilon(1))
 
     copy = stage(name, real.run_id, delta=0.1)
     assert copy.epsilon < 0.5 < real.epsilon  # the copy verifies: its epsilon follows at 0.1
@@ -120,7 +125,7 @@ def test_independent_runs_count_twice_and_copies_once(hub, tmp_path: Path) -> No
     publish(tmp_path, "pages/twice-2", second, seed=1)
     publish(tmp_path, "pages/twice-1-copy", first, seed=2)
     eps, _ = owner_figure(hub.url, name)
-    assert eps == pytest.approx(rdp_epsilon(2), abs=0.006)
+    assert shown_up(eps, rdp_epsilon(2))
     assert eps < rdp_epsilon(3) - 0.1
 
 
@@ -138,7 +143,7 @@ def test_stages_outside_the_dataset_namespace_are_shown_apart(hub, tmp_path: Pat
     assert "/other/apart-0" not in owners and "/pages/apart" in owners
     assert "/other/apart-0" in others and "/other/apart-1" in others
     together = float(others.split("ε = ")[1].split(" (RDP)")[0])
-    assert together == pytest.approx(rdp_epsilon(3), abs=0.006)
+    assert shown_up(together, rdp_epsilon(3))
 
 
 def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:

@@ -14,6 +14,7 @@ from support.system import CHROMIUM_FLAGS, debian_program
 
 from service.pages.routes import MAX_CARD_BYTES
 from vip_hub import export_encoder
+from vip_hub.privacy.ledger import shown_epsilon
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import CARD_FILE, head_file
 
@@ -209,7 +210,7 @@ def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
         accountant,
         eps,
     ) in stage.epsilons.items():  # the claim and the two references, in the ledger table
-        assert f"{eps:.3f} ({accountant.value.upper()})" in html, accountant
+        assert f"{shown_epsilon(eps, 3)} ({accountant.value.upper()})" in html, accountant
     assert (
         "Empirical audit of <code>dp-pretraining</code>" in html
         and "1,000 gradient canaries" in html

@@ -25,7 +25,7 @@ from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, run_mai
 from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import load_encoder
-from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.ledger import PrivacyLedger, shown_epsilon
 from vip_hub.repo.card import card_info
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
@@ -501,7 +501,7 @@ def cards_are_composed_on_the_dataset_page(store: Path, repos: dict[str, Path]) 
     for name in repos:
         assert f'href="/vip/{name}"' in page
     composed = compose_releases(stages, delta)[Accountant.RDP]
-    assert f"ε = {composed:.2f} (RDP)" in page, page
+    assert f"ε = {shown_epsilon(composed)} (RDP)" in page, page
 
 
 def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) -> None:
@@ -541,7 +541,8 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
             card = (repo / CARD_FILE).read_text()
             headline = card.split("| Privacy |")[1].split("\n")[0]
             enc_eps = ledger.summary().epsilon
-            assert (f"ε = {enc_eps:.2f}" in headline) if enc_eps else "no private data" in headline
+            shown = f"ε = {shown_epsilon(enc_eps)}" if enc_eps else "no private data"
+            assert shown in headline, headline
 
 
 @pytest.mark.slow
