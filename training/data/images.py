@@ -2,14 +2,18 @@
 
 ``open_images(path)`` picks the layout: a directory holding ``*.tar`` files is read as
 shards (each image member one example; captions and labels ignored), anything else as an
-image folder searched recursively (class subfolders allowed, labels ignored).
+image folder searched recursively (class subfolders allowed, labels ignored; hidden files and
+everything under a hidden folder, such as ``.thumbnails/``, are not examples, in a folder as in a
+shard).
 ``open_captions(path)`` reads image-caption pairs: webdataset tar shards (an image member
 ``KEY.jpg``/``KEY.png``/... and its caption ``KEY.txt`` per sample) or a folder with a
 ``captions.jsonl`` (one ``{"image": relative path, "caption": text}`` per line). Examples are
 addressed by a stable index (sorted paths, tar order, or the order of the lines), which
 Poisson sampling needs. No hash of the contents is kept: a released ledger names a dataset by its
 declared name only (a plain hash would let anyone confirm a candidate dataset). Anything
-malformed is a DataError naming the file.
+malformed is a DataError naming the file: every image's header is read when the data is opened
+(not an image, or over ``MAX_PIXELS``, is refused before n is counted), and a file that cannot be
+read later (gone since) is one too.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 import torch
 from PIL import Image
@@ -50,6 +54,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".gif", ".
 MAX_PIXELS = 64_000_000
 CAPTIONS_FILE = "captions.jsonl"
 MAX_CAPTION_BYTES = 64 * 1024
+_UNDECODABLE = (OSError, ValueError, Image.DecompressionBombError)
 
 
 class Pictures(Protocol):
@@ -73,13 +78,59 @@ class PrivateImages(torch.utils.data.Dataset):
 
     @staticmethod
     def _decode(data: bytes, where: str) -> Image.Image:
+        img = _header(io.BytesIO(data), where)
         try:
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_PIXELS:
-                raise DataError(f"{img.width}x{img.height} pixels is over the {MAX_PIXELS} limit")
             return img.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise DataError(f"cannot decode image {where}: {e}") from e
+        except _UNDECODABLE as e:
+            raise _undecodable(where, e) from e
+
+
+def _undecodable(where: str, why: object) -> DataError:
+    """The error for an image ``where`` that does not decode, because of ``why``."""
+    return DataError(f"cannot decode image {where}: {why}")
+
+
+def _header(source: Path | IO[bytes], where: str) -> Image.Image:
+    """``source`` opened as an image (its header read, nothing decoded) of at most ``MAX_PIXELS``
+    pixels; else a DataError naming ``where``."""
+    try:
+        img = Image.open(source)
+    except _UNDECODABLE as e:
+        raise _undecodable(where, e) from e
+    if img.width * img.height > MAX_PIXELS:
+        img.close()
+        raise _undecodable(where, f"{img.width}x{img.height} pixels is over the {MAX_PIXELS} limit")
+    return img
+
+
+def _read(path: Path, where: str, offset: int = 0, size: int = -1) -> bytes:
+    """``size`` bytes of ``path`` from ``offset`` (all by default); a DataError naming ``where`` if
+    it cannot be read (say, gone since the examples were counted)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    except OSError as e:
+        raise DataError(f"cannot read {where}: {e}") from None
+
+
+def _hidden(parts: Sequence[str]) -> bool:
+    """Whether a path (its parts under the data's root) is hidden: a hidden file (macOS's
+    ``._name.jpg``) or anything under a hidden folder (``.thumbnails/``, ``.Trash-1000/``)."""
+    return any(part.startswith(".") for part in parts)
+
+
+def _where(shard: Path, member: str) -> str:
+    """How messages name a member of a tar shard."""
+    return f"{shard.name}:{member}"
+
+
+def _each_an_image(files: Sequence[Path]) -> None:
+    """DataError unless every path of ``files`` is a file of its own (``_one_name_each``) whose
+    header is an image's within ``MAX_PIXELS`` (``_header``): n counts only examples that decode."""
+    _one_name_each(files)
+    for path in files:
+        _header(path, str(path)).close()
 
 
 def _one_name_each(files: Sequence[Path]) -> None:
@@ -97,8 +148,8 @@ def _one_name_each(files: Sequence[Path]) -> None:
 
 
 class ImageFolder(PrivateImages):
-    """Every image file under ``root`` (recursively), in sorted path order; hidden files (macOS's
-    ``._name.jpg``) are not images; one file under two names is refused (``_one_name_each``)."""
+    """Every image file under ``root`` (recursively), in sorted path order; hidden files and
+    folders (``_hidden``) are not searched; every file is checked (``_each_an_image``)."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -106,18 +157,20 @@ class ImageFolder(PrivateImages):
         self.files = sorted(
             p
             for p in self.root.rglob("*")
-            if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+            if p.suffix.lower() in IMAGE_EXTENSIONS
+            and not _hidden(p.relative_to(self.root).parts)
+            and p.is_file()
         )
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
-        _one_name_each(self.files)
+        _each_an_image(self.files)
 
     def __len__(self) -> int:
         return len(self.files)
 
     def load(self, index: int) -> Image.Image:
         path = self.files[index]
-        return self._decode(path.read_bytes(), str(path))
+        return self._decode(_read(path, str(path)), str(path))
 
 
 class PrivateCaptions(PrivateImages):
@@ -168,7 +221,7 @@ class TarShards(PrivateCaptions):
                 with tarfile.open(shard, "r:") as tar:  # members are read in place: no compression
                     stored: set[str] = set()
                     for m in tar:
-                        if not m.isfile():
+                        if not m.isfile() or _hidden(PurePosixPath(m.name).parts):
                             continue
                         key, ext = _sample_key(m.name)
                         if "." + ext in IMAGE_EXTENSIONS and m.name in stored:
@@ -176,6 +229,9 @@ class TarShards(PrivateCaptions):
                                 f"{shard}: member {m.name!r} is stored twice: an image may be "
                                 "counted once, the guarantee is per example"
                             )
+                        if "." + ext in IMAGE_EXTENSIONS:
+                            data = cast(IO[bytes], tar.extractfile(m))  # a regular file's
+                            _header(data, _where(shard, m.name)).close()
                         stored.add(m.name)
                         if "." + ext in IMAGE_EXTENSIONS and not captions:
                             self._add(s, m)
@@ -226,25 +282,20 @@ class TarShards(PrivateCaptions):
     def __len__(self) -> int:
         return len(self.members)
 
-    def _read(self, member: tuple[int, int, int]) -> bytes:
+    def _read(self, member: tuple[int, int, int], name: str) -> tuple[bytes, str]:
+        """The bytes of ``member`` (named ``name`` in its shard) and how messages name it."""
         s, offset, size = member
-        with open(self.shards[s], "rb") as f:
-            f.seek(offset)
-            return f.read(size)
+        where = _where(self.shards[s], name)
+        return _read(self.shards[s], where, offset, size), where
 
     def load(self, index: int) -> Image.Image:
-        return self._decode(
-            self._read(self.members[index]),
-            f"{self.shards[self.members[index][0]].name}:{self.names[index]}",
-        )
+        return self._decode(*self._read(self.members[index], self.names[index]))
 
     def caption(self, index: int) -> str:
         if not self.texts:
             raise DataError(f"{self.root} was opened without captions")
         key = _sample_key(self.names[index])[0]
-        return self._text(
-            self._read(self.texts[index]), f"{self.shards[self.texts[index][0]].name}:{key}.txt"
-        )
+        return self._text(*self._read(self.texts[index], f"{key}.txt"))
 
 
 class CaptionFolder(PrivateCaptions):
@@ -277,7 +328,7 @@ class CaptionFolder(PrivateCaptions):
                 self.captions.append(caption)
         if not self.files:
             raise DataError(f"{self.file} lists no image-caption pairs")
-        _one_name_each(self.files)
+        _each_an_image(self.files)
 
     def _entry(self, line: str, where: str) -> tuple[str, str]:
         """One line's (image path, caption), checked."""
@@ -313,7 +364,7 @@ class CaptionFolder(PrivateCaptions):
 
     def load(self, index: int) -> Image.Image:
         path = self.files[index]
-        return self._decode(path.read_bytes(), str(path))
+        return self._decode(_read(path, str(path)), str(path))
 
     def caption(self, index: int) -> str:
         return self.captions[index]

@@ -11,6 +11,7 @@ import os
 import secrets
 import stat
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -336,3 +337,81 @@ def test_a_compressed_shard_named_tar_is_refused_up_front(tmp_path: Path) -> Non
         tar.add(tmp_path / "a.png", arcname="a.png")
     with pytest.raises(DataError, match=r"00000.tar: not a readable uncompressed tar file"):
         open_images(tmp_path / "shards")
+
+
+def test_files_under_hidden_folders_are_not_examples_in_folders_as_in_shards(
+    tmp_path: Path,
+) -> None:
+    """A hidden folder's files are hidden too: a thumbnail cache (``.thumbnails/``) would count an
+    image twice, a trash folder (``.Trash-1000/``) a record its owner removed, netatalk's
+    ``.AppleDouble/a.png`` metadata would fail to decode after noise has been spent."""
+    folder = tmp_path / "folder"
+    for sub in (".thumbnails/normal", ".Trash-1000/files", ".AppleDouble"):
+        (folder / sub).mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    Image.new("RGB", (4, 4)).save(folder / ".thumbnails" / "normal" / "a.png")
+    Image.new("RGB", (8, 8), "red").save(folder / ".Trash-1000" / "files" / "removed.png")
+    (folder / ".AppleDouble" / "a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    images = open_images(folder)
+    assert [p.name for p in images.files] == ["a.png"]  # type: ignore[attr-defined]
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        tar.add(folder, arcname=".")  # members ./a.png, ./.thumbnails/normal/a.png, ...
+    shards = open_images(tmp_path / "shards")
+    assert len(shards) == 1 and shards.load(0).size == (8, 8)
+
+
+def _not_an_image(folder: Path) -> tuple[str, str]:
+    """A file of ``folder`` named as an image that is none (an empty download), and its match."""
+    (folder / "b.jpg").write_bytes(b"")
+    return "b.jpg", r"cannot decode image .*b\.jpg"
+
+
+def _too_many_pixels(folder: Path) -> tuple[str, str]:
+    """A decompression bomb: a 10 kB PNG of 9000 x 9000 pixels, and its match."""
+    Image.new("1", (9000, 9000)).save(folder / "b.png")
+    return "b.png", r"b\.png: 9000x9000 pixels is over the 64000000 limit"
+
+
+@pytest.mark.parametrize("bad", [_not_an_image, _too_many_pixels])
+def test_a_file_that_is_no_usable_image_is_refused_at_open_naming_it(
+    bad: Callable[[Path], tuple[str, str]], tmp_path: Path
+) -> None:
+    """n counts examples the engine will decode: a file named as an image whose header is none
+    (an empty download, an HTML page) or over the pixel limit is refused when the data is opened,
+    in a folder, a tar shard or a captions.jsonl, not when first sampled, after noise was spent."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    name, match = bad(folder)
+    with pytest.raises(DataError, match=match):
+        open_images(folder)
+    lines = [f'{{"image": "{f}", "caption": "a cat"}}' for f in ("a.png", name)]
+    (folder / CAPTIONS_FILE).write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=match):
+        open_captions(folder)
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        for f in ("a.png", name):
+            tar.add(folder / f, arcname=f)
+    with pytest.raises(DataError, match=match):
+        open_images(tmp_path / "shards")
+
+
+def test_an_image_gone_since_the_count_is_a_data_error_naming_it(tmp_path: Path) -> None:
+    """The data changed between the count of n and a read (a file deleted, a shard moved): a
+    DataError naming the file, in every layout, not a bare OSError's traceback."""
+    (tmp_path / "folder").mkdir()
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / "folder" / name)
+    (tmp_path / "folder" / CAPTIONS_FILE).write_text('{"image": "b.png", "caption": "a cat"}\n')
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        tar.add(tmp_path / "folder" / "b.png", arcname="b.png")
+    opened = [open_images(tmp_path / "folder"), open_captions(tmp_path / "folder")]
+    shards = open_images(tmp_path / "shards")
+    (tmp_path / "folder" / "b.png").unlink()
+    (tmp_path / "shards" / "00000.tar").unlink()
+    for data, index in ((opened[0], 1), (opened[1], 0), (shards, 0)):
+        with pytest.raises(DataError, match=r"cannot read .*(folder/b\.png|00000\.tar:b\.png)"):
+            data.load(index)
