@@ -69,7 +69,10 @@ def _serve(args: argparse.Namespace) -> None:
         settings.inference.enabled = False
     if args.preload:
         settings.inference.preload = list(args.preload)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except OSError as e:  # the store folder, or one the settings name, cannot be made
+        raise _unusable(e, "cannot start") from None
     print(
         f"vip-hub: store {settings.store.resolve()}, http://{settings.host}:{settings.port}",
         flush=True,
@@ -122,16 +125,36 @@ def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
 
     from .auth import adopt_tokens_file
     from .settings import load_settings
-    from .store import HubStore
     from .store.errors import StoreError
 
     settings = load_settings(**_overrides(args))
-    with HubStore.from_settings(settings) as store:
+    with _open_store(settings) as store:
         adopt_tokens_file(store.index, settings.tokens_path())
         try:
             yield settings, store
         except (ValueError, StoreError) as e:
             raise ConfigError(str(e)) from None
+
+
+def _open_store(settings: Settings) -> HubStore:
+    """The store the settings name; a store folder that cannot be made (a file, or a folder in
+    one, not writable) is a one-line error naming it."""
+    from .store import HubStore
+
+    try:
+        return HubStore.from_settings(settings)
+    except OSError as e:
+        raise _unusable(e, f"store {settings.store}") from None
+
+
+def _unusable(e: OSError, what: str) -> Exception:
+    """The one-line error for ``what`` failing on a path: a file where a folder is needed, a
+    folder not writable..."""
+    from vip_hub.errors import ConfigError
+
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return ConfigError(f"{what}: {e.filename} is a file, or in one, not a folder")
+    return ConfigError(f"{what}: {e.filename}: {e.strerror}")
 
 
 def register_token(sub: Any) -> None:
@@ -257,7 +280,6 @@ def _store(args: argparse.Namespace) -> int:
     from vip_hub.errors import ConfigError
 
     from .settings import load_settings
-    from .store import HubStore
     from .store.index import SQLITE_FILE
 
     settings = load_settings(**_overrides(args))
@@ -266,7 +288,7 @@ def _store(args: argparse.Namespace) -> int:
             f"{settings.store} is not a hub store (no {SQLITE_FILE}): gc and check keep an "
             "existing one"
         )
-    with HubStore.from_settings(settings) as store:
+    with _open_store(settings) as store:
         return _upkeep(store, args.action, args.repair, settings.hub.gc_grace_s)
 
 

@@ -337,8 +337,23 @@ def register_push(sub: Any) -> None:
     p.add_argument("--message", help="commit message")
 
 
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """What the hub client raises when no answer came (refused, timed out, no URL): the
+    HTTPError of httpx2 (huggingface_hub 2) and of httpx (huggingface_hub 1), where installed."""
+    import importlib
+
+    errors = []
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(module).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
 def _push(args: argparse.Namespace) -> None:
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
     from ..errors import VerificationError
     from ..repo.push import push_repo
@@ -357,6 +372,14 @@ def _push(args: argparse.Namespace) -> None:
         raise CommandError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
     except HfHubHTTPError as e:
         raise CommandError(" ".join(str(e).split())) from None
+    except HFValidationError as e:  # a repo id or revision the hub client refuses to send
+        raise CommandError(f"{args.repo_id!r}: {' '.join(str(e).split())}") from None
+    except _transport_errors() as e:
+        endpoint = args.endpoint or constants.ENDPOINT
+        raise CommandError(
+            f"cannot reach the hub at {endpoint} ({type(e).__name__}: {e}): the push did not "
+            "complete"
+        ) from None
     print(f"pushed {args.folder} to {args.repo_id} at {commit}")
 
 

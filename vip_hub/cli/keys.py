@@ -30,7 +30,12 @@ def register_key(sub: Any) -> None:
 def _key(args: argparse.Namespace) -> None:
     from ..repo.signing import SIGNING_KEY_ENV, create_key
 
-    private, public = create_key(args.dir, args.name, overwrite=args.overwrite)
+    try:
+        private, public = create_key(args.dir, args.name, overwrite=args.overwrite)
+    except (FileExistsError, NotADirectoryError) as e:  # --dir names a file, or a folder in one
+        raise CommandError(f"--dir {e.filename}: a file, or in one, not a folder") from None
+    except OSError as e:  # a folder not writable, a full disk
+        raise CommandError(f"cannot write the key pair to {e.filename}: {e.strerror}") from None
     print(f"private key  {private}  (mode 0600: keep it secret, never inside a repo)")
     print(
         f"public key   {public.path}  (give it to readers and hub operators: `vip-hub trust add`)"
