@@ -8,8 +8,11 @@ same way. ``torchrun -m training.recipes.<module>`` takes the same arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from vip_hub.cli.main import CommandError, add_command, require_extra
@@ -100,8 +103,25 @@ def _synth_preview(args: argparse.Namespace) -> int:
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
         raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")
-    contact_sheet(args.seed, args.count, args.size, args.columns).save(args.out)
-    print(f"wrote {args.out}: {args.count} images of {args.size} px")
+    from PIL import Image
+
+    out = Path(args.out)
+    Image.init()
+    if (image_format := Image.EXTENSION.get(out.suffix.lower())) is None:
+        raise CommandError(
+            f"--out {out}: {out.suffix or 'no extension'} is no image format Pillow writes "
+            "(.png, .jpg, ...)"
+        )
+    sheet = contact_sheet(args.seed, args.count, args.size, args.columns)
+    tmp = out.with_name(f".{out.name}.part")  # written whole, then renamed into place
+    try:
+        sheet.save(tmp, format=image_format)
+        os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CommandError(f"cannot write --out {out}: {e.strerror or e}") from None
+    print(f"wrote {out}: {args.count} images of {args.size} px")
     return 0
 
 

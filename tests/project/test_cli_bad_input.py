@@ -76,3 +76,20 @@ def test_a_file_given_as_the_store_is_a_one_line_error(tmp_path, cli, command):
         listed = cli(*command, "--store", store)
         _one_line_error(listed, command[0], str(store))
     assert file.read_text() == "mine"
+
+
+def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, cli):
+    """``synth-preview --out`` naming a folder, a format Pillow does not write, or a path under
+    a file: one line naming it (each was a PIL or OS traceback); a sheet is written whole or not
+    at all, never over an existing file half-way."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    folder = tmp_path / "sheet.png"
+    folder.mkdir()
+    small = ("--count", "4", "--size", "16")
+    for out in (tmp_path, tmp_path / "sheet.notanext", file / "sheet.png", folder):
+        _one_line_error(cli("synth-preview", "--out", out, *small), "synth-preview", str(out))
+    assert file.read_text() == "mine" and not any(folder.iterdir())
+    good = tmp_path / "sheet.jpg"
+    assert cli("synth-preview", "--out", good, *small).returncode == 0 and good.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "sheet.jpg", "sheet.png"]
