@@ -145,6 +145,22 @@ def test_unsigned_repo_verifies_with_a_warning(tmp_path, alice, cli):
     assert report["ok"] and any(w.startswith("unsigned") for w in report["warnings"])
 
 
+def test_a_signature_required_fails_an_unsigned_repo(tmp_path, alice, cli):
+    """``--require-signature``: a signed repo whose signature was deleted, then a file edited,
+    fails (it verified with a warning); a --key that does not exist is named even when the repo
+    is unsigned (it was never read); the option without --key is refused."""
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    (repo / SIGNATURE_FILE).unlink()
+    _flip_last_byte(repo / CARD_FILE)
+    assert cli("verify", repo, "--key", alice[1]).returncode == 0  # a warning alone
+    out = cli("verify", repo, "--key", alice[1], "--require-signature")
+    assert out.returncode == 1 and f"FAIL  {SIGNATURE_FILE}: unsigned" in out.stdout, out.stdout
+    missing = cli("verify", repo, "--key", tmp_path / "nobody.pub")
+    assert missing.returncode == 1 and "nobody.pub" in missing.stderr
+    assert cli("verify", repo, "--require-signature").returncode == 1
+
+
 def test_one_byte_changed_after_signing_fails(tmp_path, alice, cli):
     repo = _repo(tmp_path / "repo")
     sign_repo(repo, alice[0])

@@ -110,6 +110,12 @@ def register_verify(sub: Any) -> None:
             "be theirs (repeatable)"
         ),
     )
+    p.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="fail an unsigned repo too (else a warning: a signature stripped from a repo, then "
+        "its files edited, would verify); needs --key",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -119,7 +125,7 @@ def _verify(args: argparse.Namespace) -> int:
     from ..repo.verify import verify_repo
 
     report = verify_repo(args.repo)
-    check_signature(args.repo, args.key, report)
+    check_signature(args.repo, args.key, report, required=args.require_signature)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -237,27 +237,42 @@ def verify_signature(
 
 
 def check_signature(
-    repo: str | os.PathLike[str], key_paths: list[str] | None, report: VerificationReport
+    repo: str | os.PathLike[str],
+    key_paths: list[str] | None,
+    report: VerificationReport,
+    *,
+    required: bool = False,
 ) -> PublicKey | None:
     """Add the signature's check to ``report`` (``vip-hub verify --key``): a problem when it
-    does not hold, a warning when the repo is unsigned or no key was given; returns the signer."""
+    does not hold (or, ``required``, when the repo is unsigned), a warning when the repo is
+    unsigned or no key was given; returns the signer."""
+    if required and key_paths is None:
+        raise MissingInputError("--require-signature needs --key PUB: whose signature?")
+    keys = None
+    if key_paths is not None:
+        missing = [str(k) for k in key_paths if not Path(k).exists()]
+        if missing:
+            raise MissingInputError(
+                f"--key {', '.join(missing)}: no such public key file or folder"
+            )
+        keys = load_keys(key_paths)
     if not (Path(repo) / SIGNATURE_FILE).is_file():
-        report.warnings.append(
-            f"unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these "
-            "files; verify proves only that they are consistent"
+        unsigned = (
+            f"unsigned: no {SIGNATURE_FILE}, so nothing says who trained or published these files"
         )
+        if required:  # a signature stripped from a signed repo would otherwise pass
+            report.fail(SIGNATURE_FILE, f"{unsigned} (--require-signature)", SignatureError)
+        else:
+            report.warnings.append(f"{unsigned}; verify proves only that they are consistent")
         return None
-    if key_paths is None:
+    if keys is None:
         report.warnings.append(
             f"signed ({SIGNATURE_FILE}) but not checked: pass --key PUB, the public key of "
             "whoever you trust to have trained it"
         )
         return None
-    missing = [str(k) for k in key_paths if not Path(k).exists()]
-    if missing:
-        raise MissingInputError(f"--key {', '.join(missing)}: no such public key file or folder")
     try:
-        signer = verify_signature(repo, load_keys(key_paths))
+        signer = verify_signature(repo, keys)
     except SignatureError as e:
         report.problems.extend(e.problems)
         return None
