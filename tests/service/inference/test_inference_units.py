@@ -275,5 +275,6 @@ def test_store_errors_answer_with_their_status_and_hub_code():
         "TooLarge": (413, None),
         "TooMuchStaged": (429, None),
         "StoreUnavailable": (503, None),
+        "CorruptObject": (500, None),
         "UploadMismatch": (400, None),
     }
