@@ -5,11 +5,10 @@ import functools
 import json
 import os
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
-from support.helpers import synthetic_stage
+from support.helpers import import_nano
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 
@@ -20,7 +19,6 @@ from vip_hub.repo.artifacts import read_safetensors_header
 from vip_hub.repo.importer import (
     PRESETS,
     CheckpointError,
-    import_mae_checkpoint,
     load_reference_checkpoint,
 )
 from vip_hub.repo_format import CARD_FILE, MAE_DECODER_FILE, META_DECODER
@@ -84,23 +82,9 @@ def reference(tmp_path):
     return mae, path
 
 
-def _import_nano(checkpoint: Path, out: Path, arch: str = "vip-nano") -> Path:
-    """``import_mae_checkpoint`` of ``checkpoint`` as a 32 px ``arch`` with one synthetic stage."""
-    return import_mae_checkpoint(
-        checkpoint, out, arch=arch, img_size=32, stages=[synthetic_stage()], model_name="x"
-    )
-
-
 def test_converted_encoder_matches_source(reference, tmp_path):
     mae, path = reference
-    out = import_mae_checkpoint(
-        path,
-        tmp_path / "repo",
-        arch="vip-nano",
-        img_size=32,
-        stages=[synthetic_stage()],
-        model_name="imported",
-    )
+    out = import_nano(path, tmp_path / "repo", name="imported")
     assert verify_repo(out).ok
     enc = load_encoder(out)
     x = torch.randn(4, 3, 32, 32)
@@ -125,14 +109,7 @@ def test_encoder_only_checkpoint(tmp_path):
     }
     state["head.weight"] = torch.zeros(10, 192)  # a fine-tuned classifier is dropped
     torch.save(state, tmp_path / "enc.pth")
-    out = import_mae_checkpoint(
-        tmp_path / "enc.pth",
-        tmp_path / "repo",
-        arch="vip-nano",
-        img_size=32,
-        stages=[synthetic_stage()],
-        model_name="enc",
-    )
+    out = import_nano(tmp_path / "enc.pth", tmp_path / "repo", name="enc")
     assert not (out / MAE_DECODER_FILE).exists()
 
 
@@ -142,7 +119,7 @@ def test_mismatches_list_the_keys(reference, tmp_path):
         CheckpointError,
         match=r"shape mismatches for vip-tiny.*cls_token \(1, 1, 192\) \(expected \(1, 1, 384\)\)",
     ):
-        _import_nano(path, tmp_path / "r", arch="vip-tiny")
+        import_nano(path, tmp_path / "r", arch="vip-tiny")
     state = torch.load(path, weights_only=False)["model"]
     del state["blocks.3.mlp.fc1.weight"]
     state["extra.thing"] = torch.zeros(1)
@@ -151,7 +128,7 @@ def test_mismatches_list_the_keys(reference, tmp_path):
         CheckpointError,
         match=r"missing encoder keys: blocks\.3\.mlp\.fc1\.weight; unexpected keys: extra\.thing",
     ):
-        _import_nano(tmp_path / "broken.pth", tmp_path / "r")
+        import_nano(tmp_path / "broken.pth", tmp_path / "r")
     assert not (tmp_path / "r").exists()
 
 
@@ -218,7 +195,7 @@ def test_unusable_tensors_are_refused(tmp_path, change, problem):
     change(state)
     torch.save({"model": state}, tmp_path / "odd.pth")
     with pytest.raises(CheckpointError, match=rf"odd\.pth: .*{problem}"):
-        _import_nano(tmp_path / "odd.pth", tmp_path / "repo")
+        import_nano(tmp_path / "odd.pth", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
 
 
@@ -342,7 +319,7 @@ def test_non_finite_weights_are_refused_naming_the_tensors(tmp_path):
         match=r"nan\.pth: refused, NaN or infinite values in blocks\.1\.attn\.qkv\.weight, "
         r"decoder_pred\.bias",
     ):
-        _import_nano(tmp_path / "nan.pth", tmp_path / "repo")
+        import_nano(tmp_path / "nan.pth", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
 
 
@@ -361,10 +338,10 @@ def test_a_decoder_that_is_not_an_mae_decoder_is_refused_naming_the_tensors(tmp_
         r"and 2 blocks deep for vip-nano at 32px: missing keys: decoder_norm\.bias; shape "
         r"mismatches: decoder_pred\.weight \(768, 256\) \(expected \(768, 512\)\)",
     ):
-        _import_nano(tmp_path / "odd-decoder.pth", tmp_path / "repo")
+        import_nano(tmp_path / "odd-decoder.pth", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
 
     torch.save({"model": ReferenceMAE().state_dict()}, tmp_path / "whole.pth")
-    out = _import_nano(tmp_path / "whole.pth", tmp_path / "repo")
+    out = import_nano(tmp_path / "whole.pth", tmp_path / "repo")
     meta = read_safetensors_header(out / MAE_DECODER_FILE)[0]["__metadata__"]
     assert json.loads(meta[META_DECODER]) == {"dim": 512, "depth": 2, "num_heads": 16}

@@ -15,6 +15,7 @@ from huggingface_hub import EvalResult, ModelCard
 from support.helpers import (
     TINY,
     dp_stage,
+    restate_truncation,
     rewrite_ledger_copies,
     swap_after_verify,
     synthetic_stage,
@@ -236,18 +237,6 @@ def test_tampered_card_copy(tiny_repo):
     _fails(tiny_repo, f"{CARD_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
 
-def _restate_truncation(ledger: dict, stage: dict) -> None:
-    """Recompute ``stage``'s truncation delta from its fields, and the guarantee's delta with it."""
-    stage["truncation_delta"] = truncation_delta(
-        stage["noise_multiplier"],
-        stage["sample_rate"],
-        stage["steps"],
-        stage["noise_support"],
-        stage["noised_dimension"],
-    )
-    ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
-
-
 def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
     rewrite_ledger_copies(tiny_repo, _lower_epsilon)
     _fails(
@@ -365,7 +354,7 @@ def _audited(canaries: int, counts: int) -> Callable[[dict], dict]:
         stage = ledger["stages"][1]
         stage["noised_tensors"]["canaries"] = canaries
         stage["noised_dimension"] += canaries
-        _restate_truncation(ledger, stage)
+        restate_truncation(ledger, stage)
         stage["audit"] = {
             "canaries": canaries,
             "canary_norm": 100.0,
@@ -825,7 +814,7 @@ def _d_forged(change: Callable[[dict], None]) -> Callable[[dict], dict]:
     def forged(ledger: dict) -> dict:
         stage = ledger["stages"][0]
         change(stage)
-        _restate_truncation(ledger, stage)
+        restate_truncation(ledger, stage)
         return ledger
 
     return forged

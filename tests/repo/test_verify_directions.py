@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from scipy.optimize import brentq
-from support.helpers import rewrite_ledger_copies
+from support.helpers import restate_truncation, rewrite_ledger_copies
 
 from vip_hub import verify_repo
 from vip_hub.errors import AuditError
-from vip_hub.privacy.accounting import Accountant, epsilon, truncation_delta
+from vip_hub.privacy.accounting import Accountant, epsilon
 from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
 from vip_hub.privacy.ledger import round_down, round_up
 from vip_hub.repo_format import LEDGER_FILE
@@ -28,19 +28,6 @@ def _recomputed(stage: dict, delta: float | None = None) -> dict[str, float]:
     """Each accountant's epsilon for ``stage``'s (sigma, q, T), at its delta or ``delta``."""
     sigma, q, steps = stage["noise_multiplier"], stage["sample_rate"], stage["steps"]
     return {a.value: epsilon(sigma, q, steps, delta or stage["delta"], a) for a in Accountant}
-
-
-def _restate_truncation(ledger: dict, stage: dict, truncation: float | None = None) -> None:
-    """Set ``stage``'s truncation delta (its recomputation by default) and the guarantee's delta
-    with it."""
-    stage["truncation_delta"] = truncation or truncation_delta(
-        stage["noise_multiplier"],
-        stage["sample_rate"],
-        stage["steps"],
-        stage["noise_support"],
-        stage["noised_dimension"],
-    )
-    ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
 
 
 def _claim(ledger: dict, stage: dict, factor: float) -> None:
@@ -57,7 +44,7 @@ def _guarantee(ledger: dict, stage: dict, factor: float) -> None:
 
 
 def _truncation(ledger: dict, stage: dict, factor: float) -> None:
-    _restate_truncation(ledger, stage, stage["truncation_delta"] * factor)
+    restate_truncation(ledger, stage, stage["truncation_delta"] * factor)
 
 
 def _sensitivity(ledger: dict, stage: dict, factor: float) -> None:
@@ -132,7 +119,7 @@ def _with_audit(
         stage = ledger["stages"][1]
         stage["noised_tensors"]["canaries"] = CANARIES
         stage["noised_dimension"] += CANARIES
-        _restate_truncation(ledger, stage)
+        restate_truncation(ledger, stage)
         delta = stage["delta"]
         figures = {
             "bound": bound_over_grid(CANARIES, results, beta, delta),

@@ -159,6 +159,30 @@ def assert_biases_only_trained(
     ), sorted(noised)
 
 
+def restate_truncation(ledger: dict, stage: dict, truncation: float | None = None) -> None:
+    """Set ``stage``'s truncation delta (its recomputation from its fields by default) and the
+    guarantee's delta with it, in a ledger's JSON form."""
+    from vip_hub.privacy.accounting import truncation_delta
+
+    stage["truncation_delta"] = truncation or truncation_delta(
+        stage["noise_multiplier"],
+        stage["sample_rate"],
+        stage["steps"],
+        stage["noise_support"],
+        stage["noised_dimension"],
+    )
+    ledger["guarantees"][0]["delta"] = stage["delta"] + stage["truncation_delta"]
+
+
+def import_nano(checkpoint: Path, out: Path, arch: str = "vip-nano", name: str = "x") -> Path:
+    """``import_mae_checkpoint`` of ``checkpoint`` as a 32 px ``arch`` with one synthetic stage."""
+    from vip_hub.repo.importer import import_mae_checkpoint
+
+    return import_mae_checkpoint(
+        checkpoint, out, arch=arch, img_size=32, stages=[synthetic_stage()], model_name=name
+    )
+
+
 def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     """Apply ``change`` to ``repo``'s ledger and write it consistently into its three copies (the
     ledger file, the weights' metadata, the card's front matter)."""

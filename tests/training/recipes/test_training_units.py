@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from support.clipping import TokenModel
-from support.helpers import DEVICES, synthetic_stage
+from support.helpers import DEVICES, import_nano, synthetic_stage
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -38,7 +38,6 @@ from vip_hub import export_encoder
 from vip_hub.errors import ConfigError, RepoFormatError
 from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
-from vip_hub.repo.importer import import_mae_checkpoint
 from vip_hub.repo_format import LEDGER_FILE
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
@@ -137,14 +136,7 @@ def test_load_mae_reads_an_imported_decoder_and_names_a_wrong_one(tmp_path) -> N
     mae = MAE(create_encoder(spec, mae_init=True), SMALL_DECODER)
     encoder = {k.replace("fc_norm.", "norm."): v for k, v in mae.encoder.state_dict().items()}
     torch.save({"model": encoder | mae.decoder_state_dict()}, tmp_path / "ref.pth")
-    repo = import_mae_checkpoint(
-        tmp_path / "ref.pth",
-        tmp_path / "repo",
-        arch="vip-nano",
-        img_size=32,
-        stages=[synthetic_stage()],
-        model_name="imported",
-    )
+    repo = import_nano(tmp_path / "ref.pth", tmp_path / "repo", name="imported")
     loaded, _ = load_mae(repo)
     assert (loaded.config.dim, loaded.config.depth) == (64, 1)
     for key, value in mae.decoder_state_dict().items():
