@@ -48,6 +48,7 @@ __all__ = [
     "TEXT_DECODER_FILE",
     "VOCAB_FILE",
     "WEIGHTS_FILE",
+    "WEIGHTS_SUFFIX",
     "head_component",
     "head_file",
     "head_folders",
@@ -60,14 +61,16 @@ FORMAT_VERSION = 1
 DEFAULT_BRANCH = "main"
 """The branch a repo id without ``@revision`` means, everywhere (hub, clients, inference)."""
 
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_SUFFIX = ".safetensors"
+"""Every file of tensors ends so (the weights, decoders and heads)."""
+WEIGHTS_FILE = f"model{WEIGHTS_SUFFIX}"
 CONFIG_FILE = "config.json"
 LEDGER_FILE = "privacy_ledger.json"
 CARD_FILE = "README.md"
 CURVES_FILE = "training_curves.png"
 """A recipe's training curves (measured on public data), shown in the card."""
-MAE_DECODER_FILE = "mae_decoder.safetensors"
-TEXT_DECODER_FILE = "text_decoder.safetensors"
+MAE_DECODER_FILE = f"mae_decoder{WEIGHTS_SUFFIX}"
+TEXT_DECODER_FILE = f"text_decoder{WEIGHTS_SUFFIX}"
 VOCAB_FILE = "vocab.txt"
 SIGNATURE_FILE = "model.sig"
 """A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after
@@ -103,7 +106,7 @@ CONFIG_BLOCK = "vip_hub"
 ENCODER = "encoder"
 """The ledger component of the encoder weights; heads are ``heads/<name>``."""
 HEADS_DIR = "heads"
-HEAD_WEIGHTS = "head.safetensors"
+HEAD_WEIGHTS = f"head{WEIGHTS_SUFFIX}"
 HEAD_LABELS = "labels.json"
 HEAD_METRICS = "metrics.json"
 
@@ -156,4 +159,4 @@ def heads_in(paths: Iterable[object]) -> list[str]:
 
 def is_weights_file(path: str) -> bool:
     """Whether a repo path holds tensors (digested over its tensors, not its bytes); any case."""
-    return path.lower().endswith(".safetensors")
+    return path.lower().endswith(WEIGHTS_SUFFIX)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
@@ -18,15 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vip_hub.models.features import Pooling
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.repo.artifacts import read_safetensors_header
 from vip_hub.repo.files import can_caption
+from vip_hub.repo.heads import head_pooling
 from vip_hub.repo_format import (
     CONFIG_BLOCK,
     CONFIG_FILE,
     DEFAULT_BRANCH,
     HEAD_LABELS,
     LEDGER_FILE,
-    META_POOLING,
     NAME_PATTERN,
     head_component,
     head_file,
@@ -293,7 +291,7 @@ def _describe(call: InferenceCall, repo_id: str, commit: str) -> ModelDescriptio
         pooling = (
             loaded.heads[name][1].pooling
             if loaded and name in loaded.heads
-            else _head_pooling(store.blob_path(tree[head_file(name)]))
+            else head_pooling(store.blob_path(tree[head_file(name)]))
         )
         heads.append(
             HeadDescription(
@@ -314,7 +312,3 @@ def _describe(call: InferenceCall, repo_id: str, commit: str) -> ModelDescriptio
         privacy=Privacy.of(ledger.summary()),
         captions=loaded.captions is not None if loaded else can_caption(tree),
     )
-
-
-def _head_pooling(path: Path) -> str:
-    return (read_safetensors_header(path)[0].get("__metadata__") or {}).get(META_POOLING, "vip")

@@ -34,7 +34,7 @@ from vip_hub.repo.card import (
     guarantee_paragraphs,
     ledger_rows,
 )
-from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE
+from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH, LEDGER_FILE, SIGNATURE_FILE
 
 from ..auth import identity
 from ..errors import BadRequest, NotFound
@@ -50,6 +50,7 @@ __all__ = ["install"]
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 templates.env.filters["epsilon"] = shown_epsilon  # a claim shown rounded up, never to the nearest
+templates.env.globals["signature_file"] = SIGNATURE_FILE
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",

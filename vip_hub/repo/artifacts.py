@@ -33,13 +33,16 @@ __all__ = [
     "nonfinite_count",
     "nonfinite_in_file",
     "nonfinite_problem",
+    "header_tensors",
     "read_safetensors_header",
+    "read_safetensors_metadata",
     "rewrite_safetensors_metadata",
     "tensors_digest",
     "tensors_digest_of",
 ]
 
 _CHUNK = 1 << 20
+_METADATA = "__metadata__"  # the safetensors header's one non-tensor entry
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ST_DTYPES: dict[str, str] = {
     "F64": "float64",
@@ -72,6 +75,16 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
         return _read_header(f, os.fstat(f.fileno()).st_size, str(path))
 
 
+def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """A safetensors file's ``__metadata__`` (empty when it has none)."""
+    return dict(read_safetensors_header(path)[0].get(_METADATA) or {})
+
+
+def header_tensors(header: Mapping[str, Any]) -> dict[str, Any]:
+    """A safetensors header's tensor entries by name (its metadata left out), sorted by name."""
+    return {k: header[k] for k in sorted(header) if k != _METADATA}
+
+
 def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any], int]:
     raw = f.read(8)
     if len(raw) != 8:
@@ -89,9 +102,9 @@ def _read_header(f: BinaryIO, file_size: int, name: str) -> tuple[dict[str, Any]
         raise SafetensorsError(f"{name}: header is not a JSON object")
     data_size = file_size - 8 - n
     for key, entry in header.items():
-        if key == "__metadata__":
+        if key == _METADATA:
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise SafetensorsError(f"{name}: __metadata__ must map strings to strings")
+                raise SafetensorsError(f"{name}: {_METADATA} must map strings to strings")
             continue
         try:
             start, end = entry["data_offsets"]
@@ -115,8 +128,7 @@ def tensors_digest(path: str | os.PathLike[str]) -> str:
     with open(path, "rb") as f:
         header, n = _read_header(f, os.fstat(f.fileno()).st_size, str(path))
         h = hashlib.sha256()
-        for key in sorted(k for k in header if k != "__metadata__"):
-            entry = header[key]
+        for key, entry in header_tensors(header).items():
             _update_entry(h, key, entry["dtype"], entry["shape"])
             start, end = entry["data_offsets"]
             f.seek(8 + n + start)
@@ -149,7 +161,7 @@ def loaded_tensors_digest(
     import torch
 
     stored = {}
-    for key in (k for k in header if k != "__metadata__"):
+    for key in header_tensors(header):
         if key not in tensors or header[key].get("dtype") not in _ST_DTYPES:
             return None
         t = tensors[key].detach().cpu()
@@ -185,7 +197,7 @@ def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[st
     """Replace a safetensors file's ``__metadata__`` atomically, tensor bytes untouched."""
     path = Path(path)
     header, n = read_safetensors_header(path)
-    header["__metadata__"] = dict(metadata)
+    header[_METADATA] = dict(metadata)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # keep the data section 8-byte aligned
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -253,8 +265,7 @@ def nonfinite_in_file(path: Path) -> str | None:
     header, n = read_safetensors_header(path)
     names = []
     with open(path, "rb") as f:
-        for key in sorted(k for k in header if k != "__metadata__"):
-            entry = header[key]
+        for key, entry in header_tensors(header).items():
             start, end = entry["data_offsets"]
             f.seek(8 + n + start)
             remaining = end - start

@@ -60,7 +60,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from ..errors import RepoFormatError
-from ..repo_format import CONFIG_FILE, SIGNATURE_FILE, FrontMatterLimits
+from ..repo_format import CONFIG_FILE, SIGNATURE_FILE, WEIGHTS_SUFFIX, FrontMatterLimits
 from .card import front_matter_problem, load_card, yaml_problem
 from .pickles import pickle_problem
 
@@ -532,7 +532,7 @@ def _webp(path: Path) -> str | None:
 
 _YAML = _parsed(lambda text, limits: yaml.safe_load(text), "YAML", yaml_problem)
 ALLOWED_KINDS: dict[str, Check] = {
-    ".safetensors": _bytes(_safetensors),
+    WEIGHTS_SUFFIX: _bytes(_safetensors),
     ".json": _parsed(lambda text, limits: json.loads(text), "JSON"),
     ".yaml": _YAML,
     ".yml": _YAML,

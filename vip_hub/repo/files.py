@@ -54,7 +54,7 @@ from ..repo_format import (
 )
 from .artifacts import (
     digest_file,
-    read_safetensors_header,
+    read_safetensors_metadata,
     rewrite_safetensors_metadata,
     tensors_digest_of,
 )
@@ -240,8 +240,7 @@ def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def weights_ledger(path: str | os.PathLike[str]) -> str | None:
     """The ledger JSON kept in a safetensors file's metadata, if any."""
-    header, _ = read_safetensors_header(path)
-    return (header.get("__metadata__") or {}).get(META_LEDGER)
+    return read_safetensors_metadata(path).get(META_LEDGER)
 
 
 # --------------------------------------------------------------------------- internals
@@ -346,8 +345,7 @@ def _write_ledger_copies(
     rewrite_weights: bool = True,
 ) -> None:
     if rewrite_weights:
-        header, _ = read_safetensors_header(folder / WEIGHTS_FILE)
-        meta = dict(header.get("__metadata__") or {})
+        meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
         meta[META_LEDGER] = ledger.to_json()
         rewrite_safetensors_metadata(folder / WEIGHTS_FILE, meta)
     _write_new(folder / LEDGER_FILE, ledger.to_json().encode())
@@ -421,7 +419,7 @@ def text_decoder_file(decoder: TextDecoder) -> tuple[dict[str, torch.Tensor], di
 
 def read_decoder_config(path: str | os.PathLike[str]) -> TextDecoderConfig:
     """The ``TextDecoderConfig`` kept in a text decoder file's metadata."""
-    meta = read_safetensors_header(path)[0].get("__metadata__") or {}
+    meta = read_safetensors_metadata(path)
     try:
         return TextDecoderConfig.from_dict(json.loads(meta[META_DECODER]))
     except (KeyError, ValueError, ConfigError) as e:

@@ -38,7 +38,7 @@ from ..repo_format import (
     head_file,
     heads_in,
 )
-from .artifacts import read_safetensors_header
+from .artifacts import read_safetensors_metadata
 
 __all__ = ["HeadInfo", "LinearProbe", "head_pooling", "list_heads", "load_head", "save_head"]
 
@@ -131,7 +131,7 @@ def list_heads(repo_dir: str | os.PathLike[str]) -> list[str]:
 
 def head_pooling(weights: str | os.PathLike[str]) -> Pooling:
     """The feature mode a head's weights file says it reads (from its metadata only)."""
-    return (read_safetensors_header(weights)[0].get("__metadata__") or {}).get(META_POOLING, "vip")
+    return read_safetensors_metadata(weights).get(META_POOLING, "vip")
 
 
 def load_head(repo_dir: str | os.PathLike[str], name: str) -> tuple[LinearProbe, HeadInfo]:
@@ -139,7 +139,7 @@ def load_head(repo_dir: str | os.PathLike[str], name: str) -> tuple[LinearProbe,
     path = Path(repo_dir) / head_file(name, HEAD_WEIGHTS)
     if not path.is_file():
         raise MissingInputError(f"no head {name!r} in {repo_dir}")
-    meta = read_safetensors_header(path)[0].get("__metadata__") or {}
+    meta = read_safetensors_metadata(path)
     labels = json.loads(meta[META_LABELS])
     head = LinearProbe(int(meta[META_IN_FEATURES]), len(labels))
     head.load_state_dict(load_file(path))

@@ -92,9 +92,11 @@ from ..repo_format import (
 )
 from .artifacts import (
     digest_file,
+    header_tensors,
     loaded_tensors_digest,
     nonfinite_in_file,
     read_safetensors_header,
+    read_safetensors_metadata,
 )
 from .card import card_ledger, card_tags_problem
 from .content import content_problem, weight_sources
@@ -304,8 +306,7 @@ def _ledger_copies(
 
 
 def _weights_copy(path: Path) -> PrivacyLedger:
-    header, _ = read_safetensors_header(path)
-    text = (header.get("__metadata__") or {}).get(META_LEDGER)
+    text = read_safetensors_metadata(path).get(META_LEDGER)
     if text is None:
         raise LedgerError([f"{WEIGHTS_FILE}: metadata has no {META_LEDGER} entry"])
     return PrivacyLedger.parse(text)
@@ -435,11 +436,10 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
         return {}
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
-        header, _ = read_safetensors_header(files[WEIGHTS_FILE])
+        arch = read_safetensors_metadata(files[WEIGHTS_FILE]).get(META_ARCH)
     except (ValueError, OSError, RecursionError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
         return {}
-    arch = (header.get("__metadata__") or {}).get(META_ARCH)
     for key in weight_sources(config) if isinstance(config, dict) else []:
         report.fail(
             key,
@@ -474,13 +474,13 @@ def _check_heads(
         where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
         try:
             header = read_safetensors_header(files[where])[0]
-            meta = header.get("__metadata__") or {}
+            meta = read_safetensors_metadata(files[where])
             labels, pooling = json.loads(meta[META_LABELS]), meta[META_POOLING]
             inputs = int(meta[META_IN_FEATURES])
             ((matrix, shape),) = [
                 (key, entry["shape"])
-                for key, entry in header.items()
-                if key != "__metadata__" and len(entry["shape"]) == 2
+                for key, entry in header_tensors(header).items()
+                if len(entry["shape"]) == 2
             ]
             listed = json.loads(files[labels_file].read_bytes()) if labels_file in files else None
         except (KeyError, ValueError, OSError, RecursionError) as e:
