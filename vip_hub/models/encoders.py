@@ -49,6 +49,7 @@ __all__ = [
     "get_arch",
     "mae_decoder_problems",
     "mae_decoder_shapes",
+    "mae_decoder_size",
     "sincos_pos_embed_1d",
     "sincos_pos_embed_2d",
 ]
@@ -420,6 +421,10 @@ def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
                 torch.nn.init.zeros_(m.bias)
 
 
+_DECODER_EMBED = "decoder_embed.weight"
+_DECODER_BLOCKS = "decoder_blocks."
+
+
 def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tuple[int, ...]]:
     """The tensors of an MAE decoder ``dim`` wide and ``depth`` blocks deep behind ``spec``'s
     encoder, by name: the reference ``models_mae.py``'s layout, which ``training.recipes.mae.MAE``
@@ -440,16 +445,25 @@ def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tup
         "mlp.fc2.bias": (d,),
     }
     return {
-        "decoder_embed.weight": (d, spec.architecture.embed_dim),
+        _DECODER_EMBED: (d, spec.architecture.embed_dim),
         "decoder_embed.bias": (d,),
         "mask_token": (1, 1, d),
         "decoder_pos_embed": (1, spec.grid_size**2 + 1, d),
-        **{f"decoder_blocks.{i}.{k}": shape for i in range(depth) for k, shape in block.items()},
+        **{f"{_DECODER_BLOCKS}{i}.{k}": shape for i in range(depth) for k, shape in block.items()},
         "decoder_norm.weight": (d,),
         "decoder_norm.bias": (d,),
         "decoder_pred.weight": (pixels, d),
         "decoder_pred.bias": (pixels,),
     }
+
+
+def mae_decoder_size(state: Mapping[str, torch.Tensor], spec: EncoderSpec) -> tuple[int, int]:
+    """The width and depth an MAE decoder's tensors show (the width ``spec``'s default when its
+    input projection is missing or malformed, which ``mae_decoder_problems`` names)."""
+    depth = len({k.split(".")[1] for k in state if k.startswith(_DECODER_BLOCKS)})
+    embed = state.get(_DECODER_EMBED)
+    width = int(embed.shape[0]) if embed is not None and embed.ndim == 2 else 0
+    return width or spec.architecture.decoder_embed_dim, depth
 
 
 def mae_decoder_problems(

@@ -34,7 +34,13 @@ from typing import Any, Unpack
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..models.encoders import DEFAULT_IMG_SIZE, EncoderSpec, create_encoder, mae_decoder_problems
+from ..models.encoders import (
+    DEFAULT_IMG_SIZE,
+    EncoderSpec,
+    create_encoder,
+    mae_decoder_problems,
+    mae_decoder_size,
+)
 from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT, paper_delta
@@ -386,11 +392,7 @@ def import_mae_checkpoint(
     encoder_sd, decoder_sd = split_mae_state_dict(state, spec)
     decoder_config = None
     if decoder_sd:
-        architecture = spec.architecture
-        depth = len({k.split(".")[1] for k in decoder_sd if k.startswith("decoder_blocks.")})
-        embed = decoder_sd.get("decoder_embed.weight")
-        width = int(embed.shape[0]) if embed is not None and embed.ndim == 2 else None
-        width = width or architecture.decoder_embed_dim
+        width, depth = mae_decoder_size(decoder_sd, spec)
         if problems := mae_decoder_problems(decoder_sd, spec, width, depth):
             raise CheckpointError(
                 f"{checkpoint}: refused, its decoder_* tensors are not an MAE decoder {width} wide "
@@ -398,7 +400,11 @@ def import_mae_checkpoint(
                 + "; ".join(problems)
             )
         # training.recipes.mae.DecoderConfig's fields, as load_mae reads them
-        decoder_config = {"dim": width, "depth": depth, "num_heads": architecture.decoder_num_heads}
+        decoder_config = {
+            "dim": width,
+            "depth": depth,
+            "num_heads": spec.architecture.decoder_num_heads,
+        }
     _refuse_nonfinite(checkpoint, state, _IGNORED)
     model = _loaded(create_encoder, spec, encoder_sd)
     return export_encoder(
