@@ -21,7 +21,7 @@ from vip_hub.errors import ConfigError, RepoFormatError, VerificationError
 from vip_hub.loading import load_captioner
 from vip_hub.repo.artifacts import (
     digest_file,
-    read_safetensors_header,
+    read_safetensors_metadata,
     rewrite_safetensors_metadata,
 )
 from vip_hub.repo_format import (
@@ -117,7 +117,7 @@ def test_a_text_decoder_configuration_of_the_wrong_type_is_refused_by_name(
     """The configuration sits in the decoder file's metadata, outside its tensors digest: the
     repo still verifies, and both loaders must name the value."""
     repo = Path(shutil.copytree(dpcap_repo, tmp_path / "repo"))
-    meta = read_safetensors_header(repo / TEXT_DECODER_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(repo / TEXT_DECODER_FILE)
     (name,) = [k for k, v in meta.items() if k != "format" and '"mlp_ratio"' in v]
     config = json.loads(meta[name])
     config[key] = value

@@ -15,7 +15,7 @@ from timm.models.vision_transformer import Block
 from vip_hub import load_encoder, verify_repo
 from vip_hub.cli.main import main
 from vip_hub.models.encoders import ARCHS, sincos_pos_embed_2d
-from vip_hub.repo.artifacts import read_safetensors_header
+from vip_hub.repo.artifacts import read_safetensors_metadata
 from vip_hub.repo.importer import (
     PRESETS,
     CheckpointError,
@@ -343,5 +343,5 @@ def test_a_decoder_that_is_not_an_mae_decoder_is_refused_naming_the_tensors(tmp_
 
     torch.save({"model": ReferenceMAE().state_dict()}, tmp_path / "whole.pth")
     out = import_nano(tmp_path / "whole.pth", tmp_path / "repo")
-    meta = read_safetensors_header(out / MAE_DECODER_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(out / MAE_DECODER_FILE)
     assert json.loads(meta[META_DECODER]) == {"dim": 512, "depth": 2, "num_heads": 16}

@@ -42,7 +42,11 @@ from vip_hub.privacy.ledger import (
     noised_key,
 )
 from vip_hub.privacy.sensitivity import rounding_params
-from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.repo.artifacts import (
+    read_safetensors_header,
+    read_safetensors_metadata,
+    rewrite_safetensors_metadata,
+)
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -87,7 +91,7 @@ def test_export_layout(tiny_repo):
         "spatial-b4-g2": 768,  # the default spatial modes: a 2 x 2 patch grid at 32 px
         "spatial-b8-g2": 768,
     }
-    meta = read_safetensors_header(tiny_repo / WEIGHTS_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(tiny_repo / WEIGHTS_FILE)
     assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
     assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse(
         (tiny_repo / LEDGER_FILE).read_text()
@@ -222,7 +226,7 @@ def test_tampered_json_copy(tiny_repo):
 
 def test_tampered_weights_metadata_copy(tiny_repo):
     path = tiny_repo / WEIGHTS_FILE
-    meta = read_safetensors_header(path)[0]["__metadata__"]
+    meta = read_safetensors_metadata(path)
     meta[META_LEDGER] = json.dumps(_lower_epsilon(json.loads(meta[META_LEDGER])))
     rewrite_safetensors_metadata(path, meta)
     _fails(tiny_repo, f"{WEIGHTS_FILE}: its ledger copy disagrees", "stages.1.epsilon")
@@ -639,7 +643,7 @@ def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, m
     width its weights do not have, a feature mode of another width verified and loaded."""
     repo = tiny_repo_with_head(tmp_path / "repo")
     path = repo / head_file("toy")
-    rewrite_safetensors_metadata(path, {**read_safetensors_header(path)[0]["__metadata__"], **meta})
+    rewrite_safetensors_metadata(path, {**read_safetensors_metadata(path), **meta})
     _fails(repo, f"{head_file('toy')}: {message}")
     with pytest.raises(TamperedFileError, match=re.escape(message)):
         load_encoder(repo)

@@ -24,7 +24,7 @@ import yaml
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
@@ -189,7 +189,7 @@ def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     ledger = change(json.loads((repo / LEDGER_FILE).read_text()))
     text = json.dumps(ledger)
     (repo / LEDGER_FILE).write_text(text)
-    meta = read_safetensors_header(repo / WEIGHTS_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(repo / WEIGHTS_FILE)
     rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
     _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
@@ -355,7 +355,7 @@ def swap_after_verify(
 
     def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
         report = real(*args, **kwargs)
-        meta = read_safetensors_header(path)[0]["__metadata__"]
+        meta = read_safetensors_metadata(path)
         tensors = {k: change(v) if v.is_floating_point() else v for k, v in load_file(path).items()}
         save_file(tensors, path, metadata=meta)
         return report

@@ -46,7 +46,7 @@ from vip_hub.paths import tree_path_problems, validate_relpath
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.artifacts import (
     digest_file,
-    read_safetensors_header,
+    read_safetensors_metadata,
     rewrite_safetensors_metadata,
 )
 from vip_hub.repo.content import WEIGHT_SOURCE_KEYS, content_problem
@@ -70,7 +70,7 @@ def _rebind(folder: Path) -> None:
     data["artifacts"] = {rel: digest_file(folder / rel, rel) for rel in data["artifacts"]}
     text = PrivacyLedger.parse(json.dumps(data)).to_json()
     (folder / LEDGER_FILE).write_text(text)
-    meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
     rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
     _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     card = yaml.safe_load(front)

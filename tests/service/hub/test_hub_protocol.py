@@ -217,9 +217,9 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     text = (folder / LEDGER_FILE).read_text()
     import yaml
 
-    from vip_hub.repo.artifacts import read_safetensors_header, rewrite_safetensors_metadata
+    from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
 
-    meta = read_safetensors_header(folder / WEIGHTS_FILE)[0]["__metadata__"]
+    meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
     rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
     _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
