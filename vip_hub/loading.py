@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ from .repo.files import (
     load_text_decoder,
     read_config,
 )
-from .repo.verify import check_loaded_tensors, verify_repo
+from .repo.verify import check_loaded_tensors, verified_bytes, verify_repo
 from .repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
@@ -190,19 +192,22 @@ def load_encoder(
     With ``verify`` (the default) the repo must pass ``vip-hub verify`` first; a failure
     raises a VerificationError subclass naming every problem, and the tensors loaded afterwards
     (the model's, the text decoder's) must be the ones the verified ledger binds (else a
-    TamperedFileError: a file replaced after verification). The model is built by timm alone from
-    its configuration, exactly as ``timm.create_model("local-dir:...", pretrained=True)`` would.
+    TamperedFileError: a file replaced after verification), and the configuration is the verified
+    bytes, read once. The model is built by timm alone from that configuration, exactly as
+    ``timm.create_model("local-dir:...", pretrained=True)`` would.
     """
     path = resolve_source(source, revision)
+    config_bytes = None
     if verify:
         ledger = verify_repo(path).raise_for_problems().ledger
         assert ledger is not None  # a report without problems has read the ledger
+        config_bytes = verified_bytes(ledger, CONFIG_FILE, path / CONFIG_FILE)
+        config = json.loads(config_bytes)  # verify parsed these very bytes
     else:
         ledger = PrivacyLedger.read(path)
-    config = read_config(path)
+        config = read_config(path)
     spec = EncoderSpec.from_config(config)
-    # a released repo's configuration names a VisionTransformer (timm types it as a Module)
-    model = cast(VisionTransformer, timm.create_model(f"local-dir:{path}", pretrained=True).eval())
+    model = _timm_model(path, config_bytes)
     if verify:  # timm read the weights again: they must be the ones verified
         check_loaded_tensors(ledger, WEIGHTS_FILE, path / WEIGHTS_FILE, model.state_dict())
     model = model.to(device)
@@ -215,6 +220,21 @@ def load_encoder(
         else:
             memory = load_image_memory(path / TEXT_DECODER_FILE, device)
     return Encoder(model, transform, ledger, config, spec, path, memory, verified=verify)
+
+
+def _timm_model(path: Path, config_bytes: bytes | None) -> VisionTransformer:
+    """timm's model of the repo folder ``path``; given ``config_bytes`` (the verified
+    configuration), timm reads them from a private folder beside a link to the repo's weights, so
+    a configuration replaced in the repo after verification is never read."""
+    if config_bytes is None:
+        model = timm.create_model(f"local-dir:{path}", pretrained=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="vip-hub-load-") as tmp:
+            (Path(tmp) / CONFIG_FILE).write_bytes(config_bytes)
+            (Path(tmp) / WEIGHTS_FILE).symlink_to((path / WEIGHTS_FILE).resolve())
+            model = timm.create_model(f"local-dir:{tmp}", pretrained=True)
+    # a released repo's configuration names a VisionTransformer (timm types it as a Module)
+    return cast(VisionTransformer, model.eval())
 
 
 def _text_decoder(

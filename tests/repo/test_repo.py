@@ -529,6 +529,44 @@ def test_weights_replaced_after_verification_are_refused(tiny_repo, monkeypatch)
     assert load_encoder(tiny_repo, verify=False).spec.arch == "vip-nano"
 
 
+def _other_normalisation(repo: Path) -> None:
+    """Rewrite ``repo``'s config.json with another input normalisation (a valid configuration)."""
+    config = json.loads((repo / CONFIG_FILE).read_bytes())
+    config["pretrained_cfg"]["mean"] = [0.5, 0.5, 0.5]
+    (repo / CONFIG_FILE).write_text(json.dumps(config))
+
+
+def test_a_config_replaced_after_verification_is_refused_or_never_read(tiny_repo, monkeypatch):
+    """config.json swapped between verify and the load (another normalisation, valid JSON) is
+    refused naming the file; swapped once its verified bytes were read, timm still builds the
+    model from the verified bytes."""
+    import vip_hub.loading as loading
+
+    verified_mean = load_encoder(tiny_repo).model.pretrained_cfg["mean"]
+    real_verify, real_create = loading.verify_repo, timm.create_model
+
+    def verify_then_swap(*args, **kwargs):
+        report = real_verify(*args, **kwargs)
+        _other_normalisation(tiny_repo)
+        return report
+
+    original = (tiny_repo / CONFIG_FILE).read_bytes()
+    monkeypatch.setattr(loading, "verify_repo", verify_then_swap)
+    with pytest.raises(TamperedFileError, match=f"{CONFIG_FILE}: changed after verification"):
+        load_encoder(tiny_repo)
+    (tiny_repo / CONFIG_FILE).write_bytes(original)
+    monkeypatch.setattr(loading, "verify_repo", real_verify)
+
+    def swap_then_create(*args, **kwargs):
+        _other_normalisation(tiny_repo)
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", swap_then_create)
+    encoder = load_encoder(tiny_repo)
+    assert list(encoder.model.pretrained_cfg["mean"]) == list(verified_mean) != [0.5, 0.5, 0.5]
+    assert encoder.config["pretrained_cfg"]["mean"] == list(verified_mean)
+
+
 def test_float16_weights_load_verified_and_a_finer_swap_is_refused(
     tmp_path, dp_stage_session, monkeypatch
 ):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SafetensorsError",
+    "bytes_sha256",
     "digest_file",
     "file_sha256",
     "loaded_tensors_digest",
@@ -58,6 +59,11 @@ _ST_DTYPES: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }  # the safetensors format's dtype names, and torch's name of each
+
+
+def bytes_sha256(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data``: the digest ``file_sha256`` gives a file holding it."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

@@ -7,7 +7,6 @@ crash never leaves a half-written repo.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -53,6 +52,7 @@ from ..repo_format import (
     WEIGHTS_FILE,
 )
 from .artifacts import (
+    bytes_sha256,
     digest_file,
     read_safetensors_metadata,
     rewrite_safetensors_metadata,
@@ -126,7 +126,7 @@ def export_encoder(
     memory = text_decoder.memory if text_decoder is not None else None
     config = _config(spec, model, memory, spatial)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
-    artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: _sha256_bytes(config_bytes)}
+    artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: bytes_sha256(config_bytes)}
     dec = None
     if decoder is not None:
         dec = {k: v.detach().cpu().contiguous() for k, v in decoder.items()}
@@ -136,11 +136,11 @@ def export_encoder(
         text = text_decoder_file(text_decoder)
         artifacts[TEXT_DECODER_FILE] = tensors_digest_of(text[0])
     if vocab is not None:
-        artifacts[VOCAB_FILE] = _sha256_bytes(vocab)
+        artifacts[VOCAB_FILE] = bytes_sha256(vocab)
     for rel, data in (extra_files or {}).items():
         if rel in MANAGED_FILES:
             raise ConfigError(f"{rel} is managed by vip_hub and cannot be an extra file")
-        artifacts[validate_relpath(rel)] = _sha256_bytes(data)
+        artifacts[validate_relpath(rel)] = bytes_sha256(data)
     ledger = PrivacyLedger.build(stages, artifacts)
     info = CardInfo(
         model_name=model_name,
@@ -399,10 +399,6 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-def _sha256_bytes(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 # ------------------------------------------------------------------- text decoder files

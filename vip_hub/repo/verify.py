@@ -45,7 +45,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import (
     AccountingError,
@@ -91,6 +91,7 @@ from ..repo_format import (
     is_weights_file,
 )
 from .artifacts import (
+    bytes_sha256,
     digest_file,
     header_tensors,
     loaded_tensors_digest,
@@ -111,6 +112,7 @@ __all__ = [
     "VerificationReport",
     "check_loaded_tensors",
     "repo_files",
+    "verified_bytes",
     "verify_repo",
 ]
 
@@ -256,17 +258,35 @@ def check_loaded_tensors(
     except (RepoFormatError, OSError):
         actual = None
     if claimed is None or actual != claimed:
-        raise TamperedFileError(
-            [
-                Problem(
-                    rel,
-                    "changed after verification: the loaded tensors are not those the ledger "
-                    f"binds (digest {actual or 'none: a tensor missing or not as stored'}, "
-                    f"ledger says {claimed})",
-                    TamperedFileError,
-                )
-            ]
+        _changed(
+            rel, "the loaded tensors", actual or "none: a tensor missing or not as stored", claimed
         )
+
+
+def verified_bytes(ledger: PrivacyLedger, rel: str, path: Path) -> bytes:
+    """The bytes of the repo file ``rel`` at ``path``, read once after the repo verified; a
+    TamperedFileError unless they are the ones the verified ``ledger``'s digest of ``rel`` binds."""
+    try:
+        data: bytes | None = path.read_bytes()
+    except OSError:
+        data = None
+    actual = None if data is None else bytes_sha256(data)
+    if data is None or actual != ledger.artifacts.get(rel):
+        _changed(rel, "its bytes", actual or "none: unreadable", ledger.artifacts.get(rel))
+    return data
+
+
+def _changed(rel: str, what: str, actual: str, claimed: str | None) -> NoReturn:
+    raise TamperedFileError(
+        [
+            Problem(
+                rel,
+                f"changed after verification: {what} are not those the ledger binds "
+                f"(digest {actual}, ledger says {claimed})",
+                TamperedFileError,
+            )
+        ]
+    )
 
 
 def _check_paths(
