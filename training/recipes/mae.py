@@ -37,6 +37,7 @@ from vip_hub.models.encoders import (
     sincos_pos_embed_2d,
 )
 from vip_hub.models.features import final_norm
+from vip_hub.repo.verify import check_loaded_tensors
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import ProceduralPictures, SyntheticImages
@@ -224,6 +225,7 @@ def load_mae(repo: str | Path, fresh: Mapping[str, Any] | None = None) -> tuple[
             f"{path}: no MAE decoder configuration in its metadata ({e})"
         ) from None
     tensors = load_file(path)
+    check_loaded_tensors(enc.ledger, MAE_DECODER_FILE, path, tensors)  # the one verified
     if problems := mae_decoder_problems(tensors, enc.spec, config.dim, config.depth):
         raise RepoFormatError(f"{path} does not match the decoder: {'; '.join(problems)}")
     mae = MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), config)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from support.clipping import TokenModel
-from support.helpers import DEVICES, import_nano, synthetic_stage
+from support.helpers import DEVICES, import_nano, swap_after_verify, synthetic_stage
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -35,10 +35,10 @@ from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
 from vip_hub import export_encoder
-from vip_hub.errors import ConfigError, RepoFormatError
+from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError
 from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
-from vip_hub.repo_format import LEDGER_FILE
+from vip_hub.repo_format import LEDGER_FILE, MAE_DECODER_FILE
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
@@ -156,6 +156,21 @@ def test_load_mae_reads_an_imported_decoder_and_names_a_wrong_one(tmp_path) -> N
         RepoFormatError, match=r"decoder_pred\.weight \(768, 32\) \(expected \(768, 64\)\)"
     ):
         load_mae(odd)
+
+
+def test_load_mae_refuses_a_decoder_replaced_after_verification(tmp_path, monkeypatch) -> None:
+    """The MAE decoder ``load_mae`` reads after the repo verified must be the one the verified
+    ledger binds: a decoder file swapped in between (same names and shapes, other values) is a
+    TamperedFileError naming it."""
+    torch.manual_seed(6)
+    mae = MAE(create_encoder(SPEC, mae_init=True), SMALL_DECODER)
+    repo = export_encoder(
+        tmp_path / "repo", mae.encoder, SPEC, [synthetic_stage()], model_name="swapped",
+        decoder=mae.decoder_state_dict(), decoder_config=SMALL_DECODER.to_dict(),
+    )  # fmt: skip
+    swap_after_verify(monkeypatch, repo / MAE_DECODER_FILE)
+    with pytest.raises(TamperedFileError, match=f"{MAE_DECODER_FILE}: changed after verification"):
+        load_mae(repo)
 
 
 def test_the_decoder_warm_up_trains_the_decoder_alone_on_public_images_and_repeats() -> None:
