@@ -87,7 +87,7 @@ class LoadedModel:
         encoder = load_encoder(folder, verify=True, device=device)
         heads = {}
         for name in list_heads(folder):
-            head, info = load_head(folder, name)
+            head, info = load_head(folder, name, encoder.ledger)  # the verified heads
             heads[name] = (head.to(device), info)
         captions = CaptioningModel.from_encoder(encoder) if encoder.can_caption else None
         model = cls(repo_id, commit, encoder, heads, metrics, device, captions, private=private)

@@ -687,6 +687,20 @@ def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, m
         load_encoder(repo)
 
 
+def test_a_head_replaced_after_verification_is_refused(tmp_path, monkeypatch):
+    """A head's weights read after the repo verified (as the inference service loads them) must
+    be the ones the verified ledger binds: a head file swapped in between is refused naming it."""
+    from vip_hub.repo.heads import load_head
+
+    repo = tiny_repo_with_head(tmp_path / "repo")
+    ledger = load_encoder(repo).ledger
+    assert load_head(repo, "toy", ledger)[1].labels == ["red", "green", "blue"]
+    swap_after_verify(monkeypatch, repo / head_file("toy"))
+    load_encoder(repo)  # the swap happens here, after the repo verified
+    with pytest.raises(TamperedFileError, match=f"{head_file('toy')}: changed after verification"):
+        load_head(repo, "toy", ledger)
+
+
 def test_verify_recomputes_the_truncation_delta(tiny_repo):
     """Issue 32: a stage that records a sampler truncated at 5.768 sigma but not the delta it
     adds is an overclaim."""

@@ -39,6 +39,7 @@ from ..repo_format import (
     heads_in,
 )
 from .artifacts import read_safetensors_metadata
+from .verify import check_loaded_tensors
 
 __all__ = ["HeadInfo", "LinearProbe", "head_pooling", "list_heads", "load_head", "save_head"]
 
@@ -134,15 +135,21 @@ def head_pooling(weights: str | os.PathLike[str]) -> Pooling:
     return read_safetensors_metadata(weights).get(META_POOLING, "vip")
 
 
-def load_head(repo_dir: str | os.PathLike[str], name: str) -> tuple[LinearProbe, HeadInfo]:
-    """Load head ``name`` (eval mode) and its info from a repo folder."""
+def load_head(
+    repo_dir: str | os.PathLike[str], name: str, ledger: PrivacyLedger | None = None
+) -> tuple[LinearProbe, HeadInfo]:
+    """Load head ``name`` (eval mode) and its info from a repo folder; given the repo's verified
+    ``ledger``, its tensors must be the ones that ledger binds (else a TamperedFileError)."""
     path = Path(repo_dir) / head_file(name, HEAD_WEIGHTS)
     if not path.is_file():
         raise MissingInputError(f"no head {name!r} in {repo_dir}")
     meta = read_safetensors_metadata(path)
     labels = json.loads(meta[META_LABELS])
     head = LinearProbe(int(meta[META_IN_FEATURES]), len(labels))
-    head.load_state_dict(load_file(path))
+    tensors = load_file(path)
+    if ledger is not None:
+        check_loaded_tensors(ledger, head_file(name, HEAD_WEIGHTS), path, tensors)
+    head.load_state_dict(tensors)
     metrics_file = Path(repo_dir) / head_file(name, HEAD_METRICS)
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     return head.eval(), HeadInfo(name, meta[META_POOLING], labels, metrics)
