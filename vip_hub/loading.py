@@ -260,7 +260,8 @@ class CaptioningModel:
 
     @classmethod
     def from_encoder(cls, encoder: Encoder) -> CaptioningModel:
-        """Add the repo's text decoder and vocabulary to a loaded encoder."""
+        """Add the repo's text decoder and vocabulary to a loaded encoder (a verified one's
+        must be the files its ledger binds)."""
         path = Path(encoder.path)
         if not encoder.spec.family.captions:
             raise ConfigError(
@@ -274,8 +275,13 @@ class CaptioningModel:
                 "(import it with --vocab, or export it with its text decoder and vocabulary)"
             )
         device = next(encoder.model.parameters()).device
-        decoder = _text_decoder(path, encoder.ledger if encoder.verified else None, device)
-        tokenizer = CaptionTokenizer(path / VOCAB_FILE, max_length=decoder.config.max_length)
+        ledger = encoder.ledger if encoder.verified else None
+        decoder = _text_decoder(path, ledger, device)
+        vocab = path / VOCAB_FILE
+        tokenizer = CaptionTokenizer(
+            vocab if ledger is None else verified_bytes(ledger, VOCAB_FILE, vocab),
+            max_length=decoder.config.max_length,
+        )
         decoder.config.check_tokenizer(tokenizer)
         return cls(encoder, Captioner(encoder.model, decoder).eval(), tokenizer)
 

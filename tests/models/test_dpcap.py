@@ -290,6 +290,19 @@ def test_a_text_decoder_replaced_after_verification_is_refused(repo, tmp_path, m
     assert load_captioner(copy, verify=False).encoder.memory is not None
 
 
+def test_a_vocabulary_replaced_after_verification_is_refused(repo, tmp_path):
+    """The vocabulary the captioner reads after the repo verified must be the one the ledger
+    binds: another vocabulary (its words in another order) swapped in between would caption and
+    label in other words; without verification it loads as before."""
+    copy = shutil.copytree(repo, tmp_path / "repo")
+    enc = load_encoder(copy)
+    lines = (copy / VOCAB_FILE).read_text().splitlines()
+    (copy / VOCAB_FILE).write_text("\n".join([*lines[:-2], lines[-1], lines[-2]]) + "\n")
+    with pytest.raises(TamperedFileError, match=f"{VOCAB_FILE}: changed after verification"):
+        CaptioningModel.from_encoder(enc)
+    assert load_captioner(copy, verify=False).tokenizer.vocab_size == len(lines)
+
+
 def test_repo_without_vocabulary_embeds_but_cannot_caption(reference, tmp_path):
     _, path = reference
     out = import_dpcap_checkpoint(
