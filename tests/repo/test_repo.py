@@ -1,5 +1,6 @@
 """The released-encoder repo format, end to end: export, plain-timm load, verify, tamper."""
 
+import io
 import json
 import re
 import subprocess
@@ -14,6 +15,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard
 from support.helpers import (
     TINY,
+    WIDE_GREY,
     dp_stage,
     restate_truncation,
     rewrite_ledger_copies,
@@ -21,6 +23,8 @@ from support.helpers import (
     synthetic_stage,
     tiny_encoder,
     tiny_repo_with_head,
+    turned_jpeg,
+    wide_grey,
 )
 
 from vip_hub import PrivacyLedger, export_encoder, load_encoder, update_repo, verify_repo
@@ -131,6 +135,18 @@ def test_load_encoder(tiny_repo):
     batch = enc.preprocess(imgs)
     assert batch.shape == (3, 3, 32, 32)
     torch.testing.assert_close(enc.embed(batch, pooling="avg"), enc.model(batch))
+
+
+def test_preprocess_reads_wide_greyscale_and_exif_orientation_as_seen(tiny_repo):
+    """Images opened by the caller are preprocessed as the service decodes them: 16-bit and
+    float greyscale as their 8-bit versions, a JPEG as its EXIF orientation shows it."""
+    from PIL import Image
+
+    enc = load_encoder(tiny_repo)
+    pairs = [wide_grey(mode) for mode in WIDE_GREY] + [turned_jpeg()]
+    opened = [Image.open(io.BytesIO(data)) for data, _ in pairs]
+    seen = enc.preprocess([expected for _, expected in pairs])
+    torch.testing.assert_close(enc.preprocess(opened), seen, rtol=0, atol=0)
 
 
 def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_session):
@@ -695,8 +711,16 @@ def test_a_head_replaced_after_verification_is_refused(tmp_path, monkeypatch):
     repo = tiny_repo_with_head(tmp_path / "repo")
     ledger = load_encoder(repo).ledger
     assert load_head(repo, "toy", ledger)[1].labels == ["red", "green", "blue"]
+    path = repo / head_file("toy")
+    original = path.read_bytes()
     swap_after_verify(monkeypatch, repo / head_file("toy"))
     load_encoder(repo)  # the swap happens here, after the repo verified
+    with pytest.raises(TamperedFileError, match=f"{head_file('toy')}: changed after verification"):
+        load_head(repo, "toy", ledger)
+    path.write_bytes(original)  # now its labels, which the tensors' digest leaves out
+    rewrite_safetensors_metadata(
+        path, {**read_safetensors_metadata(path), META_LABELS: '["blue", "green", "red"]'}
+    )
     with pytest.raises(TamperedFileError, match=f"{head_file('toy')}: changed after verification"):
         load_head(repo, "toy", ledger)
 

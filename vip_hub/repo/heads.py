@@ -23,7 +23,7 @@ import torch
 from huggingface_hub import EvalResult
 from safetensors.torch import load_file, save_file
 
-from ..errors import ConfigError, MissingInputError
+from ..errors import ConfigError, MissingInputError, TamperedFileError
 from ..models.features import Pooling, check_pooling
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
 from ..repo_format import (
@@ -39,7 +39,7 @@ from ..repo_format import (
     heads_in,
 )
 from .artifacts import read_safetensors_metadata
-from .verify import check_loaded_tensors
+from .verify import Problem, check_loaded_tensors, verified_bytes
 
 __all__ = ["HeadInfo", "LinearProbe", "head_pooling", "list_heads", "load_head", "save_head"]
 
@@ -139,8 +139,10 @@ def load_head(
     repo_dir: str | os.PathLike[str], name: str, ledger: PrivacyLedger | None = None
 ) -> tuple[LinearProbe, HeadInfo]:
     """Load head ``name`` (eval mode) and its info from a repo folder; given the repo's verified
-    ``ledger``, its tensors must be the ones that ledger binds (else a TamperedFileError)."""
-    path = Path(repo_dir) / head_file(name, HEAD_WEIGHTS)
+    ``ledger``, its tensors and labels must be the ones that ledger binds (else a
+    TamperedFileError)."""
+    rel = head_file(name, HEAD_WEIGHTS)
+    path = Path(repo_dir) / rel
     if not path.is_file():
         raise MissingInputError(f"no head {name!r} in {repo_dir}")
     meta = read_safetensors_metadata(path)
@@ -148,7 +150,18 @@ def load_head(
     head = LinearProbe(int(meta[META_IN_FEATURES]), len(labels))
     tensors = load_file(path)
     if ledger is not None:
-        check_loaded_tensors(ledger, head_file(name, HEAD_WEIGHTS), path, tensors)
+        check_loaded_tensors(ledger, rel, path, tensors)
+        listed = head_file(name, HEAD_LABELS)  # the digest leaves the metadata's labels out
+        if json.loads(verified_bytes(ledger, listed, Path(repo_dir) / listed)) != labels:
+            raise TamperedFileError(
+                [
+                    Problem(
+                        rel,
+                        f"changed after verification: its labels are not {listed}'s",
+                        TamperedFileError,
+                    )
+                ]
+            )
     head.load_state_dict(tensors)
     metrics_file = Path(repo_dir) / head_file(name, HEAD_METRICS)
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
