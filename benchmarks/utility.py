@@ -39,11 +39,11 @@ row's features of the centring records (public; ``StudyConfig.head_components``,
 themselves); the non-private reference reads the features.
 
 Settings are the study's (``BENCHMARK``, command-line options override some). ``--tune ROWS``
-picks those rows' head learning rate from ``HEAD_LR_GRID`` on a validation split carved from
-train by a keyed hash under a secret (never the test split); the table says which rows were
-tuned and how many configurations were tried. Each row's non-private reference (the same
-features, a head without DP) is printed here only. Features, choices and trained encoders are
-cached under ``--work``.
+picks those rows' head learning rate from ``HEAD_LR_GRID`` as the feature mode is chosen: by DP
+heads at the row's noise on the public selection records (``tune_lr``; no private record, and
+never the scoring records); the table says which rows were tuned and how many configurations
+were tried. Each row's non-private reference (the same features, a head without DP) is printed
+here only. Features, choices and trained encoders are cached under ``--work``.
 
     python benchmarks/utility.py [--train-size 60000] [--select-size 5000] [--test-size 5000] \
         [--epochs 50] [--rows pixels,scatter,syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp,finetune] \
@@ -60,7 +60,6 @@ import functools
 import json
 import os
 import platform
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +71,7 @@ import torch
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from training.data.labelled import LabelledArrays, keyed_uniforms
+from training.data.labelled import LabelledArrays
 from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
 from training.recipes.trainable import encoder_parameters_note
 from training.skeleton.config import EncoderParameters, field_help
@@ -81,10 +80,9 @@ from training.study.budget import composed
 from training.study.config import BENCHMARK, StudyConfig, stamp
 from training.study.features import CHUNK, embed, pixels
 from training.study.heads import HeadKind, dp_head, head_config, released_epsilon
-from training.study.selection import Choice, choose_features, choose_modes
+from training.study.selection import Choice, choose_features, choose_modes, sgd_scores
 from training.study.splits import Splits, study_splits
 from training.study.table import Paired, paired
-from vip_hub.errors import DataError
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
@@ -94,8 +92,6 @@ PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN"
 """Tramer & Boneh 2021, Fashion-MNIST at (3, 1e-5), test top-1 in %."""
 HEAD_LR_GRID = (4.0, 16.0, 64.0)
 """Head learning rates ``--tune`` tries (clipping and batch stay the study's)."""
-VALIDATION_RATE = 0.1
-"""Share of the training records a tuned row holds out for validation (by a keyed hash)."""
 HEAD = "utility"
 """The benchmark's heads' name in their ledger stages (never released)."""
 
@@ -128,12 +124,14 @@ class Bench:
 
 @dataclass
 class Features:
-    """One row's features of the private, scoring and centring records (N, D), the DP stages
-    (on the private split) that made the encoder, and how the feature mode was chosen."""
+    """One row's features of the private, scoring, centring and selection records (N, D), the
+    DP stages (on the private split) that made the encoder, and how the feature mode was
+    chosen."""
 
     train: torch.Tensor
     test: torch.Tensor
     centre: torch.Tensor
+    selection: torch.Tensor
     what: str
     mode: str
     stages: list[DPStage] = field(default_factory=list)
@@ -163,7 +161,7 @@ class Result:
     ref: float | None
     stages: list[DPStage]  # one classifier's (the first draw's)
     drawn: list[DPStage]  # every draw's, the encoder's once: what the row's figures rest on
-    tried: int  # head configurations tried on the validation split (0: fixed in code)
+    tried: int  # head configurations tried on the public selection records (0: fixed in code)
     lr: float
     timing: Timing
     chosen: str = "fixed"
@@ -210,10 +208,11 @@ def fixed_head(b: Bench, mode: str, selection: torch.Tensor) -> tuple[HeadKind, 
 def pixel_features(b: Bench) -> Features:
     """Raw pixels."""
     s = b.splits
-    head, chosen = fixed_head(b, "pixels", pixels(s.selection))
+    selection = pixels(s.selection)
+    head, chosen = fixed_head(b, "pixels", selection)
     return Features(
-        pixels(s.private), pixels(s.test), pixels(s.centre), "784 pixels in [-1, 1]", "pixels",
-        chosen=chosen, head=head,
+        pixels(s.private), pixels(s.test), pixels(s.centre), selection, "784 pixels in [-1, 1]",
+        "pixels", chosen=chosen, head=head,
     )  # fmt: skip
 
 
@@ -232,11 +231,13 @@ def scatter_features(b: Bench) -> Features:
         return torch.cat(out)
 
     s = b.splits
-    head, chosen = fixed_head(b, "scatter", run(s.selection, "scattering selection"))
+    selection = run(s.selection, "scattering selection")
+    head, chosen = fixed_head(b, "scatter", selection)
     return Features(
         run(s.private, "scattering train"),
         run(s.test, "scattering test"),
         run(s.centre, "scattering centre"),
+        selection,
         f"ScatterNet J={SCATTER_J} (81x7x7), GroupNorm({SCATTER_GROUPS}) per example",
         "scatter",
         chosen=chosen,
@@ -434,35 +435,38 @@ def encoder_features(key: str) -> Callable[[Bench, int], Features]:
         choice = b.modes[syn_repo(b, row.family).name]
         encoder = load_encoder(repo, device=b.device)
         s = b.splits
-        train, test, centre = (
-            embed(encoder, d, choice.mode, f"{repo.name} {what}")
-            for d, what in ((s.private, "train"), (s.test, "test"), (s.centre, "centre"))
-        )
+        records = {"train": s.private, "test": s.test, "centre": s.centre, "selection": s.selection}
+        x = {
+            what: embed(encoder, d, choice.mode, f"{repo.name} {what}")
+            for what, d in records.items()
+        }
         return Features(
-            train, test, centre, f"{row.what}, {choice.mode} features", choice.mode,
-            stages_of(repo), choice.describe(), choice.head,
+            **x, what=f"{row.what}, {choice.mode} features", mode=choice.mode,
+            stages=stages_of(repo), chosen=choice.describe(), head=choice.head,
         )  # fmt: skip
 
     return make
 
 
+CACHED = ("train", "test", "centre", "selection", "what", "mode", "chosen", "head")
+"""The ``Features`` fields a features file holds beside its stages and seconds."""
+
+
 def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, bool]:
-    """Features from ``path`` (a file this script wrote), else made and saved; with the seconds
-    making them took (then or now) and whether they came from the cache."""
-    if path.exists():
-        blob = torch.load(path, weights_only=True)
+    """Features from ``path`` (a file this script wrote with every field of ``CACHED``), else
+    made and saved; with the seconds making them took (then or now) and whether they came from
+    the cache."""
+    blob = torch.load(path, weights_only=True) if path.exists() else {}
+    if set(CACHED) <= blob.keys():
         stages = [DPStage.model_validate_json(s) for s in blob["stages"]]
-        f = Features(
-            blob["train"], blob["test"], blob["centre"], blob["what"], blob["mode"], stages,
-            blob["chosen"], blob["head"],
-        )  # fmt: skip
+        f = Features(**{k: blob[k] for k in CACHED}, stages=stages)
         return f, float(blob["make_s"]), True
     start = time.perf_counter()
     f = make()
     seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
-        **{k: getattr(f, k) for k in ("train", "test", "centre", "what", "mode", "chosen", "head")},
+        **{k: getattr(f, k) for k in CACHED},
         "stages": [s.model_dump_json() for s in f.stages],
         "make_s": seconds,
     }
@@ -471,31 +475,14 @@ def cached(path: Path, make: Callable[[], Features]) -> tuple[Features, float, b
 
 
 def tune_lr(b: Bench, f: Features) -> tuple[float, dict[float, float]]:
-    """The head learning rate of ``HEAD_LR_GRID`` with the best top-1 on a validation split of
-    the private train split (each record held out when its keyed number under a fresh secret is
-    below ``VALIDATION_RATE``); every candidate a DP head at the row's budget. Never the test
-    split."""
-    u = keyed_uniforms(
-        secrets.token_bytes(32),
-        "validation",
-        (im.tobytes() for im in b.private.images),
-        b.private.labels,
-    )
-    held = u < VALIDATION_RATE
-    fit_idx, val_idx = np.flatnonzero(~held), np.flatnonzero(held)
-    if not len(fit_idx) or not len(val_idx):
-        raise DataError(f"the validation split left {len(fit_idx)} and {len(val_idx)} records")
-    part = b.private.subset(
-        fit_idx, f"records outside the keyed validation split ({VALIDATION_RATE:g})"
-    )
-    y = torch.as_tensor(b.private.labels)
-    scores = {}
-    for lr in HEAD_LR_GRID:
-        fit = dp_head(
-            b.study, f.train[fit_idx], y[fit_idx], f.centre, part.dataset, len(b.private.classes),
-            f.stages, name=HEAD, pooling=f.mode, lr=lr, kind=f.head,
-        )  # fmt: skip
-        scores[lr] = 100 * accuracy(fit.head, f.train[val_idx], y[val_idx])
+    """The head learning rate of ``HEAD_LR_GRID`` whose DP-SGD heads at the row's noise score
+    best on the PUBLIC selection records (``sgd_scores``, as the feature mode is chosen), with
+    each candidate's score (top-1 %); no private record is read."""
+    feats, selection = {f.mode: f.selection}, b.splits.selection
+    scores = {
+        lr: sgd_scores(b.study, feats, selection, b.private, f.stages, lr)[f.mode]
+        for lr in HEAD_LR_GRID
+    }
     return max(scores, key=lambda lr: scores[lr]), scores
 
 
@@ -504,8 +491,9 @@ def feature_row(
 ) -> Callable[[Bench, str], Result]:
     """A row that is the study's DP head on fixed features (``make(b, draw)``, cached), drawn
     ``--draws`` times on each of the row's encoder draws (``EncoderRow.draws``), with the head's
-    learning rate tuned on validation (the first encoder's features) when the row is in
-    ``--tune``, and its non-private reference (the mean over its encoders)."""
+    learning rate chosen on the public selection records (``tune_lr``, the first encoder's
+    features) when the row is in ``--tune``, and its non-private reference (the mean over its
+    encoders)."""
 
     def run(b: Bench, key: str) -> Result:
         n, classes = len(b.private), len(b.private.classes)
@@ -529,7 +517,10 @@ def feature_row(
                 lr, scores = tune_lr(b, f)
                 tried = len(scores)
                 shown = ", ".join(f"lr {k:g}: {v:.1f} %" for k, v in scores.items())
-                print(f"  {label}: validation top-1 {shown}; chosen lr {lr:g}", flush=True)
+                print(
+                    f"  {label}: top-1 on the public selection records {shown}; chosen lr {lr:g}",
+                    flush=True,
+                )
             fits = [
                 dp_head(
                     b.study,
@@ -856,7 +847,9 @@ def table(
             f"{s.mechanism} ({s.noise_multiplier:.2f}, {s.sample_rate:.3g}, {s.steps})"
             for s in r.stages
         )
-        tuned = f"yes, {r.tried} configs (lr {r.lr:g})" if r.tried else "no"
+        tuned = (
+            f"yes, {r.tried} configs on public selection records (lr {r.lr:g})" if r.tried else "no"
+        )
         ref, t = (f"{r.ref:.1f}" if r.ref is not None else "-"), r.timing
         lines.append(
             f"| {r.row} | **{r.dp:.1f}** ({r.spread()}) | {ref} | {r.chosen} | "
@@ -909,7 +902,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             help=field_help(StudyConfig, field_name),
         )
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
-    p.add_argument("--tune", default="", help="rows whose head lr is tuned on validation")
+    p.add_argument(
+        "--tune", default="", help="rows whose head lr is chosen on the public selection records"
+    )
     p.add_argument("--device", default="cpu", help="encoders' device: cpu or cuda (heads on CPU)")
     p.add_argument(
         "--encoder-steps",

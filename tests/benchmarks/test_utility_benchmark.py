@@ -5,7 +5,9 @@ with its encoder's stages counted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,8 +16,10 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from support.helpers import load_benchmark, write_idx
 
 from training.data.labelled import FASHION_MNIST_TRAIN
+from training.study import selection
 from training.study.budget import head_epsilon
 from training.study.config import StudyConfig
+from training.study.heads import released_epsilon
 from training.study.splits import study_splits
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
 from vip_hub.privacy.ledger import (
@@ -32,8 +36,7 @@ utility = load_benchmark("utility")
 step_signal = load_benchmark("step_signal")
 
 TRAIN_RECORDS = 200
-"""Enough that ``--tune``'s keyed 10 % validation split is never empty (0.9^200 = 7e-10; at 40
-records it was empty in 1.5 % of runs)."""
+"""The tiny private split's records."""
 TINY = StudyConfig(
     **{
         **utility.BENCHMARK.model_dump(),
@@ -114,6 +117,8 @@ def run_rows(data: Path, work: Path, rows: list[str], tune: set[str], draws: int
     assert len(lines) == 2 + len(rows) + len(utility.PAPER)
     cells = [line.split(" | ") for line in lines]
     assert all(len(c) == len(cells[0]) for c in cells)
+    for key, c in zip(rows, cells[2 : 2 + len(rows)], strict=True):
+        assert ("configs on public selection records" in c[6]) == (key in tune), c[6]
     assert [c[0].lstrip("| ") for c in cells[-3:]] == [
         f"Tramer & Boneh: {name}" for name in utility.PAPER
     ]
@@ -213,6 +218,42 @@ def test_a_head_after_an_encoder_gets_only_the_rest_of_the_budget() -> None:
     sigma = calibrate(eps_after, study.delta, 0.125, 80)
     total = composed_epsilon([encoder.mechanism_tuple, (sigma, 0.125, 80)], study.delta)
     assert study.epsilon - 0.01 < total <= study.epsilon
+
+
+class Declared:
+    """Private records of which only what is declared public can be read: n, the dataset's
+    identity and the class names (a record or a label is an AttributeError)."""
+
+    def __init__(self, records: Any) -> None:
+        self.n, self.dataset, self.classes = len(records), records.dataset, records.classes
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_tuning_reads_public_selection_records_at_the_real_heads_noise(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--tune``: every candidate learning rate is scored by DP heads at the real row's noise
+    on the public selection records (``selection_scores``), and no private record, label or
+    feature is read."""
+    bench = tiny_bench(data, tmp_path, tune=frozenset({"pixels"}))
+    f = utility.pixel_features(bench)
+    calls, scores = [], selection.selection_scores
+
+    def spy(feats: Any, labels: np.ndarray, classes: int, cfg: Any, n: int, *a: Any) -> Any:
+        calls.append((labels, cfg, n))
+        return scores(feats, labels, classes, cfg, n, *a)
+
+    monkeypatch.setattr(selection, "selection_scores", spy)
+    blind = replace(bench, splits=replace(bench.splits, private=Declared(bench.private)))
+    lr, tried = utility.tune_lr(blind, replace(f, train=object()))  # no private feature either
+    assert list(tried) == list(utility.HEAD_LR_GRID) and tried[lr] == max(tried.values())
+    real = released_epsilon(TINY, "sgd", TRAIN_RECORDS, FASHION_MNIST_TRAIN, f.stages)
+    assert [c.lr for _, c, _ in calls] == list(utility.HEAD_LR_GRID)
+    for labels, cfg, n in calls:
+        np.testing.assert_array_equal(labels, bench.splits.selection.labels)
+        assert n == TRAIN_RECORDS and cfg.epsilon == pytest.approx(real)
 
 
 def test_unknown_rows_are_named(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,7 @@ from .budget import head_epsilon
 from .config import StudyConfig
 from .heads import HeadKind, head_config, released_epsilon, released_sampling
 
-__all__ = ["Choice", "choose_features", "choose_head", "choose_modes"]
+__all__ = ["Choice", "choose_features", "choose_head", "choose_modes", "sgd_scores"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,26 @@ def choose_head(
     return ("class-means" if scores["class-means"] > scores["sgd"] else "sgd"), scores
 
 
+def sgd_scores(
+    cfg: StudyConfig,
+    feats: Mapping[str, torch.Tensor],
+    selection: LabelledArrays,
+    private: LabelledArrays,
+    prior: Sequence[DPStage] = (),
+    lr: float | None = None,
+) -> dict[str, float]:
+    """Each mode of the PUBLIC ``selection`` records' features ``feats`` scored by
+    ``selection_scores`` with the noise of the DP-SGD head at ``lr`` (default the study's) on
+    ``private`` after the DP stages ``prior``; of ``private`` only its n and classes are read."""
+    n, dataset = len(private), private.dataset.name
+    eps = released_epsilon(cfg, "sgd", n, dataset, prior)
+    head = head_config(cfg, n, eps, dataset=dataset, lr=lr)
+    return selection_scores(
+        feats, selection.labels, len(private.classes), head, n, cfg.head_components,
+        cfg.centre_size,
+    )  # fmt: skip
+
+
 def choose_features(
     cfg: StudyConfig,
     feats: Mapping[str, torch.Tensor],
@@ -126,13 +146,8 @@ def choose_features(
 ) -> Choice:
     """Of the PUBLIC ``selection`` records' features in each mode of ``feats``, the mode and the
     head kind (``choose_head``) for a head on ``private`` after the DP stages ``prior``, the
-    mode by ``selection_scores`` with the DP-SGD head's noise; ``prior`` names the choice."""
-    n, dataset = len(private), private.dataset.name
-    head = head_config(cfg, n, released_epsilon(cfg, "sgd", n, dataset, prior), dataset=dataset)
-    scores = selection_scores(
-        feats, selection.labels, len(private.classes), head, len(private),
-        cfg.head_components, cfg.centre_size,
-    )  # fmt: skip
+    mode by ``sgd_scores``; ``prior`` names the choice."""
+    scores = sgd_scores(cfg, feats, selection, private, prior)
     mode = max(scores, key=lambda m: scores[m])
     kind, kinds = choose_head(cfg, feats[mode], selection.labels, private, prior, scores[mode])
     return Choice(mode, scores, "", len(selection), kind, kinds)
