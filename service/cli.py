@@ -118,9 +118,10 @@ def _inherit_option(p: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
-    """The settings and the store with its index (a single-host store's files adopted into it);
-    a refused change (ValueError, a store error) becomes a one-line error."""
+def _hub_store(args: argparse.Namespace, makes: str) -> Iterator[tuple[Settings, HubStore]]:
+    """The settings and the store with its index (a single-host store's files adopted into it),
+    made only by the action ``makes``; a refused change (ValueError, a store error) becomes a
+    one-line error."""
     from vip_hub.errors import ConfigError
 
     from .auth import adopt_tokens_file
@@ -128,12 +129,25 @@ def _hub_store(args: argparse.Namespace) -> Iterator[tuple[Settings, HubStore]]:
     from .store.errors import StoreError
 
     settings = load_settings(**_overrides(args))
+    if args.action != makes:
+        _require_store(settings, f"{args.action} needs an existing one, {makes} makes one")
     with _open_store(settings) as store:
         adopt_tokens_file(store.index, settings.tokens_path())
         try:
             yield settings, store
         except (ValueError, StoreError) as e:
             raise ConfigError(str(e)) from None
+
+
+def _require_store(settings: Settings, why: str) -> None:
+    """Refuse a store folder that holds no index (a mistyped ``--store`` would otherwise be made
+    a new, empty store), unless the index is PostgreSQL's; ``why`` ends the one-line error."""
+    from vip_hub.errors import ConfigError
+
+    from .store.index import SQLITE_FILE
+
+    if settings.index is None and not (settings.store / SQLITE_FILE).is_file():
+        raise ConfigError(f"{settings.store} is not a hub store (no {SQLITE_FILE}): {why}")
 
 
 def _open_store(settings: Settings) -> HubStore:
@@ -185,7 +199,7 @@ def _token(args: argparse.Namespace) -> None:
             validate_namespace(args.name, "user")
         except InvalidRequest as e:
             raise ConfigError(str(e)) from None
-    with _hub_store(args) as (settings, store):
+    with _hub_store(args, "create") as (settings, store):
         if args.action == "create":
             repos = store.repos_in(args.name)
             secret = create_token(store.index, args.name, args.scope, settings, repos, args.inherit)
@@ -212,7 +226,7 @@ def _org(args: argparse.Namespace) -> None:
 
     if args.action != "list" and not (args.org and args.member):
         raise ConfigError(f"vip-hub org {args.action} needs ORG and --member USER")
-    with _hub_store(args) as (settings, store):
+    with _hub_store(args, "add") as (settings, store):
         if args.action == "add":
             repos = store.repos_in(args.org)
             add_member(store.index, args.org, args.member, settings, repos, args.inherit)
@@ -240,7 +254,7 @@ def _trust(args: argparse.Namespace) -> None:
 
     from .store.shared import distrust_key, trust_key, trusted_public_keys
 
-    with _hub_store(args) as (_, store):
+    with _hub_store(args, "add") as (_, store):
         if args.action == "list":
             with trusted_public_keys(store.index, store.blobs.tmp) as keys:
                 for key in keys:
@@ -277,17 +291,10 @@ def register_store(sub: Any) -> None:
 
 
 def _store(args: argparse.Namespace) -> int:
-    from vip_hub.errors import ConfigError
-
     from .settings import load_settings
-    from .store.index import SQLITE_FILE
 
     settings = load_settings(**_overrides(args))
-    if settings.index is None and not (settings.store / SQLITE_FILE).is_file():
-        raise ConfigError(  # a mistyped --store would otherwise be a new, healthy, empty store
-            f"{settings.store} is not a hub store (no {SQLITE_FILE}): gc and check keep an "
-            "existing one"
-        )
+    _require_store(settings, "gc and check keep an existing one")
     with _open_store(settings) as store:
         return _upkeep(store, args.action, args.repair, settings.hub.gc_grace_s)
 

@@ -12,6 +12,7 @@ huggingface_hub clients turn into their own exceptions (``RepoNotFound``, ``Revi
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -181,15 +182,18 @@ async def _handle(_request: Request, err: Exception) -> JSONResponse:
 
 
 ECHO_CHARS = 200  # the longest text a 422 echoes back whole (an image's base64 is megabytes)
+ECHO_ITEMS = 20  # the most items of a list, or keys of an object, a 422 echoes back
 
 
 class _EchoJSON(JSONResponse):
     """JSON of what a client sent, as a 422 echoes it: Python's parser reads NaN, infinities and
     lone UTF-16 surrogates, which the plain response cannot write (a 500); they are written as
-    text and as ASCII escapes, and a text longer than ``ECHO_CHARS`` is cut, saying its length."""
+    text and as ASCII escapes, and a text longer than ``ECHO_CHARS`` is cut, saying its length,
+    as is a list or an object of more than ``ECHO_ITEMS`` items. Every error is kept."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(_echoable(content), allow_nan=False, separators=(",", ":")).encode()
+        errors = [_echoable(error) for error in content["detail"]]
+        return json.dumps({"detail": errors}, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _echoable(value: Any) -> Any:
@@ -198,9 +202,13 @@ def _echoable(value: Any) -> Any:
     if isinstance(value, str) and len(value) > ECHO_CHARS:
         return f"{value[:ECHO_CHARS]}... ({len(value):,} characters)"
     if isinstance(value, dict):
-        return {k: _echoable(v) for k, v in value.items()}
+        kept = {k: _echoable(v) for k, v in itertools.islice(value.items(), ECHO_ITEMS)}
+        if len(value) > ECHO_ITEMS:
+            kept["..."] = f"({len(value):,} keys)"
+        return kept
     if isinstance(value, list):
-        return [_echoable(v) for v in value]
+        items = [_echoable(v) for v in value[:ECHO_ITEMS]]
+        return items + [f"... ({len(value):,} items)"] if len(value) > ECHO_ITEMS else items
     return value
 
 

@@ -78,6 +78,32 @@ def test_a_file_given_as_the_store_is_a_one_line_error(tmp_path, cli, command):
     assert file.read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("token", "list"),
+        ("token", "revoke", "--name", "bob"),
+        ("org", "list"),
+        ("org", "remove", "vip", "--member", "bob"),
+        ("trust", "list"),
+        ("trust", "remove", "bob"),
+    ],
+)
+def test_a_mistyped_store_is_refused_not_made(tmp_path, cli, command):
+    """A command that lists or removes, given a ``--store`` that holds no store: one line naming
+    it (a new, empty store was made there and listed as empty)."""
+    typo = tmp_path / "hbu"
+    _one_line_error(cli(*command, "--store", typo), command[0], str(typo), "is not a hub store")
+    assert not typo.exists()
+
+
+def test_the_first_token_create_makes_the_store(tmp_path, cli):
+    store = tmp_path / "hub"
+    assert cli("token", "create", "--name", "ann", "--store", store).returncode == 0
+    listed = cli("token", "list", "--store", store)
+    assert listed.returncode == 0 and listed.stdout.startswith("ann\tread\t")
+
+
 def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, cli):
     """``synth-preview --out`` naming a folder, a format Pillow does not write, or a path under
     a file: one line naming it (each was a PIL or OS traceback); a sheet is written whole or not

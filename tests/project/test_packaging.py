@@ -199,7 +199,7 @@ def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -
     code = (
         "import sys\n"
         "from vip_hub.cli.main import main\n"
-        "rc = main(['token', 'list', '--store', sys.argv[1]])\n"
+        "rc = main(['token', 'create', '--name', 'ann', '--store', sys.argv[1]])\n"
         "print(rc, sorted(m for m in ('torch', 'timm', 'training') if m in sys.modules))\n"
     )
     done = subprocess.run(
