@@ -18,6 +18,7 @@ from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
 from .errors import ConfigError, MissingInputError
+from .images import to_rgb
 from .models.encoders import EncoderSpec
 from .models.features import (
     POOLINGS,
@@ -108,8 +109,9 @@ class Encoder:
         return extract_features(self.model, images, poolings, self.memory)
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        """Apply the model's pretrained_cfg transform to PIL images, as a batch."""
-        return torch.stack([self.transform(img.convert("RGB")) for img in images])
+        """Apply the model's pretrained_cfg transform to PIL images, as a batch; each made RGB
+        as the service decodes it (``vip_hub.images.to_rgb``: EXIF orientation, wide greyscale)."""
+        return torch.stack([self.transform(to_rgb(img)) for img in images])
 
     @overload
     def embed(

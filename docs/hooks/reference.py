@@ -82,13 +82,14 @@ API_PAGES: dict[str, tuple[str, str, list[str]]] = {
     ),
     "reference/api/core.md": (
         "The bottom layer and the command line's core",
-        "The repo format's names, safe paths, devices, the local hub's defaults, and the "
-        "`vip-hub` command's core (its sub-commands: [CLI](../cli.md)).",
+        "The repo format's names, safe paths, devices, the local hub's defaults, the RGB rule "
+        "of decoded images, and the `vip-hub` command's core (its sub-commands: [CLI](../cli.md)).",
         [
             "vip_hub.repo_format",
             "vip_hub.paths",
             "vip_hub.device",
             "vip_hub.local_hub",
+            "vip_hub.images",
             "vip_hub.cli.main",
         ],
     ),

@@ -7,9 +7,9 @@ An image much larger than the model's input is decoded at a reduced scale (``loa
 whose resize to the model's input would be large is centre-cropped along its long side first
 (``crop_for_resize``), so a thin image is never resized to hundreds of megapixels.
 
-Modes become RGB as timm's loader does (``convert("RGB")``: L, LA, P, RGBA, CMYK), except
-16-bit and float greyscale (I;16, I, F), which are rescaled to 8 bits first instead of being
-clipped at 255.
+Modes become RGB by ``vip_hub.images.to_rgb``, as in training and in the Python API: as timm's
+loader does (``convert("RGB")``: L, LA, P, RGBA, CMYK; alpha dropped), but upright by the EXIF
+orientation, and 16-bit and float greyscale (I;16, I, F) scaled to 8 bits instead of clipped.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import pybase64
 from PIL import Image, UnidentifiedImageError
+
+from vip_hub.images import to_rgb
 
 from ..errors import BadRequest, PayloadTooLarge
 
@@ -42,15 +44,6 @@ FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _DATA_URI = re.compile(  # a URI's scheme and RFC 2397's ";base64" are case-insensitive
     r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[\w-]+=[\w.-]+)*;base64,", re.ASCII | re.IGNORECASE
 )
-_WIDE_GREY = {
-    "I;16": 65535.0,
-    "I;16L": 65535.0,
-    "I;16B": 65535.0,
-    "I;16N": 65535.0,
-    "I": 65535.0,
-    "F": 1.0,
-}
-_UNREDUCIBLE = ("1", "P", "PA", "I;16", "I;16L", "I;16B", "I;16N")  # Image.reduce refuses them
 
 
 @dataclass(frozen=True)
@@ -129,9 +122,9 @@ def crop_for_resize(img: Image.Image, min_side: int, max_pixels: int) -> Image.I
 
 
 def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:
-    """Decode an opened image's first frame to RGB, reduced by a power of two (at most 8) while
-    its shorter side stays at least twice ``min_side`` (the model's resize target): JPEG decodes
-    at that scale directly, other formats are reduced once decoded."""
+    """Decode an opened image's first frame to RGB (``to_rgb``), reduced by a power of two (at
+    most 8) while its shorter side stays at least twice ``min_side`` (the model's resize target):
+    JPEG decodes at that scale directly, other formats are reduced once in RGB."""
     factor = 1
     while factor < 8 and min(img.size) // (2 * factor) >= 2 * min_side > 0:
         factor *= 2
@@ -140,10 +133,8 @@ def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:
         if factor > 1 and img.format == "JPEG":
             img.draft("RGB", (img.width // factor, img.height // factor))
             factor = 1
-        img.load()
-        if factor > 1:
-            img = (to_rgb(img) if img.mode in _UNREDUCIBLE else img).reduce(factor)
-    return to_rgb(img)
+        rgb = to_rgb(img)
+    return rgb.reduce(factor) if factor > 1 else rgb
 
 
 def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0) -> Image.Image:
@@ -169,11 +160,3 @@ def _decoding(index: int) -> Iterator[None]:
         ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB as timm's loader makes it, wide greyscale rescaled rather than clipped."""
-    if img.mode in _WIDE_GREY:
-        scale = 255.0 / _WIDE_GREY[img.mode]
-        img = img.convert("F").point(lambda v: v * scale).convert("L")
-    return img if img.mode == "RGB" else img.convert("RGB")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
 from vip_hub.privacy.ledger import PrivacyLedger
@@ -361,3 +363,45 @@ def swap_after_verify(
         return report
 
     monkeypatch.setattr(loading, "verify_repo", verify_then_swap)
+
+
+WIDE_GREY = ("I;16", "I;16B", "I", "F")
+"""Pillow's greyscale modes wider than 8 bits, which ``convert("RGB")`` clips at 255."""
+
+
+def wide_grey(mode: str, seed: int = 0) -> tuple[bytes, Image.Image]:
+    """A 40 x 24 greyscale image in the wide ``mode`` as a file's bytes (a 16-bit PNG for I;16, a
+    TIFF otherwise) and its 8-bit version in RGB (a 16-bit value >> 8, a float in [0, 1] x 255)."""
+    rng = np.random.default_rng(seed)
+    grey = rng.integers(0, 256, (24, 40), dtype=np.uint8)
+    wide = grey.astype(np.uint16) << 8 | rng.integers(0, 256, grey.shape, dtype=np.uint16)
+    array = {
+        "I;16": wide,
+        "I;16B": wide.astype(">u2"),
+        "I": wide.astype(np.int32),
+        "F": grey / np.float32(255),
+    }[mode]
+    img = Image.fromarray(array)
+    assert img.mode == mode
+    buf = io.BytesIO()
+    img.save(buf, "PNG" if mode == "I;16" else "TIFF")
+    return buf.getvalue(), Image.fromarray(grey).convert("RGB")
+
+
+def turned_jpeg(seed: int = 0, corrupt: bool = False) -> tuple[bytes, Image.Image]:
+    """A JPEG stored 40 x 24 whose EXIF Orientation (6) says "rotate 90° clockwise to show", and
+    the 24 x 40 RGB image a viewer shows (its pixels decoded as stored, then turned); ``corrupt``:
+    its EXIF also holds a text under a numeric tag (336), which Pillow cannot write back."""
+    rng = np.random.default_rng(seed)
+    stored = Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    exif[0x010E] = "a description"  # ImageDescription, ASCII
+    data = exif.tobytes()
+    if corrupt:  # big-endian: tag 0x010E of type 2 (ASCII) renamed 0x0150
+        data = data.replace(b"\x01\x0e\x00\x02", b"\x01\x50\x00\x02")
+    buf = io.BytesIO()
+    stored.save(buf, "JPEG", quality=95, exif=data)
+    with Image.open(io.BytesIO(buf.getvalue())) as decoded:
+        pixels = np.asarray(decoded.convert("RGB"))
+    return buf.getvalue(), Image.fromarray(np.rot90(pixels, k=-1).copy())

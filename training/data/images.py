@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -31,6 +32,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from vip_hub.errors import DataError, MissingInputError, UnsafePathError
+from vip_hub.images import to_rgb
 from vip_hub.paths import validate_relpath
 
 from ..dp.sampling import AUGMENT, torch_generator
@@ -66,7 +68,8 @@ class Pictures(Protocol):
 
 
 class PrivateImages(torch.utils.data.Dataset):
-    """Index -> RGB PIL image."""
+    """Index -> RGB PIL image, made RGB as the service makes it (``vip_hub.images.to_rgb``:
+    upright by its EXIF orientation, 16-bit greyscale scaled to 8 bits)."""
 
     name: str
 
@@ -80,7 +83,7 @@ class PrivateImages(torch.utils.data.Dataset):
     def _decode(data: bytes, where: str) -> Image.Image:
         img = _header(io.BytesIO(data), where)
         try:
-            return img.convert("RGB")
+            return to_rgb(img)
         except _UNDECODABLE as e:
             raise _undecodable(where, e) from e
 
@@ -147,6 +150,18 @@ def _one_name_each(files: Sequence[Path]) -> None:
             )
 
 
+def _tell_left_out(paths: Sequence[Path], root: Path, first: int = 3) -> None:
+    """One warning line on stderr for entries named as images that are neither a file nor a
+    folder (a broken link): not examples, but their records are lost, so the user is told."""
+    if paths:
+        names = ", ".join(str(p) for p in paths[:first]) + (", ..." if len(paths) > first else "")
+        print(
+            f"warning: {root}: {len(paths)} of the entries named as images left out of the "
+            f"examples, neither a file nor a folder (a broken link?): {names}",
+            file=sys.stderr,
+        )
+
+
 class ImageFolder(PrivateImages):
     """Every image file under ``root`` (recursively), in sorted path order; hidden files and
     folders (``_hidden``) are not searched; every file is checked (``_each_an_image``)."""
@@ -154,13 +169,13 @@ class ImageFolder(PrivateImages):
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self.name = self.root.name
-        self.files = sorted(
+        named = sorted(
             p
             for p in self.root.rglob("*")
-            if p.suffix.lower() in IMAGE_EXTENSIONS
-            and not _hidden(p.relative_to(self.root).parts)
-            and p.is_file()
+            if p.suffix.lower() in IMAGE_EXTENSIONS and not _hidden(p.relative_to(self.root).parts)
         )
+        self.files = [p for p in named if p.is_file()]
+        _tell_left_out([p for p in named if not p.is_file() and not p.is_dir()], self.root)
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
         _each_an_image(self.files)

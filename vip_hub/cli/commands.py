@@ -407,6 +407,7 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
 
     from ..device import pick_device
     from ..errors import MissingInputError
+    from ..images import to_rgb
     from ..loading import load_captioner
 
     model = load_captioner(args.source, revision=args.revision, device=pick_device(args.device))
@@ -414,7 +415,7 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     for path in args.images:
         try:
             with Image.open(path) as img:
-                images.append(img.convert("RGB"))
+                images.append(to_rgb(img).copy())  # to_rgb may return img, which closing empties
         except FileNotFoundError:
             raise MissingInputError(f"{path}: no such image file") from None
         except (UnidentifiedImageError, OSError) as e:

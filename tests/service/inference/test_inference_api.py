@@ -16,7 +16,7 @@ import pytest
 import timm
 import torch
 from PIL import Image
-from support.helpers import NEEDS_CUDA, tiny_repo_with_head
+from support.helpers import NEEDS_CUDA, tiny_repo_with_head, turned_jpeg, wide_grey
 from support.live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 
 import vip_hub
@@ -88,6 +88,22 @@ def test_parity_with_in_process(hub, local, pooling):
     assert float(r.headers["x-privacy-delta"]) == pytest.approx(body["privacy"]["delta"])
     for h in ("x-queue-ms", "x-preprocess-ms", "x-inference-ms"):
         assert float(r.headers[h]) >= 0
+
+
+def test_wide_greyscale_and_exif_orientation_embed_as_seen(hub, local):
+    """A 16-bit PNG embeds as its 8-bit version and a JPEG as its EXIF orientation shows it, over
+    HTTP as in the library."""
+    wide, narrow = wide_grey("I;16")
+    turned, upright = turned_jpeg()
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        timeout=60,
+        json={"model": MODEL, "input": [b64(wide), b64(turned)], "pooling": "avg"},
+    )
+    assert r.status_code == 200, r.text
+    got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+    assert (got - local.embed([narrow, upright])).abs().max().item() <= 1e-5
+    assert (got - local.embed([_pil(wide), _pil(turned)])).abs().max().item() <= 1e-5
 
 
 def test_spatial_pooling_live(hub, local):
@@ -352,6 +368,24 @@ def test_a_422_does_not_echo_megabytes(hub, published):
     assert r.status_code == 422, r.text
     assert "model" in [part for error in r.json()["detail"] for part in error["loc"]]
     assert len(r.content) < 10_000 and "400,000 characters" in r.text
+
+
+def test_a_422_cuts_long_lists_and_objects_it_echoes(hub, published):
+    """A request refused by its shape echoes its lists and objects cut to their first items,
+    saying how many they held, as it cuts long texts (a list was echoed whole)."""
+    r = httpx.post(f"{hub.url}/v1/zero-shot", json={"input": "QUFB", "labels": ["cat"] * 100})
+    assert r.status_code == 422, r.text
+    (echoed,) = [e["input"] for e in r.json()["detail"] if e["loc"] == ["body", "model"]]
+    assert echoed["input"] == "QUFB" and echoed["labels"][-1] == "... (100 items)"
+    assert echoed["labels"][:-1] == ["cat"] * (len(echoed["labels"]) - 1)
+    assert len(echoed["labels"]) <= 21
+    for body, told in (
+        ({"tags": ["a"] * 100_000}, "(100,000 items)"),
+        ({"meta": {f"k{i}": 1 for i in range(50_000)}}, "(50,000 keys)"),
+    ):
+        r = httpx.post(f"{hub.url}/api/repos/create", json=body)
+        assert r.status_code == 422, r.text
+        assert len(r.content) < 10_000 and told in r.text, r.text[:300]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.helpers import WIDE_GREY, turned_jpeg, wide_grey
 
 from service.errors import (
     BadRequest,
@@ -56,6 +57,25 @@ def test_modes_become_rgb(mode):
     if mode == "I;16":  # rescaled, not clipped at 255: the gradient survives
         row = np.asarray(img)[:, :, 0].ravel()
         assert row.min() == 0 and 200 < row.max() <= 255 and len(np.unique(row)) > 50
+
+
+@pytest.mark.parametrize("min_side", [0, 3])  # 3: decoded at a quarter of the size
+@pytest.mark.parametrize("mode", WIDE_GREY)
+def test_wide_greyscale_decodes_as_its_8_bit_version(mode, min_side):
+    """16-bit and float greyscale are scaled to 8 bits (a 16-bit value >> 8), not clipped at 255."""
+    data, narrow = wide_grey(mode)
+    assert Image.open(io.BytesIO(data)).mode == mode
+    expected = narrow.reduce(4) if min_side else narrow
+    assert np.array_equal(np.asarray(decode_image(data, 0, LIMITS, min_side)), np.asarray(expected))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_exif_orientation_is_applied(corrupt):
+    """A JPEG comes upright as a viewer shows it, decoded at full or at a reduced scale, its EXIF
+    well-formed or not."""
+    data, upright = turned_jpeg(corrupt=corrupt)
+    assert np.array_equal(np.asarray(decode_image(data, 0, LIMITS)), np.asarray(upright))
+    assert decode_image(data, 0, LIMITS, min_side=3).size == (6, 10)
 
 
 def test_animated_gif_first_frame():

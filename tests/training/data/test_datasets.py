@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from support.helpers import idx_bytes, write_fashion
+from support.helpers import WIDE_GREY, idx_bytes, turned_jpeg, wide_grey, write_fashion
 
 from training.data.images import CAPTIONS_FILE, CaptionFolder, open_captions, open_images
 from training.data.labelled import (
@@ -228,6 +228,18 @@ def test_an_image_folder_written_from_arrays_reads_back_as_the_same_records(
     assert len(list(root.glob("*/*.png"))) == 5
 
 
+def test_wide_greyscale_and_exif_orientation_load_as_seen(tmp_path: Path) -> None:
+    """A 16-bit or float greyscale file loads as its 8-bit version (not clipped at 255), a JPEG as
+    its EXIF orientation shows it."""
+    pairs = [wide_grey(mode) for mode in WIDE_GREY] + [turned_jpeg()]
+    for i, (data, _) in enumerate(pairs):
+        suffix = ".png" if i == 0 else ".jpg" if i == len(pairs) - 1 else ".tif"
+        (tmp_path / f"{i}{suffix}").write_bytes(data)
+    images = open_images(tmp_path)
+    for i, (_, expected) in enumerate(pairs):
+        assert np.array_equal(np.asarray(images.load(i)), np.asarray(expected)), i
+
+
 def test_writing_a_folder_names_what_is_wrong_and_leaves_nothing_behind(tmp_path: Path) -> None:
     data = fashion_mnist("train", write_fashion(tmp_path / "idx"))
     with pytest.raises(DataError, match="labels span 0..9, but 3 class names"):
@@ -326,6 +338,26 @@ def test_hidden_files_are_not_examples_in_folders_as_in_shards(tmp_path: Path) -
             tar.add(folder / name, arcname=name)
     shards = open_images(tmp_path / "shards")
     assert len(shards) == 1 and shards.load(0).size == (8, 8)
+
+
+def test_broken_links_are_not_examples_and_the_user_is_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link whose target is gone decodes to nothing, so n leaves it out, but not silently: one
+    line says how many entries were left out and names the first few (records were lost)."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    for name in ("b.png", "c.jpg", "d.jpg", "e.png"):
+        (tmp_path / name).symlink_to(tmp_path / "gone" / name)
+    images = open_images(tmp_path)
+    assert [p.name for p in images.files] == ["a.png"]  # type: ignore[attr-defined]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "4 of the entries" in lines[0], lines
+    assert all(str(tmp_path / name) in lines[0] for name in ("b.png", "c.jpg", "d.jpg"))
+    assert "e.png" not in lines[0]
+    for name in ("b.png", "c.jpg", "d.jpg", "e.png"):
+        (tmp_path / name).unlink()
+    open_images(tmp_path)
+    assert capsys.readouterr().err == ""  # nothing left out, nothing said
 
 
 def test_a_compressed_shard_named_tar_is_refused_up_front(tmp_path: Path) -> None:
