@@ -523,3 +523,44 @@ def test_canaries_left_unclipped_give_a_higher_bound(
 ) -> None:  # type: ignore[no-untyped-def]
     stage = audited_stage(monkeypatch, bypass_clipping=True)
     assert stage.audit.epsilon_lower_bound > 2 * honest.audit.epsilon_lower_bound
+
+
+def test_canaries_are_clipped_to_the_clippers_own_bound_not_the_stated_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clipper that clips to 2C while the ledger states C (the bug the audit must see): each
+    sampled canary adds 2 sensitivities to its coordinate, not the 1 a canary clipped to the
+    stated bound would add, so the audit scores the excess the examples get."""
+    model = BiasSum(4)
+    budget = Budget.plan(
+        dataset_size=30,
+        batch_size=6,
+        steps=3,
+        epsilon=None,
+        sigma=1e-6,
+        delta=1e-5,
+        accountant="rdp",
+    )
+    engine = DPEngine(
+        PerExampleClipper(model, 2.0),  # clips to twice what it states
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        None,
+        budget,
+        sensitivity=1.0,
+        clipping_norm=1.0,
+        seed=0,
+        dist=Dist(device=torch.device("cpu")),
+        micro_batch_size=8,
+        audit_canaries=40,
+    )
+    seen = []
+    monkeypatch.setattr(engine.canaries, "observe", lambda block, sigma: seen.append(block.clone()))
+    for step in range(3):
+        engine.step(step, [(torch.zeros(len(engine.plan(step)), 4),)])
+    block = torch.stack(seen)
+    sampled = block > 0.5
+    assert int(sampled.sum()) > 0
+    torch.testing.assert_close(
+        block[sampled], torch.full_like(block[sampled], 2.0), atol=1e-4, rtol=0
+    )
+    assert float(block[~sampled].abs().max()) < 1e-4

@@ -129,6 +129,24 @@ def test_pair_clipper_equals_the_pair_by_pair_sum(build, shape, n) -> None:
     )
 
 
+@pytest.mark.parametrize(("build", "shape", "n"), [(_mlp, (3, 2, 2), 6), (_convnet, (3, 8, 8), 4)])
+def test_pair_norm_bounds_are_at_least_the_pair_by_pair_norms_in_fp64(build, shape, n) -> None:
+    """The factors come from upper bounds on the pair norms: on an fp64 model every bound the
+    clipper reports is at least the norm of that pair's gradient from its own backward pass (the
+    two roundings differ by a few ulp; the bound's margin for its own rounding is what keeps it
+    above: without it some of these pairs fall below, by an ulp or two)."""
+    torch.manual_seed(0)
+    model = build().double()
+    views1 = torch.randn(n, *shape, dtype=torch.float64)
+    views2 = torch.randn(n, *shape, dtype=torch.float64)
+    pair_grads, _, _ = _pair_by_pair(model, views1, views2, 0.2)
+    exact = torch.stack([g.norm() for g in pair_grads]).reshape(n, n)
+    bounds = PairClipper(model, 1e9, 0.2).accumulate(views1, views2).norms
+    assert bounds.dtype == torch.float64
+    assert bool((bounds >= exact).all()), (bounds / exact - 1).min().item()
+    assert bool((bounds <= exact * (1 + 1e-6)).all())  # a bound, not a loose one
+
+
 def _similarities(model: nn.Module, views1: torch.Tensor, views2: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         e = embed(model, views1, views2)
