@@ -198,6 +198,29 @@ def test_per_example_clipper_moves_the_sum_by_at_most_c(
     )  # every example is clipped: Delta cannot be lower
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", PER_EXAMPLE)
+def test_per_example_norm_bounds_are_at_least_each_examples_own_fp64_norm(
+    family: str, kind: str
+) -> None:
+    """The factors come from upper bounds on the per-example norms: on an fp64 model every bound
+    the clipper reports, each layer kind's share included, is at least the norm of that example's
+    gradient from its own backward pass, and within 1e-6 of it (a bound, not a loose one)."""
+    model = _model(PER_EXAMPLE[family], "fp64")
+    inputs = _per_example_inputs(family, kind, torch.float64)
+    bounds = PerExampleClipper(model, CLIP).accumulate(*inputs).norms
+    params = [p for p in model.parameters() if p.requires_grad]
+    exact = []
+    for i in range(N):
+        model.zero_grad()
+        model(*(x[i : i + 1] for x in inputs))[0].backward()
+        exact.append(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).norm())
+    exact_norms = torch.stack(exact)
+    assert bounds.dtype == torch.float64
+    assert bool((bounds >= exact_norms).all()), (bounds / exact_norms - 1).min().item()
+    assert bool((bounds <= exact_norms * (1 + 1e-6)).all()), (bounds / exact_norms - 1).max().item()
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_logit_dp_and_naive_dp_move_the_sum_by_at_most_delta(kind: str, precision: str) -> None:
