@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from vip_hub.paths import MAX_PATH_LENGTH
 from vip_hub.repo.card import load_card
-from vip_hub.repo_format import CARD_FILE
+from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest, Conflicting, PayloadTooLarge
@@ -157,6 +157,33 @@ def create_tag(
 @router.delete("/models/{org}/{name}/tag/{tag}", summary="Delete a tag")
 def delete_tag(tag: str, opened: Annotated[Writable, writable("deleting a tag")]) -> Response:
     opened.store.delete_tag(opened.repo_id, validate_revision(tag))
+    return Response(status_code=204)
+
+
+class BranchRequest(BaseModel):
+    """``create_branch``'s body: the revision the branch starts at (default: main's head)."""
+
+    starting_point: str = Field(
+        DEFAULT_BRANCH, alias="startingPoint", max_length=MAX_REVISION_LENGTH
+    )
+
+
+@router.post("/models/{org}/{name}/branch/{branch}", summary="Create a branch")
+def create_branch(
+    branch: str,
+    opened: Annotated[Writable, writable("creating a branch")],
+    payload: BranchRequest | None = None,
+) -> dict[str, Any]:
+    start = payload.starting_point if payload else DEFAULT_BRANCH
+    commit = opened.store.create_branch(opened.repo_id, branch, validate_revision(start))
+    return {"branch": branch, "targetCommit": commit}
+
+
+@router.delete("/models/{org}/{name}/branch/{branch}", summary="Delete a branch")
+def delete_branch(
+    branch: str, opened: Annotated[Writable, writable("deleting a branch")]
+) -> Response:
+    opened.store.delete_branch(opened.repo_id, validate_revision(branch))
     return Response(status_code=204)
 
 

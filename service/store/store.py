@@ -485,29 +485,60 @@ class HubStore:
 
     def create_tag(self, repo_id: str, tag: str, revision: str = DEFAULT_BRANCH) -> str:
         """Point a new tag at ``revision``; an existing tag, or a branch's name, is a conflict."""
-        validate_revision(tag)
-        if COMMIT_RE.match(tag):
-            raise InvalidRequest(f"tag {tag!r} looks like a commit id")
-        if tag == DEFAULT_BRANCH or tag in self.refs(repo_id)["branch"]:
-            raise Conflict(f"{tag!r} is a branch of {repo_id}; a tag needs a name of its own")
-        commit = self.resolve(repo_id, revision)
-        repo = self._repo_row(self.index, repo_id)
-        if not self.index.execute(
-            "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, 'tag', ?, ?) "
-            "ON CONFLICT DO NOTHING",
-            (repo["id"], tag, commit),
-        ):
-            raise Conflict(f"tag {tag!r} already exists in {repo_id}")
-        return commit
+        return self._new_ref(repo_id, "tag", tag, revision)
 
     def delete_tag(self, repo_id: str, tag: str) -> None:
         """Remove a tag (the commit it named stays); NoSuchRevision when there is none."""
+        self._delete_ref(repo_id, "tag", tag)
+
+    def create_branch(self, repo_id: str, branch: str, revision: str = DEFAULT_BRANCH) -> str:
+        """Start a new branch at ``revision``; an existing branch, or a tag's name, is a
+        conflict."""
+        return self._new_ref(repo_id, "branch", branch, revision)
+
+    def delete_branch(self, repo_id: str, branch: str) -> None:
+        """Remove a branch other than the default one (its commits stay); NoSuchRevision when
+        there is none."""
+        if validate_revision(branch) == DEFAULT_BRANCH:
+            raise InvalidRequest(f"cannot delete {branch}: it is the default branch of {repo_id}")
+        self._delete_ref(repo_id, "branch", branch)
+
+    def _new_ref(self, repo_id: str, kind: str, name: str, revision: str) -> str:
+        """Point a new ``kind`` ref (branch or tag) at ``revision``; the commit. Under the repo's
+        lock, so a branch and a tag of one name cannot both be made."""
+        validate_revision(name)
+        if COMMIT_RE.match(name):
+            raise InvalidRequest(f"{kind} {name!r} looks like a commit id")
+        other = "tag" if kind == "branch" else "branch"
+        with self.index.repo_lock(repo_id):
+            refs = self.refs(repo_id)
+            if not refs["branch"]:  # a repo's first commit makes its default branch
+                raise NoSuchRevision(
+                    f"{repo_id} has no commit yet: commit to {DEFAULT_BRANCH} first, then make "
+                    f"a {kind} of a revision"
+                )
+            if name in refs[other]:
+                raise Conflict(
+                    f"{name!r} is a {other} of {repo_id}; a {kind} needs a name of its own"
+                )
+            commit = self.resolve(repo_id, revision)
+            repo = self._repo_row(self.index, repo_id)
+            if not self.index.execute(
+                "INSERT INTO refs (repo, kind, name, commit_sha) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                (repo["id"], kind, name, commit),
+            ):
+                raise Conflict(f"{kind} {name!r} already exists in {repo_id}")
+        return commit
+
+    def _delete_ref(self, repo_id: str, kind: str, name: str) -> None:
+        """Remove the ``kind`` ref ``name``; NoSuchRevision when there is none."""
         repo = self._repo_row(self.index, repo_id)
         if not self.index.execute(
-            "DELETE FROM refs WHERE repo = ? AND kind = 'tag' AND name = ?",
-            (repo["id"], validate_revision(tag)),
+            "DELETE FROM refs WHERE repo = ? AND kind = ? AND name = ?",
+            (repo["id"], kind, validate_revision(name)),
         ):
-            raise NoSuchRevision(f"tag {tag!r} not found in {repo_id}")
+            raise NoSuchRevision(f"{kind} {name!r} not found in {repo_id}")
 
     def held_for(self, repo_id: str, sha256: str) -> int | None:
         """The size of object ``sha256`` if a commit to ``repo_id`` may name it (uploaded for this

@@ -375,6 +375,19 @@ def test_tags_named_like_branches_are_refused_and_tags_deleted(server, repos):
         alice.delete_tag("alice/public", tag="v1")
 
 
+def test_branches_only_in_ones_own_namespaces(server, repos):
+    """Branches are written as tags are: another user's repo is a 403, a private one not found."""
+    alice, carol = _api(server, ALICE), _api(server, CAROL)
+    assert _status(lambda: carol.create_branch("alice/public", branch="carols")) == 403
+    with pytest.raises(RepositoryNotFoundError):
+        carol.create_branch("alice/secret", branch="carols")
+    alice.create_branch("alice/public", branch="dev")
+    assert _status(lambda: carol.delete_branch("alice/public", branch="dev")) == 403
+    assert _status(lambda: _api(server, BOB).delete_branch("alice/public", branch="dev")) == 403
+    alice.delete_branch("alice/public", branch="dev")
+    assert [b.name for b in alice.list_repo_refs("alice/public").branches] == ["main"]
+
+
 def test_store_is_owner_only(server, repos):
     httpx.post(
         f"{server.url}/v1/embeddings",

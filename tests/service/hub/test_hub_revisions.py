@@ -16,11 +16,13 @@ from huggingface_hub import (
 )
 from huggingface_hub.errors import (
     BadRequestError,
+    EntryNotFoundError,
+    HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
 from support.helpers import random_text, tiny_repo_with_head
-from support.live import WRITE_TOKEN
+from support.live import READ_TOKEN, WRITE_TOKEN
 
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
@@ -115,3 +117,67 @@ def test_refs_with_pull_requests_as_the_client_asks(hub, repo):
     refs = HfApi().list_repo_refs(repo, include_pull_requests=True)
     assert refs.pull_requests == [] and [b.name for b in refs.branches] == ["main"]
     assert HfApi().list_repo_refs(repo).pull_requests is None
+
+
+def test_branches_are_created_committed_to_and_deleted(hub, tmp_path):
+    """``create_branch`` and ``delete_branch`` were 404s: a branch starts at main's head, a tag
+    or a commit, takes commits of its own while main stays, and goes when deleted."""
+    api = HfApi(token=WRITE_TOKEN)
+    repo = "pin/branches"
+    first = push_repo(tiny_repo_with_head(tmp_path / "b"), repo, token=WRITE_TOKEN)
+    api.create_tag(repo, tag="v1")
+    head = api.create_commit(repo, [CommitOperationAdd("a.txt", b"a")], commit_message="a").oid
+    api.create_branch(repo, branch="dev")
+    api.create_branch(repo, branch="from-tag", revision="v1")
+    api.create_branch(repo, branch="from-commit", revision=first)
+    api.create_branch(repo, branch="dev", exist_ok=True)  # the hub's 409, taken as "exists"
+    branches = {b.name: b.target_commit for b in api.list_repo_refs(repo).branches}
+    assert branches == {"main": head, "dev": head, "from-tag": first, "from-commit": first}
+    api.upload_file(path_or_fileobj=b"dev", path_in_repo="b.txt", repo_id=repo, revision="dev")
+    assert Path(hf_hub_download(repo, "b.txt", revision="dev")).read_bytes() == b"dev"
+    assert api.model_info(repo).sha == head
+    with pytest.raises(EntryNotFoundError):
+        hf_hub_download(repo, "b.txt")
+    api.delete_branch(repo, branch="dev")
+    assert "dev" not in {b.name for b in api.list_repo_refs(repo).branches}
+    assert api.model_info(repo).sha == head
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info(repo, revision="dev")
+    with pytest.raises(RevisionNotFoundError):
+        api.delete_branch(repo, branch="dev")
+
+
+def test_branch_names_starting_points_and_rights_are_checked(hub, tmp_path):
+    """An existing branch or a tag's name is a 409, a commit id's a 400; an unknown starting
+    point, or none in a repo without a commit, is not found; main cannot be deleted; a read
+    token may neither create nor delete one."""
+    api = HfApi(token=WRITE_TOKEN)
+    repo = "pin/named"
+    push_repo(tiny_repo_with_head(tmp_path / "n"), repo, token=WRITE_TOKEN)
+    api.create_tag(repo, tag="t1")
+    api.create_branch(repo, branch="exists")
+    for name in ("exists", "main", "t1"):
+        with pytest.raises(HfHubHTTPError) as err:
+            api.create_branch(repo, branch=name)
+        assert err.value.response.status_code == 409
+    with pytest.raises(BadRequestError, match="looks like a commit id"):
+        api.create_branch(repo, branch="0" * 40)
+    with pytest.raises(RevisionNotFoundError):
+        api.create_branch(repo, branch="new", revision="nope")
+    api.create_repo("pin/empty")
+    with pytest.raises(RevisionNotFoundError, match="no commit yet"):
+        api.create_branch("pin/empty", branch="dev")
+    with pytest.raises(BadRequestError, match="default branch"):
+        api.delete_branch(repo, branch="main")
+    with pytest.raises(RevisionNotFoundError):  # a tag is not a branch
+        api.delete_branch(repo, branch="t1")
+    reader = HfApi(token=READ_TOKEN)
+    for call in (
+        lambda: reader.create_branch(repo, branch="by-reader"),
+        lambda: reader.delete_branch(repo, branch="exists"),
+    ):
+        with pytest.raises(HfHubHTTPError) as err:
+            call()
+        assert err.value.response.status_code == 403 and "write scope" in str(err.value)
+    reader.create_branch(repo, branch="exists", exist_ok=True)  # the client lists the refs
+    assert {b.name for b in api.list_repo_refs(repo).branches} == {"main", "exists"}

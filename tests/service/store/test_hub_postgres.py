@@ -13,7 +13,7 @@ from support.helpers import tiny_repo_with_head
 from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_for
 
 from service.store import AddFile, HubStore
-from service.store.errors import Conflict
+from service.store.errors import Conflict, NoSuchRevision
 from service.store.index import PostgresIndex
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
@@ -52,6 +52,15 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
         with pytest.raises(Conflict):
             store.create_tag("pg/m", "v1")
         assert store.resolve("pg/m", "v1") == first.sha
+        assert store.create_branch("pg/m", "dev", "v1") == first.sha
+        with pytest.raises(Conflict, match="already exists"):
+            store.create_branch("pg/m", "dev")
+        with pytest.raises(Conflict, match="is a tag"):
+            store.create_branch("pg/m", "v1")
+        store.delete_branch("pg/m", "dev")
+        assert store.refs("pg/m")["branch"] == {"main": second.sha}
+        with pytest.raises(NoSuchRevision):
+            store.delete_branch("pg/m", "dev")
     assert store.index.pool.closed  # the pool and its threads gone with the block
 
 
