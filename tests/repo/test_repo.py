@@ -1,5 +1,6 @@
 """The released-encoder repo format, end to end: export, plain-timm load, verify, tamper."""
 
+import contextlib
 import io
 import json
 import re
@@ -647,6 +648,39 @@ def test_update_refuses_broken_repo_and_leaves_it_alone(tiny_repo):
     with pytest.raises(VerificationError):
         update_repo(tiny_repo, add_files={"x.txt": b"x"})
     assert {p.name: p.read_bytes() for p in tiny_repo.iterdir()} == snapshot
+
+
+class _Killed(BaseException):
+    """A kill (SIGKILL, power loss) at a chosen point of a write."""
+
+
+@pytest.mark.parametrize("write", ["update", "export"])
+def test_a_write_killed_after_any_rename_leaves_the_old_repo_or_the_new_one(
+    tiny_repo, monkeypatch, write
+):
+    """An update or an export over an earlier repo, killed just after any rename it makes: the
+    repo's path holds the old repo or the new one, whole and verified, never nothing (the old one
+    renamed aside, the new one not yet in its place: the release lost)."""
+    import os
+
+    before = PrivacyLedger.read(tiny_repo).to_json()
+    rename = os.rename
+
+    def rename_then_die(*args, **kwargs):
+        rename(*args, **kwargs)
+        raise _Killed
+
+    monkeypatch.setattr(os, "rename", rename_then_die)
+    with contextlib.suppress(_Killed):
+        if write == "update":
+            update_repo(tiny_repo, add_files={"notes.txt": b"new"})
+        else:
+            export_encoder(
+                tiny_repo, tiny_encoder(), TINY, [synthetic_stage()], model_name="x", overwrite=True
+            )
+    monkeypatch.undo()
+    assert verify_repo(tiny_repo).ok
+    assert PrivacyLedger.read(tiny_repo).to_json() != before  # the write was whole: the new one
 
 
 def test_heads_round_trip_and_replace(tiny_repo):

@@ -1,8 +1,9 @@
 """Writing a released-encoder repo folder, and updating one in place (the layout and every
 name are in ``vip_hub.repo_format``).
 
-Every write goes to a temporary sibling folder that replaces the target in one rename, so a
-crash never leaves a half-written repo.
+Every write goes to a temporary sibling folder that replaces the target in one exchange
+(``vip_hub.paths.replace_dir``), so a crash leaves the old repo or the new one, never a
+half-written one nor none.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..models.features import (
 )
 from ..models.text_decoder import Captioner, ImageMemory, TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
-from ..paths import validate_relpath
+from ..paths import fsync_dir, replace_dir, validate_relpath
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
 from ..repo_format import (
     CARD_FILE,
@@ -371,7 +372,8 @@ def _write_new(path: Path, data: bytes) -> None:
 
 
 def _atomic_dir(target: Path, fill: Any, *, fresh: bool) -> None:
-    """Build the new contents of ``target`` in a sibling temp dir, then swap it in."""
+    """Build the new contents of ``target`` in a sibling temp dir, then swap it in (``replace_dir``:
+    a crash leaves the old folder or the new one at ``target``, never neither)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -379,13 +381,8 @@ def _atomic_dir(target: Path, fill: Any, *, fresh: bool) -> None:
             shutil.copytree(target, tmp, dirs_exist_ok=True, copy_function=os.link)
         fill(tmp)
         _fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
+        replace_dir(tmp, target)
+        fsync_dir(target.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
