@@ -107,6 +107,8 @@ class Run:
         if dist.main:
             if cfg.restart and self.dir.exists():
                 _hold(self.dir)  # not under a process still running it
+                # the seed first: a restart killed part way leaves no secret without its settings
+                (self.dir / "seed").unlink(missing_ok=True)
                 shutil.rmtree(self.dir)
             make_private_dir(self.dir)
             _hold(self.dir)

@@ -852,6 +852,41 @@ def test_a_run_folder_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None
     assert list(elsewhere.iterdir()) == []
 
 
+class _Killed(BaseException):
+    """A kill (SIGKILL, Ctrl-C) at a chosen point of a run."""
+
+
+def test_a_restart_killed_while_it_deletes_the_run_folder_leaves_no_secret_for_other_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--restart`` deletes the run folder; killed part way (its settings and checkpoint gone,
+    in the order the folder lists them, its secret seed not yet), a run with other settings
+    started from step 0 there would key its noise and sampling by the secret the first run drew
+    for its own (whose export may be out): two releases sharing their noise, which no ledger
+    describes. Such a run draws a new secret."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import SETTINGS_FILE, Run
+
+    out = tmp_path / "repo"
+    first = Run(RunConfig(out=str(out), seed=None, steps=4), Dist())
+    first.loop(0, 0, iter(()), desc="first", objects={})  # writes the settings
+    save_checkpoint(first.checkpoint_path, {"config": first.settings, "step": 4})
+
+    def killed_part_way(path: Path, *args: Any, **kwargs: Any) -> None:
+        for name in (SETTINGS_FILE, "checkpoint.pt"):
+            (Path(path) / name).unlink()
+        raise _Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_part_way)
+    with pytest.raises(_Killed):
+        Run(RunConfig(out=str(out), seed=None, steps=4, restart=True), Dist())
+    monkeypatch.undo()
+    second = Run(RunConfig(out=str(out), seed=None, steps=8), Dist())
+    assert second.resume({}) == 0
+    assert second.seed != first.seed
+
+
 def test_a_fresh_start_in_a_run_folder_that_exported_neither_reuses_its_secret_nor_its_run_id(
     syn_repo: Path, images: Path, tmp_path: Path
 ) -> None:
