@@ -26,6 +26,7 @@ MAX_SEGMENT_LENGTH = 255
 _SHORT_GIT = re.compile(r"git~[0-9]+")
 """An 8.3 short name (``GIT~1``) by which Windows also opens a ``.git`` folder."""
 PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+_TEMPORARY = ".tmp-"  # a private_writer file's name: .NAME.tmp-<random hex>
 """A URL's percent escape: a file name holding one has no URL a hub serves it by (a decoded
 URL segment still holding one is refused as doubly encoded, a trick)."""
 
@@ -36,6 +37,7 @@ __all__ = [
     "make_private_dir",
     "open_private",
     "private_writer",
+    "remove_temporaries",
     "replace_dir",
     "tree_path_problems",
     "validate_relpath",
@@ -124,8 +126,9 @@ def fsync_dir(path: Path) -> None:
 @contextlib.contextmanager
 def private_writer(path: Path) -> Iterator[BinaryIO]:
     """A new owner-only (0600) file that replaces ``path`` in one fsynced rename when the block
-    ends (so a crash leaves the old file or the new one, whole); discarded if the block raises."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    ends (so a crash leaves the old file or the new one, whole); discarded if the block raises
+    (a kill leaves it: ``remove_temporaries``)."""
+    tmp = path.with_name(f".{path.name}{_TEMPORARY}{uuid.uuid4().hex}")
     f = open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
     try:
         with f:
@@ -137,6 +140,15 @@ def private_writer(path: Path) -> Iterator[BinaryIO]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def remove_temporaries(folder: Path) -> int:
+    """Remove the temporaries killed ``private_writer`` blocks left in ``folder`` (call only
+    while nothing can be writing there, e.g. holding its lock); how many were removed."""
+    left = [p for p in folder.glob(f".*{_TEMPORARY}*") if p.is_file() and not p.is_symlink()]
+    for path in left:
+        path.unlink(missing_ok=True)
+    return len(left)
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from vip_hub.errors import CheckpointError, ConfigError
 from vip_hub.models.encoders import EncoderSpec
-from vip_hub.paths import make_private_dir, write_private
+from vip_hub.paths import make_private_dir, remove_temporaries, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
@@ -112,6 +112,7 @@ class Run:
                 shutil.rmtree(self.dir)
             make_private_dir(self.dir)
             _hold(self.dir)
+            remove_temporaries(self.dir)  # a checkpoint write a kill cut short: as large as one
             if self.dir.stat().st_mode & 0o077:  # a run folder made before it was owner-only
                 os.chmod(self.dir, 0o700)
         dist.barrier()

@@ -887,6 +887,40 @@ def test_a_restart_killed_while_it_deletes_the_run_folder_leaves_no_secret_for_o
     assert second.seed != first.seed
 
 
+def test_a_checkpoint_write_killed_part_way_leaves_no_copy_once_the_run_resumes(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint write killed part way (no ``except`` runs on SIGKILL) leaves its owner-only
+    temporary, as large as a checkpoint, beside the last whole one; the next run of the folder,
+    which holds its lock, removes it and resumes from the whole checkpoint."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    out = tmp_path / "repo"
+    first = Run(RunConfig(out=str(out), seed=3, steps=4), Dist())
+    first.loop(0, 0, iter(()), desc="first", objects={})
+    save_checkpoint(first.checkpoint_path, {"config": first.settings, "step": 2})
+
+    killed = subprocess.run(  # a write's bytes on disk, then SIGKILL before its rename
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys; from pathlib import Path; "
+            "from vip_hub.paths import private_writer\n"
+            "with private_writer(Path(sys.argv[1])) as f:\n"
+            "    f.write(b'x' * 4096); f.flush(); os.kill(os.getpid(), signal.SIGKILL)",
+            str(first.checkpoint_path),
+        ],
+        check=False,
+    )
+    assert killed.returncode == -9
+    assert [p.name for p in first.dir.iterdir() if p.name.startswith(".checkpoint.pt.tmp-")]
+    second = Run(RunConfig(out=str(out), seed=3, steps=4), Dist())
+    assert not [p.name for p in second.dir.iterdir() if ".tmp-" in p.name]
+    assert second.resume({}) == 2
+
+
 def test_a_fresh_start_in_a_run_folder_that_exported_neither_reuses_its_secret_nor_its_run_id(
     syn_repo: Path, images: Path, tmp_path: Path
 ) -> None:
