@@ -238,12 +238,22 @@ def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_
     assert "fingerprint" not in ledger.to_json()
 
 
-def test_one_dataset_named_in_two_ways_is_refused():
+@pytest.mark.parametrize(
+    "other",
+    [
+        "org/digits-train",
+        "org/digits\u200b_Train",  # a zero-width space: composed apart before
+        "org/Digi\u00adts_Train",  # a soft hyphen
+        "ｏｒｇ/Ｄｉｇｉｔｓ_Ｔｒａｉｎ",  # fullwidth letters (NFKC: the same name)
+    ],
+)
+def test_one_dataset_named_in_two_ways_is_refused(other):
+    """Two names that read as one would compose apart, each guarantee below the truth."""
     with pytest.raises(LedgerError, match="in two ways"):
         PrivacyLedger.build(
             [
                 _stage_on("org/Digits_Train", 100),
-                _stage_on("org/digits-train", 100, stage="linear-probe-dp:d", component="heads/d"),
+                _stage_on(other, 100, stage="linear-probe-dp:d", component="heads/d"),
             ]
         )
 

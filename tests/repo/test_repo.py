@@ -46,7 +46,7 @@ from vip_hub.privacy.ledger import (
     NonPrivateStage,
     noised_key,
 )
-from vip_hub.privacy.sensitivity import rounding_params
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, rounding_params
 from vip_hub.repo.artifacts import (
     read_safetensors_header,
     read_safetensors_metadata,
@@ -315,11 +315,34 @@ def test_steps_beyond_any_run_are_refused_by_name(tiny_repo, steps):
             lambda s: s.update(noised_dimension=10**400, noised_tensors={"unreleased:t": 10**400}),
             "stages.1.dp.noised_dimension: Input should be less than or equal to",
         ),
+        (
+            lambda s: s.update(mechanism_params={"rounding_terms": 10**400}),
+            "stages.1.dp.mechanism_params: rounding_terms is an integer past",
+        ),
+        (
+            lambda s: s.update(
+                mechanism="Logit-DP",
+                mechanism_params={
+                    "loss": CONTRASTIVE_LOSS,
+                    "temperature": 0.1,
+                    "max_batch": 10**400,
+                },
+            ),
+            "stages.1.dp.mechanism_params: max_batch is an integer past",
+        ),
+        (
+            lambda s: s.update(
+                mechanism="Naive-DP",
+                mechanism_params={"loss": CONTRASTIVE_LOSS, "temperature": 10**400},
+            ),
+            "stages.1.dp.mechanism_params: temperature is an integer past",
+        ),
     ],
 )
 def test_a_ledger_beyond_what_parses_is_refused_by_name(tiny_repo, change, message):
-    """A count past a float's range, or lists nested past Python's recursion limit: each a
-    named problem, never an OverflowError or a RecursionError."""
+    """A count past a float's range (a mechanism parameter's too: the sensitivity overflowed), or
+    lists nested past Python's recursion limit: each a named problem, never an OverflowError or a
+    RecursionError."""
 
     def changed(ledger: dict) -> dict:
         change(ledger["stages"][1])

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import unicodedata
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -357,6 +358,16 @@ class DPStage(_Stage):
     reference_epsilon: dict[Accountant, float]
     audit: Audit | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("mechanism_params")
+    @classmethod
+    def _counts_in_range(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The sensitivity is computed in floats: an integer past ``MAX_COUNT`` (a
+        ``rounding_terms``, a ``max_batch``, a temperature of 10^400) would overflow it."""
+        for key, value in params.items():
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_COUNT:
+                raise ValueError(f"{key} is an integer past {MAX_COUNT}")
+        return params
 
     @model_validator(mode="after")
     def _consistent(self) -> DPStage:
@@ -766,13 +777,19 @@ def _values_problems(data: Any) -> list[str]:
 
 
 def _spellings(stages: Iterable[Any]) -> list[str]:
-    """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``)
-    would escape composition: refused."""
+    """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``, a
+    fullwidth letter or an invisible character that reads the same) would escape composition:
+    refused."""
     seen: dict[str, str] = {}
     problems = []
     for s in stages:
         name = s.dataset.name
-        canonical = re.sub(r"[\s_.-]+", "-", name.strip().casefold())
+        shown = "".join(
+            c
+            for c in unicodedata.normalize("NFKC", name)
+            if unicodedata.category(c) not in ("Cc", "Cf")
+        )
+        canonical = re.sub(r"[\s_.-]+", "-", shown.strip().casefold())
         if seen.setdefault(canonical, name) != name:
             problems.append(
                 f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
