@@ -262,3 +262,23 @@ def test_cli_errors_are_one_line(capsys):
         "100000",
     )
     assert r.returncode == 1 and "no noise multiplier reaches epsilon" in r.stderr
+
+
+def test_a_delta_below_what_the_prv_grid_resolves_is_an_accounting_error():
+    """``--delta 1e-30`` (or ``--audit-delta``) was opacus' ``ValueError`` traceback from the PRV
+    accountant, which every run and the audit compute: an AccountingError naming the delta."""
+    with pytest.raises(AccountingError, match="delta 1e-30 is too small for the PRV"):
+        epsilon(1.0, 0.01, 100, 1e-30, "prv")
+    assert (
+        main(
+            [
+                "epsilon",
+                "--sigma=1",
+                "--sample-rate=0.01",
+                "--steps=100",
+                "--delta=1e-30",
+                "--accountant=prv",
+            ]
+        )
+        == 1
+    )

@@ -240,7 +240,13 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
 
         acc = PRVAccountant()
         acc.history = list(history)
-        return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        try:
+            return float(acc.get_epsilon(delta=delta, eps_error=PRV_EPS_ERROR))
+        except ValueError as e:  # a delta below its grid's floating-point resolution
+            raise AccountingError(
+                f"delta {delta:g} is too small for the PRV accountant to resolve ({e}): "
+                "use a larger delta"
+            ) from None
 
 
 def _check_grid(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -> None:
