@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vip_hub.errors import ConfigError
-from vip_hub.privacy.sensitivity import CROSS_CAP, PRODUCT_ROWS, gamma64
+from vip_hub.privacy.sensitivity import CROSS_CAP, MIN_CLIP, PRODUCT_ROWS, gamma64
 
 __all__ = [
     "ClipResult",
@@ -97,8 +97,6 @@ _PRODUCT_ELEMENT_COST = 100
 _NORM_MARGIN = 2.0**-30
 """The factors come from the fp64 upper bounds on the norms times 1 + this, above the relative
 error of the square root and of the factor's division (``docs/architecture.md``)."""
-_MIN_CLIP = 2.0**-64
-"""The smallest clip bound, so that subnormal roundings stay within the proof's slack."""
 PRODUCT_COLUMNS = 1024
 """Columns of the larger side converted to fp64 at once in ``product_sum`` (memory traffic only:
 every entry of the sum is still one fp64 product over the same rows). Measured on the 2-core CPU
@@ -273,7 +271,7 @@ def product_sum(
 def check_max_norm(max_norm: float) -> None:
     """``ValueError`` unless the clipping norm is at least 2^-64 (every clipper's first check:
     the proof of the fp64 sums needs it, ``docs/architecture.md``)."""
-    if not max_norm >= _MIN_CLIP:
+    if not max_norm >= MIN_CLIP:
         raise ValueError(f"clipping norm must be positive, at least 2^-64, got {max_norm}")
 
 

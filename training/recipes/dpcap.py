@@ -32,6 +32,7 @@ from vip_hub.errors import ConfigError, DataError, MissingInputError
 from vip_hub.loading import load_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig
 from vip_hub.models.tokenizer import MAX_LENGTH, CaptionTokenizer
+from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
@@ -89,7 +90,7 @@ class DPCapConfig(
         description=f"public vocabulary file (BERT-style {VOCAB_FILE}, e.g. bert-base-uncased's), "
         "fixed before training and never fitted on the private captions"
     )
-    max_grad_norm: float = Field(1.0, gt=0, description="clipping norm C (the paper's 1)")
+    max_grad_norm: float = Field(1.0, ge=MIN_CLIP, description="clipping norm C (the paper's 1)")
     decay_steps: int | None = Field(
         None, gt=0, description="cosine decay horizon (default: twice the steps)"
     )

@@ -69,6 +69,7 @@ from vip_hub.models.features import (
 )
 from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
+from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
 from vip_hub.repo_format import WEIGHTS_FILE, head_component, head_file
 
@@ -175,7 +176,9 @@ class FinetuneConfig(
         None, gt=0, description="expected batch of the DP probe (default: n / 8, rounded up)"
     )
     probe_lr: float = Field(16.0, gt=0, description="SGD learning rate of the DP probe")
-    probe_max_grad_norm: float = Field(0.1, gt=0, description="clipping norm of the DP probe")
+    probe_max_grad_norm: float = Field(
+        0.1, ge=MIN_CLIP, description="clipping norm of the DP probe"
+    )
 
     @model_validator(mode="after")
     def _fixed_head_has_a_probe(self) -> FinetuneConfig:

@@ -32,7 +32,7 @@ from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.models.features import final_norm
 from vip_hub.privacy.ledger import NOT_RELEASED
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, logit_dp_sensitivity
+from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, MIN_CLIP, logit_dp_sensitivity
 from vip_hub.repo_format import WEIGHTS_FILE
 
 from ..data.images import Augmented, mae_transform, open_images
@@ -102,7 +102,7 @@ class LogitDPConfig(
     )
     max_grad_norm: float | None = Field(
         None,
-        gt=0,
+        ge=MIN_CLIP,
         description="pair clip B (logit-dp) or batch clip C (naive) (default: 1e-3 and 1e-2)",
     )
     max_batch: int | None = Field(

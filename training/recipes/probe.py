@@ -65,7 +65,7 @@ from vip_hub.privacy.ledger import (
     new_run_id,
     noised_key,
 )
-from vip_hub.privacy.sensitivity import rounding_params, sensitivity
+from vip_hub.privacy.sensitivity import MIN_CLIP, rounding_params, sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import ENCODER, head_component, head_file
 
@@ -275,7 +275,7 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         lt=1,
         description="delta (default min(1e-5, 1/(10n)) of the probe's training set)",
     )
-    max_grad_norm: float = Field(1.0, gt=0, description="clipping norm of a DP head")
+    max_grad_norm: float = Field(1.0, ge=MIN_CLIP, description="clipping norm of a DP head")
     accountant: Accountant = Field(
         Accountant.RDP, description="the accountant whose epsilon is the claim"
     )

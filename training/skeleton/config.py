@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
 from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA, MAX_CANARIES
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
+from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo_format import SIGNATURE_FILE
 
 __all__ = [
@@ -143,7 +144,7 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
     micro_batch_size: int = Field(
         32, gt=0, description="physical batch that fits memory (does not change the result)"
     )
-    max_grad_norm: float = Field(0.1, gt=0, description="clipping norm C")
+    max_grad_norm: float = Field(0.1, ge=MIN_CLIP, description="clipping norm C")
     ema_decay: float = Field(
         0.0,
         ge=0,
@@ -170,6 +171,17 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
     steps: int = Field(
         100, gt=0, description="training steps (the run stops earlier if the budget says so)"
     )
+
+    @model_validator(mode="after")
+    def _out_outside_data(self) -> DPRunConfig:
+        data = Path(self.data).resolve()
+        if Path(self.out).resolve().is_relative_to(data):
+            raise ValueError(
+                f"--out {self.out} is inside --data {self.data}: the release and its run folder "
+                "(its secret seed) would be written among the private examples; give a folder "
+                "outside it"
+            )
+        return self
 
 
 C = TypeVar("C", bound=RunConfig)

@@ -34,6 +34,7 @@ from ..errors import AccountingError
 __all__ = [
     "CONTRASTIVE_LOSS",
     "CROSS_CAP",
+    "MIN_CLIP",
     "FP32_BLOCKED",
     "FP64_CAPPED",
     "FP64_ONCE",
@@ -74,6 +75,9 @@ FP64_CAPPED = "fp64-capped"
 """Every clipped sum in fp64 from the operands' values, products over tokens of at most
 ``PRODUCT_ROWS`` rows, clip factors capped by ``CROSS_CAP`` times the token cross term, noise
 added in fp64 before the one rounding: the allowance is proved, for every clipper."""
+MIN_CLIP = 2.0**-64
+"""``FP64_CAPPED``'s smallest clipping norm C, so that subnormal roundings stay within the
+proof's slack (every clipper, and every clipping-norm option, refuses a smaller one)."""
 PRODUCT_ROWS = 1 << 16
 """``FP64_CAPPED``: the most rows (tokens of one or more examples, or views of pairs) one fp64
 product of a clipped sum adds up; a clipper splits a larger product."""

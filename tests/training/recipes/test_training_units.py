@@ -557,3 +557,48 @@ def test_a_dp_setting_that_is_not_a_finite_number_is_refused_naming_it(
     args = dict(init="x", data="y", out="z", dataset_name="test/images", **{option: value})
     with pytest.raises(ConfigError, match=f"--{option.replace('_', '-')}: "):
         config_from_args(VipConfig, argparse.Namespace(**args))
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("train-vip", "max-grad-norm"),
+        ("train-dpcap", "max-grad-norm"),
+        ("train-logit-dp", "max-grad-norm"),
+        ("train-finetune", "probe-max-grad-norm"),
+        ("probe", "max-grad-norm"),
+    ],
+)
+def test_a_clipping_norm_below_what_the_clippers_take_is_refused_naming_it(
+    command: str, option: str
+) -> None:
+    """``--max-grad-norm 1e-300`` passed ``gt=0`` and was a ``ValueError`` traceback from the
+    clipper after the private data was read: the option refuses what the clippers refuse."""
+    from training.commands import recipe
+    from training.recipes.probe import ProbeConfig
+    from vip_hub.cli.main import build_parser
+
+    required = {"train-dpcap": ["--vocab=v"], "probe": ["--encoder=e"]}.get(command, ["--init=i"])
+    argv = [
+        command,
+        "--data=d",
+        "--out=o",
+        "--dataset-name=test/d",
+        *required,
+        f"--{option}=1e-300",
+    ]
+    args = build_parser().parse_args(argv)
+    config = ProbeConfig if command == "probe" else recipe(args.recipe).config
+    with pytest.raises(ConfigError, match=f"--{option}: .*greater than or equal"):
+        config_from_args(config, args)
+
+
+def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
+    """``--out`` under ``--data`` wrote the release and its run folder (secret seed included)
+    among the private examples, and the next run on ``--data`` counted the release's curve PNG
+    as one (its ledger's n off by one): refused, naming both."""
+    data = tmp_path / "private"
+    for out in (data / "release", data / "class0" / ".." / "release"):
+        with pytest.raises(ValidationError, match="--out .* is inside --data"):
+            VipConfig(init="i", data=str(data), out=str(out), dataset_name="test/d")
+    VipConfig(init="i", data=str(data), out=str(tmp_path / "private2"), dataset_name="test/d")
