@@ -341,8 +341,9 @@ def config_from_args(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     try:
         return cls.model_validate(values)
     except ValidationError as e:
-        problems = "; ".join(
-            f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+        problems = "; ".join(  # a rule across options (no location) names them itself
+            (f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: " if err["loc"] else "")
+            + err["msg"].removeprefix("Value error, ")
             for err in e.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from None

@@ -602,3 +602,7 @@ def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
         with pytest.raises(ValidationError, match="--out .* is inside --data"):
             VipConfig(init="i", data=str(data), out=str(out), dataset_name="test/d")
     VipConfig(init="i", data=str(data), out=str(tmp_path / "private2"), dataset_name="test/d")
+    args = {"init": "i", "data": str(data), "out": str(data / "r"), "dataset_name": "test/d"}
+    with pytest.raises(ConfigError) as refused:  # as the command line says it: one plain line
+        config_from_args(VipConfig, argparse.Namespace(**args))
+    assert str(refused.value).startswith(f"invalid settings: --out {data / 'r'} is inside")
