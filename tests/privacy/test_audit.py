@@ -4,8 +4,10 @@ import math
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 from scipy.stats import binom
 
+from vip_hub.privacy.accounting import Accountant
 from vip_hub.privacy.audit import (
     DEFAULT_CANARIES,
     bound_over_grid,
@@ -16,6 +18,7 @@ from vip_hub.privacy.audit import (
     log_likelihood_ratio,
     p_value,
 )
+from vip_hub.privacy.ledger import Audit, AuditResult
 
 
 @pytest.mark.parametrize(
@@ -67,6 +70,26 @@ def test_grid_is_fixed_in_advance_and_beta_is_split_across_it():
     assert bound_over_grid(1000, results, 0.05, 1e-5) == pytest.approx(
         max(epsilon_lower_bound(1000, r, r, 0.05 / len(grid), 1e-5) for r in grid)
     )
+
+
+def test_the_grid_never_guesses_more_than_its_canaries():
+    """An odd count rounded half up to 2 (m mod 4 = 3: 203 gave 204 guesses) made the ceiling
+    raise in verify and the export; one canary, with no grid at all, is no audit."""
+    for m in range(2, 5000):
+        grid = guess_grid(m)
+        assert grid and all(r % 2 == 0 and 2 <= r <= m for r in grid), m
+    assert 0 < ceiling(203, 0.05, 1e-5) < 50
+    with pytest.raises(ValidationError, match="greater than or equal to 2"):
+        Audit(
+            canaries=1,
+            canary_norm=1.0,
+            results=[AuditResult(guesses=1, correct=1)],
+            beta=0.05,
+            delta=1e-5,
+            epsilon_lower_bound=0.0,
+            ceiling=0.0,
+            accountant_epsilon={a: 1.0 for a in Accountant},
+        )
 
 
 def test_guesses_take_the_top_and_bottom_halves():

@@ -109,25 +109,26 @@ def _with_audit(
     results: list[tuple[int, int]],
     beta: float,
     tweak: Callable[[dict, dict[str, float]], None] = lambda audit, figures: None,
+    canaries: int = CANARIES,
 ) -> Callable[[dict], dict]:
-    """The DP stage with an audit of ``CANARIES`` canaries at its delta (counted in its noised
+    """The DP stage with an audit of ``canaries`` canaries at its delta (counted in its noised
     tensors and truncation delta), recorded as an export records it: the lower bound and ceiling
     rounded down, the accountants' epsilons up; then ``tweak`` of the audit and its recomputed
     figures (``bound``, ``ceiling`` and each accountant's)."""
 
     def change(ledger: dict) -> dict:
         stage = ledger["stages"][1]
-        stage["noised_tensors"]["canaries"] = CANARIES
-        stage["noised_dimension"] += CANARIES
+        stage["noised_tensors"]["canaries"] = canaries
+        stage["noised_dimension"] += canaries
         restate_truncation(ledger, stage)
         delta = stage["delta"]
         figures = {
-            "bound": bound_over_grid(CANARIES, results, beta, delta),
-            "ceiling": ceiling(CANARIES, beta, delta),
+            "bound": bound_over_grid(canaries, results, beta, delta),
+            "ceiling": ceiling(canaries, beta, delta),
             **_recomputed(stage),
         }
         stage["audit"] = audit = {
-            "canaries": CANARIES,
+            "canaries": canaries,
             "canary_norm": 100.0,
             "results": [{"guesses": r, "correct": v} for r, v in results],
             "beta": beta,
@@ -211,3 +212,30 @@ def test_an_audit_bound_above_the_accountants_fails_on_the_recomputed_figures(ti
     text = "; ".join(map(str, report.problems))
     assert [p.kind for p in report.problems] == [AuditError], text
     assert "exceeds the accounted epsilon" in text
+
+
+@pytest.mark.parametrize(
+    "results",
+    [
+        PARTIAL[-1:],  # one count of the grid: all of beta on it, not a sixth
+        [(6, 6)],  # a count the grid does not hold, chosen after the scores
+        [(r - 2, v - 2) for r, v in PARTIAL],
+    ],
+)
+def test_an_audit_whose_counts_are_not_its_grid_fails(tiny_repo, results):
+    """The guess counts are the grid fixed before training, beta split across all of it: a ledger
+    that records fewer or others (its bound restated from them) raises the bound and fails."""
+    rewrite_ledger_copies(tiny_repo, _with_audit(results, 0.05))
+    report = verify_repo(tiny_repo)
+    text = "; ".join(map(str, report.problems))
+    assert [p.kind for p in report.problems] == [AuditError], text
+    assert "not the grid" in text
+
+
+def test_an_audit_of_canaries_three_past_a_multiple_of_four_verifies(tiny_repo):
+    """203 canaries: the grid's last count rounded up to 204 guesses, and verify raised a
+    ValueError computing the ceiling; the grid stops at the canaries (202)."""
+    results = [(r, r // 2) for r in guess_grid(203)]
+    rewrite_ledger_copies(tiny_repo, _with_audit(results, 0.05, canaries=203))
+    report = verify_repo(tiny_repo)
+    assert report.ok, report.problems

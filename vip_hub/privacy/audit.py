@@ -87,8 +87,10 @@ def epsilon_lower_bound(m: int, r: int, v: int, beta: float, delta: float) -> fl
 
 
 def guess_grid(m: int) -> list[int]:
-    """Guess counts fixed before training: fractions of m, even (half "in", half "out")."""
-    return sorted({max(2, 2 * round(m * f / 2)) for f in GRID_FRACTIONS if m * f >= 2})
+    """Guess counts fixed before training: fractions of m, even (half "in", half "out"), at
+    most m."""
+    top = m - m % 2
+    return sorted({min(max(2, 2 * round(m * f / 2)), top) for f in GRID_FRACTIONS if m * f >= 2})
 
 
 def correct_guesses(

@@ -253,9 +253,10 @@ class Audit(_Model):
 
     method: Literal["one-run-dirac-canaries"] = "one-run-dirac-canaries"
     canaries: int = Field(
-        gt=0,
+        ge=2,
         le=MAX_CANARIES,
-        description="m: canaries, each in the data with probability 1/2",
+        description="m: canaries, each in the data with probability 1/2 (two at least: a guess "
+        "count is even)",
     )
     canary_norm: float = Field(
         gt=0, description="a canary's gradient norm before clipping, in units of the sensitivity"

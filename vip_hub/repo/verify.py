@@ -25,7 +25,8 @@ A repo verifies when
 - no DP stage claims less epsilon than its accountant gives for its parameters, its two
   reference figures are what the other accountants give, and no guarantee claims less than
   the composition of its stages;
-- every audit's lower bound is what its recorded counts give, its ceiling what its canaries,
+- every audit records one result per guess count of its canaries' grid (``guess_grid``), its
+  lower bound is what those counts give, its ceiling what its canaries,
   beta and delta give, and the bound its counts give does not exceed the accountants' epsilon
   at the audit's delta (a lower bound above an upper bound is a bug).
 
@@ -68,7 +69,7 @@ from ..privacy.accounting import (
     noise_sampler,
     truncation_delta,
 )
-from ..privacy.audit import bound_over_grid, ceiling
+from ..privacy.audit import bound_over_grid, ceiling, guess_grid
 from ..privacy.ledger import EPSILON_DECIMALS, DPStage, PrivacyLedger, truncated
 from ..privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 from ..repo_format import (
@@ -681,6 +682,15 @@ def _check_audits(ledger: PrivacyLedger, report: VerificationReport) -> None:
         if audit is None:
             continue
         where = f"stage {stage.name!r} audit"
+        # beta is split over the grid fixed in advance: fewer or other counts inflate the bound
+        counts = sorted(r.guesses for r in audit.results)
+        if counts != guess_grid(audit.canaries):
+            report.fail(
+                where,
+                f"records guess counts {counts}, not the grid {guess_grid(audit.canaries)} its "
+                f"{audit.canaries} canaries fix in advance",
+                AuditError,
+            )
         bound = bound_over_grid(
             audit.canaries, [(r.guesses, r.correct) for r in audit.results], audit.beta, audit.delta
         )

@@ -176,11 +176,11 @@ def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size)
 
 
 def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
-    from vip_hub.privacy.audit import bound_over_grid, ceiling
+    from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
     from vip_hub.privacy.ledger import Audit, AuditResult, DPStage, round_down
 
     plain = dp_stage()
-    results = [(100, 60)]
+    results = [(r, r * 3 // 5) for r in guess_grid(1000)]
     audit = Audit(
         canaries=1000,
         canary_norm=1.0,
