@@ -75,7 +75,7 @@ from ..data.procedural import SyntheticImages
 from ..dp.clipping import PerExampleClipper
 from ..dp.engine import Budget, DPEngine
 from ..dp.sampling import new_secret
-from ..skeleton.config import WeakDeltaOption
+from ..skeleton.config import WeakDeltaOption, check_outside_data
 from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
@@ -294,6 +294,14 @@ class ProbeConfig(HeadData, WeakDeltaOption):
     )
     export: bool = Field(True, description="add the head to the repo")
     device: str = Field("cpu", description="auto, cpu, cuda or cuda:N")
+
+    @model_validator(mode="after")
+    def _repo_outside_data(self) -> ProbeConfig:
+        if self.out is not None:
+            check_outside_data("--out", self.out, self.data)
+        elif self.encoder and Path(self.encoder).is_dir():  # the head goes into its folder
+            check_outside_data("the encoder folder", self.encoder, self.data)
+        return self
 
 
 @dataclass

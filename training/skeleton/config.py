@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import to_jsonable_python
 
 from vip_hub.errors import ConfigError
@@ -33,6 +40,7 @@ from vip_hub.repo_format import SIGNATURE_FILE
 
 __all__ = [
     "DPRunConfig",
+    "check_outside_data",
     "EncoderParameters",
     "Recipe",
     "RunConfig",
@@ -172,16 +180,28 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         100, gt=0, description="training steps (the run stops earlier if the budget says so)"
     )
 
+    @field_validator("audit_canaries")
+    @classmethod
+    def _audit_has_a_guess(cls, m: int) -> int:
+        if m == 1:  # its ledger would refuse the audit only once the training is done
+            raise ValueError("one canary leaves no guess to count: 2 at least, or 0 for no audit")
+        return m
+
     @model_validator(mode="after")
     def _out_outside_data(self) -> DPRunConfig:
-        data = Path(self.data).resolve()
-        if Path(self.out).resolve().is_relative_to(data):
-            raise ValueError(
-                f"--out {self.out} is inside --data {self.data}: the release and its run folder "
-                "(its secret seed) would be written among the private examples; give a folder "
-                "outside it"
-            )
+        check_outside_data("--out", self.out, self.data)
         return self
+
+
+def check_outside_data(option: str, folder: str, data: str) -> None:
+    """ValueError when the repo ``folder`` (given as ``option``) lies inside the private ``data``:
+    the release (and a run's folder, its secret seed) would be written among the private
+    examples, and a later run on ``data`` would count its files as examples."""
+    if Path(folder).resolve().is_relative_to(Path(data).resolve()):
+        raise ValueError(
+            f"{option} {folder} is inside --data {data}: the release would be written among the "
+            "private examples; give a folder outside it"
+        )
 
 
 C = TypeVar("C", bound=RunConfig)

@@ -593,6 +593,15 @@ def test_a_clipping_norm_below_what_the_clippers_take_is_refused_naming_it(
         config_from_args(config, args)
 
 
+def test_an_audit_of_one_canary_is_refused_before_training() -> None:
+    """One canary has no even guess count (its ledger's audit would be refused once the training
+    is done): refused with the options; 0 (no audit) and 2 are taken."""
+    base = {"init": "i", "data": "d", "out": "o", "dataset_name": "test/d"}
+    with pytest.raises(ValidationError, match="one canary leaves no guess"):
+        VipConfig(**base, audit_canaries=1)
+    assert [VipConfig(**base, audit_canaries=m).audit_canaries for m in (0, 2)] == [0, 2]
+
+
 def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
     """``--out`` under ``--data`` wrote the release and its run folder (secret seed included)
     among the private examples, and the next run on ``--data`` counted the release's curve PNG
@@ -606,3 +615,12 @@ def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
     with pytest.raises(ConfigError) as refused:  # as the command line says it: one plain line
         config_from_args(VipConfig, argparse.Namespace(**args))
     assert str(refused.value).startswith(f"invalid settings: --out {data / 'r'} is inside")
+    # a probe's repo too (its --out, else the encoder folder it adds the head to)
+    from training.recipes.probe import ProbeConfig
+
+    inside = data / "enc"
+    inside.mkdir(parents=True)
+    for kwargs in ({"encoder": "vip/x", "out": str(data / "r")}, {"encoder": str(inside)}):
+        with pytest.raises(ValidationError, match="is inside --data"):
+            ProbeConfig(data=str(data), dataset_name="test/d", **kwargs)
+    ProbeConfig(data=str(data), dataset_name="test/d", encoder="vip/x")  # a hub id: no folder
