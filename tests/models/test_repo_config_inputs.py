@@ -1,4 +1,4 @@
-"""A repo whose config.json, or whose text decoder's configuration, its author wrote wrong (and
+"""A repo whose ``CONFIG_FILE``, or whose text decoder's configuration, its author wrote wrong (and
 bound into its ledger): each is refused by name before timm or torch builds anything (a config
 by ``verify`` too), never loaded as another model nor a TypeError / RuntimeError traceback."""
 

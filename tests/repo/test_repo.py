@@ -151,7 +151,7 @@ def test_preprocess_reads_wide_greyscale_and_exif_orientation_as_seen(tiny_repo)
 
 
 def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_session):
-    """A repo offers the spatial modes its config.json declares, and only those; the card lists
+    """A repo offers the spatial modes its ``CONFIG_FILE`` declares, and only those; the card lists
     them; a declaration that does not fit the weights is refused."""
     enc = load_encoder(tiny_repo)
     assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2")
@@ -570,14 +570,14 @@ def test_weights_replaced_after_verification_are_refused(tiny_repo, monkeypatch)
 
 
 def _other_normalisation(repo: Path) -> None:
-    """Rewrite ``repo``'s config.json with another input normalisation (a valid configuration)."""
+    """Rewrite ``repo``'s ``CONFIG_FILE`` with another input normalisation (still valid)."""
     config = json.loads((repo / CONFIG_FILE).read_bytes())
     config["pretrained_cfg"]["mean"] = [0.5, 0.5, 0.5]
     (repo / CONFIG_FILE).write_text(json.dumps(config))
 
 
 def test_a_config_replaced_after_verification_is_refused_or_never_read(tiny_repo, monkeypatch):
-    """config.json swapped between verify and the load (another normalisation, valid JSON) is
+    """``CONFIG_FILE`` swapped between verify and the load (another normalisation, valid JSON) is
     refused naming the file; swapped once its verified bytes were read, timm still builds the
     model from the verified bytes."""
     import vip_hub.loading as loading
@@ -745,13 +745,13 @@ def test_heads_round_trip_and_replace(tiny_repo):
         ({META_LABELS: '["blue", "green", "red"]'}, "its metadata's labels are not"),
         ({META_LABELS: '["red", "green"]'}, "its metadata's labels are not"),
         ({META_IN_FEATURES: "192"}, "linear.weight has shape [3, 1152], not 3 labels by 192"),
-        ({META_POOLING: "avg"}, "reads 1152 features of mode 'avg', which config.json's"),
+        ({META_POOLING: "avg"}, f"reads 1152 features of mode 'avg', which {CONFIG_FILE}'s"),
     ],
 )
 def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, meta, message):
     """The tensors digest leaves a head's metadata out, and the loader reads the head from it:
-    swapped labels (classify answered 'blue' for what labels.json calls 'red'), a labels count or
-    width its weights do not have, a feature mode of another width verified and loaded."""
+    swapped labels (classify answered 'blue' for what ``HEAD_LABELS`` calls 'red'), a labels
+    count or width its weights do not have, a feature mode of another width verified and loaded."""
     repo = tiny_repo_with_head(tmp_path / "repo")
     path = repo / head_file("toy")
     rewrite_safetensors_metadata(path, {**read_safetensors_metadata(path), **meta})
@@ -924,7 +924,7 @@ def test_a_cards_comparison_says_whether_the_dataset_page_composes_it(tiny_repo)
 
 def _named_repo(folder: Path) -> Path:
     """A tiny repo whose DP stage names what its noise went to: block 11 of the released encoder
-    (in model.safetensors) and a projection head it does not release."""
+    (in ``WEIGHTS_FILE``) and a projection head it does not release."""
     encoder = tiny_encoder()
     trained = {
         noised_key(WEIGHTS_FILE, name): p.numel()

@@ -1,6 +1,6 @@
-"""What a verified repo may hold (issue 24, High 3 and 4; issue 34, point 2): no config.json key
+"""What a verified repo may hold (issue 24, High 3 and 4; issue 34, point 2): no ``CONFIG_FILE`` key
 that sends timm to other weights; only the kinds the allow list names (safetensors, JSON, YAML,
-Markdown, plain text, PNG, JPEG, WebP, model.sig), each wholly that kind (no polyglot, no
+Markdown, plain text, PNG, JPEG, WebP, ``SIGNATURE_FILE``), each wholly that kind (no polyglot, no
 pickle written as text); weights files recognised in any case; no ``.git`` path (nor its short
 name ``GIT~1``) and no path that is also a folder. Checked by ``vip-hub verify`` and by the live
 hub at push, with the real huggingface_hub and timm clients; the hub's downloads say nosniff."""
@@ -432,7 +432,7 @@ def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
 @pytest.mark.parametrize("case", sorted(_C_UNPICKLER_ONLY))
 def test_a_pickle_the_c_unpickler_runs_is_refused_in_any_text(good, tmp_path, case):
     """pickle.loads of each runs its call (pickletools stops before it, so these counted as
-    text); as vocab.txt or an extra YAML file, each is refused naming the import."""
+    text); as ``VOCAB_FILE`` or an extra YAML file, each is refused naming the import."""
     marker = f"vip-hub-test {case}"
     payload = _C_UNPICKLER_ONLY[case](marker)
     with pytest.raises(ValueError):
