@@ -34,6 +34,7 @@ __all__ = [
     "nonfinite_count",
     "nonfinite_in_file",
     "nonfinite_problem",
+    "header_metadata",
     "header_tensors",
     "read_safetensors_header",
     "read_safetensors_metadata",
@@ -83,7 +84,12 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
 
 def read_safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """A safetensors file's ``__metadata__`` (empty when it has none)."""
-    return dict(read_safetensors_header(path)[0].get(_METADATA) or {})
+    return header_metadata(read_safetensors_header(path)[0])
+
+
+def header_metadata(header: Mapping[str, Any]) -> dict[str, str]:
+    """A parsed safetensors header's ``__metadata__`` (empty when it has none)."""
+    return dict(header.get(_METADATA) or {})
 
 
 def header_tensors(header: Mapping[str, Any]) -> dict[str, Any]:

@@ -94,6 +94,7 @@ from ..repo_format import (
 from .artifacts import (
     bytes_sha256,
     digest_file,
+    header_metadata,
     header_tensors,
     loaded_tensors_digest,
     nonfinite_in_file,
@@ -495,7 +496,7 @@ def _check_heads(
         where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
         try:
             header = read_safetensors_header(files[where])[0]
-            meta = read_safetensors_metadata(files[where])
+            meta = header_metadata(header)
             labels, pooling = json.loads(meta[META_LABELS]), meta[META_POOLING]
             inputs = int(meta[META_IN_FEATURES])
             ((matrix, shape),) = [
