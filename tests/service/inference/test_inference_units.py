@@ -178,6 +178,7 @@ def test_max_wait_bounds_the_wait_for_a_lone_request():
     assert not running.wait(0.1)  # (the clock stands still: it waits)
     clock.now += 0.06  # ...but not past max_wait
     assert item.future.result(5) == 1 and sizes == [1]
+    batcher.withdraw(1)  # (close waits for announced images: the one never came)
     batcher.close()
 
 
