@@ -60,7 +60,8 @@ class DPRun(Run):
     ``--max-grad-norm``); its sensitivity covers the rounding of the fp64 sums of up to
     ``sample_bound`` examples (``rounding_params``: the most the engine sums, and the rule).
     Outside ``trial_weights`` a budget whose ledger epsilons cannot be computed (a noise
-    multiplier far too small) is refused before the run folder is touched."""
+    multiplier far too small, an audit delta below PRV's resolution) is refused before the run
+    folder is touched."""
 
     cfg: DPRunConfig
 
@@ -74,9 +75,10 @@ class DPRun(Run):
         clipping_norm: float | None = None,
     ):
         self.budget = Budget.for_config(cfg, dataset_size)
-        if _TRIAL.get() is None:  # the ledger states every accountant's epsilon: checked now
-            b = self.budget
-            epsilons(b.noise_multiplier, b.sample_rate, b.steps, b.delta)
+        if _TRIAL.get() is None:  # the ledger states every accountant's epsilon: checked now,
+            b = self.budget  # and its audit's at the audit's delta
+            for delta in {b.delta, cfg.audit_delta} if cfg.audit_canaries else {b.delta}:
+                epsilons(b.noise_multiplier, b.sample_rate, b.steps, delta)
         rounding = rounding_params(dataset_size, self.budget.sample_rate)
         self.mechanism, self.params = mechanism, {**(params or {}), **rounding}
         self.clipping_norm = cfg.max_grad_norm if clipping_norm is None else clipping_norm

@@ -484,16 +484,24 @@ def test_a_run_resumed_from_another_init_is_refused(
 
 
 @pytest.mark.parametrize(
-    "budget", [dict(sigma=0.01, epsilon=None), dict(epsilon=1e300)], ids=["sigma", "epsilon"]
+    ("budget", "refusal"),
+    [
+        (dict(sigma=0.01, epsilon=None), "beyond what the PRV accountant can compute"),
+        (dict(epsilon=1e300), "beyond what the PRV accountant can compute"),
+        (dict(audit_delta=1e-30), "delta 1e-30 is too small for the PRV accountant"),
+    ],
+    ids=["sigma", "epsilon", "audit delta"],
 )
 def test_a_budget_whose_ledger_cannot_be_computed_is_refused_before_training(
-    syn_repo: Path, images: Path, tmp_path: Path, budget: dict[str, Any]
+    syn_repo: Path, images: Path, tmp_path: Path, budget: dict[str, Any], refusal: str
 ) -> None:
     """``--sigma 0.01`` (or ``--epsilon 1e300``, calibrated to the smallest sigma) spends an
-    epsilon beyond what the ledger's PRV reference can compute: the run trained every step,
-    checkpointed, then failed at its export. It is refused before the run folder is made."""
+    epsilon beyond what the ledger's PRV reference can compute, and the audit states every
+    accountant's epsilon at ``--audit-delta``, which PRV cannot resolve at 1e-30: the run
+    trained every step, checkpointed, then failed at its export. It is refused before the run
+    folder is made."""
     out = tmp_path / "dp"
-    with pytest.raises(AccountingError, match="beyond what the PRV accountant can compute"):
+    with pytest.raises(AccountingError, match=refusal):
         train_vip(vip_config(syn_repo, images, out, batch_size=8, steps=2, seed=0, **budget))
     assert not out.with_name("dp.run").exists()
 
