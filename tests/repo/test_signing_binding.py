@@ -13,6 +13,8 @@ from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_
 from vip_hub import export_encoder
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
+from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
+from vip_hub.repo.card import ledger_rows
 from vip_hub.repo.heads import list_heads
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
@@ -82,4 +84,36 @@ def test_card_tags_that_the_ledger_does_not_give_fail_verify(tmp_path, change, m
     )
     report = verify_repo(repo)
     assert [str(p) for p in report.problems] == [f"{CARD_FILE}: {message}"]
+    assert report.problems[0].kind is TamperedFileError
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda body, ledger: body.replace(
+            privacy_headline(ledger.summary()).split(",")[0], "ε = 0.1"
+        ),
+        lambda body, ledger: body.replace(f"| {ledger_rows(ledger)[-1][-1]} |", "| 0.1 |"),
+        lambda body, ledger: "\n".join(
+            line for line in body.splitlines() if not line.startswith("| Guarantee assumes |")
+        ),
+    ],
+    ids=["headline", "ledger row", "assumptions"],
+)
+def test_card_text_that_misstates_the_ledger_fails_verify(tmp_path, change):
+    """Users read the guarantee off the card's text: an ε edited in its headline or in its
+    ledger table, or the row of what it assumes removed, passed verify, the ledger copy in its
+    front matter intact."""
+    repo = export_encoder(
+        tmp_path / "repo", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="r"
+    )
+    assert verify_repo(repo).ok
+    ledger = PrivacyLedger.read(repo)
+    _, front, body = (repo / CARD_FILE).read_text(encoding="utf-8").split("---\n", 2)
+    changed = change(body, ledger)
+    assert changed != body
+    (repo / CARD_FILE).write_text("---\n" + front + "---\n" + changed, encoding="utf-8")
+    report = verify_repo(repo)
+    assert [p.where for p in report.problems] == [CARD_FILE], report.problems
+    assert "which its ledger gives" in str(report.problems[0])
     assert report.problems[0].kind is TamperedFileError

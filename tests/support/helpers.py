@@ -25,8 +25,10 @@ import yaml
 from PIL import Image
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
+from vip_hub.errors import VipHubError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
+from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
@@ -187,8 +189,10 @@ def import_nano(checkpoint: Path, out: Path, arch: str = "vip-nano", name: str =
 
 def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     """Apply ``change`` to ``repo``'s ledger and write it consistently into its three copies (the
-    ledger file, the weights' metadata, the card's front matter)."""
-    ledger = change(json.loads((repo / LEDGER_FILE).read_text()))
+    ledger file, the weights' metadata, the card's front matter) and the card's text (each of
+    its ``card_statements`` that changed, where the changed ledger still parses)."""
+    before = json.loads((repo / LEDGER_FILE).read_text())
+    ledger = change(json.loads(json.dumps(before)))
     text = json.dumps(ledger)
     (repo / LEDGER_FILE).write_text(text)
     meta = read_safetensors_metadata(repo / WEIGHTS_FILE)
@@ -196,6 +200,15 @@ def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
     data["differential_privacy"] = ledger
+    try:
+        old, new = (card_statements(PrivacyLedger.parse(x)) for x in (before, ledger))
+    except (VipHubError, ValueError):
+        old = new = []  # a ledger the test breaks: its text stays
+    if len(old) == len(new):
+        for was, now in zip(old, new, strict=True):
+            body = body.replace(was, now)
+    else:  # an audit or a stage added: the statements the text lacks, after it
+        body += "".join(f"\n{line}\n" for line in new if line not in body)
     (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "card_info",
     "card_ledger",
     "card_tags",
+    "card_prose_problem",
+    "card_statements",
     "card_tags_problem",
     "component_headlines",
     "format_params",
@@ -85,7 +87,7 @@ gives it (``card_tags_problem``)."""
 _EVENTS: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
     yaml, "CSafeLoader", yaml.SafeLoader
 )
-"""The parser of ``yaml_problem``'s one pass: libyaml's where PyYAML was built with it."""
+"""The parser of ``yaml_problem``'s first pass: libyaml's where PyYAML was built with it."""
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
 
@@ -150,12 +152,8 @@ def render_card(
         avg_dim=feature_dims["avg"],
         captions=captions,
         caption_family=family.captions,
-        recipe=_md(recipe_line(ledger)),
-        assumes=_md(guarantee_assumes(ledger)),
-        headline=_md(privacy_headline(ledger.summary())),
-        head_headlines=[(name, _md(line)) for name, line in component_headlines(ledger)[1:]],
+        **_ledger_fields(ledger),
         guarantee_paragraphs=guarantee_paragraphs(ledger, spec.family.unit),
-        audit_paragraphs=audit_paragraphs(ledger),
         public_stages=", ".join(
             f"{_code(s.name)} ({_md(s.dataset.name)})"
             for s in ledger.stages
@@ -170,7 +168,6 @@ def render_card(
         adjacency="add/remove-one",
         schema=ledger.schema_,
         ledger_columns=LEDGER_COLUMNS,
-        ledger_rows=[[_md(cell) for cell in row] for row in ledger_rows(ledger)],
         stage_details=[
             {"name": _md(s.name), "component": _md(_trained(s)), "text": _stage_text(s)}
             for s in ledger.stages
@@ -183,6 +180,46 @@ def render_card(
         ],
     )
     return str(card)
+
+
+def _ledger_fields(ledger: PrivacyLedger) -> dict[str, Any]:
+    """What the card's body says from the ledger alone, as the template renders it: the recipe,
+    the arithmetic assumed, each component's headline, the audits and the ledger's rows."""
+    return {
+        "recipe": _md(recipe_line(ledger)),
+        "assumes": _md(guarantee_assumes(ledger)),
+        "headline": _md(privacy_headline(ledger.summary())),
+        "head_headlines": [(name, _md(line)) for name, line in component_headlines(ledger)[1:]],
+        "audit_paragraphs": audit_paragraphs(ledger),
+        "ledger_rows": [[_md(cell) for cell in row] for row in ledger_rows(ledger)],
+    }
+
+
+def card_statements(ledger: PrivacyLedger) -> list[str]:
+    """What a card's text states from ``ledger`` alone, each as rendered: the privacy headlines,
+    the recipe, the arithmetic assumed, the audits and each ledger row's cells."""
+    fields = _ledger_fields(ledger)
+    return [
+        fields["headline"],
+        *(line for _, line in fields["head_headlines"]),
+        fields["recipe"],
+        fields["assumes"],
+        *fields["audit_paragraphs"],
+        *(" | ".join(row) for row in fields["ledger_rows"]),
+    ]
+
+
+def card_prose_problem(readme: str, ledger: PrivacyLedger) -> str | None:
+    """Why the text of the card ``readme`` does not state what ``ledger`` gives (one of
+    ``card_statements`` missing), else None: users read the guarantee off the card's text, which
+    its front matter's ledger copy does not bind."""
+    match = REGEX_YAML_BLOCK.search(readme)
+    body = readme[match.end() :] if match else readme
+    missing = next((line for line in card_statements(ledger) if line not in body), None)
+    if missing is None:
+        return None
+    shown = missing if len(missing) <= 160 else missing[:157] + "..."
+    return f"its text does not state {shown!r}, which its ledger gives"
 
 
 def recipe_line(ledger: PrivacyLedger) -> str:
@@ -291,27 +328,38 @@ def front_matter_problem(markdown: str, limits: FrontMatterLimits) -> str | None
 def yaml_problem(text: str, limits: FrontMatterLimits) -> str | None:
     """Why YAML ``text`` may not be loaded (over ``limits`` in size or nesting, or with an alias:
     a few KB of nested aliases expand to gigabytes), else None; from its size, then one pass over
-    its YAML events stopped at the first excess (parsing events does not recurse; loading does),
-    read by libyaml where PyYAML has it (``_EVENTS``: 15 times its pure-Python parser's speed)."""
+    its YAML events stopped at the first excess (parsing events does not recurse; loading does):
+    libyaml's where PyYAML has it (``_EVENTS``, 15 times faster), and PyYAML's own, which yields
+    each event as it reads, where libyaml refuses the text (it scans ahead, so a document nested
+    past its 1,000 levels raises before the excess is seen, and PyYAML's loader would recurse)."""
     size = len(text.encode("utf-8"))
     if size > limits.max_bytes:
         return f"is {size} bytes, over the limit of {limits.max_bytes} bytes"
-    depth = 0
     try:
-        for event in yaml.parse(text, Loader=_EVENTS):
-            if isinstance(event, yaml.AliasEvent):
-                return "uses YAML aliases ('*name'), which are refused"
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > limits.max_depth:
-                    return (
-                        "nests lists and mappings deeper than the limit of "
-                        f"{limits.max_depth} levels"
-                    )
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+        return _event_problem(text, limits, _EVENTS)
     except yaml.YAMLError:
-        return None  # not YAML: its parser says where, having nested no deeper than the limit
+        try:
+            return _event_problem(text, limits, yaml.SafeLoader)
+        except yaml.YAMLError:
+            return None  # not YAML: its parser says where, having nested no deeper than the limit
+
+
+def _event_problem(
+    text: str, limits: FrontMatterLimits, loader: type[yaml.SafeLoader] | type[yaml.CSafeLoader]
+) -> str | None:
+    """``yaml_problem``'s pass over the events of ``text`` as ``loader`` parses it."""
+    depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.AliasEvent):
+            return "uses YAML aliases ('*name'), which are refused"
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > limits.max_depth:
+                return (
+                    f"nests lists and mappings deeper than the limit of {limits.max_depth} levels"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
     return None
 
 

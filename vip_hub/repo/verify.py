@@ -101,7 +101,7 @@ from .artifacts import (
     read_safetensors_header,
     read_safetensors_metadata,
 )
-from .card import card_ledger, card_tags_problem
+from .card import card_ledger, card_prose_problem, card_tags_problem
 from .content import content_problem, weight_sources
 
 if TYPE_CHECKING:
@@ -373,7 +373,7 @@ def _check_card(
     front_matter: FrontMatterLimits | None,
 ) -> None:
     """The card's tags claim of its training data what the ledger gives (the hub answers a
-    model's tags from them)."""
+    model's tags from them), and its text states the ledger's guarantee (``card_prose_problem``)."""
     if CARD_FILE not in files:
         return
     try:
@@ -382,7 +382,9 @@ def _check_card(
         return  # its ledger copy's check names it
     if problem := card_tags_problem(text, ledger, front_matter):
         report.fail(CARD_FILE, problem, TamperedFileError)
-    report.checks.append("card tags follow the ledger")
+    if problem := card_prose_problem(text, ledger):
+        report.fail(CARD_FILE, problem, TamperedFileError)
+    report.checks.append("card tags and text follow the ledger")
 
 
 def _check_artifacts(
