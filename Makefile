@@ -29,8 +29,7 @@ run: $(RUNTIME)
 
 ## Two pytest workers by default (pytest-xdist, one per core; what CI runs): each worker has its
 ## own servers, ports, folders and share of the cores, and a module's tests stay on one worker
-## (loadgroup). `make test XDIST=` runs them in one process (slower: the workers' test time
-## sums to about twice the wall time of a run).
+## (loadgroup). `make test XDIST=` runs them in one process.
 XDIST ?= -n 2 --dist loadgroup
 
 ## Lint, format, layer contracts and types (ruff, import-linter, mypy), the documentation site
