@@ -64,6 +64,7 @@ from vip_hub.repo_format import (
     META_LABELS,
     META_POOLING,
     WEIGHTS_FILE,
+    WEIGHTS_SUFFIX,
     head_component,
     head_file,
     head_name_of,
@@ -542,8 +543,8 @@ def test_tampered_config_and_extra_weights(tiny_repo):
     (tiny_repo / CONFIG_FILE).write_text(
         (tiny_repo / CONFIG_FILE).read_text().replace('"depth": 12', '"depth": 11')
     )
-    (tiny_repo / "extra.safetensors").write_bytes((tiny_repo / MAE_DECODER_FILE).read_bytes())
-    _fails(tiny_repo, f"{CONFIG_FILE}: content changed", "extra.safetensors: not listed")
+    (tiny_repo / f"extra{WEIGHTS_SUFFIX}").write_bytes((tiny_repo / MAE_DECODER_FILE).read_bytes())
+    _fails(tiny_repo, f"{CONFIG_FILE}: content changed", f"extra{WEIGHTS_SUFFIX}: not listed")
 
 
 def test_missing_files(tiny_repo):

@@ -201,7 +201,7 @@ def _update_entry(h: Any, key: str, dtype: str, shape: list[int]) -> None:
 
 def digest_file(path: str | os.PathLike[str], name: str | None = None) -> str:
     """The digest a ledger records for a file: the tensors digest when its repo path ``name``
-    (default: ``path``) ends in .safetensors, else its sha256."""
+    (default: ``path``) is a weights file (``is_weights_file``), else its sha256."""
     return tensors_digest(path) if is_weights_file(str(name or path)) else file_sha256(path)
 
 

@@ -4,8 +4,8 @@ A file's kind comes from its name, and the file is accepted only when that kind'
 accepts all of its bytes, nothing before or after them (so no polyglot: a PNG with a zip
 appended, a zip behind one junk byte):
 
-- safetensors (``*.safetensors``): the safetensors library's header checks (its tensors cover
-  the data section exactly);
+- safetensors (names ending in ``WEIGHTS_SUFFIX``): the safetensors library's header checks
+  (its tensors cover the data section exactly);
 - JSON (``*.json``, and the signature: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
   Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
   vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and

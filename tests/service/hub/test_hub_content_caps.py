@@ -1,7 +1,7 @@
 """Repo content cannot make every view costly (issue 35, point 5): files per commit and a
-head's labels.json are capped (413 naming the limit), and a dataset page's composition is
-computed once per change of the dataset's releases, under PRV only within its stage budget.
-A real server, the real huggingface_hub client."""
+head's labels file (``HEAD_LABELS``) are capped (413 naming the limit), and a dataset page's
+composition is computed once per change of the dataset's releases, under PRV only within its
+stage budget. A real server, the real huggingface_hub client."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ from vip_hub.repo_format import (
     LEDGER_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
+    WEIGHTS_SUFFIX,
     head_file,
 )
 
@@ -344,14 +345,14 @@ def test_an_image_that_hides_a_zip_is_refused_naming_where(good, tmp_path, name)
 
 def test_weights_that_hide_a_zip_are_refused(tmp_path):
     """Tensors are any bytes: a zip in them is found as a zip reader finds it, by its end."""
-    path = tmp_path / "extra.safetensors"
+    path = tmp_path / f"extra{WEIGHTS_SUFFIX}"
     payload = np.frombuffer(_zip(), dtype=np.uint8)
     safetensors.numpy.save_file({"w": np.zeros(4, np.float32), "z": payload}, path)
-    assert content_problem("extra.safetensors", path) == (
+    assert content_problem(f"extra{WEIGHTS_SUFFIX}", path) == (
         "opens as a zip archive (1 members, 'archive/data.pkl'): one file may not hide another"
     )
     safetensors.numpy.save_file({"w": np.zeros(4, np.float32)}, path)
-    assert content_problem("extra.safetensors", path) is None
+    assert content_problem(f"extra{WEIGHTS_SUFFIX}", path) is None
 
 
 def _ordinary_images() -> dict[str, bytes]:
@@ -410,7 +411,7 @@ def test_ordinary_images_are_accepted(good, tmp_path):
         ("curve.png", _image("PNG")[:-1], "ends before its IEND chunk"),
         ("photo.jpg", b"x" + _image("JPEG"), "does not start with the JPEG SOI marker"),
         ("photo.webp", _image("WEBP") + b"\x00\x00", "2 bytes after its RIFF data"),
-        ("extra.safetensors", (b"x" * 8), "is not a valid safetensors file"),
+        (f"extra{WEIGHTS_SUFFIX}", (b"x" * 8), "is not a valid safetensors file"),
     ],
 )
 def test_an_allowed_name_with_other_content_is_refused(good, tmp_path, name, content, why):

@@ -20,7 +20,7 @@ from service.hub.uploads import CommitParser
 from service.store import AddFile, AddObject, DeleteFile, HubStore
 from service.store.errors import UploadMissing
 from vip_hub.repo.verify import repo_files
-from vip_hub.repo_format import WEIGHTS_FILE
+from vip_hub.repo_format import WEIGHTS_FILE, WEIGHTS_SUFFIX
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
         '{"key": "file", "value": {"content": "'
         + encoded[:8].replace("/", "\\u002f")
         + '", "path": "x"}}',
-        '{"key": "lfsFile", "value": {"path": "w.safetensors", "algo": "sha256", "oid": "'
+        f'{{"key": "lfsFile", "value": {{"path": "w{WEIGHTS_SUFFIX}", "algo": "sha256", "oid": "'
         + "ab" * 32
         + '"}}',
         "",  # a blank line is skipped
@@ -73,7 +73,7 @@ def test_parser_reads_every_line_exactly_whatever_the_pieces(store, piece):
         and first.source.read_bytes() == data
     )
     assert isinstance(second, AddFile) and second.source.read_bytes() == data[:6]
-    assert lfs == AddObject("w.safetensors", "ab" * 32) and deleted == DeleteFile("old.txt")
+    assert lfs == AddObject(f"w{WEIGHTS_SUFFIX}", "ab" * 32) and deleted == DeleteFile("old.txt")
     commit.discard()
     assert not list(store.blobs.tmp.iterdir())
 
