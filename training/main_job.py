@@ -470,7 +470,6 @@ def _compare(
         top1 = float(answers[e].mean())
         metrics = {
             "train_size": len(private),
-            "pooling": choice.mode,
             "head": choice.head,
             "epochs": cfg.probe_epochs if choice.head == "sgd" else 1,
             "top1": top1,

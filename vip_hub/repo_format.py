@@ -42,6 +42,7 @@ __all__ = [
     "LEDGER_FILE",
     "MAE_DECODER_FILE",
     "MANAGED_FILES",
+    "METRICS_POOLING",
     "NAME_PATTERN",
     "REQUIRED_FILES",
     "SIGNATURE_FILE",
@@ -109,6 +110,9 @@ HEADS_DIR = "heads"
 HEAD_WEIGHTS = f"head{WEIGHTS_SUFFIX}"
 HEAD_LABELS = "labels.json"
 HEAD_METRICS = "metrics.json"
+METRICS_POOLING = "pooling"
+"""The key of a head's metrics file that binds its feature mode (its weights' ``META_POOLING``,
+which the tensors digest leaves out, must equal it)."""
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 """A head name (and a stage's component suffix)."""

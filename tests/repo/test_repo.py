@@ -57,12 +57,14 @@ from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
     HEAD_LABELS,
+    HEAD_METRICS,
     HEAD_WEIGHTS,
     LEDGER_FILE,
     MAE_DECODER_FILE,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
+    METRICS_POOLING,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
     head_component,
@@ -722,9 +724,8 @@ def test_heads_round_trip_and_replace(tiny_repo):
     save_head(tiny_repo, head, HeadInfo("toy", "vip", ["a", "b", "c"], {"top1": 0.9}), stage)
     assert list_heads(tiny_repo) == ["toy"]
     loaded, info = load_head(tiny_repo, "toy")
-    assert (
-        info.labels == ["a", "b", "c"] and info.pooling == "vip" and info.metrics == {"top1": 0.9}
-    )
+    assert info.labels == ["a", "b", "c"] and info.pooling == "vip"
+    assert info.metrics == {"top1": 0.9, METRICS_POOLING: "vip"}  # the mode bound by a digest
     x = torch.randn(5, 1152)
     head.eval()
     torch.testing.assert_close(loaded(x), head(x))
@@ -746,7 +747,7 @@ def test_heads_round_trip_and_replace(tiny_repo):
         ({META_LABELS: '["blue", "green", "red"]'}, "its metadata's labels are not"),
         ({META_LABELS: '["red", "green"]'}, "its metadata's labels are not"),
         ({META_IN_FEATURES: "192"}, "linear.weight has shape [3, 1152], not 3 labels by 192"),
-        ({META_POOLING: "avg"}, f"reads 1152 features of mode 'avg', which {CONFIG_FILE}'s"),
+        ({META_POOLING: "avg"}, "its metadata's feature mode 'avg' is not"),
     ],
 )
 def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, meta, message):
@@ -759,6 +760,44 @@ def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, m
     _fails(repo, f"{head_file('toy')}: {message}")
     with pytest.raises(TamperedFileError, match=re.escape(message)):
         load_encoder(repo)
+
+
+def test_a_head_read_through_another_mode_of_its_width_is_refused(tiny_repo):
+    """The tensors digest leaves a head's feature mode out and ``avg`` and ``cls`` have one width:
+    a head relabelled from one to the other would classify other features with the same weights.
+    Its metrics file (digested) binds the mode, for ``verify`` and for a load after it; a head
+    saved for a mode of another width fails by that width."""
+    from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
+
+    def stage_of(name: str) -> NonPrivateStage:
+        return NonPrivateStage(
+            name=f"linear-probe:{name}",
+            component=head_component(name),
+            dataset=Dataset(name="toy-labels", size=30),
+            private_data=True,
+        )
+
+    stage = stage_of("toy")
+    save_head(tiny_repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), stage)
+    ledger = load_encoder(tiny_repo).ledger
+    assert load_head(tiny_repo, "toy", ledger)[1].pooling == "avg"
+    path = tiny_repo / head_file("toy")
+    original = path.read_bytes()
+    rewrite_safetensors_metadata(path, {**read_safetensors_metadata(path), META_POOLING: "cls"})
+    with pytest.raises(TamperedFileError, match="its feature mode is not"):
+        load_head(tiny_repo, "toy", ledger)  # changed after the repo verified
+    message = f"its metadata's feature mode 'cls' is not {head_file('toy', HEAD_METRICS)}'s ('avg')"
+    _fails(tiny_repo, f"{head_file('toy')}: {message}")
+    path.write_bytes(original)
+    save_head(tiny_repo, LinearProbe(192, 3), HeadInfo("wide", "vip", ["a"] * 3), stage_of("wide"))
+    _fails(tiny_repo, f"reads 192 features of mode 'vip', which {CONFIG_FILE}'s feature_dims")
+    with pytest.raises(ConfigError, match="another feature mode"):
+        save_head(
+            tiny_repo,
+            LinearProbe(192, 3),
+            HeadInfo("toy", "cls", ["a"] * 3, {METRICS_POOLING: "avg"}),
+            stage,
+        )
 
 
 def test_a_head_replaced_after_verification_is_refused(tmp_path, monkeypatch):

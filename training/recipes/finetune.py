@@ -700,7 +700,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             "fixed_head": cfg.fixed_head,
         },
     )
-    metrics: dict[str, object] = {"train_size": n, "pooling": cfg.pooling, "fine_tuned_blocks": k}
+    metrics: dict[str, object] = {"train_size": n, "fine_tuned_blocks": k}
     result, top1 = None, f.top1()
     if f.test is not None and top1 is not None:
         metrics |= {"top1": top1, "test_data": "public", "test_size": len(f.test.labels)}

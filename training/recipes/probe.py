@@ -810,7 +810,6 @@ def _export(
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
     metrics = {
         "train_size": n_train,
-        "pooling": cfg.pooling,
         "few_shot_rate": cfg.few_shot_rate,
         "epochs": cfg.epochs,
     }

@@ -3,7 +3,8 @@
 A head is the MAE / ViP linear probe: BatchNorm1d without affine parameters (eps 1e-6),
 then a Linear layer, on top of one of the encoder's feature modes. Its folder (layout in
 ``vip_hub.repo_format``) holds the weights (metadata: pooling, feature dim, labels), the
-class names in index order and the head's evaluation metrics.
+class names in index order, and its evaluation metrics with its feature mode
+(``METRICS_POOLING``, the binding of the metadata's, which the tensors digest leaves out).
 
 Its training is a ledger stage with ``component = "heads/<name>"`` (DP or not), added to the
 repo's ledger when the head is saved, or a stage already in the ledger that trained it jointly
@@ -34,6 +35,7 @@ from ..repo_format import (
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
+    METRICS_POOLING,
     head_component,
     head_file,
     heads_in,
@@ -95,6 +97,9 @@ def save_head(
     check_pooling(info.pooling)
     if len(info.labels) != head.linear.out_features:
         raise ConfigError(f"{len(info.labels)} labels for {head.linear.out_features} outputs")
+    if info.metrics.get(METRICS_POOLING, info.pooling) != info.pooling:
+        raise ConfigError(f"the head's metrics name another feature mode than {info.pooling!r}")
+    metrics = {**info.metrics, METRICS_POOLING: info.pooling}  # binds the metadata's mode
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
     meta = {
         "format": "pt",
@@ -113,9 +118,7 @@ def save_head(
                 head_file(info.name, HEAD_LABELS): (
                     json.dumps(info.labels, indent=1) + "\n"
                 ).encode(),
-                head_file(info.name, HEAD_METRICS): (
-                    json.dumps(info.metrics, indent=1) + "\n"
-                ).encode(),
+                head_file(info.name, HEAD_METRICS): (json.dumps(metrics, indent=1) + "\n").encode(),
             },
             add_eval_results=[eval_result] if eval_result else [],
             replace_component=component,
@@ -163,6 +166,20 @@ def load_head(
                 ]
             )
     head.load_state_dict(tensors)
-    metrics_file = Path(repo_dir) / head_file(name, HEAD_METRICS)
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    rel_metrics = head_file(name, HEAD_METRICS)
+    metrics_file = Path(repo_dir) / rel_metrics
+    if ledger is not None:  # the metrics bind the feature mode the digest leaves out
+        metrics = json.loads(verified_bytes(ledger, rel_metrics, metrics_file))
+        if metrics.get(METRICS_POOLING) != meta[META_POOLING]:
+            raise TamperedFileError(
+                [
+                    Problem(
+                        rel,
+                        f"changed after verification: its feature mode is not {rel_metrics}'s",
+                        TamperedFileError,
+                    )
+                ]
+            )
+    else:
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     return head.eval(), HeadInfo(name, meta[META_POOLING], labels, metrics)

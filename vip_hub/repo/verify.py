@@ -77,12 +77,14 @@ from ..repo_format import (
     CONFIG_BLOCK,
     CONFIG_FILE,
     HEAD_LABELS,
+    HEAD_METRICS,
     LEDGER_FILE,
     META_ARCH,
     META_IN_FEATURES,
     META_LABELS,
     META_LEDGER,
     META_POOLING,
+    METRICS_POOLING,
     REQUIRED_FILES,
     WEIGHTS_FILE,
     FrontMatterLimits,
@@ -489,13 +491,15 @@ def _check_heads(
     files: Mapping[str, Path], config: Mapping[str, Any], report: VerificationReport
 ) -> None:
     """Each head as its loader reads it, from its weights' metadata (which the digest leaves out):
-    its labels its labels file's, one per row of its one matrix (the classifier), its inputs its
-    feature mode's width in ``config`` (the timm configuration)."""
+    its labels its labels file's, its feature mode its metrics file's, one label per row of its
+    one matrix (the classifier), its inputs its feature mode's width in ``config`` (the timm
+    configuration)."""
     block = config.get(CONFIG_BLOCK)
     dims = block.get("feature_dims") if isinstance(block, dict) else None
     dims = dims if isinstance(dims, dict) else {}  # _check_config names the problem
     for name in heads_in(files):
         where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
+        metrics_file = head_file(name, HEAD_METRICS)
         try:
             header = read_safetensors_header(files[where])[0]
             meta = header_metadata(header)
@@ -507,11 +511,19 @@ def _check_heads(
                 if len(entry["shape"]) == 2
             ]
             listed = json.loads(files[labels_file].read_bytes()) if labels_file in files else None
+            metrics = json.loads(files[metrics_file].read_bytes()) if metrics_file in files else {}
+            bound = metrics.get(METRICS_POOLING) if isinstance(metrics, dict) else None
         except (KeyError, ValueError, OSError, RecursionError) as e:
             report.fail(where, f"not a readable head ({type(e).__name__}: {e})", TamperedFileError)
             continue
         if labels != listed:
             report.fail(where, f"its metadata's labels are not {labels_file}'s", TamperedFileError)
+        elif pooling != bound:
+            report.fail(
+                where,
+                f"its metadata's feature mode {pooling!r} is not {metrics_file}'s ({bound!r})",
+                TamperedFileError,
+            )
         elif shape != [len(labels), inputs]:
             report.fail(
                 where,
