@@ -190,6 +190,15 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
     @model_validator(mode="after")
     def _out_outside_data(self) -> DPRunConfig:
         check_outside_data("--out", self.out, self.data)
+        init = getattr(self, "init", None)  # the recipes that start from a repo declare it
+        if init is not None and Path(init).exists():
+            out, start = Path(self.out).resolve(), Path(init).resolve()
+            if out.is_relative_to(start) or start.is_relative_to(out):
+                raise ValueError(
+                    f"--out {self.out} and --init {init} overlap: the export replaces --out "
+                    "whole, so the repo the run starts from would be lost or changed; give a "
+                    "folder apart from it"
+                )
         return self
 
 

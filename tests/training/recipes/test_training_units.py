@@ -624,3 +624,19 @@ def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
         with pytest.raises(ValidationError, match="is inside --data"):
             ProbeConfig(data=str(data), dataset_name="test/d", **kwargs)
     ProbeConfig(data=str(data), dataset_name="test/d", encoder="vip/x")  # a hub id: no folder
+
+
+def test_an_out_folder_overlapping_the_init_repo_is_refused(tmp_path) -> None:
+    """The export replaces ``--out`` whole: an ``--out`` equal to ``--init`` (or holding it, or
+    inside it) replaced the prior the run started from by the release. Refused naming both; a
+    hub id names no folder."""
+    from training.recipes.finetune import FinetuneConfig
+
+    prior = tmp_path / "prior"
+    prior.mkdir()
+    for out in (prior, tmp_path, prior / "release", prior / ".." / "prior"):
+        for config in (VipConfig, FinetuneConfig):
+            with pytest.raises(ValidationError, match="--out .* and --init .* overlap"):
+                config(init=str(prior), data="d", out=str(out), dataset_name="test/d")
+    VipConfig(init=str(prior), data="d", out=str(tmp_path / "release"), dataset_name="test/d")
+    VipConfig(init="vip/prior", data="d", out="vip", dataset_name="test/d")
