@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast, overload
@@ -39,7 +39,12 @@ from .repo.files import (
     load_text_decoder,
     read_config,
 )
-from .repo.verify import check_loaded_tensors, verified_bytes, verify_repo
+from .repo.verify import (
+    check_loaded_decoder_config,
+    check_loaded_tensors,
+    verified_bytes,
+    verify_repo,
+)
 from .repo_format import CONFIG_FILE, TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
 __all__ = ["CaptioningModel", "Encoder", "load_captioner", "load_encoder", "resolve_source"]
@@ -218,7 +223,7 @@ def load_encoder(
     memory = None
     if spec.family.captions and (path / TEXT_DECODER_FILE).is_file():
         if verify:  # the memory is part of the file's digest: load all of it to check it
-            memory = _text_decoder(path, ledger, "cpu").memory.to(device)
+            memory = _text_decoder(path, (ledger, config), "cpu").memory.to(device)
         else:
             memory = load_image_memory(path / TEXT_DECODER_FILE, device)
     return Encoder(model, transform, ledger, config, spec, path, memory, verified=verify)
@@ -240,14 +245,17 @@ def _timm_model(path: Path, config_bytes: bytes | None) -> VisionTransformer:
 
 
 def _text_decoder(
-    path: Path, ledger: PrivacyLedger | None, device: str | torch.device
+    path: Path, verified: tuple[PrivacyLedger, Mapping[str, Any]] | None, device: str | torch.device
 ) -> TextDecoder:
-    """The repo's text decoder, checked against ``ledger``'s digest of its file (when given)."""
+    """The repo's text decoder; given the repo's ``verified`` ledger and configuration, its
+    tensors and configuration must be the ones they bind."""
     decoder = load_text_decoder(path / TEXT_DECODER_FILE, "cpu")
-    if ledger is not None:
+    if verified is not None:
+        ledger, config = verified
         check_loaded_tensors(
             ledger, TEXT_DECODER_FILE, path / TEXT_DECODER_FILE, decoder.state_dict()
         )
+        check_loaded_decoder_config(config, TEXT_DECODER_FILE, decoder.config.to_dict())
     return decoder.to(device)
 
 
@@ -278,7 +286,7 @@ class CaptioningModel:
             )
         device = next(encoder.model.parameters()).device
         ledger = encoder.ledger if encoder.verified else None
-        decoder = _text_decoder(path, ledger, device)
+        decoder = _text_decoder(path, (ledger, encoder.config) if ledger else None, device)
         vocab = path / VOCAB_FILE
         tokenizer = CaptionTokenizer(
             vocab if ledger is None else verified_bytes(ledger, VOCAB_FILE, vocab),

@@ -29,6 +29,7 @@ from .errors import ConfigError
 
 __all__ = [
     "CARD_FILE",
+    "CONFIG_DECODERS",
     "CONFIG_FILE",
     "CURVES_FILE",
     "DEFAULT_BRANCH",
@@ -102,7 +103,10 @@ META_IN_FEATURES = "vip_hub.in_features"
 META_LABELS = "vip_hub.labels"
 
 CONFIG_BLOCK = "vip_hub"
-"""The key of config.json's own block (arch, num_params, feature_dims, family)."""
+"""The key of config.json's own block (arch, num_params, feature_dims, family, decoders)."""
+CONFIG_DECODERS = "decoders"
+"""The key of that block binding each decoder file's configuration (its ``META_DECODER``, which
+the tensors digest leaves out) by the file's name."""
 
 ENCODER = "encoder"
 """The ledger component of the encoder weights; heads are ``heads/<name>``."""

@@ -37,12 +37,14 @@ from vip_hub.loading import CaptioningModel, load_captioner
 from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig, caption_loss
 from vip_hub.models.tokenizer import CaptionTokenizer
+from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
 from vip_hub.repo.files import export_encoder
 from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
     LEDGER_FILE,
+    META_DECODER,
     TEXT_DECODER_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
@@ -288,6 +290,31 @@ def test_a_text_decoder_replaced_after_verification_is_refused(repo, tmp_path, m
     with pytest.raises(TamperedFileError, match=f"{TEXT_DECODER_FILE}: changed after verif"):
         CaptioningModel.from_encoder(enc)  # verified before the swap, its decoder read after
     assert load_captioner(copy, verify=False).encoder.memory is not None
+
+
+def test_a_text_decoder_configuration_changed_is_refused(repo, tmp_path, monkeypatch):
+    """A text decoder's configuration (its metadata, which the tensors digest leaves out) shapes
+    every caption without changing a tensor: other heads or token ids fail ``verify`` against
+    the configuration ``config.json`` binds, and a change after verification fails the load."""
+    copy = shutil.copytree(repo, tmp_path / "repo")
+    path = copy / TEXT_DECODER_FILE
+    original = path.read_bytes()
+    bound = json.loads(read_safetensors_metadata(path)[META_DECODER])
+
+    def other(meta: dict[str, str]) -> dict[str, str]:
+        return {**meta, META_DECODER: json.dumps({**bound, "num_heads": 1})}
+
+    rewrite_safetensors_metadata(path, other(read_safetensors_metadata(path)))
+    problems = "; ".join(map(str, verify_repo(copy).problems))
+    assert f"{TEXT_DECODER_FILE}: its metadata's configuration is not" in problems, problems
+    path.write_bytes(original)
+    enc = load_encoder(copy)
+    with monkeypatch.context() as m:
+        swap_after_verify(m, path, lambda t: t, other)
+        with pytest.raises(TamperedFileError, match="changed after verification: its config"):
+            load_encoder(copy)
+    with pytest.raises(TamperedFileError, match="changed after verification: its config"):
+        CaptioningModel.from_encoder(enc)  # verified before the change, its decoder read after
 
 
 def test_a_vocabulary_replaced_after_verification_is_refused(repo, tmp_path):

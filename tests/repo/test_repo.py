@@ -61,6 +61,7 @@ from vip_hub.repo_format import (
     HEAD_WEIGHTS,
     LEDGER_FILE,
     MAE_DECODER_FILE,
+    META_DECODER,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
@@ -539,6 +540,16 @@ def test_a_malformed_weights_header_is_refused_naming_the_file(tiny_repo, rewrit
     _fails(tiny_repo, f"{MAE_DECODER_FILE}: cannot be digested: {path}: {message}")
     with pytest.raises(VerificationError, match=message):
         load_encoder(tiny_repo)
+
+
+def test_a_decoder_whose_configuration_changed_fails_verify(tiny_repo):
+    """A decoder's configuration lives in its metadata, which the tensors digest leaves out: its
+    heads (which no tensor's shape shows) changed fail against the one config.json binds."""
+    path = tiny_repo / MAE_DECODER_FILE
+    meta = read_safetensors_metadata(path)
+    other = {**json.loads(meta[META_DECODER]), "num_heads": 1}
+    rewrite_safetensors_metadata(path, {**meta, META_DECODER: json.dumps(other)})
+    _fails(tiny_repo, f"{MAE_DECODER_FILE}: its metadata's configuration is not the one")
 
 
 def test_tampered_config_and_extra_weights(tiny_repo):

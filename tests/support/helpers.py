@@ -358,10 +358,12 @@ def swap_after_verify(
     monkeypatch: pytest.MonkeyPatch,
     path: Path,
     change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t + 1,
+    change_metadata: Callable[[dict[str, str]], dict[str, str]] = lambda m: m,
 ) -> None:
     """Let ``vip_hub.loading``'s verification pass on the repo as it is, then replace ``path`` by
-    a valid safetensors file of the same names, shapes and metadata whose floating tensors are
-    ``change``d (another repo's weights, swapped in between the check and the load)."""
+    a valid safetensors file of the same names and shapes whose floating tensors are ``change``d
+    and whose metadata is ``change_metadata``'s (another repo's weights or settings, swapped in
+    between the check and the load)."""
     from safetensors.torch import load_file, save_file
 
     import vip_hub.loading as loading
@@ -370,7 +372,7 @@ def swap_after_verify(
 
     def verify_then_swap(*args: Any, **kwargs: Any) -> Any:
         report = real(*args, **kwargs)
-        meta = read_safetensors_metadata(path)
+        meta = change_metadata(read_safetensors_metadata(path))
         tensors = {k: change(v) if v.is_floating_point() else v for k, v in load_file(path).items()}
         save_file(tensors, path, metadata=meta)
         return report

@@ -37,7 +37,7 @@ from vip_hub.models.encoders import (
     sincos_pos_embed_2d,
 )
 from vip_hub.models.features import final_norm
-from vip_hub.repo.verify import check_loaded_tensors
+from vip_hub.repo.verify import check_loaded_decoder_config, check_loaded_tensors
 from vip_hub.repo_format import MAE_DECODER_FILE, META_DECODER
 
 from ..data.procedural import ProceduralPictures, SyntheticImages
@@ -218,6 +218,7 @@ def load_mae(repo: str | Path, fresh: Mapping[str, Any] | None = None) -> tuple[
         return MAE(freeze_fixed_tokens(enc.model.train(), enc.spec), decoder), enc
     with safe_open(path, "pt") as f:
         cfg = json.loads((f.metadata() or {}).get(META_DECODER) or "{}")
+    check_loaded_decoder_config(enc.config, MAE_DECODER_FILE, cfg)  # the one verified
     try:
         config = DecoderConfig(**cfg)
     except TypeError as e:

@@ -38,6 +38,7 @@ from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
 from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
+    CONFIG_DECODERS,
     CONFIG_FILE,
     FORMAT_VERSION,
     LEDGER_FILE,
@@ -125,16 +126,19 @@ def export_encoder(
     _check_text_parts(spec, model, text_decoder, vocab)
     tensors = _encoder_tensors(model, weights_dtype)
     memory = text_decoder.memory if text_decoder is not None else None
-    config = _config(spec, model, memory, spatial)
+    text = text_decoder_file(text_decoder) if text_decoder is not None else None
+    decoder_configs = {
+        **({MAE_DECODER_FILE: dict(decoder_config or {})} if decoder is not None else {}),
+        **({TEXT_DECODER_FILE: json.loads(text[1][META_DECODER])} if text is not None else {}),
+    }
+    config = _config(spec, model, memory, spatial, decoder_configs)
     config_bytes = (json.dumps(config, indent=2) + "\n").encode()
     artifacts = {WEIGHTS_FILE: tensors_digest_of(tensors), CONFIG_FILE: bytes_sha256(config_bytes)}
     dec = None
     if decoder is not None:
         dec = {k: v.detach().cpu().contiguous() for k, v in decoder.items()}
         artifacts[MAE_DECODER_FILE] = tensors_digest_of(dec)
-    text = None
-    if text_decoder is not None:
-        text = text_decoder_file(text_decoder)
+    if text is not None:
         artifacts[TEXT_DECODER_FILE] = tensors_digest_of(text[0])
     if vocab is not None:
         artifacts[VOCAB_FILE] = bytes_sha256(vocab)
@@ -155,7 +159,7 @@ def export_encoder(
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         save_file(tensors, tmp / WEIGHTS_FILE, metadata=_weights_metadata(spec, ledger))
         if dec is not None:
-            meta = {"format": "pt", META_DECODER: json.dumps(dict(decoder_config or {}))}
+            meta = {"format": "pt", META_DECODER: json.dumps(decoder_configs[MAE_DECODER_FILE])}
             save_file(dec, tmp / MAE_DECODER_FILE, metadata=meta)
         if text is not None:
             save_file(text[0], tmp / TEXT_DECODER_FILE, metadata=text[1])
@@ -306,6 +310,7 @@ def _config(
     model: VisionTransformer,
     memory: ImageMemory | None = None,
     spatial: Sequence[str] | None = None,
+    decoders: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     spatial = default_spatial_modes(model) if spatial is None else tuple(spatial)
     for mode in spatial:
@@ -325,6 +330,7 @@ def _config(
             "family": spec.family.name,
             "num_params": count_parameters(model),
             "feature_dims": {p: feature_dim(model, p, memory) for p in modes},
+            **({CONFIG_DECODERS: dict(decoders)} if decoders else {}),
         },
     }
 

@@ -75,17 +75,21 @@ from ..privacy.sensitivity import ROUNDING_TERMS, sample_bound, sensitivity
 from ..repo_format import (
     CARD_FILE,
     CONFIG_BLOCK,
+    CONFIG_DECODERS,
     CONFIG_FILE,
     HEAD_LABELS,
     HEAD_METRICS,
     LEDGER_FILE,
+    MAE_DECODER_FILE,
     META_ARCH,
+    META_DECODER,
     META_IN_FEATURES,
     META_LABELS,
     META_LEDGER,
     META_POOLING,
     METRICS_POOLING,
     REQUIRED_FILES,
+    TEXT_DECODER_FILE,
     WEIGHTS_FILE,
     FrontMatterLimits,
     head_file,
@@ -114,6 +118,7 @@ __all__ = [
     "Problem",
     "RELATIVE_TOLERANCE",
     "VerificationReport",
+    "check_loaded_decoder_config",
     "check_loaded_tensors",
     "repo_files",
     "verified_bytes",
@@ -242,6 +247,7 @@ def verify_repo(
     _check_components(files, ledger, report)
     config = _check_config(files, report)
     _check_heads(files, config, report)
+    _check_decoders(files, config, report)
     _check_mechanisms(ledger, report)
     _check_noised(files, ledger, report)
     _check_card(files, ledger, report, front_matter)
@@ -264,6 +270,24 @@ def check_loaded_tensors(
     if claimed is None or actual != claimed:
         _changed(
             rel, "the loaded tensors", actual or "none: a tensor missing or not as stored", claimed
+        )
+
+
+def check_loaded_decoder_config(
+    config: Mapping[str, Any], rel: str, loaded: Mapping[str, Any]
+) -> None:
+    """Raise TamperedFileError unless ``loaded``, the configuration read from the decoder file
+    ``rel``'s metadata after the repo verified, is the one its verified ``config`` binds."""
+    if loaded != _bound_decoders(config).get(rel):
+        raise TamperedFileError(
+            [
+                Problem(
+                    rel,
+                    f"changed after verification: its configuration is not the one "
+                    f"{CONFIG_FILE} binds",
+                    TamperedFileError,
+                )
+            ]
         )
 
 
@@ -538,6 +562,38 @@ def _check_heads(
                 TamperedFileError,
             )
     report.checks.append("heads match their labels and features")
+
+
+def _bound_decoders(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    block = config.get(CONFIG_BLOCK)
+    bound = block.get(CONFIG_DECODERS) if isinstance(block, dict) else None
+    return bound if isinstance(bound, dict) else {}
+
+
+def _check_decoders(
+    files: Mapping[str, Path], config: Mapping[str, Any], report: VerificationReport
+) -> None:
+    """Each decoder file's configuration (its metadata, which the digest leaves out: a text
+    decoder's heads and token ids shape every caption) is the one ``config`` binds by its name."""
+    bound = _bound_decoders(config)
+    for rel in (MAE_DECODER_FILE, TEXT_DECODER_FILE):
+        if rel not in files:
+            continue
+        try:
+            meta = json.loads(read_safetensors_metadata(files[rel])[META_DECODER])
+        except (KeyError, ValueError, OSError, RecursionError) as e:
+            report.fail(
+                rel, f"no readable configuration ({type(e).__name__}: {e})", TamperedFileError
+            )
+            continue
+        if meta != bound.get(rel):
+            report.fail(
+                rel,
+                f"its metadata's configuration is not the one {CONFIG_FILE}'s "
+                f"{CONFIG_BLOCK}.{CONFIG_DECODERS} binds",
+                TamperedFileError,
+            )
+    report.checks.append("decoders match their configuration")
 
 
 def _check_mechanisms(ledger: PrivacyLedger, report: VerificationReport) -> None:

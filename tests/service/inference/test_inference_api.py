@@ -699,7 +699,10 @@ def test_deadline_and_disconnect(hub, published, slow_batches):
 
 
 def test_shutdown_drains_in_flight(hub, published):
-    settings = settings_for(hub.settings.store, inference={"max_batch_size": 1})
+    # a deadline no loaded machine reaches: 256 one-image forward passes under a busy CPU took
+    # past the default 30 s, and a request past its deadline is a 503 however the drain went
+    inference = {"max_batch_size": 1, "request_timeout_s": 600}
+    settings = settings_for(hub.settings.store, inference=inference)
     statuses: list[int] = []
     with ThreadedServer(settings) as server:  # leaving the block shuts the server down
         httpx.post(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import resource
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from vip_hub import export_encoder
 from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError
 from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
-from vip_hub.repo_format import LEDGER_FILE, MAE_DECODER_FILE
+from vip_hub.repo_format import LEDGER_FILE, MAE_DECODER_FILE, META_DECODER
 
 SPEC = EncoderSpec("vip-nano", img_size=32, patch_size=8)
 SMALL_DECODER = DecoderConfig(dim=64, depth=1, num_heads=4)
@@ -160,16 +161,29 @@ def test_load_mae_reads_an_imported_decoder_and_names_a_wrong_one(tmp_path) -> N
 
 def test_load_mae_refuses_a_decoder_replaced_after_verification(tmp_path, monkeypatch) -> None:
     """The MAE decoder ``load_mae`` reads after the repo verified must be the one the verified
-    ledger binds: a decoder file swapped in between (same names and shapes, other values) is a
-    TamperedFileError naming it."""
+    ledger and configuration bind: a decoder file swapped in between (same names and shapes,
+    other values; or other heads in its metadata) is a TamperedFileError naming it."""
     torch.manual_seed(6)
     mae = MAE(create_encoder(SPEC, mae_init=True), SMALL_DECODER)
     repo = export_encoder(
         tmp_path / "repo", mae.encoder, SPEC, [synthetic_stage()], model_name="swapped",
         decoder=mae.decoder_state_dict(), decoder_config=SMALL_DECODER.to_dict(),
     )  # fmt: skip
-    swap_after_verify(monkeypatch, repo / MAE_DECODER_FILE)
-    with pytest.raises(TamperedFileError, match=f"{MAE_DECODER_FILE}: changed after verification"):
+    original = (repo / MAE_DECODER_FILE).read_bytes()
+    with monkeypatch.context() as m:
+        swap_after_verify(m, repo / MAE_DECODER_FILE)
+        with pytest.raises(TamperedFileError, match=f"{MAE_DECODER_FILE}: changed after verif"):
+            load_mae(repo)
+    (repo / MAE_DECODER_FILE).write_bytes(original)
+    # its configuration, which the digest leaves out: the same tensors read with other heads
+    other = json.dumps({**SMALL_DECODER.to_dict(), "num_heads": 1})
+    swap_after_verify(
+        monkeypatch, repo / MAE_DECODER_FILE, lambda t: t, lambda m: {**m, META_DECODER: other}
+    )
+    with pytest.raises(
+        TamperedFileError,
+        match=f"{MAE_DECODER_FILE}: changed after verification: its configuration",
+    ):
         load_mae(repo)
 
 
