@@ -245,6 +245,8 @@ def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_
         "org/digits\u200b_Train",  # a zero-width space: composed apart before
         "org/Digi\u00adts_Train",  # a soft hyphen
         "ｏｒｇ/Ｄｉｇｉｔｓ_Ｔｒａｉｎ",  # fullwidth letters (NFKC: the same name)
+        "org/Digits_Tr\u0430in",  # a Cyrillic a (NFKC keeps it: Unicode's confusables do not)
+        "\u03bfrg/Digits_Train",  # a Greek omicron
     ],
 )
 def test_one_dataset_named_in_two_ways_is_refused(other):
@@ -256,6 +258,18 @@ def test_one_dataset_named_in_two_ways_is_refused(other):
                 _stage_on(other, 100, stage="linear-probe-dp:d", component="heads/d"),
             ]
         )
+
+
+def test_datasets_named_apart_in_other_scripts_compose_apart():
+    """The look-alike rule reads what a name looks like, not its script: names that differ in
+    how they read stay two datasets."""
+    ledger = PrivacyLedger.build(
+        [
+            _stage_on("org/Ziffern_\u00dcbung", 100),
+            _stage_on("org/\u6570\u5b57", 100, stage="linear-probe-dp:d", component="heads/d"),
+        ]
+    )
+    assert len(ledger.summary("heads/d").guarantees) == 2
 
 
 def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():

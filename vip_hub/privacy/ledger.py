@@ -777,10 +777,30 @@ def _values_problems(data: Any) -> list[str]:
     return [f"{where}: {value} is not a number a ledger may hold" for where, value in sorted(found)]
 
 
+def _skeleton(text: str) -> str:
+    """``text`` with each non-ASCII character that Unicode's confusables table confuses with an
+    ASCII one (a Cyrillic ``а``, a Greek ``ο``) replaced by that character."""
+    if text.isascii():
+        return text
+    from confusable_homoglyphs import confusables
+
+    out = []
+    for c in text:
+        found = not c.isascii() and confusables.is_confusable(c, greedy=True)
+        look_alikes = sorted(
+            h["c"]
+            for f in found or []
+            for h in f["homoglyphs"]
+            if len(h["c"]) == 1 and h["c"].isascii()
+        )
+        out.append(look_alikes[0] if look_alikes else c)
+    return "".join(out)
+
+
 def _spellings(stages: Iterable[Any]) -> list[str]:
     """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``, a
-    fullwidth letter or an invisible character that reads the same) would escape composition:
-    refused."""
+    fullwidth letter, a look-alike of another script or an invisible character that reads the
+    same) would escape composition: refused."""
     seen: dict[str, str] = {}
     problems = []
     for s in stages:
@@ -790,7 +810,7 @@ def _spellings(stages: Iterable[Any]) -> list[str]:
             for c in unicodedata.normalize("NFKC", name)
             if unicodedata.category(c) not in ("Cc", "Cf")
         )
-        canonical = re.sub(r"[\s_.-]+", "-", shown.strip().casefold())
+        canonical = re.sub(r"[\s_.-]+", "-", _skeleton(shown.strip().casefold()).casefold())
         if seen.setdefault(canonical, name) != name:
             problems.append(
                 f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
