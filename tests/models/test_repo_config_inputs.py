@@ -17,7 +17,7 @@ from support.dpcap import ReferenceDPCap, import_reference, save_reference
 from support.helpers import rewrite_ledger_copies
 
 from vip_hub import load_encoder, verify_repo
-from vip_hub.errors import ConfigError, RepoFormatError, VerificationError
+from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError, VerificationError
 from vip_hub.loading import load_captioner
 from vip_hub.repo.artifacts import (
     digest_file,
@@ -114,14 +114,19 @@ def dpcap_repo(tmp_path_factory) -> Path:
 def test_a_text_decoder_configuration_of_the_wrong_type_is_refused_by_name(
     dpcap_repo, tmp_path, key, value, message
 ):
-    """The configuration sits in the decoder file's metadata, outside its tensors digest: the
-    repo still verifies, and both loaders must name the value."""
+    """The configuration sits in the decoder file's metadata, outside its tensors digest, and
+    config.json binds it: ``verify`` and the verified loaders refuse a changed one (96.0 for 96
+    too), and both loaders, unverified, name the value."""
     repo = Path(shutil.copytree(dpcap_repo, tmp_path / "repo"))
     meta = read_safetensors_metadata(repo / TEXT_DECODER_FILE)
     (name,) = [k for k, v in meta.items() if k != "format" and '"mlp_ratio"' in v]
     config = json.loads(meta[name])
     config[key] = value
     rewrite_safetensors_metadata(repo / TEXT_DECODER_FILE, {**meta, name: json.dumps(config)})
+    problems = "; ".join(map(str, verify_repo(repo).problems))
+    assert f"{TEXT_DECODER_FILE}: its metadata's configuration is not the one" in problems
     for load in (load_encoder, load_captioner):
-        with pytest.raises(RepoFormatError, match=f"text decoder: {message}"):
+        with pytest.raises(TamperedFileError, match="configuration is not the one"):
             load(repo)
+        with pytest.raises(RepoFormatError, match=f"text decoder: {message}"):
+            load(repo, verify=False)

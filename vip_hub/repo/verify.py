@@ -278,7 +278,7 @@ def check_loaded_decoder_config(
 ) -> None:
     """Raise TamperedFileError unless ``loaded``, the configuration read from the decoder file
     ``rel``'s metadata after the repo verified, is the one its verified ``config`` binds."""
-    if loaded != _bound_decoders(config).get(rel):
+    if not _same_json(loaded, _bound_decoders(config).get(rel)):
         raise TamperedFileError(
             [
                 Problem(
@@ -564,6 +564,11 @@ def _check_heads(
     report.checks.append("heads match their labels and features")
 
 
+def _same_json(a: Any, b: Any) -> bool:
+    """Whether two JSON values are written alike (Python's ``==`` takes 96.0 for 96, 1 for true)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def _bound_decoders(config: Mapping[str, Any]) -> Mapping[str, Any]:
     block = config.get(CONFIG_BLOCK)
     bound = block.get(CONFIG_DECODERS) if isinstance(block, dict) else None
@@ -586,7 +591,7 @@ def _check_decoders(
                 rel, f"no readable configuration ({type(e).__name__}: {e})", TamperedFileError
             )
             continue
-        if meta != bound.get(rel):
+        if not _same_json(meta, bound.get(rel)):
             report.fail(
                 rel,
                 f"its metadata's configuration is not the one {CONFIG_FILE}'s "
