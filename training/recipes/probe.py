@@ -808,7 +808,7 @@ def _export(
             "the encoder came from a hub: pass --out DIR to write a repo folder with the head"
         )
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
-    metrics = {
+    metrics: dict[str, object] = {
         "train_size": n_train,
         "few_shot_rate": cfg.few_shot_rate,
         "epochs": cfg.epochs,
