@@ -24,6 +24,7 @@ from vip_hub.repo_format import (
     CONFIG_FILE,
     DEFAULT_BRANCH,
     HEAD_LABELS,
+    HEADS_DIR,
     LEDGER_FILE,
     NAME_PATTERN,
     head_component,
@@ -89,7 +90,9 @@ class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelRef
-    head: str = Field(pattern=f"^{NAME_PATTERN}$", description="a heads/<name>/ probe of the model")
+    head: str = Field(
+        pattern=f"^{NAME_PATTERN}$", description=f"a {HEADS_DIR}/<name>/ probe of the model"
+    )
     input: Image64 | list[Image64]
     top_k: int = Field(5, ge=1, le=1000)
 
