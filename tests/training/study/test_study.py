@@ -116,6 +116,19 @@ def test_public_components_keep_the_public_records_top_directions_and_their_mean
         public_components(torch.ones(5, 10), 2)
 
 
+@pytest.mark.parametrize("records", [30, 200])  # fewer and more records than coordinates
+def test_public_components_are_the_svds_directions_and_unspanned_ones_read_nothing(records):
+    g = torch.Generator().manual_seed(2)
+    centre = torch.randn(records, 3, generator=g) @ torch.randn(3, 50, generator=g) + 7  # rank 3
+    project = public_components(centre, 5)
+    top = torch.linalg.svd((centre - centre.mean(0)).double(), full_matrices=False)[2][:3]
+    unit = project.directions / project.directions.norm(dim=0).clamp(min=1e-300)
+    torch.testing.assert_close((top @ unit[:, :3]).abs(), torch.eye(3, dtype=torch.float64))
+    assert project.directions[:, 3:].abs().max() == 0  # no public variance there: read as 0
+    assert (unit.gather(0, unit.abs().argmax(0, keepdim=True))[:, :3] > 0).all()  # one sign
+    assert project(torch.randn(4, 50, generator=g))[:, 3:].abs().max() == 0
+
+
 def test_a_head_on_public_components_is_released_as_the_same_head_on_the_features():
     g = torch.Generator().manual_seed(1)
     x, centre = torch.randn(300, 20, generator=g) + 3, torch.randn(40, 20, generator=g) + 3
