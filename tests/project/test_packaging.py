@@ -214,3 +214,20 @@ def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -
     wrong = subprocess.run([str(cli), "training"], capture_output=True, text=True)
     assert wrong.returncode == 2 and "invalid choice: 'training'" in wrong.stderr
     assert "train-vip" in wrong.stderr and "token" in wrong.stderr and "verify" in wrong.stderr
+
+
+def test_the_training_commands_start_without_scipy() -> None:
+    """The training plugin's commands leave scipy unloaded until a test statistic is computed
+    (``scipy.stats`` was 1.7 s of every command's start, ``--help`` included)."""
+    code = (
+        "import sys\n"
+        "from vip_hub.cli.main import main\n"
+        "try:\n"
+        "    main(['train-vip', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('training' in sys.modules, 'scipy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "True False", done.stdout[-500:]
