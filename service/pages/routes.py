@@ -24,6 +24,7 @@ from vip_hub.privacy.ledger import (
     LedgerError,
     PrivacyLedger,
     compose_releases,
+    dataset_identity,
     shown_epsilon,
 )
 from vip_hub.repo.card import (
@@ -227,25 +228,28 @@ def _card_html(store: HubStore, card: FileEntry, file_base: str) -> str:
 
 
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:
-    """Every public release's DP stages that name ``dataset`` (the default branch of each repo),
-    and their composition at the hub's one delta, each stage once: the owner's (repos in the
-    dataset name's namespace) apart from other publishers'; what an adversary reading them faces.
-    Each composition is computed once per change of those releases (``_composed``)."""
+    """Every public release's DP stages that name ``dataset`` in any spelling that reads as it
+    (``dataset_identity``; the default branch of each repo), and their composition at the hub's
+    one delta, each stage once: the owner's (repos in the dataset name's namespace) apart from
+    other publishers'; what an adversary reading them faces. Each composition is computed once per
+    change of those releases (``_composed``)."""
     store = store_of(request)
     delta = request.app.state.settings.hub.delta
     owner = dataset.split("/")[0] if "/" in dataset else ""  # a name without one has no owner
+    identity = dataset_identity(dataset)
+    names = [n for n in store.public_dataset_names() if dataset_identity(n) == identity]
     groups: dict[bool, list[DPStage]] = {True: [], False: []}
     rows: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     sources = []
     for repo, commit in store.list_models(
-        dataset=dataset, sort="name", descending=False, limit=1000
+        dataset=names or [dataset], sort="name", descending=False, limit=1000
     ):
         sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
-        own = bool(owner) and repo.org == owner
+        own = bool(owner) and dataset_identity(repo.org) == dataset_identity(owner)
         for s in ledger.dp_stages():
-            if s.dataset.name == dataset:
+            if dataset_identity(s.dataset.name) == identity:
                 groups[own].append(s)
                 rows[own].append(_stage_row(repo.repo_id, s, delta))
     if not (groups[True] or groups[False]):
@@ -256,6 +260,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
         "dataset.html",
         {
             "dataset": dataset,
+            "spellings": sorted({s.dataset.name for s in groups[True] + groups[False]}),
             "owner": owner,
             "delta": delta,
             "owners": rows[True],

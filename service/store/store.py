@@ -563,7 +563,7 @@ class HubStore:
         search: str | None = None,
         author: str | None = None,
         arch: str | None = None,
-        dataset: str | None = None,
+        dataset: str | Sequence[str] | None = None,
         max_epsilon: float | None = None,
         include_private: bool | Collection[str] = False,
         sort: str = "updated",
@@ -572,8 +572,8 @@ class HubStore:
         offset: int = 0,
     ) -> list[tuple[RepoRecord, CommitRecord]]:
         """Repos with a default branch, filtered and sorted by the index (no blob is read);
-        private ones with ``include_private`` (True: all; a collection: those of these
-        namespaces)."""
+        ``dataset``: a DP stage on that name (or on any of these names); private ones with
+        ``include_private`` (True: all; a collection: those of these namespaces)."""
         columns = {
             "updated": "c.created_at",
             "epsilon": "c.epsilon",
@@ -604,11 +604,12 @@ class HubStore:
             where.append("c.arch = ?")
             args.append(arch)
         if dataset:
+            names = [dataset] if isinstance(dataset, str) else list(dataset)
             where.append(
                 "EXISTS (SELECT 1 FROM commit_datasets d "
-                "WHERE d.commit_sha = c.sha AND d.dataset = ?)"
+                f"WHERE d.commit_sha = c.sha AND d.dataset IN ({', '.join('?' * len(names))}))"
             )
-            args.append(dataset)
+            args.extend(names)
         if max_epsilon is not None:
             where.append("c.epsilon <= ?")
             args.append(max_epsilon)
@@ -626,6 +627,17 @@ class HubStore:
             )
             for r in rows
         ]
+
+    def public_dataset_names(self) -> list[str]:
+        """Every dataset name a DP stage of a public repo's default branch gives, each once (the
+        spellings a dataset page gathers; a private repo's names never appear)."""
+        rows = self.index.rows(
+            "SELECT DISTINCT d.dataset FROM commit_datasets d "
+            "JOIN refs f ON f.commit_sha = d.commit_sha JOIN repos r ON r.id = f.repo "
+            "WHERE f.kind = 'branch' AND f.name = ? AND r.private = 0 ORDER BY d.dataset",
+            [DEFAULT_BRANCH],
+        )
+        return [r["dataset"] for r in rows]
 
     # ------------------------------------------------------------------ writing
     def commit(

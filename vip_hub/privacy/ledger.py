@@ -129,6 +129,7 @@ __all__ = [
     "PrivacySummary",
     "Stage",
     "compose_releases",
+    "dataset_identity",
     "new_run_id",
     "noised_key",
     "privacy_headline",
@@ -797,23 +798,27 @@ def _skeleton(text: str) -> str:
     return "".join(out)
 
 
+def dataset_identity(name: str) -> str:
+    """The dataset a name reads as: two names with one identity (``Digits`` and ``digits``,
+    ``org/a_b`` and ``org/a-b``, a fullwidth letter, a look-alike of another script, an invisible
+    character) name one dataset, whose stages compose."""
+    shown = "".join(
+        c
+        for c in unicodedata.normalize("NFKC", name)
+        if unicodedata.category(c) not in ("Cc", "Cf")
+    )
+    return re.sub(r"[\s_.-]+", "-", _skeleton(shown.strip().casefold()).casefold())
+
+
 def _spellings(stages: Iterable[Any]) -> list[str]:
-    """One dataset named in two ways (``Digits`` and ``digits``, ``org/a_b`` and ``org/a-b``, a
-    fullwidth letter, a look-alike of another script or an invisible character that reads the
-    same) would escape composition: refused."""
+    """One dataset named in two ways (``dataset_identity``) would escape composition: refused."""
     seen: dict[str, str] = {}
     problems = []
     for s in stages:
-        name = s.dataset.name
-        shown = "".join(
-            c
-            for c in unicodedata.normalize("NFKC", name)
-            if unicodedata.category(c) not in ("Cc", "Cf")
-        )
-        canonical = re.sub(r"[\s_.-]+", "-", _skeleton(shown.strip().casefold()).casefold())
-        if seen.setdefault(canonical, name) != name:
+        name, identity = s.dataset.name, dataset_identity(s.dataset.name)
+        if seen.setdefault(identity, name) != name:
             problems.append(
-                f"stages.{s.name}.dataset.name: {name!r} and {seen[canonical]!r} name one dataset "
+                f"stages.{s.name}.dataset.name: {name!r} and {seen[identity]!r} name one dataset "
                 "in two ways: use one name, so its stages compose"
             )
     return problems

@@ -47,7 +47,9 @@ def stage(dataset: str, run_id: str | None, delta: float | None = None) -> DPSta
     )
 
 
-def publish(tmp_path: Path, repo_id: str, dp: DPStage, seed: int = 0) -> None:
+def publish(
+    tmp_path: Path, repo_id: str, dp: DPStage, seed: int = 0, private: bool = False
+) -> None:
     folder = export_encoder(
         tmp_path / repo_id.replace("/", "--"),
         tiny_encoder(seed),
@@ -55,7 +57,7 @@ def publish(tmp_path: Path, repo_id: str, dp: DPStage, seed: int = 0) -> None:
         [synthetic_stage(), dp],
         model_name=repo_id.split("/")[1],
     )
-    push_repo(folder, repo_id, token=WRITE_TOKEN)
+    push_repo(folder, repo_id, token=WRITE_TOKEN, private=private)
 
 
 def rdp_epsilon(runs: int, delta: float = 1e-5) -> float:
@@ -144,6 +146,28 @@ def test_stages_outside_the_dataset_namespace_are_shown_apart(hub, tmp_path: Pat
     assert "/other/apart-0" in others and "/other/apart-1" in others
     together = float(others.split("ε = ")[1].split(" (RDP)")[0])
     assert shown_up(together, rdp_epsilon(3))
+
+
+def test_names_that_read_alike_are_one_dataset_on_its_page(hub, tmp_path: Path) -> None:
+    """Releases naming one dataset in spellings that read alike (case, a Cyrillic look-alike)
+    compose on one page, whichever spelling is asked for; a private repo's spelling shows nowhere
+    and adds nothing."""
+    publish(tmp_path, "pages/alike-1", stage("pages/alike", new_run_id()))
+    publish(tmp_path, "pages/alike-2", stage("pages/Alike", new_run_id()), seed=1)
+    publish(tmp_path, "pages/alike-3", stage("pages/\u0430like", new_run_id()), seed=2)
+    publish(tmp_path, "pages/alike-4", stage("pages/ALIKE", new_run_id()), seed=3, private=True)
+    for asked in ("pages/alike", "pages/Alike", "Pages/ALike"):
+        eps, _ = owner_figure(hub.url, asked)
+        assert shown_up(eps, rdp_epsilon(3)), asked
+        page = httpx.get(f"{hub.url}/datasets/{asked}", timeout=60).text
+        spellings = page.split('id="spellings"')[1].split("</p>")[0]
+        assert all(f"<code>{n}</code>" in spellings for n in ("pages/alike", "pages/Alike"))
+        assert "<code>pages/\u0430like</code>" in spellings
+        assert "ALIKE" not in page and "alike-4" not in page
+    # another publisher's spelling is listed apart, as the exact name's would be
+    publish(tmp_path, "other/alike", stage("pages/alike", new_run_id()), seed=4)
+    others = httpx.get(f"{hub.url}/datasets/pages/Alike", timeout=60).text
+    assert "/other/alike" in others.split('id="other-publishers"')[1]
 
 
 def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:

@@ -48,6 +48,8 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
         assert [c.sha for c in store.history("pg/m")] == [second.sha, first.sha]
         assert second.epsilon == first.epsilon > 0 and second.datasets == ["test-images"]
         assert [r.repo_id for r, _ in store.list_models(search="pg/")] == ["pg/m"]
+        assert store.public_dataset_names() == ["test-images"]  # the dataset page's spellings
+        assert [r.repo_id for r, _ in store.list_models(dataset=["x", "test-images"])] == ["pg/m"]
         store.create_tag("pg/m", "v1", first.sha)
         with pytest.raises(Conflict):
             store.create_tag("pg/m", "v1")
