@@ -236,6 +236,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     store = store_of(request)
     delta = request.app.state.settings.hub.delta
     owner = dataset.split("/")[0] if "/" in dataset else ""  # a name without one has no owner
+    owner_identity = dataset_identity(owner) if owner else None
     identity = dataset_identity(dataset)
     names = [n for n in store.public_dataset_names() if dataset_identity(n) == identity]
     groups: dict[bool, list[DPStage]] = {True: [], False: []}
@@ -247,7 +248,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
         sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
-        own = bool(owner) and dataset_identity(repo.org) == dataset_identity(owner)
+        own = dataset_identity(repo.org) == owner_identity
         for s in ledger.dp_stages():
             if dataset_identity(s.dataset.name) == identity:
                 groups[own].append(s)

@@ -33,10 +33,10 @@ stage goes into the same ledger (it trained what the fine-tuning started from: c
 ``encoder``, also the head), and the fine-tuning's noise is calibrated so that the two compose
 within ``--epsilon`` (``remaining_epsilon``).
 
-The export is the fine-tuned encoder with the head in ``heads/<name>/``. Its ledger holds the
-init repo's encoder stages, the probe's stage if any, and one DP stage on the dataset whose
-``also_trains`` names the head (with ``--fixed-head``, the probe's stage alone does): the
-encoder's and the head's guarantees are those stages composed.
+The export is the fine-tuned encoder with the head in its folder under ``HEADS_DIR``. Its
+ledger holds the init repo's encoder stages, the probe's stage if any, and one DP stage on the
+dataset whose ``also_trains`` names the head (with ``--fixed-head``, the probe's stage alone
+does): the encoder's and the head's guarantees are those stages composed.
 
 Run it with ``vip-hub train-finetune ...`` or, on several processes or GPUs,
 ``torchrun --nproc_per_node N -m training.recipes.finetune ...`` (same arguments).

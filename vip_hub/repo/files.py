@@ -185,7 +185,7 @@ def update_repo(
 ) -> PrivacyLedger:
     """Add stages, files and evaluation results to an existing repo (e.g. a probe head).
 
-    ``replace_component`` (e.g. ``"heads/digits"``) first drops that component's stages and
+    ``replace_component`` (e.g. a head's folder) first drops that component's stages and
     the files under its folder. ``comparison`` replaces the card's probe-comparison table.
     The three ledger copies and the card are rewritten together; the update is atomic. A
     signature no longer covers the new files and is removed: sign again

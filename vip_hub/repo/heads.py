@@ -1,4 +1,4 @@
-"""Linear-probe heads stored with a released encoder, under ``heads/<name>/``.
+"""Linear-probe heads stored with a released encoder, each in its own folder under ``HEADS_DIR``.
 
 A head is the MAE / ViP linear probe: BatchNorm1d without affine parameters (eps 1e-6),
 then a Linear layer, on top of one of the encoder's feature modes. Its folder (layout in
@@ -6,7 +6,7 @@ then a Linear layer, on top of one of the encoder's feature modes. Its folder (l
 class names in index order, and its evaluation metrics with its feature mode
 (``METRICS_POOLING``, the binding of the metadata's, which the tensors digest leaves out).
 
-Its training is a ledger stage with ``component = "heads/<name>"`` (DP or not), added to the
+Its training is a ledger stage whose ``component`` is the head's folder (DP or not), added to the
 repo's ledger when the head is saved, or a stage already in the ledger that trained it jointly
 with the encoder (one mechanism, its ``also_trains`` naming the head: end-to-end fine-tuning).
 """
