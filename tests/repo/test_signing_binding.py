@@ -10,12 +10,12 @@ import pytest
 import yaml
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
-from vip_hub import export_encoder
+from vip_hub import export_encoder, update_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
 from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
 from vip_hub.repo.card import ledger_rows
-from vip_hub.repo.heads import list_heads
+from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, save_head
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import CARD_FILE, HEADS_DIR
@@ -117,3 +117,93 @@ def test_card_text_that_misstates_the_ledger_fails_verify(tmp_path, change):
     assert [p.where for p in report.problems] == [CARD_FILE], report.problems
     assert "which its ledger gives" in str(report.problems[0])
     assert report.problems[0].kind is TamperedFileError
+
+
+def _dp_repo(folder: Path) -> Path:
+    """A tiny repo whose one DP stage gives ε 4.04 (RDP), 3.513 (PRV), 3.503 (PLD) at δ 1e-05."""
+    return export_encoder(
+        folder, tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="r"
+    )
+
+
+def _with_text(repo: Path, line: str) -> None:
+    path = repo / CARD_FILE
+    path.write_text(path.read_text(encoding="utf-8") + f"\n{line}\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("This encoder is (ε = 1.00, δ = 1e-05)-DP.", "'ε = 1.00', which is no ε"),
+        ("Trained at epsilon 0.5 on the private set.", "'epsilon 0.5', which is no ε"),
+        ("Guarantee: ε=3.4", "'ε=3.4', which is no ε"),  # the accountants give 3.503-4.039
+        ("Or ε = 3.9", "'ε = 3.9', which is no ε"),  # between them: none of them, nor above all
+        ("The accountants' δ = 1e-06.", "'δ = 1e-06', which is no δ"),
+        ("Audited: ε ≥ 9.9.", "'ε ≥ 9.9', above every ε"),
+        ("A private release with ε = 0.", "'ε = 0', which its ledger does not give (ε is not 0)"),
+        ("Pure DP: δ = 0.", "'δ = 0', which its ledger does not give (δ is not 0)"),
+    ],
+)
+def test_card_text_that_adds_a_figure_the_ledger_does_not_give_fails_verify(
+    tmp_path, line, problem
+):
+    """Every statement the ledger gives stayed in the text and verify passed while a line added
+    to it claimed another ε or δ: each figure the text states is one the ledger gives, to its
+    digits, or above them all (a weaker claim, true of every component)."""
+    repo = _dp_repo(tmp_path / "repo")
+    _with_text(repo, line)
+    report = verify_repo(repo)
+    assert len(report.problems) == 1, report.problems
+    assert str(report.problems[0]).startswith(f"{CARD_FILE}: its text states {problem}")
+    assert report.problems[0].kind is TamperedFileError
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "In short: ε = 4.0, δ = 0.00001.",  # the headline's figures, fewer digits
+        "Under PRV the same run gives ε = 3.51, or epsilon 3.5.",  # a reference accountant's
+        "Its stage: ε = 4.039 (RDP).",  # the ledger table's figure, with the ε written out
+        "At most ε = 4.1.",  # the claim rounded up
+        "The paper's target was ε = 8 at δ = 1e-4.",  # looser than the ledger: true
+        "ε around 8 is common; e^ε ≈ 2 is not a figure of ε.",  # no number stated of ε
+    ],
+)
+def test_card_text_that_restates_the_ledgers_figures_verifies(tmp_path, line):
+    repo = _dp_repo(tmp_path / "repo")
+    _with_text(repo, line)
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+
+
+def test_a_comparison_rows_figures_hold_in_its_row_alone(tmp_path):
+    """Other repos' guarantees are the comparison table's rows: the card renders them and
+    verifies, but their figures in the card's own prose do not, and a row's cells cannot hide
+    the prose's symbols (a row named ``ε``)."""
+    repo = _dp_repo(tmp_path / "repo")
+    other = {"repo": "vip/b", "privacy": "(ε = 1.00, δ = 1e-05)-DP on x [RDP]", "top1": 0.5}
+    update_repo(repo, comparison=[{**other, "model": "ε", "features": "δ"}])
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+    assert "| ε | vip/b | (ε = 1.00, δ = 1e-05)-DP on x \\[RDP\\] | δ | 0.5000 |" in (
+        repo / CARD_FILE
+    ).read_text(encoding="utf-8")
+    _with_text(repo, "This encoder: ε = 1.00.")
+    assert [str(p) for p in verify_repo(repo).problems] == [
+        f"{CARD_FILE}: its text states 'ε = 1.00', which is no ε its ledger gives, nor above "
+        "them all"
+    ]
+
+
+def test_a_public_priors_card_with_a_dp_head_states_the_encoders_zero(tmp_path):
+    """A prior trained on no private data is ε = 0 while its DP head is not: the card states
+    both and verifies (the encoder's zero is given by its component, not by the ledger as a
+    whole), and a figure under the head's ε still fails."""
+    repo = export_encoder(
+        tmp_path / "prior", tiny_encoder(), TINY, [synthetic_stage()], model_name="p"
+    )
+    probe = dp_stage().model_copy(update={"name": "dp-probe", "component": "heads/toy"})
+    save_head(repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), probe)
+    text = (repo / CARD_FILE).read_text(encoding="utf-8")
+    assert "no private data (ε = 0) (the encoder)" in text
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+    _with_text(repo, "The head is (ε = 2.00, δ = 1e-05)-DP.")
+    assert "'ε = 2.00', which is no ε" in str(verify_repo(repo).problems)

@@ -28,7 +28,7 @@ from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encod
 from vip_hub.errors import VipHubError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
-from vip_hub.repo.card import card_statements
+from vip_hub.repo.card import card_statements, guarantee_paragraphs
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
@@ -190,7 +190,8 @@ def import_nano(checkpoint: Path, out: Path, arch: str = "vip-nano", name: str =
 def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     """Apply ``change`` to ``repo``'s ledger and write it consistently into its three copies (the
     ledger file, the weights' metadata, the card's front matter) and the card's text (each of
-    its ``card_statements`` that changed, where the changed ledger still parses)."""
+    its ``card_statements`` and guarantee paragraphs that changed, where the changed ledger
+    still parses)."""
     before = json.loads((repo / LEDGER_FILE).read_text())
     ledger = change(json.loads(json.dumps(before)))
     text = json.dumps(ledger)
@@ -201,7 +202,7 @@ def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     data = yaml.safe_load(front)
     data["differential_privacy"] = ledger
     try:
-        old, new = (card_statements(PrivacyLedger.parse(x)) for x in (before, ledger))
+        old, new = (_stated(PrivacyLedger.parse(x)) for x in (before, ledger))
     except (VipHubError, ValueError):
         old = new = []  # a ledger the test breaks: its text stays
     if len(old) == len(new):
@@ -210,6 +211,11 @@ def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     else:  # an audit or a stage added: the statements the text lacks, after it
         body += "".join(f"\n{line}\n" for line in new if line not in body)
     (repo / CARD_FILE).write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
+
+
+def _stated(ledger: PrivacyLedger) -> list[str]:
+    """What a card's text states from ``ledger``: its statements and guarantee paragraphs."""
+    return [*card_statements(ledger), *guarantee_paragraphs(ledger)]
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:

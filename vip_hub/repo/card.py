@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from importlib.resources import files
 from typing import Any, cast
 from urllib.parse import quote
@@ -43,6 +44,7 @@ __all__ = [
     "LEDGER_COLUMNS",
     "PRIVACY_TAGS",
     "CardInfo",
+    "StatedFigure",
     "audit_paragraphs",
     "card_info",
     "card_ledger",
@@ -50,6 +52,7 @@ __all__ = [
     "card_statements",
     "card_tags",
     "card_tags_problem",
+    "comparison_lines",
     "component_headlines",
     "format_params",
     "front_matter_problem",
@@ -59,6 +62,7 @@ __all__ = [
     "load_card",
     "recipe_line",
     "render_card",
+    "stated_figures",
     "yaml_problem",
 ]
 
@@ -174,10 +178,8 @@ def render_card(
         ],
         plots=[{"alt": _md(p), "url": quote(p)} for p in plots],
         results=info.eval_results,
-        comparison=[
-            {k: _md(v) if isinstance(v, str) else v for k, v in row.items()}
-            for row in info.comparison
-        ],
+        comparison=info.comparison,
+        comparison_lines=comparison_lines(info.comparison),
     )
     return str(card)
 
@@ -209,17 +211,134 @@ def card_statements(ledger: PrivacyLedger) -> list[str]:
     ]
 
 
-def card_prose_problem(readme: str, ledger: PrivacyLedger) -> str | None:
+def card_prose_problem(
+    readme: str, ledger: PrivacyLedger, limits: FrontMatterLimits | None = None
+) -> str | None:
     """Why the text of the card ``readme`` does not state what ``ledger`` gives (one of
-    ``card_statements`` missing), else None: users read the guarantee off the card's text, which
-    its front matter's ledger copy does not bind."""
+    ``card_statements`` missing) or states an ε or δ it does not give (``stated_figures``;
+    its comparison table's rows set aside), else None: users read the guarantee off the card's
+    text, which its front matter's ledger copy does not bind."""
     match = REGEX_YAML_BLOCK.search(readme)
     body = readme[match.end() :] if match else readme
     missing = next((line for line in card_statements(ledger) if line not in body), None)
-    if missing is None:
+    if missing is not None:
+        return f"its text does not state {_clipped(missing)!r}, which its ledger gives"
+    try:
+        comparison = card_info(readme, limits).comparison
+    except (yaml.YAMLError, RepoFormatError, TypeError):
+        comparison = []  # card_ledger names front matter that cannot be read
+    for line in comparison_lines(comparison):  # other repos' guarantees, one a row
+        body = body.replace(line, "", 1)
+    given = _given_figures(ledger)
+    for f in stated_figures(body):
+        if problem := _figure_problem(f, given):
+            return f"its text states {_clipped(f.text)!r}, {problem}"
+    return None
+
+
+def _clipped(text: str, limit: int = 160) -> str:
+    """``text`` as a message quotes it: its first ``limit`` characters."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def comparison_lines(rows: Sequence[Any]) -> list[str]:
+    """The card's probe-comparison rows (``CardInfo.comparison``) as its table's Markdown lines;
+    a row it cannot render (a field missing, a top-1 not a number) is left out."""
+    lines = []
+    for row in rows:
+        if not isinstance(row, Mapping):
+            continue
+        try:
+            repo = _md(row["repo"]) if row.get("repo") else "no repo: in no ledger"
+            cells = [_md(row["model"]), repo, _md(row["privacy"]), _md(row["features"])]
+            lines.append(f"| {' | '.join(cells)} | {float(row['top1']):.4f} |")
+        except (KeyError, TypeError, ValueError):
+            continue
+    return lines
+
+
+@dataclass(frozen=True)
+class StatedFigure:
+    """An ε or δ as a text states it (``ε = 3.00``, ``epsilon 0.5``, ``δ = 1e-05``, ``ε ≥ 0.2``)."""
+
+    text: str
+    symbol: str
+    """``ε`` or ``δ``."""
+    value: float
+    unit: float
+    """One unit in the last digit shown: the figure stands for any value less than this away."""
+    lower_bound: bool
+    """Stated as a lower bound (``≥``, ``>``), as an audit's is; else as the figure or a bound
+    above it."""
+
+
+_FIGURE = re.compile(
+    r"(?<![\w^])(ε|ϵ|𝜀|epsilon|δ|delta)\s*(=|≈|≥|≤|>=|<=|<|>|:|is\b|of\b)?\s*"
+    r"(\d+(?:\.(\d+))?(?:e([-+]?\d{1,4}))?)",
+    re.IGNORECASE,
+)
+
+
+def stated_figures(text: str) -> list[StatedFigure]:
+    """Every ε and δ ``text`` states with a number after it (a relation between them or not;
+    ``e^ε`` is not one: it is what the guarantee paragraph computes from ε)."""
+    out = []
+    for m in _FIGURE.finditer(text):
+        name, relation, number, decimals, exponent = m.groups()
+        symbol = "δ" if name.lower() in ("δ", "delta") else "ε"
+        unit = float(Decimal(1).scaleb(int(exponent or 0) - len(decimals or "")))
+        lower = relation in ("≥", ">=", ">")
+        out.append(StatedFigure(m.group(0), symbol, float(number), unit, lower))
+    return out
+
+
+@dataclass(frozen=True)
+class _Given:
+    """The figures a ledger gives: its upper bounds on ε (each stage's under every accountant,
+    each component's guarantees, or 0 for a component no DP stage trained on private data, the
+    audits' accounted ε, what holds without amplification), its audits' lower bounds and
+    ceilings, and its δs."""
+
+    upper: list[float]
+    lower: list[float]
+    deltas: list[float]
+
+
+def _given_figures(ledger: PrivacyLedger) -> _Given:
+    upper: list[float] = []
+    lower: list[float] = []
+    deltas: list[float] = []
+    for s in ledger.dp_stages():
+        upper += [s.epsilon, *s.reference_epsilon.values()]
+        deltas.append(s.delta)
+        if s.audit is not None:
+            upper += s.audit.accountant_epsilon.values()
+            lower += [s.audit.epsilon_lower_bound, s.audit.ceiling]
+            deltas.append(s.audit.delta)
+    for c in ledger.components():
+        summary = ledger.summary(c)
+        upper += [g.epsilon for g in summary.guarantees] + ([] if summary.private_data else [0.0])
+        deltas += [g.delta for g in summary.guarantees]
+        if summary.epsilon_without_amplification is not None:
+            upper.append(summary.epsilon_without_amplification)
+    return _Given(upper, lower, deltas)
+
+
+def _figure_problem(f: StatedFigure, given: _Given) -> str | None:
+    """Why ``f`` is not a figure the ledger gives (read to its digits: rounded either way), nor
+    above all of them (a weaker claim, true of every component), else None; a lower bound on ε
+    holds unless above all of them, a zero only where a component's ε is zero."""
+    if f.lower_bound and f.symbol == "ε":
+        if any(f.value - f.unit < v for v in [*given.upper, *given.lower]):
+            return None
+        return "above every ε its ledger gives"
+    figures = given.deltas if f.symbol == "δ" else given.upper
+    if f.value == 0:
+        return None if 0.0 in figures else f"which its ledger does not give ({f.symbol} is not 0)"
+    above_all = f.value + f.unit > max(figures, default=math.inf)
+    if above_all or any(abs(f.value - v) < f.unit for v in figures):
         return None
-    shown = missing if len(missing) <= 160 else missing[:157] + "..."
-    return f"its text does not state {shown!r}, which its ledger gives"
+    return f"which is no {f.symbol} its ledger gives, nor above them all"
 
 
 def recipe_line(ledger: PrivacyLedger) -> str:
@@ -394,10 +513,10 @@ def format_params(n: int | None) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
-def card_info(readme: str) -> CardInfo:
-    """Recover the CardInfo a card was rendered from."""
+def card_info(readme: str, limits: FrontMatterLimits | None = None) -> CardInfo:
+    """Recover the CardInfo a card was rendered from (its front matter read within ``limits``)."""
     # a ModelCard's data is its card_data_class, ModelCardData (typed as the base CardData)
-    data = cast(ModelCardData, load_card(readme).data)
+    data = cast(ModelCardData, load_card(readme, limits=limits).data)
     return CardInfo(
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",

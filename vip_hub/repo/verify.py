@@ -399,7 +399,8 @@ def _check_card(
     front_matter: FrontMatterLimits | None,
 ) -> None:
     """The card's tags claim of its training data what the ledger gives (the hub answers a
-    model's tags from them), and its text states the ledger's guarantee (``card_prose_problem``)."""
+    model's tags from them), and its text states the ledger's guarantee and no other
+    (``card_prose_problem``)."""
     if CARD_FILE not in files:
         return
     try:
@@ -408,7 +409,7 @@ def _check_card(
         return  # its ledger copy's check names it
     if problem := card_tags_problem(text, ledger, front_matter):
         report.fail(CARD_FILE, problem, TamperedFileError)
-    if problem := card_prose_problem(text, ledger):
+    if problem := card_prose_problem(text, ledger, front_matter):
         report.fail(CARD_FILE, problem, TamperedFileError)
     report.checks.append("card tags and text follow the ledger")
 
