@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import EvalResult
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
 from vip_hub import export_encoder, update_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
 from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
-from vip_hub.repo.card import ledger_rows
+from vip_hub.repo.card import card_info, ledger_rows
 from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, save_head
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
@@ -142,6 +143,15 @@ def _with_text(repo: Path, line: str) -> None:
         ("Audited: ε ≥ 9.9.", "'ε ≥ 9.9', above every ε"),
         ("A private release with ε = 0.", "'ε = 0', which its ledger does not give (ε is not 0)"),
         ("Pure DP: δ = 0.", "'δ = 0', which its ledger does not give (δ is not 0)"),
+        ("Roughly ε = 3.", "'ε = 3', which is no ε"),  # 3.503 rounds to 4 (or up), never 3
+        # as it renders: an entity, a comment, TeX, a mathematical letter, a superscript power
+        ("It is &epsilon; = 1.00.", "'ε = 1.00', which is no ε"),
+        ("It is ε<!-- hidden -->= 1.", "'ε= 1', which is no ε"),
+        ("It is $\\varepsilon = 1$.", "'varepsilon = 1', which is no ε"),
+        ("It is **𝛆** = 1.", "'ε = 1', which is no ε"),
+        ("With δ = 10⁻⁹.", "'δ = 10^-9', which is no δ"),
+        ("A (1.00, 1e-09)-DP encoder.", "'(1.00, 1e-09)-DP', which is no ε"),
+        ("Its (ε, δ) = (1, 1e-5).", "'(ε, δ) = (1, 1e-5)', which is no ε"),
     ],
 )
 def test_card_text_that_adds_a_figure_the_ledger_does_not_give_fails_verify(
@@ -175,7 +185,7 @@ def test_card_text_that_restates_the_ledgers_figures_verifies(tmp_path, line):
     assert verify_repo(repo).ok, verify_repo(repo).problems
 
 
-def test_a_comparison_rows_figures_hold_in_its_row_alone(tmp_path):
+def test_a_comparison_rows_figures_hold_in_its_row_alone_and_its_privacy_cell_alone(tmp_path):
     """Other repos' guarantees are the comparison table's rows: the card renders them and
     verifies, but their figures in the card's own prose do not, and a row's cells cannot hide
     the prose's symbols (a row named ``ε``)."""
@@ -207,3 +217,74 @@ def test_a_public_priors_card_with_a_dp_head_states_the_encoders_zero(tmp_path):
     assert verify_repo(repo).ok, verify_repo(repo).problems
     _with_text(repo, "The head is (ε = 2.00, δ = 1e-05)-DP.")
     assert "'ε = 2.00', which is no ε" in str(verify_repo(repo).problems)
+
+
+def test_a_comparison_row_smuggled_into_the_prose_or_its_other_cells_fails(tmp_path):
+    """The front matter's rows are no ledger's: a row's rendered line pasted into the prose
+    stood for another repo's guarantee there, and a claim put in a row's model cell was read as
+    that repo's; only the privacy cell of a whole table line is set aside."""
+    repo = _dp_repo(tmp_path / "repo")
+    claim = {"model": "This encoder is (ε = 0.10, δ = 1e-09)-DP", "repo": "", "features": "f"}
+    row = {**claim, "privacy": "(ε = 0.10, δ = 1e-09)-DP on x [RDP]", "top1": 0.5}
+    update_repo(repo, comparison=[row])
+    assert "'ε = 0.10', which is no ε" in str(verify_repo(repo).problems)  # its model cell
+
+
+def test_a_dataset_two_heads_compose_on_states_its_composed_figure(tmp_path):
+    """Two DP heads on one labelled dataset: the guarantee paragraph states their composition,
+    a figure no one component gives (the ledger's guarantee for that dataset does)."""
+    repo = _dp_repo(tmp_path / "repo")
+    for name in ("a", "b"):
+        probe = dp_stage(n=2000).model_copy(
+            update={"name": f"dp-probe-{name}", "component": f"heads/{name}"}
+        )
+        probe = probe.model_copy(
+            update={"dataset": probe.dataset.model_copy(update={"name": "labels"})}
+        )
+        head = LinearProbe(192, 3).eval()
+        save_head(repo, head, HeadInfo(name, "avg", ["x", "y", "z"]), probe)
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+
+
+def test_a_replaced_heads_card_result_goes_with_it(tmp_path):
+    """A head probed again at another ε: its old result (whose protocol names the old ε) stayed
+    on the card beside the new one, a figure of a stage no longer in the ledger."""
+    repo = _dp_repo(tmp_path / "repo")
+    for sigma in (1.0, 2.0):
+        probe = dp_stage(sigma=sigma).model_copy(
+            update={"name": "dp-probe", "component": "heads/toy"}
+        )
+        result = EvalResult(
+            task_type="image-classification",
+            dataset_type="toy",
+            dataset_name="toy (public test data)",
+            metric_type="accuracy",
+            metric_value=0.5,
+            metric_name=f"top-1, DP epsilon {probe.epsilon:.3g}",
+        )
+        save_head(
+            repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), probe, result
+        )
+        assert verify_repo(repo).ok, verify_repo(repo).problems
+    results = card_info((repo / CARD_FILE).read_text(encoding="utf-8")).eval_results
+    assert [r.metric_name for r in results] == [f"top-1, DP epsilon {probe.epsilon:.3g}"]
+
+
+@pytest.mark.parametrize(
+    "front",
+    [
+        lambda front: "- a list\n",
+        lambda front: (
+            front
+            + "probe_comparison:\n- {model: m, repo: '', privacy: p, features: f, top1: 1%s}\n"
+            % ("0" * 400)
+        ),
+    ],
+    ids=["no mapping", "a top-1 past a float"],
+)
+def test_a_card_front_matter_verify_cannot_read_is_named_not_raised(tmp_path, front):
+    repo = _dp_repo(tmp_path / "repo")
+    _, old, body = (repo / CARD_FILE).read_text(encoding="utf-8").split("---\n", 2)
+    (repo / CARD_FILE).write_text("---\n" + front(old) + "---\n" + body, encoding="utf-8")
+    report = verify_repo(repo)  # raised ValueError, OverflowError
+    assert all(p.where == CARD_FILE for p in report.problems), report.problems

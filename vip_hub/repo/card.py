@@ -12,8 +12,10 @@ assumes) comes from the ledger's stages alone (``recipe_line``, ``card_tags``,
 
 from __future__ import annotations
 
+import html
 import math
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -227,10 +229,15 @@ def card_prose_problem(
         comparison = card_info(readme, limits).comparison
     except (yaml.YAMLError, RepoFormatError, TypeError):
         comparison = []  # card_ledger names front matter that cannot be read
-    for line in comparison_lines(comparison):  # other repos' guarantees, one a row
-        body = body.replace(line, "", 1)
+    lines = [line.rstrip() for line in body.splitlines()]
+    rows = zip(
+        comparison_lines(comparison), comparison_lines(comparison, privacy=False), strict=True
+    )
+    for row, without_privacy in rows:  # another repo's guarantee, in its row alone
+        if row in lines:
+            lines[lines.index(row)] = without_privacy
     given = _given_figures(ledger)
-    for f in stated_figures(body):
+    for f in stated_figures("\n".join(lines)):
         if problem := _figure_problem(f, given):
             return f"its text states {_clipped(f.text)!r}, {problem}"
     return None
@@ -241,18 +248,20 @@ def _clipped(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def comparison_lines(rows: Sequence[Any]) -> list[str]:
-    """The card's probe-comparison rows (``CardInfo.comparison``) as its table's Markdown lines;
-    a row it cannot render (a field missing, a top-1 not a number) is left out."""
+def comparison_lines(rows: Sequence[Any], *, privacy: bool = True) -> list[str]:
+    """The card's probe-comparison rows (``CardInfo.comparison``) as its table's Markdown lines
+    (``privacy=False``: that cell left empty); a row it cannot render (a field missing, a top-1
+    not a number) is left out."""
     lines = []
     for row in rows:
         if not isinstance(row, Mapping):
             continue
         try:
             repo = _md(row["repo"]) if row.get("repo") else "no repo: in no ledger"
-            cells = [_md(row["model"]), repo, _md(row["privacy"]), _md(row["features"])]
+            guarantee = _md(row["privacy"]) if privacy else ""
+            cells = [_md(row["model"]), repo, guarantee, _md(row["features"])]
             lines.append(f"| {' | '.join(cells)} | {float(row['top1']):.4f} |")
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return lines
 
@@ -272,24 +281,67 @@ class StatedFigure:
     above it."""
 
 
+_NUMBER = r"(?:\d+(?:\.\d+)?|\.\d+)"
+_SCALE = r"(?:\s*[eE]\s*|\s*(?:[x×·*]\s*10\s*)?\^\s*\(?\s*)([-+]?\d{1,4})"
 _FIGURE = re.compile(
-    r"(?<![\w^])(ε|ϵ|𝜀|epsilon|δ|delta)\s*(=|≈|≥|≤|>=|<=|<|>|:|is\b|of\b)?\s*"
-    r"(\d+(?:\.(\d+))?(?:e([-+]?\d{1,4}))?)",
+    rf"(?<![\w^])(varepsilon|epsilon|delta|ε|δ)\s*"
+    rf"(?:(:=|=|≈|~|≃|≅|>=|≥|⩾|≳|>|<=|≤|⩽|≲|<|:|is\b|of\b)\s*)?({_NUMBER}(?:{_SCALE})?)",
     re.IGNORECASE,
 )
+_PAIR = re.compile(  # (ε, δ) = (a, b), and (a, b)-DP
+    rf"\(\s*(?:varepsilon|epsilon|ε)\s*,\s*(?:delta|δ)\s*\)\s*(?:(?:=|:=|:)\s*)?"
+    rf"\(\s*({_NUMBER}(?:{_SCALE})?)\s*,\s*({_NUMBER}(?:{_SCALE})?)\s*\)"
+    rf"|\(\s*({_NUMBER}(?:{_SCALE})?)\s*,\s*({_NUMBER}(?:{_SCALE})?)\s*\)\s*(?:-\s*)?"
+    r"(?:DP\b|differential)",
+    re.IGNORECASE,
+)
+_LOWER = ("≥", ">=", ">", "⩾", "≳")
+_SUPERSCRIPT = re.compile("[⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_HIDDEN = re.compile(r"<!--.*?(?:-->|$)|</?[A-Za-z][^<>]*>", re.DOTALL)
 
 
 def stated_figures(text: str) -> list[StatedFigure]:
-    """Every ε and δ ``text`` states with a number after it (a relation between them or not;
-    ``e^ε`` is not one: it is what the guarantee paragraph computes from ε)."""
+    """Every ε and δ the Markdown ``text`` states with a number: after its symbol (or
+    ``epsilon``, ``delta``; a relation between them or not) or as an ``(ε, δ)`` pair, read as
+    it renders (entities, markup, tags and comments, invisible characters and Unicode's
+    compatibility forms resolved); ``e^ε`` is not one: the guarantee paragraph computes it."""
+    plain = _plain(text)
     out = []
-    for m in _FIGURE.finditer(text):
-        name, relation, number, decimals, exponent = m.groups()
+    for m in _FIGURE.finditer(plain):
+        name, relation, number = m.groups()[:3]
         symbol = "δ" if name.lower() in ("δ", "delta") else "ε"
-        unit = float(Decimal(1).scaleb(int(exponent or 0) - len(decimals or "")))
-        lower = relation in ("≥", ">=", ">")
-        out.append(StatedFigure(m.group(0), symbol, float(number), unit, lower))
+        out.append(_figure(m.group(0), symbol, number, relation in _LOWER))
+    for m in _PAIR.finditer(plain):
+        groups = m.groups()
+        eps, delta = (groups[0], groups[2]) if groups[0] is not None else (groups[4], groups[6])
+        out += [_figure(m.group(0), "ε", eps, False), _figure(m.group(0), "δ", delta, False)]
     return out
+
+
+def _plain(markdown: str) -> str:
+    """``markdown`` as a reader sees its characters: comments and tags dropped, entities
+    resolved, superscript exponents written ``^``, NFKC, no format characters, no emphasis,
+    code or escape marks, and no dollar signs around TeX."""
+    text = html.unescape(_HIDDEN.sub("", markdown))
+    text = _SUPERSCRIPT.sub(lambda m: "^" + unicodedata.normalize("NFKC", m.group(0)), text)
+    text = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
+    text = "".join(c for c in text if unicodedata.category(c) != "Cf")
+    return re.sub(r"[*_`\\$]", "", text)
+
+
+def _figure(text: str, symbol: str, number: str, lower_bound: bool) -> StatedFigure:
+    """A stated figure from ``number`` as written: ``0.5``, ``1e-05``, ``1 x 10^-5``, ``10^-5``."""
+    m = re.fullmatch(rf"({_NUMBER})(?:{_SCALE})?", number)
+    assert m is not None  # the patterns above matched it
+    mantissa, exponent = m.groups()
+    decimals = len(mantissa.partition(".")[2])
+    if exponent is not None and "^" in number and not re.search(r"[x×·*]", number):
+        value = float(Decimal(mantissa) ** int(exponent)) if Decimal(mantissa) else 0.0
+        return StatedFigure(text, symbol, value, value, lower_bound)  # a power: its magnitude
+    scale = int(exponent or 0)
+    value = float(Decimal(mantissa).scaleb(scale))
+    unit = float(Decimal(1).scaleb(scale - decimals))
+    return StatedFigure(text, symbol, value, unit, lower_bound)
 
 
 @dataclass(frozen=True)
@@ -315,6 +367,8 @@ def _given_figures(ledger: PrivacyLedger) -> _Given:
             upper += s.audit.accountant_epsilon.values()
             lower += [s.audit.epsilon_lower_bound, s.audit.ceiling]
             deltas.append(s.audit.delta)
+    upper += [g.epsilon for g in ledger.guarantees]  # a dataset's stages composed
+    deltas += [g.delta for g in ledger.guarantees]
     for c in ledger.components():
         summary = ledger.summary(c)
         upper += [g.epsilon for g in summary.guarantees] + ([] if summary.private_data else [0.0])
@@ -325,18 +379,18 @@ def _given_figures(ledger: PrivacyLedger) -> _Given:
 
 
 def _figure_problem(f: StatedFigure, given: _Given) -> str | None:
-    """Why ``f`` is not a figure the ledger gives (read to its digits: rounded either way), nor
-    above all of them (a weaker claim, true of every component), else None; a lower bound on ε
-    holds unless above all of them, a zero only where a component's ε is zero."""
+    """Why ``f`` is not a figure the ledger gives (read to its digits: rounded to the nearest or
+    up), nor above all of them (a weaker claim, true of every component), else None; a lower
+    bound on ε holds unless above all of them, a zero only where a component's ε is zero."""
     if f.lower_bound and f.symbol == "ε":
-        if any(f.value - f.unit < v for v in [*given.upper, *given.lower]):
+        if f.value - f.unit / 2 < max([*given.upper, *given.lower], default=0.0):
             return None
         return "above every ε its ledger gives"
     figures = given.deltas if f.symbol == "δ" else given.upper
     if f.value == 0:
         return None if 0.0 in figures else f"which its ledger does not give ({f.symbol} is not 0)"
-    above_all = f.value + f.unit > max(figures, default=math.inf)
-    if above_all or any(abs(f.value - v) < f.unit for v in figures):
+    above_all = f.value > max(figures, default=math.inf) - f.unit / 2
+    if above_all or any(-f.unit / 2 < f.value - v < f.unit for v in figures):
         return None
     return f"which is no {f.symbol} its ledger gives, nor above them all"
 
@@ -434,7 +488,10 @@ def load_card(
     metadata."""
     if problem := front_matter_problem(readme, limits or FrontMatterLimits()):
         raise RepoFormatError(f"{CARD_FILE}: {problem}")
-    return ModelCard(readme, ignore_metadata_errors=not strict)
+    try:
+        return ModelCard(readme, ignore_metadata_errors=not strict)
+    except ValueError as e:  # a front matter that is no mapping
+        raise RepoFormatError(f"{CARD_FILE}: {e}") from None
 
 
 def front_matter_problem(markdown: str, limits: FrontMatterLimits) -> str | None:
@@ -529,6 +586,13 @@ def card_info(readme: str, limits: FrontMatterLimits | None = None) -> CardInfo:
 
 def guarantee_paragraphs(ledger: PrivacyLedger, unit: str = "image") -> list[str]:
     """The guarantee in plain words (Markdown), one paragraph per private dataset."""
+    if not ledger.guarantees and any(
+        isinstance(s, NonPrivateStage) and s.private_data for s in ledger.stages
+    ):
+        return [
+            "**No stage trained with differential privacy**: no guarantee covers the private "
+            "data named below; what only synthetic or public data trained reveals nothing of it."
+        ]
     if not ledger.guarantees:
         return [
             "**No private data was used to train these weights**: every stage saw only "

@@ -185,11 +185,11 @@ def update_repo(
 ) -> PrivacyLedger:
     """Add stages, files and evaluation results to an existing repo (e.g. a probe head).
 
-    ``replace_component`` (e.g. a head's folder) first drops that component's stages and
-    the files under its folder. ``comparison`` replaces the card's probe-comparison table.
-    The three ledger copies and the card are rewritten together; the update is atomic. A
-    signature no longer covers the new files and is removed: sign again
-    (``vip-hub sign``). Returns the new ledger.
+    ``replace_component`` (e.g. a head's folder) first drops that component's stages, the
+    files under its folder and the card results bound to it (``metric_config``).
+    ``comparison`` replaces the card's probe-comparison table. The three ledger copies and the
+    card are rewritten together; the update is atomic. A signature no longer covers the new
+    files and is removed: sign again (``vip-hub sign``). Returns the new ledger.
     """
     repo = Path(repo_dir)
     verify_repo(repo).raise_for_problems()
@@ -204,7 +204,10 @@ def update_repo(
     new_results = list(add_eval_results)
     replaced = {(r.dataset_name, r.metric_name) for r in new_results}
     info.eval_results = [
-        r for r in info.eval_results if (r.dataset_name, r.metric_name) not in replaced
+        r
+        for r in info.eval_results
+        if (r.dataset_name, r.metric_name) not in replaced
+        and not (replace_component and r.metric_config == replace_component)
     ] + new_results
     if comparison is not None:
         info.comparison = list(comparison)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,9 @@ def save_head(
     eval_result: EvalResult | None = None,
 ) -> PrivacyLedger:
     """Add (or replace) head ``info.name`` in a repo, with its ledger stage (None: a stage of the
-    repo's ledger trained it jointly, its ``also_trains`` names the head); returns the ledger."""
+    repo's ledger trained it jointly, its ``also_trains`` names the head) and its card result
+    (bound to the head by ``metric_config``, so a replaced head's goes with it); returns the
+    ledger."""
     from .files import update_repo
 
     component = head_component(info.name)
@@ -120,7 +122,7 @@ def save_head(
                 ).encode(),
                 head_file(info.name, HEAD_METRICS): (json.dumps(metrics, indent=1) + "\n").encode(),
             },
-            add_eval_results=[eval_result] if eval_result else [],
+            add_eval_results=[replace(eval_result, metric_config=component)] if eval_result else [],
             replace_component=component,
         )
 
