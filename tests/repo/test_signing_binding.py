@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from huggingface_hub import EvalResult
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
 
+from training.recipes.probe import top1_result
 from vip_hub import export_encoder, update_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
@@ -254,14 +254,7 @@ def test_a_replaced_heads_card_result_goes_with_it(tmp_path):
         probe = dp_stage(sigma=sigma).model_copy(
             update={"name": "dp-probe", "component": "heads/toy"}
         )
-        result = EvalResult(
-            task_type="image-classification",
-            dataset_type="toy",
-            dataset_name="toy (public test data)",
-            metric_type="accuracy",
-            metric_value=0.5,
-            metric_name=f"top-1, DP epsilon {probe.epsilon:.3g}",
-        )
+        result = top1_result("toy", 0.5, f"top-1, DP epsilon {probe.epsilon:.3g}")
         save_head(
             repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), probe, result
         )
