@@ -152,6 +152,7 @@ def _with_text(repo: Path, line: str) -> None:
         ("With δ = 10⁻⁹.", "'δ = 10^-9', which is no δ"),
         ("A (1.00, 1e-09)-DP encoder.", "'(1.00, 1e-09)-DP', which is no ε"),
         ("Its (ε, δ) = (1, 1e-5).", "'(ε, δ) = (1, 1e-5)', which is no ε"),
+        ("Its ε₁ = 1.00.", "'ε = 1.00', which is no ε"),  # an index is not the figure
     ],
 )
 def test_card_text_that_adds_a_figure_the_ledger_does_not_give_fails_verify(
@@ -177,6 +178,10 @@ def test_card_text_that_adds_a_figure_the_ledger_does_not_give_fails_verify(
         "At most ε = 4.1.",  # the claim rounded up
         "The paper's target was ε = 8 at δ = 1e-4.",  # looser than the ledger: true
         "ε around 8 is common; e^ε ≈ 2 is not a figure of ε.",  # no number stated of ε
+        "1. a head at a fixed ε\n2. its calibration",  # a figure stays on its line
+        "ε₁ = 4.04 and $\\varepsilon_2 = 3.51$",  # an index is not the figure
+        "The composed ε of 2 heads; an ε 3 times the head's; Δ = 0.00 points.",  # counts
+        "```python\nAdamW(params, eps=1e-8)  # epsilon = 1e-8\n```",  # code is not prose
     ],
 )
 def test_card_text_that_restates_the_ledgers_figures_verifies(tmp_path, line):
@@ -246,21 +251,39 @@ def test_a_dataset_two_heads_compose_on_states_its_composed_figure(tmp_path):
     assert verify_repo(repo).ok, verify_repo(repo).problems
 
 
+def _probe_toy(repo: Path, sigma: float) -> str:
+    """Save head ``toy`` with a DP stage at ``sigma`` and a card result naming its ε; returns
+    the result's protocol."""
+    probe = dp_stage(sigma=sigma).model_copy(update={"name": "dp-probe", "component": "heads/toy"})
+    protocol = f"top-1, DP linear head 'toy' (DP epsilon {probe.epsilon:.3g})"
+    head, info = LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"])
+    save_head(repo, head, info, probe, top1_result("toy", 0.5, protocol))
+    return protocol
+
+
 def test_a_replaced_heads_card_result_goes_with_it(tmp_path):
     """A head probed again at another ε: its old result (whose protocol names the old ε) stayed
     on the card beside the new one, a figure of a stage no longer in the ledger."""
     repo = _dp_repo(tmp_path / "repo")
-    for sigma in (1.0, 2.0):
-        probe = dp_stage(sigma=sigma).model_copy(
-            update={"name": "dp-probe", "component": "heads/toy"}
-        )
-        result = top1_result("toy", 0.5, f"top-1, DP epsilon {probe.epsilon:.3g}")
-        save_head(
-            repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), probe, result
-        )
+    for sigma in (2.0, 1.0):
+        protocol = _probe_toy(repo, sigma)
         assert verify_repo(repo).ok, verify_repo(repo).problems
     results = card_info((repo / CARD_FILE).read_text(encoding="utf-8")).eval_results
-    assert [r.metric_name for r in results] == [f"top-1, DP epsilon {probe.epsilon:.3g}"]
+    assert [r.metric_name for r in results] == [protocol]
+
+
+def test_a_head_probed_again_on_a_card_from_before_results_named_their_head(tmp_path):
+    """Results written before ``metric_config`` named their head are the head's when their
+    protocol quotes its name, as every recipe's does."""
+    repo = _dp_repo(tmp_path / "repo")
+    path = repo / CARD_FILE
+    for sigma in (2.0, 1.0):  # the stale result's ε (σ 2) is no figure of the new ledger
+        _probe_toy(repo, sigma)
+        text = path.read_text(encoding="utf-8")  # as a card written before metric_config was
+        path.write_text(text.replace("      config: heads/toy\n", ""), encoding="utf-8")
+        assert "config: heads/toy" in text and "config:" not in path.read_text(encoding="utf-8")
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+    assert len(card_info(path.read_text(encoding="utf-8")).eval_results) == 1
 
 
 @pytest.mark.parametrize(

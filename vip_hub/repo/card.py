@@ -281,35 +281,36 @@ class StatedFigure:
     above it."""
 
 
+_SP = r"[^\S\n]*"  # spaces within one line
 _NUMBER = r"(?:\d+(?:\.\d+)?|\.\d+)"
-_SCALE = r"(?:\s*[eE]\s*|\s*(?:[x×·*]\s*10\s*)?\^\s*\(?\s*)([-+]?\d{1,4})"
-_FIGURE = re.compile(
-    rf"(?<![\w^])(varepsilon|epsilon|delta|ε|δ)\s*"
-    rf"(?:(:=|=|≈|~|≃|≅|>=|≥|⩾|≳|>|<=|≤|⩽|≲|<|:|is\b|of\b)\s*)?({_NUMBER}(?:{_SCALE})?)",
-    re.IGNORECASE,
+_SCALE = rf"(?:{_SP}[eE]{_SP}|{_SP}(?:[x×·*]{_SP}10{_SP})?\^{_SP}\(?{_SP})([-+]?\d{{1,4}})"
+_AMOUNT = rf"({_NUMBER}(?:{_SCALE})?)(?!\.?\d|{_SP}times\b)"
+_RELATION = r"(:=|=|≈|~|≃|≅|>=|≥|⩾|≳|>|<=|≤|⩽|≲|<|:|is\b)"
+_FIGURE = re.compile(  # a symbol, then a relation or a space, then the figure
+    rf"(?<![\w^])(varepsilon|[Ee]psilon|[Dd]elta|ε|δ)(?:{_SP}{_RELATION}{_SP}|[^\S\n]+){_AMOUNT}"
 )
 _PAIR = re.compile(  # (ε, δ) = (a, b), and (a, b)-DP
-    rf"\(\s*(?:varepsilon|epsilon|ε)\s*,\s*(?:delta|δ)\s*\)\s*(?:(?:=|:=|:)\s*)?"
-    rf"\(\s*({_NUMBER}(?:{_SCALE})?)\s*,\s*({_NUMBER}(?:{_SCALE})?)\s*\)"
-    rf"|\(\s*({_NUMBER}(?:{_SCALE})?)\s*,\s*({_NUMBER}(?:{_SCALE})?)\s*\)\s*(?:-\s*)?"
-    r"(?:DP\b|differential)",
-    re.IGNORECASE,
+    rf"\({_SP}(?:varepsilon|[Ee]psilon|ε){_SP},{_SP}(?:[Dd]elta|δ){_SP}\){_SP}"
+    rf"(?:(?:=|:=|:){_SP})?\({_SP}{_AMOUNT}{_SP},{_SP}{_AMOUNT}{_SP}\)"
+    rf"|\({_SP}{_AMOUNT}{_SP},{_SP}{_AMOUNT}{_SP}\){_SP}(?:-{_SP})?(?:DP\b|differential)"
 )
 _LOWER = ("≥", ">=", ">", "⩾", "≳")
 _SUPERSCRIPT = re.compile("[⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _HIDDEN = re.compile(r"<!--.*?(?:-->|$)|</?[A-Za-z][^<>]*>", re.DOTALL)
+_FENCED = re.compile(r"^(`{3,}|~{3,})[^\n]*\n.*?(?:^\1[^\n]*$|\Z)", re.DOTALL | re.MULTILINE)
+_INDEXED = re.compile(r"(ε|ϵ|δ|epsilon|delta)(?:_\{?\w{1,3}\}?|[₀-₉]+)")
 
 
 def stated_figures(text: str) -> list[StatedFigure]:
-    """Every ε and δ the Markdown ``text`` states with a number: after its symbol (or
-    ``epsilon``, ``delta``; a relation between them or not) or as an ``(ε, δ)`` pair, read as
-    it renders (entities, markup, tags and comments, invisible characters and Unicode's
-    compatibility forms resolved); ``e^ε`` is not one: the guarantee paragraph computes it."""
+    """Every ε and δ the Markdown ``text``'s prose states with a number: after its symbol (or
+    ``epsilon``, ``delta``) and a relation or a space, within one line, or as an ``(ε, δ)``
+    pair, read as it renders (``_plain``); ``e^ε`` is not one (the guarantee paragraph computes
+    it), nor a count (``ε 3 times``)."""
     plain = _plain(text)
     out = []
     for m in _FIGURE.finditer(plain):
         name, relation, number = m.groups()[:3]
-        symbol = "δ" if name.lower() in ("δ", "delta") else "ε"
+        symbol = "δ" if name in ("δ", "delta", "Delta") else "ε"
         out.append(_figure(m.group(0), symbol, number, relation in _LOWER))
     for m in _PAIR.finditer(plain):
         groups = m.groups()
@@ -319,10 +320,12 @@ def stated_figures(text: str) -> list[StatedFigure]:
 
 
 def _plain(markdown: str) -> str:
-    """``markdown`` as a reader sees its characters: comments and tags dropped, entities
-    resolved, superscript exponents written ``^``, NFKC, no format characters, no emphasis,
-    code or escape marks, and no dollar signs around TeX."""
-    text = html.unescape(_HIDDEN.sub("", markdown))
+    """``markdown`` as a reader sees its prose: code blocks, comments and tags dropped,
+    entities resolved, superscript exponents written ``^``, a symbol's index (``ε₁``,
+    ``ε_1``) dropped, NFKC, no format characters, no emphasis, code or escape marks, and no
+    dollar signs around TeX."""
+    text = html.unescape(_HIDDEN.sub("", _FENCED.sub("", markdown)))
+    text = _INDEXED.sub(r"\1", text)
     text = _SUPERSCRIPT.sub(lambda m: "^" + unicodedata.normalize("NFKC", m.group(0)), text)
     text = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
     text = "".join(c for c in text if unicodedata.category(c) != "Cf")
@@ -378,19 +381,24 @@ def _given_figures(ledger: PrivacyLedger) -> _Given:
     return _Given(upper, lower, deltas)
 
 
+_HALF = 0.5 + 1e-9
+"""Half a unit in the last digit shown, and a little: a figure rounded to the nearest at a tie."""
+
+
 def _figure_problem(f: StatedFigure, given: _Given) -> str | None:
     """Why ``f`` is not a figure the ledger gives (read to its digits: rounded to the nearest or
     up), nor above all of them (a weaker claim, true of every component), else None; a lower
     bound on ε holds unless above all of them, a zero only where a component's ε is zero."""
+    half = f.unit * _HALF  # a tie rounds either way
     if f.lower_bound and f.symbol == "ε":
-        if f.value - f.unit / 2 < max([*given.upper, *given.lower], default=0.0):
+        if f.value - half < max([*given.upper, *given.lower], default=0.0):
             return None
         return "above every ε its ledger gives"
     figures = given.deltas if f.symbol == "δ" else given.upper
     if f.value == 0:
         return None if 0.0 in figures else f"which its ledger does not give ({f.symbol} is not 0)"
-    above_all = f.value > max(figures, default=math.inf) - f.unit / 2
-    if above_all or any(-f.unit / 2 < f.value - v < f.unit for v in figures):
+    above_all = f.value > max(figures, default=math.inf) - half
+    if above_all or any(-half < f.value - v < f.unit for v in figures):
         return None
     return f"which is no {f.symbol} its ledger gives, nor above them all"
 

@@ -174,6 +174,14 @@ def export_encoder(
     return out
 
 
+def _bound_to(result: EvalResult, component: str) -> bool:
+    """Whether the card ``result`` is ``component``'s: its ``metric_config`` names it, or, on a
+    card written before results named theirs, its protocol quotes the head's name."""
+    if result.metric_config is not None:
+        return result.metric_config == component
+    return f"'{component.rpartition('/')[2]}'" in (result.metric_name or "")
+
+
 def update_repo(
     repo_dir: str | os.PathLike[str],
     *,
@@ -207,7 +215,7 @@ def update_repo(
         r
         for r in info.eval_results
         if (r.dataset_name, r.metric_name) not in replaced
-        and not (replace_component and r.metric_config == replace_component)
+        and not (replace_component and _bound_to(r, replace_component))
     ] + new_results
     if comparison is not None:
         info.comparison = list(comparison)
