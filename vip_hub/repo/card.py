@@ -339,8 +339,11 @@ def _figure(text: str, symbol: str, number: str, lower_bound: bool) -> StatedFig
     mantissa, exponent = m.groups()
     decimals = len(mantissa.partition(".")[2])
     if exponent is not None and "^" in number and not re.search(r"[x×·*]", number):
-        value = float(Decimal(mantissa) ** int(exponent)) if Decimal(mantissa) else 0.0
-        return StatedFigure(text, symbol, value, value, lower_bound)  # a power: its magnitude
+        try:  # a power: its magnitude is its unit
+            value = float(Decimal(mantissa) ** int(exponent)) if Decimal(mantissa) else 0.0
+        except ArithmeticError:  # past Decimal's exponents: no figure is that large
+            value = math.inf
+        return StatedFigure(text, symbol, value, value, lower_bound)
     scale = int(exponent or 0)
     value = float(Decimal(mantissa).scaleb(scale))
     unit = float(Decimal(1).scaleb(scale - decimals))
