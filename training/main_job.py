@@ -14,7 +14,7 @@ on Fashion-MNIST: the study of ``training/study`` at its job preset (``MainJobCo
    (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair clipping) and
    its Naive-DP baseline (the whole batch clipped), on the study's schedule;
 4. the comparison: every encoder gets the study's DP head (``training.study.heads``), released
-   in its repo as ``heads/fashion-mnist``, on the feature mode chosen for its (Syn) encoder
+   in its repo as head ``fashion-mnist``, on the feature mode chosen for its (Syn) encoder
    (``training.study.selection``); DP-Cap also classifies zero-shot over the class names, shown
    beside the heads only when it is above chance (``training.study.table``). Every row is a
    released repo's head, so the dataset page composes them all; the rows go into every card and

@@ -19,7 +19,7 @@ from vip_hub.repo.card import card_info, ledger_rows
 from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, save_head
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, HEADS_DIR
+from vip_hub.repo_format import CARD_FILE, HEADS_DIR, head_component
 
 
 @pytest.fixture
@@ -216,7 +216,7 @@ def test_a_public_priors_card_with_a_dp_head_states_the_encoders_zero(tmp_path):
     repo = export_encoder(
         tmp_path / "prior", tiny_encoder(), TINY, [synthetic_stage()], model_name="p"
     )
-    probe = dp_stage().model_copy(update={"name": "dp-probe", "component": "heads/toy"})
+    probe = dp_stage().model_copy(update={"name": "dp-probe", "component": head_component("toy")})
     save_head(repo, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), probe)
     text = (repo / CARD_FILE).read_text(encoding="utf-8")
     assert "no private data (ε = 0) (the encoder)" in text
@@ -255,7 +255,9 @@ def test_a_dataset_two_heads_compose_on_states_its_composed_figure(tmp_path):
 def _probe_toy(repo: Path, sigma: float) -> str:
     """Save head ``toy`` with a DP stage at ``sigma`` and a card result naming its ε; returns
     the result's protocol."""
-    probe = dp_stage(sigma=sigma).model_copy(update={"name": "dp-probe", "component": "heads/toy"})
+    probe = dp_stage(sigma=sigma).model_copy(
+        update={"name": "dp-probe", "component": head_component("toy")}
+    )
     protocol = f"top-1, DP linear head 'toy' (DP epsilon {probe.epsilon:.3g})"
     head, info = LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"])
     save_head(repo, head, info, probe, top1_result("toy", 0.5, protocol))
@@ -281,8 +283,9 @@ def test_a_head_probed_again_on_a_card_from_before_results_named_their_head(tmp_
     for sigma in (2.0, 1.0):  # the stale result's ε (σ 2) is no figure of the new ledger
         _probe_toy(repo, sigma)
         text = path.read_text(encoding="utf-8")  # as a card written before metric_config was
-        path.write_text(text.replace("      config: heads/toy\n", ""), encoding="utf-8")
-        assert "config: heads/toy" in text and "config:" not in path.read_text(encoding="utf-8")
+        config = f"      config: {head_component('toy')}\n"
+        path.write_text(text.replace(config, ""), encoding="utf-8")
+        assert config in text and "config:" not in path.read_text(encoding="utf-8")
     assert verify_repo(repo).ok, verify_repo(repo).problems
     assert len(card_info(path.read_text(encoding="utf-8")).eval_results) == 1
 

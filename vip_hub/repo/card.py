@@ -693,7 +693,7 @@ def _reference_note(stages: list[Any]) -> str:
 
 
 def _trained(s: NonPrivateStage | DPStage) -> str:
-    """The components a stage trained, as the card names them (``encoder + heads/x``)."""
+    """The components a stage trained, as the card names them, joined by `` + ``."""
     return " + ".join(s.trained_components)
 
 
