@@ -299,12 +299,14 @@ def test_a_head_probed_again_on_a_card_from_before_results_named_their_head(tmp_
             + "probe_comparison:\n- {model: m, repo: '', privacy: p, features: f, top1: 1%s}\n"
             % ("0" * 400)
         ),
+        lambda front: front.replace("\ntags:", "\nold_tags:") + "tags: 3\n",
+        lambda front: "1: 2\n" + front,
     ],
-    ids=["no mapping", "a top-1 past a float"],
+    ids=["no mapping", "a top-1 past a float", "tags not a list", "a key not a string"],
 )
 def test_a_card_front_matter_verify_cannot_read_is_named_not_raised(tmp_path, front):
     repo = _dp_repo(tmp_path / "repo")
     _, old, body = (repo / CARD_FILE).read_text(encoding="utf-8").split("---\n", 2)
     (repo / CARD_FILE).write_text("---\n" + front(old) + "---\n" + body, encoding="utf-8")
-    report = verify_repo(repo)  # raised ValueError, OverflowError
+    report = verify_repo(repo)  # raised ValueError, OverflowError, TypeError
     assert all(p.where == CARD_FILE for p in report.problems), report.problems

@@ -98,6 +98,7 @@ class Run:
         self.cfg, self.dist = cfg, dist
         out = Path(cfg.out)
         self.dir = out.with_name(out.name + ".run")
+        self.checkpoint_path = self.dir / "checkpoint.pt"
         _check_out(out)  # on every rank: one refusing alone would leave the others at the barrier
         if self.dir.is_symlink():  # on every rank, as _check_out
             raise ConfigError(
@@ -113,17 +114,22 @@ class Run:
             make_private_dir(self.dir)
             _hold(self.dir)
             remove_temporaries(self.dir)  # a checkpoint write a kill cut short: as large as one
+            if not self.checkpoint_path.exists():
+                # a start from step 0 is a new release, keyed by a new secret: under an earlier
+                # release's (its checkpoint deleted after its export), its noise and samples would
+                # come again, on data that may have changed, where composition counts them fresh
+                (self.dir / "seed").unlink(missing_ok=True)
             if self.dir.stat().st_mode & 0o077:  # a run folder made before it was owner-only
                 os.chmod(self.dir, 0o700)
         dist.barrier()
         self.seed = self._resolve_seed(cfg.seed)
         self.settings = {**cfg.run_settings(), "seed": self.seed}
-        self.checkpoint_path = self.dir / "checkpoint.pt"
         self.log: RunLog | None = None
 
     def _resolve_seed(self, seed: int | None) -> int:
-        """The given seed, else the secret kept in the run folder (``SECRET_BITS`` bits, in hex),
-        else a new one; rank 0 decides and every rank gets the same (as 32-bit words)."""
+        """The given seed, else the secret kept in the run folder (``SECRET_BITS`` bits, in hex)
+        for its checkpoint, else a new one; rank 0 decides and every rank gets the same (as 32-bit
+        words)."""
         if seed is not None:
             return seed
         words = SECRET_BITS // 32
@@ -171,15 +177,15 @@ class Run:
         return {k: v for k, v in self.settings.items() if k != "seed"}
 
     def _fresh_start(self) -> None:
-        """A start from step 0: the folder's settings, if a run started in it (its checkpoint
-        since removed), must be this run's, as a checkpoint's (its seed, drawn for them, would
-        key this run's noise and sampling too); and any earlier export's run id is dropped, so
-        this run's release is not counted as that one."""
+        """A start from step 0 (under a new secret, ``__init__``): the folder's settings, if a run
+        started in it (its checkpoint since removed), must be this run's, as a checkpoint's (one
+        folder, one run; --restart starts another); and any earlier export's run id is dropped,
+        so this run's release is not counted as that one."""
         path = self.dir / SETTINGS_FILE
         if self.cfg.seed is None and path.exists():
             saved = json.loads(path.read_text())
             check_settings(
-                f"{path}, whose run drew its seed,",
+                f"{path}, of the run started in this folder,",
                 saved,
                 self._unseeded(),
                 self.cfg.run_defaults(),

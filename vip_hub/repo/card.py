@@ -501,8 +501,8 @@ def load_card(
         raise RepoFormatError(f"{CARD_FILE}: {problem}")
     try:
         return ModelCard(readme, ignore_metadata_errors=not strict)
-    except ValueError as e:  # a front matter that is no mapping
-        raise RepoFormatError(f"{CARD_FILE}: {e}") from None
+    except (ValueError, TypeError) as e:  # no mapping, a key not a string, tags not a list
+        raise RepoFormatError(f"{CARD_FILE}: its front matter is no model card's ({e})") from None
 
 
 def front_matter_problem(markdown: str, limits: FrontMatterLimits) -> str | None:

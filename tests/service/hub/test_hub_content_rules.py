@@ -408,6 +408,8 @@ def test_ordinary_images_are_accepted(good, tmp_path):
         (VOCAB_FILE, b"the\n\xff\xfe", "is not UTF-8 text"),
         ("settings.yaml", b"a: [1\n", "is not valid YAML"),
         ("extra.md", b"---\n- a list\n---\ntext", "is not valid Markdown"),
+        ("extra.md", b"---\ntags: 3\n---\ntext", "is not valid Markdown"),
+        ("extra.md", b"---\n1: 2\n---\ntext", "is not valid Markdown"),
         ("curve.png", _image("PNG")[:-1], "ends before its IEND chunk"),
         ("photo.jpg", b"x" + _image("JPEG"), "does not start with the JPEG SOI marker"),
         ("photo.webp", _image("WEBP") + b"\x00\x00", "2 bytes after its RIFF data"),

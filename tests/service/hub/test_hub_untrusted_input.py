@@ -147,6 +147,17 @@ def test_validate_yaml_refuses_aliases(hub):
     assert ok.status_code == 200 and ok.json() == {"errors": [], "warnings": []}
 
 
+@pytest.mark.parametrize("front", ["tags: 3", "1: 2"], ids=["tags not a list", "a number key"])
+def test_a_front_matter_no_model_card_has_is_a_400_naming_it(hub, front):
+    """huggingface_hub's ModelCard raises TypeError on these; both routes answer 400, not 500."""
+    content = f"---\n{front}\n---\n# card\n"
+    r = httpx.post(hub.url + "/api/validate-yaml", json={"content": content})
+    assert r.status_code == 400 and "no model card's" in r.json()["errors"][0]["message"], r.text
+    HfApi(token=WRITE_TOKEN).create_repo("writer/cards", exist_ok=True)
+    r = raw_commit(hub.url, "writer/cards", {"notes/x.md": content.encode()})
+    assert r.status_code == 400 and "notes/x.md" in r.json()["error"], r.text
+
+
 def _yaml_files(folder: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)

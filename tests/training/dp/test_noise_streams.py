@@ -377,8 +377,8 @@ def test_a_run_secret_has_128_bits_and_a_run_folder_from_before_is_refused(tmp_p
     run = Run(cfg, Dist())
     text = (run.dir / "seed").read_text()
     assert len(text) == 32 and int(text, 16) == run.seed
-    assert Run(cfg, Dist()).seed == run.seed  # a resumed run reads it back
     save_checkpoint(run.checkpoint_path, {"config": run.settings, "step": 3})
+    assert Run(cfg, Dist()).seed == run.seed  # a resumed run reads it back
     assert load_checkpoint(run.checkpoint_path, run.settings)["step"] == 3
     (run.dir / "seed").write_text(str(2**61 + 12345))  # written before: a 62-bit integer
     with pytest.raises(CheckpointError, match="--restart"):

@@ -840,7 +840,8 @@ def test_a_run_folder_another_process_runs_is_refused(tmp_path: Path) -> None:
     finally:
         holder.communicate("", timeout=60)
     assert holder.returncode == 0
-    assert Run(RunConfig(out=str(out), seed=None), Dist()).seed == int(seed, 16)
+    # no checkpoint to resume: a start from step 0, under a new secret
+    assert Run(RunConfig(out=str(out), seed=None), Dist()).seed != int(seed, 16)
 
 
 def test_a_run_folder_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
@@ -933,18 +934,25 @@ def test_a_fresh_start_in_a_run_folder_that_exported_neither_reuses_its_secret_n
     syn_repo: Path, images: Path, tmp_path: Path
 ) -> None:
     """A run folder whose checkpoint is gone (deleted after the export, unreadable) starts over
-    from step 0 under the secret its first run drew: with another learning rate (no part of the
-    stage's identity) the second release reused the first one's noise and sampling, and its run
-    id, so ``compose_releases`` counted the two releases once. The settings the secret keyed
-    are checked as a checkpoint's are; and a fresh start draws a new run id (another --seed)."""
+    from step 0: with another learning rate (no part of the stage's identity) the second release
+    reused the first one's noise and sampling, and its run id, so ``compose_releases`` counted
+    the two releases once; with the same settings (the data not among them) it reused the
+    secret under a new run id, so two releases with one noise (on data that may have changed)
+    composed as independent. Now every fresh start draws a new secret and a new run id; other
+    settings are refused as a checkpoint's are."""
     from vip_hub.privacy.ledger import compose_releases
 
     out, run = tmp_path / "dp", tmp_path / "dp.run"
     settings: dict[str, Any] = dict(batch_size=8, steps=2, eval_every=100, delta=1 / 80)
     first = PrivacyLedger.read(train_vip(vip_config(syn_repo, images, out, **settings)))
+    secret = (run / "seed").read_text()
     (run / "checkpoint.pt").unlink()
     with pytest.raises(CheckpointError, match=r"other settings \(lr\).*--restart"):
         train_vip(vip_config(syn_repo, images, out, lr=2e-3, **settings))
+    again = PrivacyLedger.read(train_vip(vip_config(syn_repo, images, out, **settings)))
+    assert (run / "seed").read_text() != secret
+    assert again.stages[-1].run_id != first.stages[-1].run_id
+    (run / "checkpoint.pt").unlink()
     settings["seed"] = 1  # its own seed: the folder's secret unused, the settings alike
     train_vip(vip_config(syn_repo, images, out, restart=True, **settings))
     (run / "checkpoint.pt").unlink()
