@@ -230,13 +230,14 @@ def _card_html(store: HubStore, card: FileEntry, file_base: str) -> str:
 def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     """Every public release's DP stages that name ``dataset`` in any spelling that reads as it
     (``dataset_identity``; the default branch of each repo), and their composition at the hub's
-    one delta, each stage once: the owner's (repos in the dataset name's namespace) apart from
+    one delta, each stage once: the owner's (repos in the namespace ``dataset`` names) apart from
     other publishers'; what an adversary reading them faces. Each composition is computed once per
     change of those releases (``_composed``)."""
     store = store_of(request)
     delta = request.app.state.settings.hub.delta
-    owner = dataset.split("/")[0] if "/" in dataset else ""  # a name without one has no owner
-    owner_identity = dataset_identity(owner) if owner else None
+    # a name without one has no owner; namespaces are unique whatever their case only, so a
+    # look-alike spelling (al_ice for al-ice) is another publisher's, not the owner's
+    owner = dataset.split("/")[0] if "/" in dataset else None
     identity = dataset_identity(dataset)
     names = [n for n in store.public_dataset_names() if dataset_identity(n) == identity]
     groups: dict[bool, list[DPStage]] = {True: [], False: []}
@@ -248,7 +249,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
         sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
-        own = dataset_identity(repo.org) == owner_identity
+        own = owner is not None and repo.org.lower() == owner.lower()
         for s in ledger.dp_stages():
             if dataset_identity(s.dataset.name) == identity:
                 groups[own].append(s)

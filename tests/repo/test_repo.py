@@ -48,6 +48,7 @@ from vip_hub.privacy.ledger import (
 )
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, rounding_params
 from vip_hub.repo.artifacts import (
+    digest_file,
     read_safetensors_header,
     read_safetensors_metadata,
     rewrite_safetensors_metadata,
@@ -188,6 +189,55 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
     (chosen / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(RepoFormatError, match="spatial-b1.2-g1 is 384 wide, not 192"):
         load_encoder(chosen, verify=False)
+
+
+def _redigest(repo: Path, *names: str) -> None:
+    """Write files' new digests into the ledger's three copies, as a tamperer who owns the repo
+    would."""
+
+    def change(ledger: dict) -> dict:
+        for name in names:
+            ledger["artifacts"][name] = digest_file(repo / name, name)
+        return ledger
+
+    rewrite_ledger_copies(repo, change)
+
+
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("num_params", "abc", "num_params is 'abc', not the"),
+        ("num_params", 10**30, f"num_params is {10**30}, not the"),
+        ("num_params", 7, "num_params is 7, not the"),
+        ("num_params", 1e3, "num_params is 1000.0, not the"),
+        ("feature_dims", "x", "feature_dims is 'x', not an object of feature modes"),
+        ("feature_dims", {}, "feature_dims is {}, not an object of feature modes"),
+        ("feature_dims", {"avg": "wide"}, "gives 'avg' the width 'wide', not a positive integer"),
+        ("feature_dims", {"avg": True}, "gives 'avg' the width True, not a positive integer"),
+        ("feature_dims", {"avg": 0}, "gives 'avg' the width 0, not a positive integer"),
+        ("feature_dims", {"spatial-b2.1-g1": 3}, "list the blocks in increasing order"),
+    ],
+)
+def test_a_config_block_its_weights_and_readers_cannot_back_is_refused(tiny_repo, key, value, why):
+    """The hub's pages show ``num_params`` and the service's model list ``feature_dims``: such a
+    repo (its config digest rewritten into its ledger) verified, then failed the hub's front page
+    and /v1/models for every visitor. ``num_params`` is recomputed from the weights' header."""
+    assert verify_repo(tiny_repo).ok
+    config = json.loads((tiny_repo / CONFIG_FILE).read_text())
+    config["vip_hub"][key] = value
+    (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
+    _redigest(tiny_repo, CONFIG_FILE)
+    _fails(tiny_repo, f"{CONFIG_FILE}: vip_hub.", why)
+
+
+def test_head_labels_that_are_no_class_names_are_refused(tmp_path):
+    repo = tiny_repo_with_head(tmp_path / "repo")
+    labels_file, path = head_file("toy", HEAD_LABELS), repo / head_file("toy")
+    (repo / labels_file).write_text("[1, 2, 3]")
+    meta = read_safetensors_metadata(path)
+    rewrite_safetensors_metadata(path, {**meta, META_LABELS: "[1, 2, 3]"})
+    _redigest(repo, labels_file)
+    _fails(repo, f"{head_file('toy')}: its labels are [1, 2, 3], not a list of class names")
 
 
 def test_card_parses_with_huggingface_hub(tiny_repo):
@@ -498,8 +548,12 @@ def test_a_ledger_holding_nan_or_infinity_is_refused_naming_the_field(tiny_repo,
         tiny_repo,
         *[
             f"{copy}: ledger copy unreadable: invalid privacy ledger: {name}: {value} is not"
-            for copy in (LEDGER_FILE, WEIGHTS_FILE, CARD_FILE)
+            for copy in (LEDGER_FILE, WEIGHTS_FILE)
         ],
+        # the card's front matter is refused before its ledger is read: JSON has no NaN
+        f"{CARD_FILE}: its front matter's differential_privacy."
+        + name.replace("stages.1", "stages[1]")
+        + " is not a finite number",
     )
     assert "disagrees" not in text
 

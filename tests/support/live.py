@@ -38,6 +38,7 @@ TEST_ORGS = (
     "multi",
     "org",
     "other",
+    "pa-ges",
     "pages",
     "pg",
     "pin",

@@ -496,13 +496,35 @@ def load_card(
 ) -> ModelCard:
     """huggingface_hub's ModelCard of ``readme``, once its front matter is known to be within
     ``limits`` (default: ``FrontMatterLimits()``; ``yaml_problem``); ``strict`` refuses bad
-    metadata."""
+    metadata; a value JSON cannot carry (NaN, an infinity), which the hub's index and model list
+    would serve, is refused."""
     if problem := front_matter_problem(readme, limits or FrontMatterLimits()):
         raise RepoFormatError(f"{CARD_FILE}: {problem}")
     try:
-        return ModelCard(readme, ignore_metadata_errors=not strict)
+        card = ModelCard(readme, ignore_metadata_errors=not strict)
     except (ValueError, TypeError) as e:  # no mapping, a key not a string, tags not a list
-        raise RepoFormatError(f"{CARD_FILE}: its front matter is no model card's ({e})") from None
+        raise RepoFormatError(
+            f"{CARD_FILE}: its front matter is not a model card's metadata ({e})"
+        ) from None
+    if where := _nonfinite(card.data.to_dict()):
+        raise RepoFormatError(
+            f"{CARD_FILE}: its front matter's {where} is not a finite number (JSON has none)"
+        )
+    return card
+
+
+def _nonfinite(value: Any, where: str = "") -> str | None:
+    """Where in ``value`` (parsed YAML, nested within the front matter's limits) a float is NaN
+    or infinite (``a.b[0]``), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    if isinstance(value, dict):
+        inner = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+    elif isinstance(value, list):
+        inner = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    return next(filter(None, (_nonfinite(v, at) for at, v in inner)), None)
 
 
 def front_matter_problem(markdown: str, limits: FrontMatterLimits) -> str | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ from ..errors import (
     VerificationError,
 )
 from ..models.encoders import EncoderSpec
+from ..models.features import SpatialMode
 from ..paths import tree_path_problems, validate_relpath
 from ..privacy.accounting import (
     NOISE_SAMPLERS,
@@ -487,7 +489,8 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
         return {}
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
-        arch = read_safetensors_metadata(files[WEIGHTS_FILE]).get(META_ARCH)
+        header = read_safetensors_header(files[WEIGHTS_FILE])[0]
+        arch = header_metadata(header).get(META_ARCH)
     except (ValueError, OSError, RecursionError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
         return {}
@@ -508,8 +511,35 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
             EncoderSpec.from_config(config)
         except (ConfigError, RepoFormatError) as e:
             report.fail(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: "))
+        if problem := _block_problem(block, header):
+            report.fail(CONFIG_FILE, problem)
     report.checks.append("config matches weights")
     return config if isinstance(config, dict) else {}
+
+
+def _block_problem(block: Mapping[str, Any], header: Mapping[str, Any]) -> str | None:
+    """Why the configuration's own block states what the weights (their safetensors ``header``)
+    do not, or in a form its readers (the hub's pages, the service's model list) cannot take."""
+    count = sum(math.prod(t["shape"]) for t in header_tensors(header).values())
+    params = block.get("num_params")
+    if type(params) is not int or params != count:
+        shown = reprlib.repr(params)
+        return f"{CONFIG_BLOCK}.num_params is {shown}, not the {count} of {WEIGHTS_FILE}"
+    dims = block.get("feature_dims")
+    if not isinstance(dims, dict) or not dims:
+        shown = reprlib.repr(dims)
+        return f"{CONFIG_BLOCK}.feature_dims is {shown}, not an object of feature modes"
+    for mode, width in dims.items():
+        try:
+            SpatialMode.parse(mode)  # None for a mode not spatial
+        except ConfigError as e:
+            return f"{CONFIG_BLOCK}.feature_dims: {e}"
+        if type(width) is not int or width < 1:
+            return (
+                f"{CONFIG_BLOCK}.feature_dims gives {mode!r} the width "
+                f"{reprlib.repr(width)}, not a positive integer"
+            )
+    return None
 
 
 def _check_heads(
@@ -541,7 +571,9 @@ def _check_heads(
         except (KeyError, ValueError, OSError, RecursionError) as e:
             report.fail(where, f"not a readable head ({type(e).__name__}: {e})", TamperedFileError)
             continue
-        if labels != listed:
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            report.fail(where, f"its labels are {reprlib.repr(labels)}, not a list of class names")
+        elif labels != listed:
             report.fail(where, f"its metadata's labels are not {labels_file}'s", TamperedFileError)
         elif pooling != bound:
             report.fail(

@@ -147,15 +147,27 @@ def test_validate_yaml_refuses_aliases(hub):
     assert ok.status_code == 200 and ok.json() == {"errors": [], "warnings": []}
 
 
-@pytest.mark.parametrize("front", ["tags: 3", "1: 2"], ids=["tags not a list", "a number key"])
-def test_a_front_matter_no_model_card_has_is_a_400_naming_it(hub, front):
-    """huggingface_hub's ModelCard raises TypeError on these; both routes answer 400, not 500."""
+@pytest.mark.parametrize(
+    "front, why",
+    [
+        ("tags: 3", "not a model card's metadata"),
+        ("1: 2", "not a model card's metadata"),
+        ("extra: .nan", "front matter's extra is not a finite number"),
+        ("extra: {a: [1, -.inf]}", "front matter's extra.a[1] is not a finite number"),
+    ],
+    ids=["tags not a list", "a number key", "NaN", "an infinity"],
+)
+def test_a_front_matter_the_hub_cannot_take_is_a_400_naming_it(hub, front, why):
+    """huggingface_hub's ModelCard raised TypeError on the first two, and the index stored the
+    others' NaN, which then failed every /api/models page that listed the repo: each route
+    answers 400, naming the file and what is wrong."""
     content = f"---\n{front}\n---\n# card\n"
     r = httpx.post(hub.url + "/api/validate-yaml", json={"content": content})
-    assert r.status_code == 400 and "no model card's" in r.json()["errors"][0]["message"], r.text
+    assert r.status_code == 400 and why in r.json()["errors"][0]["message"], r.text
     HfApi(token=WRITE_TOKEN).create_repo("writer/cards", exist_ok=True)
     r = raw_commit(hub.url, "writer/cards", {"notes/x.md": content.encode()})
     assert r.status_code == 400 and "notes/x.md" in r.json()["error"], r.text
+    assert why in r.json()["error"], r.text
 
 
 def _yaml_files(folder: Path, files: dict[str, str]) -> Path:

@@ -170,6 +170,18 @@ def test_names_that_read_alike_are_one_dataset_on_its_page(hub, tmp_path: Path) 
     assert "/other/alike" in others.split('id="other-publishers"')[1]
 
 
+def test_a_namespace_that_only_reads_as_the_owners_is_another_publisher(hub, tmp_path) -> None:
+    """Namespaces are unique whatever their case, not their separators: ``pa-ges`` may be another
+    user than ``pa_ges``, whose dataset name reads alike (one dataset: the stages compose), so on
+    ``pa_ges``'s page its releases are another publisher's; on its own name's page, its own."""
+    publish(tmp_path, "pa-ges/lookalike", stage("pa_ges/lookalike", new_run_id()))
+    page = httpx.get(f"{hub.url}/datasets/pa_ges/lookalike", timeout=60).text
+    owners, others = page.split('id="other-publishers"')
+    assert "/pa-ges/lookalike" not in owners and "/pa-ges/lookalike" in others
+    page = httpx.get(f"{hub.url}/datasets/PA-ges/lookalike", timeout=60).text
+    assert 'id="other-publishers"' not in page and "/pa-ges/lookalike" in page
+
+
 def test_an_import_without_run_id_is_identified_by_its_mechanism() -> None:
     """Stages without a run id (imports, older ledgers) count once per mechanism, whatever delta,
     name or texts a copy restates; any other mechanism is another stage."""
