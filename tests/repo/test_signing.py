@@ -20,7 +20,7 @@ from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 from service.store.shared import trust_key
 from vip_hub import export_encoder
 from vip_hub.cli.main import main
-from vip_hub.errors import ConfigError, SignatureError, UntrustedSignerError
+from vip_hub.errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
@@ -258,6 +258,32 @@ def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
             dist.close()
         assert verify_signature(out, load_keys([alice[1]])).name == "alice"
         assert "signing_key" not in run.settings  # another key resumes the same run
+
+
+def test_a_training_run_refuses_a_key_it_cannot_sign_with_before_it_trains(tmp_path, monkeypatch):
+    """The key was first read once the export had replaced --out: after the whole training, the
+    earlier (signed) repo there was gone, an unsigned one in its place, and the run failed."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    out, not_pem = tmp_path / "run-repo", tmp_path / "not.key"
+    not_pem.write_text("not a key")
+    cases = [
+        (str(tmp_path / "missing.key"), None, MissingInputError, "no such private key file"),
+        (None, str(tmp_path / "missing.key"), MissingInputError, "no such private key file"),
+        (str(not_pem), None, ConfigError, "not an unencrypted PEM private key"),
+    ]
+    for key, env, error, message in cases:
+        if env:
+            monkeypatch.setenv("VIP_HUB_SIGNING_KEY", env)
+        dist = Dist.from_env("cpu")
+        try:
+            with pytest.raises(error, match=message):
+                Run(RunConfig(out=str(out), signing_key=key), dist)
+        finally:
+            dist.close()
+    assert not out.with_name(out.name + ".run").exists()  # refused before its run folder
 
 
 @pytest.fixture(scope="module")

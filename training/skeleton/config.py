@@ -50,6 +50,7 @@ __all__ = [
     "config_from_args",
     "field_help",
     "recipe_main",
+    "run_folder",
     "tenth_of_steps",
     "tenth_of_steps_to_1000",
     "two_fifths_of_steps",
@@ -202,14 +203,27 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         return self
 
 
+def run_folder(out: Path) -> Path:
+    """The run folder of a run exporting to ``out`` (its secret seed, checkpoints): ``OUT.run``."""
+    return out.with_name(out.name + ".run")
+
+
 def check_outside_data(option: str, folder: str, data: str) -> None:
-    """ValueError when the repo ``folder`` (given as ``option``) lies inside the private ``data``:
-    the release (and a run's folder, its secret seed) would be written among the private
-    examples, and a later run on ``data`` would count its files as examples."""
-    if Path(folder).resolve().is_relative_to(Path(data).resolve()):
+    """ValueError when the repo ``folder`` (given as ``option``) and the private ``data`` overlap:
+    a release (and a run's folder, its secret seed) inside ``data`` would be written among the
+    private examples, which a later run would count; ``data`` inside ``folder`` or its run folder
+    would be deleted by the export, which replaces ``folder`` whole, or by --restart."""
+    out, private = Path(folder).resolve(), Path(data).resolve()
+    if out.is_relative_to(private):
         raise ValueError(
             f"{option} {folder} is inside --data {data}: the release would be written among the "
             "private examples; give a folder outside it"
+        )
+    if private.is_relative_to(out) or private.is_relative_to(run_folder(out)):
+        raise ValueError(
+            f"--data {data} is inside {option} {folder} or its run folder "
+            f"{run_folder(out).name}: the export replaces the one whole and --restart deletes "
+            "the other, with the private examples in them; give folders apart"
         )
 
 

@@ -27,12 +27,12 @@ from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, remove_temporaries, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import export_encoder
-from vip_hub.repo.signing import SIGNING_KEY_ENV, sign_repo
+from vip_hub.repo.signing import SIGNING_KEY_ENV, load_signing_key, sign_repo
 from vip_hub.repo_format import CURVES_FILE, LEDGER_FILE
 
 from ..dp.sampling import SECRET_BITS, new_secret
 from .checkpoint import check_settings, load_checkpoint, save_checkpoint
-from .config import RunConfig
+from .config import RunConfig, run_folder
 from .distributed import Dist
 from .optim import make_adamw, warmup_cosine
 from .runlog import RunLog, plot_curves
@@ -97,7 +97,7 @@ class Run:
     def __init__(self, cfg: RunConfig, dist: Dist):
         self.cfg, self.dist = cfg, dist
         out = Path(cfg.out)
-        self.dir = out.with_name(out.name + ".run")
+        self.dir = run_folder(out)
         self.checkpoint_path = self.dir / "checkpoint.pt"
         _check_out(out)  # on every rank: one refusing alone would leave the others at the barrier
         if self.dir.is_symlink():  # on every rank, as _check_out
@@ -106,6 +106,8 @@ class Run:
                 "written where it is; give an --out whose run folder is a plain folder"
             )
         if dist.main:
+            if key := self.signing_key():
+                load_signing_key(key, out)  # refused now, not once the export replaced --out
             if cfg.restart and self.dir.exists():
                 _hold(self.dir)  # not under a process still running it
                 # the seed first: a restart killed part way leaves no secret without its settings
@@ -271,13 +273,17 @@ class Run:
                 self.log.close()
         return self.log.records() if self.log is not None else []
 
+    def signing_key(self) -> str | None:
+        """The private key the export signs with: ``signing_key``, else ``VIP_HUB_SIGNING_KEY``,
+        else None (unsigned)."""
+        return self.cfg.signing_key or os.environ.get(SIGNING_KEY_ENV) or None
+
     def export(self, write: Callable[[], Any]) -> Path:
         """Write the released repo on rank 0 and sign it with ``signing_key`` (else
         ``VIP_HUB_SIGNING_KEY``) if either is set; every rank waits for it. Returns its folder."""
         if self.dist.main:
             write()
-            key = self.cfg.signing_key or os.environ.get(SIGNING_KEY_ENV)
-            if key:
+            if key := self.signing_key():
                 sign_repo(self.cfg.out, key)
         self.dist.barrier()
         return Path(self.cfg.out)

@@ -44,6 +44,7 @@ __all__ = [
     "create_key",
     "default_key_dir",
     "load_keys",
+    "load_signing_key",
     "sign_repo",
     "verify_signature",
 ]
@@ -150,13 +151,14 @@ def load_keys(paths: Iterable[str | os.PathLike[str]]) -> list[PublicKey]:
     return keys
 
 
-def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> str:
-    """Sign every file of repo ``folder`` but its signature into ``folder``/``SIGNATURE_FILE``
-    (replacing any earlier one); returns the signing key's fingerprint."""
-    from model_signing import signing
-
-    folder, private_key = Path(folder).resolve(), Path(private_key)
-    if private_key.resolve().is_relative_to(folder):
+def load_signing_key(
+    private_key: str | os.PathLike[str], folder: str | os.PathLike[str]
+) -> ec.EllipticCurvePrivateKey:
+    """The EC private key ``sign_repo`` signs the repo ``folder`` with (a readable, unencrypted
+    PEM file outside it), else a ConfigError or MissingInputError naming what is wrong: a
+    training run checks it before it trains, not once its export has replaced the repo."""
+    private_key = Path(private_key)
+    if private_key.resolve().is_relative_to(Path(folder).resolve()):
         raise ConfigError(
             f"{private_key} lies inside the repo {folder}: it would be published with it"
         )
@@ -174,6 +176,16 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
         raise ConfigError(
             f"{private_key}: not an elliptic-curve key (model-signing signs with EC keys)"
         )
+    return key
+
+
+def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> str:
+    """Sign every file of repo ``folder`` but its signature into ``folder``/``SIGNATURE_FILE``
+    (replacing any earlier one); returns the signing key's fingerprint."""
+    from model_signing import signing
+
+    folder, private_key = Path(folder).resolve(), Path(private_key)
+    key = load_signing_key(private_key, folder)
     files = repo_files(folder)
     files.pop(SIGNATURE_FILE, None)
     tmp = folder / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"

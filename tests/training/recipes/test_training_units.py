@@ -640,6 +640,25 @@ def test_an_out_folder_inside_the_private_data_is_refused(tmp_path) -> None:
     ProbeConfig(data=str(data), dataset_name="test/d", encoder="vip/x")  # a hub id: no folder
 
 
+def test_private_data_inside_the_out_folder_or_its_run_folder_is_refused(tmp_path) -> None:
+    """``--data W/cats.run`` with ``--out W/cats`` was taken: the run wrote its lock into the data
+    folder, and --restart deleted the folder with every private image in it; ``--data`` inside
+    an earlier export at ``--out`` was deleted by the export, which replaces ``--out`` whole."""
+    for out, data in (
+        (tmp_path / "cats", tmp_path / "cats.run"),
+        (tmp_path / "cats", tmp_path / "cats.run" / "images"),
+        (tmp_path / "repo", tmp_path / "repo" / "private"),
+    ):
+        with pytest.raises(ValidationError, match="is inside --out .* or its run folder"):
+            VipConfig(init="i", data=str(data), out=str(out), dataset_name="test/d")
+    VipConfig(
+        init="i",
+        data=str(tmp_path / "cats.runs"),
+        out=str(tmp_path / "cats"),
+        dataset_name="test/d",
+    )
+
+
 def test_an_out_folder_overlapping_the_init_repo_is_refused(tmp_path) -> None:
     """The export replaces ``--out`` whole: an ``--out`` equal to ``--init`` (or holding it, or
     inside it) replaced the prior the run started from by the release. Refused naming both; a
