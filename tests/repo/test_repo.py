@@ -240,6 +240,26 @@ def test_head_labels_that_are_no_class_names_are_refused(tmp_path):
     _fails(repo, f"{head_file('toy')}: its labels are [1, 2, 3], not a list of class names")
 
 
+def test_a_repo_behind_a_symbolic_link_is_written_where_it_points(tmp_path):
+    """The swap renamed the new folder onto the link itself (NotADirectoryError): an export to an
+    --out that is a link, or a head added through one, failed once the training was done."""
+    from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    export_encoder(link, tiny_encoder(), TINY, [synthetic_stage()], model_name="r", overwrite=True)
+    assert link.is_symlink() and verify_repo(real).ok
+    stage = NonPrivateStage(
+        name="linear-probe:toy",
+        component=head_component("toy"),
+        dataset=Dataset(name="toy-labels", size=30),
+        private_data=True,
+    )
+    save_head(link, LinearProbe(192, 3).eval(), HeadInfo("toy", "avg", ["a", "b", "c"]), stage)
+    assert link.is_symlink() and (real / head_file("toy")).is_file() and verify_repo(link).ok
+
+
 def test_card_parses_with_huggingface_hub(tiny_repo):
     card = ModelCard.load(tiny_repo / CARD_FILE)
     data = card.data.to_dict()

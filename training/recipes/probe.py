@@ -33,6 +33,7 @@ import math
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,9 +298,21 @@ class ProbeConfig(HeadData, WeakDeltaOption):
 
     @model_validator(mode="after")
     def _repo_outside_data(self) -> ProbeConfig:
+        folder = Path(self.encoder).resolve() if Path(self.encoder).is_dir() else None
         if self.out is not None:
             check_outside_data("--out", self.out, self.data)
-        elif self.encoder and Path(self.encoder).is_dir():  # the head goes into its folder
+            out = Path(self.out).resolve()
+            if (
+                folder is not None
+                and out != folder
+                and (out.is_relative_to(folder) or folder.is_relative_to(out))
+            ):
+                raise ValueError(
+                    f"--out {self.out} and the encoder folder {self.encoder} overlap: the copy "
+                    "with the head would be written into the encoder's repo (or hold it); give "
+                    "the encoder folder itself or a folder apart from it"
+                )
+        elif folder is not None:  # the head goes into its folder
             check_outside_data("the encoder folder", self.encoder, self.data)
         return self
 
@@ -815,13 +828,35 @@ def _export(
         if out.resolve() != src.resolve():
             if out.exists():
                 raise ConfigError(f"{out} exists; give the encoder folder itself or a new --out")
-            shutil.copytree(src, out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            try:  # the copy with its head appears at --out whole, or not at all
+                shutil.copytree(src, tmp, dirs_exist_ok=True)
+                _save(cfg, tmp, head, classes, stage, public_top1, n_train)
+                tmp.rename(out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return out
     elif Path(cfg.encoder).is_dir():
         out = src
     else:
         raise ConfigError(
             "the encoder came from a hub: pass --out DIR to write a repo folder with the head"
         )
+    _save(cfg, out, head, classes, stage, public_top1, n_train)
+    return out
+
+
+def _save(
+    cfg: ProbeConfig,
+    out: Path,
+    head: LinearProbe,
+    classes: list[str],
+    stage: NonPrivateStage | DPStage,
+    public_top1: float | None,
+    n_train: int,
+) -> None:
+    """``save_head`` of the head into the repo ``out``, with its metrics and card result."""
     dp_note = f", DP epsilon {stage.epsilon:.3g}" if isinstance(stage, DPStage) else ", no DP"
     metrics: dict[str, object] = {
         "train_size": n_train,
@@ -837,4 +872,3 @@ def _export(
             f"top-1, linear probe '{cfg.head}' ({cfg.pooling} features{dp_note})",
         )
     save_head(out, head, HeadInfo(cfg.head, cfg.pooling, classes, metrics), stage, result)
-    return out

@@ -390,7 +390,9 @@ def _write_new(path: Path, data: bytes) -> None:
 
 def _atomic_dir(target: Path, fill: Any, *, fresh: bool) -> None:
     """Build the new contents of ``target`` in a sibling temp dir, then swap it in (``replace_dir``:
-    a crash leaves the old folder or the new one at ``target``, never neither)."""
+    a crash leaves the old folder or the new one at ``target``, never neither); a ``target`` that
+    is a symbolic link has the folder it points to replaced, the link kept."""
+    target = target.resolve() if target.is_symlink() else target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

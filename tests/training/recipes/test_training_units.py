@@ -659,6 +659,21 @@ def test_private_data_inside_the_out_folder_or_its_run_folder_is_refused(tmp_pat
     )
 
 
+def test_a_probe_out_overlapping_the_encoder_folder_is_refused(tmp_path) -> None:
+    """A probe's ``--out`` inside the encoder folder: the copy with the head was written into
+    the encoder's repo, which then no longer verified (files its ledger does not list)."""
+    from training.recipes.probe import ProbeConfig
+
+    data, encoder = tmp_path / "x" / "data", tmp_path / "y" / "enc"
+    encoder.mkdir(parents=True)
+    named = {"data": str(data), "dataset_name": "test/d", "encoder": str(encoder)}
+    for out in (encoder / "with-head", tmp_path / "y"):
+        with pytest.raises(ValidationError, match="and the encoder folder .* overlap"):
+            ProbeConfig(**named, out=str(out))
+    for out in (encoder, tmp_path / "y" / "apart"):  # the folder itself, or one apart
+        ProbeConfig(**named, out=str(out))
+
+
 def test_an_out_folder_overlapping_the_init_repo_is_refused(tmp_path) -> None:
     """The export replaces ``--out`` whole: an ``--out`` equal to ``--init`` (or holding it, or
     inside it) replaced the prior the run started from by the release. Refused naming both; a
