@@ -240,6 +240,26 @@ def test_head_labels_that_are_no_class_names_are_refused(tmp_path):
     _fails(repo, f"{head_file('toy')}: its labels are [1, 2, 3], not a list of class names")
 
 
+def test_overwrite_replaces_a_released_repo_or_an_empty_folder_only(tmp_path):
+    """``overwrite=True`` (``vip-hub import-mae --overwrite``) replaced whatever ``out_dir`` named:
+    a folder of a user's files was deleted for the repo."""
+
+    def export(out: Path) -> Path:
+        return export_encoder(
+            out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r", overwrite=True
+        )
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "thesis.tex").write_text("precious")
+    with pytest.raises(ConfigError, match="docs exists and is not a released repo"):
+        export(docs)
+    assert (docs / "thesis.tex").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    export(tmp_path / "empty")
+    assert verify_repo(export(tmp_path / "empty")).ok  # the repo now there, replaced
+
+
 def test_a_repo_behind_a_symbolic_link_is_written_where_it_points(tmp_path):
     """The swap renamed the new folder onto the link itself (NotADirectoryError): an export to an
     --out that is a link, or a head added through one, failed once the training was done."""

@@ -26,9 +26,9 @@ from vip_hub.errors import CheckpointError, ConfigError
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, remove_temporaries, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
-from vip_hub.repo.files import export_encoder
+from vip_hub.repo.files import check_replaceable, export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, load_signing_key, sign_repo
-from vip_hub.repo_format import CURVES_FILE, LEDGER_FILE
+from vip_hub.repo_format import CURVES_FILE
 
 from ..dp.sampling import SECRET_BITS, new_secret
 from .checkpoint import check_settings, load_checkpoint, save_checkpoint
@@ -78,19 +78,6 @@ def _hold(folder: Path) -> None:
     _HELD[folder] = fd
 
 
-def _check_out(out: Path) -> None:
-    """``out`` may be absent, an empty folder or an earlier export (its ledger): the export
-    replaces it whole, so a folder of anything else would be deleted after training."""
-    if not out.exists() or (
-        out.is_dir() and ((out / LEDGER_FILE).is_file() or not any(out.iterdir()))
-    ):
-        return
-    raise ConfigError(
-        f"--out {out} exists and is not a released repo (no {LEDGER_FILE}) nor an empty folder: "
-        "the export replaces it whole; give a new or empty folder"
-    )
-
-
 class Run:
     """One training run of ``cfg`` on the process group ``dist``."""
 
@@ -99,8 +86,9 @@ class Run:
         out = Path(cfg.out)
         self.dir = run_folder(out)
         self.checkpoint_path = self.dir / "checkpoint.pt"
-        _check_out(out)  # on every rank: one refusing alone would leave the others at the barrier
-        if self.dir.is_symlink():  # on every rank, as _check_out
+        # on every rank: one refusing alone would leave the others at the barrier
+        check_replaceable(out)
+        if self.dir.is_symlink():  # on every rank, as check_replaceable
             raise ConfigError(
                 f"{self.dir} is a symbolic link: a run folder holds the run's secret seed, "
                 "written where it is; give an --out whose run folder is a plain folder"

@@ -67,6 +67,7 @@ __all__ = [
     "Release",
     "can_caption",
     "check_feature_dims",
+    "check_replaceable",
     "declared_spatial",
     "export_encoder",
     "load_image_memory",
@@ -88,6 +89,19 @@ class Release(TypedDict, total=False):
     summary: str
     license: str
     overwrite: bool
+
+
+def check_replaceable(out: Path) -> None:
+    """ConfigError unless ``out`` may be replaced whole by an export: absent, an empty folder or
+    an earlier export (its ledger); a folder of anything else would be deleted."""
+    if not out.exists() or (
+        out.is_dir() and ((out / LEDGER_FILE).is_file() or not any(out.iterdir()))
+    ):
+        return
+    raise ConfigError(
+        f"{out} exists and is not a released repo (no {LEDGER_FILE}) nor an empty folder: the "
+        "export replaces it whole; give a new or empty folder"
+    )
 
 
 def export_encoder(
@@ -123,6 +137,7 @@ def export_encoder(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
+    check_replaceable(out)
     _check_text_parts(spec, model, text_decoder, vocab)
     tensors = _encoder_tensors(model, weights_dtype)
     memory = text_decoder.memory if text_decoder is not None else None
