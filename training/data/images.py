@@ -11,9 +11,9 @@ shard).
 addressed by a stable index (sorted paths, tar order, or the order of the lines), which
 Poisson sampling needs. No hash of the contents is kept: a released ledger names a dataset by its
 declared name only (a plain hash would let anyone confirm a candidate dataset). Anything
-malformed is a DataError naming the file: every image's header is read when the data is opened
-(not an image, or over ``MAX_PIXELS``, is refused before n is counted), and a file that cannot be
-read later (gone since) is one too.
+malformed is a DataError naming the file: every image is decoded when the data is opened (not
+an image, over ``MAX_PIXELS``, truncated or corrupt, is refused before n is counted), and a file
+that cannot be read later (gone since) is one too.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import IO, Protocol, cast
 import torch
 from PIL import Image
 from torchvision.transforms import v2
+from tqdm.auto import tqdm
 
 from vip_hub.errors import DataError, MissingInputError, UnsafePathError
 from vip_hub.images import to_rgb
@@ -129,11 +130,13 @@ def _where(shard: Path, member: str) -> str:
 
 
 def _each_an_image(files: Sequence[Path]) -> None:
-    """DataError unless every path of ``files`` is a file of its own (``_one_name_each``) whose
-    header is an image's within ``MAX_PIXELS`` (``_header``): n counts only examples that decode."""
+    """DataError unless every path of ``files`` is a file of its own (``_one_name_each``) that
+    decodes whole as ``load`` decodes it (within ``MAX_PIXELS``, no truncated or corrupt body):
+    n counts only examples that load, and a bad file is found when the data is opened, not at
+    the step that first samples it (one decoding pass, about an epoch's)."""
     _one_name_each(files)
-    for path in files:
-        _header(path, str(path)).close()
+    for path in tqdm(files, desc="checking images", unit="img", leave=False, disable=None):
+        PrivateImages._decode(_read(path, str(path)), str(path)).close()
 
 
 def _one_name_each(files: Sequence[Path]) -> None:
@@ -246,7 +249,7 @@ class TarShards(PrivateCaptions):
                             )
                         if "." + ext in IMAGE_EXTENSIONS:
                             data = cast(IO[bytes], tar.extractfile(m))  # a regular file's
-                            _header(data, _where(shard, m.name)).close()
+                            PrivateImages._decode(data.read(), _where(shard, m.name)).close()
                         stored.add(m.name)
                         if "." + ext in IMAGE_EXTENSIONS and not captions:
                             self._add(s, m)

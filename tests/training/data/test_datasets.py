@@ -7,6 +7,7 @@ vocabulary and public captions made from the class names alone."""
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import secrets
 import stat
@@ -405,12 +406,32 @@ def _too_many_pixels(folder: Path) -> tuple[str, str]:
     return "b.png", r"b\.png: 9000x9000 pixels is over the 64000000 limit"
 
 
-@pytest.mark.parametrize("bad", [_not_an_image, _too_many_pixels])
+def _truncated(kind: str) -> Callable[[Path], tuple[str, str]]:
+    """An image of format ``kind`` cut short (a download broken off): its header reads, its body
+    does not decode; it was counted in n and refused at the step that first sampled it."""
+
+    def bad(folder: Path) -> tuple[str, str]:
+        noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        data = io.BytesIO()
+        Image.fromarray(noise).save(data, kind)
+        name = f"b.{kind.lower()}"
+        (folder / name).write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+        return name, rf"cannot decode image .*b\.{kind.lower()}"
+
+    return bad
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [_not_an_image, _too_many_pixels, _truncated("PNG"), _truncated("JPEG")],
+    ids=["not an image", "too many pixels", "truncated PNG", "truncated JPEG"],
+)
 def test_a_file_that_is_no_usable_image_is_refused_at_open_naming_it(
     bad: Callable[[Path], tuple[str, str]], tmp_path: Path
 ) -> None:
     """n counts examples the engine will decode: a file named as an image whose header is none
-    (an empty download, an HTML page) or over the pixel limit is refused when the data is opened,
+    (an empty download, an HTML page), over the pixel limit, or whose body does not decode is
+    refused when the data is opened,
     in a folder, a tar shard or a captions.jsonl, not when first sampled, after noise was spent."""
     folder = tmp_path / "folder"
     folder.mkdir()
