@@ -103,6 +103,8 @@ def _synth_preview(args: argparse.Namespace) -> int:
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
         raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")
+    if args.seed < 0:
+        raise CommandError(f"--seed {args.seed}: a seed is a non-negative integer")
     from PIL import Image
 
     out = Path(args.out)

@@ -230,6 +230,18 @@ def test_import_names_wrong_shapes_missing_and_unexpected_keys(reference, tmp_pa
             stages=[synthetic_stage()],
             model_name="x",
         )
+    for vocab, error in ((tmp_path / "none.txt", MissingInputError), (tmp_path, ConfigError)):
+        with pytest.raises(error, match=f"{vocab}: .*vocabulary file"):  # was an OSError, late
+            import_dpcap_checkpoint(
+                path,
+                tmp_path / "d",
+                arch=ARCH,
+                img_size=IMG,
+                vocab=vocab,
+                stages=[synthetic_stage()],
+                model_name="x",
+            )
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize(
@@ -586,6 +598,10 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     assert "labels[1] is empty" in capsys.readouterr().err
     assert main(["caption", str(out), str(tmp_path / "missing.png")]) == 1
     assert "missing.png: no such image file" in capsys.readouterr().err
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (14_000, 14_000)).save(bomb)  # a few kB, past Pillow's bomb limit
+    assert main(["caption", str(out), str(bomb)]) == 1  # was DecompressionBombError's traceback
+    assert "bomb.png: not a readable image" in capsys.readouterr().err
 
 
 def test_probe_trains_on_dpcap_features(repo, tmp_path):

@@ -116,6 +116,8 @@ def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, c
     for out in (tmp_path, tmp_path / "sheet.notanext", file / "sheet.png", folder):
         _one_line_error(cli("synth-preview", "--out", out, *small), "synth-preview", str(out))
     assert file.read_text() == "mine" and not any(folder.iterdir())
+    negative = cli("synth-preview", "--out", tmp_path / "s.png", "--seed", "-1", *small)
+    _one_line_error(negative, "synth-preview", "--seed -1")  # was numpy's ValueError
     good = tmp_path / "sheet.jpg"
     assert cli("synth-preview", "--out", good, *small).returncode == 0 and good.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "sheet.jpg", "sheet.png"]

@@ -418,7 +418,7 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
                 images.append(to_rgb(img).copy())  # to_rgb may return img, which closing empties
         except FileNotFoundError:
             raise MissingInputError(f"{path}: no such image file") from None
-        except (UnidentifiedImageError, OSError) as e:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise CommandError(f"{path}: not a readable image ({e})") from None
     return model, images
 

@@ -33,7 +33,7 @@ from typing import Any, Unpack
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, MissingInputError
 from ..models.encoders import (
     DEFAULT_IMG_SIZE,
     EncoderSpec,
@@ -559,12 +559,16 @@ def import_dpcap_checkpoint(
     if spec.family.name != "dpcap":
         raise ConfigError(f"{arch} is not a DP-Cap architecture (dpcap-*)")
     _check_out(checkpoint, out_dir)
+    try:  # before the checkpoint, which takes a while to load
+        vocab_bytes = None if vocab is None else Path(vocab).read_bytes()
+    except FileNotFoundError:
+        raise MissingInputError(f"{vocab}: no such vocabulary file") from None
+    except OSError as e:  # a folder, an unreadable file
+        raise ConfigError(f"{vocab}: cannot read the vocabulary file ({e.strerror})") from None
     state = load_reference_checkpoint(checkpoint)
     encoder_sd, config, decoder_sd = split_dpcap_state_dict(state, spec, decoder_heads)
     _refuse_nonfinite(checkpoint, state, _DPCAP_UNUSED)
-    vocab_bytes = None
-    if vocab is not None:
-        vocab_bytes = Path(vocab).read_bytes()
+    if vocab_bytes is not None:
         tok = CaptionTokenizer(vocab_bytes, max_length=config.max_length)
         config = TextDecoderConfig.from_dict(
             {**config.to_dict(), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
