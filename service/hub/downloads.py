@@ -51,7 +51,9 @@ async def resolve(
         if remote is not None:
             headers.update({"X-Linked-Etag": headers["ETag"], "Cache-Control": NO_STORE})
             return RedirectResponse(
-                remote.presign_get(blob_key(entry.sha256)), status_code=302, headers=headers
+                remote.presign_get(blob_key(entry.sha256), _media_type(path)),
+                status_code=302,
+                headers=headers,
             )
     return BlobResponse(
         store.blob_path(entry), headers=headers, filename=None, media_type=_media_type(path)

@@ -31,6 +31,7 @@ from .errors import InvalidRequest, StoreUnavailable, TooLarge
 
 __all__ = [
     "BLOBS",
+    "BLOB_TYPE",
     "CHECKING",
     "MULTIPART",
     "RECORDS",
@@ -53,6 +54,9 @@ _BAD_PARTS = frozenset({"InvalidPart", "InvalidPartOrder", "NoSuchUpload", "Enti
 NO_STORE = "private, no-store"
 """Cache-Control of everything a presigned URL reaches or names: for the caller alone, not
 kept (the URL is a short-lived bearer credential)."""
+BLOB_TYPE = "application/octet-stream"
+"""The Content-Type every object is stored with: what an uploader's presigned PUT sent (it signs
+the length only, so any header) is replaced by each copy, never kept."""
 
 
 BLOBS = "blobs/sha256/"
@@ -188,11 +192,22 @@ class S3Objects:
                     ) from None
                 raise
 
-    def presign_get(self, key: str) -> str:
-        """A short-lived URL that GETs ``key``, answered as not for shared caches."""
+    def presign_get(self, key: str, media_type: str = BLOB_TYPE) -> str:
+        """A short-lived URL that GETs ``key``, answered as not for shared caches, as
+        ``media_type`` (the hub's type for the file's path), unencoded, and to be saved unless an
+        image, whatever headers the object was stored with: a store's origin never runs a
+        publisher's bytes as a page."""
+        disposition = "inline" if media_type.startswith("image/") else "attachment"
         return self._signer.generate_presigned_url(
             "get_object",
-            Params={"Bucket": self.bucket, "Key": key, "ResponseCacheControl": NO_STORE},
+            Params={
+                "Bucket": self.bucket,
+                "Key": key,
+                "ResponseCacheControl": NO_STORE,
+                "ResponseContentType": media_type,
+                "ResponseContentDisposition": disposition,
+                "ResponseContentEncoding": "identity",
+            },
             ExpiresIn=self.ttl,
         )
 
@@ -231,11 +246,16 @@ class S3Objects:
 
     def copy(self, source: str, key: str) -> None:
         """Copy ``source`` to ``key`` inside the store (multipart when large), replacing what
-        ``key`` held; FileNotFoundError when the bucket does not hold ``source``."""
+        ``key`` held, its headers ``BLOB_TYPE``'s, not ``source``'s; FileNotFoundError when the
+        bucket does not hold ``source``."""
         with _reachable():
             try:
                 self._client.copy(
-                    {"Bucket": self.bucket, "Key": source}, self.bucket, key, Config=_TRANSFER
+                    {"Bucket": self.bucket, "Key": source},
+                    self.bucket,
+                    key,
+                    ExtraArgs={"MetadataDirective": "REPLACE", "ContentType": BLOB_TYPE},
+                    Config=_TRANSFER,
                 )
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") in _NOT_FOUND:

@@ -27,7 +27,7 @@ from support.live import (
 )
 from support.seaweed import BUCKET
 
-from service.store.s3 import S3Objects, blob_key, upload_key
+from service.store.s3 import BLOB_TYPE, S3Objects, blob_key, upload_key
 from service.store.upkeep import check_store
 from vip_hub.repo_format import WEIGHTS_FILE
 
@@ -341,3 +341,27 @@ def test_an_upload_of_a_stored_object_is_consumed_by_its_commit(hub, seaweed, tm
         assert _held(seaweed, upload_key(sha)) is None, repo
         assert _held(seaweed, blob_key(sha)) == sha
         assert not list((hub.settings.store / "uploads" / "sha256").rglob(sha[2:])), repo
+
+
+def test_headers_an_uploader_sends_are_never_what_a_download_is_served_with(hub, seaweed):
+    """A presigned PUT signs the length only: an uploader could send ``Content-Type: text/html``
+    and ``Content-Disposition: inline`` (or ``Content-Encoding: gzip``, over another publisher's
+    identical object), which each copy kept and the store sent to whoever followed /resolve's
+    redirect: a publisher's script run as a page on the store's origin. Each copy now replaces
+    the headers, and the presigned GET names the ones the hub serves the path with."""
+    data = b"<html><script>alert(document.domain)</script>\n" + _text(11 << 20)
+    entry = lfs_batch(hub.url, REPO, data)
+    hostile = {"Content-Type": "text/html", "Content-Disposition": "inline"}
+    put = HTTP.put(entry["actions"]["upload"]["href"], content=data, headers=hostile)
+    assert put.status_code == 200
+    assert _verify(entry, len(data)).status_code == 200
+    assert lfs_commit(hub.url, REPO, "page.txt", data).status_code == 200
+    stored = seaweed.client().head_object(Bucket=BUCKET, Key=blob_key(entry["oid"]))
+    assert stored["ContentType"] == BLOB_TYPE and "ContentDisposition" not in stored
+    redirect = HTTP.get(f"{hub.url}/{REPO}/resolve/main/page.txt", follow_redirects=False)
+    assert redirect.status_code == 302
+    with HTTP.stream("GET", redirect.headers["location"]) as served:
+        assert served.status_code == 200
+        assert served.headers["content-type"] == BLOB_TYPE
+        assert served.headers["content-disposition"] == "attachment"
+        assert served.headers.get("content-encoding", "identity") == "identity"
