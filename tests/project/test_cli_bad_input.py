@@ -121,3 +121,25 @@ def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, c
     good = tmp_path / "sheet.jpg"
     assert cli("synth-preview", "--out", good, *small).returncode == 0 and good.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "sheet.jpg", "sheet.png"]
+
+
+def test_a_full_disk_is_a_one_line_error_and_a_bug_keeps_its_traceback(cli, monkeypatch):
+    """An OSError of the machine's making (a full disk, a folder not writable) ended in a
+    traceback after the work; it is one line naming the file. Any other stays a traceback."""
+    import errno
+
+    from training import commands
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/sheet.png")
+
+    monkeypatch.setattr(commands, "_synth_preview", full)
+    result = cli("synth-preview", "--out", "sheet.png")
+    _one_line_error(result, "synth-preview", "No space left on device: /data/sheet.png")
+
+    def bug(args):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(commands, "_synth_preview", bug)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        cli("synth-preview", "--out", "sheet.png")

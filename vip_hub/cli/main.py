@@ -6,11 +6,13 @@ serve --no-inference`` or ``vip-hub token`` skip the training plugin's imports (
 seconds); any other command, or none, loads every plugin.
 
 A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line
-with exit status 1; any other exception is a bug and keeps its traceback."""
+with exit status 1, as is an OSError of the machine's making (a full disk, a folder not
+writable: ``USER_FIXABLE``); any other exception is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -77,6 +79,10 @@ def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any
     return parser, sub
 
 
+USER_FIXABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
+"""The OSErrors a command reports as one line: the disk or the permissions, not a bug."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -95,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("VIP_HUB_DEBUG"):
             raise
         print(f"vip-hub {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in USER_FIXABLE or os.environ.get("VIP_HUB_DEBUG"):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"vip-hub {args.command}: error: {e.strerror}{where}", file=sys.stderr)
         return 1
 
 
