@@ -489,7 +489,9 @@ def _probe(
         return None
     saved = run.dir / "probe.pt"
     if saved.exists():
-        blob = load_checkpoint(saved, run.settings, run.cfg.run_defaults())
+        # the probe drew its own secret: it binds the run's settings, not its seed (a fresh
+        # start after a kill before the first checkpoint draws a new one and keeps the probe)
+        blob = load_checkpoint(saved, run.unseeded_settings(), run.cfg.run_defaults())
         head = LinearProbe(*blob["shape"])
         head.load_state_dict(blob["head"])
         return head.eval(), DPStage.model_validate_json(blob["stage"])
@@ -511,7 +513,7 @@ def _probe(
     save_checkpoint(
         saved,
         {
-            "config": run.settings,
+            "config": run.unseeded_settings(),
             "head": head.state_dict(),
             "shape": shape,
             "stage": stage.model_dump_json(),

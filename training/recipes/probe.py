@@ -298,7 +298,8 @@ class ProbeConfig(HeadData, WeakDeltaOption):
 
     @model_validator(mode="after")
     def _repo_outside_data(self) -> ProbeConfig:
-        folder = Path(self.encoder).resolve() if Path(self.encoder).is_dir() else None
+        given = bool(self.encoder) and Path(self.encoder).is_dir()  # "" would be the cwd
+        folder = Path(self.encoder).resolve() if given else None
         if self.out is not None:
             check_outside_data("--out", self.out, self.data)
             out = Path(self.out).resolve()

@@ -162,7 +162,7 @@ class Run:
             obj.load_state_dict(state[key])
         return int(state["step"])
 
-    def _unseeded(self) -> dict[str, Any]:
+    def unseeded_settings(self) -> dict[str, Any]:
         """The run's settings but its seed (kept in its own file): ``SETTINGS_FILE``'s."""
         return {k: v for k, v in self.settings.items() if k != "seed"}
 
@@ -177,7 +177,7 @@ class Run:
             check_settings(
                 f"{path}, of the run started in this folder,",
                 saved,
-                self._unseeded(),
+                self.unseeded_settings(),
                 self.cfg.run_defaults(),
             )
         self.dist.barrier()  # every rank checked before rank 0 drops the run id
@@ -218,9 +218,8 @@ class Run:
         t0, images = time.perf_counter(), 0
         bar = None
         if self.dist.main:
-            write_private(
-                self.dir / SETTINGS_FILE, (json.dumps(self._unseeded(), indent=2) + "\n").encode()
-            )
+            settings = json.dumps(self.unseeded_settings(), indent=2) + "\n"
+            write_private(self.dir / SETTINGS_FILE, settings.encode())
             self.log = RunLog(self.dir / "log.jsonl", start)
             if stop_message:
                 print(stop_message, file=sys.stderr)
