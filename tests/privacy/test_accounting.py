@@ -282,3 +282,41 @@ def test_a_delta_below_what_the_prv_grid_resolves_is_an_accounting_error():
         )
         == 1
     )
+
+
+def test_a_delta_below_what_the_pld_grid_resolves_is_no_guarantee_verify_takes():
+    """PLD's epsilon at a delta below its grid's resolution is inf, which ``epsilon`` handed
+    back (``vip-hub epsilon`` printed ``epsilon = inf`` and exited 0) and verify compared as
+    ``inf - 1e-9 inf``, NaN: a guarantee forged to (0.5, 1e-16) under PLD verified, where RDP at
+    that delta gives 5.6. An AccountingError naming the delta, and a problem in verify."""
+    from vip_hub.privacy.ledger import Dataset, DPStage, PrivacyLedger, truncated
+    from vip_hub.repo.verify import VerificationReport, _check_accounting
+
+    with pytest.raises(AccountingError, match="no finite epsilon at delta 1e-16"):
+        epsilon(1.0, 0.01, 1000, 1e-16, "pld")
+    args = ["--sigma=1", "--sample-rate=0.01", "--steps=1000", "--delta=1e-16", "--accountant=pld"]
+    assert main(["epsilon", *args]) == 1
+    stage = DPStage.from_parameters(
+        name="ft",
+        dataset=Dataset(name="org/data", size=10**6),
+        sample_rate=0.01,
+        noise_multiplier=1.0,
+        steps=1000,
+        clipping_norm=1.0,
+        noised_tensors={"unreleased:w": 1000},
+        delta=1e-7,
+    )
+    ledger = PrivacyLedger.build([stage]).to_dict()
+    ledger["guarantees"][0].update(accountant="pld", delta=1e-16 + truncated([stage]), epsilon=0.5)
+    report = VerificationReport(ledger=PrivacyLedger.parse(ledger))
+    _check_accounting(report.ledger, report)
+    assert any("no finite epsilon" in str(p) for p in report.problems), report.problems
+
+
+def test_pld_calibration_where_its_grid_lies_above_rdp():
+    """PLD on its 1e-3 grid gives more than RDP at RDP's sigma here (0.224 against 0.201), so
+    the search's bracket, which took RDP's sigma for its upper end, did not hold a root: brentq's
+    ValueError. The sigma returned reaches the target under PLD."""
+    sigma = calibrate(0.2, 1e-5, 0.001, 10_000, "pld")
+    assert epsilon(sigma, 0.001, 10_000, 1e-5, "pld") <= 0.2
+    assert sigma > calibrate(0.2, 1e-5, 0.001, 10_000, "rdp")

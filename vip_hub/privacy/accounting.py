@@ -210,7 +210,7 @@ def composed_epsilon(
     for sigma, q, steps in history:
         _check_mechanism(sigma, q, steps)
     try:
-        return _epsilon(
+        eps = _epsilon(
             tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), kind
         )
     except ArithmeticError as e:  # a noise multiplier whose square under- or overflows
@@ -219,6 +219,12 @@ def composed_epsilon(
             f"the {kind.value} accountant cannot compute epsilon for {list(history)} ({e}): "
             f"the noise multiplier is far too {size} for its arithmetic"
         ) from None
+    if not math.isfinite(eps):  # PLD's grid at a delta below its resolution: no bound at all
+        raise AccountingError(
+            f"the {kind.value} accountant gives no finite epsilon at delta {delta:g} for "
+            f"{list(history)}: the delta is too small for it to resolve; use a larger delta"
+        )
+    return eps
 
 
 @functools.lru_cache(maxsize=4096)
@@ -317,6 +323,9 @@ def _calibrate(
             # PLD is tighter than RDP, so RDP's sigma bounds PLD's from above; a bracket that
             # starts at tiny sigmas would build enormous privacy-loss distributions.
             hi = calibrate(target_epsilon, delta, sample_rate, steps, Accountant.RDP, tolerance)
+            # ... except where PLD's grid, which rounds its losses up, lies above RDP
+            while hi < MAX_SIGMA and epsilon(hi, sample_rate, steps, delta, kind) > target_epsilon:
+                hi = min(hi * 1.3, MAX_SIGMA)
             lo = hi * 0.7
             while lo > MIN_SIGMA and epsilon(lo, sample_rate, steps, delta, kind) <= target_epsilon:
                 hi, lo = lo, lo * 0.7
