@@ -425,7 +425,7 @@ def _compare(
     out: Path,
 ) -> None:
     """The study's comparison: on every published encoder the study's DP head (released as
-    ``heads/HEAD``, composing with the encoder's DP stages to ``cfg.epsilon``), reading the
+    head ``HEAD``, composing with the encoder's DP stages to ``cfg.epsilon``), reading the
     feature mode chosen once per (Syn) encoder (``origin``: what each encoder was trained from);
     DP-Cap's zero-shot over the class names beside them when above chance. Top-1 on the public
     scoring records; the rows go into every card and ``out``. No model trained without DP on the

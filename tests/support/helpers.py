@@ -31,7 +31,7 @@ from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensor
 from vip_hub.repo.card import card_statements, guarantee_paragraphs
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE, head_component
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository's root folder."""
@@ -237,7 +237,7 @@ def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
         HeadInfo("toy", "vip", ["red", "green", "blue"], {"top1": 0.5}),
         NonPrivateStage(
             name="linear-probe:toy",
-            component="heads/toy",
+            component=head_component("toy"),
             dataset=Dataset(name="toy-labels", size=30),
             private_data=True,
         ),
