@@ -284,6 +284,27 @@ def test_a_delta_below_what_the_prv_grid_resolves_is_an_accounting_error():
     )
 
 
+@pytest.mark.parametrize("delta", [0.1, 0.3, 0.5, 0.9])
+def test_no_accountant_states_a_negative_epsilon_at_a_large_delta(delta):
+    """RDP's and PRV's conversions printed epsilon -0.02 at delta 0.1 and -0.68 at 0.5 (sigma 1,
+    q 0.01, 100 steps), where dp_accounting's PLD states 0: a mechanism (eps, delta)-DP for an
+    eps < 0 is (0, delta)-DP, and a ledger states 0."""
+    for accountant in ("rdp", "prv", "pld"):
+        try:
+            eps = epsilon(1.0, 0.01, 100, delta, accountant)
+        except AccountingError as e:  # PRV's grid, at a delta above each of its deltas
+            assert accountant == "prv" and "too large for the PRV accountant" in str(e)
+            continue
+        assert eps == 0.0, accountant
+
+
+def test_a_delta_above_what_the_prv_grid_resolves_is_an_accounting_error():
+    """At delta 0.99 opacus' PRV accountant raised a bare ``RuntimeError: Cannot compute
+    epsilon``: an AccountingError naming the delta."""
+    with pytest.raises(AccountingError, match="delta 0.99 is too large for the PRV accountant"):
+        epsilon(1.0, 0.01, 100, 0.99, "prv")
+
+
 def test_a_delta_below_what_the_pld_grid_resolves_is_no_guarantee_verify_takes():
     """PLD's epsilon at a delta below its grid's resolution is inf, which ``epsilon`` handed
     back (``vip-hub epsilon`` printed ``epsilon = inf`` and exited 0) and verify compared as

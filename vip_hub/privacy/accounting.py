@@ -224,7 +224,9 @@ def composed_epsilon(
             f"the {kind.value} accountant gives no finite epsilon at delta {delta:g} for "
             f"{list(history)}: the delta is too small for it to resolve; use a larger delta"
         )
-    return eps
+    # RDP's and PRV's conversions go below 0 at large deltas (0.1 and up at sigma 1); a
+    # mechanism that is (eps, delta)-DP for an eps < 0 is (0, delta)-DP, as PLD states it
+    return max(eps, 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -252,6 +254,11 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
             raise AccountingError(
                 f"delta {delta:g} is too small for the PRV accountant to resolve ({e}): "
                 "use a larger delta"
+            ) from None
+        except RuntimeError:  # a delta above every delta(eps) of its grid
+            raise AccountingError(
+                f"delta {delta:g} is too large for the PRV accountant to resolve: use a delta "
+                "below 1/n"
             ) from None
 
 
