@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
@@ -250,8 +252,14 @@ def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
         try:
             run = Run(RunConfig(out=str(out), signing_key=key), dist)
             run.export(
-                lambda: export_encoder(
-                    out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r", overwrite=True
+                lambda key: export_encoder(
+                    out,
+                    tiny_encoder(),
+                    TINY,
+                    [synthetic_stage()],
+                    model_name="r",
+                    overwrite=True,
+                    signing_key=key,
                 )
             )
         finally:
@@ -267,12 +275,20 @@ def test_a_training_run_refuses_a_key_it_cannot_sign_with_before_it_trains(tmp_p
     from training.skeleton.distributed import Dist
     from training.skeleton.run import Run
 
-    out, not_pem = tmp_path / "run-repo", tmp_path / "not.key"
+    out, not_pem, k1 = tmp_path / "run-repo", tmp_path / "not.key", tmp_path / "k1.key"
     not_pem.write_text("not a key")
+    k1.write_bytes(  # EC, but not a curve model-signing signs with: was found after the export
+        ec.generate_private_key(ec.SECP256K1()).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     cases = [
         (str(tmp_path / "missing.key"), None, MissingInputError, "no such private key file"),
         (None, str(tmp_path / "missing.key"), MissingInputError, "no such private key file"),
         (str(not_pem), None, ConfigError, "not an unencrypted PEM private key"),
+        (str(k1), None, ConfigError, "cannot sign with it .*secp256k1"),
     ]
     for key, env, error, message in cases:
         if env:
@@ -284,6 +300,52 @@ def test_a_training_run_refuses_a_key_it_cannot_sign_with_before_it_trains(tmp_p
         finally:
             dist.close()
     assert not out.with_name(out.name + ".run").exists()  # refused before its run folder
+
+
+def test_a_training_run_signs_its_repo_before_it_replaces_the_earlier_one(tmp_path, alice):
+    """The export replaced --out, then signed: a key gone (or a signing that failed) by then left
+    an unsigned repo where the signed one had been. It now signs in the staging folder: the
+    earlier repo stays whole, its signature valid, unless the new one comes signed."""
+    from training.skeleton.config import RunConfig
+    from training.skeleton.distributed import Dist
+    from training.skeleton.run import Run
+
+    out, key = tmp_path / "run-repo", tmp_path / "rotated.key"
+    key.write_bytes(alice[0].read_bytes())
+    export_encoder(out, tiny_encoder(), TINY, [synthetic_stage()], model_name="r", signing_key=key)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    dist = Dist.from_env("cpu")
+    try:
+        run = Run(RunConfig(out=str(out), signing_key=str(key)), dist)
+        key.unlink()  # rotated away while the run trained
+        with pytest.raises(MissingInputError, match="no such private key file"):
+            run.export(
+                lambda k: export_encoder(
+                    out,
+                    tiny_encoder(seed=1),
+                    TINY,
+                    [synthetic_stage()],
+                    model_name="r",
+                    overwrite=True,
+                    signing_key=k,
+                )
+            )
+    finally:
+        dist.close()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert verify_signature(out, load_keys([alice[1]])).name == "alice"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_an_update_signs_the_repo_it_writes(tmp_path, alice):
+    """``update_repo`` (a head added, as DP fine-tuning's export does) with a key leaves the
+    repo signed over its new files; without one, unsigned (the old signature is removed)."""
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    update_repo(repo, add_files={"notes.txt": b"hello"}, signing_key=alice[0])
+    assert verify_signature(repo, load_keys([alice[1]])).name == "alice"
+    update_repo(repo, add_files={"notes.txt": b"again"})
+    assert not (repo / SIGNATURE_FILE).exists()
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ class DPRun(Run):
         )
         return self.dp
 
-    def export(self, write: Callable[[], Any]) -> Path:
+    def export(self, write: Callable[[str | None], Any]) -> Path:
         """``Run.export``, except inside ``trial_weights``: nothing written, nothing signed."""
         if _TRIAL.get() is None:
             return super().export(write)

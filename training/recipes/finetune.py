@@ -710,7 +710,7 @@ def train_finetune(cfg: FinetuneConfig, dist: Dist | None = None) -> Path:
             cfg.test_data, top1, f"top-1, DP fine-tuned head '{cfg.head}' ({cfg.pooling} features)"
         )
     info = HeadInfo(cfg.head, cfg.pooling, train.classes, metrics)
-    return run.export(lambda: save_head(out, model.head, info, None, result))
+    return run.export(lambda key: save_head(out, model.head, info, None, result, key))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, remove_temporaries, write_private
 from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import check_replaceable, export_encoder
-from vip_hub.repo.signing import SIGNING_KEY_ENV, load_signing_key, sign_repo
+from vip_hub.repo.signing import SIGNING_KEY_ENV, load_signing_key
 from vip_hub.repo_format import CURVES_FILE
 
 from ..dp.sampling import SECRET_BITS, new_secret
@@ -265,13 +265,12 @@ class Run:
         else None (unsigned)."""
         return self.cfg.signing_key or os.environ.get(SIGNING_KEY_ENV) or None
 
-    def export(self, write: Callable[[], Any]) -> Path:
-        """Write the released repo on rank 0 and sign it with ``signing_key`` (else
-        ``VIP_HUB_SIGNING_KEY``) if either is set; every rank waits for it. Returns its folder."""
+    def export(self, write: Callable[[str | None], Any]) -> Path:
+        """Write the released repo on rank 0 with ``write(key)``, which signs it with ``key``
+        (``signing_key``) before it replaces ``--out``; every rank waits for it. Returns its
+        folder."""
         if self.dist.main:
-            write()
-            if key := self.signing_key():
-                sign_repo(self.cfg.out, key)
+            write(self.signing_key())
         self.dist.barrier()
         return Path(self.cfg.out)
 
@@ -289,7 +288,7 @@ class Run:
         """``export`` of the released encoder repo: the ledger of ``stages()``, the ``curve`` of
         ``records`` (``plot_curves``' key, label, title) as ``CURVES_FILE``, and ``files``."""
 
-        def write() -> None:
+        def write(key: str | None) -> None:
             cfg, name = self.cfg, self.cfg.model_name or Path(self.cfg.out).name
             export_encoder(
                 cfg.out,
@@ -301,6 +300,7 @@ class Run:
                 summary=summary,
                 overwrite=True,
                 extra_files={CURVES_FILE: plot_curves(records, *curve)},
+                signing_key=key,
                 **files,
             )
 

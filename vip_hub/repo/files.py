@@ -61,6 +61,7 @@ from .artifacts import (
     tensors_digest_of,
 )
 from .card import DEFAULT_LICENSE, CardInfo, card_info, render_card
+from .signing import load_signing_key, sign_repo
 from .verify import verify_repo
 
 __all__ = [
@@ -123,6 +124,7 @@ def export_encoder(
     spatial: Sequence[str] | None = None,
     weights_dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    signing_key: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write a released-encoder repo for ``model`` to ``out_dir`` and return its path.
 
@@ -132,12 +134,15 @@ def export_encoder(
     with ``vocab`` (the bytes of the tokenizer's vocabulary file), ``extra_files`` (e.g. a
     training-curve PNG), and ``spatial``: the spatial feature modes the repo declares (default
     ``default_spatial_modes(model)``; ``()`` for none); ``weights_dtype`` stores the encoder's
-    floating tensors in that dtype (float16 halves a prior committed to a project).
+    floating tensors in that dtype (float16 halves a prior committed to a project);
+    ``signing_key`` signs the repo before it replaces ``out_dir`` (``sign_repo``).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass overwrite=True to replace it")
     check_replaceable(out)
+    if signing_key is not None:
+        load_signing_key(signing_key, out)
     _check_text_parts(spec, model, text_decoder, vocab)
     tensors = _encoder_tensors(model, weights_dtype)
     memory = text_decoder.memory if text_decoder is not None else None
@@ -184,6 +189,8 @@ def export_encoder(
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)
         _write_ledger_copies(tmp, ledger, info, config, rewrite_weights=False)
+        if signing_key is not None:
+            sign_repo(tmp, signing_key)
 
     _atomic_dir(out, write, fresh=True)
     return out
@@ -205,6 +212,7 @@ def update_repo(
     add_eval_results: Iterable[EvalResult] = (),
     replace_component: str | None = None,
     comparison: list[dict[str, Any]] | None = None,
+    signing_key: str | os.PathLike[str] | None = None,
 ) -> PrivacyLedger:
     """Add stages, files and evaluation results to an existing repo (e.g. a probe head).
 
@@ -212,10 +220,13 @@ def update_repo(
     files under its folder and the card results bound to it (``metric_config``).
     ``comparison`` replaces the card's probe-comparison table. The three ledger copies and the
     card are rewritten together; the update is atomic. A signature no longer covers the new
-    files and is removed: sign again (``vip-hub sign``). Returns the new ledger.
+    files and is removed, unless ``signing_key`` signs the updated repo before it replaces the
+    old (else sign again: ``vip-hub sign``). Returns the new ledger.
     """
     repo = Path(repo_dir)
     verify_repo(repo).raise_for_problems()
+    if signing_key is not None:
+        load_signing_key(signing_key, repo)
     old = PrivacyLedger.read(repo)
     files = dict(add_files or {})
     for rel in files:
@@ -254,6 +265,8 @@ def update_repo(
         artifacts = {**kept, **{rel: digest_file(tmp / rel, rel) for rel in files}}
         ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
         _write_ledger_copies(tmp, ledger, info, config)
+        if signing_key is not None:
+            sign_repo(tmp, signing_key)
         result["ledger"] = ledger
 
     _atomic_dir(repo, write, fresh=False)

@@ -80,11 +80,12 @@ def save_head(
     info: HeadInfo,
     stage: NonPrivateStage | DPStage | None,
     eval_result: EvalResult | None = None,
+    signing_key: str | os.PathLike[str] | None = None,
 ) -> PrivacyLedger:
     """Add (or replace) head ``info.name`` in a repo, with its ledger stage (None: a stage of the
     repo's ledger trained it jointly, its ``also_trains`` names the head) and its card result
-    (bound to the head by ``metric_config``, so a replaced head's goes with it); returns the
-    ledger."""
+    (bound to the head by ``metric_config``, so a replaced head's goes with it), signed with
+    ``signing_key`` if given (``update_repo``); returns the ledger."""
     from .files import update_repo
 
     component = head_component(info.name)
@@ -123,6 +124,7 @@ def save_head(
                 head_file(info.name, HEAD_METRICS): (json.dumps(metrics, indent=1) + "\n").encode(),
             },
             add_eval_results=[replace(eval_result, metric_config=component)] if eval_result else [],
+            signing_key=signing_key,
             replace_component=component,
         )
 

@@ -176,6 +176,12 @@ def load_signing_key(
         raise ConfigError(
             f"{private_key}: not an elliptic-curve key (model-signing signs with EC keys)"
         )
+    from model_signing import signing
+
+    try:  # model-signing's own rule of the curves it signs with (P-256, P-384, P-521)
+        signing.Config().use_elliptic_key_signer(private_key=private_key)
+    except ValueError as e:
+        raise ConfigError(f"{private_key}: cannot sign with it ({e})") from None
     return key
 
 
@@ -194,8 +200,6 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
             config = signing.Config().use_elliptic_key_signer(private_key=private_key)
             config.set_hashing_config(_hashing()).sign(view, tmp)
         os.replace(tmp, folder / SIGNATURE_FILE)
-    except ValueError as e:  # a curve model-signing does not support
-        raise ConfigError(f"{private_key}: cannot sign with it ({e})") from None
     finally:
         tmp.unlink(missing_ok=True)
     return _fingerprint(key.public_key())
