@@ -18,8 +18,12 @@ if TYPE_CHECKING:
 __all__ = ["register_org", "register_serve", "register_store", "register_token", "register_trust"]
 
 
+SERVE_EXTRA = ("serve", "fastapi", "uvicorn", "pydantic_settings")
+"""The extra every command of the service needs, and the modules that tell it is installed."""
+
+
 def register_serve(sub: Any) -> None:
-    require_extra("serve", "fastapi", "uvicorn")
+    require_extra(*SERVE_EXTRA)
     p = add_command(sub, "serve", _serve, "run the hub and inference service (uvicorn)")
     p.add_argument(
         "--store", type=Path, help=f"store folder (default: {DEFAULT_STORE}, or VIP_HUB_STORE)"
@@ -172,6 +176,7 @@ def _unusable(e: OSError, what: str) -> Exception:
 
 
 def register_token(sub: Any) -> None:
+    require_extra(*SERVE_EXTRA)
     actions = ("create", "list", "revoke")
     p = _admin_command(
         sub, "token", _token, "create, list or revoke the hub's access tokens", actions
@@ -213,6 +218,7 @@ def _token(args: argparse.Namespace) -> None:
 
 
 def register_org(sub: Any) -> None:
+    require_extra(*SERVE_EXTRA)
     p = _admin_command(sub, "org", _org, "add, list or remove the hub's organisation members")
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
     p.add_argument("--member", help="the user (a token's name) to add or remove")
@@ -242,6 +248,7 @@ def _org(args: argparse.Namespace) -> None:
 
 
 def register_trust(sub: Any) -> None:
+    require_extra(*SERVE_EXTRA)
     p = _admin_command(sub, "trust", _trust, "add, list or remove the public keys the hub trusts")
     p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
     p.add_argument(
@@ -272,6 +279,7 @@ def _trust(args: argparse.Namespace) -> None:
 
 
 def register_store(sub: Any) -> None:
+    require_extra(*SERVE_EXTRA)
     p = add_command(
         sub,
         "store",

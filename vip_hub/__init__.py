@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from . import errors as _errors
 from .errors import *  # noqa: F403 - the error tree is light, and public whole (errors.__all__)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "privacy.accounting": [

@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 from support.helpers import ROOT
 
+from service.settings import Settings
+
 DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.gpu"]
 
@@ -129,6 +131,23 @@ def test_public_images_default_to_a_release_and_seaweedfs_to_the_one_the_tests_r
         [weed_binary(), "version"], capture_output=True, text=True, check=True
     ).stdout.split()
     assert defaults["chrislusf/seaweedfs"] in version, (defaults, version)
+
+
+def test_every_server_drains_before_it_is_killed_and_restarts_when_it_dies():
+    """compose.yaml's ``hub`` had Docker's 10 s grace, so ``docker compose stop`` killed it
+    mid-drain, and ``hub-gpu`` no restart policy, where docs/deploy.md promised both."""
+    drain = Settings.model_fields["drain_s"].default
+    servers = [
+        (name, service, spec)
+        for name in ("compose.yaml", "compose.replicas.yaml")
+        for service, spec in _compose(name)["services"].items()
+        if spec["image"].startswith("vip-hub:")
+    ]
+    assert {"hub", "hub-gpu", "inference"} <= {service for _, service, _ in servers}
+    for name, service, spec in servers:
+        grace = spec.get("stop_grace_period", "10s")
+        assert int(grace.rstrip("s")) > drain, (name, service, grace)
+        assert spec.get("restart") == "unless-stopped", (name, service)
 
 
 def test_the_balancer_routes_to_the_replicas_services():

@@ -173,7 +173,8 @@ def check_delta(delta: float, n: int, allow_weak: bool) -> None:
 
 
 def paper_delta(n: int) -> float:
-    """The ViP paper's delta, 1/(2n): an explicit choice (``--delta``), never a default."""
+    """The ViP paper's delta, 1/(2n): an explicit choice (``--delta``) in training, never its
+    default; what ``import-mae`` records of the paper's own checkpoints."""
     return 1.0 / (2 * _checked_size(n))
 
 
