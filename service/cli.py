@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vip_hub.cli.main import add_command, require_extra
-from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
+from vip_hub.local_hub import CONFIG_ENV, DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -39,14 +39,18 @@ def register_serve(sub: Any) -> None:
         default=None,
         help="load and warm up a model before reporting ready (repeatable)",
     )
-    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+    _config_option(p)
+
+
+def _config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help=f"TOML settings file (also {CONFIG_ENV})")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     import os
 
     if getattr(args, "config", None):
-        os.environ["VIP_HUB_CONFIG"] = str(args.config)
+        os.environ[CONFIG_ENV] = str(args.config)
     out: dict[str, Any] = {}
     for key in ("store", "host", "port"):
         if getattr(args, key, None) is not None:
@@ -108,7 +112,7 @@ def _admin_command(
     p.add_argument(
         "--store", type=Path, help="store folder (its index, unless the settings name one)"
     )
-    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+    _config_option(p)
     return p
 
 
@@ -295,7 +299,7 @@ def register_store(sub: Any) -> None:
         "copies no commit names and what gc removes; never what a commit names",
     )
     p.add_argument("--store", type=Path, help="store folder (default: the settings')")
-    p.add_argument("--config", type=Path, help="TOML settings file (also VIP_HUB_CONFIG)")
+    _config_option(p)
 
 
 def _store(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from pydantic_settings import (
 
 from vip_hub.device import check_device_name
 from vip_hub.errors import ConfigError
-from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
+from vip_hub.local_hub import CONFIG_ENV, DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
 from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, SIGNATURE_FILE, FrontMatterLimits
 
@@ -39,6 +39,9 @@ __all__ = [
 GIB = 1024**3
 MIB = 1024**2
 MAX_CAPTION_TOKENS = 127
+TRUSTED_KEYS_DIR = "trusted_keys"
+"""A single-host store's folder of trusted public keys, inside the store unless
+``hub.trusted_keys`` names another."""
 """The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
 REQUEST_FIELDS = 32
 """Fields a /v1 JSON body may hold beside its images and labels (its values' bound)."""
@@ -271,6 +274,13 @@ class InferenceSettings(_Section):
         "chunked body counts as max_request_bytes); one over it is answered 429 with "
         "Retry-After before it is read",
     )
+    body_timeout_s: float = Field(
+        60,
+        gt=0,
+        description="the longest an admitted /v1 body may take to arrive; a slower one is "
+        "answered 408 and frees its share of max_pending_requests and max_pending_bytes (a "
+        "client that opens bodies and never sends them cannot hold the inference routes)",
+    )
 
     @property
     def max_json_commas(self) -> int:
@@ -349,7 +359,7 @@ class Settings(BaseSettings):
     def trusted_keys_path(self) -> Path:
         """A single-host store's key folder (adopted into the index): ``hub.trusted_keys``, else
         ``trusted_keys/`` in the store."""
-        return self.hub.trusted_keys or self.store / "trusted_keys"
+        return self.hub.trusted_keys or self.store / TRUSTED_KEYS_DIR
 
     def tokens_path(self) -> Path:
         """A single-host store's tokens file (adopted into the index): ``auth.tokens_file``, else
@@ -366,10 +376,10 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config = os.environ.get("VIP_HUB_CONFIG")
+        config = os.environ.get(CONFIG_ENV)
         if config:
             if not Path(config).is_file():
-                raise ConfigError(f"VIP_HUB_CONFIG names {config}, which is not a file")
+                raise ConfigError(f"{CONFIG_ENV} names {config}, which is not a file")
             try:
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
             except UnicodeDecodeError as e:
@@ -388,7 +398,7 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as e:
-        where = os.environ.get("VIP_HUB_CONFIG") or "settings"
+        where = os.environ.get(CONFIG_ENV) or "settings"
         problems = []
         for err in e.errors(include_url=False):
             name = ".".join(str(part) for part in err["loc"])

@@ -12,7 +12,10 @@ from typing import Annotated
 
 from pydantic import Field
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_STORE", "Port"]
+__all__ = ["CONFIG_ENV", "DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_STORE", "Port"]
+
+CONFIG_ENV = "VIP_HUB_CONFIG"
+"""The environment variable naming the server's TOML settings file (``--config``)."""
 
 DEFAULT_STORE = Path("var/hub")
 DEFAULT_HOST = "127.0.0.1"

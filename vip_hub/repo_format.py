@@ -51,6 +51,7 @@ __all__ = [
     "VOCAB_FILE",
     "WEIGHTS_FILE",
     "WEIGHTS_SUFFIX",
+    "check_name",
     "head_component",
     "head_file",
     "head_folders",
@@ -124,11 +125,17 @@ _NAME = re.compile(rf"^{NAME_PATTERN}\Z")  # \Z: $ matches before a final newlin
 COMPONENT_PATTERN = rf"^({ENCODER}|{HEADS_DIR}/{NAME_PATTERN})$"
 
 
+def check_name(kind: str, name: str) -> str:
+    """``name`` if it matches ``NAME_PATTERN`` (a head's, a signing key's), else a ConfigError
+    naming the ``kind`` of name."""
+    if not _NAME.match(name or ""):
+        raise ConfigError(f"{kind} name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
 def head_component(name: str) -> str:
     """The ledger component and folder of head ``name`` (``heads/<name>``)."""
-    if not _NAME.match(name):
-        raise ConfigError(f"head name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
-    return f"{HEADS_DIR}/{name}"
+    return f"{HEADS_DIR}/{check_name('head', name)}"
 
 
 def head_file(name: str, file: str = HEAD_WEIGHTS) -> str:

@@ -16,7 +16,7 @@ from ..auth import Identity, check_read, identity, identity_or_anonymous, requir
 from ..errors import BadRequest, PayloadTooLarge
 from ..hub.common import store_of
 from ..settings import InferenceSettings
-from ..store.naming import NAME_PATTERN, REVISION_PATTERN
+from ..store.naming import REPO_PART_PATTERN, REVISION_PATTERN
 from .engine import InferenceEngine, Result, parse_model_ref
 from .images import image_bytes_from_text
 from .models import LoadedModel, Task
@@ -36,7 +36,7 @@ __all__ = [
     "new_router",
 ]
 
-MODEL_PATTERN = rf"^{NAME_PATTERN}/{NAME_PATTERN}(@{REVISION_PATTERN})?$"
+MODEL_PATTERN = rf"^{REPO_PART_PATTERN}/{REPO_PART_PATTERN}(@{REVISION_PATTERN})?$"
 MAX_MODEL_REF_LENGTH = 300
 ModelRef = Annotated[
     str, Field(pattern=MODEL_PATTERN, max_length=MAX_MODEL_REF_LENGTH, examples=["vip/vip-nano"])

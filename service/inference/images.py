@@ -34,7 +34,6 @@ __all__ = [
     "FORMATS",
     "ImageLimits",
     "crop_for_resize",
-    "decode_image",
     "image_bytes_from_text",
     "load_rgb",
     "open_image",
@@ -135,11 +134,6 @@ def load_rgb(img: Image.Image, index: int, min_side: int = 0) -> Image.Image:
             factor = 1
         rgb = to_rgb(img)
     return rgb.reduce(factor) if factor > 1 else rgb
-
-
-def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0) -> Image.Image:
-    """An RGB image from untrusted bytes (``open_image`` then ``load_rgb``)."""
-    return load_rgb(open_image(data, index, limits), index, min_side)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from .errors import InvalidRequest
 __all__ = [
     "COMMIT_RE",
     "MAX_REVISION_LENGTH",
-    "NAME_PATTERN",
+    "REPO_PART_PATTERN",
     "RESERVED_NAMESPACES",
     "REVISION_PATTERN",
     "decode_segment",
@@ -26,7 +26,7 @@ __all__ = [
     "validate_revision",
 ]
 
-NAME_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
+REPO_PART_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
 """A namespace (user or organisation) or a repo name, unanchored (also in request schemas)."""
 RESERVED_NAMESPACES = frozenset({"datasets"})
 """Namespaces no repo is created in: ``/datasets/NAME`` is a dataset's page, not a model's."""
@@ -34,7 +34,7 @@ MAX_REVISION_LENGTH = 128
 REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 """A branch, a tag or a commit id, unanchored."""
 # \Z, not $: $ also matches before a final newline ("main\n")
-_PART = re.compile(rf"^{NAME_PATTERN}\Z")
+_PART = re.compile(rf"^{REPO_PART_PATTERN}\Z")
 _REVISION = re.compile(rf"^{REVISION_PATTERN}\Z")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}\Z")
 

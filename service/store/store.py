@@ -43,7 +43,7 @@ from vip_hub.repo_format import (
     heads_in,
 )
 
-from ..settings import HubSettings, ObjectStoreSettings, Settings
+from ..settings import TRUSTED_KEYS_DIR, HubSettings, ObjectStoreSettings, Settings
 from . import clock
 from .blobs import (
     BlobStore,
@@ -227,20 +227,16 @@ class HubStore:
     def __init__(
         self,
         root: str | os.PathLike[str],
-        upload_ttl: float = 24 * 3600,
-        xet_ttl: float = 21 * 24 * 3600,
         index: str | None = None,
         trusted_keys: str | os.PathLike[str] | None = None,
-        require_signature: bool = False,
         limits: HubSettings | None = None,
         objects: ObjectStoreSettings | None = None,
     ):
         self.root = Path(root).resolve()
-        self.limits = limits or HubSettings()  # what one commit or Xet shard may hold
+        self.limits = limits or HubSettings()  # its limits, time-outs and signature rule
         self.trusted_keys = (
-            Path(trusted_keys) if trusted_keys is not None else self.root / "trusted_keys"
+            Path(trusted_keys) if trusted_keys is not None else self.root / TRUSTED_KEYS_DIR
         )
-        self.require_signature = require_signature
         make_private_dir(self.root)
         with contextlib.suppress(PermissionError):  # a store made before it was owner-only
             os.chmod(self.root, 0o700)
@@ -249,7 +245,6 @@ class HubStore:
             self.root, S3Objects(objects) if objects and objects.endpoint else None
         )
         self.xet = XetStore(self.root, self.blobs)
-        self.upload_ttl, self.xet_ttl = upload_ttl, xet_ttl
         self._collected = time.monotonic()
         self._secret = b""
         make_private_dir(self.root / "snapshots")
@@ -263,11 +258,8 @@ class HubStore:
         """The store the service's settings describe (folder, index, limits, object store)."""
         return cls(
             settings.store,
-            upload_ttl=settings.hub.upload_ttl_s,
-            xet_ttl=settings.hub.xet_ttl_s,
             index=settings.index,
             trusted_keys=settings.trusted_keys_path(),
-            require_signature=settings.hub.require_signature,
             limits=settings.hub,
             objects=settings.object_store,
         )
@@ -307,8 +299,8 @@ class HubStore:
         their share of their user's staging quota), xorbs unused for the Xet time-to-live, and
         temp files left by crashed requests; returns how many went."""
         self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (clock.now(),))
-        return self.blobs.clean_stale(upload_age=self.upload_ttl) + self.xet.clean_stale(
-            self.xet_ttl
+        return self.blobs.clean_stale(upload_age=self.limits.upload_ttl_s) + self.xet.clean_stale(
+            self.limits.xet_ttl_s
         )
 
     def reserve_staging(self, account: str, upload_id: str, size: int, limit: int) -> None:
@@ -333,7 +325,7 @@ class HubStore:
                 )
             tx.execute(
                 "INSERT INTO staged_uploads (id, account, size, expires_at) VALUES (?, ?, ?, ?)",
-                (upload_id, account, size, now + self.upload_ttl),
+                (upload_id, account, size, now + self.limits.upload_ttl_s),
             )
 
     def release_staging(self, upload_id: str) -> None:
@@ -344,7 +336,7 @@ class HubStore:
         """``collect_uploads``, at most once per tenth of the time-to-live (called as uploads
         begin)."""
         now = time.monotonic()
-        if now - self._collected > self.upload_ttl / 10:
+        if now - self._collected > self.limits.upload_ttl_s / 10:
             self._collected = now
             self.collect_uploads()
 
@@ -901,7 +893,7 @@ class HubStore:
             raise SignatureRefused(
                 "refused, nothing was stored: " + "; ".join(map(str, e.problems))
             ) from None
-        if signer is None and self.require_signature:
+        if signer is None and self.limits.require_signature:
             raise SignatureRefused(
                 f"refused, nothing was stored: this hub accepts signed repos only, and the "
                 f"commit has no {SIGNATURE_FILE} (sign it with `vip-hub sign`)"

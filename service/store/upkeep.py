@@ -242,7 +242,7 @@ def _check_uploads(store: HubStore, repair: bool) -> list[Finding]:
     if blobs.remote is not None:
         listed = [*blobs.remote.listed(STAGING), *blobs.remote.listed(CHECKING)]
         for o in listed:
-            age, stale = now - o.mtime, now - o.mtime > store.upload_ttl
+            age, stale = now - o.mtime, now - o.mtime > store.limits.upload_ttl_s
             note = "an upload in flight (younger than hub.upload_ttl_s)"
             if stale:
                 note = "abandoned: " + ("removed" if repair else "`vip-hub store gc` removes it")

@@ -46,6 +46,8 @@ __all__ = [
     "PrivateImages",
     "Pictures",
     "TarShards",
+    "CROP_SCALE",
+    "MAE_AUGMENTATION",
     "contrastive_transform",
     "greyscale_transform",
     "mae_transform",
@@ -411,6 +413,12 @@ def open_captions(path: str | os.PathLike[str]) -> PrivateCaptions:
     )
 
 
+CROP_SCALE = (0.2, 1.0)
+"""The random resized crop's range of areas (the reference MAE's)."""
+MAE_AUGMENTATION = f"random resized crop ({CROP_SCALE[0]:g}-{CROP_SCALE[1]:g}), flip"
+"""What ``mae_transform`` does, in the words a ledger stage records."""
+
+
 def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
     """The reference MAE pretraining augmentation: random resized crop (0.2-1) and flip."""
     return _augmented(img_size, mean, std)
@@ -425,7 +433,7 @@ def _augmented(
             v2.ToImage(),
             v2.RandomResizedCrop(
                 img_size,
-                scale=(0.2, 1.0),
+                scale=CROP_SCALE,
                 interpolation=v2.InterpolationMode.BICUBIC,
                 antialias=True,
             ),

@@ -335,7 +335,7 @@ def _sq(per_example: torch.Tensor) -> torch.Tensor:
     return upper_sq(flat.square().sum(1), flat.shape[1])
 
 
-def _materialise(b: int, t: int, i: int, o: int) -> bool:
+def _materialise(t: int, i: int, o: int) -> bool:
     """Whether a weight's per-example products (b, o, i) are better than the ghost route:
     both no larger than its kept ``a`` and ``g`` and cheaper than the Gram matrices
     (the clipped sum costs one product of ``a`` and ``g`` either way)."""
@@ -565,8 +565,8 @@ def _part(m: nn.Module | nn.Parameter, a_in: torch.Tensor | None, g: torch.Tenso
     if isinstance(m, nn.Conv2d):
         return _conv_part(m, a_in, g, g_tok, small, sq)
     a_tok = _tokens(a_in)
-    b, t, i, o = *a_tok.shape, gt.shape[2]
-    if _materialise(b, t, i, o):
+    _, t, i, o = *a_tok.shape, gt.shape[2]
+    if _materialise(t, i, o):
         pe = torch.bmm(gt.mT, _fp32(a_tok).to(gt.dtype)).double()
         small.append((m.weight, pe))
         return _Part(small, sq + _sq(pe))

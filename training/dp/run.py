@@ -20,7 +20,7 @@ from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import epsilons
 from vip_hub.privacy.ledger import PrivacyLedger
-from vip_hub.privacy.sensitivity import rounding_params, sensitivity
+from vip_hub.privacy.sensitivity import DP_ADAMW, rounding_params, sensitivity
 from vip_hub.repo.files import declared_spatial
 
 from ..skeleton.config import DPRunConfig
@@ -29,9 +29,8 @@ from ..skeleton.run import Run
 from .clipping import PerExampleClipper
 from .engine import Budget, Clipper, DPEngine
 
-__all__ = ["DP_ADAMW", "INIT_LEDGER", "DPRun", "trial_weights"]
+__all__ = ["INIT_LEDGER", "DPRun", "trial_weights"]
 
-DP_ADAMW = "DP-AdamW"
 """Per-example clipping's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
 
 INIT_LEDGER = "init_ledger_sha256"

@@ -36,7 +36,13 @@ from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import TEXT_DECODER_FILE, VOCAB_FILE, WEIGHTS_FILE
 
-from ..data.images import CAPTIONS_FILE, Augmented, mae_transform, open_captions
+from ..data.images import (
+    CAPTIONS_FILE,
+    MAE_AUGMENTATION,
+    Augmented,
+    mae_transform,
+    open_captions,
+)
 from ..dp.run import DPRun
 from ..dp.sampling import init_seed
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, two_fifths_of_steps, with_adamw
@@ -226,7 +232,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
             "vocabulary": (
                 f"public file fixed before training ({VOCAB_FILE}), not fitted on the captions"
             ),
-            "augmentation": "random resized crop (0.2-1), flip",
+            "augmentation": MAE_AUGMENTATION,
             "decoder_warmup": cfg.decoder_warmup,
             "encoder_parameters": cfg.encoder_parameters,
             "encoder_trainable_parameters": trained,

@@ -32,10 +32,16 @@ from vip_hub.loading import load_encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.models.features import final_norm
 from vip_hub.privacy.ledger import NOT_RELEASED
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, MIN_CLIP, logit_dp_sensitivity
+from vip_hub.privacy.sensitivity import (
+    CONTRASTIVE_LOSS,
+    LOGIT_DP,
+    MIN_CLIP,
+    NAIVE_DP,
+    logit_dp_sensitivity,
+)
 from vip_hub.repo_format import WEIGHTS_FILE
 
-from ..data.images import Augmented, mae_transform, open_images
+from ..data.images import MAE_AUGMENTATION, Augmented, mae_transform, open_images
 from ..dp.pair_clipping import (
     BatchClipper,
     ContrastiveEmbedder,
@@ -67,7 +73,7 @@ class ContrastiveMechanism(enum.StrEnum):
     @property
     def ledger_name(self) -> str:
         """The mechanism's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
-        return "Logit-DP" if self is ContrastiveMechanism.LOGIT_DP else "Naive-DP"
+        return LOGIT_DP if self is ContrastiveMechanism.LOGIT_DP else NAIVE_DP
 
 
 DEFAULT_CLIP = {ContrastiveMechanism.LOGIT_DP: 1e-3, ContrastiveMechanism.NAIVE: 1e-2}
@@ -283,7 +289,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
             "trainable_parameters": trained,
             "frozen": frozen,
             "projection_head": {"dim": cfg.projection_dim, "hidden": hidden, "released": False},
-            "augmentation": "two views per image: random resized crop (0.2-1), flip",
+            "augmentation": f"two views per image: {MAE_AUGMENTATION}",
         },
     )
 

@@ -66,7 +66,7 @@ from vip_hub.privacy.ledger import (
     new_run_id,
     noised_key,
 )
-from vip_hub.privacy.sensitivity import MIN_CLIP, rounding_params, sensitivity
+from vip_hub.privacy.sensitivity import DP_SGD, MIN_CLIP, rounding_params, sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo_format import ENCODER, HEADS_DIR, head_component, head_file
 
@@ -81,7 +81,6 @@ from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
 __all__ = [
-    "DP_SGD",
     "DPHeadLoss",
     "LabelledImages",
     "ProbeConfig",
@@ -109,8 +108,8 @@ __all__ = [
     "top1_result",
 ]
 
-DP_SGD = "DP-SGD"
-"""A DP head's mechanism in the ledger (per-example clipping, SGD with momentum)."""
+PROBE_MOMENTUM = 0.9
+"""The heads' SGD (and LARS) momentum, as their ledger stages record it."""
 
 
 @dataclass
@@ -333,8 +332,8 @@ def _optimizer(params: Any, name: str, lr: float, weight_decay: float) -> torch.
     if name == "lars":
         from timm.optim import Lars
 
-        return Lars(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        return Lars(params, lr=lr, momentum=PROBE_MOMENTUM, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=PROBE_MOMENTUM, weight_decay=weight_decay)
 
 
 def fit_probe(
@@ -421,7 +420,7 @@ def _fit_dp(
     fix_normalisation(head, public_x)
     normed = head.norm(x).detach()
     q, steps = dp_head_sampling(len(x), cfg)
-    optimizer = torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(head.linear.parameters(), lr=cfg.lr, momentum=PROBE_MOMENTUM)
     engine, dp = head_engine(DPHeadLoss(head.linear), optimizer, len(x), q, steps, cfg)
     warmup = cfg.warmup_epochs * steps_per_epoch
     for step in range(steps):
@@ -794,7 +793,7 @@ def probe_stage(
         hyperparameters={
             "lr": cfg.lr,
             "epochs": cfg.epochs,
-            "momentum": 0.9,
+            "momentum": PROBE_MOMENTUM,
             "pooling": cfg.pooling,
         },
     )

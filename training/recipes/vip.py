@@ -21,7 +21,7 @@ from vip_hub.errors import ConfigError
 from vip_hub.repo.card import recipe_line
 from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
 
-from ..data.images import Augmented, mae_transform, open_images
+from ..data.images import MAE_AUGMENTATION, Augmented, mae_transform, open_images
 from ..dp.run import DPRun
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import DPRunConfig, Recipe, recipe_main, tenth_of_steps_to_1000, with_adamw
@@ -141,7 +141,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
             **cfg.adamw_hyperparameters(),
             "mask_ratio": mae.config.mask_ratio,
             "img_size": spec.img_size,
-            "augmentation": "random resized crop (0.2-1), flip",
+            "augmentation": MAE_AUGMENTATION,
             "decoder_warmup": cfg.decoder_warmup,
             "encoder_parameters": cfg.encoder_parameters,
             "encoder_trainable_parameters": trained,

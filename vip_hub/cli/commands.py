@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..models.names import family_archs
 from ..privacy.accounting import Accountant
-from ..privacy.sensitivity import PER_EXAMPLE_MECHANISMS
+from ..privacy.sensitivity import DP_ADAMW, PER_EXAMPLE_MECHANISMS
 from ..repo_format import DEFAULT_BRANCH, SIGNATURE_FILE, VOCAB_FILE
 from .main import CommandError, add_command
 
@@ -175,7 +175,7 @@ def _import_args(
     g.add_argument("--steps", type=int, help="DP steps T")
     g.add_argument("--clip", type=float, help="clipping norm C")
     g.add_argument("--delta", type=float, help=delta_help)
-    g.add_argument("--mechanism", default="DP-AdamW", choices=PER_EXAMPLE_MECHANISMS)
+    g.add_argument("--mechanism", default=DP_ADAMW, choices=PER_EXAMPLE_MECHANISMS)
     g.add_argument(
         "--sampling",
         choices=("poisson", "shuffle"),

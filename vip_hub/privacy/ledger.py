@@ -72,7 +72,7 @@ from .accounting import (
     truncation_delta,
 )
 from .audit import MAX_CANARIES, MAX_GUESS_COUNTS
-from .sensitivity import MechanismName
+from .sensitivity import DP_ADAMW, MechanismName
 
 SCHEMA: Final = "vip-hub/privacy-ledger/v4"  # Final: typed as its literal, as schema_ is
 EPSILON_DECIMALS = 6
@@ -450,7 +450,7 @@ class DPStage(_Stage):
         clipping_norm: float,
         noised_tensors: Mapping[str, int],
         noise_support: float = NOISE_SUPPORT,
-        mechanism: str = "DP-AdamW",
+        mechanism: str = DP_ADAMW,
         sensitivity: float | None = None,
         mechanism_params: dict[str, Any] | None = None,
         sampling: str = "poisson",
@@ -676,12 +676,6 @@ class PrivacyLedger(_Model):
         stages = list(stages)
         return _validated(
             cls, stages=stages, guarantees=compute_guarantees(stages), artifacts=artifacts or {}
-        )
-
-    def with_artifacts(self, artifacts: dict[str, str]) -> PrivacyLedger:
-        """A copy that binds the given file digests (replacing the old ones)."""
-        return _validated(
-            PrivacyLedger, **{**self.model_dump(by_alias=True), "artifacts": artifacts}
         )
 
     # ------------------------------------------------------------ serialisation

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 from ..errors import AccountingError
 
@@ -41,6 +41,10 @@ __all__ = [
     "PRODUCT_ROWS",
     "ROUNDING_SUM",
     "ROUNDING_TERMS",
+    "DP_ADAMW",
+    "DP_SGD",
+    "LOGIT_DP",
+    "NAIVE_DP",
     "PER_EXAMPLE_MECHANISMS",
     "MechanismName",
     "PerExampleMechanism",
@@ -58,6 +62,14 @@ PerExampleMechanism = Literal["DP-SGD", "DP-Adam", "DP-AdamW"]
 PER_EXAMPLE_MECHANISMS: tuple[str, ...] = get_args(PerExampleMechanism)
 MechanismName = Literal[PerExampleMechanism, "Logit-DP", "Naive-DP"]
 """The mechanisms a DP stage may name (each fixes how its sensitivity is computed)."""
+DP_SGD: Final = "DP-SGD"
+"""The DP heads' mechanism (per-example clipping, SGD with momentum)."""
+DP_ADAMW: Final = "DP-AdamW"
+"""The DP encoder stages' mechanism (per-example clipping, AdamW), and the imports'."""
+LOGIT_DP: Final = "Logit-DP"
+"""Per-pair clipping of a contrastive loss's gradient (Kong et al. 2024)."""
+NAIVE_DP: Final = "Naive-DP"
+"""The contrastive batch's whole gradient clipped as one example."""
 CONTRASTIVE_LOSS = "symmetric-infonce"
 """L = sum_i (CE(Z_i. / tau, i) + CE(Z_.i / tau, i)) / 2 over cosine similarities Z (the rows
 and the columns of the similarity matrix each a softmax over the other view)."""
@@ -186,7 +198,7 @@ def _exact_sensitivity(mechanism: str, clipping_norm: float, params: dict[str, A
     if mechanism in PER_EXAMPLE_MECHANISMS:
         _check_keys(mechanism, params, _ROUNDING_KEYS, loss=False)
         return float(clipping_norm)
-    if mechanism == "Logit-DP":
+    if mechanism == LOGIT_DP:
         _check_keys(mechanism, params, _LOGIT_DP_KEYS)
         tau = _temperature(mechanism, params)
         max_batch = params.get("max_batch")
@@ -195,7 +207,7 @@ def _exact_sensitivity(mechanism: str, clipping_norm: float, params: dict[str, A
         ):
             raise AccountingError(f"Logit-DP: max_batch must be an integer, got {max_batch!r}")
         return logit_dp_sensitivity(clipping_norm, tau, max_batch)
-    if mechanism == "Naive-DP":
+    if mechanism == NAIVE_DP:
         _check_keys(mechanism, params, _NAIVE_DP_KEYS)
         if "temperature" in params:
             _temperature(mechanism, params)

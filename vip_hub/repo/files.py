@@ -76,7 +76,6 @@ __all__ = [
     "read_config",
     "text_decoder_file",
     "update_repo",
-    "weights_ledger",
 ]
 
 
@@ -280,11 +279,6 @@ def read_config(repo_dir: str | os.PathLike[str]) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RepoFormatError(f"{path}: not a readable {CONFIG_FILE} ({e})") from None
-
-
-def weights_ledger(path: str | os.PathLike[str]) -> str | None:
-    """The ledger JSON kept in a safetensors file's metadata, if any."""
-    return read_safetensors_metadata(path).get(META_LEDGER)
 
 
 # --------------------------------------------------------------------------- internals

@@ -45,6 +45,7 @@ from ..models.text_decoder import TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT, paper_delta
 from ..privacy.ledger import NOT_RELEASED, Dataset, DPStage, NonPrivateStage, noised_key
+from ..privacy.sensitivity import DP_ADAMW
 from .artifacts import nonfinite_problem
 from .card import DEFAULT_LICENSE
 from .files import Release, export_encoder
@@ -133,7 +134,7 @@ def _vip_base() -> ImportPreset:
         noise_support=REFERENCE_NOISE_SUPPORT,
         noised_tensors=REFERENCE_NOISED_TENSORS,
         delta=paper_delta(n),
-        mechanism="DP-AdamW",
+        mechanism=DP_ADAMW,
         description=(
             "MAE with DP-AdamW from the (Syn)-ViP initialisation (ViP paper, Sec. 4.1 and "
             "App. A.2). The paper states epsilon = 8 as its target; the parameters give the "
@@ -184,7 +185,7 @@ def _dpcap_base_eps7() -> ImportPreset:
         clipping_norm=1.0,
         noise_support=REFERENCE_NOISE_SUPPORT,
         noised_tensors=REFERENCE_NOISED_TENSORS,
-        mechanism="DP-AdamW",
+        mechanism=DP_ADAMW,
         sampling="shuffle",
         delta=1.0 / DPCAP_N,
         description=(

@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
 from ..paths import private_writer, write_private
-from ..repo_format import NAME_PATTERN, SIGNATURE_FILE
+from ..repo_format import SIGNATURE_FILE, check_name
 from .artifacts import file_sha256
 from .verify import Problem, VerificationReport, repo_files
 
@@ -100,9 +99,7 @@ def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
 def check_key_name(name: str) -> str:
     """``name`` if it can name a key (``NAME.key``, ``NAME.pub``, a signer on pages), else
     ConfigError."""
-    if not re.fullmatch(NAME_PATTERN, name or ""):
-        raise ConfigError(f"key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
-    return name
+    return check_name("key", name)
 
 
 def default_key_dir() -> Path:

@@ -238,7 +238,7 @@ def test_uploads_never_committed_are_collected(store, tmp_path):
     tmp.write_bytes(data)
     store.blobs.stage_upload(tmp, oid)
     assert store.collect_uploads() == 0 and store.blobs.object_size(oid) == len(data)
-    old = os.path.getmtime(store.blobs.upload_path(oid)) - store.upload_ttl - 1
+    old = os.path.getmtime(store.blobs.upload_path(oid)) - store.limits.upload_ttl_s - 1
     os.utime(store.blobs.upload_path(oid), (old, old))
     assert store.collect_uploads() == 1 and store.blobs.object_path(oid) is None
     store.create_repo("vip/m")

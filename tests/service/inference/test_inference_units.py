@@ -23,10 +23,15 @@ from service.errors import (
 )
 from service.inference.batcher import Batcher, WorkItem
 from service.inference.engine import _wait_or_disconnect
-from service.inference.images import ImageLimits, decode_image, image_bytes_from_text
+from service.inference.images import ImageLimits, image_bytes_from_text, load_rgb, open_image
 from service.store import errors as store_errors
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_aspect_ratio=16)
+
+
+def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0) -> Image.Image:
+    """What the engine does with an input's bytes: its header checked, then decoded to RGB."""
+    return load_rgb(open_image(data, index, limits), index, min_side)
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:

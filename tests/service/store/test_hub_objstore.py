@@ -448,7 +448,7 @@ def test_multipart_uploads_cut_by_an_outage_are_aborted(seaweed, tmp_path, monke
             return [u["Key"] for u in listed.get("Uploads", [])]
 
         assert unfinished() == [f"xet/xorbs/{name}"]
-        ahead = clock.now() + store.upload_ttl + 60 - time.time()
+        ahead = clock.now() + store.limits.upload_ttl_s + 60 - time.time()
         monkeypatch.setattr(clock, "now", lambda: time.time() + ahead)
         store.collect_uploads()
         assert unfinished() == []

@@ -266,7 +266,7 @@ def test_store_check_reports_and_repairs_wrong_bytes_under_uploads(hub, seaweed)
     sha = hashlib.sha256(data).hexdigest()
     seaweed.client().put_object(Bucket=BUCKET, Key=upload_key(sha), Body=_text(2048))
     store = hub.app.state.store
-    grace = store.upload_ttl
+    grace = store.limits.upload_ttl_s
     found = [f for f in check_store(store, repair=False, grace=grace) if sha in f.what]
     assert [(f.kind, f.problem) for f in found] == [("corrupt", True)], found
     repaired = [f for f in check_store(store, repair=True, grace=grace) if sha in f.what]
