@@ -85,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 max_json_commas=settings.inference.max_json_commas,
                 max_pending=settings.inference.max_pending_requests,
                 max_pending_bytes=settings.inference.max_pending_bytes,
+                read_timeout_s=settings.inference.body_timeout_s,
             )
         )
     if settings.hub.enabled:

@@ -8,6 +8,7 @@ they stream; their rule passes them through."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, error_response
+from .errors import (
+    BadRequest,
+    PayloadTooLarge,
+    QueueFull,
+    RequestTimeout,
+    ServiceError,
+    error_response,
+)
 
 __all__ = ["BodyLimit", "BodyLimitMiddleware", "JsonDepth", "json_problem"]
 
@@ -82,6 +90,10 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
     more than ``max_commas`` commas outside its strings (values), else None; linear work."""
     if b"\0" in body:  # UTF-8 JSON has none; in UTF-16 or -32 a character's bytes can be a quote
         return BadRequest("JSON body is not UTF-8 (RFC 8259): it holds NUL bytes, as UTF-16 does")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRequest(f"JSON body is not UTF-8 (RFC 8259): byte {e.start} is {e.reason}")
     if body.count(b"[") + body.count(b"{") <= max_depth and body.count(b",") <= max_commas:
         return None  # too few brackets and commas, in strings or not, to pass either bound
     scan = JsonDepth(max_depth)
@@ -99,10 +111,10 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
 class BodyLimit:
     """The body limit of the request paths ``pattern`` matches: ``max_bytes`` (None: the route
     streams the body under its own limit) and, when set, a JSON body's ``max_json_depth`` and
-    ``max_json_commas`` (its values, less one), and how many requests with a body
+    ``max_json_commas`` (its values, less one), how many requests with a body
     (``max_pending``), holding how many bytes together
     (``max_pending_bytes``), are served at once: more are answered 429 before their body is
-    read."""
+    read, and how long an admitted body may take to arrive (``read_timeout_s``, else 408)."""
 
     pattern: re.Pattern[str]
     max_bytes: int | None
@@ -110,6 +122,7 @@ class BodyLimit:
     max_json_commas: int | None = None
     max_pending: int | None = None
     max_pending_bytes: int | None = None
+    read_timeout_s: float | None = None
 
 
 @dataclass
@@ -133,6 +146,10 @@ class BodyLimitMiddleware:
         rule = next((r for r in self.rules if r.pattern.match(scope.get("path", ""))), None)
         if scope["type"] != "http" or rule is None or rule.max_bytes is None:
             await self.app(scope, receive, send)
+            return
+        if repeated := _repeated(scope.get("headers") or []):
+            message = f"the {repeated} header is sent more than once"
+            await error_response(BadRequest(message))(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
         size = _body_size(headers, rule.max_bytes)
@@ -174,20 +191,14 @@ class BodyLimitMiddleware:
                 f"request body of {int(declared)} bytes exceeds the limit of {limit} "
                 f"for {scope['path']}"
             )
-        chunks, size = [], 0
-        while True:
-            message: Any = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(
-                    f"request body exceeds the limit of {limit} bytes for {scope['path']}"
-                )
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(rule.read_timeout_s):
+                await _receive_into(chunks, receive, limit, scope["path"])
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {rule.read_timeout_s:g} s"
+            ) from None
         body = b"".join(chunks)
         chunks.clear()  # from here the body is held once
         depth, commas = rule.max_json_depth, rule.max_json_commas
@@ -197,6 +208,34 @@ class BodyLimitMiddleware:
             if problem is not None:
                 raise problem
         return body
+
+
+async def _receive_into(chunks: list[bytes], receive: Receive, limit: int, path: str) -> None:
+    """Append the body's chunks to ``chunks`` until its end (or a disconnect); PayloadTooLarge
+    once they pass ``limit`` bytes."""
+    size = 0
+    while True:
+        message: Any = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes for {path}")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return
+
+
+_SINGLE = (b"content-type", b"content-length", b"transfer-encoding")
+"""Headers a request sends once: of two, this middleware and the app could read different ones
+(the JSON checks skipped for a body FastAPI then parses as JSON)."""
+
+
+def _repeated(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The first of ``_SINGLE`` that ``headers`` (lower-case names, as ASGI gives them) repeat."""
+    names = [name.lower() for name, _ in headers]
+    return next((n.decode() for n in _SINGLE if names.count(n) > 1), None)
 
 
 def _body_size(headers: dict[bytes, bytes], max_bytes: int) -> int:

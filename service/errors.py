@@ -38,6 +38,7 @@ __all__ = [
     "PayloadTooLarge",
     "QueueFull",
     "RepoNotFound",
+    "RequestTimeout",
     "RevisionNotFound",
     "ServiceError",
     "ShuttingDown",
@@ -100,6 +101,10 @@ class EntryNotFound(ServiceError, status=404, hub_code=True):
 
 class NotFound(ServiceError, status=404):
     """A page or record that is not a repo, revision or file (e.g. a dataset no release names)."""
+
+
+class RequestTimeout(ServiceError, status=408):
+    """A request body that did not arrive within its time (``inference.body_timeout_s``)."""
 
 
 class Conflicting(ServiceError, status=409):
@@ -216,7 +221,11 @@ async def _invalid(_request: Request, err: Exception) -> JSONResponse:
     """FastAPI's 422 (``{"detail": [...]}``, each error's ``loc`` naming the field), writable
     whatever the body held."""
     assert isinstance(err, RequestValidationError)
-    return _EchoJSON({"detail": jsonable_encoder(err.errors())}, status_code=422)
+    # a body FastAPI did not parse (not sent as JSON) is echoed as bytes, which may be no UTF-8
+    readable = {bytes: lambda b: b.decode("utf-8", "replace")}
+    return _EchoJSON(
+        {"detail": jsonable_encoder(err.errors(), custom_encoder=readable)}, status_code=422
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -131,6 +131,54 @@ def test_json_in_utf16_or_utf32_is_refused_before_it_is_parsed(server, encoding)
         assert r.status_code == 400 and "not UTF-8" in r.json()["error"], r.text[:300]
 
 
+def test_a_repeated_content_type_is_refused_before_the_json_checks_are_skipped(server):
+    """``application/json`` then ``text/plain``: the middleware read the last (no JSON checks)
+    and FastAPI the first (parsed as JSON), so a 6 MB body of two million ``{}`` took 76 s and
+    3.7 GB to answer 422 with 254 MB of errors. A header sent twice is now refused at once."""
+    url = f"{server.url}/v1/embeddings"
+    body = b'{"model": "vip/x", "input": [' + b",".join([b"{}"] * 200_000) + b"]}"
+    headers = [("Content-Type", "application/json"), ("Content-Type", "text/plain")]
+    r = httpx.post(url, content=body, headers=headers, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    assert "content-type header is sent more than once" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [("application/json", b'{"model": "vip/x", "input": "\xff\xfe"}'), ("text/plain", b"\xff\xfe")],
+)
+def test_a_body_not_in_utf8_gets_a_message_naming_it(server, content_type, body):
+    """Stray bytes in a JSON body got Starlette's ``There was an error parsing the body``, not the
+    service's error; sent as ``text/plain``, the 422 handler itself raised (500) echoing them."""
+    body = body.decode("unicode_escape").encode("latin-1")
+    r = httpx.post(
+        f"{server.url}/v1/embeddings", content=body, headers={"Content-Type": content_type}
+    )
+    if content_type == "application/json":
+        assert r.status_code == 400 and "not UTF-8" in r.json()["error"], r.text
+        assert "byte 29 is invalid start byte" in r.json()["error"], r.text
+    else:
+        assert r.status_code == 422 and r.json()["detail"][0]["input"] == "\ufffd\ufffd", r.text
+
+
+def test_a_body_that_never_arrives_frees_its_share(tmp_path):
+    """Four connections that sent a chunked body's headers and one byte held the whole
+    ``max_pending_bytes`` (each counted as a maximal body) for as long as they stayed open:
+    every other /v1 request got 429. An admitted body now has ``body_timeout_s`` to arrive."""
+    settings = settings_for(tmp_path, inference={"max_pending_requests": 1, "body_timeout_s": 1.0})
+    head = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
+    )
+    with ThreadedServer(settings) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as idle:
+            idle.sendall(head)
+            ((status, _, answer),) = _first_answers([idle], 1).values()
+            assert status == 408 and "did not arrive within 1 s" in answer["error"], answer
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"model": "a/b", "input": "QUFB"})
+        assert r.status_code != 429, r.text  # its share is free again
+
+
 def test_a_quadratic_json_body_is_refused_while_healthz_answers(server):
     """Four 1 MB bodies of the issue's shape, at once: each is refused with 400 naming the depth
     limit, and /healthz answers meanwhile (the check runs in worker threads, in linear work;
