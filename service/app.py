@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_errors(app)
 
-    from .ops import InFlightMiddleware
+    from .ops import InFlightMiddleware, RequestMetricsMiddleware
     from .ops import install as install_ops
 
     install_ops(app, metrics)
@@ -98,6 +98,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits.append(BodyLimit(STREAMED_UPLOADS, None))
     limits.append(BodyLimit(re.compile(""), settings.max_body_bytes))  # every other route
     app.add_middleware(BodyLimitMiddleware, rules=limits)
+    # outside the body limits: what they refuse (413, 400, 429) is counted and logged too
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.add_middleware(NoSniffMiddleware)
     app.add_middleware(InFlightMiddleware, metrics=metrics)  # outermost: counts every request
     return app

@@ -46,6 +46,7 @@ __all__ = [
     "StorageUnavailable",
     "Unauthorized",
     "error_response",
+    "header_safe",
     "install",
 ]
 
@@ -176,7 +177,7 @@ def error_response(err: Exception) -> JSONResponse:
         status, code, message = (404 if isinstance(err, MissingInputError) else 400), None, str(err)
     else:
         raise TypeError(f"not a handled error family: {type(err).__name__}")
-    headers["X-Error-Message"] = _header_safe(message)
+    headers["X-Error-Message"] = header_safe(message)
     if code:
         headers["X-Error-Code"] = code
     return JSONResponse({"error": message, **body}, status_code=status, headers=headers)
@@ -236,7 +237,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
 
 
-def _header_safe(text: str) -> str:
+def header_safe(text: str) -> str:
     """The message as a header value: printable ASCII only (a control character, as a request path
     may carry, makes the server drop the response); the body keeps the message as it is."""
     return "".join(c if " " <= c <= "~" else "?" for c in " ".join(text.split()))[:1000]

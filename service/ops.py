@@ -148,8 +148,8 @@ class InFlightMiddleware:
 
 
 def install(app: FastAPI, metrics: Metrics) -> None:
-    """Add the metrics middleware and the operations routes to ``app``."""
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    """Add the operations routes to ``app`` (its middleware, ``RequestMetricsMiddleware``, is
+    added outside the body limits, by ``create_app``)."""
 
     @app.get("/healthz", tags=["operations"], summary="The process is alive")
     def healthz() -> dict[str, str]:

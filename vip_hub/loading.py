@@ -88,7 +88,7 @@ class Encoder:
         if pooling in self.poolings:
             return
         if pooling in self.spec.family.poolings:
-            why = f"{self.path} has no {TEXT_DECODER_FILE}"
+            why = f"this repo has no {TEXT_DECODER_FILE}"
         elif pooling in POOLINGS:
             why = f"{self.spec.family.title} encoders offer {', '.join(self.spec.family.poolings)}"
         elif SPATIAL_PATTERN.fullmatch(pooling):

@@ -1,8 +1,9 @@
 """``/v1/embeddings`` (JSON and multipart), ``/v1/classify`` and ``/v1/models``.
 
 Every embedding or classification response names the model revision and its privacy
-guarantee, in the body and in ``X-Model-Revision``, ``X-Privacy-Epsilon``,
-``X-Privacy-Delta``, with ``X-Queue-Ms``, ``X-Preprocess-Ms`` and ``X-Inference-Ms`` timings.
+guarantee, in the body and in ``X-Model-Revision``, ``X-Privacy-Epsilon``, ``X-Privacy-Delta``
+(and ``X-Privacy-Caveat``; a classification's the head's), with ``X-Queue-Ms``,
+``X-Preprocess-Ms`` and ``X-Inference-Ms`` timings.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class EmbeddingsRequest(BaseModel):
     normalize: bool = False
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions")
+    user: str | None = Field(
+        None, max_length=256, description="OpenAI's end-user identifier: accepted, not kept"
+    )
 
 
 class Embedding(BaseModel):
@@ -249,6 +253,7 @@ async def classify(payload: ClassifyRequest, call: Call) -> ClassifyResponse:
         encoder=fields.pop("privacy"),
         head=Privacy.of(model.ledger.summary(head_component(payload.head))),
     )
+    call.state(privacy.head)  # the labels are the head's: its guarantee, its encoder's within
     return ClassifyResponse(data=data, head=payload.head, privacy=privacy, **fields)
 
 

@@ -53,6 +53,7 @@ class Batcher:
         max_wait_s: float,
         max_queue_images: int,
         on_depth: Callable[[int], None] = lambda depth: None,
+        on_reject: Callable[[str], None] = lambda reason: None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.name = name
@@ -61,6 +62,7 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue_images = max_queue_images
         self._on_depth = on_depth
+        self._on_reject = on_reject  # a refused request's reason: queue_full, deadline
         self._clock = (
             clock  # the time of enqueue stamps, the fill wait and deadlines (tests inject theirs)
         )
@@ -101,6 +103,7 @@ class Batcher:
             if self._stopped or (self._closing and not announced):
                 raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
             if self._queued + size > self.max_queue_images:
+                self._on_reject("queue_full")
                 raise QueueFull(
                     f"{self.name}: queue full ({self._queued} images waiting, limit "
                     f"{self.max_queue_images})",
@@ -160,6 +163,7 @@ class Batcher:
             for item in batch:
                 if now > item.deadline:
                     if item.future.set_running_or_notify_cancel():
+                        self._on_reject("deadline")
                         item.future.set_exception(
                             DeadlineExceeded(
                                 f"{self.name}: waited past the request deadline",

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from vip_hub.privacy.ledger import PrivacySummary, privacy_headline
 
 from ..auth import Identity, check_read, identity, identity_or_anonymous, require_scope
-from ..errors import BadRequest, PayloadTooLarge
+from ..errors import BadRequest, PayloadTooLarge, header_safe
 from ..hub.common import store_of
 from ..settings import InferenceSettings
 from ..store.naming import REPO_PART_PATTERN, REVISION_PATTERN
@@ -157,8 +157,7 @@ class InferenceCall:
         fields every inference response has: model, revision, privacy, usage."""
         headers = self.response.headers
         headers["X-Model-Revision"] = model.commit
-        headers["X-Privacy-Epsilon"] = "none" if privacy.epsilon is None else repr(privacy.epsilon)
-        headers["X-Privacy-Delta"] = repr(privacy.delta)
+        self.state(privacy)
         headers["X-Queue-Ms"] = f"{result.queue_s * 1e3:.2f}"
         headers["X-Preprocess-Ms"] = f"{result.preprocess_s * 1e3:.2f}"
         headers["X-Inference-Ms"] = f"{result.forward_s * 1e3:.2f}"
@@ -168,6 +167,18 @@ class InferenceCall:
             "privacy": privacy,
             "usage": Usage(images=len(images)),
         }
+
+    def state(self, privacy: Privacy) -> None:
+        """Set the ``X-Privacy-*`` headers to ``privacy``, the guarantee of what the response's
+        output depends on: ``X-Privacy-Caveat`` too where the epsilon assumes what the training
+        did not meet."""
+        headers = self.response.headers
+        headers["X-Privacy-Epsilon"] = "none" if privacy.epsilon is None else repr(privacy.epsilon)
+        headers["X-Privacy-Delta"] = repr(privacy.delta)
+        if privacy.caveat is not None:
+            headers["X-Privacy-Caveat"] = header_safe(privacy.caveat)
+        elif "X-Privacy-Caveat" in headers:
+            del headers["X-Privacy-Caveat"]
 
 
 async def _call(

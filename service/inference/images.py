@@ -18,6 +18,7 @@ import binascii
 import io
 import math
 import re
+import struct
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,5 +153,17 @@ def _decoding(index: int) -> Iterator[None]:
         raise PayloadTooLarge(
             f"input[{index}]: decompression bomb refused from the header ({e})"
         ) from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
+    except (
+        OSError,
+        SyntaxError,
+        ValueError,
+        EOFError,
+        # a malformed header's field of the wrong type (a TIFF's StripOffsets as a fraction),
+        # index or key: Pillow's plugins raise these as they parse
+        TypeError,
+        IndexError,
+        KeyError,
+        struct.error,
+        ZeroDivisionError,
+    ) as e:
         raise BadRequest(f"input[{index}]: truncated or corrupt image data ({e})") from None

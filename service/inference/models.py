@@ -100,6 +100,7 @@ class LoadedModel:
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue_images=settings.max_queue_images,
             on_depth=metrics.queue_depth.labels(label).set,
+            on_reject=lambda reason: metrics.rejected.labels(label, reason).inc(),
         )
         return model
 

@@ -409,6 +409,14 @@ def wide_grey(mode: str, seed: int = 0) -> tuple[bytes, Image.Image]:
     return buf.getvalue(), Image.fromarray(grey).convert("RGB")
 
 
+def decode_image(data: bytes, index: int, limits: Any, min_side: int = 0) -> Image.Image:
+    """What the inference engine does with an input's bytes: its header checked (``open_image``
+    under ``limits``, an ``ImageLimits``), then decoded to RGB (``load_rgb``)."""
+    from service.inference.images import load_rgb, open_image
+
+    return load_rgb(open_image(data, index, limits), index, min_side)
+
+
 def turned_jpeg(seed: int = 0, corrupt: bool = False) -> tuple[bytes, Image.Image]:
     """A JPEG stored 40 x 24 whose EXIF Orientation (6) says "rotate 90° clockwise to show", and
     the 24 x 40 RGB image a viewer shows (its pixels decoded as stored, then turned); ``corrupt``:

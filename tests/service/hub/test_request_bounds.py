@@ -161,6 +161,20 @@ def test_a_body_not_in_utf8_gets_a_message_naming_it(server, content_type, body)
         assert r.status_code == 422 and r.json()["detail"][0]["input"] == "\ufffd\ufffd", r.text
 
 
+def test_what_the_body_limits_refuse_is_counted(server):
+    """The request metrics sat inside the body limits: a 413, a 400 for depth or a 429 they
+    answered never reached ``vip_hub_requests_total`` nor the access log."""
+    before = _metric(server, "vip_hub_requests_total")
+    deep = b'{"model": "vip/x", "input": ' + b"[" * 100 + b"]" * 100 + b"}"
+    r = httpx.post(
+        f"{server.url}/v1/embeddings", content=deep, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    text = httpx.get(server.url + "/metrics").text
+    assert re.search(r'^vip_hub_requests_total\{[^}]*status="400"[^}]*\} ', text, re.M), text
+    assert _metric(server, "vip_hub_requests_total") >= before + 1
+
+
 def test_a_body_that_never_arrives_frees_its_share(tmp_path):
     """Four connections that sent a chunked body's headers and one byte held the whole
     ``max_pending_bytes`` (each counted as a maximal body) for as long as they stayed open:

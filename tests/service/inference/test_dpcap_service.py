@@ -15,10 +15,13 @@ import timm
 import torch
 from PIL import Image
 from support.dpcap import DPCAP, publish_dpcap
-from support.live import ThreadedServer, settings_for
+from support.helpers import synthetic_stage
+from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 
-from vip_hub import load_encoder
+from vip_hub import export_encoder, load_encoder
 from vip_hub.loading import load_captioner
+from vip_hub.models.encoders import EncoderSpec, create_encoder
+from vip_hub.repo.push import push_repo
 
 VIP = "vip/vip-nano-test"
 
@@ -96,6 +99,21 @@ def test_dpcap_features_over_rest_and_modes_it_does_not_have(hub, dpcap):
     assert r.status_code == 400 and "'vip' is not available for dpcap-nano" in r.json()["error"]
     r = post(hub.url, "embeddings", {"model": VIP, "input": [b64(IMAGES[0])], "pooling": "dpcap"})
     assert r.status_code == 400 and "'dpcap' is not available for vip-nano" in r.json()["error"]
+
+
+def test_a_dpcap_repo_without_its_decoder_names_no_server_path(hub, tmp_path):
+    """The 400 for the ``dpcap`` mode of a DP-Cap repo without its text decoder named the
+    snapshot's folder on the server (``/.../store/snapshots/vip/...``)."""
+    spec = EncoderSpec("dpcap-nano", img_size=32)
+    torch.manual_seed(0)
+    repo = export_encoder(
+        tmp_path / "dn", create_encoder(spec).eval(), spec, [synthetic_stage()], model_name="dn"
+    )
+    push_repo(repo, "vip/dpcap-no-decoder", token=WRITE_TOKEN)
+    payload = {"model": "vip/dpcap-no-decoder", "input": [b64(IMAGES[0])], "pooling": "dpcap"}
+    r = post(hub.url, "embeddings", payload)
+    assert r.status_code == 400 and "this repo has no text_decoder" in r.json()["error"], r.text
+    assert "snapshots" not in r.text and str(hub.settings.store) not in r.text, r.text
 
 
 def test_models_listing_says_which_repos_caption(hub, dpcap):

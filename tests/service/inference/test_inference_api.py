@@ -12,18 +12,29 @@ import time
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import timm
 import torch
 from PIL import Image
-from support.helpers import NEEDS_CUDA, tiny_repo_with_head, turned_jpeg, wide_grey
+from support.helpers import (
+    NEEDS_CUDA,
+    TINY,
+    synthetic_stage,
+    tiny_encoder,
+    tiny_repo_with_head,
+    turned_jpeg,
+    wide_grey,
+)
 from support.live import READ_TOKEN, WRITE_TOKEN, ThreadedServer, settings_for
 
 import vip_hub
 from service.app import create_app
 from service.inference.models import LoadedModel
+from vip_hub import export_encoder
 from vip_hub.device import pick_device
 from vip_hub.errors import ConfigError
+from vip_hub.privacy.ledger import Dataset, DPStage
 from vip_hub.repo.heads import load_head
 from vip_hub.repo.push import push_repo
 
@@ -256,7 +267,10 @@ def test_classify(hub, local, published):
         privacy["head"]["epsilon"] is None
         and "NO guarantee for toy-labels" in privacy["head"]["headline"]
     )
-    assert r.headers["x-privacy-epsilon"] == repr(privacy["encoder"]["epsilon"])
+    # the headers state what the labels depend on, the head's (none here), not the encoder's
+    # 4.04 as they did
+    assert r.headers["x-privacy-epsilon"] == "none"
+    assert r.headers["x-privacy-delta"] == repr(privacy["head"]["delta"])
     missing = httpx.post(
         f"{hub.url}/v1/classify", json={"model": MODEL, "head": "nope", "input": [b64(IMAGES[0])]}
     )
@@ -760,3 +774,41 @@ def test_auth_for_inference(hub, published, tmp_path):
             timeout=60,
         )
         assert r.status_code == 200
+
+
+def test_a_caveat_travels_in_the_headers(hub, tmp_path):
+    """A stage accounted under Poisson sampling it did not use (a shuffled import) makes the
+    summary carry a caveat, which every place that prints an epsilon prints with it: the
+    ``X-Privacy-*`` headers printed the epsilon alone."""
+    shuffled = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="test-images", size=1000),
+        sample_rate=0.05,
+        noise_multiplier=1.0,
+        steps=100,
+        clipping_norm=0.1,
+        noised_tensors={"unreleased:test": 1_000},
+        sampling="shuffle",
+    )
+    repo = export_encoder(
+        tmp_path / "shuffled", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="s"
+    )
+    push_repo(repo, "vip/shuffled", token=WRITE_TOKEN)
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings", json={"model": "vip/shuffled", "input": [b64(IMAGES[0])]}
+    )
+    assert r.status_code == 200, r.text
+    caveat = r.json()["privacy"]["caveat"]
+    assert caveat and "Poisson" in caveat
+    assert "assuming Poisson sampling" in r.headers["x-privacy-caveat"], r.headers
+    plain = httpx.post(f"{hub.url}/v1/embeddings", json={"model": MODEL, "input": [b64(IMAGES[0])]})
+    assert "x-privacy-caveat" not in plain.headers
+
+
+def test_the_openai_client_with_its_optional_fields(hub, local):
+    """The OpenAI client's ``user`` (an end-user identifier) was refused with 422 (extra fields
+    are forbidden); it is accepted and not kept."""
+    client = openai.OpenAI(base_url=f"{hub.url}/v1", api_key="EMPTY", timeout=120)
+    got = client.embeddings.create(model=MODEL, input=[b64(IMAGES[0])], user="alice")
+    expected = local.embed([_pil(IMAGES[0])], "avg")[0]
+    np.testing.assert_allclose(got.data[0].embedding, expected.numpy(), atol=1e-5)

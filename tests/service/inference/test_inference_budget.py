@@ -10,8 +10,9 @@ import io
 import httpx
 import pytest
 from PIL import Image
+from support.helpers import decode_image
 
-from service.inference.images import ImageLimits, decode_image
+from service.inference.images import ImageLimits
 from service.settings import InferenceSettings
 
 MODEL = "vip/vip-nano-test"

@@ -3,13 +3,14 @@
 import asyncio
 import base64
 import io
+import struct
 import threading
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support.helpers import WIDE_GREY, turned_jpeg, wide_grey
+from support.helpers import WIDE_GREY, decode_image, turned_jpeg, wide_grey
 
 from service.errors import (
     BadRequest,
@@ -23,15 +24,10 @@ from service.errors import (
 )
 from service.inference.batcher import Batcher, WorkItem
 from service.inference.engine import _wait_or_disconnect
-from service.inference.images import ImageLimits, image_bytes_from_text, load_rgb, open_image
+from service.inference.images import ImageLimits, image_bytes_from_text
 from service.store import errors as store_errors
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_aspect_ratio=16)
-
-
-def decode_image(data: bytes, index: int, limits: ImageLimits, min_side: int = 0) -> Image.Image:
-    """What the engine does with an input's bytes: its header checked, then decoded to RGB."""
-    return load_rgb(open_image(data, index, limits), index, min_side)
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -89,7 +85,22 @@ def test_animated_gif_first_frame():
     assert decode_image(data, 0, LIMITS).getpixel((0, 0))[0] > 200
 
 
+def _rational_strip_tiff() -> bytes:
+    """A 2 x 2 grey TIFF whose StripOffsets is a RATIONAL (a fraction), not an integer: Pillow's
+    decoder raises TypeError on it (a fuzzer's find)."""
+    entries = [(256, 3, 2), (257, 3, 2), (258, 3, 8), (259, 3, 1), (262, 3, 1), (278, 3, 2)]
+    ifd = 8
+    rational = ifd + 2 + 12 * (len(entries) + 2) + 4
+    pixels = rational + 8
+    out = b"II*\0" + struct.pack("<IH", ifd, len(entries) + 2)
+    out += b"".join(struct.pack("<HHIHH", tag, kind, 1, value, 0) for tag, kind, value in entries)
+    out += struct.pack("<HHII", 273, 5, 1, rational) + struct.pack("<HHII", 279, 4, 1, 4)
+    return out + struct.pack("<III", 0, 2 * pixels + 1, 2) + bytes([0, 64, 128, 255])
+
+
 def test_bad_inputs_name_the_index():
+    with pytest.raises(BadRequest, match=r"input\[5\]: truncated or corrupt"):  # was a 500
+        decode_image(_rational_strip_tiff(), 5, LIMITS)
     with pytest.raises(BadRequest, match=r"input\[3\]: empty image"):
         decode_image(b"", 3, LIMITS)
     with pytest.raises(BadRequest, match=r"input\[1\]: not an image"):
@@ -208,7 +219,10 @@ def test_announced_images_join_the_forming_batch_and_withdrawing_releases_it():
 
 
 def test_queue_full_cancelled_expired_and_drain():
-    batcher, sizes, gate, running, clock = _recording_batcher(max_queue_images=10, max_wait_s=0.0)
+    rejected: list[str] = []  # vip_hub_rejected_total's reasons: it was never counted
+    batcher, sizes, gate, running, clock = _recording_batcher(
+        max_queue_images=10, max_wait_s=0.0, on_reject=rejected.append
+    )
     first = _item(8)
     batcher.submit([first])
     assert running.wait(5)  # taken by the worker, which blocks on the gate
@@ -227,6 +241,7 @@ def test_queue_full_cancelled_expired_and_drain():
     with pytest.raises(Exception, match="deadline"):
         expired.future.result(5)
     assert sizes == [8, 4]  # the cancelled and the expired images were never computed
+    assert rejected == ["queue_full", "deadline"]
     batcher.close()
     with pytest.raises(ShuttingDown):
         batcher.submit([_item(1)])
