@@ -29,8 +29,6 @@ from .errors import (
 
 __all__ = ["BodyLimit", "BodyLimitMiddleware", "JsonDepth", "json_problem"]
 
-RETRY_AFTER_S = "1"
-"""What a request refused for the requests already being served is told to wait, in seconds."""
 _DELTA = np.zeros(256, np.int8)
 _DELTA[[0x5B, 0x7B]], _DELTA[[0x5D, 0x7D]] = 1, -1  # [ { open, ] } close
 _COMMA = 0x2C
@@ -261,12 +259,11 @@ def _admit(pending: _Pending, rule: BodyLimit, size: int, path: str) -> None:
     if rule.max_pending is not None and pending.requests >= rule.max_pending:
         raise QueueFull(
             f"{pending.requests} requests like {path} are being served, the most at once: "
-            f"retry after {RETRY_AFTER_S} s",
-            {"Retry-After": RETRY_AFTER_S},
+            f"retry after {QueueFull.retry_after_s} s"
         )
     if rule.max_pending_bytes is not None and pending.bytes + size > rule.max_pending_bytes:
         raise QueueFull(
             f"the requests being served hold {pending.bytes} bytes; this one's {size} more "
-            f"would pass the limit of {rule.max_pending_bytes}: retry after {RETRY_AFTER_S} s",
-            {"Retry-After": RETRY_AFTER_S},
+            f"would pass the limit of {rule.max_pending_bytes}: retry after "
+            f"{QueueFull.retry_after_s} s"
         )

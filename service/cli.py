@@ -23,6 +23,7 @@ SERVE_EXTRA = ("serve", "fastapi", "uvicorn", "pydantic_settings")
 
 
 def register_serve(sub: Any) -> None:
+    """The ``serve`` command: the hub and inference service under uvicorn."""
     require_extra(*SERVE_EXTRA)
     p = add_command(sub, "serve", _serve, "run the hub and inference service (uvicorn)")
     p.add_argument(
@@ -180,6 +181,7 @@ def _unusable(e: OSError, what: str) -> Exception:
 
 
 def register_token(sub: Any) -> None:
+    """The ``token`` command: the hub's access tokens created, listed or revoked."""
     require_extra(*SERVE_EXTRA)
     actions = ("create", "list", "revoke")
     p = _admin_command(
@@ -222,6 +224,7 @@ def _token(args: argparse.Namespace) -> None:
 
 
 def register_org(sub: Any) -> None:
+    """The ``org`` command: organisations' members added, listed or removed."""
     require_extra(*SERVE_EXTRA)
     p = _admin_command(sub, "org", _org, "add, list or remove the hub's organisation members")
     p.add_argument("org", nargs="?", help="the organisation (add, remove)")
@@ -252,6 +255,7 @@ def _org(args: argparse.Namespace) -> None:
 
 
 def register_trust(sub: Any) -> None:
+    """The ``trust`` command: the signers' public keys the hub trusts."""
     require_extra(*SERVE_EXTRA)
     p = _admin_command(sub, "trust", _trust, "add, list or remove the public keys the hub trusts")
     p.add_argument("name", nargs="?", help="the signer's name, shown on model pages (add, remove)")
@@ -283,6 +287,7 @@ def _trust(args: argparse.Namespace) -> None:
 
 
 def register_store(sub: Any) -> None:
+    """The ``store`` command: a store's garbage collected or checked."""
     require_extra(*SERVE_EXTRA)
     p = add_command(
         sub,

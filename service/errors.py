@@ -59,6 +59,8 @@ class ServiceError(Exception):
 
     status: ClassVar[int] = 500
     code: ClassVar[str | None] = None
+    retry_after_s: ClassVar[int | None] = None
+    """Seconds a client is told to wait before it tries again (``Retry-After``), if any."""
 
     def __init_subclass__(cls, *, status: int, hub_code: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -120,6 +122,8 @@ class QueueFull(ServiceError, status=429):
     """A model's inference queue holds as many images as it may, or the inference routes serve
     as many requests as they may at once (retry after ``Retry-After``)."""
 
+    retry_after_s = 1
+
 
 class ClientGone(ServiceError, status=499):
     """The client disconnected before its inference finished (nginx's 499: nobody reads it)."""
@@ -133,9 +137,16 @@ class StorageCorrupt(ServiceError, status=500):
 class ShuttingDown(ServiceError, status=503):
     """The inference engine is stopping or not started."""
 
+    retry_after_s = 5
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
+
 
 class DeadlineExceeded(ServiceError, status=503):
     """An inference request waited past its deadline."""
+
+    retry_after_s = 1
 
 
 class StorageUnavailable(ServiceError, status=503):
@@ -165,14 +176,17 @@ def error_response(err: Exception) -> JSONResponse:
     if isinstance(err, ServiceError):
         status, code, message, headers = err.status, err.code, err.message, dict(err.headers)
         body = err.body
+        if err.retry_after_s is not None:
+            headers["Retry-After"] = str(err.retry_after_s)
     elif isinstance(err, store.StoreError):
         answer = next(service for cls, service in _STORE if isinstance(err, cls))
         status, code = answer.status, answer.code
         message = str(err)
         if isinstance(err, store.NoSuchEntry) and err.commit:
             headers["X-Repo-Commit"] = err.commit  # lets the client cache the absence
-        if isinstance(err, store.StoreUnavailable):
-            headers["Retry-After"] = str(err.retry_after_s)
+        retry = err.retry_after_s if isinstance(err, store.StoreUnavailable) else None
+        if (retry := retry or answer.retry_after_s) is not None:
+            headers["Retry-After"] = str(retry)
     elif isinstance(err, VipHubError):
         status, code, message = (404 if isinstance(err, MissingInputError) else 400), None, str(err)
     else:

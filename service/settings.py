@@ -141,6 +141,16 @@ class HubSettings(_Section):
         """The front-matter limits commits and /api/validate-yaml hold cards to."""
         return FrontMatterLimits(self.max_front_matter_bytes, self.max_front_matter_depth)
 
+    def commit_files_problem(self, count: int, what: str) -> str | None:
+        """Why ``what`` (a preupload, a commit body, a commit's tree) holding ``count`` files is
+        refused (over ``max_commit_files``), else None."""
+        if count <= self.max_commit_files:
+            return None
+        return (
+            f"{what} holds {count} files, over the limit of {self.max_commit_files} files per "
+            "commit (hub.max_commit_files)"
+        )
+
 
 class ObjectStoreSettings(_Section):
     """Blobs in an S3-compatible object store (AWS S3, Ceph RGW, SeaweedFS, Garage) instead of

@@ -102,6 +102,7 @@ def writable(what: str) -> Any:
 
 
 def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:
+    """A file as the model info's ``siblings`` lists it (``blobs``: with size, oid and LFS)."""
     out: dict[str, Any] = {"rfilename": entry.path}
     if blobs:
         out.update(size=entry.size, blobId=entry.git_oid)

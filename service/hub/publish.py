@@ -83,11 +83,8 @@ def preupload(
     revision: str, payload: Preupload, opened: Annotated[Writable, writable("uploading")]
 ) -> dict[str, Any]:
     store, repo_id = opened.store, opened.repo_id
-    if len(payload.files) > store.limits.max_commit_files:
-        raise PayloadTooLarge(
-            f"preupload of {len(payload.files)} files: over the limit of "
-            f"{store.limits.max_commit_files} files per commit (hub.max_commit_files)"
-        )
+    if problem := store.limits.commit_files_problem(len(payload.files), "the preupload"):
+        raise PayloadTooLarge(problem)
     try:
         tree = store.tree(repo_id, store.resolve(repo_id, validate_revision(revision)))
     except NoSuchRevision:  # an empty repo or a new branch: nothing to compare against
@@ -117,7 +114,7 @@ async def commit(
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
     store, repo_id = opened.store, opened.repo_id
     branch = validate_revision(revision)
-    parser = CommitParser(store.blobs, store.limits.max_upload_bytes, store.limits.max_commit_files)
+    parser = CommitParser(store.blobs, store.limits)
     try:
         await receive_body(request, parser.feed, parser.limit)
         parsed = parser.finish()

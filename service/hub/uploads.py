@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from vip_hub.paths import open_private
 
 from ..errors import BadRequest, PayloadTooLarge
+from ..settings import HubSettings
 from ..store import AddFile, AddObject, BlobStore, DeleteFile, DeleteFolder
 from ..store.blobs import DigestWriter
 from ..store.faults import crash_point
@@ -98,12 +99,12 @@ class _Container:
 
 
 class CommitParser:
-    """Push parser of a commit body of at most ``limit`` bytes and ``max_operations``
-    operations: ``feed`` the bytes as they arrive, then ``finish``. On any error the caller
-    calls ``discard`` (temp files are removed)."""
+    """Push parser of a commit body within ``limits`` (``max_upload_bytes`` bytes,
+    ``max_commit_files`` operations): ``feed`` the bytes as they arrive, then ``finish``. On any
+    error the caller calls ``discard`` (temp files are removed)."""
 
-    def __init__(self, blobs: BlobStore, limit: int, max_operations: int):
-        self.blobs, self.limit, self.max_operations = blobs, limit, max_operations
+    def __init__(self, blobs: BlobStore, limits: HubSettings):
+        self.blobs, self.limits, self.limit = blobs, limits, limits.max_upload_bytes
         self.commit = CommitRequest()
         self.received = 0
         self._line = 1
@@ -302,11 +303,9 @@ class CommitParser:
             self.commit.operations.append(DeleteFolder(_path(value)))
         else:
             raise ValueError(f"unknown key {key!r}")
-        if len(self.commit.operations) > self.max_operations:
-            raise PayloadTooLarge(
-                f"commit line {self._line}: more than {self.max_operations} operations, the limit "
-                "of files per commit (hub.max_commit_files)"
-            )
+        what = f"the commit body (at line {self._line})"
+        if problem := self.limits.commit_files_problem(len(self.commit.operations), what):
+            raise PayloadTooLarge(problem)
 
     def _file_content(self, value: dict[str, Any], content: Path | None) -> Path:
         if value.get("encoding", "base64") != "base64":

@@ -101,13 +101,12 @@ class Batcher:
         size = sum(i.size for i in items)
         with self._cond:
             if self._stopped or (self._closing and not announced):
-                raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+                raise ShuttingDown()
             if self._queued + size > self.max_queue_images:
                 self._on_reject("queue_full")
                 raise QueueFull(
                     f"{self.name}: queue full ({self._queued} images waiting, limit "
-                    f"{self.max_queue_images})",
-                    {"Retry-After": "1"},
+                    f"{self.max_queue_images})"
                 )
             now = self._clock()
             for item in items:
@@ -165,10 +164,7 @@ class Batcher:
                     if item.future.set_running_or_notify_cancel():
                         self._on_reject("deadline")
                         item.future.set_exception(
-                            DeadlineExceeded(
-                                f"{self.name}: waited past the request deadline",
-                                {"Retry-After": "1"},
-                            )
+                            DeadlineExceeded(f"{self.name}: waited past the request deadline")
                         )
                 elif item.future.set_running_or_notify_cancel():  # False: the client went away
                     item.started = now

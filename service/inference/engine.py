@@ -188,7 +188,7 @@ class InferenceEngine:
         )
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
-            raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+            raise ShuttingDown()
         self._models[key] = model
         self.metrics.loaded_models.set(len(self._models))
         await self._evict()
@@ -218,7 +218,7 @@ class InferenceEngine:
         if not self._closing and self._models.get(key) is not model:
             model = await self.model(*key)  # evicted since the route got it: loaded again, once
         if self._closing:
-            raise ShuttingDown("the server is shutting down", {"Retry-After": "5"})
+            raise ShuttingDown()
         batcher = model.batcher
         assert batcher is not None
         start = time.perf_counter()
@@ -323,4 +323,4 @@ async def _wait_or_disconnect(
     pending.cancel()
     if gone.done() and not gone.cancelled():
         raise ClientGone("client disconnected")
-    raise DeadlineExceeded("timed out waiting for the model", {"Retry-After": "1"})
+    raise DeadlineExceeded("timed out waiting for the model")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
+from vip_hub.repo.artifacts import CHUNK, git_blob_hasher
 
 from . import clock
 from .errors import (
@@ -68,7 +69,6 @@ __all__ = [
     "sharded_name",
 ]
 
-_CHUNK = 1 << 20
 STALE_TMP_SECONDS = 24 * 3600
 UPLOAD_LINK = ".upload"  # the suffix of a commit's link to an upload in ``tmp/``
 SHA256_HEX = frozenset("0123456789abcdef")
@@ -87,9 +87,9 @@ def hash_file(path: Path) -> FileDigest:
     """SHA-256 and git blob SHA-1 of a file, in one pass."""
     size = path.stat().st_size
     sha256 = hashlib.sha256()
-    sha1 = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    sha1 = git_blob_hasher(size)
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(CHUNK):
             sha256.update(chunk)
             sha1.update(chunk)
     return FileDigest(sha256.hexdigest(), sha1.hexdigest(), size)
@@ -101,8 +101,9 @@ def lfs_digest(sha256: str, size: int) -> FileDigest:
     pointer = (
         f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
     )
-    git_oid = hashlib.sha1(b"blob %d\0" % len(pointer) + pointer, usedforsecurity=False).hexdigest()
-    return FileDigest(sha256, git_oid, size)
+    git_oid = git_blob_hasher(len(pointer))
+    git_oid.update(pointer)
+    return FileDigest(sha256, git_oid.hexdigest(), size)
 
 
 def check_sha256(oid: str) -> str:

@@ -86,18 +86,22 @@ class Listed:
 
 
 def blob_key(sha256: str) -> str:
+    """A stored blob's object key (by its SHA-256)."""
     return f"{BLOBS}{sha256[:2]}/{sha256[2:]}"
 
 
 def upload_key(sha256: str) -> str:
+    """An LFS upload's object key before its commit (by its SHA-256)."""
     return f"{UPLOADS}sha256/{sha256[:2]}/{sha256[2:]}"
 
 
 def staging_key(upload_id: str) -> str:
+    """The key a client's presigned upload ``upload_id`` is staged at."""
     return f"{STAGING}{upload_id}"
 
 
 def checking_key(name: str) -> str:
+    """The key a staged object is copied to while the hub hashes it (no client can write it)."""
     return f"{CHECKING}{name}"
 
 

@@ -762,11 +762,8 @@ class HubStore:
     def _check_limits(self, local: dict[str, Path]) -> None:
         """TooLarge for a would-be tree over ``hub.max_commit_files`` files, or with a head's
         the heads' labels over ``hub.max_labels_bytes`` (checked before the tree is verified)."""
-        if len(local) > self.limits.max_commit_files:
-            raise TooLarge(
-                f"the commit's tree would hold {len(local)} files, over the limit of "
-                f"{self.limits.max_commit_files} files per commit (hub.max_commit_files)"
-            )
+        if problem := self.limits.commit_files_problem(len(local), "the commit's tree"):
+            raise TooLarge(problem)
         for name in heads_in(local):
             labels = local.get(head_file(name, HEAD_LABELS))
             if labels is not None and labels.stat().st_size > self.limits.max_labels_bytes:

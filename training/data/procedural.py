@@ -10,7 +10,7 @@ needs no storage and is identical across processes, resumes and machines.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +18,14 @@ from PIL import Image
 
 from vip_hub.errors import ConfigError
 
-__all__ = ["FAMILIES", "ProceduralPictures", "SyntheticImages", "contact_sheet", "render"]
+__all__ = [
+    "FAMILIES",
+    "ProceduralPictures",
+    "SyntheticImages",
+    "check_families",
+    "contact_sheet",
+    "render",
+]
 
 Field = np.ndarray  # (H, W) float32 in [0, 1]
 Grid = tuple[np.ndarray, np.ndarray]  # x, y in [0, 1), shape (H, W)
@@ -143,16 +150,21 @@ def _palette(rng: np.random.Generator, t: Field) -> np.ndarray:
     return a + b * np.cos(2 * np.pi * (c * t[..., None] + d))
 
 
+def check_families(families: Sequence[str]) -> tuple[str, ...]:
+    """``families`` as a tuple if each is one of ``FAMILIES`` (and there is one), else a
+    ConfigError naming the unknown ones."""
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown or not families:
+        raise ConfigError(f"unknown procedural families {unknown}: choose among {list(FAMILIES)}")
+    return tuple(families)
+
+
 def render(
     seed: int, index: int, size: int, families: tuple[str, ...] = tuple(FAMILIES)
 ) -> np.ndarray:
     """Image ``index`` of stream ``seed`` as an (size, size, 3) uint8 array, its programs drawn
     from ``families`` (the masks and warps keep their own)."""
-    unknown = set(families) - set(FAMILIES)
-    if unknown or not families:
-        raise ConfigError(
-            f"unknown procedural families {sorted(unknown)}: choose among {list(FAMILIES)}"
-        )
+    check_families(families)
     rng = np.random.default_rng([seed, index])
     ys, xs = np.meshgrid(np.arange(size) / size, np.arange(size) / size, indexing="ij")
     grid: Grid = (xs, ys)

@@ -32,7 +32,7 @@ from vip_hub.models.features import SpatialMode
 from vip_hub.privacy.ledger import Dataset, NonPrivateStage
 
 from ..data.images import Augmented, contrastive_transform, greyscale_transform
-from ..data.procedural import FAMILIES, ProceduralPictures, SyntheticImages
+from ..data.procedural import FAMILIES, ProceduralPictures, SyntheticImages, check_families
 from ..dp.pair_clipping import ContrastiveEmbedder, embed, symmetric_infonce
 from ..dp.sampling import MASKING, init_seed, torch_generator
 from ..skeleton.config import Recipe, RunConfig, recipe_main, tenth_of_steps, with_adamw
@@ -118,11 +118,7 @@ class SynConfig(
     @field_validator("families")
     @classmethod
     def _known_families(cls, value: str) -> str:
-        unknown = sorted(set(value.split(",")) - set(FAMILIES))
-        if unknown:
-            raise ValueError(
-                f"unknown procedural families {unknown}: choose among {list(FAMILIES)}"
-            )
+        check_families(value.split(","))
         return value
 
     @property

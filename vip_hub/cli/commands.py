@@ -60,6 +60,7 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 
 # ------------------------------------------------------------------------- epsilon
 def register_epsilon(sub: Any) -> None:
+    """The ``epsilon`` command: what T Poisson-sampled Gaussian steps spend."""
     p = add_command(sub, "epsilon", _epsilon, "epsilon spent by T Poisson-sampled Gaussian steps")
     p.add_argument("--sigma", type=float, required=True, help="noise multiplier")
     _run_args(p)
@@ -75,6 +76,7 @@ def _epsilon(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------- calibrate
 def register_calibrate(sub: Any) -> None:
+    """The ``calibrate`` command: the least sigma that meets a target epsilon."""
     p = add_command(
         sub, "calibrate", _calibrate, "smallest noise multiplier that stays within an epsilon"
     )
@@ -94,6 +96,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------------- verify
 def register_verify(sub: Any) -> None:
+    """The ``verify`` command: a repo's ledger, copies, files and signer checked."""
     p = add_command(
         sub,
         "verify",
@@ -192,6 +195,7 @@ def _import_args(
 
 
 def register_import_mae(sub: Any) -> None:
+    """The ``import-mae`` command: an official ViP/MAE checkpoint as a released repo."""
     p = add_command(
         sub,
         "import-mae",
@@ -242,6 +246,7 @@ def _import_mae(args: argparse.Namespace) -> None:
 
 # -------------------------------------------------------------------- import-dpcap
 def register_import_dpcap(sub: Any) -> None:
+    """The ``import-dpcap`` command: an official DP-Cap checkpoint as a released repo."""
     p = add_command(
         sub,
         "import-dpcap",
@@ -331,6 +336,7 @@ def _stages_from_args(
 
 # ---------------------------------------------------------------------------- push
 def register_push(sub: Any) -> None:
+    """The ``push`` command: a repo folder published to a hub."""
     p = add_command(
         sub, "push", _push, "verify a repo folder and publish it to a hub as one commit"
     )
@@ -439,6 +445,7 @@ def _print_per_image(
 
 
 def register_caption(sub: Any) -> None:
+    """The ``caption`` command: captions of images by a DP-Cap repo."""
     p = add_command(sub, "caption", _caption, "caption images with a DP-Cap repo (greedy decoding)")
     _caption_source_args(p)
     p.add_argument(
@@ -460,6 +467,7 @@ def _caption(args: argparse.Namespace) -> None:
 
 
 def register_zero_shot(sub: Any) -> None:
+    """The ``zero-shot`` command: labels of images scored by a DP-Cap repo."""
     p = add_command(
         sub,
         "zero-shot",

@@ -37,13 +37,17 @@ __all__ = [
     "header_metadata",
     "header_tensors",
     "read_safetensors_header",
+    "CHUNK",
+    "git_blob_hasher",
+    "git_blob_id",
     "read_safetensors_metadata",
     "rewrite_safetensors_metadata",
     "tensors_digest",
     "tensors_digest_of",
 ]
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
+"""The bytes a file is read by when it is hashed or copied."""
 _METADATA = "__metadata__"  # the safetensors header's one non-tensor entry
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ST_DTYPES: dict[str, str] = {
@@ -69,11 +73,20 @@ def bytes_sha256(data: bytes) -> str:
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
     """``sha256:<hex>`` of the file's bytes."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def git_blob_hasher(size: int) -> hashlib._Hash:
+    """The SHA-1 git names a blob of ``size`` bytes by, its header fed: feed it the bytes."""
+    return hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+
+
+def git_blob_id(path: str | os.PathLike[str]) -> str:
+    """The git blob id (hex SHA-1 of ``blob <size>\\0`` and the bytes) of a file."""
+    size = os.stat(path).st_size
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: git_blob_hasher(size)).hexdigest()
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
@@ -146,7 +159,7 @@ def tensors_digest(path: str | os.PathLike[str]) -> str:
             f.seek(8 + n + start)
             remaining = end - start
             while remaining:
-                chunk = f.read(min(_CHUNK, remaining))
+                chunk = f.read(min(CHUNK, remaining))
                 if not chunk:
                     raise SafetensorsError(f"{path}: truncated tensor data for {key!r}")
                 h.update(chunk)
@@ -218,7 +231,7 @@ def rewrite_safetensors_metadata(path: str | os.PathLike[str], metadata: dict[st
             dst.write(struct.pack("<Q", len(encoded)))
             dst.write(encoded)
             src.seek(8 + n)
-            while chunk := src.read(_CHUNK):
+            while chunk := src.read(CHUNK):
                 dst.write(chunk)
             dst.flush()
             os.fsync(dst.fileno())

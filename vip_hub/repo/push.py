@@ -8,7 +8,6 @@ weights). One commit matters: a vip-hub server verifies every commit's tree.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from huggingface_hub.errors import (
 
 from ..privacy.ledger import privacy_headline
 from ..repo_format import DEFAULT_BRANCH, LEDGER_FILE
+from .artifacts import file_sha256, git_blob_id
 from .verify import repo_files, verify_repo
 
 __all__ = ["is_published", "push_repo"]
@@ -79,15 +79,9 @@ def _same_content(local: Path, remote: RepoFile) -> bool:
     size = local.stat().st_size
     if remote.size != size:
         return False
-    digest = (
-        hashlib.sha256()
-        if remote.lfs
-        else hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
-    )
-    with open(local, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest() == (remote.lfs.sha256 if remote.lfs else remote.blob_id)
+    if remote.lfs:
+        return file_sha256(local) == f"sha256:{remote.lfs.sha256}"
+    return git_blob_id(local) == remote.blob_id
 
 
 def is_published(

@@ -29,7 +29,7 @@ def store(tmp_path) -> HubStore:
 
 
 def _parse(store: HubStore, body: bytes, piece: int) -> object:
-    parser = CommitParser(store.blobs, limit=1 << 30, max_operations=store.limits.max_commit_files)
+    parser = CommitParser(store.blobs, store.limits)
     try:
         for i in range(0, len(body), piece):
             parser.feed(body[i : i + piece])

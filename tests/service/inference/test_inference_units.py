@@ -230,7 +230,7 @@ def test_queue_full_cancelled_expired_and_drain():
     batcher.submit(queued)
     with pytest.raises(QueueFull) as err:
         batcher.submit([_item(4)])
-    assert err.value.headers["Retry-After"] == "1"
+    assert error_response(err.value).headers["Retry-After"] == "1"
     queued[0].future.cancel()  # the client went away
     expired = _item(1, deadline=5)
     batcher.submit([expired])
