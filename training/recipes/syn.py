@@ -88,11 +88,17 @@ class SynConfig(
         f"{', '.join(FAMILIES)})",
     )
     batch_size: int = Field(64, gt=0, description="images per step")
-    mask_ratio: float = Field(0.75, ge=0, lt=1, description="fraction of patches masked")
-    norm_pix_loss: bool = Field(False, description="normalise each target patch (MAE's option)")
-    decoder_dim: int = Field(512, gt=0, description="MAE decoder width")
-    decoder_depth: int = Field(4, gt=0, description="MAE decoder blocks")
-    decoder_heads: int = Field(16, gt=0, description="MAE decoder attention heads")
+    mask_ratio: float = Field(
+        DecoderConfig.mask_ratio, ge=0, lt=1, description="fraction of patches masked"
+    )
+    norm_pix_loss: bool = Field(
+        DecoderConfig.norm_pix_loss, description="normalise each target patch (MAE's option)"
+    )
+    decoder_dim: int = Field(DecoderConfig.dim, gt=0, description="MAE decoder width")
+    decoder_depth: int = Field(DecoderConfig.depth, gt=0, description="MAE decoder blocks")
+    decoder_heads: int = Field(
+        DecoderConfig.num_heads, gt=0, description="MAE decoder attention heads"
+    )
     objective: Literal["mae", "contrastive", "scatter"] = Field(
         "mae",
         description="mae (masked autoencoder, the ViP recipe's), contrastive (InfoNCE between "

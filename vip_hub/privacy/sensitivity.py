@@ -228,9 +228,13 @@ def logit_dp_sensitivity_at(clipping_norm: float, temperature: float, n: int) ->
     if n == 1:
         return 0.0
     m = n - 1
-    r = 1.0 / (1.0 + math.exp(-2.0 / temperature) / m)  # (n-1)a / (1 + (n-1)a), overflow-free
     s = m / (1.0 + m * math.exp(-2.0 / temperature))  # (n-1)a / (a + n - 1)
-    return 2.0 * clipping_norm / temperature * (r + s)
+    return 2.0 * clipping_norm / temperature * (_r(n, temperature) + s)
+
+
+def _r(n: int, temperature: float) -> float:
+    """r(n) = (n-1)a / (1 + (n-1)a), a = e^(2/tau), computed without overflow."""
+    return 1.0 / (1.0 + math.exp(-2.0 / temperature) / (n - 1))
 
 
 def logit_dp_sensitivity(
@@ -252,8 +256,7 @@ def logit_dp_sensitivity(
         return 2.0 * clipping_norm / temperature * (1.0 + math.exp(2.0 / temperature))
     if max_batch < 2:
         raise AccountingError(f"Logit-DP: max_batch must be at least 2, got {max_batch}")
-    r = 1.0 / (1.0 + math.exp(-2.0 / temperature) / (max_batch - 1))
-    return 2.0 * clipping_norm / temperature * max_batch * r
+    return 2.0 * clipping_norm / temperature * max_batch * _r(max_batch, temperature)
 
 
 def naive_dp_sensitivity(clipping_norm: float) -> float:
