@@ -326,9 +326,9 @@ def test_the_cases_cover_every_layer_kind() -> None:
         covered |= {nn.Parameter} if getattr(model, "broadcast_parameters", list)() else set()
     assert covered == {*rules, nn.Parameter}
     assert (
-        not _materialise(N, TOKENS, 320, 320)
+        not _materialise(TOKENS, 320, 320)
         and TOKENS // 48 >= 2
-        and _materialise(N, TOKENS, 320, 4)
+        and _materialise(TOKENS, 320, 4)
     )
     embedder = _embedder()
     assert kinds(PairClipper(embedder, CLIP, TAU).layers) == {nn.Linear, nn.Conv2d, nn.LayerNorm}
