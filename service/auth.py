@@ -124,6 +124,7 @@ class TokenRegistry:
         self._stored = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
+        _check_apart(fixed, self._stored)
 
     @classmethod
     def from_settings(cls, settings: Settings, index: Index) -> TokenRegistry:
@@ -201,6 +202,22 @@ class TokenRegistry:
             if entry.name in members and org.casefold() not in users
         )
         return Identity(entry.name, entry.scope, orgs, _token_id(entry.sha256))
+
+
+def _check_apart(fixed: _Auth, stored: _Auth) -> None:
+    """ValueError (the server does not start) if a user or organisation of the settings
+    (``fixed``) holds a namespace the index's users and organisations (``stored``) hold in
+    another role or spelling: a settings token named like an index organisation would own its
+    namespace, a settings organisation named like an index user would get it on a revoke."""
+    theirs = {t.name: "user" for t in stored.tokens} | dict.fromkeys(stored.orgs, "organisation")
+    ours = {t.name: "user" for t in fixed.tokens} | dict.fromkeys(fixed.orgs, "organisation")
+    for name, role in ours.items():
+        for other, other_role in theirs.items():
+            if other.casefold() == name.casefold() and (other, other_role) != (name, role):
+                raise ValueError(
+                    f"the settings' {role} {name!r} clashes with the index's {other_role} "
+                    f"{other!r}: a namespace has one holder whatever its case; rename one"
+                )
 
 
 def _settings_auth(settings: Settings) -> _Auth:
@@ -327,10 +344,13 @@ def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -
         )
 
 
-def _check_no_memberships(name: str, data: dict[str, Any], inherit: bool) -> None:
+def _check_no_memberships(name: str, sources: Collection[_Auth], inherit: bool) -> None:
     """A new user ``name`` becomes a member of the organisations that list that name (a former
-    user's memberships, left by ``token revoke``) only when ``inherit`` says so."""
-    orgs = sorted(org for org, members in data.get("orgs", {}).items() if name in members)
+    user's memberships, left by ``token revoke``, in the index or the settings) only when
+    ``inherit`` says so."""
+    orgs = sorted(
+        org for source in sources for org, members in source.orgs.items() if name in members
+    )
     if orgs and not inherit:
         raise ValueError(
             f"{name!r} is a member of {', '.join(map(repr, orgs))} (memberships of a former "
@@ -413,9 +433,10 @@ def create_token(
     secret = "vh_" + secrets.token_urlsafe(32)
 
     def add(data: dict[str, Any]) -> None:
-        _check_free(name, _sources(data, settings), _WHERE)
+        sources = _sources(data, settings)
+        _check_free(name, sources, _WHERE)
         _check_unheld(name, "user", repos, inherit)
-        _check_no_memberships(name, data, inherit)
+        _check_no_memberships(name, sources, inherit)
         data["tokens"].append(
             {
                 "name": name,

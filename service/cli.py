@@ -165,7 +165,7 @@ def _open_store(settings: Settings) -> HubStore:
     from .store import HubStore
 
     try:
-        return HubStore.from_settings(settings)
+        return HubStore.from_settings(settings, restate=False)
     except OSError as e:
         raise _unusable(e, f"store {settings.store}") from None
 

@@ -308,7 +308,8 @@ class BlobStore:
         first commit to store it moves it into the blobs: a commit gets its own hard link to it
         in ``tmp/`` instead (which ``ingest`` consumes; the caller removes it otherwise), so
         that another repo's commit takes nothing from under it."""
-        path = self.object_path(sha256)
+        upload = self.upload_path(check_sha256(sha256))  # fresh bytes before stored ones,
+        path = upload if upload.is_file() else self.object_path(sha256)  # which may have rotted
         if path is None and self.remote is not None:
             for key in (blob_key(sha256), upload_key(sha256)):
                 if self.remote.size(key) is not None:
@@ -361,18 +362,17 @@ class BlobStore:
         return placed
 
     def _place(self, source: Path, target: Path) -> Path:
-        """Move a checked file to its blob path ``target``, durably, read-only; one already
-        there wins."""
+        """Move a checked file to its blob path ``target``, durably, read-only, over what was
+        there: bytes stored under the name earlier may have rotted since, the checked ones may
+        not. Its time is now, so the collection's grace for it counts from its storing."""
         if source == target:
-            return target
-        if target.is_file():  # the same bytes are already stored
-            source.unlink(missing_ok=True)
             return target
         with open(source, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(source, 0o400)
         make_private_dir(target.parent)
         os.replace(source, target)
+        os.utime(target)
         fsync_dir(target.parent)
         return target
 

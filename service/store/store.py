@@ -231,6 +231,7 @@ class HubStore:
         trusted_keys: str | os.PathLike[str] | None = None,
         limits: HubSettings | None = None,
         objects: ObjectStoreSettings | None = None,
+        restate: bool = True,
     ):
         self.root = Path(root).resolve()
         self.limits = limits or HubSettings()  # its limits, time-outs and signature rule
@@ -250,39 +251,52 @@ class HubStore:
         make_private_dir(self.root / "snapshots")
         self.index: Index = open_index(index, self.root)
         adopt_store_files(self.index, self.root, self.trusted_keys)
-        self._restate_epsilons()
+        if restate:  # a server; the operator's commands leave the index at its delta
+            self._restate_epsilons()
         self.collect_uploads()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> HubStore:
-        """The store the service's settings describe (folder, index, limits, object store)."""
+    def from_settings(cls, settings: Settings, restate: bool = True) -> HubStore:
+        """The store the service's settings describe (folder, index, limits, object store);
+        ``restate``: its index stated at their ``hub.delta`` (a server's, not a command's)."""
         return cls(
             settings.store,
             index=settings.index,
             trusted_keys=settings.trusted_keys_path(),
             limits=settings.hub,
             objects=settings.object_store,
+            restate=restate,
         )
 
     def _restate_epsilons(self) -> None:
         """Recompute every indexed commit's epsilon and delta at the hub's delta when the index
         was stated at another one (a store indexed before the hub fixed one delta, or under
-        another ``delta`` setting); the delta the index is stated at is kept in ``hub_state``."""
+        another ``delta`` setting); the delta the index is stated at is kept in ``hub_state``,
+        and a commit states its row at it (``_index_delta``). The collection lock, which every
+        commit holds shared, is held exclusively: no row is written meanwhile at the old delta,
+        as a replica not yet restarted with the new one would."""
         stated_at = repr(self.limits.delta)
         if self.index.state(_INDEX_DELTA_KEY)[0] == stated_at:
             return
-        for row in self.index.rows("SELECT sha, card_data FROM commits WHERE delta > 0"):
-            ledger = json.loads(row["card_data"]).get("differential_privacy")
-            try:
-                summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
-            except LedgerError as e:  # committed before a rule this hub's version added
-                _log.warning("commit %s keeps its indexed epsilon: %s", row["sha"], e)
-                continue
-            self.index.execute(
-                "UPDATE commits SET epsilon = ?, delta = ? WHERE sha = ?",
-                [summary.epsilon, summary.delta, row["sha"]],
-            )
-        self.index.update_state(_INDEX_DELTA_KEY, lambda _: stated_at)
+        with self.index.collection_lock(exclusive=True):
+            for row in self.index.rows("SELECT sha, card_data FROM commits WHERE delta > 0"):
+                ledger = json.loads(row["card_data"]).get("differential_privacy")
+                try:
+                    summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
+                except LedgerError as e:  # committed before a rule this hub's version added
+                    _log.warning("commit %s keeps its indexed epsilon: %s", row["sha"], e)
+                    continue
+                self.index.execute(
+                    "UPDATE commits SET epsilon = ?, delta = ? WHERE sha = ?",
+                    [summary.epsilon, summary.delta, row["sha"]],
+                )
+            self.index.update_state(_INDEX_DELTA_KEY, lambda _: stated_at)
+
+    def _index_delta(self) -> float:
+        """The delta the index's rows are stated at (a replica restarted with another one may
+        have restated them since this one opened), else this hub's."""
+        stated = self.index.state(_INDEX_DELTA_KEY)[0]
+        return float(stated) if stated is not None else self.limits.delta
 
     def close(self) -> None:
         """Release the index's connections (a PostgreSQL pool's threads): the store's last use."""
@@ -684,7 +698,7 @@ class HubStore:
         ledger = report.ledger
         assert ledger is not None  # a report without problems has read the ledger
         # the encoder's, at the hub's one delta: what the index shows, ranks and filters
-        summary = ledger.summary(delta=self.limits.delta)
+        summary = ledger.summary(delta=self._index_delta())
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = load_card(
             local[CARD_FILE].read_text(encoding="utf-8"), limits=self.limits.front_matter()

@@ -109,6 +109,12 @@ def test_compose_files_keep_images_addresses_and_secrets_overridable():
             for key, value in (spec.get("environment") or {}).items():
                 if re.search(r"TOKEN|SECRET|PASSWORD|KEY", key):
                     assert str(value).startswith("${"), f"{name}: {service}.{key} is written in"
+                # a password or key has no default: ``change-me`` was a public key pair to every
+                # blob wherever the S3 port was reachable
+                for secret in re.findall(
+                    r"\$\{(VIP_HUB_\w*(?:PASSWORD|_KEY))([^}]*)\}", str(value)
+                ):
+                    assert secret[1].startswith(":?"), f"{name}: {service}.{key}: {secret}"
 
 
 def test_public_images_default_to_a_release_and_seaweedfs_to_the_one_the_tests_run():

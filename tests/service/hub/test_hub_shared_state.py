@@ -10,6 +10,7 @@ import json
 import os
 
 import httpx
+import pytest
 from huggingface_hub import HfApi
 from support.live import ThreadedServer, settings_for
 
@@ -77,3 +78,44 @@ def test_stores_on_one_index_share_tokens_grant_key_and_trust(postgres, tmp_path
         _, public = create_key(tmp_path / "keys", "bob")
         trust_key(first.index, "bob", public.path)
         assert list(trusted_keys(second.index)) == ["bob"]
+
+
+def test_the_settings_names_may_not_take_the_index_namespaces(tmp_path):
+    """A settings token named like an index organisation owned its namespace (its members lost
+    their private repos to it), and a settings organisation named like an index user got that
+    user's namespace once the user's token was revoked: the server does not start."""
+    from service.auth import add_member
+    from service.settings import Settings
+
+    index = HubStore(tmp_path / "store").index
+    create_token(index, "alice", "write")
+    create_token(index, "dana", "write")
+    add_member(index, "labs", "alice")
+    for auth, clash in [
+        (
+            {"tokens": "labs:read:X"},
+            "the settings' user 'labs' clashes with the index's organisation",
+        ),
+        ({"tokens": "Alice:read:X"}, "the settings' user 'Alice' clashes with the index's user"),
+        (
+            {"orgs": {"dana": ["bob"]}},
+            "the settings' organisation 'dana' clashes with the index's user",
+        ),
+    ]:
+        settings = Settings(store=tmp_path / "store", auth={"tokens": None, **auth})
+        with pytest.raises(ValueError, match=clash):
+            TokenRegistry.from_settings(settings, index)
+    same = Settings(store=tmp_path / "store", auth={"tokens": "alice:read:Y"})
+    assert TokenRegistry.from_settings(same, index).lookup("Y").name == "alice"  # one user
+
+
+def test_a_new_user_does_not_inherit_a_settings_organisations_membership(tmp_path):
+    """A settings organisation listing a revoked index user handed its private repos to a new
+    user of that name without ``--inherit`` (only the index's organisations were checked)."""
+    from service.settings import Settings
+
+    index = HubStore(tmp_path / "store").index
+    settings = Settings(store=tmp_path / "store", auth={"tokens": None, "orgs": {"vipx": ["erin"]}})
+    with pytest.raises(ValueError, match="'erin' is a member of 'vipx'"):
+        create_token(index, "erin", "read", settings)
+    assert create_token(index, "erin", "read", settings, inherit=True).startswith("vh_")

@@ -254,3 +254,22 @@ def test_an_index_stated_at_another_delta_is_restated_when_the_hub_opens(tmp_pat
     assert HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3)).list_models()[0][
         1
     ].epsilon == pytest.approx(at_1e3.epsilon)
+
+
+def test_a_replica_not_yet_restarted_commits_at_the_delta_the_index_is_stated_at(
+    tmp_path: Path,
+) -> None:
+    """A replica still on the old ``delta`` committed its row at that delta after another, at
+    the new one, had restated the index: the row kept an epsilon too low (4.04 where the hub's
+    delta gives 5.26) for good. A commit states its row at the index's delta, and an operator's
+    command (``store gc`` without the server's settings) no longer restates the index."""
+    from service.settings import HubSettings
+
+    dp = stage("pages/rolling", new_run_id())
+    old = HubStore(tmp_path / "store")  # the default delta, 1e-5
+    HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3))  # restarted: restates
+    committed = _committed(old, tmp_path, dp)
+    assert committed.delta == 1e-3 + dp.truncation_delta, committed.delta
+    command = HubStore(tmp_path / "store", restate=False)  # an operator's, at the default delta
+    (row,) = command.index.rows("SELECT delta FROM commits")
+    assert row["delta"] == 1e-3 + dp.truncation_delta

@@ -254,3 +254,56 @@ def test_snapshot_dir(store, repo_dir):
 def test_bad_repo_ids(store, repo_id):
     with pytest.raises(InvalidRequest):
         store.create_repo(repo_id)
+
+
+def test_a_verified_push_replaces_rotted_bytes_under_its_name(store, repo_dir):
+    """A blob whose bytes rotted on disk kept winning: the publisher's push of the right file
+    verified, then was thrown away for the stored (wrong) bytes, which the commit served."""
+    store.create_repo("team/model")
+    first = store.commit("team/model", _ops(store, repo_dir))
+    entry = store.file("team/model", first.sha, WEIGHTS_FILE)
+    blob, good = store.blob_path(entry), (repo_dir / WEIGHTS_FILE).read_bytes()
+    rotted = bytearray(good)
+    rotted[-1] ^= 1
+    blob.chmod(0o600)
+    blob.write_bytes(bytes(rotted))
+    again = AddFile(WEIGHTS_FILE, tmp := store.blobs.new_temp())
+    tmp.write_bytes(good)
+    second = store.commit("team/model", [again], title="push it again")
+    served = store.blob_path(store.file("team/model", second.sha, WEIGHTS_FILE)).read_bytes()
+    assert hashlib.sha256(served).hexdigest() == entry.sha256
+
+
+def test_a_blob_stored_from_an_old_upload_gets_the_full_grace(store, repo_dir, tmp_path):
+    """A blob took its upload's time: stored from a two-day-old upload by a commit that then
+    failed (its branch deleted meanwhile), ``store gc`` removed it at once, with the upload
+    gone and the retry failing. Its time is now the storing's."""
+    import os
+    import time
+
+    from service.store.upkeep import collect_garbage
+
+    store.create_repo("team/model")
+    store.commit("team/model", _ops(store, repo_dir))
+    data = b"notes uploaded two days ago\n"
+    sha = hashlib.sha256(data).hexdigest()
+    tmp = store.blobs.new_temp()
+    tmp.write_bytes(data)
+    store.blobs.stage_upload(tmp, sha)
+    store.blobs.note_upload("team/model", sha)
+    old = time.time() - 2 * 86400
+    os.utime(store.blobs.upload_path(sha), (old, old))
+    store.create_branch("team/model", "dev")
+    real = store._store_blobs
+
+    def then_the_branch_goes(*args):
+        stored = real(*args)
+        store.delete_branch("team/model", "dev")
+        return stored
+
+    store._store_blobs = then_the_branch_goes
+    with pytest.raises(Conflict):
+        store.commit("team/model", [AddObject("notes.txt", sha)], branch="dev")
+    store._store_blobs = real
+    assert collect_garbage(store, 86400).blobs == []  # within its grace, from its storing
+    store.commit("team/model", [AddObject("notes.txt", sha)])  # the retry finds it

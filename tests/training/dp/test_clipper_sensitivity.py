@@ -325,11 +325,7 @@ def test_the_cases_cover_every_layer_kind() -> None:
         covered |= kinds(PerExampleClipper(model, CLIP).layers)
         covered |= {nn.Parameter} if getattr(model, "broadcast_parameters", list)() else set()
     assert covered == {*rules, nn.Parameter}
-    assert (
-        not _materialise(TOKENS, 320, 320)
-        and TOKENS // 48 >= 2
-        and _materialise(TOKENS, 320, 4)
-    )
+    assert not _materialise(TOKENS, 320, 320) and TOKENS // 48 >= 2 and _materialise(TOKENS, 320, 4)
     embedder = _embedder()
     assert kinds(PairClipper(embedder, CLIP, TAU).layers) == {nn.Linear, nn.Conv2d, nn.LayerNorm}
     assert embedder.broadcast_parameters()
