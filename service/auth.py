@@ -36,6 +36,8 @@ from typing import Any, Literal, cast
 
 from fastapi import Request
 
+from vip_hub.errors import ConfigError
+
 from .errors import Forbidden, RepoNotFound, Unauthorized
 from .settings import Settings
 from .store.errors import InvalidRequest
@@ -205,7 +207,7 @@ class TokenRegistry:
 
 
 def _check_apart(fixed: _Auth, stored: _Auth) -> None:
-    """ValueError (the server does not start) if a user or organisation of the settings
+    """ConfigError (the server does not start) if a user or organisation of the settings
     (``fixed``) holds a namespace the index's users and organisations (``stored``) hold in
     another role or spelling: a settings token named like an index organisation would own its
     namespace, a settings organisation named like an index user would get it on a revoke."""
@@ -214,7 +216,7 @@ def _check_apart(fixed: _Auth, stored: _Auth) -> None:
     for name, role in ours.items():
         for other, other_role in theirs.items():
             if other.casefold() == name.casefold() and (other, other_role) != (name, role):
-                raise ValueError(
+                raise ConfigError(
                     f"the settings' {role} {name!r} clashes with the index's {other_role} "
                     f"{other!r}: a namespace has one holder whatever its case; rename one"
                 )

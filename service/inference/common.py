@@ -4,6 +4,7 @@ fields for a model and its images, the privacy and usage blocks of a response, a
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 from typing import Annotated, Any
 
@@ -90,10 +91,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def caller(request: Request) -> Identity | None:
+def caller(request: Request) -> Identity | None:
     """The caller; with ``auth.protect_inference`` a read token is required, else an unknown
-    token counts as anonymous (OpenAI clients send ``api_key="EMPTY"``). (``async``: it only
-    reads memory, and FastAPI would run a plain function through its thread pool.)"""
+    token counts as anonymous (OpenAI clients send ``api_key="EMPTY"``). (Not ``async``: the
+    token lookup may query the index, PostgreSQL's over the network, which FastAPI then does in
+    its thread pool, off the event loop.)"""
     if request.app.state.settings.auth.protect_inference:
         return require_scope(identity(request), "read", "inference")
     return identity_or_anonymous(request)
@@ -127,9 +129,12 @@ class InferenceCall:
         """The model ``ref`` (``org/name[@revision]``) names, loaded, if the caller may read it."""
         store = store_of(self.request)
         repo_id, revision = parse_model_ref(ref)
-        repo = store.get_repo(repo_id)
-        check_read(repo.private, repo_id, self.who)
-        return await self.engine.model(repo_id, store.resolve(repo_id, revision))
+
+        def readable_commit() -> str:  # index queries: off the event loop
+            check_read(store.get_repo(repo_id).private, repo_id, self.who)
+            return store.resolve(repo_id, revision)
+
+        return await self.engine.model(repo_id, await asyncio.to_thread(readable_commit))
 
     async def run(self, model: LoadedModel, images: list[bytes], task: Task) -> Result:
         """Compute ``task`` on ``images`` through the model's batcher; given up if the client

@@ -175,7 +175,7 @@ class InferenceEngine:
     async def _load(self, key: tuple[str, str]) -> LoadedModel:
         repo_id, commit = key
         folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
-        private = self._store().get_repo(repo_id).private
+        private = (await asyncio.to_thread(self._store().get_repo, repo_id)).private
         model = await asyncio.to_thread(
             LoadedModel.load,
             repo_id,

@@ -385,6 +385,10 @@ class BlobStore:
         too. Returns how many went."""
         # a commit's link to an upload has the upload's age: it is as old as its link(2) (ctime)
         removed = remove_older_than(self.tmp, temp_age, keep=lambda p: _fresh_link(p, temp_age))
+        for folder in self.tmp.iterdir():  # a killed request's own (mkdtemp), emptied above
+            with contextlib.suppress(OSError):  # not empty, or gone
+                if folder.is_dir() and clock.now() - folder.stat().st_mtime > temp_age:
+                    folder.rmdir()
         if self.remote is None:
             removed += remove_older_than(self.uploaded_for, upload_age)
             named = {p.name for p in self.uploaded_for.rglob("*") if p.is_file()}
@@ -469,8 +473,7 @@ class BlobStore:
             self.remote.put_file(good, blob_key(sha256))
         target = self.path(sha256)
         if good != target:
-            target.unlink(missing_ok=True)
-            self._place(good, target)
+            self._place(good, target)  # over it: never absent to a reader
 
     def remove_blob(self, sha256: str) -> None:
         """Delete blob ``sha256`` (with an object store: from its bucket, then this cache). Only

@@ -12,6 +12,7 @@ The index is SQLite in the store, or PostgreSQL for several hosts (``service.sto
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vip_hub.errors import LedgerError, SignatureError
-from vip_hub.paths import fsync_dir, make_private_dir
+from vip_hub.paths import fsync_dir, make_private_dir, replace_dir
 from vip_hub.privacy.accounting import is_weak_delta
 from vip_hub.privacy.ledger import PrivacyLedger, PrivacySummary, privacy_headline
 from vip_hub.repo.card import load_card
@@ -46,6 +47,7 @@ from vip_hub.repo_format import (
 from ..settings import TRUSTED_KEYS_DIR, HubSettings, ObjectStoreSettings, Settings
 from . import clock
 from .blobs import (
+    STALE_TMP_SECONDS,
     BlobStore,
     FileDigest,
     check_sha256,
@@ -92,6 +94,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _INDEX_DELTA_KEY = "index_delta"
+_PARTIAL_SNAPSHOT = ".tmp-"
+"""The prefix of a snapshot folder being built (``collect_uploads`` removes a killed one's)."""
 """hub_state's key for the delta the index's epsilons are stated at (the hub's ``delta``)."""
 
 
@@ -313,6 +317,11 @@ class HubStore:
         their share of their user's staging quota), xorbs unused for the Xet time-to-live, and
         temp files left by crashed requests; returns how many went."""
         self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (clock.now(),))
+        now = clock.now()
+        for partial in (self.root / "snapshots").glob(f"*/*/{_PARTIAL_SNAPSHOT}*"):
+            with contextlib.suppress(OSError):  # a killed snapshot's build, of a day ago
+                if now - partial.stat().st_mtime > STALE_TMP_SECONDS:
+                    shutil.rmtree(partial)
         return self.blobs.clean_stale(upload_age=self.limits.upload_ttl_s) + self.xet.clean_stale(
             self.limits.xet_ttl_s
         )
@@ -948,12 +957,16 @@ class HubStore:
 
     # ---------------------------------------------------------------- inference
     def snapshot_dir(self, repo_id: str, commit: str) -> Path:
-        """A read-only folder holding ``commit``'s files (hard links to blobs), made once."""
+        """A read-only folder holding ``commit``'s files (hard links to blobs), made once, and
+        made again whole when a blob it links was replaced since (``store check --repair``, a
+        verified push over rotted bytes): its old links hold the bytes that were replaced."""
         tree = self.tree(repo_id, commit)
         target = self.root / "snapshots" / repo_id / commit
-        if target.is_dir():
+        if target.is_dir() and all(
+            _same_file(target / path, self.blob_path(entry)) for path, entry in tree.items()
+        ):
             return target
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        tmp = target.parent / f"{_PARTIAL_SNAPSHOT}{uuid.uuid4().hex}"
         try:
             make_private_dir(tmp)
             for path, entry in tree.items():
@@ -964,16 +977,29 @@ class HubStore:
                 except OSError:  # another filesystem: copy instead
                     shutil.copyfile(self.blob_path(entry), dest)
                     os.chmod(dest, 0o400)
-            try:
-                os.rename(tmp, target)
-                fsync_dir(target.parent)
-            except OSError:
-                if not target.is_dir():  # lost a race to a twin: theirs is identical
-                    raise
+            if target.is_dir():  # stale: exchanged whole, never absent to a reader
+                replace_dir(tmp, target)
+            else:
+                try:
+                    os.rename(tmp, target)
+                except OSError:
+                    if not target.is_dir():  # lost a race to a twin: theirs is identical
+                        raise
+            fsync_dir(target.parent)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
         return target
+
+
+def _same_file(link: Path, blob: Path) -> bool:
+    """Whether a snapshot's ``link`` is ``blob`` itself (its hard link), or a copy of it."""
+    try:
+        if os.path.samefile(link, blob):
+            return True
+        return link.stat().st_size == blob.stat().st_size and filecmp.cmp(link, blob, False)
+    except OSError:
+        return False
 
 
 def _commit_record(repo_id: str, row: Row) -> CommitRecord:

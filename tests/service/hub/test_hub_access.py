@@ -23,6 +23,7 @@ from PIL import Image
 from support.helpers import tiny_repo_with_head
 from support.live import ThreadedServer
 
+from service.app import create_app
 from service.auth import create_token, revoke_token
 from service.settings import Settings
 from service.store.blobs import DigestWriter
@@ -143,10 +144,14 @@ def test_org_command_changes_membership_while_running(server, repos, capsys):
     )  # a user's name
     assert "the user 'frank' holds that namespace" in capsys.readouterr().err
     index = server.app.state.store.index
-    tokens = json.loads(index.state("auth")[0])
+    before = index.state("auth")[0]
+    tokens = json.loads(before)
     tokens["orgs"]["alice"] = ["carol"]  # written by hand: still no way into a user's namespace
     index.update_state("auth", lambda _: json.dumps(tokens))
     assert _status(lambda: carol.create_repo("alice/via-an-org")) == 403
+    with pytest.raises(ValueError, match="the settings' user 'alice' clashes"):
+        create_app(server.settings)  # nor does a server start on it
+    index.update_state("auth", lambda _: before)
 
 
 def test_names_are_unique_whatever_their_case(server, repos, capsys):

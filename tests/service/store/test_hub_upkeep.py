@@ -284,6 +284,48 @@ def _named(hub) -> set[str]:
     return {r["sha256"] for r in rows}
 
 
+def test_a_repaired_blob_is_what_the_next_snapshot_holds(tmp_path, repo_dir):
+    """``store check --repair`` put the right bytes back as a new file, but a commit's snapshot
+    made before kept its hard links to the rotted one, reused whenever the commit was loaded:
+    inference of that commit failed verification for good."""
+    from service.store.upkeep import check_store
+    from vip_hub.repo.verify import verify_repo
+
+    store, shas = _published(tmp_path / "store", repo_dir)
+    (commit,) = store.index.rows("SELECT sha FROM commits")
+    first = store.snapshot_dir("vip/m", commit["sha"])
+    blob = store.blobs.path(shas[WEIGHTS_FILE])
+    good = blob.read_bytes()
+    blob.chmod(0o600)
+    blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # rot, in place: the snapshot's too
+    upload = store.blobs.upload_path(shas[WEIGHTS_FILE])
+    upload.parent.mkdir(parents=True, exist_ok=True)
+    upload.write_bytes(good)  # the right bytes, where the docs say to put them
+    check_store(store, repair=True, grace=86400)
+    again = store.snapshot_dir("vip/m", commit["sha"])
+    assert again == first and (again / WEIGHTS_FILE).read_bytes() == good
+    assert verify_repo(again).ok
+
+
+def test_what_a_killed_request_left_in_folders_goes_too(tmp_path, repo_dir, monkeypatch):
+    """A kill while a snapshot was built left ``snapshots/ORG/NAME/.tmp-*`` (hard links to
+    blobs) and one during a signature check ``tmp/keys-*``: the sweep removed files, never
+    folders, so both stayed for good."""
+    store, _ = _published(tmp_path / "store", repo_dir)
+    partial = store.root / "snapshots" / "vip" / "m" / ".tmp-killed"
+    partial.mkdir(parents=True)
+    os.link(next(store.root.glob("blobs/sha256/*/*")), partial / "weights")
+    keys = store.blobs.tmp / "keys-killed"
+    keys.mkdir()
+    (keys / "alice.pub").write_text("a key")
+    store.collect_uploads()
+    assert partial.exists() and keys.exists()  # a request may be building them
+    _later(monkeypatch, 2 * DAY)
+    store.collect_uploads()
+    assert not partial.exists() and not keys.exists()
+    assert store.snapshot_dir("vip/m", store.index.rows("SELECT sha FROM commits")[0]["sha"])
+
+
 def test_gc_in_the_object_store(s3_hub, seaweed, cli_env, capsys):
     s3 = seaweed.client()
     orphan = os.urandom(1000)
