@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vip_hub.cli.main import CommandError, add_command, require_extra
+from vip_hub.cli.main import add_command, require_extra
+from vip_hub.errors import ConfigError
 from vip_hub.repo_format import head_component
 
 from .skeleton.config import Recipe, add_config_args, config_from_args
@@ -102,15 +103,15 @@ def _synth_preview(args: argparse.Namespace) -> int:
     from .data.procedural import contact_sheet
 
     if not 1 <= args.count <= 4096 or not 8 <= args.size <= 1024 or args.columns < 1:
-        raise CommandError("--count must be 1..4096, --size 8..1024, --columns >= 1")
+        raise ConfigError("--count must be 1..4096, --size 8..1024, --columns >= 1")
     if args.seed < 0:
-        raise CommandError(f"--seed {args.seed}: a seed is a non-negative integer")
+        raise ConfigError(f"--seed {args.seed}: a seed is a non-negative integer")
     from PIL import Image
 
     out = Path(args.out)
     Image.init()
     if (image_format := Image.EXTENSION.get(out.suffix.lower())) is None:
-        raise CommandError(
+        raise ConfigError(
             f"--out {out}: {out.suffix or 'no extension'} is no image format Pillow writes "
             "(.png, .jpg, ...)"
         )
@@ -122,7 +123,7 @@ def _synth_preview(args: argparse.Namespace) -> int:
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise CommandError(f"cannot write --out {out}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from None
     print(f"wrote {out}: {args.count} images of {args.size} px")
     return 0
 

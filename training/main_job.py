@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import ConfigDict, Field
 
-from vip_hub.errors import MissingInputError, SignatureError, VipHubError
+from vip_hub.errors import MissingInputError, SignatureError, StepFailed
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.audit import DEFAULT_CANARIES, MAX_CANARIES
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
@@ -132,10 +132,6 @@ class MainJobConfig(StudyConfig):
     def study(self) -> StudyConfig:
         """The study settings alone (what the comparison step's stamp covers)."""
         return StudyConfig(**self.model_dump(include=set(StudyConfig.model_fields)))
-
-
-class StepFailed(VipHubError, RuntimeError):
-    """A step of the main job failed; the message says which and how to resume."""
 
 
 def _ledger_digest(repo: Path) -> str:

@@ -22,8 +22,10 @@ __all__ = [
     "RepoFormatError",
     "SafetensorsError",
     "SignatureError",
+    "StepFailed",
     "TamperedFileError",
     "UnsafePathError",
+    "UnsupportedLayerError",
     "UntrustedSignerError",
     "VerificationError",
     "VipHubError",
@@ -36,6 +38,14 @@ class VipHubError(Exception):
 
 class ConfigError(VipHubError, ValueError):
     """An option, setting or argument that cannot be used (unknown architecture, bad size...)."""
+
+
+class UnsupportedLayerError(ConfigError, TypeError):
+    """A trainable parameter has no per-example gradient rule (a model the clipper cannot train)."""
+
+
+class StepFailed(VipHubError, RuntimeError):
+    """A step of the main job failed; the message says which and how to resume."""
 
 
 class MissingInputError(VipHubError, FileNotFoundError):

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vip_hub.errors import ConfigError
+from vip_hub.errors import ConfigError, UnsupportedLayerError
 from vip_hub.privacy.sensitivity import CROSS_CAP, MIN_CLIP, PRODUCT_ROWS, gamma64
 
 __all__ = [
@@ -61,7 +61,6 @@ __all__ = [
     "LayerClipper",
     "PerExampleClipper",
     "BroadcastHook",
-    "UnsupportedLayerError",
     "broadcast",
     "capped_factors",
     "check_max_norm",
@@ -103,10 +102,6 @@ every entry of the sum is still one fp64 product over the same rows). Measured o
 (the benchmarks' README, "The clipped product's column slices"): a wide product 3.7x faster, a
 3,072-wide one the same."""
 _PARAM_DTYPES = (torch.float32, torch.float64)
-
-
-class UnsupportedLayerError(ConfigError, TypeError):
-    """A trainable parameter has no per-example gradient rule (a model the clipper cannot train)."""
 
 
 @dataclass
@@ -272,7 +267,7 @@ def check_max_norm(max_norm: float) -> None:
     """``ValueError`` unless the clipping norm is at least 2^-64 (every clipper's first check:
     the proof of the fp64 sums needs it, ``docs/architecture.md``)."""
     if not max_norm >= MIN_CLIP:
-        raise ValueError(f"clipping norm must be positive, at least 2^-64, got {max_norm}")
+        raise ConfigError(f"clipping norm must be positive, at least 2^-64, got {max_norm}")
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

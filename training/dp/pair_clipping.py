@@ -47,6 +47,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vip_hub.errors import ConfigError, UnsupportedLayerError
 from vip_hub.privacy.sensitivity import PRODUCT_ROWS, gamma64
 
 from .clipping import (
@@ -54,7 +55,6 @@ from .clipping import (
     ClippedSum,
     ClipResult,
     LayerClipper,
-    UnsupportedLayerError,
     broadcast,
     capped_factors,
     check_max_norm,
@@ -123,7 +123,7 @@ def _require_empty(clipped: ClippedSum) -> None:
 
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+        raise ConfigError(f"temperature must be positive, got {temperature}")
 
 
 _REUSE_GRADIENTS: ContextVar[bool] = ContextVar("reuse_gradients", default=False)
@@ -313,9 +313,9 @@ class PairClipper(LayerClipper):
     ):
         _check_temperature(temperature)  # the clipping norm: LayerClipper's
         if max_batch is not None and max_batch < 2:
-            raise ValueError(f"max_batch must be at least 2, got {max_batch}")
+            raise ConfigError(f"max_batch must be at least 2, got {max_batch}")
         if pair_block < 1:
-            raise ValueError(f"pair_block must be positive, got {pair_block}")
+            raise ConfigError(f"pair_block must be positive, got {pair_block}")
         super().__init__(model, max_norm)
         self.temperature, self.max_batch = float(temperature), max_batch
         self.pair_block = pair_block

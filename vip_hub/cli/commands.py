@@ -8,11 +8,12 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..models.names import family_archs
 from ..privacy.accounting import Accountant
 from ..privacy.sensitivity import DP_ADAMW, PER_EXAMPLE_MECHANISMS
 from ..repo_format import DEFAULT_BRANCH, SIGNATURE_FILE, VOCAB_FILE
-from .main import CommandError, add_command
+from .main import add_command
 
 if TYPE_CHECKING:
     from ..privacy.ledger import DPStage, NonPrivateStage
@@ -221,7 +222,7 @@ def _import_kwargs(args: argparse.Namespace, delta: Callable[[int], float]) -> d
         arch, stages, name = args.arch, _stages_from_args(args, delta), Path(args.out).name
         summary, license = "", None
     else:
-        raise CommandError("--arch is required without --preset")
+        raise ConfigError("--arch is required without --preset")
     given = {"img_size": args.img_size}
     if "license" in vars(args):  # import-dpcap's option; ViP repos keep the writer's licence
         given["license"] = args.license or license
@@ -307,7 +308,7 @@ def _stages_from_args(
     ]
     if any(v is not None for v in dp):
         if any(v is None for v in dp):
-            raise CommandError(
+            raise ConfigError(
                 "a DP stage needs --private-dataset, --dataset-size, --sigma, "
                 "--batch-size, --steps and --clip"
             )
@@ -328,7 +329,7 @@ def _stages_from_args(
             )
         )
     if not stages:
-        raise CommandError(
+        raise ConfigError(
             "describe the training: --preset, or --synthetic-dataset and/or the DP stage options"
         )
     return stages
@@ -381,14 +382,14 @@ def _push(args: argparse.Namespace) -> None:
             message=args.message,
         )
     except VerificationError as e:
-        raise CommandError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
+        raise ConfigError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
     except HfHubHTTPError as e:
-        raise CommandError(" ".join(str(e).split())) from None
+        raise ConfigError(" ".join(str(e).split())) from None
     except HFValidationError as e:  # a repo id or revision the hub client refuses to send
-        raise CommandError(f"{args.repo_id!r}: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{args.repo_id!r}: {' '.join(str(e).split())}") from None
     except _transport_errors() as e:
         endpoint = args.endpoint or constants.ENDPOINT
-        raise CommandError(
+        raise ConfigError(
             f"cannot reach the hub at {endpoint} ({type(e).__name__}: {e}): the push did not "
             "complete"
         ) from None
@@ -425,7 +426,7 @@ def _load_for_captions(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         except FileNotFoundError:
             raise MissingInputError(f"{path}: no such image file") from None
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-            raise CommandError(f"{path}: not a readable image ({e})") from None
+            raise ConfigError(f"{path}: not a readable image ({e})") from None
     return model, images
 
 
@@ -486,7 +487,7 @@ def _zero_shot(args: argparse.Namespace) -> None:
     labels = [label.strip() for label in args.labels.split(",")]
     empty = [i for i, label in enumerate(labels) if not label]
     if empty:
-        raise CommandError(f"--labels: labels[{empty[0]}] is empty")
+        raise ConfigError(f"--labels: labels[{empty[0]}] is empty")
     model, images = _load_for_captions(args)
     losses = model.zero_shot(images, labels, DEFAULT_PROMPT if args.prompt is None else args.prompt)
     k = max(1, min(args.top_k, len(labels)))

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..repo_format import SIGNATURE_FILE
-from .main import CommandError, add_command
+from .main import add_command
 
 __all__ = ["register_key", "register_sign"]
 
@@ -33,9 +34,9 @@ def _key(args: argparse.Namespace) -> None:
     try:
         private, public = create_key(args.dir, args.name, overwrite=args.overwrite)
     except (FileExistsError, NotADirectoryError) as e:  # --dir names a file, or a folder in one
-        raise CommandError(f"--dir {e.filename}: a file, or in one, not a folder") from None
+        raise ConfigError(f"--dir {e.filename}: a file, or in one, not a folder") from None
     except OSError as e:  # a folder not writable, a full disk
-        raise CommandError(f"cannot write the key pair to {e.filename}: {e.strerror}") from None
+        raise ConfigError(f"cannot write the key pair to {e.filename}: {e.strerror}") from None
     print(f"private key  {private}  (mode 0600: keep it secret, never inside a repo)")
     print(
         f"public key   {public.path}  (give it to readers and hub operators: `vip-hub trust add`)"
@@ -66,7 +67,7 @@ def _sign(args: argparse.Namespace) -> None:
     from ..repo.verify import verify_repo
 
     if args.key is None:
-        raise CommandError("name the private key: --key PATH (see `vip-hub key create`)")
+        raise ConfigError("name the private key: --key PATH (see `vip-hub key create`)")
     verify_repo(args.folder).raise_for_problems()
     fingerprint = sign_repo(args.folder, args.key)
     print(f"signed {args.folder} with key {fingerprint[:16]}")

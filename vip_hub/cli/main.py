@@ -21,11 +21,7 @@ from typing import Any
 
 from ..errors import VipHubError
 
-__all__ = ["CommandError", "add_command", "main", "require_extra"]
-
-
-class CommandError(VipHubError):
-    """A user-facing failure of a command's own arguments: printed as one line, exit status 1."""
+__all__ = ["add_command", "main", "require_extra"]
 
 
 def require_extra(extra: str, *modules: str) -> None:

@@ -33,8 +33,6 @@ from support.live import free_port
 
 import training.dp.run
 from training.data.images import TarShards, open_images
-from training.dp.clipping import UnsupportedLayerError
-from training.main_job import StepFailed
 from training.recipes.syn import SynConfig, train_syn
 from training.recipes.vip import VipConfig, train_vip
 from training.skeleton.checkpoint import save_checkpoint
@@ -45,6 +43,8 @@ from vip_hub.errors import (
     ConfigError,
     DataError,
     MissingInputError,
+    StepFailed,
+    UnsupportedLayerError,
     VipHubError,
 )
 from vip_hub.privacy.accounting import NOISE_SAMPLER, Accountant, max_steps_within

@@ -20,7 +20,7 @@ from torch import nn
 
 from training.data.images import mae_transform
 from training.data.procedural import FAMILIES, SyntheticImages, contact_sheet, render
-from training.dp.clipping import PerExampleClipper, UnsupportedLayerError, _materialise
+from training.dp.clipping import PerExampleClipper, _materialise
 from training.dp.sampling import micro_batches, poisson_sample, rank_share
 from training.main_job import MainJobConfig
 from training.recipes.mae import (
@@ -36,7 +36,7 @@ from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
 from vip_hub import export_encoder
-from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError
+from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError, UnsupportedLayerError
 from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
 from vip_hub.repo_format import LEDGER_FILE, MAE_DECODER_FILE, META_DECODER
