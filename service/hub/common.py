@@ -101,6 +101,13 @@ def writable(what: str) -> Any:
     return Depends(open_writable)
 
 
+def check_still_writable(opened: Writable, request: Request, what: str) -> None:
+    """``writable``'s checks again, once a long request's body has arrived: a token revoked or
+    a membership removed meanwhile ends the request (401, 403), as it ends the user's grants."""
+    writer = require_scope(identity(request), "write", what)
+    check_write(writer, opened.repo.org, what)
+
+
 def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:
     """A file as the model info's ``siblings`` lists it (``blobs``: with size, oid and LFS)."""
     out: dict[str, Any] = {"rfilename": entry.path}

@@ -27,7 +27,7 @@ from ..store.naming import (
     validate_repo_id,
     validate_revision,
 )
-from .common import Writable, base_url, is_lfs, store_of, writable
+from .common import Writable, base_url, check_still_writable, is_lfs, store_of, writable
 from .uploads import CommitParser, receive_body
 
 router = APIRouter(prefix="/api")
@@ -118,6 +118,7 @@ async def commit(
     try:
         await receive_body(request, parser.feed, parser.limit)
         parsed = parser.finish()
+        await run_in_threadpool(check_still_writable, opened, request, "committing")
     except BaseException:
         parser.discard()
         raise

@@ -11,6 +11,7 @@ import io
 import json
 import stat
 import struct
+import threading
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,7 @@ from service.app import create_app
 from service.auth import create_token, revoke_token
 from service.settings import Settings
 from service.store.blobs import DigestWriter
+from service.store.errors import NoSuchRevision
 from service.store.xet import MAX_CHUNK, SHARD_TAG, xet_hex, xorb_hash
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
@@ -648,3 +650,53 @@ def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server)
     forged = {"Authorization": grant["Authorization"][:-1].encode() + b"\xe9"}  # latin-1 é
     r = httpx.post(f"{cas}/v1/shards", content=b"", headers=forged)
     assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
+
+
+def test_a_token_revoked_while_its_commit_streams_in_commits_nothing(
+    server, repos, capsys, monkeypatch
+):
+    """Write rights were checked when a commit's headers arrived only: a token revoked (or a
+    member removed) while a large body streamed in still had its commit land."""
+    from service.hub import uploads
+
+    store = str(server.settings.store)
+    assert main(["token", "create", "--name", "ivy", "--scope", "write", "--store", store]) == 0
+    ivy = capsys.readouterr().out.strip()
+    _api(server, ivy).create_repo("ivy/m")
+    feeding, resume = threading.Event(), threading.Event()
+    real_feed = uploads.CommitParser.feed
+
+    def feed(self, data):
+        feeding.set()  # the route runs: its write check has passed
+        return real_feed(self, data)
+
+    monkeypatch.setattr(uploads.CommitParser, "feed", feed)
+    header = {"key": "header", "value": {"summary": "late", "description": ""}}
+    big = base64.b64encode(b"x" * uploads.BATCH).decode()  # a batch: the route reads it at once
+    first = {"key": "file", "value": {"path": "big.txt", "encoding": "base64", "content": big}}
+    line = {"key": "file", "value": {"path": "notes.txt", "encoding": "base64", "content": "aGk="}}
+
+    def body():
+        yield (json.dumps(header) + "\n" + json.dumps(first) + "\n").encode()
+        resume.wait(60)
+        yield json.dumps(line).encode()
+
+    answers: list[httpx.Response] = []
+    post = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{server.url}/api/models/ivy/m/commit/main",
+                content=body(),
+                headers={**_bearer(ivy), "Content-Type": "application/x-ndjson"},
+                timeout=120,
+            )
+        )
+    )
+    post.start()
+    assert feeding.wait(60)
+    assert main(["token", "revoke", "--name", "ivy", "--store", store]) == 0
+    resume.set()
+    post.join(120)
+    assert answers and answers[0].status_code == 401, answers
+    with pytest.raises(NoSuchRevision):  # no commit: the repo's main has none
+        server.app.state.store.resolve("ivy/m", "main")
