@@ -29,6 +29,7 @@ from .errors import ConfigError
 
 __all__ = [
     "CARD_FILE",
+    "CARD_LEDGER_KEY",
     "CONFIG_DECODERS",
     "CONFIG_FILE",
     "CURVES_FILE",
@@ -70,6 +71,8 @@ WEIGHTS_FILE = f"model{WEIGHTS_SUFFIX}"
 CONFIG_FILE = "config.json"
 LEDGER_FILE = "privacy_ledger.json"
 CARD_FILE = "README.md"
+CARD_LEDGER_KEY = "differential_privacy"
+"""The key of the card's front matter that holds its ledger copy."""
 CURVES_FILE = "training_curves.png"
 """A recipe's training curves (measured on public data), shown in the card."""
 MAE_DECODER_FILE = f"mae_decoder{WEIGHTS_SUFFIX}"

@@ -41,10 +41,11 @@ from .common import (
     MAX_MODEL_REF_LENGTH,
     MODEL_PATTERN,
     Call,
-    Image64,
+    Images,
     InferenceCall,
     ModelRef,
     Privacy,
+    TopK,
     Usage,
     new_router,
 )
@@ -64,7 +65,7 @@ class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelRef
-    input: Image64 | list[Image64] = Field(description="one image or a list (base64 or data: URIs)")
+    input: Images
     pooling: Pooling = Field("avg", max_length=MAX_POOLING_LENGTH, description=POOLING_HELP)
     normalize: bool = False
     encoding_format: Literal["float", "base64"] = "float"
@@ -97,8 +98,8 @@ class ClassifyRequest(BaseModel):
     head: str = Field(
         pattern=f"^{NAME_PATTERN}$", description=f"a {HEADS_DIR}/<name>/ probe of the model"
     )
-    input: Image64 | list[Image64]
-    top_k: int = Field(5, ge=1, le=1000)
+    input: Images
+    top_k: TopK = 5
 
 
 class LabelScore(BaseModel):

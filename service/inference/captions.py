@@ -30,9 +30,7 @@ class CaptionsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: common.ModelRef
-    input: common.Image64 | list[common.Image64] = Field(
-        description="one image or a list (base64 or data: URIs)"
-    )
+    input: common.Images
     max_tokens: int | None = Field(
         None,
         ge=1,
@@ -61,12 +59,12 @@ class ZeroShotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: common.ModelRef
-    input: common.Image64 | list[common.Image64]
+    input: common.Images
     labels: list[Label] = Field(
         min_length=1, description="the candidate classes (at most inference.max_labels)"
     )
     prompt: str = Field(DEFAULT_PROMPT, max_length=200, description="text before each label")
-    top_k: int = Field(5, ge=1, le=1000)
+    top_k: common.TopK = 5
 
 
 class LabelLoss(BaseModel):

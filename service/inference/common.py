@@ -28,6 +28,8 @@ __all__ = [
     "MODEL_PATTERN",
     "Call",
     "Image64",
+    "Images",
+    "TopK",
     "InferenceCall",
     "ModelRef",
     "Privacy",
@@ -43,6 +45,12 @@ ModelRef = Annotated[
     str, Field(pattern=MODEL_PATTERN, max_length=MAX_MODEL_REF_LENGTH, examples=["vip/vip-nano"])
 ]
 Image64 = Annotated[str, Field(min_length=1, description="base64 image bytes, or a data: URI")]
+Images = Annotated[
+    Image64 | list[Image64], Field(description="one image or a list (base64 or data: URIs)")
+]
+"""A request's ``input``: what every image route takes."""
+TopK = Annotated[int, Field(ge=1, le=1000, description="the most labels answered per image")]
+"""A request's ``top_k``."""
 
 
 class Privacy(BaseModel):

@@ -35,6 +35,7 @@ from vip_hub.repo.signing import PublicKey, verify_signature
 from vip_hub.repo.verify import VerificationReport, verify_repo
 from vip_hub.repo_format import (
     CARD_FILE,
+    CARD_LEDGER_KEY,
     CONFIG_BLOCK,
     CONFIG_FILE,
     DEFAULT_BRANCH,
@@ -146,7 +147,7 @@ class CommitRecord:
     def caveat(self) -> str | None:
         """What the encoder's epsilon assumes but its training did not meet
         (``PrivacySummary.caveat``)."""
-        ledger = self.card_data.get("differential_privacy") or {}
+        ledger = self.card_data.get(CARD_LEDGER_KEY) or {}
         if all(s.get("sampling", "poisson") == "poisson" for s in ledger.get("stages", [])):
             return None  # the common case, without parsing the ledger on every listed row
         try:
@@ -157,7 +158,7 @@ class CommitRecord:
     @property
     def weak_delta(self) -> bool:
         """Whether a DP stage of its ledger states a delta above 1/(10n) (flagged on pages)."""
-        ledger = self.card_data.get("differential_privacy") or {}
+        ledger = self.card_data.get(CARD_LEDGER_KEY) or {}
         return any(
             is_weak_delta(s["delta"], s["dataset"]["size"])
             for s in ledger.get("stages", [])
@@ -284,7 +285,7 @@ class HubStore:
             return
         with self.index.collection_lock(exclusive=True):
             for row in self.index.rows("SELECT sha, card_data FROM commits WHERE delta > 0"):
-                ledger = json.loads(row["card_data"]).get("differential_privacy")
+                ledger = json.loads(row["card_data"]).get(CARD_LEDGER_KEY)
                 try:
                     summary = PrivacyLedger.parse(ledger).summary(delta=self.limits.delta)
                 except LedgerError as e:  # committed before a rule this hub's version added

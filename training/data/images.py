@@ -167,7 +167,20 @@ def _tell_left_out(paths: Sequence[Path], root: Path, first: int = 3) -> None:
         )
 
 
-class ImageFolder(PrivateImages):
+class _ImageFiles(PrivateImages):
+    """Examples that are image files, ``files`` (decoded from disk when loaded)."""
+
+    files: list[Path]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, index: int) -> Image.Image:
+        path = self.files[index]
+        return self._decode(_read(path, str(path)), str(path))
+
+
+class ImageFolder(_ImageFiles):
     """Every image file under ``root`` (recursively), in sorted path order; hidden files and
     folders (``_hidden``) are not searched; every file is checked (``_each_an_image``)."""
 
@@ -184,13 +197,6 @@ class ImageFolder(PrivateImages):
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
         _each_an_image(self.files)
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def load(self, index: int) -> Image.Image:
-        path = self.files[index]
-        return self._decode(_read(path, str(path)), str(path))
 
 
 class PrivateCaptions(PrivateImages):
@@ -318,7 +324,7 @@ class TarShards(PrivateCaptions):
         return self._text(*self._read(self.texts[index], f"{key}.txt"))
 
 
-class CaptionFolder(PrivateCaptions):
+class CaptionFolder(_ImageFiles, PrivateCaptions):
     """The pairs listed in ``root/captions.jsonl``, one ``{"image": path relative to root,
     "caption": text}`` per line (blank lines skipped), in the order of the lines. An image may
     be listed once: the guarantee is per example, and an example is one image."""
@@ -378,13 +384,6 @@ class CaptionFolder(PrivateCaptions):
         except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON (\ud83d)
             raise DataError(f"caption {where} is not UTF-8 text ({e})") from None
         return rel, self._text(data, where)
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def load(self, index: int) -> Image.Image:
-        path = self.files[index]
-        return self._decode(_read(path, str(path)), str(path))
 
     def caption(self, index: int) -> str:
         return self.captions[index]

@@ -39,7 +39,7 @@ from ..privacy.ledger import (
     shown_epsilon,
 )
 from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
-from ..repo_format import CARD_FILE, ENCODER, FrontMatterLimits
+from ..repo_format import CARD_FILE, CARD_LEDGER_KEY, ENCODER, FrontMatterLimits
 
 __all__ = [
     "DEFAULT_LICENSE",
@@ -137,9 +137,9 @@ def render_card(
         eval_results=info.eval_results or None,
         summary=info.summary,
         repo_id=info.repo_id,
-        differential_privacy=ledger.to_dict(),
-        probe_comparison=info.comparison or None,
     )
+    data[CARD_LEDGER_KEY] = ledger.to_dict()
+    data["probe_comparison"] = info.comparison or None  # after the ledger, as always written
     template = files("model_cards").joinpath("encoder.md").read_text(encoding="utf-8")
     card = ModelCard.from_template(
         data,
@@ -591,9 +591,9 @@ def card_ledger(readme: str, limits: FrontMatterLimits | None = None) -> Privacy
         raise LedgerError(
             [f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]
         ) from None
-    if "differential_privacy" not in data:
-        raise LedgerError([f"{CARD_FILE}: front matter has no differential_privacy block"])
-    return PrivacyLedger.parse(data["differential_privacy"])
+    if CARD_LEDGER_KEY not in data:
+        raise LedgerError([f"{CARD_FILE}: front matter has no {CARD_LEDGER_KEY} block"])
+    return PrivacyLedger.parse(data[CARD_LEDGER_KEY])
 
 
 def format_params(n: int | None) -> str:
