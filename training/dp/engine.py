@@ -50,6 +50,7 @@ from vip_hub.errors import AccountingError, CheckpointError, ConfigError, DataEr
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import (
     NOISE_SAMPLER,
+    ZIGGURAT_SAMPLER,
     Accountant,
     calibrate,
     check_delta,
@@ -654,7 +655,7 @@ class DPEngine:
         """Resume from ``state``; a checkpoint whose steps drew another noise sampler, or formed
         their clipped sums by another rule, is refused (one stage records one sampler's support
         and one rounding rule)."""
-        sampler = state.get("noise_sampler", "numpy float64 ziggurat")  # unrecorded before it
+        sampler = state.get("noise_sampler", ZIGGURAT_SAMPLER)  # unrecorded before it
         summation = state.get(ROUNDING_SUM, FP32_BLOCKED)  # unrecorded before issue 52
         for what, theirs, ours in (
             ("drew their noise from the {} sampler", sampler, NOISE_SAMPLER),

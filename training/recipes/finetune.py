@@ -195,7 +195,7 @@ class FinetuneConfig(
             head=self.head,
             pooling=self.pooling,
             epochs=self.probe_epochs,
-            warmup_epochs=max(1, self.probe_epochs // 10),
+            warmup_epochs=tenth_of_steps(self.probe_epochs),
             batch_size=self.probe_batch_size or -(-n // 8),
             optimizer="sgd",
             lr=self.probe_lr,

@@ -11,7 +11,7 @@ __all__ = ["lr_factor", "make_adamw", "warmup_cosine"]
 
 
 def make_adamw(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; biases and norm scales (ndim < 2) get no decay,
     as in the reference (timm's ``param_groups_weight_decay``). Fused: one kernel over all

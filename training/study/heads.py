@@ -33,6 +33,7 @@ from ..recipes.probe import (
     public_components,
     unproject,
 )
+from ..skeleton.config import tenth_of_steps
 from .budget import head_epsilon
 from .config import StudyConfig
 
@@ -83,7 +84,7 @@ def head_config(
         delta=cfg.delta if dp else None,
         batch_size=math.ceil(n / cfg.head_batches),
         epochs=cfg.probe_epochs,
-        warmup_epochs=max(1, cfg.probe_epochs // 10),
+        warmup_epochs=tenth_of_steps(cfg.probe_epochs),
         optimizer="sgd",
         lr=(lr or cfg.head_lr) if dp else 0.1,
         max_grad_norm=cfg.head_clip,

@@ -38,6 +38,7 @@ __all__ = [
     "NOISE_SAMPLER",
     "NOISE_SAMPLERS",
     "NOISE_SUPPORT",
+    "ZIGGURAT_SAMPLER",
     "ZIGGURAT_SUPPORT",
     "calibrate",
     "check_delta",
@@ -106,9 +107,11 @@ CURAND_FLOAT32_SUPPORT = math.sqrt(66 * math.log(2))
 2^-33), the reference code's sampler, with which imported releases are recorded."""
 NOISE_SAMPLER = "philox4x64-10 box-muller-53"
 """The noise sampler vip-hub ships: Philox4x64-10 keyed by the run's secret, Box-Muller."""
+ZIGGURAT_SAMPLER = "numpy float64 ziggurat"
+"""The noise sampler of the releases before Philox (issue 52): numpy's float64 ziggurat."""
 NOISE_SAMPLERS: dict[str, float] = {
     NOISE_SAMPLER: BOX_MULLER_SUPPORT,
-    "numpy float64 ziggurat": ZIGGURAT_SUPPORT,
+    ZIGGURAT_SAMPLER: ZIGGURAT_SUPPORT,
     "curand float32 box-muller": CURAND_FLOAT32_SUPPORT,
 }
 """Every noise sampler a ledger may name by its support c: ``verify`` refuses any other c."""
