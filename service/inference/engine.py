@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vip_hub.device import pick_device
+from vip_hub.errors import VipHubError
 from vip_hub.repo_format import DEFAULT_BRANCH
 
 from ..errors import (
@@ -176,16 +177,20 @@ class InferenceEngine:
         repo_id, commit = key
         folder = await asyncio.to_thread(self._store().snapshot_dir, repo_id, commit)
         private = (await asyncio.to_thread(self._store().get_repo, repo_id)).private
-        model = await asyncio.to_thread(
-            LoadedModel.load,
-            repo_id,
-            commit,
-            folder,
-            self.settings,
-            self.metrics,
-            self.device,
-            private,
-        )
+        try:
+            model = await asyncio.to_thread(
+                LoadedModel.load,
+                repo_id,
+                commit,
+                folder,
+                self.settings,
+                self.metrics,
+                self.device,
+                private,
+            )
+        except VipHubError as e:  # its message names the repo, not the server's folders
+            e.args = (str(e).replace(str(folder), f"{repo_id}@{commit[:12]}"),)
+            raise
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
             raise ShuttingDown()

@@ -845,3 +845,19 @@ def test_the_index_is_read_off_the_event_loop(hub, published, monkeypatch):
     healthz_answered.set()
     request.join(120)
     assert answers and answers[0].status_code == 200, answers
+
+
+def test_a_model_that_fails_to_load_names_no_server_folder(hub, published, monkeypatch):
+    """A load's error (a verification problem, a missing file) named the store's snapshot
+    folder on the server, in the 4xx and in ``/readyz``: it names the repo and commit."""
+    from service.inference import engine
+
+    def fails(repo_id, commit, folder, *args):
+        raise ConfigError(f"{folder}/config.json: not what its ledger binds")
+
+    push_repo(published[MODEL], "vip/load-fails", token=WRITE_TOKEN)  # not loaded yet
+    monkeypatch.setattr(engine.LoadedModel, "load", staticmethod(fails))
+    payload = {"model": "vip/load-fails", "input": [b64(IMAGES[0])]}
+    r = httpx.post(f"{hub.url}/v1/embeddings", json=payload)
+    assert r.status_code == 400 and "vip/load-fails@" in r.json()["error"], r.text
+    assert str(hub.settings.store) not in r.text and "snapshots" not in r.text, r.text
