@@ -239,6 +239,19 @@ def test_a_malformed_signature_is_a_named_problem(tmp_path, alice, cli, bundle):
     assert f"FAIL  {SIGNATURE_FILE}: not a signature bundle" in out.stdout
 
 
+def _tiny_export(out: Path, seed: int = 0):
+    """A training run's ``write(key)``: a tiny encoder exported to ``out``, signed by the key."""
+    return lambda key: export_encoder(
+        out,
+        tiny_encoder(seed),
+        TINY,
+        [synthetic_stage()],
+        model_name="r",
+        overwrite=True,
+        signing_key=key,
+    )
+
+
 def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
     from training.skeleton.config import RunConfig
     from training.skeleton.distributed import Dist
@@ -251,17 +264,7 @@ def test_training_run_signs_its_export(tmp_path, alice, monkeypatch):
         dist = Dist.from_env("cpu")
         try:
             run = Run(RunConfig(out=str(out), signing_key=key), dist)
-            run.export(
-                lambda key: export_encoder(
-                    out,
-                    tiny_encoder(),
-                    TINY,
-                    [synthetic_stage()],
-                    model_name="r",
-                    overwrite=True,
-                    signing_key=key,
-                )
-            )
+            run.export(_tiny_export(out))
         finally:
             dist.close()
         assert verify_signature(out, load_keys([alice[1]])).name == "alice"
@@ -319,17 +322,7 @@ def test_a_training_run_signs_its_repo_before_it_replaces_the_earlier_one(tmp_pa
         run = Run(RunConfig(out=str(out), signing_key=str(key)), dist)
         key.unlink()  # rotated away while the run trained
         with pytest.raises(MissingInputError, match="no such private key file"):
-            run.export(
-                lambda k: export_encoder(
-                    out,
-                    tiny_encoder(seed=1),
-                    TINY,
-                    [synthetic_stage()],
-                    model_name="r",
-                    overwrite=True,
-                    signing_key=k,
-                )
-            )
+            run.export(_tiny_export(out, seed=1))
     finally:
         dist.close()
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -20,6 +20,7 @@ from PIL import Image
 from support.helpers import (
     NEEDS_CUDA,
     TINY,
+    dp_stage,
     synthetic_stage,
     tiny_encoder,
     tiny_repo_with_head,
@@ -34,7 +35,6 @@ from service.inference.models import LoadedModel
 from vip_hub import export_encoder
 from vip_hub.device import pick_device
 from vip_hub.errors import ConfigError
-from vip_hub.privacy.ledger import Dataset, DPStage
 from vip_hub.repo.heads import load_head
 from vip_hub.repo.push import push_repo
 
@@ -780,16 +780,7 @@ def test_a_caveat_travels_in_the_headers(hub, tmp_path):
     """A stage accounted under Poisson sampling it did not use (a shuffled import) makes the
     summary carry a caveat, which every place that prints an epsilon prints with it: the
     ``X-Privacy-*`` headers printed the epsilon alone."""
-    shuffled = DPStage.from_parameters(
-        name="dp-pretraining",
-        dataset=Dataset(name="test-images", size=1000),
-        sample_rate=0.05,
-        noise_multiplier=1.0,
-        steps=100,
-        clipping_norm=0.1,
-        noised_tensors={"unreleased:test": 1_000},
-        sampling="shuffle",
-    )
+    shuffled = dp_stage().model_copy(update={"sampling": "shuffle"})
     repo = export_encoder(
         tmp_path / "shuffled", tiny_encoder(), TINY, [synthetic_stage(), shuffled], model_name="s"
     )
