@@ -9,6 +9,7 @@ they stream; their rule passes them through."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,10 +89,8 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
     more than ``max_commas`` commas outside its strings (values), else None; linear work."""
     if b"\0" in body:  # UTF-8 JSON has none; in UTF-16 or -32 a character's bytes can be a quote
         return BadRequest("JSON body is not UTF-8 (RFC 8259): it holds NUL bytes, as UTF-16 does")
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return BadRequest(f"JSON body is not UTF-8 (RFC 8259): byte {e.start} is {e.reason}")
+    if (bad := _not_utf8(body)) is not None:
+        return BadRequest(f"JSON body is not UTF-8 (RFC 8259): byte {bad[0]} is {bad[1]}")
     if body.count(b"[") + body.count(b"{") <= max_depth and body.count(b",") <= max_commas:
         return None  # too few brackets and commas, in strings or not, to pass either bound
     scan = JsonDepth(max_depth)
@@ -102,6 +101,24 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
         return PayloadTooLarge(
             f"JSON body holds more than {max_commas + 1} values in its lists and objects"
         )
+    return None
+
+
+def _not_utf8(body: bytes) -> tuple[int, str] | None:
+    """Where ``body`` stops being UTF-8, and why; decoded a block at a time and dropped, so the
+    check holds no copy of the body (a text as large as it, per body served at once)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    for start in range(0, len(view), JsonDepth.BLOCK):
+        pending = len(decoder.getstate()[0])  # a character's first bytes, from the last block
+        try:
+            decoder.decode(view[start : start + JsonDepth.BLOCK])
+        except UnicodeDecodeError as e:
+            return start - pending + e.start, e.reason
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        return len(body) - len(decoder.getstate()[0]) + e.start, e.reason
     return None
 
 

@@ -303,7 +303,9 @@ def test_concurrent_maximal_bodies_stay_within_the_pending_budget(tmp_path):
     """Twelve clients send maximal (2 MiB) bodies at once to a server that holds at most
     4 MiB + 64 KiB of /v1 bodies: two are read, the other ten are answered 429 with Retry-After
     from their headers alone, and the server's allocations while it serves them stay under
-    3 x max_pending_bytes (twelve bodies read at once would be 24 MiB before any parsing).
+    4 x max_pending_bytes: each admitted body, its parsed text and what is decoded from it, the
+    two held at once since the routes read the index off the event loop (twelve bodies read at
+    once would be 24 MiB before any parsing, 96 MiB with theirs).
     Then a count limit: small bodies are admitted up to max_pending_requests."""
     body_bytes, clients = 2 * MIB, 12
     budget = 2 * body_bytes + 64 * 1024
@@ -337,7 +339,7 @@ def test_concurrent_maximal_bodies_stay_within_the_pending_budget(tmp_path):
             assert status == 429 and headers["retry-after"] == "1"
             assert f"the limit of {budget}" in answer["error"]
         assert [status for status, _, _ in done] == [404, 404], done  # no such model
-        assert peak < 3 * budget, f"{peak / MIB:.1f} MiB"
+        assert peak < 4 * budget, f"{peak / MIB:.1f} MiB"
         for sock in socks:
             sock.close()
         small = [_start(server.port, 100, b"{") for _ in range(4)]  # count limit: 3 at once
