@@ -261,19 +261,17 @@ class XetStore:
 
     def put_xorb(self, xorb: str, tmp: Path, uploader: str) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
-        recomputed from its chunks (InvalidRequest otherwise), and note who sent it; one already
-        held has its age refreshed (with an object store: written to its bucket again)."""
+        recomputed from its chunks (InvalidRequest otherwise), and note who sent it; it replaces
+        one already held, whose bytes may have rotted since (with an object store: written to its
+        bucket again)."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             check_xorb(tmp, xorb)
             if self.remote is not None:
                 self.remote.put_file(tmp, xorb_key(xorb))
-            if target.is_file():
-                os.utime(target)
-            else:
-                make_private_dir(target.parent)
-                os.replace(tmp, target)
-                fsync_dir(target.parent)
+            make_private_dir(target.parent)
+            os.replace(tmp, target)  # its age: now
+            fsync_dir(target.parent)
             self._note_owner(uploader, xorb)
         finally:
             tmp.unlink(missing_ok=True)

@@ -417,6 +417,17 @@ def decode_image(data: bytes, index: int, limits: Any, min_side: int = 0) -> Ima
     return load_rgb(open_image(data, index, limits), index, min_side)
 
 
+def xorb_of(chunks: list[bytes]) -> tuple[str, bytes]:
+    """A Xet xorb of uncompressed chunks (scheme 0): its hash and its bytes."""
+    import blake3
+
+    from service.store.xet import _DATA_KEY, xorb_hash
+
+    name = xorb_hash([(blake3.blake3(c, key=_DATA_KEY).digest(), len(c)) for c in chunks])
+    headers = [bytes([0]) + len(c).to_bytes(3, "little") for c in chunks]
+    return name, b"".join(h + h + c for h, c in zip(headers, chunks, strict=True))
+
+
 def turned_jpeg(seed: int = 0, corrupt: bool = False) -> tuple[bytes, Image.Image]:
     """A JPEG stored 40 x 24 whose EXIF Orientation (6) says "rotate 90° clockwise to show", and
     the 24 x 40 RGB image a viewer shows (its pixels decoded as stored, then turned); ``corrupt``:

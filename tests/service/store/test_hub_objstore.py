@@ -21,7 +21,7 @@ import torch
 from conftest import HUB_PORT
 from huggingface_hub import HfApi, snapshot_download
 from safetensors.torch import load_file
-from support.helpers import tiny_repo_with_head
+from support.helpers import tiny_repo_with_head, xorb_of
 from support.live import (
     READ_TOKEN,
     WRITE_TOKEN,
@@ -318,17 +318,6 @@ def test_large_objects_go_in_presigned_parts(hub, seaweed, published):
 # ------------------------------------------------------- failures: nothing left, the apt status
 
 
-def _xet_chunks(chunks: list[bytes]) -> tuple[str, bytes]:
-    """A xorb of uncompressed chunks (scheme 0): its hash and its bytes."""
-    import blake3
-
-    from service.store.xet import _DATA_KEY, xorb_hash
-
-    name = xorb_hash([(blake3.blake3(c, key=_DATA_KEY).digest(), len(c)) for c in chunks])
-    headers = [bytes([0]) + len(c).to_bytes(3, "little") for c in chunks]
-    return name, b"".join(h + h + c for h, c in zip(headers, chunks, strict=True))
-
-
 def _xet_shard(sha256: str, xorb: str, chunks: int, size: int) -> bytes:
     """A version-2 shard of one file (its SHA-256 in the metadata extension): ``chunks`` chunks
     of ``xorb``, ``size`` bytes unpacked."""
@@ -355,7 +344,7 @@ def test_a_shard_cut_by_the_store_going_down_leaves_no_temp_file(hub, seaweed, m
     rebuilt file does not stay in the store's tmp/ until the day's sweep."""
     cas, grant = _cas(hub, "lfs/s3-shard-down")
     chunk = b"rebuilt, then the store goes down\n" * 100
-    name, xorb = _xet_chunks([chunk])
+    name, xorb = xorb_of([chunk])
     assert HTTP.post(f"{cas}/v1/xorbs/default/{name}", content=xorb, headers=grant).is_success
     tmp = hub.app.state.store.blobs.tmp
     before = set(tmp.iterdir())
@@ -398,7 +387,7 @@ def test_corrupt_stored_objects_are_the_servers_fault(hub, seaweed, published):
 
     cas, grant = _cas(hub, "lfs/s3-corrupt-xorb")
     chunk = b"a xorb the bucket garbles\n" * 100
-    name, xorb = _xet_chunks([chunk])
+    name, xorb = xorb_of([chunk])
     assert HTTP.post(f"{cas}/v1/xorbs/default/{name}", content=xorb, headers=grant).is_success
     s3.put_object(Bucket=BUCKET, Key=f"xet/xorbs/{name}", Body=b"\xee" * len(xorb))
     store.xet.xorb_path(name).unlink()
@@ -423,7 +412,7 @@ def test_multipart_uploads_cut_by_an_outage_are_aborted(seaweed, tmp_path, monke
     seaweed.client().create_bucket(Bucket=bucket)
     objects = ObjectStoreSettings(endpoint=seaweed.url, bucket=bucket)
     chunks = [os.urandom(128 * 1024) for _ in range(8 * 66)]  # 66 MiB: two parts
-    name, xorb = _xet_chunks(chunks)
+    name, xorb = xorb_of(chunks)
     with HubStore(tmp_path / "store", objects=objects) as store:
         sent = store.blobs.new_temp()
         sent.write_bytes(xorb)

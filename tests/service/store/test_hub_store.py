@@ -6,7 +6,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from support.helpers import (
+    TINY,
+    dp_stage,
+    synthetic_stage,
+    tiny_encoder,
+    tiny_repo_with_head,
+    xorb_of,
+)
 
 from service.store import AddFile, AddObject, DeleteFile, HubStore
 from service.store import store as store_module
@@ -307,3 +314,19 @@ def test_a_blob_stored_from_an_old_upload_gets_the_full_grace(store, repo_dir, t
     store._store_blobs = real
     assert collect_garbage(store, 86400).blobs == []  # within its grace, from its storing
     store.commit("team/model", [AddObject("notes.txt", sha)])  # the retry finds it
+
+
+def test_a_checked_xorb_replaces_rotted_bytes_under_its_hash(store):
+    """A xorb sent again, and checked against its hash, was dropped for the one held (only its
+    age refreshed), whose bytes may have rotted: it now replaces it."""
+    name, good = xorb_of([b"chunk one " * 100, b"chunk two " * 100])
+    sent = store.blobs.new_temp()
+    sent.write_bytes(good)
+    store.xet.put_xorb(name, sent, "alice")
+    held = store.xet.xorb_path(name)
+    held.chmod(0o600)
+    held.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    again = store.blobs.new_temp()
+    again.write_bytes(good)
+    store.xet.put_xorb(name, again, "alice")
+    assert held.read_bytes() == good
