@@ -227,7 +227,12 @@ class InferenceSettings(_Section):
     preload: list[str] = Field(
         default_factory=list, description="models loaded and warmed up before ready"
     )
-    max_loaded_models: int = Field(4, gt=0, description="LRU bound on models held in memory")
+    max_loaded_models: int = Field(
+        4,
+        gt=0,
+        description="LRU bound on models held in memory, and on models loading at once (a "
+        "request for one more is answered 429 while they load)",
+    )
     max_batch_size: int = Field(32, gt=0)
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_queue_images: int = Field(512, gt=0, description="images queued per model before 429")

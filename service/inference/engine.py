@@ -28,6 +28,7 @@ from ..errors import (
     ClientGone,
     DeadlineExceeded,
     PayloadTooLarge,
+    QueueFull,
     ServiceError,
     ShuttingDown,
 )
@@ -165,6 +166,11 @@ class InferenceEngine:
             self._models.move_to_end(key)
             return self._models[key]
         task = self._loading.get(key)
+        if task is None and len(self._loading) >= self.settings.max_loaded_models:
+            raise QueueFull(  # loads of any commit anyone names: their memory is bounded too
+                f"{len(self._loading)} models are loading, the most at once "
+                "(inference.max_loaded_models): retry shortly"
+            )
         if task is None:  # registered before any await: a second request finds it
             task = asyncio.create_task(self._load(key))
             self._loading[key] = task

@@ -852,3 +852,40 @@ def test_a_model_that_fails_to_load_names_no_server_folder(hub, published, monke
     r = httpx.post(f"{hub.url}/v1/embeddings", json=payload)
     assert r.status_code == 400 and "vip/load-fails@" in r.json()["error"], r.text
     assert str(hub.settings.store) not in r.text and "snapshots" not in r.text, r.text
+
+
+def test_models_loading_at_once_are_bounded(published, tmp_path, monkeypatch):
+    """Anyone may name any commit of a public repo, each a full load: loads of distinct
+    commits ran at once without bound, each holding its model in memory until its eviction.
+    One more than ``max_loaded_models`` loading at once is answered 429."""
+    from service.inference import engine
+
+    loading, release = threading.Event(), threading.Event()
+    real = engine.LoadedModel.load
+
+    def slow(*args):
+        loading.set()
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(engine.LoadedModel, "load", staticmethod(slow))
+    settings = settings_for(tmp_path / "store", inference={"max_loaded_models": 1})
+    with ThreadedServer(settings) as server:
+        for name in ("one", "two"):
+            push_repo(published[MODEL], f"vip/{name}", endpoint=server.url, token=WRITE_TOKEN)
+        answers: list[httpx.Response] = []
+
+        def embed(name: str) -> httpx.Response:
+            payload = {"model": f"vip/{name}", "input": [b64(IMAGES[0])]}
+            return httpx.post(f"{server.url}/v1/embeddings", json=payload, timeout=120)
+
+        first = threading.Thread(target=lambda: answers.append(embed("one")))
+        first.start()
+        assert loading.wait(60)
+        second = embed("two")
+        assert second.status_code == 429 and "models are loading" in second.json()["error"]
+        assert second.headers["retry-after"] == "1"
+        release.set()
+        first.join(120)
+        assert answers[0].status_code == 200, answers[0].text
+        assert embed("two").status_code == 200  # its turn: one in memory, the other evicted
