@@ -65,6 +65,7 @@ from training.dp.clipping import (  # noqa: E402
 )
 from training.dp.engine import Budget, Clipper, DPEngine, add_gaussian_noise  # noqa: E402
 from training.recipes.mae import DecoderConfig, new_mae  # noqa: E402
+from training.skeleton.config import ADAMW_BETAS  # noqa: E402
 from training.skeleton.distributed import Dist  # noqa: E402
 from training.skeleton.optim import make_adamw  # noqa: E402
 from vip_hub.models.encoders import EncoderSpec  # noqa: E402
@@ -244,7 +245,7 @@ def make_bench(args: argparse.Namespace, batch: int, poisson: bool = True) -> Be
     pool = batch + math.ceil(6 * batch**0.5)
     x = torch.randn(pool, 3, args.img_size, args.img_size, device=dev)
     noise = torch.rand(pool, mae.num_patches, device=dev)
-    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005), (x, noise), batch, poisson)
+    return Bench(dev, mae, make_adamw(mae, 1e-4, 0.005, ADAMW_BETAS), (x, noise), batch, poisson)
 
 
 def peak_memory(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float]:

@@ -39,6 +39,7 @@ from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo_format import SIGNATURE_FILE
 
 __all__ = [
+    "ADAMW_BETAS",
     "DPRunConfig",
     "check_outside_data",
     "EncoderParameters",
@@ -267,9 +268,13 @@ def _weight_decay_field(default: float) -> Any:
     return Field(default, ge=0, description="AdamW weight decay (touches no data: no privacy cost)")
 
 
+ADAMW_BETAS = (0.9, 0.95)
+"""AdamW's betas, as in MAE: the recipes' ``beta1`` and ``beta2`` defaults."""
+
+
 def _beta_field(n: typing.Literal[1, 2]) -> Any:
-    """A recipe's ``beta1`` or ``beta2`` field: AdamW's (0.9, 0.95), as in MAE."""
-    return Field((0.9, 0.95)[n - 1], ge=0, lt=1, description=f"AdamW beta{n}")
+    """A recipe's ``beta1`` or ``beta2`` field (``ADAMW_BETAS``)."""
+    return Field(ADAMW_BETAS[n - 1], ge=0, lt=1, description=f"AdamW beta{n}")
 
 
 def with_adamw(
