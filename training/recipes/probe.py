@@ -52,6 +52,7 @@ from vip_hub.errors import ConfigError, DataError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import Pooling
 from vip_hub.privacy.accounting import (
+    DEFAULT_DELTA_RULE,
     Accountant,
     calibrate,
     check_delta,
@@ -76,7 +77,7 @@ from ..data.procedural import SyntheticImages
 from ..dp.clipping import PerExampleClipper
 from ..dp.engine import Budget, DPEngine
 from ..dp.sampling import new_secret
-from ..skeleton.config import WeakDeltaOption, check_outside_data
+from ..skeleton.config import WeakDeltaOption, accountant_field, check_outside_data
 from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
@@ -273,12 +274,10 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         None,
         gt=0,
         lt=1,
-        description="delta (default min(1e-5, 1/(10n)) of the probe's training set)",
+        description=f"delta (default {DEFAULT_DELTA_RULE} of the probe's training set)",
     )
     max_grad_norm: float = Field(1.0, ge=MIN_CLIP, description="clipping norm of a DP head")
-    accountant: Accountant = Field(
-        Accountant.RDP, description="the accountant whose epsilon is the claim"
-    )
+    accountant: Accountant = accountant_field()
     dataset_name: str = Field(
         pattern=DATASET_NAME_PATTERN,
         description="the labelled data's declared name, namespaced (e.g. org/digits-train): "

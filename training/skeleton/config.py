@@ -41,6 +41,7 @@ from vip_hub.repo_format import SIGNATURE_FILE
 __all__ = [
     "ADAMW_BETAS",
     "DPRunConfig",
+    "accountant_field",
     "check_outside_data",
     "EncoderParameters",
     "Recipe",
@@ -129,6 +130,11 @@ class WeakDeltaOption(BaseModel):
     )
 
 
+def accountant_field() -> Any:
+    """A DP run's or head's ``accountant`` field: the one whose epsilon is the claim."""
+    return Field(Accountant.RDP, description="the accountant whose epsilon is the claim")
+
+
 class DPRunConfig(RunConfig, WeakDeltaOption):
     """What every DP recipe has: data, budget, batch, clipping, accountant and audit."""
 
@@ -162,9 +168,7 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         description="release the iterates' exponential moving average, decay d a step from the "
         "initial weights (post-processing: no privacy cost; De et al. 2022); 0: the last iterate",
     )
-    accountant: Accountant = Field(
-        Accountant.RDP, description="the accountant whose epsilon is the claim"
-    )
+    accountant: Accountant = accountant_field()
     audit_canaries: int = Field(
         DEFAULT_CANARIES,
         ge=0,
