@@ -23,7 +23,7 @@ from huggingface_hub import HfApi
 from support.helpers import tiny_repo_with_head, with_front_matter
 from support.live import WRITE_TOKEN, ThreadedServer, raw_commit, settings_for
 
-from service.body_limits import json_problem
+from service.body_limits import JsonDepth, json_problem
 from service.pages.render import markdown_html
 from vip_hub import verify_repo
 from vip_hub.repo.push import push_repo
@@ -173,6 +173,21 @@ def test_what_the_body_limits_refuse_is_counted(server):
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'^vip_hub_requests_total\{[^}]*status="400"[^}]*\} ', text, re.M), text
     assert _metric(server, "vip_hub_requests_total") >= before + 1
+
+
+def test_the_utf8_check_reads_blocks_and_names_the_byte_across_them():
+    """The UTF-8 check decodes a block at a time (no copy of the body): a character split
+    across two blocks is UTF-8, and a bad byte is named at its place in the body."""
+    block = JsonDepth.BLOCK
+    split = b'"' + b"a" * (block - 2) + "é".encode() + b'"'  # é's two bytes in two blocks
+    assert json_problem(split, 8, 3) is None
+    for body, at, why in [
+        (b'"' + b"a" * (block - 2) + b"\xc3(" + b'"', block - 1, "invalid continuation byte"),
+        (b'"' + b"a" * (2 * block) + b"\xff" + b'"', 2 * block + 1, "invalid start byte"),
+        (b'"abc\xc3', 4, "unexpected end of data"),
+    ]:
+        problem = json_problem(body, 8, 3)
+        assert problem is not None and f"byte {at} is {why}" in problem.message, problem
 
 
 def test_a_body_that_never_arrives_frees_its_share(tmp_path):
