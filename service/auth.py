@@ -346,13 +346,11 @@ def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -
         )
 
 
-def _check_no_memberships(name: str, sources: Collection[_Auth], inherit: bool) -> None:
-    """A new user ``name`` becomes a member of the organisations that list that name (a former
-    user's memberships, left by ``token revoke``, in the index or the settings) only when
-    ``inherit`` says so."""
-    orgs = sorted(
-        org for source in sources for org, members in source.orgs.items() if name in members
-    )
+def _check_no_memberships(name: str, data: dict[str, Any], inherit: bool) -> None:
+    """A new user ``name`` becomes a member of the index's organisations that list that name (a
+    former user's memberships, left by ``token revoke``) only when ``inherit`` says so; the
+    settings' ``auth.orgs`` name their members on purpose, whoever holds the name."""
+    orgs = sorted(org for org, members in data.get("orgs", {}).items() if name in members)
     if orgs and not inherit:
         raise ValueError(
             f"{name!r} is a member of {', '.join(map(repr, orgs))} (memberships of a former "
@@ -435,10 +433,9 @@ def create_token(
     secret = "vh_" + secrets.token_urlsafe(32)
 
     def add(data: dict[str, Any]) -> None:
-        sources = _sources(data, settings)
-        _check_free(name, sources, _WHERE)
+        _check_free(name, _sources(data, settings), _WHERE)
         _check_unheld(name, "user", repos, inherit)
-        _check_no_memberships(name, sources, inherit)
+        _check_no_memberships(name, data, inherit)
         data["tokens"].append(
             {
                 "name": name,

@@ -39,10 +39,10 @@ __all__ = [
 GIB = 1024**3
 MIB = 1024**2
 MAX_CAPTION_TOKENS = 127
+"""The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
 TRUSTED_KEYS_DIR = "trusted_keys"
 """A single-host store's folder of trusted public keys, inside the store unless
 ``hub.trusted_keys`` names another."""
-"""The bound on ``inference.max_caption_tokens`` and on a /v1/captions request's ``max_tokens``."""
 REQUEST_FIELDS = 32
 """Fields a /v1 JSON body may hold beside its images and labels (its values' bound)."""
 

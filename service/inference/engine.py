@@ -127,7 +127,8 @@ class InferenceEngine:
         }
 
     async def _preload_all(self) -> None:
-        """Load each configured model; one not published yet is waited for (checked every
+        """Load each configured model; one not published yet, or turned away while requests
+        load as many models as may load at once, is waited for (checked every
         ``PRELOAD_POLL_S``), any other failure is reported by ``/readyz``."""
         for ref in self._preload:
             while not self._closing:
@@ -145,6 +146,10 @@ class InferenceEngine:
                 try:
                     await self.model(repo_id, commit)
                     self._preload[ref] = "ready"
+                except QueueFull:
+                    self._preload[ref] = "waiting: as many models are loading as may at once"
+                    await asyncio.sleep(PRELOAD_POLL_S)
+                    continue
                 except Exception as e:  # the process stays up; /readyz says why
                     self._preload[ref] = f"error: {e}"
                 break

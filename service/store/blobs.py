@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vip_hub.paths import fsync_dir, make_private_dir, open_private
-from vip_hub.repo.artifacts import CHUNK, git_blob_hasher
+from vip_hub.repo.artifacts import CHUNK, file_sha256, git_blob_hasher
 
 from . import clock
 from .errors import (
@@ -165,7 +165,7 @@ class BlobStore:
         path = self.path(sha256)
         if self.remote is None or path.is_file():
             return path
-        return self._place(self._fetch(blob_key(sha256), sha256), path)
+        return self._place(self._fetch(blob_key(sha256), sha256), path, sha256)
 
     def exists(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
@@ -357,15 +357,20 @@ class BlobStore:
             except FileNotFoundError:  # committed inline, or its upload moved by another commit
                 self.remote.put_file(source, key)
             self.remote.delete(upload_key(sha256))
-        placed = self._place(source, self.path(sha256))
+        placed = self._place(source, self.path(sha256), sha256)
         upload.unlink(missing_ok=True)
         return placed
 
-    def _place(self, source: Path, target: Path) -> Path:
+    def _place(self, source: Path, target: Path, sha256: str) -> Path:
         """Move a checked file to its blob path ``target``, durably, read-only, over what was
-        there: bytes stored under the name earlier may have rotted since, the checked ones may
-        not. Its time is now, so the collection's grace for it counts from its storing."""
+        there unless that still hashes to ``sha256`` (bytes stored earlier may have rotted, the
+        checked ones may not; sound ones stay, the inode the snapshots link). Its time is now, so
+        the collection's grace for it counts from its storing."""
         if source == target:
+            return target
+        if target.is_file() and file_sha256(target) == f"sha256:{sha256}":
+            source.unlink(missing_ok=True)
+            os.utime(target)
             return target
         with open(source, "rb") as f:
             os.fsync(f.fileno())
@@ -473,7 +478,7 @@ class BlobStore:
             self.remote.put_file(good, blob_key(sha256))
         target = self.path(sha256)
         if good != target:
-            self._place(good, target)  # over it: never absent to a reader
+            self._place(good, target, sha256)  # over it: never absent to a reader
 
     def remove_blob(self, sha256: str) -> None:
         """Delete blob ``sha256`` (with an object store: from its bucket, then this cache). Only

@@ -95,9 +95,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _INDEX_DELTA_KEY = "index_delta"
+"""hub_state's key for the delta the index's epsilons are stated at (the hub's ``delta``)."""
 _PARTIAL_SNAPSHOT = ".tmp-"
 """The prefix of a snapshot folder being built (``collect_uploads`` removes a killed one's)."""
-"""hub_state's key for the delta the index's epsilons are stated at (the hub's ``delta``)."""
 
 
 @dataclass(frozen=True)

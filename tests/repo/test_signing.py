@@ -328,6 +328,10 @@ def test_a_training_run_signs_its_repo_before_it_replaces_the_earlier_one(tmp_pa
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert verify_signature(out, load_keys([alice[1]])).name == "alice"
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+    # signed in its staging folder, under the name it is released as
+    bundle = json.loads((out / SIGNATURE_FILE).read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    assert [s["name"] for s in statement["subject"]] == [out.name]
 
 
 def test_an_update_signs_the_repo_it_writes(tmp_path, alice):

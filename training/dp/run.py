@@ -31,8 +31,6 @@ from .engine import Budget, Clipper, DPEngine
 
 __all__ = ["INIT_LEDGER", "DPRun", "trial_weights"]
 
-"""Per-example clipping's name in the ledger (the rule ``vip_hub.privacy.sensitivity`` applies)."""
-
 INIT_LEDGER = "init_ledger_sha256"
 """The run setting holding the SHA-256 of the ``--init`` repo's ledger (``DPRun.from_init``)."""
 

@@ -259,10 +259,12 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
                 f"delta {delta:g} is too small for the PRV accountant to resolve ({e}): "
                 "use a larger delta"
             ) from None
-        except RuntimeError:  # a delta above every delta(eps) of its grid
+        except RuntimeError as e:  # a delta above every delta(eps) of its grid
+            if "Cannot compute epsilon" not in str(e):
+                raise
             raise AccountingError(
-                f"delta {delta:g} is too large for the PRV accountant to resolve: use a delta "
-                "below 1/n"
+                f"delta {delta:g} is too large for the PRV accountant to resolve: use a smaller "
+                "delta"
             ) from None
 
 

@@ -189,7 +189,7 @@ def export_encoder(
             (tmp / rel).write_bytes(data)
         _write_ledger_copies(tmp, ledger, info, config, rewrite_weights=False)
         if signing_key is not None:
-            sign_repo(tmp, signing_key)
+            sign_repo(tmp, signing_key, out.name)
 
     _atomic_dir(out, write, fresh=True)
     return out
@@ -265,7 +265,7 @@ def update_repo(
         ledger = PrivacyLedger.build([*stages, *add_stages], artifacts)
         _write_ledger_copies(tmp, ledger, info, config)
         if signing_key is not None:
-            sign_repo(tmp, signing_key)
+            sign_repo(tmp, signing_key, repo.name)
         result["ledger"] = ledger
 
     _atomic_dir(repo, write, fresh=False)

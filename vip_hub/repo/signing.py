@@ -182,9 +182,12 @@ def load_signing_key(
     return key
 
 
-def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> str:
+def sign_repo(
+    folder: str | os.PathLike[str], private_key: str | os.PathLike[str], name: str | None = None
+) -> str:
     """Sign every file of repo ``folder`` but its signature into ``folder``/``SIGNATURE_FILE``
-    (replacing any earlier one); returns the signing key's fingerprint."""
+    (replacing any earlier one), as the repo ``name`` (default: the folder's; an export signs
+    its staging folder under the name it is released as); returns the key's fingerprint."""
     from model_signing import signing
 
     folder, private_key = Path(folder).resolve(), Path(private_key)
@@ -193,7 +196,7 @@ def sign_repo(folder: str | os.PathLike[str], private_key: str | os.PathLike[str
     files.pop(SIGNATURE_FILE, None)
     tmp = folder / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
     try:
-        with _view(files, folder.name) as view:
+        with _view(files, name or folder.name) as view:
             config = signing.Config().use_elliptic_key_signer(private_key=private_key)
             config.set_hashing_config(_hashing()).sign(view, tmp)
         os.replace(tmp, folder / SIGNATURE_FILE)

@@ -107,15 +107,3 @@ def test_the_settings_names_may_not_take_the_index_namespaces(tmp_path):
             TokenRegistry.from_settings(settings, index)
     same = Settings(store=tmp_path / "store", auth={"tokens": "alice:read:Y"})
     assert TokenRegistry.from_settings(same, index).lookup("Y").name == "alice"  # one user
-
-
-def test_a_new_user_does_not_inherit_a_settings_organisations_membership(tmp_path):
-    """A settings organisation listing a revoked index user handed its private repos to a new
-    user of that name without ``--inherit`` (only the index's organisations were checked)."""
-    from service.settings import Settings
-
-    index = HubStore(tmp_path / "store").index
-    settings = Settings(store=tmp_path / "store", auth={"tokens": None, "orgs": {"vipx": ["erin"]}})
-    with pytest.raises(ValueError, match="'erin' is a member of 'vipx'"):
-        create_token(index, "erin", "read", settings)
-    assert create_token(index, "erin", "read", settings, inherit=True).startswith("vh_")

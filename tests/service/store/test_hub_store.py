@@ -330,3 +330,19 @@ def test_a_checked_xorb_replaces_rotted_bytes_under_its_hash(store):
     again.write_bytes(good)
     store.xet.put_xorb(name, again, "alice")
     assert held.read_bytes() == good
+
+
+def test_sound_bytes_stay_under_their_name(store, repo_dir):
+    """Bytes sent again for a name whose stored bytes still hash to it keep the stored file:
+    the snapshots' hard links stay its links (a new file would leave them holding a second
+    copy of it for good)."""
+    store.create_repo("team/model")
+    first = store.commit("team/model", _ops(store, repo_dir))
+    blob = store.blob_path(store.file("team/model", first.sha, WEIGHTS_FILE))
+    inode = blob.stat().st_ino
+    again = AddFile(WEIGHTS_FILE, tmp := store.blobs.new_temp())
+    tmp.write_bytes((repo_dir / WEIGHTS_FILE).read_bytes())
+    notes = AddFile("notes.txt", tmp := store.blobs.new_temp())
+    tmp.write_bytes(b"notes")  # a change, so that the commit is not empty
+    store.commit("team/model", [again, notes], title="again")
+    assert blob.stat().st_ino == inode
