@@ -319,3 +319,37 @@ def test_store_errors_answer_with_their_status_and_hub_code():
         "CorruptObject": (500, None),
         "UploadMismatch": (400, None),
     }
+
+
+def test_a_preload_turned_away_by_the_load_bound_waits_and_loads(tmp_path, monkeypatch):
+    """A preload that met as many loads under way as may run at once (429) was recorded as an
+    error and never tried again: ``/readyz`` said 503 until a restart. It waits, then loads."""
+    from service.inference import engine as engine_module
+    from service.metrics import Metrics
+    from service.settings import InferenceSettings
+    from service.store import HubStore
+
+    store = HubStore(tmp_path / "store")
+    store.create_repo("vip/pre")
+    monkeypatch.setattr(store, "resolve", lambda repo_id, revision: "c" * 40)
+    monkeypatch.setattr(engine_module, "PRELOAD_POLL_S", 0.01)
+    engine = engine_module.InferenceEngine(
+        InferenceSettings(preload=["vip/pre"], device="cpu"), Metrics()
+    )
+    asked: list[str] = []
+
+    async def model(repo_id: str, commit: str):
+        asked.append(repo_id)
+        if len(asked) == 1:
+            raise QueueFull("1 models are loading, the most at once")
+        return object()
+
+    monkeypatch.setattr(engine, "model", model)
+
+    async def preload() -> dict:
+        engine.store = store
+        await engine._preload_all()
+        return engine.readiness(lambda repo_id: True)
+
+    state = asyncio.run(preload())
+    assert asked == ["vip/pre", "vip/pre"] and state["status"] == "ready", state
