@@ -101,7 +101,7 @@ def run_rows(data: Path, work: Path, rows: list[str], tune: set[str], draws: int
     assert [r.row for r, _ in results] == [utility.ROWS[k][0] for k in rows]
     for key, (r, eps) in zip(rows, results, strict=True):
         assert {s.dataset.name for s in r.stages} == {FASHION_MNIST_TRAIN}
-        assert r.stages[-1].component == "heads/utility"
+        assert r.stages[-1].component == head_component("utility")
         assert pld_epsilon(r.stages) <= eps[Accountant.RDP] <= TINY.epsilon, r.row
         assert eps[Accountant.RDP] > TINY.epsilon - 0.01, r.row
         assert eps[Accountant.PLD] <= eps[Accountant.RDP]

@@ -8,6 +8,7 @@ from support.helpers import dp_stage, synthetic_stage
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
 from vip_hub.privacy.accounting import NOISE_SUPPORT, ZIGGURAT_SUPPORT, truncation_delta
 from vip_hub.privacy.ledger import round_down, round_up
+from vip_hub.repo_format import ENCODER, head_component
 
 
 def test_build_and_round_trip():
@@ -141,12 +142,12 @@ def test_dataset_used_without_dp_cannot_be_guaranteed():
 def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     head = NonPrivateStage(
         name="linear-probe",
-        component="heads/digits",
+        component=head_component("digits"),
         dataset=Dataset(name="digits-labels", size=10),
         private_data=True,
     )
     ledger = PrivacyLedger.build([synthetic_stage(), dp_stage(), head])
-    enc, h = ledger.summary(), ledger.summary("heads/digits")
+    enc, h = ledger.summary(), ledger.summary(head_component("digits"))
     assert enc.unprotected_datasets == () and h.unprotected_datasets == ("digits-labels",)
     assert h.datasets == enc.datasets == ("test-images",) and h.delta == enc.delta
     assert enc.epsilon == ledger.guarantees[0].epsilon and enc.private_data
@@ -167,7 +168,7 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
     enc_stage = dp_stage()
     head = DPStage.from_parameters(
         name="linear-probe-dp:digits",
-        component="heads/digits",
+        component=head_component("digits"),
         dataset=enc_stage.dataset,
         sample_rate=0.1,
         noise_multiplier=2.0,
@@ -176,7 +177,7 @@ def test_encoder_summary_leaves_out_a_dp_head_on_the_same_data_and_the_head_comp
         noised_tensors={"unreleased:test": 1_000},
     )
     ledger = PrivacyLedger.build([synthetic_stage(), enc_stage, head])
-    enc, h = ledger.summary(), ledger.summary("heads/digits")
+    enc, h = ledger.summary(), ledger.summary(head_component("digits"))
     assert enc.epsilon == enc_stage.epsilon  # the encoder's weights never saw the head's training
     assert (
         h.epsilon == ledger.guarantees[0].epsilon > enc_stage.epsilon
@@ -211,7 +212,7 @@ def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_
         "org/digits",
         1150,
         stage="linear-probe-dp:d",
-        component="heads/d",
+        component=head_component("d"),
         q=0.2,
         sigma=3.0,
         steps=60,
@@ -228,7 +229,7 @@ def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_
             s.steps,
         )
     both = acc.get_epsilon(max(enc.delta, head.delta))
-    (g,) = ledger.summary("heads/d").guarantees
+    (g,) = ledger.summary(head_component("d")).guarantees
     assert (
         g.epsilon >= both * (1 - 1e-3)
         and g.epsilon > head.epsilon
@@ -255,7 +256,7 @@ def test_one_dataset_named_in_two_ways_is_refused(other):
         PrivacyLedger.build(
             [
                 _stage_on("org/Digits_Train", 100),
-                _stage_on(other, 100, stage="linear-probe-dp:d", component="heads/d"),
+                _stage_on(other, 100, stage="linear-probe-dp:d", component=head_component("d")),
             ]
         )
 
@@ -266,10 +267,12 @@ def test_datasets_named_apart_in_other_scripts_compose_apart():
     ledger = PrivacyLedger.build(
         [
             _stage_on("org/Ziffern_\u00dcbung", 100),
-            _stage_on("org/\u6570\u5b57", 100, stage="linear-probe-dp:d", component="heads/d"),
+            _stage_on(
+                "org/\u6570\u5b57", 100, stage="linear-probe-dp:d", component=head_component("d")
+            ),
         ]
     )
-    assert len(ledger.summary("heads/d").guarantees) == 2
+    assert len(ledger.summary(head_component("d")).guarantees) == 2
 
 
 def test_a_v2_ledger_with_a_plain_hash_of_the_data_is_refused_with_a_reason():
@@ -364,15 +367,16 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
         steps=plain.steps,
         clipping_norm=plain.clipping_norm,
         noised_tensors=plain.noised_tensors,
-        also_trains=["heads/clf"],
+        also_trains=[head_component("clf")],
     )
     ledger = PrivacyLedger.parse(PrivacyLedger.build([synthetic_stage(), joint]).to_json())
-    assert ledger.components() == ["encoder", "heads/clf"]
-    head, encoder = ledger.summary("heads/clf"), ledger.summary()
+    assert ledger.components() == [ENCODER, head_component("clf")]
+    head, encoder = ledger.summary(head_component("clf")), ledger.summary()
     assert head.epsilon == encoder.epsilon == joint.epsilon == plain.epsilon
     assert [g.stages for g in head.guarantees] == [["dp-finetune"]]
-    assert ledger.summary("heads/other").epsilon == joint.epsilon  # via the encoder, as any head
-    for bad in (["encoder"], ["heads/clf", "heads/clf"], ["heads/a/b"]):
+    # any other head's epsilon goes via the encoder's
+    assert ledger.summary(head_component("other")).epsilon == joint.epsilon
+    for bad in ([ENCODER], [head_component("clf")] * 2, ["heads/a/b"]):
         with pytest.raises(LedgerError, match="also_trains"):
             PrivacyLedger.parse(
                 {

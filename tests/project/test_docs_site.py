@@ -40,6 +40,7 @@ from support.system import CHROMIUM_FLAGS, debian_program
 from vip_hub import Dataset, NonPrivateStage, export_encoder
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import head_component
 
 QUICKSTART = ROOT / "docs" / "get-started" / "quickstart.md"
 HOOK = ROOT / "docs" / "hooks" / "reference.py"
@@ -229,7 +230,7 @@ def fashion_repo(folder: Path) -> Path:
         HeadInfo("fashion-mnist", "avg", classes, {"top1": 0.5}),
         NonPrivateStage(
             name="linear-probe:fashion-mnist",
-            component="heads/fashion-mnist",
+            component=head_component("fashion-mnist"),
             dataset=Dataset(name="test-labels", size=30),
             private_data=True,
         ),

@@ -60,6 +60,7 @@ from vip_hub.repo_format import (
     HEAD_LABELS,
     HEAD_METRICS,
     HEAD_WEIGHTS,
+    HEADS_DIR,
     LEDGER_FILE,
     MAE_DECODER_FILE,
     META_DECODER,
@@ -467,7 +468,7 @@ def test_a_head_name_that_is_no_folder_name_is_refused(name):
     """A head's name is its folder's: a final newline ($ matched before it) is refused too."""
     with pytest.raises(ConfigError, match="head name"):
         head_component(name)
-    assert head_name_of(f"heads/{name}/{HEAD_WEIGHTS}") is None
+    assert head_name_of(f"{HEADS_DIR}/{name}/{HEAD_WEIGHTS}") is None
 
 
 def test_a_ledger_of_more_stages_than_verify_recomputes_is_refused_by_name(tiny_repo):

@@ -242,7 +242,7 @@ def test_a_dataset_two_heads_compose_on_states_its_composed_figure(tmp_path):
     repo = _dp_repo(tmp_path / "repo")
     for name in ("a", "b"):
         probe = dp_stage(n=2000).model_copy(
-            update={"name": f"dp-probe-{name}", "component": f"heads/{name}"}
+            update={"name": f"dp-probe-{name}", "component": head_component(name)}
         )
         probe = probe.model_copy(
             update={"dataset": probe.dataset.model_copy(update={"name": "labels"})}

@@ -39,6 +39,7 @@ from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
     HEAD_LABELS,
+    HEADS_DIR,
     LEDGER_FILE,
     WEIGHTS_FILE,
     head_file,
@@ -195,7 +196,9 @@ def test_uploads_with_unmodified_clients(hub, tmp_path):
 
     with pytest.raises(BadRequestError, match="does not verify"):
         api.create_commit(
-            "up/folder", [CommitOperationDelete("heads/", is_folder=True)], commit_message="x"
+            "up/folder",
+            [CommitOperationDelete(f"{HEADS_DIR}/", is_folder=True)],
+            commit_message="x",
         )
 
 

@@ -330,7 +330,7 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
     ledger = PrivacyLedger.read(repo)
     syn, dp = ledger.stages
     assert isinstance(syn, NonPrivateStage) and not syn.private_data
-    assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
+    assert isinstance(dp, DPStage) and dp.trained_components == (ENCODER, head_component("clf"))
     assert dp.dataset.name == "test/shapes" and dp.dataset.size == 24
     # the sample bound (every example), formed by the proved rule
     assert dp.mechanism_params == {ROUNDING_TERMS: 24, ROUNDING_SUM: FP64_CAPPED}
@@ -338,7 +338,7 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
     assert dp.noise_std == pytest.approx(dp.noise_multiplier * dp.sensitivity)
     assert dp.audit is not None and dp.audit.canaries == 64
     exact = epsilon(1.0, 8 / 24, 3, dp.delta, "rdp")
-    for component in ("encoder", "heads/clf"):
+    for component in (ENCODER, head_component("clf")):
         summary = ledger.summary(component)
         assert [g.stages for g in summary.guarantees] == [["dp-finetune"]]
         assert exact <= summary.epsilon == dp.epsilon <= exact + 1e-6
@@ -390,14 +390,15 @@ def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: P
     syn, probe, dp = ledger.stages
     assert isinstance(syn, NonPrivateStage) and not syn.private_data
     assert isinstance(probe, DPStage) and probe.name == "linear-probe-dp:clf"
-    assert probe.trained_components == ("encoder", "heads/clf")  # the encoder starts from it
+    # the probe trains the encoder's component too: the fine-tuning starts from it
+    assert probe.trained_components == (ENCODER, head_component("clf"))
     assert probe.epsilon == pytest.approx(1.0, abs=0.01)
-    assert isinstance(dp, DPStage) and dp.trained_components == ("encoder", "heads/clf")
+    assert isinstance(dp, DPStage) and dp.trained_components == (ENCODER, head_component("clf"))
     assert dp.hyperparameters["augmult"] == 2 and dp.hyperparameters["trainable_blocks"] == "all"
     runs = [probe.mechanism_tuple, dp.mechanism_tuple]
     both = composed_epsilon(runs, dp.delta, "rdp")
     assert 2.9 < both <= 3.0  # the fine-tuning took what the probe left
-    for component in ("encoder", "heads/clf"):
+    for component in (ENCODER, head_component("clf")):
         summary = ledger.summary(component)
         assert [g.stages for g in summary.guarantees] == [["linear-probe-dp:clf", "dp-finetune"]]
         assert summary.epsilon == pytest.approx(both, abs=1e-6)
