@@ -48,7 +48,12 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from vip_hub.errors import ConfigError, UnsupportedLayerError
-from vip_hub.privacy.sensitivity import PRODUCT_ROWS, gamma64
+from vip_hub.privacy.sensitivity import (
+    PRODUCT_ROWS,
+    check_temperature,
+    gamma64,
+    logit_dp_sensitivity,
+)
 
 from .clipping import (
     BroadcastHook,
@@ -119,11 +124,6 @@ def _require_empty(clipped: ClippedSum) -> None:
             "step's whole sample in one call (micro_batch_size=None) and take the sum "
             "(take_sum) between steps"
         )
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ConfigError(f"temperature must be positive, got {temperature}")
 
 
 _REUSE_GRADIENTS: ContextVar[bool] = ContextVar("reuse_gradients", default=False)
@@ -311,12 +311,10 @@ class PairClipper(LayerClipper):
         max_batch: int | None = None,
         pair_block: int = PAIR_BLOCK,
     ):
-        _check_temperature(temperature)  # the clipping norm: LayerClipper's
-        if max_batch is not None and max_batch < 2:
-            raise ConfigError(f"max_batch must be at least 2, got {max_batch}")
         if pair_block < 1:
             raise ConfigError(f"pair_block must be positive, got {pair_block}")
         super().__init__(model, max_norm)
+        logit_dp_sensitivity(max_norm, temperature, max_batch)  # tau and m, as verify checks them
         self.temperature, self.max_batch = float(temperature), max_batch
         self.pair_block = pair_block
 
@@ -659,7 +657,7 @@ class BatchClipper:
 
     def __init__(self, model: nn.Module, max_norm: float, temperature: float):
         check_max_norm(max_norm)
-        _check_temperature(temperature)
+        check_temperature(temperature)
         self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
         self.params = trainable(model)
         self.sum = ClippedSum(self.params)

@@ -48,6 +48,7 @@ __all__ = [
     "PER_EXAMPLE_MECHANISMS",
     "MechanismName",
     "PerExampleMechanism",
+    "check_temperature",
     "logit_dp_sensitivity",
     "logit_dp_sensitivity_at",
     "naive_dp_sensitivity",
@@ -222,7 +223,8 @@ def logit_dp_sensitivity_at(clipping_norm: float, temperature: float, n: int) ->
     Delta(n) = (2B/tau) [r(n) + s(n)], r = (n-1)a / (1 + (n-1)a), s = (n-1)a / (a + n - 1),
     a = e^(2/tau); increasing in n, with limit (2B/tau)(1 + a).
     """
-    _check_positive(clipping_norm, temperature)
+    _check_positive("clipping norm", clipping_norm)
+    check_temperature(temperature)
     if n < 1:
         raise AccountingError(f"batch size must be at least 1, got {n}")
     if n == 1:
@@ -246,7 +248,8 @@ def logit_dp_sensitivity(
     then adds nothing for a batch of more than m examples): (2B/tau) m r(m), the largest norm
     of a batch of m examples' clipped sum, which is at least Delta(m).
     """
-    _check_positive(clipping_norm, temperature)
+    _check_positive("clipping norm", clipping_norm)
+    check_temperature(temperature)
     if max_batch is None:
         if 2.0 / temperature > 700.0:  # e^(2/tau) overflows a double
             raise AccountingError(
@@ -262,7 +265,7 @@ def logit_dp_sensitivity(
 def naive_dp_sensitivity(clipping_norm: float) -> float:
     """Naive-DP (the whole-batch loss gradient clipped to C): both neighbours' clipped gradients
     have norm at most C and may point opposite ways, so 2C, for every batch size."""
-    _check_positive(clipping_norm, 1.0)
+    _check_positive("clipping norm", clipping_norm)
     return 2.0 * clipping_norm
 
 
@@ -295,7 +298,12 @@ def _temperature(mechanism: str, params: Mapping[str, Any]) -> float:
     return float(tau)
 
 
-def _check_positive(clipping_norm: float, temperature: float) -> None:
-    for name, value in (("clipping norm", clipping_norm), ("temperature", temperature)):
-        if not (math.isfinite(value) and value > 0):
-            raise AccountingError(f"{name} must be a positive number, got {value!r}")
+def check_temperature(temperature: float) -> None:
+    """``AccountingError`` unless a contrastive loss's temperature is a finite positive number
+    (the contrastive clippers' check too)."""
+    _check_positive("temperature", temperature)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise AccountingError(f"{name} must be a positive number, got {value!r}")

@@ -366,6 +366,18 @@ def test_the_rules_read_the_ledger_params() -> None:
         sensitivity("Naive-DP", 0.1, _params(max_batch=64))
 
 
+def test_the_clippers_refuse_what_the_ledger_rules_refuse_before_training() -> None:
+    """A run the export could not state is refused when its clipper is made, by the same rules:
+    at tau 0.002 without a cap the sensitivity e^(2/tau) B/tau is beyond floating point."""
+    for temperature, max_batch in ((0.0, None), (math.nan, 64), (0.5, 1), (0.002, None)):
+        with pytest.raises(AccountingError):
+            PairClipper(_mlp(), 0.1, temperature, max_batch)
+    PairClipper(_mlp(), 0.1, 0.002, 64)  # capped: a finite sensitivity
+    for temperature in (0.0, math.inf, -1.0):
+        with pytest.raises(AccountingError, match="temperature"):
+            BatchClipper(_mlp(), 0.1, temperature)
+
+
 @pytest.mark.parametrize("mechanism", ["Logit-DP", "Naive-DP"])
 def test_verify_accepts_the_right_delta_and_rejects_the_one_without_one_over_tau(
     tmp_path, mechanism: str
