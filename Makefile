@@ -9,17 +9,21 @@ PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
 .PHONY: run test test-fast test-images quality docs venv bench clean
 
-## What the main job needs (torch, then vip-hub with every runtime extra); `venv` adds the test
-## tools and the site's builder, which `make run` does not wait for (about 25 s of the install).
+## What the main job needs (torch, then vip-hub with every runtime extra); `venv` installs the
+## test tools and the site's builder with them in one pass (its stamp stands for both), which
+## `make run` does not wait for (about 25 s of the install).
+TORCH := torch==2.14.1 torchvision==0.29.1
 $(RUNTIME): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.14.1 torchvision==0.29.1
+	$(PIP) $(TORCH)
 	$(PIP) -e '.[all]'
 	@touch $(RUNTIME)
 
-$(STAMP): $(RUNTIME)
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH)
 	$(PIP) -e '.[all,dev,docs]'
-	@touch $(STAMP)
+	@touch $(RUNTIME) $(STAMP)
 
 venv: $(STAMP)
 
