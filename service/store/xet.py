@@ -287,6 +287,14 @@ class XetStore:
         os.replace(fetched, path)
         return path
 
+    def _open(self, xorb: str) -> BinaryIO:
+        """The held xorb opened for reading; InvalidRequest (upload it again) when it is not
+        held, collected since the shard named it included."""
+        try:
+            return open(self._local(xorb), "rb")
+        except FileNotFoundError:
+            raise _not_held(xorb) from None
+
     def _fetched(self, xorb: str) -> Path:
         """The bucket's copy of ``xorb`` in a temp file, checked (CorruptObject);
         FileNotFoundError when the bucket does not hold it."""
@@ -375,19 +383,11 @@ class XetStore:
         range checked against them. The xorb and its uploader's note are refreshed: it is still
         referred to."""
         if term.xorb not in offsets:
-            try:
-                if not self._sent_by(uploader, term.xorb):
-                    raise FileNotFoundError(term.xorb)
-                path = self._local(term.xorb)
-                f = open(path, "rb")
-            except FileNotFoundError:  # another user's xorb is answered alike
-                raise InvalidRequest(
-                    f"the shard names xorb {term.xorb}, which this hub does not hold for this "
-                    "user (never uploaded, or expired): upload again"
-                ) from None
-            with f, _held_xorb(term.xorb):
-                offsets[term.xorb] = _chunk_offsets(f, path.stat().st_size, term.xorb)
-            os.utime(path)
+            if not self._sent_by(uploader, term.xorb):  # another user's: answered alike
+                raise _not_held(term.xorb)
+            with self._open(term.xorb) as f, _held_xorb(term.xorb):
+                offsets[term.xorb] = _chunk_offsets(f, os.fstat(f.fileno()).st_size, term.xorb)
+                os.utime(f.fileno())  # by its descriptor: collected meanwhile, nothing to refresh
             self._note_owner(uploader, term.xorb)
         chunks = offsets[term.xorb]
         if not 0 <= term.start < term.end <= len(chunks) - 1:
@@ -404,7 +404,7 @@ class XetStore:
         try:
             for term in entry.terms:
                 chunks = self._chunks(term, offsets, uploader)
-                with open(self._local(term.xorb), "rb") as f:
+                with self._open(term.xorb) as f:
                     written = 0
                     with _held_xorb(term.xorb):  # its chunks were checked as it was kept
                         for data in _read_chunks(f, chunks[term.start][0], term.end - term.start):
@@ -449,6 +449,14 @@ class XetStore:
                     XORBS, max_age, keep=lambda key: key.removeprefix(XORBS) in used
                 )
         return removed
+
+
+def _not_held(xorb: str) -> InvalidRequest:
+    """The answer to a shard naming a xorb this hub does not hold for its user."""
+    return InvalidRequest(
+        f"the shard names xorb {xorb}, which this hub does not hold for this user (never "
+        "uploaded, or expired): upload again"
+    )
 
 
 @contextlib.contextmanager

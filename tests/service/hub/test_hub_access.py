@@ -587,6 +587,29 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404
 
 
+def test_a_xorb_collected_while_its_shard_is_applied_is_asked_for_again(server, repos, monkeypatch):
+    """A xorb the collector removes between the shard's reading of it and the rebuild is a
+    xorb no longer held (400: upload it again), not a 500 from refreshing its age by name."""
+    import service.store.xet as xet
+
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    chunks = [np.random.default_rng(7).bytes(32 * 1024)]
+    name = xorb_hash(_hashes(chunks))
+    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
+    read = xet._chunk_offsets
+
+    def read_then_collected(f, size, xorb):
+        offsets = read(f, size, xorb)
+        server.app.state.store.xet.xorb_path(xorb).unlink()  # as `clean_stale` would
+        return offsets
+
+    monkeypatch.setattr(xet, "_chunk_offsets", read_then_collected)
+    shard = _shard(hashlib.sha256(chunks[0]).hexdigest(), [(name, 0, 1, len(chunks[0]))])
+    r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    assert r.status_code == 400, r.text
+    assert f"xorb {name}" in r.json()["error"] and "upload again" in r.json()["error"]
+
+
 def test_lz4_chunks_unpack_to_at_most_their_stated_size(server):
     """An LZ4 chunk is unpacked to at most the size its header states, whatever its frame
     declares: a 23-byte xorb whose frame header announces 4 EiB was a MemoryError (500), and a
