@@ -31,7 +31,10 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "vip_hub_queue_images", "Images waiting per model", ["model"], registry=r
+            "vip_hub_queue_images",
+            "Image passes waiting per model (a zero-shot image counts once per label)",
+            ["model"],
+            registry=r,
         )
         self.batch_size = Histogram(
             "vip_hub_batch_images",

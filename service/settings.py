@@ -235,7 +235,13 @@ class InferenceSettings(_Section):
     )
     max_batch_size: int = Field(32, gt=0)
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
-    max_queue_images: int = Field(512, gt=0, description="images queued per model before 429")
+    max_queue_images: int = Field(
+        512,
+        gt=0,
+        description="image passes queued per model before 429: an image counts once, a "
+        "/v1/zero-shot image once per label (a text-decoder pass each); a zero-shot request "
+        "of more images x labels is answered 413",
+    )
     request_timeout_s: float = Field(30.0, gt=0, description="deadline for a request in the queue")
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads of the forward pass (0: all cores)"
@@ -312,17 +318,18 @@ class InferenceSettings(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        """A request within the per-request limits must fit the shared ones, else it is answered
-        429 (retry later) forever."""
+        """A request within the per-request limits must fit the shared ones, else it is refused
+        forever (429, or 413 for a one-image zero-shot request of ``max_labels`` labels)."""
         for shared, single in (
             ("max_queue_images", "max_images_per_request"),
+            ("max_queue_images", "max_labels"),
             ("max_pending_bytes", "max_request_bytes"),
         ):
             if getattr(self, shared) < getattr(self, single):
                 raise ValueError(
                     f"inference.{shared} ({getattr(self, shared)}) is below inference.{single} "
-                    f"({getattr(self, single)}): a request within the one would be refused (429) "
-                    "by the other forever"
+                    f"({getattr(self, single)}): a request within the one would be refused by the "
+                    "other forever"
                 )
         return self
 

@@ -1,7 +1,9 @@
 """Dynamic batching for one model: a bounded queue and a worker thread that forms batches of
 up to ``max_batch_size`` images, waiting at most ``max_wait`` after the oldest arrival (and
 only while more images are being preprocessed), and runs them with ``run_batch`` off the
-event loop.
+event loop. The queue's bound, ``max_queue_images``, counts image passes: an image once, a
+zero-shot image once per label (each is a text-decoder pass), so a request's share of the queue
+is the work it holds the worker for.
 
 Work items carry a ``concurrent.futures.Future``: the asyncio side awaits it (wrapped), a
 client that goes away cancels it, and the worker skips cancelled or expired items before
@@ -35,10 +37,16 @@ class WorkItem:
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     started: float = 0.0
+    passes_per_image: int = 1  # the task's (Task.passes_per_image): labels for zero-shot
 
     @property
     def size(self) -> int:
         return int(self.images.shape[0])
+
+    @property
+    def cost(self) -> int:
+        """Its share of the queue's ``max_queue_images``: image passes (images x passes each)."""
+        return self.size * self.passes_per_image
 
 
 class Batcher:
@@ -78,7 +86,8 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        """Images waiting (not yet in a running batch)."""
+        """Image passes waiting (not yet in a running batch): an image counts once, a zero-shot
+        image once per label."""
         return self._queued
 
     def expect(self, n: int) -> None:
@@ -98,22 +107,22 @@ class Batcher:
         (except images announced before: a model evicted while they were decoded still runs
         them). Accepted, they settle ``announced`` images of ``expect``; refused, the caller
         withdraws them."""
-        size = sum(i.size for i in items)
+        cost = sum(i.cost for i in items)
         with self._cond:
             if self._stopped or (self._closing and not announced):
                 raise ShuttingDown()
-            if self._queued + size > self.max_queue_images:
+            if self._queued + cost > self.max_queue_images:
                 self._on_reject("queue_full")
                 raise QueueFull(
-                    f"{self.name}: queue full ({self._queued} images waiting, limit "
-                    f"{self.max_queue_images})"
+                    f"{self.name}: queue full ({self._queued} image passes waiting, {cost} more "
+                    f"asked for, limit {self.max_queue_images}: inference.max_queue_images)"
                 )
             now = self._clock()
             for item in items:
                 item.enqueued = now
             self._items.extend(items)
             self._incoming -= announced
-            self._queued += size
+            self._queued += cost
             self._on_depth(self._queued)
             self._cond.notify()
 
@@ -150,8 +159,7 @@ class Batcher:
                 batch.append(item)
             if not batch:  # a single item larger than a batch runs alone
                 batch.append(self._items.popleft())
-                size = batch[0].size
-            self._queued -= size
+            self._queued -= sum(i.cost for i in batch)
             self._on_depth(self._queued)
             return batch
 

@@ -128,6 +128,13 @@ async def zero_shot(payload: ZeroShotRequest, call: common.Call) -> ZeroShotResp
             f"labels: {len(payload.labels)} labels, more than the limit of {limit} per request"
         )
     images = call.images(payload.input)
+    passes, queue = len(images) * len(payload.labels), call.settings.max_queue_images
+    if passes > queue:  # each label is scored for each image: a text-decoder pass each
+        raise PayloadTooLarge(
+            f"{len(images)} images x {len(payload.labels)} labels: {passes} text-decoder "
+            f"passes, more than the {queue} a model's queue holds "
+            "(inference.max_queue_images); send fewer images or labels"
+        )
     model = await _captioning_model(call, payload.model)
     assert model.captions is not None
     texts = model.captions.label_texts(

@@ -308,7 +308,13 @@ class InferenceEngine:
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size
                 items = [
-                    WorkItem(batch[k * size : (k + 1) * size], task, deadline, f)
+                    WorkItem(
+                        batch[k * size : (k + 1) * size],
+                        task,
+                        deadline,
+                        f,
+                        passes_per_image=task.passes_per_image,
+                    )
                     for k, f in enumerate(futures)
                 ]
                 batcher.submit(

@@ -38,6 +38,12 @@ class Task:
         """Whether the text decoder runs (captions or zero-shot) rather than the features."""
         return self.caption_tokens is not None or self.texts is not None
 
+    @property
+    def passes_per_image(self) -> int:
+        """What one image costs in its batcher's queue: one pass, or for zero-shot one
+        text-decoder pass per label (``text_losses`` scores every label for every image)."""
+        return 1 if self.texts is None else int(self.texts.shape[0])
+
 
 @dataclass
 class LoadedModel:

@@ -28,6 +28,10 @@ def clean_env(monkeypatch):
             "inference.max_queue_images (4) is below inference.max_images_per_request (64)",
         ),
         (
+            b"[inference]\nmax_labels = 600\n",
+            "inference.max_queue_images (512) is below inference.max_labels (600)",
+        ),
+        (
             b"[inference]\nmax_pending_bytes = 1024\n",
             "inference.max_pending_bytes (1024) is below inference.max_request_bytes",
         ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -195,6 +196,60 @@ def test_zero_shot_reads_special_token_names_as_text(hub, dpcap):
     for row in losses:
         assert row["[PAD]"] == pytest.approx(row["[pad]"])
         assert row["dog [SEP] cat"] == pytest.approx(row["dog [sep] cat"])
+
+
+def test_zero_shot_holds_its_images_x_labels_of_the_queue(hub, dpcap):
+    """Zero-shot scores every label for every image with the text decoder: the queue counts a
+    request's images x labels, refuses one whose share would not fit (429), and one over the
+    whole queue before it is queued (413)."""
+    settings = settings_for(
+        hub.settings.store, inference={"max_queue_images": 64, "max_labels": 16, "max_wait_ms": 0}
+    )
+    labels = [f"label {i}" for i in range(16)]
+    with ThreadedServer(settings) as server:
+        assert post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[0])]}).is_success
+        (model,) = [m for m in server.app.state.engine.loaded() if m.repo_id == DPCAP]
+        batcher, run = model.batcher, model.batcher._run_batch
+        gate, running = threading.Event(), threading.Event()
+
+        def held(items: list) -> None:
+            running.set()
+            gate.wait(20)
+            run(items)
+
+        batcher._run_batch = held
+        statuses: dict[str, int] = {}
+
+        def call(name: str, path: str, payload: dict) -> None:
+            statuses[name] = post(server.url, path, {"model": DPCAP, **payload}).status_code
+
+        first = threading.Thread(
+            target=call, args=("first", "captions", {"input": [b64(IMAGES[0])]})
+        )
+        first.start()
+        assert running.wait(20)  # the worker holds the first request's batch
+        zero_shot = threading.Thread(
+            target=call,
+            args=("zero-shot", "zero-shot", {"input": [b64(x) for x in IMAGES], "labels": labels}),
+        )
+        zero_shot.start()
+        deadline = time.monotonic() + 20
+        while batcher.depth == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.depth == 4 * 16  # 4 images x 16 labels: the queue is full
+        r = post(server.url, "captions", {"model": DPCAP, "input": [b64(IMAGES[1])]})
+        assert r.status_code == 429 and "inference.max_queue_images" in r.text, r.text
+        r = post(
+            server.url,
+            "zero-shot",
+            {"model": DPCAP, "input": [b64(x) for x in IMAGES + IMAGES[:1]], "labels": labels},
+        )
+        assert r.status_code == 413, r.text
+        assert "5 images x 16 labels: 80 text-decoder passes, more than the 64" in r.text
+        gate.set()
+        first.join()
+        zero_shot.join()
+        assert statuses == {"first": 200, "zero-shot": 200}
 
 
 def test_concurrent_captions_share_batches_and_keep_their_own_budget(hub, dpcap):

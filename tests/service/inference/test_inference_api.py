@@ -411,6 +411,7 @@ def limited(hub):
             "max_image_bytes": 50_000,
             "max_images_per_request": 3,
             "max_queue_images": 4,
+            "max_labels": 4,
             "max_batch_size": 2,
             "max_wait_ms": 300.0,
         },
