@@ -5,6 +5,7 @@ import base64
 import io
 import struct
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -123,6 +124,41 @@ def test_decompression_bomb_refused_from_header():
         PayloadTooLarge, match=r"input\[1\]: decompression bomb refused from the header"
     ):
         decode_image(huge, 1, LIMITS)
+
+
+def test_decoding_threads_leave_the_warning_filters_alone():
+    """Images decode in several preprocessing threads at once: none may touch the process's
+    warning filters (saved and restored per call, one thread's exit dropped the filter another
+    was decoding under and left its own behind), and every bomb is still refused."""
+    rng = np.random.default_rng(1)
+    photo = encode(Image.fromarray(rng.integers(0, 255, (900, 900, 3), dtype=np.uint8)), "PNG")
+    bombs = [
+        encode(Image.new("L", (5000, 5000)), "PNG"),
+        encode(Image.new("1", (20000,) * 2), "PNG"),
+    ]
+    limits = ImageLimits(max_bytes=len(photo), max_pixels=4096 * 4096, max_aspect_ratio=16)
+    before = list(warnings.filters)
+    refused: list[int] = []
+    errors: list[BaseException] = []
+
+    def decode(k: int) -> None:
+        try:
+            for i in range(6):
+                data = bombs[(k + i) % 2] if (k + i) % 3 == 0 else photo
+                try:
+                    assert decode_image(data, i, limits).size == (900, 900)
+                except PayloadTooLarge:
+                    refused.append(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=decode, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(refused) == 8  # the bombs and only they
+    assert warnings.filters == before
 
 
 def test_text_inputs():
