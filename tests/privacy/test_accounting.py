@@ -1,12 +1,16 @@
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
 from vip_hub.cli.main import main
 from vip_hub.privacy.accounting import (
+    Accountant,
     AccountingError,
     calibrate,
     composed_epsilon,
@@ -341,3 +345,39 @@ def test_pld_calibration_where_its_grid_lies_above_rdp():
     sigma = calibrate(0.2, 1e-5, 0.001, 10_000, "pld")
     assert epsilon(sigma, 0.001, 10_000, 1e-5, "pld") <= 0.2
     assert sigma > calibrate(0.2, 1e-5, 0.001, 10_000, "rdp")
+
+
+def test_accountants_in_threads_leave_the_warning_filters_as_they_found_them(monkeypatch) -> None:
+    """The accountants silence their numerical warnings with ``warnings.catch_warnings``, which
+    saves and restores the process's filters: two threads inside it at once, the first leaving
+    first, left ``ignore`` in force for the whole process (the service computes epsilons in
+    worker threads). Here the two meet inside it when they can, then leave in that order."""
+    from opacus.accountants.analysis import rdp
+
+    met, first_left, real = threading.Barrier(2), threading.Event(), rdp.get_privacy_spent
+
+    def meeting(*args, **kwargs):
+        with contextlib.suppress(threading.BrokenBarrierError):  # one at a time: no meeting
+            met.wait(timeout=1)
+        if threading.current_thread().name == "second":
+            first_left.wait(timeout=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rdp, "get_privacy_spent", meeting)
+    before, computed = list(warnings.filters), []
+
+    def work(sigma: float) -> None:
+        computed.append(epsilon(sigma, 0.01, 100, 1e-5, Accountant.RDP))  # no other test's sigma
+        if threading.current_thread().name == "first":
+            first_left.set()
+
+    threads = [
+        threading.Thread(target=work, args=(sigma,), name=name)
+        for sigma, name in ((0.8123457, "first"), (0.8123459, "second"))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(computed) == 2  # both ran to their end
+    assert warnings.filters == before

@@ -11,10 +11,12 @@ at 1e-3 it is within 0.05% of the 1e-4 figure and takes 0.03-0.15 s for 10,000 s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -233,11 +235,25 @@ def composed_epsilon(
     return max(eps, 0.0)
 
 
+_WARNING_FILTERS = threading.RLock()
+"""Held while an accountant runs with the warnings silenced: ``warnings.catch_warnings`` saves
+and restores the process's filters, so two threads inside it at once could leave them silenced."""
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The accountants' numerical warnings silenced, one thread at a time (re-entrant: a PLD
+    calibration computes epsilons inside it)."""
+    with _WARNING_FILTERS, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            yield
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -> float:
     """The accountants are deterministic: each (history, delta) is computed once per process."""
-    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        warnings.simplefilter("ignore")
+    with _quiet():
         if kind is not Accountant.RDP:
             _check_grid(history, delta, kind)
         if kind is Accountant.PLD:
@@ -328,8 +344,7 @@ def _calibrate(
 ) -> float:
     """``calibrate``'s search, once per process for each setting (the accountants are
     deterministic). RDP and PRV: ``_least_sigma``; PLD: dp_accounting's own calibration."""
-    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        warnings.simplefilter("ignore")
+    with _quiet():
         if kind is Accountant.PLD:
             import dp_accounting
 
