@@ -33,10 +33,15 @@ from vip_hub.paths import make_private_dir, open_private
 __all__ = ["Index", "PostgresIndex", "SQLiteIndex", "open_index"]
 
 Row = Mapping[str, Any]
-_COLLECTION_KEY = int.from_bytes(
-    hashlib.sha256(b"vip-hub collection").digest()[:8], "big", signed=True
-)
-"""The PostgreSQL advisory lock of ``collection_lock`` (repo locks hash their repo's id alike)."""
+
+
+def _advisory_key(name: str) -> int:
+    """The PostgreSQL advisory lock named ``name``: 64 bits of its SHA-256."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+_COLLECTION_KEY = _advisory_key("vip-hub collection")
+"""The PostgreSQL advisory lock of ``collection_lock``."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS repos (
@@ -207,6 +212,18 @@ class Transaction:
         if args:
             self._conn.cursor().executemany(self._sql(sql), [tuple(a) for a in args])
 
+    def lock(self, name: str) -> None:
+        """Hold the lock ``name`` until this write transaction ends, so that a check and the
+        write it allows are one step. SQLite's (BEGIN IMMEDIATE) already excludes every other
+        writer from its start: nothing more to take."""
+
+
+class _PostgresTransaction(Transaction):
+    """A PostgreSQL transaction, whose locks are transaction-scoped advisory locks."""
+
+    def lock(self, name: str) -> None:
+        self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(name),))
+
 
 SQLITE_FILE = "index.sqlite"
 """The embedded index's file in the store folder."""
@@ -305,14 +322,14 @@ class PostgresIndex(Index):
     def transaction(self, read_only: bool = False) -> Iterator[Transaction]:
         with self._connection() as conn:
             if read_only:
-                yield Transaction(conn, "%s")
+                yield _PostgresTransaction(conn, "%s")
                 return
             with conn.transaction():
-                yield Transaction(conn, "%s")
+                yield _PostgresTransaction(conn, "%s")
 
     @contextlib.contextmanager
     def repo_lock(self, repo_id: str) -> Iterator[None]:
-        key = int.from_bytes(hashlib.sha256(repo_id.encode()).digest()[:8], "big", signed=True)
+        key = _advisory_key(repo_id)
         with self.pool.connection() as conn:
             conn.execute("SELECT pg_advisory_lock(%s)", (key,))
             self._local.conn = conn

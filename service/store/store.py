@@ -397,6 +397,9 @@ class HubStore:
                     f"namespace {org!r} differs only by case from the existing "
                     f"{held[0]['name']!r}: namespaces are unique whatever their case"
                 )
+            # org is now its namespace's one spelling (the namespaces' unique lower(name)), so
+            # every creation in it takes this lock: the check below and the insert are one step
+            tx.lock(f"repo names in {org}")
             twin = tx.rows(
                 "SELECT name FROM repos WHERE org = ? AND lower(name) = lower(?) AND name <> ?",
                 (org, name, name),

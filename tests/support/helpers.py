@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Callable
@@ -384,6 +385,50 @@ def swap_after_verify(
         return report
 
     monkeypatch.setattr(loading, "verify_repo", verify_then_swap)
+
+
+def create_side_by_side(
+    monkeypatch: pytest.MonkeyPatch,
+    stores: list[Any],
+    repo_ids: list[str],
+    held_back: Callable[[], bool],
+    patience: float,
+) -> list[bool | str]:
+    """Create ``repo_ids[i]`` through ``stores[i]`` (HubStores, each its own index connection),
+    all at once in threads, each stopped just before its INSERT INTO repos until every other
+    reached its own, ``held_back()`` says one waits on a lock, or ``patience`` seconds passed:
+    the widest check-then-insert race. Each creation's ``created``, or its Conflict's message."""
+    from service.store.errors import Conflict
+    from service.store.index import Transaction
+
+    real, reached, ready = Transaction.execute, [0], threading.Condition()
+
+    def execute(self: Transaction, sql: str, args: Any = ()) -> int:
+        if sql.startswith("INSERT INTO repos"):
+            with ready:
+                reached[0] += 1
+                ready.notify_all()
+                until = time.monotonic() + patience
+                while reached[0] < len(stores) and not held_back() and time.monotonic() < until:
+                    ready.wait(0.02)
+        return real(self, sql, args)
+
+    monkeypatch.setattr(Transaction, "execute", execute)
+    results: list[bool | str] = [False] * len(stores)
+
+    def create(i: int) -> None:
+        try:
+            results[i] = stores[i].create_repo(repo_ids[i])[1]
+        except Conflict as e:
+            results[i] = str(e)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(Transaction, "execute", real)
+    return results
 
 
 WIDE_GREY = ("I;16", "I;16B", "I", "F")

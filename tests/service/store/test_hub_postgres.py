@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 from huggingface_hub import HfApi
-from support.helpers import tiny_repo_with_head
+from support.helpers import create_side_by_side, tiny_repo_with_head
 from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_for
 
 from service.store import AddFile, HubStore
@@ -75,6 +76,32 @@ def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
         assert store.repos_in("pg") == ["pg/m"]
         with pytest.raises(Conflict, match="from the existing 'pg'"):
             store.create_repo("PG/other")
+
+
+def test_concurrent_creations_make_no_case_twins(postgres_server, tmp_path, monkeypatch):
+    """Two replicas creating ``org/ModelN`` and ``org/modelN`` at once: each checks for a twin
+    before its insert, so both would pass the check and both insert, but the second waits for
+    the first's transaction and finds its repo. Each is stopped before its insert until the
+    other reached its own or waits on a lock (``pg_stat_activity``), so the race is run every
+    round, not by chance."""
+    url = postgres_server.new_database()
+    first, second = (HubStore(tmp_path / "store", index=url) for _ in range(2))
+    with first, second, psycopg.connect(url, autocommit=True) as watcher:
+
+        def held_back() -> bool:
+            return watcher.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock')"
+            ).fetchone()[0]
+
+        first.create_repo("org/first")  # the namespace exists: its insert makes no one wait
+        for n in range(3):
+            ids = [f"org/Model{n}", f"org/model{n}"][:: 1 if n % 2 else -1]
+            results = create_side_by_side(monkeypatch, [first, second], ids, held_back, patience=30)
+            assert results.count(True) == 1, results
+            refused = next(r for r in results if r is not True)
+            assert "differs only by case from the existing" in str(refused)
+            assert len(first.repos_in("org")) == n + 2  # org/first and one of the two
 
 
 def test_two_hub_processes_share_one_store(postgres, tmp_path):

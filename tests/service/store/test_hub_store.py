@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from support.helpers import (
     TINY,
+    create_side_by_side,
     dp_stage,
     synthetic_stage,
     tiny_encoder,
@@ -253,6 +254,20 @@ def test_snapshot_dir(store, repo_dir):
     assert snap == store.snapshot_dir("vip/m", c.sha)
     assert sorted(repo_files(snap)) == sorted(repo_files(repo_dir))
     assert (snap / WEIGHTS_FILE).read_bytes() == (repo_dir / WEIGHTS_FILE).read_bytes()
+
+
+def test_sqlite_serialises_case_twin_creations(store, monkeypatch):
+    """Two stores on one SQLite index creating ``org/Model`` and ``org/model`` at once: a write
+    transaction (BEGIN IMMEDIATE) excludes the other's from its start, so the second one, held
+    until the first's insert is committed, finds the twin (PostgreSQL needs its lock:
+    test_hub_postgres)."""
+    store.create_repo("org/first")
+    other = HubStore(store.root)
+    results = create_side_by_side(
+        monkeypatch, [store, other], ["org/Model", "org/model"], lambda: False, patience=1
+    )
+    assert results.count(True) == 1, results
+    assert "differs only by case" in str(next(r for r in results if r is not True))
 
 
 @pytest.mark.parametrize(
