@@ -1,8 +1,9 @@
 """Validation of the relative file paths a repo may contain (no traversal, no tricks): each
 path alone (:func:`validate_relpath`) and a tree's paths together (:func:`tree_path_problems`);
 and owner-only folders and files, private from their creation (never chmod-ed afterwards, so
-no other user can open them in between): the hub's store and the training run folders; and a
-folder replaced whole (:func:`replace_dir`)."""
+no other user can open them in between), made and renamed into durably (fsynced in their
+parents: :func:`make_private_dir`, :func:`replace_durably`): the hub's store and the training
+run folders; and a folder replaced whole (:func:`replace_dir`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ __all__ = [
     "private_writer",
     "remove_temporaries",
     "replace_dir",
+    "replace_durably",
     "tree_path_problems",
     "validate_relpath",
     "write_private",
@@ -96,16 +98,17 @@ def tree_path_problems(paths: Iterable[str]) -> list[str]:
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` and its missing parents owner-only (0700)."""
+    """Create ``path`` and its missing parents owner-only (0700), durably: each new folder is
+    fsynced in its parent, so a crash cannot lose it with what is then written in it."""
     missing = []
     while not path.is_dir():
         missing.append(path)
         path = path.parent
     for folder in reversed(missing):
-        try:
+        # made meanwhile by another request: synced here too, as it may not have been yet
+        with contextlib.suppress(FileExistsError):
             folder.mkdir(mode=0o700)
-        except FileExistsError:  # made meanwhile by another request
-            pass
+        fsync_dir(folder.parent)
 
 
 def open_private(path: Path, mode: Literal["wb", "ab"] = "wb") -> BinaryIO:
@@ -121,6 +124,14 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_durably(source: Path, target: Path) -> None:
+    """Rename the fsynced file ``source`` to ``target`` (its missing folders made as
+    :func:`make_private_dir` makes them), the rename fsynced in ``target``'s folder."""
+    make_private_dir(target.parent)
+    os.replace(source, target)
+    fsync_dir(target.parent)
 
 
 @contextlib.contextmanager

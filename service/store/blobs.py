@@ -5,8 +5,9 @@ rebuilt from Xet shards), also by SHA-256: a commit that names one moves it into
 one never committed is removed after the upload time-to-live. ``uploads/for/`` notes which
 repo each object was uploaded for: a commit names only objects uploaded for its own repo (or
 already in its history). ``tmp/`` holds files being written. All live on one filesystem, so
-every move is an atomic rename. Everything is created owner-only (folders 0700, files 0600,
-blobs 0400): private repos' bytes are not for the machine's other users.
+every move is an atomic rename, fsynced with any folder made for it (``replace_durably``).
+Everything is created owner-only (folders 0700, files 0600, blobs 0400): private repos' bytes
+are not for the machine's other users.
 
 With an object store (:mod:`service.store.s3`) the bucket is where blobs, checked uploads and
 upload records live, under the same names, each written there before any commit may name it;
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vip_hub.paths import fsync_dir, make_private_dir, open_private
+from vip_hub.paths import make_private_dir, open_private, replace_durably
 from vip_hub.repo.artifacts import CHUNK, file_sha256, git_blob_hasher
 
 from . import clock
@@ -212,9 +213,7 @@ class BlobStore:
 
     def _stage_local(self, tmp: Path, sha256: str) -> Path:
         target = self.upload_path(sha256)
-        make_private_dir(target.parent)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
+        replace_durably(tmp, target)
         return target
 
     def receive_staged(self, upload_id: str, sha256: str, size: int) -> None:
@@ -375,10 +374,8 @@ class BlobStore:
         with open(source, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(source, 0o400)
-        make_private_dir(target.parent)
-        os.replace(source, target)
+        replace_durably(source, target)
         os.utime(target)
-        fsync_dir(target.parent)
         return target
 
     def clean_stale(

@@ -3,8 +3,9 @@
 A commit is written in this order, so a crash at any point leaves the previous revision
 intact and nothing half-visible: (1) uploaded files sit in ``tmp/`` or ``uploads/``; (2) the
 would-be tree is verified (``vip_hub.verify_repo``); (3) new blobs are fsynced and renamed
-into place; (4) one index transaction inserts the commit and its tree and moves the ref, but
-only if the ref still points at the parent the tree was built on (a compare-and-swap).
+into place, the rename and any folder made for it fsynced in their parents; (4) one index
+transaction inserts the commit and its tree and moves the ref, but only if the ref still
+points at the parent the tree was built on (a compare-and-swap).
 Publishes to one repo are serialised by the index's per-repo lock, so history stays linear.
 The index is SQLite in the store, or PostgreSQL for several hosts (``service.store.index``).
 """

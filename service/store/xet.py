@@ -39,7 +39,7 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from vip_hub.paths import fsync_dir, make_private_dir, open_private
+from vip_hub.paths import make_private_dir, open_private, replace_durably
 
 from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
 from .errors import CorruptObject, InvalidRequest, StoreUnavailable, TooLarge
@@ -269,9 +269,7 @@ class XetStore:
             check_xorb(tmp, xorb)
             if self.remote is not None:
                 self.remote.put_file(tmp, xorb_key(xorb))
-            make_private_dir(target.parent)
-            os.replace(tmp, target)  # its age: now
-            fsync_dir(target.parent)
+            replace_durably(tmp, target)  # its age: now
             self._note_owner(uploader, xorb)
         finally:
             tmp.unlink(missing_ok=True)
@@ -282,9 +280,7 @@ class XetStore:
         path = self.xorb_path(xorb)
         if self.remote is None or path.is_file():
             return path
-        fetched = self._fetched(xorb)
-        make_private_dir(path.parent)
-        os.replace(fetched, path)
+        replace_durably(self._fetched(xorb), path)
         return path
 
     def _open(self, xorb: str) -> BinaryIO:

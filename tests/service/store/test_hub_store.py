@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from support.helpers import (
 
 from service.store import AddFile, AddObject, DeleteFile, HubStore
 from service.store import store as store_module
+from service.store.blobs import hash_file
 from service.store.errors import (
     Conflict,
     InvalidRequest,
@@ -345,6 +347,32 @@ def test_a_checked_xorb_replaces_rotted_bytes_under_its_hash(store):
     again.write_bytes(good)
     store.xet.put_xorb(name, again, "alice")
     assert held.read_bytes() == good
+
+
+def test_new_folders_and_renames_into_them_are_fsynced(store, monkeypatch):
+    """An upload, its record, the blob it becomes and a xorb each land in a fan-out folder made
+    for them: the rename is fsynced in that folder, and the folder in its parent, so a crash
+    after the index names the blob cannot lose it."""
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    tmp = store.blobs.new_temp()
+    tmp.write_bytes(b"bytes of a new blob")
+    upload = store.blobs.stage_upload(tmp, hash_file(tmp).sha256)
+    store.blobs.note_upload("team/model", hash_file(upload).sha256)
+    blob = store.blobs.ingest(upload, hash_file(upload))
+    name, data = xorb_of([b"chunk one " * 100])
+    sent = store.blobs.new_temp()
+    sent.write_bytes(data)
+    store.xet.put_xorb(name, sent, "alice")
+    for placed in (upload, blob, store.xet.xorb_path(name)):
+        assert placed.parent in synced and placed.parent.parent in synced, placed
+    assert store.blobs.uploaded_for in synced  # the upload record's new folder
 
 
 def test_sound_bytes_stay_under_their_name(store, repo_dir):
