@@ -283,6 +283,31 @@ class SQLiteIndex(Index):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class _NamedLocks:
+    """One thread lock per name, kept while a thread holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Hold ``name``'s lock for the block, waiting for it first."""
+        with self._guard:
+            lock, users = self._locks.get(name, (threading.Lock(), 0))
+            self._locks[name] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[name]
+                if users == 1:
+                    del self._locks[name]
+                else:
+                    self._locks[name] = (lock, users - 1)
+
+
 class PostgresIndex(Index):
     """A PostgreSQL database named by a ``postgresql://`` URL; a pool of connections."""
 
@@ -299,6 +324,7 @@ class PostgresIndex(Index):
             kwargs={"autocommit": True, "row_factory": dict_row, "client_encoding": "utf8"},
         )
         self._local = threading.local()
+        self._repo_waits = _NamedLocks()
         with self.pool.connection() as conn, conn.transaction():
             conn.execute(
                 "SELECT pg_advisory_xact_lock(0)"
@@ -329,8 +355,11 @@ class PostgresIndex(Index):
 
     @contextlib.contextmanager
     def repo_lock(self, repo_id: str) -> Iterator[None]:
+        """The repo's advisory lock, on a pooled connection held until it is released; this
+        process's other commits to the repo wait for it without one (each waiting on the
+        server would hold a connection, and as many as the pool holds would starve it)."""
         key = _advisory_key(repo_id)
-        with self.pool.connection() as conn:
+        with self._repo_waits.hold(repo_id), self.pool.connection() as conn:
             conn.execute("SELECT pg_advisory_lock(%s)", (key,))
             self._local.conn = conn
             try:

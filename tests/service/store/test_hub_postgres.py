@@ -5,6 +5,7 @@ nothing."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import psycopg
@@ -102,6 +103,34 @@ def test_concurrent_creations_make_no_case_twins(postgres_server, tmp_path, monk
             refused = next(r for r in results if r is not True)
             assert "differs only by case from the existing" in str(refused)
             assert len(first.repos_in("org")) == n + 2  # org/first and one of the two
+
+
+def test_commits_waiting_for_a_repo_hold_no_pooled_connection(postgres):
+    """Commits of one process waiting for a repo's lock wait without a pooled connection: each
+    held one while it waited on the server, and as many as the pool holds left no connection
+    for anything else (every request of the replica stalled behind one slow commit)."""
+    index = PostgresIndex(postgres, max_connections=3)
+    try:
+        with index.repo_lock("pg/busy"):
+
+            def commit() -> None:
+                with index.repo_lock("pg/busy"):
+                    pass
+
+            waiting = [threading.Thread(target=commit) for _ in range(5)]
+            for t in waiting:
+                t.start()
+            time.sleep(1)  # for the waiting commits to reach their lock
+            read: list[object] = []
+            reader = threading.Thread(target=lambda: read.append(index.row("SELECT 1 AS one")))
+            reader.start()
+            reader.join(timeout=10)
+            assert read == [{"one": 1}], "the pool was exhausted by waiting commits"
+        for t in waiting:  # each gets the lock in turn once it is released
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in waiting)
+    finally:
+        index.close()
 
 
 def test_two_hub_processes_share_one_store(postgres, tmp_path):
