@@ -44,6 +44,12 @@ from .models import LoadedModel, Task
 __all__ = ["InferenceEngine", "Result", "parse_model_ref"]
 
 PRELOAD_POLL_S = 1.0
+FAILED_LOAD_S = 60.0
+"""How long a commit whose load failed (it does not verify, a file it needs is malformed) is
+answered with that failure without loading it again: a commit does not change, and each load
+verifies the whole repo, so a request naming a broken commit cost a full verification."""
+FAILED_LOADS_KEPT = 256
+"""The most such failures remembered (the oldest forgotten first)."""
 
 
 def parse_model_ref(ref: str) -> tuple[str, str]:
@@ -80,6 +86,7 @@ class InferenceEngine:
         self.store: HubStore | None = None
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
+        self._failed: OrderedDict[tuple[str, str], tuple[float, VipHubError]] = OrderedDict()
         self._preload: dict[str, str] = {ref: "pending" for ref in settings.preload}
         self._preload_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -170,6 +177,9 @@ class InferenceEngine:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_S:
+            raise failed[1].with_traceback(None)
         task = self._loading.get(key)
         if task is None and len(self._loading) >= self.settings.max_loaded_models:
             raise QueueFull(  # loads of any commit anyone names: their memory is bounded too
@@ -201,10 +211,15 @@ class InferenceEngine:
             )
         except VipHubError as e:  # its message names the repo, not the server's folders
             e.args = (str(e).replace(str(folder), f"{repo_id}@{commit[:12]}"),)
+            self._failed[key] = (time.monotonic(), e)
+            self._failed.move_to_end(key)
+            while len(self._failed) > FAILED_LOADS_KEPT:
+                self._failed.popitem(last=False)
             raise
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
             raise ShuttingDown()
+        self._failed.pop(key, None)
         self._models[key] = model
         self.metrics.loaded_models.set(len(self._models))
         await self._evict()

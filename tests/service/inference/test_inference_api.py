@@ -841,18 +841,28 @@ def test_the_index_is_read_off_the_event_loop(hub, published, monkeypatch):
 
 def test_a_model_that_fails_to_load_names_no_server_folder(hub, published, monkeypatch):
     """A load's error (a verification problem, a missing file) named the store's snapshot
-    folder on the server, in the 4xx and in ``/readyz``: it names the repo and commit."""
+    folder on the server, in the 4xx and in ``/readyz``: it names the repo and commit. The
+    failure is kept for ``FAILED_LOAD_S``: each request naming the broken commit loaded (and
+    verified) it again."""
     from service.inference import engine
 
+    loads = []
+
     def fails(repo_id, commit, folder, *args):
+        loads.append(commit)
         raise ConfigError(f"{folder}/config.json: not what its ledger binds")
 
     push_repo(published[MODEL], "vip/load-fails", token=WRITE_TOKEN)  # not loaded yet
     monkeypatch.setattr(engine.LoadedModel, "load", staticmethod(fails))
     payload = {"model": "vip/load-fails", "input": [b64(IMAGES[0])]}
-    r = httpx.post(f"{hub.url}/v1/embeddings", json=payload)
-    assert r.status_code == 400 and "vip/load-fails@" in r.json()["error"], r.text
-    assert str(hub.settings.store) not in r.text and "snapshots" not in r.text, r.text
+    answers = [httpx.post(f"{hub.url}/v1/embeddings", json=payload) for _ in range(3)]
+    for r in answers:
+        assert r.status_code == 400 and "vip/load-fails@" in r.json()["error"], r.text
+        assert str(hub.settings.store) not in r.text and "snapshots" not in r.text, r.text
+    assert len({r.json()["error"] for r in answers}) == 1 and len(loads) == 1
+    monkeypatch.setattr(engine, "FAILED_LOAD_S", 0.0)  # its time over: loaded again
+    assert httpx.post(f"{hub.url}/v1/embeddings", json=payload).status_code == 400
+    assert len(loads) == 2
 
 
 def test_models_loading_at_once_are_bounded(published, tmp_path, monkeypatch):
