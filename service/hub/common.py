@@ -28,6 +28,8 @@ __all__ = [
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 """Files above this size (and every weights file) travel and are served as LFS objects."""
+MAX_OFFSET = 2**63 - 1
+"""The largest listing offset: the index's integers (SQLite's, PostgreSQL's BIGINT) hold no more."""
 POINTER_SIZE = 134  # bytes of a git LFS pointer file (what clients show as the stored size)
 
 

@@ -17,14 +17,20 @@ from ..errors import BadRequest
 from ..store import FileEntry
 from ..store.errors import NoSuchEntry, NoSuchRevision
 from ..store.naming import validate_path, validate_revision
-from .common import POINTER_SIZE, is_lfs, model_json, raw_segments, readable_repo, store_of
+from .common import (
+    MAX_OFFSET,
+    POINTER_SIZE,
+    is_lfs,
+    model_json,
+    raw_segments,
+    readable_repo,
+    store_of,
+)
 
 router = APIRouter(prefix="/api")
 
 TREE_PAGE = 1000
 COMMITS_PAGE = 100
-MAX_OFFSET = 2**63 - 1
-"""The largest listing offset: the index's integers (SQLite's, PostgreSQL's BIGINT) hold no more."""
 
 
 @router.get("/models", summary="List and search models")

@@ -35,7 +35,7 @@ from vip_hub.repo_format import (
 
 from ..auth import check_read, private_namespaces
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
-from ..hub.common import store_of
+from ..hub.common import MAX_OFFSET, store_of
 from ..store.naming import MAX_REVISION_LENGTH
 from .common import (
     MAX_MODEL_REF_LENGTH,
@@ -152,6 +152,9 @@ class ModelDescription(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelDescription]
+    has_more: bool = Field(
+        False, description="more models follow: ask again with offset + len(data)"
+    )
 
 
 async def _embed(
@@ -259,12 +262,20 @@ async def classify(payload: ClassifyRequest, call: Call) -> ClassifyResponse:
 
 
 @router.get("/models", summary="Available and loaded models")
-def list_models(call: Call) -> ModelList:
+def list_models(
+    call: Call,
+    limit: int | None = Query(None, ge=1, description="at most hub.page_size, its default"),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET, description="models to skip, newest first"),
+) -> ModelList:
+    page = call.request.app.state.settings.hub.page_size
+    size = min(limit or page, page)
     rows = store_of(call.request).list_models(
-        include_private=private_namespaces(call.who),
-        limit=call.request.app.state.settings.hub.page_size,
+        include_private=private_namespaces(call.who), limit=size + 1, offset=offset
     )
-    return ModelList(data=[_describe(call, repo.repo_id, commit.sha) for repo, commit in rows])
+    return ModelList(
+        data=[_describe(call, repo.repo_id, commit.sha) for repo, commit in rows[:size]],
+        has_more=len(rows) > size,
+    )
 
 
 @router.get("/models/{org}/{name}", summary="One model")

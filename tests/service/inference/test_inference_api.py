@@ -297,6 +297,23 @@ def test_models_listing(hub, published):
     assert httpx.get(f"{hub.url}/v1/models/vip/absent").status_code == 404
 
 
+def test_the_models_listing_pages_through_every_model(hub, published):
+    """``/v1/models`` gave the newest ``hub.page_size`` models and no way to reach the others;
+    ``limit`` and ``offset`` page through them all, ``has_more`` saying when more follow."""
+    everything = httpx.get(f"{hub.url}/v1/models").json()
+    assert len(everything["data"]) >= 2 and everything["has_more"] is False
+    pages, offset = [], 0
+    while True:
+        page = httpx.get(f"{hub.url}/v1/models", params={"limit": 1, "offset": offset}).json()
+        pages += [m["id"] for m in page["data"]]
+        offset += len(page["data"])
+        if not page["has_more"]:
+            break
+    assert pages == [m["id"] for m in everything["data"]]
+    for bad in ({"limit": 0}, {"offset": -1}, {"offset": 2**63}):
+        assert httpx.get(f"{hub.url}/v1/models", params=bad).status_code == 422
+
+
 def test_unknown_model_and_revision(hub, published):
     assert (
         httpx.post(
