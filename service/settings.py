@@ -21,7 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from vip_hub.device import check_device_name
+from vip_hub.device import DEVICE_HELP, check_device_name
 from vip_hub.errors import ConfigError
 from vip_hub.local_hub import CONFIG_ENV, DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.privacy.accounting import DEFAULT_DELTA_CAP
@@ -221,9 +221,7 @@ class InferenceSettings(_Section):
     """Batched embeddings and classification."""
 
     enabled: bool = True
-    device: str = Field(
-        "auto", description="where forward passes run: auto (CUDA when present), cpu, cuda, cuda:N"
-    )
+    device: str = Field("auto", description=f"where forward passes run: {DEVICE_HELP}")
     preload: list[str] = Field(
         default_factory=list, description="models loaded and warmed up before ready"
     )

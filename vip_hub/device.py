@@ -12,7 +12,10 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_device_name", "pick_device"]
+__all__ = ["DEVICE_HELP", "check_device_name", "pick_device"]
+
+DEVICE_HELP = "auto (CUDA when present), cpu, cuda or cuda:N"
+"""The device names a setting or flag may give."""
 
 _NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -21,7 +24,7 @@ def check_device_name(name: str) -> str:
     """``name`` if it is a device name this module knows (without asking torch for the devices);
     raises ConfigError naming it otherwise."""
     if not _NAME.fullmatch(name):
-        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"unknown device {name!r}: use {DEVICE_HELP}")
     return name
 
 

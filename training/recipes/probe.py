@@ -77,7 +77,13 @@ from ..data.procedural import SyntheticImages
 from ..dp.clipping import PerExampleClipper
 from ..dp.engine import Budget, DPEngine
 from ..dp.sampling import new_secret
-from ..skeleton.config import WeakDeltaOption, accountant_field, check_outside_data
+from ..skeleton.config import (
+    DeviceName,
+    WeakDeltaOption,
+    accountant_field,
+    check_outside_data,
+    device_field,
+)
 from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
@@ -292,7 +298,7 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         None, description="repo folder to write with the head (default: the encoder folder)"
     )
     export: bool = Field(True, description="add the head to the repo")
-    device: str = Field("cpu", description="auto, cpu, cuda or cuda:N")
+    device: DeviceName = device_field("cpu")
 
     @model_validator(mode="after")
     def _repo_outside_data(self) -> ProbeConfig:

@@ -19,9 +19,10 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -31,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import to_jsonable_python
 
+from vip_hub.device import DEVICE_HELP, check_device_name
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
 from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA, MAX_CANARIES
@@ -41,7 +43,9 @@ from vip_hub.repo_format import SIGNATURE_FILE
 __all__ = [
     "ADAMW_BETAS",
     "DPRunConfig",
+    "DeviceName",
     "accountant_field",
+    "device_field",
     "check_outside_data",
     "EncoderParameters",
     "Recipe",
@@ -58,6 +62,15 @@ __all__ = [
     "two_fifths_of_steps",
     "with_adamw",
 ]
+
+
+DeviceName = Annotated[str, AfterValidator(check_device_name)]
+"""A run's device: a name ``vip_hub.device`` knows, refused as the settings are read."""
+
+
+def device_field(default: str = "auto") -> Any:
+    """A run's or head's ``device`` field."""
+    return Field(default, description=DEVICE_HELP)
 
 
 class RunConfig(BaseModel):
@@ -83,7 +96,7 @@ class RunConfig(BaseModel):
         1000, gt=0, description="training steps (a DP run may stop earlier, within its budget)"
     )
     seed: int | None = Field(0, description="seed of every random stream")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: DeviceName = device_field()
     bf16: bool = Field(
         True, description="bf16 autocast on CUDA (off: fp32 as on the CPU, which never autocasts)"
     )

@@ -31,6 +31,7 @@ from training.recipes.mae import (
     patchify,
     warm_decoder,
 )
+from training.recipes.probe import ProbeConfig
 from training.recipes.vip import VipConfig
 from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
@@ -560,6 +561,16 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
         config_from_args(RunConfig, argparse.Namespace(config=path))
 
 
+@pytest.mark.parametrize("cls", [VipConfig, ProbeConfig])
+def test_an_unknown_device_is_refused_as_the_settings_are_read(cls) -> None:
+    """``--device gpu`` was taken, and failed only when the run began (after a probe's data was
+    read); every run's and head's device is checked as its settings are, naming the option."""
+    args = dict(init="x", encoder="x", data="y", out="z", dataset_name="test/images", device="gpu")
+    fields = {k: v for k, v in args.items() if k in cls.model_fields}
+    with pytest.raises(ConfigError, match="--device: .*unknown device 'gpu'"):
+        config_from_args(cls, argparse.Namespace(**fields))
+
+
 @pytest.mark.parametrize("option", ["max_grad_norm", "lr", "weight_decay", "sigma", "epsilon"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_a_dp_setting_that_is_not_a_finite_number_is_refused_naming_it(
@@ -589,7 +600,6 @@ def test_a_clipping_norm_below_what_the_clippers_take_is_refused_naming_it(
     """``--max-grad-norm 1e-300`` passed ``gt=0`` and was a ``ValueError`` traceback from the
     clipper after the private data was read: the option refuses what the clippers refuse."""
     from training.commands import recipe
-    from training.recipes.probe import ProbeConfig
     from vip_hub.cli.main import build_parser
 
     required = {"train-dpcap": ["--vocab=v"], "probe": ["--encoder=e"]}.get(command, ["--init=i"])
