@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -14,7 +15,19 @@ from training.recipes.probe import top1_result
 from vip_hub import export_encoder, update_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
-from vip_hub.privacy.ledger import PrivacyLedger, privacy_headline
+from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
+from vip_hub.privacy.ledger import (
+    NOISED_CANARIES,
+    Audit,
+    AuditResult,
+    Dataset,
+    DPStage,
+    PrivacyLedger,
+    privacy_headline,
+    round_down,
+    shown_epsilon,
+)
+from vip_hub.repo import card as card_module
 from vip_hub.repo.card import card_info, ledger_rows
 from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, save_head
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
@@ -141,8 +154,14 @@ def _with_text(repo: Path, line: str) -> None:
         ("Or ε = 3.9", "'ε = 3.9', which is no ε"),  # between them: none of them, nor above all
         ("The accountants' δ = 1e-06.", "'δ = 1e-06', which is no δ"),
         ("Audited: ε ≥ 9.9.", "'ε ≥ 9.9', above every ε"),
-        ("A private release with ε = 0.", "'ε = 0', which its ledger does not give (ε is not 0)"),
-        ("Pure DP: δ = 0.", "'δ = 0', which its ledger does not give (δ is not 0)"),
+        (
+            "A private release with ε = 0.",
+            "'ε = 0', which the encoder (its line names no head) does not give (ε is not 0)",
+        ),
+        (
+            "Pure DP: δ = 0.",
+            "'δ = 0', which the encoder (its line names no head) does not give (δ is not 0)",
+        ),
         ("Roughly ε = 3.", "'ε = 3', which is no ε"),  # 3.503 rounds to 4 (or up), never 3
         # as it renders: an entity, a comment, TeX, a mathematical letter, a superscript power
         ("It is &epsilon; = 1.00.", "'ε = 1.00', which is no ε"),
@@ -204,8 +223,8 @@ def test_a_comparison_rows_figures_hold_in_its_row_alone_and_its_privacy_cell_al
     ).read_text(encoding="utf-8")
     _with_text(repo, "This encoder: ε = 1.00.")
     assert [str(p) for p in verify_repo(repo).problems] == [
-        f"{CARD_FILE}: its text states 'ε = 1.00', which is no ε its ledger gives, nor above "
-        "them all"
+        f"{CARD_FILE}: its text states 'ε = 1.00', which is no ε of the encoder (its line names no "
+        "head), nor above every ε its ledger gives"
     ]
 
 
@@ -310,3 +329,119 @@ def test_a_card_front_matter_verify_cannot_read_is_named_not_raised(tmp_path, fr
     (repo / CARD_FILE).write_text("---\n" + front(old) + "---\n" + body, encoding="utf-8")
     report = verify_repo(repo)  # raised ValueError, OverflowError, TypeError
     assert all(p.where == CARD_FILE for p in report.problems), report.problems
+
+
+def _probe(name: str, sigma: float, sampling: str = "poisson", audited: bool = False) -> DPStage:
+    """Head ``name``'s DP probe stage at ``sigma`` on labelled data of its own, with an audit of
+    1,000 canaries (3 in 5 guesses right) when ``audited``."""
+    fields: dict[str, Any] = {
+        "name": f"dp-probe-{name}",
+        "component": head_component(name),
+        "dataset": Dataset(name=f"labels-{name}", size=1000),
+        "sample_rate": 0.05,
+        "noise_multiplier": sigma,
+        "steps": 100,
+        "clipping_norm": 0.1,
+        "noised_tensors": {"unreleased:test": 1_000},
+        "sampling": sampling,
+    }
+    stage = DPStage.from_parameters(**fields)
+    if not audited:
+        return stage
+    results = [(r, r * 3 // 5) for r in guess_grid(1000)]
+    audit = Audit(
+        canaries=1000,
+        canary_norm=1.0,
+        results=[AuditResult(guesses=r, correct=v) for r, v in results],
+        beta=0.05,
+        delta=stage.delta,
+        epsilon_lower_bound=bound_over_grid(1000, results, 0.05, stage.delta),
+        ceiling=round_down(ceiling(1000, 0.05, stage.delta)),
+        accountant_epsilon=stage.epsilons,
+    )
+    tensors = {**stage.noised_tensors, NOISED_CANARIES: audit.canaries}
+    return DPStage.from_parameters(**{**fields, "noised_tensors": tensors}, audit=audit)
+
+
+def _save_probe(repo: Path, stage: DPStage) -> None:
+    name = stage.component.split("/", 1)[1]
+    save_head(repo, LinearProbe(192, 3).eval(), HeadInfo(name, "avg", ["x", "y", "z"]), stage)
+
+
+_ENCODERS = "the encoder (its line names no head)"
+
+
+@pytest.mark.parametrize(
+    "line, figure, named",
+    [
+        ("This encoder is (ε = {a}, δ = 1e-05)-DP.", "ε = {a}", _ENCODERS),
+        ("Trained at epsilon {a}.", "epsilon {a}", _ENCODERS),
+        ("Head `b` is at ε = {a}.", "ε = {a}", "head 'b'"),
+        (
+            "| x | y | accuracy | 0.5 | linear probe 'b' (DP epsilon {a}) |",
+            "epsilon {a}",
+            "head 'b'",
+        ),
+    ],
+)
+def test_a_heads_figure_stated_of_another_component_fails_verify(tmp_path, line, figure, named):
+    """Users read each component's guarantee off the line that names it: a head's ε stated as
+    the encoder's (or another head's) verified, being a figure of the ledger."""
+    repo = _dp_repo(tmp_path / "repo")
+    a, b = _probe("a", 2.0), _probe("b", 3.0)
+    for stage in (a, b):
+        _save_probe(repo, stage)
+    eps = shown_epsilon(a.epsilon)
+    assert eps != shown_epsilon(b.epsilon) and a.epsilon < 3.503  # below the encoder's
+    for naming_a in ("Head `a` is at ε = {a}.", "The probe heads/a: ε = {a}.", "'a': ε = {a}"):
+        _with_text(repo, naming_a.format(a=eps))
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+    _with_text(repo, line.format(a=eps))
+    report = verify_repo(repo)
+    assert [str(p) for p in report.problems] == [
+        f"{CARD_FILE}: its text states {figure.format(a=eps)!r}, which is no ε of {named}, nor "
+        "above every ε its ledger gives"
+    ]
+    assert report.problems[0].kind is TamperedFileError
+
+
+def test_a_zero_holds_on_the_line_of_a_component_that_saw_no_private_data(tmp_path):
+    """A public prior's ε = 0 is the encoder's: on a line that names its DP head it verified."""
+    repo = export_encoder(
+        tmp_path / "prior", tiny_encoder(), TINY, [synthetic_stage()], model_name="p"
+    )
+    _save_probe(repo, _probe("toy", 2.0))
+    _with_text(repo, "The encoder saw no private data: ε = 0.")
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+    _with_text(repo, "Head `toy`: ε = 0.")
+    assert [str(p) for p in verify_repo(repo).problems] == [
+        f"{CARD_FILE}: its text states 'ε = 0', which head 'toy' does not give (ε is not 0)"
+    ]
+
+
+def test_a_heads_audit_and_sampling_caveat_state_the_heads_figures(tmp_path):
+    """The card's paragraphs on a head's DP stage (its audit, its sampling caveat) name the
+    stage, not the head: they state the head's figures, and verify."""
+    repo = _dp_repo(tmp_path / "repo")
+    stage = _probe("toy", 2.0, sampling="shuffle", audited=True)
+    _save_probe(repo, stage)
+    text = (repo / CARD_FILE).read_text(encoding="utf-8")
+    assert "**Empirical audit of `dp-probe-toy`:**" in text
+    assert "**Sampling caveat for `dp-probe-toy`:**" in text
+    assert verify_repo(repo).ok, verify_repo(repo).problems
+
+
+def test_verify_parses_the_cards_front_matter_once(tmp_path, monkeypatch):
+    """``verify_repo`` read the card's front matter once for its ledger copy, once for its tags
+    and once for its text: now once, beside the check of every Markdown file's kind."""
+    repo = _dp_repo(tmp_path / "repo")
+    parsed = []
+
+    class Counted(card_module.ModelCard):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            parsed.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(card_module, "ModelCard", Counted)
+    assert verify_repo(repo).ok
+    assert len(parsed) == 2  # content_problem's, for the file's kind, and verify's own

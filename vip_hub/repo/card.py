@@ -214,21 +214,22 @@ def card_statements(ledger: PrivacyLedger) -> list[str]:
 
 
 def card_prose_problem(
-    readme: str, ledger: PrivacyLedger, limits: FrontMatterLimits | None = None
+    text: str, ledger: PrivacyLedger, card: ModelCard | None = None
 ) -> str | None:
-    """Why the text of the card ``readme`` does not state what ``ledger`` gives (one of
-    ``card_statements`` missing) or states an ε or δ it does not give (``stated_figures``;
-    its comparison table's rows set aside), else None: users read the guarantee off the card's
-    text, which its front matter's ledger copy does not bind."""
-    match = REGEX_YAML_BLOCK.search(readme)
-    body = readme[match.end() :] if match else readme
+    """Why the card's ``text`` does not state what ``ledger`` gives (one of ``card_statements``
+    missing) or states an ε or δ that the component its line names does not give
+    (``stated_figures``, ``_Scopes``; ``card``, its parsed front matter, sets its comparison
+    table's rows aside), else None: users read the guarantee off the card's text, which its
+    front matter's ledger copy does not bind."""
+    match = REGEX_YAML_BLOCK.search(text)
+    body = text[match.end() :] if match else text
     missing = next((line for line in card_statements(ledger) if line not in body), None)
     if missing is not None:
         return f"its text does not state {_clipped(missing)!r}, which its ledger gives"
     try:
-        comparison = card_info(readme, limits).comparison
-    except (yaml.YAMLError, RepoFormatError, TypeError):
-        comparison = []  # card_ledger names front matter that cannot be read
+        comparison = _card_info(card).comparison if card is not None else []
+    except TypeError:  # a front matter value of the wrong type
+        comparison = []
     lines = [line.rstrip() for line in body.splitlines()]
     rows = zip(
         comparison_lines(comparison), comparison_lines(comparison, privacy=False), strict=True
@@ -236,10 +237,12 @@ def card_prose_problem(
     for row, without_privacy in rows:  # another repo's guarantee, in its row alone
         if row in lines:
             lines[lines.index(row)] = without_privacy
-    given = _given_figures(ledger)
-    for f in stated_figures("\n".join(lines)):
-        if problem := _figure_problem(f, given):
-            return f"its text states {_clipped(f.text)!r}, {problem}"
+    scopes = _Scopes(ledger)
+    for line in _plain("\n".join(lines)).split("\n"):
+        components = scopes.named(line)
+        for f in _line_figures(line):
+            if problem := scopes.problem(f, components):
+                return f"its text states {_clipped(f.text)!r}, {problem}"
     return None
 
 
@@ -306,13 +309,17 @@ def stated_figures(text: str) -> list[StatedFigure]:
     ``epsilon``, ``delta``) and a relation or a space, within one line, or as an ``(ε, δ)``
     pair, read as it renders (``_plain``); ``e^ε`` is not one (the guarantee paragraph computes
     it), nor a count (``ε 3 times``)."""
-    plain = _plain(text)
+    return [f for line in _plain(text).split("\n") for f in _line_figures(line)]
+
+
+def _line_figures(line: str) -> list[StatedFigure]:
+    """``stated_figures`` of one line of plain text (``_plain``'s)."""
     out = []
-    for m in _FIGURE.finditer(plain):
+    for m in _FIGURE.finditer(line):
         name, relation, number = m.groups()[:3]
         symbol = "δ" if name in ("δ", "delta", "Delta") else "ε"
         out.append(_figure(m.group(0), symbol, number, relation in _LOWER))
-    for m in _PAIR.finditer(plain):
+    for m in _PAIR.finditer(line):
         groups = m.groups()
         eps, delta = (groups[0], groups[2]) if groups[0] is not None else (groups[4], groups[6])
         out += [_figure(m.group(0), "ε", eps, False), _figure(m.group(0), "δ", delta, False)]
@@ -352,58 +359,132 @@ def _figure(text: str, symbol: str, number: str, lower_bound: bool) -> StatedFig
 
 @dataclass(frozen=True)
 class _Given:
-    """The figures a ledger gives: its upper bounds on ε (each stage's under every accountant,
-    each component's guarantees, or 0 for a component no DP stage trained on private data, the
-    audits' accounted ε, what holds without amplification), its audits' lower bounds and
-    ceilings, and its δs."""
+    """Figures a ledger gives: upper bounds on ε, its audits' lower bounds and ceilings, δs."""
 
-    upper: list[float]
-    lower: list[float]
-    deltas: list[float]
+    upper: tuple[float, ...] = ()
+    lower: tuple[float, ...] = ()
+    deltas: tuple[float, ...] = ()
+
+    def __add__(self, other: _Given) -> _Given:
+        return _Given(
+            self.upper + other.upper, self.lower + other.lower, self.deltas + other.deltas
+        )
 
 
-def _given_figures(ledger: PrivacyLedger) -> _Given:
-    upper: list[float] = []
-    lower: list[float] = []
-    deltas: list[float] = []
-    for s in ledger.dp_stages():
-        upper += [s.epsilon, *s.reference_epsilon.values()]
-        deltas.append(s.delta)
+def _component_figures(ledger: PrivacyLedger, component: str) -> _Given:
+    """The figures ``component``'s weights give: its guarantees (``summary``: a head's compose
+    its encoder's stages), or 0 where it saw no private data, what holds without amplification,
+    and each DP stage they compose under every accountant, with its audit's figures."""
+    summary = ledger.summary(component)
+    given = _Given(
+        upper=tuple(g.epsilon for g in summary.guarantees)
+        + (() if summary.private_data else (0.0,))
+        + (
+            ()
+            if summary.epsilon_without_amplification is None
+            else (summary.epsilon_without_amplification,)
+        ),
+        deltas=tuple(g.delta for g in summary.guarantees),
+    )
+    for name in dict.fromkeys(n for g in summary.guarantees for n in g.stages):
+        s = ledger.stage(name)
+        assert isinstance(s, DPStage)  # a guarantee composes DP stages alone
+        given += _Given((s.epsilon, *s.reference_epsilon.values()), (), (s.delta,))
         if s.audit is not None:
-            upper += s.audit.accountant_epsilon.values()
-            lower += [s.audit.epsilon_lower_bound, s.audit.ceiling]
-            deltas.append(s.audit.delta)
-    upper += [g.epsilon for g in ledger.guarantees]  # a dataset's stages composed
-    deltas += [g.delta for g in ledger.guarantees]
-    for c in ledger.components():
-        summary = ledger.summary(c)
-        upper += [g.epsilon for g in summary.guarantees] + ([] if summary.private_data else [0.0])
-        deltas += [g.delta for g in summary.guarantees]
-        if summary.epsilon_without_amplification is not None:
-            upper.append(summary.epsilon_without_amplification)
-    return _Given(upper, lower, deltas)
+            a = s.audit
+            given += _Given(
+                tuple(a.accountant_epsilon.values()), (a.epsilon_lower_bound, a.ceiling), (a.delta,)
+            )
+    return given
 
 
 _HALF = 0.5 + 1e-9
 """Half a unit in the last digit shown, and a little: a figure rounded to the nearest at a tie."""
 
 
-def _figure_problem(f: StatedFigure, given: _Given) -> str | None:
-    """Why ``f`` is not a figure the ledger gives (read to its digits: rounded to the nearest or
-    up), nor above all of them (a weaker claim, true of every component), else None; a lower
-    bound on ε holds unless above all of them, a zero only where a component's ε is zero."""
-    half = f.unit * _HALF  # a tie rounds either way
-    if f.lower_bound and f.symbol == "ε":
-        if f.value - half < max([*given.upper, *given.lower], default=0.0):
+class _Scopes:
+    """Which components each line of a card's plain text (``_plain``'s) speaks of, and the
+    figures they give (``card_prose_problem``). A line speaks of the heads it names
+    (``heads/<name>``, ``head <name>`` or ``'<name>'``: the card's privacy rows, ledger table,
+    training list and results name theirs so), a stage's audit paragraph of its stage's
+    components, any other line of the encoder; several components give their figures and the
+    ledger's guarantees that compose only their stages (two heads on one dataset)."""
+
+    def __init__(self, ledger: PrivacyLedger):
+        self._ledger = ledger
+        components = [ENCODER, *(c for c in ledger.components() if c != ENCODER)]
+        self._figures = {c: _component_figures(ledger, c) for c in components}
+        self._heads = {c: _naming(c) for c in components[1:]}
+        self._audits = {
+            _plain(p): s.trained_components
+            for s in ledger.dp_stages()
+            for p in _stage_audit_paragraphs(ledger, s)
+        }
+        self._given: dict[tuple[str, ...], _Given] = {}
+        self._everything = self._of(tuple(components))
+
+    def named(self, line: str) -> tuple[str, ...]:
+        """The components ``line`` speaks of, the encoder first."""
+        named = {
+            *self._audits.get(line, ()),
+            *(c for c, p in self._heads.items() if p.search(line)),
+        }
+        return tuple(c for c in self._figures if c in named) or (ENCODER,)
+
+    def _of(self, components: tuple[str, ...]) -> _Given:
+        if components not in self._given:
+            within = {ENCODER, *components}
+            composed = [
+                g
+                for g in self._ledger.guarantees
+                if within.issuperset(
+                    c for n in g.stages for c in self._ledger.stage(n).trained_components
+                )
+            ]
+            self._given[components] = sum(
+                (self._figures[c] for c in components),
+                _Given(tuple(g.epsilon for g in composed), (), tuple(g.delta for g in composed)),
+            )
+        return self._given[components]
+
+    def problem(self, f: StatedFigure, components: tuple[str, ...]) -> str | None:
+        """Why ``f``, stated on a line that speaks of ``components``, is none of their figures
+        (read to its digits: rounded to the nearest or up), nor above every figure of the
+        ledger (a weaker claim, true of every component, whichever the line means), else None;
+        a lower bound on ε holds unless above all of theirs, a zero only where one of them has
+        ε zero."""
+        given, half = self._of(components), f.unit * _HALF  # a tie rounds either way
+        who = (
+            "the encoder (its line names no head)"
+            if components == (ENCODER,)
+            else " and ".join(
+                "the encoder" if c == ENCODER else f"head {c.split('/', 1)[1]!r}"
+                for c in components
+            )
+        )
+        if f.lower_bound and f.symbol == "ε":
+            if f.value - half < max([*given.upper, *given.lower], default=0.0):
+                return None
+            return f"above every ε of {who}"
+        figures = given.deltas if f.symbol == "δ" else given.upper
+        if f.value == 0:
+            return None if 0.0 in figures else f"which {who} does not give ({f.symbol} is not 0)"
+        everything = self._everything.deltas if f.symbol == "δ" else self._everything.upper
+        above_all = f.value > max(everything, default=math.inf) - half
+        if above_all or any(-half < f.value - v < f.unit for v in figures):
             return None
-        return "above every ε its ledger gives"
-    figures = given.deltas if f.symbol == "δ" else given.upper
-    if f.value == 0:
-        return None if 0.0 in figures else f"which its ledger does not give ({f.symbol} is not 0)"
-    above_all = f.value > max(figures, default=math.inf) - half
-    if above_all or any(-half < f.value - v < f.unit for v in figures):
-        return None
-    return f"which is no {f.symbol} its ledger gives, nor above them all"
+        return f"which is no {f.symbol} of {who}, nor above every {f.symbol} its ledger gives"
+
+
+def _naming(head: str) -> re.Pattern[str]:
+    """How a line of plain text names the head component ``head`` (``heads/<name>``): so, or
+    as ``head <name>`` or ``'<name>'``, its name as ``_plain`` renders it in code or
+    escaped (``_md``)."""
+    name = head.split("/", 1)[1]
+    spelled = "|".join(re.escape(n) for n in sorted({_plain(name), _plain(_md(name))}))
+    return re.compile(
+        rf"(?<![\w/.-])(?:heads/|(?i:head)[^\S\n]+)(?:{spelled})(?![\w.-]*\w)|'(?:{spelled})'"
+    )
 
 
 def recipe_line(ledger: PrivacyLedger) -> str:
@@ -431,16 +512,10 @@ def card_tags(ledger: PrivacyLedger, captions: bool = False) -> list[str]:
     return [*TAGS, *done, *(["image-captioning"] if captions else [])]
 
 
-def card_tags_problem(
-    readme: str, ledger: PrivacyLedger, limits: FrontMatterLimits | None = None
-) -> str | None:
-    """Why the card ``readme``'s tags claim of its data what ``ledger`` does not (a
-    ``PRIVACY_TAGS`` tag ``card_tags`` does not give, or one it gives left out), else None (also
-    for front matter that cannot be read: ``card_ledger`` names that)."""
-    try:
-        tags = load_card(readme, limits=limits).data.to_dict().get("tags")
-    except (yaml.YAMLError, RepoFormatError):
-        return None
+def card_tags_problem(card: ModelCard, ledger: PrivacyLedger) -> str | None:
+    """Why the tags of ``card`` (``load_card``'s) claim of its data what ``ledger`` does not (a
+    ``PRIVACY_TAGS`` tag ``card_tags`` does not give, or one it gives left out), else None."""
+    tags = card.data.to_dict().get("tags")
     held = {str(t) for t in tags} if isinstance(tags, list) else set()
     given = set(card_tags(ledger))
     claimed = [t for t in PRIVACY_TAGS if t in held and t not in given]
@@ -582,15 +657,10 @@ def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
     ]
 
 
-def card_ledger(readme: str, limits: FrontMatterLimits | None = None) -> PrivacyLedger:
-    """The ledger copy kept in a card's front matter (``differential_privacy``), read within
-    ``limits`` (``load_card``)."""
-    try:
-        data = load_card(readme, limits=limits).data.to_dict()
-    except yaml.YAMLError as e:
-        raise LedgerError(
-            [f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"]
-        ) from None
+def card_ledger(card: ModelCard) -> PrivacyLedger:
+    """The ledger copy kept in the front matter (``differential_privacy``) of ``card``
+    (``load_card``'s)."""
+    data = card.data.to_dict()
     if CARD_LEDGER_KEY not in data:
         raise LedgerError([f"{CARD_FILE}: front matter has no {CARD_LEDGER_KEY} block"])
     return PrivacyLedger.parse(data[CARD_LEDGER_KEY])
@@ -605,8 +675,13 @@ def format_params(n: int | None) -> str:
 
 def card_info(readme: str, limits: FrontMatterLimits | None = None) -> CardInfo:
     """Recover the CardInfo a card was rendered from (its front matter read within ``limits``)."""
+    return _card_info(load_card(readme, limits=limits))
+
+
+def _card_info(card: ModelCard) -> CardInfo:
+    """``card_info`` of a card parsed (``load_card``)."""
     # a ModelCard's data is its card_data_class, ModelCardData (typed as the base CardData)
-    data = cast(ModelCardData, load_card(readme, limits=limits).data)
+    data = cast(ModelCardData, card.data)
     return CardInfo(
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",
@@ -642,48 +717,51 @@ def ledger_rows(ledger: PrivacyLedger) -> list[list[str]]:
 
 def audit_paragraphs(ledger: PrivacyLedger) -> list[str]:
     """Each DP stage's empirical audit (and any sampling caveat) in plain words (Markdown)."""
+    return [p for s in ledger.dp_stages() for p in _stage_audit_paragraphs(ledger, s)]
+
+
+def _stage_audit_paragraphs(ledger: PrivacyLedger, s: DPStage) -> list[str]:
+    """``audit_paragraphs`` of the DP stage ``s``: its sampling caveat, then its audit's."""
     out = []
-    for s in ledger.dp_stages():
-        if s.sampling != "poisson":
-            without = ledger.summary(s.component).epsilon_without_amplification
-            assert without is not None  # summary() computes it always
-            out.append(
-                f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson "
-                "sampling (each example in each step independently with probability q), but this "
-                f"stage's training used {_code(s.sampling)} sampling instead, so the figures are "
-                "what the recipe would give with Poisson sampling, not a formal guarantee for "
-                "these weights as they were trained. What holds without amplification by sampling "
-                "(each example in each of its epochs, the same σ, PLD): **ε = "
-                f"{shown_epsilon(without)}**."
-            )
-        a = s.audit
-        if a is None:
-            continue
-        accounted = ", ".join(
-            f"{shown_epsilon(eps)} ({acc.value.upper()})"
-            for acc, eps in a.accountant_epsilon.items()
-        )
-        best = max(a.results, key=lambda r: r.correct / r.guesses)
+    if s.sampling != "poisson":
+        without = ledger.summary(s.component).epsilon_without_amplification
+        assert without is not None  # summary() computes it always
         out.append(
-            f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each "
-            "secretly put in the training data with probability 1/2 and read off every noisy "
-            "update. An attack that knew everything but those secret bits could prove at most **ε "
-            f"≥ {shown_epsilon(a.epsilon_lower_bound, lower_bound=True)}** with {1 - a.beta:.0%} "
-            "confidence (its best guess "
-            f"count: {best.correct} of {best.guesses} correct); the accounted ε at the same δ = "
-            f"{a.delta:g} is {accounted}. The audit is a lower bound and the accountants an upper "
-            "bound: a lower bound above the accounted ε would mean the training leaks more than it "
-            "claims, and such a repo does not verify. With every guess right this audit could "
-            f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at "
-            "this δ); "
-            + (
-                f"it could detect a violation of the accounted ε = {shown_epsilon(a.accounted)}."
-                if a.can_fail
-                else f"that is not above the accounted ε = {shown_epsilon(a.accounted)}, so **this "
-                "audit "
-                "could not detect a violation of the claimed ε; it catches only gross bugs**."
-            )
+            f"**Sampling caveat for {_code(s.name)}:** the accounted ε assumes Poisson "
+            "sampling (each example in each step independently with probability q), but this "
+            f"stage's training used {_code(s.sampling)} sampling instead, so the figures are "
+            "what the recipe would give with Poisson sampling, not a formal guarantee for "
+            "these weights as they were trained. What holds without amplification by sampling "
+            "(each example in each of its epochs, the same σ, PLD): **ε = "
+            f"{shown_epsilon(without)}**."
         )
+    a = s.audit
+    if a is None:
+        return out
+    accounted = ", ".join(
+        f"{shown_epsilon(eps)} ({acc.value.upper()})" for acc, eps in a.accountant_epsilon.items()
+    )
+    best = max(a.results, key=lambda r: r.correct / r.guesses)
+    out.append(
+        f"**Empirical audit of {_code(s.name)}:** {a.canaries:,} gradient canaries were each "
+        "secretly put in the training data with probability 1/2 and read off every noisy "
+        "update. An attack that knew everything but those secret bits could prove at most **ε "
+        f"≥ {shown_epsilon(a.epsilon_lower_bound, lower_bound=True)}** with {1 - a.beta:.0%} "
+        "confidence (its best guess "
+        f"count: {best.correct} of {best.guesses} correct); the accounted ε at the same δ = "
+        f"{a.delta:g} is {accounted}. The audit is a lower bound and the accountants an upper "
+        "bound: a lower bound above the accounted ε would mean the training leaks more than it "
+        "claims, and such a repo does not verify. With every guess right this audit could "
+        f"prove at most **ε ≥ {a.ceiling:.2f}** (its ceiling, for {a.canaries:,} canaries at "
+        "this δ); "
+        + (
+            f"it could detect a violation of the accounted ε = {shown_epsilon(a.accounted)}."
+            if a.can_fail
+            else f"that is not above the accounted ε = {shown_epsilon(a.accounted)}, so **this "
+            "audit "
+            "could not detect a violation of the claimed ε; it catches only gross bugs**."
+        )
+    )
     return out
 
 

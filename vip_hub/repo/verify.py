@@ -44,10 +44,12 @@ import json
 import math
 import os
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+
+import yaml
 
 from ..errors import (
     AccountingError,
@@ -109,11 +111,12 @@ from .artifacts import (
     read_safetensors_header,
     read_safetensors_metadata,
 )
-from .card import card_ledger, card_prose_problem, card_tags_problem
+from .card import card_ledger, card_prose_problem, card_tags_problem, load_card
 from .content import content_problem, weight_sources
 
 if TYPE_CHECKING:
     import torch
+    from huggingface_hub import ModelCard
 
 __all__ = [
     "NUMERICAL_TOLERANCE",
@@ -240,7 +243,8 @@ def verify_repo(
     for name in REQUIRED_FILES:
         if name not in files:
             report.fail(name, "missing: every released repo carries it")
-    ledger = _compare_copies(_ledger_copies(files, report, front_matter), report)
+    card = _read_card(files[CARD_FILE], front_matter) if CARD_FILE in files else None
+    ledger = _compare_copies(_ledger_copies(files, card, report), report)
     if ledger is None:
         return report
     report.ledger = ledger
@@ -252,7 +256,8 @@ def verify_repo(
     _check_decoders(files, config, report)
     _check_mechanisms(ledger, report)
     _check_noised(files, ledger, report)
-    _check_card(files, ledger, report, front_matter)
+    if card is not None:
+        _check_card(card, ledger, report)
     if check_accounting:
         _check_accounting(ledger, report)
         _check_audits(ledger, report)
@@ -335,14 +340,48 @@ def _check_paths(
     report.checks.append("paths and content")
 
 
+@dataclass(frozen=True)
+class _Card:
+    """The card as read once for every check of it: its text (None where it is not UTF-8) and
+    its front matter parsed (``load_card``), or why that cannot be done."""
+
+    text: str | None
+    parsed: ModelCard | None
+    unreadable: str = ""
+
+    def ledger_copy(self) -> PrivacyLedger:
+        """Its front matter's ledger copy (``card_ledger``); a RepoFormatError where it has no
+        front matter that can be read."""
+        if self.parsed is None:
+            raise RepoFormatError(self.unreadable)
+        return card_ledger(self.parsed)
+
+
+def _read_card(path: Path, front_matter: FrontMatterLimits | None) -> _Card:
+    """The card at ``path``, its front matter read within ``front_matter``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        return _Card(None, None, str(e))
+    try:
+        return _Card(text, load_card(text, limits=front_matter))
+    except yaml.YAMLError as e:
+        return _Card(
+            text, None, f"{CARD_FILE}: front matter is not valid YAML ({' '.join(str(e).split())})"
+        )
+    except RepoFormatError as e:
+        return _Card(text, None, str(e))
+
+
 def _ledger_copies(
-    files: Mapping[str, Path], report: VerificationReport, front_matter: FrontMatterLimits | None
+    files: Mapping[str, Path], card: _Card | None, report: VerificationReport
 ) -> dict[str, PrivacyLedger]:
-    readers = {
+    readers: dict[str, Callable[[Path], PrivacyLedger]] = {
         LEDGER_FILE: lambda p: PrivacyLedger.parse(p.read_bytes()),
         WEIGHTS_FILE: _weights_copy,
-        CARD_FILE: lambda p: card_ledger(p.read_text(encoding="utf-8"), front_matter),
     }
+    if card is not None:
+        readers[CARD_FILE] = lambda _: card.ledger_copy()
     copies = {}
     for name, read in readers.items():
         if name not in files:
@@ -394,24 +433,15 @@ def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
     return where, a, b
 
 
-def _check_card(
-    files: Mapping[str, Path],
-    ledger: PrivacyLedger,
-    report: VerificationReport,
-    front_matter: FrontMatterLimits | None,
-) -> None:
+def _check_card(card: _Card, ledger: PrivacyLedger, report: VerificationReport) -> None:
     """The card's tags claim of its training data what the ledger gives (the hub answers a
     model's tags from them), and its text states the ledger's guarantee and no other
-    (``card_prose_problem``)."""
-    if CARD_FILE not in files:
+    (``card_prose_problem``); a card that cannot be read, its ledger copy's check names."""
+    if card.text is None:
         return
-    try:
-        text = files[CARD_FILE].read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return  # its ledger copy's check names it
-    if problem := card_tags_problem(text, ledger, front_matter):
+    if card.parsed is not None and (problem := card_tags_problem(card.parsed, ledger)):
         report.fail(CARD_FILE, problem, TamperedFileError)
-    if problem := card_prose_problem(text, ledger, front_matter):
+    if problem := card_prose_problem(card.text, ledger, card.parsed):
         report.fail(CARD_FILE, problem, TamperedFileError)
     report.checks.append("card tags and text follow the ledger")
 
