@@ -269,7 +269,11 @@ def _document(text: str | None, where: str) -> dict[str, Any]:
 
 def _read_tokens_file(path: Path) -> str:
     """A single-host store's tokens file, checked, as the index keeps it."""
-    data = _document(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    data = _document(text, str(path))
     _parse_auth(data, str(path))
     return json.dumps(data)
 

@@ -141,8 +141,8 @@ def _hub_store(args: argparse.Namespace, makes: str) -> Iterator[tuple[Settings,
     if args.action != makes:
         _require_store(settings, f"{args.action} needs an existing one, {makes} makes one")
     with _open_store(settings) as store:
-        adopt_tokens_file(store.index, settings.tokens_path())
         try:
+            adopt_tokens_file(store.index, settings.tokens_path())
             yield settings, store
         except (ValueError, StoreError) as e:
             raise ConfigError(str(e)) from None
@@ -162,12 +162,18 @@ def _require_store(settings: Settings, why: str) -> None:
 def _open_store(settings: Settings) -> HubStore:
     """The store the settings name; a store folder that cannot be made (a file, or a folder in
     one, not writable) is a one-line error naming it."""
+    import sqlite3
+
+    from vip_hub.errors import ConfigError
+
     from .store import HubStore
 
     try:
         return HubStore.from_settings(settings, restate=False)
     except OSError as e:
         raise _unusable(e, f"store {settings.store}") from None
+    except sqlite3.DatabaseError as e:  # a file that is no SQLite database, or a damaged one
+        raise ConfigError(f"store {settings.store}: its index cannot be read ({e})") from None
 
 
 def _unusable(e: OSError, what: str) -> Exception:

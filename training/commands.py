@@ -110,7 +110,8 @@ def _synth_preview(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     Image.init()
-    if (image_format := Image.EXTENSION.get(out.suffix.lower())) is None:
+    image_format = Image.EXTENSION.get(out.suffix.lower())
+    if image_format not in Image.SAVE:  # .psd, .xpm...: formats Pillow reads and cannot write
         raise ConfigError(
             f"--out {out}: {out.suffix or 'no extension'} is no image format Pillow writes "
             "(.png, .jpg, ...)"

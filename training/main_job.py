@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import ConfigDict, Field
 
-from vip_hub.errors import MissingInputError, SignatureError, StepFailed
+from vip_hub.errors import ConfigError, MissingInputError, SignatureError, StepFailed
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
+from vip_hub.paths import write_private
 from vip_hub.privacy.audit import DEFAULT_CANARIES, MAX_CANARIES
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
@@ -160,8 +161,21 @@ class _Steps:
 
     def __init__(self, work: Path):
         self.file = work / "steps.json"
-        self.done: dict[str, str] = json.loads(self.file.read_text()) if self.file.exists() else {}
+        self.done: dict[str, str] = self._read() if self.file.exists() else {}
         self.count = 0
+
+    def _read(self) -> dict[str, str]:
+        """The finished steps' stamps; ConfigError naming the file when it holds none."""
+        try:
+            done = json.loads(self.file.read_bytes())
+        except ValueError as e:  # not UTF-8, not JSON
+            done = e
+        if not isinstance(done, dict) or not all(isinstance(v, str) for v in done.values()):
+            raise ConfigError(
+                f"{self.file} is not the job's record of its finished steps ({done!r:.80}): "
+                "remove it to run every step again (training resumes from its checkpoints)"
+            )
+        return done
 
     def run(
         self,
@@ -189,7 +203,7 @@ class _Steps:
                 "resumes from its last checkpoint (`vip-hub run --restart` starts over)."
             ) from e
         self.done[name] = digest
-        self.file.write_text(json.dumps(self.done, indent=1))
+        write_private(self.file, json.dumps(self.done, indent=1).encode())  # whole, or not at all
         print(f"[{self.count}] done in {_duration(time.monotonic() - start)}", flush=True)
 
 

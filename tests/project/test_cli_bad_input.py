@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from vip_hub.cli.main import main
+from vip_hub.repo_format import SIGNATURE_FILE
 
 
 @pytest.fixture
@@ -50,6 +51,9 @@ def test_push_to_an_unreachable_hub_is_a_one_line_error(tiny_repo, cli):
     _one_line_error(no_url, "push", "hub.example")
     bad_id = cli("push", tiny_repo, "../../etc", "--endpoint", endpoint, "--token", "t")
     _one_line_error(bad_id, "push", "'../../etc'")
+    for bad in ("http://localhost:abc", "http://[::1", "http://127.0.0.1:99999"):  # tracebacks
+        no_port = cli("push", tiny_repo, "org/name", "--endpoint", bad, "--token", "t")
+        _one_line_error(no_port, "push", repr(bad))
 
 
 def test_key_create_into_a_file_is_a_one_line_error(tmp_path, cli):
@@ -113,7 +117,8 @@ def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, c
     folder = tmp_path / "sheet.png"
     folder.mkdir()
     small = ("--count", "4", "--size", "16")
-    for out in (tmp_path, tmp_path / "sheet.notanext", file / "sheet.png", folder):
+    unwritable = tmp_path / "sheet.psd"  # a format Pillow reads only (a KeyError traceback)
+    for out in (tmp_path, tmp_path / "sheet.notanext", unwritable, file / "sheet.png", folder):
         _one_line_error(cli("synth-preview", "--out", out, *small), "synth-preview", str(out))
     assert file.read_text() == "mine" and not any(folder.iterdir())
     negative = cli("synth-preview", "--out", tmp_path / "s.png", "--seed", "-1", *small)
@@ -143,3 +148,61 @@ def test_a_full_disk_is_a_one_line_error_and_a_bug_keeps_its_traceback(cli, monk
     monkeypatch.setattr(commands, "_synth_preview", bug)
     with pytest.raises(OSError, match="Bad file descriptor"):
         cli("synth-preview", "--out", "sheet.png")
+
+
+def test_a_folder_where_a_file_goes_is_a_one_line_error_and_replaces_nothing(tiny_repo, cli):
+    """A folder named like the signature or a key file, or a work folder under a file: one line
+    naming it (each was an IsADirectoryError or NotADirectoryError traceback, naming a temporary
+    file); ``key create --overwrite`` wrote the new private key, then failed on the public one,
+    leaving a pair that does not match and the old private key gone."""
+    keys = tiny_repo.parent / "keys"
+    assert cli("key", "create", "--dir", keys).returncode == 0
+    (tiny_repo / SIGNATURE_FILE).mkdir()
+    signed = cli("sign", tiny_repo, "--key", keys / "signing.key")
+    _one_line_error(signed, "sign", str(tiny_repo / SIGNATURE_FILE))
+    private = (keys / "signing.key").read_bytes()
+    (keys / "signing.pub").unlink()
+    (keys / "signing.pub").mkdir()
+    again = cli("key", "create", "--dir", keys, "--overwrite")
+    _one_line_error(again, "key", str(keys / "signing.pub"))
+    assert (keys / "signing.key").read_bytes() == private
+    work = tiny_repo.parent / "notes.txt"
+    work.write_text("mine")
+    _one_line_error(cli("run", "--work-dir", work / "run"), "run", str(work / "run"))
+
+
+@pytest.mark.parametrize("content", [b"\xff", b"[1]", b'{"a": 1}', b"{"])
+def test_a_corrupt_record_of_the_jobs_steps_is_a_one_line_error(tmp_path, cli, content):
+    """``steps.json`` not what the job writes (it is written whole now): one line naming it, not
+    a UnicodeDecodeError, AttributeError or JSONDecodeError traceback."""
+    (tmp_path / "steps.json").write_bytes(content)
+    ran = cli("run", "--work-dir", tmp_path, "--data", tmp_path / "none")
+    _one_line_error(ran, "run", str(tmp_path / "steps.json"), "remove it")
+
+
+def test_a_corrupt_store_is_a_one_line_error(tmp_path, cli):
+    """A tokens file that is no UTF-8 text, or an index that is no SQLite database: one line
+    naming it (each was a traceback), for every admin command."""
+    store = tmp_path / "hub"
+    store.mkdir()
+    (store / "tokens.json").write_bytes(b"\xff")
+    made = cli("token", "create", "--name", "bob", "--store", store)
+    _one_line_error(made, "token", str(store / "tokens.json"), "not UTF-8")
+    store = tmp_path / "damaged"
+    store.mkdir()
+    (store / "index.sqlite").write_text("garbage")
+    for command in (("token", "list"), ("trust", "list"), ("store", "check")):
+        _one_line_error(cli(*command, "--store", store), command[0], "index cannot be read")
+
+
+def test_an_import_of_an_empty_private_dataset_is_a_one_line_error(tmp_path, cli):
+    """``--dataset-size 0`` was a pydantic ValidationError traceback (q = B / n)."""
+    checkpoint = tmp_path / "mae.pth"
+    checkpoint.write_bytes(b"")
+    stage = ("--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5")
+    imported = cli(
+        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
+        *stage, "--clip", "1", "--dataset-size", "0",
+    )  # fmt: skip
+    _one_line_error(imported, "import-mae", "--dataset-size 0")
+    assert not (tmp_path / "out").exists()

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from vip_hub.errors import CheckpointError, ConfigError
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.paths import make_private_dir, remove_temporaries, write_private
-from vip_hub.privacy.ledger import DPStage, NonPrivateStage, new_run_id
+from vip_hub.privacy.ledger import RUN_ID_PATTERN, DPStage, NonPrivateStage, new_run_id
 from vip_hub.repo.files import check_replaceable, export_encoder
 from vip_hub.repo.signing import SIGNING_KEY_ENV, load_signing_key
 from vip_hub.repo_format import CURVES_FILE
@@ -128,7 +128,7 @@ class Run:
             saved = self.dir / "seed"
             if not saved.exists():
                 write_private(saved, f"{new_secret():0{SECRET_BITS // 4}x}".encode())
-            text = saved.read_text().strip()
+            text = saved.read_bytes().decode("utf-8", errors="replace").strip()
             if not re.fullmatch(f"[0-9a-f]{{{SECRET_BITS // 4}}}", text):
                 raise CheckpointError(
                     f"{saved} holds no {SECRET_BITS}-bit secret: the run folder was written "
@@ -146,7 +146,10 @@ class Run:
         path = self.dir / RUN_ID_FILE
         if not path.exists():
             write_private(path, new_run_id().encode())
-        return path.read_text()
+        run_id = path.read_bytes().decode("utf-8", errors="replace")
+        if not re.fullmatch(RUN_ID_PATTERN, run_id):
+            raise CheckpointError(f"{path} holds no run id: pass --restart to start over")
+        return run_id
 
     def resume(self, objects: dict[str, Stateful]) -> int:
         """Load the checkpoint (checked against this run's settings) into ``objects``; the step to
@@ -173,7 +176,14 @@ class Run:
         so this run's release is not counted as that one."""
         path = self.dir / SETTINGS_FILE
         if self.cfg.seed is None and path.exists():
-            saved = json.loads(path.read_text())
+            try:
+                saved = json.loads(path.read_bytes())
+            except ValueError as e:  # not UTF-8, not JSON
+                saved = e
+            if not isinstance(saved, dict):
+                raise CheckpointError(
+                    f"{path} holds no run's settings ({saved!r:.80}): pass --restart to start over"
+                )
             check_settings(
                 f"{path}, of the run started in this folder,",
                 saved,

@@ -29,15 +29,18 @@ class RunLog:
         )
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record written so far (a torn last line, from a kill, is skipped)."""
+        """Every record written so far (a torn last line, from a kill, or any other line that is
+        no JSON object, is skipped)."""
         if not self.path.exists():
             return []
         out = []
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                out.append(record)
         return out
 
     def write(self, record: dict[str, Any]) -> None:

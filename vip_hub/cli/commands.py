@@ -312,6 +312,8 @@ def _stages_from_args(
                 "a DP stage needs --private-dataset, --dataset-size, --sigma, "
                 "--batch-size, --steps and --clip"
             )
+        if args.dataset_size < 1:  # q = B / n
+            raise ConfigError(f"--dataset-size {args.dataset_size}: n is a positive integer")
         stages.append(
             DPStage.from_parameters(
                 name="dp-pretraining",
@@ -364,6 +366,23 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """ConfigError unless ``endpoint`` (``--endpoint`` or ``HF_ENDPOINT``) is an http(s) URL with a
+    host and a valid port: the hub client raised a bare ValueError or InvalidURL on one."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number in range)
+    except ValueError as e:
+        raise ConfigError(f"hub endpoint {endpoint!r} (--endpoint, HF_ENDPOINT): {e}") from None
+    if not valid:
+        raise ConfigError(
+            f"hub endpoint {endpoint!r} (--endpoint, HF_ENDPOINT) is no http(s) URL with a host"
+        )
+
+
 def _push(args: argparse.Namespace) -> None:
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
@@ -371,6 +390,8 @@ def _push(args: argparse.Namespace) -> None:
     from ..errors import VerificationError
     from ..repo.push import push_repo
 
+    endpoint = args.endpoint or constants.ENDPOINT
+    _check_endpoint(endpoint)
     try:
         commit = push_repo(
             args.folder,
@@ -388,7 +409,6 @@ def _push(args: argparse.Namespace) -> None:
     except HFValidationError as e:  # a repo id or revision the hub client refuses to send
         raise ConfigError(f"{args.repo_id!r}: {' '.join(str(e).split())}") from None
     except _transport_errors() as e:
-        endpoint = args.endpoint or constants.ENDPOINT
         raise ConfigError(
             f"cannot reach the hub at {endpoint} ({type(e).__name__}: {e}): the push did not "
             "complete"

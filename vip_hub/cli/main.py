@@ -6,8 +6,9 @@ serve --no-inference`` or ``vip-hub token`` skip the training plugin's imports (
 seconds); any other command, or none, loads every plugin.
 
 A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line
-with exit status 1, as is an OSError of the machine's making (a full disk, a folder not
-writable: ``USER_FIXABLE``); any other exception is a bug and keeps its traceback."""
+with exit status 1, as is an OSError of the machine's or the user's making (a full disk, a
+folder not writable, a folder given where a file goes: ``USER_FIXABLE``); any other exception
+is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -75,8 +76,13 @@ def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any
     return parser, sub
 
 
-USER_FIXABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
-"""The OSErrors a command reports as one line: the disk or the permissions, not a bug."""
+USER_FIXABLE = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+    | {errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+)
+"""The OSErrors a command reports as one line: the disk, the permissions, or a path the user
+gave that is no file where one is wanted (a folder, a path under a file, a link loop), not a
+bug."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -130,6 +130,7 @@ __all__ = [
     "Stage",
     "compose_releases",
     "dataset_identity",
+    "RUN_ID_PATTERN",
     "new_run_id",
     "noised_key",
     "privacy_headline",
@@ -302,6 +303,10 @@ class Audit(_Model):
         return self.ceiling > self.accounted
 
 
+RUN_ID_PATTERN = "[0-9a-f]{32}"
+"""A training run's id (``new_run_id``), as its DP stage records it."""
+
+
 class DPStage(_Stage):
     """A DP stage: T steps of a Gaussian mechanism on a clipped sum of sensitivity ``sensitivity``,
     with noise of standard deviation ``noise_std`` = sigma * sensitivity, on batches sampled
@@ -314,7 +319,7 @@ class DPStage(_Stage):
     type: Literal["dp"] = "dp"
     run_id: str | None = Field(
         default=None,
-        pattern=r"^[0-9a-f]{32}$",
+        pattern=f"^{RUN_ID_PATTERN}$",
         description="the training run's random id (a UUID4 as 32 hex digits); absent in imports "
         "and ledgers written before it existed; written only when set",
     )

@@ -119,6 +119,7 @@ def create_key(
     private, public = folder / f"{name}{PRIVATE_SUFFIX}", folder / f"{name}{PUBLIC_SUFFIX}"
     if not overwrite and (os.path.lexists(private) or os.path.lexists(public)):
         raise ConfigError(f"{private} or {public} exists; choose another name or pass overwrite")
+    _no_folders(private, public)  # checked before either is written: the pair is replaced whole
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = ec.generate_private_key(_CURVE)
     pem = key.private_bytes(
@@ -134,6 +135,14 @@ def create_key(
             )
         )
     return private, PublicKey.load(public)
+
+
+def _no_folders(*targets: Path) -> None:
+    """ConfigError naming the first of ``targets``, files about to be replaced, that is a folder
+    (the write would fail after the files before it were replaced)."""
+    for target in targets:
+        if target.is_dir() and not target.is_symlink():
+            raise ConfigError(f"{target} is a folder where a file is to be written: remove it")
 
 
 def load_keys(paths: Iterable[str | os.PathLike[str]]) -> list[PublicKey]:
@@ -194,6 +203,7 @@ def sign_repo(
     key = load_signing_key(private_key, folder)
     files = repo_files(folder)
     files.pop(SIGNATURE_FILE, None)
+    _no_folders(folder / SIGNATURE_FILE)
     tmp = folder / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
     try:
         with _view(files, name or folder.name) as view:

@@ -36,8 +36,15 @@ from training.recipes.vip import VipConfig
 from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
+from training.skeleton.runlog import RunLog
 from vip_hub import export_encoder
-from vip_hub.errors import ConfigError, RepoFormatError, TamperedFileError, UnsupportedLayerError
+from vip_hub.errors import (
+    CheckpointError,
+    ConfigError,
+    RepoFormatError,
+    TamperedFileError,
+    UnsupportedLayerError,
+)
 from vip_hub.models.encoders import EncoderSpec, create_encoder, mae_decoder_shapes
 from vip_hub.privacy.audit import MAX_CANARIES
 from vip_hub.repo_format import LEDGER_FILE, MAE_DECODER_FILE, META_DECODER
@@ -551,6 +558,29 @@ def test_a_run_refuses_an_out_folder_that_holds_something_other_than_a_released_
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / LEDGER_FILE).write_text("{}")
     Run(RunConfig(out=str(tmp_path / "earlier")), Dist())
+
+
+def test_damaged_files_of_a_run_folder_are_named_not_tracebacks(tmp_path) -> None:
+    """A run folder's settings or run id that is not what the run wrote (not UTF-8, not JSON, not
+    an object) is a CheckpointError naming the file and ``--restart`` (each was a traceback); a
+    log line that is no JSON object is skipped, as a torn last line is."""
+    cfg = RunConfig(out=str(tmp_path / "repo"), seed=None)
+    folder = Run(cfg, Dist()).dir
+    for damaged in (b"\xff", b"[1]", b"{"):
+        (folder / "settings.json").write_bytes(damaged)
+        with pytest.raises(
+            CheckpointError, match=r"settings\.json holds no run's settings.*--restart"
+        ):
+            Run(cfg, Dist()).resume({})
+    (folder / "settings.json").unlink()
+    (folder / "run_id").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="run_id holds no run id.*--restart"):
+        Run(cfg, Dist()).run_id()
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(b'\xff\n5\n{"step": 1}\n[2]\n{"step": 9}\n')
+    kept = RunLog(log, resume_step=5)
+    assert kept.records() == [{"step": 1}]
+    kept.close()
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
