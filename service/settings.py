@@ -399,7 +399,7 @@ class Settings(BaseSettings):
         config = os.environ.get(CONFIG_ENV)
         if config:
             if not Path(config).is_file():
-                raise ConfigError(f"{CONFIG_ENV} names {config}, which is not a file")
+                raise ConfigError(f"--config or {CONFIG_ENV} names {config}, which is not a file")
             try:
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config))
             except UnicodeDecodeError as e:

@@ -385,7 +385,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> No
             type=kind,
             choices=choices,
             default=argparse.SUPPRESS,
-            help=f"{text} ({default})",
+            help=text if "(default" in text else f"{text} ({default})",  # its own, in words
         )
 
 

@@ -33,7 +33,7 @@ from training.recipes.mae import (
 )
 from training.recipes.probe import ProbeConfig
 from training.recipes.vip import VipConfig
-from training.skeleton.config import DPRunConfig, RunConfig, config_from_args
+from training.skeleton.config import DPRunConfig, RunConfig, add_config_args, config_from_args
 from training.skeleton.distributed import Dist
 from training.skeleton.run import Run
 from training.skeleton.runlog import RunLog
@@ -581,6 +581,16 @@ def test_damaged_files_of_a_run_folder_are_named_not_tracebacks(tmp_path) -> Non
     kept = RunLog(log, resume_step=5)
     assert kept.records() == [{"step": 1}]
     kept.close()
+
+
+def test_a_default_the_help_states_in_words_is_stated_once() -> None:
+    """A field whose description gives its default in words (``--seed``: a secret random one)
+    was followed by ``(default: None)`` as well."""
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, VipConfig)
+    text = " ".join(parser.format_help().split())
+    assert "seed of every random stream (default: a secret random one) --" in text
+    assert "(default: steps // 20) (default" not in text
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path) -> None:
