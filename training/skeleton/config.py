@@ -40,6 +40,8 @@ from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
 from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo_format import SIGNATURE_FILE
 
+from ..dp.sampling import SECRET_BITS
+
 __all__ = [
     "ADAMW_BETAS",
     "DPRunConfig",
@@ -95,7 +97,9 @@ class RunConfig(BaseModel):
     steps: int = Field(
         1000, gt=0, description="training steps (a DP run may stop earlier, within its budget)"
     )
-    seed: int | None = Field(0, description="seed of every random stream")
+    seed: int | None = Field(
+        0, ge=0, lt=1 << SECRET_BITS, description="seed of every random stream"
+    )
     device: DeviceName = device_field()
     bf16: bool = Field(
         True, description="bf16 autocast on CUDA (off: fp32 as on the CPU, which never autocasts)"
@@ -192,7 +196,10 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         DEFAULT_DELTA, gt=0, lt=1, description="delta at which the audit bounds epsilon"
     )
     seed: int | None = Field(
-        None, description="seed of every random stream (default: a secret random one)"
+        None,
+        ge=0,
+        lt=1 << SECRET_BITS,
+        description="seed of every random stream (default: a secret random one)",
     )
     checkpoint_every: int = Field(50, gt=0, description="steps between checkpoints")
     steps: int = Field(

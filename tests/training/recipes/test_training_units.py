@@ -583,6 +583,15 @@ def test_damaged_files_of_a_run_folder_are_named_not_tracebacks(tmp_path) -> Non
     kept.close()
 
 
+@pytest.mark.parametrize("seed", [-1, 2**128])
+def test_a_seed_outside_the_streams_keys_is_refused_before_the_run_folder(tmp_path, seed) -> None:
+    """``--seed -1`` was refused by the noise streams once the run folder and its lock existed,
+    leaving them behind; the settings refuse it, naming the option."""
+    args = argparse.Namespace(out=str(tmp_path / "repo"), seed=seed)
+    with pytest.raises(ConfigError, match="--seed: "):
+        config_from_args(RunConfig, args)
+
+
 def test_a_default_the_help_states_in_words_is_stated_once() -> None:
     """A field whose description gives its default in words (``--seed``: a secret random one)
     was followed by ``(default: None)`` as well."""
