@@ -120,6 +120,14 @@ class RunConfig(BaseModel):
         "(default: VIP_HUB_SIGNING_KEY; neither: unsigned)",
     )
 
+    @field_validator("out")
+    @classmethod
+    def _names_a_folder(cls, value: str) -> str:
+        """``--out`` ends in the repo folder's name (its run folder is named after it)."""
+        if not Path(value).name:
+            raise ValueError(f"{value!r} names no folder: give a path that ends in the repo's name")
+        return value
+
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""
         return self.model_dump(mode="json", exclude=set(self.NOT_RUN_SETTINGS))

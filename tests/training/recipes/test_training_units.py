@@ -592,6 +592,13 @@ def test_a_seed_outside_the_streams_keys_is_refused_before_the_run_folder(tmp_pa
         config_from_args(RunConfig, args)
 
 
+@pytest.mark.parametrize("out", ["", ".", "/"])
+def test_an_out_that_names_no_folder_is_refused_naming_it(out) -> None:
+    """``--out ''`` was a ValueError traceback from naming its run folder (``OUT.run``)."""
+    with pytest.raises(ConfigError, match="--out: .* names no folder"):
+        config_from_args(RunConfig, argparse.Namespace(out=out))
+
+
 def test_a_default_the_help_states_in_words_is_stated_once() -> None:
     """A field whose description gives its default in words (``--seed``: a secret random one)
     was followed by ``(default: None)`` as well."""
