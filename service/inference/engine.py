@@ -52,6 +52,15 @@ FAILED_LOADS_KEPT = 256
 """The most such failures remembered (the oldest forgotten first)."""
 
 
+def _fresh(e: VipHubError) -> VipHubError:
+    """``e`` again, as it was made: its type, arguments and attributes, without the traceback,
+    cause or context it gathered (what a cached failure must not hold)."""
+    clone = type(e).__new__(type(e))
+    clone.args = e.args
+    clone.__dict__.update(e.__dict__)
+    return clone
+
+
 def parse_model_ref(ref: str) -> tuple[str, str]:
     """``org/name[@revision]`` -> (repo id, revision)."""
     repo_id, _, revision = ref.partition("@")
@@ -179,7 +188,8 @@ class InferenceEngine:
             return self._models[key]
         failed = self._failed.get(key)
         if failed is not None and time.monotonic() - failed[0] < FAILED_LOAD_S:
-            raise failed[1].with_traceback(None)
+            raise _fresh(failed[1])  # a new one each time: a raise adds its frames to it
+        self._failed.pop(key, None)
         task = self._loading.get(key)
         if task is None and len(self._loading) >= self.settings.max_loaded_models:
             raise QueueFull(  # loads of any commit anyone names: their memory is bounded too
@@ -211,7 +221,8 @@ class InferenceEngine:
             )
         except VipHubError as e:  # its message names the repo, not the server's folders
             e.args = (str(e).replace(str(folder), f"{repo_id}@{commit[:12]}"),)
-            self._failed[key] = (time.monotonic(), e)
+            # a copy, without the traceback that holds the failed load's frames (its tensors)
+            self._failed[key] = (time.monotonic(), _fresh(e))
             self._failed.move_to_end(key)
             while len(self._failed) > FAILED_LOADS_KEPT:
                 self._failed.popitem(last=False)

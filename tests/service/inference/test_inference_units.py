@@ -389,3 +389,45 @@ def test_a_preload_turned_away_by_the_load_bound_waits_and_loads(tmp_path, monke
 
     state = asyncio.run(preload())
     assert asked == ["vip/pre", "vip/pre"] and state["status"] == "ready", state
+
+
+def test_a_failed_load_is_kept_without_what_the_load_held(monkeypatch):
+    """The failure of a commit's load is answered again for ``FAILED_LOAD_S`` from a copy: the
+    exception itself kept the load's frames through its traceback, and with them whatever it
+    held when it failed (an encoder already on its device, say)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from service.inference import engine as engine_module
+    from service.metrics import Metrics
+    from service.settings import InferenceSettings
+    from vip_hub.errors import ConfigError
+
+    class Weights:
+        pass
+
+    held = []
+
+    def load(repo_id, commit, folder, *args):
+        weights = Weights()
+        held.append(weakref.ref(weights))
+        raise ConfigError(f"{folder}/heads/x: malformed")
+
+    monkeypatch.setattr(engine_module.LoadedModel, "load", staticmethod(load))
+    engine = engine_module.InferenceEngine(InferenceSettings(device="cpu"), Metrics())
+    engine.store = SimpleNamespace(
+        snapshot_dir=lambda repo_id, commit: "/snapshot",
+        get_repo=lambda repo_id: SimpleNamespace(private=False),
+    )
+
+    async def failure() -> str:
+        with pytest.raises(ConfigError) as caught:
+            await engine.model("o/n", "a" * 40)
+        return str(caught.value)
+
+    first = asyncio.run(failure())
+    gc.collect()
+    assert held[0]() is None  # once the request has its answer
+    assert asyncio.run(failure()) == first == f"o/n@{'a' * 12}/heads/x: malformed"
+    assert len(held) == 1  # answered from the kept failure
