@@ -108,7 +108,8 @@ def make_private_dir(path: Path) -> None:
         # made meanwhile by another request: synced here too, as it may not have been yet
         with contextlib.suppress(FileExistsError):
             folder.mkdir(mode=0o700)
-        fsync_dir(folder.parent)
+        with contextlib.suppress(PermissionError):  # a parent to write in, not to read (-wx)
+            fsync_dir(folder.parent)
 
 
 def open_private(path: Path, mode: Literal["wb", "ab"] = "wb") -> BinaryIO:
@@ -118,10 +119,14 @@ def open_private(path: Path, mode: Literal["wb", "ab"] = "wb") -> BinaryIO:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
+    """Make a rename or a new entry in ``path`` durable (where the filesystem syncs folders: one
+    that refuses, EINVAL, has nothing to sync)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
     finally:
         os.close(fd)
 

@@ -77,3 +77,21 @@ def test_a_failed_exchange_is_named(tmp_path: Path) -> None:
     with pytest.raises(OSError) as e:
         paths._exchange(tmp_path / "absent", _folder(tmp_path / "b", "b"))
     assert "absent" in str(e.value)
+
+
+def test_folders_are_made_where_the_filesystem_does_not_sync_folders(tmp_path, monkeypatch):
+    """A filesystem that refuses to fsync a folder (EINVAL) has nothing to sync: folders are
+    still made and files still renamed in (the fsync of new folders made them fail there)."""
+    import errno
+    import os
+
+    def no_folder_sync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", no_folder_sync)
+    paths.make_private_dir(tmp_path / "a" / "b")
+    source = tmp_path / "file"
+    source.write_bytes(b"x")
+    paths.replace_durably(source, tmp_path / "c" / "file")
+    assert (tmp_path / "a" / "b").is_dir() and (tmp_path / "c" / "file").read_bytes() == b"x"
