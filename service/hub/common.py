@@ -33,6 +33,12 @@ MAX_OFFSET = 2**63 - 1
 POINTER_SIZE = 134  # bytes of a git LFS pointer file (what clients show as the stored size)
 
 
+def page_size(request: Request, limit: int | None) -> int:
+    """A listing page's size: ``limit``, at most ``hub.page_size``, its default."""
+    page = request.app.state.settings.hub.page_size
+    return min(limit or page, page)
+
+
 def is_lfs(path: str, size: int) -> bool:
     """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything
     large."""

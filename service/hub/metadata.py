@@ -22,6 +22,7 @@ from .common import (
     POINTER_SIZE,
     is_lfs,
     model_json,
+    page_size,
     raw_segments,
     readable_repo,
     store_of,
@@ -51,9 +52,7 @@ def list_models(
     who: Identity | None = Depends(identity),
 ) -> JSONResponse:
     store = store_of(request)
-    size = min(
-        limit or request.app.state.settings.hub.page_size, request.app.state.settings.hub.page_size
-    )
+    size = page_size(request, limit)
     sort = {"lastModified": "updated", "last_modified": "updated"}.get(sort, sort)
     rows = store.list_models(
         search=search,

@@ -35,7 +35,7 @@ from vip_hub.repo_format import (
 
 from ..auth import check_read, private_namespaces
 from ..errors import BadRequest, EntryNotFound, PayloadTooLarge
-from ..hub.common import MAX_OFFSET, store_of
+from ..hub.common import MAX_OFFSET, page_size, store_of
 from ..store.naming import MAX_REVISION_LENGTH
 from .common import (
     MAX_MODEL_REF_LENGTH,
@@ -267,8 +267,7 @@ def list_models(
     limit: int | None = Query(None, ge=1, description="at most hub.page_size, its default"),
     offset: int = Query(0, ge=0, le=MAX_OFFSET, description="models to skip, newest first"),
 ) -> ModelList:
-    page = call.request.app.state.settings.hub.page_size
-    size = min(limit or page, page)
+    size = page_size(call.request, limit)
     rows = store_of(call.request).list_models(
         include_private=private_namespaces(call.who), limit=size + 1, offset=offset
     )

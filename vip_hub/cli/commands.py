@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..device import DEVICE_HELP, check_device_name
 from ..errors import ConfigError
 from ..models.names import family_archs
 from ..privacy.accounting import Accountant
@@ -417,6 +418,14 @@ def _push(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------ caption, zero-shot
+def _device_name(name: str) -> str:
+    """``--device``'s argparse type: a device name ``vip_hub.device`` knows."""
+    try:
+        return check_device_name(name)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _caption_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "source",
@@ -425,7 +434,7 @@ def _caption_source_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("images", metavar="IMAGE", nargs="+", help="image files")
     p.add_argument("--revision", help="hub revision")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="cpu", type=_device_name, help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -120,7 +120,9 @@ def test_commits_waiting_for_a_repo_hold_no_pooled_connection(postgres):
             waiting = [threading.Thread(target=commit) for _ in range(5)]
             for t in waiting:
                 t.start()
-            time.sleep(1)  # for the waiting commits to reach their lock
+            deadline = time.monotonic() + 30  # until all five wait for the lock (six users)
+            while index._repo_waits._locks["pg/busy"][1] < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
             read: list[object] = []
             reader = threading.Thread(target=lambda: read.append(index.row("SELECT 1 AS one")))
             reader.start()
