@@ -9,22 +9,25 @@ from typing import Any
 
 import pytest
 import yaml
-from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_repo_with_head
+from support.helpers import (
+    TINY,
+    audit_of,
+    dp_stage,
+    synthetic_stage,
+    tiny_encoder,
+    tiny_repo_with_head,
+)
 
 from training.recipes.probe import top1_result
 from vip_hub import export_encoder, update_repo
 from vip_hub.cli.main import main
 from vip_hub.errors import TamperedFileError, UnsafePathError
-from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
 from vip_hub.privacy.ledger import (
     NOISED_CANARIES,
-    Audit,
-    AuditResult,
     Dataset,
     DPStage,
     PrivacyLedger,
     privacy_headline,
-    round_down,
     shown_epsilon,
 )
 from vip_hub.repo import card as card_module
@@ -348,17 +351,7 @@ def _probe(name: str, sigma: float, sampling: str = "poisson", audited: bool = F
     stage = DPStage.from_parameters(**fields)
     if not audited:
         return stage
-    results = [(r, r * 3 // 5) for r in guess_grid(1000)]
-    audit = Audit(
-        canaries=1000,
-        canary_norm=1.0,
-        results=[AuditResult(guesses=r, correct=v) for r, v in results],
-        beta=0.05,
-        delta=stage.delta,
-        epsilon_lower_bound=bound_over_grid(1000, results, 0.05, stage.delta),
-        ceiling=round_down(ceiling(1000, 0.05, stage.delta)),
-        accountant_epsilon=stage.epsilons,
-    )
+    audit = audit_of(stage)
     tensors = {**stage.noised_tensors, NOISED_CANARIES: audit.canaries}
     return DPStage.from_parameters(**{**fields, "noised_tensors": tensors}, audit=audit)
 

@@ -27,7 +27,8 @@ from PIL import Image
 
 from vip_hub import Dataset, DPStage, EncoderSpec, NonPrivateStage, create_encoder, export_encoder
 from vip_hub.errors import VipHubError
-from vip_hub.privacy.ledger import PrivacyLedger
+from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
+from vip_hub.privacy.ledger import Audit, AuditResult, PrivacyLedger, round_down
 from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
 from vip_hub.repo.card import card_statements, guarantee_paragraphs
 from vip_hub.repo.files import META_LEDGER
@@ -490,3 +491,18 @@ def turned_jpeg(seed: int = 0, corrupt: bool = False) -> tuple[bytes, Image.Imag
     with Image.open(io.BytesIO(buf.getvalue())) as decoded:
         pixels = np.asarray(decoded.convert("RGB"))
     return buf.getvalue(), Image.fromarray(np.rot90(pixels, k=-1).copy())
+
+
+def audit_of(stage: DPStage, canaries: int = 1000) -> Audit:
+    """An audit of ``stage`` whose guesses are right 3 times in 5 at every count of the grid."""
+    results = [(r, r * 3 // 5) for r in guess_grid(canaries)]
+    return Audit(
+        canaries=canaries,
+        canary_norm=1.0,
+        results=[AuditResult(guesses=r, correct=v) for r, v in results],
+        beta=0.05,
+        delta=stage.delta,
+        epsilon_lower_bound=bound_over_grid(canaries, results, 0.05, stage.delta),
+        ceiling=round_down(ceiling(canaries, 0.05, stage.delta)),
+        accountant_epsilon=stage.epsilons,
+    )

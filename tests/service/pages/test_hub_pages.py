@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder
+from support.helpers import TINY, audit_of, dp_stage, synthetic_stage, tiny_encoder
 from support.live import WRITE_TOKEN, raw_commit
 from support.system import CHROMIUM_FLAGS, debian_program
 
@@ -176,21 +176,10 @@ def test_pages_in_a_real_browser(hub, published, chromium, tmp_path, page, size)
 
 
 def test_model_page_shows_every_accountant_and_the_audit(hub, tmp_path):
-    from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
-    from vip_hub.privacy.ledger import Audit, AuditResult, DPStage, round_down
+    from vip_hub.privacy.ledger import DPStage
 
     plain = dp_stage()
-    results = [(r, r * 3 // 5) for r in guess_grid(1000)]
-    audit = Audit(
-        canaries=1000,
-        canary_norm=1.0,
-        results=[AuditResult(guesses=r, correct=v) for r, v in results],
-        beta=0.05,
-        delta=plain.delta,
-        epsilon_lower_bound=bound_over_grid(1000, results, 0.05, plain.delta),
-        ceiling=round_down(ceiling(1000, 0.05, plain.delta)),
-        accountant_epsilon=plain.epsilons,
-    )
+    audit = audit_of(plain)
     stage = DPStage.from_parameters(
         name=plain.name,
         dataset=plain.dataset,
