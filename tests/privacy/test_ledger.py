@@ -376,7 +376,7 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
     assert [g.stages for g in head.guarantees] == [["dp-finetune"]]
     # any other head's epsilon goes via the encoder's
     assert ledger.summary(head_component("other")).epsilon == joint.epsilon
-    for bad in ([ENCODER], [head_component("clf")] * 2, ["heads/a/b"]):
+    for bad in ([ENCODER], [head_component("clf")] * 2, [f"{head_component('a')}/b"]):
         with pytest.raises(LedgerError, match="also_trains"):
             PrivacyLedger.parse(
                 {

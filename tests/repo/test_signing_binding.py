@@ -63,13 +63,14 @@ def test_a_head_added_through_a_linked_folder_is_refused(tmp_path, alice, capsys
     (repo / HEADS_DIR).mkdir()
     (repo / HEADS_DIR / "toy").symlink_to(Path("..", ".payload"), target_is_directory=True)
     assert list_heads(repo) == ["toy"]  # what a loader of this folder serves
-    with pytest.raises(UnsafePathError, match=r"heads/toy: a link to a folder"):
+    linked = f"{head_component('toy')}: a link to a folder"
+    with pytest.raises(UnsafePathError, match=linked):
         verify_repo(repo)
-    with pytest.raises(UnsafePathError, match=r"heads/toy: a link to a folder"):
+    with pytest.raises(UnsafePathError, match=linked):
         verify_signature(repo, load_keys([alice[1]]))
     assert main(["verify", str(repo), "--key", str(alice[1])]) == 1
-    assert "heads/toy: a link to a folder" in capsys.readouterr().err
-    with pytest.raises(UnsafePathError, match=r"heads/toy: a link to a folder"):
+    assert linked in capsys.readouterr().err
+    with pytest.raises(UnsafePathError, match=linked):
         sign_repo(repo, alice[0])  # a signature that leaves out what is loaded
 
 

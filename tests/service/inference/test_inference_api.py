@@ -37,6 +37,7 @@ from vip_hub.device import pick_device
 from vip_hub.errors import ConfigError
 from vip_hub.repo.heads import load_head
 from vip_hub.repo.push import push_repo
+from vip_hub.repo_format import CONFIG_FILE
 
 MODEL = "vip/vip-nano-test"
 RNG = np.random.default_rng(0)
@@ -867,7 +868,7 @@ def test_a_model_that_fails_to_load_names_no_server_folder(hub, published, monke
 
     def fails(repo_id, commit, folder, *args):
         loads.append(commit)
-        raise ConfigError(f"{folder}/config.json: not what its ledger binds")
+        raise ConfigError(f"{folder}/{CONFIG_FILE}: not what its ledger binds")
 
     push_repo(published[MODEL], "vip/load-fails", token=WRITE_TOKEN)  # not loaded yet
     monkeypatch.setattr(engine.LoadedModel, "load", staticmethod(fails))
