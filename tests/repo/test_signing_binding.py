@@ -376,18 +376,26 @@ _ENCODERS = "the encoder (its line names no head)"
             "epsilon {a}",
             "head 'b'",
         ),
+        ("Head `a` is at ε = {a}. Head `b` is at ε = {a} too.", "ε = {a}", "head 'b'"),
     ],
 )
 def test_a_heads_figure_stated_of_another_component_fails_verify(tmp_path, line, figure, named):
-    """Users read each component's guarantee off the line that names it: a head's ε stated as
-    the encoder's (or another head's) verified, being a figure of the ledger."""
+    """Users read each component's guarantee off the sentence that names it: a head's ε stated
+    as the encoder's (or another head's, in the next sentence of its paragraph) verified, being
+    a figure of the ledger."""
     repo = _dp_repo(tmp_path / "repo")
     a, b = _probe("a", 2.0), _probe("b", 3.0)
     for stage in (a, b):
         _save_probe(repo, stage)
     eps = shown_epsilon(a.epsilon)
     assert eps != shown_epsilon(b.epsilon) and a.epsilon < 3.503  # below the encoder's
-    for naming_a in ("Head `a` is at ε = {a}.", "The probe heads/a: ε = {a}.", "'a': ε = {a}"):
+    for naming_a in (
+        "Head `a` is at ε = {a}.",
+        "The probe heads/a: ε = {a}.",
+        "'a': ε = {a}",
+        "Head `a` reads the encoder. Its ε = {a}.",  # the sentence before named it
+        "The first probe is at ε = {a}. It is head `a`.",  # the first after did
+    ):
         _with_text(repo, naming_a.format(a=eps))
     assert verify_repo(repo).ok, verify_repo(repo).problems
     _with_text(repo, line.format(a=eps))

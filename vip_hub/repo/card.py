@@ -239,10 +239,10 @@ def card_prose_problem(
             lines[lines.index(row)] = without_privacy
     scopes = _Scopes(ledger)
     for line in _plain("\n".join(lines)).split("\n"):
-        components = scopes.named(line)
-        for f in _line_figures(line):
-            if problem := scopes.problem(f, components):
-                return f"its text states {_clipped(f.text)!r}, {problem}"
+        for sentence, components in scopes.named(line):
+            for f in _line_figures(sentence):
+                if problem := scopes.problem(f, components):
+                    return f"its text states {_clipped(f.text)!r}, {problem}"
     return None
 
 
@@ -403,12 +403,15 @@ _HALF = 0.5 + 1e-9
 
 
 class _Scopes:
-    """Which components each line of a card's plain text (``_plain``'s) speaks of, and the
-    figures they give (``card_prose_problem``). A line speaks of the heads it names
+    """Which components each sentence of a card's plain text (``_plain``'s) speaks of, and the
+    figures they give (``card_prose_problem``). A sentence speaks of the heads it names
     (``heads/<name>``, ``head <name>`` or ``'<name>'``: the card's privacy rows, ledger table,
-    training list and results name theirs so), a stage's audit paragraph of its stage's
-    components, any other line of the encoder; several components give their figures and the
-    ledger's guarantees that compose only their stages (two heads on one dataset)."""
+    training list and results name theirs so), or, naming none, of those the last sentence
+    before it in its line that named any did (the first after it, where none before did); a
+    stage's audit paragraph speaks of its stage's components, any
+    other sentence of the encoder. A table row is one sentence. Several components give their
+    figures and the ledger's guarantees that compose only their stages (two heads on one
+    dataset)."""
 
     def __init__(self, ledger: PrivacyLedger):
         self._ledger = ledger
@@ -423,13 +426,18 @@ class _Scopes:
         self._given: dict[tuple[str, ...], _Given] = {}
         self._everything = self._of(tuple(components))
 
-    def named(self, line: str) -> tuple[str, ...]:
-        """The components ``line`` speaks of, the encoder first."""
-        named = {
-            *self._audits.get(line, ()),
-            *(c for c, p in self._heads.items() if p.search(line)),
-        }
-        return tuple(c for c in self._figures if c in named) or (ENCODER,)
+    def named(self, line: str) -> list[tuple[str, tuple[str, ...]]]:
+        """Each sentence of ``line`` with the components it speaks of, the encoder first."""
+        sentences = [line] if line.lstrip().startswith("|") else _SENTENCE_END.split(line)
+        heads = [{c for c, p in self._heads.items() if p.search(s)} for s in sentences]
+        carried = next((h for h in heads if h), set())  # leading sentences: the first named
+        audited, spoken = set(self._audits.get(line, ())), []
+        for sentence, named in zip(sentences, heads, strict=True):
+            carried = named or carried
+            spoken.append(
+                (sentence, tuple(c for c in self._figures if c in audited | carried) or (ENCODER,))
+            )
+        return spoken
 
     def _of(self, components: tuple[str, ...]) -> _Given:
         if components not in self._given:
@@ -474,6 +482,11 @@ class _Scopes:
         if above_all or any(-half < f.value - v < f.unit for v in figures):
             return None
         return f"which is no {f.symbol} of {who}, nor above every {f.symbol} its ledger gives"
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[^\sa-z])")
+"""Where a sentence of plain text ends: a full stop, question or exclamation mark, then spaces
+and no lower-case letter (a split too many only carries the heads named before it on)."""
 
 
 def _naming(head: str) -> re.Pattern[str]:
