@@ -169,9 +169,11 @@ class Index:
         return self.update_state(key, lambda current: value if current is None else current)
 
     def transaction(
-        self, read_only: bool = False
+        self, read_only: bool = False, locks: Sequence[str] = ()
     ) -> contextlib.AbstractContextManager[Transaction]:
-        """A transaction: committed when the block ends, rolled back when it raises."""
+        """A transaction: committed when the block ends, rolled back when it raises; a write
+        transaction holds the named ``locks`` from its start to its end, so that a check and
+        the write it allows are one step."""
         raise NotImplementedError
 
     def repo_lock(self, repo_id: str) -> contextlib.AbstractContextManager[None]:
@@ -212,18 +214,6 @@ class Transaction:
         if args:
             self._conn.cursor().executemany(self._sql(sql), [tuple(a) for a in args])
 
-    def lock(self, name: str) -> None:
-        """Hold the lock ``name`` until this write transaction ends, so that a check and the
-        write it allows are one step. SQLite's (BEGIN IMMEDIATE) already excludes every other
-        writer from its start: nothing more to take."""
-
-
-class _PostgresTransaction(Transaction):
-    """A PostgreSQL transaction, whose locks are transaction-scoped advisory locks."""
-
-    def lock(self, name: str) -> None:
-        self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(name),))
-
 
 SQLITE_FILE = "index.sqlite"
 """The embedded index's file in the store folder."""
@@ -254,7 +244,11 @@ class SQLiteIndex(Index):
         return conn
 
     @contextlib.contextmanager
-    def transaction(self, read_only: bool = False) -> Iterator[Transaction]:
+    def transaction(
+        self, read_only: bool = False, locks: Sequence[str] = ()
+    ) -> Iterator[Transaction]:
+        """(BEGIN IMMEDIATE excludes every other writer from its start: ``locks`` need nothing
+        more.)"""
         conn = self._conn()
         if read_only:  # autocommit reads see the last committed state
             yield Transaction(conn, "?")
@@ -324,7 +318,7 @@ class PostgresIndex(Index):
             kwargs={"autocommit": True, "row_factory": dict_row, "client_encoding": "utf8"},
         )
         self._local = threading.local()
-        self._repo_waits = _NamedLocks()
+        self._waits = _NamedLocks()
         with self.pool.connection() as conn, conn.transaction():
             conn.execute(
                 "SELECT pg_advisory_xact_lock(0)"
@@ -345,13 +339,23 @@ class PostgresIndex(Index):
                 yield conn
 
     @contextlib.contextmanager
-    def transaction(self, read_only: bool = False) -> Iterator[Transaction]:
-        with self._connection() as conn:
-            if read_only:
-                yield _PostgresTransaction(conn, "%s")
-                return
-            with conn.transaction():
-                yield _PostgresTransaction(conn, "%s")
+    def transaction(
+        self, read_only: bool = False, locks: Sequence[str] = ()
+    ) -> Iterator[Transaction]:
+        """``locks`` are transaction-scoped advisory locks, waited for in this process first
+        (as a repo's lock is: without a pooled connection)."""
+        names = [] if read_only else sorted(set(locks))
+        with contextlib.ExitStack() as held:
+            for name in names:
+                held.enter_context(self._waits.hold(name))
+            with self._connection() as conn:
+                if read_only:
+                    yield Transaction(conn, "%s")
+                    return
+                with conn.transaction():
+                    for name in names:
+                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(name),))
+                    yield Transaction(conn, "%s")
 
     @contextlib.contextmanager
     def repo_lock(self, repo_id: str) -> Iterator[None]:
@@ -359,7 +363,7 @@ class PostgresIndex(Index):
         process's other commits to the repo wait for it without one (each waiting on the
         server would hold a connection, and as many as the pool holds would starve it)."""
         key = _advisory_key(repo_id)
-        with self._repo_waits.hold(repo_id), self.pool.connection() as conn:
+        with self._waits.hold(f"repo {repo_id}"), self.pool.connection() as conn:
             conn.execute("SELECT pg_advisory_lock(%s)", (key,))
             self._local.conn = conn
             try:

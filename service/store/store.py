@@ -390,7 +390,9 @@ class HubStore:
         validate_repo_id(org, name)
         if org in RESERVED_NAMESPACES:
             raise InvalidRequest(f"no repo can be created under {org}/: the hub's pages use it")
-        with self.index.transaction() as tx:
+        # every creation in a namespace holds its lock, whatever the spelling asked for (a
+        # twin's is refused below): the twin check and the insert are one step
+        with self.index.transaction(locks=[f"repo names in {org.casefold()}"]) as tx:
             tx.execute("INSERT INTO namespaces (name) VALUES (?) ON CONFLICT DO NOTHING", (org,))
             held = tx.rows("SELECT name FROM namespaces WHERE lower(name) = lower(?)", (org,))
             if held[0]["name"] != org:
@@ -398,9 +400,6 @@ class HubStore:
                     f"namespace {org!r} differs only by case from the existing "
                     f"{held[0]['name']!r}: namespaces are unique whatever their case"
                 )
-            # org is now its namespace's one spelling (the namespaces' unique lower(name)), so
-            # every creation in it takes this lock: the check below and the insert are one step
-            tx.lock(f"repo names in {org}")
             twin = tx.rows(
                 "SELECT name FROM repos WHERE org = ? AND lower(name) = lower(?) AND name <> ?",
                 (org, name, name),

@@ -16,7 +16,7 @@ from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_fo
 
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict, NoSuchRevision
-from service.store.index import PostgresIndex
+from service.store.index import PostgresIndex, Transaction
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
@@ -121,7 +121,7 @@ def test_commits_waiting_for_a_repo_hold_no_pooled_connection(postgres):
             for t in waiting:
                 t.start()
             deadline = time.monotonic() + 30  # until all five wait for the lock (six users)
-            while index._repo_waits._locks["pg/busy"][1] < 6 and time.monotonic() < deadline:
+            while index._waits._locks["repo pg/busy"][1] < 6 and time.monotonic() < deadline:
                 time.sleep(0.01)
             read: list[object] = []
             reader = threading.Thread(target=lambda: read.append(index.row("SELECT 1 AS one")))
@@ -133,6 +133,53 @@ def test_commits_waiting_for_a_repo_hold_no_pooled_connection(postgres):
         assert not any(t.is_alive() for t in waiting)
     finally:
         index.close()
+
+
+def test_creations_waiting_for_a_namespace_hold_no_pooled_connection(
+    postgres_server, tmp_path, monkeypatch
+):
+    """Creations in one namespace take turns (its case-twin check and its insert are one step):
+    each waited for its turn on the server, holding a pooled connection, so as many creations
+    as the pool holds behind one slow creation stalled every request of the replica. Now they
+    wait inside the process."""
+    real, inserting, release = Transaction.execute, threading.Event(), threading.Event()
+
+    def execute(self: Transaction, sql: str, args: object = ()) -> int:
+        if sql.startswith("INSERT INTO repos") and threading.current_thread().name == "slow":
+            inserting.set()
+            release.wait(60)
+        return real(self, sql, args)
+
+    monkeypatch.setattr(Transaction, "execute", execute)
+    with HubStore(tmp_path / "store", index=postgres_server.new_database()) as store:
+        index = store.index
+        assert isinstance(index, PostgresIndex)
+        store.create_repo("pg/first")  # the namespace exists
+        slow = threading.Thread(target=store.create_repo, args=("pg/slow",), name="slow")
+        slow.start()
+        assert inserting.wait(30)
+        waiting = [
+            threading.Thread(target=store.create_repo, args=(f"pg/model{i}",))
+            for i in range(index.pool.max_size + 4)
+        ]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 30  # until every creation waits, in the process or on a
+        while time.monotonic() < deadline and not (  # connection of the exhausted pool
+            index.pool.get_stats().get("requests_waiting", 0)
+            or sum(users for _, users in index._waits._locks.values()) > len(waiting)
+        ):
+            time.sleep(0.01)
+        read: list[object] = []
+        reader = threading.Thread(target=lambda: read.append(index.row("SELECT 1 AS one")))
+        reader.start()
+        reader.join(timeout=10)
+        read_while_waiting = list(read)
+        release.set()
+        for t in [slow, *waiting]:
+            t.join(timeout=60)
+        assert read_while_waiting == [{"one": 1}], "the pool was exhausted by waiting creations"
+        assert len(store.repos_in("pg")) == len(waiting) + 2
 
 
 def test_two_hub_processes_share_one_store(postgres, tmp_path):
