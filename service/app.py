@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = HubStore.from_settings(settings)
-    app.state.tokens = TokenRegistry.from_settings(settings, app.state.store.index)
+    app.state.tokens = TokenRegistry.from_settings(settings, app.state.store)
     app.state.engine = engine
     app.state.metrics = metrics
     install_errors(app)

@@ -15,8 +15,10 @@ tokens file (``STORE/tokens.json``) is moved into the index at the first start.
 Users and organisations share one set of namespace names, unique whatever their case (no
 ``Alice`` beside ``alice``). A namespace that holds repos in the store is never handed to a new
 user or organisation (a token under a revoked user's name, a new organisation) unless the
-command says so (``--inherit``), nor are a revoked user's memberships handed to a new user of
-its name; an organisation keeps its name without members.
+command says so (``--inherit``), nor to a user or organisation of the settings named like a
+revoked user (the server does not start: the index keeps revoked users' names), nor are a revoked
+user's memberships handed to a new user of its name; an organisation keeps its name without
+members.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi import Request
 
@@ -44,6 +46,9 @@ from .store.errors import InvalidRequest
 from .store.index import Index
 from .store.naming import validate_namespace
 from .store.shared import AUTH_KEY, adopt_file
+
+if TYPE_CHECKING:
+    from .store import HubStore
 
 __all__ = [
     "Identity",
@@ -120,20 +125,21 @@ class TokenRegistry:
     """The known tokens and organisations: those of the index, read again on the first request
     after they change (one version lookup per request), and those of the settings."""
 
-    def __init__(self, index: Index, fixed: _Auth):
+    def __init__(self, index: Index, fixed: _Auth, repos_in: Callable[[str], Collection[str]]):
         self._index, self._fixed = index, fixed
         self._stamp = -1
         self._stored = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
         _check_apart(fixed, self._stored)
+        _check_not_former(fixed, _load(index), repos_in)
 
     @classmethod
-    def from_settings(cls, settings: Settings, index: Index) -> TokenRegistry:
-        """Tokens and organisations from ``index`` (adopting a single-host store's tokens file
-        first) and from ``auth.tokens`` and ``auth.orgs``."""
-        adopt_tokens_file(index, settings.tokens_path())
-        return cls(index, _settings_auth(settings))
+    def from_settings(cls, settings: Settings, store: HubStore) -> TokenRegistry:
+        """Tokens and organisations from ``store``'s index (adopting a single-host store's tokens
+        file first) and from ``auth.tokens`` and ``auth.orgs``."""
+        adopt_tokens_file(store.index, settings.tokens_path())
+        return cls(store.index, _settings_auth(settings), store.repos_in)
 
     def _refresh(self, strict: bool = False) -> None:
         """Read the index's tokens again if their version changed. An invalid document fails at
@@ -222,6 +228,27 @@ def _check_apart(fixed: _Auth, stored: _Auth) -> None:
                 )
 
 
+def _check_not_former(
+    fixed: _Auth, data: dict[str, Any], repos_in: Callable[[str], Collection[str]]
+) -> None:
+    """ConfigError (the server does not start) if a user or organisation of the settings
+    (``fixed``) is named like a revoked user of the index (``data``'s ``former_users``) whose
+    namespace holds repos (``repos_in``): it would own them, which the commands allow only with
+    ``--inherit``."""
+    former = {name.casefold(): name for name in data.get(FORMER_USERS, [])}
+    ours = [(t.name, "user") for t in fixed.tokens] + [(org, "organisation") for org in fixed.orgs]
+    for name, role in ours:
+        if name.casefold() in former and (repos := repos_in(name)):
+            listed = ", ".join(sorted(repos)[:3]) + (", ..." if len(repos) > 3 else "")
+            raise ConfigError(
+                f"the settings' {role} {name!r} is named like the revoked user "
+                f"{former[name.casefold()]!r}, whose namespace holds {len(repos)} repo(s) "
+                f"({listed}): it would own them. Rename it, or hand them over on purpose in the "
+                f"index first (`vip-hub token create --name {name} --inherit` for a user, "
+                f"`vip-hub org add {name} --member USER --inherit` for an organisation)"
+            )
+
+
 def _settings_auth(settings: Settings) -> _Auth:
     """The tokens and organisations of the settings (``auth.tokens``, ``auth.orgs``), checked."""
     fixed = _Auth([], {org: set(members) for org, members in settings.auth.orgs.items()})
@@ -240,6 +267,9 @@ def _settings_auth(settings: Settings) -> _Auth:
 
 
 _WHERE = "the hub's tokens"
+FORMER_USERS = "former_users"
+"""The tokens document's list of revoked users' names: a user or organisation of the settings
+named like one, whose namespace holds repos, is refused (``_check_not_former``)."""
 
 
 def _parse_auth(data: dict[str, Any], where: str) -> _Auth:
@@ -350,6 +380,13 @@ def _check_unheld(name: str, kind: str, repos: Collection[str], inherit: bool) -
         )
 
 
+def _held_again(data: dict[str, Any], name: str) -> None:
+    """``name``'s namespace has a holder again (a new user or organisation of the index, handed
+    its repos on purpose where it holds any): it is no former user's any more."""
+    if FORMER_USERS in data:
+        data[FORMER_USERS] = [n for n in data[FORMER_USERS] if n.casefold() != name.casefold()]
+
+
 def _check_no_memberships(name: str, data: dict[str, Any], inherit: bool) -> None:
     """A new user ``name`` becomes a member of the index's organisations that list that name (a
     former user's memberships, left by ``token revoke``) only when ``inherit`` says so; the
@@ -440,6 +477,7 @@ def create_token(
         _check_free(name, _sources(data, settings), _WHERE)
         _check_unheld(name, "user", repos, inherit)
         _check_no_memberships(name, data, inherit)
+        _held_again(data, name)
         data["tokens"].append(
             {
                 "name": name,
@@ -469,6 +507,7 @@ def revoke_token(index: Index, name: str) -> None:
         if len(kept) == len(data["tokens"]):
             raise ValueError(f"no token named {name!r} in {_WHERE}")
         data["tokens"] = kept
+        data[FORMER_USERS] = sorted({*data.get(FORMER_USERS, []), name})
 
     _change(index, remove)
 
@@ -491,6 +530,7 @@ def add_member(
             _check_org_name(org, _WHERE)
             _check_free(org, _sources(data, settings), _WHERE)
             _check_unheld(org, "organisation", repos, inherit)
+            _held_again(data, org)
         members = orgs.setdefault(org, [])
         if user not in members:
             members.append(user)

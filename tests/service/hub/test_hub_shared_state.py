@@ -17,6 +17,7 @@ from support.live import ThreadedServer, settings_for
 from service.auth import TokenRegistry, create_token, revoke_token
 from service.store import HubStore
 from service.store.shared import trust_key, trusted_keys
+from vip_hub.errors import ConfigError
 from vip_hub.repo.signing import create_key
 
 
@@ -57,7 +58,7 @@ def test_a_single_host_store_is_adopted_into_the_index(tmp_path):
     (root / "tokens.json").write_text(json.dumps({"tokens": []}))
     again = HubStore(root)
     assert again.secret() == grant_key
-    registry = TokenRegistry.from_settings(settings_for(root, auth={"tokens": None}), again.index)
+    registry = TokenRegistry.from_settings(settings_for(root, auth={"tokens": None}), again)
     assert registry.lookup(secret) is not None
 
 
@@ -69,7 +70,7 @@ def test_stores_on_one_index_share_tokens_grant_key_and_trust(postgres, tmp_path
     ):
         assert first.secret() == second.secret()
         registry = TokenRegistry.from_settings(
-            settings_for(tmp_path / "replica-b", auth={"tokens": None}), second.index
+            settings_for(tmp_path / "replica-b", auth={"tokens": None}), second
         )
         secret = create_token(first.index, "rita", "write")
         assert registry.lookup(secret).name == "rita"  # seen on the next lookup
@@ -87,7 +88,8 @@ def test_the_settings_names_may_not_take_the_index_namespaces(tmp_path):
     from service.auth import add_member
     from service.settings import Settings
 
-    index = HubStore(tmp_path / "store").index
+    store = HubStore(tmp_path / "store")
+    index = store.index
     create_token(index, "alice", "write")
     create_token(index, "dana", "write")
     add_member(index, "labs", "alice")
@@ -104,6 +106,41 @@ def test_the_settings_names_may_not_take_the_index_namespaces(tmp_path):
     ]:
         settings = Settings(store=tmp_path / "store", auth={"tokens": None, **auth})
         with pytest.raises(ValueError, match=clash):
-            TokenRegistry.from_settings(settings, index)
+            TokenRegistry.from_settings(settings, store)
     same = Settings(store=tmp_path / "store", auth={"tokens": "alice:read:Y"})
-    assert TokenRegistry.from_settings(same, index).lookup("Y").name == "alice"  # one user
+    assert TokenRegistry.from_settings(same, store).lookup("Y").name == "alice"  # one user
+
+
+def test_the_settings_names_may_not_take_a_revoked_users_repos(tmp_path):
+    """A settings organisation (or user) named like a revoked index user got that user's repos
+    on the next start: the index kept no record that a user had held the namespace. Now it keeps
+    revoked users' names, and the server does not start until the repos are handed over on
+    purpose in the index (``--inherit``); a revoked user without repos holds nothing."""
+    from service.auth import add_member, revoke_token
+    from service.settings import Settings
+
+    store = HubStore(tmp_path / "store")
+    for user in ("dana", "erin"):
+        create_token(store.index, user, "write")
+    store.create_repo("dana/model")
+    for user in ("dana", "erin"):
+        revoke_token(store.index, user)
+
+    def start(**auth: object) -> TokenRegistry:
+        settings = Settings(store=tmp_path / "store", auth={"tokens": None, **auth})
+        return TokenRegistry.from_settings(settings, store)
+
+    for auth, holder in [
+        ({"orgs": {"Dana": ["mallory"]}}, "organisation 'Dana'"),
+        ({"tokens": "dana:write:X"}, "user 'dana'"),
+    ]:
+        with pytest.raises(
+            ConfigError, match=rf"the settings' {holder} is named like the revoked user 'dana'"
+        ) as refused:
+            start(**auth)
+        assert "holds 1 repo(s) (dana/model)" in str(refused.value)
+    start(orgs={"erin": ["mallory"]})  # erin held no repo
+    mallory = create_token(store.index, "mallory", "write")
+    add_member(store.index, "dana", "mallory", repos=store.repos_in("dana"), inherit=True)
+    registry = start(orgs={"dana": ["mallory"]})  # handed over on purpose in the index
+    assert registry.lookup(mallory).owns("dana")
