@@ -88,6 +88,9 @@ from ..skeleton.config import (
 )
 from ..skeleton.distributed import Dist
 from .probe import (
+    PAPER_HEAD_BATCHES,
+    PAPER_HEAD_CLIP,
+    PAPER_HEAD_LR,
     HeadData,
     LabelledImages,
     ProbeConfig,
@@ -173,11 +176,14 @@ class FinetuneConfig(
     )
     probe_epochs: int = Field(100, gt=0, description="epochs of the DP probe")
     probe_batch_size: int | None = Field(
-        None, gt=0, description="expected batch of the DP probe (default: n / 8, rounded up)"
+        None,
+        gt=0,
+        description="expected batch of the DP probe "
+        f"(default: n / {PAPER_HEAD_BATCHES}, rounded up)",
     )
-    probe_lr: float = Field(16.0, gt=0, description="SGD learning rate of the DP probe")
+    probe_lr: float = Field(PAPER_HEAD_LR, gt=0, description="SGD learning rate of the DP probe")
     probe_max_grad_norm: float = Field(
-        0.1, ge=MIN_CLIP, description="clipping norm of the DP probe"
+        PAPER_HEAD_CLIP, ge=MIN_CLIP, description="clipping norm of the DP probe"
     )
 
     @model_validator(mode="after")
@@ -196,7 +202,7 @@ class FinetuneConfig(
             pooling=self.pooling,
             epochs=self.probe_epochs,
             warmup_epochs=tenth_of_steps(self.probe_epochs),
-            batch_size=self.probe_batch_size or -(-n // 8),
+            batch_size=self.probe_batch_size or -(-n // PAPER_HEAD_BATCHES),
             optimizer="sgd",
             lr=self.probe_lr,
             epsilon=self.probe_epsilon,

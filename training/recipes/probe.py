@@ -88,6 +88,9 @@ from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
 
 __all__ = [
+    "PAPER_HEAD_BATCHES",
+    "PAPER_HEAD_CLIP",
+    "PAPER_HEAD_LR",
     "DPHeadLoss",
     "LabelledImages",
     "ProbeConfig",
@@ -117,6 +120,15 @@ __all__ = [
 
 PROBE_MOMENTUM = 0.9
 """The heads' SGD (and LARS) momentum, as their ledger stages record it."""
+
+PAPER_HEAD_LR = 16.0
+"""The peak SGD learning rate of a DP linear head on fixed features (Tramer & Boneh 2021's)."""
+
+PAPER_HEAD_CLIP = 0.1
+"""The clipping norm C of a DP linear head on fixed features (Tramer & Boneh 2021's)."""
+
+PAPER_HEAD_BATCHES = 8
+"""Poisson batches per epoch of a DP linear head (the paper's 8,192 of 60,000: q about 1/8)."""
 
 
 @dataclass

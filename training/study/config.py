@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..recipes.probe import PAPER_HEAD_BATCHES, PAPER_HEAD_CLIP, PAPER_HEAD_LR
 from ..skeleton.config import EncoderParameters
 
 __all__ = ["BENCHMARK", "JOB", "StudyConfig", "stamp"]
@@ -92,9 +93,13 @@ class StudyConfig(BaseModel):
         "best of 16, 8, 4 and 2, each with the epochs for both priors' DP heads on the public "
         "stand-in at that preset's head noise (the benchmarks' README, 'The DP heads' batch')",
     )
-    head_clip: float = Field(0.1, gt=0, description="clipping norm C of a DP head (the paper's)")
+    head_clip: float = Field(
+        PAPER_HEAD_CLIP, gt=0, description="clipping norm C of a DP head (the paper's)"
+    )
     head_lr: float = Field(
-        16.0, gt=0, description="peak SGD learning rate of a DP head, momentum 0.9 (the paper's)"
+        PAPER_HEAD_LR,
+        gt=0,
+        description="peak SGD learning rate of a DP head, momentum 0.9 (the paper's)",
     )
     head_kind: Literal["sgd", "class-means", "chosen"] = Field(
         "chosen",
@@ -276,7 +281,7 @@ BENCHMARK = StudyConfig(
     select_size=5_000,
     test_size=5_000,
     probe_epochs=50,
-    head_batches=8,
+    head_batches=PAPER_HEAD_BATCHES,
     head_components=0,
 )
 """``benchmarks/utility.py``'s study: the whole train split, as the paper's table; the same
