@@ -29,7 +29,7 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,6 +410,24 @@ class BlobStore:
         return removed + remove_older_than(
             self.uploads, upload_age, keep=lambda p: sharded_name(p) in named
         )
+
+    def clean_unreserved_staging(self, reserved: Callable[[], Collection[str]]) -> int:
+        """Remove the staged objects whose upload no reservation names any more: what a client
+        PUT through its presigned URL after its verify (the URL stays valid for its lifetime) or
+        after its reservation expired, which its user's staging quota no longer counts.
+        ``reserved()`` (the upload ids reserved) is read after the listing, so an upload
+        reserved meanwhile, whose URL was handed out after, keeps its object. Returns how many
+        went."""
+        if self.remote is None:
+            return 0
+        try:
+            staged = [o.key for o in self.remote.listed(STAGING)]
+            kept = {staging_key(upload_id) for upload_id in reserved()}
+            gone = [key for key in staged if key not in kept]
+            self.remote.delete_many(gone)
+        except StoreUnavailable:  # collected at a later call
+            return 0
+        return len(gone)
 
     # ------------------------------------------------------------------ upkeep
     def listed_blobs(self) -> Iterator[Listed]:

@@ -316,16 +316,22 @@ class HubStore:
 
     def collect_uploads(self) -> int:
         """Remove uploads never committed older than the upload time-to-live (staged ones with
-        their share of their user's staging quota), xorbs unused for the Xet time-to-live, and
-        temp files left by crashed requests; returns how many went."""
+        their share of their user's staging quota), staged objects no reservation counts any
+        more (sent again after their verify), xorbs unused for the Xet time-to-live, and temp
+        files left by crashed requests; returns how many went."""
         self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (clock.now(),))
         now = clock.now()
         for partial in (self.root / "snapshots").glob(f"*/*/{_PARTIAL_SNAPSHOT}*"):
             with contextlib.suppress(OSError):  # a killed snapshot's build, of a day ago
                 if now - partial.stat().st_mtime > STALE_TMP_SECONDS:
                     shutil.rmtree(partial)
-        return self.blobs.clean_stale(upload_age=self.limits.upload_ttl_s) + self.xet.clean_stale(
-            self.limits.xet_ttl_s
+        unreserved = self.blobs.clean_unreserved_staging(
+            lambda: [r["id"] for r in self.index.rows("SELECT id FROM staged_uploads")]
+        )
+        return (
+            unreserved
+            + self.blobs.clean_stale(upload_age=self.limits.upload_ttl_s)
+            + self.xet.clean_stale(self.limits.xet_ttl_s)
         )
 
     def reserve_staging(self, account: str, upload_id: str, size: int, limit: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import huggingface_hub
@@ -27,7 +28,7 @@ from support.live import (
 )
 from support.seaweed import BUCKET
 
-from service.store.s3 import BLOB_TYPE, S3Objects, blob_key, upload_key
+from service.store.s3 import BLOB_TYPE, S3Objects, blob_key, staging_key, upload_key
 from service.store.upkeep import check_store
 from vip_hub.repo_format import WEIGHTS_FILE
 
@@ -300,6 +301,37 @@ def test_staged_bytes_per_user_are_capped(hub, monkeypatch):
     lfs_send(entry["actions"]["upload"], entry["oid"], data)
     assert _verify(entry, len(data), ADMIN_TOKEN).status_code == 200
     assert all("actions" in lfs_batch(hub.url, REPO, _text(4096), ADMIN_TOKEN) for _ in range(3))
+
+
+def _staged_at(entry: dict) -> str:
+    """The staging key an LFS batch entry's presigned upload goes to (its verify names it)."""
+    return staging_key(parse_qs(urlsplit(entry["actions"]["verify"]["href"]).query)["staged"][0])
+
+
+def test_bytes_sent_again_after_verify_are_collected(hub, seaweed):
+    """A presigned PUT URL stays valid after its verify, which gave its bytes' share of the
+    staging quota back: bytes sent through it again sat in the bucket, counted by no quota,
+    until the uploads' time-to-live (a day). The next collection removes them now, and keeps a
+    staged upload whose reservation still counts (sent, not yet verified)."""
+    data, waiting = _text(4096), _text(4096)
+    entry = lfs_batch(hub.url, REPO, data)
+    lfs_send(entry["actions"]["upload"], entry["oid"], data)
+    assert _verify(entry, len(data)).status_code == 200
+    again = _text(4096)  # the same length: the URL signs it
+    assert HTTP.put(entry["actions"]["upload"]["href"], content=again).status_code == 200
+    sent_again = staging_key(
+        parse_qs(urlsplit(entry["actions"]["verify"]["href"]).query)["staged"][0]
+    )
+    pending = lfs_batch(hub.url, REPO, waiting)
+    lfs_send(pending["actions"]["upload"], pending["oid"], waiting)
+    reserved = staging_key(
+        parse_qs(urlsplit(pending["actions"]["verify"]["href"]).query)["staged"][0]
+    )
+    assert _held(seaweed, sent_again) == hashlib.sha256(again).hexdigest()
+    hub.app.state.store.collect_uploads()
+    assert _held(seaweed, sent_again) is None
+    assert _held(seaweed, reserved) == hashlib.sha256(waiting).hexdigest()
+    assert _verify(pending, len(waiting)).status_code == 200  # and it verifies after
 
 
 def test_concurrent_verifies_of_one_object_keep_its_bytes(hub, seaweed, tmp_path):
