@@ -17,8 +17,8 @@ the ``verify`` action (granted like the PUT above) is where the store copies the
 to a key no client can write, and the hub hashes that copy and keeps it only if it is the object
 announced (``BlobStore.receive_staged``): nothing a client sent is named by a commit before
 that, and what the client writes through its URL afterwards (it stays valid for its lifetime)
-changes nothing and goes at the next collection (no reservation names it any more). An object over ``object_store.multipart_chunk_bytes`` goes in parts: a
-presigned PUT per part (its length signed), then the client's completion POST to this hub
+changes nothing and goes at the next collection (no reservation names it any more). An object
+over ``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part (its length signed), then the client's completion POST to this hub
 (granted, as it carries no token), which joins them. The bytes of a user's presigned uploads
 not yet verified are capped (``object_store.max_staged_bytes``: 429 in the batch reply).
 """
