@@ -12,15 +12,16 @@ names the object by SHA-256 (an ``lfsFile`` line). Multipart transfer is the ser
 serves any size.
 
 With an object store (``object_store.endpoint``) the ``upload`` action is instead a presigned
-PUT straight to the store, to a staging key of this upload alone (never a content key), and
-the ``verify`` action (granted like the PUT above) is where the store copies the staged object
-to a key no client can write, and the hub hashes that copy and keeps it only if it is the object
+PUT straight to the store, to a staging key of this upload alone (never a content key), and the
+``verify`` action (granted like the PUT above) is where the store copies the staged object to a
+key no client can write, and the hub hashes that copy and keeps it only if it is the object
 announced (``BlobStore.receive_staged``): nothing a client sent is named by a commit before
 that, and what the client writes through its URL afterwards (it stays valid for its lifetime)
 changes nothing and goes at the next collection (no reservation names it any more). An object
-over ``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part (its length signed), then the client's completion POST to this hub
-(granted, as it carries no token), which joins them. The bytes of a user's presigned uploads
-not yet verified are capped (``object_store.max_staged_bytes``: 429 in the batch reply).
+over ``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part (its length
+signed), then the client's completion POST to this hub (granted, as it carries no token), which
+joins them. The bytes of a user's presigned uploads not yet verified are capped
+(``object_store.max_staged_bytes``: 429 in the batch reply).
 """
 
 from __future__ import annotations
