@@ -93,6 +93,8 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=settings.log_level,
         log_config=log_config(settings.log_level),
         access_log=False,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
         # SIGTERM: stop accepting, drain, exit; uvicorn hands it to asyncio.wait's timeout, a
         # float, though it annotates it int
         timeout_graceful_shutdown=settings.drain_s,  # type: ignore[arg-type]

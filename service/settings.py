@@ -351,6 +351,14 @@ class Settings(BaseSettings):
     )
     host: str = DEFAULT_HOST
     port: Port = DEFAULT_PORT
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="addresses (comma-separated; '*' any) whose X-Forwarded-Proto and "
+        "X-Forwarded-For the server believes: its load balancer's, so that behind one that "
+        "terminates TLS the URLs it hands out (LFS and Xet actions, pages) are https; '*' only "
+        "where nothing else reaches the server (a compose network)",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     drain_s: float = Field(
         120,

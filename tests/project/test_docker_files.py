@@ -164,7 +164,28 @@ def test_the_balancer_routes_to_the_replicas_services():
     assert "listen 8000;" in conf
     balancer = services["balancer"]
     assert "./nginx.conf:/etc/nginx/conf.d/default.conf:ro" in balancer["volumes"]
+    assert "./nginx-proxy.conf:/etc/nginx/vip-hub/proxy.conf:ro" in balancer["volumes"]
+    assert "include /etc/nginx/vip-hub/proxy.conf;" in conf
     assert set(balancer["depends_on"]) == upstream_hosts
     for name in upstream_hosts:  # SIGTERM drains for up to drain_s (120 s) before the kill
         grace = services[name]["stop_grace_period"]
         assert int(grace.rstrip("s")) > 120, (name, grace)
+
+
+def test_the_tls_override_mounts_what_the_balancer_includes_and_keeps_it_on_loopback():
+    """compose.tls.yaml adds docker/nginx-tls.conf where nginx.conf includes TLS servers from,
+    the operator's certificate folder (no default: a missing one names the variable) where
+    nginx-tls.conf reads it, and 8443 on loopback unless the operator says otherwise; and the
+    replicas believe the scheme the balancer forwards."""
+    conf, tls = (DOCKER / "nginx.conf").read_text(), (DOCKER / "nginx-tls.conf").read_text()
+    balancer = _compose("compose.tls.yaml")["services"]["balancer"]
+    assert "include /etc/nginx/vip-hub/tls/*.conf;" in conf
+    assert "./nginx-tls.conf:/etc/nginx/vip-hub/tls/tls.conf:ro" in balancer["volumes"]
+    certs = next(v for v in balancer["volumes"] if v.endswith(":/etc/nginx/vip-hub/certs:ro"))
+    assert certs.startswith("${VIP_HUB_TLS_CERTS:?"), certs
+    for name in ("fullchain.pem", "privkey.pem"):
+        assert f"/etc/nginx/vip-hub/certs/{name};" in tls
+    assert "listen 8443 ssl;" in tls and "include /etc/nginx/vip-hub/proxy.conf;" in tls
+    assert balancer["ports"] == ["${VIP_HUB_TLS_LISTEN:-127.0.0.1:8443}:8443"]
+    replicas = _compose("compose.replicas.yaml")["x-replica"]["environment"]
+    assert replicas["VIP_HUB_FORWARDED_ALLOW_IPS"] == "*"

@@ -126,20 +126,36 @@ class Postgres:
 
 
 NGINX_CONF = ROOT / "docker" / "nginx.conf"
+NGINX_PROXY = ROOT / "docker" / "nginx-proxy.conf"
+NGINX_TLS = ROOT / "docker" / "nginx-tls.conf"
+NGINX_MOUNTS = "/etc/nginx/vip-hub"
+"""Where the shipped site includes its proxying and TLS files from (the compose files mount
+them there)."""
 
 
 class Nginx:
-    """nginx on 127.0.0.1:``port`` running the shipped ``docker/nginx.conf``, its ``hub`` and
-    ``inference`` upstreams pointed at the given ``host:port`` replicas; one worker, so
-    requests go round the replicas in turn. Its access log goes to ``access_log``: where the
-    site names none, in nginx's default format, as the image's own nginx.conf writes it."""
+    """nginx on 127.0.0.1:``port`` running the shipped ``docker/nginx.conf`` (and its
+    ``nginx-proxy.conf``), its ``hub`` and ``inference`` upstreams pointed at the given
+    ``host:port`` replicas; one worker, so requests go round the replicas in turn. With ``tls``
+    (a folder holding ``fullchain.pem`` and ``privkey.pem``) also ``docker/nginx-tls.conf`` on
+    ``tls_port``, as ``compose.tls.yaml`` mounts it. Its access log goes to ``access_log``:
+    where the site names none, in nginx's default format, as the image's own nginx.conf writes
+    it."""
 
     SHIPPED_ACCESS_LOG = "/var/log/nginx/access.log"
-    """Where ``docker/nginx.conf`` writes its access log (the image links it to stdout)."""
+    """Where ``docker/nginx-proxy.conf`` writes its access log (the image links it to stdout)."""
 
-    def __init__(self, folder: Path, port: int, hub: list[str], inference: list[str]):
+    def __init__(
+        self,
+        folder: Path,
+        port: int,
+        hub: list[str],
+        inference: list[str],
+        tls: Path | None = None,
+    ):
         self.folder, self.port = folder, port
         self.hub, self.inference = hub, inference
+        self.tls, self.tls_port = tls, free_port() if tls else None
         self.access_log = folder / "access.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -147,16 +163,33 @@ class Nginx:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def tls_url(self) -> str:
+        assert self.tls_port is not None, "nginx was started without TLS"
+        return f"https://127.0.0.1:{self.tls_port}"
+
+    def _mounted(self, text: str) -> str:
+        """``text`` with the compose files' mount points replaced by this nginx's folder."""
+        return text.replace(f"{NGINX_MOUNTS}/", f"{self.folder}/")
+
     def _site(self) -> str:
         site = NGINX_CONF.read_text().replace("listen 8000;", f"listen 127.0.0.1:{self.port};")
-        site = site.replace(self.SHIPPED_ACCESS_LOG, str(self.access_log))
         for name, replicas in (("hub", self.hub), ("inference", self.inference)):
             site = re.sub(
                 rf"server {name}:8000([^;]*);",
                 lambda m, rs=replicas: " ".join(f"server {r}{m.group(1)};" for r in rs),
                 site,
             )
-        return site
+        proxy = NGINX_PROXY.read_text().replace(self.SHIPPED_ACCESS_LOG, str(self.access_log))
+        (self.folder / "proxy.conf").write_text(proxy)
+        (self.folder / "tls").mkdir(exist_ok=True)
+        if self.tls is not None:
+            shutil.copytree(self.tls, self.folder / "certs", dirs_exist_ok=True)
+            tls = NGINX_TLS.read_text().replace(
+                "listen 8443 ssl;", f"listen 127.0.0.1:{self.tls_port} ssl;"
+            )
+            (self.folder / "tls" / "tls.conf").write_text(self._mounted(tls))
+        return self._mounted(site)
 
     def start(self) -> Nginx:
         nginx = debian_program("nginx", "nginx", "/usr/sbin/nginx")
