@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -182,8 +183,11 @@ def lfs_commit(
     )
 
 
-def lfs_batch(url: str, repo: str, data: bytes, token: str = WRITE_TOKEN) -> dict:
-    """The LFS batch reply's entry for one object of content ``data``."""
+def lfs_batch(
+    url: str, repo: str, data: bytes, token: str = WRITE_TOKEN, verify: ssl.SSLContext | bool = True
+) -> dict:
+    """The LFS batch reply's entry for one object of content ``data`` (``verify``: the TLS
+    context to check ``url``'s certificate with)."""
     reply = httpx.post(
         f"{url}/{repo}.git/info/lfs/objects/batch",
         json={
@@ -191,6 +195,7 @@ def lfs_batch(url: str, repo: str, data: bytes, token: str = WRITE_TOKEN) -> dic
             "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
         },
         headers={"Authorization": f"Bearer {token}"},
+        verify=verify,
         timeout=60,
     )
     assert reply.status_code == 200, reply.text

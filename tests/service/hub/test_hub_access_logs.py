@@ -6,7 +6,6 @@ A real server, real uploads, the real nginx."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import httpx
 import pytest
 from huggingface_hub import HfApi
-from support.live import WRITE_TOKEN, free_port
+from support.live import WRITE_TOKEN, free_port, lfs_batch
 from support.system import Nginx
 
 from service.ops import ACCESS_LOGGER, CREDENTIAL_PARAMETERS, log_config
@@ -43,16 +42,7 @@ def balancer(hub, tmp_path_factory):
 def _upload(url: str, repo_id: str, data: bytes) -> tuple[str, str]:
     """Upload ``data`` as the Git LFS client does, through ``url``: the batch call, then a PUT to
     the URL it answers. That URL's path and grant."""
-    batch = httpx.post(
-        f"{url}/{repo_id}.git/info/lfs/objects/batch",
-        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
-        json={
-            "operation": "upload",
-            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
-        },
-        timeout=60,
-    )
-    href = batch.json()["objects"][0]["actions"]["upload"]["href"]
+    href = lfs_batch(url, repo_id, data)["actions"]["upload"]["href"]
     assert httpx.put(href, content=data, timeout=60).status_code == 200
     target = urlsplit(href)
     return target.path, parse_qs(target.query)["grant"][0]

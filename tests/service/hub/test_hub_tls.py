@@ -6,7 +6,6 @@ are https too, as nginx forwards the scheme and the hub believes it from the add
 from __future__ import annotations
 
 import datetime
-import hashlib
 import ipaddress
 import ssl
 import uuid
@@ -21,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from huggingface_hub import HfApi, snapshot_download
 from support.helpers import tiny_repo_with_head
-from support.live import WRITE_TOKEN, ProcessServer, free_port
+from support.live import WRITE_TOKEN, ProcessServer, free_port, lfs_batch
 from support.system import Nginx
 
 from vip_hub.repo_format import WEIGHTS_FILE
@@ -68,23 +67,6 @@ def _trusting(certificate: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certificate / "fullchain.pem")
 
 
-def _upload_href(url: str, repo_id: str, data: bytes, trust: ssl.SSLContext) -> str:
-    """The upload action the hub answers an LFS batch call for ``data`` with, reached at
-    ``url`` (the certificate in ``trust`` trusted)."""
-    batch = httpx.post(
-        f"{url}/{repo_id}.git/info/lfs/objects/batch",
-        headers={"Authorization": f"Bearer {WRITE_TOKEN}"},
-        json={
-            "operation": "upload",
-            "objects": [{"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}],
-        },
-        verify=trust,
-        timeout=60,
-    )
-    assert batch.status_code == 200, batch.text
-    return batch.json()["objects"][0]["actions"]["upload"]["href"]
-
-
 def test_clients_reach_the_hub_over_tls_and_are_handed_https_urls(
     hub, certificate, tmp_path, monkeypatch
 ):
@@ -110,7 +92,7 @@ def test_clients_reach_the_hub_over_tls_and_are_handed_https_urls(
         )
         assert (Path(got) / WEIGHTS_FILE).read_bytes() == (folder / WEIGHTS_FILE).read_bytes()
         data = uuid.uuid4().bytes * 64
-        href = _upload_href(lb.tls_url, repo_id, data, trust)
+        href = lfs_batch(lb.tls_url, repo_id, data, verify=trust)["actions"]["upload"]["href"]
         assert href.startswith(f"{lb.tls_url}/{repo_id}.git/info/lfs/objects/"), href
         assert httpx.put(href, content=data, verify=trust, timeout=60).status_code == 200
         health = httpx.get(f"{lb.tls_url}/healthz", verify=trust, timeout=30)
@@ -140,7 +122,8 @@ def test_the_hub_believes_the_forwarded_scheme_from_its_forwarded_allow_ips_alon
             timeout=60,
         )
         assert created.status_code == 200, created.text
-        href = _upload_href(lb.tls_url, repo_id, b"x" * 100, _trusting(certificate))
+        entry = lfs_batch(lb.tls_url, repo_id, b"x" * 100, verify=_trusting(certificate))
+        href = entry["actions"]["upload"]["href"]
         assert href.startswith(f"http://127.0.0.1:{lb.tls_port}/"), href
     finally:
         lb.stop()
