@@ -377,6 +377,7 @@ _ENCODERS = "the encoder (its line names no head)"
             "head 'b'",
         ),
         ("Head `a` is at ε = {a}. Head `b` is at ε = {a} too.", "ε = {a}", "head 'b'"),
+        ("The encoder is at ε = {a}. Head `a` reads it.", "ε = {a}", _ENCODERS),
     ],
 )
 def test_a_heads_figure_stated_of_another_component_fails_verify(tmp_path, line, figure, named):
@@ -394,7 +395,6 @@ def test_a_heads_figure_stated_of_another_component_fails_verify(tmp_path, line,
         "The probe heads/a: ε = {a}.",
         "'a': ε = {a}",
         "Head `a` reads the encoder. Its ε = {a}.",  # the sentence before named it
-        "The first probe is at ε = {a}. It is head `a`.",  # the first after did
     ):
         _with_text(repo, naming_a.format(a=eps))
     assert verify_repo(repo).ok, verify_repo(repo).problems

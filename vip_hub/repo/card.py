@@ -217,7 +217,7 @@ def card_prose_problem(
     text: str, ledger: PrivacyLedger, card: ModelCard | None = None
 ) -> str | None:
     """Why the card's ``text`` does not state what ``ledger`` gives (one of ``card_statements``
-    missing) or states an ε or δ that the component its line names does not give
+    missing) or states an ε or δ that the components its sentence speaks of do not give
     (``stated_figures``, ``_Scopes``; ``card``, its parsed front matter, sets its comparison
     table's rows aside), else None: users read the guarantee off the card's text, which its
     front matter's ledger copy does not bind."""
@@ -407,11 +407,10 @@ class _Scopes:
     figures they give (``card_prose_problem``). A sentence speaks of the heads it names
     (``heads/<name>``, ``head <name>`` or ``'<name>'``: the card's privacy rows, ledger table,
     training list and results name theirs so), or, naming none, of those the last sentence
-    before it in its line that named any did (the first after it, where none before did); a
-    stage's audit paragraph speaks of its stage's components, any
-    other sentence of the encoder. A table row is one sentence. Several components give their
-    figures and the ledger's guarantees that compose only their stages (two heads on one
-    dataset)."""
+    before it in its line that named any did; a stage's audit paragraph and a guarantee's
+    paragraph speak of the components their stages trained; any other sentence speaks of the
+    encoder. A table row is one sentence. Several components give their figures and the
+    ledger's guarantees that compose only their stages (two heads on one dataset)."""
 
     def __init__(self, ledger: PrivacyLedger):
         self._ledger = ledger
@@ -423,6 +422,10 @@ class _Scopes:
             for s in ledger.dp_stages()
             for p in _stage_audit_paragraphs(ledger, s)
         }
+        self._guarantees = {
+            _plain(_guarantee_lead(ledger, g)): _guarantee_components(ledger, g)
+            for g in ledger.guarantees
+        }
         self._given: dict[tuple[str, ...], _Given] = {}
         self._everything = self._of(tuple(components))
 
@@ -430,8 +433,10 @@ class _Scopes:
         """Each sentence of ``line`` with the components it speaks of, the encoder first."""
         sentences = [line] if line.lstrip().startswith("|") else _SENTENCE_END.split(line)
         heads = [{c for c, p in self._heads.items() if p.search(s)} for s in sentences]
-        carried = next((h for h in heads if h), set())  # leading sentences: the first named
-        audited, spoken = set(self._audits.get(line, ())), []
+        audited, carried, spoken = set(self._audits.get(line, ())), set[str](), []
+        for lead, components in self._guarantees.items():
+            if line.startswith(lead):  # a guarantee's paragraph names its components after
+                audited.update(components)
         for sentence, named in zip(sentences, heads, strict=True):
             carried = named or carried
             spoken.append(
@@ -456,9 +461,9 @@ class _Scopes:
         return self._given[components]
 
     def problem(self, f: StatedFigure, components: tuple[str, ...]) -> str | None:
-        """Why ``f``, stated on a line that speaks of ``components``, is none of their figures
-        (read to its digits: rounded to the nearest or up), nor above every figure of the
-        ledger (a weaker claim, true of every component, whichever the line means), else None;
+        """Why ``f``, stated in a sentence that speaks of ``components``, is none of their
+        figures (read to its digits: rounded to the nearest or up), nor above every figure of
+        the ledger (a weaker claim, true of every component, whichever is meant), else None;
         a lower bound on ε holds unless above all of theirs, a zero only where one of them has
         ε zero."""
         given, half = self._of(components), f.unit * _HALF  # a tie rounds either way
@@ -486,7 +491,8 @@ class _Scopes:
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[^\sa-z])")
 """Where a sentence of plain text ends: a full stop, question or exclamation mark, then spaces
-and no lower-case letter (a split too many only carries the heads named before it on)."""
+and no lower-case letter. A split inside a sentence ("vs. Head b") narrows what follows it to the
+heads it names; a sentence left unsplit (a semicolon, a lower-case start) is read as one."""
 
 
 def _naming(head: str) -> re.Pattern[str]:
@@ -778,17 +784,28 @@ def _stage_audit_paragraphs(ledger: PrivacyLedger, s: DPStage) -> list[str]:
     return out
 
 
-def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
+def _guarantee_components(ledger: PrivacyLedger, g: Any) -> list[str]:
+    """The components whose weights the guarantee ``g`` covers: those its stages trained."""
+    return sorted({c for n in g.stages for c in ledger.stage(n).trained_components})
+
+
+def _guarantee_lead(ledger: PrivacyLedger, g: Any) -> str:
+    """The first sentence of the guarantee ``g``'s paragraph: its figures, dataset and stages."""
     stages = [ledger.stage(n) for n in g.stages]
-    n = stages[0].dataset.size
-    bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
-    components = sorted({c for s in stages for c in s.trained_components})
     return (
         f"**(ε = {shown_epsilon(g.epsilon)}, δ = {g.delta:.3g})-differential privacy for the "
         "dataset "
-        f"{_code(g.dataset)}** ({n:,} examples), composed over stage(s) "
+        f"{_code(g.dataset)}** ({stages[0].dataset.size:,} examples), composed over stage(s) "
         f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} "
-        f"accountant{_reference_note(stages)}. In plain words: for any single {unit} of "
+        f"accountant{_reference_note(stages)}."
+    )
+
+
+def _guarantee_text(ledger: PrivacyLedger, g: Any, unit: str) -> str:
+    bound = math.exp(g.epsilon) if g.epsilon < 700 else math.inf
+    components = _guarantee_components(ledger, g)
+    return (
+        f"{_guarantee_lead(ledger, g)} In plain words: for any single {unit} of "
         f"{_code(g.dataset)}, anything one can compute from the {_md(' and '.join(components))} "
         f"weights is almost equally likely whether or not that {unit} was in the training data: "
         f"probabilities differ by at most a factor e^ε ≈ {bound:,.3g}, except with probability δ."
