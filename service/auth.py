@@ -125,21 +125,27 @@ class TokenRegistry:
     """The known tokens and organisations: those of the index, read again on the first request
     after they change (one version lookup per request), and those of the settings."""
 
-    def __init__(self, index: Index, fixed: _Auth, repos_in: Callable[[str], Collection[str]]):
+    def __init__(
+        self,
+        index: Index,
+        fixed: _Auth,
+        repos_in: Callable[[str], Collection[str]],
+        inherit: Collection[str] = (),
+    ):
         self._index, self._fixed = index, fixed
         self._stamp = -1
         self._stored = _Auth([], {})
         self._lock = threading.Lock()
         self._refresh(strict=True)
         _check_apart(fixed, self._stored)
-        _check_not_former(fixed, _load(index), repos_in)
+        _take_former_namespaces(index, fixed, repos_in, inherit)
 
     @classmethod
     def from_settings(cls, settings: Settings, store: HubStore) -> TokenRegistry:
         """Tokens and organisations from ``store``'s index (adopting a single-host store's tokens
         file first) and from ``auth.tokens`` and ``auth.orgs``."""
         adopt_tokens_file(store.index, settings.tokens_path())
-        return cls(store.index, _settings_auth(settings), store.repos_in)
+        return cls(store.index, _settings_auth(settings), store.repos_in, settings.auth.inherit)
 
     def _refresh(self, strict: bool = False) -> None:
         """Read the index's tokens again if their version changed. An invalid document fails at
@@ -228,25 +234,46 @@ def _check_apart(fixed: _Auth, stored: _Auth) -> None:
                 )
 
 
-def _check_not_former(
-    fixed: _Auth, data: dict[str, Any], repos_in: Callable[[str], Collection[str]]
+def _take_former_namespaces(
+    index: Index,
+    fixed: _Auth,
+    repos_in: Callable[[str], Collection[str]],
+    inherit: Collection[str],
 ) -> None:
     """ConfigError (the server does not start) if a user or organisation of the settings
-    (``fixed``) is named like a revoked user of the index (``data``'s ``former_users``) whose
-    namespace holds repos (``repos_in``): it would own them, which the commands allow only with
-    ``--inherit``."""
-    former = {name.casefold(): name for name in data.get(FORMER_USERS, [])}
+    (``fixed``) is named like a revoked user of ``index`` (its tokens document's
+    ``former_users``) whose namespace holds repos (``repos_in``), unless ``inherit`` (the
+    settings' ``auth.inherit``) names it: it would own them, which the commands allow only with
+    ``--inherit``. Each settings name that passes holds its namespace from then on: it leaves
+    ``former_users``, so that the repos it makes are never taken for the revoked user's."""
+    former = _former_users(_load(index))
+    handed = {name.casefold() for name in inherit}
     ours = [(t.name, "user") for t in fixed.tokens] + [(org, "organisation") for org in fixed.orgs]
-    for name, role in ours:
-        if name.casefold() in former and (repos := repos_in(name)):
+    taken = [(name, role) for name, role in ours if name.casefold() in former]
+    for name, role in taken:
+        if name.casefold() not in handed and (repos := repos_in(name)):
             listed = ", ".join(sorted(repos)[:3]) + (", ..." if len(repos) > 3 else "")
             raise ConfigError(
                 f"the settings' {role} {name!r} is named like the revoked user "
                 f"{former[name.casefold()]!r}, whose namespace holds {len(repos)} repo(s) "
-                f"({listed}): it would own them. Rename it, or hand them over on purpose in the "
-                f"index first (`vip-hub token create --name {name} --inherit` for a user, "
-                f"`vip-hub org add {name} --member USER --inherit` for an organisation)"
+                f"({listed}): it would own them. Rename it, or hand them over on purpose by "
+                f"naming it in auth.inherit"
             )
+    if taken:
+
+        def held(data: dict[str, Any]) -> None:
+            for name, _ in taken:
+                _held_again(data, name)
+
+        _change(index, held)
+
+
+def _former_users(data: dict[str, Any]) -> dict[str, str]:
+    """The tokens document's revoked users, by their names' case fold."""
+    names = data.get(FORMER_USERS, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{_WHERE} are not valid: {FORMER_USERS} is not a list of names")
+    return {name.casefold(): name for name in names}
 
 
 def _settings_auth(settings: Settings) -> _Auth:
@@ -269,7 +296,7 @@ def _settings_auth(settings: Settings) -> _Auth:
 _WHERE = "the hub's tokens"
 FORMER_USERS = "former_users"
 """The tokens document's list of revoked users' names: a user or organisation of the settings
-named like one, whose namespace holds repos, is refused (``_check_not_former``)."""
+named like one, whose namespace holds repos, is refused (``_take_former_namespaces``)."""
 
 
 def _parse_auth(data: dict[str, Any], where: str) -> _Auth:
@@ -507,7 +534,7 @@ def revoke_token(index: Index, name: str) -> None:
         if len(kept) == len(data["tokens"]):
             raise ValueError(f"no token named {name!r} in {_WHERE}")
         data["tokens"] = kept
-        data[FORMER_USERS] = sorted({*data.get(FORMER_USERS, []), name})
+        data[FORMER_USERS] = sorted({*_former_users(data).values(), name})
 
     _change(index, remove)
 
@@ -530,6 +557,8 @@ def add_member(
             _check_org_name(org, _WHERE)
             _check_free(org, _sources(data, settings), _WHERE)
             _check_unheld(org, "organisation", repos, inherit)
+            _held_again(data, org)
+        elif inherit:  # a settings organisation handed a former user's repos in the index
             _held_again(data, org)
         members = orgs.setdefault(org, [])
         if user not in members:

@@ -214,6 +214,12 @@ class AuthSettings(_Section):
             "organisation's repos and read its private ones (beside those `vip-hub org` writes)"
         ),
     )
+    inherit: list[str] = Field(
+        default_factory=list,
+        description="names of the settings' users and organisations that take a revoked index "
+        "user's namespace and its repos on purpose (the settings' `--inherit`): without it, "
+        "such a name stops the server",
+    )
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 
 

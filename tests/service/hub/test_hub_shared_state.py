@@ -16,7 +16,7 @@ from support.live import ThreadedServer, settings_for
 
 from service.auth import TokenRegistry, create_token, revoke_token
 from service.store import HubStore
-from service.store.shared import trust_key, trusted_keys
+from service.store.shared import AUTH_KEY, trust_key, trusted_keys
 from vip_hub.errors import ConfigError
 from vip_hub.repo.signing import create_key
 
@@ -115,8 +115,9 @@ def test_the_settings_names_may_not_take_a_revoked_users_repos(tmp_path):
     """A settings organisation (or user) named like a revoked index user got that user's repos
     on the next start: the index kept no record that a user had held the namespace. Now it keeps
     revoked users' names, and the server does not start until the repos are handed over on
-    purpose in the index (``--inherit``); a revoked user without repos holds nothing."""
-    from service.auth import add_member, revoke_token
+    purpose (``auth.inherit``, the settings' ``--inherit``). A revoked user without repos holds
+    nothing: the settings' name takes the namespace, and the repos it makes stay its own."""
+    from service.auth import FORMER_USERS, revoke_token
     from service.settings import Settings
 
     store = HubStore(tmp_path / "store")
@@ -127,8 +128,11 @@ def test_the_settings_names_may_not_take_a_revoked_users_repos(tmp_path):
         revoke_token(store.index, user)
 
     def start(**auth: object) -> TokenRegistry:
-        settings = Settings(store=tmp_path / "store", auth={"tokens": None, **auth})
+        settings = Settings(store=tmp_path / "store", auth={"tokens": "mallory:write:M", **auth})
         return TokenRegistry.from_settings(settings, store)
+
+    def former() -> list[str]:
+        return json.loads(store.index.state(AUTH_KEY)[0]).get(FORMER_USERS, [])
 
     for auth, holder in [
         ({"orgs": {"Dana": ["mallory"]}}, "organisation 'Dana'"),
@@ -139,8 +143,31 @@ def test_the_settings_names_may_not_take_a_revoked_users_repos(tmp_path):
         ) as refused:
             start(**auth)
         assert "holds 1 repo(s) (dana/model)" in str(refused.value)
-    start(orgs={"erin": ["mallory"]})  # erin held no repo
-    mallory = create_token(store.index, "mallory", "write")
-    add_member(store.index, "dana", "mallory", repos=store.repos_in("dana"), inherit=True)
-    registry = start(orgs={"dana": ["mallory"]})  # handed over on purpose in the index
-    assert registry.lookup(mallory).owns("dana")
+    assert former() == ["dana", "erin"]
+    start(orgs={"erin": ["mallory"]})  # erin held no repo: the organisation takes the name
+    assert former() == ["dana"]
+    store.create_repo("erin/model")  # its own repo: the next start is no hand-over
+    start(orgs={"erin": ["mallory"]})
+    registry = start(orgs={"dana": ["mallory"]}, inherit=["dana"])  # handed over on purpose
+    assert registry.lookup("M").owns("dana") and former() == []
+    start(orgs={"dana": ["mallory"]})  # and for good
+
+
+def test_a_settings_organisation_takes_a_revoked_users_repos_through_org_add_inherit(tmp_path):
+    """The index's way to hand a revoked user's repos to an organisation of the settings:
+    ``vip-hub org add NAME --member USER --inherit`` (the settings passed, as the command
+    does) clears the revoked name; it used to skip an organisation the settings declare."""
+    from service.auth import add_member
+    from service.settings import Settings
+
+    store = HubStore(tmp_path / "store")
+    create_token(store.index, "dana", "write")
+    store.create_repo("dana/model")
+    revoke_token(store.index, "dana")
+    settings = Settings(
+        store=tmp_path / "store", auth={"tokens": "mallory:write:M", "orgs": {"dana": ["ann"]}}
+    )
+    with pytest.raises(ConfigError, match="named like the revoked user 'dana'"):
+        TokenRegistry.from_settings(settings, store)
+    add_member(store.index, "dana", "mallory", settings, store.repos_in("dana"), inherit=True)
+    assert TokenRegistry.from_settings(settings, store).lookup("M").owns("dana")
