@@ -38,7 +38,7 @@ from ..auth import Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store import HubStore
 from ..store.blobs import check_sha256
-from ..store.errors import TooMuchStaged
+from ..store.errors import StoreUnavailable, TooMuchStaged
 from ..store.naming import validate_repo_id
 from ..store.s3 import staging_key
 from .common import Writable, base_url, store_of, writable
@@ -229,8 +229,12 @@ def verify(
         check_grant(request, store.secret(), "lfs-staged", subject, grant, opened.repo.org)
         try:
             store.blobs.receive_staged(staged, oid, payload.size)
-        finally:  # verified, refused, or left for a retry within its upload time-to-live
+        except StoreUnavailable:  # staged object and reservation kept for the client's retry
+            raise
+        except BaseException:  # refused: the staged object went
             store.release_staging(staged)
+            raise
+        store.release_staging(staged)  # verified
         store.blobs.note_upload(repo_id, oid)
     held = store.held_for(repo_id, oid)
     if held != payload.size:

@@ -319,14 +319,10 @@ def test_bytes_sent_again_after_verify_are_collected(hub, seaweed):
     assert _verify(entry, len(data)).status_code == 200
     again = _text(4096)  # the same length: the URL signs it
     assert HTTP.put(entry["actions"]["upload"]["href"], content=again).status_code == 200
-    sent_again = staging_key(
-        parse_qs(urlsplit(entry["actions"]["verify"]["href"]).query)["staged"][0]
-    )
+    sent_again = _staged_at(entry)
     pending = lfs_batch(hub.url, REPO, waiting)
     lfs_send(pending["actions"]["upload"], pending["oid"], waiting)
-    reserved = staging_key(
-        parse_qs(urlsplit(pending["actions"]["verify"]["href"]).query)["staged"][0]
-    )
+    reserved = _staged_at(pending)
     assert _held(seaweed, sent_again) == hashlib.sha256(again).hexdigest()
     hub.app.state.store.collect_uploads()
     assert _held(seaweed, sent_again) is None
