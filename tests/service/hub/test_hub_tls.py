@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import ssl
+import time
 import uuid
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from huggingface_hub import HfApi, snapshot_download
 from support.helpers import tiny_repo_with_head
 from support.live import WRITE_TOKEN, ProcessServer, free_port, lfs_batch
 from support.system import Nginx
+from uvicorn.logging import AccessFormatter
 
+from service.ops import ACCESS_LOGGER, log_config
 from vip_hub.repo_format import WEIGHTS_FILE
 
 pytestmark = pytest.mark.slow
@@ -67,12 +71,27 @@ def _trusting(certificate: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certificate / "fullchain.pem")
 
 
+def _access_lines(
+    caplog: pytest.LogCaptureFixture, formatter: logging.Formatter, target: str
+) -> list[str]:
+    """The hub's access log lines (as its format writes them) of the requests for ``target``."""
+    return [
+        formatter.format(r)
+        for r in caplog.records
+        if r.name == ACCESS_LOGGER and target in r.getMessage()
+    ]
+
+
 def test_clients_reach_the_hub_over_tls_and_are_handed_https_urls(
-    hub, certificate, tmp_path, monkeypatch
+    hub, certificate, tmp_path, monkeypatch, caplog
 ):
     """huggingface_hub creates a repo, uploads a whole model (its weights through Git LFS, to the
     URL the hub hands out) and downloads it, all over https through the balancer; the upload URL
-    is the balancer's https one."""
+    is the balancer's https one; and the hub logs the balancer's client, not an address the
+    client claims."""
+    formatter = AccessFormatter(
+        fmt=log_config()["formatters"]["vip_hub_access"]["fmt"], use_colors=False
+    )
     address = hub.url.removeprefix("http://")
     lb = Nginx(tmp_path / "nginx", free_port(), [address], [address], tls=certificate).start()
     trust = _trusting(certificate)
@@ -95,8 +114,15 @@ def test_clients_reach_the_hub_over_tls_and_are_handed_https_urls(
         href = lfs_batch(lb.tls_url, repo_id, data, verify=trust)["actions"]["upload"]["href"]
         assert href.startswith(f"{lb.tls_url}/{repo_id}.git/info/lfs/objects/"), href
         assert httpx.put(href, content=data, verify=trust, timeout=60).status_code == 200
-        health = httpx.get(f"{lb.tls_url}/healthz", verify=trust, timeout=30)
-        assert "Strict-Transport-Security" in health.headers
+        # the balancer is the edge: a client's own X-Forwarded-For reaches no log
+        caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+        forged = {"X-Forwarded-For": "203.0.113.66"}
+        httpx.get(f"{lb.tls_url}/api/models?forged", headers=forged, verify=trust, timeout=30)
+        deadline = time.monotonic() + 10  # the access log is written after the response
+        while not (lines := _access_lines(caplog, formatter, "/api/models?forged")):
+            assert time.monotonic() < deadline, "no access log line for the request"
+            time.sleep(0.02)
+        assert all("127.0.0.1" in line and "203.0.113" not in line for line in lines), lines
     finally:
         huggingface_hub.close_session()
         lb.stop()
@@ -107,7 +133,7 @@ def test_the_hub_believes_the_forwarded_scheme_from_its_forwarded_allow_ips_alon
 ):
     """``vip-hub serve`` believes X-Forwarded-Proto from the addresses ``forwarded_allow_ips``
     names: behind a balancer it does not name, its URLs keep the scheme it was reached by (the
-    balancer's plain http), whatever a client or proxy claims."""
+    balancer's plain http), whatever the balancer forwards."""
     server = ProcessServer(
         tmp_path / "store", extra_env={"VIP_HUB_FORWARDED_ALLOW_IPS": "192.0.2.1"}
     ).start()
