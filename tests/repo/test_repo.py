@@ -56,6 +56,7 @@ from vip_hub.repo.artifacts import (
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
+    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_LABELS,
     HEAD_METRICS,
@@ -63,7 +64,9 @@ from vip_hub.repo_format import (
     HEADS_DIR,
     LEDGER_FILE,
     MAE_DECODER_FILE,
+    META_ARCH,
     META_DECODER,
+    META_FORMAT,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
@@ -103,7 +106,7 @@ def test_export_layout(tiny_repo):
         "spatial-b8-g2": 768,
     }
     meta = read_safetensors_metadata(tiny_repo / WEIGHTS_FILE)
-    assert meta["vip_hub.arch"] == "vip-nano" and meta["vip_hub.format_version"] == "1"
+    assert meta[META_ARCH] == "vip-nano" and meta[META_FORMAT] == "1"
     assert PrivacyLedger.parse(meta[META_LEDGER]) == PrivacyLedger.parse(
         (tiny_repo / LEDGER_FILE).read_text()
     )
@@ -286,7 +289,7 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
     data = card.data.to_dict()
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
-    assert data["differential_privacy"]["schema"] == "vip-hub/privacy-ledger/v4"
+    assert data[CARD_LEDGER_KEY]["schema"] == "vip-hub/privacy-ledger/v4"
     text = card.text
     for phrase in (
         "## Privacy guarantee",
@@ -348,7 +351,7 @@ def test_tampered_card_copy(tiny_repo):
     path = tiny_repo / CARD_FILE
     _, front, body = path.read_text().split("---\n", 2)
     data = yaml.safe_load(front)
-    data["differential_privacy"] = _lower_epsilon(data["differential_privacy"])
+    data[CARD_LEDGER_KEY] = _lower_epsilon(data[CARD_LEDGER_KEY])
     path.write_text("---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body)
     _fails(tiny_repo, f"{CARD_FILE}: its ledger copy disagrees", "stages.1.epsilon")
 
@@ -527,7 +530,7 @@ def test_an_audit_beyond_any_run_is_refused_by_name(tiny_repo, canaries, counts,
     ("text", "message"),
     [
         ('{"a":' * 100_000 + "1" + "}" * 100_000, "unreadable: maximum recursion depth exceeded"),
-        ('{"architecture": "vip-nano", "vip_hub": [1]}', "vip_hub.arch disagrees with"),
+        ('{"architecture": "vip-nano", "vip_hub": [1]}', f"{META_ARCH} disagrees with"),
     ],
 )
 def test_a_malformed_config_is_refused_by_name(tiny_repo, text, message):

@@ -33,7 +33,13 @@ from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensor
 from vip_hub.repo.card import card_statements, guarantee_paragraphs
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, WEIGHTS_FILE, head_component
+from vip_hub.repo_format import (
+    CARD_FILE,
+    CARD_LEDGER_KEY,
+    LEDGER_FILE,
+    WEIGHTS_FILE,
+    head_component,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository's root folder."""
@@ -202,7 +208,7 @@ def rewrite_ledger_copies(repo: Path, change: Callable[[dict], dict]) -> None:
     rewrite_safetensors_metadata(repo / WEIGHTS_FILE, {**meta, META_LEDGER: text})
     _, front, body = (repo / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
-    data["differential_privacy"] = ledger
+    data[CARD_LEDGER_KEY] = ledger
     try:
         old, new = (_stated(PrivacyLedger.parse(x)) for x in (before, ledger))
     except (VipHubError, ValueError):

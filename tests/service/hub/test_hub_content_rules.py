@@ -54,9 +54,11 @@ from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
+    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_WEIGHTS,
     LEDGER_FILE,
+    META_LEDGER,
     VOCAB_FILE,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
@@ -72,10 +74,10 @@ def _rebind(folder: Path) -> None:
     text = PrivacyLedger.parse(json.dumps(data)).to_json()
     (folder / LEDGER_FILE).write_text(text)
     meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
-    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
+    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, META_LEDGER: text})
     _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     card = yaml.safe_load(front)
-    card["differential_privacy"] = json.loads(text)
+    card[CARD_LEDGER_KEY] = json.loads(text)
     (folder / CARD_FILE).write_text(
         "---\n" + yaml.safe_dump(card, sort_keys=False) + "---\n" + body
     )

@@ -37,10 +37,12 @@ from vip_hub.errors import ConfigError, MissingInputError
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
+    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_LABELS,
     HEADS_DIR,
     LEDGER_FILE,
+    META_LEDGER,
     WEIGHTS_FILE,
     head_file,
 )
@@ -223,10 +225,10 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
 
     meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
-    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, "vip_hub.privacy_ledger": text})
+    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, META_LEDGER: text})
     _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
     data = yaml.safe_load(front)
-    data["differential_privacy"] = json.loads(text)
+    data[CARD_LEDGER_KEY] = json.loads(text)
     (folder / CARD_FILE).write_text(
         "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
     )

@@ -20,6 +20,7 @@ from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.privacy.ledger import new_run_id
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
+from vip_hub.repo_format import CARD_LEDGER_KEY
 
 N = 10_000
 SIGMA, Q, STEPS = 1.0, 0.01, 500
@@ -222,9 +223,7 @@ def test_a_commit_whose_ledger_a_later_rule_refuses_keeps_its_figures(
         committed = _committed(store, tmp_path, dp)
         (row,) = store.index.rows("SELECT card_data FROM commits")
         card = json.loads(row["card_data"])
-        card["differential_privacy"]["stages"][1].setdefault("hyperparameters", {})["lr"] = float(
-            "nan"
-        )
+        card[CARD_LEDGER_KEY]["stages"][1].setdefault("hyperparameters", {})["lr"] = float("nan")
         store.index.execute("UPDATE commits SET card_data = ?", [json.dumps(card)])
     with HubStore(tmp_path / "store", limits=HubSettings(delta=1e-3)) as store:
         (_, record), *_ = store.list_models()
