@@ -344,18 +344,18 @@ class PostgresIndex(Index):
     ) -> Iterator[Transaction]:
         """``locks`` are transaction-scoped advisory locks, waited for in this process first
         (as a repo's lock is: without a pooled connection)."""
-        names = [] if read_only else sorted(set(locks))
+        if read_only:
+            with self._connection() as conn:
+                yield Transaction(conn, "%s")
+            return
+        names = sorted(set(locks))
         with contextlib.ExitStack() as held:
             for name in names:
                 held.enter_context(self._waits.hold(name))
-            with self._connection() as conn:
-                if read_only:
-                    yield Transaction(conn, "%s")
-                    return
-                with conn.transaction():
-                    for name in names:
-                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(name),))
-                    yield Transaction(conn, "%s")
+            with self._connection() as conn, conn.transaction():
+                for name in names:
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(name),))
+                yield Transaction(conn, "%s")
 
     @contextlib.contextmanager
     def repo_lock(self, repo_id: str) -> Iterator[None]:
