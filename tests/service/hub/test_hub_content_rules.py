@@ -32,33 +32,26 @@ import pytest
 import safetensors.numpy
 import timm
 import torch
-import yaml
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BadRequestError, RevisionNotFoundError
 from matplotlib.figure import Figure
 from PIL import Image, ImageCms, PngImagePlugin
-from support.helpers import tiny_repo_with_head
+from support.helpers import rewrite_ledger_copies, tiny_repo_with_head
 from support.live import WRITE_TOKEN, raw_commit
 
 from vip_hub import verify_repo
 from vip_hub.models.tokenizer import public_vocab
 from vip_hub.paths import tree_path_problems, validate_relpath
-from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.artifacts import (
     digest_file,
-    read_safetensors_metadata,
-    rewrite_safetensors_metadata,
 )
 from vip_hub.repo.content import WEIGHT_SOURCE_KEYS, content_problem
 from vip_hub.repo.pickles import pickle_problem
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
-    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_WEIGHTS,
-    LEDGER_FILE,
-    META_LEDGER,
     VOCAB_FILE,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
@@ -69,18 +62,12 @@ from vip_hub.repo_format import (
 def _rebind(folder: Path) -> None:
     """What an attacker who owns a repo can do: re-digest every listed file and write the three
     ledger copies again, so the tampering is not what gets the repo refused."""
-    data = json.loads((folder / LEDGER_FILE).read_text())
-    data["artifacts"] = {rel: digest_file(folder / rel, rel) for rel in data["artifacts"]}
-    text = PrivacyLedger.parse(json.dumps(data)).to_json()
-    (folder / LEDGER_FILE).write_text(text)
-    meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
-    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, META_LEDGER: text})
-    _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
-    card = yaml.safe_load(front)
-    card[CARD_LEDGER_KEY] = json.loads(text)
-    (folder / CARD_FILE).write_text(
-        "---\n" + yaml.safe_dump(card, sort_keys=False) + "---\n" + body
-    )
+
+    def redigested(ledger: dict) -> dict:
+        ledger["artifacts"] = {rel: digest_file(folder / rel, rel) for rel in ledger["artifacts"]}
+        return ledger
+
+    rewrite_ledger_copies(folder, redigested)
 
 
 def _redirect(folder: Path, key: str, value: object) -> Path:

@@ -25,6 +25,7 @@ from support.helpers import (
     TINY,
     dp_stage,
     random_text,
+    rewrite_ledger_copies,
     synthetic_stage,
     tiny_encoder,
     tiny_repo_with_head,
@@ -36,13 +37,10 @@ from vip_hub import export_encoder
 from vip_hub.errors import ConfigError, MissingInputError
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
-    CARD_FILE,
-    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_LABELS,
     HEADS_DIR,
     LEDGER_FILE,
-    META_LEDGER,
     WEIGHTS_FILE,
     head_file,
 )
@@ -219,19 +217,7 @@ def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
         api.upload_folder(repo_id="bad/ledger", folder_path=folder)
     assert "nothing was stored" in str(err.value)
     # consistent but understated copies: the accountant check names the stage
-    text = (folder / LEDGER_FILE).read_text()
-    import yaml
-
-    from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
-
-    meta = read_safetensors_metadata(folder / WEIGHTS_FILE)
-    rewrite_safetensors_metadata(folder / WEIGHTS_FILE, {**meta, META_LEDGER: text})
-    _, front, body = (folder / CARD_FILE).read_text().split("---\n", 2)
-    data = yaml.safe_load(front)
-    data[CARD_LEDGER_KEY] = json.loads(text)
-    (folder / CARD_FILE).write_text(
-        "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n" + body
-    )
+    rewrite_ledger_copies(folder, lambda data: data)
     with pytest.raises(BadRequestError, match="stage 'dp-pretraining': claims epsilon 0.5"):
         api.upload_folder(repo_id="bad/ledger", folder_path=folder)
     with pytest.raises(RevisionNotFoundError):
