@@ -495,6 +495,16 @@ class BlobStore:
         if good != target:
             self._place(good, target, sha256)  # over it: never absent to a reader
 
+    def stored_at(self, sha256: str) -> float | None:
+        """When blob ``sha256`` was last stored (with an object store: in its bucket, or in this
+        cache where only the cache holds it), None when it is held nowhere."""
+        if self.remote is not None and (held := self.remote.stat(blob_key(sha256))) is not None:
+            return held.mtime
+        try:
+            return self.path(check_sha256(sha256)).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
     def remove_blob(self, sha256: str) -> None:
         """Delete blob ``sha256`` (with an object store: from its bucket, then this cache). Only
         for one no commit names: the caller holds the index's collection lock."""

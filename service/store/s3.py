@@ -217,6 +217,12 @@ class S3Objects:
 
     def size(self, key: str) -> int | None:
         """The size of ``key``, None when the bucket does not hold it."""
+        held = self.stat(key)
+        return None if held is None else held.size
+
+    def stat(self, key: str) -> Listed | None:
+        """``key`` as a listing names it (its size and time), None when the bucket does not
+        hold it."""
         with _reachable():
             try:
                 head = self._client.head_object(Bucket=self.bucket, Key=key)
@@ -224,7 +230,7 @@ class S3Objects:
                 if e.response.get("Error", {}).get("Code") in _NOT_FOUND:
                     return None
                 raise
-        return int(head["ContentLength"])
+        return Listed(key, int(head["ContentLength"]), head["LastModified"].timestamp())
 
     def read_into(self, key: str, write: Callable[[bytes], None], limit: int | None) -> None:
         """Stream ``key`` into ``write`` in pieces; TooLarge past ``limit`` bytes (if any)."""

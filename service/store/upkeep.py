@@ -47,11 +47,17 @@ def collect_garbage(store: HubStore, grace: float) -> Collected:
 def _collect_blobs(store: HubStore, grace: float) -> tuple[list[str], int]:
     """Remove the blobs no commit names older than ``grace`` seconds (with an object store, in
     its bucket and this process's cache); returns them, and how many younger ones stay."""
-    listed, now = list(_every_blob(store.blobs)), clock.now()
+    listed = list(_every_blob(store.blobs))  # before the lock: a bucket's listing is slow
     with store.index.collection_lock(exclusive=True):
-        named = _named(store)
+        named, now = _named(store), clock.now()
         orphans = {b.key: b.mtime for b in listed if b.key not in named}
-        gone = sorted(sha for sha, mtime in orphans.items() if now - mtime > grace)
+        gone = sorted(
+            sha
+            for sha, mtime in orphans.items()
+            # stored again since it was listed (by a commit that then failed): its grace
+            # counts from then, and the upload it came from is gone
+            if now - mtime > grace and now - (store.blobs.stored_at(sha) or mtime) > grace
+        )
         for sha256 in gone:
             store.blobs.remove_blob(sha256)
     return gone, len(orphans) - len(gone)

@@ -19,7 +19,7 @@ from support.helpers import tiny_repo_with_head
 from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, raw_commit, settings_for
 
 from service.settings import ObjectStoreSettings
-from service.store import AddFile, AddObject, HubStore, clock, hash_file
+from service.store import AddFile, AddObject, HubStore, clock, hash_file, upkeep
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from service.store.s3 import blob_key, upload_key
 from service.store.upkeep import collect_garbage
@@ -168,6 +168,28 @@ def test_gc_waits_for_commits_that_may_name_a_blob(tmp_path, repo_dir):
         assert store.blobs.path(sha).is_file()
     worker.join(30)
     assert done.is_set() and not store.blobs.path(sha).exists()  # ...and then goes on
+
+
+def test_a_blob_stored_again_while_gc_waits_keeps_its_grace(tmp_path, repo_dir, monkeypatch):
+    """``store gc`` lists the blobs before it takes the collection lock. A commit it waited for
+    stored an old orphan it had listed again, from a new upload (consumed), then failed: the
+    collection judged the blob by its listed age and removed it, and the commit's retry found
+    neither blob nor upload. Its grace counts from the storing."""
+    store, _ = _published(tmp_path / "store", repo_dir)
+    data = b"an orphan sent again"
+    sha = _orphan(store, data)
+    _age(store.blobs.path(sha), 2 * DAY)
+    listing = upkeep._every_blob
+
+    def then_a_commit_stores_it(blobs):
+        listed = list(listing(blobs))
+        upload = store.blobs.upload_path(_upload(store, data))
+        store.blobs.ingest(upload, hash_file(upload))  # as a commit does, before it fails
+        return iter(listed)
+
+    monkeypatch.setattr(upkeep, "_every_blob", then_a_commit_stores_it)
+    assert sha not in collect_garbage(store, DAY).blobs
+    assert store.blobs.path(sha).is_file()
 
 
 def test_check_reports_and_repairs_only_what_is_safe(tmp_path, repo_dir, capsys):
