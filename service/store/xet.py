@@ -42,7 +42,7 @@ import numpy as np
 from vip_hub.paths import make_private_dir, open_private, replace_durably
 
 from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
-from .errors import CorruptObject, InvalidRequest, StoreUnavailable, TooLarge
+from .errors import CorruptObject, InvalidRequest, StoreError, StoreUnavailable, TooLarge
 from .s3 import XORB_OWNERS, XORBS
 
 __all__ = ["XetStore", "check_xorb", "xet_hex", "xorb_hash", "xorb_key"]
@@ -261,15 +261,19 @@ class XetStore:
 
     def put_xorb(self, xorb: str, tmp: Path, uploader: str) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
-        recomputed from its chunks (InvalidRequest otherwise), and note who sent it; it replaces
-        one already held, whose bytes may have rotted since (with an object store: written to its
-        bucket again)."""
+        recomputed from its chunks (InvalidRequest otherwise), and note who sent it (with an
+        object store: written to its bucket again). One already held stays, its age refreshed,
+        unless its bytes rotted: a hash names the chunks, not how they are packed, and a shard
+        may be reading the held one at the offsets it found there."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             check_xorb(tmp, xorb)
             if self.remote is not None:
                 self.remote.put_file(tmp, xorb_key(xorb))
-            replace_durably(tmp, target)  # its age: now
+            if _sound(target, xorb):
+                os.utime(target)
+            else:
+                replace_durably(tmp, target)  # its age: now
             self._note_owner(uploader, xorb)
         finally:
             tmp.unlink(missing_ok=True)
@@ -485,6 +489,15 @@ def check_xorb(path: Path, xorb: str) -> None:
         ]
     if xorb_hash(hashes) != xorb:
         raise InvalidRequest(f"xorb {xorb}: its chunks do not hash to the name it was sent under")
+
+
+def _sound(path: Path, xorb: str) -> bool:
+    """Whether ``path`` holds a xorb whose chunks hash to ``xorb`` (not when it is absent)."""
+    try:
+        check_xorb(path, xorb)
+    except (OSError, StoreError):
+        return False
+    return True
 
 
 def _chunk_offsets(f: BinaryIO, size: int, xorb: str) -> list[tuple[int, int]]:

@@ -480,6 +480,25 @@ def xorb_of(chunks: list[bytes]) -> tuple[str, bytes]:
     return name, b"".join(h + h + c for h, c in zip(headers, chunks, strict=True))
 
 
+def lz4_chunk(packed: bytes, unpacked: int) -> bytes:
+    """One chunk of LZ4-framed bytes ``packed`` (scheme 1) whose header states ``unpacked``."""
+    return (
+        bytes([0])
+        + len(packed).to_bytes(3, "little")
+        + bytes([1])
+        + unpacked.to_bytes(3, "little")
+        + packed
+    )
+
+
+def lz4_xorb(chunks: list[bytes]) -> bytes:
+    """A Xet xorb of LZ4-framed chunks (scheme 1), each after its 8-byte header: the bytes of
+    ``xorb_of(chunks)``'s xorb packed otherwise, under the same hash."""
+    import lz4.frame
+
+    return b"".join(lz4_chunk(lz4.frame.compress(c), len(c)) for c in chunks)
+
+
 def turned_jpeg(seed: int = 0, corrupt: bool = False) -> tuple[bytes, Image.Image]:
     """A JPEG stored 40 x 24 whose EXIF Orientation (6) says "rotate 90° clockwise to show", and
     the 24 x 40 RGB image a viewer shows (its pixels decoded as stored, then turned); ``corrupt``:

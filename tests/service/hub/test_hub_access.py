@@ -21,7 +21,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from PIL import Image
-from support.helpers import tiny_repo_with_head
+from support.helpers import lz4_chunk, lz4_xorb, tiny_repo_with_head
 from support.live import ThreadedServer
 
 from service.app import create_app
@@ -510,24 +510,6 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
     assert httpx.put(put, content=chunk).status_code == 401
 
 
-def _lz4_chunk(packed: bytes, unpacked: int) -> bytes:
-    """One chunk of LZ4-framed bytes ``packed`` (scheme 1) whose header states ``unpacked``."""
-    return (
-        bytes([0])
-        + len(packed).to_bytes(3, "little")
-        + bytes([1])
-        + unpacked.to_bytes(3, "little")
-        + packed
-    )
-
-
-def _lz4_xorb(chunks: list[bytes]) -> bytes:
-    """LZ4-framed chunks (scheme 1), each after its 8-byte header."""
-    import lz4.frame
-
-    return b"".join(_lz4_chunk(lz4.frame.compress(c), len(c)) for c in chunks)
-
-
 def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(server, repos):
     """A shard rebuilds at most ``hub.xet_max_expansion`` times the stored (compressed) bytes of
     the chunks it reads, each from a xorb its own user sent; earlier xorbs of the same user count
@@ -535,7 +517,7 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     ratio = server.settings.hub.xet_max_expansion
     cas, grant = _xet_grant(server, "carol/mine", CAROL)
     zeros = [bytes(128 * 1024)] * 64  # 8 MiB unpacked, about 36 KB as LZ4 frames
-    packed = _lz4_xorb(zeros)
+    packed = lz4_xorb(zeros)
     name = xorb_hash(_hashes(zeros))
     r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=packed, headers=grant)
     assert r.status_code == 200 and len(packed) < 40_000
@@ -622,11 +604,11 @@ def test_lz4_chunks_unpack_to_at_most_their_stated_size(server):
     frame = lz4.frame.LZ4FrameCompressor()
     packed = frame.begin(source_size=1 << 62) + frame.compress(data)  # never flushed
     name = xorb_hash(_hashes([data]))
-    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_lz4_chunk(packed, 10), headers=grant)
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=lz4_chunk(packed, 10), headers=grant)
     assert r.status_code == 400 and "does not decompress" in r.json()["error"], r.text
     bomb = lz4.frame.compress(bytes(56 << 20))
     r = httpx.post(
-        f"{cas}/v1/xorbs/default/{name}", content=_lz4_chunk(bomb, MAX_CHUNK), headers=grant
+        f"{cas}/v1/xorbs/default/{name}", content=lz4_chunk(bomb, MAX_CHUNK), headers=grant
     )
     assert r.status_code == 400, r.text
     assert f"unpacks to {MAX_CHUNK + 1} bytes, not the {MAX_CHUNK}" in r.json()["error"]
@@ -648,7 +630,7 @@ def test_a_shard_term_writes_no_more_than_its_stated_size(server, monkeypatch):
     cas, grant = _xet_grant(server, "carol/understated", CAROL)
     zeros = [bytes(MAX_CHUNK)] * 256
     name = xorb_hash(_hashes(zeros))
-    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_lz4_xorb(zeros), headers=grant)
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=lz4_xorb(zeros), headers=grant)
     assert r.status_code == 200, r.text
     monkeypatch.setattr(DigestWriter, "write", watched)
     shard = _shard(hashlib.sha256(b"\0").hexdigest(), [(name, 0, 256, 1)])
@@ -723,3 +705,4 @@ def test_a_token_revoked_while_its_commit_streams_in_commits_nothing(
     assert answers and answers[0].status_code == 401, answers
     with pytest.raises(NoSuchRevision):  # no commit: the repo's main has none
         server.app.state.store.resolve("ivy/m", "main")
+

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from support.helpers import (
     TINY,
     create_side_by_side,
     dp_stage,
+    lz4_xorb,
     synthetic_stage,
     tiny_encoder,
     tiny_repo_with_head,
@@ -347,6 +349,26 @@ def test_a_checked_xorb_replaces_rotted_bytes_under_its_hash(store):
     again.write_bytes(good)
     store.xet.put_xorb(name, again, "alice")
     assert held.read_bytes() == good
+
+
+def test_a_sound_xorb_stays_when_its_hash_comes_again_packed_otherwise(store):
+    """A xorb's hash names its chunks, not how they are packed: the same hash sent again as
+    LZ4 chunks replaced the held raw ones, under a shard reading them at the offsets it had
+    found there (a spurious CorruptObject). A held xorb that still checks stays, its age
+    refreshed."""
+    chunks = [b"chunk one " * 100, b"chunk two " * 100]
+    name, raw = xorb_of(chunks)
+    sent = store.blobs.new_temp()
+    sent.write_bytes(raw)
+    store.xet.put_xorb(name, sent, "alice")
+    held = store.xet.xorb_path(name)
+    then = time.time() - 3600
+    os.utime(held, (then, then))
+    again = store.blobs.new_temp()
+    again.write_bytes(lz4_xorb(chunks))
+    store.xet.put_xorb(name, again, "bob")
+    assert held.read_bytes() == raw and held.stat().st_mtime > then + 60
+    assert not again.exists()
 
 
 def test_new_folders_and_renames_into_them_are_fsynced(store, monkeypatch):
