@@ -23,10 +23,11 @@ router = APIRouter()
 @router.api_route(
     "/{org}/{name}/resolve/{rest:path}", methods=["GET", "HEAD"], include_in_schema=False
 )
-async def resolve(
+def resolve(
     org: str, name: str, rest: str, request: Request, who: Identity | None = Depends(identity)
 ) -> Response:
-    """A file at a revision (branch, tag or commit id)."""
+    """A file at a revision (branch, tag or commit id); a plain ``def``, so its index queries and
+    a replica's fetch of a blob from the object store run in the threadpool, not on the loop."""
     del rest  # parsed from the raw path below
     store = store_of(request)
     segments = raw_segments(request, 3)

@@ -27,12 +27,14 @@ joins them. The bytes of a user's presigned uploads not yet verified are capped
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from ..auth import Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
@@ -48,6 +50,12 @@ router = APIRouter()
 
 LFS_JSON = "application/vnd.git-lfs+json"
 GRANT_TTL_S = 3600.0
+
+
+def _grant_ttl(store: HubStore) -> float:
+    """How long an upload's grants last: an hour, or ``hub.upload_ttl_s`` where that is shorter,
+    since an upload not verified by then is collected."""
+    return min(GRANT_TTL_S, store.limits.upload_ttl_s)
 
 
 class LfsObject(BaseModel):
@@ -109,30 +117,26 @@ def _upload_actions(
     """The ``upload`` and ``verify`` actions of one object: a granted PUT to this hub, or a
     presigned PUT to a fresh staging key of the object store (counted against ``who``'s
     ``quota`` of unverified staged bytes: TooMuchStaged) and a granted verify."""
-    remote = store.blobs.remote
+    remote, ttl = store.blobs.remote, _grant_ttl(store)
     if remote is None:
-        grant = sign_grant(
-            store.secret(), "lfs-upload", f"{repo_id}:{oid}:{size}", GRANT_TTL_S, who
-        )
+        grant = sign_grant(store.secret(), "lfs-upload", f"{repo_id}:{oid}:{size}", ttl, who)
         return {
             "upload": {
                 "href": f"{base}/objects/{oid}?size={size}&grant={grant}",
-                "expires_in": int(GRANT_TTL_S),
+                "expires_in": int(ttl),
             },
-            "verify": {"href": f"{base}/verify", "expires_in": int(GRANT_TTL_S)},
+            "verify": {"href": f"{base}/verify", "expires_in": int(ttl)},
         }
     staged = uuid.uuid4().hex
     store.reserve_staging(who.name, staged, size, quota)
-    grant = sign_grant(
-        store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", GRANT_TTL_S, who
-    )
-    upload: dict[str, Any] = {"expires_in": remote.ttl}
+    grant = sign_grant(store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", ttl, who)
+    upload: dict[str, Any] = {"expires_in": int(min(remote.ttl, ttl))}
     if size <= remote.chunk:
         upload["href"] = remote.presign_put(staging_key(staged), size)
     else:  # in parts: a presigned PUT each, then the completion POST (no token) to this hub
         parts_id, urls = remote.presign_parts(staging_key(staged), size)
         subject = f"{repo_id}:{oid}:{size}:{staged}:{parts_id}"
-        done = sign_grant(store.secret(), "lfs-parts", subject, GRANT_TTL_S, who)
+        done = sign_grant(store.secret(), "lfs-parts", subject, ttl, who)
         query = urlencode({"staged": staged, "parts": parts_id, "size": size, "grant": done})
         upload["href"] = f"{base}/complete/{oid}?{query}"
         upload["header"] = {"chunk_size": str(remote.chunk)} | {
@@ -142,7 +146,7 @@ def _upload_actions(
         "upload": upload,
         "verify": {
             "href": f"{base}/verify?staged={staged}&grant={grant}",
-            "expires_in": int(GRANT_TTL_S),
+            "expires_in": int(ttl),
         },
     }
 
@@ -160,10 +164,10 @@ async def upload(
 ) -> dict[str, Any]:
     store = store_of(request)
     repo_id = validate_repo_id(org, name)
-    check_grant(
-        request, store.secret(), "lfs-upload", f"{repo_id}:{check_sha256(oid)}:{size}", grant, org
-    )
-    store.get_repo(repo_id)
+    subject = f"{repo_id}:{check_sha256(oid)}:{size}"
+    # the index and the file system off the loop (a PostgreSQL round trip, fsyncs)
+    await run_in_threadpool(check_grant, request, store.secret(), "lfs-upload", subject, grant, org)
+    await run_in_threadpool(store.get_repo, repo_id)
     writer, got = await receive_blob(request, store.blobs, size)
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
@@ -171,9 +175,14 @@ async def upload(
             f"the uploaded bytes ({writer.size} bytes, SHA-256 {got}) are not object {oid} of "
             f"{size} bytes"
         )
-    store.blobs.stage_upload(writer.path, oid)
-    store.blobs.note_upload(repo_id, oid)
+    await run_in_threadpool(_keep_upload, store, writer.path, repo_id, oid)
     return {"oid": oid, "size": size}
+
+
+def _keep_upload(store: HubStore, path: Path, repo_id: str, oid: str) -> None:
+    """Move a received object into the uploads and note it for ``repo_id``'s commits."""
+    store.blobs.stage_upload(path, oid)
+    store.blobs.note_upload(repo_id, oid)
 
 
 class LfsPart(BaseModel):

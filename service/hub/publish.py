@@ -117,7 +117,7 @@ async def commit(
     parser = CommitParser(store.blobs, store.limits)
     try:
         await receive_body(request, parser.feed, parser.limit)
-        parsed = parser.finish()
+        parsed = await run_in_threadpool(parser.finish)  # closes its last file: off the loop
         await run_in_threadpool(check_still_writable, opened, request, "committing")
     except BaseException:
         parser.discard()

@@ -381,7 +381,7 @@ async def receive_blob(request: Request, blobs: BlobStore, limit: int) -> tuple[
     writer = blobs.writer()
     try:
         await receive_body(request, writer.write, limit)
-        sha256 = writer.close()
+        sha256 = await run_in_threadpool(writer.close)  # its fsync: off the loop
     except BaseException:
         writer.discard()
         raise

@@ -88,7 +88,7 @@ def _authorised(request: Request, cas_id: str) -> tuple[str, Identity]:
 
 @router.post(CAS_PREFIX + "/{cas_id}/v1/xorbs/default/{xorb}", include_in_schema=False)
 async def upload_xorb(cas_id: str, xorb: str, request: Request) -> dict[str, bool]:
-    _, who = _authorised(request, cas_id)
+    _, who = await run_in_threadpool(_authorised, request, cas_id)
     store = store_of(request)
     check_xet_hash(xorb)
     writer, _ = await receive_blob(request, store.blobs, MAX_XORB_BYTES)
@@ -100,7 +100,7 @@ async def upload_xorb(cas_id: str, xorb: str, request: Request) -> dict[str, boo
 
 @router.post(CAS_PREFIX + "/{cas_id}/v1/shards", include_in_schema=False)
 async def upload_shard(cas_id: str, request: Request) -> dict[str, int]:
-    repo_id, who = _authorised(request, cas_id)
+    repo_id, who = await run_in_threadpool(_authorised, request, cas_id)
     store = store_of(request)
     writer, _ = await receive_blob(request, store.blobs, MAX_SHARD_BYTES)
     try:

@@ -15,9 +15,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 
 from service.app import create_app
@@ -100,6 +102,34 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+    def answers_while_waiting(
+        self, target: object, method: str, send: Callable[[], httpx.Response]
+    ) -> httpx.Response:
+        """``send()``'s answer, sent from a thread while ``target.method``, which the request
+        calls, waits until ``/healthz`` has answered: ``/healthz`` times out where the request
+        calls it on the event loop, which it then holds."""
+        calling, answered = threading.Event(), threading.Event()
+        real = getattr(target, method)
+
+        def waits(*args: object, **kwargs: object) -> object:
+            calling.set()
+            answered.wait(60)
+            return real(*args, **kwargs)
+
+        answers: list[httpx.Response] = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(target, method, waits)
+            request = threading.Thread(target=lambda: answers.append(send()))
+            request.start()
+            try:
+                assert calling.wait(60), f"the request never called {method}"
+                healthz = httpx.get(f"{self.url}/healthz", timeout=10).status_code
+            finally:
+                answered.set()
+                request.join(120)
+        assert healthz == 200 and answers, (healthz, answers)
+        return answers[0]
 
     def hold_first_batch(self, repo_id: str, images: int) -> None:
         """Hold the next batch of loaded model ``repo_id`` until ``images`` images are in it or

@@ -9,9 +9,11 @@ import base64
 import hashlib
 import io
 import json
+import secrets
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,10 +24,13 @@ from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from PIL import Image
 from support.helpers import lz4_chunk, lz4_xorb, tiny_repo_with_head
-from support.live import ThreadedServer
+from support.live import ThreadedServer, lfs_batch, raw_commit
 
 from service.app import create_app
 from service.auth import create_token, revoke_token
+from service.hub import lfs as lfs_route
+from service.hub import xet as xet_route
+from service.hub.uploads import CommitParser
 from service.settings import Settings
 from service.store.blobs import DigestWriter
 from service.store.errors import NoSuchRevision
@@ -706,3 +711,49 @@ def test_a_token_revoked_while_its_commit_streams_in_commits_nothing(
     with pytest.raises(NoSuchRevision):  # no commit: the repo's main has none
         server.app.state.store.resolve("ivy/m", "main")
 
+
+def _sender(server: ThreadedServer, route: str) -> Callable[[], httpx.Response]:
+    """A request on ``route`` with fresh bytes (an LFS PUT granted by the batch API, a Xet
+    upload by its write token), ready to send as carol."""
+    data = secrets.token_bytes(4096)
+    if route == "resolve":
+        return lambda: httpx.get(f"{server.url}/alice/public/resolve/main/{CONFIG_FILE}")
+    if route == "lfs put":
+        href = lfs_batch(server.url, "carol/mine", data, CAROL)["actions"]["upload"]["href"]
+        return lambda: httpx.put(href, content=data, timeout=60)
+    if route == "commit":
+        files = {"notes.txt": data.hex().encode()}
+        return lambda: raw_commit(server.url, "carol/mine", files, CAROL)
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    url = f"{cas}/v1/xorbs/default/{xorb_hash(_hashes([data]))}"
+    return lambda: httpx.post(url, content=_xorb([data]), headers=grant, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "route, waits",
+    [
+        ("resolve", "the index"),
+        ("lfs put", "the grant's token"),
+        ("lfs put", "the index"),
+        ("lfs put", "the fsync"),
+        ("lfs put", "the upload's rename"),
+        ("commit", "its last file"),
+        ("xet xorb", "the grant's token"),
+    ],
+)
+def test_hub_routes_leave_the_event_loop_free(server, repos, route, waits):
+    """A download, an LFS PUT, a commit's end and a Xet upload called the index (PostgreSQL's:
+    a round trip, or a wait for a pool's connection), an object store or an fsync on the event
+    loop: while one waited the server answered nothing, ``/healthz`` included."""
+    store = server.app.state.store
+    target = {
+        ("resolve", "the index"): (store, "file"),
+        ("lfs put", "the grant's token"): (lfs_route, "check_grant"),
+        ("lfs put", "the index"): (store, "get_repo"),
+        ("lfs put", "the fsync"): (DigestWriter, "close"),
+        ("lfs put", "the upload's rename"): (store.blobs, "stage_upload"),
+        ("commit", "its last file"): (CommitParser, "finish"),
+        ("xet xorb", "the grant's token"): (xet_route, "check_grant"),
+    }[route, waits]
+    answer = server.answers_while_waiting(*target, _sender(server, route))
+    assert answer.status_code == 200, answer.text

@@ -824,37 +824,20 @@ def test_the_openai_client_with_its_optional_fields(hub, local):
     np.testing.assert_allclose(got.data[0].embedding, expected.numpy(), atol=1e-5)
 
 
-def test_the_index_is_read_off_the_event_loop(hub, published, monkeypatch):
+def test_the_index_is_read_off_the_event_loop(hub, published):
     """An inference request looked its repo up in the index on the event loop (PostgreSQL's:
     a network round trip, or a wait for a pool's connection): while it waited, the server
-    answered nothing, ``/healthz`` included. The lookup below waits until ``/healthz`` has
-    answered, which it can only do if the loop is free."""
-    store = hub.app.state.store
-    looking_up, healthz_answered = threading.Event(), threading.Event()
-    real = store.get_repo
-
-    def waits_for_healthz(repo_id):
-        looking_up.set()
-        healthz_answered.wait(60)
-        return real(repo_id)
-
-    monkeypatch.setattr(store, "get_repo", waits_for_healthz)
-    answers: list[httpx.Response] = []
-    request = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(
-                f"{hub.url}/v1/embeddings",
-                json={"model": MODEL, "input": [b64(IMAGES[0])]},
-                timeout=120,
-            )
-        )
+    answered nothing, ``/healthz`` included."""
+    answer = hub.answers_while_waiting(
+        hub.app.state.store,
+        "get_repo",
+        lambda: httpx.post(
+            f"{hub.url}/v1/embeddings",
+            json={"model": MODEL, "input": [b64(IMAGES[0])]},
+            timeout=120,
+        ),
     )
-    request.start()
-    assert looking_up.wait(60)  # the request's lookup has begun, and waits
-    assert httpx.get(f"{hub.url}/healthz", timeout=30).status_code == 200
-    healthz_answered.set()
-    request.join(120)
-    assert answers and answers[0].status_code == 200, answers
+    assert answer.status_code == 200, answer.text
 
 
 def test_a_model_that_fails_to_load_names_no_server_folder(hub, published, monkeypatch):

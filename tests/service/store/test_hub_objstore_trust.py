@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+import time
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -393,3 +394,17 @@ def test_headers_an_uploader_sends_are_never_what_a_download_is_served_with(hub,
         assert served.headers["content-type"] == BLOB_TYPE
         assert served.headers["content-disposition"] == "attachment"
         assert served.headers.get("content-encoding", "identity") == "identity"
+
+
+def test_grants_end_when_an_unverified_upload_would_be_collected(hub, monkeypatch):
+    """A staged upload's reservation lapses ``hub.upload_ttl_s`` after its batch, when its bytes
+    may be collected: an operator's time-to-live under the grants' hour shortens every grant
+    and presigned URL of the batch to it, so no verify is granted for bytes already gone."""
+    monkeypatch.setattr(hub.app.state.store.limits, "upload_ttl_s", 600.0)
+    before = time.time()
+    entry = lfs_batch(hub.url, REPO, _text(CHUNK + 4096))
+    actions = entry["actions"]
+    assert actions["verify"]["expires_in"] == actions["upload"]["expires_in"] == 600, actions
+    for href in (actions["verify"]["href"], actions["upload"]["href"]):
+        expiry = int(parse_qs(urlsplit(href).query)["grant"][0].split(".")[0])
+        assert int(before) + 600 <= expiry <= time.time() + 600, (href, expiry - before)
