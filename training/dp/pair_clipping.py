@@ -108,13 +108,16 @@ def _embeddings(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_weights(e: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """lambda = dL/dZ (n, n) and the per-example losses (n,), both detached."""
+    """lambda = dL/dZ (n, n) in fp64 and the per-example losses (n,) in ``e``'s dtype, both
+    detached. Z is formed in fp64 and clamped to [-1, 1], where the sensitivity's proof puts it
+    (F2): the products of embeddings normalised in fp32 pass 1 by a few units in the last place."""
     n = e.shape[0] // 2
-    z = (e[:n] @ e[n:].T).detach().requires_grad_(True)
-    with torch.enable_grad():
+    e64 = e.detach().double()
+    z = (e64[:n] @ e64[n:].T).clamp(-1.0, 1.0).requires_grad_(True)
+    with torch.enable_grad(), torch.autocast(e.device.type, enabled=False):
         losses = symmetric_infonce(z, temperature)
         (weights,) = torch.autograd.grad(losses.sum(), z)
-    return weights, losses.detach()
+    return weights, losses.detach().to(e.dtype)
 
 
 def _require_empty(clipped: ClippedSum) -> None:
@@ -367,7 +370,7 @@ class PairClipper(LayerClipper):
             factors = capped_factors(sq, cross, self.max_norm)
             del shares
             weights, losses = _loss_weights(e, self.temperature)
-            w = weights.double() * factors
+            w = weights * factors
             k = torch.cat([w @ psi, w.T @ phi])  # each view's cotangent: d(sum_ij w_ij Z_ij)/de
             rows = PRODUCT_ROWS - n - e.shape[1] - 2  # the depth of k and of Gamma k, then rows
             while kept:  # each record's Jacobian goes as soon as its sum is added

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from support.clipping import ADVERSARY_BOUND, clipped_sum, logit_dp_adversary
 from torch import nn
 
+import training.dp.pair_clipping
 from training.dp.clipping import clip_factors
 from training.dp.pair_clipping import (
     BatchClipper,
@@ -43,6 +44,23 @@ def test_symmetric_infonce_is_the_mean_of_row_and_column_cross_entropy() -> None
     rows = torch.logsumexp(logits, 1) - logits.diag()
     cols = torch.logsumexp(logits, 0) - logits.diag()
     assert torch.allclose(symmetric_infonce(z, tau), (rows + cols) / 2, atol=1e-6)
+
+
+def test_the_loss_weights_read_similarities_within_one() -> None:
+    """The sensitivity's proof (F2) puts every similarity Z_ij in [-1, 1], and so every logit in
+    [-1/tau, 1/tau]; embeddings normalised in fp32 give products a few ulps past 1 (here, norms
+    of 1.001 stand in for them). The weights are the softmax derivative of Z clamped to [-1, 1],
+    in fp64."""
+    n, tau = 4, 0.1
+    e = F.normalize(torch.randn(2 * n, 8, generator=torch.Generator().manual_seed(1)), dim=1)
+    e[n:] = e[:n]  # each positive pair alike: Z_ii = |e_i|^2
+    e = e * 1.001
+    z = (e[:n].double() @ e[n:].double().T).clamp(-1, 1)
+    eye = torch.eye(n, dtype=torch.float64)
+    expected = ((z / tau).softmax(1) - eye + (z / tau).softmax(0) - eye) / (2 * tau)
+    weights, losses = training.dp.pair_clipping._loss_weights(e, tau)
+    assert weights.dtype == torch.float64 and losses.dtype == e.dtype
+    assert torch.allclose(weights, expected, rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- exactness
