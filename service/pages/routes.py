@@ -25,6 +25,7 @@ from vip_hub.privacy.ledger import (
     PrivacyLedger,
     compose_releases,
     dataset_identity,
+    shown_delta,
     shown_epsilon,
 )
 from vip_hub.repo.card import (
@@ -51,6 +52,7 @@ __all__ = ["install"]
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 templates.env.filters["epsilon"] = shown_epsilon  # a claim shown rounded up, never to the nearest
+templates.env.filters["delta"] = shown_delta
 templates.env.globals["signature_file"] = SIGNATURE_FILE
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
@@ -317,7 +319,7 @@ def _stage_row(repo_id: str, s: DPStage, delta: float) -> dict[str, Any]:
         "q": f"{s.sample_rate:.4g}",
         "sigma": f"{s.noise_multiplier:.4g}",
         "steps": f"{s.steps:,}",
-        "delta": f"{s.delta:.3g}",
+        "delta": shown_delta(s.delta),
         "weak_delta": s.weak_delta,
         "epsilon": f"{shown_epsilon(s.epsilon)} ({s.accountant.value.upper()})",
         "epsilon_at_hub": shown_epsilon(at_hub),

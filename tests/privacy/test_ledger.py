@@ -339,6 +339,36 @@ def test_an_epsilon_is_shown_rounded_up_wherever_a_reader_sees_it():
     assert below  # the sigmas hold a figure the nearest rounding understated
 
 
+def test_a_delta_is_shown_rounded_up_wherever_a_reader_sees_it():
+    """A guarantee's δ adds its samplers' truncation δ to its stages' and a default δ of
+    1/(10n) is no round number: shown to the nearest, the headline and the card read a δ under
+    the ledger's (1.00000005e-05 read "1e-05", 1/300,000 read "3.3e-06"). Shown, δ is rounded
+    up at three significant digits, as the number its shortest text names (1e-05 reads 1e-05,
+    though its binary value is a little above), and ε so too (0.1 reads 0.10)."""
+    import re
+
+    from vip_hub.privacy.ledger import privacy_headline, shown_delta, shown_epsilon
+    from vip_hub.repo.card import guarantee_paragraphs, ledger_rows
+
+    assert [shown_delta(d) for d in (1e-5 + 5e-14, 1 / 300_000, 1e-5, 9.995e-6, 7.9e-9, 0.0)] == [
+        "1.01e-05",
+        "3.34e-06",
+        "1e-05",
+        "1e-05",
+        "7.9e-09",
+        "0",
+    ]
+    assert shown_epsilon(0.1) == "0.10" and shown_epsilon(2.35) == "2.35"
+    ledger = PrivacyLedger.build([dp_stage(n=30_000, batch=300)])  # delta 1/(10n)
+    (g,) = ledger.guarantees
+    assert g.delta > 1 / 300_000  # the truncation delta added
+    for text in [privacy_headline(ledger.summary()), *guarantee_paragraphs(ledger)]:
+        shown = re.search(r"δ = ([0-9.e+-]+)\)", text)
+        assert shown and float(shown[1]) >= g.delta, text
+    row = " ".join(" ".join(r) for r in ledger_rows(ledger))
+    assert "3.34e-06" in row and "3.33e-06" not in row, row
+
+
 def test_default_delta_is_well_below_one_over_n_and_the_papers_is_explicit():
     from vip_hub.privacy.accounting import default_delta, paper_delta
     from vip_hub.repo.importer import PRESETS

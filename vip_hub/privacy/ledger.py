@@ -136,6 +136,7 @@ __all__ = [
     "privacy_headline",
     "round_down",
     "round_up",
+    "shown_delta",
     "shown_epsilon",
     "truncated",
 ]
@@ -150,9 +151,22 @@ def round_up(eps: float) -> float:
 
 def shown_epsilon(eps: float, decimals: int = 2, *, lower_bound: bool = False) -> str:
     """``eps`` for reading at ``decimals`` decimals, rounded up (a claim shown stays an upper
-    bound), or down for a ``lower_bound``."""
+    bound), or down for a ``lower_bound``; a float is the number its shortest text names (0.1
+    reads 0.10, though its binary value is a little above)."""
     rounding = ROUND_FLOOR if lower_bound else ROUND_CEILING
-    return f"{Decimal(eps).quantize(Decimal(1).scaleb(-decimals), rounding=rounding):.{decimals}f}"
+    shown = Decimal(repr(eps)).quantize(Decimal(1).scaleb(-decimals), rounding=rounding)
+    return f"{shown:.{decimals}f}"
+
+
+def shown_delta(delta: float, digits: int = 3) -> str:
+    """``delta`` for reading at ``digits`` significant digits, rounded up as ``shown_epsilon``
+    rounds (a guarantee's delta adds its samplers' truncation delta: 1e-5 and 5e-14 read
+    1.01e-05)."""
+    if delta <= 0:
+        return f"{delta:g}"
+    exact = Decimal(repr(delta))
+    up = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)
+    return f"{float(up):.{digits}g}"
 
 
 def round_down(eps: float) -> float:
@@ -602,7 +616,7 @@ class PrivacySummary:
 def privacy_headline(summary: PrivacySummary) -> str:
     """One line stating a component's guarantee, as the card, pages and CLI show it."""
     parts = [
-        f"(ε = {shown_epsilon(g.epsilon)}, δ = {g.delta:.2g})-DP on {g.dataset} "
+        f"(ε = {shown_epsilon(g.epsilon)}, δ = {shown_delta(g.delta)})-DP on {g.dataset} "
         f"[{g.accountant.value.upper()}]"
         for g in summary.guarantees
     ]

@@ -36,6 +36,7 @@ from ..privacy.ledger import (
     NonPrivateStage,
     PrivacyLedger,
     privacy_headline,
+    shown_delta,
     shown_epsilon,
 )
 from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
@@ -793,8 +794,8 @@ def _guarantee_lead(ledger: PrivacyLedger, g: Any) -> str:
     """The first sentence of the guarantee ``g``'s paragraph: its figures, dataset and stages."""
     stages = [ledger.stage(n) for n in g.stages]
     return (
-        f"**(ε = {shown_epsilon(g.epsilon)}, δ = {g.delta:.3g})-differential privacy for the "
-        "dataset "
+        f"**(ε = {shown_epsilon(g.epsilon)}, δ = {shown_delta(g.delta)})-differential privacy "
+        "for the dataset "
         f"{_code(g.dataset)}** ({stages[0].dataset.size:,} examples), composed over stage(s) "
         f"{', '.join(_code(s) for s in g.stages)} under the {g.accountant.value.upper()} "
         f"accountant{_reference_note(stages)}."
@@ -858,7 +859,7 @@ def _ledger_row(s: NonPrivateStage | DPStage) -> list[str]:
         f"{s.steps:,}",
         f"{s.clipping_norm:g}",
         f"{s.expected_batch_size:,.1f}",
-        f"{s.delta:.3g}",
+        shown_delta(s.delta),
         eps,
     ]
 
