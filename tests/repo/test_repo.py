@@ -45,6 +45,7 @@ from vip_hub.privacy.ledger import (
     DPStage,
     NonPrivateStage,
     noised_key,
+    rounding_before_2026_12_03,
 )
 from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, rounding_params
 from vip_hub.repo.artifacts import (
@@ -53,6 +54,7 @@ from vip_hub.repo.artifacts import (
     read_safetensors_metadata,
     rewrite_safetensors_metadata,
 )
+from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -1153,3 +1155,23 @@ def test_verify_checks_the_noised_dimension_against_the_released_tensors(
     rewrite_ledger_copies(repo, _d_forged(forgery))
     text = _fails(repo, message)
     assert "records a truncation delta of" not in text  # the forgery's only flaw is d
+
+
+def test_a_card_written_before_delta_was_rounded_up_still_verifies(tiny_repo):
+    """Cards written before 2026-12-03 state δ to the nearest (the headline at two significant
+    digits) and ε rounded up from its binary value: their repos still verify, and take commits,
+    though new cards state δ rounded up; a statement in neither rendering is still refused."""
+    card = tiny_repo / CARD_FILE
+    ledger = PrivacyLedger.parse((tiny_repo / LEDGER_FILE).read_text())
+    now = card_statements(ledger)
+    with rounding_before_2026_12_03():
+        then = card_statements(ledger)
+    changed = [(a, b) for a, b in zip(now, then, strict=True) if a != b]
+    assert changed and "δ = 1e-05)-DP" in then[0] and "δ = 1.01e-05)-DP" in now[0], changed
+    text = card.read_text()
+    for a, b in changed:
+        text = text.replace(a, b)
+    card.write_text(text)
+    assert verify_repo(tiny_repo).ok, verify_repo(tiny_repo).problems
+    card.write_text(text.replace(then[0], then[0].replace("δ = 1e-05", "δ = 9e-06")))
+    _fails(tiny_repo, "its text does not state")

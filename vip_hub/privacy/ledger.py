@@ -27,6 +27,7 @@ of ranks, the machine) and a claim stays an upper bound.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,7 +35,8 @@ import os
 import re
 import unicodedata
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from pathlib import Path
@@ -136,6 +138,7 @@ __all__ = [
     "privacy_headline",
     "round_down",
     "round_up",
+    "rounding_before_2026_12_03",
     "shown_delta",
     "shown_epsilon",
     "truncated",
@@ -149,12 +152,27 @@ def round_up(eps: float) -> float:
     )
 
 
+_ROUNDING_BEFORE: ContextVar[bool] = ContextVar("rounding_before_2026_12_03", default=False)
+
+
+@contextlib.contextmanager
+def rounding_before_2026_12_03() -> Iterator[None]:
+    """Figures shown as cards written before 2026-12-03 showed them (ε rounded up from its
+    binary value, δ to the nearest): what ``verify`` also accepts of an older card's text."""
+    token = _ROUNDING_BEFORE.set(True)
+    try:
+        yield
+    finally:
+        _ROUNDING_BEFORE.reset(token)
+
+
 def shown_epsilon(eps: float, decimals: int = 2, *, lower_bound: bool = False) -> str:
     """``eps`` for reading at ``decimals`` decimals, rounded up (a claim shown stays an upper
     bound), or down for a ``lower_bound``; a float is the number its shortest text names (0.1
     reads 0.10, though its binary value is a little above)."""
     rounding = ROUND_FLOOR if lower_bound else ROUND_CEILING
-    shown = Decimal(repr(eps)).quantize(Decimal(1).scaleb(-decimals), rounding=rounding)
+    exact = Decimal(eps) if _ROUNDING_BEFORE.get() else Decimal(repr(eps))
+    shown = exact.quantize(Decimal(1).scaleb(-decimals), rounding=rounding)
     return f"{shown:.{decimals}f}"
 
 
@@ -162,8 +180,8 @@ def shown_delta(delta: float, digits: int = 3) -> str:
     """``delta`` for reading at ``digits`` significant digits, rounded up as ``shown_epsilon``
     rounds (a guarantee's delta adds its samplers' truncation delta: 1e-5 and 5e-14 read
     1.01e-05)."""
-    if delta <= 0:
-        return f"{delta:g}"
+    if delta <= 0 or _ROUNDING_BEFORE.get():
+        return f"{delta:.{digits}g}"
     exact = Decimal(repr(delta))
     up = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)
     return f"{float(up):.{digits}g}"
@@ -615,8 +633,9 @@ class PrivacySummary:
 
 def privacy_headline(summary: PrivacySummary) -> str:
     """One line stating a component's guarantee, as the card, pages and CLI show it."""
+    digits = 2 if _ROUNDING_BEFORE.get() else 3  # the headline's δ had two digits then
     parts = [
-        f"(ε = {shown_epsilon(g.epsilon)}, δ = {shown_delta(g.delta)})-DP on {g.dataset} "
+        f"(ε = {shown_epsilon(g.epsilon)}, δ = {shown_delta(g.delta, digits)})-DP on {g.dataset} "
         f"[{g.accountant.value.upper()}]"
         for g in summary.guarantees
     ]

@@ -36,6 +36,7 @@ from ..privacy.ledger import (
     NonPrivateStage,
     PrivacyLedger,
     privacy_headline,
+    rounding_before_2026_12_03,
     shown_delta,
     shown_epsilon,
 )
@@ -224,7 +225,16 @@ def card_prose_problem(
     front matter's ledger copy does not bind."""
     match = REGEX_YAML_BLOCK.search(text)
     body = text[match.end() :] if match else text
-    missing = next((line for line in card_statements(ledger) if line not in body), None)
+    with rounding_before_2026_12_03():
+        earlier = card_statements(ledger)  # a card written before then stays valid
+    missing = next(
+        (
+            now
+            for now, then in zip(card_statements(ledger), earlier, strict=True)
+            if now not in body and then not in body
+        ),
+        None,
+    )
     if missing is not None:
         return f"its text does not state {_clipped(missing)!r}, which its ledger gives"
     try:
