@@ -132,9 +132,9 @@ def _upload_actions(
     grant = sign_grant(store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", ttl, who)
     upload: dict[str, Any] = {"expires_in": int(min(remote.ttl, ttl))}
     if size <= remote.chunk:
-        upload["href"] = remote.presign_put(staging_key(staged), size)
+        upload["href"] = remote.presign_put(staging_key(staged), size, ttl)
     else:  # in parts: a presigned PUT each, then the completion POST (no token) to this hub
-        parts_id, urls = remote.presign_parts(staging_key(staged), size)
+        parts_id, urls = remote.presign_parts(staging_key(staged), size, ttl)
         subject = f"{repo_id}:{oid}:{size}:{staged}:{parts_id}"
         done = sign_grant(store.secret(), "lfs-parts", subject, ttl, who)
         query = urlencode({"staged": staged, "parts": parts_id, "size": size, "grant": done})
@@ -166,8 +166,7 @@ async def upload(
     repo_id = validate_repo_id(org, name)
     subject = f"{repo_id}:{check_sha256(oid)}:{size}"
     # the index and the file system off the loop (a PostgreSQL round trip, fsyncs)
-    await run_in_threadpool(check_grant, request, store.secret(), "lfs-upload", subject, grant, org)
-    await run_in_threadpool(store.get_repo, repo_id)
+    await run_in_threadpool(_check_upload, request, store, subject, grant, org)
     writer, got = await receive_blob(request, store.blobs, size)
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
@@ -177,6 +176,15 @@ async def upload(
         )
     await run_in_threadpool(_keep_upload, store, writer.path, repo_id, oid)
     return {"oid": oid, "size": size}
+
+
+def _check_upload(
+    request: Request, store: HubStore, subject: str, grant: str | None, org: str
+) -> None:
+    """Unauthorized unless ``grant`` allows this PUT (``subject``: repo, object, size); the repo
+    must still exist."""
+    check_grant(request, store.secret(), "lfs-upload", subject, grant, org)
+    store.get_repo(subject.partition(":")[0])
 
 
 def _keep_upload(store: HubStore, path: Path, repo_id: str, oid: str) -> None:

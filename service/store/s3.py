@@ -145,18 +145,23 @@ class S3Objects:
             "s3", endpoint_url=settings.public_endpoint or settings.endpoint, config=config
         )
 
-    def presign_put(self, key: str, size: int) -> str:
-        """A short-lived URL that PUTs ``size`` bytes (the length is signed) to ``key``."""
+    def presign_put(self, key: str, size: int, ttl: float) -> str:
+        """A URL that PUTs ``size`` bytes (the length is signed) to ``key`` for ``ttl`` seconds
+        at most (``object_store.presign_ttl_s`` where shorter)."""
         return self._signer.generate_presigned_url(
             "put_object",
             Params={"Bucket": self.bucket, "Key": key, "ContentLength": size},
-            ExpiresIn=self.ttl,
+            ExpiresIn=self._expiry(ttl),
         )
 
-    def presign_parts(self, key: str, size: int) -> tuple[str, list[str]]:
-        """A multipart upload to ``key`` begun for ``size`` bytes: its id, and a short-lived URL
-        that PUTs each part of ``self.chunk`` bytes (the last one shorter), in order, its length
-        signed."""
+    def _expiry(self, ttl: float) -> int:
+        """A presigned URL's lifetime: ``ttl`` or ``presign_ttl_s``, the shorter, whole seconds."""
+        return max(1, int(min(self.ttl, ttl)))
+
+    def presign_parts(self, key: str, size: int, ttl: float) -> tuple[str, list[str]]:
+        """A multipart upload to ``key`` begun for ``size`` bytes: its id, and a URL that PUTs
+        each part of ``self.chunk`` bytes (the last one shorter), in order, its length signed,
+        for ``ttl`` seconds at most (as ``presign_put``)."""
         with _reachable():
             upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)[
                 "UploadId"
@@ -171,7 +176,7 @@ class S3Objects:
                     "PartNumber": number,
                     "ContentLength": min(self.chunk, size - (number - 1) * self.chunk),
                 },
-                ExpiresIn=self.ttl,
+                ExpiresIn=self._expiry(ttl),
             )
             for number in range(1, -(-size // self.chunk) + 1)
         ]

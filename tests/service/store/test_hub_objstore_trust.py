@@ -408,3 +408,8 @@ def test_grants_end_when_an_unverified_upload_would_be_collected(hub, monkeypatc
     for href in (actions["verify"]["href"], actions["upload"]["href"]):
         expiry = int(parse_qs(urlsplit(href).query)["grant"][0].split(".")[0])
         assert int(before) + 600 <= expiry <= time.time() + 600, (href, expiry - before)
+    parts = lfs_part_urls(actions["upload"])
+    assert len(parts) == 2
+    assert all(parse_qs(urlsplit(url).query)["X-Amz-Expires"] == ["600"] for url in parts), parts
+    single = lfs_batch(hub.url, REPO, _text(4096))["actions"]["upload"]
+    assert parse_qs(urlsplit(single["href"]).query)["X-Amz-Expires"] == ["600"], single
