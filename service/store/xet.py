@@ -39,7 +39,7 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from vip_hub.paths import make_private_dir, open_private, replace_durably
+from vip_hub.paths import fsync_dir, make_private_dir, open_private, replace_durably
 
 from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
 from .errors import CorruptObject, InvalidRequest, StoreError, StoreUnavailable, TooLarge
@@ -270,9 +270,7 @@ class XetStore:
             check_xorb(tmp, xorb)
             if self.remote is not None:
                 self.remote.put_file(tmp, xorb_key(xorb))
-            if _sound(target, xorb):
-                os.utime(target)
-            else:
+            if not _kept(target, xorb):
                 replace_durably(tmp, target)  # its age: now
             self._note_owner(uploader, xorb)
         finally:
@@ -284,7 +282,15 @@ class XetStore:
         path = self.xorb_path(xorb)
         if self.remote is None or path.is_file():
             return path
-        replace_durably(self._fetched(xorb), path)
+        fetched = self._fetched(xorb)
+        make_private_dir(path.parent)
+        try:  # never over a copy another shard fetched meanwhile and may be reading
+            os.link(fetched, path)
+            fsync_dir(path.parent)
+        except FileExistsError:
+            pass
+        finally:
+            fetched.unlink(missing_ok=True)
         return path
 
     def _open(self, xorb: str) -> BinaryIO:
@@ -491,10 +497,12 @@ def check_xorb(path: Path, xorb: str) -> None:
         raise InvalidRequest(f"xorb {xorb}: its chunks do not hash to the name it was sent under")
 
 
-def _sound(path: Path, xorb: str) -> bool:
-    """Whether ``path`` holds a xorb whose chunks hash to ``xorb`` (not when it is absent)."""
+def _kept(path: Path, xorb: str) -> bool:
+    """Whether ``path`` holds a xorb whose chunks hash to ``xorb``, its age then refreshed (not
+    when it is absent, rotted, or collected meanwhile)."""
     try:
         check_xorb(path, xorb)
+        os.utime(path)
     except (OSError, StoreError):
         return False
     return True

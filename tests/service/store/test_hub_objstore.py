@@ -21,7 +21,7 @@ import torch
 from conftest import HUB_PORT
 from huggingface_hub import HfApi, snapshot_download
 from safetensors.torch import load_file
-from support.helpers import tiny_repo_with_head, xorb_of
+from support.helpers import lz4_xorb, tiny_repo_with_head, xorb_of
 from support.live import (
     READ_TOKEN,
     WRITE_TOKEN,
@@ -443,3 +443,33 @@ def test_multipart_uploads_cut_by_an_outage_are_aborted(seaweed, tmp_path, monke
         monkeypatch.setattr(clock, "now", lambda: time.time() + ahead)
         store.collect_uploads()
         assert unfinished() == []
+
+
+def test_a_fetched_xorb_never_replaces_a_copy_fetched_meanwhile(seaweed, tmp_path, monkeypatch):
+    """A replica fetches a xorb it does not hold into its cache on first use. Two shards
+    fetching it at once (the bucket's packing changed between them: a hash names the chunks,
+    not their packing) put their copies in place in turn: the second replaced the first under a
+    shard reading it at the offsets it had found. The first copy in place stays."""
+    bucket = "xorb-fetch-race"
+    seaweed.client().create_bucket(Bucket=bucket)
+    objects = ObjectStoreSettings(endpoint=seaweed.url, bucket=bucket)
+    chunks = [b"chunk one " * 100, b"chunk two " * 100]
+    name, raw = xorb_of(chunks)
+    with HubStore(tmp_path / "store", objects=objects) as store:
+        sent = store.blobs.new_temp()
+        sent.write_bytes(raw)
+        store.xet.put_xorb(name, sent, "alice")
+        path = store.xet.xorb_path(name)
+        path.unlink()  # as on a replica that never held it
+        first = lz4_xorb(chunks)  # another shard's copy, fetched before the bucket changed
+        fetched = store.xet._fetched
+
+        def then_another_shard_places_its_copy(xorb: str) -> Path:
+            got = fetched(xorb)
+            path.write_bytes(first)
+            return got
+
+        monkeypatch.setattr(store.xet, "_fetched", then_another_shard_places_its_copy)
+        assert store.xet._local(name) == path
+        assert path.read_bytes() == first
+        assert not list(store.blobs.tmp.glob("*"))  # the second copy is gone

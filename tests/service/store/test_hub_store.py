@@ -371,6 +371,30 @@ def test_a_sound_xorb_stays_when_its_hash_comes_again_packed_otherwise(store):
     assert not again.exists()
 
 
+def test_a_xorb_collected_while_it_is_sent_again_is_stored(store, monkeypatch):
+    """A held xorb checked sound is kept, its age refreshed; collected between its check and
+    the refresh (it was old: that is when a client sends it again), the upload stores it."""
+    from service.store import xet
+
+    chunks = [b"chunk one " * 100, b"chunk two " * 100]
+    name, raw = xorb_of(chunks)
+    sent = store.blobs.new_temp()
+    sent.write_bytes(raw)
+    store.xet.put_xorb(name, sent, "alice")
+    held, check = store.xet.xorb_path(name), xet.check_xorb
+
+    def then_collected(path: Path, xorb: str) -> None:
+        check(path, xorb)
+        if path == held:
+            held.unlink()
+
+    monkeypatch.setattr(xet, "check_xorb", then_collected)
+    again = store.blobs.new_temp()
+    again.write_bytes(lz4_xorb(chunks))
+    store.xet.put_xorb(name, again, "bob")
+    assert held.read_bytes() == lz4_xorb(chunks)
+
+
 def test_new_folders_and_renames_into_them_are_fsynced(store, monkeypatch):
     """An upload, its record, the blob it becomes and a xorb each land in a fan-out folder made
     for them: the rename is fsynced in that folder, and the folder in its parent, so a crash
