@@ -551,7 +551,8 @@ def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: floa
     print(
         f"\nTop-1 on public Fashion-MNIST test records {cfg.select_size} to "
         f"{cfg.select_size + cfg.test_size - 1} (the first {cfg.select_size} chose feature modes); "
-        f"every row a classifier released at epsilon <= {cfg.epsilon:g}, delta = {cfg.delta:g} on "
+        f"every row a classifier released at epsilon <= {cfg.epsilon:g}, delta = {cfg.delta:g} "
+        "(and its noise samplers' truncation delta, each row's privacy line says) on "
         f"the first {cfg.train_size} train records ({FASHION_MNIST_TRAIN}), composed on the "
         f"hub's page /datasets/{FASHION_MNIST_TRAIN}:"
     )

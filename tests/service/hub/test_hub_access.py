@@ -717,7 +717,8 @@ def _sender(server: ThreadedServer, route: str) -> Callable[[], httpx.Response]:
     upload by its write token), ready to send as carol."""
     data = secrets.token_bytes(4096)
     if route == "resolve":
-        return lambda: httpx.get(f"{server.url}/alice/public/resolve/main/{CONFIG_FILE}")
+        url = f"{server.url}/alice/public/resolve/main/{CONFIG_FILE}"
+        return lambda: httpx.get(url, timeout=60)
     if route == "lfs put":
         href = lfs_batch(server.url, "carol/mine", data, CAROL)["actions"]["upload"]["href"]
         return lambda: httpx.put(href, content=data, timeout=60)
