@@ -262,6 +262,7 @@ def heads_trial(
     centred: bool = True,
     noise: bool = True,
     matched_rate: bool = False,
+    interpolate: float = 1.0,
 ) -> Trial:
     """``row`` (``syn``, ``syn-dpcap``: the committed ViP or DP-Cap prior; one of ``STAGES``:
     its family's DP stage on the stand-in at the job's noise) read in ``mode`` by ``heads`` DP
@@ -273,7 +274,9 @@ def heads_trial(
     reference reads the features. Without ``noise`` a stage row trains at ``NO_NOISE`` inside
     ``trial_weights`` and its heads are charged as the job's stage; with ``matched_rate`` its
     stage samples the real q (a batch of P q) at sigma scaled as a head's (``matched_head``),
-    inside ``trial_weights`` too (on P records that sigma spends an epsilon no ledger states)."""
+    inside ``trial_weights`` too (on P records that sigma spends an epsilon no ledger states);
+    ``interpolate`` a: the heads read prior + a (stage - prior), the stage's weights moved
+    toward its prior's (post-processing of the stage's release)."""
     began = time.process_time()
     t = Trial(row, settings)
     prior: list[GaussianRun] = []
@@ -303,6 +306,13 @@ def heads_trial(
     encoder = load_encoder(repo)
     if kept is not None:  # the stage's weights (noise-free, or at a matched rate) in its prior's
         encoder.model.load_state_dict(kept)
+    if interpolate != 1.0 and row not in PRIORS:
+        start = load_encoder(prior_path(study.prior(row))).model.state_dict()
+        moved = {
+            k: start[k] + interpolate * (v - start[k]) if v.is_floating_point() else v
+            for k, v in encoder.model.state_dict().items()
+        }
+        encoder.model.load_state_dict(moved)
     x, xs, xc = (embed(encoder, d, mode) for d in (recs.private, recs.score, recs.centre))
     y, ys = torch.as_tensor(recs.private.labels), torch.as_tensor(recs.score.labels)
     t.real["head"], t.standin["head"] = matched_head(study, study.train_size, prior, len(y))
@@ -392,6 +402,13 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     p.add_argument("row", choices=(*PRIORS, *STAGES, "finetune"))
     p.add_argument("--encoder-epsilon", type=float, default=JOB.encoder_epsilon)
     p.add_argument("--lr-scale", type=float, default=JOB.dp_lr_scale)
+    p.add_argument(
+        "--interpolate",
+        type=float,
+        default=1.0,
+        help="a stage row: the heads read prior + A (stage - prior), the stage's weights moved "
+        "toward its prior's (1: the stage's)",
+    )
     p.add_argument(
         "--ema-decay",
         type=float,
@@ -621,9 +638,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
             settings["mode"] = a.mode
         if a.matched_rate:
             settings["rate"] = "matched"
+        if a.interpolate != 1.0:
+            settings["interpolate"] = a.interpolate
         t = heads_trial(
             study, a.row, settings, recs, work, a.heads, a.mode, not a.uncentred, not a.no_noise,
-            a.matched_rate,
+            a.matched_rate, a.interpolate,
         )  # fmt: skip
     print(json.dumps({**asdict(t), "mean": t.mean}))
     if a.json:

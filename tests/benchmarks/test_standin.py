@@ -341,6 +341,40 @@ def test_a_matched_rate_stage_samples_the_real_q_at_the_real_noise_on_its_mean(
     assert not list((tmp_path / "work").glob("naive-dp-*/" + LEDGER_FILE)) and t.dp_top1
 
 
+def test_interpolate_moves_the_stages_weights_toward_its_prior(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--interpolate A``: the heads read prior + A (stage - prior), every floating tensor."""
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    read: list[dict[str, torch.Tensor]] = []
+    kept: list[dict[str, torch.Tensor]] = []
+    embed, trial_weights = standin.embed, standin.trial_weights
+
+    def embed_spy(encoder: Any, *args: Any) -> Any:
+        read.append({k: v.clone() for k, v in encoder.model.state_dict().items()})
+        return embed(encoder, *args)
+
+    @contextlib.contextmanager
+    def trial_spy() -> Any:
+        with trial_weights() as weights:
+            kept.append(weights)
+            yield weights
+
+    monkeypatch.setattr(standin, "embed", embed_spy)
+    monkeypatch.setattr(standin, "trial_weights", trial_spy)
+    settings = {"noise": "none", "interpolate": 0.25}
+    standin.heads_trial(
+        TINY, "vip", settings, recs, tmp_path / "work", heads=1, noise=False, interpolate=0.25
+    )
+    prior = load_encoder(prior_path(TINY.syn_prior)).model.state_dict()
+    trained = [k for k, v in prior.items() if v.is_floating_point()]
+    moved = [k for k in trained if not torch.equal(kept[0][k], prior[k])]
+    assert moved
+    for k in moved:
+        expected = prior[k] + 0.25 * (kept[0][k] - prior[k])
+        assert torch.allclose(read[0][k], expected, atol=1e-6), k
+
+
 def test_the_adamw_stages_options_are_refused_for_a_contrastive_row(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
