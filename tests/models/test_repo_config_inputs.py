@@ -83,6 +83,40 @@ def test_a_config_value_of_the_wrong_type_is_refused_by_name(tiny_repo, change, 
     _refused(tiny_repo, error, message)
 
 
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        # a 16,384-pixel square from every image: 3.2 GB a tensor, the service out of memory
+        (
+            _set("pretrained_cfg", "input_size", [3, 16384, 16384]),
+            RepoFormatError,
+            r"pretrained_cfg.input_size is \[3, 16384, 16384\], not \[3, 32, 32\]",
+        ),
+        (_set("pretrained_cfg", "std", [0, 0, 0]), RepoFormatError, r"pretrained_cfg.std is"),
+        (_set("pretrained_cfg", "mean", "abc"), RepoFormatError, "pretrained_cfg.mean is 'abc'"),
+        (_set("pretrained_cfg", "crop_mode", "border"), RepoFormatError, "crop_mode is 'border'"),
+        (
+            lambda c: c["pretrained_cfg"].pop("input_size"),
+            RepoFormatError,
+            "pretrained_cfg.input_size is None",
+        ),
+        # resized to 3,200 pixels a side before its crop, every image
+        (_set("pretrained_cfg", "crop_pct", 0.01), ConfigError, r"crop_pct must be in \[0.5, 1\]"),
+    ],
+)
+def test_a_config_timm_would_transform_images_otherwise_with_is_refused(
+    tiny_repo, change, error, message
+):
+    """The transform a served image goes through is timm's, from the repo's pretrained_cfg:
+    any entry of it other than the spec's (an input size, a mean or std, a crop mode, a crop
+    down to a sliver) is refused by verify and by loading, before any image is resized."""
+    config = json.loads((tiny_repo / CONFIG_FILE).read_text())
+    change(config)
+    (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
+    _rebind(tiny_repo)
+    _refused(tiny_repo, error, message)
+
+
 def _refused(repo: Path, error: type[Exception], message: str) -> None:
     """``verify`` fails naming ``message``, and so does loading without it, as ``error``."""
     report = verify_repo(repo)

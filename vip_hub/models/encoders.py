@@ -41,6 +41,8 @@ __all__ = [
     "DEFAULT_IMG_SIZE",
     "DEFAULT_PATCH_SIZE",
     "FAMILIES",
+    "MIN_CROP_PCT",
+    "TRANSFORM_KEYS",
     "Arch",
     "EncoderSpec",
     "Family",
@@ -187,6 +189,14 @@ def get_arch(name: str) -> Arch:
         raise ConfigError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}") from None
 
 
+MIN_CROP_PCT = 0.5
+"""The smallest centre crop a spec takes: its image is first resized to img_size / crop_pct."""
+
+TRANSFORM_KEYS = ("input_size", "fixed_input_size", "crop_mode", "mean", "std")
+"""The ``pretrained_cfg`` entries, beyond the spec's own ``crop_pct`` and ``interpolation``,
+from which timm's ``resolve_data_config`` builds the transform a repo's images go through."""
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     """Everything that fixes an encoder's shapes and its preprocessing. ``crop_pct`` defaults
@@ -215,8 +225,11 @@ class EncoderSpec:
             raise ConfigError(
                 f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}"
             )
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ConfigError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if not MIN_CROP_PCT <= self.crop_pct <= 1.0:
+            raise ConfigError(
+                f"crop_pct must be in [{MIN_CROP_PCT}, 1], got {self.crop_pct}: a smaller crop "
+                "resizes every image to many times the encoder's size first"
+            )
         if self.interpolation not in INTERPOLATIONS:
             raise ConfigError(
                 f"interpolation {self.interpolation!r} is not one of {', '.join(INTERPOLATIONS)}"
@@ -312,6 +325,16 @@ class EncoderSpec:
             raise RepoFormatError(
                 f"{CONFIG_FILE}: timm would build another model than a {spec.arch}: "
                 + ", ".join(f"{k} is {built.get(k)!r}, not {want.get(k)!r}" for k in wrong)
+            )
+        reads = spec.pretrained_cfg()  # an image of any size: its transform's output, bounded
+        wrong = [k for k in TRANSFORM_KEYS if cfg.get(k) != reads[k]]
+        if wrong:
+            raise RepoFormatError(
+                f"{CONFIG_FILE}: timm would transform images otherwise than a {spec.arch} of "
+                f"img_size {spec.img_size} reads them: "
+                + ", ".join(
+                    f"pretrained_cfg.{k} is {cfg.get(k)!r}, not {reads[k]!r}" for k in wrong
+                )
             )
         return spec
 
