@@ -134,6 +134,11 @@ class StorageCorrupt(ServiceError, status=500):
     (not the request's), and not one a retry mends: an operator runs ``vip-hub store check``."""
 
 
+class ModelLoadFailed(ServiceError, status=500):
+    """A model that verified failed to load for a reason no library error names (the server's
+    log has its traceback); kept, and answered again, as a repo's failed load is."""
+
+
 class ShuttingDown(ServiceError, status=503):
     """The inference engine is stopping or not started."""
 

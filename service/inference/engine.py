@@ -9,8 +9,10 @@ and round-robin across requests (``FairPool``), loading in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Future
@@ -27,6 +29,7 @@ from ..errors import (
     BadRequest,
     ClientGone,
     DeadlineExceeded,
+    ModelLoadFailed,
     PayloadTooLarge,
     QueueFull,
     ServiceError,
@@ -52,7 +55,10 @@ FAILED_LOADS_KEPT = 256
 """The most such failures remembered (the oldest forgotten first)."""
 
 
-def _fresh(e: VipHubError) -> VipHubError:
+log = logging.getLogger(__name__)
+
+
+def _fresh(e: Exception) -> Exception:
     """``e`` again, as it was made: its type, arguments and attributes, without the traceback,
     cause or context it gathered (what a cached failure must not hold)."""
     clone = type(e).__new__(type(e))
@@ -95,7 +101,7 @@ class InferenceEngine:
         self.store: HubStore | None = None
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
-        self._failed: OrderedDict[tuple[str, str], tuple[float, VipHubError]] = OrderedDict()
+        self._failed: OrderedDict[tuple[str, str], tuple[float, Exception]] = OrderedDict()
         self._preload: dict[str, str] = {ref: "pending" for ref in settings.preload}
         self._preload_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -222,11 +228,17 @@ class InferenceEngine:
         except VipHubError as e:  # its message names the repo, not the server's folders
             e.args = (str(e).replace(str(folder), f"{repo_id}@{commit[:12]}"),)
             # a copy, without the traceback that holds the failed load's frames (its tensors)
-            self._failed[key] = (time.monotonic(), _fresh(e))
-            self._failed.move_to_end(key)
-            while len(self._failed) > FAILED_LOADS_KEPT:
-                self._failed.popitem(last=False)
+            self._remember_failure(key, _fresh(e))
             raise
+        except Exception as e:  # no library error names it: its traceback logged as text
+            trace = "".join(traceback.format_exception(e))  # (a record would hold its frames)
+            log.error("loading %s@%s failed:\n%s", repo_id, commit, trace)
+            failed = ModelLoadFailed(
+                f"{repo_id}@{commit[:12]} failed to load ({type(e).__name__}); "
+                "the server's log has the rest"
+            )
+            self._remember_failure(key, _fresh(failed))
+            raise failed from None
         if self._closing:  # stop() has drained the others already
             await asyncio.to_thread(model.close)
             raise ShuttingDown()
@@ -235,6 +247,14 @@ class InferenceEngine:
         self.metrics.loaded_models.set(len(self._models))
         await self._evict()
         return model
+
+    def _remember_failure(self, key: tuple[str, str], failure: Exception) -> None:
+        """Answer ``key``'s loads with ``failure`` for ``FAILED_LOAD_S`` (the most recent
+        ``FAILED_LOADS_KEPT`` failures kept)."""
+        self._failed[key] = (time.monotonic(), failure)
+        self._failed.move_to_end(key)
+        while len(self._failed) > FAILED_LOADS_KEPT:
+            self._failed.popitem(last=False)
 
     async def _evict(self) -> None:
         while len(self._models) > self.settings.max_loaded_models:
