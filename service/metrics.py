@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics"]
@@ -81,3 +83,24 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+
+    def forget_model(self, label: str) -> None:
+        """Remove the series of the model ``label`` (``repo@commit``): a model's labels come
+        from the commits requests name, so an evicted model's must go with it."""
+        for metric in (
+            self.queue_depth,
+            self.batch_size,
+            self.queue_seconds,
+            self.preprocess_seconds,
+            self.forward_seconds,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(label)
+        reasons = {
+            sample.labels["reason"]
+            for family in self.rejected.collect()
+            for sample in family.samples
+            if sample.labels.get("model") == label
+        }
+        for reason in reasons:
+            self.rejected.remove(label, reason)

@@ -111,9 +111,11 @@ class LoadedModel:
         return model
 
     def close(self) -> None:
-        """Finish the queued work and stop the batcher thread."""
+        """Finish the queued work, stop the batcher thread and drop the model's metric series."""
         if self.batcher is not None:
             self.batcher.close()
+        if self.metrics is not None:
+            self.metrics.forget_model(self.metrics_label)
 
     def warm_up(self) -> None:
         """One forward pass per head and mode (and one decoding step) on a blank batch, so first

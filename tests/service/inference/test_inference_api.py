@@ -621,6 +621,24 @@ def test_a_model_evicted_while_its_request_is_decoded_still_answers_it(hub, publ
         assert post(MODEL, IMAGES[0]).status_code == 200  # loaded again
 
 
+def test_an_evicted_models_metric_series_go_with_it(hub, published):
+    """Each model's series on ``/metrics`` are labelled by the commit a request named: an
+    evicted model's stayed, so requests naming commit after commit grew them without bound."""
+    settings = settings_for(hub.settings.store, inference={"max_loaded_models": 1})
+    with ThreadedServer(settings) as server:
+        for model in (MODEL, "vip/vip-nano-syn"):  # the second evicts the first
+            r = httpx.post(
+                f"{server.url}/v1/embeddings",
+                json={"model": model, "input": [b64(IMAGES[0])]},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        (loaded,) = server.app.state.engine.loaded()
+        assert f'model="{loaded.metrics_label}"' in text
+        assert f'model="{MODEL}@' not in text, text
+
+
 def test_stop_waits_for_a_load_under_way_and_ends_the_preloading(hub, tmp_path, monkeypatch):
     """A load still reading the store when the engine stops is waited for (the app closes the
     store after the stop), and what it loaded is closed; a preload waiting for its repo ends."""
