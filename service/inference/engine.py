@@ -336,6 +336,8 @@ class InferenceEngine:
                 )
             spec = model.encoder.spec
             min_side = math.floor(spec.img_size / spec.crop_pct)  # the transform's resize target
+            # a squash resizes the whole image to a square (bounded): no part of it is dropped
+            squash = spec.family.crop_mode == "squash"
             transform = model.encoder.transform
             tensors = []
             for i, img in enumerate(opened):
@@ -343,9 +345,9 @@ class InferenceEngine:
                 if all(f.cancelled() for f in futures):  # the client went away
                     break
                 rgb = load_rgb(img, i, min_side)
-                tensors.append(
-                    transform(crop_for_resize(rgb, min_side, self.settings.max_resized_pixels))
-                )
+                if not squash:
+                    rgb = crop_for_resize(rgb, min_side, self.settings.max_resized_pixels)
+                tensors.append(transform(rgb))
             else:
                 batch = torch.stack(tensors)
                 self.metrics.preprocess_seconds.labels(model.metrics_label).observe(

@@ -198,6 +198,25 @@ def test_zero_shot_reads_special_token_names_as_text(hub, dpcap):
         assert row["dog [SEP] cat"] == pytest.approx(row["dog [sep] cat"])
 
 
+def test_a_long_image_is_squashed_whole_as_the_library_does(hub, dpcap):
+    """DP-Cap's transform squashes the whole image to its square; the service cropped a long
+    image's sides first (as it does before a ViP's resize and centre crop, where they are
+    dropped anyway), so its features differed from the library's."""
+    settings = settings_for(
+        hub.settings.store, inference={"max_aspect_ratio": 64, "max_resized_pixels": 2048}
+    )
+    rng = np.random.default_rng(7)
+    wide = Image.fromarray(rng.integers(0, 255, (16, 600, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    wide.save(buf, "PNG")
+    with ThreadedServer(settings) as server:
+        payload = {"model": DPCAP, "input": [b64(buf.getvalue())], "pooling": "dpcap"}
+        r = post(server.url, "embeddings", payload)
+    assert r.status_code == 200, r.text
+    want = load_encoder(dpcap, verify=False).embed([wide], "dpcap")[0]
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], want.numpy(), atol=1e-5)
+
+
 def test_zero_shot_holds_its_images_x_labels_of_the_queue(hub, dpcap):
     """Zero-shot scores every label for every image with the text decoder: the queue counts a
     request's images x labels, refuses one whose share would not fit (429), and one over the
