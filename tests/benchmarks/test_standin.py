@@ -341,11 +341,10 @@ def test_a_matched_rate_stage_samples_the_real_q_at_the_real_noise_on_its_mean(
     assert not list((tmp_path / "work").glob("naive-dp-*/" + LEDGER_FILE)) and t.dp_top1
 
 
-def test_interpolate_moves_the_stages_weights_toward_its_prior(
-    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--interpolate A``: the heads read prior + A (stage - prior), every floating tensor."""
-    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+def _weights_spied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """The weights each embedding of a trial read, and those each ``trial_weights`` kept."""
     read: list[dict[str, torch.Tensor]] = []
     kept: list[dict[str, torch.Tensor]] = []
     embed, trial_weights = standin.embed, standin.trial_weights
@@ -362,6 +361,15 @@ def test_interpolate_moves_the_stages_weights_toward_its_prior(
 
     monkeypatch.setattr(standin, "embed", embed_spy)
     monkeypatch.setattr(standin, "trial_weights", trial_spy)
+    return read, kept
+
+
+def test_interpolate_moves_the_stages_weights_toward_its_prior(
+    public_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--interpolate A``: the heads read prior + A (stage - prior), every floating tensor."""
+    recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
+    read, kept = _weights_spied(monkeypatch)
     settings = {"noise": "none", "interpolate": 0.25}
     standin.heads_trial(
         TINY, "vip", settings, recs, tmp_path / "work", heads=1, noise=False, interpolate=0.25
@@ -410,24 +418,7 @@ def test_a_stage_without_noise_exports_nothing_and_its_heads_read_its_weights(
     """``--no-noise``: the stage at sigma ``NO_NOISE``, its weights read by the heads (not the
     prior's), no repo or ledger written; the heads charged as the job's stage."""
     recs = standin.standin_records(TINY, str(public_only), tmp_path, PRIVATE, END)
-    read: list[dict[str, torch.Tensor]] = []
-    embed = standin.embed
-
-    def embed_spy(encoder: Any, *args: Any) -> Any:
-        read.append({k: v.clone() for k, v in encoder.model.state_dict().items()})
-        return embed(encoder, *args)
-
-    monkeypatch.setattr(standin, "embed", embed_spy)
-    kept: list[dict[str, torch.Tensor]] = []
-    trial_weights = standin.trial_weights
-
-    @contextlib.contextmanager
-    def trial_spy() -> Any:
-        with trial_weights() as weights:
-            kept.append(weights)
-            yield weights
-
-    monkeypatch.setattr(standin, "trial_weights", trial_spy)
+    read, kept = _weights_spied(monkeypatch)
     work = tmp_path / "work"
     t = standin.heads_trial(TINY, "vip", {"noise": "none"}, recs, work, heads=1, noise=False)
     assert not list(work.glob("**/" + LEDGER_FILE))
