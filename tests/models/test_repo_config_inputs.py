@@ -164,3 +164,23 @@ def test_a_text_decoder_configuration_of_the_wrong_type_is_refused_by_name(
             load(repo)
         with pytest.raises(RepoFormatError, match=f"text decoder: {message}"):
             load(repo, verify=False)
+
+
+def test_the_specs_normalisation_is_timms_and_a_config_check_imports_no_timm():
+    """Every encoder normalises as timm's ImageNet default; the spec states it without importing
+    timm, so that a hub without inference verifies a push without loading timm or torchvision."""
+    import subprocess
+    import sys
+
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from vip_hub.models.encoders import IMAGENET_MEAN, IMAGENET_STD
+
+    assert (IMAGENET_MEAN, IMAGENET_STD) == (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+    config = Path(__file__).parents[2] / "training" / "priors" / "vip-nano-scatter" / CONFIG_FILE
+    check = (
+        "import json, sys; from vip_hub.models.encoders import EncoderSpec; "
+        f"EncoderSpec.from_config(json.loads(open({str(config)!r}).read())); "
+        "assert 'timm' not in sys.modules and 'torchvision' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=120)

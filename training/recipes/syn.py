@@ -17,7 +17,6 @@ from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.vision_transformer import VisionTransformer
 
 from vip_hub.errors import ConfigError
@@ -25,6 +24,9 @@ from vip_hub.models.encoders import (
     ARCHS,
     DEFAULT_IMG_SIZE,
     DEFAULT_PATCH_SIZE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MIN_CROP_PCT,
     EncoderSpec,
     create_encoder,
 )
@@ -76,7 +78,7 @@ class SynConfig(
     patch_size: int = Field(DEFAULT_PATCH_SIZE, gt=0, description="patch size in pixels")
     crop_pct: float | None = Field(
         None,
-        gt=0,
+        ge=MIN_CROP_PCT,
         le=1,
         description="the released transform's centre crop (default: the family's; 1: a plain "
         "resize, none at all when images already have --img-size pixels)",
@@ -215,9 +217,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
             freeze_fixed_tokens(create_encoder(spec, mae_init=True), spec), cfg.projection_dim
         )
         model: torch.nn.Module = embedder
-        transform = contrastive_transform(
-            cfg.img_size, tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)
-        )
+        transform = contrastive_transform(cfg.img_size, IMAGENET_MEAN, IMAGENET_STD)
         data: torch.utils.data.Dataset = _Views(
             Augmented(pictures, transform, run.seed), cfg.batch_size, 2
         )

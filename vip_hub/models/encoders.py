@@ -41,6 +41,8 @@ __all__ = [
     "DEFAULT_IMG_SIZE",
     "DEFAULT_PATCH_SIZE",
     "FAMILIES",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
     "MIN_CROP_PCT",
     "TRANSFORM_KEYS",
     "Arch",
@@ -192,9 +194,22 @@ def get_arch(name: str) -> Arch:
 MIN_CROP_PCT = 0.5
 """The smallest centre crop a spec takes: its image is first resized to img_size / crop_pct."""
 
-TRANSFORM_KEYS = ("input_size", "fixed_input_size", "crop_mode", "mean", "std")
-"""The ``pretrained_cfg`` entries, beyond the spec's own ``crop_pct`` and ``interpolation``,
-from which timm's ``resolve_data_config`` builds the transform a repo's images go through."""
+TRANSFORM_KEYS = (
+    "input_size",
+    "fixed_input_size",
+    "interpolation",
+    "crop_pct",
+    "crop_mode",
+    "mean",
+    "std",
+)
+"""The ``pretrained_cfg`` entries from which timm's ``resolve_data_config`` builds the
+transform a repo's images go through (one left out takes timm's default, not the spec's)."""
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+"""timm's ``IMAGENET_DEFAULT_MEAN`` and ``_STD``, every encoder's normalisation, here so that
+verifying a config imports no timm (a test holds them equal)."""
 
 
 @dataclass(frozen=True)
@@ -264,17 +279,16 @@ class EncoderSpec:
         }
 
     def pretrained_cfg(self) -> dict[str, Any]:
-        """timm's pretrained_cfg: input size and preprocessing for this encoder."""
-        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
+        """timm's pretrained_cfg: input size and preprocessing for this encoder (no timm import:
+        a hub verifies configs without it)."""
         return {
             "input_size": [3, self.img_size, self.img_size],
             "fixed_input_size": True,
             "interpolation": self.interpolation,
             "crop_pct": self.crop_pct,
             "crop_mode": self.family.crop_mode,
-            "mean": list(IMAGENET_DEFAULT_MEAN),
-            "std": list(IMAGENET_DEFAULT_STD),
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
             "num_classes": 0,
             "pool_size": None,
             "first_conv": "patch_embed.proj",
