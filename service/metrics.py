@@ -103,4 +103,5 @@ class Metrics:
             if sample.labels.get("model") == label
         }
         for reason in reasons:
-            self.rejected.remove(label, reason)
+            with contextlib.suppress(KeyError):
+                self.rejected.remove(label, reason)

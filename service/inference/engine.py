@@ -258,8 +258,10 @@ class InferenceEngine:
 
     async def _evict(self) -> None:
         while len(self._models) > self.settings.max_loaded_models:
-            _, old = self._models.popitem(last=False)
+            key, old = self._models.popitem(last=False)
             await asyncio.to_thread(old.close)
+            if key not in self._models and key not in self._loading:  # not loaded again since
+                self.metrics.forget_model(old.metrics_label)  # labels are the commits named
         self.metrics.loaded_models.set(len(self._models))
 
     # ------------------------------------------------------------------ running

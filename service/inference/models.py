@@ -105,17 +105,16 @@ class LoadedModel:
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue_images=settings.max_queue_images,
-            on_depth=metrics.queue_depth.labels(label).set,
+            # looked up on each call: a series an evicted copy's removal took is made again
+            on_depth=lambda depth: metrics.queue_depth.labels(label).set(depth),
             on_reject=lambda reason: metrics.rejected.labels(label, reason).inc(),
         )
         return model
 
     def close(self) -> None:
-        """Finish the queued work, stop the batcher thread and drop the model's metric series."""
+        """Finish the queued work and stop the batcher thread."""
         if self.batcher is not None:
             self.batcher.close()
-        if self.metrics is not None:
-            self.metrics.forget_model(self.metrics_label)
 
     def warm_up(self) -> None:
         """One forward pass per head and mode (and one decoding step) on a blank batch, so first
