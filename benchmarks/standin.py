@@ -530,8 +530,8 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         or a.encoder_parameters
     )
     contrastive = STAGES.get(a.row) == "contrastive"
-    if a.no_noise and a.row not in STAGES:
-        p.error(f"--no-noise is a stage row's option ({', '.join(STAGES)})")
+    if (a.no_noise or a.interpolate != 1.0) and a.row not in STAGES:
+        p.error(f"--no-noise and --interpolate are a stage row's ({', '.join(STAGES)})")
     if contrastive and adamw_only:
         p.error(
             "--lr-scale, --ema-decay, --decoder-warmup and --encoder-parameters are ViP's and "
