@@ -51,7 +51,6 @@ from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
-    HEAD_WEIGHTS,
     VOCAB_FILE,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
@@ -414,7 +413,7 @@ def test_an_allowed_name_with_other_content_is_refused(good, tmp_path, name, con
 
 def test_safetensors_with_bytes_after_its_tensors_is_refused(good, tmp_path):
     folder = _copy(good, tmp_path)
-    head = folder / "heads" / "toy" / HEAD_WEIGHTS
+    head = folder / head_file("toy")
     head.write_bytes(head.read_bytes() + _zip())  # the tensors digest does not see these bytes
     problems = verify_repo(folder).problems
     assert [p.where for p in problems] == [head_file("toy")]

@@ -25,7 +25,7 @@ from support.helpers import random_text, tiny_repo_with_head
 from support.live import READ_TOKEN, WRITE_TOKEN
 
 from vip_hub.repo.push import push_repo
-from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE
 
 REPO = "pin/paths"
 
@@ -48,12 +48,12 @@ def test_paths_info_answers_files_and_folders_at_a_revision(hub, repo):
     tree = {e.path: e for e in api.list_repo_tree(repo, recursive=True)}
     found = {
         e.path: e
-        for e in api.get_paths_info(repo, [CONFIG_FILE, WEIGHTS_FILE, "heads", "notes.txt", "x"])
+        for e in api.get_paths_info(repo, [CONFIG_FILE, WEIGHTS_FILE, HEADS_DIR, "notes.txt", "x"])
     }
-    assert found.keys() == {CONFIG_FILE, WEIGHTS_FILE, "heads"}
+    assert found.keys() == {CONFIG_FILE, WEIGHTS_FILE, HEADS_DIR}
     assert found[CONFIG_FILE].blob_id == tree[CONFIG_FILE].blob_id and not found[CONFIG_FILE].lfs
     assert found[WEIGHTS_FILE].lfs.sha256 == tree[WEIGHTS_FILE].lfs.sha256
-    assert found["heads"].tree_id == tree["heads"].tree_id
+    assert found[HEADS_DIR].tree_id == tree[HEADS_DIR].tree_id
     old = api.get_paths_info(repo, ["notes.txt"], revision=first.oid)
     assert [(e.path, e.size) for e in old] == [("notes.txt", 2)]
     with pytest.raises(RevisionNotFoundError):

@@ -27,6 +27,7 @@ from service.inference.batcher import Batcher, WorkItem
 from service.inference.engine import _wait_or_disconnect
 from service.inference.images import ImageLimits, image_bytes_from_text
 from service.store import errors as store_errors
+from vip_hub.repo_format import head_component
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_aspect_ratio=16)
 
@@ -408,7 +409,7 @@ def test_a_failed_load_is_kept_without_what_the_load_held(monkeypatch, raised):
     from vip_hub.errors import ConfigError
 
     error, answered = {
-        "ConfigError": (ConfigError, f"o/n@{'a' * 12}/heads/x: malformed"),
+        "ConfigError": (ConfigError, f"o/n@{'a' * 12}/{head_component('x')}: malformed"),
         "ValueError": (ModelLoadFailed, f"o/n@{'a' * 12} failed to load (ValueError); the s"),
     }[raised]
 
@@ -422,7 +423,7 @@ def test_a_failed_load_is_kept_without_what_the_load_held(monkeypatch, raised):
         held.append(weakref.ref(weights))
         if raised == "ValueError":
             raise ValueError("mean must have 3 values")
-        raise ConfigError(f"{folder}/heads/x: malformed")
+        raise ConfigError(f"{folder}/{head_component('x')}: malformed")
 
     monkeypatch.setattr(engine_module.LoadedModel, "load", staticmethod(load))
     engine = engine_module.InferenceEngine(InferenceSettings(device="cpu"), Metrics())
