@@ -130,7 +130,7 @@ def _upload_actions(
     staged = uuid.uuid4().hex
     store.reserve_staging(who.name, staged, size, quota)
     grant = sign_grant(store.secret(), "lfs-staged", f"{repo_id}:{oid}:{size}:{staged}", ttl, who)
-    upload: dict[str, Any] = {"expires_in": int(min(remote.ttl, ttl))}
+    upload: dict[str, Any] = {"expires_in": remote.expiry(ttl)}
     if size <= remote.chunk:
         upload["href"] = remote.presign_put(staging_key(staged), size, ttl)
     else:  # in parts: a presigned PUT each, then the completion POST (no token) to this hub
@@ -166,7 +166,7 @@ async def upload(
     repo_id = validate_repo_id(org, name)
     subject = f"{repo_id}:{check_sha256(oid)}:{size}"
     # the index and the file system off the loop (a PostgreSQL round trip, fsyncs)
-    await run_in_threadpool(_check_upload, request, store, subject, grant, org)
+    await run_in_threadpool(_check_upload, request, store, repo_id, subject, grant)
     writer, got = await receive_blob(request, store.blobs, size)
     if writer.size != size or got != oid:
         writer.path.unlink(missing_ok=True)
@@ -179,12 +179,12 @@ async def upload(
 
 
 def _check_upload(
-    request: Request, store: HubStore, subject: str, grant: str | None, org: str
+    request: Request, store: HubStore, repo_id: str, subject: str, grant: str | None
 ) -> None:
-    """Unauthorized unless ``grant`` allows this PUT (``subject``: repo, object, size); the repo
-    must still exist."""
-    check_grant(request, store.secret(), "lfs-upload", subject, grant, org)
-    store.get_repo(subject.partition(":")[0])
+    """Unauthorized unless ``grant`` allows this PUT to ``repo_id`` (``subject``: repo, object,
+    size); the repo must still exist."""
+    check_grant(request, store.secret(), "lfs-upload", subject, grant, repo_id.partition("/")[0])
+    store.get_repo(repo_id)
 
 
 def _keep_upload(store: HubStore, path: Path, repo_id: str, oid: str) -> None:

@@ -151,10 +151,10 @@ class S3Objects:
         return self._signer.generate_presigned_url(
             "put_object",
             Params={"Bucket": self.bucket, "Key": key, "ContentLength": size},
-            ExpiresIn=self._expiry(ttl),
+            ExpiresIn=self.expiry(ttl),
         )
 
-    def _expiry(self, ttl: float) -> int:
+    def expiry(self, ttl: float) -> int:
         """A presigned URL's lifetime: ``ttl`` or ``presign_ttl_s``, the shorter, whole seconds."""
         return max(1, int(min(self.ttl, ttl)))
 
@@ -176,7 +176,7 @@ class S3Objects:
                     "PartNumber": number,
                     "ContentLength": min(self.chunk, size - (number - 1) * self.chunk),
                 },
-                ExpiresIn=self._expiry(ttl),
+                ExpiresIn=self.expiry(ttl),
             )
             for number in range(1, -(-size // self.chunk) + 1)
         ]

@@ -16,7 +16,7 @@ import html
 import math
 import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib.resources import files
@@ -225,16 +225,7 @@ def card_prose_problem(
     front matter's ledger copy does not bind."""
     match = REGEX_YAML_BLOCK.search(text)
     body = text[match.end() :] if match else text
-    with rounding_before_2026_12_03():
-        earlier = card_statements(ledger)  # a card written before then stays valid
-    missing = next(
-        (
-            now
-            for now, then in zip(card_statements(ledger), earlier, strict=True)
-            if now not in body and then not in body
-        ),
-        None,
-    )
+    missing = next(_unstated(body, ledger), None)
     if missing is not None:
         return f"its text does not state {_clipped(missing)!r}, which its ledger gives"
     try:
@@ -255,6 +246,17 @@ def card_prose_problem(
                 if problem := scopes.problem(f, components):
                     return f"its text states {_clipped(f.text)!r}, {problem}"
     return None
+
+
+def _unstated(body: str, ledger: PrivacyLedger) -> Iterator[str]:
+    """The ``card_statements`` that ``body`` states neither as rendered now nor, for a card
+    written before 2026-12-03, as rendered then (rendered again only where one is missing)."""
+    now = card_statements(ledger)
+    if all(line in body for line in now):
+        return
+    with rounding_before_2026_12_03():
+        then = card_statements(ledger)
+    yield from (a for a, b in zip(now, then, strict=True) if a not in body and b not in body)
 
 
 def _clipped(text: str, limit: int = 160) -> str:
