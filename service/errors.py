@@ -139,6 +139,13 @@ class ModelLoadFailed(ServiceError, status=500):
     log has its traceback); kept, and answered again, as a repo's failed load is."""
 
 
+class ModelLoadShortOf(ServiceError, status=503):
+    """A model's load ran out of the machine's memory, disk or file handles: the machine's
+    state, not the commit's, so it is not kept (retry after ``Retry-After``)."""
+
+    retry_after_s = 5
+
+
 class ShuttingDown(ServiceError, status=503):
     """The inference engine is stopping or not started."""
 

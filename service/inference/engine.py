@@ -9,6 +9,7 @@ and round-robin across requests (``FairPool``), loading in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from ..errors import (
     ClientGone,
     DeadlineExceeded,
     ModelLoadFailed,
+    ModelLoadShortOf,
     PayloadTooLarge,
     QueueFull,
     ServiceError,
@@ -53,9 +55,20 @@ answered with that failure without loading it again: a commit does not change, a
 verifies the whole repo, so a request naming a broken commit cost a full verification."""
 FAILED_LOADS_KEPT = 256
 """The most such failures remembered (the oldest forgotten first)."""
+SHORT_OF = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE})
+"""The OSErrors of a machine short of memory, disk or file handles: a load failing with one
+(or with MemoryError, or a device out of memory) is not kept, since it may load once they are
+freed."""
 
 
 log = logging.getLogger(__name__)
+
+
+def _short_of(e: BaseException) -> bool:
+    """Whether ``e`` is the machine's shortage (memory, disk, file handles), not the commit's."""
+    if isinstance(e, MemoryError | torch.OutOfMemoryError):
+        return True
+    return isinstance(e, OSError) and e.errno in SHORT_OF
 
 
 def _fresh(e: Exception) -> Exception:
@@ -231,6 +244,12 @@ class InferenceEngine:
             self._remember_failure(key, _fresh(e))
             raise
         except Exception as e:  # no library error names it: its traceback logged as text
+            if _short_of(e):
+                log.warning("loading %s@%s ran short: %r", repo_id, commit, e)
+                raise ModelLoadShortOf(
+                    f"{repo_id}@{commit[:12]} could not load now ({type(e).__name__}: the "
+                    "server is short of memory, disk or file handles); retry later"
+                ) from None
             trace = "".join(traceback.format_exception(e))  # (a record would hold its frames)
             log.error("loading %s@%s failed:\n%s", repo_id, commit, trace)
             failed = ModelLoadFailed(

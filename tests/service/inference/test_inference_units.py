@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import errno
 import io
 import struct
 import threading
@@ -442,3 +443,47 @@ def test_a_failed_load_is_kept_without_what_the_load_held(monkeypatch, raised):
     assert held[0]() is None  # once the request has its answer
     assert asyncio.run(failure()) == first and first.startswith(answered), first
     assert len(held) == 1  # answered from the kept failure
+
+
+@pytest.mark.parametrize(
+    "shortage",
+    [MemoryError(), OSError(errno.ENOSPC, "No space left on device"), "cuda-out-of-memory"],
+    ids=["MemoryError", "ENOSPC", "torch.OutOfMemoryError"],
+)
+def test_a_load_short_of_memory_or_disk_is_not_kept(monkeypatch, shortage):
+    """A load that runs out of the machine's memory or disk failed for the machine's state, not
+    the commit's: it is answered as 503 with Retry-After and not kept, so the next request loads
+    the commit again (once the memory is freed it serves) instead of an error for a minute."""
+    from types import SimpleNamespace
+
+    from service.errors import ModelLoadShortOf
+    from service.inference import engine as engine_module
+    from service.metrics import Metrics
+    from service.settings import InferenceSettings
+
+    if shortage == "cuda-out-of-memory":
+        shortage = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    loads = []
+
+    def load(repo_id, commit, folder, *args):
+        loads.append(commit)
+        if len(loads) == 1:
+            raise shortage
+        return SimpleNamespace(close=lambda: None)
+
+    monkeypatch.setattr(engine_module.LoadedModel, "load", staticmethod(load))
+    engine = engine_module.InferenceEngine(InferenceSettings(device="cpu"), Metrics())
+    engine.store = SimpleNamespace(
+        snapshot_dir=lambda repo_id, commit: "/snapshot",
+        get_repo=lambda repo_id: SimpleNamespace(private=False),
+    )
+
+    async def twice():
+        with pytest.raises(ModelLoadShortOf) as caught:
+            await engine.model("o/n", "a" * 40)
+        return caught.value, await engine.model("o/n", "a" * 40)
+
+    error, model = asyncio.run(twice())
+    assert error.status == 503 and error.retry_after_s > 0
+    assert str(error).startswith(f"o/n@{'a' * 12} could not load now ({type(shortage).__name__}")
+    assert len(loads) == 2 and model is not None  # loaded again, not answered from a kept failure
