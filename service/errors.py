@@ -175,6 +175,7 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
     (store.SignatureRefused, Forbidden),
     (store.TooLarge, PayloadTooLarge),
     (store.TooMuchStaged, QueueFull),
+    (store.TooMuchUncommitted, QueueFull),
     (store.StoreUnavailable, StorageUnavailable),
     (store.CorruptObject, StorageCorrupt),
     (store.StoreError, BadRequest),

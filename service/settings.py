@@ -65,6 +65,13 @@ class HubSettings(_Section):
         gt=0,
         description="uploaded objects never committed are removed after this many seconds",
     )
+    max_uncommitted_bytes: int = Field(
+        64 * GIB,
+        gt=0,
+        description="bytes one user may hold uploaded and not yet committed (LFS objects "
+        "counted from their batch reply, files rebuilt from a Xet shard from the shard, each "
+        "until a commit names it or hub.upload_ttl_s passes); past it, 429",
+    )
     xet_ttl_s: float = Field(
         21 * 24 * 3600,
         gt=0,

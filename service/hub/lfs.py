@@ -21,7 +21,9 @@ changes nothing and goes at the next collection (no reservation names it any mor
 over ``object_store.multipart_chunk_bytes`` goes in parts: a presigned PUT per part (its length
 signed), then the client's completion POST to this hub (granted, as it carries no token), which
 joins them. The bytes of a user's presigned uploads not yet verified are capped
-(``object_store.max_staged_bytes``: 429 in the batch reply).
+(``object_store.max_staged_bytes``: 429 in the batch reply), and with either store the bytes of
+a user's objects from their batch reply until a commit names them
+(``hub.max_uncommitted_bytes``: ``HubStore.reserve_uploads``, 429 in the batch reply).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..auth import Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store import HubStore
 from ..store.blobs import check_sha256
-from ..store.errors import StoreUnavailable, TooMuchStaged
+from ..store.errors import StoreUnavailable, TooMuchStaged, TooMuchUncommitted
 from ..store.naming import validate_repo_id
 from ..store.s3 import staging_key
 from .common import Writable, base_url, store_of, writable
@@ -96,8 +98,9 @@ def batch(
             }
         elif held is None:
             try:
+                store.reserve_uploads(who.name, repo_id, [(oid, obj.size)])
                 entry["actions"] = _upload_actions(store, base, repo_id, oid, obj.size, who, quota)
-            except TooMuchStaged as e:
+            except (TooMuchUncommitted, TooMuchStaged) as e:
                 entry["error"] = {"code": 429, "message": str(e)}
         elif held != obj.size:
             entry["error"] = {

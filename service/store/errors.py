@@ -16,6 +16,7 @@ __all__ = [
     "StoreUnavailable",
     "TooLarge",
     "TooMuchStaged",
+    "TooMuchUncommitted",
     "UploadMismatch",
     "UploadMissing",
 ]
@@ -75,6 +76,11 @@ class TooLarge(StoreError):
 class TooMuchStaged(StoreError):
     """A user's presigned uploads not yet verified would hold more bytes than their quota
     (``object_store.max_staged_bytes``): verify or wait for some, then ask again."""
+
+
+class TooMuchUncommitted(StoreError):
+    """A user's uploads not yet committed would hold more bytes than their quota
+    (``hub.max_uncommitted_bytes``): commit or wait for some, then send again."""
 
 
 class CorruptObject(StoreError):

@@ -107,6 +107,15 @@ CREATE TABLE IF NOT EXISTS staged_uploads (
     expires_at DOUBLE PRECISION NOT NULL
 );
 CREATE INDEX IF NOT EXISTS staged_uploads_by_account ON staged_uploads (account);
+CREATE TABLE IF NOT EXISTS pending_uploads (
+    account TEXT NOT NULL,
+    repo_id TEXT NOT NULL,
+    oid TEXT NOT NULL,
+    size BIGINT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (account, repo_id, oid)
+);
+CREATE INDEX IF NOT EXISTS pending_uploads_by_object ON pending_uploads (repo_id, oid);
 CREATE TABLE IF NOT EXISTS hub_state (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL,

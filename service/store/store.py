@@ -66,6 +66,7 @@ from .errors import (
     SignatureRefused,
     TooLarge,
     TooMuchStaged,
+    TooMuchUncommitted,
     UploadMissing,
 )
 from .faults import crash_point
@@ -319,8 +320,9 @@ class HubStore:
         their share of their user's staging quota), staged objects no reservation counts any
         more (sent again after their verify), xorbs unused for the Xet time-to-live, and temp
         files left by crashed requests; returns how many went."""
-        self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (clock.now(),))
         now = clock.now()
+        self.index.execute("DELETE FROM staged_uploads WHERE expires_at < ?", (now,))
+        self.index.execute("DELETE FROM pending_uploads WHERE expires_at < ?", (now,))
         for partial in (self.root / "snapshots").glob(f"*/*/{_PARTIAL_SNAPSHOT}*"):
             with contextlib.suppress(OSError):  # a killed snapshot's build, of a day ago
                 if now - partial.stat().st_mtime > STALE_TMP_SECONDS:
@@ -358,6 +360,42 @@ class HubStore:
                 "INSERT INTO staged_uploads (id, account, size, expires_at) VALUES (?, ?, ?, ?)",
                 (upload_id, account, size, now + self.limits.upload_ttl_s),
             )
+
+    def reserve_uploads(
+        self, account: str, repo_id: str, objects: Sequence[tuple[str, int]]
+    ) -> None:
+        """Count ``objects`` (SHA-256, size) that ``account`` is about to upload for ``repo_id``
+        against its bytes received and not yet committed, until a commit names each or the upload
+        time-to-live passes (asking again for an object renews its count, never adds to it);
+        TooMuchUncommitted, counting none of them, when they would pass
+        ``hub.max_uncommitted_bytes``."""
+        wanted, now, limit = dict(objects), clock.now(), self.limits.max_uncommitted_bytes
+        with self.index.transaction(locks=[f"pending:{account}"]) as tx:
+            tx.execute(
+                "DELETE FROM pending_uploads WHERE account = ? AND expires_at < ?", (account, now)
+            )
+            for oid in wanted:
+                tx.execute(
+                    "DELETE FROM pending_uploads WHERE account = ? AND repo_id = ? AND oid = ?",
+                    (account, repo_id, oid),
+                )
+            row = tx.row(
+                "SELECT COALESCE(SUM(size), 0) AS held FROM pending_uploads WHERE account = ?",
+                (account,),
+            )
+            held, size = (int(row["held"]) if row else 0), sum(wanted.values())
+            if held + size > limit:  # the transaction, renewals included, is rolled back
+                raise TooMuchUncommitted(
+                    f"{account} holds {held} bytes uploaded and not yet committed; {size} more "
+                    f"would pass the limit of {limit} (hub.max_uncommitted_bytes): commit those "
+                    "first, or wait for them to expire"
+                )
+            for oid, bytes_ in wanted.items():
+                tx.execute(
+                    "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (account, repo_id, oid, bytes_, now + self.limits.upload_ttl_s),
+                )
 
     def release_staging(self, upload_id: str) -> None:
         """Give a staged upload's share of its user's quota back (it was verified or refused)."""
@@ -907,10 +945,15 @@ class HubStore:
             raise Conflict(f"branch {branch} of {repo_id} moved during the commit; try again")
 
     def _forget_uploads(self, repo_id: str, operations: Sequence[Operation]) -> None:
-        """Drop the upload records of the committed objects: the repo's history holds them now."""
+        """Drop the upload records of the committed objects, and their count against their
+        uploaders' quota (``reserve_uploads``): the repo's history holds them now."""
         for op in operations:
             if isinstance(op, AddObject):
                 self.blobs.forget_upload(repo_id, op.sha256)
+                self.index.execute(
+                    "DELETE FROM pending_uploads WHERE repo_id = ? AND oid = ?",
+                    (repo_id, op.sha256),
+                )
 
     def _signer(self, files: dict[str, Path]) -> PublicKey | None:
         """The trusted key that signed the would-be tree ``files`` (None: unsigned, where this hub
@@ -942,14 +985,16 @@ class HubStore:
 
     def apply_shard(self, repo_id: str, shard: Path, uploader: str) -> list[str]:
         """Rebuild the files of a Xet shard ``uploader`` sent for ``repo_id``
-        (``XetStore.apply_shard``, within the hub's limits) and note them as uploaded for it;
-        returns their SHA-256s."""
+        (``XetStore.apply_shard``, within the hub's limits, those rebuilt counted against the
+        uploader's ``reserve_uploads``) and note them as uploaded for it; returns their
+        SHA-256s."""
         done = self.xet.apply_shard(
             shard,
             uploader,
             lambda sha256: self.held_for(repo_id, sha256) is not None,
             self.limits.max_upload_bytes,
             self.limits.xet_max_expansion,
+            lambda files: self.reserve_uploads(uploader, repo_id, files),
         )
         for sha256 in done:
             self.blobs.note_upload(repo_id, sha256)

@@ -347,12 +347,14 @@ class XetStore:
         held: Callable[[str], bool],
         max_file_bytes: int,
         max_expansion: int,
+        reserve: Callable[[list[tuple[str, int]]], None],
     ) -> list[str]:
         """Rebuild every file a shard ``uploader`` sent describes into the uploads area, each
         checked against the shard's SHA-256, except those ``held`` says the uploader's repo
-        already holds; returns their SHA-256s. A shard naming a xorb this uploader did not send
-        (InvalidRequest, as for one not held), or rebuilding more than ``max_expansion`` times
-        the stored bytes of the distinct chunks it reads (TooLarge), is refused."""
+        already holds, once ``reserve`` took their (SHA-256, size) without raising; returns
+        their SHA-256s. A shard naming a xorb this uploader did not send (InvalidRequest, as for
+        one not held), or rebuilding more than ``max_expansion`` times the stored bytes of the
+        distinct chunks it reads (TooLarge), is refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
         offsets: dict[str, list[tuple[int, int]]] = {}
@@ -378,6 +380,7 @@ class XetStore:
                 f"than the limit of {max_expansion} times what was uploaded "
                 "(hub.xet_max_expansion)"
             )
+        reserve([(entry.sha256, entry.size) for entry in rebuild])
         for entry in rebuild:
             self._rebuild(entry, offsets, uploader)
         return [entry.sha256 for entry in files]

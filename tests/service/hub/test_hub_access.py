@@ -574,6 +574,34 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404
 
 
+def test_files_rebuilt_from_shards_count_against_their_users_uncommitted_bytes(
+    server, repos, monkeypatch
+):
+    """The files a shard rebuilds count against its user's ``hub.max_uncommitted_bytes``
+    before they are written: a shard past it is a 429 naming the setting, and rebuilds nothing
+    (root: no other test of this module uploads as root)."""
+    monkeypatch.setattr(server.app.state.store.limits, "max_uncommitted_bytes", 100 * 1024)
+    cas, grant = _xet_grant(server, "alice/public", ROOT)
+    noise = [np.random.default_rng(10 + i).bytes(32 * 1024) for i in range(2)]
+    name = xorb_hash(_hashes(noise))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(noise), headers=grant)
+    assert r.is_success, r.text
+    whole = (name, 0, 2, 64 * 1024)
+    once = _shard(hashlib.sha256(b"".join(noise)).hexdigest(), [whole])
+    assert httpx.post(f"{cas}/v1/shards", content=once, headers=grant).status_code == 200
+    twice = b"".join(noise) * 2
+    r = httpx.post(
+        f"{cas}/v1/shards",
+        content=_shard(hashlib.sha256(twice).hexdigest(), [whole] * 2),
+        headers=grant,
+    )
+    assert r.status_code == 429, r.text
+    assert "hub.max_uncommitted_bytes" in r.json()["error"]
+    assert server.app.state.store.blobs.object_path(hashlib.sha256(twice).hexdigest()) is None
+    # a shard of a file already received for the repo rebuilds and counts nothing again
+    assert httpx.post(f"{cas}/v1/shards", content=once, headers=grant).status_code == 200
+
+
 def test_a_xorb_collected_while_its_shard_is_applied_is_asked_for_again(server, repos, monkeypatch):
     """A xorb the collector removes between the shard's reading of it and the rebuild is a
     xorb no longer held (400: upload it again), not a 500 from refreshing its age by name."""

@@ -7,17 +7,18 @@ import base64
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
 from support.helpers import tiny_repo_with_head
-from support.live import WRITE_TOKEN
+from support.live import ADMIN_TOKEN, WRITE_TOKEN, lfs_batch
 
 from service.errors import BadRequest
 from service.hub.uploads import CommitParser
-from service.store import AddFile, AddObject, DeleteFile, HubStore
+from service.store import AddFile, AddObject, DeleteFile, HubStore, clock
 from service.store.errors import UploadMissing
 from vip_hub.repo.verify import repo_files
 from vip_hub.repo_format import WEIGHTS_FILE, WEIGHTS_SUFFIX
@@ -229,6 +230,46 @@ def test_git_lfs_batch_api(hub, tmp_path):
         ).status_code
         == 404
     )
+
+
+def test_uncommitted_bytes_per_user_are_capped_until_their_commit(hub, tmp_path, monkeypatch):
+    """A user's LFS objects count against ``hub.max_uncommitted_bytes`` from their batch reply
+    until a commit names them or their time-to-live passes; asking again for an object renews
+    its count (root: no other test of this module uploads as root)."""
+    limits, api = hub.app.state.store.limits, HfApi(token=ADMIN_TOKEN)
+    api.create_repo("lfs/quota")
+    monkeypatch.setattr(limits, "max_uncommitted_bytes", 3 * 4096)
+    objects = [bytes([n]) * 4096 for n in range(5)]
+    first = [lfs_batch(hub.url, "lfs/quota", data, ADMIN_TOKEN) for data in objects[:3]]
+    assert all("actions" in e for e in first), first
+    over = lfs_batch(hub.url, "lfs/quota", objects[3], ADMIN_TOKEN)
+    assert "actions" not in over and over["error"]["code"] == 429, over
+    assert "not yet committed" in over["error"]["message"]
+    assert "hub.max_uncommitted_bytes" in over["error"]["message"]
+    assert "actions" in lfs_batch(hub.url, "lfs/quota", objects[0], ADMIN_TOKEN)  # renewed
+
+    # a commit through LFS (file objects): its objects count while sent, not once committed
+    folder = tiny_repo_with_head(tmp_path / "quota")
+    files = repo_files(folder)
+    sent = sum(path.stat().st_size for path in files.values())
+    monkeypatch.setattr(limits, "max_uncommitted_bytes", 3 * 4096 + sent)
+    handles = {rel: open(path, "rb") for rel, path in files.items()}
+    try:
+        api.create_commit(
+            "lfs/quota",
+            [CommitOperationAdd(rel, f) for rel, f in handles.items()],
+            commit_message="via LFS",
+        )
+    finally:
+        for f in handles.values():
+            f.close()
+    monkeypatch.setattr(limits, "max_uncommitted_bytes", 4 * 4096)
+    assert "actions" in lfs_batch(hub.url, "lfs/quota", objects[3], ADMIN_TOKEN)
+    assert "error" in lfs_batch(hub.url, "lfs/quota", objects[4], ADMIN_TOKEN)
+
+    ahead = clock.now() + limits.upload_ttl_s + 60 - time.time()  # the uploads expire
+    monkeypatch.setattr(clock, "now", lambda: time.time() + ahead)
+    assert "actions" in lfs_batch(hub.url, "lfs/quota", objects[4], ADMIN_TOKEN)
 
 
 def test_uploads_never_committed_are_collected(store, tmp_path):

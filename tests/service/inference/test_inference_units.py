@@ -353,6 +353,7 @@ def test_store_errors_answer_with_their_status_and_hub_code():
         "Conflict": (409, None),
         "TooLarge": (413, None),
         "TooMuchStaged": (429, None),
+        "TooMuchUncommitted": (429, None),
         "StoreUnavailable": (503, None),
         "CorruptObject": (500, None),
         "UploadMismatch": (400, None),
