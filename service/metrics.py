@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "ModelSeries"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -105,3 +107,50 @@ class Metrics:
         for reason in reasons:
             with contextlib.suppress(KeyError):
                 self.rejected.remove(label, reason)
+
+
+class ModelSeries:
+    """One loaded copy of a model's series (labelled ``label``), recorded until ``retire``: a
+    batch still running when its model was evicted, or a request it still answers, records
+    nothing after its series went."""
+
+    def __init__(self, metrics: Metrics, label: str) -> None:
+        self.metrics, self.label = metrics, label
+        self._lock = threading.Lock()
+        self._retired = False
+
+    def queue_depth(self, depth: int) -> None:
+        """The image passes now waiting in the model's queue."""
+        with self._lock:
+            if not self._retired:
+                self.metrics.queue_depth.labels(self.label).set(depth)
+
+    def rejected(self, reason: str) -> None:
+        """A request the model's batcher refused (``queue_full``, ``deadline``)."""
+        with self._lock:
+            if not self._retired:
+                self.metrics.rejected.labels(self.label, reason).inc()
+
+    def preprocessed(self, seconds: float) -> None:
+        """A request's images decoded and transformed in ``seconds``."""
+        with self._lock:
+            if not self._retired:
+                self.metrics.preprocess_seconds.labels(self.label).observe(seconds)
+
+    def batch(self, size: int, forward_s: float, waits: Sequence[float]) -> None:
+        """A forward pass over ``size`` images, and each item's wait in the queue."""
+        with self._lock:
+            if self._retired:
+                return
+            self.metrics.batch_size.labels(self.label).observe(size)
+            self.metrics.forward_seconds.labels(self.label).observe(forward_s)
+            for wait in waits:
+                self.metrics.queue_seconds.labels(self.label).observe(wait)
+
+    def retire(self, forget: bool) -> None:
+        """Record nothing more; with ``forget`` (no other copy of the model holds the label)
+        remove the label's series too."""
+        with self._lock:
+            self._retired = True
+            if forget:
+                self.metrics.forget_model(self.label)

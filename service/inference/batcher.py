@@ -24,6 +24,10 @@ import torch
 
 from ..errors import DeadlineExceeded, QueueFull, ShuttingDown
 
+CLOSE_WAIT_S = 30.0
+"""How long ``Batcher.close`` waits for the work it finishes (a forward past it runs on, its
+batcher's thread with it, and records no metrics: ``ModelSeries.retire``)."""
+
 __all__ = ["Batcher", "WorkItem"]
 
 
@@ -126,13 +130,13 @@ class Batcher:
             self._on_depth(self._queued)
             self._cond.notify()
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self) -> None:
         """Stop accepting work, finish what is queued, running or announced (being decoded),
-        then stop the thread."""
+        then stop the thread; waits ``CLOSE_WAIT_S`` at most."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(CLOSE_WAIT_S)
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._cond:

@@ -279,8 +279,8 @@ class InferenceEngine:
         while len(self._models) > self.settings.max_loaded_models:
             key, old = self._models.popitem(last=False)
             await asyncio.to_thread(old.close)
-            if key not in self._models and key not in self._loading:  # not loaded again since
-                self.metrics.forget_model(old.metrics_label)  # labels are the commits named
+            if old.series is not None:  # the series go unless the model was loaded again since
+                old.series.retire(forget=key not in self._models and key not in self._loading)
         self.metrics.loaded_models.set(len(self._models))
 
     # ------------------------------------------------------------------ running
@@ -371,9 +371,8 @@ class InferenceEngine:
                 tensors.append(transform(rgb))
             else:
                 batch = torch.stack(tensors)
-                self.metrics.preprocess_seconds.labels(model.metrics_label).observe(
-                    time.perf_counter() - start
-                )
+                if model.series is not None:
+                    model.series.preprocessed(time.perf_counter() - start)
                 deadline = start + self.settings.request_timeout_s
                 size = self.settings.max_batch_size
                 items = [

@@ -16,7 +16,7 @@ from vip_hub.models.features import Pooling
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, load_head
 
-from ..metrics import Metrics
+from ..metrics import Metrics, ModelSeries
 from ..settings import InferenceSettings
 from .batcher import Batcher, WorkItem
 
@@ -53,7 +53,7 @@ class LoadedModel:
     commit: str
     encoder: Any  # vip_hub.Encoder
     heads: dict[str, tuple[LinearProbe, HeadInfo]]
-    metrics: Metrics | None = None
+    series: ModelSeries | None = None
     device: torch.device = torch.device("cpu")
     captions: CaptioningModel | None = None
     batcher: Batcher | None = None
@@ -96,18 +96,17 @@ class LoadedModel:
             head, info = load_head(folder, name, encoder.ledger)  # the verified heads
             heads[name] = (head.to(device), info)
         captions = CaptioningModel.from_encoder(encoder) if encoder.can_caption else None
-        model = cls(repo_id, commit, encoder, heads, metrics, device, captions, private=private)
+        model = cls(repo_id, commit, encoder, heads, None, device, captions, private=private)
         model.warm_up()
-        label = model.metrics_label
+        model.series = series = ModelSeries(metrics, model.metrics_label)
         model.batcher = Batcher(
-            label,
+            model.metrics_label,
             model.run_batch,
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue_images=settings.max_queue_images,
-            # looked up on each call: a series an evicted copy's removal took is made again
-            on_depth=lambda depth: metrics.queue_depth.labels(label).set(depth),
-            on_reject=lambda reason: metrics.rejected.labels(label, reason).inc(),
+            on_depth=series.queue_depth,
+            on_reject=series.rejected,
         )
         return model
 
@@ -162,13 +161,8 @@ class LoadedModel:
         forward_s = (
             time.perf_counter() - start
         )  # after the copies back: a CUDA forward is asynchronous
-        if self.metrics is not None:  # before the results: the event loop wakes on those
-            self.metrics.batch_size.labels(self.metrics_label).observe(x.shape[0])
-            self.metrics.forward_seconds.labels(self.metrics_label).observe(forward_s)
-            for item in items:
-                self.metrics.queue_seconds.labels(self.metrics_label).observe(
-                    item.started - item.enqueued
-                )
+        if self.series is not None:  # before the results: the event loop wakes on those
+            self.series.batch(x.shape[0], forward_s, [i.started - i.enqueued for i in items])
         for item, result in zip(items, results, strict=True):
             item.future.set_result((result, item.enqueued, item.started, forward_s))
 

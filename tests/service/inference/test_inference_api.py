@@ -639,6 +639,45 @@ def test_an_evicted_models_metric_series_go_with_it(hub, published):
         assert f'model="{MODEL}@' not in text, text
 
 
+def test_a_forward_outliving_its_models_eviction_records_no_series(hub, published, monkeypatch):
+    """A batch still running when its model's eviction stops waiting for it
+    (``batcher.CLOSE_WAIT_S``) finishes and answers, and records nothing: the evicted model's
+    series stay gone instead of coming back with its late recordings."""
+    from service.inference import batcher as batcher_module
+    from service.inference.models import LoadedModel
+
+    monkeypatch.setattr(batcher_module, "CLOSE_WAIT_S", 0.2)
+    entered, gate = threading.Event(), threading.Event()
+    features = LoadedModel._run_features
+
+    def held_features(self, items, x, *args):
+        if self.repo_id == MODEL:
+            entered.set()
+            gate.wait(30)
+        return features(self, items, x, *args)
+
+    settings = settings_for(hub.settings.store, inference={"max_loaded_models": 1})
+    with ThreadedServer(settings) as server:
+        post = lambda model, body: httpx.post(  # noqa: E731
+            f"{server.url}/v1/embeddings", json={"model": model, **body}, timeout=60
+        )
+        assert post(MODEL, {"input": [b64(IMAGES[0])]}).status_code == 200  # loaded
+        monkeypatch.setattr(LoadedModel, "_run_features", held_features)
+        answers: dict[str, httpx.Response] = {}
+        held = threading.Thread(
+            target=lambda: answers.update(held=post(MODEL, {"input": [b64(IMAGES[0])]}))
+        )
+        held.start()
+        assert entered.wait(30)  # its forward is running
+        assert post("vip/vip-nano-syn", {"input": [b64(IMAGES[0])]}).status_code == 200
+        assert [m.repo_id for m in server.app.state.engine.loaded()] == ["vip/vip-nano-syn"]
+        gate.set()
+        held.join(60)
+        assert answers["held"].status_code == 200, answers["held"].text
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert f'model="{MODEL}@' not in text, text
+
+
 def test_stop_waits_for_a_load_under_way_and_ends_the_preloading(hub, tmp_path, monkeypatch):
     """A load still reading the store when the engine stops is waited for (the app closes the
     store after the stop), and what it loaded is closed; a preload waiting for its repo ends."""
