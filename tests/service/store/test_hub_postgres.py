@@ -14,8 +14,9 @@ from huggingface_hub import HfApi
 from support.helpers import create_side_by_side, tiny_repo_with_head
 from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_for
 
+from service.settings import HubSettings
 from service.store import AddFile, HubStore
-from service.store.errors import Conflict, NoSuchRevision
+from service.store.errors import Conflict, NoSuchRevision, TooMuchUncommitted
 from service.store.index import PostgresIndex, Transaction
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
@@ -66,6 +67,19 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
         with pytest.raises(NoSuchRevision):
             store.delete_branch("pg/m", "dev")
     assert store.index.pool.closed  # the pool and its threads gone with the block
+
+
+def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
+    """``reserve_uploads`` on PostgreSQL: asking again renews, a refusal counts none of the
+    objects asked for, and each user has a quota of their own."""
+    limits = HubSettings(max_uncommitted_bytes=10)
+    with HubStore(tmp_path / "store", index=postgres, limits=limits) as store:
+        store.reserve_uploads("u", "pg/m", [("ab" * 32, 6)])
+        store.reserve_uploads("u", "pg/m", [("ab" * 32, 6)])  # renewed, not added
+        with pytest.raises(TooMuchUncommitted, match="u holds 6 bytes"):
+            store.reserve_uploads("u", "pg/m", [("cd" * 32, 2), ("ef" * 32, 3)])
+        store.reserve_uploads("u", "pg/m", [("cd" * 32, 2)])  # the refused pair left no count
+        store.reserve_uploads("v", "pg/m", [("cd" * 32, 10)])
 
 
 def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
