@@ -70,7 +70,8 @@ class HubSettings(_Section):
         gt=0,
         description="bytes one user may hold uploaded and not yet committed (LFS objects "
         "counted from their batch reply, files rebuilt from a Xet shard from the shard, each "
-        "until a commit names it or hub.upload_ttl_s passes); past it, 429",
+        "until a commit names it or hub.upload_ttl_s passes; Xet xorbs as they arrive, until a "
+        "shard rebuilds files from all of one or hub.upload_ttl_s passes); past it, 429",
     )
     xet_ttl_s: float = Field(
         21 * 24 * 3600,

@@ -11,7 +11,9 @@ pipeline choose Xet from ``is_xet_available()`` alone (``hf_xet`` importable and
    cache per CAS URL, so the id keeps a client from deduplicating against xorbs of another (or
    a wiped) store, or of another user of the same machine: a shard reads only the xorbs its
    own user sent (``service.store.xet``).
-2. ``POST {casUrl}/v1/xorbs/default/{hash}``: the chunk containers, kept in the store.
+2. ``POST {casUrl}/v1/xorbs/default/{hash}``: the chunk containers, kept in the store, each
+   counted against its user's ``hub.max_uncommitted_bytes`` (429 past it) until a shard
+   rebuilds files from every chunk of it (the files are counted then) or ``hub.upload_ttl_s``.
 3. ``POST {casUrl}/v1/shards``: the file records; each file is rebuilt from the xorbs into
    the uploads area and checked against its SHA-256 (``service.store.xet``). (``/v2/shards``
    is absent: the client falls back to v1 on the 404.)
@@ -88,11 +90,11 @@ def _authorised(request: Request, cas_id: str) -> tuple[str, Identity]:
 
 @router.post(CAS_PREFIX + "/{cas_id}/v1/xorbs/default/{xorb}", include_in_schema=False)
 async def upload_xorb(cas_id: str, xorb: str, request: Request) -> dict[str, bool]:
-    _, who = await run_in_threadpool(_authorised, request, cas_id)
+    repo_id, who = await run_in_threadpool(_authorised, request, cas_id)
     store = store_of(request)
     check_xet_hash(xorb)
     writer, _ = await receive_blob(request, store.blobs, MAX_XORB_BYTES)
-    await run_in_threadpool(store.xet.put_xorb, xorb, writer.path, who.name)
+    await run_in_threadpool(store.put_xorb, repo_id, xorb, writer.path, who.name)
     return {
         "was_inserted": True
     }  # held now; whether it was before (another upload's bytes) is not told

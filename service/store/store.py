@@ -80,7 +80,7 @@ from .naming import (
 )
 from .s3 import S3Objects
 from .shared import adopt_store_files, grant_key, trusted_public_keys
-from .xet import XetStore
+from .xet import XetStore, xorb_oid
 
 __all__ = [
     "AddFile",
@@ -362,18 +362,27 @@ class HubStore:
             )
 
     def reserve_uploads(
-        self, account: str, repo_id: str, objects: Sequence[tuple[str, int]]
+        self,
+        account: str,
+        repo_id: str,
+        objects: Sequence[tuple[str, int]],
+        replacing: Sequence[str] = (),
     ) -> None:
         """Count ``objects`` (SHA-256, size) that ``account`` is about to upload for ``repo_id``
         against its bytes received and not yet committed, until a commit names each or the upload
-        time-to-live passes (asking again for an object renews its count, never adds to it);
-        TooMuchUncommitted, counting none of them, when they would pass
+        time-to-live passes (asking again for an object renews its count, never adds to it), in
+        place of the counts of ``replacing`` (objects of the account's, of any repo, that these
+        are made from); TooMuchUncommitted, changing no count, when they would pass
         ``hub.max_uncommitted_bytes``."""
         wanted, now, limit = dict(objects), clock.now(), self.limits.max_uncommitted_bytes
         with self.index.transaction(locks=[f"pending:{account}"]) as tx:
             tx.execute(
                 "DELETE FROM pending_uploads WHERE account = ? AND expires_at < ?", (account, now)
             )
+            for oid in replacing:
+                tx.execute(
+                    "DELETE FROM pending_uploads WHERE account = ? AND oid = ?", (account, oid)
+                )
             for oid in wanted:
                 tx.execute(
                     "DELETE FROM pending_uploads WHERE account = ? AND repo_id = ? AND oid = ?",
@@ -983,18 +992,32 @@ class HubStore:
             SignatureRecord(row["signer"], row["fingerprint"], row["verified_at"]) if row else None
         )
 
+    def put_xorb(self, repo_id: str, xorb: str, tmp: Path, uploader: str) -> None:
+        """Keep the xorb ``tmp`` that ``uploader`` sent under ``repo_id``'s grant
+        (``XetStore.put_xorb``) once its bytes are counted against the uploader's
+        ``reserve_uploads`` (until a shard rebuilds files from all of it, or the upload
+        time-to-live passes); refused with nothing kept past ``hub.max_uncommitted_bytes``."""
+        try:
+            self.reserve_uploads(uploader, repo_id, [(xorb_oid(xorb), tmp.stat().st_size)])
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.xet.put_xorb(xorb, tmp, uploader)
+
     def apply_shard(self, repo_id: str, shard: Path, uploader: str) -> list[str]:
         """Rebuild the files of a Xet shard ``uploader`` sent for ``repo_id``
         (``XetStore.apply_shard``, within the hub's limits, those rebuilt counted against the
-        uploader's ``reserve_uploads``) and note them as uploaded for it; returns their
-        SHA-256s."""
+        uploader's ``reserve_uploads`` in place of the xorbs they read whole) and note them as
+        uploaded for it; returns their SHA-256s."""
         done = self.xet.apply_shard(
             shard,
             uploader,
             lambda sha256: self.held_for(repo_id, sha256) is not None,
             self.limits.max_upload_bytes,
             self.limits.xet_max_expansion,
-            lambda files: self.reserve_uploads(uploader, repo_id, files),
+            lambda files, whole: self.reserve_uploads(
+                uploader, repo_id, files, [xorb_oid(x) for x in whole]
+            ),
         )
         for sha256 in done:
             self.blobs.note_upload(repo_id, sha256)

@@ -347,14 +347,15 @@ class XetStore:
         held: Callable[[str], bool],
         max_file_bytes: int,
         max_expansion: int,
-        reserve: Callable[[list[tuple[str, int]]], None],
+        reserve: Callable[[list[tuple[str, int]], list[str]], None],
     ) -> list[str]:
         """Rebuild every file a shard ``uploader`` sent describes into the uploads area, each
         checked against the shard's SHA-256, except those ``held`` says the uploader's repo
-        already holds, once ``reserve`` took their (SHA-256, size) without raising; returns
-        their SHA-256s. A shard naming a xorb this uploader did not send (InvalidRequest, as for
-        one not held), or rebuilding more than ``max_expansion`` times the stored bytes of the
-        distinct chunks it reads (TooLarge), is refused."""
+        already holds, once ``reserve`` took their (SHA-256, size) and the xorbs whose every
+        chunk they read without raising; returns their SHA-256s. A shard naming a xorb this
+        uploader did not send (InvalidRequest, as for one not held), or rebuilding more than
+        ``max_expansion`` times the stored bytes of the distinct chunks it reads (TooLarge), is
+        refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
         offsets: dict[str, list[tuple[int, int]]] = {}
@@ -380,7 +381,12 @@ class XetStore:
                 f"than the limit of {max_expansion} times what was uploaded "
                 "(hub.xet_max_expansion)"
             )
-        reserve([(entry.sha256, entry.size) for entry in rebuild])
+        whole = [
+            xorb
+            for xorb, chunks in offsets.items()
+            if all((xorb, i) in stored for i in range(len(chunks) - 1))
+        ]
+        reserve([(entry.sha256, entry.size) for entry in rebuild], whole)
         for entry in rebuild:
             self._rebuild(entry, offsets, uploader)
         return [entry.sha256 for entry in files]
@@ -479,6 +485,12 @@ def _held_xorb(xorb: str) -> Iterator[None]:
             f"the hub's copy of xorb {xorb} is corrupt ({e}): its operator's "
             "`vip-hub store check --repair` removes it, then the client uploads it again"
         ) from None
+
+
+def xorb_oid(xorb: str) -> str:
+    """A xorb's name among the objects a user has sent and not yet committed
+    (``pending_uploads``, beside LFS objects' SHA-256s)."""
+    return f"xorb:{xorb}"
 
 
 def xorb_key(xorb: str) -> str:

@@ -574,20 +574,33 @@ def test_xet_shards_rebuild_at_most_their_ratio_of_what_their_user_uploaded(serv
     assert httpx.post(f"{cas}/v1/shards", content=again, headers=alice).status_code == 404
 
 
-def test_files_rebuilt_from_shards_count_against_their_users_uncommitted_bytes(
+def test_xorbs_and_files_rebuilt_from_them_count_against_their_users_uncommitted_bytes(
     server, repos, monkeypatch
 ):
-    """The files a shard rebuilds count against its user's ``hub.max_uncommitted_bytes``
-    before they are written: a shard past it is a 429 naming the setting, and rebuilds nothing
-    (root: no other test of this module uploads as root)."""
-    monkeypatch.setattr(server.app.state.store.limits, "max_uncommitted_bytes", 100 * 1024)
+    """Xorbs as they arrive, and the files a shard rebuilds before they are written, count
+    against their user's ``hub.max_uncommitted_bytes``: a xorb or a shard past it is a 429
+    naming the setting, and keeps or rebuilds nothing; files rebuilt from every chunk of a xorb
+    take its count's place, a xorb read in part stays counted (root: no other test of this
+    module uploads as root)."""
+    store = server.app.state.store
+    monkeypatch.setattr(store.limits, "max_uncommitted_bytes", 100 * 1024)
     cas, grant = _xet_grant(server, "alice/public", ROOT)
+
+    def send(chunks: list[bytes]) -> tuple[str, httpx.Response]:
+        name = xorb_hash(_hashes(chunks))
+        return name, httpx.post(
+            f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant
+        )
+
     noise = [np.random.default_rng(10 + i).bytes(32 * 1024) for i in range(2)]
-    name = xorb_hash(_hashes(noise))
-    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(noise), headers=grant)
+    name, r = send(noise)
     assert r.is_success, r.text
+    over, r = send([np.random.default_rng(20).bytes(64 * 1024)])  # 64 KiB held, 64 more
+    assert r.status_code == 429 and "hub.max_uncommitted_bytes" in r.json()["error"], r.text
+    assert not store.xet.xorb_path(over).exists()
     whole = (name, 0, 2, 64 * 1024)
     once = _shard(hashlib.sha256(b"".join(noise)).hexdigest(), [whole])
+    # the file takes the xorb's 64 KiB: counted twice, the two would pass the 100
     assert httpx.post(f"{cas}/v1/shards", content=once, headers=grant).status_code == 200
     twice = b"".join(noise) * 2
     r = httpx.post(
@@ -600,6 +613,13 @@ def test_files_rebuilt_from_shards_count_against_their_users_uncommitted_bytes(
     assert server.app.state.store.blobs.object_path(hashlib.sha256(twice).hexdigest()) is None
     # a shard of a file already received for the repo rebuilds and counts nothing again
     assert httpx.post(f"{cas}/v1/shards", content=once, headers=grant).status_code == 200
+    halves = [np.random.default_rng(30 + i).bytes(16 * 1024) for i in range(2)]
+    part, r = send(halves)  # 64 KiB of file and 32 of xorb held
+    assert r.is_success, r.text
+    first = _shard(hashlib.sha256(halves[0]).hexdigest(), [(part, 0, 1, 16 * 1024)])
+    assert httpx.post(f"{cas}/v1/shards", content=first, headers=grant).status_code == 429
+    both = _shard(hashlib.sha256(b"".join(halves)).hexdigest(), [(part, 0, 2, 32 * 1024)])
+    assert httpx.post(f"{cas}/v1/shards", content=both, headers=grant).status_code == 200
 
 
 def test_a_xorb_collected_while_its_shard_is_applied_is_asked_for_again(server, repos, monkeypatch):

@@ -71,7 +71,8 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
 
 def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
     """``reserve_uploads`` on PostgreSQL: asking again renews, a refusal counts none of the
-    objects asked for, and each user has a quota of their own."""
+    objects asked for, each user has a quota of their own, and objects made from others (files
+    from a user's xorbs) take their count's place."""
     limits = HubSettings(max_uncommitted_bytes=10)
     with HubStore(tmp_path / "store", index=postgres, limits=limits) as store:
         store.reserve_uploads("u", "pg/m", [("ab" * 32, 6)])
@@ -80,6 +81,11 @@ def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
             store.reserve_uploads("u", "pg/m", [("cd" * 32, 2), ("ef" * 32, 3)])
         store.reserve_uploads("u", "pg/m", [("cd" * 32, 2)])  # the refused pair left no count
         store.reserve_uploads("v", "pg/m", [("cd" * 32, 10)])
+        # what is made from earlier objects takes their place, whichever repo they came for
+        store.reserve_uploads("u", "pg/other", [("xorb:" + "12" * 32, 2)])
+        store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=["xorb:" + "12" * 32])
+        with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
+            store.reserve_uploads("u", "pg/m", [("99" * 32, 1)], replacing=["ab" * 32 + "?"])
 
 
 def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
