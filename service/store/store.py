@@ -994,15 +994,16 @@ class HubStore:
 
     def put_xorb(self, repo_id: str, xorb: str, tmp: Path, uploader: str) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under ``repo_id``'s grant
-        (``XetStore.put_xorb``) once its bytes are counted against the uploader's
-        ``reserve_uploads`` (until a shard rebuilds files from all of it, or the upload
-        time-to-live passes); refused with nothing kept past ``hub.max_uncommitted_bytes``."""
-        try:
-            self.reserve_uploads(uploader, repo_id, [(xorb_oid(xorb), tmp.stat().st_size)])
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self.xet.put_xorb(xorb, tmp, uploader)
+        (``XetStore.put_xorb``) once its hash checks and its bytes are counted against the
+        uploader's ``reserve_uploads`` (until a shard rebuilds files from all of it, or the
+        upload time-to-live passes); refused with nothing kept past
+        ``hub.max_uncommitted_bytes``."""
+        self.xet.put_xorb(
+            xorb,
+            tmp,
+            uploader,
+            lambda size: self.reserve_uploads(uploader, repo_id, [(xorb_oid(xorb), size)]),
+        )
 
     def apply_shard(self, repo_id: str, shard: Path, uploader: str) -> list[str]:
         """Rebuild the files of a Xet shard ``uploader`` sent for ``repo_id``

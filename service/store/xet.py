@@ -259,15 +259,24 @@ class XetStore:
             return self.remote.size(XORB_OWNERS + self._owner(uploader, xorb)) is not None
         return (self.owners / self._owner(uploader, xorb)).is_file()
 
-    def put_xorb(self, xorb: str, tmp: Path, uploader: str) -> None:
+    def put_xorb(
+        self,
+        xorb: str,
+        tmp: Path,
+        uploader: str,
+        reserve: Callable[[int], None] | None = None,
+    ) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
-        recomputed from its chunks (InvalidRequest otherwise), and note who sent it (with an
-        object store: written to its bucket again). One already held stays, its age refreshed,
-        unless its bytes rotted: a hash names the chunks, not how they are packed, and a shard
-        may be reading the held one at the offsets it found there."""
+        recomputed from its chunks (InvalidRequest otherwise) and ``reserve`` took its size
+        without raising, and note who sent it (with an object store: written to its bucket
+        again). One already held stays, its age refreshed, unless its bytes rotted: a hash names
+        the chunks, not how they are packed, and a shard may be reading the held one at the
+        offsets it found there. ``tmp`` is gone afterwards, whatever the outcome."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             check_xorb(tmp, xorb)
+            if reserve is not None:
+                reserve(tmp.stat().st_size)
             if self.remote is not None:
                 self.remote.put_file(tmp, xorb_key(xorb))
             if not _kept(target, xorb):

@@ -579,8 +579,9 @@ def test_xorbs_and_files_rebuilt_from_them_count_against_their_users_uncommitted
 ):
     """Xorbs as they arrive, and the files a shard rebuilds before they are written, count
     against their user's ``hub.max_uncommitted_bytes``: a xorb or a shard past it is a 429
-    naming the setting, and keeps or rebuilds nothing; files rebuilt from every chunk of a xorb
-    take its count's place, a xorb read in part stays counted (root: no other test of this
+    naming the setting, and keeps or rebuilds nothing; a xorb refused for its hash counts
+    nothing; files rebuilt from every chunk of a xorb take its count's place, a xorb read in
+    part stays counted (root: no other test of this
     module uploads as root)."""
     store = server.app.state.store
     monkeypatch.setattr(store.limits, "max_uncommitted_bytes", 100 * 1024)
@@ -593,6 +594,10 @@ def test_xorbs_and_files_rebuilt_from_them_count_against_their_users_uncommitted
         )
 
     noise = [np.random.default_rng(10 + i).bytes(32 * 1024) for i in range(2)]
+    elsewhere = xorb_hash(_hashes([b"other chunks"]))
+    wrong = _xorb([np.random.default_rng(40).bytes(64 * 1024)])  # not the chunks of its name
+    r = httpx.post(f"{cas}/v1/xorbs/default/{elsewhere}", content=wrong, headers=grant)
+    assert r.status_code == 400, r.text  # and uncounted: the 64 KiB below still fit
     name, r = send(noise)
     assert r.is_success, r.text
     over, r = send([np.random.default_rng(20).bytes(64 * 1024)])  # 64 KiB held, 64 more
