@@ -307,7 +307,7 @@ def test_a_text_decoder_replaced_after_verification_is_refused(repo, tmp_path, m
 def test_a_text_decoder_configuration_changed_is_refused(repo, tmp_path, monkeypatch):
     """A text decoder's configuration (its metadata, which the tensors digest leaves out) shapes
     every caption without changing a tensor: other heads or token ids fail ``verify`` against
-    the configuration ``config.json`` binds, and a change after verification fails the load."""
+    the configuration ``CONFIG_FILE`` binds, and a change after verification fails the load."""
     copy = shutil.copytree(repo, tmp_path / "repo")
     path = copy / TEXT_DECODER_FILE
     original = path.read_bytes()

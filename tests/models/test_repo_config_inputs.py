@@ -149,7 +149,7 @@ def test_a_text_decoder_configuration_of_the_wrong_type_is_refused_by_name(
     dpcap_repo, tmp_path, key, value, message
 ):
     """The configuration sits in the decoder file's metadata, outside its tensors digest, and
-    config.json binds it: ``verify`` and the verified loaders refuse a changed one (96.0 for 96
+    ``CONFIG_FILE`` binds it: ``verify`` and the verified loaders refuse a changed one (96.0 for 96
     too), and both loaders, unverified, name the value."""
     repo = Path(shutil.copytree(dpcap_repo, tmp_path / "repo"))
     meta = read_safetensors_metadata(repo / TEXT_DECODER_FILE)

@@ -644,7 +644,7 @@ def test_a_malformed_weights_header_is_refused_naming_the_file(tiny_repo, rewrit
 
 def test_a_decoder_whose_configuration_changed_fails_verify(tiny_repo):
     """A decoder's configuration lives in its metadata, which the tensors digest leaves out: its
-    heads (which no tensor's shape shows) changed fail against the one config.json binds."""
+    heads (which no tensor's shape shows) changed fail against the one ``CONFIG_FILE`` binds."""
     path = tiny_repo / MAE_DECODER_FILE
     meta = read_safetensors_metadata(path)
     other = {**json.loads(meta[META_DECODER]), "num_heads": 1}
