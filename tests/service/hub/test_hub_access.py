@@ -581,8 +581,7 @@ def test_xorbs_and_files_rebuilt_from_them_count_against_their_users_uncommitted
     against their user's ``hub.max_uncommitted_bytes``: a xorb or a shard past it is a 429
     naming the setting, and keeps or rebuilds nothing; a xorb refused for its hash counts
     nothing; files rebuilt from every chunk of a xorb take its count's place, a xorb read in
-    part stays counted (root: no other test of this
-    module uploads as root)."""
+    part stays counted (root: no other test of this module uploads as root)."""
     store = server.app.state.store
     monkeypatch.setattr(store.limits, "max_uncommitted_bytes", 100 * 1024)
     cas, grant = _xet_grant(server, "alice/public", ROOT)

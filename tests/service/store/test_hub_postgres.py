@@ -18,6 +18,7 @@ from service.settings import HubSettings
 from service.store import AddFile, HubStore
 from service.store.errors import Conflict, NoSuchRevision, TooMuchUncommitted
 from service.store.index import PostgresIndex, Transaction
+from service.store.xet import xorb_oid
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import repo_files
@@ -82,8 +83,8 @@ def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
         store.reserve_uploads("u", "pg/m", [("cd" * 32, 2)])  # the refused pair left no count
         store.reserve_uploads("v", "pg/m", [("cd" * 32, 10)])
         # what is made from earlier objects takes their place, whichever repo they came for
-        store.reserve_uploads("u", "pg/other", [("xorb:" + "12" * 32, 2)])
-        store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=["xorb:" + "12" * 32])
+        store.reserve_uploads("u", "pg/other", [(xorb_oid("12" * 32), 2)])
+        store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=[xorb_oid("12" * 32)])
         with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
             store.reserve_uploads("u", "pg/m", [("99" * 32, 1)], replacing=["ab" * 32 + "?"])
 
