@@ -12,20 +12,42 @@ import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vip_hub.cli.main import add_command, require_extra
+from vip_hub.cli.main import Options, add_command, require_extra
 from vip_hub.errors import ConfigError
 from vip_hub.repo_format import head_component
 
-from .skeleton.config import Recipe, add_config_args, config_from_args
 from .skeleton.memory import reuse_freed_memory
 
-__all__ = ["RECIPES", "note_head_statistics", "recipe", "register"]
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
-RECIPES = ("syn", "vip", "dpcap", "logit_dp", "finetune")
-"""Modules of ``training.recipes`` that each declare a ``RECIPE``."""
+    from .skeleton.config import Recipe
+
+# The configurations (training.skeleton.config and the recipes) import torch: each is imported
+# when its command runs or prints its help, not to list the commands.
+
+__all__ = ["RECIPES", "note_head_statistics", "recipe", "recipe_command", "register"]
+
+RECIPES = {
+    "syn": "(Syn)-ViP: pretraining on procedural images",
+    "vip": "ViP: DP-AdamW MAE training on private images",
+    "dpcap": "DP-Cap: DP-AdamW image captioning on private image-caption pairs",
+    "logit_dp": "Logit-DP: a contrastive encoder with per-pair clipping (or the Naive-DP baseline)",
+    "finetune": "DP fine-tuning: a (Syn)-ViP encoder's top blocks and a linear head on labelled "
+    "images",
+}
+"""Each module of ``training.recipes`` that declares a ``RECIPE``, and what its command does
+(here, not in the module, so that listing the commands imports no recipe, torch or timm)."""
+
+
+def recipe_command(module: str) -> str:
+    """The command that runs ``training.recipes.<module>``'s recipe: ``train-logit-dp``."""
+    return "train-" + module.replace("_", "-")
 
 
 def recipe(module: str) -> Recipe:
@@ -34,28 +56,26 @@ def recipe(module: str) -> Recipe:
 
 
 def register(sub: Any) -> None:
-    """Add every training sub-command to the ``vip-hub`` parser."""
+    """Add every training sub-command to the ``vip-hub`` parser; each one's options (from its
+    configuration, whose module imports torch) are added when it is used."""
     require_extra("train", "matplotlib")
-    for module in RECIPES:
-        r = recipe(module)
-        p = add_command(sub, f"train-{r.name}", _train, r.summary)
+    for module, summary in RECIPES.items():
+        options = _config_options(partial(_recipe_config, module))
+        p = add_command(sub, recipe_command(module), _train, summary, options)
         p.set_defaults(recipe=module)
-        add_config_args(p, r.config)
-
-    from .main_job import MainJobConfig
-    from .recipes.probe import ProbeConfig
-
-    add_config_args(
-        add_command(
-            sub, "probe", _probe, "train and evaluate a linear-probe head on a frozen encoder"
-        ),
-        ProbeConfig,
+    add_command(
+        sub,
+        "probe",
+        _probe,
+        "train and evaluate a linear-probe head on a frozen encoder",
+        _config_options(_probe_config),
     )
-    add_config_args(
-        add_command(
-            sub, "run", _run, "the main job: train, compare, publish and serve private encoders"
-        ),
-        MainJobConfig,
+    add_command(
+        sub,
+        "run",
+        _run,
+        "the main job: train, compare, publish and serve private encoders",
+        _config_options(_main_job_config),
     )
     p = add_command(
         sub, "synth-preview", _synth_preview, "write a contact sheet of procedural images"
@@ -65,6 +85,33 @@ def register(sub: Any) -> None:
     p.add_argument("--count", type=int, default=64)
     p.add_argument("--size", type=int, default=96, help="pixels per image")
     p.add_argument("--columns", type=int, default=8)
+
+
+def _config_options(config: Callable[[], type[BaseModel]]) -> Options:
+    """Adds the options of the configuration class ``config()`` imports."""
+
+    def options(parser: argparse.ArgumentParser) -> None:
+        from .skeleton.config import add_config_args
+
+        add_config_args(parser, config())
+
+    return options
+
+
+def _recipe_config(module: str) -> type[BaseModel]:
+    return recipe(module).config
+
+
+def _probe_config() -> type[BaseModel]:
+    from .recipes.probe import ProbeConfig
+
+    return ProbeConfig
+
+
+def _main_job_config() -> type[BaseModel]:
+    from .main_job import MainJobConfig
+
+    return MainJobConfig
 
 
 def note_head_statistics(cfg: Any) -> None:
@@ -83,6 +130,7 @@ def note_head_statistics(cfg: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .skeleton.config import config_from_args
     from .skeleton.distributed import Dist
 
     r = recipe(args.recipe)
@@ -131,6 +179,7 @@ def _synth_preview(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace) -> int:
     from .recipes.probe import ProbeConfig, run_probe
+    from .skeleton.config import config_from_args
 
     cfg = config_from_args(ProbeConfig, args)
     note_head_statistics(cfg)
@@ -154,6 +203,7 @@ def _probe(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from .main_job import MainJobConfig, run_main_job, sigterm_as_interrupt
+    from .skeleton.config import config_from_args
 
     cfg = config_from_args(MainJobConfig, args)
     reuse_freed_memory()  # the server it starts is a process of its own, with glibc's defaults

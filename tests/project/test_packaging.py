@@ -4,6 +4,7 @@ encoder without the web server or the training stack."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -213,6 +214,40 @@ def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -
     wrong = subprocess.run([str(cli), "training"], capture_output=True, text=True)
     assert wrong.returncode == 2 and "invalid choice: 'training'" in wrong.stderr
     assert "train-vip" in wrong.stderr and "token" in wrong.stderr and "verify" in wrong.stderr
+
+
+def test_listing_the_commands_imports_no_recipe_and_each_command_keeps_its_options() -> None:
+    """``vip-hub --help`` took 7 s: registering the training commands imported every recipe's
+    configuration (torch, timm), and ``key`` and ``sign`` the verifier. Their options are added
+    when the command is used: the listing imports none of it and names every command, and a
+    command's help and its parsing still have every option."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from vip_hub.cli.main import build_parser, main\n"
+        "listing = io.StringIO()\n"
+        "with contextlib.redirect_stdout(listing), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "slow = ('torch', 'timm', 'training.skeleton.config', 'vip_hub.repo.signing')\n"
+        "print(sorted(m for m in slow if m in sys.modules))\n"
+        "print(listing.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded, listing = done.stdout.split("\n", 1)
+    assert loaded == "[]", loaded
+    from training.commands import RECIPES, recipe_command
+    from vip_hub.cli.main import build_parser
+
+    commands = [*map(recipe_command, RECIPES), "probe", "run", "key", "sign", "verify", "token"]
+    assert set(commands) <= set(re.findall(r"^ {4}(\S+)", listing, re.M)), listing
+    parser = build_parser()
+    helps = {c: parser._subparsers._group_actions[0].choices[c].format_help() for c in commands}
+    assert "--temperature" in helps["train-logit-dp"] and "--head-clip" in helps["run"]
+    assert "--overwrite" in helps["key"] and "--key" in helps["sign"]
+    args = build_parser().parse_args(["train-logit-dp", "--temperature", "0.25", "--init=i"])
+    assert (args.recipe, args.temperature, args.init) == ("logit_dp", 0.25, "i")
+    key = build_parser().parse_args(["key", "create", "--name", "k"])
+    assert (key.action, key.name, key.overwrite) == ("create", "k", False)
 
 
 def test_the_training_commands_start_without_scipy() -> None:

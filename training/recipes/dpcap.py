@@ -295,12 +295,7 @@ def _trimmed(
         yield images, text[:, : int((text != pad_id).any(0).nonzero().max()) + 1]
 
 
-RECIPE = Recipe(
-    "dpcap",
-    "DP-Cap: DP-AdamW image captioning on private image-caption pairs",
-    DPCapConfig,
-    train_dpcap,
-)
+RECIPE = Recipe(DPCapConfig, train_dpcap)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-dpcap"))

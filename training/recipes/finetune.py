@@ -800,12 +800,7 @@ def finetune_arrays(
     return ArraysRun(repo, stage, stages, top1, seconds)
 
 
-RECIPE = Recipe(
-    "finetune",
-    "DP fine-tuning: a (Syn)-ViP encoder's top blocks and a linear head on labelled images",
-    FinetuneConfig,
-    train_finetune,
-)
+RECIPE = Recipe(FinetuneConfig, train_finetune)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-finetune"))

@@ -294,12 +294,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     )
 
 
-RECIPE = Recipe(
-    "logit-dp",
-    "Logit-DP: a contrastive encoder with per-pair clipping (or the Naive-DP baseline)",
-    LogitDPConfig,
-    train_logit_dp,
-)
+RECIPE = Recipe(LogitDPConfig, train_logit_dp)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-logit-dp"))

@@ -346,7 +346,7 @@ def train_syn(cfg: SynConfig, dist: Dist | None = None) -> Path:
     )
 
 
-RECIPE = Recipe("syn", "(Syn)-ViP: pretraining on procedural images", SynConfig, train_syn)
+RECIPE = Recipe(SynConfig, train_syn)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-syn"))

@@ -149,7 +149,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     )
 
 
-RECIPE = Recipe("vip", "ViP: DP-AdamW MAE training on private images", VipConfig, train_vip)
+RECIPE = Recipe(VipConfig, train_vip)
 
 if __name__ == "__main__":
     raise SystemExit(recipe_main("train-vip"))

@@ -344,10 +344,9 @@ def with_adamw(
 
 @dataclass(frozen=True)
 class Recipe:
-    """A recipe: its command name, what it does, its configuration and its training function."""
+    """A recipe: its configuration and its training function (its command and what it does are
+    listed in ``training.commands.RECIPES``)."""
 
-    name: str  # `vip-hub train-<name>`, `torchrun -m training.recipes.<module>`
-    summary: str
     config: type[RunConfig]
     # (config, training.skeleton.distributed.Dist) -> the exported repo
     train: Callable[[Any, Any], Path]

@@ -17,11 +17,18 @@ __all__ = ["register_key", "register_sign"]
 
 def register_key(sub: Any) -> None:
     """Add ``vip-hub key create``."""
-    from ..repo.signing import KEY_NAME
-
-    p = add_command(
-        sub, "key", _key, "create the EC key pair that signs your repos (kept outside them)"
+    add_command(
+        sub,
+        "key",
+        _key,
+        "create the EC key pair that signs your repos (kept outside them)",
+        _key_options,
     )
+
+
+def _key_options(p: argparse.ArgumentParser) -> None:
+    from ..repo.signing import KEY_NAME  # signing imports the verifier: only for this command
+
     p.add_argument("action", choices=["create"])
     p.add_argument("--dir", type=Path, help="folder to keep it in (default: ~/.config/vip-hub)")
     p.add_argument("--name", default=KEY_NAME, help=f"NAME.key and NAME.pub (default {KEY_NAME})")
@@ -50,9 +57,13 @@ def _key(args: argparse.Namespace) -> None:
 
 def register_sign(sub: Any) -> None:
     """Add ``vip-hub sign``."""
+    help = f"sign a verified repo folder (writes {SIGNATURE_FILE})"
+    add_command(sub, "sign", _sign, help, _sign_options)
+
+
+def _sign_options(p: argparse.ArgumentParser) -> None:
     from ..repo.signing import SIGNING_KEY_ENV
 
-    p = add_command(sub, "sign", _sign, f"sign a verified repo folder (writes {SIGNATURE_FILE})")
     p.add_argument("folder", help="repo folder")
     p.add_argument(
         "--key",

@@ -3,7 +3,10 @@ the ``vip_hub.commands`` entry-point group, so this library never imports traini
 service/. Each entry point is a function taking the argparse sub-parsers object. An entry point
 named like the command it registers is loaded alone when that command runs, so that ``vip-hub
 serve --no-inference`` or ``vip-hub token`` skip the training plugin's imports (torch, timm:
-seconds); any other command, or none, loads every plugin.
+seconds); any other command, or none, loads every plugin. A command whose options need such
+imports declares them with ``add_command(..., options=...)``: they are added when that command
+is parsed or its help printed, so ``vip-hub --help`` lists every command in a fraction of a
+second.
 
 A :class:`~vip_hub.errors.VipHubError` (something the user can fix) is printed as one line
 with exit status 1, as is an OSError of the machine's or the user's making (a full disk, a
@@ -22,7 +25,7 @@ from typing import Any
 
 from ..errors import VipHubError
 
-__all__ = ["add_command", "main", "require_extra"]
+__all__ = ["CommandParser", "add_command", "main", "require_extra"]
 
 
 def require_extra(extra: str, *modules: str) -> None:
@@ -35,11 +38,47 @@ def require_extra(extra: str, *modules: str) -> None:
         raise ImportError(f"needs the {extra} extra: pip install 'vip-hub[{extra}]'")
 
 
+Options = Callable[[argparse.ArgumentParser], None]
+"""A function adding a command's arguments to its parser."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser whose ``options`` (a function adding its arguments) run on its
+    first use: parsing its arguments or formatting its help or usage."""
+
+    def __init__(self, *args: Any, options: Options | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._options = options
+
+    def _add_options(self) -> None:
+        options, self._options = self._options, None
+        if options is not None:
+            options(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_options()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_options()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_options()
+        return super().format_help()
+
+
 def add_command(
-    sub: Any, name: str, handler: Callable[[argparse.Namespace], int | None], help: str
+    sub: Any,
+    name: str,
+    handler: Callable[[argparse.Namespace], int | None],
+    help: str,
+    options: Options | None = None,
 ) -> argparse.ArgumentParser:
-    """Add sub-command ``name`` to the sub-parsers ``sub``; plugins call this to register."""
-    p = sub.add_parser(name, help=help, description=help)
+    """Add sub-command ``name`` to the sub-parsers ``sub``; plugins call this to register.
+    ``options`` adds its arguments once the command is used (for options whose declaration
+    imports something slow)."""
+    p = sub.add_parser(name, help=help, description=help, options=options)
     p.set_defaults(handler=handler, command=name)
     return p
 
@@ -64,7 +103,7 @@ def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any
             "Released private vision encoders: accounting, ledgers, training, hub and serving."
         ),
     )
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=CommandParser)
     broken = []
     for ep in plugins:
         try:
