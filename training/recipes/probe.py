@@ -83,6 +83,7 @@ from ..skeleton.config import (
     accountant_field,
     check_outside_data,
     device_field,
+    tenth_of_steps,
 )
 from ..skeleton.distributed import Dist
 from ..skeleton.optim import lr_factor
@@ -101,6 +102,7 @@ __all__ = [
     "choose_pooling",
     "component_count",
     "dp_head_sampling",
+    "dp_head_schedule",
     "fit_probe",
     "fix_normalisation",
     "head_engine",
@@ -332,6 +334,20 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         elif folder is not None:  # the head goes into its folder
             check_outside_data("the encoder folder", self.encoder, self.data)
         return self
+
+
+def dp_head_schedule(
+    n: int, epochs: int, batches: int = PAPER_HEAD_BATCHES, batch_size: int | None = None
+) -> dict[str, Any]:
+    """A DP linear head's schedule on ``n`` records, as ``ProbeConfig`` fields: SGD for
+    ``epochs``, a tenth of them warming up, an expected batch of ``batch_size`` or else of
+    n / ``batches`` rounded up."""
+    return {
+        "optimizer": "sgd",
+        "epochs": epochs,
+        "warmup_epochs": tenth_of_steps(epochs),
+        "batch_size": batch_size or math.ceil(n / batches),
+    }
 
 
 @dataclass

@@ -11,7 +11,6 @@ DP stages, and its ledger stage; the head released reads the features themselves
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -28,12 +27,12 @@ from ..recipes.probe import (
     centred_statistics,
     component_count,
     dp_head_sampling,
+    dp_head_schedule,
     fit_probe,
     probe_stage,
     public_components,
     unproject,
 )
-from ..skeleton.config import tenth_of_steps
 from .budget import head_epsilon
 from .config import StudyConfig
 
@@ -82,10 +81,7 @@ def head_config(
         pooling=pooling,
         epsilon=epsilon,
         delta=cfg.delta if dp else None,
-        batch_size=math.ceil(n / cfg.head_batches),
-        epochs=cfg.probe_epochs,
-        warmup_epochs=tenth_of_steps(cfg.probe_epochs),
-        optimizer="sgd",
+        **dp_head_schedule(n, cfg.probe_epochs, cfg.head_batches),
         lr=(lr or cfg.head_lr) if dp else 0.1,
         max_grad_norm=cfg.head_clip,
         seed=0,
