@@ -71,7 +71,7 @@ class HubSettings(_Section):
         description="bytes one user may hold uploaded and not yet committed (LFS objects "
         "counted from their batch reply, files rebuilt from a Xet shard from the shard, each "
         "until a commit names it or hub.upload_ttl_s passes; Xet xorbs as they arrive, until a "
-        "shard rebuilds files from all of one or hub.upload_ttl_s passes); past it, 429",
+        "shard rebuilds files from all of one or hub.xet_ttl_s passes unused); past it, 429",
     )
     xet_ttl_s: float = Field(
         21 * 24 * 3600,

@@ -98,8 +98,9 @@ def batch(
             }
         elif held is None:
             try:
-                store.reserve_uploads(who.name, repo_id, [(oid, obj.size)])
-                entry["actions"] = _upload_actions(store, base, repo_id, oid, obj.size, who, quota)
+                with store.reserve_uploads(who.name, repo_id, [(oid, obj.size)]):
+                    actions = _upload_actions(store, base, repo_id, oid, obj.size, who, quota)
+                entry["actions"] = actions
             except (TooMuchUncommitted, TooMuchStaged) as e:
                 entry["error"] = {"code": 429, "message": str(e)}
         elif held != obj.size:

@@ -80,7 +80,7 @@ from .naming import (
 )
 from .s3 import S3Objects
 from .shared import adopt_store_files, grant_key, trusted_public_keys
-from .xet import XetStore, xorb_oid
+from .xet import XetStore, is_xorb_oid, xorb_oid
 
 __all__ = [
     "AddFile",
@@ -226,6 +226,46 @@ class DeleteFolder:
 Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What ``HubStore.reserve_uploads`` counted (each object's expiry) and the rows it deleted
+    (repo, object, size, expiry); as a context manager, undone if its block raises."""
+
+    store: HubStore = field(repr=False)
+    account: str
+    repo_id: str
+    counted: dict[str, float]
+    before: list[tuple[str, str, int, float]]
+
+    def undo(self, keep: Collection[str] = ()) -> None:
+        """Drop the counts of the objects not in ``keep`` (not uploaded after all), and give
+        back the counts it replaced or renewed (unless a later reservation holds their place):
+        the store holds what they count again."""
+        with self.store.index.transaction(locks=[f"pending:{self.account}"]) as tx:
+            for oid, expires in self.counted.items():
+                if oid not in keep:  # its own row only: a later renewal's stays
+                    tx.execute(
+                        "DELETE FROM pending_uploads WHERE account = ? AND repo_id = ? AND "
+                        "oid = ? AND expires_at = ?",
+                        (self.account, self.repo_id, oid, expires),
+                    )
+            for repo_id, oid, size, expires in self.before:
+                if repo_id == self.repo_id and oid in keep:
+                    continue  # renewed, and kept
+                tx.execute(
+                    "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (self.account, repo_id, oid, size, expires),
+                )
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            self.undo()
+
+
 class HubStore:
     """Read and write API of the store rooted at ``root`` (created on first use). What replicas
     must share lives in the index (``shared``): ``trusted_keys`` names only a single-host
@@ -367,26 +407,34 @@ class HubStore:
         repo_id: str,
         objects: Sequence[tuple[str, int]],
         replacing: Sequence[str] = (),
-    ) -> None:
-        """Count ``objects`` (SHA-256, size) that ``account`` is about to upload for ``repo_id``
-        against its bytes received and not yet committed, until a commit names each or the upload
-        time-to-live passes (asking again for an object renews its count, never adds to it), in
-        place of the counts of ``replacing`` (objects of the account's, of any repo, that these
-        are made from); TooMuchUncommitted, changing no count, when they would pass
-        ``hub.max_uncommitted_bytes``."""
+    ) -> Reservation:
+        """Count ``objects`` (SHA-256 or ``xorb_oid``, size) that ``account`` is about to upload
+        for ``repo_id`` against its bytes received and not yet committed, until a commit names
+        each or it expires (``_count_ttl``), in place of the counts of ``replacing`` (objects of
+        the account's, of any repo, that these are made from); TooMuchUncommitted, changing no
+        count, when they would pass ``hub.max_uncommitted_bytes``. Asking again for an object
+        renews its count at the larger of its two sizes, never adds to it nor lowers it. The
+        returned ``Reservation`` undoes it if what it counts is not kept."""
         wanted, now, limit = dict(objects), clock.now(), self.limits.max_uncommitted_bytes
         with self.index.transaction(locks=[f"pending:{account}"]) as tx:
             tx.execute(
                 "DELETE FROM pending_uploads WHERE account = ? AND expires_at < ?", (account, now)
             )
-            for oid in replacing:
+            before: list[tuple[str, str, int, float]] = []  # the rows it deletes
+            mine = [("oid = ?", (oid,)) for oid in replacing] + [
+                ("repo_id = ? AND oid = ?", (repo_id, oid)) for oid in wanted
+            ]
+            for where, args in mine:
+                for r in tx.rows(
+                    f"SELECT repo_id, oid, size, expires_at FROM pending_uploads "
+                    f"WHERE account = ? AND {where}",
+                    (account, *args),
+                ):
+                    before.append((r["repo_id"], r["oid"], int(r["size"]), float(r["expires_at"])))
+                    if r["repo_id"] == repo_id and r["oid"] in wanted:  # asked again
+                        wanted[r["oid"]] = max(wanted[r["oid"]], int(r["size"]))
                 tx.execute(
-                    "DELETE FROM pending_uploads WHERE account = ? AND oid = ?", (account, oid)
-                )
-            for oid in wanted:
-                tx.execute(
-                    "DELETE FROM pending_uploads WHERE account = ? AND repo_id = ? AND oid = ?",
-                    (account, repo_id, oid),
+                    f"DELETE FROM pending_uploads WHERE account = ? AND {where}", (account, *args)
                 )
             row = tx.row(
                 "SELECT COALESCE(SUM(size), 0) AS held FROM pending_uploads WHERE account = ?",
@@ -399,12 +447,19 @@ class HubStore:
                     f"would pass the limit of {limit} (hub.max_uncommitted_bytes): commit those "
                     "first, or wait for them to expire"
                 )
+            counted = {oid: now + self._count_ttl(oid) for oid in wanted}
             for oid, bytes_ in wanted.items():
                 tx.execute(
                     "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
                     "VALUES (?, ?, ?, ?, ?)",
-                    (account, repo_id, oid, bytes_, now + self.limits.upload_ttl_s),
+                    (account, repo_id, oid, bytes_, counted[oid]),
                 )
+        return Reservation(self, account, repo_id, counted, before)
+
+    def _count_ttl(self, oid: str) -> float:
+        """How long an uncommitted object counts: a xorb as long as it is kept unused
+        (``hub.xet_ttl_s``), anything else until uploads are collected (``hub.upload_ttl_s``)."""
+        return self.limits.xet_ttl_s if is_xorb_oid(oid) else self.limits.upload_ttl_s
 
     def release_staging(self, upload_id: str) -> None:
         """Give a staged upload's share of its user's quota back (it was verified or refused)."""
@@ -996,7 +1051,7 @@ class HubStore:
         """Keep the xorb ``tmp`` that ``uploader`` sent under ``repo_id``'s grant
         (``XetStore.put_xorb``) once its hash checks and its bytes are counted against the
         uploader's ``reserve_uploads`` (until a shard rebuilds files from all of it, or the
-        upload time-to-live passes); refused with nothing kept past
+        Xet time-to-live passes); refused with nothing kept past
         ``hub.max_uncommitted_bytes``."""
         self.xet.put_xorb(
             xorb,
@@ -1008,7 +1063,8 @@ class HubStore:
     def apply_shard(self, repo_id: str, shard: Path, uploader: str) -> list[str]:
         """Rebuild the files of a Xet shard ``uploader`` sent for ``repo_id``
         (``XetStore.apply_shard``, within the hub's limits, those rebuilt counted against the
-        uploader's ``reserve_uploads`` in place of the xorbs they read whole) and note them as
+        uploader's ``reserve_uploads`` in place of the xorbs they read whole, the xorbs they
+        read in part counted again for as long as the read keeps them) and note them as
         uploaded for it; returns their SHA-256s."""
         done = self.xet.apply_shard(
             shard,
@@ -1016,8 +1072,11 @@ class HubStore:
             lambda sha256: self.held_for(repo_id, sha256) is not None,
             self.limits.max_upload_bytes,
             self.limits.xet_max_expansion,
-            lambda files, whole: self.reserve_uploads(
-                uploader, repo_id, files, [xorb_oid(x) for x in whole]
+            lambda files, whole, part: self.reserve_uploads(
+                uploader,
+                repo_id,
+                [*files, *((xorb_oid(x), size) for x, size in part)],
+                [xorb_oid(x) for x in whole],
             ),
         )
         for sha256 in done:

@@ -30,10 +30,10 @@ import contextlib
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import blake3
 import lz4.frame
@@ -45,7 +45,16 @@ from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
 from .errors import CorruptObject, InvalidRequest, StoreError, StoreUnavailable, TooLarge
 from .s3 import XORB_OWNERS, XORBS
 
-__all__ = ["XetStore", "check_xorb", "xet_hex", "xorb_hash", "xorb_key"]
+__all__ = [
+    "Reserved",
+    "XetStore",
+    "check_xorb",
+    "is_xorb_oid",
+    "xet_hex",
+    "xorb_hash",
+    "xorb_key",
+    "xorb_oid",
+]
 
 SHARD_TAG = bytes(
     [
@@ -201,6 +210,13 @@ def check_xet_hash(text: str) -> str:
     return text
 
 
+class Reserved(Protocol):
+    """What a reservation of uploaded bytes gives back (``HubStore.reserve_uploads``)."""
+
+    def undo(self, keep: Collection[str] = ()) -> None:
+        """Drop what it counted but ``keep``, and give back what it replaced."""
+
+
 @dataclass(frozen=True)
 class Term:
     """Chunks ``[start, end)`` of xorb ``xorb`` (text form), ``size`` bytes once unpacked."""
@@ -264,24 +280,29 @@ class XetStore:
         xorb: str,
         tmp: Path,
         uploader: str,
-        reserve: Callable[[int], None] | None = None,
+        reserve: Callable[[int], Reserved] | None = None,
     ) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
         recomputed from its chunks (InvalidRequest otherwise) and ``reserve`` took its size
-        without raising, and note who sent it (with an object store: written to its bucket
-        again). One already held stays, its age refreshed, unless its bytes rotted: a hash names
-        the chunks, not how they are packed, and a shard may be reading the held one at the
-        offsets it found there. ``tmp`` is gone afterwards, whatever the outcome."""
+        without raising (undone if it is not kept after all), and note who sent it (with an
+        object store: written to its bucket again). One already held stays, its age refreshed,
+        unless its bytes rotted: a hash names the chunks, not how they are packed, and a shard
+        may be reading the held one at the offsets it found there. ``tmp`` is gone afterwards,
+        whatever the outcome."""
         target = self.xorb_path(check_xet_hash(xorb))
         try:
             check_xorb(tmp, xorb)
-            if reserve is not None:
-                reserve(tmp.stat().st_size)
-            if self.remote is not None:
-                self.remote.put_file(tmp, xorb_key(xorb))
-            if not _kept(target, xorb):
-                replace_durably(tmp, target)  # its age: now
-            self._note_owner(uploader, xorb)
+            counted = reserve(tmp.stat().st_size) if reserve is not None else None
+            try:
+                if self.remote is not None:
+                    self.remote.put_file(tmp, xorb_key(xorb))
+                if not _kept(target, xorb):
+                    replace_durably(tmp, target)  # its age: now
+                self._note_owner(uploader, xorb)
+            except BaseException:
+                if counted is not None:
+                    counted.undo()
+                raise
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -356,15 +377,18 @@ class XetStore:
         held: Callable[[str], bool],
         max_file_bytes: int,
         max_expansion: int,
-        reserve: Callable[[list[tuple[str, int]], list[str]], None],
+        reserve: Callable[[list[tuple[str, int]], list[str], list[tuple[str, int]]], Reserved],
     ) -> list[str]:
         """Rebuild every file a shard ``uploader`` sent describes into the uploads area, each
         checked against the shard's SHA-256, except those ``held`` says the uploader's repo
-        already holds, once ``reserve`` took their (SHA-256, size) and the xorbs whose every
-        chunk they read without raising; returns their SHA-256s. A shard naming a xorb this
-        uploader did not send (InvalidRequest, as for one not held), or rebuilding more than
-        ``max_expansion`` times the stored bytes of the distinct chunks it reads (TooLarge), is
-        refused."""
+        already holds; returns the SHA-256s of those rebuilt. Before any is written, ``reserve``
+        takes their (SHA-256, size), the xorbs whose every chunk they read, and (xorb, stored
+        size) of those they read in part; undone, but for the files rebuilt, if the rest fails.
+        The xorbs read have their age refreshed once every file is rebuilt (a refused shard
+        keeps none alive). A shard naming a xorb this uploader did not send (InvalidRequest, as
+        for one not held), a term stating another size than its chunks' headers, or one
+        rebuilding more than ``max_expansion`` times the stored bytes of the distinct chunks it
+        reads (TooLarge), is refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
         offsets: dict[str, list[tuple[int, int]]] = {}
@@ -395,31 +419,50 @@ class XetStore:
             for xorb, chunks in offsets.items()
             if all((xorb, i) in stored for i in range(len(chunks) - 1))
         ]
-        reserve([(entry.sha256, entry.size) for entry in rebuild], whole)
-        for entry in rebuild:
-            self._rebuild(entry, offsets, uploader)
-        return [entry.sha256 for entry in files]
+        part = [(xorb, chunks[-1][0]) for xorb, chunks in offsets.items() if xorb not in whole]
+        counted = reserve([(entry.sha256, entry.size) for entry in rebuild], whole, part)
+        rebuilt: list[str] = []
+        try:
+            for entry in rebuild:
+                self._rebuild(entry, offsets, uploader)
+                rebuilt.append(entry.sha256)
+        except BaseException:
+            counted.undo(keep=rebuilt)  # those are in the uploads area, and count
+            raise
+        for xorb in offsets:
+            self._refresh(xorb, uploader)
+        return rebuilt
 
     def _chunks(
         self, term: Term, offsets: dict[str, list[tuple[int, int]]], uploader: str
     ) -> list[tuple[int, int]]:
         """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
-        range checked against them. The xorb and its uploader's note are refreshed: it is still
-        referred to."""
+        range and stated size checked against them."""
         if term.xorb not in offsets:
             if not self._sent_by(uploader, term.xorb):  # another user's: answered alike
                 raise _not_held(term.xorb)
             with self._open(term.xorb) as f, _held_xorb(term.xorb):
                 offsets[term.xorb] = _chunk_offsets(f, os.fstat(f.fileno()).st_size, term.xorb)
-                os.utime(f.fileno())  # by its descriptor: collected meanwhile, nothing to refresh
-            self._note_owner(uploader, term.xorb)
         chunks = offsets[term.xorb]
         if not 0 <= term.start < term.end <= len(chunks) - 1:
             raise InvalidRequest(
                 f"shard term: chunks [{term.start}, {term.end}) are not in xorb "
                 f"{term.xorb} ({len(chunks) - 1} chunks)"
             )
+        unpacked = sum(size for _, size in chunks[term.start : term.end])
+        if unpacked != term.size:  # what its rebuild would refuse, refused before any count
+            raise InvalidRequest(
+                f"shard term of xorb {term.xorb} unpacks to {unpacked} bytes, not the "
+                f"{term.size} bytes it states"
+            )
         return chunks
+
+    def _refresh(self, xorb: str, uploader: str) -> None:
+        """Refresh the age of a xorb a shard read, and of its uploader's note: it is still
+        referred to (one collected meanwhile stays gone)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.xorb_path(xorb))
+        self._note_owner(uploader, xorb)
 
     def _rebuild(
         self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]], uploader: str
@@ -496,10 +539,18 @@ def _held_xorb(xorb: str) -> Iterator[None]:
         ) from None
 
 
+_XORB_OID = "xorb:"
+
+
 def xorb_oid(xorb: str) -> str:
     """A xorb's name among the objects a user has sent and not yet committed
     (``pending_uploads``, beside LFS objects' SHA-256s)."""
-    return f"xorb:{xorb}"
+    return _XORB_OID + xorb
+
+
+def is_xorb_oid(oid: str) -> bool:
+    """Whether ``oid`` (of ``pending_uploads``) names a xorb (``xorb_oid``)."""
+    return oid.startswith(_XORB_OID)
 
 
 def xorb_key(xorb: str) -> str:

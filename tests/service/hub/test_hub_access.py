@@ -9,10 +9,12 @@ import base64
 import hashlib
 import io
 import json
+import os
 import secrets
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from service.hub.uploads import CommitParser
 from service.settings import Settings
 from service.store.blobs import DigestWriter
 from service.store.errors import NoSuchRevision
-from service.store.xet import MAX_CHUNK, SHARD_TAG, xet_hex, xorb_hash
+from service.store.xet import MAX_CHUNK, SHARD_TAG, xet_hex, xorb_hash, xorb_oid
 from vip_hub.cli.main import main
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
@@ -443,11 +445,17 @@ def _raw(text: str) -> bytes:
 
 def _shard(sha256: str, terms: list[tuple[str, int, int, int]]) -> bytes:
     """A version-2 shard of one file (with its SHA-256 metadata extension) made of ``terms``."""
+    return _shard_of([(sha256, terms)])
+
+
+def _shard_of(files: list[tuple[str, list[tuple[str, int, int, int]]]]) -> bytes:
+    """A version-2 shard of ``files``, each a SHA-256 and its terms (xorb, start, end, size)."""
     out = SHARD_TAG + struct.pack("<QQ", 2, 0)
-    out += b"\0" * 32 + struct.pack("<IIQ", 1 << 30, len(terms), 0)
-    for xorb, start, end, size in terms:
-        out += _raw(xorb) + struct.pack("<IIII", 0, size, start, end)
-    out += _raw(sha256) + b"\0" * 16
+    for sha256, terms in files:
+        out += b"\0" * 32 + struct.pack("<IIQ", 1 << 30, len(terms), 0)
+        for xorb, start, end, size in terms:
+            out += _raw(xorb) + struct.pack("<IIII", 0, size, start, end)
+        out += _raw(sha256) + b"\0" * 16
     return out + b"\xff" * 32 + b"\0" * 16
 
 
@@ -626,6 +634,155 @@ def test_xorbs_and_files_rebuilt_from_them_count_against_their_users_uncommitted
     assert httpx.post(f"{cas}/v1/shards", content=both, headers=grant).status_code == 200
 
 
+def _counted(server: ThreadedServer, account: str) -> dict[str, tuple[int, float]]:
+    """``account``'s uncommitted objects: size and expiry of each."""
+    rows = server.app.state.store.index.rows(
+        "SELECT oid, size, expires_at FROM pending_uploads WHERE account = ?", (account,)
+    )
+    return {r["oid"]: (int(r["size"]), float(r["expires_at"])) for r in rows}
+
+
+def _batch(server: ThreadedServer, oid: str, size: int) -> dict:
+    """Root's LFS batch reply for one object of alice/public."""
+    r = httpx.post(
+        f"{server.url}/alice/public.git/info/lfs/objects/batch",
+        json={"operation": "upload", "objects": [{"oid": oid, "size": size}]},
+        headers=_bearer(ROOT),
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["objects"][0]
+
+
+@pytest.fixture
+def root_counts(server, repos, monkeypatch):
+    """A cap of 300 KiB for root's uncommitted bytes, none counted yet; yields the store."""
+    store = server.app.state.store
+    monkeypatch.setattr(store.limits, "max_uncommitted_bytes", 300 * 1024)
+    store.index.execute("DELETE FROM pending_uploads WHERE account = ?", ("root",))
+    yield store
+    store.index.execute("DELETE FROM pending_uploads WHERE account = ?", ("root",))
+
+
+def test_asking_again_for_an_object_never_lowers_its_count(server, root_counts):
+    """A xorb's hash names its chunks, not how they are packed: sent raw (256 KiB) and then
+    LZ4-packed (1 KiB), the raw copy stays on disk, and its count stayed 1 KiB; an LFS batch
+    asking again at size 0 renewed a 200 KiB count at 0 while its first grant still took the
+    200 KiB. Asking again now keeps the larger count, and the count of a xorb lasts as long as
+    the xorb is kept unused (``hub.xet_ttl_s``)."""
+    store = root_counts
+    cas, grant = _xet_grant(server, "alice/public", ROOT)
+    chunks = [bytes([1]) * (128 * 1024), bytes([2]) * (128 * 1024)]
+    name = xorb_hash(_hashes(chunks))
+    for body in (_xorb(chunks), lz4_xorb(chunks)):
+        r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=body, headers=grant)
+        assert r.status_code == 200, r.text
+    kept = store.xet.xorb_path(name).stat().st_size
+    assert kept > 256 * 1024  # the raw copy
+    size, expires = _counted(server, "root")[xorb_oid(name)]
+    assert size == kept and expires > time.time() + store.limits.xet_ttl_s - 60
+    data = np.random.default_rng(81).bytes(20 * 1024)
+    oid = hashlib.sha256(data).hexdigest()
+    first, again = (_batch(server, oid, size) for size in (len(data), 0))
+    assert "actions" in first and "actions" in again, (first, again)
+    assert _counted(server, "root")[oid][0] == len(data)
+
+
+def test_a_shard_refused_after_its_count_gives_the_xorbs_count_back(server, root_counts):
+    """A shard whose rebuild failed released the count of the xorb it read whole for good:
+    the xorb stayed on disk, counted nowhere. A term stating another size than its chunks is now
+    refused before anything is counted; a file whose bytes are not its SHA-256 is refused after,
+    and the xorb's count comes back; the files rebuilt before it stay, and count."""
+    cas, grant = _xet_grant(server, "alice/public", ROOT)
+    parts = [np.random.default_rng(90 + i).bytes(40 * 1024) for i in range(2)]
+    name = xorb_hash(_hashes(parts))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(parts), headers=grant)
+    assert r.status_code == 200, r.text
+    before = _counted(server, "root")
+    assert list(before) == [xorb_oid(name)]
+    whole = (name, 0, 2, 80 * 1024)
+    lying = _shard(hashlib.sha256(b"".join(parts)).hexdigest(), [(name, 0, 2, 1)])
+    r = httpx.post(f"{cas}/v1/shards", content=lying, headers=grant)
+    assert r.status_code == 400 and "not the 1 bytes it states" in r.json()["error"], r.text
+    assert _counted(server, "root") == before
+    wrong = _shard("ab" * 32, [whole])
+    r = httpx.post(f"{cas}/v1/shards", content=wrong, headers=grant)
+    assert r.status_code == 400 and "does not have the SHA-256" in r.json()["error"], r.text
+    assert _counted(server, "root") == before  # the xorb's own row, as it was
+    good = hashlib.sha256(parts[0]).hexdigest()
+    two = _shard_of([(good, [(name, 0, 1, 40 * 1024)]), ("cd" * 32, [whole])])
+    r = httpx.post(f"{cas}/v1/shards", content=two, headers=grant)
+    assert r.status_code == 400, r.text
+    after = _counted(server, "root")
+    assert after[xorb_oid(name)] == before[xorb_oid(name)] and after[good][0] == 40 * 1024
+    assert set(after) == {xorb_oid(name), good}
+    assert server.app.state.store.held_for("alice/public", good) is None  # not noted: no commit
+
+
+def test_a_refused_shard_keeps_no_xorb_alive_and_a_read_renews_the_count_of_what_it_keeps(
+    server, root_counts
+):
+    """Reading a xorb refreshed its age before the shard could be refused: a refused shard kept
+    any xorb alive for another ``hub.xet_ttl_s``, uncounted; and a shard naming a file already
+    received refreshed its upload record, keeping it uncounted past its time-to-live. Now only
+    a shard that rebuilds files refreshes the xorbs it read, a xorb it read in part counted again
+    for as long, and a file already received is neither rebuilt nor refreshed."""
+    store = root_counts
+    cas, grant = _xet_grant(server, "alice/public", ROOT)
+    parts = [np.random.default_rng(95 + i).bytes(30 * 1024) for i in range(2)]
+    name = xorb_hash(_hashes(parts))
+    r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(parts), headers=grant)
+    assert r.status_code == 200, r.text
+    path, old = store.xet.xorb_path(name), time.time() - 20 * 24 * 3600
+    os.utime(path, (old, old))
+    refused = _shard("ab" * 32, [(name, 0, 1, 30 * 1024)])
+    assert httpx.post(f"{cas}/v1/shards", content=refused, headers=grant).status_code == 400
+    assert path.stat().st_mtime == old
+    store.index.execute(
+        "UPDATE pending_uploads SET expires_at = ? WHERE account = ?", (time.time() + 60, "root")
+    )
+    first = hashlib.sha256(parts[0]).hexdigest()
+    read = _shard(first, [(name, 0, 1, 30 * 1024)])  # half the xorb
+    assert httpx.post(f"{cas}/v1/shards", content=read, headers=grant).status_code == 200
+    assert path.stat().st_mtime > time.time() - 60
+    counted = _counted(server, "root")
+    assert counted[xorb_oid(name)][1] > time.time() + store.limits.xet_ttl_s - 60
+    assert counted[first][0] == 30 * 1024
+    record = store.blobs.uploaded_for / store.blobs._record("alice/public", first)
+    os.utime(record, (old, old))
+    assert httpx.post(f"{cas}/v1/shards", content=read, headers=grant).status_code == 200
+    assert record.stat().st_mtime == old
+
+
+def test_an_upload_not_kept_leaves_no_count(server, root_counts, monkeypatch):
+    """A xorb whose write failed (a full disk), or an LFS object whose staging was refused,
+    kept its count until the time-to-live though nothing was kept: both counts are undone."""
+    import errno
+
+    import service.store.xet as xet
+
+    cas, grant = _xet_grant(server, "alice/public", ROOT)
+    chunks = [np.random.default_rng(99).bytes(10 * 1024)]
+    name = xorb_hash(_hashes(chunks))
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(xet, "replace_durably", full)
+        r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
+    assert r.status_code >= 500 and not server.app.state.store.xet.xorb_path(name).exists()
+    assert _counted(server, "root") == {}
+
+    def refused(*args: object) -> None:
+        raise lfs_route.TooMuchStaged("over the staging quota")
+
+    monkeypatch.setattr(lfs_route, "_upload_actions", refused)
+    oid = hashlib.sha256(b"never staged").hexdigest()
+    entry = _batch(server, oid, 12)
+    assert entry["error"]["code"] == 429, entry
+    assert _counted(server, "root") == {}
+
+
 def test_a_xorb_collected_while_its_shard_is_applied_is_asked_for_again(server, repos, monkeypatch):
     """A xorb the collector removes between the shard's reading of it and the rebuild is a
     xorb no longer held (400: upload it again), not a 500 from refreshing its age by name."""
@@ -673,8 +830,9 @@ def test_lz4_chunks_unpack_to_at_most_their_stated_size(server):
 
 def test_a_shard_term_writes_no_more_than_its_stated_size(server, monkeypatch):
     """A shard term stating fewer bytes than its chunks unpack to is refused before it writes
-    more: a 145 KB xorb of 256 LZ4-packed zero chunks, named by a term stating 1 byte, wrote its
-    32 MiB (past hub.xet_max_expansion, whose check reads the stated sizes) before the 400."""
+    any: a 145 KB xorb of 256 LZ4-packed zero chunks, named by a term stating 1 byte, wrote its
+    32 MiB (past hub.xet_max_expansion, whose check reads the stated sizes) before the 400. The
+    chunks' headers (checked as the xorb was kept) now refuse it before anything is counted."""
     peak = 0
     write = DigestWriter.write
 
@@ -694,7 +852,7 @@ def test_a_shard_term_writes_no_more_than_its_stated_size(server, monkeypatch):
     r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
     assert r.status_code == 400, r.text
     assert peak <= len(shard)  # the shard's own body; not one byte of the term
-    assert "unpacks to more than the 1 bytes it states" in r.json()["error"]
+    assert f"unpacks to {256 * MAX_CHUNK} bytes, not the 1 bytes it states" in r.json()["error"]
 
 
 def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server):

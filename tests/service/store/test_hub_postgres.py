@@ -71,9 +71,10 @@ def test_store_on_postgres_compares_and_swaps(postgres, tmp_path):
 
 
 def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
-    """``reserve_uploads`` on PostgreSQL: asking again renews, a refusal counts none of the
-    objects asked for, each user has a quota of their own, and objects made from others (files
-    from a user's xorbs) take their count's place."""
+    """``reserve_uploads`` on PostgreSQL: asking again renews (never lowering a count), a refusal
+    counts none of the objects asked for, each user has a quota of their own, objects made from
+    others (files from a user's xorbs) take their count's place, and a reservation undone gives
+    it back."""
     limits = HubSettings(max_uncommitted_bytes=10)
     with HubStore(tmp_path / "store", index=postgres, limits=limits) as store:
         store.reserve_uploads("u", "pg/m", [("ab" * 32, 6)])
@@ -87,6 +88,18 @@ def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
         store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=[xorb_oid("12" * 32)])
         with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
             store.reserve_uploads("u", "pg/m", [("99" * 32, 1)], replacing=["ab" * 32 + "?"])
+        # asked again smaller, the count stays the larger; undone, what it replaced comes back
+        store.reserve_uploads("u", "pg/m", [("ab" * 32, 1)])
+        with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
+            store.reserve_uploads("u", "pg/m", [("99" * 32, 1)])
+        made = store.reserve_uploads("u", "pg/m", [("77" * 32, 5)], replacing=["ab" * 32])
+        made.undo()
+        counted = store.index.rows("SELECT oid, size FROM pending_uploads WHERE account = 'u'")
+        assert {r["oid"]: r["size"] for r in counted} == {
+            "ab" * 32: 6,
+            "cd" * 32: 2,
+            "ef" * 32: 2,
+        }
 
 
 def test_a_sql_ascii_database_gives_names_as_text(postgres_server, tmp_path):
