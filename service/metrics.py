@@ -74,6 +74,8 @@ class Metrics:
             registry=r,
         )
         self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
+        self._copies: dict[str, int] = {}  # a model label: its live ModelSeries
+        self._copies_lock = threading.Lock()
         self.compositions = Counter(
             "vip_hub_compositions_total",
             "Dataset-page compositions computed (each kept until the dataset's releases change)",
@@ -85,6 +87,20 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+
+    def _hold(self, label: str) -> None:
+        """One more loaded copy records under ``label`` (``ModelSeries``)."""
+        with self._copies_lock:
+            self._copies[label] = self._copies.get(label, 0) + 1
+
+    def _release(self, label: str) -> None:
+        """A copy recording under ``label`` retired: the label's series go with the last one."""
+        with self._copies_lock:
+            self._copies[label] -= 1
+            if self._copies[label]:
+                return
+            del self._copies[label]
+            self.forget_model(label)
 
     def forget_model(self, label: str) -> None:
         """Remove the series of the model ``label`` (``repo@commit``): a model's labels come
@@ -118,6 +134,7 @@ class ModelSeries:
         self.metrics, self.label = metrics, label
         self._lock = threading.Lock()
         self._retired = False
+        metrics._hold(label)
 
     def queue_depth(self, depth: int) -> None:
         """The image passes now waiting in the model's queue."""
@@ -147,10 +164,10 @@ class ModelSeries:
             for wait in waits:
                 self.metrics.queue_seconds.labels(self.label).observe(wait)
 
-    def retire(self, forget: bool) -> None:
-        """Record nothing more; with ``forget`` (no other copy of the model holds the label)
-        remove the label's series too."""
+    def retire(self) -> None:
+        """Record nothing more; the label's series go when no other copy of the model (loaded
+        again since) records under it."""
         with self._lock:
-            self._retired = True
-            if forget:
-                self.metrics.forget_model(self.label)
+            if not self._retired:
+                self._retired = True
+                self.metrics._release(self.label)

@@ -168,6 +168,12 @@ class Batcher:
             return batch
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # the model holds this batcher: without the cycle, its last reference frees it
+            self._run_batch = _stopped
+
+    def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
             now = self._clock()
             live = []
@@ -189,3 +195,8 @@ class Batcher:
                 for item in live:
                     if not item.future.done():
                         item.future.set_exception(e)
+
+
+def _stopped(items: list[WorkItem]) -> None:
+    """A stopped batcher's forward pass: none runs."""
+    raise ShuttingDown()

@@ -114,6 +114,7 @@ class InferenceEngine:
         self.store: HubStore | None = None
         self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
+        self._draining: set[asyncio.Task[None]] = set()  # evicted models finishing their work
         self._failed: OrderedDict[tuple[str, str], tuple[float, Exception]] = OrderedDict()
         self._preload: dict[str, str] = {ref: "pending" for ref in settings.preload}
         self._preload_task: asyncio.Task[None] | None = None
@@ -129,13 +130,14 @@ class InferenceEngine:
 
     async def stop(self) -> None:
         """Refuse new work, end the preloading, wait for the loads under way (each closes what it
-        loaded) and drain every batcher (in-flight batches finish): nothing reads the store after
-        it returns."""
+        loaded) and drain every batcher (in-flight batches finish, evicted models' included):
+        nothing reads the store after it returns."""
         self._closing = True
         if self._preload_task is not None:
             self._preload_task.cancel()  # a load it awaits is shielded, and waited for below
         await asyncio.gather(
             *(t for t in (self._preload_task, *self._loading.values()) if t is not None),
+            *self._draining,
             return_exceptions=True,
         )
         await asyncio.gather(*(asyncio.to_thread(m.close) for m in self._models.values()))
@@ -259,12 +261,11 @@ class InferenceEngine:
             self._remember_failure(key, _fresh(failed))
             raise failed from None
         if self._closing:  # stop() has drained the others already
-            await asyncio.to_thread(model.close)
+            await self._retire(model)
             raise ShuttingDown()
         self._failed.pop(key, None)
         self._models[key] = model
-        self.metrics.loaded_models.set(len(self._models))
-        await self._evict()
+        self._evict()
         return model
 
     def _remember_failure(self, key: tuple[str, str], failure: Exception) -> None:
@@ -275,13 +276,23 @@ class InferenceEngine:
         while len(self._failed) > FAILED_LOADS_KEPT:
             self._failed.popitem(last=False)
 
-    async def _evict(self) -> None:
+    def _evict(self) -> None:
+        """Drop the least recently used models past ``max_loaded_models``; each finishes its
+        queued work in the background (``stop`` waits for it), not in the request that loaded
+        the model taking its place."""
         while len(self._models) > self.settings.max_loaded_models:
-            key, old = self._models.popitem(last=False)
-            await asyncio.to_thread(old.close)
-            if old.series is not None:  # the series go unless the model was loaded again since
-                old.series.retire(forget=key not in self._models and key not in self._loading)
+            _, old = self._models.popitem(last=False)
+            task = asyncio.create_task(self._retire(old))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
         self.metrics.loaded_models.set(len(self._models))
+
+    @staticmethod
+    async def _retire(model: LoadedModel) -> None:
+        """Finish ``model``'s queued work, stop its batcher and retire its series."""
+        await asyncio.to_thread(model.close)
+        if model.series is not None:
+            model.series.retire()
 
     # ------------------------------------------------------------------ running
     async def run(
@@ -299,7 +310,9 @@ class InferenceEngine:
         once, when the batcher has set their futures (or when preprocessing has failed them)."""
         key = (model.repo_id, model.commit)
         if not self._closing and self._models.get(key) is not model:
-            model = await self.model(*key)  # evicted since the route got it: loaded again, once
+            # evicted since the route got it: loaded again, once (a load returns the model it
+            # has just made the most recently used, with no wait between: it is current)
+            model = await self.model(*key)
         if self._closing:
             raise ShuttingDown()
         batcher = model.batcher

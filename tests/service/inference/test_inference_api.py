@@ -621,6 +621,16 @@ def test_a_model_evicted_while_its_request_is_decoded_still_answers_it(hub, publ
         assert post(MODEL, IMAGES[0]).status_code == 200  # loaded again
 
 
+def _without_series(url: str, model: str) -> str:
+    """``/metrics`` once it has no series of ``model`` (an evicted model's go once its batcher
+    has stopped, in the background: within 30 s)."""
+    deadline = time.monotonic() + 30
+    while f'model="{model}@' in (text := httpx.get(f"{url}/metrics", timeout=30).text):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text
+
+
 def test_an_evicted_models_metric_series_go_with_it(hub, published):
     """Each model's series on ``/metrics`` are labelled by the commit a request named: an
     evicted model's stayed, so requests naming commit after commit grew them without bound."""
@@ -633,10 +643,9 @@ def test_an_evicted_models_metric_series_go_with_it(hub, published):
                 timeout=60,
             )
             assert r.status_code == 200, r.text
-        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        text = _without_series(server.url, MODEL)
         (loaded,) = server.app.state.engine.loaded()
         assert f'model="{loaded.metrics_label}"' in text
-        assert f'model="{MODEL}@' not in text, text
 
 
 def test_a_forward_outliving_its_models_eviction_records_no_series(hub, published, monkeypatch):
@@ -671,11 +680,86 @@ def test_a_forward_outliving_its_models_eviction_records_no_series(hub, publishe
         assert entered.wait(30)  # its forward is running
         assert post("vip/vip-nano-syn", {"input": [b64(IMAGES[0])]}).status_code == 200
         assert [m.repo_id for m in server.app.state.engine.loaded()] == ["vip/vip-nano-syn"]
+        _without_series(server.url, MODEL)  # the eviction stopped waiting for the forward
         gate.set()
         held.join(60)
         assert answers["held"].status_code == 200, answers["held"].text
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
         assert f'model="{MODEL}@' not in text, text
+
+
+def test_the_request_that_evicts_a_busy_model_is_not_held_by_it(hub, published, monkeypatch):
+    """Loading a model evicts the least recently used one, which finishes its queued work: the
+    request whose load evicted it waited for that work (up to 30 s, past its own deadline),
+    its model already serving others. The evicted model now drains in the background, and
+    its forward still answers its request."""
+    entered, gate = threading.Event(), threading.Event()
+    features = LoadedModel._run_features
+
+    def held_features(self, items, x, *args):
+        if self.repo_id == MODEL:
+            entered.set()
+            gate.wait(60)
+        return features(self, items, x, *args)
+
+    settings = settings_for(hub.settings.store, inference={"max_loaded_models": 1})
+    with ThreadedServer(settings) as server:
+        post = lambda model, timeout: httpx.post(  # noqa: E731
+            f"{server.url}/v1/embeddings",
+            json={"model": model, "input": [b64(IMAGES[0])]},
+            timeout=timeout,
+        )
+        assert post(MODEL, 60).status_code == 200  # loaded
+        monkeypatch.setattr(LoadedModel, "_run_features", held_features)
+        answers: dict[str, httpx.Response] = {}
+        held = threading.Thread(target=lambda: answers.update(held=post(MODEL, 90)))
+        held.start()
+        assert entered.wait(30)  # its forward is running, and stays so until the gate opens
+        try:
+            assert post("vip/vip-nano-syn", 20).status_code == 200  # evicts MODEL
+            assert held.is_alive()
+        finally:
+            gate.set()
+        held.join(60)
+        assert answers["held"].status_code == 200, answers["held"].text
+
+
+def test_an_evicted_model_is_freed_without_waiting_for_the_garbage_collector(hub, tmp_path):
+    """An evicted model held its batcher, whose forward pass was the model's own method: that
+    cycle kept its weights (a GPU's memory too) until a full collection, which nothing runs, so
+    a load after an eviction could run short of memory. A stopped batcher lets go of it."""
+    import asyncio
+    import gc
+    import weakref
+
+    from service.inference.engine import InferenceEngine
+    from service.metrics import Metrics
+
+    commits = {
+        repo_id: push_repo(
+            tiny_repo_with_head(tmp_path / repo_id.replace("/", "-"), seed=seed),
+            repo_id,
+            token=WRITE_TOKEN,
+        )
+        for seed, repo_id in enumerate(("load/free-a", "load/free-b"), start=7)
+    }
+    engine = InferenceEngine(
+        hub.settings.inference.model_copy(update={"max_loaded_models": 1}), Metrics()
+    )
+
+    async def scenario() -> weakref.ref:
+        await engine.start(hub.app.state.store)
+        first = weakref.ref(await engine.model("load/free-a", commits["load/free-a"]))
+        await engine.model("load/free-b", commits["load/free-b"])  # evicts load/free-a
+        await engine.stop()  # its batcher stopped
+        return first
+
+    gc.disable()
+    try:
+        first = asyncio.run(scenario())
+        assert first() is None, gc.get_referrers(first())
+    finally:
+        gc.enable()
 
 
 def test_stop_waits_for_a_load_under_way_and_ends_the_preloading(hub, tmp_path, monkeypatch):

@@ -324,6 +324,33 @@ def _subclasses(cls: type) -> list[type]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
 
 
+def test_a_models_series_go_with_the_last_copy_recording_under_its_label():
+    """An evicted copy's series stayed when a load of the same commit was under way as its
+    batcher stopped, and that load then failed: nothing removed them. The label's series go
+    when its last copy retires, whichever retires first."""
+    from prometheus_client import generate_latest
+
+    from service.metrics import Metrics, ModelSeries
+
+    metrics, label = Metrics(), "o/a@aaaaaaaaaa"
+    shown = lambda: f'model="{label}"' in generate_latest(metrics.registry).decode()  # noqa: E731
+    evicted = ModelSeries(metrics, label)
+    evicted.queue_depth(3)
+    again = ModelSeries(metrics, label)  # loaded again while the first drained
+    evicted.retire()
+    again.queue_depth(1)
+    assert shown()  # the new copy's
+    again.retire()
+    again.retire()  # a second retire releases nothing more
+    assert not shown()
+    failed_reload = ModelSeries(metrics, label)
+    failed_reload.batch(2, 0.1, [0.01, 0.02])
+    failed_reload.retire()  # no copy loaded since: its series go
+    assert not shown()
+    failed_reload.queue_depth(5)  # a late recording brings nothing back
+    assert not shown()
+
+
 def test_http_statuses_live_in_service_errors_and_each_error_name_is_one_class():
     http = _subclasses(
         ServiceError
