@@ -194,7 +194,7 @@ def _check_upload(
 def _keep_upload(store: HubStore, path: Path, repo_id: str, oid: str) -> None:
     """Move a received object into the uploads and note it for ``repo_id``'s commits."""
     store.blobs.stage_upload(path, oid)
-    store.blobs.note_upload(repo_id, oid)
+    store.note_upload(repo_id, oid)
 
 
 class LfsPart(BaseModel):
@@ -256,7 +256,7 @@ def verify(
             store.release_staging(staged)
             raise
         store.release_staging(staged)  # verified
-        store.blobs.note_upload(repo_id, oid)
+        store.note_upload(repo_id, oid)
     held = store.held_for(repo_id, oid)
     if held != payload.size:
         raise EntryNotFound(f"object {payload.oid} of {payload.size} bytes was not received")

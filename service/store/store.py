@@ -461,6 +461,18 @@ class HubStore:
         (``hub.xet_ttl_s``), anything else until uploads are collected (``hub.upload_ttl_s``)."""
         return self.limits.xet_ttl_s if is_xorb_oid(oid) else self.limits.upload_ttl_s
 
+    def note_upload(self, repo_id: str, sha256: str) -> None:
+        """Record that object ``sha256`` was received for ``repo_id`` (``blobs.note_upload``),
+        its uploaders' counts of it lasting as long as that record: an LFS object is counted
+        from its batch reply, and received up to its grant's lifetime later."""
+        self.blobs.note_upload(repo_id, sha256)
+        until = clock.now() + self.limits.upload_ttl_s
+        self.index.execute(
+            "UPDATE pending_uploads SET expires_at = ? "
+            "WHERE repo_id = ? AND oid = ? AND expires_at < ?",
+            (until, repo_id, sha256, until),
+        )
+
     def release_staging(self, upload_id: str) -> None:
         """Give a staged upload's share of its user's quota back (it was verified or refused)."""
         self.index.execute("DELETE FROM staged_uploads WHERE id = ?", (upload_id,))
@@ -1080,7 +1092,7 @@ class HubStore:
             ),
         )
         for sha256 in done:
-            self.blobs.note_upload(repo_id, sha256)
+            self.note_upload(repo_id, sha256)
         return done
 
     def _uploaded_source(self, repo_id: str, sha256: str) -> Path:

@@ -687,6 +687,23 @@ def test_asking_again_for_an_object_never_lowers_its_count(server, root_counts):
     assert _counted(server, "root")[oid][0] == len(data)
 
 
+def test_an_lfs_objects_count_lasts_as_long_as_its_upload_record(server, root_counts, monkeypatch):
+    """An LFS object is counted from its batch reply, but its upload record is dated from its
+    PUT, up to the grant's hour later: the count expired first, the object kept uncounted for
+    that long. Receiving it renews its count."""
+    from service.store import clock
+
+    store = root_counts
+    data = np.random.default_rng(85).bytes(10 * 1024)
+    oid = hashlib.sha256(data).hexdigest()
+    entry = _batch(server, oid, len(data))
+    batched = _counted(server, "root")[oid][1]
+    monkeypatch.setattr(clock, "now", lambda: time.time() + 1800)  # the PUT, half an hour on
+    assert httpx.put(entry["actions"]["upload"]["href"], content=data).status_code == 200
+    assert _counted(server, "root")[oid][1] > batched + 1800 - 60
+    assert store.held_for("alice/public", oid) == len(data)
+
+
 def test_a_shard_refused_after_its_count_gives_the_xorbs_count_back(server, root_counts):
     """A shard whose rebuild failed released the count of the xorb it read whole for good:
     the xorb stayed on disk, counted nowhere. A term stating another size than its chunks is now
