@@ -242,8 +242,9 @@ class InferenceSettings(_Section):
     max_loaded_models: int = Field(
         4,
         gt=0,
-        description="LRU bound on models held in memory, and on models loading at once (a "
-        "request for one more is answered 429 while they load)",
+        description="LRU bound on models held in memory, and on models loading at once "
+        "together with evicted ones still finishing their queued work (a request for one more "
+        "is answered 429 meanwhile)",
     )
     max_batch_size: int = Field(32, gt=0)
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")

@@ -212,10 +212,13 @@ class InferenceEngine:
             raise _fresh(failed[1])  # a new one each time: a raise adds its frames to it
         self._failed.pop(key, None)
         task = self._loading.get(key)
-        if task is None and len(self._loading) >= self.settings.max_loaded_models:
-            raise QueueFull(  # loads of any commit anyone names: their memory is bounded too
-                f"{len(self._loading)} models are loading, the most at once "
-                "(inference.max_loaded_models): retry shortly"
+        busy = len(self._loading) + len(self._draining)
+        if task is None and busy >= self.settings.max_loaded_models:
+            raise QueueFull(  # loads of any commit anyone names (and evicted models still
+                # finishing their work): their memory is bounded too
+                f"{len(self._loading)} models are loading and {len(self._draining)} evicted "
+                "ones finishing their work, the most at once (inference.max_loaded_models): "
+                "retry shortly"
             )
         if task is None:  # registered before any await: a second request finds it
             task = asyncio.create_task(self._load(key))
@@ -289,10 +292,15 @@ class InferenceEngine:
 
     @staticmethod
     async def _retire(model: LoadedModel) -> None:
-        """Finish ``model``'s queued work, stop its batcher and retire its series."""
-        await asyncio.to_thread(model.close)
-        if model.series is not None:
-            model.series.retire()
+        """Finish ``model``'s queued work, stop its batcher and retire its series (whatever the
+        closing raised: it is logged, as nobody awaits an eviction)."""
+        try:
+            await asyncio.to_thread(model.close)
+        except Exception:
+            log.exception("closing the evicted model %s failed", model.label)
+        finally:
+            if model.series is not None:
+                model.series.retire()
 
     # ------------------------------------------------------------------ running
     async def run(

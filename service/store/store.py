@@ -228,35 +228,50 @@ Operation = AddFile | AddObject | DeleteFile | DeleteFolder
 
 @dataclass(frozen=True)
 class Reservation:
-    """What ``HubStore.reserve_uploads`` counted (each object's expiry) and the rows it deleted
-    (repo, object, size, expiry); as a context manager, undone if its block raises."""
+    """What ``HubStore.reserve_uploads`` counted (each object's expiry), the earlier counts it
+    renewed (size, expiry) and the objects it replaces; as a context manager, undone if its
+    block raises."""
 
     store: HubStore = field(repr=False)
     account: str
     repo_id: str
     counted: dict[str, float]
-    before: list[tuple[str, str, int, float]]
+    renewed: dict[str, tuple[int, float]]
+    replacing: tuple[str, ...]
+
+    def _rows(self) -> contextlib.AbstractContextManager[Transaction]:
+        return self.store.index.transaction(locks=[f"pending:{self.account}"])
+
+    def done(self) -> None:
+        """What it counted was kept: the counts of the objects it replaces go."""
+        with self._rows() as tx:
+            for oid in self.replacing:
+                tx.execute(
+                    "DELETE FROM pending_uploads WHERE account = ? AND oid = ?",
+                    (self.account, oid),
+                )
 
     def undo(self, keep: Collection[str] = ()) -> None:
-        """Drop the counts of the objects not in ``keep`` (not uploaded after all), and give
-        back the counts it replaced or renewed (unless a later reservation holds their place):
-        the store holds what they count again."""
-        with self.store.index.transaction(locks=[f"pending:{self.account}"]) as tx:
+        """Drop the counts of the objects not in ``keep`` (not uploaded after all), a renewed
+        one back to its earlier count; a row a later reservation renewed, or a commit released,
+        since is left as it is. The objects it replaces keep their counts."""
+        with self._rows() as tx:
             for oid, expires in self.counted.items():
-                if oid not in keep:  # its own row only: a later renewal's stays
+                if oid in keep:
+                    continue
+                key = (self.account, self.repo_id, oid, expires)
+                if oid in self.renewed:
+                    tx.execute(
+                        "UPDATE pending_uploads SET size = ?, expires_at = ? WHERE account = ? "
+                        "AND repo_id = ? AND oid = ? AND expires_at = ?",
+                        (*self.renewed[oid], *key),
+                    )
+                else:
                     tx.execute(
                         "DELETE FROM pending_uploads WHERE account = ? AND repo_id = ? AND "
                         "oid = ? AND expires_at = ?",
-                        (self.account, self.repo_id, oid, expires),
+                        key,
                     )
-            for repo_id, oid, size, expires in self.before:
-                if repo_id == self.repo_id and oid in keep:
-                    continue  # renewed, and kept
-                tx.execute(
-                    "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (self.account, repo_id, oid, size, expires),
-                )
 
     def __enter__(self) -> Reservation:
         return self
@@ -411,36 +426,41 @@ class HubStore:
         """Count ``objects`` (SHA-256 or ``xorb_oid``, size) that ``account`` is about to upload
         for ``repo_id`` against its bytes received and not yet committed, until a commit names
         each or it expires (``_count_ttl``), in place of the counts of ``replacing`` (objects of
-        the account's, of any repo, that these are made from); TooMuchUncommitted, changing no
-        count, when they would pass ``hub.max_uncommitted_bytes``. Asking again for an object
-        renews its count at the larger of its two sizes, never adds to it nor lowers it. The
-        returned ``Reservation`` undoes it if what it counts is not kept."""
+        the account's, of any repo, that these are made from: their counts go at
+        ``Reservation.done``); TooMuchUncommitted, changing no count, when they would pass
+        ``hub.max_uncommitted_bytes``. Asking again for an object renews its count at the larger
+        of its two sizes, never adds to it nor lowers it. The returned ``Reservation`` undoes it
+        if what it counts is not kept."""
         wanted, now, limit = dict(objects), clock.now(), self.limits.max_uncommitted_bytes
         with self.index.transaction(locks=[f"pending:{account}"]) as tx:
             tx.execute(
                 "DELETE FROM pending_uploads WHERE account = ? AND expires_at < ?", (account, now)
             )
-            before: list[tuple[str, str, int, float]] = []  # the rows it deletes
-            mine = [("oid = ?", (oid,)) for oid in replacing] + [
-                ("repo_id = ? AND oid = ?", (repo_id, oid)) for oid in wanted
-            ]
-            for where, args in mine:
-                for r in tx.rows(
-                    f"SELECT repo_id, oid, size, expires_at FROM pending_uploads "
-                    f"WHERE account = ? AND {where}",
-                    (account, *args),
-                ):
-                    before.append((r["repo_id"], r["oid"], int(r["size"]), float(r["expires_at"])))
-                    if r["repo_id"] == repo_id and r["oid"] in wanted:  # asked again
-                        wanted[r["oid"]] = max(wanted[r["oid"]], int(r["size"]))
-                tx.execute(
-                    f"DELETE FROM pending_uploads WHERE account = ? AND {where}", (account, *args)
+            renewed: dict[str, tuple[int, float]] = {}
+            for oid in wanted:
+                r = tx.row(
+                    "SELECT size, expires_at FROM pending_uploads "
+                    "WHERE account = ? AND repo_id = ? AND oid = ?",
+                    (account, repo_id, oid),
                 )
+                if r is not None:  # asked again
+                    renewed[oid] = (int(r["size"]), float(r["expires_at"]))
+                    wanted[oid] = max(wanted[oid], renewed[oid][0])
+            replaced = 0
+            for oid in set(replacing) - set(wanted):
+                r = tx.row(
+                    "SELECT COALESCE(SUM(size), 0) AS size FROM pending_uploads "
+                    "WHERE account = ? AND oid = ?",
+                    (account, oid),
+                )
+                replaced += int(r["size"]) if r else 0
             row = tx.row(
                 "SELECT COALESCE(SUM(size), 0) AS held FROM pending_uploads WHERE account = ?",
                 (account,),
             )
-            held, size = (int(row["held"]) if row else 0), sum(wanted.values())
+            held = (int(row["held"]) if row else 0) - replaced
+            held -= sum(size for size, _ in renewed.values())
+            size = sum(wanted.values())
             if held + size > limit:  # the transaction, renewals included, is rolled back
                 raise TooMuchUncommitted(
                     f"{account} holds {held} bytes uploaded and not yet committed; {size} more "
@@ -449,12 +469,19 @@ class HubStore:
                 )
             counted = {oid: now + self._count_ttl(oid) for oid in wanted}
             for oid, bytes_ in wanted.items():
-                tx.execute(
-                    "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (account, repo_id, oid, bytes_, counted[oid]),
-                )
-        return Reservation(self, account, repo_id, counted, before)
+                if oid in renewed:
+                    tx.execute(
+                        "UPDATE pending_uploads SET size = ?, expires_at = ? "
+                        "WHERE account = ? AND repo_id = ? AND oid = ?",
+                        (bytes_, counted[oid], account, repo_id, oid),
+                    )
+                else:
+                    tx.execute(
+                        "INSERT INTO pending_uploads (account, repo_id, oid, size, expires_at) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (account, repo_id, oid, bytes_, counted[oid]),
+                    )
+        return Reservation(self, account, repo_id, counted, renewed, tuple(replacing))
 
     def _count_ttl(self, oid: str) -> float:
         """How long an uncommitted object counts: a xorb as long as it is kept unused

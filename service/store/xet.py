@@ -213,8 +213,11 @@ def check_xet_hash(text: str) -> str:
 class Reserved(Protocol):
     """What a reservation of uploaded bytes gives back (``HubStore.reserve_uploads``)."""
 
+    def done(self) -> None:
+        """What it counted was kept: the counts of what it replaces go."""
+
     def undo(self, keep: Collection[str] = ()) -> None:
-        """Drop what it counted but ``keep``, and give back what it replaced."""
+        """Drop what it counted but ``keep``; what it replaces stays counted."""
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,7 @@ class XetStore:
     ) -> None:
         """Keep the xorb ``tmp`` that ``uploader`` sent under its hash, once that hash is
         recomputed from its chunks (InvalidRequest otherwise) and ``reserve`` took its size
-        without raising (undone if it is not kept after all), and note who sent it (with an
+        without raising (undone if nothing was stored after all), and note who sent it (with an
         object store: written to its bucket again). One already held stays, its age refreshed,
         unless its bytes rotted: a hash names the chunks, not how they are packed, and a shard
         may be reading the held one at the offsets it found there. ``tmp`` is gone afterwards,
@@ -293,14 +296,17 @@ class XetStore:
         try:
             check_xorb(tmp, xorb)
             counted = reserve(tmp.stat().st_size) if reserve is not None else None
+            stored = False  # once it is, its count stays whatever follows
             try:
                 if self.remote is not None:
                     self.remote.put_file(tmp, xorb_key(xorb))
+                    stored = True
                 if not _kept(target, xorb):
                     replace_durably(tmp, target)  # its age: now
+                    stored = True
                 self._note_owner(uploader, xorb)
             except BaseException:
-                if counted is not None:
+                if counted is not None and not stored:
                     counted.undo()
                 raise
         finally:
@@ -382,8 +388,9 @@ class XetStore:
         """Rebuild every file a shard ``uploader`` sent describes into the uploads area, each
         checked against the shard's SHA-256, except those ``held`` says the uploader's repo
         already holds; returns the SHA-256s of those rebuilt. Before any is written, ``reserve``
-        takes their (SHA-256, size), the xorbs whose every chunk they read, and (xorb, stored
-        size) of those they read in part; undone, but for the files rebuilt, if the rest fails.
+        takes their (SHA-256, size), the xorbs whose every chunk they read (whose counts they
+        take once every file is rebuilt), and (xorb, stored size) of those they read in part;
+        undone, but for the files rebuilt, if the rest fails.
         The xorbs read have their age refreshed once every file is rebuilt (a refused shard
         keeps none alive). A shard naming a xorb this uploader did not send (InvalidRequest, as
         for one not held), a term stating another size than its chunks' headers, or one
@@ -429,6 +436,7 @@ class XetStore:
         except BaseException:
             counted.undo(keep=rebuilt)  # those are in the uploads area, and count
             raise
+        counted.done()
         for xorb in offsets:
             self._refresh(xorb, uploader)
         return rebuilt

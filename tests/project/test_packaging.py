@@ -248,6 +248,9 @@ def test_listing_the_commands_imports_no_recipe_and_each_command_keeps_its_optio
     assert (args.recipe, args.temperature, args.init) == ("logit_dp", 0.25, "i")
     key = build_parser().parse_args(["key", "create", "--name", "k"])
     assert (key.action, key.name, key.overwrite) == ("create", "k", False)
+    fresh = build_parser()._subparsers._group_actions[0].choices
+    assert fresh["key"].get_default("name") == "signing"  # a default, before any other use
+    assert fresh["sign"].parse_intermixed_args(["f", "--key", "k"]).folder == "f"
 
 
 def test_the_training_commands_start_without_scipy() -> None:

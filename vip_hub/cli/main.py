@@ -44,7 +44,7 @@ Options = Callable[[argparse.ArgumentParser], None]
 
 class CommandParser(argparse.ArgumentParser):
     """A sub-command's parser whose ``options`` (a function adding its arguments) run on its
-    first use: parsing its arguments or formatting its help or usage."""
+    first use: parsing its arguments, formatting its help or usage, or reading a default."""
 
     def __init__(self, *args: Any, options: Options | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -66,6 +66,14 @@ class CommandParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         self._add_options()
         return super().format_help()
+
+    def parse_known_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_options()
+        return super().parse_known_intermixed_args(args, namespace)
+
+    def get_default(self, dest: str) -> Any:
+        self._add_options()
+        return super().get_default(dest)
 
 
 def add_command(

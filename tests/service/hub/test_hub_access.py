@@ -772,7 +772,8 @@ def test_a_refused_shard_keeps_no_xorb_alive_and_a_read_renews_the_count_of_what
 
 def test_an_upload_not_kept_leaves_no_count(server, root_counts, monkeypatch):
     """A xorb whose write failed (a full disk), or an LFS object whose staging was refused,
-    kept its count until the time-to-live though nothing was kept: both counts are undone."""
+    kept its count until the time-to-live though nothing was kept: both counts are undone. A
+    xorb stored before a later step failed keeps its count."""
     import errno
 
     import service.store.xet as xet
@@ -789,6 +790,12 @@ def test_an_upload_not_kept_leaves_no_count(server, root_counts, monkeypatch):
         r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
     assert r.status_code >= 500 and not server.app.state.store.xet.xorb_path(name).exists()
     assert _counted(server, "root") == {}
+    with monkeypatch.context() as m:  # stored, then failing: it stays, and stays counted
+        m.setattr(xet.XetStore, "_note_owner", full)
+        r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
+    assert r.status_code >= 500 and server.app.state.store.xet.xorb_path(name).exists()
+    assert list(_counted(server, "root")) == [xorb_oid(name)]
+    server.app.state.store.index.execute("DELETE FROM pending_uploads WHERE account = 'root'")
 
     def refused(*args: object) -> None:
         raise lfs_route.TooMuchStaged("over the staging quota")

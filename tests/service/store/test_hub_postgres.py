@@ -85,18 +85,24 @@ def test_uncommitted_bytes_are_counted_on_postgres(postgres, tmp_path):
         store.reserve_uploads("v", "pg/m", [("cd" * 32, 10)])
         # what is made from earlier objects takes their place, whichever repo they came for
         store.reserve_uploads("u", "pg/other", [(xorb_oid("12" * 32), 2)])
-        store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=[xorb_oid("12" * 32)])
+        made = store.reserve_uploads("u", "pg/m", [("ef" * 32, 2)], replacing=[xorb_oid("12" * 32)])
+        made.done()  # kept: the xorb's count goes
         with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
             store.reserve_uploads("u", "pg/m", [("99" * 32, 1)], replacing=["ab" * 32 + "?"])
-        # asked again smaller, the count stays the larger; undone, what it replaced comes back
-        store.reserve_uploads("u", "pg/m", [("ab" * 32, 1)])
+        # asked again smaller, the count stays the larger
+        renewal = store.reserve_uploads("u", "pg/m", [("ab" * 32, 1)])
         with pytest.raises(TooMuchUncommitted, match="u holds 10 bytes"):
             store.reserve_uploads("u", "pg/m", [("99" * 32, 1)])
-        made = store.reserve_uploads("u", "pg/m", [("77" * 32, 5)], replacing=["ab" * 32])
-        made.undo()
+        # undone, a reservation drops its own counts (a renewal's back to the earlier one) and
+        # leaves what it replaces, even once another reservation that replaced it is done
+        first = store.reserve_uploads("u", "pg/m", [("77" * 32, 1)], replacing=["ab" * 32])
+        second = store.reserve_uploads("u", "pg/m", [("88" * 32, 4)], replacing=["ab" * 32])
+        second.done()
+        first.undo()
+        renewal.undo()
         counted = store.index.rows("SELECT oid, size FROM pending_uploads WHERE account = 'u'")
         assert {r["oid"]: r["size"] for r in counted} == {
-            "ab" * 32: 6,
+            "88" * 32: 4,
             "cd" * 32: 2,
             "ef" * 32: 2,
         }
