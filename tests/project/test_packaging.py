@@ -4,6 +4,7 @@ encoder without the web server or the training stack."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -216,25 +217,32 @@ def test_a_command_named_by_its_plugin_loads_that_plugin_alone(tmp_path: Path) -
     assert "train-vip" in wrong.stderr and "token" in wrong.stderr and "verify" in wrong.stderr
 
 
+def _cli_in_a_fresh_process(argv: list[str], modules: tuple[str, ...]) -> tuple[list[str], str]:
+    """Run ``vip-hub argv`` in a fresh interpreter: which of ``modules`` it imported, and what it
+    printed."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from vip_hub.cli.main import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})\n"
+        f"print(sorted(m for m in {modules!r} if m in sys.modules))\n"
+        "print(out.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded, printed = done.stdout.split("\n", 1)
+    return ast.literal_eval(loaded), printed
+
+
 def test_listing_the_commands_imports_no_recipe_and_each_command_keeps_its_options() -> None:
     """``vip-hub --help`` took 7 s: registering the training commands imported every recipe's
     configuration (torch, timm), and ``key`` and ``sign`` the verifier. Their options are added
     when the command is used: the listing imports none of it and names every command, and a
     command's help and its parsing still have every option."""
-    code = (
-        "import contextlib, io, sys\n"
-        "from vip_hub.cli.main import build_parser, main\n"
-        "listing = io.StringIO()\n"
-        "with contextlib.redirect_stdout(listing), contextlib.suppress(SystemExit):\n"
-        "    main(['--help'])\n"
-        "slow = ('torch', 'timm', 'training.skeleton.config', 'vip_hub.repo.signing')\n"
-        "print(sorted(m for m in slow if m in sys.modules))\n"
-        "print(listing.getvalue())\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    loaded, listing = done.stdout.split("\n", 1)
-    assert loaded == "[]", loaded
+    slow = ("torch", "timm", "training.skeleton.config", "vip_hub.repo.signing")
+    loaded, listing = _cli_in_a_fresh_process(["--help"], slow)
+    assert loaded == [], loaded
     from training.commands import RECIPES, recipe_command
     from vip_hub.cli.main import build_parser
 
@@ -256,15 +264,5 @@ def test_listing_the_commands_imports_no_recipe_and_each_command_keeps_its_optio
 def test_the_training_commands_start_without_scipy() -> None:
     """The training plugin's commands leave scipy unloaded until a test statistic is computed
     (``scipy.stats`` was 1.7 s of every command's start, ``--help`` included)."""
-    code = (
-        "import sys\n"
-        "from vip_hub.cli.main import main\n"
-        "try:\n"
-        "    main(['train-vip', '--help'])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('training' in sys.modules, 'scipy' in sys.modules)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "True False", done.stdout[-500:]
+    loaded, _ = _cli_in_a_fresh_process(["train-vip", "--help"], ("training", "scipy"))
+    assert loaded == ["training"], loaded
