@@ -846,7 +846,7 @@ def test_heads_round_trip_and_replace(tiny_repo):
     assert [s.name for s in ledger.stages].count("linear-probe:toy") == 1
     assert load_head(tiny_repo, "toy")[1].pooling == "avg"
     assert verify_repo(tiny_repo).ok
-    with pytest.raises(ValueError, match="component 'heads/other'"):
+    with pytest.raises(ValueError, match=f"component '{head_component('other')}'"):
         save_head(tiny_repo, head, HeadInfo("other", "vip", ["a", "b", "c"]), stage)
     with pytest.raises(ValueError, match="head name"):
         save_head(tiny_repo, head, HeadInfo("../x", "vip", ["a", "b", "c"]), stage)

@@ -392,7 +392,7 @@ def test_a_heads_figure_stated_of_another_component_fails_verify(tmp_path, line,
     assert eps != shown_epsilon(b.epsilon) and a.epsilon < 3.503  # below the encoder's
     for naming_a in (
         "Head `a` is at ε = {a}.",
-        "The probe heads/a: ε = {a}.",
+        f"The probe {head_component('a')}: ε = {{a}}.",
         "'a': ε = {a}",
         "Head `a` reads the encoder. Its ε = {a}.",  # the sentence before named it
     ):

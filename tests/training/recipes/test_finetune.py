@@ -345,7 +345,7 @@ def test_the_export_verifies_and_one_dp_stage_covers_the_encoder_and_the_head(
     head, info = load_head(repo, "clf")
     assert info.labels == sorted(CLASSES) and info.pooling == "avg"
     assert info.metrics["test_data"] == "public" and 0 <= info.metrics["top1"] <= 1
-    assert "encoder + heads/clf" in (repo / CARD_FILE).read_text()
+    assert f"{ENCODER} + {head_component('clf')}" in (repo / CARD_FILE).read_text()
 
 
 def test_frozen_blocks_are_the_init_repos_and_the_top_blocks_moved(
@@ -502,7 +502,7 @@ def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_pat
     odd = write_image_folder(shapes(6, 2), tmp_path / "odd", ("a", "b", "c"))
     with pytest.raises(DataError, match=r"class folders \['circle', .* not among the classes"):
         finetune(syn_repo, (data[0], odd), tmp_path / "c")
-    with pytest.raises(ConfigError, match="trained heads/x jointly"):
+    with pytest.raises(ConfigError, match=f"trained {head_component('x')} jointly"):
         save_head(syn_repo, LinearProbe(192, 2), HeadInfo("x", "avg", ["a", "b"]), None)
 
 
