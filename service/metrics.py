@@ -75,6 +75,7 @@ class Metrics:
         )
         self.loaded_models = Gauge("vip_hub_loaded_models", "Models held in memory", registry=r)
         self._copies: dict[str, int] = {}  # a model label: its live ModelSeries
+        self._queued: dict[str, int] = {}  # a model label: its live copies' queues, summed
         self._copies_lock = threading.Lock()
         self.compositions = Counter(
             "vip_hub_compositions_total",
@@ -93,13 +94,24 @@ class Metrics:
         with self._copies_lock:
             self._copies[label] = self._copies.get(label, 0) + 1
 
-    def _release(self, label: str) -> None:
-        """A copy recording under ``label`` retired: the label's series go with the last one."""
+    def _queue_changed(self, label: str, change: int) -> None:
+        """A live copy's queue under ``label`` grew by ``change`` (negative: shrank); the gauge
+        shows every live copy's queue (an evicted one draining, one loaded again) summed."""
+        with self._copies_lock:
+            queued = self._queued[label] = self._queued.get(label, 0) + change
+            self.queue_depth.labels(label).set(queued)
+
+    def _release(self, label: str, queued: int) -> None:
+        """A copy recording under ``label``, ``queued`` images still in its queue, retired: the
+        label's series go with the last one."""
         with self._copies_lock:
             self._copies[label] -= 1
             if self._copies[label]:
+                self._queued[label] -= queued
+                self.queue_depth.labels(label).set(self._queued[label])
                 return
             del self._copies[label]
+            self._queued.pop(label, None)
             self.forget_model(label)
 
     def forget_model(self, label: str) -> None:
@@ -134,13 +146,15 @@ class ModelSeries:
         self.metrics, self.label = metrics, label
         self._lock = threading.Lock()
         self._retired = False
+        self._queued = 0
         metrics._hold(label)
 
     def queue_depth(self, depth: int) -> None:
-        """The image passes now waiting in the model's queue."""
+        """The image passes now waiting in this copy's queue."""
         with self._lock:
             if not self._retired:
-                self.metrics.queue_depth.labels(self.label).set(depth)
+                self.metrics._queue_changed(self.label, depth - self._queued)
+                self._queued = depth
 
     def rejected(self, reason: str) -> None:
         """A request the model's batcher refused (``queue_full``, ``deadline``)."""
@@ -170,4 +184,4 @@ class ModelSeries:
         with self._lock:
             if not self._retired:
                 self._retired = True
-                self.metrics._release(self.label)
+                self.metrics._release(self.label, self._queued)

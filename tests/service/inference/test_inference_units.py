@@ -351,6 +351,29 @@ def test_a_models_series_go_with_the_last_copy_recording_under_its_label():
     assert not shown()
 
 
+def test_a_models_queue_gauge_sums_its_live_copies_queues():
+    """An evicted copy draining its queue set the label's gauge over the reloaded copy's (the
+    last writer won); the gauge now shows both copies' queues, and a retired copy's go."""
+    from service.metrics import Metrics, ModelSeries
+
+    metrics, label = Metrics(), "o/a@aaaaaaaaaa"
+    gauge = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "vip_hub_queue_images", {"model": label}
+    )
+    evicted = ModelSeries(metrics, label)
+    evicted.queue_depth(3)
+    again = ModelSeries(metrics, label)
+    again.queue_depth(5)
+    evicted.queue_depth(2)  # the evicted copy drains one
+    assert gauge() == 7
+    evicted.retire()  # its 2 leave the sum
+    assert gauge() == 5
+    again.queue_depth(4)
+    assert gauge() == 4
+    again.retire()
+    assert gauge() is None
+
+
 def test_http_statuses_live_in_service_errors_and_each_error_name_is_one_class():
     http = _subclasses(
         ServiceError
