@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import os
 import struct
+import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,8 @@ class XetStore:
         make_private_dir(self.owners)
         self.blobs = blobs
         self.remote = blobs.remote
+        self._reads: list[set[str]] = []  # per shard being applied: the xorbs it reads
+        self._reads_lock = threading.Lock()
 
     def xorb_path(self, xorb: str) -> Path:
         return self.dir / xorb[:2] / xorb[2:]
@@ -398,6 +401,22 @@ class XetStore:
         reads (TooLarge), is refused."""
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
+        with self._reading() as reading:
+            return self._apply(
+                files, uploader, held, max_file_bytes, max_expansion, reserve, reading
+            )
+
+    def _apply(
+        self,
+        files: list[ShardFile],
+        uploader: str,
+        held: Callable[[str], bool],
+        max_file_bytes: int,
+        max_expansion: int,
+        reserve: Callable[[list[tuple[str, int]], list[str], list[tuple[str, int]]], Reserved],
+        reading: set[str],
+    ) -> list[str]:
+        """``apply_shard`` of the shard's ``files``, each xorb it reads noted in ``reading``."""
         offsets: dict[str, list[tuple[int, int]]] = {}
         rebuild = [entry for entry in files if not held(entry.sha256)]
         for entry in rebuild:
@@ -409,7 +428,7 @@ class XetStore:
         stored: dict[tuple[str, int], int] = {}  # each distinct chunk read: its stored bytes
         for entry in rebuild:
             for term in entry.terms:
-                chunks = self._chunks(term, offsets, uploader)
+                chunks = self._chunks(term, offsets, uploader, reading)
                 stored.update(
                     ((term.xorb, i), chunks[i + 1][0] - chunks[i][0])
                     for i in range(term.start, term.end)
@@ -431,7 +450,7 @@ class XetStore:
         rebuilt: list[str] = []
         try:
             for entry in rebuild:
-                self._rebuild(entry, offsets, uploader)
+                self._rebuild(entry, offsets)
                 rebuilt.append(entry.sha256)
         except BaseException:
             counted.undo(keep=rebuilt)  # those are in the uploads area, and count
@@ -442,13 +461,19 @@ class XetStore:
         return rebuilt
 
     def _chunks(
-        self, term: Term, offsets: dict[str, list[tuple[int, int]]], uploader: str
+        self,
+        term: Term,
+        offsets: dict[str, list[tuple[int, int]]],
+        uploader: str,
+        reading: set[str],
     ) -> list[tuple[int, int]]:
-        """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0); the term's
-        range and stated size checked against them."""
+        """(offset, unpacked size) of each chunk of the term's xorb, then (end, 0), the xorb
+        noted in ``reading`` before it is opened; the term's range and stated size checked
+        against them."""
         if term.xorb not in offsets:
             if not self._sent_by(uploader, term.xorb):  # another user's: answered alike
                 raise _not_held(term.xorb)
+            reading.add(term.xorb)
             with self._open(term.xorb) as f, _held_xorb(term.xorb):
                 offsets[term.xorb] = _chunk_offsets(f, os.fstat(f.fileno()).st_size, term.xorb)
         chunks = offsets[term.xorb]
@@ -465,6 +490,23 @@ class XetStore:
             )
         return chunks
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[set[str]]:
+        """The set in which a shard notes the xorbs it reads: ``clean_stale`` keeps them,
+        however old, until the shard is applied or refused."""
+        reading: set[str] = set()
+        with self._reads_lock:
+            self._reads.append(reading)
+        try:
+            yield reading
+        finally:
+            with self._reads_lock:
+                self._reads.remove(reading)
+
+    def _being_read(self, xorb: str) -> bool:
+        with self._reads_lock:
+            return any(xorb in reading for reading in self._reads)
+
     def _refresh(self, xorb: str, uploader: str) -> None:
         """Refresh the age of a xorb a shard read, and of its uploader's note: it is still
         referred to (one collected meanwhile stays gone)."""
@@ -472,13 +514,11 @@ class XetStore:
             os.utime(self.xorb_path(xorb))
         self._note_owner(uploader, xorb)
 
-    def _rebuild(
-        self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]], uploader: str
-    ) -> None:
+    def _rebuild(self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]]) -> None:
         writer = self.blobs.writer()
         try:
             for term in entry.terms:
-                chunks = self._chunks(term, offsets, uploader)
+                chunks = offsets[term.xorb]  # the term checked against them by ``_chunks``
                 with self._open(term.xorb) as f:
                     written = 0
                     with _held_xorb(term.xorb):  # its chunks were checked as it was kept
@@ -514,14 +554,21 @@ class XetStore:
     def clean_stale(self, max_age: float) -> int:
         """Remove xorbs, and notes of who sent them, no upload has referred to for ``max_age``
         seconds (with an object store: from its bucket too, a xorb once no note younger than
-        that names it; the folder's copies are its cache)."""
-        removed = remove_older_than(self.dir, max_age) + remove_older_than(self.owners, max_age)
+        that names it; the folder's copies are its cache), but those a shard applied by this
+        process reads now."""
+        removed = remove_older_than(
+            self.dir, max_age, keep=lambda path: self._being_read(sharded_name(path))
+        ) + remove_older_than(self.owners, max_age)
         if self.remote is not None:
             with contextlib.suppress(StoreUnavailable):  # collected at a later call
                 removed += self.remote.remove_older_than(XORB_OWNERS, max_age)
                 used = {o.key.rsplit("/", 1)[1] for o in self.remote.listed(XORB_OWNERS)}
                 removed += self.remote.remove_older_than(
-                    XORBS, max_age, keep=lambda key: key.removeprefix(XORBS) in used
+                    XORBS,
+                    max_age,
+                    keep=lambda key: (
+                        key.removeprefix(XORBS) in used or self._being_read(key.removeprefix(XORBS))
+                    ),
                 )
         return removed
 

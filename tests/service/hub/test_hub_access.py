@@ -830,6 +830,36 @@ def test_a_xorb_collected_while_its_shard_is_applied_is_asked_for_again(server, 
     assert f"xorb {name}" in r.json()["error"] and "upload again" in r.json()["error"]
 
 
+def test_the_collector_keeps_an_old_xorb_while_a_shard_reads_it(server, repos, monkeypatch):
+    """A xorb near ``hub.xet_ttl_s`` (a client deduplicating against its own weeks-old upload)
+    could be collected between the shard's reading of it and the rebuild, refusing a shard that
+    named a held xorb. The collector now keeps the xorbs a shard is reading, and the shard that
+    rebuilt its file refreshes them."""
+    import service.store.xet as xet
+
+    store = server.app.state.store
+    cas, grant = _xet_grant(server, "carol/mine", CAROL)
+    chunks = [np.random.default_rng(8).bytes(32 * 1024)]
+    name = xorb_hash(_hashes(chunks))
+    assert httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
+    path, old = store.xet.xorb_path(name), time.time() - store.limits.xet_ttl_s - 60
+    read, collected = xet._chunk_offsets, []
+
+    def read_then_collect(f, size, xorb):
+        offsets = read(f, size, xorb)
+        os.utime(path, (old, old))
+        collected.append(store.xet.clean_stale(store.limits.xet_ttl_s))
+        return offsets
+
+    monkeypatch.setattr(xet, "_chunk_offsets", read_then_collect)
+    shard = _shard(hashlib.sha256(chunks[0]).hexdigest(), [(name, 0, 1, len(chunks[0]))])
+    r = httpx.post(f"{cas}/v1/shards", content=shard, headers=grant)
+    assert r.status_code == 200, r.text
+    assert collected == [0] and path.stat().st_mtime > time.time() - 60
+    os.utime(path, (old, old))  # no shard reads it now: collected
+    assert store.xet.clean_stale(store.limits.xet_ttl_s) >= 1 and not path.exists()
+
+
 def test_lz4_chunks_unpack_to_at_most_their_stated_size(server):
     """An LZ4 chunk is unpacked to at most the size its header states, whatever its frame
     declares: a 23-byte xorb whose frame header announces 4 EiB was a MemoryError (500), and a
