@@ -244,20 +244,33 @@ def _take_former_namespaces(
     (``fixed``) is named like a revoked user of ``index`` (its tokens document's
     ``former_users``) whose namespace holds repos (``repos_in``), unless ``inherit`` (the
     settings' ``auth.inherit``) names it: it would own them, which the commands allow only with
-    ``--inherit``. Each settings name that passes holds its namespace from then on: it leaves
-    ``former_users``, so that the repos it makes are never taken for the revoked user's."""
-    former = _former_users(_load(index))
+    ``--inherit``; likewise a settings user so named whom the index's organisations still list
+    (the revoked user's memberships). Each settings name that passes holds its namespace from
+    then on: it leaves ``former_users``, so that the repos it makes are never taken for the
+    revoked user's."""
+    data = _load(index)
+    former = _former_users(data)
     handed = {name.casefold() for name in inherit}
     ours = [(t.name, "user") for t in fixed.tokens] + [(org, "organisation") for org in fixed.orgs]
     taken = [(name, role) for name, role in ours if name.casefold() in former]
     for name, role in taken:
-        if name.casefold() not in handed and (repos := repos_in(name)):
+        if name.casefold() in handed:
+            continue
+        revoked = (
+            f"the settings' {role} {name!r} is named like the revoked user "
+            f"{former[name.casefold()]!r}"
+        )
+        if repos := repos_in(name):
             listed = ", ".join(sorted(repos)[:3]) + (", ..." if len(repos) > 3 else "")
             raise ConfigError(
-                f"the settings' {role} {name!r} is named like the revoked user "
-                f"{former[name.casefold()]!r}, whose namespace holds {len(repos)} repo(s) "
-                f"({listed}): it would own them. Rename it, or hand them over on purpose by "
-                f"naming it in auth.inherit"
+                f"{revoked}, whose namespace holds {len(repos)} repo(s) ({listed}): it would "
+                "own them. Rename it, or hand them over on purpose by naming it in auth.inherit"
+            )
+        if role == "user" and (orgs := _memberships(name, data)):
+            raise ConfigError(
+                f"{revoked}, still a member of {', '.join(map(repr, orgs))}: it would write "
+                "there. Rename it, `vip-hub org remove` the memberships first, or hand them over "
+                "on purpose by naming it in auth.inherit"
             )
     if taken:
 
@@ -284,7 +297,11 @@ def _settings_auth(settings: Settings) -> _Auth:
             name, scope, secret = item.strip().split(":", 2)
         except ValueError:
             raise ValueError("auth.tokens entries must look like name:scope:secret") from None
-        _check_scope(scope, f"auth.tokens entry {name!r}")
+        if scope not in _RANK:  # (not echoed: an entry written name:secret:scope holds a secret)
+            raise ValueError(
+                f"auth.tokens entry {name!r}: its second field, the scope, must be read, write or "
+                "admin (entries look like name:scope:secret)"
+            )
         fixed.tokens.append(_Entry(_hash(secret), name, cast(Scope, scope)))  # checked: a Scope
     for org in fixed.orgs:
         _check_org_name(org, "auth.orgs")
@@ -414,11 +431,16 @@ def _held_again(data: dict[str, Any], name: str) -> None:
         data[FORMER_USERS] = [n for n in data[FORMER_USERS] if n.casefold() != name.casefold()]
 
 
+def _memberships(name: str, data: dict[str, Any]) -> list[str]:
+    """The organisations of the tokens document ``data`` that list ``name`` as a member."""
+    return sorted(org for org, members in data.get("orgs", {}).items() if name in members)
+
+
 def _check_no_memberships(name: str, data: dict[str, Any], inherit: bool) -> None:
     """A new user ``name`` becomes a member of the index's organisations that list that name (a
     former user's memberships, left by ``token revoke``) only when ``inherit`` says so; the
     settings' ``auth.orgs`` name their members on purpose, whoever holds the name."""
-    orgs = sorted(org for org, members in data.get("orgs", {}).items() if name in members)
+    orgs = _memberships(name, data)
     if orgs and not inherit:
         raise ValueError(
             f"{name!r} is a member of {', '.join(map(repr, orgs))} (memberships of a former "

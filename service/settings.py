@@ -225,8 +225,8 @@ class AuthSettings(_Section):
     inherit: list[str] = Field(
         default_factory=list,
         description="names of the settings' users and organisations that take a revoked index "
-        "user's namespace and its repos on purpose (the settings' `--inherit`): without it, "
-        "such a name stops the server",
+        "user's namespace, its repos and its organisation memberships on purpose (the settings' "
+        "`--inherit`): without it, such a name stops the server",
     )
     protect_inference: bool = Field(False, description="require a read token on /v1/* endpoints")
 

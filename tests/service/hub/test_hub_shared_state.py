@@ -153,6 +153,39 @@ def test_the_settings_names_may_not_take_a_revoked_users_repos(tmp_path):
     start(orgs={"dana": ["mallory"]})  # and for good
 
 
+def test_a_settings_user_may_not_take_a_revoked_users_memberships(tmp_path):
+    """``token revoke`` leaves the user in the index's organisations, and ``token create``
+    refuses a new user of that name their memberships; a settings user of that name got them on
+    the next start (it read and wrote the organisation's private repos). Now the server does
+    not start until they are removed or handed over (``auth.inherit``)."""
+    from service.auth import add_member
+    from service.settings import Settings
+
+    store = HubStore(tmp_path / "store")
+    create_token(store.index, "mallory", "write")
+    add_member(store.index, "team", "mallory")
+    revoke_token(store.index, "mallory")
+
+    def start(**auth: object) -> TokenRegistry:
+        settings = Settings(store=tmp_path / "store", auth={"tokens": "mallory:write:M", **auth})
+        return TokenRegistry.from_settings(settings, store)
+
+    with pytest.raises(ConfigError, match="revoked user 'mallory', still a member of 'team'"):
+        start()
+    assert start(inherit=["mallory"]).lookup("M").orgs == {"team"}  # handed over on purpose
+
+
+def test_a_settings_token_entry_in_the_wrong_order_does_not_print_its_secret(tmp_path):
+    """An ``auth.tokens`` entry written name:secret:scope put the secret in the refusal
+    ("scope must be read, write or admin, not 'vh_...'"), on stderr and in logs."""
+    from service.settings import Settings
+
+    settings = Settings(store=tmp_path / "store", auth={"tokens": "alice:vh_TOPSECRET:write"})
+    with pytest.raises(ValueError, match="entries look like name:scope:secret") as refused:
+        TokenRegistry.from_settings(settings, HubStore(tmp_path / "store"))
+    assert "TOPSECRET" not in str(refused.value)
+
+
 def test_a_settings_organisation_takes_a_revoked_users_repos_through_org_add_inherit(tmp_path):
     """The index's way to hand a revoked user's repos to an organisation of the settings:
     ``vip-hub org add NAME --member USER --inherit`` (the settings passed, as the command
