@@ -58,12 +58,28 @@ def create_repo(
             f"namespace {org!r} differs only by case from {other!r}'s: namespaces are unique "
             "whatever their case"
         )
-    private = payload.visibility == "private" if payload.visibility else bool(payload.private)
+    private = _private(payload)
     repo, created = store_of(request).create_repo(repo_id, private=private)
     url = f"{base_url(request)}/{repo.repo_id}"
     if not created:  # huggingface_hub's create_repo(exist_ok=True) reads the url
         raise Conflicting("You already created this model repo", body={"url": url})
     return JSONResponse({"url": url, "name": repo.repo_id, "id": repo.repo_id})
+
+
+def _private(payload: CreateRepo) -> bool:
+    """Whether the repo ``payload`` asks for is private: ``visibility`` public or private, or
+    ``private``; anything else, or the two disagreeing, is refused (never a public repo asked
+    for as private by a misspelling)."""
+    if payload.visibility is None:
+        return bool(payload.private)
+    if payload.visibility not in ("public", "private"):
+        raise BadRequest(f"visibility must be 'public' or 'private', not {payload.visibility!r}")
+    private = payload.visibility == "private"
+    if payload.private is not None and payload.private != private:
+        raise BadRequest(
+            f"visibility {payload.visibility!r} and private={payload.private} disagree"
+        )
+    return private
 
 
 class PreuploadFile(BaseModel):

@@ -295,3 +295,23 @@ def test_an_error_naming_a_path_with_control_characters_is_still_answered(hub):
     )
     assert r.status_code == 413 and "\x96" in r.json()["error"]
     assert r.headers["X-Error-Message"].isascii() and "?" in r.headers["X-Error-Message"]
+
+
+def test_a_repos_visibility_is_public_or_private_and_agrees_with_private(hub):
+    """``visibility: "Private"`` (or any word but "private") made a public repo, and won over
+    ``private: true``: a raw API caller's misspelling published what it meant to keep."""
+    headers = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+    create = lambda **body: httpx.post(  # noqa: E731
+        f"{hub.url}/api/repos/create", json={"name": "meant-private", **body}, headers=headers
+    )
+    for body, why in [
+        ({"visibility": "Private"}, "visibility must be 'public' or 'private', not 'Private'"),
+        ({"visibility": "public", "private": True}, "visibility 'public' and private=True"),
+    ]:
+        r = create(**body)
+        assert r.status_code == 400 and why in r.json()["error"], r.text
+    assert httpx.get(f"{hub.url}/api/models/writer/meant-private").status_code == 404
+    assert create(visibility="private", private=True).status_code == 200
+    assert httpx.get(f"{hub.url}/api/models/writer/meant-private").status_code == 404  # private
+    r = httpx.get(f"{hub.url}/api/models/writer/meant-private", headers=headers)
+    assert r.status_code == 200 and r.json()["private"] is True
