@@ -6,6 +6,8 @@ Server-rendered: they work without JavaScript."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections.abc import Iterator
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -42,7 +44,7 @@ from ..auth import identity
 from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..metrics import Metrics
-from ..store import FileEntry, HubStore
+from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
 from ..store.naming import MAX_REVISION_LENGTH, validate_revision
 from .cache import ComputedOnce
 from .render import card_body, markdown_html
@@ -245,9 +247,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     groups: dict[bool, list[DPStage]] = {True: [], False: []}
     rows: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     sources = []
-    for repo, commit in store.list_models(
-        dataset=names or [dataset], sort="name", descending=False, limit=1000
-    ):
+    for repo, commit in _every_model(store, names or [dataset]):
         sources.append(f"{repo.repo_id}@{commit.sha}")
         tree = store.tree(repo.repo_id, commit.sha)
         ledger = PrivacyLedger.parse(store.blob_path(tree[LEDGER_FILE]).read_bytes())
@@ -259,6 +259,7 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
     if not (groups[True] or groups[False]):
         raise NotFound(f"no public release names the dataset {dataset!r}")
     digest = hashlib.sha256("\n".join(sorted(sources)).encode()).hexdigest()
+    key = (identity, owner.casefold() if owner else "", digest)  # one entry per reading of it
     return templates.TemplateResponse(
         request,
         "dataset.html",
@@ -269,9 +270,9 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
             "delta": delta,
             "owners": rows[True],
             "others": rows[False],
-            "composed": _composed(request.app, (dataset, digest, "owner"), groups[True], delta),
+            "composed": _composed(request.app, (*key, "owner"), groups[True], delta),
             "composed_all": _composed(
-                request.app, (dataset, digest, "all"), groups[True] + groups[False], delta
+                request.app, (*key, "all"), groups[True] + groups[False], delta
             )
             if groups[False]
             else None,
@@ -281,6 +282,20 @@ def dataset_page(request: Request, dataset: str) -> HTMLResponse:
         },
         headers=PAGE_HEADERS,
     )
+
+
+def _every_model(store: HubStore, datasets: list[str]) -> Iterator[tuple[RepoRecord, CommitRecord]]:
+    """Every public repo with a DP stage on one of ``datasets``, by name, a page at a time."""
+    for offset in itertools.count(0, _PAGE):
+        page = store.list_models(
+            dataset=datasets, sort="name", descending=False, limit=_PAGE, offset=offset
+        )
+        yield from page
+        if len(page) < _PAGE:
+            return
+
+
+_PAGE = 1000
 
 
 def _composed(

@@ -171,6 +171,30 @@ def test_names_that_read_alike_are_one_dataset_on_its_page(hub, tmp_path: Path) 
     assert "/other/alike" in others.split('id="other-publishers"')[1]
 
 
+def test_the_page_composes_every_release_and_computes_once_per_dataset(
+    hub, tmp_path: Path, monkeypatch
+) -> None:
+    """The page read the first 1,000 releases only (its ε understated past them), and computed
+    its composition again for each spelling of the URL that reads as the same dataset (a way to
+    make every request recompute). It now reads page after page, and keys the composition on
+    the dataset's identity."""
+    import service.pages.routes as routes
+
+    monkeypatch.setattr(routes, "_PAGE", 2)
+    name = "pages/paged"
+    for i in range(5):
+        publish(tmp_path, f"pages/paged-{i}", stage(name, new_run_id()), seed=i)
+    computed = lambda: hub.app.state.metrics.registry.get_sample_value(  # noqa: E731
+        "vip_hub_compositions_total"
+    )
+    eps, _ = owner_figure(hub.url, name)
+    assert shown_up(eps, rdp_epsilon(5))
+    before = computed()
+    for asked in ("pages/PAGED", "Pages/paged", name):
+        assert owner_figure(hub.url, asked)[0] == eps
+    assert computed() == before
+
+
 def test_a_namespace_that_only_reads_as_the_owners_is_another_publisher(hub, tmp_path) -> None:
     """Namespaces are unique whatever their case, not their separators: ``pa-ges`` may be another
     user than ``pa_ges``, whose dataset name reads alike (one dataset: the stages compose), so on
