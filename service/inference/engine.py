@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from PIL import Image
 
 from vip_hub.device import pick_device
 from vip_hub.errors import VipHubError
@@ -361,16 +362,19 @@ class InferenceEngine:
         futures: list[Future],
         start: float,
     ) -> Generator[None, None, None]:
-        """In the preprocessing threads, one image per step: check the headers against the
-        budget, decode and preprocess, then hand the work items (one per future) straight to the
-        batcher; a failure, or a client gone away, goes to the futures instead."""
+        """In the preprocessing threads, one image per step: read each header (its own step),
+        check them against the budget, then decode and preprocess each (its own step), letting
+        go of its full-size pixels once transformed; then hand the work items (one per future)
+        straight to the batcher. A failure, or a client gone away, goes to the futures instead."""
         batcher = model.batcher
         assert batcher is not None
         try:
-            opened = [
-                open_image(data, i, self.limits) for i, data in enumerate(images)
-            ]  # headers only
-            pixels = sum(img.width * img.height for img in opened)
+            opened: list[Image.Image | None] = []
+            for i, data in enumerate(images):
+                if i:
+                    yield  # each header is read in its turn too
+                opened.append(open_image(data, i, self.limits))  # the header only
+            pixels = sum(img.width * img.height for img in opened if img is not None)
             if pixels > self.settings.max_request_pixels:
                 raise PayloadTooLarge(
                     f"{len(images)} images of {pixels} pixels in all exceed the per-request "
@@ -382,14 +386,20 @@ class InferenceEngine:
             squash = spec.family.crop_mode == "squash"
             transform = model.encoder.transform
             tensors = []
-            for i, img in enumerate(opened):
+            for i in range(len(opened)):
                 yield  # the next image waits its turn behind the other requests' next images
                 if all(f.cancelled() for f in futures):  # the client went away
                     break
-                rgb = load_rgb(img, i, min_side)
-                if not squash:
-                    rgb = crop_for_resize(rgb, min_side, self.settings.max_resized_pixels)
-                tensors.append(transform(rgb))
+                img, opened[i] = opened[i], None  # decoded, it is held by this step alone
+                assert img is not None
+                try:
+                    rgb = load_rgb(img, i, min_side)
+                    if not squash:
+                        rgb = crop_for_resize(rgb, min_side, self.settings.max_resized_pixels)
+                    tensors.append(transform(rgb))
+                    del rgb
+                finally:
+                    img.close()  # its decoded pixels too
             else:
                 batch = torch.stack(tensors)
                 if model.series is not None:

@@ -86,6 +86,7 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
         raise BadRequest(f"input[{index}]: empty image")
     if len(data) > limits.max_bytes:
         raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
+    _check_structure(data, index)
     with _decoding(index):
         img = Image.open(io.BytesIO(data), formats=FORMATS)
         width, height = img.size
@@ -104,6 +105,90 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
                 "(inference.max_aspect_ratio); crop or pad it first"
             )
     return img
+
+
+MAX_HEADER_STEPS = 1024
+"""Most steps (JPEG marker segments, fill and junk bytes before the first scan; GIF blocks and
+sub-blocks before the first frame) an image may take to reach its pixels: Pillow walks them in
+Python, so megabytes of empty ones held a preprocessing thread for seconds."""
+MAX_PNG_CHUNKS = 16_384
+"""Most chunks of a PNG (a 10 MiB one written in libpng's 8 KiB IDAT chunks has 1,280): Pillow
+reads each in Python, the IDAT chunks as it decodes."""
+MAX_JPEG_SCANS = 100
+"""Most scans of a JPEG: each costs a pass over every pixel, so one
+10 MiB image of repeated empty progressive scans decoded for minutes (libjpeg-turbo's
+``-maxscan`` guidance; a progressive encoder writes about 10)."""
+
+
+def _check_structure(data: bytes, index: int) -> None:
+    """BadRequest naming ``index`` for an image whose structure would cost its decoder more than
+    its bytes and pixels say (``MAX_HEADER_STEPS``, ``MAX_PNG_CHUNKS``, ``MAX_JPEG_SCANS``);
+    checked on the raw bytes before Pillow parses anything."""
+    scans = 0
+    if data.startswith(b"\xff\xd8"):
+        steps, first_scan = _jpeg_header_steps(data)
+        what = "marker segments or fill bytes before its scan"
+        # in coded data a 0xff byte is followed by 0 or RSTn: each 0xff 0xda is a scan
+        scans = data.count(b"\xff\xda", first_scan)
+    elif data.startswith(b"GIF8"):
+        steps, what = _gif_header_steps(data), "blocks before its first frame"
+    elif data.startswith(b"\x89PNG\r\n\x1a\n") and _png_chunks(data) > MAX_PNG_CHUNKS:
+        raise BadRequest(f"input[{index}]: a PNG of more than {MAX_PNG_CHUNKS} chunks")
+    else:
+        steps, what = 0, ""
+    if steps > MAX_HEADER_STEPS:
+        raise BadRequest(f"input[{index}]: more than {MAX_HEADER_STEPS} {what}")
+    if scans > MAX_JPEG_SCANS:
+        raise BadRequest(
+            f"input[{index}]: a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (each "
+            "is a pass over every pixel)"
+        )
+
+
+def _jpeg_header_steps(data: bytes) -> tuple[int, int]:
+    """The steps Pillow's JPEG parser takes from the start of ``data`` to its first scan (or the
+    end), each a segment, a fill byte or a junk byte, counted to ``MAX_HEADER_STEPS + 1`` at
+    most; and where they stopped."""
+    pos, steps = 2, 0
+    while pos + 1 < len(data) and steps <= MAX_HEADER_STEPS:
+        steps += 1
+        marker = data[pos + 1]
+        if data[pos] != 0xFF or marker in (0x00, 0xFF):  # junk or fill: one byte at a time
+            pos += 1
+        elif marker == 0xDA:  # the first scan: the pixels
+            break
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            pos += 2
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    return steps, pos
+
+
+def _gif_header_steps(data: bytes) -> int:
+    """The blocks and sub-blocks before a GIF's first frame; counted to ``MAX_HEADER_STEPS + 1``
+    at most."""
+    pos = 13 + (3 << ((data[10] & 7) + 1) if len(data) > 10 and data[10] & 0x80 else 0)
+    steps = 0
+    while pos < len(data) and data[pos : pos + 1] == b"!" and steps <= MAX_HEADER_STEPS:
+        pos += 2  # the extension's introducer and label, then its sub-blocks
+        while pos < len(data) and data[pos] and steps <= MAX_HEADER_STEPS:
+            steps += 1
+            pos += 1 + data[pos]
+        pos += 1
+        steps += 1
+    return steps
+
+
+def _png_chunks(data: bytes) -> int:
+    """A PNG's chunks up to its IEND (or the end of ``data``); counted to ``MAX_PNG_CHUNKS + 1``
+    at most."""
+    pos, chunks = 8, 0
+    while pos + 8 <= len(data) and chunks <= MAX_PNG_CHUNKS:
+        chunks += 1
+        if data[pos + 4 : pos + 8] == b"IEND":
+            break
+        pos += 12 + int.from_bytes(data[pos : pos + 4], "big")
+    return chunks
 
 
 def crop_for_resize(img: Image.Image, min_side: int, max_pixels: int) -> Image.Image:

@@ -625,6 +625,70 @@ def test_a_model_evicted_while_its_request_is_decoded_still_answers_it(hub, publ
         assert again.status_code == 200, again.text
 
 
+def test_each_header_takes_its_own_turn_and_a_decoded_image_is_let_go(hub, published, monkeypatch):
+    """A request's headers were all read in one step (Pillow's parse of four crafted 10 MB
+    images held the preprocessing thread 12 s while a one-image request waited), and each image
+    decoded at full size was held until the request's last one was done (6 requests of four
+    4096 x 4096 PNGs held about 1 GB). Each header is now read in its own turn, and each image's
+    pixels go once it is transformed."""
+    from service.inference import engine as engine_module
+    from service.inference.fair_pool import FairPool
+
+    gate, entered, second = threading.Event(), threading.Event(), threading.Event()
+    opened: list[int] = []
+    decoded: list[Image.Image] = []
+    still_held: list[int] = []
+    open_image, load_rgb, submit = engine_module.open_image, engine_module.load_rgb, FairPool.submit
+
+    def gated_open(data, *args):
+        img = open_image(data, *args)
+        if img.width == 41:  # the long request's first image: wait for the short one
+            entered.set()
+            gate.wait(30)
+        opened.append(img.width)
+        return img
+
+    def noted_load(img, *args):
+        still_held.append(sum(not _closed(earlier) for earlier in decoded))
+        decoded.append(img)
+        return load_rgb(img, *args)
+
+    def noted_submit(pool, request):
+        submit(pool, request)
+        if entered.is_set():
+            second.set()
+
+    monkeypatch.setattr(engine_module, "open_image", gated_open)
+    monkeypatch.setattr(engine_module, "load_rgb", noted_load)
+    monkeypatch.setattr(FairPool, "submit", noted_submit)
+    post = lambda widths: httpx.post(  # noqa: E731
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(image(w, 30)) for w in widths]},
+        timeout=60,
+    )
+    answers: dict[str, httpx.Response] = {}
+    long = threading.Thread(target=lambda: answers.update(long=post([41, 42, 43])))
+    long.start()
+    assert entered.wait(30)
+    short = threading.Thread(target=lambda: answers.update(short=post([44])))
+    short.start()
+    assert second.wait(30)  # the short request is in the ring: let the long one go on
+    gate.set()
+    long.join(60)
+    short.join(60)
+    assert answers["long"].status_code == answers["short"].status_code == 200
+    assert opened == [41, 44, 42, 43]  # the short request's header took the second turn
+    assert still_held == [0, 0, 0, 0]  # no image decoded before another was still held
+
+
+def _closed(img: Image.Image) -> bool:
+    try:
+        img.im  # noqa: B018
+    except ValueError:  # "Operation on closed image"
+        return True
+    return False
+
+
 def _without_series(url: str, model: str) -> str:
     """``/metrics`` once it has no series of ``model`` (an evicted model's go once its batcher
     has stopped, in the background: within 30 s)."""

@@ -538,3 +538,63 @@ def test_a_load_short_of_memory_or_disk_is_not_kept(monkeypatch, shortage):
     assert error.status == 503 and error.retry_after_s > 0
     assert str(error).startswith(f"o/n@{'a' * 12} could not load now ({type(shortage).__name__}")
     assert len(loads) == 2 and model is not None  # loaded again, not answered from a kept failure
+
+
+def _saved(img: Image.Image, fmt: str, **options: object) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    import zlib
+
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_an_image_whose_structure_costs_more_than_its_bytes_is_refused_before_pillow_reads_it():
+    """Pillow walks JPEG segments, PNG chunks and GIF blocks in Python, and libjpeg passes over
+    every pixel once per scan: 10 MB of empty segments held a preprocessing thread for seconds,
+    and a 600 KB progressive JPEG of repeated scans for 19 s (every request waits behind it).
+    Each is refused from its bytes; ordinary images of each kind still open."""
+    from service.inference.images import MAX_HEADER_STEPS, MAX_PNG_CHUNKS, load_rgb, open_image
+
+    limits = ImageLimits(10 << 20, 4096 * 4096, 16.0)
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), np.uint8))
+    jpeg, exif = _saved(rgb, "JPEG", progressive=True), Image.Exif()
+    exif[0x010E] = "a photo"  # an APP1 segment before the scans
+    photo = _saved(rgb, "JPEG", progressive=True, optimize=True, exif=exif.tobytes())
+    png = _saved(rgb, "PNG")
+    idat_at = png.index(b"IDAT") - 4
+    length = struct.unpack(">I", png[idat_at : idat_at + 4])[0]
+    stream = png[idat_at + 8 : idat_at + 8 + length]
+    split = b"".join(_png_chunk(b"IDAT", stream[i : i + 8]) for i in range(0, len(stream), 8))
+    many_idat = png[:idat_at] + split + png[idat_at + 12 + length :]  # thousands of chunks
+    gif = _saved(rgb.convert("P"), "GIF", comment=b"made here")
+    for ok in (jpeg, photo, png, many_idat, gif):
+        assert load_rgb(open_image(ok, 0, limits), 0).size == (96, 96)
+    assert 1_000 < many_idat.count(b"IDAT") < MAX_PNG_CHUNKS
+
+    last_scan = jpeg.rindex(b"\xff\xda")
+    scans = jpeg[:last_scan] + jpeg[last_scan:-2] * 150 + b"\xff\xd9"
+    header_end = 13 + 3 * 256  # a GIF's header and its global colour table
+    floods = {
+        "a JPEG of 159 scans, over the limit of 100": scans,
+        f"more than {MAX_HEADER_STEPS} marker segments": jpeg[:2]
+        + b"\xff\xe5\x00\x02" * (MAX_HEADER_STEPS + 1)
+        + jpeg[2:],
+        f"more than {MAX_HEADER_STEPS} marker segments or fill bytes": jpeg[:2]
+        + b"\xff" * (MAX_HEADER_STEPS + 2)
+        + jpeg[2:],
+        f"a PNG of more than {MAX_PNG_CHUNKS} chunks": png[:33]
+        + _png_chunk(b"prVt", b"") * MAX_PNG_CHUNKS
+        + png[33:],
+        f"more than {MAX_HEADER_STEPS} blocks before its first frame": gif[:header_end]
+        + b"!\xfe"
+        + b"\x01x" * (MAX_HEADER_STEPS + 1)
+        + b"\x00"
+        + gif[header_end:],
+    }
+    for why, data in floods.items():
+        with pytest.raises(BadRequest, match=rf"input\[3\]: {why}"):
+            open_image(data, 3, limits)
