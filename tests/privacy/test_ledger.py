@@ -6,7 +6,12 @@ import pytest
 from support.helpers import dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
-from vip_hub.privacy.accounting import NOISE_SUPPORT, ZIGGURAT_SUPPORT, truncation_delta
+from vip_hub.privacy.accounting import (
+    CURAND_FLOAT32_SUPPORT,
+    NOISE_SUPPORT,
+    ZIGGURAT_SUPPORT,
+    truncation_delta,
+)
 from vip_hub.privacy.ledger import round_down, round_up
 from vip_hub.repo_format import ENCODER, head_component
 
@@ -434,7 +439,7 @@ def _truncated_stage(support: float, dimension: int = 7_060_000) -> DPStage:
 def test_a_truncated_sampler_adds_its_delta_to_the_guarantee():
     """torch's CPU float32 sampler stopped at sqrt(48 ln 2) = 5.768: on 7.06 M coordinates over
     q T = 10 sampled steps it adds more than 40 times the stated delta of 1e-5; the shipped
-    sampler (Box-Muller on 53-bit uniforms, 8.57 sigma) adds 1.45e-12, the ziggurat before it
+    sampler (Box-Muller on 53-bit uniforms, 8.57 sigma) adds 3.1e-11, the ziggurat before it
     (12.2 sigma) nothing a float can show; the epsilons do not depend on the sampler."""
     from scipy import stats
 
@@ -443,11 +448,11 @@ def test_a_truncated_sampler_adds_its_delta_to_the_guarantee():
     issue = qt * max(
         math.sqrt(d) * stats.norm.pdf(c) * s, stats.norm.cdf(c) - stats.norm.cdf(c - s)
     )
-    assert issue <= old.truncation_delta <= 1.1 * issue  # an upper bound, and a tight one here
+    assert issue <= old.truncation_delta  # an upper bound
     (g,) = PrivacyLedger.build([old]).guarantees
     assert g.delta == old.delta + old.truncation_delta > 40 * old.delta
     new, ziggurat = _truncated_stage(NOISE_SUPPORT), _truncated_stage(ZIGGURAT_SUPPORT)
-    assert new.truncation_delta == pytest.approx(1.45e-12, rel=0.01)
+    assert new.truncation_delta == pytest.approx(3.11e-11, rel=0.01)
     assert PrivacyLedger.build([new]).guarantees[0].delta == new.delta + new.truncation_delta
     assert ziggurat.truncation_delta < 1e-20
     assert PrivacyLedger.build([ziggurat]).guarantees[0].delta == ziggurat.delta
@@ -490,3 +495,38 @@ def test_the_truncation_bound_covers_every_way_a_neighbour_can_spread_its_shift(
         a = 1 / sigma / math.sqrt(k)
         mass = k * (stats.norm.sf(support - a) - stats.norm.sf(support))
         assert mass <= per_step < 1, (k, mass, per_step)
+
+
+def _disk_crescent(beta: float, c: float) -> float:
+    """The mass of a Box-Muller pair (a 2-d Gaussian truncated to the disk of radius ``c``)
+    that a shift of length ``beta`` carries out of the disk, by quadrature over the radius: the
+    fraction of angles that leave it, arccos((c^2 - r^2 - beta^2) / (2 r beta)) / pi."""
+    from scipy import integrate
+
+    def leaving(r: float) -> float:
+        cos = np.clip((c * c - r * r - beta * beta) / (2 * r * beta), -1.0, 1.0)
+        return r * math.exp((c - r) * (c + r) / 2) * math.acos(cos) / math.pi
+
+    scaled, _ = integrate.quad(leaving, max(c - beta, 0.0), c, epsabs=0, epsrel=1e-10)
+    return scaled * math.exp(-c * c / 2) / -math.expm1(-c * c / 2)
+
+
+@pytest.mark.parametrize(
+    "support", [math.sqrt(48 * math.log(2)), CURAND_FLOAT32_SUPPORT, NOISE_SUPPORT]
+)
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0])
+def test_the_truncation_bound_covers_a_box_muller_pairs_disk(support, sigma):
+    """Box-Muller draws coordinates in pairs sharing one radius r <= c: a pair's support is a
+    disk, and a shift spread over many coordinates carries mass out of it that no coordinate
+    alone could (the bound before 2026-12-04 assumed a box, and was 3-5 times too low at sigma
+    1-2 on a million coordinates or more). The bound covers a shift of 1/sigma spread over k
+    coordinates, in k/2 pairs or one per pair (its partner not noised), as the reviewer's
+    quadrature of the crescent computes it."""
+    s = 1 / sigma
+    for k in np.unique(np.logspace(0, 8, 17).astype(int)):
+        per_step = truncation_delta(sigma, 1.0, 1, support, int(k))
+        alone = k * _disk_crescent(s / math.sqrt(k), support)
+        paired = k / 2 * _disk_crescent(s * math.sqrt(2 / k), support) if k > 1 else 0.0
+        assert max(alone, paired) <= per_step < 1, (k, alone, paired, per_step)
+    box = math.exp(-(support**2) / 2) / math.sqrt(2 * math.pi) * 1000 * s  # the old first term, d = 10^6
+    assert 10**6 * _disk_crescent(s / 1000, support) > 1.5 * box

@@ -132,20 +132,26 @@ def noise_sampler(support: float) -> str | None:
 def truncation_delta(
     sigma: float, sample_rate: float, steps: int, support: float, dimension: int
 ) -> float:
-    """The delta a Gaussian sampler truncated to |z| <= ``support`` adds to a run of ``steps``
+    """The delta a Gaussian sampler truncated to radius ``support`` adds to a run of ``steps``
     Poisson-sampled steps at (sigma, q) on ``dimension`` noised coordinates.
 
-    A neighbour shifts coordinate i by a_i (sum a_i^2 <= s^2, s = 1/sigma); the outputs the
-    truncated sampler cannot produce for one dataset have mass at most
-    sum_i P(c - a_i < z <= c) <= phi(c) sum_i (e^(c a_i) - 1)/c
-    <= phi(c) (sqrt(d) s + (e^(c s) - 1 - c s)/c) (split e^x - 1 = x + (e^x - 1 - x), the
-    second part convex with ratio to x^2 increasing), counted once per step the record is
-    sampled in: q T times that, at most 1 (``docs/architecture.md``, "The noise")."""
-    s = 1.0 / sigma
-    log_phi = -0.5 * support * support - 0.5 * math.log(2 * math.pi)
-    per_step = math.exp(log_phi) * math.sqrt(dimension) * s + math.exp(
-        min(log_phi + support * s - math.log(support), 0.0)
-    )
+    Box-Muller draws coordinates in pairs sharing one radius r <= c, so the support is a disk
+    per pair, not a box (a per-coordinate sampler's interval is the one-coordinate case). A
+    neighbour shifts pair j by b_j (sum |b_j|^2 <= s^2, s = 1/sigma, at most d pairs); an output
+    one dataset gives and the other cannot has r_j > c - |b_j| for some j, of mass at most
+    sum_j P(c - |b_j| < r <= c) <= e^(-c^2/2) sum_j (e^(c |b_j|) - 1) / (1 - e^(-c^2/2))
+    <= e^(-c^2/2) (c sqrt(d) s + e^(c s) - 1 - c s) / (1 - e^(-c^2/2)), counted once per step
+    the record is sampled in: q T times that, at most 1 (``docs/architecture.md``, "The
+    noise")."""
+    x, half_square = support / sigma, 0.5 * support * support
+    log_tail = -half_square - math.log(-math.expm1(-half_square))
+    # log(e^x - 1 - x), without overflow: above x = 1; below, of (e - 2) x^2 >= it (its ratio to
+    # x^2 grows with x), which no float underflow makes log(0)
+    if x > 1:
+        rest = x + math.log1p(-(1 + x) * math.exp(-x))
+    else:
+        rest = math.log(math.e - 2) + 2 * math.log(x) if x > 0 else -math.inf
+    per_step = math.exp(log_tail) * x * math.sqrt(dimension) + math.exp(min(log_tail + rest, 0.0))
     return min(1.0, sample_rate * steps * per_step)
 
 
