@@ -12,18 +12,21 @@ CPython's C unpickler (``Modules/_pickle.c``) would run it, from its first byte:
   where the C unpickler raises (stack underflow, no mark, a memo key never put, a truncated
   argument, a byte that is no opcode). Where the walk cannot tell (an object's type, an
   application's ``persistent_load`` or out-of-band buffers), it assumes the unpickler goes on;
-- a STOP ends one pickle, and the walk goes on with a fresh unpickler, as a loop of
-  ``pickle.load`` would.
+- a STOP ends one pickle, and the walk goes on with the same memo and what was imported, as
+  more ``load`` calls of one ``pickle.Unpickler`` would (it keeps its memo, so a later pickle
+  can ``GET`` what an earlier one imported); a fresh unpickler each time raises sooner.
 
 ``pickletools.genops`` cannot do this: it reads ``INT`` and ``LONG`` in base 10, decodes names
 and strings as ASCII with escapes, and raises at the first byte past a call that has already
 run (``…tR`` then junk, or no STOP), so each of those files counted as text.
 
 Refused: a walk that reaches an import of a standard-library module (``GLOBAL`` naming one:
-``sys.stdlib_module_names``, present wherever a client runs, some of whose imports act), an
-import that calls (``INST``), an import by name from the stack or a registry (``STACK_GLOBAL``,
-``EXT``), a call (``REDUCE``, ``BUILD``, ``OBJ``, ``NEWOBJ``, ``NEWOBJ_EX``) after any import,
-or ``_MAX_OPCODES`` opcodes in a row (a pickle, not text: the walk goes no further). An import
+``sys.stdlib_module_names``, present wherever a client runs, some of whose imports act, or a
+Python 2 name the unpickler maps to one below protocol 3, ``commands`` to ``subprocess`` and
+``__builtin__`` to ``builtins`` by ``_compat_pickle``), an import that calls (``INST``), an
+import by name from the stack or a registry (``STACK_GLOBAL``, ``EXT``), a call (``REDUCE``,
+``BUILD``, ``OBJ``, ``NEWOBJ``, ``NEWOBJ_EX``) after any import earlier in the file, or
+``_MAX_OPCODES`` opcodes in a row (a pickle, not text: the walk goes no further). An import
 alone of a name no standard module has (a word list ``coat``, ``shirt``, ... reads as GLOBAL
 ``oat.shirt``) is not refused: it calls nothing, and a module of that name is not where a
 repo's file can put one. A pickle that only builds data (``N.``, ``I1\n.``) runs nothing and is
@@ -37,6 +40,7 @@ import mmap
 import re
 import struct
 import sys
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable
 
 __all__ = ["pickle_problem"]
@@ -72,7 +76,8 @@ class _Refused(Exception):
 
 
 class _Run:
-    """One unpickler's state over ``data``: the stack depth, its marks and the memo's keys."""
+    """One unpickler's state over ``data``: the stack depth, its marks, the memo's keys and
+    whether anything was imported (the last two outlive a STOP)."""
 
     def __init__(self, data: bytes | mmap.mmap) -> None:
         self.data, self.end = data, len(data)
@@ -80,6 +85,11 @@ class _Run:
         self.marks: list[int] = []
         self.memo: set[int | None] = set()
         self.imported: str | None = None  # the first import this run made, said as such
+
+    def next_pickle(self) -> None:
+        """A STOP: ``load`` returns the one object left, and the next starts on an empty stack."""
+        self.need(1)
+        self.depth, self.marks = 0, []
 
     # ---------------------------------------------------------------- reading arguments
 
@@ -203,6 +213,14 @@ def _string(r: _Run, pos: int, at: int) -> int:
     return end + 1
 
 
+def _fixed(module: str, name: str) -> str:
+    """The module ``find_class`` imports for ``module`` and ``name`` below protocol 3
+    (``fix_imports``): a Python 2 name mapped to its Python 3 one, as ``_compat_pickle`` says."""
+    if (module, name) in NAME_MAPPING:
+        return NAME_MAPPING[module, name][0]
+    return IMPORT_MAPPING.get(module, module)
+
+
 def _import(r: _Run, pos: int, opcode: str, at: int) -> int:
     """GLOBAL and INST: a module line and a name line, then the module is imported (INST then
     calls the name); the position after the name's line."""
@@ -210,9 +228,15 @@ def _import(r: _Run, pos: int, opcode: str, at: int) -> int:
     after = r.line(end + 1) + 1
     if not _MODULE.fullmatch(r.data, pos, end):
         raise _Stop  # no file is named so: the import fails
-    module = bytes(r.data[pos : min(end, pos + 100)]).decode("utf-8", "replace")
+    module, name = (  # 100 bytes: longer than any name _compat_pickle maps
+        bytes(r.data[start : min(stop, start + 100)]).decode("utf-8", "replace")
+        for start, stop in ((pos, end), (end + 1, after - 1))
+    )
+    fixed = _fixed(module, name)  # a Python 2 name: always a standard module's
     said = f"the module {module!r} ({opcode} at byte {at})"
-    if opcode == "INST" or module.split(".")[0] in _STDLIB:
+    if fixed != module:
+        said = f"the module {fixed!r} (named {module!r}, {opcode} at byte {at})"
+    if opcode == "INST" or fixed != module or module.split(".")[0] in _STDLIB:
         raise _Refused(f"unpickling it would import {said}")
     r.imported = r.imported or said
     return after
@@ -447,9 +471,8 @@ def pickle_problem(data: bytes | mmap.mmap) -> str | None:
             if ops >= _MAX_OPCODES:
                 return f"holds a pickle: its first {ops} opcodes run without error"
             pos = op(run, pos + 1, at)
-            if data[at] == _STOP:  # one pickle ends; a loop of pickle.load goes on
-                run.need(1)
-                run = _Run(data)
+            if data[at] == _STOP:  # one pickle ends; the unpickler's next load goes on
+                run.next_pickle()
     except _Stop:
         return None
     except _Refused as e:
