@@ -166,7 +166,14 @@ class BlobStore:
         path = self.path(sha256)
         if self.remote is None or path.is_file():
             return path
-        return self._place(self._fetch(blob_key(sha256), sha256), path, sha256)
+        try:
+            fetched = self._fetch(blob_key(sha256), sha256)
+        except FileNotFoundError:
+            raise CorruptObject(
+                f"the object store holds no blob {sha256}, which a commit names: the hub's storage "
+                "is corrupt (its operator's `vip-hub store check --repair` reports it)"
+            ) from None
+        return self._place(fetched, path, sha256)
 
     def exists(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
@@ -310,10 +317,13 @@ class BlobStore:
         upload = self.upload_path(check_sha256(sha256))  # fresh bytes before stored ones,
         path = upload if upload.is_file() else self.object_path(sha256)  # which may have rotted
         if path is None and self.remote is not None:
-            for key in (blob_key(sha256), upload_key(sha256)):
-                if self.remote.size(key) is not None:
+            # the blob key again: a commit elsewhere may move the upload there meanwhile
+            for key in (blob_key(sha256), upload_key(sha256), blob_key(sha256)):
+                try:
                     path = self._stage_local(self._fetch(key, sha256), sha256)
                     break
+                except FileNotFoundError:
+                    continue
         if path is None:
             raise UploadMissing(
                 f"object {sha256} was never uploaded for this repo (or its upload expired): upload "
@@ -340,21 +350,26 @@ class BlobStore:
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, source: Path, digest: FileDigest) -> Path:
-        """Move a verified temp or upload file into place, durably (with an object store: into
-        its bucket first, over whatever the bucket held under that name: copied from the
-        bucket's upload when ``source`` is this cache's copy of that upload, else sent from
-        ``source``; then the cache; ``source`` is such a copy when it is the upload or a commit's
-        link to it, ``committed_source``). An upload of the object is consumed either way: one sent
-        again for an object already stored does not wait for the uploads' collection."""
+        """Move a temp or upload file into place, durably, once it hashes to ``digest``'s
+        SHA-256 again (CorruptObject otherwise: it rotted since it was checked). With an object
+        store it is sent to its bucket first, over whatever the bucket held under that name
+        (bytes planted or rotted there, the upload's key included, are never copied), unless it
+        is this cache's copy of a blob the bucket holds, which is left as it is. An upload of
+        the object is consumed either way: one sent again for an object already stored does not
+        wait for the uploads' collection."""
         sha256, upload = digest.sha256, self.upload_path(digest.sha256)
-        if self.remote is not None:
-            key = blob_key(sha256)
-            try:
-                if source != upload and source.suffix != UPLOAD_LINK:
-                    raise FileNotFoundError(source)
-                self.remote.copy(upload_key(sha256), key)
-            except FileNotFoundError:  # committed inline, or its upload moved by another commit
+        key = blob_key(sha256)
+        cached = self.remote is not None and source == self.path(sha256)
+        if not (cached and self.remote is not None and self.remote.size(key) is not None):
+            if file_sha256(source) != f"sha256:{sha256}":
+                raise CorruptObject(
+                    f"the hub's copy of object {sha256} no longer holds its bytes: the hub's "
+                    "storage is corrupt (its operator's `vip-hub store check --repair` repairs "
+                    "it), then upload it again"
+                )
+            if self.remote is not None:
                 self.remote.put_file(source, key)
+        if self.remote is not None:
             self.remote.delete(upload_key(sha256))
         placed = self._place(source, self.path(sha256), sha256)
         upload.unlink(missing_ok=True)
@@ -457,10 +472,11 @@ class BlobStore:
             except FileNotFoundError:
                 return None
         key = (upload_key if upload else blob_key)(sha256)
-        if self.remote.size(key) is None:
-            return None
         digest = hashlib.sha256()
-        self.remote.read_into(key, digest.update, None)
+        try:
+            self.remote.read_into(key, digest.update, None)
+        except FileNotFoundError:
+            return None
         return digest.hexdigest()
 
     def remove_upload(self, sha256: str) -> None:

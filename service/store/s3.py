@@ -238,10 +238,16 @@ class S3Objects:
         return Listed(key, int(head["ContentLength"]), head["LastModified"].timestamp())
 
     def read_into(self, key: str, write: Callable[[bytes], None], limit: int | None) -> None:
-        """Stream ``key`` into ``write`` in pieces; TooLarge past ``limit`` bytes (if any)."""
+        """Stream ``key`` into ``write`` in pieces; TooLarge past ``limit`` bytes (if any),
+        FileNotFoundError when the bucket does not hold it (removed since it was seen, say)."""
         got = 0
         with _reachable():
-            body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            try:
+                body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in _NOT_FOUND:
+                    raise FileNotFoundError(key) from None
+                raise
             with contextlib.closing(body):
                 for chunk in body.iter_chunks(_CHUNK):
                     got += len(chunk)
@@ -250,10 +256,17 @@ class S3Objects:
                     write(chunk)
 
     def put_file(self, path: Path, key: str) -> None:
-        """Upload a local file to ``key`` (multipart when large)."""
+        """Upload a local file to ``key`` (multipart when large), as ``BLOB_TYPE`` (the store
+        never guesses a type from the bytes)."""
         with _reachable():
             try:
-                self._client.upload_file(str(path), self.bucket, key, Config=_TRANSFER)
+                self._client.upload_file(
+                    str(path),
+                    self.bucket,
+                    key,
+                    ExtraArgs={"ContentType": BLOB_TYPE},
+                    Config=_TRANSFER,
+                )
             except S3UploadFailedError as e:  # boto3's wrapping of the store's error answer
                 if isinstance(e.__context__, ClientError):
                     raise e.__context__ from None

@@ -473,3 +473,72 @@ def test_a_fetched_xorb_never_replaces_a_copy_fetched_meanwhile(seaweed, tmp_pat
         assert store.xet._local(name) == path
         assert path.read_bytes() == first
         assert not list(store.blobs.tmp.glob("*"))  # the second copy is gone
+
+
+def _uploaded(hub, repo: str, data: bytes) -> str:
+    """``data`` sent for ``repo`` through the LFS batch API and verified; its SHA-256."""
+    entry = lfs_batch(hub.url, repo, data)
+    lfs_send(entry["actions"]["upload"], entry["oid"], data)
+    verify = entry["actions"]["verify"]["href"]
+    r = HTTP.post(verify, json={"oid": entry["oid"], "size": len(data)}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return entry["oid"]
+
+
+def test_a_commit_stores_only_bytes_it_has_just_hashed(hub, seaweed, published):
+    """A commit copied the bucket's upload key to the blob key without hashing it, so bytes
+    planted (or rotted) there after the upload was checked became the committed blob, served
+    with the SHA-256 of what was uploaded; and a commit naming an object the repo held sent this
+    replica's cache copy, rotted or not, over the bucket's good blob. Now it sends only bytes it
+    has just hashed, and never sends a blob the bucket holds."""
+    from service.store.s3 import upload_key
+
+    s3, store = seaweed.client(), hub.app.state.store
+    data = b"honest bytes\n" * 5000
+    sha = _uploaded(hub, "lfs/s3", data)
+    s3.put_object(Bucket=BUCKET, Key=upload_key(sha), Body=b"PLANTED\n" * 8125)  # same size
+    assert lfs_commit(hub.url, "lfs/s3", "planted.txt", data).status_code == 200
+    stored = s3.get_object(Bucket=BUCKET, Key=blob_key(sha))["Body"].read()
+    assert hashlib.sha256(stored).hexdigest() == sha
+    assert (
+        HTTP.get(f"{hub.url}/lfs/s3/resolve/main/planted.txt", follow_redirects=True).content
+        == data
+    )
+
+    cache = store.blobs.path(sha)
+    os.chmod(cache, 0o600)
+    cache.write_bytes(b"rotted" + data[6:])
+    assert lfs_commit(hub.url, "lfs/s3", "again.txt", data).status_code == 200
+    stored = s3.get_object(Bucket=BUCKET, Key=blob_key(sha))["Body"].read()
+    assert hashlib.sha256(stored).hexdigest() == sha  # the bucket's good copy stays
+    cache.unlink()
+
+
+def test_an_upload_moved_by_another_replicas_commit_meanwhile_is_found(
+    hub, seaweed, published, monkeypatch
+):
+    """Another replica's commit of the same object moved the upload key to the blob key
+    between this commit's look and its read: the store's "no such key" was a raw 500. The read
+    now answers "not there" and the commit looks again."""
+    from service.store.s3 import upload_key
+
+    s3, blobs = seaweed.client(), hub.app.state.store.blobs
+    data = b"moved meanwhile\n" * 3000
+    sha = _uploaded(hub, "lfs/s3", data)
+    blobs.upload_path(sha).unlink()  # this replica never saw the upload: it reads the bucket
+    fetch = blobs._fetch
+
+    def moved_first(key: str, *args, **kwargs):
+        if key == upload_key(sha):  # the other replica's commit, just before this read
+            s3.copy_object(
+                Bucket=BUCKET, Key=blob_key(sha), CopySource={"Bucket": BUCKET, "Key": key}
+            )
+            s3.delete_object(Bucket=BUCKET, Key=key)
+        return fetch(key, *args, **kwargs)
+
+    monkeypatch.setattr(blobs, "_fetch", moved_first)
+    r = lfs_commit(hub.url, "lfs/s3", "moved.txt", data)
+    assert r.status_code == 200, r.text
+    assert (
+        HTTP.get(f"{hub.url}/lfs/s3/resolve/main/moved.txt", follow_redirects=True).content == data
+    )
