@@ -17,7 +17,7 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
-from .errors import ConfigError, MissingInputError
+from .errors import ConfigError, MissingInputError, RepoFormatError
 from .images import to_rgb
 from .models.encoders import EncoderSpec
 from .models.features import (
@@ -232,14 +232,21 @@ def load_encoder(
 def _timm_model(path: Path, config_bytes: bytes | None) -> VisionTransformer:
     """timm's model of the repo folder ``path``; given ``config_bytes`` (the verified
     configuration), timm reads them from a private folder beside a link to the repo's weights, so
-    a configuration replaced in the repo after verification is never read."""
-    if config_bytes is None:
-        model = timm.create_model(f"local-dir:{path}", pretrained=True)
-    else:
-        with tempfile.TemporaryDirectory(prefix="vip-hub-load-") as tmp:
-            (Path(tmp) / CONFIG_FILE).write_bytes(config_bytes)
-            (Path(tmp) / WEIGHTS_FILE).symlink_to((path / WEIGHTS_FILE).resolve())
-            model = timm.create_model(f"local-dir:{tmp}", pretrained=True)
+    a configuration replaced in the repo after verification is never read; RepoFormatError
+    naming the weights file when its tensors are not those of the configured model."""
+    try:
+        if config_bytes is None:
+            model = timm.create_model(f"local-dir:{path}", pretrained=True)
+        else:
+            with tempfile.TemporaryDirectory(prefix="vip-hub-load-") as tmp:
+                (Path(tmp) / CONFIG_FILE).write_bytes(config_bytes)
+                (Path(tmp) / WEIGHTS_FILE).symlink_to((path / WEIGHTS_FILE).resolve())
+                model = timm.create_model(f"local-dir:{tmp}", pretrained=True)
+    except RuntimeError as e:  # torch's load_state_dict: missing, unexpected or misshapen tensors
+        raise RepoFormatError(
+            f"{path / WEIGHTS_FILE}: not the tensors of the model {CONFIG_FILE} configures "
+            f"({' '.join(str(e).split())})"
+        ) from None
     # a released repo's configuration names a VisionTransformer (timm types it as a Module)
     return cast(VisionTransformer, model.eval())
 

@@ -528,5 +528,6 @@ def test_the_truncation_bound_covers_a_box_muller_pairs_disk(support, sigma):
         alone = k * _disk_crescent(s / math.sqrt(k), support)
         paired = k / 2 * _disk_crescent(s * math.sqrt(2 / k), support) if k > 1 else 0.0
         assert max(alone, paired) <= per_step < 1, (k, alone, paired, per_step)
-    box = math.exp(-(support**2) / 2) / math.sqrt(2 * math.pi) * 1000 * s  # the old first term, d = 10^6
+    # the old bound's first term at d = 10^6, phi(c) sqrt(d) s: the crescent's mass is above it
+    box = math.exp(-(support**2) / 2) / math.sqrt(2 * math.pi) * 1000 * s
     assert 10**6 * _disk_crescent(s / 1000, support) > 1.5 * box

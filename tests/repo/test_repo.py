@@ -14,6 +14,7 @@ import timm
 import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard
+from safetensors.torch import load_file, save_file
 from support.helpers import (
     TINY,
     WIDE_GREY,
@@ -35,8 +36,10 @@ from vip_hub.errors import (
     LedgerError,
     RepoFormatError,
     TamperedFileError,
+    UnsafePathError,
     VerificationError,
 )
+from vip_hub.models.encoders import ARCHS, EncoderSpec, create_encoder
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import (
     MAX_STAGES,
@@ -56,6 +59,7 @@ from vip_hub.repo.artifacts import (
 )
 from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
+from vip_hub.repo.verify import encoder_shapes
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,
@@ -1175,3 +1179,83 @@ def test_a_card_written_before_delta_was_rounded_up_still_verifies(tiny_repo):
     assert verify_repo(tiny_repo).ok, verify_repo(tiny_repo).problems
     card.write_text(text.replace(then[0], then[0].replace("δ = 1e-05", "δ = 9e-06")))
     _fails(tiny_repo, "its text does not state")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_encoder_shapes_are_the_tensors_timm_builds(arch):
+    """``encoder_shapes``, what verify holds a repo's weights to without timm (a hub verifies
+    without it), is the state dict timm builds for the spec, at every size, depth and grid."""
+    for spec in (EncoderSpec(arch), EncoderSpec(arch, img_size=48, patch_size=8, depth=2)):
+        with torch.device("meta"):
+            built = create_encoder(spec).state_dict()
+        assert encoder_shapes(spec) == {k: tuple(v.shape) for k, v in built.items()}
+
+
+def _renamed(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["zzz_extra"] = tensors.pop("fc_norm.bias")
+
+
+def _reshaped(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["fc_norm.weight"] = tensors["fc_norm.weight"].reshape(1, -1).contiguous()
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (_renamed, "missing: fc_norm.bias; unexpected: zzz_extra"),
+        (_reshaped, "wrong shape: fc_norm.weight [1, 192] (expected [192])"),
+    ],
+)
+def test_weights_that_are_not_the_configured_model_are_refused_by_name(tiny_repo, change, named):
+    """Weights of the configured parameter count whose tensors timm's model does not hold (their
+    digest rewritten into the ledger) verified, and load_encoder raised torch's RuntimeError."""
+    path = tiny_repo / WEIGHTS_FILE
+    meta, tensors = read_safetensors_metadata(path), load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata=meta)
+    _redigest(tiny_repo, WEIGHTS_FILE)
+    _fails(tiny_repo, f"{WEIGHTS_FILE}: its tensors are not those of the vip-nano", named)
+    with pytest.raises(VerificationError, match=re.escape(named)):
+        load_encoder(tiny_repo)
+    with pytest.raises(RepoFormatError, match=f"{WEIGHTS_FILE}: not the tensors of the model"):
+        load_encoder(tiny_repo, verify=False)
+
+
+@pytest.mark.parametrize(
+    "name, clash",
+    [
+        ("Config.json", "'Config.json' and 'config.json' differ only by case"),
+        (MAE_DECODER_FILE.upper(), f"and '{MAE_DECODER_FILE}' differ only by case"),
+        ("Model.sig", "'Model.sig' and 'model.sig' differ only by case"),  # signed later
+        (f"{CONFIG_FILE}/notes.txt", f"'{CONFIG_FILE}' is a file and the folder of"),
+    ],
+)
+def test_update_refuses_a_file_the_repos_own_files_leave_no_room_for(tiny_repo, name, clash):
+    """A name equal to one of the repo's files but for case, or below one, was written: the repo
+    then failed verify (its signature dropped), or the update crashed with FileExistsError."""
+    before = {p.name: p.read_bytes() for p in tiny_repo.iterdir()}
+    with pytest.raises(UnsafePathError, match=re.escape(clash)):
+        update_repo(tiny_repo, add_files={name: b"notes\n"})
+    assert {p.name: p.read_bytes() for p in tiny_repo.iterdir()} == before
+    assert verify_repo(tiny_repo).ok
+
+
+@pytest.mark.parametrize(
+    "name, clash",
+    [
+        ("README.MD", "'README.MD' and 'README.md' differ only by case"),
+        (f"{WEIGHTS_FILE}/notes.txt", f"'{WEIGHTS_FILE}' is a file and the folder of"),
+    ],
+)
+def test_export_refuses_an_extra_file_its_own_files_leave_no_room_for(tmp_path, name, clash):
+    out = tmp_path / "out"
+    with pytest.raises(UnsafePathError, match=re.escape(clash)):
+        export_encoder(
+            out,
+            tiny_encoder(),
+            TINY,
+            [synthetic_stage()],
+            model_name="x",
+            extra_files={name: b"x\n"},
+        )
+    assert not out.exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +24,13 @@ from support.live import WRITE_TOKEN, ThreadedServer, settings_for
 from service.store.shared import trust_key
 from vip_hub import export_encoder
 from vip_hub.cli.main import main
-from vip_hub.errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
+from vip_hub.errors import (
+    ConfigError,
+    MissingInputError,
+    SignatureError,
+    UnsafePathError,
+    UntrustedSignerError,
+)
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
@@ -444,3 +452,49 @@ def test_a_hub_that_requires_signatures_refuses_unsigned_commits(tmp_path, cli):
         )  # no silent replace
         assert cli("trust", "remove", "carol", "--store", store).returncode == 0
         assert cli("trust", "list", "--store", store).stdout == ""
+
+
+def test_hidden_files_are_unsigned_on_both_sides(tmp_path, alice):
+    """Signing leaves hidden files out (``repo_files``); a tree given as a mapping (the hub's)
+    holding one, as a git clone or an LFS upload does, was refused as "leaving .gitattributes
+    unsigned", and a hidden file model-signing does not ignore as changing the signed files."""
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    (tmp_path / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (tmp_path / "notes.txt").write_text("a download's cache\n")
+    tree = {
+        **{p.relative_to(repo).as_posix(): p for p in repo.rglob("*")},
+        ".gitattributes": tmp_path / ".gitattributes",
+        ".cache/huggingface/notes.txt": tmp_path / "notes.txt",
+    }
+    assert verify_signature(tree, load_keys([alice[1]])).name == "alice"
+    (repo / ".gitattributes").write_bytes((tmp_path / ".gitattributes").read_bytes())
+    assert verify_signature(repo, load_keys([alice[1]])).name == "alice"  # as in a folder
+
+
+def test_a_mapping_path_out_of_the_repo_is_refused_and_links_nothing(tmp_path, alice):
+    """A ``..`` key of a mapping made a link outside the signature's temporary folder."""
+    repo = _repo(tmp_path / "repo")
+    sign_repo(repo, alice[0])
+    escape = f"vip-hub-escape-{tmp_path.name}"
+    tree = {p.relative_to(repo).as_posix(): p for p in repo.rglob("*")}
+    with pytest.raises(UnsafePathError, match=re.escape(f"../../{escape}")):
+        verify_signature({**tree, f"../../{escape}": repo / CARD_FILE}, load_keys([alice[1]]))
+    assert not os.path.lexists(Path(tempfile.gettempdir(), escape))
+
+
+def test_hub_accepts_a_signed_commit_beside_its_gitattributes(hub, trusted, tmp_path):
+    """A hub repo holding a ``.gitattributes`` (an upload of a git clone) refused every later
+    signed commit: its check of the whole tree found the file unsigned."""
+    repo = _repo(tmp_path / "attrs", seed=3)
+    push_repo(repo, "writer/attrs", token=WRITE_TOKEN)
+    HfApi(token=WRITE_TOKEN).upload_file(
+        path_or_fileobj=b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        path_in_repo=".gitattributes",
+        repo_id="writer/attrs",
+    )
+    update_repo(repo, add_files={"notes.txt": b"signed\n"}, signing_key=trusted[0])
+    commit = push_repo(repo, "writer/attrs", token=WRITE_TOKEN)
+    store = hub.app.state.store
+    assert store.signature(commit).signer == "alice"
+    assert ".gitattributes" in store.tree("writer/attrs", commit)

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Required, TypedDict
 
@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
 
-from ..errors import ConfigError, RepoFormatError
+from ..errors import ConfigError, RepoFormatError, UnsafePathError
 from ..models.encoders import EncoderSpec, count_parameters
 from ..models.features import (
     SPATIAL_SYNTAX,
@@ -33,7 +33,7 @@ from ..models.features import (
 )
 from ..models.text_decoder import Captioner, ImageMemory, TextDecoder, TextDecoderConfig
 from ..models.tokenizer import CaptionTokenizer
-from ..paths import fsync_dir, replace_dir, validate_relpath
+from ..paths import fsync_dir, replace_dir, tree_path_problems, validate_relpath
 from ..privacy.ledger import DPStage, NonPrivateStage, PrivacyLedger
 from ..repo_format import (
     CARD_FILE,
@@ -62,7 +62,7 @@ from .artifacts import (
 )
 from .card import DEFAULT_LICENSE, CardInfo, card_info, render_card
 from .signing import load_signing_key, sign_repo
-from .verify import verify_repo
+from .verify import repo_files, verify_repo
 
 __all__ = [
     "Release",
@@ -161,10 +161,9 @@ def export_encoder(
         artifacts[TEXT_DECODER_FILE] = tensors_digest_of(text[0])
     if vocab is not None:
         artifacts[VOCAB_FILE] = bytes_sha256(vocab)
+    _check_given(extra_files or {}, {*MANAGED_FILES, *artifacts})
     for rel, data in (extra_files or {}).items():
-        if rel in MANAGED_FILES:
-            raise ConfigError(f"{rel} is managed by vip_hub and cannot be an extra file")
-        artifacts[validate_relpath(rel)] = bytes_sha256(data)
+        artifacts[rel] = bytes_sha256(data)
     ledger = PrivacyLedger.build(stages, artifacts)
     info = CardInfo(
         model_name=model_name,
@@ -228,10 +227,9 @@ def update_repo(
         load_signing_key(signing_key, repo)
     old = PrivacyLedger.read(repo)
     files = dict(add_files or {})
-    for rel in files:
-        validate_relpath(rel)
-        if rel in MANAGED_FILES:
-            raise ConfigError(f"{rel} is managed by vip_hub and cannot be replaced")
+    dropped = f"{replace_component}/" if replace_component else None
+    existing = [rel for rel in repo_files(repo) if not (dropped and rel.startswith(dropped))]
+    _check_given(files, MANAGED_FILES, existing)
     config = read_config(repo)
     info = card_info((repo / CARD_FILE).read_text(encoding="utf-8"))
     new_results = list(add_eval_results)
@@ -247,11 +245,7 @@ def update_repo(
     result: dict[str, PrivacyLedger] = {}
 
     stages = [s for s in old.stages if s.component != replace_component]
-    kept = {
-        rel: d
-        for rel, d in old.artifacts.items()
-        if not (replace_component and rel.startswith(replace_component + "/"))
-    }
+    kept = {rel: d for rel, d in old.artifacts.items() if not (dropped and rel.startswith(dropped))}
 
     def write(tmp: Path) -> None:
         (tmp / SIGNATURE_FILE).unlink(missing_ok=True)
@@ -402,6 +396,21 @@ def _write_ledger_copies(
         captions=spec.family.captions and can_caption(os.listdir(folder)),
     )
     _write_new(folder / CARD_FILE, card.encode())
+
+
+def _check_given(
+    names: Iterable[str], reserved: Collection[str], beside: Iterable[str] = ()
+) -> None:
+    """Refuse a name of ``names`` (files given to write into a repo) that is unsafe or
+    ``reserved`` (what vip_hub writes), or that no filesystem holds beside those and the files
+    ``beside`` (``tree_path_problems``: equal but for case, a file's folder): its error names it."""
+    names = list(names)
+    for rel in names:
+        validate_relpath(rel)
+        if rel in reserved:
+            raise ConfigError(f"{rel} is managed by vip_hub and cannot be given")
+    if problems := tree_path_problems({*reserved, *beside, *names}):
+        raise UnsafePathError(f"the repo cannot hold {', '.join(names)}: {'; '.join(problems)}")
 
 
 def _write_new(path: Path, data: bytes) -> None:

@@ -4,7 +4,8 @@ checked against public keys the reader trusts.
 ``verify`` proves that a repo is consistent (its ledger copies agree, its files have the
 digests the ledger binds, every epsilon follows from its parameters); it cannot tell a
 consistent rewrite from the original. A signature (``SIGNATURE_FILE``, a Sigstore bundle over
-the SHA-256 of every file but itself) says whose key produced exactly these files: the
+the SHA-256 of every file but itself and the hidden ones, ``verify.is_hidden``: git's
+``.gitattributes``, a download's cache) says whose key produced exactly these files: the
 trainer's at export, and the hub records which trusted key that was when it accepts a
 commit. A key is named by its file (``NAME.pub``) and identified by its fingerprint, the
 SHA-256 of its PEM form (the key hint model-signing writes into the bundle).
@@ -27,10 +28,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import ConfigError, MissingInputError, SignatureError, UntrustedSignerError
-from ..paths import private_writer, write_private
+from ..paths import private_writer, validate_relpath, write_private
 from ..repo_format import SIGNATURE_FILE, check_name
 from .artifacts import file_sha256
-from .verify import Problem, VerificationReport, repo_files
+from .verify import Problem, VerificationReport, is_hidden, repo_files
 
 __all__ = [
     "KEY_NAME",
@@ -194,9 +195,10 @@ def load_signing_key(
 def sign_repo(
     folder: str | os.PathLike[str], private_key: str | os.PathLike[str], name: str | None = None
 ) -> str:
-    """Sign every file of repo ``folder`` but its signature into ``folder``/``SIGNATURE_FILE``
-    (replacing any earlier one), as the repo ``name`` (default: the folder's; an export signs
-    its staging folder under the name it is released as); returns the key's fingerprint."""
+    """Sign every file of repo ``folder`` (``repo_files``: hidden ones left out) but its
+    signature into ``folder``/``SIGNATURE_FILE`` (replacing any earlier one), as the repo
+    ``name`` (default: the folder's; an export signs its staging folder under the name it is
+    released as); returns the key's fingerprint."""
     from model_signing import signing
 
     folder, private_key = Path(folder).resolve(), Path(private_key)
@@ -223,10 +225,14 @@ def verify_signature(
 
     Raises UntrustedSignerError when the signature names no key of ``keys``, SignatureError
     when it is malformed, not made by that key, leaves a file unsigned, or the files changed
-    after signing."""
+    after signing; UnsafePathError for a mapping's unsafe path. Hidden files (``is_hidden``) are
+    never signed, and left out here as ``repo_files`` leaves them out of a folder."""
     from model_signing import verifying
 
-    files = dict(repo) if isinstance(repo, Mapping) else repo_files(repo)
+    if isinstance(repo, Mapping):
+        files = {rel: p for rel, p in repo.items() if not is_hidden(validate_relpath(rel))}
+    else:
+        files = repo_files(repo)
     signature = files.pop(SIGNATURE_FILE, None)
     if signature is None:
         return None

@@ -8,8 +8,8 @@ A repo verifies when
 - every file the ledger lists has the digest it lists, and no weights file is unlisted;
 - every weights file's tensors hold finite values alone (no NaN, no infinity: the importer
   refuses them by the same rule, ``artifacts.nonfinite_count``);
-- the timm configuration and the weights agree on the architecture, and it names no other
-  source for the weights;
+- the timm configuration and the weights agree on the architecture and on every tensor's name
+  and shape (``encoder_shapes``), and it names no other source for the weights;
 - the card's tags claim of the training data (``differential-privacy``, ``no-private-data``)
   what the ledger gives;
 - every head's weights metadata, which its loader reads and the digest leaves out, agrees with
@@ -125,6 +125,8 @@ __all__ = [
     "VerificationReport",
     "check_loaded_decoder_config",
     "check_loaded_tensors",
+    "encoder_shapes",
+    "is_hidden",
     "repo_files",
     "verified_bytes",
     "verify_repo",
@@ -206,15 +208,22 @@ class VerificationReport:
         }
 
 
+def is_hidden(rel: str) -> bool:
+    """Whether the repo path ``rel`` has a hidden segment (``.gitattributes``, ``.cache/x``): a
+    file ``repo_files`` skips, so that neither a folder's verify nor any signature covers it."""
+    return any(segment.startswith(".") for segment in rel.split("/"))
+
+
 def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
-    """Map the repo path of every file under ``folder`` (hidden entries skipped) to the file;
-    UnsafePathError for a link to a folder, which would be read but neither verified nor signed."""
+    """Map the repo path of every file under ``folder`` (hidden entries skipped: ``is_hidden``)
+    to the file; UnsafePathError for a link to a folder, which would be read but neither verified
+    nor signed."""
     root = Path(folder)
     if not root.is_dir():
         raise MissingInputError(f"{root} is not a directory")
     out = {}
     for dirpath, dirnames, names in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
         for name in dirnames:  # os.walk lists a folder link but does not enter it
             if os.path.islink(p := Path(dirpath, name)):
                 raise UnsafePathError(
@@ -222,7 +231,7 @@ def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
                     "its files, which verify and signatures do not see; copy the files instead"
                 )
         for name in names:
-            if not name.startswith("."):
+            if not is_hidden(name):
                 p = Path(dirpath, name)
                 out[p.relative_to(root).as_posix()] = p
     return out
@@ -538,13 +547,69 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
         )
     else:
         try:  # what timm builds from it (plain timm reads model_args): the arch's model
-            EncoderSpec.from_config(config)
+            spec = EncoderSpec.from_config(config)
         except (ConfigError, RepoFormatError) as e:
             report.fail(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: "))
+        else:
+            if problem := _tensors_problem(spec, header):
+                report.fail(WEIGHTS_FILE, problem)
         if problem := _block_problem(block, header):
             report.fail(CONFIG_FILE, problem)
     report.checks.append("config matches weights")
     return config if isinstance(config, dict) else {}
+
+
+def encoder_shapes(spec: EncoderSpec) -> dict[str, tuple[int, ...]]:
+    """The tensors of ``spec``'s encoder by name, as timm's VisionTransformer builds them from
+    ``spec.model_args()`` (``create_encoder``: a test holds the two together), without timm."""
+    args = spec.model_args()
+    d, p, hidden = args["embed_dim"], args["patch_size"], int(args["embed_dim"] * args["mlp_ratio"])
+    block = {
+        "norm1.weight": (d,),
+        "norm1.bias": (d,),
+        "attn.qkv.weight": (3 * d, d),
+        **({"attn.qkv.bias": (3 * d,)} if args["qkv_bias"] else {}),
+        "attn.proj.weight": (d, d),
+        "attn.proj.bias": (d,),
+        "norm2.weight": (d,),
+        "norm2.bias": (d,),
+        "mlp.fc1.weight": (hidden, d),
+        "mlp.fc1.bias": (hidden,),
+        "mlp.fc2.weight": (d, hidden),
+        "mlp.fc2.bias": (d,),
+    }
+    norm = "fc_norm" if args["fc_norm"] else "norm"
+    return {
+        "cls_token": (1, 1, d),
+        "pos_embed": (1, spec.grid_size**2 + 1, d),
+        "patch_embed.proj.weight": (d, 3, p, p),
+        "patch_embed.proj.bias": (d,),
+        **{f"blocks.{i}.{k}": shape for i in range(args["depth"]) for k, shape in block.items()},
+        f"{norm}.weight": (d,),
+        f"{norm}.bias": (d,),
+    }
+
+
+def _tensors_problem(spec: EncoderSpec, header: Mapping[str, Any]) -> str | None:
+    """How the weights' tensors (their safetensors ``header``) differ by name or shape from those
+    of the model the configuration builds (timm's load would fail), naming the first of each."""
+    want = encoder_shapes(spec)
+    have = {k: tuple(t["shape"]) for k, t in header_tensors(header).items()}
+    shapes = [
+        f"{k} {list(v)} (expected {list(want[k])})" for k, v in have.items() if v != want.get(k, v)
+    ]
+    parts = [
+        f"{what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+        for what, names in (
+            ("missing", sorted(want.keys() - have.keys())),
+            ("unexpected", sorted(have.keys() - want.keys())),
+            ("wrong shape", shapes),
+        )
+        if names
+    ]
+    if not parts:
+        return None
+    return f"its tensors are not those of the {spec.arch} {CONFIG_FILE} builds ({'; '.join(parts)})"
 
 
 def _block_problem(block: Mapping[str, Any], header: Mapping[str, Any]) -> str | None:
