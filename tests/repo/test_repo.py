@@ -39,7 +39,7 @@ from vip_hub.errors import (
     UnsafePathError,
     VerificationError,
 )
-from vip_hub.models.encoders import ARCHS, EncoderSpec, create_encoder
+from vip_hub.models.encoders import ARCHS, EncoderSpec, create_encoder, encoder_shapes
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
 from vip_hub.privacy.ledger import (
     MAX_STAGES,
@@ -59,7 +59,6 @@ from vip_hub.repo.artifacts import (
 )
 from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
-from vip_hub.repo.verify import encoder_shapes
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,

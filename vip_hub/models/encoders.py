@@ -52,6 +52,7 @@ __all__ = [
     "create_encoder",
     "get_arch",
     "mae_decoder_problems",
+    "encoder_shapes",
     "mae_decoder_shapes",
     "mae_decoder_size",
     "sincos_pos_embed_1d",
@@ -462,16 +463,14 @@ _DECODER_EMBED = "decoder_embed.weight"
 _DECODER_BLOCKS = "decoder_blocks."
 
 
-def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tuple[int, ...]]:
-    """The tensors of an MAE decoder ``dim`` wide and ``depth`` blocks deep behind ``spec``'s
-    encoder, by name: the reference ``models_mae.py``'s layout, which ``training.recipes.mae.MAE``
-    builds (its tests hold the two together)."""
-    d, hidden, pixels = dim, 4 * dim, 3 * spec.patch_size**2
-    block = {
+def _block_shapes(d: int, hidden: int, qkv_bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """The tensors of one transformer block ``d`` wide with an MLP ``hidden`` wide, by name
+    within the block (timm's ``Block``, and the reference MAE decoder's)."""
+    return {
         "norm1.weight": (d,),
         "norm1.bias": (d,),
         "attn.qkv.weight": (3 * d, d),
-        "attn.qkv.bias": (3 * d,),
+        **({"attn.qkv.bias": (3 * d,)} if qkv_bias else {}),
         "attn.proj.weight": (d, d),
         "attn.proj.bias": (d,),
         "norm2.weight": (d,),
@@ -481,6 +480,32 @@ def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tup
         "mlp.fc2.weight": (d, hidden),
         "mlp.fc2.bias": (d,),
     }
+
+
+def encoder_shapes(spec: EncoderSpec) -> dict[str, tuple[int, ...]]:
+    """The tensors of ``spec``'s encoder by name, as timm's VisionTransformer builds them from
+    ``spec.model_args()`` (``create_encoder``: a test holds the two together), without timm."""
+    args = spec.model_args()
+    d, p = args["embed_dim"], args["patch_size"]
+    block = _block_shapes(d, int(d * args["mlp_ratio"]), args["qkv_bias"])
+    norm = "fc_norm" if args["fc_norm"] else "norm"
+    return {
+        "cls_token": (1, 1, d),
+        "pos_embed": (1, spec.grid_size**2 + 1, d),
+        "patch_embed.proj.weight": (d, 3, p, p),
+        "patch_embed.proj.bias": (d,),
+        **{f"blocks.{i}.{k}": shape for i in range(args["depth"]) for k, shape in block.items()},
+        f"{norm}.weight": (d,),
+        f"{norm}.bias": (d,),
+    }
+
+
+def mae_decoder_shapes(spec: EncoderSpec, dim: int, depth: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of an MAE decoder ``dim`` wide and ``depth`` blocks deep behind ``spec``'s
+    encoder, by name: the reference ``models_mae.py``'s layout, which ``training.recipes.mae.MAE``
+    builds (its tests hold the two together)."""
+    d, pixels = dim, 3 * spec.patch_size**2
+    block = _block_shapes(d, 4 * d)
     return {
         _DECODER_EMBED: (d, spec.architecture.embed_dim),
         "decoder_embed.bias": (d,),

@@ -9,7 +9,7 @@ A repo verifies when
 - every weights file's tensors hold finite values alone (no NaN, no infinity: the importer
   refuses them by the same rule, ``artifacts.nonfinite_count``);
 - the timm configuration and the weights agree on the architecture and on every tensor's name
-  and shape (``encoder_shapes``), and it names no other source for the weights;
+  and shape (``models.encoders.encoder_shapes``), and it names no other source for the weights;
 - the card's tags claim of the training data (``differential-privacy``, ``no-private-data``)
   what the ledger gives;
 - every head's weights metadata, which its loader reads and the digest leaves out, agrees with
@@ -63,7 +63,7 @@ from ..errors import (
     UnsafePathError,
     VerificationError,
 )
-from ..models.encoders import EncoderSpec
+from ..models.encoders import EncoderSpec, encoder_shapes
 from ..models.features import SpatialMode
 from ..paths import tree_path_problems, validate_relpath
 from ..privacy.accounting import (
@@ -125,7 +125,6 @@ __all__ = [
     "VerificationReport",
     "check_loaded_decoder_config",
     "check_loaded_tensors",
-    "encoder_shapes",
     "is_hidden",
     "repo_files",
     "verified_bytes",
@@ -557,37 +556,6 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
             report.fail(CONFIG_FILE, problem)
     report.checks.append("config matches weights")
     return config if isinstance(config, dict) else {}
-
-
-def encoder_shapes(spec: EncoderSpec) -> dict[str, tuple[int, ...]]:
-    """The tensors of ``spec``'s encoder by name, as timm's VisionTransformer builds them from
-    ``spec.model_args()`` (``create_encoder``: a test holds the two together), without timm."""
-    args = spec.model_args()
-    d, p, hidden = args["embed_dim"], args["patch_size"], int(args["embed_dim"] * args["mlp_ratio"])
-    block = {
-        "norm1.weight": (d,),
-        "norm1.bias": (d,),
-        "attn.qkv.weight": (3 * d, d),
-        **({"attn.qkv.bias": (3 * d,)} if args["qkv_bias"] else {}),
-        "attn.proj.weight": (d, d),
-        "attn.proj.bias": (d,),
-        "norm2.weight": (d,),
-        "norm2.bias": (d,),
-        "mlp.fc1.weight": (hidden, d),
-        "mlp.fc1.bias": (hidden,),
-        "mlp.fc2.weight": (d, hidden),
-        "mlp.fc2.bias": (d,),
-    }
-    norm = "fc_norm" if args["fc_norm"] else "norm"
-    return {
-        "cls_token": (1, 1, d),
-        "pos_embed": (1, spec.grid_size**2 + 1, d),
-        "patch_embed.proj.weight": (d, 3, p, p),
-        "patch_embed.proj.bias": (d,),
-        **{f"blocks.{i}.{k}": shape for i in range(args["depth"]) for k, shape in block.items()},
-        f"{norm}.weight": (d,),
-        f"{norm}.bias": (d,),
-    }
 
 
 def _tensors_problem(spec: EncoderSpec, header: Mapping[str, Any]) -> str | None:
