@@ -377,10 +377,11 @@ def _check_scope(scope: str, where: str) -> None:
         raise ValueError(f"{where}: scope must be read, write or admin, not {scope!r}")
 
 
-def _check_org_name(org: str, where: str) -> None:
-    """An organisation's name is a valid namespace (``validate_namespace``)."""
+def _check_org_name(org: str, where: str, what: str = "organisation") -> None:
+    """An organisation's (or a user's: ``what``) name is a valid namespace
+    (``validate_namespace``)."""
     try:
-        validate_namespace(org)
+        validate_namespace(org, what)
     except InvalidRequest as e:
         raise ValueError(f"{where}: {e}") from None
 
@@ -571,7 +572,9 @@ def add_member(
 ) -> None:
     """Make ``user`` a member of organisation ``org``. A new organisation's name may not be a
     user's or another organisation's in any case (the index's, or the ``settings'``), nor a
-    namespace holding ``repos`` (the store's repos in it) unless ``inherit``."""
+    namespace holding ``repos`` (the store's repos in it) unless ``inherit``. ``user`` is a valid
+    user name (a name no token could hold would fake lines of ``org list``)."""
+    _check_org_name(user, "member", "user")
 
     def add(data: dict[str, Any]) -> None:
         orgs = data.setdefault("orgs", {})

@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace) -> None:
         settings.inference.enabled = False
     if args.preload:
         settings.inference.preload = list(args.preload)
+    _check_listenable(settings.host, settings.port)
     try:
         app = create_app(settings)
     except OSError as e:  # the store folder, or one the settings name, cannot be made
@@ -176,6 +177,25 @@ def _open_store(settings: Settings) -> HubStore:
         raise _unusable(e, f"store {settings.store}") from None
     except sqlite3.DatabaseError as e:  # a file that is no SQLite database, or a damaged one
         raise ConfigError(f"store {settings.store}: its index cannot be read ({e})") from None
+
+
+def _check_listenable(host: str, port: int) -> None:
+    """ConfigError naming the address unless a socket can listen on ``host``:``port`` now (a port
+    in use, a host that does not resolve or is not this machine's): uvicorn logged such a
+    failure over several lines and exited 3."""
+    import socket
+
+    from vip_hub.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(address)
+    except OSError as e:  # socket.gaierror is one
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _unusable(e: OSError, what: str) -> Exception:

@@ -164,7 +164,8 @@ def _synth_preview(args: argparse.Namespace) -> int:
             f"--out {out}: {out.suffix or 'no extension'} is no image format Pillow writes "
             "(.png, .jpg, ...)"
         )
-    sheet = contact_sheet(args.seed, args.count, args.size, args.columns)
+    # (more columns than images would only widen the sheet: 600 million overflowed Pillow)
+    sheet = contact_sheet(args.seed, args.count, args.size, min(args.columns, args.count))
     tmp = out.with_name(f".{out.name}.part")  # written whole, then renamed into place
     try:
         sheet.save(tmp, format=image_format)

@@ -206,3 +206,77 @@ def test_an_import_of_an_empty_private_dataset_is_a_one_line_error(tmp_path, cli
     )  # fmt: skip
     _one_line_error(imported, "import-mae", "--dataset-size 0")
     assert not (tmp_path / "out").exists()
+
+
+def test_numbers_out_of_range_are_one_line_errors(tmp_path, cli):
+    """A dataset size past 2^53, an image 10^11 pixels wide, a subnormal sample rate: each was a
+    traceback (pydantic's, timm's, dp_accounting's)."""
+    checkpoint = tmp_path / "mae.pth"
+    checkpoint.write_bytes(b"")
+    stage = ("--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5")
+    huge_n = cli(
+        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
+        *stage, "--clip", "1", "--dataset-size", str(10**23),
+    )  # fmt: skip
+    _one_line_error(huge_n, "import-mae", f"--dataset-size {10**23}", "2^53")
+    wide = cli(
+        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
+        "--synthetic-dataset", "shaders", "--img-size", str(10**11),
+    )  # fmt: skip
+    _one_line_error(wide, "import-mae", f"img_size {10**11}", "at most 4096")
+    assert not (tmp_path / "out").exists()
+    q = cli("epsilon", "--sigma", "1", "--sample-rate", "1e-310", "--steps", "5",
+            "--delta", "1e-5", "--accountant", "pld")  # fmt: skip
+    _one_line_error(q, "epsilon", "a normal float")
+
+
+def test_a_delta_of_zero_is_refused_not_replaced_by_the_default(tmp_path, cli):
+    """``--delta 0`` read as "not given" (``args.delta or default``): the ledger stated 1/(2n)."""
+    checkpoint = tmp_path / "mae.pth"
+    checkpoint.write_bytes(b"")
+    imported = cli(
+        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
+        "--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5",
+        "--clip", "1", "--dataset-size", "1000", "--delta", "0",
+    )  # fmt: skip
+    _one_line_error(imported, "import-mae", "delta must be in (0, 1), got 0.0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_token_or_endpoint_that_cannot_be_sent_is_a_one_line_error(tiny_repo, cli, monkeypatch):
+    """A curly quote pasted into the token, or a byte the shell could not decode in the endpoint,
+    was a UnicodeEncodeError traceback from the HTTP client."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    pasted = cli("push", tiny_repo, "org/name", "--endpoint", endpoint, "--token", "hf_abc\u2019")
+    _one_line_error(pasted, "push", "not ASCII")
+    monkeypatch.setenv("HF_TOKEN", "hf_abc\u2019")
+    from_env = cli("push", tiny_repo, "org/name", "--endpoint", endpoint)
+    _one_line_error(from_env, "push", "HF_TOKEN", "not ASCII")
+    undecodable = cli(
+        "push", tiny_repo, "org/name", "--endpoint", "http://h\udcffx/", "--token", "t"
+    )
+    _one_line_error(undecodable, "push", "hub endpoint")
+
+
+def test_a_member_name_no_user_could_hold_is_refused(tmp_path, cli):
+    """``org add --member`` took any text: a newline and a tab faked lines of ``org list``."""
+    store = tmp_path / "hub"
+    assert cli("token", "create", "--name", "ann", "--store", store).returncode == 0
+    for bad in ("x\nfake\tmember", "../x"):
+        added = cli("org", "add", "vip", "--member", bad, "--store", store)
+        _one_line_error(added, "org", "invalid user")
+    listed = cli("org", "list", "--store", store)
+    assert "fake" not in listed.stdout and "../x" not in listed.stdout
+
+
+def test_serve_on_a_port_in_use_is_a_one_line_error(tmp_path, cli):
+    """uvicorn logged a port in use (or a host that does not resolve) over six lines and exited
+    3; the address is now checked first."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        served = cli("serve", "--store", tmp_path / "hub", "--host", "127.0.0.1", "--port", port)
+    _one_line_error(served, "serve", f"cannot listen on 127.0.0.1:{port}")
+    unknown = cli("serve", "--store", tmp_path / "hub", "--host", "no-such-host.invalid")
+    _one_line_error(unknown, "serve", "cannot listen on no-such-host.invalid")

@@ -155,14 +155,13 @@ def _one_name_each(files: Sequence[Path]) -> None:
             )
 
 
-def _tell_left_out(paths: Sequence[Path], root: Path, first: int = 3) -> None:
-    """One warning line on stderr for entries named as images that are neither a file nor a
-    folder (a broken link): not examples, but their records are lost, so the user is told."""
+def _tell_left_out(paths: Sequence[Path], root: Path, what: str, first: int = 3) -> None:
+    """One warning line on stderr for entries left out of the examples (``what`` they are): not
+    examples, but their records are lost, so the user is told."""
     if paths:
         names = ", ".join(str(p) for p in paths[:first]) + (", ..." if len(paths) > first else "")
         print(
-            f"warning: {root}: {len(paths)} of the entries named as images left out of the "
-            f"examples, neither a file nor a folder (a broken link?): {names}",
+            f"warning: {root}: {len(paths)} {what} left out of the examples: {names}",
             file=sys.stderr,
         )
 
@@ -193,7 +192,17 @@ class ImageFolder(_ImageFiles):
             if p.suffix.lower() in IMAGE_EXTENSIONS and not _hidden(p.relative_to(self.root).parts)
         )
         self.files = [p for p in named if p.is_file()]
-        _tell_left_out([p for p in named if not p.is_file() and not p.is_dir()], self.root)
+        _tell_left_out(
+            [p for p in named if not p.is_file() and not p.is_dir()],
+            self.root,
+            "of the entries named as images (neither a file nor a folder: a broken link?)",
+        )
+        linked = (  # rglob does not enter them
+            p
+            for p in self.root.rglob("*")
+            if p.is_symlink() and p.is_dir() and not _hidden(p.relative_to(self.root).parts)
+        )
+        _tell_left_out(sorted(linked), self.root, "links to folders (not searched)")
         if not self.files:
             raise DataError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}")
         _each_an_image(self.files)
@@ -269,6 +278,11 @@ class TarShards(PrivateCaptions):
                                 )
                             images[key] = m
                         elif ext == "txt" and captions:
+                            if key in texts:
+                                raise DataError(
+                                    f"{shard}: sample {key!r} has two captions ({texts[key].name}, "
+                                    f"{m.name}); a sample is one image and one caption"
+                                )
                             texts[key] = m
             except (tarfile.TarError, OSError) as e:
                 raise DataError(

@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import hmac
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -118,7 +119,7 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
             f"{path}: truncated IDX header ({len(raw)} bytes, {ndim} dimensions need {header})"
         )
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, 4))
-    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    expected = header + math.prod(dims) * dtype.itemsize  # (exact: an int64 product wraps)
     if len(raw) != expected:
         what = "truncated" if len(raw) < expected else "longer than its dimensions say"
         raise DataError(
@@ -273,6 +274,8 @@ def _read_idx_split(
             f"{images_file}: expected uint8 images n x {FASHION_MNIST_SIDE} x "
             f"{FASHION_MNIST_SIDE}, found {images.dtype.name} {images.shape}"
         )
+    if not len(images):
+        raise DataError(f"{images_file}: holds no images (its dimensions are {images.shape})")
     if labels.dtype != np.uint8 or labels.ndim != 1 or len(labels) != len(images):
         raise DataError(
             f"{labels_file}: expected {len(images)} uint8 labels (one per image of "

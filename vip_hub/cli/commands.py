@@ -287,7 +287,7 @@ def _import_dpcap(args: argparse.Namespace) -> None:
 def _stages_from_args(
     args: argparse.Namespace, delta: Callable[[int], float]
 ) -> list[NonPrivateStage | DPStage]:
-    from ..privacy.ledger import Dataset, DPStage, NonPrivateStage
+    from ..privacy.ledger import MAX_COUNT, Dataset, DPStage, NonPrivateStage
     from ..repo.importer import REFERENCE_NOISE_SUPPORT, REFERENCE_NOISED_TENSORS
 
     stages: list[NonPrivateStage | DPStage] = []
@@ -313,8 +313,10 @@ def _stages_from_args(
                 "a DP stage needs --private-dataset, --dataset-size, --sigma, "
                 "--batch-size, --steps and --clip"
             )
-        if args.dataset_size < 1:  # q = B / n
-            raise ConfigError(f"--dataset-size {args.dataset_size}: n is a positive integer")
+        if not 1 <= args.dataset_size <= MAX_COUNT:  # q = B / n
+            raise ConfigError(
+                f"--dataset-size {args.dataset_size}: n is a positive integer up to 2^53"
+            )
         stages.append(
             DPStage.from_parameters(
                 name="dp-pretraining",
@@ -327,7 +329,7 @@ def _stages_from_args(
                 noised_tensors=REFERENCE_NOISED_TENSORS,
                 mechanism=args.mechanism,
                 sampling=args.sampling,
-                delta=args.delta or delta(args.dataset_size),
+                delta=delta(args.dataset_size) if args.delta is None else args.delta,
                 accountant=args.ledger_accountant,
             )
         )
@@ -373,10 +375,11 @@ def _check_endpoint(endpoint: str) -> None:
     from urllib.parse import urlsplit
 
     try:
+        endpoint.encode()  # a byte the shell could not decode: a lone surrogate
         parts = urlsplit(endpoint)
         valid = parts.scheme in ("http", "https") and bool(parts.hostname)
         parts.port  # noqa: B018 (raises ValueError for a port that is no number in range)
-    except ValueError as e:
+    except ValueError as e:  # (UnicodeEncodeError is one)
         raise ConfigError(f"hub endpoint {endpoint!r} (--endpoint, HF_ENDPOINT): {e}") from None
     if not valid:
         raise ConfigError(
@@ -385,7 +388,7 @@ def _check_endpoint(endpoint: str) -> None:
 
 
 def _push(args: argparse.Namespace) -> None:
-    from huggingface_hub import constants
+    from huggingface_hub import constants, get_token
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
     from ..errors import VerificationError
@@ -393,6 +396,12 @@ def _push(args: argparse.Namespace) -> None:
 
     endpoint = args.endpoint or constants.ENDPOINT
     _check_endpoint(endpoint)
+    token = args.token if args.token is not None else get_token()
+    if token is not None and not token.isascii():  # it goes in an HTTP header
+        raise ConfigError(
+            "the token (--token, else HF_TOKEN or the saved login) holds a character that is "
+            "not ASCII (a pasted quote?)"
+        )
     try:
         commit = push_repo(
             args.folder,

@@ -76,6 +76,11 @@ _TIMM_ARCH = {
 }
 
 
+MAX_IMG_SIZE = 4096
+"""The widest input an encoder may take: a 4096-pixel side at patch 16 is 65,536 tokens (a
+wider one's position embedding and attention are built before anything could refuse them)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """What a family's reference code fixes beyond the sizes (see the module docstring)."""
@@ -235,8 +240,11 @@ class EncoderSpec:
         assert self.depth is not None and self.crop_pct is not None  # both set just above
         if not 1 <= self.depth <= arch.depth:
             raise ConfigError(f"depth {self.depth}: a {self.arch} has 1 to {arch.depth} blocks")
-        if self.patch_size <= 0 or self.img_size <= 0:
-            raise ConfigError("img_size and patch_size must be positive")
+        if not (0 < self.patch_size <= self.img_size <= MAX_IMG_SIZE):
+            raise ConfigError(
+                f"img_size {self.img_size} and patch_size {self.patch_size}: both positive, the "
+                f"patch no larger than the image, the image at most {MAX_IMG_SIZE} pixels wide"
+            )
         if self.img_size % self.patch_size:
             raise ConfigError(
                 f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}"

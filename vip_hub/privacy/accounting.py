@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -515,6 +516,11 @@ def _check_delta(delta: float) -> None:
 def _check_mechanism(sigma: float, sample_rate: float, steps: int) -> None:
     if not (0.0 < sample_rate <= 1.0):
         raise AccountingError(f"sample rate q must be in (0, 1], got {sample_rate}")
+    if sample_rate < sys.float_info.min:  # subnormal: PLD's grid overflowed on it
+        raise AccountingError(
+            f"sample rate q must be at least {sys.float_info.min:.3g} (a normal float), got "
+            f"{sample_rate}"
+        )
     if not (math.isfinite(sigma) and sigma > 0):
         raise AccountingError(f"noise multiplier sigma must be positive, got {sigma}")
     if int(steps) != steps or steps <= 0:

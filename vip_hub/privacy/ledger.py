@@ -120,6 +120,7 @@ __all__ = [
     "NOT_RELEASED",
     "RUN_ID_PATTERN",
     "EPSILON_DECIMALS",
+    "MAX_COUNT",
     "SCHEMA",
     "Audit",
     "AuditResult",

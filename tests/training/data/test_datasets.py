@@ -11,6 +11,7 @@ import io
 import os
 import secrets
 import stat
+import struct
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from training.data.images import CAPTIONS_FILE, CaptionFolder, open_captions, op
 from training.data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_CLASSES,
+    FASHION_MNIST_FILES,
     FASHION_MNIST_PACKAGE,
     FASHION_MNIST_TRAIN,
     class_folder,
@@ -64,6 +66,8 @@ def test_idx_reader_reads_what_was_written(tmp_path: Path) -> None:
         (b"PK\x03\x04", "not an IDX file"),  # another format
         (b"", "not an IDX file"),  # empty
         (b"\x00\x00\x08\x03\x00\x00\x00\x02", "truncated IDX header"),
+        # dimensions whose int64 product wraps to 0 (2^31 x 2^31 x 4): no reshape error
+        (b"\x00\x00\x08\x03" + struct.pack(">III", 2**31, 2**31, 4), "truncated"),
         (idx_bytes(np.zeros((2, 3, 4), np.uint8))[:-5], "truncated"),  # data cut short
         (idx_bytes(np.zeros((2, 3, 4), np.uint8)) + b"\x00", "longer than its dimensions say"),
         (
@@ -359,6 +363,46 @@ def test_broken_links_are_not_examples_and_the_user_is_told(
         (tmp_path / name).unlink()
     open_images(tmp_path)
     assert capsys.readouterr().err == ""  # nothing left out, nothing said
+
+
+def test_a_linked_folder_is_not_searched_and_the_user_is_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link to a folder of images was skipped silently (rglob does not enter it), so n shrank
+    with no word, while a broken link was reported."""
+    (tmp_path / "outside").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "outside" / "b.png")
+    (tmp_path / "data" / "real").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "data" / "real" / "a.png")
+    (tmp_path / "data" / "linked").symlink_to(tmp_path / "outside")
+    assert len(open_images(tmp_path / "data")) == 1
+    err = capsys.readouterr().err
+    assert "1 links to folders (not searched) left out" in err and "linked" in err, err
+
+
+def test_a_sample_with_two_captions_is_refused_up_front(tmp_path: Path) -> None:
+    """A tar sample with two captions (``a.txt`` and ``a.TXT``) kept the last one silently; two
+    images of one sample were refused."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "00000.tar", "w") as tar:
+        tar.add(tmp_path / "a.png", arcname="a.png")
+        for name, text in (("a.txt", b"a cat"), ("a.TXT", b"a dog")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text))
+    with pytest.raises(DataError, match=r"sample 'a' has two captions"):
+        open_captions(tmp_path / "shards")
+
+
+def test_an_idx_split_without_records_is_refused_naming_its_file(tmp_path: Path) -> None:
+    """Valid headers over zero records gave pydantic's multi-line error for Dataset.size."""
+    for split in ("train", "test"):
+        images, labels = FASHION_MNIST_FILES[split]
+        (tmp_path / images).write_bytes(idx_bytes(np.zeros((0, 28, 28), np.uint8)))
+        (tmp_path / labels).write_bytes(idx_bytes(np.zeros((0,), np.uint8)))
+    with pytest.raises(DataError, match=r"holds no images"):
+        fashion_mnist("train", tmp_path)
 
 
 def test_a_compressed_shard_named_tar_is_refused_up_front(tmp_path: Path) -> None:
