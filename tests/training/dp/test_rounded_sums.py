@@ -159,6 +159,56 @@ def test_crafted_inputs_move_the_sum_by_at_most_the_recorded_sensitivity(
     assert worst <= 1
 
 
+def _underflowing(
+    layer: str, precision: str, kind: str
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A batch whose first example has every input 2^-76 and every cotangent 2^63.9 / sqrt(out)
+    (``kind`` "zero": each input square rounds to 0 in fp32, its Gram is 0 and its gradient's
+    norm about 1), or inputs whose squares round to the subnormal 2^-149 ("subnormal"); in fp64
+    the same below 2^-1074: 2^-538 and 2^508.9, a gradient of norm about 2^-16, which
+    ``clip_factors``' floor of 1e-6 let through 14 times over at C = 1e-12)."""
+    torch.manual_seed(0)
+    if layer == "linear":
+        model, x = _Cotangents(nn.Linear(256, 64, bias=False)), torch.randn(B, 64, 256)
+        s = torch.randn(B, 64, 64)
+    else:  # 8 x 8 patches of 3 x 4 x 4 pixels
+        model, x = _Cotangents(nn.Conv2d(3, 64, 4, stride=4, bias=False)), torch.randn(B, 3, 32, 32)
+        s = torch.randn(B, 64, 8, 8)
+    out = 64
+    if precision == "fp64":
+        model, x, s = model.double(), x.double(), s.double()
+        tiny, huge = 2.0**-538, 2.0**508.9
+    elif kind == "zero":
+        tiny, huge = 2.0**-76, 2.0**63.9 / out**0.5
+    else:
+        tiny, huge = 1.49**0.5 * 2.0**-74.5, 2.0**59
+    x[0], s[0] = tiny, huge
+    return model, x, s
+
+
+@pytest.mark.parametrize("kind", ["zero", "subnormal"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_an_example_whose_grams_underflow_is_still_clipped(
+    layer: str, precision: str, kind: str
+) -> None:
+    """Underflow errs absolutely, and the ghost bound assumed relative errors: an example of tiny
+    inputs and huge cotangents formed Gram matrices of zeros, its norm bound was 0 and its whole
+    gradient went into the sum unclipped (1.01e4 times the sensitivity at C = 1e-4), and with
+    squares rounding to 2^-149 the bound was 18 % below the norm. Each example is now scaled by
+    powers of two before its Grams are formed, and underflow's absolute error is added."""
+    if precision == "fp64" and kind == "subnormal":
+        pytest.skip("one fp64 witness is enough")
+    model, x, s = _underflowing(layer, precision, kind)
+    worst = 0.0
+    for clip in (1e-12, 1e-10) if precision == "fp64" else (1e-4, 1e-2, 1.0):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            worst = max(
+                worst, _worst_share(PerExampleClipper(model, clip), (x, s)) / _recorded(B, clip)
+            )
+    assert worst <= 1, worst
+
+
 def test_a_cancelling_example_is_clipped_by_its_cross_term_and_others_are_not() -> None:
     """The cap binds where an example's token terms cancel (its factor keeps c X <= C / kappa)
     and nowhere on ordinary tokens, where the factor is C over the norm's tight upper bound."""
