@@ -43,7 +43,6 @@ other trainable parameter is an error at construction: there is no silent fallba
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -193,30 +192,28 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
     below): the error is at most ``eta X^2`` with
     eta = 3 (gamma_in + gamma_out + gamma_in gamma_out + 2 gamma64_{T^2+4}), which is added.
 
+    Underflow errs absolutely, not relatively: a product or partial sum rounded or flushed
+    below the smallest normal ``tiny``, or an input flushed to 0, moves a Gram entry of ``a`` by
+    at most sigma_a = 3 in tiny max(1, P_a) (P_a >= its largest entry), and a diagonal one by
+    at most 2 in tiny, so n_t = sqrt((a_t . a_t + 2 in tiny)(1 + 2 gamma_in)) >= ||a_t|| and
+    P_a = max_t n_t; the T^2 products, each counted at most three times, err by at most
+    3 (2 sigma_a (sum_t m_t)^2 + 2 sigma_g (sum_t n_t)^2 + T^2 sigma_a sigma_g) more (m_t the
+    same for ``g``), which is added, and X is taken as sum_t n_t m_t.
+
     Both Gram matrices are symmetric: with many tokens they are formed in up to 3 strips of
     rows, each from its diagonal block rightwards, and the blocks right of the diagonal count
-    twice.
-
-    Underflow errs absolutely, not relatively: each example's ``a`` and ``g`` are first scaled
-    by powers of two (``_unit_scale``) so that their largest entries lie in [1/2, 1), where an
-    entry flushed or rounded below the smallest normal ``tiny`` (flush-to-zero included) moves
-    a Gram entry by at most sigma = 3 n tiny (n its length); the T^2 products, each counted at
-    most three times, then err by at most 3 T^2 (2 (sigma_in o + sigma_out in) + sigma_in
-    sigma_out) more, which is added, sigma is added to each diagonal entry of the cross term,
-    and both bounds are scaled back exactly in fp64."""
+    twice."""
     b, t, i = a.shape
     o = g.shape[2]
     gram = torch.float64 if torch.float64 in (a.dtype, g.dtype) else torch.float32
     a, g = a.to(gram), g.to(gram)
-    scale_a, scale_g = _unit_scale(a), _unit_scale(g)
-    a, g = a * scale_a[:, None, None].to(gram), g * scale_g[:, None, None].to(gram)
     unit, tiny = torch.finfo(gram).eps / 2, torch.finfo(gram).tiny
     gamma_in, gamma_out = _gamma(i, unit), _gamma(o, unit)
-    sigma_in, sigma_out = 3 * i * tiny, 3 * o * tiny
     blocks = max(1, min(3, t // 48))
     edges = [t * j // blocks for j in range(blocks + 1)]
     sq = torch.zeros(b, device=a.device, dtype=torch.float64)
-    cross = torch.zeros_like(sq)
+    cross, sum_a, sum_g = torch.zeros_like(sq), torch.zeros_like(sq), torch.zeros_like(sq)
+    peak_a, peak_g = torch.ones_like(sq), torch.ones_like(sq)  # max(1, P)
     for lo, hi in pairwise(edges):
         ga = torch.bmm(a[:, lo:hi], a[:, lo:].mT).double()
         gg = torch.bmm(g[:, lo:hi], g[:, lo:].mT).double()
@@ -226,29 +223,18 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
             sq += whole.mul_(2).sub_(diagonal)
         else:
             sq += whole
-        norms = (ga.diagonal(dim1=1, dim2=2) + sigma_in) * (gg.diagonal(dim1=1, dim2=2) + sigma_out)
-        cross += norms.sqrt().sum(1)
-    # each squared token norm is within gamma_in (gamma_out) of its value: raise X past it
-    cross = cross * (1 + 2 * (gamma_in + gamma_out) + 2 * gamma64(t + 4))
+        # the token norms' upper bounds n_t, m_t
+        n = ((ga.diagonal(dim1=1, dim2=2) + 2 * i * tiny) * (1 + 2 * gamma_in)).sqrt()
+        m = ((gg.diagonal(dim1=1, dim2=2) + 2 * o * tiny) * (1 + 2 * gamma_out)).sqrt()
+        cross += (n * m).sum(1)
+        sum_a, sum_g = sum_a + n.sum(1), sum_g + m.sum(1)
+        peak_a, peak_g = torch.maximum(peak_a, n.amax(1)), torch.maximum(peak_g, m.amax(1))
+    cross = cross * (1 + 2 * gamma64(t + 4))  # its own fp64 rounding
+    sigma_a, sigma_g = 3 * i * tiny * peak_a, 3 * o * tiny * peak_g
+    underflow = 3 * (2 * sigma_a * sum_g.square() + 2 * sigma_g * sum_a.square())
+    underflow = (underflow + 3 * t * t * sigma_a * sigma_g) * (1 + 2 * gamma64(t + 8))
     eta = 3 * (gamma_in + gamma_out + gamma_in * gamma_out + 2 * gamma64(t * t + 4))
-    underflow = 3 * t * t * (2 * (sigma_in * o + sigma_out * i) + sigma_in * sigma_out)
-    bound = (sq.clamp(min=0) + eta * cross.square() + underflow) * (1 + 2 * gamma64(5))
-    scale = scale_a * scale_g  # powers of two: dividing by them is exact
-    return bound / scale.square(), cross / scale
-
-
-def _unit_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per example of ``x`` (b, ...), the power of two 2^-e (fp64, (b,)) that brings its largest
-    absolute entry into [1/2, 1) (e its ``frexp`` exponent, kept within the range a float of
-    ``x``'s type can scale by); 1 for an example of zeros, or one not finite (still not finite
-    once scaled, so refused as before)."""
-    peak = x.abs().amax(dim=tuple(range(1, x.dim())))
-    _, exponent = torch.frexp(peak)
-    info = torch.finfo(x.dtype)
-    exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(  # 2^-e a float then
-        round(math.log2(info.tiny)), math.ceil(math.log2(info.max))
-    )
-    return torch.exp2(-exponent.double())
+    return (sq.clamp(min=0) + eta * cross.square() + underflow) * (1 + 2 * gamma64(5)), cross
 
 
 def _gamma(k: int, unit: float) -> float:

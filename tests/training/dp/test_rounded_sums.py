@@ -195,8 +195,8 @@ def test_an_example_whose_grams_underflow_is_still_clipped(
     """Underflow errs absolutely, and the ghost bound assumed relative errors: an example of tiny
     inputs and huge cotangents formed Gram matrices of zeros, its norm bound was 0 and its whole
     gradient went into the sum unclipped (1.01e4 times the sensitivity at C = 1e-4), and with
-    squares rounding to 2^-149 the bound was 18 % below the norm. Each example is now scaled by
-    powers of two before its Grams are formed, and underflow's absolute error is added."""
+    squares rounding to 2^-149 the bound was 18 % below the norm. Underflow's absolute error is
+    now added to the bound."""
     if precision == "fp64" and kind == "subnormal":
         pytest.skip("one fp64 witness is enough")
     model, x, s = _underflowing(layer, precision, kind)
