@@ -195,15 +195,21 @@ def test_a_corrupt_store_is_a_one_line_error(tmp_path, cli):
         _one_line_error(cli(*command, "--store", store), command[0], "index cannot be read")
 
 
-def test_an_import_of_an_empty_private_dataset_is_a_one_line_error(tmp_path, cli):
-    """``--dataset-size 0`` was a pydantic ValidationError traceback (q = B / n)."""
+_STAGE = ("--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5",
+          "--clip", "1")  # fmt: skip
+"""A DP stage's options of ``import-mae``, but its dataset size."""
+
+
+def _import_mae(cli, tmp_path: Path, *options: str) -> SimpleNamespace:
+    """``import-mae`` of an empty checkpoint into ``tmp_path / "out"`` with ``options``."""
     checkpoint = tmp_path / "mae.pth"
     checkpoint.write_bytes(b"")
-    stage = ("--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5")
-    imported = cli(
-        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
-        *stage, "--clip", "1", "--dataset-size", "0",
-    )  # fmt: skip
+    return cli("import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano", *options)
+
+
+def test_an_import_of_an_empty_private_dataset_is_a_one_line_error(tmp_path, cli):
+    """``--dataset-size 0`` was a pydantic ValidationError traceback (q = B / n)."""
+    imported = _import_mae(cli, tmp_path, *_STAGE, "--dataset-size", "0")
     _one_line_error(imported, "import-mae", "--dataset-size 0")
     assert not (tmp_path / "out").exists()
 
@@ -211,18 +217,9 @@ def test_an_import_of_an_empty_private_dataset_is_a_one_line_error(tmp_path, cli
 def test_numbers_out_of_range_are_one_line_errors(tmp_path, cli):
     """A dataset size past 2^53, an image 10^11 pixels wide, a subnormal sample rate: each was a
     traceback (pydantic's, timm's, dp_accounting's)."""
-    checkpoint = tmp_path / "mae.pth"
-    checkpoint.write_bytes(b"")
-    stage = ("--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5")
-    huge_n = cli(
-        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
-        *stage, "--clip", "1", "--dataset-size", str(10**23),
-    )  # fmt: skip
+    huge_n = _import_mae(cli, tmp_path, *_STAGE, "--dataset-size", str(10**23))
     _one_line_error(huge_n, "import-mae", f"--dataset-size {10**23}", "2^53")
-    wide = cli(
-        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
-        "--synthetic-dataset", "shaders", "--img-size", str(10**11),
-    )  # fmt: skip
+    wide = _import_mae(cli, tmp_path, "--synthetic-dataset", "shaders", "--img-size", str(10**11))
     _one_line_error(wide, "import-mae", f"img_size {10**11}", "at most 4096")
     assert not (tmp_path / "out").exists()
     q = cli("epsilon", "--sigma", "1", "--sample-rate", "1e-310", "--steps", "5",
@@ -232,13 +229,7 @@ def test_numbers_out_of_range_are_one_line_errors(tmp_path, cli):
 
 def test_a_delta_of_zero_is_refused_not_replaced_by_the_default(tmp_path, cli):
     """``--delta 0`` read as "not given" (``args.delta or default``): the ledger stated 1/(2n)."""
-    checkpoint = tmp_path / "mae.pth"
-    checkpoint.write_bytes(b"")
-    imported = cli(
-        "import-mae", checkpoint, "--out", tmp_path / "out", "--arch", "vip-nano",
-        "--private-dataset", "org/x", "--sigma", "1", "--batch-size", "2", "--steps", "5",
-        "--clip", "1", "--dataset-size", "1000", "--delta", "0",
-    )  # fmt: skip
+    imported = _import_mae(cli, tmp_path, *_STAGE, "--dataset-size", "1000", "--delta", "0")
     _one_line_error(imported, "import-mae", "delta must be in (0, 1), got 0.0")
     assert not (tmp_path / "out").exists()
 
