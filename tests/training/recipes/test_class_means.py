@@ -92,7 +92,9 @@ def test_one_record_moves_the_clipped_sums_by_at_most_the_clip() -> None:
     assert torch.allclose(whole, _clipped_sums(z, y, a), rtol=1e-5, atol=1e-7)
     moved = (whole - less).norm().item()
     assert C * (1 - 1e-5) < moved <= C  # clipped to C (the clipper's factor errs below it)
-    assert (whole - less)[1:].abs().max().item() == 0.0  # record 0 is class 0: one row moves
+    # record 0 is class 0: one row moves; the others by no more than a rounding (the sum's
+    # chunks of whole examples are grouped otherwise without it: 8.9e-16 was seen)
+    assert (whole - less)[1:].abs().max().item() <= 1e-12 * C
 
 
 def test_the_head_is_lda_on_the_released_means() -> None:
