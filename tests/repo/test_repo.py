@@ -76,6 +76,7 @@ from vip_hub.repo_format import (
     META_LABELS,
     META_POOLING,
     METRICS_POOLING,
+    SIGNATURE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
     head_component,
@@ -1223,9 +1224,16 @@ def test_weights_that_are_not_the_configured_model_are_refused_by_name(tiny_repo
 @pytest.mark.parametrize(
     "name, clash",
     [
-        ("Config.json", "'Config.json' and 'config.json' differ only by case"),
+        (
+            CONFIG_FILE.capitalize(),
+            f"'{CONFIG_FILE.capitalize()}' and '{CONFIG_FILE}' differ only by case",
+        ),
         (MAE_DECODER_FILE.upper(), f"and '{MAE_DECODER_FILE}' differ only by case"),
-        ("Model.sig", "'Model.sig' and 'model.sig' differ only by case"),  # signed later
+        # signed later
+        (
+            SIGNATURE_FILE.capitalize(),
+            f"'{SIGNATURE_FILE.capitalize()}' and '{SIGNATURE_FILE}' differ only by case",
+        ),
         (f"{CONFIG_FILE}/notes.txt", f"'{CONFIG_FILE}' is a file and the folder of"),
     ],
 )
@@ -1242,7 +1250,7 @@ def test_update_refuses_a_file_the_repos_own_files_leave_no_room_for(tiny_repo, 
 @pytest.mark.parametrize(
     "name, clash",
     [
-        ("README.MD", "'README.MD' and 'README.md' differ only by case"),
+        (CARD_FILE.upper(), f"'{CARD_FILE.upper()}' and '{CARD_FILE}' differ only by case"),
         (f"{WEIGHTS_FILE}/notes.txt", f"'{WEIGHTS_FILE}' is a file and the folder of"),
     ],
 )

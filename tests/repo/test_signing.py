@@ -35,7 +35,16 @@ from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, LEDGER_FILE, SIGNATURE_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import (
+    CARD_FILE,
+    LEDGER_FILE,
+    SIGNATURE_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_SUFFIX,
+)
+
+LFS_ATTRIBUTES = f"*{WEIGHTS_SUFFIX} filter=lfs diff=lfs merge=lfs -text\n"
+"""What a git clone's ``.gitattributes`` holds for the repo's tensor files."""
 
 
 @pytest.fixture
@@ -460,7 +469,7 @@ def test_hidden_files_are_unsigned_on_both_sides(tmp_path, alice):
     unsigned", and a hidden file model-signing does not ignore as changing the signed files."""
     repo = _repo(tmp_path / "repo")
     sign_repo(repo, alice[0])
-    (tmp_path / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (tmp_path / ".gitattributes").write_text(LFS_ATTRIBUTES)
     (tmp_path / "notes.txt").write_text("a download's cache\n")
     tree = {
         **{p.relative_to(repo).as_posix(): p for p in repo.rglob("*")},
@@ -489,7 +498,7 @@ def test_hub_accepts_a_signed_commit_beside_its_gitattributes(hub, trusted, tmp_
     repo = _repo(tmp_path / "attrs", seed=3)
     push_repo(repo, "writer/attrs", token=WRITE_TOKEN)
     HfApi(token=WRITE_TOKEN).upload_file(
-        path_or_fileobj=b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        path_or_fileobj=LFS_ATTRIBUTES.encode(),
         path_in_repo=".gitattributes",
         repo_id="writer/attrs",
     )
