@@ -66,6 +66,7 @@ __all__ = [
     "check_max_norm",
     "clip_factors",
     "ghost_bounds",
+    "ieee_fp32_matmuls",
     "product_sum",
     "rule_layers",
     "trainable",
@@ -185,7 +186,8 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
     ``g`` (b, T, out).
 
     The ghost norm ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` is formed from the two Gram matrices,
-    computed in fp32 from fp32 (or bf16/fp16) values and in fp64 from fp64 ones (unit u), their
+    computed in fp32 from fp32 (or bf16/fp16) values and in fp64 from fp64 ones (unit u), or in
+    fp64 whenever fp32 products may round inside as TF32 or bf16 (``ieee_fp32_matmuls``), their
     elementwise products and sums in fp64: a Gram entry errs by at most gamma_in (gamma_out) times
     the product of the tokens' norms, the products and the sum of the T^2 terms by
     gamma64_{T^2+4} times their magnitudes, each term counted at most three times (the strips
@@ -205,7 +207,8 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
     twice."""
     b, t, i = a.shape
     o = g.shape[2]
-    gram = torch.float64 if torch.float64 in (a.dtype, g.dtype) else torch.float32
+    exact = torch.float64 not in (a.dtype, g.dtype) and ieee_fp32_matmuls(a.device)
+    gram = torch.float32 if exact else torch.float64
     a, g = a.to(gram), g.to(gram)
     unit, tiny = torch.finfo(gram).eps / 2, torch.finfo(gram).tiny
     gamma_in, gamma_out = _gamma(i, unit), _gamma(o, unit)
@@ -235,6 +238,18 @@ def ghost_bounds(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.
     underflow = (underflow + 3 * t * t * sigma_a * sigma_g) * (1 + 2 * gamma64(t + 8))
     eta = 3 * (gamma_in + gamma_out + gamma_in * gamma_out + 2 * gamma64(t * t + 4))
     return (sq.clamp(min=0) + eta * cross.square() + underflow) * (1 + 2 * gamma64(5)), cross
+
+
+def ieee_fp32_matmuls(device: torch.device) -> bool:
+    """Whether fp32 matrix products on ``device`` round as IEEE fp32 (torch's default), not with
+    TF32 or bf16 inside (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.set_float32_matmul_precision``, the backends' ``fp32_precision``); a setting torch
+    cannot report counts as not."""
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    try:
+        return backend.fp32_precision in ("none", "ieee")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _gamma(k: int, unit: float) -> float:

@@ -24,7 +24,12 @@ from support.clipping import clipped_sum
 from torch import nn
 
 import training.dp.pair_clipping
-from training.dp.clipping import PerExampleClipper, capped_factors, ghost_bounds
+from training.dp.clipping import (
+    PerExampleClipper,
+    capped_factors,
+    ghost_bounds,
+    ieee_fp32_matmuls,
+)
 from training.dp.pair_clipping import BatchClipper, PairClipper
 from training.recipes.probe import DPHeadLoss
 from vip_hub.errors import AccountingError, ConfigError
@@ -226,6 +231,59 @@ def test_a_cancelling_example_is_clipped_by_its_cross_term_and_others_are_not() 
     exact = torch.linalg.matrix_norm(s.double().mT @ x.double())
     assert bool((CROSS_CAP * cross < exact).all())  # the cap is far from binding
     assert torch.allclose(capped_factors(sq, cross, 1e-3), 1e-3 / (exact + 1e-6), rtol=1e-9)
+
+
+@pytest.fixture
+def _matmul_precision() -> Iterator[None]:
+    """Whatever a test sets of torch's fp32 matmul precision is put back afterwards, through
+    the legacy setting and then the backends' own (either alone leaves torch's getters of the
+    other raising that the two APIs were mixed)."""
+    backends = (torch.backends, torch.backends.mkldnn.matmul, torch.backends.cuda.matmul)
+    legacy, saved = torch.get_float32_matmul_precision(), [b.fp32_precision for b in backends]
+    yield
+    torch.set_float32_matmul_precision(legacy)
+    for backend, value in zip(backends, saved, strict=True):
+        backend.fp32_precision = value
+    assert torch.get_float32_matmul_precision() == legacy
+    assert not torch.backends.cuda.matmul.allow_tf32
+
+
+_REDUCED = {  # each way torch lets fp32 matrix products round inside as TF32 or bf16
+    "precision high": lambda: torch.set_float32_matmul_precision("high"),
+    "precision medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "mkldnn bf16": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+    "mkldnn tf32": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "tf32"),
+    "all tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+}
+
+
+@pytest.mark.usefixtures("_matmul_precision")
+@pytest.mark.parametrize("setting", sorted(_REDUCED))
+def test_grams_are_fp64_where_fp32_products_may_round_as_tf32_or_bf16(setting: str) -> None:
+    """The fp32 Gram bound takes IEEE fp32 products: under any reduced fp32 matmul precision
+    the bounds are the fp64 operands' own, not the fp32 Grams' (which differ from them)."""
+    gen = torch.Generator().manual_seed(1)
+    a, g = torch.randn(3, 40, 24, generator=gen), torch.randn(3, 40, 16, generator=gen)
+    wide = ghost_bounds(a.double(), g.double())
+    assert ieee_fp32_matmuls(torch.device("cpu"))
+    assert not torch.equal(ghost_bounds(a, g)[0], wide[0])  # the fp32 route, by default
+    _REDUCED[setting]()
+    assert not ieee_fp32_matmuls(torch.device("cpu"))
+    for got, want in zip(ghost_bounds(a, g), wide, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("_matmul_precision")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 rounds on CUDA devices only")
+def test_a_tf32_rounded_gram_does_not_lower_the_bound() -> None:
+    """With TF32 allowed, tokens of 1 + 2^-12 (1 in TF32) have Grams 0.1 % short: the bound
+    must still cover the exact norm (the fp32 Gram bound alone falls 1e-3 under it)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert not ieee_fp32_matmuls(torch.device("cuda"))
+    a = torch.full((1, 64, 64), 1 + 2.0**-12, device="cuda")
+    exact = float(torch.linalg.matrix_norm(a[0].double().T @ a[0].double())) ** 2
+    sq, _ = ghost_bounds(a, a.clone())
+    assert float(sq) >= exact
 
 
 # --------------------------------------------------------------- the scans of identical examples
