@@ -357,20 +357,20 @@ class BlobStore:
         is this cache's copy of a blob the bucket holds, which is left as it is. An upload of
         the object is consumed either way: one sent again for an object already stored does not
         wait for the uploads' collection."""
-        sha256, upload = digest.sha256, self.upload_path(digest.sha256)
+        sha256, upload, remote = digest.sha256, self.upload_path(digest.sha256), self.remote
         key = blob_key(sha256)
-        cached = self.remote is not None and source == self.path(sha256)
-        if not (cached and self.remote is not None and self.remote.size(key) is not None):
+        cached = source == self.path(sha256)  # this cache's copy: kept if the bucket holds it
+        if not (remote is not None and cached and remote.size(key) is not None):
             if file_sha256(source) != f"sha256:{sha256}":
                 raise CorruptObject(
                     f"the hub's copy of object {sha256} no longer holds its bytes: the hub's "
                     "storage is corrupt (its operator's `vip-hub store check --repair` repairs "
                     "it), then upload it again"
                 )
-            if self.remote is not None:
-                self.remote.put_file(source, key)
-        if self.remote is not None:
-            self.remote.delete(upload_key(sha256))
+            if remote is not None:
+                remote.put_file(source, key)
+        if remote is not None:
+            remote.delete(upload_key(sha256))
         placed = self._place(source, self.path(sha256), sha256)
         upload.unlink(missing_ok=True)
         return placed

@@ -402,63 +402,48 @@ class XetStore:
         with open(shard, "rb") as f:
             files = list(_shard_files(f, shard.stat().st_size))
         with self._reading() as reading:
-            return self._apply(
-                files, uploader, held, max_file_bytes, max_expansion, reserve, reading
-            )
-
-    def _apply(
-        self,
-        files: list[ShardFile],
-        uploader: str,
-        held: Callable[[str], bool],
-        max_file_bytes: int,
-        max_expansion: int,
-        reserve: Callable[[list[tuple[str, int]], list[str], list[tuple[str, int]]], Reserved],
-        reading: set[str],
-    ) -> list[str]:
-        """``apply_shard`` of the shard's ``files``, each xorb it reads noted in ``reading``."""
-        offsets: dict[str, list[tuple[int, int]]] = {}
-        rebuild = [entry for entry in files if not held(entry.sha256)]
-        for entry in rebuild:
-            if entry.size > max_file_bytes:
-                raise TooLarge(
-                    f"file {entry.sha256} is {entry.size} bytes, over the upload limit of "
-                    f"{max_file_bytes}"
-                )
-        stored: dict[tuple[str, int], int] = {}  # each distinct chunk read: its stored bytes
-        for entry in rebuild:
-            for term in entry.terms:
-                chunks = self._chunks(term, offsets, uploader, reading)
-                stored.update(
-                    ((term.xorb, i), chunks[i + 1][0] - chunks[i][0])
-                    for i in range(term.start, term.end)
-                )
-        total, sent = sum(entry.size for entry in rebuild), sum(stored.values())
-        if total > max_expansion * sent:
-            raise TooLarge(
-                f"the shard rebuilds {total} bytes from {sent} bytes of uploaded chunks, more "
-                f"than the limit of {max_expansion} times what was uploaded "
-                "(hub.xet_max_expansion)"
-            )
-        whole = [
-            xorb
-            for xorb, chunks in offsets.items()
-            if all((xorb, i) in stored for i in range(len(chunks) - 1))
-        ]
-        part = [(xorb, chunks[-1][0]) for xorb, chunks in offsets.items() if xorb not in whole]
-        counted = reserve([(entry.sha256, entry.size) for entry in rebuild], whole, part)
-        rebuilt: list[str] = []
-        try:
+            offsets: dict[str, list[tuple[int, int]]] = {}
+            rebuild = [entry for entry in files if not held(entry.sha256)]
             for entry in rebuild:
-                self._rebuild(entry, offsets)
-                rebuilt.append(entry.sha256)
-        except BaseException:
-            counted.undo(keep=rebuilt)  # those are in the uploads area, and count
-            raise
-        counted.done()
-        for xorb in offsets:
-            self._refresh(xorb, uploader)
-        return rebuilt
+                if entry.size > max_file_bytes:
+                    raise TooLarge(
+                        f"file {entry.sha256} is {entry.size} bytes, over the upload limit of "
+                        f"{max_file_bytes}"
+                    )
+            stored: dict[tuple[str, int], int] = {}  # each distinct chunk read: its stored bytes
+            for entry in rebuild:
+                for term in entry.terms:
+                    chunks = self._chunks(term, offsets, uploader, reading)
+                    stored.update(
+                        ((term.xorb, i), chunks[i + 1][0] - chunks[i][0])
+                        for i in range(term.start, term.end)
+                    )
+            total, sent = sum(entry.size for entry in rebuild), sum(stored.values())
+            if total > max_expansion * sent:
+                raise TooLarge(
+                    f"the shard rebuilds {total} bytes from {sent} bytes of uploaded chunks, more "
+                    f"than the limit of {max_expansion} times what was uploaded "
+                    "(hub.xet_max_expansion)"
+                )
+            whole = [
+                xorb
+                for xorb, chunks in offsets.items()
+                if all((xorb, i) in stored for i in range(len(chunks) - 1))
+            ]
+            part = [(xorb, chunks[-1][0]) for xorb, chunks in offsets.items() if xorb not in whole]
+            counted = reserve([(entry.sha256, entry.size) for entry in rebuild], whole, part)
+            rebuilt: list[str] = []
+            try:
+                for entry in rebuild:
+                    self._rebuild(entry, offsets)
+                    rebuilt.append(entry.sha256)
+            except BaseException:
+                counted.undo(keep=rebuilt)  # those are in the uploads area, and count
+                raise
+            counted.done()
+            for xorb in offsets:
+                self._refresh(xorb, uploader)
+            return rebuilt
 
     def _chunks(
         self,
