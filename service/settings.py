@@ -145,6 +145,19 @@ class HubSettings(_Section):
         "publisher's own delta never changes them",
     )
 
+    @model_validator(mode="after")
+    def _grace_covers_uploads(self) -> Self:
+        """A commit consumes its uploads as it stores their blobs: were those collected before
+        the uploads would have expired, a client retrying a failed commit within
+        ``upload_ttl_s`` would find its objects gone."""
+        if self.gc_grace_s < self.upload_ttl_s:
+            raise ValueError(
+                f"hub.gc_grace_s ({self.gc_grace_s:g}) is below hub.upload_ttl_s "
+                f"({self.upload_ttl_s:g}): a failed commit's stored objects would be collected "
+                "while its uploads would still be kept"
+            )
+        return self
+
     def front_matter(self) -> FrontMatterLimits:
         """The front-matter limits commits and /api/validate-yaml hold cards to."""
         return FrontMatterLimits(self.max_front_matter_bytes, self.max_front_matter_depth)

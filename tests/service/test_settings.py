@@ -32,6 +32,10 @@ def clean_env(monkeypatch):
             "inference.max_queue_images (512) is below inference.max_labels (600)",
         ),
         (
+            b"[hub]\ngc_grace_s = 60\n",
+            "hub.gc_grace_s (60) is below hub.upload_ttl_s (86400)",
+        ),
+        (
             b"[inference]\nmax_pending_bytes = 1024\n",
             "inference.max_pending_bytes (1024) is below inference.max_request_bytes",
         ),

@@ -414,6 +414,7 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, m
 
     # the hub's cache holds checked copies: --repair puts them back in the bucket
     cli_env.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
+    cli_env.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "1")
     _later(monkeypatch, 2)  # the orphan past its grace
     code, out = _cli(capsys, "check", "--repair")
     assert "repaired" in _lines(out, "corrupt", weights)[0]
@@ -425,6 +426,8 @@ def test_check_in_the_object_store(s3_hub, seaweed, repo_dir, cli_env, capsys, m
     assert blob_key(config) in _keys(seaweed, "blobs/")
     assert blob_key(orphan_sha) not in _keys(seaweed, "blobs/")
     assert f"xet/xorbs/{xorb}" not in _keys(seaweed, "xet/")
+    for name in ("VIP_HUB_HUB__GC_GRACE_S", "VIP_HUB_HUB__UPLOAD_TTL_S"):
+        cli_env.delenv(name)  # the uploads an operator puts back below are not stale
 
     # no copy left anywhere: the corrupt blob is kept (a commit names it) until an operator
     # puts the bytes among the uploads
@@ -472,6 +475,7 @@ def test_a_commit_killed_after_storing_its_blobs_is_cleared_by_gc(
     code, out = _cli(capsys, "check")
     assert code == 0 and "kept within hub.gc_grace_s" in _lines(out, "orphan", orphan)[0], out
     monkeypatch.setenv("VIP_HUB_HUB__GC_GRACE_S", "1")
+    monkeypatch.setenv("VIP_HUB_HUB__UPLOAD_TTL_S", "1")
     _later(monkeypatch, 2)  # the orphan past its grace
     code, out = _cli(capsys, "gc")
     assert code == 0 and f"removed blob {orphan}" in out and "removed 1 blobs" in out, out
