@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+# the project ahead of tests/, whose service/ and training/ folders would shadow its packages
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ["HF_HUB_DISABLE_XET"] = "1"  # the Git LFS batch API: presigned URLs
