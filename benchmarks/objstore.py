@@ -11,9 +11,10 @@ deduplicated: a ViP-Base encoder of 344 MB, a 52 MB MAE decoder, small files):
 (b) upload through the hub: what huggingface_hub ``upload_folder`` does over Git LFS
     (``HF_HUB_DISABLE_XET=1``): ``preupload_lfs_files`` (the batch reply's presigned PUTs to
     staging keys, the hub's verify of each: it reads the staged object back, hashes it and
-    copies it to its upload key), then ``create_commit`` (``verify_repo`` on the hub, uploads
-    copied to their blob keys), whose share of the time is printed;
-(c) download straight: each file's blob streamed from a presigned GET into a file;
+    copies it to its upload key), then ``create_commit`` (``verify_repo`` on the hub, each
+    upload hashed again and sent to its blob key), whose share of the time is printed;
+(c) download straight: each file's blob from a presigned GET into a file, through
+    huggingface_hub's own GET loop (``http_get``), which (d) runs after each 302;
 (d) download through the hub: ``snapshot_download`` (each LFS file a 302 to a presigned GET).
 
 Ratios b/a (upload) and d/c (download), goal >= 0.9. ``benchmarks/replicas.py`` runs the same
@@ -60,9 +61,9 @@ class Transfers:
 def transfer_rounds(url: str, weed: SeaweedFS, work: Path, rounds: int) -> Transfers:
     """(a)-(d) above, ``rounds`` times, the clients reaching the hub at ``url`` (the hub or a
     balancer in front of it), its blobs in ``weed``'s bucket."""
-    import httpx
     from boto3.s3.transfer import TransferConfig
     from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
+    from huggingface_hub.file_download import http_get
     from support.helpers import base_size_repo
     from support.live import WRITE_TOKEN
     from support.seaweed import BUCKET
@@ -79,7 +80,6 @@ def transfer_rounds(url: str, weed: SeaweedFS, work: Path, rounds: int) -> Trans
         multipart_chunksize=settings.multipart_chunk_bytes,
         max_concurrency=1,
     )
-    http = httpx.Client(timeout=300)
     result = Transfers()
     rates = result.rates
     for r in range(rounds):
@@ -104,13 +104,11 @@ def transfer_rounds(url: str, weed: SeaweedFS, work: Path, rounds: int) -> Trans
         rates["commit"].append((time.perf_counter() - sent) / (time.perf_counter() - start))
 
         start = time.perf_counter()
-        for rel, key in keys.items():
-            source = signer.presign_get(key)
+        for rel, key in keys.items():  # the client's own GET loop, as (d) runs it after the 302
             target = work / "straight" / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            with http.stream("GET", source) as got, open(target, "wb") as out:
-                for chunk in got.iter_bytes(1 << 20):
-                    out.write(chunk)
+            with open(target, "wb") as out:
+                http_get(signer.presign_get(key), out)
         rates["c"].append(size / (time.perf_counter() - start) / 2**20)
 
         start = time.perf_counter()
