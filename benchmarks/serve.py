@@ -21,6 +21,8 @@ each pair; with the standard library's HTTP client (the service's own cost) and 
         [--concurrency 1 8 32 64] [--device cpu|cuda]
 """
 
+from __future__ import annotations
+
 import os
 
 # All three contenders run with the same OpenMP policy as `vip-hub serve` (passive waiting),
