@@ -195,6 +195,10 @@ class Index:
         may be about to name it."""
         raise NotImplementedError
 
+    def await_collection(self) -> None:
+        """Return once no collection holds ``collection_lock`` exclusively (a commit's wait for
+        one, before it takes its repo's lock); SQLite's file lock needs none."""
+
     def close(self) -> None:
         """Release the index's shared connections (SQLite's, one per thread, close with their
         threads)."""
@@ -390,6 +394,15 @@ class PostgresIndex(Index):
                 yield
             finally:
                 conn.execute(f"SELECT pg_advisory_unlock{kind}(%s)", (_COLLECTION_KEY,))
+
+    def await_collection(self) -> None:
+        """One thread of this process at a time waits on the server, on a pooled connection,
+        for a collection to end; the others wait here without one (a commit holds a connection
+        for its repo's lock: each waiting for the collection on it, as many as the pool holds
+        left none for anything else)."""
+        with self._waits.hold("collection"), self.pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_lock_shared(%s)", (_COLLECTION_KEY,))
+            conn.execute("SELECT pg_advisory_unlock_shared(%s)", (_COLLECTION_KEY,))
 
     def close(self) -> None:
         """Close the pool: its connections and its worker threads."""

@@ -826,6 +826,7 @@ class HubStore:
         """
         links: list[Path] = []  # this commit's own links to the uploads it names (``_added``)
         try:
+            self.index.await_collection()  # not on its repo lock's connection
             with self.index.repo_lock(repo_id), self.index.collection_lock(exclusive=False):
                 return self._commit_locked(
                     repo_id, operations, branch, parent_commit, title, message, author, links

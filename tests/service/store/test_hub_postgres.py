@@ -16,6 +16,7 @@ from support.live import WRITE_TOKEN, ProcessServer, ThreadedServer, settings_fo
 
 from service.settings import HubSettings
 from service.store import AddFile, HubStore
+from service.store import store as store_module
 from service.store.errors import Conflict, NoSuchRevision, TooMuchUncommitted
 from service.store.index import PostgresIndex, Transaction
 from service.store.xet import xorb_oid
@@ -173,6 +174,62 @@ def test_commits_waiting_for_a_repo_hold_no_pooled_connection(postgres):
         assert not any(t.is_alive() for t in waiting)
     finally:
         index.close()
+
+
+def test_commits_waiting_for_a_collection_hold_no_pooled_connection(
+    postgres, tmp_path, monkeypatch
+):
+    """A collection holds the collection lock exclusively (on another host); commits to other
+    repos of one replica each took a pooled connection for their repo's lock and waited on it,
+    on the server, for the collection: as many as the pool holds left no connection for
+    anything else, and every request of the replica stalled until the collection ended."""
+    folder = tiny_repo_with_head(tmp_path / "m")
+    monkeypatch.setattr(
+        store_module, "open_index", lambda url, root: PostgresIndex(url, max_connections=3)
+    )
+    with (
+        HubStore(tmp_path / "store", index=postgres) as store,
+        HubStore(tmp_path / "gc-host", index=postgres) as gc_host,
+        psycopg.connect(postgres, autocommit=True) as watcher,
+    ):
+        repos = [f"pg/r{i}" for i in range(5)]
+        for repo in repos:
+            store.create_repo(repo)
+        errors: list[BaseException] = []
+
+        def commit(repo: str) -> None:
+            try:
+                store.commit(repo, _ops(store, folder))
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        with gc_host.index.collection_lock(exclusive=True):  # the collection, elsewhere
+            committers = [threading.Thread(target=commit, args=(r,)) for r in repos]
+            for t in committers:
+                t.start()
+            deadline = time.monotonic() + 60  # until every commit waits for the collection
+            while time.monotonic() < deadline and (
+                sum(users for _, users in store.index._waits._locks.values()) < len(repos)
+                or not watcher.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'"
+                ).fetchone()[0]
+            ):
+                time.sleep(0.05)
+            time.sleep(1)  # the last ones reach the server, if they do
+            read: list[object] = []
+            reader = threading.Thread(
+                target=lambda: read.append(store.index.row("SELECT 1 AS one"))
+            )
+            reader.start()
+            reader.join(timeout=10)
+            read_during_collection = list(read)
+        for t in committers:
+            t.join(timeout=120)
+        reader.join(timeout=60)
+        assert read_during_collection == [{"one": 1}], "waiting commits took the whole pool"
+        assert not errors, errors
+        assert all(len(store.history(r)) == 1 for r in repos)
 
 
 def test_creations_waiting_for_a_namespace_hold_no_pooled_connection(
