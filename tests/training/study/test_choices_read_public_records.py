@@ -1,0 +1,81 @@
+"""Audit (the selection rule): every run-time choice of the study reads public records only, and
+the public parts of a released DP head do not move when one private record changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from training.study import heads as study_heads
+from training.study.config import JOB
+from training.study.heads import dp_head
+from training.study.selection import choose_features, sgd_scores
+from vip_hub.privacy.ledger import Dataset
+
+DATA = "audit/private"
+
+
+class Guarded:
+    """Private records as the choices may see them: n, classes, declared name; any read of an
+    image, a label or a PIL record fails the test."""
+
+    def __init__(self, n: int, classes: tuple[str, ...]):
+        self._n, self.classes = n, classes
+        self.dataset = Dataset(name=DATA, size=n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a choice read private records: .{name}")
+
+
+class Public:
+    def __init__(self, labels: np.ndarray):
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _features(n: int, d: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = 3.0 * torch.randn(3, d, generator=g)[y] + torch.randn(n, d, generator=g)
+    return x, y
+
+
+STUDY = JOB.updated(
+    {"centre_size": 40, "probe_epochs": 2, "head_batches": 2, "head_components": 4,
+     "class_means_components": 4, "head_kind": "chosen"}
+)  # fmt: skip
+
+
+def test_the_feature_mode_head_kind_and_lr_choices_read_no_private_record() -> None:
+    x, y = _features(200)
+    feats = {"a": x, "b": x[:, :3]}
+    private = Guarded(5_000, ("a", "b", "c"))
+    choice = choose_features(STUDY, feats, Public(y.numpy()), private)  # type: ignore[arg-type]
+    assert choice.mode in feats and choice.head in ("sgd", "class-means")
+    for lr in (4.0, 16.0):
+        sgd_scores(STUDY, feats, Public(y.numpy()), private, (), lr)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "class-means"])
+def test_a_released_heads_normalisation_does_not_move_with_one_private_record(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("training.recipes.probe.new_secret", lambda: 12345)
+    x, y = _features(300, seed=1)
+    centre, _ = _features(40, seed=2)
+    data = Dataset(name=DATA, size=300)
+    a = dp_head(STUDY, x, y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
+    x2 = x.clone()
+    x2[0] = 100.0  # one private record replaced
+    b = dp_head(STUDY, x2, y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(a.head.norm, name), getattr(b.head.norm, name))
+    assert study_heads.component_count(centre, 4) == 4
