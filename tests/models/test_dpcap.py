@@ -38,7 +38,7 @@ from vip_hub.models.encoders import EncoderSpec, create_encoder
 from vip_hub.models.text_decoder import Captioner, TextDecoder, TextDecoderConfig, caption_loss
 from vip_hub.models.tokenizer import CaptionTokenizer
 from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensors_metadata
-from vip_hub.repo.files import export_encoder
+from vip_hub.repo.files import export_encoder, load_text_decoder
 from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -636,3 +636,27 @@ def test_probe_trains_on_dpcap_features(repo, tmp_path):
     head, info = load_head(out, "colors")
     assert info.pooling == "dpcap" and head.linear.in_features == WIDTH
     assert verify_repo(out).ok
+
+
+def test_a_dpcap_decoder_whose_hidden_width_is_no_float_multiple_imports(tmp_path):
+    """The text decoder's MLP width is read as hidden / width and rebuilt as int(width * ratio):
+    a valid checkpoint of width 84 and hidden 102 was refused, "expected (101, 84)"."""
+    torch.manual_seed(6)
+    state = ReferenceDPCap(width=84, dec_heads=6).state_dict()
+    for key in list(state):
+        if key.endswith("linear1.weight"):
+            state[key] = torch.randn(102, 84) * 0.05
+        elif key.endswith("linear2.weight"):
+            state[key] = torch.randn(84, 102) * 0.05
+    torch.save({"model": state, "args": argparse.Namespace()}, tmp_path / "ckpt.pth")
+    out = import_dpcap_checkpoint(
+        tmp_path / "ckpt.pth",
+        tmp_path / "repo",
+        arch=ARCH,
+        img_size=IMG,
+        stages=[synthetic_stage()],
+        model_name="x",
+    )
+    assert verify_repo(out).ok
+    decoder = load_text_decoder(out / TEXT_DECODER_FILE)  # the loader rebuilds the same widths
+    assert decoder.blocks[0].mlp.fc1.weight.shape == (102, 84)

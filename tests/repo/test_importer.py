@@ -345,3 +345,16 @@ def test_a_decoder_that_is_not_an_mae_decoder_is_refused_naming_the_tensors(tmp_
     out = import_nano(tmp_path / "whole.pth", tmp_path / "repo")
     meta = read_safetensors_metadata(out / MAE_DECODER_FILE)
     assert json.loads(meta[META_DECODER]) == {"dim": 512, "depth": 2, "num_heads": 16}
+
+
+def test_a_checkpoint_with_both_norm_and_fc_norm_is_refused(tmp_path):
+    """``norm.*`` is renamed ``fc_norm.*``: a checkpoint holding both names one tensor twice, and
+    one of them was silently dropped."""
+    torch.manual_seed(5)
+    state = ReferenceMAE().state_dict()
+    state["fc_norm.weight"] = torch.full_like(state["norm.weight"], 7.0)
+    state["fc_norm.bias"] = torch.zeros_like(state["norm.bias"])
+    torch.save({"model": state}, tmp_path / "both.pth")
+    with pytest.raises(CheckpointError, match=r"norm\.weight.*fc_norm\.weight"):
+        import_nano(tmp_path / "both.pth", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()

@@ -59,6 +59,7 @@ from vip_hub.repo.artifacts import (
 )
 from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
+from vip_hub.repo.verify import VerificationReport
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,
@@ -877,7 +878,7 @@ def test_a_head_whose_metadata_disagrees_with_its_files_fails_verify(tmp_path, m
         load_encoder(repo)
 
 
-def test_a_head_read_through_another_mode_of_its_width_is_refused(tiny_repo):
+def test_a_head_read_through_another_mode_of_its_width_is_refused(tiny_repo, monkeypatch):
     """The tensors digest leaves a head's feature mode out and ``avg`` and ``cls`` have one width:
     a head relabelled from one to the other would classify other features with the same weights.
     Its metrics file (digested) binds the mode, for ``verify`` and for a load after it; a head
@@ -904,6 +905,8 @@ def test_a_head_read_through_another_mode_of_its_width_is_refused(tiny_repo):
     message = f"its metadata's feature mode 'cls' is not {head_file('toy', HEAD_METRICS)}'s ('avg')"
     _fails(tiny_repo, f"{head_file('toy')}: {message}")
     path.write_bytes(original)
+    # the update itself refuses such a head: let it write one, for verify to find
+    monkeypatch.setattr("vip_hub.repo.files.verify_repo", lambda *_, **__: VerificationReport())
     save_head(tiny_repo, LinearProbe(192, 3), HeadInfo("wide", "vip", ["a"] * 3), stage_of("wide"))
     _fails(tiny_repo, f"reads 192 features of mode 'vip', which {CONFIG_FILE}'s feature_dims")
     with pytest.raises(ConfigError, match="another feature mode"):
@@ -1038,13 +1041,15 @@ def test_a_cards_recipe_line_and_tags_follow_its_stages_not_its_family(tmp_path,
     assert "no-private-data" not in data["tags"]
 
 
-def test_every_dp_card_says_what_its_guarantee_assumes_of_floating_point(tmp_path):
+def test_every_dp_card_says_what_its_guarantee_assumes_of_floating_point(tmp_path, monkeypatch):
     """One line: the noise's float64 draw rounded once is a mitigation, not a proof; a stage
     whose clipped sum records a proved rule rests on per-example gradients independent of their
     batch, one that records none (or fp32-blocked) on a model of blocked fp32 summation."""
     proved = dp_stage().model_copy(
         update={"name": "dp-proved", "mechanism_params": rounding_params(1000, 0.05)}
     )
+    # its sensitivity is not recomputed for those params (verify would refuse): only its card here
+    monkeypatch.setattr("vip_hub.repo.files.verify_repo", lambda *_, **__: VerificationReport())
     repo = export_encoder(
         tmp_path / "r", tiny_encoder(), TINY, [dp_stage(), proved], model_name="r"
     )

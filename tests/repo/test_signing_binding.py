@@ -255,8 +255,9 @@ def test_a_comparison_row_smuggled_into_the_prose_or_its_other_cells_fails(tmp_p
     repo = _dp_repo(tmp_path / "repo")
     claim = {"model": "This encoder is (ε = 0.10, δ = 1e-09)-DP", "repo": "", "features": "f"}
     row = {**claim, "privacy": "(ε = 0.10, δ = 1e-09)-DP on x [RDP]", "top1": 0.5}
-    update_repo(repo, comparison=[row])
-    assert "'ε = 0.10', which is no ε" in str(verify_repo(repo).problems)  # its model cell
+    with pytest.raises(TamperedFileError, match="'ε = 0.10', which is no ε"):  # its model cell
+        update_repo(repo, comparison=[row])
+    assert verify_repo(repo).ok  # the update is refused, the repo left as it was
 
 
 def test_a_dataset_two_heads_compose_on_states_its_composed_figure(tmp_path):

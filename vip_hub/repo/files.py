@@ -62,7 +62,7 @@ from .artifacts import (
 )
 from .card import DEFAULT_LICENSE, CardInfo, card_info, render_card
 from .signing import load_signing_key, sign_repo
-from .verify import repo_files, verify_repo
+from .verify import is_hidden, repo_files, verify_repo
 
 __all__ = [
     "Release",
@@ -407,6 +407,11 @@ def _check_given(
     names = list(names)
     for rel in names:
         validate_relpath(rel)
+        if is_hidden(rel):
+            raise UnsafePathError(
+                f"{rel}: a hidden file, which verify and signatures skip: the ledger could not "
+                "bind it"
+            )
         if rel in reserved:
             raise ConfigError(f"{rel} is managed by vip_hub and cannot be given")
     if problems := tree_path_problems({*reserved, *beside, *names}):
@@ -423,13 +428,14 @@ def _atomic_dir(target: Path, fill: Any, *, fresh: bool) -> None:
     """Build the new contents of ``target`` in a sibling temp dir, then swap it in (``replace_dir``:
     a crash leaves the old folder or the new one at ``target``, never neither); a ``target`` that
     is a symbolic link has the folder it points to replaced, the link kept."""
-    target = target.resolve() if target.is_symlink() else target
+    target = target.resolve()  # a link: the folder it points to; "." or "x/..": a named folder
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         if not fresh:
             shutil.copytree(target, tmp, dirs_exist_ok=True, copy_function=os.link)
         fill(tmp)
+        verify_repo(tmp).raise_for_problems()  # never swap in a repo that would not verify
         _fsync_tree(tmp)
         replace_dir(tmp, target)
         fsync_dir(target.parent)

@@ -22,6 +22,7 @@ This is the only place that unpickles, with ``torch.load(weights_only=True)`` an
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import re
@@ -344,6 +345,8 @@ def split_mae_state_dict(
     encoder: dict[str, torch.Tensor] = {}
     decoder: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    sources: dict[str, str] = {}  # encoder key: the checkpoint key it came from
+    twice: list[str] = []
     for key, value in state.items():
         if _DECODER.match(key):
             decoder[key] = value
@@ -351,7 +354,12 @@ def split_mae_state_dict(
             continue
         else:
             name = "fc_norm." + key.removeprefix("norm.") if key.startswith("norm.") else key
-            (encoder.__setitem__(name, value) if name in expected else unexpected.append(key))
+            if name not in expected:
+                unexpected.append(key)
+            elif name in sources:
+                twice.append(f"{' and '.join(sorted((sources[name], key)))} (both {name})")
+            else:
+                encoder[name], sources[name] = value, key
     missing = sorted(k for k in expected if k not in encoder)
     wrong = sorted(
         f"{k} {tuple(encoder[k].shape)} (expected {tuple(expected[k])})"
@@ -359,6 +367,8 @@ def split_mae_state_dict(
         if encoder[k].shape != expected[k]
     )
     problems = []
+    if twice:
+        problems.append(f"keys naming one encoder tensor twice: {', '.join(sorted(twice))}")
     if missing:
         problems.append(f"missing encoder keys: {', '.join(missing)}")
     if unexpected:
@@ -532,6 +542,9 @@ def _dpcap_decoder_config(
     width = int(state["decoder_embed.weight"].shape[0])
     depth = len({m[1] for k in state if (m := _REF_BLOCK.match(k))})
     hidden = int(state["decoder.layers.0.linear1.weight"].shape[0]) if depth else 4 * width
+    ratio = hidden / width
+    if int(width * ratio) != hidden:  # the decoder is built int(width * mlp_ratio) wide
+        ratio = math.nextafter(ratio, math.inf)
     return TextDecoderConfig.for_encoder(
         spec,
         width=width,
@@ -539,7 +552,7 @@ def _dpcap_decoder_config(
         num_heads=heads or spec.architecture.decoder_num_heads,
         vocab_size=int(state["text_embedding_layer_SimVLM.weight"].shape[0]),
         max_length=int(state["text_decoder_pos_embed"].shape[1]),
-        mlp_ratio=hidden / width,
+        mlp_ratio=ratio,
     )
 
 
