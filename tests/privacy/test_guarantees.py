@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.helpers import published_hashes_of, write_digits
+from support.helpers import published_hashes_of, staged_reports, write_digits
 
 from training.data.labelled import keyed_uniforms
 from training.recipes.probe import ProbeConfig, fit_probe, run_probe
+from vip_hub.errors import VipHubError
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, HEAD_WEIGHTS, HEADS_DIR
 
@@ -195,19 +196,24 @@ def _features_of(repo: Path, image: Path) -> np.ndarray:
     return load_encoder(str(repo)).embed([Image.open(image).convert("RGB")], "vip").numpy()
 
 
-def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(tiny_repo: Path) -> None:
-    """Today such a head verified and inherited the encoder's summary."""
+def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(
+    tiny_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a head once verified and inherited the encoder's summary; an update adding one is
+    refused, and a repo holding one (written past that check) fails verify."""
     from safetensors.torch import save
 
     from vip_hub.repo.files import update_repo
 
-    update_repo(
-        tiny_repo,
-        add_files={
-            f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}": save({"w": torch.zeros(2)}),
-            f"{HEADS_DIR}/evil/{HEAD_LABELS}": b"[]",
-        },
-    )
+    evil = {
+        f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}": save({"w": torch.zeros(2)}),
+        f"{HEADS_DIR}/evil/{HEAD_LABELS}": b"[]",
+    }
+    with pytest.raises(VipHubError, match=f"{HEADS_DIR}/evil/"):
+        update_repo(tiny_repo, add_files=evil)
+    assert verify_repo(tiny_repo).ok  # left as it was
+    staged_reports(monkeypatch)
+    update_repo(tiny_repo, add_files=evil)
     report = verify_repo(tiny_repo)
     where = [p.where for p in report.problems]  # no stage; and no head a loader could read
     assert not report.ok and where == [f"{HEADS_DIR}/evil/", f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}"]

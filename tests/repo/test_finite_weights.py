@@ -3,12 +3,11 @@ infinity, by the rule the importer refuses them by (``nonfinite_count``)."""
 
 import pytest
 import torch
-from support.helpers import TINY, synthetic_stage, tiny_encoder
+from support.helpers import TINY, staged_reports, synthetic_stage, tiny_encoder
 
 from vip_hub import export_encoder, verify_repo
 from vip_hub.cli.main import main
 from vip_hub.repo.artifacts import nonfinite_count
-from vip_hub.repo.verify import VerificationReport
 from vip_hub.repo_format import MAE_DECODER_FILE, WEIGHTS_FILE
 
 DTYPES = {
@@ -38,7 +37,7 @@ def test_verify_names_the_tensors_holding_nan_or_infinity(tmp_path, dtype, monke
     """A repo exported with a NaN in an encoder weight and an infinity in its MAE decoder (its
     digests what the ledger records) fails verify, naming each file and tensor."""
     # the export itself refuses such a repo: let it write one, for verify to find
-    monkeypatch.setattr("vip_hub.repo.files.verify_repo", lambda *_, **__: VerificationReport())
+    staged_reports(monkeypatch)
     model = tiny_encoder()
     with torch.no_grad():
         model.blocks[2].mlp.fc1.weight[0, 7] = float("nan")

@@ -21,6 +21,7 @@ from support.helpers import (
     dp_stage,
     restate_truncation,
     rewrite_ledger_copies,
+    staged_reports,
     swap_after_verify,
     synthetic_stage,
     tiny_encoder,
@@ -59,7 +60,6 @@ from vip_hub.repo.artifacts import (
 )
 from vip_hub.repo.card import card_statements
 from vip_hub.repo.files import META_LEDGER
-from vip_hub.repo.verify import VerificationReport
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,
@@ -906,7 +906,7 @@ def test_a_head_read_through_another_mode_of_its_width_is_refused(tiny_repo, mon
     _fails(tiny_repo, f"{head_file('toy')}: {message}")
     path.write_bytes(original)
     # the update itself refuses such a head: let it write one, for verify to find
-    monkeypatch.setattr("vip_hub.repo.files.verify_repo", lambda *_, **__: VerificationReport())
+    staged_reports(monkeypatch)
     save_head(tiny_repo, LinearProbe(192, 3), HeadInfo("wide", "vip", ["a"] * 3), stage_of("wide"))
     _fails(tiny_repo, f"reads 192 features of mode 'vip', which {CONFIG_FILE}'s feature_dims")
     with pytest.raises(ConfigError, match="another feature mode"):
@@ -1049,7 +1049,7 @@ def test_every_dp_card_says_what_its_guarantee_assumes_of_floating_point(tmp_pat
         update={"name": "dp-proved", "mechanism_params": rounding_params(1000, 0.05)}
     )
     # its sensitivity is not recomputed for those params (verify would refuse): only its card here
-    monkeypatch.setattr("vip_hub.repo.files.verify_repo", lambda *_, **__: VerificationReport())
+    staged_reports(monkeypatch)
     repo = export_encoder(
         tmp_path / "r", tiny_encoder(), TINY, [dp_stage(), proved], model_name="r"
     )

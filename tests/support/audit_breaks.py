@@ -1,8 +1,8 @@
 """Broken DP engines the one-run audit must catch, and the refusal every family's test checks:
 a recipe trained at a claim the audit can reach (``CLAIM``, where the ceiling lies above it)
 with its noise zeroed or its clipper's bound 10x the stated one (the noise still sigma times
-the stated sensitivity) exports a repo whose audit bound exceeds the claim, which ``verify``,
-``vip-hub push`` and the hub refuse."""
+the stated sensitivity) has its export refused, as a repo whose audit bound exceeds the claim,
+which ``verify``, ``vip-hub push`` and the hub refuse too."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import training.dp.engine
 from vip_hub.errors import AuditError
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.repo.push import push_repo
-from vip_hub.repo.verify import verify_repo
+from vip_hub.repo.verify import VerificationReport, verify_repo
 from vip_hub.repo_format import LEDGER_FILE
 
+from .helpers import staged_reports
 from .live import WRITE_TOKEN
 
 CLAIM = 2.5
@@ -30,9 +31,10 @@ SETTINGS = dict(epsilon=CLAIM, sigma=None, delta=1e-5, audit_delta=1e-5, steps=4
 
 def break_engine(
     monkeypatch: pytest.MonkeyPatch, broken: str, recipe: ModuleType, clipper: str
-) -> None:
+) -> list[VerificationReport]:
     """Zero the engine's noise, or make ``recipe``'s ``clipper`` clip at 10x the bound it is
-    given."""
+    given; the export then writes its repo anyway, and the reports its check gave are returned
+    (``staged_reports``)."""
     if broken == "noise zeroed":
         monkeypatch.setattr(
             training.dp.engine,
@@ -44,10 +46,19 @@ def break_engine(
         monkeypatch.setattr(
             recipe, clipper, lambda model, max_norm, *rest: real(model, 10 * max_norm, *rest)
         )
+    return staged_reports(monkeypatch)
 
 
-def assert_refused(repo: Path, hub, name: str) -> DPStage:  # type: ignore[no-untyped-def]
-    """The repo's audit bound exceeds its claim, and verify, push and the hub refuse it."""
+def assert_refused(  # type: ignore[no-untyped-def]
+    repo: Path, hub, name: str, staged: list[VerificationReport]
+) -> DPStage:
+    """The repo's audit bound exceeds its claim: its export refused it (``staged``, the reports
+    its check gave), and verify, push and the hub refuse it."""
+    assert any(
+        p.kind is AuditError and "exceeds the accounted epsilon" in p.message
+        for report in staged
+        for p in report.problems
+    )
     dp = next(
         s
         for s in PrivacyLedger.parse((repo / LEDGER_FILE).read_text()).stages

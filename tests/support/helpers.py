@@ -33,6 +33,7 @@ from vip_hub.repo.artifacts import read_safetensors_metadata, rewrite_safetensor
 from vip_hub.repo.card import card_statements, guarantee_paragraphs
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
+from vip_hub.repo.verify import VerificationReport, verify_repo
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,
@@ -72,6 +73,19 @@ NEEDS_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine"
 )
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
+def staged_reports(monkeypatch: pytest.MonkeyPatch) -> list[VerificationReport]:
+    """Let exports and updates swap in repos that would not verify (for tests of what verify,
+    push and the hub then say of them), recording the report each repo they check got."""
+    reports: list[VerificationReport] = []
+
+    def record(folder: Path, *args: Any, **kwargs: Any) -> VerificationReport:
+        reports.append(verify_repo(folder, *args, **kwargs))
+        return VerificationReport()
+
+    monkeypatch.setattr("vip_hub.repo.files.verify_repo", record)
+    return reports
 
 
 def synthetic_stage() -> NonPrivateStage:

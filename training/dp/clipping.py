@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -245,8 +245,9 @@ def ieee_fp32_matmuls(device: torch.device) -> bool:
     TF32 or bf16 inside (``torch.backends.cuda.matmul.allow_tf32``,
     ``torch.set_float32_matmul_precision``, the backends' ``fp32_precision``); a setting torch
     cannot report counts as not."""
-    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    backends: Any = torch.backends  # (mkldnn.matmul is not in torch's type stubs)
     try:
+        backend = backends.cuda.matmul if device.type == "cuda" else backends.mkldnn.matmul
         return backend.fp32_precision in ("none", "ieee")
     except (AttributeError, RuntimeError):
         return False

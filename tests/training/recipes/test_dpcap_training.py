@@ -508,7 +508,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
+    staged = break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     settings = {**DP_ARGS, **SETTINGS, "batch_size": 12}  # q = 1/2 of 24 pairs
     out = train_dpcap(dpcap_config(syn_repo, pairs, vocab, tmp_path / "broken", **settings))
-    assert_refused(out, hub, "dpcap-" + broken.replace(" ", "-"))
+    assert_refused(out, hub, "dpcap-" + broken.replace(" ", "-"), staged)

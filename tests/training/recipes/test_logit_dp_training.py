@@ -349,7 +349,7 @@ def test_the_audit_catches_a_broken_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clipper = "PairClipper" if mechanism is ContrastiveMechanism.LOGIT_DP else "BatchClipper"
-    break_engine(monkeypatch, broken, training.recipes.logit_dp, clipper)
+    staged = break_engine(monkeypatch, broken, training.recipes.logit_dp, clipper)
     settings = {
         **DP_ARGS,
         **SETTINGS,
@@ -361,5 +361,5 @@ def test_the_audit_catches_a_broken_engine(
             init=str(syn_repo), data=str(images), out=str(tmp_path / "broken"), **settings
         )
     )
-    dp = assert_refused(out, hub, f"{mechanism.value}-{broken.replace(' ', '-')}")
+    dp = assert_refused(out, hub, f"{mechanism.value}-{broken.replace(' ', '-')}", staged)
     assert dp.mechanism == mechanism.ledger_name

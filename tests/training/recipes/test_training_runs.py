@@ -737,7 +737,7 @@ def test_the_audit_catches_a_broken_engine(
     tmp_path: Path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
+    staged = break_engine(monkeypatch, broken, training.dp.run, "PerExampleClipper")
     out = train_vip(
         vip_config(
             syn_repo,
@@ -749,7 +749,7 @@ def test_the_audit_catches_a_broken_engine(
             **SETTINGS,
         )
     )
-    assert_refused(out, hub, "vip-" + broken.replace(" ", "-"))
+    assert_refused(out, hub, "vip-" + broken.replace(" ", "-"), staged)
 
 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(
