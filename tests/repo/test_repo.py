@@ -39,6 +39,7 @@ from vip_hub.errors import (
     TamperedFileError,
     UnsafePathError,
     VerificationError,
+    VipHubError,
 )
 from vip_hub.models.encoders import ARCHS, EncoderSpec, create_encoder, encoder_shapes
 from vip_hub.privacy.accounting import NOISE_SAMPLERS, truncation_delta
@@ -1257,11 +1258,15 @@ def test_update_refuses_a_file_the_repos_own_files_leave_no_room_for(tiny_repo, 
     [
         (CARD_FILE.upper(), f"'{CARD_FILE.upper()}' and '{CARD_FILE}' differ only by case"),
         (f"{WEIGHTS_FILE}/notes.txt", f"'{WEIGHTS_FILE}' is a file and the folder of"),
+        (".notes.txt", ".notes.txt: a hidden file, which verify and signatures skip"),
+        (".cache/notes.txt", ".cache/notes.txt: a hidden file"),
+        ("notes.bin", "notes.bin: a '.bin' file is refused by name"),  # by the staged verify
     ],
 )
-def test_export_refuses_an_extra_file_its_own_files_leave_no_room_for(tmp_path, name, clash):
+def test_export_refuses_an_extra_file_it_could_not_release(tmp_path, name, clash):
+    """Names its own files leave no room for, names verify skips, kinds verify refuses."""
     out = tmp_path / "out"
-    with pytest.raises(UnsafePathError, match=re.escape(clash)):
+    with pytest.raises(VipHubError, match=re.escape(clash)):
         export_encoder(
             out,
             tiny_encoder(),
