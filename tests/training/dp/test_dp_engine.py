@@ -10,7 +10,7 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
-from support.helpers import DEVICES, TINY, synthetic_stage, tiny_encoder
+from support.helpers import DEVICES, TINY, staged_reports, synthetic_stage, tiny_encoder
 
 import training.dp.canaries
 import training.dp.engine
@@ -497,9 +497,12 @@ def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(
 
     stage = audited_stage(monkeypatch, noise_scale=0.1)
     assert stage.epsilon <= 2.0 < stage.audit.epsilon_lower_bound  # the claim is what it was told
-    repo = export_encoder(
-        tmp_path / "leaky", tiny_encoder(), TINY, [synthetic_stage(), stage], model_name="leaky"
-    )
+    stages = [synthetic_stage(), stage]
+    with pytest.raises(AuditError, match="exceeds the accounted epsilon"):  # the export's check
+        export_encoder(tmp_path / "leaky", tiny_encoder(), TINY, stages, model_name="leaky")
+    assert not (tmp_path / "leaky").exists()
+    staged_reports(monkeypatch)  # written past that check, for verify, push and the hub
+    repo = export_encoder(tmp_path / "leaky", tiny_encoder(), TINY, stages, model_name="leaky")
     report = verify_repo(repo)
     assert not report.ok and any(
         p.kind is AuditError and "exceeds the accounted epsilon" in p.message
