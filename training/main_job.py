@@ -54,10 +54,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import ConfigDict, Field
 
-from vip_hub.errors import ConfigError, MissingInputError, SignatureError, StepFailed
+from vip_hub.errors import (
+    AuditError,
+    ConfigError,
+    MissingInputError,
+    SignatureError,
+    StepFailed,
+)
 from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.paths import write_private
-from vip_hub.privacy.audit import DEFAULT_CANARIES, MAX_CANARIES
+from vip_hub.privacy.audit import DEFAULT_BETA, DEFAULT_CANARIES, MAX_CANARIES
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
 from vip_hub.repo.files import update_repo
 from vip_hub.repo.push import is_published, push_repo
@@ -88,6 +94,7 @@ from .data.labelled import (
     write_caption_folder,
     write_image_folder,
 )
+from .skeleton.config import run_folder
 from .study.config import StudyConfig, stamp
 from .study.splits import study_splits
 from .study.table import Row
@@ -156,6 +163,25 @@ def _copy_repo(source: Path, out: Path) -> None:
     shutil.copytree(source, out)
 
 
+_RESUME_HINT = (
+    "Fix the cause and run `make run` again: finished steps are skipped and training resumes "
+    "from its last checkpoint (`vip-hub run --restart` starts over)."
+)
+
+
+def _audit_hint(outputs: list[Path]) -> str:
+    """What to do when a step's one-run audit refused its release: resuming would export the
+    same run again, so its run folders go, for a fresh secret."""
+    folders = " ".join(str(run_folder(p)) for p in outputs)
+    return (
+        f"The audit's lower bound flags an honest run with probability at most beta = "
+        f"{DEFAULT_BETA:g} (far less at the job's settings: docs/concepts/verify.md), and its "
+        "verdict reads only its canaries, never the private records: remove the step's run "
+        f"folder ({folders}) and run `make run` again to train it with a fresh secret. If a "
+        "fresh run is flagged too, the DP engine is broken: report it."
+    )
+
+
 class _Steps:
     """Runs named steps, skipping those whose outputs exist with a matching input stamp."""
 
@@ -199,8 +225,7 @@ class _Steps:
         except Exception as e:
             raise StepFailed(
                 f"step {self.count} ({name}) failed: {type(e).__name__}: {e}\n"
-                "Fix the cause and run `make run` again: finished steps are skipped and training "
-                "resumes from its last checkpoint (`vip-hub run --restart` starts over)."
+                + (_audit_hint(outputs) if isinstance(e, AuditError) else _RESUME_HINT)
             ) from e
         self.done[name] = digest
         write_private(self.file, json.dumps(self.done, indent=1).encode())  # whole, or not at all

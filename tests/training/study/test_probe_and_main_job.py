@@ -21,9 +21,9 @@ from support.helpers import ROOT, write_digits, write_fashion
 from support.live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
-from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, run_main_job
+from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, _Steps, run_main_job
 from training.recipes.probe import ProbeConfig, run_probe
-from vip_hub.errors import ConfigError, DataError
+from vip_hub.errors import AuditError, ConfigError, DataError, StepFailed
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.ledger import PrivacyLedger, shown_epsilon
 from vip_hub.repo.card import card_info
@@ -777,3 +777,21 @@ def test_a_steps_duration_carries_its_rounded_seconds_into_the_minutes() -> None
         "2:05.0",
         "60:00.0",
     ]
+
+
+def test_a_step_whose_audit_flags_it_says_to_train_it_again_with_a_fresh_secret(tmp_path):
+    """Resuming would export the same run and be flagged again: an audit's refusal names the
+    step's run folders to remove; any other failure says to resume."""
+    steps = _Steps(tmp_path)
+    out = tmp_path / "vip-nano-fashion-dp"
+
+    def flagged() -> None:
+        raise AuditError("the empirical lower bound exceeds the accounted epsilon")
+
+    with pytest.raises(StepFailed) as failed:
+        steps.run("ViP", {}, [out], flagged)
+    message = str(failed.value)
+    assert f"remove the step's run folder ({out}.run)" in message and "fresh secret" in message
+    assert "resumes from its last checkpoint" not in message
+    with pytest.raises(StepFailed, match="resumes from its last checkpoint"):
+        steps.run("ViP", {}, [out], lambda: 1 / 0)
