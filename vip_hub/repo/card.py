@@ -41,7 +41,7 @@ from ..privacy.ledger import (
     shown_epsilon,
 )
 from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
-from ..repo_format import CARD_FILE, CARD_LEDGER_KEY, ENCODER, FrontMatterLimits
+from ..repo_format import CARD_FILE, CARD_LEDGER_KEY, ENCODER, HEADS_DIR, FrontMatterLimits
 
 __all__ = [
     "DEFAULT_LICENSE",
@@ -515,7 +515,7 @@ def _naming(head: str) -> re.Pattern[str]:
     name = head.split("/", 1)[1]
     spelled = "|".join(re.escape(n) for n in sorted({_plain(name), _plain(_md(name))}))
     return re.compile(
-        rf"(?<![\w/.-])(?:heads/|(?i:head)[^\S\n]+)(?:{spelled})(?![\w.-]*\w)|'(?:{spelled})'"
+        rf"(?<![\w/.-])(?:{HEADS_DIR}/|(?i:head)[^\S\n]+)(?:{spelled})(?![\w.-]*\w)|'(?:{spelled})'"
     )
 
 
