@@ -23,6 +23,7 @@ a canary's coordinate is y_t = c_t + N(0, sigma^2) in units of the sensitivity, 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -73,8 +74,10 @@ def p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     return float(tail[0] + 2 * m * delta * excess)
 
 
+@functools.lru_cache(maxsize=4096)
 def epsilon_lower_bound(m: int, r: int, v: int, beta: float, delta: float) -> float:
-    """The largest eps whose p-value is <= beta (0 when even eps = 0 is not rejected)."""
+    """The largest eps whose p-value is <= beta (0 when even eps = 0 is not rejected); computed
+    once per process for each setting (``verify`` asks again for every ledger's ceiling)."""
     if p_value(m, r, v, 0.0, delta) > beta:
         return 0.0
     lo, hi = 0.0, MAX_EPSILON
