@@ -38,8 +38,10 @@ run: $(RUNTIME)
 ## Two pytest workers by default (pytest-xdist, one per core; what CI runs): each worker has its
 ## own servers, ports, folders and share of the cores, and a file's tests stay on one worker
 ## (loadfile), so its module-scoped fixtures (servers, trained repos) are built once, not once per
-## worker. `make test XDIST=` runs them in one process.
-XDIST ?= -n 2 --dist loadfile
+## worker. Files are handed out in collection order, the slow ones first (tests/conftest.py), not
+## by their test counts, which put the long end-to-end files last. `make test XDIST=` runs them in
+## one process.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 ## Lint, format and layer contracts first (seconds: a mistake there stops it at once), then every
 ## test, the slow end-to-end ones included, but for the images (`make test-images`, which CI runs

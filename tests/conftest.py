@@ -32,6 +32,14 @@ from support.helpers import TINY, dp_stage, synthetic_stage, tiny_encoder, tiny_
 from vip_hub import DPStage, export_encoder  # noqa: E402 - after the environment above
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files holding slow tests first, each file's tests in their own order: the workers take
+    whole files in this order (``--dist loadfile --no-loadscope-reorder``), so the long ones start
+    early and no worker is left with one at the end while the other idles."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Remove the session's client home (hub caches hold GiB-sized models)."""
     shutil.rmtree(_HOME, ignore_errors=True)
