@@ -41,7 +41,18 @@ from ..privacy.ledger import (
     shown_epsilon,
 )
 from ..privacy.sensitivity import FP32_BLOCKED, ROUNDING_SUM
-from ..repo_format import CARD_FILE, CARD_LEDGER_KEY, ENCODER, HEADS_DIR, FrontMatterLimits
+from ..repo_format import (
+    CARD_FILE,
+    CARD_LEDGER_KEY,
+    CONFIG_FILE,
+    ENCODER,
+    HEADS_DIR,
+    LEDGER_FILE,
+    TEXT_DECODER_FILE,
+    VOCAB_FILE,
+    WEIGHTS_FILE,
+    FrontMatterLimits,
+)
 
 __all__ = [
     "DEFAULT_LICENSE",
@@ -184,6 +195,14 @@ def render_card(
         results=info.eval_results,
         comparison=info.comparison,
         comparison_lines=comparison_lines(info.comparison),
+        files={  # the repo's file names as the card's text names them: repo_format's
+            "ledger": LEDGER_FILE,
+            "weights": WEIGHTS_FILE,
+            "config": CONFIG_FILE,
+            "text_decoder": TEXT_DECODER_FILE,
+            "vocab": VOCAB_FILE,
+            "card_ledger_key": CARD_LEDGER_KEY,
+        },
     )
     return str(card)
 
