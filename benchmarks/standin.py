@@ -22,8 +22,8 @@ The real run's noise, reproduced:
 
 The epsilons of the stand-in's stages mean nothing (its records are public); the figures printed
 are top-1 on the stand-in's scoring records, for choosing. The feature mode is fixed
-(``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both priors in
-every run since 2026-11-28); the non-private reference is printed beside (public records).
+(``--mode``, default ``spatial-b4-g4``: what the study's public selection chose for both
+priors); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp} [--encoder-epsilon 0.5]
         [--lr-scale 0.25] [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases]

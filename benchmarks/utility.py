@@ -594,7 +594,7 @@ FINETUNE: dict[str, Any] = {
 al. 2022: a DP linear probe at ``probe_epsilon`` (the study's head) on the (Syn)-ViP encoder's
 feature mode that such a probe scores best on the selection records (``finetune_mode``), then of
 the whole encoder that mode reads its biases and normalisation scales (``encoder_parameters``,
-after Bu et al. 2022's DP-BiTFiT, since 2026-11-30; before, all of it) and the probe's head
+after Bu et al. 2022's DP-BiTFiT) and the probe's head
 fine-tuned together by DP-AdamW (expected batch n / ``head_batches``, ``steps`` steps, each image
 itself: ``augmult`` 0) at ``FINETUNE_LR``'s rate for what it trains, its noise calibrated so that
 probe and fine-tuning compose to the study's epsilon, the head trained with the encoder
@@ -610,10 +610,8 @@ the whole encoder."""
 FINETUNE_LR: dict[EncoderParameters, float] = {"all": 1e-5, "biases": 1e-3}
 """The DP fine-tuning row's learning rate by what of the encoder it trains, each chosen on the
 public stand-in (``standin.py finetune [--encoder-parameters all|biases] --lr L``), the highest
-mean of a setting's trials: the whole encoder's among 1e-5, 3e-5 and 1e-4, 2-3 trials each,
-after a probe at epsilon 1 or 2 (2026-11-29; before, 3e-5, chosen on 6,000 training records); its
-biases and normalisation scales' among 1e-4, 1e-3 and 3e-3, 2 trials each, and 1e-2, one trial
-far under (2026-11-30)."""
+mean of a setting's trials (the benchmarks' README, "The DP fine-tuning row's probe epsilon and
+learning rate" and "The DP fine-tuning row's biases alone")."""
 
 
 def released_correct(repo: Path, head: str, data: LabelledArrays, device: str) -> np.ndarray:

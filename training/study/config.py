@@ -34,9 +34,9 @@ class StudyConfig(BaseModel):
         8_000,
         ge=4,
         description="public test records 0..K-1 that choose each (Syn) encoder's feature mode, "
-        "two-fold (a head fit on each half, scored on the other); the job's 8,000 lets each "
-        "selection head fit 4,000, where a spatial mode's lead shows (docs/changes.md), the "
-        "benchmark's 5,000 leaves it 5,000 records to score",
+        "two-fold (a head fit on each half, scored on the other); the job's 8,000 give each "
+        "selection head 4,000 records to fit, the benchmark's 5,000 leave 5,000 to score "
+        "(docs/changes.md)",
     )
     test_size: int = Field(
         2_000,
@@ -50,11 +50,9 @@ class StudyConfig(BaseModel):
         gt=0,
         description="the first selection records (all, when fewer), whose features' mean "
         "centres every DP head (BatchNorm fixed to that mean; a DP-SGD head's variance 1, a "
-        "class-means head's their variance, their covariance its LDA's): 1,000 leave under a "
-        "hundredth of a spatial mode's squared norm shared (the benchmarks' README, 'the head's "
-        "centring'), embedded once a head; centring itself chosen on public data, DP heads on "
-        "the public stand-in with and without it (the benchmarks' README, 'Settings chosen on "
-        "public data')",
+        "class-means head's their variance, their covariance its LDA's); centring and its size "
+        "chosen on public data (the benchmarks' README, 'the head's centring' and 'Settings "
+        "chosen on public data')",
     )
     epsilon: float = Field(
         3.0,
@@ -79,19 +77,16 @@ class StudyConfig(BaseModel):
     probe_epochs: int = Field(
         48,
         gt=0,
-        description="epochs of every DP head, the selection heads' too: the job's 48 (with "
-        "head_batches 2) and the benchmark's 50 (with 8), each chosen for both priors' DP heads "
-        "on the public stand-in at that preset's head noise (the benchmarks' README, 'The DP "
-        "heads' epochs' and 'The DP heads' batch'); fewer steps at one epsilon carry less "
-        "noise each",
+        description="epochs of every DP head, the selection heads' too (fewer steps at one "
+        "epsilon carry less noise each); each preset's, with head_batches, chosen for both "
+        "priors' DP heads on the public stand-in at that preset's head noise (the benchmarks' "
+        "README, 'The DP heads' epochs' and 'The DP heads' batch')",
     )
     head_batches: int = Field(
         2,
         gt=0,
-        description="Poisson batches per epoch of a DP head (q = 1 / head_batches): the job's 2, "
-        "the best of 8, 4, 2 and 1, and the benchmark's 8 (the paper's 8,192 of 60,000), the "
-        "best of 16, 8, 4 and 2, each with the epochs for both priors' DP heads on the public "
-        "stand-in at that preset's head noise (the benchmarks' README, 'The DP heads' batch')",
+        description="Poisson batches per epoch of a DP head (q = 1 / head_batches); each "
+        "preset's chosen with probe_epochs (likewise)",
     )
     head_clip: float = Field(
         PAPER_HEAD_CLIP, gt=0, description="clipping norm C of a DP head (the paper's)"
@@ -107,16 +102,15 @@ class StudyConfig(BaseModel):
         "'class-means', LDA on private class means released once by the Gaussian mechanism "
         "with a public covariance (training/recipes/class_means.py); 'chosen', either, the one "
         "that scores higher on the public selection records at the real head's noise, with "
-        "the feature mode (training/study/selection.py). Chosen on the public stand-in: "
-        "class-means led DP-SGD by 2.0-2.1 points at the job's noise and lost by 2.3-3.4 at the "
-        "benchmark's (the benchmarks' README, 'A class-means head')",
+        "the feature mode (training/study/selection.py); chosen on the public stand-in (the "
+        "benchmarks' README, 'A class-means head')",
     )
     class_means_components: int = Field(
         128,
         gt=0,
         description="the public principal components a class-means head reads (its noise and "
         "its public covariance's error grow with the dimension): the best of 64, 128, 256 and "
-        "512 on every public split of the stand-in tried",
+        "512 on the public stand-in (the benchmarks' README, 'A class-means head')",
     )
     head_components: int = Field(
         128,
@@ -124,9 +118,8 @@ class StudyConfig(BaseModel):
         description="K > 0: a DP-SGD head (the selection heads too) reads the top K principal "
         "components of its features of the centring records (public; at most one fewer than "
         "those records and the features' dimension), and the released head is its map back to "
-        "the features (post-processing); 0: the features themselves. Chosen on the public "
-        "stand-in alone, a lever taken where its gain clears the trials' spread: 128 at the "
-        "job's noise (+2.3 points); 0 at the benchmark's, where 256 tied (+0.06) (the "
+        "the features (post-processing); 0: the features themselves. Each preset's chosen on "
+        "the public stand-in alone, taken where its gain clears the trials' spread (the "
         "benchmarks' README, 'Heads on public principal components')",
     )
     syn_prior: str = Field(
@@ -144,12 +137,9 @@ class StudyConfig(BaseModel):
     dp_steps: int = Field(
         70,
         gt=0,
-        description="steps of ViP: cut to fit the job's 15 minutes (commit dcc2d7e, then a job "
-        "on the digits), no data seen",
+        description="steps of ViP: cut to fit the job's 15 minutes, no data seen",
     )
-    dpcap_steps: int = Field(
-        30, gt=0, description="steps of DP-Cap: cut to fit the job's 15 minutes (likewise)"
-    )
+    dpcap_steps: int = Field(30, gt=0, description="steps of DP-Cap: cut likewise")
     dp_micro_batch_size: int = Field(
         128, gt=0, description="physical batch of ViP and DP-Cap (memory only, not the result)"
     )
@@ -157,60 +147,51 @@ class StudyConfig(BaseModel):
         0.25,
         gt=0,
         le=16,
-        description="multiple of its recipe's peak learning rate ViP and DP-Cap train at: the "
-        "recipes' rates are their papers', for batches of 98,304 and 1.3 M, where at 256 the "
-        "noise makes Adam's step a random walk that moves the prior's features; chosen on "
-        "public data, ViP's stage on a public stand-in (benchmarks/standin.py; "
-        "the benchmarks' README, 'Settings chosen on public data')",
+        description="multiple of its recipe's peak learning rate ViP and DP-Cap train at (the "
+        "recipes' rates are their papers', for batches of 98,304 and 1.3 M); chosen on public "
+        "data, ViP's stage on a public stand-in (the benchmarks' README, 'Settings chosen on "
+        "public data')",
     )
     dp_ema_decay: float = Field(
         0.9,
         ge=0,
         lt=1,
         description="ViP's and DP-Cap's released weights: the iterates' moving average at this "
-        "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); 0.9 chosen "
-        "on public data, ViP's and DP-Cap's stages on the public stand-in at both presets' "
-        "noise, against the last iterate (the benchmarks' README, 'Weight averaging')",
+        "decay (the DP engine's ``ema_decay``, post-processing; 0 the last iterate); chosen on "
+        "the public stand-in against the last iterate (the benchmarks' README, 'Weight "
+        "averaging')",
     )
     dp_encoder_parameters: EncoderParameters = Field(
         "all",
         description="what of the encoder ViP's and DP-Cap's stages train (the recipes' "
-        "``encoder_parameters``): all, kept: biases alone (and norm scales, at up to 16 times "
-        "the learning rate) did not pass the rule on the public stand-in (DP-Cap's 3 heads' mean "
-        "83.10 against 82.63 at the job's noise, 87.00 against 87.57 at the benchmark's; "
-        "the benchmarks' README, 'The encoder's biases alone')",
+        "``encoder_parameters``): all, kept as biases alone did not pass the rule on the public "
+        "stand-in (the benchmarks' README, 'The encoder's biases alone')",
     )
     vip_decoder_warmup: int = Field(
         0,
         ge=0,
         description="steps of ViP's fresh MAE decoder on public procedural images, the encoder "
-        "frozen, before its DP stage (the recipe's ``decoder_warmup``; no private data); 0, "
-        "kept: 150 steps raised the encoder's share of the squared clipped norm from 0.07 to "
-        "0.76 on public images but did not pass the rule on the public stand-in (3 heads' mean "
-        "81.00 against 81.30 at the job's noise, 86.60 against 86.73 at the benchmark's; "
-        "the benchmarks' README, 'The MAE decoder's public warm-up')",
+        "frozen, before its DP stage (the recipe's ``decoder_warmup``; no private data); 0, kept "
+        "as a warm-up did not pass the rule on the public stand-in (the benchmarks' README, "
+        "'The MAE decoder's public warm-up')",
     )
     dpcap_decoder_warmup: int = Field(
         0,
         ge=0,
         description="steps of DP-Cap's fresh text decoder on public procedural images with the "
         "public captions, the encoder frozen, before its DP stage (the recipe's "
-        "``decoder_warmup``; no private data); 0, kept: 150 steps took the public template's "
-        "tokens to a cross-entropy of 0.00 but did not pass the rule on the public stand-in (3 "
-        "heads' mean 82.10 against 82.13 at the job's noise, 87.10 against 87.57 at the "
-        "benchmark's; the benchmarks' README, 'DP-Cap's text decoder's public warm-up')",
+        "``decoder_warmup``; no private data); 0, kept likewise (the benchmarks' README, "
+        "'DP-Cap: a larger batch, and its text decoder's public warm-up')",
     )
     contrastive_batch_size: int = Field(
         32,
         gt=0,
-        description="expected batch of Logit-DP and Naive-DP: cut from 64 to fit the job's 15 "
-        "minutes (commit 729b885, then a job on the digits; Logit-DP's pair clipper takes "
-        "2-2.5 minutes for its 30 steps in make run), no data seen; Naive-DP at ViP's 256 and 70 "
-        "steps did no better on the public stand-in (the benchmarks' README, 'The contrastive "
-        "stages on the stand-in')",
+        description="expected batch of Logit-DP and Naive-DP: cut to fit the job's 15 "
+        "minutes, no data seen; a larger one did no better on the public stand-in (the "
+        "benchmarks' README, 'The contrastive stages on the stand-in')",
     )
     contrastive_steps: int = Field(
-        30, gt=0, description="steps of Logit-DP and Naive-DP: cut likewise (commit dcc2d7e)"
+        30, gt=0, description="steps of Logit-DP and Naive-DP: cut likewise"
     )
     temperature: float = Field(
         1.0, gt=0, description="InfoNCE temperature of Logit-DP and Naive-DP"
