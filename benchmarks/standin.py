@@ -54,10 +54,9 @@ from utility import FINETUNE, FINETUNE_LR
 from training.data.labelled import (
     FASHION_MNIST_TEST,
     LabelledArrays,
-    class_public_captions,
-    class_vocabulary,
     fashion_mnist,
     write_caption_folder,
+    write_caption_texts,
     write_image_folder,
 )
 from training.dp.run import trial_weights
@@ -81,7 +80,6 @@ from vip_hub.privacy.accounting import (
     epsilon,
     remaining_epsilon,
 )
-from vip_hub.repo_format import VOCAB_FILE
 
 PRIVATE, END = 4_000, 5_000
 """Test records 0..PRIVATE-1 stand in for the private records, PRIVATE..END-1 score."""
@@ -206,9 +204,7 @@ def train_encoder(
     captions = root / f"captions-{len(records)}"
     if not captions.exists():
         write_caption_folder(records, captions, records.classes)
-    vocab, public = root / VOCAB_FILE, root / "public-captions.txt"
-    vocab.write_bytes(class_vocabulary(records.classes))
-    public.write_text("\n".join(class_public_captions(records.classes)) + "\n", "utf-8")
+    vocab, public = write_caption_texts(root, records.classes)
     return train_dpcap(
         DPCapConfig(data=str(captions), vocab=str(vocab), public_captions=str(public), **common)
     )

@@ -86,7 +86,7 @@ from training.study.table import Paired, paired
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import Accountant
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, compose_releases
-from vip_hub.repo_format import LEDGER_FILE, VOCAB_FILE
+from vip_hub.repo_format import LEDGER_FILE
 
 PAPER = {"end-to-end CNN": 86.0, "ScatterNet + linear": 89.7, "ScatterNet + CNN": 89.0}
 """Tramer & Boneh 2021, Fashion-MNIST at (3, 1e-5), test top-1 in %."""
@@ -321,14 +321,12 @@ def vip_repo(b: Bench, draw: int) -> Path:
 def dpcap_repo(b: Bench, draw: int) -> Path:
     """DP-Cap: the (Syn) DP-Cap encoder trained to caption the private images (the public
     template over their class names) with DP-AdamW."""
-    from training.data.labelled import class_public_captions, class_vocabulary
+    from training.data.labelled import write_caption_texts
     from training.recipes.dpcap import DPCapConfig, train_dpcap
 
     text = b.work / "data" / "text"
     text.mkdir(parents=True, exist_ok=True)
-    vocab, public = text / VOCAB_FILE, text / "public-captions.txt"
-    vocab.write_bytes(class_vocabulary(b.private.classes))
-    public.write_text("\n".join(class_public_captions(b.private.classes)) + "\n", "utf-8")
+    vocab, public = write_caption_texts(text, b.private.classes)
     return private_repo(
         b,
         "dpcap-nano-dpcap",

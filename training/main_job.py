@@ -89,9 +89,9 @@ from vip_hub.repo_format import (
 from .data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_TRAIN,
-    class_public_captions,
-    class_vocabulary,
+    PUBLIC_CAPTIONS_FILE,
     write_caption_folder,
+    write_caption_texts,
     write_image_folder,
 )
 from .skeleton.config import run_folder
@@ -272,7 +272,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
     data = work / "fashion-mnist"
     train, test = data / "train", data / "test"
     folder = {e: work / e.name for e in PUBLISHED}
-    vocab, public_captions = data / VOCAB_FILE, data / "public-captions.txt"
+    vocab, public_captions = data / VOCAB_FILE, data / PUBLIC_CAPTIONS_FILE
     comparison = work / "comparison.json"
     sizes = {"data": cfg.data, **cfg.model_dump(include={"train_size", "select_size", "test_size"})}
 
@@ -281,7 +281,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
         "vocabulary and public captions over the class names",
         sizes,
         [train, test, vocab, public_captions],
-        lambda: _write_data(cfg, work, train, test, vocab, public_captions),
+        lambda: _write_data(cfg, work, train, test),
     )
 
     for prior, out, what in (
@@ -434,17 +434,14 @@ def _names(encoder: _Encoder, folder: dict[_Encoder, Path]) -> dict[str, str]:
     return {"out": str(folder[encoder]), "model_name": encoder.name, "repo_id": encoder.repo_id}
 
 
-def _write_data(
-    cfg: MainJobConfig, work: Path, train: Path, test: Path, vocab: Path, captions: Path
-) -> None:
+def _write_data(cfg: MainJobConfig, work: Path, train: Path, test: Path) -> None:
     """The private records captioned over their class names (what every recipe reads), the
-    public scoring records, and DP-Cap's public vocabulary and captions (from the class names
-    alone)."""
+    public scoring records, and beside them DP-Cap's public vocabulary and captions (from the
+    class names alone)."""
     splits = study_splits(cfg, cfg.data, work / "data")
     write_caption_folder(splits.private, train, splits.classes)
     write_image_folder(splits.test, test, splits.classes)
-    vocab.write_bytes(class_vocabulary(splits.classes))
-    captions.write_text("\n".join(class_public_captions(splits.classes)) + "\n")
+    write_caption_texts(train.parent, splits.classes)
     print(
         f"    {splits.private.dataset.description}; {len(splits.test)} public test records",
         flush=True,

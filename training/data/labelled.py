@@ -46,6 +46,7 @@ from vip_hub.models.text_decoder import DEFAULT_PROMPT
 from vip_hub.models.tokenizer import public_vocab
 from vip_hub.paths import replace_dir
 from vip_hub.privacy.ledger import Dataset
+from vip_hub.repo_format import VOCAB_FILE
 
 __all__ = [
     "CAPTION_TEMPLATE",
@@ -53,6 +54,7 @@ __all__ = [
     "FASHION_MNIST_PACKAGE",
     "FASHION_MNIST_TEST",
     "FASHION_MNIST_TRAIN",
+    "PUBLIC_CAPTIONS_FILE",
     "LabelledArrays",
     "class_folder",
     "head_class_order",
@@ -63,6 +65,7 @@ __all__ = [
     "keyed_uniforms",
     "read_idx",
     "write_caption_folder",
+    "write_caption_texts",
     "write_image_folder",
 ]
 
@@ -91,6 +94,8 @@ FASHION_MNIST_SIDE = 28
 CAPTION_TEMPLATE = DEFAULT_PROMPT + " {name}"
 """Every image's caption: the zero-shot prompt (``DEFAULT_PROMPT``) then its class name, so
 DP-Cap is trained on the very texts zero-shot scores, and no caption depends on pixels."""
+PUBLIC_CAPTIONS_FILE = "public-captions.txt"
+"""``write_caption_texts``' file of the public captions (DP-Cap's ``--public-captions``)."""
 
 # IDX type codes (the third byte of the magic number) and their big-endian dtypes
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -389,6 +394,15 @@ def class_vocabulary(class_names: Sequence[str], template: str = CAPTION_TEMPLAT
     of every class caption and of the zero-shot prompt; fixed before training, fitted on no
     private text."""
     return public_vocab([*class_public_captions(class_names, template), DEFAULT_PROMPT])
+
+
+def write_caption_texts(folder: Path, class_names: Sequence[str]) -> tuple[Path, Path]:
+    """DP-Cap's public vocabulary and captions over ``class_names`` written into ``folder``
+    (``VOCAB_FILE``, ``PUBLIC_CAPTIONS_FILE``); their paths, in that order."""
+    vocab, captions = folder / VOCAB_FILE, folder / PUBLIC_CAPTIONS_FILE
+    vocab.write_bytes(class_vocabulary(class_names))
+    captions.write_text("\n".join(class_public_captions(class_names)) + "\n", "utf-8")
+    return vocab, captions
 
 
 def write_image_folder(data: LabelledArrays, root: Path, class_names: Sequence[str]) -> Path:
