@@ -77,7 +77,6 @@ from vip_hub.repo.signing import (
 )
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import (
-    HEADS_DIR,
     LEDGER_FILE,
     SIGNATURE_FILE,
     VOCAB_FILE,
@@ -369,7 +368,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             "chosen on": {e.name: _weights_digest(origin[e]) for e in PUBLISHED},
             "comparison": "rows and against_prior",  # its file's layout (a list until 2026-11-29)
         },
-        [comparison, *(folder[e] / HEADS_DIR / HEAD for e in PUBLISHED)],
+        [comparison, *(folder[e] / head_component(HEAD) for e in PUBLISHED)],
         lambda: _compare(cfg, work, test, folder, origin, comparison),
     )
 

@@ -30,6 +30,7 @@ from .errors import ConfigError
 __all__ = [
     "CARD_FILE",
     "CARD_LEDGER_KEY",
+    "COMPONENT_PATTERN",
     "CONFIG_DECODERS",
     "CONFIG_FILE",
     "CURVES_FILE",
@@ -38,9 +39,11 @@ __all__ = [
     "FORMAT_VERSION",
     "FrontMatterLimits",
     "HEADS_DIR",
+    "HEAD_COMPONENT_PATTERN",
     "HEAD_LABELS",
     "HEAD_METRICS",
     "HEAD_WEIGHTS",
+    "HEAD_WEIGHTS_GLOB",
     "LEDGER_FILE",
     "MAE_DECODER_FILE",
     "MANAGED_FILES",
@@ -125,7 +128,12 @@ which the tensors digest leaves out, must equal it)."""
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 """A head name (and a stage's component suffix)."""
 _NAME = re.compile(rf"^{NAME_PATTERN}\Z")  # \Z: $ matches before a final newline too
-COMPONENT_PATTERN = rf"^({ENCODER}|{HEADS_DIR}/{NAME_PATTERN})$"
+_HEAD_COMPONENT = rf"{HEADS_DIR}/{NAME_PATTERN}"
+HEAD_COMPONENT_PATTERN = rf"^{_HEAD_COMPONENT}$"
+"""A head's ledger component (``head_component``)."""
+COMPONENT_PATTERN = rf"^({ENCODER}|{_HEAD_COMPONENT})$"
+HEAD_WEIGHTS_GLOB = f"{HEADS_DIR}/*/{HEAD_WEIGHTS}"
+"""Every head's weights file in a repo folder (``Path.glob``)."""
 
 
 def check_name(kind: str, name: str) -> str:

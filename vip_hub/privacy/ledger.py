@@ -58,9 +58,8 @@ from ..paths import validate_relpath
 from ..repo_format import (
     COMPONENT_PATTERN,
     ENCODER,
-    HEADS_DIR,
+    HEAD_COMPONENT_PATTERN,
     LEDGER_FILE,
-    NAME_PATTERN,
     FrontMatterLimits,
 )
 from .accounting import (
@@ -227,7 +226,7 @@ class Dataset(_Model):
 class _Stage(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._:-]{0,99}$")
     component: str = Field(default=ENCODER, pattern=COMPONENT_PATTERN)
-    also_trains: list[Annotated[str, Field(pattern=rf"^{HEADS_DIR}/{NAME_PATTERN}$")]] = Field(
+    also_trains: list[Annotated[str, Field(pattern=HEAD_COMPONENT_PATTERN)]] = Field(
         default_factory=list,
         description="heads trained together with the component by this one stage (one "
         "mechanism: an end-to-end fine-tuning's classifier); written only when not empty",

@@ -31,7 +31,7 @@ from ..repo_format import (
     HEAD_LABELS,
     HEAD_METRICS,
     HEAD_WEIGHTS,
-    HEADS_DIR,
+    HEAD_WEIGHTS_GLOB,
     META_IN_FEATURES,
     META_LABELS,
     META_POOLING,
@@ -132,9 +132,7 @@ def save_head(
 def list_heads(repo_dir: str | os.PathLike[str]) -> list[str]:
     """Names of the heads stored in a repo folder."""
     root = Path(repo_dir)
-    return heads_in(
-        p.relative_to(root).as_posix() for p in root.glob(f"{HEADS_DIR}/*/{HEAD_WEIGHTS}")
-    )
+    return heads_in(p.relative_to(root).as_posix() for p in root.glob(HEAD_WEIGHTS_GLOB))
 
 
 def head_pooling(weights: str | os.PathLike[str]) -> Pooling:
