@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -121,6 +122,8 @@ def test_export_layout(tiny_repo):
 
 
 def test_plain_timm_loads_the_repo(tiny_repo, tmp_path):
+    """Plain timm in a process of its own gives this process's forward bit for bit, at this
+    process's thread count (another count sums in another order: about 1e-6 apart)."""
     x = torch.randn(2, 3, 32, 32)
     torch.save(x, tmp_path / "x.pt")
     r = subprocess.run(
@@ -134,6 +137,7 @@ def test_plain_timm_loads_the_repo(tiny_repo, tmp_path):
         ],
         capture_output=True,
         text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
     )
     assert r.returncode == 0, r.stderr
     assert "(3, 32, 32) bicubic 0.875" in r.stdout
