@@ -12,8 +12,13 @@
 #   3. benchmarks/serve.py --device cuda: vip-base at 224 px, concurrency 64;
 #   4. benchmarks/noise.py --device cuda: issue 52's noise drawn on the device (Philox4x64-10,
 #      Box-Muller) against the CPU ziggurat copied over, on vip-base's 86 M coordinates (the
-#      CUDA tests of stage 1 check its words, uniforms and Gaussians against the CPU's).
-#       bash benchmarks/gpu_checks.sh [tests|noise|dp_step|dp_order|serve ...]
+#      CUDA tests of stage 1 check its words, uniforms and Gaussians against the CPU's);
+#   5. `utility` (not in the default): issue 56's next trial, benchmarks/utility.py's (Syn)-ViP
+#      row and its DP fine-tuning row at a schedule the CPU cannot run (GPU_FINETUNE_STEPS, 300;
+#      GPU_FINETUNE_PARAMETERS, all), each beside its non-private reference, on the four
+#      Fashion-MNIST IDX files in GPU_DATA (var/fashion-mnist, carried: the machine has no
+#      Debian package).
+#       bash benchmarks/gpu_checks.sh [tests|noise|dp_step|dp_order|serve|utility ...]
 #   (default: tests noise dp_step dp_order serve)
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
@@ -53,5 +58,10 @@ for stage in $stages; do
     serve)
       timeout "${GPU_SERVE_S:-150}" python3 benchmarks/serve.py --device cuda --arch vip-base \
           --img-size 224 --concurrency 64 --seconds 8 2>&1 | tee "$OUT/serve.txt" ;;
+    utility)
+      timeout "${GPU_UTILITY_S:-480}" python3 benchmarks/utility.py --device cuda \
+          --data "${GPU_DATA:-var/fashion-mnist}" --work /tmp/utility --rows syn,finetune \
+          --finetune-steps "${GPU_FINETUNE_STEPS:-300}" \
+          --finetune-parameters "${GPU_FINETUNE_PARAMETERS:-all}" 2>&1 | tee "$OUT/utility.txt" ;;
   esac
 done
