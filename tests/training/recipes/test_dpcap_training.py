@@ -34,6 +34,7 @@ import training.dp.run
 from training.data.images import CaptionFolder, TarShards, open_captions
 from training.data.labelled import (
     FASHION_MNIST_CLASSES,
+    PUBLIC_CAPTIONS_FILE,
     LabelledArrays,
     class_public_captions,
     class_vocabulary,
@@ -263,7 +264,7 @@ def test_the_text_decoder_warm_up_runs_on_public_captions_before_the_dp_stage(
     """``decoder_warmup``: the fresh text decoder first learns the public captions (the template
     over the class names) on public images, before the engine, so the stage's first public loss,
     and its average's, start below a fresh decoder's; the stage records the warm-up."""
-    public = tmp_path / "public-captions.txt"
+    public = tmp_path / PUBLIC_CAPTIONS_FILE
     public.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
     runs = {
         warmup: train_dpcap(
