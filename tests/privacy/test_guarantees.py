@@ -17,7 +17,7 @@ from training.data.labelled import keyed_uniforms
 from training.recipes.probe import ProbeConfig, fit_probe, run_probe
 from vip_hub.errors import VipHubError
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, HEAD_WEIGHTS, HEADS_DIR
+from vip_hub.repo_format import CARD_FILE, HEAD_LABELS, HEAD_WEIGHTS, head_component, head_file
 
 N, DIM = 64, 6
 
@@ -206,17 +206,18 @@ def test_verify_refuses_a_head_folder_without_a_stage_of_its_own(
     from vip_hub.repo.files import update_repo
 
     evil = {
-        f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}": save({"w": torch.zeros(2)}),
-        f"{HEADS_DIR}/evil/{HEAD_LABELS}": b"[]",
+        head_file("evil", HEAD_WEIGHTS): save({"w": torch.zeros(2)}),
+        head_file("evil", HEAD_LABELS): b"[]",
     }
-    with pytest.raises(VipHubError, match=f"{HEADS_DIR}/evil/"):
+    folder = f"{head_component('evil')}/"
+    with pytest.raises(VipHubError, match=folder):
         update_repo(tiny_repo, add_files=evil)
     assert verify_repo(tiny_repo).ok  # left as it was
     staged_reports(monkeypatch)
     update_repo(tiny_repo, add_files=evil)
     report = verify_repo(tiny_repo)
     where = [p.where for p in report.problems]  # no stage; and no head a loader could read
-    assert not report.ok and where == [f"{HEADS_DIR}/evil/", f"{HEADS_DIR}/evil/{HEAD_WEIGHTS}"]
+    assert not report.ok and where == [folder, head_file("evil", HEAD_WEIGHTS)]
 
 
 def test_verify_warns_that_a_shuffled_stage_assumes_poisson_sampling(tmp_path: Path) -> None:

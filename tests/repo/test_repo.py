@@ -68,8 +68,7 @@ from vip_hub.repo_format import (
     CONFIG_FILE,
     HEAD_LABELS,
     HEAD_METRICS,
-    HEAD_WEIGHTS,
-    HEADS_DIR,
+    HEAD_WEIGHTS_GLOB,
     LEDGER_FILE,
     MAE_DECODER_FILE,
     META_ARCH,
@@ -483,7 +482,7 @@ def test_a_head_name_that_is_no_folder_name_is_refused(name):
     """A head's name is its folder's: a final newline ($ matched before it) is refused too."""
     with pytest.raises(ConfigError, match="head name"):
         head_component(name)
-    assert head_name_of(f"{HEADS_DIR}/{name}/{HEAD_WEIGHTS}") is None
+    assert head_name_of(HEAD_WEIGHTS_GLOB.replace("*", name)) is None
 
 
 def test_a_ledger_of_more_stages_than_verify_recomputes_is_refused_by_name(tiny_repo):

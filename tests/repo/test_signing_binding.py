@@ -35,7 +35,7 @@ from vip_hub.repo.card import card_info, ledger_rows
 from vip_hub.repo.heads import HeadInfo, LinearProbe, list_heads, save_head
 from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signature
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CARD_FILE, HEADS_DIR, head_component
+from vip_hub.repo_format import CARD_FILE, head_component
 
 
 @pytest.fixture
@@ -59,9 +59,9 @@ def test_a_head_added_through_a_linked_folder_is_refused(tmp_path, alice, capsys
     hidden in the repo itself, was served as the trainer's."""
     repo = _signed_repo(tmp_path / "repo", alice[0])
     donor = tiny_repo_with_head(tmp_path / "donor")
-    shutil.copytree(donor / HEADS_DIR / "toy", repo / ".payload")
-    (repo / HEADS_DIR).mkdir()
-    (repo / HEADS_DIR / "toy").symlink_to(Path("..", ".payload"), target_is_directory=True)
+    shutil.copytree(donor / head_component("toy"), repo / ".payload")
+    (repo / head_component("toy")).parent.mkdir()
+    (repo / head_component("toy")).symlink_to(Path("..", ".payload"), target_is_directory=True)
     assert list_heads(repo) == ["toy"]  # what a loader of this folder serves
     linked = f"{head_component('toy')}: a link to a folder"
     with pytest.raises(UnsafePathError, match=linked):
