@@ -79,7 +79,6 @@ from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import (
     LEDGER_FILE,
     SIGNATURE_FILE,
-    VOCAB_FILE,
     head_component,
     head_name_of,
     is_weights_file,
@@ -88,7 +87,7 @@ from vip_hub.repo_format import (
 from .data.labelled import (
     CAPTION_TEMPLATE,
     FASHION_MNIST_TRAIN,
-    PUBLIC_CAPTIONS_FILE,
+    caption_text_paths,
     write_caption_folder,
     write_caption_texts,
     write_image_folder,
@@ -271,7 +270,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
     data = work / "fashion-mnist"
     train, test = data / "train", data / "test"
     folder = {e: work / e.name for e in PUBLISHED}
-    vocab, public_captions = data / VOCAB_FILE, data / PUBLIC_CAPTIONS_FILE
+    vocab, public_captions = caption_text_paths(data)
     comparison = work / "comparison.json"
     sizes = {"data": cfg.data, **cfg.model_dump(include={"train_size", "select_size", "test_size"})}
 

@@ -56,6 +56,7 @@ __all__ = [
     "FASHION_MNIST_TRAIN",
     "PUBLIC_CAPTIONS_FILE",
     "LabelledArrays",
+    "caption_text_paths",
     "class_folder",
     "head_class_order",
     "class_public_captions",
@@ -396,10 +397,16 @@ def class_vocabulary(class_names: Sequence[str], template: str = CAPTION_TEMPLAT
     return public_vocab([*class_public_captions(class_names, template), DEFAULT_PROMPT])
 
 
+def caption_text_paths(folder: Path) -> tuple[Path, Path]:
+    """Where ``write_caption_texts`` puts DP-Cap's public vocabulary and captions in ``folder``
+    (``VOCAB_FILE``, ``PUBLIC_CAPTIONS_FILE``), in that order."""
+    return folder / VOCAB_FILE, folder / PUBLIC_CAPTIONS_FILE
+
+
 def write_caption_texts(folder: Path, class_names: Sequence[str]) -> tuple[Path, Path]:
-    """DP-Cap's public vocabulary and captions over ``class_names`` written into ``folder``
-    (``VOCAB_FILE``, ``PUBLIC_CAPTIONS_FILE``); their paths, in that order."""
-    vocab, captions = folder / VOCAB_FILE, folder / PUBLIC_CAPTIONS_FILE
+    """DP-Cap's public vocabulary and captions over ``class_names`` written into ``folder``;
+    their paths (``caption_text_paths``)."""
+    vocab, captions = caption_text_paths(folder)
     vocab.write_bytes(class_vocabulary(class_names))
     captions.write_text("\n".join(class_public_captions(class_names)) + "\n", "utf-8")
     return vocab, captions

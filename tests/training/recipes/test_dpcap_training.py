@@ -34,11 +34,10 @@ import training.dp.run
 from training.data.images import CaptionFolder, TarShards, open_captions
 from training.data.labelled import (
     FASHION_MNIST_CLASSES,
-    PUBLIC_CAPTIONS_FILE,
     LabelledArrays,
-    class_public_captions,
     class_vocabulary,
     write_caption_folder,
+    write_caption_texts,
 )
 from training.dp.clipping import PerExampleClipper
 from training.recipes.dpcap import DPCapConfig, train_dpcap
@@ -264,8 +263,7 @@ def test_the_text_decoder_warm_up_runs_on_public_captions_before_the_dp_stage(
     """``decoder_warmup``: the fresh text decoder first learns the public captions (the template
     over the class names) on public images, before the engine, so the stage's first public loss,
     and its average's, start below a fresh decoder's; the stage records the warm-up."""
-    public = tmp_path / PUBLIC_CAPTIONS_FILE
-    public.write_text("\n".join(class_public_captions(FASHION_MNIST_CLASSES)) + "\n")
+    _, public = write_caption_texts(tmp_path, FASHION_MNIST_CLASSES)
     runs = {
         warmup: train_dpcap(
             dpcap_config(
