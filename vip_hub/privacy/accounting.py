@@ -266,11 +266,7 @@ def _epsilon(history: tuple[GaussianRun, ...], delta: float, kind: Accountant) -
         if kind is Accountant.PLD:
             return _pld_epsilon(history, delta)
         if kind is Accountant.RDP:
-            from opacus.accountants.analysis.rdp import get_privacy_spent
-
-            # what opacus' RDPAccountant sums (compute_rdp at T steps is T times one step's)
-            curve = sum([_rdp_per_step(sigma, q) * steps for sigma, q, steps in history])
-            return float(get_privacy_spent(orders=rdp_alphas(), rdp=curve, delta=delta)[0])
+            return _rdp_epsilon(history, delta)
         from opacus.accountants import PRVAccountant
 
         acc = PRVAccountant()
@@ -302,17 +298,48 @@ def _check_grid(history: tuple[GaussianRun, ...], delta: float, kind: Accountant
         )
 
 
-@functools.lru_cache(maxsize=4096)
-def _rdp_per_step(sigma: float, sample_rate: float) -> np.ndarray:
-    """Opacus' RDP of one Poisson-sampled Gaussian step at every order of ``rdp_alphas``, computed
-    once per process for each (sigma, q) whatever the steps and the runs it is composed with."""
+_PRUNE_MARGIN = 1e-9
+"""An RDP order is skipped only where its bound exceeds the least epsilon by more than this
+share, so that rounding in opacus' series and sums cannot skip the least order."""
+
+
+def _rdp_epsilon(history: tuple[GaussianRun, ...], delta: float) -> float:
+    """Opacus' RDP epsilon of ``history``: the least conversion (``get_privacy_spent``) over the
+    orders of ``rdp_alphas``, computing an order's RDP (a series or a sum of up to 256 terms)
+    only where it could give the least. RDP never falls as the order grows and is never
+    negative, so the RDP of the largest order computed below another bounds that order's from
+    below; an order whose bound converts to more than the least epsilon found, starting from
+    the orders 2, 4, ..., 256, cannot give the least and is skipped."""
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    def curve(order: float) -> float:  # what opacus' RDPAccountant sums at the order
+        return sum([_rdp_per_step(sigma, q, order) * steps for sigma, q, steps in history])
+
+    def converted(orders: list[float], rdp: list[float]) -> float:
+        return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+    orders = sorted(rdp_alphas())
+    known = {a: curve(a) for a in orders if math.log2(a).is_integer()}
+    least = converted(list(known), list(known.values()))
+    for a in orders:
+        if a in known:
+            continue
+        below = max((k for k in known if k < a), default=None)
+        bound = converted([a], [known[below] if below is not None else 0.0])
+        if not bound > least + _PRUNE_MARGIN * abs(least):  # NaN too: compute it
+            known[a] = curve(a)
+            least = min(least, converted([a], [known[a]]))
+    kept = sorted(known)
+    return converted(kept, [known[a] for a in kept])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rdp_per_step(sigma: float, sample_rate: float, order: float) -> float:
+    """Opacus' RDP of one Poisson-sampled Gaussian step at ``order``, computed once per process
+    for each (sigma, q, order) whatever the steps and the runs it is composed with."""
     from opacus.accountants.analysis.rdp import compute_rdp
 
-    rdp = np.asarray(
-        compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1, orders=rdp_alphas())
-    )
-    rdp.setflags(write=False)
-    return rdp
+    return float(compute_rdp(q=sample_rate, noise_multiplier=sigma, steps=1, orders=[order])[0])
 
 
 def calibrate(
