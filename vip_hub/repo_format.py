@@ -39,6 +39,7 @@ __all__ = [
     "FORMAT_VERSION",
     "FrontMatterLimits",
     "HEADS_DIR",
+    "HEAD_FOLDER_SHOWN",
     "HEAD_COMPONENT_PATTERN",
     "HEAD_LABELS",
     "HEAD_METRICS",
@@ -134,6 +135,8 @@ HEAD_COMPONENT_PATTERN = rf"^{_HEAD_COMPONENT}$"
 COMPONENT_PATTERN = rf"^({ENCODER}|{_HEAD_COMPONENT})$"
 HEAD_WEIGHTS_GLOB = f"{HEADS_DIR}/*/{HEAD_WEIGHTS}"
 """Every head's weights file in a repo folder (``Path.glob``)."""
+HEAD_FOLDER_SHOWN = f"{HEADS_DIR}/<name>/"
+"""A head's folder as help texts and field descriptions show it."""
 
 
 def check_name(kind: str, name: str) -> str:

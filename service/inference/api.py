@@ -24,8 +24,8 @@ from vip_hub.repo_format import (
     CONFIG_BLOCK,
     CONFIG_FILE,
     DEFAULT_BRANCH,
+    HEAD_FOLDER_SHOWN,
     HEAD_LABELS,
-    HEADS_DIR,
     LEDGER_FILE,
     NAME_PATTERN,
     head_component,
@@ -96,7 +96,7 @@ class ClassifyRequest(BaseModel):
 
     model: ModelRef
     head: str = Field(
-        pattern=f"^{NAME_PATTERN}$", description=f"a {HEADS_DIR}/<name>/ probe of the model"
+        pattern=f"^{NAME_PATTERN}$", description=f"a {HEAD_FOLDER_SHOWN} probe of the model"
     )
     input: Images
     top_k: TopK = 5

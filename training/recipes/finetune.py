@@ -71,7 +71,7 @@ from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsil
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
-from vip_hub.repo_format import HEADS_DIR, WEIGHTS_FILE, head_component, head_file
+from vip_hub.repo_format import HEAD_FOLDER_SHOWN, WEIGHTS_FILE, head_component, head_file
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.clipping import BroadcastHook, broadcast
@@ -141,7 +141,7 @@ class FinetuneConfig(
     test folder's loss is also the card's curve."""
 
     init: str = Field(description="(Syn)-ViP repo folder or hub id whose encoder is fine-tuned")
-    head: str = Field("classifier", description=f"head name: the repo gets {HEADS_DIR}/NAME/")
+    head: str = Field("classifier", description=f"head name: the repo gets {HEAD_FOLDER_SHOWN}")
     pooling: str = Field(
         "avg",
         description="feature mode the head reads: avg, cls or vip (the final norm is trained "

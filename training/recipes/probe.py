@@ -69,7 +69,7 @@ from vip_hub.privacy.ledger import (
 )
 from vip_hub.privacy.sensitivity import DP_SGD, MIN_CLIP, rounding_params, sensitivity
 from vip_hub.repo.heads import HeadInfo, LinearProbe, save_head
-from vip_hub.repo_format import ENCODER, HEADS_DIR, head_component, head_file
+from vip_hub.repo_format import ENCODER, HEAD_FOLDER_SHOWN, head_component, head_file
 
 from ..data.images import ImageFolder
 from ..data.labelled import keyed_uniforms
@@ -268,7 +268,7 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         description="held-out share of --data when --test-data is not given: records chosen by "
         "a keyed hash under a secret; its top-1 is printed, never put on the card",
     )
-    head: str = Field("probe", description=f"head name: the repo gets {HEADS_DIR}/NAME/")
+    head: str = Field("probe", description=f"head name: the repo gets {HEAD_FOLDER_SHOWN}")
     pooling: str = Field(
         "vip",
         description="feature mode: vip (the paper's), avg, cls, a family's own, or a spatial "
