@@ -144,6 +144,15 @@ def test_dataset_used_without_dp_cannot_be_guaranteed():
         PrivacyLedger.build([dp_stage(), leak])
 
 
+def test_a_non_private_stage_on_the_dp_stages_records_cannot_call_them_public():
+    """private_data false on the dataset a DP stage protects left its guarantee standing."""
+    public = NonPrivateStage(
+        name="probe", dataset=Dataset(name="test-images", size=1000), private_data=False
+    )
+    with pytest.raises(LedgerError, match="is the private dataset of DP stage 'dp-pretraining'"):
+        PrivacyLedger.build([dp_stage(), public])
+
+
 def test_head_summary_inherits_encoder_and_reports_unprotected_data():
     head = NonPrivateStage(
         name="linear-probe",

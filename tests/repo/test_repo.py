@@ -979,6 +979,98 @@ def test_verify_refuses_a_noise_support_no_known_sampler_has(tiny_repo, support)
     assert "records a truncation delta" not in text  # the forgery's only flaw
 
 
+def test_verify_names_a_vanishing_noise_support_without_recomputing_its_truncation(tiny_repo):
+    """A support of 1e-200 sigma made the truncation delta's logarithm fail with a traceback."""
+    rewrite_ledger_copies(tiny_repo, lambda d: d["stages"][1].update(noise_support=1e-200) or d)
+    _fails(tiny_repo, "records noise support c = 1e-200 sigma", "no noise sampler")
+
+
+LOGIT_DP_PARAMS = {"loss": CONTRASTIVE_LOSS, "temperature": 0.1, "max_batch": 100}
+
+
+@pytest.mark.parametrize(
+    ("params", "recorded", "refusal"),
+    [
+        (  # the noise is 1 sensitivity, not the sigma of 10 its epsilon (0.19) is computed at
+            {},
+            {"clipping_norm": 1e308, "sensitivity": 1e308},
+            "noise std 1e+308 is not sigma * sensitivity = inf",
+        ),
+        (
+            {"mechanism": "Logit-DP", "sensitivity": 1e307, "mechanism_params": LOGIT_DP_PARAMS},
+            {},
+            "claims sensitivity 1e+307 but Logit-DP",
+        ),
+    ],
+)
+def test_verify_refuses_a_stage_whose_recomputed_noise_or_sensitivity_overflows(
+    tiny_repo, params, recorded, refusal
+):
+    """sigma * Delta (or Logit-DP's sensitivity) past the largest float is inf, and a claim
+    compared with it by a tolerance compared with NaN and passed."""
+    stage = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="test-images", size=1000),
+        sample_rate=0.05,
+        noise_multiplier=10.0 if not params else 1.0,
+        steps=100,
+        clipping_norm=1e307,
+        noised_tensors={"unreleased:test": 1_000},
+        **params,
+    )
+
+    def overflowing(ledger: dict) -> dict:
+        dumped = {**stage.model_dump(mode="json", by_alias=True), **recorded}
+        ledger["stages"][1] = dumped
+        ledger["guarantees"][0].update(
+            epsilon=dumped["epsilon"], delta=dumped["delta"] + dumped["truncation_delta"]
+        )
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, overflowing)
+    _fails(tiny_repo, refusal)
+
+
+def test_verify_names_a_noised_tensor_that_is_the_weights_metadata(tiny_repo):
+    """The header's ``__metadata__`` entry is no tensor: with a forged "shape" in the metadata
+    (outside the digest) it crashed verify, or counted as one element."""
+    path = tiny_repo / WEIGHTS_FILE
+
+    def metadata_counted(ledger: dict) -> dict:
+        counted = ledger["stages"][1]["noised_tensors"]
+        counted["unreleased:test"] -= 1  # the dimension unchanged
+        counted[f"{WEIGHTS_FILE}:__metadata__"] = 1
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, metadata_counted)
+    rewrite_safetensors_metadata(path, {**read_safetensors_metadata(path), "shape": "[1]"})
+    _fails(tiny_repo, f"counts the noised tensor {WEIGHTS_FILE}:__metadata__, which")
+
+
+def test_a_broken_weights_header_is_named_under_the_weights_not_the_config(tiny_repo):
+    """The configuration check read the header too, and named config.json for its fault."""
+    path = tiny_repo / WEIGHTS_FILE
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    header[next(k for k in header if k != "__metadata__")]["dtype"] = "XX"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size :])
+    report = verify_repo(tiny_repo)
+    assert not report.ok and all(p.where != CONFIG_FILE for p in report.problems), report.problems
+    assert any(p.where == WEIGHTS_FILE for p in report.problems)
+
+
+@pytest.mark.parametrize("field", ["noise_std", "epsilon", "expected_batch_size"])
+def test_a_ledger_spelling_infinity_as_a_string_is_refused_naming_the_field(tiny_repo, field):
+    """pydantic reads "inf" where a number goes: the copies verified with C = inf, or an
+    epsilon of inf crashed the card's headline."""
+    rewrite_ledger_copies(tiny_repo, lambda d: d["stages"][1].update({field: "inf"}) or d)
+    text = _fails(tiny_repo, f"stages.1.dp.{field}: Input should be a finite number")
+    assert "Traceback" not in text
+
+
 @pytest.mark.parametrize("sampler", sorted(NOISE_SAMPLERS))
 def test_verify_accepts_every_known_noise_sampler(tiny_repo, sampler):
     """The shipped sampler, the ziggurat of releases before it and the imports' curand sampler."""

@@ -201,7 +201,9 @@ def _from_validation(err: ValidationError) -> LedgerError:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 class Dataset(_Model):
@@ -671,6 +673,12 @@ class PrivacyLedger(_Model):
         unprotected = {
             s.dataset.key for s in self.stages if isinstance(s, NonPrivateStage) and s.private_data
         }
+        for i, s in enumerate(self.stages):
+            if isinstance(s, NonPrivateStage) and not s.private_data and s.dataset.key in expected:
+                problems.append(
+                    f"stages.{i}.private_data: false, but {s.dataset.name!r} is the private "
+                    f"dataset of DP stage {expected[s.dataset.key][0].name!r}"
+                )
         claimed: set[str] = set()
         for i, g in enumerate(self.guarantees):
             if g.key in claimed:

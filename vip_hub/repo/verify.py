@@ -527,10 +527,13 @@ def _check_config(files: Mapping[str, Path], report: VerificationReport) -> dict
         return {}
     try:
         config = json.loads(files[CONFIG_FILE].read_bytes())
-        header = read_safetensors_header(files[WEIGHTS_FILE])[0]
-        arch = header_metadata(header).get(META_ARCH)
     except (ValueError, OSError, RecursionError) as e:
         report.fail(CONFIG_FILE, f"unreadable: {e}")
+        return {}
+    try:  # a broken header is the weights check's to name, not the configuration's
+        header = read_safetensors_header(files[WEIGHTS_FILE])[0]
+        arch = header_metadata(header).get(META_ARCH)
+    except (ValueError, OSError, RecursionError):
         return {}
     for key in weight_sources(config) if isinstance(config, dict) else []:
         report.fail(
@@ -756,7 +759,7 @@ def _check_noised(
                 except (RepoFormatError, OSError) as e:
                     report.fail(file, f"unreadable: {e}", TamperedFileError)
                     headers[file] = {}
-            shape = (headers[file].get(tensor) or {}).get("shape")
+            shape = (header_tensors(headers[file]).get(tensor) or {}).get("shape")
             if shape is None:
                 report.overclaims(where, f"counts the noised tensor {key}, which {file} lacks")
             elif math.prod(shape) != count:
@@ -778,13 +781,16 @@ def _check_truncation(stage: DPStage, report: VerificationReport) -> None:
             f"records noise support c = {stage.noise_support:.6g} sigma, which is no noise "
             f"sampler vip-hub knows ({known})",
         )
-    actual = truncation_delta(
-        stage.noise_multiplier,
-        stage.sample_rate,
-        stage.steps,
-        stage.noise_support,
-        stage.noised_dimension,
-    )
+    try:
+        actual = truncation_delta(
+            stage.noise_multiplier,
+            stage.sample_rate,
+            stage.steps,
+            stage.noise_support,
+            stage.noised_dimension,
+        )
+    except (ValueError, ArithmeticError):  # a support far below any sampler's: named above
+        return
     report.recomputed[f"{stage.name}/truncation_delta"] = actual
     if _understated(stage.truncation_delta, actual):
         report.overclaims(
@@ -925,13 +931,15 @@ def _recompute(
 
 
 def _understated(claimed: float, actual: float) -> bool:
-    """An upper bound below its recomputation by more than the recomputation's noise."""
-    return claimed < actual - NUMERICAL_TOLERANCE * abs(actual)
+    """An upper bound below its recomputation by more than the recomputation's noise; any bound
+    is below a recomputation that overflowed (or is NaN)."""
+    return not math.isfinite(actual) or claimed < actual - NUMERICAL_TOLERANCE * abs(actual)
 
 
 def _overstated(claimed: float, actual: float) -> bool:
-    """A lower bound above its recomputation by more than the recomputation's noise."""
-    return claimed > actual + NUMERICAL_TOLERANCE * abs(actual)
+    """A lower bound above its recomputation by more than the recomputation's noise; a NaN
+    recomputation confirms no bound."""
+    return math.isnan(actual) or claimed > actual + NUMERICAL_TOLERANCE * abs(actual)
 
 
 def _off_upper(claimed: float, actual: float, tolerance: float) -> bool:
