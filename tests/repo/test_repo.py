@@ -606,7 +606,7 @@ def test_a_ledger_holding_nan_or_infinity_is_refused_naming_the_field(tiny_repo,
             for copy in (LEDGER_FILE, WEIGHTS_FILE)
         ],
         # the card's front matter is refused before its ledger is read: JSON has no NaN
-        f"{CARD_FILE}: its front matter's differential_privacy."
+        f"{CARD_FILE}: its front matter's {CARD_LEDGER_KEY}."
         + name.replace("stages.1", "stages[1]")
         + " is not a finite number",
     )
@@ -1048,7 +1048,7 @@ def test_verify_names_a_noised_tensor_that_is_the_weights_metadata(tiny_repo):
 
 
 def test_a_broken_weights_header_is_named_under_the_weights_not_the_config(tiny_repo):
-    """The configuration check read the header too, and named config.json for its fault."""
+    """The configuration check read the header too, and named the configuration for its fault."""
     path = tiny_repo / WEIGHTS_FILE
     raw = path.read_bytes()
     size = int.from_bytes(raw[:8], "little")

@@ -709,7 +709,7 @@ def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
 
 
 def card_ledger(card: ModelCard) -> PrivacyLedger:
-    """The ledger copy kept in the front matter (``differential_privacy``) of ``card``
+    """The ledger copy kept in the front matter (under ``CARD_LEDGER_KEY``) of ``card``
     (``load_card``'s)."""
     data = card.data.to_dict()
     if CARD_LEDGER_KEY not in data:

@@ -37,6 +37,7 @@ from vip_hub import export_encoder
 from vip_hub.errors import ConfigError, MissingInputError
 from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
+    CARD_LEDGER_KEY,
     CONFIG_FILE,
     HEAD_LABELS,
     HEADS_DIR,
@@ -66,7 +67,7 @@ def test_downloads_and_metadata(hub, published):
     assert (snap / head_file("toy")).read_bytes() == (local / head_file("toy")).read_bytes()
     assert vip_hub.verify_repo(snap).ok
     card = ModelCard.load(MODEL)
-    assert card.data.differential_privacy["schema"] == "vip-hub/privacy-ledger/v4"
+    assert getattr(card.data, CARD_LEDGER_KEY)["schema"] == "vip-hub/privacy-ledger/v4"
 
 
 def test_timm_and_vip_hub_load_from_the_hub(hub, published):
