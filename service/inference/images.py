@@ -86,7 +86,7 @@ def open_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
         raise BadRequest(f"input[{index}]: empty image")
     if len(data) > limits.max_bytes:
         raise PayloadTooLarge(f"input[{index}]: image larger than {limits.max_bytes} bytes")
-    _check_structure(data, index)
+    _check_structure(data, index, limits)
     with _decoding(index):
         img = Image.open(io.BytesIO(data), formats=FORMATS)
         width, height = img.size
@@ -118,12 +118,16 @@ MAX_JPEG_SCANS = 100
 """Most scans of a JPEG: each costs a pass over every pixel, so one
 10 MiB image of repeated empty progressive scans decoded for minutes (libjpeg-turbo's
 ``-maxscan`` guidance; a progressive encoder writes about 10)."""
+MAX_TIFF_BLOCKS = 65_536
+"""Most strips or tiles of a TIFF (a 4096x4096 one of a row per strip in four planes has 65,536):
+Pillow reads an uncompressed one's blocks one at a time in Python, so a 64x64 TIFF listing 1.25M
+strips held a preprocessing thread for 8.6 s."""
 
 
-def _check_structure(data: bytes, index: int) -> None:
+def _check_structure(data: bytes, index: int, limits: ImageLimits) -> None:
     """BadRequest naming ``index`` for an image whose structure would cost its decoder more than
-    its bytes and pixels say (``MAX_HEADER_STEPS``, ``MAX_PNG_CHUNKS``, ``MAX_JPEG_SCANS``);
-    checked on the raw bytes before Pillow parses anything."""
+    its bytes and pixels say (``MAX_HEADER_STEPS``, ``MAX_PNG_CHUNKS``, ``MAX_JPEG_SCANS``, a
+    TIFF's blocks); checked on the raw bytes before Pillow parses anything."""
     scans = 0
     if data.startswith(b"\xff\xd8"):
         steps, first_scan = _jpeg_header_steps(data)
@@ -134,6 +138,8 @@ def _check_structure(data: bytes, index: int) -> None:
         steps, what = _gif_header_steps(data), "blocks before its first frame"
     elif data.startswith(b"\x89PNG\r\n\x1a\n") and _png_chunks(data) > MAX_PNG_CHUNKS:
         raise BadRequest(f"input[{index}]: a PNG of more than {MAX_PNG_CHUNKS} chunks")
+    elif data[:4] in _TIFF_MAGIC and (problem := _tiff_problem(data, limits.max_pixels)):
+        raise BadRequest(f"input[{index}]: {problem}")
     else:
         steps, what = 0, ""
     if steps > MAX_HEADER_STEPS:
@@ -143,6 +149,79 @@ def _check_structure(data: bytes, index: int) -> None:
             f"input[{index}]: a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} (each "
             "is a pass over every pixel)"
         )
+
+
+_TIFF_MAGIC = (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")  # classic and BigTIFF, each byte order
+_TIFF_OFFSETS = {273: "strips", 324: "tiles"}  # StripOffsets, TileOffsets: their counts matter
+# ImageWidth, ImageLength, SamplesPerPixel, RowsPerStrip, PlanarConfiguration, TileWidth, -Length
+_TIFF_SIZES = {
+    256: "width",
+    257: "height",
+    277: "samples",
+    278: "rows",
+    284: "planar",
+    322: "tile_width",
+    323: "tile_length",
+}
+_TIFF_INTEGERS = {3: "H", 4: "I", 16: "Q"}  # SHORT, LONG, LONG8: the types a size may have
+
+
+def _tiff_problem(data: bytes, max_pixels: int) -> str | None:
+    """What makes a TIFF's first directory cost more than its pixels: more than
+    ``MAX_HEADER_STEPS`` entries, more than ``MAX_TIFF_BLOCKS`` strips or tiles or more than its
+    size divides into, or a tile of more than ``max_pixels`` (decoded whole); else None."""
+    try:
+        entries, fields = _tiff_directory(data)
+    except struct.error:
+        return None  # truncated: Pillow names it
+    if entries > MAX_HEADER_STEPS:
+        return f"a TIFF directory of {entries} entries, over the limit of {MAX_HEADER_STEPS}"
+    kind = "tiles" if "tiles" in fields else "strips"
+    if (blocks := fields.get(kind)) is None:
+        return None
+    if blocks > MAX_TIFF_BLOCKS:
+        return f"a TIFF of {blocks} {kind}, over the limit of {MAX_TIFF_BLOCKS}"
+    width, height = fields.get("width", 0), fields.get("height", 0)
+    planes = fields.get("samples", 1) if fields.get("planar") == 2 else 1
+    if kind == "tiles":
+        across, down = fields.get("tile_width", 0), fields.get("tile_length", 0)
+        if across * down > max_pixels:
+            return (
+                f"a TIFF tile of {across}x{down} pixels, over the limit of {max_pixels} "
+                "(inference.max_image_pixels: a tile is decoded whole)"
+            )
+        grid = f"{width}x{height} pixels in {across}x{down} tiles"
+    else:
+        across, down = width, min(fields.get("rows", height) or height, height)
+        grid = f"{height} rows in strips of {down}"
+    if not (width and height and across and down):
+        return None  # no pixels or no block size: Pillow names it
+    expected = -(-width // across) * -(-height // down) * planes
+    if blocks > expected:
+        return f"a TIFF listing {blocks} {kind} where its {grid} make {expected}"
+    return None
+
+
+def _tiff_directory(data: bytes) -> tuple[int, dict[str, int]]:
+    """The entry count of a TIFF's first directory, and the sizes in ``_TIFF_SIZES`` and block
+    counts in ``_TIFF_OFFSETS`` among its first ``MAX_HEADER_STEPS`` entries."""
+    order = "<" if data[:2] == b"II" else ">"
+    big = data[2:4] in (b"+\0", b"\0+")  # BigTIFF: 8-byte counts and offsets
+    count, entry, offset = ("Q", 20, 8) if big else ("H", 12, 4)
+    (directory,) = struct.unpack_from(order + ("Q" if big else "I"), data, offset)
+    (entries,) = struct.unpack_from(order + count, data, directory)
+    fields: dict[str, int] = {}
+    start = directory + struct.calcsize(count)
+    for pos in range(start, start + entry * min(entries, MAX_HEADER_STEPS), entry):
+        tag, kind, values = struct.unpack_from(order + ("HHQ" if big else "HHI"), data, pos)
+        if tag in _TIFF_OFFSETS:
+            fields[_TIFF_OFFSETS[tag]] = values
+        elif tag in _TIFF_SIZES and kind in _TIFF_INTEGERS and values == 1 and (big or kind != 16):
+            value_at = pos + (12 if big else 8)
+            (fields[_TIFF_SIZES[tag]],) = struct.unpack_from(
+                order + _TIFF_INTEGERS[kind], data, value_at
+            )
+    return entries, fields
 
 
 def _jpeg_header_steps(data: bytes) -> tuple[int, int]:

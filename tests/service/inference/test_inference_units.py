@@ -598,3 +598,64 @@ def test_an_image_whose_structure_costs_more_than_its_bytes_is_refused_before_pi
     for why, data in floods.items():
         with pytest.raises(BadRequest, match=rf"input\[3\]: {why}"):
             open_image(data, 3, limits)
+
+
+def _tiff(fields: dict[int, list[int]], pixels: bytes, big: bool = False) -> bytes:
+    """A little-endian TIFF (BigTIFF if ``big``) of ``pixels`` at its start, then one directory
+    of ``fields`` (tag: LONG values; the offsets in them are into the file)."""
+    head, entry, slot = (16, 20, 8) if big else (8, 12, 4)
+    directory = head + len(pixels)
+    beyond = directory + (8 if big else 2) + entry * len(fields) + slot
+    entries, extra = b"", b""
+    for tag, values in sorted(fields.items()):
+        raw = struct.pack(f"<{len(values)}I", *values)
+        if len(raw) > slot:  # out of line
+            raw, extra = struct.pack("<Q" if big else "<I", beyond + len(extra)), extra + raw
+        entries += struct.pack("<HHQ" if big else "<HHI", tag, 4, len(values)) + raw.ljust(slot)
+    start = (
+        b"II+\0" + struct.pack("<HHQ", 8, 0, directory)
+        if big
+        else b"II*\0" + struct.pack("<I", directory)
+    )
+    count = struct.pack("<Q" if big else "<H", len(fields))
+    return start + pixels + count + entries + bytes(slot) + extra
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["tiff", "bigtiff"])
+def test_a_tiff_whose_blocks_cost_more_than_its_pixels_is_refused_before_pillow_reads_it(big):
+    """A TIFF's strips and tiles were never checked: a 16x16 one declaring a 45000x45000 deflate
+    tile answered after 9.6 s and 2 GB, and a 64x64 one listing 1.25M strips after 8.6 s (every
+    request waits behind either). Each is refused from its bytes; striped and tiled ones open."""
+    from service.inference.images import MAX_HEADER_STEPS, MAX_TIFF_BLOCKS, load_rgb, open_image
+
+    limits, head = ImageLimits(10 << 20, 4096 * 4096, 16.0), 16 if big else 8
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 48, 3), np.uint8)
+    rgb = {256: [40], 257: [40], 258: [8, 8, 8], 259: [1], 262: [2], 277: [3]}
+    rows = {**rgb, 278: [1], 273: [head + 120 * i for i in range(40)], 279: [120] * 40}
+    tiles = [pixels[y : y + 16, x : x + 16].tobytes() for y in (0, 16, 32) for x in (0, 16, 32)]
+    tiled = {**rgb, 322: [16], 323: [16], 324: [head + 768 * i for i in range(9)], 325: [768] * 9}
+    striped = _tiff(rows, pixels[:40, :40].tobytes(), big)
+    assert np.array_equal(np.asarray(load_rgb(open_image(striped, 0, limits), 0)), pixels[:40, :40])
+    assert load_rgb(open_image(_tiff(tiled, b"".join(tiles), big), 0, limits), 0).size == (40, 40)
+
+    many = MAX_TIFF_BLOCKS + 1
+    floods = {
+        f"a TIFF of {many} strips, over the limit of {MAX_TIFF_BLOCKS}": (
+            {**rows, 273: [head] * many, 279: [120] * many}
+        ),
+        "a TIFF listing 41 strips where its 40 rows in strips of 1 make 40": (
+            {**rows, 273: [head] * 41, 279: [120] * 41}
+        ),
+        "a TIFF listing 10 tiles where its 40x40 pixels in 16x16 tiles make 9": (
+            {**tiled, 324: [head] * 10, 325: [768] * 10}
+        ),
+        "a TIFF tile of 45008x45008 pixels, over the limit of 16777216": (
+            {**tiled, 259: [8], 322: [45008], 323: [45008], 324: [head], 325: [768]}
+        ),
+        f"a TIFF directory of {MAX_HEADER_STEPS + 1} entries, over the limit": (
+            {**rows, **{40_000 + i: [0] for i in range(MAX_HEADER_STEPS + 1 - len(rows))}}
+        ),
+    }
+    for why, fields in floods.items():
+        with pytest.raises(BadRequest, match=rf"input\[3\]: {why}"):
+            open_image(_tiff(fields, b"".join(tiles), big), 3, limits)
