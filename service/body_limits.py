@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,11 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
         return BadRequest("JSON body is not UTF-8 (RFC 8259): it holds NUL bytes, as UTF-16 does")
     if (bad := _not_utf8(body)) is not None:
         return BadRequest(f"JSON body is not UTF-8 (RFC 8259): byte {bad[0]} is {bad[1]}")
+    if (long := _long_integer(body)) is not None:
+        return BadRequest(
+            f"JSON body holds an integer of {long[1]:,} digits at byte {long[0]}, over the "
+            f"{sys.get_int_max_str_digits():,} Python reads"
+        )
     if body.count(b"[") + body.count(b"{") <= max_depth and body.count(b",") <= max_commas:
         return None  # too few brackets and commas, in strings or not, to pass either bound
     scan = JsonDepth(max_depth)
@@ -102,6 +108,39 @@ def json_problem(body: bytes, max_depth: int, max_commas: int) -> ServiceError |
             f"JSON body holds more than {max_commas + 1} values in its lists and objects"
         )
     return None
+
+
+def _long_integer(body: bytes) -> tuple[int, int] | None:
+    """Where the first integer outside JSON's strings that is longer than Python reads
+    (``sys.get_int_max_str_digits``) starts in ``body``, and its digits; the parser refuses one
+    without saying where. Linear: each run of digits is tried once, from its start."""
+    if not (limit := sys.get_int_max_str_digits()) or not _has_digits(body, limit + 1):
+        return None
+    strings, fed = JsonDepth(), 0
+    for run in re.finditer(rb"(?<![0-9])[0-9]{%d,}" % (limit + 1), body):
+        start, end = run.span()
+        if body[end : end + 1] in (b".", b"e", b"E") or body[start - 2 : start].endswith(
+            (b".", b"e", b"E", b"+", b"e-", b"E-")
+        ):
+            continue  # a fraction or an exponent: read as a float, at any length
+        strings.feed(body[fed:start])
+        fed = start
+        if not strings.in_string:
+            return start - (body[start - 1 : start] == b"-"), end - start
+    return None
+
+
+_DIGIT_MASK = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+
+
+def _has_digits(body: bytes, count: int) -> bool:
+    """Whether ``body`` holds a run of ``count`` digits, a block at a time: a byte search, ten
+    times as fast as a regex that reads each digit."""
+    run, step = b"0" * count, JsonDepth.BLOCK
+    return any(
+        body[start : start + step + count].translate(_DIGIT_MASK).find(run) != -1
+        for start in range(0, len(body), step)
+    )
 
 
 def _not_utf8(body: bytes) -> tuple[int, str] | None:

@@ -2,7 +2,9 @@
 
 Three families reach the app: :class:`ServiceError` (HTTP-level: auth, request limits,
 inference; each subclass here states its status, and no other module declares one), the store's
-:class:`service.store.errors.StoreError` and the library's :class:`vip_hub.errors.VipHubError`.
+:class:`service.store.errors.StoreError` and the library's :class:`vip_hub.errors.VipHubError`;
+Starlette's own ``HTTPException`` (no route, a method a route does not take, a body its parsers
+refuse) gets the same shape.
 :func:`error_response` maps each onto a status and, for the hub's lookups, the ``X-Error-Code`` that
 huggingface_hub clients turn into their own exceptions (``RepoNotFound``, ``RevisionNotFound``,
 ``EntryNotFound``). The body is JSON ``{"error": message}`` with any fields the error carries
@@ -22,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from vip_hub.errors import MissingInputError, VipHubError
 
@@ -183,7 +186,8 @@ _STORE: tuple[tuple[type[store.StoreError], type[ServiceError]], ...] = (
 
 
 def error_response(err: Exception) -> JSONResponse:
-    """The response for an error of any of the three families (anything else is a bug: 500)."""
+    """The response for an error of any of the three families or Starlette's ``HTTPException``
+    (anything else is a bug: 500)."""
     headers: dict[str, str] = {}
     body: dict[str, Any] = {}
     if isinstance(err, ServiceError):
@@ -202,6 +206,9 @@ def error_response(err: Exception) -> JSONResponse:
             headers["Retry-After"] = str(retry)
     elif isinstance(err, VipHubError):
         status, code, message = (404 if isinstance(err, MissingInputError) else 400), None, str(err)
+    elif isinstance(err, HTTPException):
+        status, code, message = err.status_code, None, str(err.detail)
+        headers = dict(err.headers or {})
     else:
         raise TypeError(f"not a handled error family: {type(err).__name__}")
     headers["X-Error-Message"] = header_safe(message)
@@ -212,6 +219,20 @@ def error_response(err: Exception) -> JSONResponse:
 
 async def _handle(_request: Request, err: Exception) -> JSONResponse:
     return error_response(err)
+
+
+async def _starlette(request: Request, err: Exception) -> JSONResponse:
+    """Starlette's routing and parsing errors, said in full: the method and path a 405 or 404
+    is about, and what a parser raised under a bare "error parsing the body"."""
+    assert isinstance(err, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    detail = {
+        404: f"{where}: not found",
+        405: f"{where}: the route takes {(err.headers or {}).get('Allow', 'other methods')}",
+    }.get(err.status_code, str(err.detail))
+    if err.__cause__ is not None:
+        detail += f": {type(err.__cause__).__name__}: {err.__cause__}"
+    return error_response(HTTPException(err.status_code, detail, err.headers))
 
 
 ECHO_CHARS = 200  # the longest text a 422 echoes back whole (an image's base64 is megabytes)
@@ -257,11 +278,12 @@ async def _invalid(_request: Request, err: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    """Route the three error families to :func:`error_response`, and request validation errors
-    to a 422 that any parsed body can be echoed in."""
+    """Route the three error families and Starlette's own to :func:`error_response`, and request
+    validation errors to a 422 that any parsed body can be echoed in."""
     for family in (ServiceError, store.StoreError, VipHubError):
         app.add_exception_handler(family, _handle)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _starlette)
 
 
 def header_safe(text: str) -> str:

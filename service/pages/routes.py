@@ -16,8 +16,11 @@ from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.routing import Match
+from starlette.types import Scope
 
 from vip_hub.models.encoders import ARCHS
 from vip_hub.privacy.accounting import Accountant, composed_epsilon
@@ -45,7 +48,7 @@ from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..metrics import Metrics
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
-from ..store.naming import MAX_REVISION_LENGTH, validate_revision
+from ..store.naming import MAX_REVISION_LENGTH, RESERVED_NAMESPACES, validate_revision
 from .cache import ComputedOnce
 from .render import card_body, markdown_html
 
@@ -92,16 +95,32 @@ def install(app: FastAPI) -> None:
         response_class=HTMLResponse,
         include_in_schema=False,
     )
-    app.add_api_route(
+    app.router.add_api_route(
         "/{org}/{name}",
         model_page,
         methods=["GET"],
         response_class=HTMLResponse,
         include_in_schema=False,
+        route_class_override=_RepoRoute,
     )
-    app.add_api_route(
-        "/{org}/{name}/commit/{sha}", commit_page, methods=["GET"], include_in_schema=False
+    app.router.add_api_route(
+        "/{org}/{name}/commit/{sha}",
+        commit_page,
+        methods=["GET"],
+        include_in_schema=False,
+        route_class_override=_RepoRoute,
     )
+
+
+class _RepoRoute(APIRoute):
+    """A page route under ``/{org}/`` that leaves the reserved namespaces to the service's own
+    routes: ``GET /v1/embeddings`` is then a 405 (the route takes POST), not a missing repo."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE and child["path_params"]["org"] in RESERVED_NAMESPACES:
+            return Match.NONE, {}
+        return match, child
 
 
 def index(

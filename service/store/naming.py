@@ -28,8 +28,9 @@ __all__ = [
 
 REPO_PART_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_-])?"
 """A namespace (user or organisation) or a repo name, unanchored (also in request schemas)."""
-RESERVED_NAMESPACES = frozenset({"datasets"})
-"""Namespaces no repo is created in: ``/datasets/NAME`` is a dataset's page, not a model's."""
+RESERVED_NAMESPACES = frozenset({"api", "datasets", "v1"})
+"""Namespaces no repo is created in, nor a model page routed for: the service's own paths
+(``/api/`` the hub protocol, ``/datasets/NAME`` a dataset's page, ``/v1/`` the inference API)."""
 MAX_REVISION_LENGTH = 128
 REVISION_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_REVISION_LENGTH - 1}}}"
 """A branch, a tag or a commit id, unanchored."""

@@ -536,7 +536,9 @@ class HubStore:
         org, _, name = repo_id.partition("/")
         validate_repo_id(org, name)
         if org in RESERVED_NAMESPACES:
-            raise InvalidRequest(f"no repo can be created under {org}/: the hub's pages use it")
+            raise InvalidRequest(
+                f"no repo can be created under {org}/: the service's own paths use it"
+            )
         # every creation in a namespace holds its lock, whatever the spelling asked for (a
         # twin's is refused below): the twin check and the insert are one step
         with self.index.transaction(locks=[f"repo names in {org.casefold()}"]) as tx:

@@ -161,6 +161,55 @@ def test_a_body_not_in_utf8_gets_a_message_naming_it(server, content_type, body)
         assert r.status_code == 422 and r.json()["detail"][0]["input"] == "\ufffd\ufffd", r.text
 
 
+def test_an_integer_longer_than_python_reads_is_named_by_its_byte(server):
+    """A 5,000-digit integer got Starlette's bare ``There was an error parsing the body``; it is
+    now a 400 naming its byte and length. As long a run of digits in a string, a fraction or an
+    exponent is no integer: it reaches the route's validation (422 naming the field)."""
+    url, headers = f"{server.url}/v1/embeddings", {"Content-Type": "application/json"}
+    digits = "7" * 5000
+    r = httpx.post(url, content=f'{{"model": "vip/x", "input": [-{digits}]}}', headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == (
+        "JSON body holds an integer of 5,000 digits at byte 29, over the 4,300 Python reads"
+    )
+    assert r.headers["X-Error-Message"] == r.json()["error"]
+    for number in (f'"{digits}"', f"0.{digits}", f"1e{digits}", f"1E-{digits}"):
+        body = f'{{"model": "vip/x", "input": "QUFB", "dimensions": {number}}}'
+        r = httpx.post(url, content=body, headers=headers)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "dimensions", r.text
+
+
+def test_starlettes_own_errors_come_in_the_services_shape(server):
+    """A GET on an inference route answered 404 "repository v1/embeddings not found" (the model
+    page's route took it), and a multipart body without a boundary or of over 1,000 files got
+    Starlette's bare ``{"detail": ...}``. Each is now an ``{"error": ...}`` naming what was
+    wrong, also in ``X-Error-Message``; no repo can be created under ``v1/`` or ``api/``."""
+    for route in ("embeddings", "embeddings/files", "classify", "captions", "zero-shot"):
+        r = httpx.get(f"{server.url}/v1/{route}")
+        assert r.status_code == 405 and r.headers["Allow"] == "POST", r.text
+        assert r.json() == {"error": f"GET /v1/{route}: the route takes POST"}
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json() == {"error": "GET /v1/nothing: not found"}, r.text
+    assert httpx.get(f"{server.url}/v1/models").status_code == 200
+    files = f"{server.url}/v1/embeddings/files"
+    r = httpx.post(files, content=b"--x\r\n", headers={"Content-Type": "multipart/form-data"})
+    assert r.status_code == 400 and "Missing boundary" in r.json()["error"], r.text
+    part = b'--B\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n\r\nx\r\n'
+    r = httpx.post(
+        files,
+        content=part * 1001 + b"--B--\r\n",
+        headers={"Content-Type": "multipart/form-data; boundary=B"},
+    )
+    assert r.status_code == 400 and "Too many files" in r.headers["X-Error-Message"], r.text
+    for org in ("v1", "api"):
+        r = httpx.post(
+            f"{server.url}/api/repos/create",
+            json={"name": "embeddings", "organization": org},
+            headers={"Authorization": "Bearer vh_test_admin_token"},
+        )
+        assert r.status_code == 400 and f"under {org}/" in r.json()["error"], r.text
+
+
 def test_what_the_body_limits_refuse_is_counted(server):
     """The request metrics sat inside the body limits: a 413, a 400 for depth or a 429 they
     answered never reached ``vip_hub_requests_total`` nor the access log."""
