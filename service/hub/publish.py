@@ -126,7 +126,7 @@ def preupload(
 async def commit(
     revision: str, request: Request, opened: Annotated[Writable, writable("committing")]
 ) -> dict[str, Any]:
-    if request.query_params.get("create_pr") in ("1", "true"):
+    if request.query_params.get("create_pr", "").lower() not in ("", "0", "false"):
         raise BadRequest("pull requests are not supported by this hub; commit to a branch")
     store, repo_id = opened.store, opened.repo_id
     branch = validate_revision(revision)

@@ -210,6 +210,24 @@ def test_starlettes_own_errors_come_in_the_services_shape(server):
         assert r.status_code == 400 and f"under {org}/" in r.json()["error"], r.text
 
 
+@pytest.mark.parametrize("flag", ["1", "true", "True", "yes", "on"])
+def test_a_pull_request_asked_for_in_any_spelling_is_refused(server, flag):
+    """``create_pr`` was read as a pull request only when ``1`` or ``true``: ``True``, ``yes``
+    or ``on`` published the change straight to main."""
+    auth, repo = {"Authorization": f"Bearer {WRITE_TOKEN}"}, f"pr-{flag.encode().hex()}"
+    created = httpx.post(
+        f"{server.url}/api/repos/create", json={"name": repo, "organization": "vip"}, headers=auth
+    )
+    assert created.status_code == 200, created.text
+    r = httpx.post(
+        f"{server.url}/api/models/vip/{repo}/commit/main",
+        params={"create_pr": flag},
+        content=b"",
+        headers=auth,
+    )
+    assert r.status_code == 400 and "pull requests are not supported" in r.json()["error"], r.text
+
+
 def test_what_the_body_limits_refuse_is_counted(server):
     """The request metrics sat inside the body limits: a 413, a 400 for depth or a 429 they
     answered never reached ``vip_hub_requests_total`` nor the access log."""
