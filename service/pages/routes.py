@@ -48,7 +48,12 @@ from ..errors import BadRequest, NotFound
 from ..hub.common import readable_repo, store_of
 from ..metrics import Metrics
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
-from ..store.naming import MAX_REVISION_LENGTH, RESERVED_NAMESPACES, validate_revision
+from ..store.naming import (
+    MAX_REVISION_LENGTH,
+    RESERVED_NAMESPACES,
+    validate_repo_id,
+    validate_revision,
+)
 from .cache import ComputedOnce
 from .render import card_body, markdown_html
 
@@ -367,7 +372,9 @@ def dataset_link(name: str) -> str:
 
 
 def commit_page(org: str, name: str, sha: str) -> RedirectResponse:
-    """Where ``commitUrl`` points: the model page at that commit."""
+    """Where ``commitUrl`` points: the model page at that commit (a 400 for an id or revision
+    the page would refuse)."""
+    validate_repo_id(org, name)
     return RedirectResponse(f"/{org}/{name}?revision={validate_revision(sha)}", status_code=303)
 
 

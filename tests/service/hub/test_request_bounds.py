@@ -188,6 +188,8 @@ def test_starlettes_own_errors_come_in_the_services_shape(server):
         r = httpx.get(f"{server.url}/v1/{route}")
         assert r.status_code == 405 and r.headers["Allow"] == "POST", r.text
         assert r.json() == {"error": f"GET /v1/{route}: the route takes POST"}
+    r = httpx.get(f"{server.url}/a%20b/%E2%80%AE/commit/main", follow_redirects=False)
+    assert r.status_code == 400 and "invalid organisation" in r.json()["error"], r.text
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and r.json() == {"error": "GET /v1/nothing: not found"}, r.text
     assert httpx.get(f"{server.url}/v1/models").status_code == 200
