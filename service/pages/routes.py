@@ -100,21 +100,10 @@ def install(app: FastAPI) -> None:
         response_class=HTMLResponse,
         include_in_schema=False,
     )
-    app.router.add_api_route(
-        "/{org}/{name}",
-        model_page,
-        methods=["GET"],
-        response_class=HTMLResponse,
-        include_in_schema=False,
-        route_class_override=_RepoRoute,
-    )
-    app.router.add_api_route(
-        "/{org}/{name}/commit/{sha}",
-        commit_page,
-        methods=["GET"],
-        include_in_schema=False,
-        route_class_override=_RepoRoute,
-    )
+    for path, page in (("/{org}/{name}", model_page), ("/{org}/{name}/commit/{sha}", commit_page)):
+        app.router.add_api_route(
+            path, page, methods=["GET"], include_in_schema=False, route_class_override=_RepoRoute
+        )
 
 
 class _RepoRoute(APIRoute):
