@@ -3,6 +3,7 @@ every file a loader reads is one `verify` checks and the signature covers."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -448,3 +449,24 @@ def test_verify_parses_the_cards_front_matter_once(tmp_path, monkeypatch):
     monkeypatch.setattr(card_module, "ModelCard", Counted)
     assert verify_repo(repo).ok
     assert len(parsed) == 2  # content_problem's, for the file's kind, and verify's own
+
+
+@pytest.mark.parametrize("entry", ["fifo", "dangling", "loop"])
+def test_an_entry_that_is_not_a_regular_file_is_named_not_waited_on(tmp_path, alice, capsys, entry):
+    """A FIFO in a repo hung `verify` (and sign, push, caption) forever on its read; a link that
+    leads nowhere or loops ended in a FileNotFoundError traceback."""
+    repo = _signed_repo(tmp_path / "repo", alice[0])
+    odd = repo / "extra.bin"
+    if entry == "fifo":
+        os.mkfifo(odd)
+    elif entry == "dangling":
+        odd.symlink_to(tmp_path / "gone")
+    else:
+        odd.symlink_to(odd)
+    expected = "not a regular file" if entry == "fifo" else "a link that leads to no file"
+    with pytest.raises(UnsafePathError, match=f"extra.bin: {expected}"):
+        verify_repo(repo)
+    assert main(["verify", str(repo), "--key", str(alice[1])]) == 1
+    assert f"extra.bin: {expected}" in capsys.readouterr().err
+    with pytest.raises(UnsafePathError, match=expected):
+        sign_repo(repo, alice[0])

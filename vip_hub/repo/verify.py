@@ -44,6 +44,7 @@ import json
 import math
 import os
 import reprlib
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,8 +233,23 @@ def repo_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
         for name in names:
             if not is_hidden(name):
                 p = Path(dirpath, name)
-                out[p.relative_to(root).as_posix()] = p
+                out[rel := p.relative_to(root).as_posix()] = p
+                _check_regular(p, rel)
     return out
+
+
+def _check_regular(path: Path, rel: str) -> None:
+    """UnsafePathError for an entry that is not a regular file once links are followed: a link
+    that leads nowhere or loops, a FIFO (reading one waits for a writer forever), a socket or a
+    device."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise UnsafePathError(f"{rel}: a link that leads to no file ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UnsafePathError(
+            f"{rel}: not a regular file (a FIFO, socket or device): a repo holds files only"
+        )
 
 
 def verify_repo(
