@@ -25,6 +25,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from vip_hub.errors import MissingInputError, VipHubError
 
@@ -39,7 +40,9 @@ __all__ = [
     "Forbidden",
     "NotFound",
     "PayloadTooLarge",
+    "PreconditionFailed",
     "QueueFull",
+    "RangeNotSatisfiable",
     "RepoNotFound",
     "RequestTimeout",
     "RevisionNotFound",
@@ -117,8 +120,17 @@ class Conflicting(ServiceError, status=409):
     """The state changed under the request: a branch moved (stale parent), a tag exists."""
 
 
+class PreconditionFailed(ServiceError, status=412):
+    """An ``If-Match`` that names none of the file's ETags: the file is not the one the client
+    meant to read."""
+
+
 class PayloadTooLarge(ServiceError, status=413):
     """A body, an upload or an image over its limit."""
+
+
+class RangeNotSatisfiable(ServiceError, status=416):
+    """A ``Range`` that starts at or past the file's end (``Content-Range: bytes */size``)."""
 
 
 class QueueFull(ServiceError, status=429):
@@ -277,13 +289,24 @@ async def _invalid(_request: Request, err: Exception) -> JSONResponse:
     )
 
 
+async def _gone(request: Request, _err: Exception) -> JSONResponse:
+    """A client that hung up before its body arrived: a 499 nobody reads, not a server fault."""
+    return error_response(
+        ClientGone(
+            f"{request.method} {request.url.path}: the client hung up before its body arrived"
+        )
+    )
+
+
 def install(app: FastAPI) -> None:
-    """Route the three error families and Starlette's own to :func:`error_response`, and request
-    validation errors to a 422 that any parsed body can be echoed in."""
+    """Route the three error families, Starlette's own and a client's hang-up to
+    :func:`error_response`, and request validation errors to a 422 that any parsed body can be
+    echoed in."""
     for family in (ServiceError, store.StoreError, VipHubError):
         app.add_exception_handler(family, _handle)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _starlette)
+    app.add_exception_handler(ClientDisconnect, _gone)
 
 
 def header_safe(text: str) -> str:

@@ -26,10 +26,14 @@ MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 _SHORT_GIT = re.compile(r"git~[0-9]+")
 """An 8.3 short name (``GIT~1``) by which Windows also opens a ``.git`` folder."""
+_WINDOWS_FORBIDDEN = frozenset('<>:"|?*')
+"""Characters no Windows file name holds (``:`` would open an alternate data stream)."""
+_WINDOWS_DEVICE = re.compile(r"(con|prn|aux|nul|com[0-9¹²³]|lpt[0-9¹²³])", re.IGNORECASE)
+"""Names Windows opens as devices, whatever extension follows (``con.txt``, ``nul/x.md``)."""
 PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
-_TEMPORARY = ".tmp-"  # a private_writer file's name: .NAME.tmp-<random hex>
 """A URL's percent escape: a file name holding one has no URL a hub serves it by (a decoded
 URL segment still holding one is refused as doubly encoded, a trick)."""
+_TEMPORARY = ".tmp-"  # a private_writer file's name: .NAME.tmp-<random hex>
 
 __all__ = [
     "PERCENT_ESCAPE",
@@ -76,7 +80,24 @@ def validate_relpath(path: str) -> str:
                 f"path {path!r} has a '.git' segment (or a short name of one, such as GIT~1): "
                 "it would write into a downloader's git checkout"
             )
+        if problem := _windows_problem(segment):
+            raise UnsafePathError(
+                f"path {path!r}: segment {segment!r} {problem}: a download to Windows could not "
+                "write it as named"
+            )
     return path
+
+
+def _windows_problem(segment: str) -> str | None:
+    """Why Windows would open a file of another name for ``segment``, if it would: it drops a
+    trailing dot or space, refuses some characters and opens device names as devices."""
+    if segment[-1] in ". ":
+        return "ends in a dot or a space, which Windows drops"
+    if forbidden := sorted(_WINDOWS_FORBIDDEN.intersection(segment)):
+        return f"holds {' '.join(forbidden)}, which no Windows file name holds"
+    if _WINDOWS_DEVICE.fullmatch(segment.split(".", 1)[0].rstrip(" ")):
+        return "is a Windows device name (CON, PRN, AUX, NUL, COM1-9, LPT1-9)"
+    return None
 
 
 def tree_path_problems(paths: Iterable[str]) -> list[str]:

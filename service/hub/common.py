@@ -7,18 +7,14 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from vip_hub.repo_format import is_weights_file
-
 from ..auth import Identity, check_read, check_write, identity, require_scope
 from ..store import CommitRecord, FileEntry, HubStore, RepoRecord
 from ..store.naming import decode_segment, validate_repo_id
 
 __all__ = [
-    "LFS_THRESHOLD",
     "Writable",
     "base_url",
     "etag",
-    "is_lfs",
     "model_json",
     "raw_segments",
     "readable_repo",
@@ -26,8 +22,6 @@ __all__ = [
     "writable",
 ]
 
-LFS_THRESHOLD = 10 * 1024 * 1024
-"""Files above this size (and every weights file) travel and are served as LFS objects."""
 MAX_OFFSET = 2**63 - 1
 """The largest listing offset: the index's integers (SQLite's, PostgreSQL's BIGINT) hold no more."""
 POINTER_SIZE = 134  # bytes of a git LFS pointer file (what clients show as the stored size)
@@ -39,15 +33,9 @@ def page_size(request: Request, limit: int | None) -> int:
     return min(limit or page, page)
 
 
-def is_lfs(path: str, size: int) -> bool:
-    """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything
-    large."""
-    return is_weights_file(path) or size > LFS_THRESHOLD
-
-
 def etag(entry: FileEntry) -> str:
     """The ETag clients cache a file under: SHA-256 for LFS files, else the git blob id."""
-    return entry.sha256 if is_lfs(entry.path, entry.size) else entry.git_oid
+    return entry.sha256 if entry.lfs else entry.git_oid
 
 
 def store_of(request: Request) -> HubStore:
@@ -121,7 +109,7 @@ def sibling_json(entry: FileEntry, blobs: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"rfilename": entry.path}
     if blobs:
         out.update(size=entry.size, blobId=entry.git_oid)
-        if is_lfs(entry.path, entry.size):
+        if entry.lfs:
             out["lfs"] = {"size": entry.size, "sha256": entry.sha256, "pointerSize": POINTER_SIZE}
     return out
 

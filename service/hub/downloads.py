@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
+from starlette import responses as starlette_responses
 
 from ..auth import Identity, identity
-from ..errors import BadRequest
+from ..errors import BadRequest, PreconditionFailed, RangeNotSatisfiable
 from ..store.naming import validate_path, validate_revision
 from ..store.s3 import NO_STORE, blob_key
-from .common import etag, is_lfs, raw_segments, readable_repo, store_of
+from .common import etag, raw_segments, readable_repo, store_of
 
 router = APIRouter()
 
@@ -46,7 +47,9 @@ def resolve(
         + (", max-age=31536000, immutable" if revision == commit else ", no-cache"),
         "Vary": "Authorization",
     }
-    if is_lfs(entry.path, entry.size):
+    if _not_modified(request, headers["ETag"]):
+        return Response(status_code=304, headers=headers)
+    if entry.lfs:
         headers["X-Linked-Size"] = str(entry.size)
         remote = store.blobs.remote
         if remote is not None:
@@ -61,10 +64,38 @@ def resolve(
     )
 
 
+def _etags(header: str) -> set[str]:
+    """The entity tags a conditional header lists, weak ones (``W/``) compared as strong."""
+    return {tag.strip().removeprefix("W/") for tag in header.split(",")}
+
+
+def _not_modified(request: Request, tag: str) -> bool:
+    """Whether ``If-None-Match`` names the file (a 304); PreconditionFailed where ``If-Match``
+    names none of it."""
+    wanted = request.headers.get("if-match")
+    if wanted is not None and not {"*", tag} & _etags(wanted):
+        raise PreconditionFailed(f"If-Match {wanted} does not name this file, whose ETag is {tag}")
+    cached = request.headers.get("if-none-match")
+    return cached is not None and bool({"*", tag} & _etags(cached))
+
+
 class BlobResponse(FileResponse):
-    """A blob sent in 1 MiB reads (Starlette's 64 KiB cost a third of the throughput)."""
+    """A blob sent in 1 MiB reads (Starlette's 64 KiB cost a third of the throughput), with a
+    bad or unsatisfiable ``Range`` answered in the service's error shape."""
 
     chunk_size = 1 << 20
+
+    @classmethod
+    def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
+        try:
+            return super()._parse_range_header(http_range, file_size)
+        except starlette_responses.MalformedRangeHeader as err:
+            raise BadRequest(f"Range {http_range!r}: {err.content}") from None
+        except starlette_responses.RangeNotSatisfiable:
+            raise RangeNotSatisfiable(
+                f"Range {http_range!r} starts past the file's end (it holds {file_size:,} bytes)",
+                headers={"Content-Range": f"bytes */{file_size}"},
+            ) from None
 
 
 def _media_type(path: str) -> str:

@@ -20,7 +20,6 @@ from ..store.naming import validate_path, validate_revision
 from .common import (
     MAX_OFFSET,
     POINTER_SIZE,
-    is_lfs,
     model_json,
     page_size,
     raw_segments,
@@ -269,7 +268,7 @@ def _file_json(entry: FileEntry) -> dict[str, Any]:
         "size": entry.size,
         "oid": entry.git_oid,
     }
-    if is_lfs(entry.path, entry.size):
+    if entry.lfs:
         out["lfs"] = {"oid": entry.sha256, "size": entry.size, "pointerSize": POINTER_SIZE}
     return out
 

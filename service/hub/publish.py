@@ -20,6 +20,7 @@ from vip_hub.repo_format import CARD_FILE, DEFAULT_BRANCH
 
 from ..auth import Identity, check_write, identity, require_scope
 from ..errors import BadRequest, Conflicting, PayloadTooLarge
+from ..store.blobs import is_lfs
 from ..store.errors import NoSuchRevision
 from ..store.naming import (
     MAX_REVISION_LENGTH,
@@ -27,7 +28,7 @@ from ..store.naming import (
     validate_repo_id,
     validate_revision,
 )
-from .common import Writable, base_url, check_still_writable, is_lfs, store_of, writable
+from .common import Writable, base_url, check_still_writable, store_of, writable
 from .uploads import CommitParser, receive_body
 
 router = APIRouter(prefix="/api")

@@ -296,7 +296,10 @@ class CommitParser:
             oid, algo = value.get("oid"), value.get("algo", "sha256")
             if algo != "sha256" or not isinstance(oid, str):
                 raise ValueError("an lfsFile line needs 'oid', a SHA-256 ('algo': 'sha256')")
-            self.commit.operations.append(AddObject(_path(value), oid))
+            size = value.get("size")
+            if size is not None and (type(size) is not int or size < 0):
+                raise ValueError(f"an lfsFile line's 'size' must be a byte count, not {size!r}")
+            self.commit.operations.append(AddObject(_path(value), oid, size))
         elif key == "deletedFile":
             self.commit.operations.append(DeleteFile(_path(value)))
         elif key == "deletedFolder":

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from vip_hub.paths import make_private_dir, open_private, replace_durably
 from vip_hub.repo.artifacts import CHUNK, file_sha256, git_blob_hasher
+from vip_hub.repo_format import is_weights_file
 
 from . import clock
 from .errors import (
@@ -64,7 +65,9 @@ __all__ = [
     "BlobStore",
     "DigestWriter",
     "FileDigest",
+    "inline_digest",
     "hash_file",
+    "is_lfs",
     "listed_files",
     "remove_older_than",
     "sharded_name",
@@ -105,6 +108,23 @@ def lfs_digest(sha256: str, size: int) -> FileDigest:
     git_oid = git_blob_hasher(len(pointer))
     git_oid.update(pointer)
     return FileDigest(sha256, git_oid.hexdigest(), size)
+
+
+LFS_THRESHOLD = 10 * 1024 * 1024
+"""Files above this size (and every weights file) travel and are served as LFS objects."""
+
+
+def is_lfs(path: str, size: int) -> bool:
+    """Whether a file is uploaded and served the LFS way (ETag = SHA-256): weights and anything
+    large."""
+    return is_weights_file(path) or size > LFS_THRESHOLD
+
+
+def inline_digest(path: str, source: Path) -> FileDigest:
+    """The digest a commit records for a file sent inline as ``path``: stored the LFS way (its
+    git id its pointer's) where ``is_lfs`` says a client should have uploaded it so."""
+    digest = hash_file(source)
+    return lfs_digest(digest.sha256, digest.size) if is_lfs(path, digest.size) else digest
 
 
 def check_sha256(oid: str) -> str:

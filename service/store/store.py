@@ -53,7 +53,8 @@ from .blobs import (
     BlobStore,
     FileDigest,
     check_sha256,
-    hash_file,
+    inline_digest,
+    is_lfs,
     lfs_digest,
 )
 from .errors import (
@@ -123,6 +124,15 @@ class FileEntry:
     sha256: str
     git_oid: str
     size: int
+
+    @property
+    def lfs(self) -> bool:
+        """Whether it is an LFS file (served with its SHA-256 as ETag): committed as an object
+        uploaded ahead (its git id its LFS pointer's), or one ``is_lfs`` says is uploaded so."""
+        return (
+            is_lfs(self.path, self.size)
+            or self.git_oid == lfs_digest(self.sha256, self.size).git_oid
+        )
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,8 @@ class AddObject:
 
     path: str
     sha256: str
+    size: int | None = None
+    """The size the commit line claims, checked against the object's (None: not claimed)."""
 
 
 @dataclass(frozen=True)
@@ -675,7 +687,7 @@ class HubStore:
         """Point a new ``kind`` ref (branch or tag) at ``revision``; the commit. Under the repo's
         lock, so a branch and a tag of one name cannot both be made."""
         validate_revision(name)
-        if COMMIT_RE.match(name):
+        if COMMIT_RE.match(name.lower()):  # in any case: a tool that folds it reads a commit
             raise InvalidRequest(f"{kind} {name!r} looks like a commit id")
         other = "tag" if kind == "branch" else "branch"
         with self.index.repo_lock(repo_id):
@@ -954,12 +966,17 @@ class HubStore:
     ) -> tuple[Path, FileDigest]:
         """The local file an added file's content is in, and its digest."""
         if isinstance(op, AddFile):
-            return op.source, hash_file(op.source)
-        # checked against its SHA-256 as it arrived; its git id is its LFS pointer's
-        source = self._uploaded_source(repo_id, op.sha256)
+            return op.source, inline_digest(op.path, op.source)
+        source = self._uploaded_source(repo_id, op.sha256)  # checked as it arrived
         if source != self.blobs.path(op.sha256):  # this commit's link to the upload
             links.append(source)
-        return source, lfs_digest(op.sha256, source.stat().st_size)
+        size = source.stat().st_size
+        if op.size is not None and op.size != size:
+            raise InvalidRequest(
+                f"{op.path}: the commit says object {op.sha256} holds {op.size:,} bytes; "
+                f"the upload holds {size:,}"
+            )
+        return source, lfs_digest(op.sha256, size)  # an LFS file, whatever its path and size
 
     def _verified(
         self, repo_id: str, local: dict[str, Path]

@@ -585,6 +585,19 @@ def test_git_segments_and_file_folder_clashes_are_refused():
             validate_relpath(path)
     assert validate_relpath(".gitattributes") == ".gitattributes"
     assert validate_relpath("git~notes/x.txt") == "git~notes/x.txt"
+    for path, problem in [  # two files on Windows, or none: each was accepted
+        ("docs./a.md", "ends in a dot or a space"),
+        ("notes.txt ", "ends in a dot or a space"),
+        ("a:b.txt", "holds :"),
+        ('a<b>"c|d?.txt', 'holds " < > ? |'),
+        ("con.txt", "is a Windows device name"),
+        ("nul/x.md", "is a Windows device name"),
+        ("x/LPT1.tar.gz", "is a Windows device name"),
+    ]:
+        with pytest.raises(ValueError, match=f"{re.escape(problem)}.*could not write it as named"):
+            validate_relpath(path)
+    for path in ("a .txt", "contents.txt", "console.md", "com10.txt", "a.b.c.txt"):
+        assert validate_relpath(path) == path
     assert tree_path_problems([CARD_FILE, f"{CARD_FILE}/x", "a/b", "A/b", "c"]) == [
         f"'{CARD_FILE}' is a file and the folder of '{CARD_FILE}/x'",
         "'A/b' and 'a/b' differ only by case",

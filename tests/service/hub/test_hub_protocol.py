@@ -432,3 +432,28 @@ def test_big_commit_streams_to_disk(hub, tmp_path):
     r = httpx.get(f"{hub.url}/big/model/resolve/{commit}/data/blob.bin.txt")
     assert r.content == (folder / "data/blob.bin.txt").read_bytes()
     shutil.rmtree(folder)
+
+
+def test_resolve_answers_conditionals_and_bad_ranges_in_the_services_shape(hub, published):
+    """``If-None-Match`` with the file's own ETag was a 200 with the whole file, and ``If-Match``
+    with another ETag a 200; a malformed ``Range`` was Starlette's text/plain 400 and one past
+    the end an empty 416 (no ``error``, no ``X-Error-Message``)."""
+    url = f"{hub.url}/{MODEL}/resolve/main/{WEIGHTS_FILE}"
+    size = (published[MODEL] / WEIGHTS_FILE).stat().st_size
+    tag = httpx.head(url).headers["etag"]
+    for cached in [tag, f"W/{tag}", f'"other", {tag}', "*"]:
+        r = httpx.get(url, headers={"If-None-Match": cached})
+        assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == tag, cached
+    assert httpx.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
+    for wanted in [tag, "*"]:
+        assert httpx.get(url, headers={"If-Match": wanted}).status_code == 200
+    r = httpx.get(url, headers={"If-Match": '"other"'})
+    assert r.status_code == 412 and r.json()["error"].startswith('If-Match "other" does not name')
+    r = httpx.get(url, headers={"Range": "lines=0-9"})
+    assert (
+        r.status_code == 400 and r.json()["error"] == "Range 'lines=0-9': Only support bytes range"
+    )
+    assert r.headers["x-error-message"] == r.json()["error"]
+    r = httpx.get(url, headers={"Range": f"bytes={size + 5}-"})
+    assert r.status_code == 416 and r.headers["content-range"] == f"bytes */{size}"
+    assert f"holds {size:,} bytes" in r.json()["error"]

@@ -160,8 +160,11 @@ def test_branch_names_starting_points_and_rights_are_checked(hub, tmp_path):
         with pytest.raises(HfHubHTTPError) as err:
             api.create_branch(repo, branch=name)
         assert err.value.response.status_code == 409
-    with pytest.raises(BadRequestError, match="looks like a commit id"):
-        api.create_branch(repo, branch="0" * 40)
+    for name in ("0" * 40, "AB" * 20, "aB" * 20):  # upper case was a branch, then a tag
+        with pytest.raises(BadRequestError, match="looks like a commit id"):
+            api.create_branch(repo, branch=name)
+        with pytest.raises(BadRequestError, match="looks like a commit id"):
+            api.create_tag(repo, tag=name)
     with pytest.raises(RevisionNotFoundError):
         api.create_branch(repo, branch="new", revision="nope")
     api.create_repo("pin/empty")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from huggingface_hub import CommitOperationAdd, HfApi, snapshot_download
+from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download, snapshot_download
 from support.helpers import tiny_repo_with_head
 from support.live import ADMIN_TOKEN, WRITE_TOKEN, lfs_batch
 
@@ -285,3 +285,53 @@ def test_uploads_never_committed_are_collected(store, tmp_path):
     store.create_repo("vip/m")
     with pytest.raises(UploadMissing, match="never uploaded"):
         store.commit("vip/m", [AddObject(WEIGHTS_FILE, oid)])
+
+
+def _commit_lines(hub, lines: list[dict]) -> httpx.Response:
+    return httpx.post(
+        f"{hub.url}/api/models/vip/vip-nano-test/commit/main",
+        content="\n".join(json.dumps(line) for line in lines).encode(),
+        headers={"Authorization": f"Bearer {WRITE_TOKEN}", "Content-Type": "application/x-ndjson"},
+    )
+
+
+def test_an_lfs_lines_size_is_checked_and_the_file_is_listed_as_lfs(hub, published, tmp_path):
+    """An ``lfsFile`` line's size was never read: a claim of 5, "huge" or -1 for a 6,001-byte
+    object was committed. And a small text file committed that way was listed as a plain file
+    (no ``lfs``, its ETag a git id) under its LFS pointer's git id: it is an LFS file, as the
+    Hugging Face Hub keeps one."""
+    data = b"x" * 6001
+    oid = hashlib.sha256(data).hexdigest()
+    upload = lfs_batch(hub.url, "vip/vip-nano-test", data)["actions"]["upload"]
+    assert httpx.put(upload["href"], content=data).status_code == 200
+    header = {"key": "header", "value": {"summary": "notes"}}
+    head = HfApi().model_info("vip/vip-nano-test").sha
+    for size, message in [
+        (5, "notes.txt: the commit says object " + oid + " holds 5 bytes; the upload holds 6,001"),
+        ("huge", "commit line 2: an lfsFile line's 'size' must be a byte count, not 'huge'"),
+        (-1, "commit line 2: an lfsFile line's 'size' must be a byte count, not -1"),
+        (True, "commit line 2: an lfsFile line's 'size' must be a byte count, not True"),
+    ]:
+        line = {"path": "notes.txt", "algo": "sha256", "oid": oid, "size": size}
+        r = _commit_lines(hub, [header, {"key": "lfsFile", "value": line}])
+        assert r.status_code == 400 and message in r.json()["error"], (size, r.text)
+    assert HfApi().model_info("vip/vip-nano-test").sha == head
+    line = {"path": "notes.txt", "algo": "sha256", "oid": oid, "size": len(data)}
+    assert _commit_lines(hub, [header, {"key": "lfsFile", "value": line}]).status_code == 200
+    (entry,) = [e for e in HfApi().list_repo_tree("vip/vip-nano-test") if e.path == "notes.txt"]
+    assert entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) == (oid, len(data))
+    r = httpx.head(f"{hub.url}/vip/vip-nano-test/resolve/main/notes.txt")
+    assert r.headers["ETag"] == f'"{oid}"' and r.headers["X-Linked-Size"] == str(len(data))
+    got = hf_hub_download("vip/vip-nano-test", "notes.txt", cache_dir=tmp_path / "cache")
+    assert Path(got).read_bytes() == data  # huggingface_hub checks it against that ETag
+
+
+@pytest.mark.parametrize("path", ["docs./a.md", "notes.txt ", "a:b.txt", "con.txt", "nul/x.md"])
+def test_a_path_windows_cannot_write_as_named_is_a_400(hub, published, path):
+    """Each was committed: ``docs./a.md`` beside ``docs/a.md`` is one file on Windows, ``a:b.txt``
+    a data stream of ``a``, ``con.txt`` the console."""
+    line = {"path": path, "content": base64.b64encode(b"hello\n").decode()}
+    r = _commit_lines(
+        hub, [{"key": "header", "value": {"summary": "x"}}, {"key": "file", "value": line}]
+    )
+    assert r.status_code == 400 and "a download to Windows could not write it" in r.json()["error"]

@@ -14,6 +14,7 @@ import re
 import selectors
 import shutil
 import socket
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -513,3 +514,42 @@ def test_no_third_party_script_and_images_only_from_the_hub(server, exported, tm
     assert "img-src 'self';" in csp and "https:" not in csp and "data:" not in csp
     assert 'href="https://elsewhere.example/p.png"' in page.text
     assert 'src="https://elsewhere.example' not in page.text
+
+
+def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_server_fault(server, caplog):
+    """``ClientDisconnect`` from a body cut short was an unhandled exception: counted as a 500,
+    logged as an ERROR with its traceback, as if the server had failed."""
+
+    def counted(status: str) -> float:
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        mark = f'status="{status}"}} '  # the route, before it, may hold braces
+        return sum(
+            float(n.split(mark)[1])
+            for n in lines
+            if n.startswith("vip_hub_requests_total") and mark in n
+        )
+
+    auth = {"Authorization": f"Bearer {WRITE_TOKEN}"}
+    created = httpx.post(
+        f"{server.url}/api/repos/create",
+        json={"name": "hangup", "organization": "vip"},
+        headers=auth,
+    )
+    assert created.status_code == 200, created.text
+    before = counted("499"), counted("500")
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            b"POST /api/models/vip/hangup/commit/main HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Authorization: Bearer {WRITE_TOKEN}\r\n".encode()
+            + b"Content-Type: application/x-ndjson\r\nContent-Length: 1000000\r\n\r\n"
+            + b'{"key": "header", "value": {"summary": "x"}}\n'
+            + b'{"key": "file", "value": {"path": "a.txt", "content": "'
+            + b"QUJD" * 2000
+        )
+    for _ in range(100):
+        if counted("499") > before[0]:
+            break
+        time.sleep(0.05)
+    assert (counted("499"), counted("500")) == (before[0] + 1, before[1])
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -14,7 +14,7 @@ from huggingface_hub import HfApi, snapshot_download
 from support.helpers import TINY, random_text, synthetic_stage, tiny_encoder
 from support.live import WRITE_TOKEN, ProcessServer, commit_body, start_commit, start_lfs_put
 
-from service.hub.common import LFS_THRESHOLD
+from service.store.blobs import LFS_THRESHOLD
 from service.store.faults import CRASH_ENV, CRASH_STATUS
 from vip_hub import export_encoder, verify_repo
 from vip_hub.repo.push import push_repo
