@@ -18,6 +18,7 @@ from timm.data import create_transform, resolve_data_config
 from timm.models.vision_transformer import VisionTransformer
 
 from .errors import ConfigError, MissingInputError, RepoFormatError
+from .hub_client import hub_errors
 from .images import to_rgb
 from .models.encoders import EncoderSpec
 from .models.features import (
@@ -178,13 +179,14 @@ def resolve_source(source: str | os.PathLike[str], revision: str | None = None) 
     if at and revision and revision != rev:
         raise ConfigError(f"{text} pins revision {rev!r} but revision {revision!r} was given too")
     revision = revision or rev or None
-    try:
-        return Path(snapshot_download(repo_id, revision=revision))
-    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError) as e:
-        where = f"{text} at revision {revision!r}" if revision and not at else text
-        raise MissingInputError(
-            f"{where} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}"
-        ) from None
+    where = f"{text} at revision {revision!r}" if revision and not at else text
+    with hub_errors(f"downloading {where}"):  # what is not the repo's absence
+        try:
+            return Path(snapshot_download(repo_id, revision=revision))
+        except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError) as e:
+            raise MissingInputError(
+                f"{where} is neither a folder nor a repo on the hub: {' '.join(str(e).split())}"
+            ) from None
 
 
 def load_encoder(

@@ -3,7 +3,12 @@ wrong and exit status 1, never a traceback, and nothing stored left behind or ha
 
 from __future__ import annotations
 
+import http.server
+import os
 import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,6 +59,72 @@ def test_push_to_an_unreachable_hub_is_a_one_line_error(tiny_repo, cli):
     for bad in ("http://localhost:abc", "http://[::1", "http://127.0.0.1:99999"):  # tracebacks
         no_port = cli("push", tiny_repo, "org/name", "--endpoint", bad, "--token", "t")
         _one_line_error(no_port, "push", repr(bad))
+
+
+@pytest.fixture
+def web_page():
+    """A local web server that answers every request with an HTML page (a mistyped endpoint)."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            body = b"<!doctype html><title>welcome</title>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_POST = do_HEAD = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_hub_that_answers_a_web_page_is_a_one_line_error(tiny_repo, cli, web_page, tmp_path):
+    """An endpoint that answers HTML made ``push`` and ``caption`` end in a JSONDecodeError
+    traceback."""
+    pushed = cli("push", tiny_repo, "org/name", "--endpoint", web_page, "--token", "t")
+    _one_line_error(pushed, "push", "pushing 'org/name'", web_page, "not JSON")
+    image = tmp_path / "a.png"
+    image.write_bytes(b"")
+    with pytest.MonkeyPatch.context() as patch:
+        from huggingface_hub import constants
+
+        patch.setattr(constants, "ENDPOINT", web_page)
+        captioned = cli("caption", "org/name", str(image))
+    _one_line_error(captioned, "caption", "downloading org/name", "not JSON")
+
+
+def test_push_with_the_hub_client_offline_is_a_one_line_error(tiny_repo, tmp_path):
+    """``HF_HUB_OFFLINE=1`` made ``push`` end in an OfflineModeIsEnabled traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vip_hub.cli.main",
+            "push",
+            str(tiny_repo),
+            "org/name",
+            "--token",
+            "t",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "HF_HUB_OFFLINE is set" in lines[0], done.stderr
 
 
 def test_key_create_into_a_file_is_a_one_line_error(tmp_path, cli):

@@ -355,47 +355,15 @@ def register_push(sub: Any) -> None:
     p.add_argument("--message", help="commit message")
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
-    """What the hub client raises when no answer came (refused, timed out, no URL): the
-    HTTPError of httpx2 (huggingface_hub 2) and of httpx (huggingface_hub 1), where installed."""
-    import importlib
-
-    errors = []
-    for module in ("httpx2", "httpx"):
-        try:
-            errors.append(importlib.import_module(module).HTTPError)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def _check_endpoint(endpoint: str) -> None:
-    """ConfigError unless ``endpoint`` (``--endpoint`` or ``HF_ENDPOINT``) is an http(s) URL with a
-    host and a valid port: the hub client raised a bare ValueError or InvalidURL on one."""
-    from urllib.parse import urlsplit
-
-    try:
-        endpoint.encode()  # a byte the shell could not decode: a lone surrogate
-        parts = urlsplit(endpoint)
-        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
-        parts.port  # noqa: B018 (raises ValueError for a port that is no number in range)
-    except ValueError as e:  # (UnicodeEncodeError is one)
-        raise ConfigError(f"hub endpoint {endpoint!r} (--endpoint, HF_ENDPOINT): {e}") from None
-    if not valid:
-        raise ConfigError(
-            f"hub endpoint {endpoint!r} (--endpoint, HF_ENDPOINT) is no http(s) URL with a host"
-        )
-
-
 def _push(args: argparse.Namespace) -> None:
     from huggingface_hub import constants, get_token
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
     from ..errors import VerificationError
+    from ..hub_client import check_endpoint, hub_errors
     from ..repo.push import push_repo
 
     endpoint = args.endpoint or constants.ENDPOINT
-    _check_endpoint(endpoint)
+    check_endpoint(endpoint)
     token = args.token if args.token is not None else get_token()
     if token is not None and not token.isascii():  # it goes in an HTTP header
         raise ConfigError(
@@ -403,26 +371,18 @@ def _push(args: argparse.Namespace) -> None:
             "not ASCII (a pasted quote?)"
         )
     try:
-        commit = push_repo(
-            args.folder,
-            args.repo_id,
-            endpoint=args.endpoint,
-            token=args.token,
-            private=args.private,
-            revision=args.revision,
-            message=args.message,
-        )
+        with hub_errors(f"pushing {args.repo_id!r} did not complete", endpoint):
+            commit = push_repo(
+                args.folder,
+                args.repo_id,
+                endpoint=args.endpoint,
+                token=args.token,
+                private=args.private,
+                revision=args.revision,
+                message=args.message,
+            )
     except VerificationError as e:
         raise ConfigError(f"{args.folder} does not verify, nothing was pushed: {e}") from None
-    except HfHubHTTPError as e:
-        raise ConfigError(" ".join(str(e).split())) from None
-    except HFValidationError as e:  # a repo id or revision the hub client refuses to send
-        raise ConfigError(f"{args.repo_id!r}: {' '.join(str(e).split())}") from None
-    except _transport_errors() as e:
-        raise ConfigError(
-            f"cannot reach the hub at {endpoint} ({type(e).__name__}: {e}): the push did not "
-            "complete"
-        ) from None
     print(f"pushed {args.folder} to {args.repo_id} at {commit}")
 
 
