@@ -4,6 +4,7 @@ import argparse
 import functools
 import json
 import os
+import warnings
 import zipfile
 
 import pytest
@@ -145,6 +146,29 @@ def test_pickled_code_is_refused(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
         load_reference_checkpoint(tmp_path / "junk.pth")
+
+
+def test_a_corrupt_old_style_checkpoint_is_named_whatever_the_unpickler_raises(tmp_path, capsys):
+    """Bytes of a legacy (non-zip) checkpoint overwritten one at a time: the unpickler raised
+    KeyError, IndexError, UnicodeDecodeError, AssertionError, TypeError..., each a traceback
+    from ``import-mae``; every one is now a CheckpointError."""
+    path = tmp_path / "old.pth"
+    torch.save({"model": {"w": torch.zeros(4, 4)}}, path, _use_new_zipfile_serialization=False)
+    data, corrupt, raised = path.read_bytes(), tmp_path / "corrupt.pth", set()
+    for at in range(len(data) - 64):  # the pickles before the tensor bytes
+        for value in (0x00, 0x80, 0xFF):
+            corrupt.write_bytes(data[:at] + bytes([value]) + data[at + 1 :])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Detected pickle protocol 115 ..."
+                try:
+                    load_reference_checkpoint(corrupt)
+                except CheckpointError as e:
+                    raised.add(type(e.__context__).__name__)
+    assert {"IndexError", "UnicodeDecodeError", "AssertionError"} <= raised, raised
+    corrupt.write_bytes(data[:200] + b"\xff" + data[201:])
+    args = ["import-mae", str(corrupt), "--arch", "vip-nano", "--out", str(tmp_path / "out")]
+    assert main([*args, "--synthetic-dataset", "Shaders21k"]) == 1
+    assert "not a readable PyTorch checkpoint" in capsys.readouterr().err
 
 
 def test_compressed_checkpoint_is_refused(tmp_path):

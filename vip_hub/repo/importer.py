@@ -306,8 +306,12 @@ def load_reference_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.T
             f"{path}: refused, the file holds objects other than tensors and plain containers "
             f"(loaded with weights_only=True): {globals_[0]}"
         ) from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+    except Exception as e:
+        # weights_only runs no pickled code, so what fails is the file: a corrupt old-style
+        # pickle raises KeyError, IndexError, UnicodeDecodeError, AssertionError and others
+        raise CheckpointError(
+            f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})"
+        ) from None
     state = obj.get("model", obj) if isinstance(obj, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(
