@@ -382,3 +382,28 @@ def test_a_checkpoint_with_both_norm_and_fc_norm_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"norm\.weight.*fc_norm\.weight"):
         import_nano(tmp_path / "both.pth", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--name", "../../evil"),
+        ("--name", "caf\udcc3"),
+        ("--out", "caf\udcc3"),
+        ("--repo-id", "a/b/c"),
+    ],
+)
+def test_a_repo_id_the_hub_client_would_not_send_is_refused_before_writing(
+    reference, tmp_path, capsys, option, value
+):
+    """``--name ../../evil`` put ``vip/../../evil`` on the card and the repo verified; a name
+    (or ``--out`` folder) holding a byte the shell could not decode crashed in the card's
+    encoding, a traceback after the weights were written."""
+    _, path = reference
+    out = tmp_path / (value if option == "--out" else "repo")
+    args = ["import-mae", str(path), "--arch", "vip-nano", "--img-size", "32", "--out", str(out)]
+    extra = [] if option == "--out" else [option, value]
+    assert main([*args, *extra, "--synthetic-dataset", "Shaders21k"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vip-hub import-mae: error: repo id" in err, err
+    assert not out.exists()

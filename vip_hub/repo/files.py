@@ -18,6 +18,8 @@ from typing import Any, Required, TypedDict
 
 import torch
 from huggingface_hub import EvalResult
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
@@ -167,7 +169,7 @@ def export_encoder(
     ledger = PrivacyLedger.build(stages, artifacts)
     info = CardInfo(
         model_name=model_name,
-        repo_id=repo_id or f"vip/{model_name}",
+        repo_id=_checked_repo_id(repo_id or f"vip/{model_name}"),
         summary=summary,
         license=license,
         eval_results=list(eval_results),
@@ -192,6 +194,20 @@ def export_encoder(
 
     _atomic_dir(out, write, fresh=True)
     return out
+
+
+def _checked_repo_id(repo_id: str) -> str:
+    """``repo_id`` if the hub client would send it, else ConfigError (``vip/../../evil``, a byte
+    the shell could not decode): checked before any file is written."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        why = " ".join(str(e).split()).encode("utf-8", "backslashreplace").decode()
+        raise ConfigError(
+            f"repo id {repo_id!r} (vip/ and the model name, --name, else the --out folder's; or "
+            f"--repo-id): {why}"
+        ) from None
+    return repo_id
 
 
 def _bound_to(result: EvalResult, component: str) -> bool:
