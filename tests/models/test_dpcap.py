@@ -596,6 +596,13 @@ def test_cli_import_caption_and_zero_shot(reference, tmp_path, capsys):
     ]
     assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,,cat"]) == 1
     assert "labels[1] is empty" in capsys.readouterr().err
+    # a byte the shell could not decode: was the tokenizer's TypeError traceback
+    assert main(["zero-shot", str(out), str(files[0]), "--labels", "dog,caf\udcc3"]) == 1
+    assert "'caf\\udcc3') is not Unicode text" in capsys.readouterr().err
+    assert (
+        main(["zero-shot", str(out), str(files[0]), "--labels", "dog", "--prompt", "\udcff"]) == 1
+    )
+    assert "is not Unicode text" in capsys.readouterr().err
     assert main(["caption", str(out), str(tmp_path / "missing.png")]) == 1
     assert "missing.png: no such image file" in capsys.readouterr().err
     bomb = tmp_path / "bomb.png"

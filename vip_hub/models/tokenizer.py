@@ -13,8 +13,10 @@ so it is self-contained.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import BertWordPieceTokenizer, Tokenizer
@@ -27,6 +29,8 @@ from ..repo_format import VOCAB_FILE
 __all__ = ["BERT_SPECIAL_IDS", "MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer", "public_vocab"]
 
 MAX_LENGTH = 40
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone UTF-16 surrogate: how Python holds a byte that did not decode (surrogateescape)."""
 """Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BERT_SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
@@ -73,7 +77,7 @@ class CaptionTokenizer:
         longer than ``max_length`` tokens is a ConfigError naming it instead."""
         if not texts:
             return torch.empty(0, 2, dtype=torch.long)
-        encodings = self._tok.encode_batch(list(texts))
+        encodings = self._encodings(texts)
         if not cut:
             for i, e in enumerate(encodings):
                 if e.overflowing:
@@ -85,7 +89,18 @@ class CaptionTokenizer:
     def lengths(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text cut at ``max_length``, [CLS] and [SEP] left out (0: nothing the
         normalizer keeps)."""
-        return [sum(e.attention_mask) - 2 for e in self._tok.encode_batch(list(texts))]
+        return [sum(e.attention_mask) - 2 for e in self._encodings(texts)]
+
+    def _encodings(self, texts: Sequence[str]) -> list[Any]:
+        """The tokenizer's encodings; ConfigError for a text that is not Unicode text (a lone
+        surrogate: a byte the shell could not decode), which the tokenizer takes for no text."""
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or _SURROGATE.search(text):
+                raise ConfigError(
+                    f"text {i} ({text[:60]!r}) is not Unicode text: a byte the shell could not "
+                    "decode as UTF-8?"
+                )
+        return self._tok.encode_batch(list(texts))
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids, special tokens dropped and word pieces joined."""
