@@ -336,6 +336,8 @@ def _document(text: str | None, where: str) -> dict[str, Any]:
         data = json.loads(text) if text is not None else {"tokens": []}
     except ValueError as e:
         raise ValueError(f"{where} are not valid: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{where} are not valid: JSON nested too deeply") from None
     if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
         raise ValueError(f"{where} are not valid: no 'tokens' list")
     return data

@@ -170,10 +170,12 @@ def _synth_preview(args: argparse.Namespace) -> int:
     try:
         sheet.save(tmp, format=image_format)
         os.replace(tmp, out)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a format that does not take RGB (BLP)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from None
+        raise ConfigError(
+            f"cannot write --out {out}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     print(f"wrote {out}: {args.count} images of {args.size} px")
     return 0
 

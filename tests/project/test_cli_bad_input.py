@@ -189,7 +189,8 @@ def test_synth_preview_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, c
     folder.mkdir()
     small = ("--count", "4", "--size", "16")
     unwritable = tmp_path / "sheet.psd"  # a format Pillow reads only (a KeyError traceback)
-    for out in (tmp_path, tmp_path / "sheet.notanext", unwritable, file / "sheet.png", folder):
+    blp = tmp_path / "sheet.blp"  # a format Pillow writes, not in RGB (a ValueError traceback)
+    for out in (tmp_path, tmp_path / "sheet.notanext", unwritable, blp, file / "sheet.png", folder):
         _one_line_error(cli("synth-preview", "--out", out, *small), "synth-preview", str(out))
     assert file.read_text() == "mine" and not any(folder.iterdir())
     negative = cli("synth-preview", "--out", tmp_path / "s.png", "--seed", "-1", *small)
@@ -259,6 +260,9 @@ def test_a_corrupt_store_is_a_one_line_error(tmp_path, cli):
     (store / "tokens.json").write_bytes(b"\xff")
     made = cli("token", "create", "--name", "bob", "--store", store)
     _one_line_error(made, "token", str(store / "tokens.json"), "not UTF-8")
+    (store / "tokens.json").write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError
+    made = cli("token", "create", "--name", "bob", "--store", store)
+    _one_line_error(made, "token", str(store / "tokens.json"), "nested too deeply")
     store = tmp_path / "damaged"
     store.mkdir()
     (store / "index.sqlite").write_text("garbage")
