@@ -134,6 +134,14 @@ def test_errors_name_the_field():
     assert "artifacts" in _bad(lambda d: d.update(artifacts={"../x": "sha256:" + "0" * 64}))
     assert "not sha256" in _bad(lambda d: d.update(artifacts={"x": "md5:abc"}))
     assert "not valid JSON" in str(pytest.raises(LedgerError, PrivacyLedger.parse, "{nope").value)
+    # strings where numbers and flags go were converted, and such a ledger verified
+    assert "stages.1.dp.steps" in _bad(lambda d: d["stages"][1].update(steps="100"))
+    assert "stages.1.dp.noise_multiplier" in _bad(
+        lambda d: d["stages"][1].update(noise_multiplier="1.0")
+    )
+    assert "stages.0.non-private.private_data" in _bad(
+        lambda d: d["stages"][0].update(private_data="no")
+    )
 
 
 def test_dataset_used_without_dp_cannot_be_guaranteed():

@@ -750,7 +750,12 @@ class PrivacyLedger(_Model):
                     f"{_OLD_SCHEMAS.get(str(data.get('schema')), '')}"
                 ]
             )
-        return _validated(cls, **data)
+        try:  # strict: "steps": "100" or "private_data": "no" is refused, not converted
+            return cls.model_validate_json(json.dumps(data), strict=True)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ValidationError):
+                raise _from_validation(e) from None
+            raise LedgerError([f"ledger: holds a value JSON cannot ({e})"]) from None
 
     @classmethod
     def read(cls, repo: str | os.PathLike[str]) -> PrivacyLedger:
