@@ -241,9 +241,13 @@ def head_schedule(study: StudyConfig) -> dict[str, int]:
 
 
 def tag(settings: dict[str, Any]) -> str:
-    """A trial's settings as a folder name's part (numbers in ``g`` form)."""
-    return "-".join(
-        f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
+    """A trial's settings as a folder name's part (numbers in ``g`` form; ``defaults`` for
+    none: the folder names the repo, which may not end in '-')."""
+    return (
+        "-".join(
+            f"{k}{v:g}" if isinstance(v, int | float) else f"{k}{v}" for k, v in settings.items()
+        )
+        or "defaults"
     )
 
 

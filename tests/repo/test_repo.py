@@ -1064,10 +1064,11 @@ def test_a_broken_weights_header_is_named_under_the_weights_not_the_config(tiny_
 
 @pytest.mark.parametrize("field", ["noise_std", "epsilon", "expected_batch_size"])
 def test_a_ledger_spelling_infinity_as_a_string_is_refused_naming_the_field(tiny_repo, field):
-    """pydantic reads "inf" where a number goes: the copies verified with C = inf, or an
-    epsilon of inf crashed the card's headline."""
+    """pydantic read "inf" where a number goes: the copies verified with C = inf, or an
+    epsilon of inf crashed the card's headline. A ledger is now read strictly: a string is no
+    number."""
     rewrite_ledger_copies(tiny_repo, lambda d: d["stages"][1].update({field: "inf"}) or d)
-    text = _fails(tiny_repo, f"stages.1.dp.{field}: Input should be a finite number")
+    text = _fails(tiny_repo, f"stages.1.dp.{field}: Input should be a valid number")
     assert "Traceback" not in text
 
 

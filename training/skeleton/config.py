@@ -38,6 +38,7 @@ from vip_hub.privacy.accounting import DEFAULT_DELTA_RULE, Accountant
 from vip_hub.privacy.audit import DEFAULT_CANARIES, DEFAULT_DELTA, MAX_CANARIES
 from vip_hub.privacy.ledger import DATASET_NAME_PATTERN
 from vip_hub.privacy.sensitivity import MIN_CLIP
+from vip_hub.repo.files import card_repo_id
 from vip_hub.repo_format import SIGNATURE_FILE
 
 from ..dp.sampling import SECRET_BITS
@@ -127,6 +128,13 @@ class RunConfig(BaseModel):
         if not Path(value).name:
             raise ValueError(f"{value!r} names no folder: give a path that ends in the repo's name")
         return value
+
+    @model_validator(mode="after")
+    def _names_a_repo(self) -> RunConfig:
+        """The card's repo id (``repo_id``, else from ``model_name`` or ``--out``'s name) is one
+        the hub client sends: checked before training, not at its export."""
+        card_repo_id(self.model_name or Path(self.out).name, self.repo_id)
+        return self
 
     def run_settings(self) -> dict[str, Any]:
         """The fields that must match for a checkpoint to be resumed."""

@@ -69,6 +69,7 @@ from .verify import is_hidden, repo_files, verify_repo
 __all__ = [
     "Release",
     "can_caption",
+    "card_repo_id",
     "check_feature_dims",
     "check_replaceable",
     "declared_spatial",
@@ -169,7 +170,7 @@ def export_encoder(
     ledger = PrivacyLedger.build(stages, artifacts)
     info = CardInfo(
         model_name=model_name,
-        repo_id=_checked_repo_id(repo_id or f"vip/{model_name}"),
+        repo_id=card_repo_id(model_name, repo_id),
         summary=summary,
         license=license,
         eval_results=list(eval_results),
@@ -196,16 +197,17 @@ def export_encoder(
     return out
 
 
-def _checked_repo_id(repo_id: str) -> str:
-    """``repo_id`` if the hub client would send it, else ConfigError (``vip/../../evil``, a byte
-    the shell could not decode): checked before any file is written."""
+def card_repo_id(model_name: str, repo_id: str | None = None) -> str:
+    """The hub id a card names (``repo_id``, else ``vip/<model_name>``) if the hub client would
+    send it, else ConfigError (``vip/../../evil``, a byte the shell could not decode)."""
+    repo_id = repo_id or f"vip/{model_name}"
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
         why = " ".join(str(e).split()).encode("utf-8", "backslashreplace").decode()
         raise ConfigError(
-            f"repo id {repo_id!r} (vip/ and the model name, --name, else the --out folder's; or "
-            f"--repo-id): {why}"
+            f"repo id {repo_id!r} (the repo id given, else vip/ and the model name, else the "
+            f"output folder's name): {why}"
         ) from None
     return repo_id
 

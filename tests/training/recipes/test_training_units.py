@@ -599,6 +599,16 @@ def test_an_out_that_names_no_folder_is_refused_naming_it(out) -> None:
         config_from_args(RunConfig, argparse.Namespace(out=out))
 
 
+@pytest.mark.parametrize(
+    "given", [{"out": "runs/my run"}, {"out": "runs/x", "model_name": "../../evil"}]
+)
+def test_a_repo_id_the_hub_client_would_not_send_is_refused_before_training(given) -> None:
+    """The export refuses a card's repo id the hub client would not send (``vip/my run``): that
+    was found once the training was done; the settings refuse it first."""
+    with pytest.raises(ConfigError, match=r"repo id 'vip/.*name\): Repo id must"):
+        config_from_args(RunConfig, argparse.Namespace(**given))
+
+
 def test_a_default_the_help_states_in_words_is_stated_once() -> None:
     """A field whose description gives its default in words (``--seed``: a secret random one)
     was followed by ``(default: None)`` as well."""
