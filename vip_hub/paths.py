@@ -47,6 +47,7 @@ __all__ = [
     "replace_durably",
     "tree_path_problems",
     "validate_relpath",
+    "windows_problem",
     "write_private",
 ]
 
@@ -80,7 +81,7 @@ def validate_relpath(path: str) -> str:
                 f"path {path!r} has a '.git' segment (or a short name of one, such as GIT~1): "
                 "it would write into a downloader's git checkout"
             )
-        if problem := _windows_problem(segment):
+        if problem := windows_problem(segment):
             raise UnsafePathError(
                 f"path {path!r}: segment {segment!r} {problem}: a download to Windows could not "
                 "write it as named"
@@ -88,9 +89,10 @@ def validate_relpath(path: str) -> str:
     return path
 
 
-def _windows_problem(segment: str) -> str | None:
-    """Why Windows would open a file of another name for ``segment``, if it would: it drops a
-    trailing dot or space, refuses some characters and opens device names as devices."""
+def windows_problem(segment: str) -> str | None:
+    """Why Windows would not write a file or folder named ``segment`` as named, if it would
+    not: it drops a trailing dot or space, refuses some characters, opens device names as
+    devices."""
     if segment[-1] in ". ":
         return "ends in a dot or a space, which Windows drops"
     if forbidden := sorted(_WINDOWS_FORBIDDEN.intersection(segment)):

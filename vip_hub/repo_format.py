@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .paths import windows_problem
 
 __all__ = [
     "CARD_FILE",
@@ -144,6 +145,8 @@ def check_name(kind: str, name: str) -> str:
     naming the ``kind`` of name."""
     if not _NAME.match(name or ""):
         raise ConfigError(f"{kind} name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    if problem := windows_problem(name):  # it names a folder or file in the repo
+        raise ConfigError(f"{kind} name {name!r} {problem}")
     return name
 
 

@@ -485,6 +485,14 @@ def test_a_head_name_that_is_no_folder_name_is_refused(name):
     assert head_name_of(HEAD_WEIGHTS_GLOB.replace("*", name)) is None
 
 
+@pytest.mark.parametrize("name", ["con", "NUL.head", "com1", "probe."])
+def test_a_head_name_windows_cannot_write_is_refused_before_training(name):
+    """Such a head's folder is a path every commit and ``verify`` refuse: the name passed, and
+    the export after the training failed."""
+    with pytest.raises(ConfigError, match=f"head name '{re.escape(name)}' (is a Windows|ends)"):
+        head_component(name)
+
+
 def test_a_ledger_of_more_stages_than_verify_recomputes_is_refused_by_name(tiny_repo):
     """Each stage's epsilon is recomputed under every accountant on every upload: past
     MAX_STAGES stages the ledger is refused before any accounting (100 took PRV 40 s)."""
