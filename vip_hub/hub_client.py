@@ -60,9 +60,7 @@ def hub_errors(what: str, endpoint: str | None = None) -> Iterator[None]:
             f"{what}: the hub at {where} answered with something that is not JSON ({e}): is "
             "--endpoint (or HF_ENDPOINT) a hub, not a web page?"
         ) from None
-    except HfHubHTTPError as e:
-        raise ConfigError(f"{what}: {' '.join(str(e).split())}") from None
-    except HFValidationError as e:  # a repo id or revision the hub client refuses to send
+    except (HfHubHTTPError, HFValidationError) as e:  # refused by the hub, or before sending
         raise ConfigError(f"{what}: {' '.join(str(e).split())}") from None
     except _transport_errors() as e:
         raise ConfigError(

@@ -29,9 +29,9 @@ from ..repo_format import VOCAB_FILE
 __all__ = ["BERT_SPECIAL_IDS", "MAX_LENGTH", "SPECIAL_TOKENS", "CaptionTokenizer", "public_vocab"]
 
 MAX_LENGTH = 40
+"""Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """A lone UTF-16 surrogate: how Python holds a byte that did not decode (surrogateescape)."""
-"""Tokens of a caption, [CLS] and [SEP] included (the reference's ``target_txt_len``)."""
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BERT_SPECIAL_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
 """Where ``bert-base-uncased``'s vocabulary file keeps the special tokens (ids 1-99 are

@@ -750,12 +750,14 @@ class PrivacyLedger(_Model):
                     f"{_OLD_SCHEMAS.get(str(data.get('schema')), '')}"
                 ]
             )
-        try:  # strict: "steps": "100" or "private_data": "no" is refused, not converted
-            return cls.model_validate_json(json.dumps(data), strict=True)
-        except (TypeError, ValueError) as e:
-            if isinstance(e, ValidationError):
-                raise _from_validation(e) from None
+        try:
+            text = json.dumps(data)
+        except (TypeError, ValueError) as e:  # a dict given, not parsed JSON
             raise LedgerError([f"ledger: holds a value JSON cannot ({e})"]) from None
+        try:  # strict: "steps": "100" or "private_data": "no" is refused, not converted
+            return cls.model_validate_json(text, strict=True)
+        except ValidationError as e:
+            raise _from_validation(e) from None
 
     @classmethod
     def read(cls, repo: str | os.PathLike[str]) -> PrivacyLedger:
