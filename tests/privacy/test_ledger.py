@@ -439,13 +439,15 @@ def test_a_joint_stage_covers_its_heads_once_and_old_ledgers_read_as_before():
 
 
 # ------------------------------------------------ issue 32: the delta a truncated sampler adds
-def _truncated_stage(support: float, dimension: int = 7_060_000) -> DPStage:
+def _truncated_stage(
+    support: float, dimension: int = 7_060_000, name: str = "dp-pretraining", steps: int = 1000
+) -> DPStage:
     return DPStage.from_parameters(
-        name="dp-pretraining",
+        name=name,
         dataset=Dataset(name="org/images", size=100_000),
         sample_rate=0.01,
         noise_multiplier=1.0,
-        steps=1000,
+        steps=steps,
         clipping_norm=1.0,
         noise_support=support,
         noised_tensors={"unreleased:test": dimension},
@@ -474,6 +476,17 @@ def test_a_truncated_sampler_adds_its_delta_to_the_guarantee():
     assert ziggurat.truncation_delta < 1e-20
     assert PrivacyLedger.build([ziggurat]).guarantees[0].delta == ziggurat.delta
     assert new.epsilons == ziggurat.epsilons == old.epsilons  # the same (sigma, q, T): the same
+
+
+def test_the_truncation_deltas_of_stages_on_one_dataset_add_up():
+    """Each stage's truncated sampler may fail on its own steps: a composition's delta adds every
+    stage's truncation delta (a union bound), not the largest of them."""
+    support = math.sqrt(48 * math.log(2))
+    a = _truncated_stage(support, name="dp-pretraining", steps=1000)
+    b = _truncated_stage(support, name="dp-more", steps=400)
+    assert a.truncation_delta > b.truncation_delta > 1e-5
+    (g,) = PrivacyLedger.build([a, b]).guarantees
+    assert g.delta == pytest.approx(1e-5 + a.truncation_delta + b.truncation_delta, rel=1e-12)
 
 
 def test_a_guarantee_whose_delta_reaches_one_is_refused_by_name():

@@ -77,6 +77,21 @@ def engine_for(
     )
 
 
+def test_every_coordinate_of_every_trained_parameter_gets_noise() -> None:
+    """An empty sample's update is noise alone: no released coordinate (the buffer's last
+    included) may come out exactly zero, as one left un-noised would."""
+    model = BiasSum(16)
+    engine = engine_for(model, n=1000, batch=64, sigma=1.0, clip=1.0)
+    seen: dict[str, torch.Tensor] = {}
+    engine.optimizer.step = lambda: seen.update(  # type: ignore[method-assign]
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    )
+    engine.step(0, [])
+    assert set(seen) == {"layer.weight", "layer.bias"}
+    for name, grad in seen.items():
+        assert (grad != 0).all(), f"{name}: {torch.nonzero(grad == 0).tolist()} got no noise"
+
+
 def update_of(
     engine: DPEngine, param: torch.nn.Parameter, step: int, micro_batches: list
 ) -> torch.Tensor:
