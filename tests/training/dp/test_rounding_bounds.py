@@ -9,8 +9,9 @@ from fractions import Fraction
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from training.dp.clipping import capped_factors, upper_sq
+from training.dp.clipping import capped_factors, product_sum, upper_sq
 from vip_hub.privacy.sensitivity import gamma64
 
 _UNIT = Fraction(1, 2**53)
@@ -50,3 +51,30 @@ def test_capped_factors_clip_to_the_last_bit(clip: float) -> None:
         if Fraction(factors[i].item()) ** 2 * Fraction(sq[i].item()) > Fraction(clip) ** 2
     ]
     assert not over, f"{len(over)} of {len(sq)} factors clip above C = {clip}"
+
+
+class _InnerDimensions(TorchFunctionMode):
+    """Records the inner dimension (rows added up) of every matrix product under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in ("matmul", "__matmul__", "mm"):
+            self.seen.append(args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("tokens", "rows"), [(3, 10), (7, 20), (5, 5), (4, 9), (1, 6)])
+def test_product_sum_adds_at_most_rows_rows_in_one_product(tokens: int, rows: int) -> None:
+    """gamma_{rows+1} in the allowance covers products over at most ``rows`` rows: whole
+    examples are grouped so that no product adds more."""
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(13, tokens, 6, generator=gen)
+    a = torch.randn(13, tokens, 4, generator=gen)
+    with _InnerDimensions() as mode:
+        total = product_sum(g, a, torch.ones(13), rows)
+    assert mode.seen and max(mode.seen) <= rows, mode.seen
+    exact = torch.einsum("bto,bti->oi", g.double(), a.double())
+    torch.testing.assert_close(total, exact)
