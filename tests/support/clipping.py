@@ -4,6 +4,7 @@ token model for the ghost-norm and embedding paths; the update of a DP step that
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -118,3 +119,9 @@ def empty_step_update(
     )
     dp.step(0, [])  # nothing sampled: still a noisy step
     return dp, seen["update"]
+
+
+def exact_gamma(k: int) -> Fraction:
+    """Higham's gamma_k = k w / (1 - k w) for fp64 (w = 2^-53), in exact rationals."""
+    w = Fraction(1, 2**53)
+    return k * w / (1 - k * w)

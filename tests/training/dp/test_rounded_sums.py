@@ -20,7 +20,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from support.clipping import clipped_sum
+from support.clipping import clipped_sum, exact_gamma
 from torch import nn
 
 import training.dp.pair_clipping
@@ -498,12 +498,10 @@ def _proved_allowance(b: int) -> Fraction:
     gamma_{R+1} / kappa + gamma_{b+1}), gamma_k = k w / (1 - k w), w = 2^-53, R = 2^16,
     kappa = 2^-12: no floating point, no margin of the code's."""
     w = Fraction(1, 2**53)
-
-    def gamma(k: int) -> Fraction:
-        return k * w / (1 - k * w)
-
-    per_example = (1 + gamma(b + 1)) * (1 + 4 * w) * gamma(2**16 + 1) / Fraction(1, 2**12)
-    return 1 + 2 * b * (per_example + gamma(b + 1))
+    per_example = (
+        (1 + exact_gamma(b + 1)) * (1 + 4 * w) * exact_gamma(2**16 + 1) / Fraction(1, 2**12)
+    )
+    return 1 + 2 * b * (per_example + exact_gamma(b + 1))
 
 
 @pytest.mark.parametrize("b", [1, 2, 100, 423, 101_000, 2**20, 2**32])
