@@ -12,7 +12,7 @@ from vip_hub.privacy.accounting import (
     ZIGGURAT_SUPPORT,
     truncation_delta,
 )
-from vip_hub.privacy.ledger import round_down, round_up
+from vip_hub.privacy.ledger import compose_releases, new_run_id, round_down, round_up
 from vip_hub.repo_format import ENCODER, head_component
 
 
@@ -221,6 +221,18 @@ def _stage_on(
         noised_tensors={"unreleased:test": 1_000},
         **kw,
     )
+
+
+def test_two_runs_with_one_mechanism_compose_and_a_copy_of_one_counts_once():
+    """A stage's identity is its run id and mechanism: two runs with the same settings are two
+    releases (composed), while a copy that renames and restates one stays one release."""
+    first, second = (_stage_on("digits", 1_000, run_id=new_run_id()) for _ in range(2))
+    copy = first.model_copy(update={"name": "copied", "delta": 1e-6, "hyperparameters": {"lr": 2}})
+    once = compose_releases([first], 1e-5)
+    assert compose_releases([first, copy], 1e-5) == once
+    twice = compose_releases([first, second], 1e-5)
+    assert all(twice[a] > once[a] for a in once)
+    assert compose_releases([first, second, copy], 1e-5) == twice
 
 
 def test_a_dataset_is_its_declared_name_so_a_head_on_a_subset_composes_with_its_encoder():
