@@ -14,13 +14,14 @@ from support.helpers import DEVICES, TINY, staged_reports, synthetic_stage, tiny
 
 import training.dp.canaries
 import training.dp.engine
+from training.dp.canaries import DiracCanaries
 from training.dp.clipping import PerExampleClipper
 from training.dp.engine import EMPTY, Budget, DPEngine
 from training.skeleton.distributed import Dist
 from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.privacy.accounting import NOISE_SAMPLER, epsilon
-from vip_hub.privacy.audit import ceiling
+from vip_hub.privacy.audit import ceiling, log_likelihood_ratio
 from vip_hub.privacy.sensitivity import FP64_CAPPED, ROUNDING_SUM
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
@@ -503,6 +504,23 @@ def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(
         np.testing.assert_allclose(
             seen[-1].numpy(), np.isin(np.arange(40), sampled).astype(np.float32), atol=1e-4
         )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**127 + 7])
+def test_each_canary_is_a_member_with_probability_one_half(seed: int) -> None:
+    """The audit's bound assumes each canary's bit is a fair coin: over 20,000 canaries the
+    members are 10,000 give or take 4.5 standard deviations (71 each)."""
+    canaries = DiracCanaries(20_000, 0.1, seed, 1.0, 1.0, owner=True)
+    assert abs(len(canaries.members) - 10_000) < 4.5 * 71
+
+
+def test_a_canarys_score_reads_its_coordinate_in_units_of_the_stated_sensitivity() -> None:
+    """A clipper bounding a canary at 2 sensitivities adds 2 to its coordinate: the score must
+    read that y = 2 against the stated unit, the excess the audit exists to see."""
+    canaries = DiracCanaries(3, 0.1, 0, sensitivity=0.5, bound=1.0, owner=True)
+    canaries.observe(torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64), noise_multiplier=2.0)
+    expected = log_likelihood_ratio(np.array([2.0, 1.0, 0.0]), 0.1, 2.0)
+    np.testing.assert_allclose(canaries.scores, expected, rtol=1e-12)
 
 
 def test_noise_secretly_scaled_down_is_caught_by_verify_and_the_hub(
