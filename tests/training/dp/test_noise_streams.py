@@ -18,9 +18,14 @@ from support.helpers import NEEDS_CUDA
 import training.dp.sampling
 from training.dp.engine import NOISE_CHUNK, add_gaussian_noise
 from training.dp.sampling import (
+    AUGMENT,
+    CANARY_BITS,
+    INIT,
+    MASKING,
     NOISE,
     SAMPLING,
     box_muller_,
+    init_seed,
     noise_uniforms,
     philox4x64,
     standard_normal,
@@ -141,6 +146,18 @@ def test_streams_use_every_bit_of_the_secret() -> None:
         assert not np.array_equal(a, b), bit
         a, b = (standard_normal(s, NOISE, 3, 1, 0, 64) for s in (SECRET, SECRET ^ (1 << bit)))
         assert not torch.equal(a, b) and abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.5
+
+
+def test_each_purpose_has_its_own_stream_and_the_public_init_seed_is_none_of_the_others() -> None:
+    """The initialisation's seed is public (no guarantee rests on it): it must not be the first
+    draw of the sampling, masking, augmentation or canary streams of any step, nor may any two
+    purposes share a stream."""
+    purposes = {SAMPLING, MASKING, AUGMENT, NOISE, CANARY_BITS, INIT}
+    assert len(purposes) == 6
+    for step in range(4):
+        firsts = {p: int(step_generator(SECRET, p, step).integers(2**63)) for p in purposes}
+        assert len(set(firsts.values())) == len(purposes)
+        assert init_seed(SECRET) not in {v for p, v in firsts.items() if p != INIT}
 
 
 # ---------------------------------------------- issue 52: Philox4x64-10 keyed by the whole secret
