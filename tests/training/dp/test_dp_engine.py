@@ -22,7 +22,7 @@ from vip_hub import Dataset, DPStage, export_encoder
 from vip_hub.errors import AccountingError, AuditError, CheckpointError, ConfigError
 from vip_hub.privacy.accounting import NOISE_SAMPLER, epsilon
 from vip_hub.privacy.audit import ceiling, log_likelihood_ratio
-from vip_hub.privacy.sensitivity import FP64_CAPPED, ROUNDING_SUM
+from vip_hub.privacy.sensitivity import FP64_CAPPED, ROUNDING_SUM, sample_bound
 from vip_hub.repo.push import push_repo
 from vip_hub.repo.verify import verify_repo
 
@@ -504,6 +504,21 @@ def test_canaries_are_drawn_by_the_engine_sampler_with_the_examples(
         np.testing.assert_allclose(
             seen[-1].numpy(), np.isin(np.arange(40), sampled).astype(np.float32), atol=1e-4
         )
+
+
+def test_a_step_past_the_sample_bound_stops_before_its_update() -> None:
+    """The recorded sensitivity covers the rounding of sums of at most ``sample_bound(n, q)``
+    examples: a step that sums more (a chance below 2^-64, or a bug upstream) must not update."""
+    model = BiasSum(4)
+    engine = engine_for(model, n=100_000, batch=100, sigma=1.0, steps=3, lr=1.0, micro=None)
+    bound = sample_bound(100_000, 0.001)
+    assert engine.max_sample == bound < 100_000
+    before = model.layer.bias.detach().clone()
+    with pytest.raises(
+        AccountingError, match=f"sampled {bound + 1} examples, more than the {bound}"
+    ):
+        engine.step(0, [(torch.zeros(bound, 4),), (torch.zeros(1, 4),)])
+    assert torch.equal(model.layer.bias, before) and engine.steps_done == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**127 + 7])
