@@ -483,6 +483,18 @@ def test_a_run_resumed_from_another_init_is_refused(
         train_vip(vip_config(init, images, out, batch_size=8, steps=2, seed=0))
 
 
+def test_a_recipe_that_did_not_record_its_init_exports_nothing(
+    syn_repo: Path, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal above rests on every recipe recording its ``--init`` (``DPRun.from_init``):
+    one that skips it would resume from another init unnoticed, so its export is refused."""
+    monkeypatch.setattr(training.dp.run.DPRun, "from_init", lambda self, init: None)
+    out = tmp_path / "dp"
+    with pytest.raises(RuntimeError, match="an init it did not record"):
+        train_vip(vip_config(syn_repo, images, out, batch_size=8, steps=2, seed=0))
+    assert not (out / WEIGHTS_FILE).exists()
+
+
 @pytest.mark.parametrize(
     ("budget", "refusal"),
     [
