@@ -53,7 +53,13 @@ from vip_hub.privacy.ledger import (
     noised_key,
     rounding_before_2026_12_03,
 )
-from vip_hub.privacy.sensitivity import CONTRASTIVE_LOSS, rounding_params
+from vip_hub.privacy.sensitivity import (
+    CONTRASTIVE_LOSS,
+    DP_ADAMW,
+    rounding_params,
+    sample_bound,
+    sensitivity,
+)
 from vip_hub.repo.artifacts import (
     digest_file,
     read_safetensors_header,
@@ -374,6 +380,54 @@ def test_all_copies_lowered_consistently_fails_accounting(tiny_repo):
         "stage 'dp-pretraining': claims epsilon 0.5 but the rdp accountant gives",
         "guarantee 'test-images'",
     )
+
+
+def test_a_guarantee_stated_for_fewer_stages_than_it_composes_fails(tmp_path):
+    """Two DP stages on one dataset, each stated truly, and a guarantee whose epsilon is the
+    first one's alone: verify composes every stage the guarantee names."""
+    more = dp_stage(steps=60).model_copy(update={"name": "dp-more"})
+    stages = [synthetic_stage(), dp_stage(), more]
+    repo = export_encoder(tmp_path / "two", tiny_encoder(), TINY, stages, model_name="two")
+
+    def first_stage_only(ledger: dict) -> dict:
+        (g,) = ledger["guarantees"]
+        assert sorted(g["stages"]) == ["dp-more", "dp-pretraining"]
+        g["epsilon"] = ledger["stages"][1]["epsilon"]
+        return ledger
+
+    rewrite_ledger_copies(repo, first_stage_only)
+    _fails(repo, "guarantee 'test-images'", "composing stages")
+
+
+def test_rounding_terms_below_the_sample_bound_fail(tmp_path):
+    """The rounding allowance covers sums of up to ``rounding_terms`` examples; a stage whose
+    terms fall below what a Poisson sample of its n at q may hold (``sample_bound``) states a
+    sensitivity for smaller sums than its steps added, even if it is that of its terms."""
+    n, q, params = 1000, 0.05, rounding_params(1000, 0.05)
+    stage = DPStage.from_parameters(
+        name="dp-pretraining",
+        dataset=Dataset(name="test-images", size=n),
+        sample_rate=q,
+        noise_multiplier=1.0,
+        steps=100,
+        clipping_norm=0.1,
+        noised_tensors={"unreleased:test": 1_000},
+        mechanism_params=params,
+        sensitivity=sensitivity(DP_ADAMW, 0.1, params),
+    )
+    stages = [synthetic_stage(), stage]
+    repo = export_encoder(tmp_path / "few", tiny_encoder(), TINY, stages, model_name="few")
+    assert verify_repo(repo).ok
+
+    def few_terms(ledger: dict) -> dict:
+        s = ledger["stages"][1]
+        s["mechanism_params"]["rounding_terms"] = 10
+        s["sensitivity"] = sensitivity(s["mechanism"], s["clipping_norm"], s["mechanism_params"])
+        s["noise_std"] = s["noise_multiplier"] * s["sensitivity"]
+        return ledger
+
+    rewrite_ledger_copies(repo, few_terms)
+    _fails(repo, "rounding_terms 10 is below", f"sample bound {sample_bound(n, q)}")
 
 
 def test_a_reference_epsilon_off_its_accountant_fails(tiny_repo):
