@@ -20,11 +20,14 @@ from training.recipes.probe import (
     public_components,
     unproject,
 )
+from training.study.budget import composed
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.heads import head_config
 from training.study.splits import study_splits
 from training.study.table import chance_test, paired
 from vip_hub.errors import DataError
+from vip_hub.privacy.accounting import Accountant
+from vip_hub.privacy.ledger import Dataset, DPStage, compose_releases
 
 
 def test_the_job_and_the_benchmark_differ_only_in_their_sizes_and_heads() -> None:
@@ -35,6 +38,33 @@ def test_the_job_and_the_benchmark_differ_only_in_their_sizes_and_heads() -> Non
     assert MainJobConfig().study() == JOB  # `vip-hub run` runs the job's preset
     with pytest.raises(ValueError, match="leaves nothing of epsilon 3"):
         StudyConfig(encoder_epsilon=3.0)
+
+
+def _stage(name: str, sigma: float, q: float, steps: int, data: str = "fashion") -> DPStage:
+    return DPStage.from_parameters(
+        name=name,
+        dataset=Dataset(name=data, size=60_000),
+        sample_rate=q,
+        noise_multiplier=sigma,
+        steps=steps,
+        clipping_norm=1.0,
+        noised_tensors={"unreleased:test": 10},
+    )
+
+
+def test_a_classifier_composing_past_the_budget_or_on_other_data_is_refused() -> None:
+    """``composed`` is the study's last check that a released classifier keeps its (3, 1e-5):
+    within it the composition is returned, past it (or on another dataset) an error."""
+    encoder = _stage("encoder", 2.0, 256 / 60_000, 70)
+    fair, greedy = _stage("head", 1.81, 0.1, 100), _stage("head", 1.79, 0.1, 100)
+    within = composed(JOB, [encoder, fair], "fashion")[Accountant.RDP]
+    assert JOB.epsilon - 0.05 < within <= JOB.epsilon  # 2.97
+    past = compose_releases([encoder, greedy], JOB.delta)[Accountant.RDP]
+    assert JOB.epsilon < past < JOB.epsilon + 0.05  # 3.02
+    with pytest.raises(RuntimeError, match="> the budget"):
+        composed(JOB, [encoder, greedy], "fashion")
+    with pytest.raises(RuntimeError, match="expected only fashion"):
+        composed(JOB, [encoder, _stage("head", 2.0, 0.01, 10, "digits")], "fashion")
 
 
 def test_the_splits_follow_their_public_rules(tmp_path: Path) -> None:
