@@ -127,6 +127,9 @@ def test_users_write_only_to_their_namespaces(server, repos, tmp_path):
         _api(server, BOB).model_info("team/private")
     assert alice.create_repo("team/another").repo_id == "team/another"
     assert _status(lambda: carol.create_repo("team/by-carol")) == 403
+    # a namespace is a whole name: one that begins with alice's or her organisation's is not hers
+    for other in ("alicex/new", "alice-team/new", "teams/new"):
+        assert _status(lambda repo=other: alice.create_repo(repo)) == 403, other
     assert [o["name"] for o in alice.whoami()["orgs"]] == ["team"]
     # the hub's operators (admin tokens) own every namespace
     assert _api(server, ROOT).model_info("alice/secret").private
