@@ -1,7 +1,9 @@
-"""``vip_hub.paths.replace_dir``: a folder replaced whole, never absent to a reader."""
+"""``vip_hub.paths``: a repo path is refused by name unless it is a plain relative POSIX path
+every downloader can write; ``replace_dir`` replaces a folder whole, never absent to a reader."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import threading
@@ -10,6 +12,44 @@ from pathlib import Path
 import pytest
 
 from vip_hub import paths
+from vip_hub.errors import UnsafePathError
+
+
+@pytest.mark.parametrize(
+    ("path", "named"),
+    [
+        ("", "empty path"),
+        ("/etc/passwd", "absolute path"),
+        ("a\\b.txt", "backslash"),
+        ("a/b\x00c", "control or format character"),
+        ("docs/e\u0301.md", "not NFC-normalised"),
+        ("docs/%61.md", "percent escape"),
+        ("../escape.txt", "'..' segment"),
+        ("a/../../b", "'..' segment"),
+        ("a/..", "'..' segment"),
+        ("./a", "'..' segment"),
+        ("a//b", "'..' segment"),
+        ("a/", "'..' segment"),
+        ("x" * (paths.MAX_SEGMENT_LENGTH + 1), "longer than"),
+        ("a/" * (paths.MAX_PATH_LENGTH // 2) + "b", "path longer than"),
+        (".git/config", "'.git' segment"),
+        ("a/GIT~1/hooks", "'.git' segment"),
+        (".git./x", "'.git' segment"),
+        ("a:b.txt", "holds :"),
+        ("nul/x.md", "device name"),
+        ("docs./a.md", "ends in a dot"),
+    ],
+)
+def test_an_unsafe_repo_path_is_refused_by_name(path: str, named: str) -> None:
+    with pytest.raises(UnsafePathError, match=re.escape(named)):
+        paths.validate_relpath(path)
+
+
+@pytest.mark.parametrize(
+    "path", ["model.safetensors", "heads/toy/head.safetensors", "docs/\u00fc.md", ".gitattributes"]
+)
+def test_a_plain_relative_path_is_kept(path: str) -> None:
+    assert paths.validate_relpath(path) == path
 
 
 def _folder(path: Path, text: str) -> Path:
