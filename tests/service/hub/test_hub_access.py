@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -29,7 +30,8 @@ from support.helpers import lz4_chunk, lz4_xorb, tiny_repo_with_head
 from support.live import ThreadedServer, lfs_batch, raw_commit
 
 from service.app import create_app
-from service.auth import create_token, revoke_token
+from service.auth import check_grant, create_token, revoke_token, sign_grant
+from service.errors import Unauthorized
 from service.hub import lfs as lfs_route
 from service.hub import xet as xet_route
 from service.hub.uploads import CommitParser
@@ -927,6 +929,46 @@ def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server)
     forged = {"Authorization": grant["Authorization"][:-1].encode() + b"\xe9"}  # latin-1 é
     r = httpx.post(f"{cas}/v1/shards", content=b"", headers=forged)
     assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
+
+
+def test_an_upload_grant_is_good_for_its_own_object_only(server):
+    """An LFS upload URL names its object and size, and its grant is signed for them: the same
+    grant on another object's URL is refused (it would let a grant's holder put bytes the hub
+    never offered to take)."""
+    _api(server, CAROL).create_repo("carol/one-object", exist_ok=True)
+    offered, other = b"the object offered\n", b"another object, never offered\n"
+    oid, other_oid = (hashlib.sha256(d).hexdigest() for d in (offered, other))
+    href = _lfs_upload_batch(server, "carol/one-object", CAROL, [(oid, len(offered))])[0][
+        "actions"
+    ]["upload"]["href"]
+    moved = href.replace(oid, other_oid).replace(f"size={len(offered)}", f"size={len(other)}")
+    r = httpx.put(moved, content=other)
+    assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
+    assert httpx.put(href, content=offered).status_code == 200
+
+
+def test_a_grant_is_good_for_its_purpose_subject_token_namespace_and_time_only(server):
+    """``check_grant`` against the server's own token registry and grant key: a grant signed
+    for one purpose, subject and token is refused for any other, past its expiry, or in a
+    namespace its token does not write to."""
+    key, tokens = server.app.state.store.secret(), server.app.state.tokens
+    request = SimpleNamespace(app=server.app)
+    carol, alice = tokens.lookup(CAROL), tokens.lookup(ALICE)
+    subject, other = (f"carol/mine:{c * 64}:3" for c in "ab")
+    grant = sign_grant(key, "lfs-upload", subject, 60, carol)
+    assert check_grant(request, key, "lfs-upload", subject, grant, "carol") == carol
+    expires, _, mac = grant.split(".")
+    expired = sign_grant(key, "lfs-upload", subject, -2, carol)
+    refused = [
+        ("lfs-staged", subject, grant, "carol", "invalid grant"),
+        ("lfs-upload", other, grant, "carol", "invalid grant"),
+        ("lfs-upload", subject, f"{expires}.{alice.token_id}.{mac}", "alice", "invalid grant"),
+        ("lfs-upload", subject, grant, "alice", "may no longer write to 'alice'"),
+        ("lfs-upload", subject, expired, "carol", "expired"),
+    ]
+    for purpose, what, presented, namespace, message in refused:
+        with pytest.raises(Unauthorized, match=message):
+            check_grant(request, key, purpose, what, presented, namespace)
 
 
 def test_a_token_revoked_while_its_commit_streams_in_commits_nothing(
