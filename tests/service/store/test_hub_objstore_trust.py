@@ -29,7 +29,14 @@ from support.live import (
 )
 from support.seaweed import BUCKET
 
-from service.store.s3 import BLOB_TYPE, S3Objects, blob_key, staging_key, upload_key
+from service.store.s3 import (
+    BLOB_TYPE,
+    CHECKING,
+    S3Objects,
+    blob_key,
+    staging_key,
+    upload_key,
+)
 from service.store.upkeep import check_store
 from vip_hub.repo_format import WEIGHTS_FILE
 
@@ -134,6 +141,30 @@ def test_staged_bytes_swapped_after_the_hash_are_never_kept(
     _assert_content_keys_hold(seaweed, entry["oid"])
     assert lfs_commit(hub.url, REPO, f"swap-{size}.txt", data).status_code == 200
     assert _downloaded(hub, f"swap-{size}.txt", tmp_path) == data
+    _assert_content_keys_hold(seaweed, entry["oid"])
+
+
+def test_staged_bytes_swapped_before_the_hash_are_never_kept(hub, seaweed, monkeypatch):
+    """The client stages other bytes, then the object's own once the hub has copied the staged
+    object aside to hash it: the hub hashes that copy, not the staged key (which would pass and
+    keep the copy's other bytes under the object's name), so the verify is refused."""
+    size = 11 << 20
+    data, bad = _text(size), _text(size)
+    entry = lfs_batch(hub.url, REPO, data)
+    upload = entry["actions"]["upload"]
+    lfs_send(upload, entry["oid"], bad)
+    copy, copied = S3Objects.copy, []
+
+    def hooked(self, source: str, key: str) -> None:
+        copy(self, source, key)
+        if key.startswith(CHECKING) and not copied:
+            copied.append(key)
+            assert HTTP.put(upload["href"], content=data).status_code == 200
+
+    monkeypatch.setattr(S3Objects, "copy", hooked)
+    r = _verify(entry, size)
+    assert copied and r.status_code == 400 and "not object" in r.json()["error"], r.text
+    monkeypatch.undo()
     _assert_content_keys_hold(seaweed, entry["oid"])
 
 
