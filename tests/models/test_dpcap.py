@@ -42,6 +42,7 @@ from vip_hub.repo.files import export_encoder, load_text_decoder
 from vip_hub.repo.importer import PRESETS, import_dpcap_checkpoint
 from vip_hub.repo_format import (
     CARD_FILE,
+    CONFIG_BLOCK,
     CONFIG_FILE,
     LEDGER_FILE,
     META_DECODER,
@@ -73,8 +74,8 @@ def test_encoder_tokens_match_the_reference_with_plain_timm(reference, repo):
     model = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
     cfg = json.loads((repo / CONFIG_FILE).read_text())
     assert cfg["model_args"]["qkv_bias"] is False and cfg["model_args"]["num_heads"] == 6
-    modes = list(cfg["vip_hub"]["feature_dims"])
-    assert cfg["vip_hub"]["family"] == "dpcap" and modes[:3] == ["dpcap", "avg", "cls"]
+    modes = list(cfg[CONFIG_BLOCK]["feature_dims"])
+    assert cfg[CONFIG_BLOCK]["family"] == "dpcap" and modes[:3] == ["dpcap", "avg", "cls"]
     assert modes[3:] and all(m.startswith("spatial-") for m in modes[3:])  # the default ones
     x = images()
     with torch.no_grad():
@@ -117,7 +118,8 @@ def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
         ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"
     ):
         enc.embed(torch.zeros(1, 3, 32, 32), "dpcap")
-    assert list(json.loads((tiny_repo / CONFIG_FILE).read_text())["vip_hub"]["feature_dims"]) == [
+    block = json.loads((tiny_repo / CONFIG_FILE).read_text())[CONFIG_BLOCK]
+    assert list(block["feature_dims"]) == [
         "vip",
         "avg",
         "cls",

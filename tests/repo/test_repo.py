@@ -71,6 +71,7 @@ from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
     CARD_LEDGER_KEY,
+    CONFIG_BLOCK,
     CONFIG_FILE,
     HEAD_LABELS,
     HEAD_METRICS,
@@ -112,7 +113,7 @@ def test_export_layout(tiny_repo):
     assert config["num_features"] == 192 and config["global_pool"] == "avg"
     assert config["model_args"]["num_heads"] == 12 and config["model_args"]["img_size"] == 32
     assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]
-    assert config["vip_hub"]["feature_dims"] == {
+    assert config[CONFIG_BLOCK]["feature_dims"] == {
         "vip": 1152,
         "avg": 192,
         "cls": 192,
@@ -206,7 +207,7 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
             spatial=["spatial-b13-g1"],
         )  # fmt: skip
     config = json.loads((chosen / CONFIG_FILE).read_text())
-    config["vip_hub"]["feature_dims"]["spatial-b1.2-g1"] = 192
+    config[CONFIG_BLOCK]["feature_dims"]["spatial-b1.2-g1"] = 192
     (chosen / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(RepoFormatError, match="spatial-b1.2-g1 is 384 wide, not 192"):
         load_encoder(chosen, verify=False)
@@ -245,7 +246,7 @@ def test_a_config_block_its_weights_and_readers_cannot_back_is_refused(tiny_repo
     and /v1/models for every visitor. ``num_params`` is recomputed from the weights' header."""
     assert verify_repo(tiny_repo).ok
     config = json.loads((tiny_repo / CONFIG_FILE).read_text())
-    config["vip_hub"][key] = value
+    config[CONFIG_BLOCK][key] = value
     (tiny_repo / CONFIG_FILE).write_text(json.dumps(config))
     _redigest(tiny_repo, CONFIG_FILE)
     _fails(tiny_repo, f"{CONFIG_FILE}: vip_hub.", why)

@@ -51,6 +51,7 @@ from vip_hub.privacy.audit import DEFAULT_CANARIES
 from vip_hub.privacy.ledger import Dataset, PrivacyLedger
 from vip_hub.repo_format import (
     CARD_FILE,
+    CONFIG_BLOCK,
     CONFIG_FILE,
     CURVES_FILE,
     TEXT_DECODER_FILE,
@@ -224,10 +225,8 @@ def test_train_dpcap_exports_a_verified_repo_that_captions(
     assert not published_hashes_of(pairs, trained)  # no plain hash of the private pairs
     assert dp.noise_multiplier == 1.0 and 0 < dp.epsilon <= 8.0
 
-    config = json.loads((trained / CONFIG_FILE).read_text())
-    assert (
-        config["vip_hub"]["family"] == "dpcap" and config["vip_hub"]["feature_dims"]["dpcap"] == 32
-    )
+    block = json.loads((trained / CONFIG_FILE).read_text())[CONFIG_BLOCK]
+    assert block["family"] == "dpcap" and block["feature_dims"]["dpcap"] == 32
     assert (trained / VOCAB_FILE).read_bytes() == vocab.read_bytes()
     card = (trained / CARD_FILE).read_text()
     assert f"]({CURVES_FILE})" in card and "dp-captioning" in card

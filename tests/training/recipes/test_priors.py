@@ -16,7 +16,7 @@ from training.priors import PRIORS, losses_path, prior_command, prior_path, read
 from vip_hub.errors import MissingInputError
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.verify import verify_repo
-from vip_hub.repo_format import CONFIG_FILE, WEIGHTS_FILE
+from vip_hub.repo_format import CONFIG_BLOCK, CONFIG_FILE, WEIGHTS_FILE
 
 BIN = ROOT / ".venv" / "bin"
 MAX_BYTES = 5 * 1024 * 1024
@@ -38,8 +38,8 @@ def test_a_committed_prior_is_a_small_verified_repo_without_private_data(name: s
     config = json.loads((repo / CONFIG_FILE).read_text())
     settings = PRIORS[name]
     assert config["model_args"]["depth"] == settings["depth"]
-    assert config["vip_hub"]["arch"] == settings["arch"]
-    assert f"spatial-b{settings['depth']}-g7" in config["vip_hub"]["feature_dims"]
+    assert config[CONFIG_BLOCK]["arch"] == settings["arch"]
+    assert f"spatial-b{settings['depth']}-g7" in config[CONFIG_BLOCK]["feature_dims"]
     model = timm.create_model(f"local-dir:{repo}", pretrained=True)
     assert len(model.blocks) == settings["depth"] and model.patch_embed.grid_size == (7, 7)
     assert len(read_losses(name)) == settings["steps"]
