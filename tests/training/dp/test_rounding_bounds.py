@@ -8,6 +8,7 @@ these tests)."""
 from __future__ import annotations
 
 from fractions import Fraction
+from types import ModuleType
 
 import pytest
 import torch
@@ -87,6 +88,20 @@ def test_product_sum_adds_at_most_rows_rows_in_one_product(tokens: int, rows: in
     torch.testing.assert_close(total, exact)
 
 
+def _spy_factors(
+    monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (sq, cross) every clip factor ``module``'s clippers take is computed from."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def factors(sq: torch.Tensor, cross: torch.Tensor, max_norm: float) -> torch.Tensor:
+        seen.append((sq.clone(), cross.clone()))
+        return capped_factors(sq, cross, max_norm)
+
+    monkeypatch.setattr(module, "capped_factors", factors)
+    return seen
+
+
 class _TwoGhostLayers(nn.Module):
     """Two wide bias-free layers on 4 tokens: both take the ghost route, each with a cross term."""
 
@@ -102,24 +117,19 @@ def test_the_clip_factors_see_every_layers_cross_term(monkeypatch: pytest.Monkey
     """Each ghost-norm layer's rounding is bounded by its own cross term X: the factors must be
     taken from the sum of them all (c X <= C / kappa), not from one layer's."""
     crosses: list[torch.Tensor] = []
-    seen: list[torch.Tensor] = []
 
     def ghost(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sq, cross = ghost_bounds(a, g)
         crosses.append(cross)
         return sq, cross
 
-    def factors(sq: torch.Tensor, cross: torch.Tensor, max_norm: float) -> torch.Tensor:
-        seen.append(cross.clone())
-        return capped_factors(sq, cross, max_norm)
-
     monkeypatch.setattr(training.dp.clipping, "ghost_bounds", ghost)
-    monkeypatch.setattr(training.dp.clipping, "capped_factors", factors)
+    seen = _spy_factors(monkeypatch, training.dp.clipping)
     torch.manual_seed(3)
     clipper = PerExampleClipper(_TwoGhostLayers().double(), 1.0)
     clipper.accumulate(torch.randn(5, 4, 64, dtype=torch.float64))
     assert len(crosses) == 2 and len(seen) == 1
-    torch.testing.assert_close(seen[0], crosses[0] + crosses[1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(seen[0][1], crosses[0] + crosses[1], rtol=1e-12, atol=0)
 
 
 class _PairModel(nn.Module):
@@ -135,24 +145,12 @@ class _PairModel(nn.Module):
         return out.mean(1) if out.ndim == 3 else out
 
 
-def _spy_pair_factors(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (sq, cross) every pair or batch clip factor is taken from, as the clippers pass them."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def factors(sq: torch.Tensor, cross: torch.Tensor, max_norm: float) -> torch.Tensor:
-        seen.append((sq.clone(), cross.clone()))
-        return capped_factors(sq, cross, max_norm)
-
-    monkeypatch.setattr(training.dp.pair_clipping, "capped_factors", factors)
-    return seen
-
-
 def test_swapping_the_views_transposes_the_pairs_norms_and_cross_terms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Pair (i, j) joins example i's first view and example j's second: X_ij = F_i + F'_j, so
     the batch with its views swapped has the transposed bounds."""
-    seen = _spy_pair_factors(monkeypatch)
+    seen = _spy_factors(monkeypatch, training.dp.pair_clipping)
     model = _PairModel()
     gen = torch.Generator().manual_seed(5)
     v1 = torch.randn(6, 3, 2, generator=gen, dtype=torch.float64)
@@ -170,7 +168,7 @@ def test_the_batch_clippers_norm_bounds_the_sum_it_evaluated(
 ) -> None:
     """Naive-DP's factor comes from an upper bound on the whole gradient's squared norm: at
     least the fp64 sum of its squares divided by (1 - gamma_terms), exactly."""
-    seen = _spy_pair_factors(monkeypatch)
+    seen = _spy_factors(monkeypatch, training.dp.pair_clipping)
     model = _PairModel()
     gen = torch.Generator().manual_seed(6)
     v1, v2 = (torch.randn(7, 2, generator=gen, dtype=torch.float64) for _ in range(2))
