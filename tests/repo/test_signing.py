@@ -481,6 +481,28 @@ def test_hidden_files_are_unsigned_on_both_sides(tmp_path, alice):
     assert verify_signature(repo, load_keys([alice[1]])).name == "alice"  # as in a folder
 
 
+def test_a_signature_that_ignores_a_repo_file_is_refused(tmp_path, alice, cli):
+    """model-signing lets a signer list paths as ignored, and its verifier honours the list, so
+    a card signed that way could be rewritten under a valid signature: the file is named as
+    unsigned, before and after the rewrite."""
+    from model_signing import hashing, signing
+
+    repo = _repo(tmp_path / "repo")
+    ignoring = hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE, CARD_FILE])
+    signing.Config().use_elliptic_key_signer(private_key=alice[0]).set_hashing_config(
+        ignoring
+    ).sign(repo, repo / SIGNATURE_FILE)
+    keys = load_keys([alice[1]])
+    with pytest.raises(SignatureError, match=f"leaves {CARD_FILE} unsigned"):
+        verify_signature(repo, keys)
+    (repo / CARD_FILE).write_text((repo / CARD_FILE).read_text() + "\nRewritten after signing.\n")
+    with pytest.raises(SignatureError, match=f"leaves {CARD_FILE} unsigned"):
+        verify_signature(repo, keys)
+    out = cli("verify", repo, "--key", alice[1])
+    assert out.returncode == 1
+    assert f"FAIL  {SIGNATURE_FILE}: leaves {CARD_FILE} unsigned" in out.stdout
+
+
 def test_a_mapping_path_out_of_the_repo_is_refused_and_links_nothing(tmp_path, alice):
     """A ``..`` key of a mapping made a link outside the signature's temporary folder."""
     repo = _repo(tmp_path / "repo")
