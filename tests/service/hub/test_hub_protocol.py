@@ -203,6 +203,41 @@ def test_uploads_with_unmodified_clients(hub, tmp_path):
         )
 
 
+def test_deleting_a_folder_deletes_what_is_under_it_alone(hub, tmp_path):
+    """``delete_folder("notes")`` takes ``notes/`` and leaves ``notes-old/`` and a file
+    ``notes.md``, whose paths begin with the same letters."""
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("up/folders", exist_ok=True)
+    folder = tiny_repo_with_head(tmp_path / "f")
+    for rel in ("notes/a.md", "notes/deep/b.md", "notes-old/c.md", "notes.md"):
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(f"{rel}\n")
+    api.upload_folder(repo_id="up/folders", folder_path=folder, commit_message="first")
+    before = set(api.list_repo_files("up/folders"))
+    api.delete_folder("notes", repo_id="up/folders")
+    after = set(api.list_repo_files("up/folders"))
+    assert before - after == {"notes/a.md", "notes/deep/b.md"}
+    assert {"notes-old/c.md", "notes.md", LEDGER_FILE} <= after
+
+
+def test_a_commit_to_a_branch_that_does_not_exist_is_refused(hub, tmp_path):
+    """Only ``main`` is made by a first commit; any other branch is made by ``create_branch``
+    first, as on the HF hub, so a commit never starts a history of its own."""
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("up/branchless", exist_ok=True)
+    folder = tiny_repo_with_head(tmp_path / "f")
+    api.upload_folder(repo_id="up/branchless", folder_path=folder, commit_message="first")
+    with pytest.raises(RevisionNotFoundError, match="branch 'dev' does not exist"):
+        api.upload_folder(repo_id="up/branchless", folder_path=folder, revision="dev")
+    assert [b.name for b in api.list_repo_refs("up/branchless").branches] == ["main"]
+    api.create_branch("up/branchless", branch="dev")
+    api.upload_file(
+        path_or_fileobj=b"n\n", path_in_repo="n.md", repo_id="up/branchless", revision="dev"
+    )
+    assert "n.md" in api.list_repo_files("up/branchless", revision="dev")
+    assert "n.md" not in api.list_repo_files("up/branchless")
+
+
 def test_bad_ledger_is_refused_naming_the_stage(hub, tmp_path):
     folder = export_encoder(
         tmp_path / "bad", tiny_encoder(), TINY, [synthetic_stage(), dp_stage()], model_name="bad"
