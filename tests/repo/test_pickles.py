@@ -90,3 +90,12 @@ def test_a_later_pickle_cannot_call_what_an_earlier_one_imported(data: bytes) ->
 )
 def test_files_of_data_pickles_and_word_lists_still_pass(data: bytes) -> None:
     assert pickle_problem(data) is None, data
+
+
+def test_a_long_run_of_opcodes_is_a_pickle_whatever_it_imports() -> None:
+    """The walk stops at ``_MAX_OPCODES`` (64) opcodes in a row and calls them a pickle: a
+    protocol-0 list of 40 numbers (84 opcodes) imports nothing and is still refused, while one of
+    20 (44 opcodes) is data."""
+    assert pickle_problem(pickle.dumps(list(range(20)), protocol=0)) is None
+    problem = pickle_problem(pickle.dumps(list(range(40)), protocol=0))
+    assert problem == "holds a pickle: its first 64 opcodes run without error", problem
