@@ -169,7 +169,13 @@ def test_text_inputs():
     assert image_bytes_from_text(b64, 0, LIMITS) == data
     assert image_bytes_from_text("data:image/png;base64," + b64, 0, LIMITS) == data
     assert image_bytes_from_text("DATA:image/PNG;BASE64," + b64, 0, LIMITS) == data  # RFC 2397
-    for url in ("http://169.254.169.254/latest", "HTTPS://example.com/cat.jpg"):
+    for url in (
+        "http://169.254.169.254/latest",
+        "HTTPS://example.com/cat.jpg",
+        "ftp://example.com/cat.jpg",
+        "file:///etc/passwd",
+        "FILE:cat.png",
+    ):
         with pytest.raises(BadRequest, match="URLs are not fetched"):
             image_bytes_from_text(url, 0, LIMITS)
     with pytest.raises(BadRequest, match=r"input\[5\]: not valid base64"):
