@@ -229,6 +229,20 @@ def test_batches_fill_up_to_the_limit_and_keep_order():
     batcher.close()
 
 
+def test_a_batch_fills_exactly_to_its_limit():
+    batcher, sizes, gate, running, _ = _recording_batcher(max_wait_s=0.0)
+    blocker = _item(1)
+    batcher.submit([blocker])
+    assert running.wait(5)  # the worker holds the blocker: the rest queue behind it
+    items = [_item(4) for _ in range(4)]
+    for item in items:
+        batcher.submit([item])
+    gate.set()
+    assert [i.future.result(5) for i in items] == [4, 4, 4, 4]
+    assert sizes == [1, 8, 8]
+    batcher.close()
+
+
 def test_max_wait_bounds_the_wait_for_a_lone_request():
     batcher, sizes, gate, running, clock = _recording_batcher(max_wait_s=0.05)
     gate.set()
@@ -276,8 +290,8 @@ def test_queue_full_cancelled_expired_and_drain():
         batcher.submit([_item(4)])
     assert error_response(err.value).headers["Retry-After"] == "1"
     queued[0].future.cancel()  # the client went away
-    expired = _item(1, deadline=5)
-    batcher.submit([expired])
+    expired = _item(2, deadline=5)
+    batcher.submit([expired])  # 8 + 2: the queue exactly full is not over its limit
     clock.now += 10  # its deadline passes while it waits
     gate.set()
     assert first.future.result(5) == 8 and queued[1].future.result(5) == 4
@@ -300,6 +314,24 @@ def test_close_drains_queued_work():
     gate.set()
     closer.join(10)
     assert all(i.future.result(0) == 2 for i in items)
+
+
+def test_close_waits_for_announced_images_and_runs_them():
+    """A model evicted while a request's images are decoded still runs them: ``close`` refuses
+    new work but accepts and finishes what was announced before it."""
+    batcher, sizes, gate, _, _ = _recording_batcher(max_wait_s=0.0)
+    gate.set()
+    batcher.expect(2)
+    closer = threading.Thread(target=batcher.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the announced images
+    with pytest.raises(ShuttingDown):
+        batcher.submit([_item(1)])  # not announced: refused
+    item = _item(2)
+    batcher.submit([item], announced=2)
+    closer.join(10)
+    assert not closer.is_alive() and item.future.result(0) == 2 and sizes == [2]
 
 
 def test_waiting_ends_with_the_results_the_client_leaving_or_the_timeout():
