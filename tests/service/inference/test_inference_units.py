@@ -305,6 +305,23 @@ def test_queue_full_cancelled_expired_and_drain():
         batcher.submit([_item(1)])
 
 
+def test_a_batch_gives_the_queue_back_each_items_passes():
+    """A zero-shot item holds images x labels of the queue, and gives all of them back when its
+    batch starts: the depth returns to zero and a second such item fits."""
+    depths: list[int] = []
+    batcher, sizes, gate, _, _ = _recording_batcher(
+        max_queue_images=8, max_wait_s=0.0, on_depth=depths.append
+    )
+    gate.set()
+    for _ in range(2):
+        item = _item(2)
+        item.passes_per_image = 4  # two images x four labels: the whole queue
+        batcher.submit([item])
+        assert item.future.result(5) == 2
+    assert batcher.depth == 0 and depths == [8, 0, 8, 0] and sizes == [2, 2]
+    batcher.close()
+
+
 def test_close_drains_queued_work():
     batcher, sizes, gate, _, _ = _recording_batcher(max_wait_s=0.0)
     items = [_item(2) for _ in range(3)]
