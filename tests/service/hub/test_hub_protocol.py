@@ -149,6 +149,10 @@ def test_range_resume_and_headers(hub, published):
     assert head.status_code == 200 and head.headers["accept-ranges"] == "bytes"
     assert len(head.headers["x-repo-commit"]) == 40 and head.headers["etag"].strip('"').isalnum()
     assert int(head.headers["content-length"]) == len(full)
+    # a branch moves: its files are revalidated; a commit's never change
+    assert head.headers["cache-control"] == "public, no-cache"
+    pinned = httpx.head(url.replace("/main/", f"/{head.headers['x-repo-commit']}/"))
+    assert pinned.headers["cache-control"] == "public, max-age=31536000, immutable"
     part = httpx.get(url, headers={"Range": "bytes=1000-"})
     assert part.status_code == 206 and part.content == full[1000:]
     assert part.headers["content-range"] == f"bytes 1000-{len(full) - 1}/{len(full)}"
