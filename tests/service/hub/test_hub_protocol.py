@@ -343,6 +343,25 @@ def test_push_cli(hub, tmp_path, capsys):
     assert "does not verify, nothing was pushed" in capsys.readouterr().err
 
 
+def test_push_sends_what_changed_and_keeps_the_remotes_gitattributes(hub, tmp_path):
+    """``push_repo`` makes the remote hold the folder: it deletes what the remote holds beyond
+    it, but not its ``.gitattributes``, which git clients need; pushed again unchanged, the
+    head stays where it is."""
+    api, repo = HfApi(token=WRITE_TOKEN), "up/push-diff"
+    folder = tiny_repo_with_head(tmp_path / "m")
+    push_repo(folder, repo, token=WRITE_TOKEN)
+    for name, data in ((".gitattributes", b"*.safetensors filter=lfs -text\n"), ("x.md", b"x\n")):
+        api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
+    (folder / "notes.md").write_text("notes\n")
+    head = push_repo(folder, repo, token=WRITE_TOKEN)
+    files = set(api.list_repo_files(repo))
+    assert files == {
+        *(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()),
+        ".gitattributes",
+    }
+    assert push_repo(folder, repo, token=WRITE_TOKEN) == head == api.model_info(repo).sha
+
+
 @pytest.mark.parametrize(
     "path",
     [
