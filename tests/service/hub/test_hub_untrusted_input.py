@@ -79,6 +79,25 @@ def test_ledger_strings_are_literal_in_the_card(evil_repo):
     assert html.count("<h1>") == 1  # the card's title; the name's '# ' made no heading
 
 
+def test_card_images_come_from_the_hub_alone_and_links_send_no_referrer():
+    """A protocol-relative image (another site's) and a data: image become links, the data:
+    one without its URL; every link carries ``rel`` so the page leaks no referrer."""
+    html = markdown_html(
+        "![px](//elsewhere.example/p.png) ![d](data:image/png;base64,iVBORw0KGgo=) "
+        "[site](https://elsewhere.example/) [notes](docs/a.md)",
+        "/o/n/resolve/c",
+    )
+    assert "<img" not in html and "data:" not in html
+    links = re.findall(r"<a ([^>]*)>", html)
+    assert [re.sub(r' ?rel="[^"]*"', "", a) for a in links] == [
+        'href="//elsewhere.example/p.png"',
+        "",
+        'href="https://elsewhere.example/"',
+        'href="/o/n/resolve/c/docs/a.md"',
+    ]
+    assert all('rel="noopener noreferrer nofollow"' in a for a in links)
+
+
 def test_pages_escape_the_ledger_and_send_csp_and_nosniff(hub, evil_repo):
     push_repo(evil_repo, "writer/markdown", token=WRITE_TOKEN)
     for path in ("/writer/markdown", "/"):
