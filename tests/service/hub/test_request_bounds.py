@@ -79,6 +79,9 @@ def test_json_depth_is_one_pass_over_strings_and_escapes():
         b'["[[[", "\\"[[", "\\\\", [["]"]]]': 3,
         b"[" + pad + b'"\\\\\\"[[[[", [[]]]': 3,  # an escaped quote across the boundary
         b"[" + pad + b'"\\\\", [[[]]]]': 4,  # an even backslash run: the string ends
+        # a run ending a block, its quote the next block's first byte: odd escapes it, even not
+        b"[" + pad + b'"\\"[[[[", [[]]]': 3,
+        b"[" + pad[1:] + b'"\\\\", [[[]]]]': 4,
         b'{"a": {"b": [1, {"c": "}}}}"}]}}': 4,
     }
     for text, depth in cases.items():
