@@ -507,6 +507,12 @@ def test_xet_uploads_are_checked_and_end_with_their_token(server, repos, tmp_pat
         for p in (server.settings.store / "uploads" / "sha256").rglob("*")
         if p.is_file() and p.stat().st_size > 1 << 20
     ]
+    # a term names a non-empty range of its xorb's chunks
+    for start, end in ((0, 0), (1, 2), (1, 0)):
+        empty = _shard(hashlib.sha256(b"").hexdigest(), [(name, start, end, 0)])
+        r = httpx.post(f"{cas}/v1/shards", content=empty, headers=grant)
+        assert r.status_code == 400, r.text
+        assert f"chunks [{start}, {end}) are not in xorb {name} (1 chunks)" in r.json()["error"]
     # a grant ends with its token: revoked in the index, the next CAS call is refused
     tokens = server.app.state.store.index
     secret = create_token(tokens, "erin", "write")
