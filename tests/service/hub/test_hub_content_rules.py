@@ -195,6 +195,10 @@ def _polyglots() -> dict[str, tuple[bytes, str]]:
             "its chunk 'prVt' at byte 33 is no kind the allow list names (IHDR, PLTE, IDAT,",
         ),
         "compressed.png": (_png_with(_png_chunk(b"zTXt", b"Comment\0\0" + payload)), archive),
+        "physical.png": (  # a chunk of a fixed size, not metadata, made to carry more
+            _png_with(_png_chunk(b"pHYs", bytes(9) + payload)),
+            f"its chunk 'pHYs' at byte 33 holds {9 + len(payload)} bytes, no size its kind has",
+        ),
         "exif.png": (_png_with(_png_chunk(b"eXIf", _TIFF + payload)), archive),
         "big-text.png": (
             _png_with(_png_chunk(b"tEXt", b"Comment\0" + b"words " * 1500 + payload)),
@@ -314,6 +318,16 @@ def test_every_allowed_kind_is_accepted_when_it_is_wholly_that_kind(good, tmp_pa
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
     assert verify_repo(folder).ok, verify_repo(folder).problems
+
+
+def test_a_png_chunk_kind_held_once_is_refused_the_second_time(good, tmp_path):
+    folder = _copy(good, tmp_path)
+    (folder / "gamma.png").write_bytes(_png_with(_png_chunk(b"gAMA", bytes(4)) * 2))
+    assert Image.open(folder / "gamma.png").size == (32, 48)
+    problems = verify_repo(folder).problems
+    assert [(p.where, p.message) for p in problems] == [
+        ("gamma.png", "its chunk 'gAMA' at byte 49 repeats a kind an image holds once")
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(_polyglots()))
