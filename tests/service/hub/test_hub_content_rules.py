@@ -320,14 +320,50 @@ def test_every_allowed_kind_is_accepted_when_it_is_wholly_that_kind(good, tmp_pa
     assert verify_repo(folder).ok, verify_repo(folder).problems
 
 
-def test_a_png_chunk_kind_held_once_is_refused_the_second_time(good, tmp_path):
+def _jpeg_frame() -> bytes:
+    """The data of the JPEG's SOF0 segment (a frame: 6 bytes and 3 per component)."""
+    jpeg = _image("JPEG")
+    at = jpeg.index(b"\xff\xc0")
+    return jpeg[at + 4 : at + 2 + int.from_bytes(jpeg[at + 2 : at + 4], "big")]
+
+
+_FORMAT_RULES = {
+    "gamma.png": (
+        lambda: _png_with(_png_chunk(b"gAMA", bytes(4)) * 2),
+        "its chunk 'gAMA' at byte 49 repeats a kind an image holds once",
+    ),
+    "frames.jpg": (
+        lambda: _jpeg_with(0xC0, _jpeg_frame()),
+        "its SOF0 segment at byte 177 repeats a kind an image holds once",
+    ),
+    "frame.jpg": (
+        lambda: _jpeg_with(0xC0, _jpeg_frame() + bytes(5)),
+        "its SOF0 segment at byte 2 is not as long as its component count says",
+    ),
+    "tables.jpg": (
+        lambda: _jpeg_with(0xDB, bytes([0]) + bytes(range(1, 65)) + bytes([1]) + bytes(10)),
+        "its DQT segment at byte 2 holds a malformed table at offset 65",
+    ),
+    "extended.webp": (
+        lambda: _webp_with(b"VP8X", bytes(12)),
+        f"its chunk 'VP8X' at byte {len(_image('WEBP'))} holds 12 bytes, no size its kind has",
+    ),
+    "animation.webp": (
+        lambda: _webp_with(b"ANIM", bytes(8)),
+        f"its chunk 'ANIM' at byte {len(_image('WEBP'))} holds 8 bytes, no size its kind has",
+    ),
+}
+"""Images breaking a rule of their format's allow list that no zip is needed to show: a kind
+held once, a fixed size, a segment's length from its own counts."""
+
+
+@pytest.mark.parametrize("name", sorted(_FORMAT_RULES))
+def test_a_chunk_or_segment_against_its_kinds_rule_is_refused_naming_it(good, tmp_path, name):
+    content, why = _FORMAT_RULES[name]
     folder = _copy(good, tmp_path)
-    (folder / "gamma.png").write_bytes(_png_with(_png_chunk(b"gAMA", bytes(4)) * 2))
-    assert Image.open(folder / "gamma.png").size == (32, 48)
+    (folder / name).write_bytes(content())
     problems = verify_repo(folder).problems
-    assert [(p.where, p.message) for p in problems] == [
-        ("gamma.png", "its chunk 'gAMA' at byte 49 repeats a kind an image holds once")
-    ]
+    assert [(p.where, p.message) for p in problems] == [(name, why)]
 
 
 @pytest.mark.parametrize("name", sorted(_polyglots()))
