@@ -793,8 +793,9 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(
 def test_a_checkpoint_that_is_not_one_is_refused_naming_the_file_and_what_is_missing(
     tmp_path: Path,
 ) -> None:
-    """A file holding a list or a bare tensor, or a checkpoint without an entry the run loads
-    (a model, the step), is a CheckpointError naming the file, not an AttributeError or KeyError."""
+    """A file holding a list or a bare tensor, a checkpoint of another format, or one without an
+    entry the run loads (a model, the step), is a CheckpointError naming the file, not an
+    AttributeError or KeyError."""
     from training.skeleton.checkpoint import load_checkpoint
     from training.skeleton.config import RunConfig
     from training.skeleton.distributed import Dist
@@ -804,6 +805,10 @@ def test_a_checkpoint_that_is_not_one_is_refused_naming_the_file_and_what_is_mis
     for content in ([1, 2], torch.zeros(2)):
         torch.save(content, path)
         with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt holds a"):
+            load_checkpoint(path, {})
+    for format_ in (None, 0, 2):  # a checkpoint of another (or no) format, its entries the same
+        torch.save({"format": format_, "config": {}, "step": 4}, path)
+        with pytest.raises(CheckpointError, match=f"has format {format_!r}, expected 1"):
             load_checkpoint(path, {})
     run = Run(RunConfig(out=str(tmp_path / "repo"), seed=3), Dist())
     model = torch.nn.Linear(2, 2)
