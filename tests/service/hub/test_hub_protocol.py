@@ -224,6 +224,35 @@ def test_deleting_a_folder_deletes_what_is_under_it_alone(hub, tmp_path):
     assert {"notes-old/c.md", "notes.md", LEDGER_FILE} <= after
 
 
+def test_a_tree_lists_one_level_or_all_under_its_folder_across_pages(hub, tmp_path, monkeypatch):
+    """``list_repo_tree`` of a folder holds what is under it (not ``notes-old/`` beside
+    ``notes/``), one level unless recursive; split into pages of any size (the ``Link`` header
+    the client follows), it is the same list."""
+    import service.hub.metadata
+
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("up/tree", exist_ok=True)
+    folder = tiny_repo_with_head(tmp_path / "f")
+    for rel in ("notes/a.md", "notes/deep/b.md", "notes-old/c.md", "notes.md"):
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(f"{rel}\n")
+    api.upload_folder(repo_id="up/tree", folder_path=folder, commit_message="first")
+
+    def listed(path: str = "", recursive: bool = False) -> list[str]:
+        return [e.path for e in api.list_repo_tree("up/tree", path, recursive=recursive)]
+
+    assert listed("notes") == ["notes/deep", "notes/a.md"]  # folders first
+    assert listed("notes", recursive=True) == ["notes/deep", "notes/a.md", "notes/deep/b.md"]
+    top = listed()
+    assert {"notes", "notes-old", HEADS_DIR, "notes.md", LEDGER_FILE} <= set(top)
+    assert not [p for p in top if "/" in p]
+    whole = listed(recursive=True)
+    assert len(whole) == len(set(whole)) > len(top)
+    for size in (1, 2, 3):
+        monkeypatch.setattr(service.hub.metadata, "TREE_PAGE", size)
+        assert listed(recursive=True) == whole, size
+
+
 def test_a_commit_to_a_branch_that_does_not_exist_is_refused(hub, tmp_path):
     """Only ``main`` is made by a first commit; any other branch is made by ``create_branch``
     first, as on the HF hub, so a commit never starts a history of its own."""
