@@ -289,6 +289,12 @@ def test_objects_do_not_cross_repos(server, repos):
     # alice's own repo holds them: nothing to send
     mine = _lfs_upload_batch(server, "alice/secret", ALICE, [(oid, len(weights))])[0]
     assert "actions" not in mine
+    # ...and it says so when asked for them under another size
+    other = _lfs_upload_batch(server, "alice/secret", ALICE, [(oid, len(weights) + 1)])[0]
+    assert other["error"] == {
+        "code": 422,
+        "message": f"object {oid} is held with {len(weights)} bytes, not {len(weights) + 1}",
+    }
     # a Xet shard claiming alice's SHA-256 over other bytes is refused, without telling the real
     # hash
     cas, grant = _xet_grant(server, "carol/mine", CAROL)
@@ -935,6 +941,23 @@ def test_a_grant_with_non_ascii_characters_is_refused_not_a_server_error(server)
     forged = {"Authorization": grant["Authorization"][:-1].encode() + b"\xe9"}  # latin-1 é
     r = httpx.post(f"{cas}/v1/shards", content=b"", headers=forged)
     assert r.status_code == 401 and "invalid grant" in r.json()["error"], r.text
+
+
+def test_the_batch_reply_refuses_an_object_over_the_upload_limit(server):
+    """An object one byte over ``hub.max_upload_bytes`` gets a 413 and no upload action in the
+    LFS batch reply; one at the limit is not refused for its size."""
+    limit = server.settings.hub.max_upload_bytes
+    _api(server, CAROL).create_repo("carol/limits", exist_ok=True)
+    oid = hashlib.sha256(b"declared, never sent").hexdigest()
+    over, at = (
+        _lfs_upload_batch(server, "carol/limits", CAROL, [(oid, n)])[0] for n in (limit + 1, limit)
+    )
+    assert over["error"] == {
+        "code": 413,
+        "message": f"{limit + 1} bytes is over the upload limit of {limit}",
+    }
+    assert "actions" not in over
+    assert at.get("error", {}).get("code") != 413, at
 
 
 def test_an_upload_grant_is_good_for_its_own_object_only(server):
