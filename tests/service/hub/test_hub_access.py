@@ -188,6 +188,13 @@ def test_names_are_unique_whatever_their_case(server, repos, capsys):
     with pytest.raises(HfHubHTTPError) as err:
         root.create_repo("Alice/imitation")
     assert err.value.response.status_code == 409 and "'alice'" in str(err.value)
+    # a holder with no repo yet: its name is taken all the same
+    assert main(["token", "create", "--name", "hana", "--store", store]) == 0
+    capsys.readouterr()
+    with pytest.raises(HfHubHTTPError) as err:
+        root.create_repo("Hana/imitation")
+    assert err.value.response.status_code == 409
+    assert "namespace 'Hana' differs only by case from 'hana''s" in str(err.value)
     root.create_repo("Zed/one")
     with pytest.raises(HfHubHTTPError) as err:
         root.create_repo("zed/two")
