@@ -253,6 +253,20 @@ def test_a_tree_lists_one_level_or_all_under_its_folder_across_pages(hub, tmp_pa
         assert listed(recursive=True) == whole, size
 
 
+def test_a_pull_request_is_refused_not_committed_to_main(hub, tmp_path):
+    """This hub has no pull requests: ``create_pr=True`` is a 400 saying so, never a commit
+    straight to the branch the request meant to leave alone."""
+    api = HfApi(token=WRITE_TOKEN)
+    api.create_repo("up/no-prs", exist_ok=True)
+    api.upload_folder(repo_id="up/no-prs", folder_path=tiny_repo_with_head(tmp_path / "f"))
+    head = api.model_info("up/no-prs").sha
+    with pytest.raises(BadRequestError, match="pull requests are not supported"):
+        api.upload_file(
+            path_or_fileobj=b"n\n", path_in_repo="n.md", repo_id="up/no-prs", create_pr=True
+        )
+    assert api.model_info("up/no-prs").sha == head
+
+
 def test_a_commit_to_a_branch_that_does_not_exist_is_refused(hub, tmp_path):
     """Only ``main`` is made by a first commit; any other branch is made by ``create_branch``
     first, as on the HF hub, so a commit never starts a history of its own."""
