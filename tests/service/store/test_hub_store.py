@@ -214,6 +214,9 @@ def test_tags_and_errors(store, repo_dir):
         store.commit("vip/m", _ops(store, repo_dir), branch="v1")
     with pytest.raises(NoSuchRevision):
         store.resolve("vip/m", "0" * 40)
+    for name in ("v1..v2", "-v1", "v1\n", "a/b"):  # git's range syntax, an option, a newline
+        with pytest.raises(InvalidRequest, match="invalid revision"):
+            store.create_tag("vip/m", name)
 
 
 def test_listing_filters_without_reading_blobs(store, tmp_path):
@@ -275,7 +278,8 @@ def test_sqlite_serialises_case_twin_creations(store, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "repo_id", ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden"]
+    "repo_id",
+    ["../etc", "a/..", "a/b\\c", "a/" + "x" * 200, "a/b\x00", "a/.hidden", "a..b/c", "a/b..c"],
 )
 def test_bad_repo_ids(store, repo_id):
     with pytest.raises(InvalidRequest):
