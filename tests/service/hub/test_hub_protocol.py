@@ -207,16 +207,23 @@ def test_uploads_with_unmodified_clients(hub, tmp_path):
         )
 
 
-def test_deleting_a_folder_deletes_what_is_under_it_alone(hub, tmp_path):
-    """``delete_folder("notes")`` takes ``notes/`` and leaves ``notes-old/`` and a file
-    ``notes.md``, whose paths begin with the same letters."""
+def _with_notes(repo_id: str, tmp_path: Path) -> HfApi:
+    """``repo_id`` published with ``notes/a.md``, ``notes/deep/b.md`` and, beginning with the
+    same letters, ``notes-old/c.md`` and ``notes.md``; the writer's client."""
     api = HfApi(token=WRITE_TOKEN)
-    api.create_repo("up/folders", exist_ok=True)
+    api.create_repo(repo_id, exist_ok=True)
     folder = tiny_repo_with_head(tmp_path / "f")
     for rel in ("notes/a.md", "notes/deep/b.md", "notes-old/c.md", "notes.md"):
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_text(f"{rel}\n")
-    api.upload_folder(repo_id="up/folders", folder_path=folder, commit_message="first")
+    api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="first")
+    return api
+
+
+def test_deleting_a_folder_deletes_what_is_under_it_alone(hub, tmp_path):
+    """``delete_folder("notes")`` takes ``notes/`` and leaves ``notes-old/`` and a file
+    ``notes.md``, whose paths begin with the same letters."""
+    api = _with_notes("up/folders", tmp_path)
     before = set(api.list_repo_files("up/folders"))
     api.delete_folder("notes", repo_id="up/folders")
     after = set(api.list_repo_files("up/folders"))
@@ -230,13 +237,7 @@ def test_a_tree_lists_one_level_or_all_under_its_folder_across_pages(hub, tmp_pa
     the client follows), it is the same list."""
     import service.hub.metadata
 
-    api = HfApi(token=WRITE_TOKEN)
-    api.create_repo("up/tree", exist_ok=True)
-    folder = tiny_repo_with_head(tmp_path / "f")
-    for rel in ("notes/a.md", "notes/deep/b.md", "notes-old/c.md", "notes.md"):
-        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_text(f"{rel}\n")
-    api.upload_folder(repo_id="up/tree", folder_path=folder, commit_message="first")
+    api = _with_notes("up/tree", tmp_path)
 
     def listed(path: str = "", recursive: bool = False) -> list[str]:
         return [e.path for e in api.list_repo_tree("up/tree", path, recursive=recursive)]
