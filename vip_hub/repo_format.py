@@ -39,6 +39,7 @@ __all__ = [
     "ENCODER",
     "FORMAT_VERSION",
     "FrontMatterLimits",
+    "GITATTRIBUTES_FILE",
     "HEADS_DIR",
     "HEAD_FOLDER_SHOWN",
     "HEAD_COMPONENT_PATTERN",
@@ -86,6 +87,9 @@ VOCAB_FILE = "vocab.txt"
 SIGNATURE_FILE = "model.sig"
 """A Sigstore bundle over every other file; never listed in the ledger's artifacts (it is made after
 them)."""
+GITATTRIBUTES_FILE = ".gitattributes"
+"""What a git clone or a hub adds for its LFS files: hidden, so never signed nor listed in the
+ledger, and kept by a push that replaces the other files."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from vip_hub import paths
 from vip_hub.errors import UnsafePathError
-from vip_hub.repo_format import HEAD_WEIGHTS, HEADS_DIR, WEIGHTS_FILE
+from vip_hub.repo_format import GITATTRIBUTES_FILE, HEAD_WEIGHTS, HEADS_DIR, WEIGHTS_FILE
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_an_unsafe_repo_path_is_refused_by_name(path: str, named: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", [WEIGHTS_FILE, f"{HEADS_DIR}/toy/{HEAD_WEIGHTS}", "docs/\u00fc.md", ".gitattributes"]
+    "path", [WEIGHTS_FILE, f"{HEADS_DIR}/toy/{HEAD_WEIGHTS}", "docs/\u00fc.md", GITATTRIBUTES_FILE]
 )
 def test_a_plain_relative_path_is_kept(path: str) -> None:
     assert paths.validate_relpath(path) == path

@@ -37,6 +37,7 @@ from vip_hub.repo.signing import create_key, load_keys, sign_repo, verify_signat
 from vip_hub.repo.verify import verify_repo
 from vip_hub.repo_format import (
     CARD_FILE,
+    GITATTRIBUTES_FILE,
     LEDGER_FILE,
     SIGNATURE_FILE,
     WEIGHTS_FILE,
@@ -469,15 +470,15 @@ def test_hidden_files_are_unsigned_on_both_sides(tmp_path, alice):
     unsigned", and a hidden file model-signing does not ignore as changing the signed files."""
     repo = _repo(tmp_path / "repo")
     sign_repo(repo, alice[0])
-    (tmp_path / ".gitattributes").write_text(LFS_ATTRIBUTES)
+    (tmp_path / GITATTRIBUTES_FILE).write_text(LFS_ATTRIBUTES)
     (tmp_path / "notes.txt").write_text("a download's cache\n")
     tree = {
         **{p.relative_to(repo).as_posix(): p for p in repo.rglob("*")},
-        ".gitattributes": tmp_path / ".gitattributes",
+        GITATTRIBUTES_FILE: tmp_path / GITATTRIBUTES_FILE,
         ".cache/huggingface/notes.txt": tmp_path / "notes.txt",
     }
     assert verify_signature(tree, load_keys([alice[1]])).name == "alice"
-    (repo / ".gitattributes").write_bytes((tmp_path / ".gitattributes").read_bytes())
+    (repo / GITATTRIBUTES_FILE).write_bytes((tmp_path / GITATTRIBUTES_FILE).read_bytes())
     assert verify_signature(repo, load_keys([alice[1]])).name == "alice"  # as in a folder
 
 
@@ -521,11 +522,11 @@ def test_hub_accepts_a_signed_commit_beside_its_gitattributes(hub, trusted, tmp_
     push_repo(repo, "writer/attrs", token=WRITE_TOKEN)
     HfApi(token=WRITE_TOKEN).upload_file(
         path_or_fileobj=LFS_ATTRIBUTES.encode(),
-        path_in_repo=".gitattributes",
+        path_in_repo=GITATTRIBUTES_FILE,
         repo_id="writer/attrs",
     )
     update_repo(repo, add_files={"notes.txt": b"signed\n"}, signing_key=trusted[0])
     commit = push_repo(repo, "writer/attrs", token=WRITE_TOKEN)
     store = hub.app.state.store
     assert store.signature(commit).signer == "alice"
-    assert ".gitattributes" in store.tree("writer/attrs", commit)
+    assert GITATTRIBUTES_FILE in store.tree("writer/attrs", commit)

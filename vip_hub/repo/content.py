@@ -60,7 +60,13 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from ..errors import RepoFormatError
-from ..repo_format import CONFIG_FILE, SIGNATURE_FILE, WEIGHTS_SUFFIX, FrontMatterLimits
+from ..repo_format import (
+    CONFIG_FILE,
+    GITATTRIBUTES_FILE,
+    SIGNATURE_FILE,
+    WEIGHTS_SUFFIX,
+    FrontMatterLimits,
+)
 from .card import front_matter_problem, load_card, yaml_problem
 from .pickles import pickle_problem
 
@@ -549,7 +555,7 @@ ALLOWED_KINDS: dict[str, Check] = {
 }
 """Each allowed suffix (any case) and the check of its content within the YAML limits: why the
 file is not one, or None."""
-_BY_NAME = {SIGNATURE_FILE: ALLOWED_KINDS[".json"], ".gitattributes": _bytes(_plain_text)}
+_BY_NAME = {SIGNATURE_FILE: ALLOWED_KINDS[".json"], GITATTRIBUTES_FILE: _bytes(_plain_text)}
 """Repo paths allowed by their whole name: the signature (a Sigstore bundle), git's attributes."""
 
 

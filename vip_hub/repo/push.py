@@ -19,7 +19,7 @@ from huggingface_hub.errors import (
 )
 
 from ..privacy.ledger import privacy_headline
-from ..repo_format import DEFAULT_BRANCH, LEDGER_FILE
+from ..repo_format import DEFAULT_BRANCH, GITATTRIBUTES_FILE, LEDGER_FILE
 from .artifacts import file_sha256, git_blob_id
 from .verify import repo_files, verify_repo
 
@@ -55,7 +55,7 @@ def push_repo(
         remote = {}
     operations: list[CommitOperationAdd | CommitOperationDelete] = [
         CommitOperationDelete(path)
-        for path in sorted(set(remote) - set(files) - {".gitattributes"})
+        for path in sorted(set(remote) - set(files) - {GITATTRIBUTES_FILE})
     ]
     operations += [
         CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))

@@ -51,6 +51,7 @@ from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_FILE,
     CONFIG_FILE,
+    GITATTRIBUTES_FILE,
     VOCAB_FILE,
     WEIGHTS_FILE,
     WEIGHTS_SUFFIX,
@@ -633,7 +634,7 @@ def test_git_segments_and_file_folder_clashes_are_refused():
     for path in ("GIT~1/config", "a/git~2/hooks/post-checkout", "Git~1./config", ".git::$DATA"):
         with pytest.raises(ValueError, match="short name of one, such as GIT~1"):
             validate_relpath(path)
-    assert validate_relpath(".gitattributes") == ".gitattributes"
+    assert validate_relpath(GITATTRIBUTES_FILE) == GITATTRIBUTES_FILE
     assert validate_relpath("git~notes/x.txt") == "git~notes/x.txt"
     for path, problem in [  # two files on Windows, or none: each was accepted
         ("docs./a.md", "ends in a dot or a space"),

@@ -39,10 +39,12 @@ from vip_hub.repo.push import push_repo
 from vip_hub.repo_format import (
     CARD_LEDGER_KEY,
     CONFIG_FILE,
+    GITATTRIBUTES_FILE,
     HEAD_LABELS,
     HEADS_DIR,
     LEDGER_FILE,
     WEIGHTS_FILE,
+    WEIGHTS_SUFFIX,
     head_file,
 )
 
@@ -394,14 +396,15 @@ def test_push_sends_what_changed_and_keeps_the_remotes_gitattributes(hub, tmp_pa
     api, repo = HfApi(token=WRITE_TOKEN), "up/push-diff"
     folder = tiny_repo_with_head(tmp_path / "m")
     push_repo(folder, repo, token=WRITE_TOKEN)
-    for name, data in ((".gitattributes", b"*.safetensors filter=lfs -text\n"), ("x.md", b"x\n")):
+    lfs = f"*{WEIGHTS_SUFFIX} filter=lfs -text\n".encode()
+    for name, data in ((GITATTRIBUTES_FILE, lfs), ("x.md", b"x\n")):
         api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
     (folder / "notes.md").write_text("notes\n")
     head = push_repo(folder, repo, token=WRITE_TOKEN)
     files = set(api.list_repo_files(repo))
     assert files == {
         *(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()),
-        ".gitattributes",
+        GITATTRIBUTES_FILE,
     }
     assert push_repo(folder, repo, token=WRITE_TOKEN) == head == api.model_info(repo).sha
 
