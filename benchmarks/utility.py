@@ -72,6 +72,7 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from training.data.labelled import LabelledArrays
+from training.dp.run import retrained_if_flagged
 from training.recipes.probe import accuracy, choose_pooling, fit_probe, right_answers
 from training.recipes.trainable import encoder_parameters_note
 from training.skeleton.config import EncoderParameters, field_help
@@ -276,16 +277,15 @@ def private_repo(
     repo = b.work / "encoders" / f"{name}-{len(b.private)}-{stamp(settings)[:10]}"
     repo = draw_path(repo, draw)
     if not (repo / LEDGER_FILE).exists():
-        train(
-            config(
-                out=str(repo),
-                model_name=name,
-                device=b.device,
-                workers=b.workers,
-                seed=None,
-                **settings,
-            )
+        cfg = config(
+            out=str(repo),
+            model_name=name,
+            device=b.device,
+            workers=b.workers,
+            seed=None,
+            **settings,
         )
+        retrained_if_flagged(train, cfg)
     return repo
 
 

@@ -98,7 +98,7 @@ from .study.splits import study_splits
 from .study.table import Row
 
 if TYPE_CHECKING:
-    from .skeleton.config import RunConfig
+    from .skeleton.config import DPRunConfig
 
 __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
@@ -168,15 +168,14 @@ _RESUME_HINT = (
 
 
 def _audit_hint(outputs: list[Path]) -> str:
-    """What to do when a step's one-run audit refused its release: resuming would export the
-    same run again, so its run folders go, for a fresh secret."""
+    """What to do when a step's one-run audit refused its release twice, the second time on a run
+    from a fresh secret (``retrained_if_flagged``)."""
     folders = " ".join(str(run_folder(p)) for p in outputs)
     return (
-        f"The audit's lower bound flags an honest run with probability at most beta = "
-        f"{DEFAULT_BETA:g} (far less at the job's settings: docs/concepts/verify.md), and its "
-        "verdict reads only its canaries, never the private records: remove the step's run "
-        f"folder ({folders}) and run `make run` again to train it with a fresh secret. If a "
-        "fresh run is flagged too, the DP engine is broken: report it."
+        "Nothing was released. An honest run is flagged with probability at most beta = "
+        f"{DEFAULT_BETA:g} (far less at the job's settings: docs/concepts/verify.md), two in a "
+        "row far less often still: the DP engine does not give the privacy it claims. Report it "
+        f"with the run folder ({folders})."
     )
 
 
@@ -256,6 +255,7 @@ row of its own, so the DP stage's worth is measured against it."""
 
 def run_main_job(cfg: MainJobConfig) -> int:
     """Run the job; returns the exit status (serving blocks until interrupted)."""
+    from .dp.run import retrained_if_flagged
     from .priors import PRIORS, prior_path
     from .recipes.dpcap import DPCapConfig, train_dpcap
     from .recipes.logit_dp import ContrastiveMechanism, LogitDPConfig, train_logit_dp
@@ -306,7 +306,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
         "seed": None,
     }
     schedule = cfg.recipe_settings()
-    runs: list[tuple[_Encoder, Path, Callable[[Any], Path], RunConfig]] = [
+    runs: list[tuple[_Encoder, Path, Callable[[Any], Path], DPRunConfig]] = [
         (
             VIP,
             folder[SYN_VIP],
@@ -352,7 +352,7 @@ def run_main_job(cfg: MainJobConfig) -> int:
             f"{encoder.label} on {FASHION_MNIST_TRAIN} at epsilon {cfg.encoder_epsilon:g}",
             {**config.model_dump(mode="json"), "init": _weights_digest(init)},
             [folder[encoder]],
-            partial(fn, config),
+            partial(retrained_if_flagged, fn, config),
         )
 
     # Each published encoder's (Syn) encoder: the one it was trained from (itself for a (Syn)

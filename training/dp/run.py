@@ -6,33 +6,39 @@ from the recipe's fields, and the export of the encoder with that mechanism's le
 from __future__ import annotations
 
 import hashlib
+import shutil
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vip_hub.errors import AuditError
 from vip_hub.loading import Encoder
 from vip_hub.models.encoders import EncoderSpec
 from vip_hub.privacy.accounting import epsilons
+from vip_hub.privacy.audit import DEFAULT_BETA
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.privacy.sensitivity import DP_ADAMW, rounding_params, sensitivity
 from vip_hub.repo.files import declared_spatial
 
-from ..skeleton.config import DPRunConfig
+from ..skeleton.config import DPRunConfig, run_folder
 from ..skeleton.distributed import Dist
 from ..skeleton.run import Run
 from .clipping import PerExampleClipper
 from .engine import Budget, Clipper, DPEngine
 
-__all__ = ["INIT_LEDGER", "DPRun", "trial_weights"]
+__all__ = ["INIT_LEDGER", "DPRun", "retrained_if_flagged", "trial_weights"]
 
 INIT_LEDGER = "init_ledger_sha256"
 """The run setting holding the SHA-256 of the ``--init`` repo's ledger (``DPRun.from_init``)."""
+
+_C = TypeVar("_C", bound=DPRunConfig)
 
 _TRIAL: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("trial_weights", default=None)
 
@@ -142,3 +148,34 @@ class DPRun(Run):
 
 def _digest(ledger: PrivacyLedger) -> str:
     return hashlib.sha256(ledger.to_json().encode()).hexdigest()
+
+
+def retrained_if_flagged(train: Callable[[_C], Path], cfg: _C) -> Path:
+    """``train(cfg)``, and once more from a fresh secret (its run folder removed) when its export's
+    one-run audit flags it and ``cfg`` draws its seed: an honest run is flagged with probability at
+    most the audit's beta, and the verdict reads only the canaries' coordinates, never the private
+    records, so the run released is distributed as one run. A second flag, or a flag on a fixed
+    seed (whose run would repeat), is raised."""
+    try:
+        return train(cfg)
+    except AuditError as e:
+        if cfg.seed is not None:
+            raise
+        print(
+            f"{cfg.out}: its one-run audit flagged the run ({e}); an honest run is flagged with "
+            f"probability at most beta = {DEFAULT_BETA:g}: training it again from a fresh secret",
+            file=sys.stderr,
+            flush=True,
+        )
+    shutil.rmtree(run_folder(Path(cfg.out)), ignore_errors=True)
+    try:
+        return train(cfg)
+    except AuditError as e:
+        raise AuditError(
+            [
+                *e.problems,
+                "a second run from a fresh secret was flagged too (two honest runs are flagged in "
+                f"a row with probability at most beta^2 = {DEFAULT_BETA**2:g}): the DP engine is "
+                "broken; report it",
+            ]
+        ) from e

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,18 @@ from support.helpers import (
 )
 from support.live import free_port
 
+import training.dp.engine
 import training.dp.run
 from training.data.images import TarShards, open_images
+from training.dp.run import retrained_if_flagged
 from training.recipes.syn import SynConfig, train_syn
 from training.recipes.vip import VipConfig, train_vip
 from training.skeleton.checkpoint import save_checkpoint
+from training.skeleton.config import run_folder
 from training.skeleton.run import LOCK_FILE
 from vip_hub.errors import (
     AccountingError,
+    AuditError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -762,6 +767,79 @@ def test_the_audit_catches_a_broken_engine(
         )
     )
     assert_refused(out, hub, "vip-" + broken.replace(" ", "-"), staged)
+
+
+def _flagged_first(
+    monkeypatch: pytest.MonkeyPatch, flagged: int, seeds: list[str]
+) -> Callable[[VipConfig], Path]:
+    """``train_vip`` with the engine's noise zeroed on its first ``flagged`` calls (the audit
+    flags such a run at ``SETTINGS``' claim); each call's seed (its run folder's secret, or the
+    one given) is appended to ``seeds``."""
+    real = training.dp.engine.add_gaussian_noise
+
+    def train(cfg: VipConfig) -> Path:
+        leaky = len(seeds) < flagged
+        monkeypatch.setattr(
+            training.dp.engine,
+            "add_gaussian_noise",
+            (lambda flat, std, seed, step: None) if leaky else real,
+        )
+        try:
+            return train_vip(cfg)
+        finally:
+            secret = run_folder(Path(cfg.out)) / "seed"
+            seeds.append(secret.read_text() if secret.exists() else str(cfg.seed))
+
+    return train
+
+
+def test_a_flagged_run_is_trained_again_from_a_fresh_secret(
+    syn_repo: Path,
+    images: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``retrained_if_flagged``: a run its audit flags is trained again from a fresh secret (a new
+    seed and run id, the flagged run's folder gone), and that run's release verifies."""
+    seeds: list[str] = []
+    cfg = vip_config(
+        syn_repo, images, tmp_path / "vip-dp", batch_size=20, micro_batch_size=10, **SETTINGS
+    )
+    out = retrained_if_flagged(_flagged_first(monkeypatch, 1, seeds), cfg)
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert "flagged the run" in capsys.readouterr().err
+    assert verify_repo(out).ok
+    run = run_folder(out)
+    assert (run / "seed").read_text() == seeds[1]
+    assert PrivacyLedger.read(out).dp_stages()[-1].run_id == (run / "run_id").read_text()
+
+
+@pytest.mark.parametrize("seed", [None, 0])
+def test_a_second_flag_or_a_fixed_seeds_flag_is_raised(
+    seed: int | None,
+    syn_repo: Path,
+    images: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run flagged again from a fresh secret is refused, naming a broken engine; a run whose
+    seed is fixed would repeat, so its first flag is refused. Nothing is released either way."""
+    seeds: list[str] = []
+    cfg = vip_config(
+        syn_repo,
+        images,
+        tmp_path / "vip-dp",
+        batch_size=20,
+        micro_batch_size=10,
+        seed=seed,
+        **SETTINGS,
+    )
+    with pytest.raises(AuditError, match="exceeds the accounted epsilon") as e:
+        retrained_if_flagged(_flagged_first(monkeypatch, 2, seeds), cfg)
+    assert ("the DP engine is broken" in str(e.value)) is (seed is None)
+    assert seeds == [str(seed)] if seed is not None else len(set(seeds)) == 2
+    assert not (tmp_path / "vip-dp").exists()
 
 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(

@@ -777,19 +777,20 @@ def test_a_steps_duration_carries_its_rounded_seconds_into_the_minutes() -> None
     ]
 
 
-def test_a_step_whose_audit_flags_it_says_to_train_it_again_with_a_fresh_secret(tmp_path):
-    """Resuming would export the same run and be flagged again: an audit's refusal names the
-    step's run folders to remove; any other failure says to resume."""
+def test_a_step_whose_audit_flags_it_twice_says_the_engine_is_broken(tmp_path):
+    """A DP step reaches the job flagged only after ``retrained_if_flagged`` trained it again from
+    a fresh secret: the refusal says nothing was released and names the run folder to report; any
+    other failure says to resume."""
     steps = _Steps(tmp_path)
     out = tmp_path / "vip-nano-fashion-dp"
 
     def flagged() -> None:
-        raise AuditError("the empirical lower bound exceeds the accounted epsilon")
+        raise AuditError(["the empirical lower bound exceeds the accounted epsilon"])
 
     with pytest.raises(StepFailed) as failed:
         steps.run("ViP", {}, [out], flagged)
     message = str(failed.value)
-    assert f"remove the step's run folder ({out}.run)" in message and "fresh secret" in message
+    assert "Nothing was released" in message and f"with the run folder ({out}.run)" in message
     assert "resumes from its last checkpoint" not in message
     with pytest.raises(StepFailed, match="resumes from its last checkpoint"):
         steps.run("ViP", {}, [out], lambda: 1 / 0)
