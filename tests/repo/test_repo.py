@@ -400,6 +400,36 @@ def test_a_guarantee_stated_for_fewer_stages_than_it_composes_fails(tmp_path):
     _fails(repo, "guarantee 'test-images'", "composing stages")
 
 
+def _unlist(name: str) -> Callable[[dict], dict]:
+    def change(ledger: dict) -> dict:
+        del ledger["artifacts"][name]
+        return ledger
+
+    return change
+
+
+def _list_absent(ledger: dict) -> dict:
+    ledger["artifacts"]["notes/absent.md"] = "sha256:" + "0" * 64
+    return ledger
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (_unlist(CONFIG_FILE), f"{CONFIG_FILE}: not listed in the ledger's artifacts"),
+        (_unlist(WEIGHTS_FILE), f"{WEIGHTS_FILE}: not listed in the ledger's artifacts"),
+        (_list_absent, "notes/absent.md: listed in the ledger's artifacts but missing"),
+    ],
+)
+def test_the_ledgers_artifacts_are_the_repos_files(tmp_path, change, problem):
+    """The configuration and every weights file are bound by a digest the ledger lists (one
+    left out could be rewritten freely), and a file the ledger lists is in the repo."""
+    stages = [synthetic_stage(), dp_stage()]
+    repo = export_encoder(tmp_path / "r", tiny_encoder(), TINY, stages, model_name="r")
+    rewrite_ledger_copies(repo, change)
+    _fails(repo, problem)
+
+
 def test_rounding_terms_below_the_sample_bound_fail(tmp_path):
     """The rounding allowance covers sums of up to ``rounding_terms`` examples; a stage whose
     terms fall below what a Poisson sample of its n at q may hold (``sample_bound``) states a
