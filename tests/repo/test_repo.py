@@ -238,12 +238,14 @@ def _redigest(repo: Path, *names: str) -> None:
         ("feature_dims", {"avg": True}, "gives 'avg' the width True, not a positive integer"),
         ("feature_dims", {"avg": 0}, "gives 'avg' the width 0, not a positive integer"),
         ("feature_dims", {"spatial-b2.1-g1": 3}, "list the blocks in increasing order"),
+        ("arch", "vip-base", f"arch disagrees with {WEIGHTS_FILE} metadata ('vip-nano')"),
     ],
 )
 def test_a_config_block_its_weights_and_readers_cannot_back_is_refused(tiny_repo, key, value, why):
     """The hub's pages show ``num_params`` and the service's model list ``feature_dims``: such a
     repo (its config digest rewritten into its ledger) verified, then failed the hub's front page
-    and /v1/models for every visitor. ``num_params`` is recomputed from the weights' header."""
+    and /v1/models for every visitor. ``num_params`` is recomputed from the weights' header, and
+    ``arch`` must be the one the weights' metadata names."""
     assert verify_repo(tiny_repo).ok
     config = json.loads((tiny_repo / CONFIG_FILE).read_text())
     config[CONFIG_BLOCK][key] = value
