@@ -746,12 +746,16 @@ def test_a_malformed_weights_header_is_refused_naming_the_file(tiny_repo, rewrit
         load_encoder(tiny_repo)
 
 
-def test_a_decoder_whose_configuration_changed_fails_verify(tiny_repo):
+@pytest.mark.parametrize(
+    "change", [lambda c: {**c, "num_heads": 1}, lambda c: {**c, "depth": float(c["depth"])}]
+)
+def test_a_decoder_whose_configuration_changed_fails_verify(tiny_repo, change):
     """A decoder's configuration lives in its metadata, which the tensors digest leaves out: its
-    heads (which no tensor's shape shows) changed fail against the one ``CONFIG_FILE`` binds."""
+    heads (which no tensor's shape shows) changed fail against the one ``CONFIG_FILE`` binds, and
+    so does a count written as a float (``0.0``, which Python's ``==`` takes for ``0``)."""
     path = tiny_repo / MAE_DECODER_FILE
     meta = read_safetensors_metadata(path)
-    other = {**json.loads(meta[META_DECODER]), "num_heads": 1}
+    other = change(json.loads(meta[META_DECODER]))
     rewrite_safetensors_metadata(path, {**meta, META_DECODER: json.dumps(other)})
     _fails(tiny_repo, f"{MAE_DECODER_FILE}: its metadata's configuration is not the one")
 

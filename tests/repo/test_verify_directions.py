@@ -1,8 +1,9 @@
 """``verify`` compares each privacy figure with its recomputation in one direction: an upper bound
-(an epsilon, a delta, a sensitivity, the noise) may be stated above what it recomputes to, never
-below it by more than the recomputation's floating-point noise; an audit's lower bound (and its
-ceiling) the reverse; and the rule between two figures (an audit's bound against the
-accountants' epsilon) is checked on their recomputations, not on what the ledger records."""
+(an epsilon, a delta; a sensitivity and the noise by the stored rounding alone) may be stated
+above what it recomputes to, never below it by more than the recomputation's floating-point
+noise; an audit's lower bound (and its ceiling) the reverse; and the rule between two figures
+(an audit's bound against the accountants' epsilon) is checked on their recomputations, not on
+what the ledger records."""
 
 import json
 from collections.abc import Callable
@@ -103,6 +104,20 @@ def test_a_figure_overstated_verifies(tiny_repo, change, factor):
     rewrite_ledger_copies(tiny_repo, _rewritten(change, factor))
     report = verify_repo(tiny_repo)
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [(_sensitivity, "claims sensitivity"), (_noise, "noise std")],
+)
+def test_a_sensitivity_or_noise_other_than_the_mechanisms_fails(tiny_repo, change, message):
+    """The sensitivity and the noise are records of what ran: 1 % above the mechanism's
+    sensitivity (or above sigma times it), past the stored rounding, is another mechanism than
+    the one the stage names, refused like one below it."""
+    rewrite_ledger_copies(tiny_repo, _rewritten(change, 1.01))
+    report = verify_repo(tiny_repo)
+    text = "; ".join(map(str, report.problems))
+    assert not report.ok and message in text, text
 
 
 def _with_audit(

@@ -32,7 +32,8 @@ A repo verifies when
 
 Each comparison has a direction. An upper bound (an epsilon, a delta, a sensitivity, the
 noise) may be recorded above its recomputation (conservative; a reference figure or an audit's
-accountant epsilon by at most ``RELATIVE_TOLERANCE`` and the stored rounding up), never below
+accountant epsilon by at most ``RELATIVE_TOLERANCE`` and the stored rounding up, a sensitivity
+or the noise, records of what ran, by at most that rounding), never below
 it by more than the recomputation's floating-point noise (``NUMERICAL_TOLERANCE``). An audit's
 lower bound and its ceiling the reverse. A rule between two figures (an audit's bound against
 the accountants') is checked on their recomputations, not on what the ledger records.
