@@ -120,6 +120,25 @@ def test_a_sensitivity_or_noise_other_than_the_mechanisms_fails(tiny_repo, chang
     assert not report.ok and message in text, text
 
 
+def test_a_guarantee_is_recomputed_at_its_delta_less_its_truncation(tiny_repo):
+    """A guarantee's delta adds its stages' truncation deltas to the delta its epsilon is at:
+    with a truncation delta stated (conservatively) at half the stage's delta, a guarantee
+    claiming the epsilon of its whole delta claims less than its stages give."""
+
+    def change(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        restate_truncation(ledger, stage, stage["delta"] / 2)
+        guarantee = ledger["guarantees"][0]
+        guarantee["epsilon"] = _recomputed(stage, guarantee["delta"])["rdp"]
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, change)
+    report = verify_repo(tiny_repo)
+    text = "; ".join(map(str, report.problems))
+    assert [p.where for p in report.problems] == ["guarantee 'test-images'"], text
+    assert "claims epsilon" in text
+
+
 def _with_audit(
     results: list[tuple[int, int]],
     beta: float,
