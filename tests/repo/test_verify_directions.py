@@ -18,6 +18,7 @@ from vip_hub.errors import AuditError
 from vip_hub.privacy.accounting import Accountant, epsilon
 from vip_hub.privacy.audit import bound_over_grid, ceiling, guess_grid
 from vip_hub.privacy.ledger import round_down, round_up
+from vip_hub.repo.verify import RELATIVE_TOLERANCE
 from vip_hub.repo_format import LEDGER_FILE
 
 BELOW = 1 - 5e-5
@@ -118,6 +119,26 @@ def test_a_sensitivity_or_noise_other_than_the_mechanisms_fails(tiny_repo, chang
     report = verify_repo(tiny_repo)
     text = "; ".join(map(str, report.problems))
     assert not report.ok and message in text, text
+
+
+@pytest.mark.parametrize(("past", "ok"), [(5e-7, True), (3e-6, False)])
+def test_a_reference_figure_is_above_its_recomputation_by_the_tolerance_at_most(
+    tiny_repo, past, ok
+):
+    """A reference epsilon may exceed what its accountant gives by ``RELATIVE_TOLERANCE`` and the
+    stored rounding (1e-6), no more: ``past`` beyond the relative tolerance."""
+
+    def change(ledger: dict) -> dict:
+        stage = ledger["stages"][1]
+        actual = _recomputed(stage)["prv"]
+        stage["reference_epsilon"]["prv"] = actual * (1 + RELATIVE_TOLERANCE) + past
+        return ledger
+
+    rewrite_ledger_copies(tiny_repo, change)
+    report = verify_repo(tiny_repo)
+    text = "; ".join(map(str, report.problems))
+    assert report.ok is ok, text
+    assert ok or "(prv) is not what that accountant gives" in text, text
 
 
 def test_a_guarantee_is_recomputed_at_its_delta_less_its_truncation(tiny_repo):
