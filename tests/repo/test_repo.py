@@ -791,6 +791,18 @@ def test_weights_replaced_after_verification_are_refused(tiny_repo, monkeypatch)
     assert load_encoder(tiny_repo, verify=False).spec.arch == "vip-nano"
 
 
+def test_loaded_tensors_are_bound_by_their_files_digest_alone(tiny_repo):
+    """``check_loaded_tensors`` holds tensors read after verify to the verified ledger's digest of
+    the file they were read as: the weights pass as their own file, and the same tensors read as a
+    file the ledger does not list (so no digest binds them) are refused."""
+    from vip_hub.repo.verify import check_loaded_tensors
+
+    ledger, path = PrivacyLedger.read(tiny_repo), tiny_repo / WEIGHTS_FILE
+    check_loaded_tensors(ledger, WEIGHTS_FILE, path, load_file(path))
+    with pytest.raises(TamperedFileError, match="notes/extra.safetensors: changed after"):
+        check_loaded_tensors(ledger, "notes/extra.safetensors", path, load_file(path))
+
+
 def _other_normalisation(repo: Path) -> None:
     """Rewrite ``repo``'s ``CONFIG_FILE`` with another input normalisation (still valid)."""
     config = json.loads((repo / CONFIG_FILE).read_bytes())
