@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from vip_hub.privacy.accounting import (
     ZIGGURAT_SUPPORT,
     truncation_delta,
 )
+from vip_hub.privacy.audit import guess_grid
 from vip_hub.privacy.ledger import compose_releases, new_run_id, round_down, round_up
 from vip_hub.repo_format import ENCODER, head_component
 
@@ -142,6 +144,66 @@ def test_errors_name_the_field():
     assert "stages.0.non-private.private_data" in _bad(
         lambda d: d["stages"][0].update(private_data="no")
     )
+
+
+def _audited(data: dict) -> dict:
+    """The DP stage of a built ledger's JSON form given an audit of 200 canaries that parses (its
+    figures are the model's to hold together, not recomputed: ``verify`` recomputes them)."""
+    stage = data["stages"][1]
+    stage["noised_tensors"]["canaries"] = 200
+    stage["noised_dimension"] += 200
+    stage["audit"] = {
+        "canaries": 200,
+        "canary_norm": 100.0,
+        "results": [{"guesses": r, "correct": r // 2} for r in guess_grid(200)],
+        "beta": 0.05,
+        "delta": 1e-5,
+        "epsilon_lower_bound": 0.5,
+        "ceiling": 4.0,
+        "accountant_epsilon": {"rdp": 5.0, "prv": 3.0, "pld": 3.1},
+    }
+    return stage
+
+
+def _fewer_canaries(stage: dict) -> None:
+    """100 of the audit's 200 canaries counted as noised, the dimension with them."""
+    stage["noised_tensors"]["canaries"] = 100
+    stage["noised_dimension"] -= 100
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda s: s["audit"]["results"][0].update(correct=5), "5 correct guesses out of 4"),
+        (lambda s: s["audit"]["results"][-1].update(guesses=202), "more guesses than the 200"),
+        (lambda s: s["audit"]["accountant_epsilon"].pop("pld"), "must give every accountant's"),
+        (lambda s: s["audit"].update(epsilon_lower_bound=4.5), "above the audit's ceiling 4.0"),
+        (lambda s: s.update(noised_dimension=s["noised_dimension"] + 1), "elements its noised"),
+        (_fewer_canaries, "count 100 canaries, the audit 200"),
+    ],
+)
+def test_an_audit_or_a_noised_count_that_does_not_hold_together_is_refused(change, problem):
+    """What an audited stage's own fields must agree on: no more correct guesses than guesses,
+    nor guesses than canaries; every accountant's epsilon; a bound below the ceiling; the noised
+    dimension the count of its tensors and canaries."""
+    data = json.loads(PrivacyLedger.build([synthetic_stage(), dp_stage()]).to_json())
+    _audited(data)
+    PrivacyLedger.parse(data)
+    change(data["stages"][1])
+    with pytest.raises(LedgerError, match=re.escape(problem)):
+        PrivacyLedger.parse(data)
+
+
+@pytest.mark.parametrize(("ceiling", "can_fail"), [(3.05, True), (3.0, False), (2.9, False)])
+def test_an_audit_can_fail_where_its_ceiling_is_above_the_tightest_accountants_epsilon(
+    ceiling, can_fail
+):
+    """The claim an audit tests is the tightest accountant's epsilon (3.0 of 5.0, 3.0 and 3.1):
+    it can show a violation only where its ceiling lies above that, strictly."""
+    data = json.loads(PrivacyLedger.build([synthetic_stage(), dp_stage()]).to_json())
+    _audited(data)["audit"].update(ceiling=ceiling)
+    audit = PrivacyLedger.parse(data).dp_stages()[0].audit
+    assert audit is not None and audit.accounted == 3.0 and audit.can_fail is can_fail
 
 
 def test_dataset_used_without_dp_cannot_be_guaranteed():
