@@ -117,6 +117,12 @@ def _bad(mutate):
     return str(err.value)
 
 
+def _unnamed_tensor(data: dict) -> None:
+    """A noised tensor named without its file (``<file>:<tensor>``), counted in the dimension."""
+    data["stages"][1]["noised_tensors"]["test"] = 1
+    data["stages"][1]["noised_dimension"] += 1
+
+
 def test_errors_name_the_field():
     assert "stages.1.dp.sample_rate" in _bad(lambda d: d["stages"][1].update(sample_rate=1.5))
     assert "stages.1.dp.noise_multiplier" in _bad(
@@ -130,6 +136,10 @@ def test_errors_name_the_field():
     assert "schema: expected" in _bad(lambda d: d.update(schema="vip-hub/privacy-ledger/v0"))
     assert "duplicate stage name" in _bad(lambda d: d["stages"][0].update(name="dp-pretraining"))
     assert "missing a guarantee" in _bad(lambda d: d.update(guarantees=[]))
+    assert "two guarantees for 'test-images'" in _bad(
+        lambda d: d["guarantees"].append(dict(d["guarantees"][0]))
+    )
+    assert "noised tensors ['test'] name no file" in _bad(_unnamed_tensor)
     assert "guarantees.0.stages" in _bad(
         lambda d: d["guarantees"][0].update(stages=["synthetic-pretraining"])
     )
