@@ -791,6 +791,19 @@ def test_weights_replaced_after_verification_are_refused(tiny_repo, monkeypatch)
     assert load_encoder(tiny_repo, verify=False).spec.arch == "vip-nano"
 
 
+def test_a_tree_no_filesystem_can_hold_fails_verify(tiny_repo):
+    """Two files equal but for case (a clone on macOS or Windows keeps one), or a file that is
+    also a folder (a hub commit, verified as a mapping of paths), fail verify by name."""
+    from vip_hub.repo.verify import repo_files
+
+    (tiny_repo / "NOTES.md").write_text("a\n")
+    (tiny_repo / "notes.md").write_text("b\n")
+    _fails(tiny_repo, "'NOTES.md' and 'notes.md' differ only by case")
+    files = {**repo_files(tiny_repo), "notes.md/x.md": tiny_repo / "notes.md"}
+    problems = "; ".join(map(str, verify_repo(files).problems))
+    assert "'notes.md' is a file and the folder of 'notes.md/x.md'" in problems, problems
+
+
 def test_loaded_tensors_are_bound_by_their_files_digest_alone(tiny_repo):
     """``check_loaded_tensors`` holds tensors read after verify to the verified ledger's digest of
     the file they were read as: the weights pass as their own file, and the same tensors read as a
