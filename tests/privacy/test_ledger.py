@@ -140,6 +140,9 @@ def test_errors_name_the_field():
         lambda d: d["guarantees"].append(dict(d["guarantees"][0]))
     )
     assert "noised tensors ['test'] name no file" in _bad(_unnamed_tensor)
+    assert "no DP stage trained on 'other-images'" in _bad(
+        lambda d: d["guarantees"].append({**d["guarantees"][0], "dataset": "other-images"})
+    )
     assert "guarantees.0.stages" in _bad(
         lambda d: d["guarantees"][0].update(stages=["synthetic-pretraining"])
     )
@@ -214,6 +217,16 @@ def test_an_audit_can_fail_where_its_ceiling_is_above_the_tightest_accountants_e
     _audited(data)["audit"].update(ceiling=ceiling)
     audit = PrivacyLedger.parse(data).dp_stages()[0].audit
     assert audit is not None and audit.accounted == 3.0 and audit.can_fail is can_fail
+
+
+def test_a_guarantee_listing_some_of_its_datasets_dp_stages_is_refused():
+    """A guarantee composes every DP stage on its dataset: one that lists a subset would state
+    the epsilon of fewer stages than trained on the data."""
+    more = dp_stage(steps=60).model_copy(update={"name": "dp-more"})
+    data = json.loads(PrivacyLedger.build([synthetic_stage(), dp_stage(), more]).to_json())
+    data["guarantees"][0]["stages"] = ["dp-pretraining"]
+    with pytest.raises(LedgerError, match="must list exactly the DP stages on 'test-images'"):
+        PrivacyLedger.parse(data)
 
 
 def test_dataset_used_without_dp_cannot_be_guaranteed():
