@@ -11,6 +11,8 @@ from vip_hub.privacy.accounting import (
     CURAND_FLOAT32_SUPPORT,
     NOISE_SUPPORT,
     ZIGGURAT_SUPPORT,
+    Accountant,
+    composed_epsilon,
     truncation_delta,
 )
 from vip_hub.privacy.audit import guess_grid
@@ -106,6 +108,10 @@ def test_two_stages_on_one_dataset_compose():
     ledger = PrivacyLedger.build([a, b])
     (g,) = ledger.guarantees
     assert sorted(g.stages) == ["dp-more", "dp-pretraining"]
+    assert g.epsilon == round_up(epsilon(1.0, 0.05, 160, a.delta))
+    # stages at two deltas compose at the larger (the guarantee's delta adds their truncations)
+    (g,) = PrivacyLedger.build([a, b.model_copy(update={"delta": a.delta / 10})]).guarantees
+    assert g.delta == a.delta + a.truncation_delta + b.truncation_delta
     assert g.epsilon == round_up(epsilon(1.0, 0.05, 160, a.delta))
 
 
@@ -416,6 +422,11 @@ def test_a_shuffled_release_is_qualified_wherever_its_epsilon_is_shown():
     assert (
         29 < summary.epsilon_without_amplification < 31
     )  # 4 epochs at sigma 0.527, no sampling, PLD
+    # stored as every epsilon is: its epochs' PLD composition rounded up at six decimals
+    (s,) = ledger.dp_stages()
+    epochs = [(s.noise_multiplier, 1.0, math.ceil(s.sample_rate * s.steps - 1e-9))]
+    exact = composed_epsilon(epochs, s.delta, Accountant.PLD)
+    assert summary.epsilon_without_amplification == round_up(exact) > exact
     headline = privacy_headline(summary)
     assert (
         "as reported, assuming Poisson sampling" in headline
