@@ -177,6 +177,7 @@ def _with_text(repo: Path, line: str) -> None:
         ("A (1.00, 1e-09)-DP encoder.", "'(1.00, 1e-09)-DP', which is no ε"),
         ("Its (ε, δ) = (1, 1e-5).", "'(ε, δ) = (1, 1e-5)', which is no ε"),
         ("Its ε₁ = 1.00.", "'ε = 1.00', which is no ε"),  # an index is not the figure
+        ("It is ε\u200b = 1.00.", "'ε = 1.00', which is no ε"),  # a zero-width space
         pytest.param("ε ≥ 9" + "9" * 400 + "^9999", "'ε ≥ 99999", id="past Decimal's range"),
     ],
 )
