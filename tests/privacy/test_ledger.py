@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 import pytest
-from support.helpers import dp_stage, synthetic_stage
+from support.helpers import add_audit_record, dp_stage, synthetic_stage
 
 from vip_hub import Dataset, DPStage, LedgerError, NonPrivateStage, PrivacyLedger, epsilon
 from vip_hub.privacy.accounting import (
@@ -168,20 +168,14 @@ def test_errors_name_the_field():
 def _audited(data: dict) -> dict:
     """The DP stage of a built ledger's JSON form given an audit of 200 canaries that parses (its
     figures are the model's to hold together, not recomputed: ``verify`` recomputes them)."""
-    stage = data["stages"][1]
-    stage["noised_tensors"]["canaries"] = 200
-    stage["noised_dimension"] += 200
-    stage["audit"] = {
-        "canaries": 200,
-        "canary_norm": 100.0,
-        "results": [{"guesses": r, "correct": r // 2} for r in guess_grid(200)],
-        "beta": 0.05,
-        "delta": 1e-5,
-        "epsilon_lower_bound": 0.5,
-        "ceiling": 4.0,
-        "accountant_epsilon": {"rdp": 5.0, "prv": 3.0, "pld": 3.1},
-    }
-    return stage
+    return add_audit_record(
+        data["stages"][1],
+        200,
+        [(r, r // 2) for r in guess_grid(200)],
+        0.5,
+        4.0,
+        {"rdp": 5.0, "prv": 3.0, "pld": 3.1},
+    )
 
 
 def _fewer_canaries(stage: dict) -> None:

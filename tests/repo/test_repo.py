@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from support.helpers import (
     TINY,
     WIDE_GREY,
+    add_audit_record,
     dp_stage,
     restate_truncation,
     rewrite_ledger_copies,
@@ -600,19 +601,9 @@ def _audited(canaries: int, counts: int) -> Callable[[dict], dict]:
 
     def change(ledger: dict) -> dict:
         stage = ledger["stages"][1]
-        stage["noised_tensors"]["canaries"] = canaries
-        stage["noised_dimension"] += canaries
+        every = [(canaries, canaries)] * counts
+        add_audit_record(stage, canaries, every, 1.0, 6.0, {"rdp": 1.0, "prv": 1.0, "pld": 1.0})
         restate_truncation(ledger, stage)
-        stage["audit"] = {
-            "canaries": canaries,
-            "canary_norm": 100.0,
-            "results": [{"guesses": canaries, "correct": canaries} for _ in range(counts)],
-            "beta": 0.05,
-            "delta": 1e-5,
-            "epsilon_lower_bound": 1.0,
-            "ceiling": 6.0,
-            "accountant_epsilon": {"rdp": 1.0, "prv": 1.0, "pld": 1.0},
-        }
         return ledger
 
     return change

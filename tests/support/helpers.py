@@ -185,6 +185,32 @@ def assert_biases_only_trained(
     ), sorted(noised)
 
 
+def add_audit_record(
+    stage: dict,
+    canaries: int,
+    results: list[tuple[int, int]],
+    lower: float,
+    top: float,
+    accountants: dict[str, float],
+) -> dict:
+    """``stage`` (in a ledger's JSON form) given an audit of ``canaries`` canaries, counted in its
+    noised tensors, recording ``results`` (guesses, correct), the bound ``lower``, the ceiling
+    ``top`` and each accountant's epsilon as given, not recomputed; returned."""
+    stage["noised_tensors"]["canaries"] = canaries
+    stage["noised_dimension"] += canaries
+    stage["audit"] = {
+        "canaries": canaries,
+        "canary_norm": 100.0,
+        "results": [{"guesses": r, "correct": v} for r, v in results],
+        "beta": 0.05,
+        "delta": 1e-5,
+        "epsilon_lower_bound": lower,
+        "ceiling": top,
+        "accountant_epsilon": accountants,
+    }
+    return stage
+
+
 def restate_truncation(ledger: dict, stage: dict, truncation: float | None = None) -> None:
     """Set ``stage``'s truncation delta (its recomputation from its fields by default) and the
     guarantee's delta with it, in a ledger's JSON form."""
