@@ -81,7 +81,7 @@ def card_body(readme: str) -> str:
     return readme[match.end() :] if match else readme
 
 
-_LEADING_DOT_SLASHES = re.compile(r"^(?:\./)+")  # "./x" is "x"; ".gitattributes" stays
+_LEADING_DOT_SLASHES = re.compile(r"^(?:\./)+")  # "./x" is "x"; a dot file stays
 
 
 def markdown_html(text: str, file_base: str | None = None) -> str:

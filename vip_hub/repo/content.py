@@ -8,7 +8,7 @@ appended, a zip behind one junk byte):
   (its tensors cover the data section exactly);
 - JSON (``*.json``, and the signature: a Sigstore bundle), YAML (``*.yaml``, ``*.yml``),
   Markdown (``*.md``: its front matter is YAML) and plain text (``*.txt`` such as the
-  vocabulary, and ``.gitattributes``): UTF-8 with no control character but tab, line feed and
+  vocabulary, and ``GITATTRIBUTES_FILE``): UTF-8 with no control character but tab, line feed and
   carriage return, then the kind's parser; every YAML (a file, a front matter) first within the
   card's limits, with no alias (``vip_hub.repo.card.yaml_problem``; the hub's
   ``hub.max_front_matter_*``); every text file is also walked as the C unpickler would run it,

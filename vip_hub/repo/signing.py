@@ -4,8 +4,8 @@ checked against public keys the reader trusts.
 ``verify`` proves that a repo is consistent (its ledger copies agree, its files have the
 digests the ledger binds, every epsilon follows from its parameters); it cannot tell a
 consistent rewrite from the original. A signature (``SIGNATURE_FILE``, a Sigstore bundle over
-the SHA-256 of every file but itself and the hidden ones, ``verify.is_hidden``: git's
-``.gitattributes``, a download's cache) says whose key produced exactly these files: the
+the SHA-256 of every file but itself and the hidden ones, ``verify.is_hidden``:
+git's ``GITATTRIBUTES_FILE``, a download's cache) says whose key produced exactly these files: the
 trainer's at export, and the hub records which trusted key that was when it accepts a
 commit. A key is named by its file (``NAME.pub``) and identified by its fingerprint, the
 SHA-256 of its PEM form (the key hint model-signing writes into the bundle).

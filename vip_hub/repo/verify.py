@@ -210,7 +210,7 @@ class VerificationReport:
 
 
 def is_hidden(rel: str) -> bool:
-    """Whether the repo path ``rel`` has a hidden segment (``.gitattributes``, ``.cache/x``): a
+    """Whether the repo path ``rel`` has a hidden segment (``GITATTRIBUTES_FILE``, ``.cache/x``): a
     file ``repo_files`` skips, so that neither a folder's verify nor any signature covers it."""
     return any(segment.startswith(".") for segment in rel.split("/"))
 
