@@ -130,7 +130,8 @@ def note_head_statistics(cfg: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .skeleton.config import config_from_args
+    from .dp.run import retrained_if_flagged
+    from .skeleton.config import DPRunConfig, config_from_args
     from .skeleton.distributed import Dist
 
     r = recipe(args.recipe)
@@ -139,7 +140,10 @@ def _train(args: argparse.Namespace) -> int:
     reuse_freed_memory()
     dist = Dist.from_env(cfg.device)
     try:
-        out = r.train(cfg, dist)
+        if isinstance(cfg, DPRunConfig) and dist.world == 1:
+            out = retrained_if_flagged(lambda c: r.train(c, dist), cfg)
+        else:  # ranks of torchrun would have to start again together: a flag is raised
+            out = r.train(cfg, dist)
     finally:
         dist.close()
     if dist.main:

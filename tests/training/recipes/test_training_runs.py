@@ -771,13 +771,13 @@ def test_the_audit_catches_a_broken_engine(
 
 def _flagged_first(
     monkeypatch: pytest.MonkeyPatch, flagged: int, seeds: list[str]
-) -> Callable[[VipConfig], Path]:
+) -> Callable[..., Path]:
     """``train_vip`` with the engine's noise zeroed on its first ``flagged`` calls (the audit
     flags such a run at ``SETTINGS``' claim); each call's seed (its run folder's secret, or the
     one given) is appended to ``seeds``."""
     real = training.dp.engine.add_gaussian_noise
 
-    def train(cfg: VipConfig) -> Path:
+    def train(cfg: VipConfig, *dist: Any) -> Path:
         leaky = len(seeds) < flagged
         monkeypatch.setattr(
             training.dp.engine,
@@ -785,7 +785,7 @@ def _flagged_first(
             (lambda flat, std, seed, step: None) if leaky else real,
         )
         try:
-            return train_vip(cfg)
+            return train_vip(cfg, *dist)
         finally:
             secret = run_folder(Path(cfg.out)) / "seed"
             seeds.append(secret.read_text() if secret.exists() else str(cfg.seed))
@@ -813,6 +813,31 @@ def test_a_flagged_run_is_trained_again_from_a_fresh_secret(
     run = run_folder(out)
     assert (run / "seed").read_text() == seeds[1]
     assert PrivacyLedger.read(out).dp_stages()[-1].run_id == (run / "run_id").read_text()
+
+
+def test_the_train_command_trains_a_flagged_run_again(
+    syn_repo: Path,
+    images: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``vip-hub train-vip`` in one process trains a run its audit flags once more from a fresh
+    secret, and exits 0 with a release that verifies."""
+    from training.recipes import vip
+    from training.skeleton.config import Recipe
+    from vip_hub.cli.main import main
+
+    seeds: list[str] = []
+    monkeypatch.setattr(vip, "RECIPE", Recipe(VipConfig, _flagged_first(monkeypatch, 1, seeds)))
+    out = tmp_path / "vip-dp"
+    settings = {**SETTINGS, "batch_size": 20, "micro_batch_size": 10, "workers": 0}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
+    argv = [f"--init={syn_repo}", f"--data={images}", f"--out={out}", "--dataset-name=test/images"]
+    assert main(["train-vip", *argv, *args]) == 0
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert "flagged the run" in capsys.readouterr().err
+    assert verify_repo(out).ok
 
 
 @pytest.mark.parametrize("seed", [None, 0])
