@@ -793,51 +793,39 @@ def _flagged_first(
     return train
 
 
+@pytest.mark.parametrize("via", ["retrained_if_flagged", "vip-hub train-vip"])
 def test_a_flagged_run_is_trained_again_from_a_fresh_secret(
+    via: str,
     syn_repo: Path,
     images: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``retrained_if_flagged``: a run its audit flags is trained again from a fresh secret (a new
-    seed and run id, the flagged run's folder gone), and that run's release verifies."""
+    """A run its audit flags is trained again from a fresh secret (a new seed and run id, the
+    flagged run's folder gone), and that run's release verifies: through
+    ``retrained_if_flagged``, and through ``vip-hub train-vip`` in one process (exit 0)."""
+    from training.recipes import vip
+    from training.skeleton.config import Recipe
+    from vip_hub.cli.main import main
+
     seeds: list[str] = []
-    cfg = vip_config(
-        syn_repo, images, tmp_path / "vip-dp", batch_size=20, micro_batch_size=10, **SETTINGS
-    )
-    out = retrained_if_flagged(_flagged_first(monkeypatch, 1, seeds), cfg)
+    train = _flagged_first(monkeypatch, 1, seeds)
+    settings = {**SETTINGS, "batch_size": 20, "micro_batch_size": 10}
+    out = tmp_path / "vip-dp"
+    if via == "retrained_if_flagged":
+        out = retrained_if_flagged(train, vip_config(syn_repo, images, out, **settings))
+    else:
+        monkeypatch.setattr(vip, "RECIPE", Recipe(VipConfig, train))
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
+        paths = [f"--init={syn_repo}", f"--data={images}", f"--out={out}"]
+        assert main(["train-vip", *paths, "--dataset-name=test/images", "--workers=0", *args]) == 0
     assert len(seeds) == 2 and seeds[0] != seeds[1]
     assert "flagged the run" in capsys.readouterr().err
     assert verify_repo(out).ok
     run = run_folder(out)
     assert (run / "seed").read_text() == seeds[1]
     assert PrivacyLedger.read(out).dp_stages()[-1].run_id == (run / "run_id").read_text()
-
-
-def test_the_train_command_trains_a_flagged_run_again(
-    syn_repo: Path,
-    images: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``vip-hub train-vip`` in one process trains a run its audit flags once more from a fresh
-    secret, and exits 0 with a release that verifies."""
-    from training.recipes import vip
-    from training.skeleton.config import Recipe
-    from vip_hub.cli.main import main
-
-    seeds: list[str] = []
-    monkeypatch.setattr(vip, "RECIPE", Recipe(VipConfig, _flagged_first(monkeypatch, 1, seeds)))
-    out = tmp_path / "vip-dp"
-    settings = {**SETTINGS, "batch_size": 20, "micro_batch_size": 10, "workers": 0}
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]
-    argv = [f"--init={syn_repo}", f"--data={images}", f"--out={out}", "--dataset-name=test/images"]
-    assert main(["train-vip", *argv, *args]) == 0
-    assert len(seeds) == 2 and seeds[0] != seeds[1]
-    assert "flagged the run" in capsys.readouterr().err
-    assert verify_repo(out).ok
 
 
 @pytest.mark.parametrize("seed", [None, 0])
