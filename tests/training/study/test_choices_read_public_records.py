@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from training.recipes import class_means, probe
 from training.study import heads as study_heads
 from training.study.config import JOB
 from training.study.heads import dp_head
@@ -64,18 +65,54 @@ def test_the_feature_mode_head_kind_and_lr_choices_read_no_private_record() -> N
         sgd_scores(STUDY, feats, Public(y.numpy()), private, (), lr)  # type: ignore[arg-type]
 
 
+def _public_inputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Record what a DP head reads as public: the statistics its BatchNorms are fixed to, the
+    features its principal components come from, the class-means head's constant ``a`` and its
+    covariance's features."""
+    seen: list[tuple[str, Any]] = []
+
+    def spy(module: Any, name: str, pick: Any) -> None:
+        real = getattr(module, name)
+
+        def wrapped(*args: Any) -> Any:
+            seen.append((name, pick(*args)))
+            return real(*args)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(probe, "fix_normalisation", lambda head, public_x: public_x.clone())
+    spy(class_means, "fix_normalisation", lambda head, public_x: public_x.clone())
+    spy(study_heads, "public_components", lambda public_x, k: public_x.clone())
+    spy(class_means, "lda_rule", lambda sums, counts, public_z: public_z.clone())
+    spy(class_means, "ClassSumLoss", lambda linear, a: a)
+    return seen
+
+
 @pytest.mark.parametrize("kind", ["sgd", "class-means"])
-def test_a_released_heads_normalisation_does_not_move_with_one_private_record(
+def test_a_released_heads_public_parts_do_not_move_with_one_private_record(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Everything a DP head takes as public (its BatchNorms' statistics, its principal
+    components' records, the class-means head's constant and covariance) is the same when one
+    private record changes; the released head's BatchNorm is the centring records' mean with
+    variance 1."""
     monkeypatch.setattr("training.recipes.probe.new_secret", lambda: 12345)
     x, y = _features(300, seed=1)
     centre, _ = _features(40, seed=2)
     data = Dataset(name=DATA, size=300)
+    seen = _public_inputs(monkeypatch)
     a = dp_head(STUDY, x, y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
+    first = list(seen)
+    seen.clear()
     x2 = x.clone()
     x2[0] = 100.0  # one private record replaced
     b = dp_head(STUDY, x2, y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
+    assert [n for n, _ in first] == [n for n, _ in seen] and len(first) >= 3
+    for (name, one), (_, two) in zip(first, seen, strict=True):
+        same = torch.equal(one, two) if isinstance(one, torch.Tensor) else one == two
+        assert same, name
     for name in ("running_mean", "running_var"):
         assert torch.equal(getattr(a.head.norm, name), getattr(b.head.norm, name))
+    assert torch.allclose(a.head.norm.running_mean, centre.mean(0))
+    assert torch.allclose(a.head.norm.running_var, torch.ones(x.shape[1]))
     assert study_heads.component_count(centre, 4) == 4
