@@ -92,10 +92,10 @@ def _public_inputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 def test_a_released_heads_public_parts_do_not_move_with_one_private_record(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Everything a DP head takes as public (its BatchNorms' statistics, its principal
-    components' records, the class-means head's constant and covariance) is the same when one
-    private record changes; the released head's BatchNorm is the centring records' mean with
-    variance 1."""
+    """The released head's BatchNorm is the same when one private record changes: the centring
+    records' mean with variance 1; and everything a DP head takes as public (its BatchNorms'
+    statistics, its principal components' records, the class-means head's constant and
+    covariance) is the same when every private record changes."""
     monkeypatch.setattr("training.recipes.probe.new_secret", lambda: 12345)
     x, y = _features(300, seed=1)
     centre, _ = _features(40, seed=2)
@@ -107,12 +107,22 @@ def test_a_released_heads_public_parts_do_not_move_with_one_private_record(
     x2 = x.clone()
     x2[0] = 100.0  # one private record replaced
     b = dp_head(STUDY, x2, y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(a.head.norm, name), getattr(b.head.norm, name))
+    seen.clear()  # and every private record replaced (a median need not move with one)
+    dp_head(STUDY, _features(300, seed=3)[0], y, centre, data, 3, kind=kind)  # type: ignore[arg-type]
     assert [n for n, _ in first] == [n for n, _ in seen] and len(first) >= 3
     for (name, one), (_, two) in zip(first, seen, strict=True):
         same = torch.equal(one, two) if isinstance(one, torch.Tensor) else one == two
         assert same, name
-    for name in ("running_mean", "running_var"):
-        assert torch.equal(getattr(a.head.norm, name), getattr(b.head.norm, name))
     assert torch.allclose(a.head.norm.running_mean, centre.mean(0))
     assert torch.allclose(a.head.norm.running_var, torch.ones(x.shape[1]))
     assert study_heads.component_count(centre, 4) == 4
+
+
+def test_a_head_reads_no_more_components_than_its_public_records_span() -> None:
+    """Three centring records span two principal directions: a head asked for four reads two,
+    however many private records there are."""
+    x, y = _features(300, seed=1)
+    fit = dp_head(STUDY, x, y, _features(3, seed=2)[0], Dataset(name=DATA, size=300), 3, kind="sgd")
+    assert fit.stage.hyperparameters["components"] == 2
