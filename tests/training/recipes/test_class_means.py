@@ -59,6 +59,18 @@ def _engine_sums(z: torch.Tensor, y: torch.Tensor, a: float, epsilon: float) -> 
     return sums.weight.detach().double() * len(z)
 
 
+def test_a_records_gradient_is_minus_its_vector_in_its_class_row() -> None:
+    """``ClassSumLoss``: a record's gradient is ``-[z, a]`` in its class's row of ``W`` and zero
+    elsewhere, whatever ``W`` is, so a step from zero at learning rate 1 adds each (clipped)
+    record's ``[z, a]`` to its class's sum."""
+    linear = nn.Linear(4, 3, bias=False)
+    nn.init.normal_(linear.weight)
+    ClassSumLoss(linear, 0.25)(torch.tensor([[0.5, -2.0, 1.0]]), torch.tensor([2])).sum().backward()
+    expected = torch.zeros(3, 4)
+    expected[2] = -torch.tensor([0.5, -2.0, 1.0, 0.25])
+    assert linear.weight.grad is not None and torch.equal(linear.weight.grad, expected)
+
+
 def test_the_noise_on_the_class_sums_is_sigma_times_the_clip() -> None:
     """The release minus the exact clipped sums is Gaussian with std sigma * C on every
     coordinate (3 x 2,001 draws: the std within 4 %), and two runs draw different noise."""
