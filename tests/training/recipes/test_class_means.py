@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy.stats import multivariate_normal
 from sklearn.covariance import LedoitWolf
+from support.helpers import dp_stage
 from torch import nn
 
 from training.dp.clipping import PerExampleClipper
@@ -21,7 +22,7 @@ from training.study.config import JOB, StudyConfig
 from training.study.heads import dp_head, head_config
 from vip_hub.errors import ConfigError
 from vip_hub.privacy.accounting import calibrate, composed_epsilon
-from vip_hub.privacy.ledger import NOT_RELEASED, Dataset, DPStage
+from vip_hub.privacy.ledger import NOT_RELEASED, Dataset
 
 DATA = "test/class-means"
 C = 0.1
@@ -147,17 +148,8 @@ def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
     under ``chosen`` the caller must say which kind was chosen."""
     study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 4})
     x, y = _features()
-    encoder = [(1.3, 0.0256, 70)]
-    prior = DPStage.from_parameters(
-        name="dp-pretraining",
-        dataset=Dataset(name=DATA, size=len(x)),
-        sample_rate=encoder[0][1],
-        noise_multiplier=encoder[0][0],
-        steps=encoder[0][2],
-        clipping_norm=1.0,
-        noised_tensors={"unreleased:test": 10},
-        delta=study.delta,
-    )
+    prior = dp_stage(len(x), batch=15, sigma=1.3, steps=70)
+    encoder = [prior.mechanism_tuple]
     data = Dataset(name=DATA, size=len(x))
     with pytest.raises(ConfigError, match="chooses its head on public records"):
         dp_head(study, x, y, x[100:400], data, 3, [prior], name="h")
@@ -172,13 +164,15 @@ def test_the_study_releases_it_as_one_gaussian_step_within_the_split() -> None:
     assert both == pytest.approx(study.epsilon, abs=0.01)
 
 
+@pytest.mark.parametrize("spent", [False, True])
 def test_the_choice_scores_class_means_heads_at_the_real_noise_on_public_records(
-    monkeypatch: pytest.MonkeyPatch,
+    spent: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``choose_head`` under ``chosen``: two class-means heads, each fit on one half of the
-    records after the centring ones and scored on the other, their covariance from the centring
-    records, the noise on each class mean the real head's (sigma times half / n); the kind with
-    the higher score is taken; a fixed kind is returned unscored."""
+    records after the centring ones and scored on the other, their covariance and principal
+    components from the centring records, the noise on each class mean the real head's (sigma,
+    after the encoder's stage when there is one, times half / n); the kind with the higher score
+    is taken; a fixed kind is returned unscored."""
     from training.study import selection
     from training.study.budget import head_epsilon
 
@@ -186,22 +180,33 @@ def test_the_choice_scores_class_means_heads_at_the_real_noise_on_public_records
     x, y = x[5:], y[5:]  # not the far points: the centring records' covariance is the head's
     study = StudyConfig(**{**JOB.model_dump(), "centre_size": 30, "class_means_components": 4})
     private = fashion_like(1_000)
+    prior = [dp_stage(1_000, batch=25, sigma=1.3, steps=70)] if spent else []
     fits: list[tuple[int, int, float]] = []
-    fit = selection.fit_class_means
+    bases: list[tuple[int, int]] = []
+    fit, components = selection.fit_class_means, selection.public_components
 
     def spy(z: torch.Tensor, labels: torch.Tensor, classes: int, cfg: Any, public: Any) -> Any:
         fits.append((len(z), len(public), calibrate(cfg.epsilon, cfg.delta, 1.0, 1)))
         return fit(z, labels, classes, cfg, public)
 
+    def basis(public_x: torch.Tensor, k: int) -> Any:
+        bases.append((len(public_x), k))
+        return components(public_x, k)
+
     monkeypatch.setattr(selection, "fit_class_means", spy)
-    kind, scores = selection.choose_head(study, x, y.numpy(), private, [], sgd_score=0.0)
-    real = calibrate(head_epsilon(study, [], 1.0, 1), study.delta, 1.0, 1)
-    assert [f[:2] for f in fits] == [(50, 30), (50, 30)]
+    monkeypatch.setattr(selection, "public_components", basis)
+    kind, scores = selection.choose_head(study, x, y.numpy(), private, prior, sgd_score=0.0)
+    real = calibrate(head_epsilon(study, prior, 1.0, 1), study.delta, 1.0, 1)
+    assert [f[:2] for f in fits] == [(50, 30), (50, 30)] and bases == [(30, 4)]
     assert fits[0][2] == pytest.approx(real * 50 / 1_000, rel=1e-4)
     assert kind == "class-means" and scores["class-means"] > 90 and scores["sgd"] == 0.0
     assert selection.choose_head(study, x, y.numpy(), private, [], sgd_score=100.0)[0] == "sgd"
     fixed = study.model_copy(update={"head_kind": "sgd"})
     assert selection.choose_head(fixed, x, y.numpy(), private, [], 0.0) == ("sgd", {})
+    few = study.model_copy(update={"centre_size": 3})  # three records span two directions
+    bases.clear()
+    selection.choose_head(few, x, y.numpy(), private, prior, sgd_score=0.0)
+    assert bases == [(3, 2)]
 
 
 def fashion_like(n: int) -> Any:
