@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.helpers import dp_stage
 
 from training.recipes import class_means, probe
 from training.study import heads as study_heads
+from training.study import selection
 from training.study.config import JOB
-from training.study.heads import dp_head
+from training.study.heads import dp_head, released_epsilon
 from training.study.selection import choose_features, sgd_scores
 from vip_hub.privacy.ledger import Dataset
 
@@ -55,14 +57,32 @@ STUDY = JOB.updated(
 )  # fmt: skip
 
 
-def test_the_feature_mode_head_kind_and_lr_choices_read_no_private_record() -> None:
+def test_the_feature_mode_head_kind_and_lr_choices_read_no_private_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The choices read of the private records their n, classes and name alone; the mode with
+    the highest score is chosen, each scored at the noise of the head on the private records
+    after the encoder's stage."""
     x, y = _features(200)
-    feats = {"a": x, "b": x[:, :3]}
+    feats = {"a": x, "b": torch.randn(200, 6, generator=torch.Generator().manual_seed(5))}
     private = Guarded(5_000, ("a", "b", "c"))
     choice = choose_features(STUDY, feats, Public(y.numpy()), private)  # type: ignore[arg-type]
-    assert choice.mode in feats and choice.head in ("sgd", "class-means")
+    assert choice.mode == "a" and choice.scores["a"] > choice.scores["b"] + 20
+    assert choice.head in ("sgd", "class-means")
+    targets: list[float | None] = []
+    scores = selection.selection_scores
+    monkeypatch.setattr(
+        selection,
+        "selection_scores",
+        lambda feats, labels, classes, cfg, *rest: (
+            targets.append(cfg.epsilon) or scores(feats, labels, classes, cfg, *rest)
+        ),
+    )
+    stage = dp_stage(5_000, batch=128, sigma=1.3, steps=70)
     for lr in (4.0, 16.0):
-        sgd_scores(STUDY, feats, Public(y.numpy()), private, (), lr)  # type: ignore[arg-type]
+        sgd_scores(STUDY, feats, Public(y.numpy()), private, [stage], lr)  # type: ignore[arg-type]
+    after = released_epsilon(STUDY, "sgd", 5_000, DATA, [stage])
+    assert targets == [after, after] and after < released_epsilon(STUDY, "sgd", 5_000, DATA, [])
 
 
 def _public_inputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
