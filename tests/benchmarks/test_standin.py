@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.helpers import load_benchmark, write_idx
+from support.helpers import dp_stage, load_benchmark, write_idx
 
 from training.data.labelled import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, fashion_mnist
 from training.priors import prior_path
@@ -183,13 +183,31 @@ class PrivateSpy:
         raise AssertionError(f"the choice read the private records' {name}")
 
 
-def test_the_feature_mode_choice_reads_no_private_record(public_only: Path) -> None:
-    """Nor does the head's choice (the study's ``chosen``): each kind scored, the higher kept."""
+def test_the_feature_mode_choice_reads_no_private_record(
+    public_only: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nor does the head's choice (the study's ``chosen``): each kind scored, the higher kept;
+    a (Syn) encoder's choice is made for the noisiest head that reads it (after the DP stage of
+    the encoder trained from it, not the (Syn) encoder's own)."""
+    from training.study import selection as study_selection
+
     selection = fashion_mnist("test", public_only).first(40)
     prior = prior_path(TINY.syn_prior)
     private = PrivateSpy(TINY.train_size, selection.classes)
     study = TINY.model_copy(update={"head_kind": "chosen", "class_means_components": 4})
-    chosen = choose_modes(study, {prior: [[]]}, selection, private)  # type: ignore[arg-type]
+    stage = dp_stage(TINY.train_size, batch=25, sigma=3.0, steps=10)
+    spent: list[list[Any]] = []
+    choose = study_selection.choose_features
+    monkeypatch.setattr(
+        study_selection,
+        "choose_features",
+        lambda cfg, feats, records, private, prior=(): (
+            spent.append(list(prior)) or choose(cfg, feats, records, private, prior)
+        ),
+    )
+    readers = {prior: [[], [stage]]}
+    chosen = choose_modes(study, readers, selection, private)  # type: ignore[arg-type]
+    assert spent == [[stage]]
     assert chosen[prior].mode in chosen[prior].scores
     kinds = chosen[prior].head_scores
     assert (
