@@ -466,9 +466,12 @@ def test_a_probe_kept_for_another_init_is_refused(
 def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encoder_alone(
     syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """``fixed_head``: the head released is the DP probe's, bit for bit; the fine-tuning's stage
-    trains the encoder alone (its noise on the encoder's vectors, nothing of the head's), the
-    probe's stage names the head, and the repo verifies."""
+    """``fixed_head``: the head released is the DP probe's, bit for bit, its BatchNorm fixed to
+    public statistics (the init encoder's procedural features: no --public-data); the
+    fine-tuning's stage trains the encoder alone (its noise on the encoder's vectors, nothing of
+    the head's), the probe's stage names the head, and the repo verifies."""
+    from training.recipes.probe import head_statistics
+
     out = finetune(
         syn_repo, data, tmp_path / "run", **WHOLE_ARGS, encoder_parameters="biases", fixed_head=True
     )
@@ -478,6 +481,9 @@ def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encode
     released = load_file(out / head_file("clf"))
     assert released.keys() >= {"linear.weight", "linear.bias"}
     assert all(torch.equal(released[k], probe[k]) for k in ("linear.weight", "linear.bias"))
+    public = head_statistics(load_encoder(syn_repo), SPATIAL)
+    assert torch.allclose(released["norm.running_mean"], public.mean(0), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(released["norm.running_var"], public.var(0, unbiased=False), rtol=1e-6)
     ledger = PrivacyLedger.read(out)
     probe_stage, dp = ledger.stages[-2:]
     assert dp.also_trains == [] and dp.trained_components == (ENCODER,)
