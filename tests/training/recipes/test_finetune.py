@@ -384,7 +384,22 @@ def whole(
     return finetune(syn_repo, data, tmp_path_factory.mktemp("whole") / "run", **WHOLE_ARGS)
 
 
-def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: Path) -> None:
+def _normalised_publicly(head: LinearProbe, syn_repo: Path) -> bool:
+    """Whether ``head``'s BatchNorm holds the statistics of the init encoder's procedural
+    features (public: these runs give no --public-data), not of any private record's."""
+    from training.recipes.probe import head_statistics
+
+    public = head_statistics(load_encoder(syn_repo), SPATIAL)
+    mean, var = head.norm.running_mean, head.norm.running_var
+    assert mean is not None and var is not None
+    return torch.allclose(mean, public.mean(0), rtol=1e-6, atol=1e-7) and torch.allclose(
+        var, public.var(0, unbiased=False), rtol=1e-6
+    )
+
+
+def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(
+    syn_repo: Path, whole: Path
+) -> None:
     assert verify_repo(whole).ok
     ledger = PrivacyLedger.read(whole)
     syn, probe, dp = ledger.stages
@@ -404,6 +419,7 @@ def test_the_probe_and_the_fine_tuning_compose_within_the_total_epsilon(whole: P
         assert summary.epsilon == pytest.approx(both, abs=1e-6)
     head, info = load_head(whole, "clf")
     assert info.pooling == SPATIAL and 0 <= info.metrics["top1"] <= 1
+    assert _normalised_publicly(head, syn_repo)
 
 
 def test_the_whole_encoder_moved_where_its_feature_mode_reads_and_nowhere_else(
@@ -470,8 +486,6 @@ def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encode
     public statistics (the init encoder's procedural features: no --public-data); the
     fine-tuning's stage trains the encoder alone (its noise on the encoder's vectors, nothing of
     the head's), the probe's stage names the head, and the repo verifies."""
-    from training.recipes.probe import head_statistics
-
     out = finetune(
         syn_repo, data, tmp_path / "run", **WHOLE_ARGS, encoder_parameters="biases", fixed_head=True
     )
@@ -481,9 +495,7 @@ def test_a_fixed_head_fine_tuning_releases_the_probes_head_and_noises_the_encode
     released = load_file(out / head_file("clf"))
     assert released.keys() >= {"linear.weight", "linear.bias"}
     assert all(torch.equal(released[k], probe[k]) for k in ("linear.weight", "linear.bias"))
-    public = head_statistics(load_encoder(syn_repo), SPATIAL)
-    assert torch.allclose(released["norm.running_mean"], public.mean(0), rtol=1e-6, atol=1e-7)
-    assert torch.allclose(released["norm.running_var"], public.var(0, unbiased=False), rtol=1e-6)
+    assert _normalised_publicly(load_head(out, "clf")[0], syn_repo)
     ledger = PrivacyLedger.read(out)
     probe_stage, dp = ledger.stages[-2:]
     assert dp.also_trains == [] and dp.trained_components == (ENCODER,)
