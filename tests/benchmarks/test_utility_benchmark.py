@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from support.helpers import load_benchmark, write_idx
@@ -174,11 +175,26 @@ def test_encoder_draws_train_an_encoder_each_and_the_comparison_counts_encoders(
 
 
 def test_heads_read_k_public_components_and_release_the_head_on_the_features(
-    data: Path, tmp_path: Path
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A row's head reads the top k components of its centring records' features (the first
+    public selection records', never the private records'), and releases the head on the
+    features."""
     study = TINY.model_copy(update={"head_components": 4})
     bench = tiny_bench(data, tmp_path, study)
+    centred: list[tuple[int, torch.Tensor]] = []
+    fit = utility.dp_head
+    monkeypatch.setattr(
+        utility,
+        "dp_head",
+        lambda cfg, x, y, centre, *rest, **named: (
+            centred.append((len(x), centre)) or fit(cfg, x, y, centre, *rest, **named)
+        ),
+    )
     ((r, eps),) = utility.run_benchmark(bench, ["pixels"])
+    public = utility.pixels(bench.splits.centre)
+    assert len(centred) == bench.draws
+    assert all(n == len(bench.private) and torch.equal(c, public) for n, c in centred)
     head = r.stages[-1]
     # the noise went to 4 coordinates (and the bias) of a head no file holds
     assert sum(head.noised_tensors.values()) == (4 + 1) * len(bench.private.classes)
@@ -281,7 +297,17 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
     bench = tiny_bench(data, tmp_path, finetune_steps=2, finetune_fixed_head=fixed_head)
+    import training.recipes.finetune
+
+    publics: list[Any] = []
+    finetune = training.recipes.finetune.finetune_arrays
+    monkeypatch.setattr(
+        training.recipes.finetune,
+        "finetune_arrays",
+        lambda *args, **named: publics.append(named["public"]) or finetune(*args, **named),
+    )
     ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
+    assert publics == [bench.splits.centre]  # its heads centred on public records, not private
     probe, stage = r.stages
     assert stage.steps == 2 and stage.hyperparameters["fixed_head"] is fixed_head
     assert probe.trained_components == (ENCODER, head_component("classifier"))
