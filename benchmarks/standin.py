@@ -69,12 +69,12 @@ from training.recipes.probe import (
     fit_probe,
     public_components,
 )
+from training.study.budget import head_epsilon
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.features import embed
 from training.study.heads import head_config, head_kind, head_sampling, released_sampling
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
-    Accountant,
     calibrate,
     composed_epsilon,
     epsilon,
@@ -228,8 +228,7 @@ def matched_head(
     the same noise on its averaged gradient, or on each class mean."""
     kind = head_kind(study, None)
     q, steps = released_sampling(kind, study, real_n, FASHION_MNIST_TEST)
-    own = remaining_epsilon(study.epsilon, study.delta, list(prior), q, steps, Accountant.RDP)
-    sigma = calibrate(own, study.delta, q, steps)
+    sigma = calibrate(head_epsilon(study, prior, q, steps), study.delta, q, steps)
     ratio = n / real_n if kind == "class-means" else batch_ratio(study, n, real_n)
     return (sigma, q, steps), (sigma * ratio, q, steps)
 

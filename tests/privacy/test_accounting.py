@@ -141,6 +141,27 @@ def test_remaining_epsilon_calibrates_a_run_so_the_composition_is_the_total():
         remaining_epsilon(1.5, delta, [encoder], q, steps)
 
 
+@pytest.mark.parametrize("spent", [0, 1], ids=["no-prior", "an-encoder"])
+def test_remaining_epsilon_shares_the_rest_among_several_runs(spent: int):
+    """Three draws of a head after an encoder (or none): each calibrated to the epsilon
+    returned, the encoder and all three compose to the total, each draw is noisier than one
+    draw alone would be, and each calibrated to any more would pass the total."""
+    n, delta = 10_000, 1e-5
+    encoder = [(calibrate(0.5, delta, 256 / n, 70), 256 / n, 70)][:spent]
+    q, steps, runs = 1 / 2, 96, 3
+    each = remaining_epsilon(3.0, delta, encoder, q, steps, runs=runs)
+    alone = remaining_epsilon(3.0, delta, encoder, q, steps)
+    assert each < alone
+    sigma = calibrate(each, delta, q, steps)
+    assert sigma > calibrate(alone, delta, q, steps)
+    composed = composed_epsilon([*encoder, *[(sigma, q, steps)] * runs], delta)
+    assert 3.0 - 0.02 < composed <= 3.0
+    greedy = calibrate(each * 1.02, delta, q, steps)
+    assert composed_epsilon([*encoder, *[(greedy, q, steps)] * runs], delta) > 3.0
+    with pytest.raises(AccountingError, match="runs must be at least 1"):
+        remaining_epsilon(3.0, delta, encoder, q, steps, runs=0)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -1294,6 +1294,19 @@ def test_a_cards_comparison_says_whether_the_dataset_page_composes_it(tiny_repo)
     assert "composes them all" not in text and "| no repo: in no ledger |" in text
 
 
+def test_a_cards_comparison_row_shows_its_head_draws_and_a_bad_draw_leaves_the_row_out(tiny_repo):
+    """A row whose head was drawn several times shows every draw's top-1 beside its own and the
+    card says what they are; a row whose draws are not numbers is not rendered."""
+    row = {"model": "m", "repo": "vip/a", "privacy": "p", "features": "f", "top1": 0.5}
+    update_repo(tiny_repo, comparison=[{**row, "draws": [0.5, 0.4875, 0.51]}])
+    _, text = _card_of(tiny_repo)
+    assert "| f | 0.5000 (draws 0.5000, 0.4875, 0.5100) |" in text
+    assert "every draw's top-1 is in brackets" in text
+    update_repo(tiny_repo, comparison=[row, {**row, "model": "n", "draws": ["x"]}])
+    _, text = _card_of(tiny_repo)
+    assert "| m | vip/a |" in text and "| n |" not in text
+
+
 def _named_repo(folder: Path) -> Path:
     """A tiny repo whose DP stage names what its noise went to: block 11 of the released encoder
     (in ``WEIGHTS_FILE``) and a projection head it does not release."""

@@ -1,13 +1,13 @@
 """The study's budget and its split rule: every released classifier is (``epsilon``, ``delta``)-DP
 on the private records, encoder and head composed under RDP; a DP encoder spends
-``encoder_epsilon`` and its head is calibrated to what remains (``remaining_epsilon``); a head on
-an encoder that saw no private record gets all of it."""
+``encoder_epsilon`` and its head's ``head_draws`` draws are calibrated to share what remains
+(``remaining_epsilon``); the heads on an encoder that saw no private record share all of it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vip_hub.privacy.accounting import Accountant, remaining_epsilon
+from vip_hub.privacy.accounting import Accountant, GaussianRun, remaining_epsilon
 from vip_hub.privacy.ledger import DPStage, compose_releases
 
 from .config import StudyConfig
@@ -16,13 +16,16 @@ __all__ = ["composed", "head_epsilon"]
 
 
 def head_epsilon(
-    cfg: StudyConfig, prior: Sequence[DPStage], sample_rate: float, steps: int
+    cfg: StudyConfig, prior: Sequence[DPStage | GaussianRun], sample_rate: float, steps: int
 ) -> float:
-    """A head's own target epsilon (RDP at ``cfg.delta``) at (``sample_rate``, ``steps``): what
-    the split rule leaves of ``cfg.epsilon`` after the encoder's DP stages ``prior`` on the
-    private records. Calibrating to it gives at least that noise."""
-    history = [s.mechanism_tuple for s in prior]
-    return remaining_epsilon(cfg.epsilon, cfg.delta, history, sample_rate, steps, Accountant.RDP)
+    """Each head draw's own target epsilon (RDP at ``cfg.delta``) at (``sample_rate``,
+    ``steps``): what the split rule leaves of ``cfg.epsilon`` after the encoder's DP stages
+    ``prior`` (stages, or their (sigma, q, T)) on the private records, shared among
+    ``cfg.head_draws`` draws. Calibrating each to it gives at least that noise."""
+    history = [s.mechanism_tuple if isinstance(s, DPStage) else s for s in prior]
+    return remaining_epsilon(
+        cfg.epsilon, cfg.delta, history, sample_rate, steps, Accountant.RDP, cfg.head_draws
+    )
 
 
 def composed(cfg: StudyConfig, stages: Sequence[DPStage], dataset: str) -> dict[Accountant, float]:

@@ -88,6 +88,16 @@ class StudyConfig(BaseModel):
         description="Poisson batches per epoch of a DP head (q = 1 / head_batches); each "
         "preset's chosen with probe_epochs (likewise)",
     )
+    head_draws: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="draws of each row's DP head, each from a fresh secret and all composed "
+        "with the encoder within epsilon (the split rule shares the head's rest among them): "
+        "the first is released, every draw's top-1 is reported, so a row's spread from its "
+        "head's noise is seen; the benchmark's 1 (its --draws are each a classifier at the "
+        "whole budget, their composition printed)",
+    )
     head_clip: float = Field(
         PAPER_HEAD_CLIP, gt=0, description="clipping norm C of a DP head (the paper's)"
     )
@@ -264,6 +274,7 @@ BENCHMARK = StudyConfig(
     probe_epochs=50,
     head_batches=PAPER_HEAD_BATCHES,
     head_components=0,
+    head_draws=1,
 )
 """``benchmarks/utility.py``'s study: the whole train split, as the paper's table; the same
 protocol otherwise, its heads' batch and epochs chosen at its own noise (Tramer & Boneh's

@@ -7,12 +7,14 @@ class-means head (``training/recipes/class_means.py``) releases the class means 
 records (the DP-SGD head: their mean with variance 1; the class-means head: their mean and
 variance, their covariance its LDA's), its epsilon what the split rule leaves after the encoder's
 DP stages, and its ledger stage; the head released reads the features themselves
-(``unproject``)."""
+(``unproject``). A row's head is drawn ``head_draws`` times (``dp_head_draws``), the draws
+sharing that epsilon: the first is released, the others are ledger stages whose weights no file
+holds (``unreleased_draw``), so that every draw's top-1 can be reported."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -40,11 +42,13 @@ __all__ = [
     "DPHead",
     "HeadKind",
     "dp_head",
+    "dp_head_draws",
     "head_config",
     "head_kind",
     "head_sampling",
     "released_epsilon",
     "released_sampling",
+    "unreleased_draw",
 ]
 
 
@@ -183,3 +187,49 @@ def dp_head(
             }
         )
     return DPHead(head, config, stage)
+
+
+def unreleased_draw(stage: DPStage, draw: int, draws: int) -> DPStage:
+    """Head draw ``draw`` of ``draws``'s ledger stage, ``stage`` as ``dp_head`` made it, for a
+    draw whose weights no repo file holds (its top-1 is reported beside the released draw's):
+    its own name, and its noised tensors named unreleased."""
+    assert stage.noised_tensors is not None  # dp_head names them
+    label = f"draw {draw} of {draws}"
+    return stage.model_copy(
+        update={
+            "name": f"{stage.name}:draw-{draw}",
+            "noised_tensors": {
+                noised_key(NOT_RELEASED, f"{key.partition(':')[2]} ({label})"): n
+                for key, n in stage.noised_tensors.items()
+            },
+            "description": f"{stage.description}; {label} of this head, each from a fresh "
+            "secret and all composed: its weights are not released, its top-1 is reported "
+            "beside the released draw's",
+        }
+    )
+
+
+def dp_head_draws(
+    cfg: StudyConfig,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    centre_x: torch.Tensor,
+    data: Dataset,
+    classes: int,
+    prior: Sequence[DPStage] = (),
+    *,
+    name: str = "probe",
+    pooling: str = "vip",
+    kind: HeadKind | None = None,
+) -> list[DPHead]:
+    """``cfg.head_draws`` DP heads (``dp_head``, same arguments), each from a fresh secret at the
+    epsilon the split rule shares among them: the first is the one released, the others'
+    stages are ``unreleased_draw``'s."""
+    fits = [
+        dp_head(cfg, x, y, centre_x, data, classes, prior, name=name, pooling=pooling, kind=kind)
+        for _ in range(cfg.head_draws)
+    ]
+    draws = len(fits)
+    return [fits[0]] + [
+        replace(f, stage=unreleased_draw(f.stage, i, draws)) for i, f in enumerate(fits[1:], 2)
+    ]

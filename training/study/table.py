@@ -26,16 +26,29 @@ class Row:
     privacy: str
     features: str
     top1: float
+    draws: tuple[float, ...] = ()
+    """Every draw's top-1 where the row's head was drawn several times (the first released)."""
 
     def card(self) -> dict[str, Any]:
-        """The row as the cards' ``probe_comparison`` keeps it."""
-        return {
+        """The row as the cards' ``probe_comparison`` keeps it (``draws`` only when several)."""
+        row = {
             "model": self.model,
             "repo": self.repo_id,
             "privacy": self.privacy,
             "features": self.features,
             "top1": round(self.top1, 4),
         }
+        if len(self.draws) > 1:
+            row["draws"] = [round(d, 4) for d in self.draws]
+        return row
+
+    @staticmethod
+    def spread(draws: list[float] | tuple[float, ...]) -> str:
+        """Head draws' top-1 as the job prints them: each, their mean and range."""
+        if len(draws) < 2:
+            return "one draw"
+        each = ", ".join(f"{d:.4f}" for d in draws)
+        return f"draws {each}: mean {np.mean(draws):.4f}, range {max(draws) - min(draws):.4f}"
 
 
 @dataclass(frozen=True)

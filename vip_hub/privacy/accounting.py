@@ -434,14 +434,17 @@ def remaining_epsilon(
     sample_rate: float,
     steps: int,
     accountant: Accountant | str = Accountant.RDP,
+    runs: int = 1,
 ) -> float:
-    """The epsilon to calibrate one more run at (``sample_rate``, ``steps``) to, so that its
-    composition with ``prior`` stays within ``total_epsilon``: the run's own epsilon at the
-    smallest noise multiplier (``_least_sigma``) whose composition is within the total.
-    Calibrating to it gives at least that noise, so the composition stays within."""
+    """The epsilon to calibrate each of ``runs`` more runs at (``sample_rate``, ``steps``) to,
+    so that their composition with ``prior`` stays within ``total_epsilon``: one run's epsilon
+    at the smallest noise multiplier (``_least_sigma``) whose composition is within the total.
+    Calibrating each to it gives at least that noise, so the composition stays within."""
     kind = _check_accountant(accountant)
     _check_mechanism(1.0, sample_rate, steps)
-    if not prior:
+    if runs < 1:
+        raise AccountingError(f"runs must be at least 1, got {runs}")
+    if not prior and runs == 1:
         return total_epsilon
     spent = composed_epsilon(prior, delta, kind)
     if spent >= total_epsilon:
@@ -451,12 +454,14 @@ def remaining_epsilon(
         )
 
     def excess(sigma: float) -> float:
-        return composed_epsilon([*prior, (sigma, sample_rate, steps)], delta, kind) - total_epsilon
+        more = [(sigma, sample_rate, steps)] * runs
+        return composed_epsilon([*prior, *more], delta, kind) - total_epsilon
 
     if excess(MAX_SIGMA) > 0:
         raise AccountingError(
-            f"even sigma={MAX_SIGMA:g} at sample rate {sample_rate} over {steps} steps takes the "
-            f"composition past epsilon {total_epsilon:g} (the earlier runs spend {spent:.4g})"
+            f"even sigma={MAX_SIGMA:g} at sample rate {sample_rate} over {steps} steps "
+            f"({runs} runs) takes the composition past epsilon {total_epsilon:g} (the earlier "
+            f"runs spend {spent:.4g})"
         )
     return epsilon(_least_sigma(excess, EPSILON_TOLERANCE), sample_rate, steps, delta, kind)
 

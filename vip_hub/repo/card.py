@@ -120,9 +120,10 @@ class CardInfo:
     license: str = DEFAULT_LICENSE
     eval_results: list[EvalResult] = field(default_factory=list)
     # Rows of a side-by-side probe comparison (this model, other models): {"model", "repo",
-    # "privacy", "features", "top1"}: DP heads (or zero-shot above chance) released in the repo
-    # named, top-1 on public test data, each row's guarantee (head and encoder composed); kept in
-    # the front matter as ``probe_comparison``; the card says when a row names no repo.
+    # "privacy", "features", "top1"} and, for a head drawn several times, "draws": DP heads
+    # (or zero-shot above chance) released in the repo named, top-1 on public test data, each
+    # row's guarantee (head and encoder composed); kept in the front matter as
+    # ``probe_comparison``; the card says when a row names no repo.
     comparison: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -285,8 +286,8 @@ def _clipped(text: str, limit: int = 160) -> str:
 
 def comparison_lines(rows: Sequence[Any], *, privacy: bool = True) -> list[str]:
     """The card's probe-comparison rows (``CardInfo.comparison``) as its table's Markdown lines
-    (``privacy=False``: that cell left empty); a row it cannot render (a field missing, a top-1
-    not a number) is left out."""
+    (``privacy=False``: that cell left empty), a row's head draws beside its top-1; a row it
+    cannot render (a field missing, a top-1 or a draw not a number) is left out."""
     lines = []
     for row in rows:
         if not isinstance(row, Mapping):
@@ -295,7 +296,9 @@ def comparison_lines(rows: Sequence[Any], *, privacy: bool = True) -> list[str]:
             repo = _md(row["repo"]) if row.get("repo") else "no repo: in no ledger"
             guarantee = _md(row["privacy"]) if privacy else ""
             cells = [_md(row["model"]), repo, guarantee, _md(row["features"])]
-            lines.append(f"| {' | '.join(cells)} | {float(row['top1']):.4f} |")
+            draws = row.get("draws") or []
+            each = f" (draws {', '.join(f'{float(d):.4f}' for d in draws)})" if draws else ""
+            lines.append(f"| {' | '.join(cells)} | {float(row['top1']):.4f}{each} |")
         except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -81,11 +82,13 @@ def save_head(
     stage: NonPrivateStage | DPStage | None,
     eval_result: EvalResult | None = None,
     signing_key: str | os.PathLike[str] | None = None,
+    draws: Sequence[DPStage] = (),
 ) -> PrivacyLedger:
     """Add (or replace) head ``info.name`` in a repo, with its ledger stage (None: a stage of the
-    repo's ledger trained it jointly, its ``also_trains`` names the head) and its card result
-    (bound to the head by ``metric_config``, so a replaced head's goes with it), signed with
-    ``signing_key`` if given (``update_repo``); returns the ledger."""
+    repo's ledger trained it jointly, its ``also_trains`` names the head), the stages of its
+    unreleased ``draws`` (other DP draws of the head whose results the repo reports) and its card
+    result (bound to the head by ``metric_config``, so a replaced head's goes with it), signed
+    with ``signing_key`` if given (``update_repo``); returns the ledger."""
     from .files import update_repo
 
     component = head_component(info.name)
@@ -95,8 +98,10 @@ def save_head(
             raise ConfigError(
                 f"no stage of {repo_dir}'s ledger trained {component} jointly: give its own stage"
             )
-    elif stage.component != component:
-        raise ConfigError(f"the head's ledger stage must have component {component!r}")
+    if any(s.component != component for s in [*([stage] if stage else []), *draws]):
+        raise ConfigError(f"the head's ledger stages must have component {component!r}")
+    if draws and not isinstance(stage, DPStage):
+        raise ConfigError("only a head with its own DP stage has other draws")
     check_pooling(info.pooling)
     if len(info.labels) != head.linear.out_features:
         raise ConfigError(f"{len(info.labels)} labels for {head.linear.out_features} outputs")
@@ -115,7 +120,7 @@ def save_head(
         save_file(tensors, weights, metadata=meta)
         return update_repo(
             repo_dir,
-            add_stages=[stage] if stage is not None else [],
+            add_stages=[stage, *draws] if stage is not None else [],
             add_files={
                 head_file(info.name, HEAD_WEIGHTS): weights,
                 head_file(info.name, HEAD_LABELS): (

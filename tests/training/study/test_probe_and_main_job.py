@@ -25,7 +25,7 @@ from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, _Steps,
 from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.errors import AuditError, ConfigError, DataError, StepFailed
 from vip_hub.loading import load_encoder
-from vip_hub.privacy.ledger import PrivacyLedger, shown_epsilon
+from vip_hub.privacy.ledger import DPStage, PrivacyLedger, shown_epsilon
 from vip_hub.repo.card import card_info
 from vip_hub.repo.heads import list_heads, load_head
 from vip_hub.repo.push import push_repo
@@ -651,6 +651,13 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert enc.epsilon <= cfg.encoder_epsilon and enc.delta == pytest.approx(1e-5)
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
+    for repo in repos.values():  # every head draw is a stage of the head, the first released
+        stages = [s for s in PrivacyLedger.read(repo).stages if s.component == head_component(HEAD)]
+        assert [s.name.rpartition(":")[2] for s in stages] == [HEAD, "draw-2", "draw-3"]
+        assert (
+            len({s.noise_multiplier for s in stages}) == 1 and len({s.run_id for s in stages}) == 3
+        )
+        assert all(k.startswith("unreleased:") for s in stages[1:] for k in s.noised_tensors)
     assert (repos["dpcap-nano-fashion-dp"] / VOCAB_FILE).exists()
     assert "Top-1 on public Fashion-MNIST test records 20 to 99 (the first 20 chose" in out
     # one choice per (Syn) encoder, read by every head of the encoders trained from it
@@ -668,6 +675,13 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         "vip-nano-fashion-naive-dp - vip-nano-syn",
     ]
     assert all(line in out and "; z " in line for line in comparison["against_prior"])
+    for row in rows:  # each head row carries its three draws' top-1, the released one first
+        if "zero-shot" not in row["model"]:
+            assert len(row["draws"]) == 3 and row["draws"][0] == row["top1"], row
+            assert f"{row['top1']:.4f}  {row['model']}  (draws " in out
+    assert "each DP head drawn 3 times from fresh secrets" in out
+    card = (repos["vip-nano-fashion-dp"] / CARD_FILE).read_text()
+    assert "every draw's top-1 is in brackets" in card and "(draws " in card
     vip_family = {r["features"].split()[0] for r in rows if "vip-nano" in r["model"]}
     assert len(vip_family) == 1, rows  # (Syn)-ViP, ViP, Logit-DP and Naive-DP read one mode
     assert "Job wall time" in out and "load average" in out
@@ -737,16 +751,20 @@ def test_docker_files_name_what_exists() -> None:
     )
 
 
-def test_a_class_means_head_is_released_with_a_stage_verify_recomputes(
+def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomputes(
     tiny_repo: Path, digits
 ) -> None:
-    """The study's class-means head on an encoder's features of the labelled digits, saved into
-    the repo: its one-step stage (q = 1) spends the study's epsilon on the digits (the encoder's
-    DP stage is on other data) and ``vip-hub verify`` recomputes and accepts the claim."""
+    """The study's class-means head drawn ``head_draws`` times on an encoder's features of the
+    labelled digits, the first saved into the repo with the others' stages: each draw is a
+    one-step stage (q = 1) from a fresh secret, the draws whose weights no file holds name
+    their noise unreleased, together they spend the study's epsilon on the digits (the
+    encoder's DP stage is on other data; one draw alone far less), and ``vip-hub verify``
+    recomputes and accepts the claim."""
     from training.recipes.probe import load_labelled
     from training.study.config import JOB, StudyConfig
-    from training.study.heads import dp_head
+    from training.study.heads import dp_head_draws
     from vip_hub.repo.heads import HeadInfo, save_head
+    from vip_hub.repo_format import head_component
 
     train, _ = digits
     data = load_labelled(train, "test/digits-train")
@@ -754,17 +772,36 @@ def test_a_class_means_head_is_released_with_a_stage_verify_recomputes(
     x = encoder.embed(data.images, "vip")
     y = torch.as_tensor(data.labels)
     study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 16})
-    fit = dp_head(
+    fits = dp_head_draws(
         study, x, y, x[:200], data.dataset, 10, name="means", pooling="vip", kind="class-means"
     )
-    ledger = save_head(tiny_repo, fit.head, HeadInfo("means", "vip", data.classes), fit.stage)
-    stage = ledger.stage("class-means-dp:means")
-    assert (stage.sample_rate, stage.steps) == (1.0, 1)
+    assert len(fits) == study.head_draws == 3
+    assert not torch.equal(fits[0].head.linear.weight, fits[1].head.linear.weight)
+    ledger = save_head(
+        tiny_repo,
+        fits[0].head,
+        HeadInfo("means", "vip", data.classes),
+        fits[0].stage,
+        draws=[f.stage for f in fits[1:]],
+    )
+    released = ledger.stage("class-means-dp:means")
+    draws = [ledger.stage(f"class-means-dp:means:draw-{i}") for i in (2, 3)]
+    for stage in (released, *draws):
+        assert isinstance(stage, DPStage) and stage.component == head_component("means")
+        assert (stage.sample_rate, stage.steps) == (1.0, 1)
+        assert stage.noise_multiplier == pytest.approx(released.noise_multiplier)
+        assert sum(stage.noised_tensors.values()) == released.noised_dimension
+    assert all(k.startswith("unreleased:") and f"draw {i} of 3" in k
+               for i, s in enumerate(draws, 2) for k in s.noised_tensors)  # fmt: skip
+    assert len({s.run_id for s in (released, *draws)}) == 3
     report = verify_repo(tiny_repo)
     assert report.ok, report.problems
     guarantee = next(g for g in ledger.guarantees if g.dataset == data.dataset.name)
     assert guarantee.epsilon == pytest.approx(study.epsilon, abs=0.01)
-    assert (fit.head(x).argmax(1) == y).float().mean() > 0.5
+    summary = ledger.summary(head_component("means"))
+    assert next(g for g in summary.guarantees if g.dataset == data.dataset.name) == guarantee
+    assert released.epsilon < 0.6 * study.epsilon  # one draw of three (RDP: 1.63 of 3)
+    assert (fits[0].head(x).argmax(1) == y).float().mean() > 0.5
 
 
 def test_a_steps_duration_carries_its_rounded_seconds_into_the_minutes() -> None:

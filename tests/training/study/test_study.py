@@ -33,7 +33,8 @@ from vip_hub.privacy.ledger import Dataset, DPStage, compose_releases
 def test_the_job_and_the_benchmark_differ_only_in_their_sizes_and_heads() -> None:
     differ = {k for k in StudyConfig.model_fields if getattr(JOB, k) != getattr(BENCHMARK, k)}
     # the heads' epochs, batch and components: each preset's on the public stand-in at its noise
-    heads = {"probe_epochs", "head_batches", "head_components"}
+    # and the head draws: the job's share its budget, the benchmark's are each at the budget
+    heads = {"probe_epochs", "head_batches", "head_components", "head_draws"}
     assert differ == {"train_size", "select_size", "test_size", *heads}
     assert MainJobConfig().study() == JOB  # `vip-hub run` runs the job's preset
     with pytest.raises(ValueError, match="leaves nothing of epsilon 3"):
