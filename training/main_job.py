@@ -14,8 +14,8 @@ on Fashion-MNIST: the study of ``training/study`` at its job preset (``MainJobCo
    (DP-AdamW MAE), DP-Cap (DP-AdamW captioning), Logit-DP (contrastive, per-pair clipping) and
    its Naive-DP baseline (the whole batch clipped), on the study's schedule;
 4. the comparison: every encoder gets the study's DP head (``training.study.heads``), drawn
-   ``head_draws`` times within the budget and the first released in its repo as head
-   ``fashion-mnist`` (the others are ledger stages), on the feature mode chosen for its (Syn)
+   ``head_draws`` times within the budget (each a ledger stage) and the mean of the draws'
+   heads released in its repo as head ``fashion-mnist``, on the feature mode chosen for its (Syn)
    encoder (``training.study.selection``); DP-Cap also classifies zero-shot over the class
    names, shown beside the heads only when it is above chance (``training.study.table``). Every
    row is a released repo's head, so the dataset page composes them all; the rows go into every
@@ -458,8 +458,8 @@ def _compare(
     out: Path,
 ) -> None:
     """The study's comparison: on every published encoder the study's DP head drawn
-    ``cfg.head_draws`` times (the first released as head ``HEAD``; all of them composing with
-    the encoder's DP stages to ``cfg.epsilon``, every draw's top-1 reported), reading the
+    ``cfg.head_draws`` times (their mean head released as head ``HEAD``; all of them composing
+    with the encoder's DP stages to ``cfg.epsilon``, every draw's top-1 reported), reading the
     feature mode chosen once per (Syn) encoder (``origin``: what each encoder was trained from);
     DP-Cap's zero-shot over the class names beside them when above chance. Top-1 on the public
     scoring records; the rows go into every card and ``out``. No model trained without DP on the
@@ -496,14 +496,13 @@ def _compare(
             embed(encoder, d, choice.mode, f"{e.name} {what}")
             for d, what in ((private, "private"), (splits.test, "test"), (splits.centre, "centre"))
         )
-        fits = dp_head_draws(
+        drawn = dp_head_draws(
             cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
             name=HEAD, pooling=choice.mode, kind=choice.head,
         )  # fmt: skip
-        fit = fits[0]
-        answers[e] = np.stack([right_answers(f.head, x_test, y_test) for f in fits])
+        answers[e] = np.stack([right_answers(d.head, x_test, y_test) for d in drawn.draws])
         draws = [float(a.mean()) for a in answers[e]]
-        top1 = draws[0]
+        top1 = float(right_answers(drawn.head, x_test, y_test).mean())
         metrics = {
             "train_size": len(private),
             "head": choice.head,
@@ -513,26 +512,28 @@ def _compare(
             "test_data": "public",
             "test_size": len(splits.test),
         }
+        first = drawn.draws[0]
         ledger = save_head(
             folder[e],
-            fit.head,
+            drawn.head,
             HeadInfo(HEAD, choice.mode, list(splits.classes), metrics),
-            fit.stage,
+            first.stage,
             top1_result(
                 str(test),
                 top1,
-                f"top-1, DP linear head '{HEAD}' ({choice.head}, {choice.mode} features, DP "
-                f"epsilon {fit.stage.epsilon:.3g}; draw 1 of {len(fits)})",
+                f"top-1, DP linear head '{HEAD}' ({choice.head}, {choice.mode} features; the "
+                f"mean of {len(draws)} draws' heads, each at DP epsilon {first.stage.epsilon:.3g})",
             ),
-            draws=[f.stage for f in fits[1:]],
+            draws=drawn.stages[1:],
         )
         privacy = privacy_headline(ledger.summary(head_component(HEAD)))
         rows.append(
             Row(f"{e.label}: {e.name}", e.repo_id, privacy, choice.describe(), top1, tuple(draws))
         )
         print(
-            f"    {e.name}: top-1 {top1:.4f} released, {Row.spread(draws)} ({choice.mode}; "
-            f"{choice.head} head, each draw at epsilon {fit.config.epsilon:.3f}; {privacy})",
+            f"    {e.name}: top-1 {top1:.4f} released (the draws' mean head), {Row.spread(draws)} "
+            f"({choice.mode}; {choice.head} head, each draw at epsilon "
+            f"{first.config.epsilon:.3f}; {privacy})",
             flush=True,
         )
 
@@ -585,7 +586,7 @@ def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: floa
         "(and its noise samplers' truncation delta, each row's privacy line says) on "
         f"the first {cfg.train_size} train records ({FASHION_MNIST_TRAIN}), composed on the "
         f"hub's page /datasets/{FASHION_MNIST_TRAIN}; each DP head drawn {cfg.head_draws} "
-        "times from fresh secrets, every draw within that epsilon, the first released:"
+        "times from fresh secrets, all of them within that epsilon, their mean released:"
     )
     for r in comparison["rows"]:
         draws = f"  ({Row.spread(r['draws'])})" if "draws" in r else ""

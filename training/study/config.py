@@ -94,9 +94,11 @@ class StudyConfig(BaseModel):
         le=16,
         description="draws of each row's DP head, each from a fresh secret and all composed "
         "with the encoder within epsilon (the split rule shares the head's rest among them): "
-        "the first is released, every draw's top-1 is reported, so a row's spread from its "
-        "head's noise is seen; the benchmark's 1 (its --draws are each a classifier at the "
-        "whole budget, their composition printed)",
+        "the mean of their heads is released and every draw's top-1 reported, so a row's "
+        "spread from its head's noise is seen; the job's 3, whose mean head matched one head at "
+        "the whole budget on the public stand-in (the benchmarks' README, 'Head draws'); the "
+        "benchmark's 1 (its --draws are each a classifier at the whole budget, their "
+        "composition printed)",
     )
     head_clip: float = Field(
         PAPER_HEAD_CLIP, gt=0, description="clipping norm C of a DP head (the paper's)"

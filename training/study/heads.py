@@ -8,8 +8,8 @@ records (the DP-SGD head: their mean with variance 1; the class-means head: thei
 variance, their covariance its LDA's), its epsilon what the split rule leaves after the encoder's
 DP stages, and its ledger stage; the head released reads the features themselves
 (``unproject``). A row's head is drawn ``head_draws`` times (``dp_head_draws``), the draws
-sharing that epsilon: the first is released, the others are ledger stages whose weights no file
-holds (``unreleased_draw``), so that every draw's top-1 can be reported."""
+sharing that epsilon, each a ledger stage: the head released is their mean (``mean_head``), and
+every draw's top-1 can be reported."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ from .config import StudyConfig
 
 __all__ = [
     "DPHead",
+    "DrawnHead",
     "HeadKind",
     "dp_head",
     "dp_head_draws",
     "head_config",
     "head_kind",
     "head_sampling",
+    "mean_head",
     "released_epsilon",
     "released_sampling",
     "unreleased_draw",
@@ -191,8 +193,8 @@ def dp_head(
 
 def unreleased_draw(stage: DPStage, draw: int, draws: int) -> DPStage:
     """Head draw ``draw`` of ``draws``'s ledger stage, ``stage`` as ``dp_head`` made it, for a
-    draw whose weights no repo file holds (its top-1 is reported beside the released draw's):
-    its own name, and its noised tensors named unreleased."""
+    draw after the first: its own name, and its noised tensors named unreleased (the released
+    head is the draws' mean, post-processing)."""
     assert stage.noised_tensors is not None  # dp_head names them
     label = f"draw {draw} of {draws}"
     return stage.model_copy(
@@ -202,11 +204,42 @@ def unreleased_draw(stage: DPStage, draw: int, draws: int) -> DPStage:
                 noised_key(NOT_RELEASED, f"{key.partition(':')[2]} ({label})"): n
                 for key, n in stage.noised_tensors.items()
             },
-            "description": f"{stage.description}; {label} of this head, each from a fresh "
-            "secret and all composed: its weights are not released, its top-1 is reported "
-            "beside the released draw's",
+            "description": f"{stage.description}; {label} of this head",
         }
     )
+
+
+def mean_head(heads: Sequence[LinearProbe]) -> LinearProbe:
+    """The head whose logits are the mean of ``heads``' (one BatchNorm, the mean of their linear
+    layers); heads normalised differently are an error."""
+    first = heads[0]
+    for h in heads[1:]:
+        if not (
+            torch.equal(h.norm.running_mean, first.norm.running_mean)
+            and torch.equal(h.norm.running_var, first.norm.running_var)
+        ):
+            raise ConfigError("the heads to average are normalised differently")
+    mean = LinearProbe(first.linear.in_features, first.linear.out_features)
+    mean.load_state_dict(first.state_dict())
+    with torch.no_grad():
+        mean.linear.weight.copy_(torch.stack([h.linear.weight for h in heads]).mean(0))
+        mean.linear.bias.copy_(torch.stack([h.linear.bias for h in heads]).mean(0))
+    return mean.eval()
+
+
+@dataclass(frozen=True)
+class DrawnHead:
+    """A row's head drawn several times: the head released, the mean of the draws' heads
+    (``mean_head``), and each draw with its ledger stage (the first's named as ``dp_head``
+    names it, the others' by ``unreleased_draw``)."""
+
+    head: LinearProbe
+    draws: list[DPHead]
+
+    @property
+    def stages(self) -> list[DPStage]:
+        """Every draw's stage: all of them are what the released head rests on."""
+        return [d.stage for d in self.draws]
 
 
 def dp_head_draws(
@@ -221,15 +254,20 @@ def dp_head_draws(
     name: str = "probe",
     pooling: str = "vip",
     kind: HeadKind | None = None,
-) -> list[DPHead]:
+) -> DrawnHead:
     """``cfg.head_draws`` DP heads (``dp_head``, same arguments), each from a fresh secret at the
-    epsilon the split rule shares among them: the first is the one released, the others'
-    stages are ``unreleased_draw``'s."""
+    epsilon the split rule shares among them, and the mean of their heads to release (as good
+    as one head at their whole budget on the public stand-in, where each draw is a point
+    worse: the benchmarks' README, 'Head draws')."""
     fits = [
         dp_head(cfg, x, y, centre_x, data, classes, prior, name=name, pooling=pooling, kind=kind)
         for _ in range(cfg.head_draws)
     ]
-    draws = len(fits)
-    return [fits[0]] + [
-        replace(f, stage=unreleased_draw(f.stage, i, draws)) for i, f in enumerate(fits[1:], 2)
-    ]
+    k = len(fits)
+    mean = f"; the head released is the mean of the {k} draws' heads (post-processing)"
+    note = mean if k > 1 else ""
+    draws = []
+    for i, f in enumerate(fits, 1):
+        stage = f.stage.model_copy(update={"description": f.stage.description + note})
+        draws.append(replace(f, stage=stage if i == 1 else unreleased_draw(stage, i, k)))
+    return DrawnHead(mean_head([f.head for f in fits]), draws)

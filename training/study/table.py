@@ -27,7 +27,8 @@ class Row:
     features: str
     top1: float
     draws: tuple[float, ...] = ()
-    """Every draw's top-1 where the row's head was drawn several times (the first released)."""
+    """Every draw's top-1 where the row's head was drawn several times (``top1``: the head
+    released, their mean)."""
 
     def card(self) -> dict[str, Any]:
         """The row as the cards' ``probe_comparison`` keeps it (``draws`` only when several)."""

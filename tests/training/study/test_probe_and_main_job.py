@@ -651,7 +651,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert enc.epsilon <= cfg.encoder_epsilon and enc.delta == pytest.approx(1e-5)
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
-    for repo in repos.values():  # every head draw is a stage of the head, the first released
+    for repo in repos.values():  # every head draw is a stage of the head, released as their mean
         stages = [s for s in PrivacyLedger.read(repo).stages if s.component == head_component(HEAD)]
         assert [s.name.rpartition(":")[2] for s in stages] == [HEAD, "draw-2", "draw-3"]
         assert (
@@ -675,11 +675,11 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         "vip-nano-fashion-naive-dp - vip-nano-syn",
     ]
     assert all(line in out and "; z " in line for line in comparison["against_prior"])
-    for row in rows:  # each head row carries its three draws' top-1, the released one first
+    for row in rows:  # each head row carries its three draws' top-1 beside its mean head's
         if "zero-shot" not in row["model"]:
-            assert len(row["draws"]) == 3 and row["draws"][0] == row["top1"], row
+            assert len(row["draws"]) == 3, row
             assert f"{row['top1']:.4f}  {row['model']}  (draws " in out
-    assert "each DP head drawn 3 times from fresh secrets" in out
+    assert "each DP head drawn 3 times from fresh secrets" in out and "their mean released" in out
     card = (repos["vip-nano-fashion-dp"] / CARD_FILE).read_text()
     assert "every draw's top-1 is in brackets" in card and "(draws " in card
     vip_family = {r["features"].split()[0] for r in rows if "vip-nano" in r["model"]}
@@ -755,7 +755,7 @@ def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomput
     tiny_repo: Path, digits
 ) -> None:
     """The study's class-means head drawn ``head_draws`` times on an encoder's features of the
-    labelled digits, the first saved into the repo with the others' stages: each draw is a
+    labelled digits, the draws' mean head saved into the repo with every draw's stage: each is a
     one-step stage (q = 1) from a fresh secret, the draws whose weights no file holds name
     their noise unreleased, together they spend the study's epsilon on the digits (the
     encoder's DP stage is on other data; one draw alone far less), and ``vip-hub verify``
@@ -772,17 +772,21 @@ def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomput
     x = encoder.embed(data.images, "vip")
     y = torch.as_tensor(data.labels)
     study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 16})
-    fits = dp_head_draws(
+    drawn = dp_head_draws(
         study, x, y, x[:200], data.dataset, 10, name="means", pooling="vip", kind="class-means"
     )
+    fits = drawn.draws
     assert len(fits) == study.head_draws == 3
     assert not torch.equal(fits[0].head.linear.weight, fits[1].head.linear.weight)
+    # the head released is the draws' mean: its logits are the mean of theirs
+    logits = torch.stack([f.head(x) for f in fits]).mean(0)
+    assert torch.allclose(drawn.head(x), logits, atol=1e-4)
     ledger = save_head(
         tiny_repo,
-        fits[0].head,
+        drawn.head,
         HeadInfo("means", "vip", data.classes),
         fits[0].stage,
-        draws=[f.stage for f in fits[1:]],
+        draws=drawn.stages[1:],
     )
     released = ledger.stage("class-means-dp:means")
     draws = [ledger.stage(f"class-means-dp:means:draw-{i}") for i in (2, 3)]
@@ -801,7 +805,8 @@ def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomput
     summary = ledger.summary(head_component("means"))
     assert next(g for g in summary.guarantees if g.dataset == data.dataset.name) == guarantee
     assert released.epsilon < 0.6 * study.epsilon  # one draw of three (RDP: 1.63 of 3)
-    assert (fits[0].head(x).argmax(1) == y).float().mean() > 0.5
+    assert (drawn.head(x).argmax(1) == y).float().mean() > 0.5
+    assert "the mean of the 3 draws' heads" in released.description
 
 
 def test_a_steps_duration_carries_its_rounded_seconds_into_the_minutes() -> None:

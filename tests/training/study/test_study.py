@@ -174,3 +174,25 @@ def test_a_head_on_public_components_is_released_as_the_same_head_on_the_feature
     with torch.no_grad():
         torch.testing.assert_close(full(x), head(components(x)), rtol=1e-4, atol=1e-4)
         assert full(x).std() > 0.01  # a head that answers something
+
+
+def test_the_mean_head_averages_the_draws_logits_and_refuses_other_normalisations() -> None:
+    """``mean_head``: one BatchNorm, the mean of the linear layers, so its logits are the
+    mean of the draws' logits; draws normalised on other statistics cannot be averaged."""
+    from training.study.heads import mean_head
+    from vip_hub.errors import ConfigError
+    from vip_hub.repo.heads import LinearProbe
+
+    torch.manual_seed(0)
+    heads = [LinearProbe(8, 3).eval() for _ in range(3)]
+    for h in heads:
+        h.norm.running_mean.fill_(0.5)
+        torch.nn.init.normal_(h.linear.weight)
+        torch.nn.init.normal_(h.linear.bias)
+    x = torch.randn(20, 8)
+    mean = mean_head(heads)
+    assert torch.allclose(mean(x), torch.stack([h(x) for h in heads]).mean(0), atol=1e-5)
+    assert all(not torch.allclose(mean(x), h(x)) for h in heads)
+    heads[1].norm.running_mean.fill_(0.25)
+    with pytest.raises(ConfigError, match="normalised differently"):
+        mean_head(heads)
