@@ -27,7 +27,8 @@ priors); the non-private reference is printed beside (public records).
 
     python benchmarks/standin.py {syn,syn-dpcap,vip,dpcap,logit-dp,naive-dp} [--encoder-epsilon 0.5]
         [--lr-scale 0.25] [--ema-decay D] [--decoder-warmup N] [--encoder-parameters all|biases]
-        [--heads 3] [--head-epochs E] [--head-batches K] [--uncentred] [--head-components K]
+        [--heads 3] [--head-epochs E] [--head-batches K] [--head-draws D] [--uncentred]
+        [--head-components K]
         [--head-kind sgd|class-means] [--study job|benchmark] [--dp-batch-size B]
         [--encoder-steps T] [--private P] [--end END] [--no-noise]
     python benchmarks/standin.py finetune [--probe-epsilon 2] [--lr L] [--finetune-steps 10]
@@ -72,7 +73,13 @@ from training.recipes.probe import (
 from training.study.budget import head_epsilon
 from training.study.config import BENCHMARK, JOB, StudyConfig
 from training.study.features import embed
-from training.study.heads import head_config, head_kind, head_sampling, released_sampling
+from training.study.heads import (
+    head_config,
+    head_kind,
+    head_sampling,
+    mean_head,
+    released_sampling,
+)
 from vip_hub.loading import load_encoder
 from vip_hub.privacy.accounting import (
     calibrate,
@@ -234,9 +241,13 @@ def matched_head(
 
 
 def head_schedule(study: StudyConfig) -> dict[str, int]:
-    """The DP heads' epochs and batches an epoch, recorded in every trial: the presets' defaults
-    of both changed on 2026-11-30."""
-    return {"head_epochs": study.probe_epochs, "head_batches": study.head_batches}
+    """The DP heads' epochs, batches an epoch and draws, recorded in every trial: the presets'
+    defaults of the first two changed on 2026-11-30, the job's draws on 2026-12-06."""
+    return {
+        "head_epochs": study.probe_epochs,
+        "head_batches": study.head_batches,
+        "head_draws": study.head_draws,
+    }
 
 
 def tag(settings: dict[str, Any]) -> str:
@@ -323,12 +334,15 @@ def heads_trial(
     project = public_components(xc, k) if k else (lambda features: features)
     px, pxs, pxc = project(x), project(xs), project(xc)
     statistics = centred_statistics(pxc if centred else torch.zeros_like(pxc[:1]))
-    for _ in range(heads):
-        if means:
-            head, _ = fit_class_means(px, y, len(recs.private.classes), cfg, pxc)
-        else:
-            head, _ = fit_probe(px, y, len(recs.private.classes), cfg, statistics)
-        t.dp_top1.append(100 * accuracy(head, pxs, ys))
+    classes = len(recs.private.classes)
+    for _ in range(heads):  # each the mean of the study's head draws, as the job releases
+        draws = [
+            fit_class_means(px, y, classes, cfg, pxc)[0]
+            if means
+            else fit_probe(px, y, classes, cfg, statistics)[0]
+            for _ in range(study.head_draws)
+        ]
+        t.dp_top1.append(100 * accuracy(mean_head(draws), pxs, ys))
     ref_cfg = head_config(study, len(y), None, dataset=recs.private.dataset.name)
     ref, _ = fit_probe(x, y, len(recs.private.classes), ref_cfg, desc="reference")
     t.reference_top1 = 100 * accuracy(ref, xs, ys)
@@ -464,6 +478,13 @@ def main(argv: Sequence[str] | None = None) -> Trial:
         "too (default: the study's head_batches), their noise calibrated at the real run's q "
         "and steps",
     )
+    p.add_argument(
+        "--head-draws",
+        type=int,
+        default=None,
+        help="draws each DP head is the mean of, sharing the head's budget (default: the "
+        "study's head_draws: the job's 3, the benchmark's 1)",
+    )
     p.add_argument("--uncentred", action="store_true", help="heads' BatchNorm the identity")
     p.add_argument(
         "--no-noise",
@@ -545,7 +566,11 @@ def main(argv: Sequence[str] | None = None) -> Trial:
     work = Path(a.work)
     head = {
         key: value
-        for key, value in (("probe_epochs", a.head_epochs), ("head_batches", a.head_batches))
+        for key, value in (
+            ("probe_epochs", a.head_epochs),
+            ("head_batches", a.head_batches),
+            ("head_draws", a.head_draws),
+        )
         if value is not None
     }
     # a split other than the default is recorded (and so names the trial's folder)

@@ -114,7 +114,9 @@ def test_standin_reads_the_public_test_split_only_and_matches_the_real_noise(
     monkeypatch.setattr(standin, "fit_probe", fit_spy)
     study = TINY.model_copy(update={"head_components": 4})
     t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=1)
-    assert widths[0] == 4 and widths[1] > 4 and len(t.dp_top1) == 1  # the DP head, the reference
+    # one DP head, the mean of the study's draws, on the components; the reference the features
+    draws = study.head_draws
+    assert widths[:draws] == [4] * draws and widths[draws] > 4 and len(t.dp_top1) == 1
     # each prior row reads its family's committed prior
     loaded: list[Path] = []
 
@@ -150,7 +152,7 @@ def test_a_class_means_trial_centres_apart_and_matches_the_real_one_step_noise(
     monkeypatch.setattr(standin, "fit_class_means", fit_spy)
     study = TINY.model_copy(update={"head_kind": "class-means", "class_means_components": 4})
     t = standin.heads_trial(study, "syn", {}, recs, tmp_path / "work", heads=2)
-    assert fitted == [(30, 10), (30, 10)] and len(t.dp_top1) == 2
+    assert fitted == [(30, 10)] * 2 * study.head_draws and len(t.dp_top1) == 2  # means of draws
     (sigma, q, steps), standin_head = t.real["head"], t.standin["head"]
     assert (q, steps) == (1.0, 1) and standin_head[1:] == (1.0, 1)
     composed = composed_epsilon([(sigma, q, steps)] * TINY.head_draws, TINY.delta)

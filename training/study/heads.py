@@ -213,11 +213,10 @@ def mean_head(heads: Sequence[LinearProbe]) -> LinearProbe:
     """The head whose logits are the mean of ``heads``' (one BatchNorm, the mean of their linear
     layers); heads normalised differently are an error."""
     first = heads[0]
+    norm = first.norm.state_dict()
     for h in heads[1:]:
-        if not (
-            torch.equal(h.norm.running_mean, first.norm.running_mean)
-            and torch.equal(h.norm.running_var, first.norm.running_var)
-        ):
+        other = h.norm.state_dict()
+        if not all(torch.equal(norm[k], other[k]) for k in ("running_mean", "running_var")):
             raise ConfigError("the heads to average are normalised differently")
     mean = LinearProbe(first.linear.in_features, first.linear.out_features)
     mean.load_state_dict(first.state_dict())
