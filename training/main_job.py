@@ -469,7 +469,7 @@ def _compare(
 
     from .recipes.probe import right_answers, top1_result
     from .study.features import embed
-    from .study.heads import dp_head_draws
+    from .study.heads import dp_head, dp_head_draws
     from .study.selection import choose_modes
     from .study.table import chance_test, paired
 
@@ -496,10 +496,11 @@ def _compare(
             embed(encoder, d, choice.mode, f"{e.name} {what}")
             for d, what in ((private, "private"), (splits.test, "test"), (splits.centre, "centre"))
         )
-        drawn = dp_head_draws(
-            cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
+        head = partial(
+            dp_head, cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
             name=HEAD, pooling=choice.mode, kind=choice.head,
         )  # fmt: skip
+        drawn = dp_head_draws(head, cfg.head_draws)
         answers[e] = np.stack([right_answers(d.head, x_test, y_test) for d in drawn.draws])
         draws = [float(a.mean()) for a in answers[e]]
         top1 = float(right_answers(drawn.head, x_test, y_test).mean())

@@ -13,7 +13,7 @@ every draw's top-1 can be reported."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -241,31 +241,15 @@ class DrawnHead:
         return [d.stage for d in self.draws]
 
 
-def dp_head_draws(
-    cfg: StudyConfig,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    centre_x: torch.Tensor,
-    data: Dataset,
-    classes: int,
-    prior: Sequence[DPStage] = (),
-    *,
-    name: str = "probe",
-    pooling: str = "vip",
-    kind: HeadKind | None = None,
-) -> DrawnHead:
-    """``cfg.head_draws`` DP heads (``dp_head``, same arguments), each from a fresh secret at the
-    epsilon the split rule shares among them, and the mean of their heads to release (as good
-    as one head at their whole budget on the public stand-in, where each draw is a point
-    worse: the benchmarks' README, 'Head draws')."""
-    fits = [
-        dp_head(cfg, x, y, centre_x, data, classes, prior, name=name, pooling=pooling, kind=kind)
-        for _ in range(cfg.head_draws)
-    ]
-    k = len(fits)
+def dp_head_draws(draw: Callable[[], DPHead], k: int) -> DrawnHead:
+    """``k`` DP heads, each ``draw()`` (``dp_head``: a fresh secret each, at the epsilon the
+    split rule shares among ``cfg.head_draws`` of them), and the mean of their heads to release
+    (as good as one head at their whole budget on the public stand-in, where each draw is a
+    point worse: the benchmarks' README, 'Head draws')."""
+    fits = [draw() for _ in range(k)]
     mean = f"; the head released is the mean of the {k} draws' heads (post-processing)"
     note = mean if k > 1 else ""
-    draws = []
+    draws: list[DPHead] = []
     for i, f in enumerate(fits, 1):
         stage = f.stage.model_copy(update={"description": f.stage.description + note})
         draws.append(replace(f, stage=stage if i == 1 else unreleased_draw(stage, i, k)))

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -762,7 +763,7 @@ def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomput
     recomputes and accepts the claim."""
     from training.recipes.probe import load_labelled
     from training.study.config import JOB, StudyConfig
-    from training.study.heads import dp_head_draws
+    from training.study.heads import dp_head, dp_head_draws
     from vip_hub.repo.heads import HeadInfo, save_head
     from vip_hub.repo_format import head_component
 
@@ -773,8 +774,12 @@ def test_a_class_means_head_is_released_with_its_draws_in_stages_verify_recomput
     y = torch.as_tensor(data.labels)
     study = StudyConfig(**{**JOB.model_dump(), "class_means_components": 16})
     drawn = dp_head_draws(
-        study, x, y, x[:200], data.dataset, 10, name="means", pooling="vip", kind="class-means"
-    )
+        partial(
+            dp_head, study, x, y, x[:200], data.dataset, 10,
+            name="means", pooling="vip", kind="class-means",
+        ),
+        study.head_draws,
+    )  # fmt: skip
     fits = drawn.draws
     assert len(fits) == study.head_draws == 3
     assert not torch.equal(fits[0].head.linear.weight, fits[1].head.linear.weight)
