@@ -22,6 +22,7 @@ from training.study.budget import head_epsilon
 from training.study.config import StudyConfig
 from training.study.heads import released_epsilon
 from training.study.splits import study_splits
+from vip_hub.errors import AuditError
 from vip_hub.privacy.accounting import Accountant, calibrate, composed_epsilon
 from vip_hub.privacy.ledger import (
     NOISED_CANARIES,
@@ -286,14 +287,19 @@ def test_a_schedule_without_steps_is_refused(capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.parametrize("fixed_head", [False, True])
 def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_whole_budget(
-    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed_head: bool
+    data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    fixed_head: bool,
 ) -> None:
     """The end-to-end row: a DP probe on the mode chosen on public records, then the whole encoder
     that mode reads and the head trained together by one DP stage on the private split (or, with
     ``--finetune-fixed-head``, under the probe's head), the two composed to (3, 1e-5), the
     released classifier's top-1 on the scoring records (a 2-epoch probe, 2 fine-tuning steps
     (``--finetune-steps``) and 64 canaries here: the row's schedule is the benchmark's); then
-    benchmarks/step_signal.py on the released repo, its noise from the ledger."""
+    benchmarks/step_signal.py on the released repo, its noise from the ledger. A run its audit
+    flags is trained again from a fresh secret."""
     monkeypatch.setitem(utility.FINETUNE, "warmup_steps", 1)
     monkeypatch.setitem(utility.FINETUNE, "audit_canaries", 64)
     bench = tiny_bench(data, tmp_path, finetune_steps=2, finetune_fixed_head=fixed_head)
@@ -306,7 +312,18 @@ def test_the_dp_fine_tuning_row_composes_its_probe_and_its_fine_tuning_to_the_wh
         "finetune_arrays",
         lambda *args, **named: publics.append(named["public"]) or finetune(*args, **named),
     )
+    runs: list[str] = []  # the first run's audit flags it: the row trains it again, not stop
+    real = training.recipes.finetune.train_finetune
+
+    def flagged_first(cfg: Any) -> Path:
+        runs.append(cfg.out)
+        if len(runs) == 1:
+            raise AuditError(["test: the first run's audit flagged it"])
+        return real(cfg)
+
+    monkeypatch.setattr(training.recipes.finetune, "train_finetune", flagged_first)
     ((r, eps),) = utility.run_benchmark(bench, ["finetune"])
+    assert len(runs) == 2 and runs[0] == runs[1] and "flagged the run" in capsys.readouterr().err
     assert publics == [bench.splits.centre]  # its heads centred on public records, not private
     probe, stage = r.stages
     assert stage.steps == 2 and stage.hyperparameters["fixed_head"] is fixed_head

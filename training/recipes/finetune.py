@@ -75,7 +75,7 @@ from vip_hub.repo_format import HEAD_FOLDER_SHOWN, WEIGHTS_FILE, head_component,
 
 from ..data.labelled import LabelledArrays, write_image_folder
 from ..dp.clipping import BroadcastHook, broadcast
-from ..dp.run import DPRun
+from ..dp.run import DPRun, retrained_if_flagged
 from ..dp.sampling import AUGMENT, init_seed, torch_generator
 from ..skeleton.checkpoint import load_checkpoint, save_checkpoint
 from ..skeleton.config import (
@@ -787,10 +787,11 @@ def finetune_arrays(
     (``epsilon``, ``delta``) and measure top-1 on ``test`` (public): both written as class folders
     under ``work`` (and ``public``, PUBLIC records that centre the heads, ``--public-data``), the
     repo to ``work/finetuned``; ``settings``: other ``FinetuneConfig`` fields (a run starts over
-    unless ``restart=False``)."""
+    unless ``restart=False``); a run its audit flags is trained once more from a fresh secret
+    (``retrained_if_flagged``)."""
     cfg = arrays_config(init, train, test, Path(work), public, epsilon, delta, settings)
     start = time.perf_counter()
-    repo = train_finetune(cfg)
+    repo = retrained_if_flagged(train_finetune, cfg)
     seconds = time.perf_counter() - start
     stages = PrivacyLedger.read(repo).dp_stages()
     stage = next(s for s in stages if s.name == STAGE)
