@@ -652,6 +652,12 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert enc.epsilon <= cfg.encoder_epsilon and enc.delta == pytest.approx(1e-5)
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
+    scoring = fashion_mnist("test", data)  # the job's scoring records, read back
+    for repo in repos.values():  # the top-1 the card states is the released head's, recomputed
+        head, info = load_head(repo, HEAD)
+        x = load_encoder(repo).embed([scoring.pil(i) for i in range(len(scoring))], info.pooling)
+        right = head(x).argmax(1) == torch.as_tensor(scoring.labels)
+        assert right.double().mean().item() == pytest.approx(info.metrics["top1"], abs=1e-9)
     for repo in repos.values():  # every head draw is a stage of the head, released as their mean
         stages = [s for s in PrivacyLedger.read(repo).stages if s.component == head_component(HEAD)]
         assert [s.name.rpartition(":")[2] for s in stages] == [HEAD, "draw-2", "draw-3"]
