@@ -877,7 +877,7 @@ class HubStore:
         config = json.loads(local[CONFIG_FILE].read_bytes())
         card_data = load_card(
             local[CARD_FILE].read_text(encoding="utf-8"), limits=self.limits.front_matter()
-        ).data.to_dict()
+        ).to_dict()
         files = self._store_blobs(tree, local, new)
         crash_point("commit-blobs-stored")
         claim = privacy_headline(ledger.summary())  # as stated

@@ -67,7 +67,7 @@ from vip_hub.repo.artifacts import (
     read_safetensors_metadata,
     rewrite_safetensors_metadata,
 )
-from vip_hub.repo.card import card_statements
+from vip_hub.repo.card import card_statements, load_card
 from vip_hub.repo.files import META_LEDGER
 from vip_hub.repo_format import (
     CARD_FILE,
@@ -308,6 +308,7 @@ def test_a_repo_behind_a_symbolic_link_is_written_where_it_points(tmp_path):
 def test_card_parses_with_huggingface_hub(tiny_repo):
     card = ModelCard.load(tiny_repo / CARD_FILE)
     data = card.data.to_dict()
+    assert load_card((tiny_repo / CARD_FILE).read_text()).to_dict() == data  # libyaml reads alike
     assert data["library_name"] == "timm" and "differential-privacy" in data["tags"]
     assert data["datasets"] == ["procedural-images", "test-images"]
     assert data[CARD_LEDGER_KEY]["schema"] == "vip-hub/privacy-ledger/v4"

@@ -442,12 +442,12 @@ def test_verify_parses_the_cards_front_matter_once(tmp_path, monkeypatch):
     repo = _dp_repo(tmp_path / "repo")
     parsed = []
 
-    class Counted(card_module.ModelCard):
+    class Counted(card_module.ModelCardData):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            parsed.append(args)
+            parsed.append(kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(card_module, "ModelCard", Counted)
+    monkeypatch.setattr(card_module, "ModelCardData", Counted)
     assert verify_repo(repo).ok
     assert len(parsed) == 2  # content_problem's, for the file's kind, and verify's own
 

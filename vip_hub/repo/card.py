@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib.resources import files
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote
 
 import yaml
@@ -103,10 +103,11 @@ DP_TAG, NO_PRIVATE_DATA_TAG = "differential-privacy", "no-private-data"
 PRIVACY_TAGS = (DP_TAG, NO_PRIVATE_DATA_TAG)
 """The tags that claim something of the training data: a card holds one exactly when its ledger
 gives it (``card_tags_problem``)."""
-_EVENTS: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
+_LIBYAML: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
     yaml, "CSafeLoader", yaml.SafeLoader
 )
-"""The parser of ``yaml_problem``'s first pass: libyaml's where PyYAML was built with it."""
+"""The YAML parser tried first (``yaml_problem``'s pass, ``load_card``'s load): libyaml's safe
+loader where PyYAML was built with it, about 15 times faster than PyYAML's own."""
 _MARKUP = re.compile(r"([\\`*_\[\]<>!|&~#])")
 
 
@@ -236,11 +237,11 @@ def card_statements(ledger: PrivacyLedger) -> list[str]:
 
 
 def card_prose_problem(
-    text: str, ledger: PrivacyLedger, card: ModelCard | None = None
+    text: str, ledger: PrivacyLedger, card: ModelCardData | None = None
 ) -> str | None:
     """Why the card's ``text`` does not state what ``ledger`` gives (one of ``card_statements``
     missing) or states an ε or δ that the components its sentence speaks of do not give
-    (``stated_figures``, ``_Scopes``; ``card``, its parsed front matter, sets its comparison
+    (``stated_figures``, ``_Scopes``; ``card``, its front matter's metadata, sets its comparison
     table's rows aside), else None: users read the guarantee off the card's text, which its
     front matter's ledger copy does not bind."""
     match = REGEX_YAML_BLOCK.search(text)
@@ -566,10 +567,11 @@ def card_tags(ledger: PrivacyLedger, captions: bool = False) -> list[str]:
     return [*TAGS, *done, *(["image-captioning"] if captions else [])]
 
 
-def card_tags_problem(card: ModelCard, ledger: PrivacyLedger) -> str | None:
-    """Why the tags of ``card`` (``load_card``'s) claim of its data what ``ledger`` does not (a
-    ``PRIVACY_TAGS`` tag ``card_tags`` does not give, or one it gives left out), else None."""
-    tags = card.data.to_dict().get("tags")
+def card_tags_problem(card: ModelCardData, ledger: PrivacyLedger) -> str | None:
+    """Why the tags of a card (``card``, its metadata: ``load_card``'s) claim of its data what
+    ``ledger`` does not (a ``PRIVACY_TAGS`` tag ``card_tags`` does not give, or one it gives left
+    out), else None."""
+    tags = card.to_dict().get("tags")
     held = {str(t) for t in tags} if isinstance(tags, list) else set()
     given = set(card_tags(ledger))
     claimed = [t for t in PRIVACY_TAGS if t in held and t not in given]
@@ -622,24 +624,33 @@ def guarantee_assumes(ledger: PrivacyLedger) -> str:
 
 def load_card(
     readme: str, *, strict: bool = False, limits: FrontMatterLimits | None = None
-) -> ModelCard:
-    """huggingface_hub's ModelCard of ``readme``, once its front matter is known to be within
-    ``limits`` (default: ``FrontMatterLimits()``; ``yaml_problem``); ``strict`` refuses bad
+) -> ModelCardData:
+    """The metadata of ``readme``'s front matter as huggingface_hub's ModelCard reads it (its
+    ``data``), once the front matter is known to be within ``limits`` (default:
+    ``FrontMatterLimits()``; ``yaml_problem``), parsed by libyaml (``_LIBYAML``; PyYAML's own
+    parser where libyaml refuses the text, as the clients read it); ``strict`` refuses bad
     metadata; a value JSON cannot carry (NaN, an infinity), which the hub's index and model list
     would serve, is refused."""
     if problem := front_matter_problem(readme, limits or FrontMatterLimits()):
         raise RepoFormatError(f"{CARD_FILE}: {problem}")
+    match = REGEX_YAML_BLOCK.search(readme)
     try:
-        card = ModelCard(readme, ignore_metadata_errors=not strict)
+        try:
+            fields = yaml.load(match.group(2), Loader=_LIBYAML) if match else None
+        except yaml.YAMLError:
+            fields = yaml.load(match.group(2), Loader=yaml.SafeLoader) if match else None
+        if not isinstance(fields, dict | None):
+            raise ValueError("repo card metadata block should be a dict")
+        data = ModelCardData(**(fields or {}), ignore_metadata_errors=not strict)
     except (ValueError, TypeError) as e:  # no mapping, a key not a string, tags not a list
         raise RepoFormatError(
             f"{CARD_FILE}: its front matter is not a model card's metadata ({e})"
         ) from None
-    if where := _nonfinite(card.data.to_dict()):
+    if where := _nonfinite(data.to_dict()):
         raise RepoFormatError(
             f"{CARD_FILE}: its front matter's {where} is not a finite number (JSON has none)"
         )
-    return card
+    return data
 
 
 def _nonfinite(value: Any, where: str = "") -> str | None:
@@ -667,14 +678,14 @@ def yaml_problem(text: str, limits: FrontMatterLimits) -> str | None:
     """Why YAML ``text`` may not be loaded (over ``limits`` in size or nesting, or with an alias:
     a few KB of nested aliases expand to gigabytes), else None; from its size, then one pass over
     its YAML events stopped at the first excess (parsing events does not recurse; loading does):
-    libyaml's where PyYAML has it (``_EVENTS``, 15 times faster), and PyYAML's own, which yields
+    libyaml's where PyYAML has it (``_LIBYAML``), and PyYAML's own, which yields
     each event as it reads, where libyaml refuses the text (it scans ahead, so a document nested
     past its 1,000 levels raises before the excess is seen, and PyYAML's loader would recurse)."""
     size = len(text.encode("utf-8"))
     if size > limits.max_bytes:
         return f"is {size} bytes, over the limit of {limits.max_bytes} bytes"
     try:
-        return _event_problem(text, limits, _EVENTS)
+        return _event_problem(text, limits, _LIBYAML)
     except yaml.YAMLError:
         try:
             return _event_problem(text, limits, yaml.SafeLoader)
@@ -711,10 +722,10 @@ def component_headlines(ledger: PrivacyLedger) -> list[tuple[str | None, str]]:
     ]
 
 
-def card_ledger(card: ModelCard) -> PrivacyLedger:
-    """The ledger copy kept in the front matter (under ``CARD_LEDGER_KEY``) of ``card``
-    (``load_card``'s)."""
-    data = card.data.to_dict()
+def card_ledger(card: ModelCardData) -> PrivacyLedger:
+    """The ledger copy kept in a card's front matter (under ``CARD_LEDGER_KEY``), ``card`` its
+    metadata (``load_card``'s)."""
+    data = card.to_dict()
     if CARD_LEDGER_KEY not in data:
         raise LedgerError([f"{CARD_FILE}: front matter has no {CARD_LEDGER_KEY} block"])
     return PrivacyLedger.parse(data[CARD_LEDGER_KEY])
@@ -732,10 +743,8 @@ def card_info(readme: str, limits: FrontMatterLimits | None = None) -> CardInfo:
     return _card_info(load_card(readme, limits=limits))
 
 
-def _card_info(card: ModelCard) -> CardInfo:
-    """``card_info`` of a card parsed (``load_card``)."""
-    # a ModelCard's data is its card_data_class, ModelCardData (typed as the base CardData)
-    data = cast(ModelCardData, card.data)
+def _card_info(data: ModelCardData) -> CardInfo:
+    """``card_info`` of a card's metadata (``load_card``'s)."""
     return CardInfo(
         model_name=data.model_name or "",
         repo_id=getattr(data, "repo_id", "") or "",

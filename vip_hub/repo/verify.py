@@ -118,7 +118,7 @@ from .content import content_problem, weight_sources
 
 if TYPE_CHECKING:
     import torch
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCardData
 
 __all__ = [
     "NUMERICAL_TOLERANCE",
@@ -371,7 +371,7 @@ class _Card:
     its front matter parsed (``load_card``), or why that cannot be done."""
 
     text: str | None
-    parsed: ModelCard | None
+    parsed: ModelCardData | None
     unreadable: str = ""
 
     def ledger_copy(self) -> PrivacyLedger:

@@ -123,7 +123,7 @@ def test_load_card_refuses_aliases():
     readme = "---\nlicense: mit\n" + _alias_bomb(3) + "---\n# card\n"
     with pytest.raises(RepoFormatError, match="YAML aliases"):
         load_card(readme)
-    assert load_card("---\nlicense: mit\n---\n# card\n").data.license == "mit"
+    assert load_card("---\nlicense: mit\n---\n# card\n").license == "mit"
 
 
 def test_a_card_with_aliases_does_not_verify_nor_publish(hub, tmp_path):
