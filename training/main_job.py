@@ -17,11 +17,13 @@ on Fashion-MNIST: the study of ``training/study`` at its job preset (``MainJobCo
    ``head_draws`` times within the budget (each a ledger stage) and the mean of the draws'
    heads released in its repo as head ``fashion-mnist``, on the feature mode chosen for its (Syn)
    encoder (``training.study.selection``); DP-Cap also classifies zero-shot over the class
-   names, shown beside the heads only when it is above chance (``training.study.table``). Every
+   names, shown beside the heads only when it is above chance (``training.study.table``); the
+   raw-pixel baseline is the same DP head on the preprocessed image's pixels, released in the
+   (Syn)-ViP repo as head ``fashion-mnist-pixels`` (the ``pixels`` mode reads no weight). Every
    row is a released repo's head, so the dataset page composes them all; the rows go into every
    card and the printed summary, with each DP-trained encoder's row paired against its prior's
    row (both priors are published with their heads; ``training.study.table.paired``, over every
-   draw);
+   draw) and every encoder's against raw pixels;
 5. sign every repo with the job's key (``WORK/signing/main-job.key``, made once), start
    ``vip-hub serve`` on the embedded store trusting that key, and publish the repos through
    ``vip_hub.repo.push`` (the verified path ``vip-hub push`` takes);
@@ -108,6 +110,9 @@ __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 ORG = "vip"
 HEAD = "fashion-mnist"
 """The name of the DP probe head every published encoder gets (its folder: ``head_component``)."""
+PIXELS_HEAD = "fashion-mnist-pixels"
+"""The raw-pixel baseline's DP head, on the ``pixels`` mode of the (Syn)-ViP repo (which reads no
+weight: its guarantee is the head's own stages alone)."""
 
 
 class MainJobConfig(StudyConfig):
@@ -362,15 +367,20 @@ def run_main_job(cfg: MainJobConfig) -> int:
     # encoder), on whose features its feature mode is chosen.
     origin = {e: folder[e] for e in (SYN_VIP, SYN_DPCAP)} | {e: init for e, init, _, _ in runs}
     steps.run(
-        f"DP heads composing to epsilon {cfg.epsilon:g}, DP-Cap zero-shot",
+        f"DP heads composing to epsilon {cfg.epsilon:g}, raw pixels, DP-Cap zero-shot",
         {
             "data": cfg.data,
             "study": cfg.study().model_dump(),
             "encoders": {e.name: _weights_digest(folder[e]) for e in PUBLISHED},
             "chosen on": {e.name: _weights_digest(origin[e]) for e in PUBLISHED},
-            "comparison": "rows and against_prior",  # its file's layout (a list until 2026-11-29)
+            # its file's layout (a list until 2026-11-29, no against_pixels until 2026-12-06)
+            "comparison": "rows, against_prior and against_pixels",
         },
-        [comparison, *(folder[e] / head_component(HEAD) for e in PUBLISHED)],
+        [
+            comparison,
+            *(folder[e] / head_component(HEAD) for e in PUBLISHED),
+            folder[SYN_VIP] / head_component(PIXELS_HEAD),
+        ],
         lambda: _compare(cfg, work, test, folder, origin, comparison),
     )
 
@@ -461,25 +471,30 @@ def _compare(
     ``cfg.head_draws`` times (their mean head released as head ``HEAD``; all of them composing
     with the encoder's DP stages to ``cfg.epsilon``, every draw's top-1 reported), reading the
     feature mode chosen once per (Syn) encoder (``origin``: what each encoder was trained from);
-    DP-Cap's zero-shot over the class names beside them when above chance. Top-1 on the public
-    scoring records; the rows go into every card and ``out``. No model trained without DP on the
-    private records is released or measured: its accuracy would be a figure with no guarantee."""
-    from vip_hub.loading import load_captioner, load_encoder
+    the raw-pixel baseline, the same head on the (Syn)-ViP repo's ``pixels`` mode (head
+    ``PIXELS_HEAD``, its kind chosen on the selection records' pixels); DP-Cap's zero-shot over
+    the class names beside them when above chance. Top-1 on the public scoring records; the rows
+    go into every card and ``out``, with each DP-trained encoder paired against its prior and
+    every encoder against raw pixels. No model trained without DP on the private records is
+    released or measured: its accuracy would be a figure with no guarantee."""
+    from vip_hub.loading import Encoder, load_captioner, load_encoder
+    from vip_hub.models.features import PIXELS, describe
     from vip_hub.repo.heads import HeadInfo, save_head
 
     from .recipes.probe import right_answers, top1_result
     from .study.features import embed
-    from .study.heads import dp_head, dp_head_draws
-    from .study.selection import choose_modes
+    from .study.heads import HeadKind, dp_head, dp_head_draws
+    from .study.selection import choose_features, choose_modes
     from .study.table import chance_test, paired
 
     splits = study_splits(cfg, cfg.data, work / "data")
     private = splits.private
-    stages = {  # what each head composes with: not an earlier run's head, which it replaces
+    heads = {head_component(HEAD), head_component(PIXELS_HEAD)}
+    stages = {  # what each head composes with: not an earlier run's heads, which it replaces
         e: [
             s
             for s in PrivacyLedger.read(folder[e]).dp_stages()
-            if s.dataset.name == private.dataset.name and s.component != head_component(HEAD)
+            if s.dataset.name == private.dataset.name and s.component not in heads
         ]
         for e in PUBLISHED
     }
@@ -488,26 +503,29 @@ def _compare(
         readers.setdefault(origin[e], []).append(stages[e])
     chosen = choose_modes(cfg, readers, splits.selection, private)
     y, y_test = torch.as_tensor(private.labels), torch.as_tensor(splits.test.labels)
-    rows, answers = [], {}
-    for e in PUBLISHED:
-        choice = chosen[origin[e]]
-        encoder = load_encoder(folder[e])
+
+    def release(
+        e: _Encoder, name: str, mode: str, kind: HeadKind, reader: Encoder, model: str, how: str
+    ) -> np.ndarray:
+        """Head ``name`` on ``e``'s ``mode`` features (read by ``reader``) drawn
+        ``cfg.head_draws`` times, their mean released in ``e``'s repo; its row (``model``, its
+        features ``how``) joins ``rows``; returns every draw's right answers (draws, records)."""
         x, x_test, x_centre = (
-            embed(encoder, d, choice.mode, f"{e.name} {what}")
+            embed(reader, d, mode, f"{e.name} {what}")
             for d, what in ((private, "private"), (splits.test, "test"), (splits.centre, "centre"))
         )
         head = partial(
             dp_head, cfg, x, y, x_centre, private.dataset, len(splits.classes), stages[e],
-            name=HEAD, pooling=choice.mode, kind=choice.head,
+            name=name, pooling=mode, kind=kind,
         )  # fmt: skip
         drawn = dp_head_draws(head, cfg.head_draws)
-        answers[e] = np.stack([right_answers(d.head, x_test, y_test) for d in drawn.draws])
-        draws = [float(a.mean()) for a in answers[e]]
+        right = np.stack([right_answers(d.head, x_test, y_test) for d in drawn.draws])
+        draws = [float(a.mean()) for a in right]
         top1 = float(right_answers(drawn.head, x_test, y_test).mean())
         metrics = {
             "train_size": len(private),
-            "head": choice.head,
-            "epochs": cfg.probe_epochs if choice.head == "sgd" else 1,
+            "head": kind,
+            "epochs": cfg.probe_epochs if kind == "sgd" else 1,
             "top1": top1,
             "draws_top1": draws,
             "test_data": "public",
@@ -517,26 +535,42 @@ def _compare(
         ledger = save_head(
             folder[e],
             drawn.head,
-            HeadInfo(HEAD, choice.mode, list(splits.classes), metrics),
+            HeadInfo(name, mode, list(splits.classes), metrics),
             first.stage,
             top1_result(
                 str(test),
                 top1,
-                f"top-1, DP linear head '{HEAD}' ({choice.head}, {choice.mode} features; the "
-                f"mean of {len(draws)} draws' heads, each at DP epsilon {first.stage.epsilon:.3g})",
+                f"top-1, DP linear head '{name}' ({kind}, {mode} features; the mean of "
+                f"{len(draws)} draws' heads, each at DP epsilon {first.stage.epsilon:.3g})",
             ),
             draws=drawn.stages[1:],
         )
-        privacy = privacy_headline(ledger.summary(head_component(HEAD)))
-        rows.append(
-            Row(f"{e.label}: {e.name}", e.repo_id, privacy, choice.describe(), top1, tuple(draws))
-        )
+        privacy = privacy_headline(ledger.summary(head_component(name)))
+        rows.append(Row(model, e.repo_id, privacy, how, top1, tuple(draws)))
         print(
-            f"    {e.name}: top-1 {top1:.4f} released (the draws' mean head), {Row.spread(draws)} "
-            f"({choice.mode}; {choice.head} head, each draw at epsilon "
-            f"{first.config.epsilon:.3f}; {privacy})",
+            f"    {model}: top-1 {top1:.4f} released (the draws' mean head), {Row.spread(draws)} "
+            f"({mode}; {kind} head, each draw at epsilon {first.config.epsilon:.3f}; {privacy})",
             flush=True,
         )
+        return right
+
+    rows: list[Row] = []
+    answers = {}
+    for e in PUBLISHED:
+        choice = chosen[origin[e]]
+        model = f"{e.label}: {e.name}"
+        reader = load_encoder(folder[e])
+        answers[e] = release(e, HEAD, choice.mode, choice.head, reader, model, choice.describe())
+    syn = load_encoder(folder[SYN_VIP])  # raw pixels: its preprocessing, none of its weights
+    raw = choose_features(
+        cfg, {PIXELS: embed(syn, splits.selection, PIXELS)}, splits.selection, private
+    )
+    print(f"    raw pixels: {raw.shown()}", flush=True)
+    note = raw.head_note()
+    how = f"{describe(PIXELS)}{'; ' + note if note else ''}"
+    pixels = release(
+        SYN_VIP, PIXELS_HEAD, PIXELS, raw.head, syn, f"raw pixels: {SYN_VIP.name}", how
+    )
 
     captioner = load_captioner(folder[DPCAP])
     losses = captioner.zero_shot(
@@ -561,12 +595,19 @@ def _compare(
         for prior in PUBLISHED
         if prior != e and folder[prior] == origin[e]
     ]
+    baseline = [  # every encoder against raw pixels
+        f"{e.name} - raw pixels: {paired(answers[e], pixels).describe()}" for e in PUBLISHED
+    ]
     cards = [r.card() for r in rows]
     for e in PUBLISHED:
         update_repo(folder[e], comparison=cards)
         verify_repo(folder[e]).raise_for_problems()
     out.write_text(
-        json.dumps({"rows": cards, "against_prior": against}, indent=1, ensure_ascii=False)
+        json.dumps(
+            {"rows": cards, "against_prior": against, "against_pixels": baseline},
+            indent=1,
+            ensure_ascii=False,
+        )
     )
 
 
@@ -578,8 +619,8 @@ def _duration(seconds: float) -> str:
 
 def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: float) -> None:
     """The comparison (every row a released repo's DP head, or zero-shot above chance), each
-    DP-trained encoder's row against its prior's, and the job's wall time with the load
-    average."""
+    DP-trained encoder's row against its prior's and every encoder's against raw pixels, and the
+    job's wall time with the load average."""
     print(
         f"\nTop-1 on public Fashion-MNIST test records {cfg.select_size} to "
         f"{cfg.select_size + cfg.test_size - 1} (the first {cfg.select_size} chose feature modes); "
@@ -597,6 +638,9 @@ def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: floa
         "every head draw (the SE from the records and from the draws' spread):"
     )
     for line in comparison["against_prior"]:
+        print(f"  {line}")
+    print("Each encoder against raw pixels (the same DP head on the preprocessed image), paired:")
+    for line in comparison["against_pixels"]:
         print(f"  {line}")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"Job wall time {_duration(seconds)} (load average {load}).", flush=True)

@@ -22,6 +22,7 @@ from .hub_client import hub_errors
 from .images import to_rgb
 from .models.encoders import EncoderSpec
 from .models.features import (
+    PIXELS,
     POOLINGS,
     SPATIAL_PATTERN,
     SPATIAL_SYNTAX,
@@ -73,10 +74,9 @@ class Encoder:
     @property
     def poolings(self) -> tuple[Pooling, ...]:
         """The feature modes this repo offers: its family's (``dpcap`` only with the decoder
-        weights), then the spatial modes its timm configuration declares."""
-        return self.spec.family.offered_poolings(self.memory is not None) + declared_spatial(
-            self.config
-        )
+        weights), then the spatial modes its timm configuration declares, then ``pixels``."""
+        family = self.spec.family.offered_poolings(self.memory is not None)
+        return (*family, *declared_spatial(self.config), PIXELS)
 
     @property
     def can_caption(self) -> bool:

@@ -113,7 +113,7 @@ def test_feature_modes_match_the_reference_and_others_are_refused(reference, rep
 
 def test_vip_repos_refuse_the_dpcap_mode(tiny_repo):
     enc = load_encoder(tiny_repo)
-    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2")
+    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2", "pixels")
     with pytest.raises(
         ConfigError, match="'dpcap' is not available for vip-nano: ViP encoders offer vip, avg, cls"
     ):

@@ -10,11 +10,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from support.helpers import (
     TINY,
@@ -178,11 +180,46 @@ def test_preprocess_reads_wide_greyscale_and_exif_orientation_as_seen(tiny_repo)
     torch.testing.assert_close(enc.preprocess(opened), seen, rtol=0, atol=0)
 
 
+def test_a_pixels_head_reads_the_preprocessed_image_and_verifies_by_the_input_size(
+    tiny_repo, monkeypatch
+):
+    """Every repo offers ``pixels``: the preprocessed image, channels averaged, flattened, without
+    a forward pass; a head on it saves and verifies by the configuration's input size (no
+    ``feature_dims`` entry), and one of another width fails by that size."""
+    from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
+
+    enc = load_encoder(tiny_repo)
+    images = [Image.fromarray(np.full((40, 30, 3), (10 * i, 80, 160), np.uint8)) for i in range(3)]
+    x = enc.preprocess(images)
+    assert "pixels" in enc.poolings and enc.feature_dim("pixels") == 32 * 32
+    both = enc.embed(images, ("pixels", "avg"))
+    torch.testing.assert_close(both["pixels"], x.mean(1).flatten(1))
+    torch.testing.assert_close(both["avg"], enc.embed(images, "avg"))
+    monkeypatch.setattr(enc.model, "forward_intermediates", None)  # pixels alone: no forward
+    torch.testing.assert_close(enc.embed(x, "pixels"), x.mean(1).flatten(1))
+    stage = NonPrivateStage(
+        name="linear-probe:raw",
+        component=head_component("raw"),
+        dataset=Dataset(name="toy-labels", size=30),
+        private_data=True,
+    )
+    head = LinearProbe(32 * 32, 3).eval()
+    save_head(tiny_repo, head, HeadInfo("raw", "pixels", ["a", "b", "c"]), stage)
+    assert verify_repo(tiny_repo).ok
+    loaded, info = load_head(tiny_repo, "raw")
+    assert info.pooling == "pixels"
+    torch.testing.assert_close(loaded(both["pixels"]), head(both["pixels"]))
+    staged_reports(monkeypatch)  # let the update write a head verify refuses
+    save_head(tiny_repo, LinearProbe(28 * 28, 3), HeadInfo("raw", "pixels", ["a"] * 3), stage)
+    _fails(tiny_repo, f"reads 784 features of mode 'pixels', which {CONFIG_FILE}'s "
+           "pretrained_cfg.input_size makes 1024")  # fmt: skip
+
+
 def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_session):
     """A repo offers the spatial modes its ``CONFIG_FILE`` declares, and only those; the card lists
     them; a declaration that does not fit the weights is refused."""
     enc = load_encoder(tiny_repo)
-    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2")
+    assert enc.poolings == ("vip", "avg", "cls", "spatial-b4-g2", "spatial-b8-g2", "pixels")
     x = torch.randn(2, 3, 32, 32)
     feats = enc.embed(x, pooling="spatial-b8-g2")
     assert feats.shape == (2, 768) and enc.feature_dim("spatial-b8-g2") == 768
@@ -201,7 +238,7 @@ def test_spatial_modes_are_declared_per_repo(tiny_repo, tmp_path, dp_stage_sessi
         model_name="chosen",
         spatial=["spatial-b1.2-g1"],
     )
-    assert load_encoder(chosen).poolings[3:] == ("spatial-b1.2-g1",)
+    assert load_encoder(chosen).poolings[3:] == ("spatial-b1.2-g1", "pixels")
     with pytest.raises(ValueError, match="block 13 of a 12-block encoder"):
         export_encoder(
             tmp_path / "bad", tiny_encoder(), TINY, [dp_stage_session], model_name="bad",

@@ -61,6 +61,7 @@ from torch import nn
 from vip_hub.errors import ConfigError
 from vip_hub.loading import Encoder, load_encoder
 from vip_hub.models.features import (
+    PIXELS,
     SpatialMode,
     check_pooling,
     final_norm,
@@ -129,7 +130,8 @@ CURVE_IMAGES = 1000
 """At most this many public test images (every k-th) give the curve's loss at each evaluation
 (the final top-1 uses all)."""
 FinetunePooling = Literal["avg", "cls", "vip"]
-"""The modes ``Classifier`` (top blocks) reads; ``EncoderClassifier`` reads any but ``dpcap``."""
+"""The modes ``Classifier`` (top blocks) reads; ``EncoderClassifier`` reads any but ``dpcap`` (the
+text decoder's memory) and ``pixels`` (no weight)."""
 
 
 class FinetuneConfig(
@@ -384,8 +386,10 @@ def classifier(
                 f"--pooling {pooling}: the top-blocks model reads avg, cls or vip; "
                 "train a spatial mode with --trainable-blocks all"
             )
-    elif pooling == "dpcap":
-        raise ConfigError("--pooling dpcap: the whole-encoder model reads the encoder's own modes")
+    elif pooling in ("dpcap", PIXELS):
+        raise ConfigError(
+            f"--pooling {pooling}: the whole-encoder model reads the encoder's own modes"
+        )
     if head is None:
         if not train_head:
             raise ConfigError("a fixed head is a DP probe's: give the probe's head")

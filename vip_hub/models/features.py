@@ -19,6 +19,10 @@
   block: ``len(blocks) * width * grid**2`` values. For small images and classes that live in
   the layout (a 28-pixel garment's shape), where the means over tokens throw the layout away.
   A repo declares which spatial modes it offers (its configuration's ``feature_dims``).
+- ``pixels``: the preprocessed image itself (the encoder's resize, crop and normalisation), its
+  channels averaged, flattened: ``H * W`` values that read no weight. Every repo offers it (its
+  width is its input size's, so no configuration declares it): a head on it is the raw-pixel
+  baseline, served and verified as any other head, whose guarantee is its own stage alone.
 
 Which modes a repo offers is its family's business (``vip_hub.models.encoders.Family.poolings``);
 this module computes any mode it is given the weights for. Importing it does not import torch
@@ -41,11 +45,13 @@ if TYPE_CHECKING:
 
     from .text_decoder import ImageMemory
 
-FixedPooling = Literal["cls", "avg", "vip", "dpcap"]
+FixedPooling = Literal["cls", "avg", "vip", "dpcap", "pixels"]
 POOLINGS: tuple[FixedPooling, ...] = get_args(FixedPooling)
 """The fixed feature modes; spatial modes (:class:`SpatialMode`) are named by their settings."""
 Pooling = str
 """A feature mode's name: one of :data:`POOLINGS` or a :class:`SpatialMode` name."""
+PIXELS: FixedPooling = "pixels"
+"""The mode that reads the input alone (the module docstring), offered by every repo."""
 VIP_LAYERS = 6
 LN_EPS = 1e-6
 SPATIAL_PATTERN = re.compile(r"spatial-b([1-9][0-9]*(?:\.[1-9][0-9]*)*)-g([1-9][0-9]*)")
@@ -60,11 +66,14 @@ MODE_DESCRIPTIONS: dict[str, str] = {
         "the DP-Cap paper's linear-probe features: mean over all tokens of the text decoder's "
         "image memory (decoder_embed of the normed tokens plus its position and type embeddings)"
     ),
+    PIXELS: "the preprocessed image's pixels, its channels averaged, flattened (reads no weights: "
+    "the raw-pixel baseline)",
 }
 """Each fixed mode in one line, for cards and help texts (:func:`describe` covers every mode)."""
 
 __all__ = [
     "MODE_DESCRIPTIONS",
+    "PIXELS",
     "POOLINGS",
     "SPATIAL_PATTERN",
     "SPATIAL_SYNTAX",
@@ -77,6 +86,7 @@ __all__ = [
     "extract_features",
     "feature_dim",
     "final_norm",
+    "pixel_width",
     "pool_features",
     "vip_layers",
 ]
@@ -169,6 +179,12 @@ def vip_layers(model: VisionTransformer) -> int:
     return min(VIP_LAYERS, len(model.blocks))
 
 
+def pixel_width(input_size: Sequence[int]) -> int:
+    """Width of the ``pixels`` mode for inputs of ``input_size`` ((H, W), or timm's (C, H, W))."""
+    height, width = input_size[-2:]
+    return int(height) * int(width)
+
+
 def feature_dim(
     model: VisionTransformer, pooling: Pooling, memory: ImageMemory | None = None
 ) -> int:
@@ -176,6 +192,8 @@ def feature_dim(
     spatial = check_pooling(pooling, model)
     if spatial is not None:
         return spatial.dim(model.embed_dim)
+    if pooling == PIXELS:
+        return pixel_width(model.patch_embed.img_size)
     if pooling == "dpcap":
         return _need_memory(model, memory).width
     return model.embed_dim * (vip_layers(model) if pooling == "vip" else 1)
@@ -208,13 +226,30 @@ def extract_features(
     """Embed a batch of preprocessed images, shape (B, 3, H, W).
 
     A single mode returns a (B, dim) tensor; a tuple of modes returns a dict of them,
-    computed from one forward pass (up to the deepest block they read). ``dpcap`` needs the
-    image ``memory`` weights.
+    computed from one forward pass (up to the deepest block they read; none for ``pixels``
+    alone). ``dpcap`` needs the image ``memory`` weights.
     """
     modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
     spatial = [s for s in (check_pooling(m, model) for m in modes) if s is not None]
     if "dpcap" in modes:
         _need_memory(model, memory)
+    result: dict[Pooling, torch.Tensor] = {}
+    if PIXELS in modes:
+        result[PIXELS] = images.mean(dim=1).flatten(1)
+    read = tuple(m for m in modes if m != PIXELS)  # the modes that read the blocks
+    if read:
+        result.update(_from_blocks(model, images, read, spatial, memory))
+    return result[modes[0]] if isinstance(pooling, str) else {m: result[m] for m in modes}
+
+
+def _from_blocks(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    modes: tuple[Pooling, ...],
+    spatial: Sequence[SpatialMode],
+    memory: ImageMemory | None,
+) -> dict[Pooling, torch.Tensor]:
+    """``modes`` (none of them ``pixels``) from one forward pass up to the deepest block read."""
     depth = len(model.blocks)
     blocks = {b - 1 for s in spatial for b in s.blocks}
     if any(m in POOLINGS for m in modes):
@@ -233,8 +268,7 @@ def extract_features(
         stop_early=True,
     )
     pairs = cast("list[tuple[torch.Tensor, torch.Tensor]]", outputs)
-    result = pool_features(model, pairs, modes, memory, blocks=indices)
-    return result[modes[0]] if isinstance(pooling, str) else result
+    return pool_features(model, pairs, modes, memory, blocks=indices)
 
 
 def pool_features(

@@ -66,7 +66,7 @@ from ..errors import (
     VerificationError,
 )
 from ..models.encoders import EncoderSpec, encoder_shapes
-from ..models.features import SpatialMode
+from ..models.features import PIXELS, SpatialMode, pixel_width
 from ..paths import tree_path_problems, validate_relpath
 from ..privacy.accounting import (
     NOISE_SAMPLERS,
@@ -670,14 +670,27 @@ def _check_heads(
                 f"{matrix} has shape {shape}, not {len(labels)} labels by {inputs} inputs",
                 TamperedFileError,
             )
-        elif dims.get(pooling) != inputs:
+        elif (width := _mode_width(config, dims, pooling)) != inputs:
+            source = "pretrained_cfg.input_size" if pooling == PIXELS else "feature_dims"
             report.fail(
                 where,
-                f"reads {inputs} features of mode {pooling!r}, which {CONFIG_FILE}'s feature_dims "
-                f"makes {dims.get(pooling)}",
+                f"reads {inputs} features of mode {pooling!r}, which {CONFIG_FILE}'s {source} "
+                f"makes {width}",
                 TamperedFileError,
             )
     report.checks.append("heads match their labels and features")
+
+
+def _mode_width(config: Mapping[str, Any], dims: Mapping[str, Any], pooling: str) -> int | None:
+    """The width of feature mode ``pooling`` by the timm configuration ``config`` (``dims``, its
+    ``feature_dims``; ``pixels`` by its input size), None where it gives none."""
+    if pooling != PIXELS:
+        return dims.get(pooling)
+    cfg = config.get("pretrained_cfg")
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    if isinstance(size, list) and len(size) == 3 and all(type(x) is int for x in size):
+        return pixel_width(size)
+    return None
 
 
 def _same_json(a: Any, b: Any) -> bool:

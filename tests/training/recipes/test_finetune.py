@@ -515,6 +515,8 @@ def test_bad_settings_are_named(syn_repo: Path, data: tuple[Path, Path], tmp_pat
         finetune(syn_repo, data, tmp_path / "d", fixed_head=True)
     with pytest.raises(ConfigError, match="a fixed head is a DP probe's"):
         classifier(load_encoder(syn_repo), len(CLASSES), "avg", TRAINED, train_head=False)
+    with pytest.raises(ConfigError, match="--pooling pixels: the whole-encoder model reads"):
+        classifier(load_encoder(syn_repo), len(CLASSES), "pixels", "all")  # reads no weight
     with pytest.raises(ConfigError, match="head name"):
         finetune(syn_repo, data, tmp_path / "b", head="no/slash")
     odd = write_image_folder(shapes(6, 2), tmp_path / "odd", ("a", "b", "c"))

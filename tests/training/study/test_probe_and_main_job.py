@@ -22,7 +22,15 @@ from support.helpers import ROOT, write_digits, write_fashion
 from support.live import WRITE_TOKEN, free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
-from training.main_job import HEAD, PUBLISHED, MainJobConfig, _duration, _Steps, run_main_job
+from training.main_job import (
+    HEAD,
+    PIXELS_HEAD,
+    PUBLISHED,
+    MainJobConfig,
+    _duration,
+    _Steps,
+    run_main_job,
+)
 from training.recipes.probe import ProbeConfig, run_probe
 from vip_hub.errors import AuditError, ConfigError, DataError, StepFailed
 from vip_hub.loading import load_encoder
@@ -614,7 +622,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     for repo in repos.values():
         assert verify_repo(repo).ok
         card = (repo / CARD_FILE).read_text()
-        assert "Linear-probe comparison" in card and "raw pixels" not in card  # in no ledger
+        assert "Linear-probe comparison" in card and "raw pixels: vip-nano-syn" in card
         # the comparison is in the card's front matter (YAML folds its long lines) and in its
         # table: every encoder's row says its feature mode was chosen on the 20 selection
         # records, scored on its (Syn) encoder's features (vip-nano-syn for the ViP family,
@@ -630,7 +638,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         assert (
             "non-private head" not in card and "top1_nonprivate" not in card
         )  # figures without a guarantee
-        assert list_heads(repo) == [HEAD]
+        assert list_heads(repo) == ([HEAD, PIXELS_HEAD] if repo.name == "vip-nano-syn" else [HEAD])
         assert f"publish vip/{repo.name}" in out
         assert (
             verify_signature(repo, load_keys([run / "signing" / "main-job.pub"])).name == "main-job"
@@ -659,14 +667,15 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         head_stage = ledger.stage(f"linear-probe-dp:{HEAD}")
         assert head_stage.dataset.size == 240 and 1.0 < head_stage.epsilon < 3.0
     scoring = fashion_mnist("test", data)  # the job's scoring records, read back
-    for repo in repos.values():  # the top-1 the card states is the released head's, recomputed
-        head, info = load_head(repo, HEAD)
+    released = [(repo, HEAD) for repo in repos.values()] + [(repos["vip-nano-syn"], PIXELS_HEAD)]
+    for repo, name in released:  # the top-1 the card states is the released head's, recomputed
+        head, info = load_head(repo, name)
         x = load_encoder(repo).embed([scoring.pil(i) for i in range(len(scoring))], info.pooling)
         right = head(x).argmax(1) == torch.as_tensor(scoring.labels)
         assert right.double().mean().item() == pytest.approx(info.metrics["top1"], abs=1e-9)
-    for repo in repos.values():  # every head draw is a stage of the head, released as their mean
-        stages = [s for s in PrivacyLedger.read(repo).stages if s.component == head_component(HEAD)]
-        assert [s.name.rpartition(":")[2] for s in stages] == [HEAD, "draw-2", "draw-3"]
+    for repo, name in released:  # every head draw is a stage of the head, released as their mean
+        stages = [s for s in PrivacyLedger.read(repo).stages if s.component == head_component(name)]
+        assert [s.name.rpartition(":")[2] for s in stages] == [name, "draw-2", "draw-3"]
         assert (
             len({s.noise_multiplier for s in stages}) == 1 and len({s.run_id for s in stages}) == 3
         )
@@ -674,7 +683,8 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert (repos["dpcap-nano-fashion-dp"] / VOCAB_FILE).exists()
     assert "Top-1 on public Fashion-MNIST test records 20 to 99 (the first 20 chose" in out
     # one choice per (Syn) encoder, read by every head of the encoders trained from it
-    assert out.count("modes on public records:") == 2
+    assert out.count("modes on public records:") == 3  # the (Syn) encoders' and raw pixels'
+    assert "raw pixels: modes on public records: pixels" in out
     assert "vip-nano-syn: modes on public records" in out
     assert "dpcap-nano-syn: modes on public records" in out
     comparison = json.loads((run / "comparison.json").read_text())
@@ -688,6 +698,15 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         "vip-nano-fashion-naive-dp - vip-nano-syn",
     ]
     assert all(line in out and "; z " in line for line in comparison["against_prior"])
+    # every encoder paired against the raw-pixel baseline, a head of the (Syn)-ViP repo that reads
+    # no weight: its guarantee is its own three draws' at the whole budget
+    assert [line.split(":")[0] for line in comparison["against_pixels"]] == [
+        f"{e.name} - raw pixels" for e in PUBLISHED
+    ]
+    assert all(line in out and "; z " in line for line in comparison["against_pixels"])
+    raw = PrivacyLedger.read(repos["vip-nano-syn"]).summary(head_component(PIXELS_HEAD))
+    assert 3.0 - 0.02 < raw.epsilon <= 3.0
+    assert load_head(repos["vip-nano-syn"], PIXELS_HEAD)[1].pooling == "pixels"
     for row in rows:  # each head row carries its three draws' top-1 beside its mean head's
         if "zero-shot" not in row["model"]:
             assert len(row["draws"]) == 3, row
@@ -695,7 +714,11 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert "each DP head drawn 3 times from fresh secrets" in out and "their mean released" in out
     card = (repos["vip-nano-fashion-dp"] / CARD_FILE).read_text()
     assert "every draw's top-1 is in brackets" in card and "(draws " in card
-    vip_family = {r["features"].split()[0] for r in rows if "vip-nano" in r["model"]}
+    vip_family = {
+        r["features"].split()[0]
+        for r in rows
+        if "vip-nano" in r["model"] and not r["model"].startswith("raw pixels")
+    }
     assert len(vip_family) == 1, rows  # (Syn)-ViP, ViP, Logit-DP and Naive-DP read one mode
     assert "Job wall time" in out and "load average" in out
     assert (
@@ -712,7 +735,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     assert run_main_job(cfg) == 0, capsys.readouterr().out
     for repo in repos.values():
         head = PrivacyLedger.read(repo).summary(head_component(HEAD))
-        assert 3.0 - 0.02 < head.epsilon <= 3.0 and list_heads(repo) == [HEAD]
+        assert 3.0 - 0.02 < head.epsilon <= 3.0 and HEAD in list_heads(repo)
 
     # `vip-hub run` with the same settings, serving: everything is up to date, including what is
     # published; then SIGTERM (docker stop): its server child stops as on Ctrl-C
