@@ -192,6 +192,9 @@ def test_a_pixels_head_reads_the_preprocessed_image_and_verifies_by_the_input_si
     images = [Image.fromarray(np.full((40, 30, 3), (10 * i, 80, 160), np.uint8)) for i in range(3)]
     x = enc.preprocess(images)
     assert "pixels" in enc.poolings and enc.feature_dim("pixels") == 32 * 32
+    assert (
+        "- `pixels` (1024): the preprocessed image's pixels" in (tiny_repo / CARD_FILE).read_text()
+    )
     both = enc.embed(images, ("pixels", "avg"))
     torch.testing.assert_close(both["pixels"], x.mean(1).flatten(1))
     torch.testing.assert_close(both["avg"], enc.embed(images, "avg"))

@@ -29,7 +29,7 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
 from ..errors import LedgerError, RepoFormatError
 from ..models.encoders import EncoderSpec
-from ..models.features import SpatialMode, describe
+from ..models.features import PIXELS, SpatialMode, describe, pixel_width
 from ..privacy.accounting import CURAND_FLOAT32_SUPPORT
 from ..privacy.ledger import (
     DPStage,
@@ -167,7 +167,10 @@ def render_card(
         patch_size=spec.patch_size,
         img_size=spec.img_size,
         params=format_params(num_params),
-        modes=[{"name": m, "dim": d, "text": describe(m)} for m, d in feature_dims.items()],
+        modes=[
+            {"name": m, "dim": d, "text": describe(m)}
+            for m, d in {**feature_dims, PIXELS: pixel_width((spec.img_size,) * 2)}.items()
+        ],
         spatial=any(SpatialMode.parse(m) for m in feature_dims),
         probe_mode=next(iter(feature_dims)),
         avg_dim=feature_dims["avg"],
