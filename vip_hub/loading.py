@@ -73,10 +73,17 @@ class Encoder:
 
     @property
     def poolings(self) -> tuple[Pooling, ...]:
-        """The feature modes this repo offers: its family's (``dpcap`` only with the decoder
-        weights), then the spatial modes its timm configuration declares, then ``pixels``."""
+        """The feature modes this repo offers: the encoder's (``encoder_poolings``), then
+        ``pixels``."""
+        return (*self.encoder_poolings, PIXELS)
+
+    @property
+    def encoder_poolings(self) -> tuple[Pooling, ...]:
+        """The feature modes that read the encoder (what a mode is chosen among): its family's
+        (``dpcap`` only with the decoder weights), then the spatial modes its timm configuration
+        declares."""
         family = self.spec.family.offered_poolings(self.memory is not None)
-        return (*family, *declared_spatial(self.config), PIXELS)
+        return family + declared_spatial(self.config)
 
     @property
     def can_caption(self) -> bool:

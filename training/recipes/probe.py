@@ -543,10 +543,16 @@ def choose_pooling(
     components: int = 0,
 ) -> tuple[Pooling, dict[Pooling, float]]:
     """The feature mode of ``encoder`` that a head trained by ``cfg`` on ``private_n`` private
-    records should read, chosen on PUBLIC labelled ``images`` only: every mode the repo offers
-    scored by ``selection_scores``. Returns the best mode and every score."""
+    records should read, chosen on PUBLIC labelled ``images`` only: every mode of the encoder
+    scored by ``selection_scores`` (its ``encoder_poolings``: never ``pixels``, which reads no
+    weight). Returns the best mode and every score."""
     scores = selection_scores(
-        encoder.embed(images, encoder.poolings), labels, num_classes, cfg, private_n, components
+        encoder.embed(images, encoder.encoder_poolings),
+        labels,
+        num_classes,
+        cfg,
+        private_n,
+        components,
     )
     return max(scores, key=lambda m: scores[m]), scores
 

@@ -171,7 +171,7 @@ def choose_modes(
         spent = min(stages, key=lambda s: released_epsilon(cfg, "sgd", n, dataset, s))
         encoder = load_encoder(prior, device=device)
         choice = choose_features(
-            cfg, encoder.embed(images, encoder.poolings), selection, private, spent
+            cfg, encoder.embed(images, encoder.encoder_poolings), selection, private, spent
         )
         out[prior] = choice = replace(choice, prior=prior.name)
         print(f"    {prior.name}: {choice.shown()}", flush=True)

@@ -115,8 +115,9 @@ def test_a_feature_mode_is_scored_by_a_head_fit_on_each_half_and_scored_on_the_o
     encoder = load_encoder(tiny_repo)
     cfg = ProbeConfig(encoder="", data="", dataset_name="test/digits-train", epochs=2)
     mode, scores = probe.choose_pooling(encoder, images, data.labels[:41], 10, cfg, 1000)
-    feats = encoder.embed(images, encoder.poolings)
+    feats = encoder.embed(images, encoder.encoder_poolings)
     assert len(fits) == len(scored) == 2 * len(feats) and set(scores) == set(feats)
+    assert "pixels" in encoder.poolings and "pixels" not in scores  # reads no encoder weight
     for i, (m, x) in enumerate(feats.items()):
         (first, second), (on_second, on_first) = fits[2 * i : 2 * i + 2], scored[2 * i : 2 * i + 2]
         assert torch.allclose(first, x[:20]) and torch.allclose(second, x[20:40])
@@ -212,7 +213,7 @@ def test_dp_heads_are_centred_on_public_images_of_the_domain(
     monkeypatch.setattr(probe, "fit_probe", recording_fit)
     labels = probe.load_labelled(test, "public/test").labels
     probe.choose_pooling(encoder, public[:20], labels[:20], 10, cfg, 1000)
-    feats = encoder.embed(public[:20], encoder.poolings)
+    feats = encoder.embed(public[:20], encoder.encoder_poolings)
     assert len(seen) == 2 * len(feats)
     for i, x in enumerate(feats.values()):
         for _, public_x in seen[2 * i : 2 * i + 2]:
@@ -538,6 +539,18 @@ def served_guarantees_hold(store: Path, repos: dict[str, Path], images: Path) ->
                 timeout=60,
             )
             assert emb.status_code == cls.status_code == 200, (emb.text, cls.text)
+            if name == "vip-nano-syn":  # the raw-pixel baseline's head, served as any other
+                raw = httpx.post(
+                    f"{server.url}/v1/classify",
+                    json={"model": model, "head": PIXELS_HEAD, "input": [image]},
+                    timeout=60,
+                )
+                assert raw.status_code == 200, raw.text
+                served = raw.json()["privacy"]["head"]
+                truth = dp_accounting_epsilon(
+                    ledger, head_component(PIXELS_HEAD), served["delta"] or 1e-5
+                )
+                assert 3.0 >= served["epsilon"] >= truth * (1 - 1e-3), (served, truth)
             for privacy, component in (
                 (emb.json()["privacy"], ENCODER),
                 (cls.json()["privacy"]["encoder"], ENCODER),
@@ -685,6 +698,8 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     # one choice per (Syn) encoder, read by every head of the encoders trained from it
     assert out.count("modes on public records:") == 3  # the (Syn) encoders' and raw pixels'
     assert "raw pixels: modes on public records: pixels" in out
+    for prior in ("vip-nano-syn", "dpcap-nano-syn"):  # an encoder's mode reads the encoder
+        assert "pixels" not in out.split(f"{prior}: modes on public records")[1].split("\n")[0]
     assert "vip-nano-syn: modes on public records" in out
     assert "dpcap-nano-syn: modes on public records" in out
     comparison = json.loads((run / "comparison.json").read_text())
