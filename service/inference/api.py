@@ -20,6 +20,7 @@ from vip_hub.models.features import Pooling
 from vip_hub.privacy.ledger import PrivacyLedger
 from vip_hub.repo.files import can_caption
 from vip_hub.repo.heads import head_pooling
+from vip_hub.repo.verify import mode_widths
 from vip_hub.repo_format import (
     CONFIG_BLOCK,
     CONFIG_FILE,
@@ -56,8 +57,9 @@ __all__ = ["router"]
 router = new_router()
 MAX_POOLING_LENGTH = 64
 POOLING_HELP = (
-    "feature mode: avg, cls, a family's own (vip, dpcap), or a spatial mode the repo declares "
-    "(spatial-b<blocks>-g<grid>; /v1/models lists each model's feature_dims)"
+    "feature mode: avg, cls, a family's own (vip, dpcap), a spatial mode the repo declares "
+    "(spatial-b<blocks>-g<grid>), or pixels (the preprocessed image, channels averaged); "
+    "/v1/models lists each model's feature_dims"
 )
 
 
@@ -326,7 +328,7 @@ def _describe(call: InferenceCall, repo_id: str, commit: str) -> ModelDescriptio
         revision=commit,
         loaded=loaded is not None,
         arch=meta.get("arch"),
-        feature_dims=meta.get("feature_dims") or {},
+        feature_dims=mode_widths(config),
         heads=heads,
         privacy=Privacy.of(ledger.summary()),
         captions=loaded.captions is not None if loaded else can_caption(tree),

@@ -128,6 +128,7 @@ __all__ = [
     "check_loaded_decoder_config",
     "check_loaded_tensors",
     "is_hidden",
+    "mode_widths",
     "repo_files",
     "verified_bytes",
     "verify_repo",
@@ -632,9 +633,7 @@ def _check_heads(
     its labels its labels file's, its feature mode its metrics file's, one label per row of its
     one matrix (the classifier), its inputs its feature mode's width in ``config`` (the timm
     configuration)."""
-    block = config.get(CONFIG_BLOCK)
-    dims = block.get("feature_dims") if isinstance(block, dict) else None
-    dims = dims if isinstance(dims, dict) else {}  # _check_config names the problem
+    widths = mode_widths(config)  # _check_config names a malformed feature_dims
     for name in heads_in(files):
         where, labels_file = head_file(name), head_file(name, HEAD_LABELS)
         metrics_file = head_file(name, HEAD_METRICS)
@@ -670,7 +669,7 @@ def _check_heads(
                 f"{matrix} has shape {shape}, not {len(labels)} labels by {inputs} inputs",
                 TamperedFileError,
             )
-        elif (width := _mode_width(config, dims, pooling)) != inputs:
+        elif (width := widths.get(pooling)) != inputs:
             source = "pretrained_cfg.input_size" if pooling == PIXELS else "feature_dims"
             report.fail(
                 where,
@@ -681,16 +680,22 @@ def _check_heads(
     report.checks.append("heads match their labels and features")
 
 
-def _mode_width(config: Mapping[str, Any], dims: Mapping[str, Any], pooling: str) -> int | None:
-    """The width of feature mode ``pooling`` by the timm configuration ``config`` (``dims``, its
-    ``feature_dims``; ``pixels`` by its input size), None where it gives none."""
-    if pooling != PIXELS:
-        return dims.get(pooling)
+def mode_widths(config: Mapping[str, Any]) -> dict[str, int]:
+    """The width of every feature mode a repo's timm configuration ``config`` offers: its
+    ``feature_dims`` (the positive integers of it), then ``pixels`` by its input size where that
+    is three integers (no configuration lists it)."""
+    block = config.get(CONFIG_BLOCK)
+    dims = block.get("feature_dims") if isinstance(block, dict) else None
+    widths = {
+        m: w
+        for m, w in (dims if isinstance(dims, dict) else {}).items()
+        if type(w) is int and w > 0
+    }
     cfg = config.get("pretrained_cfg")
     size = cfg.get("input_size") if isinstance(cfg, dict) else None
     if isinstance(size, list) and len(size) == 3 and all(type(x) is int for x in size):
-        return pixel_width(size)
-    return None
+        widths[PIXELS] = pixel_width(size)
+    return widths
 
 
 def _same_json(a: Any, b: Any) -> bool:

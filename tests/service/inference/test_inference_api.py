@@ -162,6 +162,16 @@ def test_spatial_pooling_live(hub, local):
         )
         assert r.status_code == 400, r.text
         assert "this repo offers vip, avg, cls, spatial-b4-g2, spatial-b8-g2" in r.json()["error"]
+    # the raw-pixel mode every repo offers: the preprocessed image, channels averaged
+    assert described["feature_dims"]["pixels"] == 32 * 32
+    r = httpx.post(
+        f"{hub.url}/v1/embeddings",
+        json={"model": MODEL, "input": [b64(IMAGES[0])], "pooling": "pixels"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+    torch.testing.assert_close(got, local.preprocess([_pil(IMAGES[0])]).mean(1).flatten(1))
 
 
 def test_encodings_normalize_dimensions_and_data_uris(hub, local):
@@ -283,7 +293,14 @@ def test_models_listing(hub, published):
     entry = next(m for m in models if m["id"] == MODEL)
     assert (
         entry["feature_dims"]
-        == {"cls": 192, "avg": 192, "vip": 1152, "spatial-b4-g2": 768, "spatial-b8-g2": 768}
+        == {
+            "cls": 192,
+            "avg": 192,
+            "vip": 1152,
+            "spatial-b4-g2": 768,
+            "spatial-b8-g2": 768,
+            "pixels": 32 * 32,  # every repo's, by its input size
+        }
         and entry["arch"] == "vip-nano"
     )
     assert entry["heads"][0]["name"] == "toy" and entry["heads"][0]["labels"] == [
