@@ -555,13 +555,12 @@ def _compare(
         return right
 
     rows: list[Row] = []
-    answers = {}
+    answers, loaded = {}, {e: load_encoder(folder[e]) for e in PUBLISHED}
     for e in PUBLISHED:
         choice = chosen[origin[e]]
         model = f"{e.label}: {e.name}"
-        reader = load_encoder(folder[e])
-        answers[e] = release(e, HEAD, choice.mode, choice.head, reader, model, choice.describe())
-    syn = load_encoder(folder[SYN_VIP])  # raw pixels: its preprocessing, none of its weights
+        answers[e] = release(e, HEAD, choice.mode, choice.head, loaded[e], model, choice.describe())
+    syn = loaded[SYN_VIP]  # raw pixels: its preprocessing, none of its weights
     raw = choose_features(
         cfg, {PIXELS: embed(syn, splits.selection, PIXELS)}, splits.selection, private
     )

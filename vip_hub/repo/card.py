@@ -637,11 +637,12 @@ def load_card(
     if problem := front_matter_problem(readme, limits or FrontMatterLimits()):
         raise RepoFormatError(f"{CARD_FILE}: {problem}")
     match = REGEX_YAML_BLOCK.search(readme)
+    text = match.group(2) if match else ""  # no front matter: no metadata
     try:
         try:
-            fields = yaml.load(match.group(2), Loader=_LIBYAML) if match else None
+            fields = yaml.load(text, Loader=_LIBYAML)
         except yaml.YAMLError:
-            fields = yaml.load(match.group(2), Loader=yaml.SafeLoader) if match else None
+            fields = yaml.load(text, Loader=yaml.SafeLoader)
         if not isinstance(fields, dict | None):
             raise ValueError("repo card metadata block should be a dict")
         data = ModelCardData(**(fields or {}), ignore_metadata_errors=not strict)
