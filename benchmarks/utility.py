@@ -79,7 +79,7 @@ from training.skeleton.config import EncoderParameters, field_help
 from training.skeleton.memory import reuse_freed_memory
 from training.study.budget import composed
 from training.study.config import BENCHMARK, StudyConfig, stamp
-from training.study.features import CHUNK, embed, pixels
+from training.study.features import CHUNK, Inputs, embed, pixels
 from training.study.heads import HeadKind, dp_head, head_config, released_epsilon
 from training.study.selection import Choice, choose_features, choose_modes, sgd_scores
 from training.study.splits import Splits, study_splits
@@ -117,6 +117,8 @@ class Bench:
     finetune_fixed_head: bool = field(default_factory=lambda: FINETUNE["fixed_head"])
     encoder_draws: int = 1
     modes: dict[str, Choice] = field(default_factory=dict)
+    inputs: Inputs = field(default_factory=Inputs)
+    """The splits preprocessed once per data configuration, for every encoder row."""
 
     @property
     def private(self) -> LabelledArrays:
@@ -416,7 +418,7 @@ def choose(b: Bench, rows: Sequence[str]) -> None:
             choice = Choice(**json.loads(path.read_text()))
         else:
             (choice,) = choose_modes(
-                b.study, {prior: stages}, b.splits.selection, b.private, b.device
+                b.study, {prior: stages}, b.splits.selection, b.private, b.device, b.inputs
             ).values()
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(choice.__dict__))
@@ -435,7 +437,7 @@ def encoder_features(key: str) -> Callable[[Bench, int], Features]:
         s = b.splits
         records = {"train": s.private, "test": s.test, "centre": s.centre, "selection": s.selection}
         x = {
-            what: embed(encoder, d, choice.mode, f"{repo.name} {what}")
+            what: embed(encoder, d, choice.mode, f"{repo.name} {what}", b.inputs)
             for what, d in records.items()
         }
         return Features(

@@ -482,7 +482,7 @@ def _compare(
     from vip_hub.repo.heads import HeadInfo, save_head
 
     from .recipes.probe import right_answers, top1_result
-    from .study.features import embed
+    from .study.features import Inputs, embed
     from .study.heads import HeadKind, dp_head, dp_head_draws
     from .study.selection import choose_features, choose_modes
     from .study.table import chance_test, paired
@@ -501,7 +501,8 @@ def _compare(
     readers: dict[Path, list[list[DPStage]]] = {}
     for e in PUBLISHED:
         readers.setdefault(origin[e], []).append(stages[e])
-    chosen = choose_modes(cfg, readers, splits.selection, private)
+    inputs = Inputs()  # each split preprocessed once per data configuration, not per encoder
+    chosen = choose_modes(cfg, readers, splits.selection, private, inputs=inputs)
     y, y_test = torch.as_tensor(private.labels), torch.as_tensor(splits.test.labels)
 
     def release(
@@ -511,7 +512,7 @@ def _compare(
         ``cfg.head_draws`` times, their mean released in ``e``'s repo; its row (``model``, its
         features ``how``) joins ``rows``; returns every draw's right answers (draws, records)."""
         x, x_test, x_centre = (
-            embed(reader, d, mode, f"{e.name} {what}")
+            embed(reader, d, mode, f"{e.name} {what}", inputs)
             for d, what in ((private, "private"), (splits.test, "test"), (splits.centre, "centre"))
         )
         head = partial(
@@ -562,7 +563,10 @@ def _compare(
         answers[e] = release(e, HEAD, choice.mode, choice.head, loaded[e], model, choice.describe())
     syn = loaded[SYN_VIP]  # raw pixels: its preprocessing, none of its weights
     raw = choose_features(
-        cfg, {PIXELS: embed(syn, splits.selection, PIXELS)}, splits.selection, private
+        cfg,
+        {PIXELS: embed(syn, splits.selection, PIXELS, inputs=inputs)},
+        splits.selection,
+        private,
     )
     print(f"    raw pixels: {raw.shown()}", flush=True)
     note = raw.head_note()

@@ -59,6 +59,9 @@ class Encoder:
 
     model: VisionTransformer
     transform: Callable[[Image.Image], torch.Tensor]
+    data_config: Mapping[str, Any]
+    """What built ``transform`` (timm's ``resolve_data_config``: size, interpolation, crop, mean,
+    std): encoders whose data configurations are equal preprocess an image alike."""
     ledger: PrivacyLedger
     config: dict[str, Any]
     spec: EncoderSpec
@@ -228,14 +231,17 @@ def load_encoder(
         check_loaded_tensors(ledger, WEIGHTS_FILE, path / WEIGHTS_FILE, model.state_dict())
     model = model.to(device)
     check_feature_dims(config, model)
-    transform = create_transform(**resolve_data_config({}, model=model))
+    data_config = resolve_data_config({}, model=model)
+    transform = create_transform(**data_config)
     memory = None
     if spec.family.captions and (path / TEXT_DECODER_FILE).is_file():
         if verify:  # the memory is part of the file's digest: load all of it to check it
             memory = _text_decoder(path, (ledger, config), "cpu").memory.to(device)
         else:
             memory = load_image_memory(path / TEXT_DECODER_FILE, device)
-    return Encoder(model, transform, ledger, config, spec, path, memory, verified=verify)
+    return Encoder(
+        model, transform, data_config, ledger, config, spec, path, memory, verified=verify
+    )
 
 
 def _timm_model(path: Path, config_bytes: bytes | None) -> VisionTransformer:

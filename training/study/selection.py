@@ -26,6 +26,7 @@ from ..recipes.class_means import fit_class_means
 from ..recipes.probe import accuracy, component_count, public_components, selection_scores
 from .budget import head_epsilon
 from .config import StudyConfig
+from .features import Inputs
 from .heads import HeadKind, head_config, released_epsilon, released_sampling
 
 __all__ = ["Choice", "choose_features", "choose_head", "choose_modes", "sgd_scores"]
@@ -159,20 +160,21 @@ def choose_modes(
     selection: LabelledArrays,
     private: LabelledArrays,
     device: str = "cpu",
+    inputs: Inputs | None = None,
 ) -> dict[Path, Choice]:
     """Each (Syn) encoder repo of ``readers`` (mapped to the DP stages on ``private`` of every
     encoder whose heads read its choice: none for the (Syn) encoder itself) with its mode and
     head kind (``choose_features``), chosen on the ``selection`` records for a head on
-    ``private`` after the most spent of those stages."""
+    ``private`` after the most spent of those stages; ``inputs`` keeps the records preprocessed
+    for a run's later reads."""
     n, dataset = len(private), private.dataset.name
-    images = [selection.pil(i) for i in range(len(selection))]
+    inputs = inputs or Inputs()
     out = {}
     for prior, stages in readers.items():
         spent = min(stages, key=lambda s: released_epsilon(cfg, "sgd", n, dataset, s))
         encoder = load_encoder(prior, device=device)
-        choice = choose_features(
-            cfg, encoder.embed(images, encoder.encoder_poolings), selection, private, spent
-        )
+        feats = encoder.embed(inputs(encoder, selection), encoder.encoder_poolings)
+        choice = choose_features(cfg, feats, selection, private, spent)
         out[prior] = choice = replace(choice, prior=prior.name)
         print(f"    {prior.name}: {choice.shown()}", flush=True)
     return out

@@ -196,3 +196,41 @@ def test_the_mean_head_averages_the_draws_logits_and_refuses_other_normalisation
     heads[1].norm.running_mean.fill_(0.25)
     with pytest.raises(ConfigError, match="normalised differently"):
         mean_head(heads)
+
+
+def test_inputs_preprocess_each_split_once_per_data_configuration(monkeypatch) -> None:
+    """``Inputs``: encoders sharing a data configuration read one preprocessing of a split, and
+    their features (in every chunk, across chunk edges) are bit for bit those of the images."""
+    from dataclasses import replace
+
+    from timm.data import create_transform
+
+    from training.data.labelled import LabelledArrays
+    from training.priors import prior_path
+    from training.study import features
+    from vip_hub.loading import Encoder, load_encoder
+
+    monkeypatch.setattr(features, "CHUNK", 50)  # three chunks, the last one short
+    rng = np.random.default_rng(0)
+    data = LabelledArrays(
+        rng.integers(0, 256, (120, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 120),
+        tuple("abcdefghij"),
+        Dataset(name="test/grey", size=120),
+    )
+    vip = load_encoder(prior_path("vip-nano-scatter"))
+    twin = load_encoder(prior_path("vip-nano-scatter"))
+    grey = {**vip.data_config, "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
+    other = replace(vip, data_config=grey, transform=create_transform(**grey))
+    made = []
+    real = Encoder.preprocess
+    monkeypatch.setattr(Encoder, "preprocess", lambda e, im: made.append(e) or real(e, im))
+    inputs = features.Inputs()
+    for encoder in (vip, twin, other):
+        for mode in ("avg", "pixels"):
+            plain = features.embed(encoder, data, mode)
+            assert torch.equal(features.embed(encoder, data, mode, inputs=inputs), plain)
+    # the plain reads (3 encoders, 2 modes, 3 chunks), then vip's configuration's and grey's
+    assert len(made) == 3 * 2 * 3 + 3 + 3
+    assert torch.equal(inputs(twin, data), inputs(vip, data))
+    assert not torch.equal(inputs(other, data), inputs(vip, data))
