@@ -37,13 +37,15 @@ class Inputs:
         """``data``'s records as ``encoder`` preprocesses them, (N, 3, H, W) on the CPU."""
         key = (json.dumps(encoder.data_config, sort_keys=True), id(data))
         if key not in self._done:  # the dataset is kept with its tensors, so its id stays its own
-            chunks = range(0, len(data), CHUNK)
-            images = (
-                encoder.preprocess([data.pil(i) for i in range(s, min(s + CHUNK, len(data)))])
-                for s in tqdm(chunks, desc="preprocess", unit="chunk", leave=False)
-            )
-            self._done[key] = (data, torch.cat(list(images)))
+            chunks = tqdm(range(0, len(data), CHUNK), desc="preprocess", unit="chunk", leave=False)
+            images = [encoder.preprocess(_images(data, s)) for s in chunks]
+            self._done[key] = (data, torch.cat(images))
         return self._done[key][1]
+
+
+def _images(data: LabelledArrays, start: int) -> list[Image.Image]:
+    """The chunk of ``data`` from record ``start`` as PIL images."""
+    return [data.pil(i) for i in range(start, min(start + CHUNK, len(data)))]
 
 
 def embed(
@@ -55,12 +57,9 @@ def embed(
 ) -> torch.Tensor:
     """``encoder``'s ``mode`` features of every record of ``data`` (N, D), on the CPU; with
     ``inputs``, from its preprocessed records (the same features, computed in the same batches)."""
+    ready = inputs(encoder, data) if inputs is not None else None
     parts = []
     for start in tqdm(range(0, len(data), CHUNK), desc=desc, unit="chunk", leave=False):
-        stop = min(start + CHUNK, len(data))
-        if inputs is None:
-            batch: list[Image.Image] | torch.Tensor = [data.pil(i) for i in range(start, stop)]
-        else:
-            batch = inputs(encoder, data)[start:stop]
+        batch = _images(data, start) if ready is None else ready[start : start + CHUNK]
         parts.append(encoder.embed(batch, mode).cpu())
     return torch.cat(parts)
