@@ -101,23 +101,26 @@ def browser(chromium: str, chromedriver: str, profile: Path) -> Iterator[Browser
     )
     url = f"http://127.0.0.1:{port}"
     session = None
+    # one client for the session's requests (a client per request loads the CA bundle each time)
+    client = httpx.Client(timeout=120)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/status", timeout=1).json()["value"]["ready"]:
+                if client.get(url + "/status", timeout=1).json()["value"]["ready"]:
                     break
             time.sleep(0.05)
         options = {"binary": chromium, "args": [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]}
         caps = {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}
-        reply = httpx.post(url + "/session", json={"capabilities": caps}, timeout=120)
+        reply = client.post(url + "/session", json={"capabilities": caps})
         assert reply.status_code == 200, reply.text
         session = f"{url}/session/{reply.json()['value']['sessionId']}"
-        yield Browser(session)
+        yield Browser(session, client)
     finally:
         if session:
             with contextlib.suppress(httpx.HTTPError):
-                httpx.delete(session, timeout=30)
+                client.delete(session, timeout=30)
+        client.close()
         driver.terminate()
         driver.wait(30)
 
@@ -125,16 +128,16 @@ def browser(chromium: str, chromedriver: str, profile: Path) -> Iterator[Browser
 class Browser:
     """A Chromium session driven over the W3C WebDriver protocol (plain HTTP)."""
 
-    def __init__(self, session: str):
-        self.session = session
+    def __init__(self, session: str, client: httpx.Client):
+        self.session, self.client = session, client
 
     def open(self, url: str) -> None:
-        reply = httpx.post(self.session + "/url", json={"url": url}, timeout=120)
+        reply = self.client.post(self.session + "/url", json={"url": url})
         assert reply.status_code == 200, reply.text
 
     def run(self, function: str) -> Any:
         body = {"script": f"return ({function})();", "args": []}
-        reply = httpx.post(self.session + "/execute/sync", json=body, timeout=120)
+        reply = self.client.post(self.session + "/execute/sync", json=body)
         assert reply.status_code == 200, reply.text
         return reply.json()["value"]
 
@@ -157,7 +160,7 @@ def test_every_page_opens_in_a_browser_without_a_broken_link(tmp_path):
     chromium = debian_program("chromium", "chromium", "/usr/bin/chromium")
     chromedriver = debian_program("chromedriver", "chromium-driver", "/usr/bin/chromedriver")
     facts: dict[str, dict[str, Any]] = {}
-    with serve(site) as base:
+    with serve(site) as base, httpx.Client(timeout=30) as client:
         with browser(chromium, chromedriver, tmp_path / "profile") as chrome:
             for page in pages:
                 chrome.open(base + page)
@@ -165,6 +168,7 @@ def test_every_page_opens_in_a_browser_without_a_broken_link(tmp_path):
         empty = {p: f["text"] for p, f in facts.items() if not f["h1"] or f["text"] < MIN_TEXT}
         assert not empty, f"pages without a title or text: {empty}"
         broken, linked = [], set()
+        fetch = functools.cache(lambda path: client.get(base + path).status_code)
         for page, f in facts.items():
             for link in f["links"]:
                 target, anchor = urldefrag(link)
@@ -175,7 +179,7 @@ def test_every_page_opens_in_a_browser_without_a_broken_link(tmp_path):
                 if path in facts:
                     if anchor and anchor not in facts[path]["ids"]:
                         broken.append(f"{page} -> {path}#{anchor} (no such anchor)")
-                elif httpx.get(base + path, timeout=30).status_code != 200:
+                elif fetch(path) != 200:
                     broken.append(f"{page} -> {path}")
         assert not broken, "broken internal links:\n" + "\n".join(sorted(set(broken)))
     # every page is reachable from another one (the navigation), none is an orphan
