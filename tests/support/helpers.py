@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -267,8 +269,18 @@ def _stated(ledger: PrivacyLedger) -> list[str]:
 
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:
+    """A random vip-nano (32 px) initialised from ``seed``, leaving torch's generator where the
+    initialisation left it: a copy of the one built once per process (building it takes the
+    suite about 50 CPU-s of weight initialisation)."""
+    built, state = _tiny_encoder(seed)
+    torch.set_rng_state(state)
+    return copy.deepcopy(built)
+
+
+@functools.cache
+def _tiny_encoder(seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(seed)
-    return create_encoder(TINY, mae_init=True).eval()
+    return create_encoder(TINY, mae_init=True).eval(), torch.get_rng_state()
 
 
 def tiny_repo_with_head(folder: Path, seed: int = 0, dp: bool = True) -> Path:
