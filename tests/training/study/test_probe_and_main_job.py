@@ -596,7 +596,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
         dpcap_steps=2,
         dp_batch_size=32,
         contrastive_steps=2,
-        contrastive_batch_size=16,
+        contrastive_batch_size=8,
         probe_epochs=3,
         workers=0,
         serve=False,
