@@ -132,8 +132,15 @@ class Browser:
         self.session, self.client = session, client
 
     def open(self, url: str) -> None:
+        """Navigate to ``url`` and wait until its document has loaded: chromedriver can answer
+        the navigation while the previous page's document is still the one scripts see."""
         reply = self.client.post(self.session + "/url", json={"url": url})
         assert reply.status_code == 200, reply.text
+        loaded = f"() => location.href === {json.dumps(url)} && document.readyState === 'complete'"
+        deadline = time.monotonic() + 60
+        while not self.run(loaded):
+            assert time.monotonic() < deadline, f"{url} did not load"
+            time.sleep(0.02)
 
     def run(self, function: str) -> Any:
         body = {"script": f"return ({function})();", "args": []}
