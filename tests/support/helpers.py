@@ -270,8 +270,8 @@ def _stated(ledger: PrivacyLedger) -> list[str]:
 
 def tiny_encoder(seed: int = 0) -> torch.nn.Module:
     """A random vip-nano (32 px) initialised from ``seed``, leaving torch's generator where the
-    initialisation left it: a copy of the one built once per process (building it takes the
-    suite about 50 CPU-s of weight initialisation)."""
+    initialisation left it: a copy of the one built once per process (its weight
+    initialisation, not the copy, is what costs)."""
     built, state = _tiny_encoder(seed)
     torch.set_rng_state(state)
     return copy.deepcopy(built)

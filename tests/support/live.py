@@ -373,8 +373,8 @@ class ProcessServer:
                 stderr=log,
             )
         deadline = time.monotonic() + 120
-        # one client for the polls: a client per poll loads the CA bundle each time (about 50 ms
-        # of CPU, ten times a second, taken from the server starting beside it)
+        # one client for the polls: a client per poll loads the CA bundle each time, ten times
+        # a second, on the CPU the server starting beside it needs
         with httpx.Client(timeout=1) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
