@@ -10,11 +10,13 @@ object."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -235,27 +237,34 @@ def test_what_one_replica_issued_the_other_honours(replicas, shared, tmp_path, m
 
 
 @pytest.fixture(scope="module")
-def faulty(replicas, shared, seaweed, tmp_path_factory):
-    """nginx in front of the second replica and of a port where each fault test starts a
-    replica armed to die at a crash point; ``crash/replicas`` published through it."""
-    port = free_port()
-    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{replicas[1].port}"]
-    lb = Nginx(tmp_path_factory.mktemp("nginx-faults"), free_port(), addresses, addresses).start()
+def crash_repo(replicas, tmp_path_factory) -> str:
+    """``crash/replicas``, published to the second replica (the one every fault test keeps)."""
+    folder = tiny_repo_with_head(tmp_path_factory.mktemp("crash") / "vip-nano-crash", dp=False)
+    api = HfApi(endpoint=replicas[1].url, token=WRITE_TOKEN)
+    api.create_repo("crash/replicas")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        api.upload_folder(repo_id="crash/replicas", folder_path=folder, commit_message="v1")
+    return "crash/replicas"
+
+
+@contextlib.contextmanager
+def _armed(
+    shared: dict[str, str], folder: Path, other: ProcessServer, step: str
+) -> Iterator[tuple[Nginx, ProcessServer]]:
+    """A hub replica that dies (as under SIGKILL) when it reaches ``step``, and nginx in front
+    of it and ``other``, started once it answers: a balancer that never saw it down (nginx
+    skips a replica it saw fail for the shipped ``fail_timeout``, 10 s)."""
+    armed = ProcessServer(folder / "armed", extra_env={**shared, CRASH_ENV: step}).start()
     try:
-        folder = tiny_repo_with_head(tmp_path_factory.mktemp("crash") / "vip-nano-crash", dp=False)
-        api = HfApi(endpoint=lb.url, token=WRITE_TOKEN)
-        api.create_repo("crash/replicas")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
-            api.upload_folder(repo_id="crash/replicas", folder_path=folder, commit_message="v1")
-        yield lb, port
+        addresses = [f"127.0.0.1:{armed.port}", f"127.0.0.1:{other.port}"]
+        lb = Nginx(folder / "nginx", free_port(), addresses, addresses).start()
+        try:
+            yield lb, armed
+        finally:
+            lb.stop()
     finally:
-        lb.stop()
-
-
-def _armed(shared: dict[str, str], folder: Path, port: int, step: str) -> ProcessServer:
-    """A hub replica on ``port`` that dies (as under SIGKILL) when it reaches ``step``."""
-    return ProcessServer(folder, port=port, extra_env={**shared, CRASH_ENV: step}).start()
+        armed.stop()
 
 
 def _next_goes_to_armed(lb: Nginx, other: ProcessServer) -> None:
@@ -280,49 +289,41 @@ def _head_names(lb: Nginx, path: str, data: bytes) -> None:
 
 
 def test_upload_killed_midway_completes_on_the_other_replica(
-    faulty, replicas, shared, seaweed, postgres, tmp_path
+    crash_repo, replicas, shared, seaweed, postgres, tmp_path
 ):
-    lb, port = faulty
-    armed = _armed(shared, tmp_path / "armed", port, "upload-partial")
-    try:
+    with _armed(shared, tmp_path, replicas[1], "upload-partial") as (lb, armed):
         data = random_text(3 * 1024 * 1024)
-        verify = _batch(lb.url, "crash/replicas", data)
+        verify = _batch(lb.url, crash_repo, data)
         _next_goes_to_armed(lb, replicas[1])
         # the armed replica dies while it hashes the staged object: nginx answers 502
         assert _verify(verify, data).status_code == 502
         assert armed.proc is not None and armed.proc.wait(30) == CRASH_STATUS
         # the client sends it again through nginx; the other replica checks it and completes
         assert _verify(verify, data).status_code == 200
-        assert _commit(lb.url, "crash/replicas", lfs_lines("extra/upload.txt", data)).is_success
-    finally:
-        armed.stop()
-    _head_names(lb, "extra/upload.txt", data)
+        assert _commit(lb.url, crash_repo, lfs_lines("extra/upload.txt", data)).is_success
+        _head_names(lb, "extra/upload.txt", data)
     assert _objects_verified(seaweed, postgres) > 0
 
 
 @pytest.mark.parametrize("step", ["commit-blobs-stored", "commit-indexed"])
 def test_commit_killed_midway_completes_on_the_other_replica(
-    faulty, replicas, shared, seaweed, postgres, tmp_path, step
+    crash_repo, replicas, shared, seaweed, postgres, tmp_path, step
 ):
-    lb, port = faulty
     data = random_text(1024 * 1024)
-    assert _verify(_batch(lb.url, "crash/replicas", data), data).status_code == 200
-    body = lfs_lines(f"extra/{step}.txt", data)
-    before = HfApi(endpoint=lb.url).model_info("crash/replicas").sha
-    armed = _armed(shared, tmp_path / "armed", port, step)
-    try:
+    with _armed(shared, tmp_path, replicas[1], step) as (lb, armed):
+        assert _verify(_batch(lb.url, crash_repo, data), data).status_code == 200
+        body = lfs_lines(f"extra/{step}.txt", data)
+        before = HfApi(endpoint=lb.url).model_info(crash_repo).sha
         _next_goes_to_armed(lb, replicas[1])
-        assert _commit(lb.url, "crash/replicas", body).status_code == 502  # died mid-commit
+        assert _commit(lb.url, crash_repo, body).status_code == 502  # died mid-commit
         assert armed.proc is not None and armed.proc.wait(30) == CRASH_STATUS
-        again = _commit(lb.url, "crash/replicas", body)  # sent again: the other replica
+        again = _commit(lb.url, crash_repo, body)  # sent again: the other replica
         assert again.status_code == 200, again.text
-    finally:
-        armed.stop()
-    history = [c.commit_id for c in HfApi(endpoint=lb.url).list_repo_commits("crash/replicas")]
+        history = [c.commit_id for c in HfApi(endpoint=lb.url).list_repo_commits(crash_repo)]
+        _head_names(lb, f"extra/{step}.txt", data)
     made = history[: history.index(before)]
     # killed before its index transaction: one commit; after it: the first and the resent one
     assert len(made) == (2 if step == "commit-indexed" else 1)
-    _head_names(lb, f"extra/{step}.txt", data)
     assert _objects_verified(seaweed, postgres) > 0
 
 
