@@ -139,7 +139,11 @@ class MainJobConfig(StudyConfig):
     )
     workers: int = Field(1, ge=0, description="data-loading processes")
     serve: bool = Field(
-        True, description="keep serving after publishing (--no-serve: stop, e.g. in tests)"
+        True,
+        description=(
+            "keep serving after publishing (--no-serve: publish to a hub started without "
+            "inference, then stop, e.g. in tests)"
+        ),
     )
     restart: bool = Field(False, description="delete the work folder first (the hub store is kept)")
 
@@ -698,6 +702,8 @@ def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subproce
         cfg.host,
         "--port",
         str(cfg.port),
+        # publishing alone (--no-serve) needs the hub, not the models: no torch in the server
+        *([] if cfg.serve else ["--no-inference"]),
     ]
     print(f"[*] starting the server: {' '.join(cmd[2:])}", flush=True)
     server = subprocess.Popen(cmd, env=env)

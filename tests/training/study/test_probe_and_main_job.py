@@ -736,6 +736,7 @@ def test_main_job_trains_compares_publishes_and_skips_done_steps(
     }
     assert len(vip_family) == 1, rows  # (Syn)-ViP, ViP, Logit-DP and Naive-DP read one mode
     assert "Job wall time" in out and "load average" in out
+    assert "serve --store" in out and "--no-inference" in out  # publishing alone: the hub only
     assert (
         "HF_ENDPOINT=http://127.0.0.1:" in out and "/v1/embeddings" in out and "/v1/captions" in out
     )
