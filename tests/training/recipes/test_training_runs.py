@@ -41,6 +41,7 @@ from training.recipes.vip import VipConfig, train_vip
 from training.skeleton.checkpoint import save_checkpoint
 from training.skeleton.config import run_folder
 from training.skeleton.run import LOCK_FILE
+from vip_hub.cli.main import main
 from vip_hub.errors import (
     AccountingError,
     AuditError,
@@ -362,7 +363,9 @@ def test_a_trial_keeps_the_weights_the_run_would_release_and_writes_nothing(
     assert not outside and (tmp_path / "c" / WEIGHTS_FILE).is_file()  # the block ended
 
 
-def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: Path) -> None:
+def test_bad_inputs_name_what_is_wrong(
+    syn_repo: Path, images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "x"
     with pytest.raises(DataError, match="dataset-size 41"):
         train_vip(vip_config(syn_repo, images, out, seed=0, dataset_size=41))
@@ -407,45 +410,23 @@ def test_bad_inputs_name_what_is_wrong(syn_repo: Path, images: Path, tmp_path: P
                 decoder_warmup=2,
             )
         )
-    r = subprocess.run(
-        [
-            str(BIN / "vip-hub"),
-            "train-vip",
-            "--init",
-            str(syn_repo),
-            "--data",
-            str(images),
-            "--out",
-            str(tmp_path / "y"),
-            "--batch-size",
-            "0",
-            "--dataset-name",
-            "test/images",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 1 and "--batch-size: Input should be greater than 0" in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run(
-        [
-            str(BIN / "vip-hub"),
-            "train-vip",
-            "--init",
-            str(syn_repo),
-            "--data",
-            str(images),
-            "--out",
-            str(tmp_path / "y"),
-            "--dataset-name",
-            "images",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert (
-        r.returncode == 1 and "--dataset-name: String should match pattern" in r.stderr
-    )  # a namespace: org/name
+    cli = [
+        "train-vip",
+        "--init",
+        str(syn_repo),
+        "--data",
+        str(images),
+        "--out",
+        str(tmp_path / "y"),
+    ]
+    for bad, message in (
+        (["--batch-size", "0"], "--batch-size: Input should be greater than 0"),
+        (["--dataset-name", "images"], "--dataset-name: String should match pattern"),  # org/name
+    ):
+        capsys.readouterr()
+        assert main([*cli, "--dataset-name", "test/images", *bad]) == 1
+        err = capsys.readouterr().err  # one line naming the setting, as `vip-hub train-vip` prints
+        assert message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(DataError, match="no images"):
         (tmp_path / "empty").mkdir()
         train_vip(vip_config(syn_repo, tmp_path / "empty", out, seed=0))
