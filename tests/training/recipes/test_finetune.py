@@ -33,6 +33,7 @@ from training.recipes.finetune import (
     classifier,
     train_finetune,
 )
+from vip_hub.cli.main import main
 from vip_hub.errors import CheckpointError, ConfigError, DataError
 from vip_hub.loading import load_encoder
 from vip_hub.models.features import extract_features
@@ -546,7 +547,7 @@ def _train_cli(syn_repo: Path, data: tuple[Path, Path], out: Path, settings: dic
 
 
 def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
-    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+    syn_repo: Path, data: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``vip-hub train-finetune --trainable-blocks all`` on the generated subsample: the repo
     verifies, plain timm loads it, and the head's published top-1 is what the released encoder's
@@ -556,8 +557,7 @@ def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
     out = tmp_path / "vip-nano-whole"
     settings = {**RUN_ARGS, **WHOLE_ARGS, "seed": 7, "audit_canaries": 0}
     _train_cli(syn_repo, data, out, settings)
-    verified = subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert main(["verify", str(out)]) == 0, capsys.readouterr()  # `vip-hub verify`
     model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     encoder = load_encoder(out)
     for key, value in encoder.model.state_dict().items():
@@ -574,14 +574,12 @@ def test_the_cli_whole_encoder_run_verifies_loads_in_timm_and_classifies(
 
 @pytest.mark.slow
 def test_the_cli_run_on_a_generated_subsample_verifies_and_classifies_through_the_hub(
-    hub, syn_repo: Path, data: tuple[Path, Path], tmp_path: Path
+    hub, syn_repo: Path, data: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "vip-nano-ft"
     settings = {**RUN_ARGS, "pooling": "vip", "seed": 7}
     _train_cli(syn_repo, data, out, settings)
-    assert (
-        subprocess.run([BIN / "vip-hub", "verify", str(out)], capture_output=True).returncode == 0
-    )
+    assert main(["verify", str(out)]) == 0, capsys.readouterr()  # `vip-hub verify`
     before, after = load_file(syn_repo / WEIGHTS_FILE), load_file(out / WEIGHTS_FILE)
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("fc_norm."))
 
