@@ -22,6 +22,8 @@ from support.helpers import PROJECT_README, ROOT
 from vip_hub.privacy.ledger import PrivacyLedger
 
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+PIP = [sys.executable, "-m", "pip", "--python"]
+"""This venv's pip, run on another environment's Python (pip >= 22.3): that one needs no pip."""
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +116,13 @@ print(json.dumps({"ok": report.ok, "shape": list(out.shape), "epsilon": encoder.
 def test_core_install_alone_loads_and_verifies_a_repo(
     wheel: Path, tiny_repo: Path, tmp_path: Path
 ) -> None:
-    # A fresh environment with nothing but Python; torch and torchvision (several GB, on this
-    # machine's disk) are linked in rather than installed again; pip installs the rest of the
-    # core requirements from the package index. Every command runs in tmp_path: from the
-    # checkout, `python -c`/`-m` would put its source tree and vip_hub.egg-info on sys.path.
+    # A fresh environment with nothing but Python (not even pip: this one, run with --python,
+    # installs into it); torch and torchvision (several GB, on this machine's disk) are linked in
+    # rather than installed again; pip installs the rest of the core requirements from the
+    # package index. Every command runs in tmp_path: from the checkout, `python -c`/`-m` would
+    # put its source tree and vip_hub.egg-info on sys.path.
     env_dir = tmp_path / "core-venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     linked = tmp_path / "torch-site"
     linked.mkdir()
     site = Path(metadata.distribution("torch").locate_file(""))
@@ -139,7 +142,7 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     done = subprocess.run(
         # --no-compile: the script below imports a few of the modules once; compiling every
         # installed file to bytecode first would cost more than it saves
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+        [*PIP, str(python), "install", "-q", "--disable-pip-version-check", "--no-compile"]
         + [str(wheel)],
         capture_output=True,
         cwd=tmp_path,
@@ -148,7 +151,7 @@ def test_core_install_alone_loads_and_verifies_a_repo(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     check = subprocess.run(
-        [str(python), "-m", "pip", "check"], capture_output=True, cwd=tmp_path, text=True
+        [*PIP, str(python), "check"], capture_output=True, cwd=tmp_path, text=True
     )
     assert check.returncode == 0, check.stdout
     run = subprocess.run(
