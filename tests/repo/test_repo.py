@@ -364,16 +364,12 @@ def test_card_parses_with_huggingface_hub(tiny_repo):
         assert phrase in text
 
 
-def test_verify_passes_and_cli(tiny_repo):
+def test_verify_passes_and_cli(tiny_repo, capsys):
     report = verify_repo(tiny_repo)
     assert report.ok, report.problems
     assert "epsilon recomputed (rdp, prv, pld)" in report.checks
-    script = Path(sys.executable).with_name("vip-hub")
-    r = subprocess.run(
-        [str(script), "verify", str(tiny_repo), "--json"], capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = json.loads(r.stdout)
+    assert main(["verify", str(tiny_repo), "--json"]) == 0, capsys.readouterr()  # `vip-hub verify`
+    out = json.loads(capsys.readouterr().out)
     assert out["ok"] and all(
         out["recomputed"][f"dp-pretraining/{a}"] > 0 for a in ("rdp", "prv", "pld")
     )

@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -362,30 +360,15 @@ def test_auth(hub, tmp_path):
 
 
 def test_push_cli(hub, tmp_path, capsys):
-    folder = tiny_repo_with_head(tmp_path / "cli")
-    script = Path(sys.executable).with_name("vip-hub")
-    r = subprocess.run(
-        [
-            str(script),
-            "push",
-            str(folder),
-            "cli/model",
-            "--endpoint",
-            hub.url,
-            "--token",
-            WRITE_TOKEN,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "pushed" in r.stdout and HfApi().model_info("cli/model").sha in r.stdout
-    (folder / CONFIG_FILE).write_text("{}")
     from vip_hub.cli.main import main
 
-    assert (
-        main(["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]) == 1
-    )
+    folder = tiny_repo_with_head(tmp_path / "cli")
+    push = ["push", str(folder), "cli/model", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    assert main(push) == 0, capsys.readouterr().err  # `vip-hub push`
+    out = capsys.readouterr().out
+    assert "pushed" in out and HfApi().model_info("cli/model").sha in out
+    (folder / CONFIG_FILE).write_text("{}")
+    assert main(push) == 1
     assert "does not verify, nothing was pushed" in capsys.readouterr().err
 
 
