@@ -379,7 +379,7 @@ def test_the_noise_reaches_past_5_77_sigma_as_often_as_a_gaussian() -> None:
     for step in range(60):
         flat.zero_()
         add_gaussian_noise(flat, 1.0, SECRET, step)
-        beyond += int((flat.abs() > 5.77).sum())
+        beyond += int(flat.abs_().gt_(5.77).sum())  # in place: a bool tensor's sum is 15x slower
         draws += len(flat)
     expected = draws * 2 * stats.norm.sf(5.77)
     assert 15 < expected < 17
