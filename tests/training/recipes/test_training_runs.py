@@ -410,21 +410,12 @@ def test_bad_inputs_name_what_is_wrong(
                 decoder_warmup=2,
             )
         )
-    cli = [
-        "train-vip",
-        "--init",
-        str(syn_repo),
-        "--data",
-        str(images),
-        "--out",
-        str(tmp_path / "y"),
-    ]
     for bad, message in (
         (["--batch-size", "0"], "--batch-size: Input should be greater than 0"),
         (["--dataset-name", "images"], "--dataset-name: String should match pattern"),  # org/name
     ):
         capsys.readouterr()
-        assert main([*cli, "--dataset-name", "test/images", *bad]) == 1
+        assert main([*dp_command(syn_repo, images, tmp_path / "y")[1:], *bad]) == 1  # the last wins
         err = capsys.readouterr().err  # one line naming the setting, as `vip-hub train-vip` prints
         assert message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(DataError, match="no images"):
