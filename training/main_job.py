@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field
 
+from vip_hub.cli.main import unavailable
 from vip_hub.errors import (
     AuditError,
     ConfigError,
@@ -274,6 +275,12 @@ def run_main_job(cfg: MainJobConfig) -> int:
     from .recipes.vip import VipConfig, train_vip
 
     began = time.monotonic()
+    why = unavailable("serve")
+    if why is not None:  # said now, not after the training steps
+        raise ConfigError(
+            f"the main job publishes through a hub it starts, and `vip-hub serve` cannot run "
+            f"here: {why}; the job needs every extra: pip install 'vip-hub[all]'"
+        )
     work = Path(cfg.work_dir)
     if cfg.restart and work.exists():
         shutil.rmtree(work)

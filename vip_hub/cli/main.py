@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import VipHubError
 
-__all__ = ["CommandParser", "add_command", "main", "require_extra"]
+__all__ = ["CommandParser", "add_command", "main", "require_extra", "unavailable"]
 
 
 def require_extra(extra: str, *modules: str) -> None:
@@ -94,17 +94,32 @@ def add_command(
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with every installed sub-command, or only the plugin's named ``command`` if an
     entry point has that name and registers that command."""
-    plugins = sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name)
+    plugins = _plugins()
     named = [ep for ep in plugins if ep.name == command]
     if named:
-        parser, sub = _parser(named)
+        parser, sub, _ = _parser(named)
         if command in sub.choices:
             return parser
     return _parser(plugins)[0]
 
 
-def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any]:
-    """A parser with the sub-commands ``plugins`` register, and its sub-parsers."""
+def unavailable(command: str) -> str | None:
+    """Why sub-command ``command`` cannot run here (its plugin's error: a missing extra), or None
+    when the installed plugin named like it registers it."""
+    _, sub, broken = _parser([ep for ep in _plugins() if ep.name == command])
+    if command in sub.choices:
+        return None
+    return "; ".join(broken) or f"no installed plugin registers `vip-hub {command}`"
+
+
+def _plugins() -> list[EntryPoint]:
+    """The installed ``vip_hub.commands`` entry points, by name."""
+    return sorted(entry_points(group="vip_hub.commands"), key=lambda e: e.name)
+
+
+def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any, list[str]]:
+    """A parser with the sub-commands ``plugins`` register, its sub-parsers, and each plugin that
+    could not register with its error."""
     parser = argparse.ArgumentParser(
         prog="vip-hub",
         description=(
@@ -120,7 +135,7 @@ def _parser(plugins: Sequence[EntryPoint]) -> tuple[argparse.ArgumentParser, Any
             broken.append(f"{ep.name} ({e})")
     if broken:
         parser.epilog = "unavailable commands: " + "; ".join(broken)
-    return parser, sub
+    return parser, sub, broken
 
 
 USER_FIXABLE = frozenset(

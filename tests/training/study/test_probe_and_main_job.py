@@ -892,3 +892,18 @@ def test_a_step_whose_audit_flags_it_twice_says_the_engine_is_broken(tmp_path):
     assert "resumes from its last checkpoint" not in message
     with pytest.raises(StepFailed, match="resumes from its last checkpoint"):
         steps.run("ViP", {}, [out], lambda: 1 / 0)
+
+
+def test_the_job_without_the_serve_extra_says_so_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job publishes through a hub it starts (`vip-hub serve`): with the ``train`` extra
+    alone it trained every encoder, then failed as the server exited. It now says what to
+    install before writing anything."""
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the serve extra were not installed
+    work = tmp_path / "run"
+    with pytest.raises(ConfigError) as refused:
+        run_main_job(MainJobConfig(work_dir=str(work), store=str(tmp_path / "hub")))
+    message = str(refused.value)
+    assert "`vip-hub serve` cannot run here" in message and "vip-hub[serve]" in message, message
+    assert "pip install 'vip-hub[all]'" in message and not work.exists()
