@@ -67,8 +67,7 @@ def vip_shares(warmup: int, count: int) -> dict[str, Any]:
     mae, enc = load_mae(prior_path(JOB.syn_prior), shape)
     images, noise = (t[:count] for t in public_eval_batch(enc.spec, mae.num_patches))
     fresh = encoder_share(mae, images, noise)
-    cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
-    transform = mae_transform(enc.spec.img_size, tuple(cfg["mean"]), tuple(cfg["std"]))
+    transform = mae_transform(mae.encoder, enc.spec.img_size)
     losses = warm_decoder(mae, mae.encoder, transform, masked_loss(mae), warmup)
     return {
         "fresh": fresh,
@@ -96,8 +95,7 @@ def dpcap_shares(warmup: int, count: int) -> dict[str, Any]:
     captions = class_public_captions(FASHION_MNIST_CLASSES)
     texts = tokenizer.encode([captions[i % len(captions)] for i in range(len(images))])
     fresh = encoder_share(model, images, texts)
-    cfg = cast(dict[str, Any], init.model.pretrained_cfg)
-    transform = mae_transform(init.spec.img_size, tuple(cfg["mean"]), tuple(cfg["std"]))
+    transform = mae_transform(init.model, init.spec.img_size)
     loss = public_caption_loss(model, tokenizer, captions)
     losses = warm_decoder(model, model.encoder, transform, loss, warmup)
     return {

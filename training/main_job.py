@@ -71,7 +71,7 @@ from vip_hub.local_hub import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_STORE, Port
 from vip_hub.paths import write_private
 from vip_hub.privacy.audit import DEFAULT_BETA, DEFAULT_CANARIES, MAX_CANARIES
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger, privacy_headline
-from vip_hub.repo.files import update_repo
+from vip_hub.repo.files import DEFAULT_ORG, update_repo
 from vip_hub.repo.push import is_published, push_repo
 from vip_hub.repo.signing import (
     PRIVATE_SUFFIX,
@@ -108,7 +108,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PUBLISHED", "MainJobConfig", "run_main_job"]
 
-ORG = "vip"
+JOB_USER = "main-job"
+"""The job's user on its hub, a member of ``DEFAULT_ORG``, and its signing key's name."""
 HEAD = "fashion-mnist"
 """The name of the DP probe head every published encoder gets (its folder: ``head_component``)."""
 PIXELS_HEAD = "fashion-mnist-pixels"
@@ -252,7 +253,7 @@ class _Encoder:
 
     @property
     def repo_id(self) -> str:
-        return f"{ORG}/{self.name}"
+        return f"{DEFAULT_ORG}/{self.name}"
 
 
 SYN_VIP = _Encoder("vip-nano-syn", "(Syn)-ViP")
@@ -662,9 +663,9 @@ def _print_summary(cfg: MainJobConfig, comparison: dict[str, Any], seconds: floa
 
 def _signing_key(work: Path) -> Path:
     """The job's private signing key, kept in its work folder (made on the first run)."""
-    private = work / "signing" / f"main-job{PRIVATE_SUFFIX}"
+    private = work / "signing" / f"{JOB_USER}{PRIVATE_SUFFIX}"
     if not private.exists():
-        create_key(private.parent, "main-job", overwrite=True)
+        create_key(private.parent, JOB_USER, overwrite=True)
     return private
 
 
@@ -694,8 +695,8 @@ def _start_server(cfg: MainJobConfig, token: str, trusted_key: Path) -> subproce
     # the job's own user, a member of the organisation it publishes to
     env = {
         **os.environ,
-        "VIP_HUB_AUTH__TOKENS": f"main-job:write:{token}",
-        "VIP_HUB_AUTH__ORGS": json.dumps({ORG: ["main-job"]}),
+        "VIP_HUB_AUTH__TOKENS": f"{JOB_USER}:write:{token}",
+        "VIP_HUB_AUTH__ORGS": json.dumps({DEFAULT_ORG: [JOB_USER]}),
         "VIP_HUB_HUB__TRUSTED_KEYS": str(trusted_key),
     }  # the hub accepts what the job signed
     cmd = [

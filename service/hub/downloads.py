@@ -12,6 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from starlette import responses as starlette_responses
 
+from vip_hub.repo.artifacts import CHUNK
+
 from ..auth import Identity, identity
 from ..errors import BadRequest, PreconditionFailed, RangeNotSatisfiable
 from ..store.naming import validate_path, validate_revision
@@ -83,7 +85,7 @@ class BlobResponse(FileResponse):
     """A blob sent in 1 MiB reads (Starlette's 64 KiB cost a third of the throughput), with a
     bad or unsatisfiable ``Range`` answered in the service's error shape."""
 
-    chunk_size = 1 << 20
+    chunk_size = CHUNK
 
     @classmethod
     def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:

@@ -81,7 +81,6 @@ class Batcher:
         self._incoming = 0  # images announced by expect() and not yet submitted or withdrawn
         self._items: deque[WorkItem] = deque()
         self._queued = 0
-        self._busy = False
         self._closing = False
         self._stopped = False  # the worker has returned: nothing queued from now on would run
         self._cond = threading.Condition()

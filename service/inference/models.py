@@ -4,7 +4,7 @@ decoder (DP-Cap repos that caption), and the batcher that runs its forward passe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ class LoadedModel:
     device: torch.device = torch.device("cpu")
     captions: CaptioningModel | None = None
     batcher: Batcher | None = None
-    last_used: float = field(default_factory=time.monotonic)
     private: bool = False
 
     @property

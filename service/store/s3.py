@@ -25,6 +25,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from vip_hub.repo.artifacts import CHUNK
+
 from ..settings import ObjectStoreSettings
 from . import clock
 from .errors import InvalidRequest, StoreUnavailable, TooLarge
@@ -47,7 +49,6 @@ __all__ = [
     "upload_key",
 ]
 
-_CHUNK = 1 << 20
 _TRANSFER = TransferConfig(multipart_chunksize=64 << 20, multipart_threshold=64 << 20)
 _NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 _BAD_PARTS = frozenset({"InvalidPart", "InvalidPartOrder", "NoSuchUpload", "EntityTooSmall"})
@@ -249,7 +250,7 @@ class S3Objects:
                     raise FileNotFoundError(key) from None
                 raise
             with contextlib.closing(body):
-                for chunk in body.iter_chunks(_CHUNK):
+                for chunk in body.iter_chunks(CHUNK):
                     got += len(chunk)
                     if limit is not None and got > limit:
                         raise TooLarge(f"{key} holds more than the {limit} bytes announced")

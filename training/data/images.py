@@ -25,7 +25,7 @@ import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
-from typing import IO, Protocol, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 from PIL import Image
@@ -432,9 +432,12 @@ MAE_AUGMENTATION = f"random resized crop ({CROP_SCALE[0]:g}-{CROP_SCALE[1]:g}), 
 """What ``mae_transform`` does, in the words a ledger stage records."""
 
 
-def mae_transform(img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
-    """The reference MAE pretraining augmentation: random resized crop (0.2-1) and flip."""
-    return _augmented(img_size, mean, std)
+def mae_transform(encoder: torch.nn.Module, img_size: int) -> v2.Compose:
+    """The reference MAE pretraining augmentation: random resized crop (0.2-1) and flip, to
+    ``img_size``, then the timm ``encoder``'s normalisation (its ``pretrained_cfg`` mean, std)."""
+    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
+    cfg = cast(dict[str, Any], encoder.pretrained_cfg)
+    return _augmented(img_size, tuple(cfg["mean"]), tuple(cfg["std"]))
 
 
 def _augmented(

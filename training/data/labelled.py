@@ -50,6 +50,7 @@ from vip_hub.repo_format import VOCAB_FILE
 
 __all__ = [
     "CAPTION_TEMPLATE",
+    "DATA_DIR",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_PACKAGE",
     "FASHION_MNIST_TEST",
@@ -72,6 +73,8 @@ __all__ = [
 
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+DATA_DIR = Path("var/data")
+"""Where a dataset a package ships is fetched when it is missing and no folder is given."""
 FASHION_MNIST_CLASSES = (
     "T-shirt/top",
     "Trouser",
@@ -322,7 +325,7 @@ def _read_image_split(folder: Path) -> tuple[np.ndarray, np.ndarray]:
 def fashion_mnist(
     split: Literal["train", "test"],
     data: str | os.PathLike[str] | None = None,
-    work_dir: str | os.PathLike[str] = "var/data",
+    work_dir: str | os.PathLike[str] = DATA_DIR,
 ) -> LabelledArrays:
     """Fashion-MNIST's ``split`` from ``data`` (IDX folder or image folder) or the Debian package
     (fetched into ``work_dir`` when missing). Train is declared as the private

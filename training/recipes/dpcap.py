@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -153,10 +152,7 @@ def train_dpcap(cfg: DPCapConfig, dist: Dist | None = None) -> Path:
         )
     )
     model = Captioner(freeze_fixed_tokens(init.model.train(), spec), decoder).to(dist.device)
-    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
-    pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
-    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
-    transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
+    transform = mae_transform(init.model, spec.img_size)
     warm_fresh_decoder(
         run,
         model,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from pydantic import Field, field_validator
@@ -224,10 +224,7 @@ def train_logit_dp(cfg: LogitDPConfig, dist: Dist | None = None) -> Path:
     # micro_batch_size is None: each rank's whole Poisson sample is one clipper call
     engine = run.engine(model, clipper)
 
-    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
-    pretrained_cfg = cast(dict[str, Any], init.model.pretrained_cfg)
-    mean, std = pretrained_cfg["mean"], pretrained_cfg["std"]
-    transform = mae_transform(spec.img_size, tuple(mean), tuple(std))
+    transform = mae_transform(init.model, spec.img_size)
     augmented = Augmented(images, transform, run.seed)
 
     def load(index: int, step: int) -> tuple[torch.Tensor, ...]:

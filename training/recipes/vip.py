@@ -12,7 +12,6 @@ Run it with ``vip-hub train-vip ...`` or, on several processes or GPUs,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
 
 import torch
 from pydantic import Field
@@ -81,9 +80,7 @@ def train_vip(cfg: VipConfig, dist: Dist | None = None) -> Path:
     run.from_init(init)
     spec = init.spec
     mae.to(dist.device)
-    # set by timm's create_model (a Module's unknown attribute types as Tensor | Module)
-    pretrained_cfg = cast(dict[str, Any], mae.encoder.pretrained_cfg)
-    transform = mae_transform(spec.img_size, *(tuple(pretrained_cfg[k]) for k in ("mean", "std")))
+    transform = mae_transform(mae.encoder, spec.img_size)
     if cfg.decoder_warmup and (Path(init.path) / MAE_DECODER_FILE).is_file():
         raise ConfigError(
             f"--decoder-warmup trains a fresh decoder, and {cfg.init} has one ({MAE_DECODER_FILE})"

@@ -13,7 +13,7 @@ import numpy as np
 
 from vip_hub.errors import DataError
 
-from ..data.labelled import LabelledArrays, fashion_mnist
+from ..data.labelled import DATA_DIR, LabelledArrays, fashion_mnist
 from .config import StudyConfig
 
 __all__ = ["Splits", "study_splits"]
@@ -38,7 +38,7 @@ class Splits:
 def study_splits(
     cfg: StudyConfig,
     data: str | os.PathLike[str] | None = None,
-    work_dir: str | os.PathLike[str] = "var/data",
+    work_dir: str | os.PathLike[str] = DATA_DIR,
 ) -> Splits:
     """``cfg``'s splits of Fashion-MNIST from ``data`` (``fashion_mnist``: IDX or image folder,
     else the Debian package fetched into ``work_dir``); a DataError when the test split is

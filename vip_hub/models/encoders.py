@@ -91,7 +91,6 @@ class Family:
     decoder: dict[
         str, tuple[int, int, int]
     ]  # per size: the training decoder's (width, depth, heads)
-    decoder_kind: str  # what that decoder is, for people
     qkv_bias: bool
     pooled_norm: (
         bool  # final LayerNorm after pooling (timm fc_norm) rather than on every token (timm norm)
@@ -117,7 +116,6 @@ FAMILIES: dict[str, Family] = {
             title="ViP",
             heads={s: (16 if s == "large" else 12) for s in SIZES},
             decoder={s: (512, 4, 16) for s in SIZES},
-            decoder_kind="MAE decoder",
             qkv_bias=True,
             pooled_norm=True,
             frozen_tokens=False,
@@ -138,7 +136,6 @@ FAMILIES: dict[str, Family] = {
                 "base": (768, 6, 12),
                 "large": (768, 6, 12),
             },
-            decoder_kind="text decoder",
             qkv_bias=False,
             pooled_norm=False,
             frozen_tokens=True,

@@ -295,7 +295,7 @@ def nonfinite_in_file(path: Path) -> str | None:
             f.seek(8 + n + start)
             remaining = end - start
             while remaining:
-                chunk = f.read(min(1 << 20, remaining))  # whole elements: a power of two bytes
+                chunk = f.read(min(CHUNK, remaining))  # whole elements: a power of two bytes
                 if not chunk:
                     break  # truncated: the digest check names it
                 if nonfinite_count(chunk, entry["dtype"]):

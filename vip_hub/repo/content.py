@@ -67,6 +67,7 @@ from ..repo_format import (
     WEIGHTS_SUFFIX,
     FrontMatterLimits,
 )
+from .artifacts import CHUNK
 from .card import front_matter_problem, load_card, yaml_problem
 from .pickles import pickle_problem
 
@@ -91,7 +92,6 @@ WEIGHT_SOURCE_KEYS = frozenset(
 )
 """pretrained_cfg keys timm (1.0: ``models/_builder.py``) reads to find where weights come from."""
 
-_CHUNK = 1 << 20
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 """Control characters plain text does not hold (tab, line feed and carriage return it may)."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -108,7 +108,7 @@ def _plain_text(path: Path) -> str | None:
     with open(path, "rb") as f:
         offset = 0
         while True:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(CHUNK)
             try:
                 text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
@@ -439,7 +439,7 @@ def _png(path: Path) -> str | None:
                 if problem := walk.check(name, data):
                     return f"its chunk {name!r} at byte {start} {problem}"
                 crc, remaining = zlib.crc32(data, crc), length - len(data)
-            while remaining and (data := f.read(min(_CHUNK, remaining))):
+            while remaining and (data := f.read(min(CHUNK, remaining))):
                 crc, remaining = zlib.crc32(data, crc), remaining - len(data)
             stored = f.read(4)
             if remaining or len(stored) < 4:

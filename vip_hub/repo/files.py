@@ -67,6 +67,7 @@ from .signing import load_signing_key, sign_repo
 from .verify import is_hidden, repo_files, verify_repo
 
 __all__ = [
+    "DEFAULT_ORG",
     "Release",
     "can_caption",
     "card_repo_id",
@@ -80,6 +81,9 @@ __all__ = [
     "text_decoder_file",
     "update_repo",
 ]
+
+DEFAULT_ORG = "vip"
+"""The namespace a card names when given no repo id (``card_repo_id``)."""
 
 
 class Release(TypedDict, total=False):
@@ -200,7 +204,7 @@ def export_encoder(
 def card_repo_id(model_name: str, repo_id: str | None = None) -> str:
     """The hub id a card names (``repo_id``, else ``vip/<model_name>``) if the hub client would
     send it, else ConfigError (``vip/../../evil``, a byte the shell could not decode)."""
-    repo_id = repo_id or f"vip/{model_name}"
+    repo_id = repo_id or f"{DEFAULT_ORG}/{model_name}"
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:

@@ -236,7 +236,9 @@ def test_bad_settings_are_named(syn_repo: Path, images: Path, tmp_path: Path) ->
 
 def test_two_views_come_from_the_example_own_stream(images: Path) -> None:
     folder = ImageFolder(images)
-    augmented = Augmented(folder, mae_transform(16, (0.5,) * 3, (0.5,) * 3), seed=3)
+    grey = torch.nn.Identity()  # an encoder's normalisation, as timm's pretrained_cfg holds it
+    grey.pretrained_cfg = {"mean": (0.5,) * 3, "std": (0.5,) * 3}
+    augmented = Augmented(folder, mae_transform(grey, 16), seed=3)
     first, second = augmented.views(4, 7, 2)
     assert torch.equal(
         first, augmented[4, 7]

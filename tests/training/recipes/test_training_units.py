@@ -200,7 +200,7 @@ def test_the_decoder_warm_up_trains_the_decoder_alone_on_public_images_and_repea
     tensor bitwise as it was and every parameter's trainable flag as it found it, and is a
     function of its seed alone: two warm-ups of one MAE give the same decoder, whatever torch's
     global generator held."""
-    transform = mae_transform(SPEC.img_size, (0.5,) * 3, (0.5,) * 3)
+    transform = mae_transform(small_mae().encoder, SPEC.img_size)
     runs = []
     for seed in (1, 2):
         mae = small_mae()
