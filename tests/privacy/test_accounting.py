@@ -15,6 +15,7 @@ from vip_hub.privacy.accounting import (
     calibrate,
     composed_epsilon,
     default_delta,
+    resolve_delta,
     epsilon,
     epsilons,
     max_steps_within,
@@ -194,6 +195,12 @@ def test_unreachable_and_unknown():
         calibrate(0, 1e-5, 0.1, 10)
     with pytest.raises(AccountingError, match="dataset size must be positive"):
         default_delta(0)
+
+
+def test_a_stage_states_the_delta_given_else_the_default_for_its_n():
+    assert resolve_delta(None, 1_000) == default_delta(1_000) == 1e-5  # capped at 1e-5
+    assert resolve_delta(None, 10**6) == default_delta(10**6) == pytest.approx(1e-7)  # 1/(10n)
+    assert resolve_delta(3e-7, 1_000) == 3e-7  # an explicit delta, never replaced
 
 
 def test_prv_refuses_by_name_an_epsilon_its_grid_cannot_hold():

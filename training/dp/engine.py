@@ -55,8 +55,8 @@ from vip_hub.privacy.accounting import (
     calibrate,
     check_delta,
     composed_epsilon,
-    default_delta,
     max_steps_within,
+    resolve_delta,
 )
 from vip_hub.privacy.ledger import Dataset, DPStage, NonPrivateStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import FP32_BLOCKED, FP64_CAPPED, ROUNDING_SUM, sample_bound
@@ -137,7 +137,7 @@ class Budget:
             raise ConfigError("give --epsilon (sigma is calibrated) or --sigma")
         kind = Accountant(accountant)
         q = batch_size / n
-        delta = default_delta(n) if delta is None else delta
+        delta = resolve_delta(delta, n)
         check_delta(delta, n, allow_weak_delta)
         if sigma is None:
             assert epsilon is not None  # checked above: one of them is given

@@ -68,7 +68,7 @@ from vip_hub.models.features import (
     pool_features,
     vip_layers,
 )
-from vip_hub.privacy.accounting import calibrate, default_delta, remaining_epsilon
+from vip_hub.privacy.accounting import calibrate, remaining_epsilon, resolve_delta
 from vip_hub.privacy.ledger import DPStage, PrivacyLedger
 from vip_hub.privacy.sensitivity import MIN_CLIP
 from vip_hub.repo.heads import HeadInfo, LinearProbe, load_head, save_head
@@ -206,7 +206,7 @@ class FinetuneConfig(
             **dp_head_schedule(n, self.probe_epochs, batch_size=self.probe_batch_size),
             lr=self.probe_lr,
             epsilon=self.probe_epsilon,
-            delta=self.delta if self.delta is not None else default_delta(n),
+            delta=resolve_delta(self.delta, n),
             max_grad_norm=self.probe_max_grad_norm,
             accountant=self.accountant,
             allow_weak_delta=self.allow_weak_delta,
@@ -477,7 +477,7 @@ def _with_probe(cfg: FinetuneConfig, n: int) -> FinetuneConfig:
     if plan is None or cfg.epsilon is None:
         return cfg
     q = cfg.batch_size / n
-    delta = cfg.delta if cfg.delta is not None else default_delta(n)
+    delta = resolve_delta(cfg.delta, n)
     own = remaining_epsilon(cfg.epsilon, delta, [plan], q, cfg.steps, cfg.accountant)
     return cfg.model_copy(update={"epsilon": own})
 

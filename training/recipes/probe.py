@@ -56,8 +56,8 @@ from vip_hub.privacy.accounting import (
     Accountant,
     calibrate,
     check_delta,
-    default_delta,
     epsilon,
+    resolve_delta,
 )
 from vip_hub.privacy.ledger import (
     DATASET_NAME_PATTERN,
@@ -480,7 +480,7 @@ def head_engine(
     """The DP engine of a head on ``n`` records whose per-example ``loss`` (a module of
     (features, labels)) the engine clips to ``cfg.max_grad_norm`` for ``steps`` Poisson samples at
     rate ``q``, calibrated to ``cfg.epsilon``; and the head's DP parameters (``noised`` to add)."""
-    delta = cfg.delta if cfg.delta is not None else default_delta(n)
+    delta = resolve_delta(cfg.delta, n)
     check_delta(delta, n, cfg.allow_weak_delta)
     kind = Accountant(cfg.accountant)
     if cfg.epsilon is None:
@@ -584,7 +584,7 @@ def selection_scores(
     fit = cfg
     if cfg.epsilon is not None:
         q, steps = dp_head_sampling(private_n, cfg)
-        delta = cfg.delta if cfg.delta is not None else default_delta(private_n)
+        delta = resolve_delta(cfg.delta, private_n)
         sigma = calibrate(cfg.epsilon, delta, q, steps, cfg.accountant)
         fit = cfg.model_copy(update={"batch_size": max(1, round(half * q))})
         q_fit, steps_fit = dp_head_sampling(half, fit)

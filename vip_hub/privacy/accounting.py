@@ -47,6 +47,7 @@ __all__ = [
     "check_delta",
     "composed_epsilon",
     "default_delta",
+    "resolve_delta",
     "is_weak_delta",
     "epsilon",
     "epsilons",
@@ -160,6 +161,12 @@ def default_delta(n: int) -> float:
     """The default delta for a dataset of ``n`` examples: min(1e-5, 1/(10n)), well below 1/n
     (at 1/(2n) a mechanism may publish one random record with probability 1/2)."""
     return min(DEFAULT_DELTA_CAP, _strong_delta_bound(n))
+
+
+def resolve_delta(delta: float | None, n: int) -> float:
+    """``delta`` when given, else ``default_delta(n)``: the delta a stage on ``n`` examples
+    states."""
+    return default_delta(n) if delta is None else delta
 
 
 def _strong_delta_bound(n: int) -> float:

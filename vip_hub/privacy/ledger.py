@@ -67,9 +67,9 @@ from .accounting import (
     NOISE_SUPPORT,
     Accountant,
     composed_epsilon,
-    default_delta,
     epsilons,
     is_weak_delta,
+    resolve_delta,
     truncation_delta,
 )
 from .audit import MAX_CANARIES, MAX_GUESS_COUNTS
@@ -510,7 +510,7 @@ class DPStage(_Stage):
         ``component``; ``run_id``: the training run's random id (``new_run_id``)."""
         if dataset.size is None:
             raise LedgerError([f"stages.{name}.dataset.size: required for a DP stage"])
-        delta = default_delta(dataset.size) if delta is None else delta
+        delta = resolve_delta(delta, dataset.size)
         acc = Accountant(accountant)
         eps = {
             a: round_up(e) for a, e in epsilons(noise_multiplier, sample_rate, steps, delta).items()
