@@ -15,11 +15,11 @@ from vip_hub.privacy.accounting import (
     calibrate,
     composed_epsilon,
     default_delta,
-    resolve_delta,
     epsilon,
     epsilons,
     max_steps_within,
     remaining_epsilon,
+    resolve_delta,
 )
 
 # The reference's PRETRAIN.md configuration (notes/dp-training.md): RDP 7.00, PRV 5.98.
