@@ -55,7 +55,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from own_process import in_own_process, peak, reset_peak  # noqa: E402
+from own_process import in_own_process, load_average, peak, reset_peak  # noqa: E402
 
 from training.dp.clipping import (  # noqa: E402
     ClippedSum,
@@ -291,10 +291,6 @@ def interleaved_times(
     return times, bench.inner
 
 
-def _load() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def _memory_run(args: argparse.Namespace, variant: str, batch: int) -> dict[str, float] | str:
     """``peak_memory`` in a process of its own (``own_process``): its figures, or its error."""
     return in_own_process(peak_memory, args, variant, batch)
@@ -384,12 +380,12 @@ def main() -> None:
     print(
         f"{args.arch}, {args.img_size} px, {args.device}, {torch.get_num_threads()} threads: "
         f"time = median of {args.rounds} interleaved rounds; memory = own process each; "
-        f"load average before {_load()} ({os.cpu_count()} cores)",
+        f"load average before {load_average()} ({os.cpu_count()} cores)",
         flush=True,
     )
     for batch in batches:
         report(args, batch)
-    print(f"load average after {_load()}")
+    print(f"load average after {load_average()}")
 
 
 if __name__ == "__main__":

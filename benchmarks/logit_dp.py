@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from own_process import in_own_process, peak, reset_peak  # noqa: E402
+from own_process import in_own_process, load_average, peak, reset_peak  # noqa: E402
 
 LABELS = {
     "a": "non-private",
@@ -180,7 +180,7 @@ def main() -> None:
         "(median of per-round ratios in brackets), memory = peak beyond set-up, own process"
     )
     for n in (int(s) for s in args.ns.split(",")):
-        print(f"n={n:4d} load average before {_load()}")
+        print(f"n={n:4d} load average before {load_average()}")
         variants = [v for v in args.variants if v != "c" or n <= args.naive_up_to]
         memory = {}
         for v in variants:
@@ -215,11 +215,7 @@ def main() -> None:
             f"n={n:4d} "
             + "   ".join(ratio(p, q) for p, q in pairs if p in fastest and q in fastest)
         )
-        print(f"n={n:4d} load average after {_load()}")
-
-
-def _load() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"n={n:4d} load average after {load_average()}")
 
 
 if __name__ == "__main__":

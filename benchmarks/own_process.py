@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["in_own_process", "peak", "reset_peak"]
+__all__ = ["in_own_process", "load_average", "peak", "reset_peak"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,11 @@ def _status_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15-minute load averages, as the benchmarks print them."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def reset_peak() -> int:

@@ -467,20 +467,20 @@ class BlobStore:
     # ------------------------------------------------------------------ upkeep
     def listed_blobs(self) -> Iterator[Listed]:
         """Every blob held (with an object store: in its bucket), keyed by SHA-256."""
-        if self.remote is not None:
-            for o in self.remote.listed(BLOBS):
-                yield Listed(sharded_name(o.key), o.size, o.mtime)
-        else:
-            yield from listed_files(self.dir, sharded_name)
+        return self._listed(BLOBS, self.dir)
 
     def listed_uploads(self) -> Iterator[Listed]:
         """Every upload awaiting its commit (with an object store: in its bucket), keyed by
         SHA-256."""
+        return self._listed(UPLOADS + "sha256/", self.uploads)
+
+    def _listed(self, prefix: str, folder: Path) -> Iterator[Listed]:
+        """The sharded objects under ``prefix`` in the bucket, else the files in ``folder``."""
         if self.remote is not None:
-            for o in self.remote.listed(UPLOADS + "sha256/"):
+            for o in self.remote.listed(prefix):
                 yield Listed(sharded_name(o.key), o.size, o.mtime)
         else:
-            yield from listed_files(self.uploads, sharded_name)
+            yield from listed_files(folder, sharded_name)
 
     def stored_sha256(self, sha256: str, upload: bool = False) -> str | None:
         """The SHA-256 of the bytes held as blob ``sha256`` (``upload``: as the upload of that
