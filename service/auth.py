@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .store import HubStore
 
 __all__ = [
+    "GRANT_TTL_S",
     "Identity",
     "Scope",
     "TokenRegistry",
@@ -610,6 +611,10 @@ def remove_member(index: Index, org: str, user: str) -> None:
 def list_orgs(index: Index) -> dict[str, list[str]]:
     """The index's organisations and their members."""
     return {org: list(members) for org, members in _load(index).get("orgs", {}).items()}
+
+
+GRANT_TTL_S = 3600.0
+"""How long an upload grant (an LFS object's PUT, a Xet upload session) lasts at most."""
 
 
 def sign_grant(key: bytes, purpose: str, subject: str, ttl_s: float, who: Identity) -> str:

@@ -412,11 +412,6 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
 
-    def trusted_keys_path(self) -> Path:
-        """A single-host store's key folder (adopted into the index): ``hub.trusted_keys``, else
-        ``trusted_keys/`` in the store."""
-        return self.hub.trusted_keys or self.store / TRUSTED_KEYS_DIR
-
     def tokens_path(self) -> Path:
         """A single-host store's tokens file (adopted into the index): ``auth.tokens_file``, else
         ``tokens.json`` in the store."""

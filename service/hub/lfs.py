@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..auth import Identity, check_grant, sign_grant
+from ..auth import GRANT_TTL_S, Identity, check_grant, sign_grant
 from ..errors import BadRequest, EntryNotFound
 from ..store import HubStore
 from ..store.blobs import check_sha256
@@ -51,7 +51,6 @@ from .uploads import receive_blob
 router = APIRouter()
 
 LFS_JSON = "application/vnd.git-lfs+json"
-GRANT_TTL_S = 3600.0
 
 
 def _grant_ttl(store: HubStore) -> float:

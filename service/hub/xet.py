@@ -38,7 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..auth import Identity, check_grant, sign_grant
+from ..auth import GRANT_TTL_S, Identity, check_grant, sign_grant
 from ..errors import EntryNotFound, Unauthorized
 from ..store.xet import MAX_XORB_BYTES, check_xet_hash
 from .common import Writable, base_url, store_of, writable
@@ -47,7 +47,6 @@ from .uploads import receive_blob
 router = APIRouter()
 
 CAS_PREFIX = "/xet"
-TOKEN_TTL_S = 3600.0
 MAX_SHARD_BYTES = 64 * 1024 * 1024
 
 
@@ -58,10 +57,10 @@ def write_token(
     del revision  # the grant covers the repo's uploads; the commit names the branch
     store, repo_id = opened.store, opened.repo_id
     store.maybe_collect_uploads()
-    grant = sign_grant(store.secret(), "xet-upload", repo_id, TOKEN_TTL_S, opened.who)
+    grant = sign_grant(store.secret(), "xet-upload", repo_id, GRANT_TTL_S, opened.who)
     return {
         "accessToken": f"{repo_id}:{grant}",
-        "exp": int(time.time() + TOKEN_TTL_S) - 60,
+        "exp": int(time.time() + GRANT_TTL_S) - 60,
         "casUrl": f"{base_url(request)}{CAS_PREFIX}/{_cas_id(request, opened.who.name)}",
     }
 

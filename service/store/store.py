@@ -336,7 +336,7 @@ class HubStore:
         return cls(
             settings.store,
             index=settings.index,
-            trusted_keys=settings.trusted_keys_path(),
+            trusted_keys=settings.hub.trusted_keys,
             limits=settings.hub,
             objects=settings.object_store,
             restate=restate,
