@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -155,16 +155,23 @@ def tensors_digest(path: str | os.PathLike[str]) -> str:
         h = hashlib.sha256()
         for key, entry in header_tensors(header).items():
             _update_entry(h, key, entry["dtype"], entry["shape"])
-            start, end = entry["data_offsets"]
-            f.seek(8 + n + start)
-            remaining = end - start
-            while remaining:
-                chunk = f.read(min(CHUNK, remaining))
-                if not chunk:
-                    raise SafetensorsError(f"{path}: truncated tensor data for {key!r}")
+            for chunk in _entry_chunks(f, n, entry):
                 h.update(chunk)
-                remaining -= len(chunk)
+            if f.tell() < 8 + n + entry["data_offsets"][1]:
+                raise SafetensorsError(f"{path}: truncated tensor data for {key!r}")
     return "tensors-sha256:" + h.hexdigest()
+
+
+def _entry_chunks(f: BinaryIO, n: int, entry: Mapping[str, Any]) -> Iterator[bytes]:
+    """The data of tensor ``entry`` of the safetensors file ``f`` (header of ``n`` bytes) in
+    reads of at most ``CHUNK`` bytes (whole elements: a power of two), up to where it ends or
+    the file does."""
+    start, end = entry["data_offsets"]
+    f.seek(8 + n + start)
+    remaining = end - start
+    while remaining and (chunk := f.read(min(CHUNK, remaining))):
+        yield chunk
+        remaining -= len(chunk)
 
 
 def tensors_digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -290,16 +297,7 @@ def nonfinite_in_file(path: Path) -> str | None:
     header, n = read_safetensors_header(path)
     names = []
     with open(path, "rb") as f:
-        for key, entry in header_tensors(header).items():
-            start, end = entry["data_offsets"]
-            f.seek(8 + n + start)
-            remaining = end - start
-            while remaining:
-                chunk = f.read(min(CHUNK, remaining))  # whole elements: a power of two bytes
-                if not chunk:
-                    break  # truncated: the digest check names it
-                if nonfinite_count(chunk, entry["dtype"]):
-                    names.append(key)
-                    break
-                remaining -= len(chunk)
+        for key, entry in header_tensors(header).items():  # a truncation: the digest names it
+            if any(nonfinite_count(c, entry["dtype"]) for c in _entry_chunks(f, n, entry)):
+                names.append(key)
     return _nonfinite_named(names)
