@@ -60,6 +60,7 @@ __all__ = [
     "ClippedSum",
     "LayerClipper",
     "PerExampleClipper",
+    "SumClipper",
     "BroadcastHook",
     "broadcast",
     "capped_factors",
@@ -389,22 +390,29 @@ class _Part:
     g: torch.Tensor | None = None
 
 
-class LayerClipper:
-    """What every layer-wise clipper holds: the model, its clip bound and trainable parameters,
-    the layers its rules cover (``_check_supported`` refuses the others), and the step's
-    ``ClippedSum``, which ``take_sum`` hands to the engine."""
+class SumClipper:
+    """What every clipper holds: the model, its clip bound and trainable parameters, and the
+    step's ``ClippedSum``, which ``take_sum`` hands to the engine."""
 
     def __init__(self, model: nn.Module, max_norm: float):
         check_max_norm(max_norm)
         self.model, self.max_norm = model, float(max_norm)
         self.params = trainable(model)
-        self.layers = rule_layers(model, self._check_supported)
         self.sum = ClippedSum(self.params)
 
     def take_sum(self, *tail: torch.Tensor) -> torch.Tensor:
         """The clipped sum added since the last call: flat, fp64, over ``params`` in order, then
         ``tail`` (``ClippedSum.take``)."""
         return self.sum.take(*tail)
+
+
+class LayerClipper(SumClipper):
+    """A layer-wise clipper: a ``SumClipper`` with the layers its rules cover
+    (``_check_supported`` refuses the others)."""
+
+    def __init__(self, model: nn.Module, max_norm: float):
+        super().__init__(model, max_norm)
+        self.layers = rule_layers(model, self._check_supported)
 
     @staticmethod
     def _check_supported(m: nn.Module) -> None:

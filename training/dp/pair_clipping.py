@@ -60,11 +60,10 @@ from .clipping import (
     ClippedSum,
     ClipResult,
     LayerClipper,
+    SumClipper,
     broadcast,
     capped_factors,
-    check_max_norm,
     product_sum,
-    trainable,
     upper_sq,
 )
 
@@ -647,7 +646,7 @@ def _pair_sq(
     return sq
 
 
-class BatchClipper:
+class BatchClipper(SumClipper):
     """Naive-DP: adds Clip_C(grad of the batch's summed ``symmetric_infonce``) into its fp64 sum.
 
     ``model(images)`` returns (b, d) embeddings. The whole-batch gradient is what autograd forms
@@ -659,16 +658,9 @@ class BatchClipper:
     """
 
     def __init__(self, model: nn.Module, max_norm: float, temperature: float):
-        check_max_norm(max_norm)
+        super().__init__(model, max_norm)
         check_temperature(temperature)
-        self.model, self.max_norm, self.temperature = model, float(max_norm), float(temperature)
-        self.params = trainable(model)
-        self.sum = ClippedSum(self.params)
-
-    def take_sum(self, *tail: torch.Tensor) -> torch.Tensor:
-        """The clipped sum of the last call: flat, fp64, over ``params`` in order, then
-        ``tail`` (``ClippedSum.take``)."""
-        return self.sum.take(*tail)
+        self.temperature = float(temperature)
 
     def accumulate(self, views1: torch.Tensor, views2: torch.Tensor) -> ClipResult:
         """Add the clipped whole-batch gradient of this batch into the sum."""
