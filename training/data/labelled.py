@@ -187,15 +187,6 @@ class LabelledArrays:
             return self
         return self.subset(np.arange(n), f"the first {n} in file order (a public rule)")
 
-    def keyed(self, key: bytes, purpose: str, rate: float) -> LabelledArrays:
-        """Each record kept when its keyed number (``keyed_uniforms``) is below ``rate``."""
-        u = keyed_uniforms(key, purpose, (im.tobytes() for im in self.images), self.labels)
-        return self.subset(
-            np.flatnonzero(u < rate),
-            f"each kept with probability {rate:g} by a keyed hash "
-            "under a secret (membership independent of other records)",
-        )
-
     def pil(self, index: int) -> Image.Image:
         """Record ``index`` as a greyscale PIL image."""
         return Image.fromarray(self.images[index], mode="L")

@@ -145,13 +145,13 @@ def test_subsets_by_a_public_rule_and_by_a_keyed_hash(tmp_path: Path) -> None:
     records = [im.tobytes() for im in train.images]
     u = keyed_uniforms(key, "validation", records, train.labels)
     assert np.array_equal(u[1:], keyed_uniforms(key, "validation", records[1:], train.labels[1:]))
-    kept = train.keyed(key, "validation", 0.5)
+    kept = train.subset(np.flatnonzero(u < 0.5), "each kept by a keyed hash")
     assert (
         np.array_equal(kept.labels, train.labels[u < 0.5])
         and kept.dataset.name == train.dataset.name
     )
-    with pytest.raises(DataError, match="empty"):
-        train.keyed(key, "validation", 1e-9)
+    with pytest.raises(DataError, match=r"the subset \(none kept\) is empty"):
+        train.subset(np.flatnonzero(u < 1e-9), "none kept")
 
 
 def _executable(path: Path, script: str) -> None:
