@@ -164,6 +164,47 @@ class DigestWriter:
         self.path.unlink(missing_ok=True)
 
 
+class Markers:
+    """Empty records that ``who`` did something with ``name`` (an upload received for a repo,
+    a xorb sent by a user): ``<sha256(who)[:32]>/<name>`` in ``folder``, or with ``remote``
+    under ``prefix`` in its bucket, where every replica sees them. Noting one again refreshes
+    its age, by which the uploads' collection removes it."""
+
+    def __init__(self, folder: Path, remote: S3Objects | None, prefix: str):
+        self.folder, self.remote, self.prefix = folder, remote, prefix
+        make_private_dir(folder)
+
+    @staticmethod
+    def _name(who: str, name: str) -> str:
+        return f"{hashlib.sha256(who.encode()).hexdigest()[:32]}/{name}"
+
+    def path(self, who: str, name: str) -> Path:
+        """The record's file in the folder (what it is without an object store)."""
+        return self.folder / self._name(who, name)
+
+    def note(self, who: str, name: str) -> None:
+        """Record (again: its age refreshed) that ``who`` did it with ``name``."""
+        if self.remote is not None:
+            self.remote.put_bytes(self.prefix + self._name(who, name), b"")
+            return
+        marker = self.path(who, name)
+        make_private_dir(marker.parent)
+        open_private(marker).close()
+
+    def forget(self, who: str, name: str) -> None:
+        """Drop that record, if there is one."""
+        if self.remote is not None:
+            self.remote.delete(self.prefix + self._name(who, name))
+        else:
+            self.path(who, name).unlink(missing_ok=True)
+
+    def holds(self, who: str, name: str) -> bool:
+        """Whether that record is there (younger than the collection's age)."""
+        if self.remote is not None:
+            return self.remote.size(self.prefix + self._name(who, name)) is not None
+        return self.path(who, name).is_file()
+
+
 class BlobStore:
     """``root/blobs/sha256/ab/cdef...``, uploads in ``root/uploads/sha256/ab/...``, temp files in
     ``root/tmp``; with ``remote``, blobs and uploads in its bucket, the folder caching them."""
@@ -174,8 +215,9 @@ class BlobStore:
         self.uploads = root / "uploads" / "sha256"
         self.uploaded_for = root / "uploads" / "for"
         self.tmp = root / "tmp"
-        for d in (self.dir, self.uploads, self.uploaded_for, self.tmp):
+        for d in (self.dir, self.uploads, self.tmp):
             make_private_dir(d)
+        self.upload_records = Markers(self.uploaded_for, remote, RECORDS)
 
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256[2:]
@@ -303,30 +345,15 @@ class BlobStore:
         """Record that object ``sha256`` was received (its bytes checked) for ``repo_id`` (with
         an object store, in its bucket, so that any replica sees it); a record already there
         has its age refreshed."""
-        if self.remote is not None:
-            self.remote.put_bytes(RECORDS + self._record(repo_id, sha256), b"")
-            return
-        marker = self.uploaded_for / self._record(repo_id, sha256)
-        make_private_dir(marker.parent)
-        open_private(marker).close()
+        self.upload_records.note(repo_id, check_sha256(sha256))
 
     def forget_upload(self, repo_id: str, sha256: str) -> None:
         """Drop the record of ``note_upload`` (the object is in the repo's history now)."""
-        if self.remote is not None:
-            self.remote.delete(RECORDS + self._record(repo_id, sha256))
-        else:
-            (self.uploaded_for / self._record(repo_id, sha256)).unlink(missing_ok=True)
+        self.upload_records.forget(repo_id, check_sha256(sha256))
 
     def was_uploaded_for(self, repo_id: str, sha256: str) -> bool:
         """Whether object ``sha256`` was received for ``repo_id`` within the upload time-to-live."""
-        if self.remote is not None:
-            return self.remote.size(RECORDS + self._record(repo_id, sha256)) is not None
-        return (self.uploaded_for / self._record(repo_id, sha256)).is_file()
-
-    @staticmethod
-    def _record(repo_id: str, sha256: str) -> str:
-        """An upload record's name below ``uploads/for/``."""
-        return f"{hashlib.sha256(repo_id.encode()).hexdigest()[:32]}/{check_sha256(sha256)}"
+        return self.upload_records.holds(repo_id, check_sha256(sha256))
 
     def committed_source(self, sha256: str) -> Path:
         """The file a commit's ``lfsFile`` line names (with an object store: fetched into the

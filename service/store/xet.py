@@ -27,7 +27,6 @@ size, as if sent again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import struct
 import threading
@@ -40,9 +39,9 @@ import blake3
 import lz4.frame
 import numpy as np
 
-from vip_hub.paths import fsync_dir, make_private_dir, open_private, replace_durably
+from vip_hub.paths import fsync_dir, make_private_dir, replace_durably
 
-from .blobs import BlobStore, listed_files, remove_older_than, sharded_name
+from .blobs import BlobStore, Markers, listed_files, remove_older_than, sharded_name
 from .errors import CorruptObject, InvalidRequest, StoreError, StoreUnavailable, TooLarge
 from .s3 import XORB_OWNERS, XORBS
 
@@ -253,33 +252,14 @@ class XetStore:
         self.dir = root / "xet" / "xorbs"
         self.owners = root / "xet" / "owners"
         make_private_dir(self.dir)
-        make_private_dir(self.owners)
         self.blobs = blobs
         self.remote = blobs.remote
+        self.senders = Markers(self.owners, self.remote, XORB_OWNERS)  # who sent each xorb
         self._reads: list[set[str]] = []  # per shard being applied: the xorbs it reads
         self._reads_lock = threading.Lock()
 
     def xorb_path(self, xorb: str) -> Path:
         return self.dir / xorb[:2] / xorb[2:]
-
-    @staticmethod
-    def _owner(uploader: str, xorb: str) -> str:
-        """The note that ``uploader`` sent ``xorb``, below ``owners/``."""
-        return f"{hashlib.sha256(uploader.encode()).hexdigest()[:32]}/{xorb}"
-
-    def _note_owner(self, uploader: str, xorb: str) -> None:
-        """Note (again: its age is refreshed) that ``uploader`` sent ``xorb``."""
-        if self.remote is not None:
-            self.remote.put_bytes(XORB_OWNERS + self._owner(uploader, xorb), b"")
-            return
-        marker = self.owners / self._owner(uploader, xorb)
-        make_private_dir(marker.parent)
-        open_private(marker).close()  # (re)written: its age is refreshed
-
-    def _sent_by(self, uploader: str, xorb: str) -> bool:
-        if self.remote is not None:
-            return self.remote.size(XORB_OWNERS + self._owner(uploader, xorb)) is not None
-        return (self.owners / self._owner(uploader, xorb)).is_file()
 
     def put_xorb(
         self,
@@ -307,7 +287,7 @@ class XetStore:
                 if not _kept(target, xorb):
                     replace_durably(tmp, target)  # its age: now
                     stored = True
-                self._note_owner(uploader, xorb)
+                self.senders.note(uploader, xorb)
             except BaseException:
                 if counted is not None and not stored:
                     counted.undo()
@@ -456,7 +436,7 @@ class XetStore:
         noted in ``reading`` before it is opened; the term's range and stated size checked
         against them."""
         if term.xorb not in offsets:
-            if not self._sent_by(uploader, term.xorb):  # another user's: answered alike
+            if not self.senders.holds(uploader, term.xorb):  # another user's: answered alike
                 raise _not_held(term.xorb)
             reading.add(term.xorb)
             with self._open(term.xorb) as f, _held_xorb(term.xorb):
@@ -497,7 +477,7 @@ class XetStore:
         referred to (one collected meanwhile stays gone)."""
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.xorb_path(xorb))
-        self._note_owner(uploader, xorb)
+        self.senders.note(uploader, xorb)
 
     def _rebuild(self, entry: ShardFile, offsets: dict[str, list[tuple[int, int]]]) -> None:
         writer = self.blobs.writer()

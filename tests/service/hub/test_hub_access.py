@@ -788,7 +788,7 @@ def test_a_refused_shard_keeps_no_xorb_alive_and_a_read_renews_the_count_of_what
     counted = _counted(server, "root")
     assert counted[xorb_oid(name)][1] > time.time() + store.limits.xet_ttl_s - 60
     assert counted[first][0] == 30 * 1024
-    record = store.blobs.uploaded_for / store.blobs._record("alice/public", first)
+    record = store.blobs.upload_records.path("alice/public", first)
     os.utime(record, (old, old))
     assert httpx.post(f"{cas}/v1/shards", content=read, headers=grant).status_code == 200
     assert record.stat().st_mtime == old
@@ -815,7 +815,7 @@ def test_an_upload_not_kept_leaves_no_count(server, root_counts, monkeypatch):
     assert r.status_code >= 500 and not server.app.state.store.xet.xorb_path(name).exists()
     assert _counted(server, "root") == {}
     with monkeypatch.context() as m:  # stored, then failing: it stays, and stays counted
-        m.setattr(xet.XetStore, "_note_owner", full)
+        m.setattr(server.app.state.store.xet.senders, "note", full)  # who sent it
         r = httpx.post(f"{cas}/v1/xorbs/default/{name}", content=_xorb(chunks), headers=grant)
     assert r.status_code >= 500 and server.app.state.store.xet.xorb_path(name).exists()
     assert list(_counted(server, "root")) == [xorb_oid(name)]
