@@ -34,6 +34,7 @@ from vip_hub.models.encoders import (
     EncoderSpec,
     create_encoder,
     mae_decoder_problems,
+    mae_init_,
     sincos_pos_embed_2d,
 )
 from vip_hub.models.features import final_norm
@@ -131,13 +132,7 @@ class MAE(nn.Module):
 
     def _init_decoder(self) -> None:
         nn.init.normal_(self.mask_token, std=0.02)
-        for m in [self.decoder_embed, self.decoder_pred, *self.decoder_blocks.modules()]:
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        mae_init_([self.decoder_embed, self.decoder_pred, *self.decoder_blocks.modules()])
 
     def num_masked(self) -> int:
         return int(self.num_patches * self.config.mask_ratio)

@@ -24,7 +24,7 @@ cards without them); the functions that build tensors or models import them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -52,6 +52,7 @@ __all__ = [
     "create_encoder",
     "get_arch",
     "mae_decoder_problems",
+    "mae_init_",
     "encoder_shapes",
     "mae_decoder_shapes",
     "mae_decoder_size",
@@ -454,14 +455,22 @@ def _init_mae(model: VisionTransformer, spec: EncoderSpec) -> None:
         if spec.family.frozen_tokens:
             model.pos_embed.add_(torch.randn(1, 1, model.embed_dim) * 0.02)
             model.cls_token.requires_grad_(False)
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                torch.nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    torch.nn.init.zeros_(m.bias)
-            elif isinstance(m, torch.nn.LayerNorm):
-                torch.nn.init.ones_(m.weight)
+        mae_init_(model.modules())
+
+
+def mae_init_(modules: Iterable[torch.nn.Module]) -> None:
+    """The MAE reference's initialisation of ``modules``, in their order: each Linear's weight
+    Xavier-uniform and its bias 0, each LayerNorm's weight 1 and bias 0."""
+    import torch
+
+    for m in modules:
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
                 torch.nn.init.zeros_(m.bias)
+        elif isinstance(m, torch.nn.LayerNorm):
+            torch.nn.init.ones_(m.weight)
+            torch.nn.init.zeros_(m.bias)
 
 
 _DECODER_EMBED = "decoder_embed.weight"

@@ -35,7 +35,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..errors import ConfigError, RepoFormatError
-from .encoders import EncoderSpec, sincos_pos_embed_1d, sincos_pos_embed_2d
+from .encoders import EncoderSpec, mae_init_, sincos_pos_embed_1d, sincos_pos_embed_2d
 from .tokenizer import MAX_LENGTH, CaptionTokenizer
 
 __all__ = [
@@ -282,14 +282,7 @@ class TextDecoder(nn.Module):
             for t in (self.memory.type_embed, self.text_type_embed):
                 nn.init.normal_(t, std=0.02)
             nn.init.normal_(self.token_embed.weight)
-            for m in self.modules():
-                if isinstance(m, nn.Linear):
-                    nn.init.xavier_uniform_(m.weight)
-                    if m.bias is not None:
-                        nn.init.zeros_(m.bias)
-                elif isinstance(m, nn.LayerNorm):
-                    nn.init.ones_(m.weight)
-                    nn.init.zeros_(m.bias)
+            mae_init_(self.modules())
 
     def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
         """Each block's cross-attention keys and values of the image ``memory`` (B, N, width)."""
