@@ -43,7 +43,8 @@ other trainable parameter is an error at construction: there is no silent fallba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, cast
@@ -414,6 +415,36 @@ class LayerClipper(SumClipper):
         super().__init__(model, max_norm)
         self.layers = rule_layers(model, self._check_supported)
 
+    @contextmanager
+    def _hooked(
+        self,
+        on_forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], None],
+        on_broadcast: BroadcastHook,
+    ) -> Iterator[None]:
+        """Within it, ``on_forward(layer, input, output)`` runs after each rule layer's forward
+        (UnsupportedLayerError when one runs twice in a pass: its cross terms would be missed)
+        and ``on_broadcast(param, output)`` for each broadcast token the model adds."""
+        seen: set[int] = set()
+
+        def forward(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            if id(module) in seen:
+                raise UnsupportedLayerError(
+                    f"{type(module).__name__} is called twice in one forward pass; "
+                    "per-example norms would miss the cross terms"
+                )
+            seen.add(id(module))
+            on_forward(module, args[0], out)
+
+        handles = [m.register_forward_hook(forward) for m in self.layers]
+        hooks: list[BroadcastHook] = getattr(self.model, "broadcast_hooks", [])
+        hooks.append(on_broadcast)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            hooks.remove(on_broadcast)
+
     @staticmethod
     def _check_supported(m: nn.Module) -> None:
         raise NotImplementedError
@@ -464,7 +495,6 @@ class PerExampleClipper(LayerClipper):
         parts: list[_Part] = []
         targets: list[torch.Tensor] = []  # backward runs from the loss down to these only
         grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        seen: set[int] = set()
         examples: list[int] = []  # the number of examples, known once the losses are
 
         def when_grad(
@@ -479,34 +509,17 @@ class PerExampleClipper(LayerClipper):
 
             return hook
 
-        def on_forward(
-            module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
-        ) -> None:
-            if id(module) in seen:
-                raise UnsupportedLayerError(
-                    f"{type(module).__name__} is called twice in one forward pass; "
-                    "per-example norms would miss the cross terms"
-                )
-            seen.add(id(module))
-            if (
-                args[0].grad_fn is None
-            ):  # an entry layer (on the images or token ids): backward stops here
+        def on_forward(module: nn.Module, a: torch.Tensor, out: torch.Tensor) -> None:
+            if a.grad_fn is None:  # an entry layer (on the images or token ids): backward stops
                 targets.append(out)
-            grad_hooks.append(out.register_hook(when_grad(module, args[0])))
+            grad_hooks.append(out.register_hook(when_grad(module, a)))
 
         def on_broadcast(param: nn.Parameter, out: torch.Tensor) -> None:
             targets.append(out)
             grad_hooks.append(out.register_hook(when_grad(param, None)))
 
-        handles = [m.register_forward_hook(on_forward) for m in self.layers]
-        hooks: list[BroadcastHook] = getattr(self.model, "broadcast_hooks", [])
-        hooks.append(on_broadcast)
-        try:
+        with self._hooked(on_forward, on_broadcast):
             losses = self.model(*inputs)
-        finally:
-            for h in handles:
-                h.remove()
-            hooks.remove(on_broadcast)
         if losses.ndim != 1:
             raise ValueError(
                 f"the model must return per-example losses (b,), got {tuple(losses.shape)}"

@@ -381,30 +381,15 @@ class PairClipper(LayerClipper):
     def _forward(self, images: torch.Tensor) -> tuple[list[_Record], torch.Tensor]:
         """The normalised embeddings of ``images`` and the records of the layers that made them."""
         records: list[_Record] = []
-        seen: set[int] = set()
 
-        def on_forward(
-            module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
-        ) -> None:
-            if id(module) in seen:
-                raise UnsupportedLayerError(
-                    f"{type(module).__name__} is called twice in one forward pass"
-                )
-            seen.add(id(module))
-            records.append(_Record(module, args[0].detach(), out, args[0].grad_fn is None))
+        def on_forward(module: nn.Module, a: torch.Tensor, out: torch.Tensor) -> None:
+            records.append(_Record(module, a.detach(), out, a.grad_fn is None))
 
         def on_broadcast(param: nn.Parameter, out: torch.Tensor) -> None:
             records.append(_Record(param, None, out, True))
 
-        handles = [m.register_forward_hook(on_forward) for m in self.layers]
-        hooks: list[BroadcastHook] = getattr(self.model, "broadcast_hooks", [])
-        hooks.append(on_broadcast)
-        try:
+        with self._hooked(on_forward, on_broadcast):
             e = _embeddings(self.model, images)
-        finally:
-            for h in handles:
-                h.remove()
-            hooks.remove(on_broadcast)
         return records, e
 
     def _jacobian_pass(
