@@ -65,7 +65,7 @@ test-images: venv
 	$(BIN)/python -m pytest -m images tests/project/test_images.py
 
 ## Lint (ruff check), formatting (ruff format --check), the layer contracts (lint-imports) and the
-## types of vip_hub, training and service (mypy, [tool.mypy] in pyproject.toml; its cache in
+## types of vip_hub, training, service and benchmarks (mypy, [tool.mypy] in pyproject.toml; its cache in
 ## .mypy_cache/ makes a re-run take seconds).
 quality: lint types
 

@@ -901,6 +901,9 @@ def test_the_job_without_the_serve_extra_says_so_before_training(
     alone it trained every encoder, then failed as the server exited. It now says what to
     install before writing anything."""
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the serve extra were not installed
+    monkeypatch.setattr(  # the job's first step, which a missing check would reach in a moment
+        "training.main_job._Steps", lambda work: pytest.fail("the job began before refusing")
+    )
     work = tmp_path / "run"
     with pytest.raises(ConfigError) as refused:
         run_main_job(MainJobConfig(work_dir=str(work), store=str(tmp_path / "hub")))
