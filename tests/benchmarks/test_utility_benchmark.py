@@ -62,8 +62,9 @@ TINY = StudyConfig(
 
 
 def pld_epsilon(stages: list[DPStage]) -> float:
-    """dp_accounting's PLD composition of every stage, computed here without our wrapper."""
-    acc = PLDAccountant()
+    """dp_accounting's PLD composition of every stage, computed here without our wrapper, on a
+    grid of 1e-3 (its pessimistic rounding keeps it an upper bound; 7x faster than 1e-4)."""
+    acc = PLDAccountant(value_discretization_interval=1e-3)
     acc.compose(
         dp_event.ComposedDpEvent(
             [
