@@ -211,7 +211,8 @@ class ObjectStoreSettings(_Section):
         64 * MIB,
         ge=5 * MIB,
         description="LFS objects larger than this are uploaded in parts of this size, each "
-        "through its own presigned URL (S3 takes parts of 5 MiB and more, 10,000 at most)",
+        "through its own presigned URL (S3 takes parts of 5 MiB and more, 10,000 at most); the "
+        "hub's own uploads and copies into the bucket are split the same way",
     )
 
 

@@ -49,7 +49,6 @@ __all__ = [
     "upload_key",
 ]
 
-_TRANSFER = TransferConfig(multipart_chunksize=64 << 20, multipart_threshold=64 << 20)
 _NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 _BAD_PARTS = frozenset({"InvalidPart", "InvalidPartOrder", "NoSuchUpload", "EntityTooSmall"})
 NO_STORE = "private, no-store"
@@ -72,9 +71,9 @@ XORB_OWNERS = "xet/owners/"
 """Who sent each xorb: ``xet/owners/<user hash>/<xorb>``, empty, rewritten at each use."""
 MULTIPART = (STAGING, CHECKING, UPLOADS + "sha256/", BLOBS, XORBS)
 """Where multipart uploads begin: clients' presigned parts (``staging/``), and the hub's own
-uploads and copies over ``_TRANSFER``'s threshold (checked copies, uploads, blobs, xorbs). One
-cut by the store's outage stays when boto3's own abort fails too: the uploads' collection aborts
-those begun more than ``hub.upload_ttl_s`` ago."""
+uploads and copies over ``object_store.multipart_chunk_bytes`` (checked copies, uploads, blobs,
+xorbs). One cut by the store's outage stays when boto3's own abort fails too: the uploads'
+collection aborts those begun more than ``hub.upload_ttl_s`` ago."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +131,9 @@ class S3Objects:
         assert settings.endpoint is not None
         self.bucket, self.ttl = settings.bucket, settings.presign_ttl_s
         self.chunk = settings.multipart_chunk_bytes
+        self._transfer = TransferConfig(
+            multipart_chunksize=self.chunk, multipart_threshold=self.chunk
+        )
         config = Config(
             signature_version="s3v4",
             region_name=settings.region,
@@ -266,7 +268,7 @@ class S3Objects:
                     self.bucket,
                     key,
                     ExtraArgs={"ContentType": BLOB_TYPE},
-                    Config=_TRANSFER,
+                    Config=self._transfer,
                 )
             except S3UploadFailedError as e:  # boto3's wrapping of the store's error answer
                 if isinstance(e.__context__, ClientError):
@@ -284,7 +286,7 @@ class S3Objects:
                     self.bucket,
                     key,
                     ExtraArgs={"MetadataDirective": "REPLACE", "ContentType": BLOB_TYPE},
-                    Config=_TRANSFER,
+                    Config=self._transfer,
                 )
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") in _NOT_FOUND:
