@@ -213,11 +213,10 @@ class BlobStore:
         self.remote = remote
         self.dir = root / "blobs" / "sha256"
         self.uploads = root / "uploads" / "sha256"
-        self.uploaded_for = root / "uploads" / "for"
         self.tmp = root / "tmp"
         for d in (self.dir, self.uploads, self.tmp):
             make_private_dir(d)
-        self.upload_records = Markers(self.uploaded_for, remote, RECORDS)
+        self.upload_records = Markers(root / "uploads" / "for", remote, RECORDS)
 
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256[2:]
@@ -454,8 +453,8 @@ class BlobStore:
                 if folder.is_dir() and clock.now() - folder.stat().st_mtime > temp_age:
                     folder.rmdir()
         if self.remote is None:
-            removed += remove_older_than(self.uploaded_for, upload_age)
-            named = {p.name for p in self.uploaded_for.rglob("*") if p.is_file()}
+            removed += remove_older_than(self.upload_records.folder, upload_age)
+            named = {p.name for p in self.upload_records.folder.rglob("*") if p.is_file()}
         else:
             try:
                 removed += self.remote.remove_older_than(RECORDS, upload_age)

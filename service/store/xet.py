@@ -250,11 +250,12 @@ class XetStore:
 
     def __init__(self, root: Path, blobs: BlobStore):
         self.dir = root / "xet" / "xorbs"
-        self.owners = root / "xet" / "owners"
         make_private_dir(self.dir)
         self.blobs = blobs
         self.remote = blobs.remote
-        self.senders = Markers(self.owners, self.remote, XORB_OWNERS)  # who sent each xorb
+        self.senders = Markers(
+            root / "xet" / "owners", self.remote, XORB_OWNERS
+        )  # who sent each xorb
         self._reads: list[set[str]] = []  # per shard being applied: the xorbs it reads
         self._reads_lock = threading.Lock()
 
@@ -523,7 +524,7 @@ class XetStore:
         process reads now."""
         removed = remove_older_than(
             self.dir, max_age, keep=lambda path: self._being_read(sharded_name(path))
-        ) + remove_older_than(self.owners, max_age)
+        ) + remove_older_than(self.senders.folder, max_age)
         if self.remote is not None:
             with contextlib.suppress(StoreUnavailable):  # collected at a later call
                 removed += self.remote.remove_older_than(XORB_OWNERS, max_age)

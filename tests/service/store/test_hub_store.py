@@ -422,7 +422,7 @@ def test_new_folders_and_renames_into_them_are_fsynced(store, monkeypatch):
     store.xet.put_xorb(name, sent, "alice")
     for placed in (upload, blob, store.xet.xorb_path(name)):
         assert placed.parent in synced and placed.parent.parent in synced, placed
-    assert store.blobs.uploaded_for in synced  # the upload record's new folder
+    assert store.blobs.upload_records.folder in synced  # the upload record's new folder
 
 
 def test_sound_bytes_stay_under_their_name(store, repo_dir):

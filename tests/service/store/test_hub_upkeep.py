@@ -106,7 +106,7 @@ def test_gc_removes_only_what_no_commit_or_upload_names(tmp_path, repo_dir, caps
     _age(store.blobs.upload_path(in_flight), 2 * DAY)  # first received long ago, noted again now
     abandoned = _upload(store, b"never committed", "vip/m")
     _age(store.blobs.upload_path(abandoned), 2 * DAY)
-    for record in (store.blobs.uploaded_for).rglob(abandoned):
+    for record in store.blobs.upload_records.folder.rglob(abandoned):
         _age(record, 2 * DAY)
 
     code, out = _cli(capsys, "gc", "--store", str(store.root))
