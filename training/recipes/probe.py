@@ -83,6 +83,7 @@ from ..skeleton.config import (
     accountant_field,
     check_outside_data,
     device_field,
+    overlap,
     tenth_of_steps,
 )
 from ..skeleton.distributed import Dist
@@ -320,11 +321,10 @@ class ProbeConfig(HeadData, WeakDeltaOption):
         folder = Path(self.encoder).resolve() if given else None
         if self.out is not None:
             check_outside_data("--out", self.out, self.data)
-            out = Path(self.out).resolve()
             if (
                 folder is not None
-                and out != folder
-                and (out.is_relative_to(folder) or folder.is_relative_to(out))
+                and Path(self.out).resolve() != folder
+                and overlap(self.out, folder)
             ):
                 raise ValueError(
                     f"--out {self.out} and the encoder folder {self.encoder} overlap: the copy "

@@ -50,6 +50,7 @@ __all__ = [
     "accountant_field",
     "device_field",
     "check_outside_data",
+    "overlap",
     "EncoderParameters",
     "Recipe",
     "RunConfig",
@@ -234,8 +235,7 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
         check_outside_data("--out", self.out, self.data)
         init = getattr(self, "init", None)  # the recipes that start from a repo declare it
         if init is not None and Path(init).exists():
-            out, start = Path(self.out).resolve(), Path(init).resolve()
-            if out.is_relative_to(start) or start.is_relative_to(out):
+            if overlap(self.out, init):
                 raise ValueError(
                     f"--out {self.out} and --init {init} overlap: the export replaces --out "
                     "whole, so the repo the run starts from would be lost or changed; give a "
@@ -247,6 +247,12 @@ class DPRunConfig(RunConfig, WeakDeltaOption):
 def run_folder(out: Path) -> Path:
     """The run folder of a run exporting to ``out`` (its secret seed, checkpoints): ``OUT.run``."""
     return out.with_name(out.name + ".run")
+
+
+def overlap(a: str | Path, b: str | Path) -> bool:
+    """Whether folder ``a`` and folder ``b`` (resolved) are one, or one holds the other."""
+    first, second = Path(a).resolve(), Path(b).resolve()
+    return first.is_relative_to(second) or second.is_relative_to(first)
 
 
 def check_outside_data(option: str, folder: str, data: str) -> None:
