@@ -98,7 +98,8 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     args = parser.parse_args()
 
-    from support.live import WRITE_TOKEN, ProcessServer, free_port
+    from support.live import WRITE_TOKEN, ProcessServer
+    from support.ports import free_port
     from support.system import Nginx, Postgres
 
     from vip_hub.repo.push import push_repo

@@ -335,7 +335,10 @@ def main() -> None:
         flush=True,
     )
 
-    port_b, port_c = _free_port(), _free_port()
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project ahead of tests/'s folders
+    from support.ports import free_port
+
+    port_b, port_c = free_port(), free_port()
     env = {
         **os.environ,
         "VIP_HUB_AUTH__TOKENS": f"bench:write:{TOKEN}",
@@ -422,14 +425,6 @@ def main() -> None:
                 f"  b/a at c={c}: {b['rate'] / raw:.2f} ({b['rate']:.1f} vs {raw:.1f} img/s; "
                 f"{targets[c]})"
             )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":  # pragma: no cover

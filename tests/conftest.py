@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
+
+from support.ports import free_port
 
 # Before huggingface_hub is imported: keep client caches and tokens away from the user's home,
 # and point unmodified clients (HF_ENDPOINT) at the session's hub server, on a port chosen now.
@@ -15,9 +16,7 @@ _HOME = Path(tempfile.mkdtemp(prefix="vip-hub-tests-"))
 os.environ["HF_HOME"] = str(_HOME / "hf")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.pop("HF_TOKEN", None)
-with socket.socket() as _s:
-    _s.bind(("127.0.0.1", 0))
-    HUB_PORT = _s.getsockname()[1]
+HUB_PORT = free_port()
 os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{HUB_PORT}"
 # Under pytest-xdist each worker gets its share of the cores, for its torch and the processes it
 # starts (tests that measure threads set their own), so the workers do not oversubscribe them.

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.ports import free_port
 
 from vip_hub.cli.main import main
 from vip_hub.repo_format import SIGNATURE_FILE
@@ -39,17 +40,10 @@ def _one_line_error(result: SimpleNamespace, command: str, *named: str) -> None:
         assert text in lines[0], lines[0]
 
 
-def _closed_port() -> int:
-    """A local port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_push_to_an_unreachable_hub_is_a_one_line_error(tiny_repo, cli):
     """A hub that cannot be reached, an endpoint that is no URL, or a repo id the hub client
     refuses: one line naming it (each was an httpx or huggingface_hub traceback)."""
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     down = cli("push", tiny_repo, "org/name", "--endpoint", endpoint, "--token", "t")
     _one_line_error(down, "push", "cannot reach the hub", endpoint)
     no_url = cli("push", tiny_repo, "org/name", "--endpoint", "hub.example", "--token", "t")
@@ -312,7 +306,7 @@ def test_a_delta_of_zero_is_refused_not_replaced_by_the_default(tmp_path, cli):
 def test_a_token_or_endpoint_that_cannot_be_sent_is_a_one_line_error(tiny_repo, cli, monkeypatch):
     """A curly quote pasted into the token, or a byte the shell could not decode in the endpoint,
     was a UnicodeEncodeError traceback from the HTTP client."""
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     pasted = cli("push", tiny_repo, "org/name", "--endpoint", endpoint, "--token", "hf_abc\u2019")
     _one_line_error(pasted, "push", "not ASCII")
     monkeypatch.setenv("HF_TOKEN", "hf_abc\u2019")

@@ -34,7 +34,8 @@ from support.helpers import (
     synthetic_stage,
     tiny_encoder,
 )
-from support.live import WRITE_TOKEN, free_port
+from support.live import WRITE_TOKEN
+from support.ports import free_port
 from support.system import CHROMIUM_FLAGS, debian_program
 
 from vip_hub import Dataset, NonPrivateStage, export_encoder

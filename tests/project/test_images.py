@@ -49,7 +49,8 @@ from support.containers import (
     wait_until,
 )
 from support.helpers import ROOT, random_text, tiny_repo_with_head
-from support.live import TOKENS, WRITE_TOKEN, free_port
+from support.live import TOKENS, WRITE_TOKEN
+from support.ports import free_port
 from support.seaweed import weed_binary
 
 from service.store.s3 import blob_key

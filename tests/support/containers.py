@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from .live import free_port
+from .ports import free_port
 from .system import debian_program
 
 STAND_INS = Path(__file__).resolve().parent / "images"

@@ -25,6 +25,8 @@ import uvicorn
 from service.app import create_app
 from service.settings import Settings
 
+from .ports import free_port
+
 WRITE_TOKEN = "vh_test_write_token"
 READ_TOKEN = "vh_test_read_token"
 ADMIN_TOKEN = "vh_test_admin_token"
@@ -56,12 +58,6 @@ TEST_ORGS = (
 """The organisations the tests publish to: the writer and reader users are members of each
 (a user writes only to its own namespace and its organisations')."""
 ORGS = {org: ["writer", "reader"] for org in TEST_ORGS}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadedServer:

@@ -15,7 +15,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from .live import free_port
+from .ports import free_port
 
 BUCKET = "vip-hub"
 _PROBE = "probe"  # written at the first start, read back after a restart

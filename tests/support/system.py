@@ -20,7 +20,8 @@ import psycopg
 import pytest
 
 from .helpers import ROOT
-from .live import free_port, listens_on
+from .live import listens_on
+from .ports import free_port
 
 CHROMIUM_FLAGS = [
     "--headless",

@@ -14,7 +14,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import httpx
 import pytest
 from huggingface_hub import HfApi
-from support.live import WRITE_TOKEN, free_port, lfs_batch
+from support.live import WRITE_TOKEN, lfs_batch
+from support.ports import free_port
 from support.system import Nginx
 
 from service.ops import ACCESS_LOGGER, CREDENTIAL_PARAMETERS, log_config

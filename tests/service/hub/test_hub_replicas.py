@@ -31,7 +31,8 @@ from huggingface_hub import HfApi, snapshot_download
 from PIL import Image
 from safetensors.torch import load_file
 from support.helpers import base_size_repo, random_text, tiny_repo_with_head
-from support.live import WRITE_TOKEN, ProcessServer, free_port, lfs_lines
+from support.live import WRITE_TOKEN, ProcessServer, lfs_lines
+from support.ports import free_port
 from support.system import Nginx
 
 from service.store.faults import CRASH_ENV, CRASH_STATUS

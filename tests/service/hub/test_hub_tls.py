@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from huggingface_hub import HfApi, snapshot_download
 from support.helpers import tiny_repo_with_head
-from support.live import WRITE_TOKEN, ProcessServer, free_port, lfs_batch
+from support.live import WRITE_TOKEN, ProcessServer, lfs_batch
+from support.ports import free_port
 from support.system import Nginx
 from uvicorn.logging import AccessFormatter
 

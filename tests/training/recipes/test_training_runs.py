@@ -30,7 +30,7 @@ from support.helpers import (
     run_stages,
     tiny_syn,
 )
-from support.live import free_port
+from support.ports import free_port
 
 import training.dp.engine
 import training.dp.run

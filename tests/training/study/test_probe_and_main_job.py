@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 from support.helpers import ROOT, write_digits, write_fashion
-from support.live import WRITE_TOKEN, free_port
+from support.live import WRITE_TOKEN
+from support.ports import free_port
 
 from training.data.labelled import FASHION_MNIST_TRAIN, fashion_mnist
 from training.main_job import (
