@@ -5,12 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 STAMP  := $(VENV)/.installed
-## pip byte-compiles what it installs on one core (a minute for torch and the extras) and nothing
-## needs most of it: Python compiles a module the first time a process imports it (about a third
-## of the venv's 15,800 files ever are). Where the environment forbids writing bytecode
-## (PYTHONDONTWRITEBYTECODE), every process would compile what it imports again, so the venv is
-## compiled once after the install, on every core (`-j 0`), its packages' own test folders
-## aside. As with pip, a file this Python cannot compile is left alone: hence `|| true`.
+## pip byte-compiles what it installs on one core (a minute for torch and the extras), most of
+## which nothing imports: Python compiles a module the first time a process imports it
+## (`make test` imports 7,000 of the venv's 15,800 files). Where the environment forbids writing
+## bytecode (PYTHONDONTWRITEBYTECODE), every process would compile what it imports again, so the
+## venv is compiled once after the install, on every core (`-j 0`), its packages' own test
+## folders aside. As with pip, a file this Python cannot compile is left alone: hence `|| true`.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
 COMPILE := [ -z "$$PYTHONDONTWRITEBYTECODE" ] || $(BIN)/python -m compileall -qq -j 0 -x '/tests?/' $(VENV)/lib || true
 
